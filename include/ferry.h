@@ -1,0 +1,287 @@
+/*
+ * ferry.h — the one public header of libferry.
+ *
+ * ferry moves tensors between the trainer and the inference engines of RL post-training. This
+ * header is the contract: every prototype says who owns what and for how long.
+ *
+ * Rules that hold for every call unless its comment says otherwise:
+ *   - It returns 0 on success or a negative FERRY_E* code. ferry_strerror() names the code and
+ *     ferry_last_error() (thread-local) says what failed and where.
+ *   - Output parameters are written only on success.
+ *   - Handles are opaque; every open/create has a close, and close(NULL) is a no-op.
+ *   - Strings passed in are copied when kept; strings returned are owned by ferry and stay valid
+ *     for the lifetime of the handle they came from (or forever, for static tables).
+ *   - Options structs start with `size` (set it to sizeof the struct) so fields can be added
+ *     without breaking the ABI; pass NULL for the defaults.
+ *   - Timeouts are in milliseconds; a negative timeout means the configured default
+ *     (FERRY_TIMEOUT_MS) and 0 means "do not wait".
+ */
+#ifndef FERRY_H
+#define FERRY_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define FERRY_API __attribute__((visibility("default")))
+#else
+#define FERRY_API
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+ * Version
+ * ------------------------------------------------------------------------------------------- */
+#define FERRY_VERSION_MAJOR 0
+#define FERRY_VERSION_MINOR 1
+#define FERRY_VERSION_PATCH 0
+#define FERRY_VERSION_STRING "0.1.0"
+/* The library's version, e.g. "0.1.0" (static string). May differ from the header's version
+ * when an application runs against a newer shared library. */
+FERRY_API const char *ferry_version(void);
+
+/* ---------------------------------------------------------------------------------------------
+ * Status codes: one X-macro table, names and messages together.
+ * ------------------------------------------------------------------------------------------- */
+#define FERRY_STATUS_TABLE(X)                                                                    \
+  X(OK, 0, "success")                                                                            \
+  X(EINVAL, -1, "invalid argument")                                                              \
+  X(ENOMEM, -2, "out of memory")                                                                 \
+  X(ENOSHM, -3, "out of shared memory")                                                          \
+  X(ETIMEDOUT, -4, "timed out")                                                                  \
+  X(ENOTFOUND, -5, "not found")                                                                  \
+  X(EEXIST, -6, "already exists")                                                                \
+  X(EACCES, -7, "access denied")                                                                 \
+  X(ERANGE, -8, "out of bounds")                                                                 \
+  X(EPEER, -9, "peer gone")                                                                      \
+  X(EPROTO, -10, "protocol error")                                                               \
+  X(ECONNECT, -11, "cannot connect")                                                             \
+  X(EAUTH, -12, "authentication failed")                                                         \
+  X(EDTYPE, -13, "invalid or mismatched dtype")                                                  \
+  X(ESHAPE, -14, "invalid or mismatched shape")                                                  \
+  X(EOVERFLOW, -15, "size overflow")                                                             \
+  X(ECLOSED, -16, "closed")                                                                      \
+  X(EBUSY, -17, "busy")                                                                          \
+  X(ECAPACITY, -18, "capacity exceeded")                                                         \
+  X(ESYS, -19, "system call failed")                                                             \
+  X(ENOTSUP, -20, "not supported")                                                               \
+  X(ESTATE, -21, "invalid state transition")                                                     \
+  X(ECHECKSUM, -22, "checksum mismatch")                                                         \
+  X(ESTALE, -23, "stale data")
+
+enum ferry_status {
+#define FERRY_STATUS_ENUM_(name, code, msg) FERRY_##name = (code),
+  FERRY_STATUS_TABLE(FERRY_STATUS_ENUM_)
+#undef FERRY_STATUS_ENUM_
+};
+
+/* Message for a status code (static string); "unknown status" for codes not in the table. */
+FERRY_API const char *ferry_strerror(int status);
+/* Symbolic name of a status code, e.g. "FERRY_EPEER" (static string). */
+FERRY_API const char *ferry_status_name(int status);
+/* The calling thread's detail message for its last failed call, e.g.
+ * "read region 7 of 'rollout-3': offset 4096 + 64 beyond size 4096". Valid until the thread's
+ * next ferry call; "" when there is none. */
+FERRY_API const char *ferry_last_error(void);
+
+/* ---------------------------------------------------------------------------------------------
+ * Logging. Level from FERRY_LOG (error|warn|info|debug|trace; default warn), to stderr unless a
+ * callback is installed.
+ * ------------------------------------------------------------------------------------------- */
+typedef enum ferry_log_level {
+  FERRY_LOG_ERROR = 0,
+  FERRY_LOG_WARN = 1,
+  FERRY_LOG_INFO = 2,
+  FERRY_LOG_DEBUG = 3,
+  FERRY_LOG_TRACE = 4,
+} ferry_log_level;
+
+/* Called with one formatted line (no trailing newline); may be called from any ferry thread,
+ * concurrently, so it must be thread-safe. `msg` is valid only during the call. */
+typedef void (*ferry_log_fn)(ferry_log_level level, const char *msg, void *arg);
+/* Installs (or, with fn == NULL, removes) the process-wide log callback. */
+FERRY_API void ferry_log_set_callback(ferry_log_fn fn, void *arg);
+FERRY_API void ferry_log_set_level(ferry_log_level level);
+FERRY_API ferry_log_level ferry_log_get_level(void);
+
+/* ---------------------------------------------------------------------------------------------
+ * Configuration: one declarative table of FERRY_* environment variables.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct ferry_config_item {
+  const char *name;          /* e.g. "FERRY_TIMEOUT_MS" */
+  const char *default_value; /* as text */
+  const char *doc;           /* one line */
+} ferry_config_item;
+
+/* Number of settings, and the i-th (static; NULL when i is out of range). */
+FERRY_API size_t ferry_config_count(void);
+FERRY_API const ferry_config_item *ferry_config_at(size_t i);
+/* The current value of a setting: the environment's if set, else the default. Static or
+ * environment storage; NULL for a name not in the table. */
+FERRY_API const char *ferry_config_get(const char *name);
+
+/* ---------------------------------------------------------------------------------------------
+ * Checksums: XXH3-64.
+ * ------------------------------------------------------------------------------------------- */
+FERRY_API uint64_t ferry_checksum(const void *data, size_t len);
+
+/* ---------------------------------------------------------------------------------------------
+ * Tensors: dtype, shape, byte size.
+ * ------------------------------------------------------------------------------------------- */
+#define FERRY_DTYPE_TABLE(X)                                                                     \
+  X(BOOL, 1, 1, "bool")                                                                          \
+  X(U8, 2, 1, "uint8")                                                                           \
+  X(U16, 3, 2, "uint16")                                                                         \
+  X(U32, 4, 4, "uint32")                                                                         \
+  X(U64, 5, 8, "uint64")                                                                         \
+  X(I8, 6, 1, "int8")                                                                            \
+  X(I16, 7, 2, "int16")                                                                          \
+  X(I32, 8, 4, "int32")                                                                          \
+  X(I64, 9, 8, "int64")                                                                          \
+  X(F16, 10, 2, "float16")                                                                       \
+  X(BF16, 11, 2, "bfloat16")                                                                     \
+  X(F32, 12, 4, "float32")                                                                       \
+  X(F64, 13, 8, "float64")                                                                       \
+  X(F8E4M3, 14, 1, "float8_e4m3")                                                                \
+  X(F8E5M2, 15, 1, "float8_e5m2")
+
+typedef enum ferry_dtype {
+  FERRY_DTYPE_INVALID = 0,
+#define FERRY_DTYPE_ENUM_(name, code, size, str) FERRY_DTYPE_##name = (code),
+  FERRY_DTYPE_TABLE(FERRY_DTYPE_ENUM_)
+#undef FERRY_DTYPE_ENUM_
+} ferry_dtype;
+
+#define FERRY_MAX_DIMS 8
+
+typedef struct ferry_tensor_desc {
+  ferry_dtype dtype;
+  uint32_t ndim;                   /* 0 (a scalar) .. FERRY_MAX_DIMS */
+  uint64_t shape[FERRY_MAX_DIMS]; /* entries past ndim are ignored */
+} ferry_tensor_desc;
+
+/* Element size in bytes; 0 for an invalid dtype. */
+FERRY_API size_t ferry_dtype_size(ferry_dtype dtype);
+/* Canonical name ("uint8", "bfloat16", ...); NULL for an invalid dtype. */
+FERRY_API const char *ferry_dtype_name(ferry_dtype dtype);
+/* Parses a name: canonical names plus short aliases (u8, i32, f32, bf16, fp8_e4m3, ...). */
+FERRY_API int ferry_dtype_parse(const char *name, ferry_dtype *out);
+/* Validates a descriptor and computes its byte size without overflow:
+ * FERRY_EDTYPE, FERRY_ESHAPE (ndim > FERRY_MAX_DIMS) or FERRY_EOVERFLOW. */
+FERRY_API int ferry_tensor_nbytes(const ferry_tensor_desc *desc, uint64_t *out);
+/* Parses "45,32768,8" into desc->shape/ndim (dtype untouched). */
+FERRY_API int ferry_shape_parse(const char *text, ferry_tensor_desc *desc);
+/* Formats "[45, 32768, 8]" into buf (always NUL-terminated); returns buf. */
+FERRY_API char *ferry_shape_format(const ferry_tensor_desc *desc, char *buf, size_t len);
+
+/* ---------------------------------------------------------------------------------------------
+ * Context: one per process (or per node); owns a progress thread, listeners, links and regions.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct ferry_ctx ferry_ctx;
+typedef struct ferry_link ferry_link;
+
+typedef struct ferry_ctx_opts {
+  size_t size;            /* sizeof(ferry_ctx_opts) */
+  const char *name;       /* node name (copied); NULL: "<hostname>-<pid>" */
+  const char *tcp_listen; /* "HOST:PORT" for the tcp listener; NULL: FERRY_TCP_LISTEN */
+  const char *transports; /* order to try, "shm,tcp"; NULL: FERRY_TRANSPORTS */
+  const char *token;      /* fleet token; NULL: FERRY_TOKEN ("" disables) */
+} ferry_ctx_opts;
+
+/* Opens a context: starts its listeners and progress thread. Close with ferry_ctx_close(),
+ * which closes every link, fails every pending operation with FERRY_ECLOSED and frees every
+ * region the context still holds. */
+FERRY_API int ferry_ctx_open(const ferry_ctx_opts *opts, ferry_ctx **out);
+FERRY_API void ferry_ctx_close(ferry_ctx *ctx);
+/* The node name (owned by ctx). */
+FERRY_API const char *ferry_ctx_name(const ferry_ctx *ctx);
+/* The address peers connect to: a comma-separated list of transport URLs, e.g.
+ * "shm://@ferry-1f2e...,tcp://127.0.0.1:40123" (owned by ctx). */
+FERRY_API const char *ferry_ctx_address(const ferry_ctx *ctx);
+
+/* ---------------------------------------------------------------------------------------------
+ * Memory regions: memory that peers may read and write by (region id, access key), always
+ * bounds-checked by its owner.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct ferry_region_ref {
+  uint64_t id;  /* unique within its ctx, never reused */
+  uint64_t key; /* random access key; a peer must present it */
+  uint64_t size;
+} ferry_region_ref;
+
+/* Allocates `bytes` of shared-memory-backed, page-aligned, zeroed memory as a new region that
+ * same-host peers map directly (zero-copy). The memory is owned by ctx until ferry_free().
+ * FERRY_ENOSHM when the shared-memory file system is full. */
+FERRY_API int ferry_alloc(ferry_ctx *ctx, size_t bytes, void **out);
+/* Frees memory from ferry_alloc (ptr must be the pointer it returned). Peers that still read
+ * it get FERRY_ENOTFOUND or FERRY_ESTALE; their mappings stay valid, so nobody crashes. */
+FERRY_API int ferry_free(ferry_ctx *ctx, void *ptr);
+/* Makes caller memory [ptr, ptr+len) readable and writable by peers as a region. The caller
+ * keeps ownership and must keep the memory alive until ferry_deregister(). Peers reach it
+ * through the owner (one copy over the link), not by mapping. */
+FERRY_API int ferry_register(ferry_ctx *ctx, void *ptr, size_t len, ferry_region_ref *out);
+FERRY_API int ferry_deregister(ferry_ctx *ctx, uint64_t region_id);
+/* Finds the region that contains [ptr, ptr+len): its reference and ptr's offset in it.
+ * FERRY_ENOTFOUND when the bytes are not (wholly) inside one region. */
+FERRY_API int ferry_region_find(ferry_ctx *ctx, const void *ptr, size_t len,
+                                ferry_region_ref *out, uint64_t *offset);
+
+/* ---------------------------------------------------------------------------------------------
+ * Links: a connection to a peer over the best transport both share (shm on one host, proven by
+ * opening each other's memory; tcp otherwise). Links are refcounted: ferry_connect() returns
+ * one reference, ferry_link_close() drops it.
+ * ------------------------------------------------------------------------------------------- */
+
+/* Connects to a peer's ferry_ctx_address(), trying transports in the ctx's order.
+ * FERRY_ECONNECT (nothing answered within the timeout), FERRY_EAUTH (token mismatch). */
+FERRY_API int ferry_connect(ferry_ctx *ctx, const char *address, int timeout_ms,
+                            ferry_link **out);
+FERRY_API void ferry_link_close(ferry_link *link);
+/* "shm" or "tcp" (static string). */
+FERRY_API const char *ferry_link_transport(const ferry_link *link);
+/* The peer's node name (owned by link). */
+FERRY_API const char *ferry_link_peer(const ferry_link *link);
+
+/* Sends one message (the concatenation of iov) on `channel` (0..FERRY_MAX_CHANNELS-1).
+ * Reliable and ordered per link and channel. The bytes are written from iov directly; they may
+ * be reused when the call returns. */
+#define FERRY_MAX_CHANNELS 64
+FERRY_API int ferry_send(ferry_link *link, uint32_t channel, const struct iovec *iov, int iovcnt,
+                         int timeout_ms);
+
+typedef struct ferry_msg {
+  ferry_link *link; /* the link it came on (a reference owned by the message) */
+  uint32_t channel;
+  void *data;
+  size_t len;
+} ferry_msg;
+
+/* Receives the next message on `channel` from any link. The message is owned by the caller
+ * until ferry_msg_free(). FERRY_ETIMEDOUT when none arrived in time. */
+FERRY_API int ferry_recv(ferry_ctx *ctx, uint32_t channel, ferry_msg **out, int timeout_ms);
+FERRY_API void ferry_msg_free(ferry_msg *msg);
+
+/* One-sided read of [offset, offset+len) of the peer's region into dst (one copy: over shm a
+ * memcpy from the peer's pages, over tcp a recv straight into dst). FERRY_EACCES (wrong key),
+ * FERRY_ERANGE (outside the region), FERRY_ENOTFOUND (no such region), FERRY_EPEER (the peer
+ * died), FERRY_ETIMEDOUT. On failure the contents of dst are unspecified. */
+FERRY_API int ferry_read(ferry_link *link, const ferry_region_ref *remote, uint64_t offset,
+                         void *dst, size_t len, int timeout_ms);
+/* One-sided write of src into [offset, offset+len) of the peer's region. Same errors. */
+FERRY_API int ferry_write(ferry_link *link, const ferry_region_ref *remote, uint64_t offset,
+                          const void *src, size_t len, int timeout_ms);
+/* Zero-copy view of a peer's shared-memory region (shm links and ferry_alloc'd regions only,
+ * else FERRY_ENOTSUP). *out stays mapped while the link is open; it may change under the reader
+ * if the owner writes, and ferry_view_valid() says whether the owner has freed it since. */
+FERRY_API int ferry_view(ferry_link *link, const ferry_region_ref *remote, uint64_t offset,
+                         size_t len, const void **out);
+FERRY_API int ferry_view_valid(ferry_link *link, const ferry_region_ref *remote);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FERRY_H */

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs the Debian packages ferry needs that are missing, and nothing else.
+# Usage: scripts/deps.sh [build|test|bench|all]   (default: build)
+# Quiet when everything is already there. Uses apt-get only; needs root (or sudo).
+set -euo pipefail
+
+build_pkgs=(cmake make gcc pkg-config libcmocka-dev libxxhash-dev libhiredis-dev
+            libmicrohttpd-dev libucx-dev)
+test_pkgs=(clang libclang-rt-14-dev spin redis-server iproute2 python3 python3-numpy)
+bench_pkgs=(python3-numpy python3-torch libnng-dev libzmq3-dev redis-server ucx-utils)
+
+want=("${build_pkgs[@]}")
+case "${1:-build}" in
+  build) ;;
+  test) want+=("${test_pkgs[@]}") ;;
+  bench) want+=("${test_pkgs[@]}" "${bench_pkgs[@]}") ;;
+  all) want+=("${test_pkgs[@]}" "${bench_pkgs[@]}") ;;
+  *) echo "usage: $0 [build|test|bench|all]" >&2; exit 2 ;;
+esac
+
+missing=()
+for p in "${want[@]}"; do
+  status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
+  [[ "$status" == "install ok installed" ]] || missing+=("$p")
+done
+[[ ${#missing[@]} -eq 0 ]] && exit 0
+
+sudo=""
+[[ $(id -u) -eq 0 ]] || sudo="sudo"
+echo "deps: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq >/dev/null
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# `make test`: the cmocka/ctest suite three times — plain, ASan+UBSan, and the threaded tests
+# under TSan — then a short libFuzzer run of every fuzz target. Exits non-zero if anything fails.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+jobs=$(nproc)
+failed=()
+
+run_stage() { # name, build dir, cmake flags, ctest args
+  local name=$1 dir=$2 flags=$3 args=$4
+  echo "=== $name ==="
+  if ! cmake -S . -B "$dir" $flags >/dev/null || ! cmake --build "$dir" -j "$jobs" >"$dir.log" 2>&1; then
+    cat "$dir.log" 2>/dev/null | tail -40
+    failed+=("$name (build)")
+    return
+  fi
+  # shellcheck disable=SC2086
+  (cd "$dir" && ctest --output-on-failure -j "$jobs" $args) || failed+=("$name")
+}
+
+# TSan's runtime cannot map its shadow under high-entropy ASLR on newer kernels; setarch -R
+# turns randomization off for that run only.
+tsan_wrap=""
+if setarch -R true 2>/dev/null; then tsan_wrap="setarch -R"; fi
+
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
+
+run_stage "suite" build "-DCMAKE_BUILD_TYPE=RelWithDebInfo" ""
+run_stage "asan+ubsan" build-asan "-DCMAKE_BUILD_TYPE=Debug -DFERRY_SANITIZE=address,undefined" ""
+echo "=== tsan (threaded tests) ==="
+if cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DFERRY_SANITIZE=thread >/dev/null &&
+   cmake --build build-tsan -j "$jobs" >build-tsan.log 2>&1; then
+  (cd build-tsan && $tsan_wrap ctest --output-on-failure -j "$jobs" -L threaded) || failed+=("tsan")
+else
+  tail -40 build-tsan.log; failed+=("tsan (build)")
+fi
+if [ -x scripts/fuzz.sh ]; then
+  echo "=== fuzz (short) ==="
+  scripts/fuzz.sh "${FERRY_FUZZ_SECONDS:-10}" || failed+=("fuzz")
+fi
+
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "make test: FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "make test: all stages passed"

@@ -1,0 +1,75 @@
+/*
+ * The configuration table: every FERRY_* setting with its default and a one-line doc, in one
+ * place. Values come from the environment when set; `ferry info --config` prints the table.
+ * Jobs add their rows here rather than calling getenv() themselves.
+ */
+#include "core/core.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define FR_CONFIG_TABLE(X)                                                                       \
+  X("FERRY_LOG", "warn", "log level: error, warn, info, debug or trace")                        \
+  X("FERRY_TIMEOUT_MS", "10000", "default timeout of blocking calls (connect, read, send)")     \
+  X("FERRY_TRANSPORTS", "shm,tcp", "transports a link may use, in order of preference")        \
+  X("FERRY_TCP_LISTEN", "127.0.0.1:0", "HOST:PORT of the tcp listener (port 0: any free)")     \
+  X("FERRY_TCP_SOCKBUF", "4194304", "tcp socket send/receive buffer size in bytes")            \
+  X("FERRY_TOKEN", "", "fleet token; when set, every link must prove it knows it")             \
+  X("FERRY_MAX_MESSAGE", "1073741824", "largest message or one-sided transfer accepted, bytes") \
+  X("FERRY_SPIN_US", "50", "microseconds a waiter spins before it sleeps (latency vs. CPU)")
+
+static const ferry_config_item config_table[] = {
+#define FR_CONFIG_ROW_(name, def, doc) {name, def, doc},
+    FR_CONFIG_TABLE(FR_CONFIG_ROW_)
+#undef FR_CONFIG_ROW_
+};
+#define CONFIG_COUNT (sizeof config_table / sizeof config_table[0])
+
+size_t ferry_config_count(void) { return CONFIG_COUNT; }
+
+const ferry_config_item *ferry_config_at(size_t i) {
+  return i < CONFIG_COUNT ? &config_table[i] : NULL;
+}
+
+const char *ferry_config_get(const char *name) {
+  if (!name)
+    return NULL;
+  for (size_t i = 0; i < CONFIG_COUNT; i++) {
+    if (strcmp(config_table[i].name, name) == 0) {
+      const char *env = getenv(name);
+      return env ? env : config_table[i].default_value;
+    }
+  }
+  return NULL;
+}
+
+const char *fr_config_str(const char *name) {
+  const char *v = ferry_config_get(name);
+  return v ? v : "";
+}
+
+int64_t fr_config_int(const char *name) {
+  const char *text = ferry_config_get(name);
+  char *end = NULL;
+  errno = 0;
+  long long v = text ? strtoll(text, &end, 0) : 0;
+  if (!text || errno || end == text || *end) {
+    /* A malformed value falls back to the default, loudly. */
+    for (size_t i = 0; i < CONFIG_COUNT; i++)
+      if (strcmp(config_table[i].name, name) == 0) {
+        fr_warn("%s=%s is not a number; using %s", name, text ? text : "(null)",
+                config_table[i].default_value);
+        return strtoll(config_table[i].default_value, NULL, 0);
+      }
+    return 0;
+  }
+  return v;
+}
+
+int fr_timeout(int timeout_ms) {
+  if (timeout_ms >= 0)
+    return timeout_ms;
+  int64_t v = fr_config_int("FERRY_TIMEOUT_MS");
+  return v < 0 ? 0 : v > 86400000 ? 86400000 : (int)v;
+}

@@ -1,0 +1,58 @@
+/*
+ * Internal core services shared by every layer: error details, logging, configuration, time and
+ * small helpers. Nothing here knows about transports or jobs.
+ */
+#ifndef FR_CORE_H
+#define FR_CORE_H
+
+#include "ferry.h"
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+/* ---- errors ---- */
+/* Sets the thread's detail message and returns `status`, so a failure reads
+ *   return fr_err(FERRY_ERANGE, "read region %lu: offset %lu beyond %lu", ...); */
+int fr_err(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Same, appending ": strerror(errno)" and mapping errno to a status (ENOMEM, ENOSPC, ...). */
+int fr_err_errno(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void fr_err_clear(void);
+
+/* ---- logging: the level check is one load, so disabled messages cost nothing ---- */
+extern int fr_log_level_now;
+void fr_log_write(ferry_log_level level, const char *file, int line, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+#define FR_LOG(level, ...)                                                                       \
+  do {                                                                                           \
+    if ((int)(level) <= fr_log_level_now)                                                        \
+      fr_log_write((level), __FILE__, __LINE__, __VA_ARGS__);                                    \
+  } while (0)
+#define fr_error(...) FR_LOG(FERRY_LOG_ERROR, __VA_ARGS__)
+#define fr_warn(...) FR_LOG(FERRY_LOG_WARN, __VA_ARGS__)
+#define fr_info(...) FR_LOG(FERRY_LOG_INFO, __VA_ARGS__)
+#define fr_debug(...) FR_LOG(FERRY_LOG_DEBUG, __VA_ARGS__)
+#define fr_trace(...) FR_LOG(FERRY_LOG_TRACE, __VA_ARGS__)
+/* Parses "error|warn|info|debug|trace"; -1 when unknown. */
+int fr_log_level_parse(const char *text);
+
+/* ---- configuration (table in config.c) ---- */
+int64_t fr_config_int(const char *name);
+const char *fr_config_str(const char *name);
+/* A timeout argument resolved against FERRY_TIMEOUT_MS (negative → default). */
+int fr_timeout(int timeout_ms);
+
+/* ---- time ---- */
+uint64_t fr_now_ns(void); /* CLOCK_MONOTONIC */
+static inline uint64_t fr_deadline_ns(int timeout_ms) {
+  return fr_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+}
+/* Milliseconds left until a deadline (0 when past), for poll(). */
+int fr_ms_left(uint64_t deadline_ns);
+
+/* ---- misc ---- */
+int fr_random_bytes(void *buf, size_t len);
+uint64_t fr_random_u64(void);
+char *fr_strdup(const char *s); /* NULL-safe; NULL on NULL */
+
+#endif

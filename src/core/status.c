@@ -1,0 +1,64 @@
+/*
+ * Status codes and the thread-local error detail. The code says what kind of failure it was
+ * (from the X-macro table in ferry.h); the detail says what failed and where.
+ */
+#include "core/core.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+#define FR_ERR_DETAIL_MAX 512
+static _Thread_local char err_detail[FR_ERR_DETAIL_MAX];
+
+const char *ferry_strerror(int status) {
+  switch (status) {
+#define FR_STATUS_MSG_(name, code, msg)                                                          \
+  case (code):                                                                                   \
+    return msg;
+    FERRY_STATUS_TABLE(FR_STATUS_MSG_)
+#undef FR_STATUS_MSG_
+  }
+  return "unknown status";
+}
+
+const char *ferry_status_name(int status) {
+  switch (status) {
+#define FR_STATUS_NAME_(name, code, msg)                                                         \
+  case (code):                                                                                   \
+    return "FERRY_" #name;
+    FERRY_STATUS_TABLE(FR_STATUS_NAME_)
+#undef FR_STATUS_NAME_
+  }
+  return "FERRY_E?";
+}
+
+const char *ferry_last_error(void) { return err_detail; }
+
+void fr_err_clear(void) { err_detail[0] = '\0'; }
+
+int fr_err(int status, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(err_detail, sizeof err_detail, fmt, ap);
+  va_end(ap);
+  fr_debug("error %s: %s", ferry_status_name(status), err_detail);
+  return status;
+}
+
+int fr_err_errno(int status, const char *fmt, ...) {
+  int saved = errno;
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(err_detail, sizeof err_detail, fmt, ap);
+  va_end(ap);
+  if (n >= 0 && (size_t)n < sizeof err_detail)
+    snprintf(err_detail + n, sizeof err_detail - (size_t)n, ": %s", strerror(saved));
+  if (saved == ENOMEM)
+    status = FERRY_ENOMEM;
+  else if (saved == ENOSPC)
+    status = FERRY_ENOSHM;
+  fr_debug("error %s: %s", ferry_status_name(status), err_detail);
+  errno = saved;
+  return status;
+}

@@ -1,0 +1,49 @@
+/*
+ * Small process-wide helpers: the library version, monotonic time, random bytes, checksums.
+ */
+#include "core/core.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <xxhash.h>
+
+const char *ferry_version(void) { return FERRY_VERSION_STRING; }
+
+uint64_t fr_now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+int fr_ms_left(uint64_t deadline_ns) {
+  uint64_t now = fr_now_ns();
+  if (now >= deadline_ns)
+    return 0;
+  uint64_t ms = (deadline_ns - now + 999999) / 1000000;
+  return ms > 0x7fffffff ? 0x7fffffff : (int)ms;
+}
+
+int fr_random_bytes(void *buf, size_t len) {
+  uint8_t *p = buf;
+  while (len > 0) {
+    ssize_t n = getrandom(p, len, 0);
+    if (n < 0)
+      return fr_err_errno(FERRY_ESYS, "getrandom");
+    p += n;
+    len -= (size_t)n;
+  }
+  return 0;
+}
+
+uint64_t fr_random_u64(void) {
+  uint64_t v = 0;
+  if (fr_random_bytes(&v, sizeof v) != 0)
+    abort(); /* getrandom cannot fail for 8 bytes on a sane kernel */
+  return v;
+}
+
+char *fr_strdup(const char *s) { return s ? strdup(s) : NULL; }
+
+uint64_t ferry_checksum(const void *data, size_t len) { return XXH3_64bits(data, len); }

@@ -1,0 +1,84 @@
+/*
+ * Test helpers: child processes and pipes for the multi-process tests.
+ */
+#include "testutil.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+pid_t tu_spawn(int (*fn)(void *arg), void *arg) {
+  fflush(NULL);
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0)
+    _exit(fn(arg));
+  return pid;
+}
+
+int tu_wait(pid_t pid) {
+  int st = 0;
+  while (waitpid(pid, &st, 0) < 0)
+    if (errno != EINTR)
+      return -1;
+  if (WIFSIGNALED(st))
+    return 128 + WTERMSIG(st);
+  return WEXITSTATUS(st);
+}
+
+void tu_pipe_open(tu_pipe *p) {
+  int fds[2];
+  assert_int_equal(pipe(fds), 0);
+  p->rd = fds[0];
+  p->wr = fds[1];
+}
+
+void tu_pipe_close(tu_pipe *p) {
+  close(p->rd);
+  close(p->wr);
+}
+
+void tu_pipe_put(tu_pipe *p, const void *buf, size_t len) {
+  const char *c = buf;
+  while (len > 0) {
+    ssize_t n = write(p->wr, c, len);
+    if (n < 0 && errno == EINTR)
+      continue;
+    assert_true(n > 0);
+    c += n;
+    len -= (size_t)n;
+  }
+}
+
+int tu_pipe_get(tu_pipe *p, void *buf, size_t len, int timeout_ms) {
+  char *c = buf;
+  while (len > 0) {
+    struct pollfd pfd = {.fd = p->rd, .events = POLLIN};
+    if (poll(&pfd, 1, timeout_ms) <= 0)
+      return -1;
+    ssize_t n = read(p->rd, c, len);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      return -1;
+    c += n;
+    len -= (size_t)n;
+  }
+  return 0;
+}
+
+void tu_fill(void *buf, size_t len, uint64_t seed) {
+  uint8_t *b = buf;
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (size_t i = 0; i < len; i++) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    b[i] = (uint8_t)x;
+  }
+}

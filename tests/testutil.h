@@ -1,0 +1,44 @@
+/*
+ * Helpers shared by the cmocka tests: child processes, temporary names, waiting for files.
+ * Multi-process tests fork helper processes (libuv-style) and talk to them through ferry itself
+ * or through pipes.
+ */
+#ifndef FERRY_TESTUTIL_H
+#define FERRY_TESTUTIL_H
+
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include <cmocka.h>
+
+#include "ferry.h"
+
+/* Asserts a ferry call succeeded, printing the status and detail otherwise. */
+#define FR_OK(call)                                                                              \
+  do {                                                                                           \
+    int fr_ok_rc_ = (call);                                                                      \
+    if (fr_ok_rc_ != 0)                                                                          \
+      fail_msg("%s -> %s (%s): %s", #call, ferry_status_name(fr_ok_rc_),                        \
+               ferry_strerror(fr_ok_rc_), ferry_last_error());                                   \
+  } while (0)
+
+/* Forks a child that runs fn(arg) and _exit()s with its return value. */
+pid_t tu_spawn(int (*fn)(void *arg), void *arg);
+/* Waits for a child; returns its exit status, or 128+signal if it was killed. */
+int tu_wait(pid_t pid);
+/* A pipe pair for parent/child hand-offs of small strings. */
+typedef struct tu_pipe {
+  int rd, wr;
+} tu_pipe;
+void tu_pipe_open(tu_pipe *p);
+void tu_pipe_close(tu_pipe *p);
+void tu_pipe_put(tu_pipe *p, const void *buf, size_t len);
+/* Reads exactly len bytes; returns 0, or -1 on EOF/timeout. */
+int tu_pipe_get(tu_pipe *p, void *buf, size_t len, int timeout_ms);
+/* Fills buf with a deterministic pattern derived from seed. */
+void tu_fill(void *buf, size_t len, uint64_t seed);
+
+#endif
