@@ -281,6 +281,16 @@ FERRY_API int ferry_view(ferry_link *link, const ferry_region_ref *remote, uint6
                          size_t len, const void **out);
 FERRY_API int ferry_view_valid(ferry_link *link, const ferry_region_ref *remote);
 
+/* ---------------------------------------------------------------------------------------------
+ * Control: the weight lifecycle of an inference engine (see the control section of DESIGN.md).
+ * ------------------------------------------------------------------------------------------- */
+/* @@control-api@@ */
+
+/* ---------------------------------------------------------------------------------------------
+ * Store: the peer-to-peer tensor store.
+ * ------------------------------------------------------------------------------------------- */
+/* @@store-api@@ */
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,41 @@
+/*
+ * `ferry info`: the library version, the transports this build has, and with --config every
+ * FERRY_* setting with its current value and doc.
+ */
+#include "cli/cli.h"
+#include "ferry.h"
+
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void print_config(void) {
+  for (size_t i = 0; i < ferry_config_count(); i++) {
+    const ferry_config_item *it = ferry_config_at(i);
+    const char *now = ferry_config_get(it->name);
+    printf("%-26s %-14s %s%s%s\n", it->name, *now ? now : "\"\"", it->doc,
+           getenv(it->name) ? "" : " (default)", "");
+  }
+}
+
+int cli_info(int argc, char **argv) {
+  bool config = false;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--config") == 0) {
+      config = true;
+    } else if (strcmp(argv[i], "--help") == 0) {
+      printf("usage: ferry info [--config]\n\n"
+             "Prints the version and transports; --config lists every FERRY_* setting\n"
+             "with its current value and what it does.\n");
+      return CLI_OK;
+    } else {
+      fprintf(stderr, "ferry info: unknown option '%s'\n", argv[i]);
+      return CLI_USAGE;
+    }
+  }
+  printf("ferry %s\n", ferry_version());
+  if (config)
+    print_config();
+  return CLI_OK;
+}
