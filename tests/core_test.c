@@ -6,6 +6,7 @@
 
 #include "core/core.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -134,12 +135,42 @@ static void test_logging(void **state) {
   assert_int_equal(fr_log_level_parse("loud"), -1);
 }
 
+static void hex(const uint8_t *b, size_t n, char *out) {
+  for (size_t i = 0; i < n; i++)
+    sprintf(out + 2 * i, "%02x", b[i]);
+}
+
+static void test_sha256_hmac(void **state) {
+  uint8_t d[32];
+  char h[65];
+  fr_sha256("abc", 3, d);
+  hex(d, 32, h);
+  assert_string_equal(h, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  fr_sha256("", 0, d);
+  hex(d, 32, h);
+  assert_string_equal(h, "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  /* RFC 4231 test case 2 */
+  fr_hmac_sha256("Jefe", 4, "what do ya want for nothing?", 28, d);
+  hex(d, 32, h);
+  assert_string_equal(h, "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+  /* RFC 4231 test case 6: key longer than a block */
+  uint8_t key[131];
+  memset(key, 0xaa, sizeof key);
+  const char *m = "Test Using Larger Than Block-Size Key - Hash Key First";
+  fr_hmac_sha256(key, sizeof key, m, strlen(m), d);
+  hex(d, 32, h);
+  assert_string_equal(h, "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
+  assert_true(fr_memeq_const("abc", "abc", 3));
+  assert_false(fr_memeq_const("abc", "abd", 3));
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_status_strings), cmocka_unit_test(test_error_detail),
       cmocka_unit_test(test_config),         cmocka_unit_test(test_dtypes),
       cmocka_unit_test(test_tensor_sizes),   cmocka_unit_test(test_shape_parse),
       cmocka_unit_test(test_checksum),       cmocka_unit_test(test_logging),
+      cmocka_unit_test(test_sha256_hmac),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

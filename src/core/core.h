@@ -50,6 +50,13 @@ static inline uint64_t fr_deadline_ns(int timeout_ms) {
 /* Milliseconds left until a deadline (0 when past), for poll(). */
 int fr_ms_left(uint64_t deadline_ns);
 
+/* ---- hashing for authentication (sha256.c) ---- */
+void fr_sha256(const void *data, size_t len, uint8_t out[32]);
+void fr_hmac_sha256(const void *key, size_t key_len, const void *msg, size_t msg_len,
+                    uint8_t out[32]);
+/* Compares in constant time (for MACs). */
+bool fr_memeq_const(const void *a, const void *b, size_t len);
+
 /* ---- misc ---- */
 int fr_random_bytes(void *buf, size_t len);
 uint64_t fr_random_u64(void);

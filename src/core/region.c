@@ -1,0 +1,198 @@
+/*
+ * Regions and the per-context region table. Shared regions are memfds (never visible in the file
+ * system, so nothing leaks when a process is killed, and only a peer we hand the fd to can map
+ * them: the equivalent of mode 0600 with no name to guess). Every peer access goes through
+ * fr_region_acquire(), which checks key and bounds before a byte moves.
+ */
+#include "core/region.h"
+#include "core/core.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+void fr_region_table_init(fr_region_table *t) {
+  memset(t, 0, sizeof *t);
+  pthread_mutex_init(&t->lock, NULL);
+  t->next_id = 1;
+}
+
+static void region_destroy(fr_region *r) {
+  if (r->map)
+    munmap(r->map, r->map_bytes);
+  if (r->memfd >= 0)
+    close(r->memfd);
+  free(r);
+}
+
+void fr_region_release(fr_region *r) {
+  if (r && __atomic_sub_fetch(&r->refs, 1, __ATOMIC_ACQ_REL) == 0)
+    region_destroy(r);
+}
+
+static int table_add(fr_region_table *t, fr_region *r) {
+  pthread_mutex_lock(&t->lock);
+  if (t->count == t->cap) {
+    size_t cap = t->cap ? t->cap * 2 : 16;
+    fr_region **items = realloc(t->items, cap * sizeof *items);
+    if (!items) {
+      pthread_mutex_unlock(&t->lock);
+      return fr_err(FERRY_ENOMEM, "region table: cannot grow to %zu entries", cap);
+    }
+    t->items = items;
+    t->cap = cap;
+  }
+  r->id = t->next_id++;
+  r->key = fr_random_u64();
+  r->refs = 1;
+  t->items[t->count++] = r;
+  pthread_mutex_unlock(&t->lock);
+  return 0;
+}
+
+int fr_region_alloc_shared(fr_region_table *t, size_t bytes, fr_region **out) {
+  if (bytes == 0)
+    return fr_err(FERRY_EINVAL, "ferry_alloc: zero bytes");
+  size_t map_bytes;
+  if (__builtin_add_overflow(bytes, (size_t)FR_SHM_HEADER_BYTES, &map_bytes) ||
+      map_bytes > (size_t)INT64_MAX)
+    return fr_err(FERRY_EOVERFLOW, "ferry_alloc: %zu bytes is too large", bytes);
+  int fd = memfd_create("ferry-region", MFD_CLOEXEC);
+  if (fd < 0)
+    return fr_err_errno(FERRY_ESYS, "ferry_alloc: memfd_create");
+  fchmod(fd, 0600);
+  /* fallocate reserves the pages now, so running out of shared memory is an error here rather
+   * than a SIGBUS on first touch. */
+  int rc = posix_fallocate(fd, 0, (off_t)map_bytes);
+  if (rc != 0) {
+    close(fd);
+    errno = rc;
+    return fr_err_errno(FERRY_ENOSHM, "ferry_alloc: cannot reserve %zu bytes of shared memory",
+                        bytes);
+  }
+  void *map = mmap(NULL, map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (map == MAP_FAILED) {
+    close(fd);
+    return fr_err_errno(FERRY_ENOSHM, "ferry_alloc: mmap of %zu bytes", bytes);
+  }
+  fr_region *r = calloc(1, sizeof *r);
+  if (!r) {
+    munmap(map, map_bytes);
+    close(fd);
+    return fr_err(FERRY_ENOMEM, "ferry_alloc: region record");
+  }
+  r->memfd = fd;
+  r->map = map;
+  r->map_bytes = map_bytes;
+  r->data = (uint8_t *)map + FR_SHM_HEADER_BYTES;
+  r->size = bytes;
+  if ((rc = table_add(t, r)) != 0) {
+    region_destroy(r);
+    return rc;
+  }
+  fr_shm_header *h = map;
+  h->magic = FR_SHM_MAGIC;
+  h->layout_version = FR_SHM_LAYOUT_VERSION;
+  h->header_bytes = FR_SHM_HEADER_BYTES;
+  h->region_id = r->id;
+  h->data_bytes = bytes;
+  __atomic_store_n(&h->state, FR_SHM_ALIVE, __ATOMIC_RELEASE);
+  *out = r;
+  return 0;
+}
+
+int fr_region_add_registered(fr_region_table *t, void *ptr, size_t len, fr_region **out) {
+  if (!ptr || len == 0)
+    return fr_err(FERRY_EINVAL, "ferry_register: empty memory range");
+  if ((uintptr_t)ptr + len < (uintptr_t)ptr)
+    return fr_err(FERRY_EOVERFLOW, "ferry_register: range wraps the address space");
+  fr_region *r = calloc(1, sizeof *r);
+  if (!r)
+    return fr_err(FERRY_ENOMEM, "ferry_register: region record");
+  r->memfd = -1;
+  r->data = ptr;
+  r->size = len;
+  int rc = table_add(t, r);
+  if (rc != 0) {
+    free(r);
+    return rc;
+  }
+  *out = r;
+  return 0;
+}
+
+static ssize_t table_index(fr_region_table *t, uint64_t id, const void *data) {
+  for (size_t i = 0; i < t->count; i++)
+    if (id ? t->items[i]->id == id : t->items[i]->data == data)
+      return (ssize_t)i;
+  return -1;
+}
+
+int fr_region_remove(fr_region_table *t, uint64_t id, const void *data) {
+  pthread_mutex_lock(&t->lock);
+  ssize_t i = table_index(t, id, data);
+  if (i < 0) {
+    pthread_mutex_unlock(&t->lock);
+    return id ? fr_err(FERRY_ENOTFOUND, "no region %llu", (unsigned long long)id)
+              : fr_err(FERRY_ENOTFOUND, "%p is not memory from ferry_alloc", data);
+  }
+  fr_region *r = t->items[i];
+  t->items[i] = t->items[--t->count];
+  pthread_mutex_unlock(&t->lock);
+  if (r->map)
+    __atomic_store_n(&((fr_shm_header *)r->map)->state, FR_SHM_FREED, __ATOMIC_RELEASE);
+  fr_region_release(r);
+  return 0;
+}
+
+int fr_region_acquire(fr_region_table *t, uint64_t id, uint64_t key, uint64_t off, uint64_t len,
+                      fr_region **out) {
+  pthread_mutex_lock(&t->lock);
+  ssize_t i = table_index(t, id, NULL);
+  if (i < 0 || id == 0) {
+    pthread_mutex_unlock(&t->lock);
+    return fr_err(FERRY_ENOTFOUND, "no region %llu", (unsigned long long)id);
+  }
+  fr_region *r = t->items[i];
+  int rc = 0;
+  if (r->key != key)
+    rc = fr_err(FERRY_EACCES, "region %llu: wrong access key", (unsigned long long)id);
+  else if (!fr_range_ok(off, len, r->size))
+    rc = fr_err(FERRY_ERANGE, "region %llu: bytes [%llu, +%llu) outside its %llu bytes",
+                (unsigned long long)id, (unsigned long long)off, (unsigned long long)len,
+                (unsigned long long)r->size);
+  else
+    __atomic_add_fetch(&r->refs, 1, __ATOMIC_RELAXED);
+  pthread_mutex_unlock(&t->lock);
+  if (rc == 0)
+    *out = r;
+  return rc;
+}
+
+int fr_region_find(fr_region_table *t, const void *ptr, size_t len, fr_region **out) {
+  uintptr_t p = (uintptr_t)ptr;
+  pthread_mutex_lock(&t->lock);
+  for (size_t i = 0; i < t->count; i++) {
+    fr_region *r = t->items[i];
+    uintptr_t base = (uintptr_t)r->data;
+    if (p >= base && fr_range_ok(p - base, len, r->size)) {
+      __atomic_add_fetch(&r->refs, 1, __ATOMIC_RELAXED);
+      pthread_mutex_unlock(&t->lock);
+      *out = r;
+      return 0;
+    }
+  }
+  pthread_mutex_unlock(&t->lock);
+  return fr_err(FERRY_ENOTFOUND, "[%p, +%zu) is not inside a ferry region", ptr, len);
+}
+
+void fr_region_table_fini(fr_region_table *t) {
+  while (t->count > 0)
+    fr_region_remove(t, t->items[t->count - 1]->id, NULL);
+  free(t->items);
+  pthread_mutex_destroy(&t->lock);
+}
