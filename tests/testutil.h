@@ -17,12 +17,12 @@
 #include "ferry.h"
 
 /* Asserts a ferry call succeeded, printing the status and detail otherwise. */
-#define FR_OK(call)                                                                              \
-  do {                                                                                           \
-    int fr_ok_rc_ = (call);                                                                      \
-    if (fr_ok_rc_ != 0)                                                                          \
-      fail_msg("%s -> %s (%s): %s", #call, ferry_status_name(fr_ok_rc_),                        \
-               ferry_strerror(fr_ok_rc_), ferry_last_error());                                   \
+#define FR_OK(call)                                                                                \
+  do {                                                                                             \
+    int fr_ok_rc_ = (call);                                                                        \
+    if (fr_ok_rc_ != 0)                                                                            \
+      fail_msg("%s -> %s (%s): %s", #call, ferry_status_name(fr_ok_rc_),                           \
+               ferry_strerror(fr_ok_rc_), ferry_last_error());                                     \
   } while (0)
 
 /* Forks a child that runs fn(arg) and _exit()s with its return value. */

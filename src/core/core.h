@@ -23,10 +23,10 @@ void fr_err_clear(void);
 extern int fr_log_level_now;
 void fr_log_write(ferry_log_level level, const char *file, int line, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
-#define FR_LOG(level, ...)                                                                       \
-  do {                                                                                           \
-    if ((int)(level) <= fr_log_level_now)                                                        \
-      fr_log_write((level), __FILE__, __LINE__, __VA_ARGS__);                                    \
+#define FR_LOG(level, ...)                                                                         \
+  do {                                                                                             \
+    if ((int)(level) <= fr_log_level_now)                                                          \
+      fr_log_write((level), __FILE__, __LINE__, __VA_ARGS__);                                      \
   } while (0)
 #define fr_error(...) FR_LOG(FERRY_LOG_ERROR, __VA_ARGS__)
 #define fr_warn(...) FR_LOG(FERRY_LOG_WARN, __VA_ARGS__)

@@ -9,6 +9,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -54,9 +55,28 @@ static int table_add(fr_region_table *t, fr_region *r) {
   return 0;
 }
 
+/* Memory the kernel says it can still give (MemAvailable); shared memory is taken from it. */
+static uint64_t memory_available(void) {
+  FILE *f = fopen("/proc/meminfo", "r");
+  unsigned long long kb = 0;
+  char line[128];
+  while (f && fgets(line, sizeof line, f))
+    if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1)
+      break;
+  if (f)
+    fclose(f);
+  return kb ? (uint64_t)kb * 1024 : UINT64_MAX;
+}
+
 int fr_region_alloc_shared(fr_region_table *t, size_t bytes, fr_region **out) {
   if (bytes == 0)
     return fr_err(FERRY_EINVAL, "ferry_alloc: zero bytes");
+  /* Reserving more than the machine has would wake the OOM killer, not return an error. */
+  uint64_t avail = memory_available();
+  if (bytes <= SIZE_MAX - FR_SHM_HEADER_BYTES && bytes > avail)
+    return fr_err(FERRY_ENOSHM,
+                  "ferry_alloc: cannot reserve %zu bytes of shared memory: %llu available", bytes,
+                  (unsigned long long)avail);
   size_t map_bytes;
   if (__builtin_add_overflow(bytes, (size_t)FR_SHM_HEADER_BYTES, &map_bytes) ||
       map_bytes > (size_t)INT64_MAX)

@@ -36,12 +36,12 @@ _Static_assert(sizeof(fr_shm_header) <= FR_SHM_HEADER_BYTES, "header fits its pa
 typedef struct fr_region {
   uint64_t id;
   uint64_t key;
-  uint8_t *data;    /* first data byte */
-  uint64_t size;    /* data bytes */
-  int memfd;        /* -1 for registered memory */
-  void *map;        /* memfd mapping (header + data), NULL for registered memory */
+  uint8_t *data; /* first data byte */
+  uint64_t size; /* data bytes */
+  int memfd;     /* -1 for registered memory */
+  void *map;     /* memfd mapping (header + data), NULL for registered memory */
   size_t map_bytes;
-  int refs;         /* atomic; the table holds one while the region is listed */
+  int refs; /* atomic; the table holds one while the region is listed */
 } fr_region;
 
 typedef struct fr_region_table {

@@ -13,8 +13,8 @@ static _Thread_local char err_detail[FR_ERR_DETAIL_MAX];
 
 const char *ferry_strerror(int status) {
   switch (status) {
-#define FR_STATUS_MSG_(name, code, msg)                                                          \
-  case (code):                                                                                   \
+#define FR_STATUS_MSG_(name, code, msg)                                                            \
+  case (code):                                                                                     \
     return msg;
     FERRY_STATUS_TABLE(FR_STATUS_MSG_)
 #undef FR_STATUS_MSG_
@@ -24,8 +24,8 @@ const char *ferry_strerror(int status) {
 
 const char *ferry_status_name(int status) {
   switch (status) {
-#define FR_STATUS_NAME_(name, code, msg)                                                         \
-  case (code):                                                                                   \
+#define FR_STATUS_NAME_(name, code, msg)                                                           \
+  case (code):                                                                                     \
     return "FERRY_" #name;
     FERRY_STATUS_TABLE(FR_STATUS_NAME_)
 #undef FR_STATUS_NAME_

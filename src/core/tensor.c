@@ -11,8 +11,8 @@
 
 size_t ferry_dtype_size(ferry_dtype dtype) {
   switch (dtype) {
-#define FR_DTYPE_SIZE_(name, code, size, str)                                                    \
-  case FERRY_DTYPE_##name:                                                                       \
+#define FR_DTYPE_SIZE_(name, code, size, str)                                                      \
+  case FERRY_DTYPE_##name:                                                                         \
     return (size);
     FERRY_DTYPE_TABLE(FR_DTYPE_SIZE_)
 #undef FR_DTYPE_SIZE_
@@ -23,8 +23,8 @@ size_t ferry_dtype_size(ferry_dtype dtype) {
 
 const char *ferry_dtype_name(ferry_dtype dtype) {
   switch (dtype) {
-#define FR_DTYPE_NAME_(name, code, size, str)                                                    \
-  case FERRY_DTYPE_##name:                                                                       \
+#define FR_DTYPE_NAME_(name, code, size, str)                                                      \
+  case FERRY_DTYPE_##name:                                                                         \
     return (str);
     FERRY_DTYPE_TABLE(FR_DTYPE_NAME_)
 #undef FR_DTYPE_NAME_
@@ -37,24 +37,33 @@ static const struct {
   const char *alias;
   ferry_dtype dtype;
 } dtype_aliases[] = {
-    {"u8", FERRY_DTYPE_U8},           {"u16", FERRY_DTYPE_U16},
-    {"u32", FERRY_DTYPE_U32},         {"u64", FERRY_DTYPE_U64},
-    {"i8", FERRY_DTYPE_I8},           {"i16", FERRY_DTYPE_I16},
-    {"i32", FERRY_DTYPE_I32},         {"i64", FERRY_DTYPE_I64},
-    {"f16", FERRY_DTYPE_F16},         {"half", FERRY_DTYPE_F16},
-    {"bf16", FERRY_DTYPE_BF16},       {"f32", FERRY_DTYPE_F32},
-    {"float", FERRY_DTYPE_F32},       {"f64", FERRY_DTYPE_F64},
-    {"double", FERRY_DTYPE_F64},      {"fp8_e4m3", FERRY_DTYPE_F8E4M3},
-    {"float8_e4m3fn", FERRY_DTYPE_F8E4M3}, {"fp8_e5m2", FERRY_DTYPE_F8E5M2},
+    {"u8", FERRY_DTYPE_U8},
+    {"u16", FERRY_DTYPE_U16},
+    {"u32", FERRY_DTYPE_U32},
+    {"u64", FERRY_DTYPE_U64},
+    {"i8", FERRY_DTYPE_I8},
+    {"i16", FERRY_DTYPE_I16},
+    {"i32", FERRY_DTYPE_I32},
+    {"i64", FERRY_DTYPE_I64},
+    {"f16", FERRY_DTYPE_F16},
+    {"half", FERRY_DTYPE_F16},
+    {"bf16", FERRY_DTYPE_BF16},
+    {"f32", FERRY_DTYPE_F32},
+    {"float", FERRY_DTYPE_F32},
+    {"f64", FERRY_DTYPE_F64},
+    {"double", FERRY_DTYPE_F64},
+    {"fp8_e4m3", FERRY_DTYPE_F8E4M3},
+    {"float8_e4m3fn", FERRY_DTYPE_F8E4M3},
+    {"fp8_e5m2", FERRY_DTYPE_F8E5M2},
 };
 
 int ferry_dtype_parse(const char *name, ferry_dtype *out) {
   if (!name || !out)
     return fr_err(FERRY_EINVAL, "dtype parse: NULL argument");
-#define FR_DTYPE_PARSE_(n, code, size, str)                                                      \
-  if (strcasecmp(name, str) == 0) {                                                              \
-    *out = FERRY_DTYPE_##n;                                                                      \
-    return 0;                                                                                    \
+#define FR_DTYPE_PARSE_(n, code, size, str)                                                        \
+  if (strcasecmp(name, str) == 0) {                                                                \
+    *out = FERRY_DTYPE_##n;                                                                        \
+    return 0;                                                                                      \
   }
   FERRY_DTYPE_TABLE(FR_DTYPE_PARSE_)
 #undef FR_DTYPE_PARSE_

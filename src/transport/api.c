@@ -1,0 +1,191 @@
+/*
+ * The public entry points for memory and links (ferry.h): argument checks and error details
+ * here, then the work is handed to the region table, the link or the link's transport.
+ */
+#include "transport/transport.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* ---- memory ---- */
+
+int ferry_alloc(ferry_ctx *ctx, size_t bytes, void **out) {
+  if (!ctx || !out)
+    return fr_err(FERRY_EINVAL, "ferry_alloc: NULL argument");
+  fr_region *r;
+  int rc = fr_region_alloc_shared(&ctx->regions, bytes, &r);
+  if (rc == 0)
+    *out = r->data;
+  return rc;
+}
+
+int ferry_free(ferry_ctx *ctx, void *ptr) {
+  if (!ctx)
+    return fr_err(FERRY_EINVAL, "ferry_free: NULL ctx");
+  if (!ptr)
+    return 0;
+  return fr_region_remove(&ctx->regions, 0, ptr);
+}
+
+int ferry_register(ferry_ctx *ctx, void *ptr, size_t len, ferry_region_ref *out) {
+  if (!ctx || !out)
+    return fr_err(FERRY_EINVAL, "ferry_register: NULL argument");
+  fr_region *r;
+  int rc = fr_region_add_registered(&ctx->regions, ptr, len, &r);
+  if (rc == 0)
+    *out = (ferry_region_ref){r->id, r->key, r->size};
+  return rc;
+}
+
+int ferry_deregister(ferry_ctx *ctx, uint64_t region_id) {
+  if (!ctx || region_id == 0)
+    return fr_err(FERRY_EINVAL, "ferry_deregister: bad arguments");
+  return fr_region_remove(&ctx->regions, region_id, NULL);
+}
+
+int ferry_region_find(ferry_ctx *ctx, const void *ptr, size_t len, ferry_region_ref *out,
+                      uint64_t *offset) {
+  if (!ctx || !ptr || !out)
+    return fr_err(FERRY_EINVAL, "ferry_region_find: NULL argument");
+  fr_region *r;
+  int rc = fr_region_find(&ctx->regions, ptr, len, &r);
+  if (rc != 0)
+    return rc;
+  *out = (ferry_region_ref){r->id, r->key, r->size};
+  if (offset)
+    *offset = (uint64_t)((const uint8_t *)ptr - r->data);
+  fr_region_release(r);
+  return 0;
+}
+
+/* ---- links ---- */
+
+/* Finds the URL for `scheme` in a comma-separated address list; copies what follows it. */
+static bool address_part(const char *address, const char *scheme, char *out, size_t len) {
+  size_t sl = strlen(scheme);
+  for (const char *p = address; p && *p;) {
+    const char *end = strchr(p, ',');
+    size_t n = end ? (size_t)(end - p) : strlen(p);
+    if (n > sl && strncmp(p, scheme, sl) == 0 && n - sl < len) {
+      memcpy(out, p + sl, n - sl);
+      out[n - sl] = '\0';
+      return true;
+    }
+    p = end ? end + 1 : NULL;
+  }
+  return false;
+}
+
+static int connect_with(ferry_ctx *ctx, const fr_transport_ops *ops, const char *where,
+                        int timeout_ms, ferry_link **out) {
+  int fd = -1;
+  int rc = ops->dial(where, timeout_ms, &fd);
+  if (rc != 0)
+    return rc;
+  ferry_link *l = fr_link_new(ctx, ops, fd, false);
+  if (!l) {
+    close(fd);
+    return fr_err(FERRY_ENOMEM, "connect: link");
+  }
+  if ((rc = fr_link_handshake(l, timeout_ms)) == 0 && (rc = fr_link_start(l)) == 0) {
+    *out = l;
+    return 0;
+  }
+  l->state = FR_LINK_DEAD;
+  fr_link_unref(l);
+  return rc;
+}
+
+int ferry_connect(ferry_ctx *ctx, const char *address, int timeout_ms, ferry_link **out) {
+  if (!ctx || !address || !out)
+    return fr_err(FERRY_EINVAL, "ferry_connect: NULL argument");
+  int ms = fr_timeout(timeout_ms);
+  char where[256], tried[512] = "";
+  size_t used = 0;
+  int last = FERRY_ECONNECT;
+  for (size_t i = 0; i < ctx->norder; i++) {
+    const fr_transport_ops *ops = ctx->order[i];
+    if (!address_part(address, ops->scheme, where, sizeof where))
+      continue;
+    int rc = connect_with(ctx, ops, where, ms, out);
+    if (rc == 0 || rc == FERRY_EAUTH)
+      return rc;
+    last = rc;
+    used += (size_t)snprintf(tried + used, sizeof tried - used, "%s%s: %s", used ? "; " : "",
+                             ops->name, ferry_last_error());
+    if (used >= sizeof tried)
+      used = sizeof tried - 1;
+  }
+  if (!used)
+    return fr_err(FERRY_ECONNECT, "'%s' offers no transport this node uses (FERRY_TRANSPORTS)",
+                  address);
+  return fr_err(last == FERRY_ETIMEDOUT ? FERRY_ECONNECT : last, "cannot connect to %s (%s)",
+                address, tried);
+}
+
+void ferry_link_close(ferry_link *link) {
+  if (!link)
+    return;
+  fr_link_fail(link, FERRY_ECLOSED, "closed by this node");
+  fr_link_unref(link);
+}
+
+const char *ferry_link_transport(const ferry_link *link) { return link ? link->ops->name : NULL; }
+const char *ferry_link_peer(const ferry_link *link) { return link ? link->peer : NULL; }
+
+int ferry_send(ferry_link *link, uint32_t channel, const struct iovec *iov, int iovcnt,
+               int timeout_ms) {
+  if (!link || channel >= FERRY_MAX_CHANNELS || iovcnt < 0 || (iovcnt > 0 && !iov))
+    return fr_err(FERRY_EINVAL, "ferry_send: bad arguments (channel %u)", channel);
+  uint64_t len = 0;
+  for (int i = 0; i < iovcnt; i++)
+    len += iov[i].iov_len;
+  if (len > link->ctx->max_payload)
+    return fr_err(FERRY_ERANGE, "ferry_send: %llu bytes exceed FERRY_MAX_MESSAGE (%llu)",
+                  (unsigned long long)len, (unsigned long long)link->ctx->max_payload);
+  fr_frame f = {.type = FR_MSG, .channel = channel, .len = len};
+  return fr_link_send_frame(link, &f, iov, iovcnt, -1, fr_deadline_ns(fr_timeout(timeout_ms)));
+}
+
+static int check_rma(ferry_link *link, const ferry_region_ref *r, uint64_t off, size_t len,
+                     const void *buf, const char *what) {
+  if (!link || !r || (!buf && len > 0))
+    return fr_err(FERRY_EINVAL, "%s: NULL argument", what);
+  if (len > link->ctx->max_payload)
+    return fr_err(FERRY_ERANGE, "%s: %zu bytes exceed FERRY_MAX_MESSAGE", what, len);
+  if (off + len < off)
+    return fr_err(FERRY_ERANGE, "%s: offset + length overflows", what);
+  return 0;
+}
+
+int ferry_read(ferry_link *link, const ferry_region_ref *remote, uint64_t offset, void *dst,
+               size_t len, int timeout_ms) {
+  int rc = check_rma(link, remote, offset, len, dst, "ferry_read");
+  return rc ? rc : link->ops->read(link, remote, offset, dst, len, fr_timeout(timeout_ms));
+}
+
+int ferry_write(ferry_link *link, const ferry_region_ref *remote, uint64_t offset, const void *src,
+                size_t len, int timeout_ms) {
+  int rc = check_rma(link, remote, offset, len, src, "ferry_write");
+  return rc ? rc : link->ops->write(link, remote, offset, src, len, fr_timeout(timeout_ms));
+}
+
+int ferry_view(ferry_link *link, const ferry_region_ref *remote, uint64_t offset, size_t len,
+               const void **out) {
+  int rc = check_rma(link, remote, offset, len, out, "ferry_view");
+  if (rc != 0)
+    return rc;
+  if (!link->ops->view)
+    return fr_err(FERRY_ENOTSUP, "ferry_view: the %s transport cannot map peer memory",
+                  link->ops->name);
+  return link->ops->view(link, remote, offset, len, out);
+}
+
+int ferry_view_valid(ferry_link *link, const ferry_region_ref *remote) {
+  if (!link || !remote)
+    return fr_err(FERRY_EINVAL, "ferry_view_valid: NULL argument");
+  if (!link->ops->view_valid)
+    return fr_err(FERRY_ENOTSUP, "ferry_view_valid: not a shm link");
+  return link->ops->view_valid(link, remote);
+}

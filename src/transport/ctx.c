@@ -1,0 +1,401 @@
+/*
+ * The context: one per node. It owns the listeners, the links, the regions, the message queues
+ * (one per channel) and two threads: the progress thread, which waits in epoll and drives every
+ * link's receive state machine, and the server thread, which sends large read responses so the
+ * progress thread never blocks on a slow reader.
+ */
+#include "transport/transport.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+struct fr_serve_job {
+  ferry_link *link;
+  uint64_t req_id;
+  fr_region *region;
+  uint64_t off, len;
+  fr_serve_job *next;
+};
+
+bool fr_spin_until(const bool *flag, int spin_us) {
+  if (__atomic_load_n(flag, __ATOMIC_ACQUIRE))
+    return true;
+  uint64_t end = fr_now_ns() + (uint64_t)spin_us * 1000u;
+  while (fr_now_ns() < end) {
+    for (int i = 0; i < 64; i++) {
+      if (__atomic_load_n(flag, __ATOMIC_ACQUIRE))
+        return true;
+      __builtin_ia32_pause();
+    }
+  }
+  return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+}
+
+/* ---- messages ---- */
+
+ferry_msg *fr_msg_alloc(uint64_t len) {
+  if (len > SIZE_MAX - sizeof(fr_msg_node) - 1)
+    return NULL;
+  fr_msg_node *n = malloc(sizeof *n + (size_t)len + 1);
+  if (!n)
+    return NULL;
+  n->next = NULL;
+  n->msg = (ferry_msg){.data = n + 1, .len = (size_t)len};
+  return &n->msg;
+}
+
+void ferry_msg_free(ferry_msg *msg) {
+  if (!msg)
+    return;
+  fr_msg_node *n = (fr_msg_node *)((char *)msg - offsetof(fr_msg_node, msg));
+  if (msg->link)
+    fr_link_unref(msg->link);
+  free(n);
+}
+
+void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg) {
+  fr_link_ref(msg->link);
+  fr_msg_node *n = (fr_msg_node *)((char *)msg - offsetof(fr_msg_node, msg));
+  fr_channel *c = &ctx->channels[msg->channel];
+  pthread_mutex_lock(&c->lock);
+  if (c->tail)
+    c->tail->next = n;
+  else
+    c->head = n;
+  c->tail = n;
+  __atomic_add_fetch(&c->count, 1, __ATOMIC_RELEASE);
+  pthread_cond_signal(&c->cond);
+  pthread_mutex_unlock(&c->lock);
+}
+
+static bool channel_ready(fr_channel *c) { return __atomic_load_n(&c->count, __ATOMIC_ACQUIRE); }
+
+int ferry_recv(ferry_ctx *ctx, uint32_t channel, ferry_msg **out, int timeout_ms) {
+  if (!ctx || !out || channel >= FERRY_MAX_CHANNELS)
+    return fr_err(FERRY_EINVAL, "recv: bad arguments (channel %u)", channel);
+  fr_channel *c = &ctx->channels[channel];
+  int ms = fr_timeout(timeout_ms);
+  if (!channel_ready(c) && ms > 0) {
+    uint64_t end = fr_now_ns() + (uint64_t)ctx->spin_us * 1000u;
+    while (!channel_ready(c) && fr_now_ns() < end)
+      __builtin_ia32_pause();
+  }
+  uint64_t deadline = fr_deadline_ns(ms);
+  struct timespec ts = {(time_t)(deadline / 1000000000ull), (long)(deadline % 1000000000ull)};
+  pthread_mutex_lock(&c->lock);
+  while (!c->head && !ctx->stopping)
+    if (pthread_cond_timedwait(&c->cond, &c->lock, &ts) == ETIMEDOUT)
+      break;
+  fr_msg_node *n = c->head;
+  if (n) {
+    c->head = n->next;
+    if (!c->head)
+      c->tail = NULL;
+    __atomic_sub_fetch(&c->count, 1, __ATOMIC_RELEASE);
+  }
+  pthread_mutex_unlock(&c->lock);
+  if (!n)
+    return ctx->stopping
+               ? fr_err(FERRY_ECLOSED, "recv: context closing")
+               : fr_err(FERRY_ETIMEDOUT, "recv on channel %u: nothing within %d ms", channel, ms);
+  n->next = NULL;
+  *out = &n->msg;
+  return 0;
+}
+
+/* ---- the server thread ---- */
+
+void fr_ctx_serve_later(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_region *r, uint64_t off,
+                        uint64_t len) {
+  fr_serve_job *j = malloc(sizeof *j);
+  if (!j) {
+    fr_region_release(r);
+    fr_link_fail(l, FERRY_ENOMEM, "cannot queue a read response");
+    fr_link_unref(l);
+    return;
+  }
+  *j = (fr_serve_job){l, req_id, r, off, len, NULL};
+  pthread_mutex_lock(&ctx->serve_lock);
+  if (ctx->serve_tail)
+    ctx->serve_tail->next = j;
+  else
+    ctx->serve_head = j;
+  ctx->serve_tail = j;
+  pthread_cond_signal(&ctx->serve_cond);
+  pthread_mutex_unlock(&ctx->serve_lock);
+}
+
+static void *server_main(void *arg) {
+  ferry_ctx *ctx = arg;
+  for (;;) {
+    pthread_mutex_lock(&ctx->serve_lock);
+    while (!ctx->serve_head && !ctx->stopping)
+      pthread_cond_wait(&ctx->serve_cond, &ctx->serve_lock);
+    fr_serve_job *j = ctx->serve_head;
+    if (j && !(ctx->serve_head = j->next))
+      ctx->serve_tail = NULL;
+    pthread_mutex_unlock(&ctx->serve_lock);
+    if (!j)
+      return NULL;
+    if (!ctx->stopping) {
+      fr_frame f = {.type = FR_READ_RESP, .req_id = j->req_id, .len = j->len};
+      struct iovec iov = {j->region->data + j->off, j->len};
+      fr_link_send_frame(j->link, &f, &iov, 1, -1, fr_deadline_ns(ctx->timeout_ms));
+    }
+    fr_region_release(j->region);
+    fr_link_unref(j->link);
+    free(j);
+  }
+}
+
+/* ---- the progress thread ---- */
+
+void fr_ctx_bury(ferry_ctx *ctx, ferry_link *l) { ctx->grave[ctx->ngrave++] = l; }
+
+static void on_wake(fr_poller *p, uint32_t events) {
+  uint64_t v;
+  if (read(p->fd, &v, sizeof v) < 0 && errno != EAGAIN)
+    fr_warn("wake eventfd: %s", strerror(errno));
+}
+
+static void on_accept(fr_poller *p, uint32_t events) {
+  fr_listener *ls = (fr_listener *)p;
+  for (;;) {
+    int fd = accept4(p->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED)
+        fr_warn("%s listener: accept: %s", ls->ops->name, strerror(errno));
+      if (errno == EINTR || errno == ECONNABORTED)
+        continue;
+      return;
+    }
+    ferry_link *l = fr_link_new(ls->ctx, ls->ops, fd, true);
+    if (!l) {
+      close(fd);
+      continue;
+    }
+    if (fr_link_start(l) != 0)
+      fr_warn("%s listener: %s", ls->ops->name, ferry_last_error());
+    fr_link_unref(l); /* the ctx holds it while it lives */
+  }
+}
+
+#define FR_MAX_EVENTS 64
+
+static void *progress_main(void *arg) {
+  ferry_ctx *ctx = arg;
+  struct epoll_event evs[FR_MAX_EVENTS];
+  uint64_t next_reap = fr_now_ns() + 1000000000ull;
+  while (!__atomic_load_n(&ctx->stopping, __ATOMIC_ACQUIRE)) {
+    int n = epoll_wait(ctx->epfd, evs, FR_MAX_EVENTS, 1000);
+    for (int i = 0; i < n; i++) {
+      fr_poller *p = evs[i].data.ptr;
+      if (p->on_event)
+        p->on_event(p, evs[i].events);
+    }
+    for (size_t i = 0; i < ctx->ngrave; i++)
+      fr_link_unref(ctx->grave[i]);
+    ctx->ngrave = 0;
+    if (fr_now_ns() > next_reap) {
+      fr_link_reap_stale(ctx);
+      next_reap = fr_now_ns() + 1000000000ull;
+    }
+  }
+  return NULL;
+}
+
+static void wake_progress(ferry_ctx *ctx) {
+  uint64_t one = 1;
+  if (write(ctx->wake.fd, &one, sizeof one) < 0)
+    fr_warn("wake eventfd: %s", strerror(errno));
+}
+
+/* ---- open / close ---- */
+
+static int parse_transports(ferry_ctx *ctx, const char *list) {
+  char buf[128];
+  snprintf(buf, sizeof buf, "%s", list);
+  char *save = NULL;
+  for (char *t = strtok_r(buf, ", ", &save); t; t = strtok_r(NULL, ", ", &save)) {
+    const fr_transport_ops *ops = fr_transport_find(t);
+    if (!ops)
+      return fr_err(FERRY_EINVAL, "FERRY_TRANSPORTS: unknown transport '%s'", t);
+    if (ctx->norder < FR_MAX_LISTENERS)
+      ctx->order[ctx->norder++] = ops;
+  }
+  if (ctx->norder == 0)
+    return fr_err(FERRY_EINVAL, "FERRY_TRANSPORTS: no transport in '%s'", list);
+  return 0;
+}
+
+static int add_poller(ferry_ctx *ctx, fr_poller *p) {
+  struct epoll_event ev = {.events = EPOLLIN, .data.ptr = p};
+  if (epoll_ctl(ctx->epfd, EPOLL_CTL_ADD, p->fd, &ev) < 0)
+    return fr_err_errno(FERRY_ESYS, "epoll_ctl");
+  return 0;
+}
+
+static int start_listeners(ferry_ctx *ctx) {
+  size_t used = 0;
+  for (size_t i = 0; i < ctx->norder; i++) {
+    fr_listener *ls = &ctx->listeners[ctx->nlisteners];
+    char url[160];
+    int rc = ctx->order[i]->listen(ctx, &ls->poller.fd, url, sizeof url);
+    if (rc != 0)
+      return rc;
+    ls->poller.on_event = on_accept;
+    ls->ctx = ctx;
+    ls->ops = ctx->order[i];
+    ctx->nlisteners++;
+    if ((rc = add_poller(ctx, &ls->poller)) != 0)
+      return rc;
+    used += (size_t)snprintf(ctx->address + used, sizeof ctx->address - used, "%s%s",
+                             used ? "," : "", url);
+  }
+  return 0;
+}
+
+static char *default_name(void) {
+  char host[64] = "node", buf[96];
+  gethostname(host, sizeof host - 1);
+  snprintf(buf, sizeof buf, "%s-%d", host, (int)getpid());
+  return strdup(buf);
+}
+
+static void ctx_init_sync(ferry_ctx *ctx) {
+  pthread_mutex_init(&ctx->links_lock, NULL);
+  pthread_mutex_init(&ctx->serve_lock, NULL);
+  pthread_cond_init(&ctx->serve_cond, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  for (int i = 0; i < FERRY_MAX_CHANNELS; i++) {
+    pthread_mutex_init(&ctx->channels[i].lock, NULL);
+    pthread_cond_init(&ctx->channels[i].cond, &ca);
+  }
+  pthread_condattr_destroy(&ca);
+  fr_region_table_init(&ctx->regions);
+}
+
+static int ctx_configure(ferry_ctx *ctx, const ferry_ctx_opts *o) {
+  const char *name = o && o->name ? o->name : NULL;
+  if (name && (strlen(name) == 0 || strlen(name) >= FR_NAME_BYTES))
+    return fr_err(FERRY_EINVAL, "node name must be 1..%d bytes", FR_NAME_BYTES - 1);
+  ctx->name = name ? strdup(name) : default_name();
+  ctx->token = strdup(o && o->token ? o->token : fr_config_str("FERRY_TOKEN"));
+  ctx->tcp_listen = strdup(o && o->tcp_listen ? o->tcp_listen : fr_config_str("FERRY_TCP_LISTEN"));
+  ctx->max_payload = (uint64_t)fr_config_int("FERRY_MAX_MESSAGE");
+  ctx->spin_us = (int)fr_config_int("FERRY_SPIN_US");
+  ctx->timeout_ms = fr_timeout(-1);
+  if (!ctx->name || !ctx->token || !ctx->tcp_listen)
+    return fr_err(FERRY_ENOMEM, "ctx: names");
+  return parse_transports(ctx,
+                          o && o->transports ? o->transports : fr_config_str("FERRY_TRANSPORTS"));
+}
+
+int ferry_ctx_open(const ferry_ctx_opts *opts, ferry_ctx **out) {
+  if (!out)
+    return fr_err(FERRY_EINVAL, "ferry_ctx_open: out is NULL");
+  if (opts && opts->size < offsetof(ferry_ctx_opts, token) + sizeof opts->token)
+    return fr_err(FERRY_EINVAL, "ferry_ctx_open: opts->size %zu is too small", opts->size);
+  ferry_ctx *ctx = calloc(1, sizeof *ctx);
+  if (!ctx)
+    return fr_err(FERRY_ENOMEM, "ferry_ctx_open");
+  ctx->epfd = ctx->wake.fd = -1;
+  ctx_init_sync(ctx);
+  int rc = ctx_configure(ctx, opts);
+  if (rc == 0 && (ctx->epfd = epoll_create1(EPOLL_CLOEXEC)) < 0)
+    rc = fr_err_errno(FERRY_ESYS, "epoll_create1");
+  if (rc == 0 && (ctx->wake.fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0)
+    rc = fr_err_errno(FERRY_ESYS, "eventfd");
+  ctx->wake.on_event = on_wake;
+  if (rc == 0)
+    rc = add_poller(ctx, &ctx->wake);
+  if (rc == 0)
+    rc = start_listeners(ctx);
+  if (rc == 0 && pthread_create(&ctx->server, NULL, server_main, ctx) != 0)
+    rc = fr_err(FERRY_ESYS, "cannot start the server thread");
+  if (rc == 0 && pthread_create(&ctx->progress, NULL, progress_main, ctx) != 0) {
+    ctx->stopping = true;
+    pthread_cond_signal(&ctx->serve_cond);
+    pthread_join(ctx->server, NULL);
+    rc = fr_err(FERRY_ESYS, "cannot start the progress thread");
+  }
+  if (rc != 0) {
+    int saved = rc;
+    char detail[512];
+    snprintf(detail, sizeof detail, "%s", ferry_last_error());
+    for (size_t i = 0; i < ctx->nlisteners; i++)
+      close(ctx->listeners[i].poller.fd);
+    ctx->nlisteners = 0;
+    if (ctx->epfd >= 0)
+      close(ctx->epfd);
+    if (ctx->wake.fd >= 0)
+      close(ctx->wake.fd);
+    fr_region_table_fini(&ctx->regions);
+    free(ctx->name);
+    free(ctx->token);
+    free(ctx->tcp_listen);
+    free(ctx);
+    return fr_err(saved, "%s", detail);
+  }
+  fr_debug("ctx '%s' listening at %s", ctx->name, ctx->address);
+  *out = ctx;
+  return 0;
+}
+
+static void close_links(ferry_ctx *ctx) {
+  pthread_mutex_lock(&ctx->links_lock);
+  ferry_link *all = ctx->links;
+  ctx->links = NULL;
+  pthread_mutex_unlock(&ctx->links_lock);
+  while (all) {
+    ferry_link *next = all->next;
+    fr_link_fail(all, FERRY_ECLOSED, "context closed");
+    fr_link_unref(all);
+    all = next;
+  }
+}
+
+void ferry_ctx_close(ferry_ctx *ctx) {
+  if (!ctx)
+    return;
+  __atomic_store_n(&ctx->stopping, true, __ATOMIC_RELEASE);
+  wake_progress(ctx);
+  pthread_join(ctx->progress, NULL);
+  for (size_t i = 0; i < ctx->ngrave; i++)
+    fr_link_unref(ctx->grave[i]);
+  pthread_mutex_lock(&ctx->serve_lock);
+  pthread_cond_broadcast(&ctx->serve_cond);
+  pthread_mutex_unlock(&ctx->serve_lock);
+  pthread_join(ctx->server, NULL);
+  close_links(ctx);
+  for (int i = 0; i < FERRY_MAX_CHANNELS; i++) {
+    fr_channel *c = &ctx->channels[i];
+    pthread_mutex_lock(&c->lock);
+    pthread_cond_broadcast(&c->cond);
+    for (fr_msg_node *n = c->head, *next; n; n = next) {
+      next = n->next;
+      ferry_msg_free(&n->msg);
+    }
+    c->head = c->tail = NULL;
+    pthread_mutex_unlock(&c->lock);
+  }
+  for (size_t i = 0; i < ctx->nlisteners; i++)
+    close(ctx->listeners[i].poller.fd);
+  close(ctx->epfd);
+  close(ctx->wake.fd);
+  fr_region_table_fini(&ctx->regions);
+  free(ctx->name);
+  free(ctx->token);
+  free(ctx->tcp_listen);
+  free(ctx);
+}
+
+const char *ferry_ctx_name(const ferry_ctx *ctx) { return ctx ? ctx->name : NULL; }
+const char *ferry_ctx_address(const ferry_ctx *ctx) { return ctx ? ctx->address : NULL; }

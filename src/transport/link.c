@@ -1,0 +1,721 @@
+/*
+ * A link over a byte stream (tcp, or shm's unix socket): the handshake, the receive state machine
+ * that the progress thread drives, request/response pairing for one-sided reads and writes, and
+ * sending. Payloads move without intermediate buffers: a read response is received straight into
+ * the requester's destination, a write straight into the owner's region, and sends are one
+ * sendmsg of header + caller iovecs.
+ */
+#include "transport/transport.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#define FR_INLINE_RESPONSE_MAX (64u * 1024u) /* larger read responses go to the server thread */
+
+static void link_on_event(fr_poller *p, uint32_t events);
+
+ferry_link *fr_link_new(ferry_ctx *ctx, const fr_transport_ops *ops, int fd, bool accepted) {
+  ferry_link *l = calloc(1, sizeof *l);
+  if (!l)
+    return NULL;
+  l->poller.fd = fd;
+  l->poller.on_event = link_on_event;
+  l->ctx = ctx;
+  l->ops = ops;
+  l->refs = 1;
+  l->accepted = accepted;
+  l->created_ns = fr_now_ns();
+  l->state = FR_LINK_HELLO;
+  l->rx_phase = FR_RX_HEADER;
+  l->rx_want = FR_FRAME_BYTES;
+  pthread_mutex_init(&l->lock, NULL);
+  pthread_mutex_init(&l->send_lock, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&l->cond, &ca);
+  pthread_condattr_destroy(&ca);
+  if (ops->setup)
+    ops->setup(fd);
+  return l;
+}
+
+void fr_link_ref(ferry_link *l) { __atomic_add_fetch(&l->refs, 1, __ATOMIC_RELAXED); }
+
+void fr_link_unref(ferry_link *l) {
+  if (!l || __atomic_sub_fetch(&l->refs, 1, __ATOMIC_ACQ_REL) != 0)
+    return;
+  if (l->ops->link_fini)
+    l->ops->link_fini(l);
+  for (int i = 0; i < l->rx_nfds; i++)
+    close(l->rx_fds[i]);
+  if (l->rx_msg) {
+    l->rx_msg->link = NULL; /* its reference is taken only on delivery */
+    ferry_msg_free(l->rx_msg);
+  }
+  fr_region_release(l->rx_region);
+  close(l->poller.fd);
+  pthread_mutex_destroy(&l->lock);
+  pthread_mutex_destroy(&l->send_lock);
+  pthread_cond_destroy(&l->cond);
+  free(l);
+}
+
+int fr_link_start(ferry_link *l) {
+  int rc = fr_sock_set_nonblock(l->poller.fd, true);
+  if (rc != 0)
+    return rc;
+  ferry_ctx *ctx = l->ctx;
+  fr_link_ref(l);
+  pthread_mutex_lock(&ctx->links_lock);
+  l->next = ctx->links;
+  ctx->links = l;
+  pthread_mutex_unlock(&ctx->links_lock);
+  struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = &l->poller};
+  if (epoll_ctl(ctx->epfd, EPOLL_CTL_ADD, l->poller.fd, &ev) < 0) {
+    rc = fr_err_errno(FERRY_ESYS, "epoll_ctl");
+    fr_link_fail(l, rc, "cannot watch the socket");
+    return rc;
+  }
+  return 0;
+}
+
+void fr_link_fail(ferry_link *l, int status, const char *why) {
+  pthread_mutex_lock(&l->lock);
+  if (l->state == FR_LINK_DEAD) {
+    pthread_mutex_unlock(&l->lock);
+    return;
+  }
+  bool was_open = l->state == FR_LINK_OPEN;
+  l->state = FR_LINK_DEAD;
+  l->dead_status = status;
+  for (fr_pending *p = l->pending; p; p = p->next)
+    if (!p->claimed && !p->done) {
+      p->status = status;
+      p->done = true;
+    }
+  pthread_cond_broadcast(&l->cond);
+  pthread_mutex_unlock(&l->lock);
+  /* The progress thread sees the hang-up, unregisters the link and drops its reference. */
+  shutdown(l->poller.fd, SHUT_RDWR);
+  if (was_open || status != FERRY_ECLOSED)
+    fr_info("link %s '%s' closed: %s (%s)", l->ops->name, l->peer, why, ferry_strerror(status));
+}
+
+/* ---- sending ---- */
+
+int fr_link_send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
+                       int fd_out, uint64_t deadline_ns) {
+  uint8_t hdr[FR_FRAME_BYTES];
+  fr_frame_encode(f, hdr);
+  struct iovec local[9], *v = local;
+  if (iovcnt > 8 && !(v = malloc(sizeof *v * (size_t)(iovcnt + 1))))
+    return fr_err(FERRY_ENOMEM, "send: iovec");
+  v[0] = (struct iovec){hdr, sizeof hdr};
+  for (int i = 0; i < iovcnt; i++)
+    v[i + 1] = iov[i];
+
+  pthread_mutex_lock(&l->send_lock);
+  int rc =
+      __atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == FR_LINK_DEAD
+          ? fr_err(l->dead_status ? l->dead_status : FERRY_EPEER, "link to '%s' is closed", l->peer)
+          : fr_sock_sendv(l->poller.fd, v, iovcnt + 1, fd_out, deadline_ns);
+  pthread_mutex_unlock(&l->send_lock);
+  if (v != local)
+    free(v);
+  if (rc != 0 && l->state != FR_LINK_DEAD) /* a half-sent frame leaves the stream unusable */
+    fr_link_fail(l, rc, ferry_last_error());
+  return rc;
+}
+
+static int send_status(ferry_link *l, uint8_t type, uint64_t req_id, int status) {
+  fr_frame f = {.type = type, .status = status, .req_id = req_id};
+  return fr_link_send_frame(l, &f, NULL, 0, -1, fr_deadline_ns(l->ctx->timeout_ms));
+}
+
+/* ---- pending requests (user threads) ---- */
+
+static int pending_add(ferry_link *l, fr_pending *p) {
+  pthread_mutex_lock(&l->lock);
+  int state = l->state;
+  if (state != FR_LINK_OPEN) {
+    int st = l->dead_status ? l->dead_status : FERRY_EPEER;
+    pthread_mutex_unlock(&l->lock);
+    return fr_err(st, "link to '%s' is closed", l->peer);
+  }
+  p->id = __atomic_add_fetch(&l->ctx->next_req_id, 1, __ATOMIC_RELAXED);
+  p->fd = -1;
+  p->next = l->pending;
+  l->pending = p;
+  pthread_mutex_unlock(&l->lock);
+  return 0;
+}
+
+static void pending_unlink_locked(ferry_link *l, fr_pending *p) {
+  for (fr_pending **pp = &l->pending; *pp; pp = &(*pp)->next)
+    if (*pp == p) {
+      *pp = p->next;
+      return;
+    }
+}
+
+static fr_pending *pending_find_locked(ferry_link *l, uint64_t id) {
+  for (fr_pending *p = l->pending; p; p = p->next)
+    if (p->id == id && !p->done)
+      return p;
+  return NULL;
+}
+
+/* Waits for a response. On timeout an unclaimed request is simply forgotten; a claimed one (its
+ * payload is arriving into the caller's buffer) can only be stopped by closing the link. */
+static int pending_wait(ferry_link *l, fr_pending *p, uint64_t deadline_ns, const char *what) {
+  fr_spin_until(&p->done, l->ctx->spin_us);
+  pthread_mutex_lock(&l->lock);
+  struct timespec ts = {(time_t)(deadline_ns / 1000000000ull), (long)(deadline_ns % 1000000000ull)};
+  bool timed_out = false;
+  while (!p->done && !timed_out)
+    timed_out = pthread_cond_timedwait(&l->cond, &l->lock, &ts) == ETIMEDOUT && !p->done;
+  if (timed_out && p->claimed) {
+    pthread_mutex_unlock(&l->lock);
+    fr_link_fail(l, FERRY_ETIMEDOUT, "a transfer did not finish in time");
+    pthread_mutex_lock(&l->lock);
+    while (!p->done)
+      pthread_cond_wait(&l->cond, &l->lock);
+  }
+  pending_unlink_locked(l, p);
+  pthread_mutex_unlock(&l->lock);
+  if (timed_out)
+    return fr_err(FERRY_ETIMEDOUT, "%s from '%s': no answer in time", what, l->peer);
+  if (p->status != 0)
+    return p->status == FERRY_EPEER || p->status == FERRY_ECLOSED || p->status == FERRY_ETIMEDOUT
+               ? fr_err(p->status, "%s from '%s': link lost", what, l->peer)
+               : fr_err(p->status, "%s from '%s': refused by the owner (%s)", what, l->peer,
+                        ferry_strerror(p->status));
+  return 0;
+}
+
+static int request(ferry_link *l, fr_pending *p, uint8_t type, const struct iovec *iov, int iovcnt,
+                   int timeout_ms, const char *what) {
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  int rc = pending_add(l, p);
+  if (rc != 0)
+    return rc;
+  uint64_t len = 0;
+  for (int i = 0; i < iovcnt; i++)
+    len += iov[i].iov_len;
+  fr_frame f = {.type = type, .req_id = p->id, .len = len};
+  rc = fr_link_send_frame(l, &f, iov, iovcnt, -1, deadline);
+  if (rc != 0) {
+    pthread_mutex_lock(&l->lock);
+    pending_unlink_locked(l, p);
+    pthread_mutex_unlock(&l->lock);
+    return rc;
+  }
+  return pending_wait(l, p, deadline, what);
+}
+
+int fr_link_rma_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst, size_t len,
+                     int timeout_ms) {
+  uint8_t body[FR_RMA_BYTES];
+  fr_rma_encode(&(fr_rma){r->id, r->key, off, len}, body);
+  struct iovec iov = {body, sizeof body};
+  fr_pending p = {.expect = FR_READ_RESP, .dst = dst, .len = len};
+  return request(l, &p, FR_READ, &iov, 1, timeout_ms, "read");
+}
+
+int fr_link_rma_write(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
+                      size_t len, int timeout_ms) {
+  uint8_t body[FR_RMA_BYTES];
+  fr_rma_encode(&(fr_rma){r->id, r->key, off, len}, body);
+  struct iovec iov[2] = {{body, sizeof body}, {(void *)src, len}};
+  fr_pending p = {.expect = FR_WRITE_RESP};
+  return request(l, &p, FR_WRITE, iov, 2, timeout_ms, "write");
+}
+
+int fr_link_map_request(ferry_link *l, const ferry_region_ref *r, int timeout_ms, int *fd,
+                        uint64_t *size) {
+  uint8_t body[FR_MAP_BYTES];
+  fr_map_encode(&(fr_map){r->id, r->key}, body);
+  struct iovec iov = {body, sizeof body};
+  fr_pending p = {.expect = FR_MAP_RESP};
+  int rc = request(l, &p, FR_MAP, &iov, 1, timeout_ms, "map");
+  if (rc == 0) {
+    *fd = p.fd;
+    *size = p.size;
+  } else if (p.fd >= 0) {
+    close(p.fd);
+  }
+  return rc;
+}
+
+/* ---- handshake ---- */
+
+static void mac_for(const ferry_ctx *ctx, const char *label, const uint8_t a[FR_NONCE_BYTES],
+                    const uint8_t b[FR_NONCE_BYTES], uint8_t out[FR_MAC_BYTES]) {
+  uint8_t msg[32 + 2 * FR_NONCE_BYTES] = {0};
+  size_t n = strlen(label);
+  memcpy(msg, label, n);
+  memcpy(msg + 32, a, FR_NONCE_BYTES);
+  memcpy(msg + 32 + FR_NONCE_BYTES, b, FR_NONCE_BYTES);
+  fr_hmac_sha256(ctx->token, strlen(ctx->token), msg, sizeof msg, out);
+}
+
+static int recv_frame_sync(ferry_link *l, uint8_t type, void *body, size_t body_len,
+                           uint64_t deadline, int *fds, int *nfds, int *status) {
+  uint8_t hdr[FR_FRAME_BYTES];
+  fr_frame f;
+  int rc = fr_sock_recv_all(l->poller.fd, hdr, sizeof hdr, deadline, fds, nfds);
+  if (rc == 0)
+    rc = fr_frame_decode(hdr, l->ctx->max_payload, &f);
+  if (rc == 0 && f.type != type)
+    rc = fr_err(FERRY_EPROTO, "handshake: expected frame %u, got %u", type, f.type);
+  if (rc == 0 && f.len > 0)
+    rc = fr_sock_recv_all(l->poller.fd, body, f.len <= body_len ? f.len : 0, deadline, fds, nfds);
+  if (rc == 0)
+    *status = f.status;
+  return rc;
+}
+
+int fr_link_handshake(ferry_link *l, int timeout_ms) {
+  ferry_ctx *ctx = l->ctx;
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  fr_hello hello;
+  memset(&hello, 0, sizeof hello);
+  fr_random_bytes(hello.nonce, sizeof hello.nonce);
+  snprintf(hello.name, sizeof hello.name, "%s", ctx->name);
+  uint8_t buf[FR_HELLO_ACK_BYTES];
+  fr_hello_encode(&hello, buf);
+  struct iovec iov = {buf, FR_HELLO_BYTES};
+  fr_frame f = {.type = FR_HELLO, .len = FR_HELLO_BYTES};
+  int rc = fr_link_send_frame(l, &f, &iov, 1, -1, deadline);
+  int fds[FR_MAX_RX_FDS], nfds = 0, status = 0;
+  fr_hello_ack ack;
+  if (rc == 0)
+    rc = recv_frame_sync(l, FR_HELLO_ACK, buf, sizeof buf, deadline, fds, &nfds, &status);
+  if (rc == 0)
+    rc = status ? fr_err(status, "handshake refused") : fr_hello_ack_decode(buf, sizeof buf, &ack);
+  uint8_t expect[FR_MAC_BYTES];
+  if (rc == 0) {
+    mac_for(ctx, "ferry-acceptor", hello.nonce, ack.nonce, expect);
+    if (!fr_memeq_const(expect, ack.mac, FR_MAC_BYTES))
+      rc =
+          fr_err(FERRY_EAUTH, "peer '%s' does not know this fleet's token (FERRY_TOKEN)", ack.name);
+  }
+  fr_auth auth;
+  memset(&auth, 0, sizeof auth);
+  if (rc == 0 && l->ops->passes_fds) {
+    /* Same host proven: we can read the peer's memory segment. */
+    if (nfds < 1 || pread(fds[0], auth.proof, FR_NONCE_BYTES, 0) != FR_NONCE_BYTES)
+      rc = fr_err(FERRY_ECONNECT, "peer did not share a readable memory segment");
+  }
+  for (int i = 0; i < nfds; i++)
+    close(fds[i]);
+  if (rc == 0) {
+    mac_for(ctx, "ferry-connector", ack.nonce, hello.nonce, auth.mac);
+    fr_auth_encode(&auth, buf);
+    iov = (struct iovec){buf, FR_AUTH_BYTES};
+    f = (fr_frame){.type = FR_AUTH, .len = FR_AUTH_BYTES};
+    rc = fr_link_send_frame(l, &f, &iov, 1, -1, deadline);
+  }
+  nfds = 0;
+  if (rc == 0)
+    rc = recv_frame_sync(l, FR_AUTH_ACK, buf, 0, deadline, fds, &nfds, &status);
+  if (rc == 0 && status != 0)
+    rc = fr_err(status, "peer '%s' refused the link (%s)", ack.name,
+                status == FERRY_EAUTH ? "fleet token mismatch" : ferry_strerror(status));
+  if (rc == 0) {
+    memcpy(l->peer, ack.name, sizeof l->peer);
+    l->state = FR_LINK_OPEN;
+  }
+  return rc;
+}
+
+static int on_hello(ferry_link *l) {
+  fr_hello h;
+  int rc = fr_hello_decode(l->rx_body, l->rx_frame.len, &h);
+  if (rc != 0)
+    return rc;
+  memcpy(l->peer, h.name, sizeof l->peer);
+  memcpy(l->nonce_peer, h.nonce, FR_NONCE_BYTES);
+  fr_hello_ack ack;
+  memset(&ack, 0, sizeof ack);
+  fr_random_bytes(l->nonce_self, FR_NONCE_BYTES);
+  memcpy(ack.nonce, l->nonce_self, FR_NONCE_BYTES);
+  mac_for(l->ctx, "ferry-acceptor", l->nonce_peer, l->nonce_self, ack.mac);
+  snprintf(ack.name, sizeof ack.name, "%s", l->ctx->name);
+  int proof_fd = -1;
+  if (l->ops->passes_fds) {
+    fr_random_bytes(l->proof, FR_NONCE_BYTES);
+    proof_fd = memfd_create("ferry-proof", MFD_CLOEXEC);
+    if (proof_fd < 0 || pwrite(proof_fd, l->proof, FR_NONCE_BYTES, 0) != FR_NONCE_BYTES) {
+      rc = fr_err_errno(FERRY_ESYS, "handshake: proof segment");
+      if (proof_fd >= 0)
+        close(proof_fd);
+      return rc;
+    }
+  }
+  uint8_t buf[FR_HELLO_ACK_BYTES];
+  fr_hello_ack_encode(&ack, buf);
+  struct iovec iov = {buf, sizeof buf};
+  fr_frame f = {.type = FR_HELLO_ACK, .len = sizeof buf};
+  l->state = FR_LINK_AUTH;
+  rc = fr_link_send_frame(l, &f, &iov, 1, proof_fd, fr_deadline_ns(l->ctx->timeout_ms));
+  if (proof_fd >= 0)
+    close(proof_fd);
+  return rc;
+}
+
+static int on_auth(ferry_link *l) {
+  fr_auth a;
+  int rc = fr_auth_decode(l->rx_body, l->rx_frame.len, &a);
+  if (rc != 0)
+    return rc;
+  uint8_t expect[FR_MAC_BYTES];
+  mac_for(l->ctx, "ferry-connector", l->nonce_self, l->nonce_peer, expect);
+  int status = 0;
+  if (!fr_memeq_const(expect, a.mac, FR_MAC_BYTES))
+    status = fr_err(FERRY_EAUTH, "'%s' does not know this fleet's token", l->peer);
+  else if (l->ops->passes_fds && !fr_memeq_const(l->proof, a.proof, FR_NONCE_BYTES))
+    status = fr_err(FERRY_EAUTH, "'%s' could not read our memory segment", l->peer);
+  if (status != 0) {
+    fr_warn("refusing link from '%s': %s", l->peer, ferry_last_error());
+    send_status(l, FR_AUTH_ACK, 0, status);
+    return status;
+  }
+  pthread_mutex_lock(&l->lock);
+  l->state = FR_LINK_OPEN;
+  pthread_mutex_unlock(&l->lock);
+  fr_debug("link %s from '%s' open", l->ops->name, l->peer);
+  return send_status(l, FR_AUTH_ACK, 0, 0);
+}
+
+/* ---- serving requests (progress thread) ---- */
+
+static int on_read_request(ferry_link *l) {
+  fr_rma r;
+  int rc = fr_rma_decode(l->rx_body, l->rx_frame.len, &r);
+  if (rc != 0)
+    return rc;
+  fr_region *reg = NULL;
+  int status = r.length > l->ctx->max_payload
+                   ? fr_err(FERRY_ERANGE, "read of %llu bytes exceeds FERRY_MAX_MESSAGE",
+                            (unsigned long long)r.length)
+                   : fr_region_acquire(&l->ctx->regions, r.region, r.key, r.offset, r.length, &reg);
+  if (status != 0) {
+    fr_debug("refused read from '%s': %s", l->peer, ferry_last_error());
+    fr_frame f = {.type = FR_READ_RESP, .status = status, .req_id = l->rx_frame.req_id};
+    return fr_link_send_frame(l, &f, NULL, 0, -1, fr_deadline_ns(l->ctx->timeout_ms));
+  }
+  if (r.length > FR_INLINE_RESPONSE_MAX) {
+    fr_link_ref(l);
+    fr_ctx_serve_later(l->ctx, l, l->rx_frame.req_id, reg, r.offset, r.length);
+    return 0;
+  }
+  fr_frame f = {.type = FR_READ_RESP, .req_id = l->rx_frame.req_id, .len = r.length};
+  struct iovec iov = {reg->data + r.offset, r.length};
+  rc = fr_link_send_frame(l, &f, &iov, 1, -1, fr_deadline_ns(l->ctx->timeout_ms));
+  fr_region_release(reg);
+  return rc;
+}
+
+static int on_map_request(ferry_link *l) {
+  fr_map m;
+  int rc = fr_map_decode(l->rx_body, l->rx_frame.len, &m);
+  if (rc != 0)
+    return rc;
+  fr_region *reg = NULL;
+  int status = fr_region_acquire(&l->ctx->regions, m.region, m.key, 0, 0, &reg);
+  if (status == 0 && (reg->memfd < 0 || !l->ops->passes_fds)) {
+    status = FERRY_ENOTSUP; /* registered memory: the peer falls back to read requests */
+    fr_region_release(reg);
+  }
+  fr_frame f = {.type = FR_MAP_RESP, .status = status, .req_id = l->rx_frame.req_id};
+  if (status != 0)
+    return fr_link_send_frame(l, &f, NULL, 0, -1, fr_deadline_ns(l->ctx->timeout_ms));
+  uint8_t size[FR_MAP_RESP_BYTES];
+  fr_put_u64(size, reg->size);
+  struct iovec iov = {size, sizeof size};
+  f.len = sizeof size;
+  rc = fr_link_send_frame(l, &f, &iov, 1, reg->memfd, fr_deadline_ns(l->ctx->timeout_ms));
+  fr_region_release(reg);
+  return rc;
+}
+
+/* ---- the receive state machine (progress thread) ---- */
+
+static void rx_expect(ferry_link *l, int phase, size_t want) {
+  l->rx_phase = phase;
+  l->rx_have = 0;
+  l->rx_want = want;
+}
+
+static void rx_payload(ferry_link *l, void *dst, uint64_t len) {
+  l->rx_phase = FR_RX_PAYLOAD;
+  l->rx_dst = dst;
+  l->rx_left = len;
+}
+
+static int take_fd(ferry_link *l) {
+  if (l->rx_nfds == 0)
+    return -1;
+  int fd = l->rx_fds[0];
+  memmove(l->rx_fds, l->rx_fds + 1, sizeof(int) * (size_t)--l->rx_nfds);
+  return fd;
+}
+
+/* Completes the pending request a response names; unknown ids (timed out) are ignored. */
+static void complete(ferry_link *l, int status, uint64_t size, int fd) {
+  pthread_mutex_lock(&l->lock);
+  fr_pending *p = pending_find_locked(l, l->rx_frame.req_id);
+  if (p && p->expect == l->rx_frame.type) {
+    p->status = status;
+    p->size = size;
+    p->fd = fd;
+    fd = -1;
+    __atomic_store_n(&p->done, true, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&l->cond);
+  }
+  pthread_mutex_unlock(&l->lock);
+  if (fd >= 0)
+    close(fd);
+}
+
+static bool allowed(const ferry_link *l, uint8_t type) {
+  if (l->state == FR_LINK_HELLO)
+    return type == FR_HELLO && l->accepted;
+  if (l->state == FR_LINK_AUTH)
+    return type == FR_AUTH && l->accepted;
+  return type >= FR_MSG;
+}
+
+/* A complete header arrived: decide where its payload goes. */
+static int frame_begin(ferry_link *l) {
+  fr_frame *f = &l->rx_frame;
+  int rc = fr_frame_decode(l->rx_header, l->ctx->max_payload, f);
+  if (rc != 0)
+    return rc;
+  if (!allowed(l, f->type))
+    return fr_err(FERRY_EPROTO, "frame type %u not allowed in link state %d", f->type, l->state);
+  switch ((fr_frame_type)f->type) {
+  case FR_MSG: {
+    ferry_msg *m = fr_msg_alloc(f->len);
+    if (!m)
+      return fr_err(FERRY_ENOMEM, "message of %llu bytes", (unsigned long long)f->len);
+    m->link = l;
+    m->channel = f->channel;
+    l->rx_msg = m;
+    rx_payload(l, m->data, f->len);
+    return 0;
+  }
+  case FR_READ_RESP: {
+    pthread_mutex_lock(&l->lock);
+    fr_pending *p = pending_find_locked(l, f->req_id);
+    bool take = p && p->expect == FR_READ_RESP && f->status == 0 && f->len == p->len;
+    if (take)
+      p->claimed = true;
+    pthread_mutex_unlock(&l->lock);
+    l->rx_req = take ? p : NULL;
+    if (f->len == 0 || !take) {
+      if (p && !take)
+        complete(l, f->status ? f->status : FERRY_EPROTO, 0, -1);
+      rx_payload(l, NULL, f->len);
+    } else {
+      rx_payload(l, p->dst, f->len);
+    }
+    return 0;
+  }
+  case FR_WRITE:
+    rx_expect(l, FR_RX_BODY, FR_RMA_BYTES);
+    return 0;
+  case FR_AUTH_ACK:
+  case FR_WRITE_RESP:
+    complete(l, f->status, 0, -1);
+    rx_expect(l, FR_RX_HEADER, FR_FRAME_BYTES);
+    return 0;
+  case FR_MAP_RESP:
+    if (f->status != 0) {
+      complete(l, f->status, 0, -1);
+      rx_expect(l, FR_RX_HEADER, FR_FRAME_BYTES);
+      return 0;
+    }
+    __attribute__((fallthrough));
+  default:
+    rx_expect(l, FR_RX_BODY, f->len);
+    return 0;
+  }
+}
+
+static int body_done(ferry_link *l) {
+  fr_frame *f = &l->rx_frame;
+  int rc = 0;
+  switch ((fr_frame_type)f->type) {
+  case FR_HELLO:
+    rc = on_hello(l);
+    break;
+  case FR_AUTH:
+    rc = on_auth(l);
+    break;
+  case FR_READ:
+    rc = on_read_request(l);
+    break;
+  case FR_MAP:
+    rc = on_map_request(l);
+    break;
+  case FR_MAP_RESP: {
+    int fd = take_fd(l);
+    complete(l, fd < 0 ? FERRY_EPROTO : 0, fr_get_u64(l->rx_body), fd);
+    break;
+  }
+  case FR_WRITE: {
+    if ((rc = fr_rma_decode(l->rx_body, FR_RMA_BYTES, &l->rx_rma)) != 0)
+      return rc;
+    if (l->rx_rma.length != f->len - FR_RMA_BYTES)
+      return fr_err(FERRY_EPROTO, "write: header says %llu bytes, frame carries %llu",
+                    (unsigned long long)l->rx_rma.length,
+                    (unsigned long long)(f->len - FR_RMA_BYTES));
+    fr_region *r = NULL;
+    int st = fr_region_acquire(&l->ctx->regions, l->rx_rma.region, l->rx_rma.key, l->rx_rma.offset,
+                               l->rx_rma.length, &r);
+    l->rx_region = r;
+    l->rx_req = NULL;
+    f->status = st; /* remembered for the response */
+    rx_payload(l, r ? r->data + l->rx_rma.offset : NULL, l->rx_rma.length);
+    return 0;
+  }
+  default:
+    break;
+  }
+  rx_expect(l, FR_RX_HEADER, FR_FRAME_BYTES);
+  return rc;
+}
+
+static int payload_done(ferry_link *l) {
+  fr_frame *f = &l->rx_frame;
+  int rc = 0;
+  if (f->type == FR_MSG) {
+    ferry_msg *m = l->rx_msg;
+    l->rx_msg = NULL;
+    ((uint8_t *)m->data)[m->len] = 0; /* a NUL after the bytes, for text payloads */
+    fr_ctx_deliver(l->ctx, m);
+  } else if (f->type == FR_READ_RESP && l->rx_req) {
+    l->rx_req = NULL;
+    complete(l, 0, 0, -1);
+  } else if (f->type == FR_WRITE) {
+    fr_region_release(l->rx_region);
+    l->rx_region = NULL;
+    rc = send_status(l, FR_WRITE_RESP, f->req_id, f->status);
+  }
+  rx_expect(l, FR_RX_HEADER, FR_FRAME_BYTES);
+  return rc;
+}
+
+static _Thread_local uint8_t discard_buf[64 * 1024];
+
+static inline int step_result(int rc) { return rc < 0 ? rc : 1; }
+
+/* Receives what the socket has. Returns 1 to continue, 0 when drained, or a status to close. */
+static int rx_step(ferry_link *l) {
+  uint8_t *dst;
+  size_t want;
+  if (l->rx_phase == FR_RX_PAYLOAD) {
+    if (l->rx_left == 0)
+      return step_result(payload_done(l));
+    dst = l->rx_dst ? l->rx_dst : discard_buf;
+    want = l->rx_left;
+    if (!l->rx_dst && want > sizeof discard_buf)
+      want = sizeof discard_buf;
+  } else {
+    dst = (l->rx_phase == FR_RX_HEADER ? l->rx_header : l->rx_body) + l->rx_have;
+    want = l->rx_want - l->rx_have;
+    if (want == 0)
+      goto got_all;
+  }
+  bool fds = l->ops->passes_fds && l->rx_phase != FR_RX_PAYLOAD;
+  ssize_t n = fr_sock_recv_some(l->poller.fd, dst, want, fds ? l->rx_fds : NULL, &l->rx_nfds,
+                                FR_MAX_RX_FDS);
+  if (n == -EAGAIN || n == -EWOULDBLOCK)
+    return 0;
+  if (n == 0)
+    return fr_err(FERRY_EPEER, "peer closed the connection");
+  if (n < 0) {
+    errno = (int)-n;
+    return fr_err_errno(FERRY_EPEER, "recv");
+  }
+  if (l->rx_phase == FR_RX_PAYLOAD) {
+    if (l->rx_dst)
+      l->rx_dst += n;
+    l->rx_left -= (uint64_t)n;
+    if (l->rx_left > 0)
+      return 1;
+    return step_result(payload_done(l));
+  }
+  l->rx_have += (size_t)n;
+  if (l->rx_have < l->rx_want)
+    return 1;
+got_all:
+  if (l->rx_phase == FR_RX_HEADER) {
+    int rc = frame_begin(l);
+    if (rc != 0)
+      return rc;
+    if (l->rx_phase == FR_RX_BODY && l->rx_want == 0)
+      return step_result(body_done(l));
+    return 1;
+  }
+  return step_result(body_done(l));
+}
+
+/* Unregisters a dead link; the ctx's reference is dropped at the end of the event batch. */
+static void link_retire(ferry_link *l, int status, const char *why) {
+  if (status == FERRY_EPROTO)
+    fr_warn("link %s '%s': closing after a bad frame: %s", l->ops->name, l->peer, why);
+  fr_link_fail(l, status, why);
+  pthread_mutex_lock(&l->lock);
+  if (l->rx_req) {
+    l->rx_req->status = status;
+    __atomic_store_n(&l->rx_req->done, true, __ATOMIC_RELEASE);
+    l->rx_req = NULL;
+    pthread_cond_broadcast(&l->cond);
+  }
+  pthread_mutex_unlock(&l->lock);
+  ferry_ctx *ctx = l->ctx;
+  epoll_ctl(ctx->epfd, EPOLL_CTL_DEL, l->poller.fd, NULL);
+  pthread_mutex_lock(&ctx->links_lock);
+  for (ferry_link **pp = &ctx->links; *pp; pp = &(*pp)->next)
+    if (*pp == l) {
+      *pp = l->next;
+      break;
+    }
+  pthread_mutex_unlock(&ctx->links_lock);
+  l->poller.on_event = NULL; /* later events of this batch are ignored */
+}
+
+static void link_on_event(fr_poller *p, uint32_t events) {
+  ferry_link *l = (ferry_link *)p;
+  int rc = 1;
+  for (int spins = 0; rc == 1 && spins < 1024; spins++)
+    rc = rx_step(l);
+  if (rc < 0) {
+    const char *why = ferry_last_error();
+    link_retire(l, rc, *why ? why : "connection lost");
+    fr_ctx_bury(l->ctx, l);
+  } else if (rc == 0 && (events & (EPOLLHUP | EPOLLERR)) && l->state == FR_LINK_DEAD) {
+    link_retire(l, l->dead_status, "closed");
+    fr_ctx_bury(l->ctx, l);
+  }
+}
+
+void fr_link_reap_stale(ferry_ctx *ctx) {
+  uint64_t limit = (uint64_t)ctx->timeout_ms * 1000000ull, now = fr_now_ns();
+  pthread_mutex_lock(&ctx->links_lock);
+  for (ferry_link *l = ctx->links; l; l = l->next)
+    if (l->state != FR_LINK_OPEN && l->state != FR_LINK_DEAD && now - l->created_ns > limit) {
+      fr_warn("dropping a link from '%s' that did not finish its handshake", l->peer);
+      shutdown(l->poller.fd, SHUT_RDWR);
+    }
+  pthread_mutex_unlock(&ctx->links_lock);
+}

@@ -1,0 +1,305 @@
+/*
+ * The shm transport: links between processes on one host. The control channel is a unix-domain
+ * socket in the abstract namespace (nothing on disk to leak; scoped to the network namespace);
+ * the handshake proves the peers share a host by having the connector read a memory segment the
+ * acceptor passes it. One-sided reads and writes of a peer's ferry_alloc'd region are a memcpy
+ * from/to its pages: the first access asks the owner for the region's memfd (the owner checks the
+ * key), later ones use the cached mapping and check bounds and the region header here. Regions
+ * that are registered caller memory cannot be mapped; for those the link falls back to read
+ * requests the owner answers over the socket.
+ */
+#include "transport/transport.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+typedef struct shm_map {
+  uint64_t id, key, size;
+  uint8_t *base; /* the mapping: header page, then data */
+  size_t map_bytes;
+  bool stream_only; /* registered memory: use read requests */
+  struct shm_map *next;
+} shm_map;
+
+typedef struct shm_link {
+  pthread_mutex_t lock;
+  shm_map *maps;
+} shm_link;
+
+static socklen_t unix_address(const char *where, struct sockaddr_un *sa) {
+  memset(sa, 0, sizeof *sa);
+  sa->sun_family = AF_UNIX;
+  size_t n = strlen(where);
+  if (n >= sizeof sa->sun_path)
+    n = sizeof sa->sun_path - 1;
+  memcpy(sa->sun_path, where, n);
+  if (where[0] == '@')
+    sa->sun_path[0] = '\0'; /* abstract namespace */
+  return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + n + (where[0] == '@' ? 0 : 1));
+}
+
+static int shm_listen(ferry_ctx *ctx, int *fd_out, char *url, size_t url_len) {
+  char name[48];
+  snprintf(name, sizeof name, "@ferry-%016llx", (unsigned long long)fr_random_u64());
+  struct sockaddr_un sa;
+  socklen_t len = unix_address(name, &sa);
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0 || bind(fd, (struct sockaddr *)&sa, len) < 0 || listen(fd, 128) < 0) {
+    int rc = fr_err_errno(FERRY_ESYS, "shm: cannot listen on %s", name);
+    if (fd >= 0)
+      close(fd);
+    return rc;
+  }
+  snprintf(url, url_len, "shm://%s", name);
+  *fd_out = fd;
+  return 0;
+}
+
+static int shm_dial(const char *where, int timeout_ms, int *fd_out) {
+  struct sockaddr_un sa;
+  socklen_t len = unix_address(where, &sa);
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return fr_err_errno(FERRY_ESYS, "shm: socket");
+  char what[160];
+  snprintf(what, sizeof what, "shm://%s", where);
+  int rc = fr_sock_connect(fd, (struct sockaddr *)&sa, len, timeout_ms, what);
+  if (rc != 0) {
+    close(fd);
+    return rc;
+  }
+  *fd_out = fd;
+  return 0;
+}
+
+static void shm_setup(int fd) {
+  int buf = 1 << 20;
+  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof buf);
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof buf);
+}
+
+static shm_link *shm_state(ferry_link *l) {
+  /* Created lazily on the first one-sided access; links are started before any user call. */
+  shm_link *s = __atomic_load_n((shm_link **)&l->tdata, __ATOMIC_ACQUIRE);
+  if (s)
+    return s;
+  shm_link *fresh = calloc(1, sizeof *fresh);
+  if (!fresh)
+    return NULL;
+  pthread_mutex_init(&fresh->lock, NULL);
+  void *expected = NULL;
+  if (!__atomic_compare_exchange_n(&l->tdata, &expected, fresh, false, __ATOMIC_ACQ_REL,
+                                   __ATOMIC_ACQUIRE)) {
+    pthread_mutex_destroy(&fresh->lock);
+    free(fresh);
+    return expected;
+  }
+  return fresh;
+}
+
+static int map_segment(int fd, uint64_t id, uint64_t size, shm_map *m) {
+  size_t bytes = (size_t)size + FR_SHM_HEADER_BYTES;
+  void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED)
+    return fr_err_errno(FERRY_ESYS, "shm: cannot map region %llu", (unsigned long long)id);
+  const fr_shm_header *h = p;
+  if (h->magic != FR_SHM_MAGIC || h->layout_version != FR_SHM_LAYOUT_VERSION ||
+      h->region_id != id || h->data_bytes != size || h->header_bytes != FR_SHM_HEADER_BYTES) {
+    munmap(p, bytes);
+    return fr_err(FERRY_EPROTO, "shm: region %llu has a foreign or corrupt header",
+                  (unsigned long long)id);
+  }
+  m->base = p;
+  m->map_bytes = bytes;
+  return 0;
+}
+
+/* The mapping for a region, asking the owner (who checks the key) on first use. */
+static int get_map(ferry_link *l, const ferry_region_ref *r, int timeout_ms, shm_map **out) {
+  shm_link *s = shm_state(l);
+  if (!s)
+    return fr_err(FERRY_ENOMEM, "shm: link state");
+  pthread_mutex_lock(&s->lock);
+  shm_map *m = s->maps;
+  while (m && m->id != r->id)
+    m = m->next;
+  pthread_mutex_unlock(&s->lock);
+  if (m && m->key == r->key) {
+    *out = m;
+    return 0;
+  }
+  int fd = -1;
+  uint64_t size = 0;
+  int rc = fr_link_map_request(l, r, timeout_ms, &fd, &size);
+  if (rc != 0 && rc != FERRY_ENOTSUP)
+    return rc;
+  if (m) /* same region, another key that the owner accepted: cannot happen, keys are fixed */
+    return fr_err(FERRY_EACCES, "region %llu: key changed", (unsigned long long)r->id);
+  shm_map *fresh = calloc(1, sizeof *fresh);
+  if (!fresh) {
+    if (fd >= 0)
+      close(fd);
+    return fr_err(FERRY_ENOMEM, "shm: mapping record");
+  }
+  *fresh = (shm_map){.id = r->id, .key = r->key, .size = size, .stream_only = rc != 0};
+  if (!fresh->stream_only) {
+    rc = map_segment(fd, r->id, size, fresh);
+    close(fd);
+    if (rc != 0) {
+      free(fresh);
+      return rc;
+    }
+  }
+  pthread_mutex_lock(&s->lock);
+  fresh->next = s->maps;
+  s->maps = fresh;
+  pthread_mutex_unlock(&s->lock);
+  *out = fresh;
+  return 0;
+}
+
+static void drop_map(ferry_link *l, shm_map *dead) {
+  shm_link *s = l->tdata;
+  pthread_mutex_lock(&s->lock);
+  for (shm_map **pp = &s->maps; *pp; pp = &(*pp)->next)
+    if (*pp == dead) {
+      *pp = dead->next;
+      break;
+    }
+  pthread_mutex_unlock(&s->lock);
+  /* Not unmapped: another thread may be copying from it. link_fini releases the memory;
+   * keep it on a side list by leaking into the link's lifetime. */
+  dead->next = NULL;
+  pthread_mutex_lock(&s->lock);
+  shm_map **tail = &s->maps;
+  while (*tail)
+    tail = &(*tail)->next;
+  dead->id = 0; /* never matches a region id */
+  *tail = dead;
+  pthread_mutex_unlock(&s->lock);
+}
+
+static uint32_t region_state(const shm_map *m) {
+  return __atomic_load_n(&((const fr_shm_header *)m->base)->state, __ATOMIC_ACQUIRE);
+}
+
+/* Resolves a mapped access: the mapping, bounds and liveness checks. */
+static int mapped_access(ferry_link *l, const ferry_region_ref *r, uint64_t off, size_t len,
+                         int timeout_ms, shm_map **out) {
+  shm_map *m = NULL;
+  int rc = get_map(l, r, timeout_ms, &m);
+  if (rc != 0)
+    return rc;
+  if (m->stream_only) {
+    *out = m;
+    return 0;
+  }
+  if (!fr_range_ok(off, len, m->size))
+    return fr_err(FERRY_ERANGE, "region %llu of '%s': bytes [%llu, +%zu) outside its %llu bytes",
+                  (unsigned long long)r->id, l->peer, (unsigned long long)off, len,
+                  (unsigned long long)m->size);
+  if (region_state(m) != FR_SHM_ALIVE) {
+    drop_map(l, m);
+    return fr_err(FERRY_ENOTFOUND, "region %llu of '%s' was freed", (unsigned long long)r->id,
+                  l->peer);
+  }
+  *out = m;
+  return 0;
+}
+
+static int after_copy(ferry_link *l, const ferry_region_ref *r, shm_map *m) {
+  if (region_state(m) != FR_SHM_ALIVE)
+    return fr_err(FERRY_ESTALE, "region %llu of '%s' was freed during the copy",
+                  (unsigned long long)r->id, l->peer);
+  if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) != FR_LINK_OPEN)
+    return fr_err(FERRY_EPEER, "'%s' went away during the copy", l->peer);
+  return 0;
+}
+
+static int shm_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst, size_t len,
+                    int timeout_ms) {
+  shm_map *m = NULL;
+  int rc = mapped_access(l, r, off, len, timeout_ms, &m);
+  if (rc != 0)
+    return rc;
+  if (m->stream_only)
+    return fr_link_rma_read(l, r, off, dst, len, timeout_ms);
+  memcpy(dst, m->base + FR_SHM_HEADER_BYTES + off, len);
+  return after_copy(l, r, m);
+}
+
+static int shm_write(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
+                     size_t len, int timeout_ms) {
+  shm_map *m = NULL;
+  int rc = mapped_access(l, r, off, len, timeout_ms, &m);
+  if (rc != 0)
+    return rc;
+  if (m->stream_only)
+    return fr_link_rma_write(l, r, off, src, len, timeout_ms);
+  memcpy(m->base + FR_SHM_HEADER_BYTES + off, src, len);
+  return after_copy(l, r, m);
+}
+
+static int shm_view(ferry_link *l, const ferry_region_ref *r, uint64_t off, size_t len,
+                    const void **out) {
+  shm_map *m = NULL;
+  int rc = mapped_access(l, r, off, len, l->ctx->timeout_ms, &m);
+  if (rc != 0)
+    return rc;
+  if (m->stream_only)
+    return fr_err(FERRY_ENOTSUP, "region %llu of '%s' is registered memory: it cannot be viewed",
+                  (unsigned long long)r->id, l->peer);
+  *out = m->base + FR_SHM_HEADER_BYTES + off;
+  return 0;
+}
+
+static int shm_view_valid(ferry_link *l, const ferry_region_ref *r) {
+  shm_link *s = shm_state(l);
+  shm_map *m = NULL;
+  if (s) {
+    pthread_mutex_lock(&s->lock);
+    for (m = s->maps; m && (m->id != r->id || m->key != r->key); m = m->next)
+      ;
+    pthread_mutex_unlock(&s->lock);
+  }
+  if (!m || m->stream_only)
+    return fr_err(FERRY_ENOTFOUND, "region %llu of '%s' is not viewed", (unsigned long long)r->id,
+                  l->peer);
+  return region_state(m) == FR_SHM_ALIVE ? 0
+                                         : fr_err(FERRY_ESTALE, "region %llu of '%s' was freed",
+                                                  (unsigned long long)r->id, l->peer);
+}
+
+static void shm_link_fini(ferry_link *l) {
+  shm_link *s = l->tdata;
+  if (!s)
+    return;
+  for (shm_map *m = s->maps, *next; m; m = next) {
+    next = m->next;
+    if (m->base)
+      munmap(m->base, m->map_bytes);
+    free(m);
+  }
+  pthread_mutex_destroy(&s->lock);
+  free(s);
+}
+
+const fr_transport_ops fr_shm_transport = {
+    .name = "shm",
+    .scheme = "shm://",
+    .passes_fds = true,
+    .listen = shm_listen,
+    .dial = shm_dial,
+    .setup = shm_setup,
+    .read = shm_read,
+    .write = shm_write,
+    .view = shm_view,
+    .view_valid = shm_view_valid,
+    .link_fini = shm_link_fini,
+};

@@ -1,0 +1,149 @@
+/*
+ * The tcp transport: links between hosts. Sockets use TCP_NODELAY (small frames go out at once)
+ * and, when FERRY_TCP_SOCKBUF is set, fixed large buffers. One-sided reads and writes are
+ * requests the owner answers after checking key and bounds (link.c); payloads go from the
+ * region with one sendmsg and land in the destination with recv, with no staging buffer.
+ */
+#include "transport/transport.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+/* Splits "HOST:PORT" (HOST may be "[v6]"); host may be empty. */
+static int split_host_port(const char *text, char *host, size_t hlen, char *port, size_t plen) {
+  const char *colon = strrchr(text, ':');
+  if (!colon || colon[1] == '\0')
+    return fr_err(FERRY_EINVAL, "'%s' is not HOST:PORT", text);
+  const char *h = text;
+  size_t n = (size_t)(colon - text);
+  if (n >= 2 && h[0] == '[' && h[n - 1] == ']') {
+    h++;
+    n -= 2;
+  }
+  if (n >= hlen || strlen(colon + 1) >= plen)
+    return fr_err(FERRY_EINVAL, "'%s' is too long", text);
+  memcpy(host, h, n);
+  host[n] = '\0';
+  snprintf(port, plen, "%s", colon + 1);
+  return 0;
+}
+
+static int resolve(const char *text, bool passive, struct addrinfo **out) {
+  char host[256], port[16];
+  int rc = split_host_port(text, host, sizeof host, port, sizeof port);
+  if (rc != 0)
+    return rc;
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM};
+  if (passive)
+    hints.ai_flags = AI_PASSIVE;
+  int g = getaddrinfo(*host ? host : NULL, port, &hints, out);
+  if (g != 0)
+    return fr_err(FERRY_EINVAL, "cannot resolve '%s': %s", text, gai_strerror(g));
+  return 0;
+}
+
+/* The address peers should dial when we listen on a wildcard: the first non-loopback IPv4. */
+static void advertised_host(const struct sockaddr_storage *ss, char *out, size_t len) {
+  if (ss->ss_family == AF_INET6) {
+    inet_ntop(AF_INET6, &((const struct sockaddr_in6 *)ss)->sin6_addr, out, (socklen_t)len);
+    return;
+  }
+  struct in_addr a = ((const struct sockaddr_in *)ss)->sin_addr;
+  if (a.s_addr == htonl(INADDR_ANY)) {
+    struct ifaddrs *ifs = NULL;
+    a.s_addr = htonl(INADDR_LOOPBACK);
+    if (getifaddrs(&ifs) == 0) {
+      for (struct ifaddrs *i = ifs; i; i = i->ifa_next)
+        if (i->ifa_addr && i->ifa_addr->sa_family == AF_INET) {
+          struct in_addr c = ((struct sockaddr_in *)i->ifa_addr)->sin_addr;
+          if ((ntohl(c.s_addr) >> 24) != 127) {
+            a = c;
+            break;
+          }
+        }
+      freeifaddrs(ifs);
+    }
+  }
+  inet_ntop(AF_INET, &a, out, (socklen_t)len);
+}
+
+static int tcp_listen(ferry_ctx *ctx, int *fd_out, char *url, size_t url_len) {
+  struct addrinfo *ai = NULL;
+  int rc = resolve(ctx->tcp_listen, true, &ai);
+  if (rc != 0)
+    return rc;
+  int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  int one = 1;
+  if (fd >= 0)
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (fd < 0 || bind(fd, ai->ai_addr, ai->ai_addrlen) < 0 || listen(fd, 128) < 0) {
+    rc = fr_err_errno(FERRY_ESYS, "tcp: cannot listen on %s", ctx->tcp_listen);
+    if (fd >= 0)
+      close(fd);
+    freeaddrinfo(ai);
+    return rc;
+  }
+  freeaddrinfo(ai);
+  struct sockaddr_storage ss;
+  socklen_t slen = sizeof ss;
+  getsockname(fd, (struct sockaddr *)&ss, &slen);
+  char host[INET6_ADDRSTRLEN];
+  advertised_host(&ss, host, sizeof host);
+  int port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                            : ((struct sockaddr_in *)&ss)->sin_port);
+  snprintf(url, url_len, ss.ss_family == AF_INET6 ? "tcp://[%s]:%d" : "tcp://%s:%d", host, port);
+  *fd_out = fd;
+  return 0;
+}
+
+static int tcp_dial(const char *where, int timeout_ms, int *fd_out) {
+  struct addrinfo *ai = NULL;
+  int rc = resolve(where, false, &ai);
+  if (rc != 0)
+    return rc;
+  int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    freeaddrinfo(ai);
+    return fr_err_errno(FERRY_ESYS, "tcp: socket");
+  }
+  char what[300];
+  snprintf(what, sizeof what, "tcp://%s", where);
+  rc = fr_sock_connect(fd, ai->ai_addr, ai->ai_addrlen, timeout_ms, what);
+  freeaddrinfo(ai);
+  if (rc != 0) {
+    close(fd);
+    return rc;
+  }
+  *fd_out = fd;
+  return 0;
+}
+
+static void tcp_setup(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  int buf = (int)fr_config_int("FERRY_TCP_SOCKBUF");
+  if (buf > 0) {
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof buf);
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof buf);
+  }
+}
+
+const fr_transport_ops fr_tcp_transport = {
+    .name = "tcp",
+    .scheme = "tcp://",
+    .passes_fds = false,
+    .listen = tcp_listen,
+    .dial = tcp_dial,
+    .setup = tcp_setup,
+    .read = fr_link_rma_read,
+    .write = fr_link_rma_write,
+};

@@ -1,0 +1,211 @@
+/*
+ * Transports and links, internal view. A transport is an ops table (registry.c lists them all);
+ * a link is one connection to a peer, driven by its context's progress thread. Jobs use links
+ * through ferry.h (ferry_connect, ferry_send, ferry_read, ...) and never see these structs;
+ * transports know nothing of jobs.
+ */
+#ifndef FR_TRANSPORT_H
+#define FR_TRANSPORT_H
+
+#include "core/core.h"
+#include "core/region.h"
+#include "transport/wire.h"
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <sys/socket.h>
+
+typedef struct fr_poller {
+  int fd;
+  void (*on_event)(struct fr_poller *p, uint32_t events);
+} fr_poller;
+
+typedef struct fr_transport_ops {
+  const char *name;   /* "shm", "tcp" */
+  const char *scheme; /* "shm://", "tcp://" */
+  bool passes_fds;    /* the link can carry file descriptors (SCM_RIGHTS) */
+  /* Opens a non-blocking listening socket; writes the URL peers dial into url. */
+  int (*listen)(ferry_ctx *ctx, int *fd, char *url, size_t url_len);
+  /* Dials `where` (the URL after the scheme); returns a connected, blocking socket. */
+  int (*dial)(const char *where, int timeout_ms, int *fd);
+  /* Socket options for a new link (both ends). */
+  void (*setup)(int fd);
+  /* One-sided operations; the stream implementations (fr_link_rma_*) serve transports that do
+   * not have a faster path. */
+  int (*read)(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst, size_t len,
+              int timeout_ms);
+  int (*write)(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src, size_t len,
+               int timeout_ms);
+  int (*view)(ferry_link *l, const ferry_region_ref *r, uint64_t off, size_t len, const void **out);
+  int (*view_valid)(ferry_link *l, const ferry_region_ref *r);
+  void (*link_fini)(ferry_link *l); /* frees transport state (mappings) */
+} fr_transport_ops;
+
+/* registry.c: every transport, in one place. */
+const fr_transport_ops *fr_transport_find(const char *name);
+const fr_transport_ops *const *fr_transport_all(size_t *count);
+
+/* ---- links ---- */
+enum fr_link_state { FR_LINK_HELLO, FR_LINK_AUTH, FR_LINK_OPEN, FR_LINK_DEAD };
+enum fr_rx_phase { FR_RX_HEADER, FR_RX_BODY, FR_RX_PAYLOAD };
+
+typedef struct fr_pending {
+  uint64_t id;
+  uint8_t expect; /* the response type */
+  void *dst;      /* READ: where the bytes go */
+  uint64_t len;
+  int status;
+  bool done, claimed; /* claimed: the progress thread is writing into dst */
+  int fd;             /* MAP: the fd that came with the response */
+  uint64_t size;      /* MAP: the region's size */
+  struct fr_pending *next;
+} fr_pending;
+
+#define FR_SMALL_BODY 128
+#define FR_MAX_RX_FDS 8
+
+struct ferry_link {
+  fr_poller poller;
+  ferry_ctx *ctx;
+  const fr_transport_ops *ops;
+  int refs;
+  char peer[FR_NAME_BYTES];
+  bool accepted;
+  uint64_t created_ns;
+
+  pthread_mutex_t lock; /* state, pending, dead_status */
+  pthread_cond_t cond;
+  int state;
+  int dead_status;
+  fr_pending *pending;
+  pthread_mutex_t send_lock;
+
+  /* receive state: touched only by the progress thread */
+  int rx_phase;
+  uint8_t rx_header[FR_FRAME_BYTES];
+  uint8_t rx_body[FR_SMALL_BODY];
+  size_t rx_have, rx_want;
+  fr_frame rx_frame;
+  uint8_t *rx_dst; /* payload destination, NULL: discard */
+  uint64_t rx_left;
+  ferry_msg *rx_msg;
+  fr_pending *rx_req;
+  fr_region *rx_region;
+  fr_rma rx_rma;
+  int rx_fds[FR_MAX_RX_FDS];
+  int rx_nfds;
+
+  /* handshake (acceptor side) */
+  uint8_t nonce_self[FR_NONCE_BYTES], nonce_peer[FR_NONCE_BYTES], proof[FR_NONCE_BYTES];
+
+  void *tdata;             /* transport state */
+  struct ferry_link *next; /* ctx->links */
+};
+
+/* A received message with its queue link; the payload follows the struct. */
+typedef struct fr_msg_node {
+  struct fr_msg_node *next;
+  ferry_msg msg;
+} fr_msg_node;
+ferry_msg *fr_msg_alloc(uint64_t len);
+
+/* ---- the context ---- */
+typedef struct fr_channel {
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  struct fr_msg_node *head, *tail;
+  int count; /* atomic, for spinning readers */
+} fr_channel;
+
+typedef struct fr_listener {
+  fr_poller poller;
+  ferry_ctx *ctx;
+  const fr_transport_ops *ops;
+} fr_listener;
+
+typedef struct fr_serve_job fr_serve_job;
+
+#define FR_MAX_LISTENERS 4
+
+struct ferry_ctx {
+  char *name;
+  char *token;
+  char *tcp_listen;
+  char address[512];
+  const fr_transport_ops *order[FR_MAX_LISTENERS];
+  size_t norder;
+  fr_listener listeners[FR_MAX_LISTENERS];
+  size_t nlisteners;
+  uint64_t max_payload;
+  int spin_us;
+  int timeout_ms;
+
+  int epfd;
+  fr_poller wake;
+  pthread_t progress;
+  bool stopping;
+
+  fr_region_table regions;
+  fr_channel channels[FERRY_MAX_CHANNELS];
+
+  pthread_mutex_t links_lock;
+  ferry_link *links;
+  uint64_t next_req_id;
+
+  pthread_t server; /* sends large read responses so the progress thread never blocks */
+  pthread_mutex_t serve_lock;
+  pthread_cond_t serve_cond;
+  fr_serve_job *serve_head, *serve_tail;
+
+  ferry_link *grave[64]; /* retired during the current event batch */
+  size_t ngrave;
+};
+
+/* link.c */
+ferry_link *fr_link_new(ferry_ctx *ctx, const fr_transport_ops *ops, int fd, bool accepted);
+void fr_link_ref(ferry_link *l);
+void fr_link_unref(ferry_link *l);
+/* Registers a link with the progress thread (the ctx then holds a reference). */
+int fr_link_start(ferry_link *l);
+/* Marks the link dead with `status`, fails its pending requests, wakes the progress thread. */
+void fr_link_fail(ferry_link *l, int status, const char *why);
+/* The connector's side of the handshake, blocking, before the link is started. */
+int fr_link_handshake(ferry_link *l, int timeout_ms);
+/* Sends header + iov, whole, under the link's send lock. `fd_out` >= 0 rides along (shm). */
+int fr_link_send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
+                       int fd_out, uint64_t deadline_ns);
+/* Stream one-sided operations: requests answered by the owner. */
+int fr_link_rma_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst, size_t len,
+                     int timeout_ms);
+int fr_link_rma_write(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
+                      size_t len, int timeout_ms);
+/* Asks the owner for a region's memfd (shm): *fd and *size on success. */
+int fr_link_map_request(ferry_link *l, const ferry_region_ref *r, int timeout_ms, int *fd,
+                        uint64_t *size);
+/* Fails every handshake older than the timeout (called by the progress thread). */
+void fr_link_reap_stale(ferry_ctx *ctx);
+
+/* ctx.c */
+void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg);
+/* Drops the ctx's reference to a retired link once the current event batch is done. */
+void fr_ctx_bury(ferry_ctx *ctx, ferry_link *l);
+/* Queues a large read response for the server thread (takes the refs it is given). */
+void fr_ctx_serve_later(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_region *r, uint64_t off,
+                        uint64_t len);
+/* Spins up to ctx->spin_us for *flag, then returns whether it became true. */
+bool fr_spin_until(const bool *flag, int spin_us);
+
+/* sock.c: socket helpers shared by the socket transports */
+int fr_sock_set_nonblock(int fd, bool on);
+/* Connects fd to addr within timeout_ms. */
+int fr_sock_connect(int fd, const struct sockaddr *addr, socklen_t len, int timeout_ms,
+                    const char *what);
+/* Writes all of iov (plus an SCM_RIGHTS fd when fd_out >= 0) by the deadline. */
+int fr_sock_sendv(int fd, struct iovec *iov, int iovcnt, int fd_out, uint64_t deadline_ns);
+/* Reads exactly len bytes by the deadline, collecting passed fds into fds/nfds when non-NULL. */
+int fr_sock_recv_all(int fd, void *buf, size_t len, uint64_t deadline_ns, int *fds, int *nfds);
+/* One non-blocking recvmsg; collects passed fds. Returns bytes, 0 on EOF, -EAGAIN or -errno. */
+ssize_t fr_sock_recv_some(int fd, void *buf, size_t len, int *fds, int *nfds, int max_fds);
+
+#endif

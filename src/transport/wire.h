@@ -1,0 +1,119 @@
+/*
+ * The wire format of a link: a fixed 32-byte little-endian frame header followed by `len` bytes
+ * of payload. Decoders validate everything before anything is trusted; they are pure functions
+ * (no I/O), which is what the fuzz target exercises.
+ *
+ *   off size field
+ *    0   4   magic "FRY1"
+ *    4   1   version (1)
+ *    5   1   type (fr_frame_type)
+ *    6   2   flags (none defined: must be 0)
+ *    8   4   status (responses: 0 or a negative FERRY_E* code; requests: 0)
+ *   12   4   channel (MSG only; < FERRY_MAX_CHANNELS)
+ *   16   8   request id (pairs a response with its request)
+ *   24   8   payload length
+ */
+#ifndef FR_WIRE_H
+#define FR_WIRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define FR_WIRE_MAGIC 0x31595246u /* "FRY1" as little-endian bytes */
+#define FR_WIRE_VERSION 1
+#define FR_FRAME_BYTES 32
+#define FR_NAME_BYTES 64
+#define FR_NONCE_BYTES 16
+#define FR_MAC_BYTES 32
+
+typedef enum fr_frame_type {
+  FR_HELLO = 1,     /* connector → acceptor: fr_hello */
+  FR_HELLO_ACK = 2, /* acceptor → connector: fr_hello_ack (+ proof memfd on shm) */
+  FR_AUTH = 3,      /* connector → acceptor: fr_auth */
+  FR_AUTH_ACK = 4,  /* acceptor → connector: status only */
+  FR_MSG = 5,       /* a message on a channel */
+  FR_READ = 6,      /* fr_rma request: send me these bytes of your region */
+  FR_READ_RESP = 7, /* the bytes (len == requested), or an error status and no payload */
+  FR_WRITE = 8,     /* fr_rma request followed by the bytes to write */
+  FR_WRITE_RESP = 9,
+  FR_MAP = 10,      /* fr_map request: give me your region's memfd (shm only) */
+  FR_MAP_RESP = 11, /* fr_map_resp (+ the memfd), or an error status */
+  FR_FRAME_TYPE_MAX = 11,
+} fr_frame_type;
+
+typedef struct fr_frame {
+  uint8_t type;
+  uint16_t flags;
+  int32_t status;
+  uint32_t channel;
+  uint64_t req_id;
+  uint64_t len;
+} fr_frame;
+
+typedef struct fr_hello {
+  uint8_t nonce[FR_NONCE_BYTES];
+  char name[FR_NAME_BYTES]; /* NUL-terminated */
+} fr_hello;
+#define FR_HELLO_BYTES (FR_NONCE_BYTES + FR_NAME_BYTES)
+
+typedef struct fr_hello_ack {
+  uint8_t nonce[FR_NONCE_BYTES];
+  uint8_t mac[FR_MAC_BYTES];
+  char name[FR_NAME_BYTES];
+} fr_hello_ack;
+#define FR_HELLO_ACK_BYTES (FR_NONCE_BYTES + FR_MAC_BYTES + FR_NAME_BYTES)
+
+typedef struct fr_auth {
+  uint8_t mac[FR_MAC_BYTES];
+  uint8_t proof[FR_NONCE_BYTES]; /* what the connector read from the acceptor's memfd */
+} fr_auth;
+#define FR_AUTH_BYTES (FR_MAC_BYTES + FR_NONCE_BYTES)
+
+typedef struct fr_rma {
+  uint64_t region, key, offset, length;
+} fr_rma;
+#define FR_RMA_BYTES 32
+
+typedef struct fr_map {
+  uint64_t region, key;
+} fr_map;
+#define FR_MAP_BYTES 16
+#define FR_MAP_RESP_BYTES 8 /* u64 data size */
+
+/* Encodes a header into 32 bytes. */
+void fr_frame_encode(const fr_frame *f, uint8_t out[FR_FRAME_BYTES]);
+/* Decodes and validates a header: magic, version, type, flags, status sign, channel and the
+ * payload length allowed for the type (max_payload bounds MSG, READ_RESP and WRITE).
+ * Returns 0 or FERRY_EPROTO with a detail message saying which field is wrong. */
+int fr_frame_decode(const uint8_t in[FR_FRAME_BYTES], uint64_t max_payload, fr_frame *out);
+
+void fr_hello_encode(const fr_hello *h, uint8_t out[FR_HELLO_BYTES]);
+int fr_hello_decode(const uint8_t *in, size_t len, fr_hello *out);
+void fr_hello_ack_encode(const fr_hello_ack *h, uint8_t out[FR_HELLO_ACK_BYTES]);
+int fr_hello_ack_decode(const uint8_t *in, size_t len, fr_hello_ack *out);
+void fr_auth_encode(const fr_auth *a, uint8_t out[FR_AUTH_BYTES]);
+int fr_auth_decode(const uint8_t *in, size_t len, fr_auth *out);
+void fr_rma_encode(const fr_rma *r, uint8_t out[FR_RMA_BYTES]);
+int fr_rma_decode(const uint8_t *in, size_t len, fr_rma *out);
+void fr_map_encode(const fr_map *m, uint8_t out[FR_MAP_BYTES]);
+int fr_map_decode(const uint8_t *in, size_t len, fr_map *out);
+
+static inline void fr_put_u64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint64_t fr_get_u64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; i--)
+    v = v << 8 | p[i];
+  return v;
+}
+static inline void fr_put_u32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint32_t fr_get_u32(const uint8_t *p) {
+  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+#endif

@@ -1,0 +1,431 @@
+/*
+ * Links: messages and one-sided reads/writes over shm and tcp, bounds and key checks, tokens,
+ * bad frames, dead peers. Each case runs once per transport. Two contexts in one process stand
+ * for two nodes where that is enough; the fault cases use real child processes.
+ */
+// ferry-test: threaded
+#include "testutil.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef struct pair {
+  ferry_ctx *a, *b; /* a connects to b */
+  ferry_link *ab;
+} pair;
+
+static const char *transports[] = {"shm", "tcp"};
+
+static ferry_ctx *open_ctx(const char *name, const char *transport, const char *token) {
+  ferry_ctx_opts o = {.size = sizeof o, .name = name, .transports = transport, .token = token};
+  ferry_ctx *c = NULL;
+  FR_OK(ferry_ctx_open(&o, &c));
+  return c;
+}
+
+static void pair_open(pair *p, const char *transport) {
+  p->a = open_ctx("node-a", transport, "");
+  p->b = open_ctx("node-b", transport, "");
+  FR_OK(ferry_connect(p->a, ferry_ctx_address(p->b), 5000, &p->ab));
+  assert_string_equal(ferry_link_transport(p->ab), transport);
+  assert_string_equal(ferry_link_peer(p->ab), "node-b");
+}
+
+static void pair_close(pair *p) {
+  ferry_link_close(p->ab);
+  ferry_ctx_close(p->a);
+  ferry_ctx_close(p->b);
+}
+
+static void test_ctx_address(void **state) {
+  ferry_ctx *c = open_ctx("solo", "shm,tcp", "");
+  const char *addr = ferry_ctx_address(c);
+  assert_non_null(strstr(addr, "shm://@ferry-"));
+  assert_non_null(strstr(addr, "tcp://127.0.0.1:"));
+  assert_string_equal(ferry_ctx_name(c), "solo");
+  ferry_ctx_close(c);
+  ferry_ctx_close(NULL);
+  ferry_ctx_opts bad = {.size = sizeof bad, .transports = "carrier-pigeon"};
+  ferry_ctx *out = (ferry_ctx *)0x1;
+  assert_int_equal(ferry_ctx_open(&bad, &out), FERRY_EINVAL);
+  assert_ptr_equal(out, (ferry_ctx *)0x1);
+  assert_non_null(strstr(ferry_last_error(), "carrier-pigeon"));
+}
+
+static void test_memory(void **state) {
+  ferry_ctx *c = open_ctx("mem", "tcp", "");
+  void *p = NULL;
+  FR_OK(ferry_alloc(c, 1 << 20, &p));
+  assert_int_equal((uintptr_t)p % 4096, 0);
+  memset(p, 7, 1 << 20);
+  ferry_region_ref ref;
+  uint64_t off = 0;
+  FR_OK(ferry_region_find(c, (char *)p + 100, 10, &ref, &off));
+  assert_int_equal(off, 100);
+  assert_int_equal(ref.size, 1 << 20);
+  assert_int_equal(ferry_region_find(c, (char *)p + (1 << 20) - 5, 10, &ref, &off),
+                   FERRY_ENOTFOUND);
+  FR_OK(ferry_free(c, p));
+  assert_int_equal(ferry_free(c, p), FERRY_ENOTFOUND);
+  assert_int_equal(ferry_alloc(c, 0, &p), FERRY_EINVAL);
+  /* more shared memory than any machine has: a clear error, no crash */
+  assert_int_equal(ferry_alloc(c, (size_t)1 << 50, &p), FERRY_ENOSHM);
+  assert_non_null(strstr(ferry_last_error(), "shared memory"));
+  assert_int_equal(ferry_alloc(c, SIZE_MAX - 100, &p), FERRY_EOVERFLOW);
+
+  char local[256];
+  FR_OK(ferry_register(c, local, sizeof local, &ref));
+  assert_true(ref.id > 0 && ref.key != 0);
+  FR_OK(ferry_deregister(c, ref.id));
+  assert_int_equal(ferry_deregister(c, ref.id), FERRY_ENOTFOUND);
+  ferry_ctx_close(c);
+}
+
+static void messages(const char *transport) {
+  pair p;
+  pair_open(&p, transport);
+  char big[100000];
+  tu_fill(big, sizeof big, 3);
+  for (int i = 0; i < 100; i++) {
+    char text[32];
+    snprintf(text, sizeof text, "hello %d", i);
+    struct iovec iov[2] = {{text, strlen(text)}, {big, (size_t)i * 1000}};
+    FR_OK(ferry_send(p.ab, 3, iov, 2, 1000));
+  }
+  for (int i = 0; i < 100; i++) {
+    ferry_msg *m = NULL;
+    FR_OK(ferry_recv(p.b, 3, &m, 5000));
+    char text[32];
+    int n = snprintf(text, sizeof text, "hello %d", i);
+    assert_int_equal(m->len, (size_t)n + (size_t)i * 1000);
+    assert_memory_equal(m->data, text, (size_t)n);
+    assert_memory_equal((char *)m->data + n, big, (size_t)i * 1000);
+    /* answer on the link the message came on */
+    struct iovec iov = {m->data, (size_t)n};
+    FR_OK(ferry_send(m->link, 4, &iov, 1, 1000));
+    ferry_msg_free(m);
+  }
+  for (int i = 0; i < 100; i++) {
+    ferry_msg *m = NULL;
+    FR_OK(ferry_recv(p.a, 4, &m, 5000));
+    assert_string_equal(ferry_link_peer(m->link), "node-b");
+    ferry_msg_free(m);
+  }
+  ferry_msg *m = (ferry_msg *)0x1;
+  assert_int_equal(ferry_recv(p.a, 4, &m, 10), FERRY_ETIMEDOUT);
+  assert_ptr_equal(m, (ferry_msg *)0x1);
+  assert_int_equal(ferry_send(p.ab, FERRY_MAX_CHANNELS, NULL, 0, 10), FERRY_EINVAL);
+  pair_close(&p);
+}
+
+static void test_messages_shm(void **s) { messages("shm"); }
+static void test_messages_tcp(void **s) { messages("tcp"); }
+
+static void one_sided(const char *transport, bool shared) {
+  pair p;
+  pair_open(&p, transport);
+  size_t n = 3 << 20;
+  uint8_t *mem, *heap = NULL;
+  ferry_region_ref ref;
+  if (shared) {
+    FR_OK(ferry_alloc(p.b, n, (void **)&mem));
+    FR_OK(ferry_region_find(p.b, mem, n, &ref, NULL));
+  } else {
+    heap = malloc(n);
+    mem = heap;
+    FR_OK(ferry_register(p.b, mem, n, &ref));
+  }
+  tu_fill(mem, n, 11);
+  uint8_t *dst = malloc(n);
+  FR_OK(ferry_read(p.ab, &ref, 0, dst, n, 5000));
+  assert_memory_equal(dst, mem, n);
+  FR_OK(ferry_read(p.ab, &ref, 12345, dst, 64, 5000));
+  assert_memory_equal(dst, mem + 12345, 64);
+
+  tu_fill(dst, 4096, 99);
+  FR_OK(ferry_write(p.ab, &ref, n - 4096, dst, 4096, 5000));
+  assert_memory_equal(mem + n - 4096, dst, 4096);
+
+  /* refused: bounds, key, unknown region; the owner keeps serving */
+  assert_int_equal(ferry_read(p.ab, &ref, n - 10, dst, 11, 5000), FERRY_ERANGE);
+  assert_int_equal(ferry_read(p.ab, &ref, UINT64_MAX - 2, dst, 8, 5000), FERRY_ERANGE);
+  assert_int_equal(ferry_write(p.ab, &ref, n, dst, 1, 5000), FERRY_ERANGE);
+  ferry_region_ref wrong = ref;
+  wrong.key ^= 1;
+  assert_int_equal(ferry_read(p.ab, &wrong, 0, dst, 8, 5000), FERRY_EACCES);
+  assert_int_equal(ferry_write(p.ab, &wrong, 0, dst, 8, 5000), FERRY_EACCES);
+  ferry_region_ref none = {.id = 999999, .key = 1, .size = 8};
+  assert_int_equal(ferry_read(p.ab, &none, 0, dst, 8, 5000), FERRY_ENOTFOUND);
+  FR_OK(ferry_read(p.ab, &ref, 0, dst, n, 5000));
+  assert_memory_equal(dst, mem, n);
+
+  const void *view = NULL;
+  int rc = ferry_view(p.ab, &ref, 64, 64, &view);
+  if (strcmp(transport, "shm") == 0 && shared) {
+    FR_OK(rc);
+    assert_memory_equal(view, mem + 64, 64);
+    FR_OK(ferry_view_valid(p.ab, &ref));
+  } else {
+    assert_int_equal(rc, FERRY_ENOTSUP);
+  }
+
+  /* freed: the reader is told, nobody crashes */
+  if (shared) {
+    FR_OK(ferry_free(p.b, mem));
+    rc = ferry_read(p.ab, &ref, 0, dst, 64, 5000);
+    assert_int_equal(rc, FERRY_ENOTFOUND);
+    if (strcmp(transport, "shm") == 0)
+      assert_int_equal(ferry_view_valid(p.ab, &ref), FERRY_ENOTFOUND);
+  } else {
+    FR_OK(ferry_deregister(p.b, ref.id));
+    assert_int_equal(ferry_read(p.ab, &ref, 0, dst, 64, 5000), FERRY_ENOTFOUND);
+  }
+  free(dst);
+  pair_close(&p);
+  free(heap);
+}
+
+static void test_rma_shm_shared(void **s) { one_sided("shm", true); }
+static void test_rma_shm_registered(void **s) { one_sided("shm", false); }
+static void test_rma_tcp_shared(void **s) { one_sided("tcp", true); }
+static void test_rma_tcp_registered(void **s) { one_sided("tcp", false); }
+
+static void tokens(const char *transport) {
+  ferry_ctx *server = open_ctx("server", transport, "s3cret");
+  ferry_ctx *good = open_ctx("good", transport, "s3cret");
+  ferry_ctx *bad = open_ctx("bad", transport, "guess");
+  ferry_ctx *none = open_ctx("none", transport, "");
+  ferry_link *l = NULL;
+  FR_OK(ferry_connect(good, ferry_ctx_address(server), 5000, &l));
+  ferry_link *nl = (ferry_link *)0x1;
+  assert_int_equal(ferry_connect(bad, ferry_ctx_address(server), 5000, &nl), FERRY_EAUTH);
+  assert_ptr_equal(nl, (ferry_link *)0x1);
+  assert_int_equal(ferry_connect(none, ferry_ctx_address(server), 5000, &nl), FERRY_EAUTH);
+  /* the server still serves the good peer */
+  struct iovec iov = {"ok", 2};
+  FR_OK(ferry_send(l, 0, &iov, 1, 1000));
+  ferry_msg *m;
+  FR_OK(ferry_recv(server, 0, &m, 5000));
+  ferry_msg_free(m);
+  ferry_link_close(l);
+  ferry_ctx_close(server);
+  ferry_ctx_close(good);
+  ferry_ctx_close(bad);
+  ferry_ctx_close(none);
+}
+
+static void test_token_shm(void **s) { tokens("shm"); }
+static void test_token_tcp(void **s) { tokens("tcp"); }
+
+static void test_connect_failures(void **s) {
+  ferry_ctx *c = open_ctx("dialer", "shm,tcp", "");
+  ferry_link *l;
+  /* nothing listens there */
+  assert_int_equal(ferry_connect(c, "tcp://127.0.0.1:1", 2000, &l), FERRY_ECONNECT);
+  assert_int_equal(ferry_connect(c, "shm://@ferry-nobody", 2000, &l), FERRY_ECONNECT);
+  assert_int_equal(ferry_connect(c, "udp://x", 2000, &l), FERRY_ECONNECT);
+  /* something listens but never answers: the handshake times out */
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  assert_int_equal(listen(fd, 4), 0);
+  socklen_t len = sizeof sa;
+  getsockname(fd, (struct sockaddr *)&sa, &len);
+  char addr[64];
+  snprintf(addr, sizeof addr, "tcp://127.0.0.1:%d", ntohs(sa.sin_port));
+  assert_int_equal(ferry_connect(c, addr, 300, &l), FERRY_ECONNECT);
+  assert_non_null(strstr(ferry_last_error(), "in time"));
+  close(fd);
+  ferry_ctx_close(c);
+}
+
+/* A raw client that sends one bad frame: the link is closed, the server serves others. */
+static void send_raw_and_expect_close(ferry_ctx *server, const uint8_t *bytes, size_t n) {
+  const char *addr = strstr(ferry_ctx_address(server), "tcp://") + 6;
+  int port = atoi(strrchr(addr, ':') + 1);
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET,
+                           .sin_port = htons((uint16_t)port),
+                           .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  assert_int_equal(write(fd, bytes, n), (ssize_t)n);
+  struct timeval tv = {5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  char buf[256];
+  assert_int_equal(read(fd, buf, sizeof buf), 0); /* closed by the server */
+  close(fd);
+}
+
+static void frame(uint8_t *out, uint32_t magic, uint8_t version, uint8_t type, uint64_t len) {
+  memset(out, 0, 32);
+  memcpy(out, &magic, 4);
+  out[4] = version;
+  out[5] = type;
+  memcpy(out + 24, &len, 8);
+}
+
+static void test_bad_frames(void **s) {
+  ferry_ctx *server = open_ctx("server", "tcp", "");
+  uint8_t f[32 + 80] = {0};
+  frame(f, 0xdeadbeef, 1, 1, 80); /* bad magic */
+  send_raw_and_expect_close(server, f, sizeof f);
+  frame(f, 0x31595246, 9, 1, 80); /* bad version */
+  send_raw_and_expect_close(server, f, sizeof f);
+  frame(f, 0x31595246, 1, 77, 80); /* bad type */
+  send_raw_and_expect_close(server, f, sizeof f);
+  frame(f, 0x31595246, 1, 1, 1ull << 40); /* bad length */
+  send_raw_and_expect_close(server, f, 32);
+  frame(f, 0x31595246, 1, 5, 4); /* a message before the handshake */
+  send_raw_and_expect_close(server, f, 36);
+  frame(f, 0x31595246, 1, 1, 80); /* hello whose name is not terminated */
+  memset(f + 32, 'x', 80);
+  send_raw_and_expect_close(server, f, sizeof f);
+  /* still serving */
+  ferry_ctx *c = open_ctx("client", "tcp", "");
+  ferry_link *l;
+  FR_OK(ferry_connect(c, ferry_ctx_address(server), 5000, &l));
+  ferry_link_close(l);
+  ferry_ctx_close(c);
+  ferry_ctx_close(server);
+}
+
+/* ---- a peer killed mid-read ---- */
+
+typedef struct owner_args {
+  const char *transport;
+  tu_pipe *pipe;
+  size_t bytes;
+} owner_args;
+
+static int owner_main(void *arg) {
+  owner_args *a = arg;
+  ferry_ctx *c = open_ctx("owner", a->transport, "");
+  void *mem;
+  if (ferry_alloc(c, a->bytes, &mem) != 0)
+    return 1;
+  ferry_region_ref ref;
+  ferry_region_find(c, mem, a->bytes, &ref, NULL);
+  char addr[512];
+  snprintf(addr, sizeof addr, "%s", ferry_ctx_address(c));
+  tu_pipe_put(a->pipe, addr, sizeof addr);
+  tu_pipe_put(a->pipe, &ref, sizeof ref);
+  pause();
+  return 0;
+}
+
+static void killed_mid_read(const char *transport, bool registered_fallback) {
+  tu_pipe pp;
+  tu_pipe_open(&pp);
+  owner_args a = {transport, &pp, 64 << 20};
+  pid_t pid = tu_spawn(owner_main, &a);
+  char addr[512];
+  ferry_region_ref ref;
+  assert_int_equal(tu_pipe_get(&pp, addr, sizeof addr, 10000), 0);
+  assert_int_equal(tu_pipe_get(&pp, &ref, sizeof ref, 10000), 0);
+  ferry_ctx *c = open_ctx("reader", transport, "");
+  ferry_link *l;
+  FR_OK(ferry_connect(c, addr, 5000, &l));
+  uint8_t *dst = malloc(a.bytes);
+  FR_OK(ferry_read(l, &ref, 0, dst, 4096, 5000));
+  /* Stop the owner so the read is certainly in flight, then kill it. */
+  kill(pid, SIGSTOP);
+  (void)registered_fallback;
+  pid_t killer = fork();
+  if (killer == 0) {
+    usleep(200000);
+    kill(pid, SIGKILL);
+    _exit(0);
+  }
+  uint64_t t0 = (uint64_t)time(NULL);
+  int rc = ferry_read(l, &ref, 0, dst, a.bytes, 8000);
+  if (strcmp(transport, "shm") == 0) {
+    /* a mapped read needs nothing from the owner: it completes or reports the peer gone */
+    assert_true(rc == 0 || rc == FERRY_EPEER);
+  } else {
+    assert_int_equal(rc, FERRY_EPEER);
+  }
+  assert_true((uint64_t)time(NULL) - t0 < 8);
+  tu_wait(killer);
+  assert_int_equal(tu_wait(pid), 128 + SIGKILL);
+  /* the link is dead now: every later call says so at once */
+  usleep(100000);
+  assert_int_equal(ferry_read(l, &ref, 0, dst, 64, 1000), FERRY_EPEER);
+  free(dst);
+  ferry_link_close(l);
+  ferry_ctx_close(c);
+  tu_pipe_close(&pp);
+}
+
+static void test_killed_mid_read_tcp(void **s) { killed_mid_read("tcp", false); }
+static void test_killed_mid_read_shm(void **s) { killed_mid_read("shm", false); }
+
+/* ---- many threads sharing links ---- */
+
+typedef struct hammer_args {
+  ferry_link *link;
+  ferry_region_ref ref;
+  const uint8_t *expect;
+  int failures;
+} hammer_args;
+
+static void *hammer(void *arg) {
+  hammer_args *h = arg;
+  uint8_t buf[8192];
+  for (int i = 0; i < 300; i++) {
+    size_t off = (size_t)(i * 977) % (h->ref.size - sizeof buf);
+    if (ferry_read(h->link, &h->ref, off, buf, sizeof buf, 5000) != 0 ||
+        memcmp(buf, h->expect + off, sizeof buf) != 0)
+      h->failures++;
+  }
+  return NULL;
+}
+
+static void concurrent(const char *transport) {
+  pair p;
+  pair_open(&p, transport);
+  size_t n = 1 << 20;
+  uint8_t *mem = malloc(n);
+  tu_fill(mem, n, 5);
+  hammer_args h[4];
+  pthread_t t[4];
+  ferry_region_ref ref;
+  FR_OK(ferry_register(p.b, mem, n, &ref));
+  for (int i = 0; i < 4; i++) {
+    h[i] = (hammer_args){p.ab, ref, mem, 0};
+    pthread_create(&t[i], NULL, hammer, &h[i]);
+  }
+  for (int i = 0; i < 4; i++) {
+    pthread_join(t[i], NULL);
+    assert_int_equal(h[i].failures, 0);
+  }
+  pair_close(&p);
+  free(mem);
+}
+
+static void test_concurrent_shm(void **s) { concurrent("shm"); }
+static void test_concurrent_tcp(void **s) { concurrent("tcp"); }
+
+int main(void) {
+  (void)transports;
+  signal(SIGPIPE, SIG_IGN);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_ctx_address),         cmocka_unit_test(test_memory),
+      cmocka_unit_test(test_messages_shm),        cmocka_unit_test(test_messages_tcp),
+      cmocka_unit_test(test_rma_shm_shared),      cmocka_unit_test(test_rma_shm_registered),
+      cmocka_unit_test(test_rma_tcp_shared),      cmocka_unit_test(test_rma_tcp_registered),
+      cmocka_unit_test(test_token_shm),           cmocka_unit_test(test_token_tcp),
+      cmocka_unit_test(test_connect_failures),    cmocka_unit_test(test_bad_frames),
+      cmocka_unit_test(test_killed_mid_read_tcp), cmocka_unit_test(test_killed_mid_read_shm),
+      cmocka_unit_test(test_concurrent_shm),      cmocka_unit_test(test_concurrent_tcp),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
