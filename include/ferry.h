@@ -284,7 +284,156 @@ FERRY_API int ferry_view_valid(ferry_link *link, const ferry_region_ref *remote)
 /* ---------------------------------------------------------------------------------------------
  * Control: the weight lifecycle of an inference engine (see the control section of DESIGN.md).
  * ------------------------------------------------------------------------------------------- */
-/* @@control-api@@ */
+/* A cell is a small shared-memory file (FERRY_CTL_DIR/ferry-ctl-NAME, mode 0600) through which
+ * one engine's R ranks and any number of controllers agree on the engine's weight state. The
+ * command word is written only by controllers, each rank's line only by that rank; nobody writes
+ * back a value it read, so no command can be lost. Waits use futexes.
+ *
+ * Lifecycle: SERVING -clear-> CLEARING -> CLEARED -update-> UPDATING -> SERVING. A rank that
+ * fails reports FAILED with an error; `clear` is the way back from FAILED. `abort` supersedes a
+ * command still in flight (its controller died or gave up): every rank reports the state it can
+ * vouch for. Names are 1-64 characters of [A-Za-z0-9._-], not starting with '.'. */
+typedef struct ferry_ctl_cell ferry_ctl_cell; /* the engine's ownership of its cell */
+typedef struct ferry_ctl ferry_ctl;           /* a controller's handle on a cell */
+typedef struct ferry_ctl_rank ferry_ctl_rank; /* one rank's handle on a cell */
+
+typedef enum ferry_ctl_state {
+  FERRY_CTL_ABSENT = 0, /* rank slot not attached (rank status only) */
+  FERRY_CTL_SERVING = 1,
+  FERRY_CTL_CLEARING = 2,
+  FERRY_CTL_CLEARED = 3,
+  FERRY_CTL_UPDATING = 4,
+  FERRY_CTL_FAILED = 5,
+} ferry_ctl_state;
+
+typedef enum ferry_ctl_cmd {
+  FERRY_CTL_NONE = 0, /* no command issued yet */
+  FERRY_CTL_CLEAR = 1,
+  FERRY_CTL_UPDATE = 2,
+  FERRY_CTL_ABORT = 3,
+} ferry_ctl_cmd;
+
+#define FERRY_CTL_MAX_RANKS 1024
+#define FERRY_CTL_MESSAGE_MAX 40 /* a rank's message, NUL included */
+
+/* "serving", "clearing", ... and "clear", "update", "abort", "none" (static strings; "?" for
+ * values out of range). ferry_ctl_cmd_parse accepts the command names; FERRY_EINVAL otherwise. */
+FERRY_API const char *ferry_ctl_state_name(ferry_ctl_state state);
+FERRY_API const char *ferry_ctl_cmd_name(ferry_ctl_cmd cmd);
+FERRY_API int ferry_ctl_cmd_parse(const char *name, ferry_ctl_cmd *out);
+
+/* -- engine side: the cell -- */
+typedef struct ferry_ctl_cell_opts {
+  size_t size;        /* sizeof(ferry_ctl_cell_opts) */
+  int fail_if_stale;  /* 0: a cell left by a dead engine is replaced (next incarnation);
+                         1: fail with FERRY_ESTALE instead */
+} ferry_ctl_cell_opts;
+
+/* Creates the cell for `nranks` ranks (1..FERRY_CTL_MAX_RANKS), published atomically (never
+ * half-initialized). The calling process is the engine: the cell is live while it lives and
+ * until ferry_ctl_cell_close(). FERRY_EEXIST when a live engine owns the name (the detail names
+ * its pid); FERRY_ESTALE for a dead engine's cell when opts->fail_if_stale; FERRY_EPROTO when
+ * the file is not a ferry cell. The handle is owned by the caller. */
+FERRY_API int ferry_ctl_cell_create(const char *name, uint32_t nranks,
+                                    const ferry_ctl_cell_opts *opts, ferry_ctl_cell **out);
+/* Removes the cell's name and unmaps it; ranks and controllers still attached see it gone
+ * (their calls fail with FERRY_ENOTFOUND or FERRY_ESTALE). */
+FERRY_API void ferry_ctl_cell_close(ferry_ctl_cell *cell);
+/* The cell's incarnation: 1 for a fresh name, one more than the stale cell it replaced. */
+FERRY_API uint64_t ferry_ctl_cell_incarnation(const ferry_ctl_cell *cell);
+
+/* -- rank side -- */
+typedef struct ferry_ctl_rank_opts {
+  size_t size;                   /* sizeof(ferry_ctl_rank_opts) */
+  ferry_ctl_state initial_state; /* 0: SERVING; or CLEARED for a rank that starts empty */
+} ferry_ctl_rank_opts;
+
+typedef struct ferry_ctl_command {
+  uint64_t seq;      /* strictly increasing per cell; the same for every rank */
+  ferry_ctl_cmd cmd; /* CLEAR, UPDATE or ABORT */
+} ferry_ctl_command;
+
+/* Attaches as rank `rank` (0..nranks-1) of the cell `name`. FERRY_ENOTFOUND (no cell),
+ * FERRY_ERANGE (rank out of range), FERRY_EBUSY (a live process holds that rank). The rank can
+ * write only its own line: the command word is mapped read-only. Not thread-safe: one thread
+ * drives a rank handle. Owned by the caller until ferry_ctl_rank_close(), which detaches. */
+FERRY_API int ferry_ctl_rank_open(const char *name, uint32_t rank,
+                                  const ferry_ctl_rank_opts *opts, ferry_ctl_rank **out);
+FERRY_API void ferry_ctl_rank_close(ferry_ctl_rank *rank);
+/* Waits for a command newer than the last one this rank took, and returns the latest (a rank
+ * that lagged behind several commands gets only the newest). Taking CLEAR or UPDATE publishes
+ * CLEARING or UPDATING for this rank. FERRY_ETIMEDOUT when none came in time (0: just look). */
+FERRY_API int ferry_ctl_wait_command(ferry_ctl_rank *rank, int timeout_ms, ferry_ctl_command *out);
+/* Acknowledges the command `seq` (the last one taken) with the rank's resulting state: CLEAR
+ * acks CLEARED, UPDATE acks SERVING, ABORT acks SERVING, CLEARED or FAILED; any command may ack
+ * FAILED with `error` < 0 and a message (copied, truncated to FERRY_CTL_MESSAGE_MAX - 1; may be
+ * NULL). FERRY_ESTATE for a state the command cannot end in, FERRY_EINVAL for another seq. */
+FERRY_API int ferry_ctl_ack(ferry_ctl_rank *rank, uint64_t seq, ferry_ctl_state state, int error,
+                            const char *message);
+
+/* What a rank does per command. Handlers run on the calling thread; they return 0 or a FERRY_E*
+ * code (its ferry_last_error() becomes the rank's message). `update` is the commit step: return
+ * 0 only once the new weights are complete and verified (e.g. a refit receiver's commit), so the
+ * rank returns to SERVING only with a verified version. NULL handlers succeed at once. */
+typedef struct ferry_ctl_handlers {
+  size_t size;               /* sizeof(ferry_ctl_handlers) */
+  int (*clear)(void *arg);   /* drop weights (and KV cache) */
+  int (*update)(void *arg);  /* receive, verify and commit new weights */
+  ferry_ctl_state (*abort)(void *arg); /* the state to report on abort; NULL: the last one */
+  void *arg;
+} ferry_ctl_handlers;
+/* One step of a rank's loop: waits for a command (as ferry_ctl_wait_command), runs its handler
+ * and acks the result. A CLEAR while already CLEARED acks at once. Returns 0 once a command was
+ * handled (a handler's failure is reported to the controller as FAILED, not returned here),
+ * FERRY_ETIMEDOUT when none came. *handled (may be NULL) is set to the command handled. */
+FERRY_API int ferry_ctl_rank_step(ferry_ctl_rank *rank, const ferry_ctl_handlers *handlers,
+                                  int timeout_ms, ferry_ctl_command *handled);
+
+/* -- controller side -- */
+/* Opens the cell `name` as a controller. FERRY_ENOTFOUND (no cell), FERRY_EPROTO (not a ferry
+ * cell or another layout version). A dead engine's cell opens (status shows it) but requests
+ * fail with FERRY_ESTALE. The handle is thread-safe and owned by the caller. */
+FERRY_API int ferry_ctl_open(const char *name, ferry_ctl **out);
+FERRY_API void ferry_ctl_close(ferry_ctl *ctl);
+/* Issues `cmd` and waits until every rank acked it. Errors (the detail names the ranks):
+ *   FERRY_ESTATE    invalid transition (update needs CLEARED) — nothing was issued;
+ *   FERRY_EBUSY     another command is in flight or another controller won the race — nothing
+ *                   was issued; retry later (ABORT is never refused for an in-flight command);
+ *   FERRY_ETIMEDOUT ranks did not all ack in time (the command stays issued; they may finish);
+ *   FERRY_EPEER     a rank is dead or detached;
+ *   FERRY_ECLOSED   the command was superseded by an ABORT before all ranks acked;
+ *   FERRY_ESTALE    the engine is dead or its cell was replaced (reopen);
+ *   FERRY_ENOTFOUND the engine closed the cell;
+ *   a rank's error  when ranks acked FAILED (the first failing rank's code).
+ * CLEAR while every rank is CLEARED succeeds at once without issuing anything. */
+FERRY_API int ferry_ctl_request(ferry_ctl *ctl, ferry_ctl_cmd cmd, int timeout_ms);
+
+typedef struct ferry_ctl_status {
+  size_t size; /* sizeof(ferry_ctl_status); only that many bytes are written */
+  uint64_t incarnation;
+  uint32_t nranks;
+  int32_t engine_pid;
+  int engine_alive;  /* 0: the cell is stale (its engine died) */
+  uint64_t seq;      /* the latest command's sequence number (0: none yet) */
+  ferry_ctl_cmd cmd; /* the latest command */
+  int in_flight;     /* some rank has not acked the latest command */
+  ferry_ctl_state state; /* the engine's state: CLEARING/UPDATING while one is in flight, the
+                            ranks' common state when they agree, FAILED otherwise */
+  int agreed;        /* every rank acked the latest command with the same state */
+} ferry_ctl_status;
+typedef struct ferry_ctl_rank_status {
+  size_t size; /* sizeof(ferry_ctl_rank_status) */
+  uint32_t rank;
+  int32_t pid;
+  int alive;
+  uint64_t seq; /* the latest command this rank took or acked */
+  ferry_ctl_state state;
+  int error;
+  char message[FERRY_CTL_MESSAGE_MAX];
+} ferry_ctl_rank_status;
+/* A consistent snapshot of the cell / of one rank's line (out->size must be set). */
+FERRY_API int ferry_ctl_status_get(ferry_ctl *ctl, ferry_ctl_status *out);
+FERRY_API int ferry_ctl_rank_status_get(ferry_ctl *ctl, uint32_t rank, ferry_ctl_rank_status *out);
 
 /* ---------------------------------------------------------------------------------------------
  * Store: the peer-to-peer tensor store.

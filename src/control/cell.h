@@ -1,0 +1,132 @@
+/*
+ * Internal layout of a control cell and the helpers its three users share (engine, controller,
+ * rank). The file is one header page followed by the rank lines:
+ *
+ *   page 0   header (immutable once published) | command word (controllers only)
+ *   page 1.. one 64-byte line per rank, each written only by its rank
+ *
+ * Controllers map page 0 writable and the rank lines read-only; ranks map page 0 read-only and
+ * the rank lines writable. So a rank cannot write the command word even by mistake: the
+ * read-broadcast-writeback bug this design replaces is impossible, not merely avoided.
+ */
+#ifndef FR_CONTROL_CELL_H
+#define FR_CONTROL_CELL_H
+
+#include "core/core.h"
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#define FR_CTL_MAGIC 0x4c54435952524546ull /* "FERRYCTL" in little-endian bytes */
+#define FR_CTL_LAYOUT_VERSION 1u
+#define FR_CTL_PAGE 4096u
+#define FR_CTL_LINE 64u
+#define FR_CTL_NAME_MAX 64
+
+/* Command word and rank ack word: (seq << 8) | low byte (command or state). The futex lives on
+ * the low 32 bits, which change with every write (the seq's low 24 bits and the low byte). */
+static inline uint64_t fr_ctl_word(uint64_t seq, unsigned low) { return seq << 8 | (low & 0xff); }
+static inline uint64_t fr_ctl_seq(uint64_t word) { return word >> 8; }
+static inline unsigned fr_ctl_low(uint64_t word) { return (unsigned)(word & 0xff); }
+
+typedef struct fr_ctl_header {
+  uint64_t magic;
+  uint32_t layout_version;
+  uint32_t nranks;
+  uint64_t incarnation;
+  int32_t engine_pid;
+  uint32_t lines_offset; /* byte offset of rank 0's line: FR_CTL_PAGE */
+  uint64_t engine_start; /* the engine's start time (/proc stat ticks): guards pid reuse */
+  uint64_t created_unix_ns;
+  uint32_t line_size; /* FR_CTL_LINE */
+  uint32_t file_size;
+  uint8_t reserved0[8];
+  /* cache line 1: written only by controllers, with one atomic store or CAS */
+  _Alignas(64) _Atomic uint64_t command;
+  uint8_t reserved1[56];
+} fr_ctl_header;
+
+_Static_assert(offsetof(fr_ctl_header, magic) == 0, "magic first");
+_Static_assert(offsetof(fr_ctl_header, nranks) == 12, "layout v1");
+_Static_assert(offsetof(fr_ctl_header, incarnation) == 16, "layout v1");
+_Static_assert(offsetof(fr_ctl_header, engine_pid) == 24, "layout v1");
+_Static_assert(offsetof(fr_ctl_header, engine_start) == 32, "layout v1");
+_Static_assert(offsetof(fr_ctl_header, file_size) == 52, "layout v1");
+_Static_assert(offsetof(fr_ctl_header, command) == 64, "command word on its own cache line");
+_Static_assert(sizeof(fr_ctl_header) == 128, "header is two cache lines");
+_Static_assert(sizeof(fr_ctl_header) <= FR_CTL_PAGE, "header fits page 0");
+
+#define FR_CTL_MSG_WORDS (FERRY_CTL_MESSAGE_MAX / 8)
+typedef struct fr_ctl_line {
+  _Atomic uint64_t ack;   /* (seq << 8) | ferry_ctl_state; the futex word */
+  _Atomic uint64_t owner; /* pid | (start time & 0xffffffff) << 32; 0: detached */
+  _Atomic int32_t error;  /* a FAILED ack's status */
+  uint32_t reserved;
+  _Atomic uint64_t message[FR_CTL_MSG_WORDS]; /* NUL-terminated text, 8 bytes per store */
+} fr_ctl_line;
+
+_Static_assert(FERRY_CTL_MESSAGE_MAX % 8 == 0, "message is whole words");
+_Static_assert(offsetof(fr_ctl_line, ack) == 0, "ack word first");
+_Static_assert(offsetof(fr_ctl_line, owner) == 8, "layout v1");
+_Static_assert(offsetof(fr_ctl_line, error) == 16, "layout v1");
+_Static_assert(offsetof(fr_ctl_line, message) == 24, "layout v1");
+_Static_assert(sizeof(fr_ctl_line) == FR_CTL_LINE, "one cache line per rank");
+_Static_assert(sizeof(_Atomic uint64_t) == 8 && sizeof(_Atomic int32_t) == 4, "lock-free sizes");
+
+/* A rank line's owner word: pid and the low half of its start time, in one atomic. */
+static inline uint64_t fr_ctl_owner(pid_t pid, uint64_t start) {
+  return (uint64_t)(uint32_t)pid | (start & 0xffffffffull) << 32;
+}
+static inline pid_t fr_ctl_owner_pid(uint64_t owner) { return (pid_t)(uint32_t)owner; }
+static inline uint64_t fr_ctl_owner_start(uint64_t owner) { return owner >> 32; }
+
+/* A mapped cell: page 0 and the lines, each with its own protection. */
+typedef struct fr_ctl_map {
+  int fd;
+  fr_ctl_header *hdr;
+  fr_ctl_line *lines;
+  size_t lines_len;
+  uint32_t nranks;
+  uint64_t incarnation;
+  dev_t dev;
+  ino_t ino;
+  char name[FR_CTL_NAME_MAX + 1];
+  char path[FR_CTL_NAME_MAX + 256];
+} fr_ctl_map;
+
+enum { FR_CTL_MAP_CONTROLLER, FR_CTL_MAP_RANK, FR_CTL_MAP_ENGINE };
+
+/* Validates a name and builds FERRY_CTL_DIR/ferry-ctl-NAME into map->path and map->name. */
+int fr_ctl_path(const char *name, fr_ctl_map *map);
+/* Opens an existing cell file and maps it for `role`: validates header and size. */
+int fr_ctl_map_open(const char *name, int role, fr_ctl_map *map);
+/* Maps an already open, fully sized cell file (used by create). */
+int fr_ctl_map_fd(fr_ctl_map *map, int role);
+void fr_ctl_map_close(fr_ctl_map *map);
+/* Checks that the mapped cell is still the one under its name: FERRY_ENOTFOUND (removed),
+ * FERRY_ESTALE (replaced by another incarnation). */
+int fr_ctl_map_current(const fr_ctl_map *map);
+/* FERRY_ESTALE when the cell's engine is dead. */
+int fr_ctl_engine_check(const fr_ctl_map *map);
+/* Layout checks of a header read from a file of `file_size` bytes. */
+int fr_ctl_header_check(const fr_ctl_header *hdr, uint64_t file_size, const char *name);
+
+/* Liveness by pid and start time; a zombie counts as dead. start 0: pid only. owner_alive
+ * checks a rank line's owner word (its start time's low 32 bits). */
+bool fr_ctl_pid_alive(pid_t pid, uint64_t start);
+bool fr_ctl_owner_alive(uint64_t owner);
+uint64_t fr_ctl_pid_start(pid_t pid);
+
+/* Futex on the low 32 bits of a shared 64-bit word (shared, not private: cells are mapped by
+ * several processes). wait returns when the word's low half differs from `seen`, on a wake, or
+ * after timeout_ms; the caller re-reads the word either way. */
+void fr_ctl_futex_wait(_Atomic uint64_t *word, uint64_t seen, int timeout_ms);
+void fr_ctl_futex_wake(_Atomic uint64_t *word);
+
+static inline bool fr_ctl_state_terminal(unsigned s) {
+  return s == FERRY_CTL_SERVING || s == FERRY_CTL_CLEARED || s == FERRY_CTL_FAILED;
+}
+
+#endif
