@@ -22,6 +22,10 @@ struct fr_serve_job {
   fr_serve_job *next;
 };
 
+static bool stopping(const ferry_ctx *ctx) {
+  return __atomic_load_n(&ctx->stopping, __ATOMIC_ACQUIRE);
+}
+
 bool fr_spin_until(const bool *flag, int spin_us) {
   if (__atomic_load_n(flag, __ATOMIC_ACQUIRE))
     return true;
@@ -88,7 +92,7 @@ int ferry_recv(ferry_ctx *ctx, uint32_t channel, ferry_msg **out, int timeout_ms
   uint64_t deadline = fr_deadline_ns(ms);
   struct timespec ts = {(time_t)(deadline / 1000000000ull), (long)(deadline % 1000000000ull)};
   pthread_mutex_lock(&c->lock);
-  while (!c->head && !ctx->stopping)
+  while (!c->head && !stopping(ctx))
     if (pthread_cond_timedwait(&c->cond, &c->lock, &ts) == ETIMEDOUT)
       break;
   fr_msg_node *n = c->head;
@@ -100,7 +104,7 @@ int ferry_recv(ferry_ctx *ctx, uint32_t channel, ferry_msg **out, int timeout_ms
   }
   pthread_mutex_unlock(&c->lock);
   if (!n)
-    return ctx->stopping
+    return stopping(ctx)
                ? fr_err(FERRY_ECLOSED, "recv: context closing")
                : fr_err(FERRY_ETIMEDOUT, "recv on channel %u: nothing within %d ms", channel, ms);
   n->next = NULL;
@@ -134,7 +138,7 @@ static void *server_main(void *arg) {
   ferry_ctx *ctx = arg;
   for (;;) {
     pthread_mutex_lock(&ctx->serve_lock);
-    while (!ctx->serve_head && !ctx->stopping)
+    while (!ctx->serve_head && !stopping(ctx))
       pthread_cond_wait(&ctx->serve_cond, &ctx->serve_lock);
     fr_serve_job *j = ctx->serve_head;
     if (j && !(ctx->serve_head = j->next))
@@ -142,7 +146,7 @@ static void *server_main(void *arg) {
     pthread_mutex_unlock(&ctx->serve_lock);
     if (!j)
       return NULL;
-    if (!ctx->stopping) {
+    if (!stopping(ctx)) {
       fr_frame f = {.type = FR_READ_RESP, .req_id = j->req_id, .len = j->len};
       struct iovec iov = {j->region->data + j->off, j->len};
       fr_link_send_frame(j->link, &f, &iov, 1, -1, fr_deadline_ns(ctx->timeout_ms));
@@ -191,7 +195,7 @@ static void *progress_main(void *arg) {
   ferry_ctx *ctx = arg;
   struct epoll_event evs[FR_MAX_EVENTS];
   uint64_t next_reap = fr_now_ns() + 1000000000ull;
-  while (!__atomic_load_n(&ctx->stopping, __ATOMIC_ACQUIRE)) {
+  while (!stopping(ctx)) {
     int n = epoll_wait(ctx->epfd, evs, FR_MAX_EVENTS, 1000);
     for (int i = 0; i < n; i++) {
       fr_poller *p = evs[i].data.ptr;

@@ -92,12 +92,12 @@ void fr_link_fail(ferry_link *l, int status, const char *why) {
     return;
   }
   bool was_open = l->state == FR_LINK_OPEN;
-  l->state = FR_LINK_DEAD;
   l->dead_status = status;
+  __atomic_store_n(&l->state, FR_LINK_DEAD, __ATOMIC_RELEASE);
   for (fr_pending *p = l->pending; p; p = p->next)
     if (!p->claimed && !p->done) {
       p->status = status;
-      p->done = true;
+      __atomic_store_n(&p->done, true, __ATOMIC_RELEASE);
     }
   pthread_cond_broadcast(&l->cond);
   pthread_mutex_unlock(&l->lock);
@@ -363,7 +363,7 @@ static int on_hello(ferry_link *l) {
   fr_hello_ack_encode(&ack, buf);
   struct iovec iov = {buf, sizeof buf};
   fr_frame f = {.type = FR_HELLO_ACK, .len = sizeof buf};
-  l->state = FR_LINK_AUTH;
+  __atomic_store_n(&l->state, FR_LINK_AUTH, __ATOMIC_RELEASE);
   rc = fr_link_send_frame(l, &f, &iov, 1, proof_fd, fr_deadline_ns(l->ctx->timeout_ms));
   if (proof_fd >= 0)
     close(proof_fd);
@@ -387,9 +387,7 @@ static int on_auth(ferry_link *l) {
     send_status(l, FR_AUTH_ACK, 0, status);
     return status;
   }
-  pthread_mutex_lock(&l->lock);
-  l->state = FR_LINK_OPEN;
-  pthread_mutex_unlock(&l->lock);
+  __atomic_store_n(&l->state, FR_LINK_OPEN, __ATOMIC_RELEASE);
   fr_debug("link %s from '%s' open", l->ops->name, l->peer);
   return send_status(l, FR_AUTH_ACK, 0, 0);
 }
