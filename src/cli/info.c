@@ -35,6 +35,8 @@ int cli_info(int argc, char **argv) {
     }
   }
   printf("ferry %s\n", ferry_version());
+  printf("transports: shm (same host: unix socket + mapped memory), tcp\n");
+  printf("order:      %s (FERRY_TRANSPORTS)\n", ferry_config_get("FERRY_TRANSPORTS"));
   if (config)
     print_config();
   return CLI_OK;

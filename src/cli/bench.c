@@ -1,0 +1,171 @@
+/*
+ * `ferry bench`: dispatch to the modes, and the reporting they share. Numbers are medians over
+ * repeated runs with min and max beside them; the "vs base" column is the baseline's median over
+ * this row's median, so 1.00 means "as fast as the baseline" and higher is faster.
+ */
+#include "cli/bench.h"
+#include "cli/cli.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+double bench_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+void bench_add(bench_samples *b, double seconds) {
+  if (b->n == b->cap) {
+    b->cap = b->cap ? b->cap * 2 : 64;
+    b->s = realloc(b->s, b->cap * sizeof *b->s);
+    if (!b->s) {
+      perror("ferry bench");
+      exit(CLI_FAIL);
+    }
+  }
+  b->s[b->n++] = seconds;
+}
+
+void bench_reset(bench_samples *b) { b->n = 0; }
+void bench_free(bench_samples *b) {
+  free(b->s);
+  *b = (bench_samples){0};
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+const char *bench_size_name(uint64_t bytes, char *buf, size_t len) {
+  static const char *units[] = {"B", "KiB", "MiB", "GiB"};
+  int u = 0;
+  while (u < 3 && bytes >= 1024 && bytes % 1024 == 0) {
+    bytes /= 1024;
+    u++;
+  }
+  snprintf(buf, len, "%llu%s", (unsigned long long)bytes, units[u]);
+  return buf;
+}
+
+static double case_baseline = 0; /* median of the current case's baseline row */
+
+void bench_header(const bench_opts *o, const char *title) {
+  if (o->json)
+    return;
+  printf("\n%s\n%-16s %-14s %12s %12s %12s %10s %8s\n", title, "case", "impl", "median",
+         "min", "max", "GB/s", "vs base");
+}
+
+static const char *fmt_time(double s, char *buf, size_t len) {
+  if (s < 1e-3)
+    snprintf(buf, len, "%.2f us", s * 1e6);
+  else if (s < 1)
+    snprintf(buf, len, "%.3f ms", s * 1e3);
+  else
+    snprintf(buf, len, "%.3f s", s);
+  return buf;
+}
+
+void bench_row(const bench_opts *o, const char *bench, const char *case_name, const char *impl,
+               uint64_t bytes, bench_samples *b, bool baseline) {
+  if (b->n == 0)
+    return;
+  qsort(b->s, b->n, sizeof *b->s, cmp_double);
+  double med = b->n % 2 ? b->s[b->n / 2] : (b->s[b->n / 2 - 1] + b->s[b->n / 2]) / 2;
+  double mn = b->s[0], mx = b->s[b->n - 1];
+  double gbps = med > 0 ? (double)bytes / med / 1e9 : 0;
+  if (baseline)
+    case_baseline = med;
+  if (o->json) {
+    printf("{\"bench\":\"%s\",\"case\":\"%s\",\"impl\":\"%s\",\"bytes\":%llu,\"median_s\":%.9g,"
+           "\"min_s\":%.9g,\"max_s\":%.9g,\"gbps\":%.6g}\n",
+           bench, case_name, impl, (unsigned long long)bytes, med, mn, mx, gbps);
+  } else {
+    char a[32], c[32], d[32];
+    printf("%-16s %-14s %12s %12s %12s %10.2f %8.2f\n", case_name, impl,
+           fmt_time(med, a, sizeof a), fmt_time(mn, c, sizeof c), fmt_time(mx, d, sizeof d),
+           gbps, case_baseline > 0 && med > 0 ? case_baseline / med : 0);
+  }
+  fflush(stdout);
+}
+
+static uint64_t parse_size(const char *s) {
+  char *end;
+  double v = strtod(s, &end);
+  switch (*end) {
+  case 'k':
+  case 'K':
+    v *= 1024;
+    break;
+  case 'm':
+  case 'M':
+    v *= 1024 * 1024;
+    break;
+  case 'g':
+  case 'G':
+    v *= 1024.0 * 1024 * 1024;
+    break;
+  }
+  return v > 0 ? (uint64_t)v : 0;
+}
+
+int bench_parse(int argc, char **argv, bench_opts *o, const char *usage) {
+  int i = 1;
+  for (; i < argc; i++) {
+    if (strcmp(argv[i], "--json") == 0) {
+      o->json = true;
+    } else if (strcmp(argv[i], "--reps") == 0 && i + 1 < argc) {
+      o->reps = atoi(argv[++i]);
+    } else if (strcmp(argv[i], "--max-size") == 0 && i + 1 < argc) {
+      o->max_size = parse_size(argv[++i]);
+    } else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      fputs(usage, stdout);
+      exit(CLI_OK);
+    } else if (argv[i][0] == '-') {
+      fprintf(stderr, "ferry bench: unknown option '%s'\n%s", argv[i], usage);
+      return -1;
+    } else {
+      break;
+    }
+  }
+  return i;
+}
+
+static const char bench_usage[] =
+    "usage: ferry bench <mode> [--json] [--reps N] [--max-size BYTES]\n\n"
+    "Runs ferry and its baselines in the same run and prints medians and ratios.\n\n"
+    "modes:\n"
+    "  link      one-sided reads (4 KiB..1 GiB) over shm and tcp vs memcpy and a plain\n"
+    "            socket stream; 64 B round trips vs a plain socket ping-pong\n"
+    "  control   weight-lifecycle request latency vs a polled shared int32\n"
+    "  all       every mode above\n\n"
+    "options:\n"
+    "  --json            one JSON object per line: bench, case, impl, bytes, median_s,\n"
+    "                    min_s, max_s, gbps\n"
+    "  --reps N          repetitions per size (default: by size)\n"
+    "  --max-size BYTES  largest transfer (link; default 1G; K/M/G suffixes)\n\n"
+    "The 'vs base' column is the baseline's median / this row's median: >1 is faster.\n"
+    "These machines are shared and noisy: compare ratios within one run.\n";
+
+int cli_bench(int argc, char **argv) {
+  if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
+    fputs(bench_usage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? CLI_USAGE : CLI_OK;
+  }
+  const char *mode = argv[1];
+  if (strcmp(mode, "link") == 0)
+    return bench_link(argc - 1, argv + 1);
+  if (strcmp(mode, "control") == 0)
+    return bench_control(argc - 1, argv + 1);
+  if (strcmp(mode, "all") == 0) {
+    int rc = bench_link(argc - 1, argv + 1);
+    int rc2 = bench_control(argc - 1, argv + 1);
+    return rc ? rc : rc2;
+  }
+  fprintf(stderr, "ferry bench: unknown mode '%s'\n%s", mode, bench_usage);
+  return CLI_USAGE;
+}

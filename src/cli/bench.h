@@ -1,0 +1,43 @@
+/*
+ * Shared machinery of `ferry bench`: timing samples, medians, the table and the JSON lines.
+ * Every mode reports rows {bench, case, impl, bytes, median_s, min_s, max_s, gbps}; rows of one
+ * case compare, and the first row of a case is its baseline.
+ */
+#ifndef FR_BENCH_H
+#define FR_BENCH_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct bench_opts {
+  bool json;
+  int reps;          /* 0: chosen per size */
+  uint64_t max_size; /* largest transfer */
+} bench_opts;
+
+typedef struct bench_samples {
+  double *s; /* seconds */
+  size_t n, cap;
+} bench_samples;
+
+void bench_add(bench_samples *b, double seconds);
+void bench_reset(bench_samples *b);
+void bench_free(bench_samples *b);
+double bench_now(void); /* monotonic seconds */
+
+/* Reports one row: prints it (table or JSON). `baseline` marks the case's reference row. */
+void bench_row(const bench_opts *o, const char *bench, const char *case_name, const char *impl,
+               uint64_t bytes, bench_samples *b, bool baseline);
+/* Prints the table header (not in JSON mode). */
+void bench_header(const bench_opts *o, const char *title);
+/* Parses --json, --reps N, --max-size BYTES (suffixes K/M/G); returns the index of the first
+ * argument it did not take, or -1 on a usage error (message printed). */
+int bench_parse(int argc, char **argv, bench_opts *o, const char *usage);
+/* "64KiB", "1GiB", "64B" */
+const char *bench_size_name(uint64_t bytes, char *buf, size_t len);
+
+int bench_link(int argc, char **argv);
+int bench_control(int argc, char **argv);
+
+#endif

@@ -1,0 +1,333 @@
+/*
+ * `ferry bench link`: what a link costs against the physical limits, in one run.
+ *
+ * A child process owns a region; this process reads it with ferry over shm and over tcp. In the
+ * same run: a single-thread memcpy of the same bytes (the limit for shm), and a plain blocking
+ * TCP socket over loopback that streams the same bytes on request (the limit for tcp). Round
+ * trips: 64-byte messages echoed by the child over ferry shm and tcp, against a plain blocking
+ * socket ping-pong; and 64-byte one-sided reads.
+ */
+#include "cli/bench.h"
+#include "cli/cli.h"
+#include "ferry.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define ECHO_CHANNEL 1
+
+typedef struct owner_info {
+  char address[512];
+  ferry_region_ref ref;
+  int socket_port; /* the plain-socket baseline server */
+} owner_info;
+
+static int write_all(int fd, const void *buf, size_t len) {
+  const char *p = buf;
+  while (len > 0) {
+    ssize_t n = write(fd, p, len);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      return -1;
+    p += n;
+    len -= (size_t)n;
+  }
+  return 0;
+}
+
+static int read_all(int fd, void *buf, size_t len) {
+  char *p = buf;
+  while (len > 0) {
+    ssize_t n = read(fd, p, len);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      return -1;
+    p += n;
+    len -= (size_t)n;
+  }
+  return 0;
+}
+
+/* ---- the owner (child process) ---- */
+
+typedef struct socket_server {
+  int listen_fd;
+  const uint8_t *data;
+} socket_server;
+
+/* The plain-socket baseline: a request is 8 bytes (a length); the answer is that many bytes. */
+static void *socket_serve(void *arg) {
+  socket_server *s = arg;
+  int fd = accept(s->listen_fd, NULL, NULL);
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  uint64_t len;
+  while (read_all(fd, &len, sizeof len) == 0)
+    if (write_all(fd, s->data, (size_t)len) != 0)
+      break;
+  close(fd);
+  return NULL;
+}
+
+static void *echo_serve(void *arg) {
+  ferry_ctx *ctx = arg;
+  for (;;) {
+    ferry_msg *m;
+    int rc = ferry_recv(ctx, ECHO_CHANNEL, &m, 60000);
+    if (rc == FERRY_ECLOSED)
+      return NULL;
+    if (rc != 0)
+      continue;
+    struct iovec iov = {m->data, m->len};
+    ferry_send(m->link, ECHO_CHANNEL, &iov, 1, 5000);
+    ferry_msg_free(m);
+  }
+}
+
+static int listen_loopback(int *port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t len = sizeof sa;
+  if (fd < 0 || bind(fd, (struct sockaddr *)&sa, sizeof sa) < 0 || listen(fd, 4) < 0 ||
+      getsockname(fd, (struct sockaddr *)&sa, &len) < 0)
+    return -1;
+  *port = ntohs(sa.sin_port);
+  return fd;
+}
+
+static int owner_main(int info_fd, int quit_fd, uint64_t bytes) {
+  ferry_ctx_opts o = {.size = sizeof o, .name = "bench-owner", .transports = "shm,tcp"};
+  ferry_ctx *ctx;
+  void *mem;
+  owner_info info;
+  memset(&info, 0, sizeof info);
+  if (ferry_ctx_open(&o, &ctx) != 0 || ferry_alloc(ctx, bytes, &mem) != 0 ||
+      ferry_region_find(ctx, mem, bytes, &info.ref, NULL) != 0) {
+    fprintf(stderr, "bench owner: %s\n", ferry_last_error());
+    return 1;
+  }
+  memset(mem, 0x5a, bytes);
+  snprintf(info.address, sizeof info.address, "%s", ferry_ctx_address(ctx));
+  socket_server srv = {.data = mem};
+  srv.listen_fd = listen_loopback(&info.socket_port);
+  pthread_t sock_thread, echo_thread;
+  pthread_create(&sock_thread, NULL, socket_serve, &srv);
+  pthread_create(&echo_thread, NULL, echo_serve, ctx);
+  write_all(info_fd, &info, sizeof info);
+  char c;
+  while (read(quit_fd, &c, 1) < 0 && errno == EINTR)
+    ;
+  _exit(0); /* the threads are blocked in accept/recv; the process ends them */
+}
+
+/* ---- the reader (this process) ---- */
+
+typedef struct reader {
+  const bench_opts *o;
+  ferry_ctx *ctx;
+  ferry_link *shm, *tcp;
+  ferry_region_ref ref;
+  int sock;
+  uint8_t *src, *dst; /* memcpy baseline source; destination of every read */
+} reader;
+
+static int reps_for(const bench_opts *o, uint64_t bytes) {
+  if (o->reps > 0)
+    return o->reps;
+  uint64_t r = (4ull << 30) / (bytes ? bytes : 1);
+  return r < 5 ? 5 : r > 200 ? 200 : (int)r;
+}
+
+static int time_ferry_read(reader *r, ferry_link *l, uint64_t bytes, int reps, bench_samples *b) {
+  int rc = ferry_read(l, &r->ref, 0, r->dst, bytes, -1); /* warm-up: maps, faults */
+  for (int i = 0; i < reps && rc == 0; i++) {
+    double t = bench_now();
+    rc = ferry_read(l, &r->ref, 0, r->dst, bytes, -1);
+    bench_add(b, bench_now() - t);
+  }
+  if (rc != 0)
+    fprintf(stderr, "ferry bench link: read over %s: %s (%s)\n", ferry_link_transport(l),
+            ferry_strerror(rc), ferry_last_error());
+  return rc;
+}
+
+static int time_socket_read(reader *r, uint64_t bytes, int reps, bench_samples *b) {
+  for (int i = 0; i <= reps; i++) {
+    double t = bench_now();
+    if (write_all(r->sock, &bytes, sizeof bytes) != 0 || read_all(r->sock, r->dst, bytes) != 0) {
+      fprintf(stderr, "ferry bench link: socket baseline: %s\n", strerror(errno));
+      return -1;
+    }
+    if (i > 0) /* the first is a warm-up */
+      bench_add(b, bench_now() - t);
+  }
+  return 0;
+}
+
+static void time_memcpy(reader *r, uint64_t bytes, int reps, bench_samples *b) {
+  memcpy(r->dst, r->src, bytes);
+  for (int i = 0; i < reps; i++) {
+    double t = bench_now();
+    memcpy(r->dst, r->src, bytes);
+    __asm__ volatile("" ::"r"(r->dst) : "memory");
+    bench_add(b, bench_now() - t);
+  }
+}
+
+static int bench_reads(reader *r, uint64_t bytes) {
+  char name[32], size[16];
+  snprintf(name, sizeof name, "read-%s", bench_size_name(bytes, size, sizeof size));
+  int reps = reps_for(r->o, bytes);
+  bench_samples b = {0};
+  time_memcpy(r, bytes, reps, &b);
+  bench_row(r->o, "link", name, "memcpy", bytes, &b, true);
+  bench_reset(&b);
+  int rc = time_ferry_read(r, r->shm, bytes, reps, &b);
+  bench_row(r->o, "link", name, "ferry/shm", bytes, &b, false);
+  bench_reset(&b);
+  if (rc == 0 && (rc = time_socket_read(r, bytes, reps, &b)) == 0)
+    bench_row(r->o, "link", name, "socket", bytes, &b, true);
+  bench_reset(&b);
+  if (rc == 0)
+    rc = time_ferry_read(r, r->tcp, bytes, reps, &b);
+  bench_row(r->o, "link", name, "ferry/tcp", bytes, &b, false);
+  bench_free(&b);
+  return rc;
+}
+
+static int time_echo(ferry_ctx *ctx, ferry_link *l, int reps, bench_samples *b) {
+  char msg[64] = "ping";
+  struct iovec iov = {msg, sizeof msg};
+  for (int i = 0; i <= reps; i++) {
+    double t = bench_now();
+    ferry_msg *m;
+    int rc = ferry_send(l, ECHO_CHANNEL, &iov, 1, -1);
+    if (rc == 0)
+      rc = ferry_recv(ctx, ECHO_CHANNEL, &m, -1);
+    if (rc != 0) {
+      fprintf(stderr, "ferry bench link: echo over %s: %s\n", ferry_link_transport(l),
+              ferry_last_error());
+      return rc;
+    }
+    ferry_msg_free(m);
+    if (i > 0)
+      bench_add(b, bench_now() - t);
+  }
+  return 0;
+}
+
+static int bench_round_trips(reader *r) {
+  int reps = r->o->reps > 0 ? r->o->reps : 20000;
+  bench_samples b = {0};
+  int rc = time_socket_read(r, 64, reps, &b);
+  bench_row(r->o, "link", "rtt-64B", "socket", 64, &b, true);
+  bench_reset(&b);
+  if (rc == 0 && (rc = time_echo(r->ctx, r->shm, reps, &b)) == 0)
+    bench_row(r->o, "link", "rtt-64B", "ferry/shm", 64, &b, false);
+  bench_reset(&b);
+  if (rc == 0 && (rc = time_echo(r->ctx, r->tcp, reps, &b)) == 0)
+    bench_row(r->o, "link", "rtt-64B", "ferry/tcp", 64, &b, false);
+  bench_reset(&b);
+  if (rc == 0 && (rc = time_socket_read(r, 64, reps, &b)) == 0)
+    bench_row(r->o, "link", "read-64B", "socket", 64, &b, true);
+  bench_reset(&b);
+  if (rc == 0 && (rc = time_ferry_read(r, r->tcp, 64, reps, &b)) == 0)
+    bench_row(r->o, "link", "read-64B", "ferry/tcp", 64, &b, false);
+  bench_reset(&b);
+  if (rc == 0 && (rc = time_ferry_read(r, r->shm, 64, reps, &b)) == 0)
+    bench_row(r->o, "link", "read-64B", "ferry/shm", 64, &b, false);
+  bench_free(&b);
+  return rc;
+}
+
+/* The URL of one transport out of an address list, e.g. "tcp://127.0.0.1:4000". */
+static void pick(const char *address, const char *scheme, char *out, size_t len) {
+  const char *p = strstr(address, scheme);
+  size_t n = p ? strcspn(p, ",") : 0;
+  snprintf(out, len, "%.*s", (int)n, p ? p : "");
+}
+
+static int connect_all(reader *r, const owner_info *info) {
+  ferry_ctx_opts o = {.size = sizeof o, .name = "bench-reader", .transports = "shm,tcp"};
+  char url[256];
+  int rc = ferry_ctx_open(&o, &r->ctx);
+  pick(info->address, "shm://", url, sizeof url);
+  if (rc == 0)
+    rc = ferry_connect(r->ctx, url, -1, &r->shm);
+  pick(info->address, "tcp://", url, sizeof url);
+  if (rc == 0)
+    rc = ferry_connect(r->ctx, url, -1, &r->tcp);
+  if (rc != 0)
+    return cli_fail("bench link", rc, "connect to the owner");
+  r->ref = info->ref;
+  r->sock = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET,
+                           .sin_port = htons((uint16_t)info->socket_port),
+                           .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  int one = 1;
+  setsockopt(r->sock, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  if (connect(r->sock, (struct sockaddr *)&sa, sizeof sa) != 0) {
+    perror("ferry bench link: socket baseline");
+    return CLI_FAIL;
+  }
+  return 0;
+}
+
+static const char link_usage[] =
+    "usage: ferry bench link [--json] [--reps N] [--max-size BYTES]\n\n"
+    "One-sided reads of 4 KiB..1 GiB (up to --max-size) from another process, over ferry\n"
+    "shm and tcp, against memcpy and a plain loopback socket stream; 64-byte round trips\n"
+    "(message echo and one-sided read) against a plain socket ping-pong.\n";
+
+int bench_link(int argc, char **argv) {
+  bench_opts o = {.max_size = 1ull << 30};
+  if (bench_parse(argc, argv, &o, link_usage) < 0)
+    return CLI_USAGE;
+  signal(SIGPIPE, SIG_IGN);
+  int info_pipe[2], quit_pipe[2];
+  if (pipe(info_pipe) != 0 || pipe(quit_pipe) != 0)
+    return CLI_FAIL;
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(quit_pipe[1]);
+    _exit(owner_main(info_pipe[1], quit_pipe[0], o.max_size));
+  }
+  close(quit_pipe[0]);
+  owner_info info;
+  reader r = {.o = &o};
+  int rc = read_all(info_pipe[0], &info, sizeof info) == 0 ? connect_all(&r, &info) : CLI_FAIL;
+  if (rc == 0) {
+    r.src = malloc(o.max_size);
+    r.dst = malloc(o.max_size);
+    if (!r.src || !r.dst)
+      rc = CLI_FAIL;
+    else
+      memset(r.src, 0x5a, o.max_size), memset(r.dst, 0, o.max_size);
+  }
+  bench_header(&o, "ferry bench link (one-sided reads from another process; vs base = speed)");
+  for (uint64_t s = 4096; rc == 0 && s <= o.max_size; s *= (s < (1 << 20) ? 16 : 4))
+    rc = bench_reads(&r, s);
+  if (rc == 0)
+    rc = bench_round_trips(&r);
+  ferry_link_close(r.shm);
+  ferry_link_close(r.tcp);
+  ferry_ctx_close(r.ctx);
+  close(quit_pipe[1]);
+  waitpid(pid, NULL, 0);
+  free(r.src);
+  free(r.dst);
+  return rc == 0 ? CLI_OK : CLI_FAIL;
+}
