@@ -314,7 +314,7 @@ typedef enum ferry_ctl_cmd {
 } ferry_ctl_cmd;
 
 #define FERRY_CTL_MAX_RANKS 1024
-#define FERRY_CTL_MESSAGE_MAX 40 /* a rank's message, NUL included */
+#define FERRY_CTL_MESSAGE_MAX 32 /* a rank's failure message, NUL included */
 
 /* "serving", "clearing", ... and "clear", "update", "abort", "none" (static strings; "?" for
  * values out of range). ferry_ctl_cmd_parse accepts the command names; FERRY_EINVAL otherwise. */
@@ -428,6 +428,7 @@ typedef struct ferry_ctl_rank_status {
   int alive;
   uint64_t seq; /* the latest command this rank took or acked */
   ferry_ctl_state state;
+  uint64_t fail_seq; /* the last command this rank failed (0: none); error and message are its */
   int error;
   char message[FERRY_CTL_MESSAGE_MAX];
 } ferry_ctl_rank_status;

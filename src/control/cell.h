@@ -25,11 +25,37 @@
 #define FR_CTL_LINE 64u
 #define FR_CTL_NAME_MAX 64
 
-/* Command word and rank ack word: (seq << 8) | low byte (command or state). The futex lives on
- * the low 32 bits, which change with every write (the seq's low 24 bits and the low byte). */
+/* A rank's ack word: (seq << 8) | state. The futex lives on the low 32 bits, which change with
+ * every write (the seq's low 24 bits and the state). */
 static inline uint64_t fr_ctl_word(uint64_t seq, unsigned low) { return seq << 8 | (low & 0xff); }
 static inline uint64_t fr_ctl_seq(uint64_t word) { return word >> 8; }
 static inline unsigned fr_ctl_low(uint64_t word) { return (unsigned)(word & 0xff); }
+
+/* The command word: seq (40 bits) << 24 | history (22 bits) << 2 | command (2 bits). The
+ * history is the outcome of the FR_CTL_HIST commands before seq, 2 bits each, newest lowest,
+ * recorded by the issuer from its snapshot in the same compare-and-swap that issues the new
+ * command. So a controller that was preempted while another controller went on still learns
+ * how its own command ended, even after every rank line has moved on. */
+#define FR_CTL_HIST 11
+enum {
+  FR_CTL_OUT_UNKNOWN = 0,
+  FR_CTL_OUT_OK = 1,
+  FR_CTL_OUT_SUPERSEDED = 2,
+  FR_CTL_OUT_FAILED = 3
+};
+static inline uint64_t fr_ctl_cmd_word(uint64_t seq, unsigned hist, unsigned cmd) {
+  return seq << 24 | (uint64_t)(hist & 0x3fffff) << 2 | (cmd & 3);
+}
+static inline uint64_t fr_ctl_cmd_seq(uint64_t w) { return w >> 24; }
+static inline unsigned fr_ctl_cmd_of(uint64_t w) { return (unsigned)(w & 3); }
+static inline unsigned fr_ctl_cmd_hist(uint64_t w) { return (unsigned)(w >> 2) & 0x3fffff; }
+/* The outcome of command `seq` as recorded in a later command word (UNKNOWN past the history). */
+static inline unsigned fr_ctl_outcome(uint64_t w, uint64_t seq) {
+  uint64_t d = fr_ctl_cmd_seq(w) - seq;
+  if (seq >= fr_ctl_cmd_seq(w) || d > FR_CTL_HIST)
+    return FR_CTL_OUT_UNKNOWN;
+  return (fr_ctl_cmd_hist(w) >> (2 * (d - 1))) & 3;
+}
 
 typedef struct fr_ctl_header {
   uint64_t magic;
@@ -60,18 +86,20 @@ _Static_assert(sizeof(fr_ctl_header) <= FR_CTL_PAGE, "header fits page 0");
 
 #define FR_CTL_MSG_WORDS (FERRY_CTL_MESSAGE_MAX / 8)
 typedef struct fr_ctl_line {
-  _Atomic uint64_t ack;   /* (seq << 8) | ferry_ctl_state; the futex word */
-  _Atomic uint64_t owner; /* pid | (start time & 0xffffffff) << 32; 0: detached */
-  _Atomic int32_t error;  /* a FAILED ack's status */
+  _Atomic uint64_t ack;      /* (seq << 8) | ferry_ctl_state; the futex word */
+  _Atomic uint64_t owner;    /* pid | (start time & 0xffffffff) << 32; 0: detached */
+  _Atomic uint64_t fail_seq; /* the last command this rank failed (0: none, or being written) */
+  _Atomic int32_t error;     /* ... its status */
   uint32_t reserved;
-  _Atomic uint64_t message[FR_CTL_MSG_WORDS]; /* NUL-terminated text, 8 bytes per store */
+  _Atomic uint64_t message[FR_CTL_MSG_WORDS]; /* ... and NUL-terminated text, 8 bytes a store */
 } fr_ctl_line;
 
 _Static_assert(FERRY_CTL_MESSAGE_MAX % 8 == 0, "message is whole words");
 _Static_assert(offsetof(fr_ctl_line, ack) == 0, "ack word first");
 _Static_assert(offsetof(fr_ctl_line, owner) == 8, "layout v1");
-_Static_assert(offsetof(fr_ctl_line, error) == 16, "layout v1");
-_Static_assert(offsetof(fr_ctl_line, message) == 24, "layout v1");
+_Static_assert(offsetof(fr_ctl_line, fail_seq) == 16, "layout v1");
+_Static_assert(offsetof(fr_ctl_line, error) == 24, "layout v1");
+_Static_assert(offsetof(fr_ctl_line, message) == 32, "layout v1");
 _Static_assert(sizeof(fr_ctl_line) == FR_CTL_LINE, "one cache line per rank");
 _Static_assert(sizeof(_Atomic uint64_t) == 8 && sizeof(_Atomic int32_t) == 4, "lock-free sizes");
 

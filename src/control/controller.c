@@ -8,6 +8,7 @@
  */
 #include "control/cell.h"
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,29 +43,34 @@ int ferry_ctl_cmd_parse(const char *name, ferry_ctl_cmd *out) {
 
 /* ---- snapshots ---- */
 
-typedef struct line_snap {
-  uint64_t ack;
-  uint64_t owner;
+typedef struct failure {
+  uint64_t seq; /* 0: none */
   int error;
   char message[FERRY_CTL_MESSAGE_MAX];
-} line_snap;
+} failure;
 
-/* A seqlock read: the ack word is stored last (release) by the rank, so reading it before and
- * after the other fields proves they belong to that ack. */
-static void read_line(const fr_ctl_line *l, line_snap *s) {
-  for (int tries = 0;; tries++) {
-    s->ack = atomic_load_explicit(&l->ack, memory_order_acquire);
-    s->owner = atomic_load_explicit(&l->owner, memory_order_relaxed);
-    s->error = atomic_load_explicit(&l->error, memory_order_relaxed);
+/* A seqlock read of a rank's failure record: fail_seq is set last (release) by the rank and only
+ * ever grows, so reading the same value before and after proves error and message are its. */
+static void read_failure(const fr_ctl_line *l, failure *f) {
+  for (int tries = 0; tries < 1000; tries++) {
+    f->seq = atomic_load_explicit(&l->fail_seq, memory_order_acquire);
+    f->error = atomic_load_explicit(&l->error, memory_order_relaxed);
     for (int i = 0; i < FR_CTL_MSG_WORDS; i++) {
       uint64_t w = atomic_load_explicit(&l->message[i], memory_order_relaxed);
-      memcpy(s->message + 8 * i, &w, 8);
+      memcpy(f->message + 8 * i, &w, 8);
     }
-    s->message[FERRY_CTL_MESSAGE_MAX - 1] = '\0';
+    f->message[FERRY_CTL_MESSAGE_MAX - 1] = '\0';
     atomic_thread_fence(memory_order_acquire);
-    if (atomic_load_explicit(&l->ack, memory_order_relaxed) == s->ack || tries > 1000)
+    if (f->seq != 0 && atomic_load_explicit(&l->fail_seq, memory_order_relaxed) == f->seq)
       return;
+    if (f->seq == 0 && tries > 0)
+      break; /* no failure recorded (or one being written for a later command) */
   }
+  *f = (failure){0};
+}
+
+static uint64_t load_ack(const ferry_ctl *ctl, uint32_t rank) {
+  return atomic_load_explicit(&ctl->map.lines[rank].ack, memory_order_acquire);
 }
 
 static bool line_done(uint64_t ack, uint64_t seq) {
@@ -75,40 +81,48 @@ typedef struct cell_snap {
   uint64_t word;
   bool in_flight, agreed;
   ferry_ctl_state state;
+  unsigned outcome; /* of the latest command, as the next issuer records it */
 } cell_snap;
 
-static ferry_ctl_state merge_states(const uint8_t *seen) {
+/* The engine's state from the set of rank states seen; *kinds counts the distinct ones. */
+static ferry_ctl_state merge_states(const uint8_t *seen, int *kinds) {
+  *kinds = 0;
+  ferry_ctl_state one = FERRY_CTL_FAILED;
+  for (int s = FERRY_CTL_ABSENT; s <= FERRY_CTL_FAILED; s++)
+    if (seen[s]) {
+      ++*kinds;
+      one = (ferry_ctl_state)s;
+    }
   if (seen[FERRY_CTL_ABSENT])
     return FERRY_CTL_ABSENT;
   if (seen[FERRY_CTL_UPDATING])
     return FERRY_CTL_UPDATING;
   if (seen[FERRY_CTL_CLEARING])
     return FERRY_CTL_CLEARING;
-  int kinds = 0;
-  ferry_ctl_state one = FERRY_CTL_FAILED;
-  for (int s = FERRY_CTL_SERVING; s <= FERRY_CTL_FAILED; s++)
-    if (seen[s]) {
-      kinds++;
-      one = (ferry_ctl_state)s;
-    }
-  return kinds == 1 ? one : FERRY_CTL_FAILED;
+  return *kinds == 1 ? one : FERRY_CTL_FAILED;
+}
+
+static unsigned outcome_of(uint64_t seq, bool in_flight, bool failed) {
+  if (seq == 0)
+    return FR_CTL_OUT_UNKNOWN;
+  return in_flight ? FR_CTL_OUT_SUPERSEDED : failed ? FR_CTL_OUT_FAILED : FR_CTL_OUT_OK;
 }
 
 static void snapshot(const ferry_ctl *ctl, cell_snap *cs) {
   cs->word = atomic_load_explicit(&ctl->map.hdr->command, memory_order_acquire);
-  uint64_t seq = fr_ctl_seq(cs->word);
+  uint64_t seq = fr_ctl_cmd_seq(cs->word);
   uint8_t seen[8] = {0};
   cs->in_flight = false;
   for (uint32_t i = 0; i < ctl->map.nranks; i++) {
-    uint64_t ack = atomic_load_explicit(&ctl->map.lines[i].ack, memory_order_acquire);
+    uint64_t ack = load_ack(ctl, i);
     cs->in_flight |= !line_done(ack, seq);
     seen[fr_ctl_low(ack) & 7] = 1;
   }
-  cs->state = merge_states(seen);
-  cs->agreed = !cs->in_flight && cs->state != FERRY_CTL_FAILED;
-  if (!cs->agreed && !cs->in_flight && seen[FERRY_CTL_FAILED])
-    cs->agreed = !seen[FERRY_CTL_SERVING] && !seen[FERRY_CTL_CLEARED];
-  unsigned cmd = fr_ctl_low(cs->word);
+  int kinds;
+  cs->state = merge_states(seen, &kinds);
+  cs->agreed = !cs->in_flight && kinds == 1;
+  cs->outcome = outcome_of(seq, cs->in_flight, seen[FERRY_CTL_FAILED]);
+  unsigned cmd = fr_ctl_cmd_of(cs->word);
   if (cs->in_flight && cmd == FERRY_CTL_CLEAR)
     cs->state = FERRY_CTL_CLEARING;
   else if (cs->in_flight && cmd == FERRY_CTL_UPDATE)
@@ -130,10 +144,14 @@ static void text_add(text *t, const char *fmt, ...) {
   va_start(ap, fmt);
   int n = vsnprintf(t->buf + t->len, sizeof t->buf - t->len, fmt, ap);
   va_end(ap);
-  t->len = n < 0                                 ? t->len
-           : t->len + (size_t)n >= sizeof t->buf ? sizeof t->buf - 1
-                                                 : t->len + (size_t)n;
+  if (n > 0)
+    t->len = t->len + (size_t)n >= sizeof t->buf ? sizeof t->buf - 1 : t->len + (size_t)n;
 }
+
+/* "clear seq 7 on 'engine'" for details */
+#define CMD_FMT "%s seq %lu on '%s'"
+#define CMD_ARGS(ctl, word)                                                                        \
+  ferry_ctl_cmd_name(fr_ctl_cmd_of(word)), (unsigned long)fr_ctl_cmd_seq(word), (ctl)->map.name
 
 /* ---- open / close ---- */
 
@@ -161,13 +179,13 @@ void ferry_ctl_close(ferry_ctl *ctl) {
 
 /* ---- request ---- */
 
-/* FERRY_EPEER naming every rank that is detached or dead. */
+/* FERRY_EPEER naming every rank that is detached or dead (among those that have not acked
+ * `seq`; seq 0: among all). */
 static int check_ranks_alive(const ferry_ctl *ctl, uint64_t seq, const char *what) {
   text t = {0};
   int bad = 0;
   for (uint32_t i = 0; i < ctl->map.nranks; i++) {
-    uint64_t ack = atomic_load_explicit(&ctl->map.lines[i].ack, memory_order_acquire);
-    if (seq && line_done(ack, seq))
+    if (seq && line_done(load_ack(ctl, i), seq))
       continue; /* it answered; whether it lives on matters for the next command */
     uint64_t owner = atomic_load(&ctl->map.lines[i].owner);
     if (owner == 0)
@@ -180,70 +198,89 @@ static int check_ranks_alive(const ferry_ctl *ctl, uint64_t seq, const char *wha
   return 0;
 }
 
-static int busy_error(const ferry_ctl *ctl, const cell_snap *cs, ferry_ctl_cmd cmd) {
-  text t = {0};
-  uint64_t seq = fr_ctl_seq(cs->word);
+/* "1,3": the ranks that have not acked the command in `word`. */
+static void pending_ranks(const ferry_ctl *ctl, uint64_t word, text *t, bool with_state) {
   int n = 0;
   for (uint32_t i = 0; i < ctl->map.nranks; i++) {
-    uint64_t ack = atomic_load_explicit(&ctl->map.lines[i].ack, memory_order_acquire);
-    if (!line_done(ack, seq))
-      text_add(&t, "%s%u", n++ ? "," : "", i);
+    uint64_t ack = load_ack(ctl, i);
+    if (line_done(ack, fr_ctl_cmd_seq(word)))
+      continue;
+    if (with_state)
+      text_add(t, "%srank %u (%s)", n++ ? ", " : "", i, ferry_ctl_state_name(fr_ctl_low(ack)));
+    else
+      text_add(t, "%s%u", n++ ? "," : "", i);
   }
-  return fr_err(FERRY_EBUSY, "%s on '%s': %s seq %lu is still in flight (ranks %s have not acked)",
-                ferry_ctl_cmd_name(cmd), ctl->map.name, ferry_ctl_cmd_name(fr_ctl_low(cs->word)),
-                (unsigned long)seq, t.buf);
 }
 
 /* 1: nothing to do (CLEAR while CLEARED); 0: issue it; < 0: refused. */
 static int validate(const ferry_ctl *ctl, const cell_snap *cs, ferry_ctl_cmd cmd) {
   if (cmd == FERRY_CTL_ABORT)
     return 0;
-  if (cs->in_flight)
-    return busy_error(ctl, cs, cmd);
+  if (cs->in_flight) {
+    text t = {0};
+    pending_ranks(ctl, cs->word, &t, false);
+    return fr_err(FERRY_EBUSY,
+                  "%s on '%s': " CMD_FMT " is still in flight (ranks %s have not acked)",
+                  ferry_ctl_cmd_name(cmd), ctl->map.name, CMD_ARGS(ctl, cs->word), t.buf);
+  }
   if (cmd == FERRY_CTL_CLEAR)
     return cs->state == FERRY_CTL_CLEARED ? 1 : 0;
   if (cs->state != FERRY_CTL_CLEARED)
-    return fr_err(FERRY_ESTATE, "update on '%s': needs every rank cleared, the engine is %s%s",
-                  ctl->map.name, ferry_ctl_state_name(cs->state),
-                  cs->state == FERRY_CTL_FAILED ? " (clear it first)" : " (clear it first)");
+    return fr_err(FERRY_ESTATE,
+                  "update on '%s': needs every rank cleared, the engine is %s "
+                  "(clear it first)",
+                  ctl->map.name, ferry_ctl_state_name(cs->state));
   return 0;
 }
 
-static int timeout_error(const ferry_ctl *ctl, uint64_t word, int timeout_ms) {
-  text t = {0};
-  int n = 0;
-  for (uint32_t i = 0; i < ctl->map.nranks; i++) {
-    uint64_t ack = atomic_load_explicit(&ctl->map.lines[i].ack, memory_order_acquire);
-    if (!line_done(ack, fr_ctl_seq(word)))
-      text_add(&t, "%srank %u (%s)", n++ ? ", " : "", i, ferry_ctl_state_name(fr_ctl_low(ack)));
-  }
-  return fr_err(FERRY_ETIMEDOUT, "%s seq %lu on '%s': %s did not ack within %d ms",
-                ferry_ctl_cmd_name(fr_ctl_low(word)), (unsigned long)fr_ctl_seq(word),
-                ctl->map.name, t.buf, timeout_ms);
-}
-
-/* Every rank acked: 0, or the first failing rank's error with every failure named. */
-static int collect_result(const ferry_ctl *ctl, uint64_t word) {
+/* The command failed on some ranks: the first failing rank's error, every failure named. */
+static int failure_error(const ferry_ctl *ctl, uint64_t word) {
   text t = {0};
   int first = 0;
   for (uint32_t i = 0; i < ctl->map.nranks; i++) {
-    line_snap s;
-    read_line(&ctl->map.lines[i], &s);
-    if (fr_ctl_low(s.ack) != FERRY_CTL_FAILED)
+    failure f;
+    read_failure(&ctl->map.lines[i], &f);
+    if (f.seq != fr_ctl_cmd_seq(word))
       continue;
+    text_add(&t, "%srank %u failed: %s (%s)", first ? "; " : "", i, ferry_status_name(f.error),
+             f.message);
     if (!first)
-      first = s.error < 0 ? s.error : FERRY_EPEER;
-    text_add(&t, "%srank %u failed: %s (%s)", first && t.len ? "; " : "", i,
-             ferry_status_name(s.error), s.message);
+      first = f.error < 0 ? f.error : FERRY_EPEER;
   }
-  if (!first)
-    return 0;
-  return fr_err(first, "%s seq %lu on '%s': %s", ferry_ctl_cmd_name(fr_ctl_low(word)),
-                (unsigned long)fr_ctl_seq(word), ctl->map.name, t.buf);
+  if (!first) /* the records were overwritten by later failures: say what is known */
+    return fr_err(FERRY_EPEER, CMD_FMT ": some ranks failed (details overwritten since)",
+                  CMD_ARGS(ctl, word));
+  return fr_err(first, CMD_FMT ": %s", CMD_ARGS(ctl, word), t.buf);
 }
 
+/* Every rank acked `word`: 0, or the failure. */
+static int completed(const ferry_ctl *ctl, uint64_t word) {
+  for (uint32_t i = 0; i < ctl->map.nranks; i++)
+    if (fr_ctl_low(load_ack(ctl, i)) == FERRY_CTL_FAILED)
+      return failure_error(ctl, word);
+  return 0;
+}
+
+/* The command word moved on: the issuer of the newer command recorded how ours ended. */
+static int superseded(const ferry_ctl *ctl, uint64_t word, uint64_t now) {
+  switch (fr_ctl_outcome(now, fr_ctl_cmd_seq(word))) {
+  case FR_CTL_OUT_OK:
+    return 0;
+  case FR_CTL_OUT_FAILED:
+    return failure_error(ctl, word);
+  case FR_CTL_OUT_SUPERSEDED:
+    return fr_err(FERRY_ECLOSED, CMD_FMT " was aborted (by seq %lu) before all ranks acked",
+                  CMD_ARGS(ctl, word), (unsigned long)fr_ctl_cmd_seq(word) + 1);
+  default:
+    return fr_err(FERRY_ECLOSED, CMD_FMT ": outcome unknown, %lu commands were issued since",
+                  CMD_ARGS(ctl, word), (unsigned long)(fr_ctl_cmd_seq(now) - fr_ctl_cmd_seq(word)));
+  }
+}
+
+/* Waits on the first rank that has not acked; every FERRY_CTL_CHECK_MS checks the pending
+ * ranks are alive, so a dead rank fails the request long before the timeout. */
 static int wait_acks(const ferry_ctl *ctl, uint64_t word, int timeout_ms) {
-  uint64_t seq = fr_ctl_seq(word);
+  uint64_t seq = fr_ctl_cmd_seq(word);
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   int64_t check_ms = fr_config_int("FERRY_CTL_CHECK_MS");
   uint64_t check_ns = (uint64_t)(check_ms < 1 ? 1 : check_ms) * 1000000ull;
@@ -251,22 +288,22 @@ static int wait_acks(const ferry_ctl *ctl, uint64_t word, int timeout_ms) {
   uint32_t from = 0; /* ranks below `from` have acked; an ack for seq is final */
   for (;;) {
     uint64_t ack = 0;
-    while (
-        from < ctl->map.nranks &&
-        line_done(ack = atomic_load_explicit(&ctl->map.lines[from].ack, memory_order_acquire), seq))
+    while (from < ctl->map.nranks && line_done(ack = load_ack(ctl, from), seq))
       from++;
     if (from == ctl->map.nranks)
-      return collect_result(ctl, word);
-    if (atomic_load_explicit(&ctl->map.hdr->command, memory_order_acquire) != word)
-      return fr_err(FERRY_ECLOSED,
-                    "%s seq %lu on '%s' was superseded (aborted) before all ranks "
-                    "acked",
-                    ferry_ctl_cmd_name(fr_ctl_low(word)), (unsigned long)seq, ctl->map.name);
+      return completed(ctl, word);
+    uint64_t now_word = atomic_load_explicit(&ctl->map.hdr->command, memory_order_acquire);
+    if (now_word != word)
+      return superseded(ctl, word, now_word);
     uint64_t now = fr_now_ns();
-    if (now >= deadline)
-      return timeout_error(ctl, word, timeout_ms);
+    if (now >= deadline) {
+      text t = {0};
+      pending_ranks(ctl, word, &t, true);
+      return fr_err(FERRY_ETIMEDOUT, CMD_FMT ": %s did not ack within %d ms", CMD_ARGS(ctl, word),
+                    t.buf, timeout_ms);
+    }
     if (now >= next_check) {
-      int rc = check_ranks_alive(ctl, seq, ferry_ctl_cmd_name(fr_ctl_low(word)));
+      int rc = check_ranks_alive(ctl, seq, ferry_ctl_cmd_name(fr_ctl_cmd_of(word)));
       if (rc)
         return rc;
       next_check = now + check_ns;
@@ -276,15 +313,20 @@ static int wait_acks(const ferry_ctl *ctl, uint64_t word, int timeout_ms) {
   }
 }
 
-int ferry_ctl_request(ferry_ctl *ctl, ferry_ctl_cmd cmd, int timeout_ms) {
-  if (!ctl || cmd < FERRY_CTL_CLEAR || cmd > FERRY_CTL_ABORT)
-    return fr_err(FERRY_EINVAL, "ferry_ctl_request: bad %s", ctl ? "command" : "handle");
-  timeout_ms = fr_timeout(timeout_ms);
+static int check_cell(const ferry_ctl *ctl, ferry_ctl_cmd cmd) {
   int rc = fr_ctl_map_current(&ctl->map);
   if (rc == 0)
     rc = fr_ctl_engine_check(&ctl->map);
   if (rc == 0)
     rc = check_ranks_alive(ctl, 0, ferry_ctl_cmd_name(cmd));
+  return rc;
+}
+
+int ferry_ctl_request(ferry_ctl *ctl, ferry_ctl_cmd cmd, int timeout_ms) {
+  if (!ctl || cmd < FERRY_CTL_CLEAR || cmd > FERRY_CTL_ABORT)
+    return fr_err(FERRY_EINVAL, "ferry_ctl_request: bad %s", ctl ? "command" : "handle");
+  timeout_ms = fr_timeout(timeout_ms);
+  int rc = check_cell(ctl, cmd);
   if (rc)
     return rc;
   cell_snap cs;
@@ -292,15 +334,16 @@ int ferry_ctl_request(ferry_ctl *ctl, ferry_ctl_cmd cmd, int timeout_ms) {
   rc = validate(ctl, &cs, cmd);
   if (rc)
     return rc > 0 ? 0 : rc;
-  uint64_t next = fr_ctl_word(fr_ctl_seq(cs.word) + 1, cmd);
-  uint64_t expected = cs.word;
-  if (!atomic_compare_exchange_strong(&ctl->map.hdr->command, &expected, next))
-    return fr_err(FERRY_EBUSY, "%s on '%s': another controller issued %s seq %lu first",
-                  ferry_ctl_cmd_name(cmd), ctl->map.name, ferry_ctl_cmd_name(fr_ctl_low(expected)),
-                  (unsigned long)fr_ctl_seq(expected));
+  /* The new word records how the previous command ended; the CAS makes that record and the
+   * command one indivisible step, taken only if nobody issued anything since the snapshot. */
+  unsigned hist = fr_ctl_cmd_hist(cs.word) << 2 | cs.outcome;
+  uint64_t next = fr_ctl_cmd_word(fr_ctl_cmd_seq(cs.word) + 1, hist, cmd);
+  uint64_t seen = cs.word;
+  if (!atomic_compare_exchange_strong(&ctl->map.hdr->command, &seen, next))
+    return fr_err(FERRY_EBUSY, "%s on '%s': another controller issued " CMD_FMT " first",
+                  ferry_ctl_cmd_name(cmd), ctl->map.name, CMD_ARGS(ctl, seen));
   fr_ctl_futex_wake(&ctl->map.hdr->command);
-  fr_debug("control '%s': issued %s seq %lu", ctl->map.name, ferry_ctl_cmd_name(cmd),
-           (unsigned long)fr_ctl_seq(next));
+  fr_debug("control: issued " CMD_FMT, CMD_ARGS(ctl, next));
   return wait_acks(ctl, next, timeout_ms);
 }
 
@@ -321,8 +364,8 @@ int ferry_ctl_status_get(ferry_ctl *ctl, ferry_ctl_status *out) {
       .nranks = h->nranks,
       .engine_pid = h->engine_pid,
       .engine_alive = fr_ctl_pid_alive(h->engine_pid, h->engine_start),
-      .seq = fr_ctl_seq(cs.word),
-      .cmd = (ferry_ctl_cmd)fr_ctl_low(cs.word),
+      .seq = fr_ctl_cmd_seq(cs.word),
+      .cmd = (ferry_ctl_cmd)fr_ctl_cmd_of(cs.word),
       .in_flight = cs.in_flight,
       .state = cs.state,
       .agreed = cs.agreed,
@@ -337,18 +380,22 @@ int ferry_ctl_rank_status_get(ferry_ctl *ctl, uint32_t rank, ferry_ctl_rank_stat
   if (rank >= ctl->map.nranks)
     return fr_err(FERRY_ERANGE, "rank %u of '%s': it has %u ranks", rank, ctl->map.name,
                   ctl->map.nranks);
-  line_snap s;
-  read_line(&ctl->map.lines[rank], &s);
+  const fr_ctl_line *l = &ctl->map.lines[rank];
+  uint64_t owner = atomic_load(&l->owner);
+  uint64_t ack = load_ack(ctl, rank);
+  failure f;
+  read_failure(l, &f);
   ferry_ctl_rank_status st = {
       .size = out->size,
       .rank = rank,
-      .pid = fr_ctl_owner_pid(s.owner),
-      .alive = s.owner != 0 && fr_ctl_owner_alive(s.owner),
-      .seq = fr_ctl_seq(s.ack),
-      .state = (ferry_ctl_state)fr_ctl_low(s.ack),
-      .error = s.error,
+      .pid = fr_ctl_owner_pid(owner),
+      .alive = owner != 0 && fr_ctl_owner_alive(owner),
+      .seq = fr_ctl_seq(ack),
+      .state = (ferry_ctl_state)fr_ctl_low(ack),
+      .fail_seq = f.seq,
+      .error = f.error,
   };
-  memcpy(st.message, s.message, sizeof st.message);
+  memcpy(st.message, f.message, sizeof st.message);
   memcpy(out, &st, out->size < sizeof st ? out->size : sizeof st);
   return 0;
 }

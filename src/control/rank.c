@@ -23,20 +23,28 @@ struct ferry_ctl_rank {
   int error;             /* the last FAILED ack's error */
 };
 
-/* Writes error and message, then publishes the ack word (release), then wakes controllers. */
-static void publish_ack(fr_ctl_line *line, uint64_t seq, ferry_ctl_state state, int error,
-                        const char *message) {
+/* Publishes the ack word (release) and wakes the controllers waiting on it. */
+static void publish_ack(fr_ctl_line *line, uint64_t seq, ferry_ctl_state state) {
+  atomic_store_explicit(&line->ack, fr_ctl_word(seq, state), memory_order_release);
+  fr_ctl_futex_wake(&line->ack);
+}
+
+/* Records a failure before its ack: fail_seq is cleared, error and message written, then
+ * fail_seq set, so a reader that sees the same fail_seq before and after reading has a
+ * consistent record. The record stays until this rank's next failure. */
+static void publish_failure(fr_ctl_line *line, uint64_t seq, int error, const char *message) {
   char text[FERRY_CTL_MESSAGE_MAX] = {0};
   if (message)
     strncpy(text, message, sizeof text - 1);
+  atomic_store_explicit(&line->fail_seq, 0, memory_order_relaxed);
+  atomic_thread_fence(memory_order_release);
   for (int i = 0; i < FR_CTL_MSG_WORDS; i++) {
     uint64_t w;
     memcpy(&w, text + 8 * i, 8);
     atomic_store_explicit(&line->message[i], w, memory_order_relaxed);
   }
   atomic_store_explicit(&line->error, error, memory_order_relaxed);
-  atomic_store_explicit(&line->ack, fr_ctl_word(seq, state), memory_order_release);
-  fr_ctl_futex_wake(&line->ack);
+  atomic_store_explicit(&line->fail_seq, seq, memory_order_release);
 }
 
 /* Claims the line: free, or held by a dead process (a rank that restarted). */
@@ -83,7 +91,7 @@ int ferry_ctl_rank_open(const char *name, uint32_t rank, const ferry_ctl_rank_op
   }
   /* A new owner starts at seq 0, so its first wait returns the latest command, if any. */
   r->state = initial;
-  publish_ack(r->line, 0, initial, 0, NULL);
+  publish_ack(r->line, 0, initial);
   *out = r;
   return 0;
 }
@@ -99,13 +107,13 @@ void ferry_ctl_rank_close(ferry_ctl_rank *r) {
 }
 
 static void take(ferry_ctl_rank *r, uint64_t word, ferry_ctl_command *out) {
-  r->taken_seq = fr_ctl_seq(word);
-  r->taken_cmd = (ferry_ctl_cmd)fr_ctl_low(word);
+  r->taken_seq = fr_ctl_cmd_seq(word);
+  r->taken_cmd = (ferry_ctl_cmd)fr_ctl_cmd_of(word);
   r->acked = false;
   if (r->taken_cmd == FERRY_CTL_CLEAR)
-    publish_ack(r->line, r->taken_seq, FERRY_CTL_CLEARING, 0, NULL);
+    publish_ack(r->line, r->taken_seq, FERRY_CTL_CLEARING);
   else if (r->taken_cmd == FERRY_CTL_UPDATE)
-    publish_ack(r->line, r->taken_seq, FERRY_CTL_UPDATING, 0, NULL);
+    publish_ack(r->line, r->taken_seq, FERRY_CTL_UPDATING);
   out->seq = r->taken_seq;
   out->cmd = r->taken_cmd;
 }
@@ -116,7 +124,7 @@ int ferry_ctl_wait_command(ferry_ctl_rank *r, int timeout_ms, ferry_ctl_command 
   uint64_t deadline = fr_deadline_ns(fr_timeout(timeout_ms));
   for (;;) {
     uint64_t word = atomic_load_explicit(&r->map.hdr->command, memory_order_acquire);
-    if (fr_ctl_seq(word) > r->taken_seq) {
+    if (fr_ctl_cmd_seq(word) > r->taken_seq) {
       take(r, word, out);
       return 0;
     }
@@ -154,7 +162,9 @@ int ferry_ctl_ack(ferry_ctl_rank *r, uint64_t seq, ferry_ctl_state state, int er
   if ((state == FERRY_CTL_FAILED) != (error < 0))
     return fr_err(FERRY_EINVAL, "ack %s: a FAILED ack needs an error < 0, others none",
                   ferry_ctl_state_name(state));
-  publish_ack(r->line, seq, state, error, message);
+  if (state == FERRY_CTL_FAILED)
+    publish_failure(r->line, seq, error, message);
+  publish_ack(r->line, seq, state);
   r->acked = true;
   r->state = state;
   r->error = error;
