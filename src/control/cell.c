@@ -252,7 +252,7 @@ static void init_header(fr_ctl_header *hdr, uint32_t nranks) {
   hdr->lines_offset = FR_CTL_PAGE;
   hdr->line_size = FR_CTL_LINE;
   hdr->file_size = file_size_for(nranks);
-  atomic_store(&hdr->command, fr_ctl_word(0, FERRY_CTL_NONE));
+  atomic_store(&hdr->command, fr_ctl_cmd_word(0, FERRY_CTL_NONE));
 }
 
 /* Writes a fully initialized cell to a private temporary name; the caller publishes it. */

@@ -31,31 +31,25 @@ static inline uint64_t fr_ctl_word(uint64_t seq, unsigned low) { return seq << 8
 static inline uint64_t fr_ctl_seq(uint64_t word) { return word >> 8; }
 static inline unsigned fr_ctl_low(uint64_t word) { return (unsigned)(word & 0xff); }
 
-/* The command word: seq (40 bits) << 24 | history (22 bits) << 2 | command (2 bits). The
- * history is the outcome of the FR_CTL_HIST commands before seq, 2 bits each, newest lowest,
- * recorded by the issuer from its snapshot in the same compare-and-swap that issues the new
- * command. So a controller that was preempted while another controller went on still learns
- * how its own command ended, even after every rank line has moved on. */
-#define FR_CTL_HIST 11
+/* The command word: (seq << 8) | command, in the same layout as an ack word. */
+static inline uint64_t fr_ctl_cmd_word(uint64_t seq, unsigned cmd) { return fr_ctl_word(seq, cmd); }
+static inline uint64_t fr_ctl_cmd_seq(uint64_t w) { return fr_ctl_seq(w); }
+static inline unsigned fr_ctl_cmd_of(uint64_t w) { return fr_ctl_low(w) & 3; }
+
+/* The outcome log: how each command ended, (seq << 8) | outcome in slot seq % FR_CTL_OUTCOMES.
+ * Whoever issues the next command and finds this one complete records its outcome (a fact, so
+ * concurrent writers agree; a slot only moves to a larger seq) before the compare-and-swap that
+ * issues. So a controller preempted while others went on still learns how its own command
+ * ended, even after every rank line has moved on; a command with no record was superseded by
+ * an abort before all ranks acked (or, after FR_CTL_OUTCOMES newer commands, is unknown). */
+#define FR_CTL_OUTCOMES 256
+#define FR_CTL_OUTCOMES_OFFSET 2048
 enum {
   FR_CTL_OUT_UNKNOWN = 0,
   FR_CTL_OUT_OK = 1,
   FR_CTL_OUT_SUPERSEDED = 2,
   FR_CTL_OUT_FAILED = 3
 };
-static inline uint64_t fr_ctl_cmd_word(uint64_t seq, unsigned hist, unsigned cmd) {
-  return seq << 24 | (uint64_t)(hist & 0x3fffff) << 2 | (cmd & 3);
-}
-static inline uint64_t fr_ctl_cmd_seq(uint64_t w) { return w >> 24; }
-static inline unsigned fr_ctl_cmd_of(uint64_t w) { return (unsigned)(w & 3); }
-static inline unsigned fr_ctl_cmd_hist(uint64_t w) { return (unsigned)(w >> 2) & 0x3fffff; }
-/* The outcome of command `seq` as recorded in a later command word (UNKNOWN past the history). */
-static inline unsigned fr_ctl_outcome(uint64_t w, uint64_t seq) {
-  uint64_t d = fr_ctl_cmd_seq(w) - seq;
-  if (seq >= fr_ctl_cmd_seq(w) || d > FR_CTL_HIST)
-    return FR_CTL_OUT_UNKNOWN;
-  return (fr_ctl_cmd_hist(w) >> (2 * (d - 1))) & 3;
-}
 
 typedef struct fr_ctl_header {
   uint64_t magic;
@@ -72,6 +66,9 @@ typedef struct fr_ctl_header {
   /* cache line 1: written only by controllers, with one atomic store or CAS */
   _Alignas(64) _Atomic uint64_t command;
   uint8_t reserved1[56];
+  uint8_t reserved2[FR_CTL_OUTCOMES_OFFSET - 128];
+  /* written only by controllers */
+  _Atomic uint64_t outcomes[FR_CTL_OUTCOMES];
 } fr_ctl_header;
 
 _Static_assert(offsetof(fr_ctl_header, magic) == 0, "magic first");
@@ -81,8 +78,8 @@ _Static_assert(offsetof(fr_ctl_header, engine_pid) == 24, "layout v1");
 _Static_assert(offsetof(fr_ctl_header, engine_start) == 32, "layout v1");
 _Static_assert(offsetof(fr_ctl_header, file_size) == 52, "layout v1");
 _Static_assert(offsetof(fr_ctl_header, command) == 64, "command word on its own cache line");
-_Static_assert(sizeof(fr_ctl_header) == 128, "header is two cache lines");
-_Static_assert(sizeof(fr_ctl_header) <= FR_CTL_PAGE, "header fits page 0");
+_Static_assert(offsetof(fr_ctl_header, outcomes) == FR_CTL_OUTCOMES_OFFSET, "layout v1");
+_Static_assert(sizeof(fr_ctl_header) == FR_CTL_PAGE, "header fills page 0");
 
 #define FR_CTL_MSG_WORDS (FERRY_CTL_MESSAGE_MAX / 8)
 typedef struct fr_ctl_line {

@@ -261,20 +261,30 @@ static int completed(const ferry_ctl *ctl, uint64_t word) {
   return 0;
 }
 
-/* The command word moved on: the issuer of the newer command recorded how ours ended. */
+/* Records a complete command's outcome; a slot only ever moves to a larger seq, so a stale
+ * writer cannot overwrite a newer record. */
+static void record_outcome(fr_ctl_header *h, uint64_t seq, unsigned outcome) {
+  _Atomic uint64_t *slot = &h->outcomes[seq % FR_CTL_OUTCOMES];
+  uint64_t seen = atomic_load_explicit(slot, memory_order_relaxed);
+  while (fr_ctl_seq(seen) < seq &&
+         !atomic_compare_exchange_weak_explicit(slot, &seen, fr_ctl_word(seq, outcome),
+                                                memory_order_release, memory_order_relaxed))
+    ;
+}
+
+/* The command word moved on: whoever issued the next command recorded how ours ended, if it
+ * had ended; no record means an abort superseded it. */
 static int superseded(const ferry_ctl *ctl, uint64_t word, uint64_t now) {
-  switch (fr_ctl_outcome(now, fr_ctl_cmd_seq(word))) {
-  case FR_CTL_OUT_OK:
-    return 0;
-  case FR_CTL_OUT_FAILED:
-    return failure_error(ctl, word);
-  case FR_CTL_OUT_SUPERSEDED:
-    return fr_err(FERRY_ECLOSED, CMD_FMT " was aborted (by seq %lu) before all ranks acked",
-                  CMD_ARGS(ctl, word), (unsigned long)fr_ctl_cmd_seq(word) + 1);
-  default:
-    return fr_err(FERRY_ECLOSED, CMD_FMT ": outcome unknown, %lu commands were issued since",
-                  CMD_ARGS(ctl, word), (unsigned long)(fr_ctl_cmd_seq(now) - fr_ctl_cmd_seq(word)));
-  }
+  uint64_t seq = fr_ctl_cmd_seq(word), since = fr_ctl_cmd_seq(now) - seq;
+  uint64_t rec =
+      atomic_load_explicit(&ctl->map.hdr->outcomes[seq % FR_CTL_OUTCOMES], memory_order_acquire);
+  if (fr_ctl_seq(rec) == seq)
+    return fr_ctl_low(rec) == FR_CTL_OUT_OK ? 0 : failure_error(ctl, word);
+  if (since < FR_CTL_OUTCOMES)
+    return fr_err(FERRY_ECLOSED, CMD_FMT " was aborted (by a later command) before all ranks acked",
+                  CMD_ARGS(ctl, word));
+  return fr_err(FERRY_ECLOSED, CMD_FMT ": outcome unknown, %lu commands were issued since",
+                CMD_ARGS(ctl, word), (unsigned long)since);
 }
 
 /* Waits on the first rank that has not acked; every FERRY_CTL_CHECK_MS checks the pending
@@ -334,10 +344,11 @@ int ferry_ctl_request(ferry_ctl *ctl, ferry_ctl_cmd cmd, int timeout_ms) {
   rc = validate(ctl, &cs, cmd);
   if (rc)
     return rc > 0 ? 0 : rc;
-  /* The new word records how the previous command ended; the CAS makes that record and the
-   * command one indivisible step, taken only if nobody issued anything since the snapshot. */
-  unsigned hist = fr_ctl_cmd_hist(cs.word) << 2 | cs.outcome;
-  uint64_t next = fr_ctl_cmd_word(fr_ctl_cmd_seq(cs.word) + 1, hist, cmd);
+  /* Record how the previous command ended before anything can supersede it (its controller
+   * may be preempted and look only later); then issue, only if nobody issued since. */
+  if (cs.outcome == FR_CTL_OUT_OK || cs.outcome == FR_CTL_OUT_FAILED)
+    record_outcome(ctl->map.hdr, fr_ctl_cmd_seq(cs.word), cs.outcome);
+  uint64_t next = fr_ctl_cmd_word(fr_ctl_cmd_seq(cs.word) + 1, cmd);
   uint64_t seen = cs.word;
   if (!atomic_compare_exchange_strong(&ctl->map.hdr->command, &seen, next))
     return fr_err(FERRY_EBUSY, "%s on '%s': another controller issued " CMD_FMT " first",

@@ -1,0 +1,293 @@
+/*
+ * `ferry ctl` from the outside: the shell commands and their exit codes against a pretend engine
+ * (`ferry ctl engine`), and the HTTP server (`ferry ctl serve`) driven by a raw socket client,
+ * with ranks that hold a command on a pipe so that busy (503) and timeout (504) are
+ * deterministic. Runs the real binary named by FERRY_CLI.
+ */
+// ferry-test: threaded
+#include "testutil.h"
+
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static char dir[64];
+static char name[64];
+static const char *cli;
+
+/* ---- processes ---- */
+
+typedef struct child {
+  pid_t pid;
+  int out; /* its stdout */
+} child;
+
+static child spawn_cli(const char *const *args) {
+  int fds[2];
+  assert_int_equal(pipe(fds), 0);
+  fflush(NULL);
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    dup2(fds[1], 1);
+    close(fds[0]);
+    close(fds[1]);
+    char *argv[16] = {(char *)cli};
+    for (int i = 0; args[i] && i < 14; i++)
+      argv[i + 1] = (char *)args[i];
+    execv(cli, argv);
+    _exit(127);
+  }
+  close(fds[1]);
+  return (child){pid, fds[0]};
+}
+
+/* Reads the child's stdout up to len-1 bytes or EOF. */
+static void read_all(int fd, char *buf, size_t len) {
+  size_t n = 0;
+  ssize_t r;
+  while (n + 1 < len && (r = read(fd, buf + n, len - 1 - n)) > 0)
+    n += (size_t)r;
+  buf[n] = '\0';
+}
+
+static void read_line(int fd, char *buf, size_t len) {
+  size_t n = 0;
+  while (n + 1 < len) {
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    assert_true(poll(&p, 1, 20000) == 1);
+    if (read(fd, buf + n, 1) != 1 || buf[n] == '\n')
+      break;
+    n++;
+  }
+  buf[n] = '\0';
+}
+
+/* Runs `ferry ARGS...`; returns the exit code and its stdout in out. */
+static int run(char *out, size_t len, const char *const *args) {
+  child c = spawn_cli(args);
+  read_all(c.out, out, len);
+  close(c.out);
+  return tu_wait(c.pid);
+}
+
+#define RUN(out, ...) run(out, sizeof out, (const char *const[]){__VA_ARGS__, NULL})
+
+static void stop_child(child *c, int expect) {
+  kill(c->pid, SIGTERM);
+  assert_int_equal(tu_wait(c->pid), expect);
+  close(c->out);
+}
+
+/* ---- HTTP ---- */
+
+static int http(int port, const char *method, const char *path, const char *token, const char *body,
+                char *resp, size_t len) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  char req[1024], auth[256] = "";
+  if (token)
+    snprintf(auth, sizeof auth, "Authorization: Bearer %s\r\n", token);
+  int n = snprintf(req, sizeof req,
+                   "%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n%s"
+                   "Content-Length: %zu\r\n\r\n%s",
+                   method, path, auth, body ? strlen(body) : 0, body ? body : "");
+  assert_int_equal(write(fd, req, (size_t)n), n);
+  read_all(fd, resp, len);
+  close(fd);
+  int code = 0;
+  assert_int_equal(sscanf(resp, "HTTP/1.%*d %d", &code), 1);
+  return code;
+}
+
+/* ---- fixtures ---- */
+
+static int group_setup(void **state) {
+  cli = getenv("FERRY_CLI");
+  assert_non_null(cli);
+  snprintf(dir, sizeof dir, "/dev/shm/ferry-clitest-XXXXXX");
+  assert_non_null(mkdtemp(dir));
+  setenv("FERRY_CTL_DIR", dir, 1);
+  setenv("FERRY_CTL_CHECK_MS", "20", 1);
+  unsetenv("FERRY_TOKEN");
+  signal(SIGPIPE, SIG_IGN);
+  return 0;
+}
+
+static int group_teardown(void **state) {
+  DIR *d = opendir(dir);
+  struct dirent *e;
+  char path[512];
+  while (d && (e = readdir(d)))
+    if (e->d_name[0] != '.') {
+      snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+      unlink(path);
+    }
+  if (d)
+    closedir(d);
+  rmdir(dir);
+  return 0;
+}
+
+static int setup(void **state) {
+  static int counter;
+  snprintf(name, sizeof name, "cli%d-%d", (int)getpid(), ++counter);
+  return 0;
+}
+
+/* ---- the shell commands ---- */
+
+static void test_help_and_usage(void **state) {
+  char out[4096];
+  assert_int_equal(RUN(out, "ctl", "--help"), 0);
+  assert_non_null(strstr(out, "exit status"));
+  assert_int_equal(RUN(out, "ctl", "serve", "--help"), 0);
+  assert_non_null(strstr(out, "/v1/control/NAME"));
+  assert_int_equal(RUN(out, "ctl", "engine", "--help"), 0);
+  assert_int_equal(RUN(out, "ctl", name, "--help"), 0);
+  assert_int_equal(RUN(out, "ctl", name, "reboot"), 2);
+  assert_int_equal(RUN(out, "ctl", name, "clear", "--timeout", "soon"), 2);
+  assert_int_equal(RUN(out, "ctl", name, "status"), 3);
+  assert_int_equal(RUN(out, "ctl", "engine", name), 2);                       /* --ranks missing */
+  assert_int_equal(RUN(out, "ctl", "serve", name, "--http", "0.0.0.0:0"), 2); /* not loopback */
+}
+
+static void test_engine_and_commands(void **state) {
+  char out[8192], line[256];
+  child eng = spawn_cli(
+      (const char *const[]){"ctl", "engine", name, "--ranks", "3", "--fail-update", "2", NULL});
+  read_line(eng.out, line, sizeof line);
+  assert_non_null(strstr(line, "ready"));
+  assert_int_equal(RUN(out, "ctl", name, "status"), 0);
+  assert_non_null(strstr(out, "serving"));
+  assert_int_equal(RUN(out, "ctl", name, "update"), 6); /* invalid transition */
+  assert_int_equal(RUN(out, "ctl", name, "clear", "--timeout", "10"), 0);
+  assert_non_null(strstr(out, "cleared"));
+  assert_int_equal(RUN(out, "ctl", name, "clear"), 0); /* at once */
+  assert_int_equal(RUN(out, "ctl", name, "update", "--json", "--timeout", "10"), 1);
+  assert_non_null(strstr(out, "\"ok\":false"));
+  assert_non_null(strstr(out, "FERRY_ECHECKSUM"));
+  assert_non_null(strstr(out, "rank 2 failed"));
+  assert_int_equal(RUN(out, "ctl", name, "status", "--json"), 0);
+  assert_non_null(strstr(out, "\"state\":\"failed\""));
+  assert_int_equal(RUN(out, "ctl", name, "clear"), 0); /* the way back */
+  stop_child(&eng, 0);
+  assert_int_equal(RUN(out, "ctl", name, "status"), 3); /* the engine removed its cell */
+}
+
+/* ---- HTTP: this process is the engine; ranks are children that can hold an update ---- */
+
+typedef struct rank_arg {
+  uint32_t rank;
+  int gate_rd, note_wr; /* rank 1 tells `note` it is updating, then waits for `gate` */
+} rank_arg;
+
+static int hold_update(void *p) {
+  rank_arg *a = p;
+  char b = 'u';
+  if (a->rank == 1 && (write(a->note_wr, &b, 1) != 1 || read(a->gate_rd, &b, 1) != 1))
+    return FERRY_ESYS;
+  return 0;
+}
+
+static int rank_main(void *p) {
+  rank_arg *a = p;
+  ferry_ctl_rank *r = NULL;
+  if (ferry_ctl_rank_open(name, a->rank, NULL, &r) != 0)
+    return 1;
+  ferry_ctl_handlers h = {sizeof h, NULL, hold_update, NULL, a};
+  for (;;)
+    ferry_ctl_rank_step(r, &h, -1, NULL); /* until killed */
+}
+
+static child start_server(int *port) {
+  child srv = spawn_cli((const char *const[]){"ctl", "serve", name, "--http", "127.0.0.1:0", NULL});
+  char line[256];
+  read_line(srv.out, line, sizeof line);
+  const char *p = strstr(line, "127.0.0.1:");
+  assert_non_null(p);
+  *port = atoi(p + 10);
+  assert_true(*port > 0);
+  return srv;
+}
+
+static void test_http(void **state) {
+  ferry_ctl_cell *cell = NULL;
+  FR_OK(ferry_ctl_cell_create(name, 2, NULL, &cell));
+  tu_pipe gate, note;
+  tu_pipe_open(&gate);
+  tu_pipe_open(&note);
+  rank_arg args[2] = {{0, gate.rd, note.wr}, {1, gate.rd, note.wr}};
+  pid_t ranks[2] = {tu_spawn(rank_main, &args[0]), tu_spawn(rank_main, &args[1])};
+  int port;
+  child srv = start_server(&port);
+  char path[128], act[160], resp[8192];
+  snprintf(path, sizeof path, "/v1/control/%s", name);
+  do /* until both ranks are attached */
+    assert_int_equal(http(port, "GET", path, NULL, NULL, resp, sizeof resp), 200);
+  while (strstr(resp, "\"state\":\"absent\""));
+  assert_non_null(strstr(resp, "\"state\":\"serving\""));
+  assert_non_null(strstr(resp, "application/json"));
+  snprintf(act, sizeof act, "%s/update", path);
+  assert_int_equal(http(port, "POST", act, NULL, NULL, resp, sizeof resp), 409);
+  assert_non_null(strstr(resp, "FERRY_ESTATE"));
+  snprintf(act, sizeof act, "%s/clear", path);
+  assert_int_equal(http(port, "POST", act, NULL, "{\"timeout_s\": 10}", resp, sizeof resp), 200);
+  assert_non_null(strstr(resp, "\"state\":\"cleared\""));
+  assert_int_equal(http(port, "POST", act, NULL, NULL, resp, sizeof resp), 200);
+  /* rank 1 holds the update: the request times out (504), another one is busy (503) */
+  snprintf(act, sizeof act, "%s/update?timeout_s=0.2", path);
+  assert_int_equal(http(port, "POST", act, NULL, NULL, resp, sizeof resp), 504);
+  assert_non_null(strstr(resp, "rank 1 (updating)"));
+  char b;
+  assert_int_equal(tu_pipe_get(&note, &b, 1, 10000), 0);
+  snprintf(act, sizeof act, "%s/clear", path);
+  assert_int_equal(http(port, "POST", act, NULL, NULL, resp, sizeof resp), 503);
+  tu_pipe_put(&gate, "g", 1);
+  do
+    assert_int_equal(http(port, "GET", path, NULL, NULL, resp, sizeof resp), 200);
+  while (strstr(resp, "\"in_flight\":true"));
+  assert_non_null(strstr(resp, "\"state\":\"serving\""));
+  /* paths and methods */
+  assert_int_equal(http(port, "GET", "/v1/control/other", NULL, NULL, resp, sizeof resp), 404);
+  snprintf(act, sizeof act, "%s/reboot", path);
+  assert_int_equal(http(port, "POST", act, NULL, NULL, resp, sizeof resp), 404);
+  snprintf(act, sizeof act, "%s/clear", path);
+  assert_int_equal(http(port, "GET", act, NULL, NULL, resp, sizeof resp), 405);
+  stop_child(&srv, 0);
+  /* with FERRY_TOKEN the server wants the bearer token */
+  setenv("FERRY_TOKEN", "sekret", 1);
+  srv = start_server(&port);
+  unsetenv("FERRY_TOKEN");
+  assert_int_equal(http(port, "GET", path, NULL, NULL, resp, sizeof resp), 401);
+  assert_int_equal(http(port, "GET", path, "wrong", NULL, resp, sizeof resp), 401);
+  assert_int_equal(http(port, "GET", path, "sekret", NULL, resp, sizeof resp), 200);
+  stop_child(&srv, 0);
+  for (int i = 0; i < 2; i++) {
+    kill(ranks[i], SIGKILL);
+    tu_wait(ranks[i]);
+  }
+  tu_pipe_close(&gate);
+  tu_pipe_close(&note);
+  ferry_ctl_cell_close(cell);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_setup(test_help_and_usage, setup),
+      cmocka_unit_test_setup(test_engine_and_commands, setup),
+      cmocka_unit_test_setup(test_http, setup),
+  };
+  return cmocka_run_group_tests(tests, group_setup, group_teardown);
+}
