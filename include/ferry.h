@@ -47,30 +47,30 @@ FERRY_API const char *ferry_version(void);
 /* ---------------------------------------------------------------------------------------------
  * Status codes: one X-macro table, names and messages together.
  * ------------------------------------------------------------------------------------------- */
-#define FERRY_STATUS_TABLE(X)                                                                    \
-  X(OK, 0, "success")                                                                            \
-  X(EINVAL, -1, "invalid argument")                                                              \
-  X(ENOMEM, -2, "out of memory")                                                                 \
-  X(ENOSHM, -3, "out of shared memory")                                                          \
-  X(ETIMEDOUT, -4, "timed out")                                                                  \
-  X(ENOTFOUND, -5, "not found")                                                                  \
-  X(EEXIST, -6, "already exists")                                                                \
-  X(EACCES, -7, "access denied")                                                                 \
-  X(ERANGE, -8, "out of bounds")                                                                 \
-  X(EPEER, -9, "peer gone")                                                                      \
-  X(EPROTO, -10, "protocol error")                                                               \
-  X(ECONNECT, -11, "cannot connect")                                                             \
-  X(EAUTH, -12, "authentication failed")                                                         \
-  X(EDTYPE, -13, "invalid or mismatched dtype")                                                  \
-  X(ESHAPE, -14, "invalid or mismatched shape")                                                  \
-  X(EOVERFLOW, -15, "size overflow")                                                             \
-  X(ECLOSED, -16, "closed")                                                                      \
-  X(EBUSY, -17, "busy")                                                                          \
-  X(ECAPACITY, -18, "capacity exceeded")                                                         \
-  X(ESYS, -19, "system call failed")                                                             \
-  X(ENOTSUP, -20, "not supported")                                                               \
-  X(ESTATE, -21, "invalid state transition")                                                     \
-  X(ECHECKSUM, -22, "checksum mismatch")                                                         \
+#define FERRY_STATUS_TABLE(X)                                                                      \
+  X(OK, 0, "success")                                                                              \
+  X(EINVAL, -1, "invalid argument")                                                                \
+  X(ENOMEM, -2, "out of memory")                                                                   \
+  X(ENOSHM, -3, "out of shared memory")                                                            \
+  X(ETIMEDOUT, -4, "timed out")                                                                    \
+  X(ENOTFOUND, -5, "not found")                                                                    \
+  X(EEXIST, -6, "already exists")                                                                  \
+  X(EACCES, -7, "access denied")                                                                   \
+  X(ERANGE, -8, "out of bounds")                                                                   \
+  X(EPEER, -9, "peer gone")                                                                        \
+  X(EPROTO, -10, "protocol error")                                                                 \
+  X(ECONNECT, -11, "cannot connect")                                                               \
+  X(EAUTH, -12, "authentication failed")                                                           \
+  X(EDTYPE, -13, "invalid or mismatched dtype")                                                    \
+  X(ESHAPE, -14, "invalid or mismatched shape")                                                    \
+  X(EOVERFLOW, -15, "size overflow")                                                               \
+  X(ECLOSED, -16, "closed")                                                                        \
+  X(EBUSY, -17, "busy")                                                                            \
+  X(ECAPACITY, -18, "capacity exceeded")                                                           \
+  X(ESYS, -19, "system call failed")                                                               \
+  X(ENOTSUP, -20, "not supported")                                                                 \
+  X(ESTATE, -21, "invalid state transition")                                                       \
+  X(ECHECKSUM, -22, "checksum mismatch")                                                           \
   X(ESTALE, -23, "stale data")
 
 enum ferry_status {
@@ -132,21 +132,21 @@ FERRY_API uint64_t ferry_checksum(const void *data, size_t len);
 /* ---------------------------------------------------------------------------------------------
  * Tensors: dtype, shape, byte size.
  * ------------------------------------------------------------------------------------------- */
-#define FERRY_DTYPE_TABLE(X)                                                                     \
-  X(BOOL, 1, 1, "bool")                                                                          \
-  X(U8, 2, 1, "uint8")                                                                           \
-  X(U16, 3, 2, "uint16")                                                                         \
-  X(U32, 4, 4, "uint32")                                                                         \
-  X(U64, 5, 8, "uint64")                                                                         \
-  X(I8, 6, 1, "int8")                                                                            \
-  X(I16, 7, 2, "int16")                                                                          \
-  X(I32, 8, 4, "int32")                                                                          \
-  X(I64, 9, 8, "int64")                                                                          \
-  X(F16, 10, 2, "float16")                                                                       \
-  X(BF16, 11, 2, "bfloat16")                                                                     \
-  X(F32, 12, 4, "float32")                                                                       \
-  X(F64, 13, 8, "float64")                                                                       \
-  X(F8E4M3, 14, 1, "float8_e4m3")                                                                \
+#define FERRY_DTYPE_TABLE(X)                                                                       \
+  X(BOOL, 1, 1, "bool")                                                                            \
+  X(U8, 2, 1, "uint8")                                                                             \
+  X(U16, 3, 2, "uint16")                                                                           \
+  X(U32, 4, 4, "uint32")                                                                           \
+  X(U64, 5, 8, "uint64")                                                                           \
+  X(I8, 6, 1, "int8")                                                                              \
+  X(I16, 7, 2, "int16")                                                                            \
+  X(I32, 8, 4, "int32")                                                                            \
+  X(I64, 9, 8, "int64")                                                                            \
+  X(F16, 10, 2, "float16")                                                                         \
+  X(BF16, 11, 2, "bfloat16")                                                                       \
+  X(F32, 12, 4, "float32")                                                                         \
+  X(F64, 13, 8, "float64")                                                                         \
+  X(F8E4M3, 14, 1, "float8_e4m3")                                                                  \
   X(F8E5M2, 15, 1, "float8_e5m2")
 
 typedef enum ferry_dtype {
@@ -160,7 +160,7 @@ typedef enum ferry_dtype {
 
 typedef struct ferry_tensor_desc {
   ferry_dtype dtype;
-  uint32_t ndim;                   /* 0 (a scalar) .. FERRY_MAX_DIMS */
+  uint32_t ndim;                  /* 0 (a scalar) .. FERRY_MAX_DIMS */
   uint64_t shape[FERRY_MAX_DIMS]; /* entries past ndim are ignored */
 } ferry_tensor_desc;
 
@@ -227,8 +227,8 @@ FERRY_API int ferry_register(ferry_ctx *ctx, void *ptr, size_t len, ferry_region
 FERRY_API int ferry_deregister(ferry_ctx *ctx, uint64_t region_id);
 /* Finds the region that contains [ptr, ptr+len): its reference and ptr's offset in it.
  * FERRY_ENOTFOUND when the bytes are not (wholly) inside one region. */
-FERRY_API int ferry_region_find(ferry_ctx *ctx, const void *ptr, size_t len,
-                                ferry_region_ref *out, uint64_t *offset);
+FERRY_API int ferry_region_find(ferry_ctx *ctx, const void *ptr, size_t len, ferry_region_ref *out,
+                                uint64_t *offset);
 
 /* ---------------------------------------------------------------------------------------------
  * Links: a connection to a peer over the best transport both share (shm on one host, proven by
@@ -238,8 +238,7 @@ FERRY_API int ferry_region_find(ferry_ctx *ctx, const void *ptr, size_t len,
 
 /* Connects to a peer's ferry_ctx_address(), trying transports in the ctx's order.
  * FERRY_ECONNECT (nothing answered within the timeout), FERRY_EAUTH (token mismatch). */
-FERRY_API int ferry_connect(ferry_ctx *ctx, const char *address, int timeout_ms,
-                            ferry_link **out);
+FERRY_API int ferry_connect(ferry_ctx *ctx, const char *address, int timeout_ms, ferry_link **out);
 FERRY_API void ferry_link_close(ferry_link *link);
 /* "shm" or "tcp" (static string). */
 FERRY_API const char *ferry_link_transport(const ferry_link *link);
@@ -264,6 +263,18 @@ typedef struct ferry_msg {
  * until ferry_msg_free(). FERRY_ETIMEDOUT when none arrived in time. */
 FERRY_API int ferry_recv(ferry_ctx *ctx, uint32_t channel, ferry_msg **out, int timeout_ms);
 FERRY_API void ferry_msg_free(ferry_msg *msg);
+
+/* Request/response: sends a message on `channel` that the peer receives with ferry_recv() like
+ * any other (ferry_msg_is_call() tells it apart) and answers with ferry_reply(). Waits for that
+ * reply, which the caller owns (ferry_msg_free). FERRY_ETIMEDOUT when no reply came in time;
+ * FERRY_EPEER when the link died first. Many calls may be in flight on one link at once. */
+FERRY_API int ferry_call(ferry_link *link, uint32_t channel, const struct iovec *iov, int iovcnt,
+                         ferry_msg **reply, int timeout_ms);
+/* Answers a message received from ferry_call(); the request stays owned by the caller.
+ * FERRY_EINVAL when `request` was not a call. Each call is answered at most once. */
+FERRY_API int ferry_reply(ferry_msg *request, const struct iovec *iov, int iovcnt, int timeout_ms);
+/* 1 when the message came from ferry_call() and still awaits its reply, else 0. */
+FERRY_API int ferry_msg_is_call(const ferry_msg *msg);
 
 /* One-sided read of [offset, offset+len) of the peer's region into dst (one copy: over shm a
  * memcpy from the peer's pages, over tcp a recv straight into dst). FERRY_EACCES (wrong key),
@@ -324,9 +335,9 @@ FERRY_API int ferry_ctl_cmd_parse(const char *name, ferry_ctl_cmd *out);
 
 /* -- engine side: the cell -- */
 typedef struct ferry_ctl_cell_opts {
-  size_t size;        /* sizeof(ferry_ctl_cell_opts) */
-  int fail_if_stale;  /* 0: a cell left by a dead engine is replaced (next incarnation);
-                         1: fail with FERRY_ESTALE instead */
+  size_t size;       /* sizeof(ferry_ctl_cell_opts) */
+  int fail_if_stale; /* 0: a cell left by a dead engine is replaced (next incarnation);
+                        1: fail with FERRY_ESTALE instead */
 } ferry_ctl_cell_opts;
 
 /* Creates the cell for `nranks` ranks (1..FERRY_CTL_MAX_RANKS), published atomically (never
@@ -357,8 +368,8 @@ typedef struct ferry_ctl_command {
  * FERRY_ERANGE (rank out of range), FERRY_EBUSY (a live process holds that rank). The rank can
  * write only its own line: the command word is mapped read-only. Not thread-safe: one thread
  * drives a rank handle. Owned by the caller until ferry_ctl_rank_close(), which detaches. */
-FERRY_API int ferry_ctl_rank_open(const char *name, uint32_t rank,
-                                  const ferry_ctl_rank_opts *opts, ferry_ctl_rank **out);
+FERRY_API int ferry_ctl_rank_open(const char *name, uint32_t rank, const ferry_ctl_rank_opts *opts,
+                                  ferry_ctl_rank **out);
 FERRY_API void ferry_ctl_rank_close(ferry_ctl_rank *rank);
 /* Waits for a command newer than the last one this rank took, and returns the latest (a rank
  * that lagged behind several commands gets only the newest). Taking CLEAR or UPDATE publishes
@@ -376,9 +387,9 @@ FERRY_API int ferry_ctl_ack(ferry_ctl_rank *rank, uint64_t seq, ferry_ctl_state 
  * 0 only once the new weights are complete and verified (e.g. a refit receiver's commit), so the
  * rank returns to SERVING only with a verified version. NULL handlers succeed at once. */
 typedef struct ferry_ctl_handlers {
-  size_t size;               /* sizeof(ferry_ctl_handlers) */
-  int (*clear)(void *arg);   /* drop weights (and KV cache) */
-  int (*update)(void *arg);  /* receive, verify and commit new weights */
+  size_t size;                         /* sizeof(ferry_ctl_handlers) */
+  int (*clear)(void *arg);             /* drop weights (and KV cache) */
+  int (*update)(void *arg);            /* receive, verify and commit new weights */
   ferry_ctl_state (*abort)(void *arg); /* the state to report on abort; NULL: the last one */
   void *arg;
 } ferry_ctl_handlers;
@@ -413,13 +424,13 @@ typedef struct ferry_ctl_status {
   uint64_t incarnation;
   uint32_t nranks;
   int32_t engine_pid;
-  int engine_alive;  /* 0: the cell is stale (its engine died) */
-  uint64_t seq;      /* the latest command's sequence number (0: none yet) */
-  ferry_ctl_cmd cmd; /* the latest command */
-  int in_flight;     /* some rank has not acked the latest command */
+  int engine_alive;      /* 0: the cell is stale (its engine died) */
+  uint64_t seq;          /* the latest command's sequence number (0: none yet) */
+  ferry_ctl_cmd cmd;     /* the latest command */
+  int in_flight;         /* some rank has not acked the latest command */
   ferry_ctl_state state; /* the engine's state: CLEARING/UPDATING while one is in flight, the
                             ranks' common state when they agree, FAILED otherwise */
-  int agreed;        /* every rank acked the latest command with the same state */
+  int agreed;            /* every rank acked the latest command with the same state */
 } ferry_ctl_status;
 typedef struct ferry_ctl_rank_status {
   size_t size; /* sizeof(ferry_ctl_rank_status) */

@@ -127,6 +127,78 @@ static void messages(const char *transport) {
   pair_close(&p);
 }
 
+static void *answer_calls(void *arg) {
+  ferry_ctx *c = arg;
+  for (int i = 0; i < 200; i++) {
+    ferry_msg *m;
+    if (ferry_recv(c, 9, &m, 5000) != 0)
+      return NULL;
+    assert_true(ferry_msg_is_call(m));
+    char out[64];
+    int n = snprintf(out, sizeof out, "re: %s", (char *)m->data);
+    struct iovec iov = {out, (size_t)n};
+    FR_OK(ferry_reply(m, &iov, 1, 1000));
+    assert_false(ferry_msg_is_call(m));
+    assert_int_equal(ferry_reply(m, &iov, 1, 1000), FERRY_EINVAL); /* once only */
+    ferry_msg_free(m);
+  }
+  return NULL;
+}
+
+typedef struct caller_args {
+  ferry_link *link;
+  int base, failures;
+} caller_args;
+
+static void *make_calls(void *arg) {
+  caller_args *a = arg;
+  for (int i = 0; i < 100; i++) {
+    char q[32], want[40];
+    snprintf(q, sizeof q, "q%d", a->base + i);
+    snprintf(want, sizeof want, "re: %s", q);
+    struct iovec iov = {q, strlen(q) + 1};
+    ferry_msg *r = NULL;
+    if (ferry_call(a->link, 9, &iov, 1, &r, 5000) != 0 || strcmp(r->data, want) != 0)
+      a->failures++;
+    ferry_msg_free(r);
+  }
+  return NULL;
+}
+
+/* Calls from two threads over one link: every reply reaches its own caller. */
+static void calls(const char *transport) {
+  pair p;
+  pair_open(&p, transport);
+  pthread_t server, t[2];
+  pthread_create(&server, NULL, answer_calls, p.b);
+  caller_args a[2] = {{p.ab, 0, 0}, {p.ab, 1000, 0}};
+  for (int i = 0; i < 2; i++)
+    pthread_create(&t[i], NULL, make_calls, &a[i]);
+  for (int i = 0; i < 2; i++) {
+    pthread_join(t[i], NULL);
+    assert_int_equal(a[i].failures, 0);
+  }
+  pthread_join(server, NULL);
+  /* nobody answers: the call times out; a plain message cannot be replied to */
+  struct iovec iov = {"x", 1};
+  ferry_msg *r = (ferry_msg *)0x1;
+  assert_int_equal(ferry_call(p.ab, 10, &iov, 1, &r, 100), FERRY_ETIMEDOUT);
+  assert_ptr_equal(r, (ferry_msg *)0x1);
+  ferry_msg *m;
+  FR_OK(ferry_recv(p.b, 10, &m, 1000));
+  FR_OK(ferry_send(p.ab, 11, &iov, 1, 1000));
+  ferry_msg *plain;
+  FR_OK(ferry_recv(p.b, 11, &plain, 1000));
+  assert_int_equal(ferry_reply(plain, &iov, 1, 100), FERRY_EINVAL);
+  ferry_msg_free(plain);
+  FR_OK(ferry_reply(m, &iov, 1, 100)); /* a late reply is dropped quietly */
+  ferry_msg_free(m);
+  pair_close(&p);
+}
+
+static void test_calls_shm(void **s) { calls("shm"); }
+static void test_calls_tcp(void **s) { calls("tcp"); }
+
 static void test_messages_shm(void **s) { messages("shm"); }
 static void test_messages_tcp(void **s) { messages("tcp"); }
 
@@ -420,6 +492,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_ctx_address),         cmocka_unit_test(test_memory),
       cmocka_unit_test(test_messages_shm),        cmocka_unit_test(test_messages_tcp),
+      cmocka_unit_test(test_calls_shm),           cmocka_unit_test(test_calls_tcp),
       cmocka_unit_test(test_rma_shm_shared),      cmocka_unit_test(test_rma_shm_registered),
       cmocka_unit_test(test_rma_tcp_shared),      cmocka_unit_test(test_rma_tcp_registered),
       cmocka_unit_test(test_token_shm),           cmocka_unit_test(test_token_tcp),

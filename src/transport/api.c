@@ -134,18 +134,56 @@ void ferry_link_close(ferry_link *link) {
 const char *ferry_link_transport(const ferry_link *link) { return link ? link->ops->name : NULL; }
 const char *ferry_link_peer(const ferry_link *link) { return link ? link->peer : NULL; }
 
+static int check_send(ferry_link *link, uint32_t channel, const struct iovec *iov, int iovcnt,
+                      uint64_t *len) {
+  if (!link || channel >= FERRY_MAX_CHANNELS || iovcnt < 0 || (iovcnt > 0 && !iov))
+    return fr_err(FERRY_EINVAL, "send: bad arguments (channel %u)", channel);
+  *len = 0;
+  for (int i = 0; i < iovcnt; i++)
+    *len += iov[i].iov_len;
+  if (*len > link->ctx->max_payload)
+    return fr_err(FERRY_ERANGE, "send: %llu bytes exceed FERRY_MAX_MESSAGE (%llu)",
+                  (unsigned long long)*len, (unsigned long long)link->ctx->max_payload);
+  return 0;
+}
+
 int ferry_send(ferry_link *link, uint32_t channel, const struct iovec *iov, int iovcnt,
                int timeout_ms) {
-  if (!link || channel >= FERRY_MAX_CHANNELS || iovcnt < 0 || (iovcnt > 0 && !iov))
-    return fr_err(FERRY_EINVAL, "ferry_send: bad arguments (channel %u)", channel);
-  uint64_t len = 0;
-  for (int i = 0; i < iovcnt; i++)
-    len += iov[i].iov_len;
-  if (len > link->ctx->max_payload)
-    return fr_err(FERRY_ERANGE, "ferry_send: %llu bytes exceed FERRY_MAX_MESSAGE (%llu)",
-                  (unsigned long long)len, (unsigned long long)link->ctx->max_payload);
+  uint64_t len;
+  int rc = check_send(link, channel, iov, iovcnt, &len);
+  if (rc != 0)
+    return rc;
   fr_frame f = {.type = FR_MSG, .channel = channel, .len = len};
   return fr_link_send_frame(link, &f, iov, iovcnt, -1, fr_deadline_ns(fr_timeout(timeout_ms)));
+}
+
+int ferry_call(ferry_link *link, uint32_t channel, const struct iovec *iov, int iovcnt,
+               ferry_msg **reply, int timeout_ms) {
+  uint64_t len;
+  int rc = check_send(link, channel, iov, iovcnt, &len);
+  if (rc == 0 && !reply)
+    rc = fr_err(FERRY_EINVAL, "ferry_call: reply is NULL");
+  return rc ? rc : fr_link_call(link, channel, iov, iovcnt, reply, fr_timeout(timeout_ms));
+}
+
+int ferry_reply(ferry_msg *request, const struct iovec *iov, int iovcnt, int timeout_ms) {
+  if (!request || !request->link)
+    return fr_err(FERRY_EINVAL, "ferry_reply: no request");
+  fr_msg_node *n = fr_msg_node_of(request);
+  if (n->call_id == 0)
+    return fr_err(FERRY_EINVAL, "ferry_reply: the message was not a call (or was answered)");
+  uint64_t len;
+  int rc = check_send(request->link, 0, iov, iovcnt, &len);
+  if (rc != 0)
+    return rc;
+  fr_frame f = {.type = FR_REPLY, .req_id = n->call_id, .len = len};
+  n->call_id = 0;
+  return fr_link_send_frame(request->link, &f, iov, iovcnt, -1,
+                            fr_deadline_ns(fr_timeout(timeout_ms)));
+}
+
+int ferry_msg_is_call(const ferry_msg *msg) {
+  return msg && fr_msg_node_of((ferry_msg *)msg)->call_id != 0;
 }
 
 static int check_rma(ferry_link *link, const ferry_region_ref *r, uint64_t off, size_t len,

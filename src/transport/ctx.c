@@ -49,6 +49,7 @@ ferry_msg *fr_msg_alloc(uint64_t len) {
   if (!n)
     return NULL;
   n->next = NULL;
+  n->call_id = 0;
   n->msg = (ferry_msg){.data = n + 1, .len = (size_t)len};
   return &n->msg;
 }
@@ -56,7 +57,7 @@ ferry_msg *fr_msg_alloc(uint64_t len) {
 void ferry_msg_free(ferry_msg *msg) {
   if (!msg)
     return;
-  fr_msg_node *n = (fr_msg_node *)((char *)msg - offsetof(fr_msg_node, msg));
+  fr_msg_node *n = fr_msg_node_of(msg);
   if (msg->link)
     fr_link_unref(msg->link);
   free(n);
@@ -64,7 +65,7 @@ void ferry_msg_free(ferry_msg *msg) {
 
 void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg) {
   fr_link_ref(msg->link);
-  fr_msg_node *n = (fr_msg_node *)((char *)msg - offsetof(fr_msg_node, msg));
+  fr_msg_node *n = fr_msg_node_of(msg);
   fr_channel *c = &ctx->channels[msg->channel];
   pthread_mutex_lock(&c->lock);
   if (c->tail)

@@ -19,6 +19,8 @@
 
 static void link_on_event(fr_poller *p, uint32_t events);
 
+static int link_state(const ferry_link *l) { return __atomic_load_n(&l->state, __ATOMIC_ACQUIRE); }
+
 ferry_link *fr_link_new(ferry_ctx *ctx, const fr_transport_ops *ops, int fd, bool accepted) {
   ferry_link *l = calloc(1, sizeof *l);
   if (!l)
@@ -87,11 +89,11 @@ int fr_link_start(ferry_link *l) {
 
 void fr_link_fail(ferry_link *l, int status, const char *why) {
   pthread_mutex_lock(&l->lock);
-  if (l->state == FR_LINK_DEAD) {
+  if (link_state(l) == FR_LINK_DEAD) {
     pthread_mutex_unlock(&l->lock);
     return;
   }
-  bool was_open = l->state == FR_LINK_OPEN;
+  bool was_open = link_state(l) == FR_LINK_OPEN;
   l->dead_status = status;
   __atomic_store_n(&l->state, FR_LINK_DEAD, __ATOMIC_RELEASE);
   for (fr_pending *p = l->pending; p; p = p->next)
@@ -128,7 +130,7 @@ int fr_link_send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov
   pthread_mutex_unlock(&l->send_lock);
   if (v != local)
     free(v);
-  if (rc != 0 && l->state != FR_LINK_DEAD) /* a half-sent frame leaves the stream unusable */
+  if (rc != 0 && link_state(l) != FR_LINK_DEAD) /* a half-sent frame leaves the stream unusable */
     fr_link_fail(l, rc, ferry_last_error());
   return rc;
 }
@@ -142,7 +144,7 @@ static int send_status(ferry_link *l, uint8_t type, uint64_t req_id, int status)
 
 static int pending_add(ferry_link *l, fr_pending *p) {
   pthread_mutex_lock(&l->lock);
-  int state = l->state;
+  int state = link_state(l);
   if (state != FR_LINK_OPEN) {
     int st = l->dead_status ? l->dead_status : FERRY_EPEER;
     pthread_mutex_unlock(&l->lock);
@@ -199,8 +201,8 @@ static int pending_wait(ferry_link *l, fr_pending *p, uint64_t deadline_ns, cons
   return 0;
 }
 
-static int request(ferry_link *l, fr_pending *p, uint8_t type, const struct iovec *iov, int iovcnt,
-                   int timeout_ms, const char *what) {
+static int request(ferry_link *l, fr_pending *p, uint8_t type, uint32_t channel,
+                   const struct iovec *iov, int iovcnt, int timeout_ms, const char *what) {
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   int rc = pending_add(l, p);
   if (rc != 0)
@@ -208,7 +210,7 @@ static int request(ferry_link *l, fr_pending *p, uint8_t type, const struct iove
   uint64_t len = 0;
   for (int i = 0; i < iovcnt; i++)
     len += iov[i].iov_len;
-  fr_frame f = {.type = type, .req_id = p->id, .len = len};
+  fr_frame f = {.type = type, .channel = channel, .req_id = p->id, .len = len};
   rc = fr_link_send_frame(l, &f, iov, iovcnt, -1, deadline);
   if (rc != 0) {
     pthread_mutex_lock(&l->lock);
@@ -225,7 +227,7 @@ int fr_link_rma_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, voi
   fr_rma_encode(&(fr_rma){r->id, r->key, off, len}, body);
   struct iovec iov = {body, sizeof body};
   fr_pending p = {.expect = FR_READ_RESP, .dst = dst, .len = len};
-  return request(l, &p, FR_READ, &iov, 1, timeout_ms, "read");
+  return request(l, &p, FR_READ, 0, &iov, 1, timeout_ms, "read");
 }
 
 int fr_link_rma_write(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
@@ -234,7 +236,18 @@ int fr_link_rma_write(ferry_link *l, const ferry_region_ref *r, uint64_t off, co
   fr_rma_encode(&(fr_rma){r->id, r->key, off, len}, body);
   struct iovec iov[2] = {{body, sizeof body}, {(void *)src, len}};
   fr_pending p = {.expect = FR_WRITE_RESP};
-  return request(l, &p, FR_WRITE, iov, 2, timeout_ms, "write");
+  return request(l, &p, FR_WRITE, 0, iov, 2, timeout_ms, "write");
+}
+
+int fr_link_call(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
+                 ferry_msg **reply, int timeout_ms) {
+  fr_pending p = {.expect = FR_REPLY};
+  int rc = request(l, &p, FR_CALL, channel, iov, iovcnt, timeout_ms, "call");
+  if (rc == 0)
+    *reply = p.reply;
+  else
+    ferry_msg_free(p.reply);
+  return rc;
 }
 
 int fr_link_map_request(ferry_link *l, const ferry_region_ref *r, int timeout_ms, int *fd,
@@ -243,7 +256,7 @@ int fr_link_map_request(ferry_link *l, const ferry_region_ref *r, int timeout_ms
   fr_map_encode(&(fr_map){r->id, r->key}, body);
   struct iovec iov = {body, sizeof body};
   fr_pending p = {.expect = FR_MAP_RESP};
-  int rc = request(l, &p, FR_MAP, &iov, 1, timeout_ms, "map");
+  int rc = request(l, &p, FR_MAP, 0, &iov, 1, timeout_ms, "map");
   if (rc == 0) {
     *fd = p.fd;
     *size = p.size;
@@ -484,11 +497,37 @@ static void complete(ferry_link *l, int status, uint64_t size, int fd) {
 }
 
 static bool allowed(const ferry_link *l, uint8_t type) {
-  if (l->state == FR_LINK_HELLO)
+  int state = link_state(l);
+  if (state == FR_LINK_HELLO)
     return type == FR_HELLO && l->accepted;
-  if (l->state == FR_LINK_AUTH)
+  if (state == FR_LINK_AUTH)
     return type == FR_AUTH && l->accepted;
   return type >= FR_MSG;
+}
+
+/* A REPLY: its payload goes into a new message for the caller waiting on it. */
+static int reply_begin(ferry_link *l) {
+  fr_frame *f = &l->rx_frame;
+  pthread_mutex_lock(&l->lock);
+  fr_pending *p = pending_find_locked(l, f->req_id);
+  bool take = p && p->expect == FR_REPLY && f->status == 0;
+  if (take)
+    p->claimed = true;
+  pthread_mutex_unlock(&l->lock);
+  if (p && !take)
+    complete(l, f->status ? f->status : FERRY_EPROTO, 0, -1);
+  if (!take) {
+    rx_payload(l, NULL, f->len);
+    return 0;
+  }
+  ferry_msg *m = fr_msg_alloc(f->len);
+  if (!m)
+    return fr_err(FERRY_ENOMEM, "reply of %llu bytes", (unsigned long long)f->len);
+  m->link = l;
+  l->rx_req = p;
+  l->rx_msg = m;
+  rx_payload(l, m->data, f->len);
+  return 0;
 }
 
 /* A complete header arrived: decide where its payload goes. */
@@ -498,18 +537,23 @@ static int frame_begin(ferry_link *l) {
   if (rc != 0)
     return rc;
   if (!allowed(l, f->type))
-    return fr_err(FERRY_EPROTO, "frame type %u not allowed in link state %d", f->type, l->state);
+    return fr_err(FERRY_EPROTO, "frame type %u not allowed in link state %d", f->type,
+                  link_state(l));
   switch ((fr_frame_type)f->type) {
-  case FR_MSG: {
+  case FR_MSG:
+  case FR_CALL: {
     ferry_msg *m = fr_msg_alloc(f->len);
     if (!m)
       return fr_err(FERRY_ENOMEM, "message of %llu bytes", (unsigned long long)f->len);
     m->link = l;
     m->channel = f->channel;
+    fr_msg_node_of(m)->call_id = f->type == FR_CALL ? f->req_id : 0;
     l->rx_msg = m;
     rx_payload(l, m->data, f->len);
     return 0;
   }
+  case FR_REPLY:
+    return reply_begin(l);
   case FR_READ_RESP: {
     pthread_mutex_lock(&l->lock);
     fr_pending *p = pending_find_locked(l, f->req_id);
@@ -595,11 +639,21 @@ static int body_done(ferry_link *l) {
 static int payload_done(ferry_link *l) {
   fr_frame *f = &l->rx_frame;
   int rc = 0;
-  if (f->type == FR_MSG) {
+  if (f->type == FR_MSG || f->type == FR_CALL) {
     ferry_msg *m = l->rx_msg;
     l->rx_msg = NULL;
     ((uint8_t *)m->data)[m->len] = 0; /* a NUL after the bytes, for text payloads */
     fr_ctx_deliver(l->ctx, m);
+  } else if (f->type == FR_REPLY && l->rx_req) {
+    ferry_msg *m = l->rx_msg;
+    l->rx_msg = NULL;
+    ((uint8_t *)m->data)[m->len] = 0;
+    fr_link_ref(l);
+    pthread_mutex_lock(&l->lock);
+    l->rx_req->reply = m;
+    pthread_mutex_unlock(&l->lock);
+    l->rx_req = NULL;
+    complete(l, 0, 0, -1);
   } else if (f->type == FR_READ_RESP && l->rx_req) {
     l->rx_req = NULL;
     complete(l, 0, 0, -1);
@@ -701,7 +755,7 @@ static void link_on_event(fr_poller *p, uint32_t events) {
     const char *why = ferry_last_error();
     link_retire(l, rc, *why ? why : "connection lost");
     fr_ctx_bury(l->ctx, l);
-  } else if (rc == 0 && (events & (EPOLLHUP | EPOLLERR)) && l->state == FR_LINK_DEAD) {
+  } else if (rc == 0 && (events & (EPOLLHUP | EPOLLERR)) && link_state(l) == FR_LINK_DEAD) {
     link_retire(l, l->dead_status, "closed");
     fr_ctx_bury(l->ctx, l);
   }
@@ -710,10 +764,12 @@ static void link_on_event(fr_poller *p, uint32_t events) {
 void fr_link_reap_stale(ferry_ctx *ctx) {
   uint64_t limit = (uint64_t)ctx->timeout_ms * 1000000ull, now = fr_now_ns();
   pthread_mutex_lock(&ctx->links_lock);
-  for (ferry_link *l = ctx->links; l; l = l->next)
-    if (l->state != FR_LINK_OPEN && l->state != FR_LINK_DEAD && now - l->created_ns > limit) {
+  for (ferry_link *l = ctx->links; l; l = l->next) {
+    int state = link_state(l);
+    if (state != FR_LINK_OPEN && state != FR_LINK_DEAD && now - l->created_ns > limit) {
       fr_warn("dropping a link from '%s' that did not finish its handshake", l->peer);
       shutdown(l->poller.fd, SHUT_RDWR);
     }
+  }
   pthread_mutex_unlock(&ctx->links_lock);
 }

@@ -59,6 +59,7 @@ typedef struct fr_pending {
   bool done, claimed; /* claimed: the progress thread is writing into dst */
   int fd;             /* MAP: the fd that came with the response */
   uint64_t size;      /* MAP: the region's size */
+  ferry_msg *reply;   /* CALL: the reply */
   struct fr_pending *next;
 } fr_pending;
 
@@ -106,8 +107,12 @@ struct ferry_link {
 /* A received message with its queue link; the payload follows the struct. */
 typedef struct fr_msg_node {
   struct fr_msg_node *next;
+  uint64_t call_id; /* non-zero for a CALL: ferry_reply() answers it */
   ferry_msg msg;
 } fr_msg_node;
+static inline fr_msg_node *fr_msg_node_of(ferry_msg *m) {
+  return (fr_msg_node *)((char *)m - offsetof(fr_msg_node, msg));
+}
 ferry_msg *fr_msg_alloc(uint64_t len);
 
 /* ---- the context ---- */
@@ -180,6 +185,9 @@ int fr_link_rma_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, voi
                      int timeout_ms);
 int fr_link_rma_write(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
                       size_t len, int timeout_ms);
+/* Sends a CALL and waits for its REPLY (a message owned by the caller). */
+int fr_link_call(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
+                 ferry_msg **reply, int timeout_ms);
 /* Asks the owner for a region's memfd (shm): *fd and *size on success. */
 int fr_link_map_request(ferry_link *l, const ferry_region_ref *r, int timeout_ms, int *fd,
                         uint64_t *size);

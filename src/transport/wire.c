@@ -47,8 +47,10 @@ static int check_length(const fr_frame *f, uint64_t max_payload) {
     exact = error_response ? 0 : FR_MAP_RESP_BYTES;
     break;
   case FR_MSG:
+  case FR_CALL:
     max = max_payload;
     break;
+  case FR_REPLY:
   case FR_READ_RESP:
     max = error_response ? 0 : max_payload;
     break;
@@ -70,7 +72,7 @@ static int check_length(const fr_frame *f, uint64_t max_payload) {
 
 static bool is_response(uint8_t type) {
   return type == FR_HELLO_ACK || type == FR_AUTH_ACK || type == FR_READ_RESP ||
-         type == FR_WRITE_RESP || type == FR_MAP_RESP;
+         type == FR_WRITE_RESP || type == FR_MAP_RESP || type == FR_REPLY;
 }
 
 int fr_frame_decode(const uint8_t in[FR_FRAME_BYTES], uint64_t max_payload, fr_frame *out) {
@@ -94,7 +96,8 @@ int fr_frame_decode(const uint8_t in[FR_FRAME_BYTES], uint64_t max_payload, fr_f
     return fr_err(FERRY_EPROTO, "frame type %u: unknown flags 0x%04x", f.type, f.flags);
   if (f.status > 0 || f.status < -1000 || (f.status != 0 && !is_response(f.type)))
     return fr_err(FERRY_EPROTO, "frame type %u: invalid status %d", f.type, f.status);
-  if (f.type == FR_MSG ? f.channel >= FERRY_MAX_CHANNELS : f.channel != 0)
+  bool channelled = f.type == FR_MSG || f.type == FR_CALL;
+  if (channelled ? f.channel >= FERRY_MAX_CHANNELS : f.channel != 0)
     return fr_err(FERRY_EPROTO, "frame type %u: invalid channel %u", f.type, f.channel);
   int rc = check_length(&f, max_payload);
   if (rc != 0)

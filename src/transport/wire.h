@@ -9,7 +9,7 @@
  *    5   1   type (fr_frame_type)
  *    6   2   flags (none defined: must be 0)
  *    8   4   status (responses: 0 or a negative FERRY_E* code; requests: 0)
- *   12   4   channel (MSG only; < FERRY_MAX_CHANNELS)
+ *   12   4   channel (MSG and CALL only; < FERRY_MAX_CHANNELS)
  *   16   8   request id (pairs a response with its request)
  *   24   8   payload length
  */
@@ -38,7 +38,9 @@ typedef enum fr_frame_type {
   FR_WRITE_RESP = 9,
   FR_MAP = 10,      /* fr_map request: give me your region's memfd (shm only) */
   FR_MAP_RESP = 11, /* fr_map_resp (+ the memfd), or an error status */
-  FR_FRAME_TYPE_MAX = 11,
+  FR_CALL = 12,     /* a message on a channel that wants a REPLY with its request id */
+  FR_REPLY = 13,    /* the answer to a CALL: payload, or an error status and no payload */
+  FR_FRAME_TYPE_MAX = 13,
 } fr_frame_type;
 
 typedef struct fr_frame {
