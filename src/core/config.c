@@ -17,7 +17,7 @@
   X("FERRY_TCP_SOCKBUF", "4194304", "tcp socket send/receive buffer size in bytes")                \
   X("FERRY_TOKEN", "", "fleet token; when set, every link must prove it knows it")                 \
   X("FERRY_MAX_MESSAGE", "1073741824", "largest message or one-sided transfer accepted, bytes")    \
-  X("FERRY_SPIN_US", "50", "microseconds a waiter spins before it sleeps (latency vs. CPU)")       \
+  X("FERRY_SPIN_US", "200", "microseconds a waiter spins before it sleeps (latency vs. CPU)")       \
   X("FERRY_CTL_DIR", "/dev/shm", "directory of control cells (ferry-ctl-NAME files)")              \
   X("FERRY_CTL_CHECK_MS", "100", "how often a waiting controller checks that ranks are alive")
 

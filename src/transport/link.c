@@ -668,57 +668,94 @@ static int payload_done(ferry_link *l) {
 
 static _Thread_local uint8_t discard_buf[64 * 1024];
 
-static inline int step_result(int rc) { return rc < 0 ? rc : 1; }
-
-/* Receives what the socket has. Returns 1 to continue, 0 when drained, or a status to close. */
-static int rx_step(ferry_link *l) {
-  uint8_t *dst;
-  size_t want;
-  if (l->rx_phase == FR_RX_PAYLOAD) {
-    if (l->rx_left == 0)
-      return step_result(payload_done(l));
-    dst = l->rx_dst ? l->rx_dst : discard_buf;
-    want = l->rx_left;
-    if (!l->rx_dst && want > sizeof discard_buf)
-      want = sizeof discard_buf;
-  } else {
-    dst = (l->rx_phase == FR_RX_HEADER ? l->rx_header : l->rx_body) + l->rx_have;
-    want = l->rx_want - l->rx_have;
-    if (want == 0)
-      goto got_all;
-  }
-  bool fds = l->ops->passes_fds && l->rx_phase != FR_RX_PAYLOAD;
-  ssize_t n = fr_sock_recv_some(l->poller.fd, dst, want, fds ? l->rx_fds : NULL, &l->rx_nfds,
-                                FR_MAX_RX_FDS);
-  if (n == -EAGAIN || n == -EWOULDBLOCK)
-    return 0;
-  if (n == 0)
-    return fr_err(FERRY_EPEER, "peer closed the connection");
-  if (n < 0) {
-    errno = (int)-n;
-    return fr_err_errno(FERRY_EPEER, "recv");
-  }
-  if (l->rx_phase == FR_RX_PAYLOAD) {
-    if (l->rx_dst)
-      l->rx_dst += n;
-    l->rx_left -= (uint64_t)n;
-    if (l->rx_left > 0)
-      return 1;
-    return step_result(payload_done(l));
-  }
-  l->rx_have += (size_t)n;
-  if (l->rx_have < l->rx_want)
-    return 1;
-got_all:
-  if (l->rx_phase == FR_RX_HEADER) {
-    int rc = frame_begin(l);
+/* Runs the handlers of every unit (header, body, payload) that is complete, until the state
+ * machine waits for bytes again. */
+static int rx_advance(ferry_link *l) {
+  for (;;) {
+    int rc;
+    if (l->rx_phase == FR_RX_HEADER) {
+      if (l->rx_have < FR_FRAME_BYTES)
+        return 0;
+      rc = frame_begin(l);
+    } else if (l->rx_phase == FR_RX_BODY) {
+      if (l->rx_have < l->rx_want)
+        return 0;
+      rc = body_done(l);
+    } else {
+      if (l->rx_left > 0)
+        return 0;
+      rc = payload_done(l);
+    }
     if (rc != 0)
       return rc;
-    if (l->rx_phase == FR_RX_BODY && l->rx_want == 0)
-      return step_result(body_done(l));
-    return 1;
   }
-  return step_result(body_done(l));
+}
+
+/* Feeds staged bytes to the state machine. */
+static int rx_take_staged(ferry_link *l) {
+  while (l->rx_stage_pos < l->rx_stage_len) {
+    const uint8_t *src = l->rx_stage + l->rx_stage_pos;
+    size_t avail = l->rx_stage_len - l->rx_stage_pos, n;
+    if (l->rx_phase == FR_RX_PAYLOAD) {
+      n = avail < l->rx_left ? avail : (size_t)l->rx_left;
+      if (l->rx_dst) {
+        memcpy(l->rx_dst, src, n);
+        l->rx_dst += n;
+      }
+      l->rx_left -= n;
+    } else {
+      uint8_t *dst = l->rx_phase == FR_RX_HEADER ? l->rx_header : l->rx_body;
+      n = l->rx_want - l->rx_have < avail ? l->rx_want - l->rx_have : avail;
+      memcpy(dst + l->rx_have, src, n);
+      l->rx_have += n;
+    }
+    l->rx_stage_pos += n;
+    int rc = rx_advance(l);
+    if (rc != 0)
+      return rc;
+  }
+  return 0;
+}
+
+static int recv_status(ssize_t n) {
+  if (n == 0)
+    return fr_err(FERRY_EPEER, "peer closed the connection");
+  errno = (int)-n;
+  return fr_err_errno(FERRY_EPEER, "recv");
+}
+
+/* Receives what the socket has: small frames through the stage (one recv for many frames),
+ * large payloads straight into their destination. Returns 0 when drained, or a status. */
+static int rx_drain(ferry_link *l) {
+  int *fds = l->ops->passes_fds ? l->rx_fds : NULL;
+  for (int round = 0; round < 256; round++) {
+    int rc = rx_take_staged(l);
+    if (rc != 0)
+      return rc;
+    bool direct = l->rx_phase == FR_RX_PAYLOAD && l->rx_left >= sizeof l->rx_stage;
+    uint8_t *dst = direct ? (l->rx_dst ? l->rx_dst : discard_buf) : l->rx_stage;
+    size_t want = direct ? (size_t)l->rx_left : sizeof l->rx_stage;
+    if (direct && !l->rx_dst && want > sizeof discard_buf)
+      want = sizeof discard_buf;
+    ssize_t n = fr_sock_recv_some(l->poller.fd, dst, want, fds, &l->rx_nfds, FR_MAX_RX_FDS);
+    if (n == -EAGAIN || n == -EWOULDBLOCK)
+      return 0;
+    if (n <= 0)
+      return recv_status(n);
+    if (direct) {
+      if (l->rx_dst)
+        l->rx_dst += n;
+      l->rx_left -= (uint64_t)n;
+      if ((rc = rx_advance(l)) != 0)
+        return rc;
+    } else {
+      l->rx_stage_pos = 0;
+      l->rx_stage_len = (size_t)n;
+    }
+    if ((size_t)n < want) /* the socket is drained; epoll tells us when more comes */
+      return rx_take_staged(l);
+  }
+  return rx_take_staged(l);
 }
 
 /* Unregisters a dead link; the ctx's reference is dropped at the end of the event batch. */
@@ -748,9 +785,7 @@ static void link_retire(ferry_link *l, int status, const char *why) {
 
 static void link_on_event(fr_poller *p, uint32_t events) {
   ferry_link *l = (ferry_link *)p;
-  int rc = 1;
-  for (int spins = 0; rc == 1 && spins < 1024; spins++)
-    rc = rx_step(l);
+  int rc = rx_drain(l);
   if (rc < 0) {
     const char *why = ferry_last_error();
     link_retire(l, rc, *why ? why : "connection lost");

@@ -96,6 +96,8 @@ struct ferry_link {
   fr_rma rx_rma;
   int rx_fds[FR_MAX_RX_FDS];
   int rx_nfds;
+  uint8_t rx_stage[16384]; /* small frames arrive here, many per recv */
+  size_t rx_stage_pos, rx_stage_len;
 
   /* handshake (acceptor side) */
   uint8_t nonce_self[FR_NONCE_BYTES], nonce_peer[FR_NONCE_BYTES], proof[FR_NONCE_BYTES];
