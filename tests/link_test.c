@@ -267,6 +267,24 @@ static void one_sided(const char *transport, bool shared) {
 }
 
 static void test_rma_shm_shared(void **s) { one_sided("shm", true); }
+
+/* A tiny shm ring: every frame wraps, every large one waits for room. */
+static void test_shm_small_ring(void **s) {
+  setenv("FERRY_SHM_RING_BYTES", "4096", 1);
+  messages("shm");
+  one_sided("shm", false);
+  calls("shm");
+  unsetenv("FERRY_SHM_RING_BYTES");
+  setenv("FERRY_SHM_RING_BYTES", "1000", 1); /* not a power of two: refused clearly */
+  ferry_ctx *a = open_ctx("a", "shm", ""), *b = open_ctx("b", "shm", "");
+  ferry_link *l;
+  int rc = ferry_connect(a, ferry_ctx_address(b), 2000, &l);
+  unsetenv("FERRY_SHM_RING_BYTES");
+  assert_int_equal(rc, FERRY_EINVAL);
+  assert_non_null(strstr(ferry_last_error(), "FERRY_SHM_RING_BYTES"));
+  ferry_ctx_close(a);
+  ferry_ctx_close(b);
+}
 static void test_rma_shm_registered(void **s) { one_sided("shm", false); }
 static void test_rma_tcp_shared(void **s) { one_sided("tcp", true); }
 static void test_rma_tcp_registered(void **s) { one_sided("tcp", false); }
@@ -494,11 +512,12 @@ int main(void) {
       cmocka_unit_test(test_messages_shm),        cmocka_unit_test(test_messages_tcp),
       cmocka_unit_test(test_calls_shm),           cmocka_unit_test(test_calls_tcp),
       cmocka_unit_test(test_rma_shm_shared),      cmocka_unit_test(test_rma_shm_registered),
-      cmocka_unit_test(test_rma_tcp_shared),      cmocka_unit_test(test_rma_tcp_registered),
-      cmocka_unit_test(test_token_shm),           cmocka_unit_test(test_token_tcp),
-      cmocka_unit_test(test_connect_failures),    cmocka_unit_test(test_bad_frames),
-      cmocka_unit_test(test_killed_mid_read_tcp), cmocka_unit_test(test_killed_mid_read_shm),
-      cmocka_unit_test(test_concurrent_shm),      cmocka_unit_test(test_concurrent_tcp),
+      cmocka_unit_test(test_shm_small_ring),      cmocka_unit_test(test_rma_tcp_shared),
+      cmocka_unit_test(test_rma_tcp_registered),  cmocka_unit_test(test_token_shm),
+      cmocka_unit_test(test_token_tcp),           cmocka_unit_test(test_connect_failures),
+      cmocka_unit_test(test_bad_frames),          cmocka_unit_test(test_killed_mid_read_tcp),
+      cmocka_unit_test(test_killed_mid_read_shm), cmocka_unit_test(test_concurrent_shm),
+      cmocka_unit_test(test_concurrent_tcp),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -17,9 +17,17 @@
   X("FERRY_TCP_SOCKBUF", "4194304", "tcp socket send/receive buffer size in bytes")                \
   X("FERRY_TOKEN", "", "fleet token; when set, every link must prove it knows it")                 \
   X("FERRY_MAX_MESSAGE", "1073741824", "largest message or one-sided transfer accepted, bytes")    \
-  X("FERRY_SPIN_US", "200", "microseconds a waiter spins before it sleeps (latency vs. CPU)")       \
+  X("FERRY_SHM_RING_BYTES", "1048576", "bytes of each direction's ring on a shm link (power of 2)") \
+  X("FERRY_SPIN_US", "200", "microseconds a waiter spins before it sleeps (latency vs. CPU)")      \
   X("FERRY_CTL_DIR", "/dev/shm", "directory of control cells (ferry-ctl-NAME files)")              \
-  X("FERRY_CTL_CHECK_MS", "100", "how often a waiting controller checks that ranks are alive")
+  X("FERRY_CTL_CHECK_MS", "100", "how often a waiting controller checks that ranks are alive")     \
+  X("FERRY_DIRECTORY", "ferry://127.0.0.1:7700",                                                   \
+    "directory URL: ferry://HOST:PORT (embedded; `ferry serve`) or redis://HOST:PORT[/DB]")        \
+  X("FERRY_LEASE_MS", "15000",                                                                     \
+    "a node's directory lease; its records vanish this long after it dies")                        \
+  X("FERRY_STORE_CAPACITY", "1073741824", "bytes of a node's store pool (copied puts live there)") \
+  X("FERRY_STORE_MAX_OBJECTS", "65536", "most objects one node's store holds at once")             \
+  X("FERRY_STORE_THREADS", "4", "threads a batch get uses to keep reads in flight")
 
 static const ferry_config_item config_table[] = {
 #define FR_CONFIG_ROW_(name, def, doc) {name, def, doc},

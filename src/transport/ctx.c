@@ -28,29 +28,54 @@ static bool stopping(const ferry_ctx *ctx) {
 }
 
 /* Spinning keeps a waiter on its core for the next microseconds instead of paying a wake-up
- * (tens of microseconds here); it yields each round so that on a busy machine the thread it
- * waits for gets the core. */
-bool fr_spin_until(const bool *flag, int spin_us) {
-  if (__atomic_load_n(flag, __ATOMIC_ACQUIRE))
+ * (tens of microseconds here). While it spins it drives the links it waits on itself, so a
+ * shm round trip needs no wake-up and no system call at all. It yields each round so that on a
+ * busy machine the thread it waits for gets the core. */
+static bool spin(ferry_link **links, size_t n, const void *word, size_t width, int spin_us) {
+#define SPIN_READY                                                                                 \
+  (width == 1 ? __atomic_load_n((const bool *)word, __ATOMIC_ACQUIRE)                              \
+              : __atomic_load_n((const int *)word, __ATOMIC_ACQUIRE) != 0)
+  if (SPIN_READY)
     return true;
+  for (size_t i = 0; i < n; i++)
+    if (links[i]->ops->poll_begin)
+      links[i]->ops->poll_begin(links[i]);
   uint64_t end = fr_now_ns() + (uint64_t)spin_us * 1000u;
-  while (fr_now_ns() < end) {
-    for (int i = 0; i < 16; i++) {
-      if (__atomic_load_n(flag, __ATOMIC_ACQUIRE))
-        return true;
-      __builtin_ia32_pause();
-    }
-    sched_yield();
+  bool ready = false;
+  while (!(ready = SPIN_READY) && fr_now_ns() < end) {
+    for (size_t i = 0; i < n; i++)
+      fr_link_poll(links[i], false);
+    if (!(ready = SPIN_READY))
+      sched_yield();
   }
-  return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+  for (size_t i = 0; i < n; i++) {
+    if (links[i]->ops->poll_end)
+      links[i]->ops->poll_end(links[i]);
+    fr_link_poll(links[i], true); /* what arrived as we stopped polling is not stranded */
+  }
+  return ready || SPIN_READY;
+#undef SPIN_READY
 }
 
-static void fr_spin_until_count(const int *count, int spin_us) {
-  uint64_t end = fr_now_ns() + (uint64_t)spin_us * 1000u;
-  while (!__atomic_load_n(count, __ATOMIC_ACQUIRE) && fr_now_ns() < end) {
-    __builtin_ia32_pause();
-    sched_yield();
-  }
+bool fr_spin_until(ferry_link *link, const bool *flag, int spin_us) {
+  bool pollable = link && link->ops->pollable && link->ops->pollable(link);
+  return spin(&link, pollable ? 1 : 0, flag, 1, spin_us);
+}
+
+/* Spins on a channel, driving every pollable link of the context. */
+static void spin_channel(ferry_ctx *ctx, fr_channel *c) {
+  ferry_link *links[16];
+  size_t n = 0;
+  pthread_mutex_lock(&ctx->links_lock);
+  for (ferry_link *l = ctx->links; l && n < 16; l = l->next)
+    if (l->ops->pollable && l->ops->pollable(l)) {
+      fr_link_ref(l);
+      links[n++] = l;
+    }
+  pthread_mutex_unlock(&ctx->links_lock);
+  spin(links, n, &c->count, sizeof c->count, ctx->spin_us);
+  for (size_t i = 0; i < n; i++)
+    fr_link_unref(links[i]);
 }
 
 /* ---- messages ---- */
@@ -97,7 +122,7 @@ int ferry_recv(ferry_ctx *ctx, uint32_t channel, ferry_msg **out, int timeout_ms
   fr_channel *c = &ctx->channels[channel];
   int ms = fr_timeout(timeout_ms);
   if (ms > 0)
-    fr_spin_until_count(&c->count, ctx->spin_us);
+    spin_channel(ctx, c);
   uint64_t deadline = fr_deadline_ns(ms);
   struct timespec ts = {(time_t)(deadline / 1000000000ull), (long)(deadline % 1000000000ull)};
   pthread_mutex_lock(&c->lock);

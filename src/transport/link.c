@@ -37,6 +37,7 @@ ferry_link *fr_link_new(ferry_ctx *ctx, const fr_transport_ops *ops, int fd, boo
   l->rx_want = FR_FRAME_BYTES;
   pthread_mutex_init(&l->lock, NULL);
   pthread_mutex_init(&l->send_lock, NULL);
+  pthread_mutex_init(&l->rx_lock, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -64,6 +65,7 @@ void fr_link_unref(ferry_link *l) {
   close(l->poller.fd);
   pthread_mutex_destroy(&l->lock);
   pthread_mutex_destroy(&l->send_lock);
+  pthread_mutex_destroy(&l->rx_lock);
   pthread_cond_destroy(&l->cond);
   free(l);
 }
@@ -126,13 +128,23 @@ int fr_link_send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov
   int rc =
       __atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == FR_LINK_DEAD
           ? fr_err(l->dead_status ? l->dead_status : FERRY_EPEER, "link to '%s' is closed", l->peer)
-          : fr_sock_sendv(l->poller.fd, v, iovcnt + 1, fd_out, deadline_ns);
+          : l->ops->sendv(l, v, iovcnt + 1, fd_out, deadline_ns);
   pthread_mutex_unlock(&l->send_lock);
   if (v != local)
     free(v);
   if (rc != 0 && link_state(l) != FR_LINK_DEAD) /* a half-sent frame leaves the stream unusable */
     fr_link_fail(l, rc, ferry_last_error());
   return rc;
+}
+
+int fr_link_sock_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
+                       uint64_t deadline_ns) {
+  return fr_sock_sendv(l->poller.fd, iov, iovcnt, fd_out, deadline_ns);
+}
+
+ssize_t fr_link_sock_recv(ferry_link *l, void *dst, size_t len) {
+  int *fds = l->ops->passes_fds ? l->rx_fds : NULL;
+  return fr_sock_recv_some(l->poller.fd, dst, len, fds, &l->rx_nfds, FR_MAX_RX_FDS);
 }
 
 static int send_status(ferry_link *l, uint8_t type, uint64_t req_id, int status) {
@@ -176,7 +188,7 @@ static fr_pending *pending_find_locked(ferry_link *l, uint64_t id) {
 /* Waits for a response. On timeout an unclaimed request is simply forgotten; a claimed one (its
  * payload is arriving into the caller's buffer) can only be stopped by closing the link. */
 static int pending_wait(ferry_link *l, fr_pending *p, uint64_t deadline_ns, const char *what) {
-  fr_spin_until(&p->done, l->ctx->spin_us);
+  fr_spin_until(l, &p->done, l->ctx->spin_us);
   pthread_mutex_lock(&l->lock);
   struct timespec ts = {(time_t)(deadline_ns / 1000000000ull), (long)(deadline_ns % 1000000000ull)};
   bool timed_out = false;
@@ -328,12 +340,15 @@ int fr_link_handshake(ferry_link *l, int timeout_ms) {
   }
   for (int i = 0; i < nfds; i++)
     close(fds[i]);
+  int offer_fd = -1;
+  if (rc == 0 && l->ops->offer)
+    rc = l->ops->offer(l, &offer_fd);
   if (rc == 0) {
     mac_for(ctx, "ferry-connector", ack.nonce, hello.nonce, auth.mac);
     fr_auth_encode(&auth, buf);
     iov = (struct iovec){buf, FR_AUTH_BYTES};
     f = (fr_frame){.type = FR_AUTH, .len = FR_AUTH_BYTES};
-    rc = fr_link_send_frame(l, &f, &iov, 1, -1, deadline);
+    rc = fr_link_send_frame(l, &f, &iov, 1, offer_fd, deadline);
   }
   nfds = 0;
   if (rc == 0)
@@ -344,6 +359,8 @@ int fr_link_handshake(ferry_link *l, int timeout_ms) {
   if (rc == 0) {
     memcpy(l->peer, ack.name, sizeof l->peer);
     l->state = FR_LINK_OPEN;
+    if (l->ops->opened)
+      l->ops->opened(l);
   }
   return rc;
 }
@@ -395,14 +412,23 @@ static int on_auth(ferry_link *l) {
     status = fr_err(FERRY_EAUTH, "'%s' does not know this fleet's token", l->peer);
   else if (l->ops->passes_fds && !fr_memeq_const(l->proof, a.proof, FR_NONCE_BYTES))
     status = fr_err(FERRY_EAUTH, "'%s' could not read our memory segment", l->peer);
+  if (status == 0 && l->ops->accept_offer)
+    status = l->ops->accept_offer(l, fr_link_take_fd(l));
+  if (status == 0 && l->rx_stage_pos < l->rx_stage_len)
+    status = fr_err(FERRY_EPROTO, "'%s' sent frames before the link was open", l->peer);
   if (status != 0) {
     fr_warn("refusing link from '%s': %s", l->peer, ferry_last_error());
     send_status(l, FR_AUTH_ACK, 0, status);
     return status;
   }
+  rc = send_status(l, FR_AUTH_ACK, 0, 0);
+  if (rc != 0)
+    return rc;
   __atomic_store_n(&l->state, FR_LINK_OPEN, __ATOMIC_RELEASE);
+  if (l->ops->opened)
+    l->ops->opened(l);
   fr_debug("link %s from '%s' open", l->ops->name, l->peer);
-  return send_status(l, FR_AUTH_ACK, 0, 0);
+  return 0;
 }
 
 /* ---- serving requests (progress thread) ---- */
@@ -471,7 +497,7 @@ static void rx_payload(ferry_link *l, void *dst, uint64_t len) {
   l->rx_left = len;
 }
 
-static int take_fd(ferry_link *l) {
+int fr_link_take_fd(ferry_link *l) {
   if (l->rx_nfds == 0)
     return -1;
   int fd = l->rx_fds[0];
@@ -609,7 +635,9 @@ static int body_done(ferry_link *l) {
     rc = on_map_request(l);
     break;
   case FR_MAP_RESP: {
-    int fd = take_fd(l);
+    int fd = fr_link_take_fd(l);
+    if (fd < 0 && l->ops->fetch_fd)
+      l->ops->fetch_fd(l, fr_deadline_ns(l->ctx->timeout_ms), &fd);
     complete(l, fd < 0 ? FERRY_EPROTO : 0, fr_get_u64(l->rx_body), fd);
     break;
   }
@@ -727,7 +755,6 @@ static int recv_status(ssize_t n) {
 /* Receives what the socket has: small frames through the stage (one recv for many frames),
  * large payloads straight into their destination. Returns 0 when drained, or a status. */
 static int rx_drain(ferry_link *l) {
-  int *fds = l->ops->passes_fds ? l->rx_fds : NULL;
   for (int round = 0; round < 256; round++) {
     int rc = rx_take_staged(l);
     if (rc != 0)
@@ -737,7 +764,7 @@ static int rx_drain(ferry_link *l) {
     size_t want = direct ? (size_t)l->rx_left : sizeof l->rx_stage;
     if (direct && !l->rx_dst && want > sizeof discard_buf)
       want = sizeof discard_buf;
-    ssize_t n = fr_sock_recv_some(l->poller.fd, dst, want, fds, &l->rx_nfds, FR_MAX_RX_FDS);
+    ssize_t n = l->ops->recv(l, dst, want);
     if (n == -EAGAIN || n == -EWOULDBLOCK)
       return 0;
     if (n <= 0)
@@ -783,9 +810,35 @@ static void link_retire(ferry_link *l, int status, const char *why) {
   l->poller.on_event = NULL; /* later events of this batch are ignored */
 }
 
+/* Drains the link; the progress thread also lets the transport consume what comes beside the
+ * stream first, and arms it before going back to sleep. */
+static int rx_progress(ferry_link *l) {
+  int rc = l->ops->readable ? l->ops->readable(l) : 0;
+  if (rc == 0)
+    rc = rx_drain(l);
+  while (rc == 0 && l->ops->idle && !l->ops->idle(l))
+    rc = rx_drain(l);
+  return rc;
+}
+
+void fr_link_poll(ferry_link *l, bool wait) {
+  if (!l->ops->pollable || !l->ops->pollable(l) || link_state(l) != FR_LINK_OPEN)
+    return;
+  if (wait)
+    pthread_mutex_lock(&l->rx_lock);
+  else if (pthread_mutex_trylock(&l->rx_lock) != 0)
+    return;
+  int rc = rx_drain(l);
+  pthread_mutex_unlock(&l->rx_lock);
+  if (rc < 0)
+    fr_link_fail(l, rc, ferry_last_error());
+}
+
 static void link_on_event(fr_poller *p, uint32_t events) {
   ferry_link *l = (ferry_link *)p;
-  int rc = rx_drain(l);
+  pthread_mutex_lock(&l->rx_lock);
+  int rc = rx_progress(l);
+  pthread_mutex_unlock(&l->rx_lock);
   if (rc < 0) {
     const char *why = ferry_last_error();
     link_retire(l, rc, *why ? why : "connection lost");

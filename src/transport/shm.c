@@ -8,9 +8,11 @@
  * that are registered caller memory cannot be mapped; for those the link falls back to read
  * requests the owner answers over the socket.
  */
+#include "transport/ring.h"
 #include "transport/transport.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +32,12 @@ typedef struct shm_map {
 typedef struct shm_link {
   pthread_mutex_t lock;
   shm_map *maps;
+  /* the byte stream, once the link is open */
+  fr_ring tx, rx;
+  void *ring_map;
+  size_t ring_len;
+  int offer_fd;
+  bool ring_on;
 } shm_link;
 
 static socklen_t unix_address(const char *where, struct sockaddr_un *sa) {
@@ -93,6 +101,7 @@ static shm_link *shm_state(ferry_link *l) {
   if (!fresh)
     return NULL;
   pthread_mutex_init(&fresh->lock, NULL);
+  fresh->offer_fd = -1;
   void *expected = NULL;
   if (!__atomic_compare_exchange_n(&l->tdata, &expected, fresh, false, __ATOMIC_ACQ_REL,
                                    __ATOMIC_ACQUIRE)) {
@@ -280,6 +289,10 @@ static void shm_link_fini(ferry_link *l) {
   shm_link *s = l->tdata;
   if (!s)
     return;
+  if (s->ring_map)
+    munmap(s->ring_map, s->ring_len);
+  if (s->offer_fd >= 0)
+    close(s->offer_fd);
   for (shm_map *m = s->maps, *next; m; m = next) {
     next = m->next;
     if (m->base)
@@ -290,6 +303,164 @@ static void shm_link_fini(ferry_link *l) {
   free(s);
 }
 
+/* ---- the byte stream: a shared-memory ring once open, the socket before ---- */
+
+static shm_link *ring_of(ferry_link *l) {
+  shm_link *s = __atomic_load_n((shm_link **)&l->tdata, __ATOMIC_ACQUIRE);
+  return s && __atomic_load_n(&s->ring_on, __ATOMIC_ACQUIRE) ? s : NULL;
+}
+
+static void ring_doorbell(ferry_link *l, shm_link *s) {
+  if (fr_ring_needs_doorbell(&s->tx)) {
+    char bell = 'd';
+    if (send(l->poller.fd, &bell, 1, MSG_DONTWAIT | MSG_NOSIGNAL) < 0 && errno != EAGAIN)
+      fr_debug("shm doorbell to '%s': %s", l->peer, strerror(errno));
+  }
+}
+
+static int ring_write_all(ferry_link *l, shm_link *s, const uint8_t *p, size_t len,
+                          uint64_t deadline_ns) {
+  while (len > 0) {
+    size_t n = fr_ring_write(&s->tx, p, len);
+    p += n;
+    len -= n;
+    if (len == 0)
+      break;
+    ring_doorbell(l, s); /* the reader must know there is something to make room for */
+    uint64_t slice = fr_now_ns() + 50000000ull;
+    fr_ring_wait_space(&s->tx, slice < deadline_ns ? slice : deadline_ns);
+    if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == FR_LINK_DEAD)
+      return fr_err(FERRY_EPEER, "'%s' went away while we sent", l->peer);
+    if (fr_now_ns() >= deadline_ns)
+      return fr_err(FERRY_ETIMEDOUT, "send: '%s' did not take the bytes in time", l->peer);
+  }
+  return 0;
+}
+
+static int shm_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
+                     uint64_t deadline_ns) {
+  shm_link *s = ring_of(l);
+  if (!s)
+    return fr_link_sock_sendv(l, iov, iovcnt, fd_out, deadline_ns);
+  if (fd_out >= 0) { /* fds cannot cross a ring: one marker byte carries it on the socket */
+    char mark = 'f';
+    struct iovec m = {&mark, 1};
+    int rc = fr_link_sock_sendv(l, &m, 1, fd_out, deadline_ns);
+    if (rc != 0)
+      return rc;
+  }
+  for (int i = 0; i < iovcnt; i++) {
+    int rc = ring_write_all(l, s, iov[i].iov_base, iov[i].iov_len, deadline_ns);
+    if (rc != 0)
+      return rc;
+  }
+  ring_doorbell(l, s);
+  return 0;
+}
+
+static ssize_t shm_recv(ferry_link *l, void *dst, size_t len) {
+  shm_link *s = ring_of(l);
+  if (!s)
+    return fr_link_sock_recv(l, dst, len);
+  size_t n = fr_ring_read(&s->rx, dst, len);
+  return n ? (ssize_t)n : -EAGAIN;
+}
+
+/* Doorbells and fd markers: drained here; end of stream means the peer is gone. */
+static int shm_readable(ferry_link *l) {
+  if (!ring_of(l))
+    return 0;
+  char buf[256];
+  for (;;) {
+    ssize_t n = fr_link_sock_recv(l, buf, sizeof buf);
+    if (n == -EAGAIN || n == -EWOULDBLOCK)
+      return 0;
+    if (n == 0)
+      return fr_err(FERRY_EPEER, "peer closed the connection");
+    if (n < 0) {
+      errno = (int)-n;
+      return fr_err_errno(FERRY_EPEER, "recv");
+    }
+  }
+}
+
+static bool shm_idle(ferry_link *l) {
+  shm_link *s = ring_of(l);
+  return !s || fr_ring_sleep(&s->rx);
+}
+
+static bool shm_pollable(ferry_link *l) { return ring_of(l) != NULL; }
+
+static void shm_poll_begin(ferry_link *l) {
+  shm_link *s = ring_of(l);
+  if (s)
+    fr_ring_poll_begin(&s->rx);
+}
+
+static void shm_poll_end(ferry_link *l) {
+  shm_link *s = ring_of(l);
+  if (s)
+    fr_ring_poll_end(&s->rx);
+}
+
+static int shm_offer(ferry_link *l, int *fd) {
+  shm_link *s = shm_state(l);
+  if (!s)
+    return fr_err(FERRY_ENOMEM, "shm: link state");
+  uint64_t bytes = (uint64_t)fr_config_int("FERRY_SHM_RING_BYTES");
+  if (bytes < 4096 || bytes > (1ull << 30) || (bytes & (bytes - 1)))
+    return fr_err(FERRY_EINVAL, "FERRY_SHM_RING_BYTES=%llu: a power of two, 4 KiB..1 GiB",
+                  (unsigned long long)bytes);
+  int rc = fr_ring_segment_create(bytes, &s->offer_fd, &s->ring_map, &s->ring_len);
+  if (rc != 0)
+    return rc;
+  fr_ring_attach(s->ring_map, 0, &s->tx);
+  fr_ring_attach(s->ring_map, 1, &s->rx);
+  *fd = s->offer_fd;
+  return 0;
+}
+
+static int shm_accept_offer(ferry_link *l, int fd) {
+  if (fd < 0)
+    return fr_err(FERRY_EPROTO, "'%s' offered no ring segment", l->peer);
+  shm_link *s = shm_state(l);
+  int rc = s ? fr_ring_segment_map(fd, &s->ring_map, &s->ring_len)
+             : fr_err(FERRY_ENOMEM, "shm: link state");
+  close(fd);
+  if (rc != 0)
+    return rc;
+  fr_ring_attach(s->ring_map, 1, &s->tx);
+  fr_ring_attach(s->ring_map, 0, &s->rx);
+  return 0;
+}
+
+static void shm_opened(ferry_link *l) {
+  shm_link *s = l->tdata;
+  if (s->offer_fd >= 0) {
+    close(s->offer_fd);
+    s->offer_fd = -1;
+  }
+  __atomic_store_n(&s->ring_on, true, __ATOMIC_RELEASE);
+}
+
+static int shm_fetch_fd(ferry_link *l, uint64_t deadline_ns, int *fd) {
+  char buf[64];
+  while ((*fd = fr_link_take_fd(l)) < 0) {
+    ssize_t n = fr_link_sock_recv(l, buf, sizeof buf);
+    if (n == 0)
+      return fr_err(FERRY_EPEER, "peer closed the connection");
+    if (n == -EAGAIN) {
+      struct pollfd p = {.fd = l->poller.fd, .events = POLLIN};
+      if (fr_ms_left(deadline_ns) == 0 || poll(&p, 1, fr_ms_left(deadline_ns)) == 0)
+        return fr_err(FERRY_ETIMEDOUT, "'%s' did not pass the promised fd", l->peer);
+    } else if (n < 0 && n != -EINTR) {
+      errno = (int)-n;
+      return fr_err_errno(FERRY_EPEER, "recv");
+    }
+  }
+  return 0;
+}
+
 const fr_transport_ops fr_shm_transport = {
     .name = "shm",
     .scheme = "shm://",
@@ -297,6 +468,17 @@ const fr_transport_ops fr_shm_transport = {
     .listen = shm_listen,
     .dial = shm_dial,
     .setup = shm_setup,
+    .sendv = shm_sendv,
+    .recv = shm_recv,
+    .readable = shm_readable,
+    .idle = shm_idle,
+    .pollable = shm_pollable,
+    .poll_begin = shm_poll_begin,
+    .poll_end = shm_poll_end,
+    .offer = shm_offer,
+    .accept_offer = shm_accept_offer,
+    .opened = shm_opened,
+    .fetch_fd = shm_fetch_fd,
     .read = shm_read,
     .write = shm_write,
     .view = shm_view,

@@ -144,6 +144,8 @@ const fr_transport_ops fr_tcp_transport = {
     .listen = tcp_listen,
     .dial = tcp_dial,
     .setup = tcp_setup,
+    .sendv = fr_link_sock_sendv,
+    .recv = fr_link_sock_recv,
     .read = fr_link_rma_read,
     .write = fr_link_rma_write,
 };

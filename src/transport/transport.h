@@ -31,6 +31,29 @@ typedef struct fr_transport_ops {
   int (*dial)(const char *where, int timeout_ms, int *fd);
   /* Socket options for a new link (both ends). */
   void (*setup)(int fd);
+  /* The byte stream of a link. sendv writes all of iov (plus fd_out, when >= 0, beside it) by
+   * the deadline; recv returns bytes (dst NULL: discard), 0 at end of stream, -EAGAIN when
+   * nothing is there, or -errno. */
+  int (*sendv)(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out, uint64_t deadline_ns);
+  ssize_t (*recv)(ferry_link *l, void *dst, size_t len);
+  /* Optional. The progress thread saw the socket readable: consume what is there besides
+   * the stream (doorbells, passed fds); 0 or a status that closes the link. */
+  int (*readable)(ferry_link *l);
+  /* Optional. The progress thread is about to sleep on this link: false if bytes arrived
+   * meanwhile and it must drain again. */
+  bool (*idle)(ferry_link *l);
+  /* Optional. Spinning waiters may drive this link themselves (poll_begin/poll_end bracket
+   * their spinning so producers can skip wake-ups). */
+  bool (*pollable)(ferry_link *l);
+  void (*poll_begin)(ferry_link *l);
+  void (*poll_end)(ferry_link *l);
+  /* Optional. Handshake: the connector offers an fd with its AUTH (offer), the acceptor takes
+   * it (accept_offer), and both switch to their fast path once the link is open (opened). */
+  int (*offer)(ferry_link *l, int *fd);
+  int (*accept_offer)(ferry_link *l, int fd);
+  void (*opened)(ferry_link *l);
+  /* Optional. Waits for an fd that travels beside the stream (a MAP response's memfd). */
+  int (*fetch_fd)(ferry_link *l, uint64_t deadline_ns, int *fd);
   /* One-sided operations; the stream implementations (fr_link_rma_*) serve transports that do
    * not have a faster path. */
   int (*read)(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst, size_t len,
@@ -81,8 +104,9 @@ struct ferry_link {
   int dead_status;
   fr_pending *pending;
   pthread_mutex_t send_lock;
+  pthread_mutex_t rx_lock; /* the receive state below: the progress thread or a spinning waiter */
 
-  /* receive state: touched only by the progress thread */
+  /* receive state */
   int rx_phase;
   uint8_t rx_header[FR_FRAME_BYTES];
   uint8_t rx_body[FR_SMALL_BODY];
@@ -193,6 +217,15 @@ int fr_link_call(ferry_link *l, uint32_t channel, const struct iovec *iov, int i
 /* Asks the owner for a region's memfd (shm): *fd and *size on success. */
 int fr_link_map_request(ferry_link *l, const ferry_region_ref *r, int timeout_ms, int *fd,
                         uint64_t *size);
+/* Drives a pollable link's receive side from a waiting thread (no-op when another thread is
+ * doing it, or when `wait` is false and the lock is busy). */
+void fr_link_poll(ferry_link *l, bool wait);
+/* Stream operations over the link's socket, for transports' sendv/recv. */
+int fr_link_sock_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
+                       uint64_t deadline_ns);
+ssize_t fr_link_sock_recv(ferry_link *l, void *dst, size_t len);
+/* Takes an fd that arrived beside the stream; -1 when none did. */
+int fr_link_take_fd(ferry_link *l);
 /* Fails every handshake older than the timeout (called by the progress thread). */
 void fr_link_reap_stale(ferry_ctx *ctx);
 
@@ -203,8 +236,9 @@ void fr_ctx_bury(ferry_ctx *ctx, ferry_link *l);
 /* Queues a large read response for the server thread (takes the refs it is given). */
 void fr_ctx_serve_later(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_region *r, uint64_t off,
                         uint64_t len);
-/* Spins up to ctx->spin_us for *flag, then returns whether it became true. */
-bool fr_spin_until(const bool *flag, int spin_us);
+/* Spins up to ctx->spin_us for *flag, driving `link` (if pollable) meanwhile; returns whether
+ * the flag became true. */
+bool fr_spin_until(ferry_link *link, const bool *flag, int spin_us);
 
 /* sock.c: socket helpers shared by the socket transports */
 int fr_sock_set_nonblock(int fd, bool on);

@@ -1,0 +1,163 @@
+/*
+ * The shared-memory byte ring (see ring.h for the protocol). The doorbell decision is a
+ * Dekker-style handshake: the producer publishes head and then reads sleeping/pollers, the
+ * consumer publishes sleeping (or leaves pollers) and then re-reads head, all sequentially
+ * consistent, so at least one of them sees the other and no byte is ever stranded.
+ */
+#include "transport/ring.h"
+#include "core/core.h"
+
+#include <errno.h>
+#include <linux/futex.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define HDR_BYTES 4096u
+
+int fr_ring_segment_create(uint64_t ring_bytes, int *fd_out, void **map_out, size_t *len_out) {
+  size_t len = 2 * (HDR_BYTES + (size_t)ring_bytes);
+  int fd = memfd_create("ferry-ring", MFD_CLOEXEC);
+  if (fd < 0)
+    return fr_err_errno(FERRY_ESYS, "shm ring: memfd_create");
+  if (ftruncate(fd, (off_t)len) != 0) {
+    close(fd);
+    return fr_err_errno(FERRY_ENOSHM, "shm ring: %zu bytes", len);
+  }
+  void *map = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (map == MAP_FAILED) {
+    close(fd);
+    return fr_err_errno(FERRY_ENOSHM, "shm ring: mmap");
+  }
+  for (int i = 0; i < 2; i++) {
+    fr_ring_hdr *h = (fr_ring_hdr *)((uint8_t *)map + (size_t)i * (HDR_BYTES + ring_bytes));
+    h->magic = FR_RING_MAGIC;
+    h->layout_version = FR_RING_LAYOUT_VERSION;
+    h->size = ring_bytes;
+    h->sleeping = 1; /* nobody is reading yet: the first bytes ring the doorbell */
+  }
+  *fd_out = fd;
+  *map_out = map;
+  *len_out = len;
+  return 0;
+}
+
+int fr_ring_segment_map(int fd, void **map_out, size_t *len_out) {
+  fr_ring_hdr first;
+  if (pread(fd, &first, sizeof first, 0) != (ssize_t)sizeof first)
+    return fr_err_errno(FERRY_EPROTO, "shm ring: cannot read the segment header");
+  uint64_t size = first.size;
+  if (first.magic != FR_RING_MAGIC || first.layout_version != FR_RING_LAYOUT_VERSION ||
+      size < 4096 || size > (1ull << 30) || (size & (size - 1)))
+    return fr_err(FERRY_EPROTO, "shm ring: foreign or corrupt segment header");
+  size_t len = 2 * (HDR_BYTES + (size_t)size);
+  off_t real = lseek(fd, 0, SEEK_END);
+  if (real < (off_t)len)
+    return fr_err(FERRY_EPROTO, "shm ring: segment of %lld bytes, expected %zu", (long long)real,
+                  len);
+  void *map = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (map == MAP_FAILED)
+    return fr_err_errno(FERRY_ESYS, "shm ring: mmap");
+  fr_ring_hdr *second = (fr_ring_hdr *)((uint8_t *)map + HDR_BYTES + size);
+  if (second->magic != FR_RING_MAGIC || second->size != size) {
+    munmap(map, len);
+    return fr_err(FERRY_EPROTO, "shm ring: second ring header is corrupt");
+  }
+  *map_out = map;
+  *len_out = len;
+  return 0;
+}
+
+void fr_ring_attach(void *map, int index, fr_ring *r) {
+  fr_ring_hdr *first = map;
+  uint64_t size = first->size;
+  uint8_t *base = (uint8_t *)map + (size_t)index * (HDR_BYTES + size);
+  r->h = (fr_ring_hdr *)base;
+  r->data = base + HDR_BYTES;
+  r->mask = size - 1;
+}
+
+static void futex_wake(uint32_t *word) { syscall(SYS_futex, word, FUTEX_WAKE, 1, NULL, NULL, 0); }
+
+static void futex_wait(uint32_t *word, uint32_t seen, uint64_t deadline_ns) {
+  uint64_t now = fr_now_ns();
+  if (now >= deadline_ns)
+    return;
+  uint64_t left = deadline_ns - now;
+  struct timespec ts = {(time_t)(left / 1000000000ull), (long)(left % 1000000000ull)};
+  syscall(SYS_futex, word, FUTEX_WAIT, seen, &ts, NULL, 0);
+}
+
+size_t fr_ring_write(fr_ring *r, const void *src, size_t len) {
+  uint64_t head = r->h->head; /* only we write it */
+  uint64_t tail = __atomic_load_n(&r->h->tail, __ATOMIC_ACQUIRE);
+  uint64_t space = r->mask + 1 - (head - tail);
+  size_t n = len < space ? len : (size_t)space;
+  if (n == 0)
+    return 0;
+  size_t at = (size_t)(head & r->mask);
+  size_t first = n < r->mask + 1 - at ? n : (size_t)(r->mask + 1 - at);
+  memcpy(r->data + at, src, first);
+  memcpy(r->data, (const uint8_t *)src + first, n - first);
+  __atomic_store_n(&r->h->head, head + n, __ATOMIC_SEQ_CST);
+  return n;
+}
+
+bool fr_ring_needs_doorbell(fr_ring *r) {
+  if (__atomic_load_n(&r->h->pollers, __ATOMIC_SEQ_CST) != 0)
+    return false;
+  return __atomic_exchange_n(&r->h->sleeping, 0, __ATOMIC_SEQ_CST) != 0;
+}
+
+bool fr_ring_wait_space(fr_ring *r, uint64_t deadline_ns) {
+  while (fr_now_ns() < deadline_ns) {
+    uint32_t seq = __atomic_load_n(&r->h->space_seq, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&r->h->producer_waiting, 1, __ATOMIC_SEQ_CST);
+    uint64_t used = r->h->head - __atomic_load_n(&r->h->tail, __ATOMIC_SEQ_CST);
+    if (used <= r->mask)
+      return true;
+    futex_wait(&r->h->space_seq, seq, deadline_ns);
+  }
+  return r->h->head - __atomic_load_n(&r->h->tail, __ATOMIC_ACQUIRE) <= r->mask;
+}
+
+uint64_t fr_ring_ready(const fr_ring *r) {
+  return __atomic_load_n(&r->h->head, __ATOMIC_SEQ_CST) - r->h->tail;
+}
+
+size_t fr_ring_read(fr_ring *r, void *dst, size_t len) {
+  uint64_t tail = r->h->tail; /* only we write it */
+  uint64_t ready = __atomic_load_n(&r->h->head, __ATOMIC_SEQ_CST) - tail;
+  size_t n = len < ready ? len : (size_t)ready;
+  if (n == 0)
+    return 0;
+  if (dst) {
+    size_t at = (size_t)(tail & r->mask);
+    size_t first = n < r->mask + 1 - at ? n : (size_t)(r->mask + 1 - at);
+    memcpy(dst, r->data + at, first);
+    memcpy((uint8_t *)dst + first, r->data, n - first);
+  }
+  __atomic_store_n(&r->h->tail, tail + n, __ATOMIC_SEQ_CST);
+  if (__atomic_load_n(&r->h->producer_waiting, __ATOMIC_SEQ_CST)) {
+    __atomic_store_n(&r->h->producer_waiting, 0, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&r->h->space_seq, 1, __ATOMIC_SEQ_CST);
+    futex_wake(&r->h->space_seq);
+  }
+  return n;
+}
+
+bool fr_ring_sleep(fr_ring *r) {
+  __atomic_store_n(&r->h->sleeping, 1, __ATOMIC_SEQ_CST);
+  if (fr_ring_ready(r) == 0)
+    return true;
+  __atomic_store_n(&r->h->sleeping, 0, __ATOMIC_SEQ_CST);
+  return false;
+}
+
+void fr_ring_wake(fr_ring *r) { __atomic_store_n(&r->h->sleeping, 0, __ATOMIC_SEQ_CST); }
+
+void fr_ring_poll_begin(fr_ring *r) { __atomic_add_fetch(&r->h->pollers, 1, __ATOMIC_SEQ_CST); }
+
+void fr_ring_poll_end(fr_ring *r) { __atomic_sub_fetch(&r->h->pollers, 1, __ATOMIC_SEQ_CST); }

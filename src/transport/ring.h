@@ -1,0 +1,70 @@
+/*
+ * A single-producer, single-consumer byte ring in shared memory: the data path of a shm link.
+ * Two processes map the same segment (two rings, one per direction). Positions only grow; the
+ * producer owns `head`, the consumer owns `tail`, each on its own cache line.
+ *
+ * Wake-ups: a consumer that goes to sleep (its progress thread back in epoll) sets `sleeping`;
+ * a producer that published bytes and finds it set (and nobody polling) sends one doorbell byte
+ * on the link's socket. Threads that spin on a ring announce themselves in `pollers`, so while
+ * someone spins, no doorbell (and no system call) is needed at all. A producer that finds the
+ * ring full sleeps on a futex that the consumer wakes when it frees space.
+ */
+#ifndef FR_RING_H
+#define FR_RING_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define FR_RING_MAGIC 0x474e495259525246ull /* "FRRYRING" */
+#define FR_RING_LAYOUT_VERSION 1u
+
+typedef struct fr_ring_hdr {
+  /* producer's line */
+  _Alignas(64) uint64_t head;
+  uint32_t space_seq;        /* futex: bumped by the consumer when a waiting producer may go on */
+  uint32_t producer_waiting; /* a producer sleeps on space_seq */
+  /* consumer's line */
+  _Alignas(64) uint64_t tail;
+  uint32_t sleeping; /* the consumer waits for a doorbell */
+  uint32_t pollers;  /* threads spinning on this ring */
+  /* constant */
+  _Alignas(64) uint64_t magic;
+  uint32_t layout_version;
+  uint32_t reserved;
+  uint64_t size; /* data bytes, a power of two */
+} fr_ring_hdr;
+_Static_assert(sizeof(fr_ring_hdr) == 192, "ring header layout is shared between processes");
+
+typedef struct fr_ring {
+  fr_ring_hdr *h;
+  uint8_t *data;
+  uint64_t mask;
+} fr_ring;
+
+/* A segment holding two rings of `ring_bytes` each (a power of two): creates the memfd. */
+int fr_ring_segment_create(uint64_t ring_bytes, int *fd, void **map, size_t *map_len);
+/* Maps a peer's segment and validates both headers. */
+int fr_ring_segment_map(int fd, void **map, size_t *map_len);
+/* Ring `index` (0: connector → acceptor, 1: acceptor → connector) of a mapped segment. */
+void fr_ring_attach(void *map, int index, fr_ring *r);
+
+/* Producer: copies up to len bytes (what fits) and publishes them; returns the count. */
+size_t fr_ring_write(fr_ring *r, const void *src, size_t len);
+/* Producer: true when the consumer needs a doorbell for what was just published. */
+bool fr_ring_needs_doorbell(fr_ring *r);
+/* Producer: sleeps until the ring has space or the deadline passes (false then). */
+bool fr_ring_wait_space(fr_ring *r, uint64_t deadline_ns);
+
+/* Consumer: bytes ready to read. */
+uint64_t fr_ring_ready(const fr_ring *r);
+/* Consumer: copies up to len ready bytes to dst (NULL: discards them); returns the count. */
+size_t fr_ring_read(fr_ring *r, void *dst, size_t len);
+/* Consumer: marks itself asleep; returns false if bytes arrived meanwhile (stay awake). */
+bool fr_ring_sleep(fr_ring *r);
+void fr_ring_wake(fr_ring *r);
+/* A spinning thread announces itself so producers skip the doorbell. */
+void fr_ring_poll_begin(fr_ring *r);
+void fr_ring_poll_end(fr_ring *r);
+
+#endif
