@@ -1,0 +1,14 @@
+/*
+ * Reserved message channels. Applications use 0..FR_CHANNEL_APP_MAX; ferry's own services take
+ * the top of the range, one channel each, so their traffic never mixes with an application's.
+ */
+#ifndef FR_CHANNELS_H
+#define FR_CHANNELS_H
+
+#define FR_CHANNEL_APP_MAX 47
+#define FR_CHANNEL_DIRECTORY 60 /* embedded directory: requests answered by its server */
+#define FR_CHANNEL_STORE 61     /* store service: remote delete, drop notices, uploads */
+#define FR_CHANNEL_REFIT 62
+#define FR_CHANNEL_MQ 63
+
+#endif

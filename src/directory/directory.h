@@ -1,0 +1,114 @@
+/*
+ * The directory, internal view: where a fleet looks up nodes (name -> addresses) and objects
+ * (key -> owner, region, offset, bytes, dtype, shape, generation). Backends are ops tables chosen
+ * by URL scheme (directory.c lists them): ferry:// is the embedded server (server.c, client.c),
+ * redis:// keeps the same records in Redis (redis.c). A node holds a lease; when it lapses, the
+ * node's records vanish. Jobs (the store) use the fr_dir_* calls below, never a backend directly.
+ */
+#ifndef FR_DIRECTORY_H
+#define FR_DIRECTORY_H
+
+#include "core/core.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define FR_DIR_KEY_MAX 255     /* bytes of an object key, NUL not included */
+#define FR_DIR_NAME_MAX 63     /* bytes of a node name */
+#define FR_DIR_ADDRESS_MAX 511 /* bytes of a node's address list */
+#define FR_DIR_BATCH_MAX 1024  /* keys per multi-get message */
+#define FR_DIR_SCAN_PAGE 512   /* records per scan reply */
+
+/* Node flags. */
+#define FR_NODE_HOLDER 1u /* holds objects for short-lived nodes (`ferry serve`) */
+
+typedef struct fr_dir_node {
+  char name[FR_DIR_NAME_MAX + 1];
+  char address[FR_DIR_ADDRESS_MAX + 1];
+  uint32_t flags;
+} fr_dir_node;
+
+typedef struct fr_dir_object {
+  char key[FR_DIR_KEY_MAX + 1];
+  char owner[FR_DIR_NAME_MAX + 1];
+  ferry_region_ref region; /* where the bytes are, on the owner */
+  uint64_t offset, bytes;
+  ferry_region_ref gen_region; /* the generation word: valid while it equals `generation` */
+  uint64_t gen_offset;
+  uint64_t generation; /* never 0; unique per owner */
+  ferry_tensor_desc desc;
+} fr_dir_object;
+
+/* Object put flags. */
+#define FR_DIR_PUT_KEEP_OTHERS 1u /* do not replace a record another node owns (re-registration)   \
+                                   */
+
+typedef struct fr_dir_ops {
+  const char *scheme; /* "ferry://", "redis://" */
+  /* Connects to `where` (the URL after the scheme); ctx is the node's (links, if any). */
+  int (*open)(ferry_ctx *ctx, const char *where, int timeout_ms, void **state);
+  void (*close)(void *state);
+  /* Bumped whenever the backend may have lost records (reconnect, server restart): the caller
+   * then registers again. */
+  uint64_t (*epoch)(void *state);
+  int (*node_put)(void *state, const fr_dir_node *node, int lease_ms, int timeout_ms);
+  /* FERRY_ENOTFOUND when the lease already lapsed (register again). */
+  int (*node_renew)(void *state, const char *name, int lease_ms, int timeout_ms);
+  int (*node_get)(void *state, const char *name, fr_dir_node *out, int timeout_ms);
+  /* All live nodes; *out is malloc'd. */
+  int (*node_list)(void *state, fr_dir_node **out, size_t *n, int timeout_ms);
+  /* Removes a node and every object it owns. */
+  int (*node_del)(void *state, const char *name, int timeout_ms);
+  /* Stores an object (its owner must be registered, else FERRY_ENOTFOUND). When it replaced a
+   * record of another owner, *replaced (may be NULL) receives it and *had_other is set. */
+  int (*obj_put)(void *state, const fr_dir_object *obj, unsigned flags, fr_dir_object *replaced,
+                 bool *had_other, int timeout_ms);
+  /* Looks up n keys; status[i] is 0 (out[i] set) or FERRY_ENOTFOUND. */
+  int (*obj_get)(void *state, const char *const *keys, size_t n, fr_dir_object *out, int *status,
+                 int timeout_ms);
+  /* Deletes `key` if owner is "" or (owner, generation) match the record. FERRY_ENOTFOUND when
+   * nothing matched; *deleted (may be NULL) receives the record. */
+  int (*obj_del)(void *state, const char *key, const char *owner, uint64_t generation,
+                 fr_dir_object *deleted, int timeout_ms);
+  /* Every object whose key starts with prefix, sorted by key; *out is malloc'd. */
+  int (*obj_scan)(void *state, const char *prefix, fr_dir_object **out, size_t *n, int timeout_ms);
+} fr_dir_ops;
+
+/* A connected directory client: the backend and its state. Thread-safe. */
+typedef struct fr_dir {
+  const fr_dir_ops *ops;
+  void *state;
+  char url[FR_DIR_ADDRESS_MAX + 1];
+} fr_dir;
+
+/* Connects to the directory at url (NULL: FERRY_DIRECTORY). FERRY_EINVAL for an unknown scheme,
+ * FERRY_ECONNECT when nothing answers (the detail says how to start one). */
+int fr_dir_open(ferry_ctx *ctx, const char *url, int timeout_ms, fr_dir **out);
+void fr_dir_close(fr_dir *dir);
+/* The backends, in one place (directory.c). */
+const fr_dir_ops *fr_dir_backend(const char *url);
+
+/* Checks a key: 1..FR_DIR_KEY_MAX bytes, no control characters. */
+int fr_dir_key_check(const char *key, const char *what);
+/* Sorts objects by key. */
+void fr_dir_sort(fr_dir_object *objs, size_t n);
+
+/* ---- the embedded server (server.c) ---- */
+typedef struct fr_dir_server fr_dir_server;
+/* Starts a server answering ferry_call()s on FR_CHANNEL_DIRECTORY of ctx (one thread). */
+int fr_dir_server_start(ferry_ctx *ctx, fr_dir_server **out);
+void fr_dir_server_stop(fr_dir_server *srv);
+/* A server state with no thread, for in-process use and the fuzzer. */
+fr_dir_server *fr_dir_server_new(const char *address);
+void fr_dir_server_free(fr_dir_server *srv);
+/* Handles one request message; *reply is malloc'd (the caller frees it). Pure apart from the
+ * server's own state and the clock. Never fails: errors are encoded in the reply. */
+void fr_dir_server_handle(fr_dir_server *srv, const void *req, size_t len, void **reply,
+                          size_t *reply_len);
+/* Drops nodes whose lease lapsed (and their objects); the thread calls it on its own. */
+void fr_dir_server_expire(fr_dir_server *srv, uint64_t now_ns);
+/* Opens a client bound to an in-process server (no link). */
+int fr_dir_open_local(fr_dir_server *srv, fr_dir **out);
+
+#endif

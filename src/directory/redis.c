@@ -1,0 +1,516 @@
+/*
+ * The Redis directory backend (redis://HOST:PORT[/DB]), for fleets that want Redis' replication
+ * and failover. Records live under "ferry:" keys: a node is a hash ferry:n:NAME {addr, flags}
+ * with the lease as its TTL; an object is a hash ferry:o:KEY {owner, gen, rec} (rec is the
+ * dirwire encoding) whose TTL follows its owner's; ferry:s:NAME lists the keys a node owns so a
+ * renewal can extend them all. Each multi-step operation is one Lua script, so it is atomic.
+ * One hiredis connection, serialized by a mutex, redialled once per call after an I/O error.
+ */
+#include "directory/dirwire.h"
+
+#include <hiredis/hiredis.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct rds {
+  pthread_mutex_t lock;
+  char host[320];
+  int port, db;
+  int timeout_ms;
+  redisContext *c;
+  uint64_t epoch;
+} rds;
+
+static const char node_put_lua[] = "redis.call('HSET', KEYS[1], 'addr', ARGV[1], 'flags', ARGV[2]) "
+                                   "redis.call('PEXPIRE', KEYS[1], ARGV[3]) return 1";
+
+static const char renew_lua[] =
+    "if redis.call('PEXPIRE', KEYS[1], ARGV[2]) == 0 then return -1 end "
+    "local ks = redis.call('SMEMBERS', KEYS[2]) "
+    "for _, k in ipairs(ks) do "
+    "  if redis.call('HGET', k, 'owner') == ARGV[1] then redis.call('PEXPIRE', k, ARGV[2]) "
+    "  else redis.call('SREM', KEYS[2], k) end "
+    "end "
+    "redis.call('PEXPIRE', KEYS[2], ARGV[2]) return #ks";
+
+static const char node_del_lua[] =
+    "for _, k in ipairs(redis.call('SMEMBERS', KEYS[2])) do "
+    "  if redis.call('HGET', k, 'owner') == ARGV[1] then redis.call('DEL', k) end "
+    "end "
+    "redis.call('DEL', KEYS[1], KEYS[2]) return 1";
+
+/* The object's TTL is whatever is left of its owner's lease. */
+static const char obj_put_lua[] =
+    "local ttl = redis.call('PTTL', KEYS[3]) "
+    "if ttl <= 0 then return {-1} end "
+    "local old = redis.call('HMGET', KEYS[1], 'owner', 'rec') "
+    "local other = old[1] and old[1] ~= ARGV[1] "
+    "if other and ARGV[4] == '1' then return {-2, old[1]} end "
+    "redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'gen', ARGV[2], 'rec', ARGV[3]) "
+    "redis.call('PEXPIRE', KEYS[1], ttl) "
+    "redis.call('SADD', KEYS[2], KEYS[1]) redis.call('PEXPIRE', KEYS[2], ttl) "
+    "if other then return {1, old[2]} end return {0}";
+
+static const char obj_del_lua[] =
+    "local v = redis.call('HMGET', KEYS[1], 'owner', 'gen', 'rec') "
+    "if not v[1] then return false end "
+    "if ARGV[1] ~= '' and (v[1] ~= ARGV[1] or (ARGV[2] ~= '0' and v[2] ~= ARGV[2])) then "
+    "  return false end "
+    "redis.call('DEL', KEYS[1]) return v[3]";
+
+/* ---- connection ---- */
+
+static int dial(rds *r) {
+  struct timeval tv = {r->timeout_ms / 1000, (r->timeout_ms % 1000) * 1000};
+  redisContext *c = redisConnectWithTimeout(r->host, r->port, tv);
+  if (!c || c->err) {
+    int rc = fr_err(FERRY_ECONNECT, "cannot reach Redis at redis://%s:%d: %s", r->host, r->port,
+                    c ? c->errstr : "out of memory");
+    redisFree(c);
+    return rc;
+  }
+  redisSetTimeout(c, tv);
+  if (r->db) {
+    redisReply *rep = redisCommand(c, "SELECT %d", r->db);
+    bool ok = rep && rep->type != REDIS_REPLY_ERROR;
+    freeReplyObject(rep);
+    if (!ok) {
+      redisFree(c);
+      return fr_err(FERRY_ECONNECT, "Redis at %s:%d: cannot select db %d", r->host, r->port, r->db);
+    }
+  }
+  r->c = c;
+  r->epoch++;
+  return 0;
+}
+
+/* Runs one command (binary-safe argv), redialling once after an I/O error. Lock held. */
+static int command(rds *r, int argc, const char **argv, const size_t *lens, redisReply **out) {
+  for (int attempt = 0; attempt < 2; attempt++) {
+    if (!r->c) {
+      int rc = dial(r);
+      if (rc != 0)
+        return rc;
+    }
+    redisReply *rep = redisCommandArgv(r->c, argc, argv, lens);
+    if (rep && rep->type == REDIS_REPLY_ERROR) {
+      int rc = fr_err(FERRY_EPROTO, "Redis %s: %s", argv[0], rep->str);
+      freeReplyObject(rep);
+      return rc;
+    }
+    if (rep) {
+      *out = rep;
+      return 0;
+    }
+    fr_warn("Redis at %s:%d: %s; reconnecting", r->host, r->port, r->c->errstr);
+    redisFree(r->c);
+    r->c = NULL;
+  }
+  return fr_err(FERRY_ECONNECT, "Redis at redis://%s:%d stopped answering", r->host, r->port);
+}
+
+/* Builds an argv of NUL-terminated strings (lengths by strlen, or given in lens). */
+typedef struct args {
+  const char *v[12];
+  size_t len[12];
+  int n;
+} args;
+
+static void arg(args *a, const char *s, size_t len) {
+  a->v[a->n] = s;
+  a->len[a->n++] = len == (size_t)-1 ? strlen(s) : len;
+}
+#define ARG(a, s) arg((a), (s), (size_t)-1)
+
+static int run(rds *r, args *a, redisReply **out) {
+  pthread_mutex_lock(&r->lock);
+  int rc = command(r, a->n, a->v, a->len, out);
+  pthread_mutex_unlock(&r->lock);
+  return rc;
+}
+
+static void key_of(char *out, size_t cap, char kind, const char *name) {
+  snprintf(out, cap, "ferry:%c:%s", kind, name);
+}
+
+/* ---- nodes ---- */
+
+static int rds_node_put(void *st, const fr_dir_node *n, int lease_ms, int timeout_ms) {
+  char k[96], flags[16], lease[16];
+  key_of(k, sizeof k, 'n', n->name);
+  snprintf(flags, sizeof flags, "%u", n->flags);
+  snprintf(lease, sizeof lease, "%d", lease_ms < 100 ? 100 : lease_ms);
+  args a = {0};
+  ARG(&a, "EVAL"), ARG(&a, node_put_lua), ARG(&a, "1"), ARG(&a, k), ARG(&a, n->address);
+  ARG(&a, flags), ARG(&a, lease);
+  redisReply *rep;
+  int rc = run(st, &a, &rep);
+  if (rc == 0)
+    freeReplyObject(rep);
+  return rc;
+}
+
+static int rds_node_renew(void *st, const char *name, int lease_ms, int timeout_ms) {
+  char k[96], s[96], lease[16];
+  key_of(k, sizeof k, 'n', name);
+  key_of(s, sizeof s, 's', name);
+  snprintf(lease, sizeof lease, "%d", lease_ms < 100 ? 100 : lease_ms);
+  args a = {0};
+  ARG(&a, "EVAL"), ARG(&a, renew_lua), ARG(&a, "2"), ARG(&a, k), ARG(&a, s), ARG(&a, name);
+  ARG(&a, lease);
+  redisReply *rep;
+  int rc = run(st, &a, &rep);
+  if (rc != 0)
+    return rc;
+  bool lapsed = rep->type == REDIS_REPLY_INTEGER && rep->integer < 0;
+  freeReplyObject(rep);
+  return lapsed ? fr_err(FERRY_ENOTFOUND, "node '%s' is not registered (its lease lapsed?)", name)
+                : 0;
+}
+
+static bool reply_to_node(const char *name, redisReply *rep, fr_dir_node *out) {
+  if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 2 ||
+      rep->element[0]->type != REDIS_REPLY_STRING)
+    return false;
+  memset(out, 0, sizeof *out);
+  snprintf(out->name, sizeof out->name, "%s", name);
+  snprintf(out->address, sizeof out->address, "%s", rep->element[0]->str);
+  if (rep->element[1]->type == REDIS_REPLY_STRING)
+    out->flags = (uint32_t)strtoul(rep->element[1]->str, NULL, 10);
+  return true;
+}
+
+static int rds_node_get(void *st, const char *name, fr_dir_node *out, int timeout_ms) {
+  char k[96];
+  key_of(k, sizeof k, 'n', name);
+  args a = {0};
+  ARG(&a, "HMGET"), ARG(&a, k), ARG(&a, "addr"), ARG(&a, "flags");
+  redisReply *rep;
+  int rc = run(st, &a, &rep);
+  if (rc != 0)
+    return rc;
+  fr_dir_node n;
+  bool ok = reply_to_node(name, rep, &n);
+  freeReplyObject(rep);
+  if (!ok)
+    return fr_err(FERRY_ENOTFOUND, "no node '%s' in the directory", name);
+  *out = n;
+  return 0;
+}
+
+static int rds_node_del(void *st, const char *name, int timeout_ms) {
+  char k[96], s[96];
+  key_of(k, sizeof k, 'n', name);
+  key_of(s, sizeof s, 's', name);
+  args a = {0};
+  ARG(&a, "EVAL"), ARG(&a, node_del_lua), ARG(&a, "2"), ARG(&a, k), ARG(&a, s), ARG(&a, name);
+  redisReply *rep;
+  int rc = run(st, &a, &rep);
+  if (rc == 0)
+    freeReplyObject(rep);
+  return rc;
+}
+
+/* ---- SCAN: every key matching a pattern ---- */
+
+typedef struct keylist {
+  char **v;
+  size_t n, cap;
+} keylist;
+
+static void keylist_free(keylist *l) {
+  for (size_t i = 0; i < l->n; i++)
+    free(l->v[i]);
+  free(l->v);
+}
+
+static int keylist_add(keylist *l, const char *s, size_t len) {
+  if (l->n == l->cap) {
+    size_t cap = l->cap ? l->cap * 2 : 64;
+    char **v = realloc(l->v, cap * sizeof *v);
+    if (!v)
+      return fr_err(FERRY_ENOMEM, "scan");
+    l->v = v;
+    l->cap = cap;
+  }
+  char *c = malloc(len + 1);
+  if (!c)
+    return fr_err(FERRY_ENOMEM, "scan");
+  memcpy(c, s, len);
+  c[len] = '\0';
+  l->v[l->n++] = c;
+  return 0;
+}
+
+static int scan_keys(rds *r, const char *pattern, keylist *out) {
+  char cursor[32] = "0";
+  int rc = 0;
+  do {
+    args a = {0};
+    ARG(&a, "SCAN"), ARG(&a, cursor), ARG(&a, "MATCH"), ARG(&a, pattern), ARG(&a, "COUNT");
+    ARG(&a, "1000");
+    redisReply *rep;
+    if ((rc = run(r, &a, &rep)) != 0)
+      break;
+    if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 2) {
+      freeReplyObject(rep);
+      rc = fr_err(FERRY_EPROTO, "Redis SCAN: unexpected reply");
+      break;
+    }
+    snprintf(cursor, sizeof cursor, "%s", rep->element[0]->str);
+    redisReply *keys = rep->element[1];
+    for (size_t i = 0; rc == 0 && i < keys->elements; i++)
+      rc = keylist_add(out, keys->element[i]->str, keys->element[i]->len);
+    freeReplyObject(rep);
+  } while (rc == 0 && strcmp(cursor, "0") != 0);
+  return rc;
+}
+
+/* A glob pattern matching every key that starts with `prefix` after `head`. */
+static void glob_prefix(char *out, size_t cap, const char *head, const char *prefix) {
+  size_t n = (size_t)snprintf(out, cap, "%s", head);
+  for (const char *p = prefix; *p && n + 3 < cap; p++) {
+    if (strchr("*?[]\\", *p))
+      out[n++] = '\\';
+    out[n++] = *p;
+  }
+  out[n++] = '*';
+  out[n] = '\0';
+}
+
+static int rds_node_list(void *st, fr_dir_node **out, size_t *count, int timeout_ms) {
+  keylist keys = {0};
+  int rc = scan_keys(st, "ferry:n:*", &keys);
+  fr_dir_node *v = rc == 0 ? calloc(keys.n + 1, sizeof *v) : NULL;
+  size_t n = 0;
+  if (rc == 0 && !v)
+    rc = fr_err(FERRY_ENOMEM, "node list");
+  for (size_t i = 0; rc == 0 && i < keys.n; i++) {
+    int g = rds_node_get(st, keys.v[i] + 8, &v[n], timeout_ms);
+    if (g == 0)
+      n++;
+    else if (g != FERRY_ENOTFOUND) /* expired between SCAN and HMGET: skip */
+      rc = g;
+  }
+  keylist_free(&keys);
+  if (rc != 0) {
+    free(v);
+    return rc;
+  }
+  *out = v;
+  *count = n;
+  return 0;
+}
+
+/* ---- objects ---- */
+
+static int decode_rec(const char *data, size_t len, fr_dir_object *out) {
+  fr_rd rd = fr_rd_init(data, len);
+  fr_rd_object(&rd, out);
+  return fr_rd_done(&rd) ? 0 : fr_err(FERRY_EPROTO, "Redis holds a malformed ferry record");
+}
+
+static int rds_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir_object *replaced,
+                       bool *had_other, int timeout_ms) {
+  char k[FR_DIR_KEY_MAX + 16], s[96], n[96], gen[24];
+  key_of(k, sizeof k, 'o', o->key);
+  key_of(s, sizeof s, 's', o->owner);
+  key_of(n, sizeof n, 'n', o->owner);
+  snprintf(gen, sizeof gen, "%llu", (unsigned long long)o->generation);
+  fr_wr w = {0};
+  fr_wr_object(&w, o);
+  if (w.failed)
+    return fr_err(FERRY_ENOMEM, "put '%s'", o->key);
+  args a = {0};
+  ARG(&a, "EVAL"), ARG(&a, obj_put_lua), ARG(&a, "3"), ARG(&a, k), ARG(&a, s), ARG(&a, n);
+  ARG(&a, o->owner), ARG(&a, gen), arg(&a, (const char *)w.p, w.len);
+  ARG(&a, (flags & FR_DIR_PUT_KEEP_OTHERS) ? "1" : "0");
+  redisReply *rep;
+  int rc = run(st, &a, &rep);
+  fr_wr_free(&w);
+  if (rc != 0)
+    return rc;
+  long long code =
+      rep->type == REDIS_REPLY_ARRAY && rep->elements >= 1 ? rep->element[0]->integer : -99;
+  if (code == -1)
+    rc = fr_err(FERRY_ENOTFOUND, "put '%s': node '%s' is not registered", o->key, o->owner);
+  else if (code == -2)
+    rc = fr_err(FERRY_EEXIST, "'%s' is now owned by '%s'", o->key, rep->element[1]->str);
+  else if (code == 1 && rep->elements == 2)
+    rc = replaced ? decode_rec(rep->element[1]->str, rep->element[1]->len, replaced) : 0;
+  else if (code != 0)
+    rc = fr_err(FERRY_EPROTO, "Redis put '%s': unexpected reply", o->key);
+  if (rc == 0 && had_other)
+    *had_other = code == 1;
+  freeReplyObject(rep);
+  return rc;
+}
+
+static int pipeline_get(rds *r, const char *const *keys, size_t n, fr_dir_object *out,
+                        int *status) {
+  int rc = r->c ? 0 : dial(r);
+  for (size_t i = 0; rc == 0 && i < n; i++) {
+    char k[FR_DIR_KEY_MAX + 16];
+    key_of(k, sizeof k, 'o', keys[i]);
+    redisAppendCommand(r->c, "HGET %s rec", k);
+  }
+  for (size_t i = 0; rc == 0 && i < n; i++) {
+    redisReply *rep = NULL;
+    if (redisGetReply(r->c, (void **)&rep) != REDIS_OK || !rep) {
+      rc = fr_err(FERRY_ECONNECT, "Redis at %s:%d: %s", r->host, r->port, r->c->errstr);
+      redisFree(r->c);
+      r->c = NULL;
+      break;
+    }
+    status[i] = FERRY_ENOTFOUND;
+    if (rep->type == REDIS_REPLY_STRING && decode_rec(rep->str, rep->len, &out[i]) == 0)
+      status[i] = 0;
+    freeReplyObject(rep);
+  }
+  return rc;
+}
+
+static int rds_obj_get(void *st, const char *const *keys, size_t n, fr_dir_object *out, int *status,
+                       int timeout_ms) {
+  rds *r = st;
+  pthread_mutex_lock(&r->lock);
+  int rc = pipeline_get(r, keys, n, out, status);
+  if (rc == FERRY_ECONNECT) /* one redial, as for single commands */
+    rc = pipeline_get(r, keys, n, out, status);
+  pthread_mutex_unlock(&r->lock);
+  return rc;
+}
+
+static int rds_obj_del(void *st, const char *key, const char *owner, uint64_t gen,
+                       fr_dir_object *deleted, int timeout_ms) {
+  char k[FR_DIR_KEY_MAX + 16], g[24];
+  key_of(k, sizeof k, 'o', key);
+  snprintf(g, sizeof g, "%llu", (unsigned long long)gen);
+  args a = {0};
+  ARG(&a, "EVAL"), ARG(&a, obj_del_lua), ARG(&a, "1"), ARG(&a, k), ARG(&a, owner ? owner : "");
+  ARG(&a, g);
+  redisReply *rep;
+  int rc = run(st, &a, &rep);
+  if (rc != 0)
+    return rc;
+  if (rep->type != REDIS_REPLY_STRING)
+    rc = fr_err(FERRY_ENOTFOUND, "no object '%s'%s%s", key, owner && *owner ? " of " : "",
+                owner ? owner : "");
+  else if (deleted)
+    rc = decode_rec(rep->str, rep->len, deleted);
+  freeReplyObject(rep);
+  return rc;
+}
+
+static int rds_obj_scan(void *st, const char *prefix, fr_dir_object **out, size_t *count,
+                        int timeout_ms) {
+  char pattern[2 * FR_DIR_KEY_MAX + 16];
+  glob_prefix(pattern, sizeof pattern, "ferry:o:", prefix);
+  keylist keys = {0};
+  int rc = scan_keys(st, pattern, &keys);
+  fr_dir_object *v = rc == 0 ? calloc(keys.n + 1, sizeof *v) : NULL;
+  int *status = rc == 0 ? calloc(keys.n + 1, sizeof *status) : NULL;
+  const char **names = rc == 0 ? calloc(keys.n + 1, sizeof *names) : NULL;
+  if (rc == 0 && (!v || !status || !names))
+    rc = fr_err(FERRY_ENOMEM, "scan: %zu records", keys.n);
+  for (size_t i = 0; rc == 0 && i < keys.n; i++)
+    names[i] = keys.v[i] + 8; /* the object key after "ferry:o:" */
+  if (rc == 0)
+    rc = rds_obj_get(st, names, keys.n, v, status, timeout_ms);
+  size_t n = 0;
+  for (size_t i = 0; rc == 0 && i < keys.n; i++)
+    if (status[i] == 0) /* expired between SCAN and HGET: skip */
+      v[n++] = v[i];
+  keylist_free(&keys);
+  free(status);
+  free(names);
+  if (rc != 0) {
+    free(v);
+    return rc;
+  }
+  fr_dir_sort(v, n);
+  *out = v;
+  *count = n;
+  return 0;
+}
+
+/* ---- lifecycle ---- */
+
+static int parse(const char *where, rds *r) {
+  char tmp[300];
+  snprintf(tmp, sizeof tmp, "%s", where);
+  char *slash = strchr(tmp, '/');
+  r->db = 0;
+  if (slash) {
+    *slash = '\0';
+    char *end;
+    long db = strtol(slash + 1, &end, 10);
+    if (*end || db < 0 || db > 1000)
+      return fr_err(FERRY_EINVAL, "redis://%s: bad database number", where);
+    r->db = (int)db;
+  }
+  char *colon = strrchr(tmp, ':');
+  r->port = 6379;
+  if (colon) {
+    *colon = '\0';
+    char *end;
+    long port = strtol(colon + 1, &end, 10);
+    if (*end || port <= 0 || port > 65535)
+      return fr_err(FERRY_EINVAL, "redis://%s: bad port", where);
+    r->port = (int)port;
+  }
+  snprintf(r->host, sizeof r->host, "%s", *tmp ? tmp : "127.0.0.1");
+  return 0;
+}
+
+static int rds_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **state) {
+  rds *r = calloc(1, sizeof *r);
+  if (!r)
+    return fr_err(FERRY_ENOMEM, "redis client");
+  int rc = parse(where, r);
+  r->timeout_ms = timeout_ms > 0 ? timeout_ms : 1000;
+  if (rc == 0)
+    rc = dial(r);
+  if (rc != 0) {
+    free(r);
+    return rc;
+  }
+  pthread_mutex_init(&r->lock, NULL);
+  *state = r;
+  return 0;
+}
+
+static void rds_close(void *state) {
+  rds *r = state;
+  if (!r)
+    return;
+  redisFree(r->c);
+  pthread_mutex_destroy(&r->lock);
+  free(r);
+}
+
+static uint64_t rds_epoch(void *state) {
+  rds *r = state;
+  pthread_mutex_lock(&r->lock);
+  uint64_t e = r->epoch;
+  pthread_mutex_unlock(&r->lock);
+  return e;
+}
+
+const fr_dir_ops fr_dir_redis_ops = {
+    .scheme = "redis://",
+    .open = rds_open,
+    .close = rds_close,
+    .epoch = rds_epoch,
+    .node_put = rds_node_put,
+    .node_renew = rds_node_renew,
+    .node_get = rds_node_get,
+    .node_list = rds_node_list,
+    .node_del = rds_node_del,
+    .obj_put = rds_obj_put,
+    .obj_get = rds_obj_get,
+    .obj_del = rds_obj_del,
+    .obj_scan = rds_obj_scan,
+};

@@ -1,0 +1,402 @@
+/*
+ * The embedded directory server. Its state is two tables under one lock: nodes with their lease
+ * deadlines, and objects in an array sorted by key (lookups and prefix scans by binary search).
+ * A request is one message, decoded with the fail-closed readers of dirwire.c and answered with
+ * one reply; fr_dir_server_handle() is the whole protocol, so the fuzzer drives it directly. A
+ * started server also has a thread that takes ferry_call()s on FR_CHANNEL_DIRECTORY of its
+ * context, answers them, and expires lapsed leases (a dead node's records vanish with it).
+ */
+#include "core/channels.h"
+#include "directory/dirwire.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_NODES 65536
+#define MAX_OBJECTS (16u << 20)
+
+typedef struct srv_node {
+  fr_dir_node node;
+  uint64_t expires_ns;
+} srv_node;
+
+struct fr_dir_server {
+  pthread_mutex_t lock;
+  uint64_t instance; /* random per start: clients notice a restart */
+  char address[FR_DIR_ADDRESS_MAX + 1];
+  srv_node *nodes;
+  size_t nnodes, capnodes;
+  fr_dir_object **objs; /* sorted by key */
+  size_t nobjs, capobjs;
+  ferry_ctx *ctx;
+  pthread_t thread;
+  bool stop; /* atomic */
+};
+
+/* ---- tables ---- */
+
+static srv_node *node_find(fr_dir_server *s, const char *name) {
+  for (size_t i = 0; i < s->nnodes; i++)
+    if (strcmp(s->nodes[i].node.name, name) == 0)
+      return &s->nodes[i];
+  return NULL;
+}
+
+/* Index of the first object whose key is >= key. */
+static size_t obj_lower(const fr_dir_server *s, const char *key) {
+  size_t lo = 0, hi = s->nobjs;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (strcmp(s->objs[mid]->key, key) < 0)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+static fr_dir_object *obj_find(fr_dir_server *s, const char *key, size_t *at) {
+  size_t i = obj_lower(s, key);
+  *at = i;
+  return i < s->nobjs && strcmp(s->objs[i]->key, key) == 0 ? s->objs[i] : NULL;
+}
+
+static void obj_remove_at(fr_dir_server *s, size_t i) {
+  free(s->objs[i]);
+  memmove(&s->objs[i], &s->objs[i + 1], (s->nobjs - i - 1) * sizeof *s->objs);
+  s->nobjs--;
+}
+
+static int obj_insert_at(fr_dir_server *s, size_t i, const fr_dir_object *o) {
+  if (s->nobjs == s->capobjs) {
+    size_t cap = s->capobjs ? s->capobjs * 2 : 64;
+    if (cap > MAX_OBJECTS)
+      return fr_err(FERRY_ECAPACITY, "directory full: %zu objects", s->nobjs);
+    fr_dir_object **p = realloc(s->objs, cap * sizeof *p);
+    if (!p)
+      return fr_err(FERRY_ENOMEM, "directory: object table");
+    s->objs = p;
+    s->capobjs = cap;
+  }
+  fr_dir_object *copy = malloc(sizeof *copy);
+  if (!copy)
+    return fr_err(FERRY_ENOMEM, "directory: object record");
+  *copy = *o;
+  memmove(&s->objs[i + 1], &s->objs[i], (s->nobjs - i) * sizeof *s->objs);
+  s->objs[i] = copy;
+  s->nobjs++;
+  return 0;
+}
+
+static void drop_objects_of(fr_dir_server *s, const char *owner) {
+  size_t w = 0;
+  for (size_t i = 0; i < s->nobjs; i++) {
+    if (strcmp(s->objs[i]->owner, owner) == 0)
+      free(s->objs[i]);
+    else
+      s->objs[w++] = s->objs[i];
+  }
+  s->nobjs = w;
+}
+
+static void node_remove(fr_dir_server *s, srv_node *n) {
+  drop_objects_of(s, n->node.name);
+  *n = s->nodes[--s->nnodes];
+}
+
+void fr_dir_server_expire(fr_dir_server *s, uint64_t now_ns) {
+  pthread_mutex_lock(&s->lock);
+  for (size_t i = 0; i < s->nnodes;) {
+    if (s->nodes[i].expires_ns < now_ns) {
+      fr_info("directory: lease of '%s' lapsed; dropping its records", s->nodes[i].node.name);
+      node_remove(s, &s->nodes[i]);
+    } else {
+      i++;
+    }
+  }
+  pthread_mutex_unlock(&s->lock);
+}
+
+static uint64_t lease_deadline(uint32_t lease_ms) {
+  if (lease_ms < 100)
+    lease_ms = 100;
+  return fr_now_ns() + (uint64_t)lease_ms * 1000000ull;
+}
+
+/* ---- operations: each reads its arguments from `in` and writes its results to `out` ---- */
+
+static int op_hello(fr_dir_server *s, fr_rd *in, fr_wr *out) {
+  fr_wr_u64(out, s->instance);
+  fr_wr_str(out, s->address);
+  return 0;
+}
+
+static int op_node_put(fr_dir_server *s, fr_rd *in, fr_wr *out) {
+  fr_dir_node n;
+  fr_rd_node(in, &n);
+  uint32_t lease = fr_rd_u32(in);
+  if (!fr_rd_done(in))
+    return fr_err(FERRY_EPROTO, "node put: malformed request");
+  srv_node *e = node_find(s, n.name);
+  if (!e) {
+    if (s->nnodes == MAX_NODES)
+      return fr_err(FERRY_ECAPACITY, "directory full: %zu nodes", s->nnodes);
+    if (s->nnodes == s->capnodes) {
+      size_t cap = s->capnodes ? s->capnodes * 2 : 16;
+      srv_node *p = realloc(s->nodes, cap * sizeof *p);
+      if (!p)
+        return fr_err(FERRY_ENOMEM, "directory: node table");
+      s->nodes = p;
+      s->capnodes = cap;
+    }
+    e = &s->nodes[s->nnodes++];
+  }
+  e->node = n;
+  e->expires_ns = lease_deadline(lease);
+  return 0;
+}
+
+static int op_node_renew(fr_dir_server *s, fr_rd *in, fr_wr *out) {
+  char name[FR_DIR_NAME_MAX + 1];
+  fr_rd_str(in, name, sizeof name);
+  uint32_t lease = fr_rd_u32(in);
+  if (!fr_rd_done(in))
+    return fr_err(FERRY_EPROTO, "renew: malformed request");
+  srv_node *e = node_find(s, name);
+  if (!e)
+    return fr_err(FERRY_ENOTFOUND, "node '%s' is not registered (its lease lapsed?)", name);
+  e->expires_ns = lease_deadline(lease);
+  return 0;
+}
+
+static int op_node_get(fr_dir_server *s, fr_rd *in, fr_wr *out) {
+  char name[FR_DIR_NAME_MAX + 1];
+  fr_rd_str(in, name, sizeof name);
+  if (!fr_rd_done(in))
+    return fr_err(FERRY_EPROTO, "node get: malformed request");
+  srv_node *e = node_find(s, name);
+  if (!e)
+    return fr_err(FERRY_ENOTFOUND, "no node '%s' in the directory", name);
+  fr_wr_node(out, &e->node);
+  return 0;
+}
+
+static int op_node_list(fr_dir_server *s, fr_rd *in, fr_wr *out) {
+  if (!fr_rd_done(in))
+    return fr_err(FERRY_EPROTO, "node list: malformed request");
+  fr_wr_u32(out, (uint32_t)s->nnodes);
+  for (size_t i = 0; i < s->nnodes; i++)
+    fr_wr_node(out, &s->nodes[i].node);
+  return 0;
+}
+
+static int op_node_del(fr_dir_server *s, fr_rd *in, fr_wr *out) {
+  char name[FR_DIR_NAME_MAX + 1];
+  fr_rd_str(in, name, sizeof name);
+  if (!fr_rd_done(in))
+    return fr_err(FERRY_EPROTO, "node delete: malformed request");
+  srv_node *e = node_find(s, name);
+  drop_objects_of(s, name);
+  if (e)
+    node_remove(s, e);
+  return 0;
+}
+
+static int op_obj_put(fr_dir_server *s, fr_rd *in, fr_wr *out) {
+  uint32_t flags = fr_rd_u32(in);
+  fr_dir_object o;
+  fr_rd_object(in, &o);
+  if (!fr_rd_done(in))
+    return fr_err(FERRY_EPROTO, "object put: malformed request");
+  if (!node_find(s, o.owner))
+    return fr_err(FERRY_ENOTFOUND, "put '%s': node '%s' is not registered", o.key, o.owner);
+  size_t at;
+  fr_dir_object *old = obj_find(s, o.key, &at);
+  bool other = old && strcmp(old->owner, o.owner) != 0;
+  if (other && (flags & FR_DIR_PUT_KEEP_OTHERS))
+    return fr_err(FERRY_EEXIST, "'%s' is now owned by '%s'", o.key, old->owner);
+  fr_wr_u8(out, other);
+  if (other)
+    fr_wr_object(out, old);
+  if (old) {
+    *old = o;
+    return 0;
+  }
+  return obj_insert_at(s, at, &o);
+}
+
+static int op_obj_get(fr_dir_server *s, fr_rd *in, fr_wr *out) {
+  uint32_t n = fr_rd_u32(in);
+  if (n > FR_DIR_BATCH_MAX)
+    return fr_err(FERRY_EPROTO, "object get: %u keys (at most %d)", n, FR_DIR_BATCH_MAX);
+  for (uint32_t i = 0; i < n && !in->failed; i++) {
+    char key[FR_DIR_KEY_MAX + 1];
+    size_t at;
+    fr_rd_str(in, key, sizeof key);
+    fr_dir_object *o = in->failed ? NULL : obj_find(s, key, &at);
+    fr_wr_u32(out, (uint32_t)(o ? 0 : FERRY_ENOTFOUND));
+    if (o)
+      fr_wr_object(out, o);
+  }
+  return fr_rd_done(in) ? 0 : fr_err(FERRY_EPROTO, "object get: malformed request");
+}
+
+static int op_obj_del(fr_dir_server *s, fr_rd *in, fr_wr *out) {
+  char key[FR_DIR_KEY_MAX + 1], owner[FR_DIR_NAME_MAX + 1];
+  fr_rd_str(in, key, sizeof key);
+  fr_rd_str(in, owner, sizeof owner);
+  uint64_t gen = fr_rd_u64(in);
+  if (!fr_rd_done(in))
+    return fr_err(FERRY_EPROTO, "object delete: malformed request");
+  size_t at;
+  fr_dir_object *o = obj_find(s, key, &at);
+  if (!o || (owner[0] && (strcmp(o->owner, owner) != 0 || (gen && o->generation != gen))))
+    return fr_err(FERRY_ENOTFOUND, "no object '%s'%s%s", key, owner[0] ? " of " : "", owner);
+  fr_wr_object(out, o);
+  obj_remove_at(s, at);
+  return 0;
+}
+
+static bool has_prefix(const char *s, const char *prefix) {
+  return strncmp(s, prefix, strlen(prefix)) == 0;
+}
+
+static int op_obj_scan(fr_dir_server *s, fr_rd *in, fr_wr *out) {
+  char prefix[FR_DIR_KEY_MAX + 1], after[FR_DIR_KEY_MAX + 1];
+  fr_rd_str(in, prefix, sizeof prefix);
+  fr_rd_str(in, after, sizeof after);
+  uint32_t limit = fr_rd_u32(in);
+  if (!fr_rd_done(in))
+    return fr_err(FERRY_EPROTO, "scan: malformed request");
+  if (limit == 0 || limit > FR_DIR_SCAN_PAGE)
+    limit = FR_DIR_SCAN_PAGE;
+  size_t i = obj_lower(s, prefix);
+  if (after[0] && strcmp(after, prefix) >= 0) {
+    size_t at;
+    i = obj_find(s, after, &at) ? at + 1 : at;
+  }
+  size_t start = i;
+  while (i < s->nobjs && i - start < limit && has_prefix(s->objs[i]->key, prefix))
+    i++;
+  fr_wr_u32(out, (uint32_t)(i - start));
+  for (size_t j = start; j < i; j++)
+    fr_wr_object(out, s->objs[j]);
+  fr_wr_u8(out, i < s->nobjs && has_prefix(s->objs[i]->key, prefix));
+  return 0;
+}
+
+typedef int (*op_fn)(fr_dir_server *s, fr_rd *in, fr_wr *out);
+static const op_fn ops[FR_DOP_MAX_] = {
+    [FR_DOP_HELLO] = op_hello,           [FR_DOP_NODE_PUT] = op_node_put,
+    [FR_DOP_NODE_RENEW] = op_node_renew, [FR_DOP_NODE_GET] = op_node_get,
+    [FR_DOP_NODE_LIST] = op_node_list,   [FR_DOP_NODE_DEL] = op_node_del,
+    [FR_DOP_OBJ_PUT] = op_obj_put,       [FR_DOP_OBJ_GET] = op_obj_get,
+    [FR_DOP_OBJ_DEL] = op_obj_del,       [FR_DOP_OBJ_SCAN] = op_obj_scan,
+};
+
+void fr_dir_server_handle(fr_dir_server *s, const void *req, size_t len, void **reply,
+                          size_t *reply_len) {
+  fr_rd in = fr_rd_init(req, len);
+  fr_wr body = {0}, out = {0};
+  uint16_t op = fr_rd_request(&in);
+  int rc;
+  if (op == 0) {
+    rc = fr_err(FERRY_EPROTO, "directory: malformed request of %zu bytes", len);
+  } else {
+    pthread_mutex_lock(&s->lock);
+    rc = ops[op](s, &in, &body);
+    pthread_mutex_unlock(&s->lock);
+  }
+  if (rc == 0 && body.failed)
+    rc = fr_err(FERRY_ENOMEM, "directory: reply");
+  fr_wr_reply(&out, rc, rc ? ferry_last_error() : "");
+  if (rc == 0)
+    fr_wr_bytes(&out, body.p, body.len);
+  fr_wr_free(&body);
+  if (out.failed) { /* last resort: a fixed "out of memory" reply */
+    static const uint8_t oom[10] = {0x46, 0x44, 0x52, 0x31, 0xfe, 0xff, 0xff, 0xff, 0, 0};
+    fr_wr_free(&out);
+    *reply = malloc(sizeof oom);
+    *reply_len = *reply ? sizeof oom : 0;
+    if (*reply)
+      memcpy(*reply, oom, sizeof oom);
+    return;
+  }
+  *reply = out.p;
+  *reply_len = out.len;
+}
+
+/* ---- lifecycle ---- */
+
+fr_dir_server *fr_dir_server_new(const char *address) {
+  fr_dir_server *s = calloc(1, sizeof *s);
+  if (!s)
+    return NULL;
+  pthread_mutex_init(&s->lock, NULL);
+  s->instance = fr_random_u64() | 1;
+  snprintf(s->address, sizeof s->address, "%s", address ? address : "");
+  return s;
+}
+
+void fr_dir_server_free(fr_dir_server *s) {
+  if (!s)
+    return;
+  for (size_t i = 0; i < s->nobjs; i++)
+    free(s->objs[i]);
+  free(s->objs);
+  free(s->nodes);
+  pthread_mutex_destroy(&s->lock);
+  free(s);
+}
+
+static void serve_one(fr_dir_server *s, ferry_msg *m) {
+  void *reply = NULL;
+  size_t len = 0;
+  fr_dir_server_handle(s, m->data, m->len, &reply, &len);
+  if (ferry_msg_is_call(m)) {
+    struct iovec iov = {reply, len};
+    if (ferry_reply(m, &iov, 1, 5000) != 0)
+      fr_debug("directory: reply to '%s' failed: %s", ferry_link_peer(m->link), ferry_last_error());
+  }
+  free(reply);
+  ferry_msg_free(m);
+}
+
+static void *server_main(void *arg) {
+  fr_dir_server *s = arg;
+  while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
+    ferry_msg *m = NULL;
+    int rc = ferry_recv(s->ctx, FR_CHANNEL_DIRECTORY, &m, 50);
+    if (rc == 0)
+      serve_one(s, m);
+    else if (rc == FERRY_ECLOSED)
+      break;
+    fr_dir_server_expire(s, fr_now_ns());
+  }
+  return NULL;
+}
+
+int fr_dir_server_start(ferry_ctx *ctx, fr_dir_server **out) {
+  fr_dir_server *s = fr_dir_server_new(ferry_ctx_address(ctx));
+  if (!s)
+    return fr_err(FERRY_ENOMEM, "directory server");
+  s->ctx = ctx;
+  if (pthread_create(&s->thread, NULL, server_main, s) != 0) {
+    fr_dir_server_free(s);
+    return fr_err(FERRY_ESYS, "directory server: cannot start its thread");
+  }
+  *out = s;
+  return 0;
+}
+
+void fr_dir_server_stop(fr_dir_server *s) {
+  if (!s)
+    return;
+  if (s->ctx) {
+    __atomic_store_n(&s->stop, true, __ATOMIC_RELEASE);
+    pthread_join(s->thread, NULL);
+  }
+  fr_dir_server_free(s);
+}

@@ -1,0 +1,315 @@
+/*
+ * The directory: the record codec, then every operation against each backend — the embedded
+ * server in-process, the embedded server over a link, and Redis (a private redis-server on a
+ * loopback port; skipped with a message when the binary is absent) — plus leases lapsing, a
+ * restarted server, and directories that are not there.
+ */
+// ferry-test: threaded
+#include "directory/dirwire.h"
+#include "storeutil.h"
+
+#include <string.h>
+
+static fr_dir_object make_obj(const char *key, const char *owner, uint64_t gen) {
+  fr_dir_object o;
+  memset(&o, 0, sizeof o);
+  snprintf(o.key, sizeof o.key, "%s", key);
+  snprintf(o.owner, sizeof o.owner, "%s", owner);
+  o.desc.dtype = FERRY_DTYPE_U8;
+  o.desc.ndim = 2;
+  o.desc.shape[0] = 4;
+  o.desc.shape[1] = 8;
+  o.bytes = 32;
+  o.region = (ferry_region_ref){.id = 3, .key = 0xabc, .size = 4096};
+  o.offset = 64;
+  o.gen_region = (ferry_region_ref){.id = 3, .key = 0xabc, .size = 4096};
+  o.gen_offset = 8;
+  o.generation = gen;
+  return o;
+}
+
+static fr_dir_node make_node(const char *name) {
+  fr_dir_node n;
+  memset(&n, 0, sizeof n);
+  snprintf(n.name, sizeof n.name, "%s", name);
+  snprintf(n.address, sizeof n.address, "tcp://127.0.0.1:1,shm://@x-%s", name);
+  return n;
+}
+
+static void test_codec(void **state) {
+  fr_dir_object o = make_obj("routing/r1/layer0", "rollout-3", 7), back;
+  fr_wr w = {0};
+  fr_wr_object(&w, &o);
+  fr_rd r = fr_rd_init(w.p, w.len);
+  assert_true(fr_rd_object(&r, &back));
+  assert_true(fr_rd_done(&r));
+  assert_string_equal(back.key, o.key);
+  assert_int_equal(back.generation, 7);
+  assert_int_equal(back.desc.shape[1], 8);
+  /* every truncation fails, never reads past the end */
+  for (size_t n = 0; n < w.len; n++) {
+    fr_rd t = fr_rd_init(w.p, n);
+    assert_false(fr_rd_object(&t, &back) && fr_rd_done(&t));
+  }
+  fr_wr_free(&w);
+  /* inconsistent records are refused: bytes vs shape, range outside the region, generation 0 */
+  fr_dir_object bad[3] = {o, o, o};
+  bad[0].bytes = 33;
+  bad[1].offset = 4090;
+  bad[2].generation = 0;
+  for (int i = 0; i < 3; i++) {
+    fr_wr b = {0};
+    fr_wr_object(&b, &bad[i]);
+    fr_rd t = fr_rd_init(b.p, b.len);
+    assert_false(fr_rd_object(&t, &back));
+    fr_wr_free(&b);
+  }
+  assert_int_equal(fr_dir_key_check("", "t"), FERRY_EINVAL);
+  assert_int_equal(fr_dir_key_check("a\nb", "t"), FERRY_EINVAL);
+  char longkey[300];
+  memset(longkey, 'k', sizeof longkey - 1);
+  longkey[sizeof longkey - 1] = '\0';
+  assert_int_equal(fr_dir_key_check(longkey, "t"), FERRY_EINVAL);
+}
+
+static void test_server_rejects_garbage(void **state) {
+  fr_dir_server *s = fr_dir_server_new("tcp://x:1");
+  const uint8_t junk[] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  void *reply;
+  size_t len;
+  fr_dir_server_handle(s, junk, sizeof junk, &reply, &len);
+  fr_rd r = fr_rd_init(reply, len);
+  int st;
+  char detail[256];
+  assert_true(fr_rd_reply(&r, &st, detail, sizeof detail));
+  assert_int_equal(st, FERRY_EPROTO);
+  free(reply);
+  fr_dir_server_free(s);
+}
+
+/* Waits until node `name` is gone (its lease lapsed); false after 10 s. */
+static bool wait_node_gone(fr_dir *d, const char *name) {
+  for (int i = 0; i < 1000; i++) {
+    fr_dir_node n;
+    if (d->ops->node_get(d->state, name, &n, 2000) == FERRY_ENOTFOUND)
+      return true;
+    su_sleep_ms(10);
+  }
+  return false;
+}
+
+static void check_nodes(fr_dir *d) {
+  fr_dir_node n1 = make_node("n1"), got;
+  FR_OK(d->ops->node_put(d->state, &n1, 30000, 2000));
+  FR_OK(d->ops->node_get(d->state, "n1", &got, 2000));
+  assert_string_equal(got.address, n1.address);
+  assert_int_equal(d->ops->node_get(d->state, "nobody", &got, 2000), FERRY_ENOTFOUND);
+  fr_dir_node *list;
+  size_t n;
+  FR_OK(d->ops->node_list(d->state, &list, &n, 2000));
+  assert_true(n >= 1);
+  free(list);
+  FR_OK(d->ops->node_renew(d->state, "n1", 30000, 2000));
+  assert_int_equal(d->ops->node_renew(d->state, "ghost", 30000, 2000), FERRY_ENOTFOUND);
+}
+
+static void check_objects(fr_dir *d) {
+  fr_dir_node n2 = make_node("n2");
+  fr_dir_object o = make_obj("k1", "n1", 1), got, old;
+  bool other = true;
+  FR_OK(d->ops->obj_put(d->state, &o, 0, &old, &other, 2000));
+  assert_false(other);
+  const char *keys[] = {"k1", "missing"};
+  fr_dir_object out[2];
+  int st[2];
+  FR_OK(d->ops->obj_get(d->state, keys, 2, out, st, 2000));
+  assert_int_equal(st[0], 0);
+  assert_int_equal(st[1], FERRY_ENOTFOUND);
+  assert_string_equal(out[0].owner, "n1");
+  /* an unregistered owner cannot publish */
+  fr_dir_object orphan = make_obj("k2", "n2", 1);
+  assert_int_equal(d->ops->obj_put(d->state, &orphan, 0, NULL, NULL, 2000), FERRY_ENOTFOUND);
+  /* another owner replaces the record and learns whose it was */
+  FR_OK(d->ops->node_put(d->state, &n2, 30000, 2000));
+  fr_dir_object o2 = make_obj("k1", "n2", 5);
+  FR_OK(d->ops->obj_put(d->state, &o2, 0, &old, &other, 2000));
+  assert_true(other);
+  assert_string_equal(old.owner, "n1");
+  /* re-registration does not clobber it */
+  assert_int_equal(d->ops->obj_put(d->state, &o, FR_DIR_PUT_KEEP_OTHERS, NULL, NULL, 2000),
+                   FERRY_EEXIST);
+  /* conditional deletes */
+  assert_int_equal(d->ops->obj_del(d->state, "k1", "n1", 1, NULL, 2000), FERRY_ENOTFOUND);
+  assert_int_equal(d->ops->obj_del(d->state, "k1", "n2", 4, NULL, 2000), FERRY_ENOTFOUND);
+  FR_OK(d->ops->obj_del(d->state, "k1", "n2", 5, &got, 2000));
+  assert_int_equal(got.generation, 5);
+  assert_int_equal(d->ops->obj_get(d->state, keys, 1, out, st, 2000), 0);
+  assert_int_equal(st[0], FERRY_ENOTFOUND);
+}
+
+static void check_scan_and_node_delete(fr_dir *d) {
+  const char *names[] = {"a/2", "a/1", "b/1", "a*", "a/3"};
+  for (int i = 0; i < 5; i++) {
+    fr_dir_object o = make_obj(names[i], i < 3 ? "n2" : "n1", 1);
+    FR_OK(d->ops->obj_put(d->state, &o, 0, NULL, NULL, 2000));
+  }
+  fr_dir_object *v;
+  size_t n;
+  FR_OK(d->ops->obj_scan(d->state, "a/", &v, &n, 2000));
+  assert_int_equal(n, 3);
+  assert_string_equal(v[0].key, "a/1");
+  assert_string_equal(v[2].key, "a/3");
+  free(v);
+  FR_OK(d->ops->obj_scan(d->state, "a*", &v, &n, 2000)); /* glob characters are literal */
+  assert_int_equal(n, 1);
+  free(v);
+  FR_OK(d->ops->node_del(d->state, "n2", 2000));
+  FR_OK(d->ops->obj_scan(d->state, "", &v, &n, 2000));
+  assert_int_equal(n, 2); /* n1's "a*" and "a/3" */
+  free(v);
+  FR_OK(d->ops->obj_del(d->state, "a*", "", 0, NULL, 2000));
+  FR_OK(d->ops->obj_del(d->state, "a/3", "", 0, NULL, 2000));
+}
+
+static void check_big_scan(fr_dir *d) {
+  enum { N = 1300 };
+  for (int i = 0; i < N; i++) {
+    char key[32];
+    snprintf(key, sizeof key, "many/%05d", i);
+    fr_dir_object o = make_obj(key, "n1", (uint64_t)i + 1);
+    FR_OK(d->ops->obj_put(d->state, &o, 0, NULL, NULL, 2000));
+  }
+  fr_dir_object *v;
+  size_t n;
+  FR_OK(d->ops->obj_scan(d->state, "many/", &v, &n, 5000));
+  assert_int_equal(n, N);
+  for (size_t i = 1; i < n; i++)
+    assert_true(strcmp(v[i - 1].key, v[i].key) < 0);
+  free(v);
+  FR_OK(d->ops->node_del(d->state, "n1", 2000));
+  FR_OK(d->ops->obj_scan(d->state, "many/", &v, &n, 5000));
+  assert_int_equal(n, 0);
+  free(v);
+}
+
+static void check_lease(fr_dir *d) {
+  fr_dir_node n3 = make_node("n3");
+  FR_OK(d->ops->node_put(d->state, &n3, 300, 2000));
+  fr_dir_object o = make_obj("leased", "n3", 1);
+  FR_OK(d->ops->obj_put(d->state, &o, 0, NULL, NULL, 2000));
+  assert_true(wait_node_gone(d, "n3"));
+  const char *k = "leased";
+  fr_dir_object out;
+  int st;
+  for (int i = 0; i < 500; i++) { /* the object goes with (or right after) its node */
+    FR_OK(d->ops->obj_get(d->state, &k, 1, &out, &st, 2000));
+    if (st == FERRY_ENOTFOUND)
+      break;
+    su_sleep_ms(10);
+  }
+  assert_int_equal(st, FERRY_ENOTFOUND);
+}
+
+static void check_all(fr_dir *d) {
+  check_nodes(d);
+  check_objects(d);
+  check_scan_and_node_delete(d);
+  check_big_scan(d);
+  check_lease(d);
+}
+
+static void test_embedded_local(void **state) {
+  fr_dir_server *s = fr_dir_server_new("");
+  fr_dir *d;
+  FR_OK(fr_dir_open_local(s, &d));
+  /* an in-process server has no thread: expire by hand while waiting */
+  check_nodes(d);
+  check_objects(d);
+  check_scan_and_node_delete(d);
+  check_big_scan(d);
+  fr_dir_node n3 = make_node("n3");
+  FR_OK(d->ops->node_put(d->state, &n3, 100, 2000));
+  fr_dir_server_expire(s, fr_now_ns() + 200000000ull);
+  fr_dir_node got;
+  assert_int_equal(d->ops->node_get(d->state, "n3", &got, 2000), FERRY_ENOTFOUND);
+  fr_dir_close(d);
+  fr_dir_server_free(s);
+}
+
+static ferry_ctx *open_ctx(const char *name, const char *listen) {
+  ferry_ctx_opts o = {.size = sizeof o, .name = name, .tcp_listen = listen, .token = ""};
+  ferry_ctx *c = NULL;
+  FR_OK(ferry_ctx_open(&o, &c));
+  return c;
+}
+
+static void test_embedded_link(void **state) {
+  int port = su_free_port();
+  char listen[64], url[80];
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  ferry_ctx *sc = open_ctx("dir-server", listen), *cc = open_ctx("dir-client", NULL);
+  fr_dir_server *srv;
+  FR_OK(fr_dir_server_start(sc, &srv));
+  fr_dir *d;
+  FR_OK(fr_dir_open(cc, url, 2000, &d));
+  assert_int_equal(d->ops->epoch(d->state), 1);
+  check_all(d);
+  /* restart: a new server on the same port has empty tables and a new instance */
+  fr_dir_node n = make_node("survivor");
+  FR_OK(d->ops->node_put(d->state, &n, 30000, 2000));
+  fr_dir_server_stop(srv);
+  ferry_ctx_close(sc);
+  sc = open_ctx("dir-server2", listen);
+  FR_OK(fr_dir_server_start(sc, &srv));
+  fr_dir_node got;
+  int rc = FERRY_EPEER;
+  for (int i = 0; i < 100 && rc != 0 && rc != FERRY_ENOTFOUND; i++)
+    rc = d->ops->node_get(d->state, "survivor", &got, 2000);
+  assert_int_equal(rc, FERRY_ENOTFOUND);
+  assert_int_equal(d->ops->epoch(d->state), 2);
+  fr_dir_close(d);
+  fr_dir_server_stop(srv);
+  ferry_ctx_close(sc);
+  ferry_ctx_close(cc);
+}
+
+static void test_no_directory(void **state) {
+  ferry_ctx *cc = open_ctx("lonely", NULL);
+  char url[80];
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", su_free_port());
+  fr_dir *d = (fr_dir *)0x1;
+  assert_int_equal(fr_dir_open(cc, url, 1000, &d), FERRY_ECONNECT);
+  assert_ptr_equal(d, (fr_dir *)0x1);
+  assert_non_null(strstr(ferry_last_error(), "ferry serve"));
+  assert_int_equal(fr_dir_open(cc, "zookeeper://x", 1000, &d), FERRY_EINVAL);
+  snprintf(url, sizeof url, "redis://127.0.0.1:%d", su_free_port());
+  assert_int_equal(fr_dir_open(cc, url, 1000, &d), FERRY_ECONNECT);
+  assert_non_null(strstr(ferry_last_error(), "cannot reach Redis"));
+  ferry_ctx_close(cc);
+}
+
+static void test_redis(void **state) {
+  su_redis r;
+  if (!su_redis_start(&r))
+    return;
+  fr_dir *d;
+  FR_OK(fr_dir_open(NULL, r.url, 2000, &d));
+  check_all(d);
+  /* Redis goes away: a clear error, then it comes back and the client redials */
+  su_redis_stop(&r);
+  fr_dir_node got;
+  int rc = d->ops->node_get(d->state, "n1", &got, 1000);
+  assert_int_equal(rc, FERRY_ECONNECT);
+  assert_non_null(strstr(ferry_last_error(), "Redis"));
+  fr_dir_close(d);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_codec),          cmocka_unit_test(test_server_rejects_garbage),
+      cmocka_unit_test(test_embedded_local), cmocka_unit_test(test_embedded_link),
+      cmocka_unit_test(test_no_directory),   cmocka_unit_test(test_redis),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
