@@ -62,13 +62,14 @@ bool fr_spin_until(ferry_link *link, const bool *flag, int spin_us) {
   return spin(&link, pollable ? 1 : 0, flag, 1, spin_us);
 }
 
-/* Spins on a channel, driving every pollable link of the context. */
+/* Spins on a channel, driving every link of the context that is cheap to poll (shm rings);
+ * the others keep their messages coming through the progress thread. */
 static void spin_channel(ferry_ctx *ctx, fr_channel *c) {
   ferry_link *links[16];
   size_t n = 0;
   pthread_mutex_lock(&ctx->links_lock);
   for (ferry_link *l = ctx->links; l && n < 16; l = l->next)
-    if (l->ops->pollable && l->ops->pollable(l)) {
+    if (l->ops->poll_is_cheap && l->ops->pollable(l)) {
       fr_link_ref(l);
       links[n++] = l;
     }

@@ -38,6 +38,7 @@ ferry_link *fr_link_new(ferry_ctx *ctx, const fr_transport_ops *ops, int fd, boo
   pthread_mutex_init(&l->lock, NULL);
   pthread_mutex_init(&l->send_lock, NULL);
   pthread_mutex_init(&l->rx_lock, NULL);
+  pthread_mutex_init(&l->pause_lock, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -66,6 +67,7 @@ void fr_link_unref(ferry_link *l) {
   pthread_mutex_destroy(&l->lock);
   pthread_mutex_destroy(&l->send_lock);
   pthread_mutex_destroy(&l->rx_lock);
+  pthread_mutex_destroy(&l->pause_lock);
   pthread_cond_destroy(&l->cond);
   free(l);
 }
@@ -135,6 +137,22 @@ int fr_link_send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov
   if (rc != 0 && link_state(l) != FR_LINK_DEAD) /* a half-sent frame leaves the stream unusable */
     fr_link_fail(l, rc, ferry_last_error());
   return rc;
+}
+
+void fr_link_pause(ferry_link *l) {
+  pthread_mutex_lock(&l->pause_lock);
+  if (l->pausers++ == 0)
+    epoll_ctl(l->ctx->epfd, EPOLL_CTL_DEL, l->poller.fd, NULL);
+  pthread_mutex_unlock(&l->pause_lock);
+}
+
+void fr_link_resume(ferry_link *l) {
+  pthread_mutex_lock(&l->pause_lock);
+  if (--l->pausers == 0 && l->poller.on_event) {
+    struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = &l->poller};
+    epoll_ctl(l->ctx->epfd, EPOLL_CTL_ADD, l->poller.fd, &ev);
+  }
+  pthread_mutex_unlock(&l->pause_lock);
 }
 
 int fr_link_sock_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
@@ -799,7 +817,10 @@ static void link_retire(ferry_link *l, int status, const char *why) {
   }
   pthread_mutex_unlock(&l->lock);
   ferry_ctx *ctx = l->ctx;
+  pthread_mutex_lock(&l->pause_lock);
   epoll_ctl(ctx->epfd, EPOLL_CTL_DEL, l->poller.fd, NULL);
+  l->poller.on_event = NULL; /* later events of this batch are ignored; nobody re-adds it */
+  pthread_mutex_unlock(&l->pause_lock);
   pthread_mutex_lock(&ctx->links_lock);
   for (ferry_link **pp = &ctx->links; *pp; pp = &(*pp)->next)
     if (*pp == l) {
@@ -807,7 +828,6 @@ static void link_retire(ferry_link *l, int status, const char *why) {
       break;
     }
   pthread_mutex_unlock(&ctx->links_lock);
-  l->poller.on_event = NULL; /* later events of this batch are ignored */
 }
 
 /* Drains the link; the progress thread also lets the transport consume what comes beside the

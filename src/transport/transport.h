@@ -45,6 +45,7 @@ typedef struct fr_transport_ops {
   /* Optional. Spinning waiters may drive this link themselves (poll_begin/poll_end bracket
    * their spinning so producers can skip wake-ups). */
   bool (*pollable)(ferry_link *l);
+  bool poll_is_cheap; /* polling costs no system call: fine to do on every link of a ctx */
   void (*poll_begin)(ferry_link *l);
   void (*poll_end)(ferry_link *l);
   /* Optional. Handshake: the connector offers an fd with its AUTH (offer), the acceptor takes
@@ -105,6 +106,8 @@ struct ferry_link {
   fr_pending *pending;
   pthread_mutex_t send_lock;
   pthread_mutex_t rx_lock; /* the receive state below: the progress thread or a spinning waiter */
+  pthread_mutex_t pause_lock;
+  int pausers; /* threads that took the socket from the progress thread (fr_link_pause) */
 
   /* receive state */
   int rx_phase;
@@ -220,6 +223,10 @@ int fr_link_map_request(ferry_link *l, const ferry_region_ref *r, int timeout_ms
 /* Drives a pollable link's receive side from a waiting thread (no-op when another thread is
  * doing it, or when `wait` is false and the lock is busy). */
 void fr_link_poll(ferry_link *l, bool wait);
+/* Takes the link's socket out of the progress thread's epoll while a waiter polls it itself
+ * (counted: the last resume gives it back). */
+void fr_link_pause(ferry_link *l);
+void fr_link_resume(ferry_link *l);
 /* Stream operations over the link's socket, for transports' sendv/recv. */
 int fr_link_sock_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
                        uint64_t deadline_ns);
