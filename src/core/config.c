@@ -14,10 +14,11 @@
   X("FERRY_TIMEOUT_MS", "10000", "default timeout of blocking calls (connect, read, send)")        \
   X("FERRY_TRANSPORTS", "shm,tcp", "transports a link may use, in order of preference")            \
   X("FERRY_TCP_LISTEN", "127.0.0.1:0", "HOST:PORT of the tcp listener (port 0: any free)")         \
-  X("FERRY_TCP_SOCKBUF", "4194304", "tcp socket send/receive buffer size in bytes")                \
+  X("FERRY_TCP_SOCKBUF", "0", "tcp socket buffer bytes; 0 leaves them to the kernel (autotuning)") \
   X("FERRY_TOKEN", "", "fleet token; when set, every link must prove it knows it")                 \
   X("FERRY_MAX_MESSAGE", "1073741824", "largest message or one-sided transfer accepted, bytes")    \
-  X("FERRY_SHM_RING_BYTES", "1048576", "bytes of each direction's ring on a shm link (power of 2)") \
+  X("FERRY_SHM_RING_BYTES", "1048576",                                                             \
+    "bytes of each direction's ring on a shm link (power of 2)")                                   \
   X("FERRY_SPIN_US", "200", "microseconds a waiter spins before it sleeps (latency vs. CPU)")      \
   X("FERRY_CTL_DIR", "/dev/shm", "directory of control cells (ferry-ctl-NAME files)")              \
   X("FERRY_CTL_CHECK_MS", "100", "how often a waiting controller checks that ranks are alive")     \
