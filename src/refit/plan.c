@@ -1,0 +1,214 @@
+/*
+ * Refit plans: the flat layout and bucket windows (see plan.h), and the manifest codec that a
+ * receiver trusts only after checking every field.
+ */
+#include "refit/plan.h"
+#include "core/core.h"
+#include "transport/wire.h" /* little-endian helpers */
+
+#include <stdlib.h>
+#include <string.h>
+
+static uint64_t align_up(uint64_t v) {
+  return (v + FR_REFIT_ALIGN - 1) & ~(uint64_t)(FR_REFIT_ALIGN - 1);
+}
+
+static int entry_sizes(fr_refit_entry *e) {
+  int rc = ferry_tensor_nbytes(&e->desc, &e->src_bytes);
+  if (rc != 0)
+    return fr_err(rc, "tensor '%s': %s", e->name, ferry_last_error());
+  if (e->wire == FERRY_DTYPE_INVALID)
+    e->wire = e->desc.dtype;
+  if (!fr_refit_cast_supported(e->desc.dtype, e->wire))
+    return fr_err(FERRY_EDTYPE, "tensor '%s': no cast from %s to %s", e->name,
+                  ferry_dtype_name(e->desc.dtype), ferry_dtype_name(e->wire));
+  ferry_tensor_desc w = e->desc;
+  w.dtype = e->wire;
+  return ferry_tensor_nbytes(&w, &e->wire_bytes);
+}
+
+int fr_refit_plan_build(fr_refit_plan *plan, uint64_t bucket_budget) {
+  uint64_t off = 0;
+  for (uint32_t i = 0; i < plan->count; i++) {
+    fr_refit_entry *e = &plan->entries[i];
+    int rc = entry_sizes(e);
+    if (rc != 0)
+      return rc;
+    e->offset = off;
+    if (__builtin_add_overflow(off, align_up(e->wire_bytes), &off))
+      return fr_err(FERRY_EOVERFLOW, "refit plan: the model's bytes overflow 64 bits");
+  }
+  plan->total_bytes = off;
+  uint64_t bucket = bucket_budget & ~(uint64_t)(FR_REFIT_ALIGN - 1);
+  plan->bucket_bytes = bucket < FR_REFIT_ALIGN ? FR_REFIT_ALIGN : bucket;
+  uint64_t n = (off + plan->bucket_bytes - 1) / plan->bucket_bytes;
+  if (n > UINT32_MAX)
+    return fr_err(FERRY_ERANGE, "refit plan: %llu buckets; raise the buffer budget",
+                  (unsigned long long)n);
+  plan->buckets = (uint32_t)n;
+  return 0;
+}
+
+void fr_refit_plan_free(fr_refit_plan *plan) {
+  for (uint32_t i = 0; plan->entries && i < plan->count; i++)
+    free(plan->entries[i].name);
+  free(plan->entries);
+  plan->entries = NULL;
+  plan->count = 0;
+}
+
+int64_t fr_refit_plan_find(const fr_refit_plan *plan, const char *name) {
+  for (uint32_t i = 0; i < plan->count; i++)
+    if (strcmp(plan->entries[i].name, name) == 0)
+      return i;
+  return -1;
+}
+
+uint32_t fr_refit_first_entry(const fr_refit_plan *plan, uint32_t b) {
+  uint64_t start = (uint64_t)b * plan->bucket_bytes;
+  uint32_t lo = 0, hi = plan->count; /* first entry whose end is past start */
+  while (lo < hi) {
+    uint32_t mid = lo + (hi - lo) / 2;
+    const fr_refit_entry *e = &plan->entries[mid];
+    if (e->offset + e->wire_bytes <= start)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+uint64_t fr_refit_overlap(const fr_refit_plan *plan, uint32_t e, uint32_t b, uint64_t *wire_off,
+                          uint64_t *bucket_off) {
+  const fr_refit_entry *x = &plan->entries[e];
+  uint64_t start = (uint64_t)b * plan->bucket_bytes, end = start + fr_refit_bucket_len(plan, b);
+  uint64_t lo = x->offset > start ? x->offset : start;
+  uint64_t hi = x->offset + x->wire_bytes < end ? x->offset + x->wire_bytes : end;
+  if (hi <= lo)
+    return 0;
+  *wire_off = lo - x->offset;
+  *bucket_off = lo - start;
+  return hi - lo;
+}
+
+/* ---- manifest codec ---- */
+
+#define MANIFEST_MAGIC 0x464d5246u /* "FRMF" */
+#define MANIFEST_VERSION 1u
+#define HEAD_BYTES 32u
+
+static size_t entry_wire_size(const fr_refit_entry *e) {
+  return 2 + strlen(e->name) + 4 + 4 + 8 * (size_t)e->desc.ndim + 8;
+}
+
+int fr_refit_manifest_encode(const fr_refit_plan *plan, uint8_t **out, size_t *len) {
+  size_t n = HEAD_BYTES;
+  for (uint32_t i = 0; i < plan->count; i++)
+    n += entry_wire_size(&plan->entries[i]);
+  uint8_t *b = malloc(n), *p = b;
+  if (!b)
+    return fr_err(FERRY_ENOMEM, "refit manifest: %zu bytes", n);
+  fr_put_u32(p, MANIFEST_MAGIC);
+  fr_put_u32(p + 4, MANIFEST_VERSION);
+  fr_put_u32(p + 8, plan->generation);
+  fr_put_u32(p + 12, plan->count);
+  fr_put_u64(p + 16, plan->total_bytes);
+  fr_put_u64(p + 24, plan->bucket_bytes);
+  p += HEAD_BYTES;
+  for (uint32_t i = 0; i < plan->count; i++) {
+    const fr_refit_entry *e = &plan->entries[i];
+    size_t nl = strlen(e->name);
+    p[0] = (uint8_t)nl;
+    p[1] = (uint8_t)(nl >> 8);
+    memcpy(p + 2, e->name, nl);
+    p += 2 + nl;
+    p[0] = (uint8_t)e->desc.dtype;
+    p[1] = (uint8_t)e->wire;
+    p[2] = (uint8_t)e->desc.ndim;
+    p[3] = 0;
+    uint32_t scale;
+    memcpy(&scale, &e->scale, 4);
+    fr_put_u32(p + 4, scale);
+    p += 8;
+    for (uint32_t d = 0; d < e->desc.ndim; d++, p += 8)
+      fr_put_u64(p, e->desc.shape[d]);
+    fr_put_u64(p, e->offset);
+    p += 8;
+  }
+  *out = b;
+  *len = n;
+  return 0;
+}
+
+static int decode_entry(const uint8_t **pp, const uint8_t *end, fr_refit_entry *e) {
+  const uint8_t *p = *pp;
+  if (end - p < 2)
+    return fr_err(FERRY_EPROTO, "refit manifest: truncated");
+  size_t nl = (size_t)p[0] | (size_t)p[1] << 8;
+  if (nl == 0 || nl > FR_REFIT_NAME_MAX || (size_t)(end - p) < 2 + nl + 8)
+    return fr_err(FERRY_EPROTO, "refit manifest: bad name length %zu", nl);
+  if (memchr(p + 2, '\0', nl))
+    return fr_err(FERRY_EPROTO, "refit manifest: NUL inside a name");
+  e->name = strndup((const char *)p + 2, nl);
+  if (!e->name)
+    return fr_err(FERRY_ENOMEM, "refit manifest: name");
+  p += 2 + nl;
+  e->desc.dtype = (ferry_dtype)p[0];
+  e->wire = (ferry_dtype)p[1];
+  e->desc.ndim = p[2];
+  uint32_t scale = fr_get_u32(p + 4);
+  memcpy(&e->scale, &scale, 4);
+  p += 8;
+  if (e->desc.ndim > FERRY_MAX_DIMS || (size_t)(end - p) < 8 * (size_t)e->desc.ndim + 8)
+    return fr_err(FERRY_EPROTO, "refit manifest: '%s' has a bad shape", e->name);
+  for (uint32_t d = 0; d < e->desc.ndim; d++, p += 8)
+    e->desc.shape[d] = fr_get_u64(p);
+  e->offset = fr_get_u64(p);
+  *pp = p + 8;
+  int rc = entry_sizes(e);
+  return rc ? fr_err(FERRY_EPROTO, "refit manifest: %s", ferry_last_error()) : 0;
+}
+
+int fr_refit_manifest_decode(const uint8_t *in, size_t len, fr_refit_plan *out) {
+  if (len < HEAD_BYTES || fr_get_u32(in) != MANIFEST_MAGIC)
+    return fr_err(FERRY_EPROTO, "refit manifest: bad header");
+  if (fr_get_u32(in + 4) != MANIFEST_VERSION)
+    return fr_err(FERRY_EPROTO, "refit manifest: version %u", fr_get_u32(in + 4));
+  fr_refit_plan plan = {.generation = fr_get_u32(in + 8),
+                        .count = fr_get_u32(in + 12),
+                        .total_bytes = fr_get_u64(in + 16),
+                        .bucket_bytes = fr_get_u64(in + 24)};
+  if (plan.count > FR_REFIT_MAX_TENSORS || plan.count > len / 20)
+    return fr_err(FERRY_EPROTO, "refit manifest: %u tensors", plan.count);
+  if (plan.bucket_bytes == 0 || plan.bucket_bytes % FR_REFIT_ALIGN)
+    return fr_err(FERRY_EPROTO, "refit manifest: bucket size %llu",
+                  (unsigned long long)plan.bucket_bytes);
+  plan.entries = calloc(plan.count ? plan.count : 1, sizeof *plan.entries);
+  if (!plan.entries)
+    return fr_err(FERRY_ENOMEM, "refit manifest: %u entries", plan.count);
+  const uint8_t *p = in + HEAD_BYTES, *end = in + len;
+  uint64_t next = 0;
+  int rc = 0;
+  for (uint32_t i = 0; i < plan.count && rc == 0; i++) {
+    fr_refit_entry *e = &plan.entries[i];
+    rc = decode_entry(&p, end, e);
+    if (rc == 0 && (e->offset != next || e->offset % FR_REFIT_ALIGN))
+      rc = fr_err(FERRY_EPROTO, "refit manifest: '%s' at offset %llu, expected %llu", e->name,
+                  (unsigned long long)e->offset, (unsigned long long)next);
+    if (rc == 0 && __builtin_add_overflow(next, align_up(e->wire_bytes), &next))
+      rc = fr_err(FERRY_EPROTO, "refit manifest: sizes overflow");
+  }
+  if (rc == 0 && (p != end || next != plan.total_bytes))
+    rc = fr_err(FERRY_EPROTO, "refit manifest: sizes do not add up");
+  uint64_t buckets = (plan.total_bytes + plan.bucket_bytes - 1) / plan.bucket_bytes;
+  if (rc == 0 && buckets > UINT32_MAX)
+    rc = fr_err(FERRY_EPROTO, "refit manifest: too many buckets");
+  if (rc != 0) {
+    plan.count = plan.count; /* entries past the failure are zeroed: freeing them is safe */
+    fr_refit_plan_free(&plan);
+    return rc;
+  }
+  plan.buckets = (uint32_t)buckets;
+  *out = plan;
+  return 0;
+}
