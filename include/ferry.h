@@ -240,12 +240,18 @@ FERRY_API int ferry_region_find(ferry_ctx *ctx, const void *ptr, size_t len, fer
  * FERRY_ECONNECT (nothing answered within the timeout), FERRY_EAUTH (token mismatch). */
 FERRY_API int ferry_connect(ferry_ctx *ctx, const char *address, int timeout_ms, ferry_link **out);
 FERRY_API void ferry_link_close(ferry_link *link);
+/* Takes another reference to a link (e.g. one a message came on, to keep answering it);
+ * ferry_link_release() drops it without closing the connection. Returns link. */
+FERRY_API ferry_link *ferry_link_retain(ferry_link *link);
+FERRY_API void ferry_link_release(ferry_link *link);
+/* 0 while the link is open, else the status it closed with (FERRY_EPEER, FERRY_ECLOSED, ...). */
+FERRY_API int ferry_link_status(const ferry_link *link);
 /* "shm" or "tcp" (static string). */
 FERRY_API const char *ferry_link_transport(const ferry_link *link);
 /* The peer's node name (owned by link). */
 FERRY_API const char *ferry_link_peer(const ferry_link *link);
 
-/* Sends one message (the concatenation of iov) on `channel` (0..FERRY_MAX_CHANNELS-1).
+/* Sends one message (the concatenation of iov) on `channel` (0..47; 48..63 are ferry's own).
  * Reliable and ordered per link and channel. The bytes are written from iov directly; they may
  * be reused when the call returns. */
 #define FERRY_MAX_CHANNELS 64

@@ -131,6 +131,22 @@ void ferry_link_close(ferry_link *link) {
   fr_link_unref(link);
 }
 
+ferry_link *ferry_link_retain(ferry_link *link) {
+  if (link)
+    fr_link_ref(link);
+  return link;
+}
+
+void ferry_link_release(ferry_link *link) { fr_link_unref(link); }
+
+int ferry_link_status(const ferry_link *link) {
+  if (!link)
+    return FERRY_EINVAL;
+  if (__atomic_load_n(&link->state, __ATOMIC_ACQUIRE) != FR_LINK_DEAD)
+    return 0;
+  return link->dead_status ? link->dead_status : FERRY_EPEER;
+}
+
 const char *ferry_link_transport(const ferry_link *link) { return link ? link->ops->name : NULL; }
 const char *ferry_link_peer(const ferry_link *link) { return link ? link->peer : NULL; }
 
