@@ -456,7 +456,122 @@ FERRY_API int ferry_ctl_rank_status_get(ferry_ctl *ctl, uint32_t rank, ferry_ctl
 /* ---------------------------------------------------------------------------------------------
  * Store: the peer-to-peer tensor store.
  * ------------------------------------------------------------------------------------------- */
-/* @@store-api@@ */
+/* A store publishes tensors under keys (1..FERRY_STORE_KEY_MAX bytes, no control characters)
+ * where they were made, and lets any node of the fleet read them straight from their owner: one
+ * memcpy from the owner's pages on one host, one stream over tcp across hosts. Keys are looked
+ * up in the fleet's directory: FERRY_DIRECTORY, ferry://HOST:PORT (the embedded directory that
+ * `ferry serve` runs) or redis://HOST:PORT[/DB].
+ *
+ * A put of a tensor that lies in ferry memory (ferry_alloc) publishes it in place, without a
+ * copy; any other tensor is copied once into the node's shared-memory pool (FERRY_STORE_CAPACITY
+ * bytes). Memory published in place must stay allocated and unmodified until the key is deleted,
+ * replaced or the store closed (write a new version into another buffer and put that).
+ *
+ * A get never returns torn data: the owner bumps the object's generation word when it replaces or
+ * deletes it, and the reader checks that word after its copy (and retries, or fails with
+ * FERRY_ESTALE). Objects live as long as their owner's store: when it closes they are removed;
+ * when it dies, gets fail with FERRY_EPEER (within the timeout, never a hang) until its directory
+ * lease (FERRY_LEASE_MS) lapses and the records vanish (then FERRY_ENOTFOUND).
+ *
+ * One store per context. Every call is thread-safe. */
+typedef struct ferry_store ferry_store;
+
+#define FERRY_STORE_KEY_MAX 255 /* bytes of a key, NUL not included */
+#define FERRY_STORE_NAME_MAX 63 /* bytes of a node name */
+
+/* ferry_store_opts.flags */
+#define FERRY_STORE_HOST_DIRECTORY                                                                 \
+  1u                          /* also run the embedded directory in this node; peers               \
+                                 reach it at ferry://<this ctx's tcp listener> */
+#define FERRY_STORE_HOLDER 2u /* hold objects put by short-lived nodes (`ferry serve`) */
+#define FERRY_STORE_DELEGATE                                                                       \
+  4u /* this node is short-lived (a CLI): each put is copied to a                                  \
+        holder node, where it outlives this node */
+
+typedef struct ferry_store_opts {
+  size_t size;           /* sizeof(ferry_store_opts) */
+  const char *directory; /* directory URL (copied); NULL: FERRY_DIRECTORY; ignored with
+                            FERRY_STORE_HOST_DIRECTORY */
+  uint64_t capacity;     /* pool bytes; 0: FERRY_STORE_CAPACITY */
+  int lease_ms;          /* directory lease; 0: FERRY_LEASE_MS */
+  uint32_t flags;        /* FERRY_STORE_* */
+} ferry_store_opts;
+
+/* Opens the store of `ctx`: connects to the directory, registers the node under its ctx name and
+ * reserves the pool. ctx must outlive the store. The handle is owned by the caller until
+ * ferry_store_close(), which removes this node's objects from the directory and frees the pool.
+ * FERRY_ECONNECT when no directory answers (the detail says how to start `ferry serve`),
+ * FERRY_ENOSHM when the pool cannot be reserved. */
+FERRY_API int ferry_store_open(ferry_ctx *ctx, const ferry_store_opts *opts, ferry_store **out);
+FERRY_API void ferry_store_close(ferry_store *store);
+
+/* ferry_store_put flags */
+#define FERRY_STORE_PUT_COPY 1u /* copy into the pool even when data lies in ferry memory */
+
+/* Publishes the tensor (desc, data) under key, replacing any object of that key atomically (a
+ * reader gets the old or the new tensor, never a mix). data is read during the call only, unless
+ * it lies in ferry memory: then it is published in place and must stay valid and unmodified
+ * until the key is deleted or replaced. desc is copied. Errors: FERRY_EINVAL (bad key, NULL
+ * data), FERRY_EDTYPE / FERRY_ESHAPE / FERRY_EOVERFLOW (bad desc), FERRY_ECAPACITY (the pool or
+ * the object table is full; the detail gives the sizes), FERRY_ECONNECT (directory). */
+FERRY_API int ferry_store_put(ferry_store *store, const char *key, const ferry_tensor_desc *desc,
+                              const void *data, uint32_t flags, int timeout_ms);
+
+/* What the directory says about an object. */
+typedef struct ferry_store_info {
+  size_t size; /* sizeof(ferry_store_info), set by the caller; only that many bytes are written */
+  char key[FERRY_STORE_KEY_MAX + 1];
+  char owner[FERRY_STORE_NAME_MAX + 1]; /* the node that holds the bytes */
+  ferry_tensor_desc desc;
+  uint64_t bytes;
+  uint64_t generation; /* changes with every put of the key */
+} ferry_store_info;
+
+/* Reads the object under key into dst (cap bytes, owned by the caller). `expect` (may be NULL;
+ * ignored when its dtype is FERRY_DTYPE_INVALID) must match the stored dtype and shape, else
+ * FERRY_EDTYPE / FERRY_ESHAPE. info (may be NULL) receives the object's description. Errors:
+ * FERRY_ENOTFOUND (no such key), FERRY_ERANGE (cap too small; the detail says how many bytes),
+ * FERRY_EPEER (the owner is gone), FERRY_ESTALE (replaced or deleted again and again while being
+ * read), FERRY_ETIMEDOUT. On failure dst's contents are unspecified. */
+FERRY_API int ferry_store_get(ferry_store *store, const char *key, const ferry_tensor_desc *expect,
+                              void *dst, size_t cap, ferry_store_info *info, int timeout_ms);
+/* As ferry_store_get, into a buffer it allocates: *out is owned by the caller (free() it). */
+FERRY_API int ferry_store_get_alloc(ferry_store *store, const char *key, void **out,
+                                    ferry_store_info *info, int timeout_ms);
+
+/* One key of a batch get: key, dst and cap are inputs (owned by the caller); status and bytes
+ * are outputs, set for every item. */
+typedef struct ferry_store_item {
+  const char *key;
+  void *dst;
+  size_t cap;
+  int status;     /* 0 or the item's FERRY_E* code, as ferry_store_get would return it */
+  uint64_t bytes; /* bytes read */
+} ferry_store_item;
+/* Reads many objects with their reads in flight together (one directory round trip, then
+ * FERRY_STORE_THREADS reads at a time). Returns 0 when every item succeeded, else the status of
+ * the first item that failed (each item has its own). */
+FERRY_API int ferry_store_get_batch(ferry_store *store, ferry_store_item *items, size_t n,
+                                    int timeout_ms);
+
+/* Deletes key wherever it lives (its owner frees the bytes; a dead owner's record is removed
+ * from the directory). FERRY_ENOTFOUND when there is no such key. */
+FERRY_API int ferry_store_delete(ferry_store *store, const char *key, int timeout_ms);
+/* Deletes every key that starts with prefix; *deleted (may be NULL) receives how many. */
+FERRY_API int ferry_store_delete_prefix(ferry_store *store, const char *prefix, size_t *deleted,
+                                        int timeout_ms);
+/* Deletes every object of the fleet (ferry_store_delete_prefix with ""). */
+FERRY_API int ferry_store_clear(ferry_store *store, size_t *deleted, int timeout_ms);
+/* Every object whose key starts with prefix ("" or NULL: all), sorted by key. *out is an array
+ * of *n entries owned by the caller (ferry_store_list_free), each with size set. */
+FERRY_API int ferry_store_list(ferry_store *store, const char *prefix, ferry_store_info **out,
+                               size_t *n, int timeout_ms);
+FERRY_API void ferry_store_list_free(ferry_store_info *list);
+/* 1 when key exists, 0 when it does not, or a negative FERRY_E* code. */
+FERRY_API int ferry_store_exists(ferry_store *store, const char *key, int timeout_ms);
+/* Describes the object under key (out->size must be set). FERRY_ENOTFOUND when there is none. */
+FERRY_API int ferry_store_stat(ferry_store *store, const char *key, ferry_store_info *out,
+                               int timeout_ms);
 
 #ifdef __cplusplus
 }

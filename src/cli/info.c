@@ -3,6 +3,7 @@
  * FERRY_* setting with its current value and doc.
  */
 #include "cli/cli.h"
+#include "directory/directory.h"
 #include "ferry.h"
 
 #include <stdbool.h>
@@ -17,6 +18,29 @@ static void print_config(void) {
     printf("%-26s %-14s %s%s%s\n", it->name, *now ? now : "\"\"", it->doc,
            getenv(it->name) ? "" : " (default)", "");
   }
+}
+
+/* The directory this node would use, and whether it answers (with how many nodes). */
+static void print_directory(void) {
+  const char *url = ferry_config_get("FERRY_DIRECTORY");
+  printf("directory:  %s (FERRY_DIRECTORY): ", url);
+  ferry_ctx_opts co = {.size = sizeof co, .name = "ferry-info"};
+  ferry_ctx *ctx = NULL;
+  fr_dir *dir = NULL;
+  int rc = ferry_ctx_open(&co, &ctx);
+  if (rc == 0)
+    rc = fr_dir_open(ctx, url, 1000, &dir);
+  fr_dir_node *nodes = NULL;
+  size_t n = 0;
+  if (rc == 0)
+    rc = dir->ops->node_list(dir->state, &nodes, &n, 1000);
+  if (rc == 0)
+    printf("up, %zu node%s\n", n, n == 1 ? "" : "s");
+  else
+    printf("not reachable: %s\n", ferry_last_error());
+  free(nodes);
+  fr_dir_close(dir);
+  ferry_ctx_close(ctx);
 }
 
 int cli_info(int argc, char **argv) {
@@ -37,6 +61,7 @@ int cli_info(int argc, char **argv) {
   printf("ferry %s\n", ferry_version());
   printf("transports: shm (same host: unix socket + mapped memory), tcp\n");
   printf("order:      %s (FERRY_TRANSPORTS)\n", ferry_config_get("FERRY_TRANSPORTS"));
+  print_directory();
   if (config)
     print_config();
   return CLI_OK;

@@ -16,6 +16,12 @@ static const struct {
     {"info", cli_info, "version, transports and configuration (--config)"},
     {"bench", cli_bench, "benchmarks against baselines: link (more to come)"},
     {"ctl", cli_ctl, "control an engine's weight lifecycle: status, clear, update, serve"},
+    {"serve", cli_serve, "run the fleet's directory and hold objects for short-lived clients"},
+    {"put", cli_put, "store a file (raw or .npy) under a key"},
+    {"get", cli_get, "fetch a key into a file (raw or .npy) or stdout"},
+    {"ls", cli_ls, "list keys (by prefix) with dtype, shape, size and owner"},
+    {"rm", cli_rm, "delete a key, or every key with a prefix"},
+    {"stat", cli_stat, "describe a key"},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 

@@ -39,10 +39,12 @@ static void reply_free(reply *r) {
 /* ---- connecting ---- */
 
 static int no_directory(const emb *e, int rc) {
+  char why[384];
+  snprintf(why, sizeof why, "%s", ferry_last_error());
   return fr_err(FERRY_ECONNECT,
-                "no ferry directory answers at ferry://%s (%s: %s); start one with "
-                "`ferry serve --listen %s`, or set FERRY_DIRECTORY to a running one",
-                e->where, ferry_status_name(rc), ferry_last_error(), e->where);
+                "no ferry directory answers at ferry://%s (%s); start one with `ferry serve "
+                "--listen %s`, or set FERRY_DIRECTORY to a running one",
+                e->where, *why ? why : ferry_strerror(rc), e->where);
 }
 
 static int hello(emb *e, ferry_link *l, int timeout_ms, uint64_t *instance, char *address,

@@ -41,8 +41,9 @@ typedef struct fr_dir_object {
 } fr_dir_object;
 
 /* Object put flags. */
-#define FR_DIR_PUT_KEEP_OTHERS 1u /* do not replace a record another node owns (re-registration)   \
-                                   */
+#define FR_DIR_PUT_KEEP_OTHERS                                                                     \
+  1u /* do not replace a record another node owns (re-registration)                                \
+      */
 
 typedef struct fr_dir_ops {
   const char *scheme; /* "ferry://", "redis://" */
@@ -91,6 +92,8 @@ const fr_dir_ops *fr_dir_backend(const char *url);
 
 /* Checks a key: 1..FR_DIR_KEY_MAX bytes, no control characters. */
 int fr_dir_key_check(const char *key, const char *what);
+/* fr_err() with the thread's current detail appended ("what: previous detail"). */
+int fr_err_wrap(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Sorts objects by key. */
 void fr_dir_sort(fr_dir_object *objs, size_t n);
 

@@ -1,0 +1,310 @@
+/*
+ * The store commands: `ferry put`, `get`, `ls`, `rm` and `stat`. Each opens a short-lived node
+ * (store_io.c) on the fleet's directory. A put reads the file straight into ferry memory and
+ * hands it to a holder (`ferry serve`), which copies it out before the command exits; a get
+ * reads from whichever node owns the key. Errors are one line on stderr; exit codes as in
+ * `ferry --help`.
+ */
+#include "cli/cli.h"
+#include "cli/store_io.h"
+#include "store/store.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+typedef struct args {
+  const char *directory;
+  const char *pos[2];
+  int npos;
+  const char *dtype, *shape, *prefix;
+} args;
+
+/* Parses the options the store commands share; -1 on a usage error (message printed). */
+static int parse(int argc, char **argv, const char *usage, args *a) {
+  memset(a, 0, sizeof *a);
+  for (int i = 1; i < argc; i++) {
+    const char *o = argv[i];
+    const char **slot = strcmp(o, "--directory") == 0 ? &a->directory
+                        : strcmp(o, "--dtype") == 0   ? &a->dtype
+                        : strcmp(o, "--shape") == 0   ? &a->shape
+                        : strcmp(o, "--prefix") == 0  ? &a->prefix
+                                                      : NULL;
+    if (strcmp(o, "--help") == 0 || strcmp(o, "-h") == 0) {
+      fputs(usage, stdout);
+      exit(CLI_OK);
+    } else if (slot && i + 1 < argc) {
+      *slot = argv[++i];
+    } else if (o[0] == '-' && o[1] != '\0') {
+      fprintf(stderr, "ferry %s: unknown option '%s'\n%s", argv[0], o, usage);
+      return -1;
+    } else if (a->npos < 2) {
+      a->pos[a->npos++] = o;
+    } else {
+      fprintf(stderr, "ferry %s: too many arguments\n%s", argv[0], usage);
+      return -1;
+    }
+  }
+  return 0;
+}
+
+static const char *fmt_bytes(uint64_t b, char *buf, size_t len) {
+  if (b >= (1ull << 30))
+    snprintf(buf, len, "%.1f GiB", (double)b / (1ull << 30));
+  else if (b >= (1ull << 20))
+    snprintf(buf, len, "%.1f MiB", (double)b / (1ull << 20));
+  else if (b >= 1024)
+    snprintf(buf, len, "%.1f KiB", (double)b / 1024);
+  else
+    snprintf(buf, len, "%llu B", (unsigned long long)b);
+  return buf;
+}
+
+/* ---- put ---- */
+
+static const char put_usage[] =
+    "usage: ferry put KEY FILE [--dtype T --shape A,B,..] [--directory URL]\n\n"
+    "Stores FILE's bytes under KEY. A .npy file brings its dtype and shape; otherwise they\n"
+    "are --dtype (default uint8) and --shape (default: the whole file, one dimension).\n"
+    "The bytes are held by a `ferry serve` node, so they outlive this command.\n";
+
+/* Reads the whole file into ferry memory (one read, no staging buffer). */
+static int read_file(cli_node *n, const char *path, void **out, uint64_t *len) {
+  int fd = open(path, O_RDONLY);
+  struct stat st;
+  if (fd < 0 || fstat(fd, &st) != 0) {
+    fprintf(stderr, "ferry put: cannot open '%s': %s\n", path, strerror(errno));
+    if (fd >= 0)
+      close(fd);
+    return CLI_NOTFOUND;
+  }
+  void *mem = NULL;
+  int rc = ferry_alloc(n->ctx, st.st_size ? (size_t)st.st_size : 1, &mem);
+  if (rc != 0) {
+    close(fd);
+    return cli_fail("put", rc, "cannot reserve memory for the file");
+  }
+  cli_progress bar;
+  cli_progress_start(&bar, "read", (uint64_t)st.st_size);
+  uint64_t done = 0;
+  while (done < (uint64_t)st.st_size) {
+    ssize_t r = read(fd, (char *)mem + done, (size_t)st.st_size - done);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0)
+      break;
+    done += (uint64_t)r;
+    cli_progress_update(&bar, done, (uint64_t)st.st_size);
+  }
+  cli_progress_end(&bar);
+  close(fd);
+  if (done != (uint64_t)st.st_size) {
+    fprintf(stderr, "ferry put: reading '%s' failed\n", path);
+    ferry_free(n->ctx, mem);
+    return CLI_FAIL;
+  }
+  *out = mem;
+  *len = done;
+  return 0;
+}
+
+/* Works out dtype and shape: from a .npy header, or the options, or "the whole file". */
+static int describe(const args *a, const uint8_t *data, uint64_t len, ferry_tensor_desc *d,
+                    size_t *skip) {
+  *skip = 0;
+  memset(d, 0, sizeof *d);
+  if (!a->dtype && !a->shape && cli_npy_parse(data, (size_t)len, d, skip) == 0)
+    return 0;
+  d->dtype = FERRY_DTYPE_U8;
+  if (a->dtype && ferry_dtype_parse(a->dtype, &d->dtype) != 0) {
+    fprintf(stderr, "ferry put: unknown dtype '%s'\n", a->dtype);
+    return CLI_USAGE;
+  }
+  size_t es = ferry_dtype_size(d->dtype);
+  d->ndim = 1;
+  d->shape[0] = len / es;
+  if (a->shape && ferry_shape_parse(a->shape, d) != 0) {
+    fprintf(stderr, "ferry put: bad shape '%s' (expected A,B,..)\n", a->shape);
+    return CLI_USAGE;
+  }
+  uint64_t need;
+  if (ferry_tensor_nbytes(d, &need) != 0 || need != len) {
+    char s[160];
+    fprintf(stderr, "ferry put: %s %s is %llu bytes but the file has %llu\n",
+            ferry_dtype_name(d->dtype), ferry_shape_format(d, s, sizeof s),
+            (unsigned long long)need, (unsigned long long)len);
+    return CLI_USAGE;
+  }
+  return 0;
+}
+
+int cli_put(int argc, char **argv) {
+  args a;
+  if (parse(argc, argv, put_usage, &a) != 0 || a.npos != 2) {
+    if (a.npos != 2)
+      fputs(put_usage, stderr);
+    return CLI_USAGE;
+  }
+  cli_node n;
+  int rc = cli_node_open(&n, a.directory, "put");
+  if (rc != 0)
+    return rc;
+  void *mem = NULL;
+  uint64_t len = 0;
+  size_t skip = 0;
+  ferry_tensor_desc d;
+  if ((rc = read_file(&n, a.pos[1], &mem, &len)) == 0 &&
+      (rc = describe(&a, mem, len, &d, &skip)) == 0) {
+    int st = ferry_store_put(n.store, a.pos[0], &d, (uint8_t *)mem + skip, 0, -1);
+    rc = st ? cli_fail("put", st, a.pos[0]) : 0;
+  }
+  ferry_free(n.ctx, mem);
+  cli_node_close(&n);
+  return rc;
+}
+
+/* ---- get ---- */
+
+static const char get_usage[] =
+    "usage: ferry get KEY [FILE|-] [--directory URL]\n\n"
+    "Writes KEY's bytes to FILE (a .npy FILE gets a header with dtype and shape), or to\n"
+    "stdout with '-' or no FILE (not to a terminal).\n";
+
+static int write_out(const char *path, const ferry_store_info *info, const void *data) {
+  bool to_stdout = !path || strcmp(path, "-") == 0;
+  FILE *f = to_stdout ? stdout : fopen(path, "wb");
+  if (!f) {
+    fprintf(stderr, "ferry get: cannot create '%s': %s\n", path, strerror(errno));
+    return CLI_FAIL;
+  }
+  int rc = !to_stdout && cli_has_suffix(path, ".npy") ? cli_npy_write_header(f, &info->desc) : 0;
+  if (rc == 0 && info->bytes && fwrite(data, 1, (size_t)info->bytes, f) != info->bytes)
+    rc = FERRY_ESYS;
+  if ((to_stdout ? fflush(f) : fclose(f)) != 0)
+    rc = FERRY_ESYS;
+  if (rc != 0)
+    fprintf(stderr, "ferry get: writing %s failed: %s\n", to_stdout ? "stdout" : path,
+            rc == FERRY_EDTYPE ? "no .npy type for this dtype" : strerror(errno));
+  return rc ? CLI_FAIL : CLI_OK;
+}
+
+int cli_get(int argc, char **argv) {
+  args a;
+  if (parse(argc, argv, get_usage, &a) != 0 || a.npos < 1) {
+    if (a.npos < 1)
+      fputs(get_usage, stderr);
+    return CLI_USAGE;
+  }
+  const char *path = a.npos > 1 ? a.pos[1] : NULL;
+  if ((!path || strcmp(path, "-") == 0) && isatty(STDOUT_FILENO)) {
+    fprintf(stderr, "ferry get: refusing to write binary data to a terminal; give a FILE or "
+                    "redirect stdout\n");
+    return CLI_USAGE;
+  }
+  cli_node n;
+  int rc = cli_node_open(&n, a.directory, "get");
+  if (rc != 0)
+    return rc;
+  ferry_store_info info = {.size = sizeof info};
+  int st = ferry_store_stat(n.store, a.pos[0], &info, -1);
+  void *data = NULL;
+  if (st == 0) {
+    cli_progress bar;
+    cli_progress_start(&bar, "get", info.bytes);
+    st = fr_store_get_progress(n.store, a.pos[0], &data, &info, cli_progress_update, &bar, -1);
+    cli_progress_end(&bar);
+  }
+  rc = st ? cli_fail("get", st, a.pos[0]) : write_out(path, &info, data);
+  free(data);
+  cli_node_close(&n);
+  return rc;
+}
+
+/* ---- ls, stat, rm ---- */
+
+static const char ls_usage[] = "usage: ferry ls [PREFIX] [--directory URL]\n\n"
+                               "Lists the keys that start with PREFIX (all by default): key, "
+                               "dtype, shape, size, owner.\n";
+
+int cli_ls(int argc, char **argv) {
+  args a;
+  if (parse(argc, argv, ls_usage, &a) != 0 || a.npos > 1)
+    return CLI_USAGE;
+  cli_node n;
+  int rc = cli_node_open(&n, a.directory, "ls");
+  if (rc != 0)
+    return rc;
+  ferry_store_info *list = NULL;
+  size_t count = 0;
+  int st = ferry_store_list(n.store, a.npos ? a.pos[0] : "", &list, &count, -1);
+  if (st != 0)
+    rc = cli_fail("ls", st, "list");
+  for (size_t i = 0; st == 0 && i < count; i++) {
+    char shape[160], size[32];
+    printf("%-40s %-9s %-20s %10s  %s\n", list[i].key, ferry_dtype_name(list[i].desc.dtype),
+           ferry_shape_format(&list[i].desc, shape, sizeof shape),
+           fmt_bytes(list[i].bytes, size, sizeof size), list[i].owner);
+  }
+  ferry_store_list_free(list);
+  cli_node_close(&n);
+  return rc;
+}
+
+static const char stat_usage[] = "usage: ferry stat KEY [--directory URL]\n\n"
+                                 "Describes KEY: dtype, shape, bytes, owner, generation.\n";
+
+int cli_stat(int argc, char **argv) {
+  args a;
+  if (parse(argc, argv, stat_usage, &a) != 0 || a.npos != 1) {
+    if (a.npos != 1)
+      fputs(stat_usage, stderr);
+    return CLI_USAGE;
+  }
+  cli_node n;
+  int rc = cli_node_open(&n, a.directory, "stat");
+  if (rc != 0)
+    return rc;
+  ferry_store_info info = {.size = sizeof info};
+  int st = ferry_store_stat(n.store, a.pos[0], &info, -1);
+  if (st != 0) {
+    rc = cli_fail("stat", st, a.pos[0]);
+  } else {
+    char shape[160];
+    printf("key:        %s\ndtype:      %s\nshape:      %s\nbytes:      %llu\nowner:      %s\n"
+           "generation: %llu\n",
+           info.key, ferry_dtype_name(info.desc.dtype),
+           ferry_shape_format(&info.desc, shape, sizeof shape), (unsigned long long)info.bytes,
+           info.owner, (unsigned long long)info.generation);
+  }
+  cli_node_close(&n);
+  return rc;
+}
+
+static const char rm_usage[] = "usage: ferry rm KEY | --prefix PREFIX [--directory URL]\n\n"
+                               "Deletes KEY, or every key that starts with PREFIX ('' for all), "
+                               "wherever it lives.\n";
+
+int cli_rm(int argc, char **argv) {
+  args a;
+  if (parse(argc, argv, rm_usage, &a) != 0 || (a.npos == 1) == (a.prefix != NULL)) {
+    if ((a.npos == 1) == (a.prefix != NULL))
+      fputs(rm_usage, stderr);
+    return CLI_USAGE;
+  }
+  cli_node n;
+  int rc = cli_node_open(&n, a.directory, "rm");
+  if (rc != 0)
+    return rc;
+  size_t deleted = 1;
+  int st = a.prefix ? ferry_store_delete_prefix(n.store, a.prefix, &deleted, -1)
+                    : ferry_store_delete(n.store, a.pos[0], -1);
+  if (st != 0)
+    rc = cli_fail("rm", st, a.prefix ? a.prefix : a.pos[0]);
+  else if (a.prefix)
+    printf("deleted %zu\n", deleted);
+  cli_node_close(&n);
+  return rc;
+}

@@ -1,0 +1,407 @@
+/*
+ * Reading objects. A get looks the key up in the directory, then reads the bytes straight from
+ * the owner over a cached link (one memcpy on one host, one stream over tcp), then reads the
+ * object's generation word: a mismatch means the owner replaced or deleted it during the copy,
+ * and the get looks it up again. A batch get does one directory round trip for all keys and keeps
+ * FERRY_STORE_THREADS reads in flight with a small pool of worker threads. Links to owners are
+ * cached by node name and closed when their last user sees them die.
+ */
+#include "store/store.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_ATTEMPTS 8
+#define PROGRESS_CHUNK (64ull << 20)
+
+/* ---- the peer link cache ---- */
+
+static fr_peer *peer_find(ferry_store *s, const char *name) {
+  for (fr_peer *p = s->peers; p; p = p->next)
+    if (!p->dead && strcmp(p->name, name) == 0)
+      return p;
+  return NULL;
+}
+
+static int peer_connect(ferry_store *s, const char *name, int timeout_ms, ferry_link **out) {
+  fr_dir_node n;
+  int rc = s->dir->ops->node_get(s->dir->state, name, &n, timeout_ms);
+  if (rc == FERRY_ENOTFOUND)
+    return fr_err(FERRY_EPEER, "owner '%s' is gone (no longer in the directory)", name);
+  if (rc != 0)
+    return rc;
+  rc = ferry_connect(s->ctx, n.address, timeout_ms, out);
+  if (rc != 0 && rc != FERRY_EAUTH)
+    return fr_err_wrap(FERRY_EPEER, "owner '%s' is unreachable", name);
+  return rc;
+}
+
+int fr_peer_acquire(ferry_store *s, const char *name, int timeout_ms, fr_peer **out) {
+  pthread_mutex_lock(&s->peers_lock);
+  fr_peer *p = peer_find(s, name);
+  if (p)
+    p->users++;
+  pthread_mutex_unlock(&s->peers_lock);
+  if (p) {
+    *out = p;
+    return 0;
+  }
+  ferry_link *l = NULL;
+  int rc = peer_connect(s, name, timeout_ms, &l);
+  if (rc != 0)
+    return rc;
+  pthread_mutex_lock(&s->peers_lock);
+  if ((p = peer_find(s, name)) != NULL) { /* another thread connected first */
+    ferry_link_close(l);
+  } else if ((p = calloc(1, sizeof *p)) != NULL) {
+    snprintf(p->name, sizeof p->name, "%s", name);
+    p->link = l;
+    p->next = s->peers;
+    s->peers = p;
+  } else {
+    ferry_link_close(l);
+  }
+  if (p)
+    p->users++;
+  pthread_mutex_unlock(&s->peers_lock);
+  if (!p)
+    return fr_err(FERRY_ENOMEM, "peer '%s'", name);
+  *out = p;
+  return 0;
+}
+
+void fr_peer_release(ferry_store *s, fr_peer *p, bool dead) {
+  pthread_mutex_lock(&s->peers_lock);
+  if (dead)
+    p->dead = true;
+  bool last = --p->users == 0 && p->dead;
+  if (last)
+    for (fr_peer **pp = &s->peers; *pp; pp = &(*pp)->next)
+      if (*pp == p) {
+        *pp = p->next;
+        break;
+      }
+  pthread_mutex_unlock(&s->peers_lock);
+  if (last) {
+    ferry_link_close(p->link);
+    free(p);
+  }
+}
+
+void fr_peers_close(ferry_store *s) {
+  for (fr_peer *p = s->peers, *next; p; p = next) {
+    next = p->next;
+    ferry_link_close(p->link);
+    free(p);
+  }
+  s->peers = NULL;
+}
+
+/* ---- reading one object ---- */
+
+typedef void (*progress_fn)(void *arg, uint64_t done, uint64_t total);
+
+static int stale(const fr_dir_object *rec) {
+  return fr_err(FERRY_ESTALE, "get '%s': replaced or deleted during the read", rec->key);
+}
+
+static int read_local(ferry_store *s, const fr_dir_object *rec, void *dst) {
+  pthread_mutex_lock(&s->lock);
+  size_t at;
+  fr_owned *o = fr_store_find_owned(s, rec->key, &at);
+  bool ok = o && o->rec.generation == rec->generation;
+  const uint8_t *src = ok ? o->data : NULL;
+  uint32_t slot = ok ? o->slot : 0;
+  pthread_mutex_unlock(&s->lock);
+  if (!ok)
+    return stale(rec);
+  memcpy(dst, src, rec->bytes);
+  __atomic_thread_fence(__ATOMIC_ACQUIRE);
+  return __atomic_load_n(&s->gens[slot], __ATOMIC_ACQUIRE) == rec->generation ? 0 : stale(rec);
+}
+
+static int read_bytes(ferry_link *l, const fr_dir_object *rec, void *dst, progress_fn progress,
+                      void *arg, uint64_t deadline) {
+  uint64_t chunk = progress ? PROGRESS_CHUNK : rec->bytes;
+  int rc = 0;
+  for (uint64_t done = 0; rc == 0 && done < rec->bytes; done += chunk) {
+    uint64_t n = rec->bytes - done < chunk ? rec->bytes - done : chunk;
+    rc = ferry_read(l, &rec->region, rec->offset + done, (uint8_t *)dst + done, (size_t)n,
+                    fr_store_left(deadline));
+    if (rc == 0 && progress)
+      progress(arg, done + n, rec->bytes);
+  }
+  return rc;
+}
+
+static int read_remote(ferry_store *s, const fr_dir_object *rec, void *dst, progress_fn progress,
+                       void *arg, int timeout_ms) {
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  fr_peer *p;
+  int rc = fr_peer_acquire(s, rec->owner, timeout_ms, &p);
+  if (rc != 0)
+    return rc;
+  uint64_t gen = 0;
+  rc = read_bytes(p->link, rec, dst, progress, arg, deadline);
+  if (rc == 0)
+    rc = ferry_read(p->link, &rec->gen_region, rec->gen_offset, &gen, sizeof gen,
+                    fr_store_left(deadline));
+  bool dead = rc == FERRY_EPEER || rc == FERRY_ECLOSED;
+  fr_peer_release(s, p, dead);
+  if (dead)
+    return fr_err_wrap(FERRY_EPEER, "get '%s': owner '%s' is gone", rec->key, rec->owner);
+  if (rc == FERRY_ENOTFOUND || rc == FERRY_ESTALE || rc == FERRY_ERANGE || rc == FERRY_EACCES)
+    return stale(rec); /* the region went away or changed: look the key up again */
+  if (rc != 0)
+    return fr_err_wrap(rc, "get '%s' from '%s'", rec->key, rec->owner);
+  return gen == rec->generation ? 0 : stale(rec);
+}
+
+static int read_object(ferry_store *s, const fr_dir_object *rec, void *dst, progress_fn progress,
+                       void *arg, int timeout_ms) {
+  if (s->mem && strcmp(rec->owner, s->name) == 0) {
+    int rc = read_local(s, rec, dst);
+    if (rc == 0 && progress)
+      progress(arg, rec->bytes, rec->bytes);
+    return rc;
+  }
+  return read_remote(s, rec, dst, progress, arg, timeout_ms);
+}
+
+int fr_store_read(ferry_store *s, const fr_dir_object *rec, void *dst, int timeout_ms) {
+  return read_object(s, rec, dst, NULL, NULL, timeout_ms);
+}
+
+/* ---- get ---- */
+
+static int check_fit(const fr_dir_object *rec, const ferry_tensor_desc *expect, size_t cap) {
+  char a[160], b[160];
+  if (expect && expect->dtype != FERRY_DTYPE_INVALID) {
+    bool dtype_ok = expect->dtype == rec->desc.dtype;
+    bool shape_ok = expect->ndim == rec->desc.ndim &&
+                    memcmp(expect->shape, rec->desc.shape, rec->desc.ndim * 8) == 0;
+    if (!dtype_ok || !shape_ok)
+      return fr_err(dtype_ok ? FERRY_ESHAPE : FERRY_EDTYPE,
+                    "get '%s': stored as %s %s, expected %s %s", rec->key,
+                    ferry_dtype_name(rec->desc.dtype), ferry_shape_format(&rec->desc, a, sizeof a),
+                    ferry_dtype_name(expect->dtype) ? ferry_dtype_name(expect->dtype) : "?",
+                    ferry_shape_format(expect, b, sizeof b));
+  }
+  if (cap < rec->bytes)
+    return fr_err(FERRY_ERANGE, "get '%s': %llu bytes do not fit a buffer of %zu", rec->key,
+                  (unsigned long long)rec->bytes, cap);
+  return 0;
+}
+
+static void info_out(const fr_dir_object *rec, ferry_store_info *info) {
+  if (info)
+    fr_store_info_from(rec, info);
+}
+
+static int get_loop(ferry_store *s, const char *key, const ferry_tensor_desc *expect, void *dst,
+                    size_t cap, ferry_store_info *info, progress_fn progress, void *arg,
+                    int timeout_ms) {
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  fr_dir_object rec;
+  int rc = FERRY_ESTALE;
+  for (int attempt = 0; attempt < MAX_ATTEMPTS; attempt++) {
+    if ((rc = fr_store_lookup(s, key, &rec, fr_store_left(deadline))) != 0 ||
+        (rc = check_fit(&rec, expect, cap)) != 0)
+      return rc;
+    rc = read_object(s, &rec, dst, progress, arg, fr_store_left(deadline));
+    /* stale: look again; a dead owner: once more, in case the key moved to a live one */
+    if (rc != FERRY_ESTALE && (rc != FERRY_EPEER || attempt > 0))
+      break;
+    if (fr_ms_left(deadline) == 0)
+      return fr_err_wrap(FERRY_ETIMEDOUT, "get '%s'", key);
+  }
+  if (rc == 0)
+    info_out(&rec, info);
+  return rc;
+}
+
+int ferry_store_get(ferry_store *s, const char *key, const ferry_tensor_desc *expect, void *dst,
+                    size_t cap, ferry_store_info *info, int timeout_ms) {
+  if (!s || (!dst && cap > 0))
+    return fr_err(FERRY_EINVAL, "get: NULL argument");
+  int rc = fr_dir_key_check(key, "get");
+  return rc ? rc : get_loop(s, key, expect, dst, cap, info, NULL, NULL, fr_timeout(timeout_ms));
+}
+
+int fr_store_get_progress(ferry_store *s, const char *key, void **out, ferry_store_info *info,
+                          progress_fn progress, void *arg, int timeout_ms) {
+  if (!s || !out)
+    return fr_err(FERRY_EINVAL, "get: NULL argument");
+  int rc = fr_dir_key_check(key, "get");
+  uint64_t deadline = fr_deadline_ns(fr_timeout(timeout_ms));
+  for (int attempt = 0; rc == 0 && attempt < 3; attempt++) {
+    fr_dir_object rec;
+    if ((rc = fr_store_lookup(s, key, &rec, fr_store_left(deadline))) != 0)
+      return rc;
+    void *buf = malloc(rec.bytes ? (size_t)rec.bytes : 1);
+    if (!buf)
+      return fr_err(FERRY_ENOMEM, "get '%s': %llu bytes", key, (unsigned long long)rec.bytes);
+    rc = get_loop(s, key, NULL, buf, (size_t)rec.bytes, info, progress, arg,
+                  fr_store_left(deadline));
+    if (rc == 0) {
+      *out = buf;
+      return 0;
+    }
+    free(buf);
+    if (rc == FERRY_ERANGE) /* re-put with another size meanwhile */
+      rc = 0;
+    else
+      return rc;
+  }
+  return rc ? rc : fr_err(FERRY_ESTALE, "get '%s': its size keeps changing", key);
+}
+
+int ferry_store_get_alloc(ferry_store *s, const char *key, void **out, ferry_store_info *info,
+                          int timeout_ms) {
+  return fr_store_get_progress(s, key, out, info, NULL, NULL, timeout_ms);
+}
+
+/* ---- batch get ---- */
+
+struct fr_batch {
+  ferry_store *s;
+  ferry_store_item *items;
+  fr_dir_object *recs;
+  size_t n;
+  size_t next; /* atomic */
+  int active;  /* workers inside run_jobs (work_lock) */
+  uint64_t deadline;
+};
+
+#define PENDING 1
+
+static void run_jobs(fr_batch *b) {
+  for (;;) {
+    size_t i = __atomic_fetch_add(&b->next, 1, __ATOMIC_ACQ_REL);
+    if (i >= b->n)
+      return;
+    ferry_store_item *it = &b->items[i];
+    if (it->status != PENDING)
+      continue;
+    it->status = fr_store_read(b->s, &b->recs[i], it->dst, fr_store_left(b->deadline));
+    it->bytes = it->status == 0 ? b->recs[i].bytes : 0;
+  }
+}
+
+static void *worker_main(void *arg) {
+  ferry_store *s = arg;
+  pthread_mutex_lock(&s->work_lock);
+  while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
+    fr_batch *b = s->batch;
+    if (b && __atomic_load_n(&b->next, __ATOMIC_ACQUIRE) < b->n) {
+      b->active++;
+      pthread_mutex_unlock(&s->work_lock);
+      run_jobs(b);
+      pthread_mutex_lock(&s->work_lock);
+      b->active--;
+      pthread_cond_broadcast(&s->done_cond);
+      continue;
+    }
+    pthread_cond_wait(&s->work_cond, &s->work_lock);
+  }
+  pthread_mutex_unlock(&s->work_lock);
+  return NULL;
+}
+
+/* batch_lock held. */
+static void workers_start(ferry_store *s) {
+  if (s->workers)
+    return;
+  int64_t n = fr_config_int("FERRY_STORE_THREADS") - 1;
+  n = n < 0 ? 0 : n > 63 ? 63 : n;
+  s->workers = calloc((size_t)n + 1, sizeof *s->workers);
+  for (int64_t i = 0; s->workers && i < n; i++)
+    if (pthread_create(&s->workers[s->nworkers], NULL, worker_main, s) == 0)
+      s->nworkers++;
+}
+
+void fr_store_workers_stop(ferry_store *s) {
+  pthread_mutex_lock(&s->work_lock);
+  __atomic_store_n(&s->stop, true, __ATOMIC_RELEASE);
+  pthread_cond_broadcast(&s->work_cond);
+  pthread_mutex_unlock(&s->work_lock);
+  for (int i = 0; i < s->nworkers; i++)
+    pthread_join(s->workers[i], NULL);
+  free(s->workers);
+  s->workers = NULL;
+  s->nworkers = 0;
+}
+
+static void run_batch(ferry_store *s, fr_batch *b) {
+  pthread_mutex_lock(&s->batch_lock);
+  workers_start(s);
+  pthread_mutex_lock(&s->work_lock);
+  s->batch = b;
+  pthread_cond_broadcast(&s->work_cond);
+  pthread_mutex_unlock(&s->work_lock);
+  run_jobs(b);
+  pthread_mutex_lock(&s->work_lock);
+  s->batch = NULL;
+  while (b->active > 0)
+    pthread_cond_wait(&s->done_cond, &s->work_lock);
+  pthread_mutex_unlock(&s->work_lock);
+  pthread_mutex_unlock(&s->batch_lock);
+}
+
+/* Looks every key up in one round trip and marks the items that can be read. */
+static int batch_lookup(ferry_store *s, fr_batch *b, int timeout_ms) {
+  const char **keys = calloc(b->n, sizeof *keys);
+  int *st = calloc(b->n, sizeof *st);
+  int rc = keys && st ? 0 : fr_err(FERRY_ENOMEM, "batch of %zu", b->n);
+  for (size_t i = 0; rc == 0 && i < b->n; i++) {
+    keys[i] = b->items[i].key;
+    if ((rc = fr_dir_key_check(keys[i], "get")) != 0 || !b->items[i].dst)
+      rc = rc ? rc : fr_err(FERRY_EINVAL, "get '%s': NULL dst", keys[i]);
+  }
+  if (rc == 0)
+    rc = s->dir->ops->obj_get(s->dir->state, keys, b->n, b->recs, st, timeout_ms);
+  for (size_t i = 0; rc == 0 && i < b->n; i++) {
+    ferry_store_item *it = &b->items[i];
+    it->bytes = 0;
+    it->status = st[i] ? fr_err(FERRY_ENOTFOUND, "get '%s': no such key", it->key)
+                       : check_fit(&b->recs[i], NULL, it->cap);
+    if (it->status == 0)
+      it->status = PENDING;
+  }
+  free(keys);
+  free(st);
+  return rc;
+}
+
+int ferry_store_get_batch(ferry_store *s, ferry_store_item *items, size_t n, int timeout_ms) {
+  if (!s || (!items && n > 0))
+    return fr_err(FERRY_EINVAL, "get_batch: NULL argument");
+  if (n == 0)
+    return 0;
+  fr_batch b = {.s = s, .items = items, .n = n};
+  b.deadline = fr_deadline_ns(fr_timeout(timeout_ms));
+  b.recs = calloc(n, sizeof *b.recs);
+  int rc = b.recs ? batch_lookup(s, &b, fr_store_left(b.deadline))
+                  : fr_err(FERRY_ENOMEM, "batch of %zu", n);
+  if (rc == 0)
+    run_batch(s, &b);
+  free(b.recs);
+  if (rc != 0)
+    return rc;
+  int first = 0;
+  for (size_t i = 0; i < n; i++) { /* stale or moved: the single-key path retries */
+    ferry_store_item *it = &items[i];
+    if (it->status == FERRY_ESTALE || it->status == FERRY_EPEER) {
+      ferry_store_info info = {.size = sizeof info};
+      it->status =
+          ferry_store_get(s, it->key, NULL, it->dst, it->cap, &info, fr_store_left(b.deadline));
+      it->bytes = it->status == 0 ? info.bytes : 0;
+    }
+    if (it->status != 0 && first == 0) {
+      first = it->status;
+      fr_err(first, "get_batch: item %zu ('%s') failed: %s", i, it->key, ferry_strerror(first));
+    }
+  }
+  return first;
+}

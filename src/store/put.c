@@ -1,0 +1,243 @@
+/*
+ * Publishing and retiring the objects this node owns. A put finds the bytes a home (in place
+ * when they already lie in ferry memory, else a pool block it copies into), takes a generation
+ * word, writes the generation there only after the bytes are in place, and then publishes the
+ * record in the directory. Retiring an object zeroes its generation word before its block can be
+ * reused, so a reader that copied while the bytes changed always sees the mismatch.
+ */
+#include "store/store.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- the owned-object table: sorted by key ---- */
+
+fr_owned *fr_store_find_owned(ferry_store *s, const char *key, size_t *at) {
+  size_t lo = 0, hi = s->nowned;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (strcmp(s->owned[mid]->rec.key, key) < 0)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  *at = lo;
+  return lo < s->nowned && strcmp(s->owned[lo]->rec.key, key) == 0 ? s->owned[lo] : NULL;
+}
+
+/* Puts o in the table; returns the object it replaced (or NULL). Lock held. */
+static fr_owned *owned_swap(ferry_store *s, fr_owned *o) {
+  size_t at;
+  fr_owned *old = fr_store_find_owned(s, o->rec.key, &at);
+  if (old) {
+    s->owned[at] = o;
+    return old;
+  }
+  if (s->nowned == s->capowned) { /* capacity reserved when the slot was taken */
+    fr_error("store: owned table full (cannot happen)");
+    return NULL;
+  }
+  memmove(&s->owned[at + 1], &s->owned[at], (s->nowned - at) * sizeof *s->owned);
+  s->owned[at] = o;
+  s->nowned++;
+  return NULL;
+}
+
+static void owned_remove(ferry_store *s, size_t at) {
+  memmove(&s->owned[at], &s->owned[at + 1], (s->nowned - at - 1) * sizeof *s->owned);
+  s->nowned--;
+}
+
+/* Frees an object's generation word and block. Lock held. */
+static void retire(ferry_store *s, fr_owned *o) {
+  __atomic_store_n(&s->gens[o->slot], 0, __ATOMIC_SEQ_CST);
+  if (o->pool_off != FR_STORE_NO_POOL)
+    fr_pool_free(&s->pool, o->pool_off, o->pool_len);
+  s->free_slots[s->nfree_slots++] = o->slot;
+  free(o);
+}
+
+void fr_store_retire_all(ferry_store *s) {
+  pthread_mutex_lock(&s->lock);
+  for (size_t i = 0; i < s->nowned; i++)
+    retire(s, s->owned[i]);
+  s->nowned = 0;
+  pthread_mutex_unlock(&s->lock);
+}
+
+/* ---- put ---- */
+
+static int check_put(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
+                     const void *data, uint64_t *bytes) {
+  if (!s || !desc)
+    return fr_err(FERRY_EINVAL, "put: NULL argument");
+  int rc = fr_dir_key_check(key, "put");
+  if (rc != 0)
+    return rc;
+  if ((rc = ferry_tensor_nbytes(desc, bytes)) != 0)
+    return fr_err_wrap(rc, "put '%s'", key);
+  if (!data && *bytes > 0)
+    return fr_err(FERRY_EINVAL, "put '%s': NULL data", key);
+  return 0;
+}
+
+/* Finds a home for the bytes: in place, or a pool block (filled outside the lock). */
+static int place(ferry_store *s, fr_owned *o, const void *data, uint32_t flags, bool fill) {
+  uint64_t off = 0;
+  ferry_region_ref ref;
+  if (!fill && data && o->rec.bytes > 0 && !(flags & FERRY_STORE_PUT_COPY) &&
+      ferry_region_find(s->ctx, data, o->rec.bytes, &ref, &off) == 0) {
+    o->rec.region = ref;
+    o->rec.offset = off;
+    o->pool_off = FR_STORE_NO_POOL;
+    o->data = data;
+    return 0;
+  }
+  fr_err_clear();
+  pthread_mutex_lock(&s->lock);
+  int rc = o->rec.bytes ? fr_pool_alloc(&s->pool, o->rec.bytes, &off) : 0;
+  pthread_mutex_unlock(&s->lock);
+  if (rc != 0)
+    return fr_err_wrap(rc, "put '%s'", o->rec.key);
+  o->pool_off = o->rec.bytes ? off : FR_STORE_NO_POOL;
+  o->pool_len = o->rec.bytes;
+  o->rec.region = s->ref;
+  o->rec.offset = s->data_base + off;
+  o->data = s->mem + s->data_base + off;
+  return 0;
+}
+
+/* Takes a generation word; FERRY_ECAPACITY when every slot is in use. */
+static int take_slot(ferry_store *s, fr_owned *o) {
+  pthread_mutex_lock(&s->lock);
+  int rc = 0;
+  if (s->nfree_slots == 0)
+    rc = fr_err(FERRY_ECAPACITY,
+                "put '%s': this node already holds %u objects "
+                "(FERRY_STORE_MAX_OBJECTS)",
+                o->rec.key, s->nslots);
+  else
+    o->slot = s->free_slots[--s->nfree_slots];
+  o->rec.generation = s->next_gen++;
+  pthread_mutex_unlock(&s->lock);
+  o->rec.gen_region = s->ref;
+  o->rec.gen_offset = (uint64_t)o->slot * 8;
+  return rc;
+}
+
+static void unplace(ferry_store *s, fr_owned *o, bool slot) {
+  pthread_mutex_lock(&s->lock);
+  if (o->pool_off != FR_STORE_NO_POOL)
+    fr_pool_free(&s->pool, o->pool_off, o->pool_len);
+  if (slot)
+    s->free_slots[s->nfree_slots++] = o->slot;
+  pthread_mutex_unlock(&s->lock);
+  free(o);
+}
+
+/* Publishes o's record, then makes it the local object of its key. */
+static int publish(ferry_store *s, fr_owned *o, int timeout_ms) {
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  fr_dir_object old;
+  bool other = false;
+  pthread_mutex_lock(&s->publish_lock);
+  int rc = fr_store_ensure_registered(s, fr_store_left(deadline));
+  if (rc == 0)
+    rc = s->dir->ops->obj_put(s->dir->state, &o->rec, 0, &old, &other, fr_store_left(deadline));
+  if (rc == FERRY_ENOTFOUND && (rc = fr_store_register(s, false, fr_store_left(deadline))) == 0)
+    rc = s->dir->ops->obj_put(s->dir->state, &o->rec, 0, &old, &other, fr_store_left(deadline));
+  if (rc == 0) {
+    pthread_mutex_lock(&s->lock);
+    fr_owned *prev = owned_swap(s, o);
+    if (prev)
+      retire(s, prev);
+    pthread_mutex_unlock(&s->lock);
+  }
+  pthread_mutex_unlock(&s->publish_lock);
+  if (rc == 0 && other)
+    fr_store_send_dropped(s, &old);
+  return rc;
+}
+
+int fr_store_put_local(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
+                       const void *data, uint32_t flags, fr_fill_fn fill, void *fill_arg,
+                       uint64_t *generation, int timeout_ms) {
+  fr_owned *o = calloc(1, sizeof *o);
+  if (!o)
+    return fr_err(FERRY_ENOMEM, "put '%s'", key);
+  snprintf(o->rec.key, sizeof o->rec.key, "%s", key);
+  snprintf(o->rec.owner, sizeof o->rec.owner, "%s", s->name);
+  o->rec.desc = *desc;
+  ferry_tensor_nbytes(desc, &o->rec.bytes);
+  int rc = place(s, o, data, flags, fill != NULL);
+  if (rc != 0) {
+    free(o);
+    return rc;
+  }
+  if ((rc = take_slot(s, o)) != 0) {
+    unplace(s, o, false);
+    return rc;
+  }
+  if (o->pool_off != FR_STORE_NO_POOL)
+    rc = fill ? fill(fill_arg, s->mem + s->data_base + o->pool_off, o->rec.bytes)
+              : (memcpy(s->mem + s->data_base + o->pool_off, data, o->rec.bytes), 0);
+  /* the generation becomes visible only after the bytes are complete */
+  __atomic_store_n(&s->gens[o->slot], rc == 0 ? o->rec.generation : 0, __ATOMIC_SEQ_CST);
+  uint64_t gen = o->rec.generation;
+  if (rc == 0)
+    rc = publish(s, o, timeout_ms);
+  if (rc != 0) {
+    __atomic_store_n(&s->gens[o->slot], 0, __ATOMIC_SEQ_CST);
+    unplace(s, o, true);
+    return rc;
+  }
+  if (generation)
+    *generation = gen;
+  return 0;
+}
+
+int ferry_store_put(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
+                    const void *data, uint32_t flags, int timeout_ms) {
+  uint64_t bytes;
+  int rc = check_put(s, key, desc, data, &bytes);
+  if (rc != 0)
+    return rc;
+  if (s->flags & FERRY_STORE_DELEGATE)
+    return fr_store_upload(s, key, desc, data, fr_timeout(timeout_ms));
+  return fr_store_put_local(s, key, desc, data, flags, NULL, NULL, NULL, fr_timeout(timeout_ms));
+}
+
+/* ---- delete ---- */
+
+/* publish_lock held. */
+int fr_store_delete_owned(ferry_store *s, const char *key, uint64_t generation, bool in_directory,
+                          int timeout_ms) {
+  pthread_mutex_lock(&s->lock);
+  size_t at;
+  fr_owned *o = fr_store_find_owned(s, key, &at);
+  bool match = o && (generation == 0 || o->rec.generation == generation);
+  uint64_t gen = match ? o->rec.generation : 0;
+  pthread_mutex_unlock(&s->lock);
+  if (!match)
+    return fr_err(FERRY_ENOTFOUND, "'%s' is not held by '%s'", key, s->name);
+  if (in_directory) {
+    int rc = s->dir->ops->obj_del(s->dir->state, key, s->name, gen, NULL, timeout_ms);
+    if (rc != 0 && rc != FERRY_ENOTFOUND) /* ENOTFOUND: replaced elsewhere, or lost */
+      return rc;
+  }
+  pthread_mutex_lock(&s->lock);
+  o = fr_store_find_owned(s, key, &at); /* the publish lock kept it in place */
+  owned_remove(s, at);
+  retire(s, o);
+  pthread_mutex_unlock(&s->lock);
+  return 0;
+}
+
+int fr_store_delete_local(ferry_store *s, const char *key, uint64_t generation, bool in_directory,
+                          int timeout_ms) {
+  pthread_mutex_lock(&s->publish_lock);
+  int rc = fr_store_delete_owned(s, key, generation, in_directory, timeout_ms);
+  pthread_mutex_unlock(&s->publish_lock);
+  return rc;
+}

@@ -1,0 +1,209 @@
+/*
+ * Opening and closing a store, and keeping the node registered. Opening connects to the
+ * directory (or hosts it), reserves the pool (one ferry_alloc'd region: generation words, then
+ * data), registers the node afresh (dropping records an earlier incarnation of the same name
+ * left) and starts the service thread, which renews the lease. Whenever the directory's epoch
+ * moves (it restarted, or the client redialled) or a renewal finds the lease gone, the node
+ * registers again and re-publishes every object it holds, without taking keys another node owns
+ * by now.
+ */
+#include "store/store.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int pool_open(ferry_store *s, uint64_t capacity) {
+  int64_t slots = fr_config_int("FERRY_STORE_MAX_OBJECTS");
+  if (slots < 16)
+    slots = 16;
+  if (slots > (1 << 24))
+    slots = 1 << 24;
+  s->nslots = (uint32_t)slots;
+  s->data_base = ((uint64_t)s->nslots * 8 + 4095) / 4096 * 4096;
+  int rc = fr_pool_init(&s->pool, capacity);
+  s->free_slots = malloc(s->nslots * sizeof *s->free_slots);
+  s->owned = malloc(s->nslots * sizeof *s->owned);
+  if (rc == 0 && (!s->free_slots || !s->owned))
+    rc = fr_err(FERRY_ENOMEM, "store: object table of %u entries", s->nslots);
+  void *mem = NULL;
+  if (rc == 0 && (rc = ferry_alloc(s->ctx, s->data_base + s->pool.capacity, &mem)) != 0)
+    rc = fr_err_wrap(rc, "store pool of %llu bytes (FERRY_STORE_CAPACITY)",
+                     (unsigned long long)s->pool.capacity);
+  if (rc == 0)
+    rc = ferry_region_find(s->ctx, mem, s->data_base + s->pool.capacity, &s->ref, NULL);
+  if (rc != 0)
+    return rc;
+  s->mem = mem;
+  s->gens = mem;
+  s->capowned = s->nslots;
+  for (uint32_t i = 0; i < s->nslots; i++)
+    s->free_slots[i] = s->nslots - 1 - i;
+  s->nfree_slots = s->nslots;
+  s->next_gen = 1;
+  return 0;
+}
+
+static int dir_open(ferry_store *s, const ferry_store_opts *o) {
+  if (!(s->flags & FERRY_STORE_HOST_DIRECTORY))
+    return fr_dir_open(s->ctx, o ? o->directory : NULL, fr_timeout(-1), &s->dir);
+  int rc = fr_dir_server_start(s->ctx, &s->server);
+  return rc ? rc : fr_dir_open_local(s->server, &s->dir);
+}
+
+/* Re-publishes every owned object; keys another node took meanwhile are dropped here. */
+static int republish(ferry_store *s, int timeout_ms) {
+  pthread_mutex_lock(&s->lock);
+  size_t n = s->nowned;
+  fr_dir_object *recs = malloc((n ? n : 1) * sizeof *recs);
+  for (size_t i = 0; recs && i < n; i++)
+    recs[i] = s->owned[i]->rec;
+  pthread_mutex_unlock(&s->lock);
+  if (!recs)
+    return fr_err(FERRY_ENOMEM, "store: re-registration");
+  int rc = 0;
+  for (size_t i = 0; i < n && rc == 0; i++) {
+    rc = s->dir->ops->obj_put(s->dir->state, &recs[i], FR_DIR_PUT_KEEP_OTHERS, NULL, NULL,
+                              timeout_ms);
+    if (rc == FERRY_EEXIST) {
+      fr_info("store: '%s' now belongs to another node; dropping our copy", recs[i].key);
+      rc = 0;
+      fr_store_delete_owned(s, recs[i].key, recs[i].generation, false, timeout_ms);
+    }
+  }
+  free(recs);
+  return rc;
+}
+
+/* publish_lock held. */
+int fr_store_register(ferry_store *s, bool fresh, int timeout_ms) {
+  fr_dir_node n;
+  memset(&n, 0, sizeof n);
+  snprintf(n.name, sizeof n.name, "%s", s->name);
+  snprintf(n.address, sizeof n.address, "%s", ferry_ctx_address(s->ctx));
+  n.flags = (s->flags & FERRY_STORE_HOLDER) ? FR_NODE_HOLDER : 0;
+  uint64_t epoch = s->dir->ops->epoch(s->dir->state);
+  int rc = fresh ? s->dir->ops->node_del(s->dir->state, s->name, timeout_ms) : 0;
+  if (rc == 0)
+    rc = s->dir->ops->node_put(s->dir->state, &n, s->lease_ms, timeout_ms);
+  if (rc == 0 && !fresh)
+    rc = republish(s, timeout_ms);
+  if (rc == 0) {
+    s->registered_epoch = epoch;
+    __atomic_store_n(&s->next_renew_ns, fr_now_ns() + (uint64_t)s->lease_ms * 1000000ull / 3,
+                     __ATOMIC_RELEASE);
+  }
+  return rc;
+}
+
+/* publish_lock held. */
+int fr_store_ensure_registered(ferry_store *s, int timeout_ms) {
+  if (s->dir->ops->epoch(s->dir->state) == s->registered_epoch)
+    return 0;
+  fr_info("store '%s': directory changed; registering again", s->name);
+  return fr_store_register(s, false, timeout_ms);
+}
+
+/* Called by the service thread when a renewal is due. */
+void fr_store_renew(ferry_store *s) {
+  int timeout = s->lease_ms / 3 > 100 ? s->lease_ms / 3 : 100;
+  pthread_mutex_lock(&s->publish_lock);
+  int rc = s->dir->ops->node_renew(s->dir->state, s->name, s->lease_ms, timeout);
+  if (rc == FERRY_ENOTFOUND ||
+      (rc == 0 && s->dir->ops->epoch(s->dir->state) != s->registered_epoch))
+    rc = fr_store_register(s, false, timeout);
+  if (rc == 0)
+    __atomic_store_n(&s->next_renew_ns, fr_now_ns() + (uint64_t)s->lease_ms * 1000000ull / 3,
+                     __ATOMIC_RELEASE);
+  else /* the directory is away: try again soon, loudly */
+    __atomic_store_n(&s->next_renew_ns, fr_now_ns() + 200000000ull, __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&s->publish_lock);
+  if (rc != 0)
+    fr_warn("store '%s': lease renewal failed: %s", s->name, ferry_last_error());
+}
+
+static ferry_store *store_new(ferry_ctx *ctx, const ferry_store_opts *o) {
+  ferry_store *s = calloc(1, sizeof *s);
+  if (!s)
+    return NULL;
+  s->ctx = ctx;
+  snprintf(s->name, sizeof s->name, "%s", ferry_ctx_name(ctx));
+  s->flags = o ? o->flags : 0;
+  s->lease_ms = o && o->lease_ms > 0 ? o->lease_ms : (int)fr_config_int("FERRY_LEASE_MS");
+  if (s->lease_ms < 300)
+    s->lease_ms = 300;
+  pthread_mutex_init(&s->lock, NULL);
+  pthread_mutex_init(&s->publish_lock, NULL);
+  pthread_mutex_init(&s->peers_lock, NULL);
+  pthread_mutex_init(&s->batch_lock, NULL);
+  pthread_mutex_init(&s->work_lock, NULL);
+  pthread_cond_init(&s->work_cond, NULL);
+  pthread_cond_init(&s->done_cond, NULL);
+  return s;
+}
+
+static int store_start(ferry_store *s, const ferry_store_opts *o) {
+  uint64_t cap = o && o->capacity ? o->capacity : (uint64_t)fr_config_int("FERRY_STORE_CAPACITY");
+  if (s->flags & FERRY_STORE_DELEGATE)
+    cap = 0; /* its puts live on a holder */
+  int rc = dir_open(s, o);
+  if (rc == 0 && !(s->flags & FERRY_STORE_DELEGATE)) {
+    if ((rc = pool_open(s, cap)) == 0) {
+      pthread_mutex_lock(&s->publish_lock);
+      rc = fr_store_register(s, true, fr_timeout(-1));
+      pthread_mutex_unlock(&s->publish_lock);
+    }
+    if (rc == 0)
+      rc = fr_store_service_start(s);
+  }
+  return rc;
+}
+
+int ferry_store_open(ferry_ctx *ctx, const ferry_store_opts *opts, ferry_store **out) {
+  if (!ctx || !out)
+    return fr_err(FERRY_EINVAL, "ferry_store_open: NULL argument");
+  if (opts && opts->size < sizeof(size_t))
+    return fr_err(FERRY_EINVAL, "ferry_store_open: opts->size not set");
+  ferry_store_opts o = {0};
+  if (opts)
+    memcpy(&o, opts, opts->size < sizeof o ? opts->size : sizeof o);
+  ferry_store *s = store_new(ctx, opts ? &o : NULL);
+  if (!s)
+    return fr_err(FERRY_ENOMEM, "ferry_store_open");
+  int rc = store_start(s, opts ? &o : NULL);
+  if (rc != 0) {
+    char detail[512];
+    snprintf(detail, sizeof detail, "%s", ferry_last_error());
+    ferry_store_close(s);
+    return fr_err(rc, "%s", detail);
+  }
+  *out = s;
+  return 0;
+}
+
+void ferry_store_close(ferry_store *s) {
+  if (!s)
+    return;
+  fr_store_service_stop(s);
+  fr_store_workers_stop(s);
+  if (s->dir && s->mem)
+    s->dir->ops->node_del(s->dir->state, s->name, 2000);
+  if (s->mem)
+    fr_store_retire_all(s);
+  fr_peers_close(s);
+  fr_dir_close(s->dir);
+  fr_dir_server_stop(s->server);
+  if (s->mem)
+    ferry_free(s->ctx, s->mem);
+  fr_pool_fini(&s->pool);
+  free(s->free_slots);
+  free(s->owned);
+  pthread_mutex_destroy(&s->lock);
+  pthread_mutex_destroy(&s->publish_lock);
+  pthread_mutex_destroy(&s->peers_lock);
+  pthread_mutex_destroy(&s->batch_lock);
+  pthread_mutex_destroy(&s->work_lock);
+  pthread_cond_destroy(&s->work_cond);
+  pthread_cond_destroy(&s->done_cond);
+  free(s);
+}

@@ -1,0 +1,156 @@
+/*
+ * The store, internal view: the state behind a ferry_store handle and the pieces its files share.
+ * pool.c sub-allocates the node's shared-memory pool; store.c opens, registers and renews;
+ * put.c publishes and retires objects this node owns; get.c reads (with the peer link cache and
+ * the batch workers); ops.c deletes, lists and describes; service.c answers other nodes on
+ * FR_CHANNEL_STORE (remote deletes, drop notices, uploads from short-lived nodes).
+ */
+#ifndef FR_STORE_H
+#define FR_STORE_H
+
+#include "core/core.h"
+#include "directory/directory.h"
+
+#include <pthread.h>
+#include <stdbool.h>
+
+/* ---- pool.c: first-fit sub-allocator over [0, capacity), 64-byte granules ---- */
+typedef struct fr_pool_block {
+  uint64_t off, len;
+} fr_pool_block;
+
+typedef struct fr_pool {
+  uint64_t capacity, used;
+  fr_pool_block *free; /* sorted by offset, coalesced */
+  size_t nfree, cap;
+} fr_pool;
+
+int fr_pool_init(fr_pool *p, uint64_t capacity);
+void fr_pool_fini(fr_pool *p);
+/* FERRY_ECAPACITY with the sizes in the detail when no block fits. */
+int fr_pool_alloc(fr_pool *p, uint64_t bytes, uint64_t *off);
+void fr_pool_free(fr_pool *p, uint64_t off, uint64_t bytes);
+uint64_t fr_pool_largest(const fr_pool *p);
+
+/* ---- the store ---- */
+#define FR_STORE_NO_POOL UINT64_MAX
+
+/* An object this node owns. */
+typedef struct fr_owned {
+  fr_dir_object rec;
+  uint64_t pool_off; /* its bytes in the pool, or FR_STORE_NO_POOL (published in place) */
+  uint64_t pool_len;
+  uint32_t slot;       /* its generation word */
+  const uint8_t *data; /* its bytes in this process */
+} fr_owned;
+
+typedef struct fr_peer {
+  char name[FR_DIR_NAME_MAX + 1];
+  ferry_link *link;
+  int users;
+  bool dead;
+  struct fr_peer *next;
+} fr_peer;
+
+typedef struct fr_batch fr_batch;
+
+struct ferry_store {
+  ferry_ctx *ctx;
+  char name[FR_DIR_NAME_MAX + 1];
+  uint32_t flags;
+  int lease_ms;
+  fr_dir *dir;
+  fr_dir_server *server; /* FERRY_STORE_HOST_DIRECTORY */
+
+  /* the pool region: generation words, then data */
+  uint8_t *mem;
+  ferry_region_ref ref;
+  uint64_t data_base; /* offset of the data area in the region */
+  uint64_t *gens;
+  uint32_t nslots;
+
+  pthread_mutex_t lock; /* pool, slots, owned objects */
+  fr_pool pool;
+  uint32_t *free_slots;
+  uint32_t nfree_slots;
+  uint64_t next_gen;
+  fr_owned **owned; /* sorted by key */
+  size_t nowned, capowned;
+
+  pthread_mutex_t publish_lock; /* orders directory publishes with local replaces */
+  uint64_t registered_epoch;
+
+  pthread_mutex_t peers_lock;
+  fr_peer *peers;
+  char holder[FR_DIR_NAME_MAX + 1]; /* cached holder node (delegating stores) */
+
+  pthread_t service;
+  bool service_started, stop; /* stop: atomic */
+  uint64_t next_renew_ns;
+
+  pthread_mutex_t batch_lock; /* one batch at a time */
+  pthread_mutex_t work_lock;
+  pthread_cond_t work_cond, done_cond;
+  fr_batch *batch;
+  pthread_t *workers;
+  int nworkers;
+};
+
+/* store.c */
+/* Registers again when the directory's epoch moved (it restarted or was redialled). */
+int fr_store_ensure_registered(ferry_store *s, int timeout_ms);
+int fr_store_register(ferry_store *s, bool fresh, int timeout_ms);
+void fr_store_renew(ferry_store *s);
+
+/* put.c */
+/* Publishes a tensor; `fill` (when not NULL) writes the bytes into the pool instead of a copy
+ * from data (uploads read them from a peer). */
+typedef int (*fr_fill_fn)(void *arg, void *dst, uint64_t bytes);
+int fr_store_put_local(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
+                       const void *data, uint32_t flags, fr_fill_fn fill, void *fill_arg,
+                       uint64_t *generation, int timeout_ms);
+/* Deletes an object this node owns (generation 0: any). FERRY_ENOTFOUND when not held. */
+int fr_store_delete_local(ferry_store *s, const char *key, uint64_t generation, bool in_directory,
+                          int timeout_ms);
+/* The same with publish_lock already held. */
+int fr_store_delete_owned(ferry_store *s, const char *key, uint64_t generation, bool in_directory,
+                          int timeout_ms);
+/* Retires every owned object (store close). */
+void fr_store_retire_all(ferry_store *s);
+fr_owned *fr_store_find_owned(ferry_store *s, const char *key, size_t *at);
+
+/* get.c */
+int fr_peer_acquire(ferry_store *s, const char *name, int timeout_ms, fr_peer **out);
+void fr_peer_release(ferry_store *s, fr_peer *p, bool dead);
+void fr_peers_close(ferry_store *s);
+/* Reads the object `rec` describes into dst (rec->bytes long). FERRY_ESTALE: look it up again. */
+int fr_store_read(ferry_store *s, const fr_dir_object *rec, void *dst, int timeout_ms);
+/* Reads in chunks, calling progress(arg, done, total) between them (the CLI's progress bar). */
+int fr_store_get_progress(ferry_store *s, const char *key, void **out, ferry_store_info *info,
+                          void (*progress)(void *arg, uint64_t done, uint64_t total), void *arg,
+                          int timeout_ms);
+void fr_store_workers_stop(ferry_store *s);
+
+/* ops.c */
+int fr_store_lookup(ferry_store *s, const char *key, fr_dir_object *rec, int timeout_ms);
+void fr_store_info_from(const fr_dir_object *rec, ferry_store_info *out);
+/* Deletes the object `rec` describes, asking its owner (or the directory if it is gone). */
+int fr_store_delete_rec(ferry_store *s, const fr_dir_object *rec, int timeout_ms);
+
+/* service.c */
+int fr_store_service_start(ferry_store *s);
+void fr_store_service_stop(ferry_store *s);
+/* Messages to other nodes' stores. */
+int fr_store_call_delete(ferry_store *s, fr_peer *p, const char *key, uint64_t generation,
+                         int timeout_ms);
+void fr_store_send_dropped(ferry_store *s, const fr_dir_object *old);
+int fr_store_upload(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
+                    const void *data, int timeout_ms);
+
+/* Milliseconds left before a deadline, at least 1 (so a call still fails by itself). */
+static inline int fr_store_left(uint64_t deadline_ns) {
+  int ms = fr_ms_left(deadline_ns);
+  return ms > 0 ? ms : 1;
+}
+
+#endif

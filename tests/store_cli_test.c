@@ -1,0 +1,167 @@
+/*
+ * The store commands end to end: `ferry serve` in the background, then put/get/ls/stat/rm
+ * through the real binary (FERRY_CLI, set by ctest), checking bytes, output, .npy round trips,
+ * exit codes and one-line errors; and what a client says when no directory is running.
+ */
+#include "storeutil.h"
+
+#include <stdarg.h>
+#include <string.h>
+#include <sys/stat.h>
+
+static char cli[4096];
+static char tmpdir[256];
+
+/* Runs a shell command line with the CLI substituted for %s; returns its exit status. */
+static int run(const char *fmt, ...) {
+  char line[8192], cmd[8192 + 512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(line, sizeof line, fmt, ap);
+  va_end(ap);
+  snprintf(cmd, sizeof cmd, "cd %s && %s", tmpdir, line);
+  int st = system(cmd);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+}
+
+static char *slurp(const char *name, size_t *len) {
+  char path[512];
+  snprintf(path, sizeof path, "%s/%s", tmpdir, name);
+  FILE *f = fopen(path, "rb");
+  if (!f)
+    return NULL;
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  char *buf = calloc(1, (size_t)n + 1);
+  *len = fread(buf, 1, (size_t)n, f);
+  fclose(f);
+  return buf;
+}
+
+static void write_file(const char *name, const void *data, size_t len) {
+  char path[512];
+  snprintf(path, sizeof path, "%s/%s", tmpdir, name);
+  FILE *f = fopen(path, "wb");
+  assert_non_null(f);
+  assert_int_equal(fwrite(data, 1, len, f), len);
+  fclose(f);
+}
+
+static bool file_has(const char *name, const char *needle) {
+  size_t n;
+  char *s = slurp(name, &n);
+  bool ok = s && strstr(s, needle);
+  if (!ok)
+    fprintf(stderr, "%s does not contain '%s':\n%s\n", name, needle, s ? s : "(missing)");
+  free(s);
+  return ok;
+}
+
+static bool same_file(const char *name, const void *data, size_t len) {
+  size_t n;
+  char *s = slurp(name, &n);
+  bool ok = s && n == len && memcmp(s, data, len) == 0;
+  free(s);
+  return ok;
+}
+
+static pid_t start_serve(int port) {
+  char listen[64];
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    execl(cli, cli, "serve", "--listen", listen, "--capacity", "67108864", (char *)NULL);
+    _exit(127);
+  }
+  for (int i = 0; i < 500 && !su_port_open(port); i++)
+    su_sleep_ms(10);
+  return pid;
+}
+
+static void test_commands(void **state) {
+  int port = su_free_port();
+  char url[64];
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  setenv("FERRY_DIRECTORY", url, 1);
+  pid_t serve = start_serve(port);
+  enum { N = 1 << 20 };
+  uint8_t *data = malloc(N);
+  tu_fill(data, N, 5);
+  write_file("in.bin", data, N);
+  assert_int_equal(run("%s put k1 in.bin --dtype uint8 --shape 1024,1024", cli), 0);
+  assert_int_equal(run("%s ls > ls.txt", cli), 0);
+  assert_true(file_has("ls.txt", "k1"));
+  assert_true(file_has("ls.txt", "[1024, 1024]"));
+  assert_int_equal(run("%s stat k1 > stat.txt", cli), 0);
+  assert_true(file_has("stat.txt", "uint8"));
+  assert_int_equal(run("%s get k1 out.bin", cli), 0);
+  assert_true(same_file("out.bin", data, N));
+  assert_int_equal(run("%s get k1 - > out2.bin", cli), 0);
+  assert_true(same_file("out2.bin", data, N));
+  /* .npy round trip: the header carries dtype and shape */
+  assert_int_equal(run("%s get k1 out.npy && %s put k2 out.npy", cli, cli), 0);
+  assert_int_equal(run("%s stat k2 > stat2.txt", cli), 0);
+  assert_true(file_has("stat2.txt", "[1024, 1024]"));
+  assert_int_equal(run("%s get k2 back.bin", cli), 0);
+  assert_true(same_file("back.bin", data, N));
+  /* the put outlived its command: the serve node holds it */
+  assert_true(file_has("stat2.txt", "owner"));
+  /* rm by key and by prefix */
+  assert_int_equal(run("%s put a/1 in.bin && %s put a/2 in.bin", cli, cli), 0);
+  assert_int_equal(run("%s rm --prefix a/ > rm.txt", cli), 0);
+  assert_true(file_has("rm.txt", "deleted 2"));
+  assert_int_equal(run("%s rm k1", cli), 0);
+  assert_int_equal(run("%s get k1 x.bin 2> err.txt", cli), 3);
+  assert_true(file_has("err.txt", "ferry get: k1: not found"));
+  assert_int_equal(run("%s info > info.txt", cli), 0);
+  assert_true(file_has("info.txt", "up, "));
+  /* usage errors and bad input */
+  assert_int_equal(run("%s put 2>/dev/null", cli), 2);
+  assert_int_equal(run("%s put k3 nosuchfile 2>/dev/null", cli), 3);
+  assert_int_equal(run("%s put k3 in.bin --dtype nonsense 2>/dev/null", cli), 2);
+  assert_int_equal(run("%s put k3 in.bin --dtype int32 --shape 3,3 2> err.txt", cli), 2);
+  assert_true(file_has("err.txt", "but the file has 1048576"));
+  for (int i = 0; i < 6; i++) {
+    const char *cmds[] = {"serve", "put", "get", "ls", "rm", "stat"};
+    assert_int_equal(run("%s %s --help > /dev/null", cli, cmds[i]), 0);
+  }
+  kill(serve, SIGTERM);
+  assert_int_equal(tu_wait(serve), 0);
+  free(data);
+}
+
+static void test_no_directory(void **state) {
+  char url[64];
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", su_free_port());
+  setenv("FERRY_DIRECTORY", url, 1);
+  assert_int_equal(run("%s ls 2> err.txt", cli), 5);
+  assert_true(file_has("err.txt", "ferry serve"));
+  size_t n;
+  char *err = slurp("err.txt", &n);
+  assert_non_null(err);
+  assert_true(strchr(err, '\n') == err + n - 1); /* one line */
+  free(err);
+}
+
+int main(void) {
+  const char *env = getenv("FERRY_CLI");
+  if (env) {
+    snprintf(cli, sizeof cli, "%s", env);
+  } else { /* run by hand from the build directory */
+    ssize_t n = readlink("/proc/self/exe", cli, sizeof cli - 16);
+    cli[n > 0 ? n : 0] = '\0';
+    char *slash = strrchr(cli, '/');
+    snprintf(slash ? slash : cli, 16, "/../ferry");
+  }
+  snprintf(tmpdir, sizeof tmpdir, "/tmp/ferry-cli-test-XXXXXX");
+  assert_non_null(mkdtemp(tmpdir));
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_commands),
+      cmocka_unit_test(test_no_directory),
+  };
+  int rc = cmocka_run_group_tests(tests, NULL, NULL);
+  run("rm -rf %s", tmpdir);
+  return rc;
+}

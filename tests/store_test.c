@@ -1,0 +1,661 @@
+/*
+ * The store: every operation on both directory backends (embedded, hosted in-process, and a
+ * private Redis), producer and consumer in separate processes over shm, across two network
+ * namespaces over tcp, batch gets, replacement under concurrent reads (never torn), and faults:
+ * an owner SIGKILLed during gets, a restarted directory, Redis unreachable, no directory, and bad
+ * input (unknown keys, wrong dtypes, oversized tensors). No timing assertions: waits poll with
+ * deadlines. Helper roles re-run this binary inside namespaces (`--role ...`).
+ */
+// ferry-test: threaded
+#include "storeutil.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <string.h>
+
+#define MiB (1024 * 1024)
+
+static char self_exe[4096];
+
+/* ---- helpers ---- */
+
+static ferry_ctx *open_ctx(const char *name, const char *listen) {
+  ferry_ctx_opts o = {.size = sizeof o, .name = name, .tcp_listen = listen, .token = ""};
+  ferry_ctx *c = NULL;
+  FR_OK(ferry_ctx_open(&o, &c));
+  return c;
+}
+
+static ferry_store *open_store(ferry_ctx *c, const char *url, uint32_t flags, uint64_t cap,
+                               int lease_ms) {
+  ferry_store_opts o = {
+      .size = sizeof o, .directory = url, .capacity = cap, .lease_ms = lease_ms, .flags = flags};
+  ferry_store *s = NULL;
+  FR_OK(ferry_store_open(c, &o, &s));
+  return s;
+}
+
+static ferry_tensor_desc u8_desc(uint64_t a, uint64_t b) {
+  ferry_tensor_desc d = {.dtype = FERRY_DTYPE_U8, .ndim = 2, .shape = {a, b}};
+  return d;
+}
+
+static bool pattern_ok(const uint8_t *p, size_t n, uint64_t seed) {
+  uint8_t *want = malloc(n ? n : 1);
+  tu_fill(want, n, seed);
+  bool ok = memcmp(p, want, n) == 0;
+  free(want);
+  return ok;
+}
+
+/* A directory server in a child process, listening on port; killed by the caller. */
+static int directory_child(void *arg) {
+  char listen[64];
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", *(int *)arg);
+  ferry_ctx *c = open_ctx("directory", listen);
+  ferry_store_opts o = {.size = sizeof o,
+                        .capacity = 1 << 20,
+                        .flags = FERRY_STORE_HOST_DIRECTORY | FERRY_STORE_HOLDER};
+  ferry_store *s;
+  if (ferry_store_open(c, &o, &s) != 0)
+    return 1;
+  for (;;)
+    pause();
+}
+
+static pid_t start_directory(int port) {
+  pid_t pid = tu_spawn(directory_child, &port);
+  for (int i = 0; i < 500 && !su_port_open(port); i++)
+    su_sleep_ms(10);
+  return pid;
+}
+
+static void stop_child(pid_t pid) {
+  kill(pid, SIGKILL);
+  tu_wait(pid);
+}
+
+/* ---- every operation, on a pair of stores sharing one directory ---- */
+
+typedef struct pair {
+  ferry_ctx *ca, *cb;
+  ferry_store *a, *b;
+  char url[80];
+} pair;
+
+static void pair_open(pair *p, const char *url) {
+  char listen[64], hosted[80];
+  int port = su_free_port();
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+  snprintf(hosted, sizeof hosted, "ferry://127.0.0.1:%d", port);
+  p->ca = open_ctx("node-a", url ? NULL : listen);
+  p->cb = open_ctx("node-b", NULL);
+  snprintf(p->url, sizeof p->url, "%s", url ? url : hosted);
+  p->a = open_store(p->ca, url, FERRY_STORE_HOLDER | (url ? 0 : FERRY_STORE_HOST_DIRECTORY),
+                    8 * MiB, 0);
+  p->b = open_store(p->cb, p->url, 0, 8 * MiB, 0);
+}
+
+static void pair_close(pair *p) {
+  ferry_store_close(p->b);
+  ferry_store_close(p->a);
+  ferry_ctx_close(p->cb);
+  ferry_ctx_close(p->ca);
+}
+
+static void check_put_get(pair *p) {
+  ferry_tensor_desc d = u8_desc(64, 1024);
+  uint8_t *src = malloc(64 * 1024), *dst = malloc(64 * 1024);
+  tu_fill(src, 64 * 1024, 1);
+  FR_OK(ferry_store_put(p->a, "t/copy", &d, src, 0, -1));
+  memset(src, 0, 64 * 1024); /* a copy: the caller's buffer is free again */
+  ferry_store_info info = {.size = sizeof info};
+  FR_OK(ferry_store_get(p->b, "t/copy", &d, dst, 64 * 1024, &info, -1));
+  assert_true(pattern_ok(dst, 64 * 1024, 1));
+  assert_string_equal(info.owner, "node-a");
+  assert_int_equal(info.bytes, 64 * 1024);
+  /* in place: ferry memory is published without a copy, and read from there */
+  void *mem;
+  FR_OK(ferry_alloc(p->ca, 64 * 1024, &mem));
+  tu_fill(mem, 64 * 1024, 2);
+  FR_OK(ferry_store_put(p->a, "t/inplace", &d, mem, 0, -1));
+  void *got = NULL;
+  FR_OK(ferry_store_get_alloc(p->b, "t/inplace", &got, NULL, -1));
+  assert_true(pattern_ok(got, 64 * 1024, 2));
+  free(got);
+  /* the owner reads its own objects too */
+  FR_OK(ferry_store_get(p->a, "t/inplace", NULL, dst, 64 * 1024, NULL, -1));
+  assert_true(pattern_ok(dst, 64 * 1024, 2));
+  /* re-put replaces: new bytes, new generation */
+  uint64_t gen = info.generation;
+  tu_fill(src, 64 * 1024, 3);
+  FR_OK(ferry_store_put(p->a, "t/copy", &d, src, 0, -1));
+  FR_OK(ferry_store_get(p->b, "t/copy", NULL, dst, 64 * 1024, &info, -1));
+  assert_true(pattern_ok(dst, 64 * 1024, 3));
+  assert_true(info.generation != gen);
+  /* an empty tensor */
+  ferry_tensor_desc e = u8_desc(0, 5);
+  FR_OK(ferry_store_put(p->a, "t/empty", &e, NULL, 0, -1));
+  FR_OK(ferry_store_get(p->b, "t/empty", &e, NULL, 0, &info, -1));
+  assert_int_equal(info.bytes, 0);
+  FR_OK(ferry_store_delete(p->b, "t/empty", -1));
+  FR_OK(ferry_store_delete(p->a, "t/inplace", -1));
+  FR_OK(ferry_free(p->ca, mem));
+  free(src);
+  free(dst);
+}
+
+static void check_bookkeeping(pair *p) {
+  ferry_tensor_desc d = {.dtype = FERRY_DTYPE_I32, .ndim = 1, .shape = {16}};
+  int32_t v[16] = {1, 2, 3};
+  FR_OK(ferry_store_put(p->a, "r/1/a", &d, v, 0, -1));
+  FR_OK(ferry_store_put(p->b, "r/1/b", &d, v, 0, -1));
+  FR_OK(ferry_store_put(p->b, "r/2/a", &d, v, 0, -1));
+  assert_int_equal(ferry_store_exists(p->a, "r/1/b", -1), 1);
+  assert_int_equal(ferry_store_exists(p->a, "r/9", -1), 0);
+  ferry_store_info st = {.size = sizeof st};
+  FR_OK(ferry_store_stat(p->a, "r/1/b", &st, -1));
+  assert_int_equal(st.desc.dtype, FERRY_DTYPE_I32);
+  assert_int_equal(st.bytes, 64);
+  assert_string_equal(st.owner, "node-b");
+  ferry_store_info *list;
+  size_t n;
+  FR_OK(ferry_store_list(p->a, "r/1/", &list, &n, -1));
+  assert_int_equal(n, 2);
+  assert_string_equal(list[0].key, "r/1/a");
+  assert_string_equal(list[1].key, "r/1/b");
+  ferry_store_list_free(list);
+  /* delete_prefix reaches both owners */
+  size_t deleted = 0;
+  FR_OK(ferry_store_delete_prefix(p->a, "r/1/", &deleted, -1));
+  assert_int_equal(deleted, 2);
+  assert_int_equal(ferry_store_exists(p->b, "r/1/b", -1), 0);
+  /* a put from another node takes the key over; the old owner frees its copy */
+  FR_OK(ferry_store_put(p->a, "r/2/a", &d, v, 0, -1));
+  FR_OK(ferry_store_stat(p->b, "r/2/a", &st, -1));
+  assert_string_equal(st.owner, "node-a");
+  FR_OK(ferry_store_clear(p->b, &deleted, -1));
+  assert_true(deleted >= 2);
+  FR_OK(ferry_store_list(p->b, "", &list, &n, -1));
+  assert_int_equal(n, 0);
+  ferry_store_list_free(list);
+}
+
+static void check_bad_input(pair *p) {
+  uint8_t small[16];
+  ferry_tensor_desc d = u8_desc(4, 4);
+  FR_OK(ferry_store_put(p->a, "bad/x", &d, small, 0, -1));
+  assert_int_equal(ferry_store_get(p->b, "bad/unknown", NULL, small, 16, NULL, -1),
+                   FERRY_ENOTFOUND);
+  assert_non_null(strstr(ferry_last_error(), "bad/unknown"));
+  ferry_tensor_desc want = {.dtype = FERRY_DTYPE_I32, .ndim = 2, .shape = {4, 4}};
+  assert_int_equal(ferry_store_get(p->b, "bad/x", &want, small, 16, NULL, -1), FERRY_EDTYPE);
+  assert_non_null(strstr(ferry_last_error(), "uint8"));
+  want = u8_desc(2, 8);
+  assert_int_equal(ferry_store_get(p->b, "bad/x", &want, small, 16, NULL, -1), FERRY_ESHAPE);
+  assert_int_equal(ferry_store_get(p->b, "bad/x", NULL, small, 8, NULL, -1), FERRY_ERANGE);
+  ferry_tensor_desc bad = {.dtype = (ferry_dtype)99, .ndim = 1, .shape = {1}};
+  assert_int_equal(ferry_store_put(p->a, "bad/y", &bad, small, 0, -1), FERRY_EDTYPE);
+  bad = (ferry_tensor_desc){.dtype = FERRY_DTYPE_U8, .ndim = 9};
+  assert_int_equal(ferry_store_put(p->a, "bad/y", &bad, small, 0, -1), FERRY_ESHAPE);
+  bad = (ferry_tensor_desc){.dtype = FERRY_DTYPE_F64, .ndim = 2, .shape = {1ull << 40, 1ull << 40}};
+  assert_int_equal(ferry_store_put(p->a, "bad/y", &bad, small, 0, -1), FERRY_EOVERFLOW);
+  assert_int_equal(ferry_store_put(p->a, "", &d, small, 0, -1), FERRY_EINVAL);
+  assert_int_equal(ferry_store_put(p->a, "bad/y", &d, NULL, 0, -1), FERRY_EINVAL);
+  /* larger than the pool: an error that names the sizes */
+  ferry_tensor_desc big = u8_desc(16, MiB);
+  uint8_t *huge = calloc(16, MiB);
+  assert_int_equal(ferry_store_put(p->a, "bad/huge", &big, huge, 0, -1), FERRY_ECAPACITY);
+  print_message("%s\n", ferry_last_error());
+  assert_non_null(strstr(ferry_last_error(), "16777216"));
+  assert_non_null(strstr(ferry_last_error(), "capacity"));
+  free(huge);
+  assert_int_equal(ferry_store_exists(p->a, "bad/huge", -1), 0);
+  FR_OK(ferry_store_delete(p->a, "bad/x", -1));
+  assert_int_equal(ferry_store_delete(p->a, "bad/x", -1), FERRY_ENOTFOUND);
+}
+
+static void check_batch(pair *p) {
+  enum { N = 45, BYTES = 32 * 1024 };
+  ferry_tensor_desc d = u8_desc(32, 1024);
+  uint8_t *src = malloc(BYTES), *dst = malloc((size_t)N * BYTES);
+  char keys[N + 1][32];
+  ferry_store_item items[N + 1];
+  for (int i = 0; i < N; i++) {
+    snprintf(keys[i], sizeof keys[i], "batch/%02d", i);
+    tu_fill(src, BYTES, 100 + (uint64_t)i);
+    FR_OK(ferry_store_put(i % 2 ? p->a : p->b, keys[i], &d, src, 0, -1));
+    items[i] = (ferry_store_item){.key = keys[i], .dst = dst + (size_t)i * BYTES, .cap = BYTES};
+  }
+  snprintf(keys[N], sizeof keys[N], "batch/missing");
+  items[N] = (ferry_store_item){.key = keys[N], .dst = dst, .cap = BYTES};
+  assert_int_equal(ferry_store_get_batch(p->b, items, N + 1, -1), FERRY_ENOTFOUND);
+  for (int i = 0; i < N; i++) {
+    assert_int_equal(items[i].status, 0);
+    assert_int_equal(items[i].bytes, BYTES);
+    assert_true(pattern_ok(dst + (size_t)i * BYTES, BYTES, 100 + (uint64_t)i));
+  }
+  assert_int_equal(items[N].status, FERRY_ENOTFOUND);
+  FR_OK(ferry_store_get_batch(p->a, items, N, -1));
+  size_t deleted;
+  FR_OK(ferry_store_delete_prefix(p->a, "batch/", &deleted, -1));
+  assert_int_equal(deleted, N);
+  free(src);
+  free(dst);
+}
+
+static void check_holder(pair *p) {
+  /* a short-lived node hands its put to a holder (node-a), where it outlives it */
+  ferry_ctx *c = open_ctx("cli-node", NULL);
+  ferry_store_opts o = {.size = sizeof o, .directory = p->url, .flags = FERRY_STORE_DELEGATE};
+  ferry_store *d;
+  FR_OK(ferry_store_open(c, &o, &d));
+  uint8_t v[100], back[100];
+  tu_fill(v, sizeof v, 9);
+  ferry_tensor_desc desc = u8_desc(10, 10);
+  FR_OK(ferry_store_put(d, "held/x", &desc, v, 0, -1));
+  ferry_store_close(d);
+  ferry_ctx_close(c);
+  ferry_store_info info = {.size = sizeof info};
+  FR_OK(ferry_store_get(p->b, "held/x", &desc, back, sizeof back, &info, -1));
+  assert_memory_equal(v, back, sizeof v);
+  assert_string_equal(info.owner, "node-a");
+  FR_OK(ferry_store_delete(p->b, "held/x", -1));
+}
+
+static void run_suite(const char *url) {
+  pair p;
+  pair_open(&p, url);
+  check_put_get(&p);
+  check_bookkeeping(&p);
+  check_bad_input(&p);
+  check_batch(&p);
+  check_holder(&p);
+  pair_close(&p);
+}
+
+static void test_embedded(void **state) { run_suite(NULL); }
+
+static void test_redis(void **state) {
+  su_redis r;
+  if (!su_redis_start(&r))
+    return;
+  run_suite(r.url);
+  /* Redis goes away under a store: clear errors, no hang */
+  ferry_ctx *c = open_ctx("orphan", NULL);
+  ferry_store *s = open_store(c, r.url, 0, MiB, 0);
+  su_redis_stop(&r);
+  uint8_t v[4] = {0};
+  ferry_tensor_desc d = u8_desc(2, 2);
+  assert_int_equal(ferry_store_put(s, "x", &d, v, 0, 2000), FERRY_ECONNECT);
+  assert_non_null(strstr(ferry_last_error(), "Redis"));
+  assert_int_equal(ferry_store_get(s, "x", NULL, v, 4, NULL, 2000), FERRY_ECONNECT);
+  ferry_store_close(s);
+  ferry_ctx_close(c);
+}
+
+static void test_unreachable(void **state) {
+  ferry_ctx *c = open_ctx("alone", NULL);
+  char url[80];
+  ferry_store_opts o = {.size = sizeof o, .directory = url};
+  ferry_store *s = (ferry_store *)0x1;
+  snprintf(url, sizeof url, "redis://127.0.0.1:%d", su_free_port());
+  assert_int_equal(ferry_store_open(c, &o, &s), FERRY_ECONNECT);
+  assert_non_null(strstr(ferry_last_error(), "cannot reach Redis"));
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", su_free_port());
+  assert_int_equal(ferry_store_open(c, &o, &s), FERRY_ECONNECT);
+  assert_non_null(strstr(ferry_last_error(), "ferry serve"));
+  assert_ptr_equal(s, (ferry_store *)0x1);
+  ferry_ctx_close(c);
+}
+
+/* ---- producer and consumer in separate processes ---- */
+
+typedef struct producer {
+  char url[80];
+  char key[64];
+  uint64_t bytes;
+  uint64_t seed;
+  int lease_ms;
+  bool in_place;
+  bool churn; /* keep re-putting uniform buffers until told to stop */
+  tu_pipe ready, quit;
+} producer;
+
+static int churn(ferry_store *s, producer *p, ferry_tensor_desc *d, uint8_t *buf) {
+  for (uint8_t v = 1;; v++) {
+    memset(buf, v, p->bytes);
+    if (ferry_store_put(s, p->key, d, buf, FERRY_STORE_PUT_COPY, -1) != 0)
+      return 3;
+    char c;
+    if (tu_pipe_get(&p->quit, &c, 1, 0) == 0)
+      return 0;
+  }
+}
+
+static int producer_main(void *arg) {
+  producer *p = arg;
+  ferry_ctx *c = open_ctx("producer", NULL);
+  ferry_store *s = open_store(c, p->url, 0, p->bytes * 3 + MiB, p->lease_ms);
+  ferry_tensor_desc d = u8_desc(p->bytes / 1024, 1024);
+  uint8_t *buf = NULL;
+  if (p->in_place)
+    FR_OK(ferry_alloc(c, p->bytes, (void **)&buf));
+  else
+    buf = malloc(p->bytes);
+  tu_fill(buf, p->bytes, p->seed);
+  FR_OK(ferry_store_put(s, p->key, &d, buf, 0, -1));
+  tu_pipe_put(&p->ready, "R", 1);
+  int rc = 0;
+  if (p->churn)
+    rc = churn(s, p, &d, buf);
+  else {
+    char ch;
+    tu_pipe_get(&p->quit, &ch, 1, 60000);
+  }
+  ferry_store_close(s);
+  ferry_ctx_close(c);
+  return rc;
+}
+
+static pid_t start_producer(producer *p) {
+  tu_pipe_open(&p->ready);
+  tu_pipe_open(&p->quit);
+  pid_t pid = tu_spawn(producer_main, p);
+  char c;
+  assert_int_equal(tu_pipe_get(&p->ready, &c, 1, 20000), 0);
+  return pid;
+}
+
+static void test_processes(void **state) {
+  int port = su_free_port();
+  pid_t dir = start_directory(port);
+  producer p = {.bytes = 4 * MiB, .seed = 42, .in_place = true};
+  snprintf(p.url, sizeof p.url, "ferry://127.0.0.1:%d", port);
+  snprintf(p.key, sizeof p.key, "proc/in-place");
+  pid_t pid = start_producer(&p);
+  ferry_ctx *c = open_ctx("consumer", NULL);
+  ferry_store *s = open_store(c, p.url, 0, MiB, 0);
+  uint8_t *dst = malloc(p.bytes);
+  ferry_store_info info = {.size = sizeof info};
+  for (int i = 0; i < 3; i++) {
+    memset(dst, 0, p.bytes);
+    FR_OK(ferry_store_get(s, "proc/in-place", NULL, dst, p.bytes, &info, -1));
+    assert_true(pattern_ok(dst, p.bytes, 42));
+  }
+  assert_string_equal(info.owner, "producer");
+  /* the producer closes its store: its objects leave with it */
+  tu_pipe_put(&p.quit, "Q", 1);
+  assert_int_equal(tu_wait(pid), 0);
+  assert_int_equal(ferry_store_get(s, "proc/in-place", NULL, dst, p.bytes, NULL, -1),
+                   FERRY_ENOTFOUND);
+  tu_pipe_close(&p.ready);
+  tu_pipe_close(&p.quit);
+  free(dst);
+  ferry_store_close(s);
+  ferry_ctx_close(c);
+  stop_child(dir);
+}
+
+/* Replaced over and over while read: every get is one whole version, never a mix. */
+static void test_never_torn(void **state) {
+  int port = su_free_port();
+  pid_t dir = start_directory(port);
+  producer p = {.bytes = MiB, .seed = 1, .churn = true};
+  snprintf(p.url, sizeof p.url, "ferry://127.0.0.1:%d", port);
+  snprintf(p.key, sizeof p.key, "churn");
+  pid_t pid = start_producer(&p);
+  ferry_ctx *c = open_ctx("reader", NULL);
+  ferry_store *s = open_store(c, p.url, 0, MiB, 0);
+  uint8_t *dst = malloc(p.bytes);
+  int ok = 0, stale = 0;
+  for (int i = 0; i < 400; i++) {
+    int rc = ferry_store_get(s, "churn", NULL, dst, p.bytes, NULL, 5000);
+    if (rc == FERRY_ESTALE) {
+      stale++;
+      continue;
+    }
+    FR_OK(rc);
+    for (size_t j = 1; j < p.bytes; j++)
+      if (dst[j] != dst[0])
+        fail_msg("torn read: byte %zu is %u, byte 0 is %u", j, dst[j], dst[0]);
+    ok++;
+  }
+  assert_true(ok > 0);
+  tu_pipe_put(&p.quit, "Q", 1);
+  assert_int_equal(tu_wait(pid), 0);
+  print_message("never torn: %d whole reads, %d ESTALE\n", ok, stale);
+  tu_pipe_close(&p.ready);
+  tu_pipe_close(&p.quit);
+  free(dst);
+  ferry_store_close(s);
+  ferry_ctx_close(c);
+  stop_child(dir);
+}
+
+typedef struct getter {
+  ferry_store *s;
+  uint64_t bytes;
+  bool stop;
+  int ok, failed, last_rc;
+  bool bad_data;
+} getter;
+
+static void *get_loop(void *arg) {
+  getter *g = arg;
+  uint8_t *dst = malloc(g->bytes);
+  while (!__atomic_load_n(&g->stop, __ATOMIC_ACQUIRE)) {
+    int rc = ferry_store_get(g->s, "victim", NULL, dst, g->bytes, NULL, 3000);
+    if (rc == 0) {
+      g->ok++;
+      if (!pattern_ok(dst, g->bytes, 7))
+        g->bad_data = true;
+    } else {
+      g->failed++;
+      g->last_rc = rc;
+      assert_true(rc == FERRY_EPEER || rc == FERRY_ENOTFOUND || rc == FERRY_ESTALE);
+    }
+  }
+  free(dst);
+  return NULL;
+}
+
+static void test_owner_killed(void **state) {
+  int port = su_free_port();
+  pid_t dir = start_directory(port);
+  producer p = {.bytes = 16 * MiB, .seed = 7, .lease_ms = 600};
+  snprintf(p.url, sizeof p.url, "ferry://127.0.0.1:%d", port);
+  snprintf(p.key, sizeof p.key, "victim");
+  pid_t pid = start_producer(&p);
+  ferry_ctx *c = open_ctx("survivor", NULL);
+  ferry_store *s = open_store(c, p.url, 0, MiB, 0);
+  getter g = {.s = s, .bytes = p.bytes};
+  pthread_t t;
+  pthread_create(&t, NULL, get_loop, &g);
+  while (__atomic_load_n(&g.ok, __ATOMIC_ACQUIRE) < 3)
+    su_sleep_ms(1);
+  kill(pid, SIGKILL); /* in the middle of the reader's gets */
+  assert_int_equal(tu_wait(pid), 128 + SIGKILL);
+  /* the record vanishes when the lease lapses; meanwhile gets fail clearly, never hang */
+  uint8_t one[16];
+  int rc = 0;
+  for (int i = 0; i < 1000 && rc != FERRY_ENOTFOUND; i++) {
+    rc = ferry_store_get(s, "victim", NULL, one, sizeof one, NULL, 3000);
+    if (rc != FERRY_ENOTFOUND)
+      su_sleep_ms(10);
+  }
+  __atomic_store_n(&g.stop, true, __ATOMIC_RELEASE);
+  pthread_join(t, NULL);
+  assert_int_equal(rc, FERRY_ENOTFOUND);
+  assert_false(g.bad_data);
+  assert_true(g.failed > 0);
+  print_message("owner killed: %d good gets, %d failed (last: %s)\n", g.ok, g.failed,
+                ferry_status_name(g.last_rc));
+  tu_pipe_close(&p.ready);
+  tu_pipe_close(&p.quit);
+  ferry_store_close(s);
+  ferry_ctx_close(c);
+  stop_child(dir);
+}
+
+static void test_directory_restart(void **state) {
+  int port = su_free_port();
+  pid_t dir = start_directory(port);
+  producer p = {.bytes = MiB, .seed = 11, .lease_ms = 900};
+  snprintf(p.url, sizeof p.url, "ferry://127.0.0.1:%d", port);
+  snprintf(p.key, sizeof p.key, "persistent");
+  pid_t pid = start_producer(&p);
+  ferry_ctx *c = open_ctx("consumer2", NULL);
+  ferry_store *s = open_store(c, p.url, 0, MiB, 900);
+  uint8_t *dst = malloc(p.bytes);
+  FR_OK(ferry_store_get(s, "persistent", NULL, dst, p.bytes, NULL, -1));
+  stop_child(dir);
+  dir = start_directory(port);
+  /* the producer notices, registers again and re-publishes: the store keeps working */
+  int rc = -1;
+  for (int i = 0; i < 1000 && rc != 0; i++) {
+    rc = ferry_store_get(s, "persistent", NULL, dst, p.bytes, NULL, 2000);
+    if (rc != 0)
+      su_sleep_ms(10);
+  }
+  FR_OK(rc);
+  assert_true(pattern_ok(dst, p.bytes, 11));
+  /* and the consumer's own puts work against the new directory too */
+  ferry_tensor_desc d = u8_desc(1, 16);
+  FR_OK(ferry_store_put(s, "after-restart", &d, dst, 0, -1));
+  assert_int_equal(ferry_store_exists(s, "after-restart", -1), 1);
+  tu_pipe_put(&p.quit, "Q", 1);
+  assert_int_equal(tu_wait(pid), 0);
+  tu_pipe_close(&p.ready);
+  tu_pipe_close(&p.quit);
+  free(dst);
+  ferry_store_close(s);
+  ferry_ctx_close(c);
+  stop_child(dir);
+}
+
+/* ---- across network namespaces, over tcp ---- */
+
+#define NS_A "ferry-st-a"
+#define NS_B "ferry-st-b"
+#define IP_A "10.231.7.1"
+#define IP_B "10.231.7.2"
+#define NS_PORT "7791"
+
+static int sh(const char *cmd) {
+  char full[512];
+  snprintf(full, sizeof full, "%s >/dev/null 2>&1", cmd);
+  return system(full);
+}
+
+static void netns_down(void) {
+  sh("ip netns del " NS_A);
+  sh("ip netns del " NS_B);
+}
+
+static bool netns_up(void) {
+  netns_down();
+  const char *cmds[] = {
+      "ip netns add " NS_A,
+      "ip netns add " NS_B,
+      "ip link add fst-a type veth peer name fst-b",
+      "ip link set fst-a netns " NS_A,
+      "ip link set fst-b netns " NS_B,
+      "ip -n " NS_A " addr add " IP_A "/30 dev fst-a",
+      "ip -n " NS_B " addr add " IP_B "/30 dev fst-b",
+      "ip -n " NS_A " link set fst-a up",
+      "ip -n " NS_B " link set fst-b up",
+      "ip -n " NS_A " link set lo up",
+      "ip -n " NS_B " link set lo up",
+  };
+  for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
+    if (sh(cmds[i]) != 0) {
+      fprintf(stderr, "SKIP netns part: `%s` failed (needs root and CAP_NET_ADMIN)\n", cmds[i]);
+      netns_down();
+      return false;
+    }
+  return true;
+}
+
+/* In NS_A: host the directory, publish, wait for stdin to close. */
+static int role_owner(void) {
+  ferry_ctx *c = open_ctx("ns-owner", IP_A ":" NS_PORT);
+  ferry_store_opts o = {
+      .size = sizeof o, .capacity = 16 * MiB, .flags = FERRY_STORE_HOST_DIRECTORY};
+  ferry_store *s;
+  if (ferry_store_open(c, &o, &s) != 0)
+    return 2;
+  uint8_t *buf = malloc(8 * MiB);
+  tu_fill(buf, 8 * MiB, 77);
+  ferry_tensor_desc d = u8_desc(8 * 1024, 1024);
+  if (ferry_store_put(s, "ns/obj", &d, buf, 0, -1) != 0)
+    return 3;
+  printf("ready\n");
+  fflush(stdout);
+  char line[8];
+  while (fgets(line, sizeof line, stdin))
+    ;
+  ferry_store_close(s);
+  ferry_ctx_close(c);
+  free(buf);
+  return 0;
+}
+
+/* In NS_B: read it over tcp (shm cannot reach across namespaces). */
+static int role_reader(void) {
+  ferry_ctx_opts co = {.size = sizeof co, .name = "ns-reader", .tcp_listen = IP_B ":0"};
+  ferry_ctx *c;
+  if (ferry_ctx_open(&co, &c) != 0)
+    return 2;
+  ferry_store_opts o = {
+      .size = sizeof o, .directory = "ferry://" IP_A ":" NS_PORT, .capacity = MiB};
+  ferry_store *s;
+  if (ferry_store_open(c, &o, &s) != 0) {
+    fprintf(stderr, "reader: %s\n", ferry_last_error());
+    return 3;
+  }
+  for (int i = 0; i < 500 && ferry_store_exists(s, "ns/obj", -1) != 1; i++)
+    su_sleep_ms(20); /* the owner may still be publishing */
+  uint8_t *dst = malloc(8 * MiB);
+  int rc = ferry_store_get(s, "ns/obj", NULL, dst, 8 * MiB, NULL, -1);
+  if (rc != 0)
+    fprintf(stderr, "reader: %s\n", ferry_last_error());
+  int result = rc != 0 ? 4 : pattern_ok(dst, 8 * MiB, 77) ? 0 : 5;
+  free(dst);
+  ferry_store_close(s);
+  ferry_ctx_close(c);
+  return result;
+}
+
+static void test_netns(void **state) {
+  if (!netns_up())
+    return;
+  char cmd[8192];
+  snprintf(cmd, sizeof cmd, "ip netns exec " NS_A " %s --role owner", self_exe);
+  FILE *owner = popen(cmd, "w"); /* its stdin: closing it ends the owner */
+  assert_non_null(owner);
+  /* wait for the directory port to answer inside NS_B, then read from there */
+  snprintf(cmd, sizeof cmd,
+           "for i in $(seq 200); do ip netns exec " NS_B " bash -c 'echo > /dev/tcp/" IP_A
+           "/" NS_PORT "' 2>/dev/null && break; sleep 0.05; "
+           "done; ip netns exec " NS_B " %s --role reader",
+           self_exe);
+  int rc = system(cmd);
+  pclose(owner);
+  netns_down();
+  assert_int_equal(WEXITSTATUS(rc), 0);
+}
+
+int main(int argc, char **argv) {
+  ssize_t n = readlink("/proc/self/exe", self_exe, sizeof self_exe - 1);
+  self_exe[n > 0 ? n : 0] = '\0';
+  if (argc == 3 && strcmp(argv[1], "--role") == 0)
+    return strcmp(argv[2], "owner") == 0 ? role_owner() : role_reader();
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_embedded),          cmocka_unit_test(test_redis),
+      cmocka_unit_test(test_unreachable),       cmocka_unit_test(test_processes),
+      cmocka_unit_test(test_never_torn),        cmocka_unit_test(test_owner_killed),
+      cmocka_unit_test(test_directory_restart), cmocka_unit_test(test_netns),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
