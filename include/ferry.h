@@ -573,6 +573,92 @@ FERRY_API int ferry_store_exists(ferry_store *store, const char *key, int timeou
 FERRY_API int ferry_store_stat(ferry_store *store, const char *key, ferry_store_info *out,
                                int timeout_ms);
 
+/* ---------------------------------------------------------------------------------------------
+ * Refit: push each weight version from a trainer (the sender) to every inference engine (the
+ * receivers). The sender declares its tensors once and seals: ferry lays them out in one flat
+ * wire buffer cut into buckets under a byte budget (the plan) and hands that manifest to each
+ * receiver once, when it attaches. A push then only moves bytes: bucket i+1 is packed while
+ * bucket i moves, each bucket carries an XXH3 checksum, and a receiver commits a version only
+ * when every bucket of it arrived and verified. One sender and one receiver per ferry_ctx.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct ferry_refit_sender ferry_refit_sender;
+typedef struct ferry_refit_receiver ferry_refit_receiver;
+
+typedef struct ferry_refit_opts {
+  size_t size;           /* sizeof(ferry_refit_opts) */
+  uint64_t bucket_bytes; /* 0: FERRY_REFIT_BUFFER_BYTES, or FERRY_REFIT_BUFFER_RATIO of free
+                            memory when that is set; two buckets are allocated */
+} ferry_refit_opts;
+
+/* Opens a sender on ctx; receivers attach to ferry_ctx_address(ctx). `name` (copied) names it
+ * in errors and logs. FERRY_EBUSY when ctx already has a sender. */
+FERRY_API int ferry_refit_sender_open(ferry_ctx *ctx, const char *name,
+                                      const ferry_refit_opts *opts, ferry_refit_sender **out);
+/* Detaches every receiver and frees the buckets; the declared tensors stay the caller's. */
+FERRY_API void ferry_refit_sender_close(ferry_refit_sender *sender);
+/* Declares a tensor: its name (copied; unique), dtype and shape, and where its bytes live (the
+ * caller keeps them valid and may change them between pushes). `send_as` casts on the sender:
+ * FERRY_DTYPE_INVALID sends as is; float32→bfloat16/float16, and float32 or bfloat16→
+ * float8_e4m3 with a per-tensor scale (max |x| / 448 when sealed) that the manifest carries.
+ * FERRY_EEXIST for a second tensor of the same name, FERRY_EDTYPE for a cast ferry lacks. */
+FERRY_API int ferry_refit_declare(ferry_refit_sender *sender, const char *name,
+                                  const ferry_tensor_desc *desc, const void *data,
+                                  ferry_dtype send_as);
+/* Builds the manifest and bucket plan. Sealing again after declaring more (or re-declaring a
+ * tensor with another dtype or shape) starts a new manifest generation that receivers pick up
+ * with the next push. */
+FERRY_API int ferry_refit_seal(ferry_refit_sender *sender);
+
+typedef struct ferry_refit_push_opts {
+  size_t size;              /* sizeof(ferry_refit_push_opts) */
+  const char *const *only;  /* push only these tensors (NULL: all) */
+  size_t n_only;
+  int skip_unchanged;       /* skip buckets whose checksum equals the last push's */
+  int timeout_ms;           /* negative: FERRY_TIMEOUT_MS */
+} ferry_refit_push_opts;
+
+/* Pushes the declared tensors' current bytes as `version` (greater than the last) to every
+ * attached receiver and returns when each one committed it. Receivers that fail (died, timed
+ * out, refused a checksum) are named in ferry_last_error() and the call returns their first
+ * error; the others commit. With no receiver attached it returns 0 at once. */
+FERRY_API int ferry_refit_push(ferry_refit_sender *sender, uint64_t version,
+                               const ferry_refit_push_opts *opts);
+/* How many receivers are attached now. */
+FERRY_API size_t ferry_refit_receivers(ferry_refit_sender *sender);
+
+/* Attaches to the sender at `address` (its ctx address) and receives its manifest.
+ * FERRY_EBUSY when ctx already has a receiver. */
+FERRY_API int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_ms,
+                                        ferry_refit_receiver **out);
+FERRY_API void ferry_refit_receiver_close(ferry_refit_receiver *receiver);
+/* The manifest: how many tensors, and each one's name (owned by the receiver) and descriptor
+ * as it arrives (the wire dtype, after the sender's cast). */
+FERRY_API size_t ferry_refit_tensor_count(ferry_refit_receiver *receiver);
+FERRY_API int ferry_refit_tensor_info(ferry_refit_receiver *receiver, size_t i, const char **name,
+                                      ferry_tensor_desc *desc);
+/* Binds a tensor to the caller's memory (kept valid by the caller until close or rebind).
+ * FERRY_ENOTFOUND, or FERRY_EDTYPE / FERRY_ESHAPE naming the tensor when desc does not match
+ * what the sender sends. Tensors left unbound are not stored. */
+FERRY_API int ferry_refit_bind(ferry_refit_receiver *receiver, const char *name, void *dst,
+                               const ferry_tensor_desc *desc);
+/* Instead of binding: one flat buffer (ferry shared memory, owned by the receiver) that receives
+ * every tensor in place; ferry_refit_view() gives a tensor's address in it. */
+FERRY_API int ferry_refit_bind_flat(ferry_refit_receiver *receiver);
+FERRY_API int ferry_refit_view(ferry_refit_receiver *receiver, const char *name, void **out);
+/* Called on the receiver's thread after each bucket verified and landed (engines that load
+ * while buckets arrive). Bucket indices refer to the manifest's plan. */
+typedef void (*ferry_refit_bucket_fn)(ferry_refit_receiver *receiver, uint64_t version,
+                                      uint32_t bucket, void *arg);
+FERRY_API void ferry_refit_on_bucket(ferry_refit_receiver *receiver, ferry_refit_bucket_fn fn,
+                                     void *arg);
+/* Waits until the committed version is at least `version` (0: the latest version the sender
+ * has pushed, as far as this receiver knows, and at least one) and writes it to *committed.
+ * FERRY_ETIMEDOUT otherwise, with *committed (when not NULL) set to the version in force. */
+FERRY_API int ferry_refit_wait(ferry_refit_receiver *receiver, uint64_t version, int timeout_ms,
+                               uint64_t *committed);
+/* The last committed version (0: none yet). */
+FERRY_API uint64_t ferry_refit_committed(ferry_refit_receiver *receiver);
+
 #ifdef __cplusplus
 }
 #endif

@@ -21,6 +21,24 @@ pid_t tu_spawn(int (*fn)(void *arg), void *arg) {
   return pid;
 }
 
+pid_t tu_spawn_exec(const char *arg1, ...) {
+  char *argv[16] = {"/proc/self/exe", (char *)arg1};
+  va_list ap;
+  va_start(ap, arg1);
+  for (int i = 2; i < 15 && (argv[i] = va_arg(ap, char *)); i++)
+    ;
+  va_end(ap);
+  argv[15] = NULL;
+  fflush(NULL);
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    execv("/proc/self/exe", argv);
+    _exit(127);
+  }
+  return pid;
+}
+
 int tu_wait(pid_t pid) {
   int st = 0;
   while (waitpid(pid, &st, 0) < 0)

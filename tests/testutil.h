@@ -27,6 +27,9 @@
 
 /* Forks a child that runs fn(arg) and _exit()s with its return value. */
 pid_t tu_spawn(int (*fn)(void *arg), void *arg);
+/* Starts this test binary again as a helper process (fork + exec, so it is safe from a
+ * multi-threaded parent): argv[0] is replaced by /proc/self/exe; the list ends with NULL. */
+pid_t tu_spawn_exec(const char *arg1, ...);
 /* Waits for a child; returns its exit status, or 128+signal if it was killed. */
 int tu_wait(pid_t pid);
 /* A pipe pair for parent/child hand-offs of small strings. */

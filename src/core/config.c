@@ -19,6 +19,8 @@
   X("FERRY_MAX_MESSAGE", "1073741824", "largest message or one-sided transfer accepted, bytes")    \
   X("FERRY_SHM_RING_BYTES", "1048576",                                                             \
     "bytes of each direction's ring on a shm link (power of 2)")                                   \
+  X("FERRY_REFIT_BUFFER_BYTES", "67108864", "refit bucket size in bytes (two are allocated)")      \
+  X("FERRY_REFIT_BUFFER_RATIO", "", "if set (0..1): refit buckets take this share of free memory") \
   X("FERRY_SPIN_US", "200", "microseconds a waiter spins before it sleeps (latency vs. CPU)")      \
   X("FERRY_CTL_DIR", "/dev/shm", "directory of control cells (ferry-ctl-NAME files)")              \
   X("FERRY_CTL_CHECK_MS", "100", "how often a waiting controller checks that ranks are alive")     \

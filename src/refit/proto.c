@@ -1,0 +1,78 @@
+/*
+ * Encoding and validation of refit protocol messages (proto.h).
+ */
+#include "refit/proto.h"
+#include "core/channels.h"
+#include "core/core.h"
+#include "transport/wire.h"
+
+#include <string.h>
+
+void fr_refit_msg_encode(const fr_refit_msg_t *m, uint8_t out[FR_REFIT_MSG_BYTES]) {
+  fr_put_u32(out, m->type);
+  fr_put_u32(out + 4, m->bucket);
+  fr_put_u32(out + 8, m->generation);
+  fr_put_u32(out + 12, m->buffer);
+  fr_put_u32(out + 16, m->flags);
+  fr_put_u32(out + 20, (uint32_t)m->status);
+  fr_put_u64(out + 24, m->version);
+  fr_put_u64(out + 32, m->bytes);
+  fr_put_u64(out + 40, m->checksum);
+  memset(out + 48, 0, 8);
+}
+
+int fr_refit_msg_decode(const uint8_t *in, size_t len, fr_refit_msg_t *out) {
+  if (len != FR_REFIT_MSG_BYTES)
+    return fr_err(FERRY_EPROTO, "refit message of %zu bytes", len);
+  fr_refit_msg_t m = {
+      .type = fr_get_u32(in),
+      .bucket = fr_get_u32(in + 4),
+      .generation = fr_get_u32(in + 8),
+      .buffer = fr_get_u32(in + 12),
+      .flags = fr_get_u32(in + 16),
+      .status = (int32_t)fr_get_u32(in + 20),
+      .version = fr_get_u64(in + 24),
+      .bytes = fr_get_u64(in + 32),
+      .checksum = fr_get_u64(in + 40),
+  };
+  if (m.type < FR_REFIT_BUCKET || m.type > FR_REFIT_DETACH)
+    return fr_err(FERRY_EPROTO, "refit message type %u", m.type);
+  if (m.buffer > 1 || (m.flags & ~FR_REFIT_UNCHANGED) || m.status > 0)
+    return fr_err(FERRY_EPROTO, "refit message: bad field");
+  *out = m;
+  return 0;
+}
+
+void fr_refit_attach_head_encode(const fr_refit_attach_reply *r,
+                                 uint8_t out[FR_REFIT_ATTACH_HEAD]) {
+  memset(out, 0, FR_REFIT_ATTACH_HEAD);
+  fr_put_u32(out, (uint32_t)r->status);
+  fr_put_u64(out + 8, r->latest);
+  for (int i = 0; i < 2; i++) {
+    fr_put_u64(out + 16 + 24 * i, r->buffers[i].id);
+    fr_put_u64(out + 24 + 24 * i, r->buffers[i].key);
+    fr_put_u64(out + 32 + 24 * i, r->buffers[i].size);
+  }
+}
+
+int fr_refit_attach_decode(const uint8_t *in, size_t len, fr_refit_attach_reply *out) {
+  if (len < FR_REFIT_ATTACH_HEAD)
+    return fr_err(FERRY_EPROTO, "refit attach reply of %zu bytes", len);
+  fr_refit_attach_reply r = {.status = (int32_t)fr_get_u32(in), .latest = fr_get_u64(in + 8)};
+  for (int i = 0; i < 2; i++)
+    r.buffers[i] = (ferry_region_ref){fr_get_u64(in + 16 + 24 * i), fr_get_u64(in + 24 + 24 * i),
+                                      fr_get_u64(in + 32 + 24 * i)};
+  r.manifest = in + FR_REFIT_ATTACH_HEAD;
+  r.manifest_len = len - FR_REFIT_ATTACH_HEAD;
+  if (r.status > 0)
+    return fr_err(FERRY_EPROTO, "refit attach reply: bad status");
+  *out = r;
+  return 0;
+}
+
+int fr_refit_send(ferry_link *link, const fr_refit_msg_t *m, int timeout_ms) {
+  uint8_t buf[FR_REFIT_MSG_BYTES];
+  fr_refit_msg_encode(m, buf);
+  struct iovec iov = {buf, sizeof buf};
+  return ferry_send(link, FR_CHANNEL_REFIT, &iov, 1, timeout_ms);
+}

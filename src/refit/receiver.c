@@ -1,0 +1,364 @@
+/*
+ * The refit receiver: attaches to a sender (one call that returns the manifest and where the
+ * sender's bucket buffers are), binds destinations, and runs a service thread that reads each
+ * announced bucket (over shm one memcpy from the sender's buffer, over tcp one read), verifies
+ * its checksum, puts each tensor's part where it is bound, and commits a version only when every
+ * bucket of it verified.
+ */
+#include "refit/refit.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct ferry_refit_receiver {
+  ferry_ctx *ctx;
+  ferry_link *link;
+  fr_refit_plan plan;
+  ferry_region_ref buf[2];
+  void **bound;  /* per tensor: the caller's destination, or NULL */
+  uint8_t *flat; /* ferry_alloc'd flat buffer, or NULL */
+  uint8_t *stage;
+  ferry_refit_bucket_fn on_bucket;
+  void *on_bucket_arg;
+
+  pthread_mutex_t bind_lock; /* bound, flat: held by the service thread while a bucket lands */
+  pthread_mutex_t lock;      /* the versions below */
+  pthread_cond_t cond;
+  uint64_t committed, latest_known;
+  uint64_t receiving; /* version whose buckets are arriving */
+  uint32_t verified;
+  int failure;
+  bool stop;
+  pthread_t service;
+};
+
+static ferry_ctx *receiver_ctxs[64];
+static pthread_mutex_t receiver_ctxs_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int claim_ctx(ferry_ctx *ctx, bool claim) {
+  pthread_mutex_lock(&receiver_ctxs_lock);
+  int slot = -1, rc = 0;
+  for (int i = 0; i < 64; i++) {
+    if (receiver_ctxs[i] == ctx) {
+      rc = claim ? fr_err(FERRY_EBUSY, "this context already has a refit receiver") : 0;
+      if (!claim)
+        receiver_ctxs[i] = NULL;
+      pthread_mutex_unlock(&receiver_ctxs_lock);
+      return rc;
+    }
+    if (!receiver_ctxs[i] && slot < 0)
+      slot = i;
+  }
+  if (claim && slot < 0)
+    rc = fr_err(FERRY_EBUSY, "too many refit receivers in this process");
+  else if (claim)
+    receiver_ctxs[slot] = ctx;
+  pthread_mutex_unlock(&receiver_ctxs_lock);
+  return rc;
+}
+
+/* ---- receiving a push (service thread) ---- */
+
+static void scatter(ferry_refit_receiver *r, uint32_t b, const uint8_t *bucket) {
+  const fr_refit_plan *p = &r->plan;
+  for (uint32_t e = fr_refit_first_entry(p, b); e < p->count; e++) {
+    uint64_t wire_off, bucket_off, n = fr_refit_overlap(p, e, b, &wire_off, &bucket_off);
+    if (n == 0)
+      break;
+    if (r->bound[e])
+      memcpy((uint8_t *)r->bound[e] + wire_off, bucket + bucket_off, n);
+  }
+}
+
+static int take_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
+  if (m->generation != r->plan.generation)
+    return fr_err(FERRY_ESTALE,
+                  "refit: the sender re-sealed (manifest generation %u, ours %u); "
+                  "reopen the receiver",
+                  m->generation, r->plan.generation);
+  if (m->bucket >= r->plan.buckets || m->bytes != fr_refit_bucket_len(&r->plan, m->bucket))
+    return fr_err(FERRY_EPROTO, "refit: bucket %u of %llu bytes is not in the plan", m->bucket,
+                  (unsigned long long)m->bytes);
+  if (m->flags & FR_REFIT_UNCHANGED)
+    return 0;
+  uint8_t *dst = r->flat ? r->flat + (uint64_t)m->bucket * r->plan.bucket_bytes : r->stage;
+  int rc = ferry_read(r->link, &r->buf[m->buffer], 0, dst, m->bytes, -1);
+  if (rc != 0)
+    return rc;
+  if (ferry_checksum(dst, m->bytes) != m->checksum)
+    return fr_err(FERRY_ECHECKSUM, "refit: bucket %u of version %llu does not match its checksum",
+                  m->bucket, (unsigned long long)m->version);
+  if (!r->flat)
+    scatter(r, m->bucket, dst);
+  return 0;
+}
+
+static void on_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
+  if (m->version != r->receiving) {
+    r->receiving = m->version;
+    r->verified = 0;
+    r->failure = 0;
+  }
+  pthread_mutex_lock(&r->bind_lock);
+  int rc = r->failure ? r->failure : take_bucket(r, m);
+  pthread_mutex_unlock(&r->bind_lock);
+  if (rc != 0 && !r->failure) {
+    fr_warn("%s", ferry_last_error());
+    r->failure = rc;
+  }
+  if (rc == 0) {
+    r->verified++;
+    if (r->on_bucket && !(m->flags & FR_REFIT_UNCHANGED))
+      r->on_bucket(r, m->version, m->bucket, r->on_bucket_arg);
+  }
+  fr_refit_msg_t ack = {
+      .type = FR_REFIT_ACK, .version = m->version, .bucket = m->bucket, .status = rc};
+  fr_refit_send(r->link, &ack, -1);
+}
+
+static void on_commit(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
+  int status = m->version != r->receiving && m->bytes > 0 ? FERRY_EPROTO
+               : r->failure                               ? r->failure
+               : r->verified != m->bytes                  ? FERRY_EPROTO
+                                                          : 0;
+  pthread_mutex_lock(&r->lock);
+  if (status == 0)
+    r->committed = m->version;
+  if (m->version > r->latest_known)
+    r->latest_known = m->version;
+  pthread_cond_broadcast(&r->cond);
+  pthread_mutex_unlock(&r->lock);
+  if (status != 0)
+    fr_warn("refit: version %llu not committed (%s); keeping %llu", (unsigned long long)m->version,
+            ferry_strerror(status), (unsigned long long)r->committed);
+  r->receiving = 0;
+  fr_refit_msg_t done = {.type = FR_REFIT_COMMITTED, .version = m->version, .status = status};
+  fr_refit_send(r->link, &done, -1);
+}
+
+static void *service_main(void *arg) {
+  ferry_refit_receiver *r = arg;
+  while (!__atomic_load_n(&r->stop, __ATOMIC_ACQUIRE)) {
+    ferry_msg *msg;
+    int rc = ferry_recv(r->ctx, FR_CHANNEL_REFIT, &msg, 100);
+    if (rc == FERRY_ECLOSED)
+      return NULL;
+    if (rc != 0)
+      continue;
+    fr_refit_msg_t m;
+    if (msg->link != r->link || fr_refit_msg_decode(msg->data, msg->len, &m) != 0)
+      fr_warn("refit: dropped a message that is not from our sender or is malformed");
+    else if (m.type == FR_REFIT_BUCKET)
+      on_bucket(r, &m);
+    else if (m.type == FR_REFIT_COMMIT)
+      on_commit(r, &m);
+    ferry_msg_free(msg);
+  }
+  return NULL;
+}
+
+/* ---- attach ---- */
+
+static int attach(ferry_refit_receiver *r, const char *address, int timeout_ms) {
+  int rc = ferry_connect(r->ctx, address, timeout_ms, &r->link);
+  if (rc != 0)
+    return rc;
+  uint8_t type[4] = {FR_REFIT_ATTACH, 0, 0, 0};
+  struct iovec iov = {type, sizeof type};
+  ferry_msg *reply;
+  if ((rc = ferry_call(r->link, FR_CHANNEL_REFIT, &iov, 1, &reply, timeout_ms)) != 0)
+    return fr_err(rc, "refit: attach to %s: %s", address, ferry_last_error());
+  fr_refit_attach_reply a;
+  rc = fr_refit_attach_decode(reply->data, reply->len, &a);
+  if (rc == 0 && a.status != 0)
+    rc = fr_err(a.status, "refit: the sender at %s refused (%s)", address,
+                a.status == FERRY_ESTATE ? "not sealed yet" : ferry_strerror(a.status));
+  if (rc == 0)
+    rc = fr_refit_manifest_decode(a.manifest, a.manifest_len, &r->plan);
+  if (rc == 0) {
+    memcpy(r->buf, a.buffers, sizeof r->buf);
+    r->latest_known = a.latest;
+    r->bound = calloc(r->plan.count ? r->plan.count : 1, sizeof *r->bound);
+    r->stage = malloc(r->plan.bucket_bytes);
+    if (!r->bound || !r->stage)
+      rc = fr_err(FERRY_ENOMEM, "refit: receiver buffers");
+  }
+  ferry_msg_free(reply);
+  return rc;
+}
+
+static void receiver_free(ferry_refit_receiver *r) {
+  ferry_link_close(r->link);
+  if (r->flat)
+    ferry_free(r->ctx, r->flat);
+  fr_refit_plan_free(&r->plan);
+  free(r->bound);
+  free(r->stage);
+  pthread_mutex_destroy(&r->lock);
+  pthread_mutex_destroy(&r->bind_lock);
+  pthread_cond_destroy(&r->cond);
+  claim_ctx(r->ctx, false);
+  free(r);
+}
+
+int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_ms,
+                              ferry_refit_receiver **out) {
+  if (!ctx || !address || !out)
+    return fr_err(FERRY_EINVAL, "ferry_refit_receiver_open: NULL argument");
+  int rc = claim_ctx(ctx, true);
+  if (rc != 0)
+    return rc;
+  ferry_refit_receiver *r = calloc(1, sizeof *r);
+  if (!r) {
+    claim_ctx(ctx, false);
+    return fr_err(FERRY_ENOMEM, "refit receiver");
+  }
+  r->ctx = ctx;
+  pthread_mutex_init(&r->lock, NULL);
+  pthread_mutex_init(&r->bind_lock, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&r->cond, &ca);
+  pthread_condattr_destroy(&ca);
+  rc = attach(r, address, fr_timeout(timeout_ms));
+  if (rc == 0 && pthread_create(&r->service, NULL, service_main, r) != 0)
+    rc = fr_err(FERRY_ESYS, "refit receiver: cannot start its thread");
+  if (rc != 0) {
+    char detail[512];
+    snprintf(detail, sizeof detail, "%s", ferry_last_error());
+    receiver_free(r);
+    return fr_err(rc, "%s", detail);
+  }
+  *out = r;
+  return 0;
+}
+
+void ferry_refit_receiver_close(ferry_refit_receiver *r) {
+  if (!r)
+    return;
+  fr_refit_msg_t bye = {.type = FR_REFIT_DETACH};
+  fr_refit_send(r->link, &bye, 1000);
+  __atomic_store_n(&r->stop, true, __ATOMIC_RELEASE);
+  pthread_join(r->service, NULL);
+  receiver_free(r);
+}
+
+/* ---- the manifest and bindings ---- */
+
+size_t ferry_refit_tensor_count(ferry_refit_receiver *r) { return r ? r->plan.count : 0; }
+
+int ferry_refit_tensor_info(ferry_refit_receiver *r, size_t i, const char **name,
+                            ferry_tensor_desc *desc) {
+  if (!r || i >= r->plan.count)
+    return fr_err(FERRY_ENOTFOUND, "refit: no tensor %zu", i);
+  const fr_refit_entry *e = &r->plan.entries[i];
+  if (name)
+    *name = e->name;
+  if (desc) {
+    *desc = e->desc;
+    desc->dtype = e->wire;
+  }
+  return 0;
+}
+
+static int find(ferry_refit_receiver *r, const char *name, uint32_t *out) {
+  int64_t i = r && name ? fr_refit_plan_find(&r->plan, name) : -1;
+  if (i < 0)
+    return fr_err(FERRY_ENOTFOUND, "refit: the sender sends no tensor '%s'", name ? name : "");
+  *out = (uint32_t)i;
+  return 0;
+}
+
+int ferry_refit_bind(ferry_refit_receiver *r, const char *name, void *dst,
+                     const ferry_tensor_desc *desc) {
+  uint32_t i = 0;
+  int rc = find(r, name, &i);
+  if (rc != 0)
+    return rc;
+  if (!dst || !desc)
+    return fr_err(FERRY_EINVAL, "ferry_refit_bind: NULL argument");
+  const fr_refit_entry *e = &r->plan.entries[i];
+  char got[96], want[96];
+  ferry_tensor_desc w = e->desc;
+  if (desc->dtype != e->wire)
+    return fr_err(FERRY_EDTYPE, "refit: tensor '%s' arrives as %s, bound as %s", name,
+                  ferry_dtype_name(e->wire), ferry_dtype_name(desc->dtype) ?: "?");
+  if (desc->ndim != w.ndim || memcmp(desc->shape, w.shape, sizeof(uint64_t) * w.ndim) != 0)
+    return fr_err(FERRY_ESHAPE, "refit: tensor '%s' arrives as %s, bound as %s", name,
+                  ferry_shape_format(&w, want, sizeof want),
+                  ferry_shape_format(desc, got, sizeof got));
+  pthread_mutex_lock(&r->bind_lock);
+  r->bound[i] = dst;
+  pthread_mutex_unlock(&r->bind_lock);
+  return 0;
+}
+
+int ferry_refit_bind_flat(ferry_refit_receiver *r) {
+  if (!r)
+    return fr_err(FERRY_EINVAL, "ferry_refit_bind_flat: NULL receiver");
+  if (r->plan.total_bytes == 0)
+    return fr_err(FERRY_ESTATE, "refit: the manifest is empty");
+  pthread_mutex_lock(&r->bind_lock);
+  void *flat = r->flat;
+  int rc = flat ? 0 : ferry_alloc(r->ctx, r->plan.total_bytes, &flat);
+  if (rc == 0)
+    r->flat = flat;
+  pthread_mutex_unlock(&r->bind_lock);
+  return rc;
+}
+
+int ferry_refit_view(ferry_refit_receiver *r, const char *name, void **out) {
+  uint32_t i = 0;
+  int rc = find(r, name, &i);
+  if (rc != 0)
+    return rc;
+  pthread_mutex_lock(&r->bind_lock);
+  uint8_t *flat = r->flat;
+  pthread_mutex_unlock(&r->bind_lock);
+  if (!flat)
+    return fr_err(FERRY_ESTATE, "refit: views need ferry_refit_bind_flat() first");
+  *out = flat + r->plan.entries[i].offset;
+  return 0;
+}
+
+void ferry_refit_on_bucket(ferry_refit_receiver *r, ferry_refit_bucket_fn fn, void *arg) {
+  if (!r)
+    return;
+  r->on_bucket = fn;
+  r->on_bucket_arg = arg;
+}
+
+/* ---- versions ---- */
+
+uint64_t ferry_refit_committed(ferry_refit_receiver *r) {
+  if (!r)
+    return 0;
+  pthread_mutex_lock(&r->lock);
+  uint64_t v = r->committed;
+  pthread_mutex_unlock(&r->lock);
+  return v;
+}
+
+int ferry_refit_wait(ferry_refit_receiver *r, uint64_t version, int timeout_ms,
+                     uint64_t *committed) {
+  if (!r)
+    return fr_err(FERRY_EINVAL, "ferry_refit_wait: NULL receiver");
+  uint64_t deadline = fr_deadline_ns(fr_timeout(timeout_ms));
+  struct timespec ts = {(time_t)(deadline / 1000000000ull), (long)(deadline % 1000000000ull)};
+  pthread_mutex_lock(&r->lock);
+  uint64_t target = version ? version : (r->latest_known ? r->latest_known : 1);
+  while (r->committed < target)
+    if (pthread_cond_timedwait(&r->cond, &r->lock, &ts) != 0)
+      break;
+  uint64_t now = r->committed;
+  pthread_mutex_unlock(&r->lock);
+  if (committed)
+    *committed = now;
+  if (now < target)
+    return fr_err(FERRY_ETIMEDOUT, "refit: version %llu not committed in time (have %llu)",
+                  (unsigned long long)target, (unsigned long long)now);
+  return 0;
+}

@@ -1,0 +1,21 @@
+/*
+ * Internals shared by the refit sender and receiver.
+ */
+#ifndef FR_REFIT_H
+#define FR_REFIT_H
+
+#include "core/channels.h"
+#include "core/core.h"
+#include "refit/plan.h"
+#include "refit/proto.h"
+
+/* Test hook: when set, the sender calls it on each packed bucket after computing its checksum
+ * (a test flips a byte to prove the receiver refuses the version). */
+extern void (*fr_refit_test_corrupt)(uint32_t bucket, uint8_t *bytes, uint64_t len);
+
+/* Sends one protocol record on a link. */
+int fr_refit_send(ferry_link *link, const fr_refit_msg_t *m, int timeout_ms);
+/* The bucket budget from options and configuration. */
+uint64_t fr_refit_bucket_budget(const ferry_refit_opts *opts);
+
+#endif

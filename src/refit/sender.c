@@ -1,0 +1,301 @@
+/*
+ * The refit sender: declared tensors, the sealed plan, two shared-memory bucket buffers, the
+ * receivers that attached, and push(). A service thread answers ATTACH calls and collects the
+ * receivers' ACK/COMMITTED records; push() packs bucket i+1 into one buffer while receivers read
+ * bucket i from the other, and waits for every receiver before reusing a buffer.
+ */
+#include "refit/refit.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+void (*fr_refit_test_corrupt)(uint32_t bucket, uint8_t *bytes, uint64_t len);
+
+#include "refit/sender_impl.h"
+
+static ferry_ctx *sender_ctxs[64];
+static pthread_mutex_t sender_ctxs_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* One sender per ctx: they share the refit channel. */
+static int claim_ctx(ferry_ctx *ctx, bool claim) {
+  pthread_mutex_lock(&sender_ctxs_lock);
+  int free_slot = -1, rc = 0;
+  for (int i = 0; i < 64; i++) {
+    if (sender_ctxs[i] == ctx) {
+      if (claim)
+        rc = fr_err(FERRY_EBUSY, "this context already has a refit sender");
+      else
+        sender_ctxs[i] = NULL;
+      pthread_mutex_unlock(&sender_ctxs_lock);
+      return rc;
+    }
+    if (!sender_ctxs[i] && free_slot < 0)
+      free_slot = i;
+  }
+  if (claim && free_slot < 0)
+    rc = fr_err(FERRY_EBUSY, "too many refit senders in this process");
+  else if (claim)
+    sender_ctxs[free_slot] = ctx;
+  pthread_mutex_unlock(&sender_ctxs_lock);
+  return rc;
+}
+
+/* ---- the service thread ---- */
+
+static receiver *find_receiver(ferry_refit_sender *s, ferry_link *link) {
+  for (receiver *r = s->receivers; r; r = r->next)
+    if (r->link == link)
+      return r;
+  return NULL;
+}
+
+static void remove_receiver(ferry_refit_sender *s, ferry_link *link) {
+  for (receiver **pp = &s->receivers; *pp; pp = &(*pp)->next)
+    if ((*pp)->link == link) {
+      receiver *r = *pp;
+      *pp = r->next;
+      ferry_link_release(r->link);
+      free(r);
+      return;
+    }
+}
+
+static void answer_attach(ferry_refit_sender *s, ferry_msg *m) {
+  pthread_mutex_lock(&s->lock);
+  fr_refit_attach_reply rep = {.status = s->sealed ? 0 : FERRY_ESTATE, .latest = s->latest};
+  memcpy(rep.buffers, s->ref, sizeof rep.buffers);
+  uint8_t head[FR_REFIT_ATTACH_HEAD];
+  fr_refit_attach_head_encode(&rep, head);
+  struct iovec iov[2] = {{head, sizeof head}, {s->manifest, s->sealed ? s->manifest_len : 0}};
+  int rc = ferry_reply(m, iov, 2, -1);
+  if (rc == 0 && s->sealed && !find_receiver(s, m->link)) {
+    receiver *r = calloc(1, sizeof *r);
+    if (r) {
+      r->link = ferry_link_retain(m->link);
+      snprintf(r->peer, sizeof r->peer, "%s", ferry_link_peer(m->link));
+      r->next = s->receivers;
+      s->receivers = r;
+      fr_info("refit '%s': receiver '%s' attached", s->name, r->peer);
+    }
+  }
+  pthread_mutex_unlock(&s->lock);
+}
+
+static void record(ferry_refit_sender *s, ferry_msg *m, const fr_refit_msg_t *x) {
+  pthread_mutex_lock(&s->lock);
+  receiver *r = find_receiver(s, m->link);
+  if (x->type == FR_REFIT_DETACH) {
+    remove_receiver(s, m->link);
+  } else if (r && r->in_push && x->version == s->pushing) {
+    if (x->status != 0 && r->status == 0)
+      r->status = x->status;
+    if (x->type == FR_REFIT_ACK)
+      r->acked++;
+    else if (x->type == FR_REFIT_COMMITTED)
+      r->commit_seen = true;
+  }
+  pthread_cond_broadcast(&s->cond);
+  pthread_mutex_unlock(&s->lock);
+}
+
+static void *service_main(void *arg) {
+  ferry_refit_sender *s = arg;
+  while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
+    ferry_msg *m;
+    int rc = ferry_recv(s->ctx, FR_CHANNEL_REFIT, &m, 100);
+    if (rc == FERRY_ECLOSED)
+      return NULL;
+    if (rc != 0)
+      continue;
+    fr_refit_msg_t x;
+    if (ferry_msg_is_call(m)) /* the only call is ATTACH */
+      answer_attach(s, m);
+    else if (fr_refit_msg_decode(m->data, m->len, &x) == 0)
+      record(s, m, &x);
+    else
+      fr_warn("refit '%s': dropped a bad message from '%s': %s", s->name, ferry_link_peer(m->link),
+              ferry_last_error());
+    ferry_msg_free(m);
+  }
+  return NULL;
+}
+
+/* ---- open, declare, seal ---- */
+
+uint64_t fr_refit_bucket_budget(const ferry_refit_opts *opts) {
+  if (opts && opts->bucket_bytes)
+    return opts->bucket_bytes;
+  const char *ratio = fr_config_str("FERRY_REFIT_BUFFER_RATIO");
+  if (*ratio) {
+    double r = strtod(ratio, NULL);
+    long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    if (r > 0 && r < 1 && pages > 0)
+      return (uint64_t)(r * (double)pages * (double)page / 2);
+  }
+  return (uint64_t)fr_config_int("FERRY_REFIT_BUFFER_BYTES");
+}
+
+int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_opts *opts,
+                            ferry_refit_sender **out) {
+  if (!ctx || !name || !out)
+    return fr_err(FERRY_EINVAL, "ferry_refit_sender_open: NULL argument");
+  int rc = claim_ctx(ctx, true);
+  if (rc != 0)
+    return rc;
+  ferry_refit_sender *s = calloc(1, sizeof *s);
+  if (!s || !(s->name = strdup(name))) {
+    free(s);
+    claim_ctx(ctx, false);
+    return fr_err(FERRY_ENOMEM, "refit sender");
+  }
+  s->ctx = ctx;
+  s->budget = fr_refit_bucket_budget(opts);
+  pthread_mutex_init(&s->lock, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&s->cond, &ca);
+  pthread_condattr_destroy(&ca);
+  if (pthread_create(&s->service, NULL, service_main, s) != 0) {
+    claim_ctx(ctx, false);
+    free(s->name);
+    free(s);
+    return fr_err(FERRY_ESYS, "refit sender: cannot start its thread");
+  }
+  *out = s;
+  return 0;
+}
+
+int ferry_refit_declare(ferry_refit_sender *s, const char *name, const ferry_tensor_desc *desc,
+                        const void *data, ferry_dtype send_as) {
+  if (!s || !name || !desc || !data)
+    return fr_err(FERRY_EINVAL, "ferry_refit_declare: NULL argument");
+  if (strlen(name) == 0 || strlen(name) > FR_REFIT_NAME_MAX)
+    return fr_err(FERRY_EINVAL, "refit: tensor name of %zu bytes", strlen(name));
+  pthread_mutex_lock(&s->lock);
+  int64_t at = fr_refit_plan_find(&s->plan, name);
+  int rc = 0;
+  if (at < 0 && s->plan.count == s->cap) {
+    uint32_t cap = s->cap ? s->cap * 2 : 256;
+    fr_refit_entry *e = realloc(s->plan.entries, cap * sizeof *e);
+    declared *d = e ? realloc(s->src, cap * sizeof *d) : NULL;
+    if (e)
+      s->plan.entries = e;
+    if (d)
+      s->src = d;
+    if (!e || !d)
+      rc = fr_err(FERRY_ENOMEM, "refit: %u tensors", cap);
+    else
+      s->cap = cap;
+  }
+  if (rc == 0 && at < 0) {
+    at = s->plan.count++;
+    s->plan.entries[at] = (fr_refit_entry){.name = strdup(name)};
+  }
+  if (rc == 0) {
+    fr_refit_entry *e = &s->plan.entries[at];
+    e->desc = *desc;
+    e->wire = send_as == FERRY_DTYPE_INVALID ? desc->dtype : send_as;
+    s->src[at].data = data;
+    uint64_t bytes;
+    if ((rc = ferry_tensor_nbytes(desc, &bytes)) != 0)
+      rc = fr_err(rc, "refit: tensor '%s': %s", name, ferry_last_error());
+    else if (!fr_refit_cast_supported(desc->dtype, e->wire))
+      rc = fr_err(FERRY_EDTYPE, "refit: tensor '%s': no cast from %s to %s", name,
+                  ferry_dtype_name(desc->dtype), ferry_dtype_name(e->wire));
+    s->sealed = false;
+  }
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+static int alloc_buffers(ferry_refit_sender *s) {
+  uint64_t need = s->plan.bucket_bytes;
+  if (s->buf[0] && s->buf_bytes >= need)
+    return 0;
+  for (int i = 0; i < 2; i++) {
+    ferry_free(s->ctx, s->buf[i]);
+    s->buf[i] = NULL;
+  }
+  for (int i = 0; i < 2; i++) {
+    int rc = ferry_alloc(s->ctx, need, &s->buf[i]);
+    if (rc == 0)
+      rc = ferry_region_find(s->ctx, s->buf[i], need, &s->ref[i], NULL);
+    if (rc != 0)
+      return rc;
+  }
+  s->buf_bytes = need;
+  return 0;
+}
+
+static void compute_scales(ferry_refit_sender *s) {
+  for (uint32_t i = 0; i < s->plan.count; i++) {
+    fr_refit_entry *e = &s->plan.entries[i];
+    e->scale = e->wire == FERRY_DTYPE_F8E4M3 && e->desc.dtype != e->wire
+                   ? fr_refit_fp8_scale(e->desc.dtype, s->src[i].data,
+                                        e->src_bytes / ferry_dtype_size(e->desc.dtype))
+                   : 1.0f;
+  }
+}
+
+int ferry_refit_seal(ferry_refit_sender *s) {
+  if (!s)
+    return fr_err(FERRY_EINVAL, "ferry_refit_seal: NULL sender");
+  pthread_mutex_lock(&s->lock);
+  int rc = s->plan.count ? fr_refit_plan_build(&s->plan, s->budget)
+                         : fr_err(FERRY_ESTATE, "refit '%s': nothing declared", s->name);
+  if (rc == 0)
+    rc = alloc_buffers(s);
+  if (rc == 0) {
+    compute_scales(s);
+    s->plan.generation++;
+    free(s->manifest);
+    s->manifest = NULL;
+    rc = fr_refit_manifest_encode(&s->plan, &s->manifest, &s->manifest_len);
+  }
+  if (rc == 0) {
+    free(s->last_sum);
+    s->last_sum = calloc(s->plan.buckets ? s->plan.buckets : 1, sizeof *s->last_sum);
+    s->sealed = s->last_sum != NULL;
+    if (!s->sealed)
+      rc = fr_err(FERRY_ENOMEM, "refit: checksums");
+  }
+  pthread_mutex_unlock(&s->lock);
+  if (rc == 0)
+    fr_info("refit '%s': sealed %u tensors, %llu bytes in %u buckets of %llu", s->name,
+            s->plan.count, (unsigned long long)s->plan.total_bytes, s->plan.buckets,
+            (unsigned long long)s->plan.bucket_bytes);
+  return rc;
+}
+
+size_t ferry_refit_receivers(ferry_refit_sender *s) {
+  size_t n = 0;
+  pthread_mutex_lock(&s->lock);
+  for (receiver *r = s->receivers; r; r = r->next)
+    n++;
+  pthread_mutex_unlock(&s->lock);
+  return n;
+}
+
+void ferry_refit_sender_close(ferry_refit_sender *s) {
+  if (!s)
+    return;
+  __atomic_store_n(&s->stop, true, __ATOMIC_RELEASE);
+  pthread_join(s->service, NULL);
+  while (s->receivers)
+    remove_receiver(s, s->receivers->link);
+  for (int i = 0; i < 2; i++)
+    ferry_free(s->ctx, s->buf[i]);
+  claim_ctx(s->ctx, false);
+  fr_refit_plan_free(&s->plan);
+  free(s->src);
+  free(s->last_sum);
+  free(s->manifest);
+  free(s->name);
+  pthread_mutex_destroy(&s->lock);
+  pthread_cond_destroy(&s->cond);
+  free(s);
+}

@@ -1,0 +1,378 @@
+/*
+ * Refit end to end: a sender pushes versions to receivers over shm and tcp; bindings, flat
+ * buffers, casts, partial and unchanged-skipping pushes; faults: a corrupted bucket, a receiver
+ * killed mid-push (the others commit, the restarted one catches up), the sender killed mid-push
+ * (receivers keep their version), bindings that do not fit.
+ */
+// ferry-test: threaded
+#include "testutil.h"
+
+#include "refit/plan.h"
+#include "refit/refit.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define NT 40
+
+typedef struct model {
+  float scale[NT]; /* fp8 scales as of the seal (the manifest carries them) */
+  float *w[NT];
+  ferry_tensor_desc d[NT];
+  char name[NT][32];
+} model;
+
+static void model_init(model *m, uint64_t seed) {
+  for (int i = 0; i < NT; i++) {
+    uint64_t rows = 1 + (uint64_t)(i % 5), cols = 17 + (uint64_t)(i * 131) % 3000;
+    m->d[i] = (ferry_tensor_desc){.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {rows, cols}};
+    snprintf(m->name[i], sizeof m->name[i], "layer.%d.w", i);
+    m->w[i] = malloc(rows * cols * 4);
+    for (uint64_t k = 0; k < rows * cols; k++)
+      m->w[i][k] = (float)((k * 7 + (uint64_t)i + seed) % 1000) / 8.0f - 60.0f;
+  }
+}
+
+static void model_bump(model *m, int only) {
+  for (int i = 0; i < NT; i++)
+    if (only < 0 || i == only)
+      for (uint64_t k = 0; k < m->d[i].shape[0] * m->d[i].shape[1]; k++)
+        m->w[i][k] += 1.0f;
+}
+
+static void model_free(model *m) {
+  for (int i = 0; i < NT; i++)
+    free(m->w[i]);
+}
+
+/* Tensor i is sent as bf16 when i % 4 == 1, as fp8 when i % 4 == 3, else as is. */
+static ferry_dtype send_as(int i) {
+  return i % 4 == 1 ? FERRY_DTYPE_BF16 : i % 4 == 3 ? FERRY_DTYPE_F8E4M3 : FERRY_DTYPE_INVALID;
+}
+
+static ferry_ctx *ctx_for(const char *name, const char *transports) {
+  ferry_ctx_opts o = {.size = sizeof o, .name = name, .transports = transports};
+  ferry_ctx *c;
+  FR_OK(ferry_ctx_open(&o, &c));
+  return c;
+}
+
+static ferry_refit_sender *sender_for(ferry_ctx *c, model *m, uint64_t bucket) {
+  for (int i = 0; i < NT; i++)
+    m->scale[i] = fr_refit_fp8_scale(FERRY_DTYPE_F32, m->w[i], m->d[i].shape[0] * m->d[i].shape[1]);
+  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = bucket};
+  ferry_refit_sender *s;
+  FR_OK(ferry_refit_sender_open(c, "trainer", &o, &s));
+  for (int i = 0; i < NT; i++)
+    FR_OK(ferry_refit_declare(s, m->name[i], &m->d[i], m->w[i], send_as(i)));
+  FR_OK(ferry_refit_seal(s));
+  return s;
+}
+
+typedef struct bound {
+  void *mem[NT];
+  ferry_tensor_desc d[NT];
+} bound;
+
+static void bind_all(ferry_refit_receiver *r, bound *b) {
+  assert_int_equal(ferry_refit_tensor_count(r), NT);
+  for (size_t i = 0; i < NT; i++) {
+    const char *name;
+    FR_OK(ferry_refit_tensor_info(r, i, &name, &b->d[i]));
+    uint64_t n;
+    FR_OK(ferry_tensor_nbytes(&b->d[i], &n));
+    b->mem[i] = calloc(1, n);
+    FR_OK(ferry_refit_bind(r, name, b->mem[i], &b->d[i]));
+  }
+}
+
+static void bound_free(bound *b) {
+  for (int i = 0; i < NT; i++)
+    free(b->mem[i]);
+}
+
+/* What tensor i must look like at the receiver: the sender's cast of the model's values. */
+static void expect_model(const model *m, const void *const *got) {
+  for (int i = 0; i < NT; i++) {
+    uint64_t count = m->d[i].shape[0] * m->d[i].shape[1];
+    ferry_dtype wire = send_as(i) ? send_as(i) : FERRY_DTYPE_F32;
+    float scale = wire == FERRY_DTYPE_F8E4M3 ? m->scale[i] : 1.0f;
+    uint8_t *want = malloc(count * 4);
+    FR_OK(fr_refit_cast(FERRY_DTYPE_F32, wire, scale, m->w[i], want, count));
+    if (memcmp(want, got[i], count * ferry_dtype_size(wire)) != 0)
+      fail_msg("tensor %d differs", i);
+    free(want);
+  }
+}
+
+static void push_and_check(const char *transports) {
+  model m;
+  model_init(&m, 1);
+  ferry_ctx *sc = ctx_for("trainer", transports), *rc1 = ctx_for("rollout-1", transports),
+            *rc2 = ctx_for("rollout-2", transports);
+  ferry_refit_sender *s = sender_for(sc, &m, 16384);
+  ferry_refit_receiver *r1, *r2;
+  FR_OK(ferry_refit_receiver_open(rc1, ferry_ctx_address(sc), 5000, &r1));
+  FR_OK(ferry_refit_receiver_open(rc2, ferry_ctx_address(sc), 5000, &r2));
+  bound b1;
+  bind_all(r1, &b1);
+  FR_OK(ferry_refit_bind_flat(r2));
+  for (int i = 0; i < 50 && ferry_refit_receivers(s) < 2; i++)
+    usleep(10000);
+  assert_int_equal(ferry_refit_receivers(s), 2);
+
+  FR_OK(ferry_refit_push(s, 1, NULL));
+  uint64_t v;
+  FR_OK(ferry_refit_wait(r1, 1, 5000, &v));
+  assert_int_equal(v, 1);
+  FR_OK(ferry_refit_wait(r2, 0, 5000, &v));
+  expect_model(&m, (const void *const *)b1.mem);
+  void *views[NT];
+  for (int i = 0; i < NT; i++)
+    FR_OK(ferry_refit_view(r2, m.name[i], &views[i]));
+  expect_model(&m, (const void *const *)views);
+
+  /* only one tensor changes: push it alone, then everything with unchanged buckets skipped */
+  model_bump(&m, 7);
+  const char *only[] = {m.name[7]};
+  ferry_refit_push_opts po = {.size = sizeof po, .only = only, .n_only = 1, .timeout_ms = -1};
+  FR_OK(ferry_refit_push(s, 2, &po));
+  FR_OK(ferry_refit_wait(r1, 2, 5000, NULL));
+  expect_model(&m, (const void *const *)b1.mem);
+  model_bump(&m, 20);
+  po = (ferry_refit_push_opts){.size = sizeof po, .skip_unchanged = 1, .timeout_ms = -1};
+  FR_OK(ferry_refit_push(s, 3, &po));
+  FR_OK(ferry_refit_wait(r2, 3, 5000, NULL));
+  expect_model(&m, (const void *const *)views);
+  FR_OK(ferry_refit_wait(r1, 3, 5000, NULL));
+  expect_model(&m, (const void *const *)b1.mem);
+  assert_int_equal(ferry_refit_push(s, 3, NULL), FERRY_EINVAL); /* versions only grow */
+
+  ferry_refit_receiver_close(r1);
+  ferry_refit_receiver_close(r2);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(rc1);
+  ferry_ctx_close(rc2);
+  ferry_ctx_close(sc);
+  bound_free(&b1);
+  model_free(&m);
+}
+
+static void test_push_shm(void **st) { push_and_check("shm"); }
+static void test_push_tcp(void **st) { push_and_check("tcp"); }
+
+static void test_bind_errors(void **st) {
+  model m;
+  model_init(&m, 2);
+  ferry_ctx *sc = ctx_for("trainer", "shm"), *rc = ctx_for("rollout", "shm");
+  ferry_refit_sender *s = sender_for(sc, &m, 1 << 20);
+  ferry_refit_receiver *r;
+  FR_OK(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &r));
+  float buf[64];
+  ferry_tensor_desc d = m.d[0];
+  d.dtype = FERRY_DTYPE_F16;
+  assert_int_equal(ferry_refit_bind(r, m.name[0], buf, &d), FERRY_EDTYPE);
+  assert_non_null(strstr(ferry_last_error(), m.name[0]));
+  d = m.d[0];
+  d.shape[1] += 1;
+  assert_int_equal(ferry_refit_bind(r, m.name[0], buf, &d), FERRY_ESHAPE);
+  assert_non_null(strstr(ferry_last_error(), m.name[0]));
+  assert_int_equal(ferry_refit_bind(r, "no.such", buf, &d), FERRY_ENOTFOUND);
+  ferry_refit_receiver *again;
+  assert_int_equal(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &again), FERRY_EBUSY);
+  ferry_refit_sender *s2;
+  assert_int_equal(ferry_refit_sender_open(sc, "x", NULL, &s2), FERRY_EBUSY);
+  ferry_refit_receiver_close(r);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(rc);
+  ferry_ctx_close(sc);
+  model_free(&m);
+}
+
+static void flip_bucket_one(uint32_t bucket, uint8_t *bytes, uint64_t len) {
+  if (bucket == 1)
+    bytes[len / 2] ^= 0x10;
+}
+
+static void test_corrupt_bucket(void **st) {
+  model m;
+  model_init(&m, 3);
+  ferry_ctx *sc = ctx_for("trainer", "shm"), *rc = ctx_for("rollout", "shm");
+  ferry_refit_sender *s = sender_for(sc, &m, 16384);
+  ferry_refit_receiver *r;
+  FR_OK(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &r));
+  FR_OK(ferry_refit_bind_flat(r));
+  for (int i = 0; i < 50 && ferry_refit_receivers(s) < 1; i++)
+    usleep(10000);
+  FR_OK(ferry_refit_push(s, 1, NULL));
+  FR_OK(ferry_refit_wait(r, 1, 5000, NULL));
+  fr_refit_test_corrupt = flip_bucket_one;
+  assert_int_equal(ferry_refit_push(s, 2, NULL), FERRY_ECHECKSUM);
+  assert_non_null(strstr(ferry_last_error(), "rollout"));
+  fr_refit_test_corrupt = NULL;
+  uint64_t v = 0;
+  assert_int_equal(ferry_refit_wait(r, 2, 200, &v), FERRY_ETIMEDOUT);
+  assert_int_equal(v, 1); /* still the last good version */
+  FR_OK(ferry_refit_push(s, 3, NULL));
+  FR_OK(ferry_refit_wait(r, 3, 5000, NULL));
+  ferry_refit_receiver_close(r);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(rc);
+  ferry_ctx_close(sc);
+  model_free(&m);
+}
+
+/* ---- processes ---- */
+
+/* Helper process (exec'd): attaches to ADDRESS, then reports each version 1..N it commits on
+ * the pipe's write end FD. */
+static int receiver_child(const char *address, uint64_t versions, int fd) {
+  ferry_ctx *c = ctx_for("rollout-child", "shm,tcp");
+  ferry_refit_receiver *r;
+  if (ferry_refit_receiver_open(c, address, 5000, &r) != 0 || ferry_refit_bind_flat(r) != 0)
+    return 1;
+  tu_pipe p = {-1, fd};
+  uint8_t ready = 1;
+  tu_pipe_put(&p, &ready, 1);
+  for (uint64_t v = 1; v <= versions; v++) {
+    if (ferry_refit_wait(r, v, 20000, NULL) != 0)
+      return 2;
+    tu_pipe_put(&p, &v, sizeof v);
+  }
+  pause();
+  return 0;
+}
+
+static pid_t spawn_receiver(const char *address, const char *versions, tu_pipe *p) {
+  char fd[16];
+  snprintf(fd, sizeof fd, "%d", p->wr);
+  return tu_spawn_exec("--receiver", address, versions, fd, NULL);
+}
+
+static void test_receiver_killed(void **st) {
+  model m;
+  model_init(&m, 4);
+  ferry_ctx *sc = ctx_for("trainer", "shm,tcp"), *rc = ctx_for("rollout", "shm,tcp");
+  ferry_refit_sender *s = sender_for(sc, &m, 16384);
+  ferry_refit_receiver *r;
+  FR_OK(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &r));
+  FR_OK(ferry_refit_bind_flat(r));
+  tu_pipe p;
+  tu_pipe_open(&p);
+  pid_t pid = spawn_receiver(ferry_ctx_address(sc), "1", &p);
+  uint8_t ready;
+  assert_int_equal(tu_pipe_get(&p, &ready, 1, 10000), 0);
+  while (ferry_refit_receivers(s) < 2)
+    usleep(10000);
+  FR_OK(ferry_refit_push(s, 1, NULL));
+  uint64_t v;
+  assert_int_equal(tu_pipe_get(&p, &v, sizeof v, 10000), 0);
+  /* the child stops reading, then dies in the middle of version 2 */
+  kill(pid, SIGSTOP);
+  pid_t killer = fork();
+  if (killer == 0) {
+    usleep(300000);
+    kill(pid, SIGKILL);
+    _exit(0);
+  }
+  ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = 10000};
+  int rc2 = ferry_refit_push(s, 2, &po);
+  assert_int_equal(rc2, FERRY_EPEER);
+  assert_non_null(strstr(ferry_last_error(), "rollout-child"));
+  FR_OK(ferry_refit_wait(r, 2, 5000, NULL)); /* the other one committed */
+  tu_wait(killer);
+  assert_int_equal(tu_wait(pid), 128 + SIGKILL);
+  assert_int_equal(ferry_refit_receivers(s), 1);
+  /* restarted: it re-attaches and catches up with the next push */
+  pid = spawn_receiver(ferry_ctx_address(sc), "3", &p);
+  assert_int_equal(tu_pipe_get(&p, &ready, 1, 10000), 0);
+  while (ferry_refit_receivers(s) < 2)
+    usleep(10000);
+  FR_OK(ferry_refit_push(s, 3, NULL));
+  assert_int_equal(tu_pipe_get(&p, &v, sizeof v, 10000), 0); /* waits for 1: satisfied by 3 */
+  kill(pid, SIGKILL);
+  tu_wait(pid);
+  tu_pipe_close(&p);
+  ferry_refit_receiver_close(r);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(rc);
+  ferry_ctx_close(sc);
+  model_free(&m);
+}
+
+static void stop_at_bucket_two(uint32_t bucket, uint8_t *bytes, uint64_t len) {
+  if (bucket == 2)
+    raise(SIGSTOP);
+}
+
+/* Helper process (exec'd): a sender that pushes version 1, then stops in the middle of 2. */
+static int sender_child(tu_pipe *p) {
+  model m;
+  model_init(&m, 5);
+  ferry_ctx *sc = ctx_for("trainer-child", "shm,tcp");
+  ferry_refit_sender *s = sender_for(sc, &m, 16384);
+  char addr[512];
+  snprintf(addr, sizeof addr, "%s", ferry_ctx_address(sc));
+  tu_pipe_put(p, addr, sizeof addr);
+  while (ferry_refit_receivers(s) < 1)
+    usleep(10000);
+  if (ferry_refit_push(s, 1, NULL) != 0)
+    return 1;
+  uint8_t go;
+  tu_pipe_get(p, &go, 1, 10000);
+  fr_refit_test_corrupt = stop_at_bucket_two; /* stops mid-push; the parent kills it */
+  ferry_refit_push(s, 2, NULL);
+  return 0;
+}
+
+static void test_sender_killed(void **st) {
+  tu_pipe to_parent, to_child;
+  tu_pipe_open(&to_parent);
+  tu_pipe_open(&to_child);
+  char rd[16], wr[16];
+  snprintf(rd, sizeof rd, "%d", to_child.rd);
+  snprintf(wr, sizeof wr, "%d", to_parent.wr);
+  pid_t pid = tu_spawn_exec("--sender", rd, wr, NULL);
+  char addr[512];
+  assert_int_equal(tu_pipe_get(&to_parent, addr, sizeof addr, 10000), 0);
+  ferry_ctx *rc = ctx_for("rollout", "shm,tcp");
+  ferry_refit_receiver *r;
+  FR_OK(ferry_refit_receiver_open(rc, addr, 5000, &r));
+  FR_OK(ferry_refit_bind_flat(r));
+  FR_OK(ferry_refit_wait(r, 1, 10000, NULL));
+  uint8_t go = 1;
+  tu_pipe_put(&to_child, &go, 1);
+  int st2;
+  assert_int_equal(waitpid(pid, &st2, WUNTRACED), pid); /* stopped in the middle of v2 */
+  assert_true(WIFSTOPPED(st2));
+  kill(pid, SIGKILL);
+  tu_wait(pid);
+  uint64_t v = 0;
+  assert_int_equal(ferry_refit_wait(r, 2, 300, &v), FERRY_ETIMEDOUT);
+  assert_int_equal(v, 1);
+  assert_int_equal(ferry_refit_committed(r), 1);
+  ferry_refit_receiver_close(r);
+  ferry_ctx_close(rc);
+  tu_pipe_close(&to_parent);
+  tu_pipe_close(&to_child);
+}
+
+int main(int argc, char **argv) {
+  signal(SIGPIPE, SIG_IGN);
+  if (argc == 5 && strcmp(argv[1], "--receiver") == 0)
+    return receiver_child(argv[2], strtoull(argv[3], NULL, 10), atoi(argv[4]));
+  if (argc == 4 && strcmp(argv[1], "--sender") == 0) {
+    tu_pipe p = {atoi(argv[2]), atoi(argv[3])};
+    return sender_child(&p);
+  }
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_push_shm),        cmocka_unit_test(test_push_tcp),
+      cmocka_unit_test(test_bind_errors),     cmocka_unit_test(test_corrupt_bucket),
+      cmocka_unit_test(test_receiver_killed), cmocka_unit_test(test_sender_killed),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
