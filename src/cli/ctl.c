@@ -234,6 +234,7 @@ typedef struct pretend_rank {
   int work_ms;
   bool fail_update;
   atomic_int *stop;
+  pthread_barrier_t *attached; /* "ready" is printed once every rank passed it */
   int rc;
 } pretend_rank;
 
@@ -257,7 +258,9 @@ static int pretend_update(void *arg) {
 static void *pretend_rank_main(void *arg) {
   pretend_rank *p = arg;
   ferry_ctl_rank *r = NULL;
-  if ((p->rc = ferry_ctl_rank_open(p->name, p->rank, NULL, &r)) != 0) {
+  p->rc = ferry_ctl_rank_open(p->name, p->rank, NULL, &r);
+  pthread_barrier_wait(p->attached);
+  if (p->rc) {
     cli_fail("ctl engine", p->rc, "rank open");
     return NULL;
   }
@@ -331,10 +334,19 @@ static int ctl_engine(int argc, char **argv) {
   atomic_int stop = 0;
   pretend_rank *p = calloc(nranks, sizeof *p);
   pthread_t *t = calloc(nranks, sizeof *t);
-  for (uint32_t i = 0; p && t && i < nranks; i++) {
-    p[i] = (pretend_rank){name, i, work_ms, (long)i == fail, &stop, 0};
+  pthread_barrier_t attached;
+  if (!p || !t) {
+    free(p);
+    free(t);
+    ferry_ctl_cell_close(cell);
+    return ctl_fail(FERRY_ENOMEM, "engine");
+  }
+  pthread_barrier_init(&attached, NULL, nranks + 1);
+  for (uint32_t i = 0; i < nranks; i++) {
+    p[i] = (pretend_rank){name, i, work_ms, (long)i == fail, &stop, &attached, 0};
     pthread_create(&t[i], NULL, pretend_rank_main, &p[i]);
   }
+  pthread_barrier_wait(&attached);
   printf("engine %s: %u ranks ready (incarnation %lu)\n", name, nranks,
          (unsigned long)ferry_ctl_cell_incarnation(cell));
   fflush(stdout);
@@ -342,10 +354,11 @@ static int ctl_engine(int argc, char **argv) {
   sigwait(&sigs, &sig);
   stop_pretend_ranks(name, &stop);
   int code = CLI_OK;
-  for (uint32_t i = 0; p && t && i < nranks; i++) {
+  for (uint32_t i = 0; i < nranks; i++) {
     pthread_join(t[i], NULL);
     code = p[i].rc ? CLI_FAIL : code;
   }
+  pthread_barrier_destroy(&attached);
   free(p);
   free(t);
   ferry_ctl_cell_close(cell);

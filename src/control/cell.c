@@ -215,6 +215,8 @@ bool fr_ctl_owner_alive(uint64_t owner) {
          (start & 0xffffffffull) == fr_ctl_owner_start(owner);
 }
 
+bool fr_ctl_pid_exists(pid_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
+
 uint64_t fr_ctl_pid_start(pid_t pid) {
   char state;
   uint64_t start = 0;

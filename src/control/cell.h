@@ -142,6 +142,8 @@ int fr_ctl_header_check(const fr_ctl_header *hdr, uint64_t file_size, const char
  * checks a rank line's owner word (its start time's low 32 bits). */
 bool fr_ctl_pid_alive(pid_t pid, uint64_t start);
 bool fr_ctl_owner_alive(uint64_t owner);
+/* kill(pid, 0) only: cheap, but a zombie or a reused pid counts as alive. */
+bool fr_ctl_pid_exists(pid_t pid);
 uint64_t fr_ctl_pid_start(pid_t pid);
 
 /* Futex on the low 32 bits of a shared 64-bit word (shared, not private: cells are mapped by

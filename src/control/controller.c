@@ -180,8 +180,10 @@ void ferry_ctl_close(ferry_ctl *ctl) {
 /* ---- request ---- */
 
 /* FERRY_EPEER naming every rank that is detached or dead (among those that have not acked
- * `seq`; seq 0: among all). */
-static int check_ranks_alive(const ferry_ctl *ctl, uint64_t seq, const char *what) {
+ * `seq`; seq 0: among all). `quick` (before issuing) asks only kill(pid, 0): a zombie or a
+ * reused pid passes it, but the thorough check while waiting catches those within
+ * FERRY_CTL_CHECK_MS, and the request's fast path stays free of /proc reads. */
+static int check_ranks_alive(const ferry_ctl *ctl, uint64_t seq, const char *what, bool quick) {
   text t = {0};
   int bad = 0;
   for (uint32_t i = 0; i < ctl->map.nranks; i++) {
@@ -190,7 +192,7 @@ static int check_ranks_alive(const ferry_ctl *ctl, uint64_t seq, const char *wha
     uint64_t owner = atomic_load(&ctl->map.lines[i].owner);
     if (owner == 0)
       text_add(&t, "%srank %u is not attached", bad++ ? "; " : "", i);
-    else if (!fr_ctl_owner_alive(owner))
+    else if (quick ? !fr_ctl_pid_exists(fr_ctl_owner_pid(owner)) : !fr_ctl_owner_alive(owner))
       text_add(&t, "%srank %u (pid %d) is dead", bad++ ? "; " : "", i, fr_ctl_owner_pid(owner));
   }
   if (bad)
@@ -313,7 +315,7 @@ static int wait_acks(const ferry_ctl *ctl, uint64_t word, int timeout_ms) {
                     t.buf, timeout_ms);
     }
     if (now >= next_check) {
-      int rc = check_ranks_alive(ctl, seq, ferry_ctl_cmd_name(fr_ctl_cmd_of(word)));
+      int rc = check_ranks_alive(ctl, seq, ferry_ctl_cmd_name(fr_ctl_cmd_of(word)), false);
       if (rc)
         return rc;
       next_check = now + check_ns;
@@ -325,10 +327,10 @@ static int wait_acks(const ferry_ctl *ctl, uint64_t word, int timeout_ms) {
 
 static int check_cell(const ferry_ctl *ctl, ferry_ctl_cmd cmd) {
   int rc = fr_ctl_map_current(&ctl->map);
+  if (rc == 0 && !fr_ctl_pid_exists(ctl->map.hdr->engine_pid))
+    rc = fr_ctl_engine_check(&ctl->map); /* the detail; a reused pid is caught by the ranks' */
   if (rc == 0)
-    rc = fr_ctl_engine_check(&ctl->map);
-  if (rc == 0)
-    rc = check_ranks_alive(ctl, 0, ferry_ctl_cmd_name(cmd));
+    rc = check_ranks_alive(ctl, 0, ferry_ctl_cmd_name(cmd), true);
   return rc;
 }
 

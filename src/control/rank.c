@@ -23,10 +23,12 @@ struct ferry_ctl_rank {
   int error;             /* the last FAILED ack's error */
 };
 
-/* Publishes the ack word (release) and wakes the controllers waiting on it. */
+/* Publishes the ack word (release); a final state wakes the controllers waiting on it (they
+ * wait only for final states, so CLEARING/UPDATING would only cost them a useless wake-up). */
 static void publish_ack(fr_ctl_line *line, uint64_t seq, ferry_ctl_state state) {
   atomic_store_explicit(&line->ack, fr_ctl_word(seq, state), memory_order_release);
-  fr_ctl_futex_wake(&line->ack);
+  if (fr_ctl_state_terminal(state))
+    fr_ctl_futex_wake(&line->ack);
 }
 
 /* Records a failure before its ack: fail_seq is cleared, error and message written, then
