@@ -14,6 +14,8 @@
   X("FERRY_TIMEOUT_MS", "10000", "default timeout of blocking calls (connect, read, send)")        \
   X("FERRY_TRANSPORTS", "shm,tcp", "transports a link may use, in order of preference")            \
   X("FERRY_TCP_LISTEN", "127.0.0.1:0", "HOST:PORT of the tcp listener (port 0: any free)")         \
+  X("FERRY_UCX_LISTEN", "", "HOST:PORT of the ucx handshake listener (empty: tcp's host, port 0)") \
+  X("FERRY_UCX_RMA", "auto", "ucx one-sided reads: get (RMA), am (owner answers) or auto")         \
   X("FERRY_TCP_SOCKBUF", "0", "tcp socket buffer bytes; 0 leaves them to the kernel (autotuning)") \
   X("FERRY_TOKEN", "", "fleet token; when set, every link must prove it knows it")                 \
   X("FERRY_MAX_MESSAGE", "1073741824", "largest message or one-sided transfer accepted, bytes")    \

@@ -299,6 +299,12 @@ static int start_listeners(ferry_ctx *ctx) {
   return 0;
 }
 
+static void fini_transports(ferry_ctx *ctx) {
+  for (size_t i = 0; i < ctx->norder; i++)
+    if (ctx->order[i]->ctx_fini)
+      ctx->order[i]->ctx_fini(ctx);
+}
+
 static char *default_name(void) {
   char host[64] = "node", buf[96];
   gethostname(host, sizeof host - 1);
@@ -372,6 +378,7 @@ int ferry_ctx_open(const ferry_ctx_opts *opts, ferry_ctx **out) {
     for (size_t i = 0; i < ctx->nlisteners; i++)
       close(ctx->listeners[i].poller.fd);
     ctx->nlisteners = 0;
+    fini_transports(ctx);
     if (ctx->epfd >= 0)
       close(ctx->epfd);
     if (ctx->wake.fd >= 0)
@@ -425,6 +432,7 @@ void ferry_ctx_close(ferry_ctx *ctx) {
     c->head = c->tail = NULL;
     pthread_mutex_unlock(&c->lock);
   }
+  fini_transports(ctx);
   for (size_t i = 0; i < ctx->nlisteners; i++)
     close(ctx->listeners[i].poller.fd);
   close(ctx->epfd);

@@ -821,6 +821,8 @@ static void link_retire(ferry_link *l, int status, const char *why) {
   epoll_ctl(ctx->epfd, EPOLL_CTL_DEL, l->poller.fd, NULL);
   l->poller.on_event = NULL; /* later events of this batch are ignored; nobody re-adds it */
   pthread_mutex_unlock(&l->pause_lock);
+  if (l->ops->retire)
+    l->ops->retire(l);
   pthread_mutex_lock(&ctx->links_lock);
   for (ferry_link **pp = &ctx->links; *pp; pp = &(*pp)->next)
     if (*pp == l) {

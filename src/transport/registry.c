@@ -8,10 +8,12 @@
 
 extern const fr_transport_ops fr_shm_transport;
 extern const fr_transport_ops fr_tcp_transport;
+extern const fr_transport_ops fr_ucx_transport; /* ucx.c, or ucx_off.c in a build without UCX */
 
 static const fr_transport_ops *const transports[] = {
     &fr_shm_transport,
     &fr_tcp_transport,
+    &fr_ucx_transport,
 };
 
 const fr_transport_ops *const *fr_transport_all(size_t *count) {

@@ -64,6 +64,13 @@ typedef struct fr_transport_ops {
   int (*view)(ferry_link *l, const ferry_region_ref *r, uint64_t off, size_t len, const void **out);
   int (*view_valid)(ferry_link *l, const ferry_region_ref *r);
   void (*link_fini)(ferry_link *l); /* frees transport state (mappings) */
+  /* Optional. The progress thread is unregistering a dead link: drop the fds the transport
+   * added to the ctx's epoll for it (events already fetched are ignored, the link lives until
+   * the end of the batch). */
+  void (*retire)(ferry_link *l);
+  /* Optional. Frees the transport's per-ctx state (fr_ctx_tstate) once the ctx's links are
+   * closed; also called when ferry_ctx_open fails after the transport's listen ran. */
+  void (*ctx_fini)(ferry_ctx *ctx);
 } fr_transport_ops;
 
 /* registry.c: every transport, in one place. */
@@ -194,7 +201,17 @@ struct ferry_ctx {
 
   ferry_link *grave[64]; /* retired during the current event batch */
   size_t ngrave;
+
+  void *tstate[FR_MAX_LISTENERS]; /* per-transport state, parallel to order[] */
 };
+
+/* The opaque per-ctx slot of a transport in the ctx's order (NULL when it is not used). */
+static inline void **fr_ctx_tstate(ferry_ctx *ctx, const fr_transport_ops *ops) {
+  for (size_t i = 0; i < ctx->norder; i++)
+    if (ctx->order[i] == ops)
+      return &ctx->tstate[i];
+  return NULL;
+}
 
 /* link.c */
 ferry_link *fr_link_new(ferry_ctx *ctx, const fr_transport_ops *ops, int fd, bool accepted);

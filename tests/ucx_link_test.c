@@ -1,0 +1,268 @@
+/*
+ * The link conformance cases of link_test.c, run over the ucx transport, plus what only ucx
+ * has: both ways of one-sided reads (RMA get and owner-answered active messages), a bad
+ * preamble after a good handshake, links the application still holds when its ctx closes.
+ * ctest runs this binary twice: UCX_TLS=tcp and UCX_TLS=sm (tests/CMakeLists.txt).
+ */
+// ferry-test: threaded
+#define FR_LINK_TEST_NO_MAIN
+#pragma GCC diagnostic ignored "-Wunused-function" /* the shm and tcp cases are not run here */
+#pragma GCC diagnostic ignored "-Wunused-variable"
+#include "link_test.c"
+
+#include "core/core.h"
+#include "transport/wire.h"
+
+static void test_messages_ucx(void **s) { messages("ucx"); }
+static void test_calls_ucx(void **s) { calls("ucx"); }
+static void test_rma_ucx_shared(void **s) { one_sided("ucx", true); }
+static void test_rma_ucx_registered(void **s) { one_sided("ucx", false); }
+static void test_token_ucx(void **s) { tokens("ucx"); }
+static void test_killed_mid_read_ucx(void **s) { killed_mid_read("ucx", false); }
+static void test_concurrent_ucx(void **s) { concurrent("ucx"); }
+
+/* Every read mode on every kind of region: FERRY_UCX_RMA=get forces RMA even where UCX only
+ * emulates it, am forces owner-answered reads. */
+static void test_rma_modes(void **s) {
+  const char *modes[] = {"get", "am"};
+  for (int i = 0; i < 2; i++) {
+    setenv("FERRY_UCX_RMA", modes[i], 1);
+    one_sided("ucx", true);
+    one_sided("ucx", false);
+  }
+  setenv("FERRY_UCX_RMA", "sideways", 1);
+  ferry_ctx_opts o = {.size = sizeof o, .transports = "ucx"};
+  ferry_ctx *c = NULL;
+  assert_int_equal(ferry_ctx_open(&o, &c), FERRY_EINVAL);
+  assert_non_null(strstr(ferry_last_error(), "FERRY_UCX_RMA"));
+  unsetenv("FERRY_UCX_RMA");
+}
+
+typedef struct shared_hammer {
+  ferry_link *link;
+  ferry_region_ref ref;
+  const uint8_t *expect;
+  int failures;
+} shared_hammer;
+
+static void *hammer_shared(void *arg) {
+  shared_hammer *h = arg;
+  uint8_t buf[8192];
+  for (int i = 0; i < 300; i++) {
+    size_t off = (size_t)(i * 977) % (h->ref.size - sizeof buf);
+    if (ferry_read(h->link, &h->ref, off, buf, sizeof buf, 5000) != 0 ||
+        memcmp(buf, h->expect + off, sizeof buf) != 0)
+      h->failures++;
+  }
+  return NULL;
+}
+
+/* Threads reading one ferry_alloc'd region at once (rkey asked for once, gets in parallel),
+ * while messages flow on the same link. */
+static void test_concurrent_shared_ucx(void **s) {
+  pair p;
+  pair_open(&p, "ucx");
+  size_t n = 1 << 20;
+  uint8_t *mem;
+  ferry_region_ref ref;
+  FR_OK(ferry_alloc(p.b, n, (void **)&mem));
+  FR_OK(ferry_region_find(p.b, mem, n, &ref, NULL));
+  tu_fill(mem, n, 8);
+  shared_hammer h[3];
+  pthread_t t[3];
+  for (int i = 0; i < 3; i++) {
+    h[i] = (shared_hammer){p.ab, ref, mem, 0};
+    pthread_create(&t[i], NULL, hammer_shared, &h[i]);
+  }
+  for (int i = 0; i < 200; i++) {
+    struct iovec iov = {&i, sizeof i};
+    FR_OK(ferry_send(p.ab, 2, &iov, 1, 5000));
+    ferry_msg *m;
+    FR_OK(ferry_recv(p.b, 2, &m, 5000));
+    assert_memory_equal(m->data, &i, sizeof i);
+    ferry_msg_free(m);
+  }
+  for (int i = 0; i < 3; i++) {
+    pthread_join(t[i], NULL);
+    assert_int_equal(h[i].failures, 0);
+  }
+  pair_close(&p);
+}
+
+/* Chosen by FERRY_TRANSPORTS order from a multi-transport address. */
+static void test_order_ucx(void **s) {
+  ferry_ctx *b = open_ctx("b", "tcp,ucx", ""), *a = open_ctx("a", "ucx,tcp", "");
+  assert_non_null(strstr(ferry_ctx_address(b), "ucx://127.0.0.1:"));
+  ferry_link *l;
+  FR_OK(ferry_connect(a, ferry_ctx_address(b), 5000, &l));
+  assert_string_equal(ferry_link_transport(l), "ucx");
+  ferry_link_close(l);
+  ferry_ctx_close(a);
+  ferry_ctx_close(b);
+}
+
+/* The application still holds a link, a message and the link's peer region when the ctx
+ * closes: everything UCX holds goes with the ctx; the handles stay safe to drop. */
+static void test_ctx_close_with_links(void **s) {
+  pair p;
+  pair_open(&p, "ucx");
+  void *mem;
+  ferry_region_ref ref;
+  FR_OK(ferry_alloc(p.b, 4096, &mem));
+  FR_OK(ferry_region_find(p.b, mem, 4096, &ref, NULL));
+  char buf[64];
+  FR_OK(ferry_read(p.ab, &ref, 0, buf, sizeof buf, 5000));
+  struct iovec iov = {"x", 1};
+  FR_OK(ferry_send(p.ab, 5, &iov, 1, 5000));
+  ferry_msg *m;
+  FR_OK(ferry_recv(p.b, 5, &m, 5000));
+  ferry_ctx_close(p.b); /* the owner goes first: the reader sees it gone */
+  assert_int_equal(ferry_read(p.ab, &ref, 0, buf, sizeof buf, 2000), FERRY_EPEER);
+  ferry_ctx_close(p.a);
+  ferry_link_close(p.ab); /* after its ctx: not allowed in general, but held links are safe */
+  ferry_msg_free(m);
+}
+
+/* ---- a peer that passes the handshake, then sends a bad preamble ---- */
+
+static int raw_connect(ferry_ctx *server) {
+  const char *addr = strstr(ferry_ctx_address(server), "ucx://");
+  assert_non_null(addr);
+  int port = atoi(strchr(addr + 6, ':') + 1);
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET,
+                           .sin_port = htons((uint16_t)port),
+                           .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  struct timeval tv = {5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  return fd;
+}
+
+static void raw_frame(int fd, uint8_t type, const uint8_t *body, size_t len) {
+  uint8_t hdr[FR_FRAME_BYTES];
+  fr_frame_encode(&(fr_frame){.type = type, .len = len}, hdr);
+  assert_int_equal(write(fd, hdr, sizeof hdr), (ssize_t)sizeof hdr);
+  if (len)
+    assert_int_equal(write(fd, body, len), (ssize_t)len);
+}
+
+static void read_exact(int fd, void *buf, size_t len) {
+  for (size_t got = 0; got < len;) {
+    ssize_t n = read(fd, (uint8_t *)buf + got, len - got);
+    assert_true(n > 0);
+    got += (size_t)n;
+  }
+}
+
+static void mac(const char *label, const uint8_t *a, const uint8_t *b, uint8_t *out) {
+  uint8_t msg[32 + 2 * FR_NONCE_BYTES] = {0};
+  memcpy(msg, label, strlen(label));
+  memcpy(msg + 32, a, FR_NONCE_BYTES);
+  memcpy(msg + 32 + FR_NONCE_BYTES, b, FR_NONCE_BYTES);
+  fr_hmac_sha256("", 0, msg, sizeof msg, out);
+}
+
+/* HELLO, HELLO_ACK, AUTH, AUTH_ACK by hand (fleet token ""). */
+static void raw_handshake(int fd) {
+  fr_hello h = {.name = "raw"};
+  uint8_t buf[FR_HELLO_ACK_BYTES], hdr[FR_FRAME_BYTES];
+  fr_hello_encode(&h, buf);
+  raw_frame(fd, FR_HELLO, buf, FR_HELLO_BYTES);
+  read_exact(fd, hdr, sizeof hdr);
+  read_exact(fd, buf, FR_HELLO_ACK_BYTES);
+  fr_hello_ack ack;
+  FR_OK(fr_hello_ack_decode(buf, sizeof buf, &ack));
+  fr_auth a;
+  memset(&a, 0, sizeof a);
+  mac("ferry-connector", ack.nonce, h.nonce, a.mac);
+  fr_auth_encode(&a, buf);
+  raw_frame(fd, FR_AUTH, buf, FR_AUTH_BYTES);
+  read_exact(fd, hdr, sizeof hdr);
+  fr_frame f;
+  FR_OK(fr_frame_decode(hdr, 1 << 20, &f));
+  assert_int_equal(f.type, FR_AUTH_ACK);
+  assert_int_equal(f.status, 0);
+}
+
+/* Sends bytes where the preamble belongs; the server must close the link (its own preamble
+ * arrives first). */
+static void bad_preamble(ferry_ctx *server, const uint8_t *bytes, size_t n) {
+  int fd = raw_connect(server);
+  raw_handshake(fd);
+  assert_int_equal(write(fd, bytes, n), (ssize_t)n);
+  char buf[4096];
+  ssize_t r;
+  while ((r = read(fd, buf, sizeof buf)) > 0)
+    ;
+  assert_int_equal(r, 0); /* closed by the server, not timed out */
+  close(fd);
+}
+
+static void test_bad_preamble_ucx(void **s) {
+  ferry_ctx *server = open_ctx("server", "ucx", "");
+  uint8_t p[16] = {0};
+  fr_put_u32(p, 0xdeadbeef); /* bad magic */
+  fr_put_u32(p + 4, 8);
+  bad_preamble(server, p, sizeof p);
+  fr_put_u32(p, 0x58555246); /* an address longer than any */
+  fr_put_u32(p + 4, 1u << 30);
+  bad_preamble(server, p, 8);
+  fr_put_u32(p + 4, 0); /* an empty one */
+  bad_preamble(server, p, 8);
+  uint8_t frame_before[32];
+  frame(frame_before, 0x31595246, 1, 5, 0); /* a ferry frame where the preamble belongs */
+  bad_preamble(server, frame_before, sizeof frame_before);
+  /* still serving */
+  ferry_ctx *c = open_ctx("client", "ucx", "");
+  ferry_link *l;
+  FR_OK(ferry_connect(c, ferry_ctx_address(server), 5000, &l));
+  struct iovec iov = {"ok", 2};
+  FR_OK(ferry_send(l, 0, &iov, 1, 1000));
+  ferry_msg *m;
+  FR_OK(ferry_recv(server, 0, &m, 5000));
+  ferry_msg_free(m);
+  ferry_link_close(l);
+  ferry_ctx_close(c);
+  ferry_ctx_close(server);
+}
+
+/* Bad frames on the handshake socket, as for tcp. */
+static void test_bad_frames_ucx(void **s) {
+  ferry_ctx *server = open_ctx("server", "ucx", "");
+  uint8_t f[32 + 80] = {0};
+  frame(f, 0xdeadbeef, 1, 1, 80);
+  int fd = raw_connect(server);
+  assert_int_equal(write(fd, f, sizeof f), (ssize_t)sizeof f);
+  char buf[256];
+  assert_int_equal(read(fd, buf, sizeof buf), 0);
+  close(fd);
+  frame(f, 0x31595246, 1, 5, 4); /* a message before the handshake */
+  fd = raw_connect(server);
+  assert_int_equal(write(fd, f, 36), 36);
+  assert_int_equal(read(fd, buf, sizeof buf), 0);
+  close(fd);
+  ferry_ctx_close(server);
+}
+
+int main(void) {
+  signal(SIGPIPE, SIG_IGN);
+  const char *tls = getenv("UCX_TLS");
+  printf("ucx link tests, UCX_TLS=%s\n", tls ? tls : "(UCX's default)");
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_messages_ucx),
+      cmocka_unit_test(test_calls_ucx),
+      cmocka_unit_test(test_rma_ucx_shared),
+      cmocka_unit_test(test_rma_ucx_registered),
+      cmocka_unit_test(test_rma_modes),
+      cmocka_unit_test(test_token_ucx),
+      cmocka_unit_test(test_order_ucx),
+      cmocka_unit_test(test_bad_frames_ucx),
+      cmocka_unit_test(test_bad_preamble_ucx),
+      cmocka_unit_test(test_concurrent_ucx),
+      cmocka_unit_test(test_concurrent_shared_ucx),
+      cmocka_unit_test(test_ctx_close_with_links),
+      cmocka_unit_test(test_killed_mid_read_ucx),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
