@@ -11,6 +11,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -64,6 +65,7 @@ static inline bool su_redis_start(su_redis *r) {
   fflush(NULL);
   r->pid = fork();
   if (r->pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive a test that failed half-way */
     int devnull = open("/dev/null", O_WRONLY);
     dup2(devnull, 1);
     dup2(devnull, 2);

@@ -142,6 +142,7 @@ static const char bench_usage[] =
     "  link      one-sided reads (4 KiB..1 GiB) over shm and tcp vs memcpy and a plain\n"
     "            socket stream; 64 B round trips vs a plain socket ping-pong\n"
     "  control   weight-lifecycle request latency vs a polled shared int32\n"
+    "  store     routing replay: put/get vs np/torch files, Redis, memcpy, sockets\n"
     "  all       every mode above\n\n"
     "options:\n"
     "  --json            one JSON object per line: bench, case, impl, bytes, median_s,\n"
@@ -161,6 +162,8 @@ int cli_bench(int argc, char **argv) {
     return bench_link(argc - 1, argv + 1);
   if (strcmp(mode, "control") == 0)
     return bench_control(argc - 1, argv + 1);
+  if (strcmp(mode, "store") == 0)
+    return bench_store(argc - 1, argv + 1);
   if (strcmp(mode, "all") == 0) {
     int rc = bench_link(argc - 1, argv + 1);
     int rc2 = bench_control(argc - 1, argv + 1);

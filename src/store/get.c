@@ -117,7 +117,7 @@ static int read_local(ferry_store *s, const fr_dir_object *rec, void *dst) {
   if (!ok)
     return stale(rec);
   memcpy(dst, src, rec->bytes);
-  __atomic_thread_fence(__ATOMIC_ACQUIRE);
+  __atomic_signal_fence(__ATOMIC_SEQ_CST); /* x86 keeps loads in order; stop the compiler */
   return __atomic_load_n(&s->gens[slot], __ATOMIC_ACQUIRE) == rec->generation ? 0 : stale(rec);
 }
 

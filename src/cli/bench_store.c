@@ -1,0 +1,529 @@
+/*
+ * `ferry bench store`: MoE routing replay through the store, against what engines do today.
+ *
+ * Workload (per request): "routing" is one [45, 32768, 8] uint8 tensor (11.25 MiB); "layers" is
+ * 45 tensors of [32768, 8] int32 (1 MiB each). A producer process writes each request into
+ * ferry memory and puts it (published in place; also timed: a copying put); this process gets
+ * it (one get, or one batch get of 45 keys) into a warm buffer. The embedded directory runs in a
+ * third process, as `ferry serve` would. Baselines in the same run (bench_store_base.c):
+ * memcpy of the same bytes, np.save/np.load and torch.save/torch.load to local files, Redis
+ * SET/GET, and over tcp between two network namespaces a plain socket stream. Per-request
+ * medians, then each target of the issue with its measured ratio.
+ */
+#include "cli/bench_store.h"
+#include "cli/cli.h"
+#include "ferry.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define BIG_BYTES (256ull << 20)
+#define BIG_REPS 10
+
+/* ---- the report ---- */
+
+bs_series *bs_add(bs_report *r, const char *case_name, const char *impl, uint64_t bytes,
+                  bool baseline) {
+  if (r->n == (int)(sizeof r->v / sizeof r->v[0]))
+    return NULL;
+  bs_series *s = &r->v[r->n++];
+  memset(s, 0, sizeof *s);
+  snprintf(s->case_name, sizeof s->case_name, "%s", case_name);
+  snprintf(s->impl, sizeof s->impl, "%s", impl);
+  s->bytes = bytes;
+  s->baseline = baseline;
+  return s;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+double bs_median(const bs_series *s) {
+  if (!s || s->s.n == 0)
+    return 0;
+  double *c = malloc(s->s.n * sizeof *c);
+  memcpy(c, s->s.s, s->s.n * sizeof *c);
+  qsort(c, s->s.n, sizeof *c, cmp_double);
+  size_t n = s->s.n;
+  double m = n % 2 ? c[n / 2] : (c[n / 2 - 1] + c[n / 2]) / 2;
+  free(c);
+  return m;
+}
+
+const bs_series *bs_find(const bs_report *r, const char *case_name, const char *impl) {
+  for (int i = 0; i < r->n; i++)
+    if (strcmp(r->v[i].case_name, case_name) == 0 && strcmp(r->v[i].impl, impl) == 0)
+      return &r->v[i];
+  return NULL;
+}
+
+int bs_fail(const char *what) {
+  fprintf(stderr, "ferry bench store: %s: %s\n", what, ferry_last_error());
+  return -1;
+}
+
+/* ---- pipes ---- */
+
+static int write_all(int fd, const void *buf, size_t len) {
+  const char *p = buf;
+  while (len > 0) {
+    ssize_t n = write(fd, p, len);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      return -1;
+    p += n;
+    len -= (size_t)n;
+  }
+  return 0;
+}
+
+static int read_all(int fd, void *buf, size_t len) {
+  char *p = buf;
+  while (len > 0) {
+    ssize_t n = read(fd, p, len);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      return -1;
+    p += n;
+    len -= (size_t)n;
+  }
+  return 0;
+}
+
+/* ---- helper processes ---- */
+
+static int free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t len = sizeof sa;
+  int port = -1;
+  if (fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
+      getsockname(fd, (struct sockaddr *)&sa, &len) == 0)
+    port = ntohs(sa.sin_port);
+  if (fd >= 0)
+    close(fd);
+  return port;
+}
+
+static ferry_store *open_node(const char *name, const char *listen, const char *url, uint32_t flags,
+                              uint64_t capacity, ferry_ctx **ctx) {
+  ferry_ctx_opts co = {.size = sizeof co, .name = name, .tcp_listen = listen};
+  ferry_store_opts so = {.size = sizeof so, .directory = url, .capacity = capacity, .flags = flags};
+  ferry_store *s = NULL;
+  if (ferry_ctx_open(&co, ctx) != 0 || ferry_store_open(*ctx, &so, &s) != 0) {
+    fprintf(stderr, "ferry bench store: %s: %s\n", name, ferry_last_error());
+    return NULL;
+  }
+  return s;
+}
+
+/* The directory process: hosts the embedded directory until its pipe closes. */
+static int directory_main(const char *listen, int quit_fd) {
+  ferry_ctx *ctx;
+  ferry_store *s =
+      open_node("bench-directory", listen, NULL, FERRY_STORE_HOST_DIRECTORY, 1 << 20, &ctx);
+  if (!s)
+    return 1;
+  char c;
+  while (read(quit_fd, &c, 1) < 0 && errno == EINTR)
+    ;
+  ferry_store_close(s);
+  ferry_ctx_close(ctx);
+  return 0;
+}
+
+typedef struct producer {
+  ferry_store *s;
+  ferry_ctx *ctx;
+  int requests, to_consumer, from_consumer;
+} producer;
+
+static int send_time(producer *p, double t0) {
+  double dt = bench_now() - t0;
+  return write_all(p->to_consumer, &dt, sizeof dt);
+}
+
+static int wait_ack(producer *p) {
+  char c;
+  return read_all(p->from_consumer, &c, 1);
+}
+
+/* The engine's routing buffers: a ring it reuses, as engines do (a buffer is rewritten only
+ * after the key it held was deleted). */
+#define RING 4
+
+static int produce_routing(producer *p) {
+  uint8_t *mem;
+  if (ferry_alloc(p->ctx, RING * BS_ROUTING_BYTES, (void **)&mem) != 0)
+    return -1;
+  ferry_tensor_desc d = {
+      .dtype = FERRY_DTYPE_U8, .ndim = 3, .shape = {BS_LAYERS, BS_TOKENS, BS_TOPK}};
+  int rc = 0;
+  for (int i = 0; rc == 0 && i < p->requests; i++) {
+    uint8_t *req = mem + (size_t)(i % RING) * BS_ROUTING_BYTES;
+    char key[32];
+    if (i >= RING) {
+      snprintf(key, sizeof key, "routing/%d", i - RING);
+      rc = ferry_store_delete(p->s, key, -1);
+    }
+    memset(req, i + 1, BS_ROUTING_BYTES); /* the engine writes its routing here */
+    snprintf(key, sizeof key, "routing/%d", i);
+    double t = bench_now();
+    rc = ferry_store_put(p->s, key, &d, req, 0, -1);
+    rc = rc ? rc : send_time(p, t);
+    rc = rc ? rc : wait_ack(p);
+  }
+  for (int i = 0; rc == 0 && i < p->requests; i++) { /* the same bytes, copied into the pool */
+    double t = bench_now();
+    rc = ferry_store_put(p->s, "routing-copy", &d, mem + (size_t)(i % RING) * BS_ROUTING_BYTES,
+                         FERRY_STORE_PUT_COPY, -1);
+    rc = rc ? rc : send_time(p, t);
+  }
+  size_t n;
+  ferry_store_delete_prefix(p->s, "routing", &n, -1);
+  ferry_free(p->ctx, mem);
+  return rc;
+}
+
+static int produce_layers(producer *p) {
+  uint8_t *mem;
+  if (ferry_alloc(p->ctx, BS_LAYERS * BS_LAYER_BYTES, (void **)&mem) != 0)
+    return -1;
+  ferry_tensor_desc d = {.dtype = FERRY_DTYPE_I32, .ndim = 2, .shape = {BS_TOKENS, BS_TOPK}};
+  int rc = 0;
+  for (int i = 0; rc == 0 && i < p->requests; i++) {
+    memset(mem, i + 1, BS_LAYERS * BS_LAYER_BYTES);
+    double t = bench_now();
+    for (int l = 0; rc == 0 && l < BS_LAYERS; l++) {
+      char key[48];
+      snprintf(key, sizeof key, "layers/%d/%d", i, l);
+      rc = ferry_store_put(p->s, key, &d, mem + (size_t)l * BS_LAYER_BYTES, 0, -1);
+    }
+    rc = rc ? rc : send_time(p, t);
+    rc = rc ? rc : wait_ack(p);
+    char prefix[32];
+    size_t n;
+    snprintf(prefix, sizeof prefix, "layers/%d/", i);
+    ferry_store_delete_prefix(p->s, prefix, &n, -1);
+  }
+  ferry_free(p->ctx, mem);
+  return rc;
+}
+
+/* One big tensor, put in place again and again: the cost does not grow with the size. */
+static int produce_big(producer *p) {
+  uint8_t *mem;
+  if (ferry_alloc(p->ctx, BIG_BYTES, (void **)&mem) != 0)
+    return -1;
+  ferry_tensor_desc d = {.dtype = FERRY_DTYPE_U8, .ndim = 1, .shape = {BIG_BYTES}};
+  int rc = 0;
+  for (int i = 0; rc == 0 && i < BIG_REPS; i++) {
+    double t = bench_now();
+    rc = ferry_store_put(p->s, "big", &d, mem, 0, -1);
+    rc = rc ? rc : send_time(p, t);
+  }
+  ferry_store_delete(p->s, "big", -1);
+  ferry_free(p->ctx, mem);
+  return rc;
+}
+
+static int producer_main(const char *url, int requests, int to_consumer, int from_consumer) {
+  producer p = {.requests = requests, .to_consumer = to_consumer, .from_consumer = from_consumer};
+  p.s = open_node("bench-producer", NULL, url, 0, 2 * BS_ROUTING_BYTES + (1 << 20), &p.ctx);
+  int rc = p.s ? 0 : 1;
+  if (rc == 0 && (rc = produce_routing(&p)) == 0 && (rc = produce_layers(&p)) == 0)
+    rc = produce_big(&p);
+  if (rc != 0)
+    fprintf(stderr, "ferry bench store: producer: %s\n", ferry_last_error());
+  wait_ack(&p); /* until the consumer is done */
+  ferry_store_close(p.s);
+  ferry_ctx_close(p.ctx);
+  return rc ? 1 : 0;
+}
+
+/* ---- the consumer (this process) ---- */
+
+typedef struct consumer {
+  ferry_store *s;
+  int requests, from_producer, to_producer;
+  uint8_t *dst, *src; /* BS_LAYERS * BS_LAYER_BYTES each: warm buffers */
+  bs_report *r;
+} consumer;
+
+static int take_time(consumer *c, bs_series *s) {
+  double dt;
+  if (read_all(c->from_producer, &dt, sizeof dt) != 0)
+    return bs_fail("the producer stopped");
+  bench_add(&s->s, dt);
+  return 0;
+}
+
+static void time_memcpy(consumer *c, const char *case_name, uint64_t bytes) {
+  bs_series *s = bs_add(c->r, case_name, "memcpy", bytes, true);
+  memcpy(c->dst, c->src, bytes);
+  for (int i = 0; i < c->requests; i++) {
+    memset(c->src, i + 1, bytes); /* fresh bytes, as the producer's are */
+    double t = bench_now();
+    memcpy(c->dst, c->src, bytes);
+    __asm__ volatile("" ::"r"(c->dst) : "memory");
+    bench_add(&s->s, bench_now() - t);
+  }
+}
+
+static int consume_routing(consumer *c) {
+  bs_series *put = bs_add(c->r, "routing/put", "ferry(in place)", BS_ROUTING_BYTES, false);
+  bs_series *get = bs_add(c->r, "routing/get", "ferry", BS_ROUTING_BYTES, false);
+  int rc = 0;
+  for (int i = 0; rc == 0 && i < c->requests; i++) {
+    if ((rc = take_time(c, put)) != 0)
+      break;
+    char key[32];
+    snprintf(key, sizeof key, "routing/%d", i);
+    double t = bench_now();
+    rc = ferry_store_get(c->s, key, NULL, c->dst, BS_ROUTING_BYTES, NULL, -1);
+    bench_add(&get->s, bench_now() - t);
+    if (rc == 0 && (c->dst[0] != (uint8_t)(i + 1) || c->dst[BS_ROUTING_BYTES - 1] != c->dst[0]))
+      rc = bs_fail("routing: wrong bytes");
+    write_all(c->to_producer, "A", 1);
+  }
+  bs_series *copy = bs_add(c->r, "routing/put", "ferry(copy)", BS_ROUTING_BYTES, false);
+  for (int i = 0; rc == 0 && i < c->requests; i++)
+    rc = take_time(c, copy);
+  return rc;
+}
+
+static int consume_layers(consumer *c) {
+  bs_series *put = bs_add(c->r, "layers/put", "ferry(in place)", BS_LAYERS * BS_LAYER_BYTES, false);
+  bs_series *get = bs_add(c->r, "layers/get", "ferry(batch)", BS_LAYERS * BS_LAYER_BYTES, false);
+  ferry_store_item items[BS_LAYERS];
+  char keys[BS_LAYERS][48];
+  int rc = 0;
+  for (int i = 0; rc == 0 && i < c->requests; i++) {
+    if ((rc = take_time(c, put)) != 0)
+      break;
+    for (int l = 0; l < BS_LAYERS; l++) {
+      snprintf(keys[l], sizeof keys[l], "layers/%d/%d", i, l);
+      items[l] = (ferry_store_item){
+          .key = keys[l], .dst = c->dst + (size_t)l * BS_LAYER_BYTES, .cap = BS_LAYER_BYTES};
+    }
+    double t = bench_now();
+    rc = ferry_store_get_batch(c->s, items, BS_LAYERS, -1);
+    bench_add(&get->s, bench_now() - t);
+    write_all(c->to_producer, "A", 1);
+  }
+  return rc;
+}
+
+static int consume_big(consumer *c) {
+  bs_series *put = bs_add(c->r, "put-256MiB", "ferry(in place)", BIG_BYTES, true);
+  int rc = 0;
+  for (int i = 0; rc == 0 && i < BIG_REPS; i++)
+    rc = take_time(c, put);
+  return rc;
+}
+
+static int run_consumer(consumer *c, const char *url) {
+  ferry_ctx *ctx;
+  c->s = open_node("bench-consumer", NULL, url, 0, 1 << 20, &ctx);
+  if (!c->s)
+    return -1;
+  c->dst = malloc(BS_LAYERS * BS_LAYER_BYTES);
+  c->src = malloc(BS_LAYERS * BS_LAYER_BYTES);
+  memset(c->dst, 1, BS_LAYERS * BS_LAYER_BYTES);
+  memset(c->src, 2, BS_LAYERS * BS_LAYER_BYTES);
+  int rc = consume_routing(c);
+  if (rc == 0)
+    time_memcpy(c, "routing/get", BS_ROUTING_BYTES);
+  if (rc == 0 && (rc = consume_layers(c)) == 0)
+    time_memcpy(c, "layers/get", BS_LAYERS * BS_LAYER_BYTES);
+  if (rc == 0)
+    rc = consume_big(c);
+  if (rc != 0)
+    bs_fail("consumer");
+  write_all(c->to_producer, "Q", 1);
+  free(c->dst);
+  free(c->src);
+  ferry_store_close(c->s);
+  ferry_ctx_close(ctx);
+  return rc;
+}
+
+/* Forks the directory and the producer (before this process starts any thread), then gets. */
+static int run_ferry(bs_report *r, int requests) {
+  char listen[64], url[80];
+  int port = free_port();
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  int dq[2], p2c[2], c2p[2];
+  if (pipe(dq) != 0 || pipe(p2c) != 0 || pipe(c2p) != 0)
+    return -1;
+  fflush(NULL);
+  pid_t dir = fork();
+  if (dir == 0) {
+    close(dq[1]);
+    _exit(directory_main(listen, dq[0]));
+  }
+  close(dq[0]);
+  usleep(200000); /* let it listen; the producer's open retries nothing */
+  pid_t prod = fork();
+  if (prod == 0) {
+    close(dq[1]);
+    _exit(producer_main(url, requests, p2c[1], c2p[0]));
+  }
+  close(p2c[1]);
+  close(c2p[0]);
+  consumer c = {.requests = requests, .from_producer = p2c[0], .to_producer = c2p[1], .r = r};
+  int rc = run_consumer(&c, url);
+  close(c2p[1]);
+  int st = 0;
+  waitpid(prod, &st, 0);
+  close(dq[1]);
+  waitpid(dir, NULL, 0);
+  close(p2c[0]);
+  return rc == 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : -1;
+}
+
+/* ---- report ---- */
+
+static const char *const order[][2] = {
+    {"routing/put", "np.save"},
+    {"routing/put", "torch.save"},
+    {"routing/put", "redis SET"},
+    {"routing/put", "ferry(copy)"},
+    {"routing/put", "ferry(in place)"},
+    {"routing/get", "memcpy"},
+    {"routing/get", "ferry"},
+    {"routing/get", "np.load"},
+    {"routing/get", "torch.load"},
+    {"routing/get", "redis GET"},
+    {"layers/put", "np.save"},
+    {"layers/put", "torch.save"},
+    {"layers/put", "redis SET"},
+    {"layers/put", "ferry(in place)"},
+    {"layers/get", "memcpy"},
+    {"layers/get", "ferry(batch)"},
+    {"layers/get", "np.load"},
+    {"layers/get", "torch.load"},
+    {"layers/get", "redis GET"},
+    {"put-256MiB", "ferry(in place)"},
+    {"tcp/get", "socket"},
+    {"tcp/get", "ferry/tcp"},
+};
+
+static void print_rows(const bench_opts *o, bs_report *r) {
+  bench_header(o, "ferry bench store (per-request medians; vs base = base median / row median)");
+  const char *last_case = "";
+  for (size_t i = 0; i < sizeof order / sizeof order[0]; i++) {
+    bs_series *s = (bs_series *)bs_find(r, order[i][0], order[i][1]);
+    if (!s)
+      continue;
+    bool first = strcmp(last_case, s->case_name) != 0;
+    last_case = s->case_name;
+    bench_row(o, "store", s->case_name, s->impl, s->bytes, &s->s, first);
+  }
+}
+
+/* ratio = a / b of two medians; 0 when either is missing. */
+static double ratio(const bs_report *r, const char *ca, const char *ia, const char *cb,
+                    const char *ib) {
+  double a = bs_median(bs_find(r, ca, ia)), b = bs_median(bs_find(r, cb, ib));
+  return a > 0 && b > 0 ? a / b : 0;
+}
+
+static void target(const bench_opts *o, const char *name, double value, bool met,
+                   const char *unit) {
+  if (value == 0) {
+    if (!o->json)
+      printf("  %-52s not measured\n", name);
+    return;
+  }
+  if (o->json)
+    printf("{\"bench\":\"store\",\"target\":\"%s\",\"value\":%.6g,\"met\":%s}\n", name, value,
+           met ? "true" : "false");
+  else
+    printf("  %-52s %10.2f%-3s %s\n", name, value, unit, met ? "met" : "NOT met");
+}
+
+static void print_targets(const bench_opts *o, const bs_report *r) {
+  if (!o->json)
+    printf("\ntargets (from the issue)\n");
+  double p1 = bs_median(bs_find(r, "routing/put", "ferry(in place)")) * 1e6;
+  double p2 = bs_median(bs_find(r, "put-256MiB", "ferry(in place)")) * 1e6;
+  double worst = p1 > p2 ? p1 : p2;
+  target(o, "in-place put median <= 100 us (11 MiB and 256 MiB)", worst, worst <= 100, "us");
+  double g = ratio(r, "routing/get", "ferry", "routing/get", "memcpy");
+  target(o, "get / memcpy <= 1.3 (routing)", g, g <= 1.3, "x");
+  g = ratio(r, "layers/get", "ferry(batch)", "layers/get", "memcpy");
+  target(o, "batch get / memcpy <= 1.3 (layers)", g, g <= 1.3, "x");
+  g = ratio(r, "routing/get", "np.load", "routing/get", "ferry");
+  target(o, "np.load / get >= 10 (routing)", g, g >= 10, "x");
+  g = ratio(r, "routing/get", "torch.load", "routing/get", "ferry");
+  target(o, "torch.load / get >= 10 (routing)", g, g >= 10, "x");
+  g = ratio(r, "routing/put", "np.save", "routing/put", "ferry(in place)");
+  target(o, "np.save / put >= 100 (routing)", g, g >= 100, "x");
+  g = ratio(r, "layers/put", "np.save", "layers/put", "ferry(in place)");
+  target(o, "np.save / put >= 100 (layers)", g, g >= 100, "x");
+  g = ratio(r, "tcp/get", "socket", "tcp/get", "ferry/tcp");
+  target(o, "tcp get speed / socket stream >= 0.8", g, g >= 0.8, "x");
+}
+
+static const char store_usage[] =
+    "usage: ferry bench store [--json] [--reps N] [--no-baselines]\n\n"
+    "MoE routing replay: N requests (default 37) of [45, 32768, 8] uint8 (11.25 MiB), and\n"
+    "the per-layer variant of 45 keys of [32768, 8] int32 per request. A producer process\n"
+    "puts, this process gets. Baselines in the same run: memcpy, np.save/np.load and\n"
+    "torch.save/torch.load to local files (/usr/bin/python3), Redis SET/GET (a private\n"
+    "redis-server), and over tcp between two network namespaces a plain socket stream\n"
+    "(needs root; skipped otherwise). Then each target of the issue, met or not.\n";
+
+int bench_store(int argc, char **argv) {
+  bench_opts o = {0};
+  bool baselines = true;
+  char *args[64];
+  int nargs = 0;
+  for (int i = 0; i < argc && nargs < 63; i++) {
+    if (strcmp(argv[i], "--role") == 0 && i + 1 < argc)
+      return bs_role(argv[i + 1]);
+    if (strcmp(argv[i], "--no-baselines") == 0)
+      baselines = false;
+    else
+      args[nargs++] = argv[i];
+  }
+  int at = bench_parse(nargs, args, &o, store_usage);
+  if (at < 0 || at < nargs) {
+    if (at >= 0)
+      fprintf(stderr, "ferry bench store: unexpected '%s'\n%s", args[at], store_usage);
+    return CLI_USAGE;
+  }
+  int requests = o.reps > 0 ? o.reps : 37;
+  signal(SIGPIPE, SIG_IGN);
+  static bs_report r;
+  memset(&r, 0, sizeof r);
+  if (run_ferry(&r, requests) != 0)
+    return CLI_FAIL;
+  if (baselines) {
+    bs_python(&r, requests);
+    bs_redis(&r, requests);
+    char self[4096];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    self[n > 0 ? n : 0] = '\0';
+    bs_netns(&r, self, requests);
+  }
+  print_rows(&o, &r);
+  print_targets(&o, &r);
+  for (int i = 0; i < r.n; i++)
+    bench_free(&r.v[i].s);
+  return CLI_OK;
+}
