@@ -16,6 +16,7 @@
 #define MiB (1024 * 1024)
 
 static char self_exe[4096];
+static char cli_path[4096]; /* the ferry binary: FERRY_CLI, or next to the tests */
 
 /* ---- helpers ---- */
 
@@ -48,23 +49,19 @@ static bool pattern_ok(const uint8_t *p, size_t n, uint64_t seed) {
   return ok;
 }
 
-/* A directory server in a child process, listening on port; killed by the caller. */
-static int directory_child(void *arg) {
-  char listen[64];
-  snprintf(listen, sizeof listen, "127.0.0.1:%d", *(int *)arg);
-  ferry_ctx *c = open_ctx("directory", listen);
-  ferry_store_opts o = {.size = sizeof o,
-                        .capacity = 1 << 20,
-                        .flags = FERRY_STORE_HOST_DIRECTORY | FERRY_STORE_HOLDER};
-  ferry_store *s;
-  if (ferry_store_open(c, &o, &s) != 0)
-    return 1;
-  for (;;)
-    pause();
-}
-
+/* A directory in a child process (`ferry serve`, exec'd: a clean process even when this one
+ * has threads), listening on port; killed by the caller. */
 static pid_t start_directory(int port) {
-  pid_t pid = tu_spawn(directory_child, &port);
+  char listen[64];
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    int devnull = open("/dev/null", O_WRONLY);
+    dup2(devnull, 1);
+    execl(cli_path, cli_path, "serve", "--listen", listen, "--capacity", "1048576", (char *)NULL);
+    _exit(127);
+  }
   for (int i = 0; i < 500 && !su_port_open(port); i++)
     su_sleep_ms(10);
   return pid;
@@ -447,7 +444,7 @@ static void *get_loop(void *arg) {
   while (!__atomic_load_n(&g->stop, __ATOMIC_ACQUIRE)) {
     int rc = ferry_store_get(g->s, "victim", NULL, dst, g->bytes, NULL, 3000);
     if (rc == 0) {
-      g->ok++;
+      __atomic_add_fetch(&g->ok, 1, __ATOMIC_RELEASE);
       if (!pattern_ok(dst, g->bytes, 7))
         g->bad_data = true;
     } else {
@@ -481,14 +478,14 @@ static void test_owner_killed(void **state) {
   int rc = 0;
   for (int i = 0; i < 1000 && rc != FERRY_ENOTFOUND; i++) {
     rc = ferry_store_get(s, "victim", NULL, one, sizeof one, NULL, 3000);
+    assert_true(rc == FERRY_EPEER || rc == FERRY_ENOTFOUND || rc == FERRY_ERANGE);
     if (rc != FERRY_ENOTFOUND)
       su_sleep_ms(10);
   }
   __atomic_store_n(&g.stop, true, __ATOMIC_RELEASE);
   pthread_join(t, NULL);
   assert_int_equal(rc, FERRY_ENOTFOUND);
-  assert_false(g.bad_data);
-  assert_true(g.failed > 0);
+  assert_false(g.bad_data); /* every get that succeeded returned the whole tensor */
   print_message("owner killed: %d good gets, %d failed (last: %s)\n", g.ok, g.failed,
                 ferry_status_name(g.last_rc));
   tu_pipe_close(&p.ready);
@@ -649,6 +646,11 @@ static void test_netns(void **state) {
 int main(int argc, char **argv) {
   ssize_t n = readlink("/proc/self/exe", self_exe, sizeof self_exe - 1);
   self_exe[n > 0 ? n : 0] = '\0';
+  const char *env = getenv("FERRY_CLI");
+  snprintf(cli_path, sizeof cli_path, "%s", env ? env : self_exe);
+  char *slash = env ? NULL : strrchr(cli_path, '/');
+  if (slash)
+    snprintf(slash, sizeof cli_path - (size_t)(slash - cli_path), "/../ferry");
   if (argc == 3 && strcmp(argv[1], "--role") == 0)
     return strcmp(argv[2], "owner") == 0 ? role_owner() : role_reader();
   const struct CMUnitTest tests[] = {
