@@ -28,6 +28,9 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 
 run_stage "suite" build "-DCMAKE_BUILD_TYPE=RelWithDebInfo" ""
+# Without UCX: the build, and the core and link tests (the ucx transport is optional).
+run_stage "without ucx" build-noucx "-DCMAKE_BUILD_TYPE=RelWithDebInfo -DFERRY_WITH_UCX=OFF" \
+  "-R ^(link_test|core_test)$"
 run_stage "asan+ubsan" build-asan "-DCMAKE_BUILD_TYPE=Debug -DFERRY_SANITIZE=address,undefined" ""
 echo "=== tsan (threaded tests) ==="
 if cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DFERRY_SANITIZE=thread >/dev/null &&

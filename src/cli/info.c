@@ -3,6 +3,7 @@
  * FERRY_* setting with its current value and doc.
  */
 #include "cli/cli.h"
+#include "transport/ucx.h"
 #include "directory/directory.h"
 #include "ferry.h"
 
@@ -59,7 +60,8 @@ int cli_info(int argc, char **argv) {
     }
   }
   printf("ferry %s\n", ferry_version());
-  printf("transports: shm (same host: unix socket + mapped memory), tcp\n");
+  printf("transports: shm (same host: unix socket + mapped memory), tcp, ucx\n");
+  fr_ucx_describe(stdout);
   printf("order:      %s (FERRY_TRANSPORTS)\n", ferry_config_get("FERRY_TRANSPORTS"));
   print_directory();
   if (config)

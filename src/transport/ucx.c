@@ -135,6 +135,19 @@ typedef struct ucx_link {
 
 static _Thread_local bool tl_progress_thread; /* set on the ctx's progress thread */
 
+/* UCX synchronizes what passes through it (over shared memory, with code TSan does not see):
+ * tell TSan so. Handing anything to UCX releases, progressing it acquires. */
+#if defined(__SANITIZE_THREAD__)
+void __tsan_acquire(void *addr);
+void __tsan_release(void *addr);
+static char ucx_channel;
+#define HB_HAND_OVER() __tsan_release(&ucx_channel)
+#define HB_TAKE() __tsan_acquire(&ucx_channel)
+#else
+#define HB_HAND_OVER() ((void)0)
+#define HB_TAKE() ((void)0)
+#endif
+
 /* ---- small helpers ---- */
 
 static int ucs_err(int code, ucs_status_t st, const char *what, const ferry_link *l) {
@@ -169,6 +182,7 @@ static void op_issued(ucx_op *op, ucs_status_ptr_t sp) {
 }
 
 static ucp_request_param_t op_param(ucx_op *op) {
+  HB_HAND_OVER(); /* every operation's parameters are made just before it is issued */
   return (ucp_request_param_t){.op_attr_mask =
                                    UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
                                .cb.send = op_send_cb,
@@ -296,6 +310,7 @@ static void stream_peek_locked(ucx_link *u) {
     return;
   size_t len = 0;
   ucs_status_ptr_t p = ucp_stream_recv_data_nb(u->ep, &len);
+  HB_TAKE();
   if (UCS_PTR_IS_ERR(p)) {
     u->stream_error = UCS_PTR_STATUS(p);
   } else if (p) {
@@ -310,8 +325,11 @@ static void stream_peek_locked(ucx_link *u) {
  * waiting, so nothing it pulled in stays unnoticed. */
 static unsigned progress_locked(ucx_link *u) {
   unsigned n = 0, k;
+  HB_HAND_OVER();
   while ((k = ucp_worker_progress(u->worker)) > 0)
     n += k;
+  HB_TAKE();
+  HB_HAND_OVER(); /* what progress sent (answers) */
   if (n > 0) {
     pthread_cond_broadcast(&u->cond);
     if (!tl_progress_thread && u->watched) {
@@ -416,6 +434,7 @@ static void send_reply(ucx_link *u, unsigned id, ucx_reply *r, size_t hdr_len, c
   ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
                            .cb.send = reply_done,
                            .user_data = r};
+  HB_HAND_OVER();
   ucs_status_ptr_t sp = ucp_am_send_nbx(u->ep, id, r->hdr, hdr_len, data, len, &p);
   if (sp == NULL || UCS_PTR_IS_ERR(sp))
     reply_done(NULL, UCS_OK, r);
