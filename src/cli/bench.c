@@ -56,8 +56,8 @@ static double case_baseline = 0; /* median of the current case's baseline row */
 void bench_header(const bench_opts *o, const char *title) {
   if (o->json)
     return;
-  printf("\n%s\n%-16s %-14s %12s %12s %12s %10s %8s\n", title, "case", "impl", "median",
-         "min", "max", "GB/s", "vs base");
+  printf("\n%s\n%-16s %-14s %12s %12s %12s %10s %8s\n", title, "case", "impl", "median", "min",
+         "max", "GB/s", "vs base");
 }
 
 static const char *fmt_time(double s, char *buf, size_t len) {
@@ -86,9 +86,9 @@ void bench_row(const bench_opts *o, const char *bench, const char *case_name, co
            bench, case_name, impl, (unsigned long long)bytes, med, mn, mx, gbps);
   } else {
     char a[32], c[32], d[32];
-    printf("%-16s %-14s %12s %12s %12s %10.2f %8.2f\n", case_name, impl,
-           fmt_time(med, a, sizeof a), fmt_time(mn, c, sizeof c), fmt_time(mx, d, sizeof d),
-           gbps, case_baseline > 0 && med > 0 ? case_baseline / med : 0);
+    printf("%-16s %-14s %12s %12s %12s %10.2f %8.2f\n", case_name, impl, fmt_time(med, a, sizeof a),
+           fmt_time(mn, c, sizeof c), fmt_time(mx, d, sizeof d), gbps,
+           case_baseline > 0 && med > 0 ? case_baseline / med : 0);
   }
   fflush(stdout);
 }
@@ -143,6 +143,7 @@ static const char bench_usage[] =
     "            socket stream; 64 B round trips vs a plain socket ping-pong\n"
     "  control   weight-lifecycle request latency vs a polled shared int32\n"
     "  store     routing replay: put/get vs np/torch files, Redis, memcpy, sockets\n"
+    "  refit     push a model to K receivers vs memcpy and torch.distributed gloo\n"
     "  all       every mode above\n\n"
     "options:\n"
     "  --json            one JSON object per line: bench, case, impl, bytes, median_s,\n"
@@ -164,10 +165,16 @@ int cli_bench(int argc, char **argv) {
     return bench_control(argc - 1, argv + 1);
   if (strcmp(mode, "store") == 0)
     return bench_store(argc - 1, argv + 1);
+  if (strcmp(mode, "refit") == 0)
+    return bench_refit(argc - 1, argv + 1);
   if (strcmp(mode, "all") == 0) {
-    int rc = bench_link(argc - 1, argv + 1);
-    int rc2 = bench_control(argc - 1, argv + 1);
-    return rc ? rc : rc2;
+    int (*const all[])(int, char **) = {bench_link, bench_store, bench_refit, bench_control};
+    int rc = 0;
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
+      int r = all[i](argc - 1, argv + 1);
+      rc = rc ? rc : r;
+    }
+    return rc;
   }
   fprintf(stderr, "ferry bench: unknown mode '%s'\n%s", mode, bench_usage);
   return CLI_USAGE;

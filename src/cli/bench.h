@@ -40,5 +40,6 @@ const char *bench_size_name(uint64_t bytes, char *buf, size_t len);
 int bench_link(int argc, char **argv);
 int bench_control(int argc, char **argv);
 int bench_store(int argc, char **argv);
+int bench_refit(int argc, char **argv);
 
 #endif

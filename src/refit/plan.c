@@ -78,17 +78,23 @@ uint32_t fr_refit_first_entry(const fr_refit_plan *plan, uint32_t b) {
   return lo;
 }
 
-uint64_t fr_refit_overlap(const fr_refit_plan *plan, uint32_t e, uint32_t b, uint64_t *wire_off,
-                          uint64_t *bucket_off) {
+uint64_t fr_refit_overlap_window(const fr_refit_plan *plan, uint32_t e, uint64_t start,
+                                 uint64_t len, uint64_t *wire_off, uint64_t *window_off) {
   const fr_refit_entry *x = &plan->entries[e];
-  uint64_t start = (uint64_t)b * plan->bucket_bytes, end = start + fr_refit_bucket_len(plan, b);
+  uint64_t end = start + len;
   uint64_t lo = x->offset > start ? x->offset : start;
   uint64_t hi = x->offset + x->wire_bytes < end ? x->offset + x->wire_bytes : end;
   if (hi <= lo)
     return 0;
   *wire_off = lo - x->offset;
-  *bucket_off = lo - start;
+  *window_off = lo - start;
   return hi - lo;
+}
+
+uint64_t fr_refit_overlap(const fr_refit_plan *plan, uint32_t e, uint32_t b, uint64_t *wire_off,
+                          uint64_t *bucket_off) {
+  return fr_refit_overlap_window(plan, e, (uint64_t)b * plan->bucket_bytes,
+                                 fr_refit_bucket_len(plan, b), wire_off, bucket_off);
 }
 
 /* ---- manifest codec ---- */

@@ -51,6 +51,9 @@ int64_t fr_refit_plan_find(const fr_refit_plan *plan, const char *name);
  * where that lands in the bucket. Returns 0 when they do not overlap. */
 uint64_t fr_refit_overlap(const fr_refit_plan *plan, uint32_t e, uint32_t b, uint64_t *wire_off,
                           uint64_t *bucket_off);
+/* The same for any window [start, start+len) of the flat buffer. */
+uint64_t fr_refit_overlap_window(const fr_refit_plan *plan, uint32_t e, uint64_t start,
+                                 uint64_t len, uint64_t *wire_off, uint64_t *window_off);
 /* First entry that may overlap bucket b (entries are sorted by offset). */
 uint32_t fr_refit_first_entry(const fr_refit_plan *plan, uint32_t b);
 static inline uint64_t fr_refit_bucket_len(const fr_refit_plan *p, uint32_t b) {

@@ -9,18 +9,42 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <xxhash.h>
 
-static void pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst) {
+#define FR_REFIT_CHUNK (256u * 1024u) /* packed and hashed while it is still in cache */
+
+/* Packs [lo, lo+len) of bucket b (casting on the way) into dst. */
+static void pack_window(ferry_refit_sender *s, uint32_t b, uint64_t lo, uint64_t len,
+                        uint8_t *dst) {
   const fr_refit_plan *p = &s->plan;
+  uint64_t start = (uint64_t)b * p->bucket_bytes + lo;
   for (uint32_t e = fr_refit_first_entry(p, b); e < p->count; e++) {
-    uint64_t wire_off, bucket_off, n = fr_refit_overlap(p, e, b, &wire_off, &bucket_off);
-    if (n == 0)
-      break;
+    uint64_t wire_off, dst_off, n = fr_refit_overlap_window(p, e, start, len, &wire_off, &dst_off);
+    if (n == 0) {
+      if (p->entries[e].offset >= start + len)
+        break;
+      continue;
+    }
     const fr_refit_entry *x = &p->entries[e];
     size_t we = ferry_dtype_size(x->wire), se = ferry_dtype_size(x->desc.dtype);
     const uint8_t *src = (const uint8_t *)s->src[e].data + wire_off / we * se;
-    fr_refit_cast(x->desc.dtype, x->wire, x->scale, src, dst + bucket_off, n / we);
+    fr_refit_cast(x->desc.dtype, x->wire, x->scale, src, dst + dst_off, n / we);
   }
+}
+
+/* Packs bucket b into dst chunk by chunk, hashing each chunk while it is hot. */
+static uint64_t pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst) {
+  uint64_t len = fr_refit_bucket_len(&s->plan, b);
+  XXH3_state_t *h = XXH3_createState();
+  XXH3_64bits_reset(h);
+  for (uint64_t lo = 0; lo < len; lo += FR_REFIT_CHUNK) {
+    uint64_t n = len - lo < FR_REFIT_CHUNK ? len - lo : FR_REFIT_CHUNK;
+    pack_window(s, b, lo, n, dst + lo);
+    XXH3_64bits_update(h, dst + lo, n);
+  }
+  uint64_t sum = XXH3_64bits_digest(h);
+  XXH3_freeState(h);
+  return sum;
 }
 
 static bool bucket_selected(ferry_refit_sender *s, const ferry_refit_push_opts *o, uint32_t b) {
@@ -153,8 +177,7 @@ int ferry_refit_push(ferry_refit_sender *s, uint64_t version, const ferry_refit_
     if (sent >= 2)
       wait_for(s, deadline, sent - 1, false); /* the buffer's previous bucket was read */
     uint64_t len = fr_refit_bucket_len(&s->plan, b);
-    pack(s, b, s->buf[k]);
-    uint64_t sum = ferry_checksum(s->buf[k], len);
+    uint64_t sum = pack(s, b, s->buf[k]);
     if (fr_refit_test_corrupt)
       fr_refit_test_corrupt(b, s->buf[k], len);
     fr_refit_msg_t m = {.type = FR_REFIT_BUCKET,

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <xxhash.h>
 
 struct ferry_refit_receiver {
   ferry_ctx *ctx;
@@ -61,15 +62,46 @@ static int claim_ctx(ferry_ctx *ctx, bool claim) {
 
 /* ---- receiving a push (service thread) ---- */
 
-static void scatter(ferry_refit_receiver *r, uint32_t b, const uint8_t *bucket) {
+#define FR_REFIT_CHUNK (256u * 1024u)
+
+/* Puts [lo, lo+len) of bucket b, held at src, where its tensors are bound. */
+static void scatter(ferry_refit_receiver *r, uint32_t b, uint64_t lo, uint64_t len,
+                    const uint8_t *src) {
   const fr_refit_plan *p = &r->plan;
+  uint64_t start = (uint64_t)b * p->bucket_bytes + lo;
   for (uint32_t e = fr_refit_first_entry(p, b); e < p->count; e++) {
-    uint64_t wire_off, bucket_off, n = fr_refit_overlap(p, e, b, &wire_off, &bucket_off);
-    if (n == 0)
-      break;
+    uint64_t wire_off, src_off, n = fr_refit_overlap_window(p, e, start, len, &wire_off, &src_off);
+    if (n == 0) {
+      if (p->entries[e].offset >= start + len)
+        break;
+      continue;
+    }
     if (r->bound[e])
-      memcpy((uint8_t *)r->bound[e] + wire_off, bucket + bucket_off, n);
+      memcpy((uint8_t *)r->bound[e] + wire_off, src + src_off, n);
   }
+}
+
+/* Reads a bucket in chunks (on shm each one memcpy), hashing and scattering each chunk while it
+ * is in cache; over other links one read, since every read there is a round trip. */
+static int read_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, uint64_t *sum) {
+  uint8_t *dst = r->flat ? r->flat + (uint64_t)m->bucket * r->plan.bucket_bytes : r->stage;
+  uint64_t chunk = strcmp(ferry_link_transport(r->link), "shm") == 0 ? FR_REFIT_CHUNK : m->bytes;
+  XXH3_state_t *h = XXH3_createState();
+  XXH3_64bits_reset(h);
+  int rc = 0;
+  for (uint64_t lo = 0; lo < m->bytes && rc == 0; lo += chunk) {
+    uint64_t n = m->bytes - lo < chunk ? m->bytes - lo : chunk;
+    uint8_t *at = r->flat ? dst + lo : dst;
+    rc = ferry_read(r->link, &r->buf[m->buffer], lo, at, n, -1);
+    if (rc == 0) {
+      XXH3_64bits_update(h, at, n);
+      if (!r->flat)
+        scatter(r, m->bucket, lo, n, at);
+    }
+  }
+  *sum = XXH3_64bits_digest(h);
+  XXH3_freeState(h);
+  return rc;
 }
 
 static int take_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
@@ -83,15 +115,13 @@ static int take_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
                   (unsigned long long)m->bytes);
   if (m->flags & FR_REFIT_UNCHANGED)
     return 0;
-  uint8_t *dst = r->flat ? r->flat + (uint64_t)m->bucket * r->plan.bucket_bytes : r->stage;
-  int rc = ferry_read(r->link, &r->buf[m->buffer], 0, dst, m->bytes, -1);
+  uint64_t sum = 0;
+  int rc = read_bucket(r, m, &sum);
   if (rc != 0)
     return rc;
-  if (ferry_checksum(dst, m->bytes) != m->checksum)
+  if (sum != m->checksum)
     return fr_err(FERRY_ECHECKSUM, "refit: bucket %u of version %llu does not match its checksum",
                   m->bucket, (unsigned long long)m->version);
-  if (!r->flat)
-    scatter(r, m->bucket, dst);
   return 0;
 }
 

@@ -1,0 +1,319 @@
+/*
+ * `ferry bench refit`: pushes a synthetic transformer-shaped model from this process (the
+ * trainer) to K receiver processes (K = 1, 2, 4) on this host over shm, and compares in the same
+ * run with a single-thread memcpy of the model's bytes and with torch.distributed gloo
+ * broadcasts of the same tensors (per tensor, and in flat buckets), run by Debian's python3.
+ * A second model of 5,000 small tensors shows what a push costs beyond moving bytes.
+ */
+#include "cli/bench.h"
+#include "cli/cli.h"
+#include "ferry.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+typedef struct model {
+  size_t n;
+  ferry_tensor_desc *desc;
+  float **data;
+  char (*name)[48];
+  uint64_t bytes;
+} model;
+
+/* Layers of attention and MLP matrices plus norms and biases, until `bytes` is reached; or
+ * (small) `count` vectors of 256 floats. */
+static void model_make(model *m, uint64_t bytes, size_t small_count) {
+  size_t cap = small_count ? small_count : 4096;
+  m->desc = calloc(cap, sizeof *m->desc);
+  m->data = calloc(cap, sizeof *m->data);
+  m->name = calloc(cap, sizeof *m->name);
+  m->n = 0;
+  m->bytes = 0;
+  uint64_t h = 512;
+  while (m->n < cap && (small_count ? m->n < small_count : m->bytes < bytes)) {
+    size_t layer = m->n / 8, kind = m->n % 8;
+    uint64_t rows = small_count ? 1 : kind < 4 ? h : kind < 6 ? 4 * h : 1;
+    uint64_t cols = small_count ? 256 : kind == 5 ? h : kind < 4 ? h : kind == 4 ? h : h;
+    if (!small_count && kind == 4)
+      rows = h, cols = 4 * h;
+    m->desc[m->n] = (ferry_tensor_desc){.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {rows, cols}};
+    snprintf(m->name[m->n], sizeof m->name[0], "layers.%zu.p%zu", layer, kind);
+    m->data[m->n] = malloc(rows * cols * 4);
+    memset(m->data[m->n], (int)(m->n & 0x7f), rows * cols * 4);
+    m->bytes += rows * cols * 4;
+    m->n++;
+  }
+}
+
+static void model_free(model *m) {
+  for (size_t i = 0; i < m->n; i++)
+    free(m->data[i]);
+  free(m->desc);
+  free(m->data);
+  free(m->name);
+}
+
+/* ---- receivers: this binary again, as helper processes ---- */
+
+int bench_refit_receiver(const char *address, int fd) {
+  ferry_ctx_opts o = {.size = sizeof o, .name = "bench-rollout"};
+  ferry_ctx *ctx;
+  ferry_refit_receiver *r;
+  if (ferry_ctx_open(&o, &ctx) != 0 || ferry_refit_receiver_open(ctx, address, -1, &r) != 0 ||
+      ferry_refit_bind_flat(r) != 0) {
+    fprintf(stderr, "bench receiver: %s\n", ferry_last_error());
+    return CLI_FAIL;
+  }
+  char ready = 'r';
+  if (write(fd, &ready, 1) != 1)
+    return CLI_FAIL;
+  for (uint64_t v = 1; ferry_refit_wait(r, v, 120000, NULL) == 0; v++)
+    ;
+  return CLI_OK;
+}
+
+static int spawn_receivers(const char *address, int k, pid_t *pids) {
+  int p[2];
+  if (pipe(p) != 0)
+    return -1;
+  char fd[16];
+  snprintf(fd, sizeof fd, "%d", p[1]);
+  for (int i = 0; i < k; i++) {
+    fflush(NULL);
+    pids[i] = fork();
+    if (pids[i] == 0) {
+      close(p[0]);
+      execl("/proc/self/exe", "ferry", "bench", "refit", "--receiver", address, fd, (char *)NULL);
+      _exit(127);
+    }
+  }
+  close(p[1]);
+  int ready = 0;
+  char c;
+  while (ready < k && read(p[0], &c, 1) == 1)
+    ready++;
+  close(p[0]);
+  return ready == k ? 0 : -1;
+}
+
+static void stop_receivers(pid_t *pids, int k) {
+  for (int i = 0; i < k; i++) {
+    kill(pids[i], SIGTERM);
+    waitpid(pids[i], NULL, 0);
+  }
+}
+
+/* ---- ferry ---- */
+
+static int time_pushes(const bench_opts *o, const model *m, int k, int reps, bench_samples *b) {
+  ferry_ctx_opts co = {.size = sizeof co, .name = "bench-trainer"};
+  ferry_ctx *ctx;
+  ferry_refit_sender *s;
+  int rc = ferry_ctx_open(&co, &ctx);
+  if (rc == 0)
+    rc = ferry_refit_sender_open(ctx, "bench", NULL, &s);
+  for (size_t i = 0; rc == 0 && i < m->n; i++)
+    rc = ferry_refit_declare(s, m->name[i], &m->desc[i], m->data[i], FERRY_DTYPE_INVALID);
+  if (rc == 0)
+    rc = ferry_refit_seal(s);
+  pid_t pids[8];
+  if (rc == 0 && spawn_receivers(ferry_ctx_address(ctx), k, pids) != 0)
+    rc = FERRY_ECONNECT;
+  while (rc == 0 && ferry_refit_receivers(s) < (size_t)k)
+    usleep(1000);
+  for (int v = 1; rc == 0 && v <= reps + 1; v++) {
+    double t = bench_now();
+    rc = ferry_refit_push(s, (uint64_t)v, NULL);
+    if (v > 1) /* the first push maps the buckets and faults the receivers' pages */
+      bench_add(b, bench_now() - t);
+  }
+  if (rc != 0)
+    cli_fail("bench refit", rc, "push");
+  stop_receivers(pids, rc == 0 || rc == FERRY_ECONNECT ? k : 0);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(ctx);
+  (void)o;
+  return rc;
+}
+
+static void time_memcpy(const model *m, int reps, bench_samples *b) {
+  uint8_t *dst = malloc(m->bytes);
+  for (int r = 0; r <= reps; r++) {
+    double t = bench_now();
+    uint64_t at = 0;
+    for (size_t i = 0; i < m->n; i++) {
+      uint64_t n = m->desc[i].shape[0] * m->desc[i].shape[1] * 4;
+      memcpy(dst + at, m->data[i], n);
+      at += n;
+    }
+    __asm__ volatile("" ::"r"(dst) : "memory");
+    if (r > 0)
+      bench_add(b, bench_now() - t);
+  }
+  free(dst);
+}
+
+/* ---- gloo (python3 + torch) ---- */
+
+static const char gloo_script[] =
+    "import json,os,sys,time,torch,torch.distributed as dist\n"
+    "rank,world,port,spec,bucket,reps=int(sys.argv[1]),int(sys.argv[2]),sys.argv[3],"
+    "json.load(open(sys.argv[4])),int(sys.argv[5]),int(sys.argv[6])\n"
+    "dist.init_process_group('gloo',init_method='tcp://127.0.0.1:'+port,rank=rank,"
+    "world_size=world)\n"
+    "ts=[torch.full(s,float(i%100)) for i,s in enumerate(spec)]\n"
+    "def per_tensor():\n"
+    "  for t in ts: dist.broadcast(t,0)\n"
+    "groups=[];cur=[];size=0\n"
+    "for t in ts:\n"
+    "  if cur and size+t.numel()*4>bucket: groups.append(cur);cur=[];size=0\n"
+    "  cur.append(t);size+=t.numel()*4\n"
+    "if cur: groups.append(cur)\n"
+    "def bucketed():\n"
+    "  for g in groups:\n"
+    "    flat=torch.cat([t.reshape(-1) for t in g]) if rank==0 else "
+    "torch.empty(sum(t.numel() for t in g))\n"
+    "    dist.broadcast(flat,0)\n"
+    "    if rank:\n"
+    "      for t,f in zip(g,torch.split(flat,[t.numel() for t in g])): t.copy_(f.view_as(t))\n"
+    "out={}\n"
+    "for name,f in (('per-tensor',per_tensor),('bucketed',bucketed)):\n"
+    "  times=[]\n"
+    "  for r in range(reps+1):\n"
+    "    dist.barrier(); t=time.perf_counter(); f(); dist.barrier()\n"
+    "    if r: times.append(time.perf_counter()-t)\n"
+    "  out[name]=times\n"
+    "if rank==0: print(json.dumps(out))\n";
+
+static int gloo_available(void) {
+  return system("/usr/bin/python3 -c 'import torch.distributed' >/dev/null 2>&1") == 0;
+}
+
+/* Adds the numbers of a JSON list that starts somewhere after `at`. */
+static void parse_list(const char *at, bench_samples *b) {
+  const char *p = at ? strchr(at, '[') : NULL;
+  while (p && *p && *p != ']') {
+    char *end;
+    double v = strtod(p + 1, &end);
+    if (end == p + 1)
+      break;
+    bench_add(b, v);
+    p = end;
+    while (*p == ' ')
+      p++;
+  }
+}
+
+/* Runs K+1 python ranks; parses rank 0's JSON into the two sample sets. */
+static int time_gloo(const model *m, int k, int reps, bench_samples *per, bench_samples *bkt) {
+  char dir[] = "/tmp/ferry-bench-XXXXXX";
+  if (!mkdtemp(dir))
+    return -1;
+  char script[64], spec[64], out[64], cmd[512];
+  snprintf(script, sizeof script, "%s/gloo.py", dir);
+  snprintf(spec, sizeof spec, "%s/spec.json", dir);
+  snprintf(out, sizeof out, "%s/out.json", dir);
+  FILE *f = fopen(script, "w");
+  fputs(gloo_script, f);
+  fclose(f);
+  f = fopen(spec, "w");
+  fputc('[', f);
+  for (size_t i = 0; i < m->n; i++)
+    fprintf(f, "%s[%llu,%llu]", i ? "," : "", (unsigned long long)m->desc[i].shape[0],
+            (unsigned long long)m->desc[i].shape[1]);
+  fputs("]\n", f);
+  fclose(f);
+  int port = 20000 + (int)(getpid() % 20000);
+  for (int r = k; r >= 0; r--) {
+    snprintf(cmd, sizeof cmd, "OMP_NUM_THREADS=1 /usr/bin/python3 %s %d %d %d %s %d %d %s%s",
+             script, r, k + 1, port, spec, 16 << 20, reps, r ? ">/dev/null 2>&1 &" : "> ",
+             r ? "" : out);
+    if (system(cmd) != 0 && r == 0)
+      return -1;
+  }
+  f = fopen(out, "r");
+  char buf[65536];
+  size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+  if (f)
+    fclose(f);
+  buf[n] = 0;
+  parse_list(strstr(buf, "\"per-tensor\": ["), per);
+  parse_list(strstr(buf, "\"bucketed\": ["), bkt);
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  if (system(cmd) != 0)
+    return -1;
+  return per->n && bkt->n ? 0 : -1;
+}
+
+/* ---- the cases ---- */
+
+static int run_case(const bench_opts *o, const char *label, const model *m, int reps, bool gloo) {
+  int ks[] = {1, 2, 4};
+  bench_samples b = {0}, per = {0}, bkt = {0};
+  time_memcpy(m, reps, &b);
+  char name[48];
+  int rc = 0;
+  for (int i = 0; i < 3 && rc == 0; i++) {
+    snprintf(name, sizeof name, "%s-K%d", label, ks[i]);
+    if (i > 0) {
+      bench_reset(&b);
+      time_memcpy(m, reps, &b);
+    }
+    bench_row(o, "refit", name, "memcpy", m->bytes, &b, true);
+    bench_reset(&b);
+    rc = time_pushes(o, m, ks[i], reps, &b);
+    bench_row(o, "refit", name, "ferry/shm", m->bytes, &b, false);
+    bench_reset(&b);
+    if (gloo && time_gloo(m, ks[i], reps, &per, &bkt) == 0) {
+      bench_row(o, "refit", name, "gloo/bucketed", m->bytes, &bkt, false);
+      bench_row(o, "refit", name, "gloo/tensor", m->bytes, &per, false);
+    }
+    bench_reset(&per);
+    bench_reset(&bkt);
+  }
+  bench_free(&b);
+  bench_free(&per);
+  bench_free(&bkt);
+  return rc;
+}
+
+static const char refit_usage[] =
+    "usage: ferry bench refit [--json] [--reps N] [--max-size BYTES]\n\n"
+    "Pushes a transformer-shaped model (256 MiB; --max-size 1G adds a 1 GiB case) to K = 1, 2\n"
+    "and 4 receiver processes on this host over shm, against a memcpy of the model's bytes\n"
+    "and torch.distributed gloo broadcasts (per tensor and in 16 MiB buckets) when python3-torch\n"
+    "is installed; then a model of 5,000 small tensors for the per-push overhead.\n";
+
+int bench_refit(int argc, char **argv) {
+  if (argc == 4 && strcmp(argv[1], "--receiver") == 0)
+    return bench_refit_receiver(argv[2], atoi(argv[3]));
+  bench_opts o = {.max_size = 256ull << 20};
+  if (bench_parse(argc, argv, &o, refit_usage) < 0)
+    return CLI_USAGE;
+  signal(SIGPIPE, SIG_IGN);
+  bool gloo = gloo_available();
+  if (!gloo && !o.json)
+    printf("(python3-torch not found: gloo rows skipped)\n");
+  bench_header(&o, "ferry bench refit (push to K receivers on one host; vs base = speed)");
+  int rc = 0;
+  for (uint64_t size = 256ull << 20; rc == 0 && size <= o.max_size; size *= 4) {
+    model m;
+    model_make(&m, size, 0);
+    char label[24], sz[16];
+    snprintf(label, sizeof label, "%s", bench_size_name(size, sz, sizeof sz));
+    rc = run_case(&o, label, &m, o.reps ? o.reps : 5, gloo);
+    model_free(&m);
+  }
+  if (rc == 0) {
+    model m;
+    model_make(&m, 0, 5000);
+    rc = run_case(&o, "5000t", &m, o.reps ? o.reps : 20, gloo);
+    model_free(&m);
+  }
+  return rc == 0 ? CLI_OK : CLI_FAIL;
+}
