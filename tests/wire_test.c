@@ -43,7 +43,7 @@ static void test_frame_rejects(void **s) {
   assert_int_equal(decode_with(msg, 100, bad_version), FERRY_EPROTO);
   assert_int_equal(decode_with(msg, 100, bad_flags), FERRY_EPROTO);
   assert_int_equal(decode_with((fr_frame){.type = 0}, 100, NULL), FERRY_EPROTO);
-  assert_int_equal(decode_with((fr_frame){.type = 12}, 100, NULL), FERRY_EPROTO);
+  assert_int_equal(decode_with((fr_frame){.type = FR_FRAME_TYPE_MAX + 1}, 100, NULL), FERRY_EPROTO);
   assert_int_equal(decode_with((fr_frame){.type = FR_MSG, .len = 101}, 100, NULL), FERRY_EPROTO);
   assert_int_equal(
       decode_with((fr_frame){.type = FR_MSG, .channel = FERRY_MAX_CHANNELS}, 100, NULL),
