@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# `make demo`: the main job end to end. Until the store and refit land it runs the link
-# benchmark: ferry's one-sided reads over shm and tcp against memcpy and plain sockets.
+# `make demo`: the main job end to end — a trainer and two rollouts on this machine, three RL
+# steps of control (clear/update), refit (weights v1..v3) and store (routing replay).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-echo "ferry demo: one-sided reads between two processes, ferry vs the physical limits"
-build/ferry bench link --max-size "${FERRY_DEMO_MAX_SIZE:-256M}"
+exec build/ferry demo

@@ -15,6 +15,7 @@ int cli_fail(const char *cmd, int status, const char *what);
 int cli_info(int argc, char **argv);
 int cli_bench(int argc, char **argv);
 int cli_ctl(int argc, char **argv);
+int cli_demo(int argc, char **argv);
 int cli_serve(int argc, char **argv);
 int cli_put(int argc, char **argv);
 int cli_get(int argc, char **argv);

@@ -13,6 +13,7 @@ static const struct {
   int (*run)(int argc, char **argv);
   const char *summary;
 } commands[] = {
+    {"demo", cli_demo, "the RL data plane end to end: trainer, two rollouts, three steps"},
     {"info", cli_info, "version, transports and configuration (--config)"},
     {"bench", cli_bench, "benchmarks against baselines: link (more to come)"},
     {"ctl", cli_ctl, "control an engine's weight lifecycle: status, clear, update, serve"},
