@@ -6,6 +6,10 @@
  * TCP socket over loopback that streams the same bytes on request (the limit for tcp). Round
  * trips: 64-byte messages echoed by the child over ferry shm and tcp, against a plain blocking
  * socket ping-pong; and 64-byte one-sided reads.
+ *
+ * With UCX built in, the same over ucx twice, UCX_TLS=sm and UCX_TLS=tcp (a ctx and a region
+ * per setting on each side, since UCX reads its settings when a ctx opens), and where ucx-utils
+ * is installed, ucx_perftest's own put bandwidth as the figure UCX reaches without ferry.
  */
 #include "cli/bench.h"
 #include "cli/cli.h"
@@ -21,15 +25,28 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <fcntl.h>
+#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+extern char **environ;
+
 #define ECHO_CHANNEL 1
+
+#ifdef FERRY_HAVE_UCX
+#define UCX_FLAVORS 2
+#else
+#define UCX_FLAVORS 0
+#endif
+static const char *const ucx_tls[] = {"sm", "tcp"}; /* UCX_TLS of each ucx flavor */
 
 typedef struct owner_info {
   char address[512];
   ferry_region_ref ref;
   int socket_port; /* the plain-socket baseline server */
+  char ucx_address[2][512];
+  ferry_region_ref ucx_ref[2];
 } owner_info;
 
 static int write_all(int fd, const void *buf, size_t len) {
@@ -107,6 +124,38 @@ static int listen_loopback(int *port) {
   return fd;
 }
 
+/* A ctx with only ucx under UCX_TLS=tls (read when the ctx opens). */
+static int open_ucx_ctx(const char *name, const char *tls, ferry_ctx **out) {
+  char *saved = getenv("UCX_TLS") ? strdup(getenv("UCX_TLS")) : NULL;
+  setenv("UCX_TLS", tls, 1);
+  ferry_ctx_opts o = {.size = sizeof o, .name = name, .transports = "ucx"};
+  int rc = ferry_ctx_open(&o, out);
+  if (saved)
+    setenv("UCX_TLS", saved, 1);
+  else
+    unsetenv("UCX_TLS");
+  free(saved);
+  return rc;
+}
+
+/* The owner's ucx ctxs, each with its own region of the same bytes. */
+static int owner_ucx(owner_info *info, uint64_t bytes) {
+  for (int i = 0; i < UCX_FLAVORS; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "bench-owner-ucx-%s", ucx_tls[i]);
+    ferry_ctx *ctx;
+    void *mem;
+    if (open_ucx_ctx(name, ucx_tls[i], &ctx) != 0 || ferry_alloc(ctx, bytes, &mem) != 0 ||
+        ferry_region_find(ctx, mem, bytes, &info->ucx_ref[i], NULL) != 0)
+      return -1;
+    memset(mem, 0x5a, bytes);
+    snprintf(info->ucx_address[i], sizeof info->ucx_address[i], "%s", ferry_ctx_address(ctx));
+    pthread_t echo_thread;
+    pthread_create(&echo_thread, NULL, echo_serve, ctx);
+  }
+  return 0;
+}
+
 static int owner_main(int info_fd, int quit_fd, uint64_t bytes) {
   ferry_ctx_opts o = {.size = sizeof o, .name = "bench-owner", .transports = "shm,tcp"};
   ferry_ctx *ctx;
@@ -119,6 +168,10 @@ static int owner_main(int info_fd, int quit_fd, uint64_t bytes) {
     return 1;
   }
   memset(mem, 0x5a, bytes);
+  if (owner_ucx(&info, bytes) != 0) {
+    fprintf(stderr, "bench owner: ucx: %s\n", ferry_last_error());
+    return 1;
+  }
   snprintf(info.address, sizeof info.address, "%s", ferry_ctx_address(ctx));
   socket_server srv = {.data = mem};
   srv.listen_fd = listen_loopback(&info.socket_port);
@@ -139,8 +192,12 @@ typedef struct reader {
   ferry_ctx *ctx;
   ferry_link *shm, *tcp;
   ferry_region_ref ref;
+  ferry_ctx *ucx_ctx[2];
+  ferry_link *ucx[2];
+  ferry_region_ref ucx_ref[2];
   int sock;
   uint8_t *src, *dst; /* memcpy baseline source; destination of every read */
+  bool perftest;      /* ucx_perftest is installed */
 } reader;
 
 static int reps_for(const bench_opts *o, uint64_t bytes) {
@@ -150,11 +207,19 @@ static int reps_for(const bench_opts *o, uint64_t bytes) {
   return r < 5 ? 5 : r > 200 ? 200 : (int)r;
 }
 
+static const ferry_region_ref *ref_of(reader *r, ferry_link *l) {
+  for (int i = 0; i < UCX_FLAVORS; i++)
+    if (l == r->ucx[i])
+      return &r->ucx_ref[i];
+  return &r->ref;
+}
+
 static int time_ferry_read(reader *r, ferry_link *l, uint64_t bytes, int reps, bench_samples *b) {
-  int rc = ferry_read(l, &r->ref, 0, r->dst, bytes, -1); /* warm-up: maps, faults */
+  const ferry_region_ref *ref = ref_of(r, l);
+  int rc = ferry_read(l, ref, 0, r->dst, bytes, -1); /* warm-up: maps, faults */
   for (int i = 0; i < reps && rc == 0; i++) {
     double t = bench_now();
-    rc = ferry_read(l, &r->ref, 0, r->dst, bytes, -1);
+    rc = ferry_read(l, ref, 0, r->dst, bytes, -1);
     bench_add(b, bench_now() - t);
   }
   if (rc != 0)
@@ -186,6 +251,65 @@ static void time_memcpy(reader *r, uint64_t bytes, int reps, bench_samples *b) {
   }
 }
 
+/* ucx_perftest's put bandwidth between two processes under UCX_TLS=tls, as seconds per
+ * transfer of `bytes` (one sample); -1 when it is not installed or fails. */
+static double perftest_put(const char *tls, uint64_t bytes, int reps) {
+  int port = 0, fd = listen_loopback(&port);
+  if (fd < 0)
+    return -1;
+  close(fd);
+  char p[16], s[24], n[16], cmd[256];
+  snprintf(p, sizeof p, "%d", port);
+  char *srv_argv[] = {"ucx_perftest", "-p", p, NULL};
+  setenv("UCX_TLS", tls, 1); /* the server inherits it; popen's client too */
+  pid_t srv;
+  posix_spawn_file_actions_t fa; /* the server's report is not ours to print */
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
+  posix_spawn_file_actions_addopen(&fa, 2, "/dev/null", O_WRONLY, 0);
+  int spawned = posix_spawnp(&srv, "ucx_perftest", &fa, NULL, srv_argv, environ);
+  posix_spawn_file_actions_destroy(&fa);
+  if (spawned != 0)
+    return -1;
+  usleep(300000);
+  snprintf(s, sizeof s, "%llu", (unsigned long long)bytes);
+  snprintf(n, sizeof n, "%d", reps < 3 ? 3 : reps);
+  snprintf(cmd, sizeof cmd, "ucx_perftest 127.0.0.1 -p %s -t ucp_put_bw -s %s -n %s -f 2>/dev/null",
+           p, s, n);
+  FILE *f = popen(cmd, "r");
+  char line[512];
+  double mbps = -1, v[8];
+  while (f && fgets(line, sizeof line, f)) { /* iters lat50 lat lat bw bw rate rate */
+    const char *c = strchr(line, ':');       /* -f prints the numbers alone */
+    if (sscanf(c ? c + 1 : line, "%lf %lf %lf %lf %lf %lf", &v[0], &v[1], &v[2], &v[3], &v[4],
+               &v[5]) == 6)
+      mbps = v[5]; /* overall MB/s */
+  }
+  if (f)
+    pclose(f);
+  kill(srv, SIGTERM);
+  waitpid(srv, NULL, 0);
+  unsetenv("UCX_TLS");
+  return mbps > 0 ? (double)bytes / (mbps * 1024 * 1024) : -1;
+}
+
+static int bench_ucx_reads(reader *r, const char *name, int i, uint64_t bytes, int reps,
+                           bench_samples *b) {
+  char impl[32];
+  snprintf(impl, sizeof impl, "ferry/ucx-%s", ucx_tls[i]);
+  bench_reset(b);
+  int rc = time_ferry_read(r, r->ucx[i], bytes, reps, b);
+  bench_row(r->o, "link", name, impl, bytes, b, false);
+  bench_reset(b);
+  double put = rc == 0 && r->perftest ? perftest_put(ucx_tls[i], bytes, reps) : -1;
+  if (put > 0) {
+    snprintf(impl, sizeof impl, "ucx_perftest/%s", ucx_tls[i]);
+    bench_add(b, put);
+    bench_row(r->o, "link", name, impl, bytes, b, false);
+  }
+  return rc;
+}
+
 static int bench_reads(reader *r, uint64_t bytes) {
   char name[32], size[16];
   snprintf(name, sizeof name, "read-%s", bench_size_name(bytes, size, sizeof size));
@@ -196,6 +320,8 @@ static int bench_reads(reader *r, uint64_t bytes) {
   bench_reset(&b);
   int rc = time_ferry_read(r, r->shm, bytes, reps, &b);
   bench_row(r->o, "link", name, "ferry/shm", bytes, &b, false);
+  if (rc == 0 && UCX_FLAVORS > 0)
+    rc = bench_ucx_reads(r, name, 0, bytes, reps, &b);
   bench_reset(&b);
   if (rc == 0 && (rc = time_socket_read(r, bytes, reps, &b)) == 0)
     bench_row(r->o, "link", name, "socket", bytes, &b, true);
@@ -203,6 +329,8 @@ static int bench_reads(reader *r, uint64_t bytes) {
   if (rc == 0)
     rc = time_ferry_read(r, r->tcp, bytes, reps, &b);
   bench_row(r->o, "link", name, "ferry/tcp", bytes, &b, false);
+  if (rc == 0 && UCX_FLAVORS > 1)
+    rc = bench_ucx_reads(r, name, 1, bytes, reps, &b);
   bench_free(&b);
   return rc;
 }
@@ -239,6 +367,13 @@ static int bench_round_trips(reader *r) {
   bench_reset(&b);
   if (rc == 0 && (rc = time_echo(r->ctx, r->tcp, reps, &b)) == 0)
     bench_row(r->o, "link", "rtt-64B", "ferry/tcp", 64, &b, false);
+  for (int i = 0; i < UCX_FLAVORS && rc == 0; i++) {
+    char impl[32];
+    snprintf(impl, sizeof impl, "ferry/ucx-%s", ucx_tls[i]);
+    bench_reset(&b);
+    if ((rc = time_echo(r->ucx_ctx[i], r->ucx[i], reps, &b)) == 0)
+      bench_row(r->o, "link", "rtt-64B", impl, 64, &b, false);
+  }
   bench_reset(&b);
   if (rc == 0 && (rc = time_socket_read(r, 64, reps, &b)) == 0)
     bench_row(r->o, "link", "read-64B", "socket", 64, &b, true);
@@ -248,6 +383,13 @@ static int bench_round_trips(reader *r) {
   bench_reset(&b);
   if (rc == 0 && (rc = time_ferry_read(r, r->shm, 64, reps, &b)) == 0)
     bench_row(r->o, "link", "read-64B", "ferry/shm", 64, &b, false);
+  for (int i = 0; i < UCX_FLAVORS && rc == 0; i++) {
+    char impl[32];
+    snprintf(impl, sizeof impl, "ferry/ucx-%s", ucx_tls[i]);
+    bench_reset(&b);
+    if ((rc = time_ferry_read(r, r->ucx[i], 64, reps, &b)) == 0)
+      bench_row(r->o, "link", "read-64B", impl, 64, &b, false);
+  }
   bench_free(&b);
   return rc;
 }
@@ -269,9 +411,17 @@ static int connect_all(reader *r, const owner_info *info) {
   pick(info->address, "tcp://", url, sizeof url);
   if (rc == 0)
     rc = ferry_connect(r->ctx, url, -1, &r->tcp);
+  for (int i = 0; i < UCX_FLAVORS && rc == 0; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "bench-reader-ucx-%s", ucx_tls[i]);
+    if ((rc = open_ucx_ctx(name, ucx_tls[i], &r->ucx_ctx[i])) == 0)
+      rc = ferry_connect(r->ucx_ctx[i], info->ucx_address[i], -1, &r->ucx[i]);
+    r->ucx_ref[i] = info->ucx_ref[i];
+  }
   if (rc != 0)
     return cli_fail("bench link", rc, "connect to the owner");
   r->ref = info->ref;
+  r->perftest = UCX_FLAVORS > 0 && system("command -v ucx_perftest >/dev/null 2>&1") == 0;
   r->sock = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in sa = {.sin_family = AF_INET,
                            .sin_port = htons((uint16_t)info->socket_port),
@@ -289,7 +439,8 @@ static const char link_usage[] =
     "usage: ferry bench link [--json] [--reps N] [--max-size BYTES]\n\n"
     "One-sided reads of 4 KiB..1 GiB (up to --max-size) from another process, over ferry\n"
     "shm and tcp, against memcpy and a plain loopback socket stream; 64-byte round trips\n"
-    "(message echo and one-sided read) against a plain socket ping-pong.\n";
+    "(message echo and one-sided read) against a plain socket ping-pong. With UCX: ucx\n"
+    "rows under UCX_TLS=sm and UCX_TLS=tcp, and ucx_perftest's put bandwidth beside them.\n";
 
 int bench_link(int argc, char **argv) {
   bench_opts o = {.max_size = 1ull << 30};
@@ -325,6 +476,10 @@ int bench_link(int argc, char **argv) {
   ferry_link_close(r.shm);
   ferry_link_close(r.tcp);
   ferry_ctx_close(r.ctx);
+  for (int i = 0; i < UCX_FLAVORS; i++) {
+    ferry_link_close(r.ucx[i]);
+    ferry_ctx_close(r.ucx_ctx[i]);
+  }
   close(quit_pipe[1]);
   waitpid(pid, NULL, 0);
   free(r.src);
