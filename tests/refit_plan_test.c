@@ -106,9 +106,20 @@ static void test_casts(void **s) {
   assert_true(scale > 2.2f && scale < 2.24f); /* 1000 / 448 */
   FR_OK(fr_refit_cast(FERRY_DTYPE_BF16, FERRY_DTYPE_F8E4M3, 1, bf, f8, 2));
   assert_int_equal(f8[0], 0x38);
-  _Float16 h[2];
-  FR_OK(fr_refit_cast(FERRY_DTYPE_F32, FERRY_DTYPE_F16, 1, in, h, 2));
-  assert_true((float)h[1] == -2.0f);
+  uint16_t h[8];
+  FR_OK(fr_refit_cast(FERRY_DTYPE_F32, FERRY_DTYPE_F16, 1, in, h, 8));
+  assert_int_equal(h[0], 0x3c00); /* 1 */
+  assert_int_equal(h[1], 0xc000); /* -2 */
+  assert_int_equal(h[2], 0x0000);
+  assert_int_equal(h[3], 0x5f00); /* 448 */
+  assert_int_equal(h[4], 0x63d0); /* 1000 */
+  assert_int_equal(h[5], 0x1800); /* 2^-9 */
+  assert_int_equal(h[6], 0x4248); /* 3.14159 -> 3.140625 */
+  float big = 70000.0f, tiny = 1e-8f;
+  FR_OK(fr_refit_cast(FERRY_DTYPE_F32, FERRY_DTYPE_F16, 1, &big, h, 1));
+  assert_int_equal(h[0], 0x7c00); /* overflow: infinity */
+  FR_OK(fr_refit_cast(FERRY_DTYPE_F32, FERRY_DTYPE_F16, 1, &tiny, h, 1));
+  assert_int_equal(h[0], 0x0000); /* below half the smallest subnormal */
   assert_int_equal(fr_refit_cast(FERRY_DTYPE_I32, FERRY_DTYPE_BF16, 1, in, bf, 1), FERRY_EDTYPE);
   assert_false(fr_refit_cast_supported(FERRY_DTYPE_F8E4M3, FERRY_DTYPE_F32));
 }

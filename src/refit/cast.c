@@ -25,6 +25,28 @@ static inline uint16_t f32_to_bf16(float f) {
   return (uint16_t)(u >> 16);
 }
 
+/* IEEE half precision, round to nearest even; clang 14 has no _Float16 on x86, so by hand. */
+static uint16_t f32_to_f16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u)
+    return sign | 0x7e00u; /* NaN */
+  if (a >= 0x477ff000u)
+    return sign | 0x7c00u;            /* overflows to infinity (65520 and up round there) */
+  if (a < 0x38800000u) {              /* below 2^-14: a subnormal half, or zero */
+    float m = fabsf(f) * 16777216.0f; /* in units of 2^-24 */
+    return sign | (uint16_t)nearbyintf(m);
+  }
+  uint32_t mant = a & 0x7fffffu, exp = (a >> 23) - 112; /* rebias 127 -> 15 */
+  uint32_t h = exp << 10 | mant >> 13;
+  uint32_t rest = mant & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u)))
+    h++; /* may carry into the exponent, which is right */
+  return sign | (uint16_t)h;
+}
+
 /* e4m3fn: bias 7, no infinities, 0x7f/0xff are NaN, largest finite 448. */
 static uint8_t f32_to_e4m3(float x) {
   uint8_t sign = signbit(x) ? 0x80 : 0;
@@ -78,7 +100,7 @@ int fr_refit_cast(ferry_dtype from, ferry_dtype to, float scale, const void *src
       ((uint16_t *)dst)[i] = f32_to_bf16(((const float *)src)[i]);
   } else if (to == FERRY_DTYPE_F16) {
     for (uint64_t i = 0; i < count; i++)
-      ((_Float16 *)dst)[i] = (_Float16)((const float *)src)[i];
+      ((uint16_t *)dst)[i] = f32_to_f16(((const float *)src)[i]);
   } else {
     float inv = scale > 0 ? 1.0f / scale : 1.0f;
     for (uint64_t i = 0; i < count; i++)
