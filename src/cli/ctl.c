@@ -277,7 +277,7 @@ static void *pretend_rank_main(void *arg) {
 }
 
 static int parse_engine_args(int argc, char **argv, uint32_t *ranks, int *work_ms, long *fail) {
-  for (int i = 2; i < argc; i++) {
+  for (int i = 2; i < argc; i += 2) { /* options come as pairs: --name value */
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
     char *end = NULL;
     long n = v ? strtol(v, &end, 10) : -1;
@@ -292,7 +292,6 @@ static int parse_engine_args(int argc, char **argv, uint32_t *ranks, int *work_m
       fprintf(stderr, "ferry ctl engine: bad option '%s' (ferry ctl --help)\n", argv[i]);
       return CLI_USAGE;
     }
-    i++;
   }
   if (*ranks == 0) {
     fprintf(stderr, "ferry ctl engine: --ranks R is required\n");
