@@ -162,6 +162,8 @@ static int decode_entry(const uint8_t **pp, const uint8_t *end, fr_refit_entry *
   e->desc.dtype = (ferry_dtype)p[0];
   e->wire = (ferry_dtype)p[1];
   e->desc.ndim = p[2];
+  if (p[3] != 0 || e->wire == FERRY_DTYPE_INVALID)
+    return fr_err(FERRY_EPROTO, "refit manifest: '%s' has a bad dtype or reserved byte", e->name);
   uint32_t scale = fr_get_u32(p + 4);
   memcpy(&e->scale, &scale, 4);
   p += 8;
