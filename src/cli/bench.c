@@ -6,10 +6,12 @@
 #include "cli/bench.h"
 #include "cli/cli.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 double bench_now(void) {
   struct timespec ts;
@@ -33,6 +35,34 @@ void bench_reset(bench_samples *b) { b->n = 0; }
 void bench_free(bench_samples *b) {
   free(b->s);
   *b = (bench_samples){0};
+}
+
+int bench_write_all(int fd, const void *buf, size_t len) {
+  const char *p = buf;
+  while (len > 0) {
+    ssize_t n = write(fd, p, len);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      return -1;
+    p += n;
+    len -= (size_t)n;
+  }
+  return 0;
+}
+
+int bench_read_all(int fd, void *buf, size_t len) {
+  char *p = buf;
+  while (len > 0) {
+    ssize_t n = read(fd, p, len);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      return -1;
+    p += n;
+    len -= (size_t)n;
+  }
+  return 0;
 }
 
 static int cmp_double(const void *a, const void *b) {

@@ -49,34 +49,6 @@ typedef struct owner_info {
   ferry_region_ref ucx_ref[2];
 } owner_info;
 
-static int write_all(int fd, const void *buf, size_t len) {
-  const char *p = buf;
-  while (len > 0) {
-    ssize_t n = write(fd, p, len);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n <= 0)
-      return -1;
-    p += n;
-    len -= (size_t)n;
-  }
-  return 0;
-}
-
-static int read_all(int fd, void *buf, size_t len) {
-  char *p = buf;
-  while (len > 0) {
-    ssize_t n = read(fd, p, len);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n <= 0)
-      return -1;
-    p += n;
-    len -= (size_t)n;
-  }
-  return 0;
-}
-
 /* ---- the owner (child process) ---- */
 
 typedef struct socket_server {
@@ -91,8 +63,8 @@ static void *socket_serve(void *arg) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   uint64_t len;
-  while (read_all(fd, &len, sizeof len) == 0)
-    if (write_all(fd, s->data, (size_t)len) != 0)
+  while (bench_read_all(fd, &len, sizeof len) == 0)
+    if (bench_write_all(fd, s->data, (size_t)len) != 0)
       break;
   close(fd);
   return NULL;
@@ -178,7 +150,7 @@ static int owner_main(int info_fd, int quit_fd, uint64_t bytes) {
   pthread_t sock_thread, echo_thread;
   pthread_create(&sock_thread, NULL, socket_serve, &srv);
   pthread_create(&echo_thread, NULL, echo_serve, ctx);
-  write_all(info_fd, &info, sizeof info);
+  bench_write_all(info_fd, &info, sizeof info);
   char c;
   while (read(quit_fd, &c, 1) < 0 && errno == EINTR)
     ;
@@ -231,7 +203,8 @@ static int time_ferry_read(reader *r, ferry_link *l, uint64_t bytes, int reps, b
 static int time_socket_read(reader *r, uint64_t bytes, int reps, bench_samples *b) {
   for (int i = 0; i <= reps; i++) {
     double t = bench_now();
-    if (write_all(r->sock, &bytes, sizeof bytes) != 0 || read_all(r->sock, r->dst, bytes) != 0) {
+    if (bench_write_all(r->sock, &bytes, sizeof bytes) != 0 ||
+        bench_read_all(r->sock, r->dst, bytes) != 0) {
       fprintf(stderr, "ferry bench link: socket baseline: %s\n", strerror(errno));
       return -1;
     }
@@ -459,7 +432,8 @@ int bench_link(int argc, char **argv) {
   close(quit_pipe[0]);
   owner_info info;
   reader r = {.o = &o};
-  int rc = read_all(info_pipe[0], &info, sizeof info) == 0 ? connect_all(&r, &info) : CLI_FAIL;
+  int rc =
+      bench_read_all(info_pipe[0], &info, sizeof info) == 0 ? connect_all(&r, &info) : CLI_FAIL;
   if (rc == 0) {
     r.src = malloc(o.max_size);
     r.dst = malloc(o.max_size);

@@ -74,34 +74,6 @@ int bs_fail(const char *what) {
 
 /* ---- pipes ---- */
 
-static int write_all(int fd, const void *buf, size_t len) {
-  const char *p = buf;
-  while (len > 0) {
-    ssize_t n = write(fd, p, len);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n <= 0)
-      return -1;
-    p += n;
-    len -= (size_t)n;
-  }
-  return 0;
-}
-
-static int read_all(int fd, void *buf, size_t len) {
-  char *p = buf;
-  while (len > 0) {
-    ssize_t n = read(fd, p, len);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n <= 0)
-      return -1;
-    p += n;
-    len -= (size_t)n;
-  }
-  return 0;
-}
-
 /* ---- helper processes ---- */
 
 static int free_port(void) {
@@ -152,12 +124,12 @@ typedef struct producer {
 
 static int send_time(producer *p, double t0) {
   double dt = bench_now() - t0;
-  return write_all(p->to_consumer, &dt, sizeof dt);
+  return bench_write_all(p->to_consumer, &dt, sizeof dt);
 }
 
 static int wait_ack(producer *p) {
   char c;
-  return read_all(p->from_consumer, &c, 1);
+  return bench_read_all(p->from_consumer, &c, 1);
 }
 
 /* The engine's routing buffers: a ring it reuses, as engines do (a buffer is rewritten only
@@ -264,7 +236,7 @@ typedef struct consumer {
 
 static int take_time(consumer *c, bs_series *s) {
   double dt;
-  if (read_all(c->from_producer, &dt, sizeof dt) != 0)
+  if (bench_read_all(c->from_producer, &dt, sizeof dt) != 0)
     return bs_fail("the producer stopped");
   bench_add(&s->s, dt);
   return 0;
@@ -296,7 +268,7 @@ static int consume_routing(consumer *c) {
     bench_add(&get->s, bench_now() - t);
     if (rc == 0 && (c->dst[0] != (uint8_t)(i + 1) || c->dst[BS_ROUTING_BYTES - 1] != c->dst[0]))
       rc = bs_fail("routing: wrong bytes");
-    write_all(c->to_producer, "A", 1);
+    bench_write_all(c->to_producer, "A", 1);
   }
   bs_series *copy = bs_add(c->r, "routing/put", "ferry(copy)", BS_ROUTING_BYTES, false);
   for (int i = 0; rc == 0 && i < c->requests; i++)
@@ -321,7 +293,7 @@ static int consume_layers(consumer *c) {
     double t = bench_now();
     rc = ferry_store_get_batch(c->s, items, BS_LAYERS, -1);
     bench_add(&get->s, bench_now() - t);
-    write_all(c->to_producer, "A", 1);
+    bench_write_all(c->to_producer, "A", 1);
   }
   return rc;
 }
@@ -352,7 +324,7 @@ static int run_consumer(consumer *c, const char *url) {
     rc = consume_big(c);
   if (rc != 0)
     bs_fail("consumer");
-  write_all(c->to_producer, "Q", 1);
+  bench_write_all(c->to_producer, "Q", 1);
   free(c->dst);
   free(c->src);
   ferry_store_close(c->s);

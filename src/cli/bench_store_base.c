@@ -312,34 +312,6 @@ void bs_netns(bs_report *r, const char *self, int reps) {
   netns_down();
 }
 
-static int send_all(int fd, const void *buf, size_t len) {
-  const char *p = buf;
-  while (len > 0) {
-    ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n <= 0)
-      return -1;
-    p += n;
-    len -= (size_t)n;
-  }
-  return 0;
-}
-
-static int recv_all(int fd, void *buf, size_t len) {
-  char *p = buf;
-  while (len > 0) {
-    ssize_t n = recv(fd, p, len, 0);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n <= 0)
-      return -1;
-    p += n;
-    len -= (size_t)n;
-  }
-  return 0;
-}
-
 typedef struct sock_srv {
   int fd;
   const uint8_t *data;
@@ -352,8 +324,8 @@ static void *sock_serve(void *arg) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   uint64_t len;
-  while (recv_all(fd, &len, sizeof len) == 0 && len <= BS_ROUTING_BYTES)
-    if (send_all(fd, s->data, (size_t)len) != 0)
+  while (bench_read_all(fd, &len, sizeof len) == 0 && len <= BS_ROUTING_BYTES)
+    if (bench_write_all(fd, s->data, (size_t)len) != 0)
       break;
   close(fd);
   return NULL;
@@ -424,7 +396,8 @@ static int time_socket(uint8_t *dst, int reps) {
   uint64_t len = BS_ROUTING_BYTES;
   for (int i = 0; i <= reps; i++) {
     double t = bench_now();
-    if (send_all(fd, &len, sizeof len) != 0 || recv_all(fd, dst, BS_ROUTING_BYTES) != 0)
+    if (bench_write_all(fd, &len, sizeof len) != 0 ||
+        bench_read_all(fd, dst, BS_ROUTING_BYTES) != 0)
       return -1;
     if (i > 0)
       bench_add(&b, bench_now() - t);
