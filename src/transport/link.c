@@ -8,6 +8,7 @@
 #include "transport/transport.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
@@ -205,8 +206,35 @@ static fr_pending *pending_find_locked(ferry_link *l, uint64_t id) {
 
 /* Waits for a response. On timeout an unclaimed request is simply forgotten; a claimed one (its
  * payload is arriving into the caller's buffer) can only be stopped by closing the link. */
+static int rx_drain(ferry_link *l);
+
+/* A caller waiting for a response on a socket link reads the socket itself: it takes the link
+ * from the progress thread and sleeps in poll() on it, so a round trip costs the wake-ups of a
+ * plain blocking socket and no hand-off between threads. Responses for other callers that
+ * arrive meanwhile are completed as usual. False when another thread is receiving already. */
+static bool direct_wait(ferry_link *l, const bool *flag, uint64_t deadline_ns) {
+  if (!l->ops->direct_wait || pthread_mutex_trylock(&l->rx_lock) != 0)
+    return false;
+  fr_link_pause(l);
+  int rc = 0;
+  while (!__atomic_load_n(flag, __ATOMIC_ACQUIRE) && link_state(l) == FR_LINK_OPEN) {
+    int ms = fr_ms_left(deadline_ns); /* the request just left: wait before reading */
+    struct pollfd pfd = {.fd = l->poller.fd, .events = POLLIN};
+    if (ms == 0 || (poll(&pfd, 1, ms) < 0 && errno != EINTR))
+      break;
+    if ((rc = rx_drain(l)) != 0)
+      break;
+  }
+  pthread_mutex_unlock(&l->rx_lock);
+  fr_link_resume(l);
+  if (rc < 0)
+    fr_link_fail(l, rc, ferry_last_error());
+  return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+}
+
 static int pending_wait(ferry_link *l, fr_pending *p, uint64_t deadline_ns, const char *what) {
-  fr_spin_until(l, &p->done, l->ctx->spin_us);
+  if (!direct_wait(l, &p->done, deadline_ns))
+    fr_spin_until(l, &p->done, l->ctx->spin_us);
   pthread_mutex_lock(&l->lock);
   struct timespec ts = {(time_t)(deadline_ns / 1000000000ull), (long)(deadline_ns % 1000000000ull)};
   bool timed_out = false;

@@ -137,12 +137,6 @@ static void tcp_setup(int fd) {
   }
 }
 
-/* A waiter polls the socket itself instead of waiting for the progress thread to wake and hand
- * the bytes over: one wake-up per round trip, as with a plain blocking socket. */
-static bool tcp_pollable(ferry_link *l) {
-  return __atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == FR_LINK_OPEN;
-}
-
 const fr_transport_ops fr_tcp_transport = {
     .name = "tcp",
     .scheme = "tcp://",
@@ -152,9 +146,7 @@ const fr_transport_ops fr_tcp_transport = {
     .setup = tcp_setup,
     .sendv = fr_link_sock_sendv,
     .recv = fr_link_sock_recv,
-    .pollable = tcp_pollable,
-    .poll_begin = fr_link_pause,
-    .poll_end = fr_link_resume,
+    .direct_wait = true,
     .read = fr_link_rma_read,
     .write = fr_link_rma_write,
 };

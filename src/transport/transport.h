@@ -46,6 +46,7 @@ typedef struct fr_transport_ops {
    * their spinning so producers can skip wake-ups). */
   bool (*pollable)(ferry_link *l);
   bool poll_is_cheap; /* polling costs no system call: fine to do on every link of a ctx */
+  bool direct_wait;   /* a caller waiting for a response may sleep in poll() on the socket */
   void (*poll_begin)(ferry_link *l);
   void (*poll_end)(ferry_link *l);
   /* Optional. Handshake: the connector offers an fd with its AUTH (offer), the acceptor takes
