@@ -82,6 +82,7 @@ typedef struct rollout {
   uint64_t expect; /* the version the next update must bring */
   void *views[TENSORS];
   ferry_tensor_desc desc[TENSORS];
+  uint8_t *ids[REQUESTS]; /* routing-replay buffers in ferry memory */
 } rollout;
 
 static int rollout_update(void *arg) {
@@ -99,18 +100,18 @@ static int rollout_update(void *arg) {
   return rc;
 }
 
-static int rollout_generate(rollout *r, uint64_t step, ferry_ctx *ctx) {
+/* Puts this step's routing ids. The buffers live in ferry memory (so a put copies nothing) and
+ * are reused every step, as an engine reuses its pinned buffers: the trainer deletes a step's
+ * keys before it starts the next one. */
+static int rollout_generate(rollout *r, uint64_t step) {
   for (int q = 0; q < REQUESTS; q++) {
-    uint8_t *ids;
-    size_t n = LAYERS * TOKENS * TOP_K;
-    int rc = ferry_alloc(ctx, n, (void **)&ids); /* in ferry memory: the put copies nothing */
-    if (rc != 0)
-      return rc;
-    for (size_t k = 0; k < n; k++)
+    uint8_t *ids = r->ids[q];
+    for (size_t k = 0; k < LAYERS * TOKENS * TOP_K; k++)
       ids[k] = routing_byte(step, r->index, q, k);
     char key[96];
     routing_key(key, sizeof key, step, r->index, q);
-    if ((rc = ferry_store_put(r->store, key, &routing_desc, ids, 0, -1)) != 0)
+    int rc = ferry_store_put(r->store, key, &routing_desc, ids, 0, -1);
+    if (rc != 0)
       return rc;
   }
   struct iovec iov = {&step, sizeof step};
@@ -136,6 +137,8 @@ static int rollout_main(int index, const char *trainer, const char *directory) {
   model_shape(r.desc, names);
   for (int i = 0; rc == 0 && i < TENSORS; i++)
     rc = ferry_refit_view(r.receiver, names[i], &r.views[i]);
+  for (int q = 0; rc == 0 && q < REQUESTS; q++)
+    rc = ferry_alloc(ctx, LAYERS * TOKENS * TOP_K, (void **)&r.ids[q]);
   if (rc == 0)
     rc = ferry_connect(ctx, trainer, -1, &r.trainer);
   if (rc == 0)
@@ -153,7 +156,7 @@ static int rollout_main(int index, const char *trainer, const char *directory) {
     if (ferry_ctl_rank_step(rank, &h, 200, &cmd) != 0 || cmd.cmd != FERRY_CTL_UPDATE)
       continue;
     if (ferry_refit_committed(r.receiver) == r.expect &&
-        (rc = rollout_generate(&r, r.expect++, ctx)) != 0)
+        (rc = rollout_generate(&r, r.expect++)) != 0)
       return fail(r.name, rc, "generate");
   }
   ferry_ctl_rank_close(rank);
