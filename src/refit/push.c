@@ -136,9 +136,11 @@ static int finish_push(ferry_refit_sender *s, uint64_t version) {
     } else {
       if (!first)
         first = r->status ? r->status : FERRY_EPROTO;
-      used += (size_t)snprintf(failed + used, used < sizeof failed ? sizeof failed - used : 0,
-                               "%s'%s' (%s)", used ? ", " : "", r->peer,
+      used += (size_t)snprintf(failed + used, sizeof failed - used, "%s'%s' (%s)",
+                               used ? ", " : "", r->peer,
                                ferry_strerror(r->status ? r->status : FERRY_EPROTO));
+      if (used >= sizeof failed)
+        used = sizeof failed - 1; /* the list is cut; the first failures are named */
     }
     if (ferry_link_status(r->link) != 0) {
       *pp = r->next;
