@@ -113,9 +113,12 @@ static void snapshot(const ferry_ctl *ctl, cell_snap *cs) {
   uint64_t seq = fr_ctl_cmd_seq(cs->word);
   uint8_t seen[8] = {0};
   cs->in_flight = false;
+  /* Before the first command (seq 0) nothing can be in flight: a rank that has claimed its line
+   * but not yet published its initial state still reads ABSENT, and it will take whatever
+   * command comes next like any other rank. */
   for (uint32_t i = 0; i < ctl->map.nranks; i++) {
     uint64_t ack = load_ack(ctl, i);
-    cs->in_flight |= !line_done(ack, seq);
+    cs->in_flight |= seq != 0 && !line_done(ack, seq);
     seen[fr_ctl_low(ack) & 7] = 1;
   }
   int kinds;
