@@ -610,11 +610,11 @@ FERRY_API int ferry_refit_declare(ferry_refit_sender *sender, const char *name,
 FERRY_API int ferry_refit_seal(ferry_refit_sender *sender);
 
 typedef struct ferry_refit_push_opts {
-  size_t size;              /* sizeof(ferry_refit_push_opts) */
-  const char *const *only;  /* push only these tensors (NULL: all) */
+  size_t size;             /* sizeof(ferry_refit_push_opts) */
+  const char *const *only; /* push only these tensors (NULL: all) */
   size_t n_only;
-  int skip_unchanged;       /* skip buckets whose checksum equals the last push's */
-  int timeout_ms;           /* negative: FERRY_TIMEOUT_MS */
+  int skip_unchanged; /* skip buckets whose checksum equals the last push's */
+  int timeout_ms;     /* negative: FERRY_TIMEOUT_MS */
 } ferry_refit_push_opts;
 
 /* Pushes the declared tensors' current bytes as `version` (greater than the last) to every
@@ -631,8 +631,8 @@ FERRY_API size_t ferry_refit_receivers(ferry_refit_sender *sender);
 FERRY_API int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_ms,
                                         ferry_refit_receiver **out);
 FERRY_API void ferry_refit_receiver_close(ferry_refit_receiver *receiver);
-/* The manifest: how many tensors, and each one's name (owned by the receiver) and descriptor
- * as it arrives (the wire dtype, after the sender's cast). */
+/* The manifest: how many tensors, and each one's name (owned by the receiver, valid until the
+ * sender re-seals) and descriptor as it arrives (the wire dtype, after the sender's cast). */
 FERRY_API size_t ferry_refit_tensor_count(ferry_refit_receiver *receiver);
 FERRY_API int ferry_refit_tensor_info(ferry_refit_receiver *receiver, size_t i, const char **name,
                                       ferry_tensor_desc *desc);
@@ -642,7 +642,11 @@ FERRY_API int ferry_refit_tensor_info(ferry_refit_receiver *receiver, size_t i, 
 FERRY_API int ferry_refit_bind(ferry_refit_receiver *receiver, const char *name, void *dst,
                                const ferry_tensor_desc *desc);
 /* Instead of binding: one flat buffer (ferry shared memory, owned by the receiver) that receives
- * every tensor in place; ferry_refit_view() gives a tensor's address in it. */
+ * every tensor in place; ferry_refit_view() gives a tensor's address in it.
+ * When the sender re-seals, the receiver takes the new manifest with the next push: bindings
+ * that still fit (same name, dtype, shape) carry over, one that does not fails that version with
+ * FERRY_EDTYPE/FERRY_ESHAPE naming the tensor (bind it again), and the flat buffer is laid out
+ * anew (fetch views again). */
 FERRY_API int ferry_refit_bind_flat(ferry_refit_receiver *receiver);
 FERRY_API int ferry_refit_view(ferry_refit_receiver *receiver, const char *name, void **out);
 /* Called on the receiver's thread after each bucket verified and landed (engines that load

@@ -226,6 +226,55 @@ static void test_corrupt_bucket(void **st) {
   model_free(&m);
 }
 
+/* The sender re-seals with tensor 5 reshaped and one tensor more: bindings that fit carry over,
+ * the one that does not fails that version naming the tensor until it is bound again. */
+static void test_reseal(void **st) {
+  model m;
+  model_init(&m, 6);
+  ferry_ctx *sc = ctx_for("trainer", "shm"), *rc = ctx_for("rollout", "shm");
+  ferry_refit_sender *s = sender_for(sc, &m, 16384);
+  ferry_refit_receiver *r;
+  FR_OK(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &r));
+  bound b;
+  bind_all(r, &b);
+  while (ferry_refit_receivers(s) < 1)
+    usleep(10000);
+  FR_OK(ferry_refit_push(s, 1, NULL));
+  FR_OK(ferry_refit_wait(r, 1, 5000, NULL));
+
+  ferry_tensor_desc d5 = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {2, 100}};
+  float *w5 = calloc(200, sizeof *w5), extra[64] = {1, 2, 3};
+  ferry_tensor_desc dx = {.dtype = FERRY_DTYPE_F32, .ndim = 1, .shape = {64}};
+  FR_OK(ferry_refit_declare(s, m.name[5], &d5, w5, FERRY_DTYPE_INVALID));
+  FR_OK(ferry_refit_declare(s, "extra.bias", &dx, extra, FERRY_DTYPE_INVALID));
+  FR_OK(ferry_refit_seal(s));
+  /* tensor 5 went out as bfloat16 before; now it is float32 [2, 100] */
+  assert_int_equal(ferry_refit_push(s, 2, NULL), FERRY_EDTYPE);
+  uint64_t v;
+  assert_int_equal(ferry_refit_wait(r, 2, 200, &v), FERRY_ETIMEDOUT);
+  assert_int_equal(v, 1);
+  assert_non_null(strstr(ferry_last_error(), m.name[5]));
+
+  assert_int_equal(ferry_refit_tensor_count(r), NT + 1);
+  float *again = calloc(200, sizeof *again), got[64] = {0};
+  FR_OK(ferry_refit_bind(r, m.name[5], again, &d5));
+  FR_OK(ferry_refit_bind(r, "extra.bias", got, &dx));
+  w5[7] = 42.0f;
+  FR_OK(ferry_refit_push(s, 3, NULL));
+  FR_OK(ferry_refit_wait(r, 3, 5000, NULL));
+  assert_true(again[7] == 42.0f);
+  assert_true(got[2] == 3.0f);
+  assert_memory_equal(b.mem[0], m.w[0], m.d[0].shape[0] * m.d[0].shape[1] * 4);
+  ferry_refit_receiver_close(r);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(rc);
+  ferry_ctx_close(sc);
+  bound_free(&b);
+  free(w5);
+  free(again);
+  model_free(&m);
+}
+
 /* ---- processes ---- */
 
 /* Helper process (exec'd): attaches to ADDRESS, then reports each version 1..N it commits on
@@ -370,9 +419,10 @@ int main(int argc, char **argv) {
     return sender_child(&p);
   }
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_push_shm),        cmocka_unit_test(test_push_tcp),
-      cmocka_unit_test(test_bind_errors),     cmocka_unit_test(test_corrupt_bucket),
-      cmocka_unit_test(test_receiver_killed), cmocka_unit_test(test_sender_killed),
+      cmocka_unit_test(test_push_shm),      cmocka_unit_test(test_push_tcp),
+      cmocka_unit_test(test_bind_errors),   cmocka_unit_test(test_corrupt_bucket),
+      cmocka_unit_test(test_reseal),        cmocka_unit_test(test_receiver_killed),
+      cmocka_unit_test(test_sender_killed),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

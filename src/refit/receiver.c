@@ -18,8 +18,9 @@ struct ferry_refit_receiver {
   ferry_link *link;
   fr_refit_plan plan;
   ferry_region_ref buf[2];
-  void **bound;  /* per tensor: the caller's destination, or NULL */
-  uint8_t *flat; /* ferry_alloc'd flat buffer, or NULL */
+  void **bound;                  /* per tensor: the caller's destination, or NULL */
+  ferry_tensor_desc *bound_desc; /* and how the caller described it */
+  uint8_t *flat;                 /* ferry_alloc'd flat buffer, or NULL */
   uint8_t *stage;
   ferry_refit_bucket_fn on_bucket;
   void *on_bucket_arg;
@@ -31,6 +32,7 @@ struct ferry_refit_receiver {
   uint64_t receiving; /* version whose buckets are arriving */
   uint32_t verified;
   int failure;
+  char why[256]; /* what the last failed version went wrong on, for wait()'s error */
   bool stop;
   pthread_t service;
 };
@@ -61,6 +63,53 @@ static int claim_ctx(ferry_ctx *ctx, bool claim) {
 }
 
 /* ---- receiving a push (service thread) ---- */
+
+static int fetch_manifest(ferry_refit_receiver *r, int timeout_ms, fr_refit_plan *plan);
+static int binding_fits(const fr_refit_entry *e, const ferry_tensor_desc *desc);
+
+/* The sender re-sealed: take its new manifest, carry every binding that still fits over by
+ * name, and fail (naming the tensor) for one that does not; that tensor stays unbound until the
+ * engine binds it again. A flat buffer is laid out anew (views move: fetch them again). */
+static int refetch_manifest(ferry_refit_receiver *r) {
+  fr_refit_plan plan;
+  int rc = fetch_manifest(r, -1, &plan);
+  if (rc != 0)
+    return rc;
+  size_t n = plan.count ? plan.count : 1;
+  void **bound = calloc(n, sizeof *bound);
+  ferry_tensor_desc *descs = calloc(n, sizeof *descs);
+  uint8_t *stage = malloc(plan.bucket_bytes);
+  if (!bound || !descs || !stage) {
+    free(bound), free(descs), free(stage);
+    fr_refit_plan_free(&plan);
+    return fr_err(FERRY_ENOMEM, "refit: new manifest");
+  }
+  for (uint32_t i = 0; i < r->plan.count; i++) {
+    int64_t j = r->bound[i] ? fr_refit_plan_find(&plan, r->plan.entries[i].name) : -1;
+    int fit = j < 0 ? 0 : binding_fits(&plan.entries[j], &r->bound_desc[i]);
+    if (j >= 0 && fit == 0) {
+      bound[j] = r->bound[i];
+      descs[j] = r->bound_desc[i];
+    } else if (fit != 0 && rc == 0) {
+      rc = fit;
+    }
+  }
+  if (r->flat) {
+    ferry_free(r->ctx, r->flat);
+    r->flat = NULL;
+    if (ferry_alloc(r->ctx, plan.total_bytes, (void **)&r->flat) != 0 && rc == 0)
+      rc = fr_err(FERRY_ENOSHM, "refit: no flat buffer for the new manifest");
+  }
+  free(r->bound), free(r->bound_desc), free(r->stage);
+  fr_refit_plan_free(&r->plan);
+  r->plan = plan;
+  r->bound = bound;
+  r->bound_desc = descs;
+  r->stage = stage;
+  fr_info("refit: manifest generation %u from '%s' (%u tensors)", plan.generation,
+          ferry_link_peer(r->link), plan.count);
+  return rc;
+}
 
 #define FR_REFIT_CHUNK (256u * 1024u)
 
@@ -105,11 +154,14 @@ static int read_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, uint64_
 }
 
 static int take_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
-  if (m->generation != r->plan.generation)
-    return fr_err(FERRY_ESTALE,
-                  "refit: the sender re-sealed (manifest generation %u, ours %u); "
-                  "reopen the receiver",
-                  m->generation, r->plan.generation);
+  if (m->generation != r->plan.generation) {
+    int rc = refetch_manifest(r);
+    if (rc != 0)
+      return rc;
+    if (m->generation != r->plan.generation)
+      return fr_err(FERRY_EPROTO, "refit: bucket of manifest generation %u, the sender has %u",
+                    m->generation, r->plan.generation);
+  }
   if (m->bucket >= r->plan.buckets || m->bytes != fr_refit_bucket_len(&r->plan, m->bucket))
     return fr_err(FERRY_EPROTO, "refit: bucket %u of %llu bytes is not in the plan", m->bucket,
                   (unsigned long long)m->bytes);
@@ -137,6 +189,9 @@ static void on_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
   if (rc != 0 && !r->failure) {
     fr_warn("%s", ferry_last_error());
     r->failure = rc;
+    pthread_mutex_lock(&r->lock);
+    snprintf(r->why, sizeof r->why, "%s", ferry_last_error());
+    pthread_mutex_unlock(&r->lock);
   }
   if (rc == 0) {
     r->verified++;
@@ -191,31 +246,57 @@ static void *service_main(void *arg) {
 
 /* ---- attach ---- */
 
-static int attach(ferry_refit_receiver *r, const char *address, int timeout_ms) {
-  int rc = ferry_connect(r->ctx, address, timeout_ms, &r->link);
-  if (rc != 0)
-    return rc;
+/* Asks the sender for its manifest, bucket buffers and latest version. */
+static int fetch_manifest(ferry_refit_receiver *r, int timeout_ms, fr_refit_plan *plan) {
   uint8_t type[4] = {FR_REFIT_ATTACH, 0, 0, 0};
   struct iovec iov = {type, sizeof type};
   ferry_msg *reply;
-  if ((rc = ferry_call(r->link, FR_CHANNEL_REFIT, &iov, 1, &reply, timeout_ms)) != 0)
-    return fr_err(rc, "refit: attach to %s: %s", address, ferry_last_error());
+  int rc = ferry_call(r->link, FR_CHANNEL_REFIT, &iov, 1, &reply, timeout_ms);
+  if (rc != 0)
+    return fr_err(rc, "refit: attach to '%s': %s", ferry_link_peer(r->link), ferry_last_error());
   fr_refit_attach_reply a;
   rc = fr_refit_attach_decode(reply->data, reply->len, &a);
   if (rc == 0 && a.status != 0)
-    rc = fr_err(a.status, "refit: the sender at %s refused (%s)", address,
+    rc = fr_err(a.status, "refit: the sender '%s' refused (%s)", ferry_link_peer(r->link),
                 a.status == FERRY_ESTATE ? "not sealed yet" : ferry_strerror(a.status));
   if (rc == 0)
-    rc = fr_refit_manifest_decode(a.manifest, a.manifest_len, &r->plan);
+    rc = fr_refit_manifest_decode(a.manifest, a.manifest_len, plan);
   if (rc == 0) {
     memcpy(r->buf, a.buffers, sizeof r->buf);
-    r->latest_known = a.latest;
-    r->bound = calloc(r->plan.count ? r->plan.count : 1, sizeof *r->bound);
-    r->stage = malloc(r->plan.bucket_bytes);
-    if (!r->bound || !r->stage)
-      rc = fr_err(FERRY_ENOMEM, "refit: receiver buffers");
+    if (a.latest > r->latest_known)
+      r->latest_known = a.latest;
   }
   ferry_msg_free(reply);
+  return rc;
+}
+
+/* Checks that a binding fits its tensor; the error names the tensor. */
+static int binding_fits(const fr_refit_entry *e, const ferry_tensor_desc *desc) {
+  char got[96], want[96];
+  ferry_tensor_desc w = e->desc;
+  w.dtype = e->wire;
+  if (desc->dtype != e->wire)
+    return fr_err(FERRY_EDTYPE, "refit: tensor '%s' arrives as %s, bound as %s", e->name,
+                  ferry_dtype_name(e->wire), ferry_dtype_name(desc->dtype) ?: "?");
+  if (desc->ndim != w.ndim || memcmp(desc->shape, w.shape, sizeof(uint64_t) * w.ndim) != 0)
+    return fr_err(FERRY_ESHAPE, "refit: tensor '%s' arrives as %s, bound as %s", e->name,
+                  ferry_shape_format(&w, want, sizeof want),
+                  ferry_shape_format(desc, got, sizeof got));
+  return 0;
+}
+
+static int attach(ferry_refit_receiver *r, const char *address, int timeout_ms) {
+  int rc = ferry_connect(r->ctx, address, timeout_ms, &r->link);
+  if (rc == 0)
+    rc = fetch_manifest(r, timeout_ms, &r->plan);
+  if (rc == 0) {
+    size_t n = r->plan.count ? r->plan.count : 1;
+    r->bound = calloc(n, sizeof *r->bound);
+    r->bound_desc = calloc(n, sizeof *r->bound_desc);
+    r->stage = malloc(r->plan.bucket_bytes);
+    if (!r->bound || !r->bound_desc || !r->stage)
+      rc = fr_err(FERRY_ENOMEM, "refit: receiver buffers");
+  }
   return rc;
 }
 
@@ -225,6 +306,7 @@ static void receiver_free(ferry_refit_receiver *r) {
     ferry_free(r->ctx, r->flat);
   fr_refit_plan_free(&r->plan);
   free(r->bound);
+  free(r->bound_desc);
   free(r->stage);
   pthread_mutex_destroy(&r->lock);
   pthread_mutex_destroy(&r->bind_lock);
@@ -282,16 +364,18 @@ size_t ferry_refit_tensor_count(ferry_refit_receiver *r) { return r ? r->plan.co
 
 int ferry_refit_tensor_info(ferry_refit_receiver *r, size_t i, const char **name,
                             ferry_tensor_desc *desc) {
-  if (!r || i >= r->plan.count)
-    return fr_err(FERRY_ENOTFOUND, "refit: no tensor %zu", i);
-  const fr_refit_entry *e = &r->plan.entries[i];
-  if (name)
-    *name = e->name;
-  if (desc) {
-    *desc = e->desc;
-    desc->dtype = e->wire;
+  if (!r)
+    return fr_err(FERRY_EINVAL, "ferry_refit_tensor_info: NULL receiver");
+  pthread_mutex_lock(&r->bind_lock);
+  int rc = i < r->plan.count ? 0 : fr_err(FERRY_ENOTFOUND, "refit: no tensor %zu", i);
+  if (rc == 0 && name)
+    *name = r->plan.entries[i].name;
+  if (rc == 0 && desc) {
+    *desc = r->plan.entries[i].desc;
+    desc->dtype = r->plan.entries[i].wire;
   }
-  return 0;
+  pthread_mutex_unlock(&r->bind_lock);
+  return rc;
 }
 
 static int find(ferry_refit_receiver *r, const char *name, uint32_t *out) {
@@ -304,26 +388,19 @@ static int find(ferry_refit_receiver *r, const char *name, uint32_t *out) {
 
 int ferry_refit_bind(ferry_refit_receiver *r, const char *name, void *dst,
                      const ferry_tensor_desc *desc) {
-  uint32_t i = 0;
-  int rc = find(r, name, &i);
-  if (rc != 0)
-    return rc;
-  if (!dst || !desc)
+  if (!r || !dst || !desc)
     return fr_err(FERRY_EINVAL, "ferry_refit_bind: NULL argument");
-  const fr_refit_entry *e = &r->plan.entries[i];
-  char got[96], want[96];
-  ferry_tensor_desc w = e->desc;
-  if (desc->dtype != e->wire)
-    return fr_err(FERRY_EDTYPE, "refit: tensor '%s' arrives as %s, bound as %s", name,
-                  ferry_dtype_name(e->wire), ferry_dtype_name(desc->dtype) ?: "?");
-  if (desc->ndim != w.ndim || memcmp(desc->shape, w.shape, sizeof(uint64_t) * w.ndim) != 0)
-    return fr_err(FERRY_ESHAPE, "refit: tensor '%s' arrives as %s, bound as %s", name,
-                  ferry_shape_format(&w, want, sizeof want),
-                  ferry_shape_format(desc, got, sizeof got));
-  pthread_mutex_lock(&r->bind_lock);
-  r->bound[i] = dst;
+  uint32_t i = 0;
+  pthread_mutex_lock(&r->bind_lock); /* the service thread may swap in a new manifest */
+  int rc = find(r, name, &i);
+  if (rc == 0)
+    rc = binding_fits(&r->plan.entries[i], desc);
+  if (rc == 0) {
+    r->bound[i] = dst;
+    r->bound_desc[i] = *desc;
+  }
   pthread_mutex_unlock(&r->bind_lock);
-  return 0;
+  return rc;
 }
 
 int ferry_refit_bind_flat(ferry_refit_receiver *r) {
@@ -342,16 +419,14 @@ int ferry_refit_bind_flat(ferry_refit_receiver *r) {
 
 int ferry_refit_view(ferry_refit_receiver *r, const char *name, void **out) {
   uint32_t i = 0;
-  int rc = find(r, name, &i);
-  if (rc != 0)
-    return rc;
   pthread_mutex_lock(&r->bind_lock);
-  uint8_t *flat = r->flat;
+  int rc = find(r, name, &i);
+  if (rc == 0 && !r->flat)
+    rc = fr_err(FERRY_ESTATE, "refit: views need ferry_refit_bind_flat() first");
+  if (rc == 0)
+    *out = r->flat + r->plan.entries[i].offset;
   pthread_mutex_unlock(&r->bind_lock);
-  if (!flat)
-    return fr_err(FERRY_ESTATE, "refit: views need ferry_refit_bind_flat() first");
-  *out = flat + r->plan.entries[i].offset;
-  return 0;
+  return rc;
 }
 
 void ferry_refit_on_bucket(ferry_refit_receiver *r, ferry_refit_bucket_fn fn, void *arg) {
@@ -384,11 +459,14 @@ int ferry_refit_wait(ferry_refit_receiver *r, uint64_t version, int timeout_ms,
     if (pthread_cond_timedwait(&r->cond, &r->lock, &ts) != 0)
       break;
   uint64_t now = r->committed;
+  char why[sizeof r->why];
+  snprintf(why, sizeof why, "%s", r->why);
   pthread_mutex_unlock(&r->lock);
   if (committed)
     *committed = now;
   if (now < target)
-    return fr_err(FERRY_ETIMEDOUT, "refit: version %llu not committed in time (have %llu)",
-                  (unsigned long long)target, (unsigned long long)now);
+    return fr_err(FERRY_ETIMEDOUT, "refit: version %llu not committed in time (have %llu)%s%s",
+                  (unsigned long long)target, (unsigned long long)now,
+                  *why ? "; last failure: " : "", why);
   return 0;
 }
