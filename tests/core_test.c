@@ -5,6 +5,7 @@
 #include "testutil.h"
 
 #include "core/core.h"
+#include "core/hash.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -135,6 +136,24 @@ static void test_logging(void **state) {
   assert_int_equal(fr_log_level_parse("loud"), -1);
 }
 
+/* Every XXH3 build gives the same values, one-shot and streaming, for every length. */
+static void test_hash_builds_agree(void **state) {
+  uint8_t buf[5000];
+  tu_fill(buf, sizeof buf, 42);
+  __builtin_cpu_init();
+  bool avx2 = __builtin_cpu_supports("avx2");
+  for (size_t n = 0; n < sizeof buf; n = n * 2 + 1) {
+    uint64_t want = fr_hash_generic.oneshot(buf, n);
+    assert_true(ferry_checksum(buf, n) == want);
+    if (avx2)
+      assert_true(fr_hash_avx2.oneshot(buf, n) == want);
+    fr_hash *h = fr_hash_begin();
+    for (size_t at = 0; at < n; at += 777)
+      fr_hash_update(h, buf + at, n - at < 777 ? n - at : 777);
+    assert_true(fr_hash_end(h) == want);
+  }
+}
+
 static void hex(const uint8_t *b, size_t n, char *out) {
   for (size_t i = 0; i < n; i++)
     sprintf(out + 2 * i, "%02x", b[i]);
@@ -170,7 +189,7 @@ int main(void) {
       cmocka_unit_test(test_config),         cmocka_unit_test(test_dtypes),
       cmocka_unit_test(test_tensor_sizes),   cmocka_unit_test(test_shape_parse),
       cmocka_unit_test(test_checksum),       cmocka_unit_test(test_logging),
-      cmocka_unit_test(test_sha256_hmac),
+      cmocka_unit_test(test_sha256_hmac),    cmocka_unit_test(test_hash_builds_agree),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,5 +1,5 @@
 /*
- * Small process-wide helpers: the library version, monotonic time, random bytes, checksums.
+ * Small process-wide helpers: the library version, monotonic time, random bytes.
  */
 #include "core/core.h"
 
@@ -7,7 +7,6 @@
 #include <string.h>
 #include <sys/random.h>
 #include <time.h>
-#include <xxhash.h>
 
 const char *ferry_version(void) { return FERRY_VERSION_STRING; }
 
@@ -45,5 +44,3 @@ uint64_t fr_random_u64(void) {
 }
 
 char *fr_strdup(const char *s) { return s ? strdup(s) : NULL; }
-
-uint64_t ferry_checksum(const void *data, size_t len) { return XXH3_64bits(data, len); }

@@ -9,7 +9,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <xxhash.h>
 
 #define FR_REFIT_CHUNK (256u * 1024u) /* packed and hashed while it is still in cache */
 
@@ -35,15 +34,13 @@ static void pack_window(ferry_refit_sender *s, uint32_t b, uint64_t lo, uint64_t
 /* Packs bucket b into dst chunk by chunk, hashing each chunk while it is hot. */
 static uint64_t pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst) {
   uint64_t len = fr_refit_bucket_len(&s->plan, b);
-  XXH3_state_t *h = XXH3_createState();
-  XXH3_64bits_reset(h);
+  fr_hash *h = fr_hash_begin();
   for (uint64_t lo = 0; lo < len; lo += FR_REFIT_CHUNK) {
     uint64_t n = len - lo < FR_REFIT_CHUNK ? len - lo : FR_REFIT_CHUNK;
     pack_window(s, b, lo, n, dst + lo);
-    XXH3_64bits_update(h, dst + lo, n);
+    fr_hash_update(h, dst + lo, n);
   }
-  uint64_t sum = XXH3_64bits_digest(h);
-  XXH3_freeState(h);
+  uint64_t sum = fr_hash_end(h);
   return sum;
 }
 
@@ -136,9 +133,8 @@ static int finish_push(ferry_refit_sender *s, uint64_t version) {
     } else {
       if (!first)
         first = r->status ? r->status : FERRY_EPROTO;
-      used += (size_t)snprintf(failed + used, sizeof failed - used, "%s'%s' (%s)",
-                               used ? ", " : "", r->peer,
-                               ferry_strerror(r->status ? r->status : FERRY_EPROTO));
+      used += (size_t)snprintf(failed + used, sizeof failed - used, "%s'%s' (%s)", used ? ", " : "",
+                               r->peer, ferry_strerror(r->status ? r->status : FERRY_EPROTO));
       if (used >= sizeof failed)
         used = sizeof failed - 1; /* the list is cut; the first failures are named */
     }

@@ -11,7 +11,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <xxhash.h>
 
 struct ferry_refit_receiver {
   ferry_ctx *ctx;
@@ -135,21 +134,19 @@ static void scatter(ferry_refit_receiver *r, uint32_t b, uint64_t lo, uint64_t l
 static int read_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, uint64_t *sum) {
   uint8_t *dst = r->flat ? r->flat + (uint64_t)m->bucket * r->plan.bucket_bytes : r->stage;
   uint64_t chunk = strcmp(ferry_link_transport(r->link), "shm") == 0 ? FR_REFIT_CHUNK : m->bytes;
-  XXH3_state_t *h = XXH3_createState();
-  XXH3_64bits_reset(h);
+  fr_hash *h = fr_hash_begin();
   int rc = 0;
   for (uint64_t lo = 0; lo < m->bytes && rc == 0; lo += chunk) {
     uint64_t n = m->bytes - lo < chunk ? m->bytes - lo : chunk;
     uint8_t *at = r->flat ? dst + lo : dst;
     rc = ferry_read(r->link, &r->buf[m->buffer], lo, at, n, -1);
     if (rc == 0) {
-      XXH3_64bits_update(h, at, n);
+      fr_hash_update(h, at, n);
       if (!r->flat)
         scatter(r, m->bucket, lo, n, at);
     }
   }
-  *sum = XXH3_64bits_digest(h);
-  XXH3_freeState(h);
+  *sum = fr_hash_end(h);
   return rc;
 }
 

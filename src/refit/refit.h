@@ -6,6 +6,7 @@
 
 #include "core/channels.h"
 #include "core/core.h"
+#include "core/hash.h"
 #include "refit/plan.h"
 #include "refit/proto.h"
 
