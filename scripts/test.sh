@@ -5,6 +5,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
 failed=()
+rm -f build*.ctest.log
 
 run_stage() { # name, build dir, cmake flags, ctest args
   local name=$1 dir=$2 flags=$3 args=$4
@@ -15,7 +16,14 @@ run_stage() { # name, build dir, cmake flags, ctest args
     return
   fi
   # shellcheck disable=SC2086
-  (cd "$dir" && ctest --output-on-failure -j "$jobs" $args) || failed+=("$name")
+  (cd "$dir" && ctest --output-on-failure -j "$jobs" $args) | tee "$dir.ctest.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("$name")
+}
+
+# Adds up ctest's "N% tests passed, F tests failed out of T" lines of every stage.
+tally() {
+  cat build*.ctest.log 2>/dev/null |
+    awk '/tests failed out of/ { f += $4; t += $NF } END { printf "%d passed, %d failed\n", t - f, f }'
 }
 
 # TSan's runtime cannot map its shadow under high-entropy ASLR on newer kernels; setarch -R
@@ -36,7 +44,9 @@ run_stage "asan+ubsan" build-asan "-DCMAKE_BUILD_TYPE=Debug -DFERRY_SANITIZE=add
 echo "=== tsan (threaded tests) ==="
 if cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DFERRY_SANITIZE=thread >/dev/null &&
    cmake --build build-tsan -j "$jobs" >build-tsan.log 2>&1; then
-  (cd build-tsan && $tsan_wrap ctest --output-on-failure -j "$jobs" -L threaded) || failed+=("tsan")
+  (cd build-tsan && $tsan_wrap ctest --output-on-failure -j "$jobs" -L threaded) |
+    tee build-tsan.ctest.log
+  [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("tsan")
 else
   tail -40 build-tsan.log; failed+=("tsan (build)")
 fi
@@ -45,6 +55,7 @@ if [ -x scripts/fuzz.sh ]; then
   scripts/fuzz.sh "${FERRY_FUZZ_SECONDS:-10}" || failed+=("fuzz")
 fi
 
+echo "make test: $(tally) (test runs over all stages)"
 if [ ${#failed[@]} -gt 0 ]; then
   echo "make test: FAILED: ${failed[*]}"
   exit 1
