@@ -9,7 +9,8 @@ enum { CLI_OK = 0, CLI_FAIL = 1, CLI_USAGE = 2, CLI_NOTFOUND = 3, CLI_TIMEOUT = 
 
 /* Maps a ferry status to the exit status above. */
 int cli_exit_code(int status);
-/* Prints "ferry CMD: <what>: <strerror> (<detail>)" on stderr in one line; returns the exit code. */
+/* Prints "ferry CMD: <what>: <strerror> (<detail>)" on stderr in one line; returns the exit code.
+ */
 int cli_fail(const char *cmd, int status, const char *what);
 
 int cli_info(int argc, char **argv);
