@@ -173,24 +173,12 @@ static int get_map(ferry_link *l, const ferry_region_ref *r, int timeout_ms, shm
   return 0;
 }
 
+/* Retires the mapping of a freed region. It stays mapped until the link closes, since another
+ * thread may be copying from it right now; id 0 (never a region's id) keeps lookups away. */
 static void drop_map(ferry_link *l, shm_map *dead) {
   shm_link *s = l->tdata;
   pthread_mutex_lock(&s->lock);
-  for (shm_map **pp = &s->maps; *pp; pp = &(*pp)->next)
-    if (*pp == dead) {
-      *pp = dead->next;
-      break;
-    }
-  pthread_mutex_unlock(&s->lock);
-  /* Not unmapped: another thread may be copying from it. link_fini releases the memory;
-   * keep it on a side list by leaking into the link's lifetime. */
-  dead->next = NULL;
-  pthread_mutex_lock(&s->lock);
-  shm_map **tail = &s->maps;
-  while (*tail)
-    tail = &(*tail)->next;
-  dead->id = 0; /* never matches a region id */
-  *tail = dead;
+  dead->id = 0;
   pthread_mutex_unlock(&s->lock);
 }
 
