@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make test`: the cmocka/ctest suite three times — plain, ASan+UBSan, and the threaded tests
-# under TSan — then a short libFuzzer run of every fuzz target. Exits non-zero if anything fails.
+# under TSan — with the Python binding's pytest suite after the plain one, then a short libFuzzer
+# run of every fuzz target. Exits non-zero if anything fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
@@ -37,6 +38,20 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 
 run_stage "suite" build "-DCMAKE_BUILD_TYPE=RelWithDebInfo" ""
+# The Python binding against the suite's libferry.so, with Debian's python3 and pytest.
+echo "=== python ==="
+if ! /usr/bin/python3 -c "import pytest" 2>/dev/null; then
+  echo "python: SKIPPED: /usr/bin/python3 cannot import pytest (scripts/deps.sh test installs python3-pytest)"
+else
+  FERRY_LIB=$PWD/build/libferry.so /usr/bin/python3 -m pytest -q -p no:cacheprovider python/tests \
+    2>&1 | tee build-python.log
+  rc=${PIPESTATUS[0]} # 5 (no tests collected) fails like any other non-zero code
+  [ "$rc" -eq 0 ] || failed+=("python (pytest exit $rc)")
+  # Count its tests in the tally, in ctest's words.
+  tail -1 build-python.log | awk '{ for (i = 1; i < NF; i++) {
+      if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^(failed|error)/) f += $i }
+    printf "%d%% tests passed, %d tests failed out of %d\n", p + f ? 100 * p / (p + f) : 0, f, p + f }' >build-python.ctest.log
+fi
 # Without UCX: the build, and the core and link tests (the ucx transport is optional).
 run_stage "without ucx" build-noucx "-DCMAKE_BUILD_TYPE=RelWithDebInfo -DFERRY_WITH_UCX=OFF" \
   "-R ^(link_test|core_test)$"

@@ -1,0 +1,72 @@
+"""ferry from Python: ctypes over libferry.so, zero-copy with NumPy arrays and CPU torch tensors.
+
+    import ferry
+    with ferry.Store(host_directory=True) as s:         # or Store("ferry://host:7700")
+        s.put("r42", routing_ids)                       # numpy array or torch tensor
+        ids = s.get("r42")                              # numpy array
+
+libferry.so is found through FERRY_LIB, beside this package, in the checkout's build/ folder, or
+where `make install` put it. ferry's log lines go to the `logging` logger "ferry"; the level of
+what ferry emits is FERRY_LOG (or ferry.set_log_level()). Calls into the library release the GIL.
+"""
+import atexit
+import logging
+
+from . import _lib, aio  # noqa: F401
+from .errors import *  # noqa: F401,F403
+from .errors import __all__ as _errors_all
+from .store import Store
+from .tensors import Context, default_context, empty
+
+__version__ = _lib.lib.ferry_version().decode()
+library_path = _lib.path
+
+__all__ = ["Store", "aio", "Context", "default_context", "empty", "set_log_level", "version",
+           "library_path"] + [n for n in _errors_all if n not in ("check", "raise_status")]
+
+logger = logging.getLogger("ferry")
+
+# ferry level -> logging level
+_LEVELS = {0: logging.ERROR, 1: logging.WARNING, 2: logging.INFO, 3: logging.DEBUG, 4: 5}
+
+
+def _on_log(level, msg, arg):
+    # Runs on whichever thread logged (ferry's progress threads too); ctypes takes the GIL for
+    # us. An exception must not escape into C.
+    try:
+        logger.log(_LEVELS.get(level, logging.DEBUG), "%s", msg.decode(errors="replace"))
+    except Exception:
+        pass
+
+
+# The CFUNCTYPE object must outlive every call C may make to it: keep it in the module.
+_log_callback = _lib.LOG_FN(_on_log)
+_lib.lib.ferry_log_set_callback(_log_callback, None)
+
+
+@atexit.register
+def _unhook():
+    # Threads of contexts still open at exit must not call into a finalizing interpreter.
+    _lib.lib.ferry_log_set_callback(_lib.LOG_FN(), None)
+
+
+def set_log_level(level):
+    """What ferry emits: a logging level (logging.DEBUG, ...) or a ferry name ("debug")."""
+    names = {"error": 0, "warn": 1, "warning": 1, "info": 2, "debug": 3, "trace": 4}
+    if isinstance(level, str):
+        code = names[level.lower()]
+    elif level >= logging.ERROR:
+        code = 0
+    elif level >= logging.WARNING:
+        code = 1
+    elif level >= logging.INFO:
+        code = 2
+    elif level >= logging.DEBUG:
+        code = 3
+    else:
+        code = 4
+    _lib.lib.ferry_log_set_level(code)
+
+
+def version():
+    return __version__

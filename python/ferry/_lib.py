@@ -1,0 +1,129 @@
+"""ctypes declarations of libferry's C API (include/ferry.h), and how the library is found.
+
+The structs mirror the C ones field for field, `size` first; the prototypes are declared once
+here so a wrong argument fails in Python instead of corrupting memory. ctypes.CDLL releases the
+GIL around every call, so a blocking get or put lets other Python threads run.
+"""
+import ctypes
+import ctypes.util
+import os
+
+__all__ = ["lib", "path", "MAX_DIMS", "STORE_KEY_MAX", "STORE_NAME_MAX"]
+
+MAX_DIMS = 8
+STORE_KEY_MAX = 255
+STORE_NAME_MAX = 63
+
+STORE_HOST_DIRECTORY = 1
+STORE_HOLDER = 2
+STORE_DELEGATE = 4
+STORE_PUT_COPY = 1
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _candidates():
+    env = os.environ.get("FERRY_LIB")
+    if env:
+        # An explicit choice is the only one: silently falling back would hide a wrong path.
+        return [env]
+    repo = os.path.dirname(os.path.dirname(_HERE))
+    out = [
+        os.path.join(_HERE, "libferry.so"),  # beside the package (installed, or copied in)
+        os.path.join(repo, "build", "libferry.so"),  # the build tree of a checkout
+    ]
+    found = ctypes.util.find_library("ferry")  # where `make install` put it
+    if found:
+        out.append(found)
+    out.append("libferry.so.0")
+    return out
+
+
+def _load():
+    errors = []
+    for cand in _candidates():
+        if os.sep in cand and not os.path.exists(cand):
+            errors.append("%s: no such file" % cand)
+            continue
+        try:
+            return ctypes.CDLL(cand), cand
+        except OSError as e:
+            errors.append("%s: %s" % (cand, e))
+    raise ImportError("ferry: cannot load libferry.so (set FERRY_LIB to its path); tried: " +
+                      "; ".join(errors))
+
+
+lib, path = _load()
+
+c_int, c_uint32, c_uint64, c_size_t = ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_size_t
+c_char_p, c_void_p, POINTER, byref = ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER, ctypes.byref
+
+
+class TensorDesc(ctypes.Structure):
+    _fields_ = [("dtype", c_int), ("ndim", c_uint32), ("shape", c_uint64 * MAX_DIMS)]
+
+
+class CtxOpts(ctypes.Structure):
+    _fields_ = [("size", c_size_t), ("name", c_char_p), ("tcp_listen", c_char_p),
+                ("transports", c_char_p), ("token", c_char_p)]
+
+
+class StoreOpts(ctypes.Structure):
+    _fields_ = [("size", c_size_t), ("directory", c_char_p), ("capacity", c_uint64),
+                ("lease_ms", c_int), ("flags", c_uint32)]
+
+
+class StoreInfo(ctypes.Structure):
+    _fields_ = [("size", c_size_t), ("key", ctypes.c_char * (STORE_KEY_MAX + 1)),
+                ("owner", ctypes.c_char * (STORE_NAME_MAX + 1)), ("desc", TensorDesc),
+                ("bytes", c_uint64), ("generation", c_uint64)]
+
+
+class StoreItem(ctypes.Structure):
+    _fields_ = [("key", c_char_p), ("dst", c_void_p), ("cap", c_size_t), ("status", c_int),
+                ("bytes", c_uint64)]
+
+
+LOG_FN = ctypes.CFUNCTYPE(None, c_int, c_char_p, c_void_p)
+
+_protos = {
+    "ferry_version": (c_char_p, []),
+    "ferry_strerror": (c_char_p, [c_int]),
+    "ferry_status_name": (c_char_p, [c_int]),
+    "ferry_last_error": (c_char_p, []),
+    "ferry_log_set_callback": (None, [LOG_FN, c_void_p]),
+    "ferry_log_set_level": (None, [c_int]),
+    "ferry_log_get_level": (c_int, []),
+    "ferry_dtype_size": (c_size_t, [c_int]),
+    "ferry_dtype_name": (c_char_p, [c_int]),
+    "ferry_tensor_nbytes": (c_int, [POINTER(TensorDesc), POINTER(c_uint64)]),
+    "ferry_ctx_open": (c_int, [POINTER(CtxOpts), POINTER(c_void_p)]),
+    "ferry_ctx_close": (None, [c_void_p]),
+    "ferry_ctx_name": (c_char_p, [c_void_p]),
+    "ferry_ctx_address": (c_char_p, [c_void_p]),
+    "ferry_alloc": (c_int, [c_void_p, c_size_t, POINTER(c_void_p)]),
+    "ferry_free": (c_int, [c_void_p, c_void_p]),
+    "ferry_store_open": (c_int, [c_void_p, POINTER(StoreOpts), POINTER(c_void_p)]),
+    "ferry_store_close": (None, [c_void_p]),
+    "ferry_store_put": (c_int, [c_void_p, c_char_p, POINTER(TensorDesc), c_void_p, c_uint32, c_int]),
+    "ferry_store_get": (c_int, [c_void_p, c_char_p, POINTER(TensorDesc), c_void_p, c_size_t,
+                                POINTER(StoreInfo), c_int]),
+    "ferry_store_get_alloc": (c_int, [c_void_p, c_char_p, POINTER(c_void_p), POINTER(StoreInfo),
+                                      c_int]),
+    "ferry_store_get_batch": (c_int, [c_void_p, POINTER(StoreItem), c_size_t, c_int]),
+    "ferry_store_delete": (c_int, [c_void_p, c_char_p, c_int]),
+    "ferry_store_delete_prefix": (c_int, [c_void_p, c_char_p, POINTER(c_size_t), c_int]),
+    "ferry_store_clear": (c_int, [c_void_p, POINTER(c_size_t), c_int]),
+    "ferry_store_list": (c_int, [c_void_p, c_char_p, POINTER(POINTER(StoreInfo)),
+                                 POINTER(c_size_t), c_int]),
+    "ferry_store_list_free": (None, [POINTER(StoreInfo)]),
+    "ferry_store_exists": (c_int, [c_void_p, c_char_p, c_int]),
+    "ferry_store_stat": (c_int, [c_void_p, c_char_p, POINTER(StoreInfo), c_int]),
+}
+for _name, (_res, _args) in _protos.items():
+    _f = getattr(lib, _name)
+    _f.restype, _f.argtypes = _res, _args
+
+# get_alloc's buffer is malloc'd by libferry: free it with the same process-wide allocator.
+libc = ctypes.CDLL(None)
+libc.free.restype, libc.free.argtypes = None, [c_void_p]

@@ -1,0 +1,275 @@
+"""NumPy arrays and torch tensors as (ferry_tensor_desc, data pointer) without copies, contexts,
+and ferry.empty: arrays in ferry shared memory (ferry_alloc), so a store put of one is in place."""
+import ctypes
+import threading
+import weakref
+
+import numpy as np
+
+from . import _lib
+from ._lib import lib
+from .errors import NotSupported, check
+
+__all__ = ["Context", "default_context", "empty", "DTYPES"]
+
+# ferry dtype code -> (name, numpy dtype that holds its bits)
+DTYPES = {
+    1: ("bool", np.bool_), 2: ("uint8", np.uint8), 3: ("uint16", np.uint16),
+    4: ("uint32", np.uint32), 5: ("uint64", np.uint64), 6: ("int8", np.int8),
+    7: ("int16", np.int16), 8: ("int32", np.int32), 9: ("int64", np.int64),
+    10: ("float16", np.float16), 11: ("bfloat16", np.uint16), 12: ("float32", np.float32),
+    13: ("float64", np.float64), 14: ("float8_e4m3", np.uint8), 15: ("float8_e5m2", np.uint8),
+}
+_BY_NAME = {name: code for code, (name, _) in DTYPES.items()}
+_BY_NAME.update({"bf16": 11, "f16": 10, "f32": 12, "f64": 13, "half": 10, "float": 12,
+                 "double": 13, "fp8_e4m3": 14, "fp8_e5m2": 15, "float8_e4m3fn": 14})
+_NP_TO_FERRY = {np.dtype(t): code for code, (name, t) in DTYPES.items()
+                if code not in (11, 14, 15)}
+
+try:  # torch is optional
+    import torch
+except ImportError:  # pragma: no cover - exercised only where torch is absent
+    torch = None
+
+
+def _torch_dtypes():
+    if torch is None:
+        return {}
+    m = {torch.bool: 1, torch.uint8: 2, torch.int8: 6, torch.int16: 7, torch.int32: 8,
+         torch.int64: 9, torch.float16: 10, torch.bfloat16: 11, torch.float32: 12,
+         torch.float64: 13}
+    for attr, code in (("uint16", 3), ("uint32", 4), ("uint64", 5), ("float8_e4m3fn", 14),
+                       ("float8_e5m2", 15)):
+        if hasattr(torch, attr):
+            m[getattr(torch, attr)] = code
+    return m
+
+
+_TORCH_TO_FERRY = _torch_dtypes()
+_FERRY_TO_TORCH = {code: t for t, code in _TORCH_TO_FERRY.items()}
+
+
+def dtype_code(dtype):
+    """A ferry dtype code from a name ("bfloat16", "u8"), a numpy dtype or a torch dtype."""
+    if isinstance(dtype, str) and dtype in _BY_NAME:
+        return _BY_NAME[dtype]
+    if torch is not None and isinstance(dtype, torch.dtype):
+        if dtype in _TORCH_TO_FERRY:
+            return _TORCH_TO_FERRY[dtype]
+        raise TypeError("ferry: torch dtype %s is not supported" % dtype)
+    try:
+        return _NP_TO_FERRY[np.dtype(dtype)]
+    except (TypeError, KeyError):
+        raise TypeError("ferry: dtype %r is not supported" % (dtype,)) from None
+
+
+def make_desc(code, shape):
+    if len(shape) > _lib.MAX_DIMS:
+        raise ValueError("ferry: %d dimensions; at most %d" % (len(shape), _lib.MAX_DIMS))
+    d = _lib.TensorDesc()
+    d.dtype, d.ndim = code, len(shape)
+    for i, n in enumerate(shape):
+        d.shape[i] = int(n)
+    return d
+
+
+def desc_shape(desc):
+    return tuple(int(desc.shape[i]) for i in range(desc.ndim))
+
+
+def as_buffer(obj, writable=False):
+    """(desc, numpy array sharing obj's memory) for a numpy array or CPU torch tensor.
+
+    Contiguous input is used in place (the returned array is a view of it); a non-contiguous
+    array or tensor is copied once, which is wrong for an output, so `writable` refuses it."""
+    if torch is not None and isinstance(obj, torch.Tensor):
+        if obj.device.type != "cpu":
+            raise NotSupported(-20, "tensors on %s are not supported yet (CPU only)" % obj.device)
+        code = dtype_code(obj.dtype)
+        t = obj.detach()
+        if not t.is_contiguous():
+            if writable:
+                raise ValueError("ferry: out must be contiguous")
+            t = t.contiguous()
+        if code in (11, 14, 15):  # numpy has no such dtype: carry the bits
+            bits = torch.int16 if code == 11 else torch.uint8
+            arr = t.view(bits).numpy().view(DTYPES[code][1])
+        else:
+            arr = t.numpy()
+        return make_desc(code, tuple(t.shape)), arr
+    if not isinstance(obj, np.ndarray):
+        obj = np.asarray(obj)
+    code = dtype_code(obj.dtype)
+    if not obj.flags.c_contiguous:
+        if writable:
+            raise ValueError("ferry: out must be C-contiguous")
+        obj = np.ascontiguousarray(obj)
+    if writable and not obj.flags.writeable:
+        raise ValueError("ferry: out is read-only")
+    return make_desc(code, obj.shape), obj
+
+
+def from_bits(arr, code, like):
+    """Turns an array holding a dtype's bits into what the caller asked for."""
+    if like == "numpy":
+        return arr
+    if like != "torch":
+        raise ValueError("ferry: like must be 'numpy' or 'torch', not %r" % (like,))
+    if torch is None:
+        raise ImportError("ferry: like='torch' needs torch")
+    if code in (11, 14, 15):
+        if code not in _FERRY_TO_TORCH:
+            raise NotSupported(-20, "this torch has no %s" % DTYPES[code][0])
+        bits = np.int16 if code == 11 else np.uint8
+        t = torch.from_numpy(arr.view(bits)) if arr.size else torch.from_numpy(arr.view(bits).copy())
+        return t.view(_FERRY_TO_TORCH[code])
+    return torch.from_numpy(arr)
+
+
+def _enc(s):
+    return None if s is None else s.encode()
+
+
+class Context:
+    """A ferry_ctx: one node (name, listeners, progress thread, regions). Closing it is deferred
+    while arrays from ferry.empty() on it are alive, since closing unmaps their memory."""
+
+    def __init__(self, name=None, tcp_listen=None, transports=None, token=None):
+        opts = _lib.CtxOpts(ctypes.sizeof(_lib.CtxOpts), _enc(name), _enc(tcp_listen),
+                            _enc(transports), _enc(token))
+        h = ctypes.c_void_p()
+        check(lib.ferry_ctx_open(ctypes.byref(opts), ctypes.byref(h)))
+        self._h = h.value
+        self._lock = threading.Lock()
+        self._allocs = 0
+        self._closing = False
+        self._has_store = False
+
+    @property
+    def handle(self):
+        if not self._h or self._closing:
+            raise ValueError("ferry: context is closed")
+        return self._h
+
+    @property
+    def name(self):
+        return lib.ferry_ctx_name(self.handle).decode()
+
+    @property
+    def address(self):
+        return lib.ferry_ctx_address(self.handle).decode()
+
+    @property
+    def tcp_address(self):
+        """"HOST:PORT" of the tcp listener (where a hosted directory is reached)."""
+        for url in self.address.split(","):
+            if url.startswith("tcp://"):
+                return url[len("tcp://"):]
+        return None
+
+    def _alloc(self, nbytes):
+        p = ctypes.c_void_p()
+        with self._lock:
+            check(lib.ferry_alloc(self.handle, max(int(nbytes), 1), ctypes.byref(p)))
+            self._allocs += 1
+        return p.value
+
+    def _free(self, ptr):
+        with self._lock:
+            if self._h:
+                lib.ferry_free(self._h, ptr)
+            self._allocs -= 1
+            last = self._allocs == 0 and self._closing
+        if last:
+            self._really_close()
+
+    def close(self):
+        with self._lock:
+            if not self._h or self._closing:
+                return
+            self._closing = True
+            busy = self._allocs > 0
+        if not busy:
+            self._really_close()
+
+    def _really_close(self):
+        h, self._h = self._h, None
+        if h:
+            lib.ferry_ctx_close(h)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+_default = None
+_extra = 0
+_default_lock = threading.Lock()
+
+
+def default_context():
+    """The process's default context (FERRY_* settings), opened on first use; the first Store
+    opened without ctx/name uses it, so that arrays from ferry.empty() are put in place."""
+    global _default
+    with _default_lock:
+        if _default is None or _default._h is None:
+            _default = Context()
+        return _default
+
+
+def _ctx_for_store(name, tcp_listen):
+    global _default
+    with _default_lock:
+        if _default is None or _default._h is None:
+            _default = Context(name=name, tcp_listen=tcp_listen)
+            return _default, False
+        d = _default
+    if not d._has_store and tcp_listen is None and (name is None or name == d.name):
+        return d, False
+    if name is None:
+        # Node names must be unique in the fleet, and every unnamed ctx of this process would
+        # be "<hostname>-<pid>": number the extra ones.
+        global _extra
+        with _default_lock:
+            _extra += 1
+            name = "%s-%d" % (d.name, _extra)
+    return Context(name=name, tcp_listen=tcp_listen), True
+
+
+class _Alloc:
+    """Owns one ferry_alloc block; frees it when the last array over it goes away."""
+
+    def __init__(self, ctx, nbytes):
+        self.ctx = ctx
+        self.ptr = ctx._alloc(nbytes)
+        self.nbytes = nbytes
+        weakref.finalize(self, ctx._free, self.ptr)
+
+    def buffer(self):
+        """A ctypes array over the block that keeps this owner alive (the numpy base)."""
+        buf = (ctypes.c_uint8 * max(self.nbytes, 1)).from_address(self.ptr)
+        buf._ferry_owner = self
+        return buf
+
+
+def empty(shape, dtype, like="numpy", ctx=None):
+    """An uninitialised (in fact zeroed) array or tensor in ferry shared memory: a store put of
+    it publishes it in place. Memory of `ctx` (default: the default context)."""
+    if isinstance(shape, int):
+        shape = (shape,)
+    shape = tuple(int(n) for n in shape)
+    code = dtype_code(dtype)
+    make_desc(code, shape)  # validates ndim
+    npdt = np.dtype(DTYPES[code][1])
+    nbytes = int(np.prod(shape, dtype=np.uint64)) * npdt.itemsize
+    owner = _Alloc(ctx or default_context(), nbytes)
+    arr = np.frombuffer(owner.buffer(), dtype=np.uint8, count=nbytes).view(npdt).reshape(shape)
+    return from_bits(arr, code, like)
