@@ -70,9 +70,11 @@ if [ -x scripts/fuzz.sh ]; then
   scripts/fuzz.sh "${FERRY_FUZZ_SECONDS:-10}" || failed+=("fuzz")
 fi
 
-echo "make test: $(tally) (test runs over all stages)"
+# The last line counts the test runs of every stage.
 if [ ${#failed[@]} -gt 0 ]; then
   echo "make test: FAILED: ${failed[*]}"
+  echo "ferry: $(tally)"
   exit 1
 fi
 echo "make test: all stages passed"
+echo "ferry: $(tally)"
