@@ -8,7 +8,6 @@
 #include "testutil.h"
 
 #include <arpa/inet.h>
-#include <dirent.h>
 #include <errno.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -126,17 +125,7 @@ static int group_setup(void **state) {
 }
 
 static int group_teardown(void **state) {
-  DIR *d = opendir(dir);
-  struct dirent *e;
-  char path[512];
-  while (d && (e = readdir(d)))
-    if (e->d_name[0] != '.') {
-      snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-      unlink(path);
-    }
-  if (d)
-    closedir(d);
-  rmdir(dir);
+  tu_rmdir_files(dir);
   return 0;
 }
 

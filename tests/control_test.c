@@ -11,7 +11,6 @@
 
 #include "control/cell.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -72,17 +71,7 @@ static int group_setup(void **state) {
 }
 
 static int group_teardown(void **state) {
-  DIR *d = opendir(dir);
-  struct dirent *e;
-  char path[512];
-  while (d && (e = readdir(d)))
-    if (e->d_name[0] != '.') {
-      snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-      unlink(path);
-    }
-  if (d)
-    closedir(d);
-  rmdir(dir);
+  tu_rmdir_files(dir);
   return 0;
 }
 

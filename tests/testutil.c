@@ -3,6 +3,7 @@
  */
 #include "testutil.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <poll.h>
 #include <stdio.h>
@@ -88,6 +89,20 @@ int tu_pipe_get(tu_pipe *p, void *buf, size_t len, int timeout_ms) {
     len -= (size_t)n;
   }
   return 0;
+}
+
+void tu_rmdir_files(const char *dir) {
+  DIR *d = opendir(dir);
+  struct dirent *e;
+  char path[4096];
+  while (d && (e = readdir(d)))
+    if (e->d_name[0] != '.') {
+      snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+      unlink(path);
+    }
+  if (d)
+    closedir(d);
+  rmdir(dir);
 }
 
 void tu_fill(void *buf, size_t len, uint64_t seed) {

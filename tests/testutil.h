@@ -41,6 +41,8 @@ void tu_pipe_close(tu_pipe *p);
 void tu_pipe_put(tu_pipe *p, const void *buf, size_t len);
 /* Reads exactly len bytes; returns 0, or -1 on EOF/timeout. */
 int tu_pipe_get(tu_pipe *p, void *buf, size_t len, int timeout_ms);
+/* Removes a directory and the files directly in it (tests' temporary directories). */
+void tu_rmdir_files(const char *dir);
 /* Fills buf with a deterministic pattern derived from seed. */
 void tu_fill(void *buf, size_t len, uint64_t seed);
 

@@ -38,25 +38,6 @@ static void test_rma_modes(void **s) {
   unsetenv("FERRY_UCX_RMA");
 }
 
-typedef struct shared_hammer {
-  ferry_link *link;
-  ferry_region_ref ref;
-  const uint8_t *expect;
-  int failures;
-} shared_hammer;
-
-static void *hammer_shared(void *arg) {
-  shared_hammer *h = arg;
-  uint8_t buf[8192];
-  for (int i = 0; i < 300; i++) {
-    size_t off = (size_t)(i * 977) % (h->ref.size - sizeof buf);
-    if (ferry_read(h->link, &h->ref, off, buf, sizeof buf, 5000) != 0 ||
-        memcmp(buf, h->expect + off, sizeof buf) != 0)
-      h->failures++;
-  }
-  return NULL;
-}
-
 /* Threads reading one ferry_alloc'd region at once (rkey asked for once, gets in parallel),
  * while messages flow on the same link. */
 static void test_concurrent_shared_ucx(void **s) {
@@ -68,11 +49,11 @@ static void test_concurrent_shared_ucx(void **s) {
   FR_OK(ferry_alloc(p.b, n, (void **)&mem));
   FR_OK(ferry_region_find(p.b, mem, n, &ref, NULL));
   tu_fill(mem, n, 8);
-  shared_hammer h[3];
+  hammer_args h[3];
   pthread_t t[3];
   for (int i = 0; i < 3; i++) {
-    h[i] = (shared_hammer){p.ab, ref, mem, 0};
-    pthread_create(&t[i], NULL, hammer_shared, &h[i]);
+    h[i] = (hammer_args){p.ab, ref, mem, 0};
+    pthread_create(&t[i], NULL, hammer, &h[i]);
   }
   for (int i = 0; i < 200; i++) {
     struct iovec iov = {&i, sizeof i};

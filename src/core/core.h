@@ -60,6 +60,5 @@ bool fr_memeq_const(const void *a, const void *b, size_t len);
 /* ---- misc ---- */
 int fr_random_bytes(void *buf, size_t len);
 uint64_t fr_random_u64(void);
-char *fr_strdup(const char *s); /* NULL-safe; NULL on NULL */
 
 #endif

@@ -42,5 +42,3 @@ uint64_t fr_random_u64(void) {
     abort(); /* getrandom cannot fail for 8 bytes on a sane kernel */
   return v;
 }
-
-char *fr_strdup(const char *s) { return s ? strdup(s) : NULL; }

@@ -16,7 +16,5 @@ extern void (*fr_refit_test_corrupt)(uint32_t bucket, uint8_t *bytes, uint64_t l
 
 /* Sends one protocol record on a link. */
 int fr_refit_send(ferry_link *link, const fr_refit_msg_t *m, int timeout_ms);
-/* The bucket budget from options and configuration. */
-uint64_t fr_refit_bucket_budget(const ferry_refit_opts *opts);
 
 #endif

@@ -125,7 +125,8 @@ static void *service_main(void *arg) {
 
 /* ---- open, declare, seal ---- */
 
-uint64_t fr_refit_bucket_budget(const ferry_refit_opts *opts) {
+/* The bucket budget from options and configuration. */
+static uint64_t bucket_budget(const ferry_refit_opts *opts) {
   if (opts && opts->bucket_bytes)
     return opts->bucket_bytes;
   const char *ratio = fr_config_str("FERRY_REFIT_BUFFER_RATIO");
@@ -152,7 +153,7 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
     return fr_err(FERRY_ENOMEM, "refit sender");
   }
   s->ctx = ctx;
-  s->budget = fr_refit_bucket_budget(opts);
+  s->budget = bucket_budget(opts);
   pthread_mutex_init(&s->lock, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);

@@ -16,11 +16,6 @@ static const fr_transport_ops *const transports[] = {
     &fr_ucx_transport,
 };
 
-const fr_transport_ops *const *fr_transport_all(size_t *count) {
-  *count = sizeof transports / sizeof transports[0];
-  return transports;
-}
-
 const fr_transport_ops *fr_transport_find(const char *name) {
   for (size_t i = 0; i < sizeof transports / sizeof transports[0]; i++)
     if (strcmp(transports[i]->name, name) == 0)

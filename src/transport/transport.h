@@ -76,7 +76,6 @@ typedef struct fr_transport_ops {
 
 /* registry.c: every transport, in one place. */
 const fr_transport_ops *fr_transport_find(const char *name);
-const fr_transport_ops *const *fr_transport_all(size_t *count);
 
 /* ---- links ---- */
 enum fr_link_state { FR_LINK_HELLO, FR_LINK_AUTH, FR_LINK_OPEN, FR_LINK_DEAD };
