@@ -16,12 +16,15 @@ from . import _lib, aio  # noqa: F401
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .store import Store
+from .refit import RefitReceiver, RefitSender
+from .control import Control, ControlCell, ControlRank
 from .tensors import Context, default_context, empty
 
 __version__ = _lib.lib.ferry_version().decode()
 library_path = _lib.path
 
-__all__ = ["Store", "aio", "Context", "default_context", "empty", "set_log_level", "version",
+__all__ = ["Store", "aio", "RefitSender", "RefitReceiver", "Control", "ControlRank",
+           "ControlCell", "Context", "default_context", "empty", "set_log_level", "version",
            "library_path"] + [n for n in _errors_all if n not in ("check", "raise_status")]
 
 logger = logging.getLogger("ferry")
