@@ -73,6 +73,7 @@ for _name, (_res, _args) in _protos.items():
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$")
 _seq = 0
 _seq_lock = threading.Lock()
+_published = set()  # rendezvous files this process wrote
 
 
 def _ms(timeout):
@@ -230,15 +231,17 @@ class RefitSender:
 
     def _publish(self, path):
         found = _read_rendezvous(path)
-        if found and found[1] != os.getpid():
-            raise AlreadyExists(-6, "refit '%s': a live sender (pid %d) publishes %s"
-                                % (self.name, found[1], path))
+        with _seq_lock:
+            if path in _published or (found and found[1] != os.getpid()):
+                raise AlreadyExists(-6, "refit '%s': a live sender (pid %d) publishes %s"
+                                    % (self.name, found[1] if found else os.getpid(), path))
+            _published.add(path)
+            self._path = path
         tmp = "%s.%d.tmp" % (path, os.getpid())
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write("%s\n%d\n" % (self.address, os.getpid()))
         os.replace(tmp, path)
-        self._path = path
 
     # -- life --------------------------------------------------------------------------------
     @property
@@ -282,6 +285,8 @@ class RefitSender:
             h, self._h = self._h, None
             path, self._path = self._path, None
         if path:
+            with _seq_lock:
+                _published.discard(path)
             try:
                 found = _read_rendezvous(path)
                 if found is None or found[1] == os.getpid():
@@ -491,7 +496,7 @@ class RefitReceiver:
     def tensors(self, like="torch"):
         """{name: tensor} views into one flat ferry buffer that every push writes in place
         (zero copy: no bytes move on the Python side). like: "torch" or "numpy" (bfloat16 and
-        float8 come as their bits in numpy). After the sender re-seals, call again: the buffer
+        float8 come as their bits in numpy; a dtype the installed torch lacks, as numpy). After the sender re-seals, call again: the buffer
         is laid out anew."""
         h = self.handle
         check(lib.ferry_refit_bind_flat(h))
@@ -512,7 +517,11 @@ class RefitReceiver:
             code = dtype_code(m["dtype"])
             npdt = np.dtype(DTYPES[code][1])
             arr = np.frombuffer(flat.buf, dtype=np.uint8, count=m["nbytes"], offset=p - base)
-            out[m["name"]] = from_bits(arr.view(npdt).reshape(m["shape"]), code, like)
+            arr = arr.view(npdt).reshape(m["shape"])
+            try:
+                out[m["name"]] = from_bits(arr, code, like)
+            except NotSupported:  # a dtype this torch lacks (uint16..64 before torch 2.3)
+                out[m["name"]] = arr
         return out
 
     # -- versions ----------------------------------------------------------------------------

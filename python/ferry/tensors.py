@@ -117,6 +117,8 @@ def from_bits(arr, code, like):
         raise ValueError("ferry: like must be 'numpy' or 'torch', not %r" % (like,))
     if torch is None:
         raise ImportError("ferry: like='torch' needs torch")
+    if code not in _FERRY_TO_TORCH:
+        raise NotSupported(-20, "this torch has no %s" % DTYPES[code][0])
     if code in (11, 14, 15):
         if code not in _FERRY_TO_TORCH:
             raise NotSupported(-20, "this torch has no %s" % DTYPES[code][0])
