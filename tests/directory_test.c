@@ -33,6 +33,7 @@ static fr_dir_node make_node(const char *name) {
   memset(&n, 0, sizeof n);
   snprintf(n.name, sizeof n.name, "%s", name);
   snprintf(n.address, sizeof n.address, "tcp://127.0.0.1:1,shm://@x-%s", name);
+  n.incarnation = 1000 + (uint64_t)strlen(name);
   return n;
 }
 
@@ -100,7 +101,7 @@ static bool wait_node_gone(fr_dir *d, const char *name) {
 
 static void check_nodes(fr_dir *d) {
   fr_dir_node n1 = make_node("n1"), got;
-  FR_OK(d->ops->node_put(d->state, &n1, 30000, 2000));
+  FR_OK(d->ops->node_put(d->state, &n1, 30000, 0, NULL, 2000));
   FR_OK(d->ops->node_get(d->state, "n1", &got, 2000));
   assert_string_equal(got.address, n1.address);
   assert_int_equal(d->ops->node_get(d->state, "nobody", &got, 2000), FERRY_ENOTFOUND);
@@ -109,8 +110,8 @@ static void check_nodes(fr_dir *d) {
   FR_OK(d->ops->node_list(d->state, &list, &n, 2000));
   assert_true(n >= 1);
   free(list);
-  FR_OK(d->ops->node_renew(d->state, "n1", 30000, 2000));
-  assert_int_equal(d->ops->node_renew(d->state, "ghost", 30000, 2000), FERRY_ENOTFOUND);
+  FR_OK(d->ops->node_renew(d->state, "n1", n1.incarnation, 30000, 2000));
+  assert_int_equal(d->ops->node_renew(d->state, "ghost", 1, 30000, 2000), FERRY_ENOTFOUND);
 }
 
 static void check_objects(fr_dir *d) {
@@ -130,7 +131,7 @@ static void check_objects(fr_dir *d) {
   fr_dir_object orphan = make_obj("k2", "n2", 1);
   assert_int_equal(d->ops->obj_put(d->state, &orphan, 0, NULL, NULL, 2000), FERRY_ENOTFOUND);
   /* another owner replaces the record and learns whose it was */
-  FR_OK(d->ops->node_put(d->state, &n2, 30000, 2000));
+  FR_OK(d->ops->node_put(d->state, &n2, 30000, 0, NULL, 2000));
   fr_dir_object o2 = make_obj("k1", "n2", 5);
   FR_OK(d->ops->obj_put(d->state, &o2, 0, &old, &other, 2000));
   assert_true(other);
@@ -163,7 +164,7 @@ static void check_scan_and_node_delete(fr_dir *d) {
   FR_OK(d->ops->obj_scan(d->state, "a*", &v, &n, 2000)); /* glob characters are literal */
   assert_int_equal(n, 1);
   free(v);
-  FR_OK(d->ops->node_del(d->state, "n2", 2000));
+  FR_OK(d->ops->node_del(d->state, "n2", 0, 2000));
   FR_OK(d->ops->obj_scan(d->state, "", &v, &n, 2000));
   assert_int_equal(n, 2); /* n1's "a*" and "a/3" */
   free(v);
@@ -186,7 +187,7 @@ static void check_big_scan(fr_dir *d) {
   for (size_t i = 1; i < n; i++)
     assert_true(strcmp(v[i - 1].key, v[i].key) < 0);
   free(v);
-  FR_OK(d->ops->node_del(d->state, "n1", 2000));
+  FR_OK(d->ops->node_del(d->state, "n1", 0, 2000));
   FR_OK(d->ops->obj_scan(d->state, "many/", &v, &n, 5000));
   assert_int_equal(n, 0);
   free(v);
@@ -194,7 +195,7 @@ static void check_big_scan(fr_dir *d) {
 
 static void check_lease(fr_dir *d) {
   fr_dir_node n3 = make_node("n3");
-  FR_OK(d->ops->node_put(d->state, &n3, 300, 2000));
+  FR_OK(d->ops->node_put(d->state, &n3, 300, 0, NULL, 2000));
   fr_dir_object o = make_obj("leased", "n3", 1);
   FR_OK(d->ops->obj_put(d->state, &o, 0, NULL, NULL, 2000));
   assert_true(wait_node_gone(d, "n3"));
@@ -210,7 +211,62 @@ static void check_lease(fr_dir *d) {
   assert_int_equal(st, FERRY_ENOTFOUND);
 }
 
+/* A name is held by one incarnation: another is refused while the holder's lease runs (the
+ * error names the holder), unless it takes over an incarnation it proved dead; a lapsed lease
+ * frees the name. */
+static void check_names(fr_dir *d) {
+  fr_dir_node a = make_node("twin"), b = a, holder, got;
+  b.incarnation = a.incarnation + 1;
+  snprintf(b.address, sizeof b.address, "tcp://127.0.0.1:2");
+  FR_OK(d->ops->node_put(d->state, &a, 30000, 0, NULL, 2000));
+  FR_OK(d->ops->node_put(d->state, &a, 30000, 0, NULL, 2000)); /* its own refresh */
+  fr_dir_object o = make_obj("twin/k", "twin", 1);
+  FR_OK(d->ops->obj_put(d->state, &o, 0, NULL, NULL, 2000));
+  memset(&holder, 0, sizeof holder);
+  assert_int_equal(d->ops->node_put(d->state, &b, 30000, 0, &holder, 2000), FERRY_EEXIST);
+  print_message("%s\n", ferry_last_error());
+  assert_non_null(strstr(ferry_last_error(), "'twin'"));
+  assert_non_null(strstr(ferry_last_error(), a.address));
+  assert_int_equal(holder.incarnation, a.incarnation);
+  assert_string_equal(holder.address, a.address);
+  /* a wrong takeover is refused too; the holder's records are untouched */
+  assert_int_equal(d->ops->node_put(d->state, &b, 30000, 12345, NULL, 2000), FERRY_EEXIST);
+  FR_OK(d->ops->node_get(d->state, "twin", &got, 2000));
+  assert_int_equal(got.incarnation, a.incarnation);
+  /* the other incarnation can neither renew nor delete the holder */
+  assert_int_equal(d->ops->node_renew(d->state, "twin", b.incarnation, 30000, 2000),
+                   FERRY_ENOTFOUND);
+  FR_OK(d->ops->node_del(d->state, "twin", b.incarnation, 2000));
+  FR_OK(d->ops->node_get(d->state, "twin", &got, 2000));
+  assert_int_equal(got.incarnation, a.incarnation);
+  FR_OK(d->ops->node_renew(d->state, "twin", a.incarnation, 30000, 2000));
+  /* taking over a holder proven dead drops it and its objects */
+  FR_OK(d->ops->node_put(d->state, &b, 30000, a.incarnation, NULL, 2000));
+  FR_OK(d->ops->node_get(d->state, "twin", &got, 2000));
+  assert_int_equal(got.incarnation, b.incarnation);
+  assert_string_equal(got.address, b.address);
+  const char *k = "twin/k";
+  int st;
+  FR_OK(d->ops->obj_get(d->state, &k, 1, &o, &st, 2000));
+  assert_int_equal(st, FERRY_ENOTFOUND);
+  assert_int_equal(d->ops->node_renew(d->state, "twin", a.incarnation, 30000, 2000),
+                   FERRY_ENOTFOUND);
+  /* a lapsed lease frees the name: poll until the short lease runs out */
+  fr_dir_node c = make_node("fleeting"), c2 = c;
+  c2.incarnation = c.incarnation + 7;
+  FR_OK(d->ops->node_put(d->state, &c, 100, 0, NULL, 2000));
+  int rc = FERRY_EEXIST;
+  for (int i = 0; i < 1000 && rc == FERRY_EEXIST; i++)
+    if ((rc = d->ops->node_put(d->state, &c2, 30000, 0, NULL, 2000)) == FERRY_EEXIST)
+      su_sleep_ms(10);
+  FR_OK(rc);
+  FR_OK(d->ops->node_del(d->state, "fleeting", 0, 2000));
+  FR_OK(d->ops->node_del(d->state, "twin", b.incarnation, 2000));
+  assert_int_equal(d->ops->node_get(d->state, "twin", &got, 2000), FERRY_ENOTFOUND);
+}
+
 static void check_all(fr_dir *d) {
+  check_names(d);
   check_nodes(d);
   check_objects(d);
   check_scan_and_node_delete(d);
@@ -227,8 +283,9 @@ static void test_embedded_local(void **state) {
   check_objects(d);
   check_scan_and_node_delete(d);
   check_big_scan(d);
+  check_names(d);
   fr_dir_node n3 = make_node("n3");
-  FR_OK(d->ops->node_put(d->state, &n3, 100, 2000));
+  FR_OK(d->ops->node_put(d->state, &n3, 100, 0, NULL, 2000));
   fr_dir_server_expire(s, fr_now_ns() + 200000000ull);
   fr_dir_node got;
   assert_int_equal(d->ops->node_get(d->state, "n3", &got, 2000), FERRY_ENOTFOUND);
@@ -257,7 +314,7 @@ static void test_embedded_link(void **state) {
   check_all(d);
   /* restart: a new server on the same port has empty tables and a new instance */
   fr_dir_node n = make_node("survivor");
-  FR_OK(d->ops->node_put(d->state, &n, 30000, 2000));
+  FR_OK(d->ops->node_put(d->state, &n, 30000, 0, NULL, 2000));
   fr_dir_server_stop(srv);
   ferry_ctx_close(sc);
   sc = open_ctx("dir-server2", listen);

@@ -319,13 +319,21 @@ typedef struct producer {
   tu_pipe ready, quit;
 } producer;
 
-static int churn(ferry_store *s, producer *p, ferry_tensor_desc *d, uint8_t *buf) {
+/* Re-puts p->key over and over, each version one uniform byte value, until told to stop: copies
+ * from one malloc'd buffer, or in place from a ring of 4 ferry buffers (as engines reuse theirs).
+ */
+static int churn(ferry_store *s, ferry_ctx *c, producer *p, ferry_tensor_desc *d, uint8_t *buf) {
+  uint8_t *ring[4] = {buf};
+  for (int i = 1; i < 4 && p->in_place; i++)
+    if (ferry_alloc(c, p->bytes, (void **)&ring[i]) != 0)
+      return 2;
   for (uint8_t v = 1;; v++) {
-    memset(buf, v, p->bytes);
-    if (ferry_store_put(s, p->key, d, buf, FERRY_STORE_PUT_COPY, -1) != 0)
+    uint8_t *b = p->in_place ? ring[v % 4] : buf;
+    memset(b, v, p->bytes);
+    if (ferry_store_put(s, p->key, d, b, 0, -1) != 0)
       return 3;
-    char c;
-    if (tu_pipe_get(&p->quit, &c, 1, 0) == 0)
+    char ch;
+    if (tu_pipe_get(&p->quit, &ch, 1, 0) == 0)
       return 0;
   }
 }
@@ -333,7 +341,7 @@ static int churn(ferry_store *s, producer *p, ferry_tensor_desc *d, uint8_t *buf
 static int producer_main(void *arg) {
   producer *p = arg;
   ferry_ctx *c = open_ctx("producer", NULL);
-  ferry_store *s = open_store(c, p->url, 0, p->bytes * 3 + MiB, p->lease_ms);
+  ferry_store *s = open_store(c, p->url, 0, p->bytes * (p->churn ? 8 : 3) + MiB, p->lease_ms);
   ferry_tensor_desc d = u8_desc(p->bytes / 1024, 1024);
   uint8_t *buf = NULL;
   if (p->in_place)
@@ -345,7 +353,7 @@ static int producer_main(void *arg) {
   tu_pipe_put(&p->ready, "R", 1);
   int rc = 0;
   if (p->churn)
-    rc = churn(s, p, &d, buf);
+    rc = churn(s, c, p, &d, buf);
   else {
     char ch;
     tu_pipe_get(&p->quit, &ch, 1, 60000);
@@ -394,40 +402,168 @@ static void test_processes(void **state) {
   stop_child(dir);
 }
 
-/* Replaced over and over while read: every get is one whole version, never a mix. */
-static void test_never_torn(void **state) {
-  int port = su_free_port();
-  pid_t dir = start_directory(port);
-  producer p = {.bytes = MiB, .seed = 1, .churn = true};
-  snprintf(p.url, sizeof p.url, "ferry://127.0.0.1:%d", port);
-  snprintf(p.key, sizeof p.key, "churn");
+/* ---- one name, one live node ---- */
+
+static void check_duplicate_name(const char *url) {
+  /* a holder SIGKILLed long before its lease lapses: proven dead (nothing answers at its
+   * address), so a new process takes the name over at once, without the dead one's objects */
+  producer p = {.bytes = MiB, .seed = 5, .lease_ms = 60000};
+  snprintf(p.url, sizeof p.url, "%s", url);
+  snprintf(p.key, sizeof p.key, "dead/x");
   pid_t pid = start_producer(&p);
-  ferry_ctx *c = open_ctx("reader", NULL);
-  ferry_store *s = open_store(c, p.url, 0, MiB, 0);
-  uint8_t *dst = malloc(p.bytes);
-  int ok = 0, stale = 0;
-  for (int i = 0; i < 400; i++) {
-    int rc = ferry_store_get(s, "churn", NULL, dst, p.bytes, NULL, 5000);
-    if (rc == FERRY_ESTALE) {
-      stale++;
-      continue;
-    }
-    FR_OK(rc);
-    for (size_t j = 1; j < p.bytes; j++)
-      if (dst[j] != dst[0])
-        fail_msg("torn read: byte %zu is %u, byte 0 is %u", j, dst[j], dst[0]);
-    ok++;
-  }
-  assert_true(ok > 0);
-  tu_pipe_put(&p.quit, "Q", 1);
-  assert_int_equal(tu_wait(pid), 0);
-  print_message("never torn: %d whole reads, %d ESTALE\n", ok, stale);
+  kill(pid, SIGKILL);
+  assert_int_equal(tu_wait(pid), 128 + SIGKILL);
   tu_pipe_close(&p.ready);
   tu_pipe_close(&p.quit);
+  ferry_ctx *c0 = open_ctx("producer", NULL);
+  ferry_store *s0 = open_store(c0, url, 0, MiB, 0);
+  assert_int_equal(ferry_store_exists(s0, "dead/x", -1), 0);
+  ferry_store_close(s0);
+  ferry_ctx_close(c0);
+  /* a live holder keeps its name: the second is refused with an error naming the holder */
+  ferry_ctx *c1 = open_ctx("twin", NULL), *c2 = open_ctx("twin", NULL);
+  ferry_store *a = open_store(c1, url, 0, MiB, 0);
+  uint8_t v[64];
+  tu_fill(v, sizeof v, 3);
+  ferry_tensor_desc d = u8_desc(8, 8);
+  FR_OK(ferry_store_put(a, "twin/x", &d, v, 0, -1));
+  ferry_store_opts o = {.size = sizeof o, .directory = url, .capacity = MiB};
+  ferry_store *b = (ferry_store *)0x1;
+  assert_int_equal(ferry_store_open(c2, &o, &b), FERRY_EEXIST);
+  print_message("%s\n", ferry_last_error());
+  assert_ptr_equal(b, (ferry_store *)0x1);
+  assert_non_null(strstr(ferry_last_error(), "'twin' is held by a live node"));
+  assert_non_null(strstr(ferry_last_error(), ferry_ctx_address(c1)));
+  /* and the holder's objects are untouched */
+  ferry_store_info info = {.size = sizeof info};
+  uint8_t back[64];
+  FR_OK(ferry_store_get(a, "twin/x", &d, back, sizeof back, &info, -1));
+  assert_memory_equal(v, back, sizeof v);
+  /* once the holder closes, the name is free */
+  ferry_store_close(a);
+  FR_OK(ferry_store_open(c2, &o, &b));
+  ferry_store_close(b);
+  ferry_ctx_close(c2);
+  ferry_ctx_close(c1);
+}
+
+static void test_duplicate_name(void **state) {
+  int port = su_free_port();
+  pid_t dir = start_directory(port);
+  char url[80];
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  check_duplicate_name(url);
+  stop_child(dir);
+  su_redis r;
+  if (!su_redis_start(&r))
+    return;
+  check_duplicate_name(r.url);
+  su_redis_stop(&r);
+}
+
+/* ---- re-put churn: a producer replaces one key over and over while consumers get it ---- */
+
+#define HAMMER_GETS 150
+
+typedef struct hammer_reader {
+  ferry_store *s;
+  uint64_t bytes;
+  int ok, failed, torn, last_rc;
+  char last_error[256];
+} hammer_reader;
+
+/* Gets the key again and again: every get must succeed with one whole version (one byte value). */
+static void *hammer_gets(void *arg) {
+  hammer_reader *r = arg;
+  uint8_t *dst = malloc(r->bytes);
+  for (int i = 0; i < HAMMER_GETS; i++) {
+    int rc = ferry_store_get(r->s, "churn", NULL, dst, r->bytes, NULL, 30000);
+    if (rc != 0) {
+      r->failed++;
+      r->last_rc = rc;
+      snprintf(r->last_error, sizeof r->last_error, "%s", ferry_last_error());
+      continue;
+    }
+    bool whole = true;
+    for (size_t j = 1; j < r->bytes && whole; j++)
+      whole = dst[j] == dst[0];
+    r->ok += whole;
+    r->torn += !whole;
+  }
   free(dst);
+  return NULL;
+}
+
+typedef struct hammer_proc {
+  char url[80];
+  uint64_t bytes;
+} hammer_proc;
+
+/* A consumer in its own process: exits with 0, or 1 (a failed get) or 2 (a torn one). */
+static int hammer_proc_main(void *arg) {
+  hammer_proc *h = arg;
+  ferry_ctx *c = open_ctx("reader-proc", NULL);
+  hammer_reader r = {.s = open_store(c, h->url, 0, MiB, 0), .bytes = h->bytes};
+  hammer_gets(&r);
+  if (r.failed)
+    fprintf(stderr, "reader-proc: %d gets failed, last %s: %s\n", r.failed,
+            ferry_status_name(r.last_rc), r.last_error);
+  ferry_store_close(r.s);
+  ferry_ctx_close(c);
+  return r.torn ? 2 : r.failed ? 1 : 0;
+}
+
+/* One producer process re-putting, one consumer process and two consumer threads here. */
+static void hammer(const char *url, bool in_place) {
+  producer p = {.bytes = MiB, .seed = 1, .churn = true, .in_place = in_place};
+  snprintf(p.url, sizeof p.url, "%s", url);
+  snprintf(p.key, sizeof p.key, "churn");
+  pid_t pid = start_producer(&p);
+  hammer_proc hp = {.bytes = p.bytes};
+  snprintf(hp.url, sizeof hp.url, "%s", url);
+  pid_t reader = tu_spawn(hammer_proc_main, &hp);
+  ferry_ctx *c = open_ctx("reader", NULL);
+  ferry_store *s = open_store(c, url, 0, MiB, 0);
+  hammer_reader r[2] = {{.s = s, .bytes = p.bytes}, {.s = s, .bytes = p.bytes}};
+  pthread_t t[2];
+  for (int i = 0; i < 2; i++)
+    pthread_create(&t[i], NULL, hammer_gets, &r[i]);
+  for (int i = 0; i < 2; i++)
+    pthread_join(t[i], NULL);
+  int proc_rc = tu_wait(reader);
+  tu_pipe_put(&p.quit, "Q", 1);
+  assert_int_equal(tu_wait(pid), 0); /* the producer's puts all succeeded */
+  print_message("churn (%s, %s): %d + %d whole gets here, reader process exit %d\n", url,
+                in_place ? "in place" : "copies", r[0].ok, r[1].ok, proc_rc);
+  for (int i = 0; i < 2; i++) {
+    if (r[i].failed)
+      fail_msg("%d gets failed, last %s: %s", r[i].failed, ferry_status_name(r[i].last_rc),
+               r[i].last_error);
+    assert_int_equal(r[i].torn, 0);
+    assert_int_equal(r[i].ok, HAMMER_GETS);
+  }
+  assert_int_equal(proc_rc, 0);
+  tu_pipe_close(&p.ready);
+  tu_pipe_close(&p.quit);
   ferry_store_close(s);
   ferry_ctx_close(c);
+}
+
+/* Replaced over and over while read: every get is one whole version, and none fails. */
+static void test_churn(void **state) {
+  int port = su_free_port();
+  pid_t dir = start_directory(port);
+  char url[80];
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  hammer(url, false);
+  hammer(url, true);
   stop_child(dir);
+  su_redis r;
+  if (!su_redis_start(&r))
+    return;
+  hammer(r.url, false);
+  hammer(r.url, true);
+  su_redis_stop(&r);
 }
 
 typedef struct getter {
@@ -654,10 +790,15 @@ int main(int argc, char **argv) {
   if (argc == 3 && strcmp(argv[1], "--role") == 0)
     return strcmp(argv[2], "owner") == 0 ? role_owner() : role_reader();
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_embedded),          cmocka_unit_test(test_redis),
-      cmocka_unit_test(test_unreachable),       cmocka_unit_test(test_processes),
-      cmocka_unit_test(test_never_torn),        cmocka_unit_test(test_owner_killed),
-      cmocka_unit_test(test_directory_restart), cmocka_unit_test(test_netns),
+      cmocka_unit_test(test_embedded),
+      cmocka_unit_test(test_redis),
+      cmocka_unit_test(test_unreachable),
+      cmocka_unit_test(test_processes),
+      cmocka_unit_test(test_churn),
+      cmocka_unit_test(test_owner_killed),
+      cmocka_unit_test(test_directory_restart),
+      cmocka_unit_test(test_netns),
+      cmocka_unit_test(test_duplicate_name),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -187,20 +187,37 @@ static int finish(emb *e, reply *r) {
 
 /* ---- operations ---- */
 
-static int emb_node_put(void *st, const fr_dir_node *n, int lease_ms, int timeout_ms) {
+static int emb_node_put(void *st, const fr_dir_node *n, int lease_ms, uint64_t takeover,
+                        fr_dir_node *holder, int timeout_ms) {
   fr_wr w = {0};
   fr_wr_request(&w, FR_DOP_NODE_PUT);
   fr_wr_node(&w, n);
   fr_wr_u32(&w, (uint32_t)lease_ms);
+  fr_wr_u64(&w, takeover);
   reply r;
   int rc = call(st, &w, &r, timeout_ms);
-  return rc ? rc : finish(st, &r);
+  if (rc != 0)
+    return rc;
+  fr_dir_node h;
+  uint32_t left = 0;
+  bool taken = fr_rd_u8(&r.rd) != 0;
+  if (taken) {
+    fr_rd_node(&r.rd, &h);
+    left = fr_rd_u32(&r.rd);
+  }
+  if ((rc = finish(st, &r)) != 0 || !taken)
+    return rc;
+  if (holder)
+    *holder = h;
+  return fr_dir_name_taken(&h, left);
 }
 
-static int emb_node_renew(void *st, const char *name, int lease_ms, int timeout_ms) {
+static int emb_node_renew(void *st, const char *name, uint64_t incarnation, int lease_ms,
+                          int timeout_ms) {
   fr_wr w = {0};
   fr_wr_request(&w, FR_DOP_NODE_RENEW);
   fr_wr_str(&w, name);
+  fr_wr_u64(&w, incarnation);
   fr_wr_u32(&w, (uint32_t)lease_ms);
   reply r;
   int rc = call(st, &w, &r, timeout_ms);
@@ -230,7 +247,7 @@ static int emb_node_list(void *st, fr_dir_node **out, size_t *count, int timeout
   if (rc != 0)
     return rc;
   uint32_t n = fr_rd_u32(&r.rd);
-  fr_dir_node *v = n <= r.rd.len / 10 ? calloc(n ? n : 1, sizeof *v) : NULL;
+  fr_dir_node *v = n <= r.rd.len / 17 ? calloc(n ? n : 1, sizeof *v) : NULL;
   if (!v) {
     reply_free(&r);
     return fr_err(FERRY_EPROTO, "directory: bad node list");
@@ -246,10 +263,11 @@ static int emb_node_list(void *st, fr_dir_node **out, size_t *count, int timeout
   return 0;
 }
 
-static int emb_node_del(void *st, const char *name, int timeout_ms) {
+static int emb_node_del(void *st, const char *name, uint64_t incarnation, int timeout_ms) {
   fr_wr w = {0};
   fr_wr_request(&w, FR_DOP_NODE_DEL);
   fr_wr_str(&w, name);
+  fr_wr_u64(&w, incarnation);
   reply r;
   int rc = call(st, &w, &r, timeout_ms);
   return rc ? rc : finish(st, &r);

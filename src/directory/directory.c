@@ -78,6 +78,12 @@ int fr_err_wrap(int status, const char *fmt, ...) {
   return *before ? fr_err(status, "%s: %s", what, before) : fr_err(status, "%s", what);
 }
 
+int fr_dir_name_taken(const fr_dir_node *holder, uint32_t lease_left_ms) {
+  return fr_err(FERRY_EEXIST,
+                "node name '%s' is held by a live node at %s (its lease runs %u ms more)",
+                holder->name, holder->address, lease_left_ms);
+}
+
 static int cmp_object(const void *a, const void *b) {
   return strcmp(((const fr_dir_object *)a)->key, ((const fr_dir_object *)b)->key);
 }

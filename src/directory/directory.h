@@ -27,6 +27,8 @@ typedef struct fr_dir_node {
   char name[FR_DIR_NAME_MAX + 1];
   char address[FR_DIR_ADDRESS_MAX + 1];
   uint32_t flags;
+  uint64_t incarnation; /* random per store open, never 0: tells a node's own re-registration
+                           from another process claiming its name */
 } fr_dir_node;
 
 typedef struct fr_dir_object {
@@ -53,14 +55,23 @@ typedef struct fr_dir_ops {
   /* Bumped whenever the backend may have lost records (reconnect, server restart): the caller
    * then registers again. */
   uint64_t (*epoch)(void *state);
-  int (*node_put)(void *state, const fr_dir_node *node, int lease_ms, int timeout_ms);
-  /* FERRY_ENOTFOUND when the lease already lapsed (register again). */
-  int (*node_renew)(void *state, const char *name, int lease_ms, int timeout_ms);
+  /* Registers a node, or refreshes its own registration (same incarnation). A name is held by
+   * one incarnation at a time: while another one's lease runs, FERRY_EEXIST (the detail names
+   * it) and *holder (may be NULL) receives its record, unless `takeover` is that incarnation
+   * (the caller verified it is dead): then it and its objects are dropped first. A name whose
+   * holder's lease lapsed is free. */
+  int (*node_put)(void *state, const fr_dir_node *node, int lease_ms, uint64_t takeover,
+                  fr_dir_node *holder, int timeout_ms);
+  /* FERRY_ENOTFOUND when the lease already lapsed or the name passed to another incarnation
+   * (register again). */
+  int (*node_renew)(void *state, const char *name, uint64_t incarnation, int lease_ms,
+                    int timeout_ms);
   int (*node_get)(void *state, const char *name, fr_dir_node *out, int timeout_ms);
   /* All live nodes; *out is malloc'd. */
   int (*node_list)(void *state, fr_dir_node **out, size_t *n, int timeout_ms);
-  /* Removes a node and every object it owns. */
-  int (*node_del)(void *state, const char *name, int timeout_ms);
+  /* Removes a node and every object it owns, if the name is still held by `incarnation` (0:
+   * whoever holds it). */
+  int (*node_del)(void *state, const char *name, uint64_t incarnation, int timeout_ms);
   /* Stores an object (its owner must be registered, else FERRY_ENOTFOUND). When it replaced a
    * record of another owner, *replaced (may be NULL) receives it and *had_other is set. */
   int (*obj_put)(void *state, const fr_dir_object *obj, unsigned flags, fr_dir_object *replaced,
@@ -92,6 +103,8 @@ const fr_dir_ops *fr_dir_backend(const char *url);
 
 /* Checks a key: 1..FR_DIR_KEY_MAX bytes, no control characters. */
 int fr_dir_key_check(const char *key, const char *what);
+/* FERRY_EEXIST naming the live node that holds a name. */
+int fr_dir_name_taken(const fr_dir_node *holder, uint32_t lease_left_ms);
 /* fr_err() with the thread's current detail appended ("what: previous detail"). */
 int fr_err_wrap(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Sorts objects by key. */

@@ -60,6 +60,7 @@ void fr_wr_node(fr_wr *w, const fr_dir_node *n) {
   fr_wr_str(w, n->name);
   fr_wr_str(w, n->address);
   fr_wr_u32(w, n->flags);
+  fr_wr_u64(w, n->incarnation);
 }
 
 static void wr_ref(fr_wr *w, const ferry_region_ref *r) {
@@ -152,6 +153,7 @@ bool fr_rd_node(fr_rd *r, fr_dir_node *out) {
   fr_rd_str(r, n.name, sizeof n.name);
   fr_rd_str(r, n.address, sizeof n.address);
   n.flags = fr_rd_u32(r);
+  n.incarnation = fr_rd_u64(r);
   if (r->failed || !n.name[0] || !name_ok(n.name)) {
     r->failed = true;
     return false;

@@ -1,10 +1,11 @@
 /*
  * The Redis directory backend (redis://HOST:PORT[/DB]), for fleets that want Redis' replication
- * and failover. Records live under "ferry:" keys: a node is a hash ferry:n:NAME {addr, flags}
- * with the lease as its TTL; an object is a hash ferry:o:KEY {owner, gen, rec} (rec is the
- * dirwire encoding) whose TTL follows its owner's; ferry:s:NAME lists the keys a node owns so a
- * renewal can extend them all. Each multi-step operation is one Lua script, so it is atomic.
- * One hiredis connection, serialized by a mutex, redialled once per call after an I/O error.
+ * and failover. Records live under "ferry:" keys: a node is a hash ferry:n:NAME {addr, flags,
+ * inc} with the lease as its TTL (inc: the incarnation that holds the name); an object is a hash
+ * ferry:o:KEY {owner, gen, rec} (rec is the dirwire encoding) whose TTL follows its owner's;
+ * ferry:s:NAME lists the keys a node owns so a renewal can extend them all. Each multi-step
+ * operation is one Lua script, so it is atomic. One hiredis connection, serialized by a mutex,
+ * redialled once per call after an I/O error.
  */
 #include "directory/dirwire.h"
 
@@ -23,10 +24,25 @@ typedef struct rds {
   uint64_t epoch;
 } rds;
 
-static const char node_put_lua[] = "redis.call('HSET', KEYS[1], 'addr', ARGV[1], 'flags', ARGV[2]) "
-                                   "redis.call('PEXPIRE', KEYS[1], ARGV[3]) return 1";
+/* A name is held by one incarnation at a time: another one's live record is answered with
+ * {1, inc, addr, flags, pttl} unless ARGV[5] names it (verified dead). A new holder starts clean:
+ * whatever an earlier incarnation left under the name goes. */
+static const char node_put_lua[] =
+    "local cur = redis.call('HMGET', KEYS[1], 'inc', 'addr', 'flags') "
+    "if cur[1] == ARGV[4] then "
+    "  redis.call('HSET', KEYS[1], 'addr', ARGV[1], 'flags', ARGV[2]) "
+    "  redis.call('PEXPIRE', KEYS[1], ARGV[3]) return {0} end "
+    "if cur[1] and cur[1] ~= ARGV[5] then "
+    "  return {1, cur[1], cur[2] or '', cur[3] or '0', redis.call('PTTL', KEYS[1])} end "
+    "for _, k in ipairs(redis.call('SMEMBERS', KEYS[2])) do "
+    "  if redis.call('HGET', k, 'owner') == ARGV[6] then redis.call('DEL', k) end "
+    "end "
+    "redis.call('DEL', KEYS[1], KEYS[2]) "
+    "redis.call('HSET', KEYS[1], 'addr', ARGV[1], 'flags', ARGV[2], 'inc', ARGV[4]) "
+    "redis.call('PEXPIRE', KEYS[1], ARGV[3]) return {0}";
 
 static const char renew_lua[] =
+    "if redis.call('HGET', KEYS[1], 'inc') ~= ARGV[3] then return -1 end "
     "if redis.call('PEXPIRE', KEYS[1], ARGV[2]) == 0 then return -1 end "
     "local ks = redis.call('SMEMBERS', KEYS[2]) "
     "for _, k in ipairs(ks) do "
@@ -36,6 +52,8 @@ static const char renew_lua[] =
     "redis.call('PEXPIRE', KEYS[2], ARGV[2]) return #ks";
 
 static const char node_del_lua[] =
+    "local cur = redis.call('HGET', KEYS[1], 'inc') "
+    "if ARGV[2] ~= '0' and cur and cur ~= ARGV[2] then return 0 end "
     "for _, k in ipairs(redis.call('SMEMBERS', KEYS[2])) do "
     "  if redis.call('HGET', k, 'owner') == ARGV[1] then redis.call('DEL', k) end "
     "end "
@@ -137,29 +155,53 @@ static void key_of(char *out, size_t cap, char kind, const char *name) {
 
 /* ---- nodes ---- */
 
-static int rds_node_put(void *st, const fr_dir_node *n, int lease_ms, int timeout_ms) {
-  char k[96], flags[16], lease[16];
+static int rds_node_put(void *st, const fr_dir_node *n, int lease_ms, uint64_t takeover,
+                        fr_dir_node *holder, int timeout_ms) {
+  char k[96], set[96], flags[16], lease[16], inc[24], over[24];
   key_of(k, sizeof k, 'n', n->name);
+  key_of(set, sizeof set, 's', n->name);
   snprintf(flags, sizeof flags, "%u", n->flags);
   snprintf(lease, sizeof lease, "%d", lease_ms < 100 ? 100 : lease_ms);
+  snprintf(inc, sizeof inc, "%llu", (unsigned long long)n->incarnation);
+  snprintf(over, sizeof over, "%llu", (unsigned long long)takeover);
   args a = {0};
-  ARG(&a, "EVAL"), ARG(&a, node_put_lua), ARG(&a, "1"), ARG(&a, k), ARG(&a, n->address);
-  ARG(&a, flags), ARG(&a, lease);
+  ARG(&a, "EVAL"), ARG(&a, node_put_lua), ARG(&a, "2"), ARG(&a, k), ARG(&a, set);
+  ARG(&a, n->address), ARG(&a, flags), ARG(&a, lease), ARG(&a, inc), ARG(&a, over);
+  ARG(&a, n->name);
   redisReply *rep;
   int rc = run(st, &a, &rep);
-  if (rc == 0)
-    freeReplyObject(rep);
+  if (rc != 0)
+    return rc;
+  bool ok = rep->type == REDIS_REPLY_ARRAY && rep->elements >= 1 &&
+            rep->element[0]->type == REDIS_REPLY_INTEGER;
+  if (ok && rep->element[0]->integer == 1 && rep->elements == 5) {
+    fr_dir_node h;
+    memset(&h, 0, sizeof h);
+    snprintf(h.name, sizeof h.name, "%s", n->name);
+    h.incarnation = strtoull(rep->element[1]->str ? rep->element[1]->str : "0", NULL, 10);
+    snprintf(h.address, sizeof h.address, "%s", rep->element[2]->str ? rep->element[2]->str : "");
+    h.flags = (uint32_t)strtoul(rep->element[3]->str ? rep->element[3]->str : "0", NULL, 10);
+    long long left = rep->element[4]->integer;
+    if (holder)
+      *holder = h;
+    rc = fr_dir_name_taken(&h, left > 0 ? (uint32_t)left : 0);
+  } else if (!ok || rep->element[0]->integer != 0) {
+    rc = fr_err(FERRY_EPROTO, "Redis node put '%s': unexpected reply", n->name);
+  }
+  freeReplyObject(rep);
   return rc;
 }
 
-static int rds_node_renew(void *st, const char *name, int lease_ms, int timeout_ms) {
-  char k[96], s[96], lease[16];
+static int rds_node_renew(void *st, const char *name, uint64_t incarnation, int lease_ms,
+                          int timeout_ms) {
+  char k[96], s[96], lease[16], inc[24];
   key_of(k, sizeof k, 'n', name);
   key_of(s, sizeof s, 's', name);
   snprintf(lease, sizeof lease, "%d", lease_ms < 100 ? 100 : lease_ms);
+  snprintf(inc, sizeof inc, "%llu", (unsigned long long)incarnation);
   args a = {0};
   ARG(&a, "EVAL"), ARG(&a, renew_lua), ARG(&a, "2"), ARG(&a, k), ARG(&a, s), ARG(&a, name);
-  ARG(&a, lease);
+  ARG(&a, lease), ARG(&a, inc);
   redisReply *rep;
   int rc = run(st, &a, &rep);
   if (rc != 0)
@@ -171,7 +213,7 @@ static int rds_node_renew(void *st, const char *name, int lease_ms, int timeout_
 }
 
 static bool reply_to_node(const char *name, redisReply *rep, fr_dir_node *out) {
-  if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 2 ||
+  if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 3 ||
       rep->element[0]->type != REDIS_REPLY_STRING)
     return false;
   memset(out, 0, sizeof *out);
@@ -179,6 +221,8 @@ static bool reply_to_node(const char *name, redisReply *rep, fr_dir_node *out) {
   snprintf(out->address, sizeof out->address, "%s", rep->element[0]->str);
   if (rep->element[1]->type == REDIS_REPLY_STRING)
     out->flags = (uint32_t)strtoul(rep->element[1]->str, NULL, 10);
+  if (rep->element[2]->type == REDIS_REPLY_STRING)
+    out->incarnation = strtoull(rep->element[2]->str, NULL, 10);
   return true;
 }
 
@@ -186,7 +230,7 @@ static int rds_node_get(void *st, const char *name, fr_dir_node *out, int timeou
   char k[96];
   key_of(k, sizeof k, 'n', name);
   args a = {0};
-  ARG(&a, "HMGET"), ARG(&a, k), ARG(&a, "addr"), ARG(&a, "flags");
+  ARG(&a, "HMGET"), ARG(&a, k), ARG(&a, "addr"), ARG(&a, "flags"), ARG(&a, "inc");
   redisReply *rep;
   int rc = run(st, &a, &rep);
   if (rc != 0)
@@ -200,12 +244,14 @@ static int rds_node_get(void *st, const char *name, fr_dir_node *out, int timeou
   return 0;
 }
 
-static int rds_node_del(void *st, const char *name, int timeout_ms) {
-  char k[96], s[96];
+static int rds_node_del(void *st, const char *name, uint64_t incarnation, int timeout_ms) {
+  char k[96], s[96], inc[24];
   key_of(k, sizeof k, 'n', name);
   key_of(s, sizeof s, 's', name);
+  snprintf(inc, sizeof inc, "%llu", (unsigned long long)incarnation);
   args a = {0};
   ARG(&a, "EVAL"), ARG(&a, node_del_lua), ARG(&a, "2"), ARG(&a, k), ARG(&a, s), ARG(&a, name);
+  ARG(&a, inc);
   redisReply *rep;
   int rc = run(st, &a, &rep);
   if (rc == 0)

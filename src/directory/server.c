@@ -4,7 +4,9 @@
  * A request is one message, decoded with the fail-closed readers of dirwire.c and answered with
  * one reply; fr_dir_server_handle() is the whole protocol, so the fuzzer drives it directly. A
  * started server also has a thread that takes ferry_call()s on FR_CHANNEL_DIRECTORY of its
- * context, answers them, and expires lapsed leases (a dead node's records vanish with it).
+ * context, answers them, and expires lapsed leases (a dead node's records vanish with it). A
+ * name is held by one incarnation at a time: another process that registers it while the
+ * holder's lease runs is refused, unless it proved the holder dead (the store connects to it).
  */
 #include "core/channels.h"
 #include "directory/dirwire.h"
@@ -137,9 +139,23 @@ static int op_node_put(fr_dir_server *s, fr_rd *in, fr_wr *out) {
   fr_dir_node n;
   fr_rd_node(in, &n);
   uint32_t lease = fr_rd_u32(in);
-  if (!fr_rd_done(in))
+  uint64_t takeover = fr_rd_u64(in);
+  if (!fr_rd_done(in) || n.incarnation == 0)
     return fr_err(FERRY_EPROTO, "node put: malformed request");
   srv_node *e = node_find(s, n.name);
+  uint64_t now = fr_now_ns();
+  if (e && e->node.incarnation != n.incarnation) {
+    if (e->expires_ns >= now && e->node.incarnation != takeover) {
+      fr_wr_u8(out, 1); /* held by a live node: say which */
+      fr_wr_node(out, &e->node);
+      fr_wr_u32(out, (uint32_t)((e->expires_ns - now) / 1000000u));
+      return 0;
+    }
+    fr_info("directory: '%s' at %s %s; dropping its records", e->node.name, e->node.address,
+            e->expires_ns < now ? "let its lease lapse" : "is dead");
+    node_remove(s, e);
+    e = NULL;
+  }
   if (!e) {
     if (s->nnodes == MAX_NODES)
       return fr_err(FERRY_ECAPACITY, "directory full: %zu nodes", s->nnodes);
@@ -155,17 +171,19 @@ static int op_node_put(fr_dir_server *s, fr_rd *in, fr_wr *out) {
   }
   e->node = n;
   e->expires_ns = lease_deadline(lease);
+  fr_wr_u8(out, 0);
   return 0;
 }
 
 static int op_node_renew(fr_dir_server *s, fr_rd *in, fr_wr *out) {
   char name[FR_DIR_NAME_MAX + 1];
   fr_rd_str(in, name, sizeof name);
+  uint64_t incarnation = fr_rd_u64(in);
   uint32_t lease = fr_rd_u32(in);
   if (!fr_rd_done(in))
     return fr_err(FERRY_EPROTO, "renew: malformed request");
   srv_node *e = node_find(s, name);
-  if (!e)
+  if (!e || e->node.incarnation != incarnation)
     return fr_err(FERRY_ENOTFOUND, "node '%s' is not registered (its lease lapsed?)", name);
   e->expires_ns = lease_deadline(lease);
   return 0;
@@ -195,9 +213,12 @@ static int op_node_list(fr_dir_server *s, fr_rd *in, fr_wr *out) {
 static int op_node_del(fr_dir_server *s, fr_rd *in, fr_wr *out) {
   char name[FR_DIR_NAME_MAX + 1];
   fr_rd_str(in, name, sizeof name);
+  uint64_t incarnation = fr_rd_u64(in);
   if (!fr_rd_done(in))
     return fr_err(FERRY_EPROTO, "node delete: malformed request");
   srv_node *e = node_find(s, name);
+  if (e && incarnation && e->node.incarnation != incarnation)
+    return 0; /* the name belongs to another node by now: leave it alone */
   drop_objects_of(s, name);
   if (e)
     node_remove(s, e);

@@ -2,7 +2,8 @@
  * Reading objects. A get looks the key up in the directory, then reads the bytes straight from
  * the owner over a cached link (one memcpy on one host, one stream over tcp), then reads the
  * object's generation word: a mismatch means the owner replaced or deleted it during the copy,
- * and the get looks it up again. A batch get does one directory round trip for all keys and keeps
+ * and the get looks it up again and reads again, backing off, until it has a whole copy or its
+ * timeout passes. A batch get does one directory round trip for all keys and keeps
  * FERRY_STORE_THREADS reads in flight with a small pool of worker threads. Links to owners are
  * cached by node name and closed when their last user sees them die.
  */
@@ -11,8 +12,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
+#include <time.h>
 
-#define MAX_ATTEMPTS 8
 #define PROGRESS_CHUNK (64ull << 20)
 
 /* ---- the peer link cache ---- */
@@ -199,22 +201,45 @@ static void info_out(const fr_dir_object *rec, ferry_store_info *info) {
     fr_store_info_from(rec, info);
 }
 
+/* Between attempts of a get whose object was replaced under it: the first retries go at once
+ * (the new version is already published), later ones back off up to 1 ms so that a producer
+ * re-putting in a tight loop gets the core it needs to finish, and the reader a quiet window. */
+static void backoff(int attempt) {
+  if (attempt < 2)
+    return;
+  if (attempt < 4) {
+    sched_yield();
+    return;
+  }
+  int shift = attempt - 4 < 5 ? attempt - 4 : 5;
+  struct timespec ts = {0, (long)(30000 << shift)}; /* 30 us .. ~1 ms */
+  nanosleep(&ts, NULL);
+}
+
 static int get_loop(ferry_store *s, const char *key, const ferry_tensor_desc *expect, void *dst,
                     size_t cap, ferry_store_info *info, progress_fn progress, void *arg,
                     int timeout_ms) {
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   fr_dir_object rec;
-  int rc = FERRY_ESTALE;
-  for (int attempt = 0; attempt < MAX_ATTEMPTS; attempt++) {
+  int rc, stale_reads = 0, dead = 0;
+  for (int attempt = 0;; attempt++) {
     if ((rc = fr_store_lookup(s, key, &rec, fr_store_left(deadline))) != 0 ||
         (rc = check_fit(&rec, expect, cap)) != 0)
       return rc;
     rc = read_object(s, &rec, dst, progress, arg, fr_store_left(deadline));
-    /* stale: look again; a dead owner: once more, in case the key moved to a live one */
-    if (rc != FERRY_ESTALE && (rc != FERRY_EPEER || attempt > 0))
+    /* stale: look again until the deadline; a dead owner: once more, in case the key moved */
+    if (rc == FERRY_ESTALE)
+      stale_reads++;
+    else if (rc != FERRY_EPEER || dead++ > 0)
       break;
-    if (fr_ms_left(deadline) == 0)
-      return fr_err_wrap(FERRY_ETIMEDOUT, "get '%s'", key);
+    if (fr_ms_left(deadline) == 0) {
+      if (rc == FERRY_ESTALE)
+        rc = fr_err(FERRY_ESTALE,
+                    "get '%s': replaced during each of %d reads in %d ms (no whole copy in time)",
+                    key, stale_reads, timeout_ms);
+      return rc;
+    }
+    backoff(stale_reads);
   }
   if (rc == 0)
     info_out(&rec, info);

@@ -3,7 +3,11 @@
  * when they already lie in ferry memory, else a pool block it copies into), takes a generation
  * word, writes the generation there only after the bytes are in place, and then publishes the
  * record in the directory. Retiring an object zeroes its generation word before its block can be
- * reused, so a reader that copied while the bytes changed always sees the mismatch.
+ * reused, so a reader that copied while the bytes changed always sees the mismatch. A pool copy
+ * that a re-put replaced is not retired at once: it lingers, still whole and still valid, until
+ * FR_STORE_LINGER_MS passed or its block or slot is needed (oldest first), so gets that looked it
+ * up an instant before the re-put finish with it instead of starting over. Memory published in
+ * place is the caller's again once the re-put returns, so it is retired at once.
  */
 #include "store/store.h"
 
@@ -58,11 +62,41 @@ static void retire(ferry_store *s, fr_owned *o) {
   free(o);
 }
 
+/* ---- lingering copies: oldest first; lock held ---- */
+
+static void linger_push(ferry_store *s, fr_owned *o) {
+  o->replaced_ns = fr_now_ns();
+  s->linger[s->nlinger++] = o; /* o holds a slot, so nowned + nlinger <= nslots */
+}
+
+static bool linger_pop(ferry_store *s) {
+  if (s->nlinger == 0)
+    return false;
+  retire(s, s->linger[0]);
+  memmove(&s->linger[0], &s->linger[1], (s->nlinger - 1) * sizeof *s->linger);
+  s->nlinger--;
+  return true;
+}
+
+static void linger_expire(ferry_store *s, uint64_t now) {
+  uint64_t age = (uint64_t)FR_STORE_LINGER_MS * 1000000ull;
+  while (s->nlinger > 0 && now - s->linger[0]->replaced_ns > age)
+    linger_pop(s);
+}
+
+void fr_store_linger_reap(ferry_store *s) {
+  pthread_mutex_lock(&s->lock);
+  linger_expire(s, fr_now_ns());
+  pthread_mutex_unlock(&s->lock);
+}
+
 void fr_store_retire_all(ferry_store *s) {
   pthread_mutex_lock(&s->lock);
   for (size_t i = 0; i < s->nowned; i++)
     retire(s, s->owned[i]);
   s->nowned = 0;
+  while (linger_pop(s))
+    ;
   pthread_mutex_unlock(&s->lock);
 }
 
@@ -96,7 +130,10 @@ static int place(ferry_store *s, fr_owned *o, const void *data, uint32_t flags, 
   }
   fr_err_clear();
   pthread_mutex_lock(&s->lock);
+  linger_expire(s, fr_now_ns());
   int rc = o->rec.bytes ? fr_pool_alloc(&s->pool, o->rec.bytes, &off) : 0;
+  while (rc == FERRY_ECAPACITY && linger_pop(s)) /* make room: the oldest replaced copies go */
+    rc = (fr_err_clear(), fr_pool_alloc(&s->pool, o->rec.bytes, &off));
   pthread_mutex_unlock(&s->lock);
   if (rc != 0)
     return fr_err_wrap(rc, "put '%s'", o->rec.key);
@@ -112,6 +149,8 @@ static int place(ferry_store *s, fr_owned *o, const void *data, uint32_t flags, 
 static int take_slot(ferry_store *s, fr_owned *o) {
   pthread_mutex_lock(&s->lock);
   int rc = 0;
+  if (s->nfree_slots == 0)
+    linger_pop(s);
   if (s->nfree_slots == 0)
     rc = fr_err(FERRY_ECAPACITY,
                 "put '%s': this node already holds %u objects "
@@ -150,7 +189,9 @@ static int publish(ferry_store *s, fr_owned *o, int timeout_ms) {
   if (rc == 0) {
     pthread_mutex_lock(&s->lock);
     fr_owned *prev = owned_swap(s, o);
-    if (prev)
+    if (prev && prev->pool_off != FR_STORE_NO_POOL)
+      linger_push(s, prev);
+    else if (prev)
       retire(s, prev);
     pthread_mutex_unlock(&s->lock);
   }

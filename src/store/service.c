@@ -3,7 +3,8 @@
  * an owner to delete its object (it frees the bytes and removes the record); DROPPED tells an
  * owner that another node replaced its key (it frees its copy); UPLOAD asks a holder (`ferry
  * serve`) to copy a tensor out of a short-lived node's ferry memory, over the link the request
- * came on, and publish it as its own. The service thread also renews the node's lease. Messages
+ * came on, and publish it as its own. The service thread also renews the node's lease and retires
+ * replaced copies whose lingering time is up. Messages
  * are decoded by fr_store_msg_decode(), a pure function (fuzzed with the directory's decoders).
  */
 #include "store/service.h"
@@ -248,6 +249,7 @@ static void *service_main(void *arg) {
     }
     if (fr_now_ns() >= __atomic_load_n(&s->next_renew_ns, __ATOMIC_ACQUIRE))
       fr_store_renew(s);
+    fr_store_linger_reap(s);
   }
   return NULL;
 }

@@ -1,8 +1,9 @@
 /*
  * Opening and closing a store, and keeping the node registered. Opening connects to the
  * directory (or hosts it), reserves the pool (one ferry_alloc'd region: generation words, then
- * data), registers the node afresh (dropping records an earlier incarnation of the same name
- * left) and starts the service thread, which renews the lease. Whenever the directory's epoch
+ * data), registers the node under a fresh incarnation (refused while another live node holds the
+ * name; an earlier incarnation proven dead is dropped with its records) and starts the service
+ * thread, which renews the lease. Whenever the directory's epoch
  * moves (it restarted, or the client redialled) or a renewal finds the lease gone, the node
  * registers again and re-publishes every object it holds, without taking keys another node owns
  * by now.
@@ -24,7 +25,8 @@ static int pool_open(ferry_store *s, uint64_t capacity) {
   int rc = fr_pool_init(&s->pool, capacity);
   s->free_slots = malloc(s->nslots * sizeof *s->free_slots);
   s->owned = malloc(s->nslots * sizeof *s->owned);
-  if (rc == 0 && (!s->free_slots || !s->owned))
+  s->linger = malloc(s->nslots * sizeof *s->linger);
+  if (rc == 0 && (!s->free_slots || !s->owned || !s->linger))
     rc = fr_err(FERRY_ENOMEM, "store: object table of %u entries", s->nslots);
   void *mem = NULL;
   if (rc == 0 && (rc = ferry_alloc(s->ctx, s->data_base + s->pool.capacity, &mem)) != 0)
@@ -75,17 +77,48 @@ static int republish(ferry_store *s, int timeout_ms) {
   return rc;
 }
 
+/* Whether the node that holds our name is verifiably dead: nothing accepts a connection at its
+ * address before the deadline (a refused connection, not a timeout), or whoever answers there
+ * is another node. A live holder keeps its name. */
+static bool holder_dead(ferry_store *s, const fr_dir_node *h, int timeout_ms) {
+  int ms = timeout_ms < 2000 ? timeout_ms : 2000;
+  uint64_t deadline = fr_deadline_ns(ms);
+  ferry_link *l = NULL;
+  int rc = ferry_connect(s->ctx, h->address, ms, &l);
+  bool dead = rc != 0 && rc != FERRY_EAUTH && fr_ms_left(deadline) > 0;
+  if (rc == 0) {
+    dead = strcmp(ferry_link_peer(l), h->name) != 0;
+    ferry_link_close(l);
+  }
+  fr_err_clear();
+  return dead;
+}
+
 /* publish_lock held. */
 int fr_store_register(ferry_store *s, bool fresh, int timeout_ms) {
-  fr_dir_node n;
+  fr_dir_node n, holder;
   memset(&n, 0, sizeof n);
   snprintf(n.name, sizeof n.name, "%s", s->name);
   snprintf(n.address, sizeof n.address, "%s", ferry_ctx_address(s->ctx));
   n.flags = (s->flags & FERRY_STORE_HOLDER) ? FR_NODE_HOLDER : 0;
+  n.incarnation = s->incarnation;
   uint64_t epoch = s->dir->ops->epoch(s->dir->state);
-  int rc = fresh ? s->dir->ops->node_del(s->dir->state, s->name, timeout_ms) : 0;
-  if (rc == 0)
-    rc = s->dir->ops->node_put(s->dir->state, &n, s->lease_ms, timeout_ms);
+  int rc = s->dir->ops->node_put(s->dir->state, &n, s->lease_ms, 0, &holder, timeout_ms);
+  if (rc == FERRY_EEXIST) {
+    char taken[512];
+    snprintf(taken, sizeof taken, "%s", ferry_last_error());
+    if (holder_dead(s, &holder, timeout_ms)) {
+      fr_info("store '%s': the node that held this name at %s is dead; taking the name over",
+              s->name, holder.address);
+      rc = s->dir->ops->node_put(s->dir->state, &n, s->lease_ms, holder.incarnation, NULL,
+                                 timeout_ms);
+    } else {
+      rc = fr_err(FERRY_EEXIST,
+                  "store '%s': %s; give this node another name (ferry_ctx_opts.name) or stop "
+                  "the other one",
+                  s->name, taken);
+    }
+  }
   if (rc == 0 && !fresh)
     rc = republish(s, timeout_ms);
   if (rc == 0) {
@@ -108,7 +141,7 @@ int fr_store_ensure_registered(ferry_store *s, int timeout_ms) {
 void fr_store_renew(ferry_store *s) {
   int timeout = s->lease_ms / 3 > 100 ? s->lease_ms / 3 : 100;
   pthread_mutex_lock(&s->publish_lock);
-  int rc = s->dir->ops->node_renew(s->dir->state, s->name, s->lease_ms, timeout);
+  int rc = s->dir->ops->node_renew(s->dir->state, s->name, s->incarnation, s->lease_ms, timeout);
   if (rc == FERRY_ENOTFOUND ||
       (rc == 0 && s->dir->ops->epoch(s->dir->state) != s->registered_epoch))
     rc = fr_store_register(s, false, timeout);
@@ -128,6 +161,7 @@ static ferry_store *store_new(ferry_ctx *ctx, const ferry_store_opts *o) {
     return NULL;
   s->ctx = ctx;
   snprintf(s->name, sizeof s->name, "%s", ferry_ctx_name(ctx));
+  s->incarnation = fr_random_u64() | 1;
   s->flags = o ? o->flags : 0;
   s->lease_ms = o && o->lease_ms > 0 ? o->lease_ms : (int)fr_config_int("FERRY_LEASE_MS");
   if (s->lease_ms < 300)
@@ -187,7 +221,7 @@ void ferry_store_close(ferry_store *s) {
   fr_store_service_stop(s);
   fr_store_workers_stop(s);
   if (s->dir && s->mem)
-    s->dir->ops->node_del(s->dir->state, s->name, 2000);
+    s->dir->ops->node_del(s->dir->state, s->name, s->incarnation, 2000);
   if (s->mem)
     fr_store_retire_all(s);
   fr_peers_close(s);
@@ -198,6 +232,7 @@ void ferry_store_close(ferry_store *s) {
   fr_pool_fini(&s->pool);
   free(s->free_slots);
   free(s->owned);
+  free(s->linger);
   pthread_mutex_destroy(&s->lock);
   pthread_mutex_destroy(&s->publish_lock);
   pthread_mutex_destroy(&s->peers_lock);

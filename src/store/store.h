@@ -40,9 +40,15 @@ typedef struct fr_owned {
   fr_dir_object rec;
   uint64_t pool_off; /* its bytes in the pool, or FR_STORE_NO_POOL (published in place) */
   uint64_t pool_len;
-  uint32_t slot;       /* its generation word */
-  const uint8_t *data; /* its bytes in this process */
+  uint32_t slot;        /* its generation word */
+  const uint8_t *data;  /* its bytes in this process */
+  uint64_t replaced_ns; /* when a re-put replaced it (lingering copies) */
 } fr_owned;
+
+/* A replaced pool copy lingers (its bytes and generation word intact) for FR_STORE_LINGER_MS, or
+ * until its space or slot is needed, so that a get that looked it up just before the re-put
+ * still completes with that whole version instead of starting over. */
+#define FR_STORE_LINGER_MS 1000
 
 typedef struct fr_peer {
   char name[FR_DIR_NAME_MAX + 1];
@@ -57,6 +63,7 @@ typedef struct fr_batch fr_batch;
 struct ferry_store {
   ferry_ctx *ctx;
   char name[FR_DIR_NAME_MAX + 1];
+  uint64_t incarnation; /* this open's claim on the name in the directory */
   uint32_t flags;
   int lease_ms;
   fr_dir *dir;
@@ -76,6 +83,8 @@ struct ferry_store {
   uint64_t next_gen;
   fr_owned **owned; /* sorted by key */
   size_t nowned, capowned;
+  fr_owned **linger; /* replaced pool copies, oldest first */
+  size_t nlinger;
 
   pthread_mutex_t publish_lock; /* orders directory publishes with local replaces */
   uint64_t registered_epoch;
@@ -115,8 +124,10 @@ int fr_store_delete_local(ferry_store *s, const char *key, uint64_t generation, 
 /* The same with publish_lock already held. */
 int fr_store_delete_owned(ferry_store *s, const char *key, uint64_t generation, bool in_directory,
                           int timeout_ms);
-/* Retires every owned object (store close). */
+/* Retires every owned and lingering object (store close). */
 void fr_store_retire_all(ferry_store *s);
+/* Retires lingering copies replaced more than FR_STORE_LINGER_MS ago (the service thread). */
+void fr_store_linger_reap(ferry_store *s);
 fr_owned *fr_store_find_owned(ferry_store *s, const char *key, size_t *at);
 
 /* get.c */
