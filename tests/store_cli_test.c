@@ -66,13 +66,13 @@ static bool same_file(const char *name, const void *data, size_t len) {
   return ok;
 }
 
-static pid_t start_serve(int port) {
+static pid_t start_serve(int port, const char *capacity) {
   char listen[64];
   snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
   fflush(NULL);
   pid_t pid = fork();
   if (pid == 0) {
-    execl(cli, cli, "serve", "--listen", listen, "--capacity", "67108864", (char *)NULL);
+    execl(cli, cli, "serve", "--listen", listen, "--capacity", capacity, (char *)NULL);
     _exit(127);
   }
   for (int i = 0; i < 500 && !su_port_open(port); i++)
@@ -85,7 +85,7 @@ static void test_commands(void **state) {
   char url[64];
   snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
   setenv("FERRY_DIRECTORY", url, 1);
-  pid_t serve = start_serve(port);
+  pid_t serve = start_serve(port, "67108864");
   enum { N = 1 << 20 };
   uint8_t *data = malloc(N);
   tu_fill(data, N, 5);
@@ -125,11 +125,41 @@ static void test_commands(void **state) {
   assert_true(file_has("err.txt", "but the file has 1048576"));
   for (int i = 0; i < 6; i++) {
     const char *cmds[] = {"serve", "put", "get", "ls", "rm", "stat"};
-    assert_int_equal(run("%s %s --help > /dev/null", cli, cmds[i]), 0);
+    assert_int_equal(run("%s %s --help > help.txt", cli, cmds[i]), 0);
+    assert_true(i == 0 || file_has("help.txt", "exit status: 0 success"));
   }
   kill(serve, SIGTERM);
   assert_int_equal(tu_wait(serve), 0);
   free(data);
+}
+
+/* Transfers over 100 MB show a progress bar, on a terminal only (script(1) lends one). */
+static void test_progress(void **state) {
+  if (system("command -v script >/dev/null 2>&1") != 0) {
+    fprintf(stderr, "SKIP progress bar: script(1) is not installed (util-linux)\n");
+    return;
+  }
+  int port = su_free_port();
+  char url[64];
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  setenv("FERRY_DIRECTORY", url, 1);
+  pid_t serve = start_serve(port, "134217728");
+  assert_int_equal(run("truncate -s 101000000 big.bin"), 0); /* sparse: no disk, no page cache */
+  assert_int_equal(run("script -qec '%s put big big.bin' /dev/null > put.tty", cli), 0);
+  assert_true(file_has("put.tty", "read ["));
+  assert_true(file_has("put.tty", "100%"));
+  assert_int_equal(run("script -qec '%s get big big.out' /dev/null > get.tty", cli), 0);
+  assert_true(file_has("get.tty", "get ["));
+  assert_true(file_has("get.tty", "100%"));
+  assert_int_equal(run("cmp -s big.bin big.out"), 0);
+  /* not a terminal: no bar, stderr stays empty */
+  assert_int_equal(run("%s get big big.out 2> err.txt", cli), 0);
+  size_t n = 1;
+  free(slurp("err.txt", &n));
+  assert_int_equal(n, 0);
+  assert_int_equal(run("%s rm big && rm -f big.bin big.out", cli), 0);
+  kill(serve, SIGTERM);
+  assert_int_equal(tu_wait(serve), 0);
 }
 
 static void test_no_directory(void **state) {
@@ -159,6 +189,7 @@ int main(void) {
   assert_non_null(mkdtemp(tmpdir));
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_commands),
+      cmocka_unit_test(test_progress),
       cmocka_unit_test(test_no_directory),
   };
   int rc = cmocka_run_group_tests(tests, NULL, NULL);

@@ -51,6 +51,11 @@ static int parse(int argc, char **argv, const char *usage, args *a) {
   return 0;
 }
 
+/* Every store command's help ends with its exit statuses (cli.h's CLI_* codes). */
+#define EXIT_CODES                                                                                 \
+  "\nexit status: 0 success, 1 failure, 2 usage error, 3 not found (no such key or file),\n"       \
+  "             4 timed out, 5 directory or owner unreachable. Errors are one line on stderr.\n"
+
 static const char *fmt_bytes(uint64_t b, char *buf, size_t len) {
   if (b >= (1ull << 30))
     snprintf(buf, len, "%.1f GiB", (double)b / (1ull << 30));
@@ -69,7 +74,8 @@ static const char put_usage[] =
     "usage: ferry put KEY FILE [--dtype T --shape A,B,..] [--directory URL]\n\n"
     "Stores FILE's bytes under KEY. A .npy file brings its dtype and shape; otherwise they\n"
     "are --dtype (default uint8) and --shape (default: the whole file, one dimension).\n"
-    "The bytes are held by a `ferry serve` node, so they outlive this command.\n";
+    "The bytes are held by a `ferry serve` node, so they outlive this command.\n"
+    "On a terminal, files over 100 MB show a progress bar on stderr.\n" EXIT_CODES;
 
 /* Reads the whole file into ferry memory (one read, no staging buffer). */
 static int read_file(cli_node *n, const char *path, void **out, uint64_t *len) {
@@ -171,7 +177,8 @@ int cli_put(int argc, char **argv) {
 static const char get_usage[] =
     "usage: ferry get KEY [FILE|-] [--directory URL]\n\n"
     "Writes KEY's bytes to FILE (a .npy FILE gets a header with dtype and shape), or to\n"
-    "stdout with '-' or no FILE (not to a terminal).\n";
+    "stdout with '-' or no FILE (not to a terminal).\n"
+    "On a terminal, transfers over 100 MB show a progress bar on stderr.\n" EXIT_CODES;
 
 static int write_out(const char *path, const ferry_store_info *info, const void *data) {
   bool to_stdout = !path || strcmp(path, "-") == 0;
@@ -227,7 +234,7 @@ int cli_get(int argc, char **argv) {
 
 static const char ls_usage[] = "usage: ferry ls [PREFIX] [--directory URL]\n\n"
                                "Lists the keys that start with PREFIX (all by default): key, "
-                               "dtype, shape, size, owner.\n";
+                               "dtype, shape, size, owner.\n" EXIT_CODES;
 
 int cli_ls(int argc, char **argv) {
   args a;
@@ -253,8 +260,9 @@ int cli_ls(int argc, char **argv) {
   return rc;
 }
 
-static const char stat_usage[] = "usage: ferry stat KEY [--directory URL]\n\n"
-                                 "Describes KEY: dtype, shape, bytes, owner, generation.\n";
+static const char stat_usage[] =
+    "usage: ferry stat KEY [--directory URL]\n\n"
+    "Describes KEY: dtype, shape, bytes, owner, generation.\n" EXIT_CODES;
 
 int cli_stat(int argc, char **argv) {
   args a;
@@ -285,7 +293,7 @@ int cli_stat(int argc, char **argv) {
 
 static const char rm_usage[] = "usage: ferry rm KEY | --prefix PREFIX [--directory URL]\n\n"
                                "Deletes KEY, or every key that starts with PREFIX ('' for all), "
-                               "wherever it lives.\n";
+                               "wherever it lives.\n" EXIT_CODES;
 
 int cli_rm(int argc, char **argv) {
   args a;
