@@ -1,6 +1,7 @@
 """NumPy arrays and torch tensors as (ferry_tensor_desc, data pointer) without copies, contexts,
 and ferry.empty: arrays in ferry shared memory (ferry_alloc), so a store put of one is in place."""
 import ctypes
+import sys
 import threading
 import weakref
 
@@ -26,15 +27,26 @@ _BY_NAME.update({"bf16": 11, "f16": 10, "f32": 12, "f64": 13, "half": 10, "float
 _NP_TO_FERRY = {np.dtype(t): code for code, (name, t) in DTYPES.items()
                 if code not in (11, 14, 15)}
 
-try:  # torch is optional
-    import torch
-except ImportError:  # pragma: no cover - exercised only where torch is absent
-    torch = None
+# torch is optional and imported lazily: it takes seconds to import, and an object can only be
+# a torch tensor (or dtype) once the caller imported torch itself.
+_TORCH_TO_FERRY = {}
+_FERRY_TO_TORCH = {}
 
 
-def _torch_dtypes():
-    if torch is None:
-        return {}
+def _torch(need=False):
+    """The torch module if the process imported it (need=True: import it now), else None."""
+    t = sys.modules.get("torch")
+    if t is None and need:
+        try:
+            import torch as t
+        except ImportError:
+            raise ImportError("ferry: like='torch' needs torch") from None
+    if t is not None and not _TORCH_TO_FERRY:
+        _torch_dtypes(t)
+    return t
+
+
+def _torch_dtypes(torch):
     m = {torch.bool: 1, torch.uint8: 2, torch.int8: 6, torch.int16: 7, torch.int32: 8,
          torch.int64: 9, torch.float16: 10, torch.bfloat16: 11, torch.float32: 12,
          torch.float64: 13}
@@ -42,17 +54,15 @@ def _torch_dtypes():
                        ("float8_e5m2", 15)):
         if hasattr(torch, attr):
             m[getattr(torch, attr)] = code
-    return m
-
-
-_TORCH_TO_FERRY = _torch_dtypes()
-_FERRY_TO_TORCH = {code: t for t, code in _TORCH_TO_FERRY.items()}
+    _FERRY_TO_TORCH.update({code: t for t, code in m.items()})
+    _TORCH_TO_FERRY.update(m)
 
 
 def dtype_code(dtype):
     """A ferry dtype code from a name ("bfloat16", "u8"), a numpy dtype or a torch dtype."""
     if isinstance(dtype, str) and dtype in _BY_NAME:
         return _BY_NAME[dtype]
+    torch = _torch()
     if torch is not None and isinstance(dtype, torch.dtype):
         if dtype in _TORCH_TO_FERRY:
             return _TORCH_TO_FERRY[dtype]
@@ -82,6 +92,7 @@ def as_buffer(obj, writable=False):
 
     Contiguous input is used in place (the returned array is a view of it); a non-contiguous
     array or tensor is copied once, which is wrong for an output, so `writable` refuses it."""
+    torch = _torch()
     if torch is not None and isinstance(obj, torch.Tensor):
         if obj.device.type != "cpu":
             raise NotSupported(-20, "tensors on %s are not supported yet (CPU only)" % obj.device)
@@ -115,8 +126,7 @@ def from_bits(arr, code, like):
         return arr
     if like != "torch":
         raise ValueError("ferry: like must be 'numpy' or 'torch', not %r" % (like,))
-    if torch is None:
-        raise ImportError("ferry: like='torch' needs torch")
+    torch = _torch(need=True)
     if code not in _FERRY_TO_TORCH:
         raise NotSupported(-20, "this torch has no %s" % DTYPES[code][0])
     if code in (11, 14, 15):
