@@ -72,6 +72,37 @@ static void stop_child(pid_t pid) {
   tu_wait(pid);
 }
 
+/* The fleet's directory for a test: `ferry serve` (embedded) or a private redis-server, each
+ * restartable on the same port. */
+typedef struct dirsvc {
+  bool redis;
+  pid_t pid;
+  su_redis r;
+  int port;
+  char url[80];
+} dirsvc;
+
+static bool dirsvc_start(dirsvc *d) {
+  if (d->redis) {
+    if (!su_redis_start_on(&d->r, d->port))
+      return false;
+    d->port = d->r.port;
+    snprintf(d->url, sizeof d->url, "%s", d->r.url);
+    return true;
+  }
+  d->port = d->port ? d->port : su_free_port();
+  d->pid = start_directory(d->port);
+  snprintf(d->url, sizeof d->url, "ferry://127.0.0.1:%d", d->port);
+  return true;
+}
+
+static void dirsvc_stop(dirsvc *d) {
+  if (d->redis)
+    su_redis_stop(&d->r);
+  else
+    stop_child(d->pid);
+}
+
 /* ---- every operation, on a pair of stores sharing one directory ---- */
 
 typedef struct pair {
@@ -372,11 +403,12 @@ static pid_t start_producer(producer *p) {
   return pid;
 }
 
-static void test_processes(void **state) {
-  int port = su_free_port();
-  pid_t dir = start_directory(port);
+static void check_processes(bool redis) {
+  dirsvc dir = {.redis = redis};
+  if (!dirsvc_start(&dir))
+    return;
   producer p = {.bytes = 4 * MiB, .seed = 42, .in_place = true};
-  snprintf(p.url, sizeof p.url, "ferry://127.0.0.1:%d", port);
+  snprintf(p.url, sizeof p.url, "%s", dir.url);
   snprintf(p.key, sizeof p.key, "proc/in-place");
   pid_t pid = start_producer(&p);
   ferry_ctx *c = open_ctx("consumer", NULL);
@@ -399,7 +431,12 @@ static void test_processes(void **state) {
   free(dst);
   ferry_store_close(s);
   ferry_ctx_close(c);
-  stop_child(dir);
+  dirsvc_stop(&dir);
+}
+
+static void test_processes(void **state) {
+  check_processes(false);
+  check_processes(true);
 }
 
 /* ---- one name, one live node ---- */
@@ -593,11 +630,12 @@ static void *get_loop(void *arg) {
   return NULL;
 }
 
-static void test_owner_killed(void **state) {
-  int port = su_free_port();
-  pid_t dir = start_directory(port);
+static void check_owner_killed(bool redis) {
+  dirsvc dir = {.redis = redis};
+  if (!dirsvc_start(&dir))
+    return;
   producer p = {.bytes = 16 * MiB, .seed = 7, .lease_ms = 600};
-  snprintf(p.url, sizeof p.url, "ferry://127.0.0.1:%d", port);
+  snprintf(p.url, sizeof p.url, "%s", dir.url);
   snprintf(p.key, sizeof p.key, "victim");
   pid_t pid = start_producer(&p);
   ferry_ctx *c = open_ctx("survivor", NULL);
@@ -622,28 +660,36 @@ static void test_owner_killed(void **state) {
   pthread_join(t, NULL);
   assert_int_equal(rc, FERRY_ENOTFOUND);
   assert_false(g.bad_data); /* every get that succeeded returned the whole tensor */
-  print_message("owner killed: %d good gets, %d failed (last: %s)\n", g.ok, g.failed,
+  print_message("owner killed (%s): %d good gets, %d failed (last: %s)\n", dir.url, g.ok, g.failed,
                 ferry_status_name(g.last_rc));
   tu_pipe_close(&p.ready);
   tu_pipe_close(&p.quit);
   ferry_store_close(s);
   ferry_ctx_close(c);
-  stop_child(dir);
+  dirsvc_stop(&dir);
 }
 
-static void test_directory_restart(void **state) {
-  int port = su_free_port();
-  pid_t dir = start_directory(port);
+static void test_owner_killed(void **state) {
+  check_owner_killed(false);
+  check_owner_killed(true);
+}
+
+/* The directory restarts empty (ferry serve, or Redis without persistence): nodes register
+ * again and re-publish, and the store keeps working. */
+static void check_directory_restart(bool redis) {
+  dirsvc dir = {.redis = redis};
+  if (!dirsvc_start(&dir))
+    return;
   producer p = {.bytes = MiB, .seed = 11, .lease_ms = 900};
-  snprintf(p.url, sizeof p.url, "ferry://127.0.0.1:%d", port);
+  snprintf(p.url, sizeof p.url, "%s", dir.url);
   snprintf(p.key, sizeof p.key, "persistent");
   pid_t pid = start_producer(&p);
   ferry_ctx *c = open_ctx("consumer2", NULL);
   ferry_store *s = open_store(c, p.url, 0, MiB, 900);
   uint8_t *dst = malloc(p.bytes);
   FR_OK(ferry_store_get(s, "persistent", NULL, dst, p.bytes, NULL, -1));
-  stop_child(dir);
-  dir = start_directory(port);
+  dirsvc_stop(&dir);
+  assert_true(dirsvc_start(&dir)); /* the same port */
   /* the producer notices, registers again and re-publishes: the store keeps working */
   int rc = -1;
   for (int i = 0; i < 1000 && rc != 0; i++) {
@@ -664,7 +710,12 @@ static void test_directory_restart(void **state) {
   free(dst);
   ferry_store_close(s);
   ferry_ctx_close(c);
-  stop_child(dir);
+  dirsvc_stop(&dir);
+}
+
+static void test_directory_restart(void **state) {
+  check_directory_restart(false);
+  check_directory_restart(true);
 }
 
 /* ---- across network namespaces, over tcp ---- */

@@ -52,13 +52,14 @@ typedef struct su_redis {
   char url[64];
 } su_redis;
 
-/* Starts redis-server on a free loopback port; false (with a message) when it cannot. */
-static inline bool su_redis_start(su_redis *r) {
+/* Starts redis-server on loopback port `want` (0: a free one); false (with a message) when it
+ * cannot. */
+static inline bool su_redis_start_on(su_redis *r, int want) {
   if (access("/usr/bin/redis-server", X_OK) != 0 && system("command -v redis-server >/dev/null")) {
     fprintf(stderr, "SKIP redis part: redis-server is not installed (scripts/deps.sh test)\n");
     return false;
   }
-  r->port = su_free_port();
+  r->port = want ? want : su_free_port();
   snprintf(r->url, sizeof r->url, "redis://127.0.0.1:%d", r->port);
   char port[16];
   snprintf(port, sizeof port, "%d", r->port);
@@ -83,6 +84,8 @@ static inline bool su_redis_start(su_redis *r) {
   waitpid(r->pid, NULL, 0);
   return false;
 }
+
+static inline bool su_redis_start(su_redis *r) { return su_redis_start_on(r, 0); }
 
 static inline void su_redis_stop(su_redis *r) {
   if (r->pid > 0) {
