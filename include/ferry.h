@@ -588,6 +588,8 @@ typedef struct ferry_refit_opts {
   size_t size;           /* sizeof(ferry_refit_opts) */
   uint64_t bucket_bytes; /* 0: FERRY_REFIT_BUFFER_BYTES, or FERRY_REFIT_BUFFER_RATIO of free
                             memory when that is set; two buckets are allocated */
+  int alias; /* keep the whole wire buffer (every bucket) in shared memory instead of two
+                buckets, so receivers on this host may use it in place (ferry_refit_bind_alias) */
 } ferry_refit_opts;
 
 /* Opens a sender on ctx; receivers attach to ferry_ctx_address(ctx). `name` (copied) names it
@@ -609,18 +611,30 @@ FERRY_API int ferry_refit_declare(ferry_refit_sender *sender, const char *name,
  * with the next push. */
 FERRY_API int ferry_refit_seal(ferry_refit_sender *sender);
 
+/* How buckets reach receivers. DIRECT: every receiver reads each bucket from the sender. CHAIN:
+ * receivers form a chain (in attach order); each reads a bucket from its predecessor while its
+ * successor reads the previous one, so the sender sends each byte once whatever K is. AUTO (the
+ * default): receivers on this host (shm links) read directly, all at once; the others chain. */
+typedef enum ferry_refit_route {
+  FERRY_REFIT_ROUTE_AUTO = 0,
+  FERRY_REFIT_ROUTE_DIRECT = 1,
+  FERRY_REFIT_ROUTE_CHAIN = 2,
+} ferry_refit_route;
+
 typedef struct ferry_refit_push_opts {
   size_t size;             /* sizeof(ferry_refit_push_opts) */
   const char *const *only; /* push only these tensors (NULL: all) */
   size_t n_only;
   int skip_unchanged; /* skip buckets whose checksum equals the last push's */
   int timeout_ms;     /* negative: FERRY_TIMEOUT_MS */
+  ferry_refit_route route;
 } ferry_refit_push_opts;
 
 /* Pushes the declared tensors' current bytes as `version` (greater than the last) to every
  * attached receiver and returns when each one committed it. Receivers that fail (died, timed
  * out, refused a checksum) are named in ferry_last_error() and the call returns their first
- * error; the others commit. With no receiver attached it returns 0 at once. */
+ * error; the others commit (in a chain, the receivers behind a failed one get the buckets they
+ * miss straight from the sender). With no receiver attached it returns 0 at once. */
 FERRY_API int ferry_refit_push(ferry_refit_sender *sender, uint64_t version,
                                const ferry_refit_push_opts *opts);
 /* How many receivers are attached now. */
@@ -648,6 +662,14 @@ FERRY_API int ferry_refit_bind(ferry_refit_receiver *receiver, const char *name,
  * FERRY_EDTYPE/FERRY_ESHAPE naming the tensor (bind it again), and the flat buffer is laid out
  * anew (fetch views again). */
 FERRY_API int ferry_refit_bind_flat(ferry_refit_receiver *receiver);
+/* Alias mode, for an engine on the sender's host whose sender was opened with `alias`: nothing
+ * is copied; ferry_refit_view() gives addresses in the sender's own shared wire buffer (read
+ * only). The sender writes a new version there in place while it pushes, so the engine must not
+ * read its weights between the start of a push and the commit (the control lifecycle's
+ * clear → update does exactly that). A commit then means the sender finished writing and
+ * checksumming that version. FERRY_ENOTSUP when the sender keeps no such buffer or the link is
+ * not shm. */
+FERRY_API int ferry_refit_bind_alias(ferry_refit_receiver *receiver);
 FERRY_API int ferry_refit_view(ferry_refit_receiver *receiver, const char *name, void **out);
 /* Called on the receiver's thread after each bucket verified and landed (engines that load
  * while buckets arrive). Bucket indices refer to the manifest's plan. */

@@ -109,28 +109,35 @@ static void expect_model(const model *m, const void *const *got) {
   }
 }
 
-static void push_and_check(const char *transports) {
+/* Three receivers (bound tensors, a flat buffer, bound tensors again) take versions by the
+ * given route: all of it, only one tensor, and everything with unchanged buckets skipped. */
+static void push_and_check(const char *transports, ferry_refit_route route) {
   model m;
   model_init(&m, 1);
   ferry_ctx *sc = ctx_for("trainer", transports), *rc1 = ctx_for("rollout-1", transports),
-            *rc2 = ctx_for("rollout-2", transports);
+            *rc2 = ctx_for("rollout-2", transports), *rc3 = ctx_for("rollout-3", transports);
   ferry_refit_sender *s = sender_for(sc, &m, 16384);
-  ferry_refit_receiver *r1, *r2;
+  ferry_refit_receiver *r1, *r2, *r3;
   FR_OK(ferry_refit_receiver_open(rc1, ferry_ctx_address(sc), 5000, &r1));
   FR_OK(ferry_refit_receiver_open(rc2, ferry_ctx_address(sc), 5000, &r2));
-  bound b1;
+  FR_OK(ferry_refit_receiver_open(rc3, ferry_ctx_address(sc), 5000, &r3));
+  bound b1, b3;
   bind_all(r1, &b1);
+  bind_all(r3, &b3);
   FR_OK(ferry_refit_bind_flat(r2));
-  for (int i = 0; i < 50 && ferry_refit_receivers(s) < 2; i++)
+  for (int i = 0; i < 50 && ferry_refit_receivers(s) < 3; i++)
     usleep(10000);
-  assert_int_equal(ferry_refit_receivers(s), 2);
+  assert_int_equal(ferry_refit_receivers(s), 3);
 
-  FR_OK(ferry_refit_push(s, 1, NULL));
+  ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = -1, .route = route};
+  FR_OK(ferry_refit_push(s, 1, &po));
   uint64_t v;
   FR_OK(ferry_refit_wait(r1, 1, 5000, &v));
   assert_int_equal(v, 1);
   FR_OK(ferry_refit_wait(r2, 0, 5000, &v));
+  FR_OK(ferry_refit_wait(r3, 1, 5000, &v));
   expect_model(&m, (const void *const *)b1.mem);
+  expect_model(&m, (const void *const *)b3.mem);
   void *views[NT];
   for (int i = 0; i < NT; i++)
     FR_OK(ferry_refit_view(r2, m.name[i], &views[i]));
@@ -139,31 +146,81 @@ static void push_and_check(const char *transports) {
   /* only one tensor changes: push it alone, then everything with unchanged buckets skipped */
   model_bump(&m, 7);
   const char *only[] = {m.name[7]};
-  ferry_refit_push_opts po = {.size = sizeof po, .only = only, .n_only = 1, .timeout_ms = -1};
+  po.only = only;
+  po.n_only = 1;
   FR_OK(ferry_refit_push(s, 2, &po));
   FR_OK(ferry_refit_wait(r1, 2, 5000, NULL));
+  FR_OK(ferry_refit_wait(r3, 2, 5000, NULL));
   expect_model(&m, (const void *const *)b1.mem);
+  expect_model(&m, (const void *const *)b3.mem);
   model_bump(&m, 20);
-  po = (ferry_refit_push_opts){.size = sizeof po, .skip_unchanged = 1, .timeout_ms = -1};
+  po = (ferry_refit_push_opts){
+      .size = sizeof po, .skip_unchanged = 1, .timeout_ms = -1, .route = route};
   FR_OK(ferry_refit_push(s, 3, &po));
   FR_OK(ferry_refit_wait(r2, 3, 5000, NULL));
   expect_model(&m, (const void *const *)views);
   FR_OK(ferry_refit_wait(r1, 3, 5000, NULL));
+  FR_OK(ferry_refit_wait(r3, 3, 5000, NULL));
   expect_model(&m, (const void *const *)b1.mem);
+  expect_model(&m, (const void *const *)b3.mem);
   assert_int_equal(ferry_refit_push(s, 3, NULL), FERRY_EINVAL); /* versions only grow */
 
   ferry_refit_receiver_close(r1);
   ferry_refit_receiver_close(r2);
+  ferry_refit_receiver_close(r3);
   ferry_refit_sender_close(s);
   ferry_ctx_close(rc1);
   ferry_ctx_close(rc2);
+  ferry_ctx_close(rc3);
   ferry_ctx_close(sc);
   bound_free(&b1);
+  bound_free(&b3);
   model_free(&m);
 }
 
-static void test_push_shm(void **st) { push_and_check("shm"); }
-static void test_push_tcp(void **st) { push_and_check("tcp"); }
+static void test_push_shm(void **st) { push_and_check("shm", FERRY_REFIT_ROUTE_AUTO); }
+static void test_push_tcp(void **st) { push_and_check("tcp", FERRY_REFIT_ROUTE_DIRECT); }
+static void test_chain_tcp(void **st) { push_and_check("tcp", FERRY_REFIT_ROUTE_AUTO); }
+static void test_chain_shm(void **st) { push_and_check("shm", FERRY_REFIT_ROUTE_CHAIN); }
+
+/* Alias mode: the receiver's views are the sender's own buffer; nothing is copied. */
+static void test_alias(void **st) {
+  model m;
+  model_init(&m, 6);
+  ferry_ctx *sc = ctx_for("trainer", "shm"), *rc = ctx_for("rollout", "shm");
+  ferry_refit_sender *plain = sender_for(sc, &m, 16384);
+  ferry_refit_receiver *r;
+  FR_OK(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &r));
+  assert_int_equal(ferry_refit_bind_alias(r), FERRY_ENOTSUP); /* the sender keeps no buffer */
+  ferry_refit_receiver_close(r);
+  ferry_refit_sender_close(plain);
+
+  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 16384, .alias = 1};
+  ferry_refit_sender *s;
+  FR_OK(ferry_refit_sender_open(sc, "trainer", &o, &s));
+  for (int i = 0; i < NT; i++)
+    FR_OK(ferry_refit_declare(s, m.name[i], &m.d[i], m.w[i], send_as(i)));
+  FR_OK(ferry_refit_seal(s));
+  FR_OK(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &r));
+  FR_OK(ferry_refit_bind_alias(r));
+  assert_int_equal(ferry_refit_bind_flat(r), FERRY_ESTATE);
+  while (ferry_refit_receivers(s) < 1)
+    usleep(10000);
+  void *views[NT];
+  for (int i = 0; i < NT; i++)
+    FR_OK(ferry_refit_view(r, m.name[i], &views[i]));
+  for (uint64_t v = 1; v <= 2; v++) {
+    FR_OK(ferry_refit_push(s, v, NULL));
+    FR_OK(ferry_refit_wait(r, v, 5000, NULL));
+    expect_model(&m, (const void *const *)views);
+    model_bump(&m, -1);
+  }
+  ferry_refit_receiver_close(r);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(rc);
+  ferry_ctx_close(sc);
+  model_free(&m);
+}
 
 static void test_bind_errors(void **st) {
   model m;
@@ -353,6 +410,78 @@ static void test_receiver_killed(void **st) {
   model_free(&m);
 }
 
+/* A chain head → child → tail: the child stops, then dies mid-push; the head commits, and the
+ * tail, cut off, gets what it misses from the sender. The restarted child catches up. */
+static void test_chain_receiver_killed(void **st) {
+  model m;
+  model_init(&m, 7);
+  ferry_ctx *sc = ctx_for("trainer", "shm,tcp"), *hc = ctx_for("head", "shm,tcp"),
+            *tc = ctx_for("tail", "shm,tcp");
+  ferry_refit_sender *s = sender_for(sc, &m, 16384);
+  ferry_refit_receiver *head, *tail;
+  FR_OK(ferry_refit_receiver_open(hc, ferry_ctx_address(sc), 5000, &head));
+  FR_OK(ferry_refit_bind_flat(head));
+  while (ferry_refit_receivers(s) < 1)
+    usleep(10000);
+  tu_pipe p;
+  tu_pipe_open(&p);
+  pid_t pid = spawn_receiver(ferry_ctx_address(sc), "1", &p);
+  uint8_t ready;
+  assert_int_equal(tu_pipe_get(&p, &ready, 1, 10000), 0);
+  while (ferry_refit_receivers(s) < 2)
+    usleep(10000);
+  FR_OK(ferry_refit_receiver_open(tc, ferry_ctx_address(sc), 5000, &tail));
+  FR_OK(ferry_refit_bind_flat(tail));
+  while (ferry_refit_receivers(s) < 3)
+    usleep(10000);
+  ferry_refit_push_opts po = {
+      .size = sizeof po, .timeout_ms = 10000, .route = FERRY_REFIT_ROUTE_CHAIN};
+  uint64_t forwarded = fr_refit_stat_forwarded;
+  FR_OK(ferry_refit_push(s, 1, &po));
+  assert_true(fr_refit_stat_forwarded > forwarded); /* the chain carried buckets */
+  uint64_t v;
+  assert_int_equal(tu_pipe_get(&p, &v, sizeof v, 10000), 0);
+  FR_OK(ferry_refit_wait(tail, 1, 5000, NULL));
+
+  kill(pid, SIGSTOP);
+  pid_t killer = fork();
+  if (killer == 0) {
+    usleep(300000);
+    kill(pid, SIGKILL);
+    _exit(0);
+  }
+  model_bump(&m, -1);
+  assert_int_equal(ferry_refit_push(s, 2, &po), FERRY_EPEER);
+  assert_non_null(strstr(ferry_last_error(), "rollout-child"));
+  assert_null(strstr(ferry_last_error(), "tail"));
+  FR_OK(ferry_refit_wait(head, 2, 5000, NULL));
+  FR_OK(ferry_refit_wait(tail, 2, 5000, NULL));
+  void *views[NT];
+  for (int i = 0; i < NT; i++)
+    FR_OK(ferry_refit_view(tail, m.name[i], &views[i]));
+  expect_model(&m, (const void *const *)views);
+  tu_wait(killer);
+  assert_int_equal(tu_wait(pid), 128 + SIGKILL);
+
+  pid = spawn_receiver(ferry_ctx_address(sc), "3", &p);
+  assert_int_equal(tu_pipe_get(&p, &ready, 1, 10000), 0);
+  while (ferry_refit_receivers(s) < 3)
+    usleep(10000);
+  FR_OK(ferry_refit_push(s, 3, &po));
+  assert_int_equal(tu_pipe_get(&p, &v, sizeof v, 10000), 0);
+  FR_OK(ferry_refit_wait(tail, 3, 5000, NULL));
+  kill(pid, SIGKILL);
+  tu_wait(pid);
+  tu_pipe_close(&p);
+  ferry_refit_receiver_close(head);
+  ferry_refit_receiver_close(tail);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(hc);
+  ferry_ctx_close(tc);
+  ferry_ctx_close(sc);
+  model_free(&m);
+}
+
 static void stop_at_bucket_two(uint32_t bucket, uint8_t *bytes, uint64_t len) {
   if (bucket == 2)
     raise(SIGSTOP);
@@ -420,6 +549,8 @@ int main(int argc, char **argv) {
   }
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_push_shm),      cmocka_unit_test(test_push_tcp),
+      cmocka_unit_test(test_chain_tcp),     cmocka_unit_test(test_chain_shm),
+      cmocka_unit_test(test_alias),         cmocka_unit_test(test_chain_receiver_killed),
       cmocka_unit_test(test_bind_errors),   cmocka_unit_test(test_corrupt_bucket),
       cmocka_unit_test(test_reseal),        cmocka_unit_test(test_receiver_killed),
       cmocka_unit_test(test_sender_killed),

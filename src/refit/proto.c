@@ -18,11 +18,16 @@ void fr_refit_msg_encode(const fr_refit_msg_t *m, uint8_t out[FR_REFIT_MSG_BYTES
   fr_put_u64(out + 24, m->version);
   fr_put_u64(out + 32, m->bytes);
   fr_put_u64(out + 40, m->checksum);
-  memset(out + 48, 0, 8);
+  fr_put_u32(out + 48, m->seq);
+  fr_put_u32(out + 52, 0);
+  fr_put_u64(out + 56, m->src.id);
+  fr_put_u64(out + 64, m->src.key);
+  fr_put_u64(out + 72, m->src.size);
+  fr_put_u64(out + 80, m->src_offset);
 }
 
 int fr_refit_msg_decode(const uint8_t *in, size_t len, fr_refit_msg_t *out) {
-  if (len != FR_REFIT_MSG_BYTES)
+  if (len < FR_REFIT_MSG_BYTES || len > FR_REFIT_MSG_BYTES + FR_REFIT_ADDRESS_MAX)
     return fr_err(FERRY_EPROTO, "refit message of %zu bytes", len);
   fr_refit_msg_t m = {
       .type = fr_get_u32(in),
@@ -34,11 +39,18 @@ int fr_refit_msg_decode(const uint8_t *in, size_t len, fr_refit_msg_t *out) {
       .version = fr_get_u64(in + 24),
       .bytes = fr_get_u64(in + 32),
       .checksum = fr_get_u64(in + 40),
+      .seq = fr_get_u32(in + 48),
+      .src = {fr_get_u64(in + 56), fr_get_u64(in + 64), fr_get_u64(in + 72)},
+      .src_offset = fr_get_u64(in + 80),
   };
-  if (m.type < FR_REFIT_BUCKET || m.type > FR_REFIT_DETACH)
+  if (m.type < FR_REFIT_BUCKET || m.type > FR_REFIT_ROUTE)
     return fr_err(FERRY_EPROTO, "refit message type %u", m.type);
-  if (m.buffer > 1 || (m.flags & ~FR_REFIT_UNCHANGED) || m.status > 0)
+  if (m.buffer > 1 || (m.flags & ~FR_REFIT_FLAGS) || m.status > 0)
     return fr_err(FERRY_EPROTO, "refit message: bad field");
+  if ((m.type == FR_REFIT_ROUTE) != (len > FR_REFIT_MSG_BYTES))
+    return fr_err(FERRY_EPROTO, "refit message: only ROUTE carries an address");
+  m.route = (const char *)in + FR_REFIT_MSG_BYTES;
+  m.route_len = len - FR_REFIT_MSG_BYTES;
   *out = m;
   return 0;
 }
@@ -48,20 +60,19 @@ void fr_refit_attach_head_encode(const fr_refit_attach_reply *r,
   memset(out, 0, FR_REFIT_ATTACH_HEAD);
   fr_put_u32(out, (uint32_t)r->status);
   fr_put_u64(out + 8, r->latest);
-  for (int i = 0; i < 2; i++) {
-    fr_put_u64(out + 16 + 24 * i, r->buffers[i].id);
-    fr_put_u64(out + 24 + 24 * i, r->buffers[i].key);
-    fr_put_u64(out + 32 + 24 * i, r->buffers[i].size);
-  }
+  fr_put_u64(out + 16, r->alias.id);
+  fr_put_u64(out + 24, r->alias.key);
+  fr_put_u64(out + 32, r->alias.size);
 }
 
 int fr_refit_attach_decode(const uint8_t *in, size_t len, fr_refit_attach_reply *out) {
   if (len < FR_REFIT_ATTACH_HEAD)
     return fr_err(FERRY_EPROTO, "refit attach reply of %zu bytes", len);
-  fr_refit_attach_reply r = {.status = (int32_t)fr_get_u32(in), .latest = fr_get_u64(in + 8)};
-  for (int i = 0; i < 2; i++)
-    r.buffers[i] = (ferry_region_ref){fr_get_u64(in + 16 + 24 * i), fr_get_u64(in + 24 + 24 * i),
-                                      fr_get_u64(in + 32 + 24 * i)};
+  fr_refit_attach_reply r = {
+      .status = (int32_t)fr_get_u32(in),
+      .latest = fr_get_u64(in + 8),
+      .alias = {fr_get_u64(in + 16), fr_get_u64(in + 24), fr_get_u64(in + 32)},
+  };
   r.manifest = in + FR_REFIT_ATTACH_HEAD;
   r.manifest_len = len - FR_REFIT_ATTACH_HEAD;
   if (r.status > 0)
@@ -73,6 +84,6 @@ int fr_refit_attach_decode(const uint8_t *in, size_t len, fr_refit_attach_reply 
 int fr_refit_send(ferry_link *link, const fr_refit_msg_t *m, int timeout_ms) {
   uint8_t buf[FR_REFIT_MSG_BYTES];
   fr_refit_msg_encode(m, buf);
-  struct iovec iov = {buf, sizeof buf};
-  return ferry_send(link, FR_CHANNEL_REFIT, &iov, 1, timeout_ms);
+  struct iovec iov[2] = {{buf, sizeof buf}, {(void *)m->route, m->route_len}};
+  return ferry_send(link, FR_CHANNEL_REFIT, iov, m->route_len ? 2 : 1, timeout_ms);
 }

@@ -2,9 +2,16 @@
  * The refit protocol between a sender and its receivers, on channel FR_CHANNEL_REFIT. Messages
  * are fixed little-endian records led by a type word; the ATTACH reply carries the manifest.
  *
- *   receiver → sender  ATTACH (a call)      reply: status, latest version, bucket buffers, manifest
- *   sender → receiver  BUCKET               version, generation, bucket, buffer, bytes, checksum
- *   receiver → sender  ACK                  version, bucket, status
+ *   receiver → sender  ATTACH (a call)      body: the receiver's ctx address (for its chain
+ *                                           successor); reply: status, latest version, alias
+ *                                           buffer, manifest
+ *   sender → receiver  ROUTE                the address of its chain predecessor (after the record)
+ *   sender → receiver  BUCKET               version, generation, bucket, seq, bytes, checksum, and
+ *                                           where to read it: a region (src, src_offset) of the
+ *                                           sender, or of the predecessor (FROM_UP); KEEP: land it
+ *                                           in forwarding slot `buffer` for a successor
+ *   receiver → sender  ACK                  version, bucket, seq, status; with KEEP, where the
+ *                                           bucket now lies in the receiver (src, src_offset)
  *   sender → receiver  COMMIT               version, how many buckets the push carried
  *   receiver → sender  COMMITTED            version, status
  *   receiver → sender  DETACH
@@ -24,31 +31,42 @@ enum fr_refit_msg {
   FR_REFIT_COMMIT = 4,
   FR_REFIT_COMMITTED = 5,
   FR_REFIT_DETACH = 6,
+  FR_REFIT_ROUTE = 7,
 };
 
-#define FR_REFIT_UNCHANGED 1u /* BUCKET flag: the receiver already has these bytes */
+#define FR_REFIT_UNCHANGED 1u /* BUCKET: the receiver already has these bytes */
+#define FR_REFIT_FROM_UP 2u   /* BUCKET: read from the chain predecessor, not the sender */
+#define FR_REFIT_KEEP 4u      /* BUCKET: keep it for a successor; ACK: src says where it is */
+#define FR_REFIT_UPSTREAM 8u  /* ACK: failed reading from the predecessor (not this receiver) */
+#define FR_REFIT_FLAGS 15u
+#define FR_REFIT_ADDRESS_MAX 1024 /* ROUTE and ATTACH addresses */
 
 typedef struct fr_refit_msg_t {
   uint32_t type;
   uint32_t bucket;     /* BUCKET, ACK */
   uint32_t generation; /* BUCKET */
-  uint32_t buffer;     /* BUCKET: 0 or 1 */
-  uint32_t flags;      /* BUCKET */
+  uint32_t buffer;     /* BUCKET with KEEP: forwarding slot 0 or 1 */
+  uint32_t flags;      /* BUCKET, ACK */
   int32_t status;      /* ACK, COMMITTED */
+  uint32_t seq;        /* BUCKET, ACK: position in the push */
   uint64_t version;
   uint64_t bytes;    /* BUCKET: bytes in the bucket; COMMIT: buckets in the push */
   uint64_t checksum; /* BUCKET */
+  ferry_region_ref src;
+  uint64_t src_offset;
+  const char *route; /* ROUTE: the predecessor's address (points into the record, not NUL-ended) */
+  size_t route_len;
 } fr_refit_msg_t;
-#define FR_REFIT_MSG_BYTES 56
+#define FR_REFIT_MSG_BYTES 88
 
 typedef struct fr_refit_attach_reply {
   int32_t status;
-  uint64_t latest; /* last committed version (0: none yet) */
-  ferry_region_ref buffers[2];
+  uint64_t latest;         /* last committed version (0: none yet) */
+  ferry_region_ref alias;  /* the sender's whole wire buffer, when it keeps one (alias mode) */
   const uint8_t *manifest; /* points into the reply */
   size_t manifest_len;
 } fr_refit_attach_reply;
-#define FR_REFIT_ATTACH_HEAD 64
+#define FR_REFIT_ATTACH_HEAD 48
 
 void fr_refit_msg_encode(const fr_refit_msg_t *m, uint8_t out[FR_REFIT_MSG_BYTES]);
 int fr_refit_msg_decode(const uint8_t *in, size_t len, fr_refit_msg_t *out);

@@ -1,8 +1,13 @@
 /*
- * ferry_refit_push: packs buckets into the sender's two shared-memory buffers (casting on the
- * way), announces each to every receiver, and waits for acknowledgements before a buffer is
- * reused, so packing bucket i+1 overlaps the receivers' reads of bucket i. A receiver that dies,
- * stalls past the timeout or refuses a checksum fails alone; the others commit.
+ * ferry_refit_push: packs buckets into the sender's shared-memory buffers (casting on the way)
+ * and schedules who reads what, when. Receivers read either from the sender (direct) or from
+ * their predecessor in a chain, which keeps each bucket it received in a forwarding slot until
+ * its successor has read it; so the sender sends each byte once however many receivers chain.
+ * One rule drives everything: a bucket is announced to a receiver as soon as its source holds
+ * it and the receiver's own forwarding slot is free. Packing bucket i+1 overlaps the reads of
+ * bucket i. A receiver that dies, stalls past the timeout or refuses a checksum fails alone:
+ * the receivers behind it in a chain get the buckets they miss straight from the sender in a
+ * second, direct pass.
  */
 #include "refit/sender_impl.h"
 
@@ -12,11 +17,27 @@
 
 #define FR_REFIT_CHUNK (256u * 1024u) /* packed and hashed while it is still in cache */
 
-/* Packs [lo, lo+len) of bucket b (casting on the way) into dst. */
+/* One push: the buckets it moves in order (by seq) and what each one's checksum is. */
+typedef struct fr_push {
+  uint64_t version;
+  int timeout_ms;
+  uint64_t deadline;
+  uint32_t n;          /* buckets in this push */
+  uint32_t *order;     /* seq → bucket index */
+  uint64_t *sum;       /* seq → checksum */
+  bool *unchanged;     /* seq → the receivers have these bytes already */
+  uint32_t first_pass; /* seqs packed at least once (their sums are known) */
+  uint32_t from;       /* first seq of the current pass */
+  bool skip;
+  receiver *head; /* of the chain, or NULL */
+} fr_push;
+
+/* Packs [lo, lo+len) of bucket b (casting on the way) into dst, zeroing the alignment gaps
+ * between tensors so that the same tensors always give the same checksum. */
 static void pack_window(ferry_refit_sender *s, uint32_t b, uint64_t lo, uint64_t len,
                         uint8_t *dst) {
   const fr_refit_plan *p = &s->plan;
-  uint64_t start = (uint64_t)b * p->bucket_bytes + lo;
+  uint64_t start = (uint64_t)b * p->bucket_bytes + lo, filled = 0;
   for (uint32_t e = fr_refit_first_entry(p, b); e < p->count; e++) {
     uint64_t wire_off, dst_off, n = fr_refit_overlap_window(p, e, start, len, &wire_off, &dst_off);
     if (n == 0) {
@@ -27,8 +48,13 @@ static void pack_window(ferry_refit_sender *s, uint32_t b, uint64_t lo, uint64_t
     const fr_refit_entry *x = &p->entries[e];
     size_t we = ferry_dtype_size(x->wire), se = ferry_dtype_size(x->desc.dtype);
     const uint8_t *src = (const uint8_t *)s->src[e].data + wire_off / we * se;
+    if (dst_off > filled)
+      memset(dst + filled, 0, dst_off - filled);
     fr_refit_cast(x->desc.dtype, x->wire, x->scale, src, dst + dst_off, n / we);
+    filled = dst_off + n;
   }
+  if (filled < len)
+    memset(dst + filled, 0, len - filled);
 }
 
 /* Packs bucket b into dst chunk by chunk, hashing each chunk while it is hot. */
@@ -40,8 +66,30 @@ static uint64_t pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst) {
     pack_window(s, b, lo, n, dst + lo);
     fr_hash_update(h, dst + lo, n);
   }
-  uint64_t sum = fr_hash_end(h);
-  return sum;
+  return fr_hash_end(h);
+}
+
+/* Where seq j (bucket b) lies in the sender's memory: one of two slots, or, in alias mode, its
+ * own place in the whole wire buffer. */
+static uint64_t slot_offset(const ferry_refit_sender *s, uint32_t j, uint32_t b, int *slot) {
+  *slot = s->alias ? 0 : (int)(j % 2);
+  return s->alias ? (uint64_t)b * s->plan.bucket_bytes : 0;
+}
+
+static void pack_seq(ferry_refit_sender *s, fr_push *p, uint32_t j) {
+  uint32_t b = p->order[j];
+  int slot;
+  uint64_t off = slot_offset(s, j, b, &slot);
+  uint8_t *dst = (uint8_t *)s->buf[slot] + off;
+  uint64_t sum = pack(s, b, dst);
+  if (fr_refit_test_corrupt)
+    fr_refit_test_corrupt(b, dst, fr_refit_bucket_len(&s->plan, b));
+  if (j < p->first_pass)
+    return; /* a repacked bucket: same bytes, same checksum */
+  p->sum[j] = sum;
+  p->unchanged[j] = p->skip && s->last_sum[b] == sum;
+  s->last_sum[b] = sum;
+  p->first_pass = j + 1;
 }
 
 static bool bucket_selected(ferry_refit_sender *s, const ferry_refit_push_opts *o, uint32_t b) {
@@ -59,65 +107,231 @@ static bool bucket_selected(ferry_refit_sender *s, const ferry_refit_push_opts *
   return false;
 }
 
-/* Marks receivers that died or ran out of time; true when every live one satisfies `done`. */
-static bool all_done(ferry_refit_sender *s, uint64_t deadline, uint32_t acked, bool commit) {
-  bool all = true;
+/* ---- scheduling (all under s->lock) ---- */
+
+static bool active(const receiver *r) { return r->in_push && r->status == 0 && !r->orphan; }
+
+/* Marks receivers that died or ran out of time, and every chain member behind a failed one. */
+static void mark_failures(ferry_refit_sender *s, const fr_push *p) {
   for (receiver *r = s->receivers; r; r = r->next) {
-    if (!r->in_push || r->status != 0)
+    if (!r->in_push || r->status != 0 || (r->acked >= p->n && !r->orphan))
       continue;
-    if (commit ? r->commit_seen : r->acked >= acked)
-      continue;
-    int st = ferry_link_status(r->link);
-    if (st != 0)
+    if (ferry_link_status(r->link) != 0)
       r->status = FERRY_EPEER;
-    else if (fr_now_ns() >= deadline)
+    else if (fr_now_ns() >= p->deadline)
       r->status = FERRY_ETIMEDOUT;
-    else
-      all = false;
   }
-  return all;
+  for (receiver *r = p->head; r && r->down; r = r->down)
+    if (r->status != 0 || r->orphan)
+      r->down->orphan = true;
 }
 
-static void wait_for(ferry_refit_sender *s, uint64_t deadline, uint32_t acked, bool commit) {
-  pthread_mutex_lock(&s->lock);
-  while (!all_done(s, deadline, acked, commit)) {
-    uint64_t t = fr_now_ns() + 50000000ull; /* re-check liveness every 50 ms */
-    if (t > deadline)
-      t = deadline;
-    struct timespec ts = {(time_t)(t / 1000000000ull), (long)(t % 1000000000ull)};
-    pthread_cond_timedwait(&s->cond, &s->lock, &ts);
-  }
-  pthread_mutex_unlock(&s->lock);
+/* Seq j may go to r: its source holds it, and r's forwarding slot is free (its successor
+ * acknowledged what the slot held). */
+static bool can_announce(const ferry_refit_sender *s, const fr_push *p, const receiver *r,
+                         uint32_t j) {
+  bool source = r->up ? r->up->acked > j : j < s->packed && j >= p->from;
+  bool slot = !r->down || !active(r->down) || j < 2 || r->down->acked + 1 >= j;
+  return source && slot;
 }
 
-static void announce(ferry_refit_sender *s, const fr_refit_msg_t *m, int timeout_ms) {
+static void announce_one(ferry_refit_sender *s, const fr_push *p, receiver *r, uint32_t j) {
+  uint32_t b = p->order[j];
+  fr_refit_msg_t m = {.type = FR_REFIT_BUCKET,
+                      .bucket = b,
+                      .generation = s->plan.generation,
+                      .seq = j,
+                      .version = p->version,
+                      .bytes = fr_refit_bucket_len(&s->plan, b),
+                      .checksum = p->sum[j],
+                      .flags = p->unchanged[j] ? FR_REFIT_UNCHANGED : 0};
+  if (r->up) {
+    m.flags |= FR_REFIT_FROM_UP;
+    m.src = r->up->fwd[j % 2];
+    m.src_offset = r->up->fwd_offset[j % 2];
+  } else {
+    int slot;
+    m.src_offset = slot_offset(s, j, b, &slot);
+    m.src = s->ref[slot];
+  }
+  if (r->down) {
+    m.flags |= FR_REFIT_KEEP;
+    m.buffer = j % 2;
+  }
+  int rc = fr_refit_send(r->link, &m, p->timeout_ms);
+  if (rc != 0)
+    r->status = rc;
+  r->announced = j + 1;
+}
+
+/* Announces every bucket that may go now; called by push() and on every acknowledgement. */
+void fr_refit_announce_ready(ferry_refit_sender *s) {
+  const fr_push *p = s->current;
+  if (!p)
+    return;
+  for (receiver *r = s->receivers; r; r = r->next)
+    while (active(r) && r->announced < p->n && can_announce(s, p, r, r->announced))
+      announce_one(s, p, r, r->announced);
+}
+
+static bool pass_done(const ferry_refit_sender *s, const fr_push *p) {
+  for (const receiver *r = s->receivers; r; r = r->next)
+    if (active(r) && r->acked < p->n)
+      return false;
+  return true;
+}
+
+/* The sender may pack seq q into its slot: every receiver reading from the sender has read the
+ * bucket the slot holds. */
+static bool slot_free(const ferry_refit_sender *s, const fr_push *p, uint32_t q) {
+  if (s->alias || q < p->from + 2)
+    return true;
+  for (const receiver *r = s->receivers; r; r = r->next)
+    if (active(r) && !r->up && r->acked + 1 < q)
+      return false;
+  return true;
+}
+
+static void wait_briefly(ferry_refit_sender *s, uint64_t deadline) {
+  uint64_t t = fr_now_ns() + 50000000ull; /* re-check liveness every 50 ms */
+  if (t > deadline)
+    t = deadline;
+  struct timespec ts = {(time_t)(t / 1000000000ull), (long)(t % 1000000000ull)};
+  pthread_cond_timedwait(&s->cond, &s->lock, &ts);
+}
+
+/* One pass: packs and announces until every active receiver has every bucket. */
+static void pump(ferry_refit_sender *s, fr_push *p) {
+  for (;;) {
+    pthread_mutex_lock(&s->lock);
+    mark_failures(s, p);
+    fr_refit_announce_ready(s);
+    bool done = pass_done(s, p);
+    uint32_t q = s->packed;
+    bool pack_now = !done && q < p->n && slot_free(s, p, q);
+    if (!done && !pack_now)
+      wait_briefly(s, p->deadline);
+    pthread_mutex_unlock(&s->lock);
+    if (done)
+      return;
+    if (pack_now) {
+      pack_seq(s, p, q);
+      pthread_mutex_lock(&s->lock);
+      s->packed = q + 1;
+      pthread_mutex_unlock(&s->lock);
+    }
+  }
+}
+
+/* Receivers whose chain broke above them read what they miss from the sender, directly. */
+static bool start_repair(ferry_refit_sender *s, fr_push *p) {
+  bool any = false;
+  uint32_t from = p->n;
   pthread_mutex_lock(&s->lock);
   for (receiver *r = s->receivers; r; r = r->next)
-    if (r->in_push && r->status == 0) {
-      int rc = fr_refit_send(r->link, m, timeout_ms);
-      if (rc != 0)
-        r->status = rc;
+    if (r->in_push && r->status == 0 && r->orphan) {
+      r->orphan = false;
+      r->up = r->down = NULL;
+      r->announced = r->acked;
+      from = r->acked < from ? r->acked : from;
+      any = true;
     }
+  if (any) {
+    s->repairing = true;
+    p->from = s->packed = from;
+    p->head = NULL;
+  }
   pthread_mutex_unlock(&s->lock);
+  if (any)
+    fr_info("refit '%s': a chain broke; sending from bucket #%u directly", s->name, from);
+  return any;
+}
+
+/* ---- the chain ---- */
+
+static bool chained(const receiver *r, ferry_refit_route route) {
+  if (route == FERRY_REFIT_ROUTE_DIRECT || !r->address[0])
+    return false;
+  return route == FERRY_REFIT_ROUTE_CHAIN || !r->shm;
+}
+
+/* Links the chain members in attach order (the list holds the newest first) and tells each one
+ * where its predecessor is. */
+static void build_chain(ferry_refit_sender *s, fr_push *p, ferry_refit_route route) {
+  receiver *prev = NULL;
+  p->head = NULL;
+  for (receiver *r = s->receivers; r; r = r->next) {
+    if (!chained(r, route))
+      continue;
+    r->down = prev; /* walking newest → oldest: r precedes the one seen before it */
+    if (prev)
+      prev->up = r;
+    prev = r;
+  }
+  p->head = prev;
+  for (receiver *r = p->head; r; r = r->down) {
+    if (!r->up || (r->routed && strcmp(r->routed, r->up->address) == 0))
+      continue;
+    fr_refit_msg_t m = {
+        .type = FR_REFIT_ROUTE, .route = r->up->address, .route_len = strlen(r->up->address)};
+    int rc = fr_refit_send(r->link, &m, p->timeout_ms);
+    free(r->routed);
+    r->routed = rc == 0 ? strdup(r->up->address) : NULL;
+    if (rc != 0)
+      r->status = rc;
+  }
 }
 
 /* Takes a snapshot of who is in this push; true when all of them have the latest version. */
-static size_t begin_push(ferry_refit_sender *s, uint64_t version, bool *all_current) {
+static size_t begin_push(ferry_refit_sender *s, fr_push *p, ferry_refit_route route,
+                         bool *all_current) {
   size_t n = 0;
   *all_current = true;
   pthread_mutex_lock(&s->lock);
-  s->pushing = version;
+  s->pushing = p->version;
+  s->packed = 0;
+  s->repairing = false;
   for (receiver *r = s->receivers; r; r = r->next) {
-    *r = (receiver){.link = r->link, .committed = r->committed, .next = r->next, .in_push = true};
+    r->in_push = true;
+    r->orphan = r->commit_seen = false;
+    r->up = r->down = NULL;
+    r->announced = r->acked = 0;
+    r->status = 0;
     snprintf(r->peer, sizeof r->peer, "%s", ferry_link_peer(r->link));
     *all_current &= r->committed == s->latest && s->latest != 0;
     n++;
   }
+  build_chain(s, p, route);
   pthread_mutex_unlock(&s->lock);
   return n;
 }
 
-/* Commits the push's outcome; names the failed receivers in the error and drops dead ones. */
+static void commit_all(ferry_refit_sender *s, fr_push *p) {
+  fr_refit_msg_t c = {.type = FR_REFIT_COMMIT,
+                      .version = p->version,
+                      .bytes = p->n,
+                      .generation = s->plan.generation};
+  pthread_mutex_lock(&s->lock);
+  s->current = NULL;
+  for (receiver *r = s->receivers; r; r = r->next)
+    if (r->in_push && r->status == 0) {
+      int rc = fr_refit_send(r->link, &c, p->timeout_ms);
+      if (rc != 0)
+        r->status = rc;
+    }
+  for (;;) {
+    bool all = true;
+    mark_failures(s, p);
+    for (receiver *r = s->receivers; r; r = r->next)
+      all &= !r->in_push || r->status != 0 || r->commit_seen;
+    if (all)
+      break;
+    wait_briefly(s, p->deadline);
+  }
+  pthread_mutex_unlock(&s->lock);
+}
+
+/* Records the push's outcome; names the failed receivers in the error and drops dead ones. */
 static int finish_push(ferry_refit_sender *s, uint64_t version) {
   char failed[512] = "";
   size_t used = 0;
@@ -125,6 +339,7 @@ static int finish_push(ferry_refit_sender *s, uint64_t version) {
   pthread_mutex_lock(&s->lock);
   s->latest = version;
   s->pushing = 0;
+  s->current = NULL;
   for (receiver **pp = &s->receivers; *pp;) {
     receiver *r = *pp;
     r->in_push = false;
@@ -138,10 +353,9 @@ static int finish_push(ferry_refit_sender *s, uint64_t version) {
       if (used >= sizeof failed)
         used = sizeof failed - 1; /* the list is cut; the first failures are named */
     }
-    if (ferry_link_status(r->link) != 0) {
+    if (ferry_link_status(r->link) != 0 || r->detached) {
       *pp = r->next;
-      ferry_link_release(r->link);
-      free(r);
+      fr_refit_receiver_free(r);
     } else {
       pp = &r->next;
     }
@@ -153,6 +367,21 @@ static int finish_push(ferry_refit_sender *s, uint64_t version) {
                 (unsigned long long)version, failed);
 }
 
+static int plan_push(ferry_refit_sender *s, fr_push *p, const ferry_refit_push_opts *o,
+                     bool all_current) {
+  uint32_t nb = s->plan.buckets ? s->plan.buckets : 1;
+  p->order = malloc(nb * sizeof *p->order);
+  p->sum = calloc(nb, sizeof *p->sum);
+  p->unchanged = calloc(nb, sizeof *p->unchanged);
+  if (!p->order || !p->sum || !p->unchanged)
+    return fr_err(FERRY_ENOMEM, "refit '%s': push of %u buckets", s->name, nb);
+  p->skip = o && o->skip_unchanged && all_current;
+  for (uint32_t b = 0; b < s->plan.buckets; b++)
+    if (!all_current || bucket_selected(s, o, b))
+      p->order[p->n++] = b;
+  return 0;
+}
+
 int ferry_refit_push(ferry_refit_sender *s, uint64_t version, const ferry_refit_push_opts *o) {
   if (!s)
     return fr_err(FERRY_EINVAL, "ferry_refit_push: NULL sender");
@@ -161,40 +390,32 @@ int ferry_refit_push(ferry_refit_sender *s, uint64_t version, const ferry_refit_
   if (version <= s->latest)
     return fr_err(FERRY_EINVAL, "refit '%s': version %llu is not after %llu", s->name,
                   (unsigned long long)version, (unsigned long long)s->latest);
-  int timeout_ms = fr_timeout(o ? o->timeout_ms : -1);
-  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  fr_push p = {.version = version, .timeout_ms = fr_timeout(o ? o->timeout_ms : -1)};
+  p.deadline = fr_deadline_ns(p.timeout_ms);
   bool all_current;
-  if (begin_push(s, version, &all_current) == 0)
+  if (begin_push(s, &p, o ? o->route : FERRY_REFIT_ROUTE_AUTO, &all_current) == 0)
     return finish_push(s, version);
-  bool skip = o && o->skip_unchanged && all_current;
-  uint32_t sent = 0;
-  for (uint32_t b = 0; b < s->plan.buckets; b++) {
-    if (all_current && !bucket_selected(s, o, b))
-      continue;
-    uint32_t k = sent % 2;
-    if (sent >= 2)
-      wait_for(s, deadline, sent - 1, false); /* the buffer's previous bucket was read */
-    uint64_t len = fr_refit_bucket_len(&s->plan, b);
-    uint64_t sum = pack(s, b, s->buf[k]);
-    if (fr_refit_test_corrupt)
-      fr_refit_test_corrupt(b, s->buf[k], len);
-    fr_refit_msg_t m = {.type = FR_REFIT_BUCKET,
-                        .bucket = b,
-                        .generation = s->plan.generation,
-                        .buffer = k,
-                        .version = version,
-                        .bytes = len,
-                        .checksum = sum};
-    if (skip && s->last_sum[b] == sum)
-      m.flags = FR_REFIT_UNCHANGED;
-    s->last_sum[b] = sum;
-    announce(s, &m, timeout_ms);
-    sent++;
+  int rc = plan_push(s, &p, o, all_current);
+  if (rc == 0) {
+    pthread_mutex_lock(&s->lock);
+    s->current = &p;
+    pthread_mutex_unlock(&s->lock);
+    pump(s, &p);
+    if (start_repair(s, &p))
+      pump(s, &p);
+    commit_all(s, &p);
   }
-  wait_for(s, deadline, sent, false);
-  fr_refit_msg_t c = {
-      .type = FR_REFIT_COMMIT, .version = version, .bytes = sent, .generation = s->plan.generation};
-  announce(s, &c, timeout_ms);
-  wait_for(s, deadline, 0, true);
+  free(p.order);
+  free(p.sum);
+  free(p.unchanged);
+  if (rc != 0) {
+    pthread_mutex_lock(&s->lock);
+    s->pushing = 0;
+    s->current = NULL;
+    for (receiver *r = s->receivers; r; r = r->next)
+      r->in_push = false;
+    pthread_mutex_unlock(&s->lock);
+    return rc;
+  }
   return finish_push(s, version);
 }

@@ -1,9 +1,10 @@
 /*
- * The refit receiver: attaches to a sender (one call that returns the manifest and where the
- * sender's bucket buffers are), binds destinations, and runs a service thread that reads each
- * announced bucket (over shm one memcpy from the sender's buffer, over tcp one read), verifies
- * its checksum, puts each tensor's part where it is bound, and commits a version only when every
- * bucket of it verified.
+ * The refit receiver: attaches to a sender (one call that returns the manifest), binds
+ * destinations, and runs a service thread that reads each announced bucket from where the
+ * announcement says (the sender's buffer, or its chain predecessor's forwarding slot; over shm
+ * one memcpy, over tcp one read), verifies its checksum, puts each tensor's part where it is
+ * bound, keeps it for its chain successor when asked, and commits a version only when every
+ * bucket of it verified. In alias mode it reads nothing: views point into the sender's buffer.
  */
 #include "refit/refit.h"
 
@@ -16,11 +17,16 @@ struct ferry_refit_receiver {
   ferry_ctx *ctx;
   ferry_link *link;
   fr_refit_plan plan;
-  ferry_region_ref buf[2];
   void **bound;                  /* per tensor: the caller's destination, or NULL */
   ferry_tensor_desc *bound_desc; /* and how the caller described it */
   uint8_t *flat;                 /* ferry_alloc'd flat buffer, or NULL */
+  const uint8_t *alias;          /* the sender's wire buffer, mapped (alias mode), or NULL */
+  ferry_region_ref alias_ref;    /* the sender's wire buffer, if it keeps one */
   uint8_t *stage;
+  uint8_t *fwd;     /* two forwarding slots for a chain successor (ferry_alloc'd), or NULL */
+  ferry_link *up;   /* to the chain predecessor, or NULL */
+  char *up_address; /* where the sender said the predecessor is */
+  uint8_t *got;     /* per bucket: verified in the version arriving */
   ferry_refit_bucket_fn on_bucket;
   void *on_bucket_arg;
 
@@ -35,6 +41,8 @@ struct ferry_refit_receiver {
   bool stop;
   pthread_t service;
 };
+
+uint64_t fr_refit_stat_forwarded;
 
 static ferry_ctx *receiver_ctxs[64];
 static pthread_mutex_t receiver_ctxs_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -64,6 +72,7 @@ static int claim_ctx(ferry_ctx *ctx, bool claim) {
 /* ---- receiving a push (service thread) ---- */
 
 static int fetch_manifest(ferry_refit_receiver *r, int timeout_ms, fr_refit_plan *plan);
+static int alias_map(ferry_refit_receiver *r);
 static int binding_fits(const fr_refit_entry *e, const ferry_tensor_desc *desc);
 
 /* The sender re-sealed: take its new manifest, carry every binding that still fits over by
@@ -99,8 +108,21 @@ static int refetch_manifest(ferry_refit_receiver *r) {
     if (ferry_alloc(r->ctx, plan.total_bytes, (void **)&r->flat) != 0 && rc == 0)
       rc = fr_err(FERRY_ENOSHM, "refit: no flat buffer for the new manifest");
   }
-  free(r->bound), free(r->bound_desc), free(r->stage);
+  uint8_t *got = calloc(plan.buckets ? plan.buckets : 1, 1);
+  if (!got) {
+    free(bound), free(descs), free(stage);
+    fr_refit_plan_free(&plan);
+    return fr_err(FERRY_ENOMEM, "refit: new manifest");
+  }
+  if (r->alias && alias_map(r) != 0 && rc == 0)
+    rc = fr_err(FERRY_ENOTSUP, "refit: cannot map the sender's new buffer: %s", ferry_last_error());
+  if (r->fwd && plan.bucket_bytes != r->plan.bucket_bytes) {
+    ferry_free(r->ctx, r->fwd);
+    r->fwd = NULL; /* allocated again, at the new size, when a successor needs it */
+  }
+  free(r->bound), free(r->bound_desc), free(r->stage), free(r->got);
   fr_refit_plan_free(&r->plan);
+  r->got = got;
   r->plan = plan;
   r->bound = bound;
   r->bound_desc = descs;
@@ -129,28 +151,95 @@ static void scatter(ferry_refit_receiver *r, uint32_t b, uint64_t lo, uint64_t l
   }
 }
 
+/* The link to read a bucket from: the sender's, or the predecessor's (connected again if it
+ * dropped). */
+static int source_link(ferry_refit_receiver *r, const fr_refit_msg_t *m, ferry_link **out) {
+  if (!(m->flags & FR_REFIT_FROM_UP)) {
+    *out = r->link;
+    return 0;
+  }
+  if (r->up && ferry_link_status(r->up) != 0) {
+    ferry_link_close(r->up);
+    r->up = NULL;
+  }
+  if (!r->up && r->up_address && ferry_connect(r->ctx, r->up_address, -1, &r->up) != 0)
+    return fr_err(FERRY_EPEER, "refit: cannot reach the chain predecessor at '%s': %s",
+                  r->up_address, ferry_last_error());
+  if (!r->up)
+    return fr_err(FERRY_EPROTO, "refit: told to read from a predecessor, but given none");
+  *out = r->up;
+  return 0;
+}
+
+/* Where bucket m lands: its place in the flat buffer, a forwarding slot when a successor will
+ * read it from here (whole), or the stage that one chunk at a time passes through. */
+static int landing(ferry_refit_receiver *r, const fr_refit_msg_t *m, uint8_t **out, bool *whole) {
+  uint64_t bb = r->plan.bucket_bytes;
+  *whole = true;
+  if (r->flat) {
+    *out = r->flat + (uint64_t)m->bucket * bb;
+    return 0;
+  }
+  if (m->flags & FR_REFIT_KEEP) {
+    if (!r->fwd && ferry_alloc(r->ctx, 2 * bb, (void **)&r->fwd) != 0)
+      return fr_err(FERRY_ENOSHM, "refit: no forwarding buffer: %s", ferry_last_error());
+    *out = r->fwd + m->buffer * bb;
+    return 0;
+  }
+  *whole = false;
+  *out = r->stage;
+  return 0;
+}
+
 /* Reads a bucket in chunks (on shm each one memcpy), hashing and scattering each chunk while it
  * is in cache; over other links one read, since every read there is a round trip. */
-static int read_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, uint64_t *sum) {
-  uint8_t *dst = r->flat ? r->flat + (uint64_t)m->bucket * r->plan.bucket_bytes : r->stage;
-  uint64_t chunk = strcmp(ferry_link_transport(r->link), "shm") == 0 ? FR_REFIT_CHUNK : m->bytes;
+static int read_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, uint8_t *land, bool whole,
+                       uint64_t *sum) {
+  ferry_link *from = NULL;
+  int rc = source_link(r, m, &from);
+  if (rc != 0)
+    return rc;
+  uint64_t chunk = strcmp(ferry_link_transport(from), "shm") == 0 ? FR_REFIT_CHUNK : m->bytes;
+  bool scatter_it = !r->flat && !r->alias;
   fr_hash *h = fr_hash_begin();
-  int rc = 0;
   for (uint64_t lo = 0; lo < m->bytes && rc == 0; lo += chunk) {
     uint64_t n = m->bytes - lo < chunk ? m->bytes - lo : chunk;
-    uint8_t *at = r->flat ? dst + lo : dst;
-    rc = ferry_read(r->link, &r->buf[m->buffer], lo, at, n, -1);
+    uint8_t *at = whole ? land + lo : land;
+    rc = ferry_read(from, &m->src, m->src_offset + lo, at, n, -1);
     if (rc == 0) {
       fr_hash_update(h, at, n);
-      if (!r->flat)
+      if (scatter_it)
         scatter(r, m->bucket, lo, n, at);
     }
   }
   *sum = fr_hash_end(h);
+  if (rc == 0 && from == r->up)
+    __atomic_add_fetch(&fr_refit_stat_forwarded, 1, __ATOMIC_RELAXED);
   return rc;
 }
 
-static int take_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
+/* Reads, verifies and places bucket m; with KEEP, *kept says where a successor finds it. */
+static int fetch_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, ferry_region_ref *kept,
+                        uint64_t *kept_off) {
+  bool keep = m->flags & FR_REFIT_KEEP;
+  if (r->alias && !keep)
+    return 0; /* the bytes are already where the engine looks: the sender's buffer */
+  uint8_t *land = NULL;
+  bool whole;
+  uint64_t sum = 0;
+  int rc = landing(r, m, &land, &whole);
+  if (rc == 0)
+    rc = read_bucket(r, m, land, whole, &sum);
+  if (rc == 0 && sum != m->checksum)
+    rc = fr_err(FERRY_ECHECKSUM, "refit: bucket %u of version %llu does not match its checksum",
+                m->bucket, (unsigned long long)m->version);
+  if (rc == 0 && keep)
+    rc = ferry_region_find(r->ctx, land, m->bytes, kept, kept_off);
+  return rc;
+}
+
+static int take_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, ferry_region_ref *kept,
+                       uint64_t *kept_off) {
   if (m->generation != r->plan.generation) {
     int rc = refetch_manifest(r);
     if (rc != 0)
@@ -162,42 +251,74 @@ static int take_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
   if (m->bucket >= r->plan.buckets || m->bytes != fr_refit_bucket_len(&r->plan, m->bucket))
     return fr_err(FERRY_EPROTO, "refit: bucket %u of %llu bytes is not in the plan", m->bucket,
                   (unsigned long long)m->bytes);
-  if (m->flags & FR_REFIT_UNCHANGED)
-    return 0;
-  uint64_t sum = 0;
-  int rc = read_bucket(r, m, &sum);
-  if (rc != 0)
-    return rc;
-  if (sum != m->checksum)
-    return fr_err(FERRY_ECHECKSUM, "refit: bucket %u of version %llu does not match its checksum",
-                  m->bucket, (unsigned long long)m->version);
-  return 0;
+  if ((m->flags & FR_REFIT_UNCHANGED) || (r->got[m->bucket] && !(m->flags & FR_REFIT_KEEP)))
+    return 0; /* nothing new, or a second announcement of a bucket already here */
+  return fetch_bucket(r, m, kept, kept_off);
+}
+
+static void new_version(ferry_refit_receiver *r, uint64_t version) {
+  r->receiving = version;
+  r->verified = 0;
+  r->failure = 0;
+  memset(r->got, 0, r->plan.buckets ? r->plan.buckets : 1);
+}
+
+/* A failure of this receiver poisons the version; one reading from the predecessor does not
+ * (the sender sends that bucket again directly). */
+static void note_failure(ferry_refit_receiver *r, const fr_refit_msg_t *m, int rc) {
+  fr_warn("%s", ferry_last_error());
+  if (m->flags & FR_REFIT_FROM_UP)
+    return;
+  r->failure = rc;
+  pthread_mutex_lock(&r->lock);
+  snprintf(r->why, sizeof r->why, "%s", ferry_last_error());
+  pthread_mutex_unlock(&r->lock);
 }
 
 static void on_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
-  if (m->version != r->receiving) {
-    r->receiving = m->version;
-    r->verified = 0;
-    r->failure = 0;
-  }
+  if (m->version != r->receiving)
+    new_version(r, m->version);
+  fr_refit_msg_t ack = {.type = FR_REFIT_ACK,
+                        .version = m->version,
+                        .bucket = m->bucket,
+                        .seq = m->seq,
+                        .flags = m->flags & FR_REFIT_KEEP};
   pthread_mutex_lock(&r->bind_lock);
-  int rc = r->failure ? r->failure : take_bucket(r, m);
-  pthread_mutex_unlock(&r->bind_lock);
-  if (rc != 0 && !r->failure) {
-    fr_warn("%s", ferry_last_error());
-    r->failure = rc;
-    pthread_mutex_lock(&r->lock);
-    snprintf(r->why, sizeof r->why, "%s", ferry_last_error());
-    pthread_mutex_unlock(&r->lock);
-  }
-  if (rc == 0) {
+  int rc = r->failure ? r->failure : take_bucket(r, m, &ack.src, &ack.src_offset);
+  bool fresh = rc == 0 && m->bucket < r->plan.buckets && !r->got[m->bucket];
+  if (fresh) {
+    r->got[m->bucket] = 1;
     r->verified++;
-    if (r->on_bucket && !(m->flags & FR_REFIT_UNCHANGED))
-      r->on_bucket(r, m->version, m->bucket, r->on_bucket_arg);
   }
-  fr_refit_msg_t ack = {
-      .type = FR_REFIT_ACK, .version = m->version, .bucket = m->bucket, .status = rc};
+  pthread_mutex_unlock(&r->bind_lock);
+  if (rc != 0 && !r->failure)
+    note_failure(r, m, rc);
+  if (rc != 0 && (m->flags & FR_REFIT_FROM_UP))
+    ack.flags |= FR_REFIT_UPSTREAM;
+  if (fresh && r->on_bucket && !(m->flags & FR_REFIT_UNCHANGED))
+    r->on_bucket(r, m->version, m->bucket, r->on_bucket_arg);
+  ack.status = rc;
   fr_refit_send(r->link, &ack, -1);
+}
+
+/* The sender says which receiver precedes this one in its chain: connect to it now, so the
+ * first bucket does not wait for the handshake. */
+static void on_route(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
+  char *address = strndup(m->route, m->route_len);
+  if (!address)
+    return;
+  if (r->up_address && strcmp(r->up_address, address) == 0 && r->up &&
+      ferry_link_status(r->up) == 0) {
+    free(address);
+    return;
+  }
+  ferry_link_close(r->up);
+  r->up = NULL;
+  free(r->up_address);
+  r->up_address = address;
+  if (ferry_connect(r->ctx, address, -1, &r->up) != 0)
+    fr_warn("refit: cannot reach the chain predecessor at '%s' yet: %s", address,
+            ferry_last_error());
 }
 
 static void on_commit(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
@@ -236,6 +357,8 @@ static void *service_main(void *arg) {
       on_bucket(r, &m);
     else if (m.type == FR_REFIT_COMMIT)
       on_commit(r, &m);
+    else if (m.type == FR_REFIT_ROUTE)
+      on_route(r, &m);
     ferry_msg_free(msg);
   }
   return NULL;
@@ -246,9 +369,10 @@ static void *service_main(void *arg) {
 /* Asks the sender for its manifest, bucket buffers and latest version. */
 static int fetch_manifest(ferry_refit_receiver *r, int timeout_ms, fr_refit_plan *plan) {
   uint8_t type[4] = {FR_REFIT_ATTACH, 0, 0, 0};
-  struct iovec iov = {type, sizeof type};
+  const char *me = ferry_ctx_address(r->ctx); /* where a chain successor would read from */
+  struct iovec iov[2] = {{type, sizeof type}, {(void *)me, strlen(me)}};
   ferry_msg *reply;
-  int rc = ferry_call(r->link, FR_CHANNEL_REFIT, &iov, 1, &reply, timeout_ms);
+  int rc = ferry_call(r->link, FR_CHANNEL_REFIT, iov, 2, &reply, timeout_ms);
   if (rc != 0)
     return fr_err(rc, "refit: attach to '%s': %s", ferry_link_peer(r->link), ferry_last_error());
   fr_refit_attach_reply a;
@@ -259,7 +383,7 @@ static int fetch_manifest(ferry_refit_receiver *r, int timeout_ms, fr_refit_plan
   if (rc == 0)
     rc = fr_refit_manifest_decode(a.manifest, a.manifest_len, plan);
   if (rc == 0) {
-    memcpy(r->buf, a.buffers, sizeof r->buf);
+    r->alias_ref = a.alias;
     if (a.latest > r->latest_known)
       r->latest_known = a.latest;
   }
@@ -291,16 +415,22 @@ static int attach(ferry_refit_receiver *r, const char *address, int timeout_ms) 
     r->bound = calloc(n, sizeof *r->bound);
     r->bound_desc = calloc(n, sizeof *r->bound_desc);
     r->stage = malloc(r->plan.bucket_bytes);
-    if (!r->bound || !r->bound_desc || !r->stage)
+    r->got = calloc(r->plan.buckets ? r->plan.buckets : 1, 1);
+    if (!r->bound || !r->bound_desc || !r->stage || !r->got)
       rc = fr_err(FERRY_ENOMEM, "refit: receiver buffers");
   }
   return rc;
 }
 
 static void receiver_free(ferry_refit_receiver *r) {
+  ferry_link_close(r->up);
   ferry_link_close(r->link);
   if (r->flat)
     ferry_free(r->ctx, r->flat);
+  if (r->fwd)
+    ferry_free(r->ctx, r->fwd);
+  free(r->up_address);
+  free(r->got);
   fr_refit_plan_free(&r->plan);
   free(r->bound);
   free(r->bound_desc);
@@ -407,9 +537,38 @@ int ferry_refit_bind_flat(ferry_refit_receiver *r) {
     return fr_err(FERRY_ESTATE, "refit: the manifest is empty");
   pthread_mutex_lock(&r->bind_lock);
   void *flat = r->flat;
-  int rc = flat ? 0 : ferry_alloc(r->ctx, r->plan.total_bytes, &flat);
+  int rc = r->alias ? fr_err(FERRY_ESTATE, "refit: already bound in alias mode") : 0;
+  if (rc == 0 && !flat)
+    rc = ferry_alloc(r->ctx, r->plan.total_bytes, &flat);
   if (rc == 0)
     r->flat = flat;
+  pthread_mutex_unlock(&r->bind_lock);
+  return rc;
+}
+
+/* Maps the sender's whole wire buffer (alias mode). */
+static int alias_map(ferry_refit_receiver *r) {
+  const void *at = NULL;
+  int rc = r->alias_ref.size ? ferry_view(r->link, &r->alias_ref, 0, r->alias_ref.size, &at)
+                             : fr_err(FERRY_ENOTSUP, "refit: the sender keeps no alias buffer "
+                                                     "(open it with ferry_refit_opts.alias)");
+  if (rc == 0 && r->alias_ref.size < r->plan.total_bytes)
+    rc = fr_err(FERRY_EPROTO, "refit: the sender's alias buffer is smaller than its manifest");
+  if (rc == 0)
+    r->alias = at;
+  return rc;
+}
+
+int ferry_refit_bind_alias(ferry_refit_receiver *r) {
+  if (!r)
+    return fr_err(FERRY_EINVAL, "ferry_refit_bind_alias: NULL receiver");
+  pthread_mutex_lock(&r->bind_lock);
+  int rc = r->flat ? fr_err(FERRY_ESTATE, "refit: already bound to a flat buffer") : 0;
+  if (rc == 0 && strcmp(ferry_link_transport(r->link), "shm") != 0)
+    rc = fr_err(FERRY_ENOTSUP, "refit: alias mode needs the sender on this host (link is %s)",
+                ferry_link_transport(r->link));
+  if (rc == 0)
+    rc = alias_map(r);
   pthread_mutex_unlock(&r->bind_lock);
   return rc;
 }
@@ -418,10 +577,11 @@ int ferry_refit_view(ferry_refit_receiver *r, const char *name, void **out) {
   uint32_t i = 0;
   pthread_mutex_lock(&r->bind_lock);
   int rc = find(r, name, &i);
-  if (rc == 0 && !r->flat)
-    rc = fr_err(FERRY_ESTATE, "refit: views need ferry_refit_bind_flat() first");
+  if (rc == 0 && !r->flat && !r->alias)
+    rc = fr_err(FERRY_ESTATE, "refit: views need ferry_refit_bind_flat() or _bind_alias() first");
   if (rc == 0)
-    *out = r->flat + r->plan.entries[i].offset;
+    *out =
+        (uint8_t *)(r->flat ? r->flat : (uint8_t *)(uintptr_t)r->alias) + r->plan.entries[i].offset;
   pthread_mutex_unlock(&r->bind_lock);
   return rc;
 }

@@ -14,6 +14,9 @@
  * (a test flips a byte to prove the receiver refuses the version). */
 extern void (*fr_refit_test_corrupt)(uint32_t bucket, uint8_t *bytes, uint64_t len);
 
+/* Buckets this process's receivers read from a chain predecessor (tests prove chains carry). */
+extern uint64_t fr_refit_stat_forwarded;
+
 /* Sends one protocol record on a link. */
 int fr_refit_send(ferry_link *link, const fr_refit_msg_t *m, int timeout_ms);
 

@@ -52,30 +52,57 @@ static receiver *find_receiver(ferry_refit_sender *s, ferry_link *link) {
   return NULL;
 }
 
+void fr_refit_receiver_free(receiver *r) {
+  ferry_link_release(r->link);
+  free(r->address);
+  free(r->routed);
+  free(r);
+}
+
 static void remove_receiver(ferry_refit_sender *s, ferry_link *link) {
   for (receiver **pp = &s->receivers; *pp; pp = &(*pp)->next)
     if ((*pp)->link == link) {
       receiver *r = *pp;
+      if (r->in_push) { /* others may read from it: it goes when the push ends */
+        r->detached = true;
+        r->status = r->status ? r->status : FERRY_ECLOSED;
+        return;
+      }
       *pp = r->next;
-      ferry_link_release(r->link);
-      free(r);
+      fr_refit_receiver_free(r);
       return;
     }
+}
+
+/* A new receiver from its ATTACH call; its body is the receiver's ctx address. */
+static receiver *new_receiver(ferry_msg *m) {
+  receiver *r = calloc(1, sizeof *r);
+  size_t alen = m->len > 4 ? m->len - 4 : 0;
+  if (r && alen <= FR_REFIT_ADDRESS_MAX && (r->address = malloc(alen + 1))) {
+    memcpy(r->address, (const char *)m->data + 4, alen);
+    r->address[alen] = 0;
+    r->address[strnlen(r->address, alen)] = 0;
+    r->link = ferry_link_retain(m->link);
+    r->shm = strcmp(ferry_link_transport(m->link), "shm") == 0;
+    snprintf(r->peer, sizeof r->peer, "%s", ferry_link_peer(m->link));
+    return r;
+  }
+  free(r);
+  return NULL;
 }
 
 static void answer_attach(ferry_refit_sender *s, ferry_msg *m) {
   pthread_mutex_lock(&s->lock);
   fr_refit_attach_reply rep = {.status = s->sealed ? 0 : FERRY_ESTATE, .latest = s->latest};
-  memcpy(rep.buffers, s->ref, sizeof rep.buffers);
+  if (s->alias)
+    rep.alias = s->ref[0];
   uint8_t head[FR_REFIT_ATTACH_HEAD];
   fr_refit_attach_head_encode(&rep, head);
   struct iovec iov[2] = {{head, sizeof head}, {s->manifest, s->sealed ? s->manifest_len : 0}};
   int rc = ferry_reply(m, iov, 2, -1);
   if (rc == 0 && s->sealed && !find_receiver(s, m->link)) {
-    receiver *r = calloc(1, sizeof *r);
+    receiver *r = new_receiver(m);
     if (r) {
-      r->link = ferry_link_retain(m->link);
-      snprintf(r->peer, sizeof r->peer, "%s", ferry_link_peer(m->link));
       r->next = s->receivers;
       s->receivers = r;
       fr_info("refit '%s': receiver '%s' attached", s->name, r->peer);
@@ -84,18 +111,34 @@ static void answer_attach(ferry_refit_sender *s, ferry_msg *m) {
   pthread_mutex_unlock(&s->lock);
 }
 
+/* A receiver verified a bucket (it is then a source for its successor) or failed it. A failure
+ * to read from its predecessor is not its own: it takes the rest from the sender later. */
+static void record_ack(ferry_refit_sender *s, receiver *r, const fr_refit_msg_t *x) {
+  if (x->status != 0 && (x->flags & FR_REFIT_UPSTREAM)) {
+    r->orphan |= !s->repairing;
+  } else if (x->status != 0) {
+    r->status = r->status ? r->status : x->status;
+  } else if (x->seq == r->acked) {
+    if (x->flags & FR_REFIT_KEEP) {
+      r->fwd[x->seq % 2] = x->src;
+      r->fwd_offset[x->seq % 2] = x->src_offset;
+    }
+    r->acked++;
+    fr_refit_announce_ready(s);
+  }
+}
+
 static void record(ferry_refit_sender *s, ferry_msg *m, const fr_refit_msg_t *x) {
   pthread_mutex_lock(&s->lock);
   receiver *r = find_receiver(s, m->link);
   if (x->type == FR_REFIT_DETACH) {
     remove_receiver(s, m->link);
-  } else if (r && r->in_push && x->version == s->pushing) {
+  } else if (r && r->in_push && x->version == s->pushing && x->type == FR_REFIT_ACK) {
+    record_ack(s, r, x);
+  } else if (r && r->in_push && x->version == s->pushing && x->type == FR_REFIT_COMMITTED) {
     if (x->status != 0 && r->status == 0)
       r->status = x->status;
-    if (x->type == FR_REFIT_ACK)
-      r->acked++;
-    else if (x->type == FR_REFIT_COMMITTED)
-      r->commit_seen = true;
+    r->commit_seen = true;
   }
   pthread_cond_broadcast(&s->cond);
   pthread_mutex_unlock(&s->lock);
@@ -154,6 +197,7 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
   }
   s->ctx = ctx;
   s->budget = bucket_budget(opts);
+  s->alias = opts && opts->alias;
   pthread_mutex_init(&s->lock, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
@@ -213,15 +257,17 @@ int ferry_refit_declare(ferry_refit_sender *s, const char *name, const ferry_ten
   return rc;
 }
 
+/* Two bucket slots, or in alias mode one buffer for the whole wire layout. */
 static int alloc_buffers(ferry_refit_sender *s) {
-  uint64_t need = s->plan.bucket_bytes;
+  uint64_t need = s->alias ? s->plan.total_bytes : s->plan.bucket_bytes;
   if (s->buf[0] && s->buf_bytes >= need)
     return 0;
   for (int i = 0; i < 2; i++) {
     ferry_free(s->ctx, s->buf[i]);
     s->buf[i] = NULL;
+    s->ref[i] = (ferry_region_ref){0};
   }
-  for (int i = 0; i < 2; i++) {
+  for (int i = 0; i < (s->alias ? 1 : 2); i++) {
     int rc = ferry_alloc(s->ctx, need, &s->buf[i]);
     if (rc == 0)
       rc = ferry_region_find(s->ctx, s->buf[i], need, &s->ref[i], NULL);
@@ -286,8 +332,11 @@ void ferry_refit_sender_close(ferry_refit_sender *s) {
     return;
   __atomic_store_n(&s->stop, true, __ATOMIC_RELEASE);
   pthread_join(s->service, NULL);
-  while (s->receivers)
-    remove_receiver(s, s->receivers->link);
+  while (s->receivers) {
+    receiver *r = s->receivers;
+    s->receivers = r->next;
+    fr_refit_receiver_free(r);
+  }
   for (int i = 0; i < 2; i++)
     ferry_free(s->ctx, s->buf[i]);
   claim_ctx(s->ctx, false);

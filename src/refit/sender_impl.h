@@ -12,11 +12,23 @@
 typedef struct receiver {
   ferry_link *link;
   char peer[64];
+  char *address;      /* its ctx address, where a chain successor reads from ("" if unknown) */
+  char *routed;       /* the predecessor address it was last told (ROUTE), or NULL */
+  bool shm;           /* on this host */
   uint64_t committed; /* last version it committed */
-  bool in_push;       /* takes part in the push under way */
-  uint32_t acked;     /* buckets of the current push it acknowledged */
+
+  /* the push under way (reset by begin_push) */
+  bool in_push;
+  bool orphan;             /* its chain broke above it: it gets the rest from the sender */
+  struct receiver *up;     /* chain predecessor it reads from; NULL: the sender */
+  struct receiver *down;   /* chain successor that reads from it */
+  uint32_t announced;      /* buckets (by seq) announced to it */
+  uint32_t acked;          /* buckets (by seq, a prefix) it verified */
+  ferry_region_ref fwd[2]; /* where it keeps seq % 2 for its successor, from its ACK */
+  uint64_t fwd_offset[2];
   bool commit_seen;
-  int status; /* first failure in the current push */
+  bool detached; /* said goodbye during the push; freed after it */
+  int status;    /* first failure in the current push */
   struct receiver *next;
 } receiver;
 
@@ -32,6 +44,7 @@ struct ferry_refit_sender {
   uint32_t cap;
   bool sealed;
   uint64_t budget;
+  bool alias; /* buf[0] holds every bucket (alias mode), not two of them */
   void *buf[2];
   ferry_region_ref ref[2];
   uint64_t buf_bytes;
@@ -44,8 +57,16 @@ struct ferry_refit_sender {
   receiver *receivers;
   uint64_t latest;
   uint64_t pushing; /* version under way, 0 when idle */
+  uint32_t packed;  /* buckets (by seq) of the push packed so far */
+  bool repairing;   /* the push's second, direct pass (chain members whose chain broke) */
+  const struct fr_push *current; /* the push under way, for announcements on acknowledgement */
   bool stop;
   pthread_t service;
 };
+
+/* Announces every bucket of the current push that may go now (s->lock held). */
+void fr_refit_announce_ready(ferry_refit_sender *s);
+/* Releases a receiver record (its link reference and strings). */
+void fr_refit_receiver_free(receiver *r);
 
 #endif

@@ -165,7 +165,7 @@ static int check_send(ferry_link *link, uint32_t channel, const struct iovec *io
 
 int ferry_send(ferry_link *link, uint32_t channel, const struct iovec *iov, int iovcnt,
                int timeout_ms) {
-  uint64_t len;
+  uint64_t len = 0;
   int rc = check_send(link, channel, iov, iovcnt, &len);
   if (rc != 0)
     return rc;
@@ -175,7 +175,7 @@ int ferry_send(ferry_link *link, uint32_t channel, const struct iovec *iov, int 
 
 int ferry_call(ferry_link *link, uint32_t channel, const struct iovec *iov, int iovcnt,
                ferry_msg **reply, int timeout_ms) {
-  uint64_t len;
+  uint64_t len = 0;
   int rc = check_send(link, channel, iov, iovcnt, &len);
   if (rc == 0 && !reply)
     rc = fr_err(FERRY_EINVAL, "ferry_call: reply is NULL");
@@ -188,7 +188,7 @@ int ferry_reply(ferry_msg *request, const struct iovec *iov, int iovcnt, int tim
   fr_msg_node *n = fr_msg_node_of(request);
   if (n->call_id == 0)
     return fr_err(FERRY_EINVAL, "ferry_reply: the message was not a call (or was answered)");
-  uint64_t len;
+  uint64_t len = 0;
   int rc = check_send(request->link, 0, iov, iovcnt, &len);
   if (rc != 0)
     return rc;
