@@ -38,7 +38,8 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 
 run_stage "suite" build "-DCMAKE_BUILD_TYPE=RelWithDebInfo" ""
-# The Python binding against the suite's libferry.so, with Debian's python3 and pytest.
+# The Python binding against the suite's libferry.so, with Debian's python3 and pytest, then
+# its examples.
 echo "=== python ==="
 if ! /usr/bin/python3 -c "import pytest" 2>/dev/null; then
   echo "python: SKIPPED: /usr/bin/python3 cannot import pytest (scripts/deps.sh test installs python3-pytest)"
@@ -51,6 +52,17 @@ else
   tail -1 build-python.log | awk '{ for (i = 1; i < NF; i++) {
       if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^(failed|error)/) f += $i }
     printf "%d%% tests passed, %d tests failed out of %d\n", p + f ? 100 * p / (p + f) : 0, f, p + f }' >build-python.ctest.log
+  # The examples, end to end (each starts its own second and third processes).
+  ex_pass=0 ex_fail=0
+  for ex in examples/routing_replay.py examples/refit_torch.py; do
+    if FERRY_LIB=$PWD/build/libferry.so timeout -s KILL 180 /usr/bin/python3 "$ex"; then
+      ex_pass=$((ex_pass + 1))
+    else
+      echo "python: FAILED: $ex"; ex_fail=$((ex_fail + 1)); failed+=("python ($ex)")
+    fi
+  done
+  printf "%d%% tests passed, %d tests failed out of %d\n" $((100 * ex_pass / 2)) "$ex_fail" 2 \
+    >build-python-examples.ctest.log
 fi
 # Without UCX: the build, and the core and link tests (the ucx transport is optional).
 run_stage "without ucx" build-noucx "-DCMAKE_BUILD_TYPE=RelWithDebInfo -DFERRY_WITH_UCX=OFF" \
