@@ -5,9 +5,9 @@
         s.put("r42", routing_ids)                       # numpy array or torch tensor
         ids = s.get("r42")                              # numpy array
 
-libferry.so is found through FERRY_LIB, beside this package, in the checkout's build/ folder, or
-where `make install` put it. ferry's log lines go to the `logging` logger "ferry"; the level of
-what ferry emits is FERRY_LOG (or ferry.set_log_level()). Calls into the library release the GIL.
+libferry.so is found through FERRY_LIB (only there, when set), beside this package, where `make
+install` put it, in the checkout's build/ folder, or on the loader's path. ferry's log lines go
+to the `logging` logger "ferry"; the level of what ferry emits is FERRY_LOG (or ferry.set_log_level()). Calls into the library release the GIL.
 """
 import atexit
 import logging

@@ -27,12 +27,16 @@ def _candidates():
     if env:
         # An explicit choice is the only one: silently falling back would hide a wrong path.
         return [env]
+    out = [os.path.join(_HERE, "libferry.so")]  # beside the package (copied in)
+    try:  # installed by make install, which wrote where the library went
+        from ._installed import LIBDIR
+        libdir = os.path.normpath(os.path.join(_HERE, LIBDIR))
+        out += [os.path.join(libdir, "libferry.so.0"), os.path.join(libdir, "libferry.so")]
+    except ImportError:
+        pass
     repo = os.path.dirname(os.path.dirname(_HERE))
-    out = [
-        os.path.join(_HERE, "libferry.so"),  # beside the package (installed, or copied in)
-        os.path.join(repo, "build", "libferry.so"),  # the build tree of a checkout
-    ]
-    found = ctypes.util.find_library("ferry")  # where `make install` put it
+    out.append(os.path.join(repo, "build", "libferry.so"))  # the build tree of a checkout
+    found = ctypes.util.find_library("ferry")  # the loader's search path (ldconfig)
     if found:
         out.append(found)
     out.append("libferry.so.0")
