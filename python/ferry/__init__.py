@@ -7,7 +7,8 @@
 
 libferry.so is found through FERRY_LIB (only there, when set), beside this package, where `make
 install` put it, in the checkout's build/ folder, or on the loader's path. ferry's log lines go
-to the `logging` logger "ferry"; the level of what ferry emits is FERRY_LOG (or ferry.set_log_level()). Calls into the library release the GIL.
+to the `logging` logger "ferry"; the level of what ferry emits is FERRY_LOG (or
+ferry.set_log_level()). Calls into the library release the GIL.
 """
 import atexit
 import logging
