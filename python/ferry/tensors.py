@@ -73,13 +73,21 @@ def dtype_code(dtype):
         raise TypeError("ferry: dtype %r is not supported" % (dtype,)) from None
 
 
+_DESCS = {}  # (code, shape) -> TensorDesc: calls only read a desc, so one serves every call
+
+
 def make_desc(code, shape):
+    d = _DESCS.get((code, shape))
+    if d is not None:
+        return d
     if len(shape) > _lib.MAX_DIMS:
         raise ValueError("ferry: %d dimensions; at most %d" % (len(shape), _lib.MAX_DIMS))
     d = _lib.TensorDesc()
     d.dtype, d.ndim = code, len(shape)
     for i, n in enumerate(shape):
         d.shape[i] = int(n)
+    if len(_DESCS) < 4096:
+        _DESCS[(code, tuple(int(n) for n in shape))] = d
     return d
 
 
@@ -110,7 +118,7 @@ def as_buffer(obj, writable=False):
         return make_desc(code, tuple(t.shape)), arr
     if not isinstance(obj, np.ndarray):
         obj = np.asarray(obj)
-    code = dtype_code(obj.dtype)
+    code = _NP_TO_FERRY.get(obj.dtype) or dtype_code(obj.dtype)
     if not obj.flags.c_contiguous:
         if writable:
             raise ValueError("ferry: out must be C-contiguous")
