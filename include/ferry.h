@@ -685,6 +685,108 @@ FERRY_API int ferry_refit_wait(ferry_refit_receiver *receiver, uint64_t version,
 /* The last committed version (0: none yet). */
 FERRY_API uint64_t ferry_refit_committed(ferry_refit_receiver *receiver);
 
+/* ---------------------------------------------------------------------------------------------
+ * MQ: reliable publish/subscribe between the nodes of a fleet (see docs/MQ.md).
+ * ------------------------------------------------------------------------------------------- */
+/* Nodes publish messages (bytes, or a tensor with its dtype and shape) on topics; every node
+ * subscribed to a topic receives each one. Nodes find each other through the fleet's directory
+ * (FERRY_DIRECTORY, as the store does) and may join and leave at any time; messages travel over
+ * ferry links (shm on one host, tcp or ucx across).
+ *
+ * Guarantees: every message reaches every subscriber the publisher knows when it publishes, once,
+ * in publish order per publisher (for all of its topics), or the publish fails and says which
+ * subscriber did not get it. Nothing is dropped silently: each subscriber grants each publisher a
+ * bounded queue (FERRY_MQ_QUEUE_BYTES of credit); a publish to a subscriber whose queue is full
+ * waits up to its timeout and then fails with FERRY_ETIMEDOUT naming that subscriber (and then no
+ * subscriber got the message). A subscriber that dies is dropped by its publishers: the publish
+ * that finds it dead delivers to every other subscriber and returns FERRY_EPEER naming it.
+ * A node does not receive its own messages.
+ *
+ * Payloads up to FERRY_MQ_INLINE_BYTES travel inside the frame; larger ones, to a subscriber on
+ * the same host, are copied once into the publisher's shared-memory pool (FERRY_MQ_POOL_BYTES)
+ * and the subscriber reads them in place (ferry_mq_msg.data points into that pool until the
+ * message is freed). One mq per context; every call is thread-safe. */
+typedef struct ferry_mq ferry_mq;
+
+#define FERRY_MQ_TOPIC_MAX 128 /* bytes of a topic, NUL not included */
+
+/* A received message. Owned by the caller until ferry_mq_msg_free(); every pointer in it stays
+ * valid until then. The payload is read-only and 16-byte aligned (64 within the frame). */
+typedef struct ferry_mq_msg {
+  const char *topic;      /* NUL-terminated */
+  const char *publisher;  /* the publishing node's ctx name */
+  const void *data;       /* the payload */
+  size_t len;             /* payload bytes */
+  uint64_t seq;           /* the publisher's message number: increases with each publish */
+  int is_tensor;          /* 1: published with ferry_mq_publish_tensor; desc describes data */
+  ferry_tensor_desc desc; /* dtype INVALID unless is_tensor */
+} ferry_mq_msg;
+
+/* ferry_mq_opts.flags */
+#define FERRY_MQ_HOST_DIRECTORY                                                                      1u /* also run the embedded directory in this node (at ferry://<this ctx's tcp listener>);             not with a store on the same ctx that hosts one too */
+
+typedef struct ferry_mq_opts {
+  size_t size;           /* sizeof(ferry_mq_opts) */
+  const char *directory; /* directory URL (copied); NULL: FERRY_DIRECTORY */
+  uint64_t queue_bytes;  /* credit this node grants each publisher; 0: FERRY_MQ_QUEUE_BYTES */
+  int lease_ms;          /* directory lease; 0: FERRY_LEASE_MS */
+  uint32_t flags;        /* FERRY_MQ_* */
+} ferry_mq_opts;
+
+/* Opens the mq of `ctx` (which must outlive it; its name, at most 60 bytes, names this node to
+ * subscribers) and registers the node in the directory. Starts one background thread (lease
+ * renewal, callbacks). The handle is owned by the caller until ferry_mq_close(), which tells
+ * peers this node leaves, removes its records and frees its pool; every message must be freed
+ * before. FERRY_ECONNECT when no directory answers. */
+FERRY_API int ferry_mq_open(ferry_ctx *ctx, const ferry_mq_opts *opts, ferry_mq **out);
+FERRY_API void ferry_mq_close(ferry_mq *mq);
+
+/* Subscribes to a topic (1..FERRY_MQ_TOPIC_MAX bytes, no control characters): records it in the
+ * directory and tells every current publisher of the topic, so that when the call returns every
+ * later publish of those publishers reaches this node (publishers that appear later find the
+ * record themselves). Subscribing twice is a no-op. A publisher that does not answer within the
+ * timeout is skipped (logged): it finds the record when it publishes next. */
+FERRY_API int ferry_mq_subscribe(ferry_mq *mq, const char *topic, int timeout_ms);
+/* Removes the subscription; messages of the topic already queued are still received, later ones
+ * are discarded. FERRY_ENOTFOUND when not subscribed. */
+FERRY_API int ferry_mq_unsubscribe(ferry_mq *mq, const char *topic, int timeout_ms);
+
+/* Publishes `len` bytes of data (read during the call only) to every subscriber of topic. The
+ * first publish of a topic (or ferry_mq_wait_subscribers) advertises this node as a publisher.
+ * Returns once every subscriber has the message in its queue (or its link). Errors:
+ * FERRY_ETIMEDOUT (a subscriber's queue stayed full; nobody got the message; the detail names
+ * the subscriber), FERRY_EPEER (subscribers died and were dropped — named in the detail — and
+ * every other subscriber got the message), FERRY_EINVAL (bad topic). With no subscriber it
+ * returns 0 at once: the message goes nowhere. */
+FERRY_API int ferry_mq_publish(ferry_mq *mq, const char *topic, const void *data, size_t len,
+                               int timeout_ms);
+/* The same for a tensor: its dtype and shape travel in a fixed binary header and arrive in
+ * ferry_mq_msg.desc. FERRY_EDTYPE / FERRY_ESHAPE / FERRY_EOVERFLOW for a bad desc. */
+FERRY_API int ferry_mq_publish_tensor(ferry_mq *mq, const char *topic,
+                                      const ferry_tensor_desc *desc, const void *data,
+                                      int timeout_ms);
+/* Waits until at least n subscribers of topic are known to this node (advertising it as a
+ * publisher). No polling: it wakes when a subscriber's request arrives. FERRY_ETIMEDOUT. */
+FERRY_API int ferry_mq_wait_subscribers(ferry_mq *mq, const char *topic, size_t n,
+                                        int timeout_ms);
+/* The number of subscribers of topic known to this node now (0 for a topic it never published). */
+FERRY_API size_t ferry_mq_subscribers(ferry_mq *mq, const char *topic);
+
+/* Takes the next message (any topic, in arrival order; per publisher in publish order). The
+ * message is owned by the caller until ferry_mq_msg_free(), which returns its credit to the
+ * publisher: holding messages holds back their publishers. FERRY_ETIMEDOUT when none arrived in
+ * time; FERRY_EBUSY while a callback is installed. */
+FERRY_API int ferry_mq_recv(ferry_mq *mq, ferry_mq_msg **out, int timeout_ms);
+FERRY_API void ferry_mq_msg_free(ferry_mq_msg *msg);
+
+/* Called with each message, instead of ferry_mq_recv, on the mq's background thread (one
+ * thread: calls never overlap, and come in arrival order). The callback owns the message and
+ * must free it (it may keep it and free it later from any thread). It may publish, subscribe
+ * and unsubscribe, but not close the mq. fn == NULL removes the callback (after the call that
+ * may be running); messages then queue for ferry_mq_recv again. */
+typedef void (*ferry_mq_fn)(ferry_mq *mq, ferry_mq_msg *msg, void *arg);
+FERRY_API int ferry_mq_set_callback(ferry_mq *mq, ferry_mq_fn fn, void *arg);
+
 #ifdef __cplusplus
 }
 #endif

@@ -32,7 +32,13 @@
     "a node's directory lease; its records vanish this long after it dies")                        \
   X("FERRY_STORE_CAPACITY", "1073741824", "bytes of a node's store pool (copied puts live there)") \
   X("FERRY_STORE_MAX_OBJECTS", "65536", "most objects one node's store holds at once")             \
-  X("FERRY_STORE_THREADS", "4", "threads a batch get uses to keep reads in flight")
+  X("FERRY_STORE_THREADS", "4", "threads a batch get uses to keep reads in flight")                \
+  X("FERRY_MQ_QUEUE_BYTES", "67108864",                                                            \
+    "mq: bytes of messages a subscriber queues per publisher before publishes wait")               \
+  X("FERRY_MQ_INLINE_BYTES", "65536",                                                              \
+    "mq: larger payloads to a subscriber on this host go through the shared-memory pool")          \
+  X("FERRY_MQ_POOL_BYTES", "268435456",                                                            \
+    "mq: bytes of a publisher's shared-memory pool for large payloads (touched as used)")
 
 static const ferry_config_item config_table[] = {
 #define FR_CONFIG_ROW_(name, def, doc) {name, def, doc},

@@ -1,0 +1,522 @@
+/*
+ * How publishers and subscribers find each other, through the fleet's directory.
+ *
+ * Each mq registers a node record "mq:<ctx name>" (its address) and one object record per role
+ * and topic: "mq/s/<len>:<topic>/<node>" for a subscription, "mq/p/<len>:<topic>/<node>" for a
+ * publisher (the length prefix keeps topics that contain '/' apart in prefix scans). A
+ * subscriber records itself, then asks every publisher it finds to add it (SUB, a call, so when
+ * subscribe returns those publishers know it); a publisher records itself, then adds every
+ * subscriber it finds. Each writes before it reads, so of a publisher and a subscriber that
+ * arrive together at least one sees the other. A node that dies loses its records when its lease
+ * lapses; until then a publisher that finds its record fails to dial it and skips it.
+ *
+ * Per remote subscriber a publisher keeps one peer (its link, credit, pool blocks it holds);
+ * topics list peers. A peer is dropped (and its pool blocks freed) when it leaves (BYE), when
+ * its link dies, or when a send to it fails.
+ */
+#include "mq/mq.h"
+#include "core/channels.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+void fr_mq_key(char *buf, size_t cap, char role, const char *topic, const char *node) {
+  snprintf(buf, cap, "mq/%c/%zu:%s/%s", role, strlen(topic), topic, node);
+}
+
+/* ---- the directory: this node's records ---- */
+
+static void record_for(ferry_mq *mq, fr_dir_object *o, char role, const char *topic) {
+  memset(o, 0, sizeof *o);
+  fr_mq_key(o->key, sizeof o->key, role, topic, mq->name);
+  snprintf(o->owner, sizeof o->owner, "%s", mq->dir_name);
+  o->region.size = mq->window; /* what a publisher may queue here before it waits */
+  o->gen_region.size = 8;
+  o->generation = mq->incarnation;
+  o->desc = (ferry_tensor_desc){.dtype = FERRY_DTYPE_U8, .ndim = 1};
+}
+
+static int put_record(ferry_mq *mq, char role, const char *topic, int timeout_ms) {
+  fr_dir_object o;
+  record_for(mq, &o, role, topic);
+  return mq->dir->ops->obj_put(mq->dir->state, &o, 0, NULL, NULL, timeout_ms);
+}
+
+/* The records of every topic this node subscribes to or advertises. */
+static int republish(ferry_mq *mq, int timeout_ms) {
+  pthread_mutex_lock(&mq->lock);
+  size_t n = mq->nsubscribed, m = 0;
+  for (fr_mq_topic *t = mq->topics; t; t = t->next)
+    m += t->advertised;
+  char **names = calloc(n + m + 1, sizeof *names);
+  char *roles = calloc(n + m + 1, 1);
+  size_t k = 0;
+  for (size_t i = 0; names && roles && i < n; i++, k++)
+    names[k] = strdup(mq->subscribed[i]), roles[k] = 's';
+  for (fr_mq_topic *t = mq->topics; names && roles && t; t = t->next)
+    if (t->advertised)
+      names[k] = strdup(t->name), roles[k++] = 'p';
+  pthread_mutex_unlock(&mq->lock);
+  int rc = names && roles ? 0 : fr_err(FERRY_ENOMEM, "mq: re-registration");
+  for (size_t i = 0; i < k; i++) {
+    if (rc == 0)
+      rc = names[i] ? put_record(mq, roles[i], names[i], timeout_ms)
+                    : fr_err(FERRY_ENOMEM, "mq: re-registration");
+    free(names[i]);
+  }
+  free(names);
+  free(roles);
+  return rc;
+}
+
+/* The node that holds our name is gone when its address does not answer as that node. */
+static bool holder_dead(ferry_mq *mq, const fr_dir_node *h, int timeout_ms) {
+  ferry_link *l = NULL;
+  if (ferry_connect(mq->ctx, h->address, timeout_ms < 2000 ? timeout_ms : 2000, &l) != 0) {
+    fr_err_clear();
+    return true;
+  }
+  bool dead = strcmp(ferry_link_peer(l), mq->name) != 0;
+  ferry_link_close(l);
+  return dead;
+}
+
+static int node_put(ferry_mq *mq, const fr_dir_node *n, int timeout_ms) {
+  fr_dir_node holder;
+  int rc = mq->dir->ops->node_put(mq->dir->state, n, mq->lease_ms, 0, &holder, timeout_ms);
+  if (rc != FERRY_EEXIST)
+    return rc;
+  char taken[512];
+  fr_mq_detail(taken, sizeof taken);
+  if (!holder_dead(mq, &holder, timeout_ms))
+    return fr_err(FERRY_EEXIST, "mq '%s': %s; give this node another name or stop the other one",
+                  mq->name, taken);
+  fr_info("mq '%s': the node that held this name is dead; taking the name over", mq->name);
+  return mq->dir->ops->node_put(mq->dir->state, n, mq->lease_ms, holder.incarnation, NULL,
+                                timeout_ms);
+}
+
+int fr_mq_register(ferry_mq *mq, bool fresh, int timeout_ms) {
+  fr_dir_node n;
+  memset(&n, 0, sizeof n);
+  snprintf(n.name, sizeof n.name, "%s", mq->dir_name);
+  snprintf(n.address, sizeof n.address, "%s", ferry_ctx_address(mq->ctx));
+  n.incarnation = mq->incarnation;
+  uint64_t epoch = mq->dir->ops->epoch(mq->dir->state);
+  int rc = node_put(mq, &n, timeout_ms);
+  if (rc == 0 && !fresh)
+    rc = republish(mq, timeout_ms);
+  pthread_mutex_lock(&mq->lock);
+  if (rc == 0)
+    mq->registered_epoch = epoch;
+  mq->next_renew_ns =
+      fr_now_ns() + (rc == 0 ? (uint64_t)mq->lease_ms * 1000000ull / 3 : 200000000ull);
+  pthread_mutex_unlock(&mq->lock);
+  return rc;
+}
+
+void fr_mq_unregister(ferry_mq *mq) {
+  mq->dir->ops->node_del(mq->dir->state, mq->dir_name, mq->incarnation, 2000);
+}
+
+void fr_mq_renew(ferry_mq *mq) {
+  int timeout = mq->lease_ms / 3 > 100 ? mq->lease_ms / 3 : 100;
+  int rc = mq->dir->ops->node_renew(mq->dir->state, mq->dir_name, mq->incarnation, mq->lease_ms,
+                                    timeout);
+  if (rc == FERRY_ENOTFOUND ||
+      (rc == 0 && mq->dir->ops->epoch(mq->dir->state) != mq->registered_epoch)) {
+    fr_info("mq '%s': directory lost our records; registering again", mq->name);
+    rc = fr_mq_register(mq, false, timeout);
+  } else {
+    pthread_mutex_lock(&mq->lock);
+    mq->next_renew_ns =
+        fr_now_ns() + (rc == 0 ? (uint64_t)mq->lease_ms * 1000000ull / 3 : 200000000ull);
+    pthread_mutex_unlock(&mq->lock);
+  }
+  if (rc != 0)
+    fr_warn("mq '%s': lease renewal failed: %s", mq->name, ferry_last_error());
+}
+
+/* ---- links to other mq nodes ---- */
+
+/* A link to node `name` (a reference the caller releases): one this mq already has, else dialled
+ * at the address the directory gives. */
+static int dial(ferry_mq *mq, const char *name, int timeout_ms, ferry_link **out) {
+  pthread_mutex_lock(&mq->lock);
+  for (size_t i = 0; i < mq->nlinks; i++) {
+    ferry_link *l = mq->links[i].link;
+    if (ferry_link_status(l) == 0 && strcmp(ferry_link_peer(l), name) == 0) {
+      *out = ferry_link_retain(l);
+      pthread_mutex_unlock(&mq->lock);
+      return 0;
+    }
+  }
+  pthread_mutex_unlock(&mq->lock);
+  char dn[FR_DIR_NAME_MAX + 1];
+  snprintf(dn, sizeof dn, "mq:%.60s", name);
+  fr_dir_node node;
+  int rc = mq->dir->ops->node_get(mq->dir->state, dn, &node, timeout_ms);
+  ferry_link *l = NULL;
+  if (rc == 0)
+    rc = ferry_connect(mq->ctx, node.address, timeout_ms, &l);
+  if (rc != 0)
+    return fr_err_wrap(rc, "mq: cannot reach '%s'", name);
+  pthread_mutex_lock(&mq->lock);
+  fr_mq_keep_link(mq, l, true);
+  pthread_mutex_unlock(&mq->lock);
+  *out = l;
+  return 0;
+}
+
+/* ---- publisher side: topics and peers ---- */
+
+fr_mq_topic *fr_mq_topic_get(ferry_mq *mq, const char *topic) {
+  for (fr_mq_topic *t = mq->topics; t; t = t->next)
+    if (strcmp(t->name, topic) == 0)
+      return t;
+  fr_mq_topic *t = calloc(1, sizeof *t);
+  if (!t || !(t->name = strdup(topic))) {
+    free(t);
+    return NULL;
+  }
+  t->next = mq->topics;
+  mq->topics = t;
+  return t;
+}
+
+static fr_mq_peer *peer_find(ferry_mq *mq, const char *name) {
+  for (fr_mq_peer *p = mq->peers; p; p = p->next)
+    if (strcmp(p->name, name) == 0)
+      return p;
+  return NULL;
+}
+
+fr_mq_peer *fr_mq_peer_by_link(ferry_mq *mq, ferry_link *l) {
+  for (fr_mq_peer *p = mq->peers; p; p = p->next)
+    if (p->link == l)
+      return p;
+  return NULL;
+}
+
+void fr_mq_peer_unref(ferry_mq *mq, fr_mq_peer *p) {
+  if (--p->refs > 0)
+    return;
+  ferry_link_release(p->link);
+  free(p->tokens);
+  free(p);
+}
+
+static bool topic_remove(fr_mq_topic *t, fr_mq_peer *p) {
+  for (size_t i = 0; i < t->nsubs; i++)
+    if (t->subs[i] == p) {
+      t->subs[i] = t->subs[--t->nsubs];
+      return true;
+    }
+  return false;
+}
+
+void fr_mq_peer_drop(ferry_mq *mq, fr_mq_peer *p, const char *why) {
+  if (why)
+    fr_warn("mq '%s': subscriber '%s' dropped: %s", mq->name, p->name, why);
+  p->dead = true;
+  for (size_t i = 0; i < p->ntokens; i++)
+    fr_mq_pool_release(mq, p->tokens[i]);
+  p->ntokens = 0;
+  for (fr_mq_peer **pp = &mq->peers; *pp; pp = &(*pp)->next)
+    if (*pp == p) {
+      *pp = p->next;
+      p->next = NULL;
+      break;
+    }
+  for (fr_mq_topic *t = mq->topics; t; t = t->next)
+    if (topic_remove(t, p))
+      fr_mq_peer_unref(mq, p);
+  pthread_cond_broadcast(&mq->cond);
+  fr_mq_peer_unref(mq, p); /* the list's */
+}
+
+/* The live peer for `name`, created on `l` when there is none (lock held). */
+static fr_mq_peer *peer_for(ferry_mq *mq, const char *name, ferry_link *l, uint64_t window) {
+  fr_mq_peer *p = peer_find(mq, name);
+  if (p && ferry_link_status(p->link) != 0)
+    fr_mq_peer_drop(mq, p, "its link closed");
+  else if (p)
+    return p;
+  p = calloc(1, sizeof *p);
+  if (!p)
+    return NULL;
+  snprintf(p->name, sizeof p->name, "%s", name);
+  p->link = ferry_link_retain(l);
+  p->window = window < 4096 ? 4096 : window;
+  p->refs = 1;
+  p->next = mq->peers;
+  mq->peers = p;
+  return p;
+}
+
+int fr_mq_add_subscriber(ferry_mq *mq, const char *topic, const char *name, ferry_link *link,
+                         uint64_t window, int timeout_ms) {
+  ferry_link *l = NULL;
+  if (link)
+    l = ferry_link_retain(link);
+  else if (dial(mq, name, timeout_ms, &l) != 0)
+    return fr_err_wrap(FERRY_ECONNECT, "mq: subscriber '%s' of '%s'", name, topic);
+  pthread_mutex_lock(&mq->lock);
+  if (link)
+    fr_mq_keep_link(mq, link, false);
+  fr_mq_peer *p = peer_for(mq, name, l, window);
+  fr_mq_topic *t = p ? fr_mq_topic_get(mq, topic) : NULL;
+  int rc = t ? 0 : fr_err(FERRY_ENOMEM, "mq: subscriber '%s'", name);
+  bool listed = false;
+  for (size_t i = 0; t && i < t->nsubs; i++)
+    listed |= t->subs[i] == p;
+  if (t && !listed && t->nsubs == t->capsubs) {
+    size_t cap = t->capsubs ? t->capsubs * 2 : 4;
+    fr_mq_peer **v = realloc(t->subs, cap * sizeof *v);
+    if (v)
+      t->subs = v, t->capsubs = cap;
+    else
+      rc = fr_err(FERRY_ENOMEM, "mq: subscriber '%s'", name);
+  }
+  if (rc == 0 && !listed) {
+    t->subs[t->nsubs++] = p;
+    p->refs++;
+    fr_debug("mq '%s': '%s' subscribes to '%s'", mq->name, name, topic);
+  }
+  pthread_cond_broadcast(&mq->cond);
+  pthread_mutex_unlock(&mq->lock);
+  ferry_link_release(l);
+  return rc;
+}
+
+void fr_mq_remove_subscriber(ferry_mq *mq, const char *topic, const char *name) {
+  pthread_mutex_lock(&mq->lock);
+  fr_mq_peer *p = peer_find(mq, name);
+  for (fr_mq_topic *t = mq->topics; p && t; t = t->next)
+    if (strcmp(t->name, topic) == 0 && topic_remove(t, p))
+      fr_mq_peer_unref(mq, p);
+  pthread_cond_broadcast(&mq->cond);
+  pthread_mutex_unlock(&mq->lock);
+}
+
+/* The node names of a topic's records of one role, except this node's. *out is malloc'd. */
+static int scan(ferry_mq *mq, char role, const char *topic, fr_dir_object **out, size_t *n,
+                int timeout_ms) {
+  char prefix[FR_DIR_KEY_MAX + 1];
+  fr_mq_key(prefix, sizeof prefix, role, topic, "");
+  int rc = mq->dir->ops->obj_scan(mq->dir->state, prefix, out, n, timeout_ms);
+  if (rc != 0)
+    return fr_err_wrap(rc, "mq: looking up topic '%s'", topic);
+  size_t k = 0;
+  for (size_t i = 0; i < *n; i++) {
+    const char *node = (*out)[i].owner + 3; /* "mq:" */
+    if (strncmp((*out)[i].owner, "mq:", 3) == 0 && strcmp(node, mq->name) != 0) {
+      memmove((*out)[i].key, node, strlen(node) + 1);
+      (*out)[k++] = (*out)[i];
+    }
+  }
+  *n = k;
+  return 0;
+}
+
+int fr_mq_advertise(ferry_mq *mq, const char *topic, int timeout_ms) {
+  pthread_mutex_lock(&mq->lock);
+  fr_mq_topic *t = fr_mq_topic_get(mq, topic);
+  bool done = t && t->advertised;
+  pthread_mutex_unlock(&mq->lock);
+  if (!t)
+    return fr_err(FERRY_ENOMEM, "mq: topic '%s'", topic);
+  if (done)
+    return 0;
+  int rc = put_record(mq, 'p', topic, timeout_ms);
+  fr_dir_object *subs = NULL;
+  size_t n = 0;
+  if (rc == 0)
+    rc = scan(mq, 's', topic, &subs, &n, timeout_ms);
+  for (size_t i = 0; rc == 0 && i < n; i++)
+    if (fr_mq_add_subscriber(mq, topic, subs[i].key, NULL, subs[i].region.size, timeout_ms) != 0)
+      fr_info("mq '%s': skipping subscriber '%s' of '%s': %s", mq->name, subs[i].key, topic,
+              ferry_last_error());
+  free(subs);
+  if (rc != 0)
+    return fr_err_wrap(rc, "mq: advertising '%s'", topic);
+  pthread_mutex_lock(&mq->lock);
+  t->advertised = true;
+  pthread_mutex_unlock(&mq->lock);
+  return 0;
+}
+
+/* ---- subscriber side ---- */
+
+static int send_sub(ferry_mq *mq, const char *publisher, uint8_t type, const char *topic,
+                    int timeout_ms) {
+  ferry_link *l = NULL;
+  int rc = dial(mq, publisher, timeout_ms, &l);
+  if (rc != 0)
+    return rc;
+  fr_mq_frame f = {.type = type, .topic = topic, .topic_len = strlen(topic), .value = mq->window};
+  uint8_t head[FR_MQ_HEAD_MAX];
+  struct iovec iov = {head, fr_mq_encode(&f, head)};
+  if (type == FR_MQ_UNSUB) {
+    rc = ferry_send(l, FR_CHANNEL_MQ, &iov, 1, timeout_ms);
+    ferry_link_release(l);
+    return rc;
+  }
+  ferry_msg *reply = NULL;
+  rc = ferry_call(l, FR_CHANNEL_MQ, &iov, 1, &reply, timeout_ms);
+  ferry_link_release(l);
+  if (rc == 0 && reply->len != 4)
+    rc = fr_err(FERRY_EPROTO, "mq: malformed answer from '%s'", publisher);
+  else if (rc == 0) {
+    const uint8_t *b = reply->data;
+    rc = (int)((uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24);
+    if (rc != 0)
+      rc = fr_err(rc, "mq: '%s' refused the subscription: %s", publisher, ferry_strerror(rc));
+  }
+  ferry_msg_free(reply);
+  return rc;
+}
+
+/* Tells every publisher of topic (SUB or UNSUB); failures are logged, not returned. */
+static void tell_publishers(ferry_mq *mq, uint8_t type, const char *topic, uint64_t deadline) {
+  fr_dir_object *pubs = NULL;
+  size_t n = 0;
+  if (scan(mq, 'p', topic, &pubs, &n, fr_ms_left(deadline) + 1) != 0) {
+    fr_warn("mq '%s': %s", mq->name, ferry_last_error());
+    return;
+  }
+  for (size_t i = 0; i < n; i++)
+    if (send_sub(mq, pubs[i].key, type, topic, fr_ms_left(deadline) + 1) != 0)
+      fr_info("mq '%s': publisher '%s' of '%s' not told: %s", mq->name, pubs[i].key, topic,
+              ferry_last_error());
+  free(pubs);
+}
+
+bool fr_mq_subscribed(ferry_mq *mq, const char *topic) {
+  for (size_t i = 0; i < mq->nsubscribed; i++)
+    if (strcmp(mq->subscribed[i], topic) == 0)
+      return true;
+  return false;
+}
+
+static int add_subscription(ferry_mq *mq, const char *topic) {
+  if (fr_mq_subscribed(mq, topic))
+    return 1;
+  if (mq->nsubscribed == mq->capsubscribed) {
+    size_t cap = mq->capsubscribed ? mq->capsubscribed * 2 : 8;
+    char **v = realloc(mq->subscribed, cap * sizeof *v);
+    if (!v)
+      return fr_err(FERRY_ENOMEM, "mq: subscribe");
+    mq->subscribed = v;
+    mq->capsubscribed = cap;
+  }
+  if (!(mq->subscribed[mq->nsubscribed] = strdup(topic)))
+    return fr_err(FERRY_ENOMEM, "mq: subscribe");
+  mq->nsubscribed++;
+  return 0;
+}
+
+static bool drop_subscription(ferry_mq *mq, const char *topic) {
+  for (size_t i = 0; i < mq->nsubscribed; i++)
+    if (strcmp(mq->subscribed[i], topic) == 0) {
+      free(mq->subscribed[i]);
+      mq->subscribed[i] = mq->subscribed[--mq->nsubscribed];
+      return true;
+    }
+  return false;
+}
+
+int ferry_mq_subscribe(ferry_mq *mq, const char *topic, int timeout_ms) {
+  if (!mq)
+    return fr_err(FERRY_EINVAL, "ferry_mq_subscribe: NULL mq");
+  int rc = fr_mq_topic_check(topic);
+  if (rc != 0)
+    return rc;
+  uint64_t deadline = fr_deadline_ns(fr_timeout(timeout_ms));
+  pthread_mutex_lock(&mq->lock);
+  rc = add_subscription(mq, topic);
+  pthread_mutex_unlock(&mq->lock);
+  if (rc != 0)
+    return rc < 0 ? rc : 0;
+  if ((rc = put_record(mq, 's', topic, fr_ms_left(deadline) + 1)) != 0) {
+    char detail[512];
+    fr_mq_detail(detail, sizeof detail);
+    pthread_mutex_lock(&mq->lock);
+    drop_subscription(mq, topic);
+    pthread_mutex_unlock(&mq->lock);
+    return fr_err(rc, "subscribe '%s': %s", topic, detail);
+  }
+  tell_publishers(mq, FR_MQ_SUB, topic, deadline);
+  return 0;
+}
+
+int ferry_mq_unsubscribe(ferry_mq *mq, const char *topic, int timeout_ms) {
+  if (!mq)
+    return fr_err(FERRY_EINVAL, "ferry_mq_unsubscribe: NULL mq");
+  int rc = fr_mq_topic_check(topic);
+  if (rc != 0)
+    return rc;
+  uint64_t deadline = fr_deadline_ns(fr_timeout(timeout_ms));
+  pthread_mutex_lock(&mq->lock);
+  bool was = drop_subscription(mq, topic);
+  pthread_mutex_unlock(&mq->lock);
+  if (!was)
+    return fr_err(FERRY_ENOTFOUND, "unsubscribe: not subscribed to '%s'", topic);
+  char key[FR_DIR_KEY_MAX + 1];
+  fr_mq_key(key, sizeof key, 's', topic, mq->name);
+  rc = mq->dir->ops->obj_del(mq->dir->state, key, "", 0, NULL, fr_ms_left(deadline) + 1);
+  if (rc != 0 && rc != FERRY_ENOTFOUND)
+    fr_warn("mq '%s': unsubscribe '%s': %s", mq->name, topic, ferry_last_error());
+  tell_publishers(mq, FR_MQ_UNSUB, topic, deadline);
+  return 0;
+}
+
+/* lock held */
+static size_t count_subscribers(ferry_mq *mq, const char *topic) {
+  size_t n = 0;
+  for (fr_mq_topic *t = mq->topics; t; t = t->next)
+    if (strcmp(t->name, topic) == 0)
+      for (size_t i = 0; i < t->nsubs; i++)
+        n += !t->subs[i]->dead && ferry_link_status(t->subs[i]->link) == 0;
+  return n;
+}
+
+static bool enough_subscribers(ferry_mq *mq, void *arg) {
+  const void **a = arg;
+  return count_subscribers(mq, a[0]) >= *(const size_t *)a[1];
+}
+
+size_t ferry_mq_subscribers(ferry_mq *mq, const char *topic) {
+  if (!mq || !topic)
+    return 0;
+  pthread_mutex_lock(&mq->lock);
+  size_t n = count_subscribers(mq, topic);
+  pthread_mutex_unlock(&mq->lock);
+  return n;
+}
+
+int ferry_mq_wait_subscribers(ferry_mq *mq, const char *topic, size_t n, int timeout_ms) {
+  if (!mq)
+    return fr_err(FERRY_EINVAL, "ferry_mq_wait_subscribers: NULL mq");
+  int rc = fr_mq_topic_check(topic);
+  if (rc != 0)
+    return rc;
+  int ms = fr_timeout(timeout_ms);
+  uint64_t deadline = fr_deadline_ns(ms);
+  if ((rc = fr_mq_advertise(mq, topic, ms)) != 0)
+    return rc;
+  const void *arg[2] = {topic, &n};
+  pthread_mutex_lock(&mq->lock);
+  mq->waiters++;
+  rc = fr_mq_wait(mq, enough_subscribers, arg, deadline);
+  size_t have = count_subscribers(mq, topic);
+  mq->waiters--;
+  pthread_mutex_unlock(&mq->lock);
+  if (rc == FERRY_ETIMEDOUT)
+    return fr_err(rc, "wait_subscribers '%s': %zu of %zu subscribers within %d ms", topic, have, n,
+                  ms);
+  if (rc == FERRY_ECLOSED)
+    return fr_err(rc, "wait_subscribers '%s': mq closing", topic);
+  return rc;
+}

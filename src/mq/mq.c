@@ -1,0 +1,346 @@
+/*
+ * The mq handle: open and close, the background thread, and the pump.
+ *
+ * Everything an mq receives arrives on the context's FR_CHANNEL_MQ queue. One thread at a time
+ * "pumps": takes a message off that queue and dispatches it (a message goes to the mq's own
+ * queue; SUB, UNSUB, CREDIT and BYE change the publisher's or subscriber's state). Whichever
+ * thread needs something to arrive pumps itself: an application thread waiting in recv, in a
+ * publish short of credit or in wait_subscribers, so the thread that wants a message is the one
+ * that spins on the shm ring for it (no hand-off, no wake-up). When no application thread has
+ * pumped for a while, the background thread pumps instead, so that requests from new
+ * subscribers and credit are answered while the application computes; it also renews the
+ * node's directory lease and runs the callback, when one is installed.
+ */
+#include "mq/mq.h"
+#include "core/channels.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SLICE_NS 20000000ull     /* waits re-check dead links this often */
+#define APP_IDLE_NS 100000000ull /* the background thread pumps after this much quiet */
+#define BG_PUMP_MS 50
+
+void fr_mq_detail(char *buf, size_t cap) { snprintf(buf, cap, "%s", ferry_last_error()); }
+
+static void timed_wait(ferry_mq *mq, uint64_t until_ns) {
+  struct timespec ts = {(time_t)(until_ns / 1000000000ull), (long)(until_ns % 1000000000ull)};
+  pthread_cond_timedwait(&mq->cond, &mq->lock, &ts);
+}
+
+void fr_mq_keep_link(ferry_mq *mq, ferry_link *l, bool dialled) {
+  for (size_t i = 0; i < mq->nlinks; i++)
+    if (mq->links[i].link == l)
+      return;
+  if (mq->nlinks == mq->caplinks) {
+    size_t cap = mq->caplinks ? mq->caplinks * 2 : 8;
+    struct fr_mq_link *v = realloc(mq->links, cap * sizeof *v);
+    if (!v)
+      return; /* the link still works; close just cannot say BYE on it */
+    mq->links = v;
+    mq->caplinks = cap;
+  }
+  mq->links[mq->nlinks++] = (struct fr_mq_link){ferry_link_retain(l), dialled};
+}
+
+/* ---- dispatch ---- */
+
+static void reply_status(ferry_msg *m, int rc) {
+  if (!ferry_msg_is_call(m))
+    return;
+  uint8_t b[4] = {(uint8_t)rc, (uint8_t)(rc >> 8), (uint8_t)(rc >> 16), (uint8_t)(rc >> 24)};
+  struct iovec iov = {b, sizeof b};
+  if (ferry_reply(m, &iov, 1, 2000) != 0)
+    fr_debug("mq: reply to '%s' failed: %s", ferry_link_peer(m->link), ferry_last_error());
+}
+
+/* A peer's mq is closing: stop sending to it, forget what we owed it. */
+static void on_bye(ferry_mq *mq, ferry_link *l) {
+  pthread_mutex_lock(&mq->lock);
+  fr_mq_peer *p = fr_mq_peer_by_link(mq, l);
+  if (p)
+    fr_mq_peer_drop(mq, p, NULL);
+  for (fr_mq_session *s = mq->sessions; s; s = s->next)
+    if (s->link == l)
+      s->gone = true;
+  pthread_cond_broadcast(&mq->cond);
+  pthread_mutex_unlock(&mq->lock);
+}
+
+static void dispatch(ferry_mq *mq, ferry_msg *m) {
+  fr_mq_frame f;
+  int rc = fr_mq_decode(m->data, m->len, &f);
+  if (rc != 0) {
+    pthread_mutex_lock(&mq->lock);
+    mq->malformed++;
+    pthread_mutex_unlock(&mq->lock);
+    fr_warn("mq '%s': dropped a frame from '%s': %s", mq->name, ferry_link_peer(m->link),
+            ferry_last_error());
+    reply_status(m, rc);
+    ferry_msg_free(m);
+    return;
+  }
+  switch (f.type) {
+  case FR_MQ_DATA:
+  case FR_MQ_SHM:
+    fr_mq_deliver(mq, m, &f); /* takes m */
+    return;
+  case FR_MQ_SUB:
+    rc = fr_mq_add_subscriber(mq, f.topic, ferry_link_peer(m->link), m->link, f.value, 0);
+    reply_status(m, rc);
+    break;
+  case FR_MQ_UNSUB:
+    fr_mq_remove_subscriber(mq, f.topic, ferry_link_peer(m->link));
+    break;
+  case FR_MQ_CREDIT:
+    fr_mq_on_credit(mq, m->link, &f);
+    break;
+  default: /* FR_MQ_BYE */
+    on_bye(mq, m->link);
+  }
+  ferry_msg_free(m);
+}
+
+void fr_mq_pump(ferry_mq *mq, int ms) {
+  ferry_msg *m = NULL;
+  if (ferry_recv(mq->ctx, FR_CHANNEL_MQ, &m, ms) == 0)
+    dispatch(mq, m);
+}
+
+int fr_mq_wait(ferry_mq *mq, bool (*ready)(ferry_mq *, void *), void *arg, uint64_t deadline_ns) {
+  bool tried = false;
+  bool app = !mq->thread_started || !pthread_equal(pthread_self(), mq->thread);
+  for (;;) {
+    if (ready(mq, arg))
+      return 0;
+    if (mq->closing)
+      return FERRY_ECLOSED;
+    uint64_t now = fr_now_ns();
+    if (now >= deadline_ns && (tried || mq->pumping))
+      return FERRY_ETIMEDOUT;
+    uint64_t slice = now + SLICE_NS < deadline_ns ? now + SLICE_NS : deadline_ns;
+    if (mq->pumping) {
+      timed_wait(mq, slice);
+      continue;
+    }
+    mq->pumping = true;
+    if (app)
+      mq->app_pump_ns = now;
+    pthread_mutex_unlock(&mq->lock);
+    fr_mq_pump(mq, fr_ms_left(slice));
+    pthread_mutex_lock(&mq->lock);
+    mq->pumping = false;
+    tried = true;
+    pthread_cond_broadcast(&mq->cond);
+  }
+}
+
+/* ---- the background thread ---- */
+
+static bool callback_ready(ferry_mq *mq, void *arg) {
+  return mq->head || !mq->callback || mq->closing;
+}
+
+/* lock held; returns with it held. */
+static void run_callback(ferry_mq *mq) {
+  fr_mq_rmsg *r = mq->head;
+  if (!(mq->head = r->next))
+    mq->tail = NULL;
+  mq->queued--;
+  r->next = NULL;
+  ferry_mq_fn fn = mq->callback;
+  void *arg = mq->callback_arg;
+  pthread_mutex_unlock(&mq->lock);
+  fn(mq, &r->pub, arg);
+  pthread_mutex_lock(&mq->lock);
+}
+
+static void background_step(ferry_mq *mq, uint64_t now) {
+  uint64_t until = now + APP_IDLE_NS < mq->next_renew_ns ? now + APP_IDLE_NS : mq->next_renew_ns;
+  if (mq->callback && mq->head) {
+    run_callback(mq);
+  } else if (mq->callback) {
+    fr_mq_wait(mq, callback_ready, NULL, until);
+  } else if (!mq->pumping && mq->waiters == 0 && now - mq->app_pump_ns > APP_IDLE_NS) {
+    mq->pumping = true;
+    pthread_mutex_unlock(&mq->lock);
+    fr_mq_pump(mq, BG_PUMP_MS);
+    pthread_mutex_lock(&mq->lock);
+    mq->pumping = false;
+    pthread_cond_broadcast(&mq->cond);
+  } else {
+    timed_wait(mq, until);
+  }
+}
+
+static void *background(void *arg) {
+  ferry_mq *mq = arg;
+  pthread_mutex_lock(&mq->lock);
+  while (!mq->closing) {
+    uint64_t now = fr_now_ns();
+    if (now >= mq->next_renew_ns) {
+      mq->next_renew_ns = now + 200000000ull; /* fr_mq_renew sets the real one */
+      pthread_mutex_unlock(&mq->lock);
+      fr_mq_renew(mq);
+      pthread_mutex_lock(&mq->lock);
+      continue;
+    }
+    background_step(mq, now);
+  }
+  pthread_mutex_unlock(&mq->lock);
+  return NULL;
+}
+
+/* ---- open / close ---- */
+
+static ferry_mq *mq_new(ferry_ctx *ctx, const ferry_mq_opts *o) {
+  ferry_mq *mq = calloc(1, sizeof *mq);
+  if (!mq)
+    return NULL;
+  mq->ctx = ctx;
+  snprintf(mq->name, sizeof mq->name, "%s", ferry_ctx_name(ctx));
+  snprintf(mq->dir_name, sizeof mq->dir_name, "mq:%.60s", mq->name);
+  mq->lease_ms = o->lease_ms > 0 ? o->lease_ms : (int)fr_config_int("FERRY_LEASE_MS");
+  if (mq->lease_ms < 300)
+    mq->lease_ms = 300;
+  int64_t w = o->queue_bytes ? (int64_t)o->queue_bytes : fr_config_int("FERRY_MQ_QUEUE_BYTES");
+  mq->window = w < 4096 ? 4096 : (uint64_t)w;
+  int64_t inl = fr_config_int("FERRY_MQ_INLINE_BYTES");
+  mq->inline_bytes = inl < 0 ? 0 : (uint64_t)inl;
+  int64_t pool = fr_config_int("FERRY_MQ_POOL_BYTES");
+  mq->pool_bytes = pool < 0 ? 0 : (uint64_t)pool;
+  do
+    mq->incarnation = fr_random_u64();
+  while (mq->incarnation == 0);
+  pthread_mutex_init(&mq->lock, NULL);
+  pthread_mutex_init(&mq->publish_lock, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&mq->cond, &ca);
+  pthread_condattr_destroy(&ca);
+  return mq;
+}
+
+static int mq_start(ferry_mq *mq, const ferry_mq_opts *o) {
+  const char *name = ferry_ctx_name(mq->ctx);
+  if (strlen(name) + 3 > FR_DIR_NAME_MAX)
+    return fr_err(FERRY_EINVAL, "mq: node name '%s' is longer than %d bytes", name,
+                  FR_DIR_NAME_MAX - 3);
+  int rc;
+  if (o->flags & FERRY_MQ_HOST_DIRECTORY) {
+    rc = fr_dir_server_start(mq->ctx, &mq->server);
+    if (rc == 0)
+      rc = fr_dir_open_local(mq->server, &mq->dir);
+  } else {
+    rc = fr_dir_open(mq->ctx, o->directory, fr_timeout(-1), &mq->dir);
+  }
+  if (rc == 0)
+    rc = fr_mq_register(mq, true, fr_timeout(-1));
+  if (rc == 0 && pthread_create(&mq->thread, NULL, background, mq) != 0)
+    rc = fr_err(FERRY_ESYS, "mq: cannot start its thread");
+  if (rc == 0)
+    mq->thread_started = true;
+  return rc;
+}
+
+int ferry_mq_open(ferry_ctx *ctx, const ferry_mq_opts *opts, ferry_mq **out) {
+  if (!ctx || !out)
+    return fr_err(FERRY_EINVAL, "ferry_mq_open: NULL argument");
+  if (opts && opts->size < sizeof(size_t))
+    return fr_err(FERRY_EINVAL, "ferry_mq_open: opts->size not set");
+  ferry_mq_opts o = {0};
+  if (opts)
+    memcpy(&o, opts, opts->size < sizeof o ? opts->size : sizeof o);
+  ferry_mq *mq = mq_new(ctx, &o);
+  if (!mq)
+    return fr_err(FERRY_ENOMEM, "ferry_mq_open");
+  int rc = mq_start(mq, &o);
+  if (rc != 0) {
+    char detail[512];
+    fr_mq_detail(detail, sizeof detail);
+    ferry_mq_close(mq);
+    return fr_err(rc, "%s", detail);
+  }
+  *out = mq;
+  return 0;
+}
+
+static void say_bye(ferry_mq *mq) {
+  fr_mq_frame f = {.type = FR_MQ_BYE};
+  uint8_t head[FR_MQ_HEAD_MAX];
+  struct iovec iov = {head, fr_mq_encode(&f, head)};
+  for (size_t i = 0; i < mq->nlinks; i++)
+    if (ferry_link_status(mq->links[i].link) == 0)
+      ferry_send(mq->links[i].link, FR_CHANNEL_MQ, &iov, 1, 500);
+}
+
+static void free_state(ferry_mq *mq) {
+  for (fr_mq_rmsg *r = mq->head, *next; r; r = next) {
+    next = r->next;
+    ferry_msg_free(r->raw);
+    fr_mq_session_unref(r->sess);
+    free(r);
+  }
+  mq->head = mq->tail = NULL;
+  while (mq->peers)
+    fr_mq_peer_drop(mq, mq->peers, NULL);
+  for (fr_mq_topic *t = mq->topics, *next; t; t = next) {
+    next = t->next;
+    free(t->name);
+    free(t->subs);
+    free(t);
+  }
+  for (fr_mq_session *s = mq->sessions, *next; s; s = next) {
+    next = s->next;
+    s->next = NULL;
+    fr_mq_session_unref(s);
+  }
+  for (size_t i = 0; i < mq->nsubscribed; i++)
+    free(mq->subscribed[i]);
+  free(mq->subscribed);
+}
+
+void ferry_mq_close(ferry_mq *mq) {
+  if (!mq)
+    return;
+  pthread_mutex_lock(&mq->lock);
+  mq->closing = true;
+  pthread_cond_broadcast(&mq->cond);
+  pthread_mutex_unlock(&mq->lock);
+  if (mq->thread_started)
+    pthread_join(mq->thread, NULL);
+  say_bye(mq);
+  if (mq->dir)
+    fr_mq_unregister(mq);
+  pthread_mutex_lock(&mq->lock);
+  free_state(mq);
+  pthread_mutex_unlock(&mq->lock);
+  for (size_t i = 0; i < mq->nlinks; i++) {
+    if (mq->links[i].dialled)
+      ferry_link_close(mq->links[i].link);
+    else
+      ferry_link_release(mq->links[i].link);
+  }
+  free(mq->links);
+  fr_mq_pool_fini(mq);
+  fr_dir_close(mq->dir);
+  fr_dir_server_stop(mq->server);
+  pthread_mutex_destroy(&mq->lock);
+  pthread_mutex_destroy(&mq->publish_lock);
+  pthread_cond_destroy(&mq->cond);
+  free(mq);
+}
+
+int ferry_mq_set_callback(ferry_mq *mq, ferry_mq_fn fn, void *arg) {
+  if (!mq)
+    return fr_err(FERRY_EINVAL, "ferry_mq_set_callback: NULL mq");
+  pthread_mutex_lock(&mq->lock);
+  mq->callback = fn;
+  mq->callback_arg = arg;
+  pthread_cond_broadcast(&mq->cond);
+  pthread_mutex_unlock(&mq->lock);
+  return 0;
+}

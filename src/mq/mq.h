@@ -1,0 +1,218 @@
+/*
+ * mq, internal view: the state behind a ferry_mq handle and what its files share.
+ *
+ * wire.c encodes and decodes mq frames (a pure decoder, fuzzed); mq.c opens and closes, runs the
+ * background thread and the pump (the one place that takes messages off FR_CHANNEL_MQ and
+ * dispatches them), and keeps the node's directory records; discover.c subscribes, advertises
+ * and finds peers; publish.c sends (credit, the shared-memory pool); recv.c hands messages to
+ * the application and returns credit.
+ *
+ * Roles: as a publisher this node keeps a `peer` per remote subscriber node (its link, credit
+ * window and what is in flight to it) and, per topic, the list of peers subscribed. As a
+ * subscriber it keeps a `session` per link that data arrives on (credit it owes back, pool blocks
+ * it holds), and the set of topics it subscribed.
+ */
+#ifndef FR_MQ_H
+#define FR_MQ_H
+
+#include "core/core.h"
+#include "core/region.h"
+#include "directory/directory.h"
+
+#include <pthread.h>
+#include <stdbool.h>
+
+/* ---- wire.c: frames on FR_CHANNEL_MQ ---- */
+#define FR_MQ_MAGIC 0x31514d46u /* "FMQ1" */
+#define FR_MQ_VERSION 1
+#define FR_MQ_HEAD_BYTES 48
+#define FR_MQ_TENSOR_BYTES 72 /* u32 dtype, u32 ndim, 8 x u64 shape */
+#define FR_MQ_SHM_BYTES 40    /* region id, key, size, offset, token */
+#define FR_MQ_ALIGN 64        /* inline payloads start at a multiple of this in the frame */
+#define FR_MQ_MAX_RELEASES 4096
+#define FR_MQ_HEAD_MAX                                                                             \
+  (FR_MQ_HEAD_BYTES + FR_MQ_TENSOR_BYTES + FR_MQ_SHM_BYTES + FERRY_MQ_TOPIC_MAX + 1 + FR_MQ_ALIGN)
+
+enum fr_mq_type {
+  FR_MQ_DATA = 1,   /* a message, payload inline */
+  FR_MQ_SHM = 2,    /* a message whose payload lies in the publisher's pool region */
+  FR_MQ_SUB = 3,    /* subscriber -> publisher (a call): add me to topic; `value` = my window */
+  FR_MQ_UNSUB = 4,  /* subscriber -> publisher: remove me from topic */
+  FR_MQ_CREDIT = 5, /* subscriber -> publisher: `value` = bytes consumed so far; pool releases */
+  FR_MQ_BYE = 6,    /* either way: this mq is closing; forget me */
+  FR_MQ_TYPE_MAX = 6,
+};
+#define FR_MQ_F_TENSOR 1u
+
+typedef struct fr_mq_frame {
+  uint8_t type, flags;
+  uint64_t seq;   /* DATA/SHM: the publisher's message number */
+  uint64_t len;   /* DATA/SHM: payload bytes */
+  uint64_t value; /* DATA/SHM: credit charged; SUB: window; CREDIT: bytes consumed (cumulative) */
+  const char *topic; /* NUL-terminated inside the frame; NULL for CREDIT/BYE */
+  size_t topic_len;
+  ferry_tensor_desc desc;  /* FR_MQ_F_TENSOR */
+  ferry_region_ref ref;    /* SHM */
+  uint64_t offset, token;  /* SHM */
+  const uint8_t *payload;  /* DATA */
+  const uint8_t *releases; /* CREDIT: n little-endian u64 tokens */
+  uint32_t nrelease;
+} fr_mq_frame;
+
+/* Checks a topic: 1..FERRY_MQ_TOPIC_MAX bytes, no control characters. */
+int fr_mq_topic_check(const char *topic);
+/* Writes a frame's head (everything before an inline payload) into buf (FR_MQ_HEAD_MAX bytes)
+ * and returns its length. `f->topic` may be NULL for CREDIT/BYE. For CREDIT the releases follow
+ * the head and are not written here (nrelease is). */
+size_t fr_mq_encode(const fr_mq_frame *f, uint8_t *buf);
+/* Decodes and validates one frame; FERRY_EPROTO with a detail when malformed. Pure. */
+int fr_mq_decode(const void *data, size_t len, fr_mq_frame *out);
+
+/* ---- the handle ---- */
+typedef struct fr_mq_peer { /* a remote subscriber node, as its publisher sees it */
+  char name[FR_DIR_NAME_MAX + 1];
+  ferry_link *link;
+  uint64_t window, sent, acked; /* credit: may send while sent - acked + charge <= window */
+  uint64_t *tokens;             /* pool blocks it holds */
+  size_t ntokens, captokens;
+  bool dead;
+  int refs; /* topics listing it + publishes in flight */
+  struct fr_mq_peer *next;
+} fr_mq_peer;
+
+typedef struct fr_mq_topic { /* a topic this node publishes (or was asked about) */
+  char *name;
+  bool advertised;
+  fr_mq_peer **subs;
+  size_t nsubs, capsubs;
+  struct fr_mq_topic *next;
+} fr_mq_topic;
+
+typedef struct fr_mq_session { /* a link that messages arrive on */
+  ferry_link *link;
+  uint64_t consumed;  /* credit returned so far (cumulative, what CREDIT carries) */
+  uint64_t pending;   /* credit freed but not yet returned */
+  uint64_t held;      /* credit of messages queued or held by the application */
+  uint64_t window;    /* our window, for the return threshold */
+  uint64_t *releases; /* pool tokens to release */
+  size_t nreleases, capreleases;
+  bool gone; /* the publisher said BYE or the link died */
+  int refs;  /* the session list + messages */
+  struct fr_mq_session *next;
+} fr_mq_session;
+
+typedef struct fr_mq_rmsg { /* a received message */
+  ferry_mq_msg pub;         /* first: the caller sees this */
+  ferry_mq *mq;
+  ferry_msg *raw;
+  fr_mq_session *sess;
+  uint64_t charge, token;
+  struct fr_mq_rmsg *next;
+} fr_mq_rmsg;
+
+typedef struct fr_mq_block { /* a pool block in flight */
+  uint64_t off, len;
+  int refs; /* subscribers that still hold it; 0: free slot */
+  uint32_t gen;
+} fr_mq_block;
+
+struct ferry_mq {
+  ferry_ctx *ctx;
+  char name[FR_DIR_NAME_MAX + 1];     /* the ctx's name */
+  char dir_name[FR_DIR_NAME_MAX + 1]; /* "mq:" + name: this node's directory record */
+  uint64_t incarnation;
+  fr_dir *dir;
+  fr_dir_server *server;
+  int lease_ms;
+  uint64_t window, inline_bytes;
+
+  pthread_mutex_t lock; /* everything below */
+  pthread_cond_t cond;  /* state changed: a message queued, credit came, a peer joined */
+  bool closing;
+  bool pumping;         /* a thread is taking messages off the channel */
+  int waiters;          /* application threads waiting in recv/publish/wait_subscribers */
+  uint64_t app_pump_ns; /* when an application thread last pumped */
+  uint64_t registered_epoch;
+  uint64_t next_renew_ns;
+  uint64_t malformed; /* frames dropped as malformed */
+
+  fr_mq_rmsg *head, *tail; /* received, not yet taken */
+  size_t queued;
+  char **subscribed; /* topics */
+  size_t nsubscribed, capsubscribed;
+  fr_mq_session *sessions;
+  fr_mq_peer *peers;
+  fr_mq_topic *topics;
+  struct fr_mq_link { /* every link this mq dialled or was dialled on, one ref each */
+    ferry_link *link;
+    bool dialled; /* ours to close */
+  } * links;
+  size_t nlinks, caplinks;
+
+  ferry_mq_fn callback;
+  void *callback_arg;
+
+  pthread_mutex_t publish_lock; /* one publish at a time: every subscriber sees one order */
+  uint64_t seq;
+
+  /* the pool: one ferry_alloc'd region that large payloads are copied into once */
+  uint8_t *pool;
+  ferry_region_ref pool_ref;
+  uint64_t pool_bytes;
+  fr_mq_block *blocks;
+  size_t nblocks, capblocks;
+  uint64_t *free_off, *free_len; /* free extents, sorted by offset */
+  size_t nfree, capfree;
+
+  pthread_t thread;
+  bool thread_started;
+};
+
+/* mq.c */
+/* Waits (mq->lock held) until ready(mq, arg) or the deadline, taking messages off the channel
+ * meanwhile when no other thread does. 0, FERRY_ETIMEDOUT or FERRY_ECLOSED (no detail set). */
+int fr_mq_wait(ferry_mq *mq, bool (*ready)(ferry_mq *, void *), void *arg, uint64_t deadline_ns);
+/* Takes one message off the channel within ms and dispatches it (mq->lock not held). */
+void fr_mq_pump(ferry_mq *mq, int ms);
+/* Remembers a link (takes a reference) so close can say BYE and release it. lock held. */
+void fr_mq_keep_link(ferry_mq *mq, ferry_link *l, bool dialled);
+/* A copied-out error detail, for messages built across calls that may overwrite it. */
+void fr_mq_detail(char *buf, size_t cap);
+
+/* discover.c */
+int fr_mq_register(ferry_mq *mq, bool fresh, int timeout_ms);
+void fr_mq_unregister(ferry_mq *mq); /* removes the node and its records */
+void fr_mq_renew(ferry_mq *mq);
+/* The topic's entry (lock held); created when absent. NULL on out of memory. */
+fr_mq_topic *fr_mq_topic_get(ferry_mq *mq, const char *topic);
+/* Publishes the topic's publisher record and adds every subscriber the directory knows. */
+int fr_mq_advertise(ferry_mq *mq, const char *topic, int timeout_ms);
+/* Adds peer `name` on `link` (NULL: dial it) to topic with `window` (lock not held). */
+int fr_mq_add_subscriber(ferry_mq *mq, const char *topic, const char *name, ferry_link *link,
+                         uint64_t window, int timeout_ms);
+void fr_mq_remove_subscriber(ferry_mq *mq, const char *topic, const char *name);
+/* A subscriber died or left: drop it from every topic and free its pool blocks (lock held). */
+void fr_mq_peer_drop(ferry_mq *mq, fr_mq_peer *p, const char *why);
+void fr_mq_peer_unref(ferry_mq *mq, fr_mq_peer *p); /* lock held */
+fr_mq_peer *fr_mq_peer_by_link(ferry_mq *mq, ferry_link *l);
+/* The directory keys of a topic's records. */
+void fr_mq_key(char *buf, size_t cap, char role, const char *topic, const char *node);
+
+/* publish.c */
+void fr_mq_pool_release(ferry_mq *mq, uint64_t token); /* lock held */
+void fr_mq_pool_fini(ferry_mq *mq);
+
+/* recv.c */
+/* Queues a DATA or SHM frame that arrived on msg->link (takes msg). */
+void fr_mq_deliver(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f);
+/* Handles CREDIT (lock not held). */
+void fr_mq_on_credit(ferry_mq *mq, ferry_link *l, const fr_mq_frame *f);
+fr_mq_session *fr_mq_session_get(ferry_mq *mq, ferry_link *l); /* lock held; NULL: no memory */
+void fr_mq_session_unref(fr_mq_session *s);                    /* lock held */
+/* Returns credit for `charge` (and a pool token) on session s (lock held); *send tells the
+ * caller to flush the session's credit (fr_mq_credit_flush) once it dropped the lock. */
+void fr_mq_session_credit(fr_mq_session *s, uint64_t charge, uint64_t token, bool *send);
+void fr_mq_credit_flush(ferry_mq *mq, fr_mq_session *s);
+bool fr_mq_subscribed(ferry_mq *mq, const char *topic); /* lock held */
+
+#endif

@@ -1,0 +1,383 @@
+/*
+ * Publishing: credit, the frames, and the shared-memory pool for large payloads.
+ *
+ * Credit: each subscriber grants each publisher `window` bytes (FERRY_MQ_QUEUE_BYTES on the
+ * subscriber). A message is charged its length plus a little (capped at half the window, so any
+ * one message fits once the subscriber has freed what it held); the subscriber returns credit as
+ * the application frees messages. A publish first waits until every subscriber of the topic has
+ * credit for it (taking credit off the channel meanwhile), so it either reaches all of them or,
+ * at the deadline, none, naming the subscriber whose queue stayed full. Nothing is dropped.
+ *
+ * The pool: payloads over FERRY_MQ_INLINE_BYTES to subscribers on shm links are copied once into
+ * one ferry_alloc'd region (mapped once by each subscriber) and the frame carries its place; the
+ * subscriber hands the application a pointer into the pool and releases the block (with its
+ * credit) when the message is freed. A block is reused once every subscriber released it or was
+ * dropped. When the pool has no room the payload goes inline instead (never a wait).
+ */
+#include "mq/mq.h"
+#include "core/channels.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define POOL_ALIGN 4096u
+#define CHARGE_OVERHEAD 128u
+
+/* ---- the pool: first-fit over sorted free extents ---- */
+
+static int pool_open(ferry_mq *mq) {
+  void *mem = NULL;
+  if (mq->pool_bytes < POOL_ALIGN)
+    return FERRY_ENOSHM;
+  mq->pool_bytes = mq->pool_bytes / POOL_ALIGN * POOL_ALIGN;
+  int rc = ferry_alloc(mq->ctx, mq->pool_bytes, &mem);
+  if (rc == 0)
+    rc = ferry_region_find(mq->ctx, mem, mq->pool_bytes, &mq->pool_ref, NULL);
+  mq->free_off = malloc(16 * sizeof(uint64_t));
+  mq->free_len = malloc(16 * sizeof(uint64_t));
+  if (rc == 0 && (!mq->free_off || !mq->free_len))
+    rc = FERRY_ENOMEM;
+  if (rc != 0) {
+    fr_warn("mq '%s': no pool (%s); large payloads go inline", mq->name, ferry_last_error());
+    if (mem)
+      ferry_free(mq->ctx, mem);
+    mq->pool_bytes = 0;
+    return rc;
+  }
+  mq->pool = mem;
+  mq->capfree = 16;
+  mq->free_off[0] = 0;
+  mq->free_len[0] = mq->pool_bytes;
+  mq->nfree = 1;
+  return 0;
+}
+
+static bool extent_alloc(ferry_mq *mq, uint64_t len, uint64_t *off) {
+  for (size_t i = 0; i < mq->nfree; i++)
+    if (mq->free_len[i] >= len) {
+      *off = mq->free_off[i];
+      mq->free_off[i] += len;
+      mq->free_len[i] -= len;
+      if (mq->free_len[i] == 0) {
+        memmove(mq->free_off + i, mq->free_off + i + 1, (mq->nfree - i - 1) * sizeof(uint64_t));
+        memmove(mq->free_len + i, mq->free_len + i + 1, (mq->nfree - i - 1) * sizeof(uint64_t));
+        mq->nfree--;
+      }
+      return true;
+    }
+  return false;
+}
+
+static void extent_free(ferry_mq *mq, uint64_t off, uint64_t len) {
+  size_t i = 0;
+  while (i < mq->nfree && mq->free_off[i] < off)
+    i++;
+  bool left = i > 0 && mq->free_off[i - 1] + mq->free_len[i - 1] == off;
+  bool right = i < mq->nfree && off + len == mq->free_off[i];
+  if (left && right) {
+    mq->free_len[i - 1] += len + mq->free_len[i];
+    memmove(mq->free_off + i, mq->free_off + i + 1, (mq->nfree - i - 1) * sizeof(uint64_t));
+    memmove(mq->free_len + i, mq->free_len + i + 1, (mq->nfree - i - 1) * sizeof(uint64_t));
+    mq->nfree--;
+  } else if (left) {
+    mq->free_len[i - 1] += len;
+  } else if (right) {
+    mq->free_off[i] = off;
+    mq->free_len[i] += len;
+  } else {
+    if (mq->nfree == mq->capfree) {
+      size_t cap = mq->capfree * 2;
+      uint64_t *o = realloc(mq->free_off, cap * sizeof *o);
+      if (o)
+        mq->free_off = o;
+      uint64_t *l = o ? realloc(mq->free_len, cap * sizeof *l) : NULL;
+      if (!l) {
+        fr_warn("mq '%s': out of memory: %llu pool bytes lost", mq->name, (unsigned long long)len);
+        return;
+      }
+      mq->free_len = l;
+      mq->capfree = cap;
+    }
+    memmove(mq->free_off + i + 1, mq->free_off + i, (mq->nfree - i) * sizeof(uint64_t));
+    memmove(mq->free_len + i + 1, mq->free_len + i, (mq->nfree - i) * sizeof(uint64_t));
+    mq->free_off[i] = off;
+    mq->free_len[i] = len;
+    mq->nfree++;
+  }
+}
+
+/* A block of len bytes with `refs` holders: its token (slot + 1 and a generation), or 0. */
+static uint64_t block_alloc(ferry_mq *mq, uint64_t len, int refs, uint64_t *off) {
+  if (!mq->pool && (mq->pool_bytes == 0 || pool_open(mq) != 0))
+    return 0;
+  uint64_t want = (len + POOL_ALIGN - 1) / POOL_ALIGN * POOL_ALIGN;
+  size_t slot = 0;
+  while (slot < mq->nblocks && mq->blocks[slot].refs > 0)
+    slot++;
+  if (slot == mq->nblocks && mq->nblocks == mq->capblocks) {
+    size_t cap = mq->capblocks ? mq->capblocks * 2 : 64;
+    fr_mq_block *v = realloc(mq->blocks, cap * sizeof *v);
+    if (!v)
+      return 0;
+    mq->blocks = v;
+    mq->capblocks = cap;
+  }
+  if (!extent_alloc(mq, want, off))
+    return 0;
+  if (slot == mq->nblocks)
+    mq->blocks[mq->nblocks++] = (fr_mq_block){0};
+  fr_mq_block *b = &mq->blocks[slot];
+  b->off = *off;
+  b->len = want;
+  b->refs = refs;
+  b->gen++;
+  return (uint64_t)b->gen << 32 | (uint64_t)(slot + 1);
+}
+
+void fr_mq_pool_release(ferry_mq *mq, uint64_t token) {
+  size_t slot = (size_t)(token & 0xffffffffu);
+  if (slot == 0 || slot > mq->nblocks)
+    return;
+  fr_mq_block *b = &mq->blocks[slot - 1];
+  if (b->refs <= 0 || b->gen != (uint32_t)(token >> 32))
+    return;
+  if (--b->refs == 0)
+    extent_free(mq, b->off, b->len);
+}
+
+void fr_mq_pool_fini(ferry_mq *mq) {
+  if (mq->pool)
+    ferry_free(mq->ctx, mq->pool);
+  mq->pool = NULL;
+  free(mq->blocks);
+  free(mq->free_off);
+  free(mq->free_len);
+}
+
+static int peer_hold(fr_mq_peer *p, uint64_t token) {
+  if (p->ntokens == p->captokens) {
+    size_t cap = p->captokens ? p->captokens * 2 : 16;
+    uint64_t *v = realloc(p->tokens, cap * sizeof *v);
+    if (!v)
+      return -1;
+    p->tokens = v;
+    p->captokens = cap;
+  }
+  p->tokens[p->ntokens++] = token;
+  return 0;
+}
+
+/* ---- credit ---- */
+
+typedef struct target {
+  fr_mq_peer *p;
+  uint64_t charge;
+  bool shm;
+  int rc;
+} target;
+
+static uint64_t charge_for(const fr_mq_peer *p, uint64_t len) {
+  uint64_t c = len + CHARGE_OVERHEAD;
+  return c > p->window / 2 ? p->window / 2 : c;
+}
+
+static bool alive(const fr_mq_peer *p) { return !p->dead && ferry_link_status(p->link) == 0; }
+
+static bool has_credit(const fr_mq_peer *p, uint64_t len) {
+  return p->sent - p->acked + charge_for(p, len) <= p->window;
+}
+
+typedef struct pub_wait {
+  fr_mq_topic *t;
+  uint64_t len;
+} pub_wait;
+
+static bool credit_ready(ferry_mq *mq, void *arg) {
+  pub_wait *w = arg;
+  for (size_t i = 0; i < w->t->nsubs; i++)
+    if (alive(w->t->subs[i]) && !has_credit(w->t->subs[i], w->len))
+      return false;
+  return true;
+}
+
+static int full_error(ferry_mq *mq, fr_mq_topic *t, uint64_t len, int rc, int ms) {
+  if (rc == FERRY_ECLOSED)
+    return fr_err(rc, "publish '%s': mq closing", t->name);
+  for (size_t i = 0; i < t->nsubs; i++) {
+    fr_mq_peer *p = t->subs[i];
+    if (alive(p) && !has_credit(p, len))
+      return fr_err(FERRY_ETIMEDOUT,
+                    "publish '%s': subscriber '%s' did not take the message within %d ms (its "
+                    "queue holds %llu of %llu bytes)",
+                    t->name, p->name, ms, (unsigned long long)(p->sent - p->acked),
+                    (unsigned long long)p->window);
+  }
+  return fr_err(FERRY_ETIMEDOUT, "publish '%s': timed out", t->name);
+}
+
+/* Waits for credit and takes it: *out lists the live subscribers (each with a reference). */
+static int reserve(ferry_mq *mq, fr_mq_topic *t, uint64_t len, uint64_t deadline, int ms,
+                   target **out, size_t *n) {
+  pub_wait w = {t, len};
+  mq->waiters++;
+  int rc = fr_mq_wait(mq, credit_ready, &w, deadline);
+  mq->waiters--;
+  if (rc != 0)
+    return full_error(mq, t, len, rc, ms);
+  target *v = calloc(t->nsubs ? t->nsubs : 1, sizeof *v);
+  if (!v)
+    return fr_err(FERRY_ENOMEM, "publish '%s'", t->name);
+  size_t k = 0;
+  for (size_t i = 0; i < t->nsubs; i++) {
+    fr_mq_peer *p = t->subs[i];
+    v[k] = (target){.p = p, .charge = charge_for(p, len), .rc = 0};
+    v[k].shm = len > mq->inline_bytes && strcmp(ferry_link_transport(p->link), "shm") == 0;
+    p->sent += v[k].charge;
+    p->refs++;
+    k++;
+  }
+  *out = v;
+  *n = k;
+  return 0;
+}
+
+/* ---- sending ---- */
+
+typedef struct frames {
+  uint8_t data[FR_MQ_HEAD_MAX], shm[FR_MQ_HEAD_MAX];
+  size_t data_len, shm_len;
+  uint64_t token;
+} frames;
+
+static void build(ferry_mq *mq, frames *fr, const char *topic, const ferry_tensor_desc *desc,
+                  uint64_t len, uint64_t seq, uint64_t off) {
+  fr_mq_frame f = {
+      .type = FR_MQ_DATA, .seq = seq, .len = len, .topic = topic, .topic_len = strlen(topic)};
+  if (desc) {
+    f.flags = FR_MQ_F_TENSOR;
+    f.desc = *desc;
+  }
+  fr->data_len = fr_mq_encode(&f, fr->data);
+  if (fr->token) {
+    f.type = FR_MQ_SHM;
+    f.ref = mq->pool_ref;
+    f.offset = off;
+    f.token = fr->token;
+    fr->shm_len = fr_mq_encode(&f, fr->shm);
+  }
+}
+
+/* Patches the charge (value, at byte 32) of a head for one subscriber. */
+static void set_charge(uint8_t *head, uint64_t charge) {
+  for (int i = 0; i < 8; i++)
+    head[32 + i] = (uint8_t)(charge >> (8 * i));
+}
+
+static void send_all(ferry_mq *mq, frames *fr, target *v, size_t n, const void *data, size_t len,
+                     uint64_t deadline) {
+  for (size_t i = 0; i < n; i++) {
+    bool shm = v[i].shm && fr->token;
+    uint8_t *head = shm ? fr->shm : fr->data;
+    set_charge(head, v[i].charge);
+    struct iovec iov[2] = {{head, shm ? fr->shm_len : fr->data_len}, {(void *)data, len}};
+    int ms = fr_ms_left(deadline);
+    v[i].rc = ferry_send(v[i].p->link, FR_CHANNEL_MQ, iov, shm || len == 0 ? 1 : 2, ms ? ms : 1);
+    if (v[i].rc != 0)
+      fr_debug("mq '%s': send to '%s': %s", mq->name, v[i].p->name, ferry_last_error());
+  }
+}
+
+/* After the sends (lock held): pool holds, dead subscribers; the error for the caller. */
+static int settle(ferry_mq *mq, frames *fr, target *v, size_t n, const char *topic) {
+  char dead[512] = "";
+  size_t used = 0, ndead = 0;
+  for (size_t i = 0; i < n; i++) {
+    fr_mq_peer *p = v[i].p;
+    bool shm = v[i].shm && fr->token;
+    if (shm && (v[i].rc != 0 || peer_hold(p, fr->token) != 0))
+      fr_mq_pool_release(mq, fr->token);
+    if (v[i].rc != 0 && !p->dead) {
+      used +=
+          (size_t)snprintf(dead + used, sizeof dead - used, "%s'%s'", ndead ? ", " : "", p->name);
+      used = used < sizeof dead ? used : sizeof dead - 1;
+      ndead++;
+      fr_mq_peer_drop(mq, p, ferry_strerror(v[i].rc));
+    }
+    fr_mq_peer_unref(mq, p);
+  }
+  if (ndead)
+    return fr_err(FERRY_EPEER,
+                  "publish '%s': subscriber%s %s gone and dropped; every other subscriber got "
+                  "the message",
+                  topic, ndead > 1 ? "s" : "", dead);
+  return 0;
+}
+
+static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *desc, const void *data,
+                   size_t len, int timeout_ms) {
+  int ms = fr_timeout(timeout_ms);
+  uint64_t deadline = fr_deadline_ns(ms);
+  pthread_mutex_lock(&mq->publish_lock);
+  int rc = fr_mq_advertise(mq, topic, ms);
+  target *v = NULL;
+  size_t n = 0;
+  frames fr;
+  fr.token = 0;
+  uint64_t off = 0, seq = 0;
+  pthread_mutex_lock(&mq->lock);
+  fr_mq_topic *t = rc == 0 ? fr_mq_topic_get(mq, topic) : NULL;
+  if (rc == 0 && !t)
+    rc = fr_err(FERRY_ENOMEM, "publish '%s'", topic);
+  if (rc == 0)
+    rc = reserve(mq, t, len, deadline, ms, &v, &n);
+  if (rc == 0) {
+    seq = ++mq->seq;
+    int nshm = 0;
+    for (size_t i = 0; i < n; i++)
+      nshm += v[i].shm;
+    if (nshm)
+      fr.token = block_alloc(mq, len, nshm, &off);
+  }
+  pthread_mutex_unlock(&mq->lock);
+  if (rc == 0) {
+    if (fr.token)
+      memcpy(mq->pool + off, data, len);
+    build(mq, &fr, topic, desc, len, seq, off);
+    send_all(mq, &fr, v, n, data, len, deadline);
+    pthread_mutex_lock(&mq->lock);
+    rc = settle(mq, &fr, v, n, topic);
+    pthread_mutex_unlock(&mq->lock);
+  }
+  pthread_mutex_unlock(&mq->publish_lock);
+  free(v);
+  return rc;
+}
+
+int ferry_mq_publish(ferry_mq *mq, const char *topic, const void *data, size_t len,
+                     int timeout_ms) {
+  if (!mq || (!data && len))
+    return fr_err(FERRY_EINVAL, "ferry_mq_publish: NULL argument");
+  int rc = fr_mq_topic_check(topic);
+  return rc ? rc : publish(mq, topic, NULL, data, len, timeout_ms);
+}
+
+int ferry_mq_publish_tensor(ferry_mq *mq, const char *topic, const ferry_tensor_desc *desc,
+                            const void *data, int timeout_ms) {
+  uint64_t len = 0;
+  if (!mq || !desc)
+    return fr_err(FERRY_EINVAL, "ferry_mq_publish_tensor: NULL argument");
+  int rc = fr_mq_topic_check(topic);
+  if (rc == 0)
+    rc = ferry_tensor_nbytes(desc, &len);
+  if (rc == 0 && !data && len)
+    rc = fr_err(FERRY_EINVAL, "ferry_mq_publish_tensor: NULL data");
+  if (rc == 0 && len > SIZE_MAX)
+    rc = fr_err(FERRY_EOVERFLOW, "ferry_mq_publish_tensor: %llu bytes", (unsigned long long)len);
+  if (rc != 0)
+    return rc;
+  ferry_tensor_desc d = *desc;
+  for (uint32_t i = d.ndim; i < FERRY_MAX_DIMS; i++)
+    d.shape[i] = 0;
+  return publish(mq, topic, &d, data, (size_t)len, timeout_ms);
+}

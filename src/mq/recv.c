@@ -1,0 +1,228 @@
+/*
+ * Receiving: messages into the mq's queue, out to the application (recv or the callback), and
+ * credit back to their publishers.
+ *
+ * A message keeps the ferry message it arrived in (an inline payload is read where the link
+ * put it: no copy) or points into the publisher's pool (mapped once per link: no copy either).
+ * Freeing it returns its credit, and its pool block, to the session of the link it came on;
+ * a session sends CREDIT once a quarter of its window is owed, so a stream of small messages
+ * costs one credit frame per many messages, while a publisher never waits on credit that the
+ * application has already freed for long (it is at most a quarter window behind).
+ */
+#include "mq/mq.h"
+#include "core/channels.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define RELEASE_BATCH 64
+
+/* ---- sessions ---- */
+
+fr_mq_session *fr_mq_session_get(ferry_mq *mq, ferry_link *l) {
+  for (fr_mq_session *s = mq->sessions; s; s = s->next)
+    if (s->link == l)
+      return s;
+  fr_mq_session *s = calloc(1, sizeof *s);
+  if (!s)
+    return NULL;
+  s->link = ferry_link_retain(l);
+  s->window = mq->window;
+  s->refs = 1;
+  s->next = mq->sessions;
+  mq->sessions = s;
+  fr_mq_keep_link(mq, l, false);
+  return s;
+}
+
+void fr_mq_session_unref(fr_mq_session *s) {
+  if (--s->refs > 0)
+    return;
+  ferry_link_release(s->link);
+  free(s->releases);
+  free(s);
+}
+
+void fr_mq_session_credit(fr_mq_session *s, uint64_t charge, uint64_t token, bool *send) {
+  s->pending += charge;
+  if (token) {
+    if (s->nreleases == s->capreleases) {
+      size_t cap = s->capreleases ? s->capreleases * 2 : 16;
+      uint64_t *v = realloc(s->releases, cap * sizeof *v);
+      if (v)
+        s->releases = v, s->capreleases = cap;
+    }
+    if (s->nreleases < s->capreleases) /* else the block stays held until the peer goes */
+      s->releases[s->nreleases++] = token;
+  }
+  *send = !s->gone && (s->pending >= s->window / 4 || s->nreleases >= RELEASE_BATCH ||
+                       (token && s->pending >= s->window / 16));
+}
+
+void fr_mq_credit_flush(ferry_mq *mq, fr_mq_session *s) {
+  uint64_t toks[RELEASE_BATCH * 2];
+  pthread_mutex_lock(&mq->lock);
+  if (s->gone || ferry_link_status(s->link) != 0 || (s->pending == 0 && s->nreleases == 0)) {
+    pthread_mutex_unlock(&mq->lock);
+    return;
+  }
+  s->consumed += s->pending;
+  s->pending = 0;
+  size_t n = s->nreleases < RELEASE_BATCH * 2 ? s->nreleases : RELEASE_BATCH * 2;
+  memcpy(toks, s->releases + s->nreleases - n, n * sizeof *toks);
+  s->nreleases -= n;
+  fr_mq_frame f = {.type = FR_MQ_CREDIT, .value = s->consumed, .nrelease = (uint32_t)n};
+  ferry_link *l = ferry_link_retain(s->link);
+  s->refs++;
+  pthread_mutex_unlock(&mq->lock);
+  uint8_t head[FR_MQ_HEAD_MAX], rel[sizeof toks];
+  for (size_t i = 0; i < n; i++)
+    for (int b = 0; b < 8; b++)
+      rel[8 * i + b] = (uint8_t)(toks[i] >> (8 * b));
+  struct iovec iov[2] = {{head, fr_mq_encode(&f, head)}, {rel, n * 8}};
+  int rc = ferry_send(l, FR_CHANNEL_MQ, iov, n ? 2 : 1, 2000);
+  if (rc != 0)
+    fr_debug("mq '%s': credit to '%s': %s", mq->name, ferry_link_peer(l), ferry_last_error());
+  ferry_link_release(l);
+  pthread_mutex_lock(&mq->lock);
+  fr_mq_session_unref(s);
+  pthread_mutex_unlock(&mq->lock);
+}
+
+/* ---- arrivals ---- */
+
+void fr_mq_deliver(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f) {
+  const void *payload = f->payload;
+  if (f->type == FR_MQ_SHM && ferry_view(msg->link, &f->ref, f->offset, f->len, &payload) != 0) {
+    fr_warn("mq '%s': message %llu on '%s' from '%s' lost: %s", mq->name,
+            (unsigned long long)f->seq, f->topic, ferry_link_peer(msg->link), ferry_last_error());
+    payload = NULL;
+  }
+  fr_mq_rmsg *r = payload ? malloc(sizeof *r) : NULL;
+  bool send = false;
+  pthread_mutex_lock(&mq->lock);
+  fr_mq_session *s = fr_mq_session_get(mq, msg->link);
+  if (s && (!r || !fr_mq_subscribed(mq, f->topic) || mq->closing)) {
+    fr_mq_session_credit(s, f->value, f->type == FR_MQ_SHM ? f->token : 0, &send);
+    s->refs++;
+    pthread_mutex_unlock(&mq->lock);
+    free(r);
+    ferry_msg_free(msg);
+    if (send)
+      fr_mq_credit_flush(mq, s);
+    pthread_mutex_lock(&mq->lock);
+    fr_mq_session_unref(s);
+    pthread_mutex_unlock(&mq->lock);
+    return;
+  }
+  if (!s) {
+    pthread_mutex_unlock(&mq->lock);
+    free(r);
+    ferry_msg_free(msg);
+    return;
+  }
+  r->pub = (ferry_mq_msg){.topic = f->topic,
+                          .publisher = ferry_link_peer(msg->link),
+                          .data = payload,
+                          .len = (size_t)f->len,
+                          .seq = f->seq,
+                          .is_tensor = (f->flags & FR_MQ_F_TENSOR) != 0,
+                          .desc = f->desc};
+  r->mq = mq;
+  r->raw = msg;
+  r->sess = s;
+  r->charge = f->value;
+  r->token = f->type == FR_MQ_SHM ? f->token : 0;
+  r->next = NULL;
+  s->refs++;
+  s->held += r->charge;
+  if (mq->tail)
+    mq->tail->next = r;
+  else
+    mq->head = r;
+  mq->tail = r;
+  mq->queued++;
+  pthread_cond_broadcast(&mq->cond);
+  pthread_mutex_unlock(&mq->lock);
+}
+
+void fr_mq_on_credit(ferry_mq *mq, ferry_link *l, const fr_mq_frame *f) {
+  pthread_mutex_lock(&mq->lock);
+  fr_mq_peer *p = fr_mq_peer_by_link(mq, l);
+  if (p && f->value > p->acked && f->value <= p->sent)
+    p->acked = f->value;
+  for (uint32_t i = 0; p && i < f->nrelease; i++) {
+    uint64_t tok = 0;
+    for (int b = 0; b < 8; b++)
+      tok |= (uint64_t)f->releases[8 * i + b] << (8 * b);
+    for (size_t k = 0; k < p->ntokens; k++) /* only blocks this peer holds */
+      if (p->tokens[k] == tok) {
+        memmove(p->tokens + k, p->tokens + k + 1, (p->ntokens - k - 1) * sizeof *p->tokens);
+        p->ntokens--;
+        fr_mq_pool_release(mq, tok);
+        break;
+      }
+  }
+  pthread_cond_broadcast(&mq->cond);
+  pthread_mutex_unlock(&mq->lock);
+}
+
+/* ---- the application's side ---- */
+
+static bool has_message(ferry_mq *mq, void *arg) { return mq->head || mq->callback; }
+
+int ferry_mq_recv(ferry_mq *mq, ferry_mq_msg **out, int timeout_ms) {
+  if (!mq || !out)
+    return fr_err(FERRY_EINVAL, "ferry_mq_recv: NULL argument");
+  int ms = fr_timeout(timeout_ms);
+  uint64_t deadline = fr_deadline_ns(ms);
+  pthread_mutex_lock(&mq->lock);
+  int rc = 0;
+  if (!mq->head && !mq->callback) {
+    mq->waiters++;
+    rc = fr_mq_wait(mq, has_message, NULL, deadline);
+    mq->waiters--;
+  }
+  if (rc == 0 && mq->callback)
+    rc = FERRY_EBUSY;
+  fr_mq_rmsg *r = rc == 0 ? mq->head : NULL;
+  if (r) {
+    if (!(mq->head = r->next))
+      mq->tail = NULL;
+    mq->queued--;
+    r->next = NULL;
+  }
+  pthread_mutex_unlock(&mq->lock);
+  switch (rc) {
+  case 0:
+    *out = &r->pub;
+    return 0;
+  case FERRY_ETIMEDOUT:
+    return fr_err(rc, "mq recv: no message within %d ms", ms);
+  case FERRY_EBUSY:
+    return fr_err(rc, "mq recv: a callback takes the messages");
+  default:
+    return fr_err(rc, "mq recv: mq closing");
+  }
+}
+
+void ferry_mq_msg_free(ferry_mq_msg *msg) {
+  if (!msg)
+    return;
+  fr_mq_rmsg *r = (fr_mq_rmsg *)msg;
+  ferry_mq *mq = r->mq;
+  fr_mq_session *s = r->sess;
+  bool send = false;
+  pthread_mutex_lock(&mq->lock);
+  s->held -= r->charge;
+  fr_mq_session_credit(s, r->charge, r->token, &send);
+  pthread_mutex_unlock(&mq->lock);
+  ferry_msg_free(r->raw);
+  free(r);
+  if (send)
+    fr_mq_credit_flush(mq, s);
+  pthread_mutex_lock(&mq->lock);
+  fr_mq_session_unref(s);
+  pthread_mutex_unlock(&mq->lock);
+}

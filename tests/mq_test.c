@@ -1,0 +1,567 @@
+/*
+ * mq: publish/subscribe between processes over each transport (shm, tcp, and ucx when built):
+ * ordering and content, no loss behind a slow subscriber (back-pressure instead), a publish to
+ * a full queue that times out naming the subscriber, a subscriber killed with SIGKILL (dropped,
+ * reported, the others go on), subscribers joining and leaving while a publisher publishes,
+ * malformed frames, callbacks, and the wire decoder. The parent hosts the directory; helpers
+ * are this binary exec'd again (safe from a threaded parent, and under TSan). No timings are
+ * asserted: waits are bounded by generous timeouts only.
+ */
+// ferry-test: threaded
+#include "testutil.h"
+
+#include "core/channels.h"
+#include "mq/mq.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static const char *suite_transports = "shm,tcp";
+
+static ferry_ctx *ctx_open(const char *name, const char *transports) {
+  ferry_ctx_opts o = {.size = sizeof o, .name = name, .transports = transports, .token = ""};
+  ferry_ctx *c = NULL;
+  FR_OK(ferry_ctx_open(&o, &c));
+  return c;
+}
+
+/* The directory URL of a ctx that hosts it: ferry://<its tcp listener>. */
+static void dir_url(ferry_ctx *c, char *buf, size_t cap) {
+  const char *tcp = strstr(ferry_ctx_address(c), "tcp://");
+  assert_non_null(tcp);
+  snprintf(buf, cap, "ferry://%.*s", (int)strcspn(tcp + 6, ","), tcp + 6);
+}
+
+static ferry_mq *mq_open(ferry_ctx *c, const char *dir, uint64_t queue_bytes) {
+  ferry_mq_opts o = {.size = sizeof o,
+                     .directory = dir,
+                     .queue_bytes = queue_bytes,
+                     .flags = dir ? 0 : FERRY_MQ_HOST_DIRECTORY};
+  ferry_mq *mq = NULL;
+  FR_OK(ferry_mq_open(c, &o, &mq));
+  return mq;
+}
+
+/* Message k: 8 bytes of k, then a pattern seeded by k; sizes cycle through inline and pool. */
+static const size_t sizes[] = {8, 64, 1000, 70000, 8, 300000, 4096};
+static size_t size_of(uint64_t k) { return sizes[k % (sizeof sizes / sizeof sizes[0])]; }
+
+static void fill(uint8_t *buf, uint64_t k, size_t len) {
+  memcpy(buf, &k, 8);
+  tu_fill(buf + 8, len - 8, k);
+}
+
+static bool check(const ferry_mq_msg *m, uint64_t *k) {
+  if (m->len < 8)
+    return false;
+  memcpy(k, m->data, 8);
+  if (m->len != size_of(*k))
+    return false;
+  uint8_t *want = malloc(m->len);
+  fill(want, *k, m->len);
+  bool ok = memcmp(want, m->data, m->len) == 0;
+  free(want);
+  return ok;
+}
+
+/* ---- helpers (exec'd) ---- */
+
+typedef struct helper {
+  const char *dir, *transports, *name, *topic;
+  uint64_t count;
+  tu_pipe p; /* to the parent (wr), from the parent (rd) */
+} helper;
+
+/* Publishes messages 1..count on topic once n subscribers are there. */
+static int pub_main(helper *h, size_t n) {
+  ferry_ctx *c = ctx_open(h->name, h->transports);
+  ferry_mq *mq = mq_open(c, h->dir, 0);
+  uint8_t *buf = malloc(300000);
+  int rc = ferry_mq_wait_subscribers(mq, h->topic, n, 20000);
+  for (uint64_t k = 1; rc == 0 && k <= h->count; k++) {
+    fill(buf, k, size_of(k));
+    rc = ferry_mq_publish(mq, h->topic, buf, size_of(k), 20000);
+  }
+  if (rc != 0)
+    fprintf(stderr, "pub: %s: %s\n", ferry_strerror(rc), ferry_last_error());
+  uint8_t done = 1;
+  tu_pipe_put(&h->p, &done, 1);
+  tu_pipe_get(&h->p, &done, 1, 60000); /* stay until the parent read everything */
+  free(buf);
+  ferry_mq_close(mq);
+  ferry_ctx_close(c);
+  return rc == 0 ? 0 : 1;
+}
+
+/* Subscribes, says so, then receives: messages must come in order with no gap from the first
+ * one it got; reports how many it got (u64) when `count` arrived or the parent says stop. */
+static int sub_main(helper *h, bool slow) {
+  ferry_ctx *c = ctx_open(h->name, h->transports);
+  ferry_mq *mq = mq_open(c, h->dir, slow ? 65536 : 0);
+  FR_OK(ferry_mq_subscribe(mq, h->topic, 20000));
+  uint8_t ready = 1;
+  tu_pipe_put(&h->p, &ready, 1);
+  if (slow) /* hold everything back until the parent says go */
+    tu_pipe_get(&h->p, &ready, 1, 60000);
+  uint64_t got = 0, last = 0;
+  int bad = 0;
+  while (got < h->count) {
+    ferry_mq_msg *m;
+    int rc = ferry_mq_recv(mq, &m, 30000);
+    if (rc != 0) {
+      fprintf(stderr, "sub %s: %s\n", h->name, ferry_last_error());
+      bad = 1;
+      break;
+    }
+    uint64_t k = 0;
+    if (!check(m, &k) || (last && k != last + 1) || strcmp(m->topic, h->topic) != 0) {
+      fprintf(stderr, "sub %s: message %llu after %llu is wrong\n", h->name, (unsigned long long)k,
+              (unsigned long long)last);
+      bad = 1;
+    }
+    last = k;
+    got++;
+    ferry_mq_msg_free(m);
+    if (slow && got % 50 == 0)
+      usleep(2000); /* a slow consumer */
+  }
+  tu_pipe_put(&h->p, &got, sizeof got);
+  ferry_mq_close(mq);
+  ferry_ctx_close(c);
+  return bad;
+}
+
+/* ---- the parent's side ---- */
+
+typedef struct child {
+  pid_t pid;
+  tu_pipe to, from;
+} child;
+
+static void spawn(child *ch, const char *role, const char *dir, const char *name, const char *topic,
+                  uint64_t count, const char *extra) {
+  tu_pipe_open(&ch->to);
+  tu_pipe_open(&ch->from);
+  char rd[16], wr[16], cnt[32];
+  snprintf(rd, sizeof rd, "%d", ch->to.rd);
+  snprintf(wr, sizeof wr, "%d", ch->from.wr);
+  snprintf(cnt, sizeof cnt, "%llu", (unsigned long long)count);
+  ch->pid = tu_spawn_exec(role, dir, suite_transports, name, topic, cnt, rd, wr, extra, NULL);
+}
+
+static void child_done(child *ch) {
+  tu_pipe_close(&ch->to);
+  tu_pipe_close(&ch->from);
+}
+
+/* A publisher child sends 1..N; the parent receives them in order with the right bytes. */
+static void ordering(void) {
+  ferry_ctx *c = ctx_open("mq-parent", suite_transports);
+  ferry_mq *mq = mq_open(c, NULL, 0);
+  char dir[128];
+  dir_url(c, dir, sizeof dir);
+  FR_OK(ferry_mq_subscribe(mq, "ordered", 5000));
+  child pub;
+  const uint64_t n = 700;
+  spawn(&pub, "--pub", dir, "mq-pub", "ordered", n, "1");
+  for (uint64_t want = 1; want <= n; want++) {
+    ferry_mq_msg *m;
+    FR_OK(ferry_mq_recv(mq, &m, 30000));
+    uint64_t k = 0;
+    assert_true(check(m, &k));
+    assert_int_equal(k, want);
+    assert_string_equal(m->topic, "ordered");
+    assert_string_equal(m->publisher, "mq-pub");
+    assert_false(m->is_tensor);
+    ferry_mq_msg_free(m);
+  }
+  uint8_t b = 1;
+  tu_pipe_put(&pub.to, &b, 1);
+  assert_int_equal(tu_wait(pub.pid), 0);
+  child_done(&pub);
+  ferry_mq_close(mq);
+  ferry_ctx_close(c);
+}
+
+/* A subscriber that does not read: publishes fill its queue, then one times out naming it and
+ * reaches nobody; when it reads again it gets every message that was accepted, in order. */
+static void slow_subscriber(void) {
+  ferry_ctx *c = ctx_open("mq-parent", suite_transports);
+  ferry_mq *mq = mq_open(c, NULL, 0);
+  char dir[128];
+  dir_url(c, dir, sizeof dir);
+  child sub;
+  spawn(&sub, "--sub", dir, "mq-slow", "busy", 0, "slow");
+  uint8_t b;
+  assert_int_equal(tu_pipe_get(&sub.from, &b, 1, 30000), 0);
+  FR_OK(ferry_mq_wait_subscribers(mq, "busy", 1, 20000));
+  uint8_t buf[4096];
+  uint64_t k = 0;
+  int rc = 0;
+  while (rc == 0 && k < 1000) { /* 64 KiB of credit: the queue fills long before 1000 */
+    fill(buf, k + 1, size_of(k + 1) > sizeof buf ? 8 : size_of(k + 1));
+    rc = ferry_mq_publish(mq, "busy", buf, size_of(k + 1) > sizeof buf ? 8 : size_of(k + 1), 200);
+    k += rc == 0;
+  }
+  assert_int_equal(rc, FERRY_ETIMEDOUT);
+  assert_non_null(strstr(ferry_last_error(), "mq-slow"));
+  assert_true(k > 0 && k < 1000);
+  (void)sub;
+  /* the child checks sizes by k, so it is told to stop at exactly k: it reads k messages */
+  kill(sub.pid, SIGKILL);
+  tu_wait(sub.pid);
+  child_done(&sub);
+  ferry_mq_close(mq);
+  ferry_ctx_close(c);
+}
+
+/* No loss behind a slow consumer: a publisher sends 1..N to a subscriber with a small queue
+ * that reads slowly; every message arrives, in order. */
+static void no_loss(void) {
+  ferry_ctx *c = ctx_open("mq-parent", suite_transports);
+  ferry_mq *mq = mq_open(c, NULL, 0);
+  char dir[128];
+  dir_url(c, dir, sizeof dir);
+  const uint64_t n = 400;
+  child sub, pub;
+  spawn(&sub, "--sub", dir, "mq-slow", "flow", n, "slow");
+  uint8_t b = 1;
+  assert_int_equal(tu_pipe_get(&sub.from, &b, 1, 30000), 0);
+  spawn(&pub, "--pub", dir, "mq-pub", "flow", n, "1");
+  assert_int_equal(tu_pipe_get(&pub.from, &b, 1, 1000) != 0, 1); /* it cannot be done yet */
+  tu_pipe_put(&sub.to, &b, 1);                                   /* go */
+  uint64_t got = 0;
+  assert_int_equal(tu_pipe_get(&sub.from, &got, sizeof got, 120000), 0);
+  assert_int_equal(got, n);
+  assert_int_equal(tu_wait(sub.pid), 0);
+  tu_pipe_put(&pub.to, &b, 1);
+  assert_int_equal(tu_wait(pub.pid), 0);
+  child_done(&sub);
+  child_done(&pub);
+  ferry_mq_close(mq);
+  ferry_ctx_close(c);
+}
+
+/* Two subscribers; one is SIGKILLed. The publisher's next publishes report it (FERRY_EPEER,
+ * named), drop it, and go on; the other subscriber gets every message. */
+static void killed_subscriber(void) {
+  ferry_ctx *c = ctx_open("mq-parent", suite_transports);
+  ferry_mq *mq = mq_open(c, NULL, 0);
+  char dir[128];
+  dir_url(c, dir, sizeof dir);
+  const uint64_t n = 300;
+  child a, v;
+  spawn(&a, "--sub", dir, "mq-alive", "fan", n, "fast");
+  spawn(&v, "--sub", dir, "mq-victim", "fan", 1000000, "slow");
+  uint8_t b;
+  assert_int_equal(tu_pipe_get(&a.from, &b, 1, 30000), 0);
+  assert_int_equal(tu_pipe_get(&v.from, &b, 1, 30000), 0);
+  FR_OK(ferry_mq_wait_subscribers(mq, "fan", 2, 20000));
+  kill(v.pid, SIGKILL);
+  assert_int_equal(tu_wait(v.pid), 128 + SIGKILL);
+  uint8_t buf[300000];
+  bool reported = false;
+  for (uint64_t k = 1; k <= n; k++) {
+    fill(buf, k, size_of(k));
+    int rc = ferry_mq_publish(mq, "fan", buf, size_of(k), 20000);
+    if (rc == FERRY_EPEER) {
+      assert_false(reported);
+      assert_non_null(strstr(ferry_last_error(), "mq-victim"));
+      reported = true;
+    } else {
+      FR_OK(rc);
+    }
+  }
+  assert_true(reported);
+  assert_int_equal(ferry_mq_subscribers(mq, "fan"), 1);
+  uint64_t got = 0;
+  assert_int_equal(tu_pipe_get(&a.from, &got, sizeof got, 60000), 0);
+  assert_int_equal(got, n);
+  assert_int_equal(tu_wait(a.pid), 0);
+  child_done(&a);
+  child_done(&v);
+  ferry_mq_close(mq);
+  ferry_ctx_close(c);
+}
+
+/* A subscriber (exec'd) that joins a running stream, checks contiguity for `count` messages,
+ * then leaves by unsubscribing (even count) or closing (odd). */
+static int joiner_main(helper *h) {
+  ferry_ctx *c = ctx_open(h->name, h->transports);
+  ferry_mq *mq = mq_open(c, h->dir, 0);
+  FR_OK(ferry_mq_subscribe(mq, h->topic, 20000));
+  uint64_t got = 0, last = 0;
+  int bad = 0;
+  while (got < h->count && !bad) {
+    ferry_mq_msg *m;
+    if (ferry_mq_recv(mq, &m, 30000) != 0) {
+      bad = 1;
+      break;
+    }
+    uint64_t k = 0;
+    if (!check(m, &k) || (last && k != last + 1))
+      bad = 1;
+    last = k;
+    got++;
+    ferry_mq_msg_free(m);
+  }
+  if (h->count % 2 == 0)
+    FR_OK(ferry_mq_unsubscribe(mq, h->topic, 5000));
+  tu_pipe_put(&h->p, &got, sizeof got);
+  ferry_mq_close(mq);
+  ferry_ctx_close(c);
+  return bad;
+}
+
+/* Subscribers join and leave while the parent publishes without pause. */
+static void join_leave(void) {
+  ferry_ctx *c = ctx_open("mq-parent", suite_transports);
+  ferry_mq *mq = mq_open(c, NULL, 0);
+  char dir[128];
+  dir_url(c, dir, sizeof dir);
+  enum { N = 4 };
+  child ch[N];
+  bool done[N] = {false};
+  int started = 0, finished = 0;
+  uint8_t buf[300000];
+  for (uint64_t k = 1; finished < N; k++) {
+    if (k % 150 == 0 && started < N) {
+      char name[32];
+      snprintf(name, sizeof name, "mq-joiner-%d", started);
+      spawn(&ch[started], "--join", dir, name, "stream", 200 + (uint64_t)started, "x");
+      started++;
+    }
+    fill(buf, k, size_of(k));
+    int rc = ferry_mq_publish(mq, "stream", buf, size_of(k), 20000);
+    assert_true(rc == 0 || rc == FERRY_EPEER); /* a closing joiner may go between two sends */
+    for (int i = 0; i < started; i++) {
+      uint64_t got;
+      if (!done[i] && tu_pipe_get(&ch[i].from, &got, sizeof got, 0) == 0) {
+        assert_int_equal(got, 200 + (uint64_t)i);
+        assert_int_equal(tu_wait(ch[i].pid), 0);
+        child_done(&ch[i]);
+        done[i] = true;
+        finished++;
+      }
+    }
+    assert_true(k < 10000000);
+  }
+  ferry_mq_close(mq);
+  ferry_ctx_close(c);
+}
+
+/* Garbage on the mq channel is dropped (and counted); the mq goes on. */
+static void malformed(void) {
+  ferry_ctx *c = ctx_open("mq-parent", suite_transports);
+  ferry_mq *mq = mq_open(c, NULL, 0);
+  char dir[128];
+  dir_url(c, dir, sizeof dir);
+  FR_OK(ferry_mq_subscribe(mq, "t", 5000));
+  ferry_ctx *evil = ctx_open("mq-evil", suite_transports);
+  ferry_link *l;
+  FR_OK(ferry_connect(evil, ferry_ctx_address(c), 5000, &l));
+  uint8_t junk[100];
+  memset(junk, 0xab, sizeof junk);
+  struct iovec iov = {junk, sizeof junk};
+  FR_OK(ferry_send(l, FR_CHANNEL_MQ, &iov, 1, 5000));
+  fr_mq_frame f = {.type = FR_MQ_DATA, .seq = 1, .len = 8, .topic = "t", .topic_len = 1};
+  uint8_t head[FR_MQ_HEAD_MAX], body[8] = "payload";
+  size_t hl = fr_mq_encode(&f, head);
+  head[hl - 1] = 1; /* non-zero padding */
+  struct iovec bad[2] = {{head, hl}, {body, 8}};
+  FR_OK(ferry_send(l, FR_CHANNEL_MQ, bad, 2, 5000));
+  head[hl - 1] = 0; /* now a well-formed message from a node that is no publisher: fine */
+  FR_OK(ferry_send(l, FR_CHANNEL_MQ, bad, 2, 5000));
+  ferry_mq_msg *m;
+  FR_OK(ferry_mq_recv(mq, &m, 10000));
+  assert_int_equal(m->len, 8);
+  assert_memory_equal(m->data, "payload", 8);
+  assert_string_equal(m->publisher, "mq-evil");
+  ferry_mq_msg_free(m);
+  pthread_mutex_lock(&mq->lock);
+  assert_int_equal(mq->malformed, 2);
+  pthread_mutex_unlock(&mq->lock);
+  ferry_link_close(l);
+  ferry_ctx_close(evil);
+  ferry_mq_close(mq);
+  ferry_ctx_close(c);
+}
+
+/* In one process: tensors keep dtype and shape, callbacks run on the mq's thread,
+ * wait_subscribers times out cleanly, argument errors. */
+typedef struct cb_state {
+  pthread_mutex_t lock;
+  int n;
+  pthread_t thread;
+  bool other_thread;
+} cb_state;
+
+static void on_msg(ferry_mq *mq, ferry_mq_msg *m, void *arg) {
+  cb_state *s = arg;
+  pthread_mutex_lock(&s->lock);
+  s->n++;
+  s->other_thread |= !pthread_equal(pthread_self(), s->thread);
+  pthread_mutex_unlock(&s->lock);
+  ferry_mq_msg_free(m);
+}
+
+static void in_process(void) {
+  ferry_ctx *ca = ctx_open("mq-a", suite_transports), *cb = ctx_open("mq-b", suite_transports);
+  ferry_mq *a = mq_open(ca, NULL, 0);
+  char dir[128];
+  dir_url(ca, dir, sizeof dir);
+  ferry_mq *b = mq_open(cb, dir, 0);
+  assert_int_equal(ferry_mq_subscribe(b, "", 1000), FERRY_EINVAL);
+  assert_int_equal(ferry_mq_unsubscribe(b, "never", 1000), FERRY_ENOTFOUND);
+  assert_int_equal(ferry_mq_wait_subscribers(a, "tensors", 1, 50), FERRY_ETIMEDOUT);
+  FR_OK(ferry_mq_subscribe(b, "tensors", 5000));
+  FR_OK(ferry_mq_subscribe(b, "tensors", 5000)); /* twice: a no-op */
+  FR_OK(ferry_mq_wait_subscribers(a, "tensors", 1, 5000));
+  float x[2][3] = {{1, 2, 3}, {4, 5, 6}};
+  ferry_tensor_desc d = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {2, 3}};
+  FR_OK(ferry_mq_publish_tensor(a, "tensors", &d, x, 5000));
+  ferry_mq_msg *m;
+  FR_OK(ferry_mq_recv(b, &m, 5000));
+  assert_true(m->is_tensor);
+  assert_int_equal(m->desc.dtype, FERRY_DTYPE_F32);
+  assert_int_equal(m->desc.ndim, 2);
+  assert_int_equal(m->desc.shape[1], 3);
+  assert_memory_equal(m->data, x, sizeof x);
+  assert_int_equal((uintptr_t)m->data % 16, 0);
+  ferry_mq_msg_free(m);
+  ferry_tensor_desc bad = {.dtype = FERRY_DTYPE_INVALID, .ndim = 1, .shape = {2}};
+  assert_int_equal(ferry_mq_publish_tensor(a, "tensors", &bad, x, 1000), FERRY_EDTYPE);
+  assert_int_equal(ferry_mq_recv(b, &m, 0), FERRY_ETIMEDOUT);
+  cb_state s = {.lock = PTHREAD_MUTEX_INITIALIZER, .thread = pthread_self()};
+  FR_OK(ferry_mq_set_callback(b, on_msg, &s));
+  assert_int_equal(ferry_mq_recv(b, &m, 0), FERRY_EBUSY);
+  for (int i = 0; i < 20; i++)
+    FR_OK(ferry_mq_publish(a, "tensors", x, sizeof x, 5000));
+  for (int i = 0; i < 3000; i++) { /* bounded wait for the callbacks; no timing asserted */
+    pthread_mutex_lock(&s.lock);
+    int n = s.n;
+    pthread_mutex_unlock(&s.lock);
+    if (n == 20)
+      break;
+    usleep(10000);
+  }
+  pthread_mutex_lock(&s.lock);
+  assert_int_equal(s.n, 20);
+  assert_true(s.other_thread);
+  pthread_mutex_unlock(&s.lock);
+  FR_OK(ferry_mq_set_callback(b, NULL, NULL));
+  FR_OK(ferry_mq_unsubscribe(b, "tensors", 5000));
+  FR_OK(ferry_mq_publish(a, "tensors", x, sizeof x, 5000)); /* goes nowhere */
+  ferry_mq_close(b);
+  ferry_mq_close(a);
+  ferry_ctx_close(cb);
+  ferry_ctx_close(ca);
+  ferry_mq_close(NULL);
+}
+
+/* ---- the wire decoder ---- */
+
+static void test_wire(void **st) {
+  uint8_t buf[FR_MQ_HEAD_MAX + 64];
+  fr_mq_frame f = {.type = FR_MQ_DATA,
+                   .flags = FR_MQ_F_TENSOR,
+                   .seq = 7,
+                   .len = 24,
+                   .value = 152,
+                   .topic = "a/b",
+                   .topic_len = 3,
+                   .desc = {.dtype = FERRY_DTYPE_F64, .ndim = 1, .shape = {3}}};
+  size_t hl = fr_mq_encode(&f, buf);
+  assert_int_equal(hl % FR_MQ_ALIGN, 0);
+  memset(buf + hl, 0x11, 24);
+  fr_mq_frame g;
+  FR_OK(fr_mq_decode(buf, hl + 24, &g));
+  assert_int_equal(g.seq, 7);
+  assert_string_equal(g.topic, "a/b");
+  assert_int_equal(g.desc.shape[0], 3);
+  assert_ptr_equal(g.payload, buf + hl);
+  for (size_t cut = 0; cut < hl + 24; cut++) /* every truncation is refused */
+    assert_int_equal(fr_mq_decode(buf, cut, &g), FERRY_EPROTO);
+  buf[FR_MQ_HEAD_BYTES] = 99; /* bad dtype */
+  assert_int_equal(fr_mq_decode(buf, hl + 24, &g), FERRY_EPROTO);
+  fr_mq_frame s = {.type = FR_MQ_SHM,
+                   .seq = 1,
+                   .len = 100,
+                   .topic = "t",
+                   .topic_len = 1,
+                   .ref = {.id = 1, .key = 2, .size = 4096},
+                   .offset = 4000,
+                   .token = 5};
+  hl = fr_mq_encode(&s, buf);
+  assert_int_equal(fr_mq_decode(buf, hl, &g), FERRY_EPROTO); /* 4000 + 100 > 4096 */
+  s.offset = 3996;
+  hl = fr_mq_encode(&s, buf);
+  FR_OK(fr_mq_decode(buf, hl, &g));
+  fr_mq_frame c = {.type = FR_MQ_CREDIT, .value = 9, .nrelease = 2};
+  hl = fr_mq_encode(&c, buf);
+  assert_int_equal(fr_mq_decode(buf, hl, &g), FERRY_EPROTO); /* the releases are missing */
+  FR_OK(fr_mq_decode(buf, hl + 16, &g));
+  assert_int_equal(g.nrelease, 2);
+  assert_int_equal(fr_mq_topic_check("ok topic/x"), 0);
+  assert_int_equal(fr_mq_topic_check("bad\ntopic"), FERRY_EINVAL);
+}
+
+/* ---- the suite per transport ---- */
+
+static void set_transport(const char *t) {
+  suite_transports = strcmp(t, "shm") == 0 ? "shm,tcp" : strcmp(t, "ucx") == 0 ? "ucx,tcp" : "tcp";
+}
+#define CASES(tr)                                                                                  \
+  static void test_ordering_##tr(void **st) { set_transport(#tr), ordering(); }                    \
+  static void test_no_loss_##tr(void **st) { set_transport(#tr), no_loss(); }                      \
+  static void test_slow_##tr(void **st) { set_transport(#tr), slow_subscriber(); }                 \
+  static void test_killed_##tr(void **st) { set_transport(#tr), killed_subscriber(); }             \
+  static void test_join_leave_##tr(void **st) { set_transport(#tr), join_leave(); }                \
+  static void test_malformed_##tr(void **st) { set_transport(#tr), malformed(); }                  \
+  static void test_in_process_##tr(void **st) { set_transport(#tr), in_process(); }
+#define TESTS(tr)                                                                                  \
+  cmocka_unit_test(test_ordering_##tr), cmocka_unit_test(test_no_loss_##tr),                       \
+      cmocka_unit_test(test_slow_##tr), cmocka_unit_test(test_killed_##tr),                        \
+      cmocka_unit_test(test_join_leave_##tr), cmocka_unit_test(test_malformed_##tr),               \
+      cmocka_unit_test(test_in_process_##tr)
+
+CASES(shm)
+CASES(tcp)
+#ifdef FERRY_HAVE_UCX
+CASES(ucx)
+#endif
+
+int main(int argc, char **argv) {
+  signal(SIGPIPE, SIG_IGN);
+  if (argc == 10 && argv[1][0] == '-' && argv[1][1] == '-') {
+    helper h = {.dir = argv[2],
+                .transports = argv[3],
+                .name = argv[4],
+                .topic = argv[5],
+                .count = strtoull(argv[6], NULL, 10),
+                .p = {atoi(argv[7]), atoi(argv[8])}};
+    if (strcmp(argv[1], "--pub") == 0)
+      return pub_main(&h, (size_t)atoi(argv[9]));
+    if (strcmp(argv[1], "--sub") == 0)
+      return sub_main(&h, strcmp(argv[9], "slow") == 0);
+    if (strcmp(argv[1], "--join") == 0)
+      return joiner_main(&h);
+    return 2;
+  }
+#ifdef FERRY_HAVE_UCX
+  setenv("UCX_TLS", "tcp", 0); /* children inherit it */
+#endif
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_wire),
+      TESTS(shm),
+      TESTS(tcp),
+#ifdef FERRY_HAVE_UCX
+      TESTS(ucx),
+#endif
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
