@@ -314,11 +314,11 @@ def report(rows, as_json, out=sys.stdout):
         return
     print("\ntargets (issue 6)", file=out)
     for name, value, met, unit in targets:
-        print("  %-46s %10.2f%-3s %s" % (name, value, unit, "met" if met else "NOT met"),
+        print("  %-46s %10.2f %-3s %s" % (name, value, unit, "met" if met else "NOT met"),
               file=out)
     print("\nalso", file=out)
     for name, value, unit in info:
-        print("  %-46s %10.2f%-3s" % (name, value, unit), file=out)
+        print(("  %-46s %10.2f %s" % (name, value, unit)).rstrip(), file=out)
 
 
 def main(argv=None):
