@@ -468,10 +468,17 @@ FERRY_API int ferry_ctl_rank_status_get(ferry_ctl *ctl, uint32_t rank, ferry_ctl
  * replaced or the store closed (write a new version into another buffer and put that).
  *
  * A get never returns torn data: the owner bumps the object's generation word when it replaces or
- * deletes it, and the reader checks that word after its copy (and retries, or fails with
- * FERRY_ESTALE). Objects live as long as their owner's store: when it closes they are removed;
- * when it dies, gets fail with FERRY_EPEER (within the timeout, never a hang) until its directory
- * lease (FERRY_LEASE_MS) lapses and the records vanish (then FERRY_ENOTFOUND).
+ * deletes it, and the reader checks that word after its copy; when it changed, the get looks the
+ * key up again and reads again (backing off) until it has one whole version or its timeout
+ * passes (then FERRY_ESTALE). A replaced pool copy stays readable for a while (up to a second,
+ * or until its space is needed), so readers racing a re-put rarely need a second read. Objects
+ * live as long as their owner's store: when it closes they are removed; when it dies, gets fail
+ * with FERRY_EPEER (within the timeout, never a hang) until its directory lease
+ * (FERRY_LEASE_MS) lapses and the records vanish (then FERRY_ENOTFOUND).
+ *
+ * A node's name (its ctx name) is held by one store at a time: opening a store under a name a
+ * live node holds fails with FERRY_EEXIST naming it; the name of a node whose lease lapsed, or
+ * that is proven dead (nothing answers at its address), is taken over.
  *
  * One store per context. Every call is thread-safe. */
 typedef struct ferry_store ferry_store;
@@ -501,7 +508,8 @@ typedef struct ferry_store_opts {
  * reserves the pool. ctx must outlive the store. The handle is owned by the caller until
  * ferry_store_close(), which removes this node's objects from the directory and frees the pool.
  * FERRY_ECONNECT when no directory answers (the detail says how to start `ferry serve`),
- * FERRY_ENOSHM when the pool cannot be reserved. */
+ * FERRY_EEXIST when a live node holds this ctx's name, FERRY_ENOSHM when the pool cannot be
+ * reserved. */
 FERRY_API int ferry_store_open(ferry_ctx *ctx, const ferry_store_opts *opts, ferry_store **out);
 FERRY_API void ferry_store_close(ferry_store *store);
 
@@ -531,13 +539,35 @@ typedef struct ferry_store_info {
  * ignored when its dtype is FERRY_DTYPE_INVALID) must match the stored dtype and shape, else
  * FERRY_EDTYPE / FERRY_ESHAPE. info (may be NULL) receives the object's description. Errors:
  * FERRY_ENOTFOUND (no such key), FERRY_ERANGE (cap too small; the detail says how many bytes),
- * FERRY_EPEER (the owner is gone), FERRY_ESTALE (replaced or deleted again and again while being
- * read), FERRY_ETIMEDOUT. On failure dst's contents are unspecified. */
+ * FERRY_EPEER (the owner is gone), FERRY_ESTALE (replaced during every read until the timeout
+ * passed), FERRY_ETIMEDOUT. On failure dst's contents are unspecified. */
 FERRY_API int ferry_store_get(ferry_store *store, const char *key, const ferry_tensor_desc *expect,
                               void *dst, size_t cap, ferry_store_info *info, int timeout_ms);
 /* As ferry_store_get, into a buffer it allocates: *out is owned by the caller (free() it). */
 FERRY_API int ferry_store_get_alloc(ferry_store *store, const char *key, void **out,
                                     ferry_store_info *info, int timeout_ms);
+
+/* A zero-copy get: *data points at the object's bytes where its owner keeps them (the owner's
+ * shared memory on this host; cost independent of size), pinned until ferry_store_view_release().
+ * Across hosts it points at a private copy (one read, as ferry_store_get). The bytes are
+ * read-only and *data is valid until the release, whatever happens to the key meanwhile:
+ * - a re-put or delete of a pool copy (a tensor put from ordinary memory) publishes the new
+ *   version, while the pinned old one stays intact, counted against the owner's capacity;
+ * - a re-put or delete of memory published in place waits, up to its own timeout, for the views
+ *   of the old version to be released (the caller gets that memory back); after that it returns
+ *   anyway and those views may see the bytes change: ferry_store_view_valid() says 0;
+ * - the owner's store closing or the owner dying keeps the mapping (no crash), and the bytes of
+ *   a pool copy stay as they were.
+ * Release every view: an unreleased one keeps its bytes from being reused for as long as the
+ * owner runs. info (may be NULL) describes the object. Errors as ferry_store_get. */
+typedef struct ferry_store_view ferry_store_view;
+FERRY_API int ferry_store_get_view(ferry_store *store, const char *key, const void **data,
+                                   ferry_store_info *info, ferry_store_view **view, int timeout_ms);
+/* 1 while the view's bytes are the version it pinned, 0 once its owner gave them back to their
+ * (in-place) owner (see above), or a negative FERRY_E* code. */
+FERRY_API int ferry_store_view_valid(const ferry_store_view *view);
+/* Drops the pin; NULL is a no-op. Only then may the owner reuse the bytes. */
+FERRY_API void ferry_store_view_release(ferry_store_view *view);
 
 /* One key of a batch get: key, dst and cap are inputs (owned by the caller); status and bytes
  * are outputs, set for every item. */
@@ -650,6 +680,10 @@ FERRY_API void ferry_refit_receiver_close(ferry_refit_receiver *receiver);
 FERRY_API size_t ferry_refit_tensor_count(ferry_refit_receiver *receiver);
 FERRY_API int ferry_refit_tensor_info(ferry_refit_receiver *receiver, size_t i, const char **name,
                                       ferry_tensor_desc *desc);
+/* The i-th tensor's fp8 scale: a tensor the sender casts to float8_e4m3 arrives as x / scale
+ * (scale = max |x| / 448, fixed when the sender sealed), so x ≈ value * scale; 1.0 for every
+ * other tensor. FERRY_ENOTFOUND when i is out of range. */
+FERRY_API int ferry_refit_tensor_scale(ferry_refit_receiver *receiver, size_t i, float *scale);
 /* Binds a tensor to the caller's memory (kept valid by the caller until close or rebind).
  * FERRY_ENOTFOUND, or FERRY_EDTYPE / FERRY_ESHAPE naming the tensor when desc does not match
  * what the sender sends. Tensors left unbound are not stored. */

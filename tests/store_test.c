@@ -291,10 +291,61 @@ static void check_holder(pair *p) {
   FR_OK(ferry_store_delete(p->b, "held/x", -1));
 }
 
+/* Zero-copy views: pinned until released, whatever happens to the key meanwhile. */
+static void check_views(pair *p) {
+  enum { N = 256 * 1024 };
+  ferry_tensor_desc d = u8_desc(256, 1024);
+  uint8_t *src = malloc(N), *dst = malloc(N);
+  tu_fill(src, N, 21);
+  FR_OK(ferry_store_put(p->a, "v/copy", &d, src, 0, -1));
+  ferry_store_view *v = NULL, *own = NULL;
+  const uint8_t *bytes = NULL, *mine = NULL;
+  ferry_store_info info = {.size = sizeof info};
+  FR_OK(ferry_store_get_view(p->b, "v/copy", (const void **)&bytes, &info, &v, -1));
+  assert_int_equal(info.bytes, N);
+  assert_true(pattern_ok(bytes, N, 21));
+  FR_OK(ferry_store_get_view(p->a, "v/copy", (const void **)&mine, NULL, &own, -1));
+  assert_true(pattern_ok(mine, N, 21));
+  /* re-put and delete: the pinned old version stays intact; gets see the new one */
+  tu_fill(src, N, 22);
+  FR_OK(ferry_store_put(p->a, "v/copy", &d, src, 0, -1));
+  FR_OK(ferry_store_get(p->b, "v/copy", NULL, dst, N, NULL, -1));
+  assert_true(pattern_ok(dst, N, 22));
+  FR_OK(ferry_store_delete(p->b, "v/copy", -1));
+  for (int i = 0; i < 8; i++) { /* churn the pool under the views */
+    tu_fill(src, N, 30 + (uint64_t)i);
+    FR_OK(ferry_store_put(p->a, "v/other", &d, src, 0, -1));
+  }
+  assert_true(pattern_ok(bytes, N, 21));
+  assert_true(pattern_ok(mine, N, 21));
+  assert_int_equal(ferry_store_view_valid(v), 1);
+  ferry_store_view_release(v);
+  ferry_store_view_release(own);
+  ferry_store_view_release(NULL);
+  /* memory published in place: a re-put waits for the view (here until its timeout), then
+   * hands the memory back and the view says so */
+  void *mem;
+  FR_OK(ferry_alloc(p->ca, N, &mem));
+  tu_fill(mem, N, 23);
+  FR_OK(ferry_store_put(p->a, "v/inplace", &d, mem, 0, -1));
+  FR_OK(ferry_store_get_view(p->b, "v/inplace", (const void **)&bytes, NULL, &v, -1));
+  assert_true(pattern_ok(bytes, N, 23));
+  FR_OK(ferry_store_put(p->a, "v/inplace", &d, src, 0, 300));
+  assert_int_equal(ferry_store_view_valid(v), 0);
+  ferry_store_view_release(v);
+  assert_int_equal(ferry_store_get_view(p->b, "v/none", (const void **)&bytes, NULL, &v, -1),
+                   FERRY_ENOTFOUND);
+  FR_OK(ferry_store_delete_prefix(p->a, "v/", NULL, -1));
+  FR_OK(ferry_free(p->ca, mem));
+  free(src);
+  free(dst);
+}
+
 static void run_suite(const char *url) {
   pair p;
   pair_open(&p, url);
   check_put_get(&p);
+  check_views(&p);
   check_bookkeeping(&p);
   check_bad_input(&p);
   check_batch(&p);
@@ -505,16 +556,21 @@ static void test_duplicate_name(void **state) {
 typedef struct hammer_reader {
   ferry_store *s;
   uint64_t bytes;
+  bool view; /* zero-copy views instead of gets */
   int ok, failed, torn, last_rc;
   char last_error[256];
 } hammer_reader;
 
-/* Gets the key again and again: every get must succeed with one whole version (one byte value). */
+/* Gets (or views) the key again and again: every get must succeed with one whole version (one
+ * byte value), and a view's bytes must stay that version until it is released. */
 static void *hammer_gets(void *arg) {
   hammer_reader *r = arg;
   uint8_t *dst = malloc(r->bytes);
   for (int i = 0; i < HAMMER_GETS; i++) {
-    int rc = ferry_store_get(r->s, "churn", NULL, dst, r->bytes, NULL, 30000);
+    ferry_store_view *v = NULL;
+    const uint8_t *p = dst;
+    int rc = r->view ? ferry_store_get_view(r->s, "churn", (const void **)&p, NULL, &v, 30000)
+                     : ferry_store_get(r->s, "churn", NULL, dst, r->bytes, NULL, 30000);
     if (rc != 0) {
       r->failed++;
       r->last_rc = rc;
@@ -523,7 +579,11 @@ static void *hammer_gets(void *arg) {
     }
     bool whole = true;
     for (size_t j = 1; j < r->bytes && whole; j++)
-      whole = dst[j] == dst[0];
+      whole = p[j] == p[0];
+    if (v) {
+      whole = whole && ferry_store_view_valid(v) == 1;
+      ferry_store_view_release(v);
+    }
     r->ok += whole;
     r->torn += !whole;
   }
@@ -550,7 +610,8 @@ static int hammer_proc_main(void *arg) {
   return r.torn ? 2 : r.failed ? 1 : 0;
 }
 
-/* One producer process re-putting, one consumer process and two consumer threads here. */
+/* One producer process re-putting, one consumer process and two consumer threads here (one of
+ * them with zero-copy views). */
 static void hammer(const char *url, bool in_place) {
   producer p = {.bytes = MiB, .seed = 1, .churn = true, .in_place = in_place};
   snprintf(p.url, sizeof p.url, "%s", url);
@@ -561,7 +622,7 @@ static void hammer(const char *url, bool in_place) {
   pid_t reader = tu_spawn(hammer_proc_main, &hp);
   ferry_ctx *c = open_ctx("reader", NULL);
   ferry_store *s = open_store(c, url, 0, MiB, 0);
-  hammer_reader r[2] = {{.s = s, .bytes = p.bytes}, {.s = s, .bytes = p.bytes}};
+  hammer_reader r[2] = {{.s = s, .bytes = p.bytes}, {.s = s, .bytes = p.bytes, .view = true}};
   pthread_t t[2];
   for (int i = 0; i < 2; i++)
     pthread_create(&t[i], NULL, hammer_gets, &r[i]);

@@ -120,7 +120,8 @@ static int read_local(ferry_store *s, const fr_dir_object *rec, void *dst) {
     return stale(rec);
   memcpy(dst, src, rec->bytes);
   __atomic_signal_fence(__ATOMIC_SEQ_CST); /* x86 keeps loads in order; stop the compiler */
-  return __atomic_load_n(&s->gens[slot], __ATOMIC_ACQUIRE) == rec->generation ? 0 : stale(rec);
+  return __atomic_load_n(fr_store_gen(s, slot), __ATOMIC_ACQUIRE) == rec->generation ? 0
+                                                                                     : stale(rec);
 }
 
 static int read_bytes(ferry_link *l, const fr_dir_object *rec, void *dst, progress_fn progress,
@@ -429,4 +430,144 @@ int ferry_store_get_batch(ferry_store *s, ferry_store_item *items, size_t n, int
     }
   }
   return first;
+}
+
+/* ---- views: reading in place ---- */
+
+struct ferry_store_view {
+  ferry_store *s;
+  fr_peer *peer;  /* the owner's link (a view of a peer's memory), or NULL */
+  uint64_t *pins; /* the object's pin count, or NULL (a private copy) */
+  const uint64_t *gen;
+  uint64_t generation;
+  void *copy; /* the private copy of an object across hosts */
+};
+
+/* Pins the object `rec` describes in this node's own pool. */
+static int pin_local(ferry_store *s, const fr_dir_object *rec, ferry_store_view *v,
+                     const void **data) {
+  pthread_mutex_lock(&s->lock);
+  size_t at;
+  fr_owned *o = fr_store_find_owned(s, rec->key, &at);
+  bool ok = o && o->rec.generation == rec->generation;
+  if (ok) {
+    v->pins = fr_store_pins(s, o->slot);
+    v->gen = fr_store_gen(s, o->slot);
+    __atomic_add_fetch(v->pins, 1, __ATOMIC_SEQ_CST); /* under the lock: retire cannot race */
+    *data = o->data;
+  }
+  pthread_mutex_unlock(&s->lock);
+  return ok ? 0 : stale(rec);
+}
+
+/* Pins the object in a same-host owner's pool: add a pin, then check the generation (the owner
+ * zeroes the generation, then checks the pins; see retire() in put.c). */
+static int pin_remote(ferry_store *s, const fr_dir_object *rec, ferry_store_view *v,
+                      const void **data, int timeout_ms) {
+  int rc = fr_peer_acquire(s, rec->owner, timeout_ms, &v->peer);
+  if (rc != 0)
+    return rc;
+  const void *slot = NULL;
+  rc = ferry_view(v->peer->link, &rec->gen_region, rec->gen_offset, FR_STORE_SLOT_BYTES, &slot);
+  if (rc == 0 && rec->bytes > 0)
+    rc = ferry_view(v->peer->link, &rec->region, rec->offset, (size_t)rec->bytes, data);
+  if (rc == 0) {
+    v->gen = slot;
+    v->pins = (uint64_t *)((uintptr_t)slot + 8); /* the pool is mapped read-write */
+    __atomic_add_fetch(v->pins, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(v->gen, __ATOMIC_SEQ_CST) == rec->generation)
+      return 0;
+    __atomic_sub_fetch(v->pins, 1, __ATOMIC_SEQ_CST);
+    v->pins = NULL;
+    rc = stale(rec);
+  } else if (rc == FERRY_ENOTSUP) {
+    fr_err_clear(); /* not on this host: the caller reads a copy */
+  } else if (rc == FERRY_ENOTFOUND || rc == FERRY_ESTALE || rc == FERRY_ERANGE ||
+             rc == FERRY_EACCES) {
+    rc = stale(rec);
+  }
+  bool dead = rc == FERRY_EPEER || rc == FERRY_ECLOSED;
+  fr_peer_release(s, v->peer, dead);
+  v->peer = NULL;
+  return dead ? fr_err_wrap(FERRY_EPEER, "view '%s': owner '%s' is gone", rec->key, rec->owner)
+              : rc;
+}
+
+/* One attempt: pin in place, or read a private copy when the owner is on another host. */
+static int view_once(ferry_store *s, const fr_dir_object *rec, ferry_store_view *v,
+                     const void **data, int timeout_ms) {
+  static const uint8_t empty[1];
+  int rc = s->mem && strcmp(rec->owner, s->name) == 0 ? pin_local(s, rec, v, data)
+                                                      : pin_remote(s, rec, v, data, timeout_ms);
+  if (rc != FERRY_ENOTSUP)
+    return rc;
+  if (!(v->copy = malloc(rec->bytes ? (size_t)rec->bytes : 1)))
+    return fr_err(FERRY_ENOMEM, "view '%s': %llu bytes", rec->key, (unsigned long long)rec->bytes);
+  if ((rc = read_object(s, rec, v->copy, NULL, NULL, timeout_ms)) != 0) {
+    free(v->copy);
+    v->copy = NULL;
+    return rc;
+  }
+  *data = rec->bytes ? v->copy : empty;
+  return 0;
+}
+
+int ferry_store_get_view(ferry_store *s, const char *key, const void **data, ferry_store_info *info,
+                         ferry_store_view **out, int timeout_ms) {
+  if (!s || !data || !out)
+    return fr_err(FERRY_EINVAL, "view: NULL argument");
+  int rc = fr_dir_key_check(key, "view");
+  if (rc != 0)
+    return rc;
+  ferry_store_view *v = calloc(1, sizeof *v);
+  if (!v)
+    return fr_err(FERRY_ENOMEM, "view '%s'", key);
+  v->s = s;
+  uint64_t deadline = fr_deadline_ns(fr_timeout(timeout_ms));
+  fr_dir_object rec;
+  const void *p = NULL;
+  int stale_tries = 0, dead = 0;
+  for (;;) {
+    if ((rc = fr_store_lookup(s, key, &rec, fr_store_left(deadline))) != 0)
+      break;
+    rc = view_once(s, &rec, v, &p, fr_store_left(deadline));
+    if (rc == FERRY_ESTALE)
+      stale_tries++;
+    else if (rc != FERRY_EPEER || dead++ > 0)
+      break;
+    if (fr_ms_left(deadline) == 0)
+      break;
+    backoff(stale_tries);
+  }
+  if (rc != 0) {
+    free(v);
+    return rc;
+  }
+  if (rec.bytes == 0 && !v->copy)
+    p = v; /* any valid pointer */
+  v->generation = rec.generation;
+  info_out(&rec, info);
+  *data = p;
+  *out = v;
+  return 0;
+}
+
+int ferry_store_view_valid(const ferry_store_view *v) {
+  if (!v)
+    return fr_err(FERRY_EINVAL, "view_valid: NULL view");
+  if (!v->pins)
+    return 1; /* a private copy */
+  return __atomic_load_n(v->gen, __ATOMIC_SEQ_CST) == v->generation ||
+         __atomic_load_n(v->gen, __ATOMIC_SEQ_CST) == 0; /* replaced, still pinned */
+}
+
+void ferry_store_view_release(ferry_store_view *v) {
+  if (!v)
+    return;
+  if (v->pins)
+    __atomic_sub_fetch(v->pins, 1, __ATOMIC_SEQ_CST);
+  if (v->peer)
+    fr_peer_release(v->s, v->peer, false);
+  free(v->copy);
+  free(v);
 }

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* ---- the owned-object table: sorted by key ---- */
 
@@ -53,13 +54,59 @@ static void owned_remove(ferry_store *s, size_t at) {
   s->nowned--;
 }
 
-/* Frees an object's generation word and block. Lock held. */
-static void retire(ferry_store *s, fr_owned *o) {
-  __atomic_store_n(&s->gens[o->slot], 0, __ATOMIC_SEQ_CST);
+static void release_home(ferry_store *s, fr_owned *o) {
   if (o->pool_off != FR_STORE_NO_POOL)
     fr_pool_free(&s->pool, o->pool_off, o->pool_len);
   s->free_slots[s->nfree_slots++] = o->slot;
   free(o);
+}
+
+/* Invalidates an object's generation word, then frees its slot and block, unless a view pins it:
+ * then it waits on the pinned list (true). A viewer adds its pin before it checks the
+ * generation, and this zeroes the generation before it checks the pins (both sequentially
+ * consistent), so either the viewer sees the object gone or this sees the pin. Lock held. */
+static bool retire(ferry_store *s, fr_owned *o) {
+  __atomic_store_n(fr_store_gen(s, o->slot), 0, __ATOMIC_SEQ_CST);
+  if (__atomic_load_n(fr_store_pins(s, o->slot), __ATOMIC_SEQ_CST) != 0) {
+    s->pinned[s->npinned++] = o; /* it holds a slot: npinned <= nslots */
+    return true;
+  }
+  release_home(s, o);
+  return false;
+}
+
+static void pinned_reap(ferry_store *s) {
+  size_t w = 0;
+  for (size_t i = 0; i < s->npinned; i++) {
+    fr_owned *o = s->pinned[i];
+    if (__atomic_load_n(fr_store_pins(s, o->slot), __ATOMIC_SEQ_CST) == 0)
+      release_home(s, o);
+    else
+      s->pinned[w++] = o;
+  }
+  s->npinned = w;
+}
+
+/* Memory published in place is the caller's again when a re-put or delete returns: wait (until
+ * the deadline) for the views that still pin its old version to be released. No lock held. */
+static void wait_unpinned(ferry_store *s, uint32_t slot, const char *key, uint64_t deadline) {
+  uint64_t *pins = fr_store_pins(s, slot), *gen = fr_store_gen(s, slot);
+  for (long ns = 20000;; ns = ns < 1000000 ? ns * 2 : ns) {
+    /* a non-zero generation: the slot was freed and taken again meanwhile */
+    if (__atomic_load_n(pins, __ATOMIC_SEQ_CST) == 0 || __atomic_load_n(gen, __ATOMIC_SEQ_CST))
+      return;
+    if (fr_ms_left(deadline) == 0) {
+      uint64_t zero = 0; /* tell the views (ferry_store_view_valid) the bytes may change now */
+      __atomic_compare_exchange_n(gen, &zero, FR_STORE_GEN_ABANDONED, false, __ATOMIC_SEQ_CST,
+                                  __ATOMIC_SEQ_CST);
+      fr_warn("store '%s': views of the old '%s' are still held; its memory (published in place) "
+              "is the caller's again, and they may see it change",
+              s->name, key);
+      return;
+    }
+    struct timespec ts = {0, ns};
+    nanosleep(&ts, NULL);
+  }
 }
 
 /* ---- lingering copies: oldest first; lock held ---- */
@@ -87,6 +134,7 @@ static void linger_expire(ferry_store *s, uint64_t now) {
 void fr_store_linger_reap(ferry_store *s) {
   pthread_mutex_lock(&s->lock);
   linger_expire(s, fr_now_ns());
+  pinned_reap(s);
   pthread_mutex_unlock(&s->lock);
 }
 
@@ -97,6 +145,13 @@ void fr_store_retire_all(ferry_store *s) {
   s->nowned = 0;
   while (linger_pop(s))
     ;
+  for (size_t i = 0; i < s->npinned; i++) { /* the pool goes with the store; views keep a mapping */
+    if (s->pinned[i]->pool_off == FR_STORE_NO_POOL) /* the caller's memory: no longer ours */
+      __atomic_store_n(fr_store_gen(s, s->pinned[i]->slot), FR_STORE_GEN_ABANDONED,
+                       __ATOMIC_SEQ_CST);
+    release_home(s, s->pinned[i]);
+  }
+  s->npinned = 0;
   pthread_mutex_unlock(&s->lock);
 }
 
@@ -131,6 +186,7 @@ static int place(ferry_store *s, fr_owned *o, const void *data, uint32_t flags, 
   fr_err_clear();
   pthread_mutex_lock(&s->lock);
   linger_expire(s, fr_now_ns());
+  pinned_reap(s);
   int rc = o->rec.bytes ? fr_pool_alloc(&s->pool, o->rec.bytes, &off) : 0;
   while (rc == FERRY_ECAPACITY && linger_pop(s)) /* make room: the oldest replaced copies go */
     rc = (fr_err_clear(), fr_pool_alloc(&s->pool, o->rec.bytes, &off));
@@ -150,6 +206,8 @@ static int take_slot(ferry_store *s, fr_owned *o) {
   pthread_mutex_lock(&s->lock);
   int rc = 0;
   if (s->nfree_slots == 0)
+    pinned_reap(s);
+  if (s->nfree_slots == 0)
     linger_pop(s);
   if (s->nfree_slots == 0)
     rc = fr_err(FERRY_ECAPACITY,
@@ -161,7 +219,7 @@ static int take_slot(ferry_store *s, fr_owned *o) {
   o->rec.generation = s->next_gen++;
   pthread_mutex_unlock(&s->lock);
   o->rec.gen_region = s->ref;
-  o->rec.gen_offset = (uint64_t)o->slot * 8;
+  o->rec.gen_offset = (uint64_t)o->slot * FR_STORE_SLOT_BYTES;
   return rc;
 }
 
@@ -180,6 +238,9 @@ static int publish(ferry_store *s, fr_owned *o, int timeout_ms) {
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   fr_dir_object old;
   bool other = false;
+  uint32_t pinned_slot = UINT32_MAX;
+  char key[FR_DIR_KEY_MAX + 1]; /* o belongs to the table once swapped in */
+  snprintf(key, sizeof key, "%s", o->rec.key);
   pthread_mutex_lock(&s->publish_lock);
   int rc = fr_store_ensure_registered(s, fr_store_left(deadline));
   if (rc == 0)
@@ -189,13 +250,16 @@ static int publish(ferry_store *s, fr_owned *o, int timeout_ms) {
   if (rc == 0) {
     pthread_mutex_lock(&s->lock);
     fr_owned *prev = owned_swap(s, o);
+    uint32_t slot = prev ? prev->slot : UINT32_MAX;
     if (prev && prev->pool_off != FR_STORE_NO_POOL)
       linger_push(s, prev);
-    else if (prev)
-      retire(s, prev);
+    else if (prev && retire(s, prev))
+      pinned_slot = slot;
     pthread_mutex_unlock(&s->lock);
   }
   pthread_mutex_unlock(&s->publish_lock);
+  if (pinned_slot != UINT32_MAX)
+    wait_unpinned(s, pinned_slot, key, deadline);
   if (rc == 0 && other)
     fr_store_send_dropped(s, &old);
   return rc;
@@ -224,12 +288,12 @@ int fr_store_put_local(ferry_store *s, const char *key, const ferry_tensor_desc 
     rc = fill ? fill(fill_arg, s->mem + s->data_base + o->pool_off, o->rec.bytes)
               : (memcpy(s->mem + s->data_base + o->pool_off, data, o->rec.bytes), 0);
   /* the generation becomes visible only after the bytes are complete */
-  __atomic_store_n(&s->gens[o->slot], rc == 0 ? o->rec.generation : 0, __ATOMIC_SEQ_CST);
+  __atomic_store_n(fr_store_gen(s, o->slot), rc == 0 ? o->rec.generation : 0, __ATOMIC_SEQ_CST);
   uint64_t gen = o->rec.generation;
   if (rc == 0)
     rc = publish(s, o, timeout_ms);
   if (rc != 0) {
-    __atomic_store_n(&s->gens[o->slot], 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(fr_store_gen(s, o->slot), 0, __ATOMIC_SEQ_CST);
     unplace(s, o, true);
     return rc;
   }
@@ -270,8 +334,12 @@ int fr_store_delete_owned(ferry_store *s, const char *key, uint64_t generation, 
   pthread_mutex_lock(&s->lock);
   o = fr_store_find_owned(s, key, &at); /* the publish lock kept it in place */
   owned_remove(s, at);
-  retire(s, o);
+  uint32_t slot = o->slot;
+  bool in_place = o->pool_off == FR_STORE_NO_POOL;
+  bool pinned = retire(s, o);
   pthread_mutex_unlock(&s->lock);
+  if (pinned && in_place)
+    wait_unpinned(s, slot, key, fr_deadline_ns(timeout_ms));
   return 0;
 }
 

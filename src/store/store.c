@@ -21,12 +21,13 @@ static int pool_open(ferry_store *s, uint64_t capacity) {
   if (slots > (1 << 24))
     slots = 1 << 24;
   s->nslots = (uint32_t)slots;
-  s->data_base = ((uint64_t)s->nslots * 8 + 4095) / 4096 * 4096;
+  s->data_base = ((uint64_t)s->nslots * FR_STORE_SLOT_BYTES + 4095) / 4096 * 4096;
   int rc = fr_pool_init(&s->pool, capacity);
   s->free_slots = malloc(s->nslots * sizeof *s->free_slots);
   s->owned = malloc(s->nslots * sizeof *s->owned);
   s->linger = malloc(s->nslots * sizeof *s->linger);
-  if (rc == 0 && (!s->free_slots || !s->owned || !s->linger))
+  s->pinned = malloc(s->nslots * sizeof *s->pinned);
+  if (rc == 0 && (!s->free_slots || !s->owned || !s->linger || !s->pinned))
     rc = fr_err(FERRY_ENOMEM, "store: object table of %u entries", s->nslots);
   void *mem = NULL;
   if (rc == 0 && (rc = ferry_alloc(s->ctx, s->data_base + s->pool.capacity, &mem)) != 0)
@@ -233,6 +234,7 @@ void ferry_store_close(ferry_store *s) {
   free(s->free_slots);
   free(s->owned);
   free(s->linger);
+  free(s->pinned);
   pthread_mutex_destroy(&s->lock);
   pthread_mutex_destroy(&s->publish_lock);
   pthread_mutex_destroy(&s->peers_lock);

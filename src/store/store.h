@@ -34,6 +34,10 @@ uint64_t fr_pool_largest(const fr_pool *p);
 
 /* ---- the store ---- */
 #define FR_STORE_NO_POOL UINT64_MAX
+#define FR_STORE_SLOT_BYTES 16 /* generation word, then the pin count of views */
+/* The generation word of a retired object: 0 while its bytes stay as they were (views that pin
+ * it remain valid), FR_STORE_GEN_ABANDONED once they may change under a view. */
+#define FR_STORE_GEN_ABANDONED UINT64_MAX
 
 /* An object this node owns. */
 typedef struct fr_owned {
@@ -69,11 +73,11 @@ struct ferry_store {
   fr_dir *dir;
   fr_dir_server *server; /* FERRY_STORE_HOST_DIRECTORY */
 
-  /* the pool region: generation words, then data */
+  /* the pool region: a slot (generation word, pin count) per object, then data */
   uint8_t *mem;
   ferry_region_ref ref;
   uint64_t data_base; /* offset of the data area in the region */
-  uint64_t *gens;
+  uint64_t *gens;     /* 2 words per slot: fr_store_gen(), fr_store_pins() */
   uint32_t nslots;
 
   pthread_mutex_t lock; /* pool, slots, owned objects */
@@ -85,6 +89,8 @@ struct ferry_store {
   size_t nowned, capowned;
   fr_owned **linger; /* replaced pool copies, oldest first */
   size_t nlinger;
+  fr_owned **pinned; /* retired while views held them: freed when their pins drop to 0 */
+  size_t npinned;
 
   pthread_mutex_t publish_lock; /* orders directory publishes with local replaces */
   uint64_t registered_epoch;
@@ -104,6 +110,15 @@ struct ferry_store {
   pthread_t *workers;
   int nworkers;
 };
+
+/* An object's generation word (valid while it equals the record's generation) and the count of
+ * views that pin it (views on this host add and drop pins in the shared pool region itself). */
+static inline uint64_t *fr_store_gen(ferry_store *s, uint32_t slot) {
+  return &s->gens[(size_t)slot * 2];
+}
+static inline uint64_t *fr_store_pins(ferry_store *s, uint32_t slot) {
+  return &s->gens[(size_t)slot * 2 + 1];
+}
 
 /* store.c */
 /* Registers again when the directory's epoch moved (it restarted or was redialled). */
@@ -126,7 +141,8 @@ int fr_store_delete_owned(ferry_store *s, const char *key, uint64_t generation, 
                           int timeout_ms);
 /* Retires every owned and lingering object (store close). */
 void fr_store_retire_all(ferry_store *s);
-/* Retires lingering copies replaced more than FR_STORE_LINGER_MS ago (the service thread). */
+/* Retires lingering copies replaced more than FR_STORE_LINGER_MS ago and frees retired objects
+ * no view pins any more (the service thread). */
 void fr_store_linger_reap(ferry_store *s);
 fr_owned *fr_store_find_owned(ferry_store *s, const char *key, size_t *at);
 
