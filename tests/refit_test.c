@@ -123,6 +123,14 @@ static void push_and_check(const char *transports, ferry_refit_route route) {
   FR_OK(ferry_refit_receiver_open(rc3, ferry_ctx_address(sc), 5000, &r3));
   bound b1, b3;
   bind_all(r1, &b1);
+  for (int i = 0; i <= NT; i++) { /* the manifest carries each fp8 tensor's scale */
+    float sc = 0;
+    int rc = ferry_refit_tensor_scale(r1, (size_t)i, &sc);
+    if (i == NT)
+      assert_int_equal(rc, FERRY_ENOTFOUND);
+    else
+      assert_true(rc == 0 && sc == (send_as(i) == FERRY_DTYPE_F8E4M3 ? m.scale[i] : 1.0f));
+  }
   bind_all(r3, &b3);
   FR_OK(ferry_refit_bind_flat(r2));
   for (int i = 0; i < 50 && ferry_refit_receivers(s) < 3; i++)

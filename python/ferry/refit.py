@@ -60,6 +60,7 @@ _protos = {
     "ferry_refit_tensor_count": (c_size_t, [c_void_p]),
     "ferry_refit_tensor_info": (c_int, [c_void_p, c_size_t, POINTER(c_char_p),
                                         POINTER(_lib.TensorDesc)]),
+    "ferry_refit_tensor_scale": (c_int, [c_void_p, c_size_t, POINTER(ctypes.c_float)]),
     "ferry_refit_bind": (c_int, [c_void_p, c_char_p, c_void_p, POINTER(_lib.TensorDesc)]),
     "ferry_refit_bind_flat": (c_int, [c_void_p]),
     "ferry_refit_view": (c_int, [c_void_p, c_char_p, POINTER(c_void_p)]),
@@ -453,18 +454,21 @@ class RefitReceiver:
 
     # -- the manifest ------------------------------------------------------------------------
     def manifest(self):
-        """[{name, dtype, shape, nbytes}]: what the sender sends, in the wire dtype (after its
-        cast), in plan order."""
+        """[{name, dtype, shape, nbytes, scale}]: what the sender sends, in the wire dtype
+        (after its cast), in plan order. scale: a float8_e4m3 tensor arrives as x / scale
+        (x ~ value * scale); 1.0 for the others."""
         h = self.handle
         out = []
         for i in range(lib.ferry_refit_tensor_count(h)):
             name = c_char_p()
             desc = _lib.TensorDesc()
+            scale = ctypes.c_float()
             check(lib.ferry_refit_tensor_info(h, i, byref(name), byref(desc)))
+            check(lib.ferry_refit_tensor_scale(h, i, byref(scale)))
             shape = desc_shape(desc)
             nbytes = int(np.prod(shape, dtype=np.uint64)) * lib.ferry_dtype_size(desc.dtype)
             out.append({"name": name.value.decode(), "dtype": DTYPES[desc.dtype][0],
-                        "shape": shape, "nbytes": int(nbytes)})
+                        "shape": shape, "nbytes": int(nbytes), "scale": scale.value})
         return out
 
     def names(self):

@@ -179,6 +179,32 @@ def test_cast_on_the_sender():
         assert rx.manifest()[0]["dtype"] == "float16"
 
 
+def e4m3(bits):
+    """float8_e4m3fn bits -> float32 (numpy has no such dtype)."""
+    b = bits.astype(np.int32)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    e, m = (b >> 3) & 0xF, b & 7
+    v = np.where(e == 0, m / 8.0 * 2.0 ** -6, (1 + m / 8.0) * 2.0 ** (e - 7))
+    return (sign * v).astype(np.float32)
+
+
+def test_fp8_cast_carries_its_scale():
+    w = torch.randn(32, 16) * 3
+    name = unique("fp8")
+    with ferry.RefitSender(name, {"w": w, "b": torch.ones(4)}, cast={"w": "float8_e4m3"}) as tx, \
+            ferry.RefitReceiver(name, timeout=5) as rx:
+        man = {m["name"]: m for m in rx.manifest()}
+        assert man["w"]["dtype"] == "float8_e4m3" and man["w"]["nbytes"] == 32 * 16
+        scale = man["w"]["scale"]
+        assert scale == pytest.approx(float(w.abs().max()) / 448, rel=1e-6)
+        assert man["b"]["scale"] == 1.0
+        v = rx.tensors(like="numpy")
+        tx.push(1)
+        rx.wait(1)
+        got = e4m3(v["w"]) * scale
+        assert np.all(np.abs(got - w.numpy()) <= np.abs(w.numpy()) / 8 + scale * 2.0 ** -9)
+
+
 def test_resealed_plan():
     sd = {"w": torch.ones(8), "bias": torch.zeros(4, dtype=torch.float32)}
     name = unique("reseal")

@@ -505,6 +505,17 @@ int ferry_refit_tensor_info(ferry_refit_receiver *r, size_t i, const char **name
   return rc;
 }
 
+int ferry_refit_tensor_scale(ferry_refit_receiver *r, size_t i, float *scale) {
+  if (!r || !scale)
+    return fr_err(FERRY_EINVAL, "ferry_refit_tensor_scale: NULL argument");
+  pthread_mutex_lock(&r->bind_lock);
+  int rc = i < r->plan.count ? 0 : fr_err(FERRY_ENOTFOUND, "refit: no tensor %zu", i);
+  if (rc == 0)
+    *scale = r->plan.entries[i].scale;
+  pthread_mutex_unlock(&r->bind_lock);
+  return rc;
+}
+
 static int find(ferry_refit_receiver *r, const char *name, uint32_t *out) {
   int64_t i = r && name ? fr_refit_plan_find(&r->plan, name) : -1;
   if (i < 0)
