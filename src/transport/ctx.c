@@ -3,6 +3,13 @@
  * (one per channel) and two threads: the progress thread, which waits in epoll and drives every
  * link's receive state machine, and the server thread, which sends large read responses so the
  * progress thread never blocks on a slow reader.
+ *
+ * Leading: one thread at a time waits in the ctx's epoll and runs the handlers. A caller about
+ * to sleep on its own response or message takes that role itself when it can (and the ctx's
+ * transports allow it), so the bytes it waits for wake it directly: a round trip then costs one
+ * wake-up per side, as a blocking socket does, instead of the progress thread's plus a hand-off.
+ * While callers keep leading, the progress thread sleeps; it takes the epoll back when no caller
+ * has led for FOLLOW_NS, or at once when a leaving caller leaves others asleep behind it.
  */
 #include "transport/transport.h"
 
@@ -63,7 +70,8 @@ bool fr_spin_until(ferry_link *link, const bool *flag, int spin_us) {
 }
 
 /* Spins on a channel, driving every link of the context that is cheap to poll (shm rings);
- * the others keep their messages coming through the progress thread. */
+ * the others keep their messages coming through the progress thread. Where callers lead the
+ * epoll, spinning without such a link is pointless: the caller leads at once instead. */
 static void spin_channel(ferry_ctx *ctx, fr_channel *c) {
   ferry_link *links[16];
   size_t n = 0;
@@ -74,7 +82,8 @@ static void spin_channel(ferry_ctx *ctx, fr_channel *c) {
       links[n++] = l;
     }
   pthread_mutex_unlock(&ctx->links_lock);
-  spin(links, n, &c->count, sizeof c->count, ctx->spin_us);
+  if (n > 0 || !ctx->users_may_lead)
+    spin(links, n, &c->count, sizeof c->count, ctx->spin_us);
   for (size_t i = 0; i < n; i++)
     fr_link_unref(links[i]);
 }
@@ -113,8 +122,20 @@ void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg) {
     c->head = n;
   c->tail = n;
   __atomic_add_fetch(&c->count, 1, __ATOMIC_RELEASE);
+  __atomic_store_n(&c->last_costly, !msg->link->ops->poll_is_cheap, __ATOMIC_RELAXED);
   pthread_cond_signal(&c->cond);
   pthread_mutex_unlock(&c->lock);
+  fr_ctx_poke(ctx);
+}
+
+typedef struct channel_wait {
+  ferry_ctx *ctx;
+  fr_channel *c;
+} channel_wait;
+
+static bool channel_ready(void *arg) {
+  channel_wait *w = arg;
+  return __atomic_load_n(&w->c->count, __ATOMIC_ACQUIRE) != 0 || stopping(w->ctx);
 }
 
 int ferry_recv(ferry_ctx *ctx, uint32_t channel, ferry_msg **out, int timeout_ms) {
@@ -122,14 +143,11 @@ int ferry_recv(ferry_ctx *ctx, uint32_t channel, ferry_msg **out, int timeout_ms
     return fr_err(FERRY_EINVAL, "recv: bad arguments (channel %u)", channel);
   fr_channel *c = &ctx->channels[channel];
   int ms = fr_timeout(timeout_ms);
-  if (ms > 0)
-    spin_channel(ctx, c);
-  uint64_t deadline = fr_deadline_ns(ms);
-  struct timespec ts = {(time_t)(deadline / 1000000000ull), (long)(deadline % 1000000000ull)};
+  if (ms > 0 && !__atomic_load_n(&c->last_costly, __ATOMIC_RELAXED))
+    spin_channel(ctx, c); /* its messages came over shm lately */
+  channel_wait w = {ctx, c};
+  fr_ctx_wait(ctx, channel_ready, &w, &c->lock, &c->cond, fr_deadline_ns(ms));
   pthread_mutex_lock(&c->lock);
-  while (!c->head && !stopping(ctx))
-    if (pthread_cond_timedwait(&c->cond, &c->lock, &ts) == ETIMEDOUT)
-      break;
   fr_msg_node *n = c->head;
   if (n) {
     c->head = n->next;
@@ -225,33 +243,125 @@ static void on_accept(fr_poller *p, uint32_t events) {
 }
 
 #define FR_MAX_EVENTS 64
+#define FOLLOW_NS 1000000ull /* the progress thread's grace while callers lead */
 
-static void *progress_main(void *arg) {
-  ferry_ctx *ctx = arg;
-  struct epoll_event evs[FR_MAX_EVENTS];
-  uint64_t next_reap = fr_now_ns() + 1000000000ull;
-  while (!stopping(ctx)) {
-    int n = epoll_wait(ctx->epfd, evs, FR_MAX_EVENTS, 1000);
-    for (int i = 0; i < n; i++) {
-      fr_poller *p = evs[i].data.ptr;
-      if (p->on_event)
-        p->on_event(p, evs[i].events);
-    }
-    for (size_t i = 0; i < ctx->ngrave; i++)
-      fr_link_unref(ctx->grave[i]);
-    ctx->ngrave = 0;
-    if (fr_now_ns() > next_reap) {
-      fr_link_reap_stale(ctx);
-      next_reap = fr_now_ns() + 1000000000ull;
-    }
-  }
-  return NULL;
-}
+static _Thread_local ferry_ctx *tl_leading; /* the ctx whose epoll this thread waits in */
 
 static void wake_progress(ferry_ctx *ctx) {
   uint64_t one = 1;
   if (write(ctx->wake.fd, &one, sizeof one) < 0)
     fr_warn("wake eventfd: %s", strerror(errno));
+}
+
+/* One epoll_wait and its handlers, by the thread that holds ctx->lead. */
+static void run_batch(ferry_ctx *ctx, int timeout_ms) {
+  struct epoll_event evs[FR_MAX_EVENTS];
+  ferry_ctx *outer = tl_leading;
+  tl_leading = ctx;
+  int n = epoll_wait(ctx->epfd, evs, FR_MAX_EVENTS, timeout_ms);
+  for (int i = 0; i < n; i++) {
+    fr_poller *p = evs[i].data.ptr;
+    if (p->on_event)
+      p->on_event(p, evs[i].events);
+  }
+  for (size_t i = 0; i < ctx->ngrave; i++)
+    fr_link_unref(ctx->grave[i]);
+  ctx->ngrave = 0;
+  if (fr_now_ns() > ctx->next_reap) {
+    fr_link_reap_stale(ctx);
+    ctx->next_reap = fr_now_ns() + 1000000000ull;
+  }
+  tl_leading = outer;
+}
+
+void fr_ctx_poke(ferry_ctx *ctx) {
+  if (__atomic_load_n(&ctx->user_leading, __ATOMIC_SEQ_CST) && tl_leading != ctx)
+    wake_progress(ctx);
+}
+
+/* The progress thread stays out of the epoll while callers lead. */
+static void follow(ferry_ctx *ctx) {
+  pthread_mutex_lock(&ctx->idle_lock);
+  while (!stopping(ctx) && !ctx->lead_wanted) {
+    uint64_t until = __atomic_load_n(&ctx->user_led_ns, __ATOMIC_SEQ_CST) + FOLLOW_NS;
+    if (fr_now_ns() >= until)
+      break;
+    struct timespec ts = {(time_t)(until / 1000000000ull), (long)(until % 1000000000ull)};
+    pthread_cond_timedwait(&ctx->idle_cond, &ctx->idle_lock, &ts);
+  }
+  ctx->lead_wanted = false;
+  pthread_mutex_unlock(&ctx->idle_lock);
+}
+
+static void *progress_main(void *arg) {
+  ferry_ctx *ctx = arg;
+  while (!stopping(ctx)) {
+    if (ctx->users_may_lead)
+      follow(ctx);
+    pthread_mutex_lock(&ctx->lead);
+    if (!stopping(ctx))
+      run_batch(ctx, 1000);
+    pthread_mutex_unlock(&ctx->lead);
+  }
+  return NULL;
+}
+
+static void hand_to_progress(ferry_ctx *ctx) {
+  pthread_mutex_lock(&ctx->idle_lock);
+  ctx->lead_wanted = true;
+  pthread_cond_signal(&ctx->idle_cond);
+  pthread_mutex_unlock(&ctx->idle_lock);
+}
+
+enum { LED, BUSY, NO_LEAD };
+
+/* Leads the epoll until ready(arg) or the deadline (at least one batch). BUSY: another thread
+ * leads, and the caller is counted among the sleepers until it calls back. */
+static int lead(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint64_t deadline_ns) {
+  if (!ctx->users_may_lead || stopping(ctx) || tl_leading == ctx)
+    return NO_LEAD;
+  __atomic_store_n(&ctx->user_led_ns, fr_now_ns(), __ATOMIC_SEQ_CST);
+  __atomic_add_fetch(&ctx->sleepers, 1, __ATOMIC_SEQ_CST);
+  if (pthread_mutex_trylock(&ctx->lead) != 0)
+    return BUSY;
+  __atomic_sub_fetch(&ctx->sleepers, 1, __ATOMIC_SEQ_CST);
+  __atomic_store_n(&ctx->user_leading, true, __ATOMIC_SEQ_CST);
+  do {
+    int ms = fr_ms_left(deadline_ns);
+    run_batch(ctx, ms < 1000 ? ms : 1000);
+  } while (!ready(arg) && !stopping(ctx) && fr_now_ns() < deadline_ns);
+  __atomic_store_n(&ctx->user_leading, false, __ATOMIC_SEQ_CST);
+  pthread_mutex_unlock(&ctx->lead);
+  __atomic_store_n(&ctx->user_led_ns, fr_now_ns(), __ATOMIC_SEQ_CST);
+  if (__atomic_load_n(&ctx->sleepers, __ATOMIC_SEQ_CST) > 0)
+    hand_to_progress(ctx); /* they sleep on the leader we were */
+  return LED;
+}
+
+bool fr_ctx_wait(ferry_ctx *ctx, bool (*ready)(void *), void *arg, pthread_mutex_t *mutex,
+                 pthread_cond_t *cond, uint64_t deadline_ns) {
+  for (;;) {
+    if (ready(arg))
+      return true;
+    int r = lead(ctx, ready, arg, deadline_ns);
+    uint64_t now = fr_now_ns();
+    if (r != LED && now < deadline_ns) {
+      /* Someone else leads and signals us; short slices while it may be a caller that
+       * leaves (a sleeper then leads itself). */
+      uint64_t until = now + (r == BUSY ? FOLLOW_NS : 100 * FOLLOW_NS);
+      until = until < deadline_ns ? until : deadline_ns;
+      struct timespec ts = {(time_t)(until / 1000000000ull), (long)(until % 1000000000ull)};
+      pthread_mutex_lock(mutex);
+      if (!ready(arg))
+        pthread_cond_timedwait(cond, mutex, &ts);
+      pthread_mutex_unlock(mutex);
+      now = fr_now_ns();
+    }
+    if (r == BUSY)
+      __atomic_sub_fetch(&ctx->sleepers, 1, __ATOMIC_SEQ_CST);
+    if (now >= deadline_ns)
+      return ready(arg);
+  }
 }
 
 /* ---- open / close ---- */
@@ -269,6 +379,9 @@ static int parse_transports(ferry_ctx *ctx, const char *list) {
   }
   if (ctx->norder == 0)
     return fr_err(FERRY_EINVAL, "FERRY_TRANSPORTS: no transport in '%s'", list);
+  ctx->users_may_lead = true;
+  for (size_t i = 0; i < ctx->norder; i++)
+    ctx->users_may_lead &= ctx->order[i]->any_thread_events;
   return 0;
 }
 
@@ -316,9 +429,12 @@ static void ctx_init_sync(ferry_ctx *ctx) {
   pthread_mutex_init(&ctx->links_lock, NULL);
   pthread_mutex_init(&ctx->serve_lock, NULL);
   pthread_cond_init(&ctx->serve_cond, NULL);
+  pthread_mutex_init(&ctx->lead, NULL);
+  pthread_mutex_init(&ctx->idle_lock, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&ctx->idle_cond, &ca);
   for (int i = 0; i < FERRY_MAX_CHANNELS; i++) {
     pthread_mutex_init(&ctx->channels[i].lock, NULL);
     pthread_cond_init(&ctx->channels[i].cond, &ca);
@@ -352,6 +468,7 @@ int ferry_ctx_open(const ferry_ctx_opts *opts, ferry_ctx **out) {
   if (!ctx)
     return fr_err(FERRY_ENOMEM, "ferry_ctx_open");
   ctx->epfd = ctx->wake.fd = -1;
+  ctx->next_reap = fr_now_ns() + 1000000000ull;
   ctx_init_sync(ctx);
   int rc = ctx_configure(ctx, opts);
   if (rc == 0 && (ctx->epfd = epoll_create1(EPOLL_CLOEXEC)) < 0)
@@ -413,6 +530,7 @@ void ferry_ctx_close(ferry_ctx *ctx) {
     return;
   __atomic_store_n(&ctx->stopping, true, __ATOMIC_RELEASE);
   wake_progress(ctx);
+  hand_to_progress(ctx);
   pthread_join(ctx->progress, NULL);
   for (size_t i = 0; i < ctx->ngrave; i++)
     fr_link_unref(ctx->grave[i]);

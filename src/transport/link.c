@@ -8,7 +8,6 @@
 #include "transport/transport.h"
 
 #include <errno.h>
-#include <poll.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
@@ -39,7 +38,6 @@ ferry_link *fr_link_new(ferry_ctx *ctx, const fr_transport_ops *ops, int fd, boo
   pthread_mutex_init(&l->lock, NULL);
   pthread_mutex_init(&l->send_lock, NULL);
   pthread_mutex_init(&l->rx_lock, NULL);
-  pthread_mutex_init(&l->pause_lock, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -68,7 +66,6 @@ void fr_link_unref(ferry_link *l) {
   pthread_mutex_destroy(&l->lock);
   pthread_mutex_destroy(&l->send_lock);
   pthread_mutex_destroy(&l->rx_lock);
-  pthread_mutex_destroy(&l->pause_lock);
   pthread_cond_destroy(&l->cond);
   free(l);
 }
@@ -140,22 +137,6 @@ int fr_link_send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov
   return rc;
 }
 
-void fr_link_pause(ferry_link *l) {
-  pthread_mutex_lock(&l->pause_lock);
-  if (l->pausers++ == 0)
-    epoll_ctl(l->ctx->epfd, EPOLL_CTL_DEL, l->poller.fd, NULL);
-  pthread_mutex_unlock(&l->pause_lock);
-}
-
-void fr_link_resume(ferry_link *l) {
-  pthread_mutex_lock(&l->pause_lock);
-  if (--l->pausers == 0 && l->poller.on_event) {
-    struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = &l->poller};
-    epoll_ctl(l->ctx->epfd, EPOLL_CTL_ADD, l->poller.fd, &ev);
-  }
-  pthread_mutex_unlock(&l->pause_lock);
-}
-
 int fr_link_sock_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
                        uint64_t deadline_ns) {
   return fr_sock_sendv(l->poller.fd, iov, iovcnt, fd_out, deadline_ns);
@@ -208,41 +189,24 @@ static fr_pending *pending_find_locked(ferry_link *l, uint64_t id) {
  * payload is arriving into the caller's buffer) can only be stopped by closing the link. */
 static int rx_drain(ferry_link *l);
 
-/* A caller waiting for a response on a socket link reads the socket itself: it takes the link
- * from the progress thread and sleeps in poll() on it, so a round trip costs the wake-ups of a
- * plain blocking socket and no hand-off between threads. Responses for other callers that
- * arrive meanwhile are completed as usual. False when another thread is receiving already. */
-static bool direct_wait(ferry_link *l, const bool *flag, uint64_t deadline_ns) {
-  if (!l->ops->direct_wait || pthread_mutex_trylock(&l->rx_lock) != 0)
-    return false;
-  fr_link_pause(l);
-  int rc = 0;
-  while (!__atomic_load_n(flag, __ATOMIC_ACQUIRE) && link_state(l) == FR_LINK_OPEN) {
-    int ms = fr_ms_left(deadline_ns); /* the request just left: wait before reading */
-    struct pollfd pfd = {.fd = l->poller.fd, .events = POLLIN};
-    if (ms == 0 || (poll(&pfd, 1, ms) < 0 && errno != EINTR))
-      break;
-    if ((rc = rx_drain(l)) != 0)
-      break;
-  }
-  pthread_mutex_unlock(&l->rx_lock);
-  fr_link_resume(l);
-  if (rc < 0)
-    fr_link_fail(l, rc, ferry_last_error());
-  return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+static bool pending_ready(void *arg) {
+  return __atomic_load_n(&((fr_pending *)arg)->done, __ATOMIC_ACQUIRE);
 }
 
+/* Waits for a response: spins first where the link is cheap to poll (shm), then leads the
+ * ctx's epoll so the response wakes this thread (ctx.c), or sleeps until whoever leads signals. */
 static int pending_wait(ferry_link *l, fr_pending *p, uint64_t deadline_ns, const char *what) {
-  if (!direct_wait(l, &p->done, deadline_ns))
-    fr_spin_until(l, &p->done, l->ctx->spin_us);
+  ferry_ctx *ctx = l->ctx;
+  if (!ctx->users_may_lead || (l->ops->pollable && l->ops->pollable(l)))
+    fr_spin_until(l, &p->done, ctx->spin_us);
+  fr_ctx_wait(ctx, pending_ready, p, &l->lock, &l->cond, deadline_ns);
   pthread_mutex_lock(&l->lock);
-  struct timespec ts = {(time_t)(deadline_ns / 1000000000ull), (long)(deadline_ns % 1000000000ull)};
-  bool timed_out = false;
-  while (!p->done && !timed_out)
-    timed_out = pthread_cond_timedwait(&l->cond, &l->lock, &ts) == ETIMEDOUT && !p->done;
+  bool timed_out = !p->done;
   if (timed_out && p->claimed) {
     pthread_mutex_unlock(&l->lock);
     fr_link_fail(l, FERRY_ETIMEDOUT, "a transfer did not finish in time");
+    /* Whoever drives the link ends the transfer now that the link is dead. */
+    fr_ctx_wait(ctx, pending_ready, p, &l->lock, &l->cond, fr_deadline_ns(ctx->timeout_ms));
     pthread_mutex_lock(&l->lock);
     while (!p->done)
       pthread_cond_wait(&l->cond, &l->lock);
@@ -566,6 +530,7 @@ static void complete(ferry_link *l, int status, uint64_t size, int fd) {
   pthread_mutex_unlock(&l->lock);
   if (fd >= 0)
     close(fd);
+  fr_ctx_poke(l->ctx);
 }
 
 static bool allowed(const ferry_link *l, uint8_t type) {
@@ -831,7 +796,8 @@ static int rx_drain(ferry_link *l) {
   return rx_take_staged(l);
 }
 
-/* Unregisters a dead link; the ctx's reference is dropped at the end of the event batch. */
+/* Unregisters a dead link (the ctx's leader); the ctx's reference is dropped at the end of the
+ * event batch. */
 static void link_retire(ferry_link *l, int status, const char *why) {
   if (status == FERRY_EPROTO)
     fr_warn("link %s '%s': closing after a bad frame: %s", l->ops->name, l->peer, why);
@@ -845,10 +811,8 @@ static void link_retire(ferry_link *l, int status, const char *why) {
   }
   pthread_mutex_unlock(&l->lock);
   ferry_ctx *ctx = l->ctx;
-  pthread_mutex_lock(&l->pause_lock);
   epoll_ctl(ctx->epfd, EPOLL_CTL_DEL, l->poller.fd, NULL);
-  l->poller.on_event = NULL; /* later events of this batch are ignored; nobody re-adds it */
-  pthread_mutex_unlock(&l->pause_lock);
+  l->poller.on_event = NULL; /* later events of this batch are ignored */
   if (l->ops->retire)
     l->ops->retire(l);
   pthread_mutex_lock(&ctx->links_lock);

@@ -462,6 +462,7 @@ const fr_transport_ops fr_shm_transport = {
     .idle = shm_idle,
     .pollable = shm_pollable,
     .poll_is_cheap = true,
+    .any_thread_events = true,
     .poll_begin = shm_poll_begin,
     .poll_end = shm_poll_end,
     .offer = shm_offer,

@@ -146,7 +146,7 @@ const fr_transport_ops fr_tcp_transport = {
     .setup = tcp_setup,
     .sendv = fr_link_sock_sendv,
     .recv = fr_link_sock_recv,
-    .direct_wait = true,
+    .any_thread_events = true,
     .read = fr_link_rma_read,
     .write = fr_link_rma_write,
 };

@@ -46,7 +46,9 @@ typedef struct fr_transport_ops {
    * their spinning so producers can skip wake-ups). */
   bool (*pollable)(ferry_link *l);
   bool poll_is_cheap; /* polling costs no system call: fine to do on every link of a ctx */
-  bool direct_wait;   /* a caller waiting for a response may sleep in poll() on the socket */
+  /* Its pollers may run on whichever thread leads the ctx's epoll (a waiting caller instead of
+   * the progress thread, see ctx.c); a ctx lets callers lead only if all its transports say so. */
+  bool any_thread_events;
   void (*poll_begin)(ferry_link *l);
   void (*poll_end)(ferry_link *l);
   /* Optional. Handshake: the connector offers an fd with its AUTH (offer), the acceptor takes
@@ -112,9 +114,7 @@ struct ferry_link {
   int dead_status;
   fr_pending *pending;
   pthread_mutex_t send_lock;
-  pthread_mutex_t rx_lock; /* the receive state below: the progress thread or a spinning waiter */
-  pthread_mutex_t pause_lock;
-  int pausers; /* threads that took the socket from the progress thread (fr_link_pause) */
+  pthread_mutex_t rx_lock; /* the receive state below: the ctx's leader or a spinning waiter */
 
   /* receive state */
   int rx_phase;
@@ -156,7 +156,8 @@ typedef struct fr_channel {
   pthread_mutex_t lock;
   pthread_cond_t cond;
   struct fr_msg_node *head, *tail;
-  int count; /* atomic, for spinning readers */
+  int count;        /* atomic, for spinning readers */
+  bool last_costly; /* atomic: the last message came on a link that is not cheap to poll */
 } fr_channel;
 
 typedef struct fr_listener {
@@ -186,6 +187,19 @@ struct ferry_ctx {
   fr_poller wake;
   pthread_t progress;
   bool stopping;
+
+  /* Leading: one thread at a time waits in epoll_wait and runs the handlers, holding `lead`.
+   * Usually the progress thread; a caller about to sleep on its own response or message leads
+   * instead when it can (ctx.c), so the bytes it waits for wake it and no one else. */
+  pthread_mutex_t lead;
+  bool users_may_lead;  /* every transport of the ctx has any_thread_events */
+  bool user_leading;    /* atomic: a caller holds `lead` */
+  uint64_t user_led_ns; /* atomic: when a caller last led or wanted to */
+  int sleepers;         /* atomic: callers asleep on a condition while another thread leads */
+  bool lead_wanted;     /* under idle_lock: the progress thread must lead now */
+  pthread_mutex_t idle_lock;
+  pthread_cond_t idle_cond; /* the progress thread sleeps here while callers lead */
+  uint64_t next_reap;       /* under lead */
 
   fr_region_table regions;
   fr_channel channels[FERRY_MAX_CHANNELS];
@@ -240,10 +254,6 @@ int fr_link_map_request(ferry_link *l, const ferry_region_ref *r, int timeout_ms
 /* Drives a pollable link's receive side from a waiting thread (no-op when another thread is
  * doing it, or when `wait` is false and the lock is busy). */
 void fr_link_poll(ferry_link *l, bool wait);
-/* Takes the link's socket out of the progress thread's epoll while a waiter polls it itself
- * (counted: the last resume gives it back). */
-void fr_link_pause(ferry_link *l);
-void fr_link_resume(ferry_link *l);
 /* Stream operations over the link's socket, for transports' sendv/recv. */
 int fr_link_sock_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
                        uint64_t deadline_ns);
@@ -263,6 +273,14 @@ void fr_ctx_serve_later(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_regio
 /* Spins up to ctx->spin_us for *flag, driving `link` (if pollable) meanwhile; returns whether
  * the flag became true. */
 bool fr_spin_until(ferry_link *link, const bool *flag, int spin_us);
+/* Waits until ready(arg) or the deadline: leads the ctx's epoll when it can, else sleeps on
+ * cond (a CLOCK_MONOTONIC condition under mutex, which whoever makes it ready signals). Returns
+ * ready(arg). */
+bool fr_ctx_wait(ferry_ctx *ctx, bool (*ready)(void *), void *arg, pthread_mutex_t *mutex,
+                 pthread_cond_t *cond, uint64_t deadline_ns);
+/* Something a caller may wait on changed outside the ctx's leader (a spinning waiter drove a
+ * link): wakes a caller that leads the epoll, so it sees it. */
+void fr_ctx_poke(ferry_ctx *ctx);
 
 /* sock.c: socket helpers shared by the socket transports */
 int fr_sock_set_nonblock(int fd, bool on);
