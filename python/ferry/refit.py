@@ -500,8 +500,12 @@ class RefitReceiver:
     def tensors(self, like="torch"):
         """{name: tensor} views into one flat ferry buffer that every push writes in place
         (zero copy: no bytes move on the Python side). like: "torch" or "numpy" (bfloat16 and
-        float8 come as their bits in numpy; a dtype the installed torch lacks, as numpy). After the sender re-seals, call again: the buffer
-        is laid out anew."""
+        float8 come as their bits in numpy; a dtype the installed torch lacks, as numpy).
+
+        When the sender re-seals (a tensor changed dtype or shape), the receiver lays the flat
+        buffer out anew with the next push and frees the old one: call tensors() again then
+        and drop the old views (reading them is undefined). Bound tensors (bind()) have no such
+        hazard."""
         h = self.handle
         check(lib.ferry_refit_bind_flat(h))
         man = self.manifest()

@@ -168,7 +168,8 @@ def test_cast_on_the_sender():
             ferry.RefitReceiver(name, timeout=5) as rx:
         assert {m["name"]: m["dtype"] for m in rx.manifest()} == {"w": "bfloat16", "i": "int32"}
         assert tx.manifest()[0]["wire_dtype"] == "bfloat16"
-        dst = {"w": torch.empty(64, 32, dtype=torch.bfloat16), "i": torch.empty(10, dtype=torch.int32)}
+        dst = {"w": torch.empty(64, 32, dtype=torch.bfloat16),
+               "i": torch.empty(10, dtype=torch.int32)}
         rx.bind(dst)
         tx.push(1)
         rx.wait(1)
@@ -320,8 +321,8 @@ def test_receivers_in_other_processes():
                 t.add_(1)
             try:
                 tx.push(4, timeout=5)
-            except ferry.Error as e:
-                assert isinstance(e, (ferry.PeerGone, ferry.Timeout, ferry.Closed))
+            except ferry.Error as e:  # the dead one is named; it may also be gone already
+                assert "refit" in str(e)
             kids[1].stdin.write("4\n")
             kids[1].stdin.flush()
             assert kids[1].stdout.readline().split() == ["4", str(digest(sd))]
