@@ -19,6 +19,7 @@ from .errors import __all__ as _errors_all
 from .store import Store
 from .refit import RefitReceiver, RefitSender
 from .control import Control, ControlCell, ControlRank
+from .mq import MQ
 from .tensors import Context, default_context, empty
 
 __version__ = _lib.lib.ferry_version().decode()

@@ -174,6 +174,7 @@ static const char bench_usage[] =
     "  control   weight-lifecycle request latency vs a polled shared int32\n"
     "  store     routing replay: put/get vs np/torch files, Redis, memcpy, sockets\n"
     "  refit     push a model to K receivers vs memcpy and torch.distributed gloo\n"
+    "  mq        pub/sub latency and streaming vs nng and ZeroMQ (ipc, tcp) and memcpy\n"
     "  all       every mode above\n\n"
     "options:\n"
     "  --json            one JSON object per line: bench, case, impl, bytes, median_s,\n"
@@ -197,8 +198,11 @@ int cli_bench(int argc, char **argv) {
     return bench_store(argc - 1, argv + 1);
   if (strcmp(mode, "refit") == 0)
     return bench_refit(argc - 1, argv + 1);
+  if (strcmp(mode, "mq") == 0)
+    return bench_mq(argc - 1, argv + 1);
   if (strcmp(mode, "all") == 0) {
-    int (*const all[])(int, char **) = {bench_link, bench_store, bench_refit, bench_control};
+    int (*const all[])(int, char **) = {bench_link, bench_store, bench_refit, bench_mq,
+                                        bench_control};
     int rc = 0;
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
       int r = all[i](argc - 1, argv + 1);

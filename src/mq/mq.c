@@ -152,9 +152,12 @@ static void run_callback(ferry_mq *mq) {
   r->next = NULL;
   ferry_mq_fn fn = mq->callback;
   void *arg = mq->callback_arg;
+  mq->in_callback = true;
   pthread_mutex_unlock(&mq->lock);
   fn(mq, &r->pub, arg);
   pthread_mutex_lock(&mq->lock);
+  mq->in_callback = false;
+  pthread_cond_broadcast(&mq->cond);
 }
 
 static void background_step(ferry_mq *mq, uint64_t now) {
@@ -341,6 +344,10 @@ int ferry_mq_set_callback(ferry_mq *mq, ferry_mq_fn fn, void *arg) {
   mq->callback = fn;
   mq->callback_arg = arg;
   pthread_cond_broadcast(&mq->cond);
+  /* a call of the previous callback may be running: wait for it, unless it is the caller */
+  bool own = mq->thread_started && pthread_equal(pthread_self(), mq->thread);
+  while (mq->in_callback && !own)
+    pthread_cond_wait(&mq->cond, &mq->lock);
   pthread_mutex_unlock(&mq->lock);
   return 0;
 }

@@ -151,6 +151,7 @@ struct ferry_mq {
 
   ferry_mq_fn callback;
   void *callback_arg;
+  bool in_callback; /* the background thread is in the callback */
 
   pthread_mutex_t publish_lock; /* one publish at a time: every subscriber sees one order */
   uint64_t seq;

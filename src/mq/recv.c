@@ -70,7 +70,8 @@ void fr_mq_credit_flush(ferry_mq *mq, fr_mq_session *s) {
   s->consumed += s->pending;
   s->pending = 0;
   size_t n = s->nreleases < RELEASE_BATCH * 2 ? s->nreleases : RELEASE_BATCH * 2;
-  memcpy(toks, s->releases + s->nreleases - n, n * sizeof *toks);
+  if (n)
+    memcpy(toks, s->releases + s->nreleases - n, n * sizeof *toks);
   s->nreleases -= n;
   fr_mq_frame f = {.type = FR_MQ_CREDIT, .value = s->consumed, .nrelease = (uint32_t)n};
   ferry_link *l = ferry_link_retain(s->link);

@@ -1,0 +1,265 @@
+"""ferry.MQ: reliable publish/subscribe between the nodes of a fleet (ferry_mq_*, docs/MQ.md).
+
+    with ferry.MQ(host_directory=True, name="learner") as mq:    # or MQ("ferry://host:7700")
+        mq.subscribe("rollouts")
+        topic, publisher, batch = mq.recv(timeout=10)           # numpy array, no copy
+    with ferry.MQ(directory, name="actor-3") as mq:
+        mq.wait_subscribers("rollouts", 1)
+        mq.publish("rollouts", np.zeros((64, 4096), np.int32))  # dtype and shape travel along
+
+Messages are delivered to every subscriber, in order per publisher, and never dropped: a
+publish to a subscriber whose queue is full waits, then raises ferry.Timeout naming it. Arrays
+and tensors arrive with their dtype and shape; bytes arrive as a read-only memoryview. Received
+payloads are views of the message's memory (the link's buffer, or the publisher's shared memory
+for large messages on one host): the message is freed, and its credit returned to the publisher,
+when the last view of it goes away (or at once with copy=True).
+"""
+import ctypes
+import re
+import threading
+import weakref
+
+import numpy as np
+
+from . import _lib
+from ._lib import lib
+from .errors import check, raise_status
+from .tensors import DTYPES, Context, _torch, as_buffer, from_bits
+
+__all__ = ["MQ"]
+
+MQ_HOST_DIRECTORY = 1
+TOPIC_MAX = 128
+
+c_int, c_uint32, c_uint64, c_size_t = ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_size_t
+c_char_p, c_void_p, POINTER, byref = ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER, ctypes.byref
+
+
+class MQOpts(ctypes.Structure):
+    _fields_ = [("size", c_size_t), ("directory", c_char_p), ("queue_bytes", c_uint64),
+                ("lease_ms", c_int), ("flags", c_uint32)]
+
+
+class Msg(ctypes.Structure):
+    _fields_ = [("topic", c_char_p), ("publisher", c_char_p), ("data", c_void_p),
+                ("len", c_size_t), ("seq", c_uint64), ("is_tensor", c_int),
+                ("desc", _lib.TensorDesc)]
+
+
+MSG_FN = ctypes.CFUNCTYPE(None, c_void_p, POINTER(Msg), c_void_p)
+
+
+def _declare(name, restype, *argtypes):
+    f = getattr(lib, name)
+    f.restype, f.argtypes = restype, list(argtypes)
+
+
+_declare("ferry_mq_open", c_int, c_void_p, POINTER(MQOpts), POINTER(c_void_p))
+_declare("ferry_mq_close", None, c_void_p)
+_declare("ferry_mq_subscribe", c_int, c_void_p, c_char_p, c_int)
+_declare("ferry_mq_unsubscribe", c_int, c_void_p, c_char_p, c_int)
+_declare("ferry_mq_publish", c_int, c_void_p, c_char_p, c_void_p, c_size_t, c_int)
+_declare("ferry_mq_publish_tensor", c_int, c_void_p, c_char_p, POINTER(_lib.TensorDesc), c_void_p,
+         c_int)
+_declare("ferry_mq_wait_subscribers", c_int, c_void_p, c_char_p, c_size_t, c_int)
+_declare("ferry_mq_subscribers", c_size_t, c_void_p, c_char_p)
+_declare("ferry_mq_recv", c_int, c_void_p, POINTER(POINTER(Msg)), c_int)
+_declare("ferry_mq_msg_free", None, POINTER(Msg))
+_declare("ferry_mq_set_callback", c_int, c_void_p, MSG_FN, c_void_p)
+
+_msg_free = lib.ferry_mq_msg_free
+
+
+def _ms(timeout):
+    return -1 if timeout is None else max(0, int(timeout * 1000))
+
+
+def _topic(topic):
+    if isinstance(topic, bytes):
+        return topic
+    if not isinstance(topic, str):
+        raise TypeError("ferry: topic must be str, not %s" % type(topic).__name__)
+    return topic.encode()
+
+
+class _Held:
+    """Keeps one received message alive while views of its payload exist."""
+
+    def __init__(self, msg, nbytes):
+        self.buf = (ctypes.c_uint8 * max(nbytes, 1)).from_address(msg.contents.data or 0) \
+            if msg.contents.data else (ctypes.c_uint8 * 1)()
+        weakref.finalize(self.buf, _msg_free, msg)
+
+
+def _payload(msg, like, copy):
+    """(topic, publisher, payload) of a received message; takes ownership of msg."""
+    m = msg.contents
+    topic = m.topic.decode(errors="replace")
+    publisher = m.publisher.decode(errors="replace")
+    n = int(m.len)
+    if copy or n == 0:
+        raw = ctypes.string_at(m.data, n) if n else b""
+        is_tensor, desc = m.is_tensor, m.desc
+        shape = tuple(int(desc.shape[i]) for i in range(desc.ndim))
+        code = int(desc.dtype)
+        _msg_free(msg)
+        if not is_tensor:
+            return topic, publisher, raw
+        arr = np.frombuffer(bytearray(raw), dtype=DTYPES[code][1]).reshape(shape)
+        return topic, publisher, from_bits(arr, code, like)
+    held = _Held(msg, n)
+    arr = np.frombuffer(held.buf, dtype=np.uint8, count=n)  # keeps held.buf (and msg) alive
+    if not m.is_tensor:
+        arr.flags.writeable = False
+        return topic, publisher, memoryview(arr)
+    code = int(m.desc.dtype)
+    shape = tuple(int(m.desc.shape[i]) for i in range(m.desc.ndim))
+    arr = arr.view(DTYPES[code][1]).reshape(shape)
+    return topic, publisher, from_bits(arr, code, like)
+
+
+class MQ:
+    """A node's mq: publish and subscribe on topics.
+
+    directory: the fleet's directory URL (ferry://HOST:PORT or redis://...); None:
+    FERRY_DIRECTORY. host_directory=True runs the embedded directory in this node (peers reach
+    it at `mq.directory`). name: this node's name (unique in the fleet; how subscribers see
+    this publisher). queue_bytes: credit granted to each publisher (0: FERRY_MQ_QUEUE_BYTES).
+    ctx: an open ferry.Context to use (one mq per context); by default a new one.
+    timeout: default seconds of each call (None: FERRY_TIMEOUT_MS)."""
+
+    def __init__(self, directory=None, name=None, host_directory=False, queue_bytes=0,
+                 lease_ms=0, transports=None, tcp_listen=None, ctx=None, timeout=None):
+        if ctx is not None:
+            self._ctx, self._owns_ctx = ctx, False
+        else:
+            self._ctx, self._owns_ctx = Context(name=name, tcp_listen=tcp_listen,
+                                                transports=transports), True
+        opts = MQOpts(ctypes.sizeof(MQOpts), None if directory is None else directory.encode(),
+                      int(queue_bytes), int(lease_ms), MQ_HOST_DIRECTORY if host_directory else 0)
+        h = c_void_p()
+        rc = lib.ferry_mq_open(self._ctx.handle, byref(opts), byref(h))
+        if rc < 0:
+            try:
+                raise_status(rc)
+            finally:
+                if self._owns_ctx:
+                    self._ctx.close()
+        self._h = h.value
+        self._lock = threading.Lock()
+        self._timeout = timeout
+        self._callback = None
+        self.directory = "ferry://" + self._ctx.tcp_address if host_directory else directory
+
+    # -- life --------------------------------------------------------------------------------
+    @property
+    def handle(self):
+        h = self._h
+        if not h:
+            raise ValueError("ferry: mq is closed")
+        return h
+
+    @property
+    def context(self):
+        return self._ctx
+
+    @property
+    def name(self):
+        return self._ctx.name
+
+    def close(self):
+        """Leaves the fleet (publishers drop this node, subscribers forget it). Messages still
+        held as views must be gone first: close waits for nothing, so drop them before."""
+        with self._lock:
+            h, self._h = getattr(self, "_h", None), None
+        if not h:
+            return
+        lib.ferry_mq_close(h)
+        self._callback = None
+        if self._owns_ctx:
+            self._ctx.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _t(self, timeout):
+        return _ms(self._timeout if timeout is None else timeout)
+
+    # -- topics ------------------------------------------------------------------------------
+    def subscribe(self, topic, timeout=None):
+        check(lib.ferry_mq_subscribe(self.handle, _topic(topic), self._t(timeout)))
+
+    def unsubscribe(self, topic, timeout=None):
+        check(lib.ferry_mq_unsubscribe(self.handle, _topic(topic), self._t(timeout)))
+
+    def wait_subscribers(self, topic, n=1, timeout=None):
+        """Waits (no polling) until n subscribers of topic are known; raises ferry.Timeout."""
+        check(lib.ferry_mq_wait_subscribers(self.handle, _topic(topic), int(n), self._t(timeout)))
+
+    def subscribers(self, topic):
+        return int(lib.ferry_mq_subscribers(self.handle, _topic(topic)))
+
+    # -- messages ----------------------------------------------------------------------------
+    def publish(self, topic, payload, timeout=None):
+        """Sends payload to every subscriber of topic: bytes-like (bytes, bytearray,
+        memoryview) as bytes, a numpy array or CPU torch tensor as a tensor (dtype and shape
+        travel along; read in place, copied once). Returns the names of subscribers found dead
+        and dropped (the others got the message); raises ferry.Timeout when a subscriber's
+        queue stayed full (then nobody got it)."""
+        t = _topic(topic)
+        h = self.handle
+        if isinstance(payload, (bytes, bytearray, memoryview)):
+            mv = memoryview(payload).cast("B")
+            buf = np.frombuffer(mv, dtype=np.uint8) if mv.nbytes else None
+            ptr = buf.ctypes.data if buf is not None else None
+            rc = lib.ferry_mq_publish(h, t, ptr, mv.nbytes, self._t(timeout))
+        else:
+            desc, arr = as_buffer(payload)
+            rc = lib.ferry_mq_publish_tensor(h, t, byref(desc), arr.ctypes.data if arr.size else None,
+                                             self._t(timeout))
+        if rc == -9:  # FERRY_EPEER: delivered to every live subscriber; some were dropped
+            detail = (lib.ferry_last_error() or b"").decode(errors="replace")
+            names = detail.split(" subscriber", 1)[-1].split(" gone")[0]  # "s 'a', 'b'"
+            return re.findall(r"'([^']*)'", names) or [detail]
+        check(rc)
+        return []
+
+    def recv(self, timeout=None, like="numpy", copy=False):
+        """The next message as (topic, publisher, payload); raises ferry.Timeout. payload is a
+        numpy array (like="torch": a tensor) for tensors, a read-only memoryview for bytes;
+        both are views of the message (copy=True: copies, and the message is freed at once)."""
+        if like == "torch":
+            _torch(need=True)
+        out = POINTER(Msg)()
+        check(lib.ferry_mq_recv(self.handle, byref(out), self._t(timeout)))
+        return _payload(out, like, copy)
+
+    def set_callback(self, fn, like="numpy", copy=False):
+        """Calls fn(topic, publisher, payload) for every message instead of recv, on the mq's
+        background thread (one thread: calls never overlap). fn=None goes back to recv. An
+        exception in fn is logged to the "ferry" logger and the message dropped."""
+        if fn is None:
+            check(lib.ferry_mq_set_callback(self.handle, MSG_FN(), None))
+            self._callback = None
+            return
+        import logging
+        log = logging.getLogger("ferry")
+
+        def trampoline(mq, msg, arg):
+            try:
+                fn(*_payload(msg, like, copy))
+            except Exception:
+                log.exception("ferry.MQ callback failed")
+
+        cb = MSG_FN(trampoline)
+        check(lib.ferry_mq_set_callback(self.handle, cb, None))
+        self._callback = cb  # C holds it until replaced: keep it alive
