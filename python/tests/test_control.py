@@ -156,6 +156,22 @@ def test_python_exception_in_a_handler():
             ranks.close()
 
 
+def test_rank_that_starts_cleared():
+    name = unique("empty")
+    with ferry.ControlCell(name, 1), ferry.Control(name) as c:
+        r = ferry.ControlRank(name, 0, initial_state="cleared")
+        assert c.status()["state"] == "cleared"
+        with pytest.raises(ferry.InvalidArgument):
+            ferry.ControlRank(name, 0, initial_state="sleepy")
+        loaded = []
+        t = threading.Thread(target=lambda: r.step(timeout=10, update=lambda: loaded.append(1)))
+        t.start()
+        c.request("update", 10)  # an engine that starts empty loads its first weights
+        t.join()
+        assert loaded == [1] and c.status()["state"] == "serving" and r.state == "serving"
+        r.close()
+
+
 def test_abort_supersedes():
     name = unique("abort")
     with ferry.ControlCell(name, 1), ferry.Control(name) as c:

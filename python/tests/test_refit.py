@@ -232,6 +232,22 @@ def test_resealed_plan():
         assert dst["w"].eq(3).all() and torch.equal(dst["bias"], sd["bias"])
 
 
+def test_receiver_by_address_over_tcp():
+    """A receiver on another host attaches by the sender's address; here its tcp part only."""
+    sd = {"w": torch.randn(64, 64), "bf": torch.randn(100).to(torch.bfloat16)}
+    name = unique("tcp")
+    with ferry.RefitSender(name, sd, buffer_bytes=8192, publish=False) as tx:
+        tcp = [a for a in tx.address.split(",") if a.startswith("tcp://")][0]
+        with ferry.RefitReceiver(tcp, timeout=5) as rx:
+            dst = {k: torch.empty_like(v) for k, v in sd.items()}
+            rx.bind(dst)
+            tx.push(1)
+            assert rx.wait(1) == 1
+            assert all(torch.equal(dst[k], sd[k]) for k in sd)
+    with pytest.raises(ferry.NotFound):  # publish=False: not findable by name
+        ferry.RefitReceiver(name, timeout=0.05)
+
+
 def test_errors():
     with pytest.raises(ferry.NotFound):
         ferry.RefitReceiver(unique("nobody"), timeout=0.1)
