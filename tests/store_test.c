@@ -551,7 +551,13 @@ static void test_duplicate_name(void **state) {
 
 /* ---- re-put churn: a producer replaces one key over and over while consumers get it ---- */
 
+#if defined(__SANITIZE_THREAD__) /* TSan checks every byte a memcpy moves: a lighter hammer */
+#define HAMMER_GETS 40
+#define HAMMER_BYTES (256 * 1024)
+#else
 #define HAMMER_GETS 150
+#define HAMMER_BYTES MiB
+#endif
 
 typedef struct hammer_reader {
   ferry_store *s;
@@ -613,7 +619,7 @@ static int hammer_proc_main(void *arg) {
 /* One producer process re-putting, one consumer process and two consumer threads here (one of
  * them with zero-copy views). */
 static void hammer(const char *url, bool in_place) {
-  producer p = {.bytes = MiB, .seed = 1, .churn = true, .in_place = in_place};
+  producer p = {.bytes = HAMMER_BYTES, .seed = 1, .churn = true, .in_place = in_place};
   snprintf(p.url, sizeof p.url, "%s", url);
   snprintf(p.key, sizeof p.key, "churn");
   pid_t pid = start_producer(&p);

@@ -257,6 +257,7 @@ static void time_memcpy(consumer *c, const char *case_name, uint64_t bytes) {
 static int consume_routing(consumer *c) {
   bs_series *put = bs_add(c->r, "routing/put", "ferry(in place)", BS_ROUTING_BYTES, false);
   bs_series *get = bs_add(c->r, "routing/get", "ferry", BS_ROUTING_BYTES, false);
+  bs_series *view = bs_add(c->r, "routing/get", "ferry(view)", BS_ROUTING_BYTES, false);
   int rc = 0;
   for (int i = 0; rc == 0 && i < c->requests; i++) {
     if ((rc = take_time(c, put)) != 0)
@@ -268,6 +269,16 @@ static int consume_routing(consumer *c) {
     bench_add(&get->s, bench_now() - t);
     if (rc == 0 && (c->dst[0] != (uint8_t)(i + 1) || c->dst[BS_ROUTING_BYTES - 1] != c->dst[0]))
       rc = bs_fail("routing: wrong bytes");
+    /* the zero-copy view of the same request: usable bytes, in place, until released */
+    const uint8_t *p = NULL;
+    ferry_store_view *v = NULL;
+    t = bench_now();
+    if (rc == 0)
+      rc = ferry_store_get_view(c->s, key, (const void **)&p, NULL, &v, -1);
+    bench_add(&view->s, bench_now() - t);
+    if (rc == 0 && (p[0] != (uint8_t)(i + 1) || p[BS_ROUTING_BYTES - 1] != p[0]))
+      rc = bs_fail("routing: wrong bytes in the view");
+    ferry_store_view_release(v);
     bench_write_all(c->to_producer, "A", 1);
   }
   bs_series *copy = bs_add(c->r, "routing/put", "ferry(copy)", BS_ROUTING_BYTES, false);
@@ -370,27 +381,17 @@ static int run_ferry(bs_report *r, int requests) {
 /* ---- report ---- */
 
 static const char *const order[][2] = {
-    {"routing/put", "np.save"},
-    {"routing/put", "torch.save"},
-    {"routing/put", "redis SET"},
-    {"routing/put", "ferry(copy)"},
-    {"routing/put", "ferry(in place)"},
-    {"routing/get", "memcpy"},
-    {"routing/get", "ferry"},
-    {"routing/get", "np.load"},
-    {"routing/get", "torch.load"},
-    {"routing/get", "redis GET"},
-    {"layers/put", "np.save"},
-    {"layers/put", "torch.save"},
-    {"layers/put", "redis SET"},
-    {"layers/put", "ferry(in place)"},
-    {"layers/get", "memcpy"},
-    {"layers/get", "ferry(batch)"},
-    {"layers/get", "np.load"},
-    {"layers/get", "torch.load"},
-    {"layers/get", "redis GET"},
-    {"put-256MiB", "ferry(in place)"},
-    {"tcp/get", "socket"},
+    {"routing/put", "np.save"},         {"routing/put", "torch.save"},
+    {"routing/put", "redis SET"},       {"routing/put", "ferry(copy)"},
+    {"routing/put", "ferry(in place)"}, {"routing/get", "memcpy"},
+    {"routing/get", "ferry"},           {"routing/get", "ferry(view)"},
+    {"routing/get", "np.load"},         {"routing/get", "torch.load"},
+    {"routing/get", "redis GET"},       {"layers/put", "np.save"},
+    {"layers/put", "torch.save"},       {"layers/put", "redis SET"},
+    {"layers/put", "ferry(in place)"},  {"layers/get", "memcpy"},
+    {"layers/get", "ferry(batch)"},     {"layers/get", "np.load"},
+    {"layers/get", "torch.load"},       {"layers/get", "redis GET"},
+    {"put-256MiB", "ferry(in place)"},  {"tcp/get", "socket"},
     {"tcp/get", "ferry/tcp"},
 };
 
@@ -443,6 +444,10 @@ static void print_targets(const bench_opts *o, const bs_report *r) {
   target(o, "np.load / get >= 10 (routing)", g, g >= 10, "x");
   g = ratio(r, "routing/get", "torch.load", "routing/get", "ferry");
   target(o, "torch.load / get >= 10 (routing)", g, g >= 10, "x");
+  g = ratio(r, "routing/get", "np.load", "routing/get", "ferry(view)");
+  target(o, "np.load / zero-copy view >= 10 (routing)", g, g >= 10, "x");
+  g = ratio(r, "routing/get", "torch.load", "routing/get", "ferry(view)");
+  target(o, "torch.load / zero-copy view >= 10 (routing)", g, g >= 10, "x");
   g = ratio(r, "routing/put", "np.save", "routing/put", "ferry(in place)");
   target(o, "np.save / put >= 100 (routing)", g, g >= 100, "x");
   g = ratio(r, "layers/put", "np.save", "layers/put", "ferry(in place)");
@@ -455,7 +460,8 @@ static const char store_usage[] =
     "usage: ferry bench store [--json] [--reps N] [--no-baselines]\n\n"
     "MoE routing replay: N requests (default 37) of [45, 32768, 8] uint8 (11.25 MiB), and\n"
     "the per-layer variant of 45 keys of [32768, 8] int32 per request. A producer process\n"
-    "puts, this process gets. Baselines in the same run: memcpy, np.save/np.load and\n"
+    "puts, this process gets (into its buffer, and as a zero-copy view). Baselines in the same "
+    "run: memcpy, np.save/np.load and\n"
     "torch.save/torch.load to local files (/usr/bin/python3), Redis SET/GET (a private\n"
     "redis-server), and over tcp between two network namespaces a plain socket stream\n"
     "(needs root; skipped otherwise). Then each target of the issue, met or not.\n";
