@@ -656,7 +656,8 @@ typedef struct ferry_refit_push_opts {
   const char *const *only; /* push only these tensors (NULL: all) */
   size_t n_only;
   int skip_unchanged; /* skip buckets whose checksum equals the last push's */
-  int timeout_ms;     /* negative: FERRY_TIMEOUT_MS */
+  int timeout_ms; /* a receiver that acknowledges nothing for this long fails (negative:
+                     FERRY_TIMEOUT_MS); a big push may take longer as a whole */
   ferry_refit_route route;
 } ferry_refit_push_opts;
 

@@ -3,13 +3,18 @@
  * trainer) to K receiver processes (K = 1, 2, 4) on this host over shm, and compares in the same
  * run with a single-thread memcpy of the model's bytes and with torch.distributed gloo
  * broadcasts of the same tensors (per tensor, and in flat buckets), run by Debian's python3.
- * A second model of 5,000 small tensors shows what a push costs beyond moving bytes.
+ * A second model of 5,000 small tensors shows what a push costs beyond moving bytes. Then, as
+ * "hosts": the trainer and each receiver in a network namespace of its own, joined by a bridge,
+ * every host's egress rate-limited with tc tbf; chain against direct for K = 1, 2, 4.
  */
 #include "cli/bench.h"
 #include "cli/cli.h"
 #include "ferry.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,6 +28,7 @@ typedef struct model {
   float **data;
   char (*name)[48];
   uint64_t bytes;
+  bool small; /* the many-small-tensors model */
 } model;
 
 /* Layers of attention and MLP matrices plus norms and biases, until `bytes` is reached; or
@@ -34,6 +40,7 @@ static void model_make(model *m, uint64_t bytes, size_t small_count) {
   m->name = calloc(cap, sizeof *m->name);
   m->n = 0;
   m->bytes = 0;
+  m->small = small_count != 0;
   uint64_t h = 512;
   while (m->n < cap && (small_count ? m->n < small_count : m->bytes < bytes)) {
     size_t layer = m->n / 8, kind = m->n % 8;
@@ -60,12 +67,14 @@ static void model_free(model *m) {
 
 /* ---- receivers: this binary again, as helper processes ---- */
 
-int bench_refit_receiver(const char *address, int fd) {
+/* A receiver process: binds a flat buffer ("flat") or the sender's own buffer ("alias"). */
+static int bench_refit_receiver(const char *address, int fd, const char *mode) {
   ferry_ctx_opts o = {.size = sizeof o, .name = "bench-rollout"};
   ferry_ctx *ctx;
   ferry_refit_receiver *r;
+  bool alias = strcmp(mode, "alias") == 0;
   if (ferry_ctx_open(&o, &ctx) != 0 || ferry_refit_receiver_open(ctx, address, -1, &r) != 0 ||
-      ferry_refit_bind_flat(r) != 0) {
+      (alias ? ferry_refit_bind_alias(r) : ferry_refit_bind_flat(r)) != 0) {
     fprintf(stderr, "bench receiver: %s\n", ferry_last_error());
     return CLI_FAIL;
   }
@@ -77,7 +86,36 @@ int bench_refit_receiver(const char *address, int fd) {
   return CLI_OK;
 }
 
-static int spawn_receivers(const char *address, int k, pid_t *pids) {
+/* How one measured series pushes. */
+typedef struct push_cfg {
+  ferry_refit_route route;
+  bool alias;            /* sender keeps its whole buffer; receivers bind it in place */
+  bool hosts;            /* the namespaces of bench_hosts_up(): tcp between "hosts" */
+  uint64_t bucket_bytes; /* 0: the default */
+} push_cfg;
+
+#define HOSTS_NS "ferry-rb-"
+#define HOSTS_NET "10.78.0."
+#define HOSTS_RATE "1gbit"
+
+static char self_path[PATH_MAX];
+
+/* Receiver i runs this binary again; between "hosts" in namespace HOSTS_NS<i+1>, listening on
+ * its address there (its chain successor reads from it). */
+static void exec_receiver(const char *address, const char *fd, const push_cfg *c, int i) {
+  const char *mode = c->alias ? "alias" : "flat";
+  if (!c->hosts)
+    execl(self_path, "ferry", "bench", "refit", "--receiver", address, fd, mode, (char *)NULL);
+  char ns[32], listen[32];
+  snprintf(ns, sizeof ns, HOSTS_NS "%d", i + 1);
+  snprintf(listen, sizeof listen, HOSTS_NET "%d:0", i + 2);
+  setenv("FERRY_TCP_LISTEN", listen, 1);
+  setenv("FERRY_TRANSPORTS", "tcp", 1);
+  execlp("ip", "ip", "netns", "exec", ns, self_path, "bench", "refit", "--receiver", address, fd,
+         mode, (char *)NULL);
+}
+
+static int spawn_receivers(const char *address, int k, pid_t *pids, const push_cfg *c) {
   int p[2];
   if (pipe(p) != 0)
     return -1;
@@ -88,14 +126,14 @@ static int spawn_receivers(const char *address, int k, pid_t *pids) {
     pids[i] = fork();
     if (pids[i] == 0) {
       close(p[0]);
-      execl("/proc/self/exe", "ferry", "bench", "refit", "--receiver", address, fd, (char *)NULL);
+      exec_receiver(address, fd, c, i);
       _exit(127);
     }
   }
   close(p[1]);
   int ready = 0;
-  char c;
-  while (ready < k && read(p[0], &c, 1) == 1)
+  char ch;
+  while (ready < k && read(p[0], &ch, 1) == 1)
     ready++;
   close(p[0]);
   return ready == k ? 0 : -1;
@@ -110,25 +148,31 @@ static void stop_receivers(pid_t *pids, int k) {
 
 /* ---- ferry ---- */
 
-static int time_pushes(const bench_opts *o, const model *m, int k, int reps, bench_samples *b) {
+static int time_pushes(const model *m, int k, int reps, bench_samples *b, const push_cfg *c) {
   ferry_ctx_opts co = {.size = sizeof co, .name = "bench-trainer"};
+  if (c->hosts) {
+    co.tcp_listen = HOSTS_NET "1:0";
+    co.transports = "tcp";
+  }
+  ferry_refit_opts so = {.size = sizeof so, .bucket_bytes = c->bucket_bytes, .alias = c->alias};
+  ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = -1, .route = c->route};
   ferry_ctx *ctx;
-  ferry_refit_sender *s;
+  ferry_refit_sender *s = NULL;
   int rc = ferry_ctx_open(&co, &ctx);
   if (rc == 0)
-    rc = ferry_refit_sender_open(ctx, "bench", NULL, &s);
+    rc = ferry_refit_sender_open(ctx, "bench", &so, &s);
   for (size_t i = 0; rc == 0 && i < m->n; i++)
     rc = ferry_refit_declare(s, m->name[i], &m->desc[i], m->data[i], FERRY_DTYPE_INVALID);
   if (rc == 0)
     rc = ferry_refit_seal(s);
   pid_t pids[8];
-  if (rc == 0 && spawn_receivers(ferry_ctx_address(ctx), k, pids) != 0)
+  if (rc == 0 && spawn_receivers(ferry_ctx_address(ctx), k, pids, c) != 0)
     rc = FERRY_ECONNECT;
   while (rc == 0 && ferry_refit_receivers(s) < (size_t)k)
     usleep(1000);
   for (int v = 1; rc == 0 && v <= reps + 1; v++) {
     double t = bench_now();
-    rc = ferry_refit_push(s, (uint64_t)v, NULL);
+    rc = ferry_refit_push(s, (uint64_t)v, &po);
     if (v > 1) /* the first push maps the buckets and faults the receivers' pages */
       bench_add(b, bench_now() - t);
   }
@@ -137,7 +181,6 @@ static int time_pushes(const bench_opts *o, const model *m, int k, int reps, ben
   stop_receivers(pids, rc == 0 || rc == FERRY_ECONNECT ? k : 0);
   ferry_refit_sender_close(s);
   ferry_ctx_close(ctx);
-  (void)o;
   return rc;
 }
 
@@ -266,9 +309,16 @@ static int run_case(const bench_opts *o, const char *label, const model *m, int 
     }
     bench_row(o, "refit", name, "memcpy", m->bytes, &b, true);
     bench_reset(&b);
-    rc = time_pushes(o, m, ks[i], reps, &b);
+    push_cfg direct = {.route = FERRY_REFIT_ROUTE_AUTO};
+    rc = time_pushes(m, ks[i], reps, &b, &direct);
     bench_row(o, "refit", name, "ferry/shm", m->bytes, &b, false);
     bench_reset(&b);
+    push_cfg alias = {.route = FERRY_REFIT_ROUTE_AUTO, .alias = true};
+    if (rc == 0 && ks[i] == 1 && !m->small) {
+      rc = time_pushes(m, ks[i], reps, &b, &alias);
+      bench_row(o, "refit", name, "ferry/shm-alias", m->bytes, &b, false);
+      bench_reset(&b);
+    }
     if (gloo && time_gloo(m, ks[i], reps, &per, &bkt) == 0) {
       bench_row(o, "refit", name, "gloo/bucketed", m->bytes, &bkt, false);
       bench_row(o, "refit", name, "gloo/tensor", m->bytes, &per, false);
@@ -282,26 +332,157 @@ static int run_case(const bench_opts *o, const char *label, const model *m, int 
   return rc;
 }
 
+/* ---- between "hosts": network namespaces, rate-limited links ---- */
+
+static int sh_quiet(const char *cmd) {
+  char full[512];
+  snprintf(full, sizeof full, "%s >/dev/null 2>&1", cmd);
+  return system(full);
+}
+
+static void hosts_down(int n) {
+  char cmd[128];
+  for (int i = 0; i <= n; i++) {
+    snprintf(cmd, sizeof cmd, "ip netns del " HOSTS_NS "%d", i);
+    sh_quiet(cmd);
+  }
+  sh_quiet("ip netns del " HOSTS_NS "sw");
+}
+
+/* Host 0 (the trainer) and hosts 1..n (receivers), HOSTS_NET<i+1>/24, each on a veth to a
+ * bridge in namespace HOSTS_NS"sw", each one's egress limited to HOSTS_RATE by tbf. */
+static bool hosts_up(int n) {
+  hosts_down(n);
+  char cmd[256];
+  const char *sw[] = {"ip netns add " HOSTS_NS "sw",
+                      "ip -n " HOSTS_NS "sw link add br0 type bridge",
+                      "ip -n " HOSTS_NS "sw link set br0 up"};
+  for (size_t i = 0; i < 3; i++)
+    if (sh_quiet(sw[i]) != 0)
+      return false;
+  for (int i = 0; i <= n; i++) {
+    const char *steps[] = {
+        "ip netns add " HOSTS_NS "%d",
+        "ip link add frb%d type veth peer name frb%d-sw",
+        "ip link set frb%d netns " HOSTS_NS "%d",
+        "ip link set frb%d-sw netns " HOSTS_NS "sw",
+        "ip -n " HOSTS_NS "sw link set frb%d-sw master br0 up",
+        "ip -n " HOSTS_NS "%d link set lo up",
+        "ip -n " HOSTS_NS "%d link set frb%d up",
+        "tc -n " HOSTS_NS "%d qdisc add dev frb%d root tbf rate " HOSTS_RATE
+        " burst 1mb latency 100ms",
+    };
+    for (size_t j = 0; j < sizeof steps / sizeof steps[0]; j++) {
+      snprintf(cmd, sizeof cmd, steps[j], i, i, i);
+      if (sh_quiet(cmd) != 0)
+        return false;
+    }
+    snprintf(cmd, sizeof cmd, "ip -n " HOSTS_NS "%d addr add " HOSTS_NET "%d/24 dev frb%d", i,
+             i + 1, i);
+    if (sh_quiet(cmd) != 0)
+      return false;
+  }
+  return true;
+}
+
+/* Runs fn with this thread (and the threads it starts) in the trainer's namespace. */
+static int in_trainer_ns(int (*fn)(const bench_opts *, const model *, int), const bench_opts *o,
+                         const model *m, int reps) {
+  int home = open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC);
+  int ns = open("/run/netns/" HOSTS_NS "0", O_RDONLY | O_CLOEXEC);
+  int rc = -1;
+  if (home >= 0 && ns >= 0 && setns(ns, CLONE_NEWNET) == 0) {
+    rc = fn(o, m, reps);
+    if (setns(home, CLONE_NEWNET) != 0)
+      rc = -1;
+  }
+  if (home >= 0)
+    close(home);
+  if (ns >= 0)
+    close(ns);
+  return rc;
+}
+
+static int hosts_cases(const bench_opts *o, const model *m, int reps) {
+  int ks[] = {1, 2, 4};
+  bench_samples base = {0}, b = {0};
+  push_cfg chain = {.route = FERRY_REFIT_ROUTE_CHAIN, .hosts = true, .bucket_bytes = 2 << 20};
+  push_cfg direct = chain;
+  direct.route = FERRY_REFIT_ROUTE_DIRECT;
+  int rc = time_pushes(m, 1, reps, &base, &direct);
+  char name[48];
+  for (int i = 0; i < 3 && rc == 0; i++) {
+    snprintf(name, sizeof name, "hosts128MiB-K%d", ks[i]);
+    bench_row(o, "refit", name, "ferry/tcp K=1", m->bytes, &base, true);
+    if (ks[i] == 1)
+      continue;
+    rc = time_pushes(m, ks[i], reps, &b, &direct);
+    bench_row(o, "refit", name, "ferry/direct", m->bytes, &b, false);
+    bench_reset(&b);
+    if (rc == 0)
+      rc = time_pushes(m, ks[i], reps, &b, &chain);
+    bench_row(o, "refit", name, "ferry/chain", m->bytes, &b, false);
+    bench_reset(&b);
+  }
+  bench_free(&base);
+  bench_free(&b);
+  return rc;
+}
+
+/* The "hosts" topology: K = 1, 2, 4 receivers, chain against direct. */
+static int run_hosts(const bench_opts *o, int reps) {
+  if (!hosts_up(4)) {
+    hosts_down(4);
+    if (!o->json)
+      printf("(network namespaces or tc unavailable here: needs root, iproute2; hosts rows "
+             "skipped)\n");
+    return 0;
+  }
+  model m;
+  model_make(&m, 128ull << 20, 0);
+  int rc = in_trainer_ns(hosts_cases, o, &m, reps);
+  model_free(&m);
+  hosts_down(4);
+  return rc;
+}
+
 static const char refit_usage[] =
-    "usage: ferry bench refit [--json] [--reps N] [--max-size BYTES]\n\n"
+    "usage: ferry bench refit [--json] [--reps N] [--max-size BYTES] [--hosts-only|--no-hosts]\n\n"
     "Pushes a transformer-shaped model (256 MiB; --max-size 1G adds a 1 GiB case) to K = 1, 2\n"
     "and 4 receiver processes on this host over shm, against a memcpy of the model's bytes\n"
     "and torch.distributed gloo broadcasts (per tensor and in 16 MiB buckets) when python3-torch\n"
-    "is installed; then a model of 5,000 small tensors for the per-push overhead.\n";
+    "is installed; K = 1 also in alias mode (the receiver uses the sender's buffer in place);\n"
+    "then a model of 5,000 small tensors for the per-push overhead.\n"
+    "Then \"hosts\": the trainer and 4 receivers each in a network namespace (root needed),\n"
+    "joined by a bridge, every host's egress limited to " HOSTS_RATE " by tc tbf; a 128 MiB model\n"
+    "in 2 MiB buckets pushed to K = 1, 2, 4 over tcp, chain against direct; vs base is the\n"
+    "K = 1 time over the row's (the chain's target: >= 0.8 at K = 4).\n";
 
 int bench_refit(int argc, char **argv) {
-  if (argc == 4 && strcmp(argv[1], "--receiver") == 0)
-    return bench_refit_receiver(argv[2], atoi(argv[3]));
+  if (argc == 5 && strcmp(argv[1], "--receiver") == 0)
+    return bench_refit_receiver(argv[2], atoi(argv[3]), argv[4]);
+  bool hosts_only = false, no_hosts = false;
+  int n = 0;
+  for (int i = 0; i < argc; i++) { /* our own options; bench_parse takes the shared ones */
+    hosts_only |= strcmp(argv[i], "--hosts-only") == 0;
+    no_hosts |= strcmp(argv[i], "--no-hosts") == 0;
+    if (strcmp(argv[i], "--hosts-only") != 0 && strcmp(argv[i], "--no-hosts") != 0)
+      argv[n++] = argv[i];
+  }
   bench_opts o = {.max_size = 256ull << 20};
-  if (bench_parse(argc, argv, &o, refit_usage) < 0)
+  if (bench_parse(n, argv, &o, refit_usage) != n)
     return CLI_USAGE;
+  ssize_t len = readlink("/proc/self/exe", self_path, sizeof self_path - 1);
+  if (len <= 0)
+    return cli_fail("bench refit", FERRY_ESYS, "cannot find this program's path");
+  self_path[len] = 0;
   signal(SIGPIPE, SIG_IGN);
   bool gloo = gloo_available();
   if (!gloo && !o.json)
     printf("(python3-torch not found: gloo rows skipped)\n");
   bench_header(&o, "ferry bench refit (push to K receivers on one host; vs base = speed)");
   int rc = 0;
-  for (uint64_t size = 256ull << 20; rc == 0 && size <= o.max_size; size *= 4) {
+  for (uint64_t size = 256ull << 20; rc == 0 && !hosts_only && size <= o.max_size; size *= 4) {
     model m;
     model_make(&m, size, 0);
     char label[24], sz[16];
@@ -309,11 +490,13 @@ int bench_refit(int argc, char **argv) {
     rc = run_case(&o, label, &m, o.reps ? o.reps : 5, gloo);
     model_free(&m);
   }
-  if (rc == 0) {
+  if (rc == 0 && !hosts_only) {
     model m;
     model_make(&m, 0, 5000);
     rc = run_case(&o, "5000t", &m, o.reps ? o.reps : 20, gloo);
     model_free(&m);
   }
+  if (rc == 0 && !no_hosts)
+    rc = run_hosts(&o, o.reps ? o.reps : 3);
   return rc == 0 ? CLI_OK : CLI_FAIL;
 }

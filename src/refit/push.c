@@ -20,8 +20,7 @@
 /* One push: the buckets it moves in order (by seq) and what each one's checksum is. */
 typedef struct fr_push {
   uint64_t version;
-  int timeout_ms;
-  uint64_t deadline;
+  int timeout_ms;      /* how long a receiver may make no progress */
   uint32_t n;          /* buckets in this push */
   uint32_t *order;     /* seq → bucket index */
   uint64_t *sum;       /* seq → checksum */
@@ -118,7 +117,7 @@ static void mark_failures(ferry_refit_sender *s, const fr_push *p) {
       continue;
     if (ferry_link_status(r->link) != 0)
       r->status = FERRY_EPEER;
-    else if (fr_now_ns() >= p->deadline)
+    else if (fr_now_ns() - r->progress_ns >= (uint64_t)p->timeout_ms * 1000000ull)
       r->status = FERRY_ETIMEDOUT;
   }
   for (receiver *r = p->head; r && r->down; r = r->down)
@@ -192,10 +191,9 @@ static bool slot_free(const ferry_refit_sender *s, const fr_push *p, uint32_t q)
   return true;
 }
 
-static void wait_briefly(ferry_refit_sender *s, uint64_t deadline) {
-  uint64_t t = fr_now_ns() + 50000000ull; /* re-check liveness every 50 ms */
-  if (t > deadline)
-    t = deadline;
+/* Waits for an acknowledgement, or 50 ms to check liveness and progress again. */
+static void wait_briefly(ferry_refit_sender *s) {
+  uint64_t t = fr_now_ns() + 50000000ull;
   struct timespec ts = {(time_t)(t / 1000000000ull), (long)(t % 1000000000ull)};
   pthread_cond_timedwait(&s->cond, &s->lock, &ts);
 }
@@ -210,7 +208,7 @@ static void pump(ferry_refit_sender *s, fr_push *p) {
     uint32_t q = s->packed;
     bool pack_now = !done && q < p->n && slot_free(s, p, q);
     if (!done && !pack_now)
-      wait_briefly(s, p->deadline);
+      wait_briefly(s);
     pthread_mutex_unlock(&s->lock);
     if (done)
       return;
@@ -297,6 +295,7 @@ static size_t begin_push(ferry_refit_sender *s, fr_push *p, ferry_refit_route ro
     r->up = r->down = NULL;
     r->announced = r->acked = 0;
     r->status = 0;
+    r->progress_ns = fr_now_ns();
     snprintf(r->peer, sizeof r->peer, "%s", ferry_link_peer(r->link));
     *all_current &= r->committed == s->latest && s->latest != 0;
     n++;
@@ -315,6 +314,7 @@ static void commit_all(ferry_refit_sender *s, fr_push *p) {
   s->current = NULL;
   for (receiver *r = s->receivers; r; r = r->next)
     if (r->in_push && r->status == 0) {
+      r->progress_ns = fr_now_ns();
       int rc = fr_refit_send(r->link, &c, p->timeout_ms);
       if (rc != 0)
         r->status = rc;
@@ -326,7 +326,7 @@ static void commit_all(ferry_refit_sender *s, fr_push *p) {
       all &= !r->in_push || r->status != 0 || r->commit_seen;
     if (all)
       break;
-    wait_briefly(s, p->deadline);
+    wait_briefly(s);
   }
   pthread_mutex_unlock(&s->lock);
 }
@@ -391,7 +391,6 @@ int ferry_refit_push(ferry_refit_sender *s, uint64_t version, const ferry_refit_
     return fr_err(FERRY_EINVAL, "refit '%s': version %llu is not after %llu", s->name,
                   (unsigned long long)version, (unsigned long long)s->latest);
   fr_push p = {.version = version, .timeout_ms = fr_timeout(o ? o->timeout_ms : -1)};
-  p.deadline = fr_deadline_ns(p.timeout_ms);
   bool all_current;
   if (begin_push(s, &p, o ? o->route : FERRY_REFIT_ROUTE_AUTO, &all_current) == 0)
     return finish_push(s, version);

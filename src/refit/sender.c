@@ -124,6 +124,7 @@ static void record_ack(ferry_refit_sender *s, receiver *r, const fr_refit_msg_t 
       r->fwd_offset[x->seq % 2] = x->src_offset;
     }
     r->acked++;
+    r->progress_ns = fr_now_ns();
     fr_refit_announce_ready(s);
   }
 }

@@ -24,6 +24,7 @@ typedef struct receiver {
   struct receiver *down;   /* chain successor that reads from it */
   uint32_t announced;      /* buckets (by seq) announced to it */
   uint32_t acked;          /* buckets (by seq, a prefix) it verified */
+  uint64_t progress_ns;    /* when it last acknowledged something (or the push began) */
   ferry_region_ref fwd[2]; /* where it keeps seq % 2 for its successor, from its ACK */
   uint64_t fwd_offset[2];
   bool commit_seen;
