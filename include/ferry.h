@@ -620,10 +620,14 @@ typedef struct ferry_refit_opts {
                             memory when that is set; two buckets are allocated */
   int alias; /* keep the whole wire buffer (every bucket) in shared memory instead of two
                 buckets, so receivers on this host may use it in place (ferry_refit_bind_alias) */
+  int publish; /* register the sender under its name in the directory, so receivers can open
+                  it by name; FERRY_EEXIST when another live sender has that name */
+  const char *directory; /* with publish: the directory URL (NULL: FERRY_DIRECTORY) */
 } ferry_refit_opts;
 
-/* Opens a sender on ctx; receivers attach to ferry_ctx_address(ctx). `name` (copied) names it
- * in errors and logs. FERRY_EBUSY when ctx already has a sender. */
+/* Opens a sender on ctx; receivers attach to ferry_ctx_address(ctx), or by `name` when it is
+ * published (opts->publish). `name` (copied) also names it in errors and logs. FERRY_EBUSY when
+ * ctx already has a sender. */
 FERRY_API int ferry_refit_sender_open(ferry_ctx *ctx, const char *name,
                                       const ferry_refit_opts *opts, ferry_refit_sender **out);
 /* Detaches every receiver and frees the buckets; the declared tensors stay the caller's. */
@@ -671,8 +675,10 @@ FERRY_API int ferry_refit_push(ferry_refit_sender *sender, uint64_t version,
 /* How many receivers are attached now. */
 FERRY_API size_t ferry_refit_receivers(ferry_refit_sender *sender);
 
-/* Attaches to the sender at `address` (its ctx address) and receives its manifest.
- * FERRY_EBUSY when ctx already has a receiver. */
+/* Attaches to the sender at `address` (its ctx address, "shm://...,tcp://..."), or to the one
+ * published under that name when it has no "://" (looked up in FERRY_DIRECTORY), and receives
+ * its manifest. FERRY_ENOTFOUND when no sender of that name is published; FERRY_EBUSY when ctx
+ * already has a receiver. */
 FERRY_API int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_ms,
                                         ferry_refit_receiver **out);
 FERRY_API void ferry_refit_receiver_close(ferry_refit_receiver *receiver);

@@ -7,8 +7,10 @@
 // ferry-test: threaded
 #include "testutil.h"
 
+#include "directory/directory.h"
 #include "refit/plan.h"
 #include "refit/refit.h"
+#include "storeutil.h"
 
 #include <signal.h>
 #include <stdio.h>
@@ -190,6 +192,54 @@ static void test_push_shm(void **st) { push_and_check("shm", FERRY_REFIT_ROUTE_A
 static void test_push_tcp(void **st) { push_and_check("tcp", FERRY_REFIT_ROUTE_DIRECT); }
 static void test_chain_tcp(void **st) { push_and_check("tcp", FERRY_REFIT_ROUTE_AUTO); }
 static void test_chain_shm(void **st) { push_and_check("shm", FERRY_REFIT_ROUTE_CHAIN); }
+
+/* A published sender is found by name through the directory; a second one of the same name is
+ * refused while the first lives, and the name is free again once it closed. */
+static void test_by_name(void **st) {
+  char listen[64], url[80];
+  int port = su_free_port();
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  ferry_ctx_opts dopts = {.size = sizeof dopts, .name = "directory", .tcp_listen = listen};
+  ferry_ctx *dc;
+  FR_OK(ferry_ctx_open(&dopts, &dc));
+  fr_dir_server *srv;
+  FR_OK(fr_dir_server_start(dc, &srv));
+  setenv("FERRY_DIRECTORY", url, 1);
+
+  model m;
+  model_init(&m, 8);
+  ferry_ctx *sc = ctx_for("trainer", "shm,tcp"), *sc2 = ctx_for("trainer-2", "shm,tcp"),
+            *rc = ctx_for("rollout", "shm,tcp");
+  ferry_refit_receiver *r;
+  assert_int_equal(ferry_refit_receiver_open(rc, "policy", 2000, &r), FERRY_ENOTFOUND);
+  assert_non_null(strstr(ferry_last_error(), "policy"));
+  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 16384, .publish = 1};
+  ferry_refit_sender *s, *s2;
+  FR_OK(ferry_refit_sender_open(sc, "policy", &o, &s));
+  assert_int_equal(ferry_refit_sender_open(sc2, "policy", &o, &s2), FERRY_EEXIST);
+  for (int i = 0; i < NT; i++)
+    FR_OK(ferry_refit_declare(s, m.name[i], &m.d[i], m.w[i], send_as(i)));
+  FR_OK(ferry_refit_seal(s));
+  FR_OK(ferry_refit_receiver_open(rc, "policy", 5000, &r));
+  FR_OK(ferry_refit_bind_flat(r));
+  while (ferry_refit_receivers(s) < 1)
+    usleep(10000);
+  FR_OK(ferry_refit_push(s, 1, NULL));
+  FR_OK(ferry_refit_wait(r, 1, 5000, NULL));
+  ferry_refit_receiver_close(r);
+  ferry_refit_sender_close(s);
+  FR_OK(ferry_refit_sender_open(sc2, "policy", &o, &s2)); /* the name was let go */
+  ferry_refit_sender_close(s2);
+
+  unsetenv("FERRY_DIRECTORY");
+  ferry_ctx_close(rc);
+  ferry_ctx_close(sc2);
+  ferry_ctx_close(sc);
+  fr_dir_server_stop(srv);
+  ferry_ctx_close(dc);
+  model_free(&m);
+}
 
 /* Alias mode: the receiver's views are the sender's own buffer; nothing is copied. */
 static void test_alias(void **st) {
@@ -444,9 +494,10 @@ static void test_chain_receiver_killed(void **st) {
     usleep(10000);
   ferry_refit_push_opts po = {
       .size = sizeof po, .timeout_ms = 10000, .route = FERRY_REFIT_ROUTE_CHAIN};
-  uint64_t forwarded = fr_refit_stat_forwarded;
+  uint64_t forwarded = __atomic_load_n(&fr_refit_stat_forwarded, __ATOMIC_RELAXED);
   FR_OK(ferry_refit_push(s, 1, &po));
-  assert_true(fr_refit_stat_forwarded > forwarded); /* the chain carried buckets */
+  assert_true(__atomic_load_n(&fr_refit_stat_forwarded, __ATOMIC_RELAXED) >
+              forwarded); /* the chain carried buckets */
   uint64_t v;
   assert_int_equal(tu_pipe_get(&p, &v, sizeof v, 10000), 0);
   FR_OK(ferry_refit_wait(tail, 1, 5000, NULL));
@@ -556,11 +607,17 @@ int main(int argc, char **argv) {
     return sender_child(&p);
   }
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_push_shm),      cmocka_unit_test(test_push_tcp),
-      cmocka_unit_test(test_chain_tcp),     cmocka_unit_test(test_chain_shm),
-      cmocka_unit_test(test_alias),         cmocka_unit_test(test_chain_receiver_killed),
-      cmocka_unit_test(test_bind_errors),   cmocka_unit_test(test_corrupt_bucket),
-      cmocka_unit_test(test_reseal),        cmocka_unit_test(test_receiver_killed),
+      cmocka_unit_test(test_push_shm),
+      cmocka_unit_test(test_push_tcp),
+      cmocka_unit_test(test_chain_tcp),
+      cmocka_unit_test(test_chain_shm),
+      cmocka_unit_test(test_alias),
+      cmocka_unit_test(test_by_name),
+      cmocka_unit_test(test_chain_receiver_killed),
+      cmocka_unit_test(test_bind_errors),
+      cmocka_unit_test(test_corrupt_bucket),
+      cmocka_unit_test(test_reseal),
+      cmocka_unit_test(test_receiver_killed),
       cmocka_unit_test(test_sender_killed),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

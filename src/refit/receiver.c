@@ -407,7 +407,11 @@ static int binding_fits(const fr_refit_entry *e, const ferry_tensor_desc *desc) 
 }
 
 static int attach(ferry_refit_receiver *r, const char *address, int timeout_ms) {
-  int rc = ferry_connect(r->ctx, address, timeout_ms, &r->link);
+  char *resolved = NULL;
+  int rc = strstr(address, "://") ? 0 : fr_refit_resolve(r->ctx, address, timeout_ms, &resolved);
+  if (rc == 0)
+    rc = ferry_connect(r->ctx, resolved ? resolved : address, timeout_ms, &r->link);
+  free(resolved);
   if (rc == 0)
     rc = fetch_manifest(r, timeout_ms, &r->plan);
   if (rc == 0) {

@@ -17,6 +17,17 @@ extern void (*fr_refit_test_corrupt)(uint32_t bucket, uint8_t *bytes, uint64_t l
 /* Buckets this process's receivers read from a chain predecessor (tests prove chains carry). */
 extern uint64_t fr_refit_stat_forwarded;
 
+/* Senders by name in the directory (name.c). */
+typedef struct fr_refit_name fr_refit_name;
+/* Registers "refit:NAME" → ctx's address in the directory at url (NULL: FERRY_DIRECTORY).
+ * FERRY_EEXIST when another live sender holds the name. */
+int fr_refit_publish(ferry_ctx *ctx, const char *name, const char *url, fr_refit_name **out);
+/* Renews the lease when due (the sender's service thread calls it often). */
+void fr_refit_publish_tick(fr_refit_name *n);
+void fr_refit_unpublish(fr_refit_name *n);
+/* The address of the sender published as name; *address is malloc'd. */
+int fr_refit_resolve(ferry_ctx *ctx, const char *name, int timeout_ms, char **address);
+
 /* Sends one protocol record on a link. */
 int fr_refit_send(ferry_link *link, const fr_refit_msg_t *m, int timeout_ms);
 

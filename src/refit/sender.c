@@ -152,6 +152,7 @@ static void *service_main(void *arg) {
     int rc = ferry_recv(s->ctx, FR_CHANNEL_REFIT, &m, 100);
     if (rc == FERRY_ECLOSED)
       return NULL;
+    fr_refit_publish_tick(s->published);
     if (rc != 0)
       continue;
     fr_refit_msg_t x;
@@ -199,6 +200,12 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
   s->ctx = ctx;
   s->budget = bucket_budget(opts);
   s->alias = opts && opts->alias;
+  if (opts && opts->publish && (rc = fr_refit_publish(ctx, name, opts->directory, &s->published))) {
+    claim_ctx(ctx, false);
+    free(s->name);
+    free(s);
+    return rc;
+  }
   pthread_mutex_init(&s->lock, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
@@ -206,6 +213,7 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
   pthread_cond_init(&s->cond, &ca);
   pthread_condattr_destroy(&ca);
   if (pthread_create(&s->service, NULL, service_main, s) != 0) {
+    fr_refit_unpublish(s->published);
     claim_ctx(ctx, false);
     free(s->name);
     free(s);
@@ -333,6 +341,7 @@ void ferry_refit_sender_close(ferry_refit_sender *s) {
     return;
   __atomic_store_n(&s->stop, true, __ATOMIC_RELEASE);
   pthread_join(s->service, NULL);
+  fr_refit_unpublish(s->published);
   while (s->receivers) {
     receiver *r = s->receivers;
     s->receivers = r->next;

@@ -45,7 +45,8 @@ struct ferry_refit_sender {
   uint32_t cap;
   bool sealed;
   uint64_t budget;
-  bool alias; /* buf[0] holds every bucket (alias mode), not two of them */
+  bool alias;               /* buf[0] holds every bucket (alias mode), not two of them */
+  fr_refit_name *published; /* its record in the directory, or NULL */
   void *buf[2];
   ferry_region_ref ref[2];
   uint64_t buf_bytes;
