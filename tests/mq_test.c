@@ -204,7 +204,7 @@ static void slow_subscriber(void) {
   int rc = 0;
   while (rc == 0 && k < 1000) { /* 64 KiB of credit: the queue fills long before 1000 */
     fill(buf, k + 1, size_of(k + 1) > sizeof buf ? 8 : size_of(k + 1));
-    rc = ferry_mq_publish(mq, "busy", buf, size_of(k + 1) > sizeof buf ? 8 : size_of(k + 1), 200);
+    rc = ferry_mq_publish(mq, "busy", buf, size_of(k + 1) > sizeof buf ? 8 : size_of(k + 1), 1000);
     k += rc == 0;
   }
   assert_int_equal(rc, FERRY_ETIMEDOUT);
@@ -506,6 +506,28 @@ static void test_wire(void **st) {
   assert_int_equal(fr_mq_decode(buf, hl, &g), FERRY_EPROTO); /* the releases are missing */
   FR_OK(fr_mq_decode(buf, hl + 16, &g));
   assert_int_equal(g.nrelease, 2);
+  /* a batch: two DATA frames at multiples of 64, zeros between */
+  uint8_t batch[512];
+  memset(batch, 0, sizeof batch);
+  fr_mq_frame d1 = {.type = FR_MQ_DATA, .seq = 1, .len = 3, .topic = "a", .topic_len = 1};
+  size_t p1 = FR_MQ_ALIGN, h1 = fr_mq_encode(&d1, batch + p1);
+  memcpy(batch + p1 + h1, "abc", 3);
+  size_t p2 = (p1 + h1 + 3 + FR_MQ_ALIGN - 1) / FR_MQ_ALIGN * FR_MQ_ALIGN;
+  fr_mq_frame d2 = {.type = FR_MQ_DATA, .seq = 2, .len = 0, .topic = "bb", .topic_len = 2};
+  size_t h2 = fr_mq_encode(&d2, batch + p2);
+  fr_mq_frame bf = {.type = FR_MQ_BATCH, .len = p2 + h2 - FR_MQ_ALIGN};
+  assert_int_equal(fr_mq_encode(&bf, batch), FR_MQ_ALIGN);
+  FR_OK(fr_mq_decode(batch, p2 + h2, &g));
+  size_t pos = 0;
+  assert_int_equal(fr_mq_batch_next(&g, &pos, &c), 1);
+  assert_int_equal(c.seq, 1);
+  assert_memory_equal(c.payload, "abc", 3);
+  assert_int_equal(fr_mq_batch_next(&g, &pos, &c), 1);
+  assert_string_equal(c.topic, "bb");
+  assert_int_equal(fr_mq_batch_next(&g, &pos, &c), 0);
+  batch[p1 + h1 + 3] = 1; /* non-zero padding between frames */
+  pos = 0;
+  assert_int_equal(fr_mq_batch_next(&g, &pos, &c), FERRY_EPROTO);
   assert_int_equal(fr_mq_topic_check("ok topic/x"), 0);
   assert_int_equal(fr_mq_topic_check("bad\ntopic"), FERRY_EINVAL);
 }

@@ -204,6 +204,7 @@ void fr_mq_peer_unref(ferry_mq *mq, fr_mq_peer *p) {
     return;
   ferry_link_release(p->link);
   free(p->tokens);
+  free(p->batch);
   free(p);
 }
 
@@ -507,6 +508,7 @@ int ferry_mq_wait_subscribers(ferry_mq *mq, const char *topic, size_t n, int tim
   if ((rc = fr_mq_advertise(mq, topic, ms)) != 0)
     return rc;
   const void *arg[2] = {topic, &n};
+  fr_mq_flush(mq);
   pthread_mutex_lock(&mq->lock);
   mq->waiters++;
   rc = fr_mq_wait(mq, enough_subscribers, arg, deadline);

@@ -22,6 +22,7 @@
 #define SLICE_NS 20000000ull     /* waits re-check dead links this often */
 #define APP_IDLE_NS 100000000ull /* the background thread pumps after this much quiet */
 #define BG_PUMP_MS 50
+#define FLUSH_NS 50000ull /* a pending batch goes out after this at the latest */
 
 void fr_mq_detail(char *buf, size_t cap) { snprintf(buf, cap, "%s", ferry_last_error()); }
 
@@ -86,6 +87,9 @@ static void dispatch(ferry_mq *mq, ferry_msg *m) {
   case FR_MQ_DATA:
   case FR_MQ_SHM:
     fr_mq_deliver(mq, m, &f); /* takes m */
+    return;
+  case FR_MQ_BATCH:
+    fr_mq_deliver_batch(mq, m, &f); /* takes m */
     return;
   case FR_MQ_SUB:
     rc = fr_mq_add_subscriber(mq, f.topic, ferry_link_peer(m->link), m->link, f.value, 0);
@@ -162,6 +166,17 @@ static void run_callback(ferry_mq *mq) {
 
 static void background_step(ferry_mq *mq, uint64_t now) {
   uint64_t until = now + APP_IDLE_NS < mq->next_renew_ns ? now + APP_IDLE_NS : mq->next_renew_ns;
+  uint64_t batch = __atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE);
+  if (batch && batch + FLUSH_NS <= now) {
+    pthread_mutex_unlock(&mq->lock);
+    fr_mq_flush(mq);
+    pthread_mutex_lock(&mq->lock);
+    if (__atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE) == batch)
+      timed_wait(mq, now + FLUSH_NS); /* a publish holds it and will send it */
+    return;
+  }
+  if (batch && batch + FLUSH_NS < until)
+    until = batch + FLUSH_NS;
   if (mq->callback && mq->head) {
     run_callback(mq);
   } else if (mq->callback) {
@@ -283,9 +298,14 @@ static void say_bye(ferry_mq *mq) {
 static void free_state(ferry_mq *mq) {
   for (fr_mq_rmsg *r = mq->head, *next; r; r = next) {
     next = r->next;
-    ferry_msg_free(r->raw);
     fr_mq_session_unref(r->sess);
-    free(r);
+    if (!r->batch) {
+      ferry_msg_free(r->raw);
+      free(r);
+    } else if (--r->batch->refs == 0) {
+      ferry_msg_free(r->raw);
+      free(r->batch);
+    }
   }
   mq->head = mq->tail = NULL;
   while (mq->peers)
@@ -309,6 +329,9 @@ static void free_state(ferry_mq *mq) {
 void ferry_mq_close(ferry_mq *mq) {
   if (!mq)
     return;
+  pthread_mutex_lock(&mq->publish_lock);
+  fr_mq_flush_locked(mq);
+  pthread_mutex_unlock(&mq->publish_lock);
   pthread_mutex_lock(&mq->lock);
   mq->closing = true;
   pthread_cond_broadcast(&mq->cond);

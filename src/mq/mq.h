@@ -40,7 +40,8 @@ enum fr_mq_type {
   FR_MQ_UNSUB = 4,  /* subscriber -> publisher: remove me from topic */
   FR_MQ_CREDIT = 5, /* subscriber -> publisher: `value` = bytes consumed so far; pool releases */
   FR_MQ_BYE = 6,    /* either way: this mq is closing; forget me */
-  FR_MQ_TYPE_MAX = 6,
+  FR_MQ_BATCH = 7,  /* DATA frames back to back (small messages of a stream) */
+  FR_MQ_TYPE_MAX = 7,
 };
 #define FR_MQ_F_TENSOR 1u
 
@@ -67,6 +68,10 @@ int fr_mq_topic_check(const char *topic);
 size_t fr_mq_encode(const fr_mq_frame *f, uint8_t *buf);
 /* Decodes and validates one frame; FERRY_EPROTO with a detail when malformed. Pure. */
 int fr_mq_decode(const void *data, size_t len, fr_mq_frame *out);
+/* The next DATA frame of a decoded BATCH (*pos: 0 at first): 1 with *out set, 0 at the end, or
+ * FERRY_EPROTO. Pure. */
+int fr_mq_batch_next(const fr_mq_frame *batch, size_t *pos, fr_mq_frame *out);
+#define FR_MQ_BATCH_BYTES 32768 /* a batch is sent when it would grow past this */
 
 /* ---- the handle ---- */
 typedef struct fr_mq_peer { /* a remote subscriber node, as its publisher sees it */
@@ -76,7 +81,11 @@ typedef struct fr_mq_peer { /* a remote subscriber node, as its publisher sees i
   uint64_t *tokens;             /* pool blocks it holds */
   size_t ntokens, captokens;
   bool dead;
-  int refs; /* topics listing it + publishes in flight */
+  uint8_t *batch; /* small messages not yet sent (publish_lock) */
+  size_t batch_len;
+  int batch_rc; /* a failed batch send, reported by the next publish */
+  bool dirty;   /* listed in mq->dirty */
+  int refs;     /* topics listing it + publishes in flight + a pending batch */
   struct fr_mq_peer *next;
 } fr_mq_peer;
 
@@ -105,10 +114,17 @@ typedef struct fr_mq_rmsg { /* a received message */
   ferry_mq_msg pub;         /* first: the caller sees this */
   ferry_mq *mq;
   ferry_msg *raw;
+  struct fr_mq_rxbatch *batch; /* the batch it came in (owns raw), or NULL */
   fr_mq_session *sess;
   uint64_t charge, token;
   struct fr_mq_rmsg *next;
 } fr_mq_rmsg;
+
+typedef struct fr_mq_rxbatch { /* messages that arrived in one BATCH frame: one allocation */
+  ferry_msg *raw;
+  size_t refs; /* messages not yet freed (mq->lock) */
+  fr_mq_rmsg msgs[];
+} fr_mq_rxbatch;
 
 typedef struct fr_mq_block { /* a pool block in flight */
   uint64_t off, len;
@@ -155,6 +171,10 @@ struct ferry_mq {
 
   pthread_mutex_t publish_lock; /* one publish at a time: every subscriber sees one order */
   uint64_t seq;
+  uint64_t last_publish_ns; /* publishes closer together than this batch small messages */
+  fr_mq_peer **dirty;       /* peers with a pending batch, a reference each (publish_lock) */
+  size_t ndirty, capdirty;
+  uint64_t batch_since_ns; /* when the oldest pending batch began; 0: none (atomic) */
 
   /* the pool: one ferry_alloc'd region that large payloads are copied into once */
   uint8_t *pool;
@@ -200,12 +220,18 @@ fr_mq_peer *fr_mq_peer_by_link(ferry_mq *mq, ferry_link *l);
 void fr_mq_key(char *buf, size_t cap, char role, const char *topic, const char *node);
 
 /* publish.c */
+/* Sends every pending batch (publish_lock held). */
+void fr_mq_flush_locked(ferry_mq *mq);
+/* The same from a thread about to wait: skipped when a publish is running (it flushes). */
+void fr_mq_flush(ferry_mq *mq);
 void fr_mq_pool_release(ferry_mq *mq, uint64_t token); /* lock held */
 void fr_mq_pool_fini(ferry_mq *mq);
 
 /* recv.c */
 /* Queues a DATA or SHM frame that arrived on msg->link (takes msg). */
 void fr_mq_deliver(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f);
+/* Queues the messages of a BATCH frame (takes msg); a malformed batch is dropped whole. */
+void fr_mq_deliver_batch(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f);
 /* Handles CREDIT (lock not held). */
 void fr_mq_on_credit(ferry_mq *mq, ferry_link *l, const fr_mq_frame *f);
 fr_mq_session *fr_mq_session_get(ferry_mq *mq, ferry_link *l); /* lock held; NULL: no memory */

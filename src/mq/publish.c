@@ -13,6 +13,13 @@
  * subscriber hands the application a pointer into the pool and releases the block (with its
  * credit) when the message is freed. A block is reused once every subscriber released it or was
  * dropped. When the pool has no room the payload goes inline instead (never a wait).
+ *
+ * Batches: a publish that follows the previous one closely (a stream) appends small inline
+ * messages to a per-subscriber batch instead of writing each one to the link; the batch goes out
+ * when it is full, before anything else is sent to that subscriber, before this node waits for
+ * anything (credit, a message, subscribers), and otherwise within FLUSH_NS, sent by the
+ * background thread. So a stream of small messages costs one link write per 32 KiB, while an
+ * isolated publish (or a ping-pong) is written at once.
  */
 #include "mq/mq.h"
 #include "core/channels.h"
@@ -23,6 +30,7 @@
 
 #define POOL_ALIGN 4096u
 #define CHARGE_OVERHEAD 128u
+#define STREAM_GAP_NS 20000u /* publishes closer than this are a stream: batch them */
 
 /* ---- the pool: first-fit over sorted free extents ---- */
 
@@ -153,6 +161,7 @@ void fr_mq_pool_fini(ferry_mq *mq) {
   free(mq->blocks);
   free(mq->free_off);
   free(mq->free_len);
+  free(mq->dirty);
 }
 
 static int peer_hold(fr_mq_peer *p, uint64_t token) {
@@ -166,6 +175,77 @@ static int peer_hold(fr_mq_peer *p, uint64_t token) {
   }
   p->tokens[p->ntokens++] = token;
   return 0;
+}
+
+/* ---- batches ---- */
+
+static void flush_peer(ferry_mq *mq, fr_mq_peer *p) {
+  if (!p->batch_len)
+    return;
+  fr_mq_frame f = {.type = FR_MQ_BATCH, .len = p->batch_len};
+  uint8_t head[FR_MQ_HEAD_MAX];
+  struct iovec iov[2] = {{head, fr_mq_encode(&f, head)}, {p->batch, p->batch_len}};
+  int rc = ferry_send(p->link, FR_CHANNEL_MQ, iov, 2, fr_timeout(-1));
+  if (rc != 0 && !p->batch_rc)
+    p->batch_rc = rc;
+  p->batch_len = 0;
+}
+
+void fr_mq_flush_locked(ferry_mq *mq) {
+  for (size_t i = 0; i < mq->ndirty; i++) {
+    flush_peer(mq, mq->dirty[i]);
+    mq->dirty[i]->dirty = false;
+  }
+  if (mq->ndirty) {
+    pthread_mutex_lock(&mq->lock);
+    for (size_t i = 0; i < mq->ndirty; i++)
+      fr_mq_peer_unref(mq, mq->dirty[i]);
+    pthread_mutex_unlock(&mq->lock);
+  }
+  mq->ndirty = 0;
+  __atomic_store_n(&mq->batch_since_ns, 0, __ATOMIC_RELEASE);
+}
+
+void fr_mq_flush(ferry_mq *mq) {
+  if (!__atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE))
+    return;
+  if (pthread_mutex_trylock(&mq->publish_lock) != 0)
+    return; /* a publish is running: it flushes before it waits, the background thread after */
+  fr_mq_flush_locked(mq);
+  pthread_mutex_unlock(&mq->publish_lock);
+}
+
+/* Appends a frame to p's batch (publish_lock held); false when it does not fit at all. */
+static bool batch_add(ferry_mq *mq, fr_mq_peer *p, const uint8_t *head, size_t hl, const void *data,
+                      size_t len) {
+  size_t at = (p->batch_len + FR_MQ_ALIGN - 1) / FR_MQ_ALIGN * FR_MQ_ALIGN;
+  if (at + hl + len > FR_MQ_BATCH_BYTES - FR_MQ_ALIGN) {
+    flush_peer(mq, p);
+    at = 0;
+  }
+  if (!p->batch && !(p->batch = malloc(FR_MQ_BATCH_BYTES)))
+    return false;
+  if (!p->dirty && mq->ndirty == mq->capdirty) {
+    size_t cap = mq->capdirty ? mq->capdirty * 2 : 8;
+    fr_mq_peer **v = realloc(mq->dirty, cap * sizeof *v);
+    if (!v)
+      return false;
+    mq->dirty = v;
+    mq->capdirty = cap;
+  }
+  if (!p->dirty) {
+    pthread_mutex_lock(&mq->lock);
+    p->refs++;
+    pthread_mutex_unlock(&mq->lock);
+    mq->dirty[mq->ndirty++] = p;
+    p->dirty = true;
+  }
+  memset(p->batch + p->batch_len, 0, at - p->batch_len);
+  memcpy(p->batch + at, head, hl);
+  if (len)
+    memcpy(p->batch + at + hl, data, len);
+  p->batch_len = at + hl + len;
+  return true;
 }
 
 /* ---- credit ---- */
@@ -275,12 +355,17 @@ static void set_charge(uint8_t *head, uint64_t charge) {
 }
 
 static void send_all(ferry_mq *mq, frames *fr, target *v, size_t n, const void *data, size_t len,
-                     uint64_t deadline) {
+                     uint64_t deadline, bool stream) {
   for (size_t i = 0; i < n; i++) {
     bool shm = v[i].shm && fr->token;
     uint8_t *head = shm ? fr->shm : fr->data;
     set_charge(head, v[i].charge);
-    struct iovec iov[2] = {{head, shm ? fr->shm_len : fr->data_len}, {(void *)data, len}};
+    size_t hl = shm ? fr->shm_len : fr->data_len;
+    if (!shm && stream && hl + len <= FR_MQ_BATCH_BYTES / 4 &&
+        batch_add(mq, v[i].p, head, hl, data, len))
+      continue;
+    flush_peer(mq, v[i].p); /* what was batched goes first */
+    struct iovec iov[2] = {{head, hl}, {(void *)data, len}};
     int ms = fr_ms_left(deadline);
     v[i].rc = ferry_send(v[i].p->link, FR_CHANNEL_MQ, iov, shm || len == 0 ? 1 : 2, ms ? ms : 1);
     if (v[i].rc != 0)
@@ -295,6 +380,10 @@ static int settle(ferry_mq *mq, frames *fr, target *v, size_t n, const char *top
   for (size_t i = 0; i < n; i++) {
     fr_mq_peer *p = v[i].p;
     bool shm = v[i].shm && fr->token;
+    if (v[i].rc == 0 && p->batch_rc) { /* an earlier batch to it failed */
+      v[i].rc = p->batch_rc;
+      p->batch_rc = 0;
+    }
     if (shm && (v[i].rc != 0 || peer_hold(p, fr->token) != 0))
       fr_mq_pool_release(mq, fr->token);
     if (v[i].rc != 0 && !p->dead) {
@@ -329,6 +418,12 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
   fr_mq_topic *t = rc == 0 ? fr_mq_topic_get(mq, topic) : NULL;
   if (rc == 0 && !t)
     rc = fr_err(FERRY_ENOMEM, "publish '%s'", topic);
+  pub_wait w = {t, len};
+  if (rc == 0 && mq->ndirty && !credit_ready(mq, &w)) {
+    pthread_mutex_unlock(&mq->lock); /* what the subscribers wait for must not sit here */
+    fr_mq_flush_locked(mq);
+    pthread_mutex_lock(&mq->lock);
+  }
   if (rc == 0)
     rc = reserve(mq, t, len, deadline, ms, &v, &n);
   if (rc == 0) {
@@ -344,9 +439,16 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
     if (fr.token)
       memcpy(mq->pool + off, data, len);
     build(mq, &fr, topic, desc, len, seq, off);
-    send_all(mq, &fr, v, n, data, len, deadline);
+    uint64_t now = fr_now_ns();
+    bool stream = now - mq->last_publish_ns < STREAM_GAP_NS;
+    mq->last_publish_ns = now;
+    send_all(mq, &fr, v, n, data, len, deadline, stream);
     pthread_mutex_lock(&mq->lock);
     rc = settle(mq, &fr, v, n, topic);
+    if (mq->ndirty && !__atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE)) {
+      __atomic_store_n(&mq->batch_since_ns, now, __ATOMIC_RELEASE);
+      pthread_cond_broadcast(&mq->cond); /* the background thread sends it if nobody does */
+    }
     pthread_mutex_unlock(&mq->lock);
   }
   pthread_mutex_unlock(&mq->publish_lock);

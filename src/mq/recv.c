@@ -93,6 +93,9 @@ void fr_mq_credit_flush(ferry_mq *mq, fr_mq_session *s) {
 
 /* ---- arrivals ---- */
 
+static void fill(fr_mq_rmsg *r, ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f,
+                 const void *payload, fr_mq_session *s);
+
 void fr_mq_deliver(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f) {
   const void *payload = f->payload;
   if (f->type == FR_MQ_SHM && ferry_view(msg->link, &f->ref, f->offset, f->len, &payload) != 0) {
@@ -123,6 +126,14 @@ void fr_mq_deliver(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f) {
     ferry_msg_free(msg);
     return;
   }
+  fill(r, mq, msg, f, payload, s);
+  pthread_cond_broadcast(&mq->cond);
+  pthread_mutex_unlock(&mq->lock);
+}
+
+/* Fills a queued message from a DATA frame that arrived on msg's link (lock held). */
+static void fill(fr_mq_rmsg *r, ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f,
+                 const void *payload, fr_mq_session *s) {
   r->pub = (ferry_mq_msg){.topic = f->topic,
                           .publisher = ferry_link_peer(msg->link),
                           .data = payload,
@@ -132,6 +143,7 @@ void fr_mq_deliver(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f) {
                           .desc = f->desc};
   r->mq = mq;
   r->raw = msg;
+  r->batch = NULL;
   r->sess = s;
   r->charge = f->value;
   r->token = f->type == FR_MQ_SHM ? f->token : 0;
@@ -144,8 +156,64 @@ void fr_mq_deliver(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f) {
     mq->head = r;
   mq->tail = r;
   mq->queued++;
+}
+
+static size_t batch_count(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f) {
+  size_t pos = 0, n = 0;
+  fr_mq_frame sub;
+  int rc;
+  while ((rc = fr_mq_batch_next(f, &pos, &sub)) == 1)
+    n++;
+  if (rc == 0)
+    return n;
+  pthread_mutex_lock(&mq->lock);
+  mq->malformed++;
+  pthread_mutex_unlock(&mq->lock);
+  fr_warn("mq '%s': dropped a batch from '%s': %s", mq->name, ferry_link_peer(msg->link),
+          ferry_last_error());
+  return 0;
+}
+
+void fr_mq_deliver_batch(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f) {
+  size_t n = batch_count(mq, msg, f);
+  fr_mq_rxbatch *b = n ? malloc(sizeof *b + n * sizeof b->msgs[0]) : NULL;
+  if (!b) {
+    ferry_msg_free(msg);
+    return;
+  }
+  b->raw = msg;
+  b->refs = 0;
+  bool send = false;
+  size_t pos = 0;
+  fr_mq_frame sub;
+  pthread_mutex_lock(&mq->lock);
+  fr_mq_session *s = fr_mq_session_get(mq, msg->link);
+  for (size_t i = 0; s && fr_mq_batch_next(f, &pos, &sub) == 1; i++) {
+    if (!fr_mq_subscribed(mq, sub.topic) || mq->closing) {
+      bool more = false;
+      fr_mq_session_credit(s, sub.value, 0, &more);
+      send |= more;
+      continue;
+    }
+    fill(&b->msgs[i], mq, msg, &sub, sub.payload, s);
+    b->msgs[i].batch = b;
+    b->refs++;
+  }
+  bool none = b->refs == 0;
+  if (send && s)
+    s->refs++;
   pthread_cond_broadcast(&mq->cond);
   pthread_mutex_unlock(&mq->lock);
+  if (none) {
+    ferry_msg_free(msg);
+    free(b);
+  }
+  if (send && s) {
+    fr_mq_credit_flush(mq, s);
+    pthread_mutex_lock(&mq->lock);
+    fr_mq_session_unref(s);
+    pthread_mutex_unlock(&mq->lock);
+  }
 }
 
 void fr_mq_on_credit(ferry_mq *mq, ferry_link *l, const fr_mq_frame *f) {
@@ -178,6 +246,7 @@ int ferry_mq_recv(ferry_mq *mq, ferry_mq_msg **out, int timeout_ms) {
     return fr_err(FERRY_EINVAL, "ferry_mq_recv: NULL argument");
   int ms = fr_timeout(timeout_ms);
   uint64_t deadline = fr_deadline_ns(ms);
+  fr_mq_flush(mq); /* what we batched may be what the peer answers */
   pthread_mutex_lock(&mq->lock);
   int rc = 0;
   if (!mq->head && !mq->callback) {
@@ -218,9 +287,15 @@ void ferry_mq_msg_free(ferry_mq_msg *msg) {
   pthread_mutex_lock(&mq->lock);
   s->held -= r->charge;
   fr_mq_session_credit(s, r->charge, r->token, &send);
+  fr_mq_rxbatch *b = r->batch;
+  bool last = !b || --b->refs == 0;
   pthread_mutex_unlock(&mq->lock);
-  ferry_msg_free(r->raw);
-  free(r);
+  if (last)
+    ferry_msg_free(r->raw);
+  if (!b)
+    free(r);
+  else if (last)
+    free(b);
   if (send)
     fr_mq_credit_flush(mq, s);
   pthread_mutex_lock(&mq->lock);

@@ -15,10 +15,14 @@
  *   16   8   seq (DATA/SHM)
  *   24   8   payload bytes (DATA/SHM)
  *   32   8   value (DATA/SHM: credit charged; SUB: window; CREDIT: bytes consumed so far)
- *   40   8   payload offset (DATA: where the payload starts; else the frame's length)
+ *   40   8   payload offset (DATA: where the payload starts; BATCH: 64; else the frame's length)
  *   48  72   tensor header (FR_MQ_F_TENSOR): u32 dtype, u32 ndim, 8 x u64 shape
  *   ..  40   SHM: region id, key, size, offset of the payload in it, pool token
  *   ..       topic, NUL
+ *
+ * A BATCH frame (payload bytes = what follows its 64-byte head) carries DATA frames back to back,
+ * each starting at a multiple of 64 from the batch's start, zeros between them, the last one
+ * ending the frame: a publisher streaming small messages sends many per link write.
  *
  * fr_mq_decode() is pure and checks every field before anything is trusted (fuzz/mq_fuzz.c).
  */
@@ -60,6 +64,7 @@ int fr_mq_topic_check(const char *topic) {
 
 static bool has_topic(uint8_t type) { return type >= FR_MQ_DATA && type <= FR_MQ_UNSUB; }
 static bool is_message(uint8_t type) { return type == FR_MQ_DATA || type == FR_MQ_SHM; }
+static bool has_payload(uint8_t type) { return is_message(type) || type == FR_MQ_BATCH; }
 
 /* Bytes of the head through the topic's NUL, before padding. */
 static size_t head_bytes(uint8_t type, uint8_t flags, size_t topic_len) {
@@ -78,7 +83,7 @@ static size_t align_up(size_t n) { return (n + FR_MQ_ALIGN - 1) / FR_MQ_ALIGN * 
 size_t fr_mq_encode(const fr_mq_frame *f, uint8_t *buf) {
   size_t tl = has_topic(f->type) && f->topic ? f->topic_len : 0;
   size_t n = head_bytes(f->type, f->flags, tl);
-  size_t total = f->type == FR_MQ_DATA ? align_up(n) : n;
+  size_t total = f->type == FR_MQ_DATA || f->type == FR_MQ_BATCH ? align_up(n) : n;
   memset(buf, 0, total);
   put32(buf, FR_MQ_MAGIC);
   buf[4] = FR_MQ_VERSION;
@@ -158,7 +163,7 @@ static int decode_body(const uint8_t *b, size_t len, size_t tl, size_t off, fr_m
   }
   if (has_topic(f->type) && decode_topic(p, tl, f) != 0)
     return bad(len, "bad topic");
-  if (f->type == FR_MQ_DATA) {
+  if (f->type == FR_MQ_DATA || f->type == FR_MQ_BATCH) {
     for (size_t i = head_bytes(f->type, f->flags, tl); i < off; i++)
       if (b[i] != 0)
         return bad(len, "padding is not zero");
@@ -190,13 +195,14 @@ int fr_mq_decode(const void *data, size_t len, fr_mq_frame *out) {
     return bad(len, "bad type or flags");
   if ((has_topic(f.type) ? tl == 0 : tl != 0) ||
       (f.type == FR_MQ_CREDIT ? f.nrelease > FR_MQ_MAX_RELEASES : f.nrelease != 0) ||
-      (!is_message(f.type) && (f.seq || f.len)))
+      (!is_message(f.type) && f.seq) || (!has_payload(f.type) && f.len))
     return bad(len, "fields that do not belong to its type");
   size_t need = head_bytes(f.type, f.flags, tl);
   if (f.type == FR_MQ_CREDIT)
     need += (size_t)f.nrelease * 8;
-  if (f.type == FR_MQ_DATA) {
-    if (off != align_up(need) || off > len || len - off != f.len)
+  if (f.type == FR_MQ_DATA || f.type == FR_MQ_BATCH) {
+    if (off != align_up(need) || off > len || len - off != f.len ||
+        (f.type == FR_MQ_BATCH && !f.len))
       return bad(len, "payload offset or length does not match the frame");
   } else if (off != len || len != need) {
     return bad(len, "length does not match its fields");
@@ -206,4 +212,36 @@ int fr_mq_decode(const void *data, size_t len, fr_mq_frame *out) {
     return rc;
   *out = f;
   return 0;
+}
+
+int fr_mq_batch_next(const fr_mq_frame *batch, size_t *pos, fr_mq_frame *out) {
+  const uint8_t *b = batch->payload - FR_MQ_ALIGN; /* the batch frame's first byte */
+  size_t end = FR_MQ_ALIGN + (size_t)batch->len;
+  if (*pos == 0)
+    *pos = FR_MQ_ALIGN;
+  if (*pos >= end)
+    return 0;
+  if (end - *pos < FR_MQ_HEAD_BYTES)
+    return bad(end, "batch: a frame's head is cut");
+  uint64_t sub_len = get64(b + *pos + 24), sub_off = get64(b + *pos + 40);
+  if (sub_off > end - *pos || sub_len > end - *pos - sub_off)
+    return bad(end, "batch: a frame runs past the batch");
+  size_t n = (size_t)(sub_off + sub_len);
+  int rc = fr_mq_decode(b + *pos, n, out);
+  if (rc == 0 && out->type != FR_MQ_DATA)
+    rc = bad(end, "batch: only inline messages may be batched");
+  if (rc != 0)
+    return rc;
+  size_t next = *pos + n;
+  if (next < end) { /* zeros up to the next frame, which starts at a multiple of 64 */
+    size_t aligned = align_up(next);
+    if (aligned >= end)
+      return bad(end, "batch: padding at its end");
+    for (size_t i = next; i < aligned; i++)
+      if (b[i] != 0)
+        return bad(end, "batch: padding is not zero");
+    next = aligned;
+  }
+  *pos = next;
+  return 1;
 }
