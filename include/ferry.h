@@ -525,6 +525,22 @@ FERRY_API void ferry_store_close(ferry_store *store);
 FERRY_API int ferry_store_put(ferry_store *store, const char *key, const ferry_tensor_desc *desc,
                               const void *data, uint32_t flags, int timeout_ms);
 
+/* One tensor of a batch put: key, desc and data are inputs, as for ferry_store_put (owned by
+ * the caller); status is an output, set for every item. */
+typedef struct ferry_store_put_item {
+  const char *key;
+  const ferry_tensor_desc *desc;
+  const void *data;
+  int status; /* 0 or the item's FERRY_E* code, as ferry_store_put would return it */
+} ferry_store_put_item;
+/* Publishes many tensors as ferry_store_put would, one by one in order (a key that appears twice
+ * ends up with the later tensor), with one directory round trip for all of them (an engine's 45
+ * per-layer tensors of a request: one round trip instead of 45). Returns 0 when every item
+ * succeeded, else the status of the first that failed (each item has its own; the others are
+ * published). */
+FERRY_API int ferry_store_put_batch(ferry_store *store, ferry_store_put_item *items, size_t n,
+                                    uint32_t flags, int timeout_ms);
+
 /* What the directory says about an object. */
 typedef struct ferry_store_info {
   size_t size; /* sizeof(ferry_store_info), set by the caller; only that many bytes are written */

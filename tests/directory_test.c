@@ -139,6 +139,28 @@ static void check_objects(fr_dir *d) {
   /* re-registration does not clobber it */
   assert_int_equal(d->ops->obj_put(d->state, &o, FR_DIR_PUT_KEEP_OTHERS, NULL, NULL, 2000),
                    FERRY_EEXIST);
+  /* a batch: a new key, one another owner held, one of an unregistered owner */
+  fr_dir_object batch[3] = {make_obj("kb1", "n1", 9), make_obj("k1", "n1", 10),
+                            make_obj("kb2", "ghost", 1)};
+  fr_dir_object olds[3];
+  int bst[3];
+  bool others[3];
+  FR_OK(d->ops->obj_put_batch(d->state, batch, 3, 0, bst, olds, others, 2000));
+  assert_int_equal(bst[0], 0);
+  assert_false(others[0]);
+  assert_int_equal(bst[1], 0);
+  assert_true(others[1]);
+  assert_string_equal(olds[1].owner, "n2");
+  assert_int_equal(bst[2], FERRY_ENOTFOUND);
+  const char *bkeys[] = {"kb1", "k1", "kb2"};
+  fr_dir_object bout[3];
+  FR_OK(d->ops->obj_get(d->state, bkeys, 3, bout, bst, 2000));
+  assert_int_equal(bst[0], 0);
+  assert_int_equal(bout[1].generation, 10);
+  assert_int_equal(bst[2], FERRY_ENOTFOUND);
+  FR_OK(d->ops->obj_del(d->state, "kb1", "", 0, NULL, 2000));
+  o2 = make_obj("k1", "n2", 5); /* back as it was */
+  FR_OK(d->ops->obj_put(d->state, &o2, 0, NULL, NULL, 2000));
   /* conditional deletes */
   assert_int_equal(d->ops->obj_del(d->state, "k1", "n1", 1, NULL, 2000), FERRY_ENOTFOUND);
   assert_int_equal(d->ops->obj_del(d->state, "k1", "n2", 4, NULL, 2000), FERRY_ENOTFOUND);

@@ -272,6 +272,51 @@ static void check_batch(pair *p) {
   free(dst);
 }
 
+/* A batch put: one directory round trip, each item its own status. */
+static void check_put_batch(pair *p) {
+  enum { N = 45, BYTES = 32 * 1024 };
+  ferry_tensor_desc d = u8_desc(32, 1024);
+  uint8_t *mem, *src = malloc((size_t)N * BYTES), *dst = malloc(BYTES);
+  FR_OK(ferry_alloc(p->ca, (size_t)N * BYTES, (void **)&mem));
+  char keys[N + 1][32];
+  ferry_store_put_item items[N + 1];
+  for (int i = 0; i < N; i++) {
+    snprintf(keys[i], sizeof keys[i], "pb/%02d", i);
+    uint8_t *at = (i % 2 ? mem : src) + (size_t)i * BYTES; /* in place and copies */
+    tu_fill(at, BYTES, 200 + (uint64_t)i);
+    items[i] = (ferry_store_put_item){.key = keys[i], .desc = &d, .data = at};
+  }
+  items[N] = (ferry_store_put_item){.key = "", .desc = &d, .data = src};
+  assert_int_equal(ferry_store_put_batch(p->a, items, N + 1, 0, -1), FERRY_EINVAL);
+  assert_int_equal(items[N].status, FERRY_EINVAL);
+  for (int i = 0; i < N; i++) {
+    assert_int_equal(items[i].status, 0);
+    ferry_store_info info = {.size = sizeof info};
+    FR_OK(ferry_store_get(p->b, keys[i], &d, dst, BYTES, &info, -1));
+    assert_true(pattern_ok(dst, BYTES, 200 + (uint64_t)i));
+    assert_string_equal(info.owner, "node-a");
+  }
+  /* again from the other node: it takes every key over */
+  for (int i = 0; i < N; i++) {
+    tu_fill(src + (size_t)i * BYTES, BYTES, 300 + (uint64_t)i);
+    items[i].data = src + (size_t)i * BYTES;
+  }
+  FR_OK(ferry_store_put_batch(p->b, items, N, 0, -1));
+  for (int i = 0; i < N; i += 11) {
+    ferry_store_info info = {.size = sizeof info};
+    FR_OK(ferry_store_get(p->a, keys[i], &d, dst, BYTES, &info, -1));
+    assert_true(pattern_ok(dst, BYTES, 300 + (uint64_t)i));
+    assert_string_equal(info.owner, "node-b");
+  }
+  FR_OK(ferry_store_put_batch(p->a, NULL, 0, 0, -1));
+  size_t deleted;
+  FR_OK(ferry_store_delete_prefix(p->a, "pb/", &deleted, -1));
+  assert_int_equal(deleted, N);
+  FR_OK(ferry_free(p->ca, mem));
+  free(src);
+  free(dst);
+}
+
 static void check_holder(pair *p) {
   /* a short-lived node hands its put to a holder (node-a), where it outlives it */
   ferry_ctx *c = open_ctx("cli-node", NULL);
@@ -282,13 +327,20 @@ static void check_holder(pair *p) {
   tu_fill(v, sizeof v, 9);
   ferry_tensor_desc desc = u8_desc(10, 10);
   FR_OK(ferry_store_put(d, "held/x", &desc, v, 0, -1));
+  ferry_store_put_item two[2] = {{.key = "held/y", .desc = &desc, .data = v},
+                                 {.key = "held/z", .desc = &desc, .data = v}};
+  FR_OK(ferry_store_put_batch(d, two, 2, 0, -1));
   ferry_store_close(d);
   ferry_ctx_close(c);
   ferry_store_info info = {.size = sizeof info};
   FR_OK(ferry_store_get(p->b, "held/x", &desc, back, sizeof back, &info, -1));
   assert_memory_equal(v, back, sizeof v);
   assert_string_equal(info.owner, "node-a");
-  FR_OK(ferry_store_delete(p->b, "held/x", -1));
+  FR_OK(ferry_store_get(p->b, "held/z", &desc, back, sizeof back, &info, -1));
+  assert_memory_equal(v, back, sizeof v);
+  size_t deleted = 0;
+  FR_OK(ferry_store_delete_prefix(p->b, "held/", &deleted, -1));
+  assert_int_equal(deleted, 3);
 }
 
 /* Zero-copy views: pinned until released, whatever happens to the key meanwhile. */
@@ -349,6 +401,7 @@ static void run_suite(const char *url) {
   check_bookkeeping(&p);
   check_bad_input(&p);
   check_batch(&p);
+  check_put_batch(&p);
   check_holder(&p);
   pair_close(&p);
 }

@@ -296,6 +296,43 @@ static int emb_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir_
   return 0;
 }
 
+static int put_chunk(void *st, const fr_dir_object *objs, size_t n, unsigned flags, int *status,
+                     fr_dir_object *replaced, bool *had_other, int timeout_ms) {
+  fr_wr w = {0};
+  fr_wr_request(&w, FR_DOP_OBJ_PUT_BATCH);
+  fr_wr_u32(&w, flags);
+  fr_wr_u32(&w, (uint32_t)n);
+  for (size_t i = 0; i < n; i++)
+    fr_wr_object(&w, &objs[i]);
+  reply r;
+  int rc = call(st, &w, &r, timeout_ms);
+  if (rc != 0)
+    return rc;
+  for (size_t i = 0; i < n && !r.rd.failed; i++) {
+    status[i] = (int32_t)fr_rd_u32(&r.rd);
+    had_other[i] = status[i] == 0 && fr_rd_u8(&r.rd) != 0;
+    if (had_other[i])
+      fr_rd_object(&r.rd, &replaced[i]);
+    if (status[i] > 0 || status[i] < -1000)
+      r.rd.failed = true;
+    else if (status[i] != 0)
+      fr_err(status[i], "put '%s': %s", objs[i].key, ferry_strerror(status[i]));
+  }
+  return finish(st, &r);
+}
+
+static int emb_obj_put_batch(void *st, const fr_dir_object *objs, size_t n, unsigned flags,
+                             int *status, fr_dir_object *replaced, bool *had_other,
+                             int timeout_ms) {
+  for (size_t i = 0; i < n; i += FR_DIR_BATCH_MAX) {
+    size_t k = n - i < FR_DIR_BATCH_MAX ? n - i : FR_DIR_BATCH_MAX;
+    int rc = put_chunk(st, objs + i, k, flags, status + i, replaced + i, had_other + i, timeout_ms);
+    if (rc != 0)
+      return rc;
+  }
+  return 0;
+}
+
 static int get_chunk(void *st, const char *const *keys, size_t n, fr_dir_object *out, int *status,
                      int timeout_ms) {
   fr_wr w = {0};
@@ -455,6 +492,7 @@ const fr_dir_ops fr_dir_embedded_ops = {
     .node_list = emb_node_list,
     .node_del = emb_node_del,
     .obj_put = emb_obj_put,
+    .obj_put_batch = emb_obj_put_batch,
     .obj_get = emb_obj_get,
     .obj_del = emb_obj_del,
     .obj_scan = emb_obj_scan,

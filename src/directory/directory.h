@@ -76,6 +76,11 @@ typedef struct fr_dir_ops {
    * record of another owner, *replaced (may be NULL) receives it and *had_other is set. */
   int (*obj_put)(void *state, const fr_dir_object *obj, unsigned flags, fr_dir_object *replaced,
                  bool *had_other, int timeout_ms);
+  /* obj_put of n objects in one round trip: status[i] is 0 or what obj_put would return for
+   * objs[i]; replaced[i] and had_other[i] as obj_put's (both arrays n long). Returns 0 unless the
+   * round trip itself failed. */
+  int (*obj_put_batch)(void *state, const fr_dir_object *objs, size_t n, unsigned flags,
+                       int *status, fr_dir_object *replaced, bool *had_other, int timeout_ms);
   /* Looks up n keys; status[i] is 0 (out[i] set) or FERRY_ENOTFOUND. */
   int (*obj_get)(void *state, const char *const *keys, size_t n, fr_dir_object *out, int *status,
                  int timeout_ms);

@@ -16,16 +16,17 @@
 #define FR_DIRWIRE_MAGIC 0x31524446u /* "FDR1" */
 
 enum fr_dir_op {
-  FR_DOP_HELLO = 1,  /* -> u64 instance, str address */
-  FR_DOP_NODE_PUT,   /* node, u32 lease_ms, u64 takeover -> u8 taken, [node, u32 lease left] */
-  FR_DOP_NODE_RENEW, /* str name, u64 incarnation, u32 lease_ms */
-  FR_DOP_NODE_GET,   /* str name -> node */
-  FR_DOP_NODE_LIST,  /* -> u32 n, n nodes */
-  FR_DOP_NODE_DEL,   /* str name, u64 incarnation */
-  FR_DOP_OBJ_PUT,    /* u32 flags, object -> u8 had_other, [object] */
-  FR_DOP_OBJ_GET,    /* u32 n, n str keys -> n (i32 status, [object]) */
-  FR_DOP_OBJ_DEL,    /* str key, str owner, u64 generation -> object */
-  FR_DOP_OBJ_SCAN,   /* str prefix, str after, u32 limit -> u32 n, n objects, u8 more */
+  FR_DOP_HELLO = 1,     /* -> u64 instance, str address */
+  FR_DOP_NODE_PUT,      /* node, u32 lease_ms, u64 takeover -> u8 taken, [node, u32 lease left] */
+  FR_DOP_NODE_RENEW,    /* str name, u64 incarnation, u32 lease_ms */
+  FR_DOP_NODE_GET,      /* str name -> node */
+  FR_DOP_NODE_LIST,     /* -> u32 n, n nodes */
+  FR_DOP_NODE_DEL,      /* str name, u64 incarnation */
+  FR_DOP_OBJ_PUT,       /* u32 flags, object -> u8 had_other, [object] */
+  FR_DOP_OBJ_GET,       /* u32 n, n str keys -> n (i32 status, [object]) */
+  FR_DOP_OBJ_DEL,       /* str key, str owner, u64 generation -> object */
+  FR_DOP_OBJ_SCAN,      /* str prefix, str after, u32 limit -> u32 n, n objects, u8 more */
+  FR_DOP_OBJ_PUT_BATCH, /* u32 flags, u32 n, n objects -> n (i32 status, [u8 other, [object]]) */
   FR_DOP_MAX_
 };
 

@@ -358,31 +358,43 @@ static int decode_rec(const char *data, size_t len, fr_dir_object *out) {
   return fr_rd_done(&rd) ? 0 : fr_err(FERRY_EPROTO, "Redis holds a malformed ferry record");
 }
 
-static int rds_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir_object *replaced,
-                       bool *had_other, int timeout_ms) {
+/* The EVAL of one object put (its buffers live in the struct). */
+typedef struct put_cmd {
   char k[FR_DIR_KEY_MAX + 16], s[96], n[96], gen[24];
-  key_of(k, sizeof k, 'o', o->key);
-  key_of(s, sizeof s, 's', o->owner);
-  key_of(n, sizeof n, 'n', o->owner);
-  snprintf(gen, sizeof gen, "%llu", (unsigned long long)o->generation);
-  fr_wr w = {0};
-  fr_wr_object(&w, o);
-  if (w.failed)
+  fr_wr w;
+  args a;
+} put_cmd;
+
+static int put_cmd_make(put_cmd *c, const fr_dir_object *o, unsigned flags) {
+  memset(c, 0, sizeof *c);
+  key_of(c->k, sizeof c->k, 'o', o->key);
+  key_of(c->s, sizeof c->s, 's', o->owner);
+  key_of(c->n, sizeof c->n, 'n', o->owner);
+  snprintf(c->gen, sizeof c->gen, "%llu", (unsigned long long)o->generation);
+  fr_wr_object(&c->w, o);
+  if (c->w.failed) {
+    fr_wr_free(&c->w);
     return fr_err(FERRY_ENOMEM, "put '%s'", o->key);
-  args a = {0};
-  ARG(&a, "EVAL"), ARG(&a, obj_put_lua), ARG(&a, "3"), ARG(&a, k), ARG(&a, s), ARG(&a, n);
-  ARG(&a, o->owner), ARG(&a, gen), arg(&a, (const char *)w.p, w.len);
-  ARG(&a, (flags & FR_DIR_PUT_KEEP_OTHERS) ? "1" : "0");
-  redisReply *rep;
-  int rc = run(st, &a, &rep);
-  fr_wr_free(&w);
-  if (rc != 0)
-    return rc;
-  long long code =
-      rep->type == REDIS_REPLY_ARRAY && rep->elements >= 1 ? rep->element[0]->integer : -99;
+  }
+  args *a = &c->a;
+  ARG(a, "EVAL"), ARG(a, obj_put_lua), ARG(a, "3"), ARG(a, c->k), ARG(a, c->s), ARG(a, c->n);
+  ARG(a, o->owner), ARG(a, c->gen), arg(a, (const char *)c->w.p, c->w.len);
+  ARG(a, (flags & FR_DIR_PUT_KEEP_OTHERS) ? "1" : "0");
+  return 0;
+}
+
+static int put_reply(const fr_dir_object *o, const redisReply *rep, fr_dir_object *replaced,
+                     bool *had_other) {
+  if (rep->type == REDIS_REPLY_ERROR)
+    return fr_err(FERRY_EPROTO, "Redis put '%s': %s", o->key, rep->str);
+  long long code = rep->type == REDIS_REPLY_ARRAY && rep->elements >= 1 &&
+                           rep->element[0]->type == REDIS_REPLY_INTEGER
+                       ? rep->element[0]->integer
+                       : -99;
+  int rc = 0;
   if (code == -1)
     rc = fr_err(FERRY_ENOTFOUND, "put '%s': node '%s' is not registered", o->key, o->owner);
-  else if (code == -2)
+  else if (code == -2 && rep->elements == 2)
     rc = fr_err(FERRY_EEXIST, "'%s' is now owned by '%s'", o->key, rep->element[1]->str);
   else if (code == 1 && rep->elements == 2)
     rc = replaced ? decode_rec(rep->element[1]->str, rep->element[1]->len, replaced) : 0;
@@ -390,7 +402,63 @@ static int rds_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir_
     rc = fr_err(FERRY_EPROTO, "Redis put '%s': unexpected reply", o->key);
   if (rc == 0 && had_other)
     *had_other = code == 1;
+  return rc;
+}
+
+static int rds_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir_object *replaced,
+                       bool *had_other, int timeout_ms) {
+  put_cmd c;
+  int rc = put_cmd_make(&c, o, flags);
+  if (rc != 0)
+    return rc;
+  redisReply *rep;
+  rc = run(st, &c.a, &rep);
+  fr_wr_free(&c.w);
+  if (rc != 0)
+    return rc;
+  rc = put_reply(o, rep, replaced, had_other);
   freeReplyObject(rep);
+  return rc;
+}
+
+/* Every put pipelined on the connection, then every reply. Lock held. */
+static int pipeline_put(rds *r, const fr_dir_object *objs, size_t n, unsigned flags, int *status,
+                        fr_dir_object *replaced, bool *had_other) {
+  int rc = r->c ? 0 : dial(r);
+  for (size_t i = 0; rc == 0 && i < n; i++) {
+    put_cmd c;
+    if ((rc = put_cmd_make(&c, &objs[i], flags)) != 0)
+      break;
+    if (redisAppendCommandArgv(r->c, c.a.n, c.a.v, c.a.len) != REDIS_OK)
+      rc = fr_err(FERRY_ENOMEM, "Redis put: pipeline");
+    fr_wr_free(&c.w);
+  }
+  for (size_t i = 0; rc == 0 && i < n; i++) {
+    redisReply *rep = NULL;
+    if (redisGetReply(r->c, (void **)&rep) != REDIS_OK || !rep) {
+      rc = fr_err(FERRY_ECONNECT, "Redis at %s:%d: %s", r->host, r->port, r->c->errstr);
+      break;
+    }
+    had_other[i] = false;
+    status[i] = put_reply(&objs[i], rep, &replaced[i], &had_other[i]);
+    freeReplyObject(rep);
+  }
+  if (rc != 0 && r->c) { /* replies may be pending: start over on a new connection */
+    redisFree(r->c);
+    r->c = NULL;
+  }
+  return rc;
+}
+
+static int rds_obj_put_batch(void *st, const fr_dir_object *objs, size_t n, unsigned flags,
+                             int *status, fr_dir_object *replaced, bool *had_other,
+                             int timeout_ms) {
+  rds *r = st;
+  pthread_mutex_lock(&r->lock);
+  int rc = pipeline_put(r, objs, n, flags, status, replaced, had_other);
+  if (rc == FERRY_ECONNECT) /* one redial, as for single commands (the puts are idempotent) */
+    rc = pipeline_put(r, objs, n, flags, status, replaced, had_other);
+  pthread_mutex_unlock(&r->lock);
   return rc;
 }
 
@@ -556,6 +624,7 @@ const fr_dir_ops fr_dir_redis_ops = {
     .node_list = rds_node_list,
     .node_del = rds_node_del,
     .obj_put = rds_obj_put,
+    .obj_put_batch = rds_obj_put_batch,
     .obj_get = rds_obj_get,
     .obj_del = rds_obj_del,
     .obj_scan = rds_obj_scan,

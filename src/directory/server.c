@@ -225,27 +225,60 @@ static int op_node_del(fr_dir_server *s, fr_rd *in, fr_wr *out) {
   return 0;
 }
 
+/* One object put; its reply (u8 other, [the record it replaced]) is written only on success. */
+static int obj_put_one(fr_dir_server *s, const fr_dir_object *o, uint32_t flags, fr_wr *out) {
+  if (!node_find(s, o->owner))
+    return fr_err(FERRY_ENOTFOUND, "put '%s': node '%s' is not registered", o->key, o->owner);
+  size_t at;
+  fr_dir_object *old = obj_find(s, o->key, &at);
+  bool other = old && strcmp(old->owner, o->owner) != 0;
+  if (other && (flags & FR_DIR_PUT_KEEP_OTHERS))
+    return fr_err(FERRY_EEXIST, "'%s' is now owned by '%s'", o->key, old->owner);
+  if (!old) {
+    int rc = obj_insert_at(s, at, o);
+    if (rc == 0)
+      fr_wr_u8(out, 0);
+    return rc;
+  }
+  fr_wr_u8(out, other);
+  if (other)
+    fr_wr_object(out, old);
+  *old = *o;
+  return 0;
+}
+
 static int op_obj_put(fr_dir_server *s, fr_rd *in, fr_wr *out) {
   uint32_t flags = fr_rd_u32(in);
   fr_dir_object o;
   fr_rd_object(in, &o);
   if (!fr_rd_done(in))
     return fr_err(FERRY_EPROTO, "object put: malformed request");
-  if (!node_find(s, o.owner))
-    return fr_err(FERRY_ENOTFOUND, "put '%s': node '%s' is not registered", o.key, o.owner);
-  size_t at;
-  fr_dir_object *old = obj_find(s, o.key, &at);
-  bool other = old && strcmp(old->owner, o.owner) != 0;
-  if (other && (flags & FR_DIR_PUT_KEEP_OTHERS))
-    return fr_err(FERRY_EEXIST, "'%s' is now owned by '%s'", o.key, old->owner);
-  fr_wr_u8(out, other);
-  if (other)
-    fr_wr_object(out, old);
-  if (old) {
-    *old = o;
-    return 0;
+  return obj_put_one(s, &o, flags, out);
+}
+
+static int op_obj_put_batch(fr_dir_server *s, fr_rd *in, fr_wr *out) {
+  uint32_t flags = fr_rd_u32(in), n = fr_rd_u32(in);
+  if (n > FR_DIR_BATCH_MAX)
+    return fr_err(FERRY_EPROTO, "object put: %u objects (at most %d)", n, FR_DIR_BATCH_MAX);
+  fr_dir_object *v = malloc((n ? n : 1) * sizeof *v);
+  if (!v)
+    return fr_err(FERRY_ENOMEM, "object put: %u objects", n);
+  for (uint32_t i = 0; i < n && !in->failed; i++)
+    fr_rd_object(in, &v[i]);
+  if (!fr_rd_done(in)) { /* every record is checked before any is stored */
+    free(v);
+    return fr_err(FERRY_EPROTO, "object put: malformed request");
   }
-  return obj_insert_at(s, at, &o);
+  for (uint32_t i = 0; i < n; i++) {
+    fr_wr one = {0};
+    int rc = obj_put_one(s, &v[i], flags, &one);
+    fr_wr_u32(out, (uint32_t)rc);
+    if (rc == 0)
+      fr_wr_bytes(out, one.p, one.len);
+    fr_wr_free(&one);
+  }
+  free(v);
+  return 0;
 }
 
 static int op_obj_get(fr_dir_server *s, fr_rd *in, fr_wr *out) {
@@ -310,11 +343,17 @@ static int op_obj_scan(fr_dir_server *s, fr_rd *in, fr_wr *out) {
 
 typedef int (*op_fn)(fr_dir_server *s, fr_rd *in, fr_wr *out);
 static const op_fn ops[FR_DOP_MAX_] = {
-    [FR_DOP_HELLO] = op_hello,           [FR_DOP_NODE_PUT] = op_node_put,
-    [FR_DOP_NODE_RENEW] = op_node_renew, [FR_DOP_NODE_GET] = op_node_get,
-    [FR_DOP_NODE_LIST] = op_node_list,   [FR_DOP_NODE_DEL] = op_node_del,
-    [FR_DOP_OBJ_PUT] = op_obj_put,       [FR_DOP_OBJ_GET] = op_obj_get,
-    [FR_DOP_OBJ_DEL] = op_obj_del,       [FR_DOP_OBJ_SCAN] = op_obj_scan,
+    [FR_DOP_HELLO] = op_hello,
+    [FR_DOP_NODE_PUT] = op_node_put,
+    [FR_DOP_NODE_RENEW] = op_node_renew,
+    [FR_DOP_NODE_GET] = op_node_get,
+    [FR_DOP_NODE_LIST] = op_node_list,
+    [FR_DOP_NODE_DEL] = op_node_del,
+    [FR_DOP_OBJ_PUT] = op_obj_put,
+    [FR_DOP_OBJ_GET] = op_obj_get,
+    [FR_DOP_OBJ_DEL] = op_obj_del,
+    [FR_DOP_OBJ_SCAN] = op_obj_scan,
+    [FR_DOP_OBJ_PUT_BATCH] = op_obj_put_batch,
 };
 
 void fr_dir_server_handle(fr_dir_server *s, const void *req, size_t len, void **reply,

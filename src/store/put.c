@@ -265,9 +265,9 @@ static int publish(ferry_store *s, fr_owned *o, int timeout_ms) {
   return rc;
 }
 
-int fr_store_put_local(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
-                       const void *data, uint32_t flags, fr_fill_fn fill, void *fill_arg,
-                       uint64_t *generation, int timeout_ms) {
+/* Gives a new object its home, its slot and its bytes, then sets its generation word. */
+static int prepare(ferry_store *s, const char *key, const ferry_tensor_desc *desc, const void *data,
+                   uint32_t flags, fr_fill_fn fill, void *fill_arg, fr_owned **out) {
   fr_owned *o = calloc(1, sizeof *o);
   if (!o)
     return fr_err(FERRY_ENOMEM, "put '%s'", key);
@@ -287,19 +287,141 @@ int fr_store_put_local(ferry_store *s, const char *key, const ferry_tensor_desc 
   if (o->pool_off != FR_STORE_NO_POOL)
     rc = fill ? fill(fill_arg, s->mem + s->data_base + o->pool_off, o->rec.bytes)
               : (memcpy(s->mem + s->data_base + o->pool_off, data, o->rec.bytes), 0);
-  /* the generation becomes visible only after the bytes are complete */
-  __atomic_store_n(fr_store_gen(s, o->slot), rc == 0 ? o->rec.generation : 0, __ATOMIC_SEQ_CST);
-  uint64_t gen = o->rec.generation;
-  if (rc == 0)
-    rc = publish(s, o, timeout_ms);
   if (rc != 0) {
-    __atomic_store_n(fr_store_gen(s, o->slot), 0, __ATOMIC_SEQ_CST);
     unplace(s, o, true);
+    return rc;
+  }
+  /* the generation becomes visible only after the bytes are complete */
+  __atomic_store_n(fr_store_gen(s, o->slot), o->rec.generation, __ATOMIC_SEQ_CST);
+  *out = o;
+  return 0;
+}
+
+/* Undoes prepare() for an object that was never published. */
+static void unprepare(ferry_store *s, fr_owned *o) {
+  __atomic_store_n(fr_store_gen(s, o->slot), 0, __ATOMIC_SEQ_CST);
+  unplace(s, o, true);
+}
+
+int fr_store_put_local(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
+                       const void *data, uint32_t flags, fr_fill_fn fill, void *fill_arg,
+                       uint64_t *generation, int timeout_ms) {
+  fr_owned *o = NULL;
+  int rc = prepare(s, key, desc, data, flags, fill, fill_arg, &o);
+  if (rc != 0)
+    return rc;
+  uint64_t gen = o->rec.generation;
+  if ((rc = publish(s, o, timeout_ms)) != 0) {
+    unprepare(s, o);
     return rc;
   }
   if (generation)
     *generation = gen;
   return 0;
+}
+
+/* ---- batch put: one directory round trip for many objects ---- */
+
+typedef struct batch_pub {
+  fr_dir_object *recs, *old;
+  int *st;
+  bool *other;
+  uint32_t *pinned;
+  size_t n;
+} batch_pub;
+
+/* Publishes the prepared objects os[0..n) (one round trip), then makes each that the directory
+ * took the local object of its key; st[i] receives each one's status. */
+static int publish_batch(ferry_store *s, fr_owned **os, size_t n, int *st, int timeout_ms) {
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  batch_pub b = {.n = n};
+  b.recs = malloc(n * sizeof *b.recs);
+  b.old = malloc(n * sizeof *b.old);
+  b.other = calloc(n, sizeof *b.other);
+  b.pinned = malloc(n * sizeof *b.pinned);
+  int rc = b.recs && b.old && b.other && b.pinned ? 0 : fr_err(FERRY_ENOMEM, "put_batch of %zu", n);
+  for (size_t i = 0; rc == 0 && i < n; i++) {
+    b.recs[i] = os[i]->rec;
+    b.pinned[i] = UINT32_MAX;
+  }
+  const fr_dir_ops *ops = s->dir->ops;
+  pthread_mutex_lock(&s->publish_lock);
+  if (rc == 0)
+    rc = fr_store_ensure_registered(s, fr_store_left(deadline));
+  if (rc == 0)
+    rc = ops->obj_put_batch(s->dir->state, b.recs, n, 0, st, b.old, b.other,
+                            fr_store_left(deadline));
+  if (rc == 0 && n > 0 && st[0] == FERRY_ENOTFOUND && /* the lease lapsed: register, again */
+      (rc = fr_store_register(s, false, fr_store_left(deadline))) == 0)
+    rc = ops->obj_put_batch(s->dir->state, b.recs, n, 0, st, b.old, b.other,
+                            fr_store_left(deadline));
+  if (rc == 0) {
+    pthread_mutex_lock(&s->lock);
+    for (size_t i = 0; i < n; i++) {
+      if (st[i] != 0)
+        continue;
+      fr_owned *prev = owned_swap(s, os[i]);
+      uint32_t slot = prev ? prev->slot : UINT32_MAX;
+      if (prev && prev->pool_off != FR_STORE_NO_POOL)
+        linger_push(s, prev);
+      else if (prev && retire(s, prev))
+        b.pinned[i] = slot;
+    }
+    pthread_mutex_unlock(&s->lock);
+  }
+  pthread_mutex_unlock(&s->publish_lock);
+  for (size_t i = 0; rc == 0 && i < n; i++) {
+    if (b.pinned[i] != UINT32_MAX)
+      wait_unpinned(s, b.pinned[i], b.recs[i].key, deadline);
+    if (st[i] == 0 && b.other[i])
+      fr_store_send_dropped(s, &b.old[i]);
+  }
+  free(b.recs);
+  free(b.old);
+  free(b.other);
+  free(b.pinned);
+  return rc;
+}
+
+int ferry_store_put_batch(ferry_store *s, ferry_store_put_item *items, size_t n, uint32_t flags,
+                          int timeout_ms) {
+  if (!s || (!items && n > 0))
+    return fr_err(FERRY_EINVAL, "put_batch: NULL argument");
+  timeout_ms = fr_timeout(timeout_ms);
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  fr_owned **os = calloc(n ? n : 1, sizeof *os);
+  int *st = calloc(n ? n : 1, sizeof *st);
+  size_t *at = calloc(n ? n : 1, sizeof *at);
+  if (!os || !st || !at) {
+    free(os), free(st), free(at);
+    return fr_err(FERRY_ENOMEM, "put_batch of %zu", n);
+  }
+  size_t k = 0; /* prepared objects, os[0..k); at[j]: their items */
+  for (size_t i = 0; i < n; i++) {
+    ferry_store_put_item *it = &items[i];
+    uint64_t bytes;
+    it->status = check_put(s, it->key, it->desc, it->data, &bytes);
+    if (it->status == 0 && (s->flags & FERRY_STORE_DELEGATE))
+      it->status = fr_store_upload(s, it->key, it->desc, it->data, fr_store_left(deadline));
+    else if (it->status == 0 &&
+             (it->status = prepare(s, it->key, it->desc, it->data, flags, NULL, NULL, &os[k])) == 0)
+      at[k++] = i;
+  }
+  int rc = k ? publish_batch(s, os, k, st, fr_store_left(deadline)) : 0;
+  for (size_t j = 0; j < k; j++) {
+    items[at[j]].status = rc ? rc : st[j];
+    if (items[at[j]].status != 0)
+      unprepare(s, os[j]);
+  }
+  int first = 0;
+  for (size_t i = 0; i < n && first == 0; i++)
+    if ((first = items[i].status) != 0)
+      fr_err(first, "put_batch: item %zu ('%s') failed: %s", i,
+             items[i].key ? items[i].key : "(null)", ferry_strerror(first));
+  free(os);
+  free(st);
+  free(at);
+  return first;
 }
 
 int ferry_store_put(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
