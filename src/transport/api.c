@@ -170,7 +170,8 @@ int ferry_send(ferry_link *link, uint32_t channel, const struct iovec *iov, int 
   if (rc != 0)
     return rc;
   fr_frame f = {.type = FR_MSG, .channel = channel, .len = len};
-  return fr_link_send_frame(link, &f, iov, iovcnt, -1, fr_deadline_ns(fr_timeout(timeout_ms)));
+  return fr_link_send_frame(link, &f, iov, iovcnt, -1,
+                            fr_deadline_ns(fr_ctx_timeout(link->ctx, timeout_ms)));
 }
 
 int ferry_call(ferry_link *link, uint32_t channel, const struct iovec *iov, int iovcnt,
@@ -179,7 +180,9 @@ int ferry_call(ferry_link *link, uint32_t channel, const struct iovec *iov, int 
   int rc = check_send(link, channel, iov, iovcnt, &len);
   if (rc == 0 && !reply)
     rc = fr_err(FERRY_EINVAL, "ferry_call: reply is NULL");
-  return rc ? rc : fr_link_call(link, channel, iov, iovcnt, reply, fr_timeout(timeout_ms));
+  return rc ? rc
+            : fr_link_call(link, channel, iov, iovcnt, reply,
+                           fr_ctx_timeout(link->ctx, timeout_ms));
 }
 
 int ferry_reply(ferry_msg *request, const struct iovec *iov, int iovcnt, int timeout_ms) {
@@ -195,7 +198,7 @@ int ferry_reply(ferry_msg *request, const struct iovec *iov, int iovcnt, int tim
   fr_frame f = {.type = FR_REPLY, .req_id = n->call_id, .len = len};
   n->call_id = 0;
   return fr_link_send_frame(request->link, &f, iov, iovcnt, -1,
-                            fr_deadline_ns(fr_timeout(timeout_ms)));
+                            fr_deadline_ns(fr_ctx_timeout(request->link->ctx, timeout_ms)));
 }
 
 int ferry_msg_is_call(const ferry_msg *msg) {
@@ -216,13 +219,17 @@ static int check_rma(ferry_link *link, const ferry_region_ref *r, uint64_t off, 
 int ferry_read(ferry_link *link, const ferry_region_ref *remote, uint64_t offset, void *dst,
                size_t len, int timeout_ms) {
   int rc = check_rma(link, remote, offset, len, dst, "ferry_read");
-  return rc ? rc : link->ops->read(link, remote, offset, dst, len, fr_timeout(timeout_ms));
+  return rc ? rc
+            : link->ops->read(link, remote, offset, dst, len,
+                              fr_ctx_timeout(link->ctx, timeout_ms));
 }
 
 int ferry_write(ferry_link *link, const ferry_region_ref *remote, uint64_t offset, const void *src,
                 size_t len, int timeout_ms) {
   int rc = check_rma(link, remote, offset, len, src, "ferry_write");
-  return rc ? rc : link->ops->write(link, remote, offset, src, len, fr_timeout(timeout_ms));
+  return rc ? rc
+            : link->ops->write(link, remote, offset, src, len,
+                               fr_ctx_timeout(link->ctx, timeout_ms));
 }
 
 int ferry_view(ferry_link *link, const ferry_region_ref *remote, uint64_t offset, size_t len,

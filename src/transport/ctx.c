@@ -142,7 +142,7 @@ int ferry_recv(ferry_ctx *ctx, uint32_t channel, ferry_msg **out, int timeout_ms
   if (!ctx || !out || channel >= FERRY_MAX_CHANNELS)
     return fr_err(FERRY_EINVAL, "recv: bad arguments (channel %u)", channel);
   fr_channel *c = &ctx->channels[channel];
-  int ms = fr_timeout(timeout_ms);
+  int ms = fr_ctx_timeout(ctx, timeout_ms);
   if (ms > 0 && !__atomic_load_n(&c->last_costly, __ATOMIC_RELAXED))
     spin_channel(ctx, c); /* its messages came over shm lately */
   channel_wait w = {ctx, c};
@@ -245,8 +245,6 @@ static void on_accept(fr_poller *p, uint32_t events) {
 #define FR_MAX_EVENTS 64
 #define FOLLOW_NS 1000000ull /* the progress thread's grace while callers lead */
 
-static _Thread_local ferry_ctx *tl_leading; /* the ctx whose epoll this thread waits in */
-
 static void wake_progress(ferry_ctx *ctx) {
   uint64_t one = 1;
   if (write(ctx->wake.fd, &one, sizeof one) < 0)
@@ -256,8 +254,7 @@ static void wake_progress(ferry_ctx *ctx) {
 /* One epoll_wait and its handlers, by the thread that holds ctx->lead. */
 static void run_batch(ferry_ctx *ctx, int timeout_ms) {
   struct epoll_event evs[FR_MAX_EVENTS];
-  ferry_ctx *outer = tl_leading;
-  tl_leading = ctx;
+  __atomic_store_n(&ctx->leader, (unsigned long)pthread_self(), __ATOMIC_RELAXED);
   int n = epoll_wait(ctx->epfd, evs, FR_MAX_EVENTS, timeout_ms);
   for (int i = 0; i < n; i++) {
     fr_poller *p = evs[i].data.ptr;
@@ -271,11 +268,15 @@ static void run_batch(ferry_ctx *ctx, int timeout_ms) {
     fr_link_reap_stale(ctx);
     ctx->next_reap = fr_now_ns() + 1000000000ull;
   }
-  tl_leading = outer;
+  __atomic_store_n(&ctx->leader, 0, __ATOMIC_RELAXED);
+}
+
+static bool leading(ferry_ctx *ctx) {
+  return __atomic_load_n(&ctx->leader, __ATOMIC_RELAXED) == (unsigned long)pthread_self();
 }
 
 void fr_ctx_poke(ferry_ctx *ctx) {
-  if (__atomic_load_n(&ctx->user_leading, __ATOMIC_SEQ_CST) && tl_leading != ctx)
+  if (__atomic_load_n(&ctx->user_leading, __ATOMIC_SEQ_CST) && !leading(ctx))
     wake_progress(ctx);
 }
 
@@ -318,12 +319,14 @@ enum { LED, BUSY, NO_LEAD };
 /* Leads the epoll until ready(arg) or the deadline (at least one batch). BUSY: another thread
  * leads, and the caller is counted among the sleepers until it calls back. */
 static int lead(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint64_t deadline_ns) {
-  if (!ctx->users_may_lead || stopping(ctx) || tl_leading == ctx)
+  if (!ctx->users_may_lead || stopping(ctx) || leading(ctx))
     return NO_LEAD;
-  __atomic_store_n(&ctx->user_led_ns, fr_now_ns(), __ATOMIC_SEQ_CST);
   __atomic_add_fetch(&ctx->sleepers, 1, __ATOMIC_SEQ_CST);
-  if (pthread_mutex_trylock(&ctx->lead) != 0)
+  if (pthread_mutex_trylock(&ctx->lead) != 0) {
+    /* The progress thread leaves the epoll to us after its current batch. */
+    __atomic_store_n(&ctx->user_led_ns, fr_now_ns(), __ATOMIC_SEQ_CST);
     return BUSY;
+  }
   __atomic_sub_fetch(&ctx->sleepers, 1, __ATOMIC_SEQ_CST);
   __atomic_store_n(&ctx->user_leading, true, __ATOMIC_SEQ_CST);
   do {
@@ -344,6 +347,8 @@ bool fr_ctx_wait(ferry_ctx *ctx, bool (*ready)(void *), void *arg, pthread_mutex
     if (ready(arg))
       return true;
     int r = lead(ctx, ready, arg, deadline_ns);
+    if (r == LED && ready(arg))
+      return true;
     uint64_t now = fr_now_ns();
     if (r != LED && now < deadline_ns) {
       /* Someone else leads and signals us; short slices while it may be a caller that

@@ -194,6 +194,7 @@ struct ferry_ctx {
   pthread_mutex_t lead;
   bool users_may_lead;  /* every transport of the ctx has any_thread_events */
   bool user_leading;    /* atomic: a caller holds `lead` */
+  unsigned long leader; /* atomic: the pthread_t running a batch (0: none) */
   uint64_t user_led_ns; /* atomic: when a caller last led or wanted to */
   int sleepers;         /* atomic: callers asleep on a condition while another thread leads */
   bool lead_wanted;     /* under idle_lock: the progress thread must lead now */
@@ -218,6 +219,11 @@ struct ferry_ctx {
 
   void *tstate[FR_MAX_LISTENERS]; /* per-transport state, parallel to order[] */
 };
+
+/* A call's timeout: negative means the ctx's FERRY_TIMEOUT_MS (read when it opened). */
+static inline int fr_ctx_timeout(const ferry_ctx *ctx, int timeout_ms) {
+  return timeout_ms >= 0 ? timeout_ms : ctx->timeout_ms;
+}
 
 /* The opaque per-ctx slot of a transport in the ctx's order (NULL when it is not used). */
 static inline void **fr_ctx_tstate(ferry_ctx *ctx, const fr_transport_ops *ops) {

@@ -16,8 +16,10 @@
 #ifndef FR_WIRE_H
 #define FR_WIRE_H
 
+#include <endian.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #define FR_WIRE_MAGIC 0x31595246u /* "FRY1" as little-endian bytes */
 #define FR_WIRE_VERSION 1
@@ -100,22 +102,24 @@ int fr_rma_decode(const uint8_t *in, size_t len, fr_rma *out);
 void fr_map_encode(const fr_map *m, uint8_t out[FR_MAP_BYTES]);
 int fr_map_decode(const uint8_t *in, size_t len, fr_map *out);
 
+/* Little-endian fields through memcpy: one load or store on little-endian hosts. */
 static inline void fr_put_u64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
+  v = htole64(v);
+  memcpy(p, &v, sizeof v);
 }
 static inline uint64_t fr_get_u64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; i--)
-    v = v << 8 | p[i];
-  return v;
+  uint64_t v;
+  memcpy(&v, p, sizeof v);
+  return le64toh(v);
 }
 static inline void fr_put_u32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
+  v = htole32(v);
+  memcpy(p, &v, sizeof v);
 }
 static inline uint32_t fr_get_u32(const uint8_t *p) {
-  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+  uint32_t v;
+  memcpy(&v, p, sizeof v);
+  return le32toh(v);
 }
 
 #endif
