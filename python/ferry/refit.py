@@ -36,13 +36,14 @@ from .tensors import DTYPES, Context, as_buffer, desc_shape, dtype_code, from_bi
 __all__ = ["RefitSender", "RefitReceiver", "refit_address"]
 
 
-class RefitOpts(ctypes.Structure):
-    _fields_ = [("size", c_size_t), ("bucket_bytes", c_uint64)]
+class RefitOpts(ctypes.Structure):  # ferry_refit_opts
+    _fields_ = [("size", c_size_t), ("bucket_bytes", c_uint64), ("alias", c_int),
+                ("publish", c_int), ("directory", c_char_p)]
 
 
-class PushOpts(ctypes.Structure):
+class PushOpts(ctypes.Structure):  # ferry_refit_push_opts
     _fields_ = [("size", c_size_t), ("only", POINTER(c_char_p)), ("n_only", c_size_t),
-                ("skip_unchanged", c_int), ("timeout_ms", c_int)]
+                ("skip_unchanged", c_int), ("timeout_ms", c_int), ("route", c_int)]
 
 
 _protos = {

@@ -9,7 +9,14 @@
 
 #include <stdarg.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
+
+/* A field of a caller's options struct, or `dflt` when the struct is NULL or older than the
+ * field: options structs only grow at their end, and `size` says how much of one the caller
+ * knows (a binary built against an older ferry.h, or a binding that declares fewer fields). */
+#define FR_OPT(o, field, dflt)                                                                     \
+  ((o) && (o)->size >= offsetof(__typeof__(*(o)), field) + sizeof((o)->field) ? (o)->field : (dflt))
 
 /* ---- errors ---- */
 /* Sets the thread's detail message and returns `status`, so a failure reads

@@ -92,7 +92,7 @@ static void pack_seq(ferry_refit_sender *s, fr_push *p, uint32_t j) {
 }
 
 static bool bucket_selected(ferry_refit_sender *s, const ferry_refit_push_opts *o, uint32_t b) {
-  if (!o || !o->only)
+  if (!FR_OPT(o, only, NULL))
     return true;
   const fr_refit_plan *p = &s->plan;
   for (uint32_t e = fr_refit_first_entry(p, b); e < p->count; e++) {
@@ -375,7 +375,7 @@ static int plan_push(ferry_refit_sender *s, fr_push *p, const ferry_refit_push_o
   p->unchanged = calloc(nb, sizeof *p->unchanged);
   if (!p->order || !p->sum || !p->unchanged)
     return fr_err(FERRY_ENOMEM, "refit '%s': push of %u buckets", s->name, nb);
-  p->skip = o && o->skip_unchanged && all_current;
+  p->skip = FR_OPT(o, skip_unchanged, 0) && all_current;
   for (uint32_t b = 0; b < s->plan.buckets; b++)
     if (!all_current || bucket_selected(s, o, b))
       p->order[p->n++] = b;
@@ -390,9 +390,9 @@ int ferry_refit_push(ferry_refit_sender *s, uint64_t version, const ferry_refit_
   if (version <= s->latest)
     return fr_err(FERRY_EINVAL, "refit '%s': version %llu is not after %llu", s->name,
                   (unsigned long long)version, (unsigned long long)s->latest);
-  fr_push p = {.version = version, .timeout_ms = fr_timeout(o ? o->timeout_ms : -1)};
+  fr_push p = {.version = version, .timeout_ms = fr_timeout(FR_OPT(o, timeout_ms, -1))};
   bool all_current;
-  if (begin_push(s, &p, o ? o->route : FERRY_REFIT_ROUTE_AUTO, &all_current) == 0)
+  if (begin_push(s, &p, FR_OPT(o, route, FERRY_REFIT_ROUTE_AUTO), &all_current) == 0)
     return finish_push(s, version);
   int rc = plan_push(s, &p, o, all_current);
   if (rc == 0) {

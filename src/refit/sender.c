@@ -172,7 +172,7 @@ static void *service_main(void *arg) {
 
 /* The bucket budget from options and configuration. */
 static uint64_t bucket_budget(const ferry_refit_opts *opts) {
-  if (opts && opts->bucket_bytes)
+  if (FR_OPT(opts, bucket_bytes, 0))
     return opts->bucket_bytes;
   const char *ratio = fr_config_str("FERRY_REFIT_BUFFER_RATIO");
   if (*ratio) {
@@ -199,8 +199,9 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
   }
   s->ctx = ctx;
   s->budget = bucket_budget(opts);
-  s->alias = opts && opts->alias;
-  if (opts && opts->publish && (rc = fr_refit_publish(ctx, name, opts->directory, &s->published))) {
+  s->alias = FR_OPT(opts, alias, 0);
+  if (FR_OPT(opts, publish, 0) &&
+      (rc = fr_refit_publish(ctx, name, FR_OPT(opts, directory, NULL), &s->published))) {
     claim_ctx(ctx, false);
     free(s->name);
     free(s);
