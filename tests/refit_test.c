@@ -63,16 +63,22 @@ static ferry_ctx *ctx_for(const char *name, const char *transports) {
   return c;
 }
 
-static ferry_refit_sender *sender_for(ferry_ctx *c, model *m, uint64_t bucket) {
+/* A sender named `name` with opts, every tensor of m declared, sealed. */
+static ferry_refit_sender *sender_with(ferry_ctx *c, model *m, const char *name,
+                                       const ferry_refit_opts *o) {
   for (int i = 0; i < NT; i++)
     m->scale[i] = fr_refit_fp8_scale(FERRY_DTYPE_F32, m->w[i], m->d[i].shape[0] * m->d[i].shape[1]);
-  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = bucket};
   ferry_refit_sender *s;
-  FR_OK(ferry_refit_sender_open(c, "trainer", &o, &s));
+  FR_OK(ferry_refit_sender_open(c, name, o, &s));
   for (int i = 0; i < NT; i++)
     FR_OK(ferry_refit_declare(s, m->name[i], &m->d[i], m->w[i], send_as(i)));
   FR_OK(ferry_refit_seal(s));
   return s;
+}
+
+static ferry_refit_sender *sender_for(ferry_ctx *c, model *m, uint64_t bucket) {
+  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = bucket};
+  return sender_with(c, m, "trainer", &o);
 }
 
 typedef struct bound {
@@ -215,12 +221,8 @@ static void test_by_name(void **st) {
   assert_int_equal(ferry_refit_receiver_open(rc, "policy", 2000, &r), FERRY_ENOTFOUND);
   assert_non_null(strstr(ferry_last_error(), "policy"));
   ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 16384, .publish = 1};
-  ferry_refit_sender *s, *s2;
-  FR_OK(ferry_refit_sender_open(sc, "policy", &o, &s));
+  ferry_refit_sender *s = sender_with(sc, &m, "policy", &o), *s2;
   assert_int_equal(ferry_refit_sender_open(sc2, "policy", &o, &s2), FERRY_EEXIST);
-  for (int i = 0; i < NT; i++)
-    FR_OK(ferry_refit_declare(s, m.name[i], &m.d[i], m.w[i], send_as(i)));
-  FR_OK(ferry_refit_seal(s));
   FR_OK(ferry_refit_receiver_open(rc, "policy", 5000, &r));
   FR_OK(ferry_refit_bind_flat(r));
   while (ferry_refit_receivers(s) < 1)
@@ -254,11 +256,7 @@ static void test_alias(void **st) {
   ferry_refit_sender_close(plain);
 
   ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 16384, .alias = 1};
-  ferry_refit_sender *s;
-  FR_OK(ferry_refit_sender_open(sc, "trainer", &o, &s));
-  for (int i = 0; i < NT; i++)
-    FR_OK(ferry_refit_declare(s, m.name[i], &m.d[i], m.w[i], send_as(i)));
-  FR_OK(ferry_refit_seal(s));
+  ferry_refit_sender *s = sender_with(sc, &m, "trainer", &o);
   FR_OK(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &r));
   FR_OK(ferry_refit_bind_alias(r));
   assert_int_equal(ferry_refit_bind_flat(r), FERRY_ESTATE);
