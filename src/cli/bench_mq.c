@@ -377,7 +377,7 @@ static int latency(const bench_opts *o, const impl *im, ep *e, uint64_t size, be
 
 static uint64_t stream_count(uint64_t size) {
   uint64_t n = (128ull << 20) / size;
-  return n < 8 ? 8 : n > 100000 ? 100000 : n;
+  return n < 5 ? 5 : n > 100000 ? 100000 : n;
 }
 
 /* One stream of n messages; seconds per message after the warm-up. */
@@ -402,7 +402,7 @@ static int stream_once(ep *e, uint64_t size, uint64_t n, double *per_msg) {
 }
 
 static int throughput(const bench_opts *o, const impl *im, ep *e, uint64_t size, bench_samples *b) {
-  int reps = o->reps > 0 ? o->reps : 5;
+  int reps = o->reps > 0 ? o->reps : size >= (16 << 20) ? 3 : 5;
   int rc = 0;
   for (int i = 0; rc == 0 && i < reps; i++) {
     double s;
@@ -512,12 +512,13 @@ static void print_throughput(const bench_opts *o, plan *p) {
 }
 
 static const char mq_usage[] =
-    "usage: ferry bench mq [--json] [--reps N] [--max-size BYTES]\n\n"
+    "usage: ferry bench mq [--json] [--reps N] [--max-size BYTES] [--only IMPL]\n\n"
     "Messages between two processes: ferry's mq over shm and tcp against nng pair1 and ZeroMQ\n"
     "PAIR over ipc and tcp. Ping-pong latency, 64 B..1 MiB (lat-p50 and lat-p99 cases: one\n"
     "way = round trip / 2); streaming throughput at the receiver after a warm-up, 64 B..64 MiB\n"
     "(stream cases: median time per message, GB/s; messages/s = 1 / median), with memcpy\n"
-    "beside ferry/shm for 1 MiB and more. The reference of each case is ZeroMQ in its class.\n";
+    "beside ferry/shm for 1 MiB and more. The reference of each case is ZeroMQ in its class.\n"
+    "--only IMPL runs the implementations whose name contains IMPL (e.g. ferry, tcp).\n";
 
 int bench_mq(int argc, char **argv) {
   if (argc == 4 && strcmp(argv[1], "--serve") == 0) {
@@ -527,6 +528,14 @@ int bench_mq(int argc, char **argv) {
     return CLI_USAGE;
   }
   bench_opts o = {.max_size = 64ull << 20};
+  const char *only = NULL; /* --only SUBSTRING: the implementations whose name contains it */
+  for (int i = 1; i + 1 < argc; i++)
+    if (strcmp(argv[i], "--only") == 0) {
+      only = argv[i + 1];
+      memmove(argv + i, argv + i + 2, (size_t)(argc - i - 2) * sizeof *argv);
+      argc -= 2;
+      break;
+    }
   if (bench_parse(argc, argv, &o, mq_usage) < 0)
     return CLI_USAGE;
   signal(SIGPIPE, SIG_IGN);
@@ -539,12 +548,15 @@ int bench_mq(int argc, char **argv) {
     p.lat[p.nlat++] = s;
   if ((1 << 20) <= o.max_size && p.lat[p.nlat - 1] != (1 << 20))
     p.lat[p.nlat++] = 1 << 20;
-  for (uint64_t s = 64; s <= o.max_size && p.ntput < 8; s *= (s < (1 << 20) ? 16 : 4))
-    p.tput[p.ntput++] = s;
+  static const uint64_t tput[] = {64,      1 << 10, 16 << 10, 256 << 10,
+                                  1 << 20, 4 << 20, 16 << 20, 64 << 20};
+  for (size_t i = 0; i < sizeof tput / sizeof tput[0] && tput[i] <= o.max_size; i++)
+    p.tput[p.ntput++] = tput[i];
   int rc = 0;
   for (int pass = 0; pass < 2; pass++) {
     for (size_t k = 0; k < NIMPLS; k++) {
-      int r = impls[k].built ? run_impl(&o, k, &p, pass == 0) : 0;
+      bool want = !only || strstr(impls[k].name, only);
+      int r = impls[k].built && want ? run_impl(&o, k, &p, pass == 0) : 0;
       rc = rc ? rc : r;
     }
     bench_header(&o, pass == 0 ? "ferry bench mq: ping-pong, one-way latency (vs base = speed)"

@@ -26,9 +26,9 @@
 
 void fr_mq_detail(char *buf, size_t cap) { snprintf(buf, cap, "%s", ferry_last_error()); }
 
-static void timed_wait(ferry_mq *mq, uint64_t until_ns) {
+static void timed_wait(pthread_cond_t *c, ferry_mq *mq, uint64_t until_ns) {
   struct timespec ts = {(time_t)(until_ns / 1000000000ull), (long)(until_ns % 1000000000ull)};
-  pthread_cond_timedwait(&mq->cond, &mq->lock, &ts);
+  pthread_cond_timedwait(c, &mq->lock, &ts);
 }
 
 void fr_mq_keep_link(ferry_mq *mq, ferry_link *l, bool dialled) {
@@ -70,7 +70,7 @@ static void on_bye(ferry_mq *mq, ferry_link *l) {
   pthread_mutex_unlock(&mq->lock);
 }
 
-static void dispatch(ferry_mq *mq, ferry_msg *m) {
+void fr_mq_dispatch(ferry_mq *mq, ferry_msg *m) {
   fr_mq_frame f;
   int rc = fr_mq_decode(m->data, m->len, &f);
   if (rc != 0) {
@@ -110,7 +110,7 @@ static void dispatch(ferry_mq *mq, ferry_msg *m) {
 void fr_mq_pump(ferry_mq *mq, int ms) {
   ferry_msg *m = NULL;
   if (ferry_recv(mq->ctx, FR_CHANNEL_MQ, &m, ms) == 0)
-    dispatch(mq, m);
+    fr_mq_dispatch(mq, m);
 }
 
 int fr_mq_wait(ferry_mq *mq, bool (*ready)(ferry_mq *, void *), void *arg, uint64_t deadline_ns) {
@@ -126,7 +126,7 @@ int fr_mq_wait(ferry_mq *mq, bool (*ready)(ferry_mq *, void *), void *arg, uint6
       return FERRY_ETIMEDOUT;
     uint64_t slice = now + SLICE_NS < deadline_ns ? now + SLICE_NS : deadline_ns;
     if (mq->pumping) {
-      timed_wait(mq, slice);
+      timed_wait(&mq->cond, mq, slice);
       continue;
     }
     mq->pumping = true;
@@ -172,7 +172,7 @@ static void background_step(ferry_mq *mq, uint64_t now) {
     fr_mq_flush(mq);
     pthread_mutex_lock(&mq->lock);
     if (__atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE) == batch)
-      timed_wait(mq, now + FLUSH_NS); /* a publish holds it and will send it */
+      timed_wait(&mq->bg_cond, mq, now + FLUSH_NS); /* a publish holds it and sends it */
     return;
   }
   if (batch && batch + FLUSH_NS < until)
@@ -188,8 +188,8 @@ static void background_step(ferry_mq *mq, uint64_t now) {
     pthread_mutex_lock(&mq->lock);
     mq->pumping = false;
     pthread_cond_broadcast(&mq->cond);
-  } else {
-    timed_wait(mq, until);
+  } else { /* its own condition: deliveries to the application do not wake it */
+    timed_wait(&mq->bg_cond, mq, until);
   }
 }
 
@@ -238,6 +238,7 @@ static ferry_mq *mq_new(ferry_ctx *ctx, const ferry_mq_opts *o) {
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
   pthread_cond_init(&mq->cond, &ca);
+  pthread_cond_init(&mq->bg_cond, &ca);
   pthread_condattr_destroy(&ca);
   return mq;
 }
@@ -335,6 +336,7 @@ void ferry_mq_close(ferry_mq *mq) {
   pthread_mutex_lock(&mq->lock);
   mq->closing = true;
   pthread_cond_broadcast(&mq->cond);
+  pthread_cond_signal(&mq->bg_cond);
   pthread_mutex_unlock(&mq->lock);
   if (mq->thread_started)
     pthread_join(mq->thread, NULL);
@@ -357,6 +359,7 @@ void ferry_mq_close(ferry_mq *mq) {
   pthread_mutex_destroy(&mq->lock);
   pthread_mutex_destroy(&mq->publish_lock);
   pthread_cond_destroy(&mq->cond);
+  pthread_cond_destroy(&mq->bg_cond);
   free(mq);
 }
 
@@ -367,6 +370,7 @@ int ferry_mq_set_callback(ferry_mq *mq, ferry_mq_fn fn, void *arg) {
   mq->callback = fn;
   mq->callback_arg = arg;
   pthread_cond_broadcast(&mq->cond);
+  pthread_cond_signal(&mq->bg_cond);
   /* a call of the previous callback may be running: wait for it, unless it is the caller */
   bool own = mq->thread_started && pthread_equal(pthread_self(), mq->thread);
   while (mq->in_callback && !own)

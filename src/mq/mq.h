@@ -142,8 +142,9 @@ struct ferry_mq {
   int lease_ms;
   uint64_t window, inline_bytes;
 
-  pthread_mutex_t lock; /* everything below */
-  pthread_cond_t cond;  /* state changed: a message queued, credit came, a peer joined */
+  pthread_mutex_t lock;   /* everything below */
+  pthread_cond_t cond;    /* state changed: a message queued, credit came, a peer joined */
+  pthread_cond_t bg_cond; /* the background thread's: closing, a callback, a pending batch */
   bool closing;
   bool pumping;         /* a thread is taking messages off the channel */
   int waiters;          /* application threads waiting in recv/publish/wait_subscribers */
@@ -193,6 +194,8 @@ struct ferry_mq {
 /* Waits (mq->lock held) until ready(mq, arg) or the deadline, taking messages off the channel
  * meanwhile when no other thread does. 0, FERRY_ETIMEDOUT or FERRY_ECLOSED (no detail set). */
 int fr_mq_wait(ferry_mq *mq, bool (*ready)(ferry_mq *, void *), void *arg, uint64_t deadline_ns);
+/* Handles one message taken off the channel (takes it; mq->lock not held). */
+void fr_mq_dispatch(ferry_mq *mq, ferry_msg *m);
 /* Takes one message off the channel within ms and dispatches it (mq->lock not held). */
 void fr_mq_pump(ferry_mq *mq, int ms);
 /* Remembers a link (takes a reference) so close can say BYE and release it. lock held. */

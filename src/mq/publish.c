@@ -322,6 +322,24 @@ static int reserve(ferry_mq *mq, fr_mq_topic *t, uint64_t len, uint64_t deadline
   return 0;
 }
 
+/* Dispatches what already arrived on the channel, without waiting (lock held, as it returns),
+ * unless another thread is taking messages off it. */
+static void drain(ferry_mq *mq) {
+  if (mq->pumping)
+    return;
+  mq->pumping = true;
+  pthread_mutex_unlock(&mq->lock);
+  for (int i = 0; i < 256; i++) {
+    ferry_msg *m = NULL;
+    if (ferry_recv(mq->ctx, FR_CHANNEL_MQ, &m, 0) != 0)
+      break;
+    fr_mq_dispatch(mq, m);
+  }
+  pthread_mutex_lock(&mq->lock);
+  mq->pumping = false;
+  pthread_cond_broadcast(&mq->cond);
+}
+
 /* ---- sending ---- */
 
 typedef struct frames {
@@ -431,8 +449,10 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
     int nshm = 0;
     for (size_t i = 0; i < n; i++)
       nshm += v[i].shm;
-    if (nshm)
+    if (nshm) {
+      drain(mq); /* take the releases in: the pool stays small and warm */
       fr.token = block_alloc(mq, len, nshm, &off);
+    }
   }
   pthread_mutex_unlock(&mq->lock);
   if (rc == 0) {
@@ -447,7 +467,7 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
     rc = settle(mq, &fr, v, n, topic);
     if (mq->ndirty && !__atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE)) {
       __atomic_store_n(&mq->batch_since_ns, now, __ATOMIC_RELEASE);
-      pthread_cond_broadcast(&mq->cond); /* the background thread sends it if nobody does */
+      pthread_cond_signal(&mq->bg_cond); /* the background thread sends it if nobody does */
     }
     pthread_mutex_unlock(&mq->lock);
   }

@@ -56,8 +56,8 @@ void fr_mq_session_credit(fr_mq_session *s, uint64_t charge, uint64_t token, boo
     if (s->nreleases < s->capreleases) /* else the block stays held until the peer goes */
       s->releases[s->nreleases++] = token;
   }
-  *send = !s->gone && (s->pending >= s->window / 4 || s->nreleases >= RELEASE_BATCH ||
-                       (token && s->pending >= s->window / 16));
+  /* pool blocks go back at once: the publisher reuses them while they are warm in its cache */
+  *send = !s->gone && (s->pending >= s->window / 4 || s->nreleases > 0);
 }
 
 void fr_mq_credit_flush(ferry_mq *mq, fr_mq_session *s) {
