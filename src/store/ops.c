@@ -38,7 +38,7 @@ static bool owner_gone(int rc) {
 int fr_store_delete_rec(ferry_store *s, const fr_dir_object *rec, int timeout_ms) {
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   if (s->mem && strcmp(rec->owner, s->name) == 0) {
-    int rc = fr_store_delete_local(s, rec->key, rec->generation, true, timeout_ms);
+    int rc = fr_store_delete_local(s, rec->key, rec->generation, true, true, timeout_ms);
     if (rc != FERRY_ENOTFOUND)
       return rc; /* else: a record of ours we no longer hold; remove it below */
   } else {

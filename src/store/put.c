@@ -439,7 +439,9 @@ int ferry_store_put(ferry_store *s, const char *key, const ferry_tensor_desc *de
 
 /* publish_lock held. */
 int fr_store_delete_owned(ferry_store *s, const char *key, uint64_t generation, bool in_directory,
-                          int timeout_ms) {
+                          int timeout_ms, uint32_t *pinned_slot) {
+  if (pinned_slot)
+    *pinned_slot = UINT32_MAX;
   pthread_mutex_lock(&s->lock);
   size_t at;
   fr_owned *o = fr_store_find_owned(s, key, &at);
@@ -460,15 +462,21 @@ int fr_store_delete_owned(ferry_store *s, const char *key, uint64_t generation, 
   bool in_place = o->pool_off == FR_STORE_NO_POOL;
   bool pinned = retire(s, o);
   pthread_mutex_unlock(&s->lock);
-  if (pinned && in_place)
-    wait_unpinned(s, slot, key, fr_deadline_ns(timeout_ms));
+  if (pinned && in_place && pinned_slot)
+    *pinned_slot = slot;
+  else if (pinned && in_place) /* nobody to wait for: the views learn it from view_valid */
+    wait_unpinned(s, slot, key, 0);
   return 0;
 }
 
 int fr_store_delete_local(ferry_store *s, const char *key, uint64_t generation, bool in_directory,
-                          int timeout_ms) {
+                          bool wait_views, int timeout_ms) {
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  uint32_t slot;
   pthread_mutex_lock(&s->publish_lock);
-  int rc = fr_store_delete_owned(s, key, generation, in_directory, timeout_ms);
+  int rc = fr_store_delete_owned(s, key, generation, in_directory, timeout_ms, &slot);
   pthread_mutex_unlock(&s->publish_lock);
+  if (slot != UINT32_MAX) /* outside the publish lock: other puts go on meanwhile */
+    wait_unpinned(s, slot, key, wait_views ? deadline : 0);
   return rc;
 }

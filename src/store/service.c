@@ -205,9 +205,9 @@ static int handle(ferry_store *s, ferry_msg *msg, const fr_store_msg *m, uint64_
   int timeout = fr_timeout(-1);
   switch (m->op) {
   case FR_SMSG_DELETE:
-    return fr_store_delete_local(s, m->key, m->generation, true, timeout);
+    return fr_store_delete_local(s, m->key, m->generation, true, false, timeout);
   case FR_SMSG_DROPPED:
-    fr_store_delete_local(s, m->key, m->generation, false, timeout);
+    fr_store_delete_local(s, m->key, m->generation, false, false, timeout);
     return 0;
   default: /* FR_SMSG_UPLOAD */
     if (!(s->flags & FERRY_STORE_HOLDER))

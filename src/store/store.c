@@ -71,7 +71,7 @@ static int republish(ferry_store *s, int timeout_ms) {
     if (rc == FERRY_EEXIST) {
       fr_info("store: '%s' now belongs to another node; dropping our copy", recs[i].key);
       rc = 0;
-      fr_store_delete_owned(s, recs[i].key, recs[i].generation, false, timeout_ms);
+      fr_store_delete_owned(s, recs[i].key, recs[i].generation, false, timeout_ms, NULL);
     }
   }
   free(recs);

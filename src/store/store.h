@@ -133,12 +133,16 @@ typedef int (*fr_fill_fn)(void *arg, void *dst, uint64_t bytes);
 int fr_store_put_local(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
                        const void *data, uint32_t flags, fr_fill_fn fill, void *fill_arg,
                        uint64_t *generation, int timeout_ms);
-/* Deletes an object this node owns (generation 0: any). FERRY_ENOTFOUND when not held. */
+/* Deletes an object this node owns (generation 0: any). FERRY_ENOTFOUND when not held. Memory
+ * published in place that views still pin: wait_views waits for them until the timeout (the
+ * caller's own delete); otherwise (a delete another node asked for) it is handed back at once
+ * and the views are told (ferry_store_view_valid() says 0). */
 int fr_store_delete_local(ferry_store *s, const char *key, uint64_t generation, bool in_directory,
-                          int timeout_ms);
-/* The same with publish_lock already held. */
+                          bool wait_views, int timeout_ms);
+/* The same with publish_lock already held; *pinned_slot (may be NULL: hand back at once) receives
+ * the slot to wait on, or UINT32_MAX. */
 int fr_store_delete_owned(ferry_store *s, const char *key, uint64_t generation, bool in_directory,
-                          int timeout_ms);
+                          int timeout_ms, uint32_t *pinned_slot);
 /* Retires every owned and lingering object (store close). */
 void fr_store_retire_all(ferry_store *s);
 /* Retires lingering copies replaced more than FR_STORE_LINGER_MS ago and frees retired objects
