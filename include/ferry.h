@@ -569,9 +569,11 @@ FERRY_API int ferry_store_get_alloc(ferry_store *store, const char *key, void **
  * read-only and *data is valid until the release, whatever happens to the key meanwhile:
  * - a re-put or delete of a pool copy (a tensor put from ordinary memory) publishes the new
  *   version, while the pinned old one stays intact, counted against the owner's capacity;
- * - a re-put or delete of memory published in place waits, up to its own timeout, for the views
- *   of the old version to be released (the caller gets that memory back); after that it returns
- *   anyway and those views may see the bytes change: ferry_store_view_valid() says 0;
+ * - a re-put or delete of memory published in place, made by its owner, waits up to its own
+ *   timeout for the views of the old version to be released (the caller gets that memory back);
+ *   after that it returns anyway and those views may see the bytes change:
+ *   ferry_store_view_valid() says 0. A delete that another node asks for does not wait (the
+ *   owner's service thread must not stall): its views say 0 at once;
  * - the owner's store closing or the owner dying keeps the mapping (no crash), and the bytes of
  *   a pool copy stay as they were.
  * Release every view: an unreleased one keeps its bytes from being reused for as long as the
