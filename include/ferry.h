@@ -759,7 +759,10 @@ FERRY_API uint64_t ferry_refit_committed(ferry_refit_receiver *receiver);
  * waits up to its timeout and then fails with FERRY_ETIMEDOUT naming that subscriber (and then no
  * subscriber got the message). A subscriber that dies is dropped by its publishers: the publish
  * that finds it dead delivers to every other subscriber and returns FERRY_EPEER naming it.
- * A node does not receive its own messages.
+ * A node does not receive its own messages. Small messages published in quick succession are
+ * batched per subscriber (sent when 32 KiB gather, before this node waits for anything, and
+ * otherwise within 50 us); a subscriber lost while its batch was pending is reported by the
+ * next publish.
  *
  * Payloads up to FERRY_MQ_INLINE_BYTES travel inside the frame; larger ones, to a subscriber on
  * the same host, are copied once into the publisher's shared-memory pool (FERRY_MQ_POOL_BYTES)
@@ -782,7 +785,9 @@ typedef struct ferry_mq_msg {
 } ferry_mq_msg;
 
 /* ferry_mq_opts.flags */
-#define FERRY_MQ_HOST_DIRECTORY                                                                      1u /* also run the embedded directory in this node (at ferry://<this ctx's tcp listener>);             not with a store on the same ctx that hosts one too */
+/* Also run the embedded directory in this node (at ferry://<this ctx's tcp listener>); not with
+ * a store on the same ctx that hosts one too. */
+#define FERRY_MQ_HOST_DIRECTORY 1u
 
 typedef struct ferry_mq_opts {
   size_t size;           /* sizeof(ferry_mq_opts) */
@@ -812,7 +817,7 @@ FERRY_API int ferry_mq_unsubscribe(ferry_mq *mq, const char *topic, int timeout_
 
 /* Publishes `len` bytes of data (read during the call only) to every subscriber of topic. The
  * first publish of a topic (or ferry_mq_wait_subscribers) advertises this node as a publisher.
- * Returns once every subscriber has the message in its queue (or its link). Errors:
+ * Returns once every subscriber has the message in its queue, its link or its batch. Errors:
  * FERRY_ETIMEDOUT (a subscriber's queue stayed full; nobody got the message; the detail names
  * the subscriber), FERRY_EPEER (subscribers died and were dropped — named in the detail — and
  * every other subscriber got the message), FERRY_EINVAL (bad topic). With no subscriber it
@@ -826,8 +831,7 @@ FERRY_API int ferry_mq_publish_tensor(ferry_mq *mq, const char *topic,
                                       int timeout_ms);
 /* Waits until at least n subscribers of topic are known to this node (advertising it as a
  * publisher). No polling: it wakes when a subscriber's request arrives. FERRY_ETIMEDOUT. */
-FERRY_API int ferry_mq_wait_subscribers(ferry_mq *mq, const char *topic, size_t n,
-                                        int timeout_ms);
+FERRY_API int ferry_mq_wait_subscribers(ferry_mq *mq, const char *topic, size_t n, int timeout_ms);
 /* The number of subscribers of topic known to this node now (0 for a topic it never published). */
 FERRY_API size_t ferry_mq_subscribers(ferry_mq *mq, const char *topic);
 
