@@ -15,8 +15,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define FR_REFIT_CHUNK (256u * 1024u) /* packed and hashed while it is still in cache */
-
 /* One push: the buckets it moves in order (by seq) and what each one's checksum is. */
 typedef struct fr_push {
   uint64_t version;
@@ -28,45 +26,9 @@ typedef struct fr_push {
   uint32_t first_pass; /* seqs packed at least once (their sums are known) */
   uint32_t from;       /* first seq of the current pass */
   bool skip;
-  receiver *head; /* of the chain, or NULL */
+  bool share_pack; /* no receiver copies on this host: pack on two threads */
+  receiver *head;  /* of the chain, or NULL */
 } fr_push;
-
-/* Packs [lo, lo+len) of bucket b (casting on the way) into dst, zeroing the alignment gaps
- * between tensors so that the same tensors always give the same checksum. */
-static void pack_window(ferry_refit_sender *s, uint32_t b, uint64_t lo, uint64_t len,
-                        uint8_t *dst) {
-  const fr_refit_plan *p = &s->plan;
-  uint64_t start = (uint64_t)b * p->bucket_bytes + lo, filled = 0;
-  for (uint32_t e = fr_refit_first_entry(p, b); e < p->count; e++) {
-    uint64_t wire_off, dst_off, n = fr_refit_overlap_window(p, e, start, len, &wire_off, &dst_off);
-    if (n == 0) {
-      if (p->entries[e].offset >= start + len)
-        break;
-      continue;
-    }
-    const fr_refit_entry *x = &p->entries[e];
-    size_t we = ferry_dtype_size(x->wire), se = ferry_dtype_size(x->desc.dtype);
-    const uint8_t *src = (const uint8_t *)s->src[e].data + wire_off / we * se;
-    if (dst_off > filled)
-      memset(dst + filled, 0, dst_off - filled);
-    fr_refit_cast(x->desc.dtype, x->wire, x->scale, src, dst + dst_off, n / we);
-    filled = dst_off + n;
-  }
-  if (filled < len)
-    memset(dst + filled, 0, len - filled);
-}
-
-/* Packs bucket b into dst chunk by chunk, hashing each chunk while it is hot. */
-static uint64_t pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst) {
-  uint64_t len = fr_refit_bucket_len(&s->plan, b);
-  fr_hash *h = fr_hash_begin();
-  for (uint64_t lo = 0; lo < len; lo += FR_REFIT_CHUNK) {
-    uint64_t n = len - lo < FR_REFIT_CHUNK ? len - lo : FR_REFIT_CHUNK;
-    pack_window(s, b, lo, n, dst + lo);
-    fr_hash_update(h, dst + lo, n);
-  }
-  return fr_hash_end(h);
-}
 
 /* Where seq j (bucket b) lies in the sender's memory: one of two slots, or, in alias mode, its
  * own place in the whole wire buffer. */
@@ -80,7 +42,7 @@ static void pack_seq(ferry_refit_sender *s, fr_push *p, uint32_t j) {
   int slot;
   uint64_t off = slot_offset(s, j, b, &slot);
   uint8_t *dst = (uint8_t *)s->buf[slot] + off;
-  uint64_t sum = pack(s, b, dst);
+  uint64_t sum = fr_refit_pack(s, b, dst, p->share_pack);
   if (fr_refit_test_corrupt)
     fr_refit_test_corrupt(b, dst, fr_refit_bucket_len(&s->plan, b));
   if (j < p->first_pass)
@@ -301,6 +263,12 @@ static size_t begin_push(ferry_refit_sender *s, fr_push *p, ferry_refit_route ro
     n++;
   }
   build_chain(s, p, route);
+  p->share_pack = s->alias;
+  if (!p->share_pack) {
+    p->share_pack = true;
+    for (receiver *r = s->receivers; r; r = r->next)
+      p->share_pack &= !r->shm;
+  }
   pthread_mutex_unlock(&s->lock);
   return n;
 }

@@ -213,7 +213,10 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
   pthread_cond_init(&s->cond, &ca);
   pthread_condattr_destroy(&ca);
+  if (fr_refit_packer_start(s, &s->packer) != 0)
+    fr_warn("refit '%s': packing on one thread: %s", name, ferry_last_error());
   if (pthread_create(&s->service, NULL, service_main, s) != 0) {
+    fr_refit_packer_stop(s->packer);
     fr_refit_unpublish(s->published);
     claim_ctx(ctx, false);
     free(s->name);
@@ -342,6 +345,7 @@ void ferry_refit_sender_close(ferry_refit_sender *s) {
     return;
   __atomic_store_n(&s->stop, true, __ATOMIC_RELEASE);
   pthread_join(s->service, NULL);
+  fr_refit_packer_stop(s->packer);
   fr_refit_unpublish(s->published);
   while (s->receivers) {
     receiver *r = s->receivers;

@@ -45,8 +45,9 @@ struct ferry_refit_sender {
   uint32_t cap;
   bool sealed;
   uint64_t budget;
-  bool alias;               /* buf[0] holds every bucket (alias mode), not two of them */
-  fr_refit_name *published; /* its record in the directory, or NULL */
+  bool alias;                     /* buf[0] holds every bucket (alias mode), not two of them */
+  fr_refit_name *published;       /* its record in the directory, or NULL */
+  struct fr_refit_packer *packer; /* the thread that copies while push() hashes, or NULL */
   void *buf[2];
   ferry_region_ref ref[2];
   uint64_t buf_bytes;
@@ -68,6 +69,13 @@ struct ferry_refit_sender {
 
 /* Announces every bucket of the current push that may go now (s->lock held). */
 void fr_refit_announce_ready(ferry_refit_sender *s);
+/* The packer thread (pack.c): fr_refit_pack packs and hashes bucket b into dst, sharing the
+ * work with the packer thread when `share` (the cores are not busy with local receivers), and
+ * returns the bucket's checksum. */
+typedef struct fr_refit_packer fr_refit_packer;
+int fr_refit_packer_start(ferry_refit_sender *s, fr_refit_packer **out);
+void fr_refit_packer_stop(fr_refit_packer *k);
+uint64_t fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share);
 /* Releases a receiver record (its link reference and strings). */
 void fr_refit_receiver_free(receiver *r);
 

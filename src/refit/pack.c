@@ -1,0 +1,140 @@
+/*
+ * Packing a bucket: each tensor's part of the window is cast into the wire buffer (alignment
+ * gaps zeroed, so the same tensors always hash the same) and the bucket is hashed with XXH3.
+ * When the cores are not needed by receivers on this host (alias mode, or receivers elsewhere),
+ * two threads share the work: a packer thread copies the bucket chunk by chunk while the
+ * pushing thread hashes each chunk right behind it, still in cache; so a bucket costs about one
+ * copy, not a copy plus a hash. The checksum is the plain XXH3 of the bucket's bytes either way.
+ */
+#include "refit/sender_impl.h"
+
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define FR_REFIT_CHUNK (256u * 1024u)
+
+struct fr_refit_packer {
+  ferry_refit_sender *s;
+  pthread_t thread;
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  bool stop;
+  uint64_t jobs; /* posted so far; the thread takes each in turn */
+  uint32_t bucket;
+  uint8_t *dst;
+  uint64_t len;
+  _Atomic uint64_t packed; /* bytes of the current job copied so far */
+};
+
+/* Packs [lo, lo+len) of bucket b (casting on the way) into dst, zeroing the gaps. */
+static void pack_window(ferry_refit_sender *s, uint32_t b, uint64_t lo, uint64_t len,
+                        uint8_t *dst) {
+  const fr_refit_plan *p = &s->plan;
+  uint64_t start = (uint64_t)b * p->bucket_bytes + lo, filled = 0;
+  for (uint32_t e = fr_refit_first_entry(p, b); e < p->count; e++) {
+    uint64_t wire_off, dst_off, n = fr_refit_overlap_window(p, e, start, len, &wire_off, &dst_off);
+    if (n == 0) {
+      if (p->entries[e].offset >= start + len)
+        break;
+      continue;
+    }
+    const fr_refit_entry *x = &p->entries[e];
+    size_t we = ferry_dtype_size(x->wire), se = ferry_dtype_size(x->desc.dtype);
+    const uint8_t *src = (const uint8_t *)s->src[e].data + wire_off / we * se;
+    if (dst_off > filled)
+      memset(dst + filled, 0, dst_off - filled);
+    fr_refit_cast(x->desc.dtype, x->wire, x->scale, src, dst + dst_off, n / we);
+    filled = dst_off + n;
+  }
+  if (filled < len)
+    memset(dst + filled, 0, len - filled);
+}
+
+static void *packer_main(void *arg) {
+  fr_refit_packer *k = arg;
+  uint64_t taken = 0;
+  pthread_mutex_lock(&k->lock);
+  for (;;) {
+    while (!k->stop && k->jobs == taken)
+      pthread_cond_wait(&k->cond, &k->lock);
+    if (k->stop)
+      break;
+    taken = k->jobs;
+    uint32_t b = k->bucket;
+    uint8_t *dst = k->dst;
+    uint64_t len = k->len;
+    pthread_mutex_unlock(&k->lock);
+    for (uint64_t lo = 0; lo < len; lo += FR_REFIT_CHUNK) {
+      uint64_t n = len - lo < FR_REFIT_CHUNK ? len - lo : FR_REFIT_CHUNK;
+      pack_window(k->s, b, lo, n, dst + lo);
+      atomic_store_explicit(&k->packed, lo + n, memory_order_release);
+    }
+    pthread_mutex_lock(&k->lock);
+  }
+  pthread_mutex_unlock(&k->lock);
+  return NULL;
+}
+
+int fr_refit_packer_start(ferry_refit_sender *s, fr_refit_packer **out) {
+  fr_refit_packer *k = calloc(1, sizeof *k);
+  if (!k)
+    return fr_err(FERRY_ENOMEM, "refit: packer");
+  k->s = s;
+  pthread_mutex_init(&k->lock, NULL);
+  pthread_cond_init(&k->cond, NULL);
+  if (pthread_create(&k->thread, NULL, packer_main, k) != 0) {
+    pthread_mutex_destroy(&k->lock);
+    pthread_cond_destroy(&k->cond);
+    free(k);
+    return fr_err(FERRY_ESYS, "refit: cannot start the packer thread");
+  }
+  *out = k;
+  return 0;
+}
+
+void fr_refit_packer_stop(fr_refit_packer *k) {
+  if (!k)
+    return;
+  pthread_mutex_lock(&k->lock);
+  k->stop = true;
+  pthread_cond_signal(&k->cond);
+  pthread_mutex_unlock(&k->lock);
+  pthread_join(k->thread, NULL);
+  pthread_mutex_destroy(&k->lock);
+  pthread_cond_destroy(&k->cond);
+  free(k);
+}
+
+/* Waits until the packer has copied `upto` bytes of the current job. */
+static void wait_packed(fr_refit_packer *k, uint64_t upto) {
+  for (unsigned spins = 0; atomic_load_explicit(&k->packed, memory_order_acquire) < upto; spins++)
+    if (spins > 64)
+      sched_yield();
+}
+
+uint64_t fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share) {
+  uint64_t len = fr_refit_bucket_len(&s->plan, b);
+  fr_refit_packer *k = share ? s->packer : NULL;
+  if (k) {
+    atomic_store_explicit(&k->packed, 0, memory_order_relaxed);
+    pthread_mutex_lock(&k->lock);
+    k->bucket = b;
+    k->dst = dst;
+    k->len = len;
+    k->jobs++;
+    pthread_cond_signal(&k->cond);
+    pthread_mutex_unlock(&k->lock);
+  }
+  fr_hash *h = fr_hash_begin();
+  for (uint64_t lo = 0; lo < len; lo += FR_REFIT_CHUNK) {
+    uint64_t n = len - lo < FR_REFIT_CHUNK ? len - lo : FR_REFIT_CHUNK;
+    if (k)
+      wait_packed(k, lo + n);
+    else
+      pack_window(s, b, lo, n, dst + lo);
+    fr_hash_update(h, dst + lo, n);
+  }
+  return fr_hash_end(h);
+}
