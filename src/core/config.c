@@ -38,7 +38,7 @@
   X("FERRY_MQ_INLINE_BYTES", "65536",                                                              \
     "mq: larger payloads to a subscriber on this host go through the shared-memory pool")          \
   X("FERRY_MQ_POOL_BYTES", "268435456",                                                            \
-    "mq: bytes of a publisher's shared-memory pool for large payloads (touched as used)")
+    "mq: bytes of a publisher's shared-memory pool for large payloads (made on first use)")
 
 static const ferry_config_item config_table[] = {
 #define FR_CONFIG_ROW_(name, def, doc) {name, def, doc},
