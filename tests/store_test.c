@@ -230,6 +230,8 @@ static void check_bad_input(pair *p) {
   assert_int_equal(ferry_store_put(p->a, "bad/y", &bad, small, 0, -1), FERRY_EOVERFLOW);
   assert_int_equal(ferry_store_put(p->a, "", &d, small, 0, -1), FERRY_EINVAL);
   assert_int_equal(ferry_store_put(p->a, "bad/y", &d, NULL, 0, -1), FERRY_EINVAL);
+  assert_int_equal(ferry_store_put(p->a, "ferry:mq/x", &d, small, 0, -1), FERRY_EINVAL);
+  assert_non_null(strstr(ferry_last_error(), "ferry's own"));
   /* larger than the pool: an error that names the sizes */
   ferry_tensor_desc big = u8_desc(16, MiB);
   uint8_t *huge = calloc(16, MiB);

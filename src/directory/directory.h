@@ -106,6 +106,13 @@ void fr_dir_close(fr_dir *dir);
 /* The backends, in one place (directory.c). */
 const fr_dir_ops *fr_dir_backend(const char *url);
 
+/* Object keys that start with this prefix belong to ferry's own jobs (mq's discovery records):
+ * the store refuses them as user keys and leaves them out of list and delete_prefix/clear. */
+#define FR_DIR_RESERVED "ferry:"
+static inline bool fr_dir_key_reserved(const char *key) {
+  return __builtin_strncmp(key, FR_DIR_RESERVED, sizeof FR_DIR_RESERVED - 1) == 0;
+}
+
 /* Checks a key: 1..FR_DIR_KEY_MAX bytes, no control characters. */
 int fr_dir_key_check(const char *key, const char *what);
 /* FERRY_EEXIST naming the live node that holds a name. */

@@ -2,7 +2,7 @@
  * How publishers and subscribers find each other, through the fleet's directory.
  *
  * Each mq registers a node record "mq:<ctx name>" (its address) and one object record per role
- * and topic: "mq/s/<len>:<topic>/<node>" for a subscription, "mq/p/<len>:<topic>/<node>" for a
+ * and topic: "ferry:mq/s/<len>:<topic>/<node>" for a subscription, "ferry:mq/p/..." for a
  * publisher (the length prefix keeps topics that contain '/' apart in prefix scans). A
  * subscriber records itself, then asks every publisher it finds to add it (SUB, a call, so when
  * subscribe returns those publishers know it); a publisher records itself, then adds every
@@ -22,7 +22,7 @@
 #include <string.h>
 
 void fr_mq_key(char *buf, size_t cap, char role, const char *topic, const char *node) {
-  snprintf(buf, cap, "mq/%c/%zu:%s/%s", role, strlen(topic), topic, node);
+  snprintf(buf, cap, FR_DIR_RESERVED "mq/%c/%zu:%s/%s", role, strlen(topic), topic, node);
 }
 
 /* ---- the directory: this node's records ---- */

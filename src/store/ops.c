@@ -76,6 +76,8 @@ int ferry_store_delete_prefix(ferry_store *s, const char *prefix, size_t *delete
   int rc =
       s->dir->ops->obj_scan(s->dir->state, prefix ? prefix : "", &v, &n, fr_store_left(deadline));
   for (size_t i = 0; rc == 0 && i < n; i++) {
+    if (fr_dir_key_reserved(v[i].key)) /* ferry's own records (mq discovery) */
+      continue;
     rc = fr_store_delete_rec(s, &v[i], fr_store_left(deadline));
     if (rc == FERRY_ENOTFOUND) /* deleted by someone else meanwhile */
       rc = 0;
@@ -103,15 +105,18 @@ int ferry_store_list(ferry_store *s, const char *prefix, ferry_store_info **out,
   if (rc != 0)
     return rc;
   ferry_store_info *list = calloc(n ? n : 1, sizeof *list);
+  size_t kept = 0;
   for (size_t i = 0; list && i < n; i++) {
-    list[i].size = sizeof list[i];
-    fr_store_info_from(&v[i], &list[i]);
+    if (fr_dir_key_reserved(v[i].key)) /* ferry's own records (mq discovery) */
+      continue;
+    list[kept].size = sizeof list[kept];
+    fr_store_info_from(&v[i], &list[kept++]);
   }
   free(v);
   if (!list)
     return fr_err(FERRY_ENOMEM, "list of %zu", n);
   *out = list;
-  *count = n;
+  *count = kept;
   return 0;
 }
 

@@ -164,6 +164,9 @@ static int check_put(ferry_store *s, const char *key, const ferry_tensor_desc *d
   int rc = fr_dir_key_check(key, "put");
   if (rc != 0)
     return rc;
+  if (fr_dir_key_reserved(key))
+    return fr_err(FERRY_EINVAL, "put '%s': keys starting '" FR_DIR_RESERVED "' are ferry's own",
+                  key);
   if ((rc = ferry_tensor_nbytes(desc, bytes)) != 0)
     return fr_err_wrap(rc, "put '%s'", key);
   if (!data && *bytes > 0)
