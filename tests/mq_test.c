@@ -417,6 +417,27 @@ static void on_msg(ferry_mq *mq, ferry_mq_msg *m, void *arg) {
   ferry_mq_msg_free(m);
 }
 
+/* mq's discovery records share the directory with the store's objects but are ferry's own: a
+ * store neither lists nor clears them, and a new publisher still finds the subscriber. */
+static void store_leaves_mq_records(ferry_ctx *c, const char *dir) {
+  ferry_store_opts so = {.size = sizeof so, .directory = dir, .capacity = 1 << 20};
+  ferry_store *st;
+  FR_OK(ferry_store_open(c, &so, &st));
+  ferry_store_info *list;
+  size_t n = 1, deleted = 1;
+  FR_OK(ferry_store_list(st, "", &list, &n, 5000));
+  ferry_store_list_free(list);
+  assert_int_equal(n, 0);
+  FR_OK(ferry_store_clear(st, &deleted, 5000));
+  assert_int_equal(deleted, 0);
+  ferry_store_close(st);
+  ferry_ctx *cc = ctx_open("mq-c", suite_transports);
+  ferry_mq *late = mq_open(cc, dir, 0);
+  FR_OK(ferry_mq_wait_subscribers(late, "tensors", 1, 5000));
+  ferry_mq_close(late);
+  ferry_ctx_close(cc);
+}
+
 static void in_process(void) {
   ferry_ctx *ca = ctx_open("mq-a", suite_transports), *cb = ctx_open("mq-b", suite_transports);
   ferry_mq *a = mq_open(ca, NULL, 0);
@@ -429,6 +450,7 @@ static void in_process(void) {
   FR_OK(ferry_mq_subscribe(b, "tensors", 5000));
   FR_OK(ferry_mq_subscribe(b, "tensors", 5000)); /* twice: a no-op */
   FR_OK(ferry_mq_wait_subscribers(a, "tensors", 1, 5000));
+  store_leaves_mq_records(cb, dir);
   float x[2][3] = {{1, 2, 3}, {4, 5, 6}};
   ferry_tensor_desc d = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {2, 3}};
   FR_OK(ferry_mq_publish_tensor(a, "tensors", &d, x, 5000));
