@@ -510,6 +510,61 @@ static void concurrent(const char *transport) {
 static void test_concurrent_shm(void **s) { concurrent("shm"); }
 static void test_concurrent_tcp(void **s) { concurrent("tcp"); }
 
+/* A thread waiting in ferry_recv leads its ctx's epoll (tcp, shm); other threads of that ctx
+ * waiting for read responses meanwhile get them through it, and its own message still comes. */
+typedef struct recv_args {
+  ferry_ctx *c;
+  int rc;
+  char got[16];
+} recv_args;
+
+static void *recv_one(void *arg) {
+  recv_args *r = arg;
+  ferry_msg *m = NULL;
+  r->rc = ferry_recv(r->c, 5, &m, 20000);
+  if (r->rc == 0) {
+    snprintf(r->got, sizeof r->got, "%s", (const char *)m->data);
+    ferry_msg_free(m);
+  }
+  return NULL;
+}
+
+static void waiters(const char *transport) {
+  pair p;
+  pair_open(&p, transport);
+  size_t n = 1 << 20;
+  uint8_t *mem = malloc(n);
+  tu_fill(mem, n, 7);
+  ferry_region_ref ref;
+  FR_OK(ferry_register(p.b, mem, n, &ref));
+  recv_args r = {.c = p.a};
+  pthread_t rt, t[2];
+  pthread_create(&rt, NULL, recv_one, &r);
+  hammer_args h[2];
+  for (int i = 0; i < 2; i++) {
+    h[i] = (hammer_args){p.ab, ref, mem, 0};
+    pthread_create(&t[i], NULL, hammer, &h[i]);
+  }
+  for (int i = 0; i < 2; i++) {
+    pthread_join(t[i], NULL);
+    assert_int_equal(h[i].failures, 0);
+  }
+  struct iovec hello = {"hello", 6}, back = {"back", 5};
+  FR_OK(ferry_send(p.ab, 6, &hello, 1, 5000));
+  ferry_msg *m = NULL;
+  FR_OK(ferry_recv(p.b, 6, &m, 5000));
+  FR_OK(ferry_send(m->link, 5, &back, 1, 5000));
+  ferry_msg_free(m);
+  pthread_join(rt, NULL);
+  assert_int_equal(r.rc, 0);
+  assert_string_equal(r.got, "back");
+  pair_close(&p);
+  free(mem);
+}
+
+static void test_waiters_shm(void **s) { waiters("shm"); }
+static void test_waiters_tcp(void **s) { waiters("tcp"); }
+
 #ifndef FR_LINK_TEST_NO_MAIN /* tests/ucx_link_test.c runs these cases over ucx */
 int main(void) {
   (void)transports;
@@ -524,7 +579,8 @@ int main(void) {
       cmocka_unit_test(test_token_tcp),           cmocka_unit_test(test_connect_failures),
       cmocka_unit_test(test_bad_frames),          cmocka_unit_test(test_killed_mid_read_tcp),
       cmocka_unit_test(test_killed_mid_read_shm), cmocka_unit_test(test_concurrent_shm),
-      cmocka_unit_test(test_concurrent_tcp),
+      cmocka_unit_test(test_concurrent_tcp),      cmocka_unit_test(test_waiters_shm),
+      cmocka_unit_test(test_waiters_tcp),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
