@@ -636,8 +636,8 @@ typedef struct ferry_refit_opts {
   size_t size;           /* sizeof(ferry_refit_opts) */
   uint64_t bucket_bytes; /* 0: FERRY_REFIT_BUFFER_BYTES, or FERRY_REFIT_BUFFER_RATIO of free
                             memory when that is set; two buckets are allocated */
-  int alias; /* keep the whole wire buffer (every bucket) in shared memory instead of two
-                buckets, so receivers on this host may use it in place (ferry_refit_bind_alias) */
+  int alias;   /* keep the whole wire buffer (every bucket) in shared memory instead of two
+                  buckets, so receivers on this host may use it in place (ferry_refit_bind_alias) */
   int publish; /* register the sender under its name in the directory, so receivers can open
                   it by name; FERRY_EEXIST when another live sender has that name */
   const char *directory; /* with publish: the directory URL (NULL: FERRY_DIRECTORY) */
@@ -678,8 +678,8 @@ typedef struct ferry_refit_push_opts {
   const char *const *only; /* push only these tensors (NULL: all) */
   size_t n_only;
   int skip_unchanged; /* skip buckets whose checksum equals the last push's */
-  int timeout_ms; /* a receiver that acknowledges nothing for this long fails (negative:
-                     FERRY_TIMEOUT_MS); a big push may take longer as a whole */
+  int timeout_ms;     /* a receiver that acknowledges nothing for this long fails (negative:
+                         FERRY_TIMEOUT_MS); a big push may take longer as a whole */
   ferry_refit_route route;
 } ferry_refit_push_opts;
 
