@@ -70,6 +70,12 @@ void fr_link_unref(ferry_link *l) {
   free(l);
 }
 
+/* Edge-triggered where the transport allows: a drained socket is not polled again by the next
+ * epoll_wait (the leader then drains until the socket has nothing, see rx_drain). */
+static uint32_t link_events(const ferry_link *l) {
+  return EPOLLIN | EPOLLRDHUP | (l->ops->edge_triggered ? EPOLLET : 0);
+}
+
 int fr_link_start(ferry_link *l) {
   int rc = fr_sock_set_nonblock(l->poller.fd, true);
   if (rc != 0)
@@ -80,7 +86,7 @@ int fr_link_start(ferry_link *l) {
   l->next = ctx->links;
   ctx->links = l;
   pthread_mutex_unlock(&ctx->links_lock);
-  struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = &l->poller};
+  struct epoll_event ev = {.events = link_events(l), .data.ptr = &l->poller};
   if (epoll_ctl(ctx->epfd, EPOLL_CTL_ADD, l->poller.fd, &ev) < 0) {
     rc = fr_err_errno(FERRY_ESYS, "epoll_ctl");
     fr_link_fail(l, rc, "cannot watch the socket");
@@ -764,8 +770,11 @@ static int recv_status(ssize_t n) {
 }
 
 /* Receives what the socket has: small frames through the stage (one recv for many frames),
- * large payloads straight into their destination. Returns 0 when drained, or a status. */
+ * large payloads straight into their destination. Returns 0 when drained (a short read or
+ * EAGAIN: the socket had nothing more), or a status; after 256 receives it stops for fairness
+ * and sets rx_more. */
 static int rx_drain(ferry_link *l) {
+  l->rx_more = false;
   for (int round = 0; round < 256; round++) {
     int rc = rx_take_staged(l);
     if (rc != 0)
@@ -793,6 +802,7 @@ static int rx_drain(ferry_link *l) {
     if ((size_t)n < want) /* the socket is drained; epoll tells us when more comes */
       return rx_take_staged(l);
   }
+  l->rx_more = true;
   return rx_take_staged(l);
 }
 
@@ -852,7 +862,12 @@ static void link_on_event(fr_poller *p, uint32_t events) {
   ferry_link *l = (ferry_link *)p;
   pthread_mutex_lock(&l->rx_lock);
   int rc = rx_progress(l);
+  bool more = l->rx_more;
   pthread_mutex_unlock(&l->rx_lock);
+  if (rc == 0 && more && l->ops->edge_triggered) { /* no new edge will come for what is left */
+    struct epoll_event ev = {.events = link_events(l), .data.ptr = &l->poller};
+    epoll_ctl(l->ctx->epfd, EPOLL_CTL_MOD, l->poller.fd, &ev);
+  }
   if (rc < 0) {
     const char *why = ferry_last_error();
     link_retire(l, rc, *why ? why : "connection lost");

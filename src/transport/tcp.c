@@ -147,6 +147,7 @@ const fr_transport_ops fr_tcp_transport = {
     .sendv = fr_link_sock_sendv,
     .recv = fr_link_sock_recv,
     .any_thread_events = true,
+    .edge_triggered = true,
     .read = fr_link_rma_read,
     .write = fr_link_rma_write,
 };

@@ -49,6 +49,7 @@ typedef struct fr_transport_ops {
   /* Its pollers may run on whichever thread leads the ctx's epoll (a waiting caller instead of
    * the progress thread, see ctx.c); a ctx lets callers lead only if all its transports say so. */
   bool any_thread_events;
+  bool edge_triggered; /* its links sit in epoll with EPOLLET (the stream is all on the socket) */
   void (*poll_begin)(ferry_link *l);
   void (*poll_end)(ferry_link *l);
   /* Optional. Handshake: the connector offers an fd with its AUTH (offer), the acceptor takes
@@ -132,6 +133,7 @@ struct ferry_link {
   int rx_nfds;
   uint8_t rx_stage[16384]; /* small frames arrive here, many per recv */
   size_t rx_stage_pos, rx_stage_len;
+  bool rx_more; /* rx_drain stopped before the socket was empty */
 
   /* handshake (acceptor side) */
   uint8_t nonce_self[FR_NONCE_BYTES], nonce_peer[FR_NONCE_BYTES], proof[FR_NONCE_BYTES];
