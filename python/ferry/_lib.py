@@ -63,6 +63,23 @@ c_int, c_uint32, c_uint64, c_size_t = ctypes.c_int, ctypes.c_uint32, ctypes.c_ui
 c_char_p, c_void_p, POINTER, byref = ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER, ctypes.byref
 
 
+class Closing:
+    """For handles: `with` closes them, and so does garbage collection (errors swallowed there).
+    A subclass defines close(), which must be safe to call twice."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
 class TensorDesc(ctypes.Structure):
     _fields_ = [("dtype", c_int), ("ndim", c_uint32), ("shape", c_uint64 * MAX_DIMS)]
 

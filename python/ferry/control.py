@@ -16,7 +16,7 @@ import collections
 import ctypes
 import threading
 
-from ._lib import POINTER, byref, c_char_p, c_int, c_size_t, c_uint32, c_uint64, c_void_p, lib
+from ._lib import Closing, POINTER, byref, c_char_p, c_int, c_size_t, c_uint32, c_uint64, c_void_p, lib
 from .errors import Error, InvalidArgument, check
 
 __all__ = ["Control", "ControlRank", "ControlCell", "Command", "STATES", "COMMANDS"]
@@ -94,7 +94,7 @@ def _state_code(state):
             s for s in _STATE_CODE if s != "absent"))) from None
 
 
-class _Handle:
+class _Handle(Closing):
     _close_fn = None
 
     def __init__(self):
@@ -112,18 +112,6 @@ class _Handle:
             h, self._h = self._h, None
         if h:
             type(self)._close_fn(h)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 class ControlCell(_Handle):

@@ -118,7 +118,7 @@ def _payload(msg, like, copy):
     return topic, publisher, from_bits(arr, code, like)
 
 
-class MQ:
+class MQ(_lib.Closing):
     """A node's mq: publish and subscribe on topics.
 
     directory: the fleet's directory URL (ferry://HOST:PORT or redis://...); None:
@@ -178,18 +178,6 @@ class MQ:
         self._callback = None
         if self._owns_ctx:
             self._ctx.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def _t(self, timeout):
         return _ms(self._timeout if timeout is None else timeout)

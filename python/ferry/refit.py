@@ -179,7 +179,7 @@ def _needs_staging(obj):
     return isinstance(obj, np.ndarray) and not obj.flags.c_contiguous
 
 
-class RefitSender:
+class RefitSender(_lib.Closing):
     """The trainer's side. state_dict: {name: numpy array or CPU torch tensor}; their memory is
     declared in place (keep the tensors alive; update them in place, as optimizers do; a
     non-contiguous tensor is copied into a staging buffer before each push).
@@ -301,18 +301,6 @@ class RefitSender:
             self._ctx.close()
             self._ctx = None
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
     # -- push --------------------------------------------------------------------------------
     def update(self, state_dict):
         """Takes tensors that were replaced (another object, dtype or shape) or added: they are
@@ -356,7 +344,7 @@ class _Flat:
         weakref.finalize(self, rx._release_view)
 
 
-class RefitReceiver:
+class RefitReceiver(_lib.Closing):
     """An engine's side: attaches to the sender published under `name` (or at an address, e.g.
     "tcp://10.0.0.5:40123", which is RefitSender.address) and receives its manifest.
 
@@ -440,18 +428,6 @@ class RefitReceiver:
         if self._owns_ctx and self._ctx is not None:
             self._ctx.close()
             self._ctx = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     # -- the manifest ------------------------------------------------------------------------
     def manifest(self):

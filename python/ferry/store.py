@@ -44,7 +44,7 @@ def _info_dict(info):
             "bytes": int(info.bytes), "generation": int(info.generation)}
 
 
-class Store:
+class Store(_lib.Closing):
     """A node of a ferry store fleet.
 
     directory: the fleet's directory URL (ferry://HOST:PORT or redis://HOST:PORT[/DB]); None:
@@ -110,18 +110,6 @@ class Store:
         self._ctx._has_store = False
         if self._owns_ctx:
             self._ctx.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def _t(self, timeout):
         return _ms(self._timeout if timeout is None else timeout)

@@ -150,7 +150,7 @@ def _enc(s):
     return None if s is None else s.encode()
 
 
-class Context:
+class Context(_lib.Closing):
     """A ferry_ctx: one node (name, listeners, progress thread, regions). Closing it is deferred
     while arrays from ferry.empty() on it are alive, since closing unmaps their memory."""
 
@@ -216,18 +216,6 @@ class Context:
         h, self._h = self._h, None
         if h:
             lib.ferry_ctx_close(h)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 _default = None
