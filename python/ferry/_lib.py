@@ -63,6 +63,20 @@ c_int, c_uint32, c_uint64, c_size_t = ctypes.c_int, ctypes.c_uint32, ctypes.c_ui
 c_char_p, c_void_p, POINTER, byref = ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER, ctypes.byref
 
 
+def timeout_ms(timeout):
+    """Seconds (None: FERRY_TIMEOUT_MS) to the C library's milliseconds (-1: its default)."""
+    return -1 if timeout is None else max(0, int(timeout * 1000))
+
+
+def encoded(value, what):
+    """A str or bytes argument (a key, a topic) as the bytes the C library takes."""
+    if isinstance(value, bytes):
+        return value
+    if not isinstance(value, str):
+        raise TypeError("ferry: %s must be str, not %s" % (what, type(value).__name__))
+    return value.encode()
+
+
 class Closing:
     """For handles: `with` closes them, and so does garbage collection (errors swallowed there).
     A subclass defines close(), which must be safe to call twice."""

@@ -16,6 +16,7 @@ import collections
 import ctypes
 import threading
 
+from . import _lib
 from ._lib import Closing, POINTER, byref, c_char_p, c_int, c_size_t, c_uint32, c_uint64, c_void_p, lib
 from .errors import Error, InvalidArgument, check
 
@@ -74,8 +75,7 @@ for _name, (_res, _args) in _protos.items():
     _f.restype, _f.argtypes = _res, _args
 
 
-def _ms(timeout):
-    return -1 if timeout is None else max(0, int(timeout * 1000))
+_ms = _lib.timeout_ms
 
 
 def _name(name):

@@ -70,16 +70,11 @@ _declare("ferry_mq_set_callback", c_int, c_void_p, MSG_FN, c_void_p)
 _msg_free = lib.ferry_mq_msg_free
 
 
-def _ms(timeout):
-    return -1 if timeout is None else max(0, int(timeout * 1000))
+_ms = _lib.timeout_ms
 
 
 def _topic(topic):
-    if isinstance(topic, bytes):
-        return topic
-    if not isinstance(topic, str):
-        raise TypeError("ferry: topic must be str, not %s" % type(topic).__name__)
-    return topic.encode()
+    return _lib.encoded(topic, "topic")
 
 
 class _Held:

@@ -78,8 +78,7 @@ _seq_lock = threading.Lock()
 _published = set()  # rendezvous files this process wrote
 
 
-def _ms(timeout):
-    return -1 if timeout is None else max(0, int(timeout * 1000))
+_ms = _lib.timeout_ms
 
 
 def _node_name(role):

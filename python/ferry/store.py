@@ -16,17 +16,11 @@ __all__ = ["Store"]
 byref = ctypes.byref
 
 
-def _ms(timeout):
-    """Seconds (None: FERRY_TIMEOUT_MS) to the C library's milliseconds."""
-    return -1 if timeout is None else max(0, int(timeout * 1000))
+_ms = _lib.timeout_ms
 
 
 def _key(key):
-    if isinstance(key, bytes):
-        return key
-    if not isinstance(key, str):
-        raise TypeError("ferry: key must be str, not %s" % type(key).__name__)
-    return key.encode()
+    return _lib.encoded(key, "key")
 
 
 class _Malloced:
