@@ -7,10 +7,12 @@
 
 #include "ferry.h"
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <time.h>
 
 /* A field of a caller's options struct, or `dflt` when the struct is NULL or older than the
  * field: options structs only grow at their end, and `size` says how much of one the caller
@@ -51,6 +53,12 @@ int fr_timeout(int timeout_ms);
 
 /* ---- time ---- */
 uint64_t fr_now_ns(void); /* CLOCK_MONOTONIC */
+/* A condition variable whose timed waits take CLOCK_MONOTONIC deadlines (fr_now_ns). */
+void fr_cond_init_monotonic(pthread_cond_t *cond);
+/* Nanoseconds (a CLOCK_MONOTONIC time, or a duration) as a timespec. */
+static inline struct timespec fr_timespec(uint64_t ns) {
+  return (struct timespec){(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
+}
 static inline uint64_t fr_deadline_ns(int timeout_ms) {
   return fr_now_ns() + (uint64_t)timeout_ms * 1000000ull;
 }

@@ -10,6 +10,14 @@
 
 const char *ferry_version(void) { return FERRY_VERSION_STRING; }
 
+void fr_cond_init_monotonic(pthread_cond_t *cond) {
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(cond, &ca);
+  pthread_condattr_destroy(&ca);
+}
+
 uint64_t fr_now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);

@@ -27,7 +27,7 @@
 void fr_mq_detail(char *buf, size_t cap) { snprintf(buf, cap, "%s", ferry_last_error()); }
 
 static void timed_wait(pthread_cond_t *c, ferry_mq *mq, uint64_t until_ns) {
-  struct timespec ts = {(time_t)(until_ns / 1000000000ull), (long)(until_ns % 1000000000ull)};
+  struct timespec ts = fr_timespec(until_ns);
   pthread_cond_timedwait(c, &mq->lock, &ts);
 }
 
@@ -234,12 +234,8 @@ static ferry_mq *mq_new(ferry_ctx *ctx, const ferry_mq_opts *o) {
   while (mq->incarnation == 0);
   pthread_mutex_init(&mq->lock, NULL);
   pthread_mutex_init(&mq->publish_lock, NULL);
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&mq->cond, &ca);
-  pthread_cond_init(&mq->bg_cond, &ca);
-  pthread_condattr_destroy(&ca);
+  fr_cond_init_monotonic(&mq->cond);
+  fr_cond_init_monotonic(&mq->bg_cond);
   return mq;
 }
 

@@ -287,7 +287,7 @@ static void follow(ferry_ctx *ctx) {
     uint64_t until = __atomic_load_n(&ctx->user_led_ns, __ATOMIC_SEQ_CST) + FOLLOW_NS;
     if (fr_now_ns() >= until)
       break;
-    struct timespec ts = {(time_t)(until / 1000000000ull), (long)(until % 1000000000ull)};
+    struct timespec ts = fr_timespec(until);
     pthread_cond_timedwait(&ctx->idle_cond, &ctx->idle_lock, &ts);
   }
   ctx->lead_wanted = false;
@@ -355,7 +355,7 @@ bool fr_ctx_wait(ferry_ctx *ctx, bool (*ready)(void *), void *arg, pthread_mutex
        * leaves (a sleeper then leads itself). */
       uint64_t until = now + (r == BUSY ? FOLLOW_NS : 100 * FOLLOW_NS);
       until = until < deadline_ns ? until : deadline_ns;
-      struct timespec ts = {(time_t)(until / 1000000000ull), (long)(until % 1000000000ull)};
+      struct timespec ts = fr_timespec(until);
       pthread_mutex_lock(mutex);
       if (!ready(arg))
         pthread_cond_timedwait(cond, mutex, &ts);
@@ -436,15 +436,11 @@ static void ctx_init_sync(ferry_ctx *ctx) {
   pthread_cond_init(&ctx->serve_cond, NULL);
   pthread_mutex_init(&ctx->lead, NULL);
   pthread_mutex_init(&ctx->idle_lock, NULL);
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&ctx->idle_cond, &ca);
+  fr_cond_init_monotonic(&ctx->idle_cond);
   for (int i = 0; i < FERRY_MAX_CHANNELS; i++) {
     pthread_mutex_init(&ctx->channels[i].lock, NULL);
-    pthread_cond_init(&ctx->channels[i].cond, &ca);
+    fr_cond_init_monotonic(&ctx->channels[i].cond);
   }
-  pthread_condattr_destroy(&ca);
   fr_region_table_init(&ctx->regions);
 }
 

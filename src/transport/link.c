@@ -38,11 +38,7 @@ ferry_link *fr_link_new(ferry_ctx *ctx, const fr_transport_ops *ops, int fd, boo
   pthread_mutex_init(&l->lock, NULL);
   pthread_mutex_init(&l->send_lock, NULL);
   pthread_mutex_init(&l->rx_lock, NULL);
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&l->cond, &ca);
-  pthread_condattr_destroy(&ca);
+  fr_cond_init_monotonic(&l->cond);
   if (ops->setup)
     ops->setup(fd);
   return l;

@@ -86,7 +86,7 @@ static void futex_wait(uint32_t *word, uint32_t seen, uint64_t deadline_ns) {
   if (now >= deadline_ns)
     return;
   uint64_t left = deadline_ns - now;
-  struct timespec ts = {(time_t)(left / 1000000000ull), (long)(left % 1000000000ull)};
+  struct timespec ts = fr_timespec(left);
   syscall(SYS_futex, word, FUTEX_WAIT, seen, &ts, NULL, 0);
 }
 

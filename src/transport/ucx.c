@@ -858,11 +858,7 @@ static int link_state_new(ferry_link *l) {
   pthread_mutexattr_settype(&ma, PTHREAD_MUTEX_RECURSIVE);
   pthread_mutex_init(&u->lock, &ma);
   pthread_mutexattr_destroy(&ma);
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&u->cond, &ca);
-  pthread_condattr_destroy(&ca);
+  fr_cond_init_monotonic(&u->cond);
   pthread_mutex_lock(&uc->lock);
   u->next = uc->links;
   uc->links = u;
@@ -1054,7 +1050,7 @@ static int wait_ready_locked(ucx_link *u, uint64_t deadline_ns) {
       return fr_err(rc, "ucx link with '%s': no endpoint", u->link->peer);
     uint64_t until = fr_now_ns() + 10000000ull;
     until = until < deadline_ns ? until : deadline_ns;
-    struct timespec ts = {(time_t)(until / 1000000000ull), (long)(until % 1000000000ull)};
+    struct timespec ts = fr_timespec(until);
     pthread_cond_timedwait(&u->cond, &u->lock, &ts);
   }
   return u->gone ? fr_err(FERRY_EPEER, "ucx link with '%s' is closed", u->link->peer) : 0;
