@@ -13,8 +13,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define FR_REFIT_CHUNK (256u * 1024u)
-
 struct fr_refit_packer {
   ferry_refit_sender *s;
   pthread_t thread;

@@ -156,7 +156,7 @@ static bool slot_free(const ferry_refit_sender *s, const fr_push *p, uint32_t q)
 /* Waits for an acknowledgement, or 50 ms to check liveness and progress again. */
 static void wait_briefly(ferry_refit_sender *s) {
   uint64_t t = fr_now_ns() + 50000000ull;
-  struct timespec ts = {(time_t)(t / 1000000000ull), (long)(t % 1000000000ull)};
+  struct timespec ts = fr_timespec(t);
   pthread_cond_timedwait(&s->cond, &s->lock, &ts);
 }
 

@@ -44,31 +44,6 @@ struct ferry_refit_receiver {
 
 uint64_t fr_refit_stat_forwarded;
 
-static ferry_ctx *receiver_ctxs[64];
-static pthread_mutex_t receiver_ctxs_lock = PTHREAD_MUTEX_INITIALIZER;
-
-static int claim_ctx(ferry_ctx *ctx, bool claim) {
-  pthread_mutex_lock(&receiver_ctxs_lock);
-  int slot = -1, rc = 0;
-  for (int i = 0; i < 64; i++) {
-    if (receiver_ctxs[i] == ctx) {
-      rc = claim ? fr_err(FERRY_EBUSY, "this context already has a refit receiver") : 0;
-      if (!claim)
-        receiver_ctxs[i] = NULL;
-      pthread_mutex_unlock(&receiver_ctxs_lock);
-      return rc;
-    }
-    if (!receiver_ctxs[i] && slot < 0)
-      slot = i;
-  }
-  if (claim && slot < 0)
-    rc = fr_err(FERRY_EBUSY, "too many refit receivers in this process");
-  else if (claim)
-    receiver_ctxs[slot] = ctx;
-  pthread_mutex_unlock(&receiver_ctxs_lock);
-  return rc;
-}
-
 /* ---- receiving a push (service thread) ---- */
 
 static int fetch_manifest(ferry_refit_receiver *r, int timeout_ms, fr_refit_plan *plan);
@@ -131,8 +106,6 @@ static int refetch_manifest(ferry_refit_receiver *r) {
           ferry_link_peer(r->link), plan.count);
   return rc;
 }
-
-#define FR_REFIT_CHUNK (256u * 1024u)
 
 /* Puts [lo, lo+len) of bucket b, held at src, where its tensors are bound. */
 static void scatter(ferry_refit_receiver *r, uint32_t b, uint64_t lo, uint64_t len,
@@ -442,7 +415,7 @@ static void receiver_free(ferry_refit_receiver *r) {
   pthread_mutex_destroy(&r->lock);
   pthread_mutex_destroy(&r->bind_lock);
   pthread_cond_destroy(&r->cond);
-  claim_ctx(r->ctx, false);
+  fr_refit_unclaim(r->ctx, FR_REFIT_RECEIVER);
   free(r);
 }
 
@@ -450,22 +423,18 @@ int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_m
                               ferry_refit_receiver **out) {
   if (!ctx || !address || !out)
     return fr_err(FERRY_EINVAL, "ferry_refit_receiver_open: NULL argument");
-  int rc = claim_ctx(ctx, true);
+  int rc = fr_refit_claim(ctx, FR_REFIT_RECEIVER);
   if (rc != 0)
     return rc;
   ferry_refit_receiver *r = calloc(1, sizeof *r);
   if (!r) {
-    claim_ctx(ctx, false);
+    fr_refit_unclaim(ctx, FR_REFIT_RECEIVER);
     return fr_err(FERRY_ENOMEM, "refit receiver");
   }
   r->ctx = ctx;
   pthread_mutex_init(&r->lock, NULL);
   pthread_mutex_init(&r->bind_lock, NULL);
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&r->cond, &ca);
-  pthread_condattr_destroy(&ca);
+  fr_cond_init_monotonic(&r->cond);
   rc = attach(r, address, fr_timeout(timeout_ms));
   if (rc == 0 && pthread_create(&r->service, NULL, service_main, r) != 0)
     rc = fr_err(FERRY_ESYS, "refit receiver: cannot start its thread");
@@ -624,7 +593,7 @@ int ferry_refit_wait(ferry_refit_receiver *r, uint64_t version, int timeout_ms,
   if (!r)
     return fr_err(FERRY_EINVAL, "ferry_refit_wait: NULL receiver");
   uint64_t deadline = fr_deadline_ns(fr_timeout(timeout_ms));
-  struct timespec ts = {(time_t)(deadline / 1000000000ull), (long)(deadline % 1000000000ull)};
+  struct timespec ts = fr_timespec(deadline);
   pthread_mutex_lock(&r->lock);
   uint64_t target = version ? version : (r->latest_known ? r->latest_known : 1);
   while (r->committed < target)

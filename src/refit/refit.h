@@ -17,6 +17,14 @@ extern void (*fr_refit_test_corrupt)(uint32_t bucket, uint8_t *bytes, uint64_t l
 /* Buckets this process's receivers read from a chain predecessor (tests prove chains carry). */
 extern uint64_t fr_refit_stat_forwarded;
 
+/* One sender and one receiver per ctx (claim.c): FERRY_EBUSY when the role is taken. */
+typedef enum fr_refit_role { FR_REFIT_SENDER = 0, FR_REFIT_RECEIVER = 1 } fr_refit_role;
+int fr_refit_claim(ferry_ctx *ctx, fr_refit_role role);
+void fr_refit_unclaim(ferry_ctx *ctx, fr_refit_role role);
+
+/* Bytes packed, or read and hashed, at a time: the chunk stays in cache between the steps. */
+#define FR_REFIT_CHUNK (256u * 1024u)
+
 /* Senders by name in the directory (name.c). */
 typedef struct fr_refit_name fr_refit_name;
 /* Registers "refit:NAME" → ctx's address in the directory at url (NULL: FERRY_DIRECTORY).

@@ -16,33 +16,6 @@ void (*fr_refit_test_corrupt)(uint32_t bucket, uint8_t *bytes, uint64_t len);
 
 #include "refit/sender_impl.h"
 
-static ferry_ctx *sender_ctxs[64];
-static pthread_mutex_t sender_ctxs_lock = PTHREAD_MUTEX_INITIALIZER;
-
-/* One sender per ctx: they share the refit channel. */
-static int claim_ctx(ferry_ctx *ctx, bool claim) {
-  pthread_mutex_lock(&sender_ctxs_lock);
-  int free_slot = -1, rc = 0;
-  for (int i = 0; i < 64; i++) {
-    if (sender_ctxs[i] == ctx) {
-      if (claim)
-        rc = fr_err(FERRY_EBUSY, "this context already has a refit sender");
-      else
-        sender_ctxs[i] = NULL;
-      pthread_mutex_unlock(&sender_ctxs_lock);
-      return rc;
-    }
-    if (!sender_ctxs[i] && free_slot < 0)
-      free_slot = i;
-  }
-  if (claim && free_slot < 0)
-    rc = fr_err(FERRY_EBUSY, "too many refit senders in this process");
-  else if (claim)
-    sender_ctxs[free_slot] = ctx;
-  pthread_mutex_unlock(&sender_ctxs_lock);
-  return rc;
-}
-
 /* ---- the service thread ---- */
 
 static receiver *find_receiver(ferry_refit_sender *s, ferry_link *link) {
@@ -188,13 +161,13 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
                             ferry_refit_sender **out) {
   if (!ctx || !name || !out)
     return fr_err(FERRY_EINVAL, "ferry_refit_sender_open: NULL argument");
-  int rc = claim_ctx(ctx, true);
+  int rc = fr_refit_claim(ctx, FR_REFIT_SENDER);
   if (rc != 0)
     return rc;
   ferry_refit_sender *s = calloc(1, sizeof *s);
   if (!s || !(s->name = strdup(name))) {
     free(s);
-    claim_ctx(ctx, false);
+    fr_refit_unclaim(ctx, FR_REFIT_SENDER);
     return fr_err(FERRY_ENOMEM, "refit sender");
   }
   s->ctx = ctx;
@@ -202,23 +175,19 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
   s->alias = FR_OPT(opts, alias, 0);
   if (FR_OPT(opts, publish, 0) &&
       (rc = fr_refit_publish(ctx, name, FR_OPT(opts, directory, NULL), &s->published))) {
-    claim_ctx(ctx, false);
+    fr_refit_unclaim(ctx, FR_REFIT_SENDER);
     free(s->name);
     free(s);
     return rc;
   }
   pthread_mutex_init(&s->lock, NULL);
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&s->cond, &ca);
-  pthread_condattr_destroy(&ca);
+  fr_cond_init_monotonic(&s->cond);
   if (fr_refit_packer_start(s, &s->packer) != 0)
     fr_warn("refit '%s': packing on one thread: %s", name, ferry_last_error());
   if (pthread_create(&s->service, NULL, service_main, s) != 0) {
     fr_refit_packer_stop(s->packer);
     fr_refit_unpublish(s->published);
-    claim_ctx(ctx, false);
+    fr_refit_unclaim(ctx, FR_REFIT_SENDER);
     free(s->name);
     free(s);
     return fr_err(FERRY_ESYS, "refit sender: cannot start its thread");
@@ -354,7 +323,7 @@ void ferry_refit_sender_close(ferry_refit_sender *s) {
   }
   for (int i = 0; i < 2; i++)
     ferry_free(s->ctx, s->buf[i]);
-  claim_ctx(s->ctx, false);
+  fr_refit_unclaim(s->ctx, FR_REFIT_SENDER);
   fr_refit_plan_free(&s->plan);
   free(s->src);
   free(s->last_sum);
