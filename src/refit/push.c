@@ -74,12 +74,13 @@ static bool active(const receiver *r) { return r->in_push && r->status == 0 && !
 
 /* Marks receivers that died or ran out of time, and every chain member behind a failed one. */
 static void mark_failures(ferry_refit_sender *s, const fr_push *p) {
+  uint64_t now = fr_now_ns();
   for (receiver *r = s->receivers; r; r = r->next) {
     if (!r->in_push || r->status != 0 || (r->acked >= p->n && !r->orphan))
       continue;
     if (ferry_link_status(r->link) != 0)
       r->status = FERRY_EPEER;
-    else if (fr_now_ns() - r->progress_ns >= (uint64_t)p->timeout_ms * 1000000ull)
+    else if (now - r->progress_ns >= (uint64_t)p->timeout_ms * 1000000ull)
       r->status = FERRY_ETIMEDOUT;
   }
   for (receiver *r = p->head; r && r->down; r = r->down)
@@ -258,7 +259,6 @@ static size_t begin_push(ferry_refit_sender *s, fr_push *p, ferry_refit_route ro
     r->announced = r->acked = 0;
     r->status = 0;
     r->progress_ns = fr_now_ns();
-    snprintf(r->peer, sizeof r->peer, "%s", ferry_link_peer(r->link));
     *all_current &= r->committed == s->latest && s->latest != 0;
     n++;
   }

@@ -51,10 +51,8 @@ static void remove_receiver(ferry_refit_sender *s, ferry_link *link) {
 static receiver *new_receiver(ferry_msg *m) {
   receiver *r = calloc(1, sizeof *r);
   size_t alen = m->len > 4 ? m->len - 4 : 0;
-  if (r && alen <= FR_REFIT_ADDRESS_MAX && (r->address = malloc(alen + 1))) {
-    memcpy(r->address, (const char *)m->data + 4, alen);
-    r->address[alen] = 0;
-    r->address[strnlen(r->address, alen)] = 0;
+  if (r && alen <= FR_REFIT_ADDRESS_MAX &&
+      (r->address = strndup((const char *)m->data + 4, alen))) {
     r->link = ferry_link_retain(m->link);
     r->shm = strcmp(ferry_link_transport(m->link), "shm") == 0;
     snprintf(r->peer, sizeof r->peer, "%s", ferry_link_peer(m->link));
