@@ -81,6 +81,21 @@ static ferry_refit_sender *sender_for(ferry_ctx *c, model *m, uint64_t bucket) {
   return sender_with(c, m, "trainer", &o);
 }
 
+/* A receiver of the sender at address (or published under that name) with a flat buffer. */
+static ferry_refit_receiver *flat_receiver(ferry_ctx *c, const char *address) {
+  ferry_refit_receiver *r;
+  FR_OK(ferry_refit_receiver_open(c, address, 5000, &r));
+  FR_OK(ferry_refit_bind_flat(r));
+  return r;
+}
+
+/* Waits (up to 10 s) until n receivers attached to s. */
+static void await_receivers(ferry_refit_sender *s, size_t n) {
+  for (int i = 0; i < 1000 && ferry_refit_receivers(s) < n; i++)
+    usleep(10000);
+  assert_int_equal(ferry_refit_receivers(s), n);
+}
+
 typedef struct bound {
   void *mem[NT];
   ferry_tensor_desc d[NT];
@@ -141,9 +156,7 @@ static void push_and_check(const char *transports, ferry_refit_route route) {
   }
   bind_all(r3, &b3);
   FR_OK(ferry_refit_bind_flat(r2));
-  for (int i = 0; i < 50 && ferry_refit_receivers(s) < 3; i++)
-    usleep(10000);
-  assert_int_equal(ferry_refit_receivers(s), 3);
+  await_receivers(s, 3);
 
   ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = -1, .route = route};
   FR_OK(ferry_refit_push(s, 1, &po));
@@ -223,10 +236,8 @@ static void test_by_name(void **st) {
   ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 16384, .publish = 1};
   ferry_refit_sender *s = sender_with(sc, &m, "policy", &o), *s2;
   assert_int_equal(ferry_refit_sender_open(sc2, "policy", &o, &s2), FERRY_EEXIST);
-  FR_OK(ferry_refit_receiver_open(rc, "policy", 5000, &r));
-  FR_OK(ferry_refit_bind_flat(r));
-  while (ferry_refit_receivers(s) < 1)
-    usleep(10000);
+  r = flat_receiver(rc, "policy");
+  await_receivers(s, 1);
   FR_OK(ferry_refit_push(s, 1, NULL));
   FR_OK(ferry_refit_wait(r, 1, 5000, NULL));
   ferry_refit_receiver_close(r);
@@ -260,8 +271,7 @@ static void test_alias(void **st) {
   FR_OK(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &r));
   FR_OK(ferry_refit_bind_alias(r));
   assert_int_equal(ferry_refit_bind_flat(r), FERRY_ESTATE);
-  while (ferry_refit_receivers(s) < 1)
-    usleep(10000);
+  await_receivers(s, 1);
   void *views[NT];
   for (int i = 0; i < NT; i++)
     FR_OK(ferry_refit_view(r, m.name[i], &views[i]));
@@ -317,10 +327,8 @@ static void test_corrupt_bucket(void **st) {
   ferry_ctx *sc = ctx_for("trainer", "shm"), *rc = ctx_for("rollout", "shm");
   ferry_refit_sender *s = sender_for(sc, &m, 16384);
   ferry_refit_receiver *r;
-  FR_OK(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &r));
-  FR_OK(ferry_refit_bind_flat(r));
-  for (int i = 0; i < 50 && ferry_refit_receivers(s) < 1; i++)
-    usleep(10000);
+  r = flat_receiver(rc, ferry_ctx_address(sc));
+  await_receivers(s, 1);
   FR_OK(ferry_refit_push(s, 1, NULL));
   FR_OK(ferry_refit_wait(r, 1, 5000, NULL));
   fr_refit_test_corrupt = flip_bucket_one;
@@ -350,8 +358,7 @@ static void test_reseal(void **st) {
   FR_OK(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &r));
   bound b;
   bind_all(r, &b);
-  while (ferry_refit_receivers(s) < 1)
-    usleep(10000);
+  await_receivers(s, 1);
   FR_OK(ferry_refit_push(s, 1, NULL));
   FR_OK(ferry_refit_wait(r, 1, 5000, NULL));
 
@@ -421,15 +428,13 @@ static void test_receiver_killed(void **st) {
   ferry_ctx *sc = ctx_for("trainer", "shm,tcp"), *rc = ctx_for("rollout", "shm,tcp");
   ferry_refit_sender *s = sender_for(sc, &m, 16384);
   ferry_refit_receiver *r;
-  FR_OK(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &r));
-  FR_OK(ferry_refit_bind_flat(r));
+  r = flat_receiver(rc, ferry_ctx_address(sc));
   tu_pipe p;
   tu_pipe_open(&p);
   pid_t pid = spawn_receiver(ferry_ctx_address(sc), "1", &p);
   uint8_t ready;
   assert_int_equal(tu_pipe_get(&p, &ready, 1, 10000), 0);
-  while (ferry_refit_receivers(s) < 2)
-    usleep(10000);
+  await_receivers(s, 2);
   FR_OK(ferry_refit_push(s, 1, NULL));
   uint64_t v;
   assert_int_equal(tu_pipe_get(&p, &v, sizeof v, 10000), 0);
@@ -452,8 +457,7 @@ static void test_receiver_killed(void **st) {
   /* restarted: it re-attaches and catches up with the next push */
   pid = spawn_receiver(ferry_ctx_address(sc), "3", &p);
   assert_int_equal(tu_pipe_get(&p, &ready, 1, 10000), 0);
-  while (ferry_refit_receivers(s) < 2)
-    usleep(10000);
+  await_receivers(s, 2);
   FR_OK(ferry_refit_push(s, 3, NULL));
   assert_int_equal(tu_pipe_get(&p, &v, sizeof v, 10000), 0); /* waits for 1: satisfied by 3 */
   kill(pid, SIGKILL);
@@ -475,21 +479,16 @@ static void test_chain_receiver_killed(void **st) {
             *tc = ctx_for("tail", "shm,tcp");
   ferry_refit_sender *s = sender_for(sc, &m, 16384);
   ferry_refit_receiver *head, *tail;
-  FR_OK(ferry_refit_receiver_open(hc, ferry_ctx_address(sc), 5000, &head));
-  FR_OK(ferry_refit_bind_flat(head));
-  while (ferry_refit_receivers(s) < 1)
-    usleep(10000);
+  head = flat_receiver(hc, ferry_ctx_address(sc));
+  await_receivers(s, 1);
   tu_pipe p;
   tu_pipe_open(&p);
   pid_t pid = spawn_receiver(ferry_ctx_address(sc), "1", &p);
   uint8_t ready;
   assert_int_equal(tu_pipe_get(&p, &ready, 1, 10000), 0);
-  while (ferry_refit_receivers(s) < 2)
-    usleep(10000);
-  FR_OK(ferry_refit_receiver_open(tc, ferry_ctx_address(sc), 5000, &tail));
-  FR_OK(ferry_refit_bind_flat(tail));
-  while (ferry_refit_receivers(s) < 3)
-    usleep(10000);
+  await_receivers(s, 2);
+  tail = flat_receiver(tc, ferry_ctx_address(sc));
+  await_receivers(s, 3);
   ferry_refit_push_opts po = {
       .size = sizeof po, .timeout_ms = 10000, .route = FERRY_REFIT_ROUTE_CHAIN};
   uint64_t forwarded = __atomic_load_n(&fr_refit_stat_forwarded, __ATOMIC_RELAXED);
@@ -522,8 +521,7 @@ static void test_chain_receiver_killed(void **st) {
 
   pid = spawn_receiver(ferry_ctx_address(sc), "3", &p);
   assert_int_equal(tu_pipe_get(&p, &ready, 1, 10000), 0);
-  while (ferry_refit_receivers(s) < 3)
-    usleep(10000);
+  await_receivers(s, 3);
   FR_OK(ferry_refit_push(s, 3, &po));
   assert_int_equal(tu_pipe_get(&p, &v, sizeof v, 10000), 0);
   FR_OK(ferry_refit_wait(tail, 3, 5000, NULL));
@@ -553,8 +551,7 @@ static int sender_child(tu_pipe *p) {
   char addr[512];
   snprintf(addr, sizeof addr, "%s", ferry_ctx_address(sc));
   tu_pipe_put(p, addr, sizeof addr);
-  while (ferry_refit_receivers(s) < 1)
-    usleep(10000);
+  await_receivers(s, 1);
   if (ferry_refit_push(s, 1, NULL) != 0)
     return 1;
   uint8_t go;
@@ -576,8 +573,7 @@ static void test_sender_killed(void **st) {
   assert_int_equal(tu_pipe_get(&to_parent, addr, sizeof addr, 10000), 0);
   ferry_ctx *rc = ctx_for("rollout", "shm,tcp");
   ferry_refit_receiver *r;
-  FR_OK(ferry_refit_receiver_open(rc, addr, 5000, &r));
-  FR_OK(ferry_refit_bind_flat(r));
+  r = flat_receiver(rc, addr);
   FR_OK(ferry_refit_wait(r, 1, 10000, NULL));
   uint8_t go = 1;
   tu_pipe_put(&to_child, &go, 1);
