@@ -24,7 +24,7 @@ import numpy as np
 from . import _lib
 from ._lib import lib
 from .errors import check, raise_status
-from .tensors import DTYPES, Context, _torch, as_buffer, from_bits
+from .tensors import DTYPES, Context, NodeHandle, _torch, as_buffer, from_bits
 
 __all__ = ["MQ"]
 
@@ -113,7 +113,7 @@ def _payload(msg, like, copy):
     return topic, publisher, from_bits(arr, code, like)
 
 
-class MQ(_lib.Closing):
+class MQ(NodeHandle):
     """A node's mq: publish and subscribe on topics.
 
     directory: the fleet's directory URL (ferry://HOST:PORT or redis://...); None:
@@ -122,6 +122,8 @@ class MQ(_lib.Closing):
     this publisher). queue_bytes: credit granted to each publisher (0: FERRY_MQ_QUEUE_BYTES).
     ctx: an open ferry.Context to use (one mq per context); by default a new one.
     timeout: default seconds of each call (None: FERRY_TIMEOUT_MS)."""
+
+    _what = "mq"
 
     def __init__(self, directory=None, name=None, host_directory=False, queue_bytes=0,
                  lease_ms=0, transports=None, tcp_listen=None, ctx=None, timeout=None):
@@ -147,21 +149,6 @@ class MQ(_lib.Closing):
         self.directory = "ferry://" + self._ctx.tcp_address if host_directory else directory
 
     # -- life --------------------------------------------------------------------------------
-    @property
-    def handle(self):
-        h = self._h
-        if not h:
-            raise ValueError("ferry: mq is closed")
-        return h
-
-    @property
-    def context(self):
-        return self._ctx
-
-    @property
-    def name(self):
-        return self._ctx.name
-
     def close(self):
         """Leaves the fleet (publishers drop this node, subscribers forget it). Messages still
         held as views must be gone first: close waits for nothing, so drop them before."""

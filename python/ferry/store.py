@@ -9,7 +9,7 @@ import numpy as np
 from . import _lib
 from ._lib import lib
 from .errors import NotFound, check, raise_status
-from .tensors import DTYPES, _ctx_for_store, as_buffer, desc_shape, empty, from_bits
+from .tensors import DTYPES, NodeHandle, _ctx_for_store, as_buffer, desc_shape, empty, from_bits
 
 __all__ = ["Store"]
 
@@ -38,7 +38,7 @@ def _info_dict(info):
             "bytes": int(info.bytes), "generation": int(info.generation)}
 
 
-class Store(_lib.Closing):
+class Store(NodeHandle):
     """A node of a ferry store fleet.
 
     directory: the fleet's directory URL (ferry://HOST:PORT or redis://HOST:PORT[/DB]); None:
@@ -47,6 +47,8 @@ class Store(_lib.Closing):
     ferry.Context to use (one store per context); by default the process's default context when
     it has no store yet (so arrays from ferry.empty() are put in place), else a new one.
     timeout: default seconds of each call (None: FERRY_TIMEOUT_MS)."""
+
+    _what = "store"
 
     def __init__(self, directory=None, name=None, host_directory=False, capacity=0,
                  lease_ms=0, tcp_listen=None, ctx=None, timeout=None, holder=False):
@@ -79,21 +81,6 @@ class Store(_lib.Closing):
             self.directory = directory
 
     # -- life --------------------------------------------------------------------------------
-    @property
-    def handle(self):
-        h = self._h
-        if not h:
-            raise ValueError("ferry: store is closed")
-        return h
-
-    @property
-    def context(self):
-        return self._ctx
-
-    @property
-    def name(self):
-        return self._ctx.name
-
     def close(self):
         """Removes this node's objects from the fleet and frees its pool. Idempotent."""
         with self._lock:

@@ -150,6 +150,28 @@ def _enc(s):
     return None if s is None else s.encode()
 
 
+class NodeHandle(_lib.Closing):
+    """A job's handle (store, mq) on a Context: `handle` (ValueError once closed), `context`,
+    `name`. Subclasses set _h, _ctx and _what."""
+
+    _what = "handle"
+
+    @property
+    def handle(self):
+        h = self._h
+        if not h:
+            raise ValueError("ferry: %s is closed" % self._what)
+        return h
+
+    @property
+    def context(self):
+        return self._ctx
+
+    @property
+    def name(self):
+        return self._ctx.name
+
+
 class Context(_lib.Closing):
     """A ferry_ctx: one node (name, listeners, progress thread, regions). Closing it is deferred
     while arrays from ferry.empty() on it are alive, since closing unmaps their memory."""
