@@ -76,4 +76,19 @@ bool fr_memeq_const(const void *a, const void *b, size_t len);
 int fr_random_bytes(void *buf, size_t len);
 uint64_t fr_random_u64(void);
 
+/* ---- happens-before that ThreadSanitizer cannot see ----
+ * Memory shared with a peer is mapped at another address even when the peer is in this process
+ * (the tests run both ends side by side), and UCX synchronizes in code TSan does not see; so
+ * code that hands data over such a channel releases a process-local object that stands for it,
+ * and the code that takes the data acquires it. No code at all outside TSan builds. */
+#if defined(__SANITIZE_THREAD__)
+void __tsan_acquire(void *addr);
+void __tsan_release(void *addr);
+#define FR_HB_RELEASE(obj) __tsan_release(obj)
+#define FR_HB_ACQUIRE(obj) __tsan_acquire(obj)
+#else
+#define FR_HB_RELEASE(obj) ((void)(obj))
+#define FR_HB_ACQUIRE(obj) ((void)(obj))
+#endif
+
 #endif

@@ -135,18 +135,11 @@ typedef struct ucx_link {
 
 static _Thread_local bool tl_progress_thread; /* set on the ctx's progress thread */
 
-/* UCX synchronizes what passes through it (over shared memory, with code TSan does not see):
- * tell TSan so. Handing anything to UCX releases, progressing it acquires. */
-#if defined(__SANITIZE_THREAD__)
-void __tsan_acquire(void *addr);
-void __tsan_release(void *addr);
+/* UCX synchronizes what passes through it in code TSan does not see (core.h): handing anything
+ * to UCX releases, progressing it acquires. */
 static char ucx_channel;
-#define HB_HAND_OVER() __tsan_release(&ucx_channel)
-#define HB_TAKE() __tsan_acquire(&ucx_channel)
-#else
-#define HB_HAND_OVER() ((void)0)
-#define HB_TAKE() ((void)0)
-#endif
+#define HB_HAND_OVER() FR_HB_RELEASE(&ucx_channel)
+#define HB_TAKE() FR_HB_ACQUIRE(&ucx_channel)
 
 /* ---- small helpers ---- */
 
