@@ -257,7 +257,7 @@ static void test_layout_and_mode(void **state) {
   struct stat st;
   assert_int_equal(stat(path, &st), 0);
   assert_int_equal(st.st_mode & 0777, 0600);
-  assert_int_equal(st.st_size, 2 * FR_CTL_PAGE);
+  assert_int_equal(st.st_size, FR_CTL_HEADER_BYTES + FR_CTL_PAGE);
   FILE *f = fopen(path, "rb");
   fr_ctl_header hdr;
   assert_int_equal(fread(&hdr, sizeof hdr, 1, f), 1);

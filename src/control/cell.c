@@ -59,7 +59,7 @@ int fr_ctl_path(const char *name, fr_ctl_map *map) {
 
 static uint32_t file_size_for(uint32_t nranks) {
   uint32_t lines = nranks * FR_CTL_LINE;
-  return FR_CTL_PAGE + (lines + FR_CTL_PAGE - 1) / FR_CTL_PAGE * FR_CTL_PAGE;
+  return FR_CTL_HEADER_BYTES + (lines + FR_CTL_PAGE - 1) / FR_CTL_PAGE * FR_CTL_PAGE;
 }
 
 int fr_ctl_header_check(const fr_ctl_header *hdr, uint64_t file_size, const char *name) {
@@ -69,7 +69,7 @@ int fr_ctl_header_check(const fr_ctl_header *hdr, uint64_t file_size, const char
     return fr_err(FERRY_EPROTO, "control cell '%s' has layout version %u, this ferry reads %u",
                   name, hdr->layout_version, FR_CTL_LAYOUT_VERSION);
   if (hdr->nranks < 1 || hdr->nranks > FERRY_CTL_MAX_RANKS || hdr->line_size != FR_CTL_LINE ||
-      hdr->lines_offset != FR_CTL_PAGE || hdr->file_size != file_size_for(hdr->nranks) ||
+      hdr->lines_offset != FR_CTL_HEADER_BYTES || hdr->file_size != file_size_for(hdr->nranks) ||
       file_size < hdr->file_size)
     return fr_err(FERRY_EPROTO, "control cell '%s': corrupt header (%u ranks, %lu bytes)", name,
                   hdr->nranks, (unsigned long)file_size);
@@ -81,14 +81,14 @@ int fr_ctl_header_check(const fr_ctl_header *hdr, uint64_t file_size, const char
 int fr_ctl_map_fd(fr_ctl_map *map, int role) {
   int hdr_prot = role == FR_CTL_MAP_RANK ? PROT_READ : PROT_READ | PROT_WRITE;
   int line_prot = role == FR_CTL_MAP_CONTROLLER ? PROT_READ : PROT_READ | PROT_WRITE;
-  void *hdr = mmap(NULL, FR_CTL_PAGE, hdr_prot, MAP_SHARED, map->fd, 0);
+  void *hdr = mmap(NULL, FR_CTL_HEADER_BYTES, hdr_prot, MAP_SHARED, map->fd, 0);
   if (hdr == MAP_FAILED)
     return fr_err_errno(FERRY_ESYS, "map control cell '%s'", map->name);
-  map->lines_len = file_size_for(map->nranks) - FR_CTL_PAGE;
-  void *lines = mmap(NULL, map->lines_len, line_prot, MAP_SHARED, map->fd, FR_CTL_PAGE);
+  map->lines_len = file_size_for(map->nranks) - FR_CTL_HEADER_BYTES;
+  void *lines = mmap(NULL, map->lines_len, line_prot, MAP_SHARED, map->fd, FR_CTL_HEADER_BYTES);
   if (lines == MAP_FAILED) {
     int rc = fr_err_errno(FERRY_ESYS, "map control cell '%s' ranks", map->name);
-    munmap(hdr, FR_CTL_PAGE);
+    munmap(hdr, FR_CTL_HEADER_BYTES);
     return rc;
   }
   map->hdr = hdr;
@@ -135,7 +135,7 @@ int fr_ctl_map_open(const char *name, int role, fr_ctl_map *map) {
 
 void fr_ctl_map_close(fr_ctl_map *map) {
   if (map->hdr)
-    munmap(map->hdr, FR_CTL_PAGE);
+    munmap(map->hdr, FR_CTL_HEADER_BYTES);
   if (map->lines)
     munmap(map->lines, map->lines_len);
   if (map->fd >= 0)
@@ -251,7 +251,7 @@ static void init_header(fr_ctl_header *hdr, uint32_t nranks) {
   hdr->engine_pid = (int32_t)getpid();
   hdr->engine_start = fr_ctl_pid_start(getpid());
   hdr->created_unix_ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-  hdr->lines_offset = FR_CTL_PAGE;
+  hdr->lines_offset = FR_CTL_HEADER_BYTES;
   hdr->line_size = FR_CTL_LINE;
   hdr->file_size = file_size_for(nranks);
   atomic_store(&hdr->command, fr_ctl_cmd_word(0, FERRY_CTL_NONE));
