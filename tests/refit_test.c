@@ -245,6 +245,21 @@ static void test_by_name(void **st) {
   FR_OK(ferry_refit_sender_open(sc2, "policy", &o, &s2)); /* the name was let go */
   ferry_refit_sender_close(s2);
 
+  /* A sender killed while it holds the name: the next one takes it over at once (nothing
+   * answers at the dead one's address), not after the lease (FERRY_LEASE_MS, 15 s) lapses. */
+  tu_pipe from_child;
+  tu_pipe_open(&from_child);
+  char wr[16];
+  snprintf(wr, sizeof wr, "%d", from_child.wr);
+  pid_t pid = tu_spawn_exec("--publish-and-die", wr, NULL);
+  uint8_t up = 0;
+  assert_int_equal(tu_pipe_get(&from_child, &up, 1, 10000), 0);
+  assert_int_equal(up, 1);
+  assert_int_equal(tu_wait(pid), 128 + SIGKILL);
+  FR_OK(ferry_refit_sender_open(sc2, "policy", &o, &s2));
+  ferry_refit_sender_close(s2);
+  tu_pipe_close(&from_child);
+
   unsetenv("FERRY_DIRECTORY");
   ferry_ctx_close(rc);
   ferry_ctx_close(sc2);
@@ -592,10 +607,27 @@ static void test_sender_killed(void **st) {
   tu_pipe_close(&to_child);
 }
 
+/* Publishes sender "policy" (FERRY_DIRECTORY from the parent), says so, and dies at once. */
+static int publish_and_die(int wr) {
+  ferry_ctx_opts co = {.size = sizeof co, .name = "trainer-old", .transports = "shm,tcp"};
+  ferry_ctx *c;
+  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 16384, .publish = 1};
+  ferry_refit_sender *s;
+  if (ferry_ctx_open(&co, &c) != 0 || ferry_refit_sender_open(c, "policy", &o, &s) != 0)
+    return 1;
+  uint8_t up = 1;
+  tu_pipe p = {-1, wr};
+  tu_pipe_put(&p, &up, 1);
+  raise(SIGKILL);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
   if (argc == 5 && strcmp(argv[1], "--receiver") == 0)
     return receiver_child(argv[2], strtoull(argv[3], NULL, 10), atoi(argv[4]));
+  if (argc == 3 && strcmp(argv[1], "--publish-and-die") == 0)
+    return publish_and_die(atoi(argv[2]));
   if (argc == 4 && strcmp(argv[1], "--sender") == 0) {
     tu_pipe p = {atoi(argv[2]), atoi(argv[3])};
     return sender_child(&p);

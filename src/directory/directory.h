@@ -122,6 +122,38 @@ int fr_err_wrap(int status, const char *fmt, ...) __attribute__((format(printf, 
 /* Sorts objects by key. */
 void fr_dir_sort(fr_dir_object *objs, size_t n);
 
+/* ---- a node's registration under a lease (lease.c) ---- */
+typedef struct fr_dir_lease {
+  fr_dir *dir;
+  ferry_ctx *ctx;
+  fr_dir_node node; /* name, address and a fresh incarnation from init; flags are the caller's */
+  int lease_ms;     /* FERRY_LEASE_MS from init; the caller may change it before taking */
+  char holder_peer[FR_DIR_NAME_MAX + 1]; /* the node name a live holder answers under at its
+                                            address ("": unknown, then only a refused
+                                            connection proves it dead) */
+  char who[96];                          /* "store 'a'": how messages name the caller */
+  bool held;                             /* taken, and not lost since */
+  uint64_t epoch;                        /* the directory's epoch when it was taken */
+  uint64_t next_renew_ns;                /* atomic: when fr_dir_lease_due() turns true */
+} fr_dir_lease;
+
+void fr_dir_lease_init(fr_dir_lease *l, fr_dir *dir, ferry_ctx *ctx, const char *name,
+                       const char *who);
+/* Registers the node; a name held by another incarnation is taken over only when that holder is
+ * verifiably dead, else FERRY_EEXIST naming it. */
+int fr_dir_lease_take(fr_dir_lease *l, int timeout_ms);
+/* Whether a renewal is due (every third of the lease; soon after a failure). */
+bool fr_dir_lease_due(const fr_dir_lease *l);
+/* Held, and the directory has not lost records since (its epoch did not move). */
+bool fr_dir_lease_current(const fr_dir_lease *l);
+/* The caller could not publish its records after taking: take again at the next renewal. */
+void fr_dir_lease_lost(fr_dir_lease *l);
+/* 0: renewed; 1: the directory had lost the node and it is registered again (publish every
+ * record again); < 0: failed (logged; retried soon). */
+int fr_dir_lease_renew(fr_dir_lease *l);
+/* Removes the node (and its records) from the directory if held. */
+void fr_dir_lease_drop(fr_dir_lease *l);
+
 /* ---- the embedded server (server.c) ---- */
 typedef struct fr_dir_server fr_dir_server;
 /* Starts a server answering ferry_call()s on FR_CHANNEL_DIRECTORY of ctx (one thread). */
