@@ -3,7 +3,8 @@
  * private Redis), producer and consumer in separate processes over shm, across two network
  * namespaces over tcp, batch gets, replacement under concurrent reads (never torn), and faults:
  * an owner SIGKILLed during gets, a restarted directory, Redis unreachable, no directory, and bad
- * input (unknown keys, wrong dtypes, oversized tensors). No timing assertions: waits poll with
+ * input (unknown keys, wrong dtypes, oversized tensors); and the order of puts that return before
+ * the directory answered them. No timing assertions: waits poll with
  * deadlines. Helper roles re-run this binary inside namespaces (`--role ...`).
  */
 // ferry-test: threaded
@@ -556,6 +557,107 @@ static void test_processes(void **state) {
   check_processes(true);
 }
 
+/* ---- ordering: a put returns before the directory answered it (posted over shm) ---- */
+
+#define ORDER_ROUNDS 200
+#define ORDER_BYTES 256
+
+typedef struct orderer {
+  char url[80];
+  tu_pipe go, said, ack;
+} orderer;
+
+static void put_seed(ferry_store *s, const char *key, uint64_t seed) {
+  uint8_t v[ORDER_BYTES];
+  tu_fill(v, sizeof v, seed);
+  ferry_tensor_desc d = u8_desc(1, ORDER_BYTES);
+  FR_OK(ferry_store_put(s, key, &d, v, 0, -1));
+}
+
+static bool has_seed(ferry_store *s, const char *key, uint64_t seed, char *owner, size_t cap) {
+  uint8_t v[ORDER_BYTES];
+  ferry_store_info info = {.size = sizeof info};
+  int rc = ferry_store_get(s, key, NULL, v, sizeof v, &info, 5000);
+  snprintf(owner, cap, "%s", rc == 0 ? info.owner : ferry_last_error());
+  return rc == 0 && pattern_ok(v, sizeof v, seed);
+}
+
+/* Puts ord/I and ord/shared each round, says I, and waits for the other process's turn. */
+static int order_writer(void *arg) {
+  orderer *o = arg;
+  char ch;
+  if (tu_pipe_get(&o->go, &ch, 1, 20000) != 0)
+    return 2;
+  ferry_ctx *c = open_ctx("writer", NULL);
+  ferry_store *s = open_store(c, o->url, 0, MiB, 0);
+  for (int i = 0; i < ORDER_ROUNDS; i++) {
+    char key[32];
+    snprintf(key, sizeof key, "ord/%d", i);
+    put_seed(s, key, (uint64_t)i + 1);
+    put_seed(s, "ord/shared", (uint64_t)i + 1);
+    tu_pipe_put(&o->said, &i, sizeof i);
+    if (tu_pipe_get(&o->ack, &ch, 1, 20000) != 0)
+      return 3;
+  }
+  ferry_store_close(s);
+  ferry_ctx_close(c);
+  return 0;
+}
+
+/* Right after the writer's put returned (and said so through a pipe, not through ferry), this
+ * process finds the new key and the new version of the shared one; then it replaces the shared
+ * key itself and must read its own version back, not the writer's older one. host: this
+ * process hosts the directory (answering the reads itself), else `ferry serve` does. */
+static void check_order(bool host) {
+  orderer o = {0};
+  tu_pipe_open(&o.go);
+  tu_pipe_open(&o.said);
+  tu_pipe_open(&o.ack);
+  int port = su_free_port();
+  snprintf(o.url, sizeof o.url, "ferry://127.0.0.1:%d", port);
+  pid_t dir = host ? -1 : start_directory(port);
+  pid_t pid = tu_spawn(order_writer, &o);
+  char listen[64];
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+  ferry_ctx *c = open_ctx("reader", host ? listen : NULL);
+  ferry_store *s =
+      open_store(c, host ? NULL : o.url, host ? FERRY_STORE_HOST_DIRECTORY : 0, MiB, 0);
+  tu_pipe_put(&o.go, "G", 1);
+  int missed = 0, stale = 0, lost = 0;
+  char owner[256];
+  for (int i = 0; i < ORDER_ROUNDS; i++) {
+    int said = -1;
+    assert_int_equal(tu_pipe_get(&o.said, &said, sizeof said, 20000), 0);
+    assert_int_equal(said, i);
+    char key[32];
+    snprintf(key, sizeof key, "ord/%d", i);
+    missed += !has_seed(s, key, (uint64_t)i + 1, owner, sizeof owner);
+    stale += !has_seed(s, "ord/shared", (uint64_t)i + 1, owner, sizeof owner);
+    put_seed(s, "ord/shared", 100000u + (uint64_t)i);
+    if (!has_seed(s, "ord/shared", 100000u + (uint64_t)i, owner, sizeof owner)) {
+      print_message("round %d: ord/shared from %s\n", i, owner);
+      lost++;
+    }
+    tu_pipe_put(&o.ack, "A", 1);
+  }
+  print_message("posted order (%s): %d missed, %d stale, %d lost of %d rounds\n",
+                host ? "hosted here" : "ferry serve", missed, stale, lost, ORDER_ROUNDS);
+  assert_int_equal(missed + stale + lost, 0);
+  assert_int_equal(tu_wait(pid), 0);
+  ferry_store_close(s);
+  ferry_ctx_close(c);
+  if (!host)
+    stop_child(dir);
+  tu_pipe_close(&o.go);
+  tu_pipe_close(&o.said);
+  tu_pipe_close(&o.ack);
+}
+
+static void test_posted_order(void **state) {
+  check_order(false);
+  check_order(true);
+}
+
 /* ---- one name, one live node ---- */
 
 static void check_duplicate_name(const char *url) {
@@ -990,6 +1092,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_directory_restart),
       cmocka_unit_test(test_netns),
       cmocka_unit_test(test_duplicate_name),
+      cmocka_unit_test(test_posted_order),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

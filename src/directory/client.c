@@ -8,11 +8,22 @@
  */
 #include "core/channels.h"
 #include "directory/dirwire.h"
+#include "transport/transport.h"
 
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* A put sent without waiting for its answer (FR_DIR_PUT_POSTED), until settled. */
+typedef struct posted {
+  fr_pending pending;
+  ferry_link *link;
+  fr_dir_object *objs; /* what was put: n records */
+  size_t n;
+  bool batch;
+  struct posted *next;
+} posted;
 
 typedef struct emb {
   ferry_ctx *ctx;
@@ -23,6 +34,8 @@ typedef struct emb {
   ferry_link **grave; /* dead links, closed with the client (callers may still hold them) */
   size_t ngrave;
   uint64_t instance, epoch;
+  pthread_mutex_t posted_lock;
+  posted *posted_head, *posted_tail; /* oldest first */
 } emb;
 
 typedef struct reply {
@@ -159,7 +172,7 @@ static int call(emb *e, fr_wr *req, reply *r, int timeout_ms) {
     rc = fr_err(FERRY_ENOMEM, "directory request");
   } else if (e->local) {
     size_t len = 0;
-    fr_dir_server_handle(e->local, req->p, req->len, &r->buf, &len);
+    fr_dir_server_call(e->local, req->p, req->len, &r->buf, &len);
     r->rd = fr_rd_init(r->buf, len);
     rc = r->buf ? 0 : fr_err(FERRY_ENOMEM, "directory reply");
   } else {
@@ -183,6 +196,119 @@ static int finish(emb *e, reply *r) {
                : fr_err(FERRY_EPROTO, "directory at ferry://%s: malformed reply", e->where);
   reply_free(r);
   return rc;
+}
+
+/* ---- posted puts ---- */
+
+/* The current link when it goes to shm (the server then orders posted puts by this host's
+ * clock, server.c); NULL otherwise. */
+static ferry_link *post_link(emb *e, int timeout_ms) {
+  ferry_link *l = NULL;
+  if (e->local || current_link(e, NULL, timeout_ms, &l) != 0)
+    return NULL;
+  return strcmp(ferry_link_transport(l), "shm") == 0 ? l : NULL;
+}
+
+static void posted_append(emb *e, posted *ps) {
+  pthread_mutex_lock(&e->posted_lock);
+  if (e->posted_tail)
+    e->posted_tail->next = ps;
+  else
+    e->posted_head = ps;
+  e->posted_tail = ps;
+  pthread_mutex_unlock(&e->posted_lock);
+}
+
+/* Sends a put (`op` and its arguments in `args`) without waiting for the answer; false when it
+ * cannot be posted (the caller then calls and waits). */
+static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *objs, size_t n,
+                 int timeout_ms) {
+  ferry_link *l = post_link(e, timeout_ms);
+  posted *ps = l && !args->failed ? calloc(1, sizeof *ps) : NULL;
+  fr_dir_object *copy = ps ? malloc(n * sizeof *copy) : NULL;
+  if (copy) { /* all set before the answer can come in */
+    memcpy(copy, objs, n * sizeof *copy);
+    *ps = (posted){.link = l, .objs = copy, .n = n, .batch = op == FR_DOP_OBJ_PUT_BATCH};
+  }
+  fr_wr w = {0};
+  fr_wr_request(&w, FR_DOP_POSTED);
+  fr_wr_u64(&w, fr_now_ns()); /* before the bytes go out: see server.c */
+  fr_wr_u16(&w, op);
+  fr_wr_bytes(&w, args->p, args->len);
+  struct iovec iov = {w.p, w.len};
+  bool sent = copy && !w.failed &&
+              fr_link_call_post(l, FR_CHANNEL_DIRECTORY, &iov, 1, timeout_ms, &ps->pending) == 0;
+  fr_wr_free(&w);
+  if (!sent) {
+    free(copy);
+    free(ps);
+    fr_err_clear();
+    return false;
+  }
+  posted_append(e, ps);
+  return true;
+}
+
+/* Reads a posted put's answers: calls cb for each record that failed or replaced another
+ * owner's (cb NULL: only checks the reply). False when the reply is malformed. */
+static bool posted_replies(fr_rd rd, const posted *ps, fr_dir_settle_fn cb, void *arg) {
+  for (size_t i = 0; i < ps->n && !rd.failed; i++) {
+    int st = ps->batch ? (int32_t)fr_rd_u32(&rd) : 0;
+    fr_dir_object old;
+    bool other = st == 0 && fr_rd_u8(&rd) != 0;
+    if (other)
+      fr_rd_object(&rd, &old);
+    if (st > 0 || st < -1000)
+      rd.failed = true;
+    if (cb && !rd.failed && (st != 0 || other)) {
+      if (st != 0)
+        fr_err(st, "put '%s': %s", ps->objs[i].key, ferry_strerror(st));
+      cb(arg, &ps->objs[i], st, other ? &old : NULL);
+    }
+  }
+  return fr_rd_done(&rd);
+}
+
+/* Collects one posted put's answer and tells cb what needs acting on. */
+static void settle_one(emb *e, posted *ps, fr_dir_settle_fn cb, void *arg, int timeout_ms) {
+  ferry_msg *m = NULL;
+  int rc = fr_link_call_collect(ps->link, &ps->pending, &m, timeout_ms);
+  char detail[512];
+  fr_rd rd = rc == 0 ? fr_rd_init(m->data, m->len) : fr_rd_init(NULL, 0);
+  int st = 0;
+  if (rc == 0 && !fr_rd_reply(&rd, &st, detail, sizeof detail))
+    rc = FERRY_EPROTO;
+  else if (rc == 0 && st != 0)
+    rc = st;
+  else if (rc == 0 && !posted_replies(rd, ps, NULL, NULL))
+    rc = FERRY_EPROTO;
+  if (rc == 0 && cb)
+    posted_replies(rd, ps, cb, arg);
+  for (size_t i = 0; rc != 0 && cb && i < ps->n; i++) {
+    fr_err(rc, "directory at ferry://%s: posted put '%s': %s", e->where, ps->objs[i].key,
+           st ? detail : ferry_strerror(rc));
+    cb(arg, &ps->objs[i], rc, NULL);
+  }
+  ferry_msg_free(m);
+  free(ps->objs);
+  free(ps);
+}
+
+static void emb_settle(void *st, bool wait, fr_dir_settle_fn cb, void *arg, int timeout_ms) {
+  emb *e = st;
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  for (;;) {
+    pthread_mutex_lock(&e->posted_lock);
+    posted *ps = e->posted_head;
+    if (ps && !wait && !fr_link_call_ready(&ps->pending))
+      ps = NULL;
+    if (ps && !(e->posted_head = ps->next))
+      e->posted_tail = NULL;
+    pthread_mutex_unlock(&e->posted_lock);
+    if (!ps)
+      return;
+    settle_one(e, ps, cb, arg, wait ? fr_ms_left(deadline) : 0);
+  }
 }
 
 /* ---- operations ---- */
@@ -275,9 +401,20 @@ static int emb_node_del(void *st, const char *name, uint64_t incarnation, int ti
 
 static int emb_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir_object *replaced,
                        bool *had_other, int timeout_ms) {
+  if (flags & FR_DIR_PUT_POSTED) {
+    fr_wr args = {0};
+    fr_wr_u32(&args, flags & ~FR_DIR_PUT_POSTED);
+    fr_wr_object(&args, o);
+    bool sent = post(st, FR_DOP_OBJ_PUT, &args, o, 1, timeout_ms);
+    fr_wr_free(&args);
+    if (sent && had_other)
+      *had_other = false;
+    if (sent)
+      return 0;
+  }
   fr_wr w = {0};
   fr_wr_request(&w, FR_DOP_OBJ_PUT);
-  fr_wr_u32(&w, flags);
+  fr_wr_u32(&w, flags & ~FR_DIR_PUT_POSTED);
   fr_wr_object(&w, o);
   reply r;
   int rc = call(st, &w, &r, timeout_ms);
@@ -296,14 +433,31 @@ static int emb_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir_
   return 0;
 }
 
+/* A batch's arguments: u32 flags, u32 n, n objects. */
+static void put_args(fr_wr *w, const fr_dir_object *objs, size_t n, unsigned flags) {
+  fr_wr_u32(w, flags & ~FR_DIR_PUT_POSTED);
+  fr_wr_u32(w, (uint32_t)n);
+  for (size_t i = 0; i < n; i++)
+    fr_wr_object(w, &objs[i]);
+}
+
 static int put_chunk(void *st, const fr_dir_object *objs, size_t n, unsigned flags, int *status,
                      fr_dir_object *replaced, bool *had_other, int timeout_ms) {
+  if (flags & FR_DIR_PUT_POSTED) {
+    fr_wr args = {0};
+    put_args(&args, objs, n, flags);
+    bool sent = post(st, FR_DOP_OBJ_PUT_BATCH, &args, objs, n, timeout_ms);
+    fr_wr_free(&args);
+    for (size_t i = 0; sent && i < n; i++) {
+      status[i] = 0;
+      had_other[i] = false;
+    }
+    if (sent)
+      return 0;
+  }
   fr_wr w = {0};
   fr_wr_request(&w, FR_DOP_OBJ_PUT_BATCH);
-  fr_wr_u32(&w, flags);
-  fr_wr_u32(&w, (uint32_t)n);
-  for (size_t i = 0; i < n; i++)
-    fr_wr_object(&w, &objs[i]);
+  put_args(&w, objs, n, flags);
   reply r;
   int rc = call(st, &w, &r, timeout_ms);
   if (rc != 0)
@@ -450,9 +604,11 @@ static int emb_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **st
   e->ctx = ctx;
   snprintf(e->where, sizeof e->where, "%s", where);
   pthread_mutex_init(&e->lock, NULL);
+  pthread_mutex_init(&e->posted_lock, NULL);
   ferry_link *l;
   int rc = current_link(e, NULL, timeout_ms, &l);
   if (rc != 0) {
+    pthread_mutex_destroy(&e->posted_lock);
     pthread_mutex_destroy(&e->lock);
     free(e);
     return rc;
@@ -465,6 +621,8 @@ static void emb_close(void *state) {
   emb *e = state;
   if (!e)
     return;
+  emb_settle(e, true, NULL, NULL, 0); /* unregisters what is still pending from the links */
+  pthread_mutex_destroy(&e->posted_lock);
   ferry_link_close(e->link);
   for (size_t i = 0; i < e->ngrave; i++)
     ferry_link_close(e->grave[i]);
@@ -496,6 +654,7 @@ const fr_dir_ops fr_dir_embedded_ops = {
     .obj_get = emb_obj_get,
     .obj_del = emb_obj_del,
     .obj_scan = emb_obj_scan,
+    .settle = emb_settle,
 };
 
 int fr_dir_open_local(fr_dir_server *srv, fr_dir **out) {
@@ -507,6 +666,7 @@ int fr_dir_open_local(fr_dir_server *srv, fr_dir **out) {
     return fr_err(FERRY_ENOMEM, "directory client");
   }
   pthread_mutex_init(&e->lock, NULL);
+  pthread_mutex_init(&e->posted_lock, NULL);
   e->local = srv;
   e->epoch = 1;
   snprintf(e->where, sizeof e->where, "(in-process)");

@@ -46,6 +46,16 @@ typedef struct fr_dir_object {
 #define FR_DIR_PUT_KEEP_OTHERS                                                                     \
   1u /* do not replace a record another node owns (re-registration)                                \
       */
+/* May return before the directory answered (ferry:// over shm: the server applies it before it
+ * answers anything sent after the put returned, server.c); its answer is collected by settle(),
+ * and until then the put reports success and no replaced record. */
+#define FR_DIR_PUT_POSTED 2u
+
+/* What settle() reports of a posted put that needs acting on: `status` is what the put would
+ * have returned for `put` (the thread's error detail says why); when 0, `replaced` is the record
+ * of another owner that it replaced. */
+typedef void (*fr_dir_settle_fn)(void *arg, const fr_dir_object *put, int status,
+                                 const fr_dir_object *replaced);
 
 typedef struct fr_dir_ops {
   const char *scheme; /* "ferry://", "redis://" */
@@ -90,6 +100,10 @@ typedef struct fr_dir_ops {
                  fr_dir_object *deleted, int timeout_ms);
   /* Every object whose key starts with prefix, sorted by key; *out is malloc'd. */
   int (*obj_scan)(void *state, const char *prefix, fr_dir_object **out, size_t *n, int timeout_ms);
+  /* Collects the answers of posted puts, oldest first: those already in, or (wait) all of them,
+   * waiting up to timeout_ms; calls cb (may be NULL) for each record that failed or replaced
+   * another owner's. NULL in backends that never post. */
+  void (*settle)(void *state, bool wait, fr_dir_settle_fn cb, void *arg, int timeout_ms);
 } fr_dir_ops;
 
 /* A connected directory client: the backend and its state. Thread-safe. */
@@ -166,6 +180,10 @@ void fr_dir_server_free(fr_dir_server *srv);
  * server's own state and the clock. Never fails: errors are encoded in the reply. */
 void fr_dir_server_handle(fr_dir_server *srv, const void *req, size_t len, void **reply,
                           size_t *reply_len);
+/* fr_dir_server_handle() for a caller in the server's process: when the server is started, it
+ * first answers the posted puts that may precede the call (see server.c). */
+void fr_dir_server_call(fr_dir_server *srv, const void *req, size_t len, void **reply,
+                        size_t *reply_len);
 /* Drops nodes whose lease lapsed (and their objects); the thread calls it on its own. */
 void fr_dir_server_expire(fr_dir_server *srv, uint64_t now_ns);
 /* Opens a client bound to an in-process server (no link). */

@@ -27,6 +27,8 @@ enum fr_dir_op {
   FR_DOP_OBJ_DEL,       /* str key, str owner, u64 generation -> object */
   FR_DOP_OBJ_SCAN,      /* str prefix, str after, u32 limit -> u32 n, n objects, u8 more */
   FR_DOP_OBJ_PUT_BATCH, /* u32 flags, u32 n, n objects -> n (i32 status, [u8 other, [object]]) */
+  FR_DOP_POSTED,        /* u64 sent_ns, u16 op (OBJ_PUT or OBJ_PUT_BATCH), its arguments -> its
+                           reply. A put whose sender returned before the answer (server.c) */
   FR_DOP_MAX_
 };
 

@@ -10,6 +10,7 @@
  */
 #include "core/channels.h"
 #include "directory/dirwire.h"
+#include "transport/transport.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -35,6 +36,11 @@ struct fr_dir_server {
   ferry_ctx *ctx;
   pthread_t thread;
   bool stop; /* atomic */
+  /* Serving, one thread at a time (the server's, or an in-process caller's): messages taken off
+   * the channel and not yet answered, in arrival order. */
+  pthread_mutex_t serve_lock;
+  ferry_msg **backlog;
+  size_t nbacklog, capbacklog;
 };
 
 /* ---- tables ---- */
@@ -341,6 +347,16 @@ static int op_obj_scan(fr_dir_server *s, fr_rd *in, fr_wr *out) {
   return 0;
 }
 
+static int op_posted(fr_dir_server *s, fr_rd *in, fr_wr *out) {
+  fr_rd_u64(in); /* sent_ns: only the serving order uses it */
+  uint16_t op = fr_rd_u16(in);
+  if (op == FR_DOP_OBJ_PUT)
+    return op_obj_put(s, in, out);
+  if (op == FR_DOP_OBJ_PUT_BATCH)
+    return op_obj_put_batch(s, in, out);
+  return fr_err(FERRY_EPROTO, "posted request: op %u is not a put", op);
+}
+
 typedef int (*op_fn)(fr_dir_server *s, fr_rd *in, fr_wr *out);
 static const op_fn ops[FR_DOP_MAX_] = {
     [FR_DOP_HELLO] = op_hello,
@@ -354,6 +370,7 @@ static const op_fn ops[FR_DOP_MAX_] = {
     [FR_DOP_OBJ_DEL] = op_obj_del,
     [FR_DOP_OBJ_SCAN] = op_obj_scan,
     [FR_DOP_OBJ_PUT_BATCH] = op_obj_put_batch,
+    [FR_DOP_POSTED] = op_posted,
 };
 
 void fr_dir_server_handle(fr_dir_server *s, const void *req, size_t len, void **reply,
@@ -395,6 +412,7 @@ fr_dir_server *fr_dir_server_new(const char *address) {
   if (!s)
     return NULL;
   pthread_mutex_init(&s->lock, NULL);
+  pthread_mutex_init(&s->serve_lock, NULL);
   s->instance = fr_random_u64() | 1;
   snprintf(s->address, sizeof s->address, "%s", address ? address : "");
   return s;
@@ -407,6 +425,10 @@ void fr_dir_server_free(fr_dir_server *s) {
     free(s->objs[i]);
   free(s->objs);
   free(s->nodes);
+  for (size_t i = 0; i < s->nbacklog; i++)
+    ferry_msg_free(s->backlog[i]);
+  free(s->backlog);
+  pthread_mutex_destroy(&s->serve_lock);
   pthread_mutex_destroy(&s->lock);
   free(s);
 }
@@ -424,18 +446,110 @@ static void serve_one(fr_dir_server *s, ferry_msg *m) {
   ferry_msg_free(m);
 }
 
+/* ---- serving order ----
+ * A posted put (FR_DOP_POSTED, from a client on this host over shm) returns to its caller before
+ * this server answered it, so whatever the caller does next (a get here from any node, its own
+ * or another node's put of the same key) may reach the server before the put was taken off its
+ * ring. So before a message is answered, the server drains every shm link (fence) and first
+ * answers the posted puts that were sent before both the fence and the message, oldest first.
+ * Their clock is CLOCK_MONOTONIC, common to all processes of the host. A put that some later
+ * request depends on had returned before that request was sent, so it was sent before the
+ * fence and before the request (it goes first), and so were the puts it depends on in turn
+ * (they go before it); puts still on their way are concurrent with everything queued here. */
+
+/* When a posted put was sent; UINT64_MAX for any other message. */
+static uint64_t sent_at(const ferry_msg *m) {
+  fr_rd in = fr_rd_init(m->data, m->len);
+  if (fr_rd_request(&in) != FR_DOP_POSTED)
+    return UINT64_MAX;
+  uint64_t t = fr_rd_u64(&in);
+  return in.failed ? UINT64_MAX : t;
+}
+
+static void backlog_push(fr_dir_server *s, ferry_msg *m) {
+  if (s->nbacklog == s->capbacklog) {
+    size_t cap = s->capbacklog ? 2 * s->capbacklog : 64;
+    ferry_msg **p = realloc(s->backlog, cap * sizeof *p);
+    if (!p) { /* cannot keep it for later: answer it now, out of order */
+      fr_warn("directory: backlog of %zu messages: out of memory", s->nbacklog);
+      serve_one(s, m);
+      return;
+    }
+    s->backlog = p;
+    s->capbacklog = cap;
+  }
+  s->backlog[s->nbacklog++] = m;
+}
+
+static ferry_msg *backlog_take(fr_dir_server *s, size_t i) {
+  ferry_msg *m = s->backlog[i];
+  memmove(&s->backlog[i], &s->backlog[i + 1], (s->nbacklog - i - 1) * sizeof *s->backlog);
+  s->nbacklog--;
+  return m;
+}
+
+/* Drains the shm links and moves everything queued into the backlog; returns the fence's time. */
+static uint64_t fence(fr_dir_server *s) {
+  uint64_t t = fr_now_ns();
+  fr_ctx_poll_links(s->ctx);
+  for (ferry_msg *m; (m = fr_ctx_take(s->ctx, FR_CHANNEL_DIRECTORY)) != NULL;)
+    backlog_push(s, m);
+  return t;
+}
+
+/* Answers the backlog's posted puts sent before `limit`, oldest first. serve_lock held. */
+static void serve_posted_before(fr_dir_server *s, uint64_t limit) {
+  for (;;) {
+    size_t best = SIZE_MAX;
+    uint64_t best_t = limit;
+    for (size_t i = 0; i < s->nbacklog; i++) {
+      uint64_t t = sent_at(s->backlog[i]);
+      if (t < best_t) {
+        best = i;
+        best_t = t;
+      }
+    }
+    if (best == SIZE_MAX)
+      return;
+    serve_one(s, backlog_take(s, best));
+  }
+}
+
+/* Answers m after the posted puts it may depend on. serve_lock held. */
+static void serve_in_order(fr_dir_server *s, ferry_msg *m) {
+  uint64_t f = fence(s), t = sent_at(m);
+  serve_posted_before(s, t < f ? t : f);
+  serve_one(s, m);
+}
+
 static void *server_main(void *arg) {
   fr_dir_server *s = arg;
   while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
-    ferry_msg *m = NULL;
-    int rc = ferry_recv(s->ctx, FR_CHANNEL_DIRECTORY, &m, 50);
-    if (rc == 0)
-      serve_one(s, m);
-    else if (rc == FERRY_ECLOSED)
+    pthread_mutex_lock(&s->serve_lock);
+    bool idle = s->nbacklog == 0;
+    pthread_mutex_unlock(&s->serve_lock);
+    if (idle && !fr_ctx_await(s->ctx, FR_CHANNEL_DIRECTORY, 50) &&
+        __atomic_load_n(&s->ctx->stopping, __ATOMIC_ACQUIRE))
       break;
+    pthread_mutex_lock(&s->serve_lock);
+    ferry_msg *m = s->nbacklog ? backlog_take(s, 0) : fr_ctx_take(s->ctx, FR_CHANNEL_DIRECTORY);
+    if (m)
+      serve_in_order(s, m);
+    pthread_mutex_unlock(&s->serve_lock);
     fr_dir_server_expire(s, fr_now_ns());
   }
   return NULL;
+}
+
+void fr_dir_server_call(fr_dir_server *s, const void *req, size_t len, void **reply,
+                        size_t *reply_len) {
+  if (s->ctx) { /* a started server: its clients' posted puts may precede this call */
+    pthread_mutex_lock(&s->serve_lock);
+    serve_posted_before(s, fence(s));
+  }
+  fr_dir_server_handle(s, req, len, reply, reply_len);
+  if (s->ctx)
+    pthread_mutex_unlock(&s->serve_lock);
 }
 
 int fr_dir_server_start(ferry_ctx *ctx, fr_dir_server **out) {

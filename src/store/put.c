@@ -244,10 +244,12 @@ static int publish(ferry_store *s, fr_owned *o, int timeout_ms) {
   uint32_t pinned_slot = UINT32_MAX;
   char key[FR_DIR_KEY_MAX + 1]; /* o belongs to the table once swapped in */
   snprintf(key, sizeof key, "%s", o->rec.key);
+  fr_store_settle(s, false); /* what earlier puts left to do */
   pthread_mutex_lock(&s->publish_lock);
   int rc = fr_store_ensure_registered(s, fr_store_left(deadline));
   if (rc == 0)
-    rc = s->dir->ops->obj_put(s->dir->state, &o->rec, 0, &old, &other, fr_store_left(deadline));
+    rc = s->dir->ops->obj_put(s->dir->state, &o->rec, FR_DIR_PUT_POSTED, &old, &other,
+                              fr_store_left(deadline));
   if (rc == FERRY_ENOTFOUND && (rc = fr_store_register(s, false, fr_store_left(deadline))) == 0)
     rc = s->dir->ops->obj_put(s->dir->state, &o->rec, 0, &old, &other, fr_store_left(deadline));
   if (rc == 0) {
@@ -348,11 +350,12 @@ static int publish_batch(ferry_store *s, fr_owned **os, size_t n, int *st, int t
     b.pinned[i] = UINT32_MAX;
   }
   const fr_dir_ops *ops = s->dir->ops;
+  fr_store_settle(s, false); /* what earlier puts left to do */
   pthread_mutex_lock(&s->publish_lock);
   if (rc == 0)
     rc = fr_store_ensure_registered(s, fr_store_left(deadline));
   if (rc == 0)
-    rc = ops->obj_put_batch(s->dir->state, b.recs, n, 0, st, b.old, b.other,
+    rc = ops->obj_put_batch(s->dir->state, b.recs, n, FR_DIR_PUT_POSTED, st, b.old, b.other,
                             fr_store_left(deadline));
   if (rc == 0 && n > 0 && st[0] == FERRY_ENOTFOUND && /* the lease lapsed: register, again */
       (rc = fr_store_register(s, false, fr_store_left(deadline))) == 0)

@@ -249,6 +249,7 @@ static void *service_main(void *arg) {
     }
     if (fr_now_ns() >= __atomic_load_n(&s->next_renew_ns, __ATOMIC_ACQUIRE))
       fr_store_renew(s);
+    fr_store_settle(s, false);
     fr_store_linger_reap(s);
   }
   return NULL;

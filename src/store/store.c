@@ -132,10 +132,43 @@ int fr_store_register(ferry_store *s, bool fresh, int timeout_ms) {
 
 /* publish_lock held. */
 int fr_store_ensure_registered(ferry_store *s, int timeout_ms) {
-  if (s->dir->ops->epoch(s->dir->state) == s->registered_epoch)
+  bool due = __atomic_exchange_n(&s->republish_due, false, __ATOMIC_SEQ_CST);
+  if (!due && s->dir->ops->epoch(s->dir->state) == s->registered_epoch)
     return 0;
   fr_info("store '%s': directory changed; registering again", s->name);
-  return fr_store_register(s, false, timeout_ms);
+  int rc = fr_store_register(s, false, timeout_ms);
+  if (rc != 0 && due)
+    __atomic_store_n(&s->republish_due, true, __ATOMIC_SEQ_CST);
+  return rc;
+}
+
+/* A posted put's answer that needs acting on (fr_dir_settle_fn). */
+static void settled(void *arg, const fr_dir_object *put, int status,
+                    const fr_dir_object *replaced) {
+  ferry_store *s = arg;
+  if (status == 0) {
+    fr_store_send_dropped(s, replaced);
+  } else if (status == FERRY_ENOTFOUND || status == FERRY_EPEER || status == FERRY_ECLOSED ||
+             status == FERRY_ETIMEDOUT) { /* not registered there, or the answer was lost */
+    fr_info("store '%s': the directory may have missed put '%s' (%s); registering again", s->name,
+            put->key, ferry_last_error());
+    __atomic_store_n(&s->republish_due, true, __ATOMIC_SEQ_CST);
+  } else {
+    fr_warn("store '%s': the directory refused put '%s': %s", s->name, put->key,
+            ferry_last_error());
+  }
+}
+
+void fr_store_settle(ferry_store *s, bool wait) {
+  if (!s->dir->ops->settle)
+    return;
+  s->dir->ops->settle(s->dir->state, wait, settled, s, wait ? fr_timeout(-1) : 0);
+  if (!__atomic_load_n(&s->republish_due, __ATOMIC_SEQ_CST))
+    return;
+  pthread_mutex_lock(&s->publish_lock);
+  if (fr_store_ensure_registered(s, fr_timeout(-1)) != 0)
+    fr_warn("store '%s': registering again: %s", s->name, ferry_last_error());
+  pthread_mutex_unlock(&s->publish_lock);
 }
 
 /* Called by the service thread when a renewal is due. */

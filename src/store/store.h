@@ -94,6 +94,7 @@ struct ferry_store {
 
   pthread_mutex_t publish_lock; /* orders directory publishes with local replaces */
   uint64_t registered_epoch;
+  bool republish_due; /* atomic: the directory may have missed a posted put (store.c) */
 
   pthread_mutex_t peers_lock;
   fr_peer *peers;
@@ -125,6 +126,10 @@ static inline uint64_t *fr_store_pins(ferry_store *s, uint32_t slot) {
 int fr_store_ensure_registered(ferry_store *s, int timeout_ms);
 int fr_store_register(ferry_store *s, bool fresh, int timeout_ms);
 void fr_store_renew(ferry_store *s);
+/* Acts on the answers of posted puts that came in (all of them, waiting, when `wait`): drop
+ * notices for the records they replaced; a registration again (which republishes every object)
+ * when the directory lost one. Takes publish_lock for the latter. */
+void fr_store_settle(ferry_store *s, bool wait);
 
 /* put.c */
 /* Publishes a tensor; `fill` (when not NULL) writes the bytes into the pool instead of a copy

@@ -88,6 +88,33 @@ static void spin_channel(ferry_ctx *ctx, fr_channel *c) {
     fr_link_unref(links[i]);
 }
 
+/* Drains every link of the context that is cheap to poll (shm rings), waiting for one that
+ * another thread is draining right now: whatever such a link's peer had sent before this call
+ * is then in the channel queues. */
+void fr_ctx_poll_links(ferry_ctx *ctx) {
+  pthread_mutex_lock(&ctx->links_lock);
+  size_t n = 0;
+  for (ferry_link *l = ctx->links; l; l = l->next)
+    n++;
+  ferry_link **links = malloc((n ? n : 1) * sizeof *links);
+  n = 0;
+  for (ferry_link *l = links ? ctx->links : NULL; l; l = l->next)
+    if (l->ops->poll_is_cheap && l->ops->pollable(l)) {
+      fr_link_ref(l);
+      links[n++] = l;
+    }
+  pthread_mutex_unlock(&ctx->links_lock);
+  if (!links) {
+    fr_warn("poll links: out of memory");
+    return;
+  }
+  for (size_t i = 0; i < n; i++) {
+    fr_link_poll(links[i], true);
+    fr_link_unref(links[i]);
+  }
+  free(links);
+}
+
 /* ---- messages ---- */
 
 ferry_msg *fr_msg_alloc(uint64_t len) {
@@ -138,15 +165,17 @@ static bool channel_ready(void *arg) {
   return __atomic_load_n(&w->c->count, __ATOMIC_ACQUIRE) != 0 || stopping(w->ctx);
 }
 
-int ferry_recv(ferry_ctx *ctx, uint32_t channel, ferry_msg **out, int timeout_ms) {
-  if (!ctx || !out || channel >= FERRY_MAX_CHANNELS)
-    return fr_err(FERRY_EINVAL, "recv: bad arguments (channel %u)", channel);
+bool fr_ctx_await(ferry_ctx *ctx, uint32_t channel, int timeout_ms) {
   fr_channel *c = &ctx->channels[channel];
-  int ms = fr_ctx_timeout(ctx, timeout_ms);
-  if (ms > 0 && !__atomic_load_n(&c->last_costly, __ATOMIC_RELAXED))
+  if (timeout_ms > 0 && !__atomic_load_n(&c->last_costly, __ATOMIC_RELAXED))
     spin_channel(ctx, c); /* its messages came over shm lately */
   channel_wait w = {ctx, c};
-  fr_ctx_wait(ctx, channel_ready, &w, &c->lock, &c->cond, fr_deadline_ns(ms));
+  fr_ctx_wait(ctx, channel_ready, &w, &c->lock, &c->cond, fr_deadline_ns(timeout_ms));
+  return __atomic_load_n(&c->count, __ATOMIC_ACQUIRE) != 0;
+}
+
+ferry_msg *fr_ctx_take(ferry_ctx *ctx, uint32_t channel) {
+  fr_channel *c = &ctx->channels[channel];
   pthread_mutex_lock(&c->lock);
   fr_msg_node *n = c->head;
   if (n) {
@@ -157,11 +186,22 @@ int ferry_recv(ferry_ctx *ctx, uint32_t channel, ferry_msg **out, int timeout_ms
   }
   pthread_mutex_unlock(&c->lock);
   if (!n)
+    return NULL;
+  n->next = NULL;
+  return &n->msg;
+}
+
+int ferry_recv(ferry_ctx *ctx, uint32_t channel, ferry_msg **out, int timeout_ms) {
+  if (!ctx || !out || channel >= FERRY_MAX_CHANNELS)
+    return fr_err(FERRY_EINVAL, "recv: bad arguments (channel %u)", channel);
+  int ms = fr_ctx_timeout(ctx, timeout_ms);
+  fr_ctx_await(ctx, channel, ms);
+  ferry_msg *m = fr_ctx_take(ctx, channel);
+  if (!m)
     return stopping(ctx)
                ? fr_err(FERRY_ECLOSED, "recv: context closing")
                : fr_err(FERRY_ETIMEDOUT, "recv on channel %u: nothing within %d ms", channel, ms);
-  n->next = NULL;
-  *out = &n->msg;
+  *out = m;
   return 0;
 }
 

@@ -225,9 +225,9 @@ static int pending_wait(ferry_link *l, fr_pending *p, uint64_t deadline_ns, cons
   return 0;
 }
 
-static int request(ferry_link *l, fr_pending *p, uint8_t type, uint32_t channel,
-                   const struct iovec *iov, int iovcnt, int timeout_ms, const char *what) {
-  uint64_t deadline = fr_deadline_ns(timeout_ms);
+/* Registers p and sends its request; the response is then waited for with pending_wait(). */
+static int request_send(ferry_link *l, fr_pending *p, uint8_t type, uint32_t channel,
+                        const struct iovec *iov, int iovcnt, uint64_t deadline) {
   int rc = pending_add(l, p);
   if (rc != 0)
     return rc;
@@ -240,9 +240,15 @@ static int request(ferry_link *l, fr_pending *p, uint8_t type, uint32_t channel,
     pthread_mutex_lock(&l->lock);
     pending_unlink_locked(l, p);
     pthread_mutex_unlock(&l->lock);
-    return rc;
   }
-  return pending_wait(l, p, deadline, what);
+  return rc;
+}
+
+static int request(ferry_link *l, fr_pending *p, uint8_t type, uint32_t channel,
+                   const struct iovec *iov, int iovcnt, int timeout_ms, const char *what) {
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  int rc = request_send(l, p, type, channel, iov, iovcnt, deadline);
+  return rc ? rc : pending_wait(l, p, deadline, what);
 }
 
 int fr_link_rma_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst, size_t len,
@@ -271,6 +277,24 @@ int fr_link_call(ferry_link *l, uint32_t channel, const struct iovec *iov, int i
     *reply = p.reply;
   else
     ferry_msg_free(p.reply);
+  return rc;
+}
+
+int fr_link_call_post(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
+                      int timeout_ms, fr_pending *p) {
+  *p = (fr_pending){.expect = FR_REPLY};
+  return request_send(l, p, FR_CALL, channel, iov, iovcnt, fr_deadline_ns(timeout_ms));
+}
+
+bool fr_link_call_ready(const fr_pending *p) { return pending_ready((void *)p); }
+
+int fr_link_call_collect(ferry_link *l, fr_pending *p, ferry_msg **reply, int timeout_ms) {
+  int rc = pending_wait(l, p, fr_deadline_ns(timeout_ms), "call");
+  if (rc == 0)
+    *reply = p->reply;
+  else
+    ferry_msg_free(p->reply);
+  p->reply = NULL;
   return rc;
 }
 

@@ -256,6 +256,14 @@ int fr_link_rma_write(ferry_link *l, const ferry_region_ref *r, uint64_t off, co
 /* Sends a CALL and waits for its REPLY (a message owned by the caller). */
 int fr_link_call(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
                  ferry_msg **reply, int timeout_ms);
+/* A CALL whose reply is collected later: sends it and returns at once (p stays registered with
+ * the link, and must outlive it or be collected). */
+int fr_link_call_post(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
+                      int timeout_ms, fr_pending *p);
+/* Whether a posted call's reply (or the link's failure) is in. */
+bool fr_link_call_ready(const fr_pending *p);
+/* Waits up to timeout_ms for a posted call's reply and unregisters p; *reply is the caller's. */
+int fr_link_call_collect(ferry_link *l, fr_pending *p, ferry_msg **reply, int timeout_ms);
 /* Asks the owner for a region's memfd (shm): *fd and *size on success. */
 int fr_link_map_request(ferry_link *l, const ferry_region_ref *r, int timeout_ms, int *fd,
                         uint64_t *size);
@@ -286,6 +294,13 @@ bool fr_spin_until(ferry_link *link, const bool *flag, int spin_us);
  * ready(arg). */
 bool fr_ctx_wait(ferry_ctx *ctx, bool (*ready)(void *), void *arg, pthread_mutex_t *mutex,
                  pthread_cond_t *cond, uint64_t deadline_ns);
+/* ferry_recv() in two steps: waits (as ferry_recv does) until the channel has a message or the
+ * timeout passed (returns whether it has one; ECLOSED-free), then takes one without waiting. */
+bool fr_ctx_await(ferry_ctx *ctx, uint32_t channel, int timeout_ms);
+ferry_msg *fr_ctx_take(ferry_ctx *ctx, uint32_t channel);
+/* Drains every shm-ring link of the ctx (waiting for one another thread drains): what their
+ * peers sent before the call is in the channel queues when it returns. */
+void fr_ctx_poll_links(ferry_ctx *ctx);
 /* Something a caller may wait on changed outside the ctx's leader (a spinning waiter drove a
  * link): wakes a caller that leads the epoll, so it sees it. */
 void fr_ctx_poke(ferry_ctx *ctx);
