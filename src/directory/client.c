@@ -36,7 +36,12 @@ typedef struct emb {
   uint64_t instance, epoch;
   pthread_mutex_t posted_lock;
   posted *posted_head, *posted_tail; /* oldest first */
+  size_t nposted;
 } emb;
+
+/* Posted puts not yet settled, at most: beyond, a put waits for its answer (and so for theirs),
+ * which keeps a writer in a tight loop from queueing without bound at the server. */
+#define POSTED_MAX 16
 
 typedef struct reply {
   ferry_msg *msg;
@@ -216,14 +221,22 @@ static void posted_append(emb *e, posted *ps) {
   else
     e->posted_head = ps;
   e->posted_tail = ps;
+  e->nposted++;
   pthread_mutex_unlock(&e->posted_lock);
+}
+
+static bool posted_full(emb *e) {
+  pthread_mutex_lock(&e->posted_lock);
+  bool full = e->nposted >= POSTED_MAX;
+  pthread_mutex_unlock(&e->posted_lock);
+  return full;
 }
 
 /* Sends a put (`op` and its arguments in `args`) without waiting for the answer; false when it
  * cannot be posted (the caller then calls and waits). */
 static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *objs, size_t n,
                  int timeout_ms) {
-  ferry_link *l = post_link(e, timeout_ms);
+  ferry_link *l = posted_full(e) ? NULL : post_link(e, timeout_ms);
   posted *ps = l && !args->failed ? calloc(1, sizeof *ps) : NULL;
   fr_dir_object *copy = ps ? malloc(n * sizeof *copy) : NULL;
   if (copy) { /* all set before the answer can come in */
@@ -304,6 +317,8 @@ static void emb_settle(void *st, bool wait, fr_dir_settle_fn cb, void *arg, int 
       ps = NULL;
     if (ps && !(e->posted_head = ps->next))
       e->posted_tail = NULL;
+    if (ps)
+      e->nposted--;
     pthread_mutex_unlock(&e->posted_lock);
     if (!ps)
       return;
