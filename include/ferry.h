@@ -829,6 +829,24 @@ FERRY_API int ferry_mq_publish(ferry_mq *mq, const char *topic, const void *data
 FERRY_API int ferry_mq_publish_tensor(ferry_mq *mq, const char *topic,
                                       const ferry_tensor_desc *desc, const void *data,
                                       int timeout_ms);
+/* Zero-copy publish: build the message in the publisher's shared-memory pool. ferry_mq_loan
+ * lends the caller `len` bytes (1..FERRY_MQ_POOL_BYTES) of the pool, 64-byte aligned, at *buf;
+ * when the pool is full it waits (taking releases from subscribers) up to the timeout:
+ * FERRY_ETIMEDOUT, FERRY_ENOSHM without a pool, FERRY_EINVAL for a bad len. The loan belongs to
+ * the caller until it hands it back with exactly one of:
+ * - ferry_mq_publish_loan: publishes the first `len` bytes of the loan (at most what was lent),
+ *   as bytes, or as a tensor when desc is not NULL (then len must be its size). Subscribers on
+ *   shm links read the block in place (no copy anywhere: their ferry_mq_msg.data points into
+ *   it); others receive it inline, sent from the block. Same results and errors as
+ *   ferry_mq_publish. Whatever it returns, the loan is the mq's again: the caller must not touch
+ *   buf afterwards (the block is reused once every subscriber freed the message). FERRY_EINVAL
+ *   when buf is not a live loan of this mq.
+ * - ferry_mq_loan_free: gives it back unpublished (ignores what is not a live loan).
+ * Loans end with ferry_mq_close (the pool is unmapped). */
+FERRY_API int ferry_mq_loan(ferry_mq *mq, size_t len, void **buf, int timeout_ms);
+FERRY_API int ferry_mq_publish_loan(ferry_mq *mq, const char *topic, const ferry_tensor_desc *desc,
+                                    void *buf, size_t len, int timeout_ms);
+FERRY_API void ferry_mq_loan_free(ferry_mq *mq, void *buf);
 /* Waits until at least n subscribers of topic are known to this node (advertising it as a
  * publisher). No polling: it wakes when a subscriber's request arrives. FERRY_ETIMEDOUT. */
 FERRY_API int ferry_mq_wait_subscribers(ferry_mq *mq, const char *topic, size_t n, int timeout_ms);

@@ -3,9 +3,9 @@
  * ordering and content, no loss behind a slow subscriber (back-pressure instead), a publish to
  * a full queue that times out naming the subscriber, a subscriber killed with SIGKILL (dropped,
  * reported, the others go on), subscribers joining and leaving while a publisher publishes,
- * malformed frames, callbacks, and the wire decoder. The parent hosts the directory; helpers
- * are this binary exec'd again (safe from a threaded parent, and under TSan). No timings are
- * asserted: waits are bounded by generous timeouts only.
+ * malformed frames, callbacks, zero-copy loans, and the wire decoder. The parent hosts the
+ * directory; helpers are this binary exec'd again (safe from a threaded parent, and under TSan). No
+ * timings are asserted: waits are bounded by generous timeouts only.
  */
 // ferry-test: threaded
 #include "testutil.h"
@@ -493,6 +493,80 @@ static void in_process(void) {
   ferry_mq_close(NULL);
 }
 
+/* Loans: messages built in the pool and published without a copy (shm subscribers read the
+ * block in place, tcp ones get it inline); a block a subscriber still holds is not lent again;
+ * a full pool makes a loan wait and time out; a loan is handed back exactly once. */
+static void *loan_msg(ferry_mq *a, uint64_t k, size_t len) {
+  void *buf = NULL;
+  FR_OK(ferry_mq_loan(a, len, &buf, 5000));
+  assert_int_equal((uintptr_t)buf % 64, 0);
+  fill(buf, k, len);
+  return buf;
+}
+
+static void loans_errors(ferry_mq *a) {
+  void *buf = NULL, *more = NULL;
+  uint8_t x[16];
+  assert_int_equal(ferry_mq_loan(a, 0, &buf, 0), FERRY_EINVAL);
+  assert_int_equal(ferry_mq_loan(a, a->pool_bytes + 1, &buf, 0), FERRY_EINVAL);
+  assert_int_equal(ferry_mq_publish_loan(a, "loans", NULL, x, sizeof x, 1000), FERRY_EINVAL);
+  FR_OK(ferry_mq_loan(a, a->pool_bytes, &buf, 1000)); /* all of it: the next one must wait */
+  assert_int_equal(ferry_mq_loan(a, 4096, &more, 50), FERRY_ETIMEDOUT);
+  assert_int_equal(ferry_mq_publish_loan(a, "loans", NULL, buf, a->pool_bytes + 1, 1000),
+                   FERRY_EINVAL); /* more than lent: refused, and the loan is gone */
+  assert_int_equal(ferry_mq_publish_loan(a, "loans", NULL, buf, 8, 1000), FERRY_EINVAL);
+  FR_OK(ferry_mq_loan(a, 4096, &more, 1000));
+  ferry_mq_loan_free(a, more);
+  ferry_mq_loan_free(a, more); /* no longer a loan: ignored */
+  ferry_tensor_desc d = {.dtype = FERRY_DTYPE_F32, .ndim = 1, .shape = {3}};
+  FR_OK(ferry_mq_loan(a, 16, &buf, 1000));
+  assert_int_equal(ferry_mq_publish_loan(a, "loans", &d, buf, 16, 1000), FERRY_EINVAL);
+}
+
+static void loans(void) {
+  ferry_ctx *ca = ctx_open("mq-a", suite_transports), *cb = ctx_open("mq-b", suite_transports);
+  ferry_mq *a = mq_open(ca, NULL, 0);
+  char dir[128];
+  dir_url(ca, dir, sizeof dir);
+  ferry_mq *b = mq_open(cb, dir, 0);
+  FR_OK(ferry_mq_subscribe(b, "loans", 5000));
+  FR_OK(ferry_mq_wait_subscribers(a, "loans", 1, 5000));
+  loans_errors(a);
+  ferry_mq_msg *held, *m;
+  FR_OK(ferry_mq_publish_loan(a, "loans", NULL, loan_msg(a, 0, 300000), 300000, 5000));
+  FR_OK(ferry_mq_recv(b, &held, 5000)); /* kept while later loans are made and published */
+  size_t n = 40 / SCALE;
+  for (uint64_t k = 1; k <= n; k++) {
+    size_t len = k % 2 ? 300000 : 8;
+    ferry_tensor_desc d = {.dtype = FERRY_DTYPE_U8, .ndim = 2, .shape = {len / 8, 8}};
+    FR_OK(ferry_mq_publish_loan(a, "loans", k % 3 ? NULL : &d, loan_msg(a, k, len), len, 5000));
+    FR_OK(ferry_mq_recv(b, &m, 5000));
+    uint64_t got = 0;
+    assert_true(m->len == len && m->len >= 8);
+    memcpy(&got, m->data, 8);
+    assert_int_equal(got, k);
+    assert_int_equal(m->is_tensor, k % 3 == 0);
+    uint8_t *want = malloc(len);
+    fill(want, k, len);
+    assert_memory_equal(m->data, want, len);
+    free(want);
+    ferry_mq_msg_free(m);
+  }
+  uint64_t k0 = 1;
+  assert_true(held->len == 300000);
+  uint8_t *want = malloc(300000);
+  fill(want, 0, 300000);
+  assert_memory_equal(held->data, want, 300000); /* its block was not lent again */
+  memcpy(&k0, held->data, 8);
+  assert_int_equal(k0, 0);
+  free(want);
+  ferry_mq_msg_free(held);
+  ferry_mq_close(b);
+  ferry_mq_close(a);
+  ferry_ctx_close(cb);
+  ferry_ctx_close(ca);
+}
+
 /* ---- the wire decoder ---- */
 
 static void test_wire(void **st) {
@@ -574,12 +648,13 @@ static void set_transport(const char *t) {
   static void test_killed_##tr(void **st) { set_transport(#tr), killed_subscriber(); }             \
   static void test_join_leave_##tr(void **st) { set_transport(#tr), join_leave(); }                \
   static void test_malformed_##tr(void **st) { set_transport(#tr), malformed(); }                  \
-  static void test_in_process_##tr(void **st) { set_transport(#tr), in_process(); }
+  static void test_in_process_##tr(void **st) { set_transport(#tr), in_process(); }                \
+  static void test_loans_##tr(void **st) { set_transport(#tr), loans(); }
 #define TESTS(tr)                                                                                  \
   cmocka_unit_test(test_ordering_##tr), cmocka_unit_test(test_no_loss_##tr),                       \
       cmocka_unit_test(test_slow_##tr), cmocka_unit_test(test_killed_##tr),                        \
       cmocka_unit_test(test_join_leave_##tr), cmocka_unit_test(test_malformed_##tr),               \
-      cmocka_unit_test(test_in_process_##tr)
+      cmocka_unit_test(test_in_process_##tr), cmocka_unit_test(test_loans_##tr)
 
 CASES(shm)
 CASES(tcp)

@@ -126,10 +126,11 @@ typedef struct fr_mq_rxbatch { /* messages that arrived in one BATCH frame: one 
   fr_mq_rmsg msgs[];
 } fr_mq_rxbatch;
 
-typedef struct fr_mq_block { /* a pool block in flight */
+typedef struct fr_mq_block { /* a pool block in flight (or lent to the application) */
   uint64_t off, len;
-  int refs; /* subscribers that still hold it; 0: free slot */
+  int refs; /* subscribers that still hold it, + 1 while lent; 0: free slot */
   uint32_t gen;
+  bool lent; /* ferry_mq_loan gave it out and no publish took it back yet */
 } fr_mq_block;
 
 struct ferry_mq {

@@ -14,6 +14,10 @@
  * credit) when the message is freed. A block is reused once every subscriber released it or was
  * dropped. When the pool has no room the payload goes inline instead (never a wait).
  *
+ * Loans: ferry_mq_loan lends the application a pool block to build a message in (waiting for
+ * room); ferry_mq_publish_loan then sends it with no copy at all (the block's holders are the
+ * loan, dropped after the sends, and each shm subscriber).
+ *
  * Batches: a publish that follows the previous one closely (a stream) appends small inline
  * messages to a per-subscriber batch instead of writing each one to the link; the batch goes out
  * when it is full, before anything else is sent to that subscriber, before this node waits for
@@ -139,6 +143,7 @@ static uint64_t block_alloc(ferry_mq *mq, uint64_t len, int refs, uint64_t *off)
   b->off = *off;
   b->len = want;
   b->refs = refs;
+  b->lent = false;
   b->gen++;
   return (uint64_t)b->gen << 32 | (uint64_t)(slot + 1);
 }
@@ -421,8 +426,24 @@ static int settle(ferry_mq *mq, frames *fr, target *v, size_t n, const char *top
   return 0;
 }
 
+/* The pool block the payload goes out in to nshm subscribers (lock held): the loan it was
+ * built in, or a new block that the caller copies it into; 0 when none (inline instead). */
+static uint64_t take_block(ferry_mq *mq, uint64_t len, int nshm, uint64_t loan, uint64_t *off) {
+  if (nshm == 0)
+    return 0;
+  if (loan) {
+    fr_mq_block *b = &mq->blocks[(loan & 0xffffffffu) - 1];
+    b->refs += nshm;
+    *off = b->off;
+    return loan;
+  }
+  drain(mq); /* take the releases in: the pool stays small and warm */
+  return block_alloc(mq, len, nshm, off);
+}
+
+/* Publishes data (in the pool block `loan` when not 0: then it is not copied). */
 static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *desc, const void *data,
-                   size_t len, int timeout_ms) {
+                   size_t len, int timeout_ms, uint64_t loan) {
   int ms = fr_timeout(timeout_ms);
   uint64_t deadline = fr_deadline_ns(ms);
   pthread_mutex_lock(&mq->publish_lock);
@@ -449,14 +470,11 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
     int nshm = 0;
     for (size_t i = 0; i < n; i++)
       nshm += v[i].shm;
-    if (nshm) {
-      drain(mq); /* take the releases in: the pool stays small and warm */
-      fr.token = block_alloc(mq, len, nshm, &off);
-    }
+    fr.token = take_block(mq, len, nshm, loan, &off);
   }
   pthread_mutex_unlock(&mq->lock);
   if (rc == 0) {
-    if (fr.token)
+    if (fr.token && !loan)
       memcpy(mq->pool + off, data, len);
     build(mq, &fr, topic, desc, len, seq, off);
     uint64_t now = fr_now_ns();
@@ -481,7 +499,7 @@ int ferry_mq_publish(ferry_mq *mq, const char *topic, const void *data, size_t l
   if (!mq || (!data && len))
     return fr_err(FERRY_EINVAL, "ferry_mq_publish: NULL argument");
   int rc = fr_mq_topic_check(topic);
-  return rc ? rc : publish(mq, topic, NULL, data, len, timeout_ms);
+  return rc ? rc : publish(mq, topic, NULL, data, len, timeout_ms, 0);
 }
 
 int ferry_mq_publish_tensor(ferry_mq *mq, const char *topic, const ferry_tensor_desc *desc,
@@ -501,5 +519,126 @@ int ferry_mq_publish_tensor(ferry_mq *mq, const char *topic, const ferry_tensor_
   ferry_tensor_desc d = *desc;
   for (uint32_t i = d.ndim; i < FERRY_MAX_DIMS; i++)
     d.shape[i] = 0;
-  return publish(mq, topic, &d, data, (size_t)len, timeout_ms);
+  return publish(mq, topic, &d, data, (size_t)len, timeout_ms, 0);
+}
+
+/* ---- loans: messages built in the pool, published without a copy ---- */
+
+/* The pool, opened; FERRY_ENOSHM / FERRY_EINVAL when no loan of len bytes can ever be made. */
+static int loan_pool(ferry_mq *mq, size_t len) {
+  if (!mq->pool && (mq->pool_bytes == 0 || pool_open(mq) != 0))
+    return fr_err(FERRY_ENOSHM, "ferry_mq_loan: no shared-memory pool (FERRY_MQ_POOL_BYTES)");
+  if (len == 0 || len > mq->pool_bytes)
+    return fr_err(FERRY_EINVAL, "ferry_mq_loan: %zu bytes (the pool holds %llu)", len,
+                  (unsigned long long)mq->pool_bytes);
+  return 0;
+}
+
+typedef struct loan_wait {
+  uint64_t len, off, token;
+} loan_wait;
+
+static bool loan_ready(ferry_mq *mq, void *arg) { /* allocates as soon as there is room */
+  loan_wait *w = arg;
+  if (!w->token)
+    w->token = block_alloc(mq, w->len, 1, &w->off);
+  return w->token != 0;
+}
+
+int ferry_mq_loan(ferry_mq *mq, size_t len, void **buf, int timeout_ms) {
+  if (!mq || !buf)
+    return fr_err(FERRY_EINVAL, "ferry_mq_loan: NULL argument");
+  int ms = fr_timeout(timeout_ms);
+  uint64_t deadline = fr_deadline_ns(ms);
+  fr_mq_flush(mq); /* before this node waits: what we batched may be what frees the pool */
+  pthread_mutex_lock(&mq->lock);
+  int rc = loan_pool(mq, len);
+  loan_wait w = {len, 0, 0};
+  if (rc == 0) {
+    drain(mq); /* releases first: reuse the blocks still warm in the cache */
+    mq->waiters++;
+    rc = fr_mq_wait(mq, loan_ready, &w, deadline);
+    mq->waiters--;
+    if (rc != 0)
+      rc = fr_err(rc,
+                  rc == FERRY_ETIMEDOUT
+                      ? "ferry_mq_loan: no %zu bytes free in the pool within %d ms "
+                        "(subscribers still hold the messages published from it)"
+                      : "ferry_mq_loan: mq closing",
+                  len, ms);
+  }
+  if (rc == 0) {
+    mq->blocks[(w.token & 0xffffffffu) - 1].lent = true;
+    *buf = mq->pool + w.off;
+  }
+  pthread_mutex_unlock(&mq->lock);
+  return rc;
+}
+
+/* The token of the lent block at buf, no longer lent (lock held); 0 when buf is not a loan. */
+static uint64_t loan_take(ferry_mq *mq, const void *buf, size_t *cap) {
+  const uint8_t *p = buf;
+  if (!mq->pool || p < mq->pool || p >= mq->pool + mq->pool_bytes)
+    return 0;
+  uint64_t off = (uint64_t)(p - mq->pool);
+  for (size_t i = 0; i < mq->nblocks; i++) {
+    fr_mq_block *b = &mq->blocks[i];
+    if (b->refs > 0 && b->lent && b->off == off) {
+      b->lent = false;
+      *cap = (size_t)b->len;
+      return (uint64_t)b->gen << 32 | (uint64_t)(i + 1);
+    }
+  }
+  return 0;
+}
+
+void ferry_mq_loan_free(ferry_mq *mq, void *buf) {
+  size_t cap = 0;
+  if (!mq || !buf)
+    return;
+  pthread_mutex_lock(&mq->lock);
+  uint64_t token = loan_take(mq, buf, &cap);
+  if (token)
+    fr_mq_pool_release(mq, token);
+  pthread_mutex_unlock(&mq->lock);
+}
+
+/* What publish_loan checks before it sends (the loan is taken already). */
+static int loan_check(const char *topic, const ferry_tensor_desc *desc, size_t len, size_t cap) {
+  uint64_t n = len;
+  int rc = fr_mq_topic_check(topic);
+  if (rc == 0 && desc && (rc = ferry_tensor_nbytes(desc, &n)) == 0 && n != len)
+    rc = fr_err(FERRY_EINVAL, "ferry_mq_publish_loan: the tensor holds %llu bytes, not %zu",
+                (unsigned long long)n, len);
+  if (rc == 0 && len > cap)
+    rc = fr_err(FERRY_EINVAL, "ferry_mq_publish_loan: %zu bytes in a loan of %zu", len, cap);
+  return rc;
+}
+
+int ferry_mq_publish_loan(ferry_mq *mq, const char *topic, const ferry_tensor_desc *desc, void *buf,
+                          size_t len, int timeout_ms) {
+  size_t cap = 0;
+  if (!mq || !buf)
+    return fr_err(FERRY_EINVAL, "ferry_mq_publish_loan: NULL argument");
+  pthread_mutex_lock(&mq->lock);
+  uint64_t token = loan_take(mq, buf, &cap);
+  pthread_mutex_unlock(&mq->lock);
+  if (!token)
+    return fr_err(FERRY_EINVAL,
+                  "ferry_mq_publish_loan: %p is not a loan of this mq (or was "
+                  "published or freed already)",
+                  buf);
+  ferry_tensor_desc d;
+  int rc = loan_check(topic, desc, len, cap);
+  if (rc == 0 && desc) {
+    d = *desc;
+    for (uint32_t i = d.ndim; i < FERRY_MAX_DIMS; i++)
+      d.shape[i] = 0;
+  }
+  if (rc == 0)
+    rc = publish(mq, topic, desc ? &d : NULL, buf, len, timeout_ms, token);
+  pthread_mutex_lock(&mq->lock);
+  fr_mq_pool_release(mq, token); /* the loan's own hold; subscribers keep theirs */
+  pthread_mutex_unlock(&mq->lock);
+  return rc;
 }
