@@ -6,6 +6,9 @@
     with ferry.MQ(directory, name="actor-3") as mq:
         mq.wait_subscribers("rollouts", 1)
         mq.publish("rollouts", np.zeros((64, 4096), np.int32))  # dtype and shape travel along
+        x = mq.loan((64, 4096), np.int32)                        # zero copy: build it in shm
+        x[:] = 7
+        mq.publish_loan("rollouts", x)                           # x is the mq's again
 
 Messages are delivered to every subscriber, in order per publisher, and never dropped: a
 publish to a subscriber whose queue is full waits, then raises ferry.Timeout naming it. Arrays
@@ -61,6 +64,10 @@ _declare("ferry_mq_unsubscribe", c_int, c_void_p, c_char_p, c_int)
 _declare("ferry_mq_publish", c_int, c_void_p, c_char_p, c_void_p, c_size_t, c_int)
 _declare("ferry_mq_publish_tensor", c_int, c_void_p, c_char_p, POINTER(_lib.TensorDesc), c_void_p,
          c_int)
+_declare("ferry_mq_loan", c_int, c_void_p, c_size_t, POINTER(c_void_p), c_int)
+_declare("ferry_mq_publish_loan", c_int, c_void_p, c_char_p, POINTER(_lib.TensorDesc), c_void_p,
+         c_size_t, c_int)
+_declare("ferry_mq_loan_free", None, c_void_p, c_void_p)
 _declare("ferry_mq_wait_subscribers", c_int, c_void_p, c_char_p, c_size_t, c_int)
 _declare("ferry_mq_subscribers", c_size_t, c_void_p, c_char_p)
 _declare("ferry_mq_recv", c_int, c_void_p, POINTER(POINTER(Msg)), c_int)
@@ -146,6 +153,7 @@ class MQ(NodeHandle):
         self._lock = threading.Lock()
         self._timeout = timeout
         self._callback = None
+        self._loans = {}  # address -> bytes lent
         self.directory = "ferry://" + self._ctx.tcp_address if host_directory else directory
 
     # -- life --------------------------------------------------------------------------------
@@ -158,6 +166,7 @@ class MQ(NodeHandle):
             return
         lib.ferry_mq_close(h)
         self._callback = None
+        self._loans = {}  # the pool is gone with the mq
         if self._owns_ctx:
             self._ctx.close()
 
@@ -196,12 +205,58 @@ class MQ(NodeHandle):
             desc, arr = as_buffer(payload)
             rc = lib.ferry_mq_publish_tensor(h, t, byref(desc), arr.ctypes.data if arr.size else None,
                                              self._t(timeout))
+        return self._publish_result(rc)
+
+    def _publish_result(self, rc):
         if rc == -9:  # FERRY_EPEER: delivered to every live subscriber; some were dropped
             detail = (lib.ferry_last_error() or b"").decode(errors="replace")
             names = detail.split(" subscriber", 1)[-1].split(" gone")[0]  # "s 'a', 'b'"
             return re.findall(r"'([^']*)'", names) or [detail]
         check(rc)
         return []
+
+    def loan(self, shape, dtype=np.uint8, timeout=None):
+        """A writable numpy array of shape and dtype lent from this publisher's shared-memory
+        pool (ferry_mq_loan; waits for room, raises ferry.Timeout). Build the message in it,
+        then publish_loan(topic, array) sends it without a copy; or loan_free(array)."""
+        dtype = np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        ptr = c_void_p()
+        check(lib.ferry_mq_loan(self.handle, nbytes, byref(ptr), self._t(timeout)))
+        buf = (ctypes.c_uint8 * nbytes).from_address(ptr.value)
+        arr = np.frombuffer(buf, dtype=np.uint8).view(dtype).reshape(shape)
+        with self._lock:
+            self._loans[ptr.value] = nbytes
+        return arr
+
+    def _take_loan(self, arr):
+        ptr = arr.ctypes.data if isinstance(arr, np.ndarray) else None
+        with self._lock:
+            nbytes = self._loans.pop(ptr, None)
+        if nbytes is None or arr.nbytes != nbytes:
+            if nbytes is not None:
+                with self._lock:
+                    self._loans[ptr] = nbytes
+            raise ValueError("ferry.MQ: not an array returned by loan() (whole), or already "
+                             "published or freed")
+        arr.flags.writeable = False  # the mq's again: reused once subscribers are done
+        return ptr
+
+    def publish_loan(self, topic, arr, as_bytes=False, timeout=None):
+        """Publishes an array from loan() without copying it: subscribers on this host read it
+        in place. As a tensor (dtype and shape travel along), or as bytes with as_bytes=True.
+        Whatever happens the array is the mq's again: do not use it afterwards. Returns and
+        raises as publish()."""
+        t = _topic(topic)
+        ptr = self._take_loan(arr)
+        desc = None if as_bytes else byref(as_buffer(arr)[0])
+        return self._publish_result(
+            lib.ferry_mq_publish_loan(self.handle, t, desc, ptr, arr.nbytes, self._t(timeout)))
+
+    def loan_free(self, arr):
+        """Gives back an array from loan() unpublished."""
+        lib.ferry_mq_loan_free(self.handle, self._take_loan(arr))
 
     def recv(self, timeout=None, like="numpy", copy=False):
         """The next message as (topic, publisher, payload); raises ferry.Timeout. payload is a

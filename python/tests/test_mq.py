@@ -156,3 +156,30 @@ def test_errors():
             mq.subscribe(3)
     with pytest.raises(ValueError):
         mq.publish("t", b"x")
+
+
+def test_loan_zero_copy(pair):
+    pub, sub = pair
+    sub.subscribe("loan")
+    pub.wait_subscribers("loan", 1, timeout=10)
+    x = pub.loan((512, 256), np.float32)  # 512 KiB: over the inline limit, read in place
+    assert x.flags.writeable and x.shape == (512, 256) and x.dtype == np.float32
+    x[:] = np.arange(256, dtype=np.float32)
+    assert pub.publish_loan("loan", x) == []
+    assert not x.flags.writeable  # the mq's again
+    with pytest.raises(ValueError):
+        pub.publish_loan("loan", x)  # handed back once only
+    b = pub.loan(100000)
+    b[:] = 3
+    pub.publish_loan("loan", b, as_bytes=True)
+    unused = pub.loan(64)
+    with pytest.raises(ValueError):
+        pub.publish_loan("loan", unused[:8])  # a part of a loan is not a loan
+    pub.loan_free(unused)
+    _, _, y = sub.recv(timeout=10)
+    assert y.dtype == np.float32 and y.shape == (512, 256)
+    assert (y == np.arange(256, dtype=np.float32)).all()
+    _, _, z = sub.recv(timeout=10)
+    assert isinstance(z, memoryview) and len(z) == 100000 and bytes(z[:4]) == b"\x03" * 4
+    with pytest.raises(ferry.InvalidArgument):
+        pub.loan(0)

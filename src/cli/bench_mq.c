@@ -10,8 +10,10 @@
  * (messages/s and GB/s at the receiver). Receivers take each message and free it without
  * copying it anywhere: ferry hands out the bytes where they arrived (the ring's copy, or the
  * publisher's shared pool for large messages), nng and ZeroMQ in the buffer they received into.
- * memcpy of the same size is the reference for large messages on one host. nng and ZeroMQ are
- * linked into this command only (never into libferry); without them their rows say so.
+ * ferry/shm-loan streams large messages built in loans from the publisher's pool (no copy).
+ * memcpy of the same size, timed as a stream is, is the reference for large messages on one
+ * host. nng and ZeroMQ are linked into this command only (never into libferry); without them their
+ * rows say so.
  */
 #include "cli/bench.h"
 #include "cli/cli.h"
