@@ -117,10 +117,54 @@ void fr_ctx_poll_links(ferry_ctx *ctx) {
 
 /* ---- messages ---- */
 
+/* Large message buffers are kept for reuse, a few per process: glibc hands a freed block of a
+ * MiB back to the kernel, and a fresh one costs page faults and zeroing on every message, which
+ * dominated large receives (tcp: the payload is received straight into the message). */
+#define MSG_KEEP_MIN (64u << 10)   /* nodes holding at least this are kept */
+#define MSG_KEEP_SLOTS 4           /* this many */
+#define MSG_KEEP_BYTES (64u << 20) /* holding at most this much in all */
+static pthread_mutex_t msg_keep_lock = PTHREAD_MUTEX_INITIALIZER;
+static fr_msg_node *msg_keep[MSG_KEEP_SLOTS];
+static size_t msg_kept_bytes;
+
+/* The smallest kept node that holds len bytes, taken; NULL when none. */
+static fr_msg_node *msg_reuse(size_t len) {
+  fr_msg_node *n = NULL;
+  pthread_mutex_lock(&msg_keep_lock);
+  size_t best = MSG_KEEP_SLOTS;
+  for (size_t i = 0; i < MSG_KEEP_SLOTS; i++)
+    if (msg_keep[i] && msg_keep[i]->cap >= len &&
+        (best == MSG_KEEP_SLOTS || msg_keep[i]->cap < msg_keep[best]->cap))
+      best = i;
+  if (best < MSG_KEEP_SLOTS) {
+    n = msg_keep[best];
+    msg_keep[best] = NULL;
+    msg_kept_bytes -= n->cap;
+  }
+  pthread_mutex_unlock(&msg_keep_lock);
+  return n;
+}
+
+/* Keeps n for reuse when there is room; false: the caller frees it. */
+static bool msg_keep_node(fr_msg_node *n) {
+  bool kept = false;
+  pthread_mutex_lock(&msg_keep_lock);
+  for (size_t i = 0; i < MSG_KEEP_SLOTS && !kept; i++)
+    if (!msg_keep[i] && msg_kept_bytes + n->cap <= MSG_KEEP_BYTES) {
+      msg_keep[i] = n;
+      msg_kept_bytes += n->cap;
+      kept = true;
+    }
+  pthread_mutex_unlock(&msg_keep_lock);
+  return kept;
+}
+
 ferry_msg *fr_msg_alloc(uint64_t len) {
   if (len > SIZE_MAX - sizeof(fr_msg_node) - 1)
     return NULL;
-  fr_msg_node *n = malloc(sizeof *n + (size_t)len + 1);
+  fr_msg_node *n = len >= MSG_KEEP_MIN ? msg_reuse((size_t)len) : NULL;
+  if (!n && (n = malloc(sizeof *n + (size_t)len + 1)))
+    n->cap = (size_t)len;
   if (!n)
     return NULL;
   n->next = NULL;
@@ -135,7 +179,8 @@ void ferry_msg_free(ferry_msg *msg) {
   fr_msg_node *n = fr_msg_node_of(msg);
   if (msg->link)
     fr_link_unref(msg->link);
-  free(n);
+  if (n->cap < MSG_KEEP_MIN || !msg_keep_node(n))
+    free(n);
 }
 
 void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg) {

@@ -143,9 +143,10 @@ struct ferry_link {
 };
 
 /* A received message with its queue link; the payload follows the struct. */
-typedef struct fr_msg_node {
-  struct fr_msg_node *next;
+typedef struct fr_msg_node { /* its size is a multiple of 16: the payload follows, aligned */
+  _Alignas(16) struct fr_msg_node *next;
   uint64_t call_id; /* non-zero for a CALL: ferry_reply() answers it */
+  size_t cap;       /* payload bytes the node holds (a reused node may hold more than len) */
   ferry_msg msg;
 } fr_msg_node;
 static inline fr_msg_node *fr_msg_node_of(ferry_msg *m) {
