@@ -30,10 +30,10 @@ void fr_mq_key(char *buf, size_t cap, char role, const char *topic, const char *
 static void record_for(ferry_mq *mq, fr_dir_object *o, char role, const char *topic) {
   memset(o, 0, sizeof *o);
   fr_mq_key(o->key, sizeof o->key, role, topic, mq->name);
-  snprintf(o->owner, sizeof o->owner, "%s", mq->dir_name);
+  snprintf(o->owner, sizeof o->owner, "%s", mq->lease.node.name);
   o->region.size = mq->window; /* what a publisher may queue here before it waits */
   o->gen_region.size = 8;
-  o->generation = mq->incarnation;
+  o->generation = mq->lease.node.incarnation;
   o->desc = (ferry_tensor_desc){.dtype = FERRY_DTYPE_U8, .ndim = 1};
 }
 
@@ -70,72 +70,25 @@ static int republish(ferry_mq *mq, int timeout_ms) {
   return rc;
 }
 
-/* The node that holds our name is gone when its address does not answer as that node. */
-static bool holder_dead(ferry_mq *mq, const fr_dir_node *h, int timeout_ms) {
-  ferry_link *l = NULL;
-  if (ferry_connect(mq->ctx, h->address, timeout_ms < 2000 ? timeout_ms : 2000, &l) != 0) {
-    fr_err_clear();
-    return true;
-  }
-  bool dead = strcmp(ferry_link_peer(l), mq->name) != 0;
-  ferry_link_close(l);
-  return dead;
-}
-
-static int node_put(ferry_mq *mq, const fr_dir_node *n, int timeout_ms) {
-  fr_dir_node holder;
-  int rc = mq->dir->ops->node_put(mq->dir->state, n, mq->lease_ms, 0, &holder, timeout_ms);
-  if (rc != FERRY_EEXIST)
-    return rc;
-  char taken[512];
-  fr_mq_detail(taken, sizeof taken);
-  if (!holder_dead(mq, &holder, timeout_ms))
-    return fr_err(FERRY_EEXIST, "mq '%s': %s; give this node another name or stop the other one",
-                  mq->name, taken);
-  fr_info("mq '%s': the node that held this name is dead; taking the name over", mq->name);
-  return mq->dir->ops->node_put(mq->dir->state, n, mq->lease_ms, holder.incarnation, NULL,
-                                timeout_ms);
-}
-
+/* Registers this node (taking its name over from a dead holder); unless `fresh`, publishes
+ * every record again (the directory lost them). */
 int fr_mq_register(ferry_mq *mq, bool fresh, int timeout_ms) {
-  fr_dir_node n;
-  memset(&n, 0, sizeof n);
-  snprintf(n.name, sizeof n.name, "%s", mq->dir_name);
-  snprintf(n.address, sizeof n.address, "%s", ferry_ctx_address(mq->ctx));
-  n.incarnation = mq->incarnation;
-  uint64_t epoch = mq->dir->ops->epoch(mq->dir->state);
-  int rc = node_put(mq, &n, timeout_ms);
-  if (rc == 0 && !fresh)
-    rc = republish(mq, timeout_ms);
-  pthread_mutex_lock(&mq->lock);
-  if (rc == 0)
-    mq->registered_epoch = epoch;
-  mq->next_renew_ns =
-      fr_now_ns() + (rc == 0 ? (uint64_t)mq->lease_ms * 1000000ull / 3 : 200000000ull);
-  pthread_mutex_unlock(&mq->lock);
+  int rc = fr_dir_lease_take(&mq->lease, timeout_ms);
+  if (rc == 0 && !fresh && (rc = republish(mq, timeout_ms)) != 0)
+    fr_dir_lease_lost(&mq->lease);
   return rc;
 }
 
-void fr_mq_unregister(ferry_mq *mq) {
-  mq->dir->ops->node_del(mq->dir->state, mq->dir_name, mq->incarnation, 2000);
-}
+void fr_mq_unregister(ferry_mq *mq) { fr_dir_lease_drop(&mq->lease); }
 
 void fr_mq_renew(ferry_mq *mq) {
-  int timeout = mq->lease_ms / 3 > 100 ? mq->lease_ms / 3 : 100;
-  int rc = mq->dir->ops->node_renew(mq->dir->state, mq->dir_name, mq->incarnation, mq->lease_ms,
-                                    timeout);
-  if (rc == FERRY_ENOTFOUND ||
-      (rc == 0 && mq->dir->ops->epoch(mq->dir->state) != mq->registered_epoch)) {
-    fr_info("mq '%s': directory lost our records; registering again", mq->name);
-    rc = fr_mq_register(mq, false, timeout);
-  } else {
-    pthread_mutex_lock(&mq->lock);
-    mq->next_renew_ns =
-        fr_now_ns() + (rc == 0 ? (uint64_t)mq->lease_ms * 1000000ull / 3 : 200000000ull);
-    pthread_mutex_unlock(&mq->lock);
+  if (fr_dir_lease_renew(&mq->lease) != 1)
+    return; /* renewed, or failed (logged, retried soon) */
+  int rc = republish(mq, mq->lease.lease_ms / 3 > 100 ? mq->lease.lease_ms / 3 : 100);
+  if (rc != 0) {
+    fr_dir_lease_lost(&mq->lease);
+    fr_warn("mq '%s': publishing its records again failed: %s", mq->name, ferry_last_error());
   }
-  if (rc != 0)
-    fr_warn("mq '%s': lease renewal failed: %s", mq->name, ferry_last_error());
 }
 
 /* ---- links to other mq nodes ---- */

@@ -165,7 +165,8 @@ static void run_callback(ferry_mq *mq) {
 }
 
 static void background_step(ferry_mq *mq, uint64_t now) {
-  uint64_t until = now + APP_IDLE_NS < mq->next_renew_ns ? now + APP_IDLE_NS : mq->next_renew_ns;
+  uint64_t renew = __atomic_load_n(&mq->lease.next_renew_ns, __ATOMIC_ACQUIRE);
+  uint64_t until = now + APP_IDLE_NS < renew ? now + APP_IDLE_NS : renew;
   uint64_t batch = __atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE);
   if (batch && batch + FLUSH_NS <= now) {
     pthread_mutex_unlock(&mq->lock);
@@ -198,8 +199,7 @@ static void *background(void *arg) {
   pthread_mutex_lock(&mq->lock);
   while (!mq->closing) {
     uint64_t now = fr_now_ns();
-    if (now >= mq->next_renew_ns) {
-      mq->next_renew_ns = now + 200000000ull; /* fr_mq_renew sets the real one */
+    if (fr_dir_lease_due(&mq->lease)) {
       pthread_mutex_unlock(&mq->lock);
       fr_mq_renew(mq);
       pthread_mutex_lock(&mq->lock);
@@ -219,19 +219,12 @@ static ferry_mq *mq_new(ferry_ctx *ctx, const ferry_mq_opts *o) {
     return NULL;
   mq->ctx = ctx;
   snprintf(mq->name, sizeof mq->name, "%s", ferry_ctx_name(ctx));
-  snprintf(mq->dir_name, sizeof mq->dir_name, "mq:%.60s", mq->name);
-  mq->lease_ms = o->lease_ms > 0 ? o->lease_ms : (int)fr_config_int("FERRY_LEASE_MS");
-  if (mq->lease_ms < 300)
-    mq->lease_ms = 300;
   int64_t w = o->queue_bytes ? (int64_t)o->queue_bytes : fr_config_int("FERRY_MQ_QUEUE_BYTES");
   mq->window = w < 4096 ? 4096 : (uint64_t)w;
   int64_t inl = fr_config_int("FERRY_MQ_INLINE_BYTES");
   mq->inline_bytes = inl < 0 ? 0 : (uint64_t)inl;
   int64_t pool = fr_config_int("FERRY_MQ_POOL_BYTES");
   mq->pool_bytes = pool < 0 ? 0 : (uint64_t)pool;
-  do
-    mq->incarnation = fr_random_u64();
-  while (mq->incarnation == 0);
   pthread_mutex_init(&mq->lock, NULL);
   pthread_mutex_init(&mq->publish_lock, NULL);
   fr_cond_init_monotonic(&mq->cond);
@@ -252,8 +245,18 @@ static int mq_start(ferry_mq *mq, const ferry_mq_opts *o) {
   } else {
     rc = fr_dir_open(mq->ctx, o->directory, fr_timeout(-1), &mq->dir);
   }
-  if (rc == 0)
+  if (rc == 0) {
+    char node[FR_DIR_NAME_MAX + 1], who[96];
+    snprintf(node, sizeof node, "mq:%s", name);
+    snprintf(who, sizeof who, "mq '%s'", name);
+    fr_dir_lease_init(&mq->lease, mq->dir, mq->ctx, node, who);
+    snprintf(mq->lease.holder_peer, sizeof mq->lease.holder_peer, "%s", name);
+    if (o->lease_ms > 0)
+      mq->lease.lease_ms = o->lease_ms;
+    if (mq->lease.lease_ms < 300)
+      mq->lease.lease_ms = 300;
     rc = fr_mq_register(mq, true, fr_timeout(-1));
+  }
   if (rc == 0 && pthread_create(&mq->thread, NULL, background, mq) != 0)
     rc = fr_err(FERRY_ESYS, "mq: cannot start its thread");
   if (rc == 0)

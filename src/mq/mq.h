@@ -135,12 +135,10 @@ typedef struct fr_mq_block { /* a pool block in flight (or lent to the applicati
 
 struct ferry_mq {
   ferry_ctx *ctx;
-  char name[FR_DIR_NAME_MAX + 1];     /* the ctx's name */
-  char dir_name[FR_DIR_NAME_MAX + 1]; /* "mq:" + name: this node's directory record */
-  uint64_t incarnation;
+  char name[FR_DIR_NAME_MAX + 1]; /* the ctx's name */
   fr_dir *dir;
   fr_dir_server *server;
-  int lease_ms;
+  fr_dir_lease lease; /* node "mq:" + name: this node's directory record */
   uint64_t window, inline_bytes;
 
   pthread_mutex_t lock;   /* everything below */
@@ -150,9 +148,7 @@ struct ferry_mq {
   bool pumping;         /* a thread is taking messages off the channel */
   int waiters;          /* application threads waiting in recv/publish/wait_subscribers */
   uint64_t app_pump_ns; /* when an application thread last pumped */
-  uint64_t registered_epoch;
-  uint64_t next_renew_ns;
-  uint64_t malformed; /* frames dropped as malformed */
+  uint64_t malformed;   /* frames dropped as malformed */
 
   fr_mq_rmsg *head, *tail; /* received, not yet taken */
   size_t queued;
