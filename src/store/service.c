@@ -247,7 +247,7 @@ static void *service_main(void *arg) {
     } else if (rc == FERRY_ECLOSED) {
       break;
     }
-    if (fr_now_ns() >= __atomic_load_n(&s->next_renew_ns, __ATOMIC_ACQUIRE))
+    if (fr_dir_lease_due(&s->lease))
       fr_store_renew(s);
     fr_store_settle(s, false);
     fr_store_linger_reap(s);

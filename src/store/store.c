@@ -1,12 +1,11 @@
 /*
  * Opening and closing a store, and keeping the node registered. Opening connects to the
  * directory (or hosts it), reserves the pool (one ferry_alloc'd region: generation words, then
- * data), registers the node under a fresh incarnation (refused while another live node holds the
- * name; an earlier incarnation proven dead is dropped with its records) and starts the service
- * thread, which renews the lease. Whenever the directory's epoch
- * moves (it restarted, or the client redialled) or a renewal finds the lease gone, the node
- * registers again and re-publishes every object it holds, without taking keys another node owns
- * by now.
+ * data), registers the node under a fresh incarnation (fr_dir_lease; refused while another live
+ * node holds the name; an earlier incarnation proven dead is dropped with its records) and starts
+ * the service thread, which renews the lease. Whenever the directory's epoch moves (it restarted,
+ * or the client redialled) or a renewal finds the lease gone, the node registers again and
+ * re-publishes every object it holds, without taking keys another node owns by now.
  */
 #include "store/store.h"
 
@@ -78,62 +77,19 @@ static int republish(ferry_store *s, int timeout_ms) {
   return rc;
 }
 
-/* Whether the node that holds our name is verifiably dead: nothing accepts a connection at its
- * address before the deadline (a refused connection, not a timeout), or whoever answers there
- * is another node. A live holder keeps its name. */
-static bool holder_dead(ferry_store *s, const fr_dir_node *h, int timeout_ms) {
-  int ms = timeout_ms < 2000 ? timeout_ms : 2000;
-  uint64_t deadline = fr_deadline_ns(ms);
-  ferry_link *l = NULL;
-  int rc = ferry_connect(s->ctx, h->address, ms, &l);
-  bool dead = rc != 0 && rc != FERRY_EAUTH && fr_ms_left(deadline) > 0;
-  if (rc == 0) {
-    dead = strcmp(ferry_link_peer(l), h->name) != 0;
-    ferry_link_close(l);
-  }
-  fr_err_clear();
-  return dead;
-}
-
-/* publish_lock held. */
+/* publish_lock held. Registers the node (taking its name over from a dead holder); unless
+ * `fresh`, publishes every owned object again (the directory lost them). */
 int fr_store_register(ferry_store *s, bool fresh, int timeout_ms) {
-  fr_dir_node n, holder;
-  memset(&n, 0, sizeof n);
-  snprintf(n.name, sizeof n.name, "%s", s->name);
-  snprintf(n.address, sizeof n.address, "%s", ferry_ctx_address(s->ctx));
-  n.flags = (s->flags & FERRY_STORE_HOLDER) ? FR_NODE_HOLDER : 0;
-  n.incarnation = s->incarnation;
-  uint64_t epoch = s->dir->ops->epoch(s->dir->state);
-  int rc = s->dir->ops->node_put(s->dir->state, &n, s->lease_ms, 0, &holder, timeout_ms);
-  if (rc == FERRY_EEXIST) {
-    char taken[512];
-    snprintf(taken, sizeof taken, "%s", ferry_last_error());
-    if (holder_dead(s, &holder, timeout_ms)) {
-      fr_info("store '%s': the node that held this name at %s is dead; taking the name over",
-              s->name, holder.address);
-      rc = s->dir->ops->node_put(s->dir->state, &n, s->lease_ms, holder.incarnation, NULL,
-                                 timeout_ms);
-    } else {
-      rc = fr_err(FERRY_EEXIST,
-                  "store '%s': %s; give this node another name (ferry_ctx_opts.name) or stop "
-                  "the other one",
-                  s->name, taken);
-    }
-  }
-  if (rc == 0 && !fresh)
-    rc = republish(s, timeout_ms);
-  if (rc == 0) {
-    s->registered_epoch = epoch;
-    __atomic_store_n(&s->next_renew_ns, fr_now_ns() + (uint64_t)s->lease_ms * 1000000ull / 3,
-                     __ATOMIC_RELEASE);
-  }
+  int rc = fr_dir_lease_take(&s->lease, timeout_ms);
+  if (rc == 0 && !fresh && (rc = republish(s, timeout_ms)) != 0)
+    fr_dir_lease_lost(&s->lease);
   return rc;
 }
 
 /* publish_lock held. */
 int fr_store_ensure_registered(ferry_store *s, int timeout_ms) {
   bool due = __atomic_exchange_n(&s->republish_due, false, __ATOMIC_SEQ_CST);
-  if (!due && s->dir->ops->epoch(s->dir->state) == s->registered_epoch)
+  if (!due && fr_dir_lease_current(&s->lease))
     return 0;
   fr_info("store '%s': directory changed; registering again", s->name);
   int rc = fr_store_register(s, false, timeout_ms);
@@ -173,20 +129,15 @@ void fr_store_settle(ferry_store *s, bool wait) {
 
 /* Called by the service thread when a renewal is due. */
 void fr_store_renew(ferry_store *s) {
-  int timeout = s->lease_ms / 3 > 100 ? s->lease_ms / 3 : 100;
   pthread_mutex_lock(&s->publish_lock);
-  int rc = s->dir->ops->node_renew(s->dir->state, s->name, s->incarnation, s->lease_ms, timeout);
-  if (rc == FERRY_ENOTFOUND ||
-      (rc == 0 && s->dir->ops->epoch(s->dir->state) != s->registered_epoch))
-    rc = fr_store_register(s, false, timeout);
-  if (rc == 0)
-    __atomic_store_n(&s->next_renew_ns, fr_now_ns() + (uint64_t)s->lease_ms * 1000000ull / 3,
-                     __ATOMIC_RELEASE);
-  else /* the directory is away: try again soon, loudly */
-    __atomic_store_n(&s->next_renew_ns, fr_now_ns() + 200000000ull, __ATOMIC_RELEASE);
+  if (fr_dir_lease_renew(&s->lease) == 1) { /* the directory lost us: registered again */
+    int timeout = s->lease.lease_ms / 3 > 100 ? s->lease.lease_ms / 3 : 100;
+    if (republish(s, timeout) != 0) {
+      fr_dir_lease_lost(&s->lease);
+      fr_warn("store '%s': publishing its objects again failed: %s", s->name, ferry_last_error());
+    }
+  }
   pthread_mutex_unlock(&s->publish_lock);
-  if (rc != 0)
-    fr_warn("store '%s': lease renewal failed: %s", s->name, ferry_last_error());
 }
 
 static ferry_store *store_new(ferry_ctx *ctx, const ferry_store_opts *o) {
@@ -195,11 +146,7 @@ static ferry_store *store_new(ferry_ctx *ctx, const ferry_store_opts *o) {
     return NULL;
   s->ctx = ctx;
   snprintf(s->name, sizeof s->name, "%s", ferry_ctx_name(ctx));
-  s->incarnation = fr_random_u64() | 1;
   s->flags = o ? o->flags : 0;
-  s->lease_ms = o && o->lease_ms > 0 ? o->lease_ms : (int)fr_config_int("FERRY_LEASE_MS");
-  if (s->lease_ms < 300)
-    s->lease_ms = 300;
   pthread_mutex_init(&s->lock, NULL);
   pthread_mutex_init(&s->publish_lock, NULL);
   pthread_mutex_init(&s->peers_lock, NULL);
@@ -210,6 +157,18 @@ static ferry_store *store_new(ferry_ctx *ctx, const ferry_store_opts *o) {
   return s;
 }
 
+static void lease_init(ferry_store *s, const ferry_store_opts *o) {
+  char who[96];
+  snprintf(who, sizeof who, "store '%s'", s->name);
+  fr_dir_lease_init(&s->lease, s->dir, s->ctx, s->name, who);
+  snprintf(s->lease.holder_peer, sizeof s->lease.holder_peer, "%s", s->name);
+  s->lease.node.flags = (s->flags & FERRY_STORE_HOLDER) ? FR_NODE_HOLDER : 0;
+  if (o && o->lease_ms > 0)
+    s->lease.lease_ms = o->lease_ms;
+  if (s->lease.lease_ms < 300)
+    s->lease.lease_ms = 300;
+}
+
 static int store_start(ferry_store *s, const ferry_store_opts *o) {
   uint64_t cap = o && o->capacity ? o->capacity : (uint64_t)fr_config_int("FERRY_STORE_CAPACITY");
   if (s->flags & FERRY_STORE_DELEGATE)
@@ -217,6 +176,7 @@ static int store_start(ferry_store *s, const ferry_store_opts *o) {
   int rc = dir_open(s, o);
   if (rc == 0 && !(s->flags & FERRY_STORE_DELEGATE)) {
     if ((rc = pool_open(s, cap)) == 0) {
+      lease_init(s, o);
       pthread_mutex_lock(&s->publish_lock);
       rc = fr_store_register(s, true, fr_timeout(-1));
       pthread_mutex_unlock(&s->publish_lock);
@@ -255,7 +215,7 @@ void ferry_store_close(ferry_store *s) {
   fr_store_service_stop(s);
   fr_store_workers_stop(s);
   if (s->dir && s->mem)
-    s->dir->ops->node_del(s->dir->state, s->name, s->incarnation, 2000);
+    fr_dir_lease_drop(&s->lease);
   if (s->mem)
     fr_store_retire_all(s);
   fr_peers_close(s);

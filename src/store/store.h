@@ -67,9 +67,7 @@ typedef struct fr_batch fr_batch;
 struct ferry_store {
   ferry_ctx *ctx;
   char name[FR_DIR_NAME_MAX + 1];
-  uint64_t incarnation; /* this open's claim on the name in the directory */
   uint32_t flags;
-  int lease_ms;
   fr_dir *dir;
   fr_dir_server *server; /* FERRY_STORE_HOST_DIRECTORY */
 
@@ -93,8 +91,8 @@ struct ferry_store {
   size_t npinned;
 
   pthread_mutex_t publish_lock; /* orders directory publishes with local replaces */
-  uint64_t registered_epoch;
-  bool republish_due; /* atomic: the directory may have missed a posted put (store.c) */
+  fr_dir_lease lease;           /* this open's claim on the name in the directory */
+  bool republish_due;           /* atomic: the directory may have missed a posted put (store.c) */
 
   pthread_mutex_t peers_lock;
   fr_peer *peers;
@@ -102,7 +100,6 @@ struct ferry_store {
 
   pthread_t service;
   bool service_started, stop; /* stop: atomic */
-  uint64_t next_renew_ns;
 
   pthread_mutex_t batch_lock; /* one batch at a time */
   pthread_mutex_t work_lock;
