@@ -100,11 +100,18 @@ static const char *fmt_time(double s, char *buf, size_t len) {
   return buf;
 }
 
+double bench_p99(bench_samples *b) {
+  if (b->n == 0)
+    return 0;
+  qsort(b->s, b->n, sizeof *b->s, cmp_double);
+  return b->s[(size_t)((double)(b->n - 1) * 0.99)];
+}
+
 void bench_row(const bench_opts *o, const char *bench, const char *case_name, const char *impl,
                uint64_t bytes, bench_samples *b, bool baseline) {
   if (b->n == 0)
     return;
-  qsort(b->s, b->n, sizeof *b->s, cmp_double);
+  double p99 = bench_p99(b);
   double med = b->n % 2 ? b->s[b->n / 2] : (b->s[b->n / 2 - 1] + b->s[b->n / 2]) / 2;
   double mn = b->s[0], mx = b->s[b->n - 1];
   double gbps = med > 0 ? (double)bytes / med / 1e9 : 0;
@@ -112,8 +119,8 @@ void bench_row(const bench_opts *o, const char *bench, const char *case_name, co
     case_baseline = med;
   if (o->json) {
     printf("{\"bench\":\"%s\",\"case\":\"%s\",\"impl\":\"%s\",\"bytes\":%llu,\"median_s\":%.9g,"
-           "\"min_s\":%.9g,\"max_s\":%.9g,\"gbps\":%.6g}\n",
-           bench, case_name, impl, (unsigned long long)bytes, med, mn, mx, gbps);
+           "\"min_s\":%.9g,\"max_s\":%.9g,\"p99_s\":%.9g,\"gbps\":%.6g}\n",
+           bench, case_name, impl, (unsigned long long)bytes, med, mn, mx, p99, gbps);
   } else {
     char a[32], c[32], d[32];
     printf("%-16s %-14s %12s %12s %12s %10.2f %8.2f\n", case_name, impl, fmt_time(med, a, sizeof a),
@@ -178,7 +185,7 @@ static const char bench_usage[] =
     "  all       every mode above\n\n"
     "options:\n"
     "  --json            one JSON object per line: bench, case, impl, bytes, median_s,\n"
-    "                    min_s, max_s, gbps\n"
+    "                    min_s, max_s, p99_s, gbps\n"
     "  --reps N          repetitions per size (default: by size)\n"
     "  --max-size BYTES  largest transfer (link; default 1G; K/M/G suffixes)\n\n"
     "The 'vs base' column is the baseline's median / this row's median: >1 is faster.\n"

@@ -29,6 +29,8 @@ double bench_now(void); /* monotonic seconds */
 /* Reports one row: prints it (table or JSON). `baseline` marks the case's reference row. */
 void bench_row(const bench_opts *o, const char *bench, const char *case_name, const char *impl,
                uint64_t bytes, bench_samples *b, bool baseline);
+/* The 99th percentile of the samples (sorts them). */
+double bench_p99(bench_samples *b);
 /* Prints the table header (not in JSON mode). */
 void bench_header(const bench_opts *o, const char *title);
 /* Parses --json, --reps N, --max-size BYTES (suffixes K/M/G); returns the index of the first

@@ -8,7 +8,7 @@
  *   pipe       a pipe ping-pong to every rank (what plain kernel IPC costs);
  *   ferry      a control cell: futex wake, per-rank acks, futex waits.
  * Ranks do no work, so the numbers are pure signalling latency. Rows report median, min and max;
- * the table also prints p99.
+ * the table also prints p99 (p99_s in --json).
  */
 #include "cli/bench.h"
 #include "cli/cli.h"
@@ -63,23 +63,9 @@ static void reap(pid_t *pid, int n) {
   }
 }
 
-static double p99_of(bench_samples *b) {
-  double *s = malloc(b->n * sizeof *s);
-  memcpy(s, b->s, b->n * sizeof *s);
-  for (size_t i = 1; i < b->n; i++) /* insertion sort: small n */
-    for (size_t j = i; j > 0 && s[j - 1] > s[j]; j--) {
-      double t = s[j];
-      s[j] = s[j - 1];
-      s[j - 1] = t;
-    }
-  double v = s[(size_t)((double)(b->n - 1) * 0.99)];
-  free(s);
-  return v;
-}
-
 static void report(const bench_opts *o, const char *case_name, const char *impl, bench_samples *b,
                    bool baseline) {
-  double p99 = b->n ? p99_of(b) : 0;
+  double p99 = bench_p99(b);
   bench_row(o, "control", case_name, impl, 0, b, baseline);
   if (!o->json && b->n)
     printf("%-16s %-14s %12s p99 %.2f us (n=%zu)\n", "", "", "", p99 * 1e6, b->n);
