@@ -313,6 +313,8 @@ static void emb_settle(void *st, bool wait, fr_dir_settle_fn cb, void *arg, int 
   for (;;) {
     pthread_mutex_lock(&e->posted_lock);
     posted *ps = e->posted_head;
+    if (ps && !fr_link_call_ready(&ps->pending))
+      fr_link_poll(ps->link, false); /* answers to posted puts ring no doorbell */
     if (ps && !wait && !fr_link_call_ready(&ps->pending))
       ps = NULL;
     if (ps && !(e->posted_head = ps->next))

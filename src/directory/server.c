@@ -433,13 +433,16 @@ void fr_dir_server_free(fr_dir_server *s) {
   free(s);
 }
 
+static uint64_t sent_at(const ferry_msg *m);
+
+/* Answers m; the answer to a posted put wakes nobody (its sender collects it when it polls). */
 static void serve_one(fr_dir_server *s, ferry_msg *m) {
   void *reply = NULL;
   size_t len = 0;
   fr_dir_server_handle(s, m->data, m->len, &reply, &len);
   if (ferry_msg_is_call(m)) {
     struct iovec iov = {reply, len};
-    if (ferry_reply(m, &iov, 1, 5000) != 0)
+    if (fr_link_reply(m, &iov, 1, 5000, sent_at(m) != UINT64_MAX) != 0)
       fr_debug("directory: reply to '%s' failed: %s", ferry_link_peer(m->link), ferry_last_error());
   }
   free(reply);
@@ -455,7 +458,10 @@ static void serve_one(fr_dir_server *s, ferry_msg *m) {
  * Their clock is CLOCK_MONOTONIC, common to all processes of the host. A put that some later
  * request depends on had returned before that request was sent, so it was sent before the
  * fence and before the request (it goes first), and so were the puts it depends on in turn
- * (they go before it); puts still on their way are concurrent with everything queued here. */
+ * (they go before it); puts still on their way are concurrent with everything queued here.
+ * A posted put rings no doorbell (waking this thread would cost its sender tens of
+ * microseconds): the next message from anyone brings it in with the fence, or at the latest the
+ * idle tick (IDLE_MS) does. */
 
 /* When a posted put was sent; UINT64_MAX for any other message. */
 static uint64_t sent_at(const ferry_msg *m) {
@@ -522,16 +528,20 @@ static void serve_in_order(fr_dir_server *s, ferry_msg *m) {
   serve_one(s, m);
 }
 
+#define IDLE_MS 50
+
 static void *server_main(void *arg) {
   fr_dir_server *s = arg;
   while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
     pthread_mutex_lock(&s->serve_lock);
     bool idle = s->nbacklog == 0;
     pthread_mutex_unlock(&s->serve_lock);
-    if (idle && !fr_ctx_await(s->ctx, FR_CHANNEL_DIRECTORY, 50) &&
-        __atomic_load_n(&s->ctx->stopping, __ATOMIC_ACQUIRE))
+    bool queued = !idle || fr_ctx_await(s->ctx, FR_CHANNEL_DIRECTORY, IDLE_MS);
+    if (!queued && __atomic_load_n(&s->ctx->stopping, __ATOMIC_ACQUIRE))
       break;
     pthread_mutex_lock(&s->serve_lock);
+    if (!queued)
+      fence(s); /* posted puts that rang no doorbell */
     ferry_msg *m = s->nbacklog ? backlog_take(s, 0) : fr_ctx_take(s->ctx, FR_CHANNEL_DIRECTORY);
     if (m)
       serve_in_order(s, m);

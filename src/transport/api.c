@@ -186,6 +186,11 @@ int ferry_call(ferry_link *link, uint32_t channel, const struct iovec *iov, int 
 }
 
 int ferry_reply(ferry_msg *request, const struct iovec *iov, int iovcnt, int timeout_ms) {
+  return fr_link_reply(request, iov, iovcnt, timeout_ms, false);
+}
+
+int fr_link_reply(ferry_msg *request, const struct iovec *iov, int iovcnt, int timeout_ms,
+                  bool quiet) {
   if (!request || !request->link)
     return fr_err(FERRY_EINVAL, "ferry_reply: no request");
   fr_msg_node *n = fr_msg_node_of(request);
@@ -197,8 +202,9 @@ int ferry_reply(ferry_msg *request, const struct iovec *iov, int iovcnt, int tim
     return rc;
   fr_frame f = {.type = FR_REPLY, .req_id = n->call_id, .len = len};
   n->call_id = 0;
-  return fr_link_send_frame(request->link, &f, iov, iovcnt, -1,
-                            fr_deadline_ns(fr_ctx_timeout(request->link->ctx, timeout_ms)));
+  uint64_t deadline = fr_deadline_ns(fr_ctx_timeout(request->link->ctx, timeout_ms));
+  return quiet ? fr_link_send_frame_quiet(request->link, &f, iov, iovcnt, deadline)
+               : fr_link_send_frame(request->link, &f, iov, iovcnt, -1, deadline);
 }
 
 int ferry_msg_is_call(const ferry_msg *msg) {

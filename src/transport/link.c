@@ -115,8 +115,8 @@ void fr_link_fail(ferry_link *l, int status, const char *why) {
 
 /* ---- sending ---- */
 
-int fr_link_send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
-                       int fd_out, uint64_t deadline_ns) {
+static int send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
+                      int fd_out, uint64_t deadline_ns, bool quiet) {
   uint8_t hdr[FR_FRAME_BYTES];
   fr_frame_encode(f, hdr);
   struct iovec local[9], *v = local;
@@ -127,16 +127,28 @@ int fr_link_send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov
     v[i + 1] = iov[i];
 
   pthread_mutex_lock(&l->send_lock);
+  l->quiet = quiet;
   int rc =
       __atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == FR_LINK_DEAD
           ? fr_err(l->dead_status ? l->dead_status : FERRY_EPEER, "link to '%s' is closed", l->peer)
           : l->ops->sendv(l, v, iovcnt + 1, fd_out, deadline_ns);
+  l->quiet = false;
   pthread_mutex_unlock(&l->send_lock);
   if (v != local)
     free(v);
   if (rc != 0 && link_state(l) != FR_LINK_DEAD) /* a half-sent frame leaves the stream unusable */
     fr_link_fail(l, rc, ferry_last_error());
   return rc;
+}
+
+int fr_link_send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
+                       int fd_out, uint64_t deadline_ns) {
+  return send_frame(l, f, iov, iovcnt, fd_out, deadline_ns, false);
+}
+
+int fr_link_send_frame_quiet(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
+                             uint64_t deadline_ns) {
+  return send_frame(l, f, iov, iovcnt, -1, deadline_ns, true);
 }
 
 int fr_link_sock_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
@@ -227,7 +239,7 @@ static int pending_wait(ferry_link *l, fr_pending *p, uint64_t deadline_ns, cons
 
 /* Registers p and sends its request; the response is then waited for with pending_wait(). */
 static int request_send(ferry_link *l, fr_pending *p, uint8_t type, uint32_t channel,
-                        const struct iovec *iov, int iovcnt, uint64_t deadline) {
+                        const struct iovec *iov, int iovcnt, uint64_t deadline, bool quiet) {
   int rc = pending_add(l, p);
   if (rc != 0)
     return rc;
@@ -235,7 +247,7 @@ static int request_send(ferry_link *l, fr_pending *p, uint8_t type, uint32_t cha
   for (int i = 0; i < iovcnt; i++)
     len += iov[i].iov_len;
   fr_frame f = {.type = type, .channel = channel, .req_id = p->id, .len = len};
-  rc = fr_link_send_frame(l, &f, iov, iovcnt, -1, deadline);
+  rc = send_frame(l, &f, iov, iovcnt, -1, deadline, quiet);
   if (rc != 0) {
     pthread_mutex_lock(&l->lock);
     pending_unlink_locked(l, p);
@@ -247,7 +259,7 @@ static int request_send(ferry_link *l, fr_pending *p, uint8_t type, uint32_t cha
 static int request(ferry_link *l, fr_pending *p, uint8_t type, uint32_t channel,
                    const struct iovec *iov, int iovcnt, int timeout_ms, const char *what) {
   uint64_t deadline = fr_deadline_ns(timeout_ms);
-  int rc = request_send(l, p, type, channel, iov, iovcnt, deadline);
+  int rc = request_send(l, p, type, channel, iov, iovcnt, deadline, false);
   return rc ? rc : pending_wait(l, p, deadline, what);
 }
 
@@ -283,7 +295,7 @@ int fr_link_call(ferry_link *l, uint32_t channel, const struct iovec *iov, int i
 int fr_link_call_post(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
                       int timeout_ms, fr_pending *p) {
   *p = (fr_pending){.expect = FR_REPLY};
-  return request_send(l, p, FR_CALL, channel, iov, iovcnt, fr_deadline_ns(timeout_ms));
+  return request_send(l, p, FR_CALL, channel, iov, iovcnt, fr_deadline_ns(timeout_ms), true);
 }
 
 bool fr_link_call_ready(const fr_pending *p) { return pending_ready((void *)p); }

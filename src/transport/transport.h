@@ -115,6 +115,7 @@ struct ferry_link {
   int dead_status;
   fr_pending *pending;
   pthread_mutex_t send_lock;
+  bool quiet; /* under send_lock: this frame rings no doorbell (fr_link_send_frame_quiet) */
   pthread_mutex_t rx_lock; /* the receive state below: the ctx's leader or a spinning waiter */
 
   /* receive state */
@@ -249,6 +250,13 @@ int fr_link_handshake(ferry_link *l, int timeout_ms);
 /* Sends header + iov, whole, under the link's send lock. `fd_out` >= 0 rides along (shm). */
 int fr_link_send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
                        int fd_out, uint64_t deadline_ns);
+/* The same without waking the peer: where the transport has doorbells (shm), the frame waits in
+ * the ring until the peer polls or a later frame rings (a full ring still rings). */
+int fr_link_send_frame_quiet(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
+                             uint64_t deadline_ns);
+/* ferry_reply(), quiet as fr_link_send_frame_quiet when `quiet`. */
+int fr_link_reply(ferry_msg *request, const struct iovec *iov, int iovcnt, int timeout_ms,
+                  bool quiet);
 /* Stream one-sided operations: requests answered by the owner. */
 int fr_link_rma_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst, size_t len,
                      int timeout_ms);
@@ -257,8 +265,8 @@ int fr_link_rma_write(ferry_link *l, const ferry_region_ref *r, uint64_t off, co
 /* Sends a CALL and waits for its REPLY (a message owned by the caller). */
 int fr_link_call(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
                  ferry_msg **reply, int timeout_ms);
-/* A CALL whose reply is collected later: sends it and returns at once (p stays registered with
- * the link, and must outlive it or be collected). */
+/* A CALL whose reply is collected later: sends it (quietly: fr_link_send_frame_quiet) and returns
+ * at once; p stays registered with the link, and must outlive it or be collected. */
 int fr_link_call_post(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
                       int timeout_ms, fr_pending *p);
 /* Whether a posted call's reply (or the link's failure) is in. */
