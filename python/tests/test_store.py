@@ -106,6 +106,27 @@ def test_zero_copy_put_of_ferry_memory(store):
         assert store.get("zct", like="torch")[0, 0].item() == 3.0
 
 
+def test_reput_of_one_array_follows_its_layout(store):
+    # Store.put remembers an array it put (engines reuse buffers); a later put of the same
+    # object must still describe it as it is now: reshaped in place, strided, or retyped.
+    a = store.empty((4, 6), np.uint8)
+    a[:] = np.arange(24, dtype=np.uint8).reshape(4, 6)
+    store.put("lay", a)
+    assert store.stat("lay")["shape"] == (4, 6)
+    a.shape = (6, 4)
+    store.put("lay", a)
+    assert store.stat("lay")["shape"] == (6, 4)
+    assert np.array_equal(store.get("lay"), np.arange(24, dtype=np.uint8).reshape(6, 4))
+    a.dtype = np.uint16
+    store.put("lay", a)
+    assert store.stat("lay")["dtype"] == "uint16" and store.stat("lay")["shape"] == (6, 2)
+    b = np.arange(12, dtype=np.int32).reshape(3, 4)
+    store.put("lay2", b)
+    b.strides = (4, 12)  # the same object, now a transposed (non-contiguous) layout
+    store.put("lay2", b)
+    assert np.array_equal(store.get("lay2"), np.arange(12, dtype=np.int32).reshape(4, 3).T)
+
+
 def test_keys(store):
     for i in range(5):
         store.put("req/%d" % i, np.full(3, i, np.uint8))
