@@ -521,7 +521,11 @@ FERRY_API void ferry_store_close(ferry_store *store);
  * it lies in ferry memory: then it is published in place and must stay valid and unmodified
  * until the key is deleted or replaced. desc is copied. Errors: FERRY_EINVAL (bad key, NULL
  * data), FERRY_EDTYPE / FERRY_ESHAPE / FERRY_EOVERFLOW (bad desc), FERRY_ECAPACITY (the pool or
- * the object table is full; the detail gives the sizes), FERRY_ECONNECT (directory). */
+ * the object table is full; the detail gives the sizes), FERRY_ECONNECT (directory). Once it
+ * returns, a get from any node finds the object. With the embedded directory on this host
+ * (ferry://, reached over shm) the put returns as soon as its record is queued in the
+ * directory's ring, which applies it before it answers anything sent later; a refusal that only
+ * the directory can see (its table full) is then logged, not returned. */
 FERRY_API int ferry_store_put(ferry_store *store, const char *key, const ferry_tensor_desc *desc,
                               const void *data, uint32_t flags, int timeout_ms);
 
