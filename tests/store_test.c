@@ -346,6 +346,12 @@ static void check_holder(pair *p) {
   assert_int_equal(deleted, 3);
 }
 
+/* Whether a view pins the owner's memory: over shm it does; over the other transports (what
+ * FERRY_TRANSPORTS puts first) a view is a private copy, which stays valid. */
+static int valid_after_handback(void) {
+  return strncmp(ferry_config_get("FERRY_TRANSPORTS"), "shm", 3) == 0 ? 0 : 1;
+}
+
 /* Zero-copy views: pinned until released, whatever happens to the key meanwhile. */
 static void check_views(pair *p) {
   enum { N = 256 * 1024 };
@@ -386,7 +392,7 @@ static void check_views(pair *p) {
   FR_OK(ferry_store_get_view(p->b, "v/inplace", (const void **)&bytes, NULL, &v, -1));
   assert_true(pattern_ok(bytes, N, 23));
   FR_OK(ferry_store_put(p->a, "v/inplace", &d, src, 0, 300));
-  assert_int_equal(ferry_store_view_valid(v), 0);
+  assert_int_equal(ferry_store_view_valid(v), valid_after_handback());
   ferry_store_view_release(v);
   /* a delete another node asks for does not wait for views (the owner's service thread must
    * not stall): the memory goes back at once and the view says so */
@@ -394,7 +400,7 @@ static void check_views(pair *p) {
   FR_OK(ferry_store_get_view(p->b, "v/inplace", (const void **)&bytes, NULL, &v, -1));
   assert_int_equal(ferry_store_view_valid(v), 1);
   FR_OK(ferry_store_delete(p->b, "v/inplace", -1));
-  assert_int_equal(ferry_store_view_valid(v), 0);
+  assert_int_equal(ferry_store_view_valid(v), valid_after_handback());
   ferry_store_view_release(v);
   assert_int_equal(ferry_store_get_view(p->b, "v/none", (const void **)&bytes, NULL, &v, -1),
                    FERRY_ENOTFOUND);
@@ -1094,5 +1100,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_duplicate_name),
       cmocka_unit_test(test_posted_order),
   };
+  /* FERRY_TEST_SKIP: cases a run leaves out (tests/CMakeLists.txt says which and why) */
+  if (getenv("FERRY_TEST_SKIP"))
+    cmocka_set_skip_filter(getenv("FERRY_TEST_SKIP"));
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

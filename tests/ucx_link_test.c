@@ -82,6 +82,35 @@ static void test_order_ucx(void **s) {
   ferry_ctx_close(b);
 }
 
+/* ferry_alloc in a ctx that lists ucx first gives UCX memory, not a memfd: a peer on a shm link
+ * reads and writes it through its owner (bounds and freeing as ever) and cannot view it. */
+static void test_ucx_memory_shm_peer(void **s) {
+  ferry_ctx *b = open_ctx("b", "ucx,shm,tcp", ""), *a = open_ctx("a", "shm,tcp", "");
+  ferry_link *l;
+  FR_OK(ferry_connect(a, ferry_ctx_address(b), 5000, &l));
+  assert_string_equal(ferry_link_transport(l), "shm");
+  size_t n = 1 << 20;
+  uint8_t *mem, *dst = malloc(n);
+  ferry_region_ref ref;
+  FR_OK(ferry_alloc(b, n, (void **)&mem));
+  FR_OK(ferry_region_find(b, mem, n, &ref, NULL));
+  tu_fill(mem, n, 5);
+  FR_OK(ferry_read(l, &ref, 0, dst, n, 5000));
+  assert_memory_equal(dst, mem, n);
+  tu_fill(dst, 4096, 6);
+  FR_OK(ferry_write(l, &ref, 4096, dst, 4096, 5000));
+  assert_memory_equal(mem + 4096, dst, 4096);
+  assert_int_equal(ferry_read(l, &ref, n - 1, dst, 2, 5000), FERRY_ERANGE);
+  const void *view = NULL;
+  assert_int_equal(ferry_view(l, &ref, 0, 64, &view), FERRY_ENOTSUP);
+  FR_OK(ferry_free(b, mem));
+  assert_int_equal(ferry_read(l, &ref, 0, dst, 64, 5000), FERRY_ENOTFOUND);
+  free(dst);
+  ferry_link_close(l);
+  ferry_ctx_close(a);
+  ferry_ctx_close(b);
+}
+
 /* The application still holds a link, a message and the link's peer region when the ctx
  * closes: everything UCX holds goes with the ctx; the handles stay safe to drop. */
 static void test_ctx_close_with_links(void **s) {
@@ -243,6 +272,7 @@ int main(void) {
       cmocka_unit_test(test_concurrent_ucx),
       cmocka_unit_test(test_concurrent_shared_ucx),
       cmocka_unit_test(test_ctx_close_with_links),
+      cmocka_unit_test(test_ucx_memory_shm_peer),
       cmocka_unit_test(test_killed_mid_read_ucx),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1,8 +1,8 @@
 /*
  * Regions and the per-context region table. Shared regions are memfds (never visible in the file
  * system, so nothing leaks when a process is killed, and only a peer we hand the fd to can map
- * them: the equivalent of mode 0600 with no name to guess). Every peer access goes through
- * fr_region_acquire(), which checks key and bounds before a byte moves.
+ * them: the equivalent of mode 0600 with no name to guess), or memory a transport provides. Every
+ * peer access goes through fr_region_acquire(), which checks key and bounds before a byte moves.
  */
 #include "core/region.h"
 #include "core/core.h"
@@ -23,7 +23,9 @@ void fr_region_table_init(fr_region_table *t) {
 }
 
 static void region_destroy(fr_region *r) {
-  if (r->map)
+  if (r->mem.release)
+    r->mem.release(r->mem.handle);
+  else if (r->map)
     munmap(r->map, r->map_bytes);
   if (r->memfd >= 0)
     close(r->memfd);
@@ -68,7 +70,48 @@ static uint64_t memory_available(void) {
   return kb ? (uint64_t)kb * 1024 : UINT64_MAX;
 }
 
-int fr_region_alloc_shared(fr_region_table *t, size_t bytes, fr_region **out) {
+/* A memfd of map_bytes, reserved and mapped. */
+static int memfd_map(size_t map_bytes, int *fd_out, void **map_out) {
+  int fd = memfd_create("ferry-region", MFD_CLOEXEC);
+  if (fd < 0)
+    return fr_err_errno(FERRY_ESYS, "ferry_alloc: memfd_create");
+  fchmod(fd, 0600);
+  /* fallocate reserves the pages now, so running out of shared memory is an error here rather
+   * than a SIGBUS on first touch. */
+  int rc = posix_fallocate(fd, 0, (off_t)map_bytes);
+  if (rc != 0) {
+    close(fd);
+    errno = rc;
+    return fr_err_errno(FERRY_ENOSHM, "ferry_alloc: cannot reserve %zu bytes of shared memory",
+                        map_bytes - FR_SHM_HEADER_BYTES);
+  }
+  void *map = mmap(NULL, map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (map == MAP_FAILED) {
+    close(fd);
+    return fr_err_errno(FERRY_ENOSHM, "ferry_alloc: mmap of %zu bytes",
+                        map_bytes - FR_SHM_HEADER_BYTES);
+  }
+  *fd_out = fd;
+  *map_out = map;
+  return 0;
+}
+
+/* The region's memory: the transport's when it gives some, else a memfd. */
+static int region_memory(fr_region *r, fr_region_mem_alloc alloc, void *arg) {
+  if (alloc) {
+    int rc = alloc(arg, r->map_bytes, &r->mem);
+    if (rc == 0) {
+      r->map = r->mem.addr;
+      return 0;
+    }
+    fr_debug("ferry_alloc: transport memory unavailable (%s); using a memfd", ferry_last_error());
+    r->mem = (fr_region_mem){0};
+  }
+  return memfd_map(r->map_bytes, &r->memfd, &r->map);
+}
+
+int fr_region_alloc_shared(fr_region_table *t, size_t bytes, fr_region_mem_alloc alloc, void *arg,
+                           fr_region **out) {
   if (bytes == 0)
     return fr_err(FERRY_EINVAL, "ferry_alloc: zero bytes");
   /* Reserving more than the machine has would wake the OOM killer, not return an error. */
@@ -81,40 +124,23 @@ int fr_region_alloc_shared(fr_region_table *t, size_t bytes, fr_region **out) {
   if (__builtin_add_overflow(bytes, (size_t)FR_SHM_HEADER_BYTES, &map_bytes) ||
       map_bytes > (size_t)INT64_MAX)
     return fr_err(FERRY_EOVERFLOW, "ferry_alloc: %zu bytes is too large", bytes);
-  int fd = memfd_create("ferry-region", MFD_CLOEXEC);
-  if (fd < 0)
-    return fr_err_errno(FERRY_ESYS, "ferry_alloc: memfd_create");
-  fchmod(fd, 0600);
-  /* fallocate reserves the pages now, so running out of shared memory is an error here rather
-   * than a SIGBUS on first touch. */
-  int rc = posix_fallocate(fd, 0, (off_t)map_bytes);
-  if (rc != 0) {
-    close(fd);
-    errno = rc;
-    return fr_err_errno(FERRY_ENOSHM, "ferry_alloc: cannot reserve %zu bytes of shared memory",
-                        bytes);
-  }
-  void *map = mmap(NULL, map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (map == MAP_FAILED) {
-    close(fd);
-    return fr_err_errno(FERRY_ENOSHM, "ferry_alloc: mmap of %zu bytes", bytes);
-  }
   fr_region *r = calloc(1, sizeof *r);
-  if (!r) {
-    munmap(map, map_bytes);
-    close(fd);
+  if (!r)
     return fr_err(FERRY_ENOMEM, "ferry_alloc: region record");
-  }
-  r->memfd = fd;
-  r->map = map;
+  r->memfd = -1;
   r->map_bytes = map_bytes;
-  r->data = (uint8_t *)map + FR_SHM_HEADER_BYTES;
+  int rc = region_memory(r, alloc, arg);
+  if (rc != 0) {
+    free(r);
+    return rc;
+  }
+  r->data = (uint8_t *)r->map + FR_SHM_HEADER_BYTES;
   r->size = bytes;
   if ((rc = table_add(t, r)) != 0) {
     region_destroy(r);
     return rc;
   }
-  fr_shm_header *h = map;
+  fr_shm_header *h = r->map;
   h->magic = FR_SHM_MAGIC;
   h->layout_version = FR_SHM_LAYOUT_VERSION;
   h->header_bytes = FR_SHM_HEADER_BYTES;

@@ -1,8 +1,9 @@
 /*
  * Memory regions: memory a node exposes to peers by (id, key), with bounds checks and refcounts.
  *
- * A region is either shared (ferry_alloc: a memfd that same-host peers map) or registered
- * (ferry_register: caller memory that peers reach through the owner). A shared region's memfd
+ * A region is either shared (ferry_alloc: a memfd that same-host peers map, or memory the ctx's
+ * first transport provides instead, see fr_region_mem) or registered (ferry_register: caller
+ * memory that peers reach through the owner). A shared region's memfd
  * starts with one header page (magic, layout version, id, size, state) so a peer that mapped it
  * can tell when the owner has freed it; the data follows at FR_SHM_HEADER_BYTES.
  */
@@ -33,15 +34,26 @@ typedef struct fr_shm_header {
 _Static_assert(sizeof(fr_shm_header) == 40, "shm header layout is part of the protocol");
 _Static_assert(sizeof(fr_shm_header) <= FR_SHM_HEADER_BYTES, "header fits its page");
 
+/* Memory for a shared region that a transport provides instead of a memfd (ucx: memory UCX
+ * allocates, which its shared-memory transports let peers map): page-aligned and zeroed;
+ * release(handle) frees it. */
+typedef struct fr_region_mem {
+  void *addr;
+  void (*release)(void *handle);
+  void *handle;
+} fr_region_mem;
+typedef int (*fr_region_mem_alloc)(void *arg, size_t bytes, fr_region_mem *out);
+
 typedef struct fr_region {
   uint64_t id;
   uint64_t key;
   uint8_t *data; /* first data byte */
   uint64_t size; /* data bytes */
-  int memfd;     /* -1 for registered memory */
-  void *map;     /* memfd mapping (header + data), NULL for registered memory */
+  int memfd;     /* -1 for registered memory and transport memory */
+  void *map;     /* header + data (memfd mapping or transport memory), NULL when registered */
   size_t map_bytes;
-  int refs; /* atomic; the table holds one while the region is listed */
+  fr_region_mem mem; /* transport memory (release NULL: none) */
+  int refs;          /* atomic; the table holds one while the region is listed */
 } fr_region;
 
 typedef struct fr_region_table {
@@ -55,7 +67,10 @@ void fr_region_table_init(fr_region_table *t);
 /* Removes and releases every region. */
 void fr_region_table_fini(fr_region_table *t);
 
-int fr_region_alloc_shared(fr_region_table *t, size_t bytes, fr_region **out);
+/* A shared region: a memfd, or (alloc non-NULL) the memory alloc(arg, ...) provides, falling
+ * back to a memfd when it fails. */
+int fr_region_alloc_shared(fr_region_table *t, size_t bytes, fr_region_mem_alloc alloc, void *arg,
+                           fr_region **out);
 int fr_region_add_registered(fr_region_table *t, void *ptr, size_t len, fr_region **out);
 /* Unlists a region (by id, or by its data pointer when id == 0) and drops the table's ref;
  * a shared region's header is marked freed first. */

@@ -10,11 +10,18 @@
 
 /* ---- memory ---- */
 
+/* Memory from the ctx's first transport (see alloc_region in transport.h). */
+static int transport_memory(void *arg, size_t bytes, fr_region_mem *out) {
+  ferry_ctx *ctx = arg;
+  return ctx->order[0]->alloc_region(ctx, bytes, out);
+}
+
 int ferry_alloc(ferry_ctx *ctx, size_t bytes, void **out) {
   if (!ctx || !out)
     return fr_err(FERRY_EINVAL, "ferry_alloc: NULL argument");
   fr_region *r;
-  int rc = fr_region_alloc_shared(&ctx->regions, bytes, &r);
+  bool hook = ctx->norder > 0 && ctx->order[0]->alloc_region;
+  int rc = fr_region_alloc_shared(&ctx->regions, bytes, hook ? transport_memory : NULL, ctx, &r);
   if (rc == 0)
     *out = r->data;
   return rc;

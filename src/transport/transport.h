@@ -72,6 +72,11 @@ typedef struct fr_transport_ops {
    * added to the ctx's epoll for it (events already fetched are ignored, the link lives until
    * the end of the batch). */
   void (*retire)(ferry_link *l);
+  /* Optional. Memory for ferry_alloc in a ctx that lists this transport first (ucx: memory UCX
+   * allocates, which its shared-memory transports let peers map, where a memfd would be copied
+   * through the kernel); on failure ferry_alloc uses a memfd. Such a region has no memfd, so shm
+   * links reach it through its owner, as registered memory. */
+  int (*alloc_region)(ferry_ctx *ctx, size_t bytes, fr_region_mem *out);
   /* Optional. Frees the transport's per-ctx state (fr_ctx_tstate) once the ctx's links are
    * closed; also called when ferry_ctx_open fails after the transport's listen ran. */
   void (*ctx_fini)(ferry_ctx *ctx);

@@ -34,6 +34,7 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <ucp/api/ucp.h>
+#include <ucs/config/global_opts.h>
 #include <uct/api/uct.h>
 #include <unistd.h>
 
@@ -57,6 +58,7 @@ enum { RMA_AUTO, RMA_GET, RMA_AM };
 typedef struct ucx_mapping {
   fr_region *region; /* a reference */
   ucp_mem_h memh;
+  bool own_memh; /* made for the mapping (a memfd region), not the region's own (UCX memory) */
   void *rkey;
   size_t rkey_len;
   int refs; /* links given the rkey; under ucx_ctx.lock */
@@ -68,18 +70,20 @@ typedef struct ucx_given {
   struct ucx_given *next;
 } ucx_given;
 
-/* Reader side: a peer region's rkey (NULL: reach it with read requests). */
+/* Reader side: a peer region's rkey (NULL: reach it with read requests), and where UCX mapped
+ * the region here when its transports can (ptr: its header; NULL: not mapped). */
 typedef struct ucx_remote {
   uint64_t id, key, base, size;
   ucp_rkey_h rkey;
+  void *ptr;
   struct ucx_remote *next;
 } ucx_remote;
 
 typedef struct ucx_ctx {
   ucp_context_h context;
-  bool cuda;    /* UCX was built with CUDA memory support */
-  bool no_peer; /* the transports cannot report a peer's failure (UCX's shared memory) */
-  int rma;      /* RMA_* */
+  bool cuda; /* UCX was built with CUDA memory support */
+  int rma;   /* RMA_* */
+  int refs;  /* atomic: the ctx's, and one per region of UCX memory (they outlive the ctx's) */
   pthread_mutex_t lock;
   struct ucx_link *links;
   ucx_mapping *maps;
@@ -121,6 +125,7 @@ typedef struct ucx_link {
   bool ready;     /* the endpoint exists */
   bool gone;      /* the endpoint was closed */
   bool use_get;
+  bool try_ptr; /* the endpoint has shared-memory lanes: peer regions of UCX memory may map */
   uint8_t pre_hdr[PREAMBLE_BYTES];
   uint8_t *pre; /* the peer's worker address */
   size_t pre_have, pre_want;
@@ -260,6 +265,7 @@ static int uctx_open(ferry_ctx *ctx, ucx_ctx **out) {
     free(uc);
     return rc;
   }
+  uc->refs = 1;
   ucp_context_attr_t attr = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
   if (ucp_context_query(uc->context, &attr) == UCS_OK)
     uc->cuda = attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA);
@@ -276,7 +282,8 @@ static void mapping_unref_locked(ucx_ctx *uc, ucx_mapping *m) {
       break;
     }
   ucp_rkey_buffer_release(m->rkey);
-  ucp_mem_unmap(uc->context, m->memh);
+  if (m->own_memh)
+    ucp_mem_unmap(uc->context, m->memh);
   fr_region_release(m->region);
   free(m);
 }
@@ -346,6 +353,7 @@ static void ep_close_locked(ucx_link *u, int status) {
     if (r->rkey) {
       ucp_rkey_destroy(r->rkey);
       r->rkey = NULL;
+      r->ptr = NULL;
     }
   ucx_op op = {0};
   ucp_request_param_t p = op_param(&op);
@@ -433,6 +441,72 @@ static void send_reply(ucx_link *u, unsigned id, ucx_reply *r, size_t hdr_len, c
     reply_done(NULL, UCS_OK, r);
 }
 
+/* ---- regions of UCX memory (ferry_alloc in a ctx that lists ucx first) ---- */
+
+typedef struct ucx_memory {
+  ucx_ctx *uc; /* a reference */
+  ucp_mem_h memh;
+} ucx_memory;
+
+static void uctx_unref(ucx_ctx *uc) {
+  if (__atomic_sub_fetch(&uc->refs, 1, __ATOMIC_ACQ_REL) > 0)
+    return;
+  ucp_cleanup(uc->context);
+  pthread_mutex_destroy(&uc->lock);
+  free(uc);
+}
+
+static void memory_release(void *handle) {
+  ucx_memory *mem = handle;
+  ucp_mem_unmap(mem->uc->context, mem->memh);
+  uctx_unref(mem->uc);
+  free(mem);
+}
+
+/* Memory UCX allocates (its first choice is shared memory, sysv or posix, whose rkeys a peer on
+ * the host maps: a read is then one memcpy, where a memfd region is copied by cma). */
+static int ucx_alloc_region(ferry_ctx *ctx, size_t bytes, fr_region_mem *out) {
+  ucx_ctx *uc = uctx_of(ctx);
+  ucx_memory *mem = uc ? calloc(1, sizeof *mem) : NULL;
+  if (!mem)
+    return fr_err(uc ? FERRY_ENOMEM : FERRY_EINVAL, "ucx: memory record");
+  ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
+                                           UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                                           UCP_MEM_MAP_PARAM_FIELD_FLAGS,
+                             .address = NULL,
+                             .length = bytes,
+                             .flags = UCP_MEM_MAP_ALLOCATE};
+  ucs_status_t st = ucp_mem_map(uc->context, &mp, &mem->memh);
+  ucp_mem_attr_t a = {.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH};
+  if (st == UCS_OK && (st = ucp_mem_query(mem->memh, &a)) == UCS_OK &&
+      ((uintptr_t)a.address % FR_SHM_HEADER_BYTES != 0 || a.length < bytes))
+    st = UCS_ERR_UNSUPPORTED; /* heap memory: neither page-aligned nor zeroed */
+  if (st != UCS_OK) {
+    if (mem->memh)
+      ucp_mem_unmap(uc->context, mem->memh);
+    free(mem);
+    return ucs_err(FERRY_ENOSHM, st, "mem_map (allocate)", NULL);
+  }
+  mem->uc = uc;
+  __atomic_add_fetch(&uc->refs, 1, __ATOMIC_RELAXED);
+  *out = (fr_region_mem){.addr = a.address, .release = memory_release, .handle = mem};
+  return 0;
+}
+
+/* A region's UCX registration: UCX memory's own, or a new one of a memfd's mapping (*own). */
+static ucs_status_t region_memh(ucx_ctx *uc, const fr_region *reg, ucp_mem_h *memh, bool *own) {
+  *own = reg->mem.release != memory_release;
+  if (!*own) {
+    *memh = ((const ucx_memory *)reg->mem.handle)->memh;
+    return UCS_OK;
+  }
+  ucp_mem_map_params_t mp = {.field_mask =
+                                 UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+                             .address = reg->map,
+                             .length = reg->map_bytes};
+  return ucp_mem_map(uc->context, &mp, memh);
+}
+
 /* The mapping of a shared region, made on first use; the link holds a reference. */
 static int mapping_for(ucx_link *u, fr_region *reg, ucx_mapping **out) {
   ucx_ctx *uc = u->uc;
@@ -445,13 +519,9 @@ static int mapping_for(ucx_link *u, fr_region *reg, ucx_mapping **out) {
     given = g->m == m;
   int rc = 0;
   if (!m && (m = calloc(1, sizeof *m)) != NULL) {
-    ucp_mem_map_params_t mp = {.field_mask =
-                                   UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
-                               .address = reg->map,
-                               .length = reg->map_bytes};
-    ucs_status_t st = ucp_mem_map(uc->context, &mp, &m->memh);
+    ucs_status_t st = region_memh(uc, reg, &m->memh, &m->own_memh);
     if (st == UCS_OK &&
-        (st = ucp_rkey_pack(uc->context, m->memh, &m->rkey, &m->rkey_len)) != UCS_OK)
+        (st = ucp_rkey_pack(uc->context, m->memh, &m->rkey, &m->rkey_len)) != UCS_OK && m->own_memh)
       ucp_mem_unmap(uc->context, m->memh);
     if (st != UCS_OK) {
       free(m);
@@ -497,7 +567,7 @@ static ucs_status_t on_rkey_req(void *arg, const void *header, size_t header_len
   ucx_mapping *m = NULL;
   int status =
       fr_region_acquire(&u->link->ctx->regions, fr_get_u64(h + 8), fr_get_u64(h + 16), 0, 0, &reg);
-  if (status == 0 && reg->memfd < 0)
+  if (status == 0 && !reg->map)
     status = FERRY_ENOTSUP;
   if (status == 0)
     status = mapping_for(u, reg, &m);
@@ -718,53 +788,76 @@ static void ep_failed(void *arg, ucp_ep_h ep, ucs_status_t st) {
   fr_link_fail(u->link, FERRY_EPEER, why);
 }
 
-/* Whether UCP has a lane for plain RMA that is not its tcp emulation (on shared memory, gets of
- * memory UCX did not allocate are emulated through the owner too): `lane[..] ... rma#N`. */
-static bool lanes_have_real_get(ucp_ep_h ep) {
+/* What the endpoint's lanes offer: plain RMA that is not UCP's tcp emulation (`lane[..] ...
+ * rma#N`; on shared memory, gets of memory UCX did not allocate are emulated through the owner
+ * too), and shared-memory lanes (sysv, posix: peer regions of UCX memory map here). */
+static void lanes_probe(ucp_ep_h ep, bool *real_get, bool *shm) {
   char *text = NULL;
   size_t size = 0;
   FILE *f = open_memstream(&text, &size);
+  *real_get = *shm = false;
   if (!f)
-    return false;
+    return;
   ucp_ep_print_info(ep, f);
   fclose(f);
-  bool get = false;
   char *save = NULL;
-  for (char *line = strtok_r(text, "\n", &save); line && !get; line = strtok_r(NULL, "\n", &save))
-    get = strstr(line, "lane[") && strstr(line, " rma#") && !strstr(line, "tcp/");
+  for (char *line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+    if (!strstr(line, "lane["))
+      continue;
+    *real_get |= strstr(line, " rma#") && !strstr(line, "tcp/");
+    *shm |= strstr(line, "sysv/") || strstr(line, "posix/");
+  }
   free(text);
-  return get;
+}
+
+/* An endpoint with `mode`; UCX's complaint about a mode its transports lack is kept quiet
+ * unless the user set UCX_LOG_LEVEL (ferry falls back, see ep_create_locked). */
+static ucs_status_t ep_create_quiet(ucx_link *u, ucp_ep_params_t *p, ucp_err_handling_mode_t mode) {
+  static pthread_mutex_t quiet = PTHREAD_MUTEX_INITIALIZER;
+  p->err_mode = mode;
+  if (getenv("UCX_LOG_LEVEL"))
+    return ucp_ep_create(u->worker, p, &u->ep);
+  pthread_mutex_lock(&quiet);
+  ucs_log_level_t level = ucs_global_opts.log_component.log_level;
+  ucs_global_opts.log_component.log_level = UCS_LOG_LEVEL_FATAL;
+  ucs_status_t st = ucp_ep_create(u->worker, p, &u->ep);
+  ucs_global_opts.log_component.log_level = level;
+  pthread_mutex_unlock(&quiet);
+  return st;
 }
 
 /* UCX reports a dead peer (err_mode PEER) where its transports can; its shared-memory ones
- * cannot, and there the link's socket alone tells (its end closes the endpoint). */
+ * cannot, and there the link's socket alone tells (its end closes the endpoint). Every link
+ * tries PEER first, then NONE, whatever earlier links learned: UCP pairs a link's two endpoints
+ * by how many each worker created before, so both sides must make the same tries (a ctx that
+ * skipped the failing try because an earlier link had failed it left a fresh peer's messages
+ * on an endpoint nobody read). */
 static int ep_create_locked(ucx_link *u) {
   ucp_ep_params_t p = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
                                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
                        .address = (const ucp_address_t *)u->pre,
-                       .err_mode = UCP_ERR_HANDLING_MODE_PEER,
                        .err_handler = {.cb = ep_failed, .arg = u}};
-  bool *no_peer = u->uc ? &u->uc->no_peer : NULL;
-  ucs_status_t st = UCS_ERR_UNSUPPORTED;
-  if (!no_peer || !__atomic_load_n(no_peer, __ATOMIC_RELAXED))
-    st = ucp_ep_create(u->worker, &p, &u->ep);
+  ucs_status_t st = ep_create_quiet(u, &p, UCP_ERR_HANDLING_MODE_PEER);
   if (st != UCS_OK) {
     p.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-    if ((st = ucp_ep_create(u->worker, &p, &u->ep)) == UCS_OK && no_peer)
-      __atomic_store_n(no_peer, true, __ATOMIC_RELAXED);
+    st = ucp_ep_create(u->worker, &p, &u->ep);
   }
   if (st != UCS_OK)
     return ucs_err(FERRY_ECONNECT, st, "endpoint", u->link);
   int mode = u->uc ? u->uc->rma : RMA_AM;
-  u->use_get = mode == RMA_GET || (mode == RMA_AUTO && lanes_have_real_get(u->ep));
+  bool real_get, shm;
+  lanes_probe(u->ep, &real_get, &shm);
+  u->use_get = mode == RMA_GET || (mode == RMA_AUTO && real_get);
+  u->try_ptr = mode != RMA_AM && shm;
   int rc = watch_locked(u);
   if (rc != 0)
     return rc;
   u->ready = true;
   pthread_cond_broadcast(&u->cond);
-  fr_debug("ucx link with '%s': endpoint up, one-sided reads by %s", u->link->peer,
-           u->use_get ? "get" : "active message");
+  fr_debug("ucx link with '%s': endpoint up, one-sided reads by %s%s", u->link->peer,
+           u->use_get ? "get" : "active message",
+           u->try_ptr ? " (memcpy where the peer's region is UCX memory)" : "");
   return 0;
 }
 
@@ -1130,6 +1223,14 @@ static int answer_error(ferry_link *l, int rc, const char *what, uint64_t id) {
                 (unsigned long long)id, l->peer, ferry_strerror(rc));
 }
 
+/* How a one-sided access reaches a peer's region (rem: its rkey, when asked for). */
+enum { BY_REQUEST, BY_RMA, BY_PTR };
+static int access_mode(const ucx_link *u, const ucx_remote *rem) {
+  if (!rem || !rem->rkey)
+    return BY_REQUEST;
+  return rem->ptr ? BY_PTR : u->use_get ? BY_RMA : BY_REQUEST;
+}
+
 /* The rkey of a peer's region, asked for once per link (the owner checks the key). */
 static int remote_for(ucx_link *u, const ferry_region_ref *ref, uint64_t deadline_ns,
                       ucx_remote **out) {
@@ -1152,10 +1253,16 @@ static int remote_for(ucx_link *u, const ferry_region_ref *ref, uint64_t deadlin
     ucs_status_t st = ucp_ep_rkey_unpack(u->ep, req.rkey, &rem->rkey);
     if (st != UCS_OK)
       rc = ucs_err(FERRY_EPROTO, st, "rkey unpack", u->link);
+    else if (u->try_ptr && ucp_rkey_ptr(rem->rkey, req.base, &rem->ptr) != UCS_OK)
+      rem->ptr = NULL; /* not UCX memory, or not mappable here */
   }
   free(req.rkey);
   if (rem && (rc == 0 || rc == FERRY_ENOTSUP)) {
-    *rem = (ucx_remote){ref->id, ref->key, req.base, req.size, rem->rkey, u->remotes};
+    *rem = (ucx_remote){ref->id, ref->key, req.base, req.size, rem->rkey, rem->ptr, u->remotes};
+    fr_debug("ucx: region %llu of '%s' by %s", (unsigned long long)ref->id, u->link->peer,
+             access_mode(u, rem) == BY_PTR   ? "memcpy (mapped here)"
+             : access_mode(u, rem) == BY_RMA ? "get"
+                                             : "request");
     u->remotes = rem;
     *out = rem;
     return 0;
@@ -1208,6 +1315,24 @@ static int rma_locked(ucx_link *u, const ucx_remote *rem, uint64_t off, void *bu
   return rc;
 }
 
+/* A peer region of UCX memory mapped here: one memcpy, then its state word, as rma_locked. */
+static int ptr_copy_locked(ucx_link *u, const ucx_remote *rem, uint64_t off, void *buf, size_t len,
+                           bool put) {
+  int rc = ep_check(u);
+  if (rc != 0)
+    return rc;
+  uint8_t *data = (uint8_t *)rem->ptr + FR_SHM_HEADER_BYTES + off;
+  if (put)
+    memcpy(data, buf, len);
+  else
+    memcpy(buf, data, len);
+  const fr_shm_header *h = rem->ptr;
+  if (__atomic_load_n(&h->state, __ATOMIC_ACQUIRE) != FR_SHM_ALIVE)
+    return fr_err(FERRY_ENOTFOUND, "region %llu of '%s' was freed", (unsigned long long)rem->id,
+                  u->link->peer);
+  return 0;
+}
+
 static int ucx_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst, size_t len,
                     int timeout_ms) {
   ucx_link *u = ucx_of(l);
@@ -1217,16 +1342,18 @@ static int ucx_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, void
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   pthread_mutex_lock(&u->lock);
   ucx_remote *rem = NULL;
-  if ((rc = wait_ready_locked(u, deadline)) == 0 && u->use_get)
+  if ((rc = wait_ready_locked(u, deadline)) == 0 && (u->use_get || u->try_ptr))
     rc = remote_for(u, r, deadline, &rem);
-  if (rc == 0 && (!rem || !rem->rkey))
+  int mode = access_mode(u, rem);
+  if (rc == 0 && mode == BY_REQUEST)
     rc = am_read_locked(u, r, off, dst, len, deadline);
   else if (rc == 0 && !fr_range_ok(off, len, rem->size))
     rc = fr_err(FERRY_ERANGE, "region %llu of '%s': bytes [%llu, +%zu) outside its %llu bytes",
                 (unsigned long long)r->id, l->peer, (unsigned long long)off, len,
                 (unsigned long long)rem->size);
   else if (rc == 0)
-    rc = rma_locked(u, rem, off, dst, len, false, deadline);
+    rc = mode == BY_PTR ? ptr_copy_locked(u, rem, off, dst, len, false)
+                        : rma_locked(u, rem, off, dst, len, false, deadline);
   pthread_mutex_unlock(&u->lock);
   return rc;
 }
@@ -1240,15 +1367,17 @@ static int ucx_write(ferry_link *l, const ferry_region_ref *r, uint64_t off, con
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   pthread_mutex_lock(&u->lock);
   ucx_remote *rem = NULL;
-  if ((rc = wait_ready_locked(u, deadline)) == 0 && u->use_get)
+  if ((rc = wait_ready_locked(u, deadline)) == 0 && (u->use_get || u->try_ptr))
     rc = remote_for(u, r, deadline, &rem);
-  bool by_stream = rc == 0 && (!rem || !rem->rkey);
+  int mode = access_mode(u, rem);
+  bool by_stream = rc == 0 && mode == BY_REQUEST;
   if (rc == 0 && !by_stream && !fr_range_ok(off, len, rem->size))
     rc = fr_err(FERRY_ERANGE, "region %llu of '%s': bytes [%llu, +%zu) outside its %llu bytes",
                 (unsigned long long)r->id, l->peer, (unsigned long long)off, len,
                 (unsigned long long)rem->size);
   else if (rc == 0 && !by_stream)
-    rc = rma_locked(u, rem, off, (void *)src, len, true, deadline);
+    rc = mode == BY_PTR ? ptr_copy_locked(u, rem, off, (void *)src, len, true)
+                        : rma_locked(u, rem, off, (void *)src, len, true, deadline);
   pthread_mutex_unlock(&u->lock);
   return by_stream ? fr_link_rma_write(l, r, off, src, len, timeout_ms) : rc;
 }
@@ -1274,10 +1403,8 @@ static void ucx_ctx_fini(ferry_ctx *ctx) {
     mapping_unref_locked(uc, uc->maps);
   }
   pthread_mutex_unlock(&uc->lock);
-  ucp_cleanup(uc->context);
-  pthread_mutex_destroy(&uc->lock);
-  free(uc);
   *slot = NULL;
+  uctx_unref(uc); /* regions of UCX memory may hold it a little longer (the region table) */
 }
 
 /* ---- ferry info ---- */
@@ -1342,5 +1469,6 @@ const fr_transport_ops fr_ucx_transport = {
     .write = ucx_write,
     .link_fini = ucx_link_fini,
     .retire = ucx_retire,
+    .alloc_region = ucx_alloc_region,
     .ctx_fini = ucx_ctx_fini,
 };
