@@ -215,7 +215,9 @@ typedef struct ferry_region_ref {
 
 /* Allocates `bytes` of shared-memory-backed, page-aligned, zeroed memory as a new region that
  * same-host peers map directly (zero-copy). The memory is owned by ctx until ferry_free().
- * FERRY_ENOSHM when the shared-memory file system is full. */
+ * FERRY_ENOSHM when the shared-memory file system is full. In a ctx whose first transport is
+ * ucx the memory comes from UCX (peers on UCX shared-memory links map it; shm links then reach
+ * it through its owner, like ferry_register'd memory, and cannot view it). */
 FERRY_API int ferry_alloc(ferry_ctx *ctx, size_t bytes, void **out);
 /* Frees memory from ferry_alloc (ptr must be the pointer it returned). Peers that still read
  * it get FERRY_ENOTFOUND or FERRY_ESTALE; their mappings stay valid, so nobody crashes. */
