@@ -189,8 +189,10 @@ int fr_region_remove(fr_region_table *t, uint64_t id, const void *data) {
   fr_region *r = t->items[i];
   t->items[i] = t->items[--t->count];
   pthread_mutex_unlock(&t->lock);
+  uint32_t alive = FR_SHM_ALIVE; /* CLOSED stays */
   if (r->map)
-    __atomic_store_n(&((fr_shm_header *)r->map)->state, FR_SHM_FREED, __ATOMIC_RELEASE);
+    __atomic_compare_exchange_n(&((fr_shm_header *)r->map)->state, &alive, FR_SHM_FREED, false,
+                                __ATOMIC_RELEASE, __ATOMIC_RELAXED);
   fr_region_release(r);
   return 0;
 }
@@ -237,6 +239,10 @@ int fr_region_find(fr_region_table *t, const void *ptr, size_t len, fr_region **
 }
 
 void fr_region_table_fini(fr_region_table *t) {
+  for (size_t i = 0; i < t->count; i++)
+    if (t->items[i]->map)
+      __atomic_store_n(&((fr_shm_header *)t->items[i]->map)->state, FR_SHM_CLOSED,
+                       __ATOMIC_RELEASE);
   while (t->count > 0)
     fr_region_remove(t, t->items[t->count - 1]->id, NULL);
   free(t->items);

@@ -20,7 +20,8 @@
 #define FR_SHM_LAYOUT_VERSION 1u
 #define FR_SHM_HEADER_BYTES 4096u
 
-enum { FR_SHM_ALIVE = 1, FR_SHM_FREED = 2 };
+/* CLOSED: freed because its owner's ctx closed (the owner is gone, not just the region). */
+enum { FR_SHM_ALIVE = 1, FR_SHM_FREED = 2, FR_SHM_CLOSED = 3 };
 
 typedef struct fr_shm_header {
   uint64_t magic;
@@ -28,7 +29,7 @@ typedef struct fr_shm_header {
   uint32_t header_bytes;
   uint64_t region_id;
   uint64_t data_bytes;
-  uint32_t state; /* FR_SHM_ALIVE / FR_SHM_FREED, atomic */
+  uint32_t state; /* FR_SHM_ALIVE / FR_SHM_FREED / FR_SHM_CLOSED, atomic */
   uint32_t reserved;
 } fr_shm_header;
 _Static_assert(sizeof(fr_shm_header) == 40, "shm header layout is part of the protocol");

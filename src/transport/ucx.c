@@ -1283,6 +1283,18 @@ static int am_read_locked(ucx_link *u, const ferry_region_ref *ref, uint64_t off
   return rc ? answer_error(u->link, rc, "read", ref->id) : 0;
 }
 
+/* What a peer region's state word says: alive, freed, or gone with its owner's ctx (before the
+ * link's end may have been noticed). */
+static int state_check(const ucx_link *u, const ucx_remote *rem, uint32_t state) {
+  if (state == FR_SHM_ALIVE)
+    return 0;
+  if (state == FR_SHM_CLOSED)
+    return fr_err(FERRY_EPEER, "'%s' closed its ctx (region %llu)", u->link->peer,
+                  (unsigned long long)rem->id);
+  return fr_err(FERRY_ENOTFOUND, "region %llu of '%s' was freed", (unsigned long long)rem->id,
+                u->link->peer);
+}
+
 /* The region's state word tells a freed region from a live one (the memory itself stays). */
 static int rma_locked(ucx_link *u, const ucx_remote *rem, uint64_t off, void *buf, size_t len,
                       bool put, uint64_t deadline_ns) {
@@ -1309,10 +1321,7 @@ static int rma_locked(ucx_link *u, const ucx_remote *rem, uint64_t off, void *bu
   for (int i = 0; i < 3 && rc == 0; i++)
     if (ops[i].status != UCS_OK)
       rc = ucs_err(FERRY_EPEER, ops[i].status, put ? "put" : "get", u->link);
-  if (rc == 0 && __atomic_load_n(&state, __ATOMIC_ACQUIRE) != FR_SHM_ALIVE)
-    rc = fr_err(FERRY_ENOTFOUND, "region %llu of '%s' was freed", (unsigned long long)rem->id,
-                u->link->peer);
-  return rc;
+  return rc ? rc : state_check(u, rem, __atomic_load_n(&state, __ATOMIC_ACQUIRE));
 }
 
 /* A peer region of UCX memory mapped here: one memcpy, then its state word, as rma_locked. */
@@ -1327,10 +1336,7 @@ static int ptr_copy_locked(ucx_link *u, const ucx_remote *rem, uint64_t off, voi
   else
     memcpy(buf, data, len);
   const fr_shm_header *h = rem->ptr;
-  if (__atomic_load_n(&h->state, __ATOMIC_ACQUIRE) != FR_SHM_ALIVE)
-    return fr_err(FERRY_ENOTFOUND, "region %llu of '%s' was freed", (unsigned long long)rem->id,
-                  u->link->peer);
-  return 0;
+  return state_check(u, rem, __atomic_load_n(&h->state, __ATOMIC_ACQUIRE));
 }
 
 static int ucx_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst, size_t len,
