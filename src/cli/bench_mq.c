@@ -547,7 +547,7 @@ static void print_throughput(const bench_opts *o, plan *p) {
 
 static const char mq_usage[] =
     "usage: ferry bench mq [--json] [--reps N] [--max-size BYTES] [--min-size BYTES]\n"
-    "                      [--only IMPL]\n\n"
+    "                      [--only IMPL] [--pass lat|stream]\n\n"
     "Messages between two processes: ferry's mq over shm and tcp against nng pair1 and ZeroMQ\n"
     "PAIR over ipc and tcp. Ping-pong latency, 64 B..1 MiB (lat-p50 and lat-p99 cases: one\n"
     "way = round trip / 2); streaming throughput at the receiver after a warm-up, 64 B..64 MiB\n"
@@ -556,7 +556,7 @@ static const char mq_usage[] =
     "messages of 256 KiB and more built in loans from the publisher's pool (ferry_mq_loan),\n"
     "sent without a copy. The reference of each case is ZeroMQ in its class.\n"
     "--only IMPL runs the implementations whose name contains IMPL (e.g. ferry, tcp);\n"
-    "--min-size BYTES leaves out the cases of smaller messages.\n";
+    "--min-size BYTES leaves out the cases of smaller messages; --pass runs one half.\n";
 
 int bench_mq(int argc, char **argv) {
   if (argc == 4 && strcmp(argv[1], "--serve") == 0) {
@@ -568,10 +568,14 @@ int bench_mq(int argc, char **argv) {
   bench_opts o = {.max_size = 64ull << 20};
   const char *only = NULL; /* --only SUBSTRING: the implementations whose name contains it */
   uint64_t min_size = 0;   /* --min-size BYTES: leave out smaller cases */
+  const char *half = "";   /* --pass lat|stream: only that half */
   for (int i = 1; i + 1 < argc;)
-    if (strcmp(argv[i], "--only") == 0 || strcmp(argv[i], "--min-size") == 0) {
+    if (strcmp(argv[i], "--only") == 0 || strcmp(argv[i], "--min-size") == 0 ||
+        strcmp(argv[i], "--pass") == 0) {
       if (argv[i][2] == 'o')
         only = argv[i + 1];
+      else if (argv[i][2] == 'p')
+        half = argv[i + 1];
       else
         min_size = strtoull(argv[i + 1], NULL, 0);
       memmove(argv + i, argv + i + 2, (size_t)(argc - i - 2) * sizeof *argv);
@@ -600,6 +604,8 @@ int bench_mq(int argc, char **argv) {
       p.tput[p.ntput++] = tput[i];
   int rc = 0;
   for (int pass = 0; pass < 2; pass++) {
+    if (strcmp(half, pass ? "lat" : "stream") == 0)
+      continue;
     for (size_t k = 0; k < NIMPLS; k++) {
       bool want = !only || strstr(impls[k].name, only);
       int r = impls[k].built && want ? run_impl(&o, k, &p, pass == 0) : 0;
