@@ -178,6 +178,7 @@ struct ferry_mq {
   uint8_t *pool;
   ferry_region_ref pool_ref;
   uint64_t pool_bytes;
+  uint64_t pool_hwm; /* end of the highest block so far: the pool below was written lately */
   fr_mq_block *blocks;
   size_t nblocks, capblocks;
   uint64_t *free_off, *free_len; /* free extents, sorted by offset */
