@@ -336,8 +336,8 @@ static void wake_progress(ferry_ctx *ctx) {
     fr_warn("wake eventfd: %s", strerror(errno));
 }
 
-/* One epoll_wait and its handlers, by the thread that holds ctx->lead. */
-static void run_batch(ferry_ctx *ctx, int timeout_ms) {
+/* One epoll_wait and its handlers, by the thread that holds ctx->lead; returns the events. */
+static int run_batch(ferry_ctx *ctx, int timeout_ms) {
   struct epoll_event evs[FR_MAX_EVENTS];
   __atomic_store_n(&ctx->leader, (unsigned long)pthread_self(), __ATOMIC_RELAXED);
   int n = epoll_wait(ctx->epfd, evs, FR_MAX_EVENTS, timeout_ms);
@@ -354,6 +354,7 @@ static void run_batch(ferry_ctx *ctx, int timeout_ms) {
     ctx->next_reap = fr_now_ns() + 1000000000ull;
   }
   __atomic_store_n(&ctx->leader, 0, __ATOMIC_RELAXED);
+  return n;
 }
 
 static bool leading(ferry_ctx *ctx) {
@@ -401,7 +402,23 @@ static void hand_to_progress(ferry_ctx *ctx) {
 
 enum { LED, BUSY, NO_LEAD };
 
-/* Leads the epoll until ready(arg) or the deadline (at least one batch). BUSY: another thread
+/* A leader first polls the epoll without sleeping, for up to FERRY_SPIN_US, until the first
+ * events come: the answer it waits for then finds it awake, which saves the wake-up a blocking
+ * wait pays on every round trip (the difference between a tcp round trip and a plain blocking
+ * socket's). Once bytes flow without being the whole answer (a large transfer), it sleeps in
+ * the epoll between events as before: there a wake-up is paid once per batch, not per round
+ * trip. It yields each round, so on a busy machine the threads it waits for get the core. */
+static void poll_briefly(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint64_t deadline_ns) {
+  uint64_t end = fr_now_ns() + (uint64_t)ctx->spin_us * 1000u;
+  end = end < deadline_ns ? end : deadline_ns;
+  while (!ready(arg) && !stopping(ctx) && fr_now_ns() < end) {
+    if (run_batch(ctx, 0) > 0)
+      return;
+    sched_yield();
+  }
+}
+
+/* Leads the epoll until ready(arg) or the deadline. BUSY: another thread
  * leads, and the caller is counted among the sleepers until it calls back. */
 static int lead(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint64_t deadline_ns) {
   if (!ctx->users_may_lead || stopping(ctx) || leading(ctx))
@@ -414,10 +431,11 @@ static int lead(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint64_t deadl
   }
   __atomic_sub_fetch(&ctx->sleepers, 1, __ATOMIC_SEQ_CST);
   __atomic_store_n(&ctx->user_leading, true, __ATOMIC_SEQ_CST);
-  do {
+  poll_briefly(ctx, ready, arg, deadline_ns);
+  while (!ready(arg) && !stopping(ctx) && fr_now_ns() < deadline_ns) {
     int ms = fr_ms_left(deadline_ns);
     run_batch(ctx, ms < 1000 ? ms : 1000);
-  } while (!ready(arg) && !stopping(ctx) && fr_now_ns() < deadline_ns);
+  }
   __atomic_store_n(&ctx->user_leading, false, __ATOMIC_SEQ_CST);
   pthread_mutex_unlock(&ctx->lead);
   __atomic_store_n(&ctx->user_led_ns, fr_now_ns(), __ATOMIC_SEQ_CST);
