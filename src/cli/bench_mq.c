@@ -477,7 +477,7 @@ static int run_impl(const bench_opts *o, size_t k, plan *p, bool do_lat) {
   const impl *im = &impls[k];
   int fd = -1;
   pid_t pid = spawn_server(im, &fd);
-  char addr[256];
+  char addr[256] = "";
   ep e = {0};
   int rc = pid > 0 && read_line(fd, addr, sizeof addr) == 0 ? 0 : -1;
   if (fd >= 0)
@@ -503,6 +503,8 @@ static int run_impl(const bench_opts *o, size_t k, plan *p, bool do_lat) {
       waitpid(pid, &st, 0);
     }
   }
+  if (strncmp(addr, "ipc://", 6) == 0)
+    unlink(addr + 6); /* a killed server leaves its socket file behind */
   return rc;
 }
 
