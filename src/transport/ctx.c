@@ -411,8 +411,8 @@ enum { LED, BUSY, NO_LEAD };
 static void poll_briefly(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint64_t deadline_ns) {
   uint64_t end = fr_now_ns() + (uint64_t)ctx->spin_us * 1000u;
   end = end < deadline_ns ? end : deadline_ns;
-  while (!ready(arg) && !stopping(ctx) && fr_now_ns() < end) {
-    if (run_batch(ctx, 0) > 0)
+  for (;;) { /* at least one batch: a zero timeout still takes in what the sockets hold */
+    if (run_batch(ctx, 0) > 0 || ready(arg) || stopping(ctx) || fr_now_ns() >= end)
       return;
     sched_yield();
   }
