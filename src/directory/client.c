@@ -262,17 +262,26 @@ static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *ob
   return true;
 }
 
+/* One record's answer to a put: its status (batches only; a single put's is the reply's), then
+ * whether it replaced another owner's record, and that record. A status that is no ferry error
+ * marks the reply malformed. */
+static int read_put_answer(fr_rd *rd, bool batch, bool *other, fr_dir_object *old) {
+  int st = batch ? (int32_t)fr_rd_u32(rd) : 0;
+  *other = st == 0 && fr_rd_u8(rd) != 0;
+  if (*other)
+    fr_rd_object(rd, old);
+  if (st > 0 || st < -1000)
+    rd->failed = true;
+  return st;
+}
+
 /* Reads a posted put's answers: calls cb for each record that failed or replaced another
  * owner's (cb NULL: only checks the reply). False when the reply is malformed. */
 static bool posted_replies(fr_rd rd, const posted *ps, fr_dir_settle_fn cb, void *arg) {
   for (size_t i = 0; i < ps->n && !rd.failed; i++) {
-    int st = ps->batch ? (int32_t)fr_rd_u32(&rd) : 0;
     fr_dir_object old;
-    bool other = st == 0 && fr_rd_u8(&rd) != 0;
-    if (other)
-      fr_rd_object(&rd, &old);
-    if (st > 0 || st < -1000)
-      rd.failed = true;
+    bool other;
+    int st = read_put_answer(&rd, ps->batch, &other, &old);
     if (cb && !rd.failed && (st != 0 || other)) {
       if (st != 0)
         fr_err(st, "put '%s': %s", ps->objs[i].key, ferry_strerror(st));
@@ -416,12 +425,25 @@ static int emb_node_del(void *st, const char *name, uint64_t incarnation, int ti
   return rc ? rc : finish(st, &r);
 }
 
+/* A put's arguments: u32 flags (without the client-side POSTED), the object. */
+static void put_one_args(fr_wr *w, const fr_dir_object *o, unsigned flags) {
+  fr_wr_u32(w, flags & ~FR_DIR_PUT_POSTED);
+  fr_wr_object(w, o);
+}
+
+/* A batch's arguments: u32 flags, u32 n, n objects. */
+static void put_args(fr_wr *w, const fr_dir_object *objs, size_t n, unsigned flags) {
+  fr_wr_u32(w, flags & ~FR_DIR_PUT_POSTED);
+  fr_wr_u32(w, (uint32_t)n);
+  for (size_t i = 0; i < n; i++)
+    fr_wr_object(w, &objs[i]);
+}
+
 static int emb_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir_object *replaced,
                        bool *had_other, int timeout_ms) {
   if (flags & FR_DIR_PUT_POSTED) {
     fr_wr args = {0};
-    fr_wr_u32(&args, flags & ~FR_DIR_PUT_POSTED);
-    fr_wr_object(&args, o);
+    put_one_args(&args, o, flags);
     bool sent = post(st, FR_DOP_OBJ_PUT, &args, o, 1, timeout_ms);
     fr_wr_free(&args);
     if (sent && had_other)
@@ -431,16 +453,14 @@ static int emb_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir_
   }
   fr_wr w = {0};
   fr_wr_request(&w, FR_DOP_OBJ_PUT);
-  fr_wr_u32(&w, flags & ~FR_DIR_PUT_POSTED);
-  fr_wr_object(&w, o);
+  put_one_args(&w, o, flags);
   reply r;
   int rc = call(st, &w, &r, timeout_ms);
   if (rc != 0)
     return rc;
   fr_dir_object old;
-  bool other = fr_rd_u8(&r.rd) != 0;
-  if (other)
-    fr_rd_object(&r.rd, &old);
+  bool other;
+  read_put_answer(&r.rd, false, &other, &old);
   if ((rc = finish(st, &r)) != 0)
     return rc;
   if (had_other)
@@ -448,14 +468,6 @@ static int emb_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir_
   if (other && replaced)
     *replaced = old;
   return 0;
-}
-
-/* A batch's arguments: u32 flags, u32 n, n objects. */
-static void put_args(fr_wr *w, const fr_dir_object *objs, size_t n, unsigned flags) {
-  fr_wr_u32(w, flags & ~FR_DIR_PUT_POSTED);
-  fr_wr_u32(w, (uint32_t)n);
-  for (size_t i = 0; i < n; i++)
-    fr_wr_object(w, &objs[i]);
 }
 
 static int put_chunk(void *st, const fr_dir_object *objs, size_t n, unsigned flags, int *status,
@@ -480,13 +492,8 @@ static int put_chunk(void *st, const fr_dir_object *objs, size_t n, unsigned fla
   if (rc != 0)
     return rc;
   for (size_t i = 0; i < n && !r.rd.failed; i++) {
-    status[i] = (int32_t)fr_rd_u32(&r.rd);
-    had_other[i] = status[i] == 0 && fr_rd_u8(&r.rd) != 0;
-    if (had_other[i])
-      fr_rd_object(&r.rd, &replaced[i]);
-    if (status[i] > 0 || status[i] < -1000)
-      r.rd.failed = true;
-    else if (status[i] != 0)
+    status[i] = read_put_answer(&r.rd, true, &had_other[i], &replaced[i]);
+    if (!r.rd.failed && status[i] != 0)
       fr_err(status[i], "put '%s': %s", objs[i].key, ferry_strerror(status[i]));
   }
   return finish(st, &r);
