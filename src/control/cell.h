@@ -21,7 +21,7 @@
 #include <sys/types.h>
 
 #define FR_CTL_MAGIC 0x4c54435952524546ull /* "FERRYCTL" in little-endian bytes */
-#define FR_CTL_LAYOUT_VERSION 2u
+#define FR_CTL_LAYOUT_VERSION 3u
 #define FR_CTL_PAGE 4096u
 #define FR_CTL_LINE 64u
 #define FR_CTL_NAME_MAX 64
@@ -70,7 +70,10 @@ typedef struct fr_ctl_header {
   /* cache line 1: written only by controllers, with one atomic store or CAS */
   _Alignas(64) _Atomic uint64_t command;
   uint8_t reserved1[56];
-  uint8_t reserved2[FR_CTL_OUTCOMES_OFFSET - 128];
+  /* cache line 2, written only by controllers: how many sleep on an ack word right now. A rank
+   * makes the FUTEX_WAKE system call after its ack only when this is non-zero (layout 3). */
+  _Alignas(64) _Atomic uint64_t ack_waiters;
+  uint8_t reserved2[FR_CTL_OUTCOMES_OFFSET - 136];
   /* written only by controllers */
   _Atomic uint64_t outcomes[FR_CTL_OUTCOMES];
 } fr_ctl_header;
@@ -82,6 +85,7 @@ _Static_assert(offsetof(fr_ctl_header, engine_pid) == 24, "layout v1");
 _Static_assert(offsetof(fr_ctl_header, engine_start) == 32, "layout v1");
 _Static_assert(offsetof(fr_ctl_header, file_size) == 52, "layout v1");
 _Static_assert(offsetof(fr_ctl_header, command) == 64, "command word on its own cache line");
+_Static_assert(offsetof(fr_ctl_header, ack_waiters) == 128, "layout v3");
 _Static_assert(offsetof(fr_ctl_header, outcomes) == FR_CTL_OUTCOMES_OFFSET, "layout v2");
 _Static_assert(sizeof(fr_ctl_header) == FR_CTL_HEADER_BYTES, "header: whole pages");
 _Static_assert(FR_CTL_HEADER_BYTES % FR_CTL_PAGE == 0, "the rank lines start on a page");

@@ -292,6 +292,19 @@ static int superseded(const ferry_ctl *ctl, uint64_t word, uint64_t now) {
                 CMD_ARGS(ctl, word), (unsigned long)since);
 }
 
+/* Sleeps until rank `i`'s ack word moves from `seen` (or the timeout). Counted in ack_waiters
+ * first, then the word is re-read (both seq_cst, the rank's publish_ack is the other half), so
+ * a rank that acks meanwhile either wakes us or is seen here. A controller that dies while
+ * counted leaves the count high: ranks then always wake, as before layout 3. */
+static void sleep_on_ack(const ferry_ctl *ctl, uint32_t i, uint64_t seen, int timeout_ms) {
+  fr_ctl_header *h = ctl->map.hdr;
+  _Atomic uint64_t *word = &ctl->map.lines[i].ack;
+  atomic_fetch_add_explicit(&h->ack_waiters, 1, memory_order_seq_cst);
+  if (atomic_load_explicit(word, memory_order_seq_cst) == seen)
+    fr_ctl_futex_wait(word, seen, timeout_ms);
+  atomic_fetch_sub_explicit(&h->ack_waiters, 1, memory_order_relaxed);
+}
+
 /* Waits on the first rank that has not acked; every FERRY_CTL_CHECK_MS checks the pending
  * ranks are alive, so a dead rank fails the request long before the timeout. */
 static int wait_acks(const ferry_ctl *ctl, uint64_t word, int timeout_ms) {
@@ -324,7 +337,7 @@ static int wait_acks(const ferry_ctl *ctl, uint64_t word, int timeout_ms) {
       next_check = now + check_ns;
     }
     uint64_t until = deadline < next_check ? deadline : next_check;
-    fr_ctl_futex_wait(&ctl->map.lines[from].ack, ack, fr_ms_left(until));
+    sleep_on_ack(ctl, from, ack, fr_ms_left(until));
   }
 }
 

@@ -23,12 +23,17 @@ struct ferry_ctl_rank {
   int error;             /* the last FAILED ack's error */
 };
 
-/* Publishes the ack word (release); a final state wakes the controllers waiting on it (they
- * wait only for final states, so CLEARING/UPDATING would only cost them a useless wake-up). */
-static void publish_ack(fr_ctl_line *line, uint64_t seq, ferry_ctl_state state) {
-  atomic_store_explicit(&line->ack, fr_ctl_word(seq, state), memory_order_release);
-  if (fr_ctl_state_terminal(state))
-    fr_ctl_futex_wake(&line->ack);
+/* Publishes the ack word; a final state wakes the controllers waiting on it (they wait only
+ * for final states, so CLEARING/UPDATING would only cost them a useless wake-up), and only if
+ * one sleeps: most acks land while the controller is still awake, and eight ranks' needless
+ * FUTEX_WAKE calls were a third of a request's system calls. The store and the load are both
+ * seq_cst, against the controller's increment and its re-read (wait_acks): either the rank
+ * sees the waiter or the controller sees the ack before sleeping. */
+static void publish_ack(ferry_ctl_rank *r, uint64_t seq, ferry_ctl_state state) {
+  atomic_store_explicit(&r->line->ack, fr_ctl_word(seq, state), memory_order_seq_cst);
+  if (fr_ctl_state_terminal(state) &&
+      atomic_load_explicit(&r->map.hdr->ack_waiters, memory_order_seq_cst) != 0)
+    fr_ctl_futex_wake(&r->line->ack);
 }
 
 /* Records a failure before its ack: fail_seq is cleared, error and message written, then
@@ -93,7 +98,7 @@ int ferry_ctl_rank_open(const char *name, uint32_t rank, const ferry_ctl_rank_op
   }
   /* A new owner starts at seq 0, so its first wait returns the latest command, if any. */
   r->state = initial;
-  publish_ack(r->line, 0, initial);
+  publish_ack(r, 0, initial);
   *out = r;
   return 0;
 }
@@ -113,9 +118,9 @@ static void take(ferry_ctl_rank *r, uint64_t word, ferry_ctl_command *out) {
   r->taken_cmd = (ferry_ctl_cmd)fr_ctl_cmd_of(word);
   r->acked = false;
   if (r->taken_cmd == FERRY_CTL_CLEAR)
-    publish_ack(r->line, r->taken_seq, FERRY_CTL_CLEARING);
+    publish_ack(r, r->taken_seq, FERRY_CTL_CLEARING);
   else if (r->taken_cmd == FERRY_CTL_UPDATE)
-    publish_ack(r->line, r->taken_seq, FERRY_CTL_UPDATING);
+    publish_ack(r, r->taken_seq, FERRY_CTL_UPDATING);
   out->seq = r->taken_seq;
   out->cmd = r->taken_cmd;
 }
@@ -166,7 +171,7 @@ int ferry_ctl_ack(ferry_ctl_rank *r, uint64_t seq, ferry_ctl_state state, int er
                   ferry_ctl_state_name(state));
   if (state == FERRY_CTL_FAILED)
     publish_failure(r->line, seq, error, message);
-  publish_ack(r->line, seq, state);
+  publish_ack(r, seq, state);
   r->acked = true;
   r->state = state;
   r->error = error;
