@@ -8,6 +8,7 @@
  */
 #include "control/cell.h"
 
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,6 +16,7 @@
 
 struct ferry_ctl {
   fr_ctl_map map;
+  int spin_us; /* FERRY_SPIN_US: how long a request yields for its acks before it sleeps */
 };
 
 /* ---- names ---- */
@@ -164,6 +166,7 @@ int ferry_ctl_open(const char *name, ferry_ctl **out) {
   ferry_ctl *ctl = calloc(1, sizeof *ctl);
   if (!ctl)
     return fr_err(FERRY_ENOMEM, "ferry_ctl_open '%s'", name ? name : "");
+  ctl->spin_us = (int)fr_config_int("FERRY_SPIN_US");
   int rc = fr_ctl_map_open(name, FR_CTL_MAP_CONTROLLER, &ctl->map);
   if (rc) {
     free(ctl);
@@ -305,14 +308,17 @@ static void sleep_on_ack(const ferry_ctl *ctl, uint32_t i, uint64_t seen, int ti
   atomic_fetch_sub_explicit(&h->ack_waiters, 1, memory_order_relaxed);
 }
 
-/* Waits on the first rank that has not acked; every FERRY_CTL_CHECK_MS checks the pending
+/* Waits on the first rank that has not acked: first yielding for up to FERRY_SPIN_US (acks
+ * come within tens of microseconds; a sleep would add a wake-up of this controller to each
+ * request), then sleeping; every FERRY_CTL_CHECK_MS checks the pending
  * ranks are alive, so a dead rank fails the request long before the timeout. */
 static int wait_acks(const ferry_ctl *ctl, uint64_t word, int timeout_ms) {
   uint64_t seq = fr_ctl_cmd_seq(word);
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   int64_t check_ms = fr_config_int("FERRY_CTL_CHECK_MS");
   uint64_t check_ns = (uint64_t)(check_ms < 1 ? 1 : check_ms) * 1000000ull;
-  uint64_t next_check = fr_now_ns() + check_ns;
+  uint64_t start = fr_now_ns(), next_check = start + check_ns;
+  uint64_t spin_end = start + (uint64_t)(ctl->spin_us > 0 ? ctl->spin_us : 0) * 1000u;
   uint32_t from = 0; /* ranks below `from` have acked; an ack for seq is final */
   for (;;) {
     uint64_t ack = 0;
@@ -335,6 +341,10 @@ static int wait_acks(const ferry_ctl *ctl, uint64_t word, int timeout_ms) {
       if (rc)
         return rc;
       next_check = now + check_ns;
+    }
+    if (now < spin_end) { /* the ranks need the cores more than a sleeping controller does */
+      sched_yield();
+      continue;
     }
     uint64_t until = deadline < next_check ? deadline : next_check;
     sleep_on_ack(ctl, from, ack, fr_ms_left(until));
