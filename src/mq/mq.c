@@ -125,13 +125,16 @@ int fr_mq_wait(ferry_mq *mq, bool (*ready)(ferry_mq *, void *), void *arg, uint6
     if (now >= deadline_ns && (tried || mq->pumping))
       return FERRY_ETIMEDOUT;
     uint64_t slice = now + SLICE_NS < deadline_ns ? now + SLICE_NS : deadline_ns;
+    /* An application thread waiting counts as pumping even while it waits on the background
+     * thread's pump: otherwise, once the background thread pumps, the application never does
+     * again (it finds it pumping each time) and every message costs a hand-off. */
+    if (app)
+      mq->app_pump_ns = now;
     if (mq->pumping) {
       timed_wait(&mq->cond, mq, slice);
       continue;
     }
     mq->pumping = true;
-    if (app)
-      mq->app_pump_ns = now;
     pthread_mutex_unlock(&mq->lock);
     fr_mq_pump(mq, fr_ms_left(slice));
     pthread_mutex_lock(&mq->lock);

@@ -147,7 +147,7 @@ struct ferry_mq {
   bool closing;
   bool pumping;         /* a thread is taking messages off the channel */
   int waiters;          /* application threads waiting in recv/publish/wait_subscribers */
-  uint64_t app_pump_ns; /* when an application thread last pumped */
+  uint64_t app_pump_ns; /* when an application thread last pumped or waited to */
   uint64_t malformed;   /* frames dropped as malformed */
 
   fr_mq_rmsg *head, *tail; /* received, not yet taken */
