@@ -179,6 +179,7 @@ struct ferry_mq {
   ferry_region_ref pool_ref;
   uint64_t pool_bytes;
   uint64_t pool_hwm; /* end of the highest block so far: the pool below was written lately */
+  uint64_t fresh_ps_per_byte; /* what a copy into fresh pool memory cost (publish_lock) */
   fr_mq_block *blocks;
   size_t nblocks, capblocks;
   uint64_t *free_off, *free_len; /* free extents, sorted by offset */

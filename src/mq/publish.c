@@ -431,12 +431,20 @@ static int settle(ferry_mq *mq, frames *fr, target *v, size_t n, const char *top
 }
 
 /* Memory not written lately can cost far more to write than a copy into a block reused while
- * it is warm (page faults; on some VMs, the host backing the page: 5 ms per MiB measured here
- * against 0.08 for a warm block). So a copy goes into a block below the pool's high-water
- * mark: when none is free, the publisher waits a while for a subscriber to release one (the
- * release of a stream's previous message is usually on its way) before it grows the pool: 2 ms
- * plus 1 ns a byte, less than writing fresh memory of that size costs. */
+ * it is warm (page faults; on some VMs, the host backing the page: 5-7 ms per MiB measured on
+ * the project's VM against 0.08 for a warm block). So the pool keeps a small warm working set:
+ * - a stream of messages up to a sixteenth of the pool gets two blocks of its size at once
+ *   (one the subscriber reads, one the publisher copies the next message into), so a copy
+ *   does not wait for the previous message's release; larger ones reuse one block, where the
+ *   wait is small beside the copy and a second block would cost more fresh memory;
+ * - beyond that, a copy goes into a block below the pool's high-water mark, and when none is
+ *   free the publisher waits for a subscriber to release one for as long as writing fresh
+ *   memory of that size would take (2 ms plus the cost per byte measured on this pool's fresh
+ *   copies, 1 ns until measured) before it grows the pool. */
 #define WARM_WAIT_NS 2000000ull
+#define WARM_BLOCKS 2
+#define FRESH_PS_DEFAULT 1000u /* picoseconds per byte of fresh memory until measured */
+#define FRESH_MEASURE_MIN (1u << 20)
 
 typedef struct warm_wait {
   uint64_t len;
@@ -458,9 +466,17 @@ static bool pool_busy(const ferry_mq *mq) { /* blocks held by subscribers: relea
   return false;
 }
 
+static uint64_t fresh_wait_ns(const ferry_mq *mq, uint64_t len) {
+  uint64_t ps = mq->fresh_ps_per_byte ? mq->fresh_ps_per_byte : FRESH_PS_DEFAULT;
+  return WARM_WAIT_NS + len / 1000 * ps;
+}
+
 /* The pool block the payload goes out in to nshm subscribers (lock held): the loan it was
- * built in, or a new block that the caller copies it into; 0 when none (inline instead). */
-static uint64_t take_block(ferry_mq *mq, uint64_t len, int nshm, uint64_t loan, uint64_t *off) {
+ * built in, or a new block that the caller copies it into; 0 when none (inline instead).
+ * *fresh: the block reaches above the memory written so far. */
+static uint64_t take_block(ferry_mq *mq, uint64_t len, int nshm, uint64_t loan, uint64_t *off,
+                           bool *fresh) {
+  *fresh = false;
   if (nshm == 0)
     return 0;
   if (loan) {
@@ -471,10 +487,28 @@ static uint64_t take_block(ferry_mq *mq, uint64_t len, int nshm, uint64_t loan, 
   }
   drain(mq); /* take the releases in: the pool stays small and warm */
   warm_wait w = {len, nshm, 0, 0};
-  if (!warm_ready(mq, &w) && pool_busy(mq))
-    fr_mq_wait(mq, warm_ready, &w, fr_now_ns() + WARM_WAIT_NS + len);
+  uint64_t want = (len + POOL_ALIGN - 1) / POOL_ALIGN * POOL_ALIGN;
+  bool small = want <= mq->pool_bytes / 16 && mq->pool_hwm < WARM_BLOCKS * want;
+  if (!warm_ready(mq, &w) && !small && pool_busy(mq))
+    fr_mq_wait(mq, warm_ready, &w, fr_now_ns() + fresh_wait_ns(mq, len));
   *off = w.off;
-  return w.token ? w.token : block_alloc(mq, len, nshm, true, off);
+  if (w.token)
+    return w.token;
+  uint64_t hwm = mq->pool_hwm;
+  uint64_t token = block_alloc(mq, len, nshm, true, off);
+  *fresh = token && *off + want > hwm;
+  return token;
+}
+
+/* Copies a payload into its pool block; a copy into fresh memory is timed to learn what
+ * growing the pool costs here. */
+static void pool_copy(ferry_mq *mq, uint64_t off, const void *data, size_t len, bool fresh) {
+  uint64_t t0 = fresh && len >= FRESH_MEASURE_MIN ? fr_now_ns() : 0;
+  memcpy(mq->pool + off, data, len);
+  if (t0) { /* publish_lock held: the only writer */
+    uint64_t ps = (fr_now_ns() - t0) * 1000 / len;
+    mq->fresh_ps_per_byte = mq->fresh_ps_per_byte ? (mq->fresh_ps_per_byte + ps) / 2 : ps;
+  }
 }
 
 /* Publishes data (in the pool block `loan` when not 0: then it is not copied). */
@@ -489,6 +523,7 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
   frames fr;
   fr.token = 0;
   uint64_t off = 0, seq = 0;
+  bool fresh = false;
   pthread_mutex_lock(&mq->lock);
   fr_mq_topic *t = rc == 0 ? fr_mq_topic_get(mq, topic) : NULL;
   if (rc == 0 && !t)
@@ -506,12 +541,12 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
     int nshm = 0;
     for (size_t i = 0; i < n; i++)
       nshm += v[i].shm;
-    fr.token = take_block(mq, len, nshm, loan, &off);
+    fr.token = take_block(mq, len, nshm, loan, &off, &fresh);
   }
   pthread_mutex_unlock(&mq->lock);
   if (rc == 0) {
     if (fr.token && !loan)
-      memcpy(mq->pool + off, data, len);
+      pool_copy(mq, off, data, len, fresh);
     build(mq, &fr, topic, desc, len, seq, off);
     uint64_t now = fr_now_ns();
     bool stream = now - mq->last_publish_ns < STREAM_GAP_NS;
