@@ -474,8 +474,8 @@ static uint64_t fresh_wait_ns(const ferry_mq *mq, uint64_t len) {
 /* The pool block the payload goes out in to nshm subscribers (lock held): the loan it was
  * built in, or a new block that the caller copies it into; 0 when none (inline instead).
  * *fresh: the block reaches above the memory written so far. */
-static uint64_t take_block(ferry_mq *mq, uint64_t len, int nshm, uint64_t loan, uint64_t *off,
-                           bool *fresh) {
+static uint64_t take_block(ferry_mq *mq, uint64_t len, int nshm, uint64_t loan, uint64_t deadline,
+                           uint64_t *off, bool *fresh) {
   *fresh = false;
   if (nshm == 0)
     return 0;
@@ -489,8 +489,10 @@ static uint64_t take_block(ferry_mq *mq, uint64_t len, int nshm, uint64_t loan, 
   warm_wait w = {len, nshm, 0, 0};
   uint64_t want = (len + POOL_ALIGN - 1) / POOL_ALIGN * POOL_ALIGN;
   bool small = want <= mq->pool_bytes / 16 && mq->pool_hwm < WARM_BLOCKS * want;
-  if (!warm_ready(mq, &w) && !small && pool_busy(mq))
-    fr_mq_wait(mq, warm_ready, &w, fr_now_ns() + fresh_wait_ns(mq, len));
+  if (!warm_ready(mq, &w) && !small && pool_busy(mq)) {
+    uint64_t until = fr_now_ns() + fresh_wait_ns(mq, len);
+    fr_mq_wait(mq, warm_ready, &w, until < deadline ? until : deadline);
+  }
   *off = w.off;
   if (w.token)
     return w.token;
@@ -541,7 +543,7 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
     int nshm = 0;
     for (size_t i = 0; i < n; i++)
       nshm += v[i].shm;
-    fr.token = take_block(mq, len, nshm, loan, &off, &fresh);
+    fr.token = take_block(mq, len, nshm, loan, deadline, &off, &fresh);
   }
   pthread_mutex_unlock(&mq->lock);
   if (rc == 0) {
