@@ -236,6 +236,42 @@ static int parse_rma_mode(int *out) {
   return 0;
 }
 
+/* Whether UCX may open its tcp transport: UCX_TLS and UCX_NET_DEVICES allow it (a setting that
+ * no transport takes draws a warning from UCX). Network devices are named `eth0`, RDMA ports
+ * `mlx5_0:1`. */
+static bool tcp_may_run(void) {
+  const char *tls = getenv("UCX_TLS"), *dev = getenv("UCX_NET_DEVICES");
+  bool tls_ok = !tls || !*tls ||
+                (tls[0] == '^' ? !strstr(tls, "tcp") : strstr(tls, "tcp") || strstr(tls, "all"));
+  if (!tls_ok || !dev || !*dev || strstr(dev, "all"))
+    return tls_ok;
+  char *list = strdup(dev), *save = NULL;
+  bool netdev = !list;
+  for (char *d = list ? strtok_r(list, ",", &save) : NULL; d && !netdev;
+       d = strtok_r(NULL, ",", &save))
+    netdev = !strchr(d, ':');
+  free(list);
+  return netdev;
+}
+
+/* ferry's defaults for UCX settings the user left unset (the variable in the environment wins):
+ * - RNDV_SCHEME=get_zcopy: reads pull, so a large read over shared memory is one cma copy.
+ * - TCP_TX_SEG_SIZE, TCP_RX_SEG_SIZE=512K where tcp may run (UCX's own: 8K, 64K): UCX's tcp
+ *   sends the answer to a read in fragments of one segment, each its own send, receive and
+ *   progress call, and answers up to one segment go eager, without a rendezvous round trip
+ *   (docs/UCX.md). UCP takes transport settings by their name within the transport
+ *   (TX_SEG_SIZE: tcp's alone). */
+static void config_defaults(ucp_config_t *config) {
+  static const char *const defaults[][3] = {{"UCX_RNDV_SCHEME", "RNDV_SCHEME", "get_zcopy"},
+                                            {"UCX_TCP_TX_SEG_SIZE", "TX_SEG_SIZE", "512K"},
+                                            {"UCX_TCP_RX_SEG_SIZE", "RX_SEG_SIZE", "512K"}};
+  size_t n = tcp_may_run() ? sizeof defaults / sizeof defaults[0] : 1;
+  for (size_t i = 0; i < n; i++)
+    if (!getenv(defaults[i][0]) &&
+        ucp_config_modify(config, defaults[i][1], defaults[i][2]) != UCS_OK)
+      fr_debug("ucx: could not set %s=%s", defaults[i][0], defaults[i][2]);
+}
+
 static int uctx_open(ferry_ctx *ctx, ucx_ctx **out) {
   ucx_ctx *uc = calloc(1, sizeof *uc);
   if (!uc)
@@ -244,10 +280,8 @@ static int uctx_open(ferry_ctx *ctx, ucx_ctx **out) {
   int rc = parse_rma_mode(&uc->rma);
   ucp_config_t *config = NULL;
   ucs_status_t st = rc == 0 ? ucp_config_read(NULL, NULL, &config) : UCS_OK;
-  /* Reads pull: the reader's rendezvous gets the bytes (one copy over cma), unless the user
-   * chose otherwise. */
-  if (st == UCS_OK && rc == 0 && !getenv("UCX_RNDV_SCHEME"))
-    ucp_config_modify(config, "RNDV_SCHEME", "get_zcopy");
+  if (st == UCS_OK && rc == 0)
+    config_defaults(config);
   if (st == UCS_OK && rc == 0) {
     ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
                                     UCP_PARAM_FIELD_NAME,
