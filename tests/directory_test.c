@@ -34,6 +34,9 @@ static fr_dir_node make_node(const char *name) {
   snprintf(n.name, sizeof n.name, "%s", name);
   snprintf(n.address, sizeof n.address, "tcp://127.0.0.1:1,shm://@x-%s", name);
   n.incarnation = 1000 + (uint64_t)strlen(name);
+  n.access_len = 40; /* opaque bytes, zeros and 0xff among them */
+  for (int i = 0; i < n.access_len; i++)
+    n.access[i] = (uint8_t)(i * 37 + (int)strlen(name));
   return n;
 }
 
@@ -104,6 +107,8 @@ static void check_nodes(fr_dir *d) {
   FR_OK(d->ops->node_put(d->state, &n1, 30000, 0, NULL, 2000));
   FR_OK(d->ops->node_get(d->state, "n1", &got, 2000));
   assert_string_equal(got.address, n1.address);
+  assert_int_equal(got.access_len, n1.access_len);
+  assert_memory_equal(got.access, n1.access, n1.access_len);
   assert_int_equal(d->ops->node_get(d->state, "nobody", &got, 2000), FERRY_ENOTFOUND);
   fr_dir_node *list;
   size_t n;

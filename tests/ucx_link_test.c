@@ -11,6 +11,7 @@
 #include "link_test.c"
 
 #include "core/core.h"
+#include "transport/access.h"
 #include "transport/wire.h"
 
 static void test_messages_ucx(void **s) { messages("ucx"); }
@@ -131,6 +132,69 @@ static void test_ctx_close_with_links(void **s) {
   ferry_ctx_close(p.a);
   ferry_link_close(p.ab); /* after its ctx: not allowed in general, but held links are safe */
   ferry_msg_free(m);
+}
+
+/* ---- region access blobs: a record's rkey saves the reader the round trip ---- */
+
+static int from_record; /* debug lines saying an rkey came from a record */
+
+static void count_record_lines(ferry_log_level level, const char *msg, void *arg) {
+  if (strstr(msg, "its rkey from a record"))
+    __atomic_add_fetch(&from_record, 1, __ATOMIC_RELAXED);
+}
+
+/* One link: the owner's blob handed to it (after junk that must change nothing), then reads. */
+static void blob_reads(pair *p, const uint8_t *blob, size_t len, const ferry_region_ref *ref,
+                       const uint8_t *mem, size_t n) {
+  static const uint8_t junk[] = {3, 'u', 'c', 'x', 200, 0, 1, 2};
+  uint8_t *dst = malloc(n);
+  fr_link_access_hint(p->ab, junk, sizeof junk);                    /* claims more than it has */
+  fr_link_access_hint(p->ab, (const uint8_t *)"\3ucx\4\0abcd", 10); /* too short to parse */
+  fr_link_access_hint(p->ab, blob, len);
+  ferry_region_ref wrong = *ref;
+  wrong.key ^= 1; /* a blob opens no region to a caller without its key */
+  assert_int_equal(ferry_read(p->ab, &wrong, 0, dst, 64, 5000), FERRY_EACCES);
+  FR_OK(ferry_read(p->ab, ref, 0, dst, n, 5000));
+  assert_memory_equal(dst, mem, n);
+  free(dst);
+}
+
+static void region_blob(const char *rma) {
+  setenv("FERRY_UCX_RMA", rma, 1);
+  pair p;
+  pair_open(&p, "ucx");
+  size_t n = 1 << 16, len = 0;
+  uint8_t *mem, blob[FR_ACCESS_MAX], reg[256];
+  ferry_region_ref ref, rref;
+  FR_OK(ferry_alloc(p.b, n, (void **)&mem));
+  FR_OK(ferry_region_find(p.b, mem, n, &ref, NULL));
+  tu_fill(mem, n, 9);
+  FR_OK(fr_region_access_pack(p.b, &ref, blob, sizeof blob, &len));
+  assert_true(len > 0);
+  assert_int_equal(fr_region_access_pack(p.b, &ref, blob, 8, &len), FERRY_ERANGE);
+  FR_OK(fr_region_access_pack(p.b, &ref, blob, sizeof blob, &len));
+  FR_OK(ferry_register(p.b, reg, sizeof reg, &rref)); /* registered memory: nothing to publish */
+  size_t rlen = 1;
+  FR_OK(fr_region_access_pack(p.b, &rref, blob + len, sizeof blob - len, &rlen));
+  assert_int_equal(rlen, 0);
+  int before = __atomic_load_n(&from_record, __ATOMIC_RELAXED);
+  blob_reads(&p, blob, len, &ref, mem, n);
+  assert_true(__atomic_load_n(&from_record, __ATOMIC_RELAXED) > before);
+  FR_OK(ferry_free(p.b, mem)); /* published: its memory stays, the state word says freed */
+  uint8_t b[64];
+  assert_int_equal(ferry_read(p.ab, &ref, 0, b, sizeof b, 5000), FERRY_ENOTFOUND);
+  FR_OK(ferry_deregister(p.b, rref.id));
+  pair_close(&p);
+  unsetenv("FERRY_UCX_RMA");
+}
+
+static void test_region_blob(void **s) {
+  ferry_log_set_callback(count_record_lines, NULL);
+  ferry_log_level level = ferry_log_get_level();
+  ferry_log_set_level(FERRY_LOG_DEBUG);
+  region_blob("get"); /* both UCX_TLS runs take the rkey (over tcp, UCX's emulated RMA) */
+  ferry_log_set_level(level);
+  ferry_log_set_callback(NULL, NULL);
 }
 
 /* ---- a peer that passes the handshake, then sends a bad preamble ---- */
@@ -273,6 +337,7 @@ int main(void) {
       cmocka_unit_test(test_concurrent_shared_ucx),
       cmocka_unit_test(test_ctx_close_with_links),
       cmocka_unit_test(test_ucx_memory_shm_peer),
+      cmocka_unit_test(test_region_blob),
       cmocka_unit_test(test_killed_mid_read_ucx),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

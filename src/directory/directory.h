@@ -19,6 +19,7 @@
 #define FR_DIR_ADDRESS_MAX 511 /* bytes of a node's address list */
 #define FR_DIR_BATCH_MAX 1024  /* keys per multi-get message */
 #define FR_DIR_SCAN_PAGE 512   /* records per scan reply */
+#define FR_DIR_ACCESS_MAX 256  /* bytes of a node's region access blob */
 
 /* Node flags. */
 #define FR_NODE_HOLDER 1u /* holds objects for short-lived nodes (`ferry serve`) */
@@ -29,6 +30,10 @@ typedef struct fr_dir_node {
   uint32_t flags;
   uint64_t incarnation; /* random per store open, never 0: tells a node's own re-registration
                            from another process claiming its name */
+  /* Opaque (the transports' region access blob of its pool, transport/access.h): lets a reader
+   * reach the pool without first asking the node for its keys. */
+  uint16_t access_len;
+  uint8_t access[FR_DIR_ACCESS_MAX];
 } fr_dir_node;
 
 typedef struct fr_dir_object {

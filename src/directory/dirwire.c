@@ -61,6 +61,9 @@ void fr_wr_node(fr_wr *w, const fr_dir_node *n) {
   fr_wr_str(w, n->address);
   fr_wr_u32(w, n->flags);
   fr_wr_u64(w, n->incarnation);
+  uint16_t acc = n->access_len <= FR_DIR_ACCESS_MAX ? n->access_len : 0;
+  fr_wr_u16(w, acc);
+  fr_wr_bytes(w, n->access, acc);
 }
 
 static void wr_ref(fr_wr *w, const ferry_region_ref *r) {
@@ -154,6 +157,12 @@ bool fr_rd_node(fr_rd *r, fr_dir_node *out) {
   fr_rd_str(r, n.address, sizeof n.address);
   n.flags = fr_rd_u32(r);
   n.incarnation = fr_rd_u64(r);
+  n.access_len = fr_rd_u16(r);
+  const uint8_t *acc = n.access_len <= FR_DIR_ACCESS_MAX ? fr_rd_bytes(r, n.access_len) : NULL;
+  if (acc)
+    memcpy(n.access, acc, n.access_len);
+  else
+    r->failed = true;
   if (r->failed || !n.name[0] || !name_ok(n.name)) {
     r->failed = true;
     return false;

@@ -1,11 +1,11 @@
 /*
  * The Redis directory backend (redis://HOST:PORT[/DB]), for fleets that want Redis' replication
  * and failover. Records live under "ferry:" keys: a node is a hash ferry:n:NAME {addr, flags,
- * inc} with the lease as its TTL (inc: the incarnation that holds the name); an object is a hash
- * ferry:o:KEY {owner, gen, rec} (rec is the dirwire encoding) whose TTL follows its owner's;
- * ferry:s:NAME lists the keys a node owns so a renewal can extend them all. Each multi-step
- * operation is one Lua script, so it is atomic. One hiredis connection, serialized by a mutex,
- * redialled once per call after an I/O error.
+ * inc, acc} with the lease as its TTL (inc: the incarnation that holds the name; acc: its access
+ * blob in hex); an object is a hash ferry:o:KEY {owner, gen, rec} (rec is the dirwire encoding)
+ * whose TTL follows its owner's; ferry:s:NAME lists the keys a node owns so a renewal can extend
+ * them all. Each multi-step operation is one Lua script, so it is atomic. One hiredis connection,
+ * serialized by a mutex, redialled once per call after an I/O error.
  */
 #include "directory/dirwire.h"
 
@@ -30,7 +30,7 @@ typedef struct rds {
 static const char node_put_lua[] =
     "local cur = redis.call('HMGET', KEYS[1], 'inc', 'addr', 'flags') "
     "if cur[1] == ARGV[4] then "
-    "  redis.call('HSET', KEYS[1], 'addr', ARGV[1], 'flags', ARGV[2]) "
+    "  redis.call('HSET', KEYS[1], 'addr', ARGV[1], 'flags', ARGV[2], 'acc', ARGV[7]) "
     "  redis.call('PEXPIRE', KEYS[1], ARGV[3]) return {0} end "
     "if cur[1] and cur[1] ~= ARGV[5] then "
     "  return {1, cur[1], cur[2] or '', cur[3] or '0', redis.call('PTTL', KEYS[1])} end "
@@ -38,7 +38,8 @@ static const char node_put_lua[] =
     "  if redis.call('HGET', k, 'owner') == ARGV[6] then redis.call('DEL', k) end "
     "end "
     "redis.call('DEL', KEYS[1], KEYS[2]) "
-    "redis.call('HSET', KEYS[1], 'addr', ARGV[1], 'flags', ARGV[2], 'inc', ARGV[4]) "
+    "redis.call('HSET', KEYS[1], 'addr', ARGV[1], 'flags', ARGV[2], 'inc', ARGV[4], 'acc', "
+    "  ARGV[7]) "
     "redis.call('PEXPIRE', KEYS[1], ARGV[3]) return {0}";
 
 static const char renew_lua[] =
@@ -153,11 +154,38 @@ static void key_of(char *out, size_t cap, char kind, const char *name) {
   snprintf(out, cap, "ferry:%c:%s", kind, name);
 }
 
+/* A node's access blob travels as hex (n bytes: 2n digits and a NUL in out). */
+static void hex_of(const uint8_t *p, size_t n, char *out) {
+  static const char digits[] = "0123456789abcdef";
+  for (size_t i = 0; i < n; i++) {
+    out[2 * i] = digits[p[i] >> 4];
+    out[2 * i + 1] = digits[p[i] & 15];
+  }
+  out[2 * n] = '\0';
+}
+
+/* The bytes of a hex string of at most FR_DIR_ACCESS_MAX bytes; 0 (none) when it is not one. */
+static size_t bytes_of_hex(const char *s, uint8_t *out) {
+  static const char digits[] = "0123456789abcdef";
+  size_t n = strlen(s);
+  if (n % 2 || n / 2 > FR_DIR_ACCESS_MAX)
+    return 0;
+  for (size_t i = 0; i < n; i++) {
+    const char *d = s[i] ? strchr(digits, s[i]) : NULL;
+    if (!d)
+      return 0;
+    uint8_t v = (uint8_t)(d - digits);
+    out[i / 2] = i % 2 ? (uint8_t)(out[i / 2] | v) : (uint8_t)(v << 4);
+  }
+  return n / 2;
+}
+
 /* ---- nodes ---- */
 
 static int rds_node_put(void *st, const fr_dir_node *n, int lease_ms, uint64_t takeover,
                         fr_dir_node *holder, int timeout_ms) {
-  char k[96], set[96], flags[16], lease[16], inc[24], over[24];
+  char k[96], set[96], flags[16], lease[16], inc[24], over[24], acc[2 * FR_DIR_ACCESS_MAX + 1];
+  hex_of(n->access, n->access_len <= FR_DIR_ACCESS_MAX ? n->access_len : 0, acc);
   key_of(k, sizeof k, 'n', n->name);
   key_of(set, sizeof set, 's', n->name);
   snprintf(flags, sizeof flags, "%u", n->flags);
@@ -167,7 +195,7 @@ static int rds_node_put(void *st, const fr_dir_node *n, int lease_ms, uint64_t t
   args a = {0};
   ARG(&a, "EVAL"), ARG(&a, node_put_lua), ARG(&a, "2"), ARG(&a, k), ARG(&a, set);
   ARG(&a, n->address), ARG(&a, flags), ARG(&a, lease), ARG(&a, inc), ARG(&a, over);
-  ARG(&a, n->name);
+  ARG(&a, n->name), ARG(&a, acc);
   redisReply *rep;
   int rc = run(st, &a, &rep);
   if (rc != 0)
@@ -213,7 +241,7 @@ static int rds_node_renew(void *st, const char *name, uint64_t incarnation, int 
 }
 
 static bool reply_to_node(const char *name, redisReply *rep, fr_dir_node *out) {
-  if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 3 ||
+  if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 4 ||
       rep->element[0]->type != REDIS_REPLY_STRING)
     return false;
   memset(out, 0, sizeof *out);
@@ -223,6 +251,8 @@ static bool reply_to_node(const char *name, redisReply *rep, fr_dir_node *out) {
     out->flags = (uint32_t)strtoul(rep->element[1]->str, NULL, 10);
   if (rep->element[2]->type == REDIS_REPLY_STRING)
     out->incarnation = strtoull(rep->element[2]->str, NULL, 10);
+  if (rep->element[3]->type == REDIS_REPLY_STRING)
+    out->access_len = (uint16_t)bytes_of_hex(rep->element[3]->str, out->access);
   return true;
 }
 
@@ -231,6 +261,7 @@ static int rds_node_get(void *st, const char *name, fr_dir_node *out, int timeou
   key_of(k, sizeof k, 'n', name);
   args a = {0};
   ARG(&a, "HMGET"), ARG(&a, k), ARG(&a, "addr"), ARG(&a, "flags"), ARG(&a, "inc");
+  ARG(&a, "acc");
   redisReply *rep;
   int rc = run(st, &a, &rep);
   if (rc != 0)

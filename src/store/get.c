@@ -8,6 +8,7 @@
  * cached by node name and closed when their last user sees them die.
  */
 #include "store/store.h"
+#include "transport/access.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,6 +37,8 @@ static int peer_connect(ferry_store *s, const char *name, int timeout_ms, ferry_
   rc = ferry_connect(s->ctx, n.address, timeout_ms, out);
   if (rc != 0 && rc != FERRY_EAUTH)
     return fr_err_wrap(FERRY_EPEER, "owner '%s' is unreachable", name);
+  if (rc == 0) /* the owner's pool, reachable without asking it first */
+    fr_link_access_hint(*out, n.access, n.access_len);
   return rc;
 }
 

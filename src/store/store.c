@@ -8,6 +8,9 @@
  * re-publishes every object it holds, without taking keys another node owns by now.
  */
 #include "store/store.h"
+#include "transport/access.h"
+
+_Static_assert(FR_DIR_ACCESS_MAX >= FR_ACCESS_MAX, "a node record holds a pool's access blob");
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -167,6 +170,11 @@ static void lease_init(ferry_store *s, const ferry_store_opts *o) {
     s->lease.lease_ms = o->lease_ms;
   if (s->lease.lease_ms < 300)
     s->lease.lease_ms = 300;
+  /* The pool's access blob rides in the node record: readers reach it without asking first. */
+  size_t n = 0;
+  if (fr_region_access_pack(s->ctx, &s->ref, s->lease.node.access, FR_DIR_ACCESS_MAX, &n) != 0)
+    fr_err_clear(); /* readers ask the owner, as without one */
+  s->lease.node.access_len = (uint16_t)n;
 }
 
 static int store_start(ferry_store *s, const ferry_store_opts *o) {

@@ -77,6 +77,11 @@ typedef struct fr_transport_ops {
    * through the kernel); on failure ferry_alloc uses a memfd. Such a region has no memfd, so shm
    * links reach it through its owner, as registered memory. */
   int (*alloc_region)(ferry_ctx *ctx, size_t bytes, fr_region_mem *out);
+  /* Optional. Region access blobs (access.h): what a peer may know of one of the ctx's regions
+   * up front (ucx: its packed rkey), packed into buf (*len 0: nothing); and, on a link, such
+   * bytes from a record, kept for the link's accesses to that region (bad bytes are ignored). */
+  int (*region_pack)(ferry_ctx *ctx, fr_region *r, uint8_t *buf, size_t cap, size_t *len);
+  void (*region_hint)(ferry_link *l, const uint8_t *bytes, size_t len);
   /* Optional. Frees the transport's per-ctx state (fr_ctx_tstate) once the ctx's links are
    * closed; also called when ferry_ctx_open fails after the transport's listen ran. */
   void (*ctx_fini)(ferry_ctx *ctx);

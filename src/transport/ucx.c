@@ -51,6 +51,7 @@ enum { AM_RKEY_REQ = 1, AM_RKEY_RESP = 2, AM_READ_REQ = 3, AM_READ_RESP = 4 };
 #define RKEY_RESP_BYTES 32 /* id, status, base, size; the packed rkey is the data */
 #define READ_REQ_BYTES 40  /* id, region, key, offset, length */
 #define READ_RESP_BYTES 16 /* id, status; the bytes are the data */
+#define BLOB_HDR_BYTES 32  /* a published rkey: id, key, base, size; the packed rkey follows */
 
 enum { RMA_AUTO, RMA_GET, RMA_AM };
 
@@ -61,7 +62,8 @@ typedef struct ucx_mapping {
   bool own_memh; /* made for the mapping (a memfd region), not the region's own (UCX memory) */
   void *rkey;
   size_t rkey_len;
-  int refs; /* links given the rkey; under ucx_ctx.lock */
+  int refs;       /* links given the rkey, and its publication; under ucx_ctx.lock */
+  bool published; /* packed into a record (region_pack): kept until the ctx closes */
   struct ucx_mapping *next;
 } ucx_mapping;
 
@@ -76,6 +78,8 @@ typedef struct ucx_remote {
   uint64_t id, key, base, size;
   ucp_rkey_h rkey;
   void *ptr;
+  void *packed; /* from a record (region_hint), unpacked on first use, when the endpoint is up */
+  size_t packed_len;
   struct ucx_remote *next;
 } ucx_remote;
 
@@ -541,35 +545,50 @@ static ucs_status_t region_memh(ucx_ctx *uc, const fr_region *reg, ucp_mem_h *me
   return ucp_mem_map(uc->context, &mp, memh);
 }
 
+/* The mapping of a shared region, found or made (refs 0 when new: the caller takes one). */
+static int mapping_get_locked(ucx_ctx *uc, fr_region *reg, ucx_mapping **out) {
+  ucx_mapping *m = uc->maps;
+  while (m && m->region != reg)
+    m = m->next;
+  if (m) {
+    *out = m;
+    return 0;
+  }
+  if (!(m = calloc(1, sizeof *m)))
+    return fr_err(FERRY_ENOMEM, "ucx: mapping record");
+  ucs_status_t st = region_memh(uc, reg, &m->memh, &m->own_memh);
+  if (st == UCS_OK &&
+      (st = ucp_rkey_pack(uc->context, m->memh, &m->rkey, &m->rkey_len)) != UCS_OK && m->own_memh)
+    ucp_mem_unmap(uc->context, m->memh);
+  if (st != UCS_OK) {
+    free(m);
+    return ucs_err(FERRY_ESYS, st, "mem_map", NULL);
+  }
+  __atomic_add_fetch(&reg->refs, 1, __ATOMIC_RELAXED);
+  m->region = reg;
+  m->next = uc->maps;
+  uc->maps = m;
+  *out = m;
+  return 0;
+}
+
+/* Drops a mapping that mapping_get_locked made and nobody took. */
+static void mapping_drop_unused_locked(ucx_ctx *uc, ucx_mapping *m) {
+  if (m->refs == 0) {
+    m->refs = 1;
+    mapping_unref_locked(uc, m);
+  }
+}
+
 /* The mapping of a shared region, made on first use; the link holds a reference. */
 static int mapping_for(ucx_link *u, fr_region *reg, ucx_mapping **out) {
   ucx_ctx *uc = u->uc;
   pthread_mutex_lock(&uc->lock);
-  ucx_mapping *m = uc->maps;
-  while (m && m->region != reg)
-    m = m->next;
+  ucx_mapping *m = NULL;
+  int rc = mapping_get_locked(uc, reg, &m);
   bool given = false;
-  for (ucx_given *g = u->given; m && g && !given; g = g->next)
+  for (ucx_given *g = u->given; rc == 0 && g && !given; g = g->next)
     given = g->m == m;
-  int rc = 0;
-  if (!m && (m = calloc(1, sizeof *m)) != NULL) {
-    ucs_status_t st = region_memh(uc, reg, &m->memh, &m->own_memh);
-    if (st == UCS_OK &&
-        (st = ucp_rkey_pack(uc->context, m->memh, &m->rkey, &m->rkey_len)) != UCS_OK && m->own_memh)
-      ucp_mem_unmap(uc->context, m->memh);
-    if (st != UCS_OK) {
-      free(m);
-      m = NULL;
-      rc = ucs_err(FERRY_ESYS, st, "mem_map", NULL);
-    } else {
-      __atomic_add_fetch(&reg->refs, 1, __ATOMIC_RELAXED);
-      m->region = reg;
-      m->next = uc->maps;
-      uc->maps = m;
-    }
-  } else if (!m) {
-    rc = fr_err(FERRY_ENOMEM, "ucx: mapping record");
-  }
   ucx_given *g = rc == 0 && !given ? calloc(1, sizeof *g) : NULL;
   if (g) {
     g->m = m;
@@ -578,10 +597,7 @@ static int mapping_for(ucx_link *u, fr_region *reg, ucx_mapping **out) {
     m->refs++;
   } else if (rc == 0 && !given) {
     rc = fr_err(FERRY_ENOMEM, "ucx: mapping record");
-  }
-  if (rc != 0 && m && m->refs == 0) {
-    m->refs = 1;
-    mapping_unref_locked(uc, m);
+    mapping_drop_unused_locked(uc, m);
   }
   pthread_mutex_unlock(&uc->lock);
   if (rc == 0)
@@ -616,6 +632,37 @@ static ucs_status_t on_rkey_req(void *arg, const void *header, size_t header_len
   send_reply(u, AM_RKEY_RESP, r, RKEY_RESP_BYTES, status == 0 ? m->rkey : NULL,
              status == 0 ? m->rkey_len : 0);
   return UCS_OK;
+}
+
+/* Publishes a shared region's rkey for records (access.h): BLOB_HDR_BYTES, then the packed rkey.
+ * The mapping stays until the ctx closes, since the owner
+ * cannot know who read the record (a region freed meanwhile keeps its memory until then, and its
+ * state word says it was freed). Registered memory is not published: peers ask, and are told to
+ * use read requests. */
+static int ucx_region_pack(ferry_ctx *ctx, fr_region *reg, uint8_t *buf, size_t cap, size_t *len) {
+  ucx_ctx *uc = uctx_of(ctx);
+  *len = 0;
+  if (!uc || !reg->map)
+    return 0;
+  pthread_mutex_lock(&uc->lock);
+  ucx_mapping *m = NULL;
+  int rc = mapping_get_locked(uc, reg, &m);
+  if (rc == 0 && BLOB_HDR_BYTES + m->rkey_len > cap) {
+    rc = fr_err(FERRY_ERANGE, "ucx: packed rkey of %zu bytes", m->rkey_len);
+    mapping_drop_unused_locked(uc, m);
+  } else if (rc == 0) {
+    if (!m->published)
+      m->refs++;
+    m->published = true;
+    fr_put_u64(buf, reg->id);
+    fr_put_u64(buf + 8, reg->key);
+    fr_put_u64(buf + 16, (uint64_t)(uintptr_t)reg->map);
+    fr_put_u64(buf + 24, reg->size);
+    memcpy(buf + BLOB_HDR_BYTES, m->rkey, m->rkey_len);
+    *len = BLOB_HDR_BYTES + m->rkey_len;
+  }
+  pthread_mutex_unlock(&uc->lock);
+  return rc;
 }
 
 /* A peer asks for bytes: key and bounds checked here, then the bytes go from the region. */
@@ -1004,6 +1051,7 @@ static void ucx_link_fini(ferry_link *l) {
   }
   for (ucx_remote *r = u->remotes, *next; r; r = next) {
     next = r->next;
+    free(r->packed);
     free(r);
   }
   if (u->kick >= 0)
@@ -1265,14 +1313,96 @@ static int access_mode(const ucx_link *u, const ucx_remote *rem) {
   return rem->ptr ? BY_PTR : u->use_get ? BY_RMA : BY_REQUEST;
 }
 
-/* The rkey of a peer's region, asked for once per link (the owner checks the key). */
+/* Makes a remote's rkey usable on the endpoint, and maps the region here where UCX can (its
+ * header must then name the region, and hold its bytes). */
+static int remote_unpack_locked(ucx_link *u, ucx_remote *rem, const void *packed) {
+  ucs_status_t st = ucp_ep_rkey_unpack(u->ep, packed, &rem->rkey);
+  if (st != UCS_OK)
+    return ucs_err(FERRY_EPROTO, st, "rkey unpack", u->link);
+  if (!u->try_ptr || ucp_rkey_ptr(rem->rkey, rem->base, &rem->ptr) != UCS_OK) {
+    rem->ptr = NULL; /* not UCX memory, or not mappable here */
+    return 0;
+  }
+  const fr_shm_header *h = rem->ptr;
+  if (h->magic != FR_SHM_MAGIC || h->region_id != rem->id || h->data_bytes < rem->size)
+    rem->ptr = NULL;
+  return 0;
+}
+
+/* A record's rkey (region_hint, access.h): kept, unpacked on first use. Bytes that do not
+ * parse, or a region the link already knows, change nothing. */
+static void ucx_region_hint(ferry_link *l, const uint8_t *bytes, size_t len) {
+  ucx_link *u = ucx_of(l);
+  if (!u || len <= BLOB_HDR_BYTES)
+    return;
+  ucx_remote *rem = calloc(1, sizeof *rem);
+  void *packed = rem ? malloc(len - BLOB_HDR_BYTES) : NULL;
+  if (!packed) {
+    free(rem);
+    return;
+  }
+  memcpy(packed, bytes + BLOB_HDR_BYTES, len - BLOB_HDR_BYTES);
+  *rem = (ucx_remote){.id = fr_get_u64(bytes),
+                      .key = fr_get_u64(bytes + 8),
+                      .base = fr_get_u64(bytes + 16),
+                      .size = fr_get_u64(bytes + 24),
+                      .packed = packed,
+                      .packed_len = len - BLOB_HDR_BYTES};
+  pthread_mutex_lock(&u->lock);
+  bool known = false;
+  for (ucx_remote *r = u->remotes; r && !known; r = r->next)
+    known = r->id == rem->id && r->key == rem->key;
+  if (!known) {
+    rem->next = u->remotes;
+    u->remotes = rem;
+  }
+  pthread_mutex_unlock(&u->lock);
+  if (known) {
+    free(packed);
+    free(rem);
+  }
+}
+
+static void remote_unlink_locked(ucx_link *u, ucx_remote *rem) {
+  for (ucx_remote **pp = &u->remotes; *pp; pp = &(*pp)->next)
+    if (*pp == rem) {
+      *pp = rem->next;
+      break;
+    }
+  free(rem->packed);
+  free(rem);
+}
+
+/* A remote known on this link: one whose rkey came from a record is unpacked now; if that
+ * fails, it is forgotten and the owner is asked, as for a region never seen. */
+static ucx_remote *remote_known_locked(ucx_link *u, const ferry_region_ref *ref) {
+  ucx_remote *r = u->remotes;
+  while (r && (r->id != ref->id || r->key != ref->key))
+    r = r->next;
+  if (!r || !r->packed)
+    return r;
+  int rc = u->ep ? remote_unpack_locked(u, r, r->packed) : FERRY_EPEER;
+  free(r->packed);
+  r->packed = NULL;
+  if (rc == 0) {
+    fr_debug("ucx: region %llu of '%s' by %s, its rkey from a record", (unsigned long long)r->id,
+             u->link->peer,
+             r->ptr       ? "memcpy (mapped here)"
+             : u->use_get ? "get"
+                          : "request");
+    return r;
+  }
+  fr_err_clear();
+  remote_unlink_locked(u, r);
+  return NULL;
+}
+
+/* The rkey of a peer's region: from a record, or asked for once per link (the owner checks the
+ * key). */
 static int remote_for(ucx_link *u, const ferry_region_ref *ref, uint64_t deadline_ns,
                       ucx_remote **out) {
-  for (ucx_remote *r = u->remotes; r; r = r->next)
-    if (r->id == ref->id && r->key == ref->key) {
-      *out = r;
-      return 0;
-    }
+  if ((*out = remote_known_locked(u, ref)) != NULL)
+    return 0;
   uint8_t hdr[RKEY_REQ_BYTES] = {0};
   fr_put_u64(hdr + 8, ref->id);
   fr_put_u64(hdr + 16, ref->key);
@@ -1283,20 +1413,17 @@ static int remote_for(ucx_link *u, const ferry_region_ref *ref, uint64_t deadlin
     rc = fr_err(FERRY_ENOMEM, "ucx: remote region");
   else if (rc != 0 && rc != FERRY_ENOTSUP)
     rc = answer_error(u->link, rc, "rkey", ref->id);
-  if (rc == 0 && u->ep) {
-    ucs_status_t st = ucp_ep_rkey_unpack(u->ep, req.rkey, &rem->rkey);
-    if (st != UCS_OK)
-      rc = ucs_err(FERRY_EPROTO, st, "rkey unpack", u->link);
-    else if (u->try_ptr && ucp_rkey_ptr(rem->rkey, req.base, &rem->ptr) != UCS_OK)
-      rem->ptr = NULL; /* not UCX memory, or not mappable here */
-  }
+  if (rem)
+    *rem = (ucx_remote){.id = ref->id, .key = ref->key, .base = req.base, .size = req.size};
+  if (rc == 0 && u->ep)
+    rc = remote_unpack_locked(u, rem, req.rkey);
   free(req.rkey);
   if (rem && (rc == 0 || rc == FERRY_ENOTSUP)) {
-    *rem = (ucx_remote){ref->id, ref->key, req.base, req.size, rem->rkey, rem->ptr, u->remotes};
     fr_debug("ucx: region %llu of '%s' by %s", (unsigned long long)ref->id, u->link->peer,
              access_mode(u, rem) == BY_PTR   ? "memcpy (mapped here)"
              : access_mode(u, rem) == BY_RMA ? "get"
                                              : "request");
+    rem->next = u->remotes;
     u->remotes = rem;
     *out = rem;
     return 0;
@@ -1510,5 +1637,7 @@ const fr_transport_ops fr_ucx_transport = {
     .link_fini = ucx_link_fini,
     .retire = ucx_retire,
     .alloc_region = ucx_alloc_region,
+    .region_pack = ucx_region_pack,
+    .region_hint = ucx_region_hint,
     .ctx_fini = ucx_ctx_fini,
 };
