@@ -532,6 +532,7 @@ static void serve_in_order(fr_dir_server *s, ferry_msg *m) {
 
 static void *server_main(void *arg) {
   fr_dir_server *s = arg;
+  fr_ctx_background_thread(); /* an application thread waiting for its message leads instead */
   while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
     pthread_mutex_lock(&s->serve_lock);
     bool idle = s->nbacklog == 0;

@@ -13,6 +13,7 @@
  */
 #include "mq/mq.h"
 #include "core/channels.h"
+#include "transport/transport.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -199,6 +200,7 @@ static void background_step(ferry_mq *mq, uint64_t now) {
 
 static void *background(void *arg) {
   ferry_mq *mq = arg;
+  fr_ctx_background_thread(); /* an application thread waiting for its message leads instead */
   pthread_mutex_lock(&mq->lock);
   while (!mq->closing) {
     uint64_t now = fr_now_ns();

@@ -10,6 +10,10 @@
  * wake-up per side, as a blocking socket does, instead of the progress thread's plus a hand-off.
  * While callers keep leading, the progress thread sleeps; it takes the epoll back when no caller
  * has led for FOLLOW_NS, or at once when a leaving caller leaves others asleep behind it.
+ * Background threads (service loops that wait for requests all the time, such as the embedded
+ * directory's) lead only as the progress thread does; a caller that finds the epoll led by one
+ * of them (or by the progress thread) asks it to step down and takes over, so that the message
+ * it waits for wakes it rather than being handed over by another thread.
  */
 #include "transport/transport.h"
 
@@ -386,7 +390,8 @@ static void *progress_main(void *arg) {
     if (ctx->users_may_lead)
       follow(ctx);
     pthread_mutex_lock(&ctx->lead);
-    if (!stopping(ctx))
+    __atomic_store_n(&ctx->lead_background, true, __ATOMIC_RELEASE);
+    if (!stopping(ctx) && !__atomic_load_n(&ctx->lead_claimed, __ATOMIC_ACQUIRE))
       run_batch(ctx, 1000);
     pthread_mutex_unlock(&ctx->lead);
   }
@@ -402,6 +407,15 @@ static void hand_to_progress(ferry_ctx *ctx) {
 
 enum { LED, BUSY, NO_LEAD };
 
+static _Thread_local bool background_thread;
+
+void fr_ctx_background_thread(void) { background_thread = true; }
+
+/* A background leader's cue to leave the epoll to a caller. */
+static bool claimed(ferry_ctx *ctx) {
+  return background_thread && __atomic_load_n(&ctx->lead_claimed, __ATOMIC_ACQUIRE);
+}
+
 /* A leader first polls the epoll without sleeping, for up to FERRY_SPIN_US, until the first
  * events come: the answer it waits for then finds it awake, which saves the wake-up a blocking
  * wait pays on every round trip (the difference between a tcp round trip and a plain blocking
@@ -412,10 +426,38 @@ static void poll_briefly(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint6
   uint64_t end = fr_now_ns() + (uint64_t)ctx->spin_us * 1000u;
   end = end < deadline_ns ? end : deadline_ns;
   for (;;) { /* at least one batch: a zero timeout still takes in what the sockets hold */
-    if (run_batch(ctx, 0) > 0 || ready(arg) || stopping(ctx) || fr_now_ns() >= end)
+    if (run_batch(ctx, 0) > 0 || ready(arg) || stopping(ctx) || fr_now_ns() >= end || claimed(ctx))
       return;
     sched_yield();
   }
+}
+
+/* The lead held by a background thread or the progress thread: asks it to step down (its
+ * epoll_wait returns at the wake-up) and takes the lead within FOLLOW_NS. */
+static bool take_from_background(ferry_ctx *ctx) {
+  if (!__atomic_load_n(&ctx->lead_background, __ATOMIC_ACQUIRE))
+    return false;
+  __atomic_store_n(&ctx->lead_claimed, true, __ATOMIC_RELEASE);
+  wake_progress(ctx);
+  struct timespec ts; /* timedlock (not clocklock, which TSan does not know) takes real time */
+  clock_gettime(CLOCK_REALTIME, &ts);
+  ts.tv_nsec += (long)FOLLOW_NS;
+  if (ts.tv_nsec >= 1000000000L) {
+    ts.tv_sec++;
+    ts.tv_nsec -= 1000000000L;
+  }
+  bool got = pthread_mutex_timedlock(&ctx->lead, &ts) == 0;
+  __atomic_store_n(&ctx->lead_claimed, false, __ATOMIC_RELEASE);
+  return got;
+}
+
+/* When this caller led or wanted to: the progress thread follows every caller, background
+ * threads follow the others. */
+static void mark_led(ferry_ctx *ctx, bool bg) {
+  uint64_t now = fr_now_ns();
+  __atomic_store_n(&ctx->user_led_ns, now, __ATOMIC_SEQ_CST);
+  if (!bg)
+    __atomic_store_n(&ctx->fg_led_ns, now, __ATOMIC_SEQ_CST);
 }
 
 /* Leads the epoll until ready(arg) or the deadline. BUSY: another thread
@@ -423,23 +465,28 @@ static void poll_briefly(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint6
 static int lead(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint64_t deadline_ns) {
   if (!ctx->users_may_lead || stopping(ctx) || leading(ctx))
     return NO_LEAD;
+  bool bg = background_thread;
+  if (bg && fr_now_ns() - __atomic_load_n(&ctx->fg_led_ns, __ATOMIC_SEQ_CST) < FOLLOW_NS)
+    return NO_LEAD; /* callers lead: they hand over what this thread waits for */
   __atomic_add_fetch(&ctx->sleepers, 1, __ATOMIC_SEQ_CST);
-  if (pthread_mutex_trylock(&ctx->lead) != 0) {
-    /* The progress thread leaves the epoll to us after its current batch. */
-    __atomic_store_n(&ctx->user_led_ns, fr_now_ns(), __ATOMIC_SEQ_CST);
+  if (pthread_mutex_trylock(&ctx->lead) != 0 && (bg || !take_from_background(ctx))) {
+    mark_led(ctx, bg); /* the progress thread leaves the epoll to us after its current batch */
     return BUSY;
   }
+  __atomic_store_n(&ctx->lead_background, bg, __ATOMIC_RELEASE);
   __atomic_sub_fetch(&ctx->sleepers, 1, __ATOMIC_SEQ_CST);
+  mark_led(ctx, bg);
   __atomic_store_n(&ctx->user_leading, true, __ATOMIC_SEQ_CST);
   poll_briefly(ctx, ready, arg, deadline_ns);
-  while (!ready(arg) && !stopping(ctx) && fr_now_ns() < deadline_ns) {
+  while (!ready(arg) && !stopping(ctx) && fr_now_ns() < deadline_ns && !claimed(ctx)) {
     int ms = fr_ms_left(deadline_ns);
     run_batch(ctx, ms < 1000 ? ms : 1000);
   }
+  bool handed = claimed(ctx); /* the claimant leads next and wakes the sleepers */
   __atomic_store_n(&ctx->user_leading, false, __ATOMIC_SEQ_CST);
   pthread_mutex_unlock(&ctx->lead);
-  __atomic_store_n(&ctx->user_led_ns, fr_now_ns(), __ATOMIC_SEQ_CST);
-  if (__atomic_load_n(&ctx->sleepers, __ATOMIC_SEQ_CST) > 0)
+  mark_led(ctx, bg);
+  if (!handed && __atomic_load_n(&ctx->sleepers, __ATOMIC_SEQ_CST) > 0)
     hand_to_progress(ctx); /* they sleep on the leader we were */
   return LED;
 }

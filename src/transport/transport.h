@@ -210,6 +210,9 @@ struct ferry_ctx {
   bool user_leading;    /* atomic: a caller holds `lead` */
   unsigned long leader; /* atomic: the pthread_t running a batch (0: none) */
   uint64_t user_led_ns; /* atomic: when a caller last led or wanted to */
+  uint64_t fg_led_ns;   /* atomic: the same, for callers that are not background threads */
+  bool lead_background; /* atomic: the thread holding `lead` is a background one (ctx.c) */
+  bool lead_claimed;    /* atomic: a caller asked a background leader to step down */
   int sleepers;         /* atomic: callers asleep on a condition while another thread leads */
   bool lead_wanted;     /* under idle_lock: the progress thread must lead now */
   pthread_mutex_t idle_lock;
@@ -323,6 +326,10 @@ void fr_ctx_poll_links(ferry_ctx *ctx);
 /* Something a caller may wait on changed outside the ctx's leader (a spinning waiter drove a
  * link): wakes a caller that leads the epoll, so it sees it. */
 void fr_ctx_poke(ferry_ctx *ctx);
+/* Marks the calling thread as a background one (a service loop such as the embedded
+ * directory's): it leads the ctx's epoll only while no other caller has led for a while, and
+ * steps down when one wants to, as the progress thread does. */
+void fr_ctx_background_thread(void);
 
 /* sock.c: socket helpers shared by the socket transports */
 int fr_sock_set_nonblock(int fd, bool on);
