@@ -471,6 +471,20 @@ typedef struct producer {
   tu_pipe ready, quit;
 } producer;
 
+/* Sanitizers check every byte a memcpy moves, and the readers retry behind a producer that
+ * re-puts in a tight loop (over ucx under ASan the full hammer took minutes): a lighter one. */
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+#define HAMMER_GETS 40
+#define HAMMER_BYTES (256 * 1024)
+/* An in-place put costs microseconds, instrumented or not, while a get's lookup and copy slow
+ * down many times: unpaced, the producer replaced the object during nearly every get, and the
+ * readers' retries took minutes. Paced, gets still race re-puts (one every ~1 ms). */
+#define HAMMER_PAUSE_US 1000
+#else
+#define HAMMER_GETS 150
+#define HAMMER_BYTES MiB
+#endif
+
 /* Re-puts p->key over and over, each version one uniform byte value, until told to stop: copies
  * from one malloc'd buffer, or in place from a ring of 4 ferry buffers (as engines reuse theirs).
  */
@@ -484,6 +498,9 @@ static int churn(ferry_store *s, ferry_ctx *c, producer *p, ferry_tensor_desc *d
     memset(b, v, p->bytes);
     if (ferry_store_put(s, p->key, d, b, 0, -1) != 0)
       return 3;
+#ifdef HAMMER_PAUSE_US
+    usleep(HAMMER_PAUSE_US);
+#endif
     char ch;
     if (tu_pipe_get(&p->quit, &ch, 1, 0) == 0)
       return 0;
@@ -724,16 +741,6 @@ static void test_duplicate_name(void **state) {
 }
 
 /* ---- re-put churn: a producer replaces one key over and over while consumers get it ---- */
-
-/* Sanitizers check every byte a memcpy moves, and the readers retry behind a producer that
- * re-puts in a tight loop (over ucx under ASan the full hammer took minutes): a lighter one. */
-#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
-#define HAMMER_GETS 40
-#define HAMMER_BYTES (256 * 1024)
-#else
-#define HAMMER_GETS 150
-#define HAMMER_BYTES MiB
-#endif
 
 typedef struct hammer_reader {
   ferry_store *s;
