@@ -4,7 +4,8 @@
  * namespaces over tcp, batch gets, replacement under concurrent reads (never torn), and faults:
  * an owner SIGKILLed during gets, a restarted directory, Redis unreachable, no directory, and bad
  * input (unknown keys, wrong dtypes, oversized tensors); and the order of puts that return before
- * the directory answered them. No timing assertions: waits poll with
+ * the directory answered them, and lookups answered from a reader's cache only while nothing
+ * changed. No timing assertions: waits poll with
  * deadlines. Helper roles re-run this binary inside namespaces (`--role ...`).
  */
 // ferry-test: threaded
@@ -597,12 +598,22 @@ static void put_seed(ferry_store *s, const char *key, uint64_t seed) {
   FR_OK(ferry_store_put(s, key, &d, v, 0, -1));
 }
 
+/* A get, then a view of the same key (its lookup answered from the store's cache unless the
+ * key changed in between): both must hold the version of `seed`. */
 static bool has_seed(ferry_store *s, const char *key, uint64_t seed, char *owner, size_t cap) {
   uint8_t v[ORDER_BYTES];
   ferry_store_info info = {.size = sizeof info};
   int rc = ferry_store_get(s, key, NULL, v, sizeof v, &info, 5000);
   snprintf(owner, cap, "%s", rc == 0 ? info.owner : ferry_last_error());
-  return rc == 0 && pattern_ok(v, sizeof v, seed);
+  if (rc != 0 || !pattern_ok(v, sizeof v, seed))
+    return false;
+  const void *p = NULL;
+  ferry_store_view *view = NULL;
+  rc = ferry_store_get_view(s, key, &p, &info, &view, 5000);
+  snprintf(owner, cap, "%s (view)", rc == 0 ? info.owner : ferry_last_error());
+  bool ok = rc == 0 && info.bytes == ORDER_BYTES && pattern_ok(p, ORDER_BYTES, seed);
+  ferry_store_view_release(view);
+  return ok;
 }
 
 /* Puts ord/I and ord/shared each round, says I, and waits for the other process's turn. */
@@ -679,6 +690,50 @@ static void check_order(bool host) {
 static void test_posted_order(void **state) {
   check_order(false);
   check_order(true);
+}
+
+/* A key looked up once is answered from the reader's cache while the directory's change words
+ * say nothing changed: with `ferry serve` stopped (SIGSTOP), a view and a get of it still work.
+ * A put of the key (posted: it returns without the directory) moves the words, and the next get
+ * must not use the cached record: it waits for the stopped directory (here: times out), and once
+ * the directory runs again it gets the new version. */
+static void test_lookup_cache(void **state) {
+  int port = su_free_port();
+  char url[80];
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  pid_t dir = start_directory(port);
+  ferry_ctx *ca = open_ctx("cache-writer", NULL), *cb = open_ctx("cache-reader", NULL);
+  ferry_store *a = open_store(ca, url, 0, MiB, 0), *b = open_store(cb, url, 0, MiB, 0);
+  char owner[256];
+  put_seed(a, "c/k", 1);
+  assert_true(has_seed(b, "c/k", 1, owner, sizeof owner));
+  assert_int_equal(kill(dir, SIGSTOP), 0); /* resumed before anything is asserted */
+  uint8_t v[ORDER_BYTES];
+  const void *p = NULL;
+  ferry_store_view *view = NULL;
+  int view_rc = ferry_store_get_view(b, "c/k", &p, NULL, &view, 2000);
+  bool view_ok = view_rc == 0 && pattern_ok(p, ORDER_BYTES, 1);
+  ferry_store_view_release(view);
+  int get_rc = ferry_store_get(b, "c/k", NULL, v, sizeof v, NULL, 2000);
+  bool get_ok = get_rc == 0 && pattern_ok(v, sizeof v, 1);
+  ferry_tensor_desc d = u8_desc(1, ORDER_BYTES);
+  tu_fill(v, sizeof v, 2);
+  int put_rc = ferry_store_put(a, "c/k", &d, v, 0, 2000); /* posted */
+  int rc = ferry_store_get(b, "c/k", NULL, v, sizeof v, NULL, 300);
+  bool after_ok = rc == FERRY_ETIMEDOUT || (rc == 0 && pattern_ok(v, sizeof v, 2));
+  assert_int_equal(kill(dir, SIGCONT), 0);
+  assert_int_equal(view_rc, 0);
+  assert_true(view_ok);
+  assert_int_equal(get_rc, 0);
+  assert_true(get_ok);
+  assert_int_equal(put_rc, 0);
+  assert_true(after_ok);
+  assert_true(has_seed(b, "c/k", 2, owner, sizeof owner));
+  ferry_store_close(b);
+  ferry_store_close(a);
+  ferry_ctx_close(cb);
+  ferry_ctx_close(ca);
+  stop_child(dir);
 }
 
 /* ---- one name, one live node ---- */
@@ -1108,6 +1163,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_netns),
       cmocka_unit_test(test_duplicate_name),
       cmocka_unit_test(test_posted_order),
+      cmocka_unit_test(test_lookup_cache),
   };
   /* FERRY_TEST_SKIP: cases a run leaves out (tests/CMakeLists.txt says which and why) */
   if (getenv("FERRY_TEST_SKIP"))

@@ -3,8 +3,11 @@
  * for the server's full address and moves to shm when the two share a host (a directory call is
  * then a few microseconds of unix-socket traffic). Every operation is one ferry_call() on
  * FR_CHANNEL_DIRECTORY; a dead link is redialled once per call, and a server with a new instance
- * id (it restarted, its tables are empty) bumps the epoch so the node registers again. A client
- * opened with fr_dir_open_local() calls an in-process server directly.
+ * id (it restarted, its tables are empty) bumps the epoch so the node registers again. On the
+ * server's host the client maps the server's change words (FR_DOP_WATCH, server.c): stamps read
+ * them without a round trip, and a posted put bumps its key's word once it is in the ring (only
+ * a client with the words mapped posts). A client opened with fr_dir_open_local() calls an
+ * in-process server directly.
  */
 #include "core/channels.h"
 #include "directory/dirwire.h"
@@ -34,6 +37,7 @@ typedef struct emb {
   ferry_link **grave; /* dead links, closed with the client (callers may still hold them) */
   size_t ngrave;
   uint64_t instance, epoch;
+  uint64_t *watch; /* the server's change words as mapped over `link`, or NULL */
   pthread_mutex_t posted_lock;
   posted *posted_head, *posted_tail; /* oldest first */
   size_t nposted;
@@ -131,6 +135,35 @@ static int dial(emb *e, int timeout_ms, ferry_link **out) {
   return 0;
 }
 
+/* Maps the server's change words over l (shm only); NULL when it cannot. */
+static uint64_t *watch_map(ferry_link *l, int timeout_ms) {
+  if (strcmp(ferry_link_transport(l), "shm") != 0)
+    return NULL;
+  fr_wr w = {0};
+  fr_wr_request(&w, FR_DOP_WATCH);
+  struct iovec iov = {w.p, w.len};
+  ferry_msg *m = NULL;
+  int rc = w.failed ? FERRY_ENOMEM : ferry_call(l, FR_CHANNEL_DIRECTORY, &iov, 1, &m, timeout_ms);
+  fr_wr_free(&w);
+  fr_rd rd = rc == 0 ? fr_rd_init(m->data, m->len) : fr_rd_init(NULL, 0);
+  int st = 0;
+  char detail[256];
+  ferry_region_ref ref = {0};
+  if (rc == 0 && fr_rd_reply(&rd, &st, detail, sizeof detail) && st == 0) {
+    ref.id = fr_rd_u64(&rd);
+    ref.key = fr_rd_u64(&rd);
+    ref.size = fr_rd_u64(&rd);
+  }
+  uint32_t buckets = rc == 0 && st == 0 ? fr_rd_u32(&rd) : 0;
+  size_t bytes = (1 + (size_t)FR_DIR_WATCH_BUCKETS) * sizeof(uint64_t);
+  const void *p = NULL;
+  bool ok = rc == 0 && st == 0 && fr_rd_done(&rd) && buckets == FR_DIR_WATCH_BUCKETS &&
+            ref.size >= bytes && ferry_view(l, &ref, 0, bytes, &p) == 0;
+  ferry_msg_free(m);
+  fr_err_clear();
+  return ok ? (uint64_t *)p : NULL; /* the region is mapped read-write */
+}
+
 /* The current link, redialled when `dead` is the current one. */
 static int current_link(emb *e, ferry_link *dead, int timeout_ms, ferry_link **out) {
   pthread_mutex_lock(&e->lock);
@@ -143,8 +176,10 @@ static int current_link(emb *e, ferry_link *dead, int timeout_ms, ferry_link **o
         e->grave[e->ngrave++] = e->link;
       } /* else: leaked until exit; better than closing it under another caller */
       e->link = NULL;
+      e->watch = NULL;
     }
-    rc = dial(e, timeout_ms, &e->link);
+    if ((rc = dial(e, timeout_ms, &e->link)) == 0)
+      e->watch = watch_map(e->link, timeout_ms);
   }
   if (rc == 0)
     *out = e->link;
@@ -206,12 +241,22 @@ static int finish(emb *e, reply *r) {
 /* ---- posted puts ---- */
 
 /* The current link when it goes to shm (the server then orders posted puts by this host's
- * clock, server.c); NULL otherwise. */
-static ferry_link *post_link(emb *e, int timeout_ms) {
+ * clock, server.c) and the change words are mapped over it (*watch); NULL otherwise. */
+static ferry_link *post_link(emb *e, int timeout_ms, uint64_t **watch) {
   ferry_link *l = NULL;
   if (e->local || current_link(e, NULL, timeout_ms, &l) != 0)
     return NULL;
-  return strcmp(ferry_link_transport(l), "shm") == 0 ? l : NULL;
+  pthread_mutex_lock(&e->lock);
+  *watch = e->link == l ? e->watch : NULL;
+  pthread_mutex_unlock(&e->lock);
+  return *watch && strcmp(ferry_link_transport(l), "shm") == 0 ? l : NULL;
+}
+
+/* A posted put is in the server's ring: stamps taken from now on differ (fr_dir_ops.stamp). */
+static void watch_posted(uint64_t *watch, const fr_dir_object *objs, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    __atomic_add_fetch(&watch[1 + fr_dir_watch_bucket(objs[i].key, FR_DIR_WATCH_BUCKETS)], 1,
+                       __ATOMIC_SEQ_CST);
 }
 
 static void posted_append(emb *e, posted *ps) {
@@ -236,7 +281,8 @@ static bool posted_full(emb *e) {
  * cannot be posted (the caller then calls and waits). */
 static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *objs, size_t n,
                  int timeout_ms) {
-  ferry_link *l = posted_full(e) ? NULL : post_link(e, timeout_ms);
+  uint64_t *watch = NULL;
+  ferry_link *l = posted_full(e) ? NULL : post_link(e, timeout_ms, &watch);
   posted *ps = l && !args->failed ? calloc(1, sizeof *ps) : NULL;
   fr_dir_object *copy = ps ? malloc(n * sizeof *copy) : NULL;
   if (copy) { /* all set before the answer can come in */
@@ -258,6 +304,7 @@ static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *ob
     fr_err_clear();
     return false;
   }
+  watch_posted(watch, objs, n); /* before the put returns */
   posted_append(e, ps);
   return true;
 }
@@ -615,6 +662,23 @@ static int emb_obj_scan(void *st, const char *prefix, fr_dir_object **out, size_
   return *out ? 0 : fr_err(FERRY_ENOMEM, "scan");
 }
 
+static bool emb_stamp(void *st, const char *key, fr_dir_stamp *out) {
+  emb *e = st;
+  pthread_mutex_lock(&e->lock);
+  const uint64_t *w = e->watch;
+  ferry_link *l = e->link;
+  uint64_t epoch = e->epoch;
+  pthread_mutex_unlock(&e->lock);
+  /* a dead link: the server may be gone and another one taking puts that these words miss */
+  if (!w || !l || __atomic_load_n(&l->state, __ATOMIC_ACQUIRE) != FR_LINK_OPEN)
+    return false;
+  out->epoch = epoch;
+  out->all = __atomic_load_n(&w[0], __ATOMIC_SEQ_CST);
+  out->key =
+      __atomic_load_n(&w[1 + fr_dir_watch_bucket(key, FR_DIR_WATCH_BUCKETS)], __ATOMIC_SEQ_CST);
+  return true;
+}
+
 /* ---- lifecycle ---- */
 
 static int emb_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **state) {
@@ -679,6 +743,7 @@ const fr_dir_ops fr_dir_embedded_ops = {
     .obj_del = emb_obj_del,
     .obj_scan = emb_obj_scan,
     .settle = emb_settle,
+    .stamp = emb_stamp,
 };
 
 int fr_dir_open_local(fr_dir_server *srv, fr_dir **out) {

@@ -47,6 +47,15 @@ typedef struct fr_dir_object {
   ferry_tensor_desc desc;
 } fr_dir_object;
 
+/* A stamp of one key's records (fr_dir_ops.stamp). */
+typedef struct fr_dir_stamp {
+  uint64_t epoch, all, key;
+} fr_dir_stamp;
+
+static inline bool fr_dir_stamp_eq(const fr_dir_stamp *a, const fr_dir_stamp *b) {
+  return a->epoch == b->epoch && a->all == b->all && a->key == b->key;
+}
+
 /* Object put flags. */
 #define FR_DIR_PUT_KEEP_OTHERS                                                                     \
   1u /* do not replace a record another node owns (re-registration)                                \
@@ -109,6 +118,13 @@ typedef struct fr_dir_ops {
    * waiting up to timeout_ms; calls cb (may be NULL) for each record that failed or replaced
    * another owner's. NULL in backends that never post. */
   void (*settle)(void *state, bool wait, fr_dir_settle_fn cb, void *arg, int timeout_ms);
+  /* Where the backend can tell without asking (ferry:// on the directory's host: counters in
+   * the server's shared memory), fills *out and returns true; else false. Two equal stamps of a
+   * key prove that no put or delete of the key and no loss of records completed between them:
+   * an answer to a lookup sent after the first is still the answer when the second is taken.
+   * Posted puts count when they return, so a stamp never hides one. NULL in backends that
+   * cannot tell. */
+  bool (*stamp)(void *state, const char *key, fr_dir_stamp *out);
 } fr_dir_ops;
 
 /* A connected directory client: the backend and its state. Thread-safe. */
@@ -130,6 +146,14 @@ const fr_dir_ops *fr_dir_backend(const char *url);
 #define FR_DIR_RESERVED "ferry:"
 static inline bool fr_dir_key_reserved(const char *key) {
   return __builtin_strncmp(key, FR_DIR_RESERVED, sizeof FR_DIR_RESERVED - 1) == 0;
+}
+
+/* A key's hash (FNV-1a): the same in every process, so it may index shared tables. */
+static inline uint32_t fr_dir_key_hash(const char *key) {
+  uint32_t h = 2166136261u;
+  for (const unsigned char *p = (const unsigned char *)key; *p; p++)
+    h = (h ^ *p) * 16777619u;
+  return h;
 }
 
 /* Checks a key: 1..FR_DIR_KEY_MAX bytes, no control characters. */

@@ -29,8 +29,17 @@ enum fr_dir_op {
   FR_DOP_OBJ_PUT_BATCH, /* u32 flags, u32 n, n objects -> n (i32 status, [u8 other, [object]]) */
   FR_DOP_POSTED,        /* u64 sent_ns, u16 op (OBJ_PUT or OBJ_PUT_BATCH), its arguments -> its
                            reply. A put whose sender returned before the answer (server.c) */
+  FR_DOP_WATCH,         /* -> region ref (u64 id, u64 key, u64 size), u32 buckets: the change
+                           words (server.c) */
   FR_DOP_MAX_
 };
+
+/* The change words, in a region of the server's (FR_DOP_WATCH): word 0 counts changes of many
+ * keys at once (a node and its records dropped), word 1 + b changes of the keys in bucket b. */
+#define FR_DIR_WATCH_BUCKETS 4096u
+static inline uint32_t fr_dir_watch_bucket(const char *key, uint32_t buckets) {
+  return fr_dir_key_hash(key) % buckets;
+}
 
 typedef struct fr_wr {
   uint8_t *p;

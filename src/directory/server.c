@@ -7,6 +7,12 @@
  * context, answers them, and expires lapsed leases (a dead node's records vanish with it). A
  * name is held by one incarnation at a time: another process that registers it while the
  * holder's lease runs is refused, unless it proved the holder dead (the store connects to it).
+ * A started server also keeps change words in a region of its context that clients on its host
+ * map (FR_DOP_WATCH): it bumps a key's word after every put or delete of the key and the common
+ * word when it drops a node's records, before it answers; clients bump the word of a put they
+ * posted once it is in the ring. A client that stamped a key before a lookup and finds the same
+ * stamp later knows the answer still holds, and skips the round trip (and this thread's
+ * wake-up).
  */
 #include "core/channels.h"
 #include "directory/dirwire.h"
@@ -41,7 +47,34 @@ struct fr_dir_server {
   pthread_mutex_t serve_lock;
   ferry_msg **backlog;
   size_t nbacklog, capbacklog;
+  uint64_t *watch; /* the change words (dirwire.h), or NULL */
+  ferry_region_ref watch_ref;
+  bool posted; /* applying a posted put: its sender bumped the word already (lock held) */
 };
+
+/* ---- change words ---- */
+
+/* After a change of key's records (NULL: of many keys), before the answer goes out. */
+static void watch_bump(fr_dir_server *s, const char *key) {
+  if (s->watch && !(key && s->posted))
+    __atomic_add_fetch(&s->watch[key ? 1 + fr_dir_watch_bucket(key, FR_DIR_WATCH_BUCKETS) : 0], 1,
+                       __ATOMIC_SEQ_CST);
+}
+
+/* Every word starts at the instance, so words of another instance never look unchanged. */
+static int watch_open(fr_dir_server *s) {
+  size_t bytes = (1 + FR_DIR_WATCH_BUCKETS) * sizeof(uint64_t);
+  void *p = NULL;
+  int rc = ferry_alloc(s->ctx, bytes, &p);
+  if (rc == 0 && (rc = ferry_region_find(s->ctx, p, bytes, &s->watch_ref, NULL)) != 0)
+    ferry_free(s->ctx, p);
+  if (rc != 0)
+    return rc;
+  s->watch = p;
+  for (size_t i = 0; i <= FR_DIR_WATCH_BUCKETS; i++)
+    s->watch[i] = s->instance;
+  return 0;
+}
 
 /* ---- tables ---- */
 
@@ -99,7 +132,7 @@ static int obj_insert_at(fr_dir_server *s, size_t i, const fr_dir_object *o) {
 }
 
 static void drop_objects_of(fr_dir_server *s, const char *owner) {
-  size_t w = 0;
+  size_t w = 0, n = s->nobjs;
   for (size_t i = 0; i < s->nobjs; i++) {
     if (strcmp(s->objs[i]->owner, owner) == 0)
       free(s->objs[i]);
@@ -107,6 +140,8 @@ static void drop_objects_of(fr_dir_server *s, const char *owner) {
       s->objs[w++] = s->objs[i];
   }
   s->nobjs = w;
+  if (w != n)
+    watch_bump(s, NULL);
 }
 
 static void node_remove(fr_dir_server *s, srv_node *n) {
@@ -242,14 +277,17 @@ static int obj_put_one(fr_dir_server *s, const fr_dir_object *o, uint32_t flags,
     return fr_err(FERRY_EEXIST, "'%s' is now owned by '%s'", o->key, old->owner);
   if (!old) {
     int rc = obj_insert_at(s, at, o);
-    if (rc == 0)
+    if (rc == 0) {
       fr_wr_u8(out, 0);
+      watch_bump(s, o->key);
+    }
     return rc;
   }
   fr_wr_u8(out, other);
   if (other)
     fr_wr_object(out, old);
   *old = *o;
+  watch_bump(s, o->key);
   return 0;
 }
 
@@ -316,6 +354,7 @@ static int op_obj_del(fr_dir_server *s, fr_rd *in, fr_wr *out) {
     return fr_err(FERRY_ENOTFOUND, "no object '%s'%s%s", key, owner[0] ? " of " : "", owner);
   fr_wr_object(out, o);
   obj_remove_at(s, at);
+  watch_bump(s, key);
   return 0;
 }
 
@@ -350,11 +389,24 @@ static int op_obj_scan(fr_dir_server *s, fr_rd *in, fr_wr *out) {
 static int op_posted(fr_dir_server *s, fr_rd *in, fr_wr *out) {
   fr_rd_u64(in); /* sent_ns: only the serving order uses it */
   uint16_t op = fr_rd_u16(in);
-  if (op == FR_DOP_OBJ_PUT)
-    return op_obj_put(s, in, out);
-  if (op == FR_DOP_OBJ_PUT_BATCH)
-    return op_obj_put_batch(s, in, out);
-  return fr_err(FERRY_EPROTO, "posted request: op %u is not a put", op);
+  if (op != FR_DOP_OBJ_PUT && op != FR_DOP_OBJ_PUT_BATCH)
+    return fr_err(FERRY_EPROTO, "posted request: op %u is not a put", op);
+  s->posted = true; /* its sender bumped the keys' words when it was in the ring */
+  int rc = op == FR_DOP_OBJ_PUT ? op_obj_put(s, in, out) : op_obj_put_batch(s, in, out);
+  s->posted = false;
+  return rc;
+}
+
+static int op_watch(fr_dir_server *s, fr_rd *in, fr_wr *out) {
+  if (!fr_rd_done(in))
+    return fr_err(FERRY_EPROTO, "watch: malformed request");
+  if (!s->watch)
+    return fr_err(FERRY_ENOTSUP, "watch: this directory keeps no change words");
+  fr_wr_u64(out, s->watch_ref.id);
+  fr_wr_u64(out, s->watch_ref.key);
+  fr_wr_u64(out, s->watch_ref.size);
+  fr_wr_u32(out, FR_DIR_WATCH_BUCKETS);
+  return 0;
 }
 
 typedef int (*op_fn)(fr_dir_server *s, fr_rd *in, fr_wr *out);
@@ -371,6 +423,7 @@ static const op_fn ops[FR_DOP_MAX_] = {
     [FR_DOP_OBJ_SCAN] = op_obj_scan,
     [FR_DOP_OBJ_PUT_BATCH] = op_obj_put_batch,
     [FR_DOP_POSTED] = op_posted,
+    [FR_DOP_WATCH] = op_watch,
 };
 
 void fr_dir_server_handle(fr_dir_server *s, const void *req, size_t len, void **reply,
@@ -568,7 +621,13 @@ int fr_dir_server_start(ferry_ctx *ctx, fr_dir_server **out) {
   if (!s)
     return fr_err(FERRY_ENOMEM, "directory server");
   s->ctx = ctx;
+  if (watch_open(s) != 0) { /* clients then ask every time */
+    fr_warn("directory: no change words: %s", ferry_last_error());
+    fr_err_clear();
+  }
   if (pthread_create(&s->thread, NULL, server_main, s) != 0) {
+    if (s->watch)
+      ferry_free(ctx, s->watch);
     fr_dir_server_free(s);
     return fr_err(FERRY_ESYS, "directory server: cannot start its thread");
   }
@@ -582,6 +641,8 @@ void fr_dir_server_stop(fr_dir_server *s) {
   if (s->ctx) {
     __atomic_store_n(&s->stop, true, __ATOMIC_RELEASE);
     pthread_join(s->thread, NULL);
+    if (s->watch)
+      ferry_free(s->ctx, s->watch);
   }
   fr_dir_server_free(s);
 }

@@ -1,9 +1,9 @@
 /*
- * Reading objects. A get looks the key up in the directory, then reads the bytes straight from
- * the owner over a cached link (one memcpy on one host, one stream over tcp), then reads the
- * object's generation word: a mismatch means the owner replaced or deleted it during the copy,
- * and the get looks it up again and reads again, backing off, until it has a whole copy or its
- * timeout passes. A batch get does one directory round trip for all keys and keeps
+ * Reading objects. A get looks the key up in the directory (or its cache, ops.c), then reads the
+ * bytes straight from the owner over a cached link (one memcpy on one host, one stream over tcp),
+ * then reads the object's generation word: a mismatch means the owner replaced or deleted it during
+ * the copy, and the get looks it up again and reads again, backing off, until it has a whole copy
+ * or its timeout passes. A batch get does one directory round trip for all keys and keeps
  * FERRY_STORE_THREADS reads in flight with a small pool of worker threads. Links to owners are
  * cached by node name and closed when their last user sees them die.
  */
@@ -231,6 +231,8 @@ static int get_loop(ferry_store *s, const char *key, const ferry_tensor_desc *ex
         (rc = check_fit(&rec, expect, cap)) != 0)
       return rc;
     rc = read_object(s, &rec, dst, progress, arg, fr_store_left(deadline));
+    if (rc == FERRY_ESTALE || rc == FERRY_EPEER)
+      fr_store_forget(s, key);
     /* stale: look again until the deadline; a dead owner: once more, in case the key moved */
     if (rc == FERRY_ESTALE)
       stale_reads++;
@@ -534,6 +536,8 @@ int ferry_store_get_view(ferry_store *s, const char *key, const void **data, fer
     if ((rc = fr_store_lookup(s, key, &rec, fr_store_left(deadline))) != 0)
       break;
     rc = view_once(s, &rec, v, &p, fr_store_left(deadline));
+    if (rc == FERRY_ESTALE || rc == FERRY_EPEER)
+      fr_store_forget(s, key);
     if (rc == FERRY_ESTALE)
       stale_tries++;
     else if (rc != FERRY_EPEER || dead++ > 0)

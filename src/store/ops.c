@@ -3,6 +3,10 @@
  * exists and stat. Deleting another node's object asks that node to do it (it frees the bytes
  * and removes the record); when the owner is gone, the record is removed from the directory
  * directly, conditionally on the owner and generation so a newer put is never lost.
+ * Lookups keep their answers: a key looked up again (a view after a get, a get after a stat,
+ * get_alloc's second look) is answered here without the directory when the directory's stamp
+ * of the key (fr_dir_ops.stamp: counters in its shared memory) did not move since the answer
+ * was asked for, which proves no put or delete of the key completed meanwhile.
  */
 #include "store/store.h"
 
@@ -10,12 +14,50 @@
 #include <stdlib.h>
 #include <string.h>
 
+static fr_cached *cache_slot(ferry_store *s, const char *key) {
+  return &s->cache[fr_dir_key_hash(key) % FR_STORE_CACHE_SLOTS];
+}
+
+static bool cache_get(ferry_store *s, const char *key, const fr_dir_stamp *now,
+                      fr_dir_object *rec) {
+  fr_cached *c = cache_slot(s, key);
+  pthread_mutex_lock(&s->cache_lock);
+  bool hit = c->used && fr_dir_stamp_eq(&c->stamp, now) && strcmp(c->rec.key, key) == 0;
+  if (hit)
+    *rec = c->rec;
+  pthread_mutex_unlock(&s->cache_lock);
+  return hit;
+}
+
+static void cache_put(ferry_store *s, const fr_dir_stamp *before, const fr_dir_object *rec) {
+  fr_cached *c = cache_slot(s, rec->key);
+  pthread_mutex_lock(&s->cache_lock);
+  *c = (fr_cached){.used = true, .stamp = *before, .rec = *rec};
+  pthread_mutex_unlock(&s->cache_lock);
+}
+
+void fr_store_forget(ferry_store *s, const char *key) {
+  fr_cached *c = cache_slot(s, key);
+  pthread_mutex_lock(&s->cache_lock);
+  if (c->used && strcmp(c->rec.key, key) == 0)
+    c->used = false;
+  pthread_mutex_unlock(&s->cache_lock);
+}
+
 int fr_store_lookup(ferry_store *s, const char *key, fr_dir_object *rec, int timeout_ms) {
+  fr_dir_stamp now; /* taken before the question goes out */
+  bool stamped = s->dir->ops->stamp && s->dir->ops->stamp(s->dir->state, key, &now);
+  if (stamped && cache_get(s, key, &now, rec))
+    return 0;
   int st = 0;
   int rc = s->dir->ops->obj_get(s->dir->state, &key, 1, rec, &st, timeout_ms);
   if (rc != 0)
     return rc;
-  return st == 0 ? 0 : fr_err(FERRY_ENOTFOUND, "no object '%s' in the store", key);
+  if (st != 0)
+    return fr_err(FERRY_ENOTFOUND, "no object '%s' in the store", key);
+  if (stamped)
+    cache_put(s, &now, rec);
+  return 0;
 }
 
 void fr_store_info_from(const fr_dir_object *rec, ferry_store_info *out) {

@@ -153,6 +153,7 @@ static ferry_store *store_new(ferry_ctx *ctx, const ferry_store_opts *o) {
   pthread_mutex_init(&s->lock, NULL);
   pthread_mutex_init(&s->publish_lock, NULL);
   pthread_mutex_init(&s->peers_lock, NULL);
+  pthread_mutex_init(&s->cache_lock, NULL);
   pthread_mutex_init(&s->batch_lock, NULL);
   pthread_mutex_init(&s->work_lock, NULL);
   pthread_cond_init(&s->work_cond, NULL);
@@ -239,6 +240,7 @@ void ferry_store_close(ferry_store *s) {
   pthread_mutex_destroy(&s->lock);
   pthread_mutex_destroy(&s->publish_lock);
   pthread_mutex_destroy(&s->peers_lock);
+  pthread_mutex_destroy(&s->cache_lock);
   pthread_mutex_destroy(&s->batch_lock);
   pthread_mutex_destroy(&s->work_lock);
   pthread_cond_destroy(&s->work_cond);

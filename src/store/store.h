@@ -64,6 +64,14 @@ typedef struct fr_peer {
 
 typedef struct fr_batch fr_batch;
 
+/* A lookup's answer, kept with the stamp taken before it was asked (ops.c). */
+typedef struct fr_cached {
+  bool used;
+  fr_dir_stamp stamp;
+  fr_dir_object rec;
+} fr_cached;
+#define FR_STORE_CACHE_SLOTS 64
+
 struct ferry_store {
   ferry_ctx *ctx;
   char name[FR_DIR_NAME_MAX + 1];
@@ -93,6 +101,9 @@ struct ferry_store {
   pthread_mutex_t publish_lock; /* orders directory publishes with local replaces */
   fr_dir_lease lease;           /* this open's claim on the name in the directory */
   bool republish_due;           /* atomic: the directory may have missed a posted put (store.c) */
+
+  pthread_mutex_t cache_lock;
+  fr_cached cache[FR_STORE_CACHE_SLOTS]; /* by key hash */
 
   pthread_mutex_t peers_lock;
   fr_peer *peers;
@@ -165,7 +176,11 @@ int fr_store_get_progress(ferry_store *s, const char *key, void **out, ferry_sto
 void fr_store_workers_stop(ferry_store *s);
 
 /* ops.c */
+/* Looks a key up: from the cache when the directory's stamp of the key has not moved since the
+ * cached answer was asked for, else from the directory. */
 int fr_store_lookup(ferry_store *s, const char *key, fr_dir_object *rec, int timeout_ms);
+/* Drops the cached answer for a key (its record proved wrong: ask the directory next time). */
+void fr_store_forget(ferry_store *s, const char *key);
 void fr_store_info_from(const fr_dir_object *rec, ferry_store_info *out);
 /* Deletes the object `rec` describes, asking its owner (or the directory if it is gone). */
 int fr_store_delete_rec(ferry_store *s, const fr_dir_object *rec, int timeout_ms);
