@@ -698,6 +698,12 @@ static void test_posted_order(void **state) {
  * must not use the cached record: it waits for the stopped directory (here: times out), and once
  * the directory runs again it gets the new version. */
 static void test_lookup_cache(void **state) {
+  const char *transports = getenv("FERRY_TRANSPORTS");
+  if (transports && !strstr(transports, "shm")) { /* the words are mapped over shm only */
+    print_message("SKIP lookup cache: no shm link to the directory (FERRY_TRANSPORTS=%s)\n",
+                  transports);
+    return;
+  }
   int port = su_free_port();
   char url[80];
   snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
@@ -706,8 +712,8 @@ static void test_lookup_cache(void **state) {
   ferry_store *a = open_store(ca, url, 0, MiB, 0), *b = open_store(cb, url, 0, MiB, 0);
   char owner[256];
   put_seed(a, "c/k", 1);
-  assert_true(has_seed(b, "c/k", 1, owner, sizeof owner));
-  assert_int_equal(kill(dir, SIGSTOP), 0); /* resumed before anything is asserted */
+  bool first_ok = has_seed(b, "c/k", 1, owner, sizeof owner);
+  assert_int_equal(kill(dir, SIGSTOP), 0); /* resumed and stopped before anything is asserted */
   uint8_t v[ORDER_BYTES];
   const void *p = NULL;
   ferry_store_view *view = NULL;
@@ -721,19 +727,21 @@ static void test_lookup_cache(void **state) {
   int put_rc = ferry_store_put(a, "c/k", &d, v, 0, 2000); /* posted */
   int rc = ferry_store_get(b, "c/k", NULL, v, sizeof v, NULL, 300);
   bool after_ok = rc == FERRY_ETIMEDOUT || (rc == 0 && pattern_ok(v, sizeof v, 2));
-  assert_int_equal(kill(dir, SIGCONT), 0);
+  kill(dir, SIGCONT);
+  bool last_ok = has_seed(b, "c/k", 2, owner, sizeof owner);
+  ferry_store_close(b);
+  ferry_store_close(a);
+  ferry_ctx_close(cb);
+  ferry_ctx_close(ca);
+  stop_child(dir);
+  assert_true(first_ok);
   assert_int_equal(view_rc, 0);
   assert_true(view_ok);
   assert_int_equal(get_rc, 0);
   assert_true(get_ok);
   assert_int_equal(put_rc, 0);
   assert_true(after_ok);
-  assert_true(has_seed(b, "c/k", 2, owner, sizeof owner));
-  ferry_store_close(b);
-  ferry_store_close(a);
-  ferry_ctx_close(cb);
-  ferry_ctx_close(ca);
-  stop_child(dir);
+  assert_true(last_ok);
 }
 
 /* ---- one name, one live node ---- */
