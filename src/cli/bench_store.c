@@ -272,7 +272,8 @@ static int consume_routing(consumer *c) {
     bench_add(&get->s, bench_now() - t);
     if (rc == 0 && (c->dst[0] != (uint8_t)(i + 1) || c->dst[BS_ROUTING_BYTES - 1] != c->dst[0]))
       rc = bs_fail("routing: wrong bytes");
-    /* the zero-copy view of the same request: usable bytes, in place, until released */
+    /* the zero-copy view of the same request: usable bytes, in place, until released; its
+     * lookup is answered from the store's cache that the get filled (the key did not change) */
     const uint8_t *p = NULL;
     ferry_store_view *v = NULL;
     t = bench_now();
@@ -463,7 +464,8 @@ static const char store_usage[] =
     "usage: ferry bench store [--json] [--reps N] [--no-baselines]\n\n"
     "MoE routing replay: N requests (default 37) of [45, 32768, 8] uint8 (11.25 MiB), and\n"
     "the per-layer variant of 45 keys of [32768, 8] int32 per request. A producer process\n"
-    "puts, this process gets (into its buffer, and as a zero-copy view). Baselines in the same "
+    "puts, this process gets (into its buffer, then as a zero-copy view, whose lookup the\n"
+    "get's answer serves from the store's cache). Baselines in the same "
     "run: memcpy, np.save/np.load and\n"
     "torch.save/torch.load to local files (/usr/bin/python3), Redis SET/GET (a private\n"
     "redis-server), and over tcp between two network namespaces a plain socket stream\n"
