@@ -306,15 +306,17 @@ static int full_error(ferry_mq *mq, fr_mq_topic *t, uint64_t len, int rc, int ms
 }
 
 /* Waits for credit and takes it: *out lists the live subscribers (each with a reference). */
+#define LOCAL_TARGETS 8 /* subscribers a publish lists without an allocation */
+
 static int reserve(ferry_mq *mq, fr_mq_topic *t, uint64_t len, uint64_t deadline, int ms,
-                   target **out, size_t *n) {
+                   target *local, target **out, size_t *n) {
   pub_wait w = {t, len};
   mq->waiters++;
   int rc = fr_mq_wait(mq, credit_ready, &w, deadline);
   mq->waiters--;
   if (rc != 0)
     return full_error(mq, t, len, rc, ms);
-  target *v = calloc(t->nsubs ? t->nsubs : 1, sizeof *v);
+  target *v = t->nsubs <= LOCAL_TARGETS ? local : calloc(t->nsubs, sizeof *v);
   if (!v)
     return fr_err(FERRY_ENOMEM, "publish '%s'", t->name);
   size_t k = 0;
@@ -519,15 +521,20 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
   int ms = fr_timeout(timeout_ms);
   uint64_t deadline = fr_deadline_ns(ms);
   pthread_mutex_lock(&mq->publish_lock);
-  int rc = fr_mq_advertise(mq, topic, ms);
-  target *v = NULL;
+  target local[LOCAL_TARGETS], *v = NULL;
   size_t n = 0;
   frames fr;
   fr.token = 0;
   uint64_t off = 0, seq = 0;
   bool fresh = false;
+  int rc = 0;
   pthread_mutex_lock(&mq->lock);
-  fr_mq_topic *t = rc == 0 ? fr_mq_topic_get(mq, topic) : NULL;
+  fr_mq_topic *t = fr_mq_topic_get(mq, topic);
+  if (t && !t->advertised) { /* the first publish on the topic: a directory round trip */
+    pthread_mutex_unlock(&mq->lock);
+    rc = fr_mq_advertise(mq, topic, ms);
+    pthread_mutex_lock(&mq->lock);
+  }
   if (rc == 0 && !t)
     rc = fr_err(FERRY_ENOMEM, "publish '%s'", topic);
   pub_wait w = {t, len};
@@ -537,7 +544,7 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
     pthread_mutex_lock(&mq->lock);
   }
   if (rc == 0)
-    rc = reserve(mq, t, len, deadline, ms, &v, &n);
+    rc = reserve(mq, t, len, deadline, ms, local, &v, &n);
   if (rc == 0) {
     seq = ++mq->seq;
     int nshm = 0;
@@ -563,7 +570,8 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
     pthread_mutex_unlock(&mq->lock);
   }
   pthread_mutex_unlock(&mq->publish_lock);
-  free(v);
+  if (v != local)
+    free(v);
   return rc;
 }
 
