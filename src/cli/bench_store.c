@@ -257,32 +257,55 @@ static void time_memcpy(consumer *c, const char *case_name, uint64_t bytes) {
   }
 }
 
+/* Gets request i into this process's buffer, timed into `s`, and checks its bytes. */
+static int routing_get(consumer *c, const char *key, int i, bs_series *s) {
+  double t = bench_now();
+  int rc = ferry_store_get(c->s, key, NULL, c->dst, BS_ROUTING_BYTES, NULL, -1);
+  bench_add(&s->s, bench_now() - t);
+  if (rc == 0 && (c->dst[0] != (uint8_t)(i + 1) || c->dst[BS_ROUTING_BYTES - 1] != c->dst[0]))
+    rc = bs_fail("routing: wrong bytes");
+  return rc;
+}
+
+/* Takes and releases a zero-copy view of request i (usable bytes, in place, until released),
+ * timed into `s`, and checks its bytes. */
+static int routing_view(consumer *c, const char *key, int i, bs_series *s) {
+  const uint8_t *p = NULL;
+  ferry_store_view *v = NULL;
+  double t = bench_now();
+  int rc = ferry_store_get_view(c->s, key, (const void **)&p, NULL, &v, -1);
+  bench_add(&s->s, bench_now() - t);
+  if (rc == 0 && (p[0] != (uint8_t)(i + 1) || p[BS_ROUTING_BYTES - 1] != p[0]))
+    rc = bs_fail("routing: wrong bytes in the view");
+  ferry_store_view_release(v);
+  return rc;
+}
+
+/* Each request is read twice, the first read being this node's first lookup of the key (the
+ * directory answers it) and the second answered from the store's lookup cache. Even requests
+ * get first, odd ones take the view first, so "ferry" and "ferry(view)" are both first reads;
+ * "view(cached)" is the view that follows a get of the same key. */
 static int consume_routing(consumer *c) {
   bs_series *put = bs_add(c->r, "routing/put", "ferry(in place)", BS_ROUTING_BYTES, false);
   bs_series *get = bs_add(c->r, "routing/get", "ferry", BS_ROUTING_BYTES, false);
   bs_series *view = bs_add(c->r, "routing/get", "ferry(view)", BS_ROUTING_BYTES, false);
+  bs_series *cached = bs_add(c->r, "routing/get", "view(cached)", BS_ROUTING_BYTES, false);
+  bs_series *get_after = bs_add(c->r, "routing/get", "ferry(cached)", BS_ROUTING_BYTES, false);
   int rc = 0;
   for (int i = 0; rc == 0 && i < c->requests; i++) {
     if ((rc = take_time(c, put)) != 0)
       break;
     char key[32];
     snprintf(key, sizeof key, "routing/%d", i);
-    double t = bench_now();
-    rc = ferry_store_get(c->s, key, NULL, c->dst, BS_ROUTING_BYTES, NULL, -1);
-    bench_add(&get->s, bench_now() - t);
-    if (rc == 0 && (c->dst[0] != (uint8_t)(i + 1) || c->dst[BS_ROUTING_BYTES - 1] != c->dst[0]))
-      rc = bs_fail("routing: wrong bytes");
-    /* the zero-copy view of the same request: usable bytes, in place, until released; its
-     * lookup is answered from the store's cache that the get filled (the key did not change) */
-    const uint8_t *p = NULL;
-    ferry_store_view *v = NULL;
-    t = bench_now();
-    if (rc == 0)
-      rc = ferry_store_get_view(c->s, key, (const void **)&p, NULL, &v, -1);
-    bench_add(&view->s, bench_now() - t);
-    if (rc == 0 && (p[0] != (uint8_t)(i + 1) || p[BS_ROUTING_BYTES - 1] != p[0]))
-      rc = bs_fail("routing: wrong bytes in the view");
-    ferry_store_view_release(v);
+    if (i % 2 == 0) {
+      rc = routing_get(c, key, i, get);
+      if (rc == 0)
+        rc = routing_view(c, key, i, cached);
+    } else {
+      rc = routing_view(c, key, i, view);
+      if (rc == 0)
+        rc = routing_get(c, key, i, get_after);
+    }
     bench_write_all(c->to_producer, "A", 1);
   }
   bs_series *copy = bs_add(c->r, "routing/put", "ferry(copy)", BS_ROUTING_BYTES, false);
@@ -389,6 +412,7 @@ static const char *const order[][2] = {
     {"routing/put", "redis SET"},       {"routing/put", "ferry(copy)"},
     {"routing/put", "ferry(in place)"}, {"routing/get", "memcpy"},
     {"routing/get", "ferry"},           {"routing/get", "ferry(view)"},
+    {"routing/get", "ferry(cached)"},   {"routing/get", "view(cached)"},
     {"routing/get", "np.load"},         {"routing/get", "torch.load"},
     {"routing/get", "redis GET"},       {"layers/put", "np.save"},
     {"layers/put", "torch.save"},       {"layers/put", "redis SET"},
@@ -464,9 +488,10 @@ static const char store_usage[] =
     "usage: ferry bench store [--json] [--reps N] [--no-baselines]\n\n"
     "MoE routing replay: N requests (default 37) of [45, 32768, 8] uint8 (11.25 MiB), and\n"
     "the per-layer variant of 45 keys of [32768, 8] int32 per request. A producer process\n"
-    "puts, this process gets (into its buffer, then as a zero-copy view, whose lookup the\n"
-    "get's answer serves from the store's cache). Baselines in the same "
-    "run: memcpy, np.save/np.load and\n"
+    "puts, this process reads each request twice: into its buffer (get) and as a zero-copy\n"
+    "view, taking turns at which comes first, so `ferry` and `ferry(view)` are a key's first\n"
+    "lookup and the `cached` rows the second one. Baselines in the same run: memcpy,\n"
+    "np.save/np.load and\n"
     "torch.save/torch.load to local files (/usr/bin/python3), Redis SET/GET (a private\n"
     "redis-server), and over tcp between two network namespaces a plain socket stream\n"
     "(needs root; skipped otherwise). Then each target of the issue, met or not.\n";
