@@ -472,18 +472,21 @@ typedef struct producer {
   tu_pipe ready, quit;
 } producer;
 
-/* Sanitizers check every byte a memcpy moves, and the readers retry behind a producer that
- * re-puts in a tight loop (over ucx under ASan the full hammer took minutes): a lighter one. */
+/* The producer is paced: a get that finds its object replaced while it copied starts again,
+ * and an in-place put costs microseconds while a get's lookup and copy take far longer (on a
+ * loaded machine, or instrumented, many times longer). A producer that re-put in a tight loop
+ * replaced the object during nearly every get, and the readers' retries could go on until
+ * their timeout (seen: a TSan run over ucx that did not end in 300 s, a plain run at load 15).
+ * Paced, gets still race re-puts, every 1 ms (5 ms under sanitizers, which also check every
+ * byte a memcpy moves: a lighter hammer there). */
 #if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
 #define HAMMER_GETS 40
 #define HAMMER_BYTES (256 * 1024)
-/* An in-place put costs microseconds, instrumented or not, while a get's lookup and copy slow
- * down many times: unpaced, the producer replaced the object during nearly every get, and the
- * readers' retries took minutes. Paced, gets still race re-puts (one every ~1 ms). */
-#define HAMMER_PAUSE_US 1000
+#define HAMMER_PAUSE_US 5000
 #else
 #define HAMMER_GETS 150
 #define HAMMER_BYTES MiB
+#define HAMMER_PAUSE_US 1000
 #endif
 
 /* Re-puts p->key over and over, each version one uniform byte value, until told to stop: copies
@@ -499,9 +502,7 @@ static int churn(ferry_store *s, ferry_ctx *c, producer *p, ferry_tensor_desc *d
     memset(b, v, p->bytes);
     if (ferry_store_put(s, p->key, d, b, 0, -1) != 0)
       return 3;
-#ifdef HAMMER_PAUSE_US
     usleep(HAMMER_PAUSE_US);
-#endif
     char ch;
     if (tu_pipe_get(&p->quit, &ch, 1, 0) == 0)
       return 0;
