@@ -69,14 +69,20 @@ static int no_directory(const emb *e, int rc) {
                 e->where, *why ? why : ferry_strerror(rc), e->where);
 }
 
+/* Asks `op`, a request without arguments, over l; *m: the answer. */
+static int call_bare(ferry_link *l, uint16_t op, int timeout_ms, ferry_msg **m) {
+  fr_wr w = {0};
+  fr_wr_request(&w, op);
+  struct iovec iov = {w.p, w.len};
+  int rc = w.failed ? FERRY_ENOMEM : ferry_call(l, FR_CHANNEL_DIRECTORY, &iov, 1, m, timeout_ms);
+  fr_wr_free(&w);
+  return rc;
+}
+
 static int hello(emb *e, ferry_link *l, int timeout_ms, uint64_t *instance, char *address,
                  size_t cap) {
-  fr_wr w = {0};
-  fr_wr_request(&w, FR_DOP_HELLO);
-  struct iovec iov = {w.p, w.len};
   ferry_msg *m = NULL;
-  int rc = w.failed ? FERRY_ENOMEM : ferry_call(l, FR_CHANNEL_DIRECTORY, &iov, 1, &m, timeout_ms);
-  fr_wr_free(&w);
+  int rc = call_bare(l, FR_DOP_HELLO, timeout_ms, &m);
   if (rc != 0)
     return rc;
   fr_rd rd = fr_rd_init(m->data, m->len);
@@ -139,12 +145,8 @@ static int dial(emb *e, int timeout_ms, ferry_link **out) {
 static uint64_t *watch_map(ferry_link *l, int timeout_ms) {
   if (strcmp(ferry_link_transport(l), "shm") != 0)
     return NULL;
-  fr_wr w = {0};
-  fr_wr_request(&w, FR_DOP_WATCH);
-  struct iovec iov = {w.p, w.len};
   ferry_msg *m = NULL;
-  int rc = w.failed ? FERRY_ENOMEM : ferry_call(l, FR_CHANNEL_DIRECTORY, &iov, 1, &m, timeout_ms);
-  fr_wr_free(&w);
+  int rc = call_bare(l, FR_DOP_WATCH, timeout_ms, &m);
   fr_rd rd = rc == 0 ? fr_rd_init(m->data, m->len) : fr_rd_init(NULL, 0);
   int st = 0;
   char detail[256];
