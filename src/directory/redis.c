@@ -155,26 +155,26 @@ static void key_of(char *out, size_t cap, char kind, const char *name) {
 }
 
 /* A node's access blob travels as hex (n bytes: 2n digits and a NUL in out). */
+static const char hex_digits[] = "0123456789abcdef";
+
 static void hex_of(const uint8_t *p, size_t n, char *out) {
-  static const char digits[] = "0123456789abcdef";
   for (size_t i = 0; i < n; i++) {
-    out[2 * i] = digits[p[i] >> 4];
-    out[2 * i + 1] = digits[p[i] & 15];
+    out[2 * i] = hex_digits[p[i] >> 4];
+    out[2 * i + 1] = hex_digits[p[i] & 15];
   }
   out[2 * n] = '\0';
 }
 
 /* The bytes of a hex string of at most FR_DIR_ACCESS_MAX bytes; 0 (none) when it is not one. */
 static size_t bytes_of_hex(const char *s, uint8_t *out) {
-  static const char digits[] = "0123456789abcdef";
   size_t n = strlen(s);
   if (n % 2 || n / 2 > FR_DIR_ACCESS_MAX)
     return 0;
   for (size_t i = 0; i < n; i++) {
-    const char *d = s[i] ? strchr(digits, s[i]) : NULL;
+    const char *d = s[i] ? strchr(hex_digits, s[i]) : NULL;
     if (!d)
       return 0;
-    uint8_t v = (uint8_t)(d - digits);
+    uint8_t v = (uint8_t)(d - hex_digits);
     out[i / 2] = i % 2 ? (uint8_t)(out[i / 2] | v) : (uint8_t)(v << 4);
   }
   return n / 2;
