@@ -416,17 +416,22 @@ static bool claimed(ferry_ctx *ctx) {
   return background_thread && __atomic_load_n(&ctx->lead_claimed, __ATOMIC_ACQUIRE);
 }
 
-/* A leader first polls the epoll without sleeping, for up to FERRY_SPIN_US, until the first
- * events come: the answer it waits for then finds it awake, which saves the wake-up a blocking
- * wait pays on every round trip (the difference between a tcp round trip and a plain blocking
- * socket's). Once bytes flow without being the whole answer (a large transfer), it sleeps in
- * the epoll between events as before: there a wake-up is paid once per batch, not per round
- * trip. It yields each round, so on a busy machine the threads it waits for get the core. */
+/* A leader polls the epoll without sleeping until FERRY_SPIN_US pass without an event: the
+ * answer it waits for then finds it awake, which saves the wake-up a blocking wait pays on
+ * every round trip (the difference between a tcp round trip and a plain blocking socket's).
+ * While bytes keep flowing without being the whole answer (a large transfer arrives in pieces
+ * of the socket buffer), each event starts the window again: the next piece comes within
+ * microseconds, and sleeping between pieces cost a wake-up per piece, many per message. It
+ * yields each round, so on a busy machine the threads it waits for get the core. */
 static void poll_briefly(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint64_t deadline_ns) {
-  uint64_t end = fr_now_ns() + (uint64_t)ctx->spin_us * 1000u;
-  end = end < deadline_ns ? end : deadline_ns;
+  uint64_t window = (uint64_t)ctx->spin_us * 1000u;
+  uint64_t end = fr_now_ns() + window;
   for (;;) { /* at least one batch: a zero timeout still takes in what the sockets hold */
-    if (run_batch(ctx, 0) > 0 || ready(arg) || stopping(ctx) || fr_now_ns() >= end || claimed(ctx))
+    bool events = run_batch(ctx, 0) > 0;
+    uint64_t now = fr_now_ns();
+    if (events)
+      end = now + window;
+    if (ready(arg) || stopping(ctx) || now >= end || now >= deadline_ns || claimed(ctx))
       return;
     sched_yield();
   }
