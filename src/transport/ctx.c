@@ -370,12 +370,19 @@ void fr_ctx_poke(ferry_ctx *ctx) {
     wake_progress(ctx);
 }
 
-/* The progress thread stays out of the epoll while callers lead. */
+/* The progress thread stays out of the epoll while callers lead: while one leads now (however
+ * long it has waited: a large message under load takes milliseconds), and for FOLLOW_NS after
+ * one last did. Were it to queue on the lead mutex behind a caller that leads for long, it
+ * would take the epoll as that caller leaves, and the caller's next wait would cost two
+ * hand-offs (asking it to step down, then the mutex). */
 static void follow(ferry_ctx *ctx) {
   pthread_mutex_lock(&ctx->idle_lock);
   while (!stopping(ctx) && !ctx->lead_wanted) {
+    uint64_t now = fr_now_ns();
     uint64_t until = __atomic_load_n(&ctx->user_led_ns, __ATOMIC_SEQ_CST) + FOLLOW_NS;
-    if (fr_now_ns() >= until)
+    if (__atomic_load_n(&ctx->user_leading, __ATOMIC_SEQ_CST) && until <= now)
+      until = now + FOLLOW_NS;
+    else if (now >= until)
       break;
     struct timespec ts = fr_timespec(until);
     pthread_cond_timedwait(&ctx->idle_cond, &ctx->idle_lock, &ts);
