@@ -27,6 +27,7 @@
  */
 #include "mq/mq.h"
 #include "core/channels.h"
+#include "transport/transport.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -336,10 +337,13 @@ static int reserve(ferry_mq *mq, fr_mq_topic *t, uint64_t len, uint64_t deadline
 /* Dispatches what already arrived on the channel, without waiting (lock held, as it returns),
  * unless another thread is taking messages off it. */
 static void drain(ferry_mq *mq) {
+  if (!mq->thread_started || !pthread_equal(pthread_self(), mq->thread))
+    mq->app_pump_ns = fr_now_ns(); /* the background thread leaves the pump to this thread */
   if (mq->pumping)
     return;
   mq->pumping = true;
   pthread_mutex_unlock(&mq->lock);
+  fr_ctx_poll_links(mq->ctx); /* what the shm rings hold: a receive that does not wait skips them */
   for (int i = 0; i < 256; i++) {
     ferry_msg *m = NULL;
     if (ferry_recv(mq->ctx, FR_CHANNEL_MQ, &m, 0) != 0)
