@@ -130,7 +130,7 @@ void bench_row(const bench_opts *o, const char *bench, const char *case_name, co
   fflush(stdout);
 }
 
-static uint64_t parse_size(const char *s) {
+uint64_t bench_parse_size(const char *s) {
   char *end;
   double v = strtod(s, &end);
   switch (*end) {
@@ -158,7 +158,7 @@ int bench_parse(int argc, char **argv, bench_opts *o, const char *usage) {
     } else if (strcmp(argv[i], "--reps") == 0 && i + 1 < argc) {
       o->reps = atoi(argv[++i]);
     } else if (strcmp(argv[i], "--max-size") == 0 && i + 1 < argc) {
-      o->max_size = parse_size(argv[++i]);
+      o->max_size = bench_parse_size(argv[++i]);
     } else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
       fputs(usage, stdout);
       exit(CLI_OK);

@@ -36,6 +36,8 @@ void bench_header(const bench_opts *o, const char *title);
 /* Parses --json, --reps N, --max-size BYTES (suffixes K/M/G); returns the index of the first
  * argument it did not take, or -1 on a usage error (message printed). */
 int bench_parse(int argc, char **argv, bench_opts *o, const char *usage);
+/* "4096", "256K", "1M", "2G": bytes. */
+uint64_t bench_parse_size(const char *s);
 /* Write or read exactly len bytes on a pipe or socket (EINTR retried); 0 or -1. */
 int bench_write_all(int fd, const void *buf, size_t len);
 int bench_read_all(int fd, void *buf, size_t len);

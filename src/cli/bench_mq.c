@@ -579,7 +579,7 @@ int bench_mq(int argc, char **argv) {
       else if (argv[i][2] == 'p')
         half = argv[i + 1];
       else
-        min_size = strtoull(argv[i + 1], NULL, 0);
+        min_size = bench_parse_size(argv[i + 1]); /* "1M" as --max-size takes it */
       memmove(argv + i, argv + i + 2, (size_t)(argc - i - 2) * sizeof *argv);
       argc -= 2;
     } else {
