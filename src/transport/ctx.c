@@ -9,7 +9,10 @@
  * transports allow it), so the bytes it waits for wake it directly: a round trip then costs one
  * wake-up per side, as a blocking socket does, instead of the progress thread's plus a hand-off.
  * While callers keep leading, the progress thread sleeps; it takes the epoll back when no caller
- * has led for FOLLOW_NS, or at once when a leaving caller leaves others asleep behind it.
+ * leads and none has for FOLLOW_NS, or at once when a leaving caller leaves others asleep
+ * behind it. A leader polls without sleeping while events keep coming (a large tcp message
+ * arrives in many socket-buffer pieces), and sleeps in the epoll only after FERRY_SPIN_US
+ * without one.
  * Background threads (service loops that wait for requests all the time, such as the embedded
  * directory's) lead only as the progress thread does; a caller that finds the epoll led by one
  * of them (or by the progress thread) asks it to step down and takes over, so that the message
