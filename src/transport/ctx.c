@@ -432,7 +432,12 @@ static bool claimed(ferry_ctx *ctx) {
  * While bytes keep flowing without being the whole answer (a large transfer arrives in pieces
  * of the socket buffer), each event starts the window again: the next piece comes within
  * microseconds, and sleeping between pieces cost a wake-up per piece, many per message. It
- * yields each round, so on a busy machine the threads it waits for get the core. */
+ * yields each round, so on a busy machine the threads it waits for get the core; when a yield
+ * took long (another thread ran on this core, often the peer process it waits for), it stops
+ * polling and sleeps: polling on a shared core only takes turns with that thread, a process
+ * switch per round. */
+#define SHARED_CORE_NS 20000ull /* a yield this long ran another thread on this core */
+
 static void poll_briefly(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint64_t deadline_ns) {
   uint64_t window = (uint64_t)ctx->spin_us * 1000u;
   uint64_t end = fr_now_ns() + window;
@@ -444,6 +449,8 @@ static void poll_briefly(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint6
     if (ready(arg) || stopping(ctx) || now >= end || now >= deadline_ns || claimed(ctx))
       return;
     sched_yield();
+    if (fr_now_ns() - now > SHARED_CORE_NS)
+      return; /* another thread ran on this core: likely the one we wait for, so sleep */
   }
 }
 
