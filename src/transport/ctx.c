@@ -11,8 +11,8 @@
  * While callers keep leading, the progress thread sleeps; it takes the epoll back when no caller
  * leads and none has for FOLLOW_NS, or at once when a leaving caller leaves others asleep
  * behind it. A leader polls without sleeping while events keep coming (a large tcp message
- * arrives in many socket-buffer pieces), and sleeps in the epoll only after FERRY_SPIN_US
- * without one.
+ * arrives in many socket-buffer pieces), and sleeps in the epoll after FERRY_SPIN_US without
+ * one, or as soon as its yield lets another thread run on its core.
  * Background threads (service loops that wait for requests all the time, such as the embedded
  * directory's) lead only as the progress thread does; a caller that finds the epoll led by one
  * of them (or by the progress thread) asks it to step down and takes over, so that the message
