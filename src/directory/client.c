@@ -6,11 +6,14 @@
  * id (it restarted, its tables are empty) bumps the epoch so the node registers again. On the
  * server's host the client maps the server's change words (FR_DOP_WATCH, server.c): stamps read
  * them without a round trip, and a posted put bumps its key's word once it is in the ring (only
- * a client with the words mapped posts). A client opened with fr_dir_open_local() calls an
- * in-process server directly.
+ * a client with the words mapped posts). With the words it maps the server's object table
+ * (table.h): a lookup reads the key's slot there and asks the server only when the slot cannot
+ * prove itself current, and a posted put takes a ticket and writes its record there before it
+ * is sent. A client opened with fr_dir_open_local() calls an in-process server directly.
  */
 #include "core/channels.h"
 #include "directory/dirwire.h"
+#include "directory/table.h"
 #include "transport/transport.h"
 
 #include <pthread.h>
@@ -38,6 +41,7 @@ typedef struct emb {
   size_t ngrave;
   uint64_t instance, epoch;
   uint64_t *watch; /* the server's change words as mapped over `link`, or NULL */
+  uint64_t *table; /* its object table, mapped with the words */
   pthread_mutex_t posted_lock;
   posted *posted_head, *posted_tail; /* oldest first */
   size_t nposted;
@@ -141,29 +145,55 @@ static int dial(emb *e, int timeout_ms, ferry_link **out) {
   return 0;
 }
 
-/* Maps the server's change words over l (shm only); NULL when it cannot. */
-static uint64_t *watch_map(ferry_link *l, int timeout_ms) {
+static ferry_region_ref rd_ref(fr_rd *rd) {
+  ferry_region_ref ref;
+  ref.id = fr_rd_u64(rd);
+  ref.key = fr_rd_u64(rd);
+  ref.size = fr_rd_u64(rd);
+  return ref;
+}
+
+/* Maps `bytes` of a region of the server's (read-write: the regions are); NULL when it cannot. */
+static uint64_t *map_region(ferry_link *l, const ferry_region_ref *ref, size_t bytes) {
+  const void *p = NULL;
+  return ref->size >= bytes && ferry_view(l, ref, 0, bytes, &p) == 0 ? (uint64_t *)p : NULL;
+}
+
+/* Touches every page of a mapping now: a lookup that first touches its slot's page would pay a
+ * page fault, which costs tens of microseconds on some VMs. */
+static uint64_t *prefault(uint64_t *p, size_t bytes) {
+  uint64_t sum = 0;
+  for (size_t i = 0; i < bytes / 8; i += 4096 / 8)
+    sum += __atomic_load_n(&p[i], __ATOMIC_RELAXED);
+  __asm__ volatile("" ::"r"(sum));
+  return p;
+}
+
+/* Maps the server's change words and object table over l (shm only): both, or neither. */
+static void watch_map(emb *e, ferry_link *l, int timeout_ms) {
+  e->watch = e->table = NULL;
   if (strcmp(ferry_link_transport(l), "shm") != 0)
-    return NULL;
+    return;
   ferry_msg *m = NULL;
   int rc = call_bare(l, FR_DOP_WATCH, timeout_ms, &m);
   fr_rd rd = rc == 0 ? fr_rd_init(m->data, m->len) : fr_rd_init(NULL, 0);
   int st = 0;
   char detail[256];
-  ferry_region_ref ref = {0};
-  if (rc == 0 && fr_rd_reply(&rd, &st, detail, sizeof detail) && st == 0) {
-    ref.id = fr_rd_u64(&rd);
-    ref.key = fr_rd_u64(&rd);
-    ref.size = fr_rd_u64(&rd);
+  bool ok = rc == 0 && fr_rd_reply(&rd, &st, detail, sizeof detail) && st == 0;
+  ferry_region_ref words = rd_ref(&rd);
+  uint32_t buckets = fr_rd_u32(&rd);
+  ferry_region_ref table = rd_ref(&rd);
+  uint32_t slots = fr_rd_u32(&rd), slot_bytes = fr_rd_u32(&rd);
+  ok = ok && fr_rd_done(&rd) && buckets == FR_DIR_WATCH_BUCKETS && slots == FR_DIR_TABLE_SLOTS &&
+       slot_bytes == FR_DIR_TABLE_SLOT_BYTES;
+  uint64_t *w = ok ? map_region(l, &words, (1 + (size_t)FR_DIR_WATCH_BUCKETS) * 8) : NULL;
+  uint64_t *t = w ? map_region(l, &table, FR_DIR_TABLE_BYTES) : NULL;
+  if (t) {
+    e->watch = w;
+    e->table = prefault(t, FR_DIR_TABLE_BYTES);
   }
-  uint32_t buckets = rc == 0 && st == 0 ? fr_rd_u32(&rd) : 0;
-  size_t bytes = (1 + (size_t)FR_DIR_WATCH_BUCKETS) * sizeof(uint64_t);
-  const void *p = NULL;
-  bool ok = rc == 0 && st == 0 && fr_rd_done(&rd) && buckets == FR_DIR_WATCH_BUCKETS &&
-            ref.size >= bytes && ferry_view(l, &ref, 0, bytes, &p) == 0;
   ferry_msg_free(m);
   fr_err_clear();
-  return ok ? (uint64_t *)p : NULL; /* the region is mapped read-write */
 }
 
 /* The current link, redialled when `dead` is the current one. */
@@ -178,10 +208,10 @@ static int current_link(emb *e, ferry_link *dead, int timeout_ms, ferry_link **o
         e->grave[e->ngrave++] = e->link;
       } /* else: leaked until exit; better than closing it under another caller */
       e->link = NULL;
-      e->watch = NULL;
+      e->watch = e->table = NULL;
     }
     if ((rc = dial(e, timeout_ms, &e->link)) == 0)
-      e->watch = watch_map(e->link, timeout_ms);
+      watch_map(e, e->link, timeout_ms);
   }
   if (rc == 0)
     *out = e->link;
@@ -243,15 +273,34 @@ static int finish(emb *e, reply *r) {
 /* ---- posted puts ---- */
 
 /* The current link when it goes to shm (the server then orders posted puts by this host's
- * clock, server.c) and the change words are mapped over it (*watch); NULL otherwise. */
-static ferry_link *post_link(emb *e, int timeout_ms, uint64_t **watch) {
+ * clock, server.c) and the change words and table are mapped over it (*watch, *table); NULL
+ * otherwise. */
+static ferry_link *post_link(emb *e, int timeout_ms, uint64_t **watch, uint64_t **table) {
   ferry_link *l = NULL;
   if (e->local || current_link(e, NULL, timeout_ms, &l) != 0)
     return NULL;
   pthread_mutex_lock(&e->lock);
   *watch = e->link == l ? e->watch : NULL;
+  *table = e->link == l ? e->table : NULL;
   pthread_mutex_unlock(&e->lock);
-  return *watch && strcmp(ferry_link_transport(l), "shm") == 0 ? l : NULL;
+  return *watch && *table && strcmp(ferry_link_transport(l), "shm") == 0 ? l : NULL;
+}
+
+/* Before a posted put is sent: a ticket per record in the table, and the record in its slot
+ * (not for a put that may be refused: FR_DIR_PUT_KEEP_OTHERS). */
+static void table_tickets(uint64_t *table, const fr_dir_object *objs, size_t n, unsigned flags) {
+  for (size_t i = 0; i < n; i++) {
+    uint64_t *slot = fr_dir_table_slot(table, FR_DIR_TABLE_SLOTS, objs[i].key);
+    uint64_t ticket = fr_dir_table_ticket(slot);
+    if (!(flags & FR_DIR_PUT_KEEP_OTHERS))
+      fr_dir_table_post(slot, ticket, &objs[i]);
+  }
+}
+
+/* A posted put that could not be sent: its tickets are done (the caller asks and waits). */
+static void table_give_up(uint64_t *table, const fr_dir_object *objs, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    fr_dir_table_done(fr_dir_table_slot(table, FR_DIR_TABLE_SLOTS, objs[i].key));
 }
 
 /* A posted put is in the server's ring: stamps taken from now on differ (fr_dir_ops.stamp). */
@@ -282,9 +331,9 @@ static bool posted_full(emb *e) {
 /* Sends a put (`op` and its arguments in `args`) without waiting for the answer; false when it
  * cannot be posted (the caller then calls and waits). */
 static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *objs, size_t n,
-                 int timeout_ms) {
-  uint64_t *watch = NULL;
-  ferry_link *l = posted_full(e) ? NULL : post_link(e, timeout_ms, &watch);
+                 unsigned flags, int timeout_ms) {
+  uint64_t *watch = NULL, *table = NULL;
+  ferry_link *l = posted_full(e) ? NULL : post_link(e, timeout_ms, &watch, &table);
   posted *ps = l && !args->failed ? calloc(1, sizeof *ps) : NULL;
   fr_dir_object *copy = ps ? malloc(n * sizeof *copy) : NULL;
   if (copy) { /* all set before the answer can come in */
@@ -297,9 +346,14 @@ static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *ob
   fr_wr_u16(&w, op);
   fr_wr_bytes(&w, args->p, args->len);
   struct iovec iov = {w.p, w.len};
-  bool sent = copy && !w.failed &&
-              fr_link_call_post(l, FR_CHANNEL_DIRECTORY, &iov, 1, timeout_ms, &ps->pending) == 0;
+  bool ready = copy && !w.failed;
+  if (ready)
+    table_tickets(table, objs, n, flags);
+  bool sent =
+      ready && fr_link_call_post(l, FR_CHANNEL_DIRECTORY, &iov, 1, timeout_ms, &ps->pending) == 0;
   fr_wr_free(&w);
+  if (ready && !sent)
+    table_give_up(table, objs, n);
   if (!sent) {
     free(copy);
     free(ps);
@@ -493,7 +547,7 @@ static int emb_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir_
   if (flags & FR_DIR_PUT_POSTED) {
     fr_wr args = {0};
     put_one_args(&args, o, flags);
-    bool sent = post(st, FR_DOP_OBJ_PUT, &args, o, 1, timeout_ms);
+    bool sent = post(st, FR_DOP_OBJ_PUT, &args, o, 1, flags, timeout_ms);
     fr_wr_free(&args);
     if (sent && had_other)
       *had_other = false;
@@ -524,7 +578,7 @@ static int put_chunk(void *st, const fr_dir_object *objs, size_t n, unsigned fla
   if (flags & FR_DIR_PUT_POSTED) {
     fr_wr args = {0};
     put_args(&args, objs, n, flags);
-    bool sent = post(st, FR_DOP_OBJ_PUT_BATCH, &args, objs, n, timeout_ms);
+    bool sent = post(st, FR_DOP_OBJ_PUT_BATCH, &args, objs, n, flags, timeout_ms);
     fr_wr_free(&args);
     for (size_t i = 0; sent && i < n; i++) {
       status[i] = 0;
@@ -681,6 +735,19 @@ static bool emb_stamp(void *st, const char *key, fr_dir_stamp *out) {
   return true;
 }
 
+/* A lookup in the server's shared table: no round trip, nobody woken (table.h). */
+static bool emb_peek(void *st, const char *key, fr_dir_object *out) {
+  emb *e = st;
+  pthread_mutex_lock(&e->lock);
+  const uint64_t *t = e->table;
+  ferry_link *l = e->link;
+  pthread_mutex_unlock(&e->lock);
+  /* a dead link: the server may be gone and another one taking puts that this table misses */
+  if (!t || !l || __atomic_load_n(&l->state, __ATOMIC_ACQUIRE) != FR_LINK_OPEN)
+    return false;
+  return fr_dir_table_read(fr_dir_table_slot((uint64_t *)t, FR_DIR_TABLE_SLOTS, key), key, out);
+}
+
 /* ---- lifecycle ---- */
 
 static int emb_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **state) {
@@ -746,6 +813,7 @@ const fr_dir_ops fr_dir_embedded_ops = {
     .obj_scan = emb_obj_scan,
     .settle = emb_settle,
     .stamp = emb_stamp,
+    .peek = emb_peek,
 };
 
 int fr_dir_open_local(fr_dir_server *srv, fr_dir **out) {

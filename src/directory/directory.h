@@ -125,6 +125,11 @@ typedef struct fr_dir_ops {
    * Posted puts count when they return, so a stamp never hides one. NULL in backends that
    * cannot tell. */
   bool (*stamp)(void *state, const char *key, fr_dir_stamp *out);
+  /* Where the backend can answer a lookup of one key without asking (ferry:// on the
+   * directory's host: its shared object table, table.h), fills *out and returns true: the key's
+   * record as of some moment during the call, after every put or delete of it that returned
+   * before the call. false: ask obj_get (the key may still exist). NULL in backends that cannot. */
+  bool (*peek)(void *state, const char *key, fr_dir_object *out);
 } fr_dir_ops;
 
 /* A connected directory client: the backend and its state. Thread-safe. */

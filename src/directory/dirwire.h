@@ -30,7 +30,8 @@ enum fr_dir_op {
   FR_DOP_POSTED,        /* u64 sent_ns, u16 op (OBJ_PUT or OBJ_PUT_BATCH), its arguments -> its
                            reply. A put whose sender returned before the answer (server.c) */
   FR_DOP_WATCH,         /* -> region ref (u64 id, u64 key, u64 size), u32 buckets: the change
-                           words (server.c) */
+                           words (server.c); region ref, u32 slots, u32 slot bytes: the object
+                           table (table.h) */
   FR_DOP_MAX_
 };
 

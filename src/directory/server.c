@@ -12,10 +12,13 @@
  * word when it drops a node's records, before it answers; clients bump the word of a put they
  * posted once it is in the ring. A client that stamped a key before a lookup and finds the same
  * stamp later knows the answer still holds, and skips the round trip (and this thread's
- * wake-up).
+ * wake-up). Next to the words it keeps a copy of its object records in a shared table
+ * (table.h): it writes a key's slot after every change of the key, before it answers, so a
+ * client on its host looks a key up without asking at all.
  */
 #include "core/channels.h"
 #include "directory/dirwire.h"
+#include "directory/table.h"
 #include "transport/transport.h"
 
 #include <pthread.h>
@@ -49,6 +52,8 @@ struct fr_dir_server {
   size_t nbacklog, capbacklog;
   uint64_t *watch; /* the change words (dirwire.h), or NULL */
   ferry_region_ref watch_ref;
+  uint64_t *table; /* the shared object table (table.h): set with watch */
+  ferry_region_ref table_ref;
   bool posted; /* applying a posted put: its sender bumped the word already (lock held) */
 };
 
@@ -61,16 +66,32 @@ static void watch_bump(fr_dir_server *s, const char *key) {
                        __ATOMIC_SEQ_CST);
 }
 
-/* Every word starts at the instance, so words of another instance never look unchanged. */
-static int watch_open(fr_dir_server *s) {
-  size_t bytes = (1 + FR_DIR_WATCH_BUCKETS) * sizeof(uint64_t);
+/* After a change of key's records: its slot in the shared table says so, before the answer. */
+static void table_publish(fr_dir_server *s, const char *key, const fr_dir_object *rec) {
+  if (s->table)
+    fr_dir_table_publish(fr_dir_table_slot(s->table, FR_DIR_TABLE_SLOTS, key), key, rec);
+}
+
+static int region_alloc(fr_dir_server *s, size_t bytes, uint64_t **out, ferry_region_ref *ref) {
   void *p = NULL;
   int rc = ferry_alloc(s->ctx, bytes, &p);
-  if (rc == 0 && (rc = ferry_region_find(s->ctx, p, bytes, &s->watch_ref, NULL)) != 0)
+  if (rc == 0 && (rc = ferry_region_find(s->ctx, p, bytes, ref, NULL)) != 0)
     ferry_free(s->ctx, p);
+  if (rc == 0)
+    *out = p;
+  return rc;
+}
+
+/* Every word starts at the instance, so words of another instance never look unchanged. The
+ * table comes with the words: a client that posts takes tickets (table.h). */
+static int watch_open(fr_dir_server *s) {
+  uint64_t *words = NULL;
+  int rc = region_alloc(s, (1 + FR_DIR_WATCH_BUCKETS) * sizeof(uint64_t), &words, &s->watch_ref);
+  if (rc == 0 && (rc = region_alloc(s, FR_DIR_TABLE_BYTES, &s->table, &s->table_ref)) != 0)
+    ferry_free(s->ctx, words);
   if (rc != 0)
     return rc;
-  s->watch = p;
+  s->watch = words;
   for (size_t i = 0; i <= FR_DIR_WATCH_BUCKETS; i++)
     s->watch[i] = s->instance;
   return 0;
@@ -134,12 +155,15 @@ static int obj_insert_at(fr_dir_server *s, size_t i, const fr_dir_object *o) {
 static void drop_objects_of(fr_dir_server *s, const char *owner) {
   size_t w = 0, n = s->nobjs;
   for (size_t i = 0; i < s->nobjs; i++) {
-    if (strcmp(s->objs[i]->owner, owner) == 0)
+    if (strcmp(s->objs[i]->owner, owner) == 0) {
+      table_publish(s, s->objs[i]->key, NULL);
       free(s->objs[i]);
-    else
+    } else
       s->objs[w++] = s->objs[i];
   }
   s->nobjs = w;
+  if (s->table)
+    fr_dir_table_drop_owner(s->table, FR_DIR_TABLE_SLOTS, owner);
   if (w != n)
     watch_bump(s, NULL);
 }
@@ -267,7 +291,7 @@ static int op_node_del(fr_dir_server *s, fr_rd *in, fr_wr *out) {
 }
 
 /* One object put; its reply (u8 other, [the record it replaced]) is written only on success. */
-static int obj_put_one(fr_dir_server *s, const fr_dir_object *o, uint32_t flags, fr_wr *out) {
+static int obj_put_apply(fr_dir_server *s, const fr_dir_object *o, uint32_t flags, fr_wr *out) {
   if (!node_find(s, o->owner))
     return fr_err(FERRY_ENOTFOUND, "put '%s': node '%s' is not registered", o->key, o->owner);
   size_t at;
@@ -289,6 +313,20 @@ static int obj_put_one(fr_dir_server *s, const fr_dir_object *o, uint32_t flags,
   *old = *o;
   watch_bump(s, o->key);
   return 0;
+}
+
+/* obj_put_apply(), then the key's slot in the table: its record, whatever the put's fate; a
+ * posted put also counts as done there (its sender took a ticket, table.h). */
+static int obj_put_one(fr_dir_server *s, const fr_dir_object *o, uint32_t flags, fr_wr *out) {
+  int rc = obj_put_apply(s, o, flags, out);
+  if (s->table) {
+    size_t at;
+    uint64_t *slot = fr_dir_table_slot(s->table, FR_DIR_TABLE_SLOTS, o->key);
+    fr_dir_table_publish(slot, o->key, obj_find(s, o->key, &at));
+    if (s->posted)
+      fr_dir_table_done(slot);
+  }
+  return rc;
 }
 
 static int op_obj_put(fr_dir_server *s, fr_rd *in, fr_wr *out) {
@@ -354,6 +392,7 @@ static int op_obj_del(fr_dir_server *s, fr_rd *in, fr_wr *out) {
     return fr_err(FERRY_ENOTFOUND, "no object '%s'%s%s", key, owner[0] ? " of " : "", owner);
   fr_wr_object(out, o);
   obj_remove_at(s, at);
+  table_publish(s, key, NULL);
   watch_bump(s, key);
   return 0;
 }
@@ -406,6 +445,11 @@ static int op_watch(fr_dir_server *s, fr_rd *in, fr_wr *out) {
   fr_wr_u64(out, s->watch_ref.key);
   fr_wr_u64(out, s->watch_ref.size);
   fr_wr_u32(out, FR_DIR_WATCH_BUCKETS);
+  fr_wr_u64(out, s->table_ref.id);
+  fr_wr_u64(out, s->table_ref.key);
+  fr_wr_u64(out, s->table_ref.size);
+  fr_wr_u32(out, FR_DIR_TABLE_SLOTS);
+  fr_wr_u32(out, FR_DIR_TABLE_SLOT_BYTES);
   return 0;
 }
 
@@ -626,8 +670,10 @@ int fr_dir_server_start(ferry_ctx *ctx, fr_dir_server **out) {
     fr_err_clear();
   }
   if (pthread_create(&s->thread, NULL, server_main, s) != 0) {
-    if (s->watch)
+    if (s->watch) {
       ferry_free(ctx, s->watch);
+      ferry_free(ctx, s->table);
+    }
     fr_dir_server_free(s);
     return fr_err(FERRY_ESYS, "directory server: cannot start its thread");
   }
@@ -641,8 +687,10 @@ void fr_dir_server_stop(fr_dir_server *s) {
   if (s->ctx) {
     __atomic_store_n(&s->stop, true, __ATOMIC_RELEASE);
     pthread_join(s->thread, NULL);
-    if (s->watch)
+    if (s->watch) {
       ferry_free(s->ctx, s->watch);
+      ferry_free(s->ctx, s->table);
+    }
   }
   fr_dir_server_free(s);
 }

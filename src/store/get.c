@@ -227,7 +227,7 @@ static int get_loop(ferry_store *s, const char *key, const ferry_tensor_desc *ex
   fr_dir_object rec;
   int rc, stale_reads = 0, dead = 0;
   for (int attempt = 0;; attempt++) {
-    if ((rc = fr_store_lookup(s, key, &rec, fr_store_left(deadline))) != 0 ||
+    if ((rc = fr_store_lookup_again(s, key, &rec, fr_store_left(deadline), attempt > 0)) != 0 ||
         (rc = check_fit(&rec, expect, cap)) != 0)
       return rc;
     rc = read_object(s, &rec, dst, progress, arg, fr_store_left(deadline));
@@ -533,7 +533,8 @@ int ferry_store_get_view(ferry_store *s, const char *key, const void **data, fer
   const void *p = NULL;
   int stale_tries = 0, dead = 0;
   for (;;) {
-    if ((rc = fr_store_lookup(s, key, &rec, fr_store_left(deadline))) != 0)
+    bool again = stale_tries + dead > 0;
+    if ((rc = fr_store_lookup_again(s, key, &rec, fr_store_left(deadline), again)) != 0)
       break;
     rc = view_once(s, &rec, v, &p, fr_store_left(deadline));
     if (rc == FERRY_ESTALE || rc == FERRY_EPEER)

@@ -6,7 +6,10 @@
  * Lookups keep their answers: a key looked up again (a view after a get, a get after a stat,
  * get_alloc's second look) is answered here without the directory when the directory's stamp
  * of the key (fr_dir_ops.stamp: counters in its shared memory) did not move since the answer
- * was asked for, which proves no put or delete of the key completed meanwhile.
+ * was asked for, which proves no put or delete of the key completed meanwhile. A first lookup
+ * on the directory's host reads the key's record from the directory's shared table
+ * (fr_dir_ops.peek), which asks nobody either; a lookup after a read that found the record
+ * stale or its owner gone asks the directory itself.
  */
 #include "store/store.h"
 
@@ -44,10 +47,13 @@ void fr_store_forget(ferry_store *s, const char *key) {
   pthread_mutex_unlock(&s->cache_lock);
 }
 
-int fr_store_lookup(ferry_store *s, const char *key, fr_dir_object *rec, int timeout_ms) {
+int fr_store_lookup_again(ferry_store *s, const char *key, fr_dir_object *rec, int timeout_ms,
+                          bool again) {
   fr_dir_stamp now; /* taken before the question goes out */
   bool stamped = s->dir->ops->stamp && s->dir->ops->stamp(s->dir->state, key, &now);
   if (stamped && cache_get(s, key, &now, rec))
+    return 0;
+  if (!again && s->dir->ops->peek && s->dir->ops->peek(s->dir->state, key, rec))
     return 0;
   int st = 0;
   int rc = s->dir->ops->obj_get(s->dir->state, &key, 1, rec, &st, timeout_ms);
@@ -58,6 +64,10 @@ int fr_store_lookup(ferry_store *s, const char *key, fr_dir_object *rec, int tim
   if (stamped)
     cache_put(s, &now, rec);
   return 0;
+}
+
+int fr_store_lookup(ferry_store *s, const char *key, fr_dir_object *rec, int timeout_ms) {
+  return fr_store_lookup_again(s, key, rec, timeout_ms, false);
 }
 
 void fr_store_info_from(const fr_dir_object *rec, ferry_store_info *out) {

@@ -177,8 +177,13 @@ void fr_store_workers_stop(ferry_store *s);
 
 /* ops.c */
 /* Looks a key up: from the cache when the directory's stamp of the key has not moved since the
- * cached answer was asked for, else from the directory. */
+ * cached answer was asked for, else from the directory's shared table (fr_dir_ops.peek), else
+ * from the directory. */
 int fr_store_lookup(ferry_store *s, const char *key, fr_dir_object *rec, int timeout_ms);
+/* fr_store_lookup(); `again` (after a read found the record stale or its owner gone) skips the
+ * shared table, so the directory itself answers. */
+int fr_store_lookup_again(ferry_store *s, const char *key, fr_dir_object *rec, int timeout_ms,
+                          bool again);
 /* Drops the cached answer for a key (its record proved wrong: ask the directory next time). */
 void fr_store_forget(ferry_store *s, const char *key);
 void fr_store_info_from(const fr_dir_object *rec, ferry_store_info *out);
