@@ -6,6 +6,7 @@
  */
 // ferry-test: threaded
 #include "directory/dirwire.h"
+#include "directory/table.h"
 #include "storeutil.h"
 
 #include <string.h>
@@ -74,6 +75,89 @@ static void test_codec(void **state) {
   memset(longkey, 'k', sizeof longkey - 1);
   longkey[sizeof longkey - 1] = '\0';
   assert_int_equal(fr_dir_key_check(longkey, "t"), FERRY_EINVAL);
+}
+
+/* ---- the shared object table (table.h) ---- */
+
+static uint64_t *table_new(void) {
+  uint64_t *t = calloc(FR_DIR_TABLE_BYTES / 8, 8);
+  assert_non_null(t);
+  return t;
+}
+
+static bool table_says(uint64_t *t, const char *key, uint64_t gen) {
+  fr_dir_object o;
+  return fr_dir_table_read(fr_dir_table_slot(t, FR_DIR_TABLE_SLOTS, key), key, &o) &&
+         o.generation == gen && strcmp(o.key, key) == 0;
+}
+
+/* What the server writes is read back; a put in flight (a ticket taken) hides it until the
+ * posted record is in the slot, and the posted record shows only while its put is in flight. */
+static void test_table_rules(void **state) {
+  (void)state;
+  uint64_t *t = table_new(), *slot = fr_dir_table_slot(t, FR_DIR_TABLE_SLOTS, "t/a");
+  fr_dir_object a1 = make_obj("t/a", "n1", 7), a2 = make_obj("t/a", "n2", 9), o;
+  assert_false(fr_dir_table_read(slot, "t/a", &o)); /* empty */
+  fr_dir_table_publish(slot, "t/a", &a1);
+  assert_true(table_says(t, "t/a", 7));
+  uint64_t ticket = fr_dir_table_ticket(slot);
+  assert_false(fr_dir_table_read(slot, "t/a", &o)); /* a put in flight, not in the slot */
+  fr_dir_table_post(slot, ticket, &a2);
+  assert_true(table_says(t, "t/a", 9));
+  uint64_t second = fr_dir_table_ticket(slot); /* another one, not written (its slot was busy) */
+  assert_false(fr_dir_table_read(slot, "t/a", &o));
+  fr_dir_table_done(slot);
+  fr_dir_table_done(slot); /* both applied, the second one refused: the server writes */
+  (void)second;
+  assert_false(fr_dir_table_read(slot, "t/a", &o)); /* posted, but nothing in flight */
+  fr_dir_table_publish(slot, "t/a", &a2);
+  assert_true(table_says(t, "t/a", 9));
+  fr_dir_table_publish(slot, "t/other", NULL); /* another key's delete leaves it */
+  assert_true(table_says(t, "t/a", 9));
+  assert_false(fr_dir_table_read(slot, "t/b", &o)); /* another key in the slot: ask */
+  fr_dir_table_publish(slot, "t/a", NULL);
+  assert_false(fr_dir_table_read(slot, "t/a", &o));
+  /* a posted record of a node that died with its put in flight is dropped with the node */
+  fr_dir_table_post(slot, fr_dir_table_ticket(slot), &a1);
+  assert_true(table_says(t, "t/a", 7));
+  fr_dir_table_drop_owner(t, FR_DIR_TABLE_SLOTS, "n2");
+  assert_true(table_says(t, "t/a", 7));
+  fr_dir_table_drop_owner(t, FR_DIR_TABLE_SLOTS, "n1");
+  assert_false(fr_dir_table_read(slot, "t/a", &o));
+  free(t);
+}
+
+/* The slot is untrusted memory: a locked, oversized or corrupt slot is never taken for a record. */
+static void test_table_rejects_garbage(void **state) {
+  (void)state;
+  uint64_t *t = table_new(), *slot = fr_dir_table_slot(t, FR_DIR_TABLE_SLOTS, "t/g");
+  fr_dir_object g = make_obj("t/g", "n1", 5), o;
+  fr_dir_table_publish(slot, "t/g", &g);
+  assert_true(table_says(t, "t/g", 5));
+  slot[0] |= 1; /* a writer inside (or one that died there) */
+  assert_false(fr_dir_table_read(slot, "t/g", &o));
+  fr_dir_table_publish(slot, "t/g", NULL); /* gives up on the stuck slot */
+  slot[0]++;
+  assert_true(table_says(t, "t/g", 5));
+  uint64_t state_len = slot[4];
+  slot[4] = (state_len & ~0xffffffffull) | 100000u; /* a length past the slot */
+  assert_false(fr_dir_table_read(slot, "t/g", &o));
+  slot[4] = state_len - 1; /* one byte short */
+  assert_false(fr_dir_table_read(slot, "t/g", &o));
+  slot[4] = state_len;
+  assert_true(table_says(t, "t/g", 5));
+  uint8_t *bytes = (uint8_t *)&slot[5];
+  bytes[0] = 0xff; /* the key's length */
+  assert_false(fr_dir_table_read(slot, "t/g", &o));
+  fr_dir_table_publish(slot, "t/g", &g);
+  size_t len = (size_t)(uint32_t)slot[4];
+  bytes[len - 8 * 2 - 4] = 99; /* ndim */
+  assert_false(fr_dir_table_read(slot, "t/g", &o));
+  fr_dir_table_publish(slot, "t/g", NULL); /* a corrupt slot is emptied */
+  assert_int_equal(slot[4] >> 32, FR_SLOT_EMPTY);
+  slot[4] = (uint64_t)7 << 32 | 8; /* an unknown state */
+  assert_false(fr_dir_table_read(slot, "t/g", &o));
+  free(t);
 }
 
 static void test_server_rejects_garbage(void **state) {
@@ -394,6 +478,7 @@ int main(void) {
       cmocka_unit_test(test_codec),          cmocka_unit_test(test_server_rejects_garbage),
       cmocka_unit_test(test_embedded_local), cmocka_unit_test(test_embedded_link),
       cmocka_unit_test(test_no_directory),   cmocka_unit_test(test_redis),
+      cmocka_unit_test(test_table_rules),    cmocka_unit_test(test_table_rejects_garbage),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

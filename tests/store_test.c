@@ -745,6 +745,57 @@ static void test_lookup_cache(void **state) {
   assert_true(last_ok);
 }
 
+/* A first lookup on the directory's host reads the directory's shared table: with `ferry serve`
+ * SIGSTOPped, keys this reader never looked up are still found (of an owner it has met: a node's
+ * address still comes from the directory), a put posted meanwhile (its
+ * record in the table before it is sent) and a re-put too; a key the table does not hold waits
+ * for the directory. */
+static void test_shared_table(void **state) {
+  const char *transports = getenv("FERRY_TRANSPORTS");
+  if (transports && !strstr(transports, "shm")) { /* the table is mapped over shm only */
+    print_message("SKIP shared table: no shm link to the directory (FERRY_TRANSPORTS=%s)\n",
+                  transports);
+    return;
+  }
+  int port = su_free_port();
+  char url[80], owner[256];
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  pid_t dir = start_directory(port);
+  ferry_ctx *ca = open_ctx("table-writer", NULL), *cb = open_ctx("table-reader", NULL);
+  ferry_store *a = open_store(ca, url, 0, MiB, 0), *b = open_store(cb, url, 0, MiB, 0);
+  put_seed(a, "t/warm", 4);
+  put_seed(a, "t/first", 1);
+  assert_int_equal(ferry_store_exists(a, "t/absent", 5000), 0); /* the puts are applied now */
+  bool warm_ok = has_seed(b, "t/warm", 4, owner, sizeof owner); /* b knows a's address now */
+  assert_int_equal(kill(dir, SIGSTOP), 0); /* resumed and stopped before anything is asserted */
+  bool first_ok = has_seed(b, "t/first", 1, owner, sizeof owner);
+  uint8_t v[ORDER_BYTES];
+  ferry_tensor_desc d = u8_desc(1, ORDER_BYTES);
+  tu_fill(v, sizeof v, 3);
+  int posted_rc = ferry_store_put(a, "t/posted", &d, v, 0, 2000);
+  bool posted_ok = has_seed(b, "t/posted", 3, owner, sizeof owner);
+  tu_fill(v, sizeof v, 2);
+  int reput_rc = ferry_store_put(a, "t/first", &d, v, 0, 2000);
+  bool reput_ok = has_seed(b, "t/first", 2, owner, sizeof owner);
+  int absent_rc = ferry_store_get(b, "t/absent", NULL, v, sizeof v, NULL, 300);
+  kill(dir, SIGCONT);
+  bool after_ok = has_seed(b, "t/first", 2, owner, sizeof owner) &&
+                  has_seed(b, "t/posted", 3, owner, sizeof owner);
+  ferry_store_close(b);
+  ferry_store_close(a);
+  ferry_ctx_close(cb);
+  ferry_ctx_close(ca);
+  stop_child(dir);
+  assert_true(warm_ok);
+  assert_true(first_ok);
+  assert_int_equal(posted_rc, 0);
+  assert_true(posted_ok);
+  assert_int_equal(reput_rc, 0);
+  assert_true(reput_ok);
+  assert_int_equal(absent_rc, FERRY_ETIMEDOUT);
+  assert_true(after_ok);
+}
+
 /* ---- one name, one live node ---- */
 
 static void check_duplicate_name(const char *url) {
@@ -1173,6 +1224,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_duplicate_name),
       cmocka_unit_test(test_posted_order),
       cmocka_unit_test(test_lookup_cache),
+      cmocka_unit_test(test_shared_table),
   };
   /* FERRY_TEST_SKIP: cases a run leaves out (tests/CMakeLists.txt says which and why) */
   if (getenv("FERRY_TEST_SKIP"))
