@@ -380,7 +380,35 @@ static void run_batch(ferry_store *s, fr_batch *b) {
   pthread_mutex_unlock(&s->batch_lock);
 }
 
-/* Looks every key up in one round trip and marks the items that can be read. */
+/* Looks up, in one round trip, the keys that the directory's shared table did not answer
+ * (fr_dir_ops.peek); keys[] and st[] are n long. */
+static int batch_ask(ferry_store *s, fr_batch *b, const char **keys, int *st, int timeout_ms) {
+  size_t *at = calloc(b->n, sizeof *at), m = 0;
+  fr_dir_object *recs = calloc(b->n, sizeof *recs);
+  int rc = at && recs ? 0 : fr_err(FERRY_ENOMEM, "batch of %zu", b->n);
+  for (size_t i = 0; rc == 0 && i < b->n; i++)
+    if (!s->dir->ops->peek || !s->dir->ops->peek(s->dir->state, keys[i], &b->recs[i])) {
+      keys[m] = keys[i];
+      at[m++] = i;
+    }
+  if (rc == 0 && m > 0)
+    rc = s->dir->ops->obj_get(s->dir->state, keys, m, recs, st, timeout_ms);
+  for (size_t j = m; rc == 0 && j-- > 0;) { /* back to their places, from the end */
+    b->recs[at[j]] = recs[j];
+    st[at[j]] = st[j];
+  }
+  for (size_t i = 0, j = 0; rc == 0 && i < b->n; i++) /* the table's answers were found */
+    if (j < m && at[j] == i)
+      j++;
+    else
+      st[i] = 0;
+  free(at);
+  free(recs);
+  return rc;
+}
+
+/* Looks every key up (the shared table, then one round trip) and marks the items that can be
+ * read. */
 static int batch_lookup(ferry_store *s, fr_batch *b, int timeout_ms) {
   const char **keys = calloc(b->n, sizeof *keys);
   int *st = calloc(b->n, sizeof *st);
@@ -391,7 +419,7 @@ static int batch_lookup(ferry_store *s, fr_batch *b, int timeout_ms) {
       rc = rc ? rc : fr_err(FERRY_EINVAL, "get '%s': NULL dst", keys[i]);
   }
   if (rc == 0)
-    rc = s->dir->ops->obj_get(s->dir->state, keys, b->n, b->recs, st, timeout_ms);
+    rc = batch_ask(s, b, keys, st, timeout_ms);
   for (size_t i = 0; rc == 0 && i < b->n; i++) {
     ferry_store_item *it = &b->items[i];
     it->bytes = 0;
