@@ -53,7 +53,8 @@ static void slot_unlock(uint64_t *slot) { __atomic_add_fetch(&slot[SEQ], 1, __AT
 /* Writes state, ticket and bytes (slot locked). */
 static void slot_write(uint64_t *slot, uint32_t state, uint64_t ticket, const void *p, size_t len) {
   uint64_t words[DATA_WORDS] = {0};
-  memcpy(words, p, len);
+  if (len > 0)
+    memcpy(words, p, len);
   for (size_t i = 0; i < (len + 7) / 8; i++)
     __atomic_store_n(&slot[HEAD_WORDS + i], words[i], __ATOMIC_RELAXED);
   __atomic_store_n(&slot[TICKET], ticket, __ATOMIC_RELAXED);
