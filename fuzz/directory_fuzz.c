@@ -2,9 +2,11 @@
  * libFuzzer target for the embedded directory's protocol: each input is a sequence of request
  * messages (u16 length, then bytes) handled by one server state, as a client would send them.
  * Every reply must decode as a well-formed reply; the input is also fed to the record and reply
- * decoders directly. Nothing may crash, leak or read out of bounds.
+ * decoders directly, and laid over a slot of the shared object table (table.h: memory any
+ * same-host process can write) for its reader. Nothing may crash, leak or read out of bounds.
  */
 #include "directory/dirwire.h"
+#include "directory/table.h"
 
 #include <assert.h>
 #include <stdlib.h>
@@ -33,6 +35,19 @@ static void decode_as_records(const uint8_t *data, size_t size) {
   fr_rd_reply(&r, &st, detail, sizeof detail);
 }
 
+/* The input as a table slot (the sequence word even, so the reader goes past it). */
+static void read_as_slot(const uint8_t *data, size_t size) {
+  static uint64_t slot[FR_DIR_TABLE_SLOT_BYTES / 8];
+  memset(slot, 0, sizeof slot);
+  memcpy(slot, data, size < sizeof slot ? size : sizeof slot);
+  slot[0] &= ~1ull;
+  fr_dir_object o;
+  if (fr_dir_table_read(slot, "k", &o))
+    assert(strcmp(o.key, "k") == 0 && o.desc.ndim <= FERRY_MAX_DIMS && o.generation != 0);
+  fr_dir_table_drop_owner(slot, 1, "n");
+  fr_dir_table_publish(slot, "k", NULL);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   fr_dir_server *s = fr_dir_server_new("tcp://127.0.0.1:7700");
   size_t pos = 0;
@@ -51,5 +66,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   fr_dir_server_expire(s, UINT64_MAX); /* drop everything through the lease path too */
   fr_dir_server_free(s);
   decode_as_records(data, size);
+  read_as_slot(data, size);
   return 0;
 }
