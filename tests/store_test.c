@@ -767,7 +767,10 @@ static void test_shared_table(void **state) {
   put_seed(a, "t/first", 1);
   assert_int_equal(ferry_store_exists(a, "t/absent", 5000), 0); /* the puts are applied now */
   bool warm_ok = has_seed(b, "t/warm", 4, owner, sizeof owner); /* b knows a's address now */
-  assert_int_equal(kill(dir, SIGSTOP), 0); /* resumed and stopped before anything is asserted */
+  assert_int_equal(kill(dir, SIGSTOP), 0);
+  int wst = 0; /* stopped for sure: a thread of it may run on for a moment after kill() */
+  assert_int_equal(waitpid(dir, &wst, WUNTRACED), dir);
+  assert_true(WIFSTOPPED(wst)); /* resumed and stopped before anything is asserted */
   bool first_ok = has_seed(b, "t/first", 1, owner, sizeof owner);
   uint8_t v[ORDER_BYTES];
   ferry_tensor_desc d = u8_desc(1, ORDER_BYTES);

@@ -39,10 +39,8 @@ static bool slot_lock(uint64_t *slot, int spins) {
   for (int i = 0; i < spins; i++) {
     uint64_t seq = __atomic_load_n(&slot[SEQ], __ATOMIC_RELAXED);
     if (!(seq & 1) && __atomic_compare_exchange_n(&slot[SEQ], &seq, seq + 1, false,
-                                                  __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
-      __atomic_thread_fence(__ATOMIC_RELEASE); /* the odd word before any byte */
+                                                  __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
       return true;
-    }
     relax();
   }
   return false;
@@ -55,10 +53,11 @@ static void slot_write(uint64_t *slot, uint32_t state, uint64_t ticket, const vo
   uint64_t words[DATA_WORDS] = {0};
   if (len > 0)
     memcpy(words, p, len);
+  /* release stores: the odd sequence word is visible before any of them */
   for (size_t i = 0; i < (len + 7) / 8; i++)
-    __atomic_store_n(&slot[HEAD_WORDS + i], words[i], __ATOMIC_RELAXED);
-  __atomic_store_n(&slot[TICKET], ticket, __ATOMIC_RELAXED);
-  __atomic_store_n(&slot[STATE], (uint64_t)state << 32 | len, __ATOMIC_RELAXED);
+    __atomic_store_n(&slot[HEAD_WORDS + i], words[i], __ATOMIC_RELEASE);
+  __atomic_store_n(&slot[TICKET], ticket, __ATOMIC_RELEASE);
+  __atomic_store_n(&slot[STATE], (uint64_t)state << 32 | len, __ATOMIC_RELEASE);
 }
 
 /* Writes rec in `state`, or empties the slot when rec does not fit (slot locked). */
@@ -79,15 +78,15 @@ static bool slot_copy(const uint64_t *slot, uint64_t words[DATA_WORDS], uint32_t
   uint64_t seq = __atomic_load_n(&slot[SEQ], __ATOMIC_ACQUIRE);
   if (seq & 1)
     return false;
-  uint64_t sl = __atomic_load_n(&slot[STATE], __ATOMIC_RELAXED);
-  *ticket = __atomic_load_n(&slot[TICKET], __ATOMIC_RELAXED);
+  /* acquire loads: the second read of the sequence word comes after all of them */
+  uint64_t sl = __atomic_load_n(&slot[STATE], __ATOMIC_ACQUIRE);
+  *ticket = __atomic_load_n(&slot[TICKET], __ATOMIC_ACQUIRE);
   *state = (uint32_t)(sl >> 32);
   *len = (uint32_t)sl;
   if (*state == FR_SLOT_EMPTY || *len > DATA_BYTES)
     return false;
   for (size_t i = 0; i < (*len + 7) / 8; i++)
-    words[i] = __atomic_load_n(&slot[HEAD_WORDS + i], __ATOMIC_RELAXED);
-  __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    words[i] = __atomic_load_n(&slot[HEAD_WORDS + i], __ATOMIC_ACQUIRE);
   return __atomic_load_n(&slot[SEQ], __ATOMIC_RELAXED) == seq;
 }
 
