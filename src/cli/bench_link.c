@@ -11,7 +11,8 @@
  * per setting on each side, since UCX reads its settings when a ctx opens), and where ucx-utils
  * is installed, ucx_perftest's own put bandwidth as the figure UCX reaches without ferry; beside
  * the sm rows, one process_vm_readv of the owner's region (`cma`), the copy UCX's shared-memory
- * rendezvous makes for memory it did not allocate.
+ * rendezvous makes for memory it did not allocate. From 16 MiB, the ferry/tcp and ferry/ucx-tcp
+ * reads take turns, so the two rows, whose ratio is a target, see the same load.
  */
 #include "cli/bench.h"
 #include "cli/cli.h"
@@ -207,6 +208,28 @@ static int time_ferry_read(reader *r, ferry_link *l, uint64_t bytes, int reps, b
   return rc;
 }
 
+/* Reads over two links in turns, the first of each turn alternating, so both rows see the same
+ * load on a shared machine (timed one after the other, a load that moves between the two
+ * windows moves their ratio). Only reads that take milliseconds: a short read that follows the
+ * other link's would time its own link waking up from idle. */
+#define TURNS_MIN_BYTES (16ull << 20)
+static int time_ferry_reads_in_turns(reader *r, ferry_link *const l[2], uint64_t bytes, int reps,
+                                     bench_samples *const b[2]) {
+  int rc = 0;
+  for (int k = 0; k < 2 && rc == 0; k++) /* warm-up */
+    rc = ferry_read(l[k], ref_of(r, l[k]), 0, r->dst, bytes, -1);
+  for (int i = 0; i < 2 * reps && rc == 0; i++) {
+    int k = (i & 1) ^ ((i >> 1) & 1); /* turns: 0 1, 1 0, 0 1, ... */
+    double t = bench_now();
+    rc = ferry_read(l[k], ref_of(r, l[k]), 0, r->dst, bytes, -1);
+    bench_add(b[k], bench_now() - t);
+  }
+  if (rc != 0)
+    fprintf(stderr, "ferry bench link: reads over %s and %s: %s (%s)\n", ferry_link_transport(l[0]),
+            ferry_link_transport(l[1]), ferry_strerror(rc), ferry_last_error());
+  return rc;
+}
+
 static int time_socket_read(reader *r, uint64_t bytes, int reps, bench_samples *b) {
   for (int i = 0; i <= reps; i++) {
     double t = bench_now();
@@ -287,8 +310,9 @@ static int time_cma(reader *r, uint64_t bytes, int reps, bench_samples *b) {
   return 0;
 }
 
+/* The ucx rows of one flavor; taken: its reads, timed already (in turns with ferry/tcp). */
 static int bench_ucx_reads(reader *r, const char *name, int i, uint64_t bytes, int reps,
-                           bench_samples *b) {
+                           bench_samples *b, bench_samples *taken) {
   char impl[32];
   if (i == 0) {
     bench_reset(b);
@@ -297,8 +321,8 @@ static int bench_ucx_reads(reader *r, const char *name, int i, uint64_t bytes, i
   }
   snprintf(impl, sizeof impl, "ferry/ucx-%s", ucx_tls[i]);
   bench_reset(b);
-  int rc = time_ferry_read(r, r->ucx[i], bytes, reps, b);
-  bench_row(r->o, "link", name, impl, bytes, b, false);
+  int rc = taken ? 0 : time_ferry_read(r, r->ucx[i], bytes, reps, b);
+  bench_row(r->o, "link", name, impl, bytes, taken ? taken : b, false);
   bench_reset(b);
   double put = rc == 0 && r->perftest ? perftest_put(ucx_tls[i], bytes, reps) : -1;
   if (put > 0) {
@@ -320,16 +344,21 @@ static int bench_reads(reader *r, uint64_t bytes) {
   int rc = time_ferry_read(r, r->shm, bytes, reps, &b);
   bench_row(r->o, "link", name, "ferry/shm", bytes, &b, false);
   if (rc == 0 && UCX_FLAVORS > 0)
-    rc = bench_ucx_reads(r, name, 0, bytes, reps, &b);
+    rc = bench_ucx_reads(r, name, 0, bytes, reps, &b, NULL);
   bench_reset(&b);
   if (rc == 0 && (rc = time_socket_read(r, bytes, reps, &b)) == 0)
     bench_row(r->o, "link", name, "socket", bytes, &b, true);
   bench_reset(&b);
-  if (rc == 0)
+  bench_samples ucx_tcp = {0};
+  if (rc == 0 && UCX_FLAVORS > 1 && bytes >= TURNS_MIN_BYTES) /* ferry/tcp and ucx-tcp in turns */
+    rc = time_ferry_reads_in_turns(r, (ferry_link *const[2]){r->tcp, r->ucx[1]}, bytes, reps,
+                                   (bench_samples *const[2]){&b, &ucx_tcp});
+  else if (rc == 0)
     rc = time_ferry_read(r, r->tcp, bytes, reps, &b);
   bench_row(r->o, "link", name, "ferry/tcp", bytes, &b, false);
   if (rc == 0 && UCX_FLAVORS > 1)
-    rc = bench_ucx_reads(r, name, 1, bytes, reps, &b);
+    rc = bench_ucx_reads(r, name, 1, bytes, reps, &b, bytes >= TURNS_MIN_BYTES ? &ucx_tcp : NULL);
+  bench_free(&ucx_tcp);
   bench_free(&b);
   return rc;
 }
