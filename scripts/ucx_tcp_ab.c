@@ -1,11 +1,12 @@
 /*
  * ucx_tcp_ab: ferry tcp against ucx over UCX's tcp, one-sided reads taking turns.
  *
- * `ferry bench link` times all of a row's reads, then the next row's; on a shared machine the
- * load moves between the two, and the ratio of their medians moves with it. This tool reads
- * the same size from one owner process over a tcp link and a ucx link (UCX_TLS=tcp) in turns
- * (tcp first in even rounds, ucx first in odd ones), so both see the same load, and prints
- * each median and their ratio (tcp's median over ucx's: above 1, ucx is faster). UCX_* in the
+ * Timed one row after the other, on a shared machine, the load moves between the two windows
+ * and the ratio of their medians moves with it (`ferry bench link` takes turns for these two
+ * rows from 16 MiB). This tool, for any size and with only these two links in the process,
+ * reads from one owner process over a tcp link and a ucx link (UCX_TLS=tcp) in turns (tcp
+ * first in even rounds, ucx first in odd ones), so both see the same load, and prints each
+ * median and their ratio (tcp's median over ucx's: above 1, ucx is faster). UCX_* in the
  * environment apply to the ucx ctxs as usual; ONLY=tcp or ONLY=ucx times one of them alone
  * (for strace/perf). Not built by CMake; see docs/PERFORMANCE.md ("## ucx"):
  *
