@@ -16,7 +16,7 @@
 
 struct ferry_ctl {
   fr_ctl_map map;
-  int spin_us; /* FERRY_SPIN_US: how long a request yields for its acks before it sleeps */
+  int spin_us; /* FERRY_CTL_SPIN_US: how long a request yields for its acks before it sleeps */
 };
 
 /* ---- names ---- */
@@ -166,7 +166,7 @@ int ferry_ctl_open(const char *name, ferry_ctl **out) {
   ferry_ctl *ctl = calloc(1, sizeof *ctl);
   if (!ctl)
     return fr_err(FERRY_ENOMEM, "ferry_ctl_open '%s'", name ? name : "");
-  ctl->spin_us = (int)fr_config_int("FERRY_SPIN_US");
+  ctl->spin_us = (int)fr_config_int("FERRY_CTL_SPIN_US");
   int rc = fr_ctl_map_open(name, FR_CTL_MAP_CONTROLLER, &ctl->map);
   if (rc) {
     free(ctl);
@@ -308,9 +308,10 @@ static void sleep_on_ack(const ferry_ctl *ctl, uint32_t i, uint64_t seen, int ti
   atomic_fetch_sub_explicit(&h->ack_waiters, 1, memory_order_relaxed);
 }
 
-/* Waits on the first rank that has not acked: first yielding for up to FERRY_SPIN_US (acks
+/* Waits on the first rank that has not acked: first yielding for up to FERRY_CTL_SPIN_US (acks
  * come within tens of microseconds; a sleep would add a wake-up of this controller to each
- * request), then sleeping; every FERRY_CTL_CHECK_MS checks the pending
+ * request, and to the slowest ones most: at 200 µs the requests that were already the tail
+ * paid it), then sleeping; every FERRY_CTL_CHECK_MS checks the pending
  * ranks are alive, so a dead rank fails the request long before the timeout. */
 static int wait_acks(const ferry_ctl *ctl, uint64_t word, int timeout_ms) {
   uint64_t seq = fr_ctl_cmd_seq(word);
