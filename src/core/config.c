@@ -27,7 +27,7 @@
   X("FERRY_CTL_DIR", "/dev/shm", "directory of control cells (ferry-ctl-NAME files)")              \
   X("FERRY_CTL_CHECK_MS", "100", "how often a waiting controller checks that ranks are alive")     \
   X("FERRY_CTL_SPIN_US", "1000",                                                                   \
-    "microseconds a control request yields for its acks before it sleeps")                        \
+    "microseconds a control request yields for its acks before it sleeps")                         \
   X("FERRY_DIRECTORY", "ferry://127.0.0.1:7700",                                                   \
     "directory URL: ferry://HOST:PORT (embedded; `ferry serve`) or redis://HOST:PORT[/DB]")        \
   X("FERRY_LEASE_MS", "15000",                                                                     \
