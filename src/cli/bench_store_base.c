@@ -5,7 +5,7 @@
  *     per-request timings per (case, impl);
  *   - Redis SET/GET of the same bytes (hiredis; a redis-server started here on loopback);
  *   - over tcp between two network namespaces: ferry's get against a plain socket stream of the
- *     same bytes (this binary re-run inside each namespace with --role).
+ *     same bytes, taking turns (this binary re-run inside each namespace with --role).
  * A baseline that cannot run (no python3, numpy, torch, redis-server or namespaces) says why.
  */
 #include "cli/bench_store.h"
@@ -376,7 +376,7 @@ static void emit(const char *case_name, const char *impl, const bench_samples *s
   fflush(stdout);
 }
 
-static int time_socket(uint8_t *dst, int reps) {
+static int socket_dial(void) {
   int fd = -1;
   struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(SOCK_PORT)};
   inet_pton(AF_INET, IP_A, &sa.sin_addr);
@@ -388,68 +388,86 @@ static int time_socket(uint8_t *dst, int reps) {
     fd = -1;
     usleep(20000);
   }
-  if (fd < 0)
-    return -1;
   int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  bench_samples b = {0};
-  uint64_t len = BS_ROUTING_BYTES;
-  for (int i = 0; i <= reps; i++) {
-    double t = bench_now();
-    if (bench_write_all(fd, &len, sizeof len) != 0 ||
-        bench_read_all(fd, dst, BS_ROUTING_BYTES) != 0)
-      return -1;
-    if (i > 0)
-      bench_add(&b, bench_now() - t);
-  }
-  close(fd);
-  emit("tcp/get", "socket", &b);
-  bench_free(&b);
-  return 0;
+  if (fd >= 0)
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  return fd;
 }
 
-static int time_ferry_tcp(uint8_t *dst, int reps) {
+static int socket_read(int fd, uint8_t *dst) {
+  uint64_t len = BS_ROUTING_BYTES;
+  return bench_write_all(fd, &len, sizeof len) == 0 && bench_read_all(fd, dst, len) == 0 ? 0 : -1;
+}
+
+static ferry_store *reader_store(ferry_ctx **ctx) {
   char url[64];
   snprintf(url, sizeof url, "ferry://" IP_A ":%d", DIR_PORT);
   ferry_ctx_opts co = {.size = sizeof co, .name = "ns-reader", .tcp_listen = IP_B ":0"};
   ferry_store_opts so = {.size = sizeof so, .directory = url, .capacity = 1 << 20};
-  ferry_ctx *ctx;
-  ferry_store *s;
-  if (ferry_ctx_open(&co, &ctx) != 0)
-    return bs_fail("ns reader");
+  ferry_store *s = NULL;
+  if (ferry_ctx_open(&co, ctx) != 0)
+    return NULL;
   int rc = FERRY_ECONNECT;
   for (int i = 0; i < 200 && rc == FERRY_ECONNECT; i++) /* the owner may still be starting */
-    if ((rc = ferry_store_open(ctx, &so, &s)) == FERRY_ECONNECT)
+    if ((rc = ferry_store_open(*ctx, &so, &s)) == FERRY_ECONNECT)
       usleep(50000);
-  if (rc != 0)
-    return bs_fail("ns reader");
-  for (int i = 0; i < 500 && ferry_store_exists(s, "tcp/obj", -1) != 1; i++)
+  for (int i = 0; rc == 0 && i < 500 && ferry_store_exists(s, "tcp/obj", -1) != 1; i++)
     usleep(10000);
-  bench_samples b = {0};
-  for (int i = 0; rc == 0 && i <= reps; i++) {
-    double t = bench_now();
-    rc = ferry_store_get(s, "tcp/obj", NULL, dst, BS_ROUTING_BYTES, NULL, -1);
-    if (i > 0)
-      bench_add(&b, bench_now() - t);
+  if (rc != 0) {
+    ferry_ctx_close(*ctx);
+    return NULL;
   }
-  if (rc == 0 && dst[0] == 3)
-    emit("tcp/get", "ferry/tcp", &b);
-  else
-    bs_fail("ns reader: get");
-  bench_free(&b);
-  ferry_store_close(s);
-  ferry_ctx_close(ctx);
-  return rc;
+  return s;
 }
 
+/* One read of the object by each, timed; `socket_first` says which goes first. */
+static int read_both(ferry_store *s, int fd, uint8_t *dst, bool socket_first, double *t_ferry,
+                     double *t_socket) {
+  for (int k = 0; k < 2; k++) {
+    double t = bench_now();
+    if (socket_first == (k == 0)) {
+      if (socket_read(fd, dst) != 0)
+        return bs_fail("ns reader: socket");
+      *t_socket = bench_now() - t;
+    } else {
+      if (ferry_store_get(s, "tcp/obj", NULL, dst, BS_ROUTING_BYTES, NULL, -1) != 0 || dst[0] != 3)
+        return bs_fail("ns reader: get");
+      *t_ferry = bench_now() - t;
+    }
+  }
+  return 0;
+}
+
+/* ferry's get and the plain socket's read take turns (the first of each pair alternating), so
+ * both rows see the same moments of a shared machine; the first pair warms up. */
 static int role_reader(void) {
   const char *env = getenv("FERRY_BENCH_REPS");
   int reps = env ? atoi(env) : 37;
   uint8_t *dst = malloc(BS_ROUTING_BYTES);
-  memset(dst, 0, BS_ROUTING_BYTES);
-  int rc = time_ferry_tcp(dst, reps);
-  if (rc == 0)
-    rc = time_socket(dst, reps);
+  ferry_ctx *ctx = NULL;
+  ferry_store *s = dst ? reader_store(&ctx) : NULL;
+  int fd = s ? socket_dial() : -1;
+  int rc = fd >= 0 ? 0 : bs_fail("ns reader");
+  bench_samples fb = {0}, sb = {0};
+  for (int i = 0; rc == 0 && i <= reps; i++) {
+    double tf = 0, ts = 0;
+    rc = read_both(s, fd, dst, i % 2 == 1, &tf, &ts);
+    if (rc == 0 && i > 0) {
+      bench_add(&fb, tf);
+      bench_add(&sb, ts);
+    }
+  }
+  if (rc == 0) {
+    emit("tcp/get", "ferry/tcp", &fb);
+    emit("tcp/get", "socket", &sb);
+  }
+  bench_free(&fb);
+  bench_free(&sb);
+  if (fd >= 0)
+    close(fd);
+  ferry_store_close(s);
+  if (ctx)
+    ferry_ctx_close(ctx);
   free(dst);
   return rc ? 1 : 0;
 }
