@@ -877,6 +877,11 @@ static int rx_progress(ferry_link *l) {
   return rc;
 }
 
+/* A draining poll (`wait`: a spinner's last look, fr_ctx_poll_links) also re-arms the link's
+ * wake-up (ops->idle), as the epoll handler does: a spinner that took the bytes a doorbell was
+ * rung for leaves the ring marked awake otherwise, and the peer's next message then rings no
+ * doorbell and waits in the ring for a caller's timeout (seen with `ferry put`/`get` racing on
+ * one `ferry serve`: replies stranded 10 s). */
 void fr_link_poll(ferry_link *l, bool wait) {
   if (!l->ops->pollable || !l->ops->pollable(l) || link_state(l) != FR_LINK_OPEN)
     return;
@@ -885,6 +890,8 @@ void fr_link_poll(ferry_link *l, bool wait) {
   else if (pthread_mutex_trylock(&l->rx_lock) != 0)
     return;
   int rc = rx_drain(l);
+  while (wait && rc == 0 && l->ops->idle && !l->ops->idle(l))
+    rc = rx_drain(l);
   pthread_mutex_unlock(&l->rx_lock);
   if (rc < 0)
     fr_link_fail(l, rc, ferry_last_error());

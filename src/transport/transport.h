@@ -290,7 +290,8 @@ int fr_link_call_collect(ferry_link *l, fr_pending *p, ferry_msg **reply, int ti
 int fr_link_map_request(ferry_link *l, const ferry_region_ref *r, int timeout_ms, int *fd,
                         uint64_t *size);
 /* Drives a pollable link's receive side from a waiting thread (no-op when another thread is
- * doing it, or when `wait` is false and the lock is busy). */
+ * doing it, or when `wait` is false and the lock is busy); with `wait` it also re-arms the
+ * link's wake-up (ops->idle) once the link is drained. */
 void fr_link_poll(ferry_link *l, bool wait);
 /* Stream operations over the link's socket, for transports' sendv/recv. */
 int fr_link_sock_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
