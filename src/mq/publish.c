@@ -310,11 +310,15 @@ static int full_error(ferry_mq *mq, fr_mq_topic *t, uint64_t len, int rc, int ms
 #define LOCAL_TARGETS 8 /* subscribers a publish lists without an allocation */
 
 static int reserve(ferry_mq *mq, fr_mq_topic *t, uint64_t len, uint64_t deadline, int ms,
-                   target *local, target **out, size_t *n) {
+                   target *local, target **out, size_t *n, bool *waited) {
   pub_wait w = {t, len};
-  mq->waiters++;
-  int rc = fr_mq_wait(mq, credit_ready, &w, deadline);
-  mq->waiters--;
+  int rc = 0;
+  *waited = !credit_ready(mq, &w);
+  if (*waited) {
+    mq->waiters++;
+    rc = fr_mq_wait(mq, credit_ready, &w, deadline);
+    mq->waiters--;
+  }
   if (rc != 0)
     return full_error(mq, t, len, rc, ms);
   target *v = t->nsubs <= LOCAL_TARGETS ? local : calloc(t->nsubs, sizeof *v);
@@ -523,14 +527,15 @@ static void pool_copy(ferry_mq *mq, uint64_t off, const void *data, size_t len, 
 static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *desc, const void *data,
                    size_t len, int timeout_ms, uint64_t loan) {
   int ms = fr_timeout(timeout_ms);
-  uint64_t deadline = fr_deadline_ns(ms);
+  uint64_t start = fr_now_ns(); /* the one clock read of a publish that does not wait */
+  uint64_t deadline = start + (uint64_t)ms * 1000000ull;
   pthread_mutex_lock(&mq->publish_lock);
   target local[LOCAL_TARGETS], *v = NULL;
   size_t n = 0;
   frames fr;
   fr.token = 0;
   uint64_t off = 0, seq = 0;
-  bool fresh = false;
+  bool fresh = false, waited = false; /* waited: start is stale */
   int rc = 0;
   pthread_mutex_lock(&mq->lock);
   fr_mq_topic *t = fr_mq_topic_get(mq, topic);
@@ -538,6 +543,7 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
     pthread_mutex_unlock(&mq->lock);
     rc = fr_mq_advertise(mq, topic, ms);
     pthread_mutex_lock(&mq->lock);
+    waited = true;
   }
   if (rc == 0 && !t)
     rc = fr_err(FERRY_ENOMEM, "publish '%s'", topic);
@@ -546,9 +552,12 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
     pthread_mutex_unlock(&mq->lock); /* what the subscribers wait for must not sit here */
     fr_mq_flush_locked(mq);
     pthread_mutex_lock(&mq->lock);
+    waited = true;
   }
+  bool credit_waited = false;
   if (rc == 0)
-    rc = reserve(mq, t, len, deadline, ms, local, &v, &n);
+    rc = reserve(mq, t, len, deadline, ms, local, &v, &n, &credit_waited);
+  waited |= credit_waited;
   if (rc == 0) {
     seq = ++mq->seq;
     int nshm = 0;
@@ -561,7 +570,7 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
     if (fr.token && !loan)
       pool_copy(mq, off, data, len, fresh);
     build(mq, &fr, topic, desc, len, seq, off);
-    uint64_t now = fr_now_ns();
+    uint64_t now = fr.token || waited ? fr_now_ns() : start; /* after a wait or a copy: anew */
     bool stream = now - mq->last_publish_ns < STREAM_GAP_NS;
     mq->last_publish_ns = now;
     send_all(mq, &fr, v, n, data, len, deadline, stream);

@@ -289,6 +289,8 @@ void ferry_mq_msg_free(ferry_mq_msg *msg) {
   fr_mq_session_credit(s, r->charge, r->token, &send);
   fr_mq_rxbatch *b = r->batch;
   bool last = !b || --b->refs == 0;
+  if (!send) /* one lock round per message: the session is needed no longer */
+    fr_mq_session_unref(s);
   pthread_mutex_unlock(&mq->lock);
   if (last)
     ferry_msg_free(r->raw);
@@ -296,8 +298,9 @@ void ferry_mq_msg_free(ferry_mq_msg *msg) {
     free(r);
   else if (last)
     free(b);
-  if (send)
-    fr_mq_credit_flush(mq, s);
+  if (!send)
+    return;
+  fr_mq_credit_flush(mq, s);
   pthread_mutex_lock(&mq->lock);
   fr_mq_session_unref(s);
   pthread_mutex_unlock(&mq->lock);
