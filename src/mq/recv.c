@@ -131,9 +131,9 @@ void fr_mq_deliver(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f) {
   pthread_mutex_unlock(&mq->lock);
 }
 
-/* Fills a queued message from a DATA frame that arrived on msg's link (lock held). */
-static void fill(fr_mq_rmsg *r, ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f,
-                 const void *payload, fr_mq_session *s) {
+/* The message of a DATA frame that arrived on msg's link, not queued yet (no lock needed). */
+static void describe(fr_mq_rmsg *r, ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f,
+                     const void *payload) {
   r->pub = (ferry_mq_msg){.topic = f->topic,
                           .publisher = ferry_link_peer(msg->link),
                           .data = payload,
@@ -144,10 +144,14 @@ static void fill(fr_mq_rmsg *r, ferry_mq *mq, ferry_msg *msg, const fr_mq_frame 
   r->mq = mq;
   r->raw = msg;
   r->batch = NULL;
-  r->sess = s;
   r->charge = f->value;
   r->token = f->type == FR_MQ_SHM ? f->token : 0;
   r->next = NULL;
+}
+
+/* Queues a described message that came from session s (lock held). */
+static void enqueue(ferry_mq *mq, fr_mq_rmsg *r, fr_mq_session *s) {
+  r->sess = s;
   s->refs++;
   s->held += r->charge;
   if (mq->tail)
@@ -158,25 +162,43 @@ static void fill(fr_mq_rmsg *r, ferry_mq *mq, ferry_msg *msg, const fr_mq_frame 
   mq->queued++;
 }
 
-static size_t batch_count(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f) {
-  size_t pos = 0, n = 0;
+/* Fills a queued message from a DATA frame that arrived on msg's link (lock held). */
+static void fill(fr_mq_rmsg *r, ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f,
+                 const void *payload, fr_mq_session *s) {
+  describe(r, mq, msg, f, payload);
+  enqueue(mq, r, s);
+}
+
+/* The messages of a BATCH frame, each decoded once (no lock): a batch with n of them, or NULL
+ * when none, out of memory, or one fails validation (then the whole batch is dropped). Every
+ * frame in a batch takes at least FR_MQ_ALIGN bytes, which bounds the allocation; it is cut to
+ * size before anything points into it. */
+static fr_mq_rxbatch *batch_decode(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f, size_t *n) {
+  size_t max = (size_t)f->len / FR_MQ_ALIGN + 1, pos = 0;
+  fr_mq_rxbatch *b = malloc(sizeof *b + max * sizeof b->msgs[0]);
   fr_mq_frame sub;
-  int rc;
-  while ((rc = fr_mq_batch_next(f, &pos, &sub)) == 1)
-    n++;
-  if (rc == 0)
-    return n;
-  pthread_mutex_lock(&mq->lock);
-  mq->malformed++;
-  pthread_mutex_unlock(&mq->lock);
-  fr_warn("mq '%s': dropped a batch from '%s': %s", mq->name, ferry_link_peer(msg->link),
-          ferry_last_error());
-  return 0;
+  int rc = 0;
+  *n = 0;
+  while (b && *n < max && (rc = fr_mq_batch_next(f, &pos, &sub)) == 1)
+    describe(&b->msgs[(*n)++], mq, msg, &sub, sub.payload);
+  if (b && rc < 0) {
+    pthread_mutex_lock(&mq->lock);
+    mq->malformed++;
+    pthread_mutex_unlock(&mq->lock);
+    fr_warn("mq '%s': dropped a batch from '%s': %s", mq->name, ferry_link_peer(msg->link),
+            ferry_last_error());
+  }
+  if (!b || rc != 0 || *n == 0) {
+    free(b);
+    return NULL;
+  }
+  fr_mq_rxbatch *cut = realloc(b, sizeof *b + *n * sizeof b->msgs[0]);
+  return cut ? cut : b;
 }
 
 void fr_mq_deliver_batch(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f) {
-  size_t n = batch_count(mq, msg, f);
-  fr_mq_rxbatch *b = n ? malloc(sizeof *b + n * sizeof b->msgs[0]) : NULL;
+  size_t n = 0;
+  fr_mq_rxbatch *b = batch_decode(mq, msg, f, &n);
   if (!b) {
     ferry_msg_free(msg);
     return;
@@ -184,18 +206,16 @@ void fr_mq_deliver_batch(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f) {
   b->raw = msg;
   b->refs = 0;
   bool send = false;
-  size_t pos = 0;
-  fr_mq_frame sub;
   pthread_mutex_lock(&mq->lock);
   fr_mq_session *s = fr_mq_session_get(mq, msg->link);
-  for (size_t i = 0; s && fr_mq_batch_next(f, &pos, &sub) == 1; i++) {
-    if (!fr_mq_subscribed(mq, sub.topic) || mq->closing) {
+  for (size_t i = 0; s && i < n; i++) {
+    if (!fr_mq_subscribed(mq, b->msgs[i].pub.topic) || mq->closing) {
       bool more = false;
-      fr_mq_session_credit(s, sub.value, 0, &more);
+      fr_mq_session_credit(s, b->msgs[i].charge, 0, &more);
       send |= more;
       continue;
     }
-    fill(&b->msgs[i], mq, msg, &sub, sub.payload, s);
+    enqueue(mq, &b->msgs[i], s);
     b->msgs[i].batch = b;
     b->refs++;
   }
