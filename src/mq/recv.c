@@ -265,13 +265,12 @@ int ferry_mq_recv(ferry_mq *mq, ferry_mq_msg **out, int timeout_ms) {
   if (!mq || !out)
     return fr_err(FERRY_EINVAL, "ferry_mq_recv: NULL argument");
   int ms = fr_timeout(timeout_ms);
-  uint64_t deadline = fr_deadline_ns(ms);
   fr_mq_flush(mq); /* what we batched may be what the peer answers */
   pthread_mutex_lock(&mq->lock);
   int rc = 0;
-  if (!mq->head && !mq->callback) {
+  if (!mq->head && !mq->callback) { /* only a receive that waits reads the clock */
     mq->waiters++;
-    rc = fr_mq_wait(mq, has_message, NULL, deadline);
+    rc = fr_mq_wait(mq, has_message, NULL, fr_deadline_ns(ms));
     mq->waiters--;
   }
   if (rc == 0 && mq->callback)
