@@ -381,29 +381,28 @@ static void run_batch(ferry_store *s, fr_batch *b) {
 }
 
 /* Looks up, in one round trip, the keys that the directory's shared table did not answer
- * (fr_dir_ops.peek); keys[] and st[] are n long. */
+ * (fr_dir_ops.peek); st[] is n long and starts at 0 (found). */
 static int batch_ask(ferry_store *s, fr_batch *b, const char **keys, int *st, int timeout_ms) {
-  size_t *at = calloc(b->n, sizeof *at), m = 0;
+  size_t *at = calloc(b->n, sizeof *at), m = 0; /* the items asked for, in order */
+  const char **ask = calloc(b->n, sizeof *ask);
   fr_dir_object *recs = calloc(b->n, sizeof *recs);
-  int rc = at && recs ? 0 : fr_err(FERRY_ENOMEM, "batch of %zu", b->n);
+  int *got = calloc(b->n, sizeof *got);
+  int rc = at && ask && recs && got ? 0 : fr_err(FERRY_ENOMEM, "batch of %zu", b->n);
   for (size_t i = 0; rc == 0 && i < b->n; i++)
     if (!s->dir->ops->peek || !s->dir->ops->peek(s->dir->state, keys[i], &b->recs[i])) {
-      keys[m] = keys[i];
+      ask[m] = keys[i];
       at[m++] = i;
     }
   if (rc == 0 && m > 0)
-    rc = s->dir->ops->obj_get(s->dir->state, keys, m, recs, st, timeout_ms);
-  for (size_t j = m; rc == 0 && j-- > 0;) { /* back to their places, from the end */
+    rc = s->dir->ops->obj_get(s->dir->state, ask, m, recs, got, timeout_ms);
+  for (size_t j = 0; rc == 0 && j < m; j++) {
     b->recs[at[j]] = recs[j];
-    st[at[j]] = st[j];
+    st[at[j]] = got[j];
   }
-  for (size_t i = 0, j = 0; rc == 0 && i < b->n; i++) /* the table's answers were found */
-    if (j < m && at[j] == i)
-      j++;
-    else
-      st[i] = 0;
   free(at);
+  free(ask);
   free(recs);
+  free(got);
   return rc;
 }
 
