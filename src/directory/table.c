@@ -72,6 +72,13 @@ static void slot_write_record(uint64_t *slot, uint32_t state, uint64_t ticket,
   fr_wr_free(&w);
 }
 
+/* Copies the first len bytes of the slot's record into words (acquire loads: a seqlock reader's
+ * second read of the sequence word comes after all of them). */
+static void copy_words(const uint64_t *slot, uint64_t *words, uint32_t len) {
+  for (size_t i = 0; i < (len + 7) / 8; i++)
+    words[i] = __atomic_load_n(&slot[HEAD_WORDS + i], __ATOMIC_ACQUIRE);
+}
+
 /* Copies the slot's record bytes and state; false when torn, empty or malformed. */
 static bool slot_copy(const uint64_t *slot, uint64_t words[DATA_WORDS], uint32_t *state,
                       uint32_t *len, uint64_t *ticket) {
@@ -85,8 +92,7 @@ static bool slot_copy(const uint64_t *slot, uint64_t words[DATA_WORDS], uint32_t
   *len = (uint32_t)sl;
   if (*state == FR_SLOT_EMPTY || *len > DATA_BYTES)
     return false;
-  for (size_t i = 0; i < (*len + 7) / 8; i++)
-    words[i] = __atomic_load_n(&slot[HEAD_WORDS + i], __ATOMIC_ACQUIRE);
+  copy_words(slot, words, *len);
   return __atomic_load_n(&slot[SEQ], __ATOMIC_RELAXED) == seq;
 }
 
@@ -104,8 +110,7 @@ static bool slot_holds(const uint64_t *slot, const char *key) {
     return false;
   if (len > DATA_BYTES)
     return true;
-  for (size_t i = 0; i < (len + 7) / 8; i++)
-    words[i] = __atomic_load_n(&slot[HEAD_WORDS + i], __ATOMIC_RELAXED);
+  copy_words(slot, words, len);
   fr_dir_object o;
   return !decode(words, len, &o) || strcmp(o.key, key) == 0;
 }
@@ -127,8 +132,7 @@ static void drop_posted(uint64_t *slot, const char *owner) {
   uint32_t len = (uint32_t)sl;
   if ((sl >> 32) != FR_SLOT_POSTED || len > DATA_BYTES)
     return;
-  for (size_t i = 0; i < (len + 7) / 8; i++)
-    words[i] = __atomic_load_n(&slot[HEAD_WORDS + i], __ATOMIC_RELAXED);
+  copy_words(slot, words, len);
   fr_dir_object o;
   if (!decode(words, len, &o) || strcmp(o.owner, owner) == 0)
     slot_write(slot, FR_SLOT_EMPTY, 0, NULL, 0);
