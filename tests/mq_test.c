@@ -362,24 +362,34 @@ static void join_leave(void) {
   ferry_ctx_close(c);
 }
 
-/* Garbage on the mq channel is dropped (and counted); the mq goes on. */
+/* Writes into batch (zeroed, 256 bytes or more) a BATCH frame of two DATA frames: seq 1 on t1
+ * carrying the n bytes at p, then seq 2 on t2, empty. Returns the batch's length; *gap is the
+ * first zero padding byte after the first payload. */
+static size_t two_message_batch(uint8_t *batch, const char *t1, const char *p, size_t n,
+                                const char *t2, size_t *gap) {
+  fr_mq_frame d1 = {.type = FR_MQ_DATA, .seq = 1, .len = n, .topic = t1, .topic_len = strlen(t1)};
+  size_t p1 = FR_MQ_ALIGN, h1 = fr_mq_encode(&d1, batch + p1);
+  memcpy(batch + p1 + h1, p, n);
+  *gap = p1 + h1 + n;
+  size_t p2 = (p1 + h1 + n + FR_MQ_ALIGN - 1) / FR_MQ_ALIGN * FR_MQ_ALIGN;
+  fr_mq_frame d2 = {.type = FR_MQ_DATA, .seq = 2, .len = 0, .topic = t2, .topic_len = strlen(t2)};
+  size_t h2 = fr_mq_encode(&d2, batch + p2);
+  fr_mq_frame bf = {.type = FR_MQ_BATCH, .len = p2 + h2 - FR_MQ_ALIGN};
+  assert_int_equal(fr_mq_encode(&bf, batch), FR_MQ_ALIGN);
+  return p2 + h2;
+}
+
 /* A BATCH of two messages on topic "t" whose second one has padding that is not zero. */
 static void send_bad_batch(ferry_link *l) {
   uint8_t batch[256];
   memset(batch, 0, sizeof batch);
-  fr_mq_frame d1 = {.type = FR_MQ_DATA, .seq = 1, .len = 5, .topic = "t", .topic_len = 1};
-  size_t p1 = FR_MQ_ALIGN, h1 = fr_mq_encode(&d1, batch + p1);
-  memcpy(batch + p1 + h1, "early", 5);
-  size_t p2 = (p1 + h1 + 5 + FR_MQ_ALIGN - 1) / FR_MQ_ALIGN * FR_MQ_ALIGN;
-  fr_mq_frame d2 = {.type = FR_MQ_DATA, .seq = 2, .len = 0, .topic = "t", .topic_len = 1};
-  size_t h2 = fr_mq_encode(&d2, batch + p2);
-  batch[p2 + h2 - 1] = 1;
-  fr_mq_frame bf = {.type = FR_MQ_BATCH, .len = p2 + h2 - FR_MQ_ALIGN};
-  fr_mq_encode(&bf, batch);
-  struct iovec iov = {batch, p2 + h2};
+  size_t gap, len = two_message_batch(batch, "t", "early", 5, "t", &gap);
+  batch[len - 1] = 1;
+  struct iovec iov = {batch, len};
   FR_OK(ferry_send(l, FR_CHANNEL_MQ, &iov, 1, 5000));
 }
 
+/* Garbage on the mq channel is dropped (and counted); the mq goes on. */
 static void malformed(void) {
   ferry_ctx *c = ctx_open("mq-parent", suite_transports);
   ferry_mq *mq = mq_open(c, NULL, 0);
@@ -631,15 +641,8 @@ static void test_wire(void **st) {
   /* a batch: two DATA frames at multiples of 64, zeros between */
   uint8_t batch[512];
   memset(batch, 0, sizeof batch);
-  fr_mq_frame d1 = {.type = FR_MQ_DATA, .seq = 1, .len = 3, .topic = "a", .topic_len = 1};
-  size_t p1 = FR_MQ_ALIGN, h1 = fr_mq_encode(&d1, batch + p1);
-  memcpy(batch + p1 + h1, "abc", 3);
-  size_t p2 = (p1 + h1 + 3 + FR_MQ_ALIGN - 1) / FR_MQ_ALIGN * FR_MQ_ALIGN;
-  fr_mq_frame d2 = {.type = FR_MQ_DATA, .seq = 2, .len = 0, .topic = "bb", .topic_len = 2};
-  size_t h2 = fr_mq_encode(&d2, batch + p2);
-  fr_mq_frame bf = {.type = FR_MQ_BATCH, .len = p2 + h2 - FR_MQ_ALIGN};
-  assert_int_equal(fr_mq_encode(&bf, batch), FR_MQ_ALIGN);
-  FR_OK(fr_mq_decode(batch, p2 + h2, &g));
+  size_t gap, len = two_message_batch(batch, "a", "abc", 3, "bb", &gap);
+  FR_OK(fr_mq_decode(batch, len, &g));
   size_t pos = 0;
   assert_int_equal(fr_mq_batch_next(&g, &pos, &c), 1);
   assert_int_equal(c.seq, 1);
@@ -647,7 +650,7 @@ static void test_wire(void **st) {
   assert_int_equal(fr_mq_batch_next(&g, &pos, &c), 1);
   assert_string_equal(c.topic, "bb");
   assert_int_equal(fr_mq_batch_next(&g, &pos, &c), 0);
-  batch[p1 + h1 + 3] = 1; /* non-zero padding between frames */
+  batch[gap] = 1; /* non-zero padding between frames */
   pos = 0;
   assert_int_equal(fr_mq_batch_next(&g, &pos, &c), FERRY_EPROTO);
   assert_int_equal(fr_mq_topic_check("ok topic/x"), 0);
