@@ -512,15 +512,33 @@ static uint64_t take_block(ferry_mq *mq, uint64_t len, int nshm, uint64_t loan, 
   return token;
 }
 
-/* Copies a payload into its pool block; a copy into fresh memory is timed to learn what
- * growing the pool costs here. */
-static void pool_copy(ferry_mq *mq, uint64_t off, const void *data, size_t len, bool fresh) {
-  uint64_t t0 = fresh && len >= FRESH_MEASURE_MIN ? fr_now_ns() : 0;
-  memcpy(mq->pool + off, data, len);
+typedef struct pool_copy_args {
+  ferry_mq *mq;
+  uint64_t off;
+  const void *data;
+  size_t len;
+  bool fresh;
+} pool_copy_args;
+
+static void pool_copy_work(void *arg) {
+  pool_copy_args *a = arg;
+  uint64_t t0 = a->fresh && a->len >= FRESH_MEASURE_MIN ? fr_now_ns() : 0;
+  memcpy(a->mq->pool + a->off, a->data, a->len);
   if (t0) { /* publish_lock held: the only writer */
-    uint64_t ps = (fr_now_ns() - t0) * 1000 / len;
+    uint64_t ps = (fr_now_ns() - t0) * 1000 / a->len;
+    ferry_mq *mq = a->mq;
     mq->fresh_ps_per_byte = mq->fresh_ps_per_byte ? (mq->fresh_ps_per_byte + ps) / 2 : ps;
   }
+}
+
+/* Copies a payload into its pool block; a copy into fresh memory is timed to learn what
+ * growing the pool costs here. The copy counts as polling the shm rings: the releases that the
+ * subscribers send meanwhile (of the blocks the next publishes need) then ring no doorbell and
+ * wake no thread of this process; a wake-up per message, on a core the copy needs, cost a
+ * large stream a third of its speed. */
+static void pool_copy(ferry_mq *mq, uint64_t off, const void *data, size_t len, bool fresh) {
+  pool_copy_args a = {mq, off, data, len, fresh};
+  fr_ctx_work_polling(mq->ctx, pool_copy_work, &a);
 }
 
 /* Publishes data (in the pool block `loan` when not 0: then it is not copied). */

@@ -76,19 +76,40 @@ bool fr_spin_until(ferry_link *link, const bool *flag, int spin_us) {
   return spin(&link, pollable ? 1 : 0, flag, 1, spin_us);
 }
 
-/* Spins on a channel, driving every link of the context that is cheap to poll (shm rings);
- * the others keep their messages coming through the progress thread. Where callers lead the
- * epoll, spinning without such a link is pointless: the caller leads at once instead. */
-static void spin_channel(ferry_ctx *ctx, fr_channel *c) {
-  ferry_link *links[16];
+/* The links of the context that are cheap to poll (shm rings), up to cap, a reference each. */
+static size_t cheap_links(ferry_ctx *ctx, ferry_link **links, size_t cap) {
   size_t n = 0;
   pthread_mutex_lock(&ctx->links_lock);
-  for (ferry_link *l = ctx->links; l && n < 16; l = l->next)
+  for (ferry_link *l = ctx->links; l && n < cap; l = l->next)
     if (l->ops->poll_is_cheap && l->ops->pollable(l)) {
       fr_link_ref(l);
       links[n++] = l;
     }
   pthread_mutex_unlock(&ctx->links_lock);
+  return n;
+}
+
+void fr_ctx_work_polling(ferry_ctx *ctx, void (*work)(void *), void *arg) {
+  ferry_link *links[16];
+  size_t n = cheap_links(ctx, links, 16);
+  for (size_t i = 0; i < n; i++)
+    if (links[i]->ops->poll_begin)
+      links[i]->ops->poll_begin(links[i]);
+  work(arg);
+  for (size_t i = 0; i < n; i++) {
+    if (links[i]->ops->poll_end)
+      links[i]->ops->poll_end(links[i]);
+    fr_link_poll(links[i], true); /* what arrived meanwhile is taken, and nothing stranded */
+    fr_link_unref(links[i]);
+  }
+}
+
+/* Spins on a channel, driving every link of the context that is cheap to poll (shm rings);
+ * the others keep their messages coming through the progress thread. Where callers lead the
+ * epoll, spinning without such a link is pointless: the caller leads at once instead. */
+static void spin_channel(ferry_ctx *ctx, fr_channel *c) {
+  ferry_link *links[16];
+  size_t n = cheap_links(ctx, links, 16);
   if (n > 0 || !ctx->users_may_lead)
     spin(links, n, &c->count, sizeof c->count, ctx->spin_us);
   for (size_t i = 0; i < n; i++)
@@ -580,6 +601,8 @@ bool fr_ctx_wait(ferry_ctx *ctx, bool (*ready)(void *), void *arg, pthread_mutex
   for (;;) {
     if (ready(arg))
       return true;
+    if (fr_now_ns() >= deadline_ns)
+      return false; /* a wait of 0 (a publish taking pool releases in) takes no lead over */
     int r = lead(ctx, ready, arg, deadline_ns);
     if (r == LED && ready(arg))
       return true;

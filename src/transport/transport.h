@@ -314,7 +314,8 @@ void fr_ctx_serve_later(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_regio
 bool fr_spin_until(ferry_link *link, const bool *flag, int spin_us);
 /* Waits until ready(arg) or the deadline: leads the ctx's epoll when it can, else sleeps on
  * cond (a CLOCK_MONOTONIC condition under mutex, which whoever makes it ready signals). Returns
- * ready(arg). */
+ * ready(arg). With the deadline already past it only checks: taking the lead over from the
+ * progress thread costs it two wake-ups. */
 bool fr_ctx_wait(ferry_ctx *ctx, bool (*ready)(void *), void *arg, pthread_mutex_t *mutex,
                  pthread_cond_t *cond, uint64_t deadline_ns);
 /* ferry_recv() in two steps: waits (as ferry_recv does) until the channel has a message or the
@@ -324,6 +325,11 @@ ferry_msg *fr_ctx_take(ferry_ctx *ctx, uint32_t channel);
 /* Drains every shm-ring link of the ctx (waiting for one another thread drains): what their
  * peers sent before the call is in the channel queues when it returns. */
 void fr_ctx_poll_links(ferry_ctx *ctx);
+/* Runs work(arg) as a spinning waiter would wait: marked as polling every link of the context
+ * that is cheap to poll (shm rings), so their peers send without a doorbell meanwhile, then
+ * drains them. For work that takes long enough for an answer to come (a publish copying a large
+ * payload while its subscribers release blocks): the answer then wakes no thread. */
+void fr_ctx_work_polling(ferry_ctx *ctx, void (*work)(void *), void *arg);
 /* Something a caller may wait on changed outside the ctx's leader (a spinning waiter drove a
  * link): wakes a caller that leads the epoll, so it sees it. */
 void fr_ctx_poke(ferry_ctx *ctx);
