@@ -9,6 +9,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <poll.h>
 #include <linux/futex.h>
 #include <signal.h>
 #include <stdio.h>
@@ -221,6 +222,53 @@ uint64_t fr_ctl_pid_start(pid_t pid) {
   char state;
   uint64_t start = 0;
   return proc_stat(pid, &state, &start) == 1 ? start : 0;
+}
+
+/* ---- watching processes ---- */
+
+void fr_ctl_watch_close(fr_ctl_watch *w) {
+  if (w->fd >= 0)
+    close(w->fd);
+  *w = (fr_ctl_watch){0, FR_CTL_WATCH_KILL};
+}
+
+void fr_ctl_watch_set(fr_ctl_watch *w, uint64_t owner, bool use_pidfd) {
+  if (w->owner == owner && owner != 0)
+    return;
+  fr_ctl_watch_close(w);
+  w->owner = owner;
+  if (!use_pidfd)
+    return;
+  int fd = (int)syscall(SYS_pidfd_open, fr_ctl_owner_pid(owner), 0);
+  if (fd < 0) {
+    w->fd = errno == ESRCH ? FR_CTL_WATCH_DEAD : FR_CTL_WATCH_KILL;
+    return;
+  }
+  w->fd = fd;
+  if (!fr_ctl_owner_alive(owner)) { /* a reused pid, or dead before the pidfd was opened */
+    close(fd);
+    w->fd = FR_CTL_WATCH_DEAD;
+  }
+}
+
+void fr_ctl_watch_poll(const fr_ctl_watch *w, size_t n, bool *dead) {
+  struct pollfd stack[64], *fds = n <= 64 ? stack : malloc(n * sizeof *fds);
+  size_t nfds = 0;
+  for (size_t i = 0; i < n; i++) {
+    dead[i] = w[i].owner != 0 && w[i].fd == FR_CTL_WATCH_DEAD;
+    if (w[i].owner == 0)
+      continue;
+    if (w[i].fd == FR_CTL_WATCH_KILL || (w[i].fd >= 0 && !fds))
+      dead[i] = !fr_ctl_pid_exists(fr_ctl_owner_pid(w[i].owner));
+    else if (w[i].fd >= 0)
+      fds[nfds++] = (struct pollfd){.fd = w[i].fd, .events = POLLIN};
+  }
+  if (nfds > 0 && poll(fds, nfds, 0) > 0)
+    for (size_t i = 0, k = 0; i < n; i++)
+      if (w[i].owner != 0 && w[i].fd >= 0)
+        dead[i] = fds[k++].revents != 0; /* POLLIN: it exited (POLLHUP/ERR: gone as well) */
+  if (fds != stack)
+    free(fds);
 }
 
 /* ---- futexes ---- */

@@ -17,7 +17,12 @@
 struct ferry_ctl {
   fr_ctl_map map;
   int spin_us; /* FERRY_CTL_SPIN_US: how long a request yields for its acks before it sleeps */
+  fr_ctl_watch *watch; /* the ranks' processes, then the engine's (nranks + 1) */
 };
+
+/* Up to this many processes (ranks and the engine) are watched through pidfds; beyond, kill()
+ * (a cell of 1024 ranks would otherwise hold 1025 descriptors). */
+#define WATCH_PIDFD_MAX 64
 
 /* ---- names ---- */
 
@@ -172,6 +177,13 @@ int ferry_ctl_open(const char *name, ferry_ctl **out) {
     free(ctl);
     return rc;
   }
+  if (!(ctl->watch = malloc((ctl->map.nranks + 1) * sizeof *ctl->watch))) {
+    fr_ctl_map_close(&ctl->map);
+    free(ctl);
+    return fr_err(FERRY_ENOMEM, "ferry_ctl_open '%s'", name);
+  }
+  for (uint32_t i = 0; i <= ctl->map.nranks; i++)
+    ctl->watch[i] = (fr_ctl_watch){0, FR_CTL_WATCH_KILL};
   *out = ctl;
   return 0;
 }
@@ -179,6 +191,9 @@ int ferry_ctl_open(const char *name, ferry_ctl **out) {
 void ferry_ctl_close(ferry_ctl *ctl) {
   if (!ctl)
     return;
+  for (uint32_t i = 0; i <= ctl->map.nranks; i++)
+    fr_ctl_watch_close(&ctl->watch[i]);
+  free(ctl->watch);
   fr_ctl_map_close(&ctl->map);
   free(ctl);
 }
@@ -186,24 +201,38 @@ void ferry_ctl_close(ferry_ctl *ctl) {
 /* ---- request ---- */
 
 /* FERRY_EPEER naming every rank that is detached or dead (among those that have not acked
- * `seq`; seq 0: among all). `quick` (before issuing) asks only kill(pid, 0): a zombie or a
- * reused pid passes it, but the thorough check while waiting catches those within
- * FERRY_CTL_CHECK_MS, and the request's fast path stays free of /proc reads. */
-static int check_ranks_alive(const ferry_ctl *ctl, uint64_t seq, const char *what, bool quick) {
+ * `seq`; seq 0: among all). `dead` (from poll_watches, before issuing) says which are dead
+ * without reading /proc; NULL: each rank's /proc entry is read (while waiting, every
+ * FERRY_CTL_CHECK_MS). */
+static int check_ranks_alive(const ferry_ctl *ctl, uint64_t seq, const char *what,
+                             const bool *dead) {
   text t = {0};
   int bad = 0;
   for (uint32_t i = 0; i < ctl->map.nranks; i++) {
     if (seq && line_done(load_ack(ctl, i), seq))
       continue; /* it answered; whether it lives on matters for the next command */
     uint64_t owner = atomic_load(&ctl->map.lines[i].owner);
+    bool watched = dead && owner == ctl->watch[i].owner;
     if (owner == 0)
       text_add(&t, "%srank %u is not attached", bad++ ? "; " : "", i);
-    else if (quick ? !fr_ctl_pid_exists(fr_ctl_owner_pid(owner)) : !fr_ctl_owner_alive(owner))
+    else if (watched ? dead[i] : !fr_ctl_owner_alive(owner))
       text_add(&t, "%srank %u (pid %d) is dead", bad++ ? "; " : "", i, fr_ctl_owner_pid(owner));
   }
   if (bad)
     return fr_err(FERRY_EPEER, "%s on '%s': %s", what, ctl->map.name, t.buf);
   return 0;
+}
+
+/* Points the watches at the ranks' and the engine's current processes and polls them all at
+ * once: dead[i] for rank i, dead[nranks] for the engine. */
+static void poll_watches(ferry_ctl *ctl, bool *dead) {
+  uint32_t n = ctl->map.nranks;
+  bool pidfds = n + 1 <= WATCH_PIDFD_MAX;
+  for (uint32_t i = 0; i < n; i++)
+    fr_ctl_watch_set(&ctl->watch[i], atomic_load(&ctl->map.lines[i].owner), pidfds);
+  const fr_ctl_header *h = ctl->map.hdr;
+  fr_ctl_watch_set(&ctl->watch[n], fr_ctl_owner(h->engine_pid, h->engine_start), pidfds);
+  fr_ctl_watch_poll(ctl->watch, n + 1, dead);
 }
 
 /* "1,3": the ranks that have not acked the command in `word`. */
@@ -338,7 +367,7 @@ static int wait_acks(const ferry_ctl *ctl, uint64_t word, int timeout_ms) {
                     t.buf, timeout_ms);
     }
     if (now >= next_check) {
-      int rc = check_ranks_alive(ctl, seq, ferry_ctl_cmd_name(fr_ctl_cmd_of(word)), false);
+      int rc = check_ranks_alive(ctl, seq, ferry_ctl_cmd_name(fr_ctl_cmd_of(word)), NULL);
       if (rc)
         return rc;
       next_check = now + check_ns;
@@ -352,12 +381,23 @@ static int wait_acks(const ferry_ctl *ctl, uint64_t word, int timeout_ms) {
   }
 }
 
-static int check_cell(const ferry_ctl *ctl, ferry_ctl_cmd cmd) {
+/* Before issuing: the cell is still the one under its name, and its engine and every rank are
+ * alive (one poll() over pidfds, no /proc read: a zombie counts as dead). */
+static int check_cell(ferry_ctl *ctl, ferry_ctl_cmd cmd) {
   int rc = fr_ctl_map_current(&ctl->map);
-  if (rc == 0 && !fr_ctl_pid_exists(ctl->map.hdr->engine_pid))
-    rc = fr_ctl_engine_check(&ctl->map); /* the detail; a reused pid is caught by the ranks' */
+  if (rc)
+    return rc;
+  uint32_t n = ctl->map.nranks;
+  bool stack[WATCH_PIDFD_MAX], *dead = n + 1 <= WATCH_PIDFD_MAX ? stack : calloc(n + 1, 1);
+  if (!dead)
+    return fr_err(FERRY_ENOMEM, "%s on '%s'", ferry_ctl_cmd_name(cmd), ctl->map.name);
+  poll_watches(ctl, dead);
+  if (dead[n])
+    rc = fr_ctl_engine_check(&ctl->map); /* the detail */
   if (rc == 0)
-    rc = check_ranks_alive(ctl, 0, ferry_ctl_cmd_name(cmd), true);
+    rc = check_ranks_alive(ctl, 0, ferry_ctl_cmd_name(cmd), dead);
+  if (dead != stack)
+    free(dead);
   return rc;
 }
 
