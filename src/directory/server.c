@@ -628,6 +628,7 @@ static void serve_in_order(fr_dir_server *s, ferry_msg *m) {
 #define IDLE_MS 50
 
 static void *server_main(void *arg) {
+  pthread_setname_np(pthread_self(), "ferry-directory"); /* for top -H, perf, gdb */
   fr_dir_server *s = arg;
   fr_ctx_background_thread(); /* an application thread waiting for its message leads instead */
   while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {

@@ -287,7 +287,7 @@ void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg) {
   __atomic_store_n(&c->last_costly, !msg->link->ops->poll_is_cheap, __ATOMIC_RELAXED);
   pthread_cond_signal(&c->cond);
   pthread_mutex_unlock(&c->lock);
-  fr_ctx_poke(ctx);
+  fr_ctx_poke(ctx, (int)msg->channel);
 }
 
 typedef struct channel_wait {
@@ -305,7 +305,7 @@ bool fr_ctx_await(ferry_ctx *ctx, uint32_t channel, int timeout_ms) {
   if (timeout_ms > 0 && !__atomic_load_n(&c->last_costly, __ATOMIC_RELAXED))
     spin_channel(ctx, c); /* its messages came over shm lately */
   channel_wait w = {ctx, c};
-  fr_ctx_wait(ctx, channel_ready, &w, &c->lock, &c->cond, fr_deadline_ns(timeout_ms));
+  fr_ctx_wait(ctx, (int)channel, channel_ready, &w, &c->lock, &c->cond, fr_deadline_ns(timeout_ms));
   return __atomic_load_n(&c->count, __ATOMIC_ACQUIRE) != 0;
 }
 
@@ -363,6 +363,7 @@ void fr_ctx_serve_later(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_regio
 }
 
 static void *server_main(void *arg) {
+  pthread_setname_np(pthread_self(), "ferry-server"); /* for top -H, perf, gdb */
   ferry_ctx *ctx = arg;
   for (;;) {
     pthread_mutex_lock(&ctx->serve_lock);
@@ -451,8 +452,11 @@ static bool leading(ferry_ctx *ctx) {
   return __atomic_load_n(&ctx->leader, __ATOMIC_RELAXED) == (unsigned long)pthread_self();
 }
 
-void fr_ctx_poke(ferry_ctx *ctx) {
-  if (__atomic_load_n(&ctx->user_leading, __ATOMIC_SEQ_CST) && !leading(ctx))
+/* Seq_cst against lead(): the leader publishes what it waits for before it checks ready(), and
+ * a deliverer queues before it reads that, so either the leader sees the message or is woken. */
+void fr_ctx_poke(ferry_ctx *ctx, int what) {
+  if (__atomic_load_n(&ctx->user_leading, __ATOMIC_SEQ_CST) && !leading(ctx) &&
+      __atomic_load_n(&ctx->lead_waits_for, __ATOMIC_SEQ_CST) == what)
     wake_progress(ctx);
 }
 
@@ -478,6 +482,7 @@ static void follow(ferry_ctx *ctx) {
 }
 
 static void *progress_main(void *arg) {
+  pthread_setname_np(pthread_self(), "ferry-progress"); /* for top -H, perf, gdb */
   ferry_ctx *ctx = arg;
   while (!stopping(ctx)) {
     if (ctx->users_may_lead)
@@ -567,7 +572,8 @@ static void mark_led(ferry_ctx *ctx, bool bg) {
 
 /* Leads the epoll until ready(arg) or the deadline. BUSY: another thread
  * leads, and the caller is counted among the sleepers until it calls back. */
-static int lead(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint64_t deadline_ns) {
+static int lead(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg,
+                uint64_t deadline_ns) {
   if (!ctx->users_may_lead || stopping(ctx) || leading(ctx))
     return NO_LEAD;
   bool bg = background_thread;
@@ -581,6 +587,7 @@ static int lead(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint64_t deadl
   __atomic_store_n(&ctx->lead_background, bg, __ATOMIC_RELEASE);
   __atomic_sub_fetch(&ctx->sleepers, 1, __ATOMIC_SEQ_CST);
   mark_led(ctx, bg);
+  __atomic_store_n(&ctx->lead_waits_for, waits_for, __ATOMIC_SEQ_CST);
   __atomic_store_n(&ctx->user_leading, true, __ATOMIC_SEQ_CST);
   poll_briefly(ctx, ready, arg, deadline_ns);
   while (!ready(arg) && !stopping(ctx) && fr_now_ns() < deadline_ns && !claimed(ctx)) {
@@ -596,14 +603,14 @@ static int lead(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint64_t deadl
   return LED;
 }
 
-bool fr_ctx_wait(ferry_ctx *ctx, bool (*ready)(void *), void *arg, pthread_mutex_t *mutex,
-                 pthread_cond_t *cond, uint64_t deadline_ns) {
+bool fr_ctx_wait(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg,
+                 pthread_mutex_t *mutex, pthread_cond_t *cond, uint64_t deadline_ns) {
   for (;;) {
     if (ready(arg))
       return true;
     if (fr_now_ns() >= deadline_ns)
       return false; /* a wait of 0 (a publish taking pool releases in) takes no lead over */
-    int r = lead(ctx, ready, arg, deadline_ns);
+    int r = lead(ctx, waits_for, ready, arg, deadline_ns);
     if (r == LED && ready(arg))
       return true;
     uint64_t now = fr_now_ns();

@@ -213,14 +213,15 @@ static int pending_wait(ferry_link *l, fr_pending *p, uint64_t deadline_ns, cons
   ferry_ctx *ctx = l->ctx;
   if (!ctx->users_may_lead || (l->ops->pollable && l->ops->pollable(l)))
     fr_spin_until(l, &p->done, ctx->spin_us);
-  fr_ctx_wait(ctx, pending_ready, p, &l->lock, &l->cond, deadline_ns);
+  fr_ctx_wait(ctx, FR_CTX_WAIT_REPLY, pending_ready, p, &l->lock, &l->cond, deadline_ns);
   pthread_mutex_lock(&l->lock);
   bool timed_out = !p->done;
   if (timed_out && p->claimed) {
     pthread_mutex_unlock(&l->lock);
     fr_link_fail(l, FERRY_ETIMEDOUT, "a transfer did not finish in time");
     /* Whoever drives the link ends the transfer now that the link is dead. */
-    fr_ctx_wait(ctx, pending_ready, p, &l->lock, &l->cond, fr_deadline_ns(ctx->timeout_ms));
+    fr_ctx_wait(ctx, FR_CTX_WAIT_REPLY, pending_ready, p, &l->lock, &l->cond,
+                fr_deadline_ns(ctx->timeout_ms));
     pthread_mutex_lock(&l->lock);
     while (!p->done)
       pthread_cond_wait(&l->cond, &l->lock);
@@ -568,7 +569,7 @@ static void complete(ferry_link *l, int status, uint64_t size, int fd) {
   pthread_mutex_unlock(&l->lock);
   if (fd >= 0)
     close(fd);
-  fr_ctx_poke(l->ctx);
+  fr_ctx_poke(l->ctx, FR_CTX_WAIT_REPLY);
 }
 
 static bool allowed(const ferry_link *l, uint8_t type) {

@@ -208,6 +208,7 @@ struct ferry_ctx {
   pthread_mutex_t lead;
   bool users_may_lead;  /* every transport of the ctx has any_thread_events */
   bool user_leading;    /* atomic: a caller holds `lead` */
+  int lead_waits_for;   /* atomic: what that caller waits for (fr_ctx_wait's waits_for) */
   unsigned long leader; /* atomic: the pthread_t running a batch (0: none) */
   uint64_t user_led_ns; /* atomic: when a caller last led or wanted to */
   uint64_t fg_led_ns;   /* atomic: the same, for callers that are not background threads */
@@ -315,9 +316,11 @@ bool fr_spin_until(ferry_link *link, const bool *flag, int spin_us);
 /* Waits until ready(arg) or the deadline: leads the ctx's epoll when it can, else sleeps on
  * cond (a CLOCK_MONOTONIC condition under mutex, which whoever makes it ready signals). Returns
  * ready(arg). With the deadline already past it only checks: taking the lead over from the
- * progress thread costs it two wake-ups. */
-bool fr_ctx_wait(ferry_ctx *ctx, bool (*ready)(void *), void *arg, pthread_mutex_t *mutex,
-                 pthread_cond_t *cond, uint64_t deadline_ns);
+ * progress thread costs it two wake-ups. `waits_for`: the channel whose messages make it ready,
+ * or FR_CTX_WAIT_REPLY (a response on a link); a leader is woken (fr_ctx_poke) only for that. */
+#define FR_CTX_WAIT_REPLY (-1)
+bool fr_ctx_wait(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg,
+                 pthread_mutex_t *mutex, pthread_cond_t *cond, uint64_t deadline_ns);
 /* ferry_recv() in two steps: waits (as ferry_recv does) until the channel has a message or the
  * timeout passed (returns whether it has one; ECLOSED-free), then takes one without waiting. */
 bool fr_ctx_await(ferry_ctx *ctx, uint32_t channel, int timeout_ms);
@@ -331,8 +334,10 @@ void fr_ctx_poll_links(ferry_ctx *ctx);
  * payload while its subscribers release blocks): the answer then wakes no thread. */
 void fr_ctx_work_polling(ferry_ctx *ctx, void (*work)(void *), void *arg);
 /* Something a caller may wait on changed outside the ctx's leader (a spinning waiter drove a
- * link): wakes a caller that leads the epoll, so it sees it. */
-void fr_ctx_poke(ferry_ctx *ctx);
+ * link): a message on `what` (a channel) or a response (FR_CTX_WAIT_REPLY). Wakes a caller that
+ * leads the epoll waiting for that, so it sees it; a leader waiting for something else (the
+ * embedded directory's thread, for its requests) sleeps on. */
+void fr_ctx_poke(ferry_ctx *ctx, int what);
 /* Marks the calling thread as a background one (a service loop such as the embedded
  * directory's): it leads the ctx's epoll only while no other caller has led for a while, and
  * steps down when one wants to, as the progress thread does. */
