@@ -233,11 +233,11 @@ void fr_ctl_watch_close(fr_ctl_watch *w) {
 }
 
 void fr_ctl_watch_set(fr_ctl_watch *w, uint64_t owner, bool use_pidfd) {
-  if (w->owner == owner && owner != 0)
+  if (w->owner == owner)
     return;
   fr_ctl_watch_close(w);
   w->owner = owner;
-  if (!use_pidfd)
+  if (!use_pidfd || owner == 0)
     return;
   int fd = (int)syscall(SYS_pidfd_open, fr_ctl_owner_pid(owner), 0);
   if (fd < 0) {
@@ -245,7 +245,8 @@ void fr_ctl_watch_set(fr_ctl_watch *w, uint64_t owner, bool use_pidfd) {
     return;
   }
   w->fd = fd;
-  if (!fr_ctl_owner_alive(owner)) { /* a reused pid, or dead before the pidfd was opened */
+  bool known_start = fr_ctl_owner_start(owner) != 0; /* 0: /proc was unreadable */
+  if (known_start && !fr_ctl_owner_alive(owner)) {   /* a reused pid, or dead before the pidfd */
     close(fd);
     w->fd = FR_CTL_WATCH_DEAD;
   }
