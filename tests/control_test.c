@@ -589,11 +589,16 @@ static void test_dead_rank_named(void **state) {
   ranks rs;
   start_ranks(&rs, 3, NULL);
   kill(rs.pid[1], SIGKILL); /* a zombie until reaped: it must count as dead all the same */
+  for (int i = 0; i < 5000 && fr_ctl_pid_alive(rs.pid[1], 0); i++)
+    usleep(1000); /* until it is a zombie: a request made before that may be issued */
   ferry_ctl *c = NULL;
   FR_OK(ferry_ctl_open(name, &c));
   assert_int_equal(ferry_ctl_request(c, FERRY_CTL_CLEAR, 10000), FERRY_EPEER);
   assert_non_null(strstr(ferry_last_error(), "rank 1"));
   assert_non_null(strstr(ferry_last_error(), "dead"));
+  ferry_ctl_status cs = get_status(c); /* refused up front, the zombie too: nothing was issued */
+  assert_int_equal(cs.seq, 0);
+  assert_false(cs.in_flight);
   ferry_ctl_rank_status st = {.size = sizeof st};
   FR_OK(ferry_ctl_rank_status_get(c, 1, &st));
   assert_false(st.alive);
