@@ -276,7 +276,8 @@ void ferry_msg_free(ferry_msg *msg) {
 void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg) {
   fr_link_ref(msg->link);
   fr_msg_node *n = fr_msg_node_of(msg);
-  fr_channel *c = &ctx->channels[msg->channel];
+  int channel = (int)msg->channel; /* once queued, msg is its taker's to free */
+  fr_channel *c = &ctx->channels[channel];
   pthread_mutex_lock(&c->lock);
   if (c->tail)
     c->tail->next = n;
@@ -287,7 +288,7 @@ void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg) {
   __atomic_store_n(&c->last_costly, !msg->link->ops->poll_is_cheap, __ATOMIC_RELAXED);
   pthread_cond_signal(&c->cond);
   pthread_mutex_unlock(&c->lock);
-  fr_ctx_poke(ctx, (int)msg->channel);
+  fr_ctx_poke(ctx, channel);
 }
 
 typedef struct channel_wait {
