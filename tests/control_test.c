@@ -248,6 +248,29 @@ static void test_names_and_args(void **state) {
   ferry_ctl_rank_close(NULL);
 }
 
+/* Liveness is by pid and start time (field 22 of /proc/PID/stat): a process's own start time
+ * is read, and the same pid with another start time (a reused pid) is dead. */
+static void test_pid_start_time(void **state) {
+  (void)state;
+  FILE *f = fopen("/proc/self/stat", "r");
+  assert_non_null(f);
+  char line[1024] = "";
+  assert_non_null(fgets(line, sizeof line, f));
+  fclose(f);
+  const char *p = strrchr(line, ')');
+  unsigned long long want = 0;
+  for (int field = 3; field <= 22 && p; field++)
+    p = strchr(p + 1, ' ');
+  assert_non_null(p);
+  want = strtoull(p + 1, NULL, 10);
+  assert_true(want != 0);
+  assert_int_equal(fr_ctl_pid_start(getpid()), want);
+  assert_true(fr_ctl_pid_alive(getpid(), want));
+  assert_false(fr_ctl_pid_alive(getpid(), want + 1));
+  assert_true(fr_ctl_owner_alive(fr_ctl_owner(getpid(), want)));
+  assert_false(fr_ctl_owner_alive(fr_ctl_owner(getpid(), want + 1)));
+}
+
 static void test_layout_and_mode(void **state) {
   ferry_ctl_cell *cell = NULL;
   FR_OK(ferry_ctl_cell_create(name, 3, NULL, &cell));
@@ -867,6 +890,7 @@ int main(int argc, char **argv) {
   (void)argv;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_names_and_args, setup, teardown),
+      cmocka_unit_test(test_pid_start_time),
       cmocka_unit_test_setup_teardown(test_layout_and_mode, setup, teardown),
       cmocka_unit_test_setup_teardown(test_rank_api, setup, teardown),
       cmocka_unit_test_setup_teardown(test_lagging_rank_sees_latest, setup, teardown),

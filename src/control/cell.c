@@ -184,7 +184,7 @@ static int proc_stat(pid_t pid, char *state, uint64_t *start) {
   char *p = strrchr(buf, ')');
   if (!p || sscanf(p + 1, " %c", state) != 1)
     return -1;
-  for (int field = 3; field < 22 && p; field++)
+  for (int field = 3; field <= 22 && p; field++) /* to the space before field `field` */
     p = strchr(p + 1, ' ');
   *start = p ? strtoull(p + 1, NULL, 10) : 0;
   return 1;
