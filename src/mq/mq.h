@@ -83,6 +83,7 @@ typedef struct fr_mq_peer { /* a remote subscriber node, as its publisher sees i
   bool dead;
   uint8_t *batch; /* small messages not yet sent (publish_lock) */
   size_t batch_len;
+  uint64_t batch_ns; /* when the batch's first message was published (publish_lock) */
   int batch_rc; /* a failed batch send, reported by the next publish */
   bool dirty;   /* listed in mq->dirty */
   int refs;     /* topics listing it + publishes in flight + a pending batch */
@@ -172,7 +173,7 @@ struct ferry_mq {
   uint64_t last_publish_ns; /* publishes closer together than this batch small messages */
   fr_mq_peer **dirty;       /* peers with a pending batch, a reference each (publish_lock) */
   size_t ndirty, capdirty;
-  uint64_t batch_since_ns; /* when the oldest pending batch began; 0: none (atomic) */
+  uint64_t batch_since_ns; /* when the oldest pending message was published; 0: none (atomic) */
 
   /* the pool: one ferry_alloc'd region that large payloads are copied into once */
   uint8_t *pool;

@@ -225,14 +225,17 @@ void fr_mq_flush(ferry_mq *mq) {
   pthread_mutex_unlock(&mq->publish_lock);
 }
 
-/* Appends a frame to p's batch (publish_lock held); false when it does not fit at all. */
+/* Appends a frame, published at `now`, to p's batch (publish_lock held); false when it does
+ * not fit at all. */
 static bool batch_add(ferry_mq *mq, fr_mq_peer *p, const uint8_t *head, size_t hl, const void *data,
-                      size_t len) {
+                      size_t len, uint64_t now) {
   size_t at = (p->batch_len + FR_MQ_ALIGN - 1) / FR_MQ_ALIGN * FR_MQ_ALIGN;
   if (at + hl + len > FR_MQ_BATCH_BYTES - FR_MQ_ALIGN) {
     flush_peer(mq, p);
     at = 0;
   }
+  if (at == 0)
+    p->batch_ns = now; /* its oldest message: the background thread sends it FLUSH_NS after */
   if (!p->batch && !(p->batch = malloc(FR_MQ_BATCH_BYTES)))
     return false;
   if (!p->dirty && mq->ndirty == mq->capdirty) {
@@ -264,6 +267,7 @@ typedef struct target {
   fr_mq_peer *p;
   uint64_t charge;
   bool shm;
+  bool ref; /* this publish holds a reference (else the peer's pending batch does) */
   int rc;
 } target;
 
@@ -306,7 +310,10 @@ static int full_error(ferry_mq *mq, fr_mq_topic *t, uint64_t len, int rc, int ms
   return fr_err(FERRY_ETIMEDOUT, "publish '%s': timed out", t->name);
 }
 
-/* Waits for credit and takes it: *out lists the live subscribers (each with a reference). */
+/* Waits for credit and takes it: *out lists the subscribers, each held for the sends. A peer
+ * with a pending batch is held by mq->dirty until a flush, and flushes need publish_lock, which
+ * the publish holds: it takes no reference of its own on those, so a publish in a stream needs
+ * no lock round after its sends (see settle_quiet). */
 #define LOCAL_TARGETS 8 /* subscribers a publish lists without an allocation */
 
 static int reserve(ferry_mq *mq, fr_mq_topic *t, uint64_t len, uint64_t deadline, int ms,
@@ -327,10 +334,10 @@ static int reserve(ferry_mq *mq, fr_mq_topic *t, uint64_t len, uint64_t deadline
   size_t k = 0;
   for (size_t i = 0; i < t->nsubs; i++) {
     fr_mq_peer *p = t->subs[i];
-    v[k] = (target){.p = p, .charge = charge_for(p, len), .rc = 0};
+    v[k] = (target){.p = p, .charge = charge_for(p, len), .ref = !p->dirty, .rc = 0};
     v[k].shm = len > mq->inline_bytes && strcmp(ferry_link_transport(p->link), "shm") == 0;
     p->sent += v[k].charge;
-    p->refs++;
+    p->refs += v[k].ref;
     k++;
   }
   *out = v;
@@ -391,15 +398,17 @@ static void set_charge(uint8_t *head, uint64_t charge) {
     head[32 + i] = (uint8_t)(charge >> (8 * i));
 }
 
+/* Sends or batches the message to every target; `now` is the publish's time, stream whether it
+ * batches. */
 static void send_all(ferry_mq *mq, frames *fr, target *v, size_t n, const void *data, size_t len,
-                     uint64_t deadline, bool stream) {
+                     uint64_t deadline, uint64_t now, bool stream) {
   for (size_t i = 0; i < n; i++) {
     bool shm = v[i].shm && fr->token;
     uint8_t *head = shm ? fr->shm : fr->data;
     set_charge(head, v[i].charge);
     size_t hl = shm ? fr->shm_len : fr->data_len;
     if (!shm && stream && hl + len <= FR_MQ_BATCH_BYTES / 4 &&
-        batch_add(mq, v[i].p, head, hl, data, len))
+        batch_add(mq, v[i].p, head, hl, data, len, now))
       continue;
     flush_peer(mq, v[i].p); /* what was batched goes first */
     struct iovec iov[2] = {{head, hl}, {(void *)data, len}};
@@ -430,7 +439,8 @@ static int settle(ferry_mq *mq, frames *fr, target *v, size_t n, const char *top
       ndead++;
       fr_mq_peer_drop(mq, p, ferry_strerror(v[i].rc));
     }
-    fr_mq_peer_unref(mq, p);
+    if (v[i].ref)
+      fr_mq_peer_unref(mq, p);
   }
   if (ndead)
     return fr_err(FERRY_EPEER,
@@ -438,6 +448,45 @@ static int settle(ferry_mq *mq, frames *fr, target *v, size_t n, const char *top
                   "the message",
                   topic, ndead > 1 ? "s" : "", dead);
   return 0;
+}
+
+/* Whether settle has nothing to do (no pool block, no error to report, no reference to drop),
+ * so the publish skips its lock round: the common case of a stream. publish_lock held. */
+static bool settle_quiet(const frames *fr, const target *v, size_t n) {
+  if (fr->token)
+    return false;
+  for (size_t i = 0; i < n; i++)
+    if (v[i].rc || v[i].ref || v[i].p->batch_rc)
+      return false;
+  return true;
+}
+
+/* When the oldest message of the pending batches was published (publish_lock held; 0: none).
+ * A peer listed dirty whose batch went out already counts as pending from `now`, so the
+ * background thread's flush drops its reference soon. */
+static uint64_t oldest_batch(const ferry_mq *mq, uint64_t now) {
+  uint64_t oldest = 0;
+  for (size_t i = 0; i < mq->ndirty; i++) {
+    const fr_mq_peer *p = mq->dirty[i];
+    uint64_t t = p->batch_len ? p->batch_ns : now;
+    oldest = oldest && oldest < t ? oldest : t;
+  }
+  return oldest;
+}
+
+/* After the sends: tells the background thread when the pending batches are due. A batch sent
+ * because it was full moves the time on, so a stream's batches go out full and the background
+ * thread sends none. True when the background thread must be woken (lock held by the caller
+ * then). */
+static bool batch_due_moved(ferry_mq *mq, uint64_t now) {
+  uint64_t oldest = oldest_batch(mq, now);
+  uint64_t since = __atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE);
+  if (!oldest || oldest == since)
+    return false;
+  if (!since)
+    return true; /* the background thread may sleep for long: store and signal under the lock */
+  __atomic_store_n(&mq->batch_since_ns, oldest, __ATOMIC_RELEASE); /* it only moves later */
+  return false;
 }
 
 /* Memory not written lately can cost far more to write than a copy into a block reused while
@@ -591,14 +640,17 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
     uint64_t now = fr.token || waited ? fr_now_ns() : start; /* after a wait or a copy: anew */
     bool stream = now - mq->last_publish_ns < STREAM_GAP_NS;
     mq->last_publish_ns = now;
-    send_all(mq, &fr, v, n, data, len, deadline, stream);
-    pthread_mutex_lock(&mq->lock);
-    rc = settle(mq, &fr, v, n, topic);
-    if (mq->ndirty && !__atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE)) {
-      __atomic_store_n(&mq->batch_since_ns, now, __ATOMIC_RELEASE);
-      pthread_cond_signal(&mq->bg_cond); /* the background thread sends it if nobody does */
+    send_all(mq, &fr, v, n, data, len, deadline, now, stream);
+    bool wake = batch_due_moved(mq, now);
+    if (wake || !settle_quiet(&fr, v, n)) {
+      pthread_mutex_lock(&mq->lock);
+      rc = settle(mq, &fr, v, n, topic);
+      if (wake) {
+        __atomic_store_n(&mq->batch_since_ns, oldest_batch(mq, now), __ATOMIC_RELEASE);
+        pthread_cond_signal(&mq->bg_cond); /* the background thread sends it if nobody does */
+      }
+      pthread_mutex_unlock(&mq->lock);
     }
-    pthread_mutex_unlock(&mq->lock);
   }
   pthread_mutex_unlock(&mq->publish_lock);
   if (v != local)
