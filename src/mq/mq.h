@@ -66,7 +66,8 @@ int fr_mq_topic_check(const char *topic);
  * and returns its length. `f->topic` may be NULL for CREDIT/BYE. For CREDIT the releases follow
  * the head and are not written here (nrelease is). */
 size_t fr_mq_encode(const fr_mq_frame *f, uint8_t *buf);
-/* Decodes and validates one frame; FERRY_EPROTO with a detail when malformed. Pure. */
+/* Decodes and validates one frame into *out (which means nothing when it fails); FERRY_EPROTO
+ * with a detail when malformed. Pure. */
 int fr_mq_decode(const void *data, size_t len, fr_mq_frame *out);
 /* The next DATA frame of a decoded BATCH (*pos: 0 at first): 1 with *out set, 0 at the end, or
  * FERRY_EPROTO. Pure. */

@@ -30,6 +30,27 @@
 
 #include <string.h>
 
+/* Little-endian fields; on a little-endian host each is one load or store. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+static void put16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); }
+static void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+static uint16_t get16(const uint8_t *p) {
+  uint16_t v;
+  memcpy(&v, p, 2);
+  return v;
+}
+static uint32_t get32(const uint8_t *p) {
+  uint32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+static uint64_t get64(const uint8_t *p) {
+  uint64_t v;
+  memcpy(&v, p, 8);
+  return v;
+}
+#else
 static void put16(uint8_t *p, uint16_t v) {
   p[0] = (uint8_t)v;
   p[1] = (uint8_t)(v >> 8);
@@ -49,6 +70,7 @@ static uint32_t get32(const uint8_t *p) {
 static uint64_t get64(const uint8_t *p) {
   return (uint64_t)get32(p) | (uint64_t)get32(p + 4) << 32;
 }
+#endif
 
 int fr_mq_topic_check(const char *topic) {
   if (!topic || !*topic)
@@ -178,40 +200,36 @@ int fr_mq_decode(const void *data, size_t len, fr_mq_frame *out) {
   const uint8_t *b = data;
   if (!b || len < FR_MQ_HEAD_BYTES)
     return bad(len, "shorter than its head");
-  fr_mq_frame f;
-  memset(&f, 0, sizeof f);
-  f.type = b[5];
-  f.flags = b[6];
+  fr_mq_frame *f = out; /* written in place: on failure its contents mean nothing */
+  memset(f, 0, sizeof *f);
+  f->type = b[5];
+  f->flags = b[6];
   size_t tl = get16(b + 8);
-  f.nrelease = get32(b + 12);
-  f.seq = get64(b + 16);
-  f.len = get64(b + 24);
-  f.value = get64(b + 32);
+  f->nrelease = get32(b + 12);
+  f->seq = get64(b + 16);
+  f->len = get64(b + 24);
+  f->value = get64(b + 32);
   uint64_t off = get64(b + 40);
   if (get32(b) != FR_MQ_MAGIC || b[4] != FR_MQ_VERSION || b[7] != 0 || get16(b + 10) != 0)
     return bad(len, "bad magic, version or reserved bytes");
-  if (f.type < FR_MQ_DATA || f.type > FR_MQ_TYPE_MAX || (f.flags & ~FR_MQ_F_TENSOR) ||
-      (f.flags && !is_message(f.type)))
+  if (f->type < FR_MQ_DATA || f->type > FR_MQ_TYPE_MAX || (f->flags & ~FR_MQ_F_TENSOR) ||
+      (f->flags && !is_message(f->type)))
     return bad(len, "bad type or flags");
-  if ((has_topic(f.type) ? tl == 0 : tl != 0) ||
-      (f.type == FR_MQ_CREDIT ? f.nrelease > FR_MQ_MAX_RELEASES : f.nrelease != 0) ||
-      (!is_message(f.type) && f.seq) || (!has_payload(f.type) && f.len))
+  if ((has_topic(f->type) ? tl == 0 : tl != 0) ||
+      (f->type == FR_MQ_CREDIT ? f->nrelease > FR_MQ_MAX_RELEASES : f->nrelease != 0) ||
+      (!is_message(f->type) && f->seq) || (!has_payload(f->type) && f->len))
     return bad(len, "fields that do not belong to its type");
-  size_t need = head_bytes(f.type, f.flags, tl);
-  if (f.type == FR_MQ_CREDIT)
-    need += (size_t)f.nrelease * 8;
-  if (f.type == FR_MQ_DATA || f.type == FR_MQ_BATCH) {
-    if (off != align_up(need) || off > len || len - off != f.len ||
-        (f.type == FR_MQ_BATCH && !f.len))
+  size_t need = head_bytes(f->type, f->flags, tl);
+  if (f->type == FR_MQ_CREDIT)
+    need += (size_t)f->nrelease * 8;
+  if (f->type == FR_MQ_DATA || f->type == FR_MQ_BATCH) {
+    if (off != align_up(need) || off > len || len - off != f->len ||
+        (f->type == FR_MQ_BATCH && !f->len))
       return bad(len, "payload offset or length does not match the frame");
   } else if (off != len || len != need) {
     return bad(len, "length does not match its fields");
   }
-  int rc = decode_body(b, len, tl, (size_t)off, &f);
-  if (rc != 0)
-    return rc;
-  *out = f;
-  return 0;
+  return decode_body(b, len, tl, (size_t)off, f);
 }
 
 int fr_mq_batch_next(const fr_mq_frame *batch, size_t *pos, fr_mq_frame *out) {
