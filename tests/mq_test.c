@@ -521,6 +521,48 @@ static void in_process(void) {
   ferry_mq_close(NULL);
 }
 
+/* A stream of small messages that fills several batches and stops: every message arrives, in
+ * order, the tail of the stream too with no later publish or close to push it out (the
+ * background thread sends the last, part-full batch; a full one sent before it moved its time
+ * on). Then the publisher closes while a batch may be pending: close sends it. */
+static void stream_tail(void) {
+  ferry_ctx *ca = ctx_open("mq-a", suite_transports), *cb = ctx_open("mq-b", suite_transports);
+  ferry_mq *a = mq_open(ca, NULL, 0);
+  char dir[128];
+  dir_url(ca, dir, sizeof dir);
+  ferry_mq *b = mq_open(cb, dir, 0);
+  FR_OK(ferry_mq_subscribe(b, "tail", 5000));
+  FR_OK(ferry_mq_wait_subscribers(a, "tail", 1, 5000));
+  const uint64_t n = 3000; /* 64-byte messages: over ten 32 KiB batches */
+  uint64_t word[8] = {0};
+  for (uint64_t k = 1; k <= n; k++) {
+    word[0] = k;
+    FR_OK(ferry_mq_publish(a, "tail", word, sizeof word, 5000));
+  }
+  for (uint64_t k = 1; k <= n; k++) {
+    ferry_mq_msg *m;
+    FR_OK(ferry_mq_recv(b, &m, 10000));
+    assert_int_equal(m->len, sizeof word);
+    memcpy(word, m->data, sizeof word);
+    assert_int_equal(word[0], k);
+    ferry_mq_msg_free(m);
+  }
+  for (uint64_t k = 1; k <= 100; k++) /* a batch likely pending as a closes */
+    FR_OK(ferry_mq_publish(a, "tail", &k, sizeof k, 5000));
+  ferry_mq_close(a);
+  for (uint64_t k = 1; k <= 100; k++) {
+    ferry_mq_msg *m;
+    FR_OK(ferry_mq_recv(b, &m, 10000));
+    uint64_t got;
+    memcpy(&got, m->data, sizeof got);
+    assert_int_equal(got, k);
+    ferry_mq_msg_free(m);
+  }
+  ferry_mq_close(b);
+  ferry_ctx_close(cb);
+  ferry_ctx_close(ca);
+}
+
 /* Loans: messages built in the pool and published without a copy (shm subscribers read the
  * block in place, tcp ones get it inline); a block a subscriber still holds is not lent again;
  * a full pool makes a loan wait and time out; a loan is handed back exactly once. */
@@ -670,12 +712,14 @@ static void set_transport(const char *t) {
   static void test_join_leave_##tr(void **st) { set_transport(#tr), join_leave(); }                \
   static void test_malformed_##tr(void **st) { set_transport(#tr), malformed(); }                  \
   static void test_in_process_##tr(void **st) { set_transport(#tr), in_process(); }                \
-  static void test_loans_##tr(void **st) { set_transport(#tr), loans(); }
+  static void test_loans_##tr(void **st) { set_transport(#tr), loans(); }                          \
+  static void test_stream_tail_##tr(void **st) { set_transport(#tr), stream_tail(); }
 #define TESTS(tr)                                                                                  \
   cmocka_unit_test(test_ordering_##tr), cmocka_unit_test(test_no_loss_##tr),                       \
       cmocka_unit_test(test_slow_##tr), cmocka_unit_test(test_killed_##tr),                        \
       cmocka_unit_test(test_join_leave_##tr), cmocka_unit_test(test_malformed_##tr),               \
-      cmocka_unit_test(test_in_process_##tr), cmocka_unit_test(test_loans_##tr)
+      cmocka_unit_test(test_in_process_##tr), cmocka_unit_test(test_loans_##tr),                   \
+      cmocka_unit_test(test_stream_tail_##tr)
 
 CASES(shm)
 CASES(tcp)

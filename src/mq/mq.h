@@ -85,9 +85,9 @@ typedef struct fr_mq_peer { /* a remote subscriber node, as its publisher sees i
   uint8_t *batch; /* small messages not yet sent (publish_lock) */
   size_t batch_len;
   uint64_t batch_ns; /* when the batch's first message was published (publish_lock) */
-  int batch_rc; /* a failed batch send, reported by the next publish */
-  bool dirty;   /* listed in mq->dirty */
-  int refs;     /* topics listing it + publishes in flight + a pending batch */
+  int batch_rc;      /* a failed batch send, reported by the next publish */
+  bool dirty;        /* listed in mq->dirty */
+  int refs;          /* topics listing it + publishes in flight + a pending batch */
   struct fr_mq_peer *next;
 } fr_mq_peer;
 
