@@ -376,8 +376,15 @@ typedef struct frames {
 
 static void build(ferry_mq *mq, frames *fr, const char *topic, const ferry_tensor_desc *desc,
                   uint64_t len, uint64_t seq, uint64_t off) {
-  fr_mq_frame f = {
-      .type = FR_MQ_DATA, .seq = seq, .len = len, .topic = topic, .topic_len = strlen(topic)};
+  fr_mq_frame f; /* the fields encode reads, one by one: zeroing the whole frame is a rep stos */
+  f.type = FR_MQ_DATA;
+  f.flags = 0;
+  f.seq = seq;
+  f.len = len;
+  f.value = 0; /* the charge, set per subscriber */
+  f.topic = topic;
+  f.topic_len = strlen(topic);
+  f.nrelease = 0;
   if (desc) {
     f.flags = FR_MQ_F_TENSOR;
     f.desc = *desc;
@@ -421,7 +428,8 @@ static void send_all(ferry_mq *mq, frames *fr, target *v, size_t n, const void *
 
 /* After the sends (lock held): pool holds, dead subscribers; the error for the caller. */
 static int settle(ferry_mq *mq, frames *fr, target *v, size_t n, const char *topic) {
-  char dead[512] = "";
+  char dead[512];
+  dead[0] = '\0';
   size_t used = 0, ndead = 0;
   for (size_t i = 0; i < n; i++) {
     fr_mq_peer *p = v[i].p;

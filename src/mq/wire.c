@@ -196,12 +196,26 @@ static int decode_body(const uint8_t *b, size_t len, size_t tl, size_t off, fr_m
   return 0;
 }
 
+/* The fields decode_body sets only when the frame has them, zeroed field by field: a memset of
+ * the whole frame (a `rep stos`) cost half of decoding a small message. */
+static void clear_body(fr_mq_frame *f) {
+  f->topic = NULL;
+  f->topic_len = 0;
+  f->desc.dtype = 0;
+  f->desc.ndim = 0;
+  for (int i = 0; i < FERRY_MAX_DIMS; i++)
+    f->desc.shape[i] = 0;
+  f->ref = (ferry_region_ref){0};
+  f->offset = f->token = 0;
+  f->payload = f->releases = NULL;
+}
+
 int fr_mq_decode(const void *data, size_t len, fr_mq_frame *out) {
   const uint8_t *b = data;
   if (!b || len < FR_MQ_HEAD_BYTES)
     return bad(len, "shorter than its head");
   fr_mq_frame *f = out; /* written in place: on failure its contents mean nothing */
-  memset(f, 0, sizeof *f);
+  clear_body(f);
   f->type = b[5];
   f->flags = b[6];
   size_t tl = get16(b + 8);
