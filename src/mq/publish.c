@@ -317,10 +317,10 @@ static int full_error(ferry_mq *mq, fr_mq_topic *t, uint64_t len, int rc, int ms
 #define LOCAL_TARGETS 8 /* subscribers a publish lists without an allocation */
 
 static int reserve(ferry_mq *mq, fr_mq_topic *t, uint64_t len, uint64_t deadline, int ms,
-                   target *local, target **out, size_t *n, bool *waited) {
+                   bool ready, target *local, target **out, size_t *n, bool *waited) {
   pub_wait w = {t, len};
   int rc = 0;
-  *waited = !credit_ready(mq, &w);
+  *waited = !ready && !credit_ready(mq, &w); /* ready: the caller just found credit */
   if (*waited) {
     mq->waiters++;
     rc = fr_mq_wait(mq, credit_ready, &w, deadline);
@@ -401,8 +401,12 @@ static void build(ferry_mq *mq, frames *fr, const char *topic, const ferry_tenso
 
 /* Patches the charge (value, at byte 32) of a head for one subscriber. */
 static void set_charge(uint8_t *head, uint64_t charge) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  memcpy(head + 32, &charge, 8); /* one store */
+#else
   for (int i = 0; i < 8; i++)
     head[32 + i] = (uint8_t)(charge >> (8 * i));
+#endif
 }
 
 /* Sends or batches the message to every target; `now` is the publish's time, stream whether it
@@ -623,7 +627,8 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
   if (rc == 0 && !t)
     rc = fr_err(FERRY_ENOMEM, "publish '%s'", topic);
   pub_wait w = {t, len};
-  if (rc == 0 && mq->ndirty && !credit_ready(mq, &w)) {
+  bool ready = rc == 0 && mq->ndirty && credit_ready(mq, &w);
+  if (rc == 0 && mq->ndirty && !ready) {
     pthread_mutex_unlock(&mq->lock); /* what the subscribers wait for must not sit here */
     fr_mq_flush_locked(mq);
     pthread_mutex_lock(&mq->lock);
@@ -631,7 +636,7 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
   }
   bool credit_waited = false;
   if (rc == 0)
-    rc = reserve(mq, t, len, deadline, ms, local, &v, &n, &credit_waited);
+    rc = reserve(mq, t, len, deadline, ms, ready, local, &v, &n, &credit_waited);
   waited |= credit_waited;
   if (rc == 0) {
     seq = ++mq->seq;
