@@ -135,6 +135,12 @@ typedef struct fr_mq_block { /* a pool block in flight (or lent to the applicati
   bool lent; /* ferry_mq_loan gave it out and no publish took it back yet */
 } fr_mq_block;
 
+typedef struct fr_mq_clock { /* the TSC against CLOCK_MONOTONIC (publish_lock) */
+  uint64_t tsc, ns;          /* at the last clock read */
+  uint64_t rate;             /* ns per tick, 32.32 fixed point; 0: not measured yet */
+  uint64_t rebase_ticks;     /* ticks after which the clock is read again */
+} fr_mq_clock;
+
 struct ferry_mq {
   ferry_ctx *ctx;
   char name[FR_DIR_NAME_MAX + 1]; /* the ctx's name */
@@ -172,6 +178,7 @@ struct ferry_mq {
   pthread_mutex_t publish_lock; /* one publish at a time: every subscriber sees one order */
   uint64_t seq;
   uint64_t last_publish_ns; /* publishes closer together than this batch small messages */
+  fr_mq_clock clock;        /* the time a publish reads (publish.c) */
   fr_mq_peer **dirty;       /* peers with a pending batch, a reference each (publish_lock) */
   size_t ndirty, capdirty;
   uint64_t batch_since_ns; /* when the oldest pending message was published; 0: none (atomic) */
