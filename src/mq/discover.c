@@ -161,6 +161,11 @@ void fr_mq_peer_unref(ferry_mq *mq, fr_mq_peer *p) {
   free(p);
 }
 
+/* A topic's subscribers changed (lock held): what publishes in a stream remembered is stale. */
+static void subs_changed(ferry_mq *mq) {
+  __atomic_store_n(&mq->subs_gen, mq->subs_gen + 1, __ATOMIC_RELEASE);
+}
+
 static bool topic_remove(fr_mq_topic *t, fr_mq_peer *p) {
   for (size_t i = 0; i < t->nsubs; i++)
     if (t->subs[i] == p) {
@@ -186,6 +191,7 @@ void fr_mq_peer_drop(ferry_mq *mq, fr_mq_peer *p, const char *why) {
   for (fr_mq_topic *t = mq->topics; t; t = t->next)
     if (topic_remove(t, p))
       fr_mq_peer_unref(mq, p);
+  subs_changed(mq);
   pthread_cond_broadcast(&mq->cond);
   fr_mq_peer_unref(mq, p); /* the list's */
 }
@@ -236,6 +242,7 @@ int fr_mq_add_subscriber(ferry_mq *mq, const char *topic, const char *name, ferr
   if (rc == 0 && !listed) {
     t->subs[t->nsubs++] = p;
     p->refs++;
+    subs_changed(mq);
     fr_debug("mq '%s': '%s' subscribes to '%s'", mq->name, name, topic);
   }
   pthread_cond_broadcast(&mq->cond);
@@ -250,6 +257,7 @@ void fr_mq_remove_subscriber(ferry_mq *mq, const char *topic, const char *name) 
   for (fr_mq_topic *t = mq->topics; p && t; t = t->next)
     if (strcmp(t->name, topic) == 0 && topic_remove(t, p))
       fr_mq_peer_unref(mq, p);
+  subs_changed(mq);
   pthread_cond_broadcast(&mq->cond);
   pthread_mutex_unlock(&mq->lock);
 }

@@ -78,7 +78,9 @@ int fr_mq_batch_next(const fr_mq_frame *batch, size_t *pos, fr_mq_frame *out);
 typedef struct fr_mq_peer { /* a remote subscriber node, as its publisher sees it */
   char name[FR_DIR_NAME_MAX + 1];
   ferry_link *link;
-  uint64_t window, sent, acked; /* credit: may send while sent - acked + charge <= window */
+  uint64_t window, sent, acked; /* credit: may send while sent - acked + charge <= window;
+                                 * sent written under publish_lock, acked under lock, both
+                                 * atomically (a publish in a stream reads acked unlocked) */
   uint64_t *tokens;             /* pool blocks it holds */
   size_t ntokens, captokens;
   bool dead;
@@ -135,6 +137,14 @@ typedef struct fr_mq_block { /* a pool block in flight (or lent to the applicati
   bool lent; /* ferry_mq_loan gave it out and no publish took it back yet */
 } fr_mq_block;
 
+#define FR_MQ_FAST_SUBS 8
+typedef struct fr_mq_fast { /* the last publish's topic and subscribers (publish_lock) */
+  fr_mq_topic *t;           /* NULL: none */
+  uint64_t gen;             /* mq->subs_gen then */
+  size_t n;
+  fr_mq_peer *subs[FR_MQ_FAST_SUBS];
+} fr_mq_fast;
+
 typedef struct fr_mq_clock { /* the TSC against CLOCK_MONOTONIC (publish_lock) */
   uint64_t tsc, ns;          /* at the last clock read */
   uint64_t rate;             /* ns per tick, 32.32 fixed point; 0: not measured yet */
@@ -165,6 +175,7 @@ struct ferry_mq {
   fr_mq_session *sessions;
   fr_mq_peer *peers;
   fr_mq_topic *topics;
+  uint64_t subs_gen;  /* bumped whenever a topic's subscribers change (read unlocked: atomic) */
   struct fr_mq_link { /* every link this mq dialled or was dialled on, one ref each */
     ferry_link *link;
     bool dialled; /* ours to close */
@@ -179,6 +190,7 @@ struct ferry_mq {
   uint64_t seq;
   uint64_t last_publish_ns; /* publishes closer together than this batch small messages */
   fr_mq_clock clock;        /* the time a publish reads (publish.c) */
+  fr_mq_fast fast;          /* what a publish in a stream reuses (publish.c) */
   fr_mq_peer **dirty;       /* peers with a pending batch, a reference each (publish_lock) */
   size_t ndirty, capdirty;
   uint64_t batch_since_ns; /* when the oldest pending message was published; 0: none (atomic) */

@@ -23,7 +23,9 @@
  * when it is full, before anything else is sent to that subscriber, before this node waits for
  * anything (credit, a message, subscribers), and otherwise within FLUSH_NS, sent by the
  * background thread. So a stream of small messages costs one link write per 32 KiB, while an
- * isolated publish (or a ping-pong) is written at once.
+ * isolated publish (or a ping-pong) is written at once. A publish in a stream that goes to the
+ * subscribers the previous one went to, each with a pending batch and credit, takes no mq->lock
+ * at all (fast_reserve): the batches hold those subscribers, and publish_lock the batches.
  */
 #include "mq/mq.h"
 #include "core/channels.h"
@@ -336,7 +338,7 @@ static int reserve(ferry_mq *mq, fr_mq_topic *t, uint64_t len, uint64_t deadline
     fr_mq_peer *p = t->subs[i];
     v[k] = (target){.p = p, .charge = charge_for(p, len), .ref = !p->dirty, .rc = 0};
     v[k].shm = len > mq->inline_bytes && strcmp(ferry_link_transport(p->link), "shm") == 0;
-    p->sent += v[k].charge;
+    __atomic_store_n(&p->sent, p->sent + v[k].charge, __ATOMIC_RELAXED); /* on_credit reads it */
     p->refs += v[k].ref;
     k++;
   }
@@ -637,19 +639,73 @@ static uint64_t publish_now(ferry_mq *mq) {
 #endif
 }
 
-/* Publishes data (in the pool block `loan` when not 0: then it is not copied). */
-static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *desc, const void *data,
-                   size_t len, int timeout_ms, uint64_t loan) {
-  int ms = fr_timeout(timeout_ms);
-  pthread_mutex_lock(&mq->publish_lock);
-  uint64_t start = publish_now(mq); /* the one time read of a publish that does not wait */
-  uint64_t deadline = start + (uint64_t)ms * 1000000ull;
-  target local[LOCAL_TARGETS], *v = NULL;
-  size_t n = 0;
+/* ---- publish ---- */
+
+typedef struct pub { /* one publish, between its two halves */
+  target local[LOCAL_TARGETS], *v;
+  size_t n;
   frames fr;
-  fr.token = 0;
-  uint64_t off = 0, seq = 0;
-  bool fresh = false, waited = false; /* waited: start is stale */
+  uint64_t off, seq, deadline;
+  bool fresh, waited; /* waited: the time read at the start is stale */
+} pub;
+
+/* The last publish's topic and subscribers, for a publish in a stream to reuse without taking
+ * mq->lock (publish_lock). Valid while mq->subs_gen is unchanged (a subscriber added, removed
+ * or dropped bumps it) and every subscriber in it has a pending batch: mq->dirty holds those,
+ * and only a flush, which needs publish_lock, lets them go. */
+static void fast_remember(ferry_mq *mq, fr_mq_topic *t, const pub *u, uint64_t loan) {
+  fr_mq_fast *c = &mq->fast;
+  c->t = NULL;
+  if (loan || u->fr.token || u->n > FR_MQ_FAST_SUBS)
+    return;
+  for (size_t i = 0; i < u->n; i++) {
+    if (!alive(u->v[i].p) || u->v[i].shm)
+      return;
+    c->subs[i] = u->v[i].p;
+  }
+  c->t = t;
+  c->n = u->n;
+  c->gen = mq->subs_gen; /* lock held: no bump in flight */
+}
+
+static bool listed_dirty(const ferry_mq *mq, const fr_mq_peer *p) { /* compares pointers only */
+  for (size_t i = 0; i < mq->ndirty; i++)
+    if (mq->dirty[i] == p)
+      return true;
+  return false;
+}
+
+/* The targets of a publish in a stream, with their credit taken, without mq->lock: false when
+ * the remembered subscribers do not hold (then the publish takes the lock). */
+static bool fast_reserve(ferry_mq *mq, const char *topic, uint64_t len, pub *u) {
+  fr_mq_fast *c = &mq->fast;
+  if (!c->t || len > mq->inline_bytes)
+    return false;
+  for (size_t i = 0; i < c->n; i++)
+    if (!listed_dirty(mq, c->subs[i])) /* before anything reads the peer: it may be gone */
+      return false;
+  if (__atomic_load_n(&mq->subs_gen, __ATOMIC_ACQUIRE) != c->gen || strcmp(c->t->name, topic))
+    return false;
+  for (size_t i = 0; i < c->n; i++) {
+    fr_mq_peer *p = c->subs[i];
+    uint64_t acked = __atomic_load_n(&p->acked, __ATOMIC_ACQUIRE);
+    if (ferry_link_status(p->link) != 0 || p->sent - acked + charge_for(p, len) > p->window)
+      return false; /* a dead link or a wait for credit: the full path */
+  }
+  for (size_t i = 0; i < c->n; i++) {
+    fr_mq_peer *p = c->subs[i];
+    u->local[i] = (target){.p = p, .charge = charge_for(p, len)};
+    __atomic_store_n(&p->sent, p->sent + u->local[i].charge, __ATOMIC_RELAXED);
+  }
+  u->v = u->local;
+  u->n = c->n;
+  u->seq = ++mq->seq;
+  return true;
+}
+
+/* The first half of a publish, under mq->lock: the topic, credit (waiting for it), the
+ * sequence number and the pool block. */
+static int prepare(ferry_mq *mq, const char *topic, uint64_t len, int ms, uint64_t loan, pub *u) {
   int rc = 0;
   pthread_mutex_lock(&mq->lock);
   fr_mq_topic *t = fr_mq_topic_get(mq, topic);
@@ -657,7 +713,7 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
     pthread_mutex_unlock(&mq->lock);
     rc = fr_mq_advertise(mq, topic, ms);
     pthread_mutex_lock(&mq->lock);
-    waited = true;
+    u->waited = true;
   }
   if (rc == 0 && !t)
     rc = fr_err(FERRY_ENOMEM, "publish '%s'", topic);
@@ -667,42 +723,68 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
     pthread_mutex_unlock(&mq->lock); /* what the subscribers wait for must not sit here */
     fr_mq_flush_locked(mq);
     pthread_mutex_lock(&mq->lock);
-    waited = true;
+    u->waited = true;
   }
   bool credit_waited = false;
   if (rc == 0)
-    rc = reserve(mq, t, len, deadline, ms, ready, local, &v, &n, &credit_waited);
-  waited |= credit_waited;
+    rc = reserve(mq, t, len, u->deadline, ms, ready, u->local, &u->v, &u->n, &credit_waited);
+  u->waited |= credit_waited;
   if (rc == 0) {
-    seq = ++mq->seq;
+    u->seq = ++mq->seq;
     int nshm = 0;
-    for (size_t i = 0; i < n; i++)
-      nshm += v[i].shm;
-    fr.token = take_block(mq, len, nshm, loan, deadline, &off, &fresh);
+    for (size_t i = 0; i < u->n; i++)
+      nshm += u->v[i].shm;
+    u->fr.token = take_block(mq, len, nshm, loan, u->deadline, &u->off, &u->fresh);
+    fast_remember(mq, t, u, loan);
   }
   pthread_mutex_unlock(&mq->lock);
-  if (rc == 0) {
-    if (fr.token && !loan)
-      pool_copy(mq, off, data, len, fresh);
-    build(mq, &fr, topic, desc, len, seq, off);
-    uint64_t now = fr.token || waited ? fr_now_ns() : start; /* after a wait or a copy: anew */
-    bool stream = now < mq->last_publish_ns + STREAM_GAP_NS; /* or before it: TSC vs clock */
-    mq->last_publish_ns = now;
-    send_all(mq, &fr, v, n, data, len, deadline, now, stream);
-    bool wake = batch_due_moved(mq, now);
-    if (wake || !settle_quiet(&fr, v, n)) {
-      pthread_mutex_lock(&mq->lock);
-      rc = settle(mq, &fr, v, n, topic);
-      if (wake) {
-        __atomic_store_n(&mq->batch_since_ns, oldest_batch(mq, now), __ATOMIC_RELEASE);
-        pthread_cond_signal(&mq->bg_cond); /* the background thread sends it if nobody does */
-      }
-      pthread_mutex_unlock(&mq->lock);
-    }
+  return rc;
+}
+
+/* The second half: the sends (or batches), then what they leave to settle. */
+static int deliver(ferry_mq *mq, const char *topic, const ferry_tensor_desc *desc, const void *data,
+                   size_t len, uint64_t start, uint64_t loan, pub *u) {
+  if (u->fr.token && !loan)
+    pool_copy(mq, u->off, data, len, u->fresh);
+  build(mq, &u->fr, topic, desc, len, u->seq, u->off);
+  uint64_t now = u->fr.token || u->waited ? fr_now_ns() : start; /* after a wait or a copy */
+  bool stream = now < mq->last_publish_ns + STREAM_GAP_NS;       /* or before it: TSC vs clock */
+  mq->last_publish_ns = now;
+  send_all(mq, &u->fr, u->v, u->n, data, len, u->deadline, now, stream);
+  bool wake = batch_due_moved(mq, now);
+  if (!wake && settle_quiet(&u->fr, u->v, u->n))
+    return 0;
+  pthread_mutex_lock(&mq->lock);
+  int rc = settle(mq, &u->fr, u->v, u->n, topic);
+  if (wake) {
+    __atomic_store_n(&mq->batch_since_ns, oldest_batch(mq, now), __ATOMIC_RELEASE);
+    pthread_cond_signal(&mq->bg_cond); /* the background thread sends it if nobody does */
   }
+  pthread_mutex_unlock(&mq->lock);
+  return rc;
+}
+
+/* Publishes data (in the pool block `loan` when not 0: then it is not copied). */
+static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *desc, const void *data,
+                   size_t len, int timeout_ms, uint64_t loan) {
+  int ms = fr_timeout(timeout_ms);
+  pthread_mutex_lock(&mq->publish_lock);
+  uint64_t start = publish_now(mq); /* the one time read of a publish that does not wait */
+  pub u;
+  u.v = NULL;
+  u.n = 0;
+  u.fr.token = 0;
+  u.off = u.seq = 0;
+  u.fresh = u.waited = false;
+  u.deadline = start + (uint64_t)ms * 1000000ull;
+  int rc = 0;
+  if (loan || !fast_reserve(mq, topic, len, &u))
+    rc = prepare(mq, topic, len, ms, loan, &u);
+  if (rc == 0)
+    rc = deliver(mq, topic, desc, data, len, start, loan, &u);
   pthread_mutex_unlock(&mq->publish_lock);
-  if (v != local)
-    free(v);
+  if (u.v != u.local)
+    free(u.v);
   return rc;
 }
 

@@ -239,8 +239,8 @@ void fr_mq_deliver_batch(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f) {
 void fr_mq_on_credit(ferry_mq *mq, ferry_link *l, const fr_mq_frame *f) {
   pthread_mutex_lock(&mq->lock);
   fr_mq_peer *p = fr_mq_peer_by_link(mq, l);
-  if (p && f->value > p->acked && f->value <= p->sent)
-    p->acked = f->value;
+  if (p && f->value > p->acked && f->value <= __atomic_load_n(&p->sent, __ATOMIC_RELAXED))
+    __atomic_store_n(&p->acked, f->value, __ATOMIC_RELEASE); /* a publish may read it unlocked */
   for (uint32_t i = 0; p && i < f->nrelease; i++) {
     uint64_t tok = 0;
     for (int b = 0; b < 8; b++)
