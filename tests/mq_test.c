@@ -13,6 +13,7 @@
 #include "core/channels.h"
 #include "mq/mq.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -521,44 +522,117 @@ static void in_process(void) {
   ferry_mq_close(NULL);
 }
 
-/* A stream of small messages that fills several batches and stops: every message arrives, in
- * order, the tail of the stream too with no later publish or close to push it out (the
- * background thread sends the last, part-full batch; a full one sent before it moved its time
- * on). Then the publisher closes while a batch may be pending: close sends it. */
-static void stream_tail(void) {
-  ferry_ctx *ca = ctx_open("mq-a", suite_transports), *cb = ctx_open("mq-b", suite_transports);
-  ferry_mq *a = mq_open(ca, NULL, 0);
-  char dir[128];
-  dir_url(ca, dir, sizeof dir);
-  ferry_mq *b = mq_open(cb, dir, 0);
-  FR_OK(ferry_mq_subscribe(b, "tail", 5000));
-  FR_OK(ferry_mq_wait_subscribers(a, "tail", 1, 5000));
-  const uint64_t n = 3000; /* 64-byte messages: over ten 32 KiB batches */
+/* Publishes 64-byte messages first..last on `topic`, each carrying its number. */
+static void stream_publish(ferry_mq *mq, const char *topic, uint64_t first, uint64_t last) {
   uint64_t word[8] = {0};
-  for (uint64_t k = 1; k <= n; k++) {
-    word[0] = k;
-    FR_OK(ferry_mq_publish(a, "tail", word, sizeof word, 5000));
-  }
-  for (uint64_t k = 1; k <= n; k++) {
+  for (word[0] = first; word[0] <= last; word[0]++)
+    FR_OK(ferry_mq_publish(mq, topic, word, sizeof word, 5000));
+}
+
+/* Receives the messages first..last, in order. */
+static void stream_expect(ferry_mq *mq, uint64_t first, uint64_t last) {
+  for (uint64_t k = first; k <= last; k++) {
     ferry_mq_msg *m;
-    FR_OK(ferry_mq_recv(b, &m, 10000));
+    uint64_t word[8];
+    FR_OK(ferry_mq_recv(mq, &m, 10000));
     assert_int_equal(m->len, sizeof word);
     memcpy(word, m->data, sizeof word);
     assert_int_equal(word[0], k);
     ferry_mq_msg_free(m);
   }
-  for (uint64_t k = 1; k <= 100; k++) /* a batch likely pending as a closes */
-    FR_OK(ferry_mq_publish(a, "tail", &k, sizeof k, 5000));
+}
+
+/* A stream of small messages that fills several batches and stops: every message arrives, in
+ * order, the tail of the stream too with no later publish or close to push it out (the
+ * background thread sends the last, part-full batch; a full one sent before it moved its time
+ * on). A subscriber that joins in the middle of a stream gets what is published after its
+ * subscribe returned, one that leaves stops getting it, and the others miss nothing meanwhile
+ * (a publish in a stream reuses the previous one's subscribers until they change). The
+ * publisher closes while a batch may be pending: close sends it. */
+static void stream_tail(void) {
+  ferry_ctx *ca = ctx_open("mq-a", suite_transports), *cb = ctx_open("mq-b", suite_transports);
+  ferry_ctx *cc = ctx_open("mq-c", suite_transports);
+  ferry_mq *a = mq_open(ca, NULL, 0);
+  char dir[128];
+  dir_url(ca, dir, sizeof dir);
+  ferry_mq *b = mq_open(cb, dir, 0), *c = mq_open(cc, dir, 0);
+  FR_OK(ferry_mq_subscribe(b, "tail", 5000));
+  FR_OK(ferry_mq_wait_subscribers(a, "tail", 1, 5000));
+  stream_publish(a, "tail", 1, 3000); /* over ten 32 KiB batches */
+  stream_expect(b, 1, 3000);
+  stream_publish(a, "tail", 3001, 3500);
+  FR_OK(ferry_mq_subscribe(c, "tail", 5000)); /* joins while a batch is pending */
+  stream_publish(a, "tail", 3501, 4000);
+  stream_expect(c, 3501, 4000);
+  FR_OK(ferry_mq_unsubscribe(c, "tail", 5000));
+  stream_publish(a, "tail", 4001, 4500);
+  stream_expect(b, 3001, 4500);
+  ferry_mq_msg *m;
+  assert_int_equal(ferry_mq_recv(c, &m, 200), FERRY_ETIMEDOUT);
+  stream_publish(a, "tail", 4501, 4600); /* a batch likely pending as a closes */
   ferry_mq_close(a);
-  for (uint64_t k = 1; k <= 100; k++) {
-    ferry_mq_msg *m;
-    FR_OK(ferry_mq_recv(b, &m, 10000));
-    uint64_t got;
-    memcpy(&got, m->data, sizeof got);
-    assert_int_equal(got, k);
-    ferry_mq_msg_free(m);
-  }
+  stream_expect(b, 4501, 4600);
+  ferry_mq_close(c);
   ferry_mq_close(b);
+  ferry_ctx_close(cc);
+  ferry_ctx_close(cb);
+  ferry_ctx_close(ca);
+}
+
+/* A publisher thread that streams 64-byte messages 1, 2, ... until told to stop (or 200000). */
+typedef struct streamer {
+  ferry_mq *mq;
+  uint64_t published; /* the last number whose publish returned (atomic) */
+  bool stop;          /* (atomic) */
+} streamer;
+
+static void *stream_main(void *arg) {
+  streamer *s = arg;
+  uint64_t word[8] = {0};
+  for (word[0] = 1; word[0] <= 200000 && !__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE); word[0]++) {
+    FR_OK(ferry_mq_publish(s->mq, "joined", word, sizeof word, 5000));
+    __atomic_store_n(&s->published, word[0], __ATOMIC_RELEASE);
+  }
+  return NULL;
+}
+
+/* A subscriber that joins while another thread streams (batches pending the whole time) gets
+ * every message published after its subscribe returned, with no gap, to the end. */
+static void stream_join(void) {
+  ferry_ctx *ca = ctx_open("mq-a", suite_transports), *cb = ctx_open("mq-b", suite_transports);
+  ferry_ctx *cc = ctx_open("mq-c", suite_transports);
+  ferry_mq *a = mq_open(ca, NULL, 0);
+  char dir[128];
+  dir_url(ca, dir, sizeof dir);
+  ferry_mq *b = mq_open(cb, dir, 0), *c = mq_open(cc, dir, 0);
+  FR_OK(ferry_mq_subscribe(b, "joined", 5000));
+  FR_OK(ferry_mq_wait_subscribers(a, "joined", 1, 5000));
+  streamer s = {.mq = a};
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, stream_main, &s), 0);
+  while (__atomic_load_n(&s.published, __ATOMIC_ACQUIRE) < 1000) /* the stream is under way */
+    usleep(100);
+  FR_OK(ferry_mq_subscribe(c, "joined", 5000));
+  uint64_t joined = __atomic_load_n(&s.published, __ATOMIC_ACQUIRE);
+  ferry_mq_msg *m;
+  uint64_t word[8], first = 0;
+  if (joined < 200000) { /* else the stream ended before: nothing to check */
+    FR_OK(ferry_mq_recv(c, &m, 10000));
+    memcpy(word, m->data, sizeof word);
+    first = word[0];
+    ferry_mq_msg_free(m);
+    assert_true(first <= joined + 2); /* joined + 1 may have been in flight */
+  }
+  __atomic_store_n(&s.stop, true, __ATOMIC_RELEASE);
+  pthread_join(th, NULL);
+  uint64_t last = __atomic_load_n(&s.published, __ATOMIC_ACQUIRE);
+  if (first)
+    stream_expect(c, first + 1, last);
+  stream_expect(b, 1, last);
+  ferry_mq_close(a);
+  ferry_mq_close(c);
+  ferry_mq_close(b);
+  ferry_ctx_close(cc);
   ferry_ctx_close(cb);
   ferry_ctx_close(ca);
 }
@@ -713,13 +787,14 @@ static void set_transport(const char *t) {
   static void test_malformed_##tr(void **st) { set_transport(#tr), malformed(); }                  \
   static void test_in_process_##tr(void **st) { set_transport(#tr), in_process(); }                \
   static void test_loans_##tr(void **st) { set_transport(#tr), loans(); }                          \
-  static void test_stream_tail_##tr(void **st) { set_transport(#tr), stream_tail(); }
+  static void test_stream_tail_##tr(void **st) { set_transport(#tr), stream_tail(); }              \
+  static void test_stream_join_##tr(void **st) { set_transport(#tr), stream_join(); }
 #define TESTS(tr)                                                                                  \
   cmocka_unit_test(test_ordering_##tr), cmocka_unit_test(test_no_loss_##tr),                       \
       cmocka_unit_test(test_slow_##tr), cmocka_unit_test(test_killed_##tr),                        \
       cmocka_unit_test(test_join_leave_##tr), cmocka_unit_test(test_malformed_##tr),               \
       cmocka_unit_test(test_in_process_##tr), cmocka_unit_test(test_loans_##tr),                   \
-      cmocka_unit_test(test_stream_tail_##tr)
+      cmocka_unit_test(test_stream_tail_##tr), cmocka_unit_test(test_stream_join_##tr)
 
 CASES(shm)
 CASES(tcp)
