@@ -499,7 +499,9 @@ static bool batch_due_moved(ferry_mq *mq, uint64_t now) {
     return false;
   if (!since)
     return true; /* the background thread may sleep for long: store and signal under the lock */
-  __atomic_store_n(&mq->batch_since_ns, oldest, __ATOMIC_RELEASE); /* it only moves later */
+  /* It only moves later (but for the publish clock's error, well under FLUSH_NS): the
+   * background thread, sleeping until the earlier time, wakes early at worst. */
+  __atomic_store_n(&mq->batch_since_ns, oldest, __ATOMIC_RELEASE);
   return false;
 }
 
