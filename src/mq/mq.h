@@ -89,7 +89,7 @@ typedef struct fr_mq_peer { /* a remote subscriber node, as its publisher sees i
   uint64_t batch_ns; /* when the batch's first message was published (publish_lock) */
   int batch_rc;      /* a failed batch send, reported by the next publish */
   bool dirty;        /* listed in mq->dirty */
-  int refs;          /* topics listing it + publishes in flight + a pending batch */
+  int refs; /* topics listing it + a pending batch + publishes in flight while it has none */
   struct fr_mq_peer *next;
 } fr_mq_peer;
 
