@@ -542,6 +542,32 @@ static void stream_expect(ferry_mq *mq, uint64_t first, uint64_t last) {
   }
 }
 
+/* A publisher `a` (which hosts the directory) and two subscribers' nodes `b` and `c`. */
+typedef struct trio {
+  ferry_ctx *ca, *cb, *cc;
+  ferry_mq *a, *b, *c;
+} trio;
+
+static void trio_open(trio *t) {
+  t->ca = ctx_open("mq-a", suite_transports);
+  t->cb = ctx_open("mq-b", suite_transports);
+  t->cc = ctx_open("mq-c", suite_transports);
+  t->a = mq_open(t->ca, NULL, 0);
+  char dir[128];
+  dir_url(t->ca, dir, sizeof dir);
+  t->b = mq_open(t->cb, dir, 0);
+  t->c = mq_open(t->cc, dir, 0);
+}
+
+static void trio_close(trio *t) { /* the mqs still open (a first), then the ctxs */
+  ferry_mq_close(t->a);
+  ferry_mq_close(t->c);
+  ferry_mq_close(t->b);
+  ferry_ctx_close(t->cc);
+  ferry_ctx_close(t->cb);
+  ferry_ctx_close(t->ca);
+}
+
 /* A stream of small messages that fills several batches and stops: every message arrives, in
  * order, the tail of the stream too with no later publish or close to push it out (the
  * background thread sends the last, part-full batch; a full one sent before it moved its time
@@ -550,12 +576,9 @@ static void stream_expect(ferry_mq *mq, uint64_t first, uint64_t last) {
  * (a publish in a stream reuses the previous one's subscribers until they change). The
  * publisher closes while a batch may be pending: close sends it. */
 static void stream_tail(void) {
-  ferry_ctx *ca = ctx_open("mq-a", suite_transports), *cb = ctx_open("mq-b", suite_transports);
-  ferry_ctx *cc = ctx_open("mq-c", suite_transports);
-  ferry_mq *a = mq_open(ca, NULL, 0);
-  char dir[128];
-  dir_url(ca, dir, sizeof dir);
-  ferry_mq *b = mq_open(cb, dir, 0), *c = mq_open(cc, dir, 0);
+  trio t;
+  trio_open(&t);
+  ferry_mq *a = t.a, *b = t.b, *c = t.c;
   FR_OK(ferry_mq_subscribe(b, "tail", 5000));
   FR_OK(ferry_mq_wait_subscribers(a, "tail", 1, 5000));
   stream_publish(a, "tail", 1, 3000); /* over ten 32 KiB batches */
@@ -571,12 +594,9 @@ static void stream_tail(void) {
   assert_int_equal(ferry_mq_recv(c, &m, 200), FERRY_ETIMEDOUT);
   stream_publish(a, "tail", 4501, 4600); /* a batch likely pending as a closes */
   ferry_mq_close(a);
+  t.a = NULL;
   stream_expect(b, 4501, 4600);
-  ferry_mq_close(c);
-  ferry_mq_close(b);
-  ferry_ctx_close(cc);
-  ferry_ctx_close(cb);
-  ferry_ctx_close(ca);
+  trio_close(&t);
 }
 
 /* A publisher thread that streams 64-byte messages 1, 2, ... until told to stop (or 200000). */
@@ -599,12 +619,9 @@ static void *stream_main(void *arg) {
 /* A subscriber that joins while another thread streams (batches pending the whole time) gets
  * every message published after its subscribe returned, with no gap, to the end. */
 static void stream_join(void) {
-  ferry_ctx *ca = ctx_open("mq-a", suite_transports), *cb = ctx_open("mq-b", suite_transports);
-  ferry_ctx *cc = ctx_open("mq-c", suite_transports);
-  ferry_mq *a = mq_open(ca, NULL, 0);
-  char dir[128];
-  dir_url(ca, dir, sizeof dir);
-  ferry_mq *b = mq_open(cb, dir, 0), *c = mq_open(cc, dir, 0);
+  trio t;
+  trio_open(&t);
+  ferry_mq *a = t.a, *b = t.b, *c = t.c;
   FR_OK(ferry_mq_subscribe(b, "joined", 5000));
   FR_OK(ferry_mq_wait_subscribers(a, "joined", 1, 5000));
   streamer s = {.mq = a};
@@ -629,12 +646,7 @@ static void stream_join(void) {
   if (first)
     stream_expect(c, first + 1, last);
   stream_expect(b, 1, last);
-  ferry_mq_close(a);
-  ferry_mq_close(c);
-  ferry_mq_close(b);
-  ferry_ctx_close(cc);
-  ferry_ctx_close(cb);
-  ferry_ctx_close(ca);
+  trio_close(&t);
 }
 
 /* Loans: messages built in the pool and published without a copy (shm subscribers read the
