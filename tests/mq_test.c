@@ -542,13 +542,14 @@ static void stream_expect(ferry_mq *mq, uint64_t first, uint64_t last) {
   }
 }
 
-/* A publisher `a` (which hosts the directory) and two subscribers' nodes `b` and `c`. */
+/* A publisher `a` (which hosts the directory) and two subscribers' nodes `b` and `c`; b has
+ * subscribed to `topic` and a knows it. */
 typedef struct trio {
   ferry_ctx *ca, *cb, *cc;
   ferry_mq *a, *b, *c;
 } trio;
 
-static void trio_open(trio *t) {
+static void trio_open(trio *t, const char *topic) {
   t->ca = ctx_open("mq-a", suite_transports);
   t->cb = ctx_open("mq-b", suite_transports);
   t->cc = ctx_open("mq-c", suite_transports);
@@ -557,6 +558,8 @@ static void trio_open(trio *t) {
   dir_url(t->ca, dir, sizeof dir);
   t->b = mq_open(t->cb, dir, 0);
   t->c = mq_open(t->cc, dir, 0);
+  FR_OK(ferry_mq_subscribe(t->b, topic, 5000));
+  FR_OK(ferry_mq_wait_subscribers(t->a, topic, 1, 5000));
 }
 
 static void trio_close(trio *t) { /* the mqs still open (a first), then the ctxs */
@@ -577,10 +580,8 @@ static void trio_close(trio *t) { /* the mqs still open (a first), then the ctxs
  * publisher closes while a batch may be pending: close sends it. */
 static void stream_tail(void) {
   trio t;
-  trio_open(&t);
+  trio_open(&t, "tail");
   ferry_mq *a = t.a, *b = t.b, *c = t.c;
-  FR_OK(ferry_mq_subscribe(b, "tail", 5000));
-  FR_OK(ferry_mq_wait_subscribers(a, "tail", 1, 5000));
   stream_publish(a, "tail", 1, 3000); /* over ten 32 KiB batches */
   stream_expect(b, 1, 3000);
   stream_publish(a, "tail", 3001, 3500);
@@ -620,10 +621,8 @@ static void *stream_main(void *arg) {
  * every message published after its subscribe returned, with no gap, to the end. */
 static void stream_join(void) {
   trio t;
-  trio_open(&t);
+  trio_open(&t, "joined");
   ferry_mq *a = t.a, *b = t.b, *c = t.c;
-  FR_OK(ferry_mq_subscribe(b, "joined", 5000));
-  FR_OK(ferry_mq_wait_subscribers(a, "joined", 1, 5000));
   streamer s = {.mq = a};
   pthread_t th;
   assert_int_equal(pthread_create(&th, NULL, stream_main, &s), 0);
