@@ -66,6 +66,8 @@ int fr_mq_topic_check(const char *topic);
  * and returns its length. `f->topic` may be NULL for CREDIT/BYE. For CREDIT the releases follow
  * the head and are not written here (nrelease is). */
 size_t fr_mq_encode(const fr_mq_frame *f, uint8_t *buf);
+/* Patches `value` of an encoded head (a DATA/SHM message's charge, per subscriber). */
+void fr_mq_set_value(uint8_t *head, uint64_t value);
 /* Decodes and validates one frame into *out (which means nothing when it fails); FERRY_EPROTO
  * with a detail when malformed. Pure. */
 int fr_mq_decode(const void *data, size_t len, fr_mq_frame *out);

@@ -401,16 +401,6 @@ static void build(ferry_mq *mq, frames *fr, const char *topic, const ferry_tenso
   }
 }
 
-/* Patches the charge (value, at byte 32) of a head for one subscriber. */
-static void set_charge(uint8_t *head, uint64_t charge) {
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-  memcpy(head + 32, &charge, 8); /* one store */
-#else
-  for (int i = 0; i < 8; i++)
-    head[32 + i] = (uint8_t)(charge >> (8 * i));
-#endif
-}
-
 /* Sends or batches the message to every target; `now` is the publish's time, stream whether it
  * batches. */
 static void send_all(ferry_mq *mq, frames *fr, target *v, size_t n, const void *data, size_t len,
@@ -418,7 +408,7 @@ static void send_all(ferry_mq *mq, frames *fr, target *v, size_t n, const void *
   for (size_t i = 0; i < n; i++) {
     bool shm = v[i].shm && fr->token;
     uint8_t *head = shm ? fr->shm : fr->data;
-    set_charge(head, v[i].charge);
+    fr_mq_set_value(head, v[i].charge);
     size_t hl = shm ? fr->shm_len : fr->data_len;
     if (!shm && stream && hl + len <= FR_MQ_BATCH_BYTES / 4 &&
         batch_add(mq, v[i].p, head, hl, data, len, now))

@@ -72,6 +72,10 @@ static uint64_t get64(const uint8_t *p) {
 }
 #endif
 
+#define VALUE_AT 32 /* the head's `value` field */
+
+void fr_mq_set_value(uint8_t *head, uint64_t value) { put64(head + VALUE_AT, value); }
+
 int fr_mq_topic_check(const char *topic) {
   if (!topic || !*topic)
     return fr_err(FERRY_EINVAL, "mq: empty topic");
@@ -115,7 +119,7 @@ size_t fr_mq_encode(const fr_mq_frame *f, uint8_t *buf) {
   put32(buf + 12, f->type == FR_MQ_CREDIT ? f->nrelease : 0);
   put64(buf + 16, f->seq);
   put64(buf + 24, f->len);
-  put64(buf + 32, f->value);
+  put64(buf + VALUE_AT, f->value);
   put64(buf + 40, total + (f->type == FR_MQ_CREDIT ? (uint64_t)f->nrelease * 8 : 0));
   uint8_t *p = buf + FR_MQ_HEAD_BYTES;
   if (f->flags & FR_MQ_F_TENSOR) {
@@ -222,7 +226,7 @@ int fr_mq_decode(const void *data, size_t len, fr_mq_frame *out) {
   f->nrelease = get32(b + 12);
   f->seq = get64(b + 16);
   f->len = get64(b + 24);
-  f->value = get64(b + 32);
+  f->value = get64(b + VALUE_AT);
   uint64_t off = get64(b + 40);
   if (get32(b) != FR_MQ_MAGIC || b[4] != FR_MQ_VERSION || b[7] != 0 || get16(b + 10) != 0)
     return bad(len, "bad magic, version or reserved bytes");

@@ -41,6 +41,22 @@ static bool stopping(const ferry_ctx *ctx) {
   return __atomic_load_n(&ctx->stopping, __ATOMIC_ACQUIRE);
 }
 
+/* Marks the links as polled by this thread: their peers send without a doorbell meanwhile. */
+static void polling_begin(ferry_link **links, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (links[i]->ops->poll_begin)
+      links[i]->ops->poll_begin(links[i]);
+}
+
+/* Ends polling_begin and drains the links: what arrived as polling stopped is not stranded. */
+static void polling_end(ferry_link **links, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    if (links[i]->ops->poll_end)
+      links[i]->ops->poll_end(links[i]);
+    fr_link_poll(links[i], true);
+  }
+}
+
 /* Spinning keeps a waiter on its core for the next microseconds instead of paying a wake-up
  * (tens of microseconds here). While it spins it drives the links it waits on itself, so a
  * shm round trip needs no wake-up and no system call at all. It yields each round so that on a
@@ -51,9 +67,7 @@ static bool spin(ferry_link **links, size_t n, const void *word, size_t width, i
               : __atomic_load_n((const int *)word, __ATOMIC_ACQUIRE) != 0)
   if (SPIN_READY)
     return true;
-  for (size_t i = 0; i < n; i++)
-    if (links[i]->ops->poll_begin)
-      links[i]->ops->poll_begin(links[i]);
+  polling_begin(links, n);
   uint64_t end = fr_now_ns() + (uint64_t)spin_us * 1000u;
   bool ready = false;
   while (!(ready = SPIN_READY) && fr_now_ns() < end) {
@@ -62,11 +76,7 @@ static bool spin(ferry_link **links, size_t n, const void *word, size_t width, i
     if (!(ready = SPIN_READY))
       sched_yield();
   }
-  for (size_t i = 0; i < n; i++) {
-    if (links[i]->ops->poll_end)
-      links[i]->ops->poll_end(links[i]);
-    fr_link_poll(links[i], true); /* what arrived as we stopped polling is not stranded */
-  }
+  polling_end(links, n);
   return ready || SPIN_READY;
 #undef SPIN_READY
 }
@@ -92,16 +102,11 @@ static size_t cheap_links(ferry_ctx *ctx, ferry_link **links, size_t cap) {
 void fr_ctx_work_polling(ferry_ctx *ctx, void (*work)(void *), void *arg) {
   ferry_link *links[16];
   size_t n = cheap_links(ctx, links, 16);
-  for (size_t i = 0; i < n; i++)
-    if (links[i]->ops->poll_begin)
-      links[i]->ops->poll_begin(links[i]);
+  polling_begin(links, n);
   work(arg);
-  for (size_t i = 0; i < n; i++) {
-    if (links[i]->ops->poll_end)
-      links[i]->ops->poll_end(links[i]);
-    fr_link_poll(links[i], true); /* what arrived meanwhile is taken, and nothing stranded */
+  polling_end(links, n);
+  for (size_t i = 0; i < n; i++)
     fr_link_unref(links[i]);
-  }
 }
 
 /* Spins on a channel, driving every link of the context that is cheap to poll (shm rings);
