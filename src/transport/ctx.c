@@ -470,13 +470,22 @@ void fr_ctx_poke(ferry_ctx *ctx, int what) {
  * long it has waited: a large message under load takes milliseconds), and for FOLLOW_NS after
  * one last did. Were it to queue on the lead mutex behind a caller that leads for long, it
  * would take the epoll as that caller leaves, and the caller's next wait would cost two
- * hand-offs (asking it to step down, then the mutex). */
+ * hand-offs (asking it to step down, then the mutex). A caller that asked it to step down
+ * counts as leading: were the progress thread to take the mutex straight back (glibc's mutex is
+ * not fair, and the woken claimant needs a core first), it would spin lock/unlock for the
+ * claimant's whole FOLLOW_NS while the claimant sleeps, then make it wait as a sleeper too (seen
+ * as 1-4 ms stalls of 1 MiB shm ping-pongs on the 2-core VM). */
+static bool caller_leads(ferry_ctx *ctx) { /* or is taking the lead over (take_from_background) */
+  return __atomic_load_n(&ctx->user_leading, __ATOMIC_SEQ_CST) ||
+         __atomic_load_n(&ctx->lead_claimed, __ATOMIC_SEQ_CST);
+}
+
 static void follow(ferry_ctx *ctx) {
   pthread_mutex_lock(&ctx->idle_lock);
   while (!stopping(ctx) && !ctx->lead_wanted) {
     uint64_t now = fr_now_ns();
     uint64_t until = __atomic_load_n(&ctx->user_led_ns, __ATOMIC_SEQ_CST) + FOLLOW_NS;
-    if (__atomic_load_n(&ctx->user_leading, __ATOMIC_SEQ_CST) && until <= now)
+    if (caller_leads(ctx) && until <= now)
       until = now + FOLLOW_NS;
     else if (now >= until)
       break;
@@ -583,7 +592,8 @@ static int lead(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg,
   if (!ctx->users_may_lead || stopping(ctx) || leading(ctx))
     return NO_LEAD;
   bool bg = background_thread;
-  if (bg && fr_now_ns() - __atomic_load_n(&ctx->fg_led_ns, __ATOMIC_SEQ_CST) < FOLLOW_NS)
+  if (bg && (fr_now_ns() - __atomic_load_n(&ctx->fg_led_ns, __ATOMIC_SEQ_CST) < FOLLOW_NS ||
+             __atomic_load_n(&ctx->lead_claimed, __ATOMIC_SEQ_CST)))
     return NO_LEAD; /* callers lead: they hand over what this thread waits for */
   __atomic_add_fetch(&ctx->sleepers, 1, __ATOMIC_SEQ_CST);
   if (pthread_mutex_trylock(&ctx->lead) != 0 && (bg || !take_from_background(ctx))) {
