@@ -249,6 +249,8 @@ void fr_mq_key(char *buf, size_t cap, char role, const char *topic, const char *
 void fr_mq_flush_locked(ferry_mq *mq);
 /* The same from a thread about to wait: skipped when a publish is running (it flushes). */
 void fr_mq_flush(ferry_mq *mq);
+/* fr_mq_flush for a receive, which also ends a stream: the next publish is not batched. */
+void fr_mq_stream_end(ferry_mq *mq);
 void fr_mq_pool_release(ferry_mq *mq, uint64_t token); /* lock held */
 void fr_mq_pool_fini(ferry_mq *mq);
 

@@ -227,6 +227,18 @@ void fr_mq_flush(ferry_mq *mq) {
   pthread_mutex_unlock(&mq->publish_lock);
 }
 
+/* A receive ends a stream: the next publish is an answer (a ping-pong, a relay), written at
+ * once. Batching it would only cost a batch of one, flushed by the next receive, and a wake-up
+ * of the background thread per message (which starts every batch's FLUSH_NS clock). */
+void fr_mq_stream_end(ferry_mq *mq) {
+  if (pthread_mutex_trylock(&mq->publish_lock) != 0)
+    return; /* a publish is running: it flushes before it waits, the background thread after */
+  mq->last_publish_ns = 0;
+  if (__atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE))
+    fr_mq_flush_locked(mq);
+  pthread_mutex_unlock(&mq->publish_lock);
+}
+
 /* Appends a frame, published at `now`, to p's batch (publish_lock held); false when it does
  * not fit at all. */
 static bool batch_add(ferry_mq *mq, fr_mq_peer *p, const uint8_t *head, size_t hl, const void *data,

@@ -265,7 +265,7 @@ int ferry_mq_recv(ferry_mq *mq, ferry_mq_msg **out, int timeout_ms) {
   if (!mq || !out)
     return fr_err(FERRY_EINVAL, "ferry_mq_recv: NULL argument");
   int ms = fr_timeout(timeout_ms);
-  fr_mq_flush(mq); /* what we batched may be what the peer answers */
+  fr_mq_stream_end(mq); /* what we batched may be what the peer answers */
   pthread_mutex_lock(&mq->lock);
   int rc = 0;
   if (!mq->head && !mq->callback) { /* only a receive that waits reads the clock */
