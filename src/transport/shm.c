@@ -316,7 +316,8 @@ static int ring_write_all(ferry_link *l, shm_link *s, const uint8_t *p, size_t l
       break;
     ring_doorbell(l, s); /* the reader must know there is something to make room for */
     uint64_t slice = fr_now_ns() + 50000000ull;
-    fr_ring_wait_space(&s->tx, slice < deadline_ns ? slice : deadline_ns);
+    fr_ring_wait_space(&s->tx, len, (uint64_t)l->ctx->spin_us * 1000u,
+                       slice < deadline_ns ? slice : deadline_ns);
     if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == FR_LINK_DEAD)
       return fr_err(FERRY_EPEER, "'%s' went away while we sent", l->peer);
     if (fr_now_ns() >= deadline_ns)
