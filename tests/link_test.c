@@ -116,6 +116,29 @@ static void test_message_buffers(void **state) {
   }
 }
 
+/* A budget filled with buffers of one size makes room for another size in use. */
+static void test_message_buffers_evict(void **state) {
+  (void)state;
+  enum { SMALL = 1025, MANY = 60000 }; /* 60,000 x 1.25 KiB: more than the 64 MiB budget */
+  ferry_msg **v = calloc(MANY, sizeof *v);
+  assert_non_null(v);
+  for (size_t i = 0; i < MANY; i++)
+    assert_non_null(v[i] = fr_msg_alloc(SMALL));
+  for (size_t i = 0; i < MANY; i++)
+    ferry_msg_free(v[i]);
+  assert_true(fr_msg_kept_bytes(SMALL) > (48u << 20));
+  ferry_msg *big = fr_msg_alloc(16384);
+  assert_non_null(big);
+  ferry_msg_free(big);
+  assert_true(fr_msg_kept_bytes(16384) >= 16384);
+  assert_true(fr_msg_kept_bytes(SMALL) < (64u << 20));
+  for (size_t i = 0; i < MANY; i++) /* leave the budget to the other tests */
+    assert_non_null(v[i] = fr_msg_alloc(SMALL));
+  for (size_t i = 0; i < MANY; i++)
+    free(fr_msg_node_of(v[i]));
+  free(v);
+}
+
 static void messages(const char *transport) {
   pair p;
   pair_open(&p, transport);
@@ -599,16 +622,17 @@ int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_ctx_address),         cmocka_unit_test(test_memory),
-      cmocka_unit_test(test_message_buffers),     cmocka_unit_test(test_messages_shm),
-      cmocka_unit_test(test_messages_tcp),        cmocka_unit_test(test_calls_shm),
-      cmocka_unit_test(test_calls_tcp),           cmocka_unit_test(test_rma_shm_shared),
-      cmocka_unit_test(test_rma_shm_registered),  cmocka_unit_test(test_shm_small_ring),
-      cmocka_unit_test(test_rma_tcp_shared),      cmocka_unit_test(test_rma_tcp_registered),
-      cmocka_unit_test(test_token_shm),           cmocka_unit_test(test_token_tcp),
-      cmocka_unit_test(test_connect_failures),    cmocka_unit_test(test_bad_frames),
-      cmocka_unit_test(test_killed_mid_read_tcp), cmocka_unit_test(test_killed_mid_read_shm),
-      cmocka_unit_test(test_concurrent_shm),      cmocka_unit_test(test_concurrent_tcp),
-      cmocka_unit_test(test_waiters_shm),         cmocka_unit_test(test_waiters_tcp),
+      cmocka_unit_test(test_message_buffers),     cmocka_unit_test(test_message_buffers_evict),
+      cmocka_unit_test(test_messages_shm),        cmocka_unit_test(test_messages_tcp),
+      cmocka_unit_test(test_calls_shm),           cmocka_unit_test(test_calls_tcp),
+      cmocka_unit_test(test_rma_shm_shared),      cmocka_unit_test(test_rma_shm_registered),
+      cmocka_unit_test(test_shm_small_ring),      cmocka_unit_test(test_rma_tcp_shared),
+      cmocka_unit_test(test_rma_tcp_registered),  cmocka_unit_test(test_token_shm),
+      cmocka_unit_test(test_token_tcp),           cmocka_unit_test(test_connect_failures),
+      cmocka_unit_test(test_bad_frames),          cmocka_unit_test(test_killed_mid_read_tcp),
+      cmocka_unit_test(test_killed_mid_read_shm), cmocka_unit_test(test_concurrent_shm),
+      cmocka_unit_test(test_concurrent_tcp),      cmocka_unit_test(test_waiters_shm),
+      cmocka_unit_test(test_waiters_tcp),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

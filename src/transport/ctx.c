@@ -9,14 +9,17 @@
  * transports allow it), so the bytes it waits for wake it directly: a round trip then costs one
  * wake-up per side, as a blocking socket does, instead of the progress thread's plus a hand-off.
  * While callers keep leading, the progress thread sleeps; it takes the epoll back when no caller
- * leads and none has for FOLLOW_NS, or at once when a leaving caller leaves others asleep
+ * leads and none has for PROGRESS_GRACE_NS, or at once when a leaving caller leaves others asleep
  * behind it. A leader polls without sleeping while events keep coming (a large tcp message
  * arrives in many socket-buffer pieces), and sleeps in the epoll after FERRY_SPIN_US without
  * one, or as soon as its yield lets another thread run on its core.
  * Background threads (service loops that wait for requests all the time, such as the embedded
- * directory's) lead only as the progress thread does; a caller that finds the epoll led by one
- * of them (or by the progress thread) asks it to step down and takes over, so that the message
- * it waits for wakes it rather than being handed over by another thread.
+ * directory's) lead only as the progress thread does, and never poll without sleeping: on a
+ * small machine that takes the core an application thread needs (a publisher's directory thread
+ * polling after each of its subscriber's releases halved the subscriber's share of its core, in
+ * 5 us turns). A caller that finds the epoll led by one of them (or by the progress thread)
+ * asks it to step down and takes over, so that the message it waits for wakes it rather than
+ * being handed over by another thread.
  */
 #include "transport/transport.h"
 
@@ -198,10 +201,13 @@ static bool msg_keep_node(fr_msg_node *n) {
  * message, a ring's worth at a time, while the application frees them one by one; glibc gave
  * the memory of a drained queue back to the kernel (per-thread arenas shrink their heaps), and
  * every message of the next burst faulted fresh pages in: 16 KiB messages took 35-60 us each
- * instead of 2-4. */
+ * instead of 2-4. The budget is an mq queue's default (FERRY_MQ_QUEUE_BYTES): a subscriber that
+ * falls behind holds that much. A full budget makes room by freeing buffers of other sizes: the
+ * sizes in use now are the ones worth keeping (after a stream of 1 KiB messages had filled it,
+ * a 16 KiB stream faulted every buffer in again: 30-50 us a message). */
 #define MSG_CLASS_MIN (1u << 10) /* the smallest class; messages over half of it get one */
 #define MSG_CLASSES 24           /* six doublings, four steps each: up to 64 KiB */
-#define MSG_CLASS_BYTES (32u << 20)
+#define MSG_CLASS_BYTES (64u << 20)
 static fr_msg_node *msg_class[MSG_CLASSES];
 static size_t msg_class_bytes;
 
@@ -234,18 +240,41 @@ static fr_msg_node *msg_class_take(int i) {
   return n;
 }
 
-/* Keeps n (its cap a class size) when there is room; false: the caller frees it. */
+/* Keeps n (its cap a class size), making room from the other classes; false: the caller frees
+ * it (a budget too small for it). */
 static bool msg_class_keep(fr_msg_node *n, int i) {
-  bool kept = false;
+  fr_msg_node *evicted = NULL;
   pthread_mutex_lock(&msg_keep_lock);
-  if (msg_class_bytes + n->cap <= MSG_CLASS_BYTES) {
+  for (int j = 0; j < MSG_CLASSES && msg_class_bytes + n->cap > MSG_CLASS_BYTES; j++)
+    while (j != i && msg_class[j] && msg_class_bytes + n->cap > MSG_CLASS_BYTES) {
+      fr_msg_node *e = msg_class[j];
+      msg_class[j] = e->next;
+      msg_class_bytes -= e->cap;
+      e->next = evicted;
+      evicted = e;
+    }
+  bool kept = msg_class_bytes + n->cap <= MSG_CLASS_BYTES;
+  if (kept) {
     n->next = msg_class[i];
     msg_class[i] = n;
     msg_class_bytes += n->cap;
-    kept = true;
   }
   pthread_mutex_unlock(&msg_keep_lock);
+  for (fr_msg_node *next; evicted; evicted = next) {
+    next = evicted->next;
+    free(evicted);
+  }
   return kept;
+}
+
+size_t fr_msg_kept_bytes(uint64_t len) {
+  int class = msg_class_of((size_t)len);
+  size_t bytes = 0;
+  pthread_mutex_lock(&msg_keep_lock);
+  for (fr_msg_node *n = class >= 0 ? msg_class[class] : NULL; n; n = n->next)
+    bytes += n->cap;
+  pthread_mutex_unlock(&msg_keep_lock);
+  return bytes;
 }
 
 ferry_msg *fr_msg_alloc(uint64_t len) {
@@ -425,7 +454,15 @@ static void on_accept(fr_poller *p, uint32_t events) {
 }
 
 #define FR_MAX_EVENTS 64
-#define FOLLOW_NS 1000000ull /* the progress thread's grace while callers lead */
+#define FOLLOW_NS                                                                                  \
+  1000000ull /* a caller's hand-over; background threads' grace while callers lead */
+/* The progress thread's grace while callers lead: it checks this often whether they still do.
+ * At 1 ms, its wake-ups (one per process per millisecond, each on the core the application's
+ * other thread needed on the 2-core VM) were a good part of a 1 MiB stream's stalls. */
+#define PROGRESS_GRACE_NS 4000000ull
+/* A waiter that does not lead sleeps this long at most: whoever leads wakes it with its message,
+ * and a leaving caller hands the epoll to the progress thread when waiters sleep. */
+#define SLEEPER_SLICE_NS 100000000ull
 
 static void wake_progress(ferry_ctx *ctx) {
   uint64_t one = 1;
@@ -467,8 +504,8 @@ void fr_ctx_poke(ferry_ctx *ctx, int what) {
 }
 
 /* The progress thread stays out of the epoll while callers lead: while one leads now (however
- * long it has waited: a large message under load takes milliseconds), and for FOLLOW_NS after
- * one last did. Were it to queue on the lead mutex behind a caller that leads for long, it
+ * long it has waited: a large message under load takes milliseconds), and for PROGRESS_GRACE_NS
+ * after one last did. Were it to queue on the lead mutex behind a caller that leads for long, it
  * would take the epoll as that caller leaves, and the caller's next wait would cost two
  * hand-offs (asking it to step down, then the mutex). A caller that asked it to step down
  * counts as leading: were the progress thread to take the mutex straight back (glibc's mutex is
@@ -484,9 +521,9 @@ static void follow(ferry_ctx *ctx) {
   pthread_mutex_lock(&ctx->idle_lock);
   while (!stopping(ctx) && !ctx->lead_wanted) {
     uint64_t now = fr_now_ns();
-    uint64_t until = __atomic_load_n(&ctx->user_led_ns, __ATOMIC_SEQ_CST) + FOLLOW_NS;
+    uint64_t until = __atomic_load_n(&ctx->user_led_ns, __ATOMIC_SEQ_CST) + PROGRESS_GRACE_NS;
     if (caller_leads(ctx) && until <= now)
-      until = now + FOLLOW_NS;
+      until = now + PROGRESS_GRACE_NS;
     else if (now >= until)
       break;
     struct timespec ts = fr_timespec(until);
@@ -605,7 +642,8 @@ static int lead(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg,
   mark_led(ctx, bg);
   __atomic_store_n(&ctx->lead_waits_for, waits_for, __ATOMIC_SEQ_CST);
   __atomic_store_n(&ctx->user_leading, true, __ATOMIC_SEQ_CST);
-  poll_briefly(ctx, ready, arg, deadline_ns);
+  if (!bg) /* background threads never poll without sleeping (see the top) */
+    poll_briefly(ctx, ready, arg, deadline_ns);
   while (!ready(arg) && !stopping(ctx) && fr_now_ns() < deadline_ns && !claimed(ctx)) {
     int ms = fr_ms_left(deadline_ns);
     run_batch(ctx, ms < 1000 ? ms : 1000);
@@ -631,9 +669,8 @@ bool fr_ctx_wait(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg
       return true;
     uint64_t now = fr_now_ns();
     if (r != LED && now < deadline_ns) {
-      /* Someone else leads and signals us; short slices while it may be a caller that
-       * leaves (a sleeper then leads itself). */
-      uint64_t until = now + (r == BUSY ? FOLLOW_NS : 100 * FOLLOW_NS);
+      /* Someone else leads and signals us (or hands the epoll on as it leaves). */
+      uint64_t until = now + SLEEPER_SLICE_NS;
       until = until < deadline_ns ? until : deadline_ns;
       struct timespec ts = fr_timespec(until);
       pthread_mutex_lock(mutex);

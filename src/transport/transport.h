@@ -164,6 +164,8 @@ static inline fr_msg_node *fr_msg_node_of(ferry_msg *m) {
   return (fr_msg_node *)((char *)m - offsetof(fr_msg_node, msg));
 }
 ferry_msg *fr_msg_alloc(uint64_t len);
+/* Bytes of free buffers kept for messages of len's size class (tests). */
+size_t fr_msg_kept_bytes(uint64_t len);
 
 /* ---- the context ---- */
 typedef struct fr_channel {
