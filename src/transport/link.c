@@ -153,7 +153,8 @@ int fr_link_send_frame_quiet(ferry_link *l, const fr_frame *f, const struct iove
 
 int fr_link_sock_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
                        uint64_t deadline_ns) {
-  return fr_sock_sendv(l->poller.fd, iov, iovcnt, fd_out, deadline_ns);
+  return fr_sock_sendv(l->poller.fd, iov, iovcnt, fd_out, (uint64_t)l->ctx->spin_us * 1000u,
+                       deadline_ns);
 }
 
 ssize_t fr_link_sock_recv(ferry_link *l, void *dst, size_t len) {

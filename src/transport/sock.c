@@ -7,6 +7,7 @@
 #include "transport/transport.h"
 
 #include <errno.h>
+#include <sched.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <string.h>
@@ -60,8 +61,10 @@ int fr_sock_connect(int fd, const struct sockaddr *addr, socklen_t len, int time
   return fr_sock_set_nonblock(fd, false);
 }
 
-int fr_sock_sendv(int fd, struct iovec *iov, int iovcnt, int fd_out, uint64_t deadline_ns) {
+int fr_sock_sendv(int fd, struct iovec *iov, int iovcnt, int fd_out, uint64_t spin_ns,
+                  uint64_t deadline_ns) {
   char cbuf[CMSG_SPACE(sizeof(int))];
+  uint64_t spin_end = spin_ns ? fr_now_ns() + spin_ns : 0;
   while (iovcnt > 0) {
     struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)iovcnt};
     if (fd_out >= 0) {
@@ -79,6 +82,10 @@ int fr_sock_sendv(int fd, struct iovec *iov, int iovcnt, int fd_out, uint64_t de
       if (errno == EINTR)
         continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        if (spin_end && fr_now_ns() < spin_end) { /* the reader is likely reading now */
+          sched_yield();
+          continue;
+        }
         int rc = wait_fd(fd, POLLOUT, deadline_ns);
         if (rc == FERRY_ETIMEDOUT)
           return fr_err(FERRY_ETIMEDOUT, "send: peer did not take the bytes in time");

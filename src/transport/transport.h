@@ -350,8 +350,12 @@ int fr_sock_set_nonblock(int fd, bool on);
 /* Connects fd to addr within timeout_ms. */
 int fr_sock_connect(int fd, const struct sockaddr *addr, socklen_t len, int timeout_ms,
                     const char *what);
-/* Writes all of iov (plus an SCM_RIGHTS fd when fd_out >= 0) by the deadline. */
-int fr_sock_sendv(int fd, struct iovec *iov, int iovcnt, int fd_out, uint64_t deadline_ns);
+/* Writes all of iov (plus an SCM_RIGHTS fd when fd_out >= 0) by the deadline. A full socket
+ * buffer is first retried, yielding, for spin_ns (its reader is usually reading on another
+ * core: a poll() sleep and wake-up per piece of a large message cost more than the piece),
+ * then waited for with poll(). */
+int fr_sock_sendv(int fd, struct iovec *iov, int iovcnt, int fd_out, uint64_t spin_ns,
+                  uint64_t deadline_ns);
 /* Reads exactly len bytes by the deadline, collecting passed fds into fds/nfds when non-NULL. */
 int fr_sock_recv_all(int fd, void *buf, size_t len, uint64_t deadline_ns, int *fds, int *nfds);
 /* One non-blocking recvmsg; collects passed fds. Returns bytes, 0 on EOF, -EAGAIN or -errno. */

@@ -988,7 +988,8 @@ static int send_preamble(ucx_link *u) {
   fr_put_u32(hdr, PREAMBLE_MAGIC);
   fr_put_u32(hdr + 4, (uint32_t)len);
   struct iovec iov[2] = {{hdr, sizeof hdr}, {addr, len}};
-  int rc = fr_sock_sendv(u->link->poller.fd, iov, 2, -1, fr_deadline_ns(u->link->ctx->timeout_ms));
+  int rc =
+      fr_sock_sendv(u->link->poller.fd, iov, 2, -1, 0, fr_deadline_ns(u->link->ctx->timeout_ms));
   pthread_mutex_lock(&u->lock);
   ucp_worker_release_address(u->worker, addr);
   pthread_mutex_unlock(&u->lock);
