@@ -95,7 +95,8 @@ static void test_memory(void **state) {
  * and a reused buffer always holds the message: every byte of each is written, under ASan too. */
 static void test_message_buffers(void **state) {
   (void)state;
-  static const size_t sizes[] = {1, 512, 513, 1024, 1025, 1300, 16448, 57344, 60000, 65536, 70000};
+  static const size_t sizes[] = {1,     512,   513,   1024,  1025,  1300,
+                                 16448, 57344, 60000, 65536, 70000, 3 << 20};
   for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
     ferry_msg *m = fr_msg_alloc(sizes[i]);
     assert_non_null(m);
@@ -105,7 +106,7 @@ static void test_message_buffers(void **state) {
     m = fr_msg_alloc(sizes[i]);
     assert_non_null(m);
     memset(m->data, 2, sizes[i]);
-    if (sizes[i] > 512 && sizes[i] != 60000) /* 56-64 KiB: no class, below the large keep */
+    if (sizes[i] > 512)
       assert_ptr_equal(m->data, data);
     /* the next size up never gets this buffer unless it holds it */
     ferry_msg *n = fr_msg_alloc(sizes[i] + 1);
@@ -114,28 +115,34 @@ static void test_message_buffers(void **state) {
     ferry_msg_free(n);
     ferry_msg_free(m);
   }
+  ferry_msg *huge = fr_msg_alloc((size_t)200 << 20); /* over the budget: never kept */
+  assert_non_null(huge);
+  ferry_msg_free(huge);
+  assert_int_equal(fr_msg_kept_bytes((size_t)200 << 20), 0);
 }
 
-/* A budget filled with buffers of one size makes room for another size in use. */
+/* A budget filled with buffers of one size makes room for another size in use, and buffers
+ * not reused for a while go back. */
 static void test_message_buffers_evict(void **state) {
   (void)state;
-  enum { SMALL = 1025, MANY = 60000 }; /* 60,000 x 1.25 KiB: more than the 64 MiB budget */
+  enum { SMALL = 40000, MANY = 4500 }; /* 4,500 x 40 KiB: more than the 160 MiB budget */
   ferry_msg **v = calloc(MANY, sizeof *v);
   assert_non_null(v);
   for (size_t i = 0; i < MANY; i++)
     assert_non_null(v[i] = fr_msg_alloc(SMALL));
   for (size_t i = 0; i < MANY; i++)
     ferry_msg_free(v[i]);
-  assert_true(fr_msg_kept_bytes(SMALL) > (48u << 20));
-  ferry_msg *big = fr_msg_alloc(16384);
+  assert_true(fr_msg_kept_bytes(SMALL) > (150u << 20));
+  ferry_msg *big = fr_msg_alloc(1 << 20);
   assert_non_null(big);
   ferry_msg_free(big);
-  assert_true(fr_msg_kept_bytes(16384) >= 16384);
-  assert_true(fr_msg_kept_bytes(SMALL) < (64u << 20));
-  for (size_t i = 0; i < MANY; i++) /* leave the budget to the other tests */
-    assert_non_null(v[i] = fr_msg_alloc(SMALL));
-  for (size_t i = 0; i < MANY; i++)
-    free(fr_msg_node_of(v[i]));
+  assert_true(fr_msg_kept_bytes(1 << 20) >= (1 << 20));
+  assert_true(fr_msg_kept_bytes(SMALL) <= (159u << 20));
+  fr_msg_keep_trim(fr_now_ns()); /* just kept: stays */
+  assert_true(fr_msg_kept_bytes(1 << 20) >= (1 << 20));
+  fr_msg_keep_trim(fr_now_ns() + 3000000000ull);
+  assert_int_equal(fr_msg_kept_bytes(1 << 20), 0);
+  assert_int_equal(fr_msg_kept_bytes(SMALL), 0);
   free(v);
 }
 

@@ -153,79 +153,41 @@ void fr_ctx_poll_links(ferry_ctx *ctx) {
 
 /* ---- messages ---- */
 
-/* Large message buffers are kept for reuse, a few per process: glibc hands a freed block of a
- * MiB back to the kernel, and a fresh one costs page faults and zeroing on every message, which
- * dominated large receives (tcp: the payload is received straight into the message). */
-#define MSG_KEEP_MIN (64u << 10)   /* nodes holding at least this are kept */
-#define MSG_KEEP_SLOTS 4           /* this many */
-#define MSG_KEEP_BYTES (64u << 20) /* holding at most this much in all */
-static pthread_mutex_t msg_keep_lock = PTHREAD_MUTEX_INITIALIZER;
-static fr_msg_node *msg_keep[MSG_KEEP_SLOTS];
-static size_t msg_kept_bytes;
-
-/* The smallest kept node that holds len bytes, taken; NULL when none. */
-static fr_msg_node *msg_reuse(size_t len) {
-  fr_msg_node *n = NULL;
-  pthread_mutex_lock(&msg_keep_lock);
-  size_t best = MSG_KEEP_SLOTS;
-  for (size_t i = 0; i < MSG_KEEP_SLOTS; i++)
-    if (msg_keep[i] && msg_keep[i]->cap >= len &&
-        (best == MSG_KEEP_SLOTS || msg_keep[i]->cap < msg_keep[best]->cap))
-      best = i;
-  if (best < MSG_KEEP_SLOTS) {
-    n = msg_keep[best];
-    msg_keep[best] = NULL;
-    msg_kept_bytes -= n->cap;
-  }
-  pthread_mutex_unlock(&msg_keep_lock);
-  return n;
-}
-
-/* Keeps n for reuse when there is room; false: the caller frees it. */
-static bool msg_keep_node(fr_msg_node *n) {
-  bool kept = false;
-  pthread_mutex_lock(&msg_keep_lock);
-  for (size_t i = 0; i < MSG_KEEP_SLOTS && !kept; i++)
-    if (!msg_keep[i] && msg_kept_bytes + n->cap <= MSG_KEEP_BYTES) {
-      msg_keep[i] = n;
-      msg_kept_bytes += n->cap;
-      kept = true;
-    }
-  pthread_mutex_unlock(&msg_keep_lock);
-  return kept;
-}
-
-/* Mid-size buffers (over 512 B, under MSG_KEEP_MIN) come in sizes of four steps per doubling
- * (1, 1.25, 1.5, 1.75, 2 KiB, ...: at most a quarter wasted) from free lists, one per size,
- * holding up to MSG_CLASS_BYTES in all. A stream of such messages over shm allocates one per
- * message, a ring's worth at a time, while the application frees them one by one; glibc gave
- * the memory of a drained queue back to the kernel (per-thread arenas shrink their heaps), and
- * every message of the next burst faulted fresh pages in: 16 KiB messages took 35-60 us each
- * instead of 2-4. The budget is an mq queue's default (FERRY_MQ_QUEUE_BYTES): a subscriber that
- * falls behind holds that much. A full budget makes room by freeing buffers of other sizes: the
- * sizes in use now are the ones worth keeping (after a stream of 1 KiB messages had filled it,
- * a 16 KiB stream faulted every buffer in again: 30-50 us a message). */
+/* Received-message buffers are kept for reuse per process, in sizes of four steps per doubling
+ * (1, 1.25, 1.5, 1.75, 2 KiB, ... 128 MiB: at most a quarter wasted), one free list per size.
+ * glibc gives freed memory back to the kernel (a MiB block at once; smaller ones when a queue
+ * that grew drains: per-thread arenas shrink their heaps), and fresh memory costs a page fault
+ * per 4 KiB (5-7 ms a MiB on the project's VM): a stream of 16 KiB messages over shm took 35-60
+ * us a message with fresh buffers and 2-4 with kept ones, and 16-64 MiB tcp messages were
+ * received at 0.2 GB/s. The budget, MSG_KEEP_BYTES, covers a subscriber that fell a whole mq
+ * queue (FERRY_MQ_QUEUE_BYTES, 64 MiB by default) behind plus the messages in flight. A full
+ * budget makes room by freeing buffers of other sizes (the sizes in use now are the ones worth
+ * keeping: after a stream of 1 KiB messages had filled it, a 16 KiB stream faulted every
+ * buffer in again), and buffers not reused for MSG_KEEP_IDLE_NS go back to the system
+ * (fr_msg_keep_trim, from each ctx's reap once a second), so an idle process holds none. */
 #define MSG_CLASS_MIN (1u << 10) /* the smallest class; messages over half of it get one */
-#define MSG_CLASSES 24           /* six doublings, four steps each: up to 64 KiB */
-#define MSG_CLASS_BYTES (64u << 20)
-static fr_msg_node *msg_class[MSG_CLASSES];
+#define MSG_CLASSES (18 * 4)     /* eighteen doublings, four steps each: up to 128 MiB */
+#define MSG_KEEP_BYTES (160ull << 20)
+#define MSG_KEEP_IDLE_NS 2000000000ull
+static pthread_mutex_t msg_keep_lock = PTHREAD_MUTEX_INITIALIZER;
+static fr_msg_node *msg_class[MSG_CLASSES]; /* newest first */
 static size_t msg_class_bytes;
-
-/* The class of len (its index in msg_class), or -1 when len gets none. */
-static int msg_class_of(size_t len) {
-  if (len <= MSG_CLASS_MIN / 2 || len >= MSG_KEEP_MIN)
-    return -1;
-  int i = 0;
-  for (size_t base = MSG_CLASS_MIN; i < MSG_CLASSES; base *= 2)
-    for (size_t step = 0; step < 4; step++, i++)
-      if (base + step * (base / 4) >= len)
-        return i;
-  return -1;
-}
 
 static size_t msg_class_size(int i) {
   size_t base = (size_t)MSG_CLASS_MIN << (i / 4);
   return base + (size_t)(i % 4) * (base / 4);
+}
+
+/* The class of len (its index in msg_class), or -1 when len gets none. */
+static int msg_class_of(size_t len) {
+  if (len <= MSG_CLASS_MIN / 2 || len > msg_class_size(MSG_CLASSES - 1))
+    return -1;
+  if (len <= MSG_CLASS_MIN)
+    return 0;
+  int d = 63 - __builtin_clzll((unsigned long long)(len - 1)); /* 2^d < len <= 2^(d+1) */
+  size_t base = (size_t)1 << d, quarter = base / 4;
+  size_t step = (len - base + quarter - 1) / quarter; /* 1..4: base + step quarters */
+  return (d - 10) * 4 + (int)step;
 }
 
 /* A kept buffer of class i, taken; NULL when none. */
@@ -240,31 +202,55 @@ static fr_msg_node *msg_class_take(int i) {
   return n;
 }
 
+static void msg_free_all(fr_msg_node *n) {
+  for (fr_msg_node *next; n; n = next) {
+    next = n->next;
+    free(n);
+  }
+}
+
 /* Keeps n (its cap a class size), making room from the other classes; false: the caller frees
- * it (a budget too small for it). */
+ * it (a buffer larger than the budget). */
 static bool msg_class_keep(fr_msg_node *n, int i) {
   fr_msg_node *evicted = NULL;
   pthread_mutex_lock(&msg_keep_lock);
-  for (int j = 0; j < MSG_CLASSES && msg_class_bytes + n->cap > MSG_CLASS_BYTES; j++)
-    while (j != i && msg_class[j] && msg_class_bytes + n->cap > MSG_CLASS_BYTES) {
+  for (int j = 0; j < MSG_CLASSES && msg_class_bytes + n->cap > MSG_KEEP_BYTES; j++)
+    while (j != i && msg_class[j] && msg_class_bytes + n->cap > MSG_KEEP_BYTES) {
       fr_msg_node *e = msg_class[j];
       msg_class[j] = e->next;
       msg_class_bytes -= e->cap;
       e->next = evicted;
       evicted = e;
     }
-  bool kept = msg_class_bytes + n->cap <= MSG_CLASS_BYTES;
+  bool kept = msg_class_bytes + n->cap <= MSG_KEEP_BYTES;
   if (kept) {
+    n->kept_ns = fr_now_ns();
     n->next = msg_class[i];
     msg_class[i] = n;
     msg_class_bytes += n->cap;
   }
   pthread_mutex_unlock(&msg_keep_lock);
-  for (fr_msg_node *next; evicted; evicted = next) {
-    next = evicted->next;
-    free(evicted);
-  }
+  msg_free_all(evicted);
   return kept;
+}
+
+void fr_msg_keep_trim(uint64_t now_ns) {
+  fr_msg_node *idle = NULL;
+  pthread_mutex_lock(&msg_keep_lock);
+  for (int i = 0; i < MSG_CLASSES; i++) {
+    fr_msg_node **pp = &msg_class[i];
+    while (*pp && (*pp)->kept_ns + MSG_KEEP_IDLE_NS > now_ns)
+      pp = &(*pp)->next;
+    while (*pp) { /* newest first: the rest are older still */
+      fr_msg_node *n = *pp;
+      *pp = n->next;
+      msg_class_bytes -= n->cap;
+      n->next = idle;
+      idle = n;
+    }
+  }
+  pthread_mutex_unlock(&msg_keep_lock);
+  msg_free_all(idle);
 }
 
 size_t fr_msg_kept_bytes(uint64_t len) {
@@ -282,7 +268,7 @@ ferry_msg *fr_msg_alloc(uint64_t len) {
     return NULL;
   int class = msg_class_of((size_t)len);
   size_t cap = class >= 0 ? msg_class_size(class) : (size_t)len;
-  fr_msg_node *n = class >= 0 ? msg_class_take(class) : len >= MSG_KEEP_MIN ? msg_reuse(cap) : NULL;
+  fr_msg_node *n = class >= 0 ? msg_class_take(class) : NULL;
   if (!n && (n = malloc(sizeof *n + cap + 1)))
     n->cap = cap;
   if (!n)
@@ -300,10 +286,7 @@ void ferry_msg_free(ferry_msg *msg) {
   if (msg->link)
     fr_link_unref(msg->link);
   int class = msg_class_of(n->cap);
-  bool kept = class >= 0 && msg_class_size(class) == n->cap ? msg_class_keep(n, class)
-              : n->cap >= MSG_KEEP_MIN                      ? msg_keep_node(n)
-                                                            : false;
-  if (!kept)
+  if (class < 0 || msg_class_size(class) != n->cap || !msg_class_keep(n, class))
     free(n);
 }
 
@@ -485,6 +468,7 @@ static int run_batch(ferry_ctx *ctx, int timeout_ms) {
   ctx->ngrave = 0;
   if (fr_now_ns() > ctx->next_reap) {
     fr_link_reap_stale(ctx);
+    fr_msg_keep_trim(fr_now_ns());
     ctx->next_reap = fr_now_ns() + 1000000000ull;
   }
   __atomic_store_n(&ctx->leader, 0, __ATOMIC_RELAXED);

@@ -158,6 +158,7 @@ typedef struct fr_msg_node { /* its size is a multiple of 16: the payload follow
   _Alignas(16) struct fr_msg_node *next;
   uint64_t call_id; /* non-zero for a CALL: ferry_reply() answers it */
   size_t cap;       /* payload bytes the node holds (a reused node may hold more than len) */
+  uint64_t kept_ns; /* on a free list (ctx.c): since when */
   ferry_msg msg;
 } fr_msg_node;
 static inline fr_msg_node *fr_msg_node_of(ferry_msg *m) {
@@ -166,6 +167,8 @@ static inline fr_msg_node *fr_msg_node_of(ferry_msg *m) {
 ferry_msg *fr_msg_alloc(uint64_t len);
 /* Bytes of free buffers kept for messages of len's size class (tests). */
 size_t fr_msg_kept_bytes(uint64_t len);
+/* Frees the kept buffers not reused for a while (2 s) by now_ns. */
+void fr_msg_keep_trim(uint64_t now_ns);
 
 /* ---- the context ---- */
 typedef struct fr_channel {
