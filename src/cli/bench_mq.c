@@ -12,8 +12,9 @@
  * publisher's shared pool for large messages), nng and ZeroMQ in the buffer they received into.
  * ferry/shm-loan streams large messages built in loans from the publisher's pool (no copy).
  * memcpy of the same size, timed as a stream is, is the reference for large messages on one
- * host. nng and ZeroMQ are linked into this command only (never into libferry); without them their
- * rows say so.
+ * host; its streams take turns with ferry/shm's (one after each), so a slower phase of the
+ * shared machine's memory bandwidth hits both rows alike. nng and ZeroMQ are linked into this
+ * command only (never into libferry); without them their rows say so.
  */
 #include "cli/bench.h"
 #include "cli/cli.h"
@@ -376,6 +377,7 @@ typedef struct plan {
   uint64_t lat[8], tput[8];
   int nlat, ntput;
   bench_samples lat_s[NIMPLS][8], tput_s[NIMPLS][8]; /* seconds: one way; per message */
+  bench_samples memcpy_s[8]; /* the reference, taking turns with ferry/shm's streams */
 } plan;
 
 static int latency(const bench_opts *o, const impl *im, ep *e, uint64_t size, bench_samples *b) {
@@ -422,47 +424,72 @@ static int stream_once(ep *e, uint64_t size, uint64_t n, double *per_msg) {
   return 0;
 }
 
-static int throughput(const bench_opts *o, const impl *im, ep *e, uint64_t size, bench_samples *b) {
+/* The reference for large messages on one host, timed as a stream is: the same number of
+ * messages, per message after the first eighth; each one copied from one warm buffer into
+ * another (as ferry/shm's publisher copies from its buffer into a pool block that the
+ * subscriber released a moment ago). */
+typedef struct copier {
+  uint8_t *src, *dst;
+} copier;
+
+static int copier_open(copier *c, uint64_t size) {
+  c->src = malloc(size);
+  c->dst = malloc(size);
+  if (!c->src || !c->dst)
+    return -1;
+  memset(c->src, 1, size);
+  memset(c->dst, 2, size);
+  return 0;
+}
+
+static void copier_close(copier *c) {
+  free(c->src);
+  free(c->dst);
+}
+
+static double copy_stream(copier *c, uint64_t size) {
+  uint64_t n = stream_count(size), warm = n / 8 ? n / 8 : 1;
+  double t0 = bench_now();
+  for (uint64_t i = 0; i < n; i++) {
+    memcpy(c->dst, c->src, size);
+    __asm__ volatile("" ::"r"(c->dst) : "memory");
+    if (i + 1 == warm)
+      t0 = bench_now();
+  }
+  return (bench_now() - t0) / (double)(n - warm);
+}
+
+/* Streams of one size; with `mc`, a memcpy stream after each one (the reference takes turns
+ * with ferry/shm, so a slower phase of the shared machine's memory hits both alike). */
+static int throughput(const bench_opts *o, const impl *im, ep *e, uint64_t size, bench_samples *b,
+                      bench_samples *mc) {
   int reps = o->reps > 0 ? o->reps : size >= (16 << 20) ? 3 : 5;
-  int rc = 0;
+  copier c = {0};
+  int rc = mc ? copier_open(&c, size) : 0;
   for (int i = 0; rc == 0 && i < reps; i++) {
     double s;
     if ((rc = stream_once(e, size, stream_count(size), &s)) == 0)
       bench_add(b, s);
+    if (rc == 0 && mc)
+      bench_add(mc, copy_stream(&c, size));
   }
+  copier_close(&c);
   if (rc != 0)
     fprintf(stderr, "ferry bench mq: %s: stream of %llu-byte messages failed\n", im->name,
             (unsigned long long)size);
   return rc;
 }
 
-/* The reference for large messages on one host, timed as a stream is: the same number of
- * messages, per message after the first eighth, median of as many runs; each one copied from
- * one warm buffer into another (as ferry/shm's publisher copies from its buffer into a pool
- * block that the subscriber released a moment ago). */
-static void memcpy_row(const bench_opts *o, const char *cs, uint64_t size) {
-  uint8_t *src = malloc(size), *dst = malloc(size);
-  bench_samples b = {0};
-  uint64_t n = stream_count(size), warm = n / 8 ? n / 8 : 1;
+/* The reference alone, when ferry/shm did not run: as many memcpy streams as a stream's reps. */
+static void memcpy_row(const bench_opts *o, const char *cs, uint64_t size, bench_samples *b) {
   int reps = o->reps > 0 ? o->reps : size >= (16 << 20) ? 3 : 5;
-  if (src && dst) {
-    memset(src, 1, size);
-    memset(dst, 2, size);
-    for (int r = 0; r < reps; r++) {
-      double t0 = bench_now();
-      for (uint64_t i = 0; i < n; i++) {
-        memcpy(dst, src, size);
-        __asm__ volatile("" ::"r"(dst) : "memory");
-        if (i + 1 == warm)
-          t0 = bench_now();
-      }
-      bench_add(&b, (bench_now() - t0) / (double)(n - warm));
-    }
-    bench_row(o, "mq", cs, "memcpy", size, &b, false);
-  }
-  bench_free(&b);
-  free(src);
-  free(dst);
+  copier c = {0};
+  if (b->n == 0 && copier_open(&c, size) == 0)
+    for (int r = 0; r < reps; r++)
+      bench_add(b, copy_stream(&c, size));
+  copier_close(&c);
+  if (b->n)
+    bench_row(o, "mq", cs, "memcpy", size, b, false);
 }
 
 static void not_built(const bench_opts *o, const impl *im) {
@@ -488,7 +515,9 @@ static int run_impl(const bench_opts *o, size_t k, plan *p, bool do_lat) {
     rc = latency(o, im, &e, p->lat[i], &p->lat_s[k][i]);
   for (int i = 0; rc == 0 && !do_lat && i < p->ntput; i++)
     if (!im->loan || p->tput[i] >= LOAN_MIN)
-      rc = throughput(o, im, &e, p->tput[i], &p->tput_s[k][i]);
+      rc = throughput(
+          o, im, &e, p->tput[i], &p->tput_s[k][i],
+          strcmp(im->name, "ferry/shm") == 0 && p->tput[i] >= (1 << 20) ? &p->memcpy_s[i] : NULL);
   if (e.ops) {
     cmd quit = {CMD_MAGIC, 0, 0};
     e.ops->send(&e, &quit, sizeof quit);
@@ -542,7 +571,7 @@ static void print_throughput(const bench_opts *o, plan *p) {
       bool last_ipc = k + 1 == NIMPLS || strcmp(impls[k + 1].cls, "ipc") != 0;
       if (strcmp(impls[k].cls, "ipc") == 0 && last_ipc && p->tput[j] >= (1 << 20) &&
           (p->tput_s[k][j].n || p->tput_s[k - 1][j].n))
-        memcpy_row(o, cs, p->tput[j]);
+        memcpy_row(o, cs, p->tput[j], &p->memcpy_s[j]);
     }
   }
 }
@@ -554,9 +583,10 @@ static const char mq_usage[] =
     "PAIR over ipc and tcp. Ping-pong latency, 64 B..1 MiB (lat-p50 and lat-p99 cases: one\n"
     "way = round trip / 2); streaming throughput at the receiver after a warm-up, 64 B..64 MiB\n"
     "(stream cases: median time per message, GB/s; messages/s = 1 / median), with memcpy\n"
-    "beside ferry/shm for 1 MiB and more (timed as a stream is). ferry/shm-loan streams\n"
-    "messages of 256 KiB and more built in loans from the publisher's pool (ferry_mq_loan),\n"
-    "sent without a copy. The reference of each case is ZeroMQ in its class.\n"
+    "beside ferry/shm for 1 MiB and more (timed as a stream is, each of its runs right after\n"
+    "one of ferry/shm's). ferry/shm-loan streams messages of 256 KiB and more built in loans\n"
+    "from the publisher's pool (ferry_mq_loan), sent without a copy. The reference of each\n"
+    "case is ZeroMQ in its class.\n"
     "--only IMPL runs the implementations whose name contains IMPL (e.g. ferry, tcp);\n"
     "--min-size BYTES leaves out the cases of smaller messages; --pass runs one half.\n";
 
@@ -592,6 +622,8 @@ int bench_mq(int argc, char **argv) {
   for (size_t k = 0; k < NIMPLS; k++)
     for (int j = 0; j < 8; j++)
       bench_reset(&p.lat_s[k][j]), bench_reset(&p.tput_s[k][j]);
+  for (int j = 0; j < 8; j++)
+    bench_reset(&p.memcpy_s[j]);
   p.nlat = p.ntput = 0;
   for (uint64_t s = 64; s <= (1 << 20) && s <= o.max_size; s *= 16)
     if (s >= min_size)
@@ -626,5 +658,7 @@ int bench_mq(int argc, char **argv) {
   for (size_t k = 0; k < NIMPLS; k++)
     for (int j = 0; j < 8; j++)
       bench_free(&p.lat_s[k][j]), bench_free(&p.tput_s[k][j]);
+  for (int j = 0; j < 8; j++)
+    bench_free(&p.memcpy_s[j]);
   return rc == 0 ? CLI_OK : CLI_FAIL;
 }
