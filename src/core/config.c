@@ -17,6 +17,8 @@
   X("FERRY_UCX_LISTEN", "", "HOST:PORT of the ucx handshake listener (empty: tcp's host, port 0)") \
   X("FERRY_UCX_RMA", "auto", "ucx one-sided reads: get (RMA), am (owner answers) or auto")         \
   X("FERRY_TCP_SOCKBUF", "0", "tcp socket buffer bytes; 0 leaves them to the kernel (autotuning)") \
+  X("FERRY_TCP_LOCAL_CC", "reno",                                                                  \
+    "congestion control of tcp links within this host (empty: the kernel's default)")              \
   X("FERRY_TOKEN", "", "fleet token; when set, every link must prove it knows it")                 \
   X("FERRY_MAX_MESSAGE", "1073741824", "largest message or one-sided transfer accepted, bytes")    \
   X("FERRY_SHM_RING_BYTES", "1048576",                                                             \
