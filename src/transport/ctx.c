@@ -163,8 +163,8 @@ void fr_ctx_poll_links(ferry_ctx *ctx) {
  * queue (FERRY_MQ_QUEUE_BYTES, 64 MiB by default) behind plus the messages in flight. A full
  * budget makes room by freeing buffers of other sizes (the sizes in use now are the ones worth
  * keeping: after a stream of 1 KiB messages had filled it, a 16 KiB stream faulted every
- * buffer in again), and buffers not reused for MSG_KEEP_IDLE_NS go back to the system
- * (fr_msg_keep_trim, from each ctx's reap once a second), so an idle process holds none. */
+ * buffer in again), and the buffers of a size not used for MSG_KEEP_IDLE_NS go back to the
+ * system (fr_msg_keep_trim, from each ctx's reap once a second), so an idle process holds none. */
 #define MSG_CLASS_MIN (1u << 10) /* the smallest class; messages over half of it get one */
 #define MSG_CLASSES (18 * 4)     /* eighteen doublings, four steps each: up to 128 MiB */
 #define MSG_KEEP_BYTES (160ull << 20)
@@ -234,23 +234,23 @@ static bool msg_class_keep(fr_msg_node *n, int i) {
   return kept;
 }
 
+/* A size whose newest kept buffer is older than MSG_KEEP_IDLE_NS is not in use: all its
+ * buffers go (a size in use keeps its own, within the budget; looking at the heads only keeps
+ * this a few dozen loads under the lock, once a second). */
 void fr_msg_keep_trim(uint64_t now_ns) {
-  fr_msg_node *idle = NULL;
+  fr_msg_node *idle[MSG_CLASSES];
+  int nidle = 0;
   pthread_mutex_lock(&msg_keep_lock);
-  for (int i = 0; i < MSG_CLASSES; i++) {
-    fr_msg_node **pp = &msg_class[i];
-    while (*pp && (*pp)->kept_ns + MSG_KEEP_IDLE_NS > now_ns)
-      pp = &(*pp)->next;
-    while (*pp) { /* newest first: the rest are older still */
-      fr_msg_node *n = *pp;
-      *pp = n->next;
-      msg_class_bytes -= n->cap;
-      n->next = idle;
-      idle = n;
+  for (int i = 0; i < MSG_CLASSES; i++)
+    if (msg_class[i] && msg_class[i]->kept_ns + MSG_KEEP_IDLE_NS <= now_ns) {
+      for (fr_msg_node *n = msg_class[i]; n; n = n->next)
+        msg_class_bytes -= n->cap;
+      idle[nidle++] = msg_class[i];
+      msg_class[i] = NULL;
     }
-  }
   pthread_mutex_unlock(&msg_keep_lock);
-  msg_free_all(idle);
+  for (int i = 0; i < nidle; i++)
+    msg_free_all(idle[i]);
 }
 
 size_t fr_msg_kept_bytes(uint64_t len) {
@@ -437,8 +437,9 @@ static void on_accept(fr_poller *p, uint32_t events) {
 }
 
 #define FR_MAX_EVENTS 64
-#define FOLLOW_NS                                                                                  \
-  1000000ull /* a caller's hand-over; background threads' grace while callers lead */
+/* A caller's wait for the lead it asked a background leader for; background threads' grace
+ * while callers lead. */
+#define FOLLOW_NS 1000000ull
 /* The progress thread's grace while callers lead: it checks this often whether they still do.
  * At 1 ms, its wake-ups (one per process per millisecond, each on the core the application's
  * other thread needed on the 2-core VM) were a good part of a 1 MiB stream's stalls. */

@@ -167,7 +167,7 @@ static inline fr_msg_node *fr_msg_node_of(ferry_msg *m) {
 ferry_msg *fr_msg_alloc(uint64_t len);
 /* Bytes of free buffers kept for messages of len's size class (tests). */
 size_t fr_msg_kept_bytes(uint64_t len);
-/* Frees the kept buffers not reused for a while (2 s) by now_ns. */
+/* Frees the kept buffers of the sizes not used for a while (2 s) by now_ns. */
 void fr_msg_keep_trim(uint64_t now_ns);
 
 /* ---- the context ---- */
