@@ -308,6 +308,10 @@ void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg) {
   fr_ctx_poke(ctx, channel);
 }
 
+/* Set in the service loops' threads (fr_ctx_background_thread): they wait for requests all the
+ * time, and neither spin nor lead before callers (see the top). */
+static _Thread_local bool background_thread;
+
 typedef struct channel_wait {
   ferry_ctx *ctx;
   fr_channel *c;
@@ -320,8 +324,8 @@ static bool channel_ready(void *arg) {
 
 bool fr_ctx_await(ferry_ctx *ctx, uint32_t channel, int timeout_ms) {
   fr_channel *c = &ctx->channels[channel];
-  if (timeout_ms > 0 && !__atomic_load_n(&c->last_costly, __ATOMIC_RELAXED))
-    spin_channel(ctx, c); /* its messages came over shm lately */
+  if (timeout_ms > 0 && !background_thread && !__atomic_load_n(&c->last_costly, __ATOMIC_RELAXED))
+    spin_channel(ctx, c); /* its messages came over shm lately (a service loop never spins) */
   channel_wait w = {ctx, c};
   fr_ctx_wait(ctx, (int)channel, channel_ready, &w, &c->lock, &c->cond, fr_deadline_ns(timeout_ms));
   return __atomic_load_n(&c->count, __ATOMIC_ACQUIRE) != 0;
@@ -541,8 +545,6 @@ static void hand_to_progress(ferry_ctx *ctx) {
 }
 
 enum { LED, BUSY, NO_LEAD };
-
-static _Thread_local bool background_thread;
 
 void fr_ctx_background_thread(void) { background_thread = true; }
 
