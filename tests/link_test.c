@@ -14,6 +14,7 @@
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <netinet/tcp.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -144,6 +145,36 @@ static void test_message_buffers_evict(void **state) {
   assert_int_equal(fr_msg_kept_bytes(1 << 20), 0);
   assert_int_equal(fr_msg_kept_bytes(SMALL), 0);
   free(v);
+}
+
+/* A tcp link within this host takes FERRY_TCP_LOCAL_CC (reno unless set; empty: the kernel's). */
+static void local_cc_is(const char *setting, const char *want) {
+  if (setting)
+    setenv("FERRY_TCP_LOCAL_CC", setting, 1);
+  pair p;
+  pair_open(&p, "tcp");
+  char cc[32] = "";
+  socklen_t len = sizeof cc;
+  assert_int_equal(getsockopt(p.ab->poller.fd, IPPROTO_TCP, TCP_CONGESTION, cc, &len), 0);
+  assert_string_equal(cc, want);
+  pair_close(&p);
+  unsetenv("FERRY_TCP_LOCAL_CC");
+}
+
+static void test_tcp_local_cc(void **state) {
+  (void)state;
+  char allowed[256] = "", dflt[32] = "";
+  FILE *f = fopen("/proc/sys/net/ipv4/tcp_allowed_congestion_control", "r");
+  FILE *g = fopen("/proc/sys/net/ipv4/tcp_congestion_control", "r");
+  if (f && fgets(allowed, sizeof allowed, f) && g && fscanf(g, "%31s", dflt) == 1 &&
+      strstr(allowed, "reno")) {
+    local_cc_is(NULL, "reno");
+    local_cc_is("", dflt);
+  }
+  if (f)
+    fclose(f);
+  if (g)
+    fclose(g);
 }
 
 static void messages(const char *transport) {
@@ -630,16 +661,16 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_ctx_address),         cmocka_unit_test(test_memory),
       cmocka_unit_test(test_message_buffers),     cmocka_unit_test(test_message_buffers_evict),
-      cmocka_unit_test(test_messages_shm),        cmocka_unit_test(test_messages_tcp),
-      cmocka_unit_test(test_calls_shm),           cmocka_unit_test(test_calls_tcp),
-      cmocka_unit_test(test_rma_shm_shared),      cmocka_unit_test(test_rma_shm_registered),
-      cmocka_unit_test(test_shm_small_ring),      cmocka_unit_test(test_rma_tcp_shared),
-      cmocka_unit_test(test_rma_tcp_registered),  cmocka_unit_test(test_token_shm),
-      cmocka_unit_test(test_token_tcp),           cmocka_unit_test(test_connect_failures),
-      cmocka_unit_test(test_bad_frames),          cmocka_unit_test(test_killed_mid_read_tcp),
-      cmocka_unit_test(test_killed_mid_read_shm), cmocka_unit_test(test_concurrent_shm),
-      cmocka_unit_test(test_concurrent_tcp),      cmocka_unit_test(test_waiters_shm),
-      cmocka_unit_test(test_waiters_tcp),
+      cmocka_unit_test(test_tcp_local_cc),        cmocka_unit_test(test_messages_shm),
+      cmocka_unit_test(test_messages_tcp),        cmocka_unit_test(test_calls_shm),
+      cmocka_unit_test(test_calls_tcp),           cmocka_unit_test(test_rma_shm_shared),
+      cmocka_unit_test(test_rma_shm_registered),  cmocka_unit_test(test_shm_small_ring),
+      cmocka_unit_test(test_rma_tcp_shared),      cmocka_unit_test(test_rma_tcp_registered),
+      cmocka_unit_test(test_token_shm),           cmocka_unit_test(test_token_tcp),
+      cmocka_unit_test(test_connect_failures),    cmocka_unit_test(test_bad_frames),
+      cmocka_unit_test(test_killed_mid_read_tcp), cmocka_unit_test(test_killed_mid_read_shm),
+      cmocka_unit_test(test_concurrent_shm),      cmocka_unit_test(test_concurrent_tcp),
+      cmocka_unit_test(test_waiters_shm),         cmocka_unit_test(test_waiters_tcp),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
