@@ -190,7 +190,8 @@ struct ferry_mq {
 
   pthread_mutex_t publish_lock; /* one publish at a time: every subscriber sees one order */
   uint64_t seq;
-  uint64_t last_publish_ns; /* publishes closer together than this batch small messages */
+  uint64_t last_publish_ns; /* publishes closer together than this batch small messages;
+                             * written under publish_lock, read unlocked by receives (atomic) */
   fr_mq_clock clock;        /* the time a publish reads (publish.c) */
   fr_mq_fast fast;          /* what a publish in a stream reuses (publish.c) */
   fr_mq_peer **dirty;       /* peers with a pending batch, a reference each (publish_lock) */

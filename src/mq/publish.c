@@ -218,26 +218,27 @@ void fr_mq_flush_locked(ferry_mq *mq) {
   __atomic_store_n(&mq->batch_since_ns, 0, __ATOMIC_RELEASE);
 }
 
-void fr_mq_flush(ferry_mq *mq) {
-  if (!__atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE))
+/* Flushes the pending batches unless a publish is running (it flushes before it waits, the
+ * background thread after); `end_stream` also makes the next publish an isolated one. */
+static void flush_unless_publishing(ferry_mq *mq, bool end_stream) {
+  bool stream = end_stream && __atomic_load_n(&mq->last_publish_ns, __ATOMIC_RELAXED);
+  if (!stream && !__atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE))
+    return; /* nothing to do: a subscriber that never publishes takes no lock per receive */
+  if (pthread_mutex_trylock(&mq->publish_lock) != 0)
     return;
-  if (pthread_mutex_trylock(&mq->publish_lock) != 0)
-    return; /* a publish is running: it flushes before it waits, the background thread after */
-  fr_mq_flush_locked(mq);
-  pthread_mutex_unlock(&mq->publish_lock);
-}
-
-/* A receive ends a stream: the next publish is an answer (a ping-pong, a relay), written at
- * once. Batching it would only cost a batch of one, flushed by the next receive, and a wake-up
- * of the background thread per message (which starts every batch's FLUSH_NS clock). */
-void fr_mq_stream_end(ferry_mq *mq) {
-  if (pthread_mutex_trylock(&mq->publish_lock) != 0)
-    return; /* a publish is running: it flushes before it waits, the background thread after */
-  mq->last_publish_ns = 0;
+  if (end_stream)
+    __atomic_store_n(&mq->last_publish_ns, 0, __ATOMIC_RELAXED);
   if (__atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE))
     fr_mq_flush_locked(mq);
   pthread_mutex_unlock(&mq->publish_lock);
 }
+
+void fr_mq_flush(ferry_mq *mq) { flush_unless_publishing(mq, false); }
+
+/* A receive ends a stream: the next publish is an answer (a ping-pong, a relay), written at
+ * once. Batching it would only cost a batch of one, flushed by the next receive, and a wake-up
+ * of the background thread per message (which starts every batch's FLUSH_NS clock). */
+void fr_mq_stream_end(ferry_mq *mq) { flush_unless_publishing(mq, true); }
 
 /* Appends a frame, published at `now`, to p's batch (publish_lock held); false when it does
  * not fit at all. */
@@ -752,8 +753,9 @@ static int deliver(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
     pool_copy(mq, u->off, data, len, u->fresh);
   build(mq, &u->fr, topic, desc, len, u->seq, u->off);
   uint64_t now = u->fr.token || u->waited ? fr_now_ns() : start; /* after a wait or a copy */
-  bool stream = now < mq->last_publish_ns + STREAM_GAP_NS;       /* or before it: TSC vs clock */
-  mq->last_publish_ns = now;
+  uint64_t last = __atomic_load_n(&mq->last_publish_ns, __ATOMIC_RELAXED); /* stream_end: 0 */
+  bool stream = now < last + STREAM_GAP_NS; /* or before it: TSC vs clock */
+  __atomic_store_n(&mq->last_publish_ns, now, __ATOMIC_RELAXED);
   send_all(mq, &u->fr, u->v, u->n, data, len, u->deadline, now, stream);
   bool wake = batch_due_moved(mq, now);
   if (!wake && settle_quiet(&u->fr, u->v, u->n))

@@ -137,7 +137,7 @@ bool fr_ring_wait_space(fr_ring *r, uint64_t want, uint64_t spin_ns, uint64_t de
       return true;
     futex_wait(&r->h->space_seq, seq, deadline_ns);
   }
-  return r->h->head - __atomic_load_n(&r->h->tail, __ATOMIC_ACQUIRE) <= r->mask;
+  return ring_free(r) > 0;
 }
 
 uint64_t fr_ring_ready(const fr_ring *r) {
