@@ -2,11 +2,20 @@
 # `make test`: the cmocka/ctest suite three times — plain, ASan+UBSan, and the threaded tests
 # under TSan — with the Python binding's pytest suite after the plain one, then a short libFuzzer
 # run of every fuzz target. Exits non-zero if anything fails.
+#
+# Skips: `make test` installs everything its tests use (scripts/deps.sh test), so a test that
+# skips for a missing package or tool fails here instead (FERRY_TEST_STRICT=1, read by
+# tests/testutil.c's tu_skip, tests/spin/run.sh and below for pytest and ctest). Only a reason
+# that no install fixes may skip: pytest reasons matching $skip_ok, ctest tests matching
+# $ctest_skip_ok.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
 failed=()
 rm -f build*.ctest.log
+export FERRY_TEST_STRICT=1
+skip_ok=${FERRY_TEST_SKIP_OK:-'no GPU|no CUDA driver'}
+ctest_skip_ok=${FERRY_CTEST_SKIP_OK:-'_gpu'}
 
 run_stage() { # name, build dir, cmake flags, ctest args
   local name=$1 dir=$2 flags=$3 args=$4
@@ -19,6 +28,17 @@ run_stage() { # name, build dir, cmake flags, ctest args
   # shellcheck disable=SC2086
   (cd "$dir" && ctest --output-on-failure -j "$jobs" $args) | tee "$dir.ctest.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("$name")
+  check_ctest_skips "$name" "$dir.ctest.log"
+}
+
+# ctest lists skipped tests as "NAME (Skipped)" (exit 77, SKIP_RETURN_CODE).
+check_ctest_skips() { # stage name, ctest log
+  local skipped
+  skipped=$(sed -n 's/^[[:space:]]*[0-9]* - \([^ ]*\) (Skipped)$/\1/p' "$2" | grep -Ev "$ctest_skip_ok")
+  if [ -n "$skipped" ]; then
+    echo "$1: FAILED: skipped, though make test installs what they need: $skipped"
+    failed+=("$1 (skipped: $skipped)")
+  fi
 }
 
 # Adds up ctest's "N% tests passed, F tests failed out of T" lines of every stage.
@@ -42,12 +62,20 @@ run_stage "suite" build "-DCMAKE_BUILD_TYPE=RelWithDebInfo" ""
 # its examples.
 echo "=== python ==="
 if ! /usr/bin/python3 -c "import pytest" 2>/dev/null; then
-  echo "python: SKIPPED: /usr/bin/python3 cannot import pytest (scripts/deps.sh test installs python3-pytest)"
+  echo "python: FAILED: /usr/bin/python3 cannot import pytest (scripts/deps.sh test installs python3-pytest)"
+  failed+=("python (no pytest)")
 else
-  FERRY_LIB=$PWD/build/libferry.so /usr/bin/python3 -m pytest -q -p no:cacheprovider python/tests \
-    2>&1 | tee build-python.log
+  FERRY_LIB=$PWD/build/libferry.so /usr/bin/python3 -m pytest -q -rs -p no:cacheprovider \
+    python/tests 2>&1 | tee build-python.log
   rc=${PIPESTATUS[0]} # 5 (no tests collected) fails like any other non-zero code
   [ "$rc" -eq 0 ] || failed+=("python (pytest exit $rc)")
+  # -rs lists each skip as "SKIPPED [N] FILE:LINE: REASON"
+  bad_skips=$(grep '^SKIPPED' build-python.log | grep -Ev "$skip_ok")
+  if [ -n "$bad_skips" ]; then
+    echo "python: FAILED: skipped, though make test installs what they need:"
+    echo "$bad_skips"
+    failed+=("python (skips)")
+  fi
   # Count its tests in the tally, in ctest's words.
   tail -1 build-python.log | awk '{ for (i = 1; i < NF; i++) {
       if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^(failed|error)/) f += $i }
@@ -74,6 +102,7 @@ if cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DFERRY_SANITIZE=thread >/d
   (cd build-tsan && $tsan_wrap ctest --output-on-failure -j "$jobs" -L threaded) |
     tee build-tsan.ctest.log
   [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("tsan")
+  check_ctest_skips tsan build-tsan.ctest.log
 else
   tail -40 build-tsan.log; failed+=("tsan (build)")
 fi

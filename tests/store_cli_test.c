@@ -136,7 +136,7 @@ static void test_commands(void **state) {
 /* Transfers over 100 MB show a progress bar, on a terminal only (script(1) lends one). */
 static void test_progress(void **state) {
   if (system("command -v script >/dev/null 2>&1") != 0) {
-    fprintf(stderr, "SKIP progress bar: script(1) is not installed (util-linux)\n");
+    tu_skip(TU_SKIP_FIXABLE, "progress bar: script(1) is not installed (bsdutils)");
     return;
   }
   int port = su_free_port();

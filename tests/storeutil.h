@@ -56,7 +56,7 @@ typedef struct su_redis {
  * cannot. */
 static inline bool su_redis_start_on(su_redis *r, int want) {
   if (access("/usr/bin/redis-server", X_OK) != 0 && system("command -v redis-server >/dev/null")) {
-    fprintf(stderr, "SKIP redis part: redis-server is not installed (scripts/deps.sh test)\n");
+    tu_skip(TU_SKIP_FIXABLE, "redis part: redis-server is not installed (scripts/deps.sh test)");
     return false;
   }
   r->port = want ? want : su_free_port();
@@ -79,9 +79,9 @@ static inline bool su_redis_start_on(su_redis *r, int want) {
       return true;
     su_sleep_ms(10);
   }
-  fprintf(stderr, "SKIP redis part: redis-server did not start on port %d\n", r->port);
   kill(r->pid, SIGKILL);
   waitpid(r->pid, NULL, 0);
+  tu_skip(TU_SKIP_FIXABLE, "redis part: redis-server did not start on port %d", r->port);
   return false;
 }
 

@@ -46,4 +46,17 @@ void tu_rmdir_files(const char *dir);
 /* Fills buf with a deterministic pattern derived from seed. */
 void tu_fill(void *buf, size_t len, uint64_t seed);
 
+/* Why a part of a test cannot run here. */
+typedef enum tu_skip_why {
+  /* Something the project installs is missing (a Debian package in scripts/deps.sh test) or
+   * would be there for root: a user fixes it. Under `make test` (FERRY_TEST_STRICT=1) this
+   * fails the test, so a missing install step never passes as a skip. */
+  TU_SKIP_FIXABLE,
+  /* Nothing to install fixes it: no GPU, a transport this run leaves out, not root. */
+  TU_SKIP_NOT_HERE,
+} tu_skip_why;
+/* Reports "SKIP <fmt...>" on stderr; for TU_SKIP_FIXABLE under FERRY_TEST_STRICT=1 it fails the
+ * running test instead (does not return). The caller returns after it. */
+void tu_skip(tu_skip_why why, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
 #endif
