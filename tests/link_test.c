@@ -5,6 +5,7 @@
  */
 // ferry-test: threaded
 #include "testutil.h"
+#include "transport/ring.h"
 #include "transport/transport.h"
 
 #include <arpa/inet.h>
@@ -373,6 +374,109 @@ static void test_shm_small_ring(void **s) {
   ferry_ctx_close(b);
 }
 static void test_rma_shm_registered(void **s) { one_sided("shm", false); }
+
+/* ---- a peer that writes its ring positions out of range ---- */
+
+/* The first mapping of a link's ring segment in this process (both ends of a pair map it). */
+static uint8_t *ring_segment(void) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  assert_non_null(f);
+  char line[512];
+  unsigned long start = 0;
+  while (!start && fgets(line, sizeof line, f))
+    if (strstr(line, "memfd:ferry-ring"))
+      start = strtoul(line, NULL, 16);
+  fclose(f);
+  assert_true(start != 0);
+  return (uint8_t *)start;
+}
+
+static char corrupt_log[4096];
+static void log_into(ferry_log_level level, const char *msg, void *arg) {
+  (void)arg;
+  if (level <= FERRY_LOG_WARN && strlen(corrupt_log) + strlen(msg) + 2 < sizeof corrupt_log) {
+    strcat(corrupt_log, msg);
+    strcat(corrupt_log, "\n");
+  }
+}
+
+/* The link whose ring the peer corrupted closes with a warning naming the ring; the process
+ * goes on, and a new link to it works. */
+static void expect_ring_closed(pair *p, ferry_ctx *victim) {
+  for (int i = 0; i < 100 && !strstr(corrupt_log, "out-of-range ring position"); i++) {
+    ferry_msg *m = NULL;
+    assert_int_equal(ferry_recv(victim, 3, &m, 20), FERRY_ETIMEDOUT);
+  }
+  assert_non_null(strstr(corrupt_log, "out-of-range ring position"));
+  int rc = 0;
+  for (int i = 0; i < 100 && rc == 0; i++) {
+    struct iovec v = {"x", 1};
+    rc = ferry_send(p->ab, 3, &v, 1, 200);
+    ferry_msg *m = NULL;
+    if (rc == 0 && ferry_recv(p->b, 3, &m, 20) == 0)
+      ferry_msg_free(m);
+  }
+  assert_true(rc == FERRY_EPEER || rc == FERRY_ECLOSED || rc == FERRY_EPROTO);
+  ferry_ctx *c = open_ctx("node-c", "shm", "");
+  ferry_link *l;
+  FR_OK(ferry_connect(c, ferry_ctx_address(p->b), 5000, &l));
+  struct iovec v = {"hello", 5};
+  FR_OK(ferry_send(l, 3, &v, 1, 1000));
+  ferry_msg *m = NULL;
+  FR_OK(ferry_recv(p->b, 3, &m, 5000));
+  assert_int_equal(m->len, 5);
+  ferry_msg_free(m);
+  ferry_link_close(l);
+  ferry_ctx_close(c);
+}
+
+/* One message each way, so both rings have moved and are on. */
+static ferry_link *exchange(pair *p) {
+  struct iovec v = {"ping", 4};
+  FR_OK(ferry_send(p->ab, 3, &v, 1, 1000));
+  ferry_msg *m = NULL;
+  FR_OK(ferry_recv(p->b, 3, &m, 5000));
+  ferry_link *ba = m->link;
+  fr_link_ref(ba);
+  FR_OK(ferry_send(ba, 4, &v, 1, 1000));
+  ferry_msg_free(m);
+  FR_OK(ferry_recv(p->a, 4, &m, 5000));
+  ferry_msg_free(m);
+  return ba;
+}
+
+/* Issue #17, row 1: a peer moved its ring's head by 2^40 and rang; the reader crashed in
+ * fr_ring_read. Now the reader (node-b) checks the head against its own tail. And the writer's
+ * side: a tail moved by 2^40 made the writer copy past its ring; now it checks it too. */
+static void test_shm_ring_corrupt(void **s) {
+  ferry_log_set_callback(log_into, NULL);
+  /* the connector's head of ring 0 (a -> b): node-b reads garbage positions */
+  pair p;
+  pair_open(&p, "shm");
+  ferry_link *ba = exchange(&p);
+  fr_ring_hdr *r0 = (fr_ring_hdr *)ring_segment();
+  __atomic_add_fetch(&r0->head, 1ull << 40, __ATOMIC_SEQ_CST);
+  corrupt_log[0] = '\0';
+  expect_ring_closed(&p, p.b);
+  fr_link_unref(ba);
+  pair_close(&p);
+  /* the tail of ring 1 (b -> a), which a as the consumer publishes: node-b's writer */
+  pair_open(&p, "shm");
+  ba = exchange(&p);
+  uint8_t *seg = ring_segment();
+  fr_ring_hdr *r1 = (fr_ring_hdr *)(seg + 4096 + ((fr_ring_hdr *)seg)->size);
+  __atomic_add_fetch(&r1->tail, 1ull << 40, __ATOMIC_SEQ_CST);
+  corrupt_log[0] = '\0';
+  char big[100000] = {0};
+  struct iovec v = {big, sizeof big};
+  assert_int_equal(ferry_send(ba, 4, &v, 1, 1000), FERRY_EPROTO);
+  assert_non_null(strstr(ferry_last_error(), "corrupt"));
+  expect_ring_closed(&p, p.b);
+  fr_link_unref(ba);
+  pair_close(&p);
+  ferry_log_set_callback(NULL, NULL);
+  (void)s;
+}
 static void test_rma_tcp_shared(void **s) { one_sided("tcp", true); }
 static void test_rma_tcp_registered(void **s) { one_sided("tcp", false); }
 
@@ -665,12 +769,13 @@ int main(void) {
       cmocka_unit_test(test_messages_tcp),        cmocka_unit_test(test_calls_shm),
       cmocka_unit_test(test_calls_tcp),           cmocka_unit_test(test_rma_shm_shared),
       cmocka_unit_test(test_rma_shm_registered),  cmocka_unit_test(test_shm_small_ring),
-      cmocka_unit_test(test_rma_tcp_shared),      cmocka_unit_test(test_rma_tcp_registered),
-      cmocka_unit_test(test_token_shm),           cmocka_unit_test(test_token_tcp),
-      cmocka_unit_test(test_connect_failures),    cmocka_unit_test(test_bad_frames),
-      cmocka_unit_test(test_killed_mid_read_tcp), cmocka_unit_test(test_killed_mid_read_shm),
-      cmocka_unit_test(test_concurrent_shm),      cmocka_unit_test(test_concurrent_tcp),
-      cmocka_unit_test(test_waiters_shm),         cmocka_unit_test(test_waiters_tcp),
+      cmocka_unit_test(test_shm_ring_corrupt),    cmocka_unit_test(test_rma_tcp_shared),
+      cmocka_unit_test(test_rma_tcp_registered),  cmocka_unit_test(test_token_shm),
+      cmocka_unit_test(test_token_tcp),           cmocka_unit_test(test_connect_failures),
+      cmocka_unit_test(test_bad_frames),          cmocka_unit_test(test_killed_mid_read_tcp),
+      cmocka_unit_test(test_killed_mid_read_shm), cmocka_unit_test(test_concurrent_shm),
+      cmocka_unit_test(test_concurrent_tcp),      cmocka_unit_test(test_waiters_shm),
+      cmocka_unit_test(test_waiters_tcp),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

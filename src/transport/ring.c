@@ -48,7 +48,7 @@ int fr_ring_segment_create(uint64_t ring_bytes, int *fd_out, void **map_out, siz
   return 0;
 }
 
-int fr_ring_segment_map(int fd, void **map_out, size_t *len_out) {
+int fr_ring_segment_map(int fd, void **map_out, size_t *len_out, uint64_t *ring_bytes) {
   fr_ring_hdr first;
   if (pread(fd, &first, sizeof first, 0) != (ssize_t)sizeof first)
     return fr_err_errno(FERRY_EPROTO, "shm ring: cannot read the segment header");
@@ -71,16 +71,27 @@ int fr_ring_segment_map(int fd, void **map_out, size_t *len_out) {
   }
   *map_out = map;
   *len_out = len;
+  *ring_bytes = size;
   return 0;
 }
 
-void fr_ring_attach(void *map, int index, fr_ring *r) {
-  fr_ring_hdr *first = map;
-  uint64_t size = first->size;
-  uint8_t *base = (uint8_t *)map + (size_t)index * (HDR_BYTES + size);
-  r->h = (fr_ring_hdr *)base;
-  r->data = base + HDR_BYTES;
-  r->mask = size - 1;
+void fr_ring_attach(void *map, int index, uint64_t ring_bytes, fr_ring *r) {
+  uint8_t *base = (uint8_t *)map + (size_t)index * (HDR_BYTES + ring_bytes);
+  /* positions start at 0 on both sides: nothing is written before both have attached */
+  *r = (fr_ring){.h = (fr_ring_hdr *)base, .data = base + HDR_BYTES, .mask = ring_bytes - 1};
+}
+
+bool fr_ring_corrupt(const fr_ring *r) { return r->corrupt; }
+
+/* `span` bytes lie between the two positions: more than the ring holds means the peer wrote a
+ * position it never had. */
+static bool span_ok(fr_ring *r, uint64_t span, uint64_t peer_pos) {
+  if (span <= r->mask + 1 && !r->corrupt)
+    return true;
+  if (!r->corrupt)
+    r->seen = peer_pos;
+  r->corrupt = true;
+  return false;
 }
 
 static void futex_wake(uint32_t *word) { syscall(SYS_futex, word, FUTEX_WAKE, 1, NULL, NULL, 0); }
@@ -95,8 +106,10 @@ static void futex_wait(uint32_t *word, uint32_t seen, uint64_t deadline_ns) {
 }
 
 size_t fr_ring_write(fr_ring *r, const void *src, size_t len) {
-  uint64_t head = r->h->head; /* only we write it */
+  uint64_t head = r->pos;
   uint64_t tail = __atomic_load_n(&r->h->tail, __ATOMIC_ACQUIRE);
+  if (!span_ok(r, head - tail, tail))
+    return 0;
   uint64_t space = r->mask + 1 - (head - tail);
   size_t n = len < space ? len : (size_t)space;
   if (n == 0)
@@ -106,7 +119,8 @@ size_t fr_ring_write(fr_ring *r, const void *src, size_t len) {
   memcpy(r->data + at, src, first);
   memcpy(r->data, (const uint8_t *)src + first, n - first);
   FR_HB_RELEASE(&ring_channel);
-  __atomic_store_n(&r->h->head, head + n, __ATOMIC_SEQ_CST);
+  r->pos = head + n;
+  __atomic_store_n(&r->h->head, r->pos, __ATOMIC_SEQ_CST);
   return n;
 }
 
@@ -116,8 +130,10 @@ bool fr_ring_needs_doorbell(fr_ring *r) {
   return __atomic_exchange_n(&r->h->sleeping, 0, __ATOMIC_SEQ_CST) != 0;
 }
 
+/* Free bytes for the producer; a corrupt tail counts as room, so the next write finds out. */
 static uint64_t ring_free(const fr_ring *r) {
-  return r->mask + 1 - (r->h->head - __atomic_load_n(&r->h->tail, __ATOMIC_ACQUIRE));
+  uint64_t used = r->pos - __atomic_load_n(&r->h->tail, __ATOMIC_ACQUIRE);
+  return used > r->mask + 1 ? r->mask + 1 : r->mask + 1 - used;
 }
 
 bool fr_ring_wait_space(fr_ring *r, uint64_t want, uint64_t spin_ns, uint64_t deadline_ns) {
@@ -132,8 +148,8 @@ bool fr_ring_wait_space(fr_ring *r, uint64_t want, uint64_t spin_ns, uint64_t de
   while (fr_now_ns() < deadline_ns) {
     uint32_t seq = __atomic_load_n(&r->h->space_seq, __ATOMIC_SEQ_CST);
     __atomic_store_n(&r->h->producer_waiting, 1, __ATOMIC_SEQ_CST);
-    uint64_t used = r->h->head - __atomic_load_n(&r->h->tail, __ATOMIC_SEQ_CST);
-    if (used <= r->mask)
+    uint64_t used = r->pos - __atomic_load_n(&r->h->tail, __ATOMIC_SEQ_CST);
+    if (used <= r->mask || used > r->mask + 1) /* room, or corrupt: the write will say */
       return true;
     futex_wait(&r->h->space_seq, seq, deadline_ns);
   }
@@ -141,12 +157,16 @@ bool fr_ring_wait_space(fr_ring *r, uint64_t want, uint64_t spin_ns, uint64_t de
 }
 
 uint64_t fr_ring_ready(const fr_ring *r) {
-  return __atomic_load_n(&r->h->head, __ATOMIC_SEQ_CST) - r->h->tail;
+  return __atomic_load_n(&r->h->head, __ATOMIC_SEQ_CST) -
+         __atomic_load_n(&r->pos, __ATOMIC_RELAXED);
 }
 
 size_t fr_ring_read(fr_ring *r, void *dst, size_t len) {
-  uint64_t tail = r->h->tail; /* only we write it */
-  uint64_t ready = __atomic_load_n(&r->h->head, __ATOMIC_SEQ_CST) - tail;
+  uint64_t tail = r->pos;
+  uint64_t head = __atomic_load_n(&r->h->head, __ATOMIC_SEQ_CST);
+  if (!span_ok(r, head - tail, head))
+    return 0;
+  uint64_t ready = head - tail;
   size_t n = len < ready ? len : (size_t)ready;
   if (n == 0)
     return 0;
@@ -157,6 +177,7 @@ size_t fr_ring_read(fr_ring *r, void *dst, size_t len) {
     memcpy(dst, r->data + at, first);
     memcpy((uint8_t *)dst + first, r->data, n - first);
   }
+  __atomic_store_n(&r->pos, tail + n, __ATOMIC_RELAXED);
   __atomic_store_n(&r->h->tail, tail + n, __ATOMIC_SEQ_CST);
   if (__atomic_load_n(&r->h->producer_waiting, __ATOMIC_SEQ_CST)) {
     __atomic_store_n(&r->h->producer_waiting, 0, __ATOMIC_SEQ_CST);

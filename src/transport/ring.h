@@ -8,6 +8,13 @@
  * on the link's socket. Threads that spin on a ring announce themselves in `pollers`, so while
  * someone spins, no doorbell (and no system call) is needed at all. A producer that finds the
  * ring full sleeps on a futex that the consumer wakes when it frees space.
+ *
+ * Trust: the peer can write every byte of the segment at any time. So each side keeps its own
+ * position in process memory (fr_ring.pos) and only publishes it; it reads nothing back but the
+ * peer's position, and checks that against its own before using it (ready or used bytes ≤ size).
+ * A position that fails the check marks the ring corrupt for good: it copies nothing more, and
+ * the link closes (shm.c). The flags (sleeping, pollers, producer_waiting, space_seq) only decide
+ * whether to wake or wait, so any value in them costs a wake-up or a wait slice, never memory.
  */
 #ifndef FR_RING_H
 #define FR_RING_H
@@ -40,16 +47,24 @@ typedef struct fr_ring {
   fr_ring_hdr *h;
   uint8_t *data;
   uint64_t mask;
+  uint64_t pos;  /* this side's position (head for the producer, tail for the consumer) */
+  bool corrupt;  /* the peer's position was out of range once: nothing more is copied */
+  uint64_t seen; /* the peer's position that failed the check (for the error message) */
 } fr_ring;
 
 /* A segment holding two rings of `ring_bytes` each (a power of two): creates the memfd. */
 int fr_ring_segment_create(uint64_t ring_bytes, int *fd, void **map, size_t *map_len);
-/* Maps a peer's segment and validates both headers. */
-int fr_ring_segment_map(int fd, void **map, size_t *map_len);
-/* Ring `index` (0: connector → acceptor, 1: acceptor → connector) of a mapped segment. */
-void fr_ring_attach(void *map, int index, fr_ring *r);
+/* Maps a peer's segment and validates both headers; *ring_bytes: the validated ring size. */
+int fr_ring_segment_map(int fd, void **map, size_t *map_len, uint64_t *ring_bytes);
+/* Ring `index` (0: connector → acceptor, 1: acceptor → connector) of a mapped segment whose
+ * rings hold ring_bytes each (as created, or as fr_ring_segment_map validated it: never re-read
+ * from the segment, which the peer may have changed since). */
+void fr_ring_attach(void *map, int index, uint64_t ring_bytes, fr_ring *r);
+/* The peer wrote a position out of range: the ring is unusable (see the trust note above). */
+bool fr_ring_corrupt(const fr_ring *r);
 
-/* Producer: copies up to len bytes (what fits) and publishes them; returns the count. */
+/* Producer: copies up to len bytes (what fits) and publishes them; returns the count (0 also
+ * when the ring is corrupt). */
 size_t fr_ring_write(fr_ring *r, const void *src, size_t len);
 /* Producer: true when the consumer needs a doorbell for what was just published. */
 bool fr_ring_needs_doorbell(fr_ring *r);
@@ -59,9 +74,11 @@ bool fr_ring_needs_doorbell(fr_ring *r);
  * 16 KiB messages 10x (the consumer's wake-up each time). Then it sleeps until any space. */
 bool fr_ring_wait_space(fr_ring *r, uint64_t want, uint64_t spin_ns, uint64_t deadline_ns);
 
-/* Consumer: bytes ready to read. */
+/* Consumer: bytes ready to read (more than the ring holds when the ring is corrupt: read it to
+ * find out). */
 uint64_t fr_ring_ready(const fr_ring *r);
-/* Consumer: copies up to len ready bytes to dst (NULL: discards them); returns the count. */
+/* Consumer: copies up to len ready bytes to dst (NULL: discards them); returns the count (0
+ * also when the ring is corrupt). */
 size_t fr_ring_read(fr_ring *r, void *dst, size_t len);
 /* Consumer: marks itself asleep; returns false if bytes arrived meanwhile (stay awake). */
 bool fr_ring_sleep(fr_ring *r);

@@ -306,10 +306,23 @@ static void ring_doorbell(ferry_link *l, shm_link *s) {
   }
 }
 
+/* The peer wrote a position it never had into its side of a ring: nothing of that ring is used
+ * again, and the link closes (the caller's error, and the reader's -EPROTO, do that). */
+static int ring_corrupt(ferry_link *l, const fr_ring *r, const char *peer_role) {
+  fr_warn("link shm '%s': closing: the peer (%s) wrote an out-of-range ring position %llu "
+          "(ring of %llu bytes, ours at %llu)",
+          l->peer, peer_role, (unsigned long long)r->seen, (unsigned long long)(r->mask + 1),
+          (unsigned long long)r->pos);
+  return fr_err(FERRY_EPROTO, "shm ring of '%s' is corrupt (the peer wrote position %llu)", l->peer,
+                (unsigned long long)r->seen);
+}
+
 static int ring_write_all(ferry_link *l, shm_link *s, const uint8_t *p, size_t len,
                           uint64_t deadline_ns) {
   while (len > 0) {
     size_t n = fr_ring_write(&s->tx, p, len);
+    if (fr_ring_corrupt(&s->tx))
+      return ring_corrupt(l, &s->tx, "consumer");
     p += n;
     len -= n;
     if (len == 0)
@@ -353,6 +366,10 @@ static ssize_t shm_recv(ferry_link *l, void *dst, size_t len) {
   if (!s)
     return fr_link_sock_recv(l, dst, len);
   size_t n = fr_ring_read(&s->rx, dst, len);
+  if (n == 0 && fr_ring_corrupt(&s->rx)) {
+    ring_corrupt(l, &s->rx, "producer");
+    return -EPROTO;
+  }
   return n ? (ssize_t)n : -EAGAIN;
 }
 
@@ -404,8 +421,8 @@ static int shm_offer(ferry_link *l, int *fd) {
   int rc = fr_ring_segment_create(bytes, &s->offer_fd, &s->ring_map, &s->ring_len);
   if (rc != 0)
     return rc;
-  fr_ring_attach(s->ring_map, 0, &s->tx);
-  fr_ring_attach(s->ring_map, 1, &s->rx);
+  fr_ring_attach(s->ring_map, 0, bytes, &s->tx);
+  fr_ring_attach(s->ring_map, 1, bytes, &s->rx);
   *fd = s->offer_fd;
   return 0;
 }
@@ -414,13 +431,14 @@ static int shm_accept_offer(ferry_link *l, int fd) {
   if (fd < 0)
     return fr_err(FERRY_EPROTO, "'%s' offered no ring segment", l->peer);
   shm_link *s = shm_state(l);
-  int rc = s ? fr_ring_segment_map(fd, &s->ring_map, &s->ring_len)
+  uint64_t bytes = 0;
+  int rc = s ? fr_ring_segment_map(fd, &s->ring_map, &s->ring_len, &bytes)
              : fr_err(FERRY_ENOMEM, "shm: link state");
   close(fd);
   if (rc != 0)
     return rc;
-  fr_ring_attach(s->ring_map, 1, &s->tx);
-  fr_ring_attach(s->ring_map, 0, &s->rx);
+  fr_ring_attach(s->ring_map, 1, bytes, &s->tx);
+  fr_ring_attach(s->ring_map, 0, bytes, &s->rx);
   return 0;
 }
 
