@@ -69,12 +69,22 @@ def timeout_ms(timeout):
 
 
 def encoded(value, what):
-    """A str or bytes argument (a key, a topic) as the bytes the C library takes."""
-    if isinstance(value, bytes):
-        return value
-    if not isinstance(value, str):
+    """A str or bytes argument (a key, a topic, a name, an address) as the bytes the C library
+    takes, or None for None. The C library sees a string up to its first NUL, so a NUL inside
+    would silently cut it ("abc\\x00evil" would be "abc"): refused here with the C library's own
+    rule for keys (no control characters), as ferry.InvalidArgument. The C library checks the
+    rest (length, the other control characters) the same way for every binding."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = value.encode()
+    elif not isinstance(value, bytes):
         raise TypeError("ferry: %s must be str, not %s" % (what, type(value).__name__))
-    return value.encode()
+    at = value.find(b"\0")
+    if at >= 0:
+        from .errors import InvalidArgument
+        raise InvalidArgument(-1, "%s: has a control character (NUL) at byte %d" % (what, at))
+    return value
 
 
 class Closing:

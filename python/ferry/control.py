@@ -81,7 +81,7 @@ _ms = _lib.timeout_ms
 def _name(name):
     if not isinstance(name, str):
         raise TypeError("ferry: a cell name is a str, not %s" % type(name).__name__)
-    return name.encode()
+    return _lib.encoded(name, "name")
 
 
 def _state_code(state):

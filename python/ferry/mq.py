@@ -139,7 +139,7 @@ class MQ(NodeHandle):
         else:
             self._ctx, self._owns_ctx = Context(name=name, tcp_listen=tcp_listen,
                                                 transports=transports), True
-        opts = MQOpts(ctypes.sizeof(MQOpts), None if directory is None else directory.encode(),
+        opts = MQOpts(ctypes.sizeof(MQOpts), _lib.encoded(directory, "directory"),
                       int(queue_bytes), int(lease_ms), MQ_HOST_DIRECTORY if host_directory else 0)
         h = c_void_p()
         rc = lib.ferry_mq_open(self._ctx.handle, byref(opts), byref(h))

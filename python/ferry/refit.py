@@ -203,7 +203,7 @@ class RefitSender(_lib.Closing):
         try:
             opts = RefitOpts(ctypes.sizeof(RefitOpts), int(buffer_bytes or 0))
             h = c_void_p()
-            check(lib.ferry_refit_sender_open(self._ctx.handle, name.encode(), byref(opts),
+            check(lib.ferry_refit_sender_open(self._ctx.handle, _lib.encoded(name, "name"), byref(opts),
                                               byref(h)))
             self._h = h.value
             self._declare(state_dict, first=True)
@@ -222,7 +222,7 @@ class RefitSender(_lib.Closing):
                 continue
             src = _Source(obj)
             src.send_as = _cast_code(self._cast, name, src.desc.dtype)
-            check(lib.ferry_refit_declare(self._h, name.encode(), byref(src.desc),
+            check(lib.ferry_refit_declare(self._h, _lib.encoded(name, "tensor name"), byref(src.desc),
                                           src.arr.ctypes.data, src.send_as))
             self._sources[name] = src
             changed = True
@@ -323,7 +323,7 @@ class RefitSender(_lib.Closing):
         opts = PushOpts(ctypes.sizeof(PushOpts), None, 0, 1 if skip_unchanged else 0,
                         _ms(timeout))
         if only is not None:
-            names = [n.encode() if isinstance(n, str) else n for n in only]
+            names = [_lib.encoded(n, "tensor name") for n in only]
             arr = (c_char_p * max(len(names), 1))(*names)
             opts.only, opts.n_only = ctypes.cast(arr, POINTER(c_char_p)), len(names)
         check(lib.ferry_refit_push(self.handle, v, byref(opts)))
@@ -390,7 +390,7 @@ class RefitReceiver(_lib.Closing):
                 time.sleep(0.01)
         left = max(0, int((deadline - time.monotonic()) * 1000))
         h = c_void_p()
-        check(lib.ferry_refit_receiver_open(self._ctx.handle, address.encode(), left, byref(h)))
+        check(lib.ferry_refit_receiver_open(self._ctx.handle, _lib.encoded(address, "address"), left, byref(h)))
         self._h = h.value
         self.address = address
 
@@ -467,7 +467,7 @@ class RefitReceiver(_lib.Closing):
                 continue
             desc, arr = as_buffer(obj, writable=True)
             ptr = arr.ctypes.data if arr.nbytes else ctypes.addressof(ctypes.c_char())
-            rc = lib.ferry_refit_bind(h, name.encode(), ptr, byref(desc))
+            rc = lib.ferry_refit_bind(h, _lib.encoded(name, "tensor name"), ptr, byref(desc))
             if rc < 0:
                 raise_status(rc)
             self._bound[name] = (obj, arr)
@@ -488,7 +488,7 @@ class RefitReceiver(_lib.Closing):
         ptrs = []
         for m in man:
             p = c_void_p()
-            check(lib.ferry_refit_view(h, m["name"].encode(), byref(p)))
+            check(lib.ferry_refit_view(h, _lib.encoded(m["name"], "tensor name"), byref(p)))
             ptrs.append(p.value)
         if not man:
             return {}

@@ -61,7 +61,7 @@ class Store(NodeHandle):
         flags = (_lib.STORE_HOST_DIRECTORY if host_directory else 0) | \
                 (_lib.STORE_HOLDER if holder else 0)
         opts = _lib.StoreOpts(ctypes.sizeof(_lib.StoreOpts),
-                              None if directory is None else directory.encode(),
+                              _lib.encoded(directory, "directory"),
                               int(capacity), int(lease_ms), flags)
         h = ctypes.c_void_p()
         rc = lib.ferry_store_open(self._ctx.handle, byref(opts), byref(h))

@@ -147,7 +147,7 @@ def from_bits(arr, code, like):
 
 
 def _enc(s):
-    return None if s is None else s.encode()
+    return _lib.encoded(s, "string")
 
 
 class NodeHandle(_lib.Closing):

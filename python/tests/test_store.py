@@ -143,6 +143,25 @@ def test_keys(store):
     assert store.list() == []
 
 
+def test_key_rules_match_c(store):
+    """A NUL inside a key used to cut it: put("abc\\x00evil") overwrote "abc". Every key rule is
+    the C library's: a control character, an empty key or one over 255 bytes is refused, in
+    every call that takes a key (and a topic or name the same way)."""
+    store.put("abc", np.full(4, 1, np.uint8))
+    for bad in ["abc\x00evil", b"abc\x00", "", "a\x01b", "k" * 256]:
+        with pytest.raises(ferry.InvalidArgument):
+            store.put(bad, np.zeros(4, np.uint8))
+        with pytest.raises(ferry.InvalidArgument):
+            store.get(bad)
+        with pytest.raises(ferry.InvalidArgument):
+            store.delete(bad)
+    assert store.get("abc").tolist() == [1] * 4
+    store.put("k" * 255, np.zeros(1, np.uint8))  # the longest key
+    assert store.exists("k" * 255)
+    with pytest.raises(ferry.InvalidArgument, match="NUL"):
+        ferry.MQ(store.directory, name="py-nul\x00x")
+
+
 def test_errors(store):
     with pytest.raises(ferry.NotFound) as ei:
         store.get("missing-key")
