@@ -17,6 +17,8 @@
 #include <stdlib.h>
 #include <netinet/tcp.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -581,6 +583,99 @@ static void test_bad_frames(void **s) {
   ferry_ctx_close(server);
 }
 
+/* ---- out of file descriptors ---- */
+
+typedef struct emfile_args {
+  tu_pipe up, down; /* child -> parent, parent -> child */
+} emfile_args;
+
+static int accept_warnings;
+static void count_accept_warnings(ferry_log_level level, const char *msg, void *arg) {
+  (void)arg;
+  if (level <= FERRY_LOG_WARN && strstr(msg, "accept:"))
+    __atomic_add_fetch(&accept_warnings, 1, __ATOMIC_RELAXED);
+}
+
+/* A server that uses up its descriptors, waits for the parent's connections, then frees them. */
+static int emfile_server(void *arg) {
+  emfile_args *a = arg;
+  ferry_log_set_callback(count_accept_warnings, NULL);
+  ferry_ctx *c = open_ctx("emfile", "tcp", "");
+  static int fds[1 << 16];
+  int n = 0;
+  for (int fd; n < (1 << 16) && (fd = open("/dev/null", O_RDONLY)) >= 0;)
+    fds[n++] = fd;
+  char addr[256];
+  snprintf(addr, sizeof addr, "%s", ferry_ctx_address(c));
+  tu_pipe_put(&a->up, addr, sizeof addr);
+  char go;
+  if (tu_pipe_get(&a->down, &go, 1, 30000) != 0)
+    return 2;
+  while (n > 0)
+    close(fds[--n]);
+  int warnings = __atomic_load_n(&accept_warnings, __ATOMIC_RELAXED);
+  tu_pipe_put(&a->up, &warnings, sizeof warnings);
+  if (tu_pipe_get(&a->down, &go, 1, 30000) != 0)
+    return 2;
+  ferry_ctx_close(c);
+  return 0;
+}
+
+/* #17 row 9: out of descriptors, the level-triggered listener reported each pending connection
+ * again at once: the server spun and logged each time (16 M lines in 20 s). Now the pending
+ * connections are closed unserved and said once (at most once a second); once descriptors are
+ * free again, new links are served. */
+static void test_out_of_descriptors(void **s) {
+  struct rlimit old, low;
+  getrlimit(RLIMIT_NOFILE, &old);
+  low = old;
+  low.rlim_cur = 256; /* the child inherits it; it fills whatever is left */
+  setrlimit(RLIMIT_NOFILE, &low);
+  emfile_args a;
+  tu_pipe_open(&a.up);
+  tu_pipe_open(&a.down);
+  pid_t pid = tu_spawn(emfile_server, &a);
+  setrlimit(RLIMIT_NOFILE, &old);
+  char addr[256];
+  assert_int_equal(tu_pipe_get(&a.up, addr, sizeof addr, 10000), 0);
+  const char *tcp = strstr(addr, "tcp://");
+  assert_non_null(tcp);
+  int port = atoi(strrchr(tcp, ':') + 1);
+  int socks[20];
+  for (int i = 0; i < 20; i++) {
+    socks[i] = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_port = htons((uint16_t)port),
+                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    assert_int_equal(connect(socks[i], (struct sockaddr *)&sa, sizeof sa), 0);
+  }
+  usleep(1500 * 1000); /* the old listener logged thousands of lines meanwhile */
+  tu_pipe_put(&a.down, "g", 1);
+  int warnings = -1;
+  assert_int_equal(tu_pipe_get(&a.up, &warnings, sizeof warnings, 10000), 0);
+  assert_in_range(warnings, 1, 3);
+  for (int i = 0; i < 20; i++) { /* turned away: closed, nothing served */
+    char b;
+    struct timeval tv = {5, 0};
+    setsockopt(socks[i], SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    assert_true(read(socks[i], &b, 1) <= 0);
+    close(socks[i]);
+  }
+  char tcp_addr[256];
+  snprintf(tcp_addr, sizeof tcp_addr, "%s", tcp);
+  *strchrnul(tcp_addr, ',') = '\0';
+  ferry_ctx *c = open_ctx("client", "tcp", "");
+  ferry_link *l;
+  FR_OK(ferry_connect(c, tcp_addr, 5000, &l));
+  ferry_link_close(l);
+  ferry_ctx_close(c);
+  tu_pipe_put(&a.down, "d", 1);
+  assert_int_equal(tu_wait(pid), 0);
+  tu_pipe_close(&a.up);
+  tu_pipe_close(&a.down);
+  (void)s;
+}
+
 /* ---- a peer killed mid-read ---- */
 
 typedef struct owner_args {
@@ -772,10 +867,10 @@ int main(void) {
       cmocka_unit_test(test_shm_ring_corrupt),    cmocka_unit_test(test_rma_tcp_shared),
       cmocka_unit_test(test_rma_tcp_registered),  cmocka_unit_test(test_token_shm),
       cmocka_unit_test(test_token_tcp),           cmocka_unit_test(test_connect_failures),
-      cmocka_unit_test(test_bad_frames),          cmocka_unit_test(test_killed_mid_read_tcp),
-      cmocka_unit_test(test_killed_mid_read_shm), cmocka_unit_test(test_concurrent_shm),
-      cmocka_unit_test(test_concurrent_tcp),      cmocka_unit_test(test_waiters_shm),
-      cmocka_unit_test(test_waiters_tcp),
+      cmocka_unit_test(test_bad_frames),          cmocka_unit_test(test_out_of_descriptors),
+      cmocka_unit_test(test_killed_mid_read_tcp), cmocka_unit_test(test_killed_mid_read_shm),
+      cmocka_unit_test(test_concurrent_shm),      cmocka_unit_test(test_concurrent_tcp),
+      cmocka_unit_test(test_waiters_shm),         cmocka_unit_test(test_waiters_tcp),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

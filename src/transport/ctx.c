@@ -24,6 +24,7 @@
 #include "transport/transport.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
@@ -418,15 +419,52 @@ static void on_wake(fr_poller *p, uint32_t events) {
     fr_warn("wake eventfd: %s", strerror(errno));
 }
 
+/* Out of descriptors (EMFILE, ENFILE), a connection stays pending and the level-triggered
+ * listener reports it again at once: the leader spun on it and logged each time. As libuv does,
+ * the process keeps one descriptor in reserve; it is given up to accept each pending connection
+ * and close it at once (the peer sees the link closed and may retry), then taken back. The
+ * warning is said at most once a second, with how many connections were turned away. */
+static int spare_fd = -1;
+
+static void spare_take(void) {
+  int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  int none = -1;
+  if (fd >= 0 &&
+      !__atomic_compare_exchange_n(&spare_fd, &none, fd, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+    close(fd); /* another thread keeps one already */
+}
+
+static void refuse_pending(fr_listener *ls, int err) {
+  static uint64_t last_warn_ns, refused;
+  int spare = __atomic_exchange_n(&spare_fd, -1, __ATOMIC_ACQ_REL);
+  if (spare >= 0)
+    close(spare);
+  for (int fd; (fd = accept4(ls->poller.fd, NULL, NULL, SOCK_CLOEXEC)) >= 0;) {
+    close(fd);
+    __atomic_add_fetch(&refused, 1, __ATOMIC_RELAXED);
+  }
+  spare_take();
+  uint64_t now = fr_now_ns(), last = __atomic_load_n(&last_warn_ns, __ATOMIC_RELAXED);
+  if (now - last < 1000000000ull ||
+      !__atomic_compare_exchange_n(&last_warn_ns, &last, now, false, __ATOMIC_RELAXED,
+                                   __ATOMIC_RELAXED))
+    return;
+  uint64_t n = __atomic_exchange_n(&refused, 0, __ATOMIC_RELAXED);
+  fr_warn("%s listener: accept: %s: %llu connection%s closed unserved (raise `ulimit -n`)",
+          ls->ops->name, strerror(err), (unsigned long long)n, n == 1 ? "" : "s");
+}
+
 static void on_accept(fr_poller *p, uint32_t events) {
   fr_listener *ls = (fr_listener *)p;
   for (;;) {
     int fd = accept4(p->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED)
-        fr_warn("%s listener: accept: %s", ls->ops->name, strerror(errno));
       if (errno == EINTR || errno == ECONNABORTED)
         continue;
+      if (errno == EMFILE || errno == ENFILE)
+        refuse_pending(ls, errno);
+      else if (errno != EAGAIN)
+        fr_warn("%s listener: accept: %s", ls->ops->name, strerror(errno));
       return;
     }
     ferry_link *l = fr_link_new(ls->ctx, ls->ops, fd, true);
@@ -710,6 +748,7 @@ static int start_listeners(ferry_ctx *ctx) {
     if (rc != 0)
       return rc;
     ls->poller.on_event = on_accept;
+    spare_take();
     ls->ctx = ctx;
     ls->ops = ctx->order[i];
     ctx->nlisteners++;
