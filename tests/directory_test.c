@@ -9,6 +9,7 @@
 #include "directory/table.h"
 #include "storeutil.h"
 
+#include <stdarg.h>
 #include <string.h>
 
 static fr_dir_object make_obj(const char *key, const char *owner, uint64_t gen) {
@@ -629,14 +630,98 @@ static void test_redis_auth(void **state) {
   su_redis_stop(&r);
 }
 
+/* ---- two hosts (network namespaces joined by a veth pair; skipped without root) ---- */
+#define NS_A "ferry-dt-a"
+#define NS_B "ferry-dt-b"
+#define IP_A "10.231.8.1"
+#define IP_B "10.231.8.2"
+#define NS_PORT "7792"
+
+static int sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int sh(const char *fmt, ...) {
+  char cmd[8192];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(cmd, sizeof cmd, fmt, ap);
+  va_end(ap);
+  int st = system(cmd);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+}
+
+static void netns_down(void) {
+  sh("ip netns del " NS_A " >/dev/null 2>&1; ip netns del " NS_B " >/dev/null 2>&1");
+}
+
+static bool netns_up(void) {
+  netns_down();
+  if (sh("(ip netns add " NS_A " && ip netns add " NS_B
+         " && ip link add fdt-a type veth peer name fdt-b && ip link set fdt-a netns " NS_A
+         " && ip link set fdt-b netns " NS_B " && ip -n " NS_A " addr add " IP_A
+         "/30 dev fdt-a && ip -n " NS_B " addr add " IP_B "/30 dev fdt-b && ip -n " NS_A
+         " link set fdt-a up && ip -n " NS_B " link set fdt-b up && ip -n " NS_A
+         " link set lo up && ip -n " NS_B " link set lo up) >/dev/null 2>&1") != 0) {
+    fprintf(stderr, "SKIP two-host part: cannot make network namespaces (needs root)\n");
+    netns_down();
+    return false;
+  }
+  return true;
+}
+
+/* Host B joins a directory on host A: `ferry serve` listens on B's interface towards A on its
+ * own; a node held to loopback is refused, naming FERRY_TCP_LISTEN and that interface. */
+static void test_advertise_two_hosts(void **state) {
+  const char *cli = getenv("FERRY_CLI");
+  if (!cli || !netns_up())
+    return;
+  char dir[] = "/tmp/ferry-dt-XXXXXX";
+  assert_non_null(mkdtemp(dir));
+  /* FERRY_TOKEN: a fleet across hosts should have one (and may have to) */
+  const char *env = "FERRY_TOKEN=dt-token FERRY_TRANSPORTS=shm,tcp";
+  sh("ip netns exec " NS_A " env %s %s serve --listen " IP_A ":" NS_PORT
+     " > %s/a.txt 2>&1 & echo $! > %s/a.pid",
+     env, cli, dir, dir);
+  sh("ip netns exec " NS_B " env %s %s serve --name b --directory ferry://" IP_A ":" NS_PORT
+     " > %s/b.txt 2>&1 & echo $! > %s/b.pid",
+     env, cli, dir, dir);
+  int rc = 1;
+  for (int i = 0; i < 2000 && rc != 0; i++) {
+    su_sleep_ms(10);
+    rc = sh("grep -qs ready %s/b.txt || ! kill -0 $(cat %s/b.pid)", dir, dir);
+  }
+  sh("cat %s/b.txt >&2", dir);
+  assert_int_equal(
+      sh("grep -q \"joined ferry://" IP_A ":" NS_PORT " (.*tcp://" IP_B ":\" %s/b.txt", dir), 0);
+  assert_int_equal(sh("grep -q 'listening on " IP_B ":0' %s/b.txt", dir), 0);
+  /* held to loopback by --listen: refused, one line, before anything is registered */
+  int st = sh("ip netns exec " NS_B " env %s %s serve --name c --listen 127.0.0.1:0 --directory "
+              "ferry://" IP_A ":" NS_PORT " > %s/c.txt 2>&1",
+              env, cli, dir);
+  sh("cat %s/c.txt >&2", dir);
+  assert_int_equal(st, 2);
+  assert_int_equal(sh("grep -q 'listens on loopback only' %s/c.txt", dir), 0);
+  assert_int_equal(sh("grep -q 'set FERRY_TCP_LISTEN=" IP_B ":0' %s/c.txt", dir), 0);
+  assert_int_equal(sh("kill $(cat %s/b.pid) $(cat %s/a.pid)", dir, dir), 0);
+  for (int i = 0; i < 1000 && sh("kill -0 $(cat %s/a.pid) 2>/dev/null", dir) == 0; i++)
+    su_sleep_ms(10);
+  sh("rm -rf %s", dir);
+  netns_down();
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_codec),          cmocka_unit_test(test_server_rejects_garbage),
-      cmocka_unit_test(test_embedded_local), cmocka_unit_test(test_embedded_link),
-      cmocka_unit_test(test_no_directory),   cmocka_unit_test(test_redis),
-      cmocka_unit_test(test_table_rules),    cmocka_unit_test(test_table_rejects_garbage),
-      cmocka_unit_test(test_redis_url),      cmocka_unit_test(test_redact),
-      cmocka_unit_test(test_reach_decision), cmocka_unit_test(test_redis_auth),
+      cmocka_unit_test(test_codec),
+      cmocka_unit_test(test_server_rejects_garbage),
+      cmocka_unit_test(test_embedded_local),
+      cmocka_unit_test(test_embedded_link),
+      cmocka_unit_test(test_no_directory),
+      cmocka_unit_test(test_redis),
+      cmocka_unit_test(test_table_rules),
+      cmocka_unit_test(test_table_rejects_garbage),
+      cmocka_unit_test(test_redis_url),
+      cmocka_unit_test(test_redact),
+      cmocka_unit_test(test_reach_decision),
+      cmocka_unit_test(test_redis_auth),
+      cmocka_unit_test(test_advertise_two_hosts),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
