@@ -462,7 +462,11 @@ FERRY_API int ferry_ctl_rank_status_get(ferry_ctl *ctl, uint32_t rank, ferry_ctl
  * where they were made, and lets any node of the fleet read them straight from their owner: one
  * memcpy from the owner's pages on one host, one stream over tcp across hosts. Keys are looked
  * up in the fleet's directory: FERRY_DIRECTORY, ferry://HOST:PORT (the embedded directory that
- * `ferry serve` runs) or redis://HOST:PORT[/DB].
+ * `ferry serve` runs) or redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] (the password goes to Redis'
+ * AUTH and is printed nowhere: messages show it as ***; a refused one is FERRY_EAUTH). A node that
+ * registers (a store that is not FERRY_STORE_DELEGATE, mq, a published refit sender) in a
+ * directory on another host must listen where that host's peers can reach it: with loopback-only
+ * addresses (FERRY_TCP_LISTEN's default) the open fails, FERRY_EINVAL naming FERRY_TCP_LISTEN.
  *
  * A put of a tensor that lies in ferry memory (ferry_alloc) publishes it in place, without a
  * copy; any other tensor is copied once into the node's shared-memory pool (FERRY_STORE_CAPACITY

@@ -9,6 +9,7 @@
 #include "directory/table.h"
 #include "storeutil.h"
 
+#include <stdarg.h>
 #include <string.h>
 
 static fr_dir_object make_obj(const char *key, const char *owner, uint64_t gen) {
@@ -473,12 +474,254 @@ static void test_redis(void **state) {
   fr_dir_close(d);
 }
 
+static void test_redis_url(void **state) {
+  fr_redis_url u;
+  FR_OK(fr_redis_url_parse("redis://", &u));
+  assert_string_equal(u.host, "127.0.0.1");
+  assert_int_equal(u.port, 6379);
+  assert_int_equal(u.db, 0);
+  assert_false(u.auth);
+  FR_OK(fr_redis_url_parse("redis://cache.example:7000/3", &u));
+  assert_string_equal(u.host, "cache.example");
+  assert_int_equal(u.port, 7000);
+  assert_int_equal(u.db, 3);
+  /* ":password": no user; "user:password"; a bare userinfo is the password (redis-cli) */
+  FR_OK(fr_redis_url_parse("redis://:secret@db.example", &u));
+  assert_string_equal(u.host, "db.example");
+  assert_string_equal(u.user, "");
+  assert_string_equal(u.password, "secret");
+  assert_true(u.auth);
+  assert_int_equal(u.port, 6379);
+  FR_OK(fr_redis_url_parse("redis://alice:s3cr%3At%40x%25@h:1/2", &u));
+  assert_string_equal(u.user, "alice");
+  assert_string_equal(u.password, "s3cr:t@x%");
+  assert_string_equal(u.host, "h");
+  assert_int_equal(u.port, 1);
+  assert_int_equal(u.db, 2);
+  FR_OK(fr_redis_url_parse("redis://onlypass@h", &u));
+  assert_string_equal(u.user, "");
+  assert_string_equal(u.password, "onlypass");
+  FR_OK(fr_redis_url_parse("redis://a%20b:p@w@h:9", &u)); /* an unencoded '@' in the password */
+  assert_string_equal(u.user, "a b");
+  assert_string_equal(u.password, "p@w");
+  assert_string_equal(u.host, "h");
+  FR_OK(fr_redis_url_parse("redis://[::1]:6380/5", &u));
+  assert_string_equal(u.host, "::1");
+  assert_int_equal(u.port, 6380);
+  assert_int_equal(u.db, 5);
+  FR_OK(fr_redis_url_parse("redis://:pw@[::1]", &u));
+  assert_string_equal(u.host, "::1");
+  assert_int_equal(u.port, 6379);
+  FR_OK(fr_redis_url_parse("127.0.0.1:6390", &u)); /* what the backend gets: after the scheme */
+  assert_int_equal(u.port, 6390);
+  /* malformed: refused, and the message never shows the password */
+  const char *bad[] = {
+      "redis://:hunter2@h:0",   "redis://:hunter2@h:70000", "redis://:hunter2@h:6x",
+      "redis://:hunter2@h/x",   "redis://:hunter2@h/-1",    "redis://:hunter2@::1:6379",
+      "redis://:hunter2@[::1",  "redis://:hunter2%zz@h",    "redis://:hunter2%2@h",
+      "redis://u%00:hunter2@h", "ferry://:hunter2@h:1"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    assert_int_equal(fr_redis_url_parse(bad[i], &u), FERRY_EINVAL);
+    assert_null(strstr(ferry_last_error(), "hunter2"));
+    assert_non_null(strstr(ferry_last_error(), "***"));
+  }
+}
+
+static void test_redact(void **state) {
+  char out[256];
+  const char *cases[][2] = {
+      {"redis://user:pw@host:6379/0", "redis://user:***@host:6379/0"},
+      {"redis://:pw@host", "redis://:***@host"},
+      {"redis://pw@host", "redis://***@host"},
+      {"redis://u:p@ss@[::1]:1/2", "redis://u:***@[::1]:1/2"},
+      {"redis://u:p/w@h", "redis://u:***@h"},
+      {"redis://host:6379/1", "redis://host:6379/1"},
+      {"ferry://10.0.0.1:7700", "ferry://10.0.0.1:7700"},
+      {"", ""},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    fr_url_redact(cases[i][0], out, sizeof out);
+    assert_string_equal(out, cases[i][1]);
+  }
+  fr_url_redact("redis://u:pw@h", out, 8); /* truncated, never past the buffer */
+  assert_int_equal(strlen(out), 7);
+}
+
+/* Which addresses a directory's peers can dial: the decision, on strings only (no traffic). */
+static void test_reach_decision(void **state) {
+  assert_true(fr_addr_loopback("127.0.0.1"));
+  assert_true(fr_addr_loopback("127.1.2.3"));
+  assert_true(fr_addr_loopback("::1"));
+  assert_true(fr_addr_loopback("::ffff:127.0.0.1"));
+  assert_true(fr_addr_loopback("localhost"));
+  assert_false(fr_addr_loopback("10.0.0.1"));
+  assert_false(fr_addr_loopback("fe80::1"));
+  assert_false(fr_addr_loopback("hosta"));
+  char host[64];
+  FR_OK(fr_url_host("redis://u:p@[::1]:6379/0", host, sizeof host));
+  assert_string_equal(host, "::1");
+  FR_OK(fr_url_host("ferry://10.0.0.1:7700", host, sizeof host));
+  assert_string_equal(host, "10.0.0.1");
+  FR_OK(fr_url_host("10.0.0.2:0", host, sizeof host));
+  assert_string_equal(host, "10.0.0.2");
+  FR_OK(fr_url_host("tcp://[fd00::2]:41000", host, sizeof host));
+  assert_string_equal(host, "fd00::2");
+  /* a directory on this host: loopback is fine */
+  assert_true(fr_dir_can_reach("127.0.0.1", "shm://@n-1,tcp://127.0.0.1:4000"));
+  assert_true(fr_dir_can_reach("::1", "tcp://127.0.0.1:4000"));
+  /* on another host: some tcp or ucx address must be neither loopback nor a wildcard */
+  assert_false(fr_dir_can_reach("10.0.0.1", "shm://@n-1,tcp://127.0.0.1:4000"));
+  assert_false(fr_dir_can_reach("10.0.0.1", "shm://@n-1"));
+  assert_false(fr_dir_can_reach("10.0.0.1", "tcp://[::1]:4000,ucx://127.0.0.1:4001"));
+  assert_false(fr_dir_can_reach("10.0.0.1", "tcp://0.0.0.0:4000,tcp://[::]:4001"));
+  assert_true(fr_dir_can_reach("10.0.0.1", "shm://@n-1,tcp://10.0.0.2:4000"));
+  assert_true(fr_dir_can_reach("fd00::1", "tcp://127.0.0.1:1,ucx://[fd00::2]:4001"));
+  /* the whole check, against directories on this host: no refusal, no route looked up */
+  FR_OK(fr_dir_reach_check("ferry://127.0.0.1:7700", "tcp://127.0.0.1:4000", "test"));
+  FR_OK(fr_dir_reach_check("redis://:pw@localhost:6379", "tcp://127.0.0.1:4000", "test"));
+  FR_OK(fr_dir_reach_check("ferry://(in-process)", "tcp://127.0.0.1:4000", "test"));
+  char listen[64] = "unchanged";
+  assert_int_equal(
+      fr_dir_tcp_listen_for("ferry://127.0.0.1:7700", "127.0.0.1:0", listen, sizeof listen), 0);
+  assert_int_equal(
+      fr_dir_tcp_listen_for("ferry://10.0.0.1:7700", "0.0.0.0:0", listen, sizeof listen),
+      0); /* a wildcard listener is reachable already; nothing looked up */
+  assert_string_equal(listen, "unchanged");
+}
+
+/* A Redis that wants a password: the right one works; a wrong or missing one fails at once with
+ * FERRY_EAUTH, and no message shows it. */
+static void test_redis_auth(void **state) {
+  su_redis r;
+  const char *extra[] = {"--requirepass", "pa ss:w@rd", "--user", "alice", "on",
+                         ">al1ce",        "~*",         "&*",     "+@all", NULL};
+  if (!su_redis_start_with(&r, 0, extra))
+    return;
+  char url[160];
+  fr_dir *d;
+  snprintf(url, sizeof url, "redis://:pa%%20ss%%3Aw%%40rd@127.0.0.1:%d/2", r.port);
+  FR_OK(fr_dir_open(NULL, url, 2000, &d));
+  assert_null(strstr(d->url, "pa"));
+  assert_non_null(strstr(d->url, ":***@127.0.0.1"));
+  check_all(d);
+  fr_dir_close(d);
+  snprintf(url, sizeof url, "redis://alice:al1ce@127.0.0.1:%d", r.port); /* an ACL user */
+  FR_OK(fr_dir_open(NULL, url, 2000, &d));
+  fr_dir_node n = make_node("acl-node"), got;
+  FR_OK(d->ops->node_put(d->state, &n, 30000, 0, NULL, 2000));
+  FR_OK(d->ops->node_get(d->state, "acl-node", &got, 2000));
+  fr_dir_close(d);
+  const char *wrong[] = {"redis://:hunter2@127.0.0.1:%d", "redis://alice:hunter2@127.0.0.1:%d/1",
+                         "redis://hunter2@127.0.0.1:%d"};
+  for (size_t i = 0; i < sizeof wrong / sizeof wrong[0]; i++) {
+    snprintf(url, sizeof url, wrong[i], r.port);
+    d = (fr_dir *)0x1;
+    assert_int_equal(fr_dir_open(NULL, url, 60000, &d), FERRY_EAUTH);
+    assert_ptr_equal(d, (fr_dir *)0x1);
+    assert_non_null(strstr(ferry_last_error(), "refused the password (AUTH)"));
+    assert_null(strstr(ferry_last_error(), "hunter2"));
+    assert_non_null(strstr(ferry_last_error(), "***@127.0.0.1"));
+  }
+  snprintf(url, sizeof url, "redis://127.0.0.1:%d", r.port);
+  assert_int_equal(fr_dir_open(NULL, url, 60000, &d), FERRY_EAUTH);
+  assert_non_null(strstr(ferry_last_error(), "requires a password"));
+  snprintf(url, sizeof url, "redis://127.0.0.1:%d/1", r.port); /* the SELECT meets NOAUTH */
+  assert_int_equal(fr_dir_open(NULL, url, 60000, &d), FERRY_EAUTH);
+  su_redis_stop(&r);
+}
+
+/* ---- two hosts (network namespaces joined by a veth pair; skipped without root) ---- */
+#define NS_A "ferry-dt-a"
+#define NS_B "ferry-dt-b"
+#define IP_A "10.231.8.1"
+#define IP_B "10.231.8.2"
+#define NS_PORT "7792"
+
+static int sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int sh(const char *fmt, ...) {
+  char cmd[8192];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(cmd, sizeof cmd, fmt, ap);
+  va_end(ap);
+  int st = system(cmd);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+}
+
+static void netns_down(void) {
+  sh("ip netns del " NS_A " >/dev/null 2>&1; ip netns del " NS_B " >/dev/null 2>&1");
+}
+
+static bool netns_up(void) {
+  netns_down();
+  if (sh("(ip netns add " NS_A " && ip netns add " NS_B
+         " && ip link add fdt-a type veth peer name fdt-b && ip link set fdt-a netns " NS_A
+         " && ip link set fdt-b netns " NS_B " && ip -n " NS_A " addr add " IP_A
+         "/30 dev fdt-a && ip -n " NS_B " addr add " IP_B "/30 dev fdt-b && ip -n " NS_A
+         " link set fdt-a up && ip -n " NS_B " link set fdt-b up && ip -n " NS_A
+         " link set lo up && ip -n " NS_B " link set lo up) >/dev/null 2>&1") != 0) {
+    fprintf(stderr, "SKIP two-host part: cannot make network namespaces (needs root)\n");
+    netns_down();
+    return false;
+  }
+  return true;
+}
+
+/* Host B joins a directory on host A: `ferry serve` listens on B's interface towards A on its
+ * own; a node held to loopback is refused, naming FERRY_TCP_LISTEN and that interface. */
+static void test_advertise_two_hosts(void **state) {
+  const char *cli = getenv("FERRY_CLI");
+  if (!cli || !netns_up())
+    return;
+  char dir[] = "/tmp/ferry-dt-XXXXXX";
+  assert_non_null(mkdtemp(dir));
+  /* FERRY_TOKEN: a fleet across hosts should have one (and may have to) */
+  const char *env = "FERRY_TOKEN=dt-token FERRY_TRANSPORTS=shm,tcp";
+  sh("ip netns exec " NS_A " env %s %s serve --listen " IP_A ":" NS_PORT
+     " > %s/a.txt 2>&1 & echo $! > %s/a.pid",
+     env, cli, dir, dir);
+  sh("ip netns exec " NS_B " env %s %s serve --name b --directory ferry://" IP_A ":" NS_PORT
+     " > %s/b.txt 2>&1 & echo $! > %s/b.pid",
+     env, cli, dir, dir);
+  int rc = 1;
+  for (int i = 0; i < 2000 && rc != 0; i++) {
+    su_sleep_ms(10);
+    rc = sh("grep -qs ready %s/b.txt || ! kill -0 $(cat %s/b.pid)", dir, dir);
+  }
+  sh("cat %s/b.txt >&2", dir);
+  assert_int_equal(
+      sh("grep -q \"joined ferry://" IP_A ":" NS_PORT " (.*tcp://" IP_B ":\" %s/b.txt", dir), 0);
+  assert_int_equal(sh("grep -q 'listening on " IP_B ":0' %s/b.txt", dir), 0);
+  /* held to loopback by --listen: refused, one line, before anything is registered */
+  int st = sh("ip netns exec " NS_B " env %s %s serve --name c --listen 127.0.0.1:0 --directory "
+              "ferry://" IP_A ":" NS_PORT " > %s/c.txt 2>&1",
+              env, cli, dir);
+  sh("cat %s/c.txt >&2", dir);
+  assert_int_equal(st, 2);
+  assert_int_equal(sh("grep -q 'listens on loopback only' %s/c.txt", dir), 0);
+  assert_int_equal(sh("grep -q 'set FERRY_TCP_LISTEN=" IP_B ":0' %s/c.txt", dir), 0);
+  assert_int_equal(sh("kill $(cat %s/b.pid) $(cat %s/a.pid)", dir, dir), 0);
+  for (int i = 0; i < 1000 && sh("kill -0 $(cat %s/a.pid) 2>/dev/null", dir) == 0; i++)
+    su_sleep_ms(10);
+  sh("rm -rf %s", dir);
+  netns_down();
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_codec),          cmocka_unit_test(test_server_rejects_garbage),
-      cmocka_unit_test(test_embedded_local), cmocka_unit_test(test_embedded_link),
-      cmocka_unit_test(test_no_directory),   cmocka_unit_test(test_redis),
-      cmocka_unit_test(test_table_rules),    cmocka_unit_test(test_table_rejects_garbage),
+      cmocka_unit_test(test_codec),
+      cmocka_unit_test(test_server_rejects_garbage),
+      cmocka_unit_test(test_embedded_local),
+      cmocka_unit_test(test_embedded_link),
+      cmocka_unit_test(test_no_directory),
+      cmocka_unit_test(test_redis),
+      cmocka_unit_test(test_table_rules),
+      cmocka_unit_test(test_table_rejects_garbage),
+      cmocka_unit_test(test_redis_url),
+      cmocka_unit_test(test_redact),
+      cmocka_unit_test(test_reach_decision),
+      cmocka_unit_test(test_redis_auth),
+      cmocka_unit_test(test_advertise_two_hosts),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

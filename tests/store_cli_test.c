@@ -175,6 +175,51 @@ static void test_no_directory(void **state) {
   free(err);
 }
 
+/* FERRY_DIRECTORY=redis://:PASSWORD@...: before a holder runs, put says how to start one for
+ * this URL; `ferry serve` with no options joins it; the password shows nowhere. */
+static void test_redis_directory(void **state) {
+  su_redis r;
+  const char *extra[] = {"--requirepass", "hunter2", NULL};
+  if (!su_redis_start_with(&r, 0, extra))
+    return;
+  char url[96];
+  snprintf(url, sizeof url, "redis://:hunter2@127.0.0.1:%d", r.port);
+  setenv("FERRY_DIRECTORY", url, 1);
+  char shown[96];
+  snprintf(shown, sizeof shown, "redis://:***@127.0.0.1:%d", r.port);
+  write_file("small.bin", "0123456789abcdef", 16);
+  assert_int_equal(run("%s put r1 small.bin 2> err.txt", cli), 3);
+  assert_true(file_has("err.txt", "start one with `ferry serve --directory redis://:***@"));
+  assert_int_equal(run("grep -q hunter2 err.txt"), 1);
+  fflush(NULL);
+  pid_t serve = fork();
+  if (serve == 0) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/serve.txt", tmpdir);
+    freopen(path, "w", stdout);
+    freopen(path, "a", stderr);
+    execl(cli, cli, "serve", "--name", "redis-holder", (char *)NULL);
+    _exit(127);
+  }
+  for (int i = 0; i < 1000 && run("grep -qs ready serve.txt") != 0; i++)
+    su_sleep_ms(10);
+  assert_true(file_has("serve.txt", "ready: node 'redis-holder' joined redis://:***@127.0.0.1"));
+  assert_int_equal(run("%s put r1 small.bin && %s get r1 back.bin", cli, cli), 0);
+  assert_int_equal(run("cmp -s small.bin back.bin"), 0);
+  assert_int_equal(run("%s info --config > info.txt", cli), 0);
+  assert_true(file_has("info.txt", shown));
+  assert_true(file_has("info.txt", "up, "));
+  /* a wrong password: FERRY_EAUTH's one line, exit 5 (peer), the password not in it */
+  snprintf(url, sizeof url, "redis://:wrongpass@127.0.0.1:%d", r.port);
+  setenv("FERRY_DIRECTORY", url, 1);
+  assert_int_equal(run("%s ls 2> err.txt", cli), 5);
+  assert_true(file_has("err.txt", "refused the password (AUTH)"));
+  assert_int_equal(run("grep -q -e hunter2 -e wrongpass err.txt serve.txt info.txt"), 1);
+  kill(serve, SIGTERM);
+  assert_int_equal(tu_wait(serve), 0);
+  su_redis_stop(&r);
+}
+
 int main(void) {
   const char *env = getenv("FERRY_CLI");
   if (env) {
@@ -191,6 +236,7 @@ int main(void) {
       cmocka_unit_test(test_commands),
       cmocka_unit_test(test_progress),
       cmocka_unit_test(test_no_directory),
+      cmocka_unit_test(test_redis_directory),
   };
   int rc = cmocka_run_group_tests(tests, NULL, NULL);
   run("rm -rf %s", tmpdir);

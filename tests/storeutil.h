@@ -52,9 +52,10 @@ typedef struct su_redis {
   char url[64];
 } su_redis;
 
-/* Starts redis-server on loopback port `want` (0: a free one); false (with a message) when it
+/* Starts redis-server on loopback port `want` (0: a free one) with up to 12 more arguments
+ * (NULL-terminated `extra`, may be NULL: e.g. --requirepass PW); false (with a message) when it
  * cannot. */
-static inline bool su_redis_start_on(su_redis *r, int want) {
+static inline bool su_redis_start_with(su_redis *r, int want, const char *const *extra) {
   if (access("/usr/bin/redis-server", X_OK) != 0 && system("command -v redis-server >/dev/null")) {
     tu_skip(TU_SKIP_FIXABLE, "redis part: redis-server is not installed (scripts/deps.sh test)");
     return false;
@@ -70,8 +71,12 @@ static inline bool su_redis_start_on(su_redis *r, int want) {
     int devnull = open("/dev/null", O_WRONLY);
     dup2(devnull, 1);
     dup2(devnull, 2);
-    execlp("redis-server", "redis-server", "--port", port, "--bind", "127.0.0.1", "--save", "",
-           "--appendonly", "no", "--loglevel", "warning", (char *)NULL);
+    const char *argv[24] = {"redis-server", "--port",     port,     "--bind",
+                            "127.0.0.1",    "--save",     "",       "--appendonly",
+                            "no",           "--loglevel", "warning"};
+    for (int i = 0, n = 11; extra && extra[i] && i < 12; i++)
+      argv[n++] = extra[i];
+    execvp("redis-server", (char *const *)argv);
     _exit(127);
   }
   for (int i = 0; i < 500; i++) {
@@ -85,6 +90,9 @@ static inline bool su_redis_start_on(su_redis *r, int want) {
   return false;
 }
 
+static inline bool su_redis_start_on(su_redis *r, int want) {
+  return su_redis_start_with(r, want, NULL);
+}
 static inline bool su_redis_start(su_redis *r) { return su_redis_start_on(r, 0); }
 
 static inline void su_redis_stop(su_redis *r) {

@@ -15,7 +15,10 @@
 static void print_config(void) {
   for (size_t i = 0; i < ferry_config_count(); i++) {
     const ferry_config_item *it = ferry_config_at(i);
-    const char *now = ferry_config_get(it->name);
+    char now[FR_DIR_ADDRESS_MAX + 1]; /* a URL's password never reaches the screen */
+    fr_url_redact(ferry_config_get(it->name), now, sizeof now);
+    if (strcmp(it->name, "FERRY_TOKEN") == 0 && *now)
+      snprintf(now, sizeof now, "***");
     printf("%-26s %-14s %s%s%s\n", it->name, *now ? now : "\"\"", it->doc,
            getenv(it->name) ? "" : " (default)", "");
   }
@@ -24,7 +27,9 @@ static void print_config(void) {
 /* The directory this node would use, and whether it answers (with how many nodes). */
 static void print_directory(void) {
   const char *url = ferry_config_get("FERRY_DIRECTORY");
-  printf("directory:  %s (FERRY_DIRECTORY): ", url);
+  char shown[FR_DIR_ADDRESS_MAX + 1];
+  fr_url_redact(url, shown, sizeof shown);
+  printf("directory:  %s (FERRY_DIRECTORY): ", shown);
   ferry_ctx_opts co = {.size = sizeof co, .name = "ferry-info"};
   ferry_ctx *ctx = NULL;
   fr_dir *dir = NULL;

@@ -1,10 +1,13 @@
 /*
  * `ferry serve`: a long-lived node for the fleet. Without --directory it hosts the embedded
  * directory on --listen (default: the host:port of FERRY_DIRECTORY, ferry://127.0.0.1:7700);
- * with --directory it joins that one. Either way it is a store node that holds objects for
- * short-lived clients (`ferry put` hands it the bytes). It runs until SIGINT or SIGTERM.
+ * with --directory, or when FERRY_DIRECTORY is a redis:// URL (a directory it cannot host), it
+ * joins that one, listening where the directory's other hosts can reach it. Either way it is a
+ * store node that holds objects for short-lived clients (`ferry put` hands it the bytes). It runs
+ * until SIGINT or SIGTERM.
  */
 #include "cli/cli.h"
+#include "directory/directory.h"
 #include "ferry.h"
 
 #include <pthread.h>
@@ -18,8 +21,9 @@ static const char serve_usage[] =
     "usage: ferry serve [--listen HOST:PORT] [--directory URL] [--name NAME]\n"
     "                   [--capacity BYTES]\n\n"
     "Runs a long-lived node: it hosts the embedded directory on --listen (default: the\n"
-    "host:port of FERRY_DIRECTORY, 127.0.0.1:7700), or with --directory joins that one\n"
-    "(ferry://HOST:PORT or redis://HOST:PORT[/DB]); and it holds objects that short-lived\n"
+    "host:port of FERRY_DIRECTORY, 127.0.0.1:7700), or with --directory (or a redis://\n"
+    "FERRY_DIRECTORY) joins that one (ferry://HOST:PORT or\n"
+    "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]); and it holds objects that short-lived\n"
     "clients put (`ferry put`), in a pool of --capacity bytes (FERRY_STORE_CAPACITY).\n"
     "Prints one 'ready' line, then runs until SIGINT or SIGTERM.\n";
 
@@ -51,14 +55,32 @@ static int parse(int argc, char **argv, serve_opts *o) {
   return 0;
 }
 
-/* The host:port to listen on when hosting: --listen, else FERRY_DIRECTORY's. */
-static const char *host_port(const serve_opts *o, char *buf, size_t len) {
+/* Without --directory: the host:port to host the directory on (--listen, else
+ * FERRY_DIRECTORY's ferry:// host:port); NULL when FERRY_DIRECTORY names a directory this node
+ * cannot host (redis://), which it then joins as if given --directory. */
+static const char *host_port(serve_opts *o, char *buf, size_t len) {
   if (o->listen)
     return o->listen;
   const char *url = ferry_config_get("FERRY_DIRECTORY");
-  if (strncmp(url, "ferry://", 8) != 0)
+  if (strncmp(url, "ferry://", 8) != 0) {
+    o->directory = url;
     return NULL;
+  }
   snprintf(buf, len, "%s", url + 8);
+  return buf;
+}
+
+/* Joining: the tcp listener's address. A loopback FERRY_TCP_LISTEN (the default) with a
+ * directory on another host would register an address its peers cannot dial: listen on the
+ * interface that routes to the directory instead. */
+static const char *join_listen(const serve_opts *o, char *buf, size_t len) {
+  if (o->listen ||
+      fr_dir_tcp_listen_for(o->directory, ferry_config_get("FERRY_TCP_LISTEN"), buf, len) != 1)
+    return o->listen;
+  fprintf(stderr,
+          "ferry serve: listening on %s, the interface that routes to the directory "
+          "(FERRY_TCP_LISTEN is loopback)\n",
+          buf);
   return buf;
 }
 
@@ -78,11 +100,8 @@ int cli_serve(int argc, char **argv) {
     return CLI_USAGE;
   char buf[256];
   const char *listen = o.directory ? o.listen : host_port(&o, buf, sizeof buf);
-  if (!o.directory && !listen) {
-    fprintf(stderr, "ferry serve: FERRY_DIRECTORY is not ferry://; give --listen or "
-                    "--directory\n");
-    return CLI_USAGE;
-  }
+  if (o.directory)
+    listen = join_listen(&o, buf, sizeof buf);
   /* signals go to sigwait, not to the library's threads */
   sigset_t set;
   sigemptyset(&set);
@@ -101,9 +120,10 @@ int cli_serve(int argc, char **argv) {
     ferry_ctx_close(ctx);
     return cli_fail("serve", rc, "cannot open the store");
   }
+  char shown[FR_DIR_ADDRESS_MAX + 1];
+  fr_url_redact(o.directory, shown, sizeof shown);
   if (o.directory)
-    printf("ready: node '%s' joined %s (%s)\n", ferry_ctx_name(ctx), o.directory,
-           ferry_ctx_address(ctx));
+    printf("ready: node '%s' joined %s (%s)\n", ferry_ctx_name(ctx), shown, ferry_ctx_address(ctx));
   else
     printf("ready: directory ferry://%s, node '%s' (%s)\n", listen, ferry_ctx_name(ctx),
            ferry_ctx_address(ctx));

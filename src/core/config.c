@@ -31,7 +31,8 @@
   X("FERRY_CTL_SPIN_US", "1000",                                                                   \
     "microseconds a control request yields for its acks before it sleeps")                         \
   X("FERRY_DIRECTORY", "ferry://127.0.0.1:7700",                                                   \
-    "directory URL: ferry://HOST:PORT (embedded; `ferry serve`) or redis://HOST:PORT[/DB]")        \
+    "directory URL: ferry://HOST:PORT (embedded; `ferry serve`) or "                               \
+    "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]")                                                  \
   X("FERRY_LEASE_MS", "15000",                                                                     \
     "a node's directory lease; its records vanish this long after it dies")                        \
   X("FERRY_STORE_CAPACITY", "1073741824", "bytes of a node's store pool (copied puts live there)") \

@@ -28,18 +28,20 @@ int fr_dir_open(ferry_ctx *ctx, const char *url, int timeout_ms, fr_dir **out) {
   if (!url || !*url)
     url = fr_config_str("FERRY_DIRECTORY");
   const fr_dir_ops *ops = fr_dir_backend(url);
+  char shown[FR_DIR_ADDRESS_MAX + 1];
+  fr_url_redact(url, shown, sizeof shown);
   if (!ops)
     return fr_err(FERRY_EINVAL,
                   "directory '%s': unknown scheme (ferry://HOST:PORT or "
-                  "redis://HOST:PORT[/DB])",
-                  url);
+                  "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB])",
+                  shown);
   if (strlen(url) > FR_DIR_ADDRESS_MAX)
     return fr_err(FERRY_EINVAL, "directory URL too long");
   fr_dir *d = calloc(1, sizeof *d);
   if (!d)
     return fr_err(FERRY_ENOMEM, "directory client");
   d->ops = ops;
-  snprintf(d->url, sizeof d->url, "%s", url);
+  snprintf(d->url, sizeof d->url, "%s", shown);
   int rc = ops->open(ctx, url + strlen(ops->scheme), fr_timeout(timeout_ms), &d->state);
   if (rc != 0) {
     free(d);

@@ -136,7 +136,7 @@ typedef struct fr_dir_ops {
 typedef struct fr_dir {
   const fr_dir_ops *ops;
   void *state;
-  char url[FR_DIR_ADDRESS_MAX + 1];
+  char url[FR_DIR_ADDRESS_MAX + 1]; /* redacted (fr_url_redact): safe to print */
 } fr_dir;
 
 /* Connects to the directory at url (NULL: FERRY_DIRECTORY). FERRY_EINVAL for an unknown scheme,
@@ -169,6 +169,46 @@ int fr_dir_name_taken(const fr_dir_node *holder, uint32_t lease_left_ms);
 int fr_err_wrap(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Sorts objects by key. */
 void fr_dir_sort(fr_dir_object *objs, size_t n);
+
+/* ---- directory URLs (url.c) ---- */
+/* A URL as it may be printed: the password in its userinfo replaced by three stars
+ * (e.g. redis://user:...@host:6379/0 shows user, host, port and db; a userinfo without a colon is
+ * all password). Every message, log line or output that names a directory URL prints this, never
+ * the URL itself. */
+void fr_url_redact(const char *url, char *out, size_t cap);
+
+/* A redis:// URL taken apart, as redis-cli reads one: redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]
+ * (a userinfo without ':' is the password; USER and PASSWORD are percent-decoded; HOST may be
+ * [v6]; empty HOST: 127.0.0.1; PORT 6379, DB 0 by default). */
+typedef struct fr_redis_url {
+  char host[256];
+  int port, db;
+  char user[128];
+  char password[256];
+  bool auth; /* a user or password was given: AUTH after every connect */
+} fr_redis_url;
+/* url with or without its "redis://". FERRY_EINVAL (the detail shows the URL redacted). */
+int fr_redis_url_parse(const char *url, fr_redis_url *out);
+
+/* ---- whether peers can reach what a node advertises (reach.c) ---- */
+/* A loopback address (127/8, ::1, ::ffff:127/104) or "localhost". */
+bool fr_addr_loopback(const char *host);
+/* The host of scheme://[USERINFO@]HOST[:PORT][/...] or HOST:PORT, brackets removed. */
+int fr_url_host(const char *url, char *host, size_t cap);
+/* Pure: whether a node advertising `node_address` (a ctx address list) can be reached by the
+ * peers of a directory at the numeric address dir_host: always when that is loopback (one host),
+ * else when some tcp:// or ucx:// address in the list is neither loopback nor a wildcard. */
+bool fr_dir_can_reach(const char *dir_host, const char *node_address);
+/* The local address the kernel would send from to reach `ip` (numeric). Sends nothing. */
+int fr_route_source(const char *ip, char *out, size_t cap);
+/* FERRY_EINVAL, one line naming FERRY_TCP_LISTEN and the interface that routes to the directory,
+ * when a node advertising `node_address` registers in the directory at dir_url on another host
+ * while it listens on loopback only; else 0. */
+int fr_dir_reach_check(const char *dir_url, const char *node_address, const char *who);
+/* For a node that is about to open its context and join dir_url: when tcp_listen (HOST:PORT) is
+ * loopback and the directory is on another host, writes "ADDR:PORT" (ADDR: the interface that
+ * routes to the directory, PORT: tcp_listen's) to out and returns 1; else 0. */
+int fr_dir_tcp_listen_for(const char *dir_url, const char *tcp_listen, char *out, size_t cap);
 
 /* ---- a node's registration under a lease (lease.c) ---- */
 typedef struct fr_dir_lease {

@@ -50,9 +50,12 @@ static bool holder_dead(const fr_dir_lease *l, const fr_dir_node *h, int timeout
 
 int fr_dir_lease_take(fr_dir_lease *l, int timeout_ms) {
   const fr_dir_ops *ops = l->dir->ops;
+  /* listed but unreachable is worse than refused: say so before registering */
+  int rc = fr_dir_reach_check(l->dir->url, l->node.address, l->who);
   uint64_t epoch = ops->epoch(l->dir->state);
   fr_dir_node holder;
-  int rc = ops->node_put(l->dir->state, &l->node, l->lease_ms, 0, &holder, timeout_ms);
+  if (rc == 0)
+    rc = ops->node_put(l->dir->state, &l->node, l->lease_ms, 0, &holder, timeout_ms);
   if (rc == FERRY_EEXIST) {
     char taken[512];
     snprintf(taken, sizeof taken, "%s", ferry_last_error());

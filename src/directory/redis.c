@@ -1,11 +1,13 @@
 /*
- * The Redis directory backend (redis://HOST:PORT[/DB]), for fleets that want Redis' replication
- * and failover. Records live under "ferry:" keys: a node is a hash ferry:n:NAME {addr, flags,
- * inc, acc} with the lease as its TTL (inc: the incarnation that holds the name; acc: its access
- * blob in hex); an object is a hash ferry:o:KEY {owner, gen, rec} (rec is the dirwire encoding)
- * whose TTL follows its owner's; ferry:s:NAME lists the keys a node owns so a renewal can extend
- * them all. Each multi-step operation is one Lua script, so it is atomic. One hiredis connection,
- * serialized by a mutex, redialled once per call after an I/O error.
+ * The Redis directory backend (redis://[[USER]:PASSWORD@]HOST[:PORT][/DB], url.c reads it), for
+ * fleets that want Redis' replication and failover. Records live under "ferry:" keys: a node is a
+ * hash ferry:n:NAME {addr, flags, inc, acc} with the lease as its TTL (inc: the incarnation that
+ * holds the name; acc: its access blob in hex); an object is a hash ferry:o:KEY {owner, gen, rec}
+ * (rec is the dirwire encoding) whose TTL follows its owner's; ferry:s:NAME lists the keys a node
+ * owns so a renewal can extend them all. Each multi-step operation is one Lua script, so it is
+ * atomic. One hiredis connection, serialized by a mutex, redialled once per call after an I/O
+ * error; every dial sends AUTH (when the URL has a password) before SELECT. Messages name the
+ * server by its redacted URL only.
  */
 #include "directory/dirwire.h"
 
@@ -17,8 +19,8 @@
 
 typedef struct rds {
   pthread_mutex_t lock;
-  char host[320];
-  int port, db;
+  fr_redis_url u;
+  char shown[FR_DIR_ADDRESS_MAX + 1]; /* the URL, redacted */
   int timeout_ms;
   redisContext *c;
   uint64_t epoch;
@@ -81,24 +83,59 @@ static const char obj_del_lua[] =
 
 /* ---- connection ---- */
 
+/* An error reply: FERRY_EAUTH when the server wants (another) password, else `other`. */
+static int error_reply(const rds *r, const char *what, const char *msg, int other) {
+  if (strncmp(msg, "NOAUTH", 6) == 0)
+    return fr_err(FERRY_EAUTH,
+                  "Redis at %s requires a password (NOAUTH): give it in the URL, "
+                  "redis://[USER]:PASSWORD@HOST:PORT",
+                  r->shown);
+  if (strcmp(what, "AUTH") == 0 || strncmp(msg, "WRONGPASS", 9) == 0)
+    return fr_err(FERRY_EAUTH, "Redis at %s refused the password (AUTH): %s", r->shown, msg);
+  return fr_err(other, "Redis at %s: %s: %s", r->shown, what, msg);
+}
+
+/* One setup command's reply on a fresh connection (consumed). */
+static int setup_reply(const rds *r, redisContext *c, redisReply *rep, const char *what) {
+  int rc = 0;
+  if (!rep)
+    rc = fr_err(FERRY_ECONNECT, "Redis at %s: %s: %s", r->shown, what, c->errstr);
+  else if (rep->type == REDIS_REPLY_ERROR)
+    rc = error_reply(r, what, rep->str, FERRY_EINVAL);
+  freeReplyObject(rep);
+  return rc;
+}
+
+/* AUTH (when the URL has a password), SELECT (db != 0); without AUTH, a PING tells at once
+ * whether the server wants a password rather than at the first real command. */
+static int setup(const rds *r, redisContext *c) {
+  int rc = 0;
+  if (r->u.auth)
+    rc = setup_reply(r, c,
+                     r->u.user[0] ? redisCommand(c, "AUTH %s %s", r->u.user, r->u.password)
+                                  : redisCommand(c, "AUTH %s", r->u.password),
+                     "AUTH");
+  if (rc == 0 && r->u.db)
+    rc = setup_reply(r, c, redisCommand(c, "SELECT %d", r->u.db), "SELECT");
+  if (rc == 0 && !r->u.auth && !r->u.db)
+    rc = setup_reply(r, c, redisCommand(c, "PING"), "PING");
+  return rc;
+}
+
 static int dial(rds *r) {
   struct timeval tv = {r->timeout_ms / 1000, (r->timeout_ms % 1000) * 1000};
-  redisContext *c = redisConnectWithTimeout(r->host, r->port, tv);
+  redisContext *c = redisConnectWithTimeout(r->u.host, r->u.port, tv);
   if (!c || c->err) {
-    int rc = fr_err(FERRY_ECONNECT, "cannot reach Redis at redis://%s:%d: %s", r->host, r->port,
-                    c ? c->errstr : "out of memory");
+    int rc = fr_err(FERRY_ECONNECT, "cannot reach Redis at %s: %s (is redis-server running there?)",
+                    r->shown, c ? c->errstr : "out of memory");
     redisFree(c);
     return rc;
   }
   redisSetTimeout(c, tv);
-  if (r->db) {
-    redisReply *rep = redisCommand(c, "SELECT %d", r->db);
-    bool ok = rep && rep->type != REDIS_REPLY_ERROR;
-    freeReplyObject(rep);
-    if (!ok) {
-      redisFree(c);
-      return fr_err(FERRY_ECONNECT, "Redis at %s:%d: cannot select db %d", r->host, r->port, r->db);
-    }
+  int rc = setup(r, c);
+  if (rc != 0) {
+    redisFree(c);
+    return rc;
   }
   r->c = c;
   r->epoch++;
@@ -115,7 +152,7 @@ static int command(rds *r, int argc, const char **argv, const size_t *lens, redi
     }
     redisReply *rep = redisCommandArgv(r->c, argc, argv, lens);
     if (rep && rep->type == REDIS_REPLY_ERROR) {
-      int rc = fr_err(FERRY_EPROTO, "Redis %s: %s", argv[0], rep->str);
+      int rc = error_reply(r, argv[0], rep->str, FERRY_EPROTO);
       freeReplyObject(rep);
       return rc;
     }
@@ -123,11 +160,11 @@ static int command(rds *r, int argc, const char **argv, const size_t *lens, redi
       *out = rep;
       return 0;
     }
-    fr_warn("Redis at %s:%d: %s; reconnecting", r->host, r->port, r->c->errstr);
+    fr_warn("Redis at %s: %s; reconnecting", r->shown, r->c->errstr);
     redisFree(r->c);
     r->c = NULL;
   }
-  return fr_err(FERRY_ECONNECT, "Redis at redis://%s:%d stopped answering", r->host, r->port);
+  return fr_err(FERRY_ECONNECT, "Redis at %s stopped answering", r->shown);
 }
 
 /* Builds an argv of NUL-terminated strings (lengths by strlen, or given in lens). */
@@ -467,7 +504,7 @@ static int pipeline_put(rds *r, const fr_dir_object *objs, size_t n, unsigned fl
   for (size_t i = 0; rc == 0 && i < n; i++) {
     redisReply *rep = NULL;
     if (redisGetReply(r->c, (void **)&rep) != REDIS_OK || !rep) {
-      rc = fr_err(FERRY_ECONNECT, "Redis at %s:%d: %s", r->host, r->port, r->c->errstr);
+      rc = fr_err(FERRY_ECONNECT, "Redis at %s: %s", r->shown, r->c->errstr);
       break;
     }
     had_other[i] = false;
@@ -504,7 +541,7 @@ static int pipeline_get(rds *r, const char *const *keys, size_t n, fr_dir_object
   for (size_t i = 0; rc == 0 && i < n; i++) {
     redisReply *rep = NULL;
     if (redisGetReply(r->c, (void **)&rep) != REDIS_OK || !rep) {
-      rc = fr_err(FERRY_ECONNECT, "Redis at %s:%d: %s", r->host, r->port, r->c->errstr);
+      rc = fr_err(FERRY_ECONNECT, "Redis at %s: %s", r->shown, r->c->errstr);
       redisFree(r->c);
       r->c = NULL;
       break;
@@ -583,42 +620,20 @@ static int rds_obj_scan(void *st, const char *prefix, fr_dir_object **out, size_
 
 /* ---- lifecycle ---- */
 
-static int parse(const char *where, rds *r) {
-  char tmp[300];
-  snprintf(tmp, sizeof tmp, "%s", where);
-  char *slash = strchr(tmp, '/');
-  r->db = 0;
-  if (slash) {
-    *slash = '\0';
-    char *end;
-    long db = strtol(slash + 1, &end, 10);
-    if (*end || db < 0 || db > 1000)
-      return fr_err(FERRY_EINVAL, "redis://%s: bad database number", where);
-    r->db = (int)db;
-  }
-  char *colon = strrchr(tmp, ':');
-  r->port = 6379;
-  if (colon) {
-    *colon = '\0';
-    char *end;
-    long port = strtol(colon + 1, &end, 10);
-    if (*end || port <= 0 || port > 65535)
-      return fr_err(FERRY_EINVAL, "redis://%s: bad port", where);
-    r->port = (int)port;
-  }
-  snprintf(r->host, sizeof r->host, "%s", *tmp ? tmp : "127.0.0.1");
-  return 0;
-}
-
 static int rds_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **state) {
   rds *r = calloc(1, sizeof *r);
   if (!r)
     return fr_err(FERRY_ENOMEM, "redis client");
-  int rc = parse(where, r);
+  char url[FR_DIR_ADDRESS_MAX + 16];
+  snprintf(url, sizeof url, "redis://%s", where);
+  fr_url_redact(url, r->shown, sizeof r->shown);
+  int rc = fr_redis_url_parse(url, &r->u);
+  explicit_bzero(url, sizeof url);
   r->timeout_ms = timeout_ms > 0 ? timeout_ms : 1000;
   if (rc == 0)
     rc = dial(r);
   if (rc != 0) {
+    explicit_bzero(r, sizeof *r);
     free(r);
     return rc;
   }
@@ -633,6 +648,7 @@ static void rds_close(void *state) {
     return;
   redisFree(r->c);
   pthread_mutex_destroy(&r->lock);
+  explicit_bzero(&r->u, sizeof r->u);
   free(r);
 }
 

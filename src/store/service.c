@@ -130,11 +130,11 @@ static int find_holder(ferry_store *s, char *name, size_t cap, int timeout_ms) {
   size_t i = 0;
   while (rc == 0 && i < n && !(v[i].flags & FR_NODE_HOLDER))
     i++;
-  if (rc == 0 && i == n)
+  if (rc == 0 && i == n) /* the directory answers, so `ferry serve` joins it rather than hosts */
     rc = fr_err(FERRY_ENOTFOUND,
                 "no node holds objects for others in the directory at %s: "
-                "start one with `ferry serve`",
-                s->dir->url);
+                "start one with `ferry serve --directory %s`",
+                s->dir->url, s->dir->url);
   if (rc == 0) {
     snprintf(s->holder, sizeof s->holder, "%s", v[i].name);
     snprintf(name, cap, "%s", v[i].name);

@@ -1,0 +1,151 @@
+/*
+ * Directory URLs: taking a redis:// URL apart (user, password, host, port, database, as
+ * redis-cli and redis-py read them) and redacting any URL before it is printed. A directory URL
+ * may carry a password, so every message, log line and ready line that names one goes through
+ * fr_url_redact() first; the password itself only ever reaches the Redis AUTH command.
+ */
+#include "directory/directory.h"
+
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Where the userinfo of `url` ends (its last '@'; a password may hold an unencoded '@' or '/'),
+ * or NULL when it has none. *start: where the authority begins (after "://"). */
+static const char *userinfo_end(const char *url, const char **start) {
+  const char *s = strstr(url, "://");
+  *start = s ? s + 3 : url;
+  return strrchr(*start, '@');
+}
+
+void fr_url_redact(const char *url, char *out, size_t cap) {
+  if (!cap)
+    return;
+  if (!url) {
+    snprintf(out, cap, "%s", "");
+    return;
+  }
+  const char *start;
+  const char *at = userinfo_end(url, &start);
+  if (!at) {
+    snprintf(out, cap, "%s", url);
+    return;
+  }
+  /* "user:password" keeps the user; a bare userinfo is all password (redis-cli's reading) */
+  const char *colon = memchr(start, ':', (size_t)(at - start));
+  size_t keep = colon ? (size_t)(colon - start) + 1 : 0;
+  snprintf(out, cap, "%.*s%.*s***%s", (int)(start - url), url, (int)keep, start, at);
+}
+
+static int hex_value(char c) {
+  if (c >= '0' && c <= '9')
+    return c - '0';
+  c = (char)tolower((unsigned char)c);
+  return c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+}
+
+/* Percent-decodes n bytes of s into out (cap bytes, NUL included); false when malformed or too
+ * long. */
+static bool percent_decode(const char *s, size_t n, char *out, size_t cap) {
+  size_t o = 0;
+  for (size_t i = 0; i < n; i++) {
+    char c = s[i];
+    if (c == '%') {
+      int h = i + 2 < n ? hex_value(s[i + 1]) : -1, l = i + 2 < n ? hex_value(s[i + 2]) : -1;
+      if (h < 0 || l < 0)
+        return false;
+      c = (char)(h * 16 + l);
+      i += 2;
+    }
+    if (c == '\0' || o + 1 >= cap)
+      return false;
+    out[o++] = c;
+  }
+  out[o] = '\0';
+  return true;
+}
+
+static int bad(const char *url, const char *why) {
+  char shown[FR_DIR_ADDRESS_MAX + 1];
+  fr_url_redact(url, shown, sizeof shown);
+  return fr_err(FERRY_EINVAL, "directory '%s': %s (redis://[[USER]:PASSWORD@]HOST[:PORT][/DB])",
+                shown, why);
+}
+
+static int parse_userinfo(const char *url, const char *start, const char *at, fr_redis_url *r) {
+  const char *colon = memchr(start, ':', (size_t)(at - start));
+  const char *pass = colon ? colon + 1 : start;
+  if (colon && !percent_decode(start, (size_t)(colon - start), r->user, sizeof r->user))
+    return bad(url, "malformed or too long user name");
+  if (!percent_decode(pass, (size_t)(at - pass), r->password, sizeof r->password))
+    return bad(url, "malformed or too long password (percent-encode '%', ':' and '@' as %25, "
+                    "%3A, %40)");
+  r->auth = r->user[0] || r->password[0];
+  return 0;
+}
+
+/* host[:port] or [v6][:port], n bytes at s. */
+static int parse_host_port(const char *url, const char *s, size_t n, fr_redis_url *r) {
+  const char *end = s + n, *port = NULL;
+  size_t hn;
+  const char *h = s;
+  if (n && *s == '[') {
+    const char *close = memchr(s, ']', n);
+    if (!close)
+      return bad(url, "'[' without ']'");
+    h = s + 1;
+    hn = (size_t)(close - h);
+    if (close + 1 < end && close[1] != ':')
+      return bad(url, "bad text after ']'");
+    port = close + 1 < end ? close + 2 : NULL;
+  } else {
+    const char *colon = memchr(s, ':', n);
+    if (colon && memchr(colon + 1, ':', (size_t)(end - colon - 1)))
+      return bad(url, "an IPv6 address goes in brackets, e.g. redis://[::1]:6379");
+    hn = colon ? (size_t)(colon - s) : n;
+    port = colon ? colon + 1 : NULL;
+  }
+  if (hn >= sizeof r->host)
+    return bad(url, "host name too long");
+  snprintf(r->host, sizeof r->host, "%.*s", (int)hn, h);
+  if (!r->host[0])
+    snprintf(r->host, sizeof r->host, "127.0.0.1");
+  r->port = 6379;
+  if (port) {
+    long v = 0;
+    const char *p = port;
+    for (; p < end && isdigit((unsigned char)*p) && v <= 65535; p++)
+      v = v * 10 + (*p - '0');
+    if (p == port || p != end || v <= 0 || v > 65535)
+      return bad(url, "bad port");
+    r->port = (int)v;
+  }
+  return 0;
+}
+
+int fr_redis_url_parse(const char *url, fr_redis_url *out) {
+  fr_redis_url r;
+  memset(&r, 0, sizeof r);
+  const char *start;
+  const char *at = userinfo_end(url, &start);
+  if (strstr(url, "://") && strncmp(url, "redis://", 8) != 0)
+    return bad(url, "not a redis:// URL");
+  int rc = at ? parse_userinfo(url, start, at, &r) : 0;
+  const char *hp = at ? at + 1 : start;
+  const char *slash = strchr(hp, '/');
+  size_t n = slash ? (size_t)(slash - hp) : strlen(hp);
+  if (rc == 0)
+    rc = parse_host_port(url, hp, n, &r);
+  if (rc == 0 && slash && slash[1]) {
+    char *e;
+    long db = strtol(slash + 1, &e, 10);
+    if (*e || db < 0 || db > 1000 || !isdigit((unsigned char)slash[1]))
+      rc = bad(url, "bad database number");
+    r.db = (int)db;
+  }
+  if (rc == 0)
+    *out = r;
+  explicit_bzero(&r, sizeof r); /* the password lives on only in *out */
+  return rc;
+}
