@@ -5,7 +5,7 @@
 set -euo pipefail
 
 build_pkgs=(cmake make gcc pkg-config libcmocka-dev libxxhash-dev libhiredis-dev
-            libmicrohttpd-dev libucx-dev)
+            libmicrohttpd-dev libucx-dev libjansson-dev)
 test_pkgs=(clang libclang-rt-14-dev spin redis-server iproute2 python3 python3-numpy python3-pytest
            python3-torch)
 bench_pkgs=(python3-numpy python3-torch libnng-dev libzmq3-dev redis-server ucx-utils)

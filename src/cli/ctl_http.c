@@ -7,15 +7,24 @@
  *   POST /v1/control/NAME/update
  *   POST /v1/control/NAME/abort
  *
- * 200 done, 409 invalid transition (or aborted), 503 busy, 504 timed out, 404 no such cell,
- * 502 a rank or the engine is dead, 401 missing or wrong bearer token when FERRY_TOKEN is set.
- * It binds loopback unless --allow-remote. Each request opens the cell afresh, so the server
- * follows an engine that restarts with a new incarnation.
+ * A body is optional; when present it is one JSON object (jansson), read whole (up to BODY_MAX,
+ * however many pieces it arrives in) before it is parsed. The POSTs know one field, timeout_s,
+ * a number of seconds in (0, 86400]; GET knows none. Anything else is refused with 400 rather
+ * than ignored, so that a typo ("timeout": 2) does not silently run with the default timeout.
+ * Every response, errors included, is a JSON object built with jansson.
+ *
+ * 200 done, 400 bad request, 409 invalid transition (or aborted), 503 busy, 504 timed out,
+ * 404 no such cell or path, 405 wrong method, 413 body over BODY_MAX, 502 a rank or the engine
+ * is dead, 401 missing or wrong bearer token when FERRY_TOKEN is set. It binds loopback unless
+ * --allow-remote. Each request opens the cell afresh, so the server follows an engine that
+ * restarts with a new incarnation.
  */
 #include "cli/cli.h"
 #include "cli/ctl.h"
 
 #include <arpa/inet.h>
+#include <jansson.h>
+#include <math.h>
 #include <microhttpd.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -24,6 +33,7 @@
 #include <string.h>
 
 #define BODY_MAX 4096
+#define TIMEOUT_MAX_S 86400.0
 
 typedef struct server {
   const char *name;
@@ -31,9 +41,12 @@ typedef struct server {
   const char *token; /* NULL: no auth */
 } server;
 
+/* One request's state across libmicrohttpd's calls. */
 typedef struct request_body {
-  char data[BODY_MAX + 1];
+  char data[BODY_MAX];
   size_t len;
+  bool too_big;  /* more than BODY_MAX arrived: the rest is dropped and the answer is 413 */
+  bool answered; /* a response went out before the body (401, 413 by Content-Length) */
 } request_body;
 
 static const char serve_usage[] =
@@ -43,8 +56,11 @@ static const char serve_usage[] =
     "first line printed says which):\n"
     "  GET  /v1/control/NAME               the status as JSON\n"
     "  POST /v1/control/NAME/clear|update|abort[?timeout_s=S]   (or body {\"timeout_s\": S})\n"
-    "Responses are JSON: 200 done, 400 bad request, 401 unauthorized, 404 no such cell or path,\n"
-    "409 invalid transition or aborted, 502 a rank or the engine is dead, 503 busy (nothing was\n"
+    "A body is optional; when given it must be a JSON object of at most 4096 bytes whose only\n"
+    "field is timeout_s (a number of seconds, > 0 and <= 86400; not with ?timeout_s as well).\n"
+    "Responses are JSON: 200 done, 400 bad request (malformed JSON, unknown field, wrong type or\n"
+    "range), 401 unauthorized, 404 no such cell or path, 405 wrong method, 409 invalid transition\n"
+    "or aborted, 413 body too large, 502 a rank or the engine is dead, 503 busy (nothing was\n"
     "issued), 504 timed out. HOST must be a loopback address unless --allow-remote. When\n"
     "FERRY_TOKEN is set, every request needs 'Authorization: Bearer <FERRY_TOKEN>'.\n";
 
@@ -71,30 +87,125 @@ static int http_status(int rc) {
   }
 }
 
-static enum MHD_Result send_json(struct MHD_Connection *conn, int code, char *json, size_t len) {
-  struct MHD_Response *resp = MHD_create_response_from_buffer(len, json, MHD_RESPMEM_MUST_FREE);
-  MHD_add_response_header(resp, "Content-Type", "application/json");
+/* ---- JSON out ---- */
+
+/* A JSON string of s. jansson takes UTF-8 only, and a rank's message or an echoed field name
+ * may hold other bytes: those become '?' rather than losing the whole response. */
+static json_t *jstr(const char *s) {
+  json_t *j = json_string(s ? s : "");
+  if (j || !s)
+    return j;
+  char *copy = strdup(s);
+  if (!copy)
+    return NULL;
+  for (unsigned char *p = (unsigned char *)copy; *p; p++)
+    if (*p >= 0x80)
+      *p = '?';
+  j = json_string(copy);
+  free(copy);
+  return j;
+}
+
+/* Sends obj (taking it) as the body, one line of compact JSON. A response that cannot be built
+ * (out of memory) closes the connection, which the client sees as an error too. */
+static enum MHD_Result send_json(struct MHD_Connection *conn, int code, json_t *obj,
+                                 const char *allow) {
+  char *text = obj ? json_dumps(obj, JSON_COMPACT) : NULL;
+  json_decref(obj);
+  size_t len = text ? strlen(text) : 0;
+  char *body = text ? realloc(text, len + 2) : NULL;
+  if (!body) {
+    free(text);
+    return MHD_NO;
+  }
+  body[len++] = '\n';
+  body[len] = '\0';
+  struct MHD_Response *resp = MHD_create_response_from_buffer(len, body, MHD_RESPMEM_MUST_FREE);
+  if (!resp) {
+    free(body);
+    return MHD_NO;
+  }
+  MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
   if (code == MHD_HTTP_UNAUTHORIZED)
-    MHD_add_response_header(resp, "WWW-Authenticate", "Bearer");
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+  if (allow)
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
   enum MHD_Result ret = MHD_queue_response(conn, (unsigned)code, resp);
   MHD_destroy_response(resp);
   return ret;
 }
 
-/* {"ok":false,"status":...,"error":...,"detail":...} with the HTTP code of `rc`. */
+/* {"ok":false,"status":...,"error":...,"detail":...} with HTTP status `code`. */
+static enum MHD_Result send_error_allow(struct MHD_Connection *conn, int code, int rc,
+                                        const char *detail, const char *allow) {
+  json_t *o = json_object();
+  json_object_set_new(o, "ok", json_false());
+  json_object_set_new(o, "status", json_string(ferry_status_name(rc)));
+  json_object_set_new(o, "error", jstr(ferry_strerror(rc)));
+  json_object_set_new(o, "detail", jstr(detail));
+  return send_json(conn, code, o, allow);
+}
+
 static enum MHD_Result send_error(struct MHD_Connection *conn, int code, int rc,
                                   const char *detail) {
-  char *buf = NULL;
-  size_t len = 0;
-  FILE *out = open_memstream(&buf, &len);
-  fprintf(out, "{\"ok\":false,\"status\":\"%s\",\"error\":", ferry_status_name(rc));
-  ctl_json_string(out, ferry_strerror(rc));
-  fputs(",\"detail\":", out);
-  ctl_json_string(out, detail);
-  fputs("}\n", out);
-  fclose(out);
-  return send_json(conn, code, buf, len);
+  return send_error_allow(conn, code, rc, detail, NULL);
 }
+
+static enum MHD_Result bad_request(struct MHD_Connection *conn, const char *detail) {
+  return send_error(conn, MHD_HTTP_BAD_REQUEST, FERRY_EINVAL, detail);
+}
+
+static enum MHD_Result too_large(struct MHD_Connection *conn) {
+  char detail[64];
+  snprintf(detail, sizeof detail, "the body is over %d bytes", BODY_MAX);
+  return send_error(conn, MHD_HTTP_CONTENT_TOO_LARGE, FERRY_ERANGE, detail);
+}
+
+static json_t *rank_object(const ferry_ctl_rank_status *r) {
+  json_t *o = json_object();
+  json_object_set_new(o, "rank", json_integer(r->rank));
+  json_object_set_new(o, "pid", json_integer(r->pid));
+  json_object_set_new(o, "alive", json_boolean(r->alive));
+  json_object_set_new(o, "seq", json_integer((json_int_t)r->seq));
+  json_object_set_new(o, "state", json_string(ferry_ctl_state_name(r->state)));
+  json_object_set_new(o, "fail_seq", json_integer((json_int_t)r->fail_seq));
+  json_object_set_new(o, "error", json_string(r->fail_seq ? ferry_status_name(r->error) : ""));
+  char message[sizeof r->message + 1];
+  snprintf(message, sizeof message, "%.*s", (int)sizeof r->message, r->message);
+  json_object_set_new(o, "message", jstr(message));
+  return o;
+}
+
+/* The cell's status, the same fields as `ferry ctl NAME status --json`. */
+static int status_object(ferry_ctl *ctl, const char *name, json_t **out) {
+  ferry_ctl_status st = {.size = sizeof st};
+  int rc = ferry_ctl_status_get(ctl, &st);
+  if (rc)
+    return rc;
+  json_t *o = json_object(), *ranks = json_array();
+  json_object_set_new(o, "name", jstr(name));
+  json_object_set_new(o, "incarnation", json_integer((json_int_t)st.incarnation));
+  json_object_set_new(o, "engine_pid", json_integer(st.engine_pid));
+  json_object_set_new(o, "engine_alive", json_boolean(st.engine_alive));
+  json_object_set_new(o, "seq", json_integer((json_int_t)st.seq));
+  json_object_set_new(o, "command", json_string(ferry_ctl_cmd_name(st.cmd)));
+  json_object_set_new(o, "in_flight", json_boolean(st.in_flight));
+  json_object_set_new(o, "state", json_string(ferry_ctl_state_name(st.state)));
+  json_object_set_new(o, "agreed", json_boolean(st.agreed));
+  for (uint32_t i = 0; i < st.nranks && rc == 0; i++) {
+    ferry_ctl_rank_status r = {.size = sizeof r};
+    if ((rc = ferry_ctl_rank_status_get(ctl, i, &r)) == 0)
+      json_array_append_new(ranks, rank_object(&r));
+  }
+  json_object_set_new(o, "ranks", ranks);
+  if (rc)
+    json_decref(o);
+  else
+    *out = o;
+  return rc;
+}
+
+/* ---- JSON and arguments in ---- */
 
 static bool token_ok(const server *s, struct MHD_Connection *conn) {
   if (!s->token)
@@ -112,69 +223,192 @@ static bool token_ok(const server *s, struct MHD_Connection *conn) {
   return diff == 0;
 }
 
-/* timeout_s from the query string or the JSON body; -1: the default; -2: malformed. */
-static int request_timeout(struct MHD_Connection *conn, const request_body *body) {
-  const char *q = MHD_lookup_connection_value(conn, MHD_GET_ARGUMENT_KIND, "timeout_s");
-  if (q)
-    return ctl_parse_seconds(q) < 0 ? -2 : ctl_parse_seconds(q);
-  const char *key = body ? strstr(body->data, "\"timeout_s\"") : NULL;
-  if (!key)
-    return -1;
-  const char *colon = strchr(key + 11, ':');
-  if (!colon)
-    return -2;
-  char num[32] = {0};
-  size_t n = strspn(colon + 1, " \t");
-  sscanf(colon + 1 + n, "%31[0-9.]", num);
-  int ms = ctl_parse_seconds(num);
-  return ms < 0 ? -2 : ms;
+/* The body as a JSON object: an empty (or all-whitespace) body reads as {}; anything else must
+ * be exactly one object without duplicate keys. NULL, with why in err, when it is not. */
+static json_t *parse_body(const request_body *body, char *err, size_t errlen) {
+  size_t i = 0;
+  while (i < body->len && (body->data[i] == ' ' || body->data[i] == '\t' || body->data[i] == '\r' ||
+                           body->data[i] == '\n'))
+    i++;
+  if (i == body->len)
+    return json_object();
+  json_error_t e;
+  json_t *j = json_loadb(body->data, body->len, JSON_REJECT_DUPLICATES, &e);
+  if (!j) {
+    snprintf(err, errlen, "the body is not valid JSON: %s (line %d, column %d)", e.text, e.line,
+             e.column);
+    return NULL;
+  }
+  if (!json_is_object(j)) {
+    snprintf(err, errlen, "the body must be a JSON object");
+    json_decref(j);
+    return NULL;
+  }
+  return j;
 }
 
-static enum MHD_Result handle_status(const server *s, struct MHD_Connection *conn) {
-  ferry_ctl *ctl = NULL;
-  int rc = ferry_ctl_open(s->name, &ctl);
-  char *buf = NULL;
-  size_t len = 0;
-  FILE *out = open_memstream(&buf, &len);
-  if (rc == 0)
-    rc = ctl_status_json(out, ctl, s->name);
-  fputs("\n", out);
-  fclose(out);
-  ferry_ctl_close(ctl);
-  if (rc) {
-    free(buf);
-    return send_error(conn, http_status(rc), rc, ferry_last_error());
+/* Refuses a field of obj other than `allowed` (a field name; "" for none). */
+static int check_fields(json_t *obj, const char *allowed, char *err, size_t errlen) {
+  const char *key;
+  json_t *value;
+  json_object_foreach(obj, key, value) {
+    if (strcmp(key, allowed) != 0) {
+      snprintf(err, errlen, "unknown field '%.64s' in the body (this endpoint takes %s%s)", key,
+               *allowed ? "only " : "no fields", allowed);
+      return -1;
+    }
   }
-  return send_json(conn, MHD_HTTP_OK, buf, len);
+  return 0;
+}
+
+typedef struct query_check {
+  const char *allowed;
+  char *err;
+  size_t errlen;
+  bool bad;
+} query_check;
+
+static enum MHD_Result check_query_arg(void *cls, enum MHD_ValueKind kind, const char *key,
+                                       const char *value) {
+  query_check *q = cls;
+  if (strcmp(key, q->allowed) != 0)
+    snprintf(q->err, q->errlen, "unknown query argument '%.64s' (this endpoint takes %s%s)", key,
+             *q->allowed ? "only " : "none", q->allowed);
+  else if (!value)
+    snprintf(q->err, q->errlen, "query argument %s wants a value", key);
+  else
+    return MHD_YES;
+  q->bad = true;
+  return MHD_NO;
+}
+
+/* Seconds as milliseconds (a part of a millisecond counts as one); -1 outside (0, a day]. */
+static int seconds_ms(double s) {
+  if (!(s > 0 && s <= TIMEOUT_MAX_S)) /* NaN fails too */
+    return -1;
+  return (int)ceil(s * 1000.0);
+}
+
+static const char *json_type_name(const json_t *j) {
+  switch (json_typeof(j)) {
+  case JSON_OBJECT:
+    return "an object";
+  case JSON_ARRAY:
+    return "an array";
+  case JSON_STRING:
+    return "a string";
+  case JSON_TRUE:
+  case JSON_FALSE:
+    return "a boolean";
+  case JSON_NULL:
+    return "null";
+  default:
+    return "a number";
+  }
+}
+
+/* timeout_s from the query string or the body (not both) into *timeout_ms; -1 when absent (the
+ * default). Returns -1, with why in err, when it is malformed or out of range. */
+static int request_timeout(struct MHD_Connection *conn, json_t *body, int *timeout_ms, char *err,
+                           size_t errlen) {
+  const char *q = MHD_lookup_connection_value(conn, MHD_GET_ARGUMENT_KIND, "timeout_s");
+  json_t *b = json_object_get(body, "timeout_s");
+  *timeout_ms = -1;
+  if (q && b) {
+    snprintf(err, errlen, "timeout_s is given twice (query and body)");
+    return -1;
+  }
+  if (q) {
+    char *end = NULL;
+    double s = strtod(q, &end);
+    if (end == q || *end || (*timeout_ms = seconds_ms(s)) < 0) {
+      snprintf(err, errlen, "timeout_s=%.32s: want seconds, > 0 and <= %.0f", q, TIMEOUT_MAX_S);
+      return -1;
+    }
+  } else if (b) {
+    if (!json_is_number(b)) {
+      snprintf(err, errlen, "timeout_s must be a number of seconds, not %s", json_type_name(b));
+      return -1;
+    }
+    if ((*timeout_ms = seconds_ms(json_number_value(b))) < 0) {
+      snprintf(err, errlen, "timeout_s %g is out of range: want > 0 and <= %.0f",
+               json_number_value(b), TIMEOUT_MAX_S);
+      return -1;
+    }
+  }
+  return 0;
+}
+
+/* The body and query arguments of a request to an endpoint that takes `allowed` (one name or
+ * ""), parsed and checked; NULL after answering 400. */
+static json_t *request_args(struct MHD_Connection *conn, const request_body *body,
+                            const char *allowed, enum MHD_Result *answered) {
+  char err[256] = "";
+  query_check q = {allowed, err, sizeof err, false};
+  MHD_get_connection_values(conn, MHD_GET_ARGUMENT_KIND, check_query_arg, &q);
+  json_t *args = q.bad ? NULL : parse_body(body, err, sizeof err);
+  if (args && check_fields(args, allowed, err, sizeof err) != 0) {
+    json_decref(args);
+    args = NULL;
+  }
+  if (!args)
+    *answered = bad_request(conn, err);
+  return args;
+}
+
+/* ---- endpoints ---- */
+
+static enum MHD_Result handle_status(const server *s, struct MHD_Connection *conn,
+                                     const request_body *body) {
+  enum MHD_Result ret;
+  json_t *args = request_args(conn, body, "", &ret);
+  if (!args)
+    return ret;
+  json_decref(args);
+  ferry_ctl *ctl = NULL;
+  json_t *status = NULL;
+  int rc = ferry_ctl_open(s->name, &ctl);
+  if (rc == 0)
+    rc = status_object(ctl, s->name, &status);
+  char detail[512];
+  snprintf(detail, sizeof detail, "%s", rc ? ferry_last_error() : "");
+  ferry_ctl_close(ctl);
+  if (rc)
+    return send_error(conn, http_status(rc), rc, detail);
+  return send_json(conn, MHD_HTTP_OK, status, NULL);
 }
 
 static enum MHD_Result handle_request(const server *s, struct MHD_Connection *conn,
                                       ferry_ctl_cmd cmd, const request_body *body) {
-  int timeout_ms = request_timeout(conn, body);
-  if (timeout_ms == -2)
-    return send_error(conn, MHD_HTTP_BAD_REQUEST, FERRY_EINVAL, "timeout_s wants seconds");
+  enum MHD_Result ret;
+  json_t *args = request_args(conn, body, "timeout_s", &ret);
+  if (!args)
+    return ret;
+  char err[256];
+  int timeout_ms;
+  int bad = request_timeout(conn, args, &timeout_ms, err, sizeof err);
+  json_decref(args);
+  if (bad)
+    return bad_request(conn, err);
   ferry_ctl *ctl = NULL;
   int rc = ferry_ctl_open(s->name, &ctl);
   if (rc == 0)
     rc = ferry_ctl_request(ctl, cmd, timeout_ms);
   char detail[512];
   snprintf(detail, sizeof detail, "%s", rc ? ferry_last_error() : "");
-  char *buf = NULL;
-  size_t len = 0;
-  FILE *out = open_memstream(&buf, &len);
-  fprintf(out, "{\"ok\":%s,\"command\":\"%s\",\"status\":\"%s\",\"error\":", rc ? "false" : "true",
-          ferry_ctl_cmd_name(cmd), ferry_status_name(rc));
-  ctl_json_string(out, rc ? ferry_strerror(rc) : "");
-  fputs(",\"detail\":", out);
-  ctl_json_string(out, detail);
+  json_t *o = json_object();
+  json_object_set_new(o, "ok", json_boolean(rc == 0));
+  json_object_set_new(o, "command", json_string(ferry_ctl_cmd_name(cmd)));
+  json_object_set_new(o, "status", json_string(ferry_status_name(rc)));
+  json_object_set_new(o, "error", jstr(rc ? ferry_strerror(rc) : ""));
+  json_object_set_new(o, "detail", jstr(detail));
   ferry_ctl_status st = {.size = sizeof st};
-  if (ctl && ferry_ctl_status_get(ctl, &st) == 0)
-    fprintf(out, ",\"state\":\"%s\",\"seq\":%lu", ferry_ctl_state_name(st.state),
-            (unsigned long)st.seq);
-  fputs("}\n", out);
-  fclose(out);
+  if (ctl && ferry_ctl_status_get(ctl, &st) == 0) {
+    json_object_set_new(o, "state", json_string(ferry_ctl_state_name(st.state)));
+    json_object_set_new(o, "seq", json_integer((json_int_t)st.seq));
+  }
   ferry_ctl_close(ctl);
-  return send_json(conn, http_status(rc), buf, len);
+  return send_json(conn, http_status(rc), o, NULL);
 }
 
 static enum MHD_Result route(const server *s, struct MHD_Connection *conn, const char *url,
@@ -187,34 +421,62 @@ static enum MHD_Result route(const server *s, struct MHD_Connection *conn, const
   const char *rest = url + plen;
   bool get = strcmp(method, "GET") == 0, post = strcmp(method, "POST") == 0;
   if (*rest == '\0')
-    return get ? handle_status(s, conn)
-               : send_error(conn, MHD_HTTP_METHOD_NOT_ALLOWED, FERRY_EINVAL, "use GET");
+    return get ? handle_status(s, conn, body)
+               : send_error_allow(conn, MHD_HTTP_METHOD_NOT_ALLOWED, FERRY_EINVAL, "use GET",
+                                  "GET");
   ferry_ctl_cmd cmd;
   if (ferry_ctl_cmd_parse(rest + 1, &cmd) != 0)
     return send_error(conn, MHD_HTTP_NOT_FOUND, FERRY_ENOTFOUND, "no such command");
   return post ? handle_request(s, conn, cmd, body)
-              : send_error(conn, MHD_HTTP_METHOD_NOT_ALLOWED, FERRY_EINVAL, "use POST");
+              : send_error_allow(conn, MHD_HTTP_METHOD_NOT_ALLOWED, FERRY_EINVAL, "use POST",
+                                 "POST");
 }
 
-/* libmicrohttpd calls this first with the headers, then once per body chunk, then with an
- * empty chunk: the body is gathered (up to BODY_MAX) and the request answered at the end. */
+/* The first call, with the headers only: a request that cannot succeed (no token, or a declared
+ * body over BODY_MAX) is answered before its body is read. */
+static enum MHD_Result on_headers(const server *s, struct MHD_Connection *conn,
+                                  request_body *body) {
+  if (!token_ok(s, conn)) {
+    body->answered = true;
+    return send_error(conn, MHD_HTTP_UNAUTHORIZED, FERRY_EAUTH, "missing or wrong bearer token");
+  }
+  const char *length =
+      MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+  if (length && strtoull(length, NULL, 10) > BODY_MAX) {
+    body->answered = true;
+    return too_large(conn);
+  }
+  return MHD_YES;
+}
+
+/* libmicrohttpd calls this first with the headers, then once per piece of the body (as it
+ * arrives, or per chunk of a chunked upload), then with an empty piece: the pieces are gathered
+ * and the request answered at the end, with 413 when they came to more than BODY_MAX. */
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
                                   const char *method, const char *version, const char *upload_data,
                                   size_t *upload_data_size, void **con_cls) {
   request_body *body = *con_cls;
   if (!body) {
-    body = calloc(1, sizeof *body);
+    if (!(body = calloc(1, sizeof *body)))
+      return MHD_NO;
     *con_cls = body;
-    return body ? MHD_YES : MHD_NO;
+    return on_headers(cls, conn, body);
   }
   if (*upload_data_size > 0) {
-    size_t room = BODY_MAX - body->len;
-    size_t n = *upload_data_size < room ? *upload_data_size : room;
-    memcpy(body->data + body->len, upload_data, n);
-    body->len += n;
+    size_t n = *upload_data_size;
+    if (!body->too_big && n <= BODY_MAX - body->len) {
+      memcpy(body->data + body->len, upload_data, n);
+      body->len += n;
+    } else {
+      body->too_big = true;
+    }
     *upload_data_size = 0;
     return MHD_YES;
   }
+  if (body->answered)
+    return MHD_YES;
+  if (body->too_big)
+    return too_large(conn);
   return route(cls, conn, url, method, body);
 }
 
