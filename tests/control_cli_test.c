@@ -9,6 +9,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <jansson.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
@@ -89,25 +90,58 @@ static void stop_child(child *c, int expect) {
 
 /* ---- HTTP ---- */
 
-static int http(int port, const char *method, const char *path, const char *token, const char *body,
-                char *resp, size_t len) {
+/* Sends the pieces of a request, each with its own write, and reads the whole response (the
+ * server closes); returns the HTTP status. */
+static int http_pieces(int port, const char *const *pieces, char *resp, size_t len) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
   sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
-  char req[1024], auth[256] = "";
-  if (token)
-    snprintf(auth, sizeof auth, "Authorization: Bearer %s\r\n", token);
-  int n = snprintf(req, sizeof req,
-                   "%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n%s"
-                   "Content-Length: %zu\r\n\r\n%s",
-                   method, path, auth, body ? strlen(body) : 0, body ? body : "");
-  assert_int_equal(write(fd, req, (size_t)n), n);
+  for (int i = 0; pieces[i]; i++)
+    assert_int_equal(write(fd, pieces[i], strlen(pieces[i])), (ssize_t)strlen(pieces[i]));
   read_all(fd, resp, len);
   close(fd);
   int code = 0;
   assert_int_equal(sscanf(resp, "HTTP/1.%*d %d", &code), 1);
   return code;
+}
+
+static int http(int port, const char *method, const char *path, const char *token, const char *body,
+                char *resp, size_t len) {
+  char head[1024], auth[256] = "";
+  if (token)
+    snprintf(auth, sizeof auth, "Authorization: Bearer %s\r\n", token);
+  snprintf(head, sizeof head,
+           "%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n%s"
+           "Content-Length: %zu\r\n\r\n",
+           method, path, auth, body ? strlen(body) : 0);
+  return http_pieces(port, (const char *const[]){head, body ? body : "", NULL}, resp, len);
+}
+
+/* The response's body, which must be one JSON object. */
+static json_t *resp_json(const char *resp) {
+  const char *body = strstr(resp, "\r\n\r\n");
+  assert_non_null(body);
+  json_error_t err;
+  json_t *j = json_loads(body + 4, 0, &err);
+  if (!j)
+    fail_msg("response body is not JSON (%s): %s", err.text, body + 4);
+  assert_true(json_is_object(j));
+  return j;
+}
+
+/* A 400 whose JSON body says FERRY_EINVAL, with `detail` in its detail. */
+static void assert_bad_request(int port, const char *path, const char *body, const char *detail) {
+  char resp[8192];
+  assert_int_equal(http(port, "POST", path, NULL, body, resp, sizeof resp), 400);
+  json_t *j = resp_json(resp);
+  assert_string_equal(json_string_value(json_object_get(j, "status")), "FERRY_EINVAL");
+  assert_non_null(json_string_value(json_object_get(j, "error")));
+  const char *d = json_string_value(json_object_get(j, "detail"));
+  assert_non_null(d);
+  if (!strstr(d, detail))
+    fail_msg("body %s: detail '%s' does not say '%s'", body, d, detail);
+  json_decref(j);
 }
 
 /* ---- fixtures ---- */
@@ -272,11 +306,115 @@ static void test_http(void **state) {
   ferry_ctl_cell_close(cell);
 }
 
+/* The bodies the server accepts and refuses: JSON parsed for real, whole before it is parsed
+ * however it arrives, and every answer a JSON object. */
+static void test_http_bodies(void **state) {
+  ferry_ctl_cell *cell = NULL;
+  FR_OK(ferry_ctl_cell_create(name, 1, NULL, &cell));
+  rank_arg arg = {0, -1, -1};
+  pid_t rank = tu_spawn(rank_main, &arg);
+  int port;
+  child srv = start_server(&port);
+  char path[128], act[160], resp[16384];
+  snprintf(path, sizeof path, "/v1/control/%s", name);
+  do /* until the rank is attached */
+    assert_int_equal(http(port, "GET", path, NULL, NULL, resp, sizeof resp), 200);
+  while (strstr(resp, "\"state\":\"absent\""));
+  json_t *j = resp_json(resp);
+  assert_string_equal(json_string_value(json_object_get(j, "name")), name);
+  assert_int_equal(json_array_size(json_object_get(j, "ranks")), 1);
+  json_decref(j);
+  snprintf(act, sizeof act, "%s/clear", path);
+  /* a quoted "timeout_s" inside another field's string is not a timeout: that field is refused */
+  assert_bad_request(port, act, "{\"note\":\"\\\"timeout_s\\\": 2\"}", "unknown field 'note'");
+  assert_bad_request(port, act, "{\"timeout_s\": 2", "not valid JSON");
+  assert_bad_request(port, act, "{\"timeout_s\": 2} x", "not valid JSON");
+  assert_bad_request(port, act, "timeout_s=2", "not valid JSON");
+  assert_bad_request(port, act, "[{\"timeout_s\": 2}]", "must be a JSON object");
+  assert_bad_request(port, act, "{\"timeout_s\": \"2\"}", "not a string");
+  assert_bad_request(port, act, "{\"timeout_s\": true}", "not a boolean");
+  assert_bad_request(port, act, "{\"timeout_s\": null}", "not null");
+  assert_bad_request(port, act, "{\"timeout_s\": 0}", "out of range");
+  assert_bad_request(port, act, "{\"timeout_s\": -1}", "out of range");
+  assert_bad_request(port, act, "{\"timeout_s\": 1e9}", "out of range");
+  assert_bad_request(port, act, "{\"timeout_s\": 1, \"timeout_s\": 2}", "duplicate");
+  assert_bad_request(port, act, "{\"timeout\": 2}", "unknown field 'timeout'");
+  char query[200];
+  snprintf(query, sizeof query, "%s?timeout_s=2", act);
+  assert_bad_request(port, query, "{\"timeout_s\": 2}", "given twice");
+  snprintf(query, sizeof query, "%s?timeout_s=soon", act);
+  assert_bad_request(port, query, NULL, "want seconds");
+  snprintf(query, sizeof query, "%s?wait=1", act);
+  assert_bad_request(port, query, NULL, "unknown query argument 'wait'");
+  /* nothing was issued by any of those */
+  assert_int_equal(http(port, "GET", path, NULL, NULL, resp, sizeof resp), 200);
+  j = resp_json(resp);
+  assert_int_equal(json_integer_value(json_object_get(j, "seq")), 0);
+  json_decref(j);
+  /* a valid body, and one sent as two chunks split inside the key */
+  assert_int_equal(http(port, "POST", act, NULL, " {\"timeout_s\": 10.5}\n", resp, sizeof resp),
+                   200);
+  j = resp_json(resp);
+  assert_true(json_is_true(json_object_get(j, "ok")));
+  assert_string_equal(json_string_value(json_object_get(j, "state")), "cleared");
+  assert_int_equal(json_integer_value(json_object_get(j, "seq")), 1);
+  json_decref(j);
+  snprintf(act, sizeof act, "%s/update", path);
+  char head[512];
+  snprintf(head, sizeof head,
+           "POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+           "Transfer-Encoding: chunked\r\n\r\n",
+           act);
+  assert_int_equal(http_pieces(port,
+                               (const char *const[]){head, "7\r\n{\"timeo\r\n",
+                                                     "a\r\nut_s\": 10}\r\n", "0\r\n\r\n", NULL},
+                               resp, sizeof resp),
+                   200);
+  j = resp_json(resp);
+  assert_string_equal(json_string_value(json_object_get(j, "state")), "serving");
+  json_decref(j);
+  /* GET takes no fields; an empty body is fine */
+  snprintf(head, sizeof head,
+           "GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: 7"
+           "\r\n\r\n{\"x\":1}",
+           path);
+  assert_int_equal(http_pieces(port, (const char *const[]){head, NULL}, resp, sizeof resp), 400);
+  assert_non_null(strstr(resp, "unknown field 'x'"));
+  assert_int_equal(http(port, "GET", path, NULL, "", resp, sizeof resp), 200);
+  /* too large: by its Content-Length (answered before the body is sent), or as chunks */
+  snprintf(head, sizeof head,
+           "POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: "
+           "100000\r\n\r\n",
+           act);
+  assert_int_equal(http_pieces(port, (const char *const[]){head, NULL}, resp, sizeof resp), 413);
+  json_decref(resp_json(resp));
+  snprintf(head, sizeof head,
+           "POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+           "Transfer-Encoding: chunked\r\n\r\n",
+           act);
+  char chunk[1100];
+  memset(chunk, ' ', sizeof chunk);
+  memcpy(chunk, "400\r\n", 5);
+  memcpy(chunk + 5 + 1024, "\r\n", 3);
+  const char *big[] = {head, chunk, chunk, chunk, chunk, chunk, "0\r\n\r\n", NULL};
+  assert_int_equal(http_pieces(port, big, resp, sizeof resp), 413);
+  assert_non_null(strstr(resp, "over 4096 bytes"));
+  /* 405 says what is allowed */
+  assert_int_equal(http(port, "DELETE", path, NULL, NULL, resp, sizeof resp), 405);
+  assert_non_null(strstr(resp, "Allow: GET"));
+  json_decref(resp_json(resp));
+  stop_child(&srv, 0);
+  kill(rank, SIGKILL);
+  tu_wait(rank);
+  ferry_ctl_cell_close(cell);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup(test_help_and_usage, setup),
       cmocka_unit_test_setup(test_engine_and_commands, setup),
       cmocka_unit_test_setup(test_http, setup),
+      cmocka_unit_test_setup(test_http_bodies, setup),
   };
   return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
