@@ -1,15 +1,19 @@
 /*
  * Core services: status table, error details, config table, dtypes and overflow-safe sizes,
- * checksums.
+ * checksums, and the log's lines on stderr (text and JSON, the node's name from a context).
  */
+// ferry-test: threaded
 #include "testutil.h"
 
 #include "core/core.h"
 #include "core/hash.h"
 
+#include <jansson.h>
+#include <regex.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static void test_status_strings(void **state) {
   assert_string_equal(ferry_strerror(FERRY_OK), "success");
@@ -136,6 +140,157 @@ static void test_logging(void **state) {
   assert_int_equal(fr_log_level_parse("loud"), -1);
 }
 
+/* ---- log lines on stderr ---- */
+
+/* Sets FERRY_LOG=info and FERRY_LOG_FORMAT (NULL: unset) and rereads them. */
+static void log_env(const char *format) {
+  setenv("FERRY_LOG", "info", 1);
+  if (format)
+    setenv("FERRY_LOG_FORMAT", format, 1);
+  else
+    unsetenv("FERRY_LOG_FORMAT");
+  fr_log_configure();
+}
+
+static void log_env_reset(void) {
+  unsetenv("FERRY_LOG");
+  unsetenv("FERRY_LOG_FORMAT");
+  fr_log_configure();
+  fr_log_set_node(NULL);
+}
+
+/* What the log writes to stderr while `emit` runs, with stderr on a temporary file. */
+static char *capture_stderr(void (*emit)(void)) {
+  fflush(stderr);
+  FILE *tmp = tmpfile();
+  assert_non_null(tmp);
+  int saved = dup(STDERR_FILENO);
+  assert_true(saved >= 0);
+  assert_true(dup2(fileno(tmp), STDERR_FILENO) >= 0);
+  emit();
+  assert_true(dup2(saved, STDERR_FILENO) >= 0);
+  close(saved);
+  off_t n = lseek(fileno(tmp), 0, SEEK_END);
+  assert_true(n >= 0);
+  char *out = calloc(1, (size_t)n + 1);
+  assert_non_null(out);
+  assert_int_equal(pread(fileno(tmp), out, (size_t)n, 0), n);
+  fclose(tmp);
+  return out;
+}
+
+static void assert_matches(const char *text, const char *pattern) {
+  regex_t re;
+  assert_int_equal(regcomp(&re, pattern, REG_EXTENDED | REG_NOSUB), 0);
+  int rc = regexec(&re, text, 0, NULL, 0);
+  regfree(&re);
+  if (rc != 0)
+    fail_msg("'%s' does not match /%s/", text, pattern);
+}
+
+#define TS_RE "[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\\.[0-9]{6}Z"
+/* quotes, a backslash, a newline, 0x01, a well-formed "é" and a stray 0xff */
+#define NASTY "say \"hi\" \\ back\nnext\x01 caf\xc3\xa9 \xff end"
+
+static void emit_hello(void) { fr_info("hello %d", 42); }
+static void emit_nasty(void) { fr_info("%s", NASTY); }
+static void emit_reconfigure(void) {
+  fr_log_configure();
+  fr_info("hello %d", 42);
+}
+
+/* A text line: time, pid, node, level, source, message. */
+static void assert_text_line(const char *line, const char *node) {
+  char pattern[256];
+  snprintf(pattern, sizeof pattern,
+           "^" TS_RE " ferry\\[%d\\] node=%s info core_test\\.c:[0-9]+: hello 42\n$", (int)getpid(),
+           node);
+  assert_matches(line, pattern);
+}
+
+static void test_log_text(void **state) {
+  log_env(NULL);
+  fr_log_set_node(NULL);
+  char *out = capture_stderr(emit_hello);
+  assert_text_line(out, "-");
+  free(out);
+  /* the first name stays until it is cleared */
+  assert_true(fr_log_set_node("trainer-0"));
+  assert_false(fr_log_set_node("other"));
+  out = capture_stderr(emit_hello);
+  assert_text_line(out, "trainer-0");
+  free(out);
+  /* a context names the lines while it is open, unless another name was there first */
+  ferry_ctx_opts opts = {.size = sizeof opts, .name = "ctx-node", .transports = "tcp"};
+  ferry_ctx *ctx = NULL;
+  FR_OK(ferry_ctx_open(&opts, &ctx));
+  out = capture_stderr(emit_hello);
+  assert_text_line(out, "trainer-0");
+  free(out);
+  ferry_ctx_close(ctx);
+  fr_log_set_node(NULL);
+  FR_OK(ferry_ctx_open(&opts, &ctx));
+  out = capture_stderr(emit_hello);
+  assert_text_line(out, "ctx-node");
+  free(out);
+  ferry_ctx_close(ctx);
+  out = capture_stderr(emit_hello);
+  assert_text_line(out, "-");
+  free(out);
+  /* a format that is neither text nor json: text, and one warning however often it is read */
+  setenv("FERRY_LOG_FORMAT", "yaml", 1);
+  out = capture_stderr(emit_reconfigure);
+  assert_non_null(strstr(out, "FERRY_LOG_FORMAT=yaml"));
+  assert_text_line(strchr(out, '\n') + 1, "-");
+  free(out);
+  out = capture_stderr(emit_reconfigure);
+  assert_text_line(out, "-");
+  free(out);
+  log_env_reset();
+}
+
+static char callback_msg[256];
+static void keep_log(ferry_log_level level, const char *msg, void *arg) {
+  snprintf(callback_msg, sizeof callback_msg, "%s", msg);
+}
+
+static void test_log_json(void **state) {
+  log_env("json");
+  assert_true(fr_log_set_node("trainer-\"0\""));
+  char *out = capture_stderr(emit_nasty);
+  /* one line: the newline in the message is escaped */
+  char *nl = strchr(out, '\n');
+  assert_non_null(nl);
+  assert_string_equal(nl, "\n");
+  assert_non_null(strstr(out, "\\n"));
+  assert_non_null(strstr(out, "\\u0001"));
+  assert_non_null(strstr(out, "\\u00ff"));
+  assert_non_null(strstr(out, "caf\xc3\xa9")); /* well-formed UTF-8 as it is */
+  json_error_t err;
+  json_t *j = json_loads(out, 0, &err);
+  if (!j)
+    fail_msg("not JSON (%s): %s", err.text, out);
+  assert_int_equal(json_object_size(j), 6);
+  assert_matches(json_string_value(json_object_get(j, "ts")), "^" TS_RE "$");
+  assert_string_equal(json_string_value(json_object_get(j, "level")), "info");
+  assert_int_equal(json_integer_value(json_object_get(j, "pid")), getpid());
+  assert_string_equal(json_string_value(json_object_get(j, "node")), "trainer-\"0\"");
+  assert_matches(json_string_value(json_object_get(j, "src")), "^core_test\\.c:[0-9]+$");
+  /* the stray byte reads as U+00FF; every other byte comes back as it was */
+  assert_string_equal(json_string_value(json_object_get(j, "msg")),
+                      "say \"hi\" \\ back\nnext\x01 caf\xc3\xa9 \xc3\xbf end");
+  json_decref(j);
+  free(out);
+  /* a callback still gets the bare message, and stderr nothing */
+  ferry_log_set_callback(keep_log, NULL);
+  out = capture_stderr(emit_hello);
+  ferry_log_set_callback(NULL, NULL);
+  assert_string_equal(out, "");
+  assert_string_equal(callback_msg, "hello 42");
+  free(out);
+  log_env_reset();
+}
+
 /* Every XXH3 build gives the same values, one-shot and streaming, for every length. */
 static void test_hash_builds_agree(void **state) {
   uint8_t buf[5000];
@@ -190,6 +345,7 @@ int main(void) {
       cmocka_unit_test(test_tensor_sizes),   cmocka_unit_test(test_shape_parse),
       cmocka_unit_test(test_checksum),       cmocka_unit_test(test_logging),
       cmocka_unit_test(test_sha256_hmac),    cmocka_unit_test(test_hash_builds_agree),
+      cmocka_unit_test(test_log_text),       cmocka_unit_test(test_log_json),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -11,6 +11,7 @@
 
 #define FR_CONFIG_TABLE(X)                                                                         \
   X("FERRY_LOG", "warn", "log level: error, warn, info, debug or trace")                           \
+  X("FERRY_LOG_FORMAT", "text", "stderr log lines: text, or json (one object per line)")           \
   X("FERRY_TIMEOUT_MS", "10000", "default timeout of blocking calls (connect, read, send)")        \
   X("FERRY_TRANSPORTS", "shm,tcp", "transports a link may use, in order of preference")            \
   X("FERRY_TCP_LISTEN", "127.0.0.1:0", "HOST:PORT of the tcp listener (port 0: any free)")         \

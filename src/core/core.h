@@ -44,6 +44,14 @@ void fr_log_write(ferry_log_level level, const char *file, int line, const char 
 #define fr_trace(...) FR_LOG(FERRY_LOG_TRACE, __VA_ARGS__)
 /* Parses "error|warn|info|debug|trace"; -1 when unknown. */
 int fr_log_level_parse(const char *text);
+/* Reads FERRY_LOG and FERRY_LOG_FORMAT (text|json; anything else warns once and means text).
+ * Done when the library loads; tests call it again after changing the environment. */
+void fr_log_configure(void);
+/* Names this process's log lines after a node, when none is named yet: the first context to open
+ * wins (a process normally holds one, and a name that stays put reads better than one that
+ * follows whichever context opened last). True when it took the name; NULL clears it (its
+ * context closed), so that the next context to open names the lines. Before any, they say "-". */
+bool fr_log_set_node(const char *name);
 
 /* ---- configuration (table in config.c) ---- */
 int64_t fr_config_int(const char *name);

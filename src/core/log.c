@@ -1,20 +1,36 @@
 /*
  * Leveled logging to stderr or a user callback. The level is read once from FERRY_LOG; the macros
  * in core.h test it before formatting anything, so a disabled message costs one load.
+ *
+ * A stderr line says when (RFC 3339 UTC, microseconds), which process and which node (the name of
+ * the first context opened in the process, "-" before one opens), as text or, with
+ * FERRY_LOG_FORMAT=json, as one JSON object per line. The line is built in a buffer and written
+ * with one write(2), so lines from threads (and processes sharing stderr) do not interleave. A
+ * callback (ferry_log_set_callback; the Python binding's) gets the bare message: its logger adds
+ * its own time and fields.
  */
 #include "core/core.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <time.h>
 #include <unistd.h>
 
 int fr_log_level_now = FERRY_LOG_WARN;
 
+#define MSG_MAX 1024
+#define NODE_MAX 64
+/* Room for the longest line: every byte of a message and a node name escaped as \u00XX. */
+#define LINE_MAX_BYTES (6 * (MSG_MAX + NODE_MAX) + 256)
+
 static ferry_log_fn log_fn;
 static void *log_arg;
+static char log_node[NODE_MAX]; /* "" while no context names the process */
+static bool log_json;
 static pthread_mutex_t log_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static const char *const level_names[] = {"error", "warn", "info", "debug", "trace"};
@@ -28,11 +44,20 @@ int fr_log_level_parse(const char *text) {
   return -1;
 }
 
-__attribute__((constructor)) static void log_init_from_env(void) {
-  int level = fr_log_level_parse(getenv("FERRY_LOG"));
+void fr_log_configure(void) {
+  int level = fr_log_level_parse(ferry_config_get("FERRY_LOG"));
   if (level >= 0)
-    fr_log_level_now = level;
+    __atomic_store_n(&fr_log_level_now, level, __ATOMIC_RELAXED);
+  const char *format = fr_config_str("FERRY_LOG_FORMAT");
+  bool json = strcasecmp(format, "json") == 0;
+  __atomic_store_n(&log_json, json, __ATOMIC_RELAXED);
+  static bool warned;
+  if (!json && *format && strcasecmp(format, "text") != 0 &&
+      !__atomic_exchange_n(&warned, true, __ATOMIC_RELAXED))
+    fr_warn("FERRY_LOG_FORMAT=%s is neither text nor json; using text", format);
 }
+
+__attribute__((constructor)) static void log_init_from_env(void) { fr_log_configure(); }
 
 void ferry_log_set_level(ferry_log_level level) {
   if ((int)level >= FERRY_LOG_ERROR && level <= FERRY_LOG_TRACE)
@@ -48,22 +73,186 @@ void ferry_log_set_callback(ferry_log_fn fn, void *arg) {
   pthread_mutex_unlock(&log_lock);
 }
 
+bool fr_log_set_node(const char *name) {
+  bool took = false;
+  pthread_mutex_lock(&log_lock);
+  if (!name) {
+    log_node[0] = '\0';
+    took = true;
+  } else if (!log_node[0] && *name) {
+    snprintf(log_node, sizeof log_node, "%s", name);
+    took = true;
+  }
+  pthread_mutex_unlock(&log_lock);
+  return took;
+}
+
+/* ---- building a line ---- */
+
+typedef struct line_buf {
+  char data[LINE_MAX_BYTES];
+  size_t len;
+} line_buf;
+
+/* Appends n bytes when they fit whole (keeping room for the line's end), else nothing. */
+static void put(line_buf *b, const char *s, size_t n) {
+  if (n <= sizeof b->data - 8 - b->len) {
+    memcpy(b->data + b->len, s, n);
+    b->len += n;
+  }
+}
+
+static void puts_(line_buf *b, const char *s) { put(b, s, strlen(s)); }
+
+static void putf(line_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void putf(line_buf *b, const char *fmt, ...) {
+  char tmp[128];
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+  va_end(ap);
+  if (n > 0)
+    put(b, tmp, (size_t)n < sizeof tmp ? (size_t)n : sizeof tmp - 1);
+}
+
+/* 2026-12-01T14:03:05.123456Z */
+static void put_time(line_buf *b) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  struct tm tm;
+  gmtime_r(&ts.tv_sec, &tm);
+  char tmp[64];
+  size_t n = strftime(tmp, sizeof tmp, "%Y-%m-%dT%H:%M:%S", &tm);
+  snprintf(tmp + n, sizeof tmp - n, ".%06ldZ", ts.tv_nsec / 1000);
+  puts_(b, tmp);
+}
+
+/* Length of the well-formed UTF-8 sequence at p (1..4 bytes), or 0 when p does not start one
+ * (a stray continuation byte, an overlong form, a surrogate, beyond U+10FFFF, cut short). */
+static size_t utf8_seq(const unsigned char *p, size_t left) {
+  unsigned c = p[0];
+  size_t n;
+  uint32_t cp, min;
+  if (c < 0x80)
+    return 1;
+  if (c >= 0xc2 && c <= 0xdf)
+    n = 2, cp = c & 0x1f, min = 0x80;
+  else if ((c & 0xf0) == 0xe0)
+    n = 3, cp = c & 0x0f, min = 0x800;
+  else if (c >= 0xf0 && c <= 0xf4)
+    n = 4, cp = c & 0x07, min = 0x10000;
+  else
+    return 0;
+  if (left < n)
+    return 0;
+  for (size_t i = 1; i < n; i++) {
+    if ((p[i] & 0xc0) != 0x80)
+      return 0;
+    cp = cp << 6 | (p[i] & 0x3f);
+  }
+  return cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff) ? 0 : n;
+}
+
+/* s as a JSON string. A byte that is not part of well-formed UTF-8 becomes \u00XX (the code
+ * point of the same value), so the line stays valid JSON and no byte is lost. */
+static void put_json_string(line_buf *b, const char *s) {
+  const unsigned char *p = (const unsigned char *)s;
+  size_t left = strlen(s);
+  put(b, "\"", 1);
+  while (left > 0) {
+    size_t n = *p >= 0x80 ? utf8_seq(p, left) : 1;
+    const char *esc = NULL;
+    switch (*p) {
+    case '"':
+      esc = "\\\"";
+      break;
+    case '\\':
+      esc = "\\\\";
+      break;
+    case '\n':
+      esc = "\\n";
+      break;
+    case '\r':
+      esc = "\\r";
+      break;
+    case '\t':
+      esc = "\\t";
+      break;
+    }
+    if (esc)
+      puts_(b, esc);
+    else if (*p < 0x20 || *p == 0x7f || n == 0)
+      putf(b, "\\u%04x", *p);
+    else
+      put(b, (const char *)p, n);
+    n = n ? n : 1;
+    p += n;
+    left -= n;
+  }
+  put(b, "\"", 1);
+}
+
+static void format_text(line_buf *b, ferry_log_level level, const char *src, int line,
+                        const char *node, const char *msg) {
+  put_time(b);
+  putf(b, " ferry[%d] node=%s %s ", (int)getpid(), *node ? node : "-", level_names[level]);
+  putf(b, "%s:%d: ", src, line);
+  /* the message may be longer than put's all-or-nothing allows at the end: cut it instead */
+  size_t room = sizeof b->data - 8 - b->len, n = strlen(msg);
+  put(b, msg, n < room ? n : room);
+}
+
+static void format_json(line_buf *b, ferry_log_level level, const char *src, int line,
+                        const char *node, const char *msg) {
+  puts_(b, "{\"ts\":\"");
+  put_time(b);
+  putf(b, "\",\"level\":\"%s\",\"pid\":%d,\"node\":", level_names[level], (int)getpid());
+  put_json_string(b, *node ? node : "-");
+  char where[512];
+  snprintf(where, sizeof where, "%s:%d", src, line);
+  puts_(b, ",\"src\":");
+  put_json_string(b, where);
+  puts_(b, ",\"msg\":");
+  put_json_string(b, msg);
+  put(b, "}", 1);
+}
+
+static void write_line(const line_buf *b) {
+  size_t off = 0;
+  while (off < b->len) {
+    ssize_t n = write(STDERR_FILENO, b->data + off, b->len - off);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      return; /* nowhere to report it */
+    off += (size_t)n;
+  }
+}
+
 void fr_log_write(ferry_log_level level, const char *file, int line, const char *fmt, ...) {
-  char msg[1024];
+  char msg[MSG_MAX];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
 
+  char node[NODE_MAX];
   pthread_mutex_lock(&log_lock);
   ferry_log_fn fn = log_fn;
   void *arg = log_arg;
+  memcpy(node, log_node, sizeof node);
   pthread_mutex_unlock(&log_lock);
   if (fn) {
     fn(level, msg, arg);
     return;
   }
   const char *base = strrchr(file, '/');
-  fprintf(stderr, "ferry[%d] %s %s:%d: %s\n", (int)getpid(), level_names[level],
-          base ? base + 1 : file, line, msg);
+  line_buf b; /* on the stack: logging "out of memory" must not need memory */
+  b.len = 0;
+  if (__atomic_load_n(&log_json, __ATOMIC_RELAXED))
+    format_json(&b, level, base ? base + 1 : file, line, node, msg);
+  else
+    format_text(&b, level, base ? base + 1 : file, line, node, msg);
+  b.data[b.len++] = '\n';
+  write_line(&b);
 }

@@ -815,6 +815,8 @@ int ferry_ctx_open(const ferry_ctx_opts *opts, ferry_ctx **out) {
   ctx->next_reap = fr_now_ns() + 1000000000ull;
   ctx_init_sync(ctx);
   int rc = ctx_configure(ctx, opts);
+  if (rc == 0) /* before the threads start, so that their lines carry it too */
+    ctx->log_node = fr_log_set_node(ctx->name);
   if (rc == 0 && (ctx->epfd = epoll_create1(EPOLL_CLOEXEC)) < 0)
     rc = fr_err_errno(FERRY_ESYS, "epoll_create1");
   if (rc == 0 && (ctx->wake.fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0)
@@ -845,6 +847,8 @@ int ferry_ctx_open(const ferry_ctx_opts *opts, ferry_ctx **out) {
     if (ctx->wake.fd >= 0)
       close(ctx->wake.fd);
     fr_region_table_fini(&ctx->regions);
+    if (ctx->log_node)
+      fr_log_set_node(NULL);
     free(ctx->name);
     free(ctx->token);
     free(ctx->tcp_listen);
@@ -900,6 +904,8 @@ void ferry_ctx_close(ferry_ctx *ctx) {
   close(ctx->epfd);
   close(ctx->wake.fd);
   fr_region_table_fini(&ctx->regions);
+  if (ctx->log_node)
+    fr_log_set_node(NULL);
   free(ctx->name);
   free(ctx->token);
   free(ctx->tcp_listen);

@@ -191,6 +191,7 @@ typedef struct fr_serve_job fr_serve_job;
 
 struct ferry_ctx {
   char *name;
+  bool log_node; /* this context names the process's log lines (fr_log_set_node) */
   char *token;
   char *tcp_listen;
   char address[512];
