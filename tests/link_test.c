@@ -511,6 +511,36 @@ static void tokens(const char *transport) {
 static void test_token_shm(void **s) { tokens("shm"); }
 static void test_token_tcp(void **s) { tokens("tcp"); }
 
+/* #17 row 3: `ferry serve --listen 0.0.0.0:PORT` without a token listened on every interface,
+ * and any host that reached it could read and write the node's memory. Beyond loopback a token
+ * is now required; on loopback none is. */
+static void test_exposed_listen_needs_token(void **s) {
+  const char *wide[] = {"0.0.0.0:0", "[::]:0"};
+  for (int i = 0; i < 2; i++) {
+    ferry_ctx_opts o = {.size = sizeof o,
+                        .name = "exposed",
+                        .transports = "tcp",
+                        .tcp_listen = wide[i],
+                        .token = ""};
+    ferry_ctx *c = NULL;
+    assert_int_equal(ferry_ctx_open(&o, &c), FERRY_EINVAL);
+    assert_null(c);
+    assert_non_null(strstr(ferry_last_error(), "FERRY_TOKEN"));
+    o.token = "a-fleet-secret";
+    FR_OK(ferry_ctx_open(&o, &c));
+    ferry_ctx_close(c);
+  }
+  ferry_ctx_opts o = {.size = sizeof o,
+                      .name = "local",
+                      .transports = "tcp",
+                      .tcp_listen = "127.0.0.1:0",
+                      .token = ""};
+  ferry_ctx *c = NULL;
+  FR_OK(ferry_ctx_open(&o, &c));
+  ferry_ctx_close(c);
+  (void)s;
+}
+
 static void test_connect_failures(void **s) {
   ferry_ctx *c = open_ctx("dialer", "shm,tcp", "");
   ferry_link *l;
@@ -858,19 +888,33 @@ int main(void) {
   (void)transports;
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_ctx_address),         cmocka_unit_test(test_memory),
-      cmocka_unit_test(test_message_buffers),     cmocka_unit_test(test_message_buffers_evict),
-      cmocka_unit_test(test_tcp_local_cc),        cmocka_unit_test(test_messages_shm),
-      cmocka_unit_test(test_messages_tcp),        cmocka_unit_test(test_calls_shm),
-      cmocka_unit_test(test_calls_tcp),           cmocka_unit_test(test_rma_shm_shared),
-      cmocka_unit_test(test_rma_shm_registered),  cmocka_unit_test(test_shm_small_ring),
-      cmocka_unit_test(test_shm_ring_corrupt),    cmocka_unit_test(test_rma_tcp_shared),
-      cmocka_unit_test(test_rma_tcp_registered),  cmocka_unit_test(test_token_shm),
-      cmocka_unit_test(test_token_tcp),           cmocka_unit_test(test_connect_failures),
-      cmocka_unit_test(test_bad_frames),          cmocka_unit_test(test_out_of_descriptors),
-      cmocka_unit_test(test_killed_mid_read_tcp), cmocka_unit_test(test_killed_mid_read_shm),
-      cmocka_unit_test(test_concurrent_shm),      cmocka_unit_test(test_concurrent_tcp),
-      cmocka_unit_test(test_waiters_shm),         cmocka_unit_test(test_waiters_tcp),
+      cmocka_unit_test(test_ctx_address),
+      cmocka_unit_test(test_memory),
+      cmocka_unit_test(test_message_buffers),
+      cmocka_unit_test(test_message_buffers_evict),
+      cmocka_unit_test(test_tcp_local_cc),
+      cmocka_unit_test(test_messages_shm),
+      cmocka_unit_test(test_messages_tcp),
+      cmocka_unit_test(test_calls_shm),
+      cmocka_unit_test(test_calls_tcp),
+      cmocka_unit_test(test_rma_shm_shared),
+      cmocka_unit_test(test_rma_shm_registered),
+      cmocka_unit_test(test_shm_small_ring),
+      cmocka_unit_test(test_shm_ring_corrupt),
+      cmocka_unit_test(test_rma_tcp_shared),
+      cmocka_unit_test(test_rma_tcp_registered),
+      cmocka_unit_test(test_token_shm),
+      cmocka_unit_test(test_token_tcp),
+      cmocka_unit_test(test_connect_failures),
+      cmocka_unit_test(test_bad_frames),
+      cmocka_unit_test(test_out_of_descriptors),
+      cmocka_unit_test(test_exposed_listen_needs_token),
+      cmocka_unit_test(test_killed_mid_read_tcp),
+      cmocka_unit_test(test_killed_mid_read_shm),
+      cmocka_unit_test(test_concurrent_shm),
+      cmocka_unit_test(test_concurrent_tcp),
+      cmocka_unit_test(test_waiters_shm),
+      cmocka_unit_test(test_waiters_tcp),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

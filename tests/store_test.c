@@ -1139,8 +1139,15 @@ static bool netns_up(void) {
 }
 
 /* In NS_A: host the directory, publish, wait for stdin to close. */
+/* The two hosts' fleet token: a node listening beyond loopback must have one. */
+#define NS_TOKEN "store-test-netns"
+
 static int role_owner(void) {
-  ferry_ctx *c = open_ctx("ns-owner", IP_A ":" NS_PORT);
+  ferry_ctx_opts co = {
+      .size = sizeof co, .name = "ns-owner", .tcp_listen = IP_A ":" NS_PORT, .token = NS_TOKEN};
+  ferry_ctx *c;
+  if (ferry_ctx_open(&co, &c) != 0)
+    return 2;
   ferry_store_opts o = {
       .size = sizeof o, .capacity = 16 * MiB, .flags = FERRY_STORE_HOST_DIRECTORY};
   ferry_store *s;
@@ -1164,7 +1171,8 @@ static int role_owner(void) {
 
 /* In NS_B: read it over tcp (shm cannot reach across namespaces). */
 static int role_reader(void) {
-  ferry_ctx_opts co = {.size = sizeof co, .name = "ns-reader", .tcp_listen = IP_B ":0"};
+  ferry_ctx_opts co = {
+      .size = sizeof co, .name = "ns-reader", .tcp_listen = IP_B ":0", .token = NS_TOKEN};
   ferry_ctx *c;
   if (ferry_ctx_open(&co, &c) != 0)
     return 2;

@@ -76,11 +76,35 @@ static void advertised_host(const struct sockaddr_storage *ss, char *out, size_t
   inet_ntop(AF_INET, &a, out, (socklen_t)len);
 }
 
+static bool loopback_sockaddr(const struct sockaddr *sa) {
+  if (sa->sa_family == AF_INET)
+    return ntohl(((const struct sockaddr_in *)sa)->sin_addr.s_addr) >> 24 == 127;
+  const struct in6_addr *a6 = &((const struct sockaddr_in6 *)sa)->sin6_addr;
+  return sa->sa_family == AF_INET6 &&
+         (IN6_IS_ADDR_LOOPBACK(a6) || (IN6_IS_ADDR_V4MAPPED(a6) && a6->s6_addr[12] == 127));
+}
+
+/* A tcp link can read and write every region its node shares: on an address other hosts can
+ * reach, only the fleet token keeps them out, so there it is required (docs/SECURITY.md). */
+static int check_exposure(const ferry_ctx *ctx, const struct sockaddr *sa) {
+  if (loopback_sockaddr(sa) || ctx->token[0])
+    return 0;
+  return fr_err(FERRY_EINVAL,
+                "tcp: listening on %s (reachable from other hosts) needs a fleet token: set "
+                "FERRY_TOKEN to one secret shared by every node, e.g. "
+                "FERRY_TOKEN=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n')",
+                ctx->tcp_listen);
+}
+
 static int tcp_listen(ferry_ctx *ctx, int *fd_out, char *url, size_t url_len) {
   struct addrinfo *ai = NULL;
   int rc = resolve(ctx->tcp_listen, true, &ai);
   if (rc != 0)
     return rc;
+  if ((rc = check_exposure(ctx, ai->ai_addr)) != 0) {
+    freeaddrinfo(ai);
+    return rc;
+  }
   int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   int one = 1;
   if (fd >= 0)
