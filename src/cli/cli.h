@@ -1,11 +1,27 @@
 /*
- * The `ferry` command's subcommands. Each returns the process exit status (see `ferry --help`):
- * 0 success, 1 the operation failed, 2 usage error, 3 not found, 4 timed out, 5 peer/connection.
+ * The `ferry` command's subcommands, and the one table of exit statuses they all share (printed
+ * by `ferry --help` and at the end of every subcommand's --help).
  */
 #ifndef FR_CLI_H
 #define FR_CLI_H
 
-enum { CLI_OK = 0, CLI_FAIL = 1, CLI_USAGE = 2, CLI_NOTFOUND = 3, CLI_TIMEOUT = 4, CLI_PEER = 5 };
+#include <stdio.h>
+
+/* Every exit status any subcommand returns; cli_exit_meaning[] says what each means. */
+enum {
+  CLI_OK = 0,
+  CLI_FAIL = 1,
+  CLI_USAGE = 2,
+  CLI_NOTFOUND = 3,
+  CLI_TIMEOUT = 4,
+  CLI_PEER = 5,
+  CLI_STATE = 6, /* ferry ctl: invalid transition */
+  CLI_BUSY = 7,  /* ferry ctl: another command in flight; nothing was issued */
+  CLI_NEXIT
+};
+extern const char *const cli_exit_meaning[CLI_NEXIT];
+/* Prints "exit status:" and one line per code. */
+void cli_print_exit_codes(FILE *out);
 
 /* Maps a ferry status to the exit status above. */
 int cli_exit_code(int status);

@@ -26,16 +26,38 @@ static const struct {
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 
+const char *const cli_exit_meaning[CLI_NEXIT] = {
+    [CLI_OK] = "success",
+    [CLI_FAIL] = "the operation failed (ctl: a rank reported failure, or the command was aborted)",
+    [CLI_USAGE] = "usage error: an unknown option, a bad value, a missing or extra argument",
+    [CLI_NOTFOUND] = "not found: no such key, file or control cell",
+    [CLI_TIMEOUT] = "timed out",
+    [CLI_PEER] = "peer or connection error: the directory, a key's owner, a rank or the engine\n"
+                 "     is unreachable or dead (ctl: or the cell is stale)",
+    [CLI_STATE] = "ctl: invalid transition (e.g. update while serving)",
+    [CLI_BUSY] = "ctl: busy: another command is in flight or another controller won the race;\n"
+                 "     nothing was issued",
+};
+
+void cli_print_exit_codes(FILE *out) {
+  fprintf(out, "exit status (every command; errors are one line on stderr):\n");
+  for (int i = 0; i < CLI_NEXIT; i++)
+    fprintf(out, "  %d  %s\n", i, cli_exit_meaning[i]);
+}
+
 static void usage(FILE *out) {
-  fprintf(out, "usage: ferry <command> [options]\n\n"
+  fprintf(out, "usage: ferry <command> [options]\n"
+               "       ferry help <command>      (= ferry <command> --help)\n"
+               "       ferry --version\n\n"
                "ferry moves tensors between the trainer and the inference engines of RL\n"
                "post-training.\n\ncommands:\n");
   for (size_t i = 0; i < N_COMMANDS; i++)
     fprintf(out, "  %-8s %s\n", commands[i].name, commands[i].summary);
-  fprintf(out, "\n`ferry <command> --help` describes a command.\n\n"
-               "exit status: 0 success, 1 failure, 2 usage error, 3 not found, 4 timed out,\n"
-               "             5 peer or connection error\n"
-               "environment: FERRY_* settings, listed by `ferry info --config`\n");
+  fprintf(out, "\nEvery command takes -h/--help and --version; options take their value as\n"
+               "`--opt VALUE` or `--opt=VALUE`; sizes take K, M, G, T or KiB, MiB, GiB, TiB\n"
+               "(powers of 1024). ls, stat, put, get, info and serve take --json.\n\n");
+  cli_print_exit_codes(out);
+  fprintf(out, "\nenvironment: FERRY_* settings, listed by `ferry info --config`\n");
 }
 
 int cli_exit_code(int status) {
@@ -64,19 +86,38 @@ int cli_fail(const char *cmd, int status, const char *what) {
   return cli_exit_code(status);
 }
 
-int main(int argc, char **argv) {
-  if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
-      strcmp(argv[1], "help") == 0) {
-    usage(argc < 2 ? stderr : stdout);
-    return argc < 2 ? CLI_USAGE : CLI_OK;
-  }
-  if (strcmp(argv[1], "--version") == 0) {
-    printf("ferry %s\n", ferry_version());
-    return CLI_OK;
-  }
+static int dispatch(int argc, char **argv) {
   for (size_t i = 0; i < N_COMMANDS; i++)
     if (strcmp(argv[1], commands[i].name) == 0)
       return commands[i].run(argc - 1, argv + 1);
   fprintf(stderr, "ferry: unknown command '%s' (ferry --help lists them)\n", argv[1]);
   return CLI_USAGE;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    usage(stderr);
+    return CLI_USAGE;
+  }
+  if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
+      (strcmp(argv[1], "help") == 0 && argc == 2)) {
+    usage(stdout);
+    return CLI_OK;
+  }
+  if (strcmp(argv[1], "--version") == 0) {
+    printf("ferry %s\n", ferry_version());
+    return CLI_OK;
+  }
+  if (strcmp(argv[1], "help") == 0) { /* `ferry help CMD [SUB]` is `ferry CMD [SUB] --help` */
+    if (argc > 4) {
+      fprintf(stderr, "ferry help: unexpected argument '%s' (ferry --help)\n", argv[4]);
+      return CLI_USAGE;
+    }
+    char help[] = "--help";
+    char *args[] = {argv[0], argv[2], argc == 4 ? argv[3] : help, help, NULL};
+    if (argc == 3)
+      args[3] = NULL;
+    return dispatch(argc, args);
+  }
+  return dispatch(argc, argv);
 }

@@ -5,6 +5,7 @@
  * reads from whichever node owns the key. Errors are one line on stderr; exit codes as in
  * `ferry --help`.
  */
+#include "cli/args.h"
 #include "cli/cli.h"
 #include "cli/store_io.h"
 #include "store/store.h"
@@ -18,43 +19,46 @@
 
 typedef struct args {
   const char *directory;
-  const char *pos[2];
+  char **pos; /* the operands */
   int npos;
   const char *dtype, *shape, *prefix;
+  bool json, all;
 } args;
 
-/* Parses the options the store commands share; -1 on a usage error (message printed). */
-static int parse(int argc, char **argv, const char *usage, args *a) {
-  memset(a, 0, sizeof *a);
-  for (int i = 1; i < argc; i++) {
-    const char *o = argv[i];
-    const char **slot = strcmp(o, "--directory") == 0 ? &a->directory
-                        : strcmp(o, "--dtype") == 0   ? &a->dtype
-                        : strcmp(o, "--shape") == 0   ? &a->shape
-                        : strcmp(o, "--prefix") == 0  ? &a->prefix
-                                                      : NULL;
-    if (strcmp(o, "--help") == 0 || strcmp(o, "-h") == 0) {
-      fputs(usage, stdout);
-      exit(CLI_OK);
-    } else if (slot && i + 1 < argc) {
-      *slot = argv[++i];
-    } else if (o[0] == '-' && o[1] != '\0') {
-      fprintf(stderr, "ferry %s: unknown option '%s'\n%s", argv[0], o, usage);
-      return -1;
-    } else if (a->npos < 2) {
-      a->pos[a->npos++] = o;
-    } else {
-      fprintf(stderr, "ferry %s: too many arguments\n%s", argv[0], usage);
-      return -1;
-    }
-  }
-  return 0;
+/* The options of every store command: --directory and --json, then the command's own. */
+#define STORE_OPTS(a)                                                                              \
+  {"directory", CLI_ARG_STR, &(a)->directory, 0, 0}, { "json", CLI_ARG_FLAG, &(a)->json, 0, 0 }
+
+/* Parses argv against the command; -1 on a usage error (message printed). */
+static int parse(const cli_cmd *cmd, int argc, char **argv, args *a) {
+  a->npos = cli_parse(cmd, argc, argv, &a->pos);
+  return a->npos < 0 ? -1 : 0;
 }
 
-/* Every store command's help ends with its exit statuses (cli.h's CLI_* codes). */
-#define EXIT_CODES                                                                                 \
-  "\nexit status: 0 success, 1 failure, 2 usage error, 3 not found (no such key or file),\n"       \
-  "             4 timed out, 5 directory or owner unreachable. Errors are one line on stderr.\n"
+#define OPTIONS_HELP                                                                               \
+  "\n  --directory URL  the fleet's directory (default FERRY_DIRECTORY)\n"                         \
+  "  --json           machine-readable output (JSON)\n"
+
+/* dtype and shape as JSON members: "dtype":"uint8","shape":[2,3] */
+static void json_desc(const ferry_tensor_desc *d) {
+  printf("\"dtype\":");
+  cli_json_string(stdout, ferry_dtype_name(d->dtype));
+  printf(",\"shape\":[");
+  for (uint32_t i = 0; i < d->ndim; i++)
+    printf("%s%llu", i ? "," : "", (unsigned long long)d->shape[i]);
+  printf("]");
+}
+
+/* One key as one JSON object on one line (ls --json, stat --json). */
+static void json_info(const ferry_store_info *info) {
+  printf("{\"key\":");
+  cli_json_string(stdout, info->key);
+  printf(",");
+  json_desc(&info->desc);
+  printf(",\"bytes\":%llu,\"owner\":", (unsigned long long)info->bytes);
+  cli_json_string(stdout, info->owner);
+  printf(",\"generation\":%llu}\n", (unsigned long long)info->generation);
+}
 
 static const char *fmt_bytes(uint64_t b, char *buf, size_t len) {
   if (b >= (1ull << 30))
@@ -71,11 +75,12 @@ static const char *fmt_bytes(uint64_t b, char *buf, size_t len) {
 /* ---- put ---- */
 
 static const char put_usage[] =
-    "usage: ferry put KEY FILE [--dtype T --shape A,B,..] [--directory URL]\n\n"
+    "usage: ferry put KEY FILE [--dtype T --shape A,B,..] [--directory URL] [--json]\n\n"
     "Stores FILE's bytes under KEY. A .npy file brings its dtype and shape; otherwise they\n"
     "are --dtype (default uint8) and --shape (default: the whole file, one dimension).\n"
     "The bytes are held by a `ferry serve` node, so they outlive this command.\n"
-    "On a terminal, files over 100 MB show a progress bar on stderr.\n" EXIT_CODES;
+    "On a terminal, files over 100 MB show a progress bar on stderr.\n" OPTIONS_HELP
+    "                   (what was stored: {\"key\", \"dtype\", \"shape\", \"bytes\"})\n";
 
 /* Reads the whole file into ferry memory (one read, no staging buffer). */
 static int read_file(cli_node *n, const char *path, void **out, uint64_t *len) {
@@ -148,12 +153,14 @@ static int describe(const args *a, const uint8_t *data, uint64_t len, ferry_tens
 }
 
 int cli_put(int argc, char **argv) {
-  args a;
-  if (parse(argc, argv, put_usage, &a) != 0 || a.npos != 2) {
-    if (a.npos != 2)
-      fputs(put_usage, stderr);
+  args a = {0};
+  const cli_opt opts[] = {STORE_OPTS(&a),
+                          {"dtype", CLI_ARG_STR, &a.dtype, 0, 0},
+                          {"shape", CLI_ARG_STR, &a.shape, 0, 0},
+                          {0}};
+  const cli_cmd cmd = {"put", put_usage, "KEY FILE", 2, 2, opts};
+  if (parse(&cmd, argc, argv, &a) != 0)
     return CLI_USAGE;
-  }
   cli_node n;
   int rc = cli_node_open(&n, a.directory, "put");
   if (rc != 0)
@@ -167,6 +174,13 @@ int cli_put(int argc, char **argv) {
     int st = ferry_store_put(n.store, a.pos[0], &d, (uint8_t *)mem + skip, 0, -1);
     rc = st ? cli_fail("put", st, a.pos[0]) : 0;
   }
+  if (rc == 0 && a.json) {
+    printf("{\"key\":");
+    cli_json_string(stdout, a.pos[0]);
+    printf(",");
+    json_desc(&d);
+    printf(",\"bytes\":%llu}\n", (unsigned long long)(len - skip));
+  }
   ferry_free(n.ctx, mem);
   cli_node_close(&n);
   return rc;
@@ -175,10 +189,12 @@ int cli_put(int argc, char **argv) {
 /* ---- get ---- */
 
 static const char get_usage[] =
-    "usage: ferry get KEY [FILE|-] [--directory URL]\n\n"
+    "usage: ferry get KEY [FILE|-] [--directory URL] [--json]\n\n"
     "Writes KEY's bytes to FILE (a .npy FILE gets a header with dtype and shape), or to\n"
     "stdout with '-' or no FILE (not to a terminal).\n"
-    "On a terminal, transfers over 100 MB show a progress bar on stderr.\n" EXIT_CODES;
+    "On a terminal, transfers over 100 MB show a progress bar on stderr.\n" OPTIONS_HELP
+    "                   (with a FILE only: {\"key\", \"file\", \"dtype\", \"shape\", \"bytes\",\n"
+    "                   \"owner\", \"generation\"} on stdout once the file is written)\n";
 
 static int write_out(const char *path, const ferry_store_info *info, const void *data) {
   bool to_stdout = !path || strcmp(path, "-") == 0;
@@ -199,14 +215,16 @@ static int write_out(const char *path, const ferry_store_info *info, const void 
 }
 
 int cli_get(int argc, char **argv) {
-  args a;
-  if (parse(argc, argv, get_usage, &a) != 0 || a.npos < 1) {
-    if (a.npos < 1)
-      fputs(get_usage, stderr);
+  args a = {0};
+  const cli_opt opts[] = {STORE_OPTS(&a), {0}};
+  const cli_cmd cmd = {"get", get_usage, "KEY", 1, 2, opts};
+  if (parse(&cmd, argc, argv, &a) != 0)
     return CLI_USAGE;
-  }
   const char *path = a.npos > 1 ? a.pos[1] : NULL;
-  if ((!path || strcmp(path, "-") == 0) && isatty(STDOUT_FILENO)) {
+  bool to_stdout = !path || strcmp(path, "-") == 0;
+  if (to_stdout && a.json)
+    return cli_usage_error(&cmd, "--json needs a FILE: stdout carries the data");
+  if (to_stdout && isatty(STDOUT_FILENO)) {
     fprintf(stderr, "ferry get: refusing to write binary data to a terminal; give a FILE or "
                     "redirect stdout\n");
     return CLI_USAGE;
@@ -225,6 +243,17 @@ int cli_get(int argc, char **argv) {
     cli_progress_end(&bar);
   }
   rc = st ? cli_fail("get", st, a.pos[0]) : write_out(path, &info, data);
+  if (rc == CLI_OK && a.json) {
+    printf("{\"key\":");
+    cli_json_string(stdout, info.key);
+    printf(",\"file\":");
+    cli_json_string(stdout, path);
+    printf(",");
+    json_desc(&info.desc);
+    printf(",\"bytes\":%llu,\"owner\":", (unsigned long long)info.bytes);
+    cli_json_string(stdout, info.owner);
+    printf(",\"generation\":%llu}\n", (unsigned long long)info.generation);
+  }
   free(data);
   cli_node_close(&n);
   return rc;
@@ -232,13 +261,18 @@ int cli_get(int argc, char **argv) {
 
 /* ---- ls, stat, rm ---- */
 
-static const char ls_usage[] = "usage: ferry ls [PREFIX] [--directory URL]\n\n"
-                               "Lists the keys that start with PREFIX (all by default): key, "
-                               "dtype, shape, size, owner.\n" EXIT_CODES;
+static const char ls_usage[] =
+    "usage: ferry ls [PREFIX] [--directory URL] [--json]\n\n"
+    "Lists the keys that start with PREFIX (all by default): key, dtype, shape, size, "
+    "owner.\n" OPTIONS_HELP
+    "                   (one object per key per line: {\"key\", \"dtype\", \"shape\",\n"
+    "                   \"bytes\", \"owner\", \"generation\"}; no keys, no lines)\n";
 
 int cli_ls(int argc, char **argv) {
-  args a;
-  if (parse(argc, argv, ls_usage, &a) != 0 || a.npos > 1)
+  args a = {0};
+  const cli_opt opts[] = {STORE_OPTS(&a), {0}};
+  const cli_cmd cmd = {"ls", ls_usage, NULL, 0, 1, opts};
+  if (parse(&cmd, argc, argv, &a) != 0)
     return CLI_USAGE;
   cli_node n;
   int rc = cli_node_open(&n, a.directory, "ls");
@@ -251,9 +285,12 @@ int cli_ls(int argc, char **argv) {
     rc = cli_fail("ls", st, "list");
   for (size_t i = 0; st == 0 && i < count; i++) {
     char shape[160], size[32];
-    printf("%-40s %-9s %-20s %10s  %s\n", list[i].key, ferry_dtype_name(list[i].desc.dtype),
-           ferry_shape_format(&list[i].desc, shape, sizeof shape),
-           fmt_bytes(list[i].bytes, size, sizeof size), list[i].owner);
+    if (a.json)
+      json_info(&list[i]);
+    else
+      printf("%-40s %-9s %-20s %10s  %s\n", list[i].key, ferry_dtype_name(list[i].desc.dtype),
+             ferry_shape_format(&list[i].desc, shape, sizeof shape),
+             fmt_bytes(list[i].bytes, size, sizeof size), list[i].owner);
   }
   ferry_store_list_free(list);
   cli_node_close(&n);
@@ -261,16 +298,17 @@ int cli_ls(int argc, char **argv) {
 }
 
 static const char stat_usage[] =
-    "usage: ferry stat KEY [--directory URL]\n\n"
-    "Describes KEY: dtype, shape, bytes, owner, generation.\n" EXIT_CODES;
+    "usage: ferry stat KEY [--directory URL] [--json]\n\n"
+    "Describes KEY: dtype, shape, bytes, owner, generation.\n" OPTIONS_HELP
+    "                   (one object: {\"key\", \"dtype\", \"shape\", \"bytes\", \"owner\",\n"
+    "                   \"generation\"})\n";
 
 int cli_stat(int argc, char **argv) {
-  args a;
-  if (parse(argc, argv, stat_usage, &a) != 0 || a.npos != 1) {
-    if (a.npos != 1)
-      fputs(stat_usage, stderr);
+  args a = {0};
+  const cli_opt opts[] = {STORE_OPTS(&a), {0}};
+  const cli_cmd cmd = {"stat", stat_usage, "KEY", 1, 1, opts};
+  if (parse(&cmd, argc, argv, &a) != 0)
     return CLI_USAGE;
-  }
   cli_node n;
   int rc = cli_node_open(&n, a.directory, "stat");
   if (rc != 0)
@@ -279,6 +317,8 @@ int cli_stat(int argc, char **argv) {
   int st = ferry_store_stat(n.store, a.pos[0], &info, -1);
   if (st != 0) {
     rc = cli_fail("stat", st, a.pos[0]);
+  } else if (a.json) {
+    json_info(&info);
   } else {
     char shape[160];
     printf("key:        %s\ndtype:      %s\nshape:      %s\nbytes:      %llu\nowner:      %s\n"
@@ -291,27 +331,46 @@ int cli_stat(int argc, char **argv) {
   return rc;
 }
 
-static const char rm_usage[] = "usage: ferry rm KEY | --prefix PREFIX [--directory URL]\n\n"
-                               "Deletes KEY, or every key that starts with PREFIX ('' for all), "
-                               "wherever it lives.\n" EXIT_CODES;
+static const char rm_usage[] =
+    "usage: ferry rm KEY [--directory URL]\n"
+    "       ferry rm --prefix PREFIX [--directory URL]\n"
+    "       ferry rm --all [--directory URL]\n\n"
+    "Deletes KEY, or every key that starts with PREFIX, or with --all every key of the fleet,\n"
+    "wherever it lives. An empty PREFIX would match every key, so it needs --all as well.\n"
+    "\n  --directory URL  the fleet's directory (default FERRY_DIRECTORY)\n"
+    "  --json           {\"deleted\": N} on stdout (for a KEY: 1)\n";
 
 int cli_rm(int argc, char **argv) {
-  args a;
-  if (parse(argc, argv, rm_usage, &a) != 0 || (a.npos == 1) == (a.prefix != NULL)) {
-    if ((a.npos == 1) == (a.prefix != NULL))
-      fputs(rm_usage, stderr);
+  args a = {0};
+  const cli_opt opts[] = {STORE_OPTS(&a),
+                          {"prefix", CLI_ARG_STR, &a.prefix, 0, 0},
+                          {"all", CLI_ARG_FLAG, &a.all, 0, 0},
+                          {0}};
+  const cli_cmd cmd = {"rm", rm_usage, "KEY, --prefix PREFIX or --all", 0, 1, opts};
+  if (parse(&cmd, argc, argv, &a) != 0)
     return CLI_USAGE;
-  }
+  bool by_prefix = a.prefix || a.all;
+  if (a.npos == 1 && by_prefix)
+    return cli_usage_error(&cmd, "give KEY or --prefix/--all, not both");
+  if (a.npos == 0 && !by_prefix)
+    return cli_usage_error(&cmd, "missing KEY, --prefix PREFIX or --all");
+  if (a.prefix && !*a.prefix && !a.all)
+    return cli_usage_error(&cmd, "--prefix '' matches every key; add --all to delete them all");
+  if (a.all && a.prefix && *a.prefix)
+    return cli_usage_error(&cmd, "--all deletes every key; drop --prefix '%s' or --all", a.prefix);
+  const char *prefix = a.all ? "" : a.prefix;
   cli_node n;
   int rc = cli_node_open(&n, a.directory, "rm");
   if (rc != 0)
     return rc;
   size_t deleted = 1;
-  int st = a.prefix ? ferry_store_delete_prefix(n.store, a.prefix, &deleted, -1)
-                    : ferry_store_delete(n.store, a.pos[0], -1);
+  int st = by_prefix ? ferry_store_delete_prefix(n.store, prefix, &deleted, -1)
+                     : ferry_store_delete(n.store, a.pos[0], -1);
   if (st != 0)
-    rc = cli_fail("rm", st, a.prefix ? a.prefix : a.pos[0]);
-  else if (a.prefix)
+    rc = cli_fail("rm", st, by_prefix ? (*prefix ? prefix : "every key") : a.pos[0]);
+  else if (a.json)
+    printf("{\"deleted\":%zu}\n", deleted);
+  else if (by_prefix)
     printf("deleted %zu\n", deleted);
   cli_node_close(&n);
   return rc;
