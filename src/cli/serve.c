@@ -6,7 +6,9 @@
  * store node that holds objects for short-lived clients (`ferry put` hands it the bytes). It runs
  * until SIGINT or SIGTERM.
  */
+#include "cli/args.h"
 #include "cli/cli.h"
+#include "core/core.h"
 #include "directory/directory.h"
 #include "ferry.h"
 
@@ -19,40 +21,55 @@
 
 static const char serve_usage[] =
     "usage: ferry serve [--listen HOST:PORT] [--directory URL] [--name NAME]\n"
-    "                   [--capacity BYTES]\n\n"
+    "                   [--capacity BYTES] [--json]\n\n"
     "Runs a long-lived node: it hosts the embedded directory on --listen (default: the\n"
     "host:port of FERRY_DIRECTORY, 127.0.0.1:7700), or with --directory (or a redis://\n"
     "FERRY_DIRECTORY) joins that one (ferry://HOST:PORT or\n"
     "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]); and it holds objects that short-lived\n"
-    "clients put (`ferry put`), in a pool of --capacity bytes (FERRY_STORE_CAPACITY).\n"
-    "Prints one 'ready' line, then runs until SIGINT or SIGTERM.\n";
+    "clients put (`ferry put`), in a pool of --capacity bytes (default FERRY_STORE_CAPACITY;\n"
+    "K, M, G, T or KiB, MiB, GiB, TiB suffixes).\n"
+    "Prints one 'ready' line, then runs until SIGINT or SIGTERM. With --json that line is\n"
+    "one JSON object: {\"ready\": true, \"directory\", \"hosting\", \"node\", \"address\",\n"
+    "\"capacity\" (the pool's bytes)}.\n";
 
 typedef struct serve_opts {
   const char *listen, *directory, *name;
   uint64_t capacity;
+  bool json;
 } serve_opts;
 
 static int parse(int argc, char **argv, serve_opts *o) {
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    bool val = i + 1 < argc;
-    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-      fputs(serve_usage, stdout);
-      exit(CLI_OK);
-    } else if (strcmp(a, "--listen") == 0 && val) {
-      o->listen = argv[++i];
-    } else if (strcmp(a, "--directory") == 0 && val) {
-      o->directory = argv[++i];
-    } else if (strcmp(a, "--name") == 0 && val) {
-      o->name = argv[++i];
-    } else if (strcmp(a, "--capacity") == 0 && val) {
-      o->capacity = strtoull(argv[++i], NULL, 0);
-    } else {
-      fprintf(stderr, "ferry serve: unknown option '%s'\n%s", a, serve_usage);
-      return -1;
-    }
+  const cli_opt opts[] = {
+      {"listen", CLI_ARG_STR, &o->listen, 0, 0}, {"directory", CLI_ARG_STR, &o->directory, 0, 0},
+      {"name", CLI_ARG_STR, &o->name, 0, 0},     {"capacity", CLI_ARG_SIZE, &o->capacity, 1, 0},
+      {"json", CLI_ARG_FLAG, &o->json, 0, 0},    {0}};
+  const cli_cmd cmd = {"serve", serve_usage, NULL, 0, 0, opts};
+  return cli_parse(&cmd, argc, argv, NULL) < 0 ? -1 : 0;
+}
+
+/* The one line that says the node is up: text, or with --json one object. */
+static void print_ready(const serve_opts *o, ferry_ctx *ctx, const char *listen) {
+  char url[FR_DIR_ADDRESS_MAX + 1]; /* a URL's password never reaches the screen */
+  if (o->directory)
+    fr_url_redact(o->directory, url, sizeof url);
+  else
+    snprintf(url, sizeof url, "ferry://%s", listen);
+  if (o->json) {
+    printf("{\"ready\":true,\"directory\":");
+    cli_json_string(stdout, url);
+    printf(",\"hosting\":%s,\"node\":", o->directory ? "false" : "true");
+    cli_json_string(stdout, ferry_ctx_name(ctx));
+    printf(",\"address\":");
+    cli_json_string(stdout, ferry_ctx_address(ctx));
+    uint64_t cap = o->capacity ? o->capacity : (uint64_t)fr_config_int("FERRY_STORE_CAPACITY");
+    printf(",\"capacity\":%llu}\n", (unsigned long long)cap);
+  } else if (o->directory) {
+    printf("ready: node '%s' joined %s (%s)\n", ferry_ctx_name(ctx), url, ferry_ctx_address(ctx));
+  } else {
+    printf("ready: directory %s, node '%s' (%s)\n", url, ferry_ctx_name(ctx),
+           ferry_ctx_address(ctx));
   }
-  return 0;
+  fflush(stdout);
 }
 
 /* Without --directory: the host:port to host the directory on (--listen, else
@@ -120,14 +137,7 @@ int cli_serve(int argc, char **argv) {
     ferry_ctx_close(ctx);
     return cli_fail("serve", rc, "cannot open the store");
   }
-  char shown[FR_DIR_ADDRESS_MAX + 1];
-  fr_url_redact(o.directory, shown, sizeof shown);
-  if (o.directory)
-    printf("ready: node '%s' joined %s (%s)\n", ferry_ctx_name(ctx), shown, ferry_ctx_address(ctx));
-  else
-    printf("ready: directory ferry://%s, node '%s' (%s)\n", listen, ferry_ctx_name(ctx),
-           ferry_ctx_address(ctx));
-  fflush(stdout);
+  print_ready(&o, ctx, listen);
   int sig = wait_for_signal();
   fprintf(stderr, "ferry serve: %s, shutting down\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
   ferry_store_close(store);
