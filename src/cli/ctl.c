@@ -5,6 +5,7 @@
  * threads that ack every command) for demos and tests; `ferry ctl serve` (ctl_http.c) puts the
  * same operations behind HTTP.
  */
+#include "cli/args.h"
 #include "cli/cli.h"
 #include "cli/ctl.h"
 
@@ -33,19 +34,14 @@ static const char usage_text[] =
     "  serve         serve the cell over HTTP (`ferry ctl serve --help`)\n"
     "  engine        play an engine: create the cell and run R rank threads that ack each\n"
     "                command after MS milliseconds of pretend work (--fail-update RANK makes\n"
-    "                that rank fail updates); prints one 'ready' line, runs until SIGINT/SIGTERM\n"
-    "\n"
-    "exit status: 0 done, 1 failed (a rank reported failure, or the command was aborted),\n"
-    "             2 usage error, 3 no such cell, 4 timed out, 5 a rank or the engine is dead\n"
-    "             (or the cell is stale), 6 invalid transition, 7 busy (another command is in\n"
-    "             flight or another controller won the race; nothing was issued)\n";
+    "                that rank fail updates); prints one 'ready' line, runs until SIGINT/SIGTERM\n";
 
 int ctl_exit_code(int status) {
   switch (status) {
   case FERRY_ESTATE:
-    return CTL_EXIT_STATE;
+    return CLI_STATE;
   case FERRY_EBUSY:
-    return CTL_EXIT_BUSY;
+    return CLI_BUSY;
   case FERRY_ESTALE:
     return CLI_PEER;
   default:
@@ -58,28 +54,11 @@ static int ctl_fail(int status, const char *what) {
   return ctl_exit_code(status);
 }
 
-int ctl_parse_seconds(const char *text) {
-  char *end = NULL;
-  double s = text ? strtod(text, &end) : -1;
-  if (!text || end == text || *end || !(s >= 0) || s > 86400)
-    return -1;
-  return (int)llround(s * 1000.0);
-}
+int ctl_parse_seconds(const char *text) { return cli_parse_seconds(text); }
 
 /* ---- JSON ---- */
 
-void ctl_json_string(FILE *out, const char *s) {
-  fputc('"', out);
-  for (const unsigned char *p = (const unsigned char *)(s ? s : ""); *p; p++) {
-    if (*p == '"' || *p == '\\')
-      fprintf(out, "\\%c", *p);
-    else if (*p < 0x20 || *p == 0x7f)
-      fprintf(out, "\\u%04x", *p);
-    else
-      fputc(*p, out);
-  }
-  fputc('"', out);
-}
+void ctl_json_string(FILE *out, const char *s) { cli_json_string(out, s); }
 
 static void rank_json(FILE *out, const ferry_ctl_rank_status *r) {
   fprintf(out,
@@ -182,31 +161,19 @@ static int do_request(ferry_ctl *ctl, const char *name, ferry_ctl_cmd cmd, int t
 }
 
 static int ctl_named(int argc, char **argv) {
-  const char *name = argv[1];
-  if (argc < 3) {
-    fprintf(stderr, "ferry ctl: what to do with '%s'? (status, clear, update, abort)\n", name);
-    return CLI_USAGE;
-  }
-  const char *action = argv[2];
   int timeout_ms = -1;
   bool json = false;
-  for (int i = 3; i < argc; i++) {
-    if (strcmp(argv[i], "--json") == 0) {
-      json = true;
-    } else if (strcmp(argv[i], "--timeout") == 0 && i + 1 < argc) {
-      if ((timeout_ms = ctl_parse_seconds(argv[++i])) < 0) {
-        fprintf(stderr, "ferry ctl: --timeout wants seconds, not '%s'\n", argv[i]);
-        return CLI_USAGE;
-      }
-    } else {
-      fprintf(stderr, "ferry ctl: unknown option '%s' (ferry ctl --help)\n", argv[i]);
-      return CLI_USAGE;
-    }
-  }
+  const cli_opt opts[] = {
+      {"timeout", CLI_ARG_SECONDS, &timeout_ms, 0, 0}, {"json", CLI_ARG_FLAG, &json, 0, 0}, {0}};
+  const cli_cmd ctl_cmd = {"ctl", usage_text, "NAME and what to do (status, clear, update, abort)",
+                           2,     2,          opts};
+  char **pos = NULL;
+  if (cli_parse(&ctl_cmd, argc, argv, &pos) < 0)
+    return CLI_USAGE;
+  const char *name = pos[0], *action = pos[1];
   ferry_ctl_cmd cmd = FERRY_CTL_NONE;
   if (strcmp(action, "status") != 0 && ferry_ctl_cmd_parse(action, &cmd) != 0) {
-    fprintf(stderr, "ferry ctl: unknown action '%s' (status, clear, update, abort)\n", action);
-    return CLI_USAGE;
+    return cli_usage_error(&ctl_cmd, "unknown action '%s' (status, clear, update, abort)", action);
   }
   ferry_ctl *ctl = NULL;
   int rc = ferry_ctl_open(name, &ctl);
@@ -276,27 +243,19 @@ static void *pretend_rank_main(void *arg) {
   return NULL;
 }
 
-static int parse_engine_args(int argc, char **argv, uint32_t *ranks, int *work_ms, long *fail) {
-  for (int i = 2; i < argc; i += 2) { /* options come as pairs: --name value */
-    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-    char *end = NULL;
-    long n = v ? strtol(v, &end, 10) : -1;
-    bool num = v && end != v && *end == '\0' && n >= 0;
-    if (strcmp(argv[i], "--ranks") == 0 && num && n >= 1 && n <= FERRY_CTL_MAX_RANKS)
-      *ranks = (uint32_t)n;
-    else if (strcmp(argv[i], "--work-ms") == 0 && num && n <= 3600000)
-      *work_ms = (int)n;
-    else if (strcmp(argv[i], "--fail-update") == 0 && num)
-      *fail = n;
-    else {
-      fprintf(stderr, "ferry ctl engine: bad option '%s' (ferry ctl --help)\n", argv[i]);
-      return CLI_USAGE;
-    }
-  }
-  if (*ranks == 0) {
-    fprintf(stderr, "ferry ctl engine: --ranks R is required\n");
+static int parse_engine_args(int argc, char **argv, const char **name, int *ranks, int *work_ms,
+                             int *fail) {
+  const cli_opt opts[] = {{"ranks", CLI_ARG_INT, ranks, 1, FERRY_CTL_MAX_RANKS},
+                          {"work-ms", CLI_ARG_INT, work_ms, 0, 3600000},
+                          {"fail-update", CLI_ARG_INT, fail, 0, 0},
+                          {0}};
+  const cli_cmd cmd = {"ctl engine", usage_text, "NAME", 1, 1, opts};
+  char **pos = NULL;
+  if (cli_parse(&cmd, argc, argv, &pos) < 0)
     return CLI_USAGE;
-  }
+  *name = pos[0];
+  if (*ranks == 0)
+    return cli_usage_error(&cmd, "--ranks R is required");
   return CLI_OK;
 }
 
@@ -311,16 +270,11 @@ static void stop_pretend_ranks(const char *name, atomic_int *stop) {
 }
 
 static int ctl_engine(int argc, char **argv) {
-  if (argc < 2 || strcmp(argv[1], "--help") == 0) {
-    fputs(usage_text, argc < 2 ? stderr : stdout);
-    return argc < 2 ? CLI_USAGE : CLI_OK;
-  }
-  const char *name = argv[1];
-  uint32_t nranks = 0;
-  int work_ms = 0;
-  long fail = -1;
-  if (parse_engine_args(argc, argv, &nranks, &work_ms, &fail) != CLI_OK)
+  const char *name = NULL;
+  int ranks = 0, work_ms = 0, fail = -1;
+  if (parse_engine_args(argc, argv, &name, &ranks, &work_ms, &fail) != CLI_OK)
     return CLI_USAGE;
+  uint32_t nranks = (uint32_t)ranks;
   sigset_t sigs;
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGINT);
@@ -342,7 +296,7 @@ static int ctl_engine(int argc, char **argv) {
   }
   pthread_barrier_init(&attached, NULL, nranks + 1);
   for (uint32_t i = 0; i < nranks; i++) {
-    p[i] = (pretend_rank){name, i, work_ms, (long)i == fail, &stop, &attached, 0};
+    p[i] = (pretend_rank){name, i, work_ms, (int)i == fail, &stop, &attached, 0};
     pthread_create(&t[i], NULL, pretend_rank_main, &p[i]);
   }
   pthread_barrier_wait(&attached);
@@ -365,17 +319,9 @@ static int ctl_engine(int argc, char **argv) {
 }
 
 int cli_ctl(int argc, char **argv) {
-  if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
-    fputs(usage_text, argc < 2 ? stderr : stdout);
-    return argc < 2 ? CLI_USAGE : CLI_OK;
-  }
-  if (strcmp(argv[1], "serve") == 0)
+  if (argc >= 2 && strcmp(argv[1], "serve") == 0)
     return ctl_serve(argc - 1, argv + 1);
-  if (strcmp(argv[1], "engine") == 0)
+  if (argc >= 2 && strcmp(argv[1], "engine") == 0)
     return ctl_engine(argc - 1, argv + 1);
-  if (argc >= 3 && strcmp(argv[2], "--help") == 0) {
-    fputs(usage_text, stdout);
-    return CLI_OK;
-  }
   return ctl_named(argc, argv);
 }

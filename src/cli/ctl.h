@@ -8,10 +8,8 @@
 
 #include <stdio.h>
 
-/* Exit codes of `ferry ctl` beyond the common ones in cli.h. */
-enum { CTL_EXIT_STATE = 6, CTL_EXIT_BUSY = 7 };
-
-/* Maps a ferry status to `ferry ctl`'s exit code. */
+/* Maps a ferry status to `ferry ctl`'s exit code (cli.h's table; CLI_STATE and CLI_BUSY are
+ * ctl's own). */
 int ctl_exit_code(int status);
 /* Writes s as a JSON string literal (quotes included). */
 void ctl_json_string(FILE *out, const char *s);

@@ -19,6 +19,7 @@
  * --allow-remote. Each request opens the cell afresh, so the server follows an engine that
  * restarts with a new incarnation.
  */
+#include "cli/args.h"
 #include "cli/cli.h"
 #include "cli/ctl.h"
 
@@ -518,21 +519,16 @@ static int parse_listen(const char *text, bool allow_remote, struct sockaddr_in 
 static int parse_serve_args(int argc, char **argv, server *s, struct sockaddr_in *sa) {
   const char *listen = NULL;
   bool allow_remote = false;
-  for (int i = 2; i < argc; i++) {
-    if (strcmp(argv[i], "--http") == 0 && i + 1 < argc)
-      listen = argv[++i];
-    else if (strcmp(argv[i], "--allow-remote") == 0)
-      allow_remote = true;
-    else {
-      fprintf(stderr, "ferry ctl serve: unknown option '%s' (--help)\n", argv[i]);
-      return CLI_USAGE;
-    }
-  }
-  if (!listen) {
-    fprintf(stderr, "ferry ctl serve: --http HOST:PORT is required\n");
+  const cli_opt opts[] = {{"http", CLI_ARG_STR, &listen, 0, 0},
+                          {"allow-remote", CLI_ARG_FLAG, &allow_remote, 0, 0},
+                          {0}};
+  const cli_cmd cmd = {"ctl serve", serve_usage, "NAME", 1, 1, opts};
+  char **pos = NULL;
+  if (cli_parse(&cmd, argc, argv, &pos) < 0)
     return CLI_USAGE;
-  }
-  s->name = argv[1];
+  if (!listen)
+    return cli_usage_error(&cmd, "--http HOST:PORT is required");
+  s->name = pos[0];
   snprintf(s->prefix, sizeof s->prefix, "/v1/control/%s", s->name);
   const char *token = ferry_config_get("FERRY_TOKEN");
   s->token = token && *token ? token : NULL;
@@ -540,10 +536,6 @@ static int parse_serve_args(int argc, char **argv, server *s, struct sockaddr_in
 }
 
 int ctl_serve(int argc, char **argv) {
-  if (argc < 2 || strcmp(argv[1], "--help") == 0 || (argc > 2 && !strcmp(argv[2], "--help"))) {
-    fputs(serve_usage, argc < 2 ? stderr : stdout);
-    return argc < 2 ? CLI_USAGE : CLI_OK;
-  }
   server s;
   struct sockaddr_in sa;
   int code = parse_serve_args(argc, argv, &s, &sa);
