@@ -3,6 +3,7 @@
  * repeated runs with min and max beside them; the "vs base" column is the baseline's median over
  * this row's median, so 1.00 means "as fast as the baseline" and higher is faster.
  */
+#include "cli/args.h"
 #include "cli/bench.h"
 #include "cli/cli.h"
 
@@ -131,49 +132,34 @@ void bench_row(const bench_opts *o, const char *bench, const char *case_name, co
 }
 
 uint64_t bench_parse_size(const char *s) {
-  char *end;
-  double v = strtod(s, &end);
-  switch (*end) {
-  case 'k':
-  case 'K':
-    v *= 1024;
-    break;
-  case 'm':
-  case 'M':
-    v *= 1024 * 1024;
-    break;
-  case 'g':
-  case 'G':
-    v *= 1024.0 * 1024 * 1024;
-    break;
-  }
-  return v > 0 ? (uint64_t)v : 0;
+  uint64_t v = 0;
+  return cli_parse_size(s, &v) == 0 ? v : 0;
+}
+
+#define MAX_EXTRA 8
+
+int bench_parse_with(int argc, char **argv, bench_opts *o, const char *usage,
+                     const cli_opt *extra) {
+  cli_opt opts[4 + MAX_EXTRA + 1] = {
+      {"json", CLI_ARG_FLAG, &o->json, 0, 0},
+      {"reps", CLI_ARG_INT, &o->reps, 1, 0},
+      {"max-size", CLI_ARG_SIZE, &o->max_size, 1, 0},
+      {"full", CLI_ARG_FLAG, &o->full, 0, 0},
+  };
+  for (size_t i = 0; extra && extra[i].name && i < MAX_EXTRA; i++)
+    opts[4 + i] = extra[i];
+  char name[64];
+  snprintf(name, sizeof name, "bench %s", argc > 0 ? argv[0] : "");
+  const cli_cmd cmd = {name, usage, NULL, 0, 0, opts};
+  return cli_parse(&cmd, argc, argv, NULL) < 0 ? -1 : argc;
 }
 
 int bench_parse(int argc, char **argv, bench_opts *o, const char *usage) {
-  int i = 1;
-  for (; i < argc; i++) {
-    if (strcmp(argv[i], "--json") == 0) {
-      o->json = true;
-    } else if (strcmp(argv[i], "--reps") == 0 && i + 1 < argc) {
-      o->reps = atoi(argv[++i]);
-    } else if (strcmp(argv[i], "--max-size") == 0 && i + 1 < argc) {
-      o->max_size = bench_parse_size(argv[++i]);
-    } else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-      fputs(usage, stdout);
-      exit(CLI_OK);
-    } else if (argv[i][0] == '-') {
-      fprintf(stderr, "ferry bench: unknown option '%s'\n%s", argv[i], usage);
-      return -1;
-    } else {
-      break;
-    }
-  }
-  return i;
+  return bench_parse_with(argc, argv, o, usage, NULL);
 }
 
 static const char bench_usage[] =
-    "usage: ferry bench <mode> [--json] [--reps N] [--max-size BYTES]\n\n"
+    "usage: ferry bench <mode> [--json] [--reps N] [--max-size BYTES] [--full]\n\n"
     "Runs ferry and its baselines in the same run and prints medians and ratios.\n\n"
     "modes:\n"
     "  link      one-sided reads (4 KiB..1 GiB) over shm and tcp vs memcpy and a plain\n"
@@ -187,14 +173,18 @@ static const char bench_usage[] =
     "  --json            one JSON object per line: bench, case, impl, bytes, median_s,\n"
     "                    min_s, max_s, p99_s, gbps\n"
     "  --reps N          repetitions per size (default: by size)\n"
-    "  --max-size BYTES  largest transfer (link; default 1G; K/M/G suffixes)\n\n"
+    "  --max-size BYTES  largest transfer (link; default 1G; K/M/G or KiB/MiB/GiB)\n"
+    "  --full            run the longer sweep\n"
+    "`ferry bench <mode> --help` lists a mode's own options.\n\n"
     "The 'vs base' column is the baseline's median / this row's median: >1 is faster.\n"
     "These machines are shared and noisy: compare ratios within one run.\n";
 
 int cli_bench(int argc, char **argv) {
-  if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
-    fputs(bench_usage, argc < 2 ? stderr : stdout);
-    return argc < 2 ? CLI_USAGE : CLI_OK;
+  const cli_cmd cmd = {"bench", bench_usage, "a mode (link, control, store, refit, mq, all)",
+                       1,       1,           NULL};
+  if (argc < 2 || argv[1][0] == '-') { /* no mode: --help, --version, or a usage error */
+    cli_parse(&cmd, argc, argv, NULL);
+    return CLI_USAGE;
   }
   const char *mode = argv[1];
   if (strcmp(mode, "link") == 0)
@@ -208,6 +198,9 @@ int cli_bench(int argc, char **argv) {
   if (strcmp(mode, "mq") == 0)
     return bench_mq(argc - 1, argv + 1);
   if (strcmp(mode, "all") == 0) {
+    bench_opts check = {0}; /* only the options every mode takes; check them once, up front */
+    if (bench_parse(argc - 1, argv + 1, &check, bench_usage) < 0)
+      return CLI_USAGE;
     int (*const all[])(int, char **) = {bench_link, bench_store, bench_refit, bench_mq,
                                         bench_control};
     int rc = 0;
@@ -217,6 +210,5 @@ int cli_bench(int argc, char **argv) {
     }
     return rc;
   }
-  fprintf(stderr, "ferry bench: unknown mode '%s'\n%s", mode, bench_usage);
-  return CLI_USAGE;
+  return cli_usage_error(&cmd, "unknown mode '%s'", mode);
 }

@@ -6,6 +6,8 @@
 #ifndef FR_BENCH_H
 #define FR_BENCH_H
 
+#include "cli/args.h"
+
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -14,6 +16,7 @@ typedef struct bench_opts {
   bool json;
   int reps;          /* 0: chosen per size */
   uint64_t max_size; /* largest transfer */
+  bool full;         /* run the longer sweep */
 } bench_opts;
 
 typedef struct bench_samples {
@@ -33,10 +36,14 @@ void bench_row(const bench_opts *o, const char *bench, const char *case_name, co
 double bench_p99(bench_samples *b);
 /* Prints the table header (not in JSON mode). */
 void bench_header(const bench_opts *o, const char *title);
-/* Parses --json, --reps N, --max-size BYTES (suffixes K/M/G); returns the index of the first
- * argument it did not take, or -1 on a usage error (message printed). */
+/* Parses a mode's arguments (argv[0] is the mode's name) with the shared parser (args.h):
+ * --json, --reps N, --max-size BYTES (K/M/G or KiB/MiB/GiB), --full, -h/--help; a mode takes no
+ * operands. Returns argc, or -1 after a one-line usage error. */
 int bench_parse(int argc, char **argv, bench_opts *o, const char *usage);
-/* "4096", "256K", "1M", "2G": bytes. */
+/* The same with the mode's own options besides (a table that ends with a row whose name is
+ * NULL). */
+int bench_parse_with(int argc, char **argv, bench_opts *o, const char *usage, const cli_opt *extra);
+/* "4096", "256K", "1M", "2GiB": bytes (args.h's cli_parse_size); 0 when malformed. */
 uint64_t bench_parse_size(const char *s);
 /* Write or read exactly len bytes on a pipe or socket (EINTR retried); 0 or -1. */
 int bench_write_all(int fd, const void *buf, size_t len);

@@ -601,22 +601,16 @@ int bench_mq(int argc, char **argv) {
   const char *only = NULL; /* --only SUBSTRING: the implementations whose name contains it */
   uint64_t min_size = 0;   /* --min-size BYTES: leave out smaller cases */
   const char *half = "";   /* --pass lat|stream: only that half */
-  for (int i = 1; i + 1 < argc;)
-    if (strcmp(argv[i], "--only") == 0 || strcmp(argv[i], "--min-size") == 0 ||
-        strcmp(argv[i], "--pass") == 0) {
-      if (argv[i][2] == 'o')
-        only = argv[i + 1];
-      else if (argv[i][2] == 'p')
-        half = argv[i + 1];
-      else
-        min_size = bench_parse_size(argv[i + 1]); /* "1M" as --max-size takes it */
-      memmove(argv + i, argv + i + 2, (size_t)(argc - i - 2) * sizeof *argv);
-      argc -= 2;
-    } else {
-      i++;
-    }
-  if (bench_parse(argc, argv, &o, mq_usage) < 0)
+  const cli_opt extra[] = {{"only", CLI_ARG_STR, &only, 0, 0},
+                           {"min-size", CLI_ARG_SIZE, &min_size, 0, 0},
+                           {"pass", CLI_ARG_STR, &half, 0, 0},
+                           {0}};
+  if (bench_parse_with(argc, argv, &o, mq_usage, extra) < 0)
     return CLI_USAGE;
+  if (*half && strcmp(half, "lat") != 0 && strcmp(half, "stream") != 0) {
+    fprintf(stderr, "ferry bench mq: --pass wants lat or stream, not '%s'\n", half);
+    return CLI_USAGE;
+  }
   signal(SIGPIPE, SIG_IGN);
   static plan p;
   for (size_t k = 0; k < NIMPLS; k++)

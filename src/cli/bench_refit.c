@@ -462,15 +462,11 @@ int bench_refit(int argc, char **argv) {
   if (argc == 5 && strcmp(argv[1], "--receiver") == 0)
     return bench_refit_receiver(argv[2], atoi(argv[3]), argv[4]);
   bool hosts_only = false, no_hosts = false;
-  int n = 0;
-  for (int i = 0; i < argc; i++) { /* our own options; bench_parse takes the shared ones */
-    hosts_only |= strcmp(argv[i], "--hosts-only") == 0;
-    no_hosts |= strcmp(argv[i], "--no-hosts") == 0;
-    if (strcmp(argv[i], "--hosts-only") != 0 && strcmp(argv[i], "--no-hosts") != 0)
-      argv[n++] = argv[i];
-  }
+  const cli_opt extra[] = {{"hosts-only", CLI_ARG_FLAG, &hosts_only, 0, 0},
+                           {"no-hosts", CLI_ARG_FLAG, &no_hosts, 0, 0},
+                           {0}};
   bench_opts o = {.max_size = 256ull << 20};
-  if (bench_parse(n, argv, &o, refit_usage) != n)
+  if (bench_parse_with(argc, argv, &o, refit_usage, extra) < 0)
     return CLI_USAGE;
   ssize_t len = readlink("/proc/self/exe", self_path, sizeof self_path - 1);
   if (len <= 0)

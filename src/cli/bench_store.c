@@ -525,23 +525,14 @@ static const char store_usage[] =
 
 int bench_store(int argc, char **argv) {
   bench_opts o = {0};
-  bool baselines = true;
-  char *args[64];
-  int nargs = 0;
-  for (int i = 0; i < argc && nargs < 63; i++) {
-    if (strcmp(argv[i], "--role") == 0 && i + 1 < argc)
+  for (int i = 1; i + 1 < argc; i++) /* a child this mode re-ran: bench_store_base.c */
+    if (strcmp(argv[i], "--role") == 0)
       return bs_role(argv[i + 1]);
-    if (strcmp(argv[i], "--no-baselines") == 0)
-      baselines = false;
-    else
-      args[nargs++] = argv[i];
-  }
-  int at = bench_parse(nargs, args, &o, store_usage);
-  if (at < 0 || at < nargs) {
-    if (at >= 0)
-      fprintf(stderr, "ferry bench store: unexpected '%s'\n%s", args[at], store_usage);
+  bool no_baselines = false;
+  const cli_opt extra[] = {{"no-baselines", CLI_ARG_FLAG, &no_baselines, 0, 0}, {0}};
+  if (bench_parse_with(argc, argv, &o, store_usage, extra) < 0)
     return CLI_USAGE;
-  }
+  bool baselines = !no_baselines;
   int requests = o.reps > 0 ? o.reps : 37;
   signal(SIGPIPE, SIG_IGN);
   static bs_report r;

@@ -9,6 +9,7 @@
  * Prints what moved and how fast next to a memcpy of the same bytes; exits 0 only if every
  * check passed.
  */
+#include "cli/args.h"
 #include "cli/bench.h"
 #include "cli/cli.h"
 #include "ferry.h"
@@ -384,10 +385,9 @@ static const char demo_usage[] =
 int cli_demo(int argc, char **argv) {
   if (argc == 5 && strcmp(argv[1], "--rollout") == 0)
     return rollout_main(atoi(argv[2]), argv[3], argv[4]) ? CLI_FAIL : CLI_OK;
-  if (argc > 1) {
-    fputs(demo_usage, strcmp(argv[1], "--help") == 0 ? stdout : stderr);
-    return strcmp(argv[1], "--help") == 0 ? CLI_OK : CLI_USAGE;
-  }
+  const cli_cmd cmd = {"demo", demo_usage, NULL, 0, 0, NULL};
+  if (cli_parse(&cmd, argc, argv, NULL) < 0)
+    return CLI_USAGE;
   signal(SIGPIPE, SIG_IGN);
   trainer t;
   memset(&t, 0, sizeof t);
