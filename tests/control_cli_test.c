@@ -184,18 +184,37 @@ static void test_help_and_usage(void **state) {
   assert_int_equal(RUN(out, "ctl", name, "status"), 3);
   assert_int_equal(RUN(out, "ctl", "engine", name), 2);                       /* --ranks missing */
   assert_int_equal(RUN(out, "ctl", "serve", name, "--http", "0.0.0.0:0"), 2); /* not loopback */
+  /* the shared parser: every code in one table, --opt=value, strays and unknowns refused */
+  assert_int_equal(RUN(out, "--help"), 0);
+  assert_non_null(strstr(out, "6  ctl: invalid transition"));
+  assert_non_null(strstr(out, "7  ctl: busy"));
+  assert_int_equal(RUN(out, "ctl", "--help"), 0);
+  assert_non_null(strstr(out, "7  ctl: busy"));
+  assert_int_equal(RUN(out, "help", "ctl", "engine"), 0);
+  assert_non_null(strstr(out, "ferry ctl engine NAME --ranks R"));
+  assert_int_equal(RUN(out, "ctl", name, "status", "--timeout=1"), 3); /* parsed, then no cell */
+  assert_int_equal(RUN(out, "ctl", name, "clear", "--timeout=soon"), 2);
+  assert_int_equal(RUN(out, "ctl", name, "status", "extra"), 2);
+  assert_int_equal(RUN(out, "ctl", name, "status", "--bogus"), 2);
+  assert_int_equal(RUN(out, "ctl", name), 2); /* no action */
+  assert_int_equal(RUN(out, "ctl", "engine", name, "--ranks=0"), 2);
+  assert_int_equal(RUN(out, "ctl", "engine", name, "--ranks", "2", "extra"), 2);
+  assert_int_equal(RUN(out, "ctl", "engine", name, "--ranks", "two"), 2);
+  assert_int_equal(RUN(out, "ctl", "serve", name, "--http=0.0.0.0:0"), 2);
+  assert_int_equal(RUN(out, "ctl", "serve", name, "--http"), 2);          /* no value */
+  assert_int_equal(RUN(out, "ctl", "serve", "--http", "127.0.0.1:0"), 2); /* no NAME */
 }
 
 static void test_engine_and_commands(void **state) {
   char out[8192], line[256];
   child eng = spawn_cli(
-      (const char *const[]){"ctl", "engine", name, "--ranks", "3", "--fail-update", "2", NULL});
+      (const char *const[]){"ctl", "engine", name, "--ranks=3", "--fail-update", "2", NULL});
   read_line(eng.out, line, sizeof line);
   assert_non_null(strstr(line, "ready"));
   assert_int_equal(RUN(out, "ctl", name, "status"), 0);
   assert_non_null(strstr(out, "serving"));
-  assert_int_equal(RUN(out, "ctl", name, "update"), 6); /* invalid transition */
-  assert_int_equal(RUN(out, "ctl", name, "clear", "--timeout", "10"), 0);
+  assert_int_equal(RUN(out, "ctl", name, "update"), 6);                /* invalid transition */
+  assert_int_equal(RUN(out, "ctl", "--timeout=10", name, "clear"), 0); /* options go anywhere */
   assert_non_null(strstr(out, "cleared"));
   assert_int_equal(RUN(out, "ctl", name, "clear"), 0); /* at once */
   assert_int_equal(RUN(out, "ctl", name, "update", "--json", "--timeout", "10"), 1);
@@ -235,7 +254,7 @@ static int rank_main(void *p) {
 }
 
 static child start_server(int *port) {
-  child srv = spawn_cli((const char *const[]){"ctl", "serve", name, "--http", "127.0.0.1:0", NULL});
+  child srv = spawn_cli((const char *const[]){"ctl", "serve", name, "--http=127.0.0.1:0", NULL});
   char line[256];
   read_line(srv.out, line, sizeof line);
   const char *p = strstr(line, "127.0.0.1:");
