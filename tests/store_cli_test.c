@@ -7,6 +7,7 @@
 
 #include <stdarg.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 
 static char cli[4096];
@@ -66,11 +67,23 @@ static bool same_file(const char *name, const void *data, size_t len) {
   return ok;
 }
 
-static pid_t start_serve(int port, const char *capacity) {
-  char listen[64];
+/* Starts `ferry serve --listen 127.0.0.1:PORT --capacity CAPACITY`; with `out`, as
+ * `--listen=.. --capacity=.. --json` with its stdout in the file `out` (in tmpdir). */
+static pid_t start_serve_to(int port, const char *capacity, const char *out) {
+  char listen[64], path[512], listen_eq[80], capacity_eq[80];
   snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+  snprintf(listen_eq, sizeof listen_eq, "--listen=%s", listen);
+  snprintf(capacity_eq, sizeof capacity_eq, "--capacity=%s", capacity);
+  snprintf(path, sizeof path, "%s/%s", tmpdir, out ? out : "");
   fflush(NULL);
   pid_t pid = fork();
+  if (pid == 0 && out) {
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0 || dup2(fd, 1) < 0)
+      _exit(127);
+    execl(cli, cli, "serve", listen_eq, capacity_eq, "--json", (char *)NULL);
+    _exit(127);
+  }
   if (pid == 0) {
     execl(cli, cli, "serve", "--listen", listen, "--capacity", capacity, (char *)NULL);
     _exit(127);
@@ -80,12 +93,42 @@ static pid_t start_serve(int port, const char *capacity) {
   return pid;
 }
 
+static pid_t start_serve(int port, const char *capacity) {
+  return start_serve_to(port, capacity, NULL);
+}
+
+/* Whether the file of JSON lines (one document per line) satisfies `expr`, a Python expression
+ * over d, the list of parsed lines. A line that is not JSON fails it. */
+static bool json_check(const char *name, const char *expr) {
+  int rc = run("/usr/bin/python3 -c 'import json,sys; d=[json.loads(l) for l in open(\"%s\")]; "
+               "sys.exit(0 if (%s) else 1)'",
+               name, expr);
+  if (rc != 0) {
+    size_t n;
+    char *text = slurp(name, &n);
+    fprintf(stderr, "%s fails %s:\n%s\n", name, expr, text ? text : "(missing)");
+    free(text);
+  }
+  return rc == 0;
+}
+
+/* Whether the file holds exactly one line that contains `needle`. */
+static bool one_line(const char *name, const char *needle) {
+  size_t n = 0;
+  char *s = slurp(name, &n);
+  bool ok = s && n > 0 && strchr(s, '\n') == s + n - 1 && strstr(s, needle);
+  if (!ok)
+    fprintf(stderr, "%s is not one line with '%s':\n%s\n", name, needle, s ? s : "(missing)");
+  free(s);
+  return ok;
+}
+
 static void test_commands(void **state) {
   int port = su_free_port();
   char url[64];
   snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
   setenv("FERRY_DIRECTORY", url, 1);
-  pid_t serve = start_serve(port, "67108864");
+  pid_t serve = start_serve(port, "64M"); /* a size with a unit, not 64 bytes */
   enum { N = 1 << 20 };
   uint8_t *data = malloc(N);
   tu_fill(data, N, 5);
@@ -126,11 +169,140 @@ static void test_commands(void **state) {
   for (int i = 0; i < 6; i++) {
     const char *cmds[] = {"serve", "put", "get", "ls", "rm", "stat"};
     assert_int_equal(run("%s %s --help > help.txt", cli, cmds[i]), 0);
-    assert_true(i == 0 || file_has("help.txt", "exit status: 0 success"));
+    assert_true(file_has("help.txt", "exit status"));
+    assert_true(file_has("help.txt", "  3  not found"));
   }
   kill(serve, SIGTERM);
   assert_int_equal(tu_wait(serve), 0);
   free(data);
+}
+
+/* The shared parser: --opt=value, sizes with units, one-line usage errors, --help everywhere. */
+static void test_options(void **state) {
+  static const char *const cmds[] = {"demo", "info", "bench", "ctl", "serve",
+                                     "put",  "get",  "ls",    "rm",  "stat"};
+  for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++) {
+    assert_int_equal(run("%s %s --help > help.txt 2> err.txt", cli, cmds[i]), 0);
+    char usage[64];
+    snprintf(usage, sizeof usage, "usage: ferry %s", cmds[i]);
+    assert_true(file_has("help.txt", usage));
+    assert_true(file_has("help.txt", "7  ctl: busy")); /* the one exit-code table */
+    assert_int_equal(run("%s %s -h > help2.txt && cmp -s help.txt help2.txt", cli, cmds[i]), 0);
+    assert_int_equal(run("%s help %s > help2.txt && cmp -s help.txt help2.txt", cli, cmds[i]), 0);
+    assert_int_equal(run("%s %s --bogus > out.txt 2> err.txt", cli, cmds[i]), 2);
+    assert_true(one_line("err.txt", "unknown option '--bogus'"));
+  }
+  assert_int_equal(run("%s --help > help.txt", cli), 0);
+  assert_true(file_has("help.txt", "5  peer or connection error"));
+  assert_true(file_has("help.txt", "6  ctl: invalid transition"));
+  assert_int_equal(
+      run("%s --version > v.txt && %s ls --version > v2.txt && cmp -s v.txt v2.txt", cli, cli), 0);
+  assert_true(file_has("v.txt", "ferry "));
+  /* bad sizes: a usage error in one line, before anything starts */
+  static const char *const bad[] = {"1X",  "-5",  "abc", "99999999999999999999", "17179869184T", "",
+                                    "1.5", "1 G", "0"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    assert_int_equal(run("%s serve --listen 127.0.0.1:1 --capacity '%s' 2> err.txt", cli, bad[i]),
+                     2);
+    assert_true(one_line("err.txt", "--capacity"));
+    assert_int_equal(run("%s serve --listen=127.0.0.1:1 --capacity='%s' 2> err.txt", cli, bad[i]),
+                     2);
+    assert_true(one_line("err.txt", "--capacity"));
+  }
+  assert_int_equal(run("%s bench link --max-size 1X 2> err.txt", cli), 2);
+  assert_true(one_line("err.txt", "--max-size"));
+  assert_int_equal(run("%s bench mq --min-size=abc 2> err.txt", cli), 2);
+  assert_true(one_line("err.txt", "--min-size"));
+  /* strays, missing values and missing operands */
+  assert_int_equal(run("%s ls r/ extra > out.txt 2> err.txt", cli), 2);
+  assert_true(one_line("err.txt", "ferry ls: unexpected argument 'extra' (ferry ls --help)"));
+  assert_int_equal(run("%s stat a b 2> err.txt", cli), 2);
+  assert_true(one_line("err.txt", "unexpected argument 'b'"));
+  assert_int_equal(run("%s info extra 2> err.txt", cli), 2);
+  assert_true(one_line("err.txt", "unexpected argument 'extra'"));
+  assert_int_equal(run("%s bench link extra 2> err.txt", cli), 2);
+  assert_true(one_line("err.txt", "unexpected argument 'extra'"));
+  assert_int_equal(run("%s put k 2> err.txt", cli), 2);
+  assert_true(one_line("err.txt", "missing KEY FILE"));
+  assert_int_equal(run("%s get k --directory 2> err.txt", cli), 2);
+  assert_true(one_line("err.txt", "'--directory' needs a value"));
+  assert_int_equal(run("%s ls --json=yes 2> err.txt", cli), 2);
+  assert_true(one_line("err.txt", "takes no value"));
+  assert_int_equal(run("%s get k - --json > out.txt 2> err.txt", cli), 2);
+  assert_true(one_line("err.txt", "--json needs a FILE"));
+  assert_int_equal(run("%s bench nonsense 2> err.txt", cli), 2);
+  assert_true(one_line("err.txt", "unknown mode 'nonsense'"));
+}
+
+/* --json on serve, put, get, ls, stat, info and rm parses, with the fields they promise; rm of
+ * everything needs --all. */
+static void test_json_and_rm_all(void **state) {
+  int port = su_free_port();
+  char url[64];
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  setenv("FERRY_DIRECTORY", "ferry://127.0.0.1:1", 1); /* every command below names --directory */
+  pid_t serve = start_serve_to(port, "64K", "serve.json");
+  char expr[256];
+  snprintf(expr, sizeof expr,
+           "len(d) == 1 and d[0][\"ready\"] and d[0][\"hosting\"] and d[0][\"directory\"] == "
+           "\"%s\" and d[0][\"capacity\"] == 65536 and d[0][\"node\"] and d[0][\"address\"]",
+           url);
+  assert_true(json_check("serve.json", expr));
+  uint8_t data[32768];
+  tu_fill(data, sizeof data, 9);
+  write_file("a.bin", data, sizeof data);
+  write_file("b.bin", data, 20000);
+  /* the pool is 64 KiB, not 64 bytes: 32 KiB fits, a second 32 KiB and 20000 bytes do not */
+  assert_int_equal(
+      run("%s put --directory=%s k/a a.bin --dtype=int32 --shape=64,128 --json > put.json", cli,
+          url),
+      0);
+  assert_true(json_check("put.json", "d == [{\"key\": \"k/a\", \"dtype\": \"int32\", "
+                                     "\"shape\": [64, 128], \"bytes\": 32768}]"));
+  assert_int_equal(
+      run("%s put --directory %s 'k/q\"x\\y\xc3\xa9' b.bin --json > put2.json", cli, url), 0);
+  assert_true(json_check("put2.json", "d[0][\"key\"] == \"k/q\\\"x\\\\y\\u00e9\" and "
+                                      "d[0][\"shape\"] == [20000]"));
+  assert_int_equal(run("%s put --directory %s k/c a.bin 2> err.txt", cli, url), 1);
+  assert_true(one_line("err.txt", "capacity exceeded"));
+  assert_int_equal(run("%s ls --directory=%s k/ --json > ls.json", cli, url), 0);
+  assert_true(json_check("ls.json", "len(d) == 2 and sorted(x[\"bytes\"] for x in d) == "
+                                    "[20000, 32768] and all(x[\"owner\"] and x[\"generation\"] "
+                                    "and x[\"dtype\"] for x in d)"));
+  assert_int_equal(run("%s ls --directory=%s nothing/ --json > ls0.json", cli, url), 0);
+  assert_true(json_check("ls0.json", "d == []"));
+  assert_int_equal(run("%s stat k/a --json --directory=%s > stat.json", cli, url), 0);
+  assert_true(json_check("stat.json", "len(d) == 1 and d[0][\"key\"] == \"k/a\" and "
+                                      "d[0][\"shape\"] == [64, 128] and d[0][\"bytes\"] == 32768"));
+  assert_int_equal(run("%s get k/a out.bin --json --directory=%s > get.json", cli, url), 0);
+  assert_true(same_file("out.bin", data, sizeof data));
+  assert_true(json_check("get.json", "len(d) == 1 and d[0][\"file\"] == \"out.bin\" and "
+                                     "d[0][\"bytes\"] == 32768 and d[0][\"dtype\"] == \"int32\""));
+  assert_int_equal(run("FERRY_DIRECTORY=%s %s info --json --config > info.json", url, cli), 0);
+  assert_true(json_check("info.json", "d[0][\"directory\"][\"up\"] and d[0][\"directory\"]"
+                                      "[\"nodes\"] >= 1 and d[0][\"version\"] and "
+                                      "any(c[\"name\"] == \"FERRY_DIRECTORY\" for c in "
+                                      "d[0][\"config\"])"));
+  /* rm --prefix '' would delete the fleet: refused without --all */
+  assert_int_equal(run("%s rm --prefix '' --directory %s 2> err.txt", cli, url), 2);
+  assert_true(one_line("err.txt", "--all"));
+  assert_int_equal(run("%s rm --prefix= --directory %s 2> err.txt", cli, url), 2);
+  assert_int_equal(run("%s rm k/a --all --directory %s 2> err.txt", cli, url), 2);
+  assert_int_equal(run("%s rm --directory %s 2> err.txt", cli, url), 2);
+  assert_int_equal(run("%s ls --directory=%s --json > ls.json", cli, url), 0);
+  assert_true(json_check("ls.json", "len(d) == 2"));
+  assert_int_equal(run("%s rm --prefix '' --all --directory %s --json > rm.json", cli, url), 0);
+  assert_true(json_check("rm.json", "d == [{\"deleted\": 2}]"));
+  assert_int_equal(
+      run("%s put --directory %s x a.bin && %s put --directory %s y b.bin", cli, url, cli, url), 0);
+  assert_int_equal(run("%s rm --all --directory %s > rm.txt", cli, url), 0);
+  assert_true(file_has("rm.txt", "deleted 2"));
+  assert_int_equal(run("%s ls --directory=%s > ls.txt", cli, url), 0);
+  size_t n = 1;
+  free(slurp("ls.txt", &n));
+  assert_int_equal(n, 0);
+  kill(serve, SIGTERM);
+  assert_int_equal(tu_wait(serve), 0);
 }
 
 /* Transfers over 100 MB show a progress bar, on a terminal only (script(1) lends one). */
@@ -143,7 +315,7 @@ static void test_progress(void **state) {
   char url[64];
   snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
   setenv("FERRY_DIRECTORY", url, 1);
-  pid_t serve = start_serve(port, "134217728");
+  pid_t serve = start_serve(port, "128MiB");
   assert_int_equal(run("truncate -s 101000000 big.bin"), 0); /* sparse: no disk, no page cache */
   assert_int_equal(run("script -qec '%s put big big.bin' /dev/null > put.tty", cli), 0);
   assert_true(file_has("put.tty", "read ["));
@@ -233,8 +405,8 @@ int main(void) {
   snprintf(tmpdir, sizeof tmpdir, "/tmp/ferry-cli-test-XXXXXX");
   assert_non_null(mkdtemp(tmpdir));
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_commands),
-      cmocka_unit_test(test_progress),
+      cmocka_unit_test(test_commands),        cmocka_unit_test(test_options),
+      cmocka_unit_test(test_json_and_rm_all), cmocka_unit_test(test_progress),
       cmocka_unit_test(test_no_directory),
       cmocka_unit_test(test_redis_directory),
   };
