@@ -9,7 +9,6 @@
 #include "cli/cli.h"
 #include "cli/ctl.h"
 
-#include <math.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
