@@ -407,8 +407,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_commands),        cmocka_unit_test(test_options),
       cmocka_unit_test(test_json_and_rm_all), cmocka_unit_test(test_progress),
-      cmocka_unit_test(test_no_directory),
-      cmocka_unit_test(test_redis_directory),
+      cmocka_unit_test(test_no_directory),    cmocka_unit_test(test_redis_directory),
   };
   int rc = cmocka_run_group_tests(tests, NULL, NULL);
   run("rm -rf %s", tmpdir);
