@@ -361,6 +361,15 @@ FERRY_API void ferry_ctl_cell_close(ferry_ctl_cell *cell);
 /* The cell's incarnation: 1 for a fresh name, one more than the stale cell it replaced. */
 FERRY_API uint64_t ferry_ctl_cell_incarnation(const ferry_ctl_cell *cell);
 
+/* Reclaims what killed engines left in FERRY_CTL_DIR: cells whose engine is dead (a name that no
+ * engine takes over again would keep its file for good) and half-made cells of dead processes.
+ * Under the directory lock that engines take to replace a stale cell, so a live engine's cell is
+ * never removed; files that are not ferry cells are left alone. `each` (may be NULL) is called
+ * for each file removed (with dry_run: that would be) with its path and why. Returns how many,
+ * or a negative status when the directory cannot be read. `ferry gc` runs it. */
+typedef void (*ferry_ctl_gc_fn)(const char *path, const char *why, void *arg);
+FERRY_API int ferry_ctl_gc(int dry_run, ferry_ctl_gc_fn each, void *arg);
+
 /* -- rank side -- */
 typedef struct ferry_ctl_rank_opts {
   size_t size;                   /* sizeof(ferry_ctl_rank_opts) */

@@ -228,6 +228,39 @@ static void test_engine_and_commands(void **state) {
   assert_int_equal(RUN(out, "ctl", name, "status"), 3); /* the engine removed its cell */
 }
 
+/* #17 row 11: a killed engine left its ferry-ctl-NAME file in /dev/shm for good, when no engine
+ * of that name came back. `ferry gc` removes it (and half-made cells and refit rendezvous files
+ * of dead processes), and leaves a live engine's cell alone. */
+static void test_gc(void **state) {
+  char out[8192], line[256], live[80], path[160];
+  snprintf(live, sizeof live, "%s-live", name);
+  child dead = spawn_cli((const char *const[]){"ctl", "engine", name, "--ranks=1", NULL});
+  child alive = spawn_cli((const char *const[]){"ctl", "engine", live, "--ranks=1", NULL});
+  read_line(dead.out, line, sizeof line);
+  read_line(alive.out, line, sizeof line);
+  kill(dead.pid, SIGKILL);
+  assert_int_equal(tu_wait(dead.pid), 128 + SIGKILL);
+  close(dead.out);
+  snprintf(path, sizeof path, "%s/ferry-refit-%s", dir, name); /* a dead sender's rendezvous */
+  FILE *f = fopen(path, "w");
+  fprintf(f, "tcp://127.0.0.1:1\n%d\n", (int)dead.pid);
+  fclose(f);
+  snprintf(path, sizeof path, "%s/ferry-ctl-%s", dir, name);
+  assert_int_equal(access(path, F_OK), 0); /* left behind */
+  assert_int_equal(RUN(out, "gc", "--dry-run"), 0);
+  assert_non_null(strstr(out, "would remove"));
+  assert_int_equal(access(path, F_OK), 0);
+  assert_int_equal(RUN(out, "gc", "--json"), 0);
+  assert_non_null(strstr(out, "dead engine pid"));
+  assert_non_null(strstr(out, "dead sender pid"));
+  assert_null(strstr(out, live));
+  assert_int_equal(access(path, F_OK), -1);
+  assert_int_equal(RUN(out, "ctl", live, "status"), 0); /* the live cell is there */
+  assert_int_equal(RUN(out, "gc"), 0);
+  assert_non_null(strstr(out, "nothing to remove"));
+  stop_child(&alive, 0);
+}
+
 /* ---- HTTP: this process is the engine; ranks are children that can hold an update ---- */
 
 typedef struct rank_arg {
@@ -432,6 +465,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup(test_help_and_usage, setup),
       cmocka_unit_test_setup(test_engine_and_commands, setup),
+      cmocka_unit_test_setup(test_gc, setup),
       cmocka_unit_test_setup(test_http, setup),
       cmocka_unit_test_setup(test_http_bodies, setup),
   };
