@@ -49,9 +49,14 @@ def receiver(args):
         rx.bind(model.state_dict())  # bytes land in the parameters themselves
         print("attached", flush=True)
         for line in sys.stdin:
+            # wait raises (Timeout, PeerGone) rather than return while the parameters hold torn
+            # bytes: part of a newer version over the last one (a failed push, a dead sender)
             v = rx.wait(int(line), timeout=30)
             with torch.no_grad():
                 y = model(probe())
+            if rx.committed != v:  # a push began landing while the model ran: not version v
+                raise SystemExit("refit_torch: weights changed under the forward pass; not "
+                                 "serving them")
             print(v, y.numpy().tobytes().hex(), flush=True)
 
 

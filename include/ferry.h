@@ -703,13 +703,18 @@ typedef struct ferry_refit_push_opts {
 } ferry_refit_push_opts;
 
 /* Pushes the declared tensors' current bytes as `version` (greater than the last) to every
- * attached receiver and returns when each one committed it. Receivers that fail (died, timed
- * out, refused a checksum) are named in ferry_last_error() and the call returns their first
- * error; the others commit (in a chain, the receivers behind a failed one get the buckets they
- * miss straight from the sender). With no receiver attached it returns 0 at once. */
+ * attached receiver and returns when each one committed it (0), or when each one either
+ * committed it or failed. Receivers that fail (FERRY_EPEER: died; FERRY_ETIMEDOUT: owed an
+ * acknowledgement for longer than timeout_ms, e.g. stopped; FERRY_ECHECKSUM ...) are named in
+ * ferry_last_error() and the call returns the first one's status; every receiver not named there
+ * committed `version` before the call returned (in a chain, the receivers behind a failed one
+ * get the buckets they miss straight from the sender). A receiver that timed out is dropped:
+ * later pushes neither include nor wait for it until it attaches again (its own thread does so
+ * once it runs again), and then it gets every bucket. With no receiver attached it returns 0 at
+ * once. */
 FERRY_API int ferry_refit_push(ferry_refit_sender *sender, uint64_t version,
                                const ferry_refit_push_opts *opts);
-/* How many receivers are attached now. */
+/* How many receivers are attached now (a dropped one counts again once it attached again). */
 FERRY_API size_t ferry_refit_receivers(ferry_refit_sender *sender);
 
 /* Attaches to the sender at `address` (its ctx address, "shm://...,tcp://..."), or to the one
@@ -757,10 +762,17 @@ FERRY_API void ferry_refit_on_bucket(ferry_refit_receiver *receiver, ferry_refit
                                      void *arg);
 /* Waits until the committed version is at least `version` (0: the latest version the sender
  * has pushed, as far as this receiver knows, and at least one) and writes it to *committed.
- * FERRY_ETIMEDOUT otherwise, with *committed (when not NULL) set to the version in force. */
+ * FERRY_ETIMEDOUT otherwise, or FERRY_EPEER as soon as the sender is gone, with *committed
+ * (when not NULL) set to ferry_refit_committed(): 0 when the bytes are torn, and the error
+ * then says so. */
 FERRY_API int ferry_refit_wait(ferry_refit_receiver *receiver, uint64_t version, int timeout_ms,
                                uint64_t *committed);
-/* The last committed version (0: none yet). */
+/* The version the receiver's bytes (bound tensors, flat buffer, alias views) hold: 0 when none
+ * yet, or when they are torn: from the moment the first byte of a newer version lands (in place,
+ * over the old one) until that version commits. A push that fails for this receiver (its own
+ * stall or checksum failure, the sender's death) leaves it at 0 until a complete push lands; it
+ * never reports a version whose bytes it does not hold. An engine serves weights only when this
+ * is the version it expects. */
 FERRY_API uint64_t ferry_refit_committed(ferry_refit_receiver *receiver);
 
 /* ---------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 /*
  * Refit end to end: a sender pushes versions to receivers over shm and tcp; bindings, flat
  * buffers, casts, partial and unchanged-skipping pushes; faults: a corrupted bucket, a receiver
- * killed mid-push (the others commit, the restarted one catches up), the sender killed mid-push
- * (receivers keep their version), bindings that do not fit.
+ * killed mid-push (the others commit, the restarted one catches up), a receiver stopped
+ * (SIGSTOP) mid-push (dropped alone; torn, not the version it missed, until a push lands), the
+ * sender killed mid-push (receivers report torn bytes, not their old version), bindings that do
+ * not fit.
  */
 // ferry-test: threaded
 #include "testutil.h"
@@ -350,9 +352,13 @@ static void test_corrupt_bucket(void **st) {
   assert_int_equal(ferry_refit_push(s, 2, NULL), FERRY_ECHECKSUM);
   assert_non_null(strstr(ferry_last_error(), "rollout"));
   fr_refit_test_corrupt = NULL;
-  uint64_t v = 0;
+  /* bucket 0 of version 2 landed over version 1 before bucket 1 failed: neither version */
+  uint64_t v = 99;
   assert_int_equal(ferry_refit_wait(r, 2, 200, &v), FERRY_ETIMEDOUT);
-  assert_int_equal(v, 1); /* still the last good version */
+  assert_int_equal(v, 0);
+  assert_non_null(strstr(ferry_last_error(), "torn"));
+  assert_int_equal(ferry_refit_committed(r), 0);
+  assert_int_equal(ferry_refit_wait(r, 1, 0, &v), FERRY_ETIMEDOUT); /* not 1 either */
   FR_OK(ferry_refit_push(s, 3, NULL));
   FR_OK(ferry_refit_wait(r, 3, 5000, NULL));
   ferry_refit_receiver_close(r);
@@ -552,6 +558,154 @@ static void test_chain_receiver_killed(void **st) {
   model_free(&m);
 }
 
+/* Helper process (exec'd): a receiver with bound tensors that answers the parent's questions on
+ * a pipe: 'c' → its committed version (u64); 'w' + version (u64) → wait(version, 10 s)'s status
+ * (i32) and version in force (u64); 'q' → exits. */
+static int stall_receiver_child(const char *address, int rd, int wr) {
+  ferry_ctx *c = ctx_for("rollout-child", "shm,tcp");
+  ferry_refit_receiver *r;
+  if (ferry_refit_receiver_open(c, address, 5000, &r) != 0)
+    return 1;
+  for (size_t i = 0; i < ferry_refit_tensor_count(r); i++) {
+    const char *name;
+    ferry_tensor_desc d;
+    uint64_t n;
+    void *mem;
+    if (ferry_refit_tensor_info(r, i, &name, &d) != 0 || ferry_tensor_nbytes(&d, &n) != 0 ||
+        !(mem = calloc(1, n)) || ferry_refit_bind(r, name, mem, &d) != 0)
+      return 1; /* the process exits: nothing to free */
+  }
+  tu_pipe p = {rd, wr};
+  uint8_t cmd = 1;
+  tu_pipe_put(&p, &cmd, 1);
+  while (tu_pipe_get(&p, &cmd, 1, 60000) == 0 && cmd != 'q') {
+    uint64_t v = ferry_refit_committed(r);
+    if (cmd == 'w') {
+      uint64_t want;
+      if (tu_pipe_get(&p, &want, sizeof want, 10000) != 0)
+        return 1;
+      int32_t rc = ferry_refit_wait(r, want, 10000, &v);
+      tu_pipe_put(&p, &rc, sizeof rc);
+    }
+    tu_pipe_put(&p, &v, sizeof v);
+  }
+  return 0;
+}
+
+static uint64_t child_committed(tu_pipe *to, tu_pipe *from) {
+  uint8_t cmd = 'c';
+  uint64_t v = 99;
+  tu_pipe_put(to, &cmd, 1);
+  assert_int_equal(tu_pipe_get(from, &v, sizeof v, 20000), 0);
+  return v;
+}
+
+static int child_wait(tu_pipe *to, tu_pipe *from, uint64_t version, uint64_t *have) {
+  uint8_t cmd = 'w';
+  int32_t rc = 1;
+  tu_pipe_put(to, &cmd, 1);
+  tu_pipe_put(to, &version, sizeof version);
+  assert_int_equal(tu_pipe_get(from, &rc, sizeof rc, 20000), 0);
+  assert_int_equal(tu_pipe_get(from, have, sizeof *have, 20000), 0);
+  return rc;
+}
+
+/* One receiver process is stopped (SIGSTOP) with a push under way: the push returns, names it
+ * alone and the healthy receivers commit; the next push goes on without it. Continued, it holds
+ * bytes of the version it missed: it reports no version (not that one), attaches again, and the
+ * next push brings it a whole version. In a chain (head → stopped → tail) the tail, cut off,
+ * gets its buckets from the sender. */
+static void receiver_stalled(ferry_refit_route route) {
+  model m;
+  model_init(&m, 9);
+  ferry_ctx *sc = ctx_for("trainer", "shm,tcp"), *hc = ctx_for("healthy", "shm,tcp"),
+            *tc = ctx_for("tail", "shm,tcp");
+  ferry_refit_sender *s = sender_for(sc, &m, 16384);
+  ferry_refit_receiver *healthy = flat_receiver(hc, ferry_ctx_address(sc)), *tail = NULL;
+  await_receivers(s, 1);
+  tu_pipe to_child, from_child;
+  tu_pipe_open(&to_child);
+  tu_pipe_open(&from_child);
+  char rd[16], wr[16];
+  snprintf(rd, sizeof rd, "%d", to_child.rd);
+  snprintf(wr, sizeof wr, "%d", from_child.wr);
+  pid_t pid = tu_spawn_exec("--stall-receiver", ferry_ctx_address(sc), rd, wr, NULL);
+  uint8_t ready = 0;
+  assert_int_equal(tu_pipe_get(&from_child, &ready, 1, 10000), 0);
+  await_receivers(s, 2);
+  size_t n = 2;
+  if (route == FERRY_REFIT_ROUTE_CHAIN) {
+    tail = flat_receiver(tc, ferry_ctx_address(sc));
+    await_receivers(s, ++n);
+  }
+  ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = 10000, .route = route};
+  FR_OK(ferry_refit_push(s, 1, &po));
+  assert_int_equal(child_committed(&to_child, &from_child), 1);
+
+  kill(pid, SIGSTOP);
+  int st2;
+  assert_int_equal(waitpid(pid, &st2, WUNTRACED), pid);
+  assert_true(WIFSTOPPED(st2));
+  po.timeout_ms = 1000;
+  model_bump(&m, -1);
+  assert_int_equal(ferry_refit_push(s, 2, &po), FERRY_ETIMEDOUT);
+  assert_non_null(strstr(ferry_last_error(), "rollout-child"));
+  assert_null(strstr(ferry_last_error(), "healthy"));
+  assert_null(strstr(ferry_last_error(), "tail"));
+  FR_OK(ferry_refit_wait(healthy, 2, 0, NULL)); /* committed before the push returned */
+  if (tail)
+    FR_OK(ferry_refit_wait(tail, 2, 0, NULL));
+  assert_int_equal(ferry_refit_receivers(s), n - 1); /* dropped */
+
+  /* the next pushes leave it out: they succeed (waiting for it would fail them) */
+  for (uint64_t v = 3; v <= 4; v++) {
+    model_bump(&m, -1);
+    FR_OK(ferry_refit_push(s, v, &po));
+    FR_OK(ferry_refit_wait(healthy, v, 0, NULL));
+    if (tail)
+      FR_OK(ferry_refit_wait(tail, v, 0, NULL));
+  }
+  void *views[NT];
+  for (int i = 0; i < NT; i++)
+    FR_OK(ferry_refit_view(healthy, m.name[i], &views[i]));
+  expect_model(&m, (const void *const *)views);
+
+  /* continued: it handles the announcements it slept through (bytes of version 2 land over 1),
+   * learns it was dropped, and attaches again */
+  kill(pid, SIGCONT);
+  await_receivers(s, n);
+  uint64_t have = 99;
+  assert_int_equal(child_committed(&to_child, &from_child), 0);
+  assert_int_not_equal(child_wait(&to_child, &from_child, 2, &have), 0);
+  assert_int_equal(have, 0); /* not 2, the version it missed, nor 1 */
+
+  po.timeout_ms = 10000;
+  model_bump(&m, -1);
+  FR_OK(ferry_refit_push(s, 5, &po)); /* a whole version: every receiver commits */
+  assert_int_equal(child_wait(&to_child, &from_child, 5, &have), 0);
+  assert_int_equal(have, 5);
+  assert_int_equal(child_committed(&to_child, &from_child), 5);
+  FR_OK(ferry_refit_wait(healthy, 5, 0, NULL));
+  expect_model(&m, (const void *const *)views);
+
+  uint8_t quit = 'q';
+  tu_pipe_put(&to_child, &quit, 1);
+  assert_int_equal(tu_wait(pid), 0);
+  tu_pipe_close(&to_child);
+  tu_pipe_close(&from_child);
+  ferry_refit_receiver_close(healthy);
+  if (tail)
+    ferry_refit_receiver_close(tail);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(hc);
+  ferry_ctx_close(tc);
+  ferry_ctx_close(sc);
+  model_free(&m);
+}
+
+static void test_receiver_stalled(void **st) { receiver_stalled(FERRY_REFIT_ROUTE_AUTO); }
+static void test_receiver_stalled_chain(void **st) { receiver_stalled(FERRY_REFIT_ROUTE_CHAIN); }
+
 static void stop_at_bucket_two(uint32_t bucket, uint8_t *bytes, uint64_t len) {
   if (bucket == 2)
     raise(SIGSTOP);
@@ -588,8 +742,11 @@ static void test_sender_killed(void **st) {
   assert_int_equal(tu_pipe_get(&to_parent, addr, sizeof addr, 10000), 0);
   ferry_ctx *rc = ctx_for("rollout", "shm,tcp");
   ferry_refit_receiver *r;
-  r = flat_receiver(rc, addr);
+  FR_OK(ferry_refit_receiver_open(rc, addr, 5000, &r));
+  bound b; /* the engine's own tensors, written in place */
+  bind_all(r, &b);
   FR_OK(ferry_refit_wait(r, 1, 10000, NULL));
+  assert_int_equal(ferry_refit_committed(r), 1);
   uint8_t go = 1;
   tu_pipe_put(&to_child, &go, 1);
   int st2;
@@ -597,11 +754,19 @@ static void test_sender_killed(void **st) {
   assert_true(WIFSTOPPED(st2));
   kill(pid, SIGKILL);
   tu_wait(pid);
-  uint64_t v = 0;
-  assert_int_equal(ferry_refit_wait(r, 2, 300, &v), FERRY_ETIMEDOUT);
-  assert_int_equal(v, 1);
-  assert_int_equal(ferry_refit_committed(r), 1);
+  /* buckets 0 and 1 of version 2 landed over version 1 (the sender packs bucket 2 only after
+   * bucket 0 was acknowledged): the tensors hold neither version, and nothing says 1 */
+  assert_int_equal(ferry_refit_committed(r), 0);
+  uint64_t v = 99;
+  assert_int_equal(ferry_refit_wait(r, 1, 10000, &v), FERRY_EPEER); /* the sender is gone */
+  assert_int_equal(v, 0);
+  assert_non_null(strstr(ferry_last_error(), "torn"));
+  v = 99;
+  assert_int_equal(ferry_refit_wait(r, 2, 10000, &v), FERRY_EPEER);
+  assert_int_equal(v, 0);
+  assert_int_equal(ferry_refit_committed(r), 0);
   ferry_refit_receiver_close(r);
+  bound_free(&b);
   ferry_ctx_close(rc);
   tu_pipe_close(&to_parent);
   tu_pipe_close(&to_child);
@@ -626,6 +791,8 @@ int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
   if (argc == 5 && strcmp(argv[1], "--receiver") == 0)
     return receiver_child(argv[2], strtoull(argv[3], NULL, 10), atoi(argv[4]));
+  if (argc == 5 && strcmp(argv[1], "--stall-receiver") == 0)
+    return stall_receiver_child(argv[2], atoi(argv[3]), atoi(argv[4]));
   if (argc == 3 && strcmp(argv[1], "--publish-and-die") == 0)
     return publish_and_die(atoi(argv[2]));
   if (argc == 4 && strcmp(argv[1], "--sender") == 0) {
@@ -644,6 +811,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_corrupt_bucket),
       cmocka_unit_test(test_reseal),
       cmocka_unit_test(test_receiver_killed),
+      cmocka_unit_test(test_receiver_stalled),
+      cmocka_unit_test(test_receiver_stalled_chain),
       cmocka_unit_test(test_sender_killed),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

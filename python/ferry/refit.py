@@ -258,7 +258,8 @@ class RefitSender(_lib.Closing):
 
     @property
     def receivers(self):
-        """How many receivers are attached now."""
+        """How many receivers are attached now (not counting one dropped for a stall until it
+        attaches again)."""
         return int(lib.ferry_refit_receivers(self.handle))
 
     def manifest(self):
@@ -314,7 +315,10 @@ class RefitSender(_lib.Closing):
         once every attached receiver committed it. only: names of the tensors to send (the
         buckets they touch); skip_unchanged: skip buckets whose checksum did not change. Both
         apply only when every receiver holds the previous version. state_dict: update() first.
-        A receiver that failed raises (the detail names it); the others committed."""
+        A receiver that failed raises (the detail names only the receivers that did not commit;
+        every other one committed before this returns). One that acknowledged nothing within
+        `timeout` (stopped, stalled) raises ferry.Timeout and is dropped: later pushes go on
+        without it until it attaches again, which it does by itself once it runs."""
         if state_dict is not None:
             self.update(state_dict)
         v = self.version + 1 if version is None else int(version)
@@ -511,14 +515,17 @@ class RefitReceiver(_lib.Closing):
     # -- versions ----------------------------------------------------------------------------
     @property
     def committed(self):
-        """The last committed version (0: none yet)."""
+        """The version the bound bytes hold: 0 when none yet, or when they are torn (a newer
+        version began landing and did not complete: a push under way, a failed one, a sender
+        that died). Serve weights only when this is the version you expect."""
         return int(lib.ferry_refit_committed(self.handle))
 
     def wait(self, version=None, timeout=None):
         """Waits until version (None: the latest the sender pushed, as far as this receiver
         knows, and at least 1) is committed and returns the committed version. Raises
-        ferry.Timeout otherwise; its detail says the version in force and the last failure
-        (e.g. a binding that no longer fits, naming the tensor)."""
+        ferry.Timeout otherwise, or ferry.PeerGone at once when the sender is gone; the detail
+        says the version in force, whether the bytes are torn (then `committed` is 0), and the
+        last failure (e.g. a binding that no longer fits, naming the tensor)."""
         got = c_uint64()
         check(lib.ferry_refit_wait(self.handle, int(version or 0), _ms(timeout), byref(got)))
         return int(got.value)

@@ -1,6 +1,7 @@
 """ferry.RefitSender / RefitReceiver: dtypes (bfloat16 too), zero copy on both sides, only /
 skip-unchanged / cast, a re-sealed plan, errors, the GIL, and receivers in other processes."""
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -345,5 +346,64 @@ def test_receivers_in_other_processes():
         finally:
             for k in kids:
                 if k.poll() is None:
+                    k.kill()
+                k.wait()
+
+
+STALLER = r"""
+import sys, ferry
+rx = ferry.RefitReceiver(sys.argv[1], timeout=10)
+rx.tensors()
+print("attached", flush=True)
+for line in sys.stdin:
+    if line.startswith("c"):
+        print(rx.committed, flush=True)
+        continue
+    try:
+        print("ok", rx.wait(int(line.split()[1]), timeout=5), flush=True)
+    except ferry.Error as e:
+        print(type(e).__name__, rx.committed, "torn" in str(e), flush=True)
+"""
+
+
+def test_stopped_receiver_fails_alone_and_reports_torn_bytes():
+    sd = {"emb": torch.randn(3000, 16), "ids": torch.arange(50, dtype=torch.int64)}
+    name = unique("stall")
+    env = dict(os.environ, PYTHONPATH=PYDIR)
+    with ferry.RefitSender(name, sd, buffer_bytes=8192) as tx:
+        kids = [subprocess.Popen([sys.executable, "-c", STALLER, name], env=env,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                for _ in range(2)]
+
+        def ask(k, line):
+            k.stdin.write(line + "\n")
+            k.stdin.flush()
+            return k.stdout.readline().split()
+
+        try:
+            for k in kids:
+                assert k.stdout.readline().strip() == "attached"
+            tx.wait_receivers(2, timeout=10)
+            tx.push(1, timeout=10)
+            assert [ask(k, "w 1") for k in kids] == [["ok", "1"], ["ok", "1"]]
+            os.kill(kids[0].pid, signal.SIGSTOP)
+            sd["emb"].add_(1)
+            with pytest.raises(ferry.Timeout) as e:
+                tx.push(2, timeout=1)
+            assert "-%d-" % kids[0].pid in str(e.value)  # the stopped one alone is named
+            assert "-%d-" % kids[1].pid not in str(e.value)
+            assert ask(kids[1], "w 2") == ["ok", "2"]
+            assert tx.receivers == 1
+            tx.push(3, timeout=1)  # without it
+            os.kill(kids[0].pid, signal.SIGCONT)
+            tx.wait_receivers(2, timeout=10)  # it attached again
+            assert ask(kids[0], "c") == ["0"]  # bytes of 2 landed over 1: no version
+            assert ask(kids[0], "w 2") == ["Timeout", "0", "True"]
+            tx.push(4, timeout=10)
+            assert [ask(k, "w 4") for k in kids] == [["ok", "4"], ["ok", "4"]]
+        finally:
+            for k in kids:
+                if k.poll() is None:
+                    os.kill(k.pid, signal.SIGCONT)
                     k.kill()
                 k.wait()

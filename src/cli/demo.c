@@ -86,6 +86,8 @@ typedef struct rollout {
   uint8_t *ids[REQUESTS]; /* routing-replay buffers in ferry memory */
 } rollout;
 
+/* The update handler: the rank returns to SERVING only when the weights are version `expect`,
+ * whole: wait() fails (and so the update) while they are torn (a failed push, a dead sender). */
 static int rollout_update(void *arg) {
   rollout *r = arg;
   int rc = ferry_refit_wait(r->receiver, r->expect, 30000, NULL);
@@ -98,6 +100,10 @@ static int rollout_update(void *arg) {
   rc = ferry_store_get(r->store, key, &d, &want, sizeof want, NULL, -1);
   if (rc == 0 && model_sum((const void *const *)r->views, r->desc) != want)
     rc = FERRY_ECHECKSUM;
+  /* the bytes summed must still be that version: a push that began landing meanwhile tears
+   * them (committed() says 0), and the rank must not serve them */
+  if (rc == 0 && ferry_refit_committed(r->receiver) != r->expect)
+    rc = FERRY_ESTALE;
   return rc;
 }
 

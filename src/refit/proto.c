@@ -19,7 +19,7 @@ void fr_refit_msg_encode(const fr_refit_msg_t *m, uint8_t out[FR_REFIT_MSG_BYTES
   fr_put_u64(out + 32, m->bytes);
   fr_put_u64(out + 40, m->checksum);
   fr_put_u32(out + 48, m->seq);
-  fr_put_u32(out + 52, 0);
+  fr_put_u32(out + 52, m->timeout_ms);
   fr_put_u64(out + 56, m->src.id);
   fr_put_u64(out + 64, m->src.key);
   fr_put_u64(out + 72, m->src.size);
@@ -40,10 +40,11 @@ int fr_refit_msg_decode(const uint8_t *in, size_t len, fr_refit_msg_t *out) {
       .bytes = fr_get_u64(in + 32),
       .checksum = fr_get_u64(in + 40),
       .seq = fr_get_u32(in + 48),
+      .timeout_ms = fr_get_u32(in + 52),
       .src = {fr_get_u64(in + 56), fr_get_u64(in + 64), fr_get_u64(in + 72)},
       .src_offset = fr_get_u64(in + 80),
   };
-  if (m.type < FR_REFIT_BUCKET || m.type > FR_REFIT_ROUTE)
+  if (m.type < FR_REFIT_BUCKET || m.type > FR_REFIT_DROPPED)
     return fr_err(FERRY_EPROTO, "refit message type %u", m.type);
   if (m.buffer > 1 || (m.flags & ~FR_REFIT_FLAGS) || m.status > 0)
     return fr_err(FERRY_EPROTO, "refit message: bad field");

@@ -15,6 +15,12 @@
  *   sender → receiver  COMMIT               version, how many buckets the push carried
  *   receiver → sender  COMMITTED            version, status
  *   receiver → sender  DETACH
+ *   sender → receiver  DROPPED              version: the receiver acknowledged nothing within that
+ *                                           push's timeout and is left out of pushes until it
+ *                                           attaches again (an ATTACH call on the same link)
+ *
+ * BUCKET also carries timeout_ms, the push's timeout: a receiver bounds its read with it, so a
+ * stalled chain predecessor costs its successor no more than the sender waits anyway.
  */
 #ifndef FR_REFIT_PROTO_H
 #define FR_REFIT_PROTO_H
@@ -32,6 +38,7 @@ enum fr_refit_msg {
   FR_REFIT_COMMITTED = 5,
   FR_REFIT_DETACH = 6,
   FR_REFIT_ROUTE = 7,
+  FR_REFIT_DROPPED = 8,
 };
 
 #define FR_REFIT_UNCHANGED 1u /* BUCKET: the receiver already has these bytes */
@@ -49,6 +56,7 @@ typedef struct fr_refit_msg_t {
   uint32_t flags;      /* BUCKET, ACK */
   int32_t status;      /* ACK, COMMITTED */
   uint32_t seq;        /* BUCKET, ACK: position in the push */
+  uint32_t timeout_ms; /* BUCKET: the push's timeout (0: the default) */
   uint64_t version;
   uint64_t bytes;    /* BUCKET: bytes in the bucket; COMMIT: buckets in the push */
   uint64_t checksum; /* BUCKET */

@@ -72,20 +72,37 @@ static bool bucket_selected(ferry_refit_sender *s, const ferry_refit_push_opts *
 
 static bool active(const receiver *r) { return r->in_push && r->status == 0 && !r->orphan; }
 
-/* Marks receivers that died or ran out of time, and every chain member behind a failed one. */
+/* r owes the sender an acknowledgement: a bucket announced and not yet acknowledged, or the
+ * COMMIT. Only then does its timeout run: a receiver that waits for a bucket the sender cannot
+ * pack yet (because another one stalls) is not at fault. */
+static bool owes(const receiver *r) {
+  return r->announced > r->acked || (r->commit_sent && !r->commit_seen);
+}
+
+/* Marks receivers that died or owed an acknowledgement for longer than the timeout, and every
+ * chain member behind a failed one. A chain member that timed out while its predecessor failed
+ * was reading from that predecessor: it is cut off (orphan), not failed, and gets the rest from
+ * the sender. */
 static void mark_failures(ferry_refit_sender *s, const fr_push *p) {
   uint64_t now = fr_now_ns();
   for (receiver *r = s->receivers; r; r = r->next) {
-    if (!r->in_push || r->status != 0 || (r->acked >= p->n && !r->orphan))
+    if (!r->in_push || r->status != 0 || (r->commit_seen && !r->orphan))
       continue;
     if (ferry_link_status(r->link) != 0)
       r->status = FERRY_EPEER;
-    else if (now - r->progress_ns >= (uint64_t)p->timeout_ms * 1000000ull)
+    else if (!r->orphan && owes(r) && now - r->progress_ns >= (uint64_t)p->timeout_ms * 1000000ull)
       r->status = FERRY_ETIMEDOUT;
   }
-  for (receiver *r = p->head; r && r->down; r = r->down)
-    if (r->status != 0 || r->orphan)
-      r->down->orphan = true;
+  for (receiver *r = p->head; r && r->down; r = r->down) {
+    if (r->status == 0 && !r->orphan)
+      continue;
+    receiver *d = r->down;
+    if (d->status == FERRY_ETIMEDOUT && !d->commit_sent && ferry_link_status(d->link) == 0) {
+      d->status = 0; /* it waited on r */
+      d->progress_ns = now;
+    }
+    d->orphan = true;
+  }
 }
 
 /* Seq j may go to r: its source holds it, and r's forwarding slot is free (its successor
@@ -106,6 +123,7 @@ static void announce_one(ferry_refit_sender *s, const fr_push *p, receiver *r, u
                       .version = p->version,
                       .bytes = fr_refit_bucket_len(&s->plan, b),
                       .checksum = p->sum[j],
+                      .timeout_ms = (uint32_t)p->timeout_ms,
                       .flags = p->unchanged[j] ? FR_REFIT_UNCHANGED : 0};
   if (r->up) {
     m.flags |= FR_REFIT_FROM_UP;
@@ -120,6 +138,8 @@ static void announce_one(ferry_refit_sender *s, const fr_push *p, receiver *r, u
     m.flags |= FR_REFIT_KEEP;
     m.buffer = j % 2;
   }
+  if (!owes(r))
+    r->progress_ns = fr_now_ns(); /* its clock starts now */
   int rc = fr_refit_send(r->link, &m, p->timeout_ms);
   if (rc != 0)
     r->status = rc;
@@ -194,6 +214,7 @@ static bool start_repair(ferry_refit_sender *s, fr_push *p) {
       r->orphan = false;
       r->up = r->down = NULL;
       r->announced = r->acked;
+      r->progress_ns = fr_now_ns();
       from = r->acked < from ? r->acked : from;
       any = true;
     }
@@ -211,7 +232,7 @@ static bool start_repair(ferry_refit_sender *s, fr_push *p) {
 /* ---- the chain ---- */
 
 static bool chained(const receiver *r, ferry_refit_route route) {
-  if (route == FERRY_REFIT_ROUTE_DIRECT || !r->address[0])
+  if (!r->in_push || route == FERRY_REFIT_ROUTE_DIRECT || !r->address[0])
     return false;
   return route == FERRY_REFIT_ROUTE_CHAIN || !r->shm;
 }
@@ -253,8 +274,10 @@ static size_t begin_push(ferry_refit_sender *s, fr_push *p, ferry_refit_route ro
   s->packed = 0;
   s->repairing = false;
   for (receiver *r = s->receivers; r; r = r->next) {
-    r->in_push = true;
-    r->orphan = r->commit_seen = false;
+    r->in_push = !r->dropped;
+    if (!r->in_push)
+      continue; /* it stalled in an earlier push and has not attached again */
+    r->orphan = r->commit_sent = r->commit_seen = false;
     r->up = r->down = NULL;
     r->announced = r->acked = 0;
     r->status = 0;
@@ -267,7 +290,7 @@ static size_t begin_push(ferry_refit_sender *s, fr_push *p, ferry_refit_route ro
   if (!p->share_pack) {
     p->share_pack = true;
     for (receiver *r = s->receivers; r; r = r->next)
-      p->share_pack &= !r->shm;
+      p->share_pack &= !r->in_push || !r->shm;
   }
   pthread_mutex_unlock(&s->lock);
   return n;
@@ -283,6 +306,7 @@ static void commit_all(ferry_refit_sender *s, fr_push *p) {
   for (receiver *r = s->receivers; r; r = r->next)
     if (r->in_push && r->status == 0) {
       r->progress_ns = fr_now_ns();
+      r->commit_sent = true;
       int rc = fr_refit_send(r->link, &c, p->timeout_ms);
       if (rc != 0)
         r->status = rc;
@@ -299,7 +323,21 @@ static void commit_all(ferry_refit_sender *s, fr_push *p) {
   pthread_mutex_unlock(&s->lock);
 }
 
-/* Records the push's outcome; names the failed receivers in the error and drops dead ones. */
+/* Tells a receiver that timed out that it is out of the push set until it attaches again. Sent
+ * with a short timeout: it stalls, and nothing here may wait for it. */
+static void drop(ferry_refit_sender *s, receiver *r, uint64_t version) {
+  r->dropped = true;
+  fr_refit_msg_t m = {.type = FR_REFIT_DROPPED, .version = version};
+  if (fr_refit_send(r->link, &m, 100) != 0)
+    fr_warn("refit '%s': cannot tell '%s' it was dropped: %s", s->name, r->peer,
+            ferry_last_error());
+  fr_warn("refit '%s': receiver '%s' acknowledged nothing in time; dropped until it attaches "
+          "again",
+          s->name, r->peer);
+}
+
+/* Records the push's outcome; names the receivers of this push that did not commit, frees dead
+ * ones and drops those that timed out (later pushes leave them out until they attach again). */
 static int finish_push(ferry_refit_sender *s, uint64_t version) {
   char failed[512] = "";
   size_t used = 0;
@@ -310,29 +348,36 @@ static int finish_push(ferry_refit_sender *s, uint64_t version) {
   s->current = NULL;
   for (receiver **pp = &s->receivers; *pp;) {
     receiver *r = *pp;
+    bool was_in = r->in_push;
     r->in_push = false;
-    if (r->status == 0 && r->commit_seen) {
+    if (was_in && r->status == 0 && r->commit_seen) {
       r->committed = version;
-    } else {
+    } else if (was_in) {
+      int st = r->status ? r->status : FERRY_EPROTO;
       if (!first)
-        first = r->status ? r->status : FERRY_EPROTO;
-      used += (size_t)snprintf(failed + used, sizeof failed - used, "%s'%s' (%s)", used ? ", " : "",
-                               r->peer, ferry_strerror(r->status ? r->status : FERRY_EPROTO));
+        first = st;
+      used +=
+          (size_t)snprintf(failed + used, sizeof failed - used, "%s'%s' (%s%s)", used ? ", " : "",
+                           r->peer, ferry_strerror(st), st == FERRY_ETIMEDOUT ? ", dropped" : "");
       if (used >= sizeof failed)
         used = sizeof failed - 1; /* the list is cut; the first failures are named */
     }
     if (ferry_link_status(r->link) != 0 || r->detached) {
       *pp = r->next;
       fr_refit_receiver_free(r);
-    } else {
-      pp = &r->next;
+      continue;
     }
+    if (was_in && r->status == FERRY_ETIMEDOUT)
+      drop(s, r, version);
+    pp = &r->next;
   }
   pthread_mutex_unlock(&s->lock);
   if (!first)
     return 0;
-  return fr_err(first, "refit '%s' version %llu: not committed by %s", s->name,
-                (unsigned long long)version, failed);
+  return fr_err(first,
+                "refit '%s' version %llu: not committed by %s; every other receiver "
+                "committed",
+                s->name, (unsigned long long)version, failed);
 }
 
 static int plan_push(ferry_refit_sender *s, fr_push *p, const ferry_refit_push_opts *o,

@@ -5,6 +5,8 @@
  * one memcpy, over tcp one read), verifies its checksum, puts each tensor's part where it is
  * bound, keeps it for its chain successor when asked, and commits a version only when every
  * bucket of it verified. In alias mode it reads nothing: views point into the sender's buffer.
+ * The bytes it holds are the committed version's only until a new version's first byte lands
+ * there; from then until that version commits they are torn, and committed()/wait() say so.
  */
 #include "refit/refit.h"
 
@@ -34,6 +36,8 @@ struct ferry_refit_receiver {
   pthread_mutex_t lock;      /* the versions below */
   pthread_cond_t cond;
   uint64_t committed, latest_known;
+  uint64_t torn_by;   /* 0, or the version whose bytes began landing over `committed` and did not
+                         complete: the bytes are then neither version (committed() says 0) */
   uint64_t receiving; /* version whose buckets are arriving */
   uint32_t verified;
   int failure;
@@ -53,11 +57,8 @@ static int binding_fits(const fr_refit_entry *e, const ferry_tensor_desc *desc);
 /* The sender re-sealed: take its new manifest, carry every binding that still fits over by
  * name, and fail (naming the tensor) for one that does not; that tensor stays unbound until the
  * engine binds it again. A flat buffer is laid out anew (views move: fetch them again). */
-static int refetch_manifest(ferry_refit_receiver *r) {
-  fr_refit_plan plan;
-  int rc = fetch_manifest(r, -1, &plan);
-  if (rc != 0)
-    return rc;
+static int install_manifest(ferry_refit_receiver *r, fr_refit_plan plan) {
+  int rc = 0;
   size_t n = plan.count ? plan.count : 1;
   void **bound = calloc(n, sizeof *bound);
   ferry_tensor_desc *descs = calloc(n, sizeof *descs);
@@ -78,6 +79,9 @@ static int refetch_manifest(ferry_refit_receiver *r) {
     }
   }
   if (r->flat) {
+    pthread_mutex_lock(&r->lock); /* the flat buffer starts empty: no version is in it */
+    r->torn_by = r->torn_by ? r->torn_by : r->committed + 1;
+    pthread_mutex_unlock(&r->lock);
     ferry_free(r->ctx, r->flat);
     r->flat = NULL;
     if (ferry_alloc(r->ctx, plan.total_bytes, (void **)&r->flat) != 0 && rc == 0)
@@ -105,6 +109,12 @@ static int refetch_manifest(ferry_refit_receiver *r) {
   fr_info("refit: manifest generation %u from '%s' (%u tensors)", plan.generation,
           ferry_link_peer(r->link), plan.count);
   return rc;
+}
+
+static int refetch_manifest(ferry_refit_receiver *r) {
+  fr_refit_plan plan;
+  int rc = fetch_manifest(r, -1, &plan);
+  return rc != 0 ? rc : install_manifest(r, plan);
 }
 
 /* Puts [lo, lo+len) of bucket b, held at src, where its tensors are bound. */
@@ -178,7 +188,8 @@ static int read_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, uint8_t
   for (uint64_t lo = 0; lo < m->bytes && rc == 0; lo += chunk) {
     uint64_t n = m->bytes - lo < chunk ? m->bytes - lo : chunk;
     uint8_t *at = whole ? land + lo : land;
-    rc = ferry_read(from, &m->src, m->src_offset + lo, at, n, -1);
+    rc = ferry_read(from, &m->src, m->src_offset + lo, at, n,
+                    m->timeout_ms ? (int)m->timeout_ms : -1);
     if (rc == 0) {
       fr_hash_update(h, at, n);
       if (scatter_it)
@@ -191,12 +202,23 @@ static int read_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, uint8_t
   return rc;
 }
 
+/* The bound bytes stop being the committed version: version's bytes begin landing (or, in alias
+ * mode, the sender began writing them in place). */
+static void tear(ferry_refit_receiver *r, uint64_t version) {
+  pthread_mutex_lock(&r->lock);
+  if (!r->torn_by)
+    r->torn_by = version;
+  pthread_mutex_unlock(&r->lock);
+}
+
 /* Reads, verifies and places bucket m; with KEEP, *kept says where a successor finds it. */
 static int fetch_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, ferry_region_ref *kept,
                         uint64_t *kept_off) {
   bool keep = m->flags & FR_REFIT_KEEP;
   if (r->alias && !keep)
     return 0; /* the bytes are already where the engine looks: the sender's buffer */
+  if (!r->alias)
+    tear(r, m->version); /* the first byte lands below; ahead of the checksum */
   uint8_t *land = NULL;
   bool whole;
   uint64_t sum = 0;
@@ -251,6 +273,8 @@ static void note_failure(ferry_refit_receiver *r, const fr_refit_msg_t *m, int r
 static void on_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
   if (m->version != r->receiving)
     new_version(r, m->version);
+  if (r->alias && !(m->flags & FR_REFIT_UNCHANGED))
+    tear(r, m->version); /* the sender wrote this bucket into the buffer the engine reads */
   fr_refit_msg_t ack = {.type = FR_REFIT_ACK,
                         .version = m->version,
                         .bucket = m->bucket,
@@ -300,18 +324,47 @@ static void on_commit(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
                : r->verified != m->bytes                  ? FERRY_EPROTO
                                                           : 0;
   pthread_mutex_lock(&r->lock);
-  if (status == 0)
+  if (status == 0) {
     r->committed = m->version;
+    r->torn_by = 0;
+  }
   if (m->version > r->latest_known)
     r->latest_known = m->version;
   pthread_cond_broadcast(&r->cond);
   pthread_mutex_unlock(&r->lock);
   if (status != 0)
-    fr_warn("refit: version %llu not committed (%s); keeping %llu", (unsigned long long)m->version,
-            ferry_strerror(status), (unsigned long long)r->committed);
+    fr_warn("refit: version %llu not committed (%s); %s %llu", (unsigned long long)m->version,
+            ferry_strerror(status), r->torn_by ? "bytes torn, no longer" : "keeping",
+            (unsigned long long)r->committed);
   r->receiving = 0;
   fr_refit_msg_t done = {.type = FR_REFIT_COMMITTED, .version = m->version, .status = status};
   fr_refit_send(r->link, &done, -1);
+}
+
+/* The sender dropped this receiver: it acknowledged nothing within a push's timeout (it was
+ * stopped, or too slow). Whatever of that version landed here stays torn; attach again (one call
+ * on the same link, which also brings a newer manifest) so that the next push includes it. */
+static void on_dropped(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
+  pthread_mutex_lock(&r->lock);
+  if (m->version > r->latest_known)
+    r->latest_known = m->version;
+  snprintf(r->why, sizeof r->why,
+           "the sender dropped this receiver from version %llu (it acknowledged nothing in time)",
+           (unsigned long long)m->version);
+  pthread_cond_broadcast(&r->cond);
+  pthread_mutex_unlock(&r->lock);
+  fr_warn("refit: %s; attaching again", r->why);
+  fr_refit_plan plan;
+  int rc = fetch_manifest(r, -1, &plan);
+  if (rc == 0 && plan.generation == r->plan.generation) {
+    fr_refit_plan_free(&plan);
+  } else if (rc == 0) {
+    pthread_mutex_lock(&r->bind_lock);
+    rc = install_manifest(r, plan);
+    pthread_mutex_unlock(&r->bind_lock);
+  }
+  if (rc != 0)
+    fr_warn("refit: cannot attach again: %s", ferry_last_error());
 }
 
 static void *service_main(void *arg) {
@@ -332,6 +385,8 @@ static void *service_main(void *arg) {
       on_commit(r, &m);
     else if (m.type == FR_REFIT_ROUTE)
       on_route(r, &m);
+    else if (m.type == FR_REFIT_DROPPED)
+      on_dropped(r, &m);
     ferry_msg_free(msg);
   }
   return NULL;
@@ -583,7 +638,7 @@ uint64_t ferry_refit_committed(ferry_refit_receiver *r) {
   if (!r)
     return 0;
   pthread_mutex_lock(&r->lock);
-  uint64_t v = r->committed;
+  uint64_t v = r->torn_by ? 0 : r->committed;
   pthread_mutex_unlock(&r->lock);
   return v;
 }
@@ -593,21 +648,42 @@ int ferry_refit_wait(ferry_refit_receiver *r, uint64_t version, int timeout_ms,
   if (!r)
     return fr_err(FERRY_EINVAL, "ferry_refit_wait: NULL receiver");
   uint64_t deadline = fr_deadline_ns(fr_timeout(timeout_ms));
-  struct timespec ts = fr_timespec(deadline);
   pthread_mutex_lock(&r->lock);
   uint64_t target = version ? version : (r->latest_known ? r->latest_known : 1);
-  while (r->committed < target)
-    if (pthread_cond_timedwait(&r->cond, &r->lock, &ts) != 0)
+  int gone = 0;
+  for (;;) {
+    if (!r->torn_by && r->committed >= target)
       break;
-  uint64_t now = r->committed;
+    if ((gone = ferry_link_status(r->link)) != 0)
+      break; /* no sender: nothing will land */
+    uint64_t now = fr_now_ns();
+    if (now >= deadline)
+      break;
+    /* wake at least every 100 ms to notice a dead sender */
+    uint64_t until = deadline - now > 100000000ull ? now + 100000000ull : deadline;
+    struct timespec ts = fr_timespec(until);
+    pthread_cond_timedwait(&r->cond, &r->lock, &ts);
+  }
+  uint64_t have = r->torn_by ? 0 : r->committed, torn_by = r->torn_by, last = r->committed;
   char why[sizeof r->why];
   snprintf(why, sizeof why, "%s", r->why);
   pthread_mutex_unlock(&r->lock);
   if (committed)
-    *committed = now;
-  if (now < target)
-    return fr_err(FERRY_ETIMEDOUT, "refit: version %llu not committed in time (have %llu)%s%s",
-                  (unsigned long long)target, (unsigned long long)now,
+    *committed = have;
+  if (have >= target && !torn_by)
+    return 0;
+  char state[160];
+  if (torn_by)
+    snprintf(state, sizeof state,
+             "the bytes are torn: version %llu began landing over %llu and did not complete",
+             (unsigned long long)torn_by, (unsigned long long)last);
+  else
+    snprintf(state, sizeof state, "have %llu", (unsigned long long)have);
+  if (gone)
+    return fr_err(FERRY_EPEER,
+                  "refit: version %llu not committed, the sender '%s' is gone (%s)%s%s",
+                  (unsigned long long)target, ferry_link_peer(r->link), state,
                   *why ? "; last failure: " : "", why);
-  return 0;
+  return fr_err(FERRY_ETIMEDOUT, "refit: version %llu not committed in time (%s)%s%s",
+                (unsigned long long)target, state, *why ? "; last failure: " : "", why);
 }

@@ -71,7 +71,12 @@ static void answer_attach(ferry_refit_sender *s, ferry_msg *m) {
   fr_refit_attach_head_encode(&rep, head);
   struct iovec iov[2] = {{head, sizeof head}, {s->manifest, s->sealed ? s->manifest_len : 0}};
   int rc = ferry_reply(m, iov, 2, -1);
-  if (rc == 0 && s->sealed && !find_receiver(s, m->link)) {
+  receiver *known = find_receiver(s, m->link);
+  if (rc == 0 && known && known->dropped) { /* back from a stall: in the next push again */
+    known->dropped = false;
+    fr_info("refit '%s': receiver '%s' attached again", s->name, known->peer);
+  }
+  if (rc == 0 && s->sealed && !known) {
     receiver *r = new_receiver(m);
     if (r) {
       r->next = s->receivers;
@@ -302,7 +307,7 @@ size_t ferry_refit_receivers(ferry_refit_sender *s) {
   size_t n = 0;
   pthread_mutex_lock(&s->lock);
   for (receiver *r = s->receivers; r; r = r->next)
-    n++;
+    n += !r->dropped;
   pthread_mutex_unlock(&s->lock);
   return n;
 }

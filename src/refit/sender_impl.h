@@ -16,6 +16,8 @@ typedef struct receiver {
   char *routed;       /* the predecessor address it was last told (ROUTE), or NULL */
   bool shm;           /* on this host */
   uint64_t committed; /* last version it committed */
+  bool dropped;       /* acknowledged nothing within a push's timeout: left out of pushes until it
+                         attaches again (its ATTACH call after our DROPPED notice) */
 
   /* the push under way (reset by begin_push) */
   bool in_push;
@@ -24,9 +26,11 @@ typedef struct receiver {
   struct receiver *down;   /* chain successor that reads from it */
   uint32_t announced;      /* buckets (by seq) announced to it */
   uint32_t acked;          /* buckets (by seq, a prefix) it verified */
-  uint64_t progress_ns;    /* when it last acknowledged something (or the push began) */
+  uint64_t progress_ns;    /* since when it owes an acknowledgement (it last acknowledged, or was
+                              given something while it owed nothing) */
   ferry_region_ref fwd[2]; /* where it keeps seq % 2 for its successor, from its ACK */
   uint64_t fwd_offset[2];
+  bool commit_sent;
   bool commit_seen;
   bool detached; /* said goodbye during the push; freed after it */
   int status;    /* first failure in the current push */
