@@ -106,17 +106,19 @@ static int read_file(cli_node *n, const char *path, void **out, uint64_t *len) {
   cli_progress_start(&bar, "read", (uint64_t)st.st_size);
   uint64_t done = 0;
   ssize_t r = 1;
+  int err = 0;
   while (done < (uint64_t)st.st_size && r != 0) {
     r = read(fd, (char *)mem + done, (size_t)st.st_size - done);
     if (r < 0 && errno == EINTR)
       continue;
-    if (r < 0)
+    if (r < 0) {
+      err = errno;
       break;
+    }
     done += (uint64_t)r;
     cli_progress_update(&bar, done, (uint64_t)st.st_size);
   }
   cli_progress_end(&bar);
-  int err = errno;
   close(fd);
   if (done != (uint64_t)st.st_size) {
     fprintf(stderr, "ferry put: reading '%s' failed: %s\n", path,
