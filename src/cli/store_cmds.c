@@ -7,6 +7,7 @@
  */
 #include "cli/args.h"
 #include "cli/cli.h"
+#include "cli/npy.h"
 #include "cli/store_io.h"
 #include "store/store.h"
 
@@ -76,13 +77,16 @@ static const char *fmt_bytes(uint64_t b, char *buf, size_t len) {
 
 static const char put_usage[] =
     "usage: ferry put KEY FILE [--dtype T --shape A,B,..] [--directory URL] [--json]\n\n"
-    "Stores FILE's bytes under KEY. A .npy file brings its dtype and shape; otherwise they\n"
-    "are --dtype (default uint8) and --shape (default: the whole file, one dimension).\n"
+    "Stores FILE's bytes under KEY. A .npy file (one that starts with \\x93NUMPY, whatever its\n"
+    "name) brings its dtype and shape, which must account for exactly its data; otherwise\n"
+    "they are --dtype (default uint8) and --shape (default: the whole file, one dimension).\n"
     "The bytes are held by a `ferry serve` node, so they outlive this command.\n"
     "On a terminal, files over 100 MB show a progress bar on stderr.\n" OPTIONS_HELP
     "                   (what was stored: {\"key\", \"dtype\", \"shape\", \"bytes\"})\n";
 
-/* Reads the whole file into ferry memory (one read, no staging buffer). */
+/* Reads the whole file into ferry memory (one read, no staging buffer): exactly the st_size
+ * bytes fstat saw, so nothing past them is ever stored. Only regular files: a pipe or a device
+ * has no size to reserve up front. */
 static int read_file(cli_node *n, const char *path, void **out, uint64_t *len) {
   int fd = open(path, O_RDONLY);
   struct stat st;
@@ -91,6 +95,11 @@ static int read_file(cli_node *n, const char *path, void **out, uint64_t *len) {
     if (fd >= 0)
       close(fd);
     return CLI_NOTFOUND;
+  }
+  if (!S_ISREG(st.st_mode)) {
+    fprintf(stderr, "ferry put: '%s' is not a regular file\n", path);
+    close(fd);
+    return CLI_USAGE;
   }
   void *mem = NULL;
   int rc = ferry_alloc(n->ctx, st.st_size ? (size_t)st.st_size : 1, &mem);
@@ -101,19 +110,24 @@ static int read_file(cli_node *n, const char *path, void **out, uint64_t *len) {
   cli_progress bar;
   cli_progress_start(&bar, "read", (uint64_t)st.st_size);
   uint64_t done = 0;
-  while (done < (uint64_t)st.st_size) {
-    ssize_t r = read(fd, (char *)mem + done, (size_t)st.st_size - done);
+  ssize_t r = 1;
+  int err = 0;
+  while (done < (uint64_t)st.st_size && r != 0) {
+    r = read(fd, (char *)mem + done, (size_t)st.st_size - done);
     if (r < 0 && errno == EINTR)
       continue;
-    if (r <= 0)
+    if (r < 0) {
+      err = errno;
       break;
+    }
     done += (uint64_t)r;
     cli_progress_update(&bar, done, (uint64_t)st.st_size);
   }
   cli_progress_end(&bar);
   close(fd);
   if (done != (uint64_t)st.st_size) {
-    fprintf(stderr, "ferry put: reading '%s' failed\n", path);
+    fprintf(stderr, "ferry put: reading '%s' failed: %s\n", path,
+            r < 0 ? strerror(err) : "the file shrank while being read");
     ferry_free(n->ctx, mem);
     return CLI_FAIL;
   }
@@ -122,13 +136,37 @@ static int read_file(cli_node *n, const char *path, void **out, uint64_t *len) {
   return 0;
 }
 
-/* Works out dtype and shape: from a .npy header, or the options, or "the whole file". */
-static int describe(const args *a, const uint8_t *data, uint64_t len, ferry_tensor_desc *d,
-                    size_t *skip) {
+/* A .npy file (by its content: the \x93NUMPY magic, whatever its name) brings dtype and shape,
+ * and they must describe exactly the bytes after its header. A broken .npy is a bad input file,
+ * exit 1; --dtype/--shape with a .npy, or options that do not fit a raw file, are a bad
+ * invocation, exit 2. */
+static int describe_npy(const args *a, const char *path, const uint8_t *data, uint64_t len,
+                        ferry_tensor_desc *d, size_t *skip) {
+  if (a->dtype || a->shape) {
+    fprintf(stderr,
+            "ferry put: '%s' is a .npy file (starts with \\x93NUMPY): its header gives dtype "
+            "and shape, so --dtype/--shape do not apply\n",
+            path);
+    return CLI_USAGE;
+  }
+  cli_npy npy;
+  if (cli_npy_parse(data, (size_t)len, &npy) != 0) {
+    fprintf(stderr, "ferry put: '%s': %s\n", path, ferry_last_error());
+    return CLI_FAIL;
+  }
+  *d = npy.desc;
+  *skip = npy.data_offset;
+  return 0;
+}
+
+/* Works out dtype and shape: from a .npy header, or the options, or "the whole file". On
+ * success d describes exactly the len - *skip bytes after *skip. */
+static int describe(const args *a, const char *path, const uint8_t *data, uint64_t len,
+                    ferry_tensor_desc *d, size_t *skip) {
   *skip = 0;
   memset(d, 0, sizeof *d);
-  if (!a->dtype && !a->shape && cli_npy_parse(data, (size_t)len, d, skip) == 0)
-    return 0;
+  if (cli_npy_magic(data, (size_t)len))
+    return describe_npy(a, path, data, len, d, skip);
   d->dtype = FERRY_DTYPE_U8;
   if (a->dtype && ferry_dtype_parse(a->dtype, &d->dtype) != 0) {
     fprintf(stderr, "ferry put: unknown dtype '%s'\n", a->dtype);
@@ -141,7 +179,7 @@ static int describe(const args *a, const uint8_t *data, uint64_t len, ferry_tens
     fprintf(stderr, "ferry put: bad shape '%s' (expected A,B,..)\n", a->shape);
     return CLI_USAGE;
   }
-  uint64_t need;
+  uint64_t need = 0;
   if (ferry_tensor_nbytes(d, &need) != 0 || need != len) {
     char s[160];
     fprintf(stderr, "ferry put: %s %s is %llu bytes but the file has %llu\n",
@@ -170,7 +208,7 @@ int cli_put(int argc, char **argv) {
   size_t skip = 0;
   ferry_tensor_desc d;
   if ((rc = read_file(&n, a.pos[1], &mem, &len)) == 0 &&
-      (rc = describe(&a, mem, len, &d, &skip)) == 0) {
+      (rc = describe(&a, a.pos[1], mem, len, &d, &skip)) == 0) {
     int st = ferry_store_put(n.store, a.pos[0], &d, (uint8_t *)mem + skip, 0, -1);
     rc = st ? cli_fail("put", st, a.pos[0]) : 0;
   }
@@ -196,22 +234,31 @@ static const char get_usage[] =
     "                   (with a FILE only: {\"key\", \"file\", \"dtype\", \"shape\", \"bytes\",\n"
     "                   \"owner\", \"generation\"} on stdout once the file is written)\n";
 
+/* The .npy header, when FILE is named *.npy, is made before FILE is created, so a dtype .npy
+ * has no name for leaves no file behind. */
 static int write_out(const char *path, const ferry_store_info *info, const void *data) {
   bool to_stdout = !path || strcmp(path, "-") == 0;
+  uint8_t header[512];
+  size_t hlen = 0;
+  if (!to_stdout && cli_has_suffix(path, ".npy") &&
+      cli_npy_header(&info->desc, header, sizeof header, &hlen) != 0) {
+    fprintf(stderr, "ferry get: cannot write '%s': %s\n", path, ferry_last_error());
+    return CLI_FAIL;
+  }
   FILE *f = to_stdout ? stdout : fopen(path, "wb");
   if (!f) {
     fprintf(stderr, "ferry get: cannot create '%s': %s\n", path, strerror(errno));
     return CLI_FAIL;
   }
-  int rc = !to_stdout && cli_has_suffix(path, ".npy") ? cli_npy_write_header(f, &info->desc) : 0;
-  if (rc == 0 && info->bytes && fwrite(data, 1, (size_t)info->bytes, f) != info->bytes)
-    rc = FERRY_ESYS;
+  bool ok = fwrite(header, 1, hlen, f) == hlen;
+  if (ok && info->bytes && fwrite(data, 1, (size_t)info->bytes, f) != info->bytes)
+    ok = false;
   if ((to_stdout ? fflush(f) : fclose(f)) != 0)
-    rc = FERRY_ESYS;
-  if (rc != 0)
+    ok = false;
+  if (!ok)
     fprintf(stderr, "ferry get: writing %s failed: %s\n", to_stdout ? "stdout" : path,
-            rc == FERRY_EDTYPE ? "no .npy type for this dtype" : strerror(errno));
-  return rc ? CLI_FAIL : CLI_OK;
+            strerror(errno));
+  return ok ? CLI_OK : CLI_FAIL;
 }
 
 int cli_get(int argc, char **argv) {

@@ -1,7 +1,7 @@
 /*
- * Helpers of the store commands (store_io.h): the terminal progress bar, .npy headers and the
- * short-lived node every store command opens (a context plus a store that hands its puts to a
- * holder, `ferry serve`, so they outlive the command).
+ * Helpers of the store commands (store_io.h): the terminal progress bar and the short-lived
+ * node every store command opens (a context plus a store that hands its puts to a holder,
+ * `ferry serve`, so they outlive the command). The .npy format lives in npy.c.
  */
 #include "cli/store_io.h"
 #include "cli/cli.h"
@@ -42,95 +42,6 @@ void cli_progress_end(cli_progress *p) {
 bool cli_has_suffix(const char *s, const char *suffix) {
   size_t n = strlen(s), m = strlen(suffix);
   return n >= m && strcmp(s + n - m, suffix) == 0;
-}
-
-/* ---- .npy ---- */
-
-static const struct {
-  const char *descr;
-  ferry_dtype dtype;
-} npy_types[] = {
-    {"|b1", FERRY_DTYPE_BOOL}, {"|u1", FERRY_DTYPE_U8},  {"<u2", FERRY_DTYPE_U16},
-    {"<u4", FERRY_DTYPE_U32},  {"<u8", FERRY_DTYPE_U64}, {"|i1", FERRY_DTYPE_I8},
-    {"<i2", FERRY_DTYPE_I16},  {"<i4", FERRY_DTYPE_I32}, {"<i8", FERRY_DTYPE_I64},
-    {"<f2", FERRY_DTYPE_F16},  {"<f4", FERRY_DTYPE_F32}, {"<f8", FERRY_DTYPE_F64},
-};
-
-static int npy_shape(const char *header, ferry_tensor_desc *desc) {
-  const char *p = strstr(header, "'shape':");
-  const char *open = p ? strchr(p, '(') : NULL;
-  const char *close = open ? strchr(open, ')') : NULL;
-  if (!close)
-    return FERRY_EPROTO;
-  desc->ndim = 0;
-  for (const char *q = open + 1; q < close;) {
-    while (q < close && (*q == ' ' || *q == ','))
-      q++;
-    if (q >= close)
-      break;
-    char *end;
-    unsigned long long v = strtoull(q, &end, 10);
-    if (end == q || desc->ndim == FERRY_MAX_DIMS)
-      return FERRY_EPROTO;
-    desc->shape[desc->ndim++] = v;
-    q = end;
-  }
-  return 0;
-}
-
-int cli_npy_parse(const uint8_t *buf, size_t len, ferry_tensor_desc *desc, size_t *data_offset) {
-  if (len < 10 || memcmp(buf, "\x93NUMPY", 6) != 0)
-    return FERRY_EPROTO;
-  size_t hlen = buf[6] == 1 ? (size_t)(buf[8] | buf[9] << 8) : 0;
-  size_t start = 10;
-  if (buf[6] >= 2 && len >= 12) {
-    hlen = (size_t)buf[8] | (size_t)buf[9] << 8 | (size_t)buf[10] << 16 | (size_t)buf[11] << 24;
-    start = 12;
-  }
-  if (hlen == 0 || hlen > 65536 || start + hlen > len)
-    return FERRY_EPROTO;
-  char header[65537];
-  memcpy(header, buf + start, hlen);
-  header[hlen] = '\0';
-  if (strstr(header, "'fortran_order': True"))
-    return FERRY_EPROTO;
-  desc->dtype = FERRY_DTYPE_INVALID;
-  for (size_t i = 0; i < sizeof npy_types / sizeof npy_types[0]; i++)
-    if (strstr(header, npy_types[i].descr))
-      desc->dtype = npy_types[i].dtype;
-  if (desc->dtype == FERRY_DTYPE_INVALID || npy_shape(header, desc) != 0)
-    return FERRY_EPROTO;
-  *data_offset = start + hlen;
-  return 0;
-}
-
-int cli_npy_write_header(FILE *f, const ferry_tensor_desc *desc) {
-  const char *descr = NULL;
-  for (size_t i = 0; i < sizeof npy_types / sizeof npy_types[0]; i++)
-    if (npy_types[i].dtype == desc->dtype)
-      descr = npy_types[i].descr;
-  if (!descr)
-    return FERRY_EDTYPE;
-  char shape[256] = "";
-  size_t n = 0;
-  for (uint32_t i = 0; i < desc->ndim; i++)
-    n += (size_t)snprintf(shape + n, sizeof shape - n, "%llu,%s",
-                          (unsigned long long)desc->shape[i], desc->ndim > 1 ? " " : "");
-  if (desc->ndim > 1 && n >= 2)
-    shape[n - 2] = '\0';
-  char header[512];
-  int len = snprintf(header, sizeof header,
-                     "{'descr': '%s', 'fortran_order': False, 'shape': (%s), }", descr, shape);
-  int total = 10 + len + 1;
-  int pad = (64 - total % 64) % 64;
-  uint16_t hlen = (uint16_t)(len + pad + 1);
-  uint8_t pre[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, (uint8_t)hlen, (uint8_t)(hlen >> 8)};
-  fwrite(pre, 1, sizeof pre, f);
-  fwrite(header, 1, (size_t)len, f);
-  for (int i = 0; i < pad; i++)
-    fputc(' ', f);
-  fputc('\n', f);
-  return ferror(f) ? FERRY_ESYS : 0;
 }
 
 /* ---- the short-lived node ---- */

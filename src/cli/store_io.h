@@ -1,7 +1,6 @@
 /*
- * File plumbing for the store commands: a progress bar for big transfers on a terminal, .npy
- * headers (so `ferry put k x.npy` knows dtype and shape, and `ferry get k y.npy` writes one),
- * and the common options every store command takes.
+ * File plumbing for the store commands: a progress bar for big transfers on a terminal and the
+ * short-lived node every store command opens. (.npy files: npy.h.)
  */
 #ifndef FR_CLI_STORE_IO_H
 #define FR_CLI_STORE_IO_H
@@ -25,11 +24,6 @@ void cli_progress_start(cli_progress *p, const char *what, uint64_t total);
 void cli_progress_update(void *p, uint64_t done, uint64_t total);
 void cli_progress_end(cli_progress *p);
 
-/* Parses a .npy header at the start of buf (len bytes): dtype, shape and where data begins.
- * FERRY_EPROTO when it is not a .npy file ferry can read (C order, little-endian, known dtype). */
-int cli_npy_parse(const uint8_t *buf, size_t len, ferry_tensor_desc *desc, size_t *data_offset);
-/* Writes a .npy v1 header for desc. */
-int cli_npy_write_header(FILE *f, const ferry_tensor_desc *desc);
 bool cli_has_suffix(const char *s, const char *suffix);
 
 /* A short-lived node that talks to the fleet's directory: ctx + delegating store. */
