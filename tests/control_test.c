@@ -12,6 +12,7 @@
 #include "control/cell.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -295,6 +296,73 @@ static void test_layout_and_mode(void **state) {
   assert_non_null(strstr(ferry_last_error(), "live engine"));
   ferry_ctl_cell_close(cell);
   assert_int_equal(stat(path, &st), -1);
+}
+
+/* A process of the user writes the cell the way a hostile rank or a stray writer would: a failure
+ * record whose error is no ferry status, a state byte outside the enum, and a header whose
+ * layout words point past the file. The controller that has the cell open goes on with the
+ * layout it checked when it opened it and reports a ferry status; a new open refuses the
+ * header with FERRY_EPROTO. (The old controller returned the rank's raw word, INT_MIN here, as
+ * its status.) */
+static void test_hostile_cell(void **state) {
+  ferry_ctl_cell *cell = NULL;
+  FR_OK(ferry_ctl_cell_create(name, 2, NULL, &cell));
+  ferry_ctl *c = NULL;
+  FR_OK(ferry_ctl_open(name, &c));
+  ferry_ctl_rank *r0 = NULL, *r1 = NULL;
+  FR_OK(ferry_ctl_rank_open(name, 0, NULL, &r0));
+  FR_OK(ferry_ctl_rank_open(name, 1, NULL, &r1));
+  char path[256];
+  snprintf(path, sizeof path, "%s/ferry-ctl-%s", dir, name);
+  int fd = open(path, O_RDWR | O_CLOEXEC);
+  assert_true(fd >= 0);
+  uint8_t *file =
+      mmap(NULL, FR_CTL_HEADER_BYTES + FR_CTL_PAGE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  assert_true(file != MAP_FAILED);
+  fr_ctl_header *hdr = (fr_ctl_header *)file;
+  fr_ctl_line *line1 = (fr_ctl_line *)(file + FR_CTL_HEADER_BYTES + FR_CTL_LINE);
+
+  /* the lines say how the next command (seq 1) ended before it is issued: rank 0 cleared,
+   * rank 1 failed it with INT_MIN and a message with no NUL */
+  fr_ctl_line *line0 = (fr_ctl_line *)(file + FR_CTL_HEADER_BYTES);
+  memset((void *)line1->message, 'x', sizeof line1->message);
+  atomic_store(&line1->error, INT32_MIN);
+  atomic_store(&line1->fail_seq, 1);
+  atomic_store(&line1->ack, fr_ctl_word(1, FERRY_CTL_FAILED));
+  atomic_store(&line0->ack, fr_ctl_word(1, FERRY_CTL_CLEARED));
+  int rc = ferry_ctl_request(c, FERRY_CTL_CLEAR, 5000);
+  assert_int_equal(rc, FERRY_EPEER);
+  assert_non_null(strstr(ferry_last_error(), "rank 1 failed"));
+  ferry_ctl_rank_status rs = {.size = sizeof rs};
+  FR_OK(ferry_ctl_rank_status_get(c, 1, &rs));
+  assert_int_equal(rs.error, FERRY_EPEER);
+  assert_int_equal(strlen(rs.message), FERRY_CTL_MESSAGE_MAX - 1);
+
+  /* a state byte outside the enum: counted as none of the states, nothing indexed by it */
+  atomic_store(&line1->ack, fr_ctl_word(1, 0xff));
+  ferry_ctl_status st = get_status(c);
+  assert_false(st.agreed);
+
+  /* the header's layout rewritten under an open controller: it keeps the layout it checked */
+  hdr->nranks = 1u << 30;
+  hdr->lines_offset = 0xfffff000u;
+  hdr->file_size = 0xffffffffu;
+  st = get_status(c);
+  assert_int_equal(st.nranks, 2);
+  FR_OK(ferry_ctl_rank_status_get(c, 1, &rs));
+  assert_int_equal(ferry_ctl_rank_status_get(c, 2, &rs), FERRY_ERANGE);
+  ferry_ctl *c2 = (ferry_ctl *)0x1;
+  assert_int_equal(ferry_ctl_open(name, &c2), FERRY_EPROTO);
+  assert_non_null(strstr(ferry_last_error(), "corrupt header"));
+  ferry_ctl_rank *r2 = NULL;
+  assert_int_equal(ferry_ctl_rank_open(name, 1, NULL, &r2), FERRY_EPROTO);
+
+  munmap(file, FR_CTL_HEADER_BYTES + FR_CTL_PAGE);
+  close(fd);
+  ferry_ctl_rank_close(r0);
+  ferry_ctl_rank_close(r1);
+  ferry_ctl_close(c);
+  ferry_ctl_cell_close(cell);
 }
 
 /* Single-threaded rank API: a request with timeout 0 issues and returns at once. */
@@ -893,6 +961,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_pid_start_time),
       cmocka_unit_test_setup_teardown(test_layout_and_mode, setup, teardown),
       cmocka_unit_test_setup_teardown(test_rank_api, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_hostile_cell, setup, teardown),
       cmocka_unit_test_setup_teardown(test_lagging_rank_sees_latest, setup, teardown),
       cmocka_unit_test_setup_teardown(test_first_command_while_rank_attaching, setup, teardown),
       cmocka_unit_test_setup_teardown(test_rank_cannot_write_command, setup, teardown),

@@ -18,6 +18,8 @@
 #include <netinet/tcp.h>
 #include <string.h>
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <limits.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -479,6 +481,126 @@ static void test_shm_ring_corrupt(void **s) {
   ferry_log_set_callback(NULL, NULL);
   (void)s;
 }
+
+/* ---- a peer that shrinks, or never sealed, the memfd it lets us map ---- */
+
+/* Truncates every memfd of this process named `name` to 4096 bytes, through /proc/self/fd (the
+ * region's owner keeps its memfd open) or /proc/self/map_files (a ring segment's fd is closed
+ * once mapped; opening those needs CAP_SYS_ADMIN, so that half is skipped without it). Returns
+ * how many it tried; *shrunk: how many truncations the kernel allowed. */
+static int shrink_memfds(const char *name, bool via_maps, int *shrunk) {
+  int tried = 0;
+  *shrunk = 0;
+  char path[PATH_MAX], target[PATH_MAX];
+  if (!via_maps) {
+    for (int fd = 0; fd < 1024; fd++) {
+      snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+      ssize_t n = readlink(path, target, sizeof target - 1);
+      if (n <= 0)
+        continue;
+      target[n] = '\0';
+      if (!strstr(target, name))
+        continue;
+      tried++;
+      *shrunk += ftruncate(fd, 4096) == 0;
+    }
+    return tried;
+  }
+  FILE *f = fopen("/proc/self/maps", "r");
+  assert_non_null(f);
+  char line[512];
+  while (fgets(line, sizeof line, f)) {
+    unsigned long lo, hi;
+    if (!strstr(line, name) || sscanf(line, "%lx-%lx", &lo, &hi) != 2)
+      continue;
+    snprintf(path, sizeof path, "/proc/self/map_files/%lx-%lx", lo, hi);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0)
+      continue;
+    tried++;
+    *shrunk += ftruncate(fd, 4096) == 0;
+    close(fd);
+  }
+  fclose(f);
+  return tried;
+}
+
+/* A region's owner, or a ring's maker, truncated its memfd under a peer that mapped it: the
+ * peer's next copy raised SIGBUS (the old code let any holder shrink it). Our memfds are sealed
+ * now, so the truncation is refused and the peer reads on. */
+static void test_shm_memfd_shrink(void **s) {
+  pair p;
+  pair_open(&p, "shm");
+  ferry_link *ba = exchange(&p);
+  size_t n = 1 << 20;
+  uint8_t *mem = NULL;
+  FR_OK(ferry_alloc(p.b, n, (void **)&mem));
+  memset(mem, 0x5a, n);
+  ferry_region_ref ref;
+  FR_OK(ferry_region_find(p.b, mem, n, &ref, NULL));
+  uint8_t *dst = malloc(n);
+  FR_OK(ferry_read(p.ab, &ref, 0, dst, n, 5000)); /* a maps b's region */
+  int shrunk = 0;
+  assert_true(shrink_memfds("memfd:ferry-region", false, &shrunk) > 0);
+  memset(dst, 0, n);
+  /* past the 4096 bytes it would have: SIGBUS had the truncation been allowed */
+  FR_OK(ferry_read(p.ab, &ref, n - 4096, dst, 4096, 5000));
+  assert_int_equal(dst[4095], 0x5a);
+  assert_int_equal(shrunk, 0);
+  int rings = shrink_memfds("memfd:ferry-ring", true, &shrunk);
+  if (rings == 0)
+    fprintf(stderr, "test_shm_memfd_shrink: /proc/self/map_files needs CAP_SYS_ADMIN; "
+                    "ring segments not tried\n");
+  assert_int_equal(shrunk, 0);
+  char big[60000];
+  memset(big, 7, sizeof big);
+  struct iovec v = {big, sizeof big};
+  FR_OK(ferry_send(p.ab, 3, &v, 1, 1000));
+  ferry_msg *m = NULL;
+  FR_OK(ferry_recv(p.b, 3, &m, 5000));
+  assert_int_equal(m->len, sizeof big);
+  ferry_msg_free(m);
+  free(dst);
+  FR_OK(ferry_free(p.b, mem));
+  fr_link_unref(ba);
+  pair_close(&p);
+  (void)s;
+}
+
+/* What a hostile owner could hand over instead: an unsealed memfd, a sealed one shorter than it
+ * claims, a claim near 2^64, something that is no memfd. Each is refused before it is mapped. */
+static void test_shm_segment_check(void **s) {
+  int fd = memfd_create("hostile", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  assert_true(fd >= 0);
+  assert_int_equal(ftruncate(fd, 1 << 16), 0);
+  assert_int_equal(fr_shm_segment_check(fd, 1 << 16, "test"), FERRY_EPROTO); /* unsealed */
+  assert_non_null(strstr(ferry_last_error(), "sealed"));
+  void *map = NULL;
+  size_t len = 0;
+  uint64_t bytes = 0;
+  /* a well-formed ring segment header in an unsealed memfd: refused as well */
+  fr_ring_hdr h = {.magic = FR_RING_MAGIC, .layout_version = FR_RING_LAYOUT_VERSION, .size = 4096};
+  assert_int_equal(pwrite(fd, &h, sizeof h, 0), (ssize_t)sizeof h);
+  assert_int_equal(pwrite(fd, &h, sizeof h, 4096 + 4096), (ssize_t)sizeof h);
+  assert_int_equal(fr_ring_segment_map(fd, &map, &len, &bytes), FERRY_EPROTO);
+  FR_OK(fr_shm_seal(fd, "test"));
+  FR_OK(fr_ring_segment_map(fd, &map, &len, &bytes)); /* sealed: taken */
+  assert_int_equal(bytes, 4096);
+  munmap(map, len);
+  FR_OK(fr_shm_segment_check(fd, 1 << 16, "test"));
+  assert_int_equal(fr_shm_segment_check(fd, (1 << 16) + 1, "test"), FERRY_EPROTO);
+  assert_non_null(strstr(ferry_last_error(), "claims"));
+  assert_int_equal(fr_shm_segment_check(fd, UINT64_MAX, "test"), FERRY_EPROTO);
+  assert_int_equal(ftruncate(fd, 4096), -1); /* the seal holds */
+  close(fd);
+  int pipefd[2];
+  assert_int_equal(pipe(pipefd), 0);
+  assert_int_equal(fr_shm_segment_check(pipefd[0], 1, "test"), FERRY_EPROTO);
+  close(pipefd[0]);
+  close(pipefd[1]);
+  (void)s;
+}
+
 static void test_rma_tcp_shared(void **s) { one_sided("tcp", true); }
 static void test_rma_tcp_registered(void **s) { one_sided("tcp", false); }
 
@@ -901,6 +1023,8 @@ int main(void) {
       cmocka_unit_test(test_rma_shm_registered),
       cmocka_unit_test(test_shm_small_ring),
       cmocka_unit_test(test_shm_ring_corrupt),
+      cmocka_unit_test(test_shm_memfd_shrink),
+      cmocka_unit_test(test_shm_segment_check),
       cmocka_unit_test(test_rma_tcp_shared),
       cmocka_unit_test(test_rma_tcp_registered),
       cmocka_unit_test(test_token_shm),

@@ -63,6 +63,10 @@ static uint32_t file_size_for(uint32_t nranks) {
   return FR_CTL_HEADER_BYTES + (lines + FR_CTL_PAGE - 1) / FR_CTL_PAGE * FR_CTL_PAGE;
 }
 
+int fr_ctl_rank_error(int32_t raw) {
+  return raw < 0 && strcmp(ferry_status_name(raw), "FERRY_E?") != 0 ? raw : FERRY_EPEER;
+}
+
 int fr_ctl_header_check(const fr_ctl_header *hdr, uint64_t file_size, const char *name) {
   if (file_size < sizeof *hdr || hdr->magic != FR_CTL_MAGIC)
     return fr_err(FERRY_EPROTO, "'%s' is not a ferry control cell", name);

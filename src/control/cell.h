@@ -9,6 +9,20 @@
  * Controllers map page 0 writable and the rank lines read-only; ranks map page 0 read-only and
  * the rank lines writable. So a rank cannot write the command word even by mistake: the
  * read-broadcast-writeback bug this design replaces is impossible, not merely avoided.
+ *
+ * Trust: the file is 0600, but any process of the user can open it and write any byte at any
+ * time, so nothing in it is used as an index or a size unchecked:
+ * - the header's layout (nranks, lines_offset, line_size, file_size) is read once with pread,
+ *   checked (fr_ctl_header_check, fuzzed by fuzz/control_fuzz.c) and kept in fr_ctl_map; the
+ *   mapping's sizes and every rank loop use that copy, never the mapped header again;
+ * - the command word and ack words are read once into a local and only split into seq and a
+ *   state masked to its bits (a state outside the enum counts as none of them);
+ * - outcome slots are indexed by our seq modulo FR_CTL_OUTCOMES, never by a value read;
+ * - a rank's failure record is copied word by word, its message NUL-terminated here, its error
+ *   mapped to a ferry status (fr_ctl_rank_error);
+ * - engine_pid/owner words only name a process to test for liveness.
+ * What remains: a process that truncates the file makes the next touch of a mapped page raise
+ * SIGBUS (a regular file cannot be sealed as a memfd can); only the user's own processes can.
  */
 #ifndef FR_CONTROL_CELL_H
 #define FR_CONTROL_CELL_H
@@ -144,6 +158,10 @@ void fr_ctl_map_close(fr_ctl_map *map);
 int fr_ctl_map_current(const fr_ctl_map *map);
 /* FERRY_ESTALE when the cell's engine is dead. */
 int fr_ctl_engine_check(const fr_ctl_map *map);
+/* A rank line's error word as the status a controller reports: the rank's own when it is a
+ * ferry status, else FERRY_EPEER (a rank, or any process of the user, may write any value). */
+int fr_ctl_rank_error(int32_t raw);
+
 /* Layout checks of a header read from a file of `file_size` bytes. */
 int fr_ctl_header_check(const fr_ctl_header *hdr, uint64_t file_size, const char *name);
 

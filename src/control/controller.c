@@ -279,10 +279,11 @@ static int failure_error(const ferry_ctl *ctl, uint64_t word) {
     read_failure(&ctl->map.lines[i], &f);
     if (f.seq != fr_ctl_cmd_seq(word))
       continue;
-    text_add(&t, "%srank %u failed: %s (%s)", first ? "; " : "", i, ferry_status_name(f.error),
+    int err = fr_ctl_rank_error(f.error); /* the rank may have written any value */
+    text_add(&t, "%srank %u failed: %s (%s)", first ? "; " : "", i, ferry_status_name(err),
              f.message);
     if (!first)
-      first = f.error < 0 ? f.error : FERRY_EPEER;
+      first = err;
   }
   if (!first) /* the records were overwritten by later failures: say what is known */
     return fr_err(FERRY_EPEER, CMD_FMT ": some ranks failed (details overwritten since)",
@@ -440,8 +441,8 @@ int ferry_ctl_status_get(ferry_ctl *ctl, ferry_ctl_status *out) {
   const fr_ctl_header *h = ctl->map.hdr;
   ferry_ctl_status st = {
       .size = out->size,
-      .incarnation = h->incarnation,
-      .nranks = h->nranks,
+      .incarnation = ctl->map.incarnation, /* as checked at open: the file may say otherwise */
+      .nranks = ctl->map.nranks,
       .engine_pid = h->engine_pid,
       .engine_alive = fr_ctl_pid_alive(h->engine_pid, h->engine_start),
       .seq = fr_ctl_cmd_seq(cs.word),
@@ -473,7 +474,7 @@ int ferry_ctl_rank_status_get(ferry_ctl *ctl, uint32_t rank, ferry_ctl_rank_stat
       .seq = fr_ctl_seq(ack),
       .state = (ferry_ctl_state)fr_ctl_low(ack),
       .fail_seq = f.seq,
-      .error = f.error,
+      .error = f.seq ? fr_ctl_rank_error(f.error) : 0,
   };
   memcpy(st.message, f.message, sizeof st.message);
   memcpy(out, &st, out->size < sizeof st ? out->size : sizeof st);

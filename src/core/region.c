@@ -72,7 +72,7 @@ static uint64_t memory_available(void) {
 
 /* A memfd of map_bytes, reserved and mapped. */
 static int memfd_map(size_t map_bytes, int *fd_out, void **map_out) {
-  int fd = memfd_create("ferry-region", MFD_CLOEXEC);
+  int fd = memfd_create("ferry-region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0)
     return fr_err_errno(FERRY_ESYS, "ferry_alloc: memfd_create");
   fchmod(fd, 0600);
@@ -84,6 +84,12 @@ static int memfd_map(size_t map_bytes, int *fd_out, void **map_out) {
     errno = rc;
     return fr_err_errno(FERRY_ENOSHM, "ferry_alloc: cannot reserve %zu bytes of shared memory",
                         map_bytes - FR_SHM_HEADER_BYTES);
+  }
+  /* peers map it only sealed (transport/ring.h, fr_shm_segment_check): a memfd that could
+   * shrink would let whoever holds it raise SIGBUS in every process that maps it */
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    close(fd);
+    return fr_err_errno(FERRY_ESYS, "ferry_alloc: cannot seal the region's memfd");
   }
   void *map = mmap(NULL, map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (map == MAP_FAILED) {

@@ -23,6 +23,11 @@
 /* CLOSED: freed because its owner's ctx closed (the owner is gone, not just the region). */
 enum { FR_SHM_ALIVE = 1, FR_SHM_FREED = 2, FR_SHM_CLOSED = 3 };
 
+/* Trust: every peer that maps the region can write this page. Peers only compare its words
+ * (magic, version, id, size when they map it; state with FR_SHM_ALIVE at each access): the size
+ * they bound accesses by is the one the owner sent in its MAP response, checked against the
+ * memfd itself, which the owner sealed against shrinking (transport/shm.c map_segment). The
+ * owner never reads the header back. */
 typedef struct fr_shm_header {
   uint64_t magic;
   uint32_t layout_version;

@@ -198,7 +198,13 @@ struct ferry_mq {
   size_t ndirty, capdirty;
   uint64_t batch_since_ns; /* when the oldest pending message was published; 0: none (atomic) */
 
-  /* the pool: one ferry_alloc'd region that large payloads are copied into once */
+  /* the pool: one ferry_alloc'd region that large payloads are copied into once. Trust: it
+   * holds payload bytes only, no metadata; a subscriber learns a message's place from the SHM
+   * frame (copied out of the link's ring, then decoded by fr_mq_decode), reads it through
+   * ferry_view (bounds-checked against the region as mapped, transport/shm.c) and returns its
+   * token in a CREDIT frame, which the publisher honours only for blocks that subscriber
+   * holds (fr_mq_on_credit in recv.c). A subscriber that writes into the pool corrupts payloads, no
+   * more. */
   uint8_t *pool;
   ferry_region_ref pool_ref;
   uint64_t pool_bytes;

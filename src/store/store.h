@@ -35,6 +35,15 @@ uint64_t fr_pool_largest(const fr_pool *p);
 /* ---- the store ---- */
 #define FR_STORE_NO_POOL UINT64_MAX
 #define FR_STORE_SLOT_BYTES 16 /* generation word, then the pin count of views */
+/* Trust: the pool (object bytes, and these slot words) is a ferry_alloc'd region that same-host
+ * readers map read-write, so a peer can write any of it. Neither word is an index or a size:
+ * - the generation word (written by the owner) is only compared with a record's generation by
+ *   readers, and by the owner with 0;
+ * - the pin count (viewers add and drop pins) is only compared with 0 by the owner: a peer
+ *   that forges it holds an object's old bytes until the re-put's deadline (wait_unpinned in
+ *   put.c abandons it then), never longer, and never makes the owner read out of the pool.
+ * Where an object lies (offset, bytes) comes from the directory record, and every read of it
+ * is bounds-checked by the transport against the region's size (transport/shm.c). */
 /* The generation word of a retired object: 0 while its bytes stay as they were (views that pin
  * it remain valid), FR_STORE_GEN_ABANDONED once they may change under a view. */
 #define FR_STORE_GEN_ABANDONED UINT64_MAX

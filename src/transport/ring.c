@@ -8,10 +8,12 @@
 #include "core/core.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <linux/futex.h>
 #include <sched.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -21,14 +23,39 @@
 /* What TSan takes for the head store/load pair (core.h): one object for every ring. */
 static char ring_channel;
 
+int fr_shm_segment_check(int fd, uint64_t bytes, const char *what) {
+  int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || !(seals & F_SEAL_SHRINK))
+    return fr_err(FERRY_EPROTO, "%s: the peer's memory is not a memfd sealed against shrinking",
+                  what);
+  struct stat st;
+  if (fstat(fd, &st) != 0)
+    return fr_err_errno(FERRY_EPROTO, "%s: cannot stat the peer's memory", what);
+  if (st.st_size < 0 || (uint64_t)st.st_size < bytes)
+    return fr_err(FERRY_EPROTO, "%s: the peer's memory holds %lld bytes, it claims %llu", what,
+                  (long long)st.st_size, (unsigned long long)bytes);
+  return 0;
+}
+
+int fr_shm_seal(int fd, const char *what) {
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)
+    return fr_err_errno(FERRY_ESYS, "%s: cannot seal its memfd", what);
+  return 0;
+}
+
 int fr_ring_segment_create(uint64_t ring_bytes, int *fd_out, void **map_out, size_t *len_out) {
   size_t len = 2 * (HDR_BYTES + (size_t)ring_bytes);
-  int fd = memfd_create("ferry-ring", MFD_CLOEXEC);
+  int fd = memfd_create("ferry-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0)
     return fr_err_errno(FERRY_ESYS, "shm ring: memfd_create");
   if (ftruncate(fd, (off_t)len) != 0) {
     close(fd);
     return fr_err_errno(FERRY_ENOSHM, "shm ring: %zu bytes", len);
+  }
+  int rc = fr_shm_seal(fd, "shm ring"); /* the peer maps it only sealed */
+  if (rc != 0) {
+    close(fd);
+    return rc;
   }
   void *map = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (map == MAP_FAILED) {
@@ -57,10 +84,9 @@ int fr_ring_segment_map(int fd, void **map_out, size_t *len_out, uint64_t *ring_
       size < 4096 || size > (1ull << 30) || (size & (size - 1)))
     return fr_err(FERRY_EPROTO, "shm ring: foreign or corrupt segment header");
   size_t len = 2 * (HDR_BYTES + (size_t)size);
-  off_t real = lseek(fd, 0, SEEK_END);
-  if (real < (off_t)len)
-    return fr_err(FERRY_EPROTO, "shm ring: segment of %lld bytes, expected %zu", (long long)real,
-                  len);
+  int rc = fr_shm_segment_check(fd, len, "shm ring");
+  if (rc != 0)
+    return rc;
   void *map = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (map == MAP_FAILED)
     return fr_err_errno(FERRY_ESYS, "shm ring: mmap");

@@ -52,6 +52,20 @@ typedef struct fr_ring {
   uint64_t seen; /* the peer's position that failed the check (for the error message) */
 } fr_ring;
 
+/*
+ * A peer's memfd (a ring segment, a region) is mapped only when the kernel promises that it stays
+ * as large as we map it: sealed against shrinking (F_SEAL_SHRINK), with at least `bytes`. A
+ * mapping past the end of its file raises SIGBUS on the first touch, and an unsealed memfd can
+ * be truncated by its owner at any moment after we checked its size, so a size read from the
+ * peer (a MAP response, a header) is never enough. FERRY_EPROTO naming `what` otherwise (also
+ * for something that is not a sealable memfd at all). Our own memfds are sealed when made
+ * (fr_shm_seal here, memfd_map in core/region.c).
+ */
+int fr_shm_segment_check(int fd, uint64_t bytes, const char *what);
+/* Seals a memfd made with MFD_ALLOW_SEALING at its present size: no shrinking, no growing, no
+ * further seals. */
+int fr_shm_seal(int fd, const char *what);
+
 /* A segment holding two rings of `ring_bytes` each (a power of two): creates the memfd. */
 int fr_ring_segment_create(uint64_t ring_bytes, int *fd, void **map, size_t *map_len);
 /* Maps a peer's segment and validates both headers; *ring_bytes: the validated ring size. */

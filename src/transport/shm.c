@@ -112,8 +112,19 @@ static shm_link *shm_state(ferry_link *l) {
   return fresh;
 }
 
+/* Maps the memfd a region's owner sent. `size` is the owner's word, so the memfd itself must
+ * hold header + size bytes and be sealed against shrinking (fr_shm_segment_check): else a size
+ * near 2^64 wrapped the mapping's length, and a short or later truncated memfd raised SIGBUS in
+ * the first copy. The header is compared, never used: the bounds are `size` as checked here. */
 static int map_segment(int fd, uint64_t id, uint64_t size, shm_map *m) {
+  char what[64];
+  snprintf(what, sizeof what, "shm: region %llu", (unsigned long long)id);
+  if (size > (uint64_t)SIZE_MAX - FR_SHM_HEADER_BYTES)
+    return fr_err(FERRY_EPROTO, "%s: the owner claims %llu bytes", what, (unsigned long long)size);
   size_t bytes = (size_t)size + FR_SHM_HEADER_BYTES;
+  int rc = fr_shm_segment_check(fd, bytes, what);
+  if (rc != 0)
+    return rc;
   void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED)
     return fr_err_errno(FERRY_ESYS, "shm: cannot map region %llu", (unsigned long long)id);
