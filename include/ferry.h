@@ -189,7 +189,14 @@ typedef struct ferry_ctx_opts {
   const char *name;       /* node name (copied); NULL: "<hostname>-<pid>" */
   const char *tcp_listen; /* "HOST:PORT" for the tcp listener; NULL: FERRY_TCP_LISTEN */
   const char *transports; /* order to try, "shm,tcp"; NULL: FERRY_TRANSPORTS */
-  const char *token;      /* fleet token; NULL: FERRY_TOKEN ("" disables) */
+  /* Fleet token, which every link must prove it knows (an HMAC challenge; it never crosses the
+   * wire). NULL or "": FERRY_TOKEN, and when that is empty too, this user's own secret (the file
+   * FERRY_TOKEN_FILE, else ~/.ferry/token, made 0600 by the first process that needs it), so
+   * that every process of one user connects to the others with no configuration and another
+   * user's cannot. There is no way to turn authentication off. Only an explicit token (here or
+   * FERRY_TOKEN) lets a ctx listen beyond loopback or take shm links from another user; a
+   * fleet across users or hosts shares one (docs/SECURITY.md). */
+  const char *token;
 } ferry_ctx_opts;
 
 /* Opens a context: starts its listeners and progress thread. Close with ferry_ctx_close(),

@@ -229,15 +229,18 @@ static void read_exact(int fd, void *buf, size_t len) {
   }
 }
 
+/* The raw handshake needs a token it knows: "" means this user's own secret (ferry.h). */
+#define RAW_TOKEN "raw-handshake-token"
+
 static void mac(const char *label, const uint8_t *a, const uint8_t *b, uint8_t *out) {
   uint8_t msg[32 + 2 * FR_NONCE_BYTES] = {0};
   memcpy(msg, label, strlen(label));
   memcpy(msg + 32, a, FR_NONCE_BYTES);
   memcpy(msg + 32 + FR_NONCE_BYTES, b, FR_NONCE_BYTES);
-  fr_hmac_sha256("", 0, msg, sizeof msg, out);
+  fr_hmac_sha256(RAW_TOKEN, strlen(RAW_TOKEN), msg, sizeof msg, out);
 }
 
-/* HELLO, HELLO_ACK, AUTH, AUTH_ACK by hand (fleet token ""). */
+/* HELLO, HELLO_ACK, AUTH, AUTH_ACK by hand (fleet token RAW_TOKEN). */
 static void raw_handshake(int fd) {
   fr_hello h = {.name = "raw"};
   uint8_t buf[FR_HELLO_ACK_BYTES], hdr[FR_FRAME_BYTES];
@@ -274,7 +277,7 @@ static void bad_preamble(ferry_ctx *server, const uint8_t *bytes, size_t n) {
 }
 
 static void test_bad_preamble_ucx(void **s) {
-  ferry_ctx *server = open_ctx("server", "ucx", "");
+  ferry_ctx *server = open_ctx("server", "ucx", RAW_TOKEN);
   uint8_t p[16] = {0};
   fr_put_u32(p, 0xdeadbeef); /* bad magic */
   fr_put_u32(p + 4, 8);
@@ -288,7 +291,7 @@ static void test_bad_preamble_ucx(void **s) {
   frame(frame_before, 0x31595246, 1, 5, 0); /* a ferry frame where the preamble belongs */
   bad_preamble(server, frame_before, sizeof frame_before);
   /* still serving */
-  ferry_ctx *c = open_ctx("client", "ucx", "");
+  ferry_ctx *c = open_ctx("client", "ucx", RAW_TOKEN);
   ferry_link *l;
   FR_OK(ferry_connect(c, ferry_ctx_address(server), 5000, &l));
   struct iovec iov = {"ok", 2};

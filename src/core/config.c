@@ -6,8 +6,11 @@
 #include "core/core.h"
 
 #include <errno.h>
+#include <pwd.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define FR_CONFIG_TABLE(X)                                                                         \
   X("FERRY_LOG", "warn", "log level: error, warn, info, debug or trace")                           \
@@ -20,7 +23,10 @@
   X("FERRY_TCP_SOCKBUF", "0", "tcp socket buffer bytes; 0 leaves them to the kernel (autotuning)") \
   X("FERRY_TCP_LOCAL_CC", "reno",                                                                  \
     "congestion control of tcp links within this host (empty: the kernel's default)")              \
-  X("FERRY_TOKEN", "", "fleet token; when set, every link must prove it knows it")                 \
+  X("FERRY_TOKEN", "",                                                                             \
+    "fleet token every link must prove it knows (empty: this user's secret, FERRY_TOKEN_FILE)")    \
+  X("FERRY_TOKEN_FILE", "",                                                                        \
+    "per-user secret used when FERRY_TOKEN is empty; made 0600 if absent (empty: ~/.ferry/token)") \
   X("FERRY_MAX_MESSAGE", "1073741824", "largest message or one-sided transfer accepted, bytes")    \
   X("FERRY_SHM_RING_BYTES", "1048576",                                                             \
     "bytes of each direction's ring on a shm link (power of 2)")                                   \
@@ -99,4 +105,37 @@ int fr_timeout(int timeout_ms) {
     return timeout_ms;
   int64_t v = fr_config_int("FERRY_TIMEOUT_MS");
   return v < 0 ? 0 : v > 86400000 ? 86400000 : (int)v;
+}
+
+/* The home directory comes from the password database first: it is the same for every process of
+ * the user whatever its environment (sudo, cron and service managers set HOME differently, and
+ * two processes that resolved different files would not talk). $HOME is the fallback for a uid
+ * with no entry (containers run under arbitrary uids). $XDG_RUNTIME_DIR is not used: it exists
+ * only while the user has a login session and is emptied at logout, under a node that lives on. */
+int fr_config_token_path(char *buf, size_t len) {
+  const char *file = fr_config_str("FERRY_TOKEN_FILE");
+  if (*file) {
+    if ((size_t)snprintf(buf, len, "%s", file) >= len)
+      return fr_err(FERRY_EINVAL, "FERRY_TOKEN_FILE is longer than %zu bytes", len - 1);
+    return 0;
+  }
+  char pwbuf[4096];
+  struct passwd pw, *found = NULL;
+  const char *home = NULL;
+  if (getpwuid_r(geteuid(), &pw, pwbuf, sizeof pwbuf, &found) == 0 && found && found->pw_dir &&
+      found->pw_dir[0] == '/')
+    home = found->pw_dir;
+  if (!home) {
+    const char *env = getenv("HOME");
+    home = env && env[0] == '/' ? env : NULL;
+  }
+  if (!home)
+    return fr_err(FERRY_EINVAL,
+                  "no home directory for uid %u to keep the fleet token in: set "
+                  "FERRY_TOKEN, or FERRY_TOKEN_FILE to a file this user owns",
+                  (unsigned)geteuid());
+  if ((size_t)snprintf(buf, len, "%s%s.ferry/token", home,
+                       home[strlen(home) - 1] == '/' ? "" : "/") >= len)
+    return fr_err(FERRY_EINVAL, "home directory '%s' is too long", home);
+  return 0;
 }

@@ -58,6 +58,14 @@ int64_t fr_config_int(const char *name);
 const char *fr_config_str(const char *name);
 /* A timeout argument resolved against FERRY_TIMEOUT_MS (negative → default). */
 int fr_timeout(int timeout_ms);
+/* Where this user's fleet secret lives: FERRY_TOKEN_FILE, else ~/.ferry/token. */
+int fr_config_token_path(char *buf, size_t len);
+
+/* ---- the per-user fleet secret (secret.c) ---- */
+/* This user's secret (malloc'd, *out): read from fr_config_token_path, which is created (0600,
+ * 32 random bytes in hex) when absent; refused when it is not a regular file this user owns
+ * with no group or other permission bits. */
+int fr_user_token(char **out);
 
 /* ---- time ---- */
 uint64_t fr_now_ns(void); /* CLOCK_MONOTONIC */

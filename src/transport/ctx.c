@@ -787,18 +787,32 @@ static void ctx_init_sync(ferry_ctx *ctx) {
   fr_region_table_init(&ctx->regions);
 }
 
+/* The token the ctx's links prove: the caller's, else FERRY_TOKEN, else this user's secret. ""
+ * counts as none given, so there is no way to turn authentication off: a ctx that passed "" to
+ * mean "no token" still talks to every process of its user, and to nothing else. */
+static int ctx_token(ferry_ctx *ctx, const ferry_ctx_opts *o) {
+  const char *given = o && o->token && *o->token ? o->token : fr_config_str("FERRY_TOKEN");
+  if (!*given)
+    return fr_user_token(&ctx->token);
+  ctx->token_explicit = true;
+  ctx->token = strdup(given);
+  return ctx->token ? 0 : fr_err(FERRY_ENOMEM, "ctx: token");
+}
+
 static int ctx_configure(ferry_ctx *ctx, const ferry_ctx_opts *o) {
   const char *name = o && o->name ? o->name : NULL;
   if (name && (strlen(name) == 0 || strlen(name) >= FR_NAME_BYTES))
     return fr_err(FERRY_EINVAL, "node name must be 1..%d bytes", FR_NAME_BYTES - 1);
   ctx->name = name ? strdup(name) : default_name();
-  ctx->token = strdup(o && o->token ? o->token : fr_config_str("FERRY_TOKEN"));
   ctx->tcp_listen = strdup(o && o->tcp_listen ? o->tcp_listen : fr_config_str("FERRY_TCP_LISTEN"));
   ctx->max_payload = (uint64_t)fr_config_int("FERRY_MAX_MESSAGE");
   ctx->spin_us = (int)fr_config_int("FERRY_SPIN_US");
   ctx->timeout_ms = fr_timeout(-1);
-  if (!ctx->name || !ctx->token || !ctx->tcp_listen)
+  if (!ctx->name || !ctx->tcp_listen)
     return fr_err(FERRY_ENOMEM, "ctx: names");
+  int rc = ctx_token(ctx, o);
+  if (rc != 0)
+    return rc;
   return parse_transports(ctx,
                           o && o->transports ? o->transports : fr_config_str("FERRY_TRANSPORTS"));
 }

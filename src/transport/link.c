@@ -13,6 +13,7 @@
 #include <sys/epoll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define FR_INLINE_RESPONSE_MAX (64u * 1024u) /* larger read responses go to the server thread */
@@ -356,9 +357,33 @@ static int recv_frame_sync(ferry_link *l, uint8_t type, void *body, size_t body_
   return rc;
 }
 
+/* A ctx that proves this user's own secret (no explicit token) links with this user's processes
+ * only. Where the kernel tells who is at the other end (shm's unix socket, which any local user
+ * may reach: abstract sockets have no file permissions), another uid is refused before a byte of
+ * its is parsed; the token would refuse it too, a round trip later. An explicit token is how a
+ * fleet spans users. */
+static int check_peer_user(ferry_link *l) {
+  if (l->ctx->token_explicit || !l->ops->peer_uid)
+    return 0;
+  uid_t uid = 0;
+  int rc = l->ops->peer_uid(l->poller.fd, &uid);
+  if (rc != 0)
+    return fr_err(FERRY_EAUTH, "%s link: cannot tell the peer's user (%s)", l->ops->name,
+                  ferry_last_error());
+  if (uid != geteuid())
+    return fr_err(FERRY_EAUTH,
+                  "%s link: the peer runs as uid %u, not this user (uid %u); processes of "
+                  "different users share a fleet only with an explicit FERRY_TOKEN",
+                  l->ops->name, (unsigned)uid, (unsigned)geteuid());
+  return 0;
+}
+
 int fr_link_handshake(ferry_link *l, int timeout_ms) {
   ferry_ctx *ctx = l->ctx;
   uint64_t deadline = fr_deadline_ns(timeout_ms);
+  int rc = check_peer_user(l);
+  if (rc != 0)
+    return rc;
   fr_hello hello;
   memset(&hello, 0, sizeof hello);
   fr_random_bytes(hello.nonce, sizeof hello.nonce);
@@ -367,13 +392,16 @@ int fr_link_handshake(ferry_link *l, int timeout_ms) {
   fr_hello_encode(&hello, buf);
   struct iovec iov = {buf, FR_HELLO_BYTES};
   fr_frame f = {.type = FR_HELLO, .len = FR_HELLO_BYTES};
-  int rc = fr_link_send_frame(l, &f, &iov, 1, -1, deadline);
+  rc = fr_link_send_frame(l, &f, &iov, 1, -1, deadline);
   int fds[FR_MAX_RX_FDS], nfds = 0, status = 0;
   fr_hello_ack ack;
   if (rc == 0)
     rc = recv_frame_sync(l, FR_HELLO_ACK, buf, sizeof buf, deadline, fds, &nfds, &status);
   if (rc == 0)
-    rc = status ? fr_err(status, "handshake refused") : fr_hello_ack_decode(buf, sizeof buf, &ack);
+    rc = status
+             ? fr_err(status, "the peer refused the handshake (%s)%s", ferry_strerror(status),
+                      status == FERRY_EAUTH ? ": another user's node, or another fleet token" : "")
+             : fr_hello_ack_decode(buf, sizeof buf, &ack);
   uint8_t expect[FR_MAC_BYTES];
   if (rc == 0) {
     mac_for(ctx, "ferry-acceptor", hello.nonce, ack.nonce, expect);
@@ -417,8 +445,13 @@ int fr_link_handshake(ferry_link *l, int timeout_ms) {
 
 static int on_hello(ferry_link *l) {
   fr_hello h;
-  int rc = fr_hello_decode(l->rx_body, l->rx_frame.len, &h);
-  if (rc != 0)
+  int rc = check_peer_user(l);
+  if (rc != 0) {
+    fr_warn("refusing a link: %s", ferry_last_error());
+    send_status(l, FR_HELLO_ACK, 0, rc);
+    return rc;
+  }
+  if ((rc = fr_hello_decode(l->rx_body, l->rx_frame.len, &h)) != 0)
     return rc;
   memcpy(l->peer, h.name, sizeof l->peer);
   memcpy(l->nonce_peer, h.nonce, FR_NONCE_BYTES);
@@ -432,7 +465,8 @@ static int on_hello(ferry_link *l) {
   if (l->ops->passes_fds) {
     fr_random_bytes(l->proof, FR_NONCE_BYTES);
     proof_fd = memfd_create("ferry-proof", MFD_CLOEXEC);
-    if (proof_fd < 0 || pwrite(proof_fd, l->proof, FR_NONCE_BYTES, 0) != FR_NONCE_BYTES) {
+    if (proof_fd < 0 || fchmod(proof_fd, 0600) != 0 ||
+        pwrite(proof_fd, l->proof, FR_NONCE_BYTES, 0) != FR_NONCE_BYTES) {
       rc = fr_err_errno(FERRY_ESYS, "handshake: proof segment");
       if (proof_fd >= 0)
         close(proof_fd);

@@ -48,6 +48,7 @@ int fr_ring_segment_create(uint64_t ring_bytes, int *fd_out, void **map_out, siz
   int fd = memfd_create("ferry-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0)
     return fr_err_errno(FERRY_ESYS, "shm ring: memfd_create");
+  fchmod(fd, 0600); /* reached only through the fd we pass; 0600 as every region (region.c) */
   if (ftruncate(fd, (off_t)len) != 0) {
     close(fd);
     return fr_err_errno(FERRY_ENOSHM, "shm ring: %zu bytes", len);

@@ -1,6 +1,8 @@
 /*
  * The shm transport: links between processes on one host. The control channel is a unix-domain
- * socket in the abstract namespace (nothing on disk to leak; scoped to the network namespace);
+ * socket in the abstract namespace (nothing on disk to leak; scoped to the network namespace;
+ * no file permissions either, so any local user may connect: a ctx with this user's own secret
+ * refuses other uids by SO_PEERCRED before the handshake, and the token does the rest);
  * the handshake proves the peers share a host by having the connector read a memory segment the
  * acceptor passes it. One-sided reads and writes of a peer's ferry_alloc'd region are a memcpy
  * from/to its pages: the first access asks the owner for the region's memfd (the owner checks the
@@ -83,6 +85,15 @@ static int shm_dial(const char *where, int timeout_ms, int *fd_out) {
     return rc;
   }
   *fd_out = fd;
+  return 0;
+}
+
+static int shm_peer_uid(int fd, uid_t *uid) {
+  struct ucred cred;
+  socklen_t len = sizeof cred;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || len != sizeof cred)
+    return fr_err_errno(FERRY_ESYS, "shm: SO_PEERCRED");
+  *uid = cred.uid;
   return 0;
 }
 
@@ -487,6 +498,7 @@ const fr_transport_ops fr_shm_transport = {
     .listen = shm_listen,
     .dial = shm_dial,
     .setup = shm_setup,
+    .peer_uid = shm_peer_uid,
     .sendv = shm_sendv,
     .recv = shm_recv,
     .readable = shm_readable,

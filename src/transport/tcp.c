@@ -85,9 +85,11 @@ static bool loopback_sockaddr(const struct sockaddr *sa) {
 }
 
 /* A tcp link can read and write every region its node shares: on an address other hosts can
- * reach, only the fleet token keeps them out, so there it is required (docs/SECURITY.md). */
+ * reach, only the fleet token keeps them out, so there it is required (docs/SECURITY.md), and it
+ * must be one the fleet shares: this user's own secret (in the home directory of one host) is
+ * not, and a listener that relied on it would refuse every other host anyway. */
 static int check_exposure(const ferry_ctx *ctx, const struct sockaddr *sa) {
-  if (loopback_sockaddr(sa) || ctx->token[0])
+  if (loopback_sockaddr(sa) || ctx->token_explicit)
     return 0;
   return fr_err(FERRY_EINVAL,
                 "tcp: listening on %s (reachable from other hosts) needs a fleet token: set "

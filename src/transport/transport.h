@@ -15,6 +15,7 @@
 #include <stdbool.h>
 #include <stdio.h>
 #include <sys/socket.h>
+#include <sys/types.h>
 
 typedef struct fr_poller {
   int fd;
@@ -31,6 +32,9 @@ typedef struct fr_transport_ops {
   int (*dial)(const char *where, int timeout_ms, int *fd);
   /* Socket options for a new link (both ends). */
   void (*setup)(int fd);
+  /* Optional. The uid of the process at the other end of a link's socket, as the kernel vouches
+   * for it (shm: SO_PEERCRED); 0 or a status. */
+  int (*peer_uid)(int fd, uid_t *uid);
   /* The byte stream of a link. sendv writes all of iov (plus fd_out, when >= 0, beside it) by
    * the deadline; recv returns bytes (dst NULL: discard), 0 at end of stream, -EAGAIN when
    * nothing is there, or -errno. */
@@ -193,6 +197,9 @@ struct ferry_ctx {
   char *name;
   bool log_node; /* this context names the process's log lines (fr_log_set_node) */
   char *token;
+  /* The token came from the caller or FERRY_TOKEN, not this user's secret (fr_user_token): only
+   * then may the ctx listen beyond loopback, or take shm links from another user. */
+  bool token_explicit;
   char *tcp_listen;
   char address[512];
   const fr_transport_ops *order[FR_MAX_LISTENERS];

@@ -27,8 +27,8 @@ static int check_length(const fr_frame *f, uint64_t max_payload) {
   case FR_HELLO:
     exact = FR_HELLO_BYTES;
     break;
-  case FR_HELLO_ACK:
-    exact = FR_HELLO_ACK_BYTES;
+  case FR_HELLO_ACK: /* a refusal (another user's shm peer) has no challenge to carry */
+    exact = error_response ? 0 : FR_HELLO_ACK_BYTES;
     break;
   case FR_AUTH:
     exact = FR_AUTH_BYTES;

@@ -1,0 +1,468 @@
+/*
+ * Who may connect (#17 row 2, docs/SECURITY.md): with no FERRY_TOKEN every process of a user
+ * proves the same per-user secret, made 0600 on first use (even by processes racing to make it),
+ * so they connect with no configuration; another Unix user (here root's forked helper turned
+ * into `nobody`) is refused over shm (by its uid, before the handshake) and over tcp (by the
+ * token), with its own secret or a guessed one, and cannot reach the node's memory through /proc
+ * either; a token file that is not the user's alone is refused with a line saying how to fix it.
+ * Multi-process: helpers are this binary again (tu_spawn_exec), the intruder drops to uid 65534.
+ */
+#include "testutil.h"
+
+#include "core/core.h"
+#include "transport/wire.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <pwd.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#define NOBODY 65534
+#define REGION_BYTES 8192
+#define SEED 17
+
+static char tmpdir[64];
+
+static void tmp_make(void) {
+  snprintf(tmpdir, sizeof tmpdir, "/tmp/ferry-sec-XXXXXX");
+  assert_non_null(mkdtemp(tmpdir));
+  assert_int_equal(chmod(tmpdir, 0711), 0); /* the intruder reaches its own folder in it */
+}
+
+static void tmp_remove(void) {
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", tmpdir);
+  assert_int_equal(system(cmd), 0);
+}
+
+static void use_token_file(const char *rel) {
+  char path[128];
+  snprintf(path, sizeof path, "%s/%s", tmpdir, rel);
+  setenv("FERRY_TOKEN_FILE", path, 1);
+}
+
+/* Defaults: no FERRY_TOKEN, no FERRY_TOKEN_FILE (~/.ferry/token). */
+static void defaults(void) {
+  unsetenv("FERRY_TOKEN");
+  unsetenv("FERRY_TOKEN_FILE");
+}
+
+static ferry_ctx *open_ctx(const char *name, const char *transports, const char *token) {
+  ferry_ctx_opts o = {.size = sizeof o, .name = name, .transports = transports, .token = token};
+  ferry_ctx *c = NULL;
+  FR_OK(ferry_ctx_open(&o, &c));
+  return c;
+}
+
+/* A node with a shared region full of a known pattern. */
+typedef struct node {
+  ferry_ctx *ctx;
+  void *mem;
+  ferry_region_ref ref;
+  char id[24], key[24], size[24];
+} node;
+
+static void node_open(node *n) {
+  n->ctx = open_ctx("owner", "shm,tcp", NULL);
+  FR_OK(ferry_alloc(n->ctx, REGION_BYTES, &n->mem));
+  tu_fill(n->mem, REGION_BYTES, SEED);
+  FR_OK(ferry_region_find(n->ctx, n->mem, REGION_BYTES, &n->ref, NULL));
+  snprintf(n->id, sizeof n->id, "%llu", (unsigned long long)n->ref.id);
+  snprintf(n->key, sizeof n->key, "%llu", (unsigned long long)n->ref.key);
+  snprintf(n->size, sizeof n->size, "%llu", (unsigned long long)n->ref.size);
+}
+
+static bool node_intact(const node *n) {
+  uint8_t *want = malloc(REGION_BYTES);
+  tu_fill(want, REGION_BYTES, SEED);
+  bool same = memcmp(want, n->mem, REGION_BYTES) == 0;
+  free(want);
+  return same;
+}
+
+static ferry_region_ref ref_of(char **argv) {
+  return (ferry_region_ref){strtoull(argv[0], NULL, 10), strtoull(argv[1], NULL, 10),
+                            strtoull(argv[2], NULL, 10)};
+}
+
+/* ---- helpers (this binary again) ---- */
+
+/* Same user, no configuration: connects over shm, then over tcp ("" as the token, which means
+ * the same as none given), reads the region and checks the pattern. */
+static int same_user(const char *address, char **refv) {
+  ferry_region_ref ref = ref_of(refv);
+  const char *transports[] = {"shm", "tcp"};
+  const char *tokens[] = {NULL, ""};
+  uint8_t *got = malloc(REGION_BYTES), *want = malloc(REGION_BYTES);
+  tu_fill(want, REGION_BYTES, SEED);
+  for (int i = 0; i < 2; i++) {
+    ferry_ctx_opts o = {.size = sizeof o, .name = "same", .transports = transports[i]};
+    o.token = tokens[i];
+    ferry_ctx *c = NULL;
+    ferry_link *l = NULL;
+    int rc = ferry_ctx_open(&o, &c);
+    if (rc == 0)
+      rc = ferry_connect(c, address, 10000, &l);
+    if (rc == 0)
+      rc = ferry_read(l, &ref, 0, got, REGION_BYTES, 10000);
+    if (rc != 0 || memcmp(got, want, REGION_BYTES) != 0) {
+      fprintf(stderr, "same user over %s: %s (%s)\n", transports[i], ferry_status_name(rc),
+              ferry_last_error());
+      return 1 + i;
+    }
+    ferry_link_close(l);
+    ferry_ctx_close(c);
+  }
+  free(got);
+  free(want);
+  return 0;
+}
+
+/* HELLO on the node's shm socket by hand: the node must refuse it at once (status EAUTH, no
+ * challenge), which only its uid check does; a token mismatch would answer a challenge first. */
+static bool raw_hello_refused(const char *address) {
+  const char *at = strstr(address, "shm://@");
+  if (!at)
+    return false;
+  at += 6;
+  size_t n = strcspn(at, ",");
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  if (n >= sizeof sa.sun_path)
+    return false;
+  memcpy(sa.sun_path, at, n);
+  sa.sun_path[0] = '\0';
+  int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  struct timeval tv = {10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  if (connect(fd, (struct sockaddr *)&sa, (socklen_t)(offsetof(struct sockaddr_un, sun_path) + n)))
+    return false;
+  fr_hello h = {.name = "intruder"};
+  uint8_t body[FR_HELLO_BYTES], hdr[FR_FRAME_BYTES];
+  fr_hello_encode(&h, body);
+  fr_frame_encode(&(fr_frame){.type = FR_HELLO, .len = FR_HELLO_BYTES}, hdr);
+  bool sent =
+      write(fd, hdr, sizeof hdr) == sizeof hdr && write(fd, body, sizeof body) == sizeof body;
+  size_t got = 0;
+  for (ssize_t r = 1; sent && got < sizeof hdr && r > 0; got += r > 0 ? (size_t)r : 0)
+    r = read(fd, hdr + got, sizeof hdr - got);
+  fr_frame f;
+  bool refused = got == sizeof hdr && fr_frame_decode(hdr, 1 << 20, &f) == 0 &&
+                 f.type == FR_HELLO_ACK && f.status == FERRY_EAUTH && f.len == 0;
+  close(fd);
+  return refused;
+}
+
+/* The owner's memory through /proc: its fds (memfds of its regions and rings) and its mem. */
+static bool proc_closed(pid_t owner) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/fd", (int)owner);
+  DIR *d = opendir(path);
+  bool closed = true;
+  for (struct dirent *e; d && (e = readdir(d));) {
+    char fd_path[320];
+    snprintf(fd_path, sizeof fd_path, "%s/%s", path, e->d_name);
+    int fd = e->d_name[0] == '.' ? -1 : open(fd_path, O_RDONLY);
+    if (fd >= 0) {
+      closed = false;
+      close(fd);
+    }
+  }
+  if (d)
+    closedir(d);
+  snprintf(path, sizeof path, "/proc/%d/mem", (int)owner);
+  int fd = open(path, O_RDONLY);
+  if (fd >= 0) {
+    closed = false;
+    close(fd);
+  }
+  return closed;
+}
+
+/* Another user, trying what it can: root's token file, connecting over shm and tcp with its own
+ * secret and with a guessed token, a raw handshake, /proc. Exits 0 when everything was refused. */
+static int intruder(const char *address, char **refv, const char *root_file, const char *own_file) {
+  ferry_region_ref ref = ref_of(refv);
+  pid_t owner = getppid();
+  if (setgroups(0, NULL) != 0 || setresgid(NOBODY, NOBODY, NOBODY) != 0 ||
+      setresuid(NOBODY, NOBODY, NOBODY) != 0 || geteuid() != NOBODY) {
+    fprintf(stderr, "intruder: cannot become uid %d: %s\n", NOBODY, strerror(errno));
+    return 2;
+  }
+  int fd = open(root_file, O_RDONLY);
+  if (fd >= 0 || errno != EACCES) {
+    fprintf(stderr, "intruder: root's token file %s: %s\n", root_file,
+            fd >= 0 ? "readable" : strerror(errno));
+    return 3;
+  }
+  setenv("FERRY_TOKEN_FILE", own_file, 1); /* its own per-user secret, as its ferry would make */
+  const char *transports[] = {"shm", "tcp"};
+  const char *tokens[] = {NULL, "guess"};
+  for (int t = 0; t < 2; t++)
+    for (int k = 0; k < 2; k++) {
+      ferry_ctx_opts o = {.size = sizeof o, .name = "intruder", .transports = transports[t]};
+      o.token = tokens[k];
+      ferry_ctx *c = NULL;
+      ferry_link *l = NULL;
+      int rc = ferry_ctx_open(&o, &c);
+      if (rc != 0) {
+        fprintf(stderr, "intruder: own ctx: %s\n", ferry_last_error());
+        return 4;
+      }
+      rc = ferry_connect(c, address, 10000, &l);
+      if (rc != FERRY_EAUTH) {
+        uint8_t byte = 0;
+        fprintf(stderr, "intruder over %s (token %s): connect %s (%s); read %s\n", transports[t],
+                tokens[k] ? tokens[k] : "its own", ferry_status_name(rc), ferry_last_error(),
+                rc == 0 ? ferry_status_name(ferry_read(l, &ref, 0, &byte, 1, 1000)) : "-");
+        return 5;
+      }
+      ferry_ctx_close(c);
+    }
+  if (!raw_hello_refused(address)) {
+    fprintf(stderr, "intruder: a raw HELLO over shm was not refused by uid\n");
+    return 6;
+  }
+  if (!proc_closed(owner)) {
+    fprintf(stderr, "intruder: opened something of the owner's under /proc\n");
+    return 7;
+  }
+  return 0;
+}
+
+/* Makes (or reads) the secret and writes it to fd: racing processes must agree. */
+static int token_race(int fd) {
+  char *t = NULL;
+  if (fr_user_token(&t) != 0) {
+    fprintf(stderr, "token race: %s\n", ferry_last_error());
+    return 1;
+  }
+  char line[128];
+  int n = snprintf(line, sizeof line, "%-64.64s\n", t);
+  free(t);
+  return write(fd, line, (size_t)n) == n ? 0 : 1;
+}
+
+/* ---- tests ---- */
+
+static void check_private_file(const char *path) {
+  struct stat st;
+  assert_int_equal(stat(path, &st), 0);
+  assert_true(S_ISREG(st.st_mode));
+  assert_int_equal(st.st_mode & 07777, 0600);
+  assert_int_equal(st.st_uid, geteuid());
+}
+
+/* The secret is made 0600 whatever the umask, in a folder made 0700, and holds 32 random bytes
+ * in hex; without FERRY_TOKEN_FILE it is ~/.ferry/token, home from the password database. */
+static void test_token_file_made_private(void **s) {
+  tmp_make();
+  defaults();
+  use_token_file("sub/token");
+  mode_t old = umask(0);
+  ferry_ctx *c = open_ctx("maker", "shm,tcp", NULL);
+  umask(old);
+  char path[128];
+  snprintf(path, sizeof path, "%s/sub/token", tmpdir);
+  check_private_file(path);
+  snprintf(path, sizeof path, "%s/sub", tmpdir);
+  struct stat st;
+  assert_int_equal(stat(path, &st), 0);
+  assert_int_equal(st.st_mode & 07777, 0700);
+  char *t = NULL;
+  FR_OK(fr_user_token(&t));
+  assert_int_equal(strlen(t), 64);
+  assert_int_equal(strspn(t, "0123456789abcdef"), 64);
+  free(t);
+  ferry_ctx_close(c);
+
+  defaults();
+  c = open_ctx("maker", "shm", NULL);
+  ferry_ctx_close(c);
+  struct passwd *pw = getpwuid(geteuid());
+  assert_non_null(pw);
+  char want[512], got[512];
+  snprintf(want, sizeof want, "%s/.ferry/token", pw->pw_dir);
+  FR_OK(fr_config_token_path(got, sizeof got));
+  assert_string_equal(got, want);
+  check_private_file(want);
+  tmp_remove();
+  (void)s;
+}
+
+static void expect_refused(const char *why) {
+  ferry_ctx_opts o = {.size = sizeof o, .name = "refused", .transports = "shm,tcp"};
+  ferry_ctx *c = NULL;
+  assert_int_equal(ferry_ctx_open(&o, &c), FERRY_EINVAL);
+  assert_null(c);
+  const char *e = ferry_last_error();
+  if (!strstr(e, why) || !strstr(e, tmpdir))
+    fail_msg("expected '%s' and the path in: %s", why, e);
+}
+
+/* A token file that is not this user's alone, or holds no token, is refused with one line that
+ * names it and says what to do; an explicit token does not read it at all. */
+static void test_token_file_refused(void **s) {
+  tmp_make();
+  defaults();
+  use_token_file("token");
+  char path[128];
+  snprintf(path, sizeof path, "%s/token", tmpdir);
+  FILE *f = fopen(path, "w");
+  fputs("a-secret\n", f);
+  fclose(f);
+  assert_int_equal(chmod(path, 0644), 0);
+  expect_refused("chmod 600");
+  assert_int_equal(chmod(path, 0640), 0);
+  expect_refused("group or others");
+  assert_int_equal(chmod(path, 0602), 0);
+  expect_refused("mode 0602");
+  setenv("FERRY_TOKEN", "explicit", 1); /* an explicit token wins: the file is not read */
+  ferry_ctx_close(open_ctx("explicit", "shm,tcp", NULL));
+  unsetenv("FERRY_TOKEN");
+  ferry_ctx_close(open_ctx("explicit", "shm,tcp", "explicit-too"));
+  assert_int_equal(chmod(path, 0600), 0);
+  ferry_ctx_close(open_ctx("fixed", "shm,tcp", NULL));
+  if (geteuid() == 0) {
+    assert_int_equal(chown(path, NOBODY, NOBODY), 0);
+    expect_refused("owned by uid 65534");
+    assert_int_equal(chown(path, 0, 0), 0);
+  }
+  assert_int_equal(truncate(path, 0), 0);
+  expect_refused("empty");
+  assert_int_equal(unlink(path), 0);
+  assert_int_equal(mkdir(path, 0700), 0);
+  expect_refused("not a regular file");
+  assert_int_equal(rmdir(path), 0);
+  tmp_remove();
+  (void)s;
+}
+
+/* Eight processes start at once with no secret yet: one makes it, all use the same one, and no
+ * temporary file is left. */
+static void test_token_file_race(void **s) {
+  tmp_make();
+  defaults();
+  use_token_file("race/token");
+  tu_pipe p;
+  tu_pipe_open(&p);
+  char wr[16];
+  snprintf(wr, sizeof wr, "%d", p.wr);
+  enum { N = 8 };
+  pid_t pids[N];
+  for (int i = 0; i < N; i++)
+    pids[i] = tu_spawn_exec("--token-race", wr, NULL);
+  for (int i = 0; i < N; i++)
+    assert_int_equal(tu_wait(pids[i]), 0);
+  char lines[N][65];
+  for (int i = 0; i < N; i++)
+    assert_int_equal(tu_pipe_get(&p, lines[i], 65, 10000), 0);
+  tu_pipe_close(&p);
+  char path[128], file[80];
+  snprintf(path, sizeof path, "%s/race/token", tmpdir);
+  FILE *f = fopen(path, "r");
+  assert_non_null(f);
+  assert_non_null(fgets(file, sizeof file, f));
+  fclose(f);
+  for (int i = 0; i < N; i++)
+    assert_memory_equal(lines[i], file, 64);
+  check_private_file(path);
+  snprintf(path, sizeof path, "%s/race", tmpdir);
+  DIR *d = opendir(path);
+  int entries = 0;
+  for (struct dirent *e; (e = readdir(d));)
+    entries += e->d_name[0] != '.';
+  closedir(d);
+  assert_int_equal(entries, 1);
+  tmp_remove();
+  (void)s;
+}
+
+/* Processes of one user talk with no configuration ("" as the token is the same as none); one
+ * given an explicit token does not talk to one on the per-user secret. */
+static void test_same_user_no_config(void **s) {
+  defaults();
+  node n;
+  node_open(&n);
+  pid_t pid = tu_spawn_exec("--same-user", ferry_ctx_address(n.ctx), n.id, n.key, n.size, NULL);
+  assert_int_equal(tu_wait(pid), 0);
+  ferry_ctx *x = open_ctx("explicit", "shm,tcp", "some-fleet");
+  ferry_link *l = NULL;
+  assert_int_equal(ferry_connect(x, ferry_ctx_address(n.ctx), 10000, &l), FERRY_EAUTH);
+  ferry_ctx_close(x);
+  ferry_ctx_close(n.ctx);
+  (void)s;
+}
+
+/* #17 row 2: with default settings, another Unix user listed, read, overwrote and deleted root's
+ * keys. Now it cannot connect over shm or tcp, with its own secret or a guessed one, cannot read
+ * root's secret, nor reach the node's memory under /proc; the owner's region is untouched and
+ * the owner still serves its own user. */
+static void test_other_user_refused(void **s) {
+  if (geteuid() != 0) {
+    tu_skip(TU_SKIP_NOT_HERE, "another user: needs root to become uid %d", NOBODY);
+    return;
+  }
+  tmp_make();
+  defaults();
+  char own[128], root_file[512];
+  snprintf(own, sizeof own, "%s/nobody", tmpdir);
+  assert_int_equal(mkdir(own, 0700), 0);
+  assert_int_equal(chown(own, NOBODY, NOBODY), 0);
+  strcat(own, "/token");
+  FR_OK(fr_config_token_path(root_file, sizeof root_file));
+  node n;
+  node_open(&n);
+  check_private_file(root_file);
+  pid_t pid = tu_spawn_exec("--intruder", ferry_ctx_address(n.ctx), n.id, n.key, n.size, root_file,
+                            own, NULL);
+  assert_int_equal(tu_wait(pid), 0);
+  assert_true(node_intact(&n));
+  pid = tu_spawn_exec("--same-user", ferry_ctx_address(n.ctx), n.id, n.key, n.size, NULL);
+  assert_int_equal(tu_wait(pid), 0);
+  ferry_ctx_close(n.ctx);
+  tmp_remove();
+  (void)s;
+}
+
+/* Beyond loopback the per-user secret is not enough: only an explicit token opens the port. */
+static void test_exposed_needs_explicit_token(void **s) {
+  defaults();
+  ferry_ctx_opts o = {
+      .size = sizeof o, .name = "wide", .transports = "tcp", .tcp_listen = "0.0.0.0:0"};
+  ferry_ctx *c = NULL;
+  assert_int_equal(ferry_ctx_open(&o, &c), FERRY_EINVAL);
+  assert_non_null(strstr(ferry_last_error(), "FERRY_TOKEN"));
+  setenv("FERRY_TOKEN", "fleet-secret", 1);
+  FR_OK(ferry_ctx_open(&o, &c));
+  ferry_ctx_close(c);
+  unsetenv("FERRY_TOKEN");
+  (void)s;
+}
+
+int main(int argc, char **argv) {
+  signal(SIGPIPE, SIG_IGN);
+  if (argc == 6 && strcmp(argv[1], "--same-user") == 0)
+    return same_user(argv[2], argv + 3);
+  if (argc == 8 && strcmp(argv[1], "--intruder") == 0)
+    return intruder(argv[2], argv + 3, argv[6], argv[7]);
+  if (argc == 3 && strcmp(argv[1], "--token-race") == 0)
+    return token_race(atoi(argv[2]));
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_token_file_made_private),
+      cmocka_unit_test(test_token_file_refused),
+      cmocka_unit_test(test_token_file_race),
+      cmocka_unit_test(test_same_user_no_config),
+      cmocka_unit_test(test_other_user_refused),
+      cmocka_unit_test(test_exposed_needs_explicit_token),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
