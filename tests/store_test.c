@@ -1215,6 +1215,87 @@ static void test_netns(void **state) {
   assert_int_equal(WEXITSTATUS(rc), 0);
 }
 
+/* ---- a stopped directory: every call returns by its caller's timeout ---- */
+
+/* The time since `t0` in ms, printed only: the bound asserted below is a hang detector (the bug
+ * was 20.5 s, and a hang is the failure mode), never a timing. */
+static double ms_since(const struct timespec *t0) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)(t.tv_sec - t0->tv_sec) * 1e3 + (double)(t.tv_nsec - t0->tv_nsec) / 1e6;
+}
+
+#define HANG_MS 10000.0 /* far above any 1 s call plus its constant: only a hang gets there */
+
+/* Stops the directory process `pid` (SIGSTOP, waited for) and calls get, stat, exists and list
+ * with a 1 s timeout on a store of it: each returns a clear error (or, for a key a reader can
+ * find without the directory, its answer) well before a hang would. */
+static void check_stopped(const char *what, const char *url, pid_t pid) {
+  ferry_ctx *c = open_ctx("stop-reader", NULL);
+  ferry_store *s = open_store(c, url, 0, MiB, 0);
+  put_seed(s, "stop/k", 1);
+  assert_int_equal(ferry_store_exists(s, "stop/absent", 5000), 0); /* the put is applied */
+  assert_int_equal(kill(pid, SIGSTOP), 0);
+  int wst = 0;
+  assert_int_equal(waitpid(pid, &wst, WUNTRACED), pid);
+  assert_true(WIFSTOPPED(wst));
+  uint8_t v[ORDER_BYTES];
+  ferry_store_info info = {.size = sizeof info};
+  ferry_store_info *list = NULL;
+  size_t n = 0;
+  struct timespec t0;
+  double ms[5];
+  int rc[5];
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  rc[0] = ferry_store_get(s, "stop/absent", NULL, v, sizeof v, NULL, 1000);
+  ms[0] = ms_since(&t0);
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  rc[1] = ferry_store_stat(s, "stop/absent", &info, 1000);
+  ms[1] = ms_since(&t0);
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  rc[2] = ferry_store_exists(s, "stop/absent2", 1000);
+  ms[2] = ms_since(&t0);
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  rc[3] = ferry_store_list(s, "stop/", &list, &n, 1000);
+  ms[3] = ms_since(&t0);
+  if (rc[3] == 0)
+    ferry_store_list_free(list);
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  rc[4] = ferry_store_get(s, "stop/k", NULL, v, sizeof v, NULL, 1000);
+  ms[4] = ms_since(&t0);
+  kill(pid, SIGCONT);
+  const char *names[5] = {"get", "stat", "exists", "list", "get (known key)"};
+  for (int i = 0; i < 5; i++)
+    printf("# %s stopped: %s with a 1000 ms timeout returned %s after %.0f ms\n", what, names[i],
+           ferry_strerror(rc[i]), ms[i]);
+  bool back = has_seed(s, "stop/k", 1, NULL, 0); /* it answers again once resumed */
+  ferry_store_close(s);
+  ferry_ctx_close(c);
+  for (int i = 0; i < 4; i++) {
+    assert_int_equal(rc[i], FERRY_ETIMEDOUT);
+    assert_true(ms[i] < HANG_MS);
+  }
+  /* ferry:// on this host may find the record in the directory's shared table and read it
+   * from its live owner (this process); Redis cannot answer */
+  assert_true(rc[4] == FERRY_ETIMEDOUT || rc[4] == 0);
+  assert_true(ms[4] < HANG_MS);
+  assert_true(back);
+}
+
+static void test_stopped_directory(void **state) {
+  su_redis r;
+  if (su_redis_start(&r)) {
+    check_stopped("redis", r.url, r.pid);
+    su_redis_stop(&r);
+  }
+  int port = su_free_port();
+  char url[80];
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  pid_t dir = start_directory(port);
+  check_stopped("ferry serve", url, dir);
+  stop_child(dir);
+}
+
 int main(int argc, char **argv) {
   ssize_t n = readlink("/proc/self/exe", self_exe, sizeof self_exe - 1);
   self_exe[n > 0 ? n : 0] = '\0';
@@ -1238,6 +1319,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_posted_order),
       cmocka_unit_test(test_lookup_cache),
       cmocka_unit_test(test_shared_table),
+      cmocka_unit_test(test_stopped_directory),
   };
   /* FERRY_TEST_SKIP: cases a run leaves out (tests/CMakeLists.txt says which and why) */
   if (getenv("FERRY_TEST_SKIP"))
