@@ -1215,6 +1215,195 @@ static void test_netns(void **state) {
   assert_int_equal(WEXITSTATUS(rc), 0);
 }
 
+/* ---- a stopped directory: every call returns by its caller's timeout ---- */
+
+/* The time since `t0` in ms, printed only: the bound asserted below is a hang detector (the bug
+ * was 20.5 s, and a hang is the failure mode), never a timing. */
+static double ms_since(const struct timespec *t0) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)(t.tv_sec - t0->tv_sec) * 1e3 + (double)(t.tv_nsec - t0->tv_nsec) / 1e6;
+}
+
+#define HANG_MS 10000.0 /* far above any 1 s call plus its constant: only a hang gets there */
+
+/* Stops the directory process `pid` (SIGSTOP, waited for) and calls get, stat, exists and list
+ * with a 1 s timeout on a store of it: each returns a clear error (or, for a key a reader can
+ * find without the directory, its answer) well before a hang would. */
+static void check_stopped(const char *what, const char *url, pid_t pid) {
+  ferry_ctx *c = open_ctx("stop-reader", NULL);
+  ferry_store *s = open_store(c, url, 0, MiB, 0);
+  put_seed(s, "stop/k", 1);
+  assert_int_equal(ferry_store_exists(s, "stop/absent", 5000), 0); /* the put is applied */
+  assert_int_equal(kill(pid, SIGSTOP), 0);
+  int wst = 0;
+  assert_int_equal(waitpid(pid, &wst, WUNTRACED), pid);
+  assert_true(WIFSTOPPED(wst));
+  uint8_t v[ORDER_BYTES];
+  ferry_store_info info = {.size = sizeof info};
+  ferry_store_info *list = NULL;
+  size_t n = 0;
+  struct timespec t0;
+  double ms[5];
+  int rc[5];
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  rc[0] = ferry_store_get(s, "stop/absent", NULL, v, sizeof v, NULL, 1000);
+  ms[0] = ms_since(&t0);
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  rc[1] = ferry_store_stat(s, "stop/absent", &info, 1000);
+  ms[1] = ms_since(&t0);
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  rc[2] = ferry_store_exists(s, "stop/absent2", 1000);
+  ms[2] = ms_since(&t0);
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  rc[3] = ferry_store_list(s, "stop/", &list, &n, 1000);
+  ms[3] = ms_since(&t0);
+  if (rc[3] == 0)
+    ferry_store_list_free(list);
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  rc[4] = ferry_store_get(s, "stop/k", NULL, v, sizeof v, NULL, 1000);
+  ms[4] = ms_since(&t0);
+  kill(pid, SIGCONT);
+  const char *names[5] = {"get", "stat", "exists", "list", "get (known key)"};
+  for (int i = 0; i < 5; i++)
+    printf("# %s stopped: %s with a 1000 ms timeout returned %s after %.0f ms\n", what, names[i],
+           ferry_strerror(rc[i]), ms[i]);
+  bool back = has_seed(s, "stop/k", 1, NULL, 0); /* it answers again once resumed */
+  ferry_store_close(s);
+  ferry_ctx_close(c);
+  for (int i = 0; i < 4; i++) {
+    assert_int_equal(rc[i], FERRY_ETIMEDOUT);
+    assert_true(ms[i] < HANG_MS);
+  }
+  /* ferry:// on this host may find the record in the directory's shared table and read it
+   * from its live owner (this process); Redis cannot answer */
+  assert_true(rc[4] == FERRY_ETIMEDOUT || rc[4] == 0);
+  assert_true(ms[4] < HANG_MS);
+  assert_true(back);
+}
+
+static void test_stopped_directory(void **state) {
+  su_redis r;
+  if (su_redis_start(&r)) {
+    check_stopped("redis", r.url, r.pid);
+    su_redis_stop(&r);
+  }
+  int port = su_free_port();
+  char url[80];
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  pid_t dir = start_directory(port);
+  check_stopped("ferry serve", url, dir);
+  stop_child(dir);
+}
+
+/* ---- stalled uploaders do not hold back a holder's other uploads ---- */
+
+#define STALL_UPLOADERS 3
+#define STALL_MIB 128
+
+/* `--role uploader`: a short-lived node (FERRY_TRANSPORTS=tcp, FERRY_DIRECTORY from the parent)
+ * that hands a small put to the holder (so its holder and link are known), says 'r' on stdout,
+ * then hands over STALL_MIB MiB under $STALL_KEY; its parent stops it meanwhile. */
+static int role_uploader(void) {
+  ferry_ctx *c = open_ctx(NULL, NULL);
+  ferry_store_opts o = {.size = sizeof o, .flags = FERRY_STORE_DELEGATE};
+  ferry_store *d = NULL;
+  if (!c || ferry_store_open(c, &o, &d) != 0)
+    return 2;
+  uint8_t small[64] = {1};
+  ferry_tensor_desc ds = u8_desc(1, sizeof small);
+  char warm[128];
+  snprintf(warm, sizeof warm, "%s.warm", getenv("STALL_KEY"));
+  if (ferry_store_put(d, warm, &ds, small, 0, 10000) != 0)
+    return 3;
+  size_t n = (size_t)STALL_MIB * MiB;
+  void *big = NULL;
+  if (ferry_alloc(c, n, &big) != 0)
+    return 4;
+  memset(big, 7, n);
+  ferry_tensor_desc db = u8_desc(STALL_MIB, MiB);
+  if (write(1, "r", 1) != 1)
+    return 5;
+  return ferry_store_put(d, getenv("STALL_KEY"), &db, big, 0, 60000) == 0 ? 0 : 6;
+}
+
+static pid_t start_uploader(const char *url, const char *key, int *ready_fd) {
+  int fds[2];
+  assert_int_equal(pipe(fds), 0);
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(fds[1], 1);
+    setenv("FERRY_DIRECTORY", url, 1);
+    setenv("FERRY_TRANSPORTS", "tcp", 1);
+    setenv("FERRY_TOKEN", "", 1);
+    setenv("STALL_KEY", key, 1);
+    execl(self_exe, self_exe, "--role", "uploader", (char *)NULL);
+    _exit(127);
+  }
+  close(fds[1]);
+  *ready_fd = fds[0];
+  return pid;
+}
+
+/* Three tcp uploaders to one holder are SIGSTOPped mid-upload; an unrelated upload (another
+ * node) still lands, within a timeout shorter than one stalled read's. A stalled one is told by
+ * its key being absent after the others went through (it cannot finish while stopped). */
+static void test_stalled_uploaders(void **state) {
+  char listen[64], url[80];
+  int port = su_free_port();
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+  snprintf(url, sizeof url, "ferry://%s", listen);
+  ferry_ctx *ch = open_ctx("stall-holder", listen);
+  ferry_store *h = open_store(ch, NULL, FERRY_STORE_HOLDER | FERRY_STORE_HOST_DIRECTORY,
+                              (uint64_t)(STALL_UPLOADERS + 1) * STALL_MIB * MiB + 64 * MiB, 0);
+  pid_t pid[STALL_UPLOADERS];
+  char key[STALL_UPLOADERS][32];
+  for (int i = 0; i < STALL_UPLOADERS; i++) {
+    snprintf(key[i], sizeof key[i], "stall/%d", i);
+    int ready;
+    pid[i] = start_uploader(url, key[i], &ready);
+    char ch1 = 0;
+    ssize_t got = read(ready, &ch1, 1); /* it is about to hand over the big tensor */
+    close(ready);
+    su_sleep_ms(5);
+    kill(pid[i], SIGSTOP);
+    int wst = 0;
+    waitpid(pid[i], &wst, WUNTRACED);
+    assert_int_equal(got, 1);
+  }
+  /* the unrelated upload: another short-lived node, another link */
+  ferry_ctx *cu = open_ctx("stall-other", NULL);
+  ferry_store_opts o = {.size = sizeof o, .directory = url, .flags = FERRY_STORE_DELEGATE};
+  ferry_store *d = NULL;
+  FR_OK(ferry_store_open(cu, &o, &d));
+  uint8_t v[4096], back[4096];
+  tu_fill(v, sizeof v, 5);
+  ferry_tensor_desc desc = u8_desc(4, 1024);
+  struct timespec t0;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  int rc = ferry_store_put(d, "stall/other", &desc, v, 0, 5000);
+  printf("# unrelated upload with %d uploaders stopped: %s after %.0f ms\n", STALL_UPLOADERS,
+         ferry_strerror(rc), ms_since(&t0));
+  int get_rc = ferry_store_get(h, "stall/other", &desc, back, sizeof back, NULL, 5000);
+  int stalled = 0;
+  for (int i = 0; i < STALL_UPLOADERS; i++)
+    stalled += ferry_store_exists(h, key[i], 5000) == 0;
+  printf("# %d of %d uploaders were stopped mid-upload\n", stalled, STALL_UPLOADERS);
+  for (int i = 0; i < STALL_UPLOADERS; i++) {
+    kill(pid[i], SIGKILL);
+    tu_wait(pid[i]);
+  }
+  ferry_store_close(d);
+  ferry_ctx_close(cu);
+  ferry_store_close(h);
+  ferry_ctx_close(ch);
+  assert_true(stalled > 0); /* else the case did not happen (all finished before the stop) */
+  assert_int_equal(rc, 0);
+  assert_int_equal(get_rc, 0);
+  assert_memory_equal(v, back, sizeof v);
+}
+
 int main(int argc, char **argv) {
   ssize_t n = readlink("/proc/self/exe", self_exe, sizeof self_exe - 1);
   self_exe[n > 0 ? n : 0] = '\0';
@@ -1224,7 +1413,9 @@ int main(int argc, char **argv) {
   if (slash)
     snprintf(slash, sizeof cli_path - (size_t)(slash - cli_path), "/../ferry");
   if (argc == 3 && strcmp(argv[1], "--role") == 0)
-    return strcmp(argv[2], "owner") == 0 ? role_owner() : role_reader();
+    return strcmp(argv[2], "owner") == 0      ? role_owner()
+           : strcmp(argv[2], "uploader") == 0 ? role_uploader()
+                                              : role_reader();
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_embedded),
       cmocka_unit_test(test_redis),
@@ -1238,6 +1429,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_posted_order),
       cmocka_unit_test(test_lookup_cache),
       cmocka_unit_test(test_shared_table),
+      cmocka_unit_test(test_stopped_directory),
+      cmocka_unit_test(test_stalled_uploaders),
   };
   /* FERRY_TEST_SKIP: cases a run leaves out (tests/CMakeLists.txt says which and why) */
   if (getenv("FERRY_TEST_SKIP"))

@@ -1,6 +1,7 @@
 /*
  * `ferry ctl serve NAME --http HOST:PORT`: the control cell behind a small HTTP API
- * (libmicrohttpd, one thread per connection, since a request blocks until the ranks ack):
+ * (libmicrohttpd, one thread per connection, since a request blocks until the ranks ack; idle
+ * connections are closed and their number is bounded, see ctl_serve):
  *
  *   GET  /v1/control/NAME          status (JSON)
  *   POST /v1/control/NAME/clear    request; ?timeout_s=S or a JSON body {"timeout_s": S}
@@ -535,6 +536,16 @@ static int parse_serve_args(int argc, char **argv, server *s, struct sockaddr_in
   return parse_listen(listen, allow_remote, sa);
 }
 
+/* Half-sent requests must not pin the server: a connection idle for IDLE_S seconds (nothing
+ * received or sent; a request waiting for its ranks' acks is not idle, it runs in its handler)
+ * is closed, at most CONNECTIONS_MAX are open at once (a thread each, with a small stack), and
+ * one client address holds at most CONNECTIONS_PER_IP of them, so one flooding address cannot
+ * take the others' turn. */
+#define IDLE_S 30u
+#define CONNECTIONS_MAX 512u
+#define CONNECTIONS_PER_IP 64u
+#define THREAD_STACK (256u * 1024u)
+
 int ctl_serve(int argc, char **argv) {
   server s;
   struct sockaddr_in sa;
@@ -549,7 +560,9 @@ int ctl_serve(int argc, char **argv) {
   struct MHD_Daemon *d = MHD_start_daemon(
       MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION, 0, NULL, NULL, on_request,
       &s, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa, MHD_OPTION_NOTIFY_COMPLETED, on_completed,
-      NULL, MHD_OPTION_CONNECTION_TIMEOUT, 3600u, MHD_OPTION_END);
+      NULL, MHD_OPTION_CONNECTION_TIMEOUT, IDLE_S, MHD_OPTION_CONNECTION_LIMIT, CONNECTIONS_MAX,
+      MHD_OPTION_PER_IP_CONNECTION_LIMIT, CONNECTIONS_PER_IP, MHD_OPTION_THREAD_STACK_SIZE,
+      (size_t)THREAD_STACK, MHD_OPTION_END);
   if (!d) {
     fprintf(stderr, "ferry ctl serve: cannot listen on %s:%d\n", inet_ntoa(sa.sin_addr),
             ntohs(sa.sin_port));

@@ -9,7 +9,9 @@
  * a client with the words mapped posts). With the words it maps the server's object table
  * (table.h): a lookup reads the key's slot there and asks the server only when the slot cannot
  * prove itself current, and a posted put takes a ticket and writes its record there before it
- * is sent. A client opened with fr_dir_open_local() calls an in-process server directly.
+ * is sent. A client opened with fr_dir_open_local() calls an in-process server directly. Every
+ * operation keeps to its caller's timeout: its redial, its pages and its chunks share one
+ * deadline, and a caller waits for another one's dial no longer than its own timeout.
  */
 #include "core/channels.h"
 #include "directory/dirwire.h"
@@ -64,6 +66,13 @@ static void reply_free(reply *r) {
 
 /* ---- connecting ---- */
 
+/* Milliseconds left before a deadline, at least 1: a step after the deadline still fails by
+ * itself (with FERRY_ETIMEDOUT) instead of waiting without one. */
+static int left_ms(uint64_t deadline_ns) {
+  int ms = fr_ms_left(deadline_ns);
+  return ms > 0 ? ms : 1;
+}
+
 static int no_directory(const emb *e, int rc) {
   char why[384];
   snprintf(why, sizeof why, "%s", ferry_last_error());
@@ -116,6 +125,7 @@ static bool shm_part(const char *address, char *out, size_t cap) {
 }
 
 static int dial(emb *e, int timeout_ms, ferry_link **out) {
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
   char url[FR_DIR_ADDRESS_MAX + 8], address[FR_DIR_ADDRESS_MAX + 1];
   snprintf(url, sizeof url, "tcp://%s", e->where);
   ferry_link *l = NULL;
@@ -125,12 +135,14 @@ static int dial(emb *e, int timeout_ms, ferry_link **out) {
     return rc;
   if (rc != 0)
     return no_directory(e, rc);
-  if ((rc = hello(e, l, timeout_ms, &instance, address, sizeof address)) != 0) {
+  if ((rc = hello(e, l, left_ms(deadline), &instance, address, sizeof address)) != 0) {
     ferry_link_close(l);
     return rc;
   }
   ferry_link *shm = NULL;
-  if (shm_part(address, url, sizeof url) && ferry_connect(e->ctx, url, 1000, &shm) == 0) {
+  int shm_ms = fr_ms_left(deadline) < 1000 ? fr_ms_left(deadline) : 1000;
+  if (shm_ms > 0 && shm_part(address, url, sizeof url) &&
+      ferry_connect(e->ctx, url, shm_ms, &shm) == 0) {
     ferry_link_close(l);
     l = shm;
   }
@@ -196,9 +208,15 @@ static void watch_map(emb *e, ferry_link *l, int timeout_ms) {
   fr_err_clear();
 }
 
-/* The current link, redialled when `dead` is the current one. */
+/* The current link, redialled when `dead` is the current one. Another caller may be dialling
+ * a server that does not answer: the lock is waited for no longer than this call's timeout. */
 static int current_link(emb *e, ferry_link *dead, int timeout_ms, ferry_link **out) {
-  pthread_mutex_lock(&e->lock);
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  struct timespec ts = fr_timespec(deadline);
+  if (pthread_mutex_clocklock(&e->lock, CLOCK_MONOTONIC, &ts) != 0)
+    return fr_err(FERRY_ETIMEDOUT,
+                  "directory at ferry://%s: another call kept dialling it for %d ms", e->where,
+                  timeout_ms);
   int rc = 0;
   if (!e->link || e->link == dead) {
     if (e->link) {
@@ -211,7 +229,7 @@ static int current_link(emb *e, ferry_link *dead, int timeout_ms, ferry_link **o
       e->watch = e->table = NULL;
     }
     if ((rc = dial(e, timeout_ms, &e->link)) == 0)
-      watch_map(e, e->link, timeout_ms);
+      watch_map(e, e->link, left_ms(deadline));
   }
   if (rc == 0)
     *out = e->link;
@@ -221,15 +239,17 @@ static int current_link(emb *e, ferry_link *dead, int timeout_ms, ferry_link **o
 
 /* ---- calls ---- */
 
+/* One round trip; the redial after a dead link and the call again share its deadline. */
 static int call_link(emb *e, fr_wr *req, reply *r, int timeout_ms) {
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
   struct iovec iov = {req->p, req->len};
   ferry_link *l = NULL;
   int rc = current_link(e, NULL, timeout_ms, &l);
   if (rc == 0)
-    rc = ferry_call(l, FR_CHANNEL_DIRECTORY, &iov, 1, &r->msg, timeout_ms);
-  if (rc == FERRY_EPEER || rc == FERRY_ECLOSED) {
-    if ((rc = current_link(e, l, timeout_ms, &l)) == 0)
-      rc = ferry_call(l, FR_CHANNEL_DIRECTORY, &iov, 1, &r->msg, timeout_ms);
+    rc = ferry_call(l, FR_CHANNEL_DIRECTORY, &iov, 1, &r->msg, left_ms(deadline));
+  if ((rc == FERRY_EPEER || rc == FERRY_ECLOSED) && fr_ms_left(deadline) > 0) {
+    if ((rc = current_link(e, l, left_ms(deadline), &l)) == 0)
+      rc = ferry_call(l, FR_CHANNEL_DIRECTORY, &iov, 1, &r->msg, left_ms(deadline));
   }
   if (rc == 0)
     r->rd = fr_rd_init(r->msg->data, r->msg->len);
@@ -605,9 +625,11 @@ static int put_chunk(void *st, const fr_dir_object *objs, size_t n, unsigned fla
 static int emb_obj_put_batch(void *st, const fr_dir_object *objs, size_t n, unsigned flags,
                              int *status, fr_dir_object *replaced, bool *had_other,
                              int timeout_ms) {
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
   for (size_t i = 0; i < n; i += FR_DIR_BATCH_MAX) {
     size_t k = n - i < FR_DIR_BATCH_MAX ? n - i : FR_DIR_BATCH_MAX;
-    int rc = put_chunk(st, objs + i, k, flags, status + i, replaced + i, had_other + i, timeout_ms);
+    int rc = put_chunk(st, objs + i, k, flags, status + i, replaced + i, had_other + i,
+                       left_ms(deadline));
     if (rc != 0)
       return rc;
   }
@@ -637,9 +659,10 @@ static int get_chunk(void *st, const char *const *keys, size_t n, fr_dir_object 
 
 static int emb_obj_get(void *st, const char *const *keys, size_t n, fr_dir_object *out, int *status,
                        int timeout_ms) {
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
   for (size_t i = 0; i < n; i += FR_DIR_BATCH_MAX) {
     size_t k = n - i < FR_DIR_BATCH_MAX ? n - i : FR_DIR_BATCH_MAX;
-    int rc = get_chunk(st, keys + i, k, out + i, status + i, timeout_ms);
+    int rc = get_chunk(st, keys + i, k, out + i, status + i, left_ms(deadline));
     if (rc != 0)
       return rc;
   }
@@ -707,8 +730,9 @@ static int emb_obj_scan(void *st, const char *prefix, fr_dir_object **out, size_
   size_t n = 0, cap = 0;
   bool more = true;
   int rc = 0;
+  uint64_t deadline = fr_deadline_ns(timeout_ms); /* every page within the one call's timeout */
   while (rc == 0 && more)
-    rc = scan_page(st, prefix, n ? v[n - 1].key : "", &v, &n, &cap, &more, timeout_ms);
+    rc = scan_page(st, prefix, n ? v[n - 1].key : "", &v, &n, &cap, &more, left_ms(deadline));
   if (rc != 0) {
     free(v);
     return rc;

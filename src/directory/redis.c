@@ -5,12 +5,14 @@
  * holds the name; acc: its access blob in hex); an object is a hash ferry:o:KEY {owner, gen, rec}
  * (rec is the dirwire encoding) whose TTL follows its owner's; ferry:s:NAME lists the keys a node
  * owns so a renewal can extend them all. Each multi-step operation is one Lua script, so it is
- * atomic. One hiredis connection, serialized by a mutex, redialled once per call after an I/O
- * error; every dial sends AUTH (when the URL has a password) before SELECT. Messages name the
- * server by its redacted URL only.
+ * atomic. One hiredis connection, serialized by a mutex, redialled once per call after a broken
+ * connection; every dial sends AUTH (when the URL has a password) before SELECT. Every call
+ * returns by its caller's deadline, whatever the server does (see "connection" below). Messages
+ * name the server by its redacted URL only.
  */
 #include "directory/dirwire.h"
 
+#include <errno.h>
 #include <hiredis/hiredis.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -21,8 +23,8 @@ typedef struct rds {
   pthread_mutex_t lock;
   fr_redis_url u;
   char shown[FR_DIR_ADDRESS_MAX + 1]; /* the URL, redacted */
-  int timeout_ms;
   redisContext *c;
+  int armed_ms; /* c's socket timeouts as last armed (-1: not yet) */
   uint64_t epoch;
 } rds;
 
@@ -83,6 +85,45 @@ static const char obj_del_lua[] =
 
 /* ---- connection ---- */
 
+/* Every call carries the caller's deadline: the mutex is waited for until it, the socket's
+ * timeouts are armed to what is left of it before each command, and a redial happens only while
+ * time is left. A server that accepts but does not answer (SIGSTOPped, swapping) therefore costs
+ * the caller its timeout, never the connection's. */
+
+/* How far the armed socket timeout may lie above what is left before it is armed again: calls
+ * with the same timeout then cost no setsockopt, and a call returns at most this late. */
+#define REARM_SLACK_MS 20
+
+static int timed_out(const rds *r, const char *what, int timeout_ms) {
+  return fr_err(FERRY_ETIMEDOUT, "Redis at %s did not answer %s within %d ms", r->shown, what,
+                timeout_ms);
+}
+
+/* Arms c's send and receive timeouts to what is left before the deadline; false when nothing
+ * is left (an armed 0 would mean "wait forever"). */
+static bool arm(rds *r, redisContext *c, uint64_t deadline) {
+  int ms = fr_ms_left(deadline);
+  if (ms <= 0)
+    return false;
+  if (c != r->c || r->armed_ms < ms || r->armed_ms > ms + REARM_SLACK_MS) {
+    struct timeval tv = {ms / 1000, (ms % 1000) * 1000};
+    redisSetTimeout(c, tv);
+    if (c == r->c)
+      r->armed_ms = ms;
+  }
+  return true;
+}
+
+/* What an I/O failure on c means: the deadline passed (the server did not answer in time:
+ * FERRY_ETIMEDOUT), or the connection broke (FERRY_ECONNECT: a redial may help). */
+static int io_failure(const rds *r, const redisContext *c, const char *what, uint64_t deadline,
+                      int timeout_ms) {
+  bool late = fr_ms_left(deadline) == 0 || strcmp(c->errstr, strerror(EAGAIN)) == 0 ||
+              strcmp(c->errstr, strerror(ETIMEDOUT)) == 0;
+  return late ? timed_out(r, what, timeout_ms)
+              : fr_err(FERRY_ECONNECT, "Redis at %s: %s: %s", r->shown, what, c->errstr);
+}
+
 /* An error reply: FERRY_EAUTH when the server wants (another) password, else `other`. */
 static int error_reply(const rds *r, const char *what, const char *msg, int other) {
   if (strncmp(msg, "NOAUTH", 6) == 0)
@@ -96,10 +137,11 @@ static int error_reply(const rds *r, const char *what, const char *msg, int othe
 }
 
 /* One setup command's reply on a fresh connection (consumed). */
-static int setup_reply(const rds *r, redisContext *c, redisReply *rep, const char *what) {
+static int setup_reply(const rds *r, redisContext *c, redisReply *rep, const char *what,
+                       uint64_t deadline, int timeout_ms) {
   int rc = 0;
   if (!rep)
-    rc = fr_err(FERRY_ECONNECT, "Redis at %s: %s: %s", r->shown, what, c->errstr);
+    rc = io_failure(r, c, what, deadline, timeout_ms);
   else if (rep->type == REDIS_REPLY_ERROR)
     rc = error_reply(r, what, rep->str, FERRY_EINVAL);
   freeReplyObject(rep);
@@ -108,48 +150,71 @@ static int setup_reply(const rds *r, redisContext *c, redisReply *rep, const cha
 
 /* AUTH (when the URL has a password), SELECT (db != 0); without AUTH, a PING tells at once
  * whether the server wants a password rather than at the first real command. */
-static int setup(const rds *r, redisContext *c) {
+static int setup(rds *r, redisContext *c, uint64_t deadline, int timeout_ms) {
   int rc = 0;
+  if (r->u.auth && !arm(r, c, deadline))
+    return timed_out(r, "AUTH", timeout_ms);
   if (r->u.auth)
     rc = setup_reply(r, c,
                      r->u.user[0] ? redisCommand(c, "AUTH %s %s", r->u.user, r->u.password)
                                   : redisCommand(c, "AUTH %s", r->u.password),
-                     "AUTH");
+                     "AUTH", deadline, timeout_ms);
+  if (rc == 0 && r->u.db && !arm(r, c, deadline))
+    return timed_out(r, "SELECT", timeout_ms);
   if (rc == 0 && r->u.db)
-    rc = setup_reply(r, c, redisCommand(c, "SELECT %d", r->u.db), "SELECT");
+    rc = setup_reply(r, c, redisCommand(c, "SELECT %d", r->u.db), "SELECT", deadline, timeout_ms);
+  if (rc == 0 && !r->u.auth && !r->u.db && !arm(r, c, deadline))
+    return timed_out(r, "PING", timeout_ms);
   if (rc == 0 && !r->u.auth && !r->u.db)
-    rc = setup_reply(r, c, redisCommand(c, "PING"), "PING");
+    rc = setup_reply(r, c, redisCommand(c, "PING"), "PING", deadline, timeout_ms);
   return rc;
 }
 
-static int dial(rds *r) {
-  struct timeval tv = {r->timeout_ms / 1000, (r->timeout_ms % 1000) * 1000};
+static int dial(rds *r, uint64_t deadline, int timeout_ms) {
+  int ms = fr_ms_left(deadline);
+  if (ms <= 0)
+    return timed_out(r, "a connection", timeout_ms);
+  struct timeval tv = {ms / 1000, (ms % 1000) * 1000};
   redisContext *c = redisConnectWithTimeout(r->u.host, r->u.port, tv);
   if (!c || c->err) {
-    int rc = fr_err(FERRY_ECONNECT, "cannot reach Redis at %s: %s (is redis-server running there?)",
-                    r->shown, c ? c->errstr : "out of memory");
+    int rc = c && strcmp(c->errstr, strerror(ETIMEDOUT)) == 0
+                 ? timed_out(r, "a connection", timeout_ms)
+                 : fr_err(FERRY_ECONNECT,
+                          "cannot reach Redis at %s: %s (is redis-server running there?)", r->shown,
+                          c ? c->errstr : "out of memory");
     redisFree(c);
     return rc;
   }
-  redisSetTimeout(c, tv);
-  int rc = setup(r, c);
+  int rc = setup(r, c, deadline, timeout_ms);
   if (rc != 0) {
     redisFree(c);
     return rc;
   }
   r->c = c;
+  r->armed_ms = -1;
   r->epoch++;
   return 0;
 }
 
-/* Runs one command (binary-safe argv), redialling once after an I/O error. Lock held. */
-static int command(rds *r, int argc, const char **argv, const size_t *lens, redisReply **out) {
+/* Drops the connection: after a timeout its reply may still come, and would answer the next
+ * command. Lock held. */
+static void hang_up(rds *r) {
+  redisFree(r->c);
+  r->c = NULL;
+}
+
+/* Runs one command (binary-safe argv), redialling once after a broken connection (not after a
+ * timeout: a server that does not answer would only cost the caller more). Lock held. */
+static int command(rds *r, int argc, const char **argv, const size_t *lens, redisReply **out,
+                   uint64_t deadline, int timeout_ms) {
   for (int attempt = 0; attempt < 2; attempt++) {
     if (!r->c) {
-      int rc = dial(r);
+      int rc = dial(r, deadline, timeout_ms);
       if (rc != 0)
         return rc;
     }
+    if (!arm(r, r->c, deadline))
+      return timed_out(r, argv[0], timeout_ms);
     redisReply *rep = redisCommandArgv(r->c, argc, argv, lens);
     if (rep && rep->type == REDIS_REPLY_ERROR) {
       int rc = error_reply(r, argv[0], rep->str, FERRY_EPROTO);
@@ -160,11 +225,25 @@ static int command(rds *r, int argc, const char **argv, const size_t *lens, redi
       *out = rep;
       return 0;
     }
-    fr_warn("Redis at %s: %s; reconnecting", r->shown, r->c->errstr);
-    redisFree(r->c);
-    r->c = NULL;
+    int rc = io_failure(r, r->c, argv[0], deadline, timeout_ms);
+    hang_up(r);
+    if (rc == FERRY_ETIMEDOUT)
+      return rc;
+    fr_warn("%s; reconnecting", ferry_last_error());
   }
   return fr_err(FERRY_ECONNECT, "Redis at %s stopped answering", r->shown);
+}
+
+/* Takes the connection's mutex, waiting no later than the deadline (another caller may be
+ * waiting out its own timeout on a server that does not answer). */
+static int lock_until(rds *r, uint64_t deadline, int timeout_ms) {
+  struct timespec ts = fr_timespec(deadline);
+  int e = pthread_mutex_clocklock(&r->lock, CLOCK_MONOTONIC, &ts);
+  if (e == 0)
+    return 0;
+  return fr_err(FERRY_ETIMEDOUT,
+                "Redis at %s: the connection stayed busy with another call for %d ms", r->shown,
+                timeout_ms);
 }
 
 /* Builds an argv of NUL-terminated strings (lengths by strlen, or given in lens). */
@@ -180,11 +259,18 @@ static void arg(args *a, const char *s, size_t len) {
 }
 #define ARG(a, s) arg((a), (s), (size_t)-1)
 
-static int run(rds *r, args *a, redisReply **out) {
-  pthread_mutex_lock(&r->lock);
-  int rc = command(r, a->n, a->v, a->len, out);
+/* One command within the caller's deadline; timeout_ms only words the error. */
+static int run_until(rds *r, args *a, redisReply **out, uint64_t deadline, int timeout_ms) {
+  int rc = lock_until(r, deadline, timeout_ms);
+  if (rc != 0)
+    return rc;
+  rc = command(r, a->n, a->v, a->len, out, deadline, timeout_ms);
   pthread_mutex_unlock(&r->lock);
   return rc;
+}
+
+static int run(rds *r, args *a, redisReply **out, int timeout_ms) {
+  return run_until(r, a, out, fr_deadline_ns(timeout_ms), timeout_ms);
 }
 
 static void key_of(char *out, size_t cap, char kind, const char *name) {
@@ -234,7 +320,7 @@ static int rds_node_put(void *st, const fr_dir_node *n, int lease_ms, uint64_t t
   ARG(&a, n->address), ARG(&a, flags), ARG(&a, lease), ARG(&a, inc), ARG(&a, over);
   ARG(&a, n->name), ARG(&a, acc);
   redisReply *rep;
-  int rc = run(st, &a, &rep);
+  int rc = run(st, &a, &rep, timeout_ms);
   if (rc != 0)
     return rc;
   bool ok = rep->type == REDIS_REPLY_ARRAY && rep->elements >= 1 &&
@@ -268,7 +354,7 @@ static int rds_node_renew(void *st, const char *name, uint64_t incarnation, int 
   ARG(&a, "EVAL"), ARG(&a, renew_lua), ARG(&a, "2"), ARG(&a, k), ARG(&a, s), ARG(&a, name);
   ARG(&a, lease), ARG(&a, inc);
   redisReply *rep;
-  int rc = run(st, &a, &rep);
+  int rc = run(st, &a, &rep, timeout_ms);
   if (rc != 0)
     return rc;
   bool lapsed = rep->type == REDIS_REPLY_INTEGER && rep->integer < 0;
@@ -293,14 +379,15 @@ static bool reply_to_node(const char *name, redisReply *rep, fr_dir_node *out) {
   return true;
 }
 
-static int rds_node_get(void *st, const char *name, fr_dir_node *out, int timeout_ms) {
+static int node_get_until(rds *r, const char *name, fr_dir_node *out, uint64_t deadline,
+                          int timeout_ms) {
   char k[96];
   key_of(k, sizeof k, 'n', name);
   args a = {0};
   ARG(&a, "HMGET"), ARG(&a, k), ARG(&a, "addr"), ARG(&a, "flags"), ARG(&a, "inc");
   ARG(&a, "acc");
   redisReply *rep;
-  int rc = run(st, &a, &rep);
+  int rc = run_until(r, &a, &rep, deadline, timeout_ms);
   if (rc != 0)
     return rc;
   fr_dir_node n;
@@ -312,6 +399,10 @@ static int rds_node_get(void *st, const char *name, fr_dir_node *out, int timeou
   return 0;
 }
 
+static int rds_node_get(void *st, const char *name, fr_dir_node *out, int timeout_ms) {
+  return node_get_until(st, name, out, fr_deadline_ns(timeout_ms), timeout_ms);
+}
+
 static int rds_node_del(void *st, const char *name, uint64_t incarnation, int timeout_ms) {
   char k[96], s[96], inc[24];
   key_of(k, sizeof k, 'n', name);
@@ -321,7 +412,7 @@ static int rds_node_del(void *st, const char *name, uint64_t incarnation, int ti
   ARG(&a, "EVAL"), ARG(&a, node_del_lua), ARG(&a, "2"), ARG(&a, k), ARG(&a, s), ARG(&a, name);
   ARG(&a, inc);
   redisReply *rep;
-  int rc = run(st, &a, &rep);
+  int rc = run(st, &a, &rep, timeout_ms);
   if (rc == 0)
     freeReplyObject(rep);
   return rc;
@@ -358,7 +449,8 @@ static int keylist_add(keylist *l, const char *s, size_t len) {
   return 0;
 }
 
-static int scan_keys(rds *r, const char *pattern, keylist *out) {
+/* Every SCAN round trip within the one deadline. */
+static int scan_keys(rds *r, const char *pattern, keylist *out, uint64_t deadline, int timeout_ms) {
   char cursor[32] = "0";
   int rc = 0;
   do {
@@ -366,7 +458,7 @@ static int scan_keys(rds *r, const char *pattern, keylist *out) {
     ARG(&a, "SCAN"), ARG(&a, cursor), ARG(&a, "MATCH"), ARG(&a, pattern), ARG(&a, "COUNT");
     ARG(&a, "1000");
     redisReply *rep;
-    if ((rc = run(r, &a, &rep)) != 0)
+    if ((rc = run_until(r, &a, &rep, deadline, timeout_ms)) != 0)
       break;
     if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 2) {
       freeReplyObject(rep);
@@ -395,14 +487,15 @@ static void glob_prefix(char *out, size_t cap, const char *head, const char *pre
 }
 
 static int rds_node_list(void *st, fr_dir_node **out, size_t *count, int timeout_ms) {
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
   keylist keys = {0};
-  int rc = scan_keys(st, "ferry:n:*", &keys);
+  int rc = scan_keys(st, "ferry:n:*", &keys, deadline, timeout_ms);
   fr_dir_node *v = rc == 0 ? calloc(keys.n + 1, sizeof *v) : NULL;
   size_t n = 0;
   if (rc == 0 && !v)
     rc = fr_err(FERRY_ENOMEM, "node list");
   for (size_t i = 0; rc == 0 && i < keys.n; i++) {
-    int g = rds_node_get(st, keys.v[i] + 8, &v[n], timeout_ms);
+    int g = node_get_until(st, keys.v[i] + 8, &v[n], deadline, timeout_ms);
     if (g == 0)
       n++;
     else if (g != FERRY_ENOTFOUND) /* expired between SCAN and HMGET: skip */
@@ -480,7 +573,7 @@ static int rds_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir_
   if (rc != 0)
     return rc;
   redisReply *rep;
-  rc = run(st, &c.a, &rep);
+  rc = run(st, &c.a, &rep, timeout_ms);
   fr_wr_free(&c.w);
   if (rc != 0)
     return rc;
@@ -489,10 +582,27 @@ static int rds_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir_
   return rc;
 }
 
+/* Reads a pipeline's next reply within the deadline; on failure the connection is dropped
+ * (replies may be pending). Lock held. */
+static int pipeline_reply(rds *r, redisReply **rep, const char *what, uint64_t deadline,
+                          int timeout_ms) {
+  *rep = NULL;
+  int rc;
+  if (!arm(r, r->c, deadline))
+    rc = timed_out(r, what, timeout_ms);
+  else if (redisGetReply(r->c, (void **)rep) != REDIS_OK || !*rep)
+    rc = io_failure(r, r->c, what, deadline, timeout_ms);
+  else
+    return 0;
+  hang_up(r);
+  return rc;
+}
+
 /* Every put pipelined on the connection, then every reply. Lock held. */
 static int pipeline_put(rds *r, const fr_dir_object *objs, size_t n, unsigned flags, int *status,
-                        fr_dir_object *replaced, bool *had_other) {
-  int rc = r->c ? 0 : dial(r);
+                        fr_dir_object *replaced, bool *had_other, uint64_t deadline,
+                        int timeout_ms) {
+  int rc = r->c ? 0 : dial(r, deadline, timeout_ms);
   for (size_t i = 0; rc == 0 && i < n; i++) {
     put_cmd c;
     if ((rc = put_cmd_make(&c, &objs[i], flags)) != 0)
@@ -501,19 +611,15 @@ static int pipeline_put(rds *r, const fr_dir_object *objs, size_t n, unsigned fl
       rc = fr_err(FERRY_ENOMEM, "Redis put: pipeline");
     fr_wr_free(&c.w);
   }
+  if (rc != 0 && r->c) /* half a pipeline may be queued: start over on a new connection */
+    hang_up(r);
   for (size_t i = 0; rc == 0 && i < n; i++) {
-    redisReply *rep = NULL;
-    if (redisGetReply(r->c, (void **)&rep) != REDIS_OK || !rep) {
-      rc = fr_err(FERRY_ECONNECT, "Redis at %s: %s", r->shown, r->c->errstr);
+    redisReply *rep;
+    if ((rc = pipeline_reply(r, &rep, "a put", deadline, timeout_ms)) != 0)
       break;
-    }
     had_other[i] = false;
     status[i] = put_reply(&objs[i], rep, &replaced[i], &had_other[i]);
     freeReplyObject(rep);
-  }
-  if (rc != 0 && r->c) { /* replies may be pending: start over on a new connection */
-    redisFree(r->c);
-    r->c = NULL;
   }
   return rc;
 }
@@ -522,30 +628,29 @@ static int rds_obj_put_batch(void *st, const fr_dir_object *objs, size_t n, unsi
                              int *status, fr_dir_object *replaced, bool *had_other,
                              int timeout_ms) {
   rds *r = st;
-  pthread_mutex_lock(&r->lock);
-  int rc = pipeline_put(r, objs, n, flags, status, replaced, had_other);
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  int rc = lock_until(r, deadline, timeout_ms);
+  if (rc != 0)
+    return rc;
+  rc = pipeline_put(r, objs, n, flags, status, replaced, had_other, deadline, timeout_ms);
   if (rc == FERRY_ECONNECT) /* one redial, as for single commands (the puts are idempotent) */
-    rc = pipeline_put(r, objs, n, flags, status, replaced, had_other);
+    rc = pipeline_put(r, objs, n, flags, status, replaced, had_other, deadline, timeout_ms);
   pthread_mutex_unlock(&r->lock);
   return rc;
 }
 
-static int pipeline_get(rds *r, const char *const *keys, size_t n, fr_dir_object *out,
-                        int *status) {
-  int rc = r->c ? 0 : dial(r);
+static int pipeline_get(rds *r, const char *const *keys, size_t n, fr_dir_object *out, int *status,
+                        uint64_t deadline, int timeout_ms) {
+  int rc = r->c ? 0 : dial(r, deadline, timeout_ms);
   for (size_t i = 0; rc == 0 && i < n; i++) {
     char k[FR_DIR_KEY_MAX + 16];
     key_of(k, sizeof k, 'o', keys[i]);
     redisAppendCommand(r->c, "HGET %s rec", k);
   }
   for (size_t i = 0; rc == 0 && i < n; i++) {
-    redisReply *rep = NULL;
-    if (redisGetReply(r->c, (void **)&rep) != REDIS_OK || !rep) {
-      rc = fr_err(FERRY_ECONNECT, "Redis at %s: %s", r->shown, r->c->errstr);
-      redisFree(r->c);
-      r->c = NULL;
+    redisReply *rep;
+    if ((rc = pipeline_reply(r, &rep, "a lookup", deadline, timeout_ms)) != 0)
       break;
-    }
     status[i] = FERRY_ENOTFOUND;
     if (rep->type == REDIS_REPLY_STRING && decode_rec(rep->str, rep->len, &out[i]) == 0)
       status[i] = 0;
@@ -554,15 +659,21 @@ static int pipeline_get(rds *r, const char *const *keys, size_t n, fr_dir_object
   return rc;
 }
 
-static int rds_obj_get(void *st, const char *const *keys, size_t n, fr_dir_object *out, int *status,
-                       int timeout_ms) {
-  rds *r = st;
-  pthread_mutex_lock(&r->lock);
-  int rc = pipeline_get(r, keys, n, out, status);
+static int obj_get_until(rds *r, const char *const *keys, size_t n, fr_dir_object *out, int *status,
+                         uint64_t deadline, int timeout_ms) {
+  int rc = lock_until(r, deadline, timeout_ms);
+  if (rc != 0)
+    return rc;
+  rc = pipeline_get(r, keys, n, out, status, deadline, timeout_ms);
   if (rc == FERRY_ECONNECT) /* one redial, as for single commands */
-    rc = pipeline_get(r, keys, n, out, status);
+    rc = pipeline_get(r, keys, n, out, status, deadline, timeout_ms);
   pthread_mutex_unlock(&r->lock);
   return rc;
+}
+
+static int rds_obj_get(void *st, const char *const *keys, size_t n, fr_dir_object *out, int *status,
+                       int timeout_ms) {
+  return obj_get_until(st, keys, n, out, status, fr_deadline_ns(timeout_ms), timeout_ms);
 }
 
 static int rds_obj_del(void *st, const char *key, const char *owner, uint64_t gen,
@@ -574,7 +685,7 @@ static int rds_obj_del(void *st, const char *key, const char *owner, uint64_t ge
   ARG(&a, "EVAL"), ARG(&a, obj_del_lua), ARG(&a, "1"), ARG(&a, k), ARG(&a, owner ? owner : "");
   ARG(&a, g);
   redisReply *rep;
-  int rc = run(st, &a, &rep);
+  int rc = run(st, &a, &rep, timeout_ms);
   if (rc != 0)
     return rc;
   if (rep->type != REDIS_REPLY_STRING)
@@ -590,8 +701,9 @@ static int rds_obj_scan(void *st, const char *prefix, fr_dir_object **out, size_
                         int timeout_ms) {
   char pattern[2 * FR_DIR_KEY_MAX + 16];
   glob_prefix(pattern, sizeof pattern, "ferry:o:", prefix);
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
   keylist keys = {0};
-  int rc = scan_keys(st, pattern, &keys);
+  int rc = scan_keys(st, pattern, &keys, deadline, timeout_ms);
   fr_dir_object *v = rc == 0 ? calloc(keys.n + 1, sizeof *v) : NULL;
   int *status = rc == 0 ? calloc(keys.n + 1, sizeof *status) : NULL;
   const char **names = rc == 0 ? calloc(keys.n + 1, sizeof *names) : NULL;
@@ -600,7 +712,7 @@ static int rds_obj_scan(void *st, const char *prefix, fr_dir_object **out, size_
   for (size_t i = 0; rc == 0 && i < keys.n; i++)
     names[i] = keys.v[i] + 8; /* the object key after "ferry:o:" */
   if (rc == 0)
-    rc = rds_obj_get(st, names, keys.n, v, status, timeout_ms);
+    rc = obj_get_until(st, names, keys.n, v, status, deadline, timeout_ms);
   size_t n = 0;
   for (size_t i = 0; rc == 0 && i < keys.n; i++)
     if (status[i] == 0) /* expired between SCAN and HGET: skip */
@@ -629,9 +741,9 @@ static int rds_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **st
   fr_url_redact(url, r->shown, sizeof r->shown);
   int rc = fr_redis_url_parse(url, &r->u);
   explicit_bzero(url, sizeof url);
-  r->timeout_ms = timeout_ms > 0 ? timeout_ms : 1000;
+  timeout_ms = timeout_ms > 0 ? timeout_ms : 1000;
   if (rc == 0)
-    rc = dial(r);
+    rc = dial(r, fr_deadline_ns(timeout_ms), timeout_ms);
   if (rc != 0) {
     explicit_bzero(r, sizeof *r);
     free(r);

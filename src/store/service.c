@@ -4,12 +4,14 @@
  * owner that another node replaced its key (it frees its copy); UPLOAD asks a holder (`ferry
  * serve`) to copy a tensor out of a short-lived node's ferry memory, over the link the request
  * came on, and publish it as its own. The service thread also renews the node's lease and retires
- * replaced copies whose lingering time is up. Messages
+ * replaced copies whose lingering time is up; uploads run on threads of their own (see
+ * "uploads" below), so a stalled sender never holds back the service thread. Messages
  * are decoded by fr_store_msg_decode(), a pure function (fuzzed with the directory's decoders).
  */
 #include "store/service.h"
 #include "core/channels.h"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -218,12 +220,7 @@ static int handle(ferry_store *s, ferry_msg *msg, const fr_store_msg *m, uint64_
   }
 }
 
-static void serve_one(ferry_store *s, ferry_msg *msg) {
-  fr_store_msg m;
-  uint64_t gen = 0;
-  int rc = fr_store_msg_decode(msg->data, msg->len, &m);
-  if (rc == 0)
-    rc = handle(s, msg, &m, &gen);
+static void answer(ferry_msg *msg, int rc, uint64_t gen) {
   if (!ferry_msg_is_call(msg))
     return;
   fr_wr w = {0};
@@ -236,14 +233,137 @@ static void serve_one(ferry_store *s, ferry_msg *msg) {
   fr_wr_free(&w);
 }
 
+/* ---- uploads: each on a thread of its own ---- */
+
+/* An upload reads the whole tensor from its sender, which may stall (SIGSTOPped, swapping, a
+ * slow network) for as long as the read's timeout: on the service thread that would hold back
+ * every other upload, every delete and the lease's renewals. So each upload runs on a thread of
+ * its own, and the service thread only hands it over. A stalled sender holds its own thread
+ * until its read times out, nobody else's. At most UPLOADS_MAX run at once, and at most
+ * UPLOADS_PER_PEER for one sender: beyond, the upload is refused at once with FERRY_EBUSY (the
+ * sender may retry) rather than queued behind the ones that hold the threads. */
+#define UPLOADS_MAX 64
+#define UPLOADS_PER_PEER 8
+
+typedef struct upload {
+  ferry_store *s;
+  ferry_msg *msg;
+  fr_store_msg m;
+} upload;
+
+static pthread_mutex_t uploads_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t uploads_done = PTHREAD_COND_INITIALIZER;
+
+/* Uploads running for store s (all of them, and those from `link`). uploads_lock held. */
+typedef struct running {
+  ferry_store *s;
+  ferry_link *link;
+  struct running *next;
+} running;
+static running *uploads_running;
+
+static void count(const ferry_store *s, const ferry_link *link, int *all, int *peer) {
+  *all = *peer = 0;
+  for (running *r = uploads_running; r; r = r->next)
+    if (r->s == s) {
+      (*all)++;
+      *peer += r->link == link;
+    }
+}
+
+static void *upload_main(void *arg) {
+  upload *u = arg;
+  uint64_t gen = 0;
+  int rc = handle(u->s, u->msg, &u->m, &gen);
+  answer(u->msg, rc, gen);
+  pthread_mutex_lock(&uploads_lock);
+  for (running **r = &uploads_running; *r; r = &(*r)->next)
+    if ((*r)->s == u->s && (*r)->link == u->msg->link) {
+      running *gone = *r;
+      *r = gone->next;
+      free(gone);
+      break;
+    }
+  pthread_cond_broadcast(&uploads_done);
+  pthread_mutex_unlock(&uploads_lock);
+  ferry_msg_free(u->msg);
+  free(u);
+  return NULL;
+}
+
+/* Starts msg's upload on a thread of its own (it then owns msg); else the error to answer. */
+static int upload_start(ferry_store *s, ferry_msg *msg, const fr_store_msg *m) {
+  upload *u = malloc(sizeof *u);
+  running *r = malloc(sizeof *r);
+  pthread_mutex_lock(&uploads_lock);
+  int all, peer;
+  count(s, msg->link, &all, &peer);
+  pthread_t t;
+  pthread_attr_t attr;
+  bool ok = false;
+  int rc = 0;
+  if (!u || !r) {
+    rc = fr_err(FERRY_ENOMEM, "store '%s': upload '%s'", s->name, m->key);
+  } else if (all >= UPLOADS_MAX || peer >= UPLOADS_PER_PEER) {
+    rc = fr_err(FERRY_EBUSY,
+                "store '%s' is busy: %d uploads in progress (%d from '%s'); retry later", s->name,
+                all, peer, ferry_link_peer(msg->link));
+  } else {
+    *u = (upload){.s = s, .msg = msg, .m = *m};
+    *r = (running){.s = s, .link = msg->link, .next = uploads_running};
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    ok = pthread_create(&t, &attr, upload_main, u) == 0;
+    pthread_attr_destroy(&attr);
+    if (ok)
+      uploads_running = r;
+    else
+      rc = fr_err(FERRY_ESYS, "store '%s': cannot start a thread for upload '%s'", s->name, m->key);
+  }
+  pthread_mutex_unlock(&uploads_lock);
+  if (!ok) {
+    free(u);
+    free(r);
+  }
+  return rc;
+}
+
+/* Waits for store s's uploads to finish (each is bounded by its timeout). */
+static void uploads_wait(ferry_store *s) {
+  pthread_mutex_lock(&uploads_lock);
+  for (;;) {
+    int all, peer;
+    count(s, NULL, &all, &peer);
+    if (all == 0)
+      break;
+    pthread_cond_wait(&uploads_done, &uploads_lock);
+  }
+  pthread_mutex_unlock(&uploads_lock);
+}
+
+/* Answers one message; returns false when an upload thread took msg over. */
+static bool serve_one(ferry_store *s, ferry_msg *msg) {
+  fr_store_msg m;
+  uint64_t gen = 0;
+  int rc = fr_store_msg_decode(msg->data, msg->len, &m);
+  if (rc == 0 && m.op == FR_SMSG_UPLOAD && (s->flags & FERRY_STORE_HOLDER)) {
+    if ((rc = upload_start(s, msg, &m)) == 0)
+      return false;
+  } else if (rc == 0) {
+    rc = handle(s, msg, &m, &gen);
+  }
+  answer(msg, rc, gen);
+  return true;
+}
+
 static void *service_main(void *arg) {
   ferry_store *s = arg;
   while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
     ferry_msg *m = NULL;
     int rc = ferry_recv(s->ctx, FR_CHANNEL_STORE, &m, 50);
     if (rc == 0) {
-      serve_one(s, m);
-      ferry_msg_free(m);
+      if (serve_one(s, m))
+        ferry_msg_free(m);
     } else if (rc == FERRY_ECLOSED) {
       break;
     }
@@ -266,5 +386,6 @@ void fr_store_service_stop(ferry_store *s) {
   __atomic_store_n(&s->stop, true, __ATOMIC_RELEASE);
   if (s->service_started)
     pthread_join(s->service, NULL);
+  uploads_wait(s); /* they publish into this store */
   s->service_started = false;
 }
