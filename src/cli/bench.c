@@ -33,6 +33,18 @@ void bench_add(bench_samples *b, double seconds) {
 }
 
 void bench_reset(bench_samples *b) { b->n = 0; }
+
+bench_until bench_until_start(int reps, int least, double budget_s) {
+  return (bench_until){reps, least < reps ? least : reps,
+                       budget_s > 0 ? bench_now() + budget_s : 0};
+}
+
+bool bench_done(const bench_until *u, size_t n) {
+  if (n >= (size_t)u->reps)
+    return true;
+  return u->end > 0 && n >= (size_t)u->least && bench_now() >= u->end;
+}
+
 void bench_free(bench_samples *b) {
   free(b->s);
   *b = (bench_samples){0};
@@ -174,7 +186,8 @@ static const char bench_usage[] =
     "                    min_s, max_s, p99_s, gbps\n"
     "  --reps N          repetitions per size (default: by size)\n"
     "  --max-size BYTES  largest transfer (link; default 1G; K/M/G or KiB/MiB/GiB)\n"
-    "  --full            run the longer sweep\n"
+    "  --full            the longer sweep (every size, more repetitions); by default a\n"
+    "                    mode runs the rows docs/PERFORMANCE.md's targets read\n"
     "`ferry bench <mode> --help` lists a mode's own options.\n\n"
     "The 'vs base' column is the baseline's median / this row's median: >1 is faster.\n"
     "These machines are shared and noisy: compare ratios within one run.\n";
