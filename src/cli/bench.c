@@ -6,11 +6,13 @@
 #include "cli/args.h"
 #include "cli/bench.h"
 #include "cli/cli.h"
+#include "ferry.h"
 
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -43,6 +45,22 @@ bool bench_done(const bench_until *u, size_t n) {
   if (n >= (size_t)u->reps)
     return true;
   return u->end > 0 && n >= (size_t)u->least && bench_now() >= u->end;
+}
+
+bool bench_token_begin(void) {
+  const char *t = ferry_config_get("FERRY_TOKEN");
+  uint8_t r[16];
+  if ((t && *t) || getrandom(r, sizeof r, 0) != (ssize_t)sizeof r)
+    return false;
+  char hex[2 * sizeof r + 1];
+  for (size_t i = 0; i < sizeof r; i++)
+    snprintf(hex + 2 * i, 3, "%02x", r[i]);
+  return setenv("FERRY_TOKEN", hex, 1) == 0;
+}
+
+void bench_token_end(bool set) {
+  if (set)
+    unsetenv("FERRY_TOKEN");
 }
 
 void bench_free(bench_samples *b) {

@@ -61,6 +61,12 @@ typedef struct bench_until {
 bench_until bench_until_start(int reps, int least, double budget_s);
 bool bench_done(const bench_until *u, size_t n);
 
+/* The cases between network namespaces listen beyond loopback, where a node needs the fleet
+ * token (docs/SECURITY.md): without FERRY_TOKEN set, bench_token_begin sets a random one for
+ * the case (the processes it starts inherit it) and says so; bench_token_end(that) unsets it. */
+bool bench_token_begin(void);
+void bench_token_end(bool set);
+
 int bench_link(int argc, char **argv);
 int bench_control(int argc, char **argv);
 int bench_store(int argc, char **argv);

@@ -457,7 +457,9 @@ static int run_hosts(const bench_opts *o, int reps) {
   }
   model m;
   model_make(&m, 128ull << 20, 0);
+  bool token = bench_token_begin();
   int rc = in_trainer_ns(hosts_cases, o, &m, reps);
+  bench_token_end(token);
   model_free(&m);
   hosts_down(4);
   return rc;
