@@ -6,11 +6,13 @@
 #include "cli/args.h"
 #include "cli/bench.h"
 #include "cli/cli.h"
+#include "ferry.h"
 
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -33,6 +35,34 @@ void bench_add(bench_samples *b, double seconds) {
 }
 
 void bench_reset(bench_samples *b) { b->n = 0; }
+
+bench_until bench_until_start(int reps, int least, double budget_s) {
+  return (bench_until){reps, least < reps ? least : reps,
+                       budget_s > 0 ? bench_now() + budget_s : 0};
+}
+
+bool bench_done(const bench_until *u, size_t n) {
+  if (n >= (size_t)u->reps)
+    return true;
+  return u->end > 0 && n >= (size_t)u->least && bench_now() >= u->end;
+}
+
+bool bench_token_begin(void) {
+  const char *t = ferry_config_get("FERRY_TOKEN");
+  uint8_t r[16];
+  if ((t && *t) || getrandom(r, sizeof r, 0) != (ssize_t)sizeof r)
+    return false;
+  char hex[2 * sizeof r + 1];
+  for (size_t i = 0; i < sizeof r; i++)
+    snprintf(hex + 2 * i, 3, "%02x", r[i]);
+  return setenv("FERRY_TOKEN", hex, 1) == 0;
+}
+
+void bench_token_end(bool set) {
+  if (set)
+    unsetenv("FERRY_TOKEN");
+}
+
 void bench_free(bench_samples *b) {
   free(b->s);
   *b = (bench_samples){0};
@@ -174,7 +204,8 @@ static const char bench_usage[] =
     "                    min_s, max_s, p99_s, gbps\n"
     "  --reps N          repetitions per size (default: by size)\n"
     "  --max-size BYTES  largest transfer (link; default 1G; K/M/G or KiB/MiB/GiB)\n"
-    "  --full            run the longer sweep\n"
+    "  --full            the longer sweep (every size, more repetitions); by default a\n"
+    "                    mode runs the rows docs/PERFORMANCE.md's targets read\n"
     "`ferry bench <mode> --help` lists a mode's own options.\n\n"
     "The 'vs base' column is the baseline's median / this row's median: >1 is faster.\n"
     "These machines are shared and noisy: compare ratios within one run.\n";

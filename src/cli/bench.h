@@ -51,6 +51,22 @@ int bench_read_all(int fd, void *buf, size_t len);
 /* "64KiB", "1GiB", "64B" */
 const char *bench_size_name(uint64_t bytes, char *buf, size_t len);
 
+/* When a timing loop stops: after `reps` samples, or, given a budget, once `budget_s` seconds
+ * have passed since bench_until_start with at least `least` samples (the default runs keep to
+ * a time budget; --full and --reps take exactly `reps`). */
+typedef struct bench_until {
+  int reps, least;
+  double end; /* bench_now() deadline; 0: none */
+} bench_until;
+bench_until bench_until_start(int reps, int least, double budget_s);
+bool bench_done(const bench_until *u, size_t n);
+
+/* The cases between network namespaces listen beyond loopback, where a node needs the fleet
+ * token (docs/SECURITY.md): without FERRY_TOKEN set, bench_token_begin sets a random one for
+ * the case (the processes it starts inherit it) and says so; bench_token_end(that) unsets it. */
+bool bench_token_begin(void);
+void bench_token_end(bool set);
+
 int bench_link(int argc, char **argv);
 int bench_control(int argc, char **argv);
 int bench_store(int argc, char **argv);

@@ -33,11 +33,11 @@ typedef struct legacy_cell { /* the one-int32 design, plus the bench's own stop 
 } legacy_cell;
 
 static const char control_usage[] =
-    "usage: ferry bench control [--json] [--reps N]\n\n"
+    "usage: ferry bench control [--json] [--reps N] [--full]\n\n"
     "Request-to-all-acked latency with 1 and 8 rank processes: ferry's control cell vs the\n"
     "one-int32 polled design it replaces (1 s and 1 ms polls) and a pipe ping-pong.\n"
     "--reps N sets the repetitions of the fast rows (default 2000); the 1 ms poll runs\n"
-    "N/10 and the 1 s poll 3.\n";
+    "N/10 and the 1 s poll 3. --full runs the same: the default run already holds every row.\n";
 
 static void sleep_ms(int ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};

@@ -13,6 +13,10 @@
  * the sm rows, one process_vm_readv of the owner's region (`cma`), the copy UCX's shared-memory
  * rendezvous makes for memory it did not allocate. From 16 MiB, the ferry/tcp and ferry/ucx-tcp
  * reads take turns, so the two rows, whose ratio is a target, see the same load.
+ *
+ * By default the run holds the rows the targets are judged by (docs/PERFORMANCE.md): reads of
+ * 64 MiB and the 64-byte round trips, these for a time budget. `--full` reads every size from
+ * 4 KiB to --max-size with ucx_perftest beside the ucx rows, and 20,000 round trips a row.
  */
 #include "cli/bench.h"
 #include "cli/cli.h"
@@ -175,7 +179,7 @@ typedef struct reader {
   ferry_region_ref ucx_ref[2];
   int sock;
   uint8_t *src, *dst; /* memcpy baseline source; destination of every read */
-  bool perftest;      /* ucx_perftest is installed */
+  bool perftest;      /* ucx_perftest is installed and --full asked for its rows */
   pid_t owner;
   uint64_t ucx_mem[2];
 } reader;
@@ -187,6 +191,28 @@ static int reps_for(const bench_opts *o, uint64_t bytes) {
   return r < 5 ? 5 : r > 200 ? 200 : (int)r;
 }
 
+/* A row's samples: `reps` with --full or --reps; by default up to `reps` within `budget_s`
+ * seconds, and at least `least`. */
+static bench_until until_for(const bench_opts *o, int reps, int least, double budget_s) {
+  return o->full || o->reps > 0 ? bench_until_start(reps, reps, 0)
+                                : bench_until_start(reps, least, budget_s);
+}
+
+/* A read row of the default run: up to reps_for's count within READ_BUDGET_S seconds, at least
+ * READ_LEAST (a 64 MiB read takes 5-50 ms here: 60-64 samples on a quiet machine). */
+#define READ_LEAST 20
+#define READ_BUDGET_S 3.0
+static bench_until read_until(const bench_opts *o, int reps) {
+  return until_for(o, reps, READ_LEAST, READ_BUDGET_S);
+}
+
+/* The reads of the default run: 64 MiB, the size the targets read (less with a smaller
+ * --max-size). */
+#define TARGET_READ_BYTES (64ull << 20)
+static uint64_t largest_read(const bench_opts *o) {
+  return o->full || o->max_size < TARGET_READ_BYTES ? o->max_size : TARGET_READ_BYTES;
+}
+
 static const ferry_region_ref *ref_of(reader *r, ferry_link *l) {
   for (int i = 0; i < UCX_FLAVORS; i++)
     if (l == r->ucx[i])
@@ -194,10 +220,11 @@ static const ferry_region_ref *ref_of(reader *r, ferry_link *l) {
   return &r->ref;
 }
 
-static int time_ferry_read(reader *r, ferry_link *l, uint64_t bytes, int reps, bench_samples *b) {
+static int time_ferry_read(reader *r, ferry_link *l, uint64_t bytes, bench_until u,
+                           bench_samples *b) {
   const ferry_region_ref *ref = ref_of(r, l);
   int rc = ferry_read(l, ref, 0, r->dst, bytes, -1); /* warm-up: maps, faults */
-  for (int i = 0; i < reps && rc == 0; i++) {
+  while (rc == 0 && !bench_done(&u, b->n)) {
     double t = bench_now();
     rc = ferry_read(l, ref, 0, r->dst, bytes, -1);
     bench_add(b, bench_now() - t);
@@ -213,12 +240,12 @@ static int time_ferry_read(reader *r, ferry_link *l, uint64_t bytes, int reps, b
  * windows moves their ratio). Only reads that take milliseconds: a short read that follows the
  * other link's would time its own link waking up from idle. */
 #define TURNS_MIN_BYTES (16ull << 20)
-static int time_ferry_reads_in_turns(reader *r, ferry_link *const l[2], uint64_t bytes, int reps,
-                                     bench_samples *const b[2]) {
+static int time_ferry_reads_in_turns(reader *r, ferry_link *const l[2], uint64_t bytes,
+                                     bench_until u, bench_samples *const b[2]) {
   int rc = 0;
   for (int k = 0; k < 2 && rc == 0; k++) /* warm-up */
     rc = ferry_read(l[k], ref_of(r, l[k]), 0, r->dst, bytes, -1);
-  for (int i = 0; i < 2 * reps && rc == 0; i++) {
+  for (int i = 0; rc == 0 && (i % 2 || !bench_done(&u, (size_t)i / 2)); i++) {
     int k = (i & 1) ^ ((i >> 1) & 1); /* turns: 0 1, 1 0, 0 1, ... */
     double t = bench_now();
     rc = ferry_read(l[k], ref_of(r, l[k]), 0, r->dst, bytes, -1);
@@ -230,8 +257,8 @@ static int time_ferry_reads_in_turns(reader *r, ferry_link *const l[2], uint64_t
   return rc;
 }
 
-static int time_socket_read(reader *r, uint64_t bytes, int reps, bench_samples *b) {
-  for (int i = 0; i <= reps; i++) {
+static int time_socket_read(reader *r, uint64_t bytes, bench_until u, bench_samples *b) {
+  for (int i = 0; i == 0 || !bench_done(&u, b->n); i++) {
     double t = bench_now();
     if (bench_write_all(r->sock, &bytes, sizeof bytes) != 0 ||
         bench_read_all(r->sock, r->dst, bytes) != 0) {
@@ -244,9 +271,9 @@ static int time_socket_read(reader *r, uint64_t bytes, int reps, bench_samples *
   return 0;
 }
 
-static void time_memcpy(reader *r, uint64_t bytes, int reps, bench_samples *b) {
+static void time_memcpy(reader *r, uint64_t bytes, bench_until u, bench_samples *b) {
   memcpy(r->dst, r->src, bytes);
-  for (int i = 0; i < reps; i++) {
+  while (!bench_done(&u, b->n)) {
     double t = bench_now();
     memcpy(r->dst, r->src, bytes);
     __asm__ volatile("" ::"r"(r->dst) : "memory");
@@ -298,8 +325,8 @@ static double perftest_put(const char *tls, uint64_t bytes, int reps) {
 
 /* The copy UCX's shared-memory rendezvous makes for memory it did not allocate: one
  * process_vm_readv (cma) of the owner's region, as a limit for the ucx-sm rows. */
-static int time_cma(reader *r, uint64_t bytes, int reps, bench_samples *b) {
-  for (int i = 0; i <= reps; i++) {
+static int time_cma(reader *r, uint64_t bytes, bench_until u, bench_samples *b) {
+  for (int i = 0; i == 0 || !bench_done(&u, b->n); i++) {
     struct iovec local = {r->dst, bytes}, remote = {(void *)(uintptr_t)r->ucx_mem[0], bytes};
     double t = bench_now();
     if (process_vm_readv(r->owner, &local, 1, &remote, 1, 0) != (ssize_t)bytes)
@@ -316,12 +343,12 @@ static int bench_ucx_reads(reader *r, const char *name, int i, uint64_t bytes, i
   char impl[32];
   if (i == 0) {
     bench_reset(b);
-    if (time_cma(r, bytes, reps, b) == 0)
+    if (time_cma(r, bytes, read_until(r->o, reps), b) == 0)
       bench_row(r->o, "link", name, "cma", bytes, b, false);
   }
   snprintf(impl, sizeof impl, "ferry/ucx-%s", ucx_tls[i]);
   bench_reset(b);
-  int rc = taken ? 0 : time_ferry_read(r, r->ucx[i], bytes, reps, b);
+  int rc = taken ? 0 : time_ferry_read(r, r->ucx[i], bytes, read_until(r->o, reps), b);
   bench_row(r->o, "link", name, impl, bytes, taken ? taken : b, false);
   bench_reset(b);
   double put = rc == 0 && r->perftest ? perftest_put(ucx_tls[i], bytes, reps) : -1;
@@ -338,23 +365,24 @@ static int bench_reads(reader *r, uint64_t bytes) {
   snprintf(name, sizeof name, "read-%s", bench_size_name(bytes, size, sizeof size));
   int reps = reps_for(r->o, bytes);
   bench_samples b = {0};
-  time_memcpy(r, bytes, reps, &b);
+  time_memcpy(r, bytes, read_until(r->o, reps), &b);
   bench_row(r->o, "link", name, "memcpy", bytes, &b, true);
   bench_reset(&b);
-  int rc = time_ferry_read(r, r->shm, bytes, reps, &b);
+  int rc = time_ferry_read(r, r->shm, bytes, read_until(r->o, reps), &b);
   bench_row(r->o, "link", name, "ferry/shm", bytes, &b, false);
   if (rc == 0 && UCX_FLAVORS > 0)
     rc = bench_ucx_reads(r, name, 0, bytes, reps, &b, NULL);
   bench_reset(&b);
-  if (rc == 0 && (rc = time_socket_read(r, bytes, reps, &b)) == 0)
+  if (rc == 0 && (rc = time_socket_read(r, bytes, read_until(r->o, reps), &b)) == 0)
     bench_row(r->o, "link", name, "socket", bytes, &b, true);
   bench_reset(&b);
   bench_samples ucx_tcp = {0};
   if (rc == 0 && UCX_FLAVORS > 1 && bytes >= TURNS_MIN_BYTES) /* ferry/tcp and ucx-tcp in turns */
-    rc = time_ferry_reads_in_turns(r, (ferry_link *const[2]){r->tcp, r->ucx[1]}, bytes, reps,
+    rc = time_ferry_reads_in_turns(r, (ferry_link *const[2]){r->tcp, r->ucx[1]}, bytes,
+                                   until_for(r->o, reps, READ_LEAST, 2 * READ_BUDGET_S),
                                    (bench_samples *const[2]){&b, &ucx_tcp});
   else if (rc == 0)
-    rc = time_ferry_read(r, r->tcp, bytes, reps, &b);
+    rc = time_ferry_read(r, r->tcp, bytes, read_until(r->o, reps), &b);
   bench_row(r->o, "link", name, "ferry/tcp", bytes, &b, false);
   if (rc == 0 && UCX_FLAVORS > 1)
     rc = bench_ucx_reads(r, name, 1, bytes, reps, &b, bytes >= TURNS_MIN_BYTES ? &ucx_tcp : NULL);
@@ -363,10 +391,10 @@ static int bench_reads(reader *r, uint64_t bytes) {
   return rc;
 }
 
-static int time_echo(ferry_ctx *ctx, ferry_link *l, int reps, bench_samples *b) {
+static int time_echo(ferry_ctx *ctx, ferry_link *l, bench_until u, bench_samples *b) {
   char msg[64] = "ping";
   struct iovec iov = {msg, sizeof msg};
-  for (int i = 0; i <= reps; i++) {
+  for (int i = 0; i == 0 || !bench_done(&u, b->n); i++) {
     double t = bench_now();
     ferry_msg *m;
     int rc = ferry_send(l, ECHO_CHANNEL, &iov, 1, -1);
@@ -384,38 +412,46 @@ static int time_echo(ferry_ctx *ctx, ferry_link *l, int reps, bench_samples *b) 
   return 0;
 }
 
+/* A round-trip row of the default run: up to 20,000 within RTT_BUDGET_S seconds, at least
+ * RTT_LEAST (their targets read medians). */
+#define RTT_REPS 20000
+#define RTT_LEAST 2000
+#define RTT_BUDGET_S 1.0
+static bench_until rtt_until(const bench_opts *o) {
+  return until_for(o, o->reps > 0 ? o->reps : RTT_REPS, RTT_LEAST, RTT_BUDGET_S);
+}
+
 static int bench_round_trips(reader *r) {
-  int reps = r->o->reps > 0 ? r->o->reps : 20000;
   bench_samples b = {0};
-  int rc = time_socket_read(r, 64, reps, &b);
+  int rc = time_socket_read(r, 64, rtt_until(r->o), &b);
   bench_row(r->o, "link", "rtt-64B", "socket", 64, &b, true);
   bench_reset(&b);
-  if (rc == 0 && (rc = time_echo(r->ctx, r->shm, reps, &b)) == 0)
+  if (rc == 0 && (rc = time_echo(r->ctx, r->shm, rtt_until(r->o), &b)) == 0)
     bench_row(r->o, "link", "rtt-64B", "ferry/shm", 64, &b, false);
   bench_reset(&b);
-  if (rc == 0 && (rc = time_echo(r->ctx, r->tcp, reps, &b)) == 0)
+  if (rc == 0 && (rc = time_echo(r->ctx, r->tcp, rtt_until(r->o), &b)) == 0)
     bench_row(r->o, "link", "rtt-64B", "ferry/tcp", 64, &b, false);
   for (int i = 0; i < UCX_FLAVORS && rc == 0; i++) {
     char impl[32];
     snprintf(impl, sizeof impl, "ferry/ucx-%s", ucx_tls[i]);
     bench_reset(&b);
-    if ((rc = time_echo(r->ucx_ctx[i], r->ucx[i], reps, &b)) == 0)
+    if ((rc = time_echo(r->ucx_ctx[i], r->ucx[i], rtt_until(r->o), &b)) == 0)
       bench_row(r->o, "link", "rtt-64B", impl, 64, &b, false);
   }
   bench_reset(&b);
-  if (rc == 0 && (rc = time_socket_read(r, 64, reps, &b)) == 0)
+  if (rc == 0 && (rc = time_socket_read(r, 64, rtt_until(r->o), &b)) == 0)
     bench_row(r->o, "link", "read-64B", "socket", 64, &b, true);
   bench_reset(&b);
-  if (rc == 0 && (rc = time_ferry_read(r, r->tcp, 64, reps, &b)) == 0)
+  if (rc == 0 && (rc = time_ferry_read(r, r->tcp, 64, rtt_until(r->o), &b)) == 0)
     bench_row(r->o, "link", "read-64B", "ferry/tcp", 64, &b, false);
   bench_reset(&b);
-  if (rc == 0 && (rc = time_ferry_read(r, r->shm, 64, reps, &b)) == 0)
+  if (rc == 0 && (rc = time_ferry_read(r, r->shm, 64, rtt_until(r->o), &b)) == 0)
     bench_row(r->o, "link", "read-64B", "ferry/shm", 64, &b, false);
   for (int i = 0; i < UCX_FLAVORS && rc == 0; i++) {
     char impl[32];
     snprintf(impl, sizeof impl, "ferry/ucx-%s", ucx_tls[i]);
     bench_reset(&b);
-    if ((rc = time_ferry_read(r, r->ucx[i], 64, reps, &b)) == 0)
+    if ((rc = time_ferry_read(r, r->ucx[i], 64, rtt_until(r->o), &b)) == 0)
       bench_row(r->o, "link", "read-64B", impl, 64, &b, false);
   }
   bench_free(&b);
@@ -450,7 +486,8 @@ static int connect_all(reader *r, const owner_info *info) {
     return cli_fail("bench link", rc, "connect to the owner");
   r->ref = info->ref;
   memcpy(r->ucx_mem, info->ucx_mem, sizeof r->ucx_mem);
-  r->perftest = UCX_FLAVORS > 0 && system("command -v ucx_perftest >/dev/null 2>&1") == 0;
+  r->perftest =
+      UCX_FLAVORS > 0 && r->o->full && system("command -v ucx_perftest >/dev/null 2>&1") == 0;
   r->sock = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in sa = {.sin_family = AF_INET,
                            .sin_port = htons((uint16_t)info->socket_port),
@@ -465,11 +502,14 @@ static int connect_all(reader *r, const owner_info *info) {
 }
 
 static const char link_usage[] =
-    "usage: ferry bench link [--json] [--reps N] [--max-size BYTES]\n\n"
-    "One-sided reads of 4 KiB..1 GiB (up to --max-size) from another process, over ferry\n"
-    "shm and tcp, against memcpy and a plain loopback socket stream; 64-byte round trips\n"
-    "(message echo and one-sided read) against a plain socket ping-pong. With UCX: ucx\n"
-    "rows under UCX_TLS=sm and UCX_TLS=tcp, and ucx_perftest's put bandwidth beside them.\n";
+    "usage: ferry bench link [--json] [--reps N] [--max-size BYTES] [--full]\n\n"
+    "One-sided reads of 64 MiB (--full: every size of 4 KiB..1 GiB, up to --max-size) from\n"
+    "another process, over ferry shm and tcp, against memcpy and a plain loopback socket\n"
+    "stream; 64-byte round trips (message echo and one-sided read) against a plain socket\n"
+    "ping-pong. With UCX: ucx rows under UCX_TLS=sm and UCX_TLS=tcp (--full: and\n"
+    "ucx_perftest's put bandwidth beside them). By default each row takes its samples within\n"
+    "a few seconds (64 MiB reads: up to 64, at least 20; round trips: up to 20,000, at least\n"
+    "2,000); --full and --reps N take a fixed count (reads: by size; round trips: 20,000).\n";
 
 int bench_link(int argc, char **argv) {
   bench_opts o = {.max_size = 1ull << 30};
@@ -483,24 +523,27 @@ int bench_link(int argc, char **argv) {
   pid_t pid = fork();
   if (pid == 0) {
     close(quit_pipe[1]);
-    _exit(owner_main(info_pipe[1], quit_pipe[0], o.max_size));
+    _exit(owner_main(info_pipe[1], quit_pipe[0], largest_read(&o)));
   }
   close(quit_pipe[0]);
   owner_info info;
   reader r = {.o = &o, .owner = pid};
   int rc =
       bench_read_all(info_pipe[0], &info, sizeof info) == 0 ? connect_all(&r, &info) : CLI_FAIL;
+  uint64_t largest = largest_read(&o);
   if (rc == 0) {
-    r.src = malloc(o.max_size);
-    r.dst = malloc(o.max_size);
+    r.src = malloc(largest);
+    r.dst = malloc(largest);
     if (!r.src || !r.dst)
       rc = CLI_FAIL;
     else
-      memset(r.src, 0x5a, o.max_size), memset(r.dst, 0, o.max_size);
+      memset(r.src, 0x5a, largest), memset(r.dst, 0, largest);
   }
   bench_header(&o, "ferry bench link (one-sided reads from another process; vs base = speed)");
-  for (uint64_t s = 4096; rc == 0 && s <= o.max_size; s *= (s < (1 << 20) ? 16 : 4))
+  for (uint64_t s = 4096; o.full && rc == 0 && s <= o.max_size; s *= (s < (1 << 20) ? 16 : 4))
     rc = bench_reads(&r, s);
+  if (!o.full && rc == 0 && largest > 0)
+    rc = bench_reads(&r, largest);
   if (rc == 0)
     rc = bench_round_trips(&r);
   ferry_link_close(r.shm);

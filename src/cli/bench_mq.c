@@ -380,13 +380,22 @@ typedef struct plan {
   bench_samples memcpy_s[8]; /* the reference, taking turns with ferry/shm's streams */
 } plan;
 
+/* A latency row's pings: 5,000 up to 16 KiB, 500 from 256 KiB, after a tenth of that as a
+ * warm-up. By default (no --full, no --reps) a row up to 16 KiB stops after LAT_BUDGET_S seconds
+ * if it has LAT_LEAST (its p99 is a target: enough samples that the 99th percentile is not one
+ * outlier), and the warm-up is a fiftieth. */
+#define LAT_LEAST 1000
+#define LAT_BUDGET_S 1.0
 static int latency(const bench_opts *o, const impl *im, ep *e, uint64_t size, bench_samples *b) {
   int reps = o->reps > 0 ? o->reps : size <= 16384 ? 5000 : size <= (1 << 20) ? 500 : 50;
+  bool fixed = o->full || o->reps > 0;
   uint8_t *msg = calloc(1, size);
   int rc = msg ? 0 : -1;
-  for (int i = 0; rc == 0 && i < reps / 10 + 1; i++) /* warm-up */
+  for (int i = 0; rc == 0 && i < reps / (fixed ? 10 : 50) + 1; i++) /* warm-up */
     rc = ping(e, msg, size);
-  for (int i = 0; rc == 0 && i < reps; i++) {
+  bench_until u =
+      bench_until_start(reps, fixed || size > 16384 ? reps : LAT_LEAST, fixed ? 0 : LAT_BUDGET_S);
+  while (rc == 0 && !bench_done(&u, b->n)) {
     double t = bench_now();
     rc = ping(e, msg, size);
     bench_add(b, (bench_now() - t) / 2);
@@ -460,15 +469,43 @@ static double copy_stream(copier *c, uint64_t size) {
 }
 
 /* Streams of one size; with `mc`, a memcpy stream after each one (the reference takes turns
- * with ferry/shm, so a slower phase of the shared machine's memory hits both alike). */
+ * with ferry/shm, so a slower phase of the shared machine's memory hits both alike). 5 streams
+ * (3 from 16 MiB); by default (no --full, no --reps) no more once STREAM_BUDGET_S seconds have
+ * passed: a baseline that takes seconds a stream (nng's small messages, 64 MiB) runs one. */
+#define STREAM_BUDGET_S 1.0
+
+/* The messages of each stream: 128 MiB worth (stream_count). By default, when that is 1,024 or
+ * more (small messages), as many as STREAM_RUN_S seconds take at the rate a probe stream of a
+ * sixteenth of them measured (it also warms up; it is not a sample), never fewer than 1,024:
+ * nng's 64-byte stream, 60 µs a message here, would take 6 s a run. A faster implementation
+ * keeps 128 MiB worth. */
+#define STREAM_RUN_S 0.2
+#define STREAM_PROBE_MIN 1024
+static int stream_messages(const bench_opts *o, ep *e, uint64_t size, uint64_t *n) {
+  *n = stream_count(size);
+  if (o->full || o->reps > 0 || *n < STREAM_PROBE_MIN)
+    return 0;
+  double per = 0;
+  int rc = stream_once(e, size, *n / 16, &per);
+  double fit = per > 0 ? STREAM_RUN_S / per : (double)*n;
+  if (rc == 0 && fit < (double)*n)
+    *n = fit < STREAM_PROBE_MIN ? STREAM_PROBE_MIN : (uint64_t)fit;
+  return rc;
+}
+
 static int throughput(const bench_opts *o, const impl *im, ep *e, uint64_t size, bench_samples *b,
                       bench_samples *mc) {
   int reps = o->reps > 0 ? o->reps : size >= (16 << 20) ? 3 : 5;
+  bool fixed = o->full || o->reps > 0;
   copier c = {0};
+  uint64_t n = 0;
   int rc = mc ? copier_open(&c, size) : 0;
-  for (int i = 0; rc == 0 && i < reps; i++) {
+  if (rc == 0)
+    rc = stream_messages(o, e, size, &n);
+  bench_until u = bench_until_start(reps, fixed ? reps : 1, fixed ? 0 : STREAM_BUDGET_S);
+  while (rc == 0 && !bench_done(&u, b->n)) {
     double s;
-    if ((rc = stream_once(e, size, stream_count(size), &s)) == 0)
+    if ((rc = stream_once(e, size, n, &s)) == 0)
       bench_add(b, s);
     if (rc == 0 && mc)
       bench_add(mc, copy_stream(&c, size));
@@ -578,7 +615,7 @@ static void print_throughput(const bench_opts *o, plan *p) {
 
 static const char mq_usage[] =
     "usage: ferry bench mq [--json] [--reps N] [--max-size BYTES] [--min-size BYTES]\n"
-    "                      [--only IMPL] [--pass lat|stream]\n\n"
+    "                      [--only IMPL] [--pass lat|stream] [--full]\n\n"
     "Messages between two processes: ferry's mq over shm and tcp against nng pair1 and ZeroMQ\n"
     "PAIR over ipc and tcp. Ping-pong latency, 64 B..1 MiB (lat-p50 and lat-p99 cases: one\n"
     "way = round trip / 2); streaming throughput at the receiver after a warm-up, 64 B..64 MiB\n"
@@ -588,7 +625,12 @@ static const char mq_usage[] =
     "from the publisher's pool (ferry_mq_loan), sent without a copy. The reference of each\n"
     "case is ZeroMQ in its class.\n"
     "--only IMPL runs the implementations whose name contains IMPL (e.g. ferry, tcp);\n"
-    "--min-size BYTES leaves out the cases of smaller messages; --pass runs one half.\n";
+    "--min-size BYTES leaves out the cases of smaller messages; --pass runs one half.\n"
+    "By default each row keeps to a time budget: latency up to 16 KiB 5,000 pings or 1 s\n"
+    "(at least 1,000), from 256 KiB 500; streams 5 runs (3 from 16 MiB) or 1 s (at least\n"
+    "one), a slow implementation's small-message streams ~0.2 s long (at least 1,024\n"
+    "messages). --full (or --reps N) takes the fixed counts: 5,000/500 pings, 5/3 streams\n"
+    "of 128 MiB worth (5..100,000 messages).\n";
 
 int bench_mq(int argc, char **argv) {
   if (argc == 4 && strcmp(argv[1], "--serve") == 0) {

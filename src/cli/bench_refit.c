@@ -6,6 +6,12 @@
  * A second model of 5,000 small tensors shows what a push costs beyond moving bytes. Then, as
  * "hosts": the trainer and each receiver in a network namespace of its own, joined by a bridge,
  * every host's egress rate-limited with tc tbf; chain against direct for K = 1, 2, 4.
+ *
+ * By default the run holds the rows the targets are judged by (docs/PERFORMANCE.md): the
+ * 256 MiB model at K = 1, 2, 4 with gloo's bucketed broadcast, the 5,000-tensor model at K = 1,
+ * and the chain between hosts at K = 2, 4 against K = 1. `--full` adds gloo's per-tensor
+ * broadcast, the 5,000-tensor model at K = 2, 4 and against gloo, and direct pushes between
+ * hosts at K = 2, 4.
  */
 #include "cli/bench.h"
 #include "cli/cli.h"
@@ -207,6 +213,7 @@ static const char gloo_script[] =
     "import json,os,sys,time,torch,torch.distributed as dist\n"
     "rank,world,port,spec,bucket,reps=int(sys.argv[1]),int(sys.argv[2]),sys.argv[3],"
     "json.load(open(sys.argv[4])),int(sys.argv[5]),int(sys.argv[6])\n"
+    "which=sys.argv[7].split(',')\n"
     "dist.init_process_group('gloo',init_method='tcp://127.0.0.1:'+port,rank=rank,"
     "world_size=world)\n"
     "ts=[torch.full(s,float(i%100)) for i,s in enumerate(spec)]\n"
@@ -226,6 +233,7 @@ static const char gloo_script[] =
     "      for t,f in zip(g,torch.split(flat,[t.numel() for t in g])): t.copy_(f.view_as(t))\n"
     "out={}\n"
     "for name,f in (('per-tensor',per_tensor),('bucketed',bucketed)):\n"
+    "  if name not in which: continue\n"
     "  times=[]\n"
     "  for r in range(reps+1):\n"
     "    dist.barrier(); t=time.perf_counter(); f(); dist.barrier()\n"
@@ -252,8 +260,10 @@ static void parse_list(const char *at, bench_samples *b) {
   }
 }
 
-/* Runs K+1 python ranks; parses rank 0's JSON into the two sample sets. */
-static int time_gloo(const model *m, int k, int reps, bench_samples *per, bench_samples *bkt) {
+/* Runs K+1 python ranks; parses rank 0's JSON into the two sample sets (per tensor only when
+ * `per_tensor`). */
+static int time_gloo(const model *m, int k, int reps, bool per_tensor, bench_samples *per,
+                     bench_samples *bkt) {
   char dir[] = "/tmp/ferry-bench-XXXXXX";
   if (!mkdtemp(dir))
     return -1;
@@ -273,8 +283,9 @@ static int time_gloo(const model *m, int k, int reps, bench_samples *per, bench_
   fclose(f);
   int port = 20000 + (int)(getpid() % 20000);
   for (int r = k; r >= 0; r--) {
-    snprintf(cmd, sizeof cmd, "OMP_NUM_THREADS=1 /usr/bin/python3 %s %d %d %d %s %d %d %s%s",
-             script, r, k + 1, port, spec, 16 << 20, reps, r ? ">/dev/null 2>&1 &" : "> ",
+    snprintf(cmd, sizeof cmd, "OMP_NUM_THREADS=1 /usr/bin/python3 %s %d %d %d %s %d %d %s %s%s",
+             script, r, k + 1, port, spec, 16 << 20, reps,
+             per_tensor ? "per-tensor,bucketed" : "bucketed", r ? ">/dev/null 2>&1 &" : "> ",
              r ? "" : out);
     if (system(cmd) != 0 && r == 0)
       return -1;
@@ -290,18 +301,22 @@ static int time_gloo(const model *m, int k, int reps, bench_samples *per, bench_
   snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
   if (system(cmd) != 0)
     return -1;
-  return per->n && bkt->n ? 0 : -1;
+  return (per->n || !per_tensor) && bkt->n ? 0 : -1;
 }
 
 /* ---- the cases ---- */
 
+/* The model's cases at K = 1, 2, 4; by default the 5,000-tensor model's K = 1 only, without
+ * gloo (its target reads the push against memcpy). */
 static int run_case(const bench_opts *o, const char *label, const model *m, int reps, bool gloo) {
   int ks[] = {1, 2, 4};
+  int nk = o->full || !m->small ? 3 : 1;
+  gloo = gloo && (o->full || !m->small);
   bench_samples b = {0}, per = {0}, bkt = {0};
   time_memcpy(m, reps, &b);
   char name[48];
   int rc = 0;
-  for (int i = 0; i < 3 && rc == 0; i++) {
+  for (int i = 0; i < nk && rc == 0; i++) {
     snprintf(name, sizeof name, "%s-K%d", label, ks[i]);
     if (i > 0) {
       bench_reset(&b);
@@ -319,9 +334,9 @@ static int run_case(const bench_opts *o, const char *label, const model *m, int 
       bench_row(o, "refit", name, "ferry/shm-alias", m->bytes, &b, false);
       bench_reset(&b);
     }
-    if (gloo && time_gloo(m, ks[i], reps, &per, &bkt) == 0) {
+    if (gloo && time_gloo(m, ks[i], reps, o->full, &per, &bkt) == 0) {
       bench_row(o, "refit", name, "gloo/bucketed", m->bytes, &bkt, false);
-      bench_row(o, "refit", name, "gloo/tensor", m->bytes, &per, false);
+      bench_row(o, "refit", name, "gloo/tensor", m->bytes, &per, false); /* --full only */
     }
     bench_reset(&per);
     bench_reset(&bkt);
@@ -416,9 +431,11 @@ static int hosts_cases(const bench_opts *o, const model *m, int reps) {
     bench_row(o, "refit", name, "ferry/tcp K=1", m->bytes, &base, true);
     if (ks[i] == 1)
       continue;
-    rc = time_pushes(m, ks[i], reps, &b, &direct);
-    bench_row(o, "refit", name, "ferry/direct", m->bytes, &b, false);
-    bench_reset(&b);
+    if (o->full) { /* no target reads direct pushes: K copies through one egress, as expected */
+      rc = time_pushes(m, ks[i], reps, &b, &direct);
+      bench_row(o, "refit", name, "ferry/direct", m->bytes, &b, false);
+      bench_reset(&b);
+    }
     if (rc == 0)
       rc = time_pushes(m, ks[i], reps, &b, &chain);
     bench_row(o, "refit", name, "ferry/chain", m->bytes, &b, false);
@@ -440,14 +457,17 @@ static int run_hosts(const bench_opts *o, int reps) {
   }
   model m;
   model_make(&m, 128ull << 20, 0);
+  bool token = bench_token_begin();
   int rc = in_trainer_ns(hosts_cases, o, &m, reps);
+  bench_token_end(token);
   model_free(&m);
   hosts_down(4);
   return rc;
 }
 
 static const char refit_usage[] =
-    "usage: ferry bench refit [--json] [--reps N] [--max-size BYTES] [--hosts-only|--no-hosts]\n\n"
+    "usage: ferry bench refit [--json] [--reps N] [--max-size BYTES] [--full]\n"
+    "                         [--hosts-only|--no-hosts]\n\n"
     "Pushes a transformer-shaped model (256 MiB; --max-size 1G adds a 1 GiB case) to K = 1, 2\n"
     "and 4 receiver processes on this host over shm, against a memcpy of the model's bytes\n"
     "and torch.distributed gloo broadcasts (per tensor and in 16 MiB buckets) when python3-torch\n"
@@ -456,7 +476,9 @@ static const char refit_usage[] =
     "Then \"hosts\": the trainer and 4 receivers each in a network namespace (root needed),\n"
     "joined by a bridge, every host's egress limited to " HOSTS_RATE " by tc tbf; a 128 MiB model\n"
     "in 2 MiB buckets pushed to K = 1, 2, 4 over tcp, chain against direct; vs base is the\n"
-    "K = 1 time over the row's (the chain's target: >= 0.8 at K = 4).\n";
+    "K = 1 time over the row's (the chain's target: >= 0.8 at K = 4).\n"
+    "By default the rows the targets read; --full adds gloo per tensor, the 5,000-tensor\n"
+    "model at K = 2, 4 and against gloo, and direct pushes between hosts at K = 2, 4.\n";
 
 int bench_refit(int argc, char **argv) {
   if (argc == 5 && strcmp(argv[1], "--receiver") == 0)

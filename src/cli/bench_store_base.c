@@ -296,6 +296,7 @@ static bool netns_up(void) {
 void bs_netns(bs_report *r, const char *self, int reps) {
   if (!netns_up())
     return;
+  bool token = bench_token_begin();
   char cmd[4400];
   snprintf(cmd, sizeof cmd, "ip netns exec " NS_A " %s bench store --role ns-owner", self);
   FILE *owner = popen(cmd, "w");
@@ -309,6 +310,7 @@ void bs_netns(bs_report *r, const char *self, int reps) {
   }
   if (owner)
     pclose(owner);
+  bench_token_end(token);
   netns_down();
 }
 
