@@ -107,7 +107,7 @@ def _what(obj: Any) -> str:
 
 
 def _unsupported(obj: Any, why: str) -> TypeError:
-    return TypeError("ferry: cannot put %s (%s): pass a numpy array, a CPU tensor of any framework "
+    return TypeError("ferry: cannot store or send %s (%s): pass a numpy array, a CPU tensor of any framework "
                      "(anything with __dlpack__: torch, paddle, jax, cupy on the host), or bytes"
                      % (_what(obj), why))
 
