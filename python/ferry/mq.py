@@ -29,7 +29,7 @@ import numpy as np
 
 from . import _lib
 from ._lib import lib
-from .errors import Timeout, check, raise_status
+from .errors import Busy, Timeout, check, raise_status
 from .tensors import DTYPES, Context, Like, NodeHandle, _torch, as_buffer, from_bits, like_name
 
 Handler = Callable[[str, str, Any], Any]
@@ -319,6 +319,9 @@ class MQ(NodeHandle):
         that have a subscribe() fn never come here."""
         if like_name(like) == "torch":
             _torch(need=True)
+        if self._general is not None:
+            raise Busy(-17, "recv: a callback is installed (set_callback(None) first); "
+                       "messages go to it")
         if self._callback is not None:  # the dispatcher takes messages: read what it left
             t = self._timeout if timeout is None else timeout
             try:
