@@ -314,6 +314,7 @@ class Store(NodeHandle):
                 raise ValueError("ferry: get(view=True) reads in place: pass out= or view=, "
                                  "not both")
             return self.get_view(key, like=like, timeout=timeout)
+        like_name(like)  # a bad like= fails before anything is read
         k = _key(key)
         info = _lib.StoreInfo()
         info.size = ctypes.sizeof(info)

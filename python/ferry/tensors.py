@@ -14,7 +14,7 @@ from . import _lib
 from ._lib import lib
 from .errors import NotSupported, check
 
-__all__ = ["Context", "default_context", "empty", "DTYPES", "Like"]
+__all__ = ["Context", "default_context", "empty", "DTYPES"]
 
 # ferry dtype code -> (name, numpy dtype that holds its bits)
 DTYPES = {
@@ -236,6 +236,7 @@ class NodeHandle(_lib.Closing):
 
     @property
     def handle(self):
+        """The C handle (ValueError once closed)."""
         h = self._h
         if not h:
             raise ValueError("ferry: %s is closed" % self._what)
@@ -247,6 +248,7 @@ class NodeHandle(_lib.Closing):
 
     @property
     def name(self):
+        """This node's name."""
         return self._ctx.name
 
 
@@ -268,16 +270,19 @@ class Context(_lib.Closing):
 
     @property
     def handle(self):
+        """The C handle (ValueError once closed)."""
         if not self._h or self._closing:
             raise ValueError("ferry: context is closed")
         return self._h
 
     @property
     def name(self):
+        """The node's name (ferry_ctx_opts.name or <hostname>-<pid>)."""
         return lib.ferry_ctx_name(self.handle).decode()
 
     @property
     def address(self):
+        """The URLs peers reach this node at, comma-separated."""
         return lib.ferry_ctx_address(self.handle).decode()
 
     @property
@@ -324,7 +329,8 @@ class Context(_lib.Closing):
         if last:
             self._really_close()
 
-    def close(self):
+    def close(self) -> None:
+        """Closes the context (deferred while arrays from ferry.empty() on it are alive)."""
         with self._lock:
             if not self._h or self._closing:
                 return
