@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make test`: the cmocka/ctest suite three times — plain, ASan+UBSan, and the threaded tests
-# under TSan — with the Python binding's pytest suite after the plain one, then a short libFuzzer
+# under TSan — with the Python binding (installed into a venv with pip) and its pytest suite and
+# examples after the plain one, then a short libFuzzer
 # run of every fuzz target. Exits non-zero if anything fails.
 #
 # Skips: `make test` installs everything its tests use (scripts/deps.sh test), so a test that
@@ -58,15 +59,27 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 
 run_stage "suite" build "-DCMAKE_BUILD_TYPE=RelWithDebInfo" ""
-# The Python binding against the suite's libferry.so, with Debian's python3 and pytest, then
-# its examples.
+# The Python binding as users install it: a venv over Debian's python3 (--system-site-packages:
+# numpy, torch and pytest come from Debian), `pip install --no-build-isolation` of python/ into it
+# (setuptools from Debian, no index), then pytest and the examples with the venv's python, from
+# outside the checkout's python/ so that the installed package is the one imported.
 echo "=== python ==="
-if ! /usr/bin/python3 -c "import pytest" 2>/dev/null; then
-  echo "python: FAILED: /usr/bin/python3 cannot import pytest (scripts/deps.sh test installs python3-pytest)"
-  failed+=("python (no pytest)")
-else
-  FERRY_LIB=$PWD/build/libferry.so /usr/bin/python3 -m pytest -q -rs -p no:cacheprovider \
-    python/tests 2>&1 | tee build-python.log
+venv=$PWD/build/venv
+py_ok=1
+rm -rf "$venv"
+if ! /usr/bin/python3 -m venv --system-site-packages "$venv" >build-python-venv.log 2>&1 ||
+   ! "$venv/bin/python" -m pip install --no-build-isolation --no-deps --no-index \
+       --disable-pip-version-check ./python >>build-python-venv.log 2>&1; then
+  tail -20 build-python-venv.log
+  echo "python: FAILED: the venv or pip install (scripts/deps.sh test installs python3-venv, python3-pip, python3-setuptools, python3-wheel)"
+  failed+=("python (venv/pip install)"); py_ok=0
+elif ! "$venv/bin/python" -c "import pytest" 2>/dev/null; then
+  echo "python: FAILED: python3 cannot import pytest (scripts/deps.sh test installs python3-pytest)"
+  failed+=("python (no pytest)"); py_ok=0
+fi
+if [ "$py_ok" -eq 1 ]; then
+  (cd build && FERRY_LIB=$PWD/libferry.so FERRY_TEST_INSTALLED=1 "$venv/bin/python" -m pytest -q -rs \
+    -p no:cacheprovider --rootdir=.. --import-mode=importlib ../python/tests) 2>&1 | tee build-python.log
   rc=${PIPESTATUS[0]} # 5 (no tests collected) fails like any other non-zero code
   [ "$rc" -eq 0 ] || failed+=("python (pytest exit $rc)")
   # -rs lists each skip as "SKIPPED [N] FILE:LINE: REASON"
@@ -80,17 +93,18 @@ else
   tail -1 build-python.log | awk '{ for (i = 1; i < NF; i++) {
       if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^(failed|error)/) f += $i }
     printf "%d%% tests passed, %d tests failed out of %d\n", p + f ? 100 * p / (p + f) : 0, f, p + f }' >build-python.ctest.log
-  # The examples, end to end (each starts its own second and third processes).
+  # The examples, end to end with the venv's python (each starts its own other processes).
+  examples=(examples/routing_replay.py examples/refit_torch.py examples/p2pstore_routing.py)
   ex_pass=0 ex_fail=0
-  for ex in examples/routing_replay.py examples/refit_torch.py; do
-    if FERRY_LIB=$PWD/build/libferry.so timeout -s KILL 180 /usr/bin/python3 "$ex"; then
+  for ex in "${examples[@]}"; do
+    if FERRY_LIB=$PWD/build/libferry.so timeout -s KILL 180 "$venv/bin/python" "$ex"; then
       ex_pass=$((ex_pass + 1))
     else
       echo "python: FAILED: $ex"; ex_fail=$((ex_fail + 1)); failed+=("python ($ex)")
     fi
   done
-  printf "%d%% tests passed, %d tests failed out of %d\n" $((100 * ex_pass / 2)) "$ex_fail" 2 \
-    >build-python-examples.ctest.log
+  printf "%d%% tests passed, %d tests failed out of %d\n" $((100 * ex_pass / ${#examples[@]})) \
+    "$ex_fail" "${#examples[@]}" >build-python-examples.ctest.log
 fi
 # Without UCX: the build, and the core and link tests (the ucx transport is optional).
 run_stage "without ucx" build-noucx "-DCMAKE_BUILD_TYPE=RelWithDebInfo -DFERRY_WITH_UCX=OFF" \

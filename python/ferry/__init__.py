@@ -13,19 +13,22 @@ ferry.set_log_level()). Calls into the library release the GIL.
 import atexit
 import logging
 
+from typing import Union
+
 from . import _lib, aio  # noqa: F401
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
-from .store import Store
+from .store import Store, StoreView
 from .refit import RefitReceiver, RefitSender
 from .control import Control, ControlCell, ControlRank
 from .mq import MQ
+from . import p2pstore  # noqa: F401
 from .tensors import Context, default_context, empty
 
 __version__ = _lib.lib.ferry_version().decode()
-library_path = _lib.path
+library_path: str = _lib.path  # the libferry.so this process loaded
 
-__all__ = ["Store", "aio", "RefitSender", "RefitReceiver", "Control", "ControlRank",
+__all__ = ["Store", "StoreView", "MQ", "p2pstore", "aio", "RefitSender", "RefitReceiver", "Control", "ControlRank",
            "ControlCell", "Context", "default_context", "empty", "set_log_level", "version",
            "library_path"] + [n for n in _errors_all if n not in ("check", "raise_status")]
 
@@ -55,7 +58,7 @@ def _unhook():
     _lib.lib.ferry_log_set_callback(_lib.LOG_FN(), None)
 
 
-def set_log_level(level):
+def set_log_level(level: Union[int, str]) -> None:
     """What ferry emits: a logging level (logging.DEBUG, ...) or a ferry name ("debug")."""
     names = {"error": 0, "warn": 1, "warning": 1, "info": 2, "debug": 3, "trace": 4}
     if isinstance(level, str):
@@ -73,5 +76,6 @@ def set_log_level(level):
     _lib.lib.ferry_log_set_level(code)
 
 
-def version():
+def version() -> str:
+    """libferry's version ("0.1.0")."""
     return __version__

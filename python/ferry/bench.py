@@ -321,6 +321,41 @@ def report(rows, as_json, out=sys.stdout):
         print(("  %-46s %10.2f %s" % (name, value, unit)).rstrip(), file=out)
 
 
+def view_bench(mib=11, reps=50, out=sys.stdout):
+    """Store.get_view vs Store.get vs np.load (page cache) of one `mib` MiB array, same host:
+    the median seconds of each and the ratio np.load / get_view."""
+    import tempfile
+    import time
+    from .store import Store
+    arr = np.arange((mib << 20) // 4, dtype=np.int32)
+    times = {"get_view": [], "get": [], "np.load": []}
+    with Store(host_directory=True, name="bench-view-owner", timeout=10) as owner, \
+            Store(owner.directory, name="bench-view-reader", timeout=10) as reader, \
+            tempfile.TemporaryDirectory() as d:
+        owner.put("r", arr)
+        path = os.path.join(d, "r.npy")
+        np.save(path, arr)
+        np.load(path)  # in the page cache from here on
+        for _ in range(reps):
+            t = time.perf_counter()
+            with reader.get_view("r") as v:
+                v[-1]
+            times["get_view"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            reader.get("r")
+            times["get"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            np.load(path)
+            times["np.load"].append(time.perf_counter() - t)
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    print("store view of %d MiB from another node on this host (median of %d):" % (mib, reps),
+          file=out)
+    for k, v in med.items():
+        print("  %-10s %10.1f us" % (k, v * 1e6), file=out)
+    print("  np.load / get_view: %.0fx" % (med["np.load"] / med["get_view"]), file=out)
+    return med
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_directory":
@@ -331,12 +366,16 @@ def main(argv=None):
                                 description="ferry benchmarks from Python (the store's routing "
                                             "replay workload against np/torch files and the C "
                                             "API)")
-    p.add_argument("what", choices=["store"])
+    p.add_argument("what", choices=["store", "view"],
+                   help="store: the routing replay workload; view: get_view vs get vs np.load")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--reps", type=int, default=37, help="requests (default 37)")
     p.add_argument("--no-baselines", action="store_true", help="skip np/torch files")
     p.add_argument("--cli", metavar="PATH", help="also run PATH bench store --json")
     a = p.parse_args(argv)
+    if a.what == "view":
+        view_bench()
+        return
     rows = []
     _run_ferry(a.reps, rows)
     if not a.no_baselines:

@@ -103,11 +103,13 @@ class _Handle(Closing):
 
     @property
     def handle(self):
+        """The C handle (ValueError once closed)."""
         if not self._h:
             raise ValueError("ferry: %s is closed" % type(self).__name__)
         return self._h
 
     def close(self):
+        """Closes the handle. Idempotent."""
         with self._lock:
             h, self._h = self._h, None
         if h:
@@ -131,6 +133,7 @@ class ControlCell(_Handle):
 
     @property
     def incarnation(self):
+        """How many times this cell was created under its name (a new engine process: a new one)."""
         return int(lib.ferry_ctl_cell_incarnation(self.handle))
 
 
@@ -270,6 +273,7 @@ class Control(_Handle):
         return out
 
     def rank_status(self, rank):
+        """One rank's status: {rank, pid, alive, seq, state, fail_seq, error, message}."""
         rs = CtlRankStatus()
         rs.size = ctypes.sizeof(rs)
         check(lib.ferry_ctl_rank_status_get(self.handle, int(rank), byref(rs)))

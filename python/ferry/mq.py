@@ -18,16 +18,21 @@ for large messages on one host): the message is freed, and its credit returned t
 when the last view of it goes away (or at once with copy=True).
 """
 import ctypes
+import logging
+import queue
 import re
 import threading
 import weakref
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 
 from . import _lib
 from ._lib import lib
-from .errors import check, raise_status
-from .tensors import DTYPES, Context, NodeHandle, _torch, as_buffer, from_bits
+from .errors import Busy, Timeout, check, raise_status
+from .tensors import DTYPES, Context, Like, NodeHandle, _torch, as_buffer, from_bits, like_name
+
+Handler = Callable[[str, str, Any], Any]
 
 __all__ = ["MQ"]
 
@@ -132,8 +137,10 @@ class MQ(NodeHandle):
 
     _what = "mq"
 
-    def __init__(self, directory=None, name=None, host_directory=False, queue_bytes=0,
-                 lease_ms=0, transports=None, tcp_listen=None, ctx=None, timeout=None):
+    def __init__(self, directory: Optional[str] = None, name: Optional[str] = None,
+                 host_directory: bool = False, queue_bytes: int = 0, lease_ms: int = 0,
+                 transports: Optional[str] = None, tcp_listen: Optional[str] = None,
+                 ctx: Optional[Context] = None, timeout: Optional[float] = None) -> None:
         if ctx is not None:
             self._ctx, self._owns_ctx = ctx, False
         else:
@@ -153,11 +160,14 @@ class MQ(NodeHandle):
         self._lock = threading.Lock()
         self._timeout = timeout
         self._callback = None
+        self._general: Optional[Tuple[Handler, Like, bool]] = None  # set_callback's fn
+        self._topic_fns: Dict[str, List[List[Any]]] = {}  # topic -> [[fn, once, like, copy]]
+        self._pending: "queue.Queue[Any]" = queue.Queue()  # messages for recv() meanwhile
         self._loans = {}  # address -> bytes lent
         self.directory = "ferry://" + self._ctx.tcp_address if host_directory else directory
 
     # -- life --------------------------------------------------------------------------------
-    def close(self):
+    def close(self) -> None:
         """Leaves the fleet (publishers drop this node, subscribers forget it). Messages still
         held as views must be gone first: close waits for nothing, so drop them before."""
         with self._lock:
@@ -166,34 +176,74 @@ class MQ(NodeHandle):
             return
         lib.ferry_mq_close(h)
         self._callback = None
+        self._topic_fns = {}
+        self._general = None
+        while True:  # messages taken for recv() that nobody read
+            try:
+                _msg_free(self._pending.get_nowait())
+            except queue.Empty:
+                break
         self._loans = {}  # the pool is gone with the mq
         if self._owns_ctx:
             self._ctx.close()
 
-    def _t(self, timeout):
+    def _t(self, timeout: Optional[float]) -> int:
         return _ms(self._timeout if timeout is None else timeout)
 
     # -- topics ------------------------------------------------------------------------------
-    def subscribe(self, topic, timeout=None):
-        check(lib.ferry_mq_subscribe(self.handle, _topic(topic), self._t(timeout)))
+    def subscribe(self, topic: str, fn: Optional[Handler] = None, once: bool = False,
+                  like: Like = "numpy", copy: bool = False,
+                  timeout: Optional[float] = None) -> None:
+        """Subscribes this node to topic: every publisher of it sends here from now on.
 
-    def unsubscribe(self, topic, timeout=None):
-        check(lib.ferry_mq_unsubscribe(self.handle, _topic(topic), self._t(timeout)))
+        fn: call fn(topic, publisher, payload) for each message of this topic (as DI-engine's
+        subscribe(topic, fn, is_once) or pyzmq's on_recv), on the mq's background thread
+        (one thread: calls never overlap); once=True: for the next message only, then the
+        topic is unsubscribed. Several fns on one topic are called in order, with one payload
+        (in the form the first one asked for). Without fn,
+        messages of topic go to set_callback's fn or to recv(). like/copy: the payload's form,
+        as in recv(). An exception in fn is logged to the "ferry" logger."""
+        if fn is not None and not callable(fn):
+            raise TypeError("ferry: fn must be callable fn(topic, publisher, payload), not %s"
+                            % type(fn).__name__)
+        like_name(like)
+        t = _topic(topic)
+        if fn is not None:
+            with self._lock:
+                self._topic_fns.setdefault(t.decode(), []).append([fn, once, like, copy])
+            self._install()
+        check(lib.ferry_mq_subscribe(self.handle, t, self._t(timeout)))
 
-    def wait_subscribers(self, topic, n=1, timeout=None):
+    def unsubscribe(self, topic: str, timeout: Optional[float] = None) -> None:
+        """Stops receiving topic: publishers drop this node, and the topic's fns (subscribe's
+        fn) are forgotten."""
+        t = _topic(topic)
+        with self._lock:
+            had = self._topic_fns.pop(t.decode(), None)
+        if had:
+            self._install()
+        check(lib.ferry_mq_unsubscribe(self.handle, t, self._t(timeout)))
+
+    def wait_subscribers(self, topic: str, n: int = 1, timeout: Optional[float] = None) -> None:
         """Waits (no polling) until n subscribers of topic are known; raises ferry.Timeout."""
         check(lib.ferry_mq_wait_subscribers(self.handle, _topic(topic), int(n), self._t(timeout)))
 
-    def subscribers(self, topic):
+    def subscribers(self, topic: str) -> int:
+        """How many subscribers of topic this node knows now (0 for a topic it never
+        published; wait_subscribers waits for a number)."""
         return int(lib.ferry_mq_subscribers(self.handle, _topic(topic)))
 
     # -- messages ----------------------------------------------------------------------------
-    def publish(self, topic, payload, timeout=None):
+    def publish(self, topic: str, payload: Any, timeout: Optional[float] = None) -> List[str]:
         """Sends payload to every subscriber of topic: bytes-like (bytes, bytearray,
-        memoryview) as bytes, a numpy array or CPU torch tensor as a tensor (dtype and shape
-        travel along; read in place, copied once). Returns the names of subscribers found dead
-        and dropped (the others got the message); raises ferry.Timeout when a subscriber's
-        queue stayed full (then nobody got it)."""
+        memoryview) as bytes, a numpy array or CPU tensor (torch, or anything with __dlpack__)
+        as a tensor (dtype and shape travel along; read in place, copied once). Anything else
+        (a dict, a str) raises TypeError saying how to serialize it. Returns the names of
+        subscribers found dead and dropped (the others got the message); raises ferry.Timeout
+        when a subscriber's queue stayed full (then nobody got it)."""
+        if isinstance(payload, str):
+            raise TypeError("ferry: publish takes bytes or arrays, not str: pass "
+                            "payload.encode()")
         t = _topic(topic)
         h = self.handle
         if isinstance(payload, (bytes, bytearray, memoryview)):
@@ -215,7 +265,8 @@ class MQ(NodeHandle):
         check(rc)
         return []
 
-    def loan(self, shape, dtype=np.uint8, timeout=None):
+    def loan(self, shape: Union[int, Iterable[int]], dtype: Any = np.uint8,
+             timeout: Optional[float] = None) -> np.ndarray:
         """A writable numpy array of shape and dtype lent from this publisher's shared-memory
         pool (ferry_mq_loan; waits for room, raises ferry.Timeout). Build the message in it,
         then publish_loan(topic, array) sends it without a copy; or loan_free(array)."""
@@ -243,7 +294,8 @@ class MQ(NodeHandle):
         arr.flags.writeable = False  # the mq's again: reused once subscribers are done
         return ptr
 
-    def publish_loan(self, topic, arr, as_bytes=False, timeout=None):
+    def publish_loan(self, topic: str, arr: np.ndarray, as_bytes: bool = False,
+                     timeout: Optional[float] = None) -> List[str]:
         """Publishes an array from loan() without copying it: subscribers on this host read it
         in place. As a tensor (dtype and shape travel along), or as bytes with as_bytes=True.
         Whatever happens the array is the mq's again: do not use it afterwards. Returns and
@@ -254,37 +306,107 @@ class MQ(NodeHandle):
         return self._publish_result(
             lib.ferry_mq_publish_loan(self.handle, t, desc, ptr, arr.nbytes, self._t(timeout)))
 
-    def loan_free(self, arr):
+    def loan_free(self, arr: np.ndarray) -> None:
         """Gives back an array from loan() unpublished."""
         lib.ferry_mq_loan_free(self.handle, self._take_loan(arr))
 
-    def recv(self, timeout=None, like="numpy", copy=False):
+    def recv(self, timeout: Optional[float] = None, like: Like = "numpy",
+             copy: bool = False) -> Tuple[str, str, Any]:
         """The next message as (topic, publisher, payload); raises ferry.Timeout. payload is a
-        numpy array (like="torch": a tensor) for tensors, a read-only memoryview for bytes;
-        both are views of the message (copy=True: copies, and the message is freed at once)."""
-        if like == "torch":
+        numpy array (like="torch": a tensor; like=<module with from_dlpack>: that framework's)
+        for tensors, a read-only memoryview for bytes (like=bytes: bytes); both are views of
+        the message (copy=True: copies, and the message is freed at once). Messages of topics
+        that have a subscribe() fn never come here."""
+        if like_name(like) == "torch":
             _torch(need=True)
+        if self._general is not None:
+            raise Busy(-17, "recv: a callback is installed (set_callback(None) first); "
+                       "messages go to it")
+        if self._callback is not None:  # the dispatcher takes messages: read what it left
+            t = self._timeout if timeout is None else timeout
+            try:
+                msg = self._pending.get(timeout=t) if t is None or t > 0 else \
+                    self._pending.get_nowait()
+            except queue.Empty:
+                raise Timeout(-4, "recv: no message in %g s" % t) from None
+            return _payload(msg, like, copy)
+        try:
+            msg = self._pending.get_nowait()  # left from a dispatcher since removed
+            return _payload(msg, like, copy)
+        except queue.Empty:
+            pass
         out = POINTER(Msg)()
         check(lib.ferry_mq_recv(self.handle, byref(out), self._t(timeout)))
         return _payload(out, like, copy)
 
-    def set_callback(self, fn, like="numpy", copy=False):
-        """Calls fn(topic, publisher, payload) for every message instead of recv, on the mq's
-        background thread (one thread: calls never overlap). fn=None goes back to recv. An
-        exception in fn is logged to the "ferry" logger and the message dropped."""
-        if fn is None:
-            check(lib.ferry_mq_set_callback(self.handle, MSG_FN(), None))
-            self._callback = None
+    def set_callback(self, fn: Optional[Handler], like: Like = "numpy",
+                     copy: bool = False) -> None:
+        """Calls fn(topic, publisher, payload) for every message of a topic without its own
+        subscribe() fn, instead of recv, on the mq's background thread (one thread: calls
+        never overlap). fn=None goes back to recv. An exception in fn is logged to the
+        "ferry" logger and the message dropped."""
+        like_name(like)
+        with self._lock:
+            self._general = None if fn is None else (fn, like, copy)
+        self._install()
+
+    def _install(self) -> None:
+        """Installs the dispatcher while any fn is registered, removes it when none is."""
+        with self._lock:
+            want = bool(self._topic_fns) or self._general is not None
+        if not want:
+            if self._callback is not None:
+                check(lib.ferry_mq_set_callback(self.handle, MSG_FN(), None))
+                self._callback = None
             return
-        import logging
+        if self._callback is not None:
+            return
         log = logging.getLogger("ferry")
 
-        def trampoline(mq, msg, arg):
+        def dispatch(mq: Any, msg: Any, arg: Any) -> None:
             try:
-                fn(*_payload(msg, like, copy))
+                m = ctypes.cast(msg, POINTER(Msg))  # ours now: kept past this call if queued
+                topic = m.contents.topic.decode(errors="replace")
+                unsub = False
+                with self._lock:
+                    fns = list(self._topic_fns.get(topic, ()))
+                    if fns:
+                        keep = [e for e in fns if not e[1]]
+                        if keep:
+                            self._topic_fns[topic] = keep
+                        else:
+                            del self._topic_fns[topic]
+                            unsub = True
+                    general = self._general
+                if fns:
+                    if unsub:
+                        threading.Thread(target=self._after_once, args=(topic,),
+                                         daemon=True).start()
+                    payload = _payload(m, fns[0][2], fns[0][3])  # one payload for all its fns
+                    for fn, _, _, _ in fns:
+                        try:
+                            fn(*payload)
+                        except Exception:
+                            log.exception("ferry.MQ callback for %r failed", topic)
+                elif general is not None:
+                    general[0](*_payload(m, general[1], general[2]))
+                else:
+                    self._pending.put(m)
             except Exception:
                 log.exception("ferry.MQ callback failed")
 
-        cb = MSG_FN(trampoline)
+        cb = MSG_FN(dispatch)
         check(lib.ferry_mq_set_callback(self.handle, cb, None))
         self._callback = cb  # C holds it until replaced: keep it alive
+
+    def _after_once(self, topic: str) -> None:
+        # a once-fn fired: the topic is unsubscribed (not from the callback thread, which
+        # must not wait on the network) unless another fn was added meanwhile
+        with self._lock:
+            if topic in self._topic_fns or not self._h:
+                return
+        try:
+            lib.ferry_mq_unsubscribe(self._h, topic.encode(), self._t(None))
+            self._install()
+        except Exception:
+            pass

@@ -247,6 +247,7 @@ class RefitSender(_lib.Closing):
     # -- life --------------------------------------------------------------------------------
     @property
     def handle(self):
+        """The C handle (ValueError once closed)."""
         if not self._h:
             raise ValueError("ferry: refit sender is closed")
         return self._h
@@ -401,6 +402,7 @@ class RefitReceiver(_lib.Closing):
     # -- life --------------------------------------------------------------------------------
     @property
     def handle(self):
+        """The C handle (ValueError once closed)."""
         if not self._h or self._closing:
             raise ValueError("ferry: refit receiver is closed")
         return self._h
@@ -452,6 +454,7 @@ class RefitReceiver(_lib.Closing):
         return out
 
     def names(self):
+        """The tensors' names, in the sender's manifest order."""
         return [m["name"] for m in self.manifest()]
 
     # -- destinations ------------------------------------------------------------------------

@@ -1,17 +1,27 @@
 """ferry.Store: the peer-to-peer tensor store (ferry_store_*), with the method names and return
-shapes of the p2p-store client engines use for routing replay, so switching is one line."""
+shapes of the p2p-store client engines use for routing replay (ferry.p2pstore has that client's
+exact names and coroutine style).
+
+Values go in as numpy arrays, CPU tensors of any framework (torch directly; anything with
+__dlpack__ without a copy) or bytes; they come out as numpy arrays, torch tensors, bytes, or any
+framework's tensors (like=module with from_dlpack), copied (get) or as read-only views of the
+owner's memory (get_view)."""
 import ctypes
 import threading
 import weakref
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 import numpy as np
 
 from . import _lib
 from ._lib import lib
 from .errors import NotFound, check, raise_status
-from .tensors import DTYPES, NodeHandle, _ctx_for_store, as_buffer, desc_shape, empty, from_bits
+from .tensors import (DTYPES, Context, Like, NodeHandle, _ctx_for_store, as_buffer, desc_shape,
+                      empty, from_bits, like_name)
 
-__all__ = ["Store"]
+__all__ = ["Store", "StoreView"]
+
+Key = Union[str, bytes]
 
 byref = ctypes.byref
 
@@ -21,6 +31,124 @@ _ms = _lib.timeout_ms
 
 def _key(key):
     return _lib.encoded(key, "key")
+
+
+_declared = False
+
+
+def _declare_view() -> None:
+    global _declared
+    if _declared:
+        return
+    P = ctypes.POINTER
+    lib.ferry_store_get_view.restype = ctypes.c_int
+    lib.ferry_store_get_view.argtypes = [ctypes.c_void_p, ctypes.c_char_p, P(ctypes.c_void_p),
+                                         P(_lib.StoreInfo), P(ctypes.c_void_p), ctypes.c_int]
+    lib.ferry_store_view_valid.restype = ctypes.c_int
+    lib.ferry_store_view_valid.argtypes = [ctypes.c_void_p]
+    lib.ferry_store_view_release.restype = None
+    lib.ferry_store_view_release.argtypes = [ctypes.c_void_p]
+    _declared = True
+
+
+class _Pin:
+    """One ferry_store_view: the pin on the owner's bytes, dropped once (release())."""
+
+    def __init__(self, store: "Store", view: int, info: Dict[str, Any]):
+        self.store, self.view, self.info = store, view, info
+        self.lock = threading.Lock()
+        self.derived: List["weakref.ref[np.ndarray]"] = []  # arrays made from the view
+
+    def valid(self) -> bool:
+        with self.lock:
+            return bool(self.view) and lib.ferry_store_view_valid(self.view) == 1
+
+    def release(self) -> None:
+        with self.lock:
+            v, self.view = self.view, None
+        if v:
+            lib.ferry_store_view_release(v)
+            self.store._unpin()
+
+
+class StoreView(np.ndarray):
+    """A read-only numpy array over an object's bytes where its owner keeps them (Store.get_view,
+    Store.get(view=True)): no copy on one host, whatever the size.
+
+    The version it shows is pinned while the view (or any array made from it: slices, reshapes)
+    is alive: a re-put or delete of the key publishes a new version and leaves these bytes
+    intact. Used as a context manager, leaving the block releases the pin (release()); read
+    nothing from it afterwards (copy what you keep: np.array(view)).
+
+    key, owner, generation: what the directory said; valid: whether the bytes are still the
+    pinned version (False once an in-place owner took its memory back, see ferry.h)."""
+
+    def __array_finalize__(self, obj: Any) -> None:
+        # an array made from a view (slice, reshape, .view()) shares its memory: the pin
+        # counts it, so that release() refuses while it is alive
+        pin = self._pin()
+        if pin is not None and obj is not None:
+            pin.derived = [r for r in pin.derived if r() is not None]
+            pin.derived.append(weakref.ref(self))
+
+    def __array_wrap__(self, out: np.ndarray, context: Any = None, *args: Any) -> Any:
+        # results of arithmetic own new memory: plain arrays, not views of the store
+        if out.base is not None and self._pin() is not None and np.shares_memory(out, self):
+            return out
+        out = out.view(np.ndarray)
+        return out[()] if out.ndim == 0 else out
+
+    def __enter__(self) -> "StoreView":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def _pin(self) -> Optional[_Pin]:
+        b = self.base
+        while b is not None and not hasattr(b, "_ferry_pin"):
+            b = getattr(b, "base", None)
+        return getattr(b, "_ferry_pin", None)
+
+    def release(self) -> None:
+        """Drops the pin now (idempotent). Raises BufferError, and keeps the pin, while other
+        arrays made from this view still use its memory (the pin then goes with the last one)."""
+        buf = self.base
+        while buf is not None and not hasattr(buf, "_ferry_pin"):
+            buf = getattr(buf, "base", None)
+        if buf is None:
+            return
+        pin = buf._ferry_pin
+        others = len([r for r in pin.derived if r() is not None and r() is not self])
+        if others > 0:
+            raise BufferError("ferry: %d other array(s) made from view '%s' still use its "
+                              "memory; drop them (or copy: np.array(v)) before releasing" %
+                              (others, pin.info["key"]))
+        pin.release()
+
+    @property
+    def valid(self) -> bool:
+        """True while the bytes are the version pinned at get_view time."""
+        pin = self._pin()
+        return pin is not None and pin.valid()
+
+    @property
+    def key(self) -> str:
+        """The key this view was read from."""
+        pin = self._pin()
+        return pin.info["key"] if pin else ""
+
+    @property
+    def owner(self) -> str:
+        """The node that holds the bytes."""
+        pin = self._pin()
+        return pin.info["owner"] if pin else ""
+
+    @property
+    def generation(self) -> int:
+        """The version pinned."""
+        pin = self._pin()
+        return pin.info["generation"] if pin else 0
 
 
 class _Malloced:
@@ -50,8 +178,10 @@ class Store(NodeHandle):
 
     _what = "store"
 
-    def __init__(self, directory=None, name=None, host_directory=False, capacity=0,
-                 lease_ms=0, tcp_listen=None, ctx=None, timeout=None, holder=False):
+    def __init__(self, directory: Optional[str] = None, name: Optional[str] = None,
+                 host_directory: bool = False, capacity: int = 0, lease_ms: int = 0,
+                 tcp_listen: Optional[str] = None, ctx: Optional[Context] = None,
+                 timeout: Optional[float] = None, holder: bool = False) -> None:
         if ctx is not None:
             self._ctx, self._owns_ctx = ctx, False
         else:
@@ -76,16 +206,34 @@ class Store(NodeHandle):
         self._timeout = timeout
         self._lock = threading.Lock()
         self._bufs = {}  # id(array) -> (weakref, layout, byref(desc), pointer): _buffer_of
+        # key -> value put in place (ferry memory): held until the key is deleted or replaced,
+        # so that Python cannot free memory readers are reading
+        self._published: Dict[bytes, Any] = {}
+        self._pins = 0  # store views alive (close waits for them)
+        self._closing = False
         if host_directory:
             self.directory = "ferry://" + self._ctx.tcp_address
         else:
             self.directory = directory
 
     # -- life --------------------------------------------------------------------------------
-    def close(self):
-        """Removes this node's objects from the fleet and frees its pool. Idempotent."""
+    def close(self) -> None:
+        """Removes this node's objects from the fleet and frees its pool. Idempotent. Views
+        (get_view) still alive keep the node's memory mapped until they go."""
         with self._lock:
             h, self._h = getattr(self, "_h", None), None
+            if not h:
+                return
+            self._published = {}
+            self._closing = True
+            busy = self._pins > 0
+            self._closed_h = h
+        if not busy:
+            self._really_close()
+
+    def _really_close(self) -> None:
+        with self._lock:
+            h, self._closed_h = getattr(self, "_closed_h", None), None
         if not h:
             return
         lib.ferry_store_close(h)
@@ -93,24 +241,47 @@ class Store(NodeHandle):
         if self._owns_ctx:
             self._ctx.close()
 
-    def _t(self, timeout):
+    def _unpin(self) -> None:
+        with self._lock:
+            self._pins -= 1
+            last = self._pins == 0 and self._closing
+        if last:
+            self._really_close()
+
+    def _t(self, timeout: Optional[float]) -> int:
         return _ms(self._timeout if timeout is None else timeout)
 
     # -- data --------------------------------------------------------------------------------
-    def empty(self, shape, dtype, like="numpy"):
-        """ferry.empty() in this store's context: a put of it publishes it in place."""
+    def empty(self, shape: Union[int, Iterable[int]], dtype: Any, like: Like = "numpy") -> Any:
+        """ferry.empty() in this store's context: a put of it publishes it in place (nothing is
+        copied; the store keeps a reference to it until the key is deleted or replaced)."""
         return empty(shape, dtype, like=like, ctx=self._ctx)
 
-    def put(self, key, value, copy=False, timeout=None):
-        """Publishes a numpy array or CPU torch tensor under key, replacing any object of that
-        key. Memory from ferry.empty() is published in place (keep it unmodified until the key
-        is deleted or replaced); anything else is copied once into this node's pool."""
+    def put(self, key: Key, value: Any, copy: bool = False,
+            timeout: Optional[float] = None) -> None:
+        """Publishes value under key, replacing any object of that key (readers get the old or
+        the new one, never a mix).
+
+        value: a numpy array; a CPU tensor of torch, or of any framework with __dlpack__
+        (paddle, jax, cupy host arrays: taken without a copy); bytes, bytearray or memoryview
+        (stored as uint8, read back with get(key, like=bytes)). Memory from ferry.empty() /
+        store.empty() is published in place (keep it unmodified until the key is deleted or
+        replaced; the store holds a reference so it cannot be freed meanwhile); anything else
+        is copied once into this node's pool (copy=True: always). Raises TypeError naming what
+        to pass for anything else (a dict, a list of str, an object array)."""
         desc, ptr, arr = self._buffer_of(value)
         flags = _lib.STORE_PUT_COPY if copy else 0
-        check(lib.ferry_store_put(self.handle, _key(key), desc, ptr, flags, self._t(timeout)))
+        k = _key(key)
+        check(lib.ferry_store_put(self.handle, k, desc, ptr, flags, self._t(timeout)))
+        in_place = not copy and self._ctx._owns(ptr)
+        with self._lock:
+            if in_place:
+                self._published[k] = value
+            else:
+                self._published.pop(k, None)
         del arr  # a contiguous copy of value, if as_buffer made one, lives until here
 
-    def _buffer_of(self, value):
+    def _buffer_of(self, value: Any) -> Any:
         """(byref(desc), data pointer, array to keep alive) for a put of value. A numpy array
         put before (engines reuse their routing buffers) comes from a small cache, checked
         against the same object, shape, strides and dtype: right after the caller filled
@@ -130,11 +301,20 @@ class Store(NodeHandle):
                                 byref(desc), ptr)
         return byref(desc), ptr, arr
 
-    def get(self, key, out=None, like="numpy", timeout=None):
-        """The object under key as a new numpy array (like="torch": a torch tensor), or read
-        into `out` (a contiguous array/tensor of the object's dtype and shape), which is
-        returned. bfloat16 and float8 objects come back as their bits (uint16/uint8) in numpy.
-        Raises NotFound when there is no such key."""
+    def get(self, key: Key, out: Any = None, like: Like = "numpy",
+            timeout: Optional[float] = None, view: bool = False) -> Any:
+        """The object under key, copied into new memory: a numpy array; like="torch" (or the
+        torch module): a torch tensor; like=bytes: bytes; like=<module with from_dlpack>
+        (paddle, jax.numpy, cupy): that framework's tensor. out: read into that contiguous
+        array/tensor of the object's dtype and shape instead, and return it. view=True: no
+        copy, as get_view(key). bfloat16 and float8 objects come back as their bits
+        (uint16/uint8) in numpy. Raises NotFound when there is no such key."""
+        if view:
+            if out is not None:
+                raise ValueError("ferry: get(view=True) reads in place: pass out= or view=, "
+                                 "not both")
+            return self.get_view(key, like=like, timeout=timeout)
+        like_name(like)  # a bad like= fails before anything is read
         k = _key(key)
         info = _lib.StoreInfo()
         info.size = ctypes.sizeof(info)
@@ -157,7 +337,46 @@ class Store(NodeHandle):
             arr = np.frombuffer(owner.buf, dtype=npdt).reshape(shape)
         return from_bits(arr, code, like)
 
-    def get_batch(self, keys, like="numpy", timeout=None):
+    def get_view(self, key: Key, like: Like = "numpy", timeout: Optional[float] = None) -> Any:
+        """A read-only ferry.StoreView (a numpy array) over the object's bytes where its owner
+        keeps them: on one host nothing is copied, whatever the size (across hosts: one read
+        into a private copy). The version is pinned while the view, or any array made from it,
+        is alive; `with store.get_view(k) as v:` releases it when the block ends. like="torch"
+        gives a tensor over the same memory (do not write it; the pin goes with the tensor).
+        Raises NotFound when there is no such key."""
+        kind = like_name(like)
+        if kind not in ("numpy", "torch"):
+            raise ValueError("ferry: get_view gives numpy arrays or torch tensors (read-only "
+                             "memory cannot go through DLPack): use get(key, like=...) for a "
+                             "copy")
+        _declare_view()
+        info = _lib.StoreInfo()
+        info.size = ctypes.sizeof(info)
+        data, v = ctypes.c_void_p(), ctypes.c_void_p()
+        with self._lock:
+            h = self.handle
+            self._pins += 1
+        try:
+            check(lib.ferry_store_get_view(h, _key(key), byref(data), byref(info), byref(v),
+                                           self._t(timeout)))
+        except BaseException:
+            self._unpin()
+            raise
+        pin = _Pin(self, v.value, _info_dict(info))
+        code, shape = info.desc.dtype, desc_shape(info.desc)
+        npdt = np.dtype(DTYPES[code][1])
+        nbytes = int(info.bytes)
+        buf = (ctypes.c_uint8 * max(nbytes, 1)).from_address(data.value)
+        buf._ferry_pin = pin
+        weakref.finalize(buf, pin.release)
+        # the array's base is buf itself, and so is that of every array made from it (numpy
+        # collapses the chain): release() counts them through buf's references
+        arr = StoreView.__new__(StoreView, shape, dtype=npdt, buffer=buf)
+        arr.flags.writeable = False
+        return arr if kind == "numpy" else from_bits(arr, code, like)
+
+    def get_batch(self, keys: Iterable[Key], like: Like = "numpy",
+                  timeout: Optional[float] = None) -> List[Any]:
         """The objects under keys, in order, with their reads in flight together; None for a
         key that does not exist. Other failures raise."""
         keys = list(keys)
@@ -189,7 +408,7 @@ class Store(NodeHandle):
         return results
 
     # -- keys --------------------------------------------------------------------------------
-    def stat(self, key, timeout=None):
+    def stat(self, key: Key, timeout: Optional[float] = None) -> Optional[Dict[str, Any]]:
         """The object's description as a dict (key, owner, dtype, shape, bytes, generation),
         or None when there is no such key."""
         info = _lib.StoreInfo()
@@ -200,29 +419,45 @@ class Store(NodeHandle):
         check(rc)
         return _info_dict(info)
 
-    def exists(self, key, timeout=None):
+    def exists(self, key: Key, timeout: Optional[float] = None) -> bool:
+        """True when key exists anywhere in the fleet (one directory lookup, no data read)."""
         return check(lib.ferry_store_exists(self.handle, _key(key), self._t(timeout))) == 1
 
-    def delete(self, key, timeout=None):
+    def delete(self, key: Key, timeout: Optional[float] = None) -> bool:
         """True when key was deleted, False when there was no such key."""
-        rc = lib.ferry_store_delete(self.handle, _key(key), self._t(timeout))
+        k = _key(key)
+        rc = lib.ferry_store_delete(self.handle, k, self._t(timeout))
+        with self._lock:
+            self._published.pop(k, None)
         if rc == -5:
             return False
         check(rc)
         return True
 
-    def delete_batch(self, keys, timeout=None):
+    def delete_batch(self, keys: Iterable[Key], timeout: Optional[float] = None) -> Dict[Key, bool]:
         """{key: True if deleted, False if it did not exist}; other failures raise."""
         return {key: self.delete(key, timeout=timeout) for key in keys}
 
-    def delete_prefix(self, prefix, timeout=None):
+    def delete_prefix(self, prefix: Key, timeout: Optional[float] = None) -> int:
         """Deletes every key starting with prefix; returns how many."""
         n = ctypes.c_size_t()
-        check(lib.ferry_store_delete_prefix(self.handle, _key(prefix), byref(n),
-                                            self._t(timeout)))
+        p = _key(prefix)
+        check(lib.ferry_store_delete_prefix(self.handle, p, byref(n), self._t(timeout)))
+        self._forget(p)
         return n.value
 
-    def list(self, prefix="", detail=False, timeout=None):
+    def delete_prefix_batch(self, prefixes: Iterable[Key],
+                            timeout: Optional[float] = None) -> Dict[Key, int]:
+        """{prefix: how many keys starting with it were deleted}; failures raise."""
+        return {p: self.delete_prefix(p, timeout=timeout) for p in prefixes}
+
+    def _forget(self, prefix: bytes) -> None:
+        with self._lock:
+            for k in [k for k in self._published if k.startswith(prefix)]:
+                del self._published[k]
+
+    def list(self, prefix: Key = "", detail: bool = False,
+             timeout: Optional[float] = None) -> List[Any]:
         """The keys starting with prefix, sorted (detail=True: stat() dicts instead)."""
         out = ctypes.POINTER(_lib.StoreInfo)()
         n = ctypes.c_size_t()
@@ -235,10 +470,12 @@ class Store(NodeHandle):
             lib.ferry_store_list_free(out)
         return res
 
-    def clear(self, timeout=None):
-        """Deletes every object of the fleet: {"success": bool, "cleared": n, "failed": n}."""
+    def clear(self, timeout: Optional[float] = None) -> Dict[str, Any]:
+        """Deletes every object of the fleet: {"success": bool, "cleared": n, "failed": n}
+        (and "error" when it failed)."""
         n = ctypes.c_size_t()
         rc = lib.ferry_store_clear(self.handle, byref(n), self._t(timeout))
+        self._forget(b"")
         if rc >= 0:
             return {"success": True, "cleared": n.value, "failed": 0}
         err = (lib.ferry_last_error() or b"").decode(errors="replace")

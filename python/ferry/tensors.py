@@ -3,7 +3,10 @@ and ferry.empty: arrays in ferry shared memory (ferry_alloc), so a store put of 
 import ctypes
 import sys
 import threading
+import warnings
 import weakref
+from types import ModuleType
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -95,20 +98,50 @@ def desc_shape(desc):
     return tuple(int(desc.shape[i]) for i in range(desc.ndim))
 
 
-def as_buffer(obj, writable=False):
-    """(desc, numpy array sharing obj's memory) for a numpy array or CPU torch tensor.
+_KDLCPU = 1  # DLPack's device type of host memory
+
+
+def _what(obj: Any) -> str:
+    return type(obj).__module__ + "." + type(obj).__qualname__ \
+        if type(obj).__module__ != "builtins" else type(obj).__name__
+
+
+def _unsupported(obj: Any, why: str) -> TypeError:
+    return TypeError("ferry: cannot store or send %s (%s): pass a numpy array, a CPU tensor of any framework "
+                     "(anything with __dlpack__: torch, paddle, jax, cupy on the host), or bytes"
+                     % (_what(obj), why))
+
+
+def _from_dlpack(obj: Any) -> np.ndarray:
+    """A numpy array over obj's memory through DLPack (no copy); host memory only."""
+    dev = obj.__dlpack_device__() if hasattr(obj, "__dlpack_device__") else (_KDLCPU, 0)
+    if int(dev[0]) != _KDLCPU:
+        raise NotSupported(-20, "%s lies in device memory (DLPack device %d): ferry's store and "
+                           "mq take host memory; pass x.cpu() (or the framework's "
+                           "equivalent)" % (_what(obj), int(dev[0])))
+    try:
+        return np.from_dlpack(obj)
+    except (TypeError, BufferError, RuntimeError) as e:
+        raise _unsupported(obj, "DLPack export failed: %s" % e) from None
+
+
+def as_buffer(obj: Any, writable: bool = False) -> Tuple[Any, np.ndarray]:
+    """(desc, numpy array sharing obj's memory) for a numpy array, a CPU torch tensor, any
+    object with __dlpack__ (paddle, jax, cupy host arrays), or bytes-like data (bytes,
+    bytearray, memoryview: uint8 of their length).
 
     Contiguous input is used in place (the returned array is a view of it); a non-contiguous
     array or tensor is copied once, which is wrong for an output, so `writable` refuses it."""
     torch = _torch()
     if torch is not None and isinstance(obj, torch.Tensor):
         if obj.device.type != "cpu":
-            raise NotSupported(-20, "tensors on %s are not supported yet (CPU only)" % obj.device)
+            raise NotSupported(-20, "tensors on %s are not supported yet (CPU only): pass "
+                               "x.cpu()" % obj.device)
         code = dtype_code(obj.dtype)
         t = obj.detach()
         if not t.is_contiguous():
             if writable:
-                raise ValueError("ferry: out must be contiguous")
+                raise ValueError("ferry: out must be contiguous (pass x.contiguous())")
             t = t.contiguous()
         if code in (11, 14, 15):  # numpy has no such dtype: carry the bits
             bits = torch.int16 if code == 11 else torch.uint8
@@ -116,34 +149,79 @@ def as_buffer(obj, writable=False):
         else:
             arr = t.numpy()
         return make_desc(code, tuple(t.shape)), arr
-    if not isinstance(obj, np.ndarray):
-        obj = np.asarray(obj)
-    code = _NP_TO_FERRY.get(obj.dtype) or dtype_code(obj.dtype)
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        mv = memoryview(obj)
+        if not mv.c_contiguous:
+            mv = memoryview(mv.tobytes())
+        obj = np.frombuffer(mv.cast("B"), dtype=np.uint8) if mv.nbytes else \
+            np.zeros(0, np.uint8)
+    elif not isinstance(obj, np.ndarray):
+        if hasattr(obj, "__dlpack__"):
+            obj = _from_dlpack(obj)
+        elif isinstance(obj, (dict, list, tuple, set, str)) or obj is None:
+            raise _unsupported(obj, "not an array; serialize it first, e.g. "
+                               "json.dumps(x).encode() or pickle.dumps(x)")
+        else:
+            obj = np.asarray(obj)
+    code = _NP_TO_FERRY.get(obj.dtype)
+    if code is None:
+        if obj.dtype.kind in "OSUV":
+            raise _unsupported(obj, "numpy dtype %s holds no fixed-size numbers; pass "
+                               "bytes(...) or an array of a numeric dtype" % obj.dtype)
+        code = dtype_code(obj.dtype)
     if not obj.flags.c_contiguous:
         if writable:
-            raise ValueError("ferry: out must be C-contiguous")
+            raise ValueError("ferry: out must be C-contiguous (np.ascontiguousarray)")
         obj = np.ascontiguousarray(obj)
     if writable and not obj.flags.writeable:
         raise ValueError("ferry: out is read-only")
     return make_desc(code, obj.shape), obj
 
 
-def from_bits(arr, code, like):
-    """Turns an array holding a dtype's bits into what the caller asked for."""
-    if like == "numpy":
+Like = Union[str, type, ModuleType]
+
+
+def like_name(like: Any) -> str:
+    """"numpy", "torch", "bytes" or "dlpack" (a module with from_dlpack) for a like= value."""
+    if like is None or like == "numpy" or like is np:
+        return "numpy"
+    if like == "torch" or (isinstance(like, ModuleType) and like.__name__ == "torch"):
+        return "torch"
+    if like is bytes or like == "bytes":
+        return "bytes"
+    if isinstance(like, ModuleType) and hasattr(like, "from_dlpack"):
+        return "dlpack"
+    raise ValueError("ferry: like must be 'numpy', 'torch', bytes or a module with from_dlpack "
+                     "(numpy, torch, paddle, jax.numpy, cupy), not %r" % (like,))
+
+
+def from_bits(arr: np.ndarray, code: int, like: Any) -> Any:
+    """Turns an array holding a dtype's bits into what the caller asked for: a numpy array
+    ("numpy" or the numpy module), a torch tensor ("torch" or the module), bytes, or
+    like.from_dlpack(arr) for any other framework module (paddle, jax.numpy, cupy)."""
+    kind = like_name(like)
+    if kind == "numpy":
         return arr
-    if like != "torch":
-        raise ValueError("ferry: like must be 'numpy' or 'torch', not %r" % (like,))
+    if kind == "bytes":
+        return arr.tobytes()
+    if kind == "dlpack":
+        if code in (11, 14, 15):
+            raise NotSupported(-20, "%s through DLPack: numpy has no %s; use like='torch' or "
+                               "like=numpy (its bits)" % (DTYPES[code][0], DTYPES[code][0]))
+        src = arr if arr.flags.writeable else arr.copy()  # DLPack (numpy 1) cannot mark read-only
+        return like.from_dlpack(src)
     torch = _torch(need=True)
     if code not in _FERRY_TO_TORCH:
         raise NotSupported(-20, "this torch has no %s" % DTYPES[code][0])
-    if code in (11, 14, 15):
-        if code not in _FERRY_TO_TORCH:
-            raise NotSupported(-20, "this torch has no %s" % DTYPES[code][0])
-        bits = np.int16 if code == 11 else np.uint8
-        t = torch.from_numpy(arr.view(bits)) if arr.size else torch.from_numpy(arr.view(bits).copy())
-        return t.view(_FERRY_TO_TORCH[code])
-    return torch.from_numpy(arr)
+    with warnings.catch_warnings():
+        # a read-only view (get_view) becomes a tensor that must not be written: documented
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        if code in (11, 14, 15):
+            bits = np.int16 if code == 11 else np.uint8
+            t = torch.from_numpy(arr.view(bits)) if arr.size else \
+                torch.from_numpy(arr.view(bits).copy())
+            return t.view(_FERRY_TO_TORCH[code])
+        return torch.from_numpy(arr)
 
 
 def _enc(s):
@@ -158,6 +236,7 @@ class NodeHandle(_lib.Closing):
 
     @property
     def handle(self):
+        """The C handle (ValueError once closed)."""
         h = self._h
         if not h:
             raise ValueError("ferry: %s is closed" % self._what)
@@ -169,6 +248,7 @@ class NodeHandle(_lib.Closing):
 
     @property
     def name(self):
+        """This node's name."""
         return self._ctx.name
 
 
@@ -186,19 +266,23 @@ class Context(_lib.Closing):
         self._allocs = 0
         self._closing = False
         self._has_store = False
+        self._ranges: Dict[int, int] = {}  # ferry_alloc blocks alive: address -> bytes
 
     @property
     def handle(self):
+        """The C handle (ValueError once closed)."""
         if not self._h or self._closing:
             raise ValueError("ferry: context is closed")
         return self._h
 
     @property
     def name(self):
+        """The node's name (ferry_ctx_opts.name or <hostname>-<pid>)."""
         return lib.ferry_ctx_name(self.handle).decode()
 
     @property
     def address(self):
+        """The URLs peers reach this node at, comma-separated."""
         return lib.ferry_ctx_address(self.handle).decode()
 
     @property
@@ -214,18 +298,39 @@ class Context(_lib.Closing):
         with self._lock:
             check(lib.ferry_alloc(self.handle, max(int(nbytes), 1), ctypes.byref(p)))
             self._allocs += 1
+            self._ranges[p.value] = max(int(nbytes), 1)
         return p.value
 
-    def _free(self, ptr):
+    def _hold(self) -> None:
+        """Defers closing while something (a store view) still uses this context's mappings."""
         with self._lock:
-            if self._h:
-                lib.ferry_free(self._h, ptr)
+            self._allocs += 1
+
+    def _unhold(self) -> None:
+        with self._lock:
             self._allocs -= 1
             last = self._allocs == 0 and self._closing
         if last:
             self._really_close()
 
-    def close(self):
+    def _owns(self, ptr: int) -> bool:
+        """Whether ptr lies in a live ferry_alloc block of this context (a put publishes it in
+        place)."""
+        with self._lock:
+            return any(a <= ptr < a + n for a, n in self._ranges.items())
+
+    def _free(self, ptr):
+        with self._lock:
+            if self._h:
+                lib.ferry_free(self._h, ptr)
+            self._ranges.pop(ptr, None)
+            self._allocs -= 1
+            last = self._allocs == 0 and self._closing
+        if last:
+            self._really_close()
+
+    def close(self) -> None:
+        """Closes the context (deferred while arrays from ferry.empty() on it are alive)."""
         with self._lock:
             if not self._h or self._closing:
                 return
