@@ -976,5 +976,6 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_refit_commit_ends_updating, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stress_no_lost_command, setup, teardown),
   };
+  tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }

@@ -815,5 +815,6 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_receiver_stalled_chain),
       cmocka_unit_test(test_sender_killed),
   };
+  tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
