@@ -726,5 +726,6 @@ int main(void) {
       cmocka_unit_test(test_redis_auth),
       cmocka_unit_test(test_advertise_two_hosts),
   };
+  tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

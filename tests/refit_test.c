@@ -3,8 +3,9 @@
  * buffers, casts, partial and unchanged-skipping pushes; faults: a corrupted bucket, a receiver
  * killed mid-push (the others commit, the restarted one catches up), a receiver stopped
  * (SIGSTOP) mid-push (dropped alone; torn, not the version it missed, until a push lands), the
- * sender killed mid-push (receivers report torn bytes, not their old version), bindings that do
- * not fit.
+ * sender killed mid-push (receivers report torn bytes, not their old version) or stopped
+ * mid-push (a wait times out, no version is claimed; resumed, the push lands whole), bindings
+ * that do not fit.
  */
 // ferry-test: threaded
 #include "testutil.h"
@@ -19,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #define NT 40
@@ -725,9 +727,8 @@ static int sender_child(tu_pipe *p) {
     return 1;
   uint8_t go;
   tu_pipe_get(p, &go, 1, 10000);
-  fr_refit_test_corrupt = stop_at_bucket_two; /* stops mid-push; the parent kills it */
-  ferry_refit_push(s, 2, NULL);
-  return 0;
+  fr_refit_test_corrupt = stop_at_bucket_two; /* stops mid-push; the parent kills or resumes it */
+  return ferry_refit_push(s, 2, NULL) == 0 ? 0 : 2;
 }
 
 static void test_sender_killed(void **st) {
@@ -765,6 +766,74 @@ static void test_sender_killed(void **st) {
   assert_int_equal(ferry_refit_wait(r, 2, 10000, &v), FERRY_EPEER);
   assert_int_equal(v, 0);
   assert_int_equal(ferry_refit_committed(r), 0);
+  ferry_refit_receiver_close(r);
+  bound_free(&b);
+  ferry_ctx_close(rc);
+  tu_pipe_close(&to_parent);
+  tu_pipe_close(&to_child);
+}
+
+static double ms_since(const struct timespec *t0) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)(t.tv_sec - t0->tv_sec) * 1e3 + (double)(t.tv_nsec - t0->tv_nsec) / 1e6;
+}
+
+#define HANG_MS 10000.0 /* far above a 1 s wait plus its constant: only a hang gets there */
+
+/* The sender stops (SIGSTOP) in the middle of version 2: a receiver's wait for 2 with a 1 s
+ * timeout returns FERRY_ETIMEDOUT (not a hang), and it reports no version while its tensors hold
+ * part of 2 over 1. After SIGCONT the push completes: version 2 is committed and the bound
+ * tensors hold exactly the sender's bytes. */
+static void test_sender_stopped(void **st) {
+  tu_pipe to_parent, to_child;
+  tu_pipe_open(&to_parent);
+  tu_pipe_open(&to_child);
+  char rd[16], wr[16];
+  snprintf(rd, sizeof rd, "%d", to_child.rd);
+  snprintf(wr, sizeof wr, "%d", to_parent.wr);
+  pid_t pid = tu_spawn_exec("--sender", rd, wr, NULL);
+  char addr[512];
+  assert_int_equal(tu_pipe_get(&to_parent, addr, sizeof addr, 10000), 0);
+  ferry_ctx *rc = ctx_for("rollout-stopped", "shm,tcp");
+  ferry_refit_receiver *r;
+  FR_OK(ferry_refit_receiver_open(rc, addr, 5000, &r));
+  bound b;
+  bind_all(r, &b);
+  FR_OK(ferry_refit_wait(r, 1, 10000, NULL));
+  uint8_t go = 1;
+  tu_pipe_put(&to_child, &go, 1);
+  int wst;
+  assert_int_equal(waitpid(pid, &wst, WUNTRACED), pid); /* stopped in the middle of v2 */
+  assert_true(WIFSTOPPED(wst));
+  struct timespec t0;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  uint64_t v = 99;
+  int wait_rc = ferry_refit_wait(r, 2, 1000, &v);
+  double ms = ms_since(&t0);
+  char why[512];
+  snprintf(why, sizeof why, "%s", ferry_last_error());
+  uint64_t during = ferry_refit_committed(r);
+  kill(pid, SIGCONT);
+  printf("# sender stopped: wait for 2 with a 1000 ms timeout returned %s after %.0f ms "
+         "(version %lu): %s\n",
+         ferry_status_name(wait_rc), ms, (unsigned long)v, why);
+  uint64_t after = 99;
+  int back = ferry_refit_wait(r, 2, 20000, &after);
+  int sender_rc = tu_wait(pid);
+  assert_int_equal(wait_rc, FERRY_ETIMEDOUT);
+  assert_true(ms < HANG_MS);
+  assert_int_equal(during, 0); /* part of 2 over 1: neither version is claimed */
+  FR_OK(back);
+  assert_int_equal(after, 2);
+  assert_int_equal(ferry_refit_committed(r), 2);
+  assert_int_equal(sender_rc, 0); /* its push of 2 completed */
+  model m; /* version 2 is the sender's model (seed 5), cast as it sends it */
+  model_init(&m, 5);
+  for (int i = 0; i < NT; i++)
+    m.scale[i] = fr_refit_fp8_scale(FERRY_DTYPE_F32, m.w[i], m.d[i].shape[0] * m.d[i].shape[1]);
+  expect_model(&m, (const void *const *)b.mem);
+  model_free(&m);
   ferry_refit_receiver_close(r);
   bound_free(&b);
   ferry_ctx_close(rc);
@@ -814,6 +883,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_receiver_stalled),
       cmocka_unit_test(test_receiver_stalled_chain),
       cmocka_unit_test(test_sender_killed),
+      cmocka_unit_test(test_sender_stopped),
   };
+  tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -127,3 +127,11 @@ void tu_skip(tu_skip_why why, const char *fmt, ...) {
     fail_msg("would skip under make test, which installs what it needs: %s", msg);
   fprintf(stderr, "SKIP %s\n", msg);
 }
+
+void tu_filter(void) {
+  const char *only = getenv("FERRY_TEST_ONLY"), *skip = getenv("FERRY_TEST_SKIP");
+  if (only && *only)
+    cmocka_set_test_filter(only);
+  if (skip && *skip)
+    cmocka_set_skip_filter(skip);
+}

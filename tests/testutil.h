@@ -46,6 +46,12 @@ void tu_rmdir_files(const char *dir);
 /* Fills buf with a deterministic pattern derived from seed. */
 void tu_fill(void *buf, size_t len, uint64_t seed);
 
+/* Applies the environment's choice of cases to the cmocka run that follows: FERRY_TEST_ONLY runs
+ * only the cases whose names match its glob (`*` and `?`; e.g. test_owner_stopped, used by
+ * tests/faults/run.sh), FERRY_TEST_SKIP leaves out those matching its glob. Every test's main
+ * calls it before cmocka_run_group_tests. */
+void tu_filter(void);
+
 /* Why a part of a test cannot run here. */
 typedef enum tu_skip_why {
   /* Something the project installs is missing (a Debian package in scripts/deps.sh test) or
