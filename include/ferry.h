@@ -667,6 +667,10 @@ typedef struct ferry_refit_opts {
   int publish; /* register the sender under its name in the directory, so receivers can open
                   it by name; FERRY_EEXIST when another live sender has that name */
   const char *directory; /* with publish: the directory URL (NULL: FERRY_DIRECTORY) */
+  int no_retain; /* keep two buckets instead of the whole latest version: less shared memory,
+                    but a receiver that attaches late gets nothing until the next push (by
+                    default the sender packs every bucket in place in one buffer and a late
+                    receiver catches up from it at once) */
 } ferry_refit_opts;
 
 /* Opens a sender on ctx; receivers attach to ferry_ctx_address(ctx), or by `name` when it is
