@@ -725,7 +725,8 @@ typedef struct ferry_refit_push_opts {
  * once. */
 FERRY_API int ferry_refit_push(ferry_refit_sender *sender, uint64_t version,
                                const ferry_refit_push_opts *opts);
-/* How many receivers are attached now (a dropped one counts again once it attached again). */
+/* How many receivers are attached now (a dropped one counts again once it attached again; one
+ * whose link is gone does not count, and a push leaves it out). */
 FERRY_API size_t ferry_refit_receivers(ferry_refit_sender *sender);
 
 /* Attaches to the sender at `address` (its ctx address, "shm://...,tcp://..."), or to the one

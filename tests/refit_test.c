@@ -718,7 +718,10 @@ static int sender_child(tu_pipe *p) {
   model m;
   model_init(&m, 5);
   ferry_ctx *sc = ctx_for("trainer-child", "shm,tcp");
-  ferry_refit_sender *s = sender_for(sc, &m, 16384);
+  /* two bucket slots: bucket 2 is packed only after bucket 0 was acknowledged (a sender that
+   * retains the whole version packs ahead of its receivers) */
+  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 16384, .no_retain = 1};
+  ferry_refit_sender *s = sender_with(sc, &m, "trainer", &o);
   char addr[512];
   snprintf(addr, sizeof addr, "%s", ferry_ctx_address(sc));
   tu_pipe_put(p, addr, sizeof addr);

@@ -284,6 +284,16 @@ static size_t begin_push(ferry_refit_sender *s, fr_push *p, ferry_refit_route ro
   s->repairing = false;
   p->had = s->retained;
   s->retained = 0; /* rewritten in place from now on: late joiners wait for the push's end */
+  for (receiver **pp = &s->receivers; *pp;) {
+    receiver *gone = *pp;
+    if (ferry_link_status(gone->link) == 0) {
+      pp = &gone->next;
+      continue;
+    }
+    *pp = gone->next; /* it left between pushes (its goodbye may not have come): not in this one */
+    fr_info("refit '%s': receiver '%s' is gone", s->name, gone->peer);
+    fr_refit_receiver_free(gone);
+  }
   for (receiver *r = s->receivers; r; r = r->next) {
     fr_refit_catchup_cancel(r); /* a push takes it, with every bucket of the newer version */
     r->in_push = !r->dropped;

@@ -334,7 +334,7 @@ size_t ferry_refit_receivers(ferry_refit_sender *s) {
   size_t n = 0;
   pthread_mutex_lock(&s->lock);
   for (receiver *r = s->receivers; r; r = r->next)
-    n += !r->dropped;
+    n += !r->dropped && ferry_link_status(r->link) == 0;
   pthread_mutex_unlock(&s->lock);
   return n;
 }
