@@ -427,8 +427,10 @@ static int fetch_manifest(ferry_refit_receiver *r, int timeout_ms, fr_refit_plan
     rc = fr_refit_manifest_decode(a.manifest, a.manifest_len, plan);
   if (rc == 0) {
     r->alias_ref = a.alias;
+    pthread_mutex_lock(&r->lock); /* committed() and wait() read it on the caller's thread */
     if (a.latest > r->latest_known)
       r->latest_known = a.latest;
+    pthread_mutex_unlock(&r->lock);
   }
   ferry_msg_free(reply);
   return rc;
