@@ -661,8 +661,8 @@ static bool netns_up(void) {
          " link set fdt-a up && ip -n " NS_B " link set fdt-b up && ip -n " NS_A
          " link set lo up && ip -n " NS_B " link set lo up) >/dev/null 2>&1") != 0) {
     netns_down();
-    tu_skip(geteuid() == 0 ? TU_SKIP_FIXABLE : TU_SKIP_NOT_HERE,
-            "two-host part: cannot make network namespaces (needs root and iproute2)");
+    tu_skip(tu_netns_skip_why(), "two-host part: cannot make network namespaces (needs root, "
+                                 "iproute2, and / a mount point)");
     return false;
   }
   return true;

@@ -1133,8 +1133,9 @@ static bool netns_up(void) {
     if (sh(cmds[i]) != 0) {
       netns_down();
       /* root has CAP_NET_ADMIN, so there the failure is a missing iproute2 or a broken set-up */
-      tu_skip(geteuid() == 0 ? TU_SKIP_FIXABLE : TU_SKIP_NOT_HERE,
-              "netns part: `%s` failed (needs root, CAP_NET_ADMIN and iproute2)", cmds[i]);
+      tu_skip(tu_netns_skip_why(),
+              "netns part: `%s` failed (needs root, CAP_NET_ADMIN, iproute2, and / a mount point)",
+              cmds[i]);
       return false;
     }
   return true;

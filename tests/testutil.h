@@ -61,6 +61,10 @@ typedef enum tu_skip_why {
   /* Nothing to install fixes it: no GPU, a transport this run leaves out, not root. */
   TU_SKIP_NOT_HERE,
 } tu_skip_why;
+/* Why test hosts in network namespaces could not be made: TU_SKIP_FIXABLE for root on a full
+ * system (iproute2 missing, or a real fault), TU_SKIP_NOT_HERE when not root or in a chroot whose
+ * root is not a mount point (`ip -n` remounts / as a slave there and fails). */
+tu_skip_why tu_netns_skip_why(void);
 /* Reports "SKIP <fmt...>" on stderr; for TU_SKIP_FIXABLE under FERRY_TEST_STRICT=1 it fails the
  * running test instead (does not return). The caller returns after it. */
 void tu_skip(tu_skip_why why, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
