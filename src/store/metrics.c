@@ -62,33 +62,20 @@ static void collect(void *arg, fr_stats_out *out) {
                 st, NULL);
 }
 
-/* Ready while its lease is held and its directory's epoch is the one it registered in. The lease
- * words are the service thread's, under publish_lock; that lock is also held across directory
- * calls, so a check that finds it taken gives the last answer it had rather than waiting. */
+/* Ready while its lease is held and its directory answered the last renewal. */
 static int ready(void *arg, char *why, size_t len) {
   ferry_store *s = arg;
-  if (!s->dir || !s->mem)
+  if (!s->dir || !s->mem || fr_dir_lease_ok(&s->lease))
     return 0; /* a delegating store holds no name */
-  bool ok;
-  if (pthread_mutex_trylock(&s->publish_lock) == 0) {
-    ok = fr_dir_lease_current(&s->lease);
-    pthread_mutex_unlock(&s->publish_lock);
-    __atomic_store_n(&s->m.ready, ok, __ATOMIC_RELAXED);
-  } else {
-    ok = __atomic_load_n(&s->m.ready, __ATOMIC_RELAXED);
-  }
-  if (ok)
-    return 0;
   if (why && len)
     snprintf(why, len,
-             "store '%s': its directory lease is not held (directory unreachable, or the node "
-             "is registering again)",
+             "store '%s': its directory lease is not held (the directory did not answer its "
+             "last renewal, or the node is registering again)",
              s->name);
   return FERRY_ECONNECT;
 }
 
 int fr_store_stats_start(ferry_store *s) {
-  s->m.ready = true; /* it registered as it opened */
   return fr_stats_add(fr_ctx_stats(s->ctx), collect, ready, s);
 }
 

@@ -133,7 +133,6 @@ struct ferry_store {
   struct {
     uint64_t puts, put_errors, put_bytes, gets, get_errors, get_bytes;
     fr_hist put_ns, get_ns;
-    bool ready; /* atomic: the last readiness check's answer (metrics.c) */
   } m;
 };
 
