@@ -280,8 +280,11 @@ int fr_store_get_progress(ferry_store *s, const char *key, void **out, ferry_sto
   uint64_t deadline = fr_deadline_ns(fr_timeout(timeout_ms));
   for (int attempt = 0; rc == 0 && attempt < 3; attempt++) {
     fr_dir_object rec;
-    if ((rc = fr_store_lookup(s, key, &rec, fr_store_left(deadline))) != 0)
+    uint64_t t0 = fr_now_ns();
+    if ((rc = fr_store_lookup(s, key, &rec, fr_store_left(deadline))) != 0) {
+      fr_store_count(s, false, 0, 1, 0, t0); /* the get that get_loop would have counted */
       return rc;
+    }
     void *buf = malloc(rec.bytes ? (size_t)rec.bytes : 1);
     if (!buf)
       return fr_err(FERRY_ENOMEM, "get '%s': %llu bytes", key, (unsigned long long)rec.bytes);
