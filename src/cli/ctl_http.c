@@ -19,8 +19,8 @@
  * is dead, 401 missing or wrong bearer token when FERRY_TOKEN is set. It binds loopback unless
  * --allow-remote. It also serves, with no token (read-only, as Prometheus scrapes), the
  * process's metrics at /metrics (Prometheus text: the requests it made), /healthz (the server
- * answers) and /readyz (the cell can be opened: its engine is there). Each request opens the cell afresh, so the server follows an engine that
- * restarts with a new incarnation.
+ * answers) and /readyz (the cell can be opened: its engine is there). Each request opens the cell
+ * afresh, so the server follows an engine that restarts with a new incarnation.
  */
 #include "cli/args.h"
 #include "cli/cli.h"
@@ -458,10 +458,9 @@ static enum MHD_Result route_ops(const server *s, struct MHD_Connection *conn, c
 static enum MHD_Result route(const server *s, struct MHD_Connection *conn, const char *url,
                              const char *method, const request_body *body) {
   if (ops_path(url))
-    return strcmp(method, "GET") == 0
-               ? route_ops(s, conn, url)
-               : send_error_allow(conn, MHD_HTTP_METHOD_NOT_ALLOWED, FERRY_EINVAL, "use GET",
-                                  "GET");
+    return strcmp(method, "GET") == 0 ? route_ops(s, conn, url)
+                                      : send_error_allow(conn, MHD_HTTP_METHOD_NOT_ALLOWED,
+                                                         FERRY_EINVAL, "use GET", "GET");
   if (!token_ok(s, conn))
     return send_error(conn, MHD_HTTP_UNAUTHORIZED, FERRY_EAUTH, "missing or wrong bearer token");
   size_t plen = strlen(s->prefix);

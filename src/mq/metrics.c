@@ -12,11 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The row of topic (lock held). The last topic matched is tried first: a stream is one topic. */
-static fr_mq_rx_stat *rx_row(ferry_mq *mq, const char *topic) {
-  fr_mq_rx_stat *last = &mq->rx[mq->rx_last];
-  if (last->name && strcmp(last->name, topic) == 0)
-    return last;
+/* The row of topic (lock held), when it is not the last one matched (fr_mq_count_received). */
+fr_mq_rx_stat *fr_mq_rx_row(ferry_mq *mq, const char *topic) {
   for (size_t i = 0; i < mq->nrx; i++)
     if (strcmp(mq->rx[i].name, topic) == 0) {
       mq->rx_last = i;
@@ -31,12 +28,6 @@ static fr_mq_rx_stat *rx_row(ferry_mq *mq, const char *topic) {
     }
   }
   return &mq->rx[FR_MQ_STAT_TOPICS];
-}
-
-void fr_mq_count_received(ferry_mq *mq, const char *topic, size_t topic_len, uint64_t bytes) {
-  fr_mq_rx_stat *r = rx_row(mq, topic ? topic : "");
-  r->msgs++;
-  r->bytes += bytes;
 }
 
 static void collect(void *arg, fr_stats_out *out) {

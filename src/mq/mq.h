@@ -20,6 +20,7 @@
 #include "directory/directory.h"
 
 #include <pthread.h>
+#include <string.h>
 #include <stdbool.h>
 
 /* ---- wire.c: frames on FR_CHANNEL_MQ ---- */
@@ -164,10 +165,6 @@ typedef struct fr_mq_clock { /* the TSC against CLOCK_MONOTONIC (publish_lock) *
 
 struct ferry_mq {
   ferry_ctx *ctx;
-  /* metrics (metrics.c), under lock */
-  fr_mq_rx_stat rx[FR_MQ_STAT_TOPICS + 1]; /* the last row: every other topic */
-  size_t nrx, rx_last;
-  uint64_t credit_waits, credit_wait_ns, publish_errors;
   char name[FR_DIR_NAME_MAX + 1]; /* the ctx's name */
   fr_dir *dir;
   fr_dir_server *server;
@@ -230,6 +227,11 @@ struct ferry_mq {
 
   pthread_t thread;
   bool thread_started;
+
+  /* metrics (metrics.c), under lock; last, so that the fields above keep their cache lines */
+  fr_mq_rx_stat rx[FR_MQ_STAT_TOPICS + 1]; /* the last row: every other topic */
+  size_t nrx, rx_last;
+  uint64_t credit_waits, credit_wait_ns, publish_errors; /* publish_errors: atomic */
 };
 
 /* mq.c */
@@ -291,7 +293,14 @@ bool fr_mq_subscribed(ferry_mq *mq, const char *topic); /* lock held */
 
 /* metrics.c: counts a message queued for the application (lock held); registers and removes
  * the mq's collector and readiness check with its ctx. */
-void fr_mq_count_received(ferry_mq *mq, const char *topic, size_t topic_len, uint64_t bytes);
+fr_mq_rx_stat *fr_mq_rx_row(ferry_mq *mq, const char *topic);
+static inline void fr_mq_count_received(ferry_mq *mq, const char *topic, uint64_t bytes) {
+  fr_mq_rx_stat *r = &mq->rx[mq->rx_last]; /* a stream is one topic: try the last one first */
+  if (!r->name || strcmp(r->name, topic) != 0)
+    r = fr_mq_rx_row(mq, topic);
+  r->msgs++;
+  r->bytes += bytes;
+}
 int fr_mq_stats_start(ferry_mq *mq);
 void fr_mq_stats_stop(ferry_mq *mq);
 /* Frees the receive table, once nothing is queued any more (free_state). */

@@ -26,18 +26,18 @@ static void collect(void *arg, fr_stats_out *out) {
   fr_stat_hist(out, "ferry_refit_push_duration_seconds", "Time a push took, to every commit",
                &s->push_ns, 1e-9, "sender", n, NULL);
   pthread_mutex_lock(&s->lock);
-  fr_stat_counter(out, "ferry_refit_pushes_total", "Pushes started", (double)s->pushes, "sender",
-                  n, NULL);
+  fr_stat_counter(out, "ferry_refit_pushes_total", "Pushes started", (double)s->pushes, "sender", n,
+                  NULL);
   fr_stat_counter(out, "ferry_refit_push_failures_total",
-                  "Pushes that some receiver did not commit", (double)s->push_failures, "sender",
-                  n, NULL);
+                  "Pushes that some receiver did not commit", (double)s->push_failures, "sender", n,
+                  NULL);
   fr_stat_counter(out, "ferry_refit_push_bytes_total",
                   "Bytes of the buckets pushes sent (unchanged buckets skipped)",
                   (double)s->push_bytes, "sender", n, NULL);
   fr_stat_gauge(out, "ferry_refit_last_push_seconds", "How long the last push took",
                 (double)s->last_push_ns * 1e-9, "sender", n, NULL);
-  fr_stat_gauge(out, "ferry_refit_version", "The last version pushed", (double)s->latest,
-                "sender", n, NULL);
+  fr_stat_gauge(out, "ferry_refit_version", "The last version pushed", (double)s->latest, "sender",
+                n, NULL);
   size_t nrecv = 0;
   for (receiver *r = s->receivers; r; r = r->next, nrecv++) {
     fr_stat_gauge(out, "ferry_refit_receiver_committed_version",

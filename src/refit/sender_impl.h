@@ -33,8 +33,8 @@ typedef struct receiver {
   uint64_t fwd_offset[2];
   bool commit_sent;
   bool commit_seen;
-  bool detached; /* said goodbye during the push; freed after it */
-  int status;    /* first failure in the current push */
+  bool detached;     /* said goodbye during the push; freed after it */
+  int status;        /* first failure in the current push */
   uint64_t failures; /* metrics: pushes it did not commit (s->lock) */
   struct receiver *next;
 } receiver;
