@@ -718,6 +718,10 @@ typedef struct ferry_refit_opts {
   int publish; /* register the sender under its name in the directory, so receivers can open
                   it by name; FERRY_EEXIST when another live sender has that name */
   const char *directory; /* with publish: the directory URL (NULL: FERRY_DIRECTORY) */
+  int no_retain; /* keep two buckets instead of the whole latest version: less shared memory,
+                    but a receiver that attaches late gets nothing until the next push (by
+                    default the sender packs every bucket in place in one buffer and a late
+                    receiver catches up from it at once) */
 } ferry_refit_opts;
 
 /* Opens a sender on ctx; receivers attach to ferry_ctx_address(ctx), or by `name` when it is
@@ -772,7 +776,8 @@ typedef struct ferry_refit_push_opts {
  * once. */
 FERRY_API int ferry_refit_push(ferry_refit_sender *sender, uint64_t version,
                                const ferry_refit_push_opts *opts);
-/* How many receivers are attached now (a dropped one counts again once it attached again). */
+/* How many receivers are attached now (a dropped one counts again once it attached again; one
+ * whose link is gone does not count, and a push leaves it out). */
 FERRY_API size_t ferry_refit_receivers(ferry_refit_sender *sender);
 
 /* Attaches to the sender at `address` (its ctx address, "shm://...,tcp://..."), or to the one

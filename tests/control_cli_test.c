@@ -525,5 +525,6 @@ int main(void) {
       cmocka_unit_test_setup(test_http_bodies, setup),
       cmocka_unit_test_setup(test_http_flood, setup),
   };
+  tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }

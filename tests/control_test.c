@@ -1,10 +1,10 @@
 /*
  * Control cells: the weight lifecycle agreed by controllers and ranks through shared memory.
  * Ranks run as forked processes (and, in the stress and refit tests, threads); controllers as
- * the test process or forked children. Covers transitions, concurrent controllers, dead ranks,
- * a controller killed mid-request, stale cells, the refit commit hook, and the lost-update bug
- * of the one-int32 design (ranks cannot write the command word; a lagging rank gets the latest
- * command). No assertion depends on timing.
+ * the test process or forked children. Covers transitions, concurrent controllers, dead and
+ * stopped (SIGSTOP) ranks, a controller killed mid-request, stale cells, the refit commit hook,
+ * and the lost-update bug of the one-int32 design (ranks cannot write the command word; a lagging
+ * rank gets the latest command). No assertion depends on timing.
  */
 // ferry-test: threaded
 #include "testutil.h"
@@ -736,6 +736,74 @@ static void test_rank_dies_mid_request(void **state) {
   ferry_ctl_cell_close(cell);
 }
 
+static double ms_since(const struct timespec *t0) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)(t.tv_sec - t0->tv_sec) * 1e3 + (double)(t.tv_nsec - t0->tv_nsec) / 1e6;
+}
+
+#define HANG_MS 10000.0 /* far above a 1 s request plus its constant: only a hang gets there */
+
+/* A rank stopped (SIGSTOP) before a request: it is alive, so nothing fails it early; the request
+ * times out naming that rank alone (the others acked: unaffected); another controller is told
+ * the command is in flight. After SIGCONT the rank takes the command still in the cell and
+ * acks it, the cell agrees again and the next command goes through; no rank lost a command. */
+static void test_rank_stopped(void **state) {
+  ferry_ctl_cell *cell = NULL;
+  FR_OK(ferry_ctl_cell_create(name, 3, NULL, &cell));
+  ranks rs;
+  start_ranks(&rs, 3, NULL);
+  assert_int_equal(kill(rs.pid[1], SIGSTOP), 0);
+  int wst = 0;
+  assert_int_equal(waitpid(rs.pid[1], &wst, WUNTRACED), rs.pid[1]);
+  assert_true(WIFSTOPPED(wst));
+  ferry_ctl *c = NULL;
+  FR_OK(ferry_ctl_open(name, &c));
+  struct timespec t0;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  int rc = ferry_ctl_request(c, FERRY_CTL_CLEAR, 1000);
+  double ms = ms_since(&t0);
+  char why[512];
+  snprintf(why, sizeof why, "%s", ferry_last_error());
+  ferry_ctl_rank_status st[3];
+  for (uint32_t i = 0; i < 3; i++) {
+    st[i] = (ferry_ctl_rank_status){.size = sizeof st[i]};
+    FR_OK(ferry_ctl_rank_status_get(c, i, &st[i]));
+  }
+  int busy = ferry_ctl_request(c, FERRY_CTL_UPDATE, 1000);
+  kill(rs.pid[1], SIGCONT);
+  printf("# rank 1 stopped: clear with a 1000 ms timeout returned %s after %.0f ms: %s\n",
+         ferry_status_name(rc), ms, why);
+  assert_int_equal(rc, FERRY_ETIMEDOUT);
+  assert_true(ms < HANG_MS);
+  assert_non_null(strstr(why, "rank 1"));
+  assert_null(strstr(why, "rank 0"));
+  assert_null(strstr(why, "rank 2"));
+  assert_true(st[0].alive && st[0].state == FERRY_CTL_CLEARED && st[0].seq == 1);
+  assert_true(st[2].alive && st[2].state == FERRY_CTL_CLEARED && st[2].seq == 1);
+  assert_true(st[1].alive); /* stopped is not dead */
+  assert_int_equal(busy, FERRY_EBUSY);
+  /* resumed: the rank takes the clear still in the cell (polled with a bound, no timing) */
+  ferry_ctl_rank_status r1 = {.size = sizeof r1};
+  for (int i = 0; i < 20000; i++) {
+    FR_OK(ferry_ctl_rank_status_get(c, 1, &r1));
+    if (r1.state == FERRY_CTL_CLEARED && r1.seq == 1)
+      break;
+    usleep(1000);
+  }
+  assert_true(r1.state == FERRY_CTL_CLEARED && r1.seq == 1);
+  ferry_ctl_status cs = get_status(c);
+  assert_true(!cs.in_flight && cs.agreed && cs.state == FERRY_CTL_CLEARED);
+  FR_OK(ferry_ctl_request(c, FERRY_CTL_UPDATE, 10000));
+  assert_int_equal(get_status(c).state, FERRY_CTL_SERVING);
+  ferry_ctl_close(c);
+  stop_ranks(&rs);
+  for (int i = 0; i < 3; i++)
+    assert_int_equal(atomic_load(&sh->handled[i]), 2);
+  assert_int_equal(atomic_load(&sh->gaps), 0);
+  ferry_ctl_cell_close(cell);
+}
+
 /* A controller killed mid-request leaves a consistent cell; the ranks finish; the next
  * controller proceeds. */
 static void test_controller_killed_mid_request(void **state) {
@@ -971,10 +1039,12 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_dead_rank_named, setup, teardown),
       cmocka_unit_test_setup_teardown(test_rank_dies_mid_request, setup, teardown),
       cmocka_unit_test_setup_teardown(test_controller_killed_mid_request, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_rank_stopped, setup, teardown),
       cmocka_unit_test_setup_teardown(test_abort_in_flight, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stale_cell, setup, teardown),
       cmocka_unit_test_setup_teardown(test_refit_commit_ends_updating, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stress_no_lost_command, setup, teardown),
   };
+  tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }

@@ -1040,6 +1040,7 @@ int main(void) {
       cmocka_unit_test(test_waiters_shm),
       cmocka_unit_test(test_waiters_tcp),
   };
+  tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
 #endif

@@ -849,5 +849,6 @@ int main(int argc, char **argv) {
       TESTS(ucx),
 #endif
   };
+  tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -141,5 +141,6 @@ int main(void) {
       cmocka_unit_test(test_casts),
       cmocka_unit_test(test_plan_rejects),
   };
+  tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -2,9 +2,12 @@
  * Refit end to end: a sender pushes versions to receivers over shm and tcp; bindings, flat
  * buffers, casts, partial and unchanged-skipping pushes; faults: a corrupted bucket, a receiver
  * killed mid-push (the others commit, the restarted one catches up), a receiver stopped
- * (SIGSTOP) mid-push (dropped alone; torn, not the version it missed, until a push lands), the
- * sender killed mid-push (receivers report torn bytes, not their old version), bindings that do
- * not fit.
+ * (SIGSTOP) mid-push (dropped alone; torn, not the version it missed, until it catches up), the
+ * sender killed mid-push (receivers report torn bytes, not their old version) or stopped
+ * mid-push (a wait times out, no version is claimed; resumed, the push lands whole), bindings
+ * that do not fit; late join (a receiver that attaches after a push, or during one, catches up
+ * to the latest version at once from the sender's retained buffer; alias mode; no_retain says
+ * why not).
  */
 // ferry-test: threaded
 #include "testutil.h"
@@ -19,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #define NT 40
@@ -612,9 +616,9 @@ static int child_wait(tu_pipe *to, tu_pipe *from, uint64_t version, uint64_t *ha
 
 /* One receiver process is stopped (SIGSTOP) with a push under way: the push returns, names it
  * alone and the healthy receivers commit; the next push goes on without it. Continued, it holds
- * bytes of the version it missed: it reports no version (not that one), attaches again, and the
- * next push brings it a whole version. In a chain (head → stopped → tail) the tail, cut off,
- * gets its buckets from the sender. */
+ * bytes of the version it missed: it reports no version (not that one), attaches again, and
+ * catches up to the latest version from the sender; the next push lands as usual. In a chain (head
+ * → stopped → tail) the tail, cut off, gets its buckets from the sender. */
 static void receiver_stalled(ferry_refit_route route) {
   model m;
   model_init(&m, 9);
@@ -671,13 +675,14 @@ static void receiver_stalled(ferry_refit_route route) {
   expect_model(&m, (const void *const *)views);
 
   /* continued: it handles the announcements it slept through (bytes of version 2 land over 1),
-   * learns it was dropped, and attaches again */
+   * learns it was dropped, and attaches again; it reports 0 (not 2, the version it missed, nor
+   * 1), then catches up to the latest version (4) from the sender, with no push */
   kill(pid, SIGCONT);
   await_receivers(s, n);
   uint64_t have = 99;
   assert_int_equal(child_committed(&to_child, &from_child), 0);
-  assert_int_not_equal(child_wait(&to_child, &from_child, 2, &have), 0);
-  assert_int_equal(have, 0); /* not 2, the version it missed, nor 1 */
+  assert_int_equal(child_wait(&to_child, &from_child, 2, &have), 0);
+  assert_int_equal(have, 4);
 
   po.timeout_ms = 10000;
   model_bump(&m, -1);
@@ -716,7 +721,10 @@ static int sender_child(tu_pipe *p) {
   model m;
   model_init(&m, 5);
   ferry_ctx *sc = ctx_for("trainer-child", "shm,tcp");
-  ferry_refit_sender *s = sender_for(sc, &m, 16384);
+  /* two bucket slots: bucket 2 is packed only after bucket 0 was acknowledged (a sender that
+   * retains the whole version packs ahead of its receivers) */
+  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 16384, .no_retain = 1};
+  ferry_refit_sender *s = sender_with(sc, &m, "trainer", &o);
   char addr[512];
   snprintf(addr, sizeof addr, "%s", ferry_ctx_address(sc));
   tu_pipe_put(p, addr, sizeof addr);
@@ -725,9 +733,8 @@ static int sender_child(tu_pipe *p) {
     return 1;
   uint8_t go;
   tu_pipe_get(p, &go, 1, 10000);
-  fr_refit_test_corrupt = stop_at_bucket_two; /* stops mid-push; the parent kills it */
-  ferry_refit_push(s, 2, NULL);
-  return 0;
+  fr_refit_test_corrupt = stop_at_bucket_two; /* stops mid-push; the parent kills or resumes it */
+  return ferry_refit_push(s, 2, NULL) == 0 ? 0 : 2;
 }
 
 static void test_sender_killed(void **st) {
@@ -772,6 +779,74 @@ static void test_sender_killed(void **st) {
   tu_pipe_close(&to_child);
 }
 
+static double ms_since(const struct timespec *t0) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)(t.tv_sec - t0->tv_sec) * 1e3 + (double)(t.tv_nsec - t0->tv_nsec) / 1e6;
+}
+
+#define HANG_MS 10000.0 /* far above a 1 s wait plus its constant: only a hang gets there */
+
+/* The sender stops (SIGSTOP) in the middle of version 2: a receiver's wait for 2 with a 1 s
+ * timeout returns FERRY_ETIMEDOUT (not a hang), and it reports no version while its tensors hold
+ * part of 2 over 1. After SIGCONT the push completes: version 2 is committed and the bound
+ * tensors hold exactly the sender's bytes. */
+static void test_sender_stopped(void **st) {
+  tu_pipe to_parent, to_child;
+  tu_pipe_open(&to_parent);
+  tu_pipe_open(&to_child);
+  char rd[16], wr[16];
+  snprintf(rd, sizeof rd, "%d", to_child.rd);
+  snprintf(wr, sizeof wr, "%d", to_parent.wr);
+  pid_t pid = tu_spawn_exec("--sender", rd, wr, NULL);
+  char addr[512];
+  assert_int_equal(tu_pipe_get(&to_parent, addr, sizeof addr, 10000), 0);
+  ferry_ctx *rc = ctx_for("rollout-stopped", "shm,tcp");
+  ferry_refit_receiver *r;
+  FR_OK(ferry_refit_receiver_open(rc, addr, 5000, &r));
+  bound b;
+  bind_all(r, &b);
+  FR_OK(ferry_refit_wait(r, 1, 10000, NULL));
+  uint8_t go = 1;
+  tu_pipe_put(&to_child, &go, 1);
+  int wst;
+  assert_int_equal(waitpid(pid, &wst, WUNTRACED), pid); /* stopped in the middle of v2 */
+  assert_true(WIFSTOPPED(wst));
+  struct timespec t0;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  uint64_t v = 99;
+  int wait_rc = ferry_refit_wait(r, 2, 1000, &v);
+  double ms = ms_since(&t0);
+  char why[512];
+  snprintf(why, sizeof why, "%s", ferry_last_error());
+  uint64_t during = ferry_refit_committed(r);
+  kill(pid, SIGCONT);
+  printf("# sender stopped: wait for 2 with a 1000 ms timeout returned %s after %.0f ms "
+         "(version %lu): %s\n",
+         ferry_status_name(wait_rc), ms, (unsigned long)v, why);
+  uint64_t after = 99;
+  int back = ferry_refit_wait(r, 2, 20000, &after);
+  int sender_rc = tu_wait(pid);
+  assert_int_equal(wait_rc, FERRY_ETIMEDOUT);
+  assert_true(ms < HANG_MS);
+  assert_int_equal(during, 0); /* part of 2 over 1: neither version is claimed */
+  FR_OK(back);
+  assert_int_equal(after, 2);
+  assert_int_equal(ferry_refit_committed(r), 2);
+  assert_int_equal(sender_rc, 0); /* its push of 2 completed */
+  model m; /* version 2 is the sender's model (seed 5), cast as it sends it */
+  model_init(&m, 5);
+  for (int i = 0; i < NT; i++)
+    m.scale[i] = fr_refit_fp8_scale(FERRY_DTYPE_F32, m.w[i], m.d[i].shape[0] * m.d[i].shape[1]);
+  expect_model(&m, (const void *const *)b.mem);
+  model_free(&m);
+  ferry_refit_receiver_close(r);
+  bound_free(&b);
+  ferry_ctx_close(rc);
+  tu_pipe_close(&to_parent);
+  tu_pipe_close(&to_child);
+}
+
 /* Publishes sender "policy" (FERRY_DIRECTORY from the parent), says so, and dies at once. */
 static int publish_and_die(int wr) {
   ferry_ctx_opts co = {.size = sizeof co, .name = "trainer-old", .transports = "shm,tcp"};
@@ -785,6 +860,217 @@ static int publish_and_die(int wr) {
   tu_pipe_put(&p, &up, 1);
   raise(SIGKILL);
   return 0;
+}
+
+/* ---- late join ---- */
+
+/* The values of version `seed` as the sender sent them (same scales as the model it sealed). */
+static void model_as_sent(model *want, const model *m, uint64_t seed, int bumps) {
+  model_init(want, seed);
+  memcpy(want->scale, m->scale, sizeof want->scale);
+  for (int i = 0; i < bumps; i++)
+    model_bump(want, -1);
+}
+
+/* A receiver that attaches after versions were pushed gets the latest one at once: from the
+ * sender's retained buffer, not from the trainer's tensors (they changed since), and with no
+ * further push. The next push lands as usual. Version 1 goes out with no receiver at all. */
+static void late_join(const char *transports) {
+  model m, want;
+  model_init(&m, 21);
+  ferry_ctx *sc = ctx_for("trainer", transports), *rc = ctx_for("rollout", transports),
+            *lc = ctx_for("late", transports);
+  ferry_refit_sender *s = sender_for(sc, &m, 16384);
+  FR_OK(ferry_refit_push(s, 1, NULL)); /* nobody attached */
+  model_bump(&m, -1);                  /* the trainer moves on */
+
+  ferry_refit_receiver *r;
+  FR_OK(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &r));
+  bound b;
+  bind_all(r, &b);
+  uint64_t have = 0;
+  FR_OK(ferry_refit_wait(r, 1, 10000, &have));
+  assert_int_equal(have, 1);
+  assert_int_equal(ferry_refit_committed(r), 1);
+  model_as_sent(&want, &m, 21, 0);
+  expect_model(&want, (const void *const *)b.mem);
+  model_free(&want);
+
+  FR_OK(ferry_refit_push(s, 2, NULL)); /* the next push lands normally */
+  FR_OK(ferry_refit_wait(r, 2, 5000, NULL));
+  expect_model(&m, (const void *const *)b.mem);
+  model_bump(&m, -1);
+
+  /* a second late joiner, with a flat buffer, while the first holds version 2 */
+  ferry_refit_receiver *l = flat_receiver(lc, ferry_ctx_address(sc));
+  FR_OK(ferry_refit_wait(l, 0, 10000, &have)); /* 0: the latest it knows of */
+  assert_int_equal(have, 2);
+  FR_OK(ferry_refit_wait(l, 1, 1000, &have)); /* any version up to the latest */
+  void *views[NT];
+  for (int i = 0; i < NT; i++)
+    FR_OK(ferry_refit_view(l, m.name[i], &views[i]));
+  model_as_sent(&want, &m, 21, 1);
+  expect_model(&want, (const void *const *)views);
+  model_free(&want);
+  FR_OK(ferry_refit_push(s, 3, NULL));
+  FR_OK(ferry_refit_wait(l, 3, 5000, NULL));
+  FR_OK(ferry_refit_wait(r, 3, 5000, NULL));
+  expect_model(&m, (const void *const *)views);
+  expect_model(&m, (const void *const *)b.mem);
+
+  ferry_refit_receiver_close(l);
+  ferry_refit_receiver_close(r);
+  bound_free(&b);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(lc);
+  ferry_ctx_close(rc);
+  ferry_ctx_close(sc);
+  model_free(&m);
+}
+
+static void test_late_join_shm(void **st) { late_join("shm"); }
+static void test_late_join_tcp(void **st) { late_join("tcp"); }
+
+/* Alias mode: the late joiner's views are the sender's buffer, which holds the latest version;
+ * it reports that version at once. */
+static void test_late_join_alias(void **st) {
+  model m;
+  model_init(&m, 22);
+  ferry_ctx *sc = ctx_for("trainer", "shm"), *rc = ctx_for("rollout", "shm");
+  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 16384, .alias = 1};
+  ferry_refit_sender *s = sender_with(sc, &m, "trainer", &o);
+  FR_OK(ferry_refit_push(s, 1, NULL));
+  ferry_refit_receiver *r;
+  FR_OK(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &r));
+  FR_OK(ferry_refit_bind_alias(r));
+  FR_OK(ferry_refit_wait(r, 1, 10000, NULL));
+  assert_int_equal(ferry_refit_committed(r), 1);
+  void *views[NT];
+  for (int i = 0; i < NT; i++)
+    FR_OK(ferry_refit_view(r, m.name[i], &views[i]));
+  expect_model(&m, (const void *const *)views);
+  model_bump(&m, -1);
+  FR_OK(ferry_refit_push(s, 2, NULL));
+  FR_OK(ferry_refit_wait(r, 2, 5000, NULL));
+  expect_model(&m, (const void *const *)views);
+  ferry_refit_receiver_close(r);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(rc);
+  ferry_ctx_close(sc);
+  model_free(&m);
+}
+
+/* A sender opened with no_retain keeps two buckets: a late joiner's wait says why it has
+ * nothing, and the next push brings it the version. */
+static void test_late_join_no_retain(void **st) {
+  model m;
+  model_init(&m, 23);
+  ferry_ctx *sc = ctx_for("trainer", "shm"), *rc = ctx_for("rollout", "shm");
+  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 16384, .no_retain = 1};
+  ferry_refit_sender *s = sender_with(sc, &m, "trainer", &o);
+  FR_OK(ferry_refit_push(s, 1, NULL));
+  ferry_refit_receiver *r = flat_receiver(rc, ferry_ctx_address(sc));
+  uint64_t have = 9;
+  int rc1 = FERRY_ETIMEDOUT;
+  for (int i = 0; i < 100 && rc1 == FERRY_ETIMEDOUT && !strstr(ferry_last_error(), "no whole"); i++)
+    rc1 = ferry_refit_wait(r, 1, 100, &have);
+  assert_int_equal(rc1, FERRY_ETIMEDOUT);
+  assert_int_equal(have, 0);
+  assert_non_null(strstr(ferry_last_error(), "no whole copy of version 1"));
+  await_receivers(s, 1);
+  FR_OK(ferry_refit_push(s, 2, NULL));
+  FR_OK(ferry_refit_wait(r, 1, 5000, &have));
+  assert_int_equal(have, 2);
+  ferry_refit_receiver_close(r);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(rc);
+  ferry_ctx_close(sc);
+  model_free(&m);
+}
+
+/* A receiver that attaches while a push is under way is not in it; it catches up to that
+ * version once the push ends. The test hook attaches it from inside the push. */
+static ferry_ctx *mid_ctx;
+static const char *mid_address;
+static ferry_refit_receiver *mid_rx;
+static void attach_mid_push(uint32_t bucket, uint8_t *bytes, uint64_t len) {
+  (void)bytes, (void)len;
+  if (bucket == 2 && !mid_rx)
+    mid_rx = flat_receiver(mid_ctx, mid_address);
+}
+
+static void test_late_join_during_push(void **st) {
+  model m;
+  model_init(&m, 24);
+  ferry_ctx *sc = ctx_for("trainer", "shm"), *rc = ctx_for("rollout", "shm");
+  ferry_refit_sender *s = sender_for(sc, &m, 16384);
+  ferry_refit_receiver *r = flat_receiver(rc, ferry_ctx_address(sc));
+  await_receivers(s, 1);
+  FR_OK(ferry_refit_push(s, 1, NULL));
+  model_bump(&m, -1);
+  mid_ctx = ctx_for("late", "shm");
+  mid_address = ferry_ctx_address(sc);
+  mid_rx = NULL;
+  fr_refit_test_corrupt = attach_mid_push;
+  FR_OK(ferry_refit_push(s, 2, NULL));
+  fr_refit_test_corrupt = NULL;
+  assert_non_null(mid_rx);
+  uint64_t have = 0;
+  FR_OK(ferry_refit_wait(mid_rx, 1, 10000, &have)); /* asked for 1; the push ended: gets 2 */
+  FR_OK(ferry_refit_wait(mid_rx, 2, 10000, &have));
+  assert_int_equal(have, 2);
+  void *views[NT];
+  for (int i = 0; i < NT; i++)
+    FR_OK(ferry_refit_view(mid_rx, m.name[i], &views[i]));
+  expect_model(&m, (const void *const *)views);
+  ferry_refit_receiver_close(mid_rx);
+  /* a push right behind a joiner's catch-up request (the catch-up may be cut short, or not have
+   * begun): the joiner commits that push whole, whatever the order */
+  for (uint64_t v = 3; v <= 6; v++) {
+    model_bump(&m, -1);
+    ferry_refit_receiver *l = flat_receiver(mid_ctx, mid_address);
+    await_receivers(s, 2);
+    assert_true(ferry_refit_committed(l) < v); /* asks to catch up to v - 1 */
+    FR_OK(ferry_refit_push(s, v, NULL));
+    FR_OK(ferry_refit_wait(l, v, 10000, &have));
+    for (int i = 0; i < NT; i++)
+      FR_OK(ferry_refit_view(l, m.name[i], &views[i]));
+    expect_model(&m, (const void *const *)views);
+    ferry_refit_receiver_close(l);
+    await_receivers(s, 1);
+  }
+  ferry_refit_receiver_close(r);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(mid_ctx);
+  ferry_ctx_close(rc);
+  ferry_ctx_close(sc);
+  model_free(&m);
+}
+
+/* Receiver processes that attach after version 1 (and after 2) report it without a push. */
+static void test_late_join_process(void **st) {
+  model m;
+  model_init(&m, 25);
+  ferry_ctx *sc = ctx_for("trainer", "shm,tcp");
+  ferry_refit_sender *s = sender_for(sc, &m, 16384);
+  FR_OK(ferry_refit_push(s, 1, NULL));
+  tu_pipe p;
+  tu_pipe_open(&p);
+  pid_t pid = spawn_receiver(ferry_ctx_address(sc), "1", &p);
+  uint8_t ready;
+  uint64_t v = 0;
+  assert_int_equal(tu_pipe_get(&p, &ready, 1, 10000), 0);
+  assert_int_equal(tu_pipe_get(&p, &v, sizeof v, 20000), 0);
+  assert_int_equal(v, 1);
+  await_receivers(s, 1);
+  model_bump(&m, -1);
+  FR_OK(ferry_refit_push(s, 2, NULL)); /* the next push reaches it as usual */
+  kill(pid, SIGKILL);
+  tu_wait(pid);
+  tu_pipe_close(&p);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(sc);
+  model_free(&m);
 }
 
 int main(int argc, char **argv) {
@@ -814,6 +1100,14 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_receiver_stalled),
       cmocka_unit_test(test_receiver_stalled_chain),
       cmocka_unit_test(test_sender_killed),
+      cmocka_unit_test(test_sender_stopped),
+      cmocka_unit_test(test_late_join_shm),
+      cmocka_unit_test(test_late_join_tcp),
+      cmocka_unit_test(test_late_join_alias),
+      cmocka_unit_test(test_late_join_no_retain),
+      cmocka_unit_test(test_late_join_during_push),
+      cmocka_unit_test(test_late_join_process),
   };
+  tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -464,5 +464,6 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_other_user_refused),
       cmocka_unit_test(test_exposed_needs_explicit_token),
   };
+  tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

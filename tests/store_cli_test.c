@@ -542,6 +542,7 @@ int main(void) {
       cmocka_unit_test(test_npy_numpy),       cmocka_unit_test(test_progress),
       cmocka_unit_test(test_no_directory),    cmocka_unit_test(test_redis_directory),
   };
+  tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   int rc = cmocka_run_group_tests(tests, NULL, NULL);
   run("rm -rf %s", tmpdir);
   return rc;

@@ -8,6 +8,7 @@
 #include <poll.h>
 #include <stdio.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -126,4 +127,31 @@ void tu_skip(tu_skip_why why, const char *fmt, ...) {
   if (why == TU_SKIP_FIXABLE && strict && strcmp(strict, "1") == 0)
     fail_msg("would skip under make test, which installs what it needs: %s", msg);
   fprintf(stderr, "SKIP %s\n", msg);
+}
+
+void tu_filter(void) {
+  const char *only = getenv("FERRY_TEST_ONLY"), *skip = getenv("FERRY_TEST_SKIP");
+  if (only && *only)
+    cmocka_set_test_filter(only);
+  if (skip && *skip)
+    cmocka_set_skip_filter(skip);
+}
+
+/* Whether "/" is a mount point as this process sees it (not so in a plain chroot). */
+static bool root_is_mount(void) {
+  FILE *f = fopen("/proc/self/mountinfo", "r");
+  char line[1024];
+  bool found = false;
+  while (f && !found && fgets(line, sizeof line, f)) {
+    char mount_point[512];
+    found =
+        sscanf(line, "%*s %*s %*s %*s %511s", mount_point) == 1 && strcmp(mount_point, "/") == 0;
+  }
+  if (f)
+    fclose(f);
+  return found;
+}
+
+tu_skip_why tu_netns_skip_why(void) {
+  return geteuid() == 0 && root_is_mount() ? TU_SKIP_FIXABLE : TU_SKIP_NOT_HERE;
 }

@@ -46,6 +46,12 @@ void tu_rmdir_files(const char *dir);
 /* Fills buf with a deterministic pattern derived from seed. */
 void tu_fill(void *buf, size_t len, uint64_t seed);
 
+/* Applies the environment's choice of cases to the cmocka run that follows: FERRY_TEST_ONLY runs
+ * only the cases whose names match its glob (`*` and `?`; e.g. test_owner_stopped, used by
+ * tests/faults/run.sh), FERRY_TEST_SKIP leaves out those matching its glob. Every test's main
+ * calls it before cmocka_run_group_tests. */
+void tu_filter(void);
+
 /* Why a part of a test cannot run here. */
 typedef enum tu_skip_why {
   /* Something the project installs is missing (a Debian package in scripts/deps.sh test) or
@@ -55,6 +61,10 @@ typedef enum tu_skip_why {
   /* Nothing to install fixes it: no GPU, a transport this run leaves out, not root. */
   TU_SKIP_NOT_HERE,
 } tu_skip_why;
+/* Why test hosts in network namespaces could not be made: TU_SKIP_FIXABLE for root on a full
+ * system (iproute2 missing, or a real fault), TU_SKIP_NOT_HERE when not root or in a chroot whose
+ * root is not a mount point (`ip -n` remounts / as a slave there and fails). */
+tu_skip_why tu_netns_skip_why(void);
 /* Reports "SKIP <fmt...>" on stderr; for TU_SKIP_FIXABLE under FERRY_TEST_STRICT=1 it fails the
  * running test instead (does not return). The caller returns after it. */
 void tu_skip(tu_skip_why why, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

@@ -343,5 +343,6 @@ int main(void) {
       cmocka_unit_test(test_region_blob),
       cmocka_unit_test(test_killed_mid_read_ucx),
   };
+  tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

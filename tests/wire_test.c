@@ -100,5 +100,6 @@ int main(void) {
       cmocka_unit_test(test_frame_rejects),
       cmocka_unit_test(test_bodies),
   };
+  tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

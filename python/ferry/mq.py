@@ -90,15 +90,22 @@ def _topic(topic):
 
 
 class _Held:
-    """Keeps one received message alive while views of its payload exist."""
+    """Keeps one received message alive while views of its payload exist, and its MQ open:
+    the C library frees a message into its mq, so MQ.close() waits for the last one."""
 
-    def __init__(self, msg, nbytes):
+    def __init__(self, msg, nbytes, owner):
         self.buf = (ctypes.c_uint8 * max(nbytes, 1)).from_address(msg.contents.data or 0) \
             if msg.contents.data else (ctypes.c_uint8 * 1)()
-        weakref.finalize(self.buf, _msg_free, msg)
+        owner._hold()
+        weakref.finalize(self.buf, _release, msg, owner)
 
 
-def _payload(msg, like, copy):
+def _release(msg, owner):
+    _msg_free(msg)
+    owner._unhold()
+
+
+def _payload(msg, like, copy, owner):
     """(topic, publisher, payload) of a received message; takes ownership of msg."""
     m = msg.contents
     topic = m.topic.decode(errors="replace")
@@ -114,7 +121,7 @@ def _payload(msg, like, copy):
             return topic, publisher, raw
         arr = np.frombuffer(bytearray(raw), dtype=DTYPES[code][1]).reshape(shape)
         return topic, publisher, from_bits(arr, code, like)
-    held = _Held(msg, n)
+    held = _Held(msg, n, owner)
     arr = np.frombuffer(held.buf, dtype=np.uint8, count=n)  # keeps held.buf (and msg) alive
     if not m.is_tensor:
         arr.flags.writeable = False
@@ -158,6 +165,8 @@ class MQ(NodeHandle):
                     self._ctx.close()
         self._h = h.value
         self._lock = threading.Lock()
+        self._held = 0  # received messages still viewed (_Held)
+        self._closing = None  # the handle close() left for the last of them
         self._timeout = timeout
         self._callback = None
         self._general: Optional[Tuple[Handler, Like, bool]] = None  # set_callback's fn
@@ -168,12 +177,32 @@ class MQ(NodeHandle):
 
     # -- life --------------------------------------------------------------------------------
     def close(self) -> None:
-        """Leaves the fleet (publishers drop this node, subscribers forget it). Messages still
-        held as views must be gone first: close waits for nothing, so drop them before."""
+        """Leaves the fleet (publishers drop this node, subscribers forget it). The handle is
+        unusable from here on; while views of received messages are still alive (a payload
+        kept, a traceback holding one), the C close waits for the last of them to go, so they
+        stay readable and nothing is freed under them."""
         with self._lock:
             h, self._h = getattr(self, "_h", None), None
-        if not h:
-            return
+            if h and self._held:
+                self._closing = h
+                h = None
+        if h:
+            self._close_now(h)
+
+    def _hold(self) -> None:
+        with self._lock:
+            self._held += 1
+
+    def _unhold(self) -> None:
+        with self._lock:
+            self._held -= 1
+            h = self._closing if self._held == 0 else None
+            if h:
+                self._closing = None
+        if h:
+            self._close_now(h)
+
+    def _close_now(self, h: Any) -> None:
         lib.ferry_mq_close(h)
         self._callback = None
         self._topic_fns = {}
@@ -329,15 +358,15 @@ class MQ(NodeHandle):
                     self._pending.get_nowait()
             except queue.Empty:
                 raise Timeout(-4, "recv: no message in %g s" % t) from None
-            return _payload(msg, like, copy)
+            return _payload(msg, like, copy, self)
         try:
             msg = self._pending.get_nowait()  # left from a dispatcher since removed
-            return _payload(msg, like, copy)
+            return _payload(msg, like, copy, self)
         except queue.Empty:
             pass
         out = POINTER(Msg)()
         check(lib.ferry_mq_recv(self.handle, byref(out), self._t(timeout)))
-        return _payload(out, like, copy)
+        return _payload(out, like, copy, self)
 
     def set_callback(self, fn: Optional[Handler], like: Like = "numpy",
                      copy: bool = False) -> None:
@@ -382,14 +411,14 @@ class MQ(NodeHandle):
                     if unsub:
                         threading.Thread(target=self._after_once, args=(topic,),
                                          daemon=True).start()
-                    payload = _payload(m, fns[0][2], fns[0][3])  # one payload for all its fns
+                    payload = _payload(m, fns[0][2], fns[0][3], self)  # one payload for all its fns
                     for fn, _, _, _ in fns:
                         try:
                             fn(*payload)
                         except Exception:
                             log.exception("ferry.MQ callback for %r failed", topic)
                 elif general is not None:
-                    general[0](*_payload(m, general[1], general[2]))
+                    general[0](*_payload(m, general[1], general[2], self))
                 else:
                     self._pending.put(m)
             except Exception:

@@ -183,3 +183,21 @@ def test_loan_zero_copy(pair):
     assert isinstance(z, memoryview) and len(z) == 100000 and bytes(z[:4]) == b"\x03" * 4
     with pytest.raises(ferry.InvalidArgument):
         pub.loan(0)
+
+
+def test_close_while_a_payload_is_alive():
+    """close() with a received payload still referenced (kept by the caller, or by a traceback)
+    used to free the mq under it: freeing the payload later read a freed mutex and hung. The
+    C close now waits for the last payload; the payload stays readable meanwhile."""
+    import gc
+    sub = ferry.MQ(host_directory=True, name="py-close-sub", timeout=10)
+    pub = ferry.MQ(sub.directory, name="py-close-pub", timeout=10)
+    sub.subscribe("t")
+    pub.wait_subscribers("t", 1)
+    pub.publish("t", np.arange(1000, dtype=np.int64))
+    _, _, kept = sub.recv(timeout=10)
+    sub.close()
+    assert kept.sum() == sum(range(1000))  # still the message's memory, still mapped
+    del kept
+    gc.collect()  # the last payload goes: the deferred close runs here, once
+    pub.close()

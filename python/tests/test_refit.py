@@ -398,7 +398,8 @@ def test_stopped_receiver_fails_alone_and_reports_torn_bytes():
             os.kill(kids[0].pid, signal.SIGCONT)
             tx.wait_receivers(2, timeout=10)  # it attached again
             assert ask(kids[0], "c") == ["0"]  # bytes of 2 landed over 1: no version
-            assert ask(kids[0], "w 2") == ["Timeout", "0", "True"]
+            # then it catches up to the latest version (3) from the sender, with no push
+            assert ask(kids[0], "w 2") == ["ok", "3"]
             tx.push(4, timeout=10)
             assert [ask(k, "w 4") for k in kids] == [["ok", "4"], ["ok", "4"]]
         finally:
@@ -407,3 +408,55 @@ def test_stopped_receiver_fails_alone_and_reports_torn_bytes():
                     os.kill(k.pid, signal.SIGCONT)
                     k.kill()
                 k.wait()
+
+
+def test_late_joiner_gets_the_latest_version_at_once():
+    """A receiver that attaches after a push holds that version without another push: it
+    catches up from the sender's retained buffer (not from the trainer's tensors, which moved
+    on), and the next push lands as usual."""
+    sd = {"w": torch.randn(64, 32), "b": torch.randn(100).to(torch.bfloat16)}
+    name = unique("late")
+    with ferry.RefitSender(name, sd, buffer_bytes=4096) as tx:
+        tx.push(1)  # nobody attached yet
+        sent = {k: v.clone() for k, v in sd.items()}
+        for t in sd.values():
+            t.add_(1)  # the trainer moves on
+        with ferry.RefitReceiver(name, timeout=5) as rx:
+            views = rx.tensors()
+            assert rx.wait(1, timeout=10) == 1 and rx.committed == 1
+            assert rx.wait(timeout=1) == 1  # the latest it knows of
+            for k in sd:
+                assert same(views[k], sent[k]), k
+            assert tx.push(2) == 2 and rx.wait(2, timeout=10) == 2
+            for k in sd:
+                assert same(views[k], sd[k]), k
+
+
+def test_late_joiner_in_another_process():
+    """A receiver process that attaches after versions 1 and 2 reports 2 for wait(1), with no
+    further push."""
+    sd = {"emb": torch.randn(300, 16), "ids": torch.arange(50, dtype=torch.int64)}
+    name = unique("lateproc")
+    env = dict(os.environ, PYTHONPATH=PYDIR)
+    with ferry.RefitSender(name, sd, buffer_bytes=2048) as tx:
+        for v in (1, 2):
+            for t in sd.values():
+                t.add_(1)
+            tx.push(v)
+        kid = subprocess.Popen([sys.executable, "-c", RECEIVER, name], env=env,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert kid.stdout.readline().strip() == "attached"
+            kid.stdin.write("1\n")
+            kid.stdin.flush()
+            assert kid.stdout.readline().split() == ["1", str(digest(sd))]
+            tx.wait_receivers(1, timeout=10)
+            for t in sd.values():
+                t.add_(1)
+            tx.push(3, timeout=10)
+            kid.stdin.write("3\n")
+            kid.stdin.flush()
+            assert kid.stdout.readline().split() == ["3", str(digest(sd))]
+        finally:
+            kid.kill()
+            kid.wait()

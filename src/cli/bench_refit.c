@@ -3,6 +3,8 @@
  * trainer) to K receiver processes (K = 1, 2, 4) on this host over shm, and compares in the same
  * run with a single-thread memcpy of the model's bytes and with torch.distributed gloo
  * broadcasts of the same tensors (per tensor, and in flat buckets), run by Debian's python3.
+ * A late joiner (a receiver process that attaches mid-run, after a push) catches up to the
+ * latest version; its catch-up time is set against a direct push to one receiver.
  * A second model of 5,000 small tensors shows what a push costs beyond moving bytes. Then, as
  * "hosts": the trainer and each receiver in a network namespace of its own, joined by a bridge,
  * every host's egress rate-limited with tc tbf; chain against direct for K = 1, 2, 4.
@@ -90,6 +92,41 @@ static int bench_refit_receiver(const char *address, int fd, const char *mode) {
   for (uint64_t v = 1; ferry_refit_wait(r, v, 120000, NULL) == 0; v++)
     ;
   return CLI_OK;
+}
+
+/* A late joiner: attaches to a sender that has pushed already, binds a flat buffer and touches
+ * its pages (an engine's weight memory exists before it loads), then times wait(0), which
+ * catches up to the latest version, and writes the seconds (a double) on fd before it
+ * detaches. */
+static int bench_refit_late(const char *address, int fd) {
+  ferry_ctx_opts o = {.size = sizeof o, .name = "bench-late"};
+  ferry_ctx *ctx;
+  ferry_refit_receiver *r;
+  if (ferry_ctx_open(&o, &ctx) != 0 || ferry_refit_receiver_open(ctx, address, -1, &r) != 0 ||
+      ferry_refit_bind_flat(r) != 0) {
+    fprintf(stderr, "bench late receiver: %s\n", ferry_last_error());
+    return CLI_FAIL;
+  }
+  size_t n = ferry_refit_tensor_count(r);
+  const char *name;
+  ferry_tensor_desc d;
+  void *first, *last;
+  uint64_t bytes;
+  if (n == 0 || ferry_refit_tensor_info(r, 0, &name, &d) != 0 ||
+      ferry_refit_view(r, name, &first) != 0 || ferry_refit_tensor_info(r, n - 1, &name, &d) != 0 ||
+      ferry_refit_view(r, name, &last) != 0 || ferry_tensor_nbytes(&d, &bytes) != 0)
+    return CLI_FAIL;
+  memset(first, 0, (size_t)((uint8_t *)last - (uint8_t *)first) + bytes);
+  double t = bench_now();
+  if (ferry_refit_wait(r, 0, 120000, NULL) != 0) {
+    fprintf(stderr, "bench late receiver: %s\n", ferry_last_error());
+    return CLI_FAIL;
+  }
+  t = bench_now() - t;
+  int rc = bench_write_all(fd, &t, sizeof t) == 0 ? CLI_OK : CLI_FAIL;
+  ferry_refit_receiver_close(r);
+  ferry_ctx_close(ctx);
+  return rc;
 }
 
 /* How one measured series pushes. */
@@ -185,6 +222,75 @@ static int time_pushes(const model *m, int k, int reps, bench_samples *b, const 
   if (rc != 0)
     cli_fail("bench refit", rc, "push");
   stop_receivers(pids, rc == 0 || rc == FERRY_ECONNECT ? k : 0);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(ctx);
+  return rc;
+}
+
+/* Starts a late joiner and returns the seconds its catch-up took (< 0 on failure). */
+static double time_one_join(ferry_refit_sender *s, const char *address) {
+  int p[2];
+  if (pipe(p) != 0)
+    return -1;
+  char fd[16];
+  snprintf(fd, sizeof fd, "%d", p[1]);
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(p[0]);
+    execl(self_path, "ferry", "bench", "refit", "--late", address, fd, (char *)NULL);
+    _exit(127);
+  }
+  close(p[1]);
+  double t = -1;
+  if (pid < 0 || bench_read_all(p[0], &t, sizeof t) != 0)
+    t = -1;
+  close(p[0]);
+  int status = 0;
+  if (pid > 0)
+    waitpid(pid, &status, 0);
+  for (int i = 0; i < 10000 && ferry_refit_receivers(s) > 1; i++)
+    usleep(1000); /* its goodbye reached the sender: the next push is to one receiver again */
+  return t;
+}
+
+/* Late join, mid-run: the trainer pushes to one receiver; after each push a new receiver
+ * process attaches and catches up to the latest version. Rows: a direct push to one receiver,
+ * and the catch-up (target: at most 1.2 times the push). */
+static int time_late_join(const model *m, int reps, bench_samples *push, bench_samples *join) {
+  ferry_ctx_opts co = {.size = sizeof co, .name = "bench-trainer"};
+  ferry_refit_opts so = {.size = sizeof so};
+  ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = -1};
+  ferry_ctx *ctx;
+  ferry_refit_sender *s = NULL;
+  int rc = ferry_ctx_open(&co, &ctx);
+  if (rc == 0)
+    rc = ferry_refit_sender_open(ctx, "bench", &so, &s);
+  for (size_t i = 0; rc == 0 && i < m->n; i++)
+    rc = ferry_refit_declare(s, m->name[i], &m->desc[i], m->data[i], FERRY_DTYPE_INVALID);
+  if (rc == 0)
+    rc = ferry_refit_seal(s);
+  pid_t pids[1];
+  push_cfg one = {.route = FERRY_REFIT_ROUTE_AUTO};
+  if (rc == 0 && spawn_receivers(ferry_ctx_address(ctx), 1, pids, &one) != 0)
+    rc = FERRY_ECONNECT;
+  while (rc == 0 && ferry_refit_receivers(s) < 1)
+    usleep(1000);
+  for (int v = 1; rc == 0 && v <= reps + 1; v++) {
+    double t = bench_now();
+    rc = ferry_refit_push(s, (uint64_t)v, &po);
+    if (v == 1)
+      continue; /* the first push maps the buckets and faults the receiver's pages */
+    bench_add(push, bench_now() - t);
+    double j = rc == 0 ? time_one_join(s, ferry_ctx_address(ctx)) : -1;
+    if (j < 0 && rc == 0)
+      rc = FERRY_EPEER;
+    else if (rc == 0)
+      bench_add(join, j);
+  }
+  if (rc != 0)
+    cli_fail("bench refit", rc, "late join");
+  stop_receivers(pids, rc == 0 || rc == FERRY_ECONNECT || rc == FERRY_EPEER ? 1 : 0);
   ferry_refit_sender_close(s);
   ferry_ctx_close(ctx);
   return rc;
@@ -341,6 +447,14 @@ static int run_case(const bench_opts *o, const char *label, const model *m, int 
     bench_reset(&per);
     bench_reset(&bkt);
   }
+  if (rc == 0 && !m->small) {
+    snprintf(name, sizeof name, "%s-late", label);
+    rc = time_late_join(m, reps, &b, &per);
+    bench_row(o, "refit", name, "ferry/push", m->bytes, &b, true);
+    bench_row(o, "refit", name, "ferry/catch-up", m->bytes, &per, false);
+    bench_reset(&b);
+    bench_reset(&per);
+  }
   bench_free(&b);
   bench_free(&per);
   bench_free(&bkt);
@@ -472,7 +586,10 @@ static const char refit_usage[] =
     "and 4 receiver processes on this host over shm, against a memcpy of the model's bytes\n"
     "and torch.distributed gloo broadcasts (per tensor and in 16 MiB buckets) when python3-torch\n"
     "is installed; K = 1 also in alias mode (the receiver uses the sender's buffer in place);\n"
-    "then a model of 5,000 small tensors for the per-push overhead.\n"
+    "Late join (NAME-late): after each push to one receiver a new receiver process attaches\n"
+    "and catches up to the latest version; its catch-up time against the push (target: the\n"
+    "catch-up takes at most 1.2 times the push, vs base >= 0.83).\n"
+    "Then a model of 5,000 small tensors for the per-push overhead.\n"
     "Then \"hosts\": the trainer and 4 receivers each in a network namespace (root needed),\n"
     "joined by a bridge, every host's egress limited to " HOSTS_RATE " by tc tbf; a 128 MiB model\n"
     "in 2 MiB buckets pushed to K = 1, 2, 4 over tcp, chain against direct; vs base is the\n"
@@ -483,6 +600,8 @@ static const char refit_usage[] =
 int bench_refit(int argc, char **argv) {
   if (argc == 5 && strcmp(argv[1], "--receiver") == 0)
     return bench_refit_receiver(argv[2], atoi(argv[3]), argv[4]);
+  if (argc == 4 && strcmp(argv[1], "--late") == 0)
+    return bench_refit_late(argv[2], atoi(argv[3]));
   bool hosts_only = false, no_hosts = false;
   const cli_opt extra[] = {{"hosts-only", CLI_ARG_FLAG, &hosts_only, 0, 0},
                            {"no-hosts", CLI_ARG_FLAG, &no_hosts, 0, 0},

@@ -199,6 +199,10 @@ int cli_put(int argc, char **argv) {
   const cli_cmd cmd = {"put", put_usage, "KEY FILE", 2, 2, opts};
   if (parse(&cmd, argc, argv, &a) != 0)
     return CLI_USAGE;
+  if (access(a.pos[1], R_OK) != 0) { /* say so before reaching for the fleet */
+    fprintf(stderr, "ferry put: cannot open '%s': %s\n", a.pos[1], strerror(errno));
+    return CLI_NOTFOUND;
+  }
   cli_node n;
   int rc = cli_node_open(&n, a.directory, "put");
   if (rc != 0)

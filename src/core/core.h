@@ -80,6 +80,10 @@ static inline uint64_t fr_deadline_ns(int timeout_ms) {
 }
 /* Milliseconds left until a deadline (0 when past), for poll(). */
 int fr_ms_left(uint64_t deadline_ns);
+/* Locks m, waiting no later than a CLOCK_MONOTONIC deadline; 0 or ETIMEDOUT. Through
+ * pthread_mutex_timedlock (real time, converted here): TSan does not know
+ * pthread_mutex_clocklock and takes a mutex locked by it for unlocked. */
+int fr_mutex_lock_until(pthread_mutex_t *m, uint64_t deadline_ns);
 
 /* ---- hashing for authentication (sha256.c) ---- */
 void fr_sha256(const void *data, size_t len, uint8_t out[32]);

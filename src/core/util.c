@@ -50,3 +50,12 @@ uint64_t fr_random_u64(void) {
     abort(); /* getrandom cannot fail for 8 bytes on a sane kernel */
   return v;
 }
+
+int fr_mutex_lock_until(pthread_mutex_t *m, uint64_t deadline_ns) {
+  uint64_t now = fr_now_ns(), left = deadline_ns > now ? deadline_ns - now : 0;
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  uint64_t at = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec + left;
+  ts = fr_timespec(at);
+  return pthread_mutex_timedlock(m, &ts);
+}

@@ -212,8 +212,7 @@ static void watch_map(emb *e, ferry_link *l, int timeout_ms) {
  * a server that does not answer: the lock is waited for no longer than this call's timeout. */
 static int current_link(emb *e, ferry_link *dead, int timeout_ms, ferry_link **out) {
   uint64_t deadline = fr_deadline_ns(timeout_ms);
-  struct timespec ts = fr_timespec(deadline);
-  if (pthread_mutex_clocklock(&e->lock, CLOCK_MONOTONIC, &ts) != 0)
+  if (fr_mutex_lock_until(&e->lock, deadline) != 0)
     return fr_err(FERRY_ETIMEDOUT,
                   "directory at ferry://%s: another call kept dialling it for %d ms", e->where,
                   timeout_ms);

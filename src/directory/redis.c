@@ -237,9 +237,7 @@ static int command(rds *r, int argc, const char **argv, const size_t *lens, redi
 /* Takes the connection's mutex, waiting no later than the deadline (another caller may be
  * waiting out its own timeout on a server that does not answer). */
 static int lock_until(rds *r, uint64_t deadline, int timeout_ms) {
-  struct timespec ts = fr_timespec(deadline);
-  int e = pthread_mutex_clocklock(&r->lock, CLOCK_MONOTONIC, &ts);
-  if (e == 0)
+  if (fr_mutex_lock_until(&r->lock, deadline) == 0)
     return 0;
   return fr_err(FERRY_ETIMEDOUT,
                 "Redis at %s: the connection stayed busy with another call for %d ms", r->shown,

@@ -44,7 +44,7 @@ int fr_refit_msg_decode(const uint8_t *in, size_t len, fr_refit_msg_t *out) {
       .src = {fr_get_u64(in + 56), fr_get_u64(in + 64), fr_get_u64(in + 72)},
       .src_offset = fr_get_u64(in + 80),
   };
-  if (m.type < FR_REFIT_BUCKET || m.type > FR_REFIT_DROPPED)
+  if (m.type < FR_REFIT_BUCKET || m.type > FR_REFIT_CATCHUP)
     return fr_err(FERRY_EPROTO, "refit message type %u", m.type);
   if (m.buffer > 1 || (m.flags & ~FR_REFIT_FLAGS) || m.status > 0)
     return fr_err(FERRY_EPROTO, "refit message: bad field");

@@ -18,6 +18,12 @@
  *   sender → receiver  DROPPED              version: the receiver acknowledged nothing within that
  *                                           push's timeout and is left out of pushes until it
  *                                           attaches again (an ATTACH call on the same link)
+ *   receiver → sender  CATCHUP              a receiver that lacks the latest version (it attached
+ *                                           late) and has bound its destinations asks for it; the
+ *                                           sender answers with BUCKETs of version `latest` read
+ *                                           from its retained buffer, then COMMIT, outside any push
+ *   sender → receiver  CATCHUP              status: the catch-up cannot be done (no retained copy);
+ *                                           the version comes with the next push
  *
  * BUCKET also carries timeout_ms, the push's timeout: a receiver bounds its read with it, so a
  * stalled chain predecessor costs its successor no more than the sender waits anyway.
@@ -39,6 +45,7 @@ enum fr_refit_msg {
   FR_REFIT_DETACH = 6,
   FR_REFIT_ROUTE = 7,
   FR_REFIT_DROPPED = 8,
+  FR_REFIT_CATCHUP = 9,
 };
 
 #define FR_REFIT_UNCHANGED 1u /* BUCKET: the receiver already has these bytes */

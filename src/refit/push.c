@@ -27,14 +27,16 @@ typedef struct fr_push {
   uint32_t from;       /* first seq of the current pass */
   bool skip;
   bool share_pack; /* no receiver copies on this host: pack on two threads */
+  uint64_t had;    /* the version the whole buffer held complete when the push began, or 0 */
   receiver *head;  /* of the chain, or NULL */
 } fr_push;
 
-/* Where seq j (bucket b) lies in the sender's memory: one of two slots, or, in alias mode, its
- * own place in the whole wire buffer. */
+/* Where seq j (bucket b) lies in the sender's memory: one of two slots, or (alias mode, or a
+ * sender that retains the latest version for late joiners) its own place in the whole wire
+ * buffer. */
 static uint64_t slot_offset(const ferry_refit_sender *s, uint32_t j, uint32_t b, int *slot) {
-  *slot = s->alias ? 0 : (int)(j % 2);
-  return s->alias ? (uint64_t)b * s->plan.bucket_bytes : 0;
+  *slot = s->whole ? 0 : (int)(j % 2);
+  return s->whole ? (uint64_t)b * s->plan.bucket_bytes : 0;
 }
 
 static void pack_seq(ferry_refit_sender *s, fr_push *p, uint32_t j) {
@@ -51,6 +53,13 @@ static void pack_seq(ferry_refit_sender *s, fr_push *p, uint32_t j) {
   p->unchanged[j] = p->skip && s->last_sum[b] == sum;
   s->last_sum[b] = sum;
   p->first_pass = j + 1;
+}
+
+/* Packs the buckets no receiver took (none attached, or all failed early), so the whole buffer
+ * holds every bucket of the version for late joiners. */
+static void pack_rest(ferry_refit_sender *s, fr_push *p) {
+  for (uint32_t j = p->first_pass; j < p->n; j++)
+    pack_seq(s, p, j);
 }
 
 static bool bucket_selected(ferry_refit_sender *s, const ferry_refit_push_opts *o, uint32_t b) {
@@ -166,7 +175,7 @@ static bool pass_done(const ferry_refit_sender *s, const fr_push *p) {
 /* The sender may pack seq q into its slot: every receiver reading from the sender has read the
  * bucket the slot holds. */
 static bool slot_free(const ferry_refit_sender *s, const fr_push *p, uint32_t q) {
-  if (s->alias || q < p->from + 2)
+  if (s->whole || q < p->from + 2)
     return true;
   for (const receiver *r = s->receivers; r; r = r->next)
     if (active(r) && !r->up && r->acked + 1 < q)
@@ -273,7 +282,20 @@ static size_t begin_push(ferry_refit_sender *s, fr_push *p, ferry_refit_route ro
   s->pushing = p->version;
   s->packed = 0;
   s->repairing = false;
+  p->had = s->retained;
+  s->retained = 0; /* rewritten in place from now on: late joiners wait for the push's end */
+  for (receiver **pp = &s->receivers; *pp;) {
+    receiver *gone = *pp;
+    if (ferry_link_status(gone->link) == 0) {
+      pp = &gone->next;
+      continue;
+    }
+    *pp = gone->next; /* it left between pushes (its goodbye may not have come): not in this one */
+    fr_info("refit '%s': receiver '%s' is gone", s->name, gone->peer);
+    fr_refit_receiver_free(gone);
+  }
   for (receiver *r = s->receivers; r; r = r->next) {
+    fr_refit_catchup_cancel(r); /* a push takes it, with every bucket of the newer version */
     r->in_push = !r->dropped;
     if (!r->in_push)
       continue; /* it stalled in an earlier push and has not attached again */
@@ -338,12 +360,13 @@ static void drop(ferry_refit_sender *s, receiver *r, uint64_t version) {
 
 /* Records the push's outcome; names the receivers of this push that did not commit, frees dead
  * ones and drops those that timed out (later pushes leave them out until they attach again). */
-static int finish_push(ferry_refit_sender *s, uint64_t version) {
+static int finish_push(ferry_refit_sender *s, uint64_t version, bool packed_all) {
   char failed[512] = "";
   size_t used = 0;
   int first = 0;
   pthread_mutex_lock(&s->lock);
   s->latest = version;
+  s->retained = s->whole && packed_all ? version : 0;
   s->pushing = 0;
   s->current = NULL;
   for (receiver **pp = &s->receivers; *pp;) {
@@ -372,6 +395,7 @@ static int finish_push(ferry_refit_sender *s, uint64_t version) {
       drop(s, r, version);
     pp = &r->next;
   }
+  fr_refit_catchup_serve(s); /* receivers that attached or asked during the push */
   pthread_mutex_unlock(&s->lock);
   if (!first)
     return 0;
@@ -430,8 +454,10 @@ static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_ref
                   (unsigned long long)version, (unsigned long long)s->latest);
   fr_push p = {.version = version, .timeout_ms = fr_timeout(FR_OPT(o, timeout_ms, -1))};
   bool all_current;
-  if (begin_push(s, &p, FR_OPT(o, route, FERRY_REFIT_ROUTE_AUTO), &all_current) == 0)
-    return finish_push(s, version);
+  if (begin_push(s, &p, FR_OPT(o, route, FERRY_REFIT_ROUTE_AUTO), &all_current) == 0 && !s->whole)
+    return finish_push(s, version, false);
+  if (s->whole && (p.had != s->latest || s->latest == 0))
+    all_current = false; /* the buffer lacks buckets a partial push would not pack: pack all */
   int rc = plan_push(s, &p, o, all_current);
   if (rc == 0) {
     pthread_mutex_lock(&s->lock);
@@ -441,6 +467,8 @@ static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_ref
     if (start_repair(s, &p))
       pump(s, &p);
     commit_all(s, &p);
+    if (s->whole)
+      pack_rest(s, &p);
     *bytes = push_bytes(s, &p);
   }
   free(p.order);
@@ -455,5 +483,5 @@ static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_ref
     pthread_mutex_unlock(&s->lock);
     return rc;
   }
-  return finish_push(s, version);
+  return finish_push(s, version, s->whole);
 }

@@ -41,7 +41,9 @@ struct ferry_refit_receiver {
   uint64_t receiving; /* version whose buckets are arriving */
   uint32_t verified;
   int failure;
-  char why[256]; /* what the last failed version went wrong on, for wait()'s error */
+  bool bound_any; /* something is bound (a tensor, flat, alias): a catch-up has somewhere to land */
+  uint64_t asked; /* the latest version this receiver asked to catch up to (late join) */
+  char why[256];  /* what the last failed version went wrong on, for wait()'s error */
   bool stop;
   pthread_t service;
 };
@@ -367,6 +369,17 @@ static void on_dropped(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
     fr_warn("refit: cannot attach again: %s", ferry_last_error());
 }
 
+/* The sender cannot catch this receiver up (it keeps no whole copy of the version). */
+static void on_catchup_refused(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
+  pthread_mutex_lock(&r->lock);
+  snprintf(r->why, sizeof r->why,
+           "the sender keeps no whole copy of version %llu to catch up from (opened with "
+           "no_retain); it comes with the next push",
+           (unsigned long long)m->version);
+  pthread_cond_broadcast(&r->cond);
+  pthread_mutex_unlock(&r->lock);
+}
+
 static void *service_main(void *arg) {
   ferry_refit_receiver *r = arg;
   while (!__atomic_load_n(&r->stop, __ATOMIC_ACQUIRE)) {
@@ -387,6 +400,8 @@ static void *service_main(void *arg) {
       on_route(r, &m);
     else if (m.type == FR_REFIT_DROPPED)
       on_dropped(r, &m);
+    else if (m.type == FR_REFIT_CATCHUP)
+      on_catchup_refused(r, &m);
     ferry_msg_free(msg);
   }
   return NULL;
@@ -412,8 +427,10 @@ static int fetch_manifest(ferry_refit_receiver *r, int timeout_ms, fr_refit_plan
     rc = fr_refit_manifest_decode(a.manifest, a.manifest_len, plan);
   if (rc == 0) {
     r->alias_ref = a.alias;
+    pthread_mutex_lock(&r->lock); /* committed() and wait() read it on the caller's thread */
     if (a.latest > r->latest_known)
       r->latest_known = a.latest;
+    pthread_mutex_unlock(&r->lock);
   }
   ferry_msg_free(reply);
   return rc;
@@ -564,6 +581,7 @@ int ferry_refit_bind(ferry_refit_receiver *r, const char *name, void *dst,
   if (rc == 0) {
     r->bound[i] = dst;
     r->bound_desc[i] = *desc;
+    __atomic_store_n(&r->bound_any, true, __ATOMIC_RELEASE);
   }
   pthread_mutex_unlock(&r->bind_lock);
   return rc;
@@ -579,8 +597,10 @@ int ferry_refit_bind_flat(ferry_refit_receiver *r) {
   int rc = r->alias ? fr_err(FERRY_ESTATE, "refit: already bound in alias mode") : 0;
   if (rc == 0 && !flat)
     rc = ferry_alloc(r->ctx, r->plan.total_bytes, &flat);
-  if (rc == 0)
+  if (rc == 0) {
     r->flat = flat;
+    __atomic_store_n(&r->bound_any, true, __ATOMIC_RELEASE);
+  }
   pthread_mutex_unlock(&r->bind_lock);
   return rc;
 }
@@ -608,6 +628,8 @@ int ferry_refit_bind_alias(ferry_refit_receiver *r) {
                 ferry_link_transport(r->link));
   if (rc == 0)
     rc = alias_map(r);
+  if (rc == 0)
+    __atomic_store_n(&r->bound_any, true, __ATOMIC_RELEASE);
   pthread_mutex_unlock(&r->bind_lock);
   return rc;
 }
@@ -634,10 +656,27 @@ void ferry_refit_on_bucket(ferry_refit_receiver *r, ferry_refit_bucket_fn fn, vo
 
 /* ---- versions ---- */
 
+/* Late join: a receiver whose bytes are not the latest version it knows of (it attached after
+ * that version was pushed, or a push failed for it) asks the sender once per version to send it
+ * that version now, rather than wait for the next push. Only once something is bound: the
+ * version must land where the engine looks. r->lock held. */
+static void maybe_catch_up(ferry_refit_receiver *r) {
+  uint64_t have = r->torn_by ? 0 : r->committed;
+  if (r->latest_known <= have || r->asked >= r->latest_known ||
+      !__atomic_load_n(&r->bound_any, __ATOMIC_ACQUIRE))
+    return;
+  r->asked = r->latest_known;
+  fr_refit_msg_t m = {.type = FR_REFIT_CATCHUP, .version = r->latest_known};
+  if (fr_refit_send(r->link, &m, 1000) != 0)
+    fr_warn("refit: cannot ask '%s' for version %llu: %s", ferry_link_peer(r->link),
+            (unsigned long long)r->latest_known, ferry_last_error());
+}
+
 uint64_t ferry_refit_committed(ferry_refit_receiver *r) {
   if (!r)
     return 0;
   pthread_mutex_lock(&r->lock);
+  maybe_catch_up(r);
   uint64_t v = r->torn_by ? 0 : r->committed;
   pthread_mutex_unlock(&r->lock);
   return v;
@@ -652,6 +691,7 @@ int ferry_refit_wait(ferry_refit_receiver *r, uint64_t version, int timeout_ms,
   uint64_t target = version ? version : (r->latest_known ? r->latest_known : 1);
   int gone = 0;
   for (;;) {
+    maybe_catch_up(r);
     if (!r->torn_by && r->committed >= target)
       break;
     if ((gone = ferry_link_status(r->link)) != 0)

@@ -110,12 +110,16 @@ static void record(ferry_refit_sender *s, ferry_msg *m, const fr_refit_msg_t *x)
   receiver *r = find_receiver(s, m->link);
   if (x->type == FR_REFIT_DETACH) {
     remove_receiver(s, m->link);
+  } else if (r && x->type == FR_REFIT_CATCHUP) {
+    fr_refit_catchup_request(s, r);
   } else if (r && r->in_push && x->version == s->pushing && x->type == FR_REFIT_ACK) {
     record_ack(s, r, x);
   } else if (r && r->in_push && x->version == s->pushing && x->type == FR_REFIT_COMMITTED) {
     if (x->status != 0 && r->status == 0)
       r->status = x->status;
     r->commit_seen = true;
+  } else if (r) {
+    fr_refit_catchup_record(s, r, x);
   }
   pthread_cond_broadcast(&s->cond);
   pthread_mutex_unlock(&s->lock);
@@ -176,6 +180,7 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
   s->ctx = ctx;
   s->budget = bucket_budget(opts);
   s->alias = FR_OPT(opts, alias, 0);
+  s->retain = !FR_OPT(opts, no_retain, 0);
   if (FR_OPT(opts, publish, 0) &&
       (rc = fr_refit_publish(ctx, name, FR_OPT(opts, directory, NULL), &s->published))) {
     fr_refit_unclaim(ctx, FR_REFIT_SENDER);
@@ -246,25 +251,46 @@ int ferry_refit_declare(ferry_refit_sender *s, const char *name, const ferry_ten
   return rc;
 }
 
-/* Two bucket slots, or in alias mode one buffer for the whole wire layout. */
-static int alloc_buffers(ferry_refit_sender *s) {
-  uint64_t need = s->alias ? s->plan.total_bytes : s->plan.bucket_bytes;
-  if (s->buf[0] && s->buf_bytes >= need)
-    return 0;
+static void free_buffers(ferry_refit_sender *s) {
   for (int i = 0; i < 2; i++) {
     ferry_free(s->ctx, s->buf[i]);
     s->buf[i] = NULL;
     s->ref[i] = (ferry_region_ref){0};
   }
-  for (int i = 0; i < (s->alias ? 1 : 2); i++) {
+  s->buf_bytes = 0;
+}
+
+static int alloc_layout(ferry_refit_sender *s, bool whole) {
+  uint64_t need = whole ? s->plan.total_bytes : s->plan.bucket_bytes;
+  if (s->buf[0] && s->whole == whole && s->buf_bytes >= need)
+    return 0;
+  free_buffers(s);
+  for (int i = 0; i < (whole ? 1 : 2); i++) {
     int rc = ferry_alloc(s->ctx, need, &s->buf[i]);
     if (rc == 0)
       rc = ferry_region_find(s->ctx, s->buf[i], need, &s->ref[i], NULL);
-    if (rc != 0)
+    if (rc != 0) {
+      free_buffers(s);
       return rc;
+    }
   }
+  s->whole = whole;
   s->buf_bytes = need;
   return 0;
+}
+
+/* One buffer for the whole wire layout (alias mode, or retaining the latest version for late
+ * joiners; packing there in place costs no copy), else two bucket slots. A retaining sender that
+ * cannot get the whole buffer falls back to two slots: late joiners then wait for the next push. */
+static int alloc_buffers(ferry_refit_sender *s) {
+  if (s->alias || !s->retain)
+    return alloc_layout(s, s->alias);
+  if (alloc_layout(s, true) == 0)
+    return 0;
+  fr_warn("refit '%s': cannot keep the whole version (%llu bytes) for late joiners (%s); using "
+          "two buckets, so a receiver that attaches late waits for the next push",
+          s->name, (unsigned long long)s->plan.total_bytes, ferry_last_error());
+  return alloc_layout(s, false);
 }
 
 static void compute_scales(ferry_refit_sender *s) {
@@ -288,6 +314,7 @@ int ferry_refit_seal(ferry_refit_sender *s) {
   if (rc == 0) {
     compute_scales(s);
     s->plan.generation++;
+    s->retained = 0; /* the buffer holds no version in the new layout until a push */
     free(s->manifest);
     s->manifest = NULL;
     rc = fr_refit_manifest_encode(&s->plan, &s->manifest, &s->manifest_len);
@@ -311,7 +338,7 @@ size_t ferry_refit_receivers(ferry_refit_sender *s) {
   size_t n = 0;
   pthread_mutex_lock(&s->lock);
   for (receiver *r = s->receivers; r; r = r->next)
-    n += !r->dropped;
+    n += !r->dropped && ferry_link_status(r->link) == 0;
   pthread_mutex_unlock(&s->lock);
   return n;
 }

@@ -36,6 +36,12 @@ typedef struct receiver {
   bool detached;     /* said goodbye during the push; freed after it */
   int status;        /* first failure in the current push */
   uint64_t failures; /* metrics: pushes it did not commit (s->lock) */
+
+  /* catching up (late join): it asked for the latest version outside a push */
+  bool want_catchup;     /* asked; served once no push is under way */
+  uint64_t cu_version;   /* the version being sent to it now, 0 when none */
+  uint32_t cu_announced; /* buckets announced (by index) */
+  uint32_t cu_acked;     /* buckets it verified */
   struct receiver *next;
 } receiver;
 
@@ -51,8 +57,13 @@ struct ferry_refit_sender {
   uint32_t cap;
   bool sealed;
   uint64_t budget;
-  bool alias;                     /* buf[0] holds every bucket (alias mode), not two of them */
-  fr_refit_name *published;       /* its record in the directory, or NULL */
+  bool alias;               /* receivers may map buf[0] (alias mode) */
+  bool retain;              /* keep the latest version whole (not ferry_refit_opts.no_retain) */
+  bool whole;               /* buf[0] holds every bucket (alias mode, or retaining), not
+                               two of them */
+  uint64_t retained;        /* the version whose every bucket buf[0] holds (late joiners
+                               catch up from it), 0 when none or while a push rewrites it */
+  fr_refit_name *published; /* its record in the directory, or NULL */
   struct fr_refit_packer *packer; /* the thread that copies while push() hashes, or NULL */
   void *buf[2];
   ferry_region_ref ref[2];
@@ -91,6 +102,13 @@ typedef struct fr_refit_packer fr_refit_packer;
 int fr_refit_packer_start(ferry_refit_sender *s, fr_refit_packer **out);
 void fr_refit_packer_stop(fr_refit_packer *k);
 uint64_t fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share);
+/* Late join (catchup.c), all under s->lock: a receiver asked for the latest version; serves
+ * every pending request when no push is under way; handles a catch-up ACK or COMMITTED (true
+ * when the record belonged to a catch-up); and stops the catch-up of a receiver a push takes. */
+void fr_refit_catchup_request(ferry_refit_sender *s, receiver *r);
+void fr_refit_catchup_serve(ferry_refit_sender *s);
+bool fr_refit_catchup_record(ferry_refit_sender *s, receiver *r, const fr_refit_msg_t *x);
+void fr_refit_catchup_cancel(receiver *r);
 /* Releases a receiver record (its link reference and strings). */
 void fr_refit_receiver_free(receiver *r);
 

@@ -626,14 +626,7 @@ static bool take_from_background(ferry_ctx *ctx) {
     return false;
   __atomic_store_n(&ctx->lead_claimed, true, __ATOMIC_RELEASE);
   wake_progress(ctx);
-  struct timespec ts; /* timedlock (not clocklock, which TSan does not know) takes real time */
-  clock_gettime(CLOCK_REALTIME, &ts);
-  ts.tv_nsec += (long)FOLLOW_NS;
-  if (ts.tv_nsec >= 1000000000L) {
-    ts.tv_sec++;
-    ts.tv_nsec -= 1000000000L;
-  }
-  bool got = pthread_mutex_timedlock(&ctx->lead, &ts) == 0;
+  bool got = fr_mutex_lock_until(&ctx->lead, fr_now_ns() + FOLLOW_NS) == 0;
   __atomic_store_n(&ctx->lead_claimed, false, __ATOMIC_RELEASE);
   return got;
 }

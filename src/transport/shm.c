@@ -34,9 +34,11 @@ typedef struct shm_map {
 typedef struct shm_link {
   pthread_mutex_t lock;
   shm_map *maps;
-  /* the byte stream, once the link is open */
-  fr_ring tx, rx;
-  void *ring_map;
+  /* The byte stream, once the link is open. Each ring's position is written by the thread that
+   * sends or the one that drains, on every message: a cache line each, apart from the rest. */
+  _Alignas(64) fr_ring tx;
+  _Alignas(64) fr_ring rx;
+  _Alignas(64) void *ring_map;
   size_t ring_len;
   int offer_fd;
   bool ring_on;
@@ -108,9 +110,10 @@ static shm_link *shm_state(ferry_link *l) {
   shm_link *s = __atomic_load_n((shm_link **)&l->tdata, __ATOMIC_ACQUIRE);
   if (s)
     return s;
-  shm_link *fresh = calloc(1, sizeof *fresh);
+  shm_link *fresh = aligned_alloc(_Alignof(shm_link), sizeof *fresh);
   if (!fresh)
     return NULL;
+  memset(fresh, 0, sizeof *fresh);
   pthread_mutex_init(&fresh->lock, NULL);
   fresh->offer_fd = -1;
   void *expected = NULL;
