@@ -211,6 +211,57 @@ FERRY_API const char *ferry_ctx_name(const ferry_ctx *ctx);
 FERRY_API const char *ferry_ctx_address(const ferry_ctx *ctx);
 
 /* ---------------------------------------------------------------------------------------------
+ * Metrics: counters, gauges and histograms the library keeps per context (links, store, refit,
+ * mq) and per process (control), read as a snapshot. docs/OPERATIONS.md lists every metric.
+ * ------------------------------------------------------------------------------------------- */
+typedef enum ferry_stat_kind {
+  FERRY_STAT_COUNTER = 0,  /* only grows while its object lives */
+  FERRY_STAT_GAUGE = 1,    /* a level: goes up and down */
+  FERRY_STAT_HISTOGRAM = 2 /* observations in buckets */
+} ferry_stat_kind;
+
+/* One sample (a series): every pointer is owned by the library and valid only during the
+ * callback that receives it; copy what you keep. Values are in base units (seconds, bytes). */
+typedef struct ferry_stat {
+  const char *name; /* "ferry_link_bytes_sent_total": Prometheus naming, ferry_ prefix */
+  const char *help; /* one line */
+  ferry_stat_kind kind;
+  size_t nlabels; /* label pairs, e.g. node="n1", transport="shm" */
+  const char *const *label_names;
+  const char *const *label_values;
+  double value;                  /* counter or gauge; for a histogram the sum of its observations */
+  uint64_t count;                /* histogram: how many observations (0 otherwise) */
+  size_t nbuckets;               /* histogram: finite upper bounds (the +Inf bucket is `count`) */
+  const double *bucket_le;       /* nbuckets upper bounds, ascending */
+  const uint64_t *bucket_counts; /* nbuckets cumulative counts (observations <= bound) */
+} ferry_stat;
+
+/* Return non-zero to stop the iteration (ferry_stats_each then returns that value). */
+typedef int (*ferry_stat_fn)(const ferry_stat *stat, void *arg);
+/* Calls fn for every sample of ctx's objects and the process's (control), grouped by name; a
+ * NULL ctx gives the process's only. Each sample carries a node label (ctx's name). Safe from
+ * any thread, concurrently with traffic; it takes no lock a hot path takes. */
+FERRY_API int ferry_stats_each(ferry_ctx *ctx, ferry_stat_fn fn, void *arg);
+/* The same samples in the Prometheus text format 0.0.4 (*text: NUL-terminated, *len bytes
+ * without the NUL; free with ferry_stats_text_free()). */
+FERRY_API int ferry_stats_prometheus(ferry_ctx *ctx, char **text, size_t *len);
+FERRY_API void ferry_stats_text_free(char *text);
+/* Readiness as /readyz reports it: 0 when every directory lease of ctx's jobs is held and its
+ * directory answers (a ctx with no directory is ready), else a status, with a one-line reason
+ * in why (may be NULL). */
+FERRY_API int ferry_stats_ready(ferry_ctx *ctx, char *why, size_t len);
+
+/* An HTTP server for a ctx's metrics (Prometheus text at /metrics, /healthz, /readyz), on
+ * libmicrohttpd's thread. listen: "HOST:PORT" (port 0: any free; ferry_metrics_server_address
+ * says which). Every ctx opened with FERRY_METRICS_LISTEN set starts one itself. ctx may be
+ * NULL (process metrics only); it must outlive the server. */
+typedef struct ferry_metrics_server ferry_metrics_server;
+FERRY_API int ferry_metrics_serve(ferry_ctx *ctx, const char *listen, ferry_metrics_server **out);
+/* "HOST:PORT" where it listens (owned by the server). */
+FERRY_API const char *ferry_metrics_server_address(const ferry_metrics_server *server);
+FERRY_API void ferry_metrics_server_close(ferry_metrics_server *server);
+
+/* ---------------------------------------------------------------------------------------------
  * Memory regions: memory that peers may read and write by (region id, access key), always
  * bounds-checked by its owner.
  * ------------------------------------------------------------------------------------------- */

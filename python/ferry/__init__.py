@@ -24,13 +24,14 @@ from .control import Control, ControlCell, ControlRank
 from .mq import MQ
 from . import p2pstore  # noqa: F401
 from .tensors import Context, default_context, empty
+from .stats import prometheus, readiness, stats
 
 __version__ = _lib.lib.ferry_version().decode()
 library_path: str = _lib.path  # the libferry.so this process loaded
 
 __all__ = ["Store", "StoreView", "MQ", "p2pstore", "aio", "RefitSender", "RefitReceiver", "Control", "ControlRank",
            "ControlCell", "Context", "default_context", "empty", "set_log_level", "version",
-           "library_path"] + [n for n in _errors_all if n not in ("check", "raise_status")]
+           "library_path", "stats", "prometheus", "readiness"] + [n for n in _errors_all if n not in ("check", "raise_status")]
 
 logger = logging.getLogger("ferry")
 

@@ -17,8 +17,10 @@
  * 200 done, 400 bad request, 409 invalid transition (or aborted), 503 busy, 504 timed out,
  * 404 no such cell or path, 405 wrong method, 413 body over BODY_MAX, 502 a rank or the engine
  * is dead, 401 missing or wrong bearer token when FERRY_TOKEN is set. It binds loopback unless
- * --allow-remote. Each request opens the cell afresh, so the server follows an engine that
- * restarts with a new incarnation.
+ * --allow-remote. It also serves, with no token (read-only, as Prometheus scrapes), the
+ * process's metrics at /metrics (Prometheus text: the requests it made), /healthz (the server
+ * answers) and /readyz (the cell can be opened: its engine is there). Each request opens the cell
+ * afresh, so the server follows an engine that restarts with a new incarnation.
  */
 #include "cli/args.h"
 #include "cli/cli.h"
@@ -58,6 +60,7 @@ static const char serve_usage[] =
     "first line printed says which):\n"
     "  GET  /v1/control/NAME               the status as JSON\n"
     "  POST /v1/control/NAME/clear|update|abort[?timeout_s=S]   (or body {\"timeout_s\": S})\n"
+    "  GET  /metrics, /healthz, /readyz    Prometheus metrics, liveness, readiness (no token)\n"
     "A body is optional; when given it must be a JSON object of at most 4096 bytes whose only\n"
     "field is timeout_s (a number of seconds, > 0 and <= 86400; not with ?timeout_s as well).\n"
     "Responses are JSON: 200 done, 400 bad request (malformed JSON, unknown field, wrong type or\n"
@@ -413,8 +416,51 @@ static enum MHD_Result handle_request(const server *s, struct MHD_Connection *co
   return send_json(conn, http_status(rc), o, NULL);
 }
 
+static enum MHD_Result send_text(struct MHD_Connection *conn, int code, const char *type,
+                                 char *text, size_t len, enum MHD_ResponseMemoryMode mode) {
+  struct MHD_Response *r = MHD_create_response_from_buffer(len, text, mode);
+  if (!r)
+    return MHD_NO;
+  MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
+  enum MHD_Result ret = MHD_queue_response(conn, (unsigned)code, r);
+  MHD_destroy_response(r);
+  return ret;
+}
+
+static bool ops_path(const char *url) {
+  return !strcmp(url, "/metrics") || !strcmp(url, "/healthz") || !strcmp(url, "/readyz");
+}
+
+/* /metrics, /healthz, /readyz: what an operator's probes and Prometheus read. */
+static enum MHD_Result route_ops(const server *s, struct MHD_Connection *conn, const char *url) {
+  static const char plain[] = "text/plain; charset=utf-8";
+  if (!strcmp(url, "/healthz"))
+    return send_text(conn, MHD_HTTP_OK, plain, "ok\n", 3, MHD_RESPMEM_PERSISTENT);
+  if (!strcmp(url, "/readyz")) {
+    ferry_ctl *ctl = NULL;
+    int rc = ferry_ctl_open(s->name, &ctl);
+    ferry_ctl_close(ctl);
+    char line[600];
+    int n = snprintf(line, sizeof line, "%s\n", rc == 0 ? "ready" : ferry_last_error());
+    return send_text(conn, rc == 0 ? MHD_HTTP_OK : MHD_HTTP_SERVICE_UNAVAILABLE, plain, line,
+                     (size_t)n < sizeof line ? (size_t)n : sizeof line - 1, MHD_RESPMEM_MUST_COPY);
+  }
+  char *text = NULL;
+  size_t len = 0;
+  if (ferry_stats_prometheus(NULL, &text, &len) != 0)
+    return send_error(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, FERRY_ENOMEM, "metrics");
+  enum MHD_Result ret = send_text(conn, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8",
+                                  text, len, MHD_RESPMEM_MUST_COPY);
+  ferry_stats_text_free(text);
+  return ret;
+}
+
 static enum MHD_Result route(const server *s, struct MHD_Connection *conn, const char *url,
                              const char *method, const request_body *body) {
+  if (ops_path(url))
+    return strcmp(method, "GET") == 0 ? route_ops(s, conn, url)
+                                      : send_error_allow(conn, MHD_HTTP_METHOD_NOT_ALLOWED,
+                                                         FERRY_EINVAL, "use GET", "GET");
   if (!token_ok(s, conn))
     return send_error(conn, MHD_HTTP_UNAUTHORIZED, FERRY_EAUTH, "missing or wrong bearer token");
   size_t plen = strlen(s->prefix);
@@ -436,9 +482,9 @@ static enum MHD_Result route(const server *s, struct MHD_Connection *conn, const
 
 /* The first call, with the headers only: a request that cannot succeed (no token, or a declared
  * body over BODY_MAX) is answered before its body is read. */
-static enum MHD_Result on_headers(const server *s, struct MHD_Connection *conn,
+static enum MHD_Result on_headers(const server *s, struct MHD_Connection *conn, const char *url,
                                   request_body *body) {
-  if (!token_ok(s, conn)) {
+  if (!ops_path(url) && !token_ok(s, conn)) {
     body->answered = true;
     return send_error(conn, MHD_HTTP_UNAUTHORIZED, FERRY_EAUTH, "missing or wrong bearer token");
   }
@@ -462,7 +508,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     if (!(body = calloc(1, sizeof *body)))
       return MHD_NO;
     *con_cls = body;
-    return on_headers(cls, conn, body);
+    return on_headers(cls, conn, url, body);
   }
   if (*upload_data_size > 0) {
     size_t n = *upload_data_size;

@@ -21,34 +21,41 @@
 
 static const char serve_usage[] =
     "usage: ferry serve [--listen HOST:PORT] [--directory URL] [--name NAME]\n"
-    "                   [--capacity BYTES] [--json]\n\n"
+    "                   [--capacity BYTES] [--http HOST:PORT|off] [--json]\n\n"
     "Runs a long-lived node: it hosts the embedded directory on --listen (default: the\n"
     "host:port of FERRY_DIRECTORY, 127.0.0.1:7700), or with --directory (or a redis://\n"
     "FERRY_DIRECTORY) joins that one (ferry://HOST:PORT or\n"
     "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]); and it holds objects that short-lived\n"
     "clients put (`ferry put`), in a pool of --capacity bytes (default FERRY_STORE_CAPACITY;\n"
     "K, M, G, T or KiB, MiB, GiB, TiB suffixes).\n"
+    "It serves its metrics (Prometheus text at /metrics, /healthz, /readyz) over HTTP on\n"
+    "--http (default: 127.0.0.1:0, a free loopback port; FERRY_METRICS_LISTEN when set; off:\n"
+    "none); the ready line says where.\n"
     "Prints one 'ready' line, then runs until SIGINT or SIGTERM. With --json that line is\n"
     "one JSON object: {\"ready\": true, \"directory\", \"hosting\", \"node\", \"address\",\n"
-    "\"capacity\" (the pool's bytes)}.\n";
+    "\"capacity\" (the pool's bytes), \"metrics\" (its URL, or null)}.\n";
 
 typedef struct serve_opts {
-  const char *listen, *directory, *name;
+  const char *listen, *directory, *name, *http;
   uint64_t capacity;
   bool json;
 } serve_opts;
 
 static int parse(int argc, char **argv, serve_opts *o) {
-  const cli_opt opts[] = {
-      {"listen", CLI_ARG_STR, &o->listen, 0, 0}, {"directory", CLI_ARG_STR, &o->directory, 0, 0},
-      {"name", CLI_ARG_STR, &o->name, 0, 0},     {"capacity", CLI_ARG_SIZE, &o->capacity, 1, 0},
-      {"json", CLI_ARG_FLAG, &o->json, 0, 0},    {0}};
+  const cli_opt opts[] = {{"listen", CLI_ARG_STR, &o->listen, 0, 0},
+                          {"directory", CLI_ARG_STR, &o->directory, 0, 0},
+                          {"name", CLI_ARG_STR, &o->name, 0, 0},
+                          {"capacity", CLI_ARG_SIZE, &o->capacity, 1, 0},
+                          {"json", CLI_ARG_FLAG, &o->json, 0, 0},
+                          {"http", CLI_ARG_STR, &o->http, 0, 0},
+                          {0}};
   const cli_cmd cmd = {"serve", serve_usage, NULL, 0, 0, opts};
   return cli_parse(&cmd, argc, argv, NULL) < 0 ? -1 : 0;
 }
 
 /* The one line that says the node is up: text, or with --json one object. */
-static void print_ready(const serve_opts *o, ferry_ctx *ctx, const char *listen) {
+static void print_ready(const serve_opts *o, ferry_ctx *ctx, const char *listen,
+                        const char *metrics) {
   char url[FR_DIR_ADDRESS_MAX + 1]; /* a URL's password never reaches the screen */
   if (o->directory)
     fr_url_redact(o->directory, url, sizeof url);
@@ -62,13 +69,20 @@ static void print_ready(const serve_opts *o, ferry_ctx *ctx, const char *listen)
     printf(",\"address\":");
     cli_json_string(stdout, ferry_ctx_address(ctx));
     uint64_t cap = o->capacity ? o->capacity : (uint64_t)fr_config_int("FERRY_STORE_CAPACITY");
-    printf(",\"capacity\":%llu}\n", (unsigned long long)cap);
+    printf(",\"capacity\":%llu,\"metrics\":", (unsigned long long)cap);
+    if (metrics)
+      printf("\"http://%s/metrics\"}\n", metrics);
+    else
+      printf("null}\n");
   } else if (o->directory) {
-    printf("ready: node '%s' joined %s (%s)\n", ferry_ctx_name(ctx), url, ferry_ctx_address(ctx));
+    printf("ready: node '%s' joined %s (%s)", ferry_ctx_name(ctx), url, ferry_ctx_address(ctx));
   } else {
-    printf("ready: directory %s, node '%s' (%s)\n", url, ferry_ctx_name(ctx),
-           ferry_ctx_address(ctx));
+    printf("ready: directory %s, node '%s' (%s)", url, ferry_ctx_name(ctx), ferry_ctx_address(ctx));
   }
+  if (!o->json && metrics)
+    printf("; metrics http://%s/metrics", metrics);
+  if (!o->json)
+    printf("\n");
   fflush(stdout);
 }
 
@@ -111,6 +125,20 @@ static int wait_for_signal(void) {
   return sig;
 }
 
+/* FERRY_METRICS_LISTEN, where the ctx serves its own metrics; NULL when unset. */
+static const char *metrics_env(void) {
+  const char *env = ferry_config_get("FERRY_METRICS_LISTEN");
+  return env && *env ? env : NULL;
+}
+
+/* --http: on by default (a free loopback port), unless FERRY_METRICS_LISTEN already has the ctx
+ * serving them or the caller said off. */
+static int start_http(const serve_opts *o, ferry_ctx *ctx, ferry_metrics_server **out) {
+  if ((o->http && strcmp(o->http, "off") == 0) || (!o->http && metrics_env()))
+    return 0;
+  return ferry_metrics_serve(ctx, o->http ? o->http : "127.0.0.1:0", out);
+}
+
 int cli_serve(int argc, char **argv) {
   serve_opts o = {0};
   if (parse(argc, argv, &o) != 0)
@@ -137,9 +165,16 @@ int cli_serve(int argc, char **argv) {
     ferry_ctx_close(ctx);
     return cli_fail("serve", rc, "cannot open the store");
   }
-  print_ready(&o, ctx, listen);
+  ferry_metrics_server *http = NULL;
+  if ((rc = start_http(&o, ctx, &http)) != 0) {
+    ferry_store_close(store);
+    ferry_ctx_close(ctx);
+    return cli_fail("serve", rc, "cannot serve metrics");
+  }
+  print_ready(&o, ctx, listen, http ? ferry_metrics_server_address(http) : metrics_env());
   int sig = wait_for_signal();
   fprintf(stderr, "ferry serve: %s, shutting down\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+  ferry_metrics_server_close(http);
   ferry_store_close(store);
   ferry_ctx_close(ctx);
   return CLI_OK;

@@ -202,4 +202,7 @@ static inline bool fr_ctl_state_terminal(unsigned s) {
   return s == FERRY_CTL_SERVING || s == FERRY_CTL_CLEARED || s == FERRY_CTL_FAILED;
 }
 
+/* metrics.c: counts a control request that ended with rc and began at t0 (process-wide). */
+void fr_ctl_count_request(ferry_ctl_cmd cmd, int rc, uint64_t t0);
+
 #endif

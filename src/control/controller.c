@@ -402,9 +402,18 @@ static int check_cell(ferry_ctl *ctl, ferry_ctl_cmd cmd) {
   return rc;
 }
 
+static int request(ferry_ctl *ctl, ferry_ctl_cmd cmd, int timeout_ms);
+
 int ferry_ctl_request(ferry_ctl *ctl, ferry_ctl_cmd cmd, int timeout_ms) {
   if (!ctl || cmd < FERRY_CTL_CLEAR || cmd > FERRY_CTL_ABORT)
     return fr_err(FERRY_EINVAL, "ferry_ctl_request: bad %s", ctl ? "command" : "handle");
+  uint64_t t0 = fr_now_ns();
+  int rc = request(ctl, cmd, timeout_ms);
+  fr_ctl_count_request(cmd, rc, t0);
+  return rc;
+}
+
+static int request(ferry_ctl *ctl, ferry_ctl_cmd cmd, int timeout_ms) {
   timeout_ms = fr_timeout(timeout_ms);
   int rc = check_cell(ctl, cmd);
   if (rc)

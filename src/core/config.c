@@ -14,6 +14,8 @@
 
 #define FR_CONFIG_TABLE(X)                                                                         \
   X("FERRY_LOG", "warn", "log level: error, warn, info, debug or trace")                           \
+  X("FERRY_METRICS_LISTEN", "",                                                                    \
+    "HOST:PORT where every ctx serves /metrics, /healthz, /readyz (empty: off; port 0: any free)") \
   X("FERRY_LOG_FORMAT", "text", "stderr log lines: text, or json (one object per line)")           \
   X("FERRY_TIMEOUT_MS", "10000", "default timeout of blocking calls (connect, read, send)")        \
   X("FERRY_TRANSPORTS", "shm,tcp", "transports a link may use, in order of preference")            \

@@ -223,7 +223,14 @@ typedef struct fr_dir_lease {
   bool held;                             /* taken, and not lost since */
   uint64_t epoch;                        /* the directory's epoch when it was taken */
   uint64_t next_renew_ns;                /* atomic: when fr_dir_lease_due() turns true */
+  bool ok; /* atomic: held, and the last take or renewal reached the directory (/readyz) */
 } fr_dir_lease;
+
+/* Whether the lease is held and its directory answered the last take or renewal: what a job's
+ * readiness check (/readyz) reports; safe from any thread. */
+static inline bool fr_dir_lease_ok(const fr_dir_lease *l) {
+  return __atomic_load_n(&l->ok, __ATOMIC_RELAXED);
+}
 
 void fr_dir_lease_init(fr_dir_lease *l, fr_dir *dir, ferry_ctx *ctx, const char *name,
                        const char *who);

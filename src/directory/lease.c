@@ -27,6 +27,7 @@ void fr_dir_lease_init(fr_dir_lease *l, fr_dir *dir, ferry_ctx *ctx, const char 
 }
 
 static void schedule(fr_dir_lease *l, bool ok) {
+  __atomic_store_n(&l->ok, ok && l->held, __ATOMIC_RELAXED);
   uint64_t after = ok ? (uint64_t)l->lease_ms * 1000000ull / 3 : RETRY_NS;
   __atomic_store_n(&l->next_renew_ns, fr_now_ns() + after, __ATOMIC_RELEASE);
 }
@@ -111,4 +112,5 @@ void fr_dir_lease_drop(fr_dir_lease *l) {
   if (l->held)
     l->dir->ops->node_del(l->dir->state, l->node.name, l->node.incarnation, 2000);
   l->held = false;
+  __atomic_store_n(&l->ok, false, __ATOMIC_RELAXED);
 }

@@ -282,6 +282,8 @@ int ferry_mq_open(ferry_ctx *ctx, const ferry_mq_opts *opts, ferry_mq **out) {
   if (!mq)
     return fr_err(FERRY_ENOMEM, "ferry_mq_open");
   int rc = mq_start(mq, &o);
+  if (rc == 0 && (rc = fr_mq_stats_start(mq)) != 0)
+    fr_mq_stats_stop(mq);
   if (rc != 0) {
     char detail[512];
     fr_mq_detail(detail, sizeof detail);
@@ -330,11 +332,13 @@ static void free_state(ferry_mq *mq) {
   for (size_t i = 0; i < mq->nsubscribed; i++)
     free(mq->subscribed[i]);
   free(mq->subscribed);
+  fr_mq_stats_free(mq);
 }
 
 void ferry_mq_close(ferry_mq *mq) {
   if (!mq)
     return;
+  fr_mq_stats_stop(mq);
   pthread_mutex_lock(&mq->publish_lock);
   fr_mq_flush_locked(mq);
   pthread_mutex_unlock(&mq->publish_lock);

@@ -20,6 +20,7 @@
 #include "directory/directory.h"
 
 #include <pthread.h>
+#include <string.h>
 #include <stdbool.h>
 
 /* ---- wire.c: frames on FR_CHANNEL_MQ ---- */
@@ -100,8 +101,17 @@ typedef struct fr_mq_topic { /* a topic this node publishes (or was asked about)
   bool advertised;
   fr_mq_peer **subs;
   size_t nsubs, capsubs;
+  uint64_t published, published_bytes; /* metrics: written under publish_lock, read relaxed */
   struct fr_mq_topic *next;
 } fr_mq_topic;
+
+/* Received messages per topic (metrics.c): a bounded table, the rest counted as one row. */
+#define FR_MQ_STAT_TOPICS 32
+typedef struct fr_mq_rx_stat {
+  char *name; /* NULL: the row of topics beyond the table */
+  size_t len;
+  uint64_t msgs, bytes;
+} fr_mq_rx_stat;
 
 typedef struct fr_mq_session { /* a link that messages arrive on */
   ferry_link *link;
@@ -217,6 +227,11 @@ struct ferry_mq {
 
   pthread_t thread;
   bool thread_started;
+
+  /* metrics (metrics.c), under lock; last, so that the fields above keep their cache lines */
+  fr_mq_rx_stat rx[FR_MQ_STAT_TOPICS + 1]; /* the last row: every other topic */
+  size_t nrx, rx_last;
+  uint64_t credit_waits, credit_wait_ns, publish_errors; /* publish_errors: atomic */
 };
 
 /* mq.c */
@@ -275,5 +290,20 @@ void fr_mq_session_unref(fr_mq_session *s);                    /* lock held */
 void fr_mq_session_credit(fr_mq_session *s, uint64_t charge, uint64_t token, bool *send);
 void fr_mq_credit_flush(ferry_mq *mq, fr_mq_session *s);
 bool fr_mq_subscribed(ferry_mq *mq, const char *topic); /* lock held */
+
+/* metrics.c: counts a message queued for the application (lock held); registers and removes
+ * the mq's collector and readiness check with its ctx. */
+fr_mq_rx_stat *fr_mq_rx_row(ferry_mq *mq, const char *topic);
+static inline void fr_mq_count_received(ferry_mq *mq, const char *topic, uint64_t bytes) {
+  fr_mq_rx_stat *r = &mq->rx[mq->rx_last]; /* a stream is one topic: try the last one first */
+  if (!r->name || strcmp(r->name, topic) != 0)
+    r = fr_mq_rx_row(mq, topic);
+  r->msgs++;
+  r->bytes += bytes;
+}
+int fr_mq_stats_start(ferry_mq *mq);
+void fr_mq_stats_stop(ferry_mq *mq);
+/* Frees the receive table, once nothing is queued any more (free_state). */
+void fr_mq_stats_free(ferry_mq *mq);
 
 #endif

@@ -337,9 +337,12 @@ static int reserve(ferry_mq *mq, fr_mq_topic *t, uint64_t len, uint64_t deadline
   int rc = 0;
   *waited = !ready && !credit_ready(mq, &w); /* ready: the caller just found credit */
   if (*waited) {
+    uint64_t t0 = fr_now_ns();
     mq->waiters++;
     rc = fr_mq_wait(mq, credit_ready, &w, deadline);
     mq->waiters--;
+    mq->credit_waits++;
+    mq->credit_wait_ns += fr_now_ns() - t0;
   }
   if (rc != 0)
     return full_error(mq, t, len, rc, ms);
@@ -652,6 +655,7 @@ typedef struct pub { /* one publish, between its two halves */
   frames fr;
   uint64_t off, seq, deadline;
   bool fresh, waited; /* waited: the time read at the start is stale */
+  fr_mq_topic *t;     /* for the metrics */
 } pub;
 
 /* The last publish's topic and subscribers, for a publish in a stream to reuse without taking
@@ -705,6 +709,7 @@ static bool fast_reserve(ferry_mq *mq, const char *topic, uint64_t len, pub *u) 
   u->v = u->local;
   u->n = c->n;
   u->seq = ++mq->seq;
+  u->t = c->t;
   return true;
 }
 
@@ -731,6 +736,7 @@ static int prepare(ferry_mq *mq, const char *topic, uint64_t len, int ms, uint64
     u->waited = true;
   }
   bool credit_waited = false;
+  u->t = t;
   if (rc == 0)
     rc = reserve(mq, t, len, u->deadline, ms, ready, u->local, &u->v, &u->n, &credit_waited);
   u->waited |= credit_waited;
@@ -782,12 +788,19 @@ static int publish(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
   u.fr.token = 0;
   u.off = u.seq = 0;
   u.fresh = u.waited = false;
+  u.t = NULL;
   u.deadline = start + (uint64_t)ms * 1000000ull;
   int rc = 0;
   if (loan || !fast_reserve(mq, topic, len, &u))
     rc = prepare(mq, topic, len, ms, loan, &u);
   if (rc == 0)
     rc = deliver(mq, topic, desc, data, len, start, loan, &u);
+  if (rc == 0 && u.t) { /* publish_lock: one writer; a scrape reads them relaxed */
+    __atomic_store_n(&u.t->published, u.t->published + 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&u.t->published_bytes, u.t->published_bytes + len, __ATOMIC_RELAXED);
+  } else if (rc != 0) {
+    fr_count(&mq->publish_errors, 1);
+  }
   pthread_mutex_unlock(&mq->publish_lock);
   if (u.v != u.local)
     free(u.v);

@@ -160,6 +160,7 @@ static void enqueue(ferry_mq *mq, fr_mq_rmsg *r, fr_mq_session *s) {
     mq->head = r;
   mq->tail = r;
   mq->queued++;
+  fr_mq_count_received(mq, r->pub.topic, r->pub.len);
 }
 
 /* Fills a queued message from a DATA frame that arrived on msg's link (lock held). */

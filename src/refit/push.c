@@ -377,6 +377,7 @@ static int finish_push(ferry_refit_sender *s, uint64_t version, bool packed_all)
       r->committed = version;
     } else if (was_in) {
       int st = r->status ? r->status : FERRY_EPROTO;
+      r->failures++;
       if (!first)
         first = st;
       used +=
@@ -419,9 +420,33 @@ static int plan_push(ferry_refit_sender *s, fr_push *p, const ferry_refit_push_o
   return 0;
 }
 
+/* The bytes of the buckets a push sends (those not skipped as unchanged). */
+static uint64_t push_bytes(const ferry_refit_sender *s, const fr_push *p) {
+  uint64_t bytes = 0;
+  for (uint32_t j = 0; j < p->n; j++) {
+    if (p->unchanged && p->unchanged[j])
+      continue;
+    uint64_t off = (uint64_t)p->order[j] * s->plan.bucket_bytes;
+    uint64_t left = s->plan.total_bytes > off ? s->plan.total_bytes - off : 0;
+    bytes += left < s->plan.bucket_bytes ? left : s->plan.bucket_bytes;
+  }
+  return bytes;
+}
+
+static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_refit_push_opts *o,
+                        uint64_t *bytes);
+
 int ferry_refit_push(ferry_refit_sender *s, uint64_t version, const ferry_refit_push_opts *o) {
   if (!s)
     return fr_err(FERRY_EINVAL, "ferry_refit_push: NULL sender");
+  uint64_t t0 = fr_now_ns(), bytes = 0;
+  int rc = push_version(s, version, o, &bytes);
+  fr_refit_count_push(s, rc, bytes, t0);
+  return rc;
+}
+
+static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_refit_push_opts *o,
+                        uint64_t *bytes) {
   if (!s->sealed)
     return fr_err(FERRY_ESTATE, "refit '%s': seal before pushing", s->name);
   if (version <= s->latest)
@@ -444,6 +469,7 @@ int ferry_refit_push(ferry_refit_sender *s, uint64_t version, const ferry_refit_
     commit_all(s, &p);
     if (s->whole)
       pack_rest(s, &p);
+    *bytes = push_bytes(s, &p);
   }
   free(p.order);
   free(p.sum);

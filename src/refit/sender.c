@@ -200,6 +200,10 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
     free(s);
     return fr_err(FERRY_ESYS, "refit sender: cannot start its thread");
   }
+  if ((rc = fr_refit_stats_start(s)) != 0) {
+    ferry_refit_sender_close(s);
+    return rc;
+  }
   *out = s;
   return 0;
 }
@@ -342,6 +346,7 @@ size_t ferry_refit_receivers(ferry_refit_sender *s) {
 void ferry_refit_sender_close(ferry_refit_sender *s) {
   if (!s)
     return;
+  fr_refit_stats_stop(s);
   __atomic_store_n(&s->stop, true, __ATOMIC_RELEASE);
   pthread_join(s->service, NULL);
   fr_refit_packer_stop(s->packer);

@@ -5,6 +5,7 @@
 #ifndef FR_REFIT_SENDER_IMPL_H
 #define FR_REFIT_SENDER_IMPL_H
 
+#include "core/stats.h"
 #include "refit/refit.h"
 
 #include <pthread.h>
@@ -32,8 +33,9 @@ typedef struct receiver {
   uint64_t fwd_offset[2];
   bool commit_sent;
   bool commit_seen;
-  bool detached; /* said goodbye during the push; freed after it */
-  int status;    /* first failure in the current push */
+  bool detached;     /* said goodbye during the push; freed after it */
+  int status;        /* first failure in the current push */
+  uint64_t failures; /* metrics: pushes it did not commit (s->lock) */
 
   /* catching up (late join): it asked for the latest version outside a push */
   bool want_catchup;     /* asked; served once no push is under way */
@@ -80,7 +82,16 @@ struct ferry_refit_sender {
   const struct fr_push *current; /* the push under way, for announcements on acknowledgement */
   bool stop;
   pthread_t service;
+
+  /* metrics (metrics.c): pushes run one at a time; the scrape reads them under lock */
+  uint64_t pushes, push_failures, push_bytes, last_push_ns;
+  fr_hist push_ns;
 };
+
+/* metrics.c: counts a push that ended with rc, sent `bytes` of buckets, began at t0. */
+void fr_refit_count_push(ferry_refit_sender *s, int rc, uint64_t bytes, uint64_t t0);
+int fr_refit_stats_start(ferry_refit_sender *s);
+void fr_refit_stats_stop(ferry_refit_sender *s);
 
 /* Announces every bucket of the current push that may go now (s->lock held). */
 void fr_refit_announce_ready(ferry_refit_sender *s);

@@ -220,9 +220,9 @@ static void backoff(int attempt) {
   nanosleep(&ts, NULL);
 }
 
-static int get_loop(ferry_store *s, const char *key, const ferry_tensor_desc *expect, void *dst,
-                    size_t cap, ferry_store_info *info, progress_fn progress, void *arg,
-                    int timeout_ms) {
+static int get_tries(ferry_store *s, const char *key, const ferry_tensor_desc *expect, void *dst,
+                     size_t cap, ferry_store_info *info, progress_fn progress, void *arg,
+                     int timeout_ms, uint64_t *bytes) {
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   fr_dir_object rec;
   int rc, stale_reads = 0, dead = 0;
@@ -247,8 +247,20 @@ static int get_loop(ferry_store *s, const char *key, const ferry_tensor_desc *ex
     }
     backoff(stale_reads);
   }
-  if (rc == 0)
+  if (rc == 0) {
     info_out(&rec, info);
+    *bytes = rec.bytes;
+  }
+  return rc;
+}
+
+/* One get, counted in the store's metrics. */
+static int get_loop(ferry_store *s, const char *key, const ferry_tensor_desc *expect, void *dst,
+                    size_t cap, ferry_store_info *info, progress_fn progress, void *arg,
+                    int timeout_ms) {
+  uint64_t t0 = fr_now_ns(), bytes = 0;
+  int rc = get_tries(s, key, expect, dst, cap, info, progress, arg, timeout_ms, &bytes);
+  fr_store_count(s, false, rc == 0, rc != 0, bytes, t0);
   return rc;
 }
 
@@ -268,8 +280,11 @@ int fr_store_get_progress(ferry_store *s, const char *key, void **out, ferry_sto
   uint64_t deadline = fr_deadline_ns(fr_timeout(timeout_ms));
   for (int attempt = 0; rc == 0 && attempt < 3; attempt++) {
     fr_dir_object rec;
-    if ((rc = fr_store_lookup(s, key, &rec, fr_store_left(deadline))) != 0)
+    uint64_t t0 = fr_now_ns();
+    if ((rc = fr_store_lookup(s, key, &rec, fr_store_left(deadline))) != 0) {
+      fr_store_count(s, false, 0, 1, 0, t0); /* the get that get_loop would have counted */
       return rc;
+    }
     void *buf = malloc(rec.bytes ? (size_t)rec.bytes : 1);
     if (!buf)
       return fr_err(FERRY_ENOMEM, "get '%s': %llu bytes", key, (unsigned long long)rec.bytes);
@@ -432,7 +447,25 @@ static int batch_lookup(ferry_store *s, fr_batch *b, int timeout_ms) {
   return rc;
 }
 
+static int get_batch(ferry_store *s, ferry_store_item *items, size_t n, int timeout_ms);
+
 int ferry_store_get_batch(ferry_store *s, ferry_store_item *items, size_t n, int timeout_ms) {
+  uint64_t t0 = fr_now_ns();
+  int rc = get_batch(s, items, n, timeout_ms);
+  if (s && (items || n == 0)) {
+    uint64_t bytes = 0;
+    size_t ok = 0;
+    for (size_t i = 0; i < n; i++)
+      if (items[i].status == 0) {
+        bytes += items[i].bytes;
+        ok++;
+      }
+    fr_store_count(s, false, ok, n - ok, bytes, t0);
+  }
+  return rc;
+}
+
+static int get_batch(ferry_store *s, ferry_store_item *items, size_t n, int timeout_ms) {
   if (!s || (!items && n > 0))
     return fr_err(FERRY_EINVAL, "get_batch: NULL argument");
   if (n == 0)

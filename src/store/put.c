@@ -389,8 +389,8 @@ static int publish_batch(ferry_store *s, fr_owned **os, size_t n, int *st, int t
   return rc;
 }
 
-int ferry_store_put_batch(ferry_store *s, ferry_store_put_item *items, size_t n, uint32_t flags,
-                          int timeout_ms) {
+static int put_batch(ferry_store *s, ferry_store_put_item *items, size_t n, uint32_t flags,
+                     int timeout_ms) {
   if (!s || (!items && n > 0))
     return fr_err(FERRY_EINVAL, "put_batch: NULL argument");
   timeout_ms = fr_timeout(timeout_ms);
@@ -430,15 +430,36 @@ int ferry_store_put_batch(ferry_store *s, ferry_store_put_item *items, size_t n,
   return first;
 }
 
+int ferry_store_put_batch(ferry_store *s, ferry_store_put_item *items, size_t n, uint32_t flags,
+                          int timeout_ms) {
+  uint64_t t0 = fr_now_ns();
+  int rc = put_batch(s, items, n, flags, timeout_ms);
+  if (s && (items || n == 0)) {
+    uint64_t bytes = 0, one;
+    size_t ok = 0;
+    for (size_t i = 0; i < n; i++)
+      if (items[i].status == 0 && items[i].desc && ferry_tensor_nbytes(items[i].desc, &one) == 0) {
+        bytes += one;
+        ok++;
+      }
+    fr_store_count(s, true, ok, n - ok, bytes, t0);
+  }
+  return rc;
+}
+
 int ferry_store_put(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
                     const void *data, uint32_t flags, int timeout_ms) {
   uint64_t bytes;
   int rc = check_put(s, key, desc, data, &bytes);
   if (rc != 0)
     return rc;
+  uint64_t t0 = fr_now_ns();
   if (s->flags & FERRY_STORE_DELEGATE)
-    return fr_store_upload(s, key, desc, data, fr_timeout(timeout_ms));
-  return fr_store_put_local(s, key, desc, data, flags, NULL, NULL, NULL, fr_timeout(timeout_ms));
+    rc = fr_store_upload(s, key, desc, data, fr_timeout(timeout_ms));
+  else
+    rc = fr_store_put_local(s, key, desc, data, flags, NULL, NULL, NULL, fr_timeout(timeout_ms));
+  fr_store_count(s, true, rc == 0, rc != 0, rc == 0 ? bytes : 0, t0);
+  return rc;
 }
 
 /* ---- delete ---- */

@@ -208,6 +208,8 @@ int ferry_store_open(ferry_ctx *ctx, const ferry_store_opts *opts, ferry_store *
   if (!s)
     return fr_err(FERRY_ENOMEM, "ferry_store_open");
   int rc = store_start(s, opts ? &o : NULL);
+  if (rc == 0 && (rc = fr_store_stats_start(s)) != 0)
+    fr_store_stats_stop(s);
   if (rc != 0) {
     char detail[512];
     snprintf(detail, sizeof detail, "%s", ferry_last_error());
@@ -221,6 +223,7 @@ int ferry_store_open(ferry_ctx *ctx, const ferry_store_opts *opts, ferry_store *
 void ferry_store_close(ferry_store *s) {
   if (!s)
     return;
+  fr_store_stats_stop(s);
   fr_store_service_stop(s);
   fr_store_workers_stop(s);
   if (s->dir && s->mem)

@@ -9,6 +9,7 @@
 #define FR_STORE_H
 
 #include "core/core.h"
+#include "core/stats.h"
 #include "directory/directory.h"
 
 #include <pthread.h>
@@ -127,7 +128,22 @@ struct ferry_store {
   fr_batch *batch;
   pthread_t *workers;
   int nworkers;
+
+  /* metrics (metrics.c): relaxed atomic adds, one call's worth at its end */
+  struct {
+    uint64_t puts, put_errors, put_bytes, gets, get_errors, get_bytes;
+    fr_hist put_ns, get_ns;
+  } m;
 };
+
+/* metrics.c: counts one call's puts (or gets): `ok` succeeded and moved `bytes`, `failed` did
+ * not; the call began at t0. */
+void fr_store_count(ferry_store *s, bool put, size_t ok, size_t failed, uint64_t bytes,
+                    uint64_t t0);
+/* Registers the store's collector and readiness check with its ctx; fr_store_stats_stop undoes
+ * it (before the store's state goes). */
+int fr_store_stats_start(ferry_store *s);
+void fr_store_stats_stop(ferry_store *s);
 
 /* An object's generation word (valid while it equals the record's generation) and the count of
  * views that pin it (views on this host add and drop pins in the shared pool region itself). */

@@ -778,6 +778,22 @@ static void ctx_init_sync(ferry_ctx *ctx) {
     fr_cond_init_monotonic(&ctx->channels[i].cond);
   }
   fr_region_table_init(&ctx->regions);
+  fr_stats_init(&ctx->stats);
+}
+
+/* FERRY_METRICS_LISTEN: a bad address fails the ctx (the operator asked for it); a port already
+ * taken (a second ctx of this process) only warns, since the first one serves. */
+static int start_metrics(ferry_ctx *ctx) {
+  int rc = fr_stats_add(&ctx->stats, fr_link_stats_collect, NULL, ctx);
+  const char *listen = fr_config_str("FERRY_METRICS_LISTEN");
+  if (rc != 0 || !*listen)
+    return rc;
+  rc = ferry_metrics_serve(ctx, listen, &ctx->metrics);
+  if (rc == FERRY_ESYS) {
+    fr_warn("ctx '%s': %s; not serving metrics", ctx->name, ferry_last_error());
+    rc = 0;
+  }
+  return rc;
 }
 
 /* The token the ctx's links prove: the caller's, else FERRY_TOKEN, else this user's secret. ""
@@ -833,6 +849,8 @@ int ferry_ctx_open(const ferry_ctx_opts *opts, ferry_ctx **out) {
     rc = add_poller(ctx, &ctx->wake);
   if (rc == 0)
     rc = start_listeners(ctx);
+  if (rc == 0)
+    rc = start_metrics(ctx);
   if (rc == 0 && pthread_create(&ctx->server, NULL, server_main, ctx) != 0)
     rc = fr_err(FERRY_ESYS, "cannot start the server thread");
   if (rc == 0 && pthread_create(&ctx->progress, NULL, progress_main, ctx) != 0) {
@@ -854,6 +872,8 @@ int ferry_ctx_open(const ferry_ctx_opts *opts, ferry_ctx **out) {
     if (ctx->wake.fd >= 0)
       close(ctx->wake.fd);
     fr_region_table_fini(&ctx->regions);
+    ferry_metrics_server_close(ctx->metrics);
+    fr_stats_fini(&ctx->stats);
     if (ctx->log_node)
       fr_log_set_node(NULL);
     free(ctx->name);
@@ -883,6 +903,8 @@ static void close_links(ferry_ctx *ctx) {
 void ferry_ctx_close(ferry_ctx *ctx) {
   if (!ctx)
     return;
+  ferry_metrics_server_close(ctx->metrics); /* its scrapes read the ctx */
+  ctx->metrics = NULL;
   __atomic_store_n(&ctx->stopping, true, __ATOMIC_RELEASE);
   wake_progress(ctx);
   hand_to_progress(ctx);
@@ -911,6 +933,7 @@ void ferry_ctx_close(ferry_ctx *ctx) {
   close(ctx->epfd);
   close(ctx->wake.fd);
   fr_region_table_fini(&ctx->regions);
+  fr_stats_fini(&ctx->stats);
   if (ctx->log_node)
     fr_log_set_node(NULL);
   free(ctx->name);

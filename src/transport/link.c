@@ -82,6 +82,9 @@ int fr_link_start(ferry_link *l) {
   pthread_mutex_lock(&ctx->links_lock);
   l->next = ctx->links;
   ctx->links = l;
+  for (size_t i = 0; i < ctx->norder; i++)
+    if (ctx->order[i] == l->ops)
+      ctx->link_totals[i].opened++;
   pthread_mutex_unlock(&ctx->links_lock);
   struct epoll_event ev = {.events = link_events(l), .data.ptr = &l->poller};
   if (epoll_ctl(ctx->epfd, EPOLL_CTL_ADD, l->poller.fd, &ev) < 0) {
@@ -100,6 +103,8 @@ void fr_link_fail(ferry_link *l, int status, const char *why) {
   }
   bool was_open = link_state(l) == FR_LINK_OPEN;
   l->dead_status = status;
+  if (status < 0 && -status < 32)
+    fr_count(&l->ctx->link_errors[-status], 1);
   __atomic_store_n(&l->state, FR_LINK_DEAD, __ATOMIC_RELEASE);
   for (fr_pending *p = l->pending; p; p = p->next)
     if (!p->claimed && !p->done) {
@@ -134,6 +139,10 @@ static int send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov,
           ? fr_err(l->dead_status ? l->dead_status : FERRY_EPEER, "link to '%s' is closed", l->peer)
           : l->ops->sendv(l, v, iovcnt + 1, fd_out, deadline_ns);
   l->quiet = false;
+  if (rc == 0) { /* plain stores under send_lock; a snapshot reads them relaxed */
+    __atomic_store_n(&l->tx_bytes, l->tx_bytes + FR_FRAME_BYTES + f->len, __ATOMIC_RELAXED);
+    __atomic_store_n(&l->tx_frames, l->tx_frames + 1, __ATOMIC_RELAXED);
+  }
   pthread_mutex_unlock(&l->send_lock);
   if (v != local)
     free(v);
@@ -647,6 +656,7 @@ static int frame_begin(ferry_link *l) {
   int rc = fr_frame_decode(l->rx_header, l->ctx->max_payload, f);
   if (rc != 0)
     return rc;
+  __atomic_store_n(&l->rx_frames, l->rx_frames + 1, __ATOMIC_RELAXED);
   if (!allowed(l, f->type))
     return fr_err(FERRY_EPROTO, "frame type %u not allowed in link state %d", f->type,
                   link_state(l));
@@ -857,6 +867,7 @@ static int rx_drain(ferry_link *l) {
       return 0;
     if (n <= 0)
       return recv_status(n);
+    __atomic_store_n(&l->rx_bytes, l->rx_bytes + (uint64_t)n, __ATOMIC_RELAXED);
     if (direct) {
       if (l->rx_dst)
         l->rx_dst += n;
@@ -897,6 +908,7 @@ static void link_retire(ferry_link *l, int status, const char *why) {
   for (ferry_link **pp = &ctx->links; *pp; pp = &(*pp)->next)
     if (*pp == l) {
       *pp = l->next;
+      fr_link_stats_fold(l);
       break;
     }
   pthread_mutex_unlock(&ctx->links_lock);

@@ -9,6 +9,7 @@
 
 #include "core/core.h"
 #include "core/region.h"
+#include "core/stats.h"
 #include "transport/wire.h"
 
 #include <pthread.h>
@@ -130,6 +131,9 @@ struct ferry_link {
   fr_pending *pending;
   pthread_mutex_t send_lock;
   bool quiet; /* under send_lock: this frame rings no doorbell (fr_link_send_frame_quiet) */
+  /* Metrics, written under send_lock (tx) and rx_lock (rx) with plain stores, read relaxed by a
+   * snapshot: no locked instruction on the data path. */
+  uint64_t tx_bytes, tx_frames;
   pthread_mutex_t rx_lock; /* the receive state below: the ctx's leader or a spinning waiter */
 
   /* receive state */
@@ -148,7 +152,8 @@ struct ferry_link {
   int rx_nfds;
   uint8_t rx_stage[16384]; /* small frames arrive here, many per recv */
   size_t rx_stage_pos, rx_stage_len;
-  bool rx_more; /* rx_drain stopped before the socket was empty */
+  bool rx_more;                 /* rx_drain stopped before the socket was empty */
+  uint64_t rx_bytes, rx_frames; /* metrics, under rx_lock (see tx_bytes) */
 
   /* handshake (acceptor side) */
   uint8_t nonce_self[FR_NONCE_BYTES], nonce_peer[FR_NONCE_BYTES], proof[FR_NONCE_BYTES];
@@ -249,7 +254,21 @@ struct ferry_ctx {
   size_t ngrave;
 
   void *tstate[FR_MAX_LISTENERS]; /* per-transport state, parallel to order[] */
+
+  /* Metrics (stats.c, linkstats.c): the collectors of this ctx's objects, and the link
+   * counters of links already retired, per transport (parallel to order[]), under links_lock. */
+  fr_stats stats;
+  struct fr_link_totals {
+    uint64_t opened, tx_bytes, tx_frames, rx_bytes, rx_frames;
+  } link_totals[FR_MAX_LISTENERS];
+  uint64_t link_errors[32];      /* atomic: links closed, by -status */
+  ferry_metrics_server *metrics; /* FERRY_METRICS_LISTEN's server, or NULL */
 };
+
+/* linkstats.c: the ctx's own collector (links), registered by ferry_ctx_open. */
+void fr_link_stats_collect(void *ctx, fr_stats_out *out);
+/* Adds a retired link's counters to its ctx's totals; under links_lock. */
+void fr_link_stats_fold(ferry_link *l);
 
 /* A call's timeout: negative means the ctx's FERRY_TIMEOUT_MS (read when it opened). */
 static inline int fr_ctx_timeout(const ferry_ctx *ctx, int timeout_ms) {

@@ -1,0 +1,192 @@
+"""Metrics: ferry.stats() moves with puts, gets and publishes; `ferry serve --http` and
+FERRY_METRICS_LISTEN serve /metrics, /healthz and /readyz, and what /metrics serves parses with
+the Prometheus client's own parser (python3-prometheus-client) with the values that moved."""
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+import ferry
+
+PY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+parser = pytest.importorskip("prometheus_client.parser")
+
+
+def ferry_cli():
+    lib = os.environ.get("FERRY_LIB")
+    for d in ([os.path.dirname(lib)] if lib else []) + [os.path.join(os.path.dirname(PY), "build")]:
+        if os.access(os.path.join(d, "ferry"), os.X_OK):
+            return os.path.join(d, "ferry")
+    pytest.skip("no ferry command built beside FERRY_LIB or in build/")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sample(stats, name, **labels):
+    """The value of the one sample of `name` whose labels include `labels`."""
+    found = [m for m in stats if m["name"] == name and labels.items() <= m["labels"].items()]
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
+
+
+def scrape(url):
+    """GET url: (status, body); the families parsed by the Prometheus parser for /metrics."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def parsed(text):
+    """{(name, frozenset(labels)): value} of every sample, via prometheus_client's parser."""
+    out = {}
+    for fam in parser.text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(samples, name, **labels):
+    hits = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls]
+    assert len(hits) == 1, (name, labels, hits)
+    return hits[0]
+
+
+def test_stats_move_with_puts_gets_and_publishes():
+    store = ferry.Store(host_directory=True, name="py-metrics")
+    pub = ferry.MQ(store.directory, name="py-metrics-mq", ctx=store._ctx)
+    sub = ferry.MQ(store.directory, name="py-metrics-sub")
+    try:
+        before = ferry.stats(store)
+        assert sample(before, "ferry_store_puts_total")["value"] == 0
+        a = np.arange(1000, dtype=np.float32)
+        store.put("m/a", a)
+        store.put("m/b", a[:10])
+        assert np.array_equal(store.get("m/a"), a)
+        with pytest.raises(ferry.NotFound):
+            store.get("m/missing")
+        sub.subscribe("mt")
+        pub.wait_subscribers("mt", 1, timeout=10)
+        for i in range(5):
+            pub.publish("mt", bytes(100 + i), timeout=10)
+        for _ in range(5):
+            sub.recv(timeout=10)
+        after = ferry.stats(store)
+        assert sample(after, "ferry_store_puts_total")["value"] == 2
+        assert sample(after, "ferry_store_put_bytes_total")["value"] == a.nbytes + 40
+        assert sample(after, "ferry_store_gets_total")["value"] == 2
+        assert sample(after, "ferry_store_get_errors_total")["value"] == 1
+        assert sample(after, "ferry_store_objects")["value"] == 2
+        assert sample(after, "ferry_store_held_bytes")["value"] == a.nbytes + 40
+        h = sample(after, "ferry_store_put_duration_seconds")
+        assert h["kind"] == "histogram" and h["count"] == 2 and h["value"] > 0
+        assert h["buckets"][-1] == (float("inf"), 2)
+        assert all(x[1] <= y[1] for x, y in zip(h["buckets"], h["buckets"][1:]))
+        assert sample(after, "ferry_mq_published_total", topic="mt")["value"] == 5
+        assert sample(after, "ferry_mq_published_bytes_total", topic="mt")["value"] == 510
+        got = ferry.stats(sub)
+        assert sample(got, "ferry_mq_received_total", topic="mt")["value"] == 5
+        assert sample(got, "ferry_mq_queue_messages")["value"] == 0
+        sent = sum(m["value"] for m in after if m["name"] == "ferry_link_sent_bytes_total")
+        assert sent > 0
+        assert all(m["labels"]["node"] == "py-metrics" for m in after)
+        assert ferry.readiness(store) == "ready"
+        text = ferry.prometheus(store)
+        assert value(parsed(text), "ferry_store_objects", node="py-metrics") == 2
+    finally:
+        sub.close()
+        pub.close()
+        store.close()
+
+
+def test_serve_http_metrics_health_and_readiness(tmp_path):
+    cli = ferry_cli()
+    env = dict(os.environ, FERRY_DIRECTORY="ferry://127.0.0.1:%d" % free_port())
+    serve = subprocess.Popen([cli, "serve", "--name", "py-serve", "--http", "127.0.0.1:0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        line = serve.stdout.readline()
+        m = re.search(r"metrics (http://127\.0\.0\.1:\d+)/metrics", line)
+        assert m, line
+        base = m.group(1)
+        code, text = scrape(base + "/metrics")
+        assert code == 200
+        first = parsed(text)
+        assert value(first, "ferry_store_objects", node="py-serve") == 0
+        blob = tmp_path / "blob.bin"
+        blob.write_bytes(os.urandom(50000))
+        subprocess.run([cli, "put", "k1", str(blob)], env=env, check=True, timeout=60)
+        subprocess.run([cli, "get", "k1", str(tmp_path / "out.bin")], env=env, check=True,
+                       timeout=60)
+        code, text = scrape(base + "/metrics")
+        assert code == 200
+        then = parsed(text)
+        assert value(then, "ferry_store_objects", node="py-serve") == 1
+        assert value(then, "ferry_store_held_bytes", node="py-serve") == 50000
+        opened = sum(v for (n, ls), v in then.items() if n == "ferry_links_opened_total")
+        assert opened > sum(v for (n, ls), v in first.items() if n == "ferry_links_opened_total")
+        frames = [sum(v for (n, ls), v in x.items() if n == "ferry_link_received_frames_total")
+                  for x in (first, then)]
+        assert frames[1] > frames[0]  # the put's and get's calls (its bytes may go by shm)
+        assert "# TYPE ferry_store_get_duration_seconds histogram" in text
+        assert scrape(base + "/healthz") == (200, "ok\n")
+        assert scrape(base + "/readyz") == (200, "ready\n")
+        assert scrape(base + "/nope")[0] == 404
+    finally:
+        serve.terminate()
+        serve.wait(timeout=30)
+
+
+def test_metrics_listen_env_serves_any_process():
+    port = free_port()
+    code = textwrap.dedent("""
+        import sys; sys.path.insert(0, %r)
+        import ferry
+        mq = ferry.MQ(host_directory=True, name="py-env-mq")
+        sub = ferry.MQ(mq.directory, name="py-env-sub")
+        sub.subscribe("env-topic")
+        mq.wait_subscribers("env-topic", 1, timeout=10)
+        for _ in range(3):
+            mq.publish("env-topic", b"x" * 64, timeout=10)
+        print("ready", flush=True)
+        sys.stdin.readline()
+        sub.close(); mq.close()
+    """ % PY)
+    env = dict(os.environ, FERRY_METRICS_LISTEN="127.0.0.1:%d" % port)
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env=env)
+    try:
+        assert child.stdout.readline().strip() == b"ready"
+        status, text = scrape("http://127.0.0.1:%d/metrics" % port)
+        assert status == 200
+        samples = parsed(text)
+        assert value(samples, "ferry_mq_published_total", topic="env-topic") == 3
+        assert value(samples, "ferry_mq_published_bytes_total", topic="env-topic") == 192
+        assert scrape("http://127.0.0.1:%d/readyz" % port)[0] == 200
+    finally:
+        child.stdin.write(b"\n")
+        child.stdin.close()
+        child.wait(timeout=30)
+
+
+def test_metrics_listen_refuses_bad_addresses():
+    for bad in ("nonsense", "127.0.0.1:99999", "0.0.0.0:0"):
+        code = "import sys; sys.path.insert(0, %r)\nimport ferry\nferry.Context()\n" % PY
+        env = dict(os.environ, FERRY_METRICS_LISTEN=bad)
+        env.pop("FERRY_TOKEN", None)
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode != 0, bad
+        assert "metrics" in r.stderr, r.stderr

@@ -1,0 +1,82 @@
+/*
+ * The store's metrics: put and get counts, bytes and latencies, kept by the calls themselves
+ * with relaxed atomic adds at their end (one clock read at each end of a call), and the levels
+ * (objects, bytes held, pool use) read under the store's lock only when someone scrapes. Its
+ * readiness is its directory lease: a store the directory lost serves no gets from other nodes.
+ */
+#include "store/store.h"
+
+#include <stdio.h>
+
+void fr_store_count(ferry_store *s, bool put, size_t ok, size_t failed, uint64_t bytes,
+                    uint64_t t0) {
+  if (!s)
+    return;
+  if (ok + failed == 0)
+    return;
+  fr_count(put ? &s->m.puts : &s->m.gets, ok + failed);
+  if (failed)
+    fr_count(put ? &s->m.put_errors : &s->m.get_errors, failed);
+  if (bytes)
+    fr_count(put ? &s->m.put_bytes : &s->m.get_bytes, bytes);
+  fr_hist_observe(put ? &s->m.put_ns : &s->m.get_ns, fr_now_ns() - t0);
+}
+
+static void collect(void *arg, fr_stats_out *out) {
+  ferry_store *s = arg;
+  const char *st = s->name;
+  fr_stat_counter(out, "ferry_store_puts_total", "Objects put (each item of a batch counts)",
+                  (double)fr_counted(&s->m.puts), "store", st, NULL);
+  fr_stat_counter(out, "ferry_store_put_errors_total", "Puts that failed",
+                  (double)fr_counted(&s->m.put_errors), "store", st, NULL);
+  fr_stat_counter(out, "ferry_store_put_bytes_total", "Bytes of the objects put",
+                  (double)fr_counted(&s->m.put_bytes), "store", st, NULL);
+  fr_stat_hist(out, "ferry_store_put_duration_seconds", "Time a put (or put batch) call took",
+               &s->m.put_ns, 1e-9, "store", st, NULL);
+  fr_stat_counter(out, "ferry_store_gets_total", "Objects got (each item of a batch counts)",
+                  (double)fr_counted(&s->m.gets), "store", st, NULL);
+  fr_stat_counter(out, "ferry_store_get_errors_total", "Gets that failed (not found included)",
+                  (double)fr_counted(&s->m.get_errors), "store", st, NULL);
+  fr_stat_counter(out, "ferry_store_get_bytes_total", "Bytes of the objects got",
+                  (double)fr_counted(&s->m.get_bytes), "store", st, NULL);
+  fr_stat_hist(out, "ferry_store_get_duration_seconds", "Time a get (or get batch) call took",
+               &s->m.get_ns, 1e-9, "store", st, NULL);
+  pthread_mutex_lock(&s->lock);
+  uint64_t held = 0;
+  for (size_t i = 0; i < s->nowned; i++)
+    held += s->owned[i]->rec.bytes;
+  double objects = (double)s->nowned, used = (double)s->pool.used;
+  double capacity = (double)s->pool.capacity, lingering = (double)s->nlinger;
+  pthread_mutex_unlock(&s->lock);
+  fr_stat_gauge(out, "ferry_store_objects", "Objects this node holds (current versions)", objects,
+                "store", st, NULL);
+  fr_stat_gauge(out, "ferry_store_held_bytes", "Bytes of the objects this node holds", (double)held,
+                "store", st, NULL);
+  fr_stat_gauge(out, "ferry_store_pool_used_bytes",
+                "Bytes of the store pool in use (replaced copies still lingering included)", used,
+                "store", st, NULL);
+  fr_stat_gauge(out, "ferry_store_pool_capacity_bytes",
+                "Bytes of the store pool (FERRY_STORE_CAPACITY)", capacity, "store", st, NULL);
+  fr_stat_gauge(out, "ferry_store_lingering_objects",
+                "Replaced pool copies kept briefly for gets already under way", lingering, "store",
+                st, NULL);
+}
+
+/* Ready while its lease is held and its directory answered the last renewal. */
+static int ready(void *arg, char *why, size_t len) {
+  ferry_store *s = arg;
+  if (!s->dir || !s->mem || fr_dir_lease_ok(&s->lease))
+    return 0; /* a delegating store holds no name */
+  if (why && len)
+    snprintf(why, len,
+             "store '%s': its directory lease is not held (the directory did not answer its "
+             "last renewal, or the node is registering again)",
+             s->name);
+  return FERRY_ECONNECT;
+}
+
+int fr_store_stats_start(ferry_store *s) {
+  return fr_stats_add(fr_ctx_stats(s->ctx), collect, ready, s);
+}
+
+void fr_store_stats_stop(ferry_store *s) { fr_stats_remove(fr_ctx_stats(s->ctx), s); }

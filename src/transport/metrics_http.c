@@ -1,0 +1,178 @@
+/*
+ * The metrics HTTP server (libmicrohttpd, one internal thread: a scrape is a snapshot and a
+ * write, no request blocks): GET /metrics gives the Prometheus text of a ctx and the process,
+ * /healthz says the process answers, /readyz runs the ctx's readiness checks (its jobs' directory
+ * leases held; a ctx with no directory is ready). A ctx opened with FERRY_METRICS_LISTEN starts
+ * one; `ferry serve --http` starts one for its node. It binds loopback unless told otherwise, and
+ * an address other hosts can reach needs a fleet token (FERRY_TOKEN), the rule of tcp listeners
+ * (docs/SECURITY.md): the metrics are read-only and need no token to be read, but they name
+ * nodes, topics and receivers, which belong to a fleet that has decided to be reachable.
+ */
+#include "transport/transport.h"
+
+#include <arpa/inet.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CONNECTIONS_MAX 64u
+#define IDLE_S 10u
+
+struct ferry_metrics_server {
+  ferry_ctx *ctx;
+  struct MHD_Daemon *d;
+  char address[300];
+};
+
+static enum MHD_Result respond(struct MHD_Connection *conn, unsigned code, const char *type,
+                               char *body, size_t len, enum MHD_ResponseMemoryMode mode) {
+  struct MHD_Response *r = MHD_create_response_from_buffer(len, body, mode);
+  if (!r)
+    return MHD_NO;
+  MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
+  MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-store");
+  enum MHD_Result ret = MHD_queue_response(conn, code, r);
+  MHD_destroy_response(r);
+  return ret;
+}
+
+static enum MHD_Result text(struct MHD_Connection *conn, unsigned code, const char *msg) {
+  return respond(conn, code, "text/plain; charset=utf-8", (char *)msg, strlen(msg),
+                 MHD_RESPMEM_MUST_COPY);
+}
+
+static enum MHD_Result metrics(ferry_metrics_server *s, struct MHD_Connection *conn) {
+  char *body = NULL;
+  size_t len = 0;
+  if (ferry_stats_prometheus(s->ctx, &body, &len) != 0)
+    return text(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "metrics: out of memory\n");
+  return respond(conn, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", body, len,
+                 MHD_RESPMEM_MUST_FREE);
+}
+
+static enum MHD_Result ready(ferry_metrics_server *s, struct MHD_Connection *conn) {
+  char why[400], line[512];
+  int rc = ferry_stats_ready(s->ctx, why, sizeof why);
+  snprintf(line, sizeof line, "%s\n", rc == 0 ? "ready" : why);
+  return text(conn, rc == 0 ? MHD_HTTP_OK : MHD_HTTP_SERVICE_UNAVAILABLE, line);
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
+                                  const char *method, const char *version, const char *upload,
+                                  size_t *upload_size, void **con_cls) {
+  if (!*con_cls) { /* headers only: wait for the (empty) body */
+    *con_cls = conn;
+    return MHD_YES;
+  }
+  if (*upload_size) { /* no route takes a body */
+    *upload_size = 0;
+    return MHD_YES;
+  }
+  if (strcmp(method, "GET") != 0 && strcmp(method, "HEAD") != 0)
+    return text(conn, MHD_HTTP_METHOD_NOT_ALLOWED, "use GET\n");
+  if (strcmp(url, "/metrics") == 0)
+    return metrics(cls, conn);
+  if (strcmp(url, "/healthz") == 0)
+    return text(conn, MHD_HTTP_OK, "ok\n");
+  if (strcmp(url, "/readyz") == 0)
+    return ready(cls, conn);
+  return text(conn, MHD_HTTP_NOT_FOUND, "no such path: try /metrics, /healthz or /readyz\n");
+}
+
+static bool loopback(const struct sockaddr *sa) {
+  if (sa->sa_family == AF_INET)
+    return ntohl(((const struct sockaddr_in *)sa)->sin_addr.s_addr) >> 24 == 127;
+  return sa->sa_family == AF_INET6 &&
+         IN6_IS_ADDR_LOOPBACK(&((const struct sockaddr_in6 *)sa)->sin6_addr);
+}
+
+static int resolve(const char *listen, struct addrinfo **out) {
+  char host[256];
+  const char *colon = strrchr(listen, ':');
+  size_t n = colon ? (size_t)(colon - listen) : 0;
+  const char *h = listen;
+  if (n >= 2 && h[0] == '[' && h[n - 1] == ']') {
+    h++;
+    n -= 2;
+  }
+  if (!colon || !colon[1] || n >= sizeof host)
+    return fr_err(FERRY_EINVAL, "metrics: '%s' is not HOST:PORT", listen);
+  memcpy(host, h, n);
+  host[n] = '\0';
+  char *end;
+  long port = strtol(colon + 1, &end, 10);
+  if (*end || port < 0 || port > 65535)
+    return fr_err(FERRY_EINVAL, "metrics: bad port in '%s'", listen);
+  struct addrinfo hints = {
+      .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
+  int g = getaddrinfo(*host ? host : "127.0.0.1", colon + 1, &hints, out);
+  if (g != 0)
+    return fr_err(FERRY_EINVAL, "metrics: cannot resolve '%s': %s", listen, gai_strerror(g));
+  return 0;
+}
+
+static bool token_explicit(const ferry_ctx *ctx) {
+  if (ctx)
+    return ctx->token_explicit;
+  const char *t = fr_config_str("FERRY_TOKEN");
+  return t && *t;
+}
+
+int ferry_metrics_serve(ferry_ctx *ctx, const char *listen, ferry_metrics_server **out) {
+  if (!listen || !out)
+    return fr_err(FERRY_EINVAL, "ferry_metrics_serve: listen and out are required");
+  struct addrinfo *ai = NULL;
+  int rc = resolve(listen, &ai);
+  if (rc != 0)
+    return rc;
+  if (!loopback(ai->ai_addr) && !token_explicit(ctx)) {
+    freeaddrinfo(ai);
+    return fr_err(FERRY_EINVAL,
+                  "metrics: serving on %s (reachable from other hosts) needs a fleet token: set "
+                  "FERRY_TOKEN, as for tcp listeners (docs/SECURITY.md)",
+                  listen);
+  }
+  ferry_metrics_server *s = calloc(1, sizeof *s);
+  if (!s) {
+    freeaddrinfo(ai);
+    return fr_err(FERRY_ENOMEM, "ferry_metrics_serve");
+  }
+  s->ctx = ctx;
+  unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_AUTO;
+  if (ai->ai_family == AF_INET6)
+    flags |= MHD_USE_IPv6;
+  s->d = MHD_start_daemon(flags, 0, NULL, NULL, on_request, s, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
+                          MHD_OPTION_CONNECTION_TIMEOUT, IDLE_S, MHD_OPTION_CONNECTION_LIMIT,
+                          CONNECTIONS_MAX, MHD_OPTION_END);
+  char host[INET6_ADDRSTRLEN] = "";
+  bool v6 = ai->ai_family == AF_INET6;
+  inet_ntop(ai->ai_family,
+            v6 ? (void *)&((struct sockaddr_in6 *)ai->ai_addr)->sin6_addr
+               : (void *)&((struct sockaddr_in *)ai->ai_addr)->sin_addr,
+            host, sizeof host);
+  freeaddrinfo(ai);
+  if (!s->d) {
+    free(s);
+    return fr_err(FERRY_ESYS, "metrics: cannot listen on %s", listen);
+  }
+  const union MHD_DaemonInfo *info = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_BIND_PORT);
+  snprintf(s->address, sizeof s->address, v6 ? "[%s]:%u" : "%s:%u", host,
+           info ? (unsigned)info->port : 0u);
+  fr_info("metrics: serving http://%s/metrics", s->address);
+  *out = s;
+  return 0;
+}
+
+const char *ferry_metrics_server_address(const ferry_metrics_server *s) {
+  return s ? s->address : NULL;
+}
+
+void ferry_metrics_server_close(ferry_metrics_server *s) {
+  if (!s)
+    return;
+  MHD_stop_daemon(s->d);
+  free(s);
+}
