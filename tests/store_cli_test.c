@@ -8,7 +8,9 @@
 #include <stdarg.h>
 #include <string.h>
 #include <fcntl.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 
 static char cli[4096];
 static char tmpdir[256];
@@ -91,6 +93,15 @@ static void write_npy(const char *name, int major, const char *dict, size_t data
   free(b);
 }
 
+/* Whether a `ferry serve` printed its ready line into the file `name` (in tmpdir). */
+static bool serve_ready(const char *name) {
+  size_t n;
+  char *s = slurp(name, &n);
+  bool ok = s && strstr(s, "ready");
+  free(s);
+  return ok;
+}
+
 /* Starts `ferry serve --listen 127.0.0.1:PORT --capacity CAPACITY`; with `out`, as
  * `--listen=.. --capacity=.. --json` with its stdout in the file `out` (in tmpdir). */
 static pid_t start_serve_to(int port, const char *capacity, const char *out) {
@@ -98,22 +109,29 @@ static pid_t start_serve_to(int port, const char *capacity, const char *out) {
   snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
   snprintf(listen_eq, sizeof listen_eq, "--listen=%s", listen);
   snprintf(capacity_eq, sizeof capacity_eq, "--capacity=%s", capacity);
-  snprintf(path, sizeof path, "%s/%s", tmpdir, out ? out : "");
+  /* its stdout goes to a file, never to ctest's pipe (which a serve left behind by a failed
+   * assertion would hold open until ctest's timeout) */
+  snprintf(path, sizeof path, "%s/%s", tmpdir, out ? out : "serve.out");
+  unlink(path);
   fflush(NULL);
   pid_t pid = fork();
-  if (pid == 0 && out) {
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
     int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (fd < 0 || dup2(fd, 1) < 0)
       _exit(127);
-    execl(cli, cli, "serve", listen_eq, capacity_eq, "--json", (char *)NULL);
+    if (out)
+      execl(cli, cli, "serve", listen_eq, capacity_eq, "--json", (char *)NULL);
+    else
+      execl(cli, cli, "serve", "--listen", listen, "--capacity", capacity, (char *)NULL);
     _exit(127);
   }
-  if (pid == 0) {
-    execl(cli, cli, "serve", "--listen", listen, "--capacity", capacity, (char *)NULL);
-    _exit(127);
-  }
-  for (int i = 0; i < 500 && !su_port_open(port); i++)
+  /* ready once the holder is registered, which comes after its port opens */
+  for (int i = 0; i < 1000 && !serve_ready(out ? out : "serve.out"); i++) {
+    if (waitpid(pid, NULL, WNOHANG) == pid)
+      fail_msg("ferry serve exited before it was ready");
     su_sleep_ms(10);
+  }
   return pid;
 }
 
