@@ -82,43 +82,21 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
   return text(conn, MHD_HTTP_NOT_FOUND, "no such path: try /metrics, /healthz or /readyz\n");
 }
 
-static bool loopback(const struct sockaddr *sa) {
-  if (sa->sa_family == AF_INET)
-    return ntohl(((const struct sockaddr_in *)sa)->sin_addr.s_addr) >> 24 == 127;
-  return sa->sa_family == AF_INET6 &&
-         IN6_IS_ADDR_LOOPBACK(&((const struct sockaddr_in6 *)sa)->sin6_addr);
-}
-
+/* "HOST:PORT" (HOST empty: loopback) to an address to listen on. */
 static int resolve(const char *listen, struct addrinfo **out) {
-  char host[256];
-  const char *colon = strrchr(listen, ':');
-  size_t n = colon ? (size_t)(colon - listen) : 0;
-  const char *h = listen;
-  if (n >= 2 && h[0] == '[' && h[n - 1] == ']') {
-    h++;
-    n -= 2;
-  }
-  if (!colon || !colon[1] || n >= sizeof host)
+  char host[256], port[16];
+  if (fr_split_host_port(listen, host, sizeof host, port, sizeof port) != 0)
     return fr_err(FERRY_EINVAL, "metrics: '%s' is not HOST:PORT", listen);
-  memcpy(host, h, n);
-  host[n] = '\0';
   char *end;
-  long port = strtol(colon + 1, &end, 10);
-  if (*end || port < 0 || port > 65535)
+  long n = strtol(port, &end, 10);
+  if (*end || end == port || n < 0 || n > 65535)
     return fr_err(FERRY_EINVAL, "metrics: bad port in '%s'", listen);
   struct addrinfo hints = {
       .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
-  int g = getaddrinfo(*host ? host : "127.0.0.1", colon + 1, &hints, out);
+  int g = getaddrinfo(*host ? host : "127.0.0.1", port, &hints, out);
   if (g != 0)
     return fr_err(FERRY_EINVAL, "metrics: cannot resolve '%s': %s", listen, gai_strerror(g));
   return 0;
-}
-
-static bool token_explicit(const ferry_ctx *ctx) {
-  if (ctx)
-    return ctx->token_explicit;
-  const char *t = fr_config_str("FERRY_TOKEN");
-  return t && *t;
 }
 
 int ferry_metrics_serve(ferry_ctx *ctx, const char *listen, ferry_metrics_server **out) {
@@ -128,12 +106,9 @@ int ferry_metrics_serve(ferry_ctx *ctx, const char *listen, ferry_metrics_server
   int rc = resolve(listen, &ai);
   if (rc != 0)
     return rc;
-  if (!loopback(ai->ai_addr) && !token_explicit(ctx)) {
+  if ((rc = fr_listen_exposure_check(ctx, ai->ai_addr, "metrics", listen)) != 0) {
     freeaddrinfo(ai);
-    return fr_err(FERRY_EINVAL,
-                  "metrics: serving on %s (reachable from other hosts) needs a fleet token: set "
-                  "FERRY_TOKEN, as for tcp listeners (docs/SECURITY.md)",
-                  listen);
+    return rc;
   }
   ferry_metrics_server *s = calloc(1, sizeof *s);
   if (!s) {

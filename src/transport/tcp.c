@@ -19,7 +19,7 @@
 #include <unistd.h>
 
 /* Splits "HOST:PORT" (HOST may be "[v6]"); host may be empty. */
-static int split_host_port(const char *text, char *host, size_t hlen, char *port, size_t plen) {
+int fr_split_host_port(const char *text, char *host, size_t hlen, char *port, size_t plen) {
   const char *colon = strrchr(text, ':');
   if (!colon || colon[1] == '\0')
     return fr_err(FERRY_EINVAL, "'%s' is not HOST:PORT", text);
@@ -39,7 +39,7 @@ static int split_host_port(const char *text, char *host, size_t hlen, char *port
 
 static int resolve(const char *text, bool passive, struct addrinfo **out) {
   char host[256], port[16];
-  int rc = split_host_port(text, host, sizeof host, port, sizeof port);
+  int rc = fr_split_host_port(text, host, sizeof host, port, sizeof port);
   if (rc != 0)
     return rc;
   struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM};
@@ -88,14 +88,16 @@ static bool loopback_sockaddr(const struct sockaddr *sa) {
  * reach, only the fleet token keeps them out, so there it is required (docs/SECURITY.md), and it
  * must be one the fleet shares: this user's own secret (in the home directory of one host) is
  * not, and a listener that relied on it would refuse every other host anyway. */
-static int check_exposure(const ferry_ctx *ctx, const struct sockaddr *sa) {
-  if (loopback_sockaddr(sa) || ctx->token_explicit)
+int fr_listen_exposure_check(const ferry_ctx *ctx, const struct sockaddr *sa, const char *what,
+                             const char *where) {
+  bool explicit_token = ctx ? ctx->token_explicit : *fr_config_str("FERRY_TOKEN") != '\0';
+  if (loopback_sockaddr(sa) || explicit_token)
     return 0;
   return fr_err(FERRY_EINVAL,
-                "tcp: listening on %s (reachable from other hosts) needs a fleet token: set "
+                "%s: listening on %s (reachable from other hosts) needs a fleet token: set "
                 "FERRY_TOKEN to one secret shared by every node, e.g. "
                 "FERRY_TOKEN=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n')",
-                ctx->tcp_listen);
+                what, where);
 }
 
 static int tcp_listen(ferry_ctx *ctx, int *fd_out, char *url, size_t url_len) {
@@ -103,7 +105,7 @@ static int tcp_listen(ferry_ctx *ctx, int *fd_out, char *url, size_t url_len) {
   int rc = resolve(ctx->tcp_listen, true, &ai);
   if (rc != 0)
     return rc;
-  if ((rc = check_exposure(ctx, ai->ai_addr)) != 0) {
+  if ((rc = fr_listen_exposure_check(ctx, ai->ai_addr, "tcp", ctx->tcp_listen)) != 0) {
     freeaddrinfo(ai);
     return rc;
   }

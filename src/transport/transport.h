@@ -375,6 +375,14 @@ void fr_ctx_poke(ferry_ctx *ctx, int what);
  * steps down when one wants to, as the progress thread does. */
 void fr_ctx_background_thread(void);
 
+/* tcp.c: what every listener on an address shares (the tcp transport's, and the metrics one's) */
+/* Splits "HOST:PORT" or "[V6]:PORT" (HOST may be empty); FERRY_EINVAL when it is not one. */
+int fr_split_host_port(const char *text, char *host, size_t hlen, char *port, size_t plen);
+/* A listener beyond loopback lets any host that reaches it in: it needs an explicit fleet token
+ * (ctx's, or FERRY_TOKEN when ctx is NULL); FERRY_EINVAL naming `what` and `where` otherwise. */
+int fr_listen_exposure_check(const ferry_ctx *ctx, const struct sockaddr *sa, const char *what,
+                             const char *where);
+
 /* sock.c: socket helpers shared by the socket transports */
 int fr_sock_set_nonblock(int fd, bool on);
 /* Connects fd to addr within timeout_ms. */
