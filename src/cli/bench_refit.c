@@ -189,6 +189,20 @@ static void stop_receivers(pid_t *pids, int k) {
   }
 }
 
+/* The trainer's side: a ctx, and a sender "bench" with every tensor of m declared and sealed.
+ * What was opened stays in *ctx and *s on failure too: the callers close both on every path. */
+static int open_trainer(const model *m, const ferry_ctx_opts *co, const ferry_refit_opts *so,
+                        ferry_ctx **ctx, ferry_refit_sender **s) {
+  int rc = ferry_ctx_open(co, ctx);
+  if (rc == 0)
+    rc = ferry_refit_sender_open(*ctx, "bench", so, s);
+  for (size_t i = 0; rc == 0 && i < m->n; i++)
+    rc = ferry_refit_declare(*s, m->name[i], &m->desc[i], m->data[i], FERRY_DTYPE_INVALID);
+  if (rc == 0)
+    rc = ferry_refit_seal(*s);
+  return rc;
+}
+
 /* ---- ferry ---- */
 
 static int time_pushes(const model *m, int k, int reps, bench_samples *b, const push_cfg *c) {
@@ -199,15 +213,9 @@ static int time_pushes(const model *m, int k, int reps, bench_samples *b, const 
   }
   ferry_refit_opts so = {.size = sizeof so, .bucket_bytes = c->bucket_bytes, .alias = c->alias};
   ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = -1, .route = c->route};
-  ferry_ctx *ctx;
+  ferry_ctx *ctx = NULL;
   ferry_refit_sender *s = NULL;
-  int rc = ferry_ctx_open(&co, &ctx);
-  if (rc == 0)
-    rc = ferry_refit_sender_open(ctx, "bench", &so, &s);
-  for (size_t i = 0; rc == 0 && i < m->n; i++)
-    rc = ferry_refit_declare(s, m->name[i], &m->desc[i], m->data[i], FERRY_DTYPE_INVALID);
-  if (rc == 0)
-    rc = ferry_refit_seal(s);
+  int rc = open_trainer(m, &co, &so, &ctx, &s);
   pid_t pids[8];
   if (rc == 0 && spawn_receivers(ferry_ctx_address(ctx), k, pids, c) != 0)
     rc = FERRY_ECONNECT;
@@ -261,15 +269,9 @@ static int time_late_join(const model *m, int reps, bench_samples *push, bench_s
   ferry_ctx_opts co = {.size = sizeof co, .name = "bench-trainer"};
   ferry_refit_opts so = {.size = sizeof so};
   ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = -1};
-  ferry_ctx *ctx;
+  ferry_ctx *ctx = NULL;
   ferry_refit_sender *s = NULL;
-  int rc = ferry_ctx_open(&co, &ctx);
-  if (rc == 0)
-    rc = ferry_refit_sender_open(ctx, "bench", &so, &s);
-  for (size_t i = 0; rc == 0 && i < m->n; i++)
-    rc = ferry_refit_declare(s, m->name[i], &m->desc[i], m->data[i], FERRY_DTYPE_INVALID);
-  if (rc == 0)
-    rc = ferry_refit_seal(s);
+  int rc = open_trainer(m, &co, &so, &ctx, &s);
   pid_t pids[1];
   push_cfg one = {.route = FERRY_REFIT_ROUTE_AUTO};
   if (rc == 0 && spawn_receivers(ferry_ctx_address(ctx), 1, pids, &one) != 0)

@@ -57,8 +57,6 @@ int ctl_parse_seconds(const char *text) { return cli_parse_seconds(text); }
 
 /* ---- JSON ---- */
 
-void ctl_json_string(FILE *out, const char *s) { cli_json_string(out, s); }
-
 static void rank_json(FILE *out, const ferry_ctl_rank_status *r) {
   fprintf(out,
           "{\"rank\":%u,\"pid\":%d,\"alive\":%s,\"seq\":%lu,\"state\":\"%s\",\"fail_seq\":%lu,"
@@ -66,7 +64,7 @@ static void rank_json(FILE *out, const ferry_ctl_rank_status *r) {
           r->rank, r->pid, r->alive ? "true" : "false", (unsigned long)r->seq,
           ferry_ctl_state_name(r->state), (unsigned long)r->fail_seq,
           r->fail_seq ? ferry_status_name(r->error) : "");
-  ctl_json_string(out, r->message);
+  cli_json_string(out, r->message);
   fputc('}', out);
 }
 
@@ -76,7 +74,7 @@ int ctl_status_json(FILE *out, ferry_ctl *ctl, const char *name) {
   if (rc)
     return rc;
   fputs("{\"name\":", out);
-  ctl_json_string(out, name);
+  cli_json_string(out, name);
   fprintf(out,
           ",\"incarnation\":%lu,\"engine_pid\":%d,\"engine_alive\":%s,\"seq\":%lu,"
           "\"command\":\"%s\",\"in_flight\":%s,\"state\":\"%s\",\"agreed\":%s,\"ranks\":[",
@@ -141,10 +139,10 @@ static int do_request(ferry_ctl *ctl, const char *name, ferry_ctl_cmd cmd, int t
     char detail[512];
     snprintf(detail, sizeof detail, "%s", rc ? ferry_last_error() : "");
     printf("{\"name\":");
-    ctl_json_string(stdout, name);
+    cli_json_string(stdout, name);
     printf(",\"command\":\"%s\",\"ok\":%s,\"status\":\"%s\",\"detail\":", ferry_ctl_cmd_name(cmd),
            rc ? "false" : "true", ferry_status_name(rc));
-    ctl_json_string(stdout, detail);
+    cli_json_string(stdout, detail);
     if (ferry_ctl_status_get(ctl, &st) == 0)
       printf(",\"state\":\"%s\",\"seq\":%lu", ferry_ctl_state_name(st.state),
              (unsigned long)st.seq);

@@ -11,8 +11,6 @@
 /* Maps a ferry status to `ferry ctl`'s exit code (cli.h's table; CLI_STATE and CLI_BUSY are
  * ctl's own). */
 int ctl_exit_code(int status);
-/* Writes s as a JSON string literal (quotes included). */
-void ctl_json_string(FILE *out, const char *s);
 /* Writes the cell's status as one JSON object; the ferry status of reading it. */
 int ctl_status_json(FILE *out, ferry_ctl *ctl, const char *name);
 /* Parses seconds ("2", "0.5") into milliseconds; -1 when malformed. */
