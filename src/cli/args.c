@@ -7,6 +7,7 @@
  */
 #include "cli/args.h"
 #include "cli/cli.h"
+#include "core/core.h"
 #include "ferry.h"
 
 #include <getopt.h>
@@ -190,22 +191,11 @@ int cli_parse(const cli_cmd *cmd, int argc, char **argv, char ***operands) {
 
 /* ---- JSON ---- */
 
-/* The length of the UTF-8 sequence at p (1..4), or 0 when it is not one. */
-static size_t utf8_len(const unsigned char *p) {
-  size_t n = p[0] >= 0xf0 && p[0] <= 0xf4 ? 4 : p[0] >= 0xe0 ? 3 : p[0] >= 0xc2 ? 2 : 0;
-  for (size_t i = 1; i < n; i++)
-    if ((p[i] & 0xc0) != 0x80)
-      return 0;
-  if ((n == 3 && p[0] == 0xe0 && p[1] < 0xa0) || (n == 3 && p[0] == 0xed && p[1] >= 0xa0) ||
-      (n == 4 && p[0] == 0xf0 && p[1] < 0x90) || (n == 4 && p[0] == 0xf4 && p[1] >= 0x90))
-    return 0; /* overlong, surrogate, or past U+10FFFF */
-  return n;
-}
-
 void cli_json_string(FILE *out, const char *s) {
   fputc('"', out);
-  for (const unsigned char *p = (const unsigned char *)(s ? s : ""); *p;) {
-    size_t n = *p >= 0x80 ? utf8_len(p) : 1;
+  const unsigned char *p = (const unsigned char *)(s ? s : "");
+  for (size_t left = strlen((const char *)p); *p;) {
+    size_t n = *p >= 0x80 ? fr_utf8_seq(p, left) : 1;
     if (*p == '"' || *p == '\\')
       fprintf(out, "\\%c", *p);
     else if (*p < 0x20 || *p == 0x7f)
@@ -215,6 +205,7 @@ void cli_json_string(FILE *out, const char *s) {
     else
       fwrite(p, 1, n, out);
     p += n ? n : 1;
+    left -= n ? n : 1;
   }
   fputc('"', out);
 }

@@ -85,6 +85,11 @@ int fr_ms_left(uint64_t deadline_ns);
  * pthread_mutex_clocklock and takes a mutex locked by it for unlocked. */
 int fr_mutex_lock_until(pthread_mutex_t *m, uint64_t deadline_ns);
 
+/* ---- text ---- */
+/* Length of the well-formed UTF-8 sequence at p (1..4 bytes, at most `left`), or 0 when p does
+ * not start one (a stray continuation byte, an overlong form, a surrogate, beyond U+10FFFF). */
+size_t fr_utf8_seq(const unsigned char *p, size_t left);
+
 /* ---- hashing for authentication (sha256.c) ---- */
 void fr_sha256(const void *data, size_t len, uint8_t out[32]);
 void fr_hmac_sha256(const void *key, size_t key_len, const void *msg, size_t msg_len,

@@ -127,32 +127,6 @@ static void put_time(line_buf *b) {
   puts_(b, tmp);
 }
 
-/* Length of the well-formed UTF-8 sequence at p (1..4 bytes), or 0 when p does not start one
- * (a stray continuation byte, an overlong form, a surrogate, beyond U+10FFFF, cut short). */
-static size_t utf8_seq(const unsigned char *p, size_t left) {
-  unsigned c = p[0];
-  size_t n;
-  uint32_t cp, min;
-  if (c < 0x80)
-    return 1;
-  if (c >= 0xc2 && c <= 0xdf)
-    n = 2, cp = c & 0x1f, min = 0x80;
-  else if ((c & 0xf0) == 0xe0)
-    n = 3, cp = c & 0x0f, min = 0x800;
-  else if (c >= 0xf0 && c <= 0xf4)
-    n = 4, cp = c & 0x07, min = 0x10000;
-  else
-    return 0;
-  if (left < n)
-    return 0;
-  for (size_t i = 1; i < n; i++) {
-    if ((p[i] & 0xc0) != 0x80)
-      return 0;
-    cp = cp << 6 | (p[i] & 0x3f);
-  }
-  return cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff) ? 0 : n;
-}
-
 /* s as a JSON string. A byte that is not part of well-formed UTF-8 becomes \u00XX (the code
  * point of the same value), so the line stays valid JSON and no byte is lost. */
 static void put_json_string(line_buf *b, const char *s) {
@@ -160,7 +134,7 @@ static void put_json_string(line_buf *b, const char *s) {
   size_t left = strlen(s);
   put(b, "\"", 1);
   while (left > 0) {
-    size_t n = *p >= 0x80 ? utf8_seq(p, left) : 1;
+    size_t n = *p >= 0x80 ? fr_utf8_seq(p, left) : 1;
     const char *esc = NULL;
     switch (*p) {
     case '"':
