@@ -255,6 +255,10 @@ static void test_options(void **state) {
   assert_true(one_line("err.txt", "--max-size"));
   assert_int_equal(run("%s bench mq --min-size=abc 2> err.txt", cli), 2);
   assert_true(one_line("err.txt", "--min-size"));
+  assert_int_equal(run("%s bench control --pace -1 2> err.txt", cli), 2);
+  assert_true(one_line("err.txt", "--pace"));
+  assert_int_equal(run("%s bench control --pace 10001 2> err.txt", cli), 2);
+  assert_true(one_line("err.txt", "--pace"));
   /* strays, missing values and missing operands */
   assert_int_equal(run("%s ls r/ extra > out.txt 2> err.txt", cli), 2);
   assert_true(one_line("err.txt", "ferry ls: unexpected argument 'extra' (ferry ls --help)"));
