@@ -292,6 +292,8 @@ static void test_bench_program(void **state) {
   assert_true(one_line("out.txt", "args: bench link --json a b"));
   assert_int_equal(run("FERRY_BENCH_BIN=./none %s bench link > out.txt 2> err.txt", cli), 3);
   assert_true(one_line("err.txt", "FERRY_BENCH_BIN=./none"));
+  assert_int_equal(run("FERRY_BENCH_BIN=%s %s bench link > out.txt 2> err.txt", cli, cli), 1);
+  assert_true(one_line("err.txt", "the ferry command itself")); /* not an exec loop */
   /* a ferry with no ferry-bench beside it or in ../libexec/ferry */
   assert_int_equal(run("mkdir -p alone && cp %s alone/ferry", cli), 0);
   assert_int_equal(run("env -u FERRY_BENCH_BIN alone/ferry bench --help > out.txt 2> err.txt"), 3);

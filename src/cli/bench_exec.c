@@ -11,9 +11,11 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #ifndef FERRY_BENCH_RELDIR
@@ -21,13 +23,28 @@
 #endif
 #define BENCH_NAME "ferry-bench"
 
+/* Whether path is this program: exec'ing it would run `ferry bench` again, for ever. */
+static bool is_self(const char *path) {
+  struct stat a, b;
+  return stat(path, &a) == 0 && stat("/proc/self/exe", &b) == 0 && a.st_dev == b.st_dev &&
+         a.st_ino == b.st_ino;
+}
+
+/* Runs path with args unless it is this program; returns the error's errno. */
+static int try_exec(const char *path, char **args) {
+  if (is_self(path))
+    return ELOOP;
+  execv(path, args);
+  return errno;
+}
+
 /* Runs the benchmarks with args; returns only when they could not be run: the error's errno. */
 static int exec_bench(char **args) {
   const char *set = ferry_config_get("FERRY_BENCH_BIN");
   if (set && *set) {
-    execv(set, args);
-    int err = errno;
-    fprintf(stderr, "ferry bench: cannot run FERRY_BENCH_BIN=%s: %s\n", set, strerror(err));
+    int err = try_exec(set, args);
+    fprintf(stderr, "ferry bench: cannot run FERRY_BENCH_BIN=%s: %s\n", set,
+            err == ELOOP ? "it is the ferry command itself" : strerror(err));
     return err;
   }
   char self[PATH_MAX], near[PATH_MAX + 16], installed[PATH_MAX + 64];
@@ -42,19 +59,19 @@ static int exec_bench(char **args) {
   snprintf(near, sizeof near, "%s/" BENCH_NAME, self);
   snprintf(installed, sizeof installed, "%s/" FERRY_BENCH_RELDIR "/" BENCH_NAME, self);
   const char *tried = near;
-  execv(near, args);
-  if (errno == ENOENT) {
+  int err = try_exec(near, args);
+  if (err == ENOENT) {
     tried = installed;
-    execv(installed, args);
+    err = try_exec(installed, args);
   }
-  int err = errno;
   if (err == ENOENT)
     fprintf(stderr,
             "ferry bench: the benchmarks are not built or not installed: neither %s nor %s "
             "exists (FERRY_BENCH_BIN names another)\n",
             near, installed);
   else
-    fprintf(stderr, "ferry bench: cannot run %s: %s\n", tried, strerror(err));
+    fprintf(stderr, "ferry bench: cannot run %s: %s\n", tried,
+            err == ELOOP ? "it is the ferry command itself" : strerror(err));
   return err;
 }
 
