@@ -167,7 +167,7 @@ int ferry_metrics_serve(ferry_ctx *ctx, const char *listen, ferry_metrics_server
   }
   s->ctx = ctx;
   pthread_mutex_init(&s->lock, NULL);
-  unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_AUTO;
+  unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_AUTO;
   if (ai->ai_family == AF_INET6)
     flags |= MHD_USE_IPv6;
   s->d = MHD_start_daemon(flags, 0, NULL, NULL, on_request, s, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
