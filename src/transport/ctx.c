@@ -414,7 +414,7 @@ static void answer_stats(ferry_ctx *ctx, ferry_msg *req) {
     if (ferry_stats_prometheus(ctx, &text, &len) != 0)
       len = 0;
     struct iovec iov = {text, len};
-    fr_link_reply(req, &iov, 1, -1, true);
+    fr_link_reply(req, &iov, 1, -1, false);
   }
   ferry_stats_text_free(text);
   ferry_msg_free(req);

@@ -11,27 +11,18 @@
 #include <stdlib.h>
 #include <string.h>
 
-int fr_stats_fetch(ferry_ctx *ctx, const char *address, int timeout_ms, char **text) {
-  if (!ctx || !address || !text)
-    return fr_err(FERRY_EINVAL, "stats fetch: NULL argument");
-  if (strcmp(address, ferry_ctx_address(ctx)) == 0) { /* this node: no link to itself */
-    size_t len = 0;
-    return ferry_stats_prometheus(ctx, text, &len);
-  }
-  ferry_link *link = NULL;
-  int rc = ferry_connect(ctx, address, timeout_ms, &link);
-  if (rc != 0)
-    return rc;
+int fr_stats_call(ferry_link *link, int timeout_ms, char **text) {
+  if (!link || !text)
+    return fr_err(FERRY_EINVAL, "stats call: NULL argument");
   ferry_msg *reply = NULL;
-  rc = fr_link_call(link, FR_CHANNEL_STATS, NULL, 0, &reply, timeout_ms);
-  ferry_link_close(link);
+  int rc = fr_link_call(link, FR_CHANNEL_STATS, NULL, 0, &reply, timeout_ms);
   if (rc != 0)
     return rc;
   if (reply->len == 0) {
     ferry_msg_free(reply);
-    return fr_err(FERRY_EPEER, "stats fetch: %s had no metrics to give", address);
+    return fr_err(FERRY_EPEER, "stats call: '%s' had no metrics to give", link->peer);
   }
   *text = strndup(reply->data, reply->len);
   ferry_msg_free(reply);
-  return *text ? 0 : fr_err(FERRY_ENOMEM, "stats fetch");
+  return *text ? 0 : fr_err(FERRY_ENOMEM, "stats call");
 }

@@ -335,10 +335,10 @@ int fr_link_take_fd(ferry_link *l);
 /* Fails every handshake older than the timeout (called by the progress thread). */
 void fr_link_reap_stale(ferry_ctx *ctx);
 
-/* peerstats.c: the metrics of the ctx at `address` (a peer's ferry_ctx_address; this ctx's own
- * is read directly) as the Prometheus text its /metrics would serve; *text is malloc'd and
- * NUL-terminated. FERRY_ECONNECT / FERRY_ETIMEDOUT / FERRY_EPEER when the node does not answer. */
-int fr_stats_fetch(ferry_ctx *ctx, const char *address, int timeout_ms, char **text);
+/* peerstats.c: the metrics of the ctx at the other end of link, as the Prometheus text its
+ * /metrics would serve; *text is malloc'd and NUL-terminated. FERRY_ETIMEDOUT / FERRY_EPEER when
+ * the node does not answer. */
+int fr_stats_call(ferry_link *link, int timeout_ms, char **text);
 
 /* metrics_http.c: a route added to a metrics server beside /metrics, /healthz and /readyz (ferry
  * serve's status page and /v1/fleet). fn runs on the server's thread for a GET of exactly
