@@ -23,6 +23,7 @@ static const struct {
     {"ls", cli_ls, "list keys (by prefix) with dtype, shape, size and owner"},
     {"rm", cli_rm, "delete a key, or every key with a prefix"},
     {"stat", cli_stat, "describe a key"},
+    {"top", cli_top, "the fleet in a terminal: nodes, keys, refit, mq, control (--once, --json)"},
     {"gc", cli_gc, "remove what killed processes left in FERRY_CTL_DIR (/dev/shm)"},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
