@@ -57,7 +57,7 @@ static void usage(FILE *out) {
     fprintf(out, "  %-8s %s\n", commands[i].name, commands[i].summary);
   fprintf(out, "\nEvery command takes -h/--help and --version; options take their value as\n"
                "`--opt VALUE` or `--opt=VALUE`; sizes take K, M, G, T or KiB, MiB, GiB, TiB\n"
-               "(powers of 1024). ls, stat, put, get, info and serve take --json.\n\n");
+               "(powers of 1024). ls, stat, put, get, info, serve and top take --json.\n\n");
   cli_print_exit_codes(out);
   fprintf(out, "\nenvironment: FERRY_* settings, listed by `ferry info --config`\n");
 }
