@@ -36,7 +36,8 @@ static const char serve_usage[] =
     "none); the ready line says where.\n"
     "Prints one 'ready' line, then runs until SIGINT or SIGTERM. With --json that line is\n"
     "one JSON object: {\"ready\": true, \"directory\", \"hosting\", \"node\", \"address\",\n"
-    "\"capacity\" (the pool's bytes), \"metrics\" (its URL, or null)}.\n";
+    "\"capacity\" (the pool's bytes), \"metrics\" (its URL, or null), \"status\" (the status\n"
+    "page's URL, or null)}.\n";
 
 typedef struct serve_opts {
   const char *listen, *directory, *name, *http;
@@ -58,7 +59,7 @@ static int parse(int argc, char **argv, serve_opts *o) {
 
 /* The one line that says the node is up: text, or with --json one object. */
 static void print_ready(const serve_opts *o, ferry_ctx *ctx, const char *listen,
-                        const char *metrics) {
+                        const char *metrics, bool page) {
   char url[FR_DIR_ADDRESS_MAX + 1]; /* a URL's password never reaches the screen */
   if (o->directory)
     fr_url_redact(o->directory, url, sizeof url);
@@ -73,10 +74,12 @@ static void print_ready(const serve_opts *o, ferry_ctx *ctx, const char *listen,
     cli_json_string(stdout, ferry_ctx_address(ctx));
     uint64_t cap = o->capacity ? o->capacity : (uint64_t)fr_config_int("FERRY_STORE_CAPACITY");
     printf(",\"capacity\":%llu,\"metrics\":", (unsigned long long)cap);
-    if (metrics)
-      printf("\"http://%s/metrics\"}\n", metrics);
+    if (metrics && page)
+      printf("\"http://%s/metrics\",\"status\":\"http://%s/\"}\n", metrics, metrics);
+    else if (metrics)
+      printf("\"http://%s/metrics\",\"status\":null}\n", metrics);
     else
-      printf("null}\n");
+      printf("null,\"status\":null}\n");
   } else if (o->directory) {
     printf("ready: node '%s' joined %s (%s)", ferry_ctx_name(ctx), url, ferry_ctx_address(ctx));
   } else {
@@ -84,6 +87,8 @@ static void print_ready(const serve_opts *o, ferry_ctx *ctx, const char *listen,
   }
   if (!o->json && metrics)
     printf("; metrics http://%s/metrics", metrics);
+  if (!o->json && metrics && page)
+    printf("; status page http://%s/", metrics);
   if (!o->json)
     printf("\n");
   fflush(stdout);
@@ -230,7 +235,8 @@ int cli_serve(int argc, char **argv) {
     ferry_ctx_close(ctx);
     return cli_fail("serve", rc, "cannot serve the status page");
   }
-  print_ready(&o, ctx, listen, http ? ferry_metrics_server_address(http) : metrics_env());
+  print_ready(&o, ctx, listen, http ? ferry_metrics_server_address(http) : metrics_env(),
+              http != NULL);
   int sig = wait_for_signal();
   fprintf(stderr, "ferry serve: %s, shutting down\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
   ferry_metrics_server_close(http);

@@ -201,7 +201,7 @@ def main():
     try:
         hub, ready = serve(["--name", "hub", "--http", "127.0.0.1:0"], env, log)
         procs.append(hub)
-        base = ready["metrics"][: -len("/metrics")]
+        base = ready["status"].rstrip("/")
         shelf, _ = serve(["--name", "shelf", "--directory", env["FERRY_DIRECTORY"]], env, log)
         procs.append(shelf)
         for key, size in (("ckpt/step-1/w", 4096), ("ckpt/step-1/b", 1000),
