@@ -11,8 +11,15 @@
  *   - Handles are opaque; every open/create has a close, and close(NULL) is a no-op.
  *   - Strings passed in are copied when kept; strings returned are owned by ferry and stay valid
  *     for the lifetime of the handle they came from (or forever, for static tables).
- *   - Options structs start with `size` (set it to sizeof the struct) so fields can be added
- *     without breaking the ABI; pass NULL for the defaults.
+ *   - Options structs (ferry_*_opts, ferry_ctl_handlers) start with `size`: set it to sizeof the
+ *     struct, or pass NULL for every default. They only grow at their end, and a field beyond
+ *     the caller's `size` takes its default, so a program built against an older ferry.h (or a
+ *     binding that declares only the first fields) keeps working. A `size` that does not cover
+ *     the `size` field itself (it was never set) or exceeds 4096 is FERRY_EINVAL. Bytes beyond
+ *     the struct this library knows must be zero: a program built against a newer ferry.h that
+ *     sets a field this library lacks gets FERRY_ENOTSUP rather than having it ignored.
+ *     Output structs with a `size` (ferry_ctl_status, ferry_store_info, ...) get at most `size`
+ *     bytes written.
  *   - Timeouts are in milliseconds; a negative timeout means the configured default
  *     (FERRY_TIMEOUT_MS) and 0 means "do not wait".
  */
@@ -184,6 +191,7 @@ FERRY_API char *ferry_shape_format(const ferry_tensor_desc *desc, char *buf, siz
 typedef struct ferry_ctx ferry_ctx;
 typedef struct ferry_link ferry_link;
 
+/* Like every options struct: `size` first, NULL for the defaults (the rule at the top). */
 typedef struct ferry_ctx_opts {
   size_t size;            /* sizeof(ferry_ctx_opts) */
   const char *name;       /* node name (copied); NULL: "<hostname>-<pid>" */

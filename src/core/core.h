@@ -14,11 +14,22 @@
 #include <stdint.h>
 #include <time.h>
 
-/* A field of a caller's options struct, or `dflt` when the struct is NULL or older than the
- * field: options structs only grow at their end, and `size` says how much of one the caller
- * knows (a binary built against an older ferry.h, or a binding that declares fewer fields). */
+/* ---- options structs: the one rule (ferry.h states it to callers) ----
+ * Options structs only grow at their end, and `size` says how much of one the caller knows (a
+ * binary built against an older ferry.h, or a binding that declares fewer fields). A public call
+ * that takes one first checks it with FR_OPTS_CHECK, then reads every field through FR_OPT. */
+/* A field of a caller's options struct, or `dflt` when the struct is NULL or its `size` does not
+ * cover the field. */
 #define FR_OPT(o, field, dflt)                                                                     \
   ((o) && (o)->size >= offsetof(__typeof__(*(o)), field) + sizeof((o)->field) ? (o)->field : (dflt))
+/* 0 for NULL opts or a usable `size`. FERRY_EINVAL when `size` does not even cover itself (never
+ * set) or exceeds FR_OPTS_MAX (garbage); FERRY_ENOTSUP when a byte beyond the `known` bytes this
+ * library declares is not zero: the caller, built against a newer ferry.h, set a field this
+ * library lacks, and ignoring it would do silently what it did not ask for. `what` names the
+ * call in the detail. */
+#define FR_OPTS_MAX 4096
+int fr_opts_check(const void *opts, size_t known, const char *what);
+#define FR_OPTS_CHECK(o, what) fr_opts_check((o), sizeof *(o), (what))
 
 /* ---- errors ---- */
 /* Sets the thread's detail message and returns `status`, so a failure reads
