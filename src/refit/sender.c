@@ -168,7 +168,9 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
                             ferry_refit_sender **out) {
   if (!ctx || !name || !out)
     return fr_err(FERRY_EINVAL, "ferry_refit_sender_open: NULL argument");
-  int rc = fr_refit_claim(ctx, FR_REFIT_SENDER);
+  int rc = FR_OPTS_CHECK(opts, "ferry_refit_sender_open");
+  if (rc == 0)
+    rc = fr_refit_claim(ctx, FR_REFIT_SENDER);
   if (rc != 0)
     return rc;
   ferry_refit_sender *s = calloc(1, sizeof *s);
