@@ -1,7 +1,7 @@
 /*
  * Core services: status table, error details, config table, dtypes and overflow-safe sizes,
- * checksums, the log's lines on stderr (text and JSON, the node's name from a context), and the
- * options-struct rule.
+ * checksums, the log's lines on stderr (text and JSON, the node's name from a context), the
+ * options-struct rule and the growable array.
  */
 // ferry-test: threaded
 #include "testutil.h"
@@ -403,6 +403,45 @@ static void test_opts_rule(void **state) {
   assert_non_null(strstr(ferry_last_error(), want));
 }
 
+static void test_grow(void **state) {
+  uint32_t *v = NULL;
+  size_t cap = 0;
+  assert_int_equal(FR_GROW(v, cap, 0, 4), 0); /* nothing needed: nothing allocated */
+  assert_null(v);
+  assert_int_equal(cap, 0);
+  assert_int_equal(FR_GROW(v, cap, 1, 4), 0); /* the first allocation is `first` */
+  assert_non_null(v);
+  assert_int_equal(cap, 4);
+  for (uint32_t i = 0; i < 4; i++)
+    v[i] = i;
+  uint32_t *before = v;
+  assert_int_equal(FR_GROW(v, cap, 4, 4), 0); /* it fits: no realloc */
+  assert_ptr_equal(v, before);
+  assert_int_equal(FR_GROW(v, cap, 5, 4), 0); /* doubles */
+  assert_int_equal(cap, 8);
+  assert_int_equal(FR_GROW(v, cap, 100, 4), 0); /* doubles until it covers need */
+  assert_int_equal(cap, 128);
+  for (uint32_t i = 0; i < 4; i++)
+    assert_int_equal(v[i], i); /* contents kept */
+  v[99] = 99;
+  /* overflow: refused, with the array and its capacity as they were */
+  before = v;
+  assert_int_equal(FR_GROW(v, cap, SIZE_MAX, 4), FERRY_ENOMEM); /* the count doubling overflows */
+  assert_ptr_equal(v, before);
+  assert_int_equal(cap, 128);
+  assert_int_equal(FR_GROW(v, cap, SIZE_MAX / 4 + 1, 4), FERRY_ENOMEM); /* the bytes overflow */
+  assert_ptr_equal(v, before);
+  assert_int_equal(cap, 128);
+  assert_int_equal(v[99], 99);
+  free(v);
+  /* the untyped form, from a capacity given with first == 0 */
+  void *bytes = NULL;
+  size_t bcap = 0;
+  assert_int_equal(fr_grow(&bytes, &bcap, 3, 1, 0), 0);
+  assert_int_equal(bcap, 4);
+  free(bytes);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_status_strings), cmocka_unit_test(test_error_detail),
@@ -411,7 +450,7 @@ int main(void) {
       cmocka_unit_test(test_checksum),       cmocka_unit_test(test_logging),
       cmocka_unit_test(test_sha256_hmac),    cmocka_unit_test(test_hash_builds_agree),
       cmocka_unit_test(test_log_text),       cmocka_unit_test(test_log_json),
-      cmocka_unit_test(test_opts_rule),
+      cmocka_unit_test(test_opts_rule),      cmocka_unit_test(test_grow),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

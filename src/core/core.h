@@ -111,6 +111,21 @@ void fr_hmac_sha256(const void *key, size_t key_len, const void *msg, size_t msg
 /* Compares in constant time (for MACs). */
 bool fr_memeq_const(const void *a, const void *b, size_t len);
 
+/* ---- growable arrays ---- */
+/* Makes room for `need` elements of `elem` bytes in *items, whose capacity is *cap: when need
+ * exceeds it, the capacity doubles (from `first` when it is 0) until it covers need and *items
+ * is reallocated. On failure nothing changes and it returns FERRY_ENOMEM (also when the bytes
+ * would overflow a size_t); it sets no error detail: the caller knows what grew. */
+int fr_grow(void **items, size_t *cap, size_t need, size_t elem, size_t first);
+/* The same for a typed array `arr` (an lvalue, T *) and its size_t capacity `cap`. */
+#define FR_GROW(arr, cap, need, first)                                                             \
+  __extension__({                                                                                  \
+    void *fr_grow_p_ = (arr);                                                                      \
+    int fr_grow_rc_ = fr_grow(&fr_grow_p_, &(cap), (need), sizeof *(arr), (first));                \
+    (arr) = fr_grow_p_;                                                                            \
+    fr_grow_rc_;                                                                                   \
+  })
+
 /* ---- misc ---- */
 int fr_random_bytes(void *buf, size_t len);
 uint64_t fr_random_u64(void);

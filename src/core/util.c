@@ -1,6 +1,6 @@
 /*
  * Small process-wide helpers: the library version, monotonic time, random bytes, the check of a
- * caller's options struct.
+ * caller's options struct and the one growable array every layer uses.
  */
 #include "core/core.h"
 
@@ -102,5 +102,24 @@ int fr_opts_check(const void *opts, size_t known, const char *what) {
                     "%s: opts sets byte %zu, beyond the %zu bytes of the struct libferry %s knows "
                     "(a newer ferry.h?)",
                     what, i, known, FERRY_VERSION_STRING);
+  return 0;
+}
+
+int fr_grow(void **items, size_t *cap, size_t need, size_t elem, size_t first) {
+  if (need <= *cap)
+    return 0;
+  size_t c = *cap ? *cap : (first ? first : 1);
+  while (c < need) {
+    if (c > SIZE_MAX / 2)
+      return FERRY_ENOMEM;
+    c *= 2;
+  }
+  if (elem && c > SIZE_MAX / elem)
+    return FERRY_ENOMEM; /* more than memory can hold */
+  void *p = realloc(*items, c * elem);
+  if (!p)
+    return FERRY_ENOMEM;
+  *items = p;
+  *cap = c;
   return 0;
 }
