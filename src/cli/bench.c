@@ -9,6 +9,7 @@
 #include "cli/args.h"
 #include "cli/bench.h"
 #include "cli/cli.h"
+#include "core/core.h"
 #include "ferry.h"
 
 #include <errno.h>
@@ -26,13 +27,10 @@ double bench_now(void) {
 }
 
 void bench_add(bench_samples *b, double seconds) {
-  if (b->n == b->cap) {
-    b->cap = b->cap ? b->cap * 2 : 64;
-    b->s = realloc(b->s, b->cap * sizeof *b->s);
-    if (!b->s) {
-      perror("ferry bench");
-      exit(CLI_FAIL);
-    }
+  if (FR_GROW(b->s, b->cap, b->n + 1, 64) != 0) {
+    errno = ENOMEM;
+    perror("ferry bench");
+    exit(CLI_FAIL);
   }
   b->s[b->n++] = seconds;
 }

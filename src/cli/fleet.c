@@ -200,13 +200,7 @@ static void parse_prom(const char *text, samples *out) {
     char *copy = nl ? strndup(line, (size_t)(nl - line)) : strdup(line);
     sample s;
     if (copy && *copy != '#' && parse_line(copy, &s)) {
-      if (out->n == out->cap) {
-        size_t cap = out->cap ? out->cap * 2 : 64;
-        sample *grown = realloc(out->s, cap * sizeof *grown);
-        if (grown)
-          out->s = grown, out->cap = cap;
-      }
-      if (out->n < out->cap)
+      if (FR_GROW(out->s, out->cap, out->n + 1, 64) == 0)
         out->s[out->n++] = s;
     }
     free(copy);
