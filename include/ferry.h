@@ -827,8 +827,9 @@ typedef void (*ferry_refit_bucket_fn)(ferry_refit_receiver *receiver, uint64_t v
 FERRY_API void ferry_refit_on_bucket(ferry_refit_receiver *receiver, ferry_refit_bucket_fn fn,
                                      void *arg);
 /* Called on the receiver's thread when a version ends here: status 0 when it committed (every
- * bucket verified), else why not (its bytes are torn): FERRY_ECHECKSUM, FERRY_EDTYPE, ...,
- * FERRY_ETIMEDOUT when the sender dropped this receiver for a stall. Same rules as on_bucket. */
+ * bucket verified), else why not, as soon as it cannot commit (a bucket failed: FERRY_ECHECKSUM,
+ * FERRY_EDTYPE, ...; FERRY_ETIMEDOUT when the sender dropped this receiver for a stall); a
+ * failed version may be reported twice. Same rules as on_bucket. */
 typedef void (*ferry_refit_commit_fn)(ferry_refit_receiver *receiver, uint64_t version, int status,
                                       void *arg);
 FERRY_API void ferry_refit_on_commit(ferry_refit_receiver *receiver, ferry_refit_commit_fn fn,

@@ -60,6 +60,7 @@ uint64_t fr_refit_stat_forwarded;
 static int fetch_manifest(ferry_refit_receiver *r, int timeout_ms, fr_refit_plan *plan);
 static int alias_map(ferry_refit_receiver *r);
 static int binding_fits(const fr_refit_entry *e, const ferry_tensor_desc *desc);
+static void tell_commit(ferry_refit_receiver *r, uint64_t version, int status);
 
 /* The sender re-sealed: take its new manifest, carry every binding that still fits over by
  * name, and fail (naming the tensor) for one that does not; that tensor stays unbound until the
@@ -298,6 +299,7 @@ static void on_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
   ferry_refit_bucket_fn fn = r->on_bucket;
   void *fn_arg = r->on_bucket_arg;
   pthread_mutex_unlock(&r->bind_lock);
+  bool poisons = rc != 0 && !r->failure && !(m->flags & FR_REFIT_FROM_UP);
   if (rc != 0 && !r->failure)
     note_failure(r, m, rc);
   if (rc != 0 && (m->flags & FR_REFIT_FROM_UP))
@@ -306,6 +308,8 @@ static void on_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
     fn(r, m->version, m->bucket, fn_arg);
   ack.status = rc;
   fr_refit_send(r->link, &ack, -1);
+  if (poisons)
+    tell_commit(r, m->version, rc); /* it cannot commit now; the sender may send no COMMIT */
 }
 
 /* The sender says which receiver precedes this one in its chain: connect to it now, so the
