@@ -156,10 +156,10 @@ def as_callable_mapping(name):
     return [as_dict_mapping()[name]]
 
 
-# vLLM's stacked_params_mapping, then the prefix: a rule list and a callable over it
-RULES = [(".qkv", ".self_attn.q_proj", "q"), (".qkv", ".self_attn.k_proj", "k"),
-         (".qkv", ".self_attn.v_proj", "v"), (".gate_up", ".mlp.gate_proj", 0),
-         (".gate_up", ".mlp.up_proj", 1)]
+# vLLM's stacked_params_mapping for Llama, (param_name, shard_name, shard_id), as it is
+RULES = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"),
+         (".qkv_proj", ".v_proj", "v"), (".gate_up_proj", ".gate_proj", 0),
+         (".gate_up_proj", ".up_proj", 1)]
 
 
 @pytest.mark.parametrize("form", ["dict", "callable"])
@@ -199,11 +199,13 @@ def test_vllm_rules_and_pieces_not_back_to_back():
         it = rx.updates(1, mapping=RULES)
         tx.push(1)
         got = dict(it)
-        assert sorted(got) == ["model.embed_tokens.weight", "model.layers.0.gate_up.weight",
-                               "model.layers.0.qkv.weight", "model.norm.weight"]
+        assert sorted(got) == ["model.embed_tokens.weight", "model.layers.0.mlp.gate_up_proj.weight",
+                               "model.layers.0.self_attn.qkv_proj.weight", "model.norm.weight"]
         want = Engine().expect(full)
-        assert torch.equal(got["model.layers.0.qkv.weight"], want["layers.0.qkv.weight"])
-        assert torch.equal(got["model.layers.0.gate_up.weight"], want["layers.0.gate_up.weight"])
+        assert torch.equal(got["model.layers.0.self_attn.qkv_proj.weight"],
+                           want["layers.0.qkv.weight"])
+        assert torch.equal(got["model.layers.0.mlp.gate_up_proj.weight"],
+                           want["layers.0.gate_up.weight"])
 
 
 def test_updates_into_bound_tensors_and_numpy():
@@ -369,3 +371,49 @@ def test_async_push_and_wait():
     with ferry.RefitSender(name, sd, buffer_bytes=4096) as tx, \
             ferry.RefitReceiver(name, timeout=5) as rx:
         asyncio.run(main(tx, rx))
+
+
+class VllmStyleEngine:
+    """load_weights as vLLM's Llama writes it: trainer names in, stacked_params_mapping applied
+    by the engine itself, each shard placed by its loader (no ferry mapping needed)."""
+
+    def __init__(self):
+        p = "model.layers.0."
+        self.params = {"model.embed_tokens.weight": torch.zeros(50, 16),
+                       p + "self_attn.qkv_proj.weight": torch.zeros(64, 16),
+                       p + "mlp.gate_up_proj.weight": torch.zeros(96, 16),
+                       "model.norm.weight": torch.zeros(16)}
+        self.rows = {"q": (0, 32), "k": (32, 48), "v": (48, 64), 0: (0, 48), 1: (48, 96)}
+
+    def load_weights(self, weights):
+        loaded = set()
+        for name, w in weights:
+            for param_name, shard_name, shard_id in RULES:
+                if shard_name in name:
+                    name = name.replace(shard_name, param_name)
+                    lo, hi = self.rows[shard_id]
+                    self.params[name][lo:hi].copy_(w)
+                    break
+            else:
+                self.params[name].copy_(w)
+            loaded.add(name)
+        return loaded
+
+
+def test_vllm_style_load_weights_with_trainer_names():
+    sd = trainer_model()
+    name = unique("vllm")
+    with ferry.RefitSender(name, sd, buffer_bytes=1024) as tx, \
+            ferry.RefitReceiver(name, timeout=5) as rx:
+        engine = VllmStyleEngine()
+        it = rx.updates(1)
+        tx.push(1)
+        assert engine.load_weights(it) == set(engine.params)
+        want = Engine().expect(sd)
+        p = "model.layers.0."
+        assert torch.equal(engine.params[p + "self_attn.qkv_proj.weight"],
+                           want["layers.0.qkv.weight"])
+        assert torch.equal(engine.params[p + "mlp.gate_up_proj.weight"],
+                           want["layers.0.gate_up.weight"])
+        assert torch.equal(engine.params["model.embed_tokens.weight"],
+                           sd["model.embed_tokens.weight"])
