@@ -98,6 +98,12 @@ def test_updates_of_a_version_held_and_for_a_late_receiver():
             assert all(torch.equal(got[k], sent[k]) for k in sd)
             again = rx.updates(1)
             assert len(list(again)) == 3 and again.version == 1  # held: at once
+        tx.push(2)
+        with ferry.RefitReceiver(name, timeout=5) as rx:  # late for 1 and 2: loads 2
+            it = rx.updates(1, timeout=10)
+            got = dict(it)
+            assert it.version == 2 and rx.committed == 2
+            assert all(torch.equal(got[k], sd[k]) for k in sd)
 
 
 ENGINE_NAMES = ["model.embed_tokens.weight",
