@@ -42,6 +42,7 @@ commit callback wakes it, so cancelling it leaves nothing behind.
 import asyncio
 import ctypes
 import functools
+import itertools
 import os
 import re
 import socket
@@ -135,6 +136,7 @@ def _route_code(route):
 # C calls the module's two callbacks on a receiver's thread; they hand each event on.
 _listeners = {}
 _listeners_lock = threading.Lock()
+_keys = itertools.count(1)
 
 
 def _dispatch(key, event):
@@ -476,10 +478,7 @@ class RefitReceiver(_lib.Closing):
         self._flat = None
         self._alias = False
         self._has_flat = False
-        with _seq_lock:
-            global _seq
-            _seq += 1
-            self._key = _seq  # names this receiver to the event callbacks
+        self._key = next(_keys)  # names this receiver to the event callbacks
         try:
             self._attach(name, timeout)
             if alias:
