@@ -730,9 +730,10 @@ static int sender_child(tu_pipe *p) {
   snprintf(addr, sizeof addr, "%s", ferry_ctx_address(sc));
   tu_pipe_put(p, addr, sizeof addr);
   await_receivers(s, 1);
+  uint8_t go;
+  tu_pipe_get(p, &go, 1, 10000); /* the receiver bound its tensors (before a version lands) */
   if (ferry_refit_push(s, 1, NULL) != 0)
     return 1;
-  uint8_t go;
   tu_pipe_get(p, &go, 1, 10000);
   fr_refit_test_corrupt = stop_at_bucket_two; /* stops mid-push; the parent kills or resumes it */
   return ferry_refit_push(s, 2, NULL) == 0 ? 0 : 2;
@@ -753,9 +754,10 @@ static void test_sender_killed(void **st) {
   FR_OK(ferry_refit_receiver_open(rc, addr, 5000, &r));
   bound b; /* the engine's own tensors, written in place */
   bind_all(r, &b);
+  uint8_t go = 1;
+  tu_pipe_put(&to_child, &go, 1); /* bound: push 1 */
   FR_OK(ferry_refit_wait(r, 1, 10000, NULL));
   assert_int_equal(ferry_refit_committed(r), 1);
-  uint8_t go = 1;
   tu_pipe_put(&to_child, &go, 1);
   int st2;
   assert_int_equal(waitpid(pid, &st2, WUNTRACED), pid); /* stopped in the middle of v2 */
@@ -807,8 +809,9 @@ static void test_sender_stopped(void **st) {
   FR_OK(ferry_refit_receiver_open(rc, addr, 5000, &r));
   bound b;
   bind_all(r, &b);
-  FR_OK(ferry_refit_wait(r, 1, 10000, NULL));
   uint8_t go = 1;
+  tu_pipe_put(&to_child, &go, 1); /* bound: push 1 */
+  FR_OK(ferry_refit_wait(r, 1, 10000, NULL));
   tu_pipe_put(&to_child, &go, 1);
   int wst;
   assert_int_equal(waitpid(pid, &wst, WUNTRACED), pid); /* stopped in the middle of v2 */

@@ -34,8 +34,8 @@ struct ferry_refit_receiver {
   ferry_refit_commit_fn on_commit;
   void *on_commit_arg;
   uint32_t bind_epoch;      /* bumped when a destination is bound (under bind_lock) */
-  uint32_t receiving_epoch; /* bind_epoch when the version arriving began */
   uint32_t committed_epoch; /* bind_epoch when the last version committed */
+  uint64_t missed;          /* a version a destination bound mid-way missed buckets of */
 
   pthread_mutex_t bind_lock; /* bound, flat: held by the service thread while a bucket lands */
   pthread_mutex_t lock;      /* the versions below */
@@ -261,7 +261,6 @@ static int take_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, ferry_r
 
 static void new_version(ferry_refit_receiver *r, uint64_t version) {
   r->receiving = version;
-  r->receiving_epoch = r->bind_epoch;
   r->verified = 0;
   r->failure = 0;
   memset(r->got, 0, r->plan.buckets ? r->plan.buckets : 1);
@@ -342,13 +341,13 @@ static void tell_commit(ferry_refit_receiver *r, uint64_t version, int status) {
     fn(r, version, status, arg);
 }
 
-/* A destination bound after the version's first bucket landed missed the buckets before it;
- * one bound since the last commit misses the buckets a push skipped (unchanged, not in `only`):
- * the version is not in it. Otherwise notes the bindings the committed version is in. */
+/* A destination bound after a bucket of its bytes landed missed that bucket; one bound since the
+ * last commit misses the buckets a push skipped (unchanged, not in `only`): the version is not
+ * in it. Otherwise notes the bindings the committed version is in. */
 static int rebound_midway(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
   uint64_t version = m->version;
   pthread_mutex_lock(&r->bind_lock);
-  bool moved = (m->bytes > 0 && r->bind_epoch != r->receiving_epoch) ||
+  bool moved = (m->bytes > 0 && r->missed == version) ||
                (m->bytes < r->plan.buckets && r->bind_epoch != r->committed_epoch);
   if (!moved)
     r->committed_epoch = r->bind_epoch;
@@ -385,7 +384,9 @@ static void on_commit(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
     fr_warn("refit: version %llu not committed (%s); %s %llu", (unsigned long long)m->version,
             ferry_strerror(status), r->torn_by ? "bytes torn, no longer" : "keeping",
             (unsigned long long)r->committed);
+  pthread_mutex_lock(&r->bind_lock); /* binding reads it */
   r->receiving = 0;
+  pthread_mutex_unlock(&r->bind_lock);
   fr_refit_msg_t done = {.type = FR_REFIT_COMMITTED, .version = m->version, .status = status};
   fr_refit_send(r->link, &done, -1);
   tell_commit(r, m->version, status);
@@ -610,11 +611,17 @@ int ferry_refit_tensor_scale(ferry_refit_receiver *r, size_t i, float *scale) {
   return rc;
 }
 
-/* A destination just bound holds no version: the receiver holds none until a version lands
- * whole (a catch-up when it next waits, or a push), and one landing now missed its start.
- * bind_lock held. */
-static void new_destination(ferry_refit_receiver *r) {
+/* A destination just bound (the wire bytes [lo, lo+len) go there) holds no version: the
+ * receiver holds none until a version lands whole (a catch-up when it next waits, or a push),
+ * and a version landing now fails here if a bucket of those bytes already landed. bind_lock
+ * held. */
+static void new_destination(ferry_refit_receiver *r, uint64_t lo, uint64_t len) {
   r->bind_epoch++;
+  const fr_refit_plan *p = &r->plan;
+  for (uint64_t b = lo / p->bucket_bytes;
+       r->receiving && len && b * p->bucket_bytes < lo + len && b < p->buckets; b++)
+    if (r->got[b])
+      r->missed = r->receiving; /* that bucket landed before the destination existed */
   pthread_mutex_lock(&r->lock);
   if (r->committed)
     fr_info("refit: a destination bound after version %llu committed; it is caught up",
@@ -643,7 +650,7 @@ int ferry_refit_bind(ferry_refit_receiver *r, const char *name, void *dst,
   if (rc == 0)
     rc = binding_fits(&r->plan.entries[i], desc);
   if (rc == 0 && r->bound[i] != dst)
-    new_destination(r);
+    new_destination(r, r->plan.entries[i].offset, r->plan.entries[i].wire_bytes);
   if (rc == 0) {
     r->bound[i] = dst;
     r->bound_desc[i] = *desc;
@@ -663,7 +670,7 @@ int ferry_refit_bind_flat(ferry_refit_receiver *r) {
   if (rc == 0 && !flat) {
     rc = ferry_alloc(r->ctx, r->plan.total_bytes, &flat);
     if (rc == 0)
-      new_destination(r);
+      new_destination(r, 0, r->plan.total_bytes);
   }
   if (rc == 0)
     r->flat = flat;
