@@ -40,6 +40,7 @@ ferry.aio does); await rx.wait_async(v, timeout=...) holds no thread at all: the
 commit callback wakes it, so cancelling it leaves nothing behind.
 """
 import asyncio
+import atexit
 import ctypes
 import functools
 import itertools
@@ -135,8 +136,20 @@ def _route_code(route):
 # Receivers' listeners of bucket and commit events, by receiver key (the C callbacks' arg):
 # C calls the module's two callbacks on a receiver's thread; they hand each event on.
 _listeners = {}
+_listening = {}  # key -> the C handle whose callbacks are set
 _listeners_lock = threading.Lock()
 _keys = itertools.count(1)
+
+
+@atexit.register
+def _unhook_receivers():
+    # A receiver's thread must not call into a finalizing interpreter (as ferry._unhook).
+    with _listeners_lock:
+        for h in _listening.values():
+            lib.ferry_refit_on_bucket(h, _BUCKET_FN(), None)
+            lib.ferry_refit_on_commit(h, _COMMIT_FN(), None)
+        _listening.clear()
+        _listeners.clear()
 
 
 def _dispatch(key, event):
@@ -549,10 +562,10 @@ class RefitReceiver(_lib.Closing):
     def _really_close(self):
         h, self._h = self._h, None
         with _listeners_lock:
-            listening = _listeners.pop(self._key, None)
-        if h and listening:
-            lib.ferry_refit_on_bucket(h, _BUCKET_FN(), None)
-            lib.ferry_refit_on_commit(h, _COMMIT_FN(), None)
+            _listeners.pop(self._key, None)
+            if h and _listening.pop(self._key, None):
+                lib.ferry_refit_on_bucket(h, _BUCKET_FN(), None)
+                lib.ferry_refit_on_commit(h, _COMMIT_FN(), None)
         if h:
             lib.ferry_refit_receiver_close(h)
         self._bound = {}
@@ -729,6 +742,7 @@ class RefitReceiver(_lib.Closing):
             if len(fns) == 1:  # under the lock: a concurrent _unlisten cannot undo it
                 lib.ferry_refit_on_bucket(h, _bucket_event, self._key)
                 lib.ferry_refit_on_commit(h, _commit_event, self._key)
+                _listening[self._key] = h
 
     def _unlisten(self, fn):
         with _listeners_lock:
@@ -739,9 +753,10 @@ class RefitReceiver(_lib.Closing):
             if fns:
                 return
             del _listeners[self._key]
-            if self._h and not self._closing:
-                lib.ferry_refit_on_bucket(self._h, _BUCKET_FN(), None)
-                lib.ferry_refit_on_commit(self._h, _COMMIT_FN(), None)
+            h = _listening.pop(self._key, None)
+            if h:
+                lib.ferry_refit_on_bucket(h, _BUCKET_FN(), None)
+                lib.ferry_refit_on_commit(h, _COMMIT_FN(), None)
 
     def updates(self, version, mapping=None, timeout=None, like="torch"):
         """Yields (name, tensor) for every tensor of `version` as it lands, for

@@ -423,3 +423,27 @@ def test_vllm_style_load_weights_with_trainer_names():
                            want["layers.0.gate_up.weight"])
         assert torch.equal(engine.params["model.embed_tokens.weight"],
                            sd["model.embed_tokens.weight"])
+
+
+EXIT_LISTENING = r"""
+import sys, torch, ferry
+sd = {"w": torch.randn(4096)}
+tx = ferry.RefitSender(sys.argv[1], sd, buffer_bytes=4096)
+rx = ferry.RefitReceiver(sys.argv[1], timeout=10)
+it = rx.updates(1)             # listening, never iterated, never closed
+tx.push(1)
+print("pushed", flush=True)
+"""
+
+
+def test_exit_while_listening():
+    """A process that exits with a receiver still listening exits cleanly: the callbacks are
+    cleared before the interpreter finalizes (the bound is a hang bound, not a timing)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(ferry.__file__)))
+    out = subprocess.run([sys.executable, "-c", EXIT_LISTENING, unique("exit")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["pushed"]
