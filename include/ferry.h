@@ -798,7 +798,10 @@ FERRY_API int ferry_refit_tensor_info(ferry_refit_receiver *receiver, size_t i, 
 FERRY_API int ferry_refit_tensor_scale(ferry_refit_receiver *receiver, size_t i, float *scale);
 /* Binds a tensor to the caller's memory (kept valid by the caller until close or rebind).
  * FERRY_ENOTFOUND, or FERRY_EDTYPE / FERRY_ESHAPE naming the tensor when desc does not match
- * what the sender sends. Tensors left unbound are not stored. */
+ * what the sender sends. Tensors left unbound are not stored. A destination bound (here or by
+ * ferry_refit_bind_flat) after a version committed does not hold it: committed() is 0 until the
+ * next wait caught up; one bound after a bucket of its bytes landed fails that version here.
+ * Bind before the pushes begin. */
 FERRY_API int ferry_refit_bind(ferry_refit_receiver *receiver, const char *name, void *dst,
                                const ferry_tensor_desc *desc);
 /* Instead of binding: one flat buffer (ferry shared memory, owned by the receiver) that receives

@@ -11,6 +11,7 @@ A mapping turns trainer names into the engine's and fuses pieces (q, k, v into q
 in the shape of vLLM's stacked_params_mapping: (param_name, shard_name, shard_id).
 """
 import ctypes
+import numbers
 import queue
 import time
 
@@ -301,7 +302,7 @@ class Updates:
 
 def updates(rx, version, mapping, timeout, like):
     """RefitReceiver.updates (its docstring): checks the arguments now, loads when iterated."""
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+    if isinstance(version, bool) or not isinstance(version, numbers.Integral) or version < 1:
         raise ValueError("updates: version=%r; pass the version to load (an int >= 1)"
                          % (version,))
     if like_name(like) not in ("torch", "numpy"):
@@ -310,4 +311,4 @@ def updates(rx, version, mapping, timeout, like):
     budget = -1 if timeout is None else timeout * 1000
     if budget < 0:
         budget = int((lib.ferry_config_get(b"FERRY_TIMEOUT_MS") or b"10000").decode())
-    return Updates(rx, version, mapping, budget / 1000.0, like)
+    return Updates(rx, int(version), mapping, budget / 1000.0, like)

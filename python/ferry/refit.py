@@ -764,9 +764,12 @@ class RefitReceiver(_lib.Closing):
         landed and verified (the rest, which this push did not resend or which landed before
         the iteration began, once the version commits). The iteration ends when the version
         is committed here; it raises when the version does not commit (a failed push: the
-        bytes are torn, the error says why), when the sender is gone, or after `timeout`
-        seconds (None: FERRY_TIMEOUT_MS). A version already committed (or a newer one, as
-        wait() accepts) is yielded at once; a late receiver is caught up first.
+        bytes are torn, the error says why), when the sender is gone, when a newer version
+        begins landing over tensors already given out (ferry.Stale), or when nothing lands for
+        `timeout` seconds (None: FERRY_TIMEOUT_MS). A version already committed (or a newer
+        one, as wait() accepts; the iterator's .version says which) is yielded at once; a late
+        receiver is caught up first. The iterator listens from its creation (call updates()
+        before the push to see every bucket) until it ends or is closed.
 
         Tensors are views, never copies: of the flat buffer (tensors(), bound here when
         nothing is), of the sender's buffer in alias mode (read-only), or your own tensors
