@@ -831,10 +831,11 @@ FERRY_API void ferry_refit_on_bucket(ferry_refit_receiver *receiver, ferry_refit
                                      void *arg);
 /* Called on the receiver's thread when a version ends here: status 0 when it committed (every
  * bucket verified), else why not, as soon as it cannot commit (a bucket failed: FERRY_ECHECKSUM,
- * FERRY_EDTYPE, ...; FERRY_ETIMEDOUT when the sender dropped this receiver for a stall); a
- * failed version may be reported twice. Same rules as on_bucket. */
+ * FERRY_EDTYPE, ...; FERRY_ETIMEDOUT when the sender dropped this receiver for a stall), with
+ * `why` saying so (NULL on success; valid during the call); a failed version may be reported
+ * twice. Same rules as on_bucket. */
 typedef void (*ferry_refit_commit_fn)(ferry_refit_receiver *receiver, uint64_t version, int status,
-                                      void *arg);
+                                      const char *why, void *arg);
 FERRY_API void ferry_refit_on_commit(ferry_refit_receiver *receiver, ferry_refit_commit_fn fn,
                                      void *arg);
 /* The buckets that carry the i-th tensor of the manifest: *count of them from *first (0 for a

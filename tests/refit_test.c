@@ -950,13 +950,15 @@ static void saw_bucket(ferry_refit_receiver *r, uint64_t version, uint32_t bucke
   pthread_mutex_unlock(&x->lock);
 }
 
-static void saw_commit(ferry_refit_receiver *r, uint64_t version, int status, void *arg) {
+static void saw_commit(ferry_refit_receiver *r, uint64_t version, int status, const char *why,
+                       void *arg) {
   (void)r;
   seen *x = arg;
   pthread_mutex_lock(&x->lock);
   x->commits++;
   x->commit_version = version;
-  x->commit_status = status;
+  /* a failure must say why (here: a checksum); 1, which no test expects, when it does not */
+  x->commit_status = status != 0 && (!why || !strstr(why, "checksum")) ? 1 : status;
   pthread_mutex_unlock(&x->lock);
 }
 

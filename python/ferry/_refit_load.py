@@ -184,13 +184,11 @@ class _Layout:
         return torch.cat(parts, dim=0)
 
 
-def _failed(rx, version, status):
-    """The error of a version that did not commit here, with wait()'s account of why."""
-    rc, _ = rx._wait_now(version)
-    detail = (lib.ferry_last_error() or b"").decode(errors="replace") if rc < 0 else ""
+def _failed(version, status, why):
+    """The error of a version that did not commit here, with the receiver's reason."""
     cls = errors._BY_CODE.get(status, errors.Error)
     return cls(status, "refit: version %d did not commit here%s" %
-               (version, "; " + detail if detail else ""))
+               (version, ": " + why if why else ""))
 
 
 def _run(up, lay, mapping, timeout_s, like):
@@ -243,8 +241,8 @@ def _run(up, lay, mapping, timeout_s, like):
                     done.append(ename)
                     yield ename, lay.tensor(ename)
         elif kind == "commit" and v >= target:
-            if x != 0:
-                raise _failed(rx, v, x)
+            if x[0] != 0:
+                raise _failed(v, *x)
             yield from rest()
             return
 

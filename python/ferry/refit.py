@@ -72,7 +72,7 @@ class RefitOpts(ctypes.Structure):  # ferry_refit_opts
 
 # ferry_refit_bucket_fn and ferry_refit_commit_fn; module-wide, so never freed while C holds them
 _BUCKET_FN = ctypes.CFUNCTYPE(None, c_void_p, c_uint64, ctypes.c_uint32, c_void_p)
-_COMMIT_FN = ctypes.CFUNCTYPE(None, c_void_p, c_uint64, c_int, c_void_p)
+_COMMIT_FN = ctypes.CFUNCTYPE(None, c_void_p, c_uint64, c_int, c_char_p, c_void_p)
 
 
 class PushOpts(ctypes.Structure):  # ferry_refit_push_opts
@@ -168,8 +168,9 @@ def _bucket_event(_rx, version, bucket, key):
 
 
 @_COMMIT_FN
-def _commit_event(_rx, version, status, key):
-    _dispatch(key, ("commit", int(version), int(status)))
+def _commit_event(_rx, version, status, why, key):
+    why = (why or b"").decode(errors="replace")
+    _dispatch(key, ("commit", int(version), (int(status), why)))
 
 
 def _node_name(role):

@@ -269,12 +269,14 @@ static void new_version(ferry_refit_receiver *r, uint64_t version) {
 /* A failure of this receiver poisons the version; one reading from the predecessor does not
  * (the sender sends that bucket again directly). */
 static void note_failure(ferry_refit_receiver *r, const fr_refit_msg_t *m, int rc) {
-  fr_warn("%s", ferry_last_error());
+  char why[sizeof r->why]; /* before the log line: a log callback may make calls that set it */
+  snprintf(why, sizeof why, "%s", ferry_last_error());
+  fr_warn("%s", why);
   if (m->flags & FR_REFIT_FROM_UP)
     return;
   r->failure = rc;
   pthread_mutex_lock(&r->lock);
-  snprintf(r->why, sizeof r->why, "%s", ferry_last_error());
+  snprintf(r->why, sizeof r->why, "%s", why);
   pthread_mutex_unlock(&r->lock);
 }
 
@@ -305,10 +307,10 @@ static void on_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
     ack.flags |= FR_REFIT_UPSTREAM;
   if (fresh && fn && !(m->flags & FR_REFIT_UNCHANGED))
     fn(r, m->version, m->bucket, fn_arg);
+  if (poisons) /* it cannot commit now; the sender may send no COMMIT */
+    tell_commit(r, m->version, rc);
   ack.status = rc;
   fr_refit_send(r->link, &ack, -1);
-  if (poisons)
-    tell_commit(r, m->version, rc); /* it cannot commit now; the sender may send no COMMIT */
 }
 
 /* The sender says which receiver precedes this one in its chain: connect to it now, so the
@@ -337,8 +339,13 @@ static void tell_commit(ferry_refit_receiver *r, uint64_t version, int status) {
   ferry_refit_commit_fn fn = r->on_commit;
   void *arg = r->on_commit_arg;
   pthread_mutex_unlock(&r->bind_lock);
-  if (fn)
-    fn(r, version, status, arg);
+  if (!fn)
+    return;
+  char why[sizeof r->why];
+  pthread_mutex_lock(&r->lock);
+  snprintf(why, sizeof why, "%s", status ? r->why : "");
+  pthread_mutex_unlock(&r->lock);
+  fn(r, version, status, status ? why : NULL, arg);
 }
 
 /* A destination bound after a bucket of its bytes landed missed that bucket; one bound since the
