@@ -374,10 +374,10 @@ class EngineRank:
             # to the sender's last push from its retained copy, with no push.
             v = self.rx.wait(timeout=TIMEOUT)
             self.model.wake_up()
-            # Whole tensors from the receiver's flat buffer (self.staged, views: no copy); with
-            # `rx.updates(v)` (issue 19) this line becomes: weights = self.rx.updates(v)
-            weights = iter(self.staged.items())
-            loaded = self.model.load_weights(weights)
+            # (name, view) of every trainer tensor of v, in the receiver's flat buffer (no copy);
+            # v is committed already, so they come at once (created before a push, updates()
+            # yields each one as its buckets land)
+            loaded = self.model.load_weights(self.rx.updates(v, timeout=TIMEOUT))
             missing = self.model.expected() - loaded
             if missing:
                 raise RuntimeError("not loaded: %s" % sorted(map(str, missing))[:3])

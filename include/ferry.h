@@ -806,7 +806,10 @@ FERRY_API int ferry_refit_tensor_info(ferry_refit_receiver *receiver, size_t i, 
 FERRY_API int ferry_refit_tensor_scale(ferry_refit_receiver *receiver, size_t i, float *scale);
 /* Binds a tensor to the caller's memory (kept valid by the caller until close or rebind).
  * FERRY_ENOTFOUND, or FERRY_EDTYPE / FERRY_ESHAPE naming the tensor when desc does not match
- * what the sender sends. Tensors left unbound are not stored. */
+ * what the sender sends. Tensors left unbound are not stored. A destination bound (here or by
+ * ferry_refit_bind_flat) after a version committed does not hold it: committed() is 0 until the
+ * next wait caught up; one bound after a bucket of its bytes landed fails that version here.
+ * Bind before the pushes begin. */
 FERRY_API int ferry_refit_bind(ferry_refit_receiver *receiver, const char *name, void *dst,
                                const ferry_tensor_desc *desc);
 /* Instead of binding: one flat buffer (ferry shared memory, owned by the receiver) that receives
@@ -826,11 +829,27 @@ FERRY_API int ferry_refit_bind_flat(ferry_refit_receiver *receiver);
 FERRY_API int ferry_refit_bind_alias(ferry_refit_receiver *receiver);
 FERRY_API int ferry_refit_view(ferry_refit_receiver *receiver, const char *name, void **out);
 /* Called on the receiver's thread after each bucket verified and landed (engines that load
- * while buckets arrive). Bucket indices refer to the manifest's plan. */
+ * while buckets arrive). Bucket indices refer to the manifest's plan. A bucket a push skipped
+ * (unchanged, or outside `only`) is not reported: its bytes are already this version's. Setting
+ * fn (NULL: none) is safe while buckets land; a call already under way may still end after it.
+ * The callback must not block: the receiver acknowledges the bucket only after it returns. */
 typedef void (*ferry_refit_bucket_fn)(ferry_refit_receiver *receiver, uint64_t version,
                                       uint32_t bucket, void *arg);
 FERRY_API void ferry_refit_on_bucket(ferry_refit_receiver *receiver, ferry_refit_bucket_fn fn,
                                      void *arg);
+/* Called on the receiver's thread when a version ends here: status 0 when it committed (every
+ * bucket verified), else why not, as soon as it cannot commit (a bucket failed: FERRY_ECHECKSUM,
+ * FERRY_EDTYPE, ...; FERRY_ETIMEDOUT when the sender dropped this receiver for a stall), with
+ * `why` saying so (NULL on success; valid during the call); a failed version may be reported
+ * twice. Same rules as on_bucket. */
+typedef void (*ferry_refit_commit_fn)(ferry_refit_receiver *receiver, uint64_t version, int status,
+                                      const char *why, void *arg);
+FERRY_API void ferry_refit_on_commit(ferry_refit_receiver *receiver, ferry_refit_commit_fn fn,
+                                     void *arg);
+/* The buckets that carry the i-th tensor of the manifest: *count of them from *first (0 for a
+ * tensor of no bytes). A tensor has landed once each of them was reported by on_bucket. */
+FERRY_API int ferry_refit_tensor_buckets(ferry_refit_receiver *receiver, size_t i, uint32_t *first,
+                                         uint32_t *count);
 /* Waits until the committed version is at least `version` (0: the latest version the sender
  * has pushed, as far as this receiver knows, and at least one) and writes it to *committed.
  * FERRY_ETIMEDOUT otherwise, or FERRY_EPEER as soon as the sender is gone, with *committed

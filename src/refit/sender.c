@@ -111,6 +111,8 @@ static void record(ferry_refit_sender *s, ferry_msg *m, const fr_refit_msg_t *x)
   if (x->type == FR_REFIT_DETACH) {
     remove_receiver(s, m->link);
   } else if (r && x->type == FR_REFIT_CATCHUP) {
+    if (x->version == r->committed)
+      r->committed = 0; /* it lacks what it committed: it bound a new destination since */
     fr_refit_catchup_request(s, r);
   } else if (r && r->in_push && x->version == s->pushing && x->type == FR_REFIT_ACK) {
     record_ack(s, r, x);
