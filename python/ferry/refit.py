@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 import weakref
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
@@ -90,7 +91,7 @@ def _node_name(role):
     return ("%s-%d-%s%d" % (socket.gethostname(), os.getpid(), role, n))[-63:]
 
 
-def refit_address(name):
+def refit_address(name: str) -> str:
     """Where RefitSender(name) publishes its address: FERRY_CTL_DIR/ferry-refit-NAME."""
     if not _NAME_RE.match(name):
         raise InvalidArgument(-1, "refit name %r: 1-64 characters of [A-Za-z0-9._-], not "
@@ -187,7 +188,10 @@ class RefitSender(_lib.Closing):
     send float32 tensors as another dtype ("bfloat16", "float16", "float8_e4m3"), or a
     {name: dtype} dict. publish: write the address under `name` for RefitReceiver(name)."""
 
-    def __init__(self, name, state_dict, buffer_bytes=None, cast=None, ctx=None, publish=True):
+    def __init__(self, name: str, state_dict: Mapping[str, Any],
+                 buffer_bytes: Optional[int] = None,
+                 cast: Union[str, Any, Dict[str, Any], None] = None,
+                 ctx: Optional[Context] = None, publish: bool = True) -> None:
         self.name = name
         path = refit_address(name) if publish else None
         if ctx is not None:
@@ -246,24 +250,24 @@ class RefitSender(_lib.Closing):
 
     # -- life --------------------------------------------------------------------------------
     @property
-    def handle(self):
+    def handle(self) -> int:
         """The C handle (ValueError once closed)."""
         if not self._h:
             raise ValueError("ferry: refit sender is closed")
         return self._h
 
     @property
-    def address(self):
+    def address(self) -> str:
         """The address receivers attach to (RefitReceiver(address) from another host)."""
         return self._ctx.address
 
     @property
-    def receivers(self):
+    def receivers(self) -> int:
         """How many receivers are attached now (not counting one dropped for a stall until it
         attaches again)."""
         return int(lib.ferry_refit_receivers(self.handle))
 
-    def manifest(self):
+    def manifest(self) -> List[Dict[str, Any]]:
         """[{name, dtype, shape, wire_dtype}] in declaration order."""
         out = []
         for name, s in self._sources.items():
@@ -272,7 +276,7 @@ class RefitSender(_lib.Closing):
                         "wire_dtype": DTYPES[s.send_as or s.desc.dtype][0]})
         return out
 
-    def wait_receivers(self, n, timeout=None):
+    def wait_receivers(self, n: int, timeout: Optional[float] = None) -> int:
         """Waits until at least n receivers are attached (polls; for tests and start-up)."""
         deadline = time.monotonic() + (10.0 if timeout is None else timeout)
         while self.receivers < n:
@@ -282,7 +286,7 @@ class RefitSender(_lib.Closing):
             time.sleep(0.005)
         return self.receivers
 
-    def close(self):
+    def close(self) -> None:
         """Detaches every receiver, frees the buckets and removes the published address."""
         with self._lock:
             h, self._h = self._h, None
@@ -303,7 +307,7 @@ class RefitSender(_lib.Closing):
             self._ctx = None
 
     # -- push --------------------------------------------------------------------------------
-    def update(self, state_dict):
+    def update(self, state_dict: Mapping[str, Any]) -> bool:
         """Takes tensors that were replaced (another object, dtype or shape) or added: they are
         declared again and the plan re-sealed; receivers pick the new manifest up with the next
         push (a binding that no longer fits fails there, naming the tensor). Returns whether
@@ -311,7 +315,9 @@ class RefitSender(_lib.Closing):
         with self._lock:
             return self._declare(state_dict)
 
-    def push(self, version=None, only=None, skip_unchanged=False, timeout=None, state_dict=None):
+    def push(self, version: Optional[int] = None, only: Optional[Iterable[str]] = None,
+             skip_unchanged: bool = False, timeout: Optional[float] = None,
+             state_dict: Optional[Mapping[str, Any]] = None) -> int:
         """Sends the tensors' current bytes as `version` (None: the last one + 1) and returns it
         once every attached receiver committed it. only: names of the tensors to send (the
         buckets they touch); skip_unchanged: skip buckets whose checksum did not change. Both
@@ -356,7 +362,8 @@ class RefitReceiver(_lib.Closing):
     Then either bind(state_dict) (bytes land in your tensors) or tensors() (views into one flat
     ferry buffer); wait(version) returns once a version committed (every bucket verified)."""
 
-    def __init__(self, name, timeout=None, ctx=None):
+    def __init__(self, name: str, timeout: Optional[float] = None,
+                 ctx: Optional[Context] = None) -> None:
         self.name = name
         if ctx is not None:
             self._ctx, self._owns_ctx = ctx, False
@@ -401,7 +408,7 @@ class RefitReceiver(_lib.Closing):
 
     # -- life --------------------------------------------------------------------------------
     @property
-    def handle(self):
+    def handle(self) -> int:
         """The C handle (ValueError once closed)."""
         if not self._h or self._closing:
             raise ValueError("ferry: refit receiver is closed")
@@ -414,7 +421,7 @@ class RefitReceiver(_lib.Closing):
         if last:
             self._really_close()
 
-    def close(self):
+    def close(self) -> None:
         """Detaches from the sender. While views from tensors() are alive the flat buffer stays
         mapped (the receiver stays attached) until the last one goes."""
         with self._lock:
@@ -435,7 +442,7 @@ class RefitReceiver(_lib.Closing):
             self._ctx = None
 
     # -- the manifest ------------------------------------------------------------------------
-    def manifest(self):
+    def manifest(self) -> List[Dict[str, Any]]:
         """[{name, dtype, shape, nbytes, scale}]: what the sender sends, in the wire dtype
         (after its cast), in plan order. scale: a float8_e4m3 tensor arrives as x / scale
         (x ~ value * scale); 1.0 for the others."""
@@ -453,12 +460,13 @@ class RefitReceiver(_lib.Closing):
                         "shape": shape, "nbytes": int(nbytes), "scale": scale.value})
         return out
 
-    def names(self):
+    def names(self) -> List[str]:
         """The tensors' names, in the sender's manifest order."""
         return [m["name"] for m in self.manifest()]
 
     # -- destinations ------------------------------------------------------------------------
-    def bind(self, state_dict, strict=True):
+    def bind(self, state_dict: Mapping[str, Any],
+             strict: bool = True) -> Tuple[List[str], List[str]]:
         """Binds each tensor of state_dict (contiguous numpy arrays or CPU torch tensors, in the
         wire dtype and shape) by name: pushes write into them in place. strict: every tensor of
         the manifest must be bound and every name must be in it (KeyError-like NotFound
@@ -480,7 +488,7 @@ class RefitReceiver(_lib.Closing):
             self._bound[name] = (obj, arr)
         return missing, unexpected
 
-    def tensors(self, like="torch"):
+    def tensors(self, like: Any = "torch") -> Dict[str, Any]:
         """{name: tensor} views into one flat ferry buffer that every push writes in place
         (zero copy: no bytes move on the Python side). like: "torch" or "numpy" (bfloat16 and
         float8 come as their bits in numpy; a dtype the installed torch lacks, as numpy).
@@ -517,13 +525,13 @@ class RefitReceiver(_lib.Closing):
 
     # -- versions ----------------------------------------------------------------------------
     @property
-    def committed(self):
+    def committed(self) -> int:
         """The version the bound bytes hold: 0 when none yet, or when they are torn (a newer
         version began landing and did not complete: a push under way, a failed one, a sender
         that died). Serve weights only when this is the version you expect."""
         return int(lib.ferry_refit_committed(self.handle))
 
-    def wait(self, version=None, timeout=None):
+    def wait(self, version: Optional[int] = None, timeout: Optional[float] = None) -> int:
         """Waits until version (None: the latest the sender pushed, as far as this receiver
         knows, and at least 1) is committed and returns the committed version. Raises
         ferry.Timeout otherwise, or ferry.PeerGone at once when the sender is gone; the detail

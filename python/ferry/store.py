@@ -29,7 +29,7 @@ byref = ctypes.byref
 _ms = _lib.timeout_ms
 
 
-def _key(key):
+def _key(key: Key) -> Optional[bytes]:
     return _lib.encoded(key, "key")
 
 
@@ -54,7 +54,7 @@ def _declare_view() -> None:
 class _Pin:
     """One ferry_store_view: the pin on the owner's bytes, dropped once (release())."""
 
-    def __init__(self, store: "Store", view: int, info: Dict[str, Any]):
+    def __init__(self, store: "Store", view: int, info: Dict[str, Any]) -> None:
         self.store, self.view, self.info = store, view, info
         self.lock = threading.Lock()
         self.derived: List["weakref.ref[np.ndarray]"] = []  # arrays made from the view
@@ -154,12 +154,12 @@ class StoreView(np.ndarray):
 class _Malloced:
     """Owns a buffer libferry malloc'd (ferry_store_get_alloc) and frees it with the array."""
 
-    def __init__(self, ptr, nbytes):
+    def __init__(self, ptr: int, nbytes: int) -> None:
         self.buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
         weakref.finalize(self.buf, _lib.libc.free, ptr)
 
 
-def _info_dict(info):
+def _info_dict(info: Any) -> Dict[str, Any]:
     code = info.desc.dtype
     return {"key": info.key.decode(errors="replace"), "owner": info.owner.decode(errors="replace"),
             "dtype": DTYPES.get(code, ("invalid", None))[0], "shape": desc_shape(info.desc),

@@ -36,7 +36,7 @@ _TORCH_TO_FERRY = {}
 _FERRY_TO_TORCH = {}
 
 
-def _torch(need=False):
+def _torch(need: bool = False) -> Optional[ModuleType]:
     """The torch module if the process imported it (need=True: import it now), else None."""
     t = sys.modules.get("torch")
     if t is None and need:
@@ -49,7 +49,7 @@ def _torch(need=False):
     return t
 
 
-def _torch_dtypes(torch):
+def _torch_dtypes(torch: ModuleType) -> None:
     m = {torch.bool: 1, torch.uint8: 2, torch.int8: 6, torch.int16: 7, torch.int32: 8,
          torch.int64: 9, torch.float16: 10, torch.bfloat16: 11, torch.float32: 12,
          torch.float64: 13}
@@ -61,7 +61,7 @@ def _torch_dtypes(torch):
     _TORCH_TO_FERRY.update(m)
 
 
-def dtype_code(dtype):
+def dtype_code(dtype: Any) -> int:
     """A ferry dtype code from a name ("bfloat16", "u8"), a numpy dtype or a torch dtype."""
     if isinstance(dtype, str) and dtype in _BY_NAME:
         return _BY_NAME[dtype]
@@ -79,7 +79,9 @@ def dtype_code(dtype):
 _DESCS = {}  # (code, shape) -> TensorDesc: calls only read a desc, so one serves every call
 
 
-def make_desc(code, shape):
+def make_desc(code: int, shape: Sequence[int]) -> Any:
+    """The ferry_tensor_desc (_lib.TensorDesc) of dtype code and shape, cached: calls only read
+    it. ValueError beyond MAX_DIMS dimensions."""
     d = _DESCS.get((code, shape))
     if d is not None:
         return d
@@ -94,7 +96,8 @@ def make_desc(code, shape):
     return d
 
 
-def desc_shape(desc):
+def desc_shape(desc: Any) -> Tuple[int, ...]:
+    """A ferry_tensor_desc's shape as a tuple of ints."""
     return tuple(int(desc.shape[i]) for i in range(desc.ndim))
 
 
@@ -224,7 +227,7 @@ def from_bits(arr: np.ndarray, code: int, like: Any) -> Any:
         return torch.from_numpy(arr)
 
 
-def _enc(s):
+def _enc(s: Optional[Union[str, bytes]]) -> Optional[bytes]:
     return _lib.encoded(s, "string")
 
 
@@ -235,7 +238,7 @@ class NodeHandle(_lib.Closing):
     _what = "handle"
 
     @property
-    def handle(self):
+    def handle(self) -> int:
         """The C handle (ValueError once closed)."""
         h = self._h
         if not h:
@@ -243,11 +246,12 @@ class NodeHandle(_lib.Closing):
         return h
 
     @property
-    def context(self):
+    def context(self) -> "Context":
+        """The ferry.Context this handle is opened on."""
         return self._ctx
 
     @property
-    def name(self):
+    def name(self) -> str:
         """This node's name."""
         return self._ctx.name
 
@@ -256,7 +260,8 @@ class Context(_lib.Closing):
     """A ferry_ctx: one node (name, listeners, progress thread, regions). Closing it is deferred
     while arrays from ferry.empty() on it are alive, since closing unmaps their memory."""
 
-    def __init__(self, name=None, tcp_listen=None, transports=None, token=None):
+    def __init__(self, name: Optional[str] = None, tcp_listen: Optional[str] = None,
+                 transports: Optional[str] = None, token: Optional[str] = None) -> None:
         opts = _lib.CtxOpts(ctypes.sizeof(_lib.CtxOpts), _enc(name), _enc(tcp_listen),
                             _enc(transports), _enc(token))
         h = ctypes.c_void_p()
@@ -269,31 +274,31 @@ class Context(_lib.Closing):
         self._ranges: Dict[int, int] = {}  # ferry_alloc blocks alive: address -> bytes
 
     @property
-    def handle(self):
+    def handle(self) -> int:
         """The C handle (ValueError once closed)."""
         if not self._h or self._closing:
             raise ValueError("ferry: context is closed")
         return self._h
 
     @property
-    def name(self):
+    def name(self) -> str:
         """The node's name (ferry_ctx_opts.name or <hostname>-<pid>)."""
         return lib.ferry_ctx_name(self.handle).decode()
 
     @property
-    def address(self):
+    def address(self) -> str:
         """The URLs peers reach this node at, comma-separated."""
         return lib.ferry_ctx_address(self.handle).decode()
 
     @property
-    def tcp_address(self):
+    def tcp_address(self) -> Optional[str]:
         """"HOST:PORT" of the tcp listener (where a hosted directory is reached)."""
         for url in self.address.split(","):
             if url.startswith("tcp://"):
                 return url[len("tcp://"):]
         return None
 
-    def _alloc(self, nbytes):
+    def _alloc(self, nbytes: int) -> int:
         p = ctypes.c_void_p()
         with self._lock:
             check(lib.ferry_alloc(self.handle, max(int(nbytes), 1), ctypes.byref(p)))
@@ -319,7 +324,7 @@ class Context(_lib.Closing):
         with self._lock:
             return any(a <= ptr < a + n for a, n in self._ranges.items())
 
-    def _free(self, ptr):
+    def _free(self, ptr: int) -> None:
         with self._lock:
             if self._h:
                 lib.ferry_free(self._h, ptr)
@@ -339,7 +344,7 @@ class Context(_lib.Closing):
         if not busy:
             self._really_close()
 
-    def _really_close(self):
+    def _really_close(self) -> None:
         h, self._h = self._h, None
         if h:
             lib.ferry_ctx_close(h)
@@ -350,7 +355,7 @@ _extra = 0
 _default_lock = threading.Lock()
 
 
-def default_context():
+def default_context() -> Context:
     """The process's default context (FERRY_* settings), opened on first use; the first Store
     opened without ctx/name uses it, so that arrays from ferry.empty() are put in place."""
     global _default
@@ -360,7 +365,7 @@ def default_context():
         return _default
 
 
-def _ctx_for_store(name, tcp_listen):
+def _ctx_for_store(name: Optional[str], tcp_listen: Optional[str]) -> Tuple[Context, bool]:
     global _default
     with _default_lock:
         if _default is None or _default._h is None:
@@ -382,22 +387,25 @@ def _ctx_for_store(name, tcp_listen):
 class _Alloc:
     """Owns one ferry_alloc block; frees it when the last array over it goes away."""
 
-    def __init__(self, ctx, nbytes):
+    def __init__(self, ctx: Context, nbytes: int) -> None:
         self.ctx = ctx
         self.ptr = ctx._alloc(nbytes)
         self.nbytes = nbytes
         weakref.finalize(self, ctx._free, self.ptr)
 
-    def buffer(self):
+    def buffer(self) -> Any:
         """A ctypes array over the block that keeps this owner alive (the numpy base)."""
         buf = (ctypes.c_uint8 * max(self.nbytes, 1)).from_address(self.ptr)
         buf._ferry_owner = self
         return buf
 
 
-def empty(shape, dtype, like="numpy", ctx=None):
+def empty(shape: Union[int, Sequence[int]], dtype: Any, like: "Like" = "numpy",
+          ctx: Optional[Context] = None) -> Any:
     """An uninitialised (in fact zeroed) array or tensor in ferry shared memory: a store put of
-    it publishes it in place. Memory of `ctx` (default: the default context)."""
+    it publishes it in place. shape: an int or a sequence of ints; dtype: a numpy or torch
+    dtype or a ferry name ("bfloat16"); like: "numpy" (default), "torch" or the torch module.
+    Memory of `ctx` (default: the default context)."""
     if isinstance(shape, int):
         shape = (shape,)
     shape = tuple(int(n) for n in shape)

@@ -263,27 +263,65 @@ def test_no_numpy_1_only_api():
     assert hits == []
 
 
-def test_every_public_name_has_a_docstring():
-    missing = []
-    for mod_name in ("ferry", "ferry.store", "ferry.mq", "ferry.p2pstore", "ferry.aio",
-                     "ferry.tensors", "ferry.control", "ferry.errors"):
+MODULES = ("ferry", "ferry.store", "ferry.mq", "ferry.p2pstore", "ferry.aio", "ferry.tensors",
+           "ferry.control", "ferry.refit", "ferry.stats", "ferry.errors")
+
+
+def _public_api():
+    """(name, object) for every public name of ferry.__all__ and of its modules' __all__, and
+    every public method and property of those classes (the ones they inherit from ferry's own
+    classes too; __init__ counts, for its annotations)."""
+    out = []
+    for mod_name in MODULES:
         mod = __import__(mod_name, fromlist=["_"])
-        for name in getattr(mod, "__all__", []):
+        for name in mod.__all__:
             obj = getattr(mod, name)
-            if not inspect.getdoc(obj) and not isinstance(obj, (str, dict)):
-                missing.append("%s.%s" % (mod_name, name))
-            if inspect.isclass(obj):
-                for attr, member in vars(obj).items():
-                    if attr.startswith("_") or not (inspect.isfunction(member) or
-                                                    isinstance(member, property)):
+            if inspect.ismodule(obj) or not (inspect.isclass(obj) or callable(obj)):
+                continue  # a module (listed above), library_path, DTYPES, STATES
+            out.append(("%s.%s" % (mod_name, name), obj))
+            if not inspect.isclass(obj):
+                continue
+            for klass in obj.__mro__:
+                if not klass.__module__.startswith("ferry"):
+                    continue
+                for attr, member in vars(klass).items():
+                    if attr.startswith("_") and attr != "__init__":
                         continue
-                    if not inspect.getdoc(member):
-                        missing.append("%s.%s.%s" % (mod_name, name, attr))
-    assert missing == [], missing
+                    if isinstance(member, property):
+                        member = member.fget
+                    if inspect.isfunction(member):
+                        out.append(("%s.%s.%s" % (mod_name, name, attr), member))
+    return out
+
+
+def test_public_api_has_docstrings_and_annotations():
+    """help(ferry.X) reads as a reference: every public name has its own docstring (not only
+    one it inherits) and full annotations (every parameter but self, and the return)."""
+    api = _public_api()
+    assert len(api) > 150
+    no_doc, no_types = [], []
+    for name, obj in api:
+        own = vars(obj).get("__doc__") if inspect.isclass(obj) else obj.__doc__
+        if not name.endswith(".__init__") and not (own and own.strip()):
+            no_doc.append(name)
+        if inspect.isclass(obj) and not obj.__module__.startswith("ferry"):
+            continue
+        func = obj.__init__ if inspect.isclass(obj) else obj
+        if not (inspect.isfunction(func) or inspect.ismethod(func)):
+            continue  # a class without its own __init__ (an error, a namedtuple)
+        sig = inspect.signature(func)
+        missing = [p.name for p in sig.parameters.values()
+                   if p.name not in ("self", "cls") and p.annotation is inspect.Parameter.empty]
+        if sig.return_annotation is inspect.Signature.empty:
+            missing.append("return")
+        if missing:
+            no_types.append("%s (%s)" % (name, ", ".join(missing)))
+    assert no_doc == [], "no docstring: " + ", ".join(no_doc)
+    assert no_types == [], "not annotated: " + ", ".join(no_types)
 
 
 def test_typed_package():
     assert os.path.exists(os.path.join(PKG, "py.typed"))
-    hints = inspect.signature(ferry.Store.get_view).parameters
-    assert all(p.annotation is not inspect.Parameter.empty for n, p in hints.items()
-               if n != "self")
+    text = __import__("pydoc").render_doc(ferry.Store, renderer=__import__("pydoc").plaintext)
+    for word in ("get_view(self, key: Union[str, bytes]", "Raises NotFound", "class Store"):
+        assert word in text, word
