@@ -80,7 +80,9 @@ def encoded(value: Optional[Union[str, bytes]], what: str) -> Optional[bytes]:
     if isinstance(value, str):
         value = value.encode()
     elif not isinstance(value, bytes):
-        raise TypeError("ferry: %s must be str, not %s" % (what, type(value).__name__))
+        raise TypeError("ferry: %s must be a str (or bytes), not %s: pass str(%s)"
+                        % (what, type(value).__name__, "x" if len(repr(value)) > 40
+                           else repr(value)))
     at = value.find(b"\0")
     if at >= 0:
         from .errors import InvalidArgument

@@ -61,19 +61,24 @@ def _torch_dtypes(torch: ModuleType) -> None:
     _TORCH_TO_FERRY.update(m)
 
 
+_SUPPORTED = ("pass one of " + ", ".join(name for name, _ in DTYPES.values()) +
+              " (a name like \"bfloat16\", a numpy dtype or a torch dtype)")
+
+
 def dtype_code(dtype: Any) -> int:
-    """A ferry dtype code from a name ("bfloat16", "u8"), a numpy dtype or a torch dtype."""
+    """A ferry dtype code from a name ("bfloat16", "u8"), a numpy dtype or a torch dtype.
+    TypeError naming the supported dtypes for anything else."""
     if isinstance(dtype, str) and dtype in _BY_NAME:
         return _BY_NAME[dtype]
     torch = _torch()
     if torch is not None and isinstance(dtype, torch.dtype):
         if dtype in _TORCH_TO_FERRY:
             return _TORCH_TO_FERRY[dtype]
-        raise TypeError("ferry: torch dtype %s is not supported" % dtype)
+        raise TypeError("ferry: torch dtype %s is not supported: %s" % (dtype, _SUPPORTED))
     try:
         return _NP_TO_FERRY[np.dtype(dtype)]
     except (TypeError, KeyError):
-        raise TypeError("ferry: dtype %r is not supported" % (dtype,)) from None
+        raise TypeError("ferry: dtype %r is not supported: %s" % (dtype, _SUPPORTED)) from None
 
 
 _DESCS = {}  # (code, shape) -> TensorDesc: calls only read a desc, so one serves every call
@@ -107,6 +112,13 @@ _KDLCPU = 1  # DLPack's device type of host memory
 def _what(obj: Any) -> str:
     return type(obj).__module__ + "." + type(obj).__qualname__ \
         if type(obj).__module__ != "builtins" else type(obj).__name__
+
+
+# a destination (get's out=, a refit binding) is written in place: a contiguous copy of it would
+# take the bytes instead of the caller's memory
+_NOT_IN_PLACE = ("ferry: a destination is written in place and must be %s: pass one made "
+                 "contiguous (np.empty(shape, dtype) or torch.empty(...)) and copy from it "
+                 "afterwards; a contiguous copy of this one would not be the caller's memory")
 
 
 def _unsupported(obj: Any, why: str) -> TypeError:
@@ -144,7 +156,7 @@ def as_buffer(obj: Any, writable: bool = False) -> Tuple[Any, np.ndarray]:
         t = obj.detach()
         if not t.is_contiguous():
             if writable:
-                raise ValueError("ferry: out must be contiguous (pass x.contiguous())")
+                raise ValueError(_NOT_IN_PLACE % "contiguous")
             t = t.contiguous()
         if code in (11, 14, 15):  # numpy has no such dtype: carry the bits
             bits = torch.int16 if code == 11 else torch.uint8
@@ -161,7 +173,14 @@ def as_buffer(obj: Any, writable: bool = False) -> Tuple[Any, np.ndarray]:
     elif not isinstance(obj, np.ndarray):
         if hasattr(obj, "__dlpack__"):
             obj = _from_dlpack(obj)
-        elif isinstance(obj, (dict, list, tuple, set, str)) or obj is None:
+        elif isinstance(obj, str):
+            raise _unsupported(obj, "text: pass x.encode() (get(key, like=bytes).decode() "
+                               "reads it back)")
+        elif isinstance(obj, (list, tuple)) and all(isinstance(x, (int, float, bool))
+                                                    for x in obj):
+            raise _unsupported(obj, "a sequence of numbers: pass np.asarray(x) (with the dtype "
+                               "you want, e.g. np.asarray(x, np.int32))")
+        elif isinstance(obj, (dict, list, tuple, set)) or obj is None:
             raise _unsupported(obj, "not an array; serialize it first, e.g. "
                                "json.dumps(x).encode() or pickle.dumps(x)")
         else:
@@ -171,13 +190,17 @@ def as_buffer(obj: Any, writable: bool = False) -> Tuple[Any, np.ndarray]:
         if obj.dtype.kind in "OSUV":
             raise _unsupported(obj, "numpy dtype %s holds no fixed-size numbers; pass "
                                "bytes(...) or an array of a numeric dtype" % obj.dtype)
+        if obj.dtype.kind == "c":
+            raise _unsupported(obj, "complex numbers: pass x.view(np.float%d) (real and "
+                               "imaginary parts interleaved)" % (obj.dtype.itemsize * 4))
         code = dtype_code(obj.dtype)
     if not obj.flags.c_contiguous:
         if writable:
-            raise ValueError("ferry: out must be C-contiguous (np.ascontiguousarray)")
+            raise ValueError(_NOT_IN_PLACE % "C-contiguous")
         obj = np.ascontiguousarray(obj)
     if writable and not obj.flags.writeable:
-        raise ValueError("ferry: out is read-only")
+        raise ValueError("ferry: a destination is written in place, and this array is read-only: "
+                         "pass a writable one (np.empty_like(x), or np.array(x) for a copy)")
     return make_desc(code, obj.shape), obj
 
 

@@ -51,14 +51,36 @@ def test_bytes_round_trip(store):
 
 def test_errors_say_what_to_pass(store):
     for bad, word in (({"a": 1}, "json.dumps"), (np.array(["x"]), "bytes"),
-                      (np.array([object()]), "bytes"), ("text", "json.dumps")):
+                      (np.array([object()]), "bytes"), ("text", "x.encode()"),
+                      ([1, 2, 3], "np.asarray(x"), ([{"a": 1}], "json.dumps"),
+                      (np.ones(2, np.complex64), "x.view(np.float32)")):
         with pytest.raises(TypeError) as e:
             store.put("bad", bad)
-        assert "pass" in str(e.value) and word in str(e.value)
+        assert "pass" in str(e.value) and word in str(e.value), str(e.value)
     assert not store.exists("bad")
     with pytest.raises(ValueError) as e:
         store.get("nope", like="pandas")
     assert "from_dlpack" in str(e.value)
+    with pytest.raises(TypeError) as e:  # a wrong dtype object: the supported ones are named
+        ferry.empty(3, np.complex64)
+    assert "pass one of bool, uint8" in str(e.value) and "bfloat16" in str(e.value)
+    with pytest.raises(TypeError) as e:
+        ferry.empty(3, "complex")
+    assert "pass one of" in str(e.value)
+    with pytest.raises(TypeError) as e:  # a key that is neither str nor bytes
+        store.put(42, np.zeros(1))
+    assert "pass str(42)" in str(e.value)
+    store.put(b"k", np.arange(4))  # bytes and str name the same key
+    assert np.array_equal(store.get("k"), np.arange(4)) and store.list() == ["k"]
+    out = np.zeros((4, 2), np.int64)
+    with pytest.raises(ValueError) as e:  # written in place: a contiguous copy would not do
+        store.get("k", out=out[:, 0])
+    assert "np.empty(shape, dtype)" in str(e.value)
+    out = np.zeros(4, np.int64)
+    out.flags.writeable = False
+    with pytest.raises(ValueError) as e:
+        store.get("k", out=out)
+    assert "read-only" in str(e.value) and "np.empty_like" in str(e.value)
 
 
 class Foreign:
