@@ -325,13 +325,16 @@ def report(rows: List[Tuple[str, str, float]], as_json: bool, out: TextIO = sys.
 
 
 def view_bench(mib: int = 11, reps: int = 50, out: TextIO = sys.stdout) -> Dict[str, float]:
-    """Store.get_view vs Store.get vs np.load (page cache) of one `mib` MiB array, same host:
-    the median seconds of each and the ratio np.load / get_view."""
+    """Store.get_view vs Store.get vs np.load (page cache) of one `mib` MiB array, same host,
+    and the C view (ferry_store_get_view + release through ctypes with prebuilt arguments: the
+    floor under the wrapper), interleaved in each of `reps` rounds: the median seconds of each
+    and the ratio np.load / get_view."""
     import tempfile
     import time
-    from .store import Store
+    from . import _lib
+    from .store import Store, _declare_view
     arr = np.arange((mib << 20) // 4, dtype=np.int32)
-    times = {"get_view": [], "get": [], "np.load": []}
+    times: Dict[str, List[float]] = {"get_view": [], "C view": [], "get": [], "np.load": []}
     with Store(host_directory=True, name="bench-view-owner", timeout=10) as owner, \
             Store(owner.directory, name="bench-view-reader", timeout=10) as reader, \
             tempfile.TemporaryDirectory() as d:
@@ -339,18 +342,30 @@ def view_bench(mib: int = 11, reps: int = 50, out: TextIO = sys.stdout) -> Dict[
         path = os.path.join(d, "r.npy")
         np.save(path, arr)
         np.load(path)  # in the page cache from here on
+        _declare_view()
+        lib, h, byref = _lib.lib, reader.handle, ctypes.byref
+        info = _lib.StoreInfo()
+        info.size = ctypes.sizeof(info)
+        data, view = ctypes.c_void_p(), ctypes.c_void_p()
+        args = (h, b"r", byref(data), byref(info), byref(view), 10000)
         for _ in range(reps):
             t = time.perf_counter()
             with reader.get_view("r") as v:
                 v[-1]
             times["get_view"].append(time.perf_counter() - t)
             t = time.perf_counter()
+            rc = lib.ferry_store_get_view(*args)
+            lib.ferry_store_view_release(view)
+            times["C view"].append(time.perf_counter() - t)
+            if rc != 0:
+                raise RuntimeError("ferry_store_get_view: %d" % rc)
+            t = time.perf_counter()
             reader.get("r")
             times["get"].append(time.perf_counter() - t)
             t = time.perf_counter()
             np.load(path)
             times["np.load"].append(time.perf_counter() - t)
-    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in times.items()}
     print("store view of %d MiB from another node on this host (median of %d):" % (mib, reps),
           file=out)
     for k, v in med.items():
