@@ -139,7 +139,9 @@ class MQ(NodeHandle):
     FERRY_DIRECTORY. host_directory=True runs the embedded directory in this node (peers reach
     it at `mq.directory`). name: this node's name (unique in the fleet; how subscribers see
     this publisher). queue_bytes: credit granted to each publisher (0: FERRY_MQ_QUEUE_BYTES).
-    ctx: an open ferry.Context to use (one mq per context); by default a new one.
+    lease_ms: the directory lease (0: FERRY_LEASE_MS). transports, tcp_listen: the new
+    context's (None: FERRY_TRANSPORTS, FERRY_TCP_LISTEN). ctx: an open ferry.Context to use
+    (one mq per context); by default a new one.
     timeout: default seconds of each call (None: FERRY_TIMEOUT_MS)."""
 
     _what = "mq"

@@ -174,6 +174,10 @@ class Store(NodeHandle):
     reach it at `store.directory`. name: this node's name (unique in the fleet). ctx: an open
     ferry.Context to use (one store per context); by default the process's default context when
     it has no store yet (so arrays from ferry.empty() are put in place), else a new one.
+    capacity: bytes of this node's pool, where puts of ordinary memory are copied (0:
+    FERRY_STORE_CAPACITY). lease_ms: the directory lease (0: FERRY_LEASE_MS). tcp_listen:
+    HOST:PORT this node listens on (None: FERRY_TCP_LISTEN; peers on other hosts need a
+    reachable one). holder=True: also hold objects put by short-lived nodes (as `ferry serve`).
     timeout: default seconds of each call (None: FERRY_TIMEOUT_MS)."""
 
     _what = "store"

@@ -281,7 +281,12 @@ class NodeHandle(_lib.Closing):
 
 class Context(_lib.Closing):
     """A ferry_ctx: one node (name, listeners, progress thread, regions). Closing it is deferred
-    while arrays from ferry.empty() on it are alive, since closing unmaps their memory."""
+    while arrays from ferry.empty() on it are alive, since closing unmaps their memory.
+
+    name: the node's name (None: <hostname>-<pid>). tcp_listen: HOST:PORT of its tcp listener
+    (None: FERRY_TCP_LISTEN). transports: the links it offers, in order, e.g. "shm,tcp" (None:
+    FERRY_TRANSPORTS). token: the fleet token every link must prove it knows (None:
+    FERRY_TOKEN, else this user's secret)."""
 
     def __init__(self, name: Optional[str] = None, tcp_listen: Optional[str] = None,
                  transports: Optional[str] = None, token: Optional[str] = None) -> None:
