@@ -397,6 +397,7 @@ class Store(NodeHandle):
             items[len(live)].dst = arr.ctypes.data if arr.nbytes else None
             items[len(live)].cap = arr.nbytes
             live.append((i, arr, code))
+            infos.append(info)
         if not live:
             return results
         lib.ferry_store_get_batch(self.handle, items, len(live), self._t(timeout))
@@ -405,9 +406,10 @@ class Store(NodeHandle):
             if st == -5:  # deleted between stat and read
                 continue
             if st < 0:
-                # the item's status has no detail of its own; name the key
+                # the item's status has no detail of its own; name the key (and its owner)
                 from .errors import _BY_CODE, Error
-                raise _BY_CODE.get(st, Error)(st, "get_batch '%s'" % keys[i])
+                raise _BY_CODE.get(st, Error)(st, "get_batch '%s' (owner '%s')"
+                                              % (keys[i], infos[j]["owner"]))
             results[i] = from_bits(arr, code, like)
         return results
 

@@ -219,8 +219,9 @@ def test_reader_of_freed_memory_is_told_at_once(store):
         assert e.value.name == "FERRY_EFREED"
         with pytest.raises(ferry.Freed):
             store.get_view("freed", timeout=60)
-        with pytest.raises(ferry.Freed):
+        with pytest.raises(ferry.Freed) as e:
             store.get_batch(["freed"], timeout=60)
+        assert "owner 'py-freeing-owner'" in str(e.value)
         assert owner.delete("freed")  # the owner can still take the key back
         assert not store.exists("freed")
 
