@@ -646,11 +646,11 @@ static int node_cmp(const void *a, const void *b) {
 static int read_directory(fleet_view *v, snap *s, fr_dir_object **objs, size_t *nobjs,
                           fr_dir_object **mq, size_t *nmq) {
   int ms = fr_timeout(-1);
-  int rc = v->dir->ops->node_list(v->dir->state, &s->nodes, &s->nnodes, ms);
+  int rc = fr_dir_node_list(v->dir, &s->nodes, &s->nnodes, ms);
   if (rc == 0)
-    rc = v->dir->ops->obj_scan(v->dir->state, "", objs, nobjs, ms);
+    rc = fr_dir_obj_scan(v->dir, "", objs, nobjs, ms);
   if (rc == 0)
-    rc = v->dir->ops->obj_scan(v->dir->state, FR_DIR_RESERVED "mq/", mq, nmq, ms);
+    rc = fr_dir_obj_scan(v->dir, FR_DIR_RESERVED "mq/", mq, nmq, ms);
   if (rc != 0)
     return fr_err_wrap(rc, "fleet: the directory %s", v->dir->url);
   qsort(s->nodes, s->nnodes, sizeof *s->nodes, node_cmp);

@@ -54,7 +54,7 @@ static long probe_directory(const char *url, char *error, size_t len) {
   fr_dir_node *nodes = NULL;
   size_t n = 0;
   if (rc == 0)
-    rc = dir->ops->node_list(dir->state, &nodes, &n, 1000);
+    rc = fr_dir_node_list(dir, &nodes, &n, 1000);
   if (rc != 0)
     snprintf(error, len, "%s", ferry_last_error());
   free(nodes);

@@ -1,7 +1,8 @@
 /*
  * The directory's front door: the backends in one table, chosen by URL scheme, and the helpers
  * every backend shares (key checks, sorting). A job opens a directory with fr_dir_open() and
- * calls through dir->ops; it never names a backend.
+ * calls the front-door functions below; it never names a backend nor calls dir->ops itself, so
+ * the rules every call shares (the timeout's meaning, the optional operations) live here once.
  */
 #include "directory/directory.h"
 
@@ -55,6 +56,57 @@ void fr_dir_close(fr_dir *dir) {
     return;
   dir->ops->close(dir->state);
   free(dir);
+}
+
+/* ---- the front door ---- */
+
+uint64_t fr_dir_epoch(fr_dir *dir) { return dir->ops->epoch(dir->state); }
+
+int fr_dir_node_get(fr_dir *dir, const char *name, fr_dir_node *out, int timeout_ms) {
+  return dir->ops->node_get(dir->state, name, out, fr_timeout(timeout_ms));
+}
+
+int fr_dir_node_list(fr_dir *dir, fr_dir_node **out, size_t *n, int timeout_ms) {
+  return dir->ops->node_list(dir->state, out, n, fr_timeout(timeout_ms));
+}
+
+int fr_dir_obj_put(fr_dir *dir, const fr_dir_object *obj, unsigned flags, fr_dir_object *replaced,
+                   bool *had_other, int timeout_ms) {
+  return dir->ops->obj_put(dir->state, obj, flags, replaced, had_other, fr_timeout(timeout_ms));
+}
+
+int fr_dir_obj_put_batch(fr_dir *dir, const fr_dir_object *objs, size_t n, unsigned flags,
+                         int *status, fr_dir_object *replaced, bool *had_other, int timeout_ms) {
+  return dir->ops->obj_put_batch(dir->state, objs, n, flags, status, replaced, had_other,
+                                 fr_timeout(timeout_ms));
+}
+
+int fr_dir_obj_get(fr_dir *dir, const char *const *keys, size_t n, fr_dir_object *out, int *status,
+                   int timeout_ms) {
+  return dir->ops->obj_get(dir->state, keys, n, out, status, fr_timeout(timeout_ms));
+}
+
+int fr_dir_obj_del(fr_dir *dir, const char *key, const char *owner, uint64_t generation,
+                   fr_dir_object *deleted, int timeout_ms) {
+  return dir->ops->obj_del(dir->state, key, owner, generation, deleted, fr_timeout(timeout_ms));
+}
+
+int fr_dir_obj_scan(fr_dir *dir, const char *prefix, fr_dir_object **out, size_t *n,
+                    int timeout_ms) {
+  return dir->ops->obj_scan(dir->state, prefix, out, n, fr_timeout(timeout_ms));
+}
+
+void fr_dir_settle(fr_dir *dir, bool wait, fr_dir_settle_fn cb, void *arg, int timeout_ms) {
+  if (dir->ops->settle)
+    dir->ops->settle(dir->state, wait, cb, arg, fr_timeout(timeout_ms));
+}
+
+bool fr_dir_stamp_take(fr_dir *dir, const char *key, fr_dir_stamp *out) {
+  return dir->ops->stamp && dir->ops->stamp(dir->state, key, out);
+}
+
+bool fr_dir_peek(fr_dir *dir, const char *key, fr_dir_object *out) {
+  return dir->ops->peek && dir->ops->peek(dir->state, key, out);
 }
 
 int fr_dir_key_check(const char *key, const char *what) {

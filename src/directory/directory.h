@@ -3,7 +3,7 @@
  * (key -> owner, region, offset, bytes, dtype, shape, generation). Backends are ops tables chosen
  * by URL scheme (directory.c lists them): ferry:// is the embedded server (server.c, client.c),
  * redis:// keeps the same records in Redis (redis.c). A node holds a lease; when it lapses, the
- * node's records vanish. Jobs (the store) use the fr_dir_* calls below, never a backend directly.
+ * node's records vanish. Jobs use the fr_dir_* calls below (the front door), never dir->ops.
  */
 #ifndef FR_DIRECTORY_H
 #define FR_DIRECTORY_H
@@ -145,6 +145,31 @@ int fr_dir_open(ferry_ctx *ctx, const char *url, int timeout_ms, fr_dir **out);
 void fr_dir_close(fr_dir *dir);
 /* The backends, in one place (directory.c). */
 const fr_dir_ops *fr_dir_backend(const char *url);
+
+/* ---- the front door (directory.c): what jobs call, never dir->ops ----
+ * Each is the backend's operation of the same name (fr_dir_ops above says what it does), with the
+ * rules every caller shares applied in one place: a negative timeout means FERRY_TIMEOUT_MS (a
+ * backend never sees one), and the optional operations (peek, stamp, settle) answer "cannot"
+ * where the backend has none. */
+uint64_t fr_dir_epoch(fr_dir *dir);
+int fr_dir_node_get(fr_dir *dir, const char *name, fr_dir_node *out, int timeout_ms);
+int fr_dir_node_list(fr_dir *dir, fr_dir_node **out, size_t *n, int timeout_ms);
+int fr_dir_obj_put(fr_dir *dir, const fr_dir_object *obj, unsigned flags, fr_dir_object *replaced,
+                   bool *had_other, int timeout_ms);
+int fr_dir_obj_put_batch(fr_dir *dir, const fr_dir_object *objs, size_t n, unsigned flags,
+                         int *status, fr_dir_object *replaced, bool *had_other, int timeout_ms);
+int fr_dir_obj_get(fr_dir *dir, const char *const *keys, size_t n, fr_dir_object *out, int *status,
+                   int timeout_ms);
+int fr_dir_obj_del(fr_dir *dir, const char *key, const char *owner, uint64_t generation,
+                   fr_dir_object *deleted, int timeout_ms);
+int fr_dir_obj_scan(fr_dir *dir, const char *prefix, fr_dir_object **out, size_t *n,
+                    int timeout_ms);
+/* Does nothing where the backend never posts. */
+void fr_dir_settle(fr_dir *dir, bool wait, fr_dir_settle_fn cb, void *arg, int timeout_ms);
+/* false where the backend cannot tell without asking (or has no stamps at all). */
+bool fr_dir_stamp_take(fr_dir *dir, const char *key, fr_dir_stamp *out);
+/* false where the backend cannot answer without asking (or has no peek at all): ask obj_get. */
+bool fr_dir_peek(fr_dir *dir, const char *key, fr_dir_object *out);
 
 /* Object keys that start with this prefix belong to ferry's own jobs (mq's discovery records):
  * the store refuses them as user keys and leaves them out of list and delete_prefix/clear. */

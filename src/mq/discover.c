@@ -40,7 +40,7 @@ static void record_for(ferry_mq *mq, fr_dir_object *o, char role, const char *to
 static int put_record(ferry_mq *mq, char role, const char *topic, int timeout_ms) {
   fr_dir_object o;
   record_for(mq, &o, role, topic);
-  return mq->dir->ops->obj_put(mq->dir->state, &o, 0, NULL, NULL, timeout_ms);
+  return fr_dir_obj_put(mq->dir, &o, 0, NULL, NULL, timeout_ms);
 }
 
 /* The records of every topic this node subscribes to or advertises. */
@@ -109,7 +109,7 @@ static int dial(ferry_mq *mq, const char *name, int timeout_ms, ferry_link **out
   char dn[FR_DIR_NAME_MAX + 1];
   snprintf(dn, sizeof dn, "mq:%.60s", name);
   fr_dir_node node;
-  int rc = mq->dir->ops->node_get(mq->dir->state, dn, &node, timeout_ms);
+  int rc = fr_dir_node_get(mq->dir, dn, &node, timeout_ms);
   ferry_link *l = NULL;
   if (rc == 0)
     rc = ferry_connect(mq->ctx, node.address, timeout_ms, &l);
@@ -261,7 +261,7 @@ static int scan(ferry_mq *mq, char role, const char *topic, fr_dir_object **out,
                 int timeout_ms) {
   char prefix[FR_DIR_KEY_MAX + 1];
   fr_mq_key(prefix, sizeof prefix, role, topic, "");
-  int rc = mq->dir->ops->obj_scan(mq->dir->state, prefix, out, n, timeout_ms);
+  int rc = fr_dir_obj_scan(mq->dir, prefix, out, n, timeout_ms);
   if (rc != 0)
     return fr_err_wrap(rc, "mq: looking up topic '%s'", topic);
   size_t k = 0;
@@ -415,7 +415,7 @@ int ferry_mq_unsubscribe(ferry_mq *mq, const char *topic, int timeout_ms) {
     return fr_err(FERRY_ENOTFOUND, "unsubscribe: not subscribed to '%s'", topic);
   char key[FR_DIR_KEY_MAX + 1];
   fr_mq_key(key, sizeof key, 's', topic, mq->name);
-  rc = mq->dir->ops->obj_del(mq->dir->state, key, "", 0, NULL, fr_ms_left(deadline) + 1);
+  rc = fr_dir_obj_del(mq->dir, key, "", 0, NULL, fr_ms_left(deadline) + 1);
   if (rc != 0 && rc != FERRY_ENOTFOUND)
     fr_warn("mq '%s': unsubscribe '%s': %s", mq->name, topic, ferry_last_error());
   tell_publishers(mq, FR_MQ_UNSUB, topic, deadline);

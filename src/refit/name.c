@@ -72,7 +72,7 @@ int fr_refit_resolve(ferry_ctx *ctx, const char *name, int timeout_ms, char **ad
   if (rc == 0)
     rc = fr_dir_open(ctx, NULL, timeout_ms, &dir);
   if (rc == 0)
-    rc = dir->ops->node_get(dir->state, node, &rec, timeout_ms);
+    rc = fr_dir_node_get(dir, node, &rec, timeout_ms);
   fr_dir_close(dir);
   if (rc == FERRY_ENOTFOUND)
     return fr_err(rc,

@@ -31,7 +31,7 @@ static fr_peer *peer_find(ferry_store *s, const char *name) {
 
 static int peer_connect(ferry_store *s, const char *name, int timeout_ms, ferry_link **out) {
   fr_dir_node n;
-  int rc = s->dir->ops->node_get(s->dir->state, name, &n, timeout_ms);
+  int rc = fr_dir_node_get(s->dir, name, &n, timeout_ms);
   if (rc == FERRY_ENOTFOUND)
     return fr_err(FERRY_EPEER, "owner '%s' is gone (no longer in the directory)", name);
   if (rc != 0)
@@ -448,12 +448,12 @@ static int batch_ask(ferry_store *s, fr_batch *b, const char **keys, int *st, in
   int *got = calloc(b->n, sizeof *got);
   int rc = at && ask && recs && got ? 0 : fr_err(FERRY_ENOMEM, "batch of %zu", b->n);
   for (size_t i = 0; rc == 0 && i < b->n; i++)
-    if (!s->dir->ops->peek || !s->dir->ops->peek(s->dir->state, keys[i], &b->recs[i])) {
+    if (!fr_dir_peek(s->dir, keys[i], &b->recs[i])) {
       ask[m] = keys[i];
       at[m++] = i;
     }
   if (rc == 0 && m > 0)
-    rc = s->dir->ops->obj_get(s->dir->state, ask, m, recs, got, timeout_ms);
+    rc = fr_dir_obj_get(s->dir, ask, m, recs, got, timeout_ms);
   for (size_t j = 0; rc == 0 && j < m; j++) {
     b->recs[at[j]] = recs[j];
     st[at[j]] = got[j];

@@ -50,13 +50,13 @@ void fr_store_forget(ferry_store *s, const char *key) {
 int fr_store_lookup_again(ferry_store *s, const char *key, fr_dir_object *rec, int timeout_ms,
                           bool again) {
   fr_dir_stamp now; /* taken before the question goes out */
-  bool stamped = s->dir->ops->stamp && s->dir->ops->stamp(s->dir->state, key, &now);
+  bool stamped = fr_dir_stamp_take(s->dir, key, &now);
   if (stamped && cache_get(s, key, &now, rec))
     return 0;
-  if (!again && s->dir->ops->peek && s->dir->ops->peek(s->dir->state, key, rec))
+  if (!again && fr_dir_peek(s->dir, key, rec))
     return 0;
   int st = 0;
-  int rc = s->dir->ops->obj_get(s->dir->state, &key, 1, rec, &st, timeout_ms);
+  int rc = fr_dir_obj_get(s->dir, &key, 1, rec, &st, timeout_ms);
   if (rc != 0)
     return rc;
   if (st != 0)
@@ -103,8 +103,8 @@ int fr_store_delete_rec(ferry_store *s, const fr_dir_object *rec, int timeout_ms
     if (rc == 0 || (!owner_gone(rc) && rc != FERRY_ENOTFOUND))
       return rc;
   }
-  int rc = s->dir->ops->obj_del(s->dir->state, rec->key, rec->owner, rec->generation, NULL,
-                                fr_store_left(deadline));
+  int rc =
+      fr_dir_obj_del(s->dir, rec->key, rec->owner, rec->generation, NULL, fr_store_left(deadline));
   return rc == FERRY_ENOTFOUND ? 0 : rc; /* gone already: the delete happened */
 }
 
@@ -125,8 +125,7 @@ int ferry_store_delete_prefix(ferry_store *s, const char *prefix, size_t *delete
   uint64_t deadline = fr_deadline_ns(fr_timeout(timeout_ms));
   fr_dir_object *v = NULL;
   size_t n = 0, done = 0;
-  int rc =
-      s->dir->ops->obj_scan(s->dir->state, prefix ? prefix : "", &v, &n, fr_store_left(deadline));
+  int rc = fr_dir_obj_scan(s->dir, prefix ? prefix : "", &v, &n, fr_store_left(deadline));
   for (size_t i = 0; rc == 0 && i < n; i++) {
     if (fr_dir_key_reserved(v[i].key)) /* ferry's own records (mq discovery) */
       continue;
@@ -152,8 +151,7 @@ int ferry_store_list(ferry_store *s, const char *prefix, ferry_store_info **out,
     return fr_err(FERRY_EINVAL, "list: NULL argument");
   fr_dir_object *v = NULL;
   size_t n = 0;
-  int rc =
-      s->dir->ops->obj_scan(s->dir->state, prefix ? prefix : "", &v, &n, fr_timeout(timeout_ms));
+  int rc = fr_dir_obj_scan(s->dir, prefix ? prefix : "", &v, &n, fr_timeout(timeout_ms));
   if (rc != 0)
     return rc;
   ferry_store_info *list = calloc(n ? n : 1, sizeof *list);

@@ -248,10 +248,9 @@ static int publish(ferry_store *s, fr_owned *o, int timeout_ms) {
   pthread_mutex_lock(&s->publish_lock);
   int rc = fr_store_ensure_registered(s, fr_store_left(deadline));
   if (rc == 0)
-    rc = s->dir->ops->obj_put(s->dir->state, &o->rec, FR_DIR_PUT_POSTED, &old, &other,
-                              fr_store_left(deadline));
+    rc = fr_dir_obj_put(s->dir, &o->rec, FR_DIR_PUT_POSTED, &old, &other, fr_store_left(deadline));
   if (rc == FERRY_ENOTFOUND && (rc = fr_store_register(s, false, fr_store_left(deadline))) == 0)
-    rc = s->dir->ops->obj_put(s->dir->state, &o->rec, 0, &old, &other, fr_store_left(deadline));
+    rc = fr_dir_obj_put(s->dir, &o->rec, 0, &old, &other, fr_store_left(deadline));
   if (rc == 0) {
     pthread_mutex_lock(&s->lock);
     fr_owned *prev = owned_swap(s, o);
@@ -349,18 +348,16 @@ static int publish_batch(ferry_store *s, fr_owned **os, size_t n, int *st, int t
     b.recs[i] = os[i]->rec;
     b.pinned[i] = UINT32_MAX;
   }
-  const fr_dir_ops *ops = s->dir->ops;
   fr_store_settle(s, false); /* what earlier puts left to do */
   pthread_mutex_lock(&s->publish_lock);
   if (rc == 0)
     rc = fr_store_ensure_registered(s, fr_store_left(deadline));
   if (rc == 0)
-    rc = ops->obj_put_batch(s->dir->state, b.recs, n, FR_DIR_PUT_POSTED, st, b.old, b.other,
-                            fr_store_left(deadline));
+    rc = fr_dir_obj_put_batch(s->dir, b.recs, n, FR_DIR_PUT_POSTED, st, b.old, b.other,
+                              fr_store_left(deadline));
   if (rc == 0 && n > 0 && st[0] == FERRY_ENOTFOUND && /* the lease lapsed: register, again */
       (rc = fr_store_register(s, false, fr_store_left(deadline))) == 0)
-    rc = ops->obj_put_batch(s->dir->state, b.recs, n, 0, st, b.old, b.other,
-                            fr_store_left(deadline));
+    rc = fr_dir_obj_put_batch(s->dir, b.recs, n, 0, st, b.old, b.other, fr_store_left(deadline));
   if (rc == 0) {
     pthread_mutex_lock(&s->lock);
     for (size_t i = 0; i < n; i++) {
@@ -478,7 +475,7 @@ int fr_store_delete_owned(ferry_store *s, const char *key, uint64_t generation, 
   if (!match)
     return fr_err(FERRY_ENOTFOUND, "'%s' is not held by '%s'", key, s->name);
   if (in_directory) {
-    int rc = s->dir->ops->obj_del(s->dir->state, key, s->name, gen, NULL, timeout_ms);
+    int rc = fr_dir_obj_del(s->dir, key, s->name, gen, NULL, timeout_ms);
     if (rc != 0 && rc != FERRY_ENOTFOUND) /* ENOTFOUND: replaced elsewhere, or lost */
       return rc;
   }

@@ -128,7 +128,7 @@ static int find_holder(ferry_store *s, char *name, size_t cap, int timeout_ms) {
   }
   fr_dir_node *v = NULL;
   size_t n = 0;
-  int rc = s->dir->ops->node_list(s->dir->state, &v, &n, timeout_ms);
+  int rc = fr_dir_node_list(s->dir, &v, &n, timeout_ms);
   size_t i = 0;
   while (rc == 0 && i < n && !(v[i].flags & FR_NODE_HOLDER))
     i++;

@@ -68,8 +68,7 @@ static int republish(ferry_store *s, int timeout_ms) {
     return fr_err(FERRY_ENOMEM, "store: re-registration");
   int rc = 0;
   for (size_t i = 0; i < n && rc == 0; i++) {
-    rc = s->dir->ops->obj_put(s->dir->state, &recs[i], FR_DIR_PUT_KEEP_OTHERS, NULL, NULL,
-                              timeout_ms);
+    rc = fr_dir_obj_put(s->dir, &recs[i], FR_DIR_PUT_KEEP_OTHERS, NULL, NULL, timeout_ms);
     if (rc == FERRY_EEXIST) {
       fr_info("store: '%s' now belongs to another node; dropping our copy", recs[i].key);
       rc = 0;
@@ -119,9 +118,7 @@ static void settled(void *arg, const fr_dir_object *put, int status,
 }
 
 void fr_store_settle(ferry_store *s, bool wait) {
-  if (!s->dir->ops->settle)
-    return;
-  s->dir->ops->settle(s->dir->state, wait, settled, s, wait ? fr_timeout(-1) : 0);
+  fr_dir_settle(s->dir, wait, settled, s, wait ? fr_timeout(-1) : 0);
   if (!__atomic_load_n(&s->republish_due, __ATOMIC_SEQ_CST))
     return;
   pthread_mutex_lock(&s->publish_lock);
