@@ -444,6 +444,84 @@ static void test_embedded_link(void **state) {
   ferry_ctx_close(cc);
 }
 
+/* Sums the samples of one counter or gauge of ctx (every transport). */
+typedef struct stat_sum {
+  const char *name;
+  double value;
+} stat_sum;
+
+static int add_stat(const ferry_stat *st, void *arg) {
+  stat_sum *s = arg;
+  if (strcmp(st->name, s->name) == 0)
+    s->value += st->value;
+  return 0;
+}
+
+static double ctx_stat(ferry_ctx *c, const char *name) {
+  stat_sum s = {name, 0};
+  FR_OK(ferry_stats_each(c, add_stat, &s));
+  return s.value;
+}
+
+/* One client per context and URL: opening the same directory again on a context returns the same
+ * client, another context gets its own, and the last close closes it. A store, an mq and a
+ * published refit sender on one context dial the directory only as often as one client alone does.
+ */
+static void test_shared_client(void **state) {
+  int port = su_free_port();
+  char listen[64], url[80];
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  ferry_ctx *sc = open_ctx("dir-server", listen), *a = open_ctx("dir-a", NULL),
+            *b = open_ctx("dir-b", NULL);
+  fr_dir_server *srv;
+  FR_OK(fr_dir_server_start(sc, &srv));
+  fr_dir *d1, *d2, *d3;
+  FR_OK(fr_dir_open(a, url, 2000, &d1));
+  double alone = ctx_stat(a, "ferry_links_opened_total");
+  assert_true(alone > 0);
+  FR_OK(fr_dir_open(a, url, 2000, &d2));
+  FR_OK(fr_dir_open(b, url, 2000, &d3));
+  assert_ptr_equal(d1, d2);
+  assert_ptr_not_equal(d1, d3);
+  assert_int_equal(fr_dir_refs(d1), 2);
+  assert_int_equal(fr_dir_refs(d3), 1);
+  assert_true(ctx_stat(a, "ferry_links_opened_total") == alone); /* no second dial */
+  fr_dir_close(d1);
+  assert_int_equal(fr_dir_refs(d2), 1);
+  fr_dir_node n = make_node("shared"), got;
+  FR_OK(d2->ops->node_put(d2->state, &n, 30000, 0, NULL, 2000)); /* still connected */
+  FR_OK(fr_dir_node_get(d3, "shared", &got, 2000));
+  fr_dir_close(d2);
+  fr_dir_close(d3);
+
+  /* the jobs of one context */
+  ferry_ctx *c = open_ctx("dir-jobs", NULL);
+  ferry_store_opts so = {.size = sizeof so, .directory = url, .capacity = 1 << 20};
+  ferry_store *st;
+  FR_OK(ferry_store_open(c, &so, &st));
+  ferry_mq_opts mo = {.size = sizeof mo, .directory = url};
+  ferry_mq *mq;
+  FR_OK(ferry_mq_open(c, &mo, &mq));
+  ferry_refit_opts ro = {.size = sizeof ro, .publish = 1, .directory = url};
+  ferry_refit_sender *rs;
+  FR_OK(ferry_refit_sender_open(c, "shared-policy", &ro, &rs));
+  assert_true(ctx_stat(c, "ferry_links_opened_total") == alone);
+  fr_dir *check;
+  FR_OK(fr_dir_open(c, url, 2000, &check));
+  assert_int_equal(fr_dir_refs(check), 4); /* store, mq, refit and this one */
+  fr_dir_close(check);
+  ferry_refit_sender_close(rs);
+  ferry_mq_close(mq);
+  ferry_store_close(st);
+
+  fr_dir_server_stop(srv);
+  ferry_ctx_close(c);
+  ferry_ctx_close(b);
+  ferry_ctx_close(a);
+  ferry_ctx_close(sc);
+}
+
 static void test_no_directory(void **state) {
   ferry_ctx *cc = open_ctx("lonely", NULL);
   char url[80];
@@ -466,6 +544,17 @@ static void test_redis(void **state) {
   fr_dir *d;
   FR_OK(fr_dir_open(NULL, r.url, 2000, &d));
   check_all(d);
+  /* the same database spelled out is the same client; another database is another */
+  char same[128], other[128];
+  snprintf(same, sizeof same, "%s/0", r.url);
+  snprintf(other, sizeof other, "%s/1", r.url);
+  fr_dir *d2, *d3;
+  FR_OK(fr_dir_open(NULL, same, 2000, &d2));
+  FR_OK(fr_dir_open(NULL, other, 2000, &d3));
+  assert_ptr_equal(d2, d);
+  assert_ptr_not_equal(d3, d);
+  fr_dir_close(d3);
+  fr_dir_close(d2);
   /* Redis goes away: a clear error, then it comes back and the client redials */
   su_redis_stop(&r);
   fr_dir_node got;
@@ -708,6 +797,7 @@ int main(void) {
       cmocka_unit_test(test_server_rejects_garbage),
       cmocka_unit_test(test_embedded_local),
       cmocka_unit_test(test_embedded_link),
+      cmocka_unit_test(test_shared_client),
       cmocka_unit_test(test_no_directory),
       cmocka_unit_test(test_redis),
       cmocka_unit_test(test_table_rules),

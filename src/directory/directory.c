@@ -6,6 +6,7 @@
  */
 #include "directory/directory.h"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +25,55 @@ const fr_dir_ops *fr_dir_backend(const char *url) {
   return NULL;
 }
 
+/* ---- one client per context and URL ----
+ * The open clients in a list under a lock: a process holds a handful (one per context and
+ * directory), and an open is rare next to the calls made through it. */
+
+static pthread_mutex_t shared_lock = PTHREAD_MUTEX_INITIALIZER;
+static fr_dir *shared;
+
+/* The URL as the client it names: a redis:// URL rebuilt from its parts (so redis://h and
+ * redis://h:6379/0 are one client), any other as written. NULL when out of memory. */
+static char *canonical(const char *url) {
+  char buf[2 * FR_DIR_ADDRESS_MAX + 64];
+  fr_redis_url r;
+  if (strncmp(url, "redis://", 8) != 0)
+    return strdup(url);
+  if (fr_redis_url_parse(url, &r) != 0) {
+    fr_err_clear(); /* the backend's open says what is wrong with it */
+    return strdup(url);
+  }
+  snprintf(buf, sizeof buf, "redis://%s\n%s\n%s\n%d\n%d", r.auth ? r.user : "",
+           r.auth ? r.password : "", r.host, r.port, r.db);
+  return strdup(buf);
+}
+
+/* shared_lock held. A reference to the open client of (ctx, key), or NULL. */
+static fr_dir *shared_find(ferry_ctx *ctx, const char *key) {
+  for (fr_dir *d = shared; d; d = d->next)
+    if (d->ctx == ctx && strcmp(d->key, key) == 0) {
+      d->refs++;
+      return d;
+    }
+  return NULL;
+}
+
+static int connect_new(ferry_ctx *ctx, const char *url, const fr_dir_ops *ops, const char *shown,
+                       int timeout_ms, fr_dir **out) {
+  fr_dir *d = calloc(1, sizeof *d);
+  if (!d)
+    return fr_err(FERRY_ENOMEM, "directory client");
+  d->ops = ops;
+  snprintf(d->url, sizeof d->url, "%s", shown);
+  int rc = ops->open(ctx, url + strlen(ops->scheme), timeout_ms, &d->state);
+  if (rc != 0) {
+    free(d);
+    return rc;
+  }
+  *out = d;
+  return 0;
+}
+
 int fr_dir_open(ferry_ctx *ctx, const char *url, int timeout_ms, fr_dir **out) {
   if (!url || !*url)
     url = fr_config_str("FERRY_DIRECTORY");
@@ -37,25 +87,77 @@ int fr_dir_open(ferry_ctx *ctx, const char *url, int timeout_ms, fr_dir **out) {
                   shown);
   if (strlen(url) > FR_DIR_ADDRESS_MAX)
     return fr_err(FERRY_EINVAL, "directory URL too long");
-  fr_dir *d = calloc(1, sizeof *d);
-  if (!d)
+  char *key = canonical(url);
+  if (!key)
     return fr_err(FERRY_ENOMEM, "directory client");
-  d->ops = ops;
-  snprintf(d->url, sizeof d->url, "%s", shown);
-  int rc = ops->open(ctx, url + strlen(ops->scheme), fr_timeout(timeout_ms), &d->state);
+  pthread_mutex_lock(&shared_lock);
+  fr_dir *d = shared_find(ctx, key);
+  pthread_mutex_unlock(&shared_lock);
+  if (d) {
+    free(key);
+    *out = d;
+    return 0;
+  }
+  /* connect without the lock (it may take the whole timeout); when another thread connected
+   * meanwhile, keep its client and close ours */
+  fr_dir *mine = NULL;
+  int rc = connect_new(ctx, url, ops, shown, fr_timeout(timeout_ms), &mine);
   if (rc != 0) {
-    free(d);
+    free(key);
     return rc;
+  }
+  pthread_mutex_lock(&shared_lock);
+  if (!(d = shared_find(ctx, key))) {
+    d = mine;
+    d->ctx = ctx;
+    d->key = key;
+    d->refs = 1;
+    d->next = shared;
+    shared = d;
+    mine = NULL;
+  }
+  pthread_mutex_unlock(&shared_lock);
+  if (mine) {
+    mine->ops->close(mine->state);
+    free(mine);
+    free(key);
   }
   *out = d;
   return 0;
 }
 
+/* shared_lock held. Whether this was the last reference (then d is out of the list). */
+static bool shared_put(fr_dir *d) {
+  if (--d->refs > 0)
+    return false;
+  for (fr_dir **p = &shared; *p; p = &(*p)->next)
+    if (*p == d) {
+      *p = d->next;
+      break;
+    }
+  return true;
+}
+
 void fr_dir_close(fr_dir *dir) {
   if (!dir)
     return;
+  if (dir->key) {
+    pthread_mutex_lock(&shared_lock);
+    bool last = shared_put(dir);
+    pthread_mutex_unlock(&shared_lock);
+    if (!last)
+      return;
+  }
   dir->ops->close(dir->state);
+  free(dir->key);
   free(dir);
+}
+
+unsigned fr_dir_refs(fr_dir *dir) {
+  pthread_mutex_lock(&shared_lock);
+  unsigned n = dir->key ? dir->refs : 1;
+  pthread_mutex_unlock(&shared_lock);
+  return n;
 }
 
 /* ---- the front door ---- */

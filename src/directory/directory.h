@@ -132,17 +132,32 @@ typedef struct fr_dir_ops {
   bool (*peek)(void *state, const char *key, fr_dir_object *out);
 } fr_dir_ops;
 
-/* A connected directory client: the backend and its state. Thread-safe. */
+/* A connected directory client: the backend and its state. Thread-safe: the jobs of a context
+ * share one (fr_dir_open). */
 typedef struct fr_dir {
   const fr_dir_ops *ops;
   void *state;
   char url[FR_DIR_ADDRESS_MAX + 1]; /* redacted (fr_url_redact): safe to print */
+  /* The sharing (directory.c, under its lock): NULL `key` for a client nobody shares
+   * (fr_dir_open_local). */
+  ferry_ctx *ctx;
+  char *key; /* the canonical URL, password included: never printed */
+  unsigned refs;
+  struct fr_dir *next;
 } fr_dir;
 
-/* Connects to the directory at url (NULL: FERRY_DIRECTORY). FERRY_EINVAL for an unknown scheme,
- * FERRY_ECONNECT when nothing answers (the detail says how to start one). */
+/* Connects to the directory at url (NULL: FERRY_DIRECTORY). The client is shared: while one is
+ * open for the same context and URL (a redis:// URL's default port and database spelled or not
+ * make no difference), this returns it with one more reference, so the store, mq and refit of a
+ * context reach a directory over one client (one link, one redial, one set of change words).
+ * Each fr_dir_open is paired with one fr_dir_close; the last closes the client. Only the store
+ * posts puts (FR_DIR_PUT_POSTED) and settles them, one store per context, so a settle never
+ * collects another job's answers. FERRY_EINVAL for an unknown scheme, FERRY_ECONNECT when nothing
+ * answers (the detail says how to start one). */
 int fr_dir_open(ferry_ctx *ctx, const char *url, int timeout_ms, fr_dir **out);
 void fr_dir_close(fr_dir *dir);
+/* How many fr_dir_open()s hold a shared client open (tests). */
+unsigned fr_dir_refs(fr_dir *dir);
 /* The backends, in one place (directory.c). */
 const fr_dir_ops *fr_dir_backend(const char *url);
 
