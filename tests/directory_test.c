@@ -522,6 +522,157 @@ static void test_shared_client(void **state) {
   ferry_ctx_close(sc);
 }
 
+/* Renewals since the counts in req0 and names0 (which then move on): requests and names. */
+static void renewed_since(fr_dir_server *srv, uint64_t *req0, uint64_t *names0, uint64_t *req,
+                          uint64_t *names) {
+  uint64_t r, n, last;
+  fr_dir_server_renewals(srv, &r, &n, &last);
+  *req = r - *req0;
+  *names = n - *names0;
+  *req0 = r;
+  *names0 = n;
+}
+
+/* The leases taken over one client renew together: one request renews every member and moves
+ * their next renewal on; a member the directory lost is left to its own renewal, which takes it
+ * again; a dropped one leaves the group. */
+static void test_lease_group(void **state) {
+  int port = su_free_port();
+  char listen[64], url[80];
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  ferry_ctx *sc = open_ctx("dir-server", listen), *c = open_ctx("dir-group", NULL);
+  fr_dir_server *srv;
+  FR_OK(fr_dir_server_start(sc, &srv));
+  fr_dir *d[3];
+  fr_dir_lease l[3];
+  for (int i = 0; i < 3; i++) {
+    char name[16];
+    snprintf(name, sizeof name, "g%d", i);
+    FR_OK(fr_dir_open(c, url, 2000, &d[i]));
+    fr_dir_lease_init(&l[i], d[i], c, name, name);
+    l[i].lease_ms = 60000; /* nothing renews on its own during the test */
+    FR_OK(fr_dir_lease_take(&l[i], 2000));
+  }
+  assert_ptr_equal(d[0], d[2]);
+  uint64_t req0 = 0, names0 = 0, req, names;
+  renewed_since(srv, &req0, &names0, &req, &names);
+  assert_int_equal(fr_dir_lease_renew(&l[0]), 0);
+  renewed_since(srv, &req0, &names0, &req, &names);
+  assert_int_equal(req, 1);
+  assert_int_equal(names, 3);
+  assert_false(fr_dir_lease_due(&l[1]));
+  assert_false(fr_dir_lease_due(&l[2]));
+
+  /* the directory loses g1: the group's renewal leaves it to its own, which takes it again */
+  FR_OK(d[0]->ops->node_del(d[0]->state, "g1", 0, 2000));
+  assert_int_equal(fr_dir_lease_renew(&l[2]), 0);
+  renewed_since(srv, &req0, &names0, &req, &names);
+  assert_int_equal(req, 1);
+  assert_int_equal(names, 2);
+  assert_true(fr_dir_lease_due(&l[1]));
+  assert_false(fr_dir_lease_ok(&l[1]));
+  assert_int_equal(fr_dir_lease_renew(&l[1]), 1); /* registered again: publish again */
+  fr_dir_node got;
+  FR_OK(fr_dir_node_get(d[0], "g1", &got, 2000));
+  assert_int_equal(fr_dir_lease_renew(&l[0]), 0);
+  renewed_since(srv, &req0, &names0, &req, &names);
+  assert_int_equal(names, 3 * req);
+
+  /* a dropped lease leaves the group */
+  fr_dir_lease_drop(&l[2]);
+  assert_int_equal(fr_dir_lease_renew(&l[0]), 0);
+  renewed_since(srv, &req0, &names0, &req, &names);
+  assert_int_equal(req, 1);
+  assert_int_equal(names, 2);
+  for (int i = 0; i < 3; i++) {
+    fr_dir_lease_drop(&l[i]);
+    fr_dir_close(d[i]);
+  }
+  fr_dir_server_stop(srv);
+  ferry_ctx_close(c);
+  ferry_ctx_close(sc);
+}
+
+/* A store, an mq and a published refit sender on one context (FERRY_LEASE_MS from the parent),
+ * then it says so and waits to be killed. */
+static int jobs_then_wait(const char *url, int wr) {
+  ferry_ctx_opts co = {.size = sizeof co, .name = "doomed", .token = ""};
+  ferry_ctx *c;
+  ferry_store_opts so = {.size = sizeof so, .directory = url, .capacity = 1 << 20};
+  ferry_store *st;
+  ferry_mq_opts mo = {.size = sizeof mo, .directory = url};
+  ferry_mq *mq;
+  ferry_refit_opts ro = {.size = sizeof ro, .publish = 1, .directory = url};
+  ferry_refit_sender *rs;
+  if (ferry_ctx_open(&co, &c) != 0 || ferry_store_open(c, &so, &st) != 0 ||
+      ferry_mq_open(c, &mo, &mq) != 0 || ferry_refit_sender_open(c, "doomed-policy", &ro, &rs) != 0)
+    return 1;
+  uint8_t up = 1;
+  tu_pipe p = {-1, wr};
+  tu_pipe_put(&p, &up, 1);
+  for (;;)
+    pause();
+}
+
+/* How many nodes of the process "doomed" the directory lists. */
+static size_t doomed_nodes(fr_dir *d) {
+  fr_dir_node *v = NULL;
+  size_t n = 0, found = 0;
+  FR_OK(fr_dir_node_list(d, &v, &n, 2000));
+  for (size_t i = 0; i < n; i++)
+    found += strstr(v[i].name, "doomed") != NULL;
+  free(v);
+  return found;
+}
+
+/* One renewal stream per process: its store, mq and refit sender renew in one request, and when
+ * the process is killed their records lapse together (never one without the others). */
+static void test_jobs_lapse_together(void **state) {
+  int port = su_free_port();
+  char listen[64], url[80];
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  ferry_ctx *sc = open_ctx("dir-server", listen), *c = open_ctx("dir-watch", NULL);
+  fr_dir_server *srv;
+  FR_OK(fr_dir_server_start(sc, &srv));
+  fr_dir *d;
+  FR_OK(fr_dir_open(c, url, 2000, &d));
+  tu_pipe from_child;
+  tu_pipe_open(&from_child);
+  char wr[16];
+  snprintf(wr, sizeof wr, "%d", from_child.wr);
+  setenv("FERRY_LEASE_MS", "900", 1);
+  pid_t pid = tu_spawn_exec("--jobs-then-wait", url, wr, NULL);
+  unsetenv("FERRY_LEASE_MS");
+  uint8_t up = 0;
+  assert_int_equal(tu_pipe_get(&from_child, &up, 1, 30000), 0);
+  assert_int_equal(up, 1);
+  assert_int_equal(doomed_nodes(d), 3);
+  /* wait for a renewal of all three in one request, then kill the process */
+  uint64_t req0, names0, last = 0, req = 0, names;
+  fr_dir_server_renewals(srv, &req0, &names0, &last);
+  for (int i = 0; i < 3000 && !(req > req0 && last == 3); i++) {
+    usleep(10000);
+    fr_dir_server_renewals(srv, &req, &names, &last);
+  }
+  assert_int_equal(last, 3);
+  kill(pid, SIGKILL);
+  assert_int_equal(tu_wait(pid), 128 + SIGKILL);
+  size_t left = 3;
+  for (int i = 0; i < 3000 && left > 0; i++) {
+    usleep(10000);
+    left = doomed_nodes(d);
+    assert_true(left == 3 || left == 0);
+  }
+  assert_int_equal(left, 0);
+  tu_pipe_close(&from_child);
+  fr_dir_close(d);
+  fr_dir_server_stop(srv);
+  ferry_ctx_close(c);
+  ferry_ctx_close(sc);
+}
+
 static void test_no_directory(void **state) {
   ferry_ctx *cc = open_ctx("lonely", NULL);
   char url[80];
@@ -791,13 +942,17 @@ static void test_advertise_two_hosts(void **state) {
   netns_down(NS_TAG, 2);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+  if (argc == 4 && strcmp(argv[1], "--jobs-then-wait") == 0)
+    return jobs_then_wait(argv[2], atoi(argv[3]));
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_codec),
       cmocka_unit_test(test_server_rejects_garbage),
       cmocka_unit_test(test_embedded_local),
       cmocka_unit_test(test_embedded_link),
       cmocka_unit_test(test_shared_client),
+      cmocka_unit_test(test_lease_group),
+      cmocka_unit_test(test_jobs_lapse_together),
       cmocka_unit_test(test_no_directory),
       cmocka_unit_test(test_redis),
       cmocka_unit_test(test_table_rules),

@@ -496,6 +496,30 @@ static int emb_node_renew(void *st, const char *name, uint64_t incarnation, int 
   return rc ? rc : finish(st, &r);
 }
 
+static int emb_node_renew_batch(void *st, const fr_dir_renewal *rn, size_t n, int *status,
+                                int timeout_ms) {
+  if (n > FR_DIR_BATCH_MAX)
+    return fr_err(FERRY_EINVAL, "renew: %zu names (at most %d)", n, FR_DIR_BATCH_MAX);
+  fr_wr w = {0};
+  fr_wr_request(&w, FR_DOP_NODE_RENEW_BATCH);
+  fr_wr_u32(&w, (uint32_t)n);
+  for (size_t i = 0; i < n; i++) {
+    fr_wr_str(&w, rn[i].name);
+    fr_wr_u64(&w, rn[i].incarnation);
+    fr_wr_u32(&w, (uint32_t)rn[i].lease_ms);
+  }
+  reply r;
+  int rc = call(st, &w, &r, timeout_ms);
+  if (rc != 0)
+    return rc;
+  for (size_t i = 0; i < n && !r.rd.failed; i++) {
+    status[i] = (int32_t)fr_rd_u32(&r.rd);
+    if (status[i] != 0 && status[i] != FERRY_ENOTFOUND)
+      r.rd.failed = true;
+  }
+  return finish(st, &r);
+}
+
 static int emb_node_get(void *st, const char *name, fr_dir_node *out, int timeout_ms) {
   fr_wr w = {0};
   fr_wr_request(&w, FR_DOP_NODE_GET);
@@ -827,6 +851,7 @@ const fr_dir_ops fr_dir_embedded_ops = {
     .settle = emb_settle,
     .stamp = emb_stamp,
     .peek = emb_peek,
+    .node_renew_batch = emb_node_renew_batch,
 };
 
 int fr_dir_open_local(fr_dir_server *srv, fr_dir **out) {

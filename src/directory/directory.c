@@ -164,6 +164,25 @@ unsigned fr_dir_refs(fr_dir *dir) {
 
 uint64_t fr_dir_epoch(fr_dir *dir) { return dir->ops->epoch(dir->state); }
 
+int fr_dir_node_renew_batch(fr_dir *dir, const fr_dir_renewal *r, size_t n, int *status,
+                            int timeout_ms) {
+  uint64_t deadline = fr_deadline_ns(fr_timeout(timeout_ms));
+  if (dir->ops->node_renew_batch) {
+    int rc = dir->ops->node_renew_batch(dir->state, r, n, status, fr_timeout(timeout_ms));
+    if (rc != FERRY_EPROTO) /* an older server does not know the request: one at a time */
+      return rc;
+    fr_err_clear();
+  }
+  for (size_t i = 0; i < n; i++) {
+    int ms = fr_ms_left(deadline);
+    status[i] = dir->ops->node_renew(dir->state, r[i].name, r[i].incarnation, r[i].lease_ms,
+                                     ms > 0 ? ms : 1);
+    if (status[i] != 0 && status[i] != FERRY_ENOTFOUND)
+      return status[i]; /* the directory did not answer: the rest would fail alike */
+  }
+  return 0;
+}
+
 int fr_dir_node_get(fr_dir *dir, const char *name, fr_dir_node *out, int timeout_ms) {
   return dir->ops->node_get(dir->state, name, out, fr_timeout(timeout_ms));
 }

@@ -71,6 +71,13 @@ static inline bool fr_dir_stamp_eq(const fr_dir_stamp *a, const fr_dir_stamp *b)
 typedef void (*fr_dir_settle_fn)(void *arg, const fr_dir_object *put, int status,
                                  const fr_dir_object *replaced);
 
+/* One name of a renewal of several (fr_dir_ops.node_renew_batch). */
+typedef struct fr_dir_renewal {
+  const char *name;
+  uint64_t incarnation;
+  int lease_ms;
+} fr_dir_renewal;
+
 typedef struct fr_dir_ops {
   const char *scheme; /* "ferry://", "redis://" */
   /* Connects to `where` (the URL after the scheme); ctx is the node's (links, if any). */
@@ -130,6 +137,11 @@ typedef struct fr_dir_ops {
    * record as of some moment during the call, after every put or delete of it that returned
    * before the call. false: ask obj_get (the key may still exist). NULL in backends that cannot. */
   bool (*peek)(void *state, const char *key, fr_dir_object *out);
+  /* node_renew of n names in one round trip (at most FR_DIR_BATCH_MAX): status[i] is what
+   * node_renew would return for r[i]. Returns 0 unless the round trip itself failed. NULL in
+   * backends that renew one name at a time (the front door then calls node_renew for each). */
+  int (*node_renew_batch)(void *state, const fr_dir_renewal *r, size_t n, int *status,
+                          int timeout_ms);
 } fr_dir_ops;
 
 /* A connected directory client: the backend and its state. Thread-safe: the jobs of a context
@@ -144,6 +156,7 @@ typedef struct fr_dir {
   char *key; /* the canonical URL, password included: never printed */
   unsigned refs;
   struct fr_dir *next;
+  struct fr_dir_lease *leases; /* taken over this client, renewed together (lease.c's lock) */
 } fr_dir;
 
 /* Connects to the directory at url (NULL: FERRY_DIRECTORY). The client is shared: while one is
@@ -167,6 +180,9 @@ const fr_dir_ops *fr_dir_backend(const char *url);
  * backend never sees one), and the optional operations (peek, stamp, settle) answer "cannot"
  * where the backend has none. */
 uint64_t fr_dir_epoch(fr_dir *dir);
+/* Where the backend cannot renew several at once (or its server is older), one at a time. */
+int fr_dir_node_renew_batch(fr_dir *dir, const fr_dir_renewal *r, size_t n, int *status,
+                            int timeout_ms);
 int fr_dir_node_get(fr_dir *dir, const char *name, fr_dir_node *out, int timeout_ms);
 int fr_dir_node_list(fr_dir *dir, fr_dir_node **out, size_t *n, int timeout_ms);
 int fr_dir_obj_put(fr_dir *dir, const fr_dir_object *obj, unsigned flags, fr_dir_object *replaced,
@@ -262,6 +278,12 @@ typedef struct fr_dir_lease {
   uint64_t epoch;                        /* the directory's epoch when it was taken */
   uint64_t next_renew_ns;                /* atomic: when fr_dir_lease_due() turns true */
   bool ok; /* atomic: held, and the last take or renewal reached the directory (/readyz) */
+  /* The leases taken over one client are renewed together (lease.c, under its lock): */
+  bool want;                 /* atomic: its renewal must take it again (its caller could not
+                                publish, a take failed, or the group's renewal did not find it);
+                                the group's renewals leave it alone */
+  bool in_group;             /* in dir->leases */
+  struct fr_dir_lease *next; /* in dir->leases */
 } fr_dir_lease;
 
 /* Whether the lease is held and its directory answered the last take or renewal: what a job's
@@ -275,7 +297,12 @@ void fr_dir_lease_init(fr_dir_lease *l, fr_dir *dir, ferry_ctx *ctx, const char 
 /* Registers the node; a name held by another incarnation is taken over only when that holder is
  * verifiably dead, else FERRY_EEXIST naming it. */
 int fr_dir_lease_take(fr_dir_lease *l, int timeout_ms);
-/* Whether a renewal is due (every third of the lease; soon after a failure). */
+/* Whether a renewal is due (every third of the lease; soon after a failure). The leases taken
+ * over one client (the jobs of a context share it) form one group: whichever caller renews
+ * renews every held lease of the group in one request (node_renew_batch) and moves their next
+ * renewal on, so a node's jobs keep one renewal stream and their records lapse together. A
+ * lease the group's renewal did not find is left to its own caller: due at once, its renewal
+ * takes it again and returns 1. */
 bool fr_dir_lease_due(const fr_dir_lease *l);
 /* Held, and the directory has not lost records since (its epoch did not move). */
 bool fr_dir_lease_current(const fr_dir_lease *l);
@@ -284,7 +311,7 @@ void fr_dir_lease_lost(fr_dir_lease *l);
 /* 0: renewed; 1: the directory had lost the node and it is registered again (publish every
  * record again); < 0: failed (logged; retried soon). */
 int fr_dir_lease_renew(fr_dir_lease *l);
-/* Removes the node (and its records) from the directory if held. */
+/* Removes the node (and its records) from the directory if held, and leaves the group. */
 void fr_dir_lease_drop(fr_dir_lease *l);
 
 /* ---- the embedded server (server.c) ---- */
@@ -303,6 +330,10 @@ void fr_dir_server_handle(fr_dir_server *srv, const void *req, size_t len, void 
  * first answers the posted puts that may precede the call (see server.c). */
 void fr_dir_server_call(fr_dir_server *srv, const void *req, size_t len, void **reply,
                         size_t *reply_len);
+/* Renewal requests answered so far, the names they renewed, and how many the last one renewed
+ * (tests). */
+void fr_dir_server_renewals(fr_dir_server *srv, uint64_t *requests, uint64_t *names,
+                            uint64_t *last);
 /* Drops nodes whose lease lapsed (and their objects); the thread calls it on its own. */
 void fr_dir_server_expire(fr_dir_server *srv, uint64_t now_ns);
 /* Opens a client bound to an in-process server (no link). */

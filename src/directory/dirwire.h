@@ -32,6 +32,7 @@ enum fr_dir_op {
   FR_DOP_WATCH,         /* -> region ref (u64 id, u64 key, u64 size), u32 buckets: the change
                            words (server.c); region ref, u32 slots, u32 slot bytes: the object
                            table (table.h) */
+  FR_DOP_NODE_RENEW_BATCH, /* u32 n, n (str name, u64 incarnation, u32 lease_ms) -> n i32 status */
   FR_DOP_MAX_
 };
 

@@ -5,14 +5,49 @@
  * or whoever answers there is not it), so a restarted process gets its name back at once instead
  * of after the old lease lapses. Renewal runs every third of the lease; when the directory lost
  * the node (its lease lapsed, or the directory restarted: its epoch moved) the name is taken again
- * and the caller is told to publish its records again.
+ * and the caller is told to publish its records again. The leases taken over one client (the
+ * store, mq and refit of a context share it, directory.c) are renewed together: one request
+ * every third of the shortest lease renews all of them, whichever job's thread sends it.
  */
 #include "directory/directory.h"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 
 #define RETRY_NS 200000000ull /* after a failed renewal: soon, and loudly */
+#define GROUP_MAX 64          /* leases per renewal request; more renew in turns */
+
+/* Guards every client's `leases` list and the members' in_group/next: a process has a few. */
+static pthread_mutex_t group_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void group_join(fr_dir_lease *l) {
+  pthread_mutex_lock(&group_lock);
+  if (!l->in_group) {
+    l->next = l->dir->leases;
+    l->dir->leases = l;
+    l->in_group = true;
+  }
+  pthread_mutex_unlock(&group_lock);
+}
+
+static void group_leave(fr_dir_lease *l) {
+  pthread_mutex_lock(&group_lock);
+  for (fr_dir_lease **p = &l->dir->leases; l->in_group && *p; p = &(*p)->next)
+    if (*p == l) {
+      *p = l->next;
+      l->in_group = false;
+    }
+  pthread_mutex_unlock(&group_lock);
+}
+
+/* group_lock held. */
+static bool group_has(const fr_dir *dir, const fr_dir_lease *l) {
+  for (const fr_dir_lease *m = dir->leases; m; m = m->next)
+    if (m == l)
+      return true;
+  return false;
+}
 
 void fr_dir_lease_init(fr_dir_lease *l, fr_dir *dir, ferry_ctx *ctx, const char *name,
                        const char *who) {
@@ -73,7 +108,10 @@ int fr_dir_lease_take(fr_dir_lease *l, int timeout_ms) {
   if (rc == 0)
     l->epoch = epoch;
   l->held = rc == 0;
+  __atomic_store_n(&l->want, rc != 0, __ATOMIC_RELEASE);
   schedule(l, rc == 0);
+  if (rc == 0)
+    group_join(l);
   return rc;
 }
 
@@ -82,18 +120,66 @@ bool fr_dir_lease_due(const fr_dir_lease *l) {
 }
 
 bool fr_dir_lease_current(const fr_dir_lease *l) {
-  return l->held && l->dir->ops->epoch(l->dir->state) == l->epoch;
+  return l->held && fr_dir_epoch(l->dir) == l->epoch;
 }
 
 void fr_dir_lease_lost(fr_dir_lease *l) {
   l->held = false;
+  __atomic_store_n(&l->want, true, __ATOMIC_RELEASE);
   schedule(l, false);
+}
+
+/* What a renewal of the group tells the other members (group_lock held): renewed, the next
+ * one a third of its lease away; or not found, left to its own caller. */
+static void group_tell(fr_dir_lease *m, int status) {
+  if (status == 0) {
+    __atomic_store_n(&m->ok, true, __ATOMIC_RELAXED);
+    __atomic_store_n(&m->next_renew_ns, fr_now_ns() + (uint64_t)m->lease_ms * 1000000ull / 3,
+                     __ATOMIC_RELEASE);
+  } else {
+    __atomic_store_n(&m->ok, false, __ATOMIC_RELAXED);
+    __atomic_store_n(&m->want, true, __ATOMIC_RELEASE);
+    __atomic_store_n(&m->next_renew_ns, fr_now_ns(), __ATOMIC_RELEASE); /* due now */
+  }
+}
+
+/* Renews l and, in the same request, every other member of its group that its own caller does
+ * not need to take again; returns l's status. Names are copied: a member may leave (and be
+ * freed) while the request is out; what comes back is told only to members still in. */
+static int renew_group(fr_dir_lease *l, int timeout_ms) {
+  char names[GROUP_MAX][FR_DIR_NAME_MAX + 1];
+  fr_dir_renewal r[GROUP_MAX];
+  fr_dir_lease *who[GROUP_MAX];
+  int status[GROUP_MAX];
+  size_t n = 0;
+  pthread_mutex_lock(&group_lock);
+  who[n++] = l;
+  for (fr_dir_lease *m = l->dir->leases; m && n < GROUP_MAX; m = m->next)
+    if (m != l && !__atomic_load_n(&m->want, __ATOMIC_ACQUIRE))
+      who[n++] = m;
+  for (size_t i = 0; i < n; i++) {
+    snprintf(names[i], sizeof names[i], "%s", who[i]->node.name);
+    r[i] = (fr_dir_renewal){names[i], who[i]->node.incarnation, who[i]->lease_ms};
+  }
+  pthread_mutex_unlock(&group_lock);
+  int rc = fr_dir_node_renew_batch(l->dir, r, n, status, timeout_ms);
+  if (rc != 0)
+    return rc;
+  pthread_mutex_lock(&group_lock);
+  for (size_t i = 1; i < n; i++)
+    if (group_has(l->dir, who[i]))
+      group_tell(who[i], status[i]);
+  pthread_mutex_unlock(&group_lock);
+  if (status[0] == FERRY_ENOTFOUND)
+    return fr_err(FERRY_ENOTFOUND, "node '%s' is not registered (its lease lapsed?)", l->node.name);
+  return status[0];
 }
 
 int fr_dir_lease_renew(fr_dir_lease *l) {
   int timeout = l->lease_ms / 3 > 100 ? l->lease_ms / 3 : 100;
-  const fr_dir_ops *ops = l->dir->ops;
-  int rc = ops->node_renew(l->dir->state, l->node.name, l->node.incarnation, l->lease_ms, timeout);
+  /* wanted: lost by its caller, or found missing by the group's renewal: take it again */
+  bool want = __atomic_exchange_n(&l->want, false, __ATOMIC_ACQ_REL);
+  int rc = want ? FERRY_ENOTFOUND : renew_group(l, timeout);
   if (rc == FERRY_ENOTFOUND || (rc == 0 && !fr_dir_lease_current(l))) {
     fr_info("%s: the directory lost '%s'; registering again", l->who, l->node.name);
     rc = fr_dir_lease_take(l, timeout);
@@ -109,6 +195,8 @@ int fr_dir_lease_renew(fr_dir_lease *l) {
 }
 
 void fr_dir_lease_drop(fr_dir_lease *l) {
+  if (l->dir)
+    group_leave(l);
   if (l->held)
     l->dir->ops->node_del(l->dir->state, l->node.name, l->node.incarnation, 2000);
   l->held = false;

@@ -40,7 +40,9 @@ struct fr_dir_server {
   char address[FR_DIR_ADDRESS_MAX + 1];
   srv_node *nodes;
   size_t nnodes, capnodes;
-  fr_dir_object **objs; /* sorted by key */
+  uint64_t renewals, renewed_names; /* renewal requests, and names they renewed (tests) */
+  uint64_t last_renewed;            /* names the last renewal request renewed */
+  fr_dir_object **objs;             /* sorted by key */
   size_t nobjs, capobjs;
   ferry_ctx *ctx;
   pthread_t thread;
@@ -180,10 +182,22 @@ void fr_dir_server_expire(fr_dir_server *s, uint64_t now_ns) {
   pthread_mutex_unlock(&s->lock);
 }
 
-static uint64_t lease_deadline(uint32_t lease_ms) {
+static uint64_t lease_deadline_at(uint64_t now_ns, uint32_t lease_ms) {
   if (lease_ms < 100)
     lease_ms = 100;
-  return fr_now_ns() + (uint64_t)lease_ms * 1000000ull;
+  return now_ns + (uint64_t)lease_ms * 1000000ull;
+}
+
+static uint64_t lease_deadline(uint32_t lease_ms) {
+  return lease_deadline_at(fr_now_ns(), lease_ms);
+}
+
+void fr_dir_server_renewals(fr_dir_server *s, uint64_t *requests, uint64_t *names, uint64_t *last) {
+  pthread_mutex_lock(&s->lock);
+  *requests = s->renewals;
+  *names = s->renewed_names;
+  *last = s->last_renewed;
+  pthread_mutex_unlock(&s->lock);
 }
 
 /* ---- operations: each reads its arguments from `in` and writes its results to `out` ---- */
@@ -228,6 +242,17 @@ static int op_node_put(fr_dir_server *s, fr_rd *in, fr_wr *out) {
   return 0;
 }
 
+static int renew_one(fr_dir_server *s, const char *name, uint64_t incarnation,
+                     uint64_t expires_ns) {
+  srv_node *e = node_find(s, name);
+  if (!e || e->node.incarnation != incarnation)
+    return fr_err(FERRY_ENOTFOUND, "node '%s' is not registered (its lease lapsed?)", name);
+  e->expires_ns = expires_ns;
+  s->renewed_names++;
+  s->last_renewed++;
+  return 0;
+}
+
 static int op_node_renew(fr_dir_server *s, fr_rd *in, fr_wr *out) {
   char name[FR_DIR_NAME_MAX + 1];
   fr_rd_str(in, name, sizeof name);
@@ -235,10 +260,40 @@ static int op_node_renew(fr_dir_server *s, fr_rd *in, fr_wr *out) {
   uint32_t lease = fr_rd_u32(in);
   if (!fr_rd_done(in))
     return fr_err(FERRY_EPROTO, "renew: malformed request");
-  srv_node *e = node_find(s, name);
-  if (!e || e->node.incarnation != incarnation)
-    return fr_err(FERRY_ENOTFOUND, "node '%s' is not registered (its lease lapsed?)", name);
-  e->expires_ns = lease_deadline(lease);
+  s->renewals++;
+  s->last_renewed = 0;
+  return renew_one(s, name, incarnation, lease_deadline(lease));
+}
+
+/* The leases of one client's jobs, renewed together (lease.c): one status per name. The whole
+ * request is read before any lease is touched, so a malformed one renews nothing. */
+static int op_node_renew_batch(fr_dir_server *s, fr_rd *in, fr_wr *out) {
+  uint32_t n = fr_rd_u32(in);
+  if (n > FR_DIR_BATCH_MAX)
+    return fr_err(FERRY_EPROTO, "renew: %u names (at most %d)", n, FR_DIR_BATCH_MAX);
+  size_t start = in->pos;
+  for (uint32_t i = 0; i < n && !in->failed; i++) {
+    char name[FR_DIR_NAME_MAX + 1];
+    fr_rd_str(in, name, sizeof name);
+    fr_rd_u64(in);
+    fr_rd_u32(in);
+  }
+  if (!fr_rd_done(in))
+    return fr_err(FERRY_EPROTO, "renew: malformed request");
+  in->pos = start;
+  s->renewals++;
+  s->last_renewed = 0;
+  uint64_t now = fr_now_ns(); /* one clock for all: equal leases lapse in the same sweep */
+  for (uint32_t i = 0; i < n; i++) {
+    char name[FR_DIR_NAME_MAX + 1];
+    fr_rd_str(in, name, sizeof name);
+    uint64_t incarnation = fr_rd_u64(in);
+    uint32_t lease = fr_rd_u32(in);
+    int rc = renew_one(s, name, incarnation, lease_deadline_at(now, lease));
+    if (rc != 0)
+      fr_err_clear(); /* the status says it; the request as a whole succeeded */
+    fr_wr_u32(out, (uint32_t)rc);
+  }
   return 0;
 }
 
@@ -456,6 +511,7 @@ static const op_fn ops[FR_DOP_MAX_] = {
     [FR_DOP_OBJ_PUT_BATCH] = op_obj_put_batch,
     [FR_DOP_POSTED] = op_posted,
     [FR_DOP_WATCH] = op_watch,
+    [FR_DOP_NODE_RENEW_BATCH] = op_node_renew_batch,
 };
 
 void fr_dir_server_handle(fr_dir_server *s, const void *req, size_t len, void **reply,
