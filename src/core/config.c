@@ -79,6 +79,13 @@ const char *ferry_config_get(const char *name) {
   return NULL;
 }
 
+bool fr_config_is_set(const char *name) {
+  for (size_t i = 0; name && i < CONFIG_COUNT; i++)
+    if (strcmp(config_table[i].name, name) == 0)
+      return getenv(name) != NULL;
+  return false;
+}
+
 const char *fr_config_str(const char *name) {
   const char *v = ferry_config_get(name);
   return v ? v : "";
