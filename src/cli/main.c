@@ -3,6 +3,7 @@
  * every subcommand shares.
  */
 #include "cli/cli.h"
+#include "core/core.h"
 #include "ferry.h"
 
 #include <stdio.h>
@@ -85,6 +86,14 @@ int cli_fail(const char *cmd, int status, const char *what) {
   fprintf(stderr, "ferry %s: %s: %s%s%s%s\n", cmd, what, ferry_strerror(status),
           *detail ? " (" : "", detail, *detail ? ")" : "");
   return cli_exit_code(status);
+}
+
+/* The long-running servers log at info unless FERRY_LOG says otherwise: their lines (nodes joining
+ * and leaving, pushes, failures) are what an operator follows them by, as with etcd or vLLM. The
+ * library's own default (warn) suits the trainers and engines it is embedded in. */
+void cli_server_logging(void) {
+  if (!fr_config_is_set("FERRY_LOG"))
+    ferry_log_set_level(FERRY_LOG_INFO);
 }
 
 static int dispatch(int argc, char **argv) {

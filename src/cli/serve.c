@@ -143,6 +143,7 @@ int cli_serve(int argc, char **argv) {
   serve_opts o = {0};
   if (parse(argc, argv, &o) != 0)
     return CLI_USAGE;
+  cli_server_logging();
   char buf[256];
   const char *listen = o.directory ? o.listen : host_port(&o, buf, sizeof buf);
   if (o.directory)

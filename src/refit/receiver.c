@@ -263,7 +263,7 @@ static void new_version(ferry_refit_receiver *r, uint64_t version) {
 /* A failure of this receiver poisons the version; one reading from the predecessor does not
  * (the sender sends that bucket again directly). */
 static void note_failure(ferry_refit_receiver *r, const fr_refit_msg_t *m, int rc) {
-  fr_warn("%s", ferry_last_error());
+  fr_warn_limited("%s", ferry_last_error()); /* per bucket: a bad link fails many */
   if (m->flags & FR_REFIT_FROM_UP)
     return;
   r->failure = rc;
@@ -338,6 +338,9 @@ static void on_commit(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
     fr_warn("refit: version %llu not committed (%s); %s %llu", (unsigned long long)m->version,
             ferry_strerror(status), r->torn_by ? "bytes torn, no longer" : "keeping",
             (unsigned long long)r->committed);
+  else /* one line per push: which version this engine serves from now on */
+    fr_info("refit: committed version %llu from '%s'", (unsigned long long)m->version,
+            ferry_link_peer(r->link));
   r->receiving = 0;
   fr_refit_msg_t done = {.type = FR_REFIT_COMMITTED, .version = m->version, .status = status};
   fr_refit_send(r->link, &done, -1);
