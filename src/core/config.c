@@ -51,6 +51,8 @@
     "mq: bytes of messages a subscriber queues per publisher before publishes wait")               \
   X("FERRY_MQ_INLINE_BYTES", "65536",                                                              \
     "mq: larger payloads to a subscriber on this host go through the shared-memory pool")          \
+  X("FERRY_MQ_STALL_LOG_MS", "1000",                                                               \
+    "mq: a publish that waits this long for a subscriber's queue to have room logs who held it")   \
   X("FERRY_MQ_POOL_BYTES", "268435456",                                                            \
     "mq: bytes of a publisher's shared-memory pool for large payloads (made on first use)")
 

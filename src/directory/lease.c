@@ -117,9 +117,9 @@ void fr_dir_lease_drop(fr_dir_lease *l) {
     int rc = l->dir->ops->node_del(l->dir->state, l->node.name, l->node.incarnation, 2000);
     if (rc == 0)
       fr_info("%s: left the directory at %s", l->who, l->dir->url);
-    else /* its lease lapses instead: its records stay visible until then */
-      fr_warn("%s: leaving the directory at %s failed (%s); its records go when its lease of %d "
-              "ms lapses",
+    else /* not worth a warning: a directory that is gone has dropped the records already */
+      fr_info("%s: left without telling the directory at %s (%s); its records go when its lease "
+              "of %d ms lapses",
               l->who, l->dir->url, ferry_last_error(), l->lease_ms);
     fr_err_clear(); /* closing does not fail */
   }
