@@ -508,6 +508,18 @@ static void serve_logs(const char *format) {
   /* the clients (nodes 'cli-PID') came and went without a line on either server */
   if (strstr(e1, "cli-") || strstr(e2, "cli-"))
     fail_msg("a client left lines:\n%s\n%s", e1, e2);
+  if (format) { /* every line of s2 (shut down) one JSON object */
+    int lines = 0;
+    for (char *line = strtok(e2, "\n"); line; line = strtok(NULL, "\n"), lines++) {
+      json_error_t err;
+      json_t *j = json_loads(line, 0, &err);
+      if (!j)
+        fail_msg("not JSON (%s): %s", err.text, line);
+      assert_string_equal(json_string_value(json_object_get(j, "node")), "logs-s2");
+      json_decref(j);
+    }
+    assert_true(lines >= 3); /* joined, shutting down, left */
+  }
   if (format) { /* every line of s1 (still running) one JSON object; the join among them */
     bool joined = false;
     int lines = 0;

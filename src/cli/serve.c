@@ -174,7 +174,8 @@ int cli_serve(int argc, char **argv) {
   }
   print_ready(&o, ctx, listen, http ? ferry_metrics_server_address(http) : metrics_env());
   int sig = wait_for_signal();
-  fprintf(stderr, "ferry serve: %s, shutting down\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+  /* a log line like the others (with FERRY_LOG_FORMAT=json, every stderr line is JSON) */
+  fr_info("serve: %s: shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
   ferry_metrics_server_close(http);
   ferry_store_close(store);
   ferry_ctx_close(ctx);
