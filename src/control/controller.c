@@ -416,14 +416,14 @@ static int request(ferry_ctl *ctl, ferry_ctl_cmd cmd, int timeout_ms, issued *is
  * warn in the engine's log. A request refused before it was issued (busy, wrong state) is the
  * caller's alone. */
 static void log_request(const ferry_ctl *ctl, const issued *is, int rc, uint64_t t0) {
+  if (FERRY_LOG_INFO > fr_log_level_now)
+    return; /* a request costs microseconds: not even the clock read below when not logging */
   double ms = (double)(fr_now_ns() - t0) * 1e-6;
   if (rc != 0) {
     fr_info_limited("control: %s (after %.3f ms; the engine was %s)", ferry_last_error(), ms,
                     ferry_ctl_state_name(is->from));
     return;
   }
-  if (FERRY_LOG_INFO > fr_log_level_now)
-    return; /* the snapshot below is for the line only */
   cell_snap after;
   snapshot(ctl, &after);
   fr_info("control: " CMD_FMT " done in %.3f ms: %s -> %s", CMD_ARGS(ctl, is->word), ms,
