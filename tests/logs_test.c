@@ -323,7 +323,7 @@ static void test_mq_subscriber_holds_publisher_back(void **state) {
 typedef struct rank_loop {
   ferry_ctl_rank *rank;
   uint32_t index;
-  volatile bool stop;
+  bool stop; /* atomic */
 } rank_loop;
 
 static int clear_ok(void *arg) { return 0; }
@@ -335,7 +335,7 @@ static void *rank_main(void *arg) {
   rank_loop *l = arg;
   ferry_ctl_handlers h = {
       .size = sizeof h, .clear = clear_ok, .update = update_fails_on_rank_one, .arg = l};
-  while (!l->stop)
+  while (!__atomic_load_n(&l->stop, __ATOMIC_RELAXED))
     ferry_ctl_rank_step(l->rank, &h, 50, NULL);
   return NULL;
 }
@@ -369,7 +369,7 @@ static void test_control_transitions(void **state) {
   await_line("info: control: clear seq 3 on 'logs-cell' done in ", "failed -> cleared");
   ferry_ctl_close(ctl);
   for (int i = 0; i < 2; i++) {
-    loops[i].stop = true;
+    __atomic_store_n(&loops[i].stop, true, __ATOMIC_RELAXED);
     pthread_join(threads[i], NULL);
     ferry_ctl_rank_close(loops[i].rank);
   }

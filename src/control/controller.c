@@ -416,7 +416,7 @@ static int request(ferry_ctl *ctl, ferry_ctl_cmd cmd, int timeout_ms, issued *is
  * warn in the engine's log. A request refused before it was issued (busy, wrong state) is the
  * caller's alone. */
 static void log_request(const ferry_ctl *ctl, const issued *is, int rc, uint64_t t0) {
-  if (FERRY_LOG_INFO > fr_log_level_now)
+  if (!fr_log_on(FERRY_LOG_INFO))
     return; /* a request costs microseconds: not even the clock read below when not logging */
   double ms = (double)(fr_now_ns() - t0) * 1e-6;
   if (rc != 0) {

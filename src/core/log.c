@@ -67,7 +67,9 @@ void ferry_log_set_level(ferry_log_level level) {
     __atomic_store_n(&fr_log_level_now, (int)level, __ATOMIC_RELAXED);
 }
 
-ferry_log_level ferry_log_get_level(void) { return (ferry_log_level)fr_log_level_now; }
+ferry_log_level ferry_log_get_level(void) {
+  return (ferry_log_level)__atomic_load_n(&fr_log_level_now, __ATOMIC_RELAXED);
+}
 
 void ferry_log_set_callback(ferry_log_fn fn, void *arg) {
   pthread_mutex_lock(&log_lock);
