@@ -24,6 +24,7 @@ static const struct {
     {"ls", cli_ls, "list keys (by prefix) with dtype, shape, size and owner"},
     {"rm", cli_rm, "delete a key, or every key with a prefix"},
     {"stat", cli_stat, "describe a key"},
+    {"top", cli_top, "the fleet in a terminal: nodes, keys, refit, mq, control (--once, --json)"},
     {"gc", cli_gc, "remove what killed processes left in FERRY_CTL_DIR (/dev/shm)"},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
@@ -57,7 +58,7 @@ static void usage(FILE *out) {
     fprintf(out, "  %-8s %s\n", commands[i].name, commands[i].summary);
   fprintf(out, "\nEvery command takes -h/--help and --version; options take their value as\n"
                "`--opt VALUE` or `--opt=VALUE`; sizes take K, M, G, T or KiB, MiB, GiB, TiB\n"
-               "(powers of 1024). ls, stat, put, get, info and serve take --json.\n\n");
+               "(powers of 1024). ls, stat, put, get, info, serve and top take --json.\n\n");
   cli_print_exit_codes(out);
   fprintf(out, "\nenvironment: FERRY_* settings, listed by `ferry info --config`\n");
 }

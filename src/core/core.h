@@ -27,6 +27,9 @@ int fr_err(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)
 /* Same, appending ": strerror(errno)" and mapping errno to a status (ENOMEM, ENOSPC, ...). */
 int fr_err_errno(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void fr_err_clear(void);
+/* fr_err() with the thread's current detail appended ("what: previous detail"): a caller adds
+ * its own context to a failure it passes on. */
+int fr_err_wrap(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* ---- logging: the level check is one load, so disabled messages cost nothing ---- */
 extern int fr_log_level_now;
