@@ -7,7 +7,7 @@
 // ferry-test: threaded
 #include "directory/dirwire.h"
 #include "directory/table.h"
-#include "cli/netns.h"
+#include "bench/netns.h"
 #include "storeutil.h"
 
 #include <stdarg.h>
@@ -631,7 +631,7 @@ static void test_redis_auth(void **state) {
   su_redis_stop(&r);
 }
 
-/* ---- two hosts (network namespaces on a bridge, cli/netns.h; skipped without root) ---- */
+/* ---- two hosts (network namespaces on a bridge, bench/netns.h; skipped without root) ---- */
 #define NS_TAG "dt"
 #define NS_NET "10.231.8"
 #define NS_A NETNS_HOST(NS_TAG, 1)

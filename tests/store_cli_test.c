@@ -281,6 +281,28 @@ static void test_options(void **state) {
   assert_true(one_line("err.txt", "unknown mode 'nonsense'"));
 }
 
+/* `ferry bench` execs the benchmarks' program (bench/, ferry-bench, beside ferry here) with its
+ * arguments, and its exit status is that program's; without the program it says so in one line
+ * and exits 3. Only that program links nng and ZeroMQ, never the ferry command. */
+static void test_bench_program(void **state) {
+  static const char fake[] = "#!/bin/sh\necho \"args: $*\"\nexit 4\n";
+  write_file("fake-bench", fake, strlen(fake));
+  assert_int_equal(run("chmod +x fake-bench"), 0);
+  assert_int_equal(run("FERRY_BENCH_BIN=./fake-bench %s bench link --json 'a b' > out.txt", cli),
+                   4);
+  assert_true(one_line("out.txt", "args: bench link --json a b"));
+  assert_int_equal(run("FERRY_BENCH_BIN=./none %s bench link > out.txt 2> err.txt", cli), 3);
+  assert_true(one_line("err.txt", "FERRY_BENCH_BIN=./none"));
+  assert_int_equal(run("FERRY_BENCH_BIN=%s %s bench link > out.txt 2> err.txt", cli, cli), 1);
+  assert_true(one_line("err.txt", "the ferry command itself")); /* not an exec loop */
+  /* a ferry with no ferry-bench beside it or in ../libexec/ferry */
+  assert_int_equal(run("mkdir -p alone && cp %s alone/ferry", cli), 0);
+  assert_int_equal(run("env -u FERRY_BENCH_BIN alone/ferry bench --help > out.txt 2> err.txt"), 3);
+  assert_true(one_line("err.txt", "not built or not installed"));
+  assert_int_equal(run("ldd %s > ldd.txt", cli), 0);
+  assert_int_equal(run("grep -E 'libnng|libzmq' ldd.txt"), 1);
+}
+
 /* --json on serve, put, get, ls, stat, info and rm parses, with the fields they promise; rm of
  * everything needs --all. */
 static void test_json_and_rm_all(void **state) {
@@ -630,6 +652,7 @@ int main(void) {
       cmocka_unit_test(test_no_directory),
       cmocka_unit_test(test_redis_directory),
       cmocka_unit_test(test_top),
+      cmocka_unit_test(test_bench_program),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   int rc = cmocka_run_group_tests(tests, NULL, NULL);

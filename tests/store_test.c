@@ -10,7 +10,7 @@
  * deadlines. Helper roles re-run this binary inside namespaces (`--role ...`).
  */
 // ferry-test: threaded
-#include "cli/netns.h"
+#include "bench/netns.h"
 #include "storeutil.h"
 
 #include <errno.h>
@@ -1096,7 +1096,7 @@ static void test_directory_restart(void **state) {
   check_directory_restart(true);
 }
 
-/* ---- across network namespaces (cli/netns.h), over tcp ---- */
+/* ---- across network namespaces (bench/netns.h), over tcp ---- */
 
 #define NS_TAG "st"
 #define NS_NET "10.231.7"

@@ -1,7 +1,8 @@
 /*
- * Shared machinery of `ferry bench`: timing samples, medians, the table and the JSON lines.
- * Every mode reports rows {bench, case, impl, bytes, median_s, min_s, max_s, gbps}; rows of one
- * case compare, and the first row of a case is its baseline.
+ * Shared machinery of `ferry bench` (the modes are bench/, the ferry-bench program; `ferry demo`
+ * prints its table with it too): timing samples, medians, the table and the JSON lines. Every mode
+ * reports rows {bench, case, impl, bytes, median_s, min_s, max_s, gbps}; rows of one case compare,
+ * and the first row of a case is its baseline.
  */
 #ifndef FR_BENCH_H
 #define FR_BENCH_H
@@ -93,6 +94,7 @@ void bench_paced_row(const bench_opts *o, const char *bench, const char *case_na
 bool bench_token_begin(void);
 void bench_token_end(bool set);
 
+/* The modes (bench/bench_MODE.c), in the ferry-bench program only; argv[0] is the mode's name. */
 int bench_link(int argc, char **argv);
 int bench_control(int argc, char **argv);
 int bench_store(int argc, char **argv);

@@ -17,7 +17,7 @@
  */
 #include "cli/bench.h"
 #include "cli/cli.h"
-#include "cli/netns.h"
+#include "netns.h"
 #include "ferry.h"
 
 #include <errno.h>

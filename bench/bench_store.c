@@ -10,7 +10,7 @@
  * SET/GET, and over tcp between two network namespaces a plain socket stream. Per-request
  * medians, then each target of the issue with its measured ratio.
  */
-#include "cli/bench_store.h"
+#include "bench_store.h"
 #include "cli/cli.h"
 #include "ferry.h"
 

@@ -8,8 +8,8 @@
  *     same bytes, taking turns (this binary re-run inside each namespace with --role).
  * A baseline that cannot run (no python3, numpy, torch, redis-server or namespaces) says why.
  */
-#include "cli/bench_store.h"
-#include "cli/netns.h"
+#include "bench_store.h"
+#include "netns.h"
 #include "ferry.h"
 
 #include <arpa/inet.h>

@@ -4,7 +4,7 @@
  * shell with its output dropped, so a failure names the command that failed and the caller
  * decides whether that is a skip (not root) or an error.
  */
-#include "cli/netns.h"
+#include "netns.h"
 
 #include <fcntl.h>
 #include <sched.h>
