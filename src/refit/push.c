@@ -353,14 +353,49 @@ static void drop(ferry_refit_sender *s, receiver *r, uint64_t version) {
   if (fr_refit_send(r->link, &m, 100) != 0)
     fr_warn("refit '%s': cannot tell '%s' it was dropped: %s", s->name, r->peer,
             ferry_last_error());
-  fr_warn("refit '%s': receiver '%s' acknowledged nothing in time; dropped until it attaches "
-          "again",
-          s->name, r->peer);
+}
+
+/* What a push came to, for its log line. */
+typedef struct push_tally {
+  bool ran;           /* it got past its checks (sealed, a newer version) */
+  uint32_t receivers; /* in the push */
+  uint32_t committed; /* of those, how many committed */
+  uint64_t bytes;     /* of the buckets it sent */
+} push_tally;
+
+/* Why a receiver did not commit, in an operator's words. */
+static const char *failure_reason(int status) {
+  switch (status) {
+  case FERRY_ETIMEDOUT:
+    return "stalled: it acknowledged nothing within the push's timeout; dropped from pushes until "
+           "it attaches again";
+  case FERRY_ECHECKSUM:
+    return "a bucket it read did not match its checksum; its bytes of this version are torn";
+  case FERRY_EPEER:
+  case FERRY_ECLOSED:
+    return "disconnected";
+  default:
+    return NULL;
+  }
+}
+
+static void log_receiver_outcome(const ferry_refit_sender *s, const receiver *r, uint64_t version,
+                                 int status) {
+  if (status == 0) {
+    fr_debug("refit '%s': receiver '%s' committed version %llu (over %s, from %s)", s->name,
+             r->peer, (unsigned long long)version, r->shm ? "shm" : ferry_link_transport(r->link),
+             r->up ? "its chain predecessor" : "the sender");
+    return;
+  }
+  const char *why = failure_reason(status);
+  fr_warn("refit '%s': receiver '%s' did not commit version %llu: %s%s%s%s", s->name, r->peer,
+          (unsigned long long)version, why ? why : ferry_strerror(status), why ? " (" : "",
+          why ? ferry_status_name(status) : "", why ? ")" : "");
 }
 
 /* Records the push's outcome; names the receivers of this push that did not commit, frees dead
  * ones and drops those that timed out (later pushes leave them out until they attach again). */
-static int finish_push(ferry_refit_sender *s, uint64_t version, bool packed_all) {
+static int finish_push(ferry_refit_sender *s, uint64_t version, bool packed_all, push_tally *t) {
   char failed[512] = "";
   size_t used = 0;
   int first = 0;
@@ -373,11 +408,15 @@ static int finish_push(ferry_refit_sender *s, uint64_t version, bool packed_all)
     receiver *r = *pp;
     bool was_in = r->in_push;
     r->in_push = false;
+    t->receivers += was_in;
     if (was_in && r->status == 0 && r->commit_seen) {
       r->committed = version;
+      t->committed++;
+      log_receiver_outcome(s, r, version, 0);
     } else if (was_in) {
       int st = r->status ? r->status : FERRY_EPROTO;
       r->failures++;
+      log_receiver_outcome(s, r, version, st);
       if (!first)
         first = st;
       used +=
@@ -434,7 +473,25 @@ static uint64_t push_bytes(const ferry_refit_sender *s, const fr_push *p) {
 }
 
 static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_refit_push_opts *o,
-                        uint64_t *bytes);
+                        push_tally *t);
+
+/* One line per push at info (warn when a receiver did not commit): the version, the bytes, the
+ * time and who committed it. Per-receiver detail is at debug, failures each at warn. */
+static void log_push(const ferry_refit_sender *s, uint64_t version, const push_tally *t,
+                     uint64_t ns, int rc) {
+  double sec = (double)ns * 1e-9;
+  double mbps = sec > 0 ? (double)t->bytes / sec / 1e6 : 0;
+  if (rc == 0)
+    fr_info("refit '%s': pushed version %llu: %llu bytes in %.3f s (%.1f MB/s), committed by %u "
+            "receiver%s",
+            s->name, (unsigned long long)version, (unsigned long long)t->bytes, sec, mbps,
+            t->committed, t->committed == 1 ? "" : "s");
+  else
+    fr_warn("refit '%s': pushed version %llu: %llu bytes in %.3f s, committed by %u of %u "
+            "receivers",
+            s->name, (unsigned long long)version, (unsigned long long)t->bytes, sec, t->committed,
+            t->receivers);
+}
 
 int ferry_refit_push(ferry_refit_sender *s, uint64_t version, const ferry_refit_push_opts *o) {
   if (!s)
@@ -442,14 +499,17 @@ int ferry_refit_push(ferry_refit_sender *s, uint64_t version, const ferry_refit_
   int rc = FR_OPTS_CHECK(o, "ferry_refit_push");
   if (rc != 0)
     return rc;
-  uint64_t t0 = fr_now_ns(), bytes = 0;
-  rc = push_version(s, version, o, &bytes);
-  fr_refit_count_push(s, rc, bytes, t0);
+  uint64_t t0 = fr_now_ns();
+  push_tally t = {0};
+  rc = push_version(s, version, o, &t);
+  fr_refit_count_push(s, rc, t.bytes, t0);
+  if (t.ran) /* not a push refused before it began (unsealed, an old version): the caller has it */
+    log_push(s, version, &t, fr_now_ns() - t0, rc);
   return rc;
 }
 
 static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_refit_push_opts *o,
-                        uint64_t *bytes) {
+                        push_tally *t) {
   if (!s->sealed)
     return fr_err(FERRY_ESTATE, "refit '%s': seal before pushing", s->name);
   if (version <= s->latest)
@@ -457,8 +517,9 @@ static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_ref
                   (unsigned long long)version, (unsigned long long)s->latest);
   fr_push p = {.version = version, .timeout_ms = fr_timeout(FR_OPT(o, timeout_ms, -1))};
   bool all_current;
+  t->ran = true;
   if (begin_push(s, &p, FR_OPT(o, route, FERRY_REFIT_ROUTE_AUTO), &all_current) == 0 && !s->whole)
-    return finish_push(s, version, false);
+    return finish_push(s, version, false, t);
   if (s->whole && (p.had != s->latest || s->latest == 0))
     all_current = false; /* the buffer lacks buckets a partial push would not pack: pack all */
   int rc = plan_push(s, &p, o, all_current);
@@ -472,7 +533,7 @@ static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_ref
     commit_all(s, &p);
     if (s->whole)
       pack_rest(s, &p);
-    *bytes = push_bytes(s, &p);
+    t->bytes = push_bytes(s, &p);
   }
   free(p.order);
   free(p.sum);
@@ -486,5 +547,5 @@ static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_ref
     pthread_mutex_unlock(&s->lock);
     return rc;
   }
-  return finish_push(s, version, s->whole);
+  return finish_push(s, version, s->whole, t);
 }

@@ -271,7 +271,7 @@ static void new_version(ferry_refit_receiver *r, uint64_t version) {
 static void note_failure(ferry_refit_receiver *r, const fr_refit_msg_t *m, int rc) {
   char why[sizeof r->why]; /* before the log line: a log callback may make calls that set it */
   snprintf(why, sizeof why, "%s", ferry_last_error());
-  fr_warn("%s", why);
+  fr_warn_limited("%s", why); /* per bucket: a bad link fails many */
   if (m->flags & FR_REFIT_FROM_UP)
     return;
   r->failure = rc;
@@ -391,6 +391,9 @@ static void on_commit(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
     fr_warn("refit: version %llu not committed (%s); %s %llu", (unsigned long long)m->version,
             ferry_strerror(status), r->torn_by ? "bytes torn, no longer" : "keeping",
             (unsigned long long)r->committed);
+  else /* one line per push: which version this engine serves from now on */
+    fr_info("refit: committed version %llu from '%s'", (unsigned long long)m->version,
+            ferry_link_peer(r->link));
   pthread_mutex_lock(&r->bind_lock); /* binding reads it */
   r->receiving = 0;
   pthread_mutex_unlock(&r->bind_lock);

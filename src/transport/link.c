@@ -115,8 +115,16 @@ void fr_link_fail(ferry_link *l, int status, const char *why) {
   pthread_mutex_unlock(&l->lock);
   /* The progress thread sees the hang-up, unregisters the link and drops its reference. */
   shutdown(l->poller.fd, SHUT_RDWR);
-  if (was_open || status != FERRY_ECLOSED)
-    fr_info("link %s '%s' closed: %s (%s)", l->ops->name, l->peer, why, ferry_strerror(status));
+  /* A peer that went away, or this node closing, is routine (every short-lived client does it),
+   * and the jobs say what it meant (a receiver gone, a subscriber dropped): debug. A link that
+   * failed otherwise (a timeout, a bad frame, no memory) is worth an operator's look. */
+  if (status == FERRY_EPEER || status == FERRY_ECLOSED) {
+    if (was_open || status != FERRY_ECLOSED)
+      fr_debug("link %s '%s' closed: %s (%s)", l->ops->name, l->peer, why, ferry_strerror(status));
+  } else {
+    fr_info_limited("link %s '%s' closed: %s (%s)", l->ops->name, l->peer, why,
+                    ferry_strerror(status));
+  }
 }
 
 /* ---- sending ---- */
@@ -456,7 +464,7 @@ static int on_hello(ferry_link *l) {
   fr_hello h;
   int rc = check_peer_user(l);
   if (rc != 0) {
-    fr_warn("refusing a link: %s", ferry_last_error());
+    fr_warn_limited("refusing a link: %s", ferry_last_error());
     send_status(l, FR_HELLO_ACK, 0, rc);
     return rc;
   }
@@ -510,7 +518,7 @@ static int on_auth(ferry_link *l) {
   if (status == 0 && l->rx_stage_pos < l->rx_stage_len)
     status = fr_err(FERRY_EPROTO, "'%s' sent frames before the link was open", l->peer);
   if (status != 0) {
-    fr_warn("refusing link from '%s': %s", l->peer, ferry_last_error());
+    fr_warn_limited("refusing link from '%s': %s", l->peer, ferry_last_error());
     send_status(l, FR_AUTH_ACK, 0, status);
     return status;
   }
@@ -889,7 +897,7 @@ static int rx_drain(ferry_link *l) {
  * event batch. */
 static void link_retire(ferry_link *l, int status, const char *why) {
   if (status == FERRY_EPROTO)
-    fr_warn("link %s '%s': closing after a bad frame: %s", l->ops->name, l->peer, why);
+    fr_warn_limited("link %s '%s': closing after a bad frame: %s", l->ops->name, l->peer, why);
   fr_link_fail(l, status, why);
   pthread_mutex_lock(&l->lock);
   if (l->rx_req) {
@@ -971,7 +979,7 @@ void fr_link_reap_stale(ferry_ctx *ctx) {
   for (ferry_link *l = ctx->links; l; l = l->next) {
     int state = link_state(l);
     if (state != FR_LINK_OPEN && state != FR_LINK_DEAD && now - l->created_ns > limit) {
-      fr_warn("dropping a link from '%s' that did not finish its handshake", l->peer);
+      fr_warn_limited("dropping a link from '%s' that did not finish its handshake", l->peer);
       shutdown(l->poller.fd, SHUT_RDWR);
     }
   }
