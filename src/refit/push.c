@@ -26,9 +26,11 @@ typedef struct fr_push {
   uint32_t first_pass; /* seqs packed at least once (their sums are known) */
   uint32_t from;       /* first seq of the current pass */
   bool skip;
-  bool share_pack; /* no receiver copies on this host: pack on two threads */
-  uint64_t had;    /* the version the whole buffer held complete when the push began, or 0 */
-  receiver *head;  /* of the chain, or NULL */
+  bool share_pack;    /* no receiver copies on this host: pack on two threads */
+  uint64_t had;       /* the version the whole buffer held complete when the push began, or 0 */
+  receiver *head;     /* of the chain, or NULL */
+  receiver **viewers; /* the receivers in the push that read shards (a view), and how many */
+  size_t nviewers;
 } fr_push;
 
 /* Where seq j (bucket b) lies in the sender's memory: one of two slots, or (alias mode, or a
@@ -49,6 +51,8 @@ static void pack_seq(ferry_refit_sender *s, fr_push *p, uint32_t j) {
     fr_refit_test_corrupt(b, dst, fr_refit_bucket_len(&s->plan, b));
   if (j < p->first_pass)
     return; /* a repacked bucket: same bytes, same checksum */
+  for (size_t i = 0; i < p->nviewers; i++)
+    p->viewers[i]->vsum[j] = fr_refit_view_sum(&s->plan, p->viewers[i]->view, b, dst);
   p->sum[j] = sum;
   p->unchanged[j] = p->skip && s->last_sum[b] == sum;
   s->last_sum[b] = sum;
@@ -147,6 +151,10 @@ static void announce_one(ferry_refit_sender *s, const fr_push *p, receiver *r, u
     m.flags |= FR_REFIT_KEEP;
     m.buffer = j % 2;
   }
+  if (r->view && r->vsum) {
+    m.view = r->view->serial;
+    m.view_sum = r->vsum[j];
+  }
   if (!owes(r))
     r->progress_ns = fr_now_ns(); /* its clock starts now */
   int rc = fr_refit_send(r->link, &m, p->timeout_ms);
@@ -240,8 +248,9 @@ static bool start_repair(ferry_refit_sender *s, fr_push *p) {
 
 /* ---- the chain ---- */
 
+/* A shard reader holds only its slices, never a whole bucket to forward: it reads directly. */
 static bool chained(const receiver *r, ferry_refit_route route) {
-  if (!r->in_push || route == FERRY_REFIT_ROUTE_DIRECT || !r->address[0])
+  if (!r->in_push || route == FERRY_REFIT_ROUTE_DIRECT || !r->address[0] || r->view)
     return false;
   return route == FERRY_REFIT_ROUTE_CHAIN || !r->shm;
 }
@@ -304,6 +313,7 @@ static size_t begin_push(ferry_refit_sender *s, fr_push *p, ferry_refit_route ro
     r->announced = r->acked = 0;
     r->status = 0;
     r->progress_ns = fr_now_ns();
+    fr_refit_view_refresh(s, r);
     *all_current &= r->committed == s->latest && s->latest != 0;
     n++;
   }
@@ -405,9 +415,43 @@ static int finish_push(ferry_refit_sender *s, uint64_t version, bool packed_all)
                 s->name, (unsigned long long)version, failed);
 }
 
+/* The receivers of the push that read shards, each with room for its view's sums. */
+static int plan_views(ferry_refit_sender *s, fr_push *p, uint32_t nb) {
+  pthread_mutex_lock(&s->lock);
+  size_t n = 0;
+  for (receiver *r = s->receivers; r; r = r->next)
+    n += r->in_push && r->view;
+  p->viewers = n ? calloc(n, sizeof *p->viewers) : NULL;
+  int rc = n && !p->viewers ? fr_err(FERRY_ENOMEM, "refit '%s': shard views", s->name) : 0;
+  for (receiver *r = s->receivers; r && rc == 0; r = r->next) {
+    if (!r->in_push || !r->view)
+      continue;
+    free(r->vsum);
+    if (!(r->vsum = calloc(nb, sizeof *r->vsum)))
+      rc = fr_err(FERRY_ENOMEM, "refit '%s': shard sums", s->name);
+    else
+      p->viewers[p->nviewers++] = r;
+  }
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+static void end_views(ferry_refit_sender *s, fr_push *p) {
+  pthread_mutex_lock(&s->lock);
+  for (size_t i = 0; i < p->nviewers; i++) {
+    free(p->viewers[i]->vsum);
+    p->viewers[i]->vsum = NULL;
+  }
+  pthread_mutex_unlock(&s->lock);
+  free(p->viewers);
+}
+
 static int plan_push(ferry_refit_sender *s, fr_push *p, const ferry_refit_push_opts *o,
                      bool all_current) {
   uint32_t nb = s->plan.buckets ? s->plan.buckets : 1;
+  int rc = plan_views(s, p, nb);
+  if (rc != 0)
+    return rc;
   p->order = malloc(nb * sizeof *p->order);
   p->sum = calloc(nb, sizeof *p->sum);
   p->unchanged = calloc(nb, sizeof *p->unchanged);
@@ -474,6 +518,7 @@ static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_ref
   free(p.order);
   free(p.sum);
   free(p.unchanged);
+  end_views(s, &p);
   if (rc != 0) {
     pthread_mutex_lock(&s->lock);
     s->pushing = 0;

@@ -7,6 +7,7 @@
 
 #include "core/stats.h"
 #include "refit/refit.h"
+#include "refit/shard.h"
 
 #include <pthread.h>
 
@@ -42,6 +43,14 @@ typedef struct receiver {
   uint64_t cu_version;   /* the version being sent to it now, 0 when none */
   uint32_t cu_announced; /* buckets announced (by index) */
   uint32_t cu_acked;     /* buckets it verified */
+
+  /* shards (views.c): what it declared, and the view built from that between pushes */
+  fr_refit_target *targets; /* by slot */
+  uint32_t ntargets;
+  uint32_t view_serial; /* of the last declaration taken (0: none) */
+  bool view_stale;      /* declarations came since the view was built */
+  fr_refit_view *view;  /* NULL: it reads whole buckets */
+  uint64_t *vsum;       /* per seq of the push under way: the sum of its view's runs */
   struct receiver *next;
 } receiver;
 
@@ -109,6 +118,14 @@ void fr_refit_catchup_request(ferry_refit_sender *s, receiver *r);
 void fr_refit_catchup_serve(ferry_refit_sender *s);
 bool fr_refit_catchup_record(ferry_refit_sender *s, receiver *r, const fr_refit_msg_t *x);
 void fr_refit_catchup_cancel(receiver *r);
+/* Shards (views.c), under s->lock: a VIEW call (its pieces follow the record; 0 or why not); the
+ * view rebuilt from the declarations when they changed (never during a push: the push hashes
+ * the one it began with); every view dropped when the sender re-seals (receivers declare again
+ * for the new generation); a receiver's shard state freed. */
+int fr_refit_view_record(ferry_refit_sender *s, receiver *r, const fr_refit_msg_t *x);
+void fr_refit_view_refresh(ferry_refit_sender *s, receiver *r);
+void fr_refit_views_clear(ferry_refit_sender *s);
+void fr_refit_view_release(receiver *r);
 /* Releases a receiver record (its link reference and strings). */
 void fr_refit_receiver_free(receiver *r);
 
