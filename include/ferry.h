@@ -348,6 +348,16 @@ FERRY_API int ferry_msg_is_call(const ferry_msg *msg);
  * died), FERRY_ETIMEDOUT. On failure the contents of dst are unspecified. */
 FERRY_API int ferry_read(ferry_link *link, const ferry_region_ref *remote, uint64_t offset,
                          void *dst, size_t len, int timeout_ms);
+/* One run of a vectored read: [offset, offset+len) of the peer's region (len > 0). */
+typedef struct ferry_read_run {
+  uint64_t offset, len;
+} ferry_read_run;
+/* Reads runs[0..n) of the peer's region one after another into dst (the sum of their lengths,
+ * at most FERRY_MAX_MESSAGE): over shm one memcpy per run; over tcp one request per 256 runs,
+ * all in flight at once; elsewhere one read per run. Errors as ferry_read (FERRY_EINVAL for an
+ * empty run). A strided slice (a run of columns in every row) is one call. */
+FERRY_API int ferry_readv(ferry_link *link, const ferry_region_ref *remote,
+                          const ferry_read_run *runs, size_t n, void *dst, int timeout_ms);
 /* One-sided write of src into [offset, offset+len) of the peer's region. Same errors. */
 FERRY_API int ferry_write(ferry_link *link, const ferry_region_ref *remote, uint64_t offset,
                           const void *src, size_t len, int timeout_ms);

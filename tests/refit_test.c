@@ -1375,6 +1375,41 @@ static void tp_late(const char *transports) {
 static void test_shards_late_join_shm(void **st) { tp_late("shm"); }
 static void test_shards_late_join_tcp(void **st) { tp_late(tp_remote()); }
 
+static void flip_first_byte(uint32_t bucket, uint8_t *bytes, uint64_t len) {
+  if (bucket == 0 && len > 0)
+    bytes[0] ^= 0x10;
+}
+
+/* A byte flipped after the sender hashed it (bucket 0: q's first row, rank 0's) fails rank 0's
+ * version, whose slices hold it; rank 1 never reads that byte and commits what it verified. */
+static void test_shards_corrupt(void **st) {
+  tp_model m;
+  tp_init(&m, 11);
+  ferry_ctx *sc = ctx_for("trainer", "shm");
+  ferry_refit_sender *s = tp_sender(sc, &m);
+  tp_rank ranks[2];
+  for (int r = 0; r < 2; r++)
+    tp_rank_open(&ranks[r], "shm", ferry_ctx_address(sc), r, 2);
+  await_receivers(s, 2);
+  fr_refit_test_corrupt = flip_first_byte;
+  assert_int_equal(ferry_refit_push(s, 1, NULL), FERRY_ECHECKSUM);
+  fr_refit_test_corrupt = NULL;
+  assert_non_null(strstr(ferry_last_error(), "tp-0-of-2"));
+  assert_null(strstr(ferry_last_error(), "tp-1-of-2"));
+  assert_int_equal(ferry_refit_committed(ranks[0].rx), 0);
+  FR_OK(ferry_refit_wait(ranks[1].rx, 1, 5000, NULL));
+  tp_snapshot(&m);
+  FR_OK(ferry_refit_push(s, 2, NULL));
+  for (int r = 0; r < 2; r++)
+    FR_OK(ferry_refit_wait(ranks[r].rx, 2, 5000, NULL));
+  tp_expect(&m, ranks, 2);
+  for (int r = 0; r < 2; r++)
+    tp_rank_close(&ranks[r]);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(sc);
+  tp_free(&m);
+}
+
 /* A shard binding that does not fit is refused, naming the target and the piece. */
 static void expect_bind_error(ferry_refit_receiver *rx, const char *target,
                               const ferry_tensor_desc *d, const ferry_refit_piece *p, size_t n,
@@ -1462,6 +1497,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_shards_late_join_shm),
       cmocka_unit_test(test_shards_late_join_tcp),
       cmocka_unit_test(test_shards_bind_errors),
+      cmocka_unit_test(test_shards_corrupt),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

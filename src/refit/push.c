@@ -47,12 +47,13 @@ static void pack_seq(ferry_refit_sender *s, fr_push *p, uint32_t j) {
   uint64_t off = slot_offset(s, j, b, &slot);
   uint8_t *dst = (uint8_t *)s->buf[slot] + off;
   uint64_t sum = fr_refit_pack(s, b, dst, p->share_pack);
+  bool first = j >= p->first_pass; /* else a repacked bucket: same bytes, same checksums */
+  for (size_t i = 0; first && i < p->nviewers; i++) /* shard readers: the sums of their runs */
+    p->viewers[i]->vsum[j] = fr_refit_view_sum(&s->plan, p->viewers[i]->view, b, dst);
   if (fr_refit_test_corrupt)
     fr_refit_test_corrupt(b, dst, fr_refit_bucket_len(&s->plan, b));
-  if (j < p->first_pass)
-    return; /* a repacked bucket: same bytes, same checksum */
-  for (size_t i = 0; i < p->nviewers; i++)
-    p->viewers[i]->vsum[j] = fr_refit_view_sum(&s->plan, p->viewers[i]->view, b, dst);
+  if (!first)
+    return;
   p->sum[j] = sum;
   p->unchanged[j] = p->skip && s->last_sum[b] == sum;
   s->last_sum[b] = sum;

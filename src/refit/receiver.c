@@ -426,16 +426,16 @@ static void tear(ferry_refit_receiver *r, uint64_t version) {
   pthread_mutex_unlock(&r->lock);
 }
 
-/* A shard reader's bucket announced with its view: only the view's runs are read, each straight
- * into its destination (over shm one memcpy per run), and their sum is checked. */
-static int read_runs(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
-  ferry_link *from = NULL;
-  int rc = source_link(r, m, &from);
-  if (rc != 0)
-    return rc;
+/* Runs read at a time over a link that is not shm: one ferry_readv (its requests all in flight),
+ * into the stage, then hashed and copied out while in cache. */
+#define RUNS_PER_READV 4096u
+
+/* Over shm: each run straight into its destination, one memcpy each. */
+static int read_runs_direct(ferry_refit_receiver *r, ferry_link *from, const fr_refit_msg_t *m,
+                            fr_hash *h) {
   uint64_t start = (uint64_t)m->bucket * r->plan.bucket_bytes;
   const fr_refit_view *v = r->view;
-  fr_hash *h = fr_hash_begin();
+  int rc = 0;
   for (uint64_t i = v->first[m->bucket]; i < v->first[m->bucket + 1] && rc == 0; i++) {
     const fr_refit_run *run = &v->runs[i];
     rc = ferry_read(from, &m->src, m->src_offset + (run->off - start), run->dst, run->len,
@@ -445,6 +445,49 @@ static int read_runs(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
       fr_hash_update(h, run->dst, run->len);
     }
   }
+  return rc;
+}
+
+/* Elsewhere: the runs gathered into as few requests as the transport allows (ferry_readv), a
+ * stage's worth at a time. */
+static int read_runs_gathered(ferry_refit_receiver *r, ferry_link *from, const fr_refit_msg_t *m,
+                              fr_hash *h) {
+  uint64_t start = (uint64_t)m->bucket * r->plan.bucket_bytes;
+  const fr_refit_view *v = r->view;
+  ferry_read_run *batch = malloc(RUNS_PER_READV * sizeof *batch);
+  int rc = batch ? 0 : fr_err(FERRY_ENOMEM, "refit: shard reads");
+  for (uint64_t i = v->first[m->bucket], end = v->first[m->bucket + 1]; i < end && rc == 0;) {
+    size_t k = 0;
+    uint64_t bytes = 0;
+    for (; i + k < end && k < RUNS_PER_READV && bytes + v->runs[i + k].len <= r->plan.bucket_bytes;
+         k++) {
+      batch[k] = (ferry_read_run){m->src_offset + (v->runs[i + k].off - start), v->runs[i + k].len};
+      bytes += v->runs[i + k].len;
+    }
+    rc = ferry_readv(from, &m->src, batch, k, r->stage, m->timeout_ms ? (int)m->timeout_ms : -1);
+    const uint8_t *at = r->stage;
+    for (size_t j = 0; j < k && rc == 0; at += v->runs[i + j++].len) {
+      fr_hash_update(h, at, v->runs[i + j].len);
+      memcpy(v->runs[i + j].dst, at, v->runs[i + j].len);
+    }
+    if (rc == 0)
+      __atomic_add_fetch(&r->bytes_read, bytes, __ATOMIC_RELAXED);
+    i += k;
+  }
+  free(batch);
+  return rc;
+}
+
+/* A shard reader's bucket announced with its view: only the view's runs are read, and their sum
+ * is checked. */
+static int read_runs(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
+  ferry_link *from = NULL;
+  int rc = source_link(r, m, &from);
+  if (rc != 0)
+    return rc;
+  fr_hash *h = fr_hash_begin();
+  rc = strcmp(ferry_link_transport(from), "shm") == 0 ? read_runs_direct(r, from, m, h)
+                                                      : read_runs_gathered(r, from, m, h);
   uint64_t sum = fr_hash_end(h);
   if (rc == 0 && sum != m->view_sum)
     rc = fr_err(FERRY_ECHECKSUM,
