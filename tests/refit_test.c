@@ -16,6 +16,7 @@
 #include "directory/directory.h"
 #include "refit/plan.h"
 #include "refit/refit.h"
+#include "refit/shard.h"
 #include "storeutil.h"
 
 #include <signal.h>
@@ -1410,6 +1411,38 @@ static void test_shards_corrupt(void **st) {
   tp_free(&m);
 }
 
+/* The sender takes a shard reader's sums chunk by chunk while it packs (fr_refit_view_feed):
+ * whatever the windows, the sums equal those of the whole bucket (fr_refit_view_sum), also for
+ * runs that cross windows and targets whose runs overlap. */
+static void test_shards_feed_windows(void **st) {
+  fr_refit_entry e[2] = {
+      {.name = "a", .desc = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {600, 1000}}},
+      {.name = "b", .desc = {.dtype = FERRY_DTYPE_BF16, .ndim = 3, .shape = {7, 300, 90}}}};
+  fr_refit_plan plan = {.entries = e, .count = 2};
+  FR_OK(fr_refit_plan_build(&plan, 1u << 20));
+  fr_refit_piece a1[] = {{0, 1, 100, 350}, {1, 2, 10, 40}};
+  fr_refit_piece a2[] = {{0, 0, 50, 400}, {0, 1, 300, 301}, {1, 1, 0, 150}};
+  fr_refit_target t[2] = {{2, a1, NULL}, {3, a2, NULL}};
+  fr_refit_view *v;
+  FR_OK(fr_refit_view_build(&plan, t, 2, 1, &v));
+  uint8_t *bucket = malloc(plan.bucket_bytes);
+  const uint64_t windows[] = {FR_REFIT_CHUNK, 1000, 4093};
+  for (uint32_t b = 0; b < plan.buckets; b++) {
+    uint64_t len = fr_refit_bucket_len(&plan, b);
+    tu_fill(bucket, len, b + 1);
+    uint64_t want = fr_refit_view_sum(&plan, v, b, bucket);
+    for (size_t w = 0; w < 3; w++) {
+      fr_refit_feed f;
+      fr_refit_view_feed_begin(&f, v, b);
+      for (uint64_t lo = 0; lo < len; lo += windows[w])
+        fr_refit_view_feed(&plan, &f, b, lo, len - lo < windows[w] ? len - lo : windows[w], bucket);
+      assert_int_equal(fr_hash_end(f.h), want);
+    }
+  }
+  free(bucket);
+  fr_refit_view_free(v);
+}
+
 /* A shard binding that does not fit is refused, naming the target and the piece. */
 static void expect_bind_error(ferry_refit_receiver *rx, const char *target,
                               const ferry_tensor_desc *d, const ferry_refit_piece *p, size_t n,
@@ -1498,6 +1531,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_shards_late_join_tcp),
       cmocka_unit_test(test_shards_bind_errors),
       cmocka_unit_test(test_shards_corrupt),
+      cmocka_unit_test(test_shards_feed_windows),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

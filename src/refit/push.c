@@ -31,6 +31,7 @@ typedef struct fr_push {
   receiver *head;     /* of the chain, or NULL */
   receiver **viewers; /* the receivers in the push that read shards (a view), and how many */
   size_t nviewers;
+  fr_refit_feed *feeds; /* one per viewer, while a bucket is packed */
 } fr_push;
 
 /* Where seq j (bucket b) lies in the sender's memory: one of two slots, or (alias mode, or a
@@ -46,10 +47,13 @@ static void pack_seq(ferry_refit_sender *s, fr_push *p, uint32_t j) {
   int slot;
   uint64_t off = slot_offset(s, j, b, &slot);
   uint8_t *dst = (uint8_t *)s->buf[slot] + off;
-  uint64_t sum = fr_refit_pack(s, b, dst, p->share_pack);
   bool first = j >= p->first_pass; /* else a repacked bucket: same bytes, same checksums */
-  for (size_t i = 0; first && i < p->nviewers; i++) /* shard readers: the sums of their runs */
-    p->viewers[i]->vsum[j] = fr_refit_view_sum(&s->plan, p->viewers[i]->view, b, dst);
+  size_t nf = first ? p->nviewers : 0;
+  for (size_t i = 0; i < nf; i++) /* shard readers: the sums of their runs, taken while packing */
+    fr_refit_view_feed_begin(&p->feeds[i], p->viewers[i]->view, b);
+  uint64_t sum = fr_refit_pack(s, b, dst, p->share_pack, p->feeds, nf);
+  for (size_t i = 0; i < nf; i++)
+    p->viewers[i]->vsum[j] = fr_hash_end(p->feeds[i].h);
   if (fr_refit_test_corrupt)
     fr_refit_test_corrupt(b, dst, fr_refit_bucket_len(&s->plan, b));
   if (!first)
@@ -423,7 +427,10 @@ static int plan_views(ferry_refit_sender *s, fr_push *p, uint32_t nb) {
   for (receiver *r = s->receivers; r; r = r->next)
     n += r->in_push && r->view;
   p->viewers = n ? calloc(n, sizeof *p->viewers) : NULL;
-  int rc = n && !p->viewers ? fr_err(FERRY_ENOMEM, "refit '%s': shard views", s->name) : 0;
+  p->feeds = n ? calloc(n, sizeof *p->feeds) : NULL;
+  int rc = n && (!p->viewers || !p->feeds)
+               ? fr_err(FERRY_ENOMEM, "refit '%s': shard views", s->name)
+               : 0;
   for (receiver *r = s->receivers; r && rc == 0; r = r->next) {
     if (!r->in_push || !r->view)
       continue;
@@ -445,6 +452,7 @@ static void end_views(ferry_refit_sender *s, fr_push *p) {
   }
   pthread_mutex_unlock(&s->lock);
   free(p->viewers);
+  free(p->feeds);
 }
 
 static int plan_push(ferry_refit_sender *s, fr_push *p, const ferry_refit_push_opts *o,

@@ -430,21 +430,31 @@ static void tear(ferry_refit_receiver *r, uint64_t version) {
  * into the stage, then hashed and copied out while in cache. */
 #define RUNS_PER_READV 4096u
 
-/* Over shm: each run straight into its destination, one memcpy each. */
+/* Over shm: each run straight into its destination, one memcpy each, from a view of the
+ * source's pages (checked afterwards, as ferry_read does, for a source freed meanwhile); one
+ * ferry_read per run when the source cannot be viewed (memory registered, not ferry_alloc'd). */
 static int read_runs_direct(ferry_refit_receiver *r, ferry_link *from, const fr_refit_msg_t *m,
                             fr_hash *h) {
   uint64_t start = (uint64_t)m->bucket * r->plan.bucket_bytes;
   const fr_refit_view *v = r->view;
+  const uint8_t *src = NULL;
   int rc = 0;
+  bool viewed = ferry_view(from, &m->src, m->src_offset, m->bytes, (const void **)&src) == 0;
   for (uint64_t i = v->first[m->bucket]; i < v->first[m->bucket + 1] && rc == 0; i++) {
     const fr_refit_run *run = &v->runs[i];
-    rc = ferry_read(from, &m->src, m->src_offset + (run->off - start), run->dst, run->len,
-                    m->timeout_ms ? (int)m->timeout_ms : -1);
+    if (viewed)
+      memcpy(run->dst, src + (run->off - start), run->len);
+    else
+      rc = ferry_read(from, &m->src, m->src_offset + (run->off - start), run->dst, run->len,
+                      m->timeout_ms ? (int)m->timeout_ms : -1);
     if (rc == 0) {
       __atomic_add_fetch(&r->bytes_read, run->len, __ATOMIC_RELAXED);
       fr_hash_update(h, run->dst, run->len);
     }
   }
+  if (rc == 0 && viewed && (rc = ferry_view_valid(from, &m->src)) != 0)
+    rc = fr_err(rc, "refit: the bucket's source at '%s' went away during the copy",
+                ferry_link_peer(from));
   return rc;
 }
 

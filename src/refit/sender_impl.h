@@ -106,11 +106,13 @@ void fr_refit_stats_stop(ferry_refit_sender *s);
 void fr_refit_announce_ready(ferry_refit_sender *s);
 /* The packer thread (pack.c): fr_refit_pack packs and hashes bucket b into dst, sharing the
  * work with the packer thread when `share` (the cores are not busy with local receivers), and
- * returns the bucket's checksum. */
+ * returns the bucket's checksum; it feeds each of feeds[0..nfeeds) (begun for bucket b) the
+ * runs of its shard view as the chunks are packed. */
 typedef struct fr_refit_packer fr_refit_packer;
 int fr_refit_packer_start(ferry_refit_sender *s, fr_refit_packer **out);
 void fr_refit_packer_stop(fr_refit_packer *k);
-uint64_t fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share);
+uint64_t fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share,
+                       fr_refit_feed *feeds, size_t nfeeds);
 /* Late join (catchup.c), all under s->lock: a receiver asked for the latest version; serves
  * every pending request when no push is under way; handles a catch-up ACK or COMMITTED (true
  * when the record belonged to a catch-up); and stops the catch-up of a receiver a push takes. */

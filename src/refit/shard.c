@@ -168,6 +168,28 @@ uint64_t fr_refit_view_sum(const fr_refit_plan *plan, const fr_refit_view *v, ui
   return fr_hash_end(h);
 }
 
+void fr_refit_view_feed_begin(fr_refit_feed *f, const fr_refit_view *v, uint32_t b) {
+  *f = (fr_refit_feed){.v = v, .h = fr_hash_begin(), .next = v->first[b], .pos = 0};
+}
+
+void fr_refit_view_feed(const fr_refit_plan *plan, fr_refit_feed *f, uint32_t b, uint64_t lo,
+                        uint64_t n, const uint8_t *bucket) {
+  uint64_t start = (uint64_t)b * plan->bucket_bytes, end = start + lo + n;
+  while (f->next < f->v->first[b + 1]) {
+    const fr_refit_run *run = &f->v->runs[f->next];
+    uint64_t from = run->off + f->pos, to = run->off + run->len < end ? run->off + run->len : end;
+    if (from >= end)
+      return;
+    fr_hash_update(f->h, bucket + (from - start), to - from);
+    if (to < run->off + run->len) {
+      f->pos = to - run->off;
+      return;
+    }
+    f->next++;
+    f->pos = 0;
+  }
+}
+
 void fr_refit_pieces_encode(const fr_refit_piece *pieces, uint32_t n, uint8_t *out) {
   for (uint32_t i = 0; i < n; i++, out += FR_REFIT_PIECE_BYTES) {
     fr_put_u32(out, pieces[i].entry);

@@ -17,6 +17,7 @@
 #ifndef FR_REFIT_SHARD_H
 #define FR_REFIT_SHARD_H
 
+#include "core/hash.h"
 #include "refit/plan.h"
 
 #define FR_REFIT_PIECES_MAX 4096u       /* per target */
@@ -62,6 +63,20 @@ void fr_refit_view_free(fr_refit_view *v);
 /* The sum of the view's runs in bucket b, whose bytes lie at `bucket`. */
 uint64_t fr_refit_view_sum(const fr_refit_plan *plan, const fr_refit_view *v, uint32_t b,
                            const uint8_t *bucket);
+
+/* The same, fed while the bucket is packed: a view's running sum over bucket b, taking the runs'
+ * bytes that lie in each window [lo, lo+n) of the bucket as it is filled (windows in order, the
+ * bytes before them still in place); after the bucket's last window, fr_hash_end gives what
+ * fr_refit_view_sum would. */
+typedef struct fr_refit_feed {
+  const fr_refit_view *v;
+  fr_hash *h;
+  uint64_t next; /* the run being fed */
+  uint64_t pos;  /* bytes of it fed so far */
+} fr_refit_feed;
+void fr_refit_view_feed_begin(fr_refit_feed *f, const fr_refit_view *v, uint32_t b);
+void fr_refit_view_feed(const fr_refit_plan *plan, fr_refit_feed *f, uint32_t b, uint64_t lo,
+                        uint64_t n, const uint8_t *bucket);
 
 /* VIEW record body: the pieces of one target slot, after the fixed record. */
 void fr_refit_pieces_encode(const fr_refit_piece *pieces, uint32_t n, uint8_t *out);
