@@ -354,8 +354,9 @@ typedef struct ferry_read_run {
 } ferry_read_run;
 /* Reads runs[0..n) of the peer's region one after another into dst (the sum of their lengths,
  * at most FERRY_MAX_MESSAGE): over shm one memcpy per run; over tcp one request per 256 runs,
- * all in flight at once; elsewhere one read per run. Errors as ferry_read (FERRY_EINVAL for an
- * empty run). A strided slice (a run of columns in every row) is one call. */
+ * all in flight at once; over ucx every get in flight at once (by RMA; else a request per run).
+ * Errors as ferry_read (FERRY_EINVAL for an empty run). A strided slice (a run of columns in every
+ * row) is one call. */
 FERRY_API int ferry_readv(ferry_link *link, const ferry_region_ref *remote,
                           const ferry_read_run *runs, size_t n, void *dst, int timeout_ms);
 /* One-sided write of src into [offset, offset+len) of the peer's region. Same errors. */
