@@ -1443,6 +1443,71 @@ static void test_shards_feed_windows(void **st) {
   fr_refit_view_free(v);
 }
 
+/* The sender re-seals with o narrowed to 32 columns and a tensor more: rank 0's slice of o
+ * (columns 0:32) still fits and carries over with its other targets, rank 1's (32:64) does not
+ * and fails that version naming it until bound again; then both read only their slices again. */
+static void test_shards_reseal(void **st) {
+  tp_model m;
+  tp_init(&m, 13);
+  ferry_ctx *sc = ctx_for("trainer", "shm");
+  ferry_refit_sender *s = tp_sender(sc, &m);
+  tp_rank ranks[2];
+  for (int r = 0; r < 2; r++)
+    tp_rank_open(&ranks[r], "shm", ferry_ctx_address(sc), r, 2);
+  await_receivers(s, 2);
+  FR_OK(ferry_refit_push(s, 1, NULL));
+  for (int r = 0; r < 2; r++)
+    FR_OK(ferry_refit_wait(ranks[r].rx, 1, 5000, NULL));
+
+  ferry_tensor_desc od = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {40, 32}};
+  float *o = calloc(40 * 32, sizeof *o), extra[8] = {1, 2, 3};
+  for (int i = 0; i < 40 * 32; i++)
+    o[i] = (float)i;
+  ferry_tensor_desc xd = {.dtype = FERRY_DTYPE_F32, .ndim = 1, .shape = {8}};
+  FR_OK(ferry_refit_declare(s, "o", &od, o, FERRY_DTYPE_INVALID));
+  FR_OK(ferry_refit_declare(s, "extra", &xd, extra, FERRY_DTYPE_INVALID));
+  FR_OK(ferry_refit_seal(s));
+  tp_snapshot(&m);
+  assert_int_equal(ferry_refit_push(s, 2, NULL), FERRY_ESHAPE);
+  assert_non_null(strstr(ferry_last_error(), "tp-1-of-2"));
+  assert_null(strstr(ferry_last_error(), "tp-0-of-2"));
+  FR_OK(ferry_refit_wait(ranks[0].rx, 2, 5000, NULL));
+  assert_memory_equal(ranks[0].mem[1], o, 40 * 32 * 4); /* all of the new o */
+  assert_int_equal(ferry_refit_wait(ranks[1].rx, 2, 200, NULL), FERRY_ETIMEDOUT);
+  assert_non_null(strstr(ferry_last_error(), "'o'"));
+
+  ferry_refit_piece half = {"o", 1, 16, 32};
+  ferry_tensor_desc hd = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {40, 16}};
+  float *mine = calloc(40 * 16, sizeof *mine);
+  FR_OK(ferry_refit_bind_pieces(ranks[1].rx, "o", mine, &hd, &half, 1));
+  uint64_t before[2];
+  for (int r = 0; r < 2; r++)
+    before[r] = ferry_refit_bytes_read(ranks[r].rx);
+  o[40 * 32 - 1] = -1.0f;
+  FR_OK(ferry_refit_push(s, 3, NULL));
+  for (int r = 0; r < 2; r++)
+    FR_OK(ferry_refit_wait(ranks[r].rx, 3, 5000, NULL));
+  assert_memory_equal(ranks[0].mem[1], o, 40 * 32 * 4);
+  for (int row = 0; row < 40; row++)
+    assert_memory_equal(mine + row * 16, o + row * 32 + 16, 16 * 4);
+  for (int r = 0; r < 2; r++) { /* up (rows), as the other carried-over targets */
+    uint64_t bytes = 64 * 40 * 2;
+    assert_memory_equal(ranks[r].mem[2], m.wire[4] + (uint64_t)r * bytes, bytes);
+  }
+  /* both declared their targets for the new generation: only their slices were read */
+  uint64_t o_bytes[2] = {40 * 32 * 4, 40 * 16 * 4}, o_old = 40 * 32 * 4;
+  for (int r = 0; r < 2; r++)
+    assert_int_equal(ferry_refit_bytes_read(ranks[r].rx) - before[r],
+                     ranks[r].bytes - o_old + o_bytes[r]);
+  for (int r = 0; r < 2; r++)
+    tp_rank_close(&ranks[r]);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(sc);
+  free(o);
+  free(mine);
+  tp_free(&m);
+}
+
 /* A shard binding that does not fit is refused, naming the target and the piece. */
 static void expect_bind_error(ferry_refit_receiver *rx, const char *target,
                               const ferry_tensor_desc *d, const ferry_refit_piece *p, size_t n,
@@ -1531,6 +1596,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_shards_late_join_tcp),
       cmocka_unit_test(test_shards_bind_errors),
       cmocka_unit_test(test_shards_corrupt),
+      cmocka_unit_test(test_shards_reseal),
       cmocka_unit_test(test_shards_feed_windows),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
