@@ -988,29 +988,34 @@ int ferry_refit_bind_pieces(ferry_refit_receiver *r, const char *target, void *d
   if (!*target || n == 0 || n > FR_REFIT_PIECES_MAX)
     return fr_err(FERRY_EINVAL, "refit: target '%s' with %zu pieces (1 to %u, and a name)", target,
                   n, FR_REFIT_PIECES_MAX);
-  fr_refit_piece pc[n];
-  char *sources[n];
-  for (size_t i = 0; i < n; i++) {
+  fr_refit_piece *pc = malloc(n * sizeof *pc);
+  char **sources = malloc(n * sizeof *sources);
+  int rc = pc && sources ? 0 : fr_err(FERRY_ENOMEM, "refit: target '%s'", target);
+  for (size_t i = 0; i < n && rc == 0; i++) {
     const ferry_refit_piece *p = &pieces[i];
     if (!p->source || p->dim < 0 || p->dim >= FERRY_MAX_DIMS || p->start < 0 || p->stop < 0)
-      return fr_err(FERRY_ESHAPE,
-                    "refit: target '%s' piece %zu ('%s' dim %d [%lld:%lld]) is not a "
-                    "slice",
-                    target, i, p->source ? p->source : "(null)", p->dim, (long long)p->start,
-                    (long long)p->stop);
-    pc[i] = (fr_refit_piece){0, (uint32_t)p->dim, (uint64_t)p->start, (uint64_t)p->stop};
+      rc = fr_err(FERRY_ESHAPE,
+                  "refit: target '%s' piece %zu ('%s' dim %d [%lld:%lld]) is not a "
+                  "slice",
+                  target, i, p->source ? p->source : "(null)", p->dim, (long long)p->start,
+                  (long long)p->stop);
+    else
+      pc[i] = (fr_refit_piece){0, (uint32_t)p->dim, (uint64_t)p->start, (uint64_t)p->stop};
     sources[i] = (char *)p->source;
   }
   pthread_mutex_lock(&r->bind_lock);
-  int rc = r->flat || r->alias
-               ? fr_err(FERRY_ESTATE, "refit: bound to %s; shards need their own memory",
-                        r->flat ? "a flat buffer" : "the sender's buffer (alias mode)")
-               : pieces_fit(&r->plan, target, desc, sources, pc, (uint32_t)n);
+  if (rc == 0)
+    rc = r->flat || r->alias
+             ? fr_err(FERRY_ESTATE, "refit: bound to %s; shards need their own memory",
+                      r->flat ? "a flat buffer" : "the sender's buffer (alias mode)")
+             : pieces_fit(&r->plan, target, desc, sources, pc, (uint32_t)n);
   if (rc == 0)
     rc = enter_shards(r);
   if (rc == 0)
     rc = add_target(r, target, dst, desc, sources, pc, (uint32_t)n);
   pthread_mutex_unlock(&r->bind_lock);
+  free(pc);
+  free(sources);
   return rc;
 }
 

@@ -137,7 +137,8 @@ int fr_refit_view_build(const fr_refit_plan *plan, const fr_refit_target *target
     free(rs.v);
     return rc;
   }
-  qsort(rs.v, rs.n, sizeof *rs.v, run_cmp);
+  if (rs.n) /* qsort wants an array, even of nothing */
+    qsort(rs.v, rs.n, sizeof *rs.v, run_cmp);
   v->serial = serial;
   v->runs = rs.v;
   v->nruns = rs.n;
