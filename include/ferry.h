@@ -11,8 +11,15 @@
  *   - Handles are opaque; every open/create has a close, and close(NULL) is a no-op.
  *   - Strings passed in are copied when kept; strings returned are owned by ferry and stay valid
  *     for the lifetime of the handle they came from (or forever, for static tables).
- *   - Options structs start with `size` (set it to sizeof the struct) so fields can be added
- *     without breaking the ABI; pass NULL for the defaults.
+ *   - Options structs (ferry_*_opts, ferry_ctl_handlers) start with `size`: set it to sizeof the
+ *     struct, or pass NULL for every default. They only grow at their end, and a field beyond
+ *     the caller's `size` takes its default, so a program built against an older ferry.h (or a
+ *     binding that declares only the first fields) keeps working. A `size` that does not cover
+ *     the `size` field itself (it was never set) or exceeds 4096 is FERRY_EINVAL. Bytes beyond
+ *     the struct this library knows must be zero: a program built against a newer ferry.h that
+ *     sets a field this library lacks gets FERRY_ENOTSUP rather than having it ignored.
+ *     Output structs with a `size` (ferry_ctl_status, ferry_store_info, ...) get at most `size`
+ *     bytes written.
  *   - Timeouts are in milliseconds; a negative timeout means the configured default
  *     (FERRY_TIMEOUT_MS) and 0 means "do not wait".
  */
@@ -184,6 +191,7 @@ FERRY_API char *ferry_shape_format(const ferry_tensor_desc *desc, char *buf, siz
 typedef struct ferry_ctx ferry_ctx;
 typedef struct ferry_link ferry_link;
 
+/* Like every options struct: `size` first, NULL for the defaults (the rule at the top). */
 typedef struct ferry_ctx_opts {
   size_t size;            /* sizeof(ferry_ctx_opts) */
   const char *name;       /* node name (copied); NULL: "<hostname>-<pid>" */
@@ -809,7 +817,10 @@ FERRY_API int ferry_refit_tensor_info(ferry_refit_receiver *receiver, size_t i, 
 FERRY_API int ferry_refit_tensor_scale(ferry_refit_receiver *receiver, size_t i, float *scale);
 /* Binds a tensor to the caller's memory (kept valid by the caller until close or rebind).
  * FERRY_ENOTFOUND, or FERRY_EDTYPE / FERRY_ESHAPE naming the tensor when desc does not match
- * what the sender sends. Tensors left unbound are not stored. */
+ * what the sender sends. Tensors left unbound are not stored. A destination bound (here or by
+ * ferry_refit_bind_flat) after a version committed does not hold it: committed() is 0 until the
+ * next wait caught up; one bound after a bucket of its bytes landed fails that version here.
+ * Bind before the pushes begin. */
 FERRY_API int ferry_refit_bind(ferry_refit_receiver *receiver, const char *name, void *dst,
                                const ferry_tensor_desc *desc);
 /* Instead of binding: one flat buffer (ferry shared memory, owned by the receiver) that receives
@@ -854,11 +865,27 @@ FERRY_API int ferry_refit_bind_pieces(ferry_refit_receiver *receiver, const char
  * 1/world of the model per push for a tensor-parallel rank that binds its shards. */
 FERRY_API uint64_t ferry_refit_bytes_read(ferry_refit_receiver *receiver);
 /* Called on the receiver's thread after each bucket verified and landed (engines that load
- * while buckets arrive). Bucket indices refer to the manifest's plan. */
+ * while buckets arrive). Bucket indices refer to the manifest's plan. A bucket a push skipped
+ * (unchanged, or outside `only`) is not reported: its bytes are already this version's. Setting
+ * fn (NULL: none) is safe while buckets land; a call already under way may still end after it.
+ * The callback must not block: the receiver acknowledges the bucket only after it returns. */
 typedef void (*ferry_refit_bucket_fn)(ferry_refit_receiver *receiver, uint64_t version,
                                       uint32_t bucket, void *arg);
 FERRY_API void ferry_refit_on_bucket(ferry_refit_receiver *receiver, ferry_refit_bucket_fn fn,
                                      void *arg);
+/* Called on the receiver's thread when a version ends here: status 0 when it committed (every
+ * bucket verified), else why not, as soon as it cannot commit (a bucket failed: FERRY_ECHECKSUM,
+ * FERRY_EDTYPE, ...; FERRY_ETIMEDOUT when the sender dropped this receiver for a stall), with
+ * `why` saying so (NULL on success; valid during the call); a failed version may be reported
+ * twice. Same rules as on_bucket. */
+typedef void (*ferry_refit_commit_fn)(ferry_refit_receiver *receiver, uint64_t version, int status,
+                                      const char *why, void *arg);
+FERRY_API void ferry_refit_on_commit(ferry_refit_receiver *receiver, ferry_refit_commit_fn fn,
+                                     void *arg);
+/* The buckets that carry the i-th tensor of the manifest: *count of them from *first (0 for a
+ * tensor of no bytes). A tensor has landed once each of them was reported by on_bucket. */
+FERRY_API int ferry_refit_tensor_buckets(ferry_refit_receiver *receiver, size_t i, uint32_t *first,
+                                         uint32_t *count);
 /* Waits until the committed version is at least `version` (0: the latest version the sender
  * has pushed, as far as this receiver knows, and at least one) and writes it to *committed.
  * FERRY_ETIMEDOUT otherwise, or FERRY_EPEER as soon as the sender is gone, with *committed

@@ -5,6 +5,7 @@
  */
 // ferry-test: threaded
 #include "testutil.h"
+#include "core/channels.h"
 #include "transport/ring.h"
 #include "transport/transport.h"
 
@@ -287,6 +288,33 @@ static void calls(const char *transport) {
   ferry_msg_free(m);
   pair_close(&p);
 }
+
+/* Every ctx answers a call on FR_CHANNEL_STATS with its metrics (a fleet view's question), on
+ * one link again and again; a plain message there is dropped, and never reaches ferry_recv. */
+static void stats_calls(const char *transport) {
+  pair p;
+  pair_open(&p, transport);
+  char want[96];
+  snprintf(want, sizeof want, "ferry_links{node=\"node-b\",transport=\"%s\"} 1", transport);
+  for (int i = 0; i < 20; i++) {
+    char *text = NULL;
+    FR_OK(fr_stats_call(p.ab, 5000, &text));
+    assert_non_null(strstr(text, want));
+    free(text);
+    usleep(2000);
+  }
+  struct iovec iov = {"x", 1};
+  FR_OK(ferry_send(p.ab, FR_CHANNEL_STATS, &iov, 1, 1000));
+  char *text = NULL;
+  FR_OK(fr_stats_call(p.ab, 5000, &text)); /* after the message: it was taken and dropped */
+  free(text);
+  ferry_msg *m = NULL;
+  assert_int_equal(ferry_recv(p.b, FR_CHANNEL_STATS, &m, 50), FERRY_ETIMEDOUT);
+  pair_close(&p);
+}
+
+static void test_stats_calls_shm(void **s) { stats_calls("shm"); }
+static void test_stats_calls_tcp(void **s) { stats_calls("tcp"); }
 
 static void test_calls_shm(void **s) { calls("shm"); }
 static void test_calls_tcp(void **s) { calls("tcp"); }
@@ -1048,6 +1076,8 @@ int main(void) {
       cmocka_unit_test(test_messages_tcp),
       cmocka_unit_test(test_calls_shm),
       cmocka_unit_test(test_calls_tcp),
+      cmocka_unit_test(test_stats_calls_shm),
+      cmocka_unit_test(test_stats_calls_tcp),
       cmocka_unit_test(test_rma_shm_shared),
       cmocka_unit_test(test_rma_shm_registered),
       cmocka_unit_test(test_shm_small_ring),

@@ -19,6 +19,7 @@
 #include "refit/shard.h"
 #include "storeutil.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -731,9 +732,10 @@ static int sender_child(tu_pipe *p) {
   snprintf(addr, sizeof addr, "%s", ferry_ctx_address(sc));
   tu_pipe_put(p, addr, sizeof addr);
   await_receivers(s, 1);
+  uint8_t go;
+  tu_pipe_get(p, &go, 1, 10000); /* the receiver bound its tensors (before a version lands) */
   if (ferry_refit_push(s, 1, NULL) != 0)
     return 1;
-  uint8_t go;
   tu_pipe_get(p, &go, 1, 10000);
   fr_refit_test_corrupt = stop_at_bucket_two; /* stops mid-push; the parent kills or resumes it */
   return ferry_refit_push(s, 2, NULL) == 0 ? 0 : 2;
@@ -754,9 +756,10 @@ static void test_sender_killed(void **st) {
   FR_OK(ferry_refit_receiver_open(rc, addr, 5000, &r));
   bound b; /* the engine's own tensors, written in place */
   bind_all(r, &b);
+  uint8_t go = 1;
+  tu_pipe_put(&to_child, &go, 1); /* bound: push 1 */
   FR_OK(ferry_refit_wait(r, 1, 10000, NULL));
   assert_int_equal(ferry_refit_committed(r), 1);
-  uint8_t go = 1;
   tu_pipe_put(&to_child, &go, 1);
   int st2;
   assert_int_equal(waitpid(pid, &st2, WUNTRACED), pid); /* stopped in the middle of v2 */
@@ -808,8 +811,9 @@ static void test_sender_stopped(void **st) {
   FR_OK(ferry_refit_receiver_open(rc, addr, 5000, &r));
   bound b;
   bind_all(r, &b);
-  FR_OK(ferry_refit_wait(r, 1, 10000, NULL));
   uint8_t go = 1;
+  tu_pipe_put(&to_child, &go, 1); /* bound: push 1 */
+  FR_OK(ferry_refit_wait(r, 1, 10000, NULL));
   tu_pipe_put(&to_child, &go, 1);
   int wst;
   assert_int_equal(waitpid(pid, &wst, WUNTRACED), pid); /* stopped in the middle of v2 */
@@ -924,6 +928,129 @@ static void late_join(const char *transports) {
   ferry_refit_receiver_close(r);
   bound_free(&b);
   ferry_refit_sender_close(s);
+  ferry_ctx_close(lc);
+  ferry_ctx_close(rc);
+  ferry_ctx_close(sc);
+  model_free(&m);
+}
+
+/* What the bucket and commit callbacks saw (on the receiver's thread). */
+typedef struct seen {
+  pthread_mutex_t lock;
+  uint32_t buckets[4][64]; /* per version 1..3: how often each bucket was reported */
+  int commits;             /* commit reports, and the last one */
+  uint64_t commit_version;
+  int commit_status;
+} seen;
+
+static void saw_bucket(ferry_refit_receiver *r, uint64_t version, uint32_t bucket, void *arg) {
+  (void)r;
+  seen *x = arg;
+  pthread_mutex_lock(&x->lock);
+  if (version < 4 && bucket < 64)
+    x->buckets[version][bucket]++;
+  pthread_mutex_unlock(&x->lock);
+}
+
+static void saw_commit(ferry_refit_receiver *r, uint64_t version, int status, const char *why,
+                       void *arg) {
+  (void)r;
+  seen *x = arg;
+  pthread_mutex_lock(&x->lock);
+  x->commits++;
+  x->commit_version = version;
+  /* a failure must say why (here: a checksum); 1, which no test expects, when it does not */
+  x->commit_status = status != 0 && (!why || !strstr(why, "checksum")) ? 1 : status;
+  pthread_mutex_unlock(&x->lock);
+}
+
+/* Waits (up to 10 s) for a commit report of version v; returns its status. */
+static int await_commit(seen *x, uint64_t v) {
+  for (int i = 0; i < 1000; i++) {
+    pthread_mutex_lock(&x->lock);
+    bool got = x->commits > 0 && x->commit_version == v;
+    int status = x->commit_status;
+    pthread_mutex_unlock(&x->lock);
+    if (got)
+      return status;
+    usleep(10000);
+  }
+  fail_msg("no commit report of version %llu", (unsigned long long)v);
+  return 0;
+}
+
+/* The buckets that carry each tensor (ferry_refit_tensor_buckets) cover the plan; every bucket
+ * of a version is reported once (on_bucket), and the version's end with its status (on_commit:
+ * 0, or at once the checksum failure). A flat buffer bound after a version committed holds no
+ * version until the receiver caught up, and then holds what the receiver that had it holds. */
+static void test_bucket_and_commit_callbacks(void **st) {
+  model m;
+  model_init(&m, 11);
+  ferry_ctx *sc = ctx_for("trainer", "shm"), *rc = ctx_for("rollout", "shm"),
+            *lc = ctx_for("later", "shm");
+  ferry_refit_sender *s = sender_for(sc, &m, 16384);
+  ferry_refit_receiver *r = flat_receiver(rc, ferry_ctx_address(sc)), *l;
+  FR_OK(ferry_refit_receiver_open(lc, ferry_ctx_address(sc), 5000, &l)); /* nothing bound */
+  seen x = {.commits = 0};
+  pthread_mutex_init(&x.lock, NULL);
+  ferry_refit_on_bucket(r, saw_bucket, &x);
+  ferry_refit_on_commit(r, saw_commit, &x);
+  uint32_t first, count, buckets = 0, next = 0;
+  for (size_t i = 0; i < NT; i++) {
+    FR_OK(ferry_refit_tensor_buckets(r, i, &first, &count));
+    assert_true(count >= 1 && first <= next); /* in plan order, nothing skipped */
+    if (first + count > next)
+      next = first + count;
+  }
+  buckets = next;
+  assert_true(buckets > 2 && buckets < 64);
+  assert_int_equal(ferry_refit_tensor_buckets(r, NT, &first, &count), FERRY_ENOTFOUND);
+  await_receivers(s, 2);
+
+  FR_OK(ferry_refit_push(s, 1, NULL));
+  assert_int_equal(await_commit(&x, 1), 0);
+  pthread_mutex_lock(&x.lock);
+  for (uint32_t b = 0; b < buckets; b++)
+    assert_int_equal(x.buckets[1][b], 1);
+  pthread_mutex_unlock(&x.lock);
+
+  /* l received version 1 with nothing bound; its new flat buffer holds none */
+  FR_OK(ferry_refit_wait(l, 1, 5000, NULL));
+  FR_OK(ferry_refit_bind_flat(l));
+  assert_int_equal(ferry_refit_committed(l), 0);
+  uint64_t have = 0;
+  FR_OK(ferry_refit_wait(l, 1, 10000, &have)); /* caught up from the sender */
+  assert_int_equal(have, 1);
+  for (size_t i = 0; i < NT; i++) {
+    const char *name;
+    ferry_tensor_desc d;
+    void *a, *b;
+    uint64_t n;
+    FR_OK(ferry_refit_tensor_info(r, i, &name, &d));
+    FR_OK(ferry_tensor_nbytes(&d, &n));
+    FR_OK(ferry_refit_view(r, name, &a));
+    FR_OK(ferry_refit_view(l, name, &b));
+    assert_memory_equal(a, b, n);
+  }
+
+  model_bump(&m, -1);
+  fr_refit_test_corrupt = flip_bucket_one;
+  assert_int_equal(ferry_refit_push(s, 2, NULL), FERRY_ECHECKSUM);
+  fr_refit_test_corrupt = NULL;
+  assert_int_equal(await_commit(&x, 2), FERRY_ECHECKSUM);
+  pthread_mutex_lock(&x.lock);
+  assert_int_equal(x.buckets[2][0], 1); /* bucket 0 verified, bucket 1 did not */
+  assert_int_equal(x.buckets[2][1], 0);
+  pthread_mutex_unlock(&x.lock);
+  FR_OK(ferry_refit_push(s, 3, NULL));
+  assert_int_equal(await_commit(&x, 3), 0);
+  FR_OK(ferry_refit_wait(l, 3, 5000, NULL));
+  ferry_refit_on_bucket(r, NULL, NULL);
+  ferry_refit_on_commit(r, NULL, NULL);
+  ferry_refit_receiver_close(l);
+  ferry_refit_receiver_close(r);
+  ferry_refit_sender_close(s);
+  pthread_mutex_destroy(&x.lock);
   ferry_ctx_close(lc);
   ferry_ctx_close(rc);
   ferry_ctx_close(sc);
@@ -1588,6 +1715,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_late_join_no_retain),
       cmocka_unit_test(test_late_join_during_push),
       cmocka_unit_test(test_late_join_process),
+      cmocka_unit_test(test_bucket_and_commit_callbacks),
       cmocka_unit_test(test_shards_2_shm),
       cmocka_unit_test(test_shards_4_shm),
       cmocka_unit_test(test_shards_2_tcp),

@@ -10,6 +10,7 @@
  * deadlines. Helper roles re-run this binary inside namespaces (`--role ...`).
  */
 // ferry-test: threaded
+#include "bench/netns.h"
 #include "storeutil.h"
 
 #include <errno.h>
@@ -1095,50 +1096,25 @@ static void test_directory_restart(void **state) {
   check_directory_restart(true);
 }
 
-/* ---- across network namespaces, over tcp ---- */
+/* ---- across network namespaces (bench/netns.h), over tcp ---- */
 
-#define NS_A "ferry-st-a"
-#define NS_B "ferry-st-b"
-#define IP_A "10.231.7.1"
-#define IP_B "10.231.7.2"
+#define NS_TAG "st"
+#define NS_NET "10.231.7"
+#define NS_A NETNS_HOST(NS_TAG, 1)
+#define NS_B NETNS_HOST(NS_TAG, 2)
+#define IP_A NETNS_IP(NS_NET, 1)
+#define IP_B NETNS_IP(NS_NET, 2)
 #define NS_PORT "7791"
 
-static int sh(const char *cmd) {
-  char full[512];
-  snprintf(full, sizeof full, "%s >/dev/null 2>&1", cmd);
-  return system(full);
-}
-
-static void netns_down(void) {
-  sh("ip netns del " NS_A);
-  sh("ip netns del " NS_B);
-}
-
-static bool netns_up(void) {
-  netns_down();
-  const char *cmds[] = {
-      "ip netns add " NS_A,
-      "ip netns add " NS_B,
-      "ip link add fst-a type veth peer name fst-b",
-      "ip link set fst-a netns " NS_A,
-      "ip link set fst-b netns " NS_B,
-      "ip -n " NS_A " addr add " IP_A "/30 dev fst-a",
-      "ip -n " NS_B " addr add " IP_B "/30 dev fst-b",
-      "ip -n " NS_A " link set fst-a up",
-      "ip -n " NS_B " link set fst-b up",
-      "ip -n " NS_A " link set lo up",
-      "ip -n " NS_B " link set lo up",
-  };
-  for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
-    if (sh(cmds[i]) != 0) {
-      netns_down();
-      /* root has CAP_NET_ADMIN, so there the failure is a missing iproute2 or a broken set-up */
-      tu_skip(tu_netns_skip_why(),
-              "netns part: `%s` failed (needs root, CAP_NET_ADMIN, iproute2, and / a mount point)",
-              cmds[i]);
-      return false;
-    }
-  return true;
+static bool hosts_up(void) {
+  char failed[512];
+  if (netns_up(NS_TAG, NS_NET, 2, NULL, failed, sizeof failed))
+    return true;
+  /* root has CAP_NET_ADMIN, so there the failure is a missing iproute2 or a broken set-up */
+  tu_skip(tu_netns_skip_why(),
+          "netns part: `%s` failed (needs root, CAP_NET_ADMIN, iproute2, and / a mount point)",
+          failed);
+  return false;
 }
 
 /* In NS_A: host the directory, publish, wait for stdin to close. */
@@ -1200,7 +1176,7 @@ static int role_reader(void) {
 }
 
 static void test_netns(void **state) {
-  if (!netns_up())
+  if (!hosts_up())
     return;
   char cmd[8192];
   snprintf(cmd, sizeof cmd, "ip netns exec " NS_A " %s --role owner", self_exe);
@@ -1214,7 +1190,7 @@ static void test_netns(void **state) {
            self_exe);
   int rc = system(cmd);
   pclose(owner);
-  netns_down();
+  netns_down(NS_TAG, 2);
   assert_int_equal(WEXITSTATUS(rc), 0);
 }
 

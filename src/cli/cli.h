@@ -40,5 +40,6 @@ int cli_ls(int argc, char **argv);
 int cli_rm(int argc, char **argv);
 int cli_stat(int argc, char **argv);
 int cli_gc(int argc, char **argv);
+int cli_top(int argc, char **argv);
 
 #endif

@@ -14,11 +14,22 @@
 #include <stdint.h>
 #include <time.h>
 
-/* A field of a caller's options struct, or `dflt` when the struct is NULL or older than the
- * field: options structs only grow at their end, and `size` says how much of one the caller
- * knows (a binary built against an older ferry.h, or a binding that declares fewer fields). */
+/* ---- options structs: the one rule (ferry.h states it to callers) ----
+ * Options structs only grow at their end, and `size` says how much of one the caller knows (a
+ * binary built against an older ferry.h, or a binding that declares fewer fields). A public call
+ * that takes one first checks it with FR_OPTS_CHECK, then reads every field through FR_OPT. */
+/* A field of a caller's options struct, or `dflt` when the struct is NULL or its `size` does not
+ * cover the field. */
 #define FR_OPT(o, field, dflt)                                                                     \
   ((o) && (o)->size >= offsetof(__typeof__(*(o)), field) + sizeof((o)->field) ? (o)->field : (dflt))
+/* 0 for NULL opts or a usable `size`. FERRY_EINVAL when `size` does not even cover itself (never
+ * set) or exceeds FR_OPTS_MAX (garbage); FERRY_ENOTSUP when a byte beyond the `known` bytes this
+ * library declares is not zero: the caller, built against a newer ferry.h, set a field this
+ * library lacks, and ignoring it would do silently what it did not ask for. `what` names the
+ * call in the detail. */
+#define FR_OPTS_MAX 4096
+int fr_opts_check(const void *opts, size_t known, const char *what);
+#define FR_OPTS_CHECK(o, what) fr_opts_check((o), sizeof *(o), (what))
 
 /* ---- errors ---- */
 /* Sets the thread's detail message and returns `status`, so a failure reads
@@ -27,6 +38,9 @@ int fr_err(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)
 /* Same, appending ": strerror(errno)" and mapping errno to a status (ENOMEM, ENOSPC, ...). */
 int fr_err_errno(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void fr_err_clear(void);
+/* fr_err() with the thread's current detail appended ("what: previous detail"): a caller adds
+ * its own context to a failure it passes on. */
+int fr_err_wrap(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* ---- logging: the level check is one load, so disabled messages cost nothing ---- */
 extern int fr_log_level_now;
@@ -96,6 +110,21 @@ void fr_hmac_sha256(const void *key, size_t key_len, const void *msg, size_t msg
                     uint8_t out[32]);
 /* Compares in constant time (for MACs). */
 bool fr_memeq_const(const void *a, const void *b, size_t len);
+
+/* ---- growable arrays ---- */
+/* Makes room for `need` elements of `elem` bytes in *items, whose capacity is *cap: when need
+ * exceeds it, the capacity doubles (from `first` when it is 0) until it covers need and *items
+ * is reallocated. On failure nothing changes and it returns FERRY_ENOMEM (also when the bytes
+ * would overflow a size_t); it sets no error detail: the caller knows what grew. */
+int fr_grow(void **items, size_t *cap, size_t need, size_t elem, size_t first);
+/* The same for a typed array `arr` (an lvalue, T *) and its size_t capacity `cap`. */
+#define FR_GROW(arr, cap, need, first)                                                             \
+  __extension__({                                                                                  \
+    void *fr_grow_p_ = (arr);                                                                      \
+    int fr_grow_rc_ = fr_grow(&fr_grow_p_, &(cap), (need), sizeof *(arr), (first));                \
+    (arr) = fr_grow_p_;                                                                            \
+    fr_grow_rc_;                                                                                   \
+  })
 
 /* ---- misc ---- */
 int fr_random_bytes(void *buf, size_t len);

@@ -132,16 +132,10 @@ static void obj_remove_at(fr_dir_server *s, size_t i) {
 }
 
 static int obj_insert_at(fr_dir_server *s, size_t i, const fr_dir_object *o) {
-  if (s->nobjs == s->capobjs) {
-    size_t cap = s->capobjs ? s->capobjs * 2 : 64;
-    if (cap > MAX_OBJECTS)
-      return fr_err(FERRY_ECAPACITY, "directory full: %zu objects", s->nobjs);
-    fr_dir_object **p = realloc(s->objs, cap * sizeof *p);
-    if (!p)
-      return fr_err(FERRY_ENOMEM, "directory: object table");
-    s->objs = p;
-    s->capobjs = cap;
-  }
+  if (s->nobjs >= MAX_OBJECTS) /* 64 << 18: the table doubles up to exactly this */
+    return fr_err(FERRY_ECAPACITY, "directory full: %zu objects", s->nobjs);
+  if (FR_GROW(s->objs, s->capobjs, s->nobjs + 1, 64) != 0)
+    return fr_err(FERRY_ENOMEM, "directory: object table");
   fr_dir_object *copy = malloc(sizeof *copy);
   if (!copy)
     return fr_err(FERRY_ENOMEM, "directory: object record");
@@ -224,14 +218,8 @@ static int op_node_put(fr_dir_server *s, fr_rd *in, fr_wr *out) {
   if (!e) {
     if (s->nnodes == MAX_NODES)
       return fr_err(FERRY_ECAPACITY, "directory full: %zu nodes", s->nnodes);
-    if (s->nnodes == s->capnodes) {
-      size_t cap = s->capnodes ? s->capnodes * 2 : 16;
-      srv_node *p = realloc(s->nodes, cap * sizeof *p);
-      if (!p)
-        return fr_err(FERRY_ENOMEM, "directory: node table");
-      s->nodes = p;
-      s->capnodes = cap;
-    }
+    if (FR_GROW(s->nodes, s->capnodes, s->nnodes + 1, 16) != 0)
+      return fr_err(FERRY_ENOMEM, "directory: node table");
     e = &s->nodes[s->nnodes++];
   }
   e->node = n;
@@ -570,16 +558,11 @@ static uint64_t sent_at(const ferry_msg *m) {
 }
 
 static void backlog_push(fr_dir_server *s, ferry_msg *m) {
-  if (s->nbacklog == s->capbacklog) {
-    size_t cap = s->capbacklog ? 2 * s->capbacklog : 64;
-    ferry_msg **p = realloc(s->backlog, cap * sizeof *p);
-    if (!p) { /* cannot keep it for later: answer it now, out of order */
-      fr_warn("directory: backlog of %zu messages: out of memory", s->nbacklog);
-      serve_one(s, m);
-      return;
-    }
-    s->backlog = p;
-    s->capbacklog = cap;
+  if (FR_GROW(s->backlog, s->capbacklog, s->nbacklog + 1, 64) != 0) {
+    /* cannot keep it for later: answer it now, out of order */
+    fr_warn("directory: backlog of %zu messages: out of memory", s->nbacklog);
+    serve_one(s, m);
+    return;
   }
   s->backlog[s->nbacklog++] = m;
 }

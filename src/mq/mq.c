@@ -273,15 +273,18 @@ static int mq_start(ferry_mq *mq, const ferry_mq_opts *o) {
 int ferry_mq_open(ferry_ctx *ctx, const ferry_mq_opts *opts, ferry_mq **out) {
   if (!ctx || !out)
     return fr_err(FERRY_EINVAL, "ferry_mq_open: NULL argument");
-  if (opts && opts->size < sizeof(size_t))
-    return fr_err(FERRY_EINVAL, "ferry_mq_open: opts->size not set");
-  ferry_mq_opts o = {0};
-  if (opts)
-    memcpy(&o, opts, opts->size < sizeof o ? opts->size : sizeof o);
+  int rc = FR_OPTS_CHECK(opts, "ferry_mq_open");
+  if (rc != 0)
+    return rc;
+  ferry_mq_opts o = {.size = sizeof o,
+                     .directory = FR_OPT(opts, directory, NULL),
+                     .queue_bytes = FR_OPT(opts, queue_bytes, 0),
+                     .lease_ms = FR_OPT(opts, lease_ms, 0),
+                     .flags = FR_OPT(opts, flags, 0)};
   ferry_mq *mq = mq_new(ctx, &o);
   if (!mq)
     return fr_err(FERRY_ENOMEM, "ferry_mq_open");
-  int rc = mq_start(mq, &o);
+  rc = mq_start(mq, &o);
   if (rc == 0 && (rc = fr_mq_stats_start(mq)) != 0)
     fr_mq_stats_stop(mq);
   if (rc != 0) {

@@ -47,14 +47,9 @@ void fr_mq_session_unref(fr_mq_session *s) {
 void fr_mq_session_credit(fr_mq_session *s, uint64_t charge, uint64_t token, bool *send) {
   s->pending += charge;
   if (token) {
-    if (s->nreleases == s->capreleases) {
-      size_t cap = s->capreleases ? s->capreleases * 2 : 16;
-      uint64_t *v = realloc(s->releases, cap * sizeof *v);
-      if (v)
-        s->releases = v, s->capreleases = cap;
-    }
-    if (s->nreleases < s->capreleases) /* else the block stays held until the peer goes */
+    if (FR_GROW(s->releases, s->capreleases, s->nreleases + 1, 16) == 0)
       s->releases[s->nreleases++] = token;
+    /* else the block stays held until the peer goes */
   }
   /* pool blocks go back at once: the publisher reuses them while they are warm in its cache */
   *send = !s->gone && (s->pending >= s->window / 4 || s->nreleases > 0);

@@ -492,8 +492,11 @@ static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_ref
 int ferry_refit_push(ferry_refit_sender *s, uint64_t version, const ferry_refit_push_opts *o) {
   if (!s)
     return fr_err(FERRY_EINVAL, "ferry_refit_push: NULL sender");
+  int rc = FR_OPTS_CHECK(o, "ferry_refit_push");
+  if (rc != 0)
+    return rc;
   uint64_t t0 = fr_now_ns(), bytes = 0;
-  int rc = push_version(s, version, o, &bytes);
+  rc = push_version(s, version, o, &bytes);
   fr_refit_count_push(s, rc, bytes, t0);
   return rc;
 }

@@ -31,8 +31,13 @@ struct ferry_refit_receiver {
   ferry_link *up;   /* to the chain predecessor, or NULL */
   char *up_address; /* where the sender said the predecessor is */
   uint8_t *got;     /* per bucket: verified in the version arriving */
-  ferry_refit_bucket_fn on_bucket;
+  ferry_refit_bucket_fn on_bucket; /* these four under bind_lock */
   void *on_bucket_arg;
+  ferry_refit_commit_fn on_commit;
+  void *on_commit_arg;
+  uint32_t bind_epoch;      /* bumped when a destination is bound (under bind_lock) */
+  uint32_t committed_epoch; /* bind_epoch when the last version committed */
+  uint64_t missed;          /* a version a destination bound mid-way missed buckets of */
 
   pthread_mutex_t bind_lock; /* bound, flat: held by the service thread while a bucket lands */
   pthread_mutex_t lock;      /* the versions below */
@@ -69,6 +74,8 @@ uint64_t fr_refit_stat_forwarded;
 static int fetch_manifest(ferry_refit_receiver *r, int timeout_ms, fr_refit_plan *plan);
 static int alias_map(ferry_refit_receiver *r);
 static int binding_fits(const fr_refit_entry *e, const ferry_tensor_desc *desc);
+static void new_destination(ferry_refit_receiver *r, uint64_t lo, uint64_t len);
+static void tell_commit(ferry_refit_receiver *r, uint64_t version, int status);
 
 /* ---- shards: targets, declarations, views (bind_lock held) ---- */
 
@@ -175,10 +182,11 @@ static int target_slot(ferry_refit_receiver *r, const char *name, uint32_t *out)
   return 0;
 }
 
-/* Records a checked target (pieces resolved) and declares it. */
+/* Records a checked target (pieces resolved) and declares it; `fresh`: memory the receiver did
+ * not write before (not a whole binding turned into a target), which then holds no version. */
 static int add_target(ferry_refit_receiver *r, const char *name, void *dst,
                       const ferry_tensor_desc *desc, char *const *sources,
-                      const fr_refit_piece *pieces, uint32_t n) {
+                      const fr_refit_piece *pieces, uint32_t n, bool fresh) {
   uint32_t slot = 0;
   int rc = target_slot(r, name, &slot);
   if (rc != 0)
@@ -196,6 +204,9 @@ static int add_target(ferry_refit_receiver *r, const char *name, void *dst,
     return fr_err(FERRY_ENOMEM, "refit: target '%s'", name);
   }
   memcpy(t.t.pieces, pieces, n * sizeof *pieces);
+  for (uint32_t i = 0; fresh && r->targets[slot].t.dst != dst && i < n; i++)
+    new_destination(r, r->plan.entries[pieces[i].entry].offset,
+                    r->plan.entries[pieces[i].entry].wire_bytes);
   target_free(&r->targets[slot]);
   r->targets[slot] = t;
   __atomic_store_n(&r->bound_any, true, __ATOMIC_RELEASE);
@@ -220,7 +231,7 @@ static int enter_shards(ferry_refit_receiver *r) {
     fr_refit_piece pc = whole_piece(&r->plan, i);
     char *src = r->plan.entries[i].name;
     int rc = dst && r->plan.entries[i].wire_bytes
-                 ? add_target(r, src, dst, &r->bound_desc[i], &src, &pc, 1)
+                 ? add_target(r, src, dst, &r->bound_desc[i], &src, &pc, 1, false)
                  : 0;
     if (rc != 0)
       return rc;
@@ -593,18 +604,18 @@ static void new_version(ferry_refit_receiver *r, uint64_t version) {
 /* A failure of this receiver poisons the version; one reading from the predecessor does not
  * (the sender sends that bucket again directly). */
 static void note_failure(ferry_refit_receiver *r, const fr_refit_msg_t *m, int rc) {
-  fr_warn("%s", ferry_last_error());
+  char why[sizeof r->why]; /* before the log line: a log callback may make calls that set it */
+  snprintf(why, sizeof why, "%s", ferry_last_error());
+  fr_warn("%s", why);
   if (m->flags & FR_REFIT_FROM_UP)
     return;
   r->failure = rc;
   pthread_mutex_lock(&r->lock);
-  snprintf(r->why, sizeof r->why, "%s", ferry_last_error());
+  snprintf(r->why, sizeof r->why, "%s", why);
   pthread_mutex_unlock(&r->lock);
 }
 
 static void on_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
-  if (m->version != r->receiving)
-    new_version(r, m->version);
   if (r->alias && !(m->flags & FR_REFIT_UNCHANGED))
     tear(r, m->version); /* the sender wrote this bucket into the buffer the engine reads */
   fr_refit_msg_t ack = {.type = FR_REFIT_ACK,
@@ -613,19 +624,26 @@ static void on_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
                         .seq = m->seq,
                         .flags = m->flags & FR_REFIT_KEEP};
   pthread_mutex_lock(&r->bind_lock);
+  if (m->version != r->receiving)
+    new_version(r, m->version);
   int rc = r->failure ? r->failure : take_bucket(r, m, &ack.src, &ack.src_offset);
   bool fresh = rc == 0 && m->bucket < r->plan.buckets && !r->got[m->bucket];
   if (fresh) {
     r->got[m->bucket] = 1;
     r->verified++;
   }
+  ferry_refit_bucket_fn fn = r->on_bucket;
+  void *fn_arg = r->on_bucket_arg;
   pthread_mutex_unlock(&r->bind_lock);
+  bool poisons = rc != 0 && !r->failure && !(m->flags & FR_REFIT_FROM_UP);
   if (rc != 0 && !r->failure)
     note_failure(r, m, rc);
   if (rc != 0 && (m->flags & FR_REFIT_FROM_UP))
     ack.flags |= FR_REFIT_UPSTREAM;
-  if (fresh && r->on_bucket && !(m->flags & FR_REFIT_UNCHANGED))
-    r->on_bucket(r, m->version, m->bucket, r->on_bucket_arg);
+  if (fresh && fn && !(m->flags & FR_REFIT_UNCHANGED))
+    fn(r, m->version, m->bucket, fn_arg);
+  if (poisons) /* it cannot commit now; the sender may send no COMMIT */
+    tell_commit(r, m->version, rc);
   ack.status = rc;
   fr_refit_send(r->link, &ack, -1);
 }
@@ -650,11 +668,51 @@ static void on_route(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
             ferry_last_error());
 }
 
+/* The commit callback, read under bind_lock (the caller may set it while versions land). */
+static void tell_commit(ferry_refit_receiver *r, uint64_t version, int status) {
+  pthread_mutex_lock(&r->bind_lock);
+  ferry_refit_commit_fn fn = r->on_commit;
+  void *arg = r->on_commit_arg;
+  pthread_mutex_unlock(&r->bind_lock);
+  if (!fn)
+    return;
+  char why[sizeof r->why];
+  pthread_mutex_lock(&r->lock);
+  snprintf(why, sizeof why, "%s", status ? r->why : "");
+  pthread_mutex_unlock(&r->lock);
+  fn(r, version, status, status ? why : NULL, arg);
+}
+
+/* A destination bound after a bucket of its bytes landed missed that bucket; one bound since the
+ * last commit misses the buckets a push skipped (unchanged, not in `only`): the version is not
+ * in it. Otherwise notes the bindings the committed version is in. */
+static int rebound_midway(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
+  uint64_t version = m->version;
+  pthread_mutex_lock(&r->bind_lock);
+  bool moved = (m->bytes > 0 && r->missed == version) ||
+               (m->bytes < r->plan.buckets && r->bind_epoch != r->committed_epoch);
+  if (!moved)
+    r->committed_epoch = r->bind_epoch;
+  pthread_mutex_unlock(&r->bind_lock);
+  if (!moved)
+    return 0;
+  int rc = fr_err(FERRY_ESTATE,
+                  "refit: a destination was bound while version %llu was landing here (it "
+                  "missed the buckets before); the receiver catches up when it next waits",
+                  (unsigned long long)version);
+  pthread_mutex_lock(&r->lock);
+  snprintf(r->why, sizeof r->why, "%s", ferry_last_error());
+  pthread_mutex_unlock(&r->lock);
+  return rc;
+}
+
 static void on_commit(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
   int status = m->version != r->receiving && m->bytes > 0 ? FERRY_EPROTO
                : r->failure                               ? r->failure
                : r->verified != m->bytes                  ? FERRY_EPROTO
                                                           : 0;
+  if (status == 0)
+    status = rebound_midway(r, m);
   pthread_mutex_lock(&r->lock);
   if (status == 0) {
     r->committed = m->version;
@@ -668,9 +726,12 @@ static void on_commit(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
     fr_warn("refit: version %llu not committed (%s); %s %llu", (unsigned long long)m->version,
             ferry_strerror(status), r->torn_by ? "bytes torn, no longer" : "keeping",
             (unsigned long long)r->committed);
+  pthread_mutex_lock(&r->bind_lock); /* binding reads it */
   r->receiving = 0;
+  pthread_mutex_unlock(&r->bind_lock);
   fr_refit_msg_t done = {.type = FR_REFIT_COMMITTED, .version = m->version, .status = status};
   fr_refit_send(r->link, &done, -1);
+  tell_commit(r, m->version, status);
 }
 
 /* The sender dropped this receiver: it acknowledged nothing within a push's timeout (it was
@@ -697,6 +758,7 @@ static void on_dropped(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
   }
   if (rc != 0)
     fr_warn("refit: cannot attach again: %s", ferry_last_error());
+  tell_commit(r, m->version, FERRY_ETIMEDOUT);
 }
 
 /* The sender cannot catch this receiver up (it keeps no whole copy of the version). */
@@ -895,6 +957,27 @@ int ferry_refit_tensor_scale(ferry_refit_receiver *r, size_t i, float *scale) {
   return rc;
 }
 
+/* A destination just bound (the wire bytes [lo, lo+len) go there) holds no version: the
+ * receiver holds none until a version lands whole (a catch-up when it next waits, or a push),
+ * and a version landing now fails here if a bucket of those bytes already landed. bind_lock
+ * held. */
+static void new_destination(ferry_refit_receiver *r, uint64_t lo, uint64_t len) {
+  r->bind_epoch++;
+  const fr_refit_plan *p = &r->plan;
+  for (uint64_t b = lo / p->bucket_bytes;
+       r->receiving && len && b * p->bucket_bytes < lo + len && b < p->buckets; b++)
+    if (r->got[b])
+      r->missed = r->receiving; /* that bucket landed before the destination existed */
+  pthread_mutex_lock(&r->lock);
+  if (r->committed)
+    fr_info("refit: a destination bound after version %llu committed; it is caught up",
+            (unsigned long long)r->committed);
+  r->committed = 0;
+  r->asked = 0;
+  pthread_mutex_unlock(&r->lock);
+  __atomic_store_n(&r->bound_any, true, __ATOMIC_RELEASE);
+}
+
 static int find(ferry_refit_receiver *r, const char *name, uint32_t *out) {
   int64_t i = r && name ? fr_refit_plan_find(&r->plan, name) : -1;
   if (i < 0)
@@ -915,14 +998,15 @@ int ferry_refit_bind(ferry_refit_receiver *r, const char *name, void *dst,
   if (rc == 0 && r->shards) { /* a target of one piece: the whole tensor */
     fr_refit_piece pc = whole_piece(&r->plan, i);
     char *src = r->plan.entries[i].name;
-    rc = r->plan.entries[i].wire_bytes ? add_target(r, name, dst, desc, &src, &pc, 1) : 0;
+    rc = r->plan.entries[i].wire_bytes ? add_target(r, name, dst, desc, &src, &pc, 1, true) : 0;
     pthread_mutex_unlock(&r->bind_lock);
     return rc;
   }
+  if (rc == 0 && r->bound[i] != dst)
+    new_destination(r, r->plan.entries[i].offset, r->plan.entries[i].wire_bytes);
   if (rc == 0) {
     r->bound[i] = dst;
     r->bound_desc[i] = *desc;
-    __atomic_store_n(&r->bound_any, true, __ATOMIC_RELEASE);
   }
   pthread_mutex_unlock(&r->bind_lock);
   return rc;
@@ -939,12 +1023,13 @@ int ferry_refit_bind_flat(ferry_refit_receiver *r) {
            : r->shards ? fr_err(FERRY_ESTATE, "refit: shards are bound; a flat buffer would "
                                               "receive every byte")
                        : 0;
-  if (rc == 0 && !flat)
+  if (rc == 0 && !flat) {
     rc = ferry_alloc(r->ctx, r->plan.total_bytes, &flat);
-  if (rc == 0) {
-    r->flat = flat;
-    __atomic_store_n(&r->bound_any, true, __ATOMIC_RELEASE);
+    if (rc == 0)
+      new_destination(r, 0, r->plan.total_bytes);
   }
+  if (rc == 0)
+    r->flat = flat;
   pthread_mutex_unlock(&r->bind_lock);
   return rc;
 }
@@ -1012,7 +1097,7 @@ int ferry_refit_bind_pieces(ferry_refit_receiver *r, const char *target, void *d
   if (rc == 0)
     rc = enter_shards(r);
   if (rc == 0)
-    rc = add_target(r, target, dst, desc, sources, pc, (uint32_t)n);
+    rc = add_target(r, target, dst, desc, sources, pc, (uint32_t)n, true);
   pthread_mutex_unlock(&r->bind_lock);
   free(pc);
   free(sources);
@@ -1039,8 +1124,37 @@ int ferry_refit_view(ferry_refit_receiver *r, const char *name, void **out) {
 void ferry_refit_on_bucket(ferry_refit_receiver *r, ferry_refit_bucket_fn fn, void *arg) {
   if (!r)
     return;
+  pthread_mutex_lock(&r->bind_lock);
   r->on_bucket = fn;
   r->on_bucket_arg = arg;
+  pthread_mutex_unlock(&r->bind_lock);
+}
+
+void ferry_refit_on_commit(ferry_refit_receiver *r, ferry_refit_commit_fn fn, void *arg) {
+  if (!r)
+    return;
+  pthread_mutex_lock(&r->bind_lock);
+  r->on_commit = fn;
+  r->on_commit_arg = arg;
+  pthread_mutex_unlock(&r->bind_lock);
+}
+
+int ferry_refit_tensor_buckets(ferry_refit_receiver *r, size_t i, uint32_t *first,
+                               uint32_t *count) {
+  if (!r || !first || !count)
+    return fr_err(FERRY_EINVAL, "ferry_refit_tensor_buckets: NULL argument");
+  pthread_mutex_lock(&r->bind_lock);
+  const fr_refit_plan *p = &r->plan;
+  int rc = i < p->count ? 0 : fr_err(FERRY_ENOTFOUND, "refit: no tensor %zu", i);
+  if (rc == 0) {
+    const fr_refit_entry *e = &p->entries[i];
+    *first = (uint32_t)(e->offset / p->bucket_bytes);
+    *count = e->wire_bytes
+                 ? (uint32_t)((e->offset + e->wire_bytes - 1) / p->bucket_bytes) - *first + 1
+                 : 0;
+  }
+  pthread_mutex_unlock(&r->bind_lock);
+  return rc;
 }
 
 /* ---- versions ---- */

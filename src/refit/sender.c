@@ -113,6 +113,8 @@ static void record(ferry_refit_sender *s, ferry_msg *m, const fr_refit_msg_t *x)
   if (x->type == FR_REFIT_DETACH) {
     remove_receiver(s, m->link);
   } else if (r && x->type == FR_REFIT_CATCHUP) {
+    if (x->version == r->committed)
+      r->committed = 0; /* it lacks what it committed: it bound a new destination since */
     fr_refit_catchup_request(s, r);
   } else if (r && r->in_push && x->version == s->pushing && x->type == FR_REFIT_ACK) {
     record_ack(s, r, x);
@@ -191,7 +193,9 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
                             ferry_refit_sender **out) {
   if (!ctx || !name || !out)
     return fr_err(FERRY_EINVAL, "ferry_refit_sender_open: NULL argument");
-  int rc = fr_refit_claim(ctx, FR_REFIT_SENDER);
+  int rc = FR_OPTS_CHECK(opts, "ferry_refit_sender_open");
+  if (rc == 0)
+    rc = fr_refit_claim(ctx, FR_REFIT_SENDER);
   if (rc != 0)
     return rc;
   ferry_refit_sender *s = calloc(1, sizeof *s);

@@ -61,16 +61,7 @@ int fr_pool_alloc(fr_pool *p, uint64_t bytes, uint64_t *off) {
                 (unsigned long long)p->used, (unsigned long long)fr_pool_largest(p));
 }
 
-static bool grow(fr_pool *p) {
-  if (p->nfree < p->cap)
-    return true;
-  fr_pool_block *b = realloc(p->free, p->cap * 2 * sizeof *b);
-  if (!b)
-    return false;
-  p->free = b;
-  p->cap *= 2;
-  return true;
-}
+static bool grow(fr_pool *p) { return FR_GROW(p->free, p->cap, p->nfree + 1, 16) == 0; }
 
 void fr_pool_free(fr_pool *p, uint64_t off, uint64_t bytes) {
   uint64_t len = round_up(bytes ? bytes : 1);

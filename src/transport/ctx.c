@@ -2,7 +2,8 @@
  * The context: one per node. It owns the listeners, the links, the regions, the message queues
  * (one per channel) and two threads: the progress thread, which waits in epoll and drives every
  * link's receive state machine, and the server thread, which sends large read responses so the
- * progress thread never blocks on a slow reader.
+ * progress thread never blocks on a slow reader, and answers calls for the ctx's metrics
+ * (FR_CHANNEL_STATS), which a collector's locks must not make the progress thread wait for.
  *
  * Leading: one thread at a time waits in the ctx's epoll and runs the handlers. A caller about
  * to sleep on its own response or message takes that role itself when it can (and the ctx's
@@ -22,6 +23,7 @@
  * being handed over by another thread.
  */
 #include "transport/transport.h"
+#include "core/channels.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -38,6 +40,7 @@ struct fr_serve_job {
   uint64_t req_id;
   fr_region *region;
   uint64_t off, len;
+  ferry_msg *stats; /* a call on FR_CHANNEL_STATS to answer (then region is NULL) */
   fr_serve_job *next;
   fr_rma_run *runs; /* a READV's runs (owned), sent one after another; NULL: [off, off+len) */
   uint32_t nruns;
@@ -293,8 +296,21 @@ void ferry_msg_free(ferry_msg *msg) {
     free(n);
 }
 
+static void serve_job(ferry_ctx *ctx, fr_serve_job *j);
+
 void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg) {
   fr_link_ref(msg->link);
+  if (msg->channel == FR_CHANNEL_STATS) { /* the ctx's own service, not an application's */
+    fr_serve_job *j = malloc(sizeof *j);
+    if (!j || !fr_msg_node_of(msg)->call_id) {
+      free(j);
+      ferry_msg_free(msg);
+      return;
+    }
+    *j = (fr_serve_job){.link = msg->link, .stats = msg};
+    serve_job(ctx, j);
+    return;
+  }
   fr_msg_node *n = fr_msg_node_of(msg);
   int channel = (int)msg->channel; /* once queued, msg is its taker's to free */
   fr_channel *c = &ctx->channels[channel];
@@ -367,8 +383,6 @@ int ferry_recv(ferry_ctx *ctx, uint32_t channel, ferry_msg **out, int timeout_ms
 
 /* ---- the server thread ---- */
 
-static void serve_queue(ferry_ctx *ctx, fr_serve_job *j);
-
 void fr_ctx_serve_later(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_region *r, uint64_t off,
                         uint64_t len) {
   fr_serve_job *j = malloc(sizeof *j);
@@ -378,8 +392,8 @@ void fr_ctx_serve_later(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_regio
     fr_link_unref(l);
     return;
   }
-  *j = (fr_serve_job){l, req_id, r, off, len, NULL, NULL, 0};
-  serve_queue(ctx, j);
+  *j = (fr_serve_job){.link = l, .req_id = req_id, .region = r, .off = off, .len = len};
+  serve_job(ctx, j);
 }
 
 void fr_ctx_serve_later_v(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_region *r,
@@ -392,11 +406,12 @@ void fr_ctx_serve_later_v(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_reg
     fr_link_unref(l);
     return;
   }
-  *j = (fr_serve_job){l, req_id, r, 0, total, NULL, runs, nruns};
-  serve_queue(ctx, j);
+  *j = (fr_serve_job){
+      .link = l, .req_id = req_id, .region = r, .len = total, .runs = runs, .nruns = nruns};
+  serve_job(ctx, j);
 }
 
-static void serve_queue(ferry_ctx *ctx, fr_serve_job *j) {
+static void serve_job(ferry_ctx *ctx, fr_serve_job *j) {
   pthread_mutex_lock(&ctx->serve_lock);
   if (ctx->serve_tail)
     ctx->serve_tail->next = j;
@@ -405,6 +420,21 @@ static void serve_queue(ferry_ctx *ctx, fr_serve_job *j) {
   ctx->serve_tail = j;
   pthread_cond_signal(&ctx->serve_cond);
   pthread_mutex_unlock(&ctx->serve_lock);
+}
+
+/* A peer asked for this ctx's metrics: the Prometheus text, or an empty reply when it cannot be
+ * made (the asker then says the node's metrics are unknown). */
+static void answer_stats(ferry_ctx *ctx, ferry_msg *req) {
+  char *text = NULL;
+  size_t len = 0;
+  if (!stopping(ctx)) {
+    if (ferry_stats_prometheus(ctx, &text, &len) != 0)
+      len = 0;
+    struct iovec iov = {text, len};
+    fr_link_reply(req, &iov, 1, -1, false);
+  }
+  ferry_stats_text_free(text);
+  ferry_msg_free(req);
 }
 
 static void *server_main(void *arg) {
@@ -420,6 +450,11 @@ static void *server_main(void *arg) {
     pthread_mutex_unlock(&ctx->serve_lock);
     if (!j)
       return NULL;
+    if (j->stats) {
+      answer_stats(ctx, j->stats);
+      free(j);
+      continue;
+    }
     if (!stopping(ctx)) {
       fr_frame f = {.type = FR_READ_RESP, .req_id = j->req_id, .len = j->len};
       struct iovec iov[FR_READV_MAX_RUNS] = {{j->region->data + j->off, j->len}};
@@ -855,15 +890,21 @@ static int ctx_configure(ferry_ctx *ctx, const ferry_ctx_opts *o) {
 int ferry_ctx_open(const ferry_ctx_opts *opts, ferry_ctx **out) {
   if (!out)
     return fr_err(FERRY_EINVAL, "ferry_ctx_open: out is NULL");
-  if (opts && opts->size < offsetof(ferry_ctx_opts, token) + sizeof opts->token)
-    return fr_err(FERRY_EINVAL, "ferry_ctx_open: opts->size %zu is too small", opts->size);
+  int rc = FR_OPTS_CHECK(opts, "ferry_ctx_open");
+  if (rc != 0)
+    return rc;
+  ferry_ctx_opts o = {.size = sizeof o,
+                      .name = FR_OPT(opts, name, NULL),
+                      .tcp_listen = FR_OPT(opts, tcp_listen, NULL),
+                      .transports = FR_OPT(opts, transports, NULL),
+                      .token = FR_OPT(opts, token, NULL)};
   ferry_ctx *ctx = calloc(1, sizeof *ctx);
   if (!ctx)
     return fr_err(FERRY_ENOMEM, "ferry_ctx_open");
   ctx->epfd = ctx->wake.fd = -1;
   ctx->next_reap = fr_now_ns() + 1000000000ull;
   ctx_init_sync(ctx);
-  int rc = ctx_configure(ctx, opts);
+  rc = ctx_configure(ctx, &o);
   if (rc == 0) /* before the threads start, so that their lines carry it too */
     ctx->log_node = fr_log_set_node(ctx->name);
   if (rc == 0 && (ctx->epfd = epoll_create1(EPOLL_CLOEXEC)) < 0)

@@ -343,6 +343,18 @@ int fr_link_take_fd(ferry_link *l);
 /* Fails every handshake older than the timeout (called by the progress thread). */
 void fr_link_reap_stale(ferry_ctx *ctx);
 
+/* peerstats.c: the metrics of the ctx at the other end of link, as the Prometheus text its
+ * /metrics would serve; *text is malloc'd and NUL-terminated. FERRY_ETIMEDOUT / FERRY_EPEER when
+ * the node does not answer. */
+int fr_stats_call(ferry_link *link, int timeout_ms, char **text);
+
+/* metrics_http.c: a route added to a metrics server beside /metrics, /healthz and /readyz (ferry
+ * serve's status page and /v1/fleet). fn runs on the server's thread for a GET of exactly
+ * `path`: it sets *body (malloc'd; NULL: out of memory), *len and *type (a static string) and
+ * returns the HTTP status. */
+typedef unsigned (*fr_http_route_fn)(void *arg, char **body, size_t *len, const char **type);
+int fr_metrics_route(ferry_metrics_server *s, const char *path, fr_http_route_fn fn, void *arg);
+
 /* ctx.c */
 void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg);
 /* Drops the ctx's reference to a retired link once the current event batch is done. */

@@ -20,6 +20,7 @@
  */
 #include "cli/bench.h"
 #include "cli/cli.h"
+#include "netns.h"
 #include "ferry.h"
 
 #include <errno.h>
@@ -140,21 +141,23 @@ typedef struct push_cfg {
   uint64_t bucket_bytes; /* 0: the default */
 } push_cfg;
 
-#define HOSTS_NS "ferry-rb-"
-#define HOSTS_NET "10.78.0."
+/* The "hosts" (netns.h): host 1 is the trainer, host i + 2 receiver i. */
+#define HOSTS_TAG "rb"
+#define HOSTS_NET "10.78.0"
+#define HOSTS_N 5
 #define HOSTS_RATE "1gbit"
 
 static char self_path[PATH_MAX];
 
-/* Receiver i runs this binary again; between "hosts" in namespace HOSTS_NS<i+1>, listening on
+/* Receiver i runs this binary again; between "hosts" in host i + 2's namespace, listening on
  * its address there (its chain successor reads from it). */
 static void exec_receiver(const char *address, const char *fd, const push_cfg *c, int i) {
   const char *mode = c->alias ? "alias" : "flat";
   if (!c->hosts)
     execl(self_path, "ferry", "bench", "refit", "--receiver", address, fd, mode, (char *)NULL);
   char ns[32], listen[32];
-  snprintf(ns, sizeof ns, HOSTS_NS "%d", i + 1);
-  snprintf(listen, sizeof listen, HOSTS_NET "%d:0", i + 2);
+  netns_host(HOSTS_TAG, i + 2, ns, sizeof ns);
+  snprintf(listen, sizeof listen, HOSTS_NET ".%d:0", i + 2);
   setenv("FERRY_TCP_LISTEN", listen, 1);
   setenv("FERRY_TRANSPORTS", "tcp", 1);
   execlp("ip", "ip", "netns", "exec", ns, self_path, "bench", "refit", "--receiver", address, fd,
@@ -211,7 +214,7 @@ static int open_trainer(const model *m, const ferry_ctx_opts *co, const ferry_re
 static int time_pushes(const model *m, int k, int reps, bench_samples *b, const push_cfg *c) {
   ferry_ctx_opts co = {.size = sizeof co, .name = "bench-trainer"};
   if (c->hosts) {
-    co.tcp_listen = HOSTS_NET "1:0";
+    co.tcp_listen = NETNS_IP(HOSTS_NET, 1) ":0";
     co.transports = "tcp";
   }
   ferry_refit_opts so = {.size = sizeof so, .bucket_bytes = c->bucket_bytes, .alias = c->alias};
@@ -611,73 +614,14 @@ static int run_case(const bench_opts *o, const char *label, const model *m, int 
 
 /* ---- between "hosts": network namespaces, rate-limited links ---- */
 
-static int sh_quiet(const char *cmd) {
-  char full[512];
-  snprintf(full, sizeof full, "%s >/dev/null 2>&1", cmd);
-  return system(full);
-}
-
-static void hosts_down(int n) {
-  char cmd[128];
-  for (int i = 0; i <= n; i++) {
-    snprintf(cmd, sizeof cmd, "ip netns del " HOSTS_NS "%d", i);
-    sh_quiet(cmd);
-  }
-  sh_quiet("ip netns del " HOSTS_NS "sw");
-}
-
-/* Host 0 (the trainer) and hosts 1..n (receivers), HOSTS_NET<i+1>/24, each on a veth to a
- * bridge in namespace HOSTS_NS"sw", each one's egress limited to HOSTS_RATE by tbf. */
-static bool hosts_up(int n) {
-  hosts_down(n);
-  char cmd[256];
-  const char *sw[] = {"ip netns add " HOSTS_NS "sw",
-                      "ip -n " HOSTS_NS "sw link add br0 type bridge",
-                      "ip -n " HOSTS_NS "sw link set br0 up"};
-  for (size_t i = 0; i < 3; i++)
-    if (sh_quiet(sw[i]) != 0)
-      return false;
-  for (int i = 0; i <= n; i++) {
-    const char *steps[] = {
-        "ip netns add " HOSTS_NS "%d",
-        "ip link add frb%d type veth peer name frb%d-sw",
-        "ip link set frb%d netns " HOSTS_NS "%d",
-        "ip link set frb%d-sw netns " HOSTS_NS "sw",
-        "ip -n " HOSTS_NS "sw link set frb%d-sw master br0 up",
-        "ip -n " HOSTS_NS "%d link set lo up",
-        "ip -n " HOSTS_NS "%d link set frb%d up",
-        "tc -n " HOSTS_NS "%d qdisc add dev frb%d root tbf rate " HOSTS_RATE
-        " burst 1mb latency 100ms",
-    };
-    for (size_t j = 0; j < sizeof steps / sizeof steps[0]; j++) {
-      snprintf(cmd, sizeof cmd, steps[j], i, i, i);
-      if (sh_quiet(cmd) != 0)
-        return false;
-    }
-    snprintf(cmd, sizeof cmd, "ip -n " HOSTS_NS "%d addr add " HOSTS_NET "%d/24 dev frb%d", i,
-             i + 1, i);
-    if (sh_quiet(cmd) != 0)
-      return false;
-  }
-  return true;
-}
-
 /* Runs fn with this thread (and the threads it starts) in the trainer's namespace. */
 static int in_trainer_ns(int (*fn)(const bench_opts *, const model *, int), const bench_opts *o,
                          const model *m, int reps) {
-  int home = open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC);
-  int ns = open("/run/netns/" HOSTS_NS "0", O_RDONLY | O_CLOEXEC);
-  int rc = -1;
-  if (home >= 0 && ns >= 0 && setns(ns, CLONE_NEWNET) == 0) {
-    rc = fn(o, m, reps);
-    if (setns(home, CLONE_NEWNET) != 0)
-      rc = -1;
-  }
-  if (home >= 0)
-    close(home);
-  if (ns >= 0)
-    close(ns);
-  return rc;
+  int home;
+  if (netns_enter(HOSTS_TAG, 1, &home) != 0)
+    return -1;
+  int rc = fn(o, m, reps);
+  return netns_leave(home) == 0 ? rc : -1;
 }
 
 static int hosts_cases(const bench_opts *o, const model *m, int reps) {
@@ -710,11 +654,12 @@ static int hosts_cases(const bench_opts *o, const model *m, int reps) {
 
 /* The "hosts" topology: K = 1, 2, 4 receivers, chain against direct. */
 static int run_hosts(const bench_opts *o, int reps) {
-  if (!hosts_up(4)) {
-    hosts_down(4);
+  char failed[512];
+  if (!netns_up(HOSTS_TAG, HOSTS_NET, HOSTS_N, HOSTS_RATE, failed, sizeof failed)) {
     if (!o->json)
-      printf("(network namespaces or tc unavailable here: needs root, iproute2; hosts rows "
-             "skipped)\n");
+      printf("(network namespaces or tc unavailable here: `%s` failed; needs root, iproute2; "
+             "hosts rows skipped)\n",
+             failed);
     return 0;
   }
   model m;
@@ -723,7 +668,7 @@ static int run_hosts(const bench_opts *o, int reps) {
   int rc = in_trainer_ns(hosts_cases, o, &m, reps);
   bench_token_end(token);
   model_free(&m);
-  hosts_down(4);
+  netns_down(HOSTS_TAG, HOSTS_N);
   return rc;
 }
 
