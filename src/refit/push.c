@@ -7,7 +7,8 @@
  * it and the receiver's own forwarding slot is free. Packing bucket i+1 overlaps the reads of
  * bucket i. A receiver that dies, stalls past the timeout or refuses a checksum fails alone:
  * the receivers behind it in a chain get the buckets they miss straight from the sender in a
- * second, direct pass.
+ * second, direct pass. A receiver that reads shards is announced, beside each bucket's
+ * checksum, the sum of its own runs in it (taken while the bucket is packed), and reads directly.
  */
 #include "refit/sender_impl.h"
 

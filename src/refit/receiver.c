@@ -7,6 +7,9 @@
  * bucket of it verified. In alias mode it reads nothing: views point into the sender's buffer.
  * The bytes it holds are the committed version's only until a new version's first byte lands
  * there; from then until that version commits they are torn, and committed()/wait() say so.
+ * A receiver that binds shards (bind_pieces: slices of tensors, fused targets) declares them to
+ * the sender and reads only their runs, each checked against a sum the sender takes of exactly
+ * those bytes (shard.h).
  */
 #include "refit/refit.h"
 #include "refit/shard.h"
