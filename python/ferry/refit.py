@@ -897,11 +897,13 @@ def tp_shards(manifest_or_shapes, rank, world, rules, fused=None):
                                        (r"norm", None)],                    # replicated
                                 fused={"qkv_proj.weight": ["q_proj.weight", "k_proj.weight",
                                                            "v_proj.weight"]})
-        mine = {t: torch.empty(shape, dtype=...) for t, (shape, dtype, _) in specs.items()}
+        mine = {t: torch.empty(shape, dtype=getattr(torch, dtype))
+                for t, (shape, dtype, _) in specs.items()}
         rx.bind_shards({t: (mine[t], specs[t][2]) for t in specs})
 
     manifest_or_shapes: a RefitReceiver, its manifest(), or {name: shape} / {name: (shape,
-    dtype)}. rules: (regex, dim) pairs tried in order against each sender tensor's name
+    dtype)}; dtype is then the wire dtype's name ("bfloat16", "float32", ...; None when only
+    shapes were given). rules: (regex, dim) pairs tried in order against each sender tensor's name
     (re.search); the first match splits that tensor along dim into `world` equal parts (dim
     None: every rank keeps it whole); a tensor no rule matches is replicated. fused: {target:
     [sources]}: the sources' slices laid one after another along the target's dim 0 (the
