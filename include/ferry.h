@@ -78,7 +78,8 @@ FERRY_API const char *ferry_version(void);
   X(ENOTSUP, -20, "not supported")                                                                 \
   X(ESTATE, -21, "invalid state transition")                                                       \
   X(ECHECKSUM, -22, "checksum mismatch")                                                           \
-  X(ESTALE, -23, "stale data")
+  X(ESTALE, -23, "stale data")                                                                     \
+  X(EFREED, -24, "freed by its owner")
 
 enum ferry_status {
 #define FERRY_STATUS_ENUM_(name, code, msg) FERRY_##name = (code),
@@ -557,7 +558,8 @@ FERRY_API int ferry_ctl_rank_status_get(ferry_ctl *ctl, uint32_t rank, ferry_ctl
  * A put of a tensor that lies in ferry memory (ferry_alloc) publishes it in place, without a
  * copy; any other tensor is copied once into the node's shared-memory pool (FERRY_STORE_CAPACITY
  * bytes). Memory published in place must stay allocated and unmodified until the key is deleted,
- * replaced or the store closed (write a new version into another buffer and put that).
+ * replaced or the store closed (write a new version into another buffer and put that); a reader
+ * of one its owner freed meanwhile fails at once with FERRY_EFREED naming the owner.
  *
  * A get never returns torn data: the owner bumps the object's generation word when it replaces or
  * deletes it, and the reader checks that word after its copy; when it changed, the get looks the
@@ -652,7 +654,8 @@ typedef struct ferry_store_info {
  * FERRY_EDTYPE / FERRY_ESHAPE. info (may be NULL) receives the object's description. Errors:
  * FERRY_ENOTFOUND (no such key), FERRY_ERANGE (cap too small; the detail says how many bytes),
  * FERRY_EPEER (the owner is gone), FERRY_ESTALE (replaced during every read until the timeout
- * passed), FERRY_ETIMEDOUT. On failure dst's contents are unspecified. */
+ * passed), FERRY_EFREED (at once: the owner freed memory it still publishes in place; the detail
+ * names the owner), FERRY_ETIMEDOUT. On failure dst's contents are unspecified. */
 FERRY_API int ferry_store_get(ferry_store *store, const char *key, const ferry_tensor_desc *expect,
                               void *dst, size_t cap, ferry_store_info *info, int timeout_ms);
 /* As ferry_store_get, into a buffer it allocates: *out is owned by the caller (free() it). */

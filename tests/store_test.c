@@ -413,11 +413,58 @@ static void check_views(pair *p) {
   free(dst);
 }
 
+/* Memory published in place that its owner freed while still publishing it: every reader (a
+ * get, a view, a batch item, the owner's own get) fails at once with FERRY_EFREED naming the
+ * owner, where it used to retry until its timeout and then blame a replace. The timeout given
+ * is far longer than the test needs: a reader that retried would end in FERRY_ESTALE instead.
+ * An ordinary in-place replace followed by a free of the old buffer still reads the new bytes. */
+static void check_freed(pair *p) {
+  enum { N = 16 * 1024, WAIT_MS = 20000 };
+  ferry_tensor_desc d = u8_desc(16, 1024);
+  uint8_t *dst = malloc(N);
+  void *mem, *next;
+  FR_OK(ferry_alloc(p->ca, N, &mem));
+  tu_fill(mem, N, 41);
+  FR_OK(ferry_store_put(p->a, "f/freed", &d, mem, 0, -1));
+  FR_OK(ferry_store_get(p->b, "f/freed", &d, dst, N, NULL, -1)); /* the reader mapped it */
+  assert_true(pattern_ok(dst, N, 41));
+  FR_OK(ferry_free(p->ca, mem));
+  assert_int_equal(ferry_store_get(p->b, "f/freed", &d, dst, N, NULL, WAIT_MS), FERRY_EFREED);
+  assert_non_null(strstr(ferry_last_error(), "owner 'node-a' freed"));
+  const void *bytes = NULL;
+  ferry_store_view *v = NULL;
+  assert_int_equal(ferry_store_get_view(p->b, "f/freed", &bytes, NULL, &v, WAIT_MS), FERRY_EFREED);
+  assert_null(v);
+  assert_non_null(strstr(ferry_last_error(), "'node-a'"));
+  ferry_store_item item = {.key = "f/freed", .dst = dst, .cap = N};
+  assert_int_equal(ferry_store_get_batch(p->b, &item, 1, WAIT_MS), FERRY_EFREED);
+  assert_int_equal(item.status, FERRY_EFREED);
+  assert_int_equal(ferry_store_get(p->a, "f/freed", &d, dst, N, NULL, WAIT_MS), FERRY_EFREED);
+  assert_int_equal(ferry_store_get_view(p->a, "f/freed", &bytes, NULL, &v, WAIT_MS), FERRY_EFREED);
+  FR_OK(ferry_store_delete(p->a, "f/freed", -1)); /* the owner can still take the key back */
+  assert_int_equal(ferry_store_get(p->b, "f/freed", &d, dst, N, NULL, -1), FERRY_ENOTFOUND);
+  /* replaced, then freed: the reader gets the new version, never an error */
+  FR_OK(ferry_alloc(p->ca, N, &mem));
+  FR_OK(ferry_alloc(p->ca, N, &next));
+  tu_fill(mem, N, 42);
+  FR_OK(ferry_store_put(p->a, "f/moved", &d, mem, 0, -1));
+  FR_OK(ferry_store_get(p->b, "f/moved", &d, dst, N, NULL, -1));
+  tu_fill(next, N, 43);
+  FR_OK(ferry_store_put(p->a, "f/moved", &d, next, 0, -1));
+  FR_OK(ferry_free(p->ca, mem));
+  FR_OK(ferry_store_get(p->b, "f/moved", &d, dst, N, NULL, -1));
+  assert_true(pattern_ok(dst, N, 43));
+  FR_OK(ferry_store_delete(p->a, "f/moved", -1));
+  FR_OK(ferry_free(p->ca, next));
+  free(dst);
+}
+
 static void run_suite(const char *url) {
   pair p;
   pair_open(&p, url);
   check_put_get(&p);
   check_views(&p);
+  check_freed(&p);
   check_bookkeeping(&p);
   check_bad_input(&p);
   check_batch(&p);

@@ -50,6 +50,7 @@ import socket
 import threading
 import time
 import weakref
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
@@ -182,7 +183,7 @@ def _node_name(role):
     return ("%s-%d-%s%d" % (socket.gethostname(), os.getpid(), role, n))[-63:]
 
 
-def refit_address(name):
+def refit_address(name: str) -> str:
     """Where RefitSender(name) publishes its address: FERRY_CTL_DIR/ferry-refit-NAME."""
     if not _NAME_RE.match(name):
         raise InvalidArgument(-1, "refit name %r: 1-64 characters of [A-Za-z0-9._-], not "
@@ -283,8 +284,11 @@ class RefitSender(_lib.Closing):
     the whole wire layout in one shared buffer that receivers on this host read in place
     (RefitReceiver.bind_alias)."""
 
-    def __init__(self, name, state_dict, buffer_bytes=None, cast=None, ctx=None, publish=True,
-                 directory=None, alias=False):
+    def __init__(self, name: str, state_dict: Mapping[str, Any],
+                 buffer_bytes: Optional[int] = None,
+                 cast: Union[str, Any, Dict[str, Any], None] = None,
+                 ctx: Optional[Context] = None, publish: bool = True,
+                 directory: Optional[str] = None, alias: bool = False) -> None:
         self.name = name
         path = refit_address(name) if publish else None  # also checks the name
         in_dir = bool(publish) and _directory_configured(directory)
@@ -349,24 +353,24 @@ class RefitSender(_lib.Closing):
 
     # -- life --------------------------------------------------------------------------------
     @property
-    def handle(self):
+    def handle(self) -> int:
         """The C handle (ValueError once closed)."""
         if not self._h:
             raise ValueError("ferry: refit sender is closed")
         return self._h
 
     @property
-    def address(self):
+    def address(self) -> str:
         """The address receivers attach to (RefitReceiver(address) from another host)."""
         return self._ctx.address
 
     @property
-    def receivers(self):
+    def receivers(self) -> int:
         """How many receivers are attached now (not counting one dropped for a stall until it
         attaches again)."""
         return int(lib.ferry_refit_receivers(self.handle))
 
-    def manifest(self):
+    def manifest(self) -> List[Dict[str, Any]]:
         """[{name, dtype, shape, wire_dtype}] in declaration order."""
         out = []
         for name, s in self._sources.items():
@@ -375,7 +379,7 @@ class RefitSender(_lib.Closing):
                         "wire_dtype": DTYPES[s.send_as or s.desc.dtype][0]})
         return out
 
-    def wait_receivers(self, n, timeout=None):
+    def wait_receivers(self, n: int, timeout: Optional[float] = None) -> int:
         """Waits until at least n receivers are attached (polls; for tests and start-up)."""
         deadline = time.monotonic() + (10.0 if timeout is None else timeout)
         while self.receivers < n:
@@ -385,7 +389,7 @@ class RefitSender(_lib.Closing):
             time.sleep(0.005)
         return self.receivers
 
-    def close(self):
+    def close(self) -> None:
         """Detaches every receiver, frees the buckets and removes the published address."""
         with self._lock:
             h, self._h = self._h, None
@@ -406,7 +410,7 @@ class RefitSender(_lib.Closing):
             self._ctx = None
 
     # -- push --------------------------------------------------------------------------------
-    def update(self, state_dict):
+    def update(self, state_dict: Mapping[str, Any]) -> bool:
         """Takes tensors that were replaced (another object, dtype or shape) or added: they are
         declared again and the plan re-sealed; receivers pick the new manifest up with the next
         push (a binding that no longer fits fails there, naming the tensor). Returns whether
@@ -414,8 +418,9 @@ class RefitSender(_lib.Closing):
         with self._lock:
             return self._declare(state_dict)
 
-    def push(self, version=None, only=None, skip_unchanged=False, timeout=None, state_dict=None,
-             route="auto"):
+    def push(self, version: Optional[int] = None, only: Optional[Iterable[str]] = None,
+             skip_unchanged: bool = False, timeout: Optional[float] = None,
+             state_dict: Optional[Mapping[str, Any]] = None, route: str = "auto") -> int:
         """Sends the tensors' current bytes as `version` (None: the last one + 1) and returns it
         once every attached receiver committed it. only: names of the tensors to send (the
         buckets they touch); skip_unchanged: skip buckets whose checksum did not change. Both
@@ -442,7 +447,7 @@ class RefitSender(_lib.Closing):
         self.version = v
         return v
 
-    async def push_async(self, version=None, **kwargs):
+    async def push_async(self, version: Optional[int] = None, **kwargs: Any) -> int:
         """push() as a coroutine: the push runs in the event loop's default executor (ferry
         releases the GIL), so the loop keeps running. Bad arguments raise here, before any
         thread. Cancelling the await does not stop a push under way: it ends (commits or fails
@@ -478,7 +483,8 @@ class RefitReceiver(_lib.Closing):
     updates(version) yields each tensor as it lands. A receiver that attaches after versions
     were pushed gets the latest one at once (from its first wait, committed or updates)."""
 
-    def __init__(self, name, timeout=None, ctx=None, alias=False):
+    def __init__(self, name: str, timeout: Optional[float] = None,
+                 ctx: Optional[Context] = None, alias: bool = False) -> None:
         self.name = name
         if ctx is not None:
             self._ctx, self._owns_ctx = ctx, False
@@ -536,7 +542,7 @@ class RefitReceiver(_lib.Closing):
 
     # -- life --------------------------------------------------------------------------------
     @property
-    def handle(self):
+    def handle(self) -> int:
         """The C handle (ValueError once closed)."""
         if not self._h or self._closing:
             raise ValueError("ferry: refit receiver is closed")
@@ -549,7 +555,7 @@ class RefitReceiver(_lib.Closing):
         if last:
             self._really_close()
 
-    def close(self):
+    def close(self) -> None:
         """Detaches from the sender. While views from tensors() are alive the flat buffer stays
         mapped (the receiver stays attached) until the last one goes."""
         with self._lock:
@@ -575,7 +581,7 @@ class RefitReceiver(_lib.Closing):
             self._ctx = None
 
     # -- the manifest ------------------------------------------------------------------------
-    def manifest(self):
+    def manifest(self) -> List[Dict[str, Any]]:
         """[{name, dtype, shape, nbytes, scale}]: what the sender sends, in the wire dtype
         (after its cast), in plan order. scale: a float8_e4m3 tensor arrives as x / scale
         (x ~ value * scale); 1.0 for the others."""
@@ -593,12 +599,13 @@ class RefitReceiver(_lib.Closing):
                         "shape": shape, "nbytes": int(nbytes), "scale": scale.value})
         return out
 
-    def names(self):
+    def names(self) -> List[str]:
         """The tensors' names, in the sender's manifest order."""
         return [m["name"] for m in self.manifest()]
 
     # -- destinations ------------------------------------------------------------------------
-    def bind(self, state_dict, strict=True):
+    def bind(self, state_dict: Mapping[str, Any],
+             strict: bool = True) -> Tuple[List[str], List[str]]:
         """Binds each tensor of state_dict (contiguous numpy arrays or CPU torch tensors, in the
         wire dtype and shape) by name: pushes write into them in place. strict: every tensor of
         the manifest must be bound and every name must be in it (KeyError-like NotFound
@@ -620,7 +627,7 @@ class RefitReceiver(_lib.Closing):
             self._bound[name] = (obj, arr)
         return missing, unexpected
 
-    def tensors(self, like="torch"):
+    def tensors(self, like: Any = "torch") -> Dict[str, Any]:
         """{name: tensor} views into one flat ferry buffer that every push writes in place
         (zero copy: no bytes move on the Python side). like: "torch" or "numpy" (bfloat16 and
         float8 come as their bits in numpy; a dtype the installed torch lacks, as numpy).
@@ -634,7 +641,7 @@ class RefitReceiver(_lib.Closing):
             self._has_flat = True
         return self._view_map(like)[0]
 
-    def bind_alias(self, like="torch"):
+    def bind_alias(self, like: Any = "torch") -> Dict[str, Any]:
         """Alias mode, for an engine on the sender's host whose sender has alias=True: returns
         {name: view} into the sender's own shared buffer (nothing is copied, nothing is
         allocated here). Read-only: numpy views are not writeable; torch has no read-only
@@ -678,13 +685,13 @@ class RefitReceiver(_lib.Closing):
 
     # -- versions ----------------------------------------------------------------------------
     @property
-    def committed(self):
+    def committed(self) -> int:
         """The version the bound bytes hold: 0 when none yet, or when they are torn (a newer
         version began landing and did not complete: a push under way, a failed one, a sender
         that died). Serve weights only when this is the version you expect."""
         return int(lib.ferry_refit_committed(self.handle))
 
-    def wait(self, version=None, timeout=None):
+    def wait(self, version: Optional[int] = None, timeout: Optional[float] = None) -> int:
         """Waits until version (None: the latest the sender pushed, as far as this receiver
         knows, and at least 1) is committed and returns the committed version. Raises
         ferry.Timeout otherwise, or ferry.PeerGone at once when the sender is gone; the detail
@@ -701,7 +708,8 @@ class RefitReceiver(_lib.Closing):
         rc = lib.ferry_refit_wait(self.handle, int(version or 0), 0, byref(got))
         return rc, int(got.value)
 
-    async def wait_async(self, version=None, timeout=None):
+    async def wait_async(self, version: Optional[int] = None,
+                         timeout: Optional[float] = None) -> int:
         """wait() as a coroutine that holds no thread: the receiver's commit callback wakes it
         (and it looks every 100 ms for a sender that is gone). Returns the committed version;
         raises as wait() does. Cancelling it only stops listening: the receiver is unchanged."""
@@ -759,7 +767,8 @@ class RefitReceiver(_lib.Closing):
                 lib.ferry_refit_on_bucket(h, _BUCKET_FN(), None)
                 lib.ferry_refit_on_commit(h, _COMMIT_FN(), None)
 
-    def updates(self, version, mapping=None, timeout=None, like="torch"):
+    def updates(self, version: int, mapping: Any = None, timeout: Optional[float] = None,
+                like: Any = "torch") -> Iterator[Tuple[str, Any]]:
         """Yields (name, tensor) for every tensor of `version` as it lands, for
         engine.load_weights(rx.updates(v)): a tensor comes once every bucket that carries it
         landed and verified (the rest, which this push did not resend or which landed before
