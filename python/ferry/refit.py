@@ -50,7 +50,8 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import (Any, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence,
+                    Tuple, Union)
 
 import numpy as np
 
@@ -802,22 +803,14 @@ class RefitReceiver(_lib.Closing):
 
 # -- shards: tensor-parallel ranks that keep a slice of each tensor (docs/REFIT.md, Shards) ------
 
-class Piece(tuple):
+class Piece(NamedTuple):
     """Piece(source, dim, start, stop): the elements of the sender's tensor `source` whose index
     along `dim` lies in [start, stop). A target (an engine tensor) is one or more pieces laid one
     after another along its dim 0 (a fused qkv_proj shard: a q, a k and a v piece)."""
-    __slots__ = ()
-
-    def __new__(cls, source, dim, start, stop):
-        return tuple.__new__(cls, (str(source), int(dim), int(start), int(stop)))
-
-    source = property(lambda self: self[0])
-    dim = property(lambda self: self[1])
-    start = property(lambda self: self[2])
-    stop = property(lambda self: self[3])
-
-    def __repr__(self):
-        return "Piece(%r, dim=%d, %d:%d)" % self
+    source: str
+    dim: int
+    start: int
+    stop: int
 
 
 class _PieceC(ctypes.Structure):  # ferry_refit_piece
@@ -834,7 +827,7 @@ for _name, (_res, _args) in {
     _f.restype, _f.argtypes = _res, _args
 
 
-def _bind_shards(self, targets):
+def _bind_shards(self, targets: Dict[str, Tuple[Any, Sequence[Any]]]) -> None:
     """Binds engine tensors to slices of the sender's: targets is {target: (tensor, pieces)}
     (tensor: a contiguous numpy array or CPU torch tensor in the wire dtype, whose dim 0 the
     pieces fill one after another; pieces: Piece or (source, dim, start, stop) tuples), e.g. what
@@ -844,7 +837,7 @@ def _bind_shards(self, targets):
     target and the piece. Keep the tensors alive."""
     h = self.handle
     for target, (obj, pieces) in targets.items():
-        pieces = [p if isinstance(p, Piece) else Piece(*p) for p in pieces]
+        pieces = [Piece(str(p[0]), int(p[1]), int(p[2]), int(p[3])) for p in pieces]
         names = [_lib.encoded(p.source, "tensor name") for p in pieces]
         arr_c = (_PieceC * max(len(pieces), 1))(
             *[_PieceC(n, p.dim, p.start, p.stop) for n, p in zip(names, pieces)])
@@ -857,7 +850,7 @@ def _bind_shards(self, targets):
         self._bound[target] = (obj, arr)
 
 
-def _bytes_read(self):
+def _bytes_read(self) -> int:
     """Bytes this receiver read from the sender since it attached (a tensor-parallel rank that
     bound its shards reads about 1/world of the model per push)."""
     return int(lib.ferry_refit_bytes_read(self.handle))
@@ -867,7 +860,7 @@ RefitReceiver.bind_shards = _bind_shards
 RefitReceiver.bytes_read = property(_bytes_read)
 
 
-def _shapes_of(manifest_or_shapes):
+def _shapes_of(manifest_or_shapes: Any) -> Dict[str, Tuple[Tuple[int, ...], Optional[str]]]:
     """{name: (shape, dtype)} from a RefitReceiver, its manifest() list, or {name: shape} /
     {name: (shape, dtype)}."""
     src = manifest_or_shapes
@@ -884,7 +877,7 @@ def _shapes_of(manifest_or_shapes):
     return {m["name"]: (tuple(m["shape"]), m.get("dtype")) for m in src}
 
 
-def _split(name, shape, dim, rank, world):
+def _split(name: str, shape: Tuple[int, ...], dim: Optional[int], rank: int, world: int) -> Piece:
     if dim is None:
         return Piece(name, 0, 0, shape[0] if shape else 1)
     if dim < 0 or dim >= len(shape):
@@ -896,7 +889,10 @@ def _split(name, shape, dim, rank, world):
     return Piece(name, dim, rank * n, (rank + 1) * n)
 
 
-def tp_shards(manifest_or_shapes, rank, world, rules, fused=None):
+def tp_shards(manifest_or_shapes: Any, rank: int, world: int,
+              rules: Sequence[Tuple[str, Optional[int]]],
+              fused: Optional[Dict[str, Sequence[str]]] = None
+              ) -> Dict[str, Tuple[Tuple[int, ...], Optional[str], List[Piece]]]:
     """The shards of tensor-parallel rank `rank` of `world`: {target: (shape, dtype, [Piece])},
     so that an engine rank allocates each target and binds it:
 
