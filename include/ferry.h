@@ -860,7 +860,10 @@ typedef struct ferry_refit_piece {
  * the receiver reads from the sender only the bytes of its targets (tensors bound with
  * ferry_refit_bind count as whole targets): a bucket holding none of them is acknowledged
  * without a read, and each byte read is verified against a sum the sender computes for exactly
- * those bytes (docs/REFIT.md, Shards). Not with bind_flat or bind_alias (FERRY_ESTATE). */
+ * those bytes (docs/REFIT.md, Shards). The sender has taken the target when this returns (the
+ * next push covers it). As with ferry_refit_bind, a target bound after a version committed does
+ * not hold it (committed() is 0 until the next wait caught up, reading only the targets' bytes).
+ * Not with bind_flat or bind_alias (FERRY_ESTATE). */
 FERRY_API int ferry_refit_bind_pieces(ferry_refit_receiver *receiver, const char *target, void *dst,
                                       const ferry_tensor_desc *dst_desc,
                                       const ferry_refit_piece *pieces, size_t n);
