@@ -166,6 +166,11 @@ uint64_t fr_random_u64(void);
  * (the tests run both ends side by side), and UCX synchronizes in code TSan does not see; so
  * code that hands data over such a channel releases a process-local object that stands for it,
  * and the code that takes the data acquires it. No code at all outside TSan builds. */
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer) && !defined(__SANITIZE_THREAD__)
+#define __SANITIZE_THREAD__ 1 /* clang says so only through __has_feature */
+#endif
+#endif
 #if defined(__SANITIZE_THREAD__)
 void __tsan_acquire(void *addr);
 void __tsan_release(void *addr);
