@@ -494,6 +494,7 @@ class RefitReceiver(_lib.Closing):
         self._h = None
         self._lock = threading.Lock()
         self._bound = {}
+        self._pieces = {}  # bind_shards targets: {target: [Piece]}
         self._views = 0
         self._closing = False
         self._flat = None
@@ -577,6 +578,7 @@ class RefitReceiver(_lib.Closing):
         if h:
             lib.ferry_refit_receiver_close(h)
         self._bound = {}
+        self._pieces = {}
         if self._owns_ctx and self._ctx is not None:
             self._ctx.close()
             self._ctx = None
@@ -626,6 +628,7 @@ class RefitReceiver(_lib.Closing):
             if rc < 0:
                 raise_status(rc)
             self._bound[name] = (obj, arr)
+            self._pieces.pop(name, None)  # a whole tensor now, no longer a shard target
         return missing, unexpected
 
     def tensors(self, like: Any = "torch") -> Dict[str, Any]:
@@ -784,7 +787,10 @@ class RefitReceiver(_lib.Closing):
 
         Tensors are views, never copies: of the flat buffer (tensors(), bound here when
         nothing is), of the sender's buffer in alias mode (read-only), or your own tensors
-        after bind(). They hold this version only until the next push begins to land: copy
+        after bind() and bind_shards(). A receiver that bound shards yields each target under
+        its target name (a tensor-parallel rank's slices, e.g. a fused qkv_proj shard) once
+        every bucket of the sender tensors its pieces read landed and verified, so a rank that
+        reads only its slices loads with model.load_weights(rx.updates(v)). They hold this version only until the next push begins to land: copy
         them into the engine's parameters during the iteration (load_weights does) and keep
         no reference after it. updates() holds nothing back: the receiver keeps acknowledging
         buckets while you load, and nothing outlives the iteration (close it, or let it end).
@@ -848,6 +854,7 @@ def _bind_shards(self, targets: Dict[str, Tuple[Any, Sequence[Any]]]) -> None:
         if rc < 0:
             raise_status(rc)
         self._bound[target] = (obj, arr)
+        self._pieces[target] = pieces
 
 
 def _bytes_read(self) -> int:

@@ -1,9 +1,11 @@
 """Shards: tensor-parallel ranks built by ferry.tp_shards bind their slices with bind_shards (dim 0,
 dim 1, a fused qkv, a replicated norm), over shm and tcp; put together the slices equal the
 sender's tensors, each rank reads exactly its slices' bytes (at most 1/world of the sharded model
-plus the replicated tensor), late ranks catch up the same way, and a piece that does not fit is
-a clear error."""
+plus the replicated tensor), late ranks catch up the same way, ranks load their slices through
+updates() as they land, and a piece that does not fit is a clear error."""
+import ctypes
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -144,4 +146,80 @@ def test_bind_errors_name_the_piece():
         assert rx.bytes_read == out.nbytes
     finally:
         rx.close()
+        tx.close()
+
+
+def test_updates_yields_each_ranks_slices_as_they_land():
+    """Two ranks that bound torch shards load version 2 through updates(): each target comes
+    as its sources' buckets land (rank 0's receiver is held before the last bucket, which
+    carries only the norm: every other target comes while the version is not committed), it
+    is the rank's own bound tensor, and put together they are the sender's tensors; each rank
+    still reads only its slices."""
+    torch = pytest.importorskip("torch")
+    world = 2
+    sd = model(4)
+    name = unique("upd")
+    tx = ferry.RefitSender(name, {n: torch.from_numpy(a) for n, a in sd.items()},
+                           buffer_bytes=4096)
+    ranks = []
+    try:
+        for r in range(world):
+            ctx = ferry.Context(name="%s-r%d" % (name, r), transports="shm,tcp")
+            rx = ferry.RefitReceiver(name, timeout=5, ctx=ctx)
+            specs = ferry.tp_shards(rx, r, world, RULES, fused=FUSED)
+            mine = {t: torch.zeros(shape, dtype=getattr(torch, dtype))
+                    for t, (shape, dtype, _) in specs.items()}
+            rx.bind_shards({t: (mine[t], specs[t][2]) for t in specs})
+            ranks.append((ctx, rx, specs, mine))
+        tx.push(1)
+        for _, rx, _, _ in ranks:
+            assert rx.wait(1, timeout=5) == 1
+        rx0 = ranks[0][1]
+        first, count = ctypes.c_uint32(), ctypes.c_uint32()
+        spans = {}
+        for i, n in enumerate(rx0.names()):
+            ferry.refit.lib.ferry_refit_tensor_buckets(rx0.handle, i, ctypes.byref(first),
+                                                       ctypes.byref(count))
+            spans[n] = (first.value, first.value + count.value)
+        last = spans["norm"][0]
+        assert all(stop <= last for n, (_, stop) in spans.items() if n != "norm")
+        gate = threading.Event()
+
+        def hold(event):
+            if event == ("bucket", 2, last):
+                gate.wait(30)
+
+        rx0._listen(hold)
+        before = [rx.bytes_read for _, rx, _, _ in ranks]
+        its = [rx0.updates(2, timeout=30), ranks[1][1].updates(2, mapping={"qkv": "fused"})]
+        for a in sd.values():
+            a += 1.0
+        pusher = threading.Thread(target=tx.push, args=(2,), kwargs={"timeout": 30})
+        pusher.start()
+        try:
+            got0, early = [], 0
+            for target, t in its[0]:
+                got0.append((target, t))
+                early += rx0.committed == 0
+                if len(got0) == len(ranks[0][3]) - 1:
+                    gate.set()
+        finally:
+            gate.set()
+            pusher.join()
+            rx0._unlisten(hold)
+        got1 = list(its[1])
+        assert early >= len(ranks[0][3]) - 1  # all but the norm came before the commit
+        assert [n for n, _ in got0][-1] == "norm"
+        renamed = [lambda t: t, lambda t: "fused" if t == "qkv" else t]
+        for (_, _, _, mine), got, rename in zip(ranks, (got0, got1), renamed):
+            assert sorted(n for n, _ in got) == sorted(map(rename, mine))
+            got = dict(got)
+            for target, t in mine.items():
+                assert got[rename(target)] is t, target  # the rank's own tensor, no copy
+        as_numpy = [(c, rx, s, {t: v.numpy() for t, v in mine.items()})
+                    for c, rx, s, mine in ranks]
+        check_ranks(sd, as_numpy, world)
+        check_read(sd, as_numpy, world, before)
+    finally:
+        close_ranks(ranks)
         tx.close()
