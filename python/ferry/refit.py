@@ -790,10 +790,12 @@ class RefitReceiver(_lib.Closing):
         after bind() and bind_shards(). A receiver that bound shards yields each target under
         its target name (a tensor-parallel rank's slices, e.g. a fused qkv_proj shard) once
         every bucket of the sender tensors its pieces read landed and verified, so a rank that
-        reads only its slices loads with model.load_weights(rx.updates(v)). They hold this version only until the next push begins to land: copy
-        them into the engine's parameters during the iteration (load_weights does) and keep
-        no reference after it. updates() holds nothing back: the receiver keeps acknowledging
-        buckets while you load, and nothing outlives the iteration (close it, or let it end).
+        reads only its slices loads with model.load_weights(rx.updates(v)).
+
+        They hold this version only until the next push begins to land: copy them into the
+        engine's parameters during the iteration (load_weights does) and keep no reference
+        after it. updates() holds nothing back: the receiver keeps acknowledging buckets while
+        you load, and nothing outlives the iteration (close it, or let it end).
 
         mapping renames and fuses trainer names into the engine's: a dict {trainer name:
         engine name | (engine name, shard id) | [several] | None (skip)}, names it lacks kept;
