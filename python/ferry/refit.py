@@ -139,7 +139,11 @@ def _route_code(route):
 # C calls the module's two callbacks on a receiver's thread; they hand each event on.
 _listeners = {}
 _listening = {}  # key -> the C handle whose callbacks are set
-_listeners_lock = threading.Lock()
+# Re-entrant: garbage collection can run a receiver's or an iterator's finalizer (which
+# unlistens) on a thread that holds this lock, at any allocation under it; a plain Lock then
+# deadlocks that thread against itself. Each critical section below is short and touches only
+# its own receiver's key, so a finalizer's nested pass through it leaves them consistent.
+_listeners_lock = threading.RLock()
 _keys = itertools.count(1)
 
 
