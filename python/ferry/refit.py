@@ -496,7 +496,7 @@ class RefitReceiver(_lib.Closing):
         else:
             self._ctx, self._owns_ctx = Context(name=_node_name("refit-rx")), True
         self._h = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: views' finalizers _release_view (ferry.tensors)
         self._bound = {}
         self._pieces = {}  # bind_shards targets: {target: [Piece]}
         self._views = 0
