@@ -4,7 +4,10 @@
  * run with a single-thread memcpy of the model's bytes and with torch.distributed gloo
  * broadcasts of the same tensors (per tensor, and in flat buckets), run by Debian's python3.
  * A late joiner (a receiver process that attaches mid-run, after a push) catches up to the
- * latest version; its catch-up time is set against a direct push to one receiver.
+ * latest version; its catch-up time is set against a direct push to one receiver. TP-4: four
+ * tensor-parallel ranks, each binding its shards (fused qkv and up by rows, o and down by
+ * columns, norms whole), against one receiver of the whole model: push time and bytes read per
+ * rank.
  * A second model of 5,000 small tensors shows what a push costs beyond moving bytes. Then, as
  * "hosts": the trainer and each receiver in a network namespace of its own, joined by a bridge,
  * every host's egress rate-limited with tc tbf; chain against direct for K = 1, 2, 4.
@@ -318,6 +321,147 @@ static void time_memcpy(const model *m, int reps, bench_samples *b) {
   free(dst);
 }
 
+/* ---- tensor-parallel receivers: each reads its shards only ---- */
+
+/* One rank's destinations: per tensor group a buffer its pieces fill (qkv fused). */
+typedef struct tp_rank {
+  ferry_ctx *ctx;
+  ferry_refit_receiver *rx;
+  void **mem;
+  size_t nmem;
+} tp_rank;
+
+/* The split of the model's tensor i: attention q, k, v (kinds 0-2) and the MLP's up (4) by
+ * rows, o (3) and down (5) by columns, norms (6, 7) whole. */
+static int tp_dim(const model *m, size_t i) {
+  size_t kind = i % 8;
+  return m->small || kind >= 6 ? -1 : kind == 3 || kind == 5 ? 1 : 0;
+}
+
+/* Binds target `name` of pieces [0, n) (same dtype, laid along dim 0) in fresh memory. */
+static int tp_bind(tp_rank *k, const model *m, const char *name, const size_t *src, size_t n,
+                   int rank, int world) {
+  ferry_refit_piece pc[3];
+  ferry_tensor_desc d = m->desc[src[0]];
+  d.shape[0] = 0;
+  for (size_t j = 0; j < n; j++) {
+    const ferry_tensor_desc *s = &m->desc[src[j]];
+    int dim = tp_dim(m, src[j]);
+    uint64_t size = dim < 0 ? s->shape[0] : s->shape[dim] / (uint64_t)world;
+    uint64_t start = dim < 0 ? 0 : size * (uint64_t)rank;
+    pc[j] = (ferry_refit_piece){m->name[src[j]], dim < 0 ? 0 : dim, (int64_t)start,
+                                (int64_t)(start + size)};
+    d.shape[0] += dim == 0 ? size : s->shape[0];
+    if (dim == 1)
+      d.shape[1] = size;
+  }
+  uint64_t bytes = 0;
+  int rc = ferry_tensor_nbytes(&d, &bytes);
+  void *mem = rc == 0 ? malloc(bytes) : NULL;
+  if (rc == 0 && !mem)
+    rc = FERRY_ENOMEM;
+  if (rc != 0)
+    return rc;
+  memset(mem, 0, bytes); /* an engine's weight memory exists before it loads */
+  k->mem[k->nmem++] = mem;
+  return ferry_refit_bind_pieces(k->rx, name, mem, &d, pc, n);
+}
+
+static int tp_open(tp_rank *k, const model *m, const char *address, int rank, int world) {
+  char node[32];
+  snprintf(node, sizeof node, "bench-tp-%d", rank);
+  ferry_ctx_opts o = {.size = sizeof o, .name = node};
+  k->mem = calloc(m->n, sizeof *k->mem);
+  int rc = k->mem ? ferry_ctx_open(&o, &k->ctx) : FERRY_ENOMEM;
+  if (rc == 0)
+    rc = ferry_refit_receiver_open(k->ctx, address, -1, &k->rx);
+  for (size_t i = 0; rc == 0 && i < m->n;) {
+    bool fused = tp_dim(m, i) == 0 && i % 8 == 0 && i + 2 < m->n;
+    size_t src[3] = {i, i + 1, i + 2}, n = fused ? 3 : 1;
+    char name[64];
+    snprintf(name, sizeof name, "%s%s", m->name[i], fused ? ".qkv" : "");
+    rc = tp_bind(k, m, name, src, n, rank, world);
+    i += n;
+  }
+  return rc;
+}
+
+static void tp_close(tp_rank *k) {
+  ferry_refit_receiver_close(k->rx);
+  ferry_ctx_close(k->ctx);
+  for (size_t i = 0; i < k->nmem; i++)
+    free(k->mem[i]);
+  free(k->mem);
+}
+
+/* Pushes to `world` ranks that bind their shards (world 1: one receiver of the whole model,
+ * in a flat buffer), all in this process; *read: the most bytes a rank read per push. */
+static int time_tp(const model *m, int world, int reps, bench_samples *b, uint64_t *read) {
+  ferry_ctx_opts co = {.size = sizeof co, .name = "bench-trainer"};
+  ferry_refit_opts so = {.size = sizeof so};
+  ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = -1};
+  ferry_ctx *ctx = NULL;
+  ferry_refit_sender *s = NULL;
+  tp_rank ranks[4] = {{0}};
+  int rc = open_trainer(m, &co, &so, &ctx, &s);
+  for (int r = 0; rc == 0 && r < world; r++) {
+    ferry_ctx_opts o = {.size = sizeof o, .name = "bench-full"};
+    if (world > 1)
+      rc = tp_open(&ranks[r], m, ferry_ctx_address(ctx), r, world);
+    else if ((rc = ferry_ctx_open(&o, &ranks[r].ctx)) == 0 &&
+             (rc = ferry_refit_receiver_open(ranks[r].ctx, ferry_ctx_address(ctx), -1,
+                                             &ranks[r].rx)) == 0)
+      rc = ferry_refit_bind_flat(ranks[r].rx);
+  }
+  uint64_t before[4] = {0};
+  for (int v = 1; rc == 0 && v <= reps + 1; v++) {
+    double t = bench_now();
+    rc = ferry_refit_push(s, (uint64_t)v, &po);
+    if (v == 1) /* the first push faults the pages in */
+      for (int r = 0; r < world; r++)
+        before[r] = ferry_refit_bytes_read(ranks[r].rx);
+    else
+      bench_add(b, bench_now() - t);
+  }
+  *read = 0;
+  for (int r = 0; rc == 0 && r < world; r++) {
+    uint64_t per = (ferry_refit_bytes_read(ranks[r].rx) - before[r]) / (uint64_t)reps;
+    *read = per > *read ? per : *read;
+  }
+  if (rc != 0)
+    cli_fail("bench refit", rc, world > 1 ? "tensor-parallel ranks" : "full receiver");
+  for (int r = 0; r < world; r++)
+    if (ranks[r].rx || ranks[r].ctx)
+      tp_close(&ranks[r]);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(ctx);
+  return rc;
+}
+
+/* TP-4: four ranks that read their shards against one receiver of the whole model; rows: the
+ * full receiver's push, the four ranks' push (vs base: how much faster), and the bytes each
+ * rank read per push (the row's bytes; target 1/4 of the model plus the norms). */
+static int run_tp(const bench_opts *o, const char *label, const model *m, int reps) {
+  bench_samples full = {0}, tp = {0};
+  uint64_t full_read = 0, rank_read = 0;
+  char name[48];
+  snprintf(name, sizeof name, "%s-TP4", label);
+  int rc = time_tp(m, 1, reps, &full, &full_read);
+  if (rc == 0)
+    rc = time_tp(m, 4, reps, &tp, &rank_read);
+  if (rc == 0) {
+    bench_row(o, "refit", name, "ferry/full", full_read, &full, true);
+    bench_row(o, "refit", name, "ferry/TP-4", m->bytes, &tp, false);
+    bench_row(o, "refit", name, "TP-4/rank-read", rank_read, &tp, false);
+    if (!o->json)
+      printf("%-16s each rank read %.4f of the bytes a full receiver read (1/4 = 0.25)\n", name,
+             full_read ? (double)rank_read / (double)full_read : 0);
+  }
+  bench_free(&full);
+  bench_free(&tp);
+  return rc;
+}
+
 /* ---- gloo (python3 + torch) ---- */
 
 static const char gloo_script[] =
@@ -452,6 +596,8 @@ static int run_case(const bench_opts *o, const char *label, const model *m, int 
     bench_reset(&per);
     bench_reset(&bkt);
   }
+  if (rc == 0 && !m->small)
+    rc = run_tp(o, label, m, reps);
   if (rc == 0 && !m->small) {
     snprintf(name, sizeof name, "%s-late", label);
     rc = time_late_join(m, reps, &b, &per);
@@ -536,6 +682,8 @@ static const char refit_usage[] =
     "Late join (NAME-late): after each push to one receiver a new receiver process attaches\n"
     "and catches up to the latest version; its catch-up time against the push (target: the\n"
     "catch-up takes at most 1.2 times the push, vs base >= 0.83).\n"
+    "TP-4 (NAME-TP4): four tensor-parallel ranks read their shards only, against one receiver\n"
+    "of the whole model: the push, and the bytes each rank read per push (TP-4/rank-read).\n"
     "Then a model of 5,000 small tensors for the per-push overhead.\n"
     "Then \"hosts\": the trainer and 4 receivers each in a network namespace (root needed),\n"
     "joined by a bridge, every host's egress limited to " HOSTS_RATE " by tc tbf; a 128 MiB model\n"

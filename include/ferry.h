@@ -357,6 +357,17 @@ FERRY_API int ferry_msg_is_call(const ferry_msg *msg);
  * died), FERRY_ETIMEDOUT. On failure the contents of dst are unspecified. */
 FERRY_API int ferry_read(ferry_link *link, const ferry_region_ref *remote, uint64_t offset,
                          void *dst, size_t len, int timeout_ms);
+/* One run of a vectored read: [offset, offset+len) of the peer's region (len > 0). */
+typedef struct ferry_read_run {
+  uint64_t offset, len;
+} ferry_read_run;
+/* Reads runs[0..n) of the peer's region one after another into dst (the sum of their lengths,
+ * at most FERRY_MAX_MESSAGE): over shm one memcpy per run; over tcp one request per 256 runs,
+ * all in flight at once; over ucx every get in flight at once (by RMA; else a request per run).
+ * Errors as ferry_read (FERRY_EINVAL for an empty run). A strided slice (a run of columns in every
+ * row) is one call. */
+FERRY_API int ferry_readv(ferry_link *link, const ferry_region_ref *remote,
+                          const ferry_read_run *runs, size_t n, void *dst, int timeout_ms);
 /* One-sided write of src into [offset, offset+len) of the peer's region. Same errors. */
 FERRY_API int ferry_write(ferry_link *link, const ferry_region_ref *remote, uint64_t offset,
                           const void *src, size_t len, int timeout_ms);
@@ -831,6 +842,34 @@ FERRY_API int ferry_refit_bind_flat(ferry_refit_receiver *receiver);
  * not shm. */
 FERRY_API int ferry_refit_bind_alias(ferry_refit_receiver *receiver);
 FERRY_API int ferry_refit_view(ferry_refit_receiver *receiver, const char *name, void **out);
+/* Shards, for a tensor-parallel rank that keeps a slice of each tensor: a piece is the elements
+ * of tensor `source` whose index along `dim` lies in [start, stop) (dim 0: contiguous rows; dim
+ * 1: a run of columns in every row; any dim of the source works). */
+typedef struct ferry_refit_piece {
+  const char *source;
+  int dim;
+  int64_t start, stop;
+} ferry_refit_piece;
+/* Binds `target` (a name of the caller's: an engine's tensor, e.g. a fused qkv_proj shard) to
+ * dst, described by dst_desc, which receives pieces[0..n) one after another along its dim 0, each
+ * in row-major order: a single slice is n = 1; a fused projection lists its sources in order.
+ * Each piece's shape (the source's, with `dim` cut to stop - start) must match dst_desc on every
+ * dim but 0, their dim-0 sizes must add up to dst_desc's, and their wire dtype must be its dtype;
+ * FERRY_ENOTFOUND, FERRY_ESHAPE or FERRY_EDTYPE otherwise, the error naming the target and the
+ * piece that does not fit. Binding a target again replaces it. From the first shard binding on,
+ * the receiver reads from the sender only the bytes of its targets (tensors bound with
+ * ferry_refit_bind count as whole targets): a bucket holding none of them is acknowledged
+ * without a read, and each byte read is verified against a sum the sender computes for exactly
+ * those bytes (docs/REFIT.md, Shards). The sender has taken the target when this returns (the
+ * next push covers it). As with ferry_refit_bind, a target bound after a version committed does
+ * not hold it (committed() is 0 until the next wait caught up, reading only the targets' bytes).
+ * Not with bind_flat or bind_alias (FERRY_ESTATE). */
+FERRY_API int ferry_refit_bind_pieces(ferry_refit_receiver *receiver, const char *target, void *dst,
+                                      const ferry_tensor_desc *dst_desc,
+                                      const ferry_refit_piece *pieces, size_t n);
+/* Bytes this receiver has read from its sender (or a chain predecessor) since it opened: about
+ * 1/world of the model per push for a tensor-parallel rank that binds its shards. */
+FERRY_API uint64_t ferry_refit_bytes_read(ferry_refit_receiver *receiver);
 /* Called on the receiver's thread after each bucket verified and landed (engines that load
  * while buckets arrive). Bucket indices refer to the manifest's plan. A bucket a push skipped
  * (unchanged, or outside `only`) is not reported: its bytes are already this version's. Setting

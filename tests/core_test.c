@@ -141,6 +141,52 @@ static void test_logging(void **state) {
   assert_int_equal(fr_log_level_parse("loud"), -1);
 }
 
+/* A call site's limit: FR_LOG_LIMIT_LINES lines per window, the rest held back and counted on
+ * the first line of a later window. The clock is the caller's, so no test waits for it. */
+static void test_log_limit(void **state) {
+  fr_log_limit l = {0};
+  uint64_t held = 99, t = 5000000000ull, window = FR_LOG_LIMIT_WINDOW_MS * 1000000ull;
+  for (int i = 0; i < FR_LOG_LIMIT_LINES; i++) {
+    assert_true(fr_log_limit_pass(&l, t + (uint64_t)i, &held));
+    assert_int_equal(held, 0);
+  }
+  for (int i = 0; i < 7; i++)
+    assert_false(fr_log_limit_pass(&l, t + window - 1, &held));
+  assert_true(fr_log_limit_pass(&l, t + window, &held));
+  assert_int_equal(held, 7);
+  assert_true(fr_log_limit_pass(&l, t + window + 1, &held));
+  assert_int_equal(held, 0);
+}
+
+static int limited_calls;
+static char limited_last[256];
+static void count_limited(ferry_log_level level, const char *msg, void *arg) {
+  (void)level;
+  (void)arg;
+  if (strstr(msg, "stall ")) {
+    limited_calls++;
+    snprintf(limited_last, sizeof limited_last, "%s", msg);
+  }
+}
+
+/* Through the macro: one call site lets its few lines out; another call site has its own. */
+static void test_log_limited_macro(void **state) {
+  ferry_log_level old = ferry_log_get_level();
+  ferry_log_set_callback(count_limited, NULL);
+  ferry_log_set_level(FERRY_LOG_INFO);
+  for (int i = 0; i < 3 * FR_LOG_LIMIT_LINES; i++)
+    fr_warn_limited("stall %d", i);
+  assert_int_equal(limited_calls, FR_LOG_LIMIT_LINES);
+  assert_string_equal(limited_last, "stall 4");
+  fr_info_limited("stall %s", "elsewhere");
+  assert_int_equal(limited_calls, FR_LOG_LIMIT_LINES + 1);
+  ferry_log_set_level(FERRY_LOG_ERROR); /* below the level: not even counted */
+  fr_info_limited("stall %s", "quiet");
+  assert_int_equal(limited_calls, FR_LOG_LIMIT_LINES + 1);
+  ferry_log_set_callback(NULL, NULL);
+  ferry_log_set_level(old);
+}
+
 /* ---- log lines on stderr ---- */
 
 /* Sets FERRY_LOG=info and FERRY_LOG_FORMAT (NULL: unset) and rereads them. */
@@ -448,6 +494,7 @@ int main(void) {
       cmocka_unit_test(test_config),         cmocka_unit_test(test_dtypes),
       cmocka_unit_test(test_tensor_sizes),   cmocka_unit_test(test_shape_parse),
       cmocka_unit_test(test_checksum),       cmocka_unit_test(test_logging),
+      cmocka_unit_test(test_log_limit),      cmocka_unit_test(test_log_limited_macro),
       cmocka_unit_test(test_sha256_hmac),    cmocka_unit_test(test_hash_builds_agree),
       cmocka_unit_test(test_log_text),       cmocka_unit_test(test_log_json),
       cmocka_unit_test(test_opts_rule),      cmocka_unit_test(test_grow),

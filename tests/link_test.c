@@ -322,6 +322,33 @@ static void test_calls_tcp(void **s) { calls("tcp"); }
 static void test_messages_shm(void **s) { messages("shm"); }
 static void test_messages_tcp(void **s) { messages("tcp"); }
 
+/* Vectored reads: a strided slice (1000 bytes of every 3000, 600 runs: several requests over
+ * tcp, answered by the server thread) and a few small runs (answered inline) land one after
+ * another; a bad run refuses the whole read. */
+static void readv_checks(pair *p, const ferry_region_ref *ref, const uint8_t *mem, size_t n,
+                         uint8_t *dst) {
+  ferry_read_run runs[600];
+  for (size_t i = 0; i < 600; i++)
+    runs[i] = (ferry_read_run){i * 3000 + 17, 1000};
+  memset(dst, 0, 600 * 1000);
+  FR_OK(ferry_readv(p->ab, ref, runs, 600, dst, 5000));
+  for (size_t i = 0; i < 600; i++)
+    if (memcmp(dst + i * 1000, mem + runs[i].offset, 1000) != 0)
+      fail_msg("readv run %zu differs", i);
+  ferry_read_run few[3] = {{n - 8, 8}, {0, 5}, {4096, 100}};
+  FR_OK(ferry_readv(p->ab, ref, few, 3, dst, 5000));
+  assert_memory_equal(dst, mem + n - 8, 8);
+  assert_memory_equal(dst + 8, mem, 5);
+  assert_memory_equal(dst + 13, mem + 4096, 100);
+  ferry_read_run past[2] = {{0, 8}, {n - 4, 8}};
+  assert_int_equal(ferry_readv(p->ab, ref, past, 2, dst, 5000), FERRY_ERANGE);
+  ferry_read_run empty[2] = {{0, 8}, {8, 0}};
+  assert_int_equal(ferry_readv(p->ab, ref, empty, 2, dst, 5000), FERRY_EINVAL);
+  ferry_region_ref wrong = *ref;
+  wrong.key ^= 1;
+  assert_int_equal(ferry_readv(p->ab, &wrong, few, 3, dst, 5000), FERRY_EACCES);
+}
+
 static void one_sided(const char *transport, bool shared) {
   pair p;
   pair_open(&p, transport);
@@ -342,6 +369,8 @@ static void one_sided(const char *transport, bool shared) {
   assert_memory_equal(dst, mem, n);
   FR_OK(ferry_read(p.ab, &ref, 12345, dst, 64, 5000));
   assert_memory_equal(dst, mem + 12345, 64);
+
+  readv_checks(&p, &ref, mem, n, dst);
 
   tu_fill(dst, 4096, 99);
   FR_OK(ferry_write(p.ab, &ref, n - 4096, dst, 4096, 5000));

@@ -4,7 +4,10 @@ land, `engine.load_weights(rx.updates(v))`.
 The receiver's thread reports each bucket that landed and verified (ferry_refit_on_bucket) and
 the end of each version (ferry_refit_on_commit) into a queue; the iteration, on the caller's
 thread, yields a tensor once every bucket that carries it (ferry_refit_tensor_buckets) was
-reported for the version it loads, and the rest when the version commits. Nothing here blocks
+reported for the version it loads, and the rest when the version commits. A shard target
+(bind_shards) waits for every bucket of the sender tensors its pieces come from: the receiver
+reports each bucket of a push, those it read nothing from included, so that is when its
+slices have landed. Nothing here blocks
 the receiver's thread, so the sender's pushes never wait on the engine's loading.
 
 A mapping turns trainer names into the engine's and fuses pieces (q, k, v into qkv) along dim 0,
@@ -117,6 +120,30 @@ def plan(manifest, mapping):
     return out
 
 
+def bound_entries(rx, manifest):
+    """What a receiver with bound destinations yields from: ([entry], [[manifest index, ...]])
+    with an entry ({name, dtype, shape, nbytes}) per tensor bound whole (bind()) and per shard
+    target (bind_shards()), in the order of the first sender tensor each reads, and the
+    sender tensors whose buckets carry its bytes (a shard target's pieces lie in its sources'
+    buckets: it has landed once all of those did)."""
+    index = {m["name"]: i for i, m in enumerate(manifest)}
+    rows = []
+    for i, m in enumerate(manifest):
+        if m["name"] in rx._bound and m["name"] not in rx._pieces:
+            rows.append((m, [i]))
+    for target, pieces in rx._pieces.items():
+        gone = [p.source for p in pieces if p.source not in index]
+        if gone:
+            raise errors.NotFound(-5, "refit updates: shard target %r reads %s, which the sender "
+                                  "no longer sends; bind its shards again" % (target, gone))
+        idx = [index[p.source] for p in pieces]
+        arr = rx._bound[target][1]
+        rows.append(({"name": target, "dtype": manifest[idx[0]]["dtype"],
+                      "shape": tuple(arr.shape), "nbytes": int(arr.nbytes)}, idx))
+    rows.sort(key=lambda row: min(row[1], default=len(manifest)))
+    return [e for e, _ in rows], [idx for _, idx in rows]
+
+
 class _Layout:
     """Where each tensor of the manifest is (views or bound tensors), which buckets carry it,
     and the engine targets over them."""
@@ -131,20 +158,22 @@ class _Layout:
                 errors.check(lib.ferry_refit_bind_flat(h))
                 rx._has_flat = True
             self.tensors, self.ptrs, self.flat = rx._view_map(like)
-        else:  # bind(): the caller's own tensors; those not bound are not stored
+            present = self.manifest
+            sources = [[i] for i in range(len(present))]
+        else:  # bind() / bind_shards(): the caller's own tensors; the rest are not stored
             self.tensors = {n: obj for n, (obj, _) in rx._bound.items()}
-        present = [m for m in self.manifest if m["name"] in self.tensors]
+            present, sources = bound_entries(rx, self.manifest)
         self.targets = plan(present, mapping)
         self.present = present
         self.like = like
         self.alias = rx._alias
         first, count = ctypes.c_uint32(), ctypes.c_uint32()
-        index = {m["name"]: i for i, m in enumerate(self.manifest)}
-        spans = []
-        for m in present:
-            errors.check(lib.ferry_refit_tensor_buckets(h, c_size_t(index[m["name"]]),
-                                                        byref(first), byref(count)))
-            spans.append(set(range(first.value, first.value + count.value)))
+        carry = []
+        for i in range(len(self.manifest)):
+            errors.check(lib.ferry_refit_tensor_buckets(h, c_size_t(i), byref(first),
+                                                        byref(count)))
+            carry.append(range(first.value, first.value + count.value))
+        spans = [set().union(*(carry[i] for i in idx)) for idx in sources]
         self.need = {}      # engine name -> buckets it waits for
         self.by_bucket = {}  # bucket -> engine names it may complete, in target order
         for ename, idx in self.targets.items():
@@ -305,7 +334,9 @@ def updates(rx, version, mapping, timeout, like):
                          % (version,))
     if like_name(like) not in ("torch", "numpy"):
         raise ValueError("updates: like=%r; pass 'torch' or 'numpy'" % (like,))
-    plan(rx.manifest(), mapping)  # a mapping that cannot be met fails here, not mid-load
+    manifest = rx.manifest()
+    # a mapping that cannot be met fails here, not mid-load
+    plan(bound_entries(rx, manifest)[0] if rx._pieces else manifest, mapping)
     budget = -1 if timeout is None else timeout * 1000
     if budget < 0:
         budget = int((lib.ferry_config_get(b"FERRY_TIMEOUT_MS") or b"10000").decode())

@@ -166,7 +166,7 @@ class MQ(NodeHandle):
                 if self._owns_ctx:
                     self._ctx.close()
         self._h = h.value
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: messages' finalizers _unhold (ferry.tensors)
         self._held = 0  # received messages still viewed (_Held)
         self._closing = None  # the handle close() left for the last of them
         self._timeout = timeout

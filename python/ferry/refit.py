@@ -50,7 +50,8 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import (Any, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence,
+                    Tuple, Union)
 
 import numpy as np
 
@@ -60,7 +61,7 @@ from .errors import (AlreadyExists, InvalidArgument, NotFound, NotSupported, Tim
                      raise_status)
 from .tensors import DTYPES, Context, as_buffer, desc_shape, dtype_code, from_bits
 
-__all__ = ["RefitSender", "RefitReceiver", "refit_address", "ROUTES"]
+__all__ = ["RefitSender", "RefitReceiver", "refit_address", "ROUTES", "Piece", "tp_shards"]
 
 # ferry_refit_route, by the name push(route=...) takes
 ROUTES = {"auto": 0, "direct": 1, "chain": 2}
@@ -138,7 +139,11 @@ def _route_code(route):
 # C calls the module's two callbacks on a receiver's thread; they hand each event on.
 _listeners = {}
 _listening = {}  # key -> the C handle whose callbacks are set
-_listeners_lock = threading.Lock()
+# Re-entrant: garbage collection can run a receiver's or an iterator's finalizer (which
+# unlistens) on a thread that holds this lock, at any allocation under it; a plain Lock then
+# deadlocks that thread against itself. Each critical section below is short and touches only
+# its own receiver's key, so a finalizer's nested pass through it leaves them consistent.
+_listeners_lock = threading.RLock()
 _keys = itertools.count(1)
 
 
@@ -491,8 +496,9 @@ class RefitReceiver(_lib.Closing):
         else:
             self._ctx, self._owns_ctx = Context(name=_node_name("refit-rx")), True
         self._h = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: views' finalizers _release_view (ferry.tensors)
         self._bound = {}
+        self._pieces = {}  # bind_shards targets: {target: [Piece]}
         self._views = 0
         self._closing = False
         self._flat = None
@@ -576,6 +582,7 @@ class RefitReceiver(_lib.Closing):
         if h:
             lib.ferry_refit_receiver_close(h)
         self._bound = {}
+        self._pieces = {}
         if self._owns_ctx and self._ctx is not None:
             self._ctx.close()
             self._ctx = None
@@ -625,6 +632,7 @@ class RefitReceiver(_lib.Closing):
             if rc < 0:
                 raise_status(rc)
             self._bound[name] = (obj, arr)
+            self._pieces.pop(name, None)  # a whole tensor now, no longer a shard target
         return missing, unexpected
 
     def tensors(self, like: Any = "torch") -> Dict[str, Any]:
@@ -783,10 +791,15 @@ class RefitReceiver(_lib.Closing):
 
         Tensors are views, never copies: of the flat buffer (tensors(), bound here when
         nothing is), of the sender's buffer in alias mode (read-only), or your own tensors
-        after bind(). They hold this version only until the next push begins to land: copy
-        them into the engine's parameters during the iteration (load_weights does) and keep
-        no reference after it. updates() holds nothing back: the receiver keeps acknowledging
-        buckets while you load, and nothing outlives the iteration (close it, or let it end).
+        after bind() and bind_shards(). A receiver that bound shards yields each target under
+        its target name (a tensor-parallel rank's slices, e.g. a fused qkv_proj shard) once
+        every bucket of the sender tensors its pieces read landed and verified, so a rank that
+        reads only its slices loads with model.load_weights(rx.updates(v)).
+
+        They hold this version only until the next push begins to land: copy them into the
+        engine's parameters during the iteration (load_weights does) and keep no reference
+        after it. updates() holds nothing back: the receiver keeps acknowledging buckets while
+        you load, and nothing outlives the iteration (close it, or let it end).
 
         mapping renames and fuses trainer names into the engine's: a dict {trainer name:
         engine name | (engine name, shard id) | [several] | None (skip)}, names it lacks kept;
@@ -799,3 +812,152 @@ class RefitReceiver(_lib.Closing):
         like: "torch" or "numpy"."""
         from ._refit_load import updates
         return updates(self, version, mapping, timeout, like)
+
+# -- shards: tensor-parallel ranks that keep a slice of each tensor (docs/REFIT.md, Shards) ------
+
+class Piece(NamedTuple):
+    """Piece(source, dim, start, stop): the elements of the sender's tensor `source` whose index
+    along `dim` lies in [start, stop). A target (an engine tensor) is one or more pieces laid one
+    after another along its dim 0 (a fused qkv_proj shard: a q, a k and a v piece)."""
+    source: str
+    dim: int
+    start: int
+    stop: int
+
+
+class _PieceC(ctypes.Structure):  # ferry_refit_piece
+    _fields_ = [("source", c_char_p), ("dim", c_int), ("start", ctypes.c_int64),
+                ("stop", ctypes.c_int64)]
+
+
+for _name, (_res, _args) in {
+    "ferry_refit_bind_pieces": (c_int, [c_void_p, c_char_p, c_void_p, POINTER(_lib.TensorDesc),
+                                        POINTER(_PieceC), c_size_t]),
+    "ferry_refit_bytes_read": (c_uint64, [c_void_p]),
+}.items():
+    _f = getattr(lib, _name)
+    _f.restype, _f.argtypes = _res, _args
+
+
+def _bind_shards(self, targets: Dict[str, Tuple[Any, Sequence[Any]]]) -> None:
+    """Binds engine tensors to slices of the sender's: targets is {target: (tensor, pieces)}
+    (tensor: a contiguous numpy array or CPU torch tensor in the wire dtype, whose dim 0 the
+    pieces fill one after another; pieces: Piece or (source, dim, start, stop) tuples), e.g. what
+    ferry.tp_shards() computes for a rank. From then on this receiver reads from the sender only
+    the bytes of what it bound (tensors from bind() count whole) and verifies each of them.
+    A piece that does not fit raises (ferry.ShapeError, DtypeError or NotFound) naming the
+    target and the piece. Keep the tensors alive."""
+    h = self.handle
+    for target, (obj, pieces) in targets.items():
+        pieces = [Piece(str(p[0]), int(p[1]), int(p[2]), int(p[3])) for p in pieces]
+        names = [_lib.encoded(p.source, "tensor name") for p in pieces]
+        arr_c = (_PieceC * max(len(pieces), 1))(
+            *[_PieceC(n, p.dim, p.start, p.stop) for n, p in zip(names, pieces)])
+        desc, arr = as_buffer(obj, writable=True)
+        ptr = arr.ctypes.data if arr.nbytes else ctypes.addressof(ctypes.c_char())
+        rc = lib.ferry_refit_bind_pieces(h, _lib.encoded(target, "target name"), ptr, byref(desc),
+                                         arr_c, len(pieces))
+        if rc < 0:
+            raise_status(rc)
+        self._bound[target] = (obj, arr)
+        self._pieces[target] = pieces
+
+
+def _bytes_read(self) -> int:
+    """Bytes this receiver read from the sender since it attached (a tensor-parallel rank that
+    bound its shards reads about 1/world of the model per push)."""
+    return int(lib.ferry_refit_bytes_read(self.handle))
+
+
+RefitReceiver.bind_shards = _bind_shards
+RefitReceiver.bytes_read = property(_bytes_read)
+
+
+def _shapes_of(manifest_or_shapes: Any) -> Dict[str, Tuple[Tuple[int, ...], Optional[str]]]:
+    """{name: (shape, dtype)} from a RefitReceiver, its manifest() list, or {name: shape} /
+    {name: (shape, dtype)}."""
+    src = manifest_or_shapes
+    if isinstance(src, RefitReceiver):
+        src = src.manifest()
+    if isinstance(src, dict):
+        out = {}
+        for name, v in src.items():
+            if (isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], str)):
+                out[name] = (tuple(int(x) for x in v[0]), v[1])
+            else:
+                out[name] = (tuple(int(x) for x in v), None)
+        return out
+    return {m["name"]: (tuple(m["shape"]), m.get("dtype")) for m in src}
+
+
+def _split(name: str, shape: Tuple[int, ...], dim: Optional[int], rank: int, world: int) -> Piece:
+    if dim is None:
+        return Piece(name, 0, 0, shape[0] if shape else 1)
+    if dim < 0 or dim >= len(shape):
+        raise InvalidArgument(-1, "tp_shards: '%s' %s has no dim %d" % (name, list(shape), dim))
+    if shape[dim] % world:
+        raise InvalidArgument(-1, "tp_shards: '%s' dim %d (size %d) does not split in %d"
+                              % (name, dim, shape[dim], world))
+    n = shape[dim] // world
+    return Piece(name, dim, rank * n, (rank + 1) * n)
+
+
+def tp_shards(manifest_or_shapes: Any, rank: int, world: int,
+              rules: Sequence[Tuple[str, Optional[int]]],
+              fused: Optional[Dict[str, Sequence[str]]] = None
+              ) -> Dict[str, Tuple[Tuple[int, ...], Optional[str], List[Piece]]]:
+    """The shards of tensor-parallel rank `rank` of `world`: {target: (shape, dtype, [Piece])},
+    so that an engine rank allocates each target and binds it:
+
+        specs = ferry.tp_shards(rx, rank, world,
+                                rules=[(r"\\.(q|k|v|gate|up)_proj\\.", 0),   # column-parallel
+                                       (r"\\.(o|down)_proj\\.", 1),          # row-parallel
+                                       (r"norm", None)],                    # replicated
+                                fused={"qkv_proj.weight": ["q_proj.weight", "k_proj.weight",
+                                                           "v_proj.weight"]})
+        mine = {t: torch.empty(shape, dtype=getattr(torch, dtype))
+                for t, (shape, dtype, _) in specs.items()}
+        rx.bind_shards({t: (mine[t], specs[t][2]) for t in specs})
+
+    manifest_or_shapes: a RefitReceiver, its manifest(), or {name: shape} / {name: (shape,
+    dtype)}; dtype is then the wire dtype's name ("bfloat16", "float32", ...; None when only
+    shapes were given). rules: (regex, dim) pairs tried in order against each sender tensor's name
+    (re.search); the first match splits that tensor along dim into `world` equal parts (dim
+    None: every rank keeps it whole); a tensor no rule matches is replicated. fused: {target:
+    [sources]}: the sources' slices laid one after another along the target's dim 0 (the
+    sources then have no target of their own). Raises InvalidArgument for a dim a tensor lacks,
+    a size that does not split in `world`, or a fused source that is not sent."""
+    rank, world = int(rank), int(world)
+    if world < 1 or not 0 <= rank < world:
+        raise InvalidArgument(-1, "tp_shards: rank %d of world %d" % (rank, world))
+    shapes = _shapes_of(manifest_or_shapes)
+    compiled = [(re.compile(rx), d) for rx, d in rules]
+
+    def piece_of(name):
+        shape = shapes[name][0]
+        dim = next((d for rx, d in compiled if rx.search(name)), None)
+        return _split(name, shape, dim, rank, world)
+
+    def piece_shape(p):
+        shape = list(shapes[p.source][0]) or [1]
+        shape[p.dim] = p.stop - p.start
+        return shape
+
+    out = {}
+    taken = set()
+    for target, sources in (fused or {}).items():
+        missing = [s for s in sources if s not in shapes]
+        if missing:
+            raise InvalidArgument(-1, "tp_shards: fused '%s': the sender sends no %s"
+                                  % (target, missing))
+        pieces = [piece_of(s) for s in sources]
+        shape = piece_shape(pieces[0])
+        shape[0] = sum(piece_shape(p)[0] for p in pieces)
+        out[target] = (tuple(shape), shapes[sources[0]][1], pieces)
+        taken.update(sources)
+    for name, (shape, dtype) in shapes.items():
+        if name in taken:
+            continue
+        p = piece_of(name)
+        out[name] = (tuple(piece_shape(p)) if shape else (), dtype, [p])
+    return out

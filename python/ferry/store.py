@@ -56,7 +56,7 @@ class _Pin:
 
     def __init__(self, store: "Store", view: int, info: Dict[str, Any]) -> None:
         self.store, self.view, self.info = store, view, info
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entrant: a view's finalizer releases (ferry.tensors)
         self.derived: List["weakref.ref[np.ndarray]"] = []  # arrays made from the view
 
     def valid(self) -> bool:
@@ -208,7 +208,7 @@ class Store(NodeHandle):
         self._h = h.value
         self._ctx._has_store = True
         self._timeout = timeout
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: views' finalizers _unpin (ferry.tensors)
         self._bufs = {}  # id(array) -> (weakref, layout, byref(desc), pointer): _buffer_of
         # key -> value put in place (ferry memory): held until the key is deleted or replaced,
         # so that Python cannot free memory readers are reading

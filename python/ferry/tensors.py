@@ -295,7 +295,9 @@ class Context(_lib.Closing):
         h = ctypes.c_void_p()
         check(lib.ferry_ctx_open(ctypes.byref(opts), ctypes.byref(h)))
         self._h = h.value
-        self._lock = threading.Lock()
+        # Re-entrant: arrays' finalizers release through it (_free, _unhold), and the collector
+        # may run one at an allocation this thread makes while holding it.
+        self._lock = threading.RLock()
         self._allocs = 0
         self._closing = False
         self._has_store = False

@@ -447,3 +447,52 @@ def test_exit_while_listening():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["pushed"]
+
+
+_GC_UNDER_LOCK = r"""
+import gc, sys
+import torch
+import ferry
+import ferry.refit as refit
+
+
+class Collecting(dict):
+    # The collector runs at any allocation; here, deterministically, at the one a listener
+    # makes while holding the table's lock.
+    def setdefault(self, key, default=None):
+        gc.collect()
+        return dict.setdefault(self, key, default)
+
+
+refit._listeners = Collecting(refit._listeners)
+name = sys.argv[1]
+sd = {"w": torch.zeros(1024)}
+with ferry.RefitSender(name, sd, buffer_bytes=4096) as tx, \
+        ferry.RefitReceiver(name, timeout=5) as rx:
+    rx.tensors()
+    gc.disable()
+    it = rx.updates(1)  # listens: an entry in the listener table
+    it.cycle = it       # only the collector can free it, and its __del__ unlistens
+    del it
+    it = rx.updates(1)  # listens again: the collection under the lock finalizes the first
+    it.close()
+    assert not refit._listeners.get(rx._key)
+print("ok")
+"""
+
+
+def test_collector_finalizing_an_iterator_under_the_listener_lock(tmp_path):
+    """A garbage iterator whose finalizer unlistens, collected at an allocation made while
+    this thread holds the listener table's lock (a new iterator listening): the finalizer
+    must not deadlock the thread against itself (it did with a plain Lock). In a child, so
+    that a deadlock fails the test instead of hanging it."""
+    import subprocess
+    import sys
+    script = tmp_path / "gc_under_lock.py"
+    script.write_text(_GC_UNDER_LOCK)
+    try:
+        out = subprocess.run([sys.executable, str(script), unique("gc")], capture_output=True,
+                             text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("deadlocked: a finalizer took the listener lock its own thread held")
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -3,6 +3,7 @@
  * every subcommand shares.
  */
 #include "cli/cli.h"
+#include "core/core.h"
 #include "ferry.h"
 
 #include <stdio.h>
@@ -41,6 +42,14 @@ static void usage(FILE *out) {
                "(powers of 1024). ls, stat, put, get, info, serve and top take --json.\n\n");
   cli_print_exit_codes(out);
   fprintf(out, "\nenvironment: FERRY_* settings, listed by `ferry info --config`\n");
+}
+
+/* The long-running servers log at info unless FERRY_LOG says otherwise: their lines (nodes joining
+ * and leaving, pushes, failures) are what an operator follows them by, as with etcd or vLLM. The
+ * library's own default (warn) suits the trainers and engines it is embedded in. */
+void cli_server_logging(void) {
+  if (!fr_config_is_set("FERRY_LOG"))
+    ferry_log_set_level(FERRY_LOG_INFO);
 }
 
 static int dispatch(int argc, char **argv) {

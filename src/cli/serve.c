@@ -195,6 +195,7 @@ int cli_serve(int argc, char **argv) {
   serve_opts o = {0};
   if (parse(argc, argv, &o) != 0)
     return CLI_USAGE;
+  cli_server_logging();
   char buf[256];
   const char *listen = o.directory ? o.listen : host_port(&o, buf, sizeof buf);
   if (o.directory)
@@ -238,7 +239,8 @@ int cli_serve(int argc, char **argv) {
   print_ready(&o, ctx, listen, http ? ferry_metrics_server_address(http) : metrics_env(),
               http != NULL);
   int sig = wait_for_signal();
-  fprintf(stderr, "ferry serve: %s, shutting down\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+  /* a log line like the others (with FERRY_LOG_FORMAT=json, every stderr line is JSON) */
+  fr_info("serve: %s: shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
   ferry_metrics_server_close(http);
   fleet_view_close(fleet.view);
   ferry_store_close(store);

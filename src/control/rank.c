@@ -171,8 +171,14 @@ int ferry_ctl_ack(ferry_ctl_rank *r, uint64_t seq, ferry_ctl_state state, int er
   if ((state == FERRY_CTL_FAILED) != (error < 0))
     return fr_err(FERRY_EINVAL, "ack %s: a FAILED ack needs an error < 0, others none",
                   ferry_ctl_state_name(state));
-  if (state == FERRY_CTL_FAILED)
+  if (state == FERRY_CTL_FAILED) {
     publish_failure(r->line, seq, error, message);
+    /* an abort's FAILED only repeats an earlier failure, already said */
+    if (r->taken_cmd != FERRY_CTL_ABORT)
+      fr_warn_limited("control '%s': rank %u failed %s seq %lu: %s (%s)", r->map.name, r->rank,
+                      ferry_ctl_cmd_name(r->taken_cmd), (unsigned long)seq,
+                      ferry_status_name(error), message && *message ? message : "no detail");
+  }
   publish_ack(r, seq, state);
   r->acked = true;
   r->state = state;

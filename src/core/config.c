@@ -53,6 +53,8 @@
     "mq: bytes of messages a subscriber queues per publisher before publishes wait")               \
   X("FERRY_MQ_INLINE_BYTES", "65536",                                                              \
     "mq: larger payloads to a subscriber on this host go through the shared-memory pool")          \
+  X("FERRY_MQ_STALL_LOG_MS", "1000",                                                               \
+    "mq: a publish that waits this long for a subscriber's queue to have room logs who held it")   \
   X("FERRY_MQ_POOL_BYTES", "268435456",                                                            \
     "mq: bytes of a publisher's shared-memory pool for large payloads (made on first use)")
 
@@ -79,6 +81,13 @@ const char *ferry_config_get(const char *name) {
     }
   }
   return NULL;
+}
+
+bool fr_config_is_set(const char *name) {
+  for (size_t i = 0; name && i < CONFIG_COUNT; i++)
+    if (strcmp(config_table[i].name, name) == 0)
+      return getenv(name) != NULL;
+  return false;
 }
 
 const char *fr_config_str(const char *name) {

@@ -292,8 +292,8 @@ int fr_mq_advertise(ferry_mq *mq, const char *topic, int timeout_ms) {
     rc = scan(mq, 's', topic, &subs, &n, timeout_ms);
   for (size_t i = 0; rc == 0 && i < n; i++)
     if (fr_mq_add_subscriber(mq, topic, subs[i].key, NULL, subs[i].region.size, timeout_ms) != 0)
-      fr_info("mq '%s': skipping subscriber '%s' of '%s': %s", mq->name, subs[i].key, topic,
-              ferry_last_error());
+      fr_info_limited("mq '%s': skipping subscriber '%s' of '%s': %s", mq->name, subs[i].key, topic,
+                      ferry_last_error());
   free(subs);
   if (rc != 0)
     return fr_err_wrap(rc, "mq: advertising '%s'", topic);
@@ -344,8 +344,8 @@ static void tell_publishers(ferry_mq *mq, uint8_t type, const char *topic, uint6
   }
   for (size_t i = 0; i < n; i++)
     if (send_sub(mq, pubs[i].key, type, topic, fr_ms_left(deadline) + 1) != 0)
-      fr_info("mq '%s': publisher '%s' of '%s' not told: %s", mq->name, pubs[i].key, topic,
-              ferry_last_error());
+      fr_info_limited("mq '%s': publisher '%s' of '%s' not told: %s", mq->name, pubs[i].key, topic,
+                      ferry_last_error());
   free(pubs);
 }
 

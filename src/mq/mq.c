@@ -78,8 +78,8 @@ void fr_mq_dispatch(ferry_mq *mq, ferry_msg *m) {
     pthread_mutex_lock(&mq->lock);
     mq->malformed++;
     pthread_mutex_unlock(&mq->lock);
-    fr_warn("mq '%s': dropped a frame from '%s': %s", mq->name, ferry_link_peer(m->link),
-            ferry_last_error());
+    fr_warn_limited("mq '%s': dropped a frame from '%s': %s", mq->name, ferry_link_peer(m->link),
+                    ferry_last_error());
     reply_status(m, rc);
     ferry_msg_free(m);
     return;
@@ -229,6 +229,8 @@ static ferry_mq *mq_new(ferry_ctx *ctx, const ferry_mq_opts *o) {
   mq->window = w < 4096 ? 4096 : (uint64_t)w;
   int64_t inl = fr_config_int("FERRY_MQ_INLINE_BYTES");
   mq->inline_bytes = inl < 0 ? 0 : (uint64_t)inl;
+  int64_t stall = fr_config_int("FERRY_MQ_STALL_LOG_MS");
+  mq->stall_log_ns = (uint64_t)(stall < 0 ? 0 : stall) * 1000000ull;
   int64_t pool = fr_config_int("FERRY_MQ_POOL_BYTES");
   mq->pool_bytes = pool < 0 ? 0 : (uint64_t)pool;
   pthread_mutex_init(&mq->lock, NULL);

@@ -70,7 +70,8 @@ static int republish(ferry_store *s, int timeout_ms) {
   for (size_t i = 0; i < n && rc == 0; i++) {
     rc = fr_dir_obj_put(s->dir, &recs[i], FR_DIR_PUT_KEEP_OTHERS, NULL, NULL, timeout_ms);
     if (rc == FERRY_EEXIST) {
-      fr_info("store: '%s' now belongs to another node; dropping our copy", recs[i].key);
+      fr_info_limited("store '%s': '%s' now belongs to another node; dropping our copy", s->name,
+                      recs[i].key);
       rc = 0;
       fr_store_delete_owned(s, recs[i].key, recs[i].generation, false, timeout_ms, NULL);
     }

@@ -42,6 +42,8 @@ struct fr_serve_job {
   uint64_t off, len;
   ferry_msg *stats; /* a call on FR_CHANNEL_STATS to answer (then region is NULL) */
   fr_serve_job *next;
+  fr_rma_run *runs; /* a READV's runs (owned), sent one after another; NULL: [off, off+len) */
+  uint32_t nruns;
 };
 
 static bool stopping(const ferry_ctx *ctx) {
@@ -390,7 +392,22 @@ void fr_ctx_serve_later(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_regio
     fr_link_unref(l);
     return;
   }
-  *j = (fr_serve_job){l, req_id, r, off, len, NULL, NULL};
+  *j = (fr_serve_job){.link = l, .req_id = req_id, .region = r, .off = off, .len = len};
+  serve_job(ctx, j);
+}
+
+void fr_ctx_serve_later_v(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_region *r,
+                          fr_rma_run *runs, uint32_t nruns, uint64_t total) {
+  fr_serve_job *j = malloc(sizeof *j);
+  if (!j) {
+    free(runs);
+    fr_region_release(r);
+    fr_link_fail(l, FERRY_ENOMEM, "cannot queue a read response");
+    fr_link_unref(l);
+    return;
+  }
+  *j = (fr_serve_job){
+      .link = l, .req_id = req_id, .region = r, .len = total, .runs = runs, .nruns = nruns};
   serve_job(ctx, j);
 }
 
@@ -440,9 +457,13 @@ static void *server_main(void *arg) {
     }
     if (!stopping(ctx)) {
       fr_frame f = {.type = FR_READ_RESP, .req_id = j->req_id, .len = j->len};
-      struct iovec iov = {j->region->data + j->off, j->len};
-      fr_link_send_frame(j->link, &f, &iov, 1, -1, fr_deadline_ns(ctx->timeout_ms));
+      struct iovec iov[FR_READV_MAX_RUNS] = {{j->region->data + j->off, j->len}};
+      for (uint32_t i = 0; i < j->nruns; i++)
+        iov[i] = (struct iovec){j->region->data + j->runs[i].offset, j->runs[i].length};
+      fr_link_send_frame(j->link, &f, iov, j->runs ? (int)j->nruns : 1, -1,
+                         fr_deadline_ns(ctx->timeout_ms));
     }
+    free(j->runs);
     fr_region_release(j->region);
     fr_link_unref(j->link);
     free(j);
