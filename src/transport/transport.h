@@ -335,7 +335,7 @@ int fr_link_take_fd(ferry_link *l);
 /* Fails every handshake older than the timeout (called by the progress thread). */
 void fr_link_reap_stale(ferry_ctx *ctx);
 
-/* ctx.c */
+/* the context: ctx.c, leader.c, chanq.c, spin.c, server.c, accept.c, msgcache.c */
 void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg);
 /* Drops the ctx's reference to a retired link once the current event batch is done. */
 void fr_ctx_bury(ferry_ctx *ctx, ferry_link *l);
