@@ -4,8 +4,8 @@
  * wire.c encodes and decodes mq frames (a pure decoder, fuzzed); mq.c opens and closes, runs the
  * background thread and the pump (the one place that takes messages off FR_CHANNEL_MQ and
  * dispatches them), and keeps the node's directory records; discover.c subscribes, advertises
- * and finds peers; publish.c sends (credit, the shared-memory pool); recv.c hands messages to
- * the application and returns credit.
+ * and finds peers; publish.c sends (with credit.c, batch.c, fast.c, pool.c, clock.c, loan.c:
+ * publish.h); recv.c hands messages to the application and returns credit.
  *
  * Roles: as a publisher this node keeps a `peer` per remote subscriber node (its link, credit
  * window and what is in flight to it) and, per topic, the list of peers subscribed. As a
