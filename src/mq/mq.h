@@ -16,6 +16,7 @@
 #define FR_MQ_H
 
 #include "core/core.h"
+#include "core/pool.h"
 #include "core/region.h"
 #include "directory/directory.h"
 
@@ -222,8 +223,7 @@ struct ferry_mq {
   uint64_t fresh_ps_per_byte; /* what a copy into fresh pool memory cost (publish_lock) */
   fr_mq_block *blocks;
   size_t nblocks, capblocks;
-  uint64_t *free_off, *free_len; /* free extents, sorted by offset */
-  size_t nfree, capfree;
+  fr_pool space; /* which bytes of the pool are free, in 4 KiB granules (core/pool.h) */
 
   pthread_t thread;
   bool thread_started;

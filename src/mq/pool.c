@@ -1,7 +1,8 @@
 /*
  * mq's pool: one ferry_alloc'd region that large payloads to shm subscribers are copied into
- * once. The block table tracks each block in flight (its holders, a generation for its token);
- * the warm working set decides whether a publish reuses a block or grows the pool.
+ * once, its space sub-allocated by core/pool.c. The block table tracks each block in flight (its
+ * holders, a generation for its token); the warm working set decides whether a publish reuses a
+ * block or grows the pool.
  */
 #include "mq/publish.h"
 
@@ -18,10 +19,8 @@ int fr_mq_pool_open(ferry_mq *mq) {
   int rc = ferry_alloc(mq->ctx, mq->pool_bytes, &mem);
   if (rc == 0)
     rc = ferry_region_find(mq->ctx, mem, mq->pool_bytes, &mq->pool_ref, NULL);
-  mq->free_off = malloc(16 * sizeof(uint64_t));
-  mq->free_len = malloc(16 * sizeof(uint64_t));
-  if (rc == 0 && (!mq->free_off || !mq->free_len))
-    rc = FERRY_ENOMEM;
+  if (rc == 0)
+    rc = fr_pool_init(&mq->space, mq->pool_bytes, POOL_ALIGN);
   if (rc != 0) {
     fr_warn("mq '%s': no pool (%s); large payloads go inline", mq->name, ferry_last_error());
     if (mem)
@@ -30,66 +29,7 @@ int fr_mq_pool_open(ferry_mq *mq) {
     return rc;
   }
   mq->pool = mem;
-  mq->capfree = 16;
-  mq->free_off[0] = 0;
-  mq->free_len[0] = mq->pool_bytes;
-  mq->nfree = 1;
   return 0;
-}
-
-/* First fit among the free extents, ending at most at `limit`. */
-static bool extent_alloc(ferry_mq *mq, uint64_t len, uint64_t limit, uint64_t *off) {
-  for (size_t i = 0; i < mq->nfree && mq->free_off[i] + len <= limit; i++)
-    if (mq->free_len[i] >= len) {
-      *off = mq->free_off[i];
-      mq->free_off[i] += len;
-      mq->free_len[i] -= len;
-      if (mq->free_len[i] == 0) {
-        memmove(mq->free_off + i, mq->free_off + i + 1, (mq->nfree - i - 1) * sizeof(uint64_t));
-        memmove(mq->free_len + i, mq->free_len + i + 1, (mq->nfree - i - 1) * sizeof(uint64_t));
-        mq->nfree--;
-      }
-      return true;
-    }
-  return false;
-}
-
-static void extent_free(ferry_mq *mq, uint64_t off, uint64_t len) {
-  size_t i = 0;
-  while (i < mq->nfree && mq->free_off[i] < off)
-    i++;
-  bool left = i > 0 && mq->free_off[i - 1] + mq->free_len[i - 1] == off;
-  bool right = i < mq->nfree && off + len == mq->free_off[i];
-  if (left && right) {
-    mq->free_len[i - 1] += len + mq->free_len[i];
-    memmove(mq->free_off + i, mq->free_off + i + 1, (mq->nfree - i - 1) * sizeof(uint64_t));
-    memmove(mq->free_len + i, mq->free_len + i + 1, (mq->nfree - i - 1) * sizeof(uint64_t));
-    mq->nfree--;
-  } else if (left) {
-    mq->free_len[i - 1] += len;
-  } else if (right) {
-    mq->free_off[i] = off;
-    mq->free_len[i] += len;
-  } else {
-    if (mq->nfree == mq->capfree) {
-      size_t cap = mq->capfree * 2;
-      uint64_t *o = realloc(mq->free_off, cap * sizeof *o);
-      if (o)
-        mq->free_off = o;
-      uint64_t *l = o ? realloc(mq->free_len, cap * sizeof *l) : NULL;
-      if (!l) {
-        fr_warn("mq '%s': out of memory: %llu pool bytes lost", mq->name, (unsigned long long)len);
-        return;
-      }
-      mq->free_len = l;
-      mq->capfree = cap;
-    }
-    memmove(mq->free_off + i + 1, mq->free_off + i, (mq->nfree - i) * sizeof(uint64_t));
-    memmove(mq->free_len + i + 1, mq->free_len + i, (mq->nfree - i) * sizeof(uint64_t));
-    mq->free_off[i] = off;
-    mq->free_len[i] = len;
-    mq->nfree++;
-  }
 }
 
 /* A block of len bytes with `refs` holders: its token (slot + 1 and a generation), or 0. Below
@@ -109,7 +49,7 @@ uint64_t fr_mq_block_alloc(ferry_mq *mq, uint64_t len, int refs, bool grow, uint
     mq->blocks = v;
     mq->capblocks = cap;
   }
-  if (!extent_alloc(mq, want, grow ? mq->pool_bytes : mq->pool_hwm, off))
+  if (fr_pool_alloc(&mq->space, want, grow ? mq->pool_bytes : mq->pool_hwm, off) != 0)
     return 0;
   if (*off + want > mq->pool_hwm)
     mq->pool_hwm = *off + want;
@@ -132,7 +72,7 @@ void fr_mq_pool_release(ferry_mq *mq, uint64_t token) {
   if (b->refs <= 0 || b->gen != (uint32_t)(token >> 32))
     return;
   if (--b->refs == 0)
-    extent_free(mq, b->off, b->len);
+    fr_pool_free(&mq->space, b->off, b->len);
 }
 
 void fr_mq_pool_fini(ferry_mq *mq) {
@@ -140,8 +80,7 @@ void fr_mq_pool_fini(ferry_mq *mq) {
     ferry_free(mq->ctx, mq->pool);
   mq->pool = NULL;
   free(mq->blocks);
-  free(mq->free_off);
-  free(mq->free_len);
+  fr_pool_fini(&mq->space);
   free(mq->dirty);
 }
 

@@ -174,6 +174,18 @@ static int check_put(ferry_store *s, const char *key, const ferry_tensor_desc *d
   return 0;
 }
 
+/* A pool block for bytes (lock held); FERRY_ECAPACITY with the sizes in the detail. */
+static int pool_alloc(ferry_store *s, uint64_t bytes, uint64_t *off) {
+  fr_pool *p = &s->pool;
+  if (fr_pool_alloc(p, bytes, p->capacity, off) == 0)
+    return 0;
+  return fr_err(FERRY_ECAPACITY,
+                "%llu bytes do not fit the store pool: capacity %llu, in use %llu, largest free "
+                "block %llu (raise FERRY_STORE_CAPACITY or delete objects)",
+                (unsigned long long)bytes, (unsigned long long)p->capacity,
+                (unsigned long long)p->used, (unsigned long long)fr_pool_largest(p));
+}
+
 /* Finds a home for the bytes: in place, or a pool block (filled outside the lock). */
 static int place(ferry_store *s, fr_owned *o, const void *data, uint32_t flags, bool fill) {
   uint64_t off = 0;
@@ -190,9 +202,9 @@ static int place(ferry_store *s, fr_owned *o, const void *data, uint32_t flags, 
   pthread_mutex_lock(&s->lock);
   linger_expire(s, fr_now_ns());
   pinned_reap(s);
-  int rc = o->rec.bytes ? fr_pool_alloc(&s->pool, o->rec.bytes, &off) : 0;
+  int rc = o->rec.bytes ? pool_alloc(s, o->rec.bytes, &off) : 0;
   while (rc == FERRY_ECAPACITY && linger_pop(s)) /* make room: the oldest replaced copies go */
-    rc = (fr_err_clear(), fr_pool_alloc(&s->pool, o->rec.bytes, &off));
+    rc = (fr_err_clear(), pool_alloc(s, o->rec.bytes, &off));
   pthread_mutex_unlock(&s->lock);
   if (rc != 0)
     return fr_err_wrap(rc, "put '%s'", o->rec.key);

@@ -24,7 +24,7 @@ static int pool_open(ferry_store *s, uint64_t capacity) {
     slots = 1 << 24;
   s->nslots = (uint32_t)slots;
   s->data_base = ((uint64_t)s->nslots * FR_STORE_SLOT_BYTES + 4095) / 4096 * 4096;
-  int rc = fr_pool_init(&s->pool, capacity);
+  int rc = fr_pool_init(&s->pool, capacity, 64);
   s->free_slots = malloc(s->nslots * sizeof *s->free_slots);
   s->owned = malloc(s->nslots * sizeof *s->owned);
   s->linger = malloc(s->nslots * sizeof *s->linger);

@@ -1,6 +1,6 @@
 /*
  * The store, internal view: the state behind a ferry_store handle and the pieces its files share.
- * pool.c sub-allocates the node's shared-memory pool; store.c opens, registers and renews;
+ * core/pool.c sub-allocates the node's shared-memory pool; store.c opens, registers and renews;
  * put.c publishes and retires objects this node owns; get.c reads (with the peer link cache and
  * the batch workers); ops.c deletes, lists and describes; service.c answers other nodes on
  * FR_CHANNEL_STORE (remote deletes, drop notices, uploads from short-lived nodes).
@@ -9,29 +9,12 @@
 #define FR_STORE_H
 
 #include "core/core.h"
+#include "core/pool.h"
 #include "core/stats.h"
 #include "directory/directory.h"
 
 #include <pthread.h>
 #include <stdbool.h>
-
-/* ---- pool.c: first-fit sub-allocator over [0, capacity), 64-byte granules ---- */
-typedef struct fr_pool_block {
-  uint64_t off, len;
-} fr_pool_block;
-
-typedef struct fr_pool {
-  uint64_t capacity, used;
-  fr_pool_block *free; /* sorted by offset, coalesced */
-  size_t nfree, cap;
-} fr_pool;
-
-int fr_pool_init(fr_pool *p, uint64_t capacity);
-void fr_pool_fini(fr_pool *p);
-/* FERRY_ECAPACITY with the sizes in the detail when no block fits. */
-int fr_pool_alloc(fr_pool *p, uint64_t bytes, uint64_t *off);
-void fr_pool_free(fr_pool *p, uint64_t off, uint64_t bytes);
-uint64_t fr_pool_largest(const fr_pool *p);
 
 /* ---- the store ---- */
 #define FR_STORE_NO_POOL UINT64_MAX
@@ -97,7 +80,7 @@ struct ferry_store {
   uint32_t nslots;
 
   pthread_mutex_t lock; /* pool, slots, owned objects */
-  fr_pool pool;
+  fr_pool pool;         /* 64-byte granules; under lock (core/pool.h) */
   uint32_t *free_slots;
   uint32_t nfree_slots;
   uint64_t next_gen;
