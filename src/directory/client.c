@@ -47,6 +47,8 @@ typedef struct emb {
   pthread_mutex_t posted_lock;
   posted *posted_head, *posted_tail; /* oldest first */
   size_t nposted;
+  uint64_t posted_ns;    /* when the last put was posted (posted_lock) */
+  uint64_t quiet_gap_ns; /* a post within this of the previous one goes quietly (dirwire.h) */
 } emb;
 
 /* Posted puts not yet settled, at most: beyond, a put waits for its answer (and so for theirs),
@@ -347,6 +349,17 @@ static bool posted_full(emb *e) {
   return full;
 }
 
+/* Whether a post now may go without a doorbell: the server still looks for posted puts, since
+ * this client's previous one came a moment ago (dirwire.h). */
+static bool post_quietly(emb *e) {
+  uint64_t now = fr_now_ns();
+  pthread_mutex_lock(&e->posted_lock);
+  bool quiet = e->posted_ns && now - e->posted_ns < e->quiet_gap_ns;
+  e->posted_ns = now;
+  pthread_mutex_unlock(&e->posted_lock);
+  return quiet;
+}
+
 /* Sends a put (`op` and its arguments in `args`) without waiting for the answer; false when it
  * cannot be posted (the caller then calls and waits). */
 static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *objs, size_t n,
@@ -368,8 +381,8 @@ static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *ob
   bool ready = copy && !w.failed;
   if (ready)
     table_tickets(table, objs, n, flags);
-  bool sent =
-      ready && fr_link_call_post(l, FR_CHANNEL_DIRECTORY, &iov, 1, timeout_ms, &ps->pending) == 0;
+  bool sent = ready && fr_link_call_post(l, FR_CHANNEL_DIRECTORY, &iov, 1, timeout_ms,
+                                         post_quietly(e), &ps->pending) == 0;
   fr_wr_free(&w);
   if (ready && !sent)
     table_give_up(table, objs, n);
@@ -785,6 +798,7 @@ static int emb_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **st
   snprintf(e->where, sizeof e->where, "%s", where);
   pthread_mutex_init(&e->lock, NULL);
   pthread_mutex_init(&e->posted_lock, NULL);
+  e->quiet_gap_ns = fr_dir_posted_window_ns() / 4;
   ferry_link *l;
   int rc = current_link(e, NULL, timeout_ms, &l);
   if (rc != 0) {
@@ -849,6 +863,7 @@ int fr_dir_open_local(fr_dir_server *srv, fr_dir **out) {
   }
   pthread_mutex_init(&e->lock, NULL);
   pthread_mutex_init(&e->posted_lock, NULL);
+  e->quiet_gap_ns = fr_dir_posted_window_ns() / 4;
   e->local = srv;
   e->epoch = 1;
   snprintf(e->where, sizeof e->where, "(in-process)");

@@ -259,6 +259,7 @@ static int publish(ferry_store *s, fr_owned *o, int timeout_ms) {
   fr_store_settle(s, false); /* what earlier puts left to do */
   pthread_mutex_lock(&s->publish_lock);
   int rc = fr_store_ensure_registered(s, fr_store_left(deadline));
+  __atomic_store_n(&s->posted_ns, fr_now_ns(), __ATOMIC_RELAXED); /* the service settles it */
   if (rc == 0)
     rc = s->dir->ops->obj_put(s->dir->state, &o->rec, FR_DIR_PUT_POSTED, &old, &other,
                               fr_store_left(deadline));
@@ -366,6 +367,7 @@ static int publish_batch(ferry_store *s, fr_owned **os, size_t n, int *st, int t
   pthread_mutex_lock(&s->publish_lock);
   if (rc == 0)
     rc = fr_store_ensure_registered(s, fr_store_left(deadline));
+  __atomic_store_n(&s->posted_ns, fr_now_ns(), __ATOMIC_RELAXED); /* the service settles it */
   if (rc == 0)
     rc = ops->obj_put_batch(s->dir->state, b.recs, n, FR_DIR_PUT_POSTED, st, b.old, b.other,
                             fr_store_left(deadline));

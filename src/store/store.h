@@ -104,6 +104,8 @@ struct ferry_store {
 
   pthread_t service;
   bool service_started, stop; /* stop: atomic */
+  uint64_t posted_ns; /* atomic: when this store last posted a put to the directory (put.c) */
+  int poll_ms;        /* FERRY_STORE_POLL_MS */
 
   pthread_mutex_t batch_lock; /* one batch at a time */
   pthread_mutex_t work_lock;

@@ -33,7 +33,8 @@ typedef struct channel_wait {
 
 static bool channel_ready(void *arg) {
   channel_wait *w = arg;
-  return __atomic_load_n(&w->c->count, __ATOMIC_ACQUIRE) != 0 || fr_ctx_stopping(w->ctx);
+  return __atomic_load_n(&w->c->count, __ATOMIC_ACQUIRE) != 0 || fr_ctx_stopping(w->ctx) ||
+         __atomic_load_n(&w->c->kicked, __ATOMIC_ACQUIRE);
 }
 
 bool fr_ctx_await(ferry_ctx *ctx, uint32_t channel, int timeout_ms) {
@@ -44,7 +45,17 @@ bool fr_ctx_await(ferry_ctx *ctx, uint32_t channel, int timeout_ms) {
                         c); /* its messages came over shm lately (a service loop never spins) */
   channel_wait w = {ctx, c};
   fr_ctx_wait(ctx, (int)channel, channel_ready, &w, &c->lock, &c->cond, fr_deadline_ns(timeout_ms));
+  __atomic_store_n(&c->kicked, false, __ATOMIC_RELEASE); /* seen */
   return __atomic_load_n(&c->count, __ATOMIC_ACQUIRE) != 0;
+}
+
+void fr_ctx_kick(ferry_ctx *ctx, uint32_t channel) {
+  fr_channel *c = &ctx->channels[channel];
+  pthread_mutex_lock(&c->lock);
+  __atomic_store_n(&c->kicked, true, __ATOMIC_SEQ_CST);
+  pthread_cond_broadcast(&c->cond);
+  pthread_mutex_unlock(&c->lock);
+  fr_ctx_poke(ctx, (int)channel); /* a waiter that leads the epoll */
 }
 
 ferry_msg *fr_ctx_take(ferry_ctx *ctx, uint32_t channel) {

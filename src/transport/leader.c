@@ -105,11 +105,25 @@ static bool caller_leads(ferry_ctx *ctx) { /* or is taking the lead over (take_f
          __atomic_load_n(&ctx->lead_claimed, __ATOMIC_SEQ_CST);
 }
 
+/* A background thread leads (a service loop waiting for requests, for as long as it likes): the
+ * progress thread need not check on it, since it nudges the progress thread as it leaves
+ * (nudge_progress). Checking every PROGRESS_GRACE_NS made an idle node wake hundreds of times a
+ * second. */
+static bool background_leads(ferry_ctx *ctx) {
+  return __atomic_load_n(&ctx->user_leading, __ATOMIC_SEQ_CST) &&
+         __atomic_load_n(&ctx->lead_background, __ATOMIC_SEQ_CST) &&
+         !__atomic_load_n(&ctx->lead_claimed, __ATOMIC_SEQ_CST);
+}
+
 static void follow(ferry_ctx *ctx) {
   pthread_mutex_lock(&ctx->idle_lock);
   while (!fr_ctx_stopping(ctx) && !ctx->lead_wanted) {
     uint64_t now = fr_now_ns();
     uint64_t until = __atomic_load_n(&ctx->user_led_ns, __ATOMIC_SEQ_CST) + PROGRESS_GRACE_NS;
+    if (background_leads(ctx) && until <= now) {
+      pthread_cond_wait(&ctx->idle_cond, &ctx->idle_lock);
+      continue;
+    }
     if (caller_leads(ctx) && until <= now)
       until = now + PROGRESS_GRACE_NS;
     else if (now >= until)
@@ -134,6 +148,13 @@ void *fr_ctx_progress_main(void *arg) {
     pthread_mutex_unlock(&ctx->lead);
   }
   return NULL;
+}
+
+/* Makes the progress thread look again whether callers lead (see background_leads). */
+static void nudge_progress(ferry_ctx *ctx) {
+  pthread_mutex_lock(&ctx->idle_lock);
+  pthread_cond_signal(&ctx->idle_cond);
+  pthread_mutex_unlock(&ctx->idle_lock);
 }
 
 void fr_ctx_hand_to_progress(ferry_ctx *ctx) {
@@ -235,6 +256,8 @@ static int lead(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg,
   mark_led(ctx, bg);
   if (!handed && __atomic_load_n(&ctx->sleepers, __ATOMIC_SEQ_CST) > 0)
     fr_ctx_hand_to_progress(ctx); /* they sleep on the leader we were */
+  else if (bg)
+    nudge_progress(ctx); /* it may sleep on us without a deadline (follow) */
   return LED;
 }
 
@@ -250,8 +273,9 @@ bool fr_ctx_wait(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg
       return true;
     uint64_t now = fr_now_ns();
     if (r != LED && now < deadline_ns) {
-      /* Someone else leads and signals us (or hands the epoll on as it leaves). */
-      uint64_t until = now + SLEEPER_SLICE_NS;
+      /* Someone else leads and signals us (or hands the epoll on as it leaves). A background
+       * thread waits for its channel's messages, which whoever leads signals: no slice. */
+      uint64_t until = background_thread ? deadline_ns : now + SLEEPER_SLICE_NS;
       until = until < deadline_ns ? until : deadline_ns;
       struct timespec ts = fr_timespec(until);
       pthread_mutex_lock(mutex);

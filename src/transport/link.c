@@ -305,9 +305,9 @@ int fr_link_call(ferry_link *l, uint32_t channel, const struct iovec *iov, int i
 }
 
 int fr_link_call_post(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
-                      int timeout_ms, fr_pending *p) {
+                      int timeout_ms, bool quiet, fr_pending *p) {
   *p = (fr_pending){.expect = FR_REPLY};
-  return request_send(l, p, FR_CALL, channel, iov, iovcnt, fr_deadline_ns(timeout_ms), true);
+  return request_send(l, p, FR_CALL, channel, iov, iovcnt, fr_deadline_ns(timeout_ms), quiet);
 }
 
 bool fr_link_call_ready(const fr_pending *p) { return pending_ready((void *)p); }

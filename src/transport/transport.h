@@ -10,6 +10,7 @@
 #include "core/core.h"
 #include "core/region.h"
 #include "core/stats.h"
+#include "transport/ctxcalls.h"
 #include "transport/wire.h"
 
 #include <pthread.h>
@@ -186,6 +187,7 @@ typedef struct fr_channel {
   struct fr_msg_node *head, *tail;
   int count;        /* atomic, for spinning readers */
   bool last_costly; /* atomic: the last message came on a link that is not cheap to poll */
+  bool kicked;      /* atomic: fr_ctx_kick, not yet seen by a wait (fr_ctx_await) */
 } fr_channel;
 
 typedef struct fr_listener {
@@ -311,10 +313,10 @@ int fr_link_rma_write(ferry_link *l, const ferry_region_ref *r, uint64_t off, co
 /* Sends a CALL and waits for its REPLY (a message owned by the caller). */
 int fr_link_call(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
                  ferry_msg **reply, int timeout_ms);
-/* A CALL whose reply is collected later: sends it (quietly: fr_link_send_frame_quiet) and returns
- * at once; p stays registered with the link, and must outlive it or be collected. */
+/* A CALL whose reply is collected later: sends it (quietly when `quiet`: fr_link_send_frame_quiet)
+ * and returns at once; p stays registered with the link, and must outlive it or be collected. */
 int fr_link_call_post(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
-                      int timeout_ms, fr_pending *p);
+                      int timeout_ms, bool quiet, fr_pending *p);
 /* Whether a posted call's reply (or the link's failure) is in. */
 bool fr_link_call_ready(const fr_pending *p);
 /* Waits up to timeout_ms for a posted call's reply and unregisters p; *reply is the caller's. */
@@ -370,10 +372,7 @@ void fr_ctx_work_polling(ferry_ctx *ctx, void (*work)(void *), void *arg);
  * leads the epoll waiting for that, so it sees it; a leader waiting for something else (the
  * embedded directory's thread, for its requests) sleeps on. */
 void fr_ctx_poke(ferry_ctx *ctx, int what);
-/* Marks the calling thread as a background one (a service loop such as the embedded
- * directory's): it leads the ctx's epoll only while no other caller has led for a while, and
- * steps down when one wants to, as the progress thread does. */
-void fr_ctx_background_thread(void);
+/* fr_ctx_kick, fr_ctx_background_thread: ctxcalls.h */
 
 /* tcp.c: what every listener on an address shares (the tcp transport's, and the metrics one's) */
 /* Splits "HOST:PORT" or "[V6]:PORT" (HOST may be empty); FERRY_EINVAL when it is not one. */
