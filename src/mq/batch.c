@@ -1,7 +1,7 @@
 /*
  * Batches: a publish in a stream appends small inline messages to a per-subscriber batch; a
  * batch goes out when full, before anything else to that subscriber, before this node waits,
- * or within FLUSH_NS (the background thread). What is due when is told here.
+ * or within FERRY_MQ_FLUSH_US (the background thread). What is due when is told here.
  */
 #include "mq/publish.h"
 
@@ -56,7 +56,7 @@ void fr_mq_flush(ferry_mq *mq) { flush_unless_publishing(mq, false); }
 
 /* A receive ends a stream: the next publish is an answer (a ping-pong, a relay), written at
  * once. Batching it would only cost a batch of one, flushed by the next receive, and a wake-up
- * of the background thread per message (which starts every batch's FLUSH_NS clock). */
+ * of the background thread per message (which starts every batch's flush clock). */
 void fr_mq_stream_end(ferry_mq *mq) { flush_unless_publishing(mq, true); }
 
 /* Appends a frame, published at `now`, to p's batch (publish_lock held); false when it does
@@ -69,7 +69,7 @@ bool fr_mq_batch_add(ferry_mq *mq, fr_mq_peer *p, const uint8_t *head, size_t hl
     at = 0;
   }
   if (at == 0)
-    p->batch_ns = now; /* its oldest message: the background thread sends it FLUSH_NS after */
+    p->batch_ns = now; /* its oldest message: the background thread sends it flush_ns after */
   if (!p->batch && !(p->batch = malloc(FR_MQ_BATCH_BYTES)))
     return false;
   if (!p->dirty && mq->ndirty == mq->capdirty) {
@@ -119,7 +119,7 @@ bool fr_mq_batch_due_moved(ferry_mq *mq, uint64_t now) {
     return false;
   if (!since)
     return true; /* the background thread may sleep for long: store and signal under the lock */
-  /* It only moves later (but for the publish clock's error, well under FLUSH_NS): the
+  /* It only moves later (but for the publish clock's error, well under flush_ns): the
    * background thread, sleeping until the earlier time, wakes early at worst. */
   __atomic_store_n(&mq->batch_since_ns, oldest, __ATOMIC_RELEASE);
   return false;

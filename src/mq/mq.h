@@ -221,6 +221,12 @@ struct ferry_mq {
   uint64_t pool_bytes;
   uint64_t pool_hwm; /* end of the highest block so far: the pool below was written lately */
   uint64_t fresh_ps_per_byte; /* what a copy into fresh pool memory cost (publish_lock) */
+  /* timing settings, read at open: FERRY_MQ_FLUSH_US (a pending batch goes out after this at
+   * the latest), FERRY_MQ_STREAM_GAP_US (publishes closer than this are a stream: batched),
+   * FERRY_MQ_WARM_WAIT_US (the least a large publish waits for a warm pool block before it
+   * grows the pool), FERRY_MQ_CHECK_MS (waits re-check dead links this often; the background
+   * thread pumps after 5 of these without an application thread pumping, for 2.5 at a time) */
+  uint64_t flush_ns, stream_gap_ns, warm_wait_ns, check_ns;
   fr_mq_block *blocks;
   size_t nblocks, capblocks;
   fr_pool space; /* which bytes of the pool are free, in 4 KiB granules (core/pool.h) */

@@ -106,9 +106,8 @@ int fr_mq_peer_hold(fr_mq_peer *p, uint64_t token) {
  *   wait is small beside the copy and a second block would cost more fresh memory;
  * - beyond that, a copy goes into a block below the pool's high-water mark, and when none is
  *   free the publisher waits for a subscriber to release one for as long as writing fresh
- *   memory of that size would take (2 ms plus the cost per byte measured on this pool's fresh
- *   copies, 1 ns until measured) before it grows the pool. */
-#define WARM_WAIT_NS 2000000ull
+ *   memory of that size would take (FERRY_MQ_WARM_WAIT_US, 2 ms, plus the cost per byte
+ *   measured on this pool's fresh copies, 1 ns until measured) before it grows the pool. */
 #define WARM_BLOCKS 2
 #define FRESH_PS_DEFAULT 1000u /* picoseconds per byte of fresh memory until measured */
 #define FRESH_MEASURE_MIN (1u << 20)
@@ -135,7 +134,7 @@ static bool pool_busy(const ferry_mq *mq) { /* blocks held by subscribers: relea
 
 static uint64_t fresh_wait_ns(const ferry_mq *mq, uint64_t len) {
   uint64_t ps = mq->fresh_ps_per_byte ? mq->fresh_ps_per_byte : FRESH_PS_DEFAULT;
-  return WARM_WAIT_NS + len / 1000 * ps;
+  return mq->warm_wait_ns + len / 1000 * ps;
 }
 
 /* The pool block the payload goes out in to nshm subscribers (lock held): the loan it was

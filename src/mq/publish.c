@@ -21,7 +21,7 @@
  * Batches: a publish that follows the previous one closely (a stream) appends small inline
  * messages to a per-subscriber batch instead of writing each one to the link; the batch goes out
  * when it is full, before anything else is sent to that subscriber, before this node waits for
- * anything (credit, a message, subscribers), and otherwise within FLUSH_NS, sent by the
+ * anything (credit, a message, subscribers), and otherwise within FERRY_MQ_FLUSH_US, sent by the
  * background thread. So a stream of small messages costs one link write per 32 KiB, while an
  * isolated publish (or a ping-pong) is written at once. A publish in a stream that goes to the
  * subscribers the previous one went to, each with a pending batch and credit, takes no mq->lock
@@ -35,8 +35,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-#define STREAM_GAP_NS 20000u /* publishes closer than this are a stream: batch them */
 
 /* Dispatches what already arrived on the channel, without waiting (lock held, as it returns),
  * unless another thread is taking messages off it. */
@@ -196,7 +194,7 @@ static int deliver(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
   build(mq, &u->fr, topic, desc, len, u->seq, u->off);
   uint64_t now = u->fr.token || u->waited ? fr_now_ns() : start; /* after a wait or a copy */
   uint64_t last = __atomic_load_n(&mq->last_publish_ns, __ATOMIC_RELAXED); /* stream_end: 0 */
-  bool stream = now < last + STREAM_GAP_NS; /* or before it: TSC vs clock */
+  bool stream = now < last + mq->stream_gap_ns; /* or before it: TSC vs clock */
   __atomic_store_n(&mq->last_publish_ns, now, __ATOMIC_RELAXED);
   send_all(mq, &u->fr, u->v, u->n, data, len, u->deadline, now, stream);
   bool wake = fr_mq_batch_due_moved(mq, now);

@@ -5,8 +5,8 @@
  * record in the directory. Retiring an object zeroes its generation word before its block can be
  * reused, so a reader that copied while the bytes changed always sees the mismatch. A pool copy
  * that a re-put replaced is not retired at once: it lingers, still whole and still valid, until
- * FR_STORE_LINGER_MS passed or its block or slot is needed (oldest first), so gets that looked it
- * up an instant before the re-put finish with it instead of starting over. Memory published in
+ * FERRY_STORE_LINGER_MS passed or its block or slot is needed (oldest first), so gets that looked
+ * it up an instant before the re-put finish with it instead of starting over. Memory published in
  * place is the caller's again once the re-put returns, so it is retired at once.
  */
 #include "store/store.h"
@@ -126,7 +126,7 @@ static bool linger_pop(ferry_store *s) {
 }
 
 static void linger_expire(ferry_store *s, uint64_t now) {
-  uint64_t age = (uint64_t)FR_STORE_LINGER_MS * 1000000ull;
+  uint64_t age = (uint64_t)s->linger_ms * 1000000ull;
   while (s->nlinger > 0 && now - s->linger[0]->replaced_ns > age)
     linger_pop(s);
 }

@@ -150,6 +150,8 @@ static ferry_store *store_new(ferry_ctx *ctx, const ferry_store_opts *o) {
   s->ctx = ctx;
   snprintf(s->name, sizeof s->name, "%s", ferry_ctx_name(ctx));
   s->flags = o ? o->flags : 0;
+  int64_t linger = fr_config_int("FERRY_STORE_LINGER_MS");
+  s->linger_ms = linger > 0 ? (int)linger : 0;
   pthread_mutex_init(&s->lock, NULL);
   pthread_mutex_init(&s->publish_lock, NULL);
   pthread_mutex_init(&s->peers_lock, NULL);

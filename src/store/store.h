@@ -42,10 +42,9 @@ typedef struct fr_owned {
   uint64_t replaced_ns; /* when a re-put replaced it (lingering copies) */
 } fr_owned;
 
-/* A replaced pool copy lingers (its bytes and generation word intact) for FR_STORE_LINGER_MS, or
- * until its space or slot is needed, so that a get that looked it up just before the re-put
- * still completes with that whole version instead of starting over. */
-#define FR_STORE_LINGER_MS 1000
+/* A replaced pool copy lingers (its bytes and generation word intact) for FERRY_STORE_LINGER_MS
+ * (ferry_store.linger_ms), or until its space or slot is needed, so that a get that looked it up
+ * just before the re-put still completes with that whole version instead of starting over. */
 
 typedef struct fr_peer {
   char name[FR_DIR_NAME_MAX + 1];
@@ -106,6 +105,7 @@ struct ferry_store {
   bool service_started, stop; /* stop: atomic */
   uint64_t posted_ns; /* atomic: when this store last posted a put to the directory (put.c) */
   int poll_ms;        /* FERRY_STORE_POLL_MS */
+  int linger_ms;      /* FERRY_STORE_LINGER_MS */
 
   pthread_mutex_t batch_lock; /* one batch at a time */
   pthread_mutex_t work_lock;
@@ -168,7 +168,7 @@ int fr_store_delete_owned(ferry_store *s, const char *key, uint64_t generation, 
                           int timeout_ms, uint32_t *pinned_slot);
 /* Retires every owned and lingering object (store close). */
 void fr_store_retire_all(ferry_store *s);
-/* Retires lingering copies replaced more than FR_STORE_LINGER_MS ago and frees retired objects
+/* Retires lingering copies replaced more than FERRY_STORE_LINGER_MS ago and frees retired objects
  * no view pins any more (the service thread). */
 void fr_store_linger_reap(ferry_store *s);
 fr_owned *fr_store_find_owned(ferry_store *s, const char *key, size_t *at);

@@ -117,6 +117,12 @@ static int ctx_token(ferry_ctx *ctx, const ferry_ctx_opts *o) {
   return ctx->token ? 0 : fr_err(FERRY_ENOMEM, "ctx: token");
 }
 
+/* A duration setting in nanoseconds, given its unit in them (1000: microseconds); at least 1. */
+static uint64_t config_ns(const char *name, uint64_t unit) {
+  int64_t v = fr_config_int(name);
+  return v > 0 ? (uint64_t)v * unit : 1;
+}
+
 static int ctx_configure(ferry_ctx *ctx, const ferry_ctx_opts *o) {
   const char *name = o && o->name ? o->name : NULL;
   if (name && (strlen(name) == 0 || strlen(name) >= FR_NAME_BYTES))
@@ -125,6 +131,10 @@ static int ctx_configure(ferry_ctx *ctx, const ferry_ctx_opts *o) {
   ctx->tcp_listen = strdup(o && o->tcp_listen ? o->tcp_listen : fr_config_str("FERRY_TCP_LISTEN"));
   ctx->max_payload = (uint64_t)fr_config_int("FERRY_MAX_MESSAGE");
   ctx->spin_us = (int)fr_config_int("FERRY_SPIN_US");
+  ctx->follow_ns = config_ns("FERRY_LEAD_FOLLOW_US", 1000);
+  ctx->grace_ns = config_ns("FERRY_PROGRESS_GRACE_US", 1000);
+  ctx->sleeper_slice_ns = config_ns("FERRY_SLEEPER_SLICE_MS", 1000000);
+  ctx->shared_core_ns = config_ns("FERRY_SHARED_CORE_US", 1000);
   ctx->timeout_ms = fr_timeout(-1);
   if (!ctx->name || !ctx->tcp_listen)
     return fr_err(FERRY_ENOMEM, "ctx: names");

@@ -7,17 +7,16 @@
  * transports allow it), so the bytes it waits for wake it directly: a round trip then costs one
  * wake-up per side, as a blocking socket does, instead of the progress thread's plus a hand-off.
  * While callers keep leading, the progress thread sleeps; it takes the epoll back when no caller
- * leads and none has for PROGRESS_GRACE_NS, or at once when a leaving caller leaves others asleep
- * behind it. A leader polls without sleeping while events keep coming (a large tcp message
- * arrives in many socket-buffer pieces), and sleeps in the epoll after FERRY_SPIN_US without
- * one, or as soon as its yield lets another thread run on its core.
- * Background threads (service loops that wait for requests all the time, such as the embedded
- * directory's) lead only as the progress thread does, and never poll without sleeping: on a
- * small machine that takes the core an application thread needs (a publisher's directory thread
- * polling after each of its subscriber's releases halved the subscriber's share of its core, in
- * 5 us turns). A caller that finds the epoll led by one of them (or by the progress thread)
- * asks it to step down and takes over, so that the message it waits for wakes it rather than
- * being handed over by another thread.
+ * leads and none has for its grace (FERRY_PROGRESS_GRACE_US), or at once when a leaving caller
+ * leaves others asleep behind it. A leader polls without sleeping while events keep coming (a large
+ * tcp message arrives in many socket-buffer pieces), and sleeps in the epoll after FERRY_SPIN_US
+ * without one, or as soon as its yield lets another thread run on its core. Background threads
+ * (service loops that wait for requests all the time, such as the embedded directory's) lead only
+ * as the progress thread does, and never poll without sleeping: on a small machine that takes the
+ * core an application thread needs (a publisher's directory thread polling after each of its
+ * subscriber's releases halved the subscriber's share of its core, in 5 us turns). A caller that
+ * finds the epoll led by one of them (or by the progress thread) asks it to step down and takes
+ * over, so that the message it waits for wakes it rather than being handed over by another thread.
  */
 #include "transport/ctx_impl.h"
 
@@ -40,16 +39,16 @@ void fr_ctx_on_wake(fr_poller *p, uint32_t events) {
 static _Thread_local bool background_thread;
 
 #define FR_MAX_EVENTS 64
-/* A caller's wait for the lead it asked a background leader for; background threads' grace
- * while callers lead. */
-#define FOLLOW_NS 1000000ull
-/* The progress thread's grace while callers lead: it checks this often whether they still do.
- * At 1 ms, its wake-ups (one per process per millisecond, each on the core the application's
- * other thread needed on the 2-core VM) were a good part of a 1 MiB stream's stalls. */
-#define PROGRESS_GRACE_NS 4000000ull
-/* A waiter that does not lead sleeps this long at most: whoever leads wakes it with its message,
- * and a leaving caller hands the epoll to the progress thread when waiters sleep. */
-#define SLEEPER_SLICE_NS 100000000ull
+/* The timing of leadership, settings read when the ctx opens (config.c, struct ferry_ctx):
+ * - follow_ns (FERRY_LEAD_FOLLOW_US): a caller's wait for the lead it asked a background leader
+ *   for; background threads' grace while callers lead.
+ * - grace_ns (FERRY_PROGRESS_GRACE_US): the progress thread's grace while callers lead:
+ *   it checks this often whether they still do. Each check is a wake-up on a core that an
+ *   application thread may need: at 1 ms they were a good part of a 1 MiB stream's stalls when
+ *   the machine had no core to spare.
+ * - sleeper_slice_ns (FERRY_SLEEPER_SLICE_MS): a caller that does not lead sleeps this long at
+ *   most: whoever leads wakes it with its message, and a leaving caller hands the epoll to the
+ *   progress thread when callers sleep; the slice only bounds a hand-off that went wrong. */
 
 void fr_ctx_wake_progress(ferry_ctx *ctx) {
   uint64_t one = 1;
@@ -92,14 +91,14 @@ void fr_ctx_poke(ferry_ctx *ctx, int what) {
 }
 
 /* The progress thread stays out of the epoll while callers lead: while one leads now (however
- * long it has waited: a large message under load takes milliseconds), and for PROGRESS_GRACE_NS
+ * long it has waited: a large message under load takes milliseconds), and for grace_ns
  * after one last did. Were it to queue on the lead mutex behind a caller that leads for long, it
  * would take the epoll as that caller leaves, and the caller's next wait would cost two
  * hand-offs (asking it to step down, then the mutex). A caller that asked it to step down
  * counts as leading: were the progress thread to take the mutex straight back (glibc's mutex is
  * not fair, and the woken claimant needs a core first), it would spin lock/unlock for the
- * claimant's whole FOLLOW_NS while the claimant sleeps, then make it wait as a sleeper too (seen
- * as 1-4 ms stalls of 1 MiB shm ping-pongs on the 2-core VM). */
+ * claimant's whole follow_ns while the claimant sleeps, then make it wait as a sleeper too (seen
+ * as 1-4 ms stalls of 1 MiB shm ping-pongs on a machine with no core to spare). */
 static bool caller_leads(ferry_ctx *ctx) { /* or is taking the lead over (take_from_background) */
   return __atomic_load_n(&ctx->user_leading, __ATOMIC_SEQ_CST) ||
          __atomic_load_n(&ctx->lead_claimed, __ATOMIC_SEQ_CST);
@@ -107,7 +106,7 @@ static bool caller_leads(ferry_ctx *ctx) { /* or is taking the lead over (take_f
 
 /* A background thread leads (a service loop waiting for requests, for as long as it likes): the
  * progress thread need not check on it, since it nudges the progress thread as it leaves
- * (nudge_progress). Checking every PROGRESS_GRACE_NS made an idle node wake hundreds of times a
+ * (nudge_progress). Checking every grace_ns made an idle node wake hundreds of times a
  * second. */
 static bool background_leads(ferry_ctx *ctx) {
   return __atomic_load_n(&ctx->user_leading, __ATOMIC_SEQ_CST) &&
@@ -119,13 +118,13 @@ static void follow(ferry_ctx *ctx) {
   pthread_mutex_lock(&ctx->idle_lock);
   while (!fr_ctx_stopping(ctx) && !ctx->lead_wanted) {
     uint64_t now = fr_now_ns();
-    uint64_t until = __atomic_load_n(&ctx->user_led_ns, __ATOMIC_SEQ_CST) + PROGRESS_GRACE_NS;
+    uint64_t until = __atomic_load_n(&ctx->user_led_ns, __ATOMIC_SEQ_CST) + ctx->grace_ns;
     if (background_leads(ctx) && until <= now) {
       pthread_cond_wait(&ctx->idle_cond, &ctx->idle_lock);
       continue;
     }
     if (caller_leads(ctx) && until <= now)
-      until = now + PROGRESS_GRACE_NS;
+      until = now + ctx->grace_ns;
     else if (now >= until)
       break;
     struct timespec ts = fr_timespec(until);
@@ -182,10 +181,10 @@ static bool claimed(ferry_ctx *ctx) {
  * of the socket buffer), each event starts the window again: the next piece comes within
  * microseconds, and sleeping between pieces cost a wake-up per piece, many per message. It
  * yields each round, so on a busy machine the threads it waits for get the core; when a yield
- * took long (another thread ran on this core, often the peer process it waits for), it stops
+ * took long (FERRY_SHARED_CORE_US: another thread ran on this core, often the peer process it
+ * waits for), it stops
  * polling and sleeps: polling on a shared core only takes turns with that thread, a process
  * switch per round. */
-#define SHARED_CORE_NS 20000ull /* a yield this long ran another thread on this core */
 
 static void poll_briefly(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint64_t deadline_ns) {
   uint64_t window = (uint64_t)ctx->spin_us * 1000u;
@@ -198,19 +197,19 @@ static void poll_briefly(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint6
     if (ready(arg) || fr_ctx_stopping(ctx) || now >= end || now >= deadline_ns || claimed(ctx))
       return;
     sched_yield();
-    if (fr_now_ns() - now > SHARED_CORE_NS)
+    if (fr_now_ns() - now > ctx->shared_core_ns)
       return; /* another thread ran on this core: likely the one we wait for, so sleep */
   }
 }
 
 /* The lead held by a background thread or the progress thread: asks it to step down (its
- * epoll_wait returns at the wake-up) and takes the lead within FOLLOW_NS. */
+ * epoll_wait returns at the wake-up) and takes the lead within follow_ns. */
 static bool take_from_background(ferry_ctx *ctx) {
   if (!__atomic_load_n(&ctx->lead_background, __ATOMIC_ACQUIRE))
     return false;
   __atomic_store_n(&ctx->lead_claimed, true, __ATOMIC_RELEASE);
   fr_ctx_wake_progress(ctx);
-  bool got = fr_mutex_lock_until(&ctx->lead, fr_now_ns() + FOLLOW_NS) == 0;
+  bool got = fr_mutex_lock_until(&ctx->lead, fr_now_ns() + ctx->follow_ns) == 0;
   __atomic_store_n(&ctx->lead_claimed, false, __ATOMIC_RELEASE);
   return got;
 }
@@ -231,7 +230,7 @@ static int lead(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg,
   if (!ctx->users_may_lead || fr_ctx_stopping(ctx) || leading(ctx))
     return NO_LEAD;
   bool bg = background_thread;
-  if (bg && (fr_now_ns() - __atomic_load_n(&ctx->fg_led_ns, __ATOMIC_SEQ_CST) < FOLLOW_NS ||
+  if (bg && (fr_now_ns() - __atomic_load_n(&ctx->fg_led_ns, __ATOMIC_SEQ_CST) < ctx->follow_ns ||
              __atomic_load_n(&ctx->lead_claimed, __ATOMIC_SEQ_CST)))
     return NO_LEAD; /* callers lead: they hand over what this thread waits for */
   __atomic_add_fetch(&ctx->sleepers, 1, __ATOMIC_SEQ_CST);
@@ -275,7 +274,7 @@ bool fr_ctx_wait(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg
     if (r != LED && now < deadline_ns) {
       /* Someone else leads and signals us (or hands the epoll on as it leaves). A background
        * thread waits for its channel's messages, which whoever leads signals: no slice. */
-      uint64_t until = background_thread ? deadline_ns : now + SLEEPER_SLICE_NS;
+      uint64_t until = background_thread ? deadline_ns : now + ctx->sleeper_slice_ns;
       until = until < deadline_ns ? until : deadline_ns;
       struct timespec ts = fr_timespec(until);
       pthread_mutex_lock(mutex);

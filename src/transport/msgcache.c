@@ -17,12 +17,11 @@
  * queue (FERRY_MQ_QUEUE_BYTES, 64 MiB by default) behind plus the messages in flight. A full
  * budget makes room by freeing buffers of other sizes (the sizes in use now are the ones worth
  * keeping: after a stream of 1 KiB messages had filled it, a 16 KiB stream faulted every
- * buffer in again), and the buffers of a size not used for MSG_KEEP_IDLE_NS go back to the
+ * buffer in again), and the buffers of a size not used for FERRY_MSG_KEEP_IDLE_MS go back to the
  * system (fr_msg_keep_trim, from each ctx's reap once a second), so an idle process holds none. */
 #define MSG_CLASS_MIN (1u << 10) /* the smallest class; messages over half of it get one */
 #define MSG_CLASSES (18 * 4)     /* eighteen doublings, four steps each: up to 128 MiB */
 #define MSG_KEEP_BYTES (160ull << 20)
-#define MSG_KEEP_IDLE_NS 2000000000ull
 static pthread_mutex_t msg_keep_lock = PTHREAD_MUTEX_INITIALIZER;
 static fr_msg_node *msg_class[MSG_CLASSES]; /* newest first */
 static size_t msg_class_bytes;
@@ -88,15 +87,17 @@ static bool msg_class_keep(fr_msg_node *n, int i) {
   return kept;
 }
 
-/* A size whose newest kept buffer is older than MSG_KEEP_IDLE_NS is not in use: all its
+/* A size whose newest kept buffer is older than FERRY_MSG_KEEP_IDLE_MS is not in use: all its
  * buffers go (a size in use keeps its own, within the budget; looking at the heads only keeps
  * this a few dozen loads under the lock, once a second). */
 void fr_msg_keep_trim(uint64_t now_ns) {
   fr_msg_node *idle[MSG_CLASSES];
   int nidle = 0;
+  int64_t ms = fr_config_int("FERRY_MSG_KEEP_IDLE_MS"); /* once a second: cheap enough */
+  uint64_t keep_ns = ms > 0 ? (uint64_t)ms * 1000000ull : 0;
   pthread_mutex_lock(&msg_keep_lock);
   for (int i = 0; i < MSG_CLASSES; i++)
-    if (msg_class[i] && msg_class[i]->kept_ns + MSG_KEEP_IDLE_NS <= now_ns) {
+    if (msg_class[i] && msg_class[i]->kept_ns + keep_ns <= now_ns) {
       for (fr_msg_node *n = msg_class[i]; n; n = n->next)
         msg_class_bytes -= n->cap;
       idle[nidle++] = msg_class[i];

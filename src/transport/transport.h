@@ -177,7 +177,7 @@ static inline fr_msg_node *fr_msg_node_of(ferry_msg *m) {
 ferry_msg *fr_msg_alloc(uint64_t len);
 /* Bytes of free buffers kept for messages of len's size class (tests). */
 size_t fr_msg_kept_bytes(uint64_t len);
-/* Frees the kept buffers of the sizes not used for a while (2 s) by now_ns. */
+/* Frees the kept buffers of the sizes not used for FERRY_MSG_KEEP_IDLE_MS by now_ns. */
 void fr_msg_keep_trim(uint64_t now_ns);
 
 /* ---- the context ---- */
@@ -239,6 +239,9 @@ struct ferry_ctx {
   pthread_mutex_t idle_lock;
   pthread_cond_t idle_cond; /* the progress thread sleeps here while callers lead */
   uint64_t next_reap;       /* under lead */
+  /* leader.c's timing (FERRY_LEAD_FOLLOW_US, FERRY_PROGRESS_GRACE_US, FERRY_SLEEPER_SLICE_MS,
+   * FERRY_SHARED_CORE_US), read at open */
+  uint64_t follow_ns, grace_ns, sleeper_slice_ns, shared_core_ns;
 
   fr_region_table regions;
   fr_channel channels[FERRY_MAX_CHANNELS];
