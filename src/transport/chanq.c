@@ -45,7 +45,8 @@ bool fr_ctx_await(ferry_ctx *ctx, uint32_t channel, int timeout_ms) {
                         c); /* its messages came over shm lately (a service loop never spins) */
   channel_wait w = {ctx, c};
   fr_ctx_wait(ctx, (int)channel, channel_ready, &w, &c->lock, &c->cond, fr_deadline_ns(timeout_ms));
-  __atomic_store_n(&c->kicked, false, __ATOMIC_RELEASE); /* seen */
+  if (__atomic_load_n(&c->kicked, __ATOMIC_ACQUIRE)) /* seen; no store when there was none */
+    __atomic_store_n(&c->kicked, false, __ATOMIC_RELEASE);
   return __atomic_load_n(&c->count, __ATOMIC_ACQUIRE) != 0;
 }
 

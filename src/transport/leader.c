@@ -17,6 +17,9 @@
  * subscriber's releases halved the subscriber's share of its core, in 5 us turns). A caller that
  * finds the epoll led by one of them (or by the progress thread) asks it to step down and takes
  * over, so that the message it waits for wakes it rather than being handed over by another thread.
+ * While a background thread leads, the progress thread sleeps without a deadline until that one
+ * leaves (it nudges the progress thread then), and a background thread that finds another
+ * leading sleeps until its message comes: a node whose threads all wait for requests sleeps.
  */
 #include "transport/ctx_impl.h"
 
