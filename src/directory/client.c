@@ -26,6 +26,8 @@
 /* A put sent without waiting for its answer (FR_DIR_PUT_POSTED), until settled. */
 typedef struct posted {
   fr_pending pending;
+  uint64_t sent_ns; /* when it went out, quietly */
+  bool rung;        /* its server was woken for it (emb_settle) */
   ferry_link *link;
   fr_dir_object *objs; /* what was put: n records */
   size_t n;
@@ -47,8 +49,7 @@ typedef struct emb {
   pthread_mutex_t posted_lock;
   posted *posted_head, *posted_tail; /* oldest first */
   size_t nposted;
-  uint64_t posted_ns;    /* when the last put was posted (posted_lock) */
-  uint64_t quiet_gap_ns; /* a post within this of the previous one goes quietly (dirwire.h) */
+  uint64_t ring_after_ns; /* an unanswered post older than this rings (FERRY_DIR_POLL_MS) */
 } emb;
 
 /* Posted puts not yet settled, at most: beyond, a put waits for its answer (and so for theirs),
@@ -349,17 +350,6 @@ static bool posted_full(emb *e) {
   return full;
 }
 
-/* Whether a post now may go without a doorbell: the server still looks for posted puts, since
- * this client's previous one came a moment ago (dirwire.h). */
-static bool post_quietly(emb *e) {
-  uint64_t now = fr_now_ns();
-  pthread_mutex_lock(&e->posted_lock);
-  bool quiet = e->posted_ns && now - e->posted_ns < e->quiet_gap_ns;
-  e->posted_ns = now;
-  pthread_mutex_unlock(&e->posted_lock);
-  return quiet;
-}
-
 /* Sends a put (`op` and its arguments in `args`) without waiting for the answer; false when it
  * cannot be posted (the caller then calls and waits). */
 static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *objs, size_t n,
@@ -371,6 +361,7 @@ static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *ob
   if (copy) { /* all set before the answer can come in */
     memcpy(copy, objs, n * sizeof *copy);
     *ps = (posted){.link = l, .objs = copy, .n = n, .batch = op == FR_DOP_OBJ_PUT_BATCH};
+    ps->sent_ns = fr_now_ns();
   }
   fr_wr w = {0};
   fr_wr_request(&w, FR_DOP_POSTED);
@@ -381,8 +372,8 @@ static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *ob
   bool ready = copy && !w.failed;
   if (ready)
     table_tickets(table, objs, n, flags);
-  bool sent = ready && fr_link_call_post(l, FR_CHANNEL_DIRECTORY, &iov, 1, timeout_ms,
-                                         post_quietly(e), &ps->pending) == 0;
+  bool sent = ready && fr_link_call_post(l, FR_CHANNEL_DIRECTORY, &iov, 1, timeout_ms, true,
+                                         &ps->pending) == 0;
   fr_wr_free(&w);
   if (ready && !sent)
     table_give_up(table, objs, n);
@@ -451,6 +442,18 @@ static void settle_one(emb *e, posted *ps, fr_dir_settle_fn cb, void *arg, int t
   free(ps);
 }
 
+/* A posted put still unanswered wakes its server when someone waits for its answer, or when it
+ * is older than one of the server's looks (ring_after_ns): its server may be asleep (dirwire.h).
+ * One doorbell brings in every post in the ring. posted_lock held. */
+static void ring_if_stale(emb *e, posted *ps, bool wait) {
+  if (ps->rung || fr_link_call_ready(&ps->pending))
+    return;
+  if (wait || fr_now_ns() - ps->sent_ns >= e->ring_after_ns) {
+    fr_link_ring(ps->link);
+    ps->rung = true;
+  }
+}
+
 static void emb_settle(void *st, bool wait, fr_dir_settle_fn cb, void *arg, int timeout_ms) {
   emb *e = st;
   uint64_t deadline = fr_deadline_ns(timeout_ms);
@@ -459,6 +462,8 @@ static void emb_settle(void *st, bool wait, fr_dir_settle_fn cb, void *arg, int 
     posted *ps = e->posted_head;
     if (ps && !fr_link_call_ready(&ps->pending))
       fr_link_poll(ps->link, false); /* answers to posted puts ring no doorbell */
+    if (ps)
+      ring_if_stale(e, ps, wait);
     if (ps && !wait && !fr_link_call_ready(&ps->pending))
       ps = NULL;
     if (ps && !(e->posted_head = ps->next))
@@ -798,7 +803,7 @@ static int emb_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **st
   snprintf(e->where, sizeof e->where, "%s", where);
   pthread_mutex_init(&e->lock, NULL);
   pthread_mutex_init(&e->posted_lock, NULL);
-  e->quiet_gap_ns = fr_dir_posted_window_ns() / 4;
+  e->ring_after_ns = fr_dir_posted_window_ns() / FR_DIR_POSTED_POLLS;
   ferry_link *l;
   int rc = current_link(e, NULL, timeout_ms, &l);
   if (rc != 0) {
@@ -863,7 +868,7 @@ int fr_dir_open_local(fr_dir_server *srv, fr_dir **out) {
   }
   pthread_mutex_init(&e->lock, NULL);
   pthread_mutex_init(&e->posted_lock, NULL);
-  e->quiet_gap_ns = fr_dir_posted_window_ns() / 4;
+  e->ring_after_ns = fr_dir_posted_window_ns() / FR_DIR_POSTED_POLLS;
   e->local = srv;
   e->epoch = 1;
   snprintf(e->where, sizeof e->where, "(in-process)");

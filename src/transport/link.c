@@ -312,6 +312,14 @@ int fr_link_call_post(ferry_link *l, uint32_t channel, const struct iovec *iov, 
 
 bool fr_link_call_ready(const fr_pending *p) { return pending_ready((void *)p); }
 
+void fr_link_ring(ferry_link *l) {
+  if (!l->ops->ring)
+    return;
+  pthread_mutex_lock(&l->send_lock); /* a doorbell among the frames, as a sender's */
+  l->ops->ring(l);
+  pthread_mutex_unlock(&l->send_lock);
+}
+
 int fr_link_call_collect(ferry_link *l, fr_pending *p, ferry_msg **reply, int timeout_ms) {
   int rc = pending_wait(l, p, fr_deadline_ns(timeout_ms), "call");
   if (rc == 0)

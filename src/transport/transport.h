@@ -58,6 +58,8 @@ typedef struct fr_transport_ops {
   bool edge_triggered; /* its links sit in epoll with EPOLLET (the stream is all on the socket) */
   void (*poll_begin)(ferry_link *l);
   void (*poll_end)(ferry_link *l);
+  /* Optional. Wakes the peer for what quiet frames left in its ring (fr_link_ring). */
+  void (*ring)(ferry_link *l);
   /* Optional. Handshake: the connector offers an fd with its AUTH (offer), the acceptor takes
    * it (accept_offer), and both switch to their fast path once the link is open (opened). */
   int (*offer)(ferry_link *l, int *fd);
@@ -320,6 +322,9 @@ int fr_link_call(ferry_link *l, uint32_t channel, const struct iovec *iov, int i
  * and returns at once; p stays registered with the link, and must outlive it or be collected. */
 int fr_link_call_post(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
                       int timeout_ms, bool quiet, fr_pending *p);
+/* Wakes the peer for the quiet frames sent to it (fr_link_send_frame_quiet) that it has not
+ * taken yet, as a frame that is not quiet would; a no-op where frames are never quiet. */
+void fr_link_ring(ferry_link *l);
 /* Whether a posted call's reply (or the link's failure) is in. */
 bool fr_link_call_ready(const fr_pending *p);
 /* Waits up to timeout_ms for a posted call's reply and unregisters p; *reply is the caller's. */
