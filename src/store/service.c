@@ -273,6 +273,7 @@ static void count(const ferry_store *s, const ferry_link *link, int *all, int *p
 }
 
 static void *upload_main(void *arg) {
+  pthread_setname_np(pthread_self(), "ferry-upload"); /* for top -H, perf, gdb */
   upload *u = arg;
   uint64_t gen = 0;
   int rc = handle(u->s, u->msg, &u->m, &gen);
