@@ -13,18 +13,23 @@ Processes (all on this host; every socket is loopback):
   127.0.0.1). Each rank holds only its shards, as vLLM lays them out: a column-parallel fused
   qkv_proj (its slices of q, k and v, concatenated along dim 0) and gate_up_proj, row-parallel
   o_proj and down_proj (split along dim 1, their outputs all-reduced), replicated norms,
-  embedding and lm_head. It starts serving dummy (random) weights, as RL frameworks start
-  vLLM with load_format="dummy" and sync from the trainer;
+  embedding and lm_head. Its receiver reads only those bytes: ferry.tp_shards computes the
+  rank's pieces from the sender's manifest (fusing as the model's stacked_params_mapping says)
+  and bind_shards binds them, so a rank reads its slices and the replicated tensors, not the
+  whole model. It starts serving dummy (random) weights, as RL frameworks start vLLM with
+  load_format="dummy" and sync from the trainer;
 - engine "join": a fresh single-rank engine (world 1, the same code) started after step 1
   without weights. Its first update gets version 1 at once from the sender's retained copy (late
   join, docs/REFIT.md), with no push, and it serves steps 2 and 3 with the others.
 
 Each step: the trainer takes an optimizer step; the controller clears every engine (its ranks
 drop their weights); the trainer pushes the new version; the controller updates every engine
-(each rank waits for the version's commit and loads it through its model's load_weights, whose
-weight_loaders narrow each tensor to the rank's shard); then each engine decodes a few tokens
-greedily from a fixed prompt and the trainer checks every rank's logits against its own model's
-on the same tokens. Any mismatch, timeout or dead process exits non-zero; every child process
+(each rank waits for the version's commit and loads it through its model's
+load_weights(rx.updates(v)), whose weight_loaders get the rank's shards already sliced); then
+each engine decodes a few tokens greedily from a fixed prompt, the trainer checks every rank's
+logits against its own model's on the same tokens, and prints the bytes each rank read for
+that version as a fraction of the model's (a tp2 rank: half of each split tensor plus the
+replicated ones). Any mismatch, timeout or dead process exits non-zero; every child process
 is ended on the way out (and dies with the trainer if the trainer is killed).
 """
 import argparse
@@ -33,6 +38,7 @@ import datetime
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -158,7 +164,8 @@ def set_weight_attrs(param, attrs):
 
 
 def default_weight_loader(param, loaded_weight):
-    """A replicated parameter: the whole tensor."""
+    """The tensor this rank holds, whole: a replicated one, or its shard as the receiver
+    sliced it."""
     if param.shape != loaded_weight.shape:
         raise ValueError("shape %s does not fit the parameter's %s"
                          % (tuple(loaded_weight.shape), tuple(param.shape)))
@@ -179,7 +186,9 @@ class TPGroup:
 
 
 class EngineParam(nn.Module):
-    """A layer with one weight, allocated empty: the engine fills it through weight_loader."""
+    """A layer with one weight, allocated empty: the engine fills it through weight_loader.
+    tp_dim: the dim its weight is split along between the ranks (None: replicated)."""
+    tp_dim = None
 
     def __init__(self, tp, shape):
         super().__init__()
@@ -193,17 +202,21 @@ class EngineParam(nn.Module):
 
 class QKVParallelLinear(EngineParam):
     """Column-parallel fused q/k/v: this rank's q heads, then its kv heads of k, then of v."""
+    tp_dim = 0
 
     def __init__(self, tp):
         self.q_size = HEADS // tp.world * HEAD_DIM
         self.kv_size = KV_HEADS // tp.world * HEAD_DIM
         super().__init__(tp, (self.q_size + 2 * self.kv_size, HIDDEN))
 
-    def weight_loader(self, param, loaded_weight, loaded_shard_id=None):
-        offset, size = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
-                        "v": (self.q_size + self.kv_size, self.kv_size)}[loaded_shard_id]
-        shard = loaded_weight.narrow(0, self.tp.rank * size, size)  # this rank's heads
-        default_weight_loader(param.data.narrow(0, offset, size), shard)
+    def weight_loader(self, param, loaded_weight):
+        """loaded_weight: this rank's fused shard as the receiver laid it (its slice of q, then
+        of k, then of v: ferry.tp_shards' fused pieces), so each part goes where it lies."""
+        offset = 0
+        for size in (self.q_size, self.kv_size, self.kv_size):
+            default_weight_loader(param.data.narrow(0, offset, size),
+                                  loaded_weight.narrow(0, offset, size))
+            offset += size
 
     def forward(self, x):
         return F.linear(x, self.weight).split([self.q_size, self.kv_size, self.kv_size], -1)
@@ -211,14 +224,11 @@ class QKVParallelLinear(EngineParam):
 
 class MergedColumnParallelLinear(EngineParam):
     """Column-parallel fused gate/up: this rank's rows of gate, then its rows of up."""
+    tp_dim = 0
 
     def __init__(self, tp):
         self.size = INTER // tp.world
         super().__init__(tp, (2 * self.size, HIDDEN))
-
-    def weight_loader(self, param, loaded_weight, loaded_shard_id=None):
-        shard = loaded_weight.narrow(0, self.tp.rank * self.size, self.size)
-        default_weight_loader(param.data.narrow(0, loaded_shard_id * self.size, self.size), shard)
 
     def forward(self, x):
         gate, up = F.linear(x, self.weight).chunk(2, -1)
@@ -227,13 +237,11 @@ class MergedColumnParallelLinear(EngineParam):
 
 class RowParallelLinear(EngineParam):
     """Row-parallel: this rank's columns (input features); partial outputs are summed."""
+    tp_dim = 1
 
     def __init__(self, tp, in_features):
         self.size = in_features // tp.world
         super().__init__(tp, (HIDDEN, self.size))
-
-    def weight_loader(self, param, loaded_weight):
-        default_weight_loader(param, loaded_weight.narrow(1, self.tp.rank * self.size, self.size))
 
     def forward(self, x):
         return self.tp.all_reduce(F.linear(x, self.weight))
@@ -280,33 +288,48 @@ class EngineLM(nn.Module):
         self.lm_head = EngineParam(tp, (VOCAB, HIDDEN))  # replicated
         self.shapes = {n: p.shape for n, p in self.named_parameters()}
 
+    def shard_specs(self, manifest):
+        """This rank's targets, {parameter name: (shape, dtype, [ferry.Piece])}: ferry.tp_shards
+        over the sender's manifest, the trainer tensors of each fused parameter taken in
+        stacked_params_mapping's shard order, each split along its layer's tp_dim. Raises
+        unless they are exactly this model's parameters, in their shapes."""
+        names = [m["name"] for m in manifest]
+        order = {"q": 0, "k": 1, "v": 2}
+        fused, dims = {}, {}
+        for name in names:
+            target = name
+            for param_name, shard_name, shard_id in self.stacked_params_mapping:
+                if shard_name in name:
+                    target = name.replace(shard_name, param_name)
+                    fused.setdefault(target, []).append((order.get(shard_id, shard_id), name))
+                    break
+            layer = self.get_submodule(target.rsplit(".", 1)[0]) if target in self.shapes else None
+            dims[name] = getattr(layer, "tp_dim", None)
+        rules = [("^%s$" % re.escape(name), dim) for name, dim in dims.items()]
+        specs = ferry.tp_shards(manifest, self.tp.rank, self.tp.world, rules,
+                                fused={t: [n for _, n in sorted(src)] for t, src in fused.items()})
+        got = {t: tuple(shape) for t, (shape, _, _) in specs.items()}
+        want = {n: tuple(shape) for n, shape in self.shapes.items()}
+        if got != want:
+            raise ValueError("the sender's tensors split for rank %d of %d are %s, not this "
+                             "model's parameters %s" % (self.tp.rank, self.tp.world, got, want))
+        return specs
+
     def load_weights(self, weights):
-        """weights: an iterable of (trainer name, whole tensor). Returns the names of the
-        parameters loaded (with the shard ids of fused ones)."""
+        """weights: an iterable of (parameter name, this rank's tensor for it): the receiver
+        bound this rank's shards (shard_specs), so fused parameters come fused and split ones
+        come as this rank's slice. Returns the names of the parameters loaded."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, loaded_weight in weights:
-            for param_name, shard_name, shard_id in self.stacked_params_mapping:
-                if shard_name not in name:
-                    continue
-                name = name.replace(shard_name, param_name)
-                param = params[name]
-                param.weight_loader(param, loaded_weight, shard_id)
-                loaded.add((name, shard_id))
-                break
-            else:
-                param = params[name]
-                getattr(param, "weight_loader", default_weight_loader)(param, loaded_weight)
-                loaded.add((name, None))
+            param = params[name]
+            getattr(param, "weight_loader", default_weight_loader)(param, loaded_weight)
+            loaded.add(name)
         return loaded
 
     def expected(self):
-        """What a complete load_weights returns: every parameter, every shard of fused ones."""
-        fused = {}
-        for param_name, _, shard_id in self.stacked_params_mapping:
-            fused.setdefault(param_name, []).append(shard_id)
-        return {(name, shard_id) for name in self.shapes
-                for shard_id in fused.get("." + name.split(".")[-2], [None])}
+        """What a complete load_weights returns: every parameter."""
+        return set(self.shapes)
 
     def nbytes(self):
         """What this rank holds when awake: its shards and the replicated tensors."""
@@ -374,10 +397,10 @@ class EngineRank:
             # to the sender's last push from its retained copy, with no push.
             v = self.rx.wait(timeout=TIMEOUT)
             self.model.wake_up()
-            # Whole tensors from the receiver's flat buffer (self.staged, views: no copy); with
-            # `rx.updates(v)` (issue 19) this line becomes: weights = self.rx.updates(v)
-            weights = iter(self.staged.items())
-            loaded = self.model.load_weights(weights)
+            # (parameter name, this rank's shard) of every target bound, the receiver's own
+            # tensors (no copy); v is committed already, so they come at once (created before a
+            # push, updates() yields each one as the buckets of its pieces land)
+            loaded = self.model.load_weights(self.rx.updates(v, timeout=TIMEOUT))
             missing = self.model.expected() - loaded
             if missing:
                 raise RuntimeError("not loaded: %s" % sorted(map(str, missing))[:3])
@@ -397,7 +420,8 @@ class EngineRank:
             if self.state != "serving":
                 return {"error": "rank %d is %s" % (self.args.rank, self.state)}
             tokens, logits = self.model.generate(req["prompt"], req["n"])
-            return {"version": self.version, "tokens": tokens, "logits": logits.tolist()}
+            return {"version": self.version, "tokens": tokens, "logits": logits.tolist(),
+                    "bytes_read": self.rx.bytes_read}
 
     def run(self):
         a = self.args
@@ -415,7 +439,11 @@ class EngineRank:
         with ferry.ControlRank(a.engine, a.rank, initial_state=self.state) as rank, \
                 ferry.RefitReceiver(a.refit, timeout=TIMEOUT) as rx:
             self.rx = rx
-            self.staged = rx.tensors()  # every trainer tensor, whole, in one flat buffer
+            # this rank's shards, in tensors of its own: what the receiver reads and verifies
+            specs = self.model.shard_specs(rx.manifest())
+            self.staged = {t: torch.empty(shape, dtype=getattr(torch, dtype))
+                           for t, (shape, dtype, _) in specs.items()}
+            rx.bind_shards({t: (self.staged[t], pieces) for t, (_, _, pieces) in specs.items()})
             ctl = threading.Thread(target=self.control_loop, args=(rank, stop))
             ctl.start()
             try:
@@ -524,6 +552,7 @@ class Engine:
         self.ranks = [Child("engine %s rank %d" % (label, r), base + ["--rank", str(r)])
                       for r in range(world)]
         self.ctl = None
+        self.read = [0] * world  # each rank's bytes_read at the last check
 
     def started(self):
         """Waits until every rank attached and opened its control rank; returns the bytes
@@ -584,15 +613,23 @@ def check(engine, model, version, prev=None):
                          "(max |diff| %.3g)" % (engine.label, r, version, diff))
         if out["tokens"] != outs[0]["tokens"]:
             raise Failed("engine %s: ranks decoded different tokens" % engine.label)
+    # what each rank read for this version (since the last check), as a part of the model
+    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    parts = [(out["bytes_read"] - was) / model_bytes for out, was in zip(outs, engine.read)]
+    engine.read = [out["bytes_read"] for out in outs]
+    if engine.world > 1 and max(parts) >= 1:
+        raise Failed("engine %s: a rank read %.2f of the model, not only its shards"
+                     % (engine.label, max(parts)))
     if prev is not None:
         with torch.no_grad():
             now = model(torch.tensor(PROMPT))[-1]
         if torch.allclose(prev, now, rtol=1e-3, atol=1e-3):
             raise Failed("the training step hardly changed the model: this check would not "
                          "tell version %d from %d" % (version, version - 1))
-    return "engine %s (%d rank%s): tokens %s, logits match (max |diff| %.1e)" % (
-        engine.label, engine.world, "s" if engine.world > 1 else "", outs[0]["tokens"],
-        max(d for _, d in diffs))
+    return ("engine %s (%d rank%s): tokens %s, logits match (max |diff| %.1e); read %s of the "
+            "model" % (engine.label, engine.world, "s" if engine.world > 1 else "",
+                       outs[0]["tokens"], max(d for _, d in diffs),
+                       " + ".join("%.2f" % f for f in parts)))
 
 
 def trainer_main(args):

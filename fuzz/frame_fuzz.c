@@ -27,7 +27,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     fr_auth au;
     fr_rma r;
     fr_map m;
+    fr_readv v;
   } u;
+  fr_rma_run runs[FR_READV_MAX_RUNS];
   switch (f.type) {
   case FR_HELLO:
     if (fr_hello_decode(body, n, &u.h) == 0)
@@ -47,6 +49,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     break;
   case FR_MAP:
     fr_map_decode(body, n, &u.m);
+    break;
+  case FR_READV:
+    if (fr_readv_decode(body, n, &u.v, runs) == 0)
+      for (uint32_t i = 0; i < u.v.count; i++)
+        assert(runs[i].length > 0 && runs[i].offset >= u.v.lo &&
+               runs[i].offset + runs[i].length <= u.v.hi);
     break;
   default:
     break;

@@ -11,8 +11,15 @@
  *   - Handles are opaque; every open/create has a close, and close(NULL) is a no-op.
  *   - Strings passed in are copied when kept; strings returned are owned by ferry and stay valid
  *     for the lifetime of the handle they came from (or forever, for static tables).
- *   - Options structs start with `size` (set it to sizeof the struct) so fields can be added
- *     without breaking the ABI; pass NULL for the defaults.
+ *   - Options structs (ferry_*_opts, ferry_ctl_handlers) start with `size`: set it to sizeof the
+ *     struct, or pass NULL for every default. They only grow at their end, and a field beyond
+ *     the caller's `size` takes its default, so a program built against an older ferry.h (or a
+ *     binding that declares only the first fields) keeps working. A `size` that does not cover
+ *     the `size` field itself (it was never set) or exceeds 4096 is FERRY_EINVAL. Bytes beyond
+ *     the struct this library knows must be zero: a program built against a newer ferry.h that
+ *     sets a field this library lacks gets FERRY_ENOTSUP rather than having it ignored.
+ *     Output structs with a `size` (ferry_ctl_status, ferry_store_info, ...) get at most `size`
+ *     bytes written.
  *   - Timeouts are in milliseconds; a negative timeout means the configured default
  *     (FERRY_TIMEOUT_MS) and 0 means "do not wait".
  */
@@ -71,7 +78,8 @@ FERRY_API const char *ferry_version(void);
   X(ENOTSUP, -20, "not supported")                                                                 \
   X(ESTATE, -21, "invalid state transition")                                                       \
   X(ECHECKSUM, -22, "checksum mismatch")                                                           \
-  X(ESTALE, -23, "stale data")
+  X(ESTALE, -23, "stale data")                                                                     \
+  X(EFREED, -24, "freed by its owner")
 
 enum ferry_status {
 #define FERRY_STATUS_ENUM_(name, code, msg) FERRY_##name = (code),
@@ -184,6 +192,7 @@ FERRY_API char *ferry_shape_format(const ferry_tensor_desc *desc, char *buf, siz
 typedef struct ferry_ctx ferry_ctx;
 typedef struct ferry_link ferry_link;
 
+/* Like every options struct: `size` first, NULL for the defaults (the rule at the top). */
 typedef struct ferry_ctx_opts {
   size_t size;            /* sizeof(ferry_ctx_opts) */
   const char *name;       /* node name (copied); NULL: "<hostname>-<pid>" */
@@ -348,6 +357,17 @@ FERRY_API int ferry_msg_is_call(const ferry_msg *msg);
  * died), FERRY_ETIMEDOUT. On failure the contents of dst are unspecified. */
 FERRY_API int ferry_read(ferry_link *link, const ferry_region_ref *remote, uint64_t offset,
                          void *dst, size_t len, int timeout_ms);
+/* One run of a vectored read: [offset, offset+len) of the peer's region (len > 0). */
+typedef struct ferry_read_run {
+  uint64_t offset, len;
+} ferry_read_run;
+/* Reads runs[0..n) of the peer's region one after another into dst (the sum of their lengths,
+ * at most FERRY_MAX_MESSAGE): over shm one memcpy per run; over tcp one request per 256 runs,
+ * all in flight at once; over ucx every get in flight at once (by RMA; else a request per run).
+ * Errors as ferry_read (FERRY_EINVAL for an empty run). A strided slice (a run of columns in every
+ * row) is one call. */
+FERRY_API int ferry_readv(ferry_link *link, const ferry_region_ref *remote,
+                          const ferry_read_run *runs, size_t n, void *dst, int timeout_ms);
 /* One-sided write of src into [offset, offset+len) of the peer's region. Same errors. */
 FERRY_API int ferry_write(ferry_link *link, const ferry_region_ref *remote, uint64_t offset,
                           const void *src, size_t len, int timeout_ms);
@@ -538,7 +558,8 @@ FERRY_API int ferry_ctl_rank_status_get(ferry_ctl *ctl, uint32_t rank, ferry_ctl
  * A put of a tensor that lies in ferry memory (ferry_alloc) publishes it in place, without a
  * copy; any other tensor is copied once into the node's shared-memory pool (FERRY_STORE_CAPACITY
  * bytes). Memory published in place must stay allocated and unmodified until the key is deleted,
- * replaced or the store closed (write a new version into another buffer and put that).
+ * replaced or the store closed (write a new version into another buffer and put that); a reader
+ * of one its owner freed meanwhile fails at once with FERRY_EFREED naming the owner.
  *
  * A get never returns torn data: the owner bumps the object's generation word when it replaces or
  * deletes it, and the reader checks that word after its copy; when it changed, the get looks the
@@ -633,7 +654,8 @@ typedef struct ferry_store_info {
  * FERRY_EDTYPE / FERRY_ESHAPE. info (may be NULL) receives the object's description. Errors:
  * FERRY_ENOTFOUND (no such key), FERRY_ERANGE (cap too small; the detail says how many bytes),
  * FERRY_EPEER (the owner is gone), FERRY_ESTALE (replaced during every read until the timeout
- * passed), FERRY_ETIMEDOUT. On failure dst's contents are unspecified. */
+ * passed), FERRY_EFREED (at once: the owner freed memory it still publishes in place; the detail
+ * names the owner), FERRY_ETIMEDOUT. On failure dst's contents are unspecified. */
 FERRY_API int ferry_store_get(ferry_store *store, const char *key, const ferry_tensor_desc *expect,
                               void *dst, size_t cap, ferry_store_info *info, int timeout_ms);
 /* As ferry_store_get, into a buffer it allocates: *out is owned by the caller (free() it). */
@@ -798,7 +820,10 @@ FERRY_API int ferry_refit_tensor_info(ferry_refit_receiver *receiver, size_t i, 
 FERRY_API int ferry_refit_tensor_scale(ferry_refit_receiver *receiver, size_t i, float *scale);
 /* Binds a tensor to the caller's memory (kept valid by the caller until close or rebind).
  * FERRY_ENOTFOUND, or FERRY_EDTYPE / FERRY_ESHAPE naming the tensor when desc does not match
- * what the sender sends. Tensors left unbound are not stored. */
+ * what the sender sends. Tensors left unbound are not stored. A destination bound (here or by
+ * ferry_refit_bind_flat) after a version committed does not hold it: committed() is 0 until the
+ * next wait caught up; one bound after a bucket of its bytes landed fails that version here.
+ * Bind before the pushes begin. */
 FERRY_API int ferry_refit_bind(ferry_refit_receiver *receiver, const char *name, void *dst,
                                const ferry_tensor_desc *desc);
 /* Instead of binding: one flat buffer (ferry shared memory, owned by the receiver) that receives
@@ -817,12 +842,56 @@ FERRY_API int ferry_refit_bind_flat(ferry_refit_receiver *receiver);
  * not shm. */
 FERRY_API int ferry_refit_bind_alias(ferry_refit_receiver *receiver);
 FERRY_API int ferry_refit_view(ferry_refit_receiver *receiver, const char *name, void **out);
+/* Shards, for a tensor-parallel rank that keeps a slice of each tensor: a piece is the elements
+ * of tensor `source` whose index along `dim` lies in [start, stop) (dim 0: contiguous rows; dim
+ * 1: a run of columns in every row; any dim of the source works). */
+typedef struct ferry_refit_piece {
+  const char *source;
+  int dim;
+  int64_t start, stop;
+} ferry_refit_piece;
+/* Binds `target` (a name of the caller's: an engine's tensor, e.g. a fused qkv_proj shard) to
+ * dst, described by dst_desc, which receives pieces[0..n) one after another along its dim 0, each
+ * in row-major order: a single slice is n = 1; a fused projection lists its sources in order.
+ * Each piece's shape (the source's, with `dim` cut to stop - start) must match dst_desc on every
+ * dim but 0, their dim-0 sizes must add up to dst_desc's, and their wire dtype must be its dtype;
+ * FERRY_ENOTFOUND, FERRY_ESHAPE or FERRY_EDTYPE otherwise, the error naming the target and the
+ * piece that does not fit. Binding a target again replaces it. From the first shard binding on,
+ * the receiver reads from the sender only the bytes of its targets (tensors bound with
+ * ferry_refit_bind count as whole targets): a bucket holding none of them is acknowledged
+ * without a read, and each byte read is verified against a sum the sender computes for exactly
+ * those bytes (docs/REFIT.md, Shards). The sender has taken the target when this returns (the
+ * next push covers it). As with ferry_refit_bind, a target bound after a version committed does
+ * not hold it (committed() is 0 until the next wait caught up, reading only the targets' bytes).
+ * Not with bind_flat or bind_alias (FERRY_ESTATE). */
+FERRY_API int ferry_refit_bind_pieces(ferry_refit_receiver *receiver, const char *target, void *dst,
+                                      const ferry_tensor_desc *dst_desc,
+                                      const ferry_refit_piece *pieces, size_t n);
+/* Bytes this receiver has read from its sender (or a chain predecessor) since it opened: about
+ * 1/world of the model per push for a tensor-parallel rank that binds its shards. */
+FERRY_API uint64_t ferry_refit_bytes_read(ferry_refit_receiver *receiver);
 /* Called on the receiver's thread after each bucket verified and landed (engines that load
- * while buckets arrive). Bucket indices refer to the manifest's plan. */
+ * while buckets arrive). Bucket indices refer to the manifest's plan. A bucket a push skipped
+ * (unchanged, or outside `only`) is not reported: its bytes are already this version's. Setting
+ * fn (NULL: none) is safe while buckets land; a call already under way may still end after it.
+ * The callback must not block: the receiver acknowledges the bucket only after it returns. */
 typedef void (*ferry_refit_bucket_fn)(ferry_refit_receiver *receiver, uint64_t version,
                                       uint32_t bucket, void *arg);
 FERRY_API void ferry_refit_on_bucket(ferry_refit_receiver *receiver, ferry_refit_bucket_fn fn,
                                      void *arg);
+/* Called on the receiver's thread when a version ends here: status 0 when it committed (every
+ * bucket verified), else why not, as soon as it cannot commit (a bucket failed: FERRY_ECHECKSUM,
+ * FERRY_EDTYPE, ...; FERRY_ETIMEDOUT when the sender dropped this receiver for a stall), with
+ * `why` saying so (NULL on success; valid during the call); a failed version may be reported
+ * twice. Same rules as on_bucket. */
+typedef void (*ferry_refit_commit_fn)(ferry_refit_receiver *receiver, uint64_t version, int status,
+                                      const char *why, void *arg);
+FERRY_API void ferry_refit_on_commit(ferry_refit_receiver *receiver, ferry_refit_commit_fn fn,
+                                     void *arg);
+/* The buckets that carry the i-th tensor of the manifest: *count of them from *first (0 for a
+ * tensor of no bytes). A tensor has landed once each of them was reported by on_bucket. */
+FERRY_API int ferry_refit_tensor_buckets(ferry_refit_receiver *receiver, size_t i, uint32_t *first,
+                                         uint32_t *count);
 /* Waits until the committed version is at least `version` (0: the latest version the sender
  * has pushed, as far as this receiver knows, and at least one) and writes it to *committed.
  * FERRY_ETIMEDOUT otherwise, or FERRY_EPEER as soon as the sender is gone, with *committed

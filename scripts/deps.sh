@@ -7,11 +7,12 @@ set -euo pipefail
 build_pkgs=(cmake make gcc pkg-config libcmocka-dev libxxhash-dev libhiredis-dev
             libmicrohttpd-dev libucx-dev libjansson-dev)
 # python3-prometheus-client: its text-format parser checks what /metrics serves (test_metrics.py)
+# chromium: tests/status_page renders ferry serve's status page headless and checks its DOM
 # python3-venv, -pip, -setuptools, -wheel: make test installs the Python package into a venv
 # (pip install --no-build-isolation: setuptools and wheel build it, nothing from an index)
 test_pkgs=(clang libclang-rt-14-dev spin redis-server iproute2 python3 python3-numpy python3-pytest
            python3-torch python3-venv python3-pip python3-setuptools python3-wheel
-           python3-prometheus-client)
+           python3-prometheus-client chromium)
 bench_pkgs=(python3-numpy python3-torch libnng-dev libzmq3-dev redis-server ucx-utils)
 
 want=("${build_pkgs[@]}")

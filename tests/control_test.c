@@ -416,6 +416,45 @@ static void test_rank_api(void **state) {
   ferry_ctl_cell_close(cell);
 }
 
+/* The options-struct rule at the public calls: a size never set is refused with nothing made, a
+ * field beyond the caller's size takes its default, a newer caller's unknown field is refused. */
+static void test_opts_size_rule(void **state) {
+  ferry_ctl_cell *cell = NULL;
+  ferry_ctl_cell_opts unset = {.fail_if_stale = 1};
+  assert_int_equal(ferry_ctl_cell_create(name, 1, &unset, &cell), FERRY_EINVAL);
+  assert_non_null(strstr(ferry_last_error(), "ferry_ctl_cell_create: opts->size is 0"));
+  ferry_ctl *c = NULL;
+  assert_int_equal(ferry_ctl_open(name, &c), FERRY_ENOTFOUND);
+  struct {
+    ferry_ctl_cell_opts known;
+    uint64_t later_field;
+  } newer = {{.size = sizeof newer}, 1};
+  assert_int_equal(ferry_ctl_cell_create(name, 1, &newer.known, &cell), FERRY_ENOTSUP);
+  newer.later_field = 0;
+  FR_OK(ferry_ctl_cell_create(name, 1, &newer.known, &cell));
+  FR_OK(ferry_ctl_open(name, &c));
+  /* initial_state beyond this caller's size: the default (serving), not the value it lacks */
+  ferry_ctl_rank_opts older = {.size = offsetof(ferry_ctl_rank_opts, initial_state),
+                               .initial_state = FERRY_CTL_CLEARED};
+  ferry_ctl_rank *r = NULL;
+  FR_OK(ferry_ctl_rank_open(name, 0, &older, &r));
+  ferry_ctl_rank_status rs = {.size = sizeof rs};
+  FR_OK(ferry_ctl_rank_status_get(c, 0, &rs));
+  assert_int_equal(rs.state, FERRY_CTL_SERVING);
+  ferry_ctl_rank_close(r);
+  ferry_ctl_rank_opts full = {.size = sizeof full, .initial_state = FERRY_CTL_CLEARED};
+  FR_OK(ferry_ctl_rank_open(name, 0, &full, &r));
+  FR_OK(ferry_ctl_rank_status_get(c, 0, &rs));
+  assert_int_equal(rs.state, FERRY_CTL_CLEARED);
+  ferry_ctl_handlers h = {.size = 0};
+  assert_int_equal(ferry_ctl_rank_step(r, &h, 0, NULL), FERRY_EINVAL);
+  h.size = sizeof h;
+  assert_int_equal(ferry_ctl_rank_step(r, &h, 0, NULL), FERRY_ETIMEDOUT);
+  ferry_ctl_rank_close(r);
+  ferry_ctl_close(c);
+  ferry_ctl_cell_close(cell);
+}
+
 /* The lost-update regression, part 1: a rank that lags behind several commands gets the newest,
  * and nothing a controller issued was overwritten. */
 static void test_lagging_rank_sees_latest(void **state) {
@@ -1029,6 +1068,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_pid_start_time),
       cmocka_unit_test_setup_teardown(test_layout_and_mode, setup, teardown),
       cmocka_unit_test_setup_teardown(test_rank_api, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_opts_size_rule, setup, teardown),
       cmocka_unit_test_setup_teardown(test_hostile_cell, setup, teardown),
       cmocka_unit_test_setup_teardown(test_lagging_rank_sees_latest, setup, teardown),
       cmocka_unit_test_setup_teardown(test_first_command_while_rank_attaching, setup, teardown),

@@ -1,6 +1,7 @@
 /*
  * Core services: status table, error details, config table, dtypes and overflow-safe sizes,
- * checksums, and the log's lines on stderr (text and JSON, the node's name from a context).
+ * checksums, the log's lines on stderr (text and JSON, the node's name from a context), the
+ * options-struct rule and the growable array.
  */
 // ferry-test: threaded
 #include "testutil.h"
@@ -139,6 +140,52 @@ static void test_logging(void **state) {
   ferry_log_set_level(old);
   assert_int_equal(fr_log_level_parse("debug"), FERRY_LOG_DEBUG);
   assert_int_equal(fr_log_level_parse("loud"), -1);
+}
+
+/* A call site's limit: FR_LOG_LIMIT_LINES lines per window, the rest held back and counted on
+ * the first line of a later window. The clock is the caller's, so no test waits for it. */
+static void test_log_limit(void **state) {
+  fr_log_limit l = {0};
+  uint64_t held = 99, t = 5000000000ull, window = FR_LOG_LIMIT_WINDOW_MS * 1000000ull;
+  for (int i = 0; i < FR_LOG_LIMIT_LINES; i++) {
+    assert_true(fr_log_limit_pass(&l, t + (uint64_t)i, &held));
+    assert_int_equal(held, 0);
+  }
+  for (int i = 0; i < 7; i++)
+    assert_false(fr_log_limit_pass(&l, t + window - 1, &held));
+  assert_true(fr_log_limit_pass(&l, t + window, &held));
+  assert_int_equal(held, 7);
+  assert_true(fr_log_limit_pass(&l, t + window + 1, &held));
+  assert_int_equal(held, 0);
+}
+
+static int limited_calls;
+static char limited_last[256];
+static void count_limited(ferry_log_level level, const char *msg, void *arg) {
+  (void)level;
+  (void)arg;
+  if (strstr(msg, "stall ")) {
+    limited_calls++;
+    snprintf(limited_last, sizeof limited_last, "%s", msg);
+  }
+}
+
+/* Through the macro: one call site lets its few lines out; another call site has its own. */
+static void test_log_limited_macro(void **state) {
+  ferry_log_level old = ferry_log_get_level();
+  ferry_log_set_callback(count_limited, NULL);
+  ferry_log_set_level(FERRY_LOG_INFO);
+  for (int i = 0; i < 3 * FR_LOG_LIMIT_LINES; i++)
+    fr_warn_limited("stall %d", i);
+  assert_int_equal(limited_calls, FR_LOG_LIMIT_LINES);
+  assert_string_equal(limited_last, "stall 4");
+  fr_info_limited("stall %s", "elsewhere");
+  assert_int_equal(limited_calls, FR_LOG_LIMIT_LINES + 1);
+  ferry_log_set_level(FERRY_LOG_ERROR); /* below the level: not even counted */
+  fr_info_limited("stall %s", "quiet");
+  assert_int_equal(limited_calls, FR_LOG_LIMIT_LINES + 1);
+  ferry_log_set_callback(NULL, NULL);
+  ferry_log_set_level(old);
 }
 
 /* ---- log lines on stderr ---- */
@@ -382,14 +429,119 @@ static void test_pool(void **state) {
   fr_pool_fini(&p); /* a zeroed pool too */
 }
 
+/* The options-struct rule, on a struct this "library" knows at its second version. */
+typedef struct opts_v1 { /* what an older caller (or a thinner binding) declares */
+  size_t size;
+  int a;
+} opts_v1;
+typedef struct opts_v2 { /* what the library knows */
+  size_t size;
+  int a;
+  const char *b;
+  uint64_t c;
+} opts_v2;
+typedef struct opts_v3 { /* what a newer caller declares */
+  opts_v2 v2;
+  int d;
+} opts_v3;
+
+static int opt_a(const opts_v2 *o) { return FR_OPT(o, a, 7); }
+static const char *opt_b(const opts_v2 *o) { return FR_OPT(o, b, "dflt"); }
+static uint64_t opt_c(const opts_v2 *o) { return FR_OPT(o, c, 9); }
+
+static void test_opts_rule(void **state) {
+  /* NULL: every default, and nothing to refuse */
+  assert_int_equal(FR_OPTS_CHECK((const opts_v2 *)NULL, "t"), 0);
+  assert_int_equal(opt_a(NULL), 7);
+  assert_string_equal(opt_b(NULL), "dflt");
+  assert_true(opt_c(NULL) == 9);
+  /* the whole struct: every field as given */
+  opts_v2 full = {.size = sizeof full, .a = 1, .b = "given", .c = 3};
+  assert_int_equal(FR_OPTS_CHECK(&full, "t"), 0);
+  assert_int_equal(opt_a(&full), 1);
+  assert_string_equal(opt_b(&full), "given");
+  assert_true(opt_c(&full) == 3);
+  /* an older caller: its fields as given, the ones it does not know defaulted, whatever lies in
+   * memory after its struct */
+  union {
+    opts_v1 v1;
+    unsigned char raw[sizeof(opts_v2)];
+  } old;
+  memset(&old, 0xab, sizeof old);
+  old.v1 = (opts_v1){.size = sizeof old.v1, .a = 2};
+  const opts_v2 *as_v2 = (const opts_v2 *)(const void *)&old;
+  assert_int_equal(FR_OPTS_CHECK(as_v2, "t"), 0);
+  assert_int_equal(opt_a(as_v2), 2);
+  assert_string_equal(opt_b(as_v2), "dflt");
+  assert_true(opt_c(as_v2) == 9);
+  /* a size that was never set, or garbage: refused, naming the call */
+  opts_v2 unset = {.a = 1};
+  assert_int_equal(FR_OPTS_CHECK(&unset, "ferry_thing_open"), FERRY_EINVAL);
+  assert_non_null(strstr(ferry_last_error(), "ferry_thing_open: opts->size is 0"));
+  unset.size = sizeof(size_t) - 1;
+  assert_int_equal(FR_OPTS_CHECK(&unset, "t"), FERRY_EINVAL);
+  unset.size = (size_t)FR_OPTS_MAX + 1;
+  assert_int_equal(FR_OPTS_CHECK(&unset, "t"), FERRY_EINVAL);
+  /* a newer caller: fine while what it adds is zero, refused once it sets a field we lack */
+  opts_v3 newer = {.v2 = {.size = sizeof newer, .a = 4}};
+  assert_int_equal(FR_OPTS_CHECK(&newer.v2, "t"), 0);
+  assert_int_equal(opt_a(&newer.v2), 4);
+  newer.d = 1;
+  assert_int_equal(FR_OPTS_CHECK(&newer.v2, "t"), FERRY_ENOTSUP);
+  char want[64];
+  snprintf(want, sizeof want, "beyond the %zu bytes", sizeof(opts_v2));
+  assert_non_null(strstr(ferry_last_error(), want));
+}
+
+static void test_grow(void **state) {
+  uint32_t *v = NULL;
+  size_t cap = 0;
+  assert_int_equal(FR_GROW(v, cap, 0, 4), 0); /* nothing needed: nothing allocated */
+  assert_null(v);
+  assert_int_equal(cap, 0);
+  assert_int_equal(FR_GROW(v, cap, 1, 4), 0); /* the first allocation is `first` */
+  assert_non_null(v);
+  assert_int_equal(cap, 4);
+  for (uint32_t i = 0; i < 4; i++)
+    v[i] = i;
+  uint32_t *before = v;
+  assert_int_equal(FR_GROW(v, cap, 4, 4), 0); /* it fits: no realloc */
+  assert_ptr_equal(v, before);
+  assert_int_equal(FR_GROW(v, cap, 5, 4), 0); /* doubles */
+  assert_int_equal(cap, 8);
+  assert_int_equal(FR_GROW(v, cap, 100, 4), 0); /* doubles until it covers need */
+  assert_int_equal(cap, 128);
+  for (uint32_t i = 0; i < 4; i++)
+    assert_int_equal(v[i], i); /* contents kept */
+  v[99] = 99;
+  /* overflow: refused, with the array and its capacity as they were */
+  before = v;
+  assert_int_equal(FR_GROW(v, cap, SIZE_MAX, 4), FERRY_ENOMEM); /* the count doubling overflows */
+  assert_ptr_equal(v, before);
+  assert_int_equal(cap, 128);
+  assert_int_equal(FR_GROW(v, cap, SIZE_MAX / 4 + 1, 4), FERRY_ENOMEM); /* the bytes overflow */
+  assert_ptr_equal(v, before);
+  assert_int_equal(cap, 128);
+  assert_int_equal(v[99], 99);
+  free(v);
+  /* the untyped form, from a capacity given with first == 0 */
+  void *bytes = NULL;
+  size_t bcap = 0;
+  assert_int_equal(fr_grow(&bytes, &bcap, 3, 1, 0), 0);
+  assert_int_equal(bcap, 4);
+  free(bytes);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_status_strings), cmocka_unit_test(test_error_detail),
       cmocka_unit_test(test_config),         cmocka_unit_test(test_dtypes),
       cmocka_unit_test(test_tensor_sizes),   cmocka_unit_test(test_shape_parse),
       cmocka_unit_test(test_checksum),       cmocka_unit_test(test_logging),
+      cmocka_unit_test(test_log_limit),      cmocka_unit_test(test_log_limited_macro),
       cmocka_unit_test(test_sha256_hmac),    cmocka_unit_test(test_hash_builds_agree),
       cmocka_unit_test(test_log_text),       cmocka_unit_test(test_log_json),
+      cmocka_unit_test(test_opts_rule),      cmocka_unit_test(test_grow),
       cmocka_unit_test(test_pool),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */

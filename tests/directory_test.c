@@ -7,6 +7,7 @@
 // ferry-test: threaded
 #include "directory/dirwire.h"
 #include "directory/table.h"
+#include "bench/netns.h"
 #include "storeutil.h"
 
 #include <stdarg.h>
@@ -630,11 +631,13 @@ static void test_redis_auth(void **state) {
   su_redis_stop(&r);
 }
 
-/* ---- two hosts (network namespaces joined by a veth pair; skipped without root) ---- */
-#define NS_A "ferry-dt-a"
-#define NS_B "ferry-dt-b"
-#define IP_A "10.231.8.1"
-#define IP_B "10.231.8.2"
+/* ---- two hosts (network namespaces on a bridge, bench/netns.h; skipped without root) ---- */
+#define NS_TAG "dt"
+#define NS_NET "10.231.8"
+#define NS_A NETNS_HOST(NS_TAG, 1)
+#define NS_B NETNS_HOST(NS_TAG, 2)
+#define IP_A NETNS_IP(NS_NET, 1)
+#define IP_B NETNS_IP(NS_NET, 2)
 #define NS_PORT "7792"
 
 static int sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -648,31 +651,20 @@ static int sh(const char *fmt, ...) {
   return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
 }
 
-static void netns_down(void) {
-  sh("ip netns del " NS_A " >/dev/null 2>&1; ip netns del " NS_B " >/dev/null 2>&1");
-}
-
-static bool netns_up(void) {
-  netns_down();
-  if (sh("(ip netns add " NS_A " && ip netns add " NS_B
-         " && ip link add fdt-a type veth peer name fdt-b && ip link set fdt-a netns " NS_A
-         " && ip link set fdt-b netns " NS_B " && ip -n " NS_A " addr add " IP_A
-         "/30 dev fdt-a && ip -n " NS_B " addr add " IP_B "/30 dev fdt-b && ip -n " NS_A
-         " link set fdt-a up && ip -n " NS_B " link set fdt-b up && ip -n " NS_A
-         " link set lo up && ip -n " NS_B " link set lo up) >/dev/null 2>&1") != 0) {
-    netns_down();
-    tu_skip(tu_netns_skip_why(), "two-host part: cannot make network namespaces (needs root, "
-                                 "iproute2, and / a mount point)");
-    return false;
-  }
-  return true;
+static bool hosts_up(void) {
+  char failed[512];
+  if (netns_up(NS_TAG, NS_NET, 2, NULL, failed, sizeof failed))
+    return true;
+  tu_skip(tu_netns_skip_why(),
+          "two-host part: `%s` failed (needs root, iproute2, and / a mount point)", failed);
+  return false;
 }
 
 /* Host B joins a directory on host A: `ferry serve` listens on B's interface towards A on its
  * own; a node held to loopback is refused, naming FERRY_TCP_LISTEN and that interface. */
 static void test_advertise_two_hosts(void **state) {
   const char *cli = getenv("FERRY_CLI");
-  if (!cli || !netns_up())
+  if (!cli || !hosts_up())
     return;
   char dir[] = "/tmp/ferry-dt-XXXXXX";
   assert_non_null(mkdtemp(dir));
@@ -707,7 +699,7 @@ static void test_advertise_two_hosts(void **state) {
   for (int i = 0; i < 1000 && sh("kill -0 $(cat %s/a.pid) 2>/dev/null", dir) == 0; i++)
     su_sleep_ms(10);
   sh("rm -rf %s", dir);
-  netns_down();
+  netns_down(NS_TAG, 2);
 }
 
 int main(void) {

@@ -5,6 +5,7 @@
  */
 // ferry-test: threaded
 #include "testutil.h"
+#include "core/channels.h"
 #include "transport/ring.h"
 #include "transport/transport.h"
 
@@ -288,11 +289,65 @@ static void calls(const char *transport) {
   pair_close(&p);
 }
 
+/* Every ctx answers a call on FR_CHANNEL_STATS with its metrics (a fleet view's question), on
+ * one link again and again; a plain message there is dropped, and never reaches ferry_recv. */
+static void stats_calls(const char *transport) {
+  pair p;
+  pair_open(&p, transport);
+  char want[96];
+  snprintf(want, sizeof want, "ferry_links{node=\"node-b\",transport=\"%s\"} 1", transport);
+  for (int i = 0; i < 20; i++) {
+    char *text = NULL;
+    FR_OK(fr_stats_call(p.ab, 5000, &text));
+    assert_non_null(strstr(text, want));
+    free(text);
+    usleep(2000);
+  }
+  struct iovec iov = {"x", 1};
+  FR_OK(ferry_send(p.ab, FR_CHANNEL_STATS, &iov, 1, 1000));
+  char *text = NULL;
+  FR_OK(fr_stats_call(p.ab, 5000, &text)); /* after the message: it was taken and dropped */
+  free(text);
+  ferry_msg *m = NULL;
+  assert_int_equal(ferry_recv(p.b, FR_CHANNEL_STATS, &m, 50), FERRY_ETIMEDOUT);
+  pair_close(&p);
+}
+
+static void test_stats_calls_shm(void **s) { stats_calls("shm"); }
+static void test_stats_calls_tcp(void **s) { stats_calls("tcp"); }
+
 static void test_calls_shm(void **s) { calls("shm"); }
 static void test_calls_tcp(void **s) { calls("tcp"); }
 
 static void test_messages_shm(void **s) { messages("shm"); }
 static void test_messages_tcp(void **s) { messages("tcp"); }
+
+/* Vectored reads: a strided slice (1000 bytes of every 3000, 600 runs: several requests over
+ * tcp, answered by the server thread) and a few small runs (answered inline) land one after
+ * another; a bad run refuses the whole read. */
+static void readv_checks(pair *p, const ferry_region_ref *ref, const uint8_t *mem, size_t n,
+                         uint8_t *dst) {
+  ferry_read_run runs[600];
+  for (size_t i = 0; i < 600; i++)
+    runs[i] = (ferry_read_run){i * 3000 + 17, 1000};
+  memset(dst, 0, 600 * 1000);
+  FR_OK(ferry_readv(p->ab, ref, runs, 600, dst, 5000));
+  for (size_t i = 0; i < 600; i++)
+    if (memcmp(dst + i * 1000, mem + runs[i].offset, 1000) != 0)
+      fail_msg("readv run %zu differs", i);
+  ferry_read_run few[3] = {{n - 8, 8}, {0, 5}, {4096, 100}};
+  FR_OK(ferry_readv(p->ab, ref, few, 3, dst, 5000));
+  assert_memory_equal(dst, mem + n - 8, 8);
+  assert_memory_equal(dst + 8, mem, 5);
+  assert_memory_equal(dst + 13, mem + 4096, 100);
+  ferry_read_run past[2] = {{0, 8}, {n - 4, 8}};
+  assert_int_equal(ferry_readv(p->ab, ref, past, 2, dst, 5000), FERRY_ERANGE);
+  ferry_read_run empty[2] = {{0, 8}, {8, 0}};
+  assert_int_equal(ferry_readv(p->ab, ref, empty, 2, dst, 5000), FERRY_EINVAL);
+  ferry_region_ref wrong = *ref;
+  wrong.key ^= 1;
+  assert_int_equal(ferry_readv(p->ab, &wrong, few, 3, dst, 5000), FERRY_EACCES);
+}
 
 static void one_sided(const char *transport, bool shared) {
   pair p;
@@ -314,6 +369,8 @@ static void one_sided(const char *transport, bool shared) {
   assert_memory_equal(dst, mem, n);
   FR_OK(ferry_read(p.ab, &ref, 12345, dst, 64, 5000));
   assert_memory_equal(dst, mem + 12345, 64);
+
+  readv_checks(&p, &ref, mem, n, dst);
 
   tu_fill(dst, 4096, 99);
   FR_OK(ferry_write(p.ab, &ref, n - 4096, dst, 4096, 5000));
@@ -1019,6 +1076,8 @@ int main(void) {
       cmocka_unit_test(test_messages_tcp),
       cmocka_unit_test(test_calls_shm),
       cmocka_unit_test(test_calls_tcp),
+      cmocka_unit_test(test_stats_calls_shm),
+      cmocka_unit_test(test_stats_calls_tcp),
       cmocka_unit_test(test_rma_shm_shared),
       cmocka_unit_test(test_rma_shm_registered),
       cmocka_unit_test(test_shm_small_ring),

@@ -7,7 +7,8 @@
  * mid-push (a wait times out, no version is claimed; resumed, the push lands whole), bindings
  * that do not fit; late join (a receiver that attaches after a push, or during one, catches up
  * to the latest version at once from the sender's retained buffer; alias mode; no_retain says
- * why not).
+ * why not); shards: 2 and 4 tensor-parallel ranks bind slices along dim 0 and dim 1 and fused
+ * targets, read only those bytes, and put together equal the sender's tensors.
  */
 // ferry-test: threaded
 #include "testutil.h"
@@ -15,8 +16,10 @@
 #include "directory/directory.h"
 #include "refit/plan.h"
 #include "refit/refit.h"
+#include "refit/shard.h"
 #include "storeutil.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -729,9 +732,10 @@ static int sender_child(tu_pipe *p) {
   snprintf(addr, sizeof addr, "%s", ferry_ctx_address(sc));
   tu_pipe_put(p, addr, sizeof addr);
   await_receivers(s, 1);
+  uint8_t go;
+  tu_pipe_get(p, &go, 1, 10000); /* the receiver bound its tensors (before a version lands) */
   if (ferry_refit_push(s, 1, NULL) != 0)
     return 1;
-  uint8_t go;
   tu_pipe_get(p, &go, 1, 10000);
   fr_refit_test_corrupt = stop_at_bucket_two; /* stops mid-push; the parent kills or resumes it */
   return ferry_refit_push(s, 2, NULL) == 0 ? 0 : 2;
@@ -752,9 +756,10 @@ static void test_sender_killed(void **st) {
   FR_OK(ferry_refit_receiver_open(rc, addr, 5000, &r));
   bound b; /* the engine's own tensors, written in place */
   bind_all(r, &b);
+  uint8_t go = 1;
+  tu_pipe_put(&to_child, &go, 1); /* bound: push 1 */
   FR_OK(ferry_refit_wait(r, 1, 10000, NULL));
   assert_int_equal(ferry_refit_committed(r), 1);
-  uint8_t go = 1;
   tu_pipe_put(&to_child, &go, 1);
   int st2;
   assert_int_equal(waitpid(pid, &st2, WUNTRACED), pid); /* stopped in the middle of v2 */
@@ -806,8 +811,9 @@ static void test_sender_stopped(void **st) {
   FR_OK(ferry_refit_receiver_open(rc, addr, 5000, &r));
   bound b;
   bind_all(r, &b);
-  FR_OK(ferry_refit_wait(r, 1, 10000, NULL));
   uint8_t go = 1;
+  tu_pipe_put(&to_child, &go, 1); /* bound: push 1 */
+  FR_OK(ferry_refit_wait(r, 1, 10000, NULL));
   tu_pipe_put(&to_child, &go, 1);
   int wst;
   assert_int_equal(waitpid(pid, &wst, WUNTRACED), pid); /* stopped in the middle of v2 */
@@ -922,6 +928,129 @@ static void late_join(const char *transports) {
   ferry_refit_receiver_close(r);
   bound_free(&b);
   ferry_refit_sender_close(s);
+  ferry_ctx_close(lc);
+  ferry_ctx_close(rc);
+  ferry_ctx_close(sc);
+  model_free(&m);
+}
+
+/* What the bucket and commit callbacks saw (on the receiver's thread). */
+typedef struct seen {
+  pthread_mutex_t lock;
+  uint32_t buckets[4][64]; /* per version 1..3: how often each bucket was reported */
+  int commits;             /* commit reports, and the last one */
+  uint64_t commit_version;
+  int commit_status;
+} seen;
+
+static void saw_bucket(ferry_refit_receiver *r, uint64_t version, uint32_t bucket, void *arg) {
+  (void)r;
+  seen *x = arg;
+  pthread_mutex_lock(&x->lock);
+  if (version < 4 && bucket < 64)
+    x->buckets[version][bucket]++;
+  pthread_mutex_unlock(&x->lock);
+}
+
+static void saw_commit(ferry_refit_receiver *r, uint64_t version, int status, const char *why,
+                       void *arg) {
+  (void)r;
+  seen *x = arg;
+  pthread_mutex_lock(&x->lock);
+  x->commits++;
+  x->commit_version = version;
+  /* a failure must say why (here: a checksum); 1, which no test expects, when it does not */
+  x->commit_status = status != 0 && (!why || !strstr(why, "checksum")) ? 1 : status;
+  pthread_mutex_unlock(&x->lock);
+}
+
+/* Waits (up to 10 s) for a commit report of version v; returns its status. */
+static int await_commit(seen *x, uint64_t v) {
+  for (int i = 0; i < 1000; i++) {
+    pthread_mutex_lock(&x->lock);
+    bool got = x->commits > 0 && x->commit_version == v;
+    int status = x->commit_status;
+    pthread_mutex_unlock(&x->lock);
+    if (got)
+      return status;
+    usleep(10000);
+  }
+  fail_msg("no commit report of version %llu", (unsigned long long)v);
+  return 0;
+}
+
+/* The buckets that carry each tensor (ferry_refit_tensor_buckets) cover the plan; every bucket
+ * of a version is reported once (on_bucket), and the version's end with its status (on_commit:
+ * 0, or at once the checksum failure). A flat buffer bound after a version committed holds no
+ * version until the receiver caught up, and then holds what the receiver that had it holds. */
+static void test_bucket_and_commit_callbacks(void **st) {
+  model m;
+  model_init(&m, 11);
+  ferry_ctx *sc = ctx_for("trainer", "shm"), *rc = ctx_for("rollout", "shm"),
+            *lc = ctx_for("later", "shm");
+  ferry_refit_sender *s = sender_for(sc, &m, 16384);
+  ferry_refit_receiver *r = flat_receiver(rc, ferry_ctx_address(sc)), *l;
+  FR_OK(ferry_refit_receiver_open(lc, ferry_ctx_address(sc), 5000, &l)); /* nothing bound */
+  seen x = {.commits = 0};
+  pthread_mutex_init(&x.lock, NULL);
+  ferry_refit_on_bucket(r, saw_bucket, &x);
+  ferry_refit_on_commit(r, saw_commit, &x);
+  uint32_t first, count, buckets = 0, next = 0;
+  for (size_t i = 0; i < NT; i++) {
+    FR_OK(ferry_refit_tensor_buckets(r, i, &first, &count));
+    assert_true(count >= 1 && first <= next); /* in plan order, nothing skipped */
+    if (first + count > next)
+      next = first + count;
+  }
+  buckets = next;
+  assert_true(buckets > 2 && buckets < 64);
+  assert_int_equal(ferry_refit_tensor_buckets(r, NT, &first, &count), FERRY_ENOTFOUND);
+  await_receivers(s, 2);
+
+  FR_OK(ferry_refit_push(s, 1, NULL));
+  assert_int_equal(await_commit(&x, 1), 0);
+  pthread_mutex_lock(&x.lock);
+  for (uint32_t b = 0; b < buckets; b++)
+    assert_int_equal(x.buckets[1][b], 1);
+  pthread_mutex_unlock(&x.lock);
+
+  /* l received version 1 with nothing bound; its new flat buffer holds none */
+  FR_OK(ferry_refit_wait(l, 1, 5000, NULL));
+  FR_OK(ferry_refit_bind_flat(l));
+  assert_int_equal(ferry_refit_committed(l), 0);
+  uint64_t have = 0;
+  FR_OK(ferry_refit_wait(l, 1, 10000, &have)); /* caught up from the sender */
+  assert_int_equal(have, 1);
+  for (size_t i = 0; i < NT; i++) {
+    const char *name;
+    ferry_tensor_desc d;
+    void *a, *b;
+    uint64_t n;
+    FR_OK(ferry_refit_tensor_info(r, i, &name, &d));
+    FR_OK(ferry_tensor_nbytes(&d, &n));
+    FR_OK(ferry_refit_view(r, name, &a));
+    FR_OK(ferry_refit_view(l, name, &b));
+    assert_memory_equal(a, b, n);
+  }
+
+  model_bump(&m, -1);
+  fr_refit_test_corrupt = flip_bucket_one;
+  assert_int_equal(ferry_refit_push(s, 2, NULL), FERRY_ECHECKSUM);
+  fr_refit_test_corrupt = NULL;
+  assert_int_equal(await_commit(&x, 2), FERRY_ECHECKSUM);
+  pthread_mutex_lock(&x.lock);
+  assert_int_equal(x.buckets[2][0], 1); /* bucket 0 verified, bucket 1 did not */
+  assert_int_equal(x.buckets[2][1], 0);
+  pthread_mutex_unlock(&x.lock);
+  FR_OK(ferry_refit_push(s, 3, NULL));
+  assert_int_equal(await_commit(&x, 3), 0);
+  FR_OK(ferry_refit_wait(l, 3, 5000, NULL));
+  ferry_refit_on_bucket(r, NULL, NULL);
+  ferry_refit_on_commit(r, NULL, NULL);
+  ferry_refit_receiver_close(l);
+  ferry_refit_receiver_close(r);
+  ferry_refit_sender_close(s);
+  pthread_mutex_destroy(&x.lock);
   ferry_ctx_close(lc);
   ferry_ctx_close(rc);
   ferry_ctx_close(sc);
@@ -1073,6 +1202,485 @@ static void test_late_join_process(void **st) {
   model_free(&m);
 }
 
+/* ---- shards: tensor-parallel ranks that bind only their slices ---- */
+
+/* A small transformer block as a trainer declares it: q/k/v fused into one qkv target per rank
+ * (dim 0), o and down split along dim 1 (row-parallel), up along dim 0, norm replicated. up and
+ * down go as bfloat16. */
+#define TPN 7
+static const char *const tp_names[TPN] = {"q", "k", "v", "o", "up", "down", "norm"};
+static const uint64_t tp_shape[TPN][2] = {{64, 40},  {32, 40},  {32, 40}, {40, 64},
+                                          {128, 40}, {40, 128}, {40, 0}};
+static const int tp_dim[TPN] = {0, 0, 0, 1, 0, 1, -1}; /* -1: replicated */
+
+typedef struct tp_model {
+  float *w[TPN];
+  ferry_tensor_desc d[TPN];
+  uint8_t *wire[TPN]; /* as the last push sent it */
+  uint64_t wire_bytes[TPN];
+} tp_model;
+
+static ferry_dtype tp_wire(int i) { return i == 4 || i == 5 ? FERRY_DTYPE_BF16 : FERRY_DTYPE_F32; }
+
+static void tp_init(tp_model *m, uint64_t seed) {
+  for (int i = 0; i < TPN; i++) {
+    uint32_t nd = tp_shape[i][1] ? 2 : 1;
+    m->d[i] = (ferry_tensor_desc){.dtype = FERRY_DTYPE_F32, .ndim = nd};
+    m->d[i].shape[0] = tp_shape[i][0];
+    m->d[i].shape[1] = tp_shape[i][1];
+    uint64_t count = tp_shape[i][0] * (nd == 2 ? tp_shape[i][1] : 1);
+    m->w[i] = malloc(count * 4);
+    for (uint64_t k = 0; k < count; k++)
+      m->w[i][k] = (float)((k * 13 + (uint64_t)i * 7 + seed) % 512) / 4.0f - 50.0f;
+    m->wire_bytes[i] = count * ferry_dtype_size(tp_wire(i));
+    m->wire[i] = malloc(m->wire_bytes[i]);
+  }
+}
+
+/* The bytes the sender sends now (call before each push). */
+static void tp_snapshot(tp_model *m) {
+  for (int i = 0; i < TPN; i++)
+    FR_OK(fr_refit_cast(FERRY_DTYPE_F32, tp_wire(i), 1.0f, m->w[i], m->wire[i],
+                        m->wire_bytes[i] / ferry_dtype_size(tp_wire(i))));
+}
+
+static void tp_bump(tp_model *m) {
+  for (int i = 0; i < TPN; i++)
+    for (uint64_t k = 0; k < m->wire_bytes[i] / ferry_dtype_size(tp_wire(i)); k++)
+      m->w[i][k] += 0.5f;
+}
+
+static void tp_free(tp_model *m) {
+  for (int i = 0; i < TPN; i++)
+    free(m->w[i]), free(m->wire[i]);
+}
+
+static ferry_refit_sender *tp_sender(ferry_ctx *c, tp_model *m) {
+  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 4096};
+  ferry_refit_sender *s;
+  FR_OK(ferry_refit_sender_open(c, "trainer", &o, &s));
+  for (int i = 0; i < TPN; i++)
+    FR_OK(ferry_refit_declare(s, tp_names[i], &m->d[i], m->w[i],
+                              tp_wire(i) == FERRY_DTYPE_F32 ? FERRY_DTYPE_INVALID : tp_wire(i)));
+  FR_OK(ferry_refit_seal(s));
+  return s;
+}
+
+/* One rank's targets: qkv (3 pieces), o, up, down, norm; each target's pieces and memory. */
+#define TP_TARGETS 5
+typedef struct tp_rank {
+  ferry_ctx *ctx;
+  ferry_refit_receiver *rx;
+  int rank, world;
+  ferry_refit_piece pieces[TP_TARGETS][3];
+  size_t npieces[TP_TARGETS];
+  ferry_tensor_desc desc[TP_TARGETS];
+  void *mem[TP_TARGETS];
+  uint64_t bytes; /* of all its targets: what one push should read */
+} tp_rank;
+
+static const char *const tp_targets[TP_TARGETS] = {"qkv", "o", "up", "down", "norm"};
+
+static ferry_refit_piece tp_piece(int i, int rank, int world) {
+  uint64_t n = tp_shape[i][tp_dim[i]] / (uint64_t)world;
+  return (ferry_refit_piece){tp_names[i], tp_dim[i], (int64_t)(n * (uint64_t)rank),
+                             (int64_t)(n * (uint64_t)(rank + 1))};
+}
+
+static void tp_target(tp_rank *k, int t, const int *sources, size_t n) {
+  k->npieces[t] = n;
+  uint64_t rows = 0;
+  for (size_t j = 0; j < n; j++) {
+    int i = sources[j];
+    k->pieces[t][j] = tp_piece(i, k->rank, k->world);
+    rows += tp_dim[i] == 0 ? tp_shape[i][0] / (uint64_t)k->world : tp_shape[i][0];
+  }
+  int i = sources[0];
+  k->desc[t] = (ferry_tensor_desc){.dtype = tp_wire(i), .ndim = 2, .shape = {rows, tp_shape[i][1]}};
+  if (tp_dim[i] == 1)
+    k->desc[t].shape[1] = tp_shape[i][1] / (uint64_t)k->world;
+  uint64_t bytes;
+  FR_OK(ferry_tensor_nbytes(&k->desc[t], &bytes));
+  k->mem[t] = calloc(1, bytes);
+  k->bytes += bytes;
+}
+
+/* Rank `rank` of `world` attaches and binds its shards; norm (replicated) is bound whole with
+ * ferry_refit_bind, before the shards on even ranks and after them on odd ones. */
+static void tp_rank_open(tp_rank *k, const char *transports, const char *address, int rank,
+                         int world) {
+  char name[32];
+  snprintf(name, sizeof name, "tp-%d-of-%d", rank, world);
+  *k = (tp_rank){.ctx = ctx_for(name, transports), .rank = rank, .world = world};
+  FR_OK(ferry_refit_receiver_open(k->ctx, address, 5000, &k->rx));
+  tp_target(k, 0, (const int[]){0, 1, 2}, 3);
+  tp_target(k, 1, (const int[]){3}, 1);
+  tp_target(k, 2, (const int[]){4}, 1);
+  tp_target(k, 3, (const int[]){5}, 1);
+  k->desc[4] = (ferry_tensor_desc){.dtype = FERRY_DTYPE_F32, .ndim = 1, .shape = {40}};
+  k->mem[4] = calloc(40, 4);
+  k->bytes += 160;
+  if (rank % 2 == 0)
+    FR_OK(ferry_refit_bind(k->rx, "norm", k->mem[4], &k->desc[4]));
+  for (int t = 0; t < 4; t++)
+    FR_OK(ferry_refit_bind_pieces(k->rx, tp_targets[t], k->mem[t], &k->desc[t], k->pieces[t],
+                                  k->npieces[t]));
+  if (rank % 2 == 1)
+    FR_OK(ferry_refit_bind(k->rx, "norm", k->mem[4], &k->desc[4]));
+}
+
+static void tp_rank_close(tp_rank *k) {
+  ferry_refit_receiver_close(k->rx);
+  ferry_ctx_close(k->ctx);
+  for (int t = 0; t < TP_TARGETS; t++)
+    free(k->mem[t]);
+}
+
+/* Copies piece p's elements between the full tensor (wire bytes) and its place in a target:
+ * to_full puts them back where they came from. */
+static void tp_piece_copy(const ferry_refit_piece *p, uint8_t *full, uint8_t *part, bool to_full) {
+  int i = 0;
+  while (strcmp(tp_names[i], p->source) != 0)
+    i++;
+  uint64_t es = ferry_dtype_size(tp_wire(i)), cols = tp_shape[i][1] ? tp_shape[i][1] : 1;
+  uint64_t rows = tp_shape[i][0], n = (uint64_t)(p->stop - p->start);
+  uint64_t outer = p->dim == 0 ? 1 : rows, inner = p->dim == 0 ? cols * es : es;
+  uint64_t mid = p->dim == 0 ? rows : cols;
+  for (uint64_t o = 0; o < outer; o++) {
+    uint8_t *f = full + (o * mid + (uint64_t)p->start) * inner, *q = part + o * n * inner;
+    memcpy(to_full ? f : q, to_full ? q : f, n * inner);
+  }
+}
+
+/* Every rank's targets, put back together, equal the tensors the sender pushed; each replica of
+ * norm equals it too. */
+static void tp_expect(const tp_model *m, tp_rank *ranks, int world) {
+  uint8_t *recon[TPN];
+  for (int i = 0; i < TPN; i++)
+    recon[i] = calloc(1, m->wire_bytes[i]);
+  for (int r = 0; r < world; r++) {
+    tp_rank *k = &ranks[r];
+    for (int t = 0; t < 4; t++) {
+      uint8_t *at = k->mem[t];
+      for (size_t j = 0; j < k->npieces[t]; j++) {
+        const ferry_refit_piece *p = &k->pieces[t][j];
+        int i = 0;
+        while (strcmp(tp_names[i], p->source) != 0)
+          i++;
+        tp_piece_copy(p, recon[i], at, true);
+        uint64_t other = p->dim == 0 ? tp_shape[i][1] : tp_shape[i][0];
+        at += (uint64_t)(p->stop - p->start) * other * ferry_dtype_size(tp_wire(i));
+      }
+    }
+    if (memcmp(k->mem[4], m->wire[6], m->wire_bytes[6]) != 0)
+      fail_msg("rank %d of %d: norm differs", r, world);
+  }
+  for (int i = 0; i < 6; i++)
+    if (memcmp(recon[i], m->wire[i], m->wire_bytes[i]) != 0)
+      fail_msg("world %d: '%s' put together from the ranks differs from the sender's", world,
+               tp_names[i]);
+  for (int i = 0; i < TPN; i++)
+    free(recon[i]);
+}
+
+/* What one push reads per rank: exactly the bytes of its targets, and no more than 1/world of
+ * the sharded tensors plus the replicated one. */
+static void tp_expect_read(const tp_model *m, tp_rank *ranks, int world, const uint64_t *before) {
+  uint64_t sharded = 0;
+  for (int i = 0; i < 6; i++)
+    sharded += m->wire_bytes[i];
+  for (int r = 0; r < world; r++) {
+    uint64_t read = ferry_refit_bytes_read(ranks[r].rx) - before[r];
+    if (read != ranks[r].bytes || read > sharded / (uint64_t)world + m->wire_bytes[6])
+      fail_msg("rank %d of %d read %llu bytes in a push; its shards are %llu, 1/%d of the "
+               "sharded model is %llu",
+               r, world, (unsigned long long)read, (unsigned long long)ranks[r].bytes, world,
+               (unsigned long long)(sharded / (uint64_t)world));
+  }
+}
+
+/* The sender's flat wire buffer (each tensor aligned to FR_REFIT_ALIGN): what a full receiver
+ * reads in a push. */
+static uint64_t tp_total(const tp_model *m) {
+  uint64_t total = 0;
+  for (int i = 0; i < TPN; i++)
+    total += (m->wire_bytes[i] + FR_REFIT_ALIGN - 1) / FR_REFIT_ALIGN * FR_REFIT_ALIGN;
+  return total;
+}
+
+/* `world` ranks bind their shards; a full receiver beside them; pushes (every bucket twice, then
+ * with nothing changed and unchanged buckets skipped) land in every rank's slices and nowhere
+ * else; the full receiver reads the whole model. */
+static void tp_push(const char *transports, int world, ferry_refit_route route) {
+  tp_model m;
+  tp_init(&m, 3);
+  ferry_ctx *sc = ctx_for("trainer", transports), *fc = ctx_for("full", transports);
+  ferry_refit_sender *s = tp_sender(sc, &m);
+  tp_rank ranks[4];
+  for (int r = 0; r < world; r++)
+    tp_rank_open(&ranks[r], transports, ferry_ctx_address(sc), r, world);
+  ferry_refit_receiver *full = flat_receiver(fc, ferry_ctx_address(sc));
+  await_receivers(s, (size_t)world + 1);
+
+  uint64_t before[4] = {0};
+  ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = -1, .route = route};
+  for (uint64_t v = 1; v <= 3; v++) {
+    for (int r = 0; r < world; r++)
+      before[r] = ferry_refit_bytes_read(ranks[r].rx);
+    uint64_t full_before = ferry_refit_bytes_read(full);
+    tp_snapshot(&m);
+    po.skip_unchanged = v == 3;
+    FR_OK(ferry_refit_push(s, v, &po));
+    for (int r = 0; r < world; r++)
+      FR_OK(ferry_refit_wait(ranks[r].rx, v, 5000, NULL));
+    FR_OK(ferry_refit_wait(full, v, 5000, NULL));
+    tp_expect(&m, ranks, world);
+    if (v == 3) { /* nothing changed since version 2: every bucket skipped, nothing read */
+      for (int r = 0; r < world; r++)
+        assert_int_equal(ferry_refit_bytes_read(ranks[r].rx), before[r]);
+      assert_int_equal(ferry_refit_bytes_read(full), full_before);
+      break;
+    }
+    tp_expect_read(&m, ranks, world, before);
+    assert_int_equal(ferry_refit_bytes_read(full) - full_before, tp_total(&m)); /* all of it */
+    if (v == 1)
+      tp_bump(&m);
+  }
+  for (int r = 0; r < world; r++)
+    tp_rank_close(&ranks[r]);
+  ferry_refit_receiver_close(full);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(fc);
+  ferry_ctx_close(sc);
+  tp_free(&m);
+}
+
+/* The cross-host cases: tcp, or ucx where the suite runs over it (refit_test_ucx_tcp). */
+static const char *tp_remote(void) {
+  const char *t = getenv("FERRY_TRANSPORTS");
+  return t && strncmp(t, "ucx", 3) == 0 ? "ucx,tcp" : "tcp";
+}
+
+static void test_shards_2_shm(void **st) { tp_push("shm", 2, FERRY_REFIT_ROUTE_AUTO); }
+static void test_shards_4_shm(void **st) { tp_push("shm", 4, FERRY_REFIT_ROUTE_DIRECT); }
+static void test_shards_2_tcp(void **st) { tp_push(tp_remote(), 2, FERRY_REFIT_ROUTE_CHAIN); }
+static void test_shards_4_tcp(void **st) { tp_push(tp_remote(), 4, FERRY_REFIT_ROUTE_AUTO); }
+
+/* Ranks that attach after a push catch up to it at once, reading only their shards. */
+static void tp_late(const char *transports) {
+  tp_model m;
+  tp_init(&m, 9);
+  ferry_ctx *sc = ctx_for("trainer", transports);
+  ferry_refit_sender *s = tp_sender(sc, &m);
+  tp_snapshot(&m);
+  FR_OK(ferry_refit_push(s, 1, NULL)); /* nobody attached */
+  tp_bump(&m);                         /* the trainer moves on */
+  tp_rank ranks[2];
+  uint64_t before[2] = {0};
+  for (int r = 0; r < 2; r++) {
+    tp_rank_open(&ranks[r], transports, ferry_ctx_address(sc), r, 2);
+    uint64_t have = 0;
+    FR_OK(ferry_refit_wait(ranks[r].rx, 1, 10000, &have));
+    assert_int_equal(have, 1);
+  }
+  tp_expect(&m, ranks, 2); /* version 1's bytes (the snapshot), not the trainer's now */
+  tp_expect_read(&m, ranks, 2, before);
+  for (int r = 0; r < 2; r++)
+    before[r] = ferry_refit_bytes_read(ranks[r].rx);
+  tp_snapshot(&m);
+  FR_OK(ferry_refit_push(s, 2, NULL));
+  for (int r = 0; r < 2; r++)
+    FR_OK(ferry_refit_wait(ranks[r].rx, 2, 5000, NULL));
+  tp_expect(&m, ranks, 2);
+  tp_expect_read(&m, ranks, 2, before);
+  for (int r = 0; r < 2; r++)
+    tp_rank_close(&ranks[r]);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(sc);
+  tp_free(&m);
+}
+
+static void test_shards_late_join_shm(void **st) { tp_late("shm"); }
+static void test_shards_late_join_tcp(void **st) { tp_late(tp_remote()); }
+
+static void flip_first_byte(uint32_t bucket, uint8_t *bytes, uint64_t len) {
+  if (bucket == 0 && len > 0)
+    bytes[0] ^= 0x10;
+}
+
+/* A byte flipped after the sender hashed it (bucket 0: q's first row, rank 0's) fails rank 0's
+ * version, whose slices hold it; rank 1 never reads that byte and commits what it verified. */
+static void test_shards_corrupt(void **st) {
+  tp_model m;
+  tp_init(&m, 11);
+  ferry_ctx *sc = ctx_for("trainer", "shm");
+  ferry_refit_sender *s = tp_sender(sc, &m);
+  tp_rank ranks[2];
+  for (int r = 0; r < 2; r++)
+    tp_rank_open(&ranks[r], "shm", ferry_ctx_address(sc), r, 2);
+  await_receivers(s, 2);
+  fr_refit_test_corrupt = flip_first_byte;
+  assert_int_equal(ferry_refit_push(s, 1, NULL), FERRY_ECHECKSUM);
+  fr_refit_test_corrupt = NULL;
+  assert_non_null(strstr(ferry_last_error(), "tp-0-of-2"));
+  assert_null(strstr(ferry_last_error(), "tp-1-of-2"));
+  assert_int_equal(ferry_refit_committed(ranks[0].rx), 0);
+  FR_OK(ferry_refit_wait(ranks[1].rx, 1, 5000, NULL));
+  tp_snapshot(&m);
+  FR_OK(ferry_refit_push(s, 2, NULL));
+  for (int r = 0; r < 2; r++)
+    FR_OK(ferry_refit_wait(ranks[r].rx, 2, 5000, NULL));
+  tp_expect(&m, ranks, 2);
+  for (int r = 0; r < 2; r++)
+    tp_rank_close(&ranks[r]);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(sc);
+  tp_free(&m);
+}
+
+/* The sender takes a shard reader's sums chunk by chunk while it packs (fr_refit_view_feed):
+ * whatever the windows, the sums equal those of the whole bucket (fr_refit_view_sum), also for
+ * runs that cross windows and targets whose runs overlap. */
+static void test_shards_feed_windows(void **st) {
+  fr_refit_entry e[2] = {
+      {.name = "a", .desc = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {600, 1000}}},
+      {.name = "b", .desc = {.dtype = FERRY_DTYPE_BF16, .ndim = 3, .shape = {7, 300, 90}}}};
+  fr_refit_plan plan = {.entries = e, .count = 2};
+  FR_OK(fr_refit_plan_build(&plan, 1u << 20));
+  fr_refit_piece a1[] = {{0, 1, 100, 350}, {1, 2, 10, 40}};
+  fr_refit_piece a2[] = {{0, 0, 50, 400}, {0, 1, 300, 301}, {1, 1, 0, 150}};
+  fr_refit_target t[2] = {{2, a1, NULL}, {3, a2, NULL}};
+  fr_refit_view *v;
+  FR_OK(fr_refit_view_build(&plan, t, 2, 1, &v));
+  uint8_t *bucket = malloc(plan.bucket_bytes);
+  const uint64_t windows[] = {FR_REFIT_CHUNK, 1000, 4093};
+  for (uint32_t b = 0; b < plan.buckets; b++) {
+    uint64_t len = fr_refit_bucket_len(&plan, b);
+    tu_fill(bucket, len, b + 1);
+    uint64_t want = fr_refit_view_sum(&plan, v, b, bucket);
+    for (size_t w = 0; w < 3; w++) {
+      fr_refit_feed f;
+      fr_refit_view_feed_begin(&f, v, b);
+      for (uint64_t lo = 0; lo < len; lo += windows[w])
+        fr_refit_view_feed(&plan, &f, b, lo, len - lo < windows[w] ? len - lo : windows[w], bucket);
+      assert_int_equal(fr_hash_end(f.h), want);
+    }
+  }
+  free(bucket);
+  fr_refit_view_free(v);
+}
+
+/* The sender re-seals with o narrowed to 32 columns and a tensor more: rank 0's slice of o
+ * (columns 0:32) still fits and carries over with its other targets, rank 1's (32:64) does not
+ * and fails that version naming it until bound again; then both read only their slices again. */
+static void test_shards_reseal(void **st) {
+  tp_model m;
+  tp_init(&m, 13);
+  ferry_ctx *sc = ctx_for("trainer", "shm");
+  ferry_refit_sender *s = tp_sender(sc, &m);
+  tp_rank ranks[2];
+  for (int r = 0; r < 2; r++)
+    tp_rank_open(&ranks[r], "shm", ferry_ctx_address(sc), r, 2);
+  await_receivers(s, 2);
+  FR_OK(ferry_refit_push(s, 1, NULL));
+  for (int r = 0; r < 2; r++)
+    FR_OK(ferry_refit_wait(ranks[r].rx, 1, 5000, NULL));
+
+  ferry_tensor_desc od = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {40, 32}};
+  float *o = calloc(40 * 32, sizeof *o), extra[8] = {1, 2, 3};
+  for (int i = 0; i < 40 * 32; i++)
+    o[i] = (float)i;
+  ferry_tensor_desc xd = {.dtype = FERRY_DTYPE_F32, .ndim = 1, .shape = {8}};
+  FR_OK(ferry_refit_declare(s, "o", &od, o, FERRY_DTYPE_INVALID));
+  FR_OK(ferry_refit_declare(s, "extra", &xd, extra, FERRY_DTYPE_INVALID));
+  FR_OK(ferry_refit_seal(s));
+  tp_snapshot(&m);
+  assert_int_equal(ferry_refit_push(s, 2, NULL), FERRY_ESHAPE);
+  assert_non_null(strstr(ferry_last_error(), "tp-1-of-2"));
+  assert_null(strstr(ferry_last_error(), "tp-0-of-2"));
+  FR_OK(ferry_refit_wait(ranks[0].rx, 2, 5000, NULL));
+  assert_memory_equal(ranks[0].mem[1], o, 40 * 32 * 4); /* all of the new o */
+  assert_int_equal(ferry_refit_wait(ranks[1].rx, 2, 200, NULL), FERRY_ETIMEDOUT);
+  assert_non_null(strstr(ferry_last_error(), "'o'"));
+
+  ferry_refit_piece half = {"o", 1, 16, 32};
+  ferry_tensor_desc hd = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {40, 16}};
+  float *mine = calloc(40 * 16, sizeof *mine);
+  FR_OK(ferry_refit_bind_pieces(ranks[1].rx, "o", mine, &hd, &half, 1));
+  uint64_t before[2];
+  for (int r = 0; r < 2; r++)
+    before[r] = ferry_refit_bytes_read(ranks[r].rx);
+  o[40 * 32 - 1] = -1.0f;
+  FR_OK(ferry_refit_push(s, 3, NULL));
+  for (int r = 0; r < 2; r++)
+    FR_OK(ferry_refit_wait(ranks[r].rx, 3, 5000, NULL));
+  assert_memory_equal(ranks[0].mem[1], o, 40 * 32 * 4);
+  for (int row = 0; row < 40; row++)
+    assert_memory_equal(mine + row * 16, o + row * 32 + 16, 16 * 4);
+  for (int r = 0; r < 2; r++) { /* up (rows), as the other carried-over targets */
+    uint64_t bytes = 64 * 40 * 2;
+    assert_memory_equal(ranks[r].mem[2], m.wire[4] + (uint64_t)r * bytes, bytes);
+  }
+  /* both declared their targets for the new generation: only their slices were read */
+  uint64_t o_bytes[2] = {40 * 32 * 4, 40 * 16 * 4}, o_old = 40 * 32 * 4;
+  for (int r = 0; r < 2; r++)
+    assert_int_equal(ferry_refit_bytes_read(ranks[r].rx) - before[r],
+                     ranks[r].bytes - o_old + o_bytes[r]);
+  for (int r = 0; r < 2; r++)
+    tp_rank_close(&ranks[r]);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(sc);
+  free(o);
+  free(mine);
+  tp_free(&m);
+}
+
+/* A shard binding that does not fit is refused, naming the target and the piece. */
+static void expect_bind_error(ferry_refit_receiver *rx, const char *target,
+                              const ferry_tensor_desc *d, const ferry_refit_piece *p, size_t n,
+                              int status, const char *says) {
+  static float mem[128 * 128];
+  assert_int_equal(ferry_refit_bind_pieces(rx, target, mem, d, p, n), status);
+  if (!strstr(ferry_last_error(), says))
+    fail_msg("error '%s' does not say '%s'", ferry_last_error(), says);
+}
+
+static void test_shards_bind_errors(void **st) {
+  tp_model m;
+  tp_init(&m, 5);
+  ferry_ctx *sc = ctx_for("trainer", "shm"), *rc = ctx_for("rank", "shm");
+  ferry_refit_sender *s = tp_sender(sc, &m);
+  ferry_refit_receiver *rx;
+  FR_OK(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &rx));
+  ferry_tensor_desc d = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {40, 16}};
+  ferry_refit_piece o_cols = {"o", 1, 60, 70}; /* o has 64 columns */
+  expect_bind_error(rx, "o", &d, &o_cols, 1, FERRY_ESHAPE, "piece 0 ('o' dim 1 [60:70])");
+  ferry_refit_piece o_dim = {"o", 2, 0, 4};
+  expect_bind_error(rx, "o", &d, &o_dim, 1, FERRY_ESHAPE, "no dim 2");
+  ferry_refit_piece nothing = {"nothing", 0, 0, 4};
+  expect_bind_error(rx, "x", &d, &nothing, 1, FERRY_ENOTFOUND, "no tensor 'nothing'");
+  ferry_refit_piece neg = {"o", 1, -4, 4};
+  expect_bind_error(rx, "o", &d, &neg, 1, FERRY_ESHAPE, "piece 0 ('o' dim 1 [-4:4])");
+  /* fused: k's rows have 40 columns, o's 64: piece 1 does not fit along dim 0 */
+  ferry_tensor_desc qkv = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {48, 40}};
+  ferry_refit_piece mixed[2] = {{"q", 0, 0, 32}, {"o", 0, 0, 16}};
+  expect_bind_error(rx, "qkv", &qkv, mixed, 2, FERRY_ESHAPE, "piece 1 ('o' dim 0 [0:16])");
+  ferry_refit_piece short_rows[2] = {{"q", 0, 0, 32}, {"k", 0, 0, 8}};
+  expect_bind_error(rx, "qkv", &qkv, short_rows, 2, FERRY_ESHAPE, "fill 40 of its 48 rows");
+  ferry_refit_piece up = {"up", 0, 0, 48}; /* up arrives as bfloat16 */
+  expect_bind_error(rx, "up", &qkv, &up, 1, FERRY_EDTYPE, "arrives as bfloat16");
+  /* nothing was bound: a fitting binding still works, and then a flat buffer is refused */
+  ferry_refit_piece o_ok = {"o", 1, 16, 32};
+  static float o_mem[40 * 16];
+  FR_OK(ferry_refit_bind_pieces(rx, "o", o_mem, &d, &o_ok, 1));
+  assert_int_equal(ferry_refit_bind_flat(rx), FERRY_ESTATE);
+  ferry_refit_receiver_close(rx);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(rc);
+  ferry_ctx_close(sc);
+  tp_free(&m);
+}
+
 int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
   if (argc == 5 && strcmp(argv[1], "--receiver") == 0)
@@ -1107,6 +1715,17 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_late_join_no_retain),
       cmocka_unit_test(test_late_join_during_push),
       cmocka_unit_test(test_late_join_process),
+      cmocka_unit_test(test_bucket_and_commit_callbacks),
+      cmocka_unit_test(test_shards_2_shm),
+      cmocka_unit_test(test_shards_4_shm),
+      cmocka_unit_test(test_shards_2_tcp),
+      cmocka_unit_test(test_shards_4_tcp),
+      cmocka_unit_test(test_shards_late_join_shm),
+      cmocka_unit_test(test_shards_late_join_tcp),
+      cmocka_unit_test(test_shards_bind_errors),
+      cmocka_unit_test(test_shards_corrupt),
+      cmocka_unit_test(test_shards_reseal),
+      cmocka_unit_test(test_shards_feed_windows),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

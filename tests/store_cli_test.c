@@ -1,7 +1,8 @@
 /*
  * The store commands end to end: `ferry serve` in the background, then put/get/ls/stat/rm
  * through the real binary (FERRY_CLI, set by ctest), checking bytes, output, .npy round trips,
- * exit codes and one-line errors; and what a client says when no directory is running.
+ * exit codes and one-line errors; what a client says when no directory is running; and `ferry
+ * top`'s frame and JSON of that fleet.
  */
 #include "storeutil.h"
 
@@ -296,6 +297,10 @@ static void test_options(void **state) {
   assert_true(one_line("err.txt", "--max-size"));
   assert_int_equal(run("%s bench mq --min-size=abc 2> err.txt", cli), 2);
   assert_true(one_line("err.txt", "--min-size"));
+  assert_int_equal(run("%s bench control --pace -1 2> err.txt", cli), 2);
+  assert_true(one_line("err.txt", "--pace"));
+  assert_int_equal(run("%s bench control --pace 10001 2> err.txt", cli), 2);
+  assert_true(one_line("err.txt", "--pace"));
   /* strays, missing values and missing operands */
   assert_int_equal(run("%s ls r/ extra > out.txt 2> err.txt", cli), 2);
   assert_true(one_line("err.txt", "ferry ls: unexpected argument 'extra' (ferry ls --help)"));
@@ -315,6 +320,28 @@ static void test_options(void **state) {
   assert_true(one_line("err.txt", "--json needs a FILE"));
   assert_int_equal(run("%s bench nonsense 2> err.txt", cli), 2);
   assert_true(one_line("err.txt", "unknown mode 'nonsense'"));
+}
+
+/* `ferry bench` execs the benchmarks' program (bench/, ferry-bench, beside ferry here) with its
+ * arguments, and its exit status is that program's; without the program it says so in one line
+ * and exits 3. Only that program links nng and ZeroMQ, never the ferry command. */
+static void test_bench_program(void **state) {
+  static const char fake[] = "#!/bin/sh\necho \"args: $*\"\nexit 4\n";
+  write_file("fake-bench", fake, strlen(fake));
+  assert_int_equal(run("chmod +x fake-bench"), 0);
+  assert_int_equal(run("FERRY_BENCH_BIN=./fake-bench %s bench link --json 'a b' > out.txt", cli),
+                   4);
+  assert_true(one_line("out.txt", "args: bench link --json a b"));
+  assert_int_equal(run("FERRY_BENCH_BIN=./none %s bench link > out.txt 2> err.txt", cli), 3);
+  assert_true(one_line("err.txt", "FERRY_BENCH_BIN=./none"));
+  assert_int_equal(run("FERRY_BENCH_BIN=%s %s bench link > out.txt 2> err.txt", cli, cli), 1);
+  assert_true(one_line("err.txt", "the ferry command itself")); /* not an exec loop */
+  /* a ferry with no ferry-bench beside it or in ../libexec/ferry */
+  assert_int_equal(run("mkdir -p alone && cp %s alone/ferry", cli), 0);
+  assert_int_equal(run("env -u FERRY_BENCH_BIN alone/ferry bench --help > out.txt 2> err.txt"), 3);
+  assert_true(one_line("err.txt", "not built or not installed"));
+  assert_int_equal(run("ldd %s > ldd.txt", cli), 0);
+  assert_int_equal(run("grep -E 'libnng|libzmq' ldd.txt"), 1);
 }
 
 /* --json on serve, put, get, ls, stat, info and rm parses, with the fields they promise; rm of
@@ -583,6 +610,67 @@ static void test_redis_directory(void **state) {
   su_redis_stop(&r);
 }
 
+/* `ferry top`: one frame (--once) and the snapshot (--json) of a fleet with keys under two
+ * prefixes and a control cell; usage errors; a directory that does not answer. */
+static void test_top(void **state) {
+  int port = su_free_port();
+  char url[64];
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  setenv("FERRY_DIRECTORY", "ferry://127.0.0.1:1", 1); /* every command below names --directory */
+  char ctl_dir[300];
+  snprintf(ctl_dir, sizeof ctl_dir, "%s/ctl", tmpdir);
+  mkdir(ctl_dir, 0700);
+  setenv("FERRY_CTL_DIR", ctl_dir, 1);
+  ferry_ctl_cell *cell = NULL;
+  assert_int_equal(ferry_ctl_cell_create("top-cell", 2, NULL, &cell), 0);
+  pid_t serve = start_serve_to(port, "1M", "serve.json");
+  uint8_t data[2048];
+  tu_fill(data, sizeof data, 3);
+  write_file("a.bin", data, 2048);
+  write_file("b.bin", data, 1024);
+  write_file("c.bin", data, 100);
+  assert_int_equal(run("%s put --directory %s ckpt/a a.bin && %s put --directory %s ckpt/b b.bin "
+                       "&& %s put --directory %s log/c c.bin",
+                       cli, url, cli, url, cli, url),
+                   0);
+  assert_int_equal(run("%s top --json --directory %s > top.json", cli, url), 0);
+  assert_true(json_check(
+      "top.json",
+      "len(d) == 1 and [(p[\"prefix\"], p[\"keys\"], p[\"bytes\"]) for p in "
+      "d[0][\"store\"][\"prefixes\"]] "
+      "== [(\"ckpt/\", 2, 3072), (\"log/\", 1, 100)] and d[0][\"store\"][\"keys\"] == 3 and "
+      "[n[\"name\"] for n in d[0][\"nodes\"]] == [json.load(open(\"serve.json\"))[\"node\"]] and "
+      "d[0][\"nodes\"][0][\"reached\"] and d[0][\"nodes\"][0][\"store\"][\"objects\"] == 3 and "
+      "d[0][\"nodes\"][0][\"store\"][\"pool_capacity_bytes\"] == 1048576 and "
+      "[c[\"name\"] for c in d[0][\"control\"][\"cells\"]] == [\"top-cell\"] and "
+      "d[0][\"control\"][\"cells\"][0][\"ranks\"] == 2 and d[0][\"refit\"] == [] and d[0][\"mq\"] "
+      "== []"));
+  assert_int_equal(run("%s top --once --directory=%s > top.txt", cli, url), 0);
+  assert_true(file_has("top.txt", "ferry top: directory ferry://127.0.0.1:"));
+  assert_true(file_has("top.txt", "STORE: 3 keys, 3.1 KiB"));
+  assert_int_equal(run("grep -Eq '^  ckpt/ +2 +3.0 KiB  ' top.txt"), 0);
+  assert_int_equal(run("grep -Eq '^  log/ +1 +100 B  ' top.txt"), 0);
+  assert_int_equal(run("grep -Eq '^  top-cell ' top.txt"), 0);
+  size_t frame_len = 0;
+  char *frame = slurp("top.txt", &frame_len);
+  assert_true(frame && !strchr(frame, '\033')); /* not a tty: no escape sequences */
+  free(frame);
+  assert_int_equal(run("%s top --help > help.txt", cli), 0);
+  assert_true(file_has("help.txt", "usage: ferry top"));
+  assert_int_equal(run("%s top --interval 0.01 --directory %s 2> err.txt", cli, url), 2);
+  assert_true(one_line("err.txt", "--interval"));
+  assert_int_equal(run("%s top extra --directory %s 2> err.txt", cli, url), 2);
+  assert_true(one_line("err.txt", "ferry top"));
+  char down[64];
+  snprintf(down, sizeof down, "ferry://127.0.0.1:%d", su_free_port());
+  assert_int_equal(run("%s top --once --directory %s 2> err.txt", cli, down), 5);
+  assert_true(one_line("err.txt", "ferry top: cannot reach the directory"));
+  kill(serve, SIGTERM);
+  assert_int_equal(tu_wait(serve), 0);
+  ferry_ctl_cell_close(cell);
+  unsetenv("FERRY_CTL_DIR");
+}
+
 int main(void) {
   const char *env = getenv("FERRY_CLI");
   if (env) {
@@ -596,10 +684,16 @@ int main(void) {
   snprintf(tmpdir, sizeof tmpdir, "/tmp/ferry-cli-test-XXXXXX");
   assert_non_null(mkdtemp(tmpdir));
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_commands),          cmocka_unit_test(test_options),
-      cmocka_unit_test(test_json_and_rm_all),   cmocka_unit_test(test_npy),
-      cmocka_unit_test(test_npy_numpy),         cmocka_unit_test(test_progress),
-      cmocka_unit_test(test_no_directory),      cmocka_unit_test(test_redis_directory),
+      cmocka_unit_test(test_commands),
+      cmocka_unit_test(test_options),
+      cmocka_unit_test(test_json_and_rm_all),
+      cmocka_unit_test(test_npy),
+      cmocka_unit_test(test_npy_numpy),
+      cmocka_unit_test(test_progress),
+      cmocka_unit_test(test_no_directory),
+      cmocka_unit_test(test_redis_directory),
+      cmocka_unit_test(test_top),
+      cmocka_unit_test(test_bench_program),
       cmocka_unit_test(test_idle_serve_sleeps),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */

@@ -10,6 +10,7 @@
  * deadlines. Helper roles re-run this binary inside namespaces (`--role ...`).
  */
 // ferry-test: threaded
+#include "bench/netns.h"
 #include "storeutil.h"
 
 #include <errno.h>
@@ -412,11 +413,58 @@ static void check_views(pair *p) {
   free(dst);
 }
 
+/* Memory published in place that its owner freed while still publishing it: every reader (a
+ * get, a view, a batch item, the owner's own get) fails at once with FERRY_EFREED naming the
+ * owner, where it used to retry until its timeout and then blame a replace. The timeout given
+ * is far longer than the test needs: a reader that retried would end in FERRY_ESTALE instead.
+ * An ordinary in-place replace followed by a free of the old buffer still reads the new bytes. */
+static void check_freed(pair *p) {
+  enum { N = 16 * 1024, WAIT_MS = 20000 };
+  ferry_tensor_desc d = u8_desc(16, 1024);
+  uint8_t *dst = malloc(N);
+  void *mem, *next;
+  FR_OK(ferry_alloc(p->ca, N, &mem));
+  tu_fill(mem, N, 41);
+  FR_OK(ferry_store_put(p->a, "f/freed", &d, mem, 0, -1));
+  FR_OK(ferry_store_get(p->b, "f/freed", &d, dst, N, NULL, -1)); /* the reader mapped it */
+  assert_true(pattern_ok(dst, N, 41));
+  FR_OK(ferry_free(p->ca, mem));
+  assert_int_equal(ferry_store_get(p->b, "f/freed", &d, dst, N, NULL, WAIT_MS), FERRY_EFREED);
+  assert_non_null(strstr(ferry_last_error(), "owner 'node-a' freed"));
+  const void *bytes = NULL;
+  ferry_store_view *v = NULL;
+  assert_int_equal(ferry_store_get_view(p->b, "f/freed", &bytes, NULL, &v, WAIT_MS), FERRY_EFREED);
+  assert_null(v);
+  assert_non_null(strstr(ferry_last_error(), "'node-a'"));
+  ferry_store_item item = {.key = "f/freed", .dst = dst, .cap = N};
+  assert_int_equal(ferry_store_get_batch(p->b, &item, 1, WAIT_MS), FERRY_EFREED);
+  assert_int_equal(item.status, FERRY_EFREED);
+  assert_int_equal(ferry_store_get(p->a, "f/freed", &d, dst, N, NULL, WAIT_MS), FERRY_EFREED);
+  assert_int_equal(ferry_store_get_view(p->a, "f/freed", &bytes, NULL, &v, WAIT_MS), FERRY_EFREED);
+  FR_OK(ferry_store_delete(p->a, "f/freed", -1)); /* the owner can still take the key back */
+  assert_int_equal(ferry_store_get(p->b, "f/freed", &d, dst, N, NULL, -1), FERRY_ENOTFOUND);
+  /* replaced, then freed: the reader gets the new version, never an error */
+  FR_OK(ferry_alloc(p->ca, N, &mem));
+  FR_OK(ferry_alloc(p->ca, N, &next));
+  tu_fill(mem, N, 42);
+  FR_OK(ferry_store_put(p->a, "f/moved", &d, mem, 0, -1));
+  FR_OK(ferry_store_get(p->b, "f/moved", &d, dst, N, NULL, -1));
+  tu_fill(next, N, 43);
+  FR_OK(ferry_store_put(p->a, "f/moved", &d, next, 0, -1));
+  FR_OK(ferry_free(p->ca, mem));
+  FR_OK(ferry_store_get(p->b, "f/moved", &d, dst, N, NULL, -1));
+  assert_true(pattern_ok(dst, N, 43));
+  FR_OK(ferry_store_delete(p->a, "f/moved", -1));
+  FR_OK(ferry_free(p->ca, next));
+  free(dst);
+}
+
 static void run_suite(const char *url) {
   pair p;
   pair_open(&p, url);
   check_put_get(&p);
   check_views(&p);
+  check_freed(&p);
   check_bookkeeping(&p);
   check_bad_input(&p);
   check_batch(&p);
@@ -1095,50 +1143,25 @@ static void test_directory_restart(void **state) {
   check_directory_restart(true);
 }
 
-/* ---- across network namespaces, over tcp ---- */
+/* ---- across network namespaces (bench/netns.h), over tcp ---- */
 
-#define NS_A "ferry-st-a"
-#define NS_B "ferry-st-b"
-#define IP_A "10.231.7.1"
-#define IP_B "10.231.7.2"
+#define NS_TAG "st"
+#define NS_NET "10.231.7"
+#define NS_A NETNS_HOST(NS_TAG, 1)
+#define NS_B NETNS_HOST(NS_TAG, 2)
+#define IP_A NETNS_IP(NS_NET, 1)
+#define IP_B NETNS_IP(NS_NET, 2)
 #define NS_PORT "7791"
 
-static int sh(const char *cmd) {
-  char full[512];
-  snprintf(full, sizeof full, "%s >/dev/null 2>&1", cmd);
-  return system(full);
-}
-
-static void netns_down(void) {
-  sh("ip netns del " NS_A);
-  sh("ip netns del " NS_B);
-}
-
-static bool netns_up(void) {
-  netns_down();
-  const char *cmds[] = {
-      "ip netns add " NS_A,
-      "ip netns add " NS_B,
-      "ip link add fst-a type veth peer name fst-b",
-      "ip link set fst-a netns " NS_A,
-      "ip link set fst-b netns " NS_B,
-      "ip -n " NS_A " addr add " IP_A "/30 dev fst-a",
-      "ip -n " NS_B " addr add " IP_B "/30 dev fst-b",
-      "ip -n " NS_A " link set fst-a up",
-      "ip -n " NS_B " link set fst-b up",
-      "ip -n " NS_A " link set lo up",
-      "ip -n " NS_B " link set lo up",
-  };
-  for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
-    if (sh(cmds[i]) != 0) {
-      netns_down();
-      /* root has CAP_NET_ADMIN, so there the failure is a missing iproute2 or a broken set-up */
-      tu_skip(tu_netns_skip_why(),
-              "netns part: `%s` failed (needs root, CAP_NET_ADMIN, iproute2, and / a mount point)",
-              cmds[i]);
-      return false;
-    }
-  return true;
+static bool hosts_up(void) {
+  char failed[512];
+  if (netns_up(NS_TAG, NS_NET, 2, NULL, failed, sizeof failed))
+    return true;
+  /* root has CAP_NET_ADMIN, so there the failure is a missing iproute2 or a broken set-up */
+  tu_skip(tu_netns_skip_why(),
+          "netns part: `%s` failed (needs root, CAP_NET_ADMIN, iproute2, and / a mount point)",
+          failed);
+  return false;
 }
 
 /* In NS_A: host the directory, publish, wait for stdin to close. */
@@ -1200,7 +1223,7 @@ static int role_reader(void) {
 }
 
 static void test_netns(void **state) {
-  if (!netns_up())
+  if (!hosts_up())
     return;
   char cmd[8192];
   snprintf(cmd, sizeof cmd, "ip netns exec " NS_A " %s --role owner", self_exe);
@@ -1214,7 +1237,7 @@ static void test_netns(void **state) {
            self_exe);
   int rc = system(cmd);
   pclose(owner);
-  netns_down();
+  netns_down(NS_TAG, 2);
   assert_int_equal(WEXITSTATUS(rc), 0);
 }
 

@@ -20,6 +20,7 @@ from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .store import Store, StoreView
 from .refit import RefitReceiver, RefitSender
+from .refit import Piece, tp_shards  # shards of a tensor-parallel rank
 from .control import Control, ControlCell, ControlRank
 from .mq import MQ
 from . import p2pstore  # noqa: F401
@@ -32,6 +33,7 @@ library_path: str = _lib.path  # the libferry.so this process loaded
 __all__ = ["Store", "StoreView", "MQ", "p2pstore", "aio", "RefitSender", "RefitReceiver", "Control", "ControlRank",
            "ControlCell", "Context", "default_context", "empty", "set_log_level", "version",
            "library_path", "stats", "prometheus", "readiness"] + [n for n in _errors_all if n not in ("check", "raise_status")]
+__all__ += ["Piece", "tp_shards"]
 
 logger = logging.getLogger("ferry")
 

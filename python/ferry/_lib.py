@@ -7,6 +7,7 @@ GIL around every call, so a blocking get or put lets other Python threads run.
 import ctypes
 import ctypes.util
 import os
+from typing import Any, List, Optional, Tuple, Union
 
 __all__ = ["lib", "path", "MAX_DIMS", "STORE_KEY_MAX", "STORE_NAME_MAX"]
 
@@ -22,7 +23,7 @@ STORE_PUT_COPY = 1
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _candidates():
+def _candidates() -> List[str]:
     env = os.environ.get("FERRY_LIB")
     if env:
         # An explicit choice is the only one: silently falling back would hide a wrong path.
@@ -43,7 +44,7 @@ def _candidates():
     return out
 
 
-def _load():
+def _load() -> Tuple[ctypes.CDLL, str]:
     errors = []
     for cand in _candidates():
         if os.sep in cand and not os.path.exists(cand):
@@ -63,12 +64,12 @@ c_int, c_uint32, c_uint64, c_size_t = ctypes.c_int, ctypes.c_uint32, ctypes.c_ui
 c_char_p, c_void_p, POINTER, byref = ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER, ctypes.byref
 
 
-def timeout_ms(timeout):
+def timeout_ms(timeout: Optional[float]) -> int:
     """Seconds (None: FERRY_TIMEOUT_MS) to the C library's milliseconds (-1: its default)."""
     return -1 if timeout is None else max(0, int(timeout * 1000))
 
 
-def encoded(value, what):
+def encoded(value: Optional[Union[str, bytes]], what: str) -> Optional[bytes]:
     """A str or bytes argument (a key, a topic, a name, an address) as the bytes the C library
     takes, or None for None. The C library sees a string up to its first NUL, so a NUL inside
     would silently cut it ("abc\\x00evil" would be "abc"): refused here with the C library's own
@@ -79,7 +80,9 @@ def encoded(value, what):
     if isinstance(value, str):
         value = value.encode()
     elif not isinstance(value, bytes):
-        raise TypeError("ferry: %s must be str, not %s" % (what, type(value).__name__))
+        raise TypeError("ferry: %s must be a str (or bytes), not %s: pass str(%s)"
+                        % (what, type(value).__name__, "x" if len(repr(value)) > 40
+                           else repr(value)))
     at = value.find(b"\0")
     if at >= 0:
         from .errors import InvalidArgument
@@ -91,13 +94,13 @@ class Closing:
     """For handles: `with` closes them, and so does garbage collection (errors swallowed there).
     A subclass defines close(), which must be safe to call twice."""
 
-    def __enter__(self):
+    def __enter__(self) -> Any:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.close()
         except Exception:

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Dict, List, Optional, TextIO, Tuple
 
 import numpy as np
 
@@ -254,7 +255,9 @@ ORDER = [("routing/put", "np.save"), ("routing/put", "torch.save"),
          ("routing/get", "torch.load"), ("routing/get", "ferry CLI (C)")]
 
 
-def report(rows, as_json, out=sys.stdout):
+def report(rows: List[Tuple[str, str, float]], as_json: bool, out: TextIO = sys.stdout) -> None:
+    """Prints the routing replay's rows (case, impl, seconds): a table of medians, or one JSON
+    object per line, then the targets of issue 6 and the ratios."""
     by = {(c, i): v for c, i, v in rows}
     if not as_json:
         print("ferry bench store --python (per-request medians; vs base = base median / row "
@@ -321,14 +324,17 @@ def report(rows, as_json, out=sys.stdout):
         print(("  %-46s %10.2f %s" % (name, value, unit)).rstrip(), file=out)
 
 
-def view_bench(mib=11, reps=50, out=sys.stdout):
-    """Store.get_view vs Store.get vs np.load (page cache) of one `mib` MiB array, same host:
-    the median seconds of each and the ratio np.load / get_view."""
+def view_bench(mib: int = 11, reps: int = 50, out: TextIO = sys.stdout) -> Dict[str, float]:
+    """Store.get_view vs Store.get vs np.load (page cache) of one `mib` MiB array, same host,
+    and the C view (ferry_store_get_view + release through ctypes with prebuilt arguments: the
+    floor under the wrapper), interleaved in each of `reps` rounds: the median seconds of each
+    and the ratio np.load / get_view."""
     import tempfile
     import time
-    from .store import Store
+    from . import _lib
+    from .store import Store, _declare_view
     arr = np.arange((mib << 20) // 4, dtype=np.int32)
-    times = {"get_view": [], "get": [], "np.load": []}
+    times: Dict[str, List[float]] = {"get_view": [], "C view": [], "get": [], "np.load": []}
     with Store(host_directory=True, name="bench-view-owner", timeout=10) as owner, \
             Store(owner.directory, name="bench-view-reader", timeout=10) as reader, \
             tempfile.TemporaryDirectory() as d:
@@ -336,18 +342,30 @@ def view_bench(mib=11, reps=50, out=sys.stdout):
         path = os.path.join(d, "r.npy")
         np.save(path, arr)
         np.load(path)  # in the page cache from here on
+        _declare_view()
+        lib, h, byref = _lib.lib, reader.handle, ctypes.byref
+        info = _lib.StoreInfo()
+        info.size = ctypes.sizeof(info)
+        data, view = ctypes.c_void_p(), ctypes.c_void_p()
+        args = (h, b"r", byref(data), byref(info), byref(view), 10000)
         for _ in range(reps):
             t = time.perf_counter()
             with reader.get_view("r") as v:
                 v[-1]
             times["get_view"].append(time.perf_counter() - t)
             t = time.perf_counter()
+            rc = lib.ferry_store_get_view(*args)
+            lib.ferry_store_view_release(view)
+            times["C view"].append(time.perf_counter() - t)
+            if rc != 0:
+                raise RuntimeError("ferry_store_get_view: %d" % rc)
+            t = time.perf_counter()
             reader.get("r")
             times["get"].append(time.perf_counter() - t)
             t = time.perf_counter()
             np.load(path)
             times["np.load"].append(time.perf_counter() - t)
-    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in times.items()}
     print("store view of %d MiB from another node on this host (median of %d):" % (mib, reps),
           file=out)
     for k, v in med.items():
@@ -356,7 +374,8 @@ def view_bench(mib=11, reps=50, out=sys.stdout):
     return med
 
 
-def main(argv=None):
+def main(argv: Optional[List[str]] = None) -> None:
+    """python3 -m ferry.bench store|view [options] (see --help)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_directory":
         return _directory_main()
@@ -369,17 +388,19 @@ def main(argv=None):
     p.add_argument("what", choices=["store", "view"],
                    help="store: the routing replay workload; view: get_view vs get vs np.load")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
-    p.add_argument("--reps", type=int, default=37, help="requests (default 37)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="requests (store; default 37) or reads of each kind (view; default 50)")
     p.add_argument("--no-baselines", action="store_true", help="skip np/torch files")
     p.add_argument("--cli", metavar="PATH", help="also run PATH bench store --json")
     a = p.parse_args(argv)
     if a.what == "view":
-        view_bench()
+        view_bench(reps=a.reps or 50)
         return
-    rows = []
-    _run_ferry(a.reps, rows)
+    reps = a.reps or 37
+    rows: List[Tuple[str, str, float]] = []
+    _run_ferry(reps, rows)
     if not a.no_baselines:
-        _run_files(a.reps, rows)
+        _run_files(reps, rows)
     if a.cli:
         _run_cli(a.cli, rows)
     report(rows, a.json)

@@ -15,6 +15,7 @@ refused transition or a race with another controller raise ferry.Error subclasse
 import collections
 import ctypes
 import threading
+from typing import Any, Callable, Dict, Optional, Union
 
 from . import _lib
 from ._lib import Closing, POINTER, byref, c_char_p, c_int, c_size_t, c_uint32, c_uint64, c_void_p, lib
@@ -78,13 +79,13 @@ for _name, (_res, _args) in _protos.items():
 _ms = _lib.timeout_ms
 
 
-def _name(name):
+def _name(name: str) -> bytes:
     if not isinstance(name, str):
         raise TypeError("ferry: a cell name is a str, not %s" % type(name).__name__)
     return _lib.encoded(name, "name")
 
 
-def _state_code(state):
+def _state_code(state: Union[str, int]) -> int:
     if isinstance(state, int):
         return state
     try:
@@ -95,20 +96,22 @@ def _state_code(state):
 
 
 class _Handle(Closing):
-    _close_fn = None
+    """A control handle (cell, rank, controller): `handle`, close(), `with` closes it."""
 
-    def __init__(self):
+    _close_fn: Optional[Callable[[Any], None]] = None
+
+    def __init__(self) -> None:
         self._h = None
         self._lock = threading.Lock()
 
     @property
-    def handle(self):
+    def handle(self) -> int:
         """The C handle (ValueError once closed)."""
         if not self._h:
             raise ValueError("ferry: %s is closed" % type(self).__name__)
         return self._h
 
-    def close(self):
+    def close(self) -> None:
         """Closes the handle. Idempotent."""
         with self._lock:
             h, self._h = self._h, None
@@ -123,7 +126,7 @@ class ControlCell(_Handle):
 
     _close_fn = staticmethod(lib.ferry_ctl_cell_close)
 
-    def __init__(self, name, nranks, fail_if_stale=False):
+    def __init__(self, name: str, nranks: int, fail_if_stale: bool = False) -> None:
         super().__init__()
         self.name = name
         opts = CellOpts(ctypes.sizeof(CellOpts), 1 if fail_if_stale else 0)
@@ -132,7 +135,7 @@ class ControlCell(_Handle):
         self._h = h.value
 
     @property
-    def incarnation(self):
+    def incarnation(self) -> int:
         """How many times this cell was created under its name (a new engine process: a new one)."""
         return int(lib.ferry_ctl_cell_incarnation(self.handle))
 
@@ -143,7 +146,7 @@ class ControlRank(_Handle):
 
     _close_fn = staticmethod(lib.ferry_ctl_rank_close)
 
-    def __init__(self, name, rank, initial_state="serving"):
+    def __init__(self, name: str, rank: int, initial_state: Union[str, int] = "serving") -> None:
         super().__init__()
         self.name, self.rank = name, int(rank)
         opts = RankOpts(ctypes.sizeof(RankOpts), _state_code(initial_state))
@@ -151,10 +154,10 @@ class ControlRank(_Handle):
         check(lib.ferry_ctl_rank_open(_name(name), self.rank, byref(opts), byref(h)))
         self._h = h.value
         self.state = STATES[opts.initial_state or 1]
-        self.command = None  # the last command taken
+        self.command: Optional[Command] = None  # the last command taken
         self._acked = True
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: Optional[float] = None) -> Command:
         """The next command (a Command(seq, cmd)); a rank that lagged behind gets the newest.
         Taking clear or update publishes clearing or updating. Raises ferry.Timeout when none
         came in time (timeout 0: just look; None: FERRY_TIMEOUT_MS)."""
@@ -164,7 +167,9 @@ class ControlRank(_Handle):
         self._acked = False
         return self.command
 
-    def ack(self, state=None, error=None, message=None, seq=None):
+    def ack(self, state: Union[str, int, None] = None,
+            error: Union[BaseException, int, bool, None] = None, message: Optional[str] = None,
+            seq: Optional[int] = None) -> None:
         """Acknowledges the last command taken. state: the rank's resulting state (None: what
         the command ends in when it worked: clear -> "cleared", update -> "serving", abort ->
         the last state). error: a failure (a ferry.Error, an exception, a negative FERRY_E* code
@@ -195,7 +200,10 @@ class ControlRank(_Handle):
         self.state = state if isinstance(state, str) else STATES[state]
         self._acked = True
 
-    def step(self, clear=None, update=None, abort=None, timeout=None):
+    def step(self, clear: Optional[Callable[[], Any]] = None,
+             update: Optional[Callable[[], Any]] = None,
+             abort: Optional[Callable[[], str]] = None,
+             timeout: Optional[float] = None) -> Command:
         """One turn of a rank's loop: waits for a command, runs its handler and acks the result.
         clear()/update() succeed by returning; an exception acks "failed" with its message (the
         controller's request raises naming this rank), and is not re-raised here. update is the
@@ -224,7 +232,7 @@ class ControlRank(_Handle):
                 self.ack(st)
         return cmd
 
-    def _run(self, fn, ok_state):
+    def _run(self, fn: Optional[Callable[[], Any]], ok_state: str) -> None:
         try:
             if fn is not None:
                 fn()
@@ -239,14 +247,14 @@ class Control(_Handle):
 
     _close_fn = staticmethod(lib.ferry_ctl_close)
 
-    def __init__(self, name):
+    def __init__(self, name: str) -> None:
         super().__init__()
         self.name = name
         h = c_void_p()
         check(lib.ferry_ctl_open(_name(name), byref(h)))
         self._h = h.value
 
-    def request(self, cmd, timeout=None):
+    def request(self, cmd: str, timeout: Optional[float] = None) -> None:
         """Issues "clear", "update" or "abort" and returns once every rank acked it (seconds;
         None: FERRY_TIMEOUT_MS). Raises StateError (invalid transition, nothing issued), Busy
         (another command in flight or another controller won; nothing issued), Timeout (the
@@ -257,7 +265,7 @@ class Control(_Handle):
             raise InvalidArgument(-1, "no command %r (clear, update or abort)" % (cmd,))
         check(lib.ferry_ctl_request(self.handle, _CMD_CODE[cmd], _ms(timeout)))
 
-    def status(self, ranks=True):
+    def status(self, ranks: bool = True) -> Dict[str, Any]:
         """A snapshot: {incarnation, nranks, engine_pid, engine_alive, seq, cmd, in_flight,
         state, agreed, ranks: [{rank, pid, alive, seq, state, fail_seq, error, message}]}."""
         st = CtlStatus()
@@ -272,7 +280,7 @@ class Control(_Handle):
             out["ranks"] = [self.rank_status(i) for i in range(st.nranks)]
         return out
 
-    def rank_status(self, rank):
+    def rank_status(self, rank: int) -> Dict[str, Any]:
         """One rank's status: {rank, pid, alive, seq, state, fail_seq, error, message}."""
         rs = CtlRankStatus()
         rs.size = ctypes.sizeof(rs)

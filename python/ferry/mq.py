@@ -57,7 +57,7 @@ class Msg(ctypes.Structure):
 MSG_FN = ctypes.CFUNCTYPE(None, c_void_p, POINTER(Msg), c_void_p)
 
 
-def _declare(name, restype, *argtypes):
+def _declare(name: str, restype: Any, *argtypes: Any) -> None:
     f = getattr(lib, name)
     f.restype, f.argtypes = restype, list(argtypes)
 
@@ -85,7 +85,7 @@ _msg_free = lib.ferry_mq_msg_free
 _ms = _lib.timeout_ms
 
 
-def _topic(topic):
+def _topic(topic: Union[str, bytes]) -> Optional[bytes]:
     return _lib.encoded(topic, "topic")
 
 
@@ -93,19 +93,19 @@ class _Held:
     """Keeps one received message alive while views of its payload exist, and its MQ open:
     the C library frees a message into its mq, so MQ.close() waits for the last one."""
 
-    def __init__(self, msg, nbytes, owner):
+    def __init__(self, msg: Any, nbytes: int, owner: "MQ") -> None:
         self.buf = (ctypes.c_uint8 * max(nbytes, 1)).from_address(msg.contents.data or 0) \
             if msg.contents.data else (ctypes.c_uint8 * 1)()
         owner._hold()
         weakref.finalize(self.buf, _release, msg, owner)
 
 
-def _release(msg, owner):
+def _release(msg: Any, owner: "MQ") -> None:
     _msg_free(msg)
     owner._unhold()
 
 
-def _payload(msg, like, copy, owner):
+def _payload(msg: Any, like: Like, copy: bool, owner: "MQ") -> Tuple[str, str, Any]:
     """(topic, publisher, payload) of a received message; takes ownership of msg."""
     m = msg.contents
     topic = m.topic.decode(errors="replace")
@@ -139,7 +139,9 @@ class MQ(NodeHandle):
     FERRY_DIRECTORY. host_directory=True runs the embedded directory in this node (peers reach
     it at `mq.directory`). name: this node's name (unique in the fleet; how subscribers see
     this publisher). queue_bytes: credit granted to each publisher (0: FERRY_MQ_QUEUE_BYTES).
-    ctx: an open ferry.Context to use (one mq per context); by default a new one.
+    lease_ms: the directory lease (0: FERRY_LEASE_MS). transports, tcp_listen: the new
+    context's (None: FERRY_TRANSPORTS, FERRY_TCP_LISTEN). ctx: an open ferry.Context to use
+    (one mq per context); by default a new one.
     timeout: default seconds of each call (None: FERRY_TIMEOUT_MS)."""
 
     _what = "mq"
@@ -164,7 +166,7 @@ class MQ(NodeHandle):
                 if self._owns_ctx:
                     self._ctx.close()
         self._h = h.value
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: messages' finalizers _unhold (ferry.tensors)
         self._held = 0  # received messages still viewed (_Held)
         self._closing = None  # the handle close() left for the last of them
         self._timeout = timeout
@@ -286,7 +288,7 @@ class MQ(NodeHandle):
                                              self._t(timeout))
         return self._publish_result(rc)
 
-    def _publish_result(self, rc):
+    def _publish_result(self, rc: int) -> List[str]:
         if rc == -9:  # FERRY_EPEER: delivered to every live subscriber; some were dropped
             detail = (lib.ferry_last_error() or b"").decode(errors="replace")
             names = detail.split(" subscriber", 1)[-1].split(" gone")[0]  # "s 'a', 'b'"
@@ -310,7 +312,7 @@ class MQ(NodeHandle):
             self._loans[ptr.value] = nbytes
         return arr
 
-    def _take_loan(self, arr):
+    def _take_loan(self, arr: np.ndarray) -> int:
         ptr = arr.ctypes.data if isinstance(arr, np.ndarray) else None
         with self._lock:
             nbytes = self._loans.pop(ptr, None)

@@ -8,7 +8,7 @@
 """
 import ctypes
 from ctypes import POINTER, c_char_p, c_double, c_int, c_size_t, c_uint64, c_void_p
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from ._lib import lib
 from .errors import check
@@ -36,7 +36,7 @@ for _name, (_res, _args) in {
     _f.restype, _f.argtypes = _res, _args
 
 
-def _handle(of):
+def _handle(of: Any) -> Optional[int]:
     """The ferry_ctx behind `of`: None (the process's metrics only: control), a Context, or an
     object opened on one (Store, MQ, RefitSender: their `_ctx`)."""
     if of is None:
@@ -45,13 +45,13 @@ def _handle(of):
     return ctx.handle
 
 
-def stats(of=None) -> List[Dict[str, Any]]:
+def stats(of: Any = None) -> List[Dict[str, Any]]:
     """Every sample, as dicts: name, help, kind ("counter", "gauge", "histogram"), labels (a
     dict; node is the ctx's name), value (for a histogram the sum), and for histograms count and
     buckets (a list of (upper bound, cumulative count), +Inf last). Base units: seconds, bytes."""
     out: List[Dict[str, Any]] = []
 
-    def each(p, _arg):
+    def each(p: Any, _arg: Any) -> int:
         try:
             s = p.contents
             m = {"name": s.name.decode(), "help": s.help.decode(), "kind": KINDS[s.kind],
@@ -72,7 +72,7 @@ def stats(of=None) -> List[Dict[str, Any]]:
     return out
 
 
-def prometheus(of=None) -> str:
+def prometheus(of: Any = None) -> str:
     """The same samples in the Prometheus text format (what /metrics serves)."""
     text, n = c_void_p(), c_size_t()
     check(lib.ferry_stats_prometheus(_handle(of), ctypes.byref(text), ctypes.byref(n)))
@@ -82,7 +82,7 @@ def prometheus(of=None) -> str:
         lib.ferry_stats_text_free(text)
 
 
-def readiness(of=None) -> str:
+def readiness(of: Any = None) -> str:
     """"ready" when every directory lease of the ctx's jobs is held (what /readyz says); raises
     the ferry error with the reason otherwise."""
     why = ctypes.create_string_buffer(512)

@@ -29,7 +29,7 @@ byref = ctypes.byref
 _ms = _lib.timeout_ms
 
 
-def _key(key):
+def _key(key: Key) -> Optional[bytes]:
     return _lib.encoded(key, "key")
 
 
@@ -54,9 +54,9 @@ def _declare_view() -> None:
 class _Pin:
     """One ferry_store_view: the pin on the owner's bytes, dropped once (release())."""
 
-    def __init__(self, store: "Store", view: int, info: Dict[str, Any]):
+    def __init__(self, store: "Store", view: int, info: Dict[str, Any]) -> None:
         self.store, self.view, self.info = store, view, info
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entrant: a view's finalizer releases (ferry.tensors)
         self.derived: List["weakref.ref[np.ndarray]"] = []  # arrays made from the view
 
     def valid(self) -> bool:
@@ -154,12 +154,12 @@ class StoreView(np.ndarray):
 class _Malloced:
     """Owns a buffer libferry malloc'd (ferry_store_get_alloc) and frees it with the array."""
 
-    def __init__(self, ptr, nbytes):
+    def __init__(self, ptr: int, nbytes: int) -> None:
         self.buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
         weakref.finalize(self.buf, _lib.libc.free, ptr)
 
 
-def _info_dict(info):
+def _info_dict(info: Any) -> Dict[str, Any]:
     code = info.desc.dtype
     return {"key": info.key.decode(errors="replace"), "owner": info.owner.decode(errors="replace"),
             "dtype": DTYPES.get(code, ("invalid", None))[0], "shape": desc_shape(info.desc),
@@ -174,6 +174,10 @@ class Store(NodeHandle):
     reach it at `store.directory`. name: this node's name (unique in the fleet). ctx: an open
     ferry.Context to use (one store per context); by default the process's default context when
     it has no store yet (so arrays from ferry.empty() are put in place), else a new one.
+    capacity: bytes of this node's pool, where puts of ordinary memory are copied (0:
+    FERRY_STORE_CAPACITY). lease_ms: the directory lease (0: FERRY_LEASE_MS). tcp_listen:
+    HOST:PORT this node listens on (None: FERRY_TCP_LISTEN; peers on other hosts need a
+    reachable one). holder=True: also hold objects put by short-lived nodes (as `ferry serve`).
     timeout: default seconds of each call (None: FERRY_TIMEOUT_MS)."""
 
     _what = "store"
@@ -204,7 +208,7 @@ class Store(NodeHandle):
         self._h = h.value
         self._ctx._has_store = True
         self._timeout = timeout
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: views' finalizers _unpin (ferry.tensors)
         self._bufs = {}  # id(array) -> (weakref, layout, byref(desc), pointer): _buffer_of
         # key -> value put in place (ferry memory): held until the key is deleted or replaced,
         # so that Python cannot free memory readers are reading
@@ -393,6 +397,7 @@ class Store(NodeHandle):
             items[len(live)].dst = arr.ctypes.data if arr.nbytes else None
             items[len(live)].cap = arr.nbytes
             live.append((i, arr, code))
+            infos.append(info)
         if not live:
             return results
         lib.ferry_store_get_batch(self.handle, items, len(live), self._t(timeout))
@@ -401,9 +406,10 @@ class Store(NodeHandle):
             if st == -5:  # deleted between stat and read
                 continue
             if st < 0:
-                # the item's status has no detail of its own; name the key
+                # the item's status has no detail of its own; name the key (and its owner)
                 from .errors import _BY_CODE, Error
-                raise _BY_CODE.get(st, Error)(st, "get_batch '%s'" % keys[i])
+                raise _BY_CODE.get(st, Error)(st, "get_batch '%s' (owner '%s')"
+                                              % (keys[i], infos[j]["owner"]))
             results[i] = from_bits(arr, code, like)
         return results
 

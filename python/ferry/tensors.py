@@ -36,7 +36,7 @@ _TORCH_TO_FERRY = {}
 _FERRY_TO_TORCH = {}
 
 
-def _torch(need=False):
+def _torch(need: bool = False) -> Optional[ModuleType]:
     """The torch module if the process imported it (need=True: import it now), else None."""
     t = sys.modules.get("torch")
     if t is None and need:
@@ -49,7 +49,7 @@ def _torch(need=False):
     return t
 
 
-def _torch_dtypes(torch):
+def _torch_dtypes(torch: ModuleType) -> None:
     m = {torch.bool: 1, torch.uint8: 2, torch.int8: 6, torch.int16: 7, torch.int32: 8,
          torch.int64: 9, torch.float16: 10, torch.bfloat16: 11, torch.float32: 12,
          torch.float64: 13}
@@ -61,25 +61,32 @@ def _torch_dtypes(torch):
     _TORCH_TO_FERRY.update(m)
 
 
-def dtype_code(dtype):
-    """A ferry dtype code from a name ("bfloat16", "u8"), a numpy dtype or a torch dtype."""
+_SUPPORTED = ("pass one of " + ", ".join(name for name, _ in DTYPES.values()) +
+              " (a name like \"bfloat16\", a numpy dtype or a torch dtype)")
+
+
+def dtype_code(dtype: Any) -> int:
+    """A ferry dtype code from a name ("bfloat16", "u8"), a numpy dtype or a torch dtype.
+    TypeError naming the supported dtypes for anything else."""
     if isinstance(dtype, str) and dtype in _BY_NAME:
         return _BY_NAME[dtype]
     torch = _torch()
     if torch is not None and isinstance(dtype, torch.dtype):
         if dtype in _TORCH_TO_FERRY:
             return _TORCH_TO_FERRY[dtype]
-        raise TypeError("ferry: torch dtype %s is not supported" % dtype)
+        raise TypeError("ferry: torch dtype %s is not supported: %s" % (dtype, _SUPPORTED))
     try:
         return _NP_TO_FERRY[np.dtype(dtype)]
     except (TypeError, KeyError):
-        raise TypeError("ferry: dtype %r is not supported" % (dtype,)) from None
+        raise TypeError("ferry: dtype %r is not supported: %s" % (dtype, _SUPPORTED)) from None
 
 
 _DESCS = {}  # (code, shape) -> TensorDesc: calls only read a desc, so one serves every call
 
 
-def make_desc(code, shape):
+def make_desc(code: int, shape: Sequence[int]) -> Any:
+    """The ferry_tensor_desc (_lib.TensorDesc) of dtype code and shape, cached: calls only read
+    it. ValueError beyond MAX_DIMS dimensions."""
     d = _DESCS.get((code, shape))
     if d is not None:
         return d
@@ -94,7 +101,8 @@ def make_desc(code, shape):
     return d
 
 
-def desc_shape(desc):
+def desc_shape(desc: Any) -> Tuple[int, ...]:
+    """A ferry_tensor_desc's shape as a tuple of ints."""
     return tuple(int(desc.shape[i]) for i in range(desc.ndim))
 
 
@@ -104,6 +112,13 @@ _KDLCPU = 1  # DLPack's device type of host memory
 def _what(obj: Any) -> str:
     return type(obj).__module__ + "." + type(obj).__qualname__ \
         if type(obj).__module__ != "builtins" else type(obj).__name__
+
+
+# a destination (get's out=, a refit binding) is written in place: a contiguous copy of it would
+# take the bytes instead of the caller's memory
+_NOT_IN_PLACE = ("ferry: a destination is written in place and must be %s: pass one made "
+                 "contiguous (np.empty(shape, dtype) or torch.empty(...)) and copy from it "
+                 "afterwards; a contiguous copy of this one would not be the caller's memory")
 
 
 def _unsupported(obj: Any, why: str) -> TypeError:
@@ -141,7 +156,7 @@ def as_buffer(obj: Any, writable: bool = False) -> Tuple[Any, np.ndarray]:
         t = obj.detach()
         if not t.is_contiguous():
             if writable:
-                raise ValueError("ferry: out must be contiguous (pass x.contiguous())")
+                raise ValueError(_NOT_IN_PLACE % "contiguous")
             t = t.contiguous()
         if code in (11, 14, 15):  # numpy has no such dtype: carry the bits
             bits = torch.int16 if code == 11 else torch.uint8
@@ -158,7 +173,14 @@ def as_buffer(obj: Any, writable: bool = False) -> Tuple[Any, np.ndarray]:
     elif not isinstance(obj, np.ndarray):
         if hasattr(obj, "__dlpack__"):
             obj = _from_dlpack(obj)
-        elif isinstance(obj, (dict, list, tuple, set, str)) or obj is None:
+        elif isinstance(obj, str):
+            raise _unsupported(obj, "text: pass x.encode() (get(key, like=bytes).decode() "
+                               "reads it back)")
+        elif isinstance(obj, (list, tuple)) and all(isinstance(x, (int, float, bool))
+                                                    for x in obj):
+            raise _unsupported(obj, "a sequence of numbers: pass np.asarray(x) (with the dtype "
+                               "you want, e.g. np.asarray(x, np.int32))")
+        elif isinstance(obj, (dict, list, tuple, set)) or obj is None:
             raise _unsupported(obj, "not an array; serialize it first, e.g. "
                                "json.dumps(x).encode() or pickle.dumps(x)")
         else:
@@ -168,13 +190,17 @@ def as_buffer(obj: Any, writable: bool = False) -> Tuple[Any, np.ndarray]:
         if obj.dtype.kind in "OSUV":
             raise _unsupported(obj, "numpy dtype %s holds no fixed-size numbers; pass "
                                "bytes(...) or an array of a numeric dtype" % obj.dtype)
+        if obj.dtype.kind == "c":
+            raise _unsupported(obj, "complex numbers: pass x.view(np.float%d) (real and "
+                               "imaginary parts interleaved)" % (obj.dtype.itemsize * 4))
         code = dtype_code(obj.dtype)
     if not obj.flags.c_contiguous:
         if writable:
-            raise ValueError("ferry: out must be C-contiguous (np.ascontiguousarray)")
+            raise ValueError(_NOT_IN_PLACE % "C-contiguous")
         obj = np.ascontiguousarray(obj)
     if writable and not obj.flags.writeable:
-        raise ValueError("ferry: out is read-only")
+        raise ValueError("ferry: a destination is written in place, and this array is read-only: "
+                         "pass a writable one (np.empty_like(x), or np.array(x) for a copy)")
     return make_desc(code, obj.shape), obj
 
 
@@ -224,7 +250,7 @@ def from_bits(arr: np.ndarray, code: int, like: Any) -> Any:
         return torch.from_numpy(arr)
 
 
-def _enc(s):
+def _enc(s: Optional[Union[str, bytes]]) -> Optional[bytes]:
     return _lib.encoded(s, "string")
 
 
@@ -235,7 +261,7 @@ class NodeHandle(_lib.Closing):
     _what = "handle"
 
     @property
-    def handle(self):
+    def handle(self) -> int:
         """The C handle (ValueError once closed)."""
         h = self._h
         if not h:
@@ -243,57 +269,66 @@ class NodeHandle(_lib.Closing):
         return h
 
     @property
-    def context(self):
+    def context(self) -> "Context":
+        """The ferry.Context this handle is opened on."""
         return self._ctx
 
     @property
-    def name(self):
+    def name(self) -> str:
         """This node's name."""
         return self._ctx.name
 
 
 class Context(_lib.Closing):
     """A ferry_ctx: one node (name, listeners, progress thread, regions). Closing it is deferred
-    while arrays from ferry.empty() on it are alive, since closing unmaps their memory."""
+    while arrays from ferry.empty() on it are alive, since closing unmaps their memory.
 
-    def __init__(self, name=None, tcp_listen=None, transports=None, token=None):
+    name: the node's name (None: <hostname>-<pid>). tcp_listen: HOST:PORT of its tcp listener
+    (None: FERRY_TCP_LISTEN). transports: the links it offers, in order, e.g. "shm,tcp" (None:
+    FERRY_TRANSPORTS). token: the fleet token every link must prove it knows (None:
+    FERRY_TOKEN, else this user's secret)."""
+
+    def __init__(self, name: Optional[str] = None, tcp_listen: Optional[str] = None,
+                 transports: Optional[str] = None, token: Optional[str] = None) -> None:
         opts = _lib.CtxOpts(ctypes.sizeof(_lib.CtxOpts), _enc(name), _enc(tcp_listen),
                             _enc(transports), _enc(token))
         h = ctypes.c_void_p()
         check(lib.ferry_ctx_open(ctypes.byref(opts), ctypes.byref(h)))
         self._h = h.value
-        self._lock = threading.Lock()
+        # Re-entrant: arrays' finalizers release through it (_free, _unhold), and the collector
+        # may run one at an allocation this thread makes while holding it.
+        self._lock = threading.RLock()
         self._allocs = 0
         self._closing = False
         self._has_store = False
         self._ranges: Dict[int, int] = {}  # ferry_alloc blocks alive: address -> bytes
 
     @property
-    def handle(self):
+    def handle(self) -> int:
         """The C handle (ValueError once closed)."""
         if not self._h or self._closing:
             raise ValueError("ferry: context is closed")
         return self._h
 
     @property
-    def name(self):
+    def name(self) -> str:
         """The node's name (ferry_ctx_opts.name or <hostname>-<pid>)."""
         return lib.ferry_ctx_name(self.handle).decode()
 
     @property
-    def address(self):
+    def address(self) -> str:
         """The URLs peers reach this node at, comma-separated."""
         return lib.ferry_ctx_address(self.handle).decode()
 
     @property
-    def tcp_address(self):
+    def tcp_address(self) -> Optional[str]:
         """"HOST:PORT" of the tcp listener (where a hosted directory is reached)."""
         for url in self.address.split(","):
             if url.startswith("tcp://"):
                 return url[len("tcp://"):]
         return None
 
-    def _alloc(self, nbytes):
+    def _alloc(self, nbytes: int) -> int:
         p = ctypes.c_void_p()
         with self._lock:
             check(lib.ferry_alloc(self.handle, max(int(nbytes), 1), ctypes.byref(p)))
@@ -319,7 +354,7 @@ class Context(_lib.Closing):
         with self._lock:
             return any(a <= ptr < a + n for a, n in self._ranges.items())
 
-    def _free(self, ptr):
+    def _free(self, ptr: int) -> None:
         with self._lock:
             if self._h:
                 lib.ferry_free(self._h, ptr)
@@ -339,7 +374,7 @@ class Context(_lib.Closing):
         if not busy:
             self._really_close()
 
-    def _really_close(self):
+    def _really_close(self) -> None:
         h, self._h = self._h, None
         if h:
             lib.ferry_ctx_close(h)
@@ -350,7 +385,7 @@ _extra = 0
 _default_lock = threading.Lock()
 
 
-def default_context():
+def default_context() -> Context:
     """The process's default context (FERRY_* settings), opened on first use; the first Store
     opened without ctx/name uses it, so that arrays from ferry.empty() are put in place."""
     global _default
@@ -360,7 +395,7 @@ def default_context():
         return _default
 
 
-def _ctx_for_store(name, tcp_listen):
+def _ctx_for_store(name: Optional[str], tcp_listen: Optional[str]) -> Tuple[Context, bool]:
     global _default
     with _default_lock:
         if _default is None or _default._h is None:
@@ -382,22 +417,25 @@ def _ctx_for_store(name, tcp_listen):
 class _Alloc:
     """Owns one ferry_alloc block; frees it when the last array over it goes away."""
 
-    def __init__(self, ctx, nbytes):
+    def __init__(self, ctx: Context, nbytes: int) -> None:
         self.ctx = ctx
         self.ptr = ctx._alloc(nbytes)
         self.nbytes = nbytes
         weakref.finalize(self, ctx._free, self.ptr)
 
-    def buffer(self):
+    def buffer(self) -> Any:
         """A ctypes array over the block that keeps this owner alive (the numpy base)."""
         buf = (ctypes.c_uint8 * max(self.nbytes, 1)).from_address(self.ptr)
         buf._ferry_owner = self
         return buf
 
 
-def empty(shape, dtype, like="numpy", ctx=None):
+def empty(shape: Union[int, Sequence[int]], dtype: Any, like: "Like" = "numpy",
+          ctx: Optional[Context] = None) -> Any:
     """An uninitialised (in fact zeroed) array or tensor in ferry shared memory: a store put of
-    it publishes it in place. Memory of `ctx` (default: the default context)."""
+    it publishes it in place. shape: an int or a sequence of ints; dtype: a numpy or torch
+    dtype or a ferry name ("bfloat16"); like: "numpy" (default), "torch" or the torch module.
+    Memory of `ctx` (default: the default context)."""
     if isinstance(shape, int):
         shape = (shape,)
     shape = tuple(int(n) for n in shape)

@@ -190,3 +190,120 @@ def test_metrics_listen_refuses_bad_addresses():
                            timeout=60)
         assert r.returncode != 0, bad
         assert "metrics" in r.stderr, r.stderr
+
+
+REFIT_CONTROL_CHILD = """
+import sys, threading
+sys.path.insert(0, %(py)r)
+import numpy as np
+import ferry
+
+# The sender's context opens first: it serves FERRY_METRICS_LISTEN (the receivers' find the port
+# taken and leave it to it). Sizes are multiples of the wire alignment: a push's bytes are theirs.
+sd = {"w": np.arange(2048, dtype=np.float32), "b": np.arange(512, dtype=np.int64)}
+tx = ferry.RefitSender(%(refit)r, sd, buffer_bytes=4096)
+rx = [ferry.RefitReceiver(%(refit)r, timeout=10) for _ in range(2)]
+tx.wait_receivers(2, timeout=10)
+for v in (3, 7):
+    tx.push(v, timeout=10)
+    for r in rx:
+        assert r.wait(v, timeout=10) == v
+
+# Two ranks; rank 1 fails the first update only.
+cell = ferry.ControlCell(%(cell)r, 2)
+ranks = [ferry.ControlRank(%(cell)r, i) for i in range(2)]
+stop = threading.Event()
+failed = []
+
+def update(i):
+    if i == 1 and not failed:
+        failed.append(1)
+        raise ferry.ChecksumError(-22, "bad bucket")
+
+def loop(i):
+    while not stop.is_set():
+        try:
+            ranks[i].step(update=lambda: update(i), timeout=0.05)
+        except ferry.Timeout:
+            pass
+
+threads = [threading.Thread(target=loop, args=(i,)) for i in range(2)]
+for t in threads:
+    t.start()
+ctl = ferry.Control(%(cell)r)
+ctl.request("clear", timeout=10)
+try:
+    ctl.request("update", timeout=10)
+    raise SystemExit("the update should have failed")
+except ferry.ChecksumError:
+    pass
+ctl.request("clear", timeout=10)
+ctl.request("update", timeout=10)
+try:
+    ctl.request("update", timeout=10)  # refused: not cleared; nothing issued
+    raise SystemExit("the second update should have been refused")
+except ferry.StateError:
+    pass
+print("ready", flush=True)
+sys.stdin.readline()
+stop.set()
+for t in threads:
+    t.join()
+for r in ranks:
+    r.close()
+ctl.close(); cell.close()
+for r in rx:
+    r.close()
+tx.close()
+"""
+
+
+def test_refit_and_control_metrics_are_the_real_values(tmp_path):
+    """A process that pushed two refit versions to two receivers and ran control requests
+    (succeeded, failed on a rank, refused) serves, at /metrics, the version each receiver
+    committed, the pushes, their bytes, and the requests by command and outcome, as counted
+    here, read back through the Prometheus client's parser."""
+    port = free_port()
+    refit, cell = "pym-refit-%d" % os.getpid(), "pym-cell-%d" % os.getpid()
+    code = REFIT_CONTROL_CHILD % {"py": PY, "refit": refit, "cell": cell}
+    env = dict(os.environ, FERRY_METRICS_LISTEN="127.0.0.1:%d" % port,
+               FERRY_CTL_DIR=str(tmp_path))
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env=env)
+    try:
+        assert child.stdout.readline().strip() == b"ready"
+        status, text = scrape("http://127.0.0.1:%d/metrics" % port)
+        assert status == 200
+        samples = parsed(text)
+        # refit: two pushes, both committed by both receivers, each of every byte
+        assert value(samples, "ferry_refit_pushes_total", sender=refit) == 2
+        assert value(samples, "ferry_refit_push_failures_total", sender=refit) == 0
+        assert value(samples, "ferry_refit_push_bytes_total", sender=refit) == 2 * (8192 + 4096)
+        assert value(samples, "ferry_refit_version", sender=refit) == 7
+        assert value(samples, "ferry_refit_receivers", sender=refit) == 2
+        committed = {dict(ls)["receiver"]: v for (n, ls), v in samples.items()
+                     if n == "ferry_refit_receiver_committed_version"}
+        assert len(committed) == 2 and set(committed.values()) == {7}, committed
+        failures = [v for (n, ls), v in samples.items()
+                    if n == "ferry_refit_receiver_failures_total"]
+        assert failures == [0, 0]
+        assert value(samples, "ferry_refit_push_duration_seconds_count", sender=refit) == 2
+        # control: what was sent, by command and outcome
+        assert value(samples, "ferry_control_requests_total", command="clear",
+                     outcome="FERRY_OK") == 2
+        assert value(samples, "ferry_control_requests_total", command="update",
+                     outcome="FERRY_OK") == 1
+        assert value(samples, "ferry_control_requests_total", command="update",
+                     outcome="FERRY_ECHECKSUM") == 1
+        assert value(samples, "ferry_control_requests_total", command="update",
+                     outcome="FERRY_ESTATE") == 1
+        assert value(samples, "ferry_control_requests_total", command="abort",
+                     outcome="FERRY_OK") == 0
+        assert value(samples, "ferry_control_request_duration_seconds_count",
+                     command="clear") == 2
+        assert value(samples, "ferry_control_request_duration_seconds_count",
+                     command="update") == 3
+    finally:
+        child.stdin.write(b"\n")
+        child.stdin.close()
+        assert child.wait(timeout=60) == 0

@@ -196,6 +196,36 @@ def test_unnamed_stores_get_unique_names(store):
         assert a.get("from-b").tolist() == [1.0] * 3
 
 
+def test_reader_of_freed_memory_is_told_at_once(store):
+    """An owner that frees memory it still publishes in place (C code beside this process,
+    here through ctypes: ferry.Store itself holds what it put in place, so it cannot): a get,
+    a view or a batch raises ferry.Freed naming the owner, at once, where it used to retry
+    until its timeout and then blame a replace (ferry.Stale). The timeout is far longer than
+    the test needs, so a reader that retried fails with Stale instead."""
+    import ctypes
+    from ferry._lib import lib
+    with ferry.Store(store.directory, name="py-freeing-owner") as owner:
+        p = ctypes.c_void_p()
+        assert lib.ferry_alloc(owner.context.handle, 4096, ctypes.byref(p)) == 0
+        arr = np.frombuffer((ctypes.c_uint8 * 4096).from_address(p.value), np.uint8)
+        arr[:] = 7
+        owner.put("freed", arr)  # ferry memory: published in place
+        assert (store.get("freed") == 7).all()
+        del arr
+        assert lib.ferry_free(owner.context.handle, p) == 0
+        with pytest.raises(ferry.Freed) as e:
+            store.get("freed", timeout=60)
+        assert "owner 'py-freeing-owner' freed" in str(e.value)
+        assert e.value.name == "FERRY_EFREED"
+        with pytest.raises(ferry.Freed):
+            store.get_view("freed", timeout=60)
+        with pytest.raises(ferry.Freed) as e:
+            store.get_batch(["freed"], timeout=60)
+        assert "owner 'py-freeing-owner'" in str(e.value)
+        assert owner.delete("freed")  # the owner can still take the key back
+        assert not store.exists("freed")
+
+
 def test_threads(store):
     import threading
     errors = []

@@ -1,11 +1,15 @@
 /*
- * `ferry bench`: dispatch to the modes, and the reporting they share. Numbers are medians over
- * repeated runs with min and max beside them; the "vs base" column is the baseline's median over
- * this row's median, so 1.00 means "as fast as the baseline" and higher is faster.
+ * The reporting the benchmarks share (bench.h): timing samples, medians, the table and the JSON
+ * lines, and the options every mode takes. Here rather than in bench/ because `ferry demo`
+ * prints its table the same way; the modes themselves are the ferry-bench program (bench/).
+ * Numbers are medians over repeated runs with min and max beside them; the "vs base" column is
+ * the baseline's median over this row's median, so 1.00 means "as fast as the baseline" and
+ * higher is faster.
  */
 #include "cli/args.h"
 #include "cli/bench.h"
 #include "cli/cli.h"
+#include "core/core.h"
 #include "ferry.h"
 
 #include <errno.h>
@@ -23,13 +27,10 @@ double bench_now(void) {
 }
 
 void bench_add(bench_samples *b, double seconds) {
-  if (b->n == b->cap) {
-    b->cap = b->cap ? b->cap * 2 : 64;
-    b->s = realloc(b->s, b->cap * sizeof *b->s);
-    if (!b->s) {
-      perror("ferry bench");
-      exit(CLI_FAIL);
-    }
+  if (FR_GROW(b->s, b->cap, b->n + 1, 64) != 0) {
+    errno = ENOMEM;
+    perror("ferry bench");
+    exit(CLI_FAIL);
   }
   b->s[b->n++] = seconds;
 }
@@ -37,14 +38,41 @@ void bench_add(bench_samples *b, double seconds) {
 void bench_reset(bench_samples *b) { b->n = 0; }
 
 bench_until bench_until_start(int reps, int least, double budget_s) {
-  return (bench_until){reps, least < reps ? least : reps,
-                       budget_s > 0 ? bench_now() + budget_s : 0};
+  return (bench_until){reps, least < reps ? least : reps, budget_s > 0 ? bench_now() + budget_s : 0,
+                       0};
+}
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+    ;
 }
 
 bool bench_done(const bench_until *u, size_t n) {
   if (n >= (size_t)u->reps)
     return true;
-  return u->end > 0 && n >= (size_t)u->least && bench_now() >= u->end;
+  if (u->end > 0 && n >= (size_t)u->least && bench_now() >= u->end)
+    return true;
+  if (u->pace_ms > 0)
+    sleep_ms(u->pace_ms);
+  return false;
+}
+
+int bench_paced_samples(const bench_opts *o) {
+  if (o->pace_ms <= 0)
+    return 0;
+  int n = o->full ? 10 * BENCH_PACED_SAMPLES : BENCH_PACED_SAMPLES;
+  return o->reps > 0 && o->reps < n ? o->reps : n;
+}
+
+bench_until bench_until_paced(const bench_opts *o) {
+  int n = bench_paced_samples(o);
+  return (bench_until){n, n, 0, o->pace_ms};
+}
+
+void bench_pace(const bench_opts *o) {
+  if (o->pace_ms > 0)
+    sleep_ms(o->pace_ms);
 }
 
 bool bench_token_begin(void) {
@@ -131,6 +159,13 @@ static const char *fmt_time(double s, char *buf, size_t len) {
   return buf;
 }
 
+double bench_median(bench_samples *b) {
+  if (b->n == 0)
+    return 0;
+  qsort(b->s, b->n, sizeof *b->s, cmp_double);
+  return b->n % 2 ? b->s[b->n / 2] : (b->s[b->n / 2 - 1] + b->s[b->n / 2]) / 2;
+}
+
 double bench_p99(bench_samples *b) {
   if (b->n == 0)
     return 0;
@@ -161,23 +196,46 @@ void bench_row(const bench_opts *o, const char *bench, const char *case_name, co
   fflush(stdout);
 }
 
+void bench_paced_row(const bench_opts *o, const char *bench, const char *case_name,
+                     const char *impl, uint64_t bytes, bench_samples *paced, double b2b_median) {
+  if (paced->n == 0)
+    return;
+  double p99 = bench_p99(paced);
+  double med = bench_median(paced);
+  double ratio = b2b_median > 0 ? med / b2b_median : 0;
+  if (o->json) {
+    printf("{\"bench\":\"%s\",\"case\":\"%s\",\"impl\":\"%s@%dms\",\"paced_ms\":%d,"
+           "\"bytes\":%llu,\"samples\":%zu,\"median_s\":%.9g,\"p99_s\":%.9g,\"min_s\":%.9g,"
+           "\"max_s\":%.9g,\"b2b_median_s\":%.9g,\"paced_over_b2b\":%.6g}\n",
+           bench, case_name, impl, o->pace_ms, o->pace_ms, (unsigned long long)bytes, paced->n, med,
+           p99, paced->s[0], paced->s[paced->n - 1], b2b_median, ratio);
+  } else {
+    char name[48], a[32], c[32];
+    snprintf(name, sizeof name, "%s@%dms", impl, o->pace_ms);
+    printf("%-16s %-14s %12s  p99 %-12s paced/back-to-back %.2f (%zu calls)\n", case_name, name,
+           fmt_time(med, a, sizeof a), fmt_time(p99, c, sizeof c), ratio, paced->n);
+  }
+  fflush(stdout);
+}
+
 uint64_t bench_parse_size(const char *s) {
   uint64_t v = 0;
   return cli_parse_size(s, &v) == 0 ? v : 0;
 }
 
 #define MAX_EXTRA 8
+#define COMMON 5
 
 int bench_parse_with(int argc, char **argv, bench_opts *o, const char *usage,
                      const cli_opt *extra) {
-  cli_opt opts[4 + MAX_EXTRA + 1] = {
-      {"json", CLI_ARG_FLAG, &o->json, 0, 0},
-      {"reps", CLI_ARG_INT, &o->reps, 1, 0},
-      {"max-size", CLI_ARG_SIZE, &o->max_size, 1, 0},
-      {"full", CLI_ARG_FLAG, &o->full, 0, 0},
+  o->pace_ms = BENCH_PACE_MS;
+  cli_opt opts[COMMON + MAX_EXTRA + 1] = {
+      {"json", CLI_ARG_FLAG, &o->json, 0, 0},         {"reps", CLI_ARG_INT, &o->reps, 1, 0},
+      {"max-size", CLI_ARG_SIZE, &o->max_size, 1, 0}, {"full", CLI_ARG_FLAG, &o->full, 0, 0},
+      {"pace", CLI_ARG_INT, &o->pace_ms, 0, 10000},
   };
   for (size_t i = 0; extra && extra[i].name && i < MAX_EXTRA; i++)
-    opts[4 + i] = extra[i];
+    opts[COMMON + i] = extra[i];
   char name[64];
   snprintf(name, sizeof name, "bench %s", argc > 0 ? argv[0] : "");
   const cli_cmd cmd = {name, usage, NULL, 0, 0, opts};
@@ -186,60 +244,4 @@ int bench_parse_with(int argc, char **argv, bench_opts *o, const char *usage,
 
 int bench_parse(int argc, char **argv, bench_opts *o, const char *usage) {
   return bench_parse_with(argc, argv, o, usage, NULL);
-}
-
-static const char bench_usage[] =
-    "usage: ferry bench <mode> [--json] [--reps N] [--max-size BYTES] [--full]\n\n"
-    "Runs ferry and its baselines in the same run and prints medians and ratios.\n\n"
-    "modes:\n"
-    "  link      one-sided reads (4 KiB..1 GiB) over shm and tcp vs memcpy and a plain\n"
-    "            socket stream; 64 B round trips vs a plain socket ping-pong\n"
-    "  control   weight-lifecycle request latency vs a polled shared int32\n"
-    "  store     routing replay: put/get vs np/torch files, Redis, memcpy, sockets\n"
-    "  refit     push a model to K receivers vs memcpy and torch.distributed gloo\n"
-    "  mq        pub/sub latency and streaming vs nng and ZeroMQ (ipc, tcp) and memcpy\n"
-    "  all       every mode above\n\n"
-    "options:\n"
-    "  --json            one JSON object per line: bench, case, impl, bytes, median_s,\n"
-    "                    min_s, max_s, p99_s, gbps\n"
-    "  --reps N          repetitions per size (default: by size)\n"
-    "  --max-size BYTES  largest transfer (link; default 1G; K/M/G or KiB/MiB/GiB)\n"
-    "  --full            the longer sweep (every size, more repetitions); by default a\n"
-    "                    mode runs the rows docs/PERFORMANCE.md's targets read\n"
-    "`ferry bench <mode> --help` lists a mode's own options.\n\n"
-    "The 'vs base' column is the baseline's median / this row's median: >1 is faster.\n"
-    "These machines are shared and noisy: compare ratios within one run.\n";
-
-int cli_bench(int argc, char **argv) {
-  const cli_cmd cmd = {"bench", bench_usage, "a mode (link, control, store, refit, mq, all)",
-                       1,       1,           NULL};
-  if (argc < 2 || argv[1][0] == '-') { /* no mode: --help, --version, or a usage error */
-    cli_parse(&cmd, argc, argv, NULL);
-    return CLI_USAGE;
-  }
-  const char *mode = argv[1];
-  if (strcmp(mode, "link") == 0)
-    return bench_link(argc - 1, argv + 1);
-  if (strcmp(mode, "control") == 0)
-    return bench_control(argc - 1, argv + 1);
-  if (strcmp(mode, "store") == 0)
-    return bench_store(argc - 1, argv + 1);
-  if (strcmp(mode, "refit") == 0)
-    return bench_refit(argc - 1, argv + 1);
-  if (strcmp(mode, "mq") == 0)
-    return bench_mq(argc - 1, argv + 1);
-  if (strcmp(mode, "all") == 0) {
-    bench_opts check = {0}; /* only the options every mode takes; check them once, up front */
-    if (bench_parse(argc - 1, argv + 1, &check, bench_usage) < 0)
-      return CLI_USAGE;
-    int (*const all[])(int, char **) = {bench_link, bench_store, bench_refit, bench_mq,
-                                        bench_control};
-    int rc = 0;
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
-      int r = all[i](argc - 1, argv + 1);
-      rc = rc ? rc : r;
-    }
-    return rc;
-  }
-  return cli_usage_error(&cmd, "unknown mode '%s'", mode);
 }

@@ -1,7 +1,8 @@
 /*
- * Shared machinery of `ferry bench`: timing samples, medians, the table and the JSON lines.
- * Every mode reports rows {bench, case, impl, bytes, median_s, min_s, max_s, gbps}; rows of one
- * case compare, and the first row of a case is its baseline.
+ * Shared machinery of `ferry bench` (the modes are bench/, the ferry-bench program; `ferry demo`
+ * prints its table with it too): timing samples, medians, the table and the JSON lines. Every mode
+ * reports rows {bench, case, impl, bytes, median_s, min_s, max_s, gbps}; rows of one case compare,
+ * and the first row of a case is its baseline.
  */
 #ifndef FR_BENCH_H
 #define FR_BENCH_H
@@ -17,6 +18,7 @@ typedef struct bench_opts {
   int reps;          /* 0: chosen per size */
   uint64_t max_size; /* largest transfer */
   bool full;         /* run the longer sweep */
+  int pace_ms;       /* --pace: latency rows also run with calls this far apart (0: not) */
 } bench_opts;
 
 typedef struct bench_samples {
@@ -53,13 +55,38 @@ const char *bench_size_name(uint64_t bytes, char *buf, size_t len);
 
 /* When a timing loop stops: after `reps` samples, or, given a budget, once `budget_s` seconds
  * have passed since bench_until_start with at least `least` samples (the default runs keep to
- * a time budget; --full and --reps take exactly `reps`). */
+ * a time budget; --full and --reps take exactly `reps`). A paced plan (bench_until_paced) also
+ * spaces the calls: bench_done sleeps pace_ms before each call it lets through. */
 typedef struct bench_until {
   int reps, least;
-  double end; /* bench_now() deadline; 0: none */
+  double end;  /* bench_now() deadline; 0: none */
+  int pace_ms; /* 0: back to back */
 } bench_until;
 bench_until bench_until_start(int reps, int least, double budget_s);
 bool bench_done(const bench_until *u, size_t n);
+
+/* ---- paced latency ----
+ * Back-to-back calls keep every thread on their path awake (spinning, or just woken); an
+ * application calls between other work, a rollout or a training step, and then each call can
+ * pay the wake-ups of sleeping threads. So every latency row also runs paced: the same calls,
+ * each after a pause of --pace MS (default BENCH_PACE_MS), reported as p50 and p99 beside the
+ * ratio paced p50 / back-to-back p50. BENCH_PACED_SAMPLES calls a row (--full: ten times as
+ * many; --reps N, when fewer, N). */
+#define BENCH_PACE_MS 10
+#define BENCH_PACED_SAMPLES 100
+/* How many paced calls a row makes (0 when --pace 0 turned pacing off). */
+int bench_paced_samples(const bench_opts *o);
+/* A fixed-count plan of bench_paced_samples(o) calls, each after a pause of o->pace_ms. */
+bench_until bench_until_paced(const bench_opts *o);
+/* Sleeps o->pace_ms: for loops that are not driven by bench_done. */
+void bench_pace(const bench_opts *o);
+/* The median of the samples (sorts them); 0 when there are none. */
+double bench_median(bench_samples *b);
+/* Reports the paced row of (case, impl): p50, p99 and p50 / b2b_median (the back-to-back row's
+ * median), in the table or as one JSON line with impl "IMPL@MSms", paced_ms, samples,
+ * median_s, p99_s, min_s, max_s, b2b_median_s and paced_over_b2b. */
+void bench_paced_row(const bench_opts *o, const char *bench, const char *case_name,
+                     const char *impl, uint64_t bytes, bench_samples *paced, double b2b_median);
 
 /* The cases between network namespaces listen beyond loopback, where a node needs the fleet
  * token (docs/SECURITY.md): without FERRY_TOKEN set, bench_token_begin sets a random one for
@@ -67,6 +94,7 @@ bool bench_done(const bench_until *u, size_t n);
 bool bench_token_begin(void);
 void bench_token_end(bool set);
 
+/* The modes (bench/bench_MODE.c), in the ferry-bench program only; argv[0] is the mode's name. */
 int bench_link(int argc, char **argv);
 int bench_control(int argc, char **argv);
 int bench_store(int argc, char **argv);

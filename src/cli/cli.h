@@ -29,6 +29,9 @@ int cli_exit_code(int status);
  */
 int cli_fail(const char *cmd, int status, const char *what);
 
+/* `ferry serve` and `ferry ctl serve`: log at info unless FERRY_LOG is set. */
+void cli_server_logging(void);
+
 int cli_info(int argc, char **argv);
 int cli_bench(int argc, char **argv);
 int cli_ctl(int argc, char **argv);
@@ -40,5 +43,6 @@ int cli_ls(int argc, char **argv);
 int cli_rm(int argc, char **argv);
 int cli_stat(int argc, char **argv);
 int cli_gc(int argc, char **argv);
+int cli_top(int argc, char **argv);
 
 #endif

@@ -598,6 +598,7 @@ int ctl_serve(int argc, char **argv) {
   int code = parse_serve_args(argc, argv, &s, &sa);
   if (code != CLI_OK)
     return code;
+  cli_server_logging();
   sigset_t sigs;
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGINT);

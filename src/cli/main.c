@@ -3,6 +3,7 @@
  * every subcommand shares.
  */
 #include "cli/cli.h"
+#include "core/core.h"
 #include "ferry.h"
 
 #include <stdio.h>
@@ -23,28 +24,10 @@ static const struct {
     {"ls", cli_ls, "list keys (by prefix) with dtype, shape, size and owner"},
     {"rm", cli_rm, "delete a key, or every key with a prefix"},
     {"stat", cli_stat, "describe a key"},
+    {"top", cli_top, "the fleet in a terminal: nodes, keys, refit, mq, control (--once, --json)"},
     {"gc", cli_gc, "remove what killed processes left in FERRY_CTL_DIR (/dev/shm)"},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
-
-const char *const cli_exit_meaning[CLI_NEXIT] = {
-    [CLI_OK] = "success",
-    [CLI_FAIL] = "the operation failed (ctl: a rank reported failure, or the command was aborted)",
-    [CLI_USAGE] = "usage error: an unknown option, a bad value, a missing or extra argument",
-    [CLI_NOTFOUND] = "not found: no such key, file or control cell",
-    [CLI_TIMEOUT] = "timed out",
-    [CLI_PEER] = "peer or connection error: the directory, a key's owner, a rank or the engine\n"
-                 "     is unreachable or dead (ctl: or the cell is stale)",
-    [CLI_STATE] = "ctl: invalid transition (e.g. update while serving)",
-    [CLI_BUSY] = "ctl: busy: another command is in flight or another controller won the race;\n"
-                 "     nothing was issued",
-};
-
-void cli_print_exit_codes(FILE *out) {
-  fprintf(out, "exit status (every command; errors are one line on stderr):\n");
-  for (int i = 0; i < CLI_NEXIT; i++)
-    fprintf(out, "  %d  %s\n", i, cli_exit_meaning[i]);
-}
 
 static void usage(FILE *out) {
   fprintf(out, "usage: ferry <command> [options]\n"
@@ -56,35 +39,17 @@ static void usage(FILE *out) {
     fprintf(out, "  %-8s %s\n", commands[i].name, commands[i].summary);
   fprintf(out, "\nEvery command takes -h/--help and --version; options take their value as\n"
                "`--opt VALUE` or `--opt=VALUE`; sizes take K, M, G, T or KiB, MiB, GiB, TiB\n"
-               "(powers of 1024). ls, stat, put, get, info and serve take --json.\n\n");
+               "(powers of 1024). ls, stat, put, get, info, serve and top take --json.\n\n");
   cli_print_exit_codes(out);
   fprintf(out, "\nenvironment: FERRY_* settings, listed by `ferry info --config`\n");
 }
 
-int cli_exit_code(int status) {
-  switch (status) {
-  case FERRY_OK:
-    return CLI_OK;
-  case FERRY_EINVAL:
-    return CLI_USAGE;
-  case FERRY_ENOTFOUND:
-    return CLI_NOTFOUND;
-  case FERRY_ETIMEDOUT:
-    return CLI_TIMEOUT;
-  case FERRY_EPEER:
-  case FERRY_ECONNECT:
-  case FERRY_EAUTH:
-    return CLI_PEER;
-  default:
-    return CLI_FAIL;
-  }
-}
-
-int cli_fail(const char *cmd, int status, const char *what) {
-  const char *detail = ferry_last_error();
-  fprintf(stderr, "ferry %s: %s: %s%s%s%s\n", cmd, what, ferry_strerror(status),
-          *detail ? " (" : "", detail, *detail ? ")" : "");
-  return cli_exit_code(status);
+/* The long-running servers log at info unless FERRY_LOG says otherwise: their lines (nodes joining
+ * and leaving, pushes, failures) are what an operator follows them by, as with etcd or vLLM. The
+ * library's own default (warn) suits the trainers and engines it is embedded in. */
+void cli_server_logging(void) {
+  if (!fr_config_is_set("FERRY_LOG"))
+    ferry_log_set_level(FERRY_LOG_INFO);
 }
 
 static int dispatch(int argc, char **argv) {

@@ -8,9 +8,11 @@
  */
 #include "cli/args.h"
 #include "cli/cli.h"
+#include "cli/fleet.h"
 #include "core/core.h"
 #include "directory/directory.h"
 #include "ferry.h"
+#include "transport/transport.h"
 
 #include <pthread.h>
 #include <signal.h>
@@ -28,12 +30,14 @@ static const char serve_usage[] =
     "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]); and it holds objects that short-lived\n"
     "clients put (`ferry put`), in a pool of --capacity bytes (default FERRY_STORE_CAPACITY;\n"
     "K, M, G, T or KiB, MiB, GiB, TiB suffixes).\n"
-    "It serves its metrics (Prometheus text at /metrics, /healthz, /readyz) over HTTP on\n"
+    "It serves its metrics (Prometheus text at /metrics, /healthz, /readyz), the fleet's\n"
+    "status page (/) and its data (/v1/fleet, JSON; `ferry top` shows the same) over HTTP on\n"
     "--http (default: 127.0.0.1:0, a free loopback port; FERRY_METRICS_LISTEN when set; off:\n"
     "none); the ready line says where.\n"
     "Prints one 'ready' line, then runs until SIGINT or SIGTERM. With --json that line is\n"
     "one JSON object: {\"ready\": true, \"directory\", \"hosting\", \"node\", \"address\",\n"
-    "\"capacity\" (the pool's bytes), \"metrics\" (its URL, or null)}.\n";
+    "\"capacity\" (the pool's bytes), \"metrics\" (its URL, or null), \"status\" (the status\n"
+    "page's URL, or null)}.\n";
 
 typedef struct serve_opts {
   const char *listen, *directory, *name, *http;
@@ -55,7 +59,7 @@ static int parse(int argc, char **argv, serve_opts *o) {
 
 /* The one line that says the node is up: text, or with --json one object. */
 static void print_ready(const serve_opts *o, ferry_ctx *ctx, const char *listen,
-                        const char *metrics) {
+                        const char *metrics, bool page) {
   char url[FR_DIR_ADDRESS_MAX + 1]; /* a URL's password never reaches the screen */
   if (o->directory)
     fr_url_redact(o->directory, url, sizeof url);
@@ -70,10 +74,12 @@ static void print_ready(const serve_opts *o, ferry_ctx *ctx, const char *listen,
     cli_json_string(stdout, ferry_ctx_address(ctx));
     uint64_t cap = o->capacity ? o->capacity : (uint64_t)fr_config_int("FERRY_STORE_CAPACITY");
     printf(",\"capacity\":%llu,\"metrics\":", (unsigned long long)cap);
-    if (metrics)
-      printf("\"http://%s/metrics\"}\n", metrics);
+    if (metrics && page)
+      printf("\"http://%s/metrics\",\"status\":\"http://%s/\"}\n", metrics, metrics);
+    else if (metrics)
+      printf("\"http://%s/metrics\",\"status\":null}\n", metrics);
     else
-      printf("null}\n");
+      printf("null,\"status\":null}\n");
   } else if (o->directory) {
     printf("ready: node '%s' joined %s (%s)", ferry_ctx_name(ctx), url, ferry_ctx_address(ctx));
   } else {
@@ -81,6 +87,8 @@ static void print_ready(const serve_opts *o, ferry_ctx *ctx, const char *listen,
   }
   if (!o->json && metrics)
     printf("; metrics http://%s/metrics", metrics);
+  if (!o->json && metrics && page)
+    printf("; status page http://%s/", metrics);
   if (!o->json)
     printf("\n");
   fflush(stdout);
@@ -131,6 +139,50 @@ static const char *metrics_env(void) {
   return env && *env ? env : NULL;
 }
 
+/* The fleet view behind / and /v1/fleet: a client of the directory this node hosts or joined,
+ * opened at the first request (so that a directory that is down at start does not stop the
+ * node) and kept. */
+typedef struct fleet_http {
+  char url[FR_DIR_ADDRESS_MAX + 1], name[64];
+  pthread_mutex_t lock; /* view: requests come on a thread each */
+  fleet_view *view;
+} fleet_http;
+
+static unsigned fleet_route(void *arg, char **body, size_t *len, const char **type) {
+  fleet_http *f = arg;
+  pthread_mutex_lock(&f->lock);
+  int rc = f->view ? 0 : fleet_view_open(f->url, f->name, &f->view);
+  fleet_view *view = f->view;
+  pthread_mutex_unlock(&f->lock);
+  if (rc == 0 && (rc = fleet_json(view, body, len)) == 0) {
+    *type = "application/json";
+    return 200;
+  }
+  fr_warn("serve: /v1/fleet: %s", ferry_last_error());
+  FILE *m = open_memstream(body, len);
+  if (m) {
+    fprintf(m, "{\"error\":");
+    cli_json_string(m, ferry_last_error());
+    fprintf(m, "}");
+    fclose(m);
+  }
+  *type = "application/json";
+  return 503;
+}
+
+static unsigned page_route(void *arg, char **body, size_t *len, const char **type) {
+  (void)arg;
+  *body = strdup(fleet_page_html);
+  *len = *body ? strlen(*body) : 0;
+  *type = "text/html; charset=utf-8";
+  return 200;
+}
+
+static int add_fleet_routes(ferry_metrics_server *http, fleet_http *f) {
+  int rc = fr_metrics_route(http, "/", page_route, NULL);
+  return rc ? rc : fr_metrics_route(http, "/v1/fleet", fleet_route, f);
+}
+
 /* --http: on by default (a free loopback port), unless FERRY_METRICS_LISTEN already has the ctx
  * serving them or the caller said off. */
 static int start_http(const serve_opts *o, ferry_ctx *ctx, ferry_metrics_server **out) {
@@ -143,6 +195,7 @@ int cli_serve(int argc, char **argv) {
   serve_opts o = {0};
   if (parse(argc, argv, &o) != 0)
     return CLI_USAGE;
+  cli_server_logging();
   char buf[256];
   const char *listen = o.directory ? o.listen : host_port(&o, buf, sizeof buf);
   if (o.directory)
@@ -171,10 +224,25 @@ int cli_serve(int argc, char **argv) {
     ferry_ctx_close(ctx);
     return cli_fail("serve", rc, "cannot serve metrics");
   }
-  print_ready(&o, ctx, listen, http ? ferry_metrics_server_address(http) : metrics_env());
+  fleet_http fleet = {.lock = PTHREAD_MUTEX_INITIALIZER};
+  if (o.directory)
+    snprintf(fleet.url, sizeof fleet.url, "%s", o.directory);
+  else
+    snprintf(fleet.url, sizeof fleet.url, "ferry://%s", listen);
+  snprintf(fleet.name, sizeof fleet.name, "%.50s-fleet", ferry_ctx_name(ctx));
+  if (http && (rc = add_fleet_routes(http, &fleet)) != 0) {
+    ferry_metrics_server_close(http);
+    ferry_store_close(store);
+    ferry_ctx_close(ctx);
+    return cli_fail("serve", rc, "cannot serve the status page");
+  }
+  print_ready(&o, ctx, listen, http ? ferry_metrics_server_address(http) : metrics_env(),
+              http != NULL);
   int sig = wait_for_signal();
-  fprintf(stderr, "ferry serve: %s, shutting down\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+  /* a log line like the others (with FERRY_LOG_FORMAT=json, every stderr line is JSON) */
+  fr_info("serve: %s: shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
   ferry_metrics_server_close(http);
+  fleet_view_close(fleet.view);
   ferry_store_close(store);
   ferry_ctx_close(ctx);
   return CLI_OK;

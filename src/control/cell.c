@@ -355,7 +355,7 @@ static int replace_stale(fr_ctl_map *map, const char *tmp, const ferry_ctl_cell_
   else if (fr_ctl_pid_alive(hdr.engine_pid, hdr.engine_start))
     rc = fr_err(FERRY_EEXIST, "control cell '%s' belongs to live engine pid %d (incarnation %lu)",
                 map->name, hdr.engine_pid, (unsigned long)hdr.incarnation);
-  else if (opts && opts->size >= sizeof *opts && opts->fail_if_stale)
+  else if (FR_OPT(opts, fail_if_stale, 0))
     rc = fr_err(FERRY_ESTALE, "control cell '%s' is stale: engine pid %d (incarnation %lu) died",
                 map->name, hdr.engine_pid, (unsigned long)hdr.incarnation);
   else {
@@ -391,7 +391,9 @@ int ferry_ctl_cell_create(const char *name, uint32_t nranks, const ferry_ctl_cel
                   nranks, FERRY_CTL_MAX_RANKS);
   fr_ctl_map map = {.fd = -1};
   char tmp[sizeof map.path + 32];
-  int rc = fr_ctl_path(name, &map);
+  int rc = FR_OPTS_CHECK(opts, "ferry_ctl_cell_create");
+  if (rc == 0)
+    rc = fr_ctl_path(name, &map);
   if (rc == 0)
     rc = make_tmp_cell(&map, nranks, tmp, sizeof tmp);
   if (rc)

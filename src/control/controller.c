@@ -402,18 +402,47 @@ static int check_cell(ferry_ctl *ctl, ferry_ctl_cmd cmd) {
   return rc;
 }
 
-static int request(ferry_ctl *ctl, ferry_ctl_cmd cmd, int timeout_ms);
+/* A request that was issued, for its log line: its command word and the state it found. */
+typedef struct issued {
+  uint64_t word; /* 0: not issued (refused before, or nothing to do) */
+  ferry_ctl_state from;
+} issued;
+
+static int request(ferry_ctl *ctl, ferry_ctl_cmd cmd, int timeout_ms, issued *is);
+
+/* One line per command issued: the state it moved the engine from and to; or its failure, naming
+ * the ranks (rate-limited: a dead rank fails every request). Both at info: the caller has the
+ * error too (a `ferry ctl` command prints it as its one line), and the failing rank says it at
+ * warn in the engine's log. A request refused before it was issued (busy, wrong state) is the
+ * caller's alone. */
+static void log_request(const ferry_ctl *ctl, const issued *is, int rc, uint64_t t0) {
+  if (!fr_log_on(FERRY_LOG_INFO))
+    return; /* a request costs microseconds: not even the clock read below when not logging */
+  double ms = (double)(fr_now_ns() - t0) * 1e-6;
+  if (rc != 0) {
+    fr_info_limited("control: %s (after %.3f ms; the engine was %s)", ferry_last_error(), ms,
+                    ferry_ctl_state_name(is->from));
+    return;
+  }
+  cell_snap after;
+  snapshot(ctl, &after);
+  fr_info("control: " CMD_FMT " done in %.3f ms: %s -> %s", CMD_ARGS(ctl, is->word), ms,
+          ferry_ctl_state_name(is->from), ferry_ctl_state_name(after.state));
+}
 
 int ferry_ctl_request(ferry_ctl *ctl, ferry_ctl_cmd cmd, int timeout_ms) {
   if (!ctl || cmd < FERRY_CTL_CLEAR || cmd > FERRY_CTL_ABORT)
     return fr_err(FERRY_EINVAL, "ferry_ctl_request: bad %s", ctl ? "command" : "handle");
   uint64_t t0 = fr_now_ns();
-  int rc = request(ctl, cmd, timeout_ms);
+  issued is = {0};
+  int rc = request(ctl, cmd, timeout_ms, &is);
   fr_ctl_count_request(cmd, rc, t0);
+  if (is.word)
+    log_request(ctl, &is, rc, t0);
   return rc;
 }
 
-static int request(ferry_ctl *ctl, ferry_ctl_cmd cmd, int timeout_ms) {
+static int request(ferry_ctl *ctl, ferry_ctl_cmd cmd, int timeout_ms, issued *is) {
   timeout_ms = fr_timeout(timeout_ms);
   int rc = check_cell(ctl, cmd);
   if (rc)
@@ -434,6 +463,7 @@ static int request(ferry_ctl *ctl, ferry_ctl_cmd cmd, int timeout_ms) {
                   ferry_ctl_cmd_name(cmd), ctl->map.name, CMD_ARGS(ctl, seen));
   fr_ctl_futex_wake(&ctl->map.hdr->command);
   fr_debug("control: issued " CMD_FMT, CMD_ARGS(ctl, next));
+  *is = (issued){.word = next, .from = cs.state};
   return wait_acks(ctl, next, timeout_ms);
 }
 

@@ -68,16 +68,18 @@ static int claim_line(ferry_ctl_rank *r) {
 
 int ferry_ctl_rank_open(const char *name, uint32_t rank, const ferry_ctl_rank_opts *opts,
                         ferry_ctl_rank **out) {
-  ferry_ctl_state initial = opts && opts->size >= sizeof *opts && opts->initial_state
-                                ? opts->initial_state
-                                : FERRY_CTL_SERVING;
+  int rc = FR_OPTS_CHECK(opts, "ferry_ctl_rank_open");
+  if (rc != 0)
+    return rc;
+  ferry_ctl_state initial =
+      FR_OPT(opts, initial_state, 0) ? opts->initial_state : FERRY_CTL_SERVING;
   if (!out || (initial != FERRY_CTL_SERVING && initial != FERRY_CTL_CLEARED))
     return fr_err(FERRY_EINVAL, "rank open '%s': initial state must be serving or cleared",
                   name ? name : "");
   ferry_ctl_rank *r = calloc(1, sizeof *r);
   if (!r)
     return fr_err(FERRY_ENOMEM, "rank open '%s'", name);
-  int rc = fr_ctl_map_open(name, FR_CTL_MAP_RANK, &r->map);
+  rc = fr_ctl_map_open(name, FR_CTL_MAP_RANK, &r->map);
   if (rc) {
     free(r);
     return rc;
@@ -169,8 +171,14 @@ int ferry_ctl_ack(ferry_ctl_rank *r, uint64_t seq, ferry_ctl_state state, int er
   if ((state == FERRY_CTL_FAILED) != (error < 0))
     return fr_err(FERRY_EINVAL, "ack %s: a FAILED ack needs an error < 0, others none",
                   ferry_ctl_state_name(state));
-  if (state == FERRY_CTL_FAILED)
+  if (state == FERRY_CTL_FAILED) {
     publish_failure(r->line, seq, error, message);
+    /* an abort's FAILED only repeats an earlier failure, already said */
+    if (r->taken_cmd != FERRY_CTL_ABORT)
+      fr_warn_limited("control '%s': rank %u failed %s seq %lu: %s (%s)", r->map.name, r->rank,
+                      ferry_ctl_cmd_name(r->taken_cmd), (unsigned long)seq,
+                      ferry_status_name(error), message && *message ? message : "no detail");
+  }
   publish_ack(r, seq, state);
   r->acked = true;
   r->state = state;
@@ -198,19 +206,19 @@ static int ack_result(ferry_ctl_rank *r, ferry_ctl_state ok_state, int rc) {
 }
 
 static int handle(ferry_ctl_rank *r, const ferry_ctl_handlers *h) {
-  void *arg = h ? h->arg : NULL;
+  void *arg = FR_OPT(h, arg, NULL);
   switch (r->taken_cmd) {
   case FERRY_CTL_CLEAR:
     if (r->state == FERRY_CTL_CLEARED)
       return ferry_ctl_ack(r, r->taken_seq, FERRY_CTL_CLEARED, 0, NULL);
-    return ack_result(r, FERRY_CTL_CLEARED, run_handler(h ? h->clear : NULL, arg));
+    return ack_result(r, FERRY_CTL_CLEARED, run_handler(FR_OPT(h, clear, NULL), arg));
   case FERRY_CTL_UPDATE:
     if (r->state != FERRY_CTL_CLEARED)
       return ack_result(r, FERRY_CTL_SERVING,
                         fr_err(FERRY_ESTATE, "update while %s", ferry_ctl_state_name(r->state)));
-    return ack_result(r, FERRY_CTL_SERVING, run_handler(h ? h->update : NULL, arg));
+    return ack_result(r, FERRY_CTL_SERVING, run_handler(FR_OPT(h, update, NULL), arg));
   default: { /* abort: report what this rank can vouch for */
-    ferry_ctl_state st = h && h->abort ? h->abort(arg) : r->state;
+    ferry_ctl_state st = FR_OPT(h, abort, NULL) ? h->abort(arg) : r->state;
     if (!fr_ctl_state_terminal(st))
       st = FERRY_CTL_FAILED;
     if (st != FERRY_CTL_FAILED)
@@ -222,10 +230,11 @@ static int handle(ferry_ctl_rank *r, const ferry_ctl_handlers *h) {
 
 int ferry_ctl_rank_step(ferry_ctl_rank *r, const ferry_ctl_handlers *h, int timeout_ms,
                         ferry_ctl_command *handled) {
-  if (h && h->size < sizeof *h)
-    return fr_err(FERRY_EINVAL, "rank_step: handlers.size %zu < %zu", h->size, sizeof *h);
+  int rc = FR_OPTS_CHECK(h, "ferry_ctl_rank_step");
+  if (rc)
+    return rc;
   ferry_ctl_command cmd;
-  int rc = ferry_ctl_wait_command(r, timeout_ms, &cmd);
+  rc = ferry_ctl_wait_command(r, timeout_ms, &cmd);
   if (rc)
     return rc;
   rc = handle(r, h);

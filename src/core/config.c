@@ -17,6 +17,8 @@
   X("FERRY_METRICS_LISTEN", "",                                                                    \
     "HOST:PORT where every ctx serves /metrics, /healthz, /readyz (empty: off; port 0: any free)") \
   X("FERRY_LOG_FORMAT", "text", "stderr log lines: text, or json (one object per line)")           \
+  X("FERRY_BENCH_BIN", "",                                                                         \
+    "`ferry bench`'s program (empty: ferry-bench beside ferry, or in ../libexec/ferry from it)")   \
   X("FERRY_TIMEOUT_MS", "10000", "default timeout of blocking calls (connect, read, send)")        \
   X("FERRY_TRANSPORTS", "shm,tcp", "transports a link may use, in order of preference")            \
   X("FERRY_TCP_LISTEN", "127.0.0.1:0", "HOST:PORT of the tcp listener (port 0: any free)")         \
@@ -67,6 +69,8 @@
     "mq: bytes of messages a subscriber queues per publisher before publishes wait")               \
   X("FERRY_MQ_INLINE_BYTES", "65536",                                                              \
     "mq: larger payloads to a subscriber on this host go through the shared-memory pool")          \
+  X("FERRY_MQ_STALL_LOG_MS", "1000",                                                               \
+    "mq: a publish that waits this long for a subscriber's queue to have room logs who held it")   \
   X("FERRY_MQ_POOL_BYTES", "268435456",                                                            \
     "mq: bytes of a publisher's shared-memory pool for large payloads (made on first use)")        \
   X("FERRY_MQ_FLUSH_US", "50", "mq: a batch of small messages goes out after this at the latest")  \
@@ -101,6 +105,13 @@ const char *ferry_config_get(const char *name) {
     }
   }
   return NULL;
+}
+
+bool fr_config_is_set(const char *name) {
+  for (size_t i = 0; name && i < CONFIG_COUNT; i++)
+    if (strcmp(config_table[i].name, name) == 0)
+      return getenv(name) != NULL;
+  return false;
 }
 
 const char *fr_config_str(const char *name) {

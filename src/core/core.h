@@ -14,11 +14,22 @@
 #include <stdint.h>
 #include <time.h>
 
-/* A field of a caller's options struct, or `dflt` when the struct is NULL or older than the
- * field: options structs only grow at their end, and `size` says how much of one the caller
- * knows (a binary built against an older ferry.h, or a binding that declares fewer fields). */
+/* ---- options structs: the one rule (ferry.h states it to callers) ----
+ * Options structs only grow at their end, and `size` says how much of one the caller knows (a
+ * binary built against an older ferry.h, or a binding that declares fewer fields). A public call
+ * that takes one first checks it with FR_OPTS_CHECK, then reads every field through FR_OPT. */
+/* A field of a caller's options struct, or `dflt` when the struct is NULL or its `size` does not
+ * cover the field. */
 #define FR_OPT(o, field, dflt)                                                                     \
   ((o) && (o)->size >= offsetof(__typeof__(*(o)), field) + sizeof((o)->field) ? (o)->field : (dflt))
+/* 0 for NULL opts or a usable `size`. FERRY_EINVAL when `size` does not even cover itself (never
+ * set) or exceeds FR_OPTS_MAX (garbage); FERRY_ENOTSUP when a byte beyond the `known` bytes this
+ * library declares is not zero: the caller, built against a newer ferry.h, set a field this
+ * library lacks, and ignoring it would do silently what it did not ask for. `what` names the
+ * call in the detail. */
+#define FR_OPTS_MAX 4096
+int fr_opts_check(const void *opts, size_t known, const char *what);
+#define FR_OPTS_CHECK(o, what) fr_opts_check((o), sizeof *(o), (what))
 
 /* ---- errors ---- */
 /* Sets the thread's detail message and returns `status`, so a failure reads
@@ -27,14 +38,22 @@ int fr_err(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)
 /* Same, appending ": strerror(errno)" and mapping errno to a status (ENOMEM, ENOSPC, ...). */
 int fr_err_errno(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void fr_err_clear(void);
+/* fr_err() with the thread's current detail appended ("what: previous detail"): a caller adds
+ * its own context to a failure it passes on. */
+int fr_err_wrap(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* ---- logging: the level check is one load, so disabled messages cost nothing ---- */
 extern int fr_log_level_now;
+/* Whether lines of `level` are written now: one relaxed load (a plain load on x86 and arm64,
+ * and no data race with ferry_log_set_level from another thread). */
+static inline bool fr_log_on(int level) {
+  return level <= __atomic_load_n(&fr_log_level_now, __ATOMIC_RELAXED);
+}
 void fr_log_write(ferry_log_level level, const char *file, int line, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 #define FR_LOG(level, ...)                                                                         \
   do {                                                                                             \
-    if ((int)(level) <= fr_log_level_now)                                                          \
+    if (fr_log_on((int)(level)))                                                                   \
       fr_log_write((level), __FILE__, __LINE__, __VA_ARGS__);                                      \
   } while (0)
 #define fr_error(...) FR_LOG(FERRY_LOG_ERROR, __VA_ARGS__)
@@ -42,6 +61,29 @@ void fr_log_write(ferry_log_level level, const char *file, int line, const char 
 #define fr_info(...) FR_LOG(FERRY_LOG_INFO, __VA_ARGS__)
 #define fr_debug(...) FR_LOG(FERRY_LOG_DEBUG, __VA_ARGS__)
 #define fr_trace(...) FR_LOG(FERRY_LOG_TRACE, __VA_ARGS__)
+/* Lines about events that can repeat (a stalled subscriber, a refused put, a peer that keeps
+ * failing): each call site lets FR_LOG_LIMIT_LINES through per FR_LOG_LIMIT_WINDOW_MS, holds the
+ * rest back, and the next line it lets through says how many it held. */
+#define FR_LOG_LIMIT_LINES 5
+#define FR_LOG_LIMIT_WINDOW_MS 10000
+typedef struct fr_log_limit {
+  uint64_t window_ns; /* when the current window began (0: none yet) */
+  uint32_t lines;     /* lines let through in it */
+  uint64_t held;      /* lines held back since the last one let through */
+} fr_log_limit;
+/* Whether a line may go out at `now_ns` (fr_now_ns); *held: how many were held back before it. */
+bool fr_log_limit_pass(fr_log_limit *l, uint64_t now_ns, uint64_t *held);
+void fr_log_write_held(ferry_log_level level, const char *file, int line, uint64_t held,
+                       const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+#define FR_LOG_LIMITED(level, ...)                                                                 \
+  do {                                                                                             \
+    static fr_log_limit fr_log_limit_;                                                             \
+    uint64_t fr_log_held_;                                                                         \
+    if (fr_log_on((int)(level)) && fr_log_limit_pass(&fr_log_limit_, fr_now_ns(), &fr_log_held_))  \
+      fr_log_write_held((level), __FILE__, __LINE__, fr_log_held_, __VA_ARGS__);                   \
+  } while (0)
+#define fr_warn_limited(...) FR_LOG_LIMITED(FERRY_LOG_WARN, __VA_ARGS__)
+#define fr_info_limited(...) FR_LOG_LIMITED(FERRY_LOG_INFO, __VA_ARGS__)
 /* Parses "error|warn|info|debug|trace"; -1 when unknown. */
 int fr_log_level_parse(const char *text);
 /* Reads FERRY_LOG and FERRY_LOG_FORMAT (text|json; anything else warns once and means text).
@@ -56,6 +98,9 @@ bool fr_log_set_node(const char *name);
 /* ---- configuration (table in config.c) ---- */
 int64_t fr_config_int(const char *name);
 const char *fr_config_str(const char *name);
+/* Whether the environment sets `name` (a command may pick another default than the library's:
+ * `ferry serve` logs at info unless FERRY_LOG says otherwise). */
+bool fr_config_is_set(const char *name);
 /* A timeout argument resolved against FERRY_TIMEOUT_MS (negative → default). */
 int fr_timeout(int timeout_ms);
 /* Where this user's fleet secret lives: FERRY_TOKEN_FILE, else ~/.ferry/token. */
@@ -97,6 +142,21 @@ void fr_hmac_sha256(const void *key, size_t key_len, const void *msg, size_t msg
 /* Compares in constant time (for MACs). */
 bool fr_memeq_const(const void *a, const void *b, size_t len);
 
+/* ---- growable arrays ---- */
+/* Makes room for `need` elements of `elem` bytes in *items, whose capacity is *cap: when need
+ * exceeds it, the capacity doubles (from `first` when it is 0) until it covers need and *items
+ * is reallocated. On failure nothing changes and it returns FERRY_ENOMEM (also when the bytes
+ * would overflow a size_t); it sets no error detail: the caller knows what grew. */
+int fr_grow(void **items, size_t *cap, size_t need, size_t elem, size_t first);
+/* The same for a typed array `arr` (an lvalue, T *) and its size_t capacity `cap`. */
+#define FR_GROW(arr, cap, need, first)                                                             \
+  __extension__({                                                                                  \
+    void *fr_grow_p_ = (arr);                                                                      \
+    int fr_grow_rc_ = fr_grow(&fr_grow_p_, &(cap), (need), sizeof *(arr), (first));                \
+    (arr) = fr_grow_p_;                                                                            \
+    fr_grow_rc_;                                                                                   \
+  })
+
 /* ---- misc ---- */
 int fr_random_bytes(void *buf, size_t len);
 uint64_t fr_random_u64(void);
@@ -106,6 +166,11 @@ uint64_t fr_random_u64(void);
  * (the tests run both ends side by side), and UCX synchronizes in code TSan does not see; so
  * code that hands data over such a channel releases a process-local object that stands for it,
  * and the code that takes the data acquires it. No code at all outside TSan builds. */
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer) && !defined(__SANITIZE_THREAD__)
+#define __SANITIZE_THREAD__ 1 /* clang says so only through __has_feature */
+#endif
+#endif
 #if defined(__SANITIZE_THREAD__)
 void __tsan_acquire(void *addr);
 void __tsan_release(void *addr);

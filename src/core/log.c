@@ -8,6 +8,9 @@
  * with one write(2), so lines from threads (and processes sharing stderr) do not interleave. A
  * callback (ferry_log_set_callback; the Python binding's) gets the bare message: its logger adds
  * its own time and fields.
+ *
+ * Events that can repeat go through a per-call-site limit (fr_warn_limited, fr_info_limited):
+ * a few lines per window, then a count of what was held back on the next line let through.
  */
 #include "core/core.h"
 
@@ -64,7 +67,9 @@ void ferry_log_set_level(ferry_log_level level) {
     __atomic_store_n(&fr_log_level_now, (int)level, __ATOMIC_RELAXED);
 }
 
-ferry_log_level ferry_log_get_level(void) { return (ferry_log_level)fr_log_level_now; }
+ferry_log_level ferry_log_get_level(void) {
+  return (ferry_log_level)__atomic_load_n(&fr_log_level_now, __ATOMIC_RELAXED);
+}
 
 void ferry_log_set_callback(ferry_log_fn fn, void *arg) {
   pthread_mutex_lock(&log_lock);
@@ -203,12 +208,14 @@ static void write_line(const line_buf *b) {
   }
 }
 
-void fr_log_write(ferry_log_level level, const char *file, int line, const char *fmt, ...) {
+/* Formats the message (with a note of the lines held back before it, when any) and writes it. */
+static void log_vwrite(ferry_log_level level, const char *file, int line, uint64_t held,
+                       const char *fmt, va_list ap) {
   char msg[MSG_MAX];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
-  va_end(ap);
+  int n = vsnprintf(msg, sizeof msg, fmt, ap);
+  if (held > 0 && n >= 0 && (size_t)n < sizeof msg)
+    snprintf(msg + n, sizeof msg - (size_t)n, " (%llu more like this held back)",
+             (unsigned long long)held);
 
   char node[NODE_MAX];
   pthread_mutex_lock(&log_lock);
@@ -229,4 +236,45 @@ void fr_log_write(ferry_log_level level, const char *file, int line, const char 
     format_text(&b, level, base ? base + 1 : file, line, node, msg);
   b.data[b.len++] = '\n';
   write_line(&b);
+}
+
+void fr_log_write(ferry_log_level level, const char *file, int line, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  log_vwrite(level, file, line, 0, fmt, ap);
+  va_end(ap);
+}
+
+void fr_log_write_held(ferry_log_level level, const char *file, int line, uint64_t held,
+                       const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  log_vwrite(level, file, line, held, fmt, ap);
+  va_end(ap);
+}
+
+/* ---- rate-limited lines ---- */
+
+/* One lock for every call site's counts: they are touched only by lines about to be written. */
+static pthread_mutex_t limit_lock = PTHREAD_MUTEX_INITIALIZER;
+
+bool fr_log_limit_pass(fr_log_limit *l, uint64_t now_ns, uint64_t *held) {
+  const uint64_t window = (uint64_t)FR_LOG_LIMIT_WINDOW_MS * 1000000ull;
+  bool pass;
+  pthread_mutex_lock(&limit_lock);
+  if (l->window_ns == 0 || now_ns - l->window_ns >= window) {
+    l->window_ns = now_ns ? now_ns : 1;
+    l->lines = 0;
+  }
+  pass = l->lines < FR_LOG_LIMIT_LINES;
+  *held = 0;
+  if (pass) {
+    l->lines++;
+    *held = l->held;
+    l->held = 0;
+  } else {
+    l->held++;
+  }
+  pthread_mutex_unlock(&limit_lock);
+  return pass;
 }

@@ -62,16 +62,7 @@ int fr_pool_alloc(fr_pool *p, uint64_t bytes, uint64_t limit, uint64_t *off) {
   return FERRY_ECAPACITY;
 }
 
-static bool grow(fr_pool *p) {
-  if (p->nfree < p->cap)
-    return true;
-  fr_pool_block *b = realloc(p->free, p->cap * 2 * sizeof *b);
-  if (!b)
-    return false;
-  p->free = b;
-  p->cap *= 2;
-  return true;
-}
+static bool grow(fr_pool *p) { return FR_GROW(p->free, p->cap, p->nfree + 1, 16) == 0; }
 
 void fr_pool_free(fr_pool *p, uint64_t off, uint64_t bytes) {
   uint64_t len = fr_pool_round(p, bytes ? bytes : 1);
@@ -95,6 +86,6 @@ void fr_pool_free(fr_pool *p, uint64_t off, uint64_t bytes) {
     p->free[i] = (fr_pool_block){off, len};
     p->nfree++;
   } else { /* out of memory for the free list: the block is lost, not corrupted */
-    fr_warn("pool: lost %llu bytes (out of memory)", (unsigned long long)len);
+    fr_warn_limited("pool: lost %llu bytes (out of memory)", (unsigned long long)len);
   }
 }

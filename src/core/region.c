@@ -39,15 +39,9 @@ void fr_region_release(fr_region *r) {
 
 static int table_add(fr_region_table *t, fr_region *r) {
   pthread_mutex_lock(&t->lock);
-  if (t->count == t->cap) {
-    size_t cap = t->cap ? t->cap * 2 : 16;
-    fr_region **items = realloc(t->items, cap * sizeof *items);
-    if (!items) {
-      pthread_mutex_unlock(&t->lock);
-      return fr_err(FERRY_ENOMEM, "region table: cannot grow to %zu entries", cap);
-    }
-    t->items = items;
-    t->cap = cap;
+  if (FR_GROW(t->items, t->cap, t->count + 1, 16) != 0) {
+    pthread_mutex_unlock(&t->lock);
+    return fr_err(FERRY_ENOMEM, "region table: cannot grow beyond %zu entries", t->cap);
   }
   r->id = t->next_id++;
   r->key = fr_random_u64();

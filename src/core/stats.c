@@ -51,15 +51,9 @@ void fr_stats_fini(fr_stats *s) {
 
 int fr_stats_add(fr_stats *s, fr_stats_fn fn, fr_ready_fn ready, void *arg) {
   pthread_mutex_lock(&s->lock);
-  if (s->n == s->cap) {
-    size_t cap = s->cap ? s->cap * 2 : 8;
-    fr_stats_entry *v = realloc(s->v, cap * sizeof *v);
-    if (!v) {
-      pthread_mutex_unlock(&s->lock);
-      return fr_err(FERRY_ENOMEM, "metrics: collector table");
-    }
-    s->v = v;
-    s->cap = cap;
+  if (FR_GROW(s->v, s->cap, s->n + 1, 8) != 0) {
+    pthread_mutex_unlock(&s->lock);
+    return fr_err(FERRY_ENOMEM, "metrics: collector table");
   }
   s->v[s->n++] = (fr_stats_entry){fn, ready, arg};
   pthread_mutex_unlock(&s->lock);
@@ -80,15 +74,9 @@ void fr_stats_remove(fr_stats *s, void *arg) {
 
 static sample *sample_new(fr_stats_out *o, const char *name, const char *help, ferry_stat_kind k,
                           va_list ap) {
-  if (o->n == o->cap) {
-    size_t cap = o->cap ? o->cap * 2 : 64;
-    sample *v = realloc(o->v, cap * sizeof *v);
-    if (!v) {
-      o->oom = true;
-      return NULL;
-    }
-    o->v = v;
-    o->cap = cap;
+  if (FR_GROW(o->v, o->cap, o->n + 1, 64) != 0) {
+    o->oom = true;
+    return NULL;
   }
   sample *s = &o->v[o->n];
   memset(s, 0, sizeof *s);
@@ -279,16 +267,10 @@ static void put(text *t, const char *fmt, ...) {
       t->len += (size_t)n;
       return;
     }
-    size_t cap = t->cap ? t->cap : 4096;
-    while (cap <= t->len + (size_t)n)
-      cap *= 2;
-    char *b = realloc(t->buf, cap);
-    if (!b) {
+    if (FR_GROW(t->buf, t->cap, t->len + (size_t)n + 1, 4096) != 0) { /* + 1: the NUL */
       t->oom = true;
       return;
     }
-    t->buf = b;
-    t->cap = cap;
   }
 }
 

@@ -62,3 +62,13 @@ int fr_err_errno(int status, const char *fmt, ...) {
   errno = saved;
   return status;
 }
+
+int fr_err_wrap(int status, const char *fmt, ...) {
+  char before[FR_ERR_DETAIL_MAX], what[FR_ERR_DETAIL_MAX];
+  snprintf(before, sizeof before, "%s", err_detail);
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(what, sizeof what, fmt, ap);
+  va_end(ap);
+  return *before ? fr_err(status, "%s: %s", what, before) : fr_err(status, "%s", what);
+}

@@ -1,5 +1,6 @@
 /*
- * Small process-wide helpers: the library version, monotonic time, random bytes.
+ * Small process-wide helpers: the library version, monotonic time, random bytes, the check of a
+ * caller's options struct and the one growable array every layer uses.
  */
 #include "core/core.h"
 
@@ -84,4 +85,41 @@ size_t fr_utf8_seq(const unsigned char *p, size_t left) {
     cp = cp << 6 | (p[i] & 0x3f);
   }
   return cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff) ? 0 : n;
+}
+
+int fr_opts_check(const void *opts, size_t known, const char *what) {
+  if (!opts)
+    return 0;
+  size_t size;
+  memcpy(&size, opts, sizeof size);
+  if (size < sizeof size || size > FR_OPTS_MAX)
+    return fr_err(FERRY_EINVAL, "%s: opts->size is %zu: set it to sizeof the struct, or pass NULL",
+                  what, size);
+  const unsigned char *bytes = opts;
+  for (size_t i = known; i < size; i++)
+    if (bytes[i])
+      return fr_err(FERRY_ENOTSUP,
+                    "%s: opts sets byte %zu, beyond the %zu bytes of the struct libferry %s knows "
+                    "(a newer ferry.h?)",
+                    what, i, known, FERRY_VERSION_STRING);
+  return 0;
+}
+
+int fr_grow(void **items, size_t *cap, size_t need, size_t elem, size_t first) {
+  if (need <= *cap)
+    return 0;
+  size_t c = *cap ? *cap : (first ? first : 1);
+  while (c < need) {
+    if (c > SIZE_MAX / 2)
+      return FERRY_ENOMEM;
+    c *= 2;
+  }
+  if (elem && c > SIZE_MAX / elem)
+    return FERRY_ENOMEM; /* more than memory can hold */
+  void *p = realloc(*items, c * elem);
+  if (!p)
+    return FERRY_ENOMEM;
+  *items = p;
+  *cap = c;
+  return 0;
 }

@@ -42,7 +42,7 @@ typedef struct emb {
   pthread_mutex_t lock;
   ferry_link *link;
   ferry_link **grave; /* dead links, closed with the client (callers may still hold them) */
-  size_t ngrave;
+  size_t ngrave, capgrave;
   uint64_t instance, epoch;
   uint64_t *watch; /* the server's change words as mapped over `link`, or NULL */
   uint64_t *table; /* its object table, mapped with the words */
@@ -222,11 +222,9 @@ static int current_link(emb *e, ferry_link *dead, int timeout_ms, ferry_link **o
   int rc = 0;
   if (!e->link || e->link == dead) {
     if (e->link) {
-      ferry_link **g = realloc(e->grave, (e->ngrave + 1) * sizeof *g);
-      if (g) {
-        e->grave = g;
+      if (FR_GROW(e->grave, e->capgrave, e->ngrave + 1, 4) == 0)
         e->grave[e->ngrave++] = e->link;
-      } /* else: leaked until exit; better than closing it under another caller */
+      /* else: leaked until exit; better than closing it under another caller */
       e->link = NULL;
       e->watch = e->table = NULL;
     }
@@ -721,17 +719,9 @@ static int scan_page(emb *e, const char *prefix, const char *after, fr_dir_objec
     reply_free(&r);
     return fr_err(FERRY_EPROTO, "directory at ferry://%s: malformed scan reply", e->where);
   }
-  if (*n + k > *cap) {
-    size_t c = *cap ? *cap * 2 : FR_DIR_SCAN_PAGE;
-    while (c < *n + k)
-      c *= 2;
-    fr_dir_object *p = realloc(*v, c * sizeof *p);
-    if (!p) {
-      reply_free(&r);
-      return fr_err(FERRY_ENOMEM, "scan: %zu records", *n + k);
-    }
-    *v = p;
-    *cap = c;
+  if (FR_GROW(*v, *cap, *n + k, FR_DIR_SCAN_PAGE) != 0) {
+    reply_free(&r);
+    return fr_err(FERRY_ENOMEM, "scan: %zu records", *n + k);
   }
   for (uint32_t i = 0; i < k; i++)
     fr_rd_object(&r.rd, &(*v)[*n + i]);

@@ -5,7 +5,6 @@
  */
 #include "directory/directory.h"
 
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -68,16 +67,6 @@ int fr_dir_key_check(const char *key, const char *what) {
   if (n > FR_DIR_KEY_MAX)
     return fr_err(FERRY_EINVAL, "%s: key of %zu bytes (at most %d)", what, n, FR_DIR_KEY_MAX);
   return 0;
-}
-
-int fr_err_wrap(int status, const char *fmt, ...) {
-  char before[512], what[512];
-  snprintf(before, sizeof before, "%s", ferry_last_error());
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(what, sizeof what, fmt, ap);
-  va_end(ap);
-  return *before ? fr_err(status, "%s: %s", what, before) : fr_err(status, "%s", what);
 }
 
 int fr_dir_name_taken(const fr_dir_node *holder, uint32_t lease_left_ms) {

@@ -165,8 +165,6 @@ static inline uint32_t fr_dir_key_hash(const char *key) {
 int fr_dir_key_check(const char *key, const char *what);
 /* FERRY_EEXIST naming the live node that holds a name. */
 int fr_dir_name_taken(const fr_dir_node *holder, uint32_t lease_left_ms);
-/* fr_err() with the thread's current detail appended ("what: previous detail"). */
-int fr_err_wrap(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Sorts objects by key. */
 void fr_dir_sort(fr_dir_object *objs, size_t n);
 

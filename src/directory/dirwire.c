@@ -15,16 +15,10 @@ static bool wr_reserve(fr_wr *w, size_t n) {
     return false;
   if (w->len + n <= w->cap)
     return true;
-  size_t cap = w->cap ? w->cap : 256;
-  while (cap < w->len + n)
-    cap *= 2;
-  uint8_t *p = realloc(w->p, cap);
-  if (!p) {
+  if (FR_GROW(w->p, w->cap, w->len + n, 256) != 0) {
     w->failed = true;
     return false;
   }
-  w->p = p;
-  w->cap = cap;
   return true;
 }
 

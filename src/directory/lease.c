@@ -5,7 +5,8 @@
  * or whoever answers there is not it), so a restarted process gets its name back at once instead
  * of after the old lease lapses. Renewal runs every third of the lease; when the directory lost
  * the node (its lease lapsed, or the directory restarted: its epoch moved) the name is taken again
- * and the caller is told to publish its records again.
+ * and the caller is told to publish its records again. Joining and leaving are logged at info
+ * (the directory logs them too, with what a leaving node's records were).
  */
 #include "directory/directory.h"
 
@@ -73,8 +74,11 @@ int fr_dir_lease_take(fr_dir_lease *l, int timeout_ms) {
                   taken);
     }
   }
-  if (rc == 0)
+  if (rc == 0) {
     l->epoch = epoch;
+    fr_info("%s: joined the directory at %s as node '%s' (%s; lease %d ms)", l->who, l->dir->url,
+            l->node.name, l->node.address, l->lease_ms);
+  }
   l->held = rc == 0;
   schedule(l, rc == 0);
   return rc;
@@ -105,15 +109,23 @@ int fr_dir_lease_renew(fr_dir_lease *l) {
   } else {
     schedule(l, rc == 0);
   }
-  if (rc != 0)
-    fr_warn("%s: renewing '%s' in the directory failed: %s", l->who, l->node.name,
-            ferry_last_error());
+  if (rc != 0) /* retried every 200 ms while the directory is away */
+    fr_warn_limited("%s: renewing '%s' in the directory failed: %s", l->who, l->node.name,
+                    ferry_last_error());
   return rc;
 }
 
 void fr_dir_lease_drop(fr_dir_lease *l) {
-  if (l->held)
-    l->dir->ops->node_del(l->dir->state, l->node.name, l->node.incarnation, 2000);
+  if (l->held) {
+    int rc = l->dir->ops->node_del(l->dir->state, l->node.name, l->node.incarnation, 2000);
+    if (rc == 0)
+      fr_info("%s: left the directory at %s", l->who, l->dir->url);
+    else /* not worth a warning: a directory that is gone has dropped the records already */
+      fr_info("%s: left without telling the directory at %s (%s); its records go when its lease "
+              "of %d ms lapses",
+              l->who, l->dir->url, ferry_last_error(), l->lease_ms);
+    fr_err_clear(); /* closing does not fail */
+  }
   l->held = false;
   __atomic_store_n(&l->ok, false, __ATOMIC_RELAXED);
 }

@@ -431,14 +431,8 @@ static void keylist_free(keylist *l) {
 }
 
 static int keylist_add(keylist *l, const char *s, size_t len) {
-  if (l->n == l->cap) {
-    size_t cap = l->cap ? l->cap * 2 : 64;
-    char **v = realloc(l->v, cap * sizeof *v);
-    if (!v)
-      return fr_err(FERRY_ENOMEM, "scan");
-    l->v = v;
-    l->cap = cap;
-  }
+  if (FR_GROW(l->v, l->cap, l->n + 1, 64) != 0)
+    return fr_err(FERRY_ENOMEM, "scan");
   char *c = malloc(len + 1);
   if (!c)
     return fr_err(FERRY_ENOMEM, "scan");

@@ -135,16 +135,10 @@ static void obj_remove_at(fr_dir_server *s, size_t i) {
 }
 
 static int obj_insert_at(fr_dir_server *s, size_t i, const fr_dir_object *o) {
-  if (s->nobjs == s->capobjs) {
-    size_t cap = s->capobjs ? s->capobjs * 2 : 64;
-    if (cap > MAX_OBJECTS)
-      return fr_err(FERRY_ECAPACITY, "directory full: %zu objects", s->nobjs);
-    fr_dir_object **p = realloc(s->objs, cap * sizeof *p);
-    if (!p)
-      return fr_err(FERRY_ENOMEM, "directory: object table");
-    s->objs = p;
-    s->capobjs = cap;
-  }
+  if (s->nobjs >= MAX_OBJECTS) /* 64 << 18: the table doubles up to exactly this */
+    return fr_err(FERRY_ECAPACITY, "directory full: %zu objects", s->nobjs);
+  if (FR_GROW(s->objs, s->capobjs, s->nobjs + 1, 64) != 0)
+    return fr_err(FERRY_ENOMEM, "directory: object table");
   fr_dir_object *copy = malloc(sizeof *copy);
   if (!copy)
     return fr_err(FERRY_ENOMEM, "directory: object record");
@@ -155,10 +149,39 @@ static int obj_insert_at(fr_dir_server *s, size_t i, const fr_dir_object *o) {
   return 0;
 }
 
-static void drop_objects_of(fr_dir_server *s, const char *owner) {
+/* What dropping a node's records took, for its log line: the keys (ferry's own records, such as
+ * mq's, are not counted) and the first few of them by name. */
+typedef struct dropped {
+  size_t keys;
+  char names[160];
+  size_t len;
+} dropped;
+
+static void note_dropped(dropped *d, const char *key) {
+  if (fr_dir_key_reserved(key))
+    return;
+  if (d->keys++ < 3 && d->len < sizeof d->names) {
+    int n =
+        snprintf(d->names + d->len, sizeof d->names - d->len, "%s'%s'", d->len ? ", " : "", key);
+    d->len = n < 0 ? sizeof d->names : d->len + (size_t)n;
+  }
+}
+
+/* "; its 2 keys dropped ('a', 'b')", or "" when it held none. */
+static void describe_dropped(const dropped *d, char *out, size_t len) {
+  if (!d->keys)
+    *out = '\0';
+  else
+    snprintf(out, len, "; its %zu key%s dropped (%s%s)", d->keys, d->keys == 1 ? "" : "s", d->names,
+             d->keys > 3 ? ", ..." : "");
+}
+
+static void drop_objects_of(fr_dir_server *s, const char *owner, dropped *d) {
   size_t w = 0, n = s->nobjs;
   for (size_t i = 0; i < s->nobjs; i++) {
     if (strcmp(s->objs[i]->owner, owner) == 0) {
+      if (d)
+        note_dropped(d, s->objs[i]->key);
       table_publish(s, s->objs[i]->key, NULL);
       free(s->objs[i]);
     } else
@@ -171,20 +194,24 @@ static void drop_objects_of(fr_dir_server *s, const char *owner) {
     watch_bump(s, NULL);
 }
 
-static void node_remove(fr_dir_server *s, srv_node *n) {
-  drop_objects_of(s, n->node.name);
+/* Removes a node and its records, saying why at info: joining and leaving is what an operator
+ * follows a fleet by. */
+static void node_remove(fr_dir_server *s, srv_node *n, const char *why) {
+  dropped d = {0};
+  char what[256];
+  drop_objects_of(s, n->node.name, &d);
+  describe_dropped(&d, what, sizeof what);
+  fr_info("directory: node '%s' at %s %s%s", n->node.name, n->node.address, why, what);
   *n = s->nodes[--s->nnodes];
 }
 
 void fr_dir_server_expire(fr_dir_server *s, uint64_t now_ns) {
   pthread_mutex_lock(&s->lock);
   for (size_t i = 0; i < s->nnodes;) {
-    if (s->nodes[i].expires_ns < now_ns) {
-      fr_info("directory: lease of '%s' lapsed; dropping its records", s->nodes[i].node.name);
-      node_remove(s, &s->nodes[i]);
-    } else {
+    if (s->nodes[i].expires_ns < now_ns)
+      node_remove(s, &s->nodes[i], "gone: its lease lapsed (dead, or cut off from the directory)");
+    else
       i++;
-    }
   }
   pthread_mutex_unlock(&s->lock);
 }
@@ -212,6 +239,7 @@ static int op_node_put(fr_dir_server *s, fr_rd *in, fr_wr *out) {
     return fr_err(FERRY_EPROTO, "node put: malformed request");
   srv_node *e = node_find(s, n.name);
   uint64_t now = fr_now_ns();
+  bool joined = false;
   if (e && e->node.incarnation != n.incarnation) {
     if (e->expires_ns >= now && e->node.incarnation != takeover) {
       fr_wr_u8(out, 1); /* held by a live node: say which */
@@ -219,24 +247,21 @@ static int op_node_put(fr_dir_server *s, fr_rd *in, fr_wr *out) {
       fr_wr_u32(out, (uint32_t)((e->expires_ns - now) / 1000000u));
       return 0;
     }
-    fr_info("directory: '%s' at %s %s; dropping its records", e->node.name, e->node.address,
-            e->expires_ns < now ? "let its lease lapse" : "is dead");
-    node_remove(s, e);
+    node_remove(s, e,
+                e->expires_ns < now ? "replaced by a new incarnation (its lease had lapsed)"
+                                    : "replaced by a new incarnation (the old one is dead)");
     e = NULL;
   }
   if (!e) {
     if (s->nnodes == MAX_NODES)
       return fr_err(FERRY_ECAPACITY, "directory full: %zu nodes", s->nnodes);
-    if (s->nnodes == s->capnodes) {
-      size_t cap = s->capnodes ? s->capnodes * 2 : 16;
-      srv_node *p = realloc(s->nodes, cap * sizeof *p);
-      if (!p)
-        return fr_err(FERRY_ENOMEM, "directory: node table");
-      s->nodes = p;
-      s->capnodes = cap;
-    }
+    if (FR_GROW(s->nodes, s->capnodes, s->nnodes + 1, 16) != 0)
+      return fr_err(FERRY_ENOMEM, "directory: node table");
     e = &s->nodes[s->nnodes++];
+    joined = true;
   }
+  if (joined)
+    fr_info("directory: node '%s' joined at %s (lease %u ms)", n.name, n.address, lease);
   e->node = n;
   e->expires_ns = lease_deadline(lease);
   fr_wr_u8(out, 0);
@@ -287,9 +312,10 @@ static int op_node_del(fr_dir_server *s, fr_rd *in, fr_wr *out) {
   srv_node *e = node_find(s, name);
   if (e && incarnation && e->node.incarnation != incarnation)
     return 0; /* the name belongs to another node by now: leave it alone */
-  drop_objects_of(s, name);
   if (e)
-    node_remove(s, e);
+    node_remove(s, e, "left");
+  else
+    drop_objects_of(s, name, NULL);
   return 0;
 }
 
@@ -574,16 +600,11 @@ static uint64_t sent_at(const ferry_msg *m) {
 }
 
 static void backlog_push(fr_dir_server *s, ferry_msg *m) {
-  if (s->nbacklog == s->capbacklog) {
-    size_t cap = s->capbacklog ? 2 * s->capbacklog : 64;
-    ferry_msg **p = realloc(s->backlog, cap * sizeof *p);
-    if (!p) { /* cannot keep it for later: answer it now, out of order */
-      fr_warn("directory: backlog of %zu messages: out of memory", s->nbacklog);
-      serve_one(s, m);
-      return;
-    }
-    s->backlog = p;
-    s->capbacklog = cap;
+  if (FR_GROW(s->backlog, s->capbacklog, s->nbacklog + 1, 64) != 0) {
+    /* cannot keep it for later: answer it now, out of order */
+    fr_warn("directory: backlog of %zu messages: out of memory", s->nbacklog);
+    serve_one(s, m);
+    return;
   }
   s->backlog[s->nbacklog++] = m;
 }

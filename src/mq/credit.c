@@ -43,6 +43,39 @@ static int full_error(ferry_mq *mq, fr_mq_topic *t, uint64_t len, int rc, int ms
   return fr_err(FERRY_ETIMEDOUT, "publish '%s': timed out", t->name);
 }
 
+/* Who holds a publish back: the first live subscriber without room for it, copied while the lock
+ * is held (the peer may go while the publish waits). Only copied: the line is formatted only
+ * when the wait turns out long. */
+typedef struct holder {
+  char name[FR_DIR_NAME_MAX + 1]; /* "" when none was found */
+  uint64_t queued, window;
+} holder;
+
+static void find_holder(const fr_mq_topic *t, uint64_t len, holder *h) {
+  h->name[0] = '\0';
+  h->queued = h->window = 0;
+  for (size_t i = 0; i < t->nsubs; i++) {
+    const fr_mq_peer *p = t->subs[i];
+    if (fr_mq_peer_alive(p) && !has_credit(p, len)) {
+      memcpy(h->name, p->name, sizeof h->name);
+      h->queued = p->sent - p->acked;
+      h->window = p->window;
+      return;
+    }
+  }
+}
+
+/* A subscriber that held a publish back longer than FERRY_MQ_STALL_LOG_MS: who, how long, on
+ * which topic. Rate-limited: a stalled subscriber holds back every publish to it. */
+static void log_stall(const ferry_mq *mq, const fr_mq_topic *t, const holder *h, uint64_t ns,
+                      int rc) {
+  fr_warn_limited("mq '%s': a publish on '%s' waited %.3f s for subscriber '%s' to take messages "
+                  "(its queue held %llu of %llu bytes)%s",
+                  mq->name, t->name, (double)ns * 1e-9, h->name[0] ? h->name : "?",
+                  (unsigned long long)h->queued, (unsigned long long)h->window,
+                  rc == FERRY_ETIMEDOUT ? "; the publish timed out" : "");
+}
+
 /* Waits for credit and takes it: *out lists the subscribers, each held for the sends. A peer
  * with a pending batch is held by mq->dirty until a flush, and flushes need publish_lock, which
  * the publish holds: it takes no reference of its own on those, so a publish in a stream needs
@@ -55,11 +88,16 @@ int fr_mq_reserve(ferry_mq *mq, fr_mq_topic *t, uint64_t len, uint64_t deadline,
   *waited = !ready && !fr_mq_credit_ready(mq, &w); /* ready: the caller just found credit */
   if (*waited) {
     uint64_t t0 = fr_now_ns();
+    holder h;
+    find_holder(t, len, &h);
     mq->waiters++;
     rc = fr_mq_wait(mq, fr_mq_credit_ready, &w, deadline);
     mq->waiters--;
     mq->credit_waits++;
-    mq->credit_wait_ns += fr_now_ns() - t0;
+    uint64_t ns = fr_now_ns() - t0;
+    mq->credit_wait_ns += ns;
+    if (ns >= mq->stall_log_ns && rc != FERRY_ECLOSED)
+      log_stall(mq, t, &h, ns, rc);
   }
   if (rc != 0)
     return full_error(mq, t, len, rc, ms);

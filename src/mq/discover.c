@@ -231,14 +231,8 @@ int fr_mq_add_subscriber(ferry_mq *mq, const char *topic, const char *name, ferr
   bool listed = false;
   for (size_t i = 0; t && i < t->nsubs; i++)
     listed |= t->subs[i] == p;
-  if (t && !listed && t->nsubs == t->capsubs) {
-    size_t cap = t->capsubs ? t->capsubs * 2 : 4;
-    fr_mq_peer **v = realloc(t->subs, cap * sizeof *v);
-    if (v)
-      t->subs = v, t->capsubs = cap;
-    else
-      rc = fr_err(FERRY_ENOMEM, "mq: subscriber '%s'", name);
-  }
+  if (t && !listed && FR_GROW(t->subs, t->capsubs, t->nsubs + 1, 4) != 0)
+    rc = fr_err(FERRY_ENOMEM, "mq: subscriber '%s'", name);
   if (rc == 0 && !listed) {
     t->subs[t->nsubs++] = p;
     p->refs++;
@@ -298,8 +292,8 @@ int fr_mq_advertise(ferry_mq *mq, const char *topic, int timeout_ms) {
     rc = scan(mq, 's', topic, &subs, &n, timeout_ms);
   for (size_t i = 0; rc == 0 && i < n; i++)
     if (fr_mq_add_subscriber(mq, topic, subs[i].key, NULL, subs[i].region.size, timeout_ms) != 0)
-      fr_info("mq '%s': skipping subscriber '%s' of '%s': %s", mq->name, subs[i].key, topic,
-              ferry_last_error());
+      fr_info_limited("mq '%s': skipping subscriber '%s' of '%s': %s", mq->name, subs[i].key, topic,
+                      ferry_last_error());
   free(subs);
   if (rc != 0)
     return fr_err_wrap(rc, "mq: advertising '%s'", topic);
@@ -350,8 +344,8 @@ static void tell_publishers(ferry_mq *mq, uint8_t type, const char *topic, uint6
   }
   for (size_t i = 0; i < n; i++)
     if (send_sub(mq, pubs[i].key, type, topic, fr_ms_left(deadline) + 1) != 0)
-      fr_info("mq '%s': publisher '%s' of '%s' not told: %s", mq->name, pubs[i].key, topic,
-              ferry_last_error());
+      fr_info_limited("mq '%s': publisher '%s' of '%s' not told: %s", mq->name, pubs[i].key, topic,
+                      ferry_last_error());
   free(pubs);
 }
 
@@ -365,14 +359,8 @@ bool fr_mq_subscribed(ferry_mq *mq, const char *topic) {
 static int add_subscription(ferry_mq *mq, const char *topic) {
   if (fr_mq_subscribed(mq, topic))
     return 1;
-  if (mq->nsubscribed == mq->capsubscribed) {
-    size_t cap = mq->capsubscribed ? mq->capsubscribed * 2 : 8;
-    char **v = realloc(mq->subscribed, cap * sizeof *v);
-    if (!v)
-      return fr_err(FERRY_ENOMEM, "mq: subscribe");
-    mq->subscribed = v;
-    mq->capsubscribed = cap;
-  }
+  if (FR_GROW(mq->subscribed, mq->capsubscribed, mq->nsubscribed + 1, 8) != 0)
+    return fr_err(FERRY_ENOMEM, "mq: subscribe");
   if (!(mq->subscribed[mq->nsubscribed] = strdup(topic)))
     return fr_err(FERRY_ENOMEM, "mq: subscribe");
   mq->nsubscribed++;

@@ -78,8 +78,8 @@ void fr_mq_dispatch(ferry_mq *mq, ferry_msg *m) {
     pthread_mutex_lock(&mq->lock);
     mq->malformed++;
     pthread_mutex_unlock(&mq->lock);
-    fr_warn("mq '%s': dropped a frame from '%s': %s", mq->name, ferry_link_peer(m->link),
-            ferry_last_error());
+    fr_warn_limited("mq '%s': dropped a frame from '%s': %s", mq->name, ferry_link_peer(m->link),
+                    ferry_last_error());
     reply_status(m, rc);
     ferry_msg_free(m);
     return;
@@ -235,6 +235,8 @@ static ferry_mq *mq_new(ferry_ctx *ctx, const ferry_mq_opts *o) {
   mq->window = w < 4096 ? 4096 : (uint64_t)w;
   int64_t inl = fr_config_int("FERRY_MQ_INLINE_BYTES");
   mq->inline_bytes = inl < 0 ? 0 : (uint64_t)inl;
+  int64_t stall = fr_config_int("FERRY_MQ_STALL_LOG_MS");
+  mq->stall_log_ns = (uint64_t)(stall < 0 ? 0 : stall) * 1000000ull;
   int64_t pool = fr_config_int("FERRY_MQ_POOL_BYTES");
   mq->pool_bytes = pool < 0 ? 0 : (uint64_t)pool;
   mq->flush_ns = config_ns("FERRY_MQ_FLUSH_US", 1000);
@@ -283,15 +285,18 @@ static int mq_start(ferry_mq *mq, const ferry_mq_opts *o) {
 int ferry_mq_open(ferry_ctx *ctx, const ferry_mq_opts *opts, ferry_mq **out) {
   if (!ctx || !out)
     return fr_err(FERRY_EINVAL, "ferry_mq_open: NULL argument");
-  if (opts && opts->size < sizeof(size_t))
-    return fr_err(FERRY_EINVAL, "ferry_mq_open: opts->size not set");
-  ferry_mq_opts o = {0};
-  if (opts)
-    memcpy(&o, opts, opts->size < sizeof o ? opts->size : sizeof o);
+  int rc = FR_OPTS_CHECK(opts, "ferry_mq_open");
+  if (rc != 0)
+    return rc;
+  ferry_mq_opts o = {.size = sizeof o,
+                     .directory = FR_OPT(opts, directory, NULL),
+                     .queue_bytes = FR_OPT(opts, queue_bytes, 0),
+                     .lease_ms = FR_OPT(opts, lease_ms, 0),
+                     .flags = FR_OPT(opts, flags, 0)};
   ferry_mq *mq = mq_new(ctx, &o);
   if (!mq)
     return fr_err(FERRY_ENOMEM, "ferry_mq_open");
-  int rc = mq_start(mq, &o);
+  rc = mq_start(mq, &o);
   if (rc == 0 && (rc = fr_mq_stats_start(mq)) != 0)
     fr_mq_stats_stop(mq);
   if (rc != 0) {

@@ -238,6 +238,7 @@ struct ferry_mq {
   fr_mq_rx_stat rx[FR_MQ_STAT_TOPICS + 1]; /* the last row: every other topic */
   size_t nrx, rx_last;
   uint64_t credit_waits, credit_wait_ns, publish_errors; /* publish_errors: atomic */
+  uint64_t stall_log_ns; /* a wait for credit this long is logged (FERRY_MQ_STALL_LOG_MS) */
 };
 
 /* mq.c */

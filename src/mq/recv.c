@@ -47,14 +47,9 @@ void fr_mq_session_unref(fr_mq_session *s) {
 void fr_mq_session_credit(fr_mq_session *s, uint64_t charge, uint64_t token, bool *send) {
   s->pending += charge;
   if (token) {
-    if (s->nreleases == s->capreleases) {
-      size_t cap = s->capreleases ? s->capreleases * 2 : 16;
-      uint64_t *v = realloc(s->releases, cap * sizeof *v);
-      if (v)
-        s->releases = v, s->capreleases = cap;
-    }
-    if (s->nreleases < s->capreleases) /* else the block stays held until the peer goes */
+    if (FR_GROW(s->releases, s->capreleases, s->nreleases + 1, 16) == 0)
       s->releases[s->nreleases++] = token;
+    /* else the block stays held until the peer goes */
   }
   /* pool blocks go back at once: the publisher reuses them while they are warm in its cache */
   *send = !s->gone && (s->pending >= s->window / 4 || s->nreleases > 0);
@@ -99,8 +94,9 @@ static void fill(fr_mq_rmsg *r, ferry_mq *mq, ferry_msg *msg, const fr_mq_frame 
 void fr_mq_deliver(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f) {
   const void *payload = f->payload;
   if (f->type == FR_MQ_SHM && ferry_view(msg->link, &f->ref, f->offset, f->len, &payload) != 0) {
-    fr_warn("mq '%s': message %llu on '%s' from '%s' lost: %s", mq->name,
-            (unsigned long long)f->seq, f->topic, ferry_link_peer(msg->link), ferry_last_error());
+    fr_warn_limited("mq '%s': message %llu on '%s' from '%s' lost: %s", mq->name,
+                    (unsigned long long)f->seq, f->topic, ferry_link_peer(msg->link),
+                    ferry_last_error());
     payload = NULL;
   }
   fr_mq_rmsg *r = payload ? malloc(sizeof *r) : NULL;
@@ -186,8 +182,8 @@ static fr_mq_rxbatch *batch_decode(ferry_mq *mq, ferry_msg *msg, const fr_mq_fra
     pthread_mutex_lock(&mq->lock);
     mq->malformed++;
     pthread_mutex_unlock(&mq->lock);
-    fr_warn("mq '%s': dropped a batch from '%s': %s", mq->name, ferry_link_peer(msg->link),
-            ferry_last_error());
+    fr_warn_limited("mq '%s': dropped a batch from '%s': %s", mq->name, ferry_link_peer(msg->link),
+                    ferry_last_error());
   }
   if (!b || rc != 0 || *n == 0) {
     free(b);

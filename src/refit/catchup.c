@@ -35,6 +35,10 @@ static void announce_next(ferry_refit_sender *s, receiver *r) {
                         .checksum = s->last_sum[b],
                         .src = s->ref[0],
                         .src_offset = (uint64_t)b * p->bucket_bytes};
+    if (r->view) { /* a shard reader: the sum of its runs, from the retained bucket */
+      m.view = r->view->serial;
+      m.view_sum = fr_refit_view_sum(p, r->view, b, (const uint8_t *)s->buf[0] + m.src_offset);
+    }
     if (fr_refit_send(r->link, &m, 1000) != 0)
       fr_refit_catchup_cancel(r);
   }
@@ -44,6 +48,7 @@ static void start(ferry_refit_sender *s, receiver *r) {
   r->want_catchup = false;
   r->cu_version = s->latest;
   r->cu_announced = r->cu_acked = 0;
+  fr_refit_view_refresh(s, r);
   fr_info("refit '%s': receiver '%s' catches up to version %llu", s->name, r->peer,
           (unsigned long long)s->latest);
   announce_next(s, r);

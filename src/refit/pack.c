@@ -5,6 +5,7 @@
  * two threads share the work: a packer thread copies the bucket chunk by chunk while the
  * pushing thread hashes each chunk right behind it, still in cache; so a bucket costs about one
  * copy, not a copy plus a hash. The checksum is the plain XXH3 of the bucket's bytes either way.
+ * The sums of shard readers' runs (shard.h) are taken from each chunk right after it, in cache.
  */
 #include "refit/sender_impl.h"
 
@@ -112,7 +113,8 @@ static void wait_packed(fr_refit_packer *k, uint64_t upto) {
       sched_yield();
 }
 
-uint64_t fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share) {
+uint64_t fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share,
+                       fr_refit_feed *feeds, size_t nfeeds) {
   uint64_t len = fr_refit_bucket_len(&s->plan, b);
   fr_refit_packer *k = share ? s->packer : NULL;
   if (k) {
@@ -133,6 +135,8 @@ uint64_t fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool sha
     else
       pack_window(s, b, lo, n, dst + lo);
     fr_hash_update(h, dst + lo, n);
+    for (size_t i = 0; i < nfeeds; i++) /* shard readers' runs, while the chunk is in cache */
+      fr_refit_view_feed(&s->plan, &feeds[i], b, lo, n, dst);
   }
   return fr_hash_end(h);
 }

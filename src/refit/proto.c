@@ -2,6 +2,7 @@
  * Encoding and validation of refit protocol messages (proto.h).
  */
 #include "refit/proto.h"
+#include "refit/shard.h"
 #include "core/channels.h"
 #include "core/core.h"
 #include "transport/wire.h"
@@ -24,10 +25,14 @@ void fr_refit_msg_encode(const fr_refit_msg_t *m, uint8_t out[FR_REFIT_MSG_BYTES
   fr_put_u64(out + 64, m->src.key);
   fr_put_u64(out + 72, m->src.size);
   fr_put_u64(out + 80, m->src_offset);
+  fr_put_u32(out + 88, m->view);
+  fr_put_u32(out + 92, 0);
+  fr_put_u64(out + 96, m->view_sum);
 }
 
 int fr_refit_msg_decode(const uint8_t *in, size_t len, fr_refit_msg_t *out) {
-  if (len < FR_REFIT_MSG_BYTES || len > FR_REFIT_MSG_BYTES + FR_REFIT_ADDRESS_MAX)
+  if (len < FR_REFIT_MSG_BYTES ||
+      len > FR_REFIT_MSG_BYTES + FR_REFIT_PIECES_MAX * (size_t)FR_REFIT_PIECE_BYTES)
     return fr_err(FERRY_EPROTO, "refit message of %zu bytes", len);
   fr_refit_msg_t m = {
       .type = fr_get_u32(in),
@@ -43,13 +48,19 @@ int fr_refit_msg_decode(const uint8_t *in, size_t len, fr_refit_msg_t *out) {
       .timeout_ms = fr_get_u32(in + 52),
       .src = {fr_get_u64(in + 56), fr_get_u64(in + 64), fr_get_u64(in + 72)},
       .src_offset = fr_get_u64(in + 80),
+      .view = fr_get_u32(in + 88),
+      .view_sum = fr_get_u64(in + 96),
   };
-  if (m.type < FR_REFIT_BUCKET || m.type > FR_REFIT_CATCHUP)
+  if (m.type < FR_REFIT_BUCKET || m.type > FR_REFIT_VIEW)
     return fr_err(FERRY_EPROTO, "refit message type %u", m.type);
   if (m.buffer > 1 || (m.flags & ~FR_REFIT_FLAGS) || m.status > 0)
     return fr_err(FERRY_EPROTO, "refit message: bad field");
-  if ((m.type == FR_REFIT_ROUTE) != (len > FR_REFIT_MSG_BYTES))
-    return fr_err(FERRY_EPROTO, "refit message: only ROUTE carries an address");
+  size_t extra = len - FR_REFIT_MSG_BYTES;
+  if (m.type == FR_REFIT_ROUTE ? extra == 0 || extra > FR_REFIT_ADDRESS_MAX
+      : m.type == FR_REFIT_VIEW
+          ? m.bytes > FR_REFIT_PIECES_MAX || extra != m.bytes * FR_REFIT_PIECE_BYTES
+          : extra != 0)
+    return fr_err(FERRY_EPROTO, "refit message: only ROUTE and VIEW carry bytes after the record");
   m.route = (const char *)in + FR_REFIT_MSG_BYTES;
   m.route_len = len - FR_REFIT_MSG_BYTES;
   *out = m;

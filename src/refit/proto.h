@@ -24,6 +24,11 @@
  *                                           from its retained buffer, then COMMIT, outside any push
  *   sender → receiver  CATCHUP              status: the catch-up cannot be done (no retained copy);
  *                                           the version comes with the next push
+ *   receiver → sender  VIEW                 shards (shard.h): the pieces of target slot `bucket`
+ *                                           (`bytes` of them, after the record; 0 clears it) for
+ *                                           manifest `generation`; `seq` is the declaration's
+ *                                           serial. BUCKETs then carry `view` (the serial of the
+ *                                           declarations the sender hashed) and `view_sum`
  *
  * BUCKET also carries timeout_ms, the push's timeout: a receiver bounds its read with it, so a
  * stalled chain predecessor costs its successor no more than the sender waits anyway.
@@ -46,6 +51,7 @@ enum fr_refit_msg {
   FR_REFIT_ROUTE = 7,
   FR_REFIT_DROPPED = 8,
   FR_REFIT_CATCHUP = 9,
+  FR_REFIT_VIEW = 10,
 };
 
 #define FR_REFIT_UNCHANGED 1u /* BUCKET: the receiver already has these bytes */
@@ -69,10 +75,13 @@ typedef struct fr_refit_msg_t {
   uint64_t checksum; /* BUCKET */
   ferry_region_ref src;
   uint64_t src_offset;
-  const char *route; /* ROUTE: the predecessor's address (points into the record, not NUL-ended) */
+  uint32_t view;     /* BUCKET: serial of the receiver's shard view view_sum covers (0: none) */
+  uint64_t view_sum; /* BUCKET: the sum of the view's runs in the bucket */
+  const char *route; /* ROUTE: the predecessor's address; VIEW: its pieces (points into the
+                        record, not NUL-ended) */
   size_t route_len;
 } fr_refit_msg_t;
-#define FR_REFIT_MSG_BYTES 88
+#define FR_REFIT_MSG_BYTES 104
 
 typedef struct fr_refit_attach_reply {
   int32_t status;

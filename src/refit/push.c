@@ -7,7 +7,8 @@
  * it and the receiver's own forwarding slot is free. Packing bucket i+1 overlaps the reads of
  * bucket i. A receiver that dies, stalls past the timeout or refuses a checksum fails alone:
  * the receivers behind it in a chain get the buckets they miss straight from the sender in a
- * second, direct pass.
+ * second, direct pass. A receiver that reads shards is announced, beside each bucket's
+ * checksum, the sum of its own runs in it (taken while the bucket is packed), and reads directly.
  */
 #include "refit/sender_impl.h"
 
@@ -26,9 +27,12 @@ typedef struct fr_push {
   uint32_t first_pass; /* seqs packed at least once (their sums are known) */
   uint32_t from;       /* first seq of the current pass */
   bool skip;
-  bool share_pack; /* no receiver copies on this host: pack on two threads */
-  uint64_t had;    /* the version the whole buffer held complete when the push began, or 0 */
-  receiver *head;  /* of the chain, or NULL */
+  bool share_pack;    /* no receiver copies on this host: pack on two threads */
+  uint64_t had;       /* the version the whole buffer held complete when the push began, or 0 */
+  receiver *head;     /* of the chain, or NULL */
+  receiver **viewers; /* the receivers in the push that read shards (a view), and how many */
+  size_t nviewers;
+  fr_refit_feed *feeds; /* one per viewer, while a bucket is packed */
 } fr_push;
 
 /* Where seq j (bucket b) lies in the sender's memory: one of two slots, or (alias mode, or a
@@ -44,11 +48,17 @@ static void pack_seq(ferry_refit_sender *s, fr_push *p, uint32_t j) {
   int slot;
   uint64_t off = slot_offset(s, j, b, &slot);
   uint8_t *dst = (uint8_t *)s->buf[slot] + off;
-  uint64_t sum = fr_refit_pack(s, b, dst, p->share_pack);
+  bool first = j >= p->first_pass; /* else a repacked bucket: same bytes, same checksums */
+  size_t nf = first ? p->nviewers : 0;
+  for (size_t i = 0; i < nf; i++) /* shard readers: the sums of their runs, taken while packing */
+    fr_refit_view_feed_begin(&p->feeds[i], p->viewers[i]->view, b);
+  uint64_t sum = fr_refit_pack(s, b, dst, p->share_pack, p->feeds, nf);
+  for (size_t i = 0; i < nf; i++)
+    p->viewers[i]->vsum[j] = fr_hash_end(p->feeds[i].h);
   if (fr_refit_test_corrupt)
     fr_refit_test_corrupt(b, dst, fr_refit_bucket_len(&s->plan, b));
-  if (j < p->first_pass)
-    return; /* a repacked bucket: same bytes, same checksum */
+  if (!first)
+    return;
   p->sum[j] = sum;
   p->unchanged[j] = p->skip && s->last_sum[b] == sum;
   s->last_sum[b] = sum;
@@ -147,6 +157,10 @@ static void announce_one(ferry_refit_sender *s, const fr_push *p, receiver *r, u
     m.flags |= FR_REFIT_KEEP;
     m.buffer = j % 2;
   }
+  if (r->view && r->vsum) {
+    m.view = r->view->serial;
+    m.view_sum = r->vsum[j];
+  }
   if (!owes(r))
     r->progress_ns = fr_now_ns(); /* its clock starts now */
   int rc = fr_refit_send(r->link, &m, p->timeout_ms);
@@ -240,8 +254,9 @@ static bool start_repair(ferry_refit_sender *s, fr_push *p) {
 
 /* ---- the chain ---- */
 
+/* A shard reader holds only its slices, never a whole bucket to forward: it reads directly. */
 static bool chained(const receiver *r, ferry_refit_route route) {
-  if (!r->in_push || route == FERRY_REFIT_ROUTE_DIRECT || !r->address[0])
+  if (!r->in_push || route == FERRY_REFIT_ROUTE_DIRECT || !r->address[0] || r->view)
     return false;
   return route == FERRY_REFIT_ROUTE_CHAIN || !r->shm;
 }
@@ -304,6 +319,7 @@ static size_t begin_push(ferry_refit_sender *s, fr_push *p, ferry_refit_route ro
     r->announced = r->acked = 0;
     r->status = 0;
     r->progress_ns = fr_now_ns();
+    fr_refit_view_refresh(s, r);
     *all_current &= r->committed == s->latest && s->latest != 0;
     n++;
   }
@@ -353,14 +369,49 @@ static void drop(ferry_refit_sender *s, receiver *r, uint64_t version) {
   if (fr_refit_send(r->link, &m, 100) != 0)
     fr_warn("refit '%s': cannot tell '%s' it was dropped: %s", s->name, r->peer,
             ferry_last_error());
-  fr_warn("refit '%s': receiver '%s' acknowledged nothing in time; dropped until it attaches "
-          "again",
-          s->name, r->peer);
+}
+
+/* What a push came to, for its log line. */
+typedef struct push_tally {
+  bool ran;           /* it got past its checks (sealed, a newer version) */
+  uint32_t receivers; /* in the push */
+  uint32_t committed; /* of those, how many committed */
+  uint64_t bytes;     /* of the buckets it sent */
+} push_tally;
+
+/* Why a receiver did not commit, in an operator's words. */
+static const char *failure_reason(int status) {
+  switch (status) {
+  case FERRY_ETIMEDOUT:
+    return "stalled: it acknowledged nothing within the push's timeout; dropped from pushes until "
+           "it attaches again";
+  case FERRY_ECHECKSUM:
+    return "a bucket it read did not match its checksum; its bytes of this version are torn";
+  case FERRY_EPEER:
+  case FERRY_ECLOSED:
+    return "disconnected";
+  default:
+    return NULL;
+  }
+}
+
+static void log_receiver_outcome(const ferry_refit_sender *s, const receiver *r, uint64_t version,
+                                 int status) {
+  if (status == 0) {
+    fr_debug("refit '%s': receiver '%s' committed version %llu (over %s, from %s)", s->name,
+             r->peer, (unsigned long long)version, r->shm ? "shm" : ferry_link_transport(r->link),
+             r->up ? "its chain predecessor" : "the sender");
+    return;
+  }
+  const char *why = failure_reason(status);
+  fr_warn("refit '%s': receiver '%s' did not commit version %llu: %s%s%s%s", s->name, r->peer,
+          (unsigned long long)version, why ? why : ferry_strerror(status), why ? " (" : "",
+          why ? ferry_status_name(status) : "", why ? ")" : "");
 }
 
 /* Records the push's outcome; names the receivers of this push that did not commit, frees dead
  * ones and drops those that timed out (later pushes leave them out until they attach again). */
-static int finish_push(ferry_refit_sender *s, uint64_t version, bool packed_all) {
+static int finish_push(ferry_refit_sender *s, uint64_t version, bool packed_all, push_tally *t) {
   char failed[512] = "";
   size_t used = 0;
   int first = 0;
@@ -373,11 +424,15 @@ static int finish_push(ferry_refit_sender *s, uint64_t version, bool packed_all)
     receiver *r = *pp;
     bool was_in = r->in_push;
     r->in_push = false;
+    t->receivers += was_in;
     if (was_in && r->status == 0 && r->commit_seen) {
       r->committed = version;
+      t->committed++;
+      log_receiver_outcome(s, r, version, 0);
     } else if (was_in) {
       int st = r->status ? r->status : FERRY_EPROTO;
       r->failures++;
+      log_receiver_outcome(s, r, version, st);
       if (!first)
         first = st;
       used +=
@@ -405,9 +460,47 @@ static int finish_push(ferry_refit_sender *s, uint64_t version, bool packed_all)
                 s->name, (unsigned long long)version, failed);
 }
 
+/* The receivers of the push that read shards, each with room for its view's sums. */
+static int plan_views(ferry_refit_sender *s, fr_push *p, uint32_t nb) {
+  pthread_mutex_lock(&s->lock);
+  size_t n = 0;
+  for (receiver *r = s->receivers; r; r = r->next)
+    n += r->in_push && r->view;
+  p->viewers = n ? calloc(n, sizeof *p->viewers) : NULL;
+  p->feeds = n ? calloc(n, sizeof *p->feeds) : NULL;
+  int rc = n && (!p->viewers || !p->feeds)
+               ? fr_err(FERRY_ENOMEM, "refit '%s': shard views", s->name)
+               : 0;
+  for (receiver *r = s->receivers; r && rc == 0; r = r->next) {
+    if (!r->in_push || !r->view)
+      continue;
+    free(r->vsum);
+    if (!(r->vsum = calloc(nb, sizeof *r->vsum)))
+      rc = fr_err(FERRY_ENOMEM, "refit '%s': shard sums", s->name);
+    else
+      p->viewers[p->nviewers++] = r;
+  }
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+static void end_views(ferry_refit_sender *s, fr_push *p) {
+  pthread_mutex_lock(&s->lock);
+  for (size_t i = 0; i < p->nviewers; i++) {
+    free(p->viewers[i]->vsum);
+    p->viewers[i]->vsum = NULL;
+  }
+  pthread_mutex_unlock(&s->lock);
+  free(p->viewers);
+  free(p->feeds);
+}
+
 static int plan_push(ferry_refit_sender *s, fr_push *p, const ferry_refit_push_opts *o,
                      bool all_current) {
   uint32_t nb = s->plan.buckets ? s->plan.buckets : 1;
+  int rc = plan_views(s, p, nb);
+  if (rc != 0)
+    return rc;
   p->order = malloc(nb * sizeof *p->order);
   p->sum = calloc(nb, sizeof *p->sum);
   p->unchanged = calloc(nb, sizeof *p->unchanged);
@@ -434,19 +527,43 @@ static uint64_t push_bytes(const ferry_refit_sender *s, const fr_push *p) {
 }
 
 static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_refit_push_opts *o,
-                        uint64_t *bytes);
+                        push_tally *t);
+
+/* One line per push at info (warn when a receiver did not commit): the version, the bytes, the
+ * time and who committed it. Per-receiver detail is at debug, failures each at warn. */
+static void log_push(const ferry_refit_sender *s, uint64_t version, const push_tally *t,
+                     uint64_t ns, int rc) {
+  double sec = (double)ns * 1e-9;
+  double mbps = sec > 0 ? (double)t->bytes / sec / 1e6 : 0;
+  if (rc == 0)
+    fr_info("refit '%s': pushed version %llu: %llu bytes in %.3f s (%.1f MB/s), committed by %u "
+            "receiver%s",
+            s->name, (unsigned long long)version, (unsigned long long)t->bytes, sec, mbps,
+            t->committed, t->committed == 1 ? "" : "s");
+  else
+    fr_warn("refit '%s': pushed version %llu: %llu bytes in %.3f s, committed by %u of %u "
+            "receivers",
+            s->name, (unsigned long long)version, (unsigned long long)t->bytes, sec, t->committed,
+            t->receivers);
+}
 
 int ferry_refit_push(ferry_refit_sender *s, uint64_t version, const ferry_refit_push_opts *o) {
   if (!s)
     return fr_err(FERRY_EINVAL, "ferry_refit_push: NULL sender");
-  uint64_t t0 = fr_now_ns(), bytes = 0;
-  int rc = push_version(s, version, o, &bytes);
-  fr_refit_count_push(s, rc, bytes, t0);
+  int rc = FR_OPTS_CHECK(o, "ferry_refit_push");
+  if (rc != 0)
+    return rc;
+  uint64_t t0 = fr_now_ns();
+  push_tally t = {0};
+  rc = push_version(s, version, o, &t);
+  fr_refit_count_push(s, rc, t.bytes, t0);
+  if (t.ran) /* not a push refused before it began (unsealed, an old version): the caller has it */
+    log_push(s, version, &t, fr_now_ns() - t0, rc);
   return rc;
 }
 
 static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_refit_push_opts *o,
-                        uint64_t *bytes) {
+                        push_tally *t) {
   if (!s->sealed)
     return fr_err(FERRY_ESTATE, "refit '%s': seal before pushing", s->name);
   if (version <= s->latest)
@@ -454,8 +571,9 @@ static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_ref
                   (unsigned long long)version, (unsigned long long)s->latest);
   fr_push p = {.version = version, .timeout_ms = fr_timeout(FR_OPT(o, timeout_ms, -1))};
   bool all_current;
+  t->ran = true;
   if (begin_push(s, &p, FR_OPT(o, route, FERRY_REFIT_ROUTE_AUTO), &all_current) == 0 && !s->whole)
-    return finish_push(s, version, false);
+    return finish_push(s, version, false, t);
   if (s->whole && (p.had != s->latest || s->latest == 0))
     all_current = false; /* the buffer lacks buckets a partial push would not pack: pack all */
   int rc = plan_push(s, &p, o, all_current);
@@ -469,11 +587,12 @@ static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_ref
     commit_all(s, &p);
     if (s->whole)
       pack_rest(s, &p);
-    *bytes = push_bytes(s, &p);
+    t->bytes = push_bytes(s, &p);
   }
   free(p.order);
   free(p.sum);
   free(p.unchanged);
+  end_views(s, &p);
   if (rc != 0) {
     pthread_mutex_lock(&s->lock);
     s->pushing = 0;
@@ -483,5 +602,5 @@ static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_ref
     pthread_mutex_unlock(&s->lock);
     return rc;
   }
-  return finish_push(s, version, s->whole);
+  return finish_push(s, version, s->whole, t);
 }

@@ -7,8 +7,13 @@
  * bucket of it verified. In alias mode it reads nothing: views point into the sender's buffer.
  * The bytes it holds are the committed version's only until a new version's first byte lands
  * there; from then until that version commits they are torn, and committed()/wait() say so.
+ * A receiver that binds shards (bind_pieces: slices of tensors, fused targets) declares them to
+ * the sender and reads only their runs, each checked against a sum the sender takes of exactly
+ * those bytes (shard.h).
  */
 #include "refit/refit.h"
+#include "refit/shard.h"
+#include "transport/wire.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -29,8 +34,13 @@ struct ferry_refit_receiver {
   ferry_link *up;   /* to the chain predecessor, or NULL */
   char *up_address; /* where the sender said the predecessor is */
   uint8_t *got;     /* per bucket: verified in the version arriving */
-  ferry_refit_bucket_fn on_bucket;
+  ferry_refit_bucket_fn on_bucket; /* these four under bind_lock */
   void *on_bucket_arg;
+  ferry_refit_commit_fn on_commit;
+  void *on_commit_arg;
+  uint32_t bind_epoch;      /* bumped when a destination is bound (under bind_lock) */
+  uint32_t committed_epoch; /* bind_epoch when the last version committed */
+  uint64_t missed;          /* a version a destination bound mid-way missed buckets of */
 
   pthread_mutex_t bind_lock; /* bound, flat: held by the service thread while a bucket lands */
   pthread_mutex_t lock;      /* the versions below */
@@ -46,15 +56,230 @@ struct ferry_refit_receiver {
   char why[256];  /* what the last failed version went wrong on, for wait()'s error */
   bool stop;
   pthread_t service;
+
+  /* shards (ferry_refit_bind_pieces): once any is bound, every binding is a target, declared to
+   * the sender, and only the runs of the view built from them are read (bind_lock) */
+  bool shards;
+  struct rx_target {
+    char *name;
+    ferry_tensor_desc desc;
+    char **sources; /* the pieces' source names (pieces name them by index in the manifest) */
+    fr_refit_target t;
+  } * targets;
+  uint32_t ntargets;
+  uint32_t serial;     /* of the last VIEW record sent */
+  fr_refit_view *view; /* built from the targets at `serial`, or NULL (built when needed) */
+  uint64_t bytes_read; /* atomic: bytes read from the sender or a predecessor, all told */
 };
 
 uint64_t fr_refit_stat_forwarded;
 
-/* ---- receiving a push (service thread) ---- */
-
 static int fetch_manifest(ferry_refit_receiver *r, int timeout_ms, fr_refit_plan *plan);
 static int alias_map(ferry_refit_receiver *r);
 static int binding_fits(const fr_refit_entry *e, const ferry_tensor_desc *desc);
+static void new_destination(ferry_refit_receiver *r, uint64_t lo, uint64_t len);
+static void tell_commit(ferry_refit_receiver *r, uint64_t version, int status);
+
+/* ---- shards: targets, declarations, views (bind_lock held) ---- */
+
+static void target_free(struct rx_target *t) {
+  for (uint32_t i = 0; t->sources && i < t->t.npieces; i++)
+    free(t->sources[i]);
+  free(t->sources);
+  free(t->t.pieces);
+  free(t->name);
+  memset(t, 0, sizeof *t);
+}
+
+/* Tells the sender target slot i's pieces (none: the slot is empty), under a new serial; a call,
+ * so that once it returns the sender hashes these slices for the next push. */
+static int declare(ferry_refit_receiver *r, uint32_t i) {
+  const fr_refit_target *t = &r->targets[i].t;
+  size_t len = (size_t)t->npieces * FR_REFIT_PIECE_BYTES;
+  uint8_t *body = malloc(FR_REFIT_MSG_BYTES + len);
+  if (!body)
+    return fr_err(FERRY_ENOMEM, "refit: declaring target %u", i);
+  fr_refit_msg_t m = {.type = FR_REFIT_VIEW,
+                      .generation = r->plan.generation,
+                      .seq = ++r->serial,
+                      .bucket = i,
+                      .bytes = t->npieces};
+  fr_refit_msg_encode(&m, body);
+  fr_refit_pieces_encode(t->pieces, t->npieces, body + FR_REFIT_MSG_BYTES);
+  struct iovec iov = {body, FR_REFIT_MSG_BYTES + len};
+  ferry_msg *reply = NULL;
+  int rc = ferry_call(r->link, FR_CHANNEL_REFIT, &iov, 1, &reply, -1);
+  free(body);
+  if (rc == 0)
+    rc = reply->len == 4 ? (int)fr_get_u32(reply->data) : FERRY_EPROTO;
+  ferry_msg_free(reply);
+  fr_refit_view_free(r->view);
+  r->view = NULL;
+  return rc ? fr_err(rc, "refit: the sender did not take target '%s': %s",
+                     r->targets[i].name ? r->targets[i].name : "", ferry_last_error())
+            : 0;
+}
+
+/* Checks pieces [0, n) against the plan and the destination they fill one after another along
+ * its dim 0, and resolves their sources; the error names the piece that does not fit. */
+static int pieces_fit(const fr_refit_plan *plan, const char *target, const ferry_tensor_desc *desc,
+                      char *const *sources, fr_refit_piece *pieces, uint32_t n) {
+  char who[FR_REFIT_NAME_MAX * 2 + 128], have[96], want[96];
+  uint64_t rows = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    const fr_refit_piece *pc = &pieces[i];
+    snprintf(who, sizeof who, "refit: target '%s' piece %u ('%s' dim %u [%llu:%llu])", target, i,
+             sources[i], pc->dim, (unsigned long long)pc->start, (unsigned long long)pc->stop);
+    int64_t e = fr_refit_plan_find(plan, sources[i]);
+    if (e < 0)
+      return fr_err(FERRY_ENOTFOUND, "%s: the sender sends no tensor '%s'", who, sources[i]);
+    pieces[i].entry = (uint32_t)e;
+    int rc = fr_refit_piece_check(plan, pc, who);
+    if (rc != 0)
+      return rc;
+    ferry_tensor_desc ps;
+    fr_refit_piece_shape(plan, pc, &ps);
+    if (ps.dtype != desc->dtype)
+      return fr_err(FERRY_EDTYPE, "%s arrives as %s, the target is %s", who,
+                    ferry_dtype_name(ps.dtype), ferry_dtype_name(desc->dtype) ?: "?");
+    bool fits =
+        ps.ndim == desc->ndim && (ps.ndim == 0 ? n == 1
+                                               : memcmp(ps.shape + 1, desc->shape + 1,
+                                                        sizeof(uint64_t) * (ps.ndim - 1)) == 0);
+    if (!fits)
+      return fr_err(FERRY_ESHAPE, "%s is %s: it does not fit the target's %s along dim 0", who,
+                    ferry_shape_format(&ps, have, sizeof have),
+                    ferry_shape_format(desc, want, sizeof want));
+    rows += ps.ndim ? ps.shape[0] : 1;
+  }
+  uint64_t need = desc->ndim ? desc->shape[0] : 1;
+  if (rows != need)
+    return fr_err(FERRY_ESHAPE, "refit: target '%s' is %s: its pieces fill %llu of its %llu rows",
+                  target, ferry_shape_format(desc, want, sizeof want), (unsigned long long)rows,
+                  (unsigned long long)need);
+  return 0;
+}
+
+/* The slot of target `name`: its own, or a new one. */
+static int target_slot(ferry_refit_receiver *r, const char *name, uint32_t *out) {
+  uint32_t free_slot = r->ntargets;
+  for (uint32_t i = 0; i < r->ntargets; i++) {
+    if (r->targets[i].name && strcmp(r->targets[i].name, name) == 0) {
+      *out = i;
+      return 0;
+    }
+    if (!r->targets[i].name && free_slot == r->ntargets)
+      free_slot = i;
+  }
+  if (free_slot == r->ntargets) {
+    if (r->ntargets >= FR_REFIT_TARGETS_MAX)
+      return fr_err(FERRY_ECAPACITY, "refit: more than %u targets", FR_REFIT_TARGETS_MAX);
+    struct rx_target *t = realloc(r->targets, (r->ntargets + 1) * sizeof *t);
+    if (!t)
+      return fr_err(FERRY_ENOMEM, "refit: targets");
+    memset(&t[r->ntargets], 0, sizeof *t);
+    r->targets = t;
+    r->ntargets++;
+  }
+  *out = free_slot;
+  return 0;
+}
+
+/* Records a checked target (pieces resolved) and declares it; `fresh`: memory the receiver did
+ * not write before (not a whole binding turned into a target), which then holds no version. */
+static int add_target(ferry_refit_receiver *r, const char *name, void *dst,
+                      const ferry_tensor_desc *desc, char *const *sources,
+                      const fr_refit_piece *pieces, uint32_t n, bool fresh) {
+  uint32_t slot = 0;
+  int rc = target_slot(r, name, &slot);
+  if (rc != 0)
+    return rc;
+  struct rx_target t = {.name = strdup(name), .desc = *desc};
+  t.sources = calloc(n, sizeof *t.sources);
+  t.t.pieces = malloc(n * sizeof *t.t.pieces);
+  t.t.dst = dst;
+  bool ok = t.name && t.sources && t.t.pieces;
+  for (uint32_t i = 0; ok && i < n; i++)
+    ok = (t.sources[i] = strdup(sources[i])) != NULL;
+  t.t.npieces = n;
+  if (!ok) {
+    target_free(&t);
+    return fr_err(FERRY_ENOMEM, "refit: target '%s'", name);
+  }
+  memcpy(t.t.pieces, pieces, n * sizeof *pieces);
+  for (uint32_t i = 0; fresh && r->targets[slot].t.dst != dst && i < n; i++)
+    new_destination(r, r->plan.entries[pieces[i].entry].offset,
+                    r->plan.entries[pieces[i].entry].wire_bytes);
+  target_free(&r->targets[slot]);
+  r->targets[slot] = t;
+  __atomic_store_n(&r->bound_any, true, __ATOMIC_RELEASE);
+  return declare(r, slot);
+}
+
+/* A whole tensor as a target of one piece: all of its dim 0. */
+static fr_refit_piece whole_piece(const fr_refit_plan *plan, uint32_t e) {
+  const fr_refit_entry *x = &plan->entries[e];
+  return (fr_refit_piece){e, 0, 0, x->desc.ndim ? x->desc.shape[0] : 1};
+}
+
+/* The first shard binding: every tensor bound whole so far becomes a target too, since from now
+ * on only the view's runs are read. */
+static int enter_shards(ferry_refit_receiver *r) {
+  if (r->shards)
+    return 0;
+  r->shards = true;
+  for (uint32_t i = 0; i < r->plan.count; i++) {
+    void *dst = r->bound[i];
+    r->bound[i] = NULL;
+    fr_refit_piece pc = whole_piece(&r->plan, i);
+    char *src = r->plan.entries[i].name;
+    int rc = dst && r->plan.entries[i].wire_bytes
+                 ? add_target(r, src, dst, &r->bound_desc[i], &src, &pc, 1, false)
+                 : 0;
+    if (rc != 0)
+      return rc;
+  }
+  return 0;
+}
+
+/* The sender re-sealed: pieces name their sources again by index in the new manifest; a target
+ * that no longer fits is unbound (the first such is the error), the others are declared again. */
+static int retarget(ferry_refit_receiver *r) {
+  int rc = 0;
+  fr_refit_view_free(r->view);
+  r->view = NULL;
+  for (uint32_t i = 0; i < r->ntargets; i++) {
+    struct rx_target *t = &r->targets[i];
+    if (!t->name)
+      continue;
+    int fit = pieces_fit(&r->plan, t->name, &t->desc, t->sources, t->t.pieces, t->t.npieces);
+    if (fit != 0) {
+      fr_warn("%s (unbound: bind it again)", ferry_last_error());
+      rc = rc ? rc : fit;
+      target_free(t);
+    } else if ((fit = declare(r, i)) != 0 && rc == 0) {
+      rc = fit;
+    }
+  }
+  return rc;
+}
+
+static int ensure_view(ferry_refit_receiver *r) {
+  if (r->view && r->view->serial == r->serial)
+    return 0;
+  fr_refit_view_free(r->view);
+  r->view = NULL;
+  fr_refit_target *ts = calloc(r->ntargets ? r->ntargets : 1, sizeof *ts);
+  if (!ts)
+    return fr_err(FERRY_ENOMEM, "refit: shard view");
+  for (uint32_t i = 0; i < r->ntargets; i++)
+    ts[i] = r->targets[i].t;
+  int rc = fr_refit_view_build(&r->plan, ts, r->ntargets, r->serial, &r->view);
+  free(ts);
+  return rc;
+}
+
+/* ---- receiving a push (service thread) ---- */
 
 /* The sender re-sealed: take its new manifest, carry every binding that still fits over by
  * name, and fail (naming the tensor) for one that does not; that tensor stays unbound until the
@@ -110,7 +335,8 @@ static int install_manifest(ferry_refit_receiver *r, fr_refit_plan plan) {
   r->stage = stage;
   fr_info("refit: manifest generation %u from '%s' (%u tensors)", plan.generation,
           ferry_link_peer(r->link), plan.count);
-  return rc;
+  int moved = r->shards ? retarget(r) : 0;
+  return rc ? rc : moved;
 }
 
 static int refetch_manifest(ferry_refit_receiver *r) {
@@ -193,6 +419,7 @@ static int read_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, uint8_t
     rc = ferry_read(from, &m->src, m->src_offset + lo, at, n,
                     m->timeout_ms ? (int)m->timeout_ms : -1);
     if (rc == 0) {
+      __atomic_add_fetch(&r->bytes_read, n, __ATOMIC_RELAXED);
       fr_hash_update(h, at, n);
       if (scatter_it)
         scatter(r, m->bucket, lo, n, at);
@@ -213,6 +440,121 @@ static void tear(ferry_refit_receiver *r, uint64_t version) {
   pthread_mutex_unlock(&r->lock);
 }
 
+/* Runs read at a time over a link that is not shm: one ferry_readv (its requests all in flight),
+ * into the stage, then hashed and copied out while in cache. */
+#define RUNS_PER_READV 4096u
+
+/* Over shm: each run straight into its destination, one memcpy each, from a view of the
+ * source's pages (checked afterwards, as ferry_read does, for a source freed meanwhile); one
+ * ferry_read per run when the source cannot be viewed (memory registered, not ferry_alloc'd). */
+static int read_runs_direct(ferry_refit_receiver *r, ferry_link *from, const fr_refit_msg_t *m,
+                            fr_hash *h) {
+  uint64_t start = (uint64_t)m->bucket * r->plan.bucket_bytes;
+  const fr_refit_view *v = r->view;
+  const uint8_t *src = NULL;
+  int rc = 0;
+  bool viewed = ferry_view(from, &m->src, m->src_offset, m->bytes, (const void **)&src) == 0;
+  for (uint64_t i = v->first[m->bucket]; i < v->first[m->bucket + 1] && rc == 0; i++) {
+    const fr_refit_run *run = &v->runs[i];
+    if (viewed)
+      memcpy(run->dst, src + (run->off - start), run->len);
+    else
+      rc = ferry_read(from, &m->src, m->src_offset + (run->off - start), run->dst, run->len,
+                      m->timeout_ms ? (int)m->timeout_ms : -1);
+    if (rc == 0) {
+      __atomic_add_fetch(&r->bytes_read, run->len, __ATOMIC_RELAXED);
+      fr_hash_update(h, run->dst, run->len);
+    }
+  }
+  if (rc == 0 && viewed && (rc = ferry_view_valid(from, &m->src)) != 0)
+    rc = fr_err(rc, "refit: the bucket's source at '%s' went away during the copy",
+                ferry_link_peer(from));
+  return rc;
+}
+
+/* Elsewhere: the runs gathered into as few requests as the transport allows (ferry_readv), a
+ * stage's worth at a time. */
+static int read_runs_gathered(ferry_refit_receiver *r, ferry_link *from, const fr_refit_msg_t *m,
+                              fr_hash *h) {
+  uint64_t start = (uint64_t)m->bucket * r->plan.bucket_bytes;
+  const fr_refit_view *v = r->view;
+  ferry_read_run *batch = malloc(RUNS_PER_READV * sizeof *batch);
+  int rc = batch ? 0 : fr_err(FERRY_ENOMEM, "refit: shard reads");
+  for (uint64_t i = v->first[m->bucket], end = v->first[m->bucket + 1]; i < end && rc == 0;) {
+    size_t k = 0;
+    uint64_t bytes = 0;
+    for (; i + k < end && k < RUNS_PER_READV && bytes + v->runs[i + k].len <= r->plan.bucket_bytes;
+         k++) {
+      batch[k] = (ferry_read_run){m->src_offset + (v->runs[i + k].off - start), v->runs[i + k].len};
+      bytes += v->runs[i + k].len;
+    }
+    rc = ferry_readv(from, &m->src, batch, k, r->stage, m->timeout_ms ? (int)m->timeout_ms : -1);
+    const uint8_t *at = r->stage;
+    for (size_t j = 0; j < k && rc == 0; at += v->runs[i + j++].len) {
+      fr_hash_update(h, at, v->runs[i + j].len);
+      memcpy(v->runs[i + j].dst, at, v->runs[i + j].len);
+    }
+    if (rc == 0)
+      __atomic_add_fetch(&r->bytes_read, bytes, __ATOMIC_RELAXED);
+    i += k;
+  }
+  free(batch);
+  return rc;
+}
+
+/* A shard reader's bucket announced with its view: only the view's runs are read, and their sum
+ * is checked. */
+static int read_runs(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
+  ferry_link *from = NULL;
+  int rc = source_link(r, m, &from);
+  if (rc != 0)
+    return rc;
+  fr_hash *h = fr_hash_begin();
+  rc = strcmp(ferry_link_transport(from), "shm") == 0 ? read_runs_direct(r, from, m, h)
+                                                      : read_runs_gathered(r, from, m, h);
+  uint64_t sum = fr_hash_end(h);
+  if (rc == 0 && sum != m->view_sum)
+    rc = fr_err(FERRY_ECHECKSUM,
+                "refit: the slices read from bucket %u of version %llu do not match their "
+                "checksum",
+                m->bucket, (unsigned long long)m->version);
+  return rc;
+}
+
+/* A shard reader's bucket announced without its current view (it bound more since the sender
+ * began this push, or the sender has not taken its declarations): the whole bucket is read and
+ * verified, then its runs are copied out. */
+static int read_whole_for_runs(ferry_refit_receiver *r, const fr_refit_msg_t *m, uint8_t **at) {
+  bool whole;
+  uint64_t sum = 0;
+  int rc = landing(r, m, at, &whole);
+  if (rc == 0)
+    rc = read_bucket(r, m, *at, true, &sum); /* the stage holds a whole bucket */
+  if (rc == 0 && sum != m->checksum)
+    rc = fr_err(FERRY_ECHECKSUM, "refit: bucket %u of version %llu does not match its checksum",
+                m->bucket, (unsigned long long)m->version);
+  uint64_t start = (uint64_t)m->bucket * r->plan.bucket_bytes;
+  const fr_refit_view *v = r->view;
+  for (uint64_t i = v->first[m->bucket]; rc == 0 && i < v->first[m->bucket + 1]; i++)
+    memcpy(v->runs[i].dst, *at + (v->runs[i].off - start), v->runs[i].len);
+  return rc;
+}
+
+static int fetch_shards(ferry_refit_receiver *r, const fr_refit_msg_t *m, ferry_region_ref *kept,
+                        uint64_t *kept_off) {
+  int rc = ensure_view(r);
+  if (rc != 0)
+    return rc;
+  bool keep = m->flags & FR_REFIT_KEEP;
+  if (m->view && m->view == r->view->serial && !keep)
+    return read_runs(r, m);
+  uint8_t *at = NULL;
+  rc = read_whole_for_runs(r, m, &at);
+  if (rc == 0 && keep)
+    rc = ferry_region_find(r->ctx, at, m->bytes, kept, kept_off);
+  return rc;
+}
+
 /* Reads, verifies and places bucket m; with KEEP, *kept says where a successor finds it. */
 static int fetch_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, ferry_region_ref *kept,
                         uint64_t *kept_off) {
@@ -221,6 +563,8 @@ static int fetch_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, ferry_
     return 0; /* the bytes are already where the engine looks: the sender's buffer */
   if (!r->alias)
     tear(r, m->version); /* the first byte lands below; ahead of the checksum */
+  if (r->shards)
+    return fetch_shards(r, m, kept, kept_off);
   uint8_t *land = NULL;
   bool whole;
   uint64_t sum = 0;
@@ -263,18 +607,18 @@ static void new_version(ferry_refit_receiver *r, uint64_t version) {
 /* A failure of this receiver poisons the version; one reading from the predecessor does not
  * (the sender sends that bucket again directly). */
 static void note_failure(ferry_refit_receiver *r, const fr_refit_msg_t *m, int rc) {
-  fr_warn("%s", ferry_last_error());
+  char why[sizeof r->why]; /* before the log line: a log callback may make calls that set it */
+  snprintf(why, sizeof why, "%s", ferry_last_error());
+  fr_warn_limited("%s", why); /* per bucket: a bad link fails many */
   if (m->flags & FR_REFIT_FROM_UP)
     return;
   r->failure = rc;
   pthread_mutex_lock(&r->lock);
-  snprintf(r->why, sizeof r->why, "%s", ferry_last_error());
+  snprintf(r->why, sizeof r->why, "%s", why);
   pthread_mutex_unlock(&r->lock);
 }
 
 static void on_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
-  if (m->version != r->receiving)
-    new_version(r, m->version);
   if (r->alias && !(m->flags & FR_REFIT_UNCHANGED))
     tear(r, m->version); /* the sender wrote this bucket into the buffer the engine reads */
   fr_refit_msg_t ack = {.type = FR_REFIT_ACK,
@@ -283,19 +627,26 @@ static void on_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
                         .seq = m->seq,
                         .flags = m->flags & FR_REFIT_KEEP};
   pthread_mutex_lock(&r->bind_lock);
+  if (m->version != r->receiving)
+    new_version(r, m->version);
   int rc = r->failure ? r->failure : take_bucket(r, m, &ack.src, &ack.src_offset);
   bool fresh = rc == 0 && m->bucket < r->plan.buckets && !r->got[m->bucket];
   if (fresh) {
     r->got[m->bucket] = 1;
     r->verified++;
   }
+  ferry_refit_bucket_fn fn = r->on_bucket;
+  void *fn_arg = r->on_bucket_arg;
   pthread_mutex_unlock(&r->bind_lock);
+  bool poisons = rc != 0 && !r->failure && !(m->flags & FR_REFIT_FROM_UP);
   if (rc != 0 && !r->failure)
     note_failure(r, m, rc);
   if (rc != 0 && (m->flags & FR_REFIT_FROM_UP))
     ack.flags |= FR_REFIT_UPSTREAM;
-  if (fresh && r->on_bucket && !(m->flags & FR_REFIT_UNCHANGED))
-    r->on_bucket(r, m->version, m->bucket, r->on_bucket_arg);
+  if (fresh && fn && !(m->flags & FR_REFIT_UNCHANGED))
+    fn(r, m->version, m->bucket, fn_arg);
+  if (poisons) /* it cannot commit now; the sender may send no COMMIT */
+    tell_commit(r, m->version, rc);
   ack.status = rc;
   fr_refit_send(r->link, &ack, -1);
 }
@@ -320,11 +671,51 @@ static void on_route(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
             ferry_last_error());
 }
 
+/* The commit callback, read under bind_lock (the caller may set it while versions land). */
+static void tell_commit(ferry_refit_receiver *r, uint64_t version, int status) {
+  pthread_mutex_lock(&r->bind_lock);
+  ferry_refit_commit_fn fn = r->on_commit;
+  void *arg = r->on_commit_arg;
+  pthread_mutex_unlock(&r->bind_lock);
+  if (!fn)
+    return;
+  char why[sizeof r->why];
+  pthread_mutex_lock(&r->lock);
+  snprintf(why, sizeof why, "%s", status ? r->why : "");
+  pthread_mutex_unlock(&r->lock);
+  fn(r, version, status, status ? why : NULL, arg);
+}
+
+/* A destination bound after a bucket of its bytes landed missed that bucket; one bound since the
+ * last commit misses the buckets a push skipped (unchanged, not in `only`): the version is not
+ * in it. Otherwise notes the bindings the committed version is in. */
+static int rebound_midway(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
+  uint64_t version = m->version;
+  pthread_mutex_lock(&r->bind_lock);
+  bool moved = (m->bytes > 0 && r->missed == version) ||
+               (m->bytes < r->plan.buckets && r->bind_epoch != r->committed_epoch);
+  if (!moved)
+    r->committed_epoch = r->bind_epoch;
+  pthread_mutex_unlock(&r->bind_lock);
+  if (!moved)
+    return 0;
+  int rc = fr_err(FERRY_ESTATE,
+                  "refit: a destination was bound while version %llu was landing here (it "
+                  "missed the buckets before); the receiver catches up when it next waits",
+                  (unsigned long long)version);
+  pthread_mutex_lock(&r->lock);
+  snprintf(r->why, sizeof r->why, "%s", ferry_last_error());
+  pthread_mutex_unlock(&r->lock);
+  return rc;
+}
+
 static void on_commit(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
   int status = m->version != r->receiving && m->bytes > 0 ? FERRY_EPROTO
                : r->failure                               ? r->failure
                : r->verified != m->bytes                  ? FERRY_EPROTO
                                                           : 0;
+  if (status == 0)
+    status = rebound_midway(r, m);
   pthread_mutex_lock(&r->lock);
   if (status == 0) {
     r->committed = m->version;
@@ -338,9 +729,15 @@ static void on_commit(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
     fr_warn("refit: version %llu not committed (%s); %s %llu", (unsigned long long)m->version,
             ferry_strerror(status), r->torn_by ? "bytes torn, no longer" : "keeping",
             (unsigned long long)r->committed);
+  else /* one line per push: which version this engine serves from now on */
+    fr_info("refit: committed version %llu from '%s'", (unsigned long long)m->version,
+            ferry_link_peer(r->link));
+  pthread_mutex_lock(&r->bind_lock); /* binding reads it */
   r->receiving = 0;
+  pthread_mutex_unlock(&r->bind_lock);
   fr_refit_msg_t done = {.type = FR_REFIT_COMMITTED, .version = m->version, .status = status};
   fr_refit_send(r->link, &done, -1);
+  tell_commit(r, m->version, status);
 }
 
 /* The sender dropped this receiver: it acknowledged nothing within a push's timeout (it was
@@ -367,6 +764,7 @@ static void on_dropped(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
   }
   if (rc != 0)
     fr_warn("refit: cannot attach again: %s", ferry_last_error());
+  tell_commit(r, m->version, FERRY_ETIMEDOUT);
 }
 
 /* The sender cannot catch this receiver up (it keeps no whole copy of the version). */
@@ -484,6 +882,10 @@ static void receiver_free(ferry_refit_receiver *r) {
   free(r->bound);
   free(r->bound_desc);
   free(r->stage);
+  for (uint32_t i = 0; i < r->ntargets; i++)
+    target_free(&r->targets[i]);
+  free(r->targets);
+  fr_refit_view_free(r->view);
   pthread_mutex_destroy(&r->lock);
   pthread_mutex_destroy(&r->bind_lock);
   pthread_cond_destroy(&r->cond);
@@ -561,6 +963,27 @@ int ferry_refit_tensor_scale(ferry_refit_receiver *r, size_t i, float *scale) {
   return rc;
 }
 
+/* A destination just bound (the wire bytes [lo, lo+len) go there) holds no version: the
+ * receiver holds none until a version lands whole (a catch-up when it next waits, or a push),
+ * and a version landing now fails here if a bucket of those bytes already landed. bind_lock
+ * held. */
+static void new_destination(ferry_refit_receiver *r, uint64_t lo, uint64_t len) {
+  r->bind_epoch++;
+  const fr_refit_plan *p = &r->plan;
+  for (uint64_t b = lo / p->bucket_bytes;
+       r->receiving && len && b * p->bucket_bytes < lo + len && b < p->buckets; b++)
+    if (r->got[b])
+      r->missed = r->receiving; /* that bucket landed before the destination existed */
+  pthread_mutex_lock(&r->lock);
+  if (r->committed)
+    fr_info("refit: a destination bound after version %llu committed; it is caught up",
+            (unsigned long long)r->committed);
+  r->committed = 0;
+  r->asked = 0;
+  pthread_mutex_unlock(&r->lock);
+  __atomic_store_n(&r->bound_any, true, __ATOMIC_RELEASE);
+}
+
 static int find(ferry_refit_receiver *r, const char *name, uint32_t *out) {
   int64_t i = r && name ? fr_refit_plan_find(&r->plan, name) : -1;
   if (i < 0)
@@ -578,10 +1001,18 @@ int ferry_refit_bind(ferry_refit_receiver *r, const char *name, void *dst,
   int rc = find(r, name, &i);
   if (rc == 0)
     rc = binding_fits(&r->plan.entries[i], desc);
+  if (rc == 0 && r->shards) { /* a target of one piece: the whole tensor */
+    fr_refit_piece pc = whole_piece(&r->plan, i);
+    char *src = r->plan.entries[i].name;
+    rc = r->plan.entries[i].wire_bytes ? add_target(r, name, dst, desc, &src, &pc, 1, true) : 0;
+    pthread_mutex_unlock(&r->bind_lock);
+    return rc;
+  }
+  if (rc == 0 && r->bound[i] != dst)
+    new_destination(r, r->plan.entries[i].offset, r->plan.entries[i].wire_bytes);
   if (rc == 0) {
     r->bound[i] = dst;
     r->bound_desc[i] = *desc;
-    __atomic_store_n(&r->bound_any, true, __ATOMIC_RELEASE);
   }
   pthread_mutex_unlock(&r->bind_lock);
   return rc;
@@ -594,13 +1025,17 @@ int ferry_refit_bind_flat(ferry_refit_receiver *r) {
     return fr_err(FERRY_ESTATE, "refit: the manifest is empty");
   pthread_mutex_lock(&r->bind_lock);
   void *flat = r->flat;
-  int rc = r->alias ? fr_err(FERRY_ESTATE, "refit: already bound in alias mode") : 0;
-  if (rc == 0 && !flat)
+  int rc = r->alias    ? fr_err(FERRY_ESTATE, "refit: already bound in alias mode")
+           : r->shards ? fr_err(FERRY_ESTATE, "refit: shards are bound; a flat buffer would "
+                                              "receive every byte")
+                       : 0;
+  if (rc == 0 && !flat) {
     rc = ferry_alloc(r->ctx, r->plan.total_bytes, &flat);
-  if (rc == 0) {
-    r->flat = flat;
-    __atomic_store_n(&r->bound_any, true, __ATOMIC_RELEASE);
+    if (rc == 0)
+      new_destination(r, 0, r->plan.total_bytes);
   }
+  if (rc == 0)
+    r->flat = flat;
   pthread_mutex_unlock(&r->bind_lock);
   return rc;
 }
@@ -622,7 +1057,9 @@ int ferry_refit_bind_alias(ferry_refit_receiver *r) {
   if (!r)
     return fr_err(FERRY_EINVAL, "ferry_refit_bind_alias: NULL receiver");
   pthread_mutex_lock(&r->bind_lock);
-  int rc = r->flat ? fr_err(FERRY_ESTATE, "refit: already bound to a flat buffer") : 0;
+  int rc = r->flat     ? fr_err(FERRY_ESTATE, "refit: already bound to a flat buffer")
+           : r->shards ? fr_err(FERRY_ESTATE, "refit: shards are bound to their own memory")
+                       : 0;
   if (rc == 0 && strcmp(ferry_link_transport(r->link), "shm") != 0)
     rc = fr_err(FERRY_ENOTSUP, "refit: alias mode needs the sender on this host (link is %s)",
                 ferry_link_transport(r->link));
@@ -632,6 +1069,49 @@ int ferry_refit_bind_alias(ferry_refit_receiver *r) {
     __atomic_store_n(&r->bound_any, true, __ATOMIC_RELEASE);
   pthread_mutex_unlock(&r->bind_lock);
   return rc;
+}
+
+int ferry_refit_bind_pieces(ferry_refit_receiver *r, const char *target, void *dst,
+                            const ferry_tensor_desc *desc, const ferry_refit_piece *pieces,
+                            size_t n) {
+  if (!r || !target || !dst || !desc || !pieces)
+    return fr_err(FERRY_EINVAL, "ferry_refit_bind_pieces: NULL argument");
+  if (!*target || n == 0 || n > FR_REFIT_PIECES_MAX)
+    return fr_err(FERRY_EINVAL, "refit: target '%s' with %zu pieces (1 to %u, and a name)", target,
+                  n, FR_REFIT_PIECES_MAX);
+  fr_refit_piece *pc = malloc(n * sizeof *pc);
+  char **sources = malloc(n * sizeof *sources);
+  int rc = pc && sources ? 0 : fr_err(FERRY_ENOMEM, "refit: target '%s'", target);
+  for (size_t i = 0; i < n && rc == 0; i++) {
+    const ferry_refit_piece *p = &pieces[i];
+    if (!p->source || p->dim < 0 || p->dim >= FERRY_MAX_DIMS || p->start < 0 || p->stop < 0)
+      rc = fr_err(FERRY_ESHAPE,
+                  "refit: target '%s' piece %zu ('%s' dim %d [%lld:%lld]) is not a "
+                  "slice",
+                  target, i, p->source ? p->source : "(null)", p->dim, (long long)p->start,
+                  (long long)p->stop);
+    else
+      pc[i] = (fr_refit_piece){0, (uint32_t)p->dim, (uint64_t)p->start, (uint64_t)p->stop};
+    sources[i] = (char *)p->source;
+  }
+  pthread_mutex_lock(&r->bind_lock);
+  if (rc == 0)
+    rc = r->flat || r->alias
+             ? fr_err(FERRY_ESTATE, "refit: bound to %s; shards need their own memory",
+                      r->flat ? "a flat buffer" : "the sender's buffer (alias mode)")
+             : pieces_fit(&r->plan, target, desc, sources, pc, (uint32_t)n);
+  if (rc == 0)
+    rc = enter_shards(r);
+  if (rc == 0)
+    rc = add_target(r, target, dst, desc, sources, pc, (uint32_t)n, true);
+  pthread_mutex_unlock(&r->bind_lock);
+  free(pc);
+  free(sources);
+  return rc;
+}
+
+uint64_t ferry_refit_bytes_read(ferry_refit_receiver *r) {
+  return r ? __atomic_load_n(&r->bytes_read, __ATOMIC_RELAXED) : 0;
 }
 
 int ferry_refit_view(ferry_refit_receiver *r, const char *name, void **out) {
@@ -650,8 +1130,37 @@ int ferry_refit_view(ferry_refit_receiver *r, const char *name, void **out) {
 void ferry_refit_on_bucket(ferry_refit_receiver *r, ferry_refit_bucket_fn fn, void *arg) {
   if (!r)
     return;
+  pthread_mutex_lock(&r->bind_lock);
   r->on_bucket = fn;
   r->on_bucket_arg = arg;
+  pthread_mutex_unlock(&r->bind_lock);
+}
+
+void ferry_refit_on_commit(ferry_refit_receiver *r, ferry_refit_commit_fn fn, void *arg) {
+  if (!r)
+    return;
+  pthread_mutex_lock(&r->bind_lock);
+  r->on_commit = fn;
+  r->on_commit_arg = arg;
+  pthread_mutex_unlock(&r->bind_lock);
+}
+
+int ferry_refit_tensor_buckets(ferry_refit_receiver *r, size_t i, uint32_t *first,
+                               uint32_t *count) {
+  if (!r || !first || !count)
+    return fr_err(FERRY_EINVAL, "ferry_refit_tensor_buckets: NULL argument");
+  pthread_mutex_lock(&r->bind_lock);
+  const fr_refit_plan *p = &r->plan;
+  int rc = i < p->count ? 0 : fr_err(FERRY_ENOTFOUND, "refit: no tensor %zu", i);
+  if (rc == 0) {
+    const fr_refit_entry *e = &p->entries[i];
+    *first = (uint32_t)(e->offset / p->bucket_bytes);
+    *count = e->wire_bytes
+                 ? (uint32_t)((e->offset + e->wire_bytes - 1) / p->bucket_bytes) - *first + 1
+                 : 0;
+  }
+  pthread_mutex_unlock(&r->bind_lock);
+  return rc;
 }
 
 /* ---- versions ---- */

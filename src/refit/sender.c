@@ -5,6 +5,7 @@
  * bucket i from the other, and waits for every receiver before reusing a buffer.
  */
 #include "refit/refit.h"
+#include "transport/wire.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -26,6 +27,7 @@ static receiver *find_receiver(ferry_refit_sender *s, ferry_link *link) {
 }
 
 void fr_refit_receiver_free(receiver *r) {
+  fr_refit_view_release(r);
   ferry_link_release(r->link);
   free(r->address);
   free(r->routed);
@@ -111,6 +113,8 @@ static void record(ferry_refit_sender *s, ferry_msg *m, const fr_refit_msg_t *x)
   if (x->type == FR_REFIT_DETACH) {
     remove_receiver(s, m->link);
   } else if (r && x->type == FR_REFIT_CATCHUP) {
+    if (x->version == r->committed)
+      r->committed = 0; /* it lacks what it committed: it bound a new destination since */
     fr_refit_catchup_request(s, r);
   } else if (r && r->in_push && x->version == s->pushing && x->type == FR_REFIT_ACK) {
     record_ack(s, r, x);
@@ -125,6 +129,24 @@ static void record(ferry_refit_sender *s, ferry_msg *m, const fr_refit_msg_t *x)
   pthread_mutex_unlock(&s->lock);
 }
 
+/* A receiver declares a shard target (a call, so that its bind returns once the next push
+ * hashes its slices); the reply is the status. */
+static void answer_view(ferry_refit_sender *s, ferry_msg *m) {
+  fr_refit_msg_t x;
+  int rc = fr_refit_msg_decode(m->data, m->len, &x);
+  pthread_mutex_lock(&s->lock);
+  receiver *r = rc == 0 ? find_receiver(s, m->link) : NULL;
+  if (rc == 0 && !r)
+    rc = fr_err(FERRY_ESTATE, "refit '%s': a view from a receiver that is not attached", s->name);
+  if (rc == 0)
+    rc = fr_refit_view_record(s, r, &x);
+  pthread_mutex_unlock(&s->lock);
+  uint8_t st[4];
+  fr_put_u32(st, (uint32_t)rc);
+  struct iovec iov = {st, sizeof st};
+  ferry_reply(m, &iov, 1, -1);
+}
+
 static void *service_main(void *arg) {
   ferry_refit_sender *s = arg;
   while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
@@ -136,7 +158,10 @@ static void *service_main(void *arg) {
     if (rc != 0)
       continue;
     fr_refit_msg_t x;
-    if (ferry_msg_is_call(m)) /* the only call is ATTACH */
+    if (ferry_msg_is_call(m) && m->len >= FR_REFIT_MSG_BYTES &&
+        fr_get_u32(m->data) == FR_REFIT_VIEW)
+      answer_view(s, m);
+    else if (ferry_msg_is_call(m)) /* the other call is ATTACH */
       answer_attach(s, m);
     else if (fr_refit_msg_decode(m->data, m->len, &x) == 0)
       record(s, m, &x);
@@ -168,7 +193,9 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
                             ferry_refit_sender **out) {
   if (!ctx || !name || !out)
     return fr_err(FERRY_EINVAL, "ferry_refit_sender_open: NULL argument");
-  int rc = fr_refit_claim(ctx, FR_REFIT_SENDER);
+  int rc = FR_OPTS_CHECK(opts, "ferry_refit_sender_open");
+  if (rc == 0)
+    rc = fr_refit_claim(ctx, FR_REFIT_SENDER);
   if (rc != 0)
     return rc;
   ferry_refit_sender *s = calloc(1, sizeof *s);
@@ -314,7 +341,8 @@ int ferry_refit_seal(ferry_refit_sender *s) {
   if (rc == 0) {
     compute_scales(s);
     s->plan.generation++;
-    s->retained = 0; /* the buffer holds no version in the new layout until a push */
+    s->retained = 0;         /* the buffer holds no version in the new layout until a push */
+    fr_refit_views_clear(s); /* pieces name tensors by index: receivers declare them again */
     free(s->manifest);
     s->manifest = NULL;
     rc = fr_refit_manifest_encode(&s->plan, &s->manifest, &s->manifest_len);

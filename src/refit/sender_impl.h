@@ -7,6 +7,7 @@
 
 #include "core/stats.h"
 #include "refit/refit.h"
+#include "refit/shard.h"
 
 #include <pthread.h>
 
@@ -42,6 +43,14 @@ typedef struct receiver {
   uint64_t cu_version;   /* the version being sent to it now, 0 when none */
   uint32_t cu_announced; /* buckets announced (by index) */
   uint32_t cu_acked;     /* buckets it verified */
+
+  /* shards (views.c): what it declared, and the view built from that between pushes */
+  fr_refit_target *targets; /* by slot */
+  uint32_t ntargets;
+  uint32_t view_serial; /* of the last declaration taken (0: none) */
+  bool view_stale;      /* declarations came since the view was built */
+  fr_refit_view *view;  /* NULL: it reads whole buckets */
+  uint64_t *vsum;       /* per seq of the push under way: the sum of its view's runs */
   struct receiver *next;
 } receiver;
 
@@ -97,11 +106,13 @@ void fr_refit_stats_stop(ferry_refit_sender *s);
 void fr_refit_announce_ready(ferry_refit_sender *s);
 /* The packer thread (pack.c): fr_refit_pack packs and hashes bucket b into dst, sharing the
  * work with the packer thread when `share` (the cores are not busy with local receivers), and
- * returns the bucket's checksum. */
+ * returns the bucket's checksum; it feeds each of feeds[0..nfeeds) (begun for bucket b) the
+ * runs of its shard view as the chunks are packed. */
 typedef struct fr_refit_packer fr_refit_packer;
 int fr_refit_packer_start(ferry_refit_sender *s, fr_refit_packer **out);
 void fr_refit_packer_stop(fr_refit_packer *k);
-uint64_t fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share);
+uint64_t fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share,
+                       fr_refit_feed *feeds, size_t nfeeds);
 /* Late join (catchup.c), all under s->lock: a receiver asked for the latest version; serves
  * every pending request when no push is under way; handles a catch-up ACK or COMMITTED (true
  * when the record belonged to a catch-up); and stops the catch-up of a receiver a push takes. */
@@ -109,6 +120,14 @@ void fr_refit_catchup_request(ferry_refit_sender *s, receiver *r);
 void fr_refit_catchup_serve(ferry_refit_sender *s);
 bool fr_refit_catchup_record(ferry_refit_sender *s, receiver *r, const fr_refit_msg_t *x);
 void fr_refit_catchup_cancel(receiver *r);
+/* Shards (views.c), under s->lock: a VIEW call (its pieces follow the record; 0 or why not); the
+ * view rebuilt from the declarations when they changed (never during a push: the push hashes
+ * the one it began with); every view dropped when the sender re-seals (receivers declare again
+ * for the new generation); a receiver's shard state freed. */
+int fr_refit_view_record(ferry_refit_sender *s, receiver *r, const fr_refit_msg_t *x);
+void fr_refit_view_refresh(ferry_refit_sender *s, receiver *r);
+void fr_refit_views_clear(ferry_refit_sender *s);
+void fr_refit_view_release(receiver *r);
 /* Releases a receiver record (its link reference and strings). */
 void fr_refit_receiver_free(receiver *r);
 

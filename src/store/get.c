@@ -3,9 +3,11 @@
  * bytes straight from the owner over a cached link (one memcpy on one host, one stream over tcp),
  * then reads the object's generation word: a mismatch means the owner replaced or deleted it during
  * the copy, and the get looks it up again and reads again, backing off, until it has a whole copy
- * or its timeout passes. A batch get does one directory round trip for all keys and keeps
- * FERRY_STORE_THREADS reads in flight with a small pool of worker threads. Links to owners are
- * cached by node name and closed when their last user sees them die.
+ * or its timeout passes. Bytes whose region is gone while their generation word still says their
+ * version were freed by an owner that still publishes them: that fails at once (FERRY_EFREED).
+ * A batch get does one directory round trip for all keys and keeps FERRY_STORE_THREADS reads in
+ * flight with a small pool of worker threads. Links to owners are cached by node name and closed
+ * when their last user sees them die.
  */
 #include "store/store.h"
 #include "transport/access.h"
@@ -111,16 +113,54 @@ static int stale(const fr_dir_object *rec) {
   return fr_err(FERRY_ESTALE, "get '%s': replaced or deleted during the read", rec->key);
 }
 
+/* The owner freed the memory of an object it still publishes in place (its generation word
+ * still says this version while its bytes' region is gone): nothing will bring those bytes back,
+ * and nothing republishes the key, so the reader is told at once instead of retrying until its
+ * timeout. A re-put or delete retires the version (its word leaves the generation) before the
+ * caller gets the memory back, so an ordinary replace never looks like this. */
+static int freed(const fr_dir_object *rec) {
+  return fr_err(FERRY_EFREED,
+                "get '%s': its owner '%s' freed the memory of generation %llu while still "
+                "publishing it (memory put in place must stay allocated until the key is deleted "
+                "or replaced)",
+                rec->key, rec->owner, (unsigned long long)rec->generation);
+}
+
+/* A read or view of rec's bytes failed with rc, which says their region is gone (freed, or never
+ * there) when it is ENOTFOUND or ESTALE: whether the generation word, read through the same
+ * link, still says rec's version (freed while published), rather than a replace or delete
+ * (stale: look again). */
+static bool freed_under(ferry_link *l, const fr_dir_object *rec, int rc, int timeout_ms) {
+  uint64_t gen = 0;
+  return (rc == FERRY_ENOTFOUND || rc == FERRY_ESTALE) &&
+         ferry_read(l, &rec->gen_region, rec->gen_offset, &gen, sizeof gen, timeout_ms) == 0 &&
+         gen == rec->generation;
+}
+
+/* Whether this node's own in-place object still lies in ferry memory (a pool copy always
+ * does). Lock held: o is in the owned table. */
+static bool owned_mapped(ferry_store *s, const fr_owned *o) {
+  ferry_region_ref ref;
+  if (o->pool_off != FR_STORE_NO_POOL || o->rec.bytes == 0)
+    return true;
+  bool ok = ferry_region_find(s->ctx, o->data, (size_t)o->rec.bytes, &ref, NULL) == 0;
+  fr_err_clear();
+  return ok;
+}
+
 static int read_local(ferry_store *s, const fr_dir_object *rec, void *dst) {
   pthread_mutex_lock(&s->lock);
   size_t at;
   fr_owned *o = fr_store_find_owned(s, rec->key, &at);
   bool ok = o && o->rec.generation == rec->generation;
+  bool mapped = !ok || owned_mapped(s, o);
   const uint8_t *src = ok ? o->data : NULL;
   uint32_t slot = ok ? o->slot : 0;
   pthread_mutex_unlock(&s->lock);
   if (!ok)
     return stale(rec);
+  if (!mapped)
+    return freed(rec);
   memcpy(dst, src, rec->bytes);
   __atomic_signal_fence(__ATOMIC_SEQ_CST); /* x86 keeps loads in order; stop the compiler */
   return __atomic_load_n(fr_store_gen(s, slot), __ATOMIC_ACQUIRE) == rec->generation ? 0
@@ -153,10 +193,14 @@ static int read_remote(ferry_store *s, const fr_dir_object *rec, void *dst, prog
   if (rc == 0)
     rc = ferry_read(p->link, &rec->gen_region, rec->gen_offset, &gen, sizeof gen,
                     fr_store_left(deadline));
+  else if (freed_under(p->link, rec, rc, fr_store_left(deadline)))
+    rc = FERRY_EFREED;
   bool dead = rc == FERRY_EPEER || rc == FERRY_ECLOSED;
   fr_peer_release(s, p, dead);
   if (dead)
     return fr_err_wrap(FERRY_EPEER, "get '%s': owner '%s' is gone", rec->key, rec->owner);
+  if (rc == FERRY_EFREED)
+    return freed(rec);
   if (rc == FERRY_ENOTFOUND || rc == FERRY_ESTALE || rc == FERRY_ERANGE || rc == FERRY_EACCES)
     return stale(rec); /* the region went away or changed: look the key up again */
   if (rc != 0)
@@ -515,6 +559,10 @@ static int pin_local(ferry_store *s, const fr_dir_object *rec, ferry_store_view 
   size_t at;
   fr_owned *o = fr_store_find_owned(s, rec->key, &at);
   bool ok = o && o->rec.generation == rec->generation;
+  if (ok && !owned_mapped(s, o)) {
+    pthread_mutex_unlock(&s->lock);
+    return freed(rec);
+  }
   if (ok) {
     v->pins = fr_store_pins(s, o->slot);
     v->gen = fr_store_gen(s, o->slot);
@@ -534,8 +582,10 @@ static int pin_remote(ferry_store *s, const fr_dir_object *rec, ferry_store_view
     return rc;
   const void *slot = NULL;
   rc = ferry_view(v->peer->link, &rec->gen_region, rec->gen_offset, FR_STORE_SLOT_BYTES, &slot);
-  if (rc == 0 && rec->bytes > 0)
-    rc = ferry_view(v->peer->link, &rec->region, rec->offset, (size_t)rec->bytes, data);
+  if (rc == 0 && rec->bytes > 0 &&
+      (rc = ferry_view(v->peer->link, &rec->region, rec->offset, (size_t)rec->bytes, data)) != 0 &&
+      freed_under(v->peer->link, rec, rc, timeout_ms))
+    rc = FERRY_EFREED;
   if (rc == 0) {
     v->gen = slot;
     v->pins = (uint64_t *)((uintptr_t)slot + 8); /* the pool is mapped read-write */
@@ -554,6 +604,8 @@ static int pin_remote(ferry_store *s, const fr_dir_object *rec, ferry_store_view
   bool dead = rc == FERRY_EPEER || rc == FERRY_ECLOSED;
   fr_peer_release(s, v->peer, dead);
   v->peer = NULL;
+  if (rc == FERRY_EFREED)
+    return freed(rec);
   return dead ? fr_err_wrap(FERRY_EPEER, "view '%s': owner '%s' is gone", rec->key, rec->owner)
               : rc;
 }

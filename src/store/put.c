@@ -206,8 +206,12 @@ static int place(ferry_store *s, fr_owned *o, const void *data, uint32_t flags, 
   while (rc == FERRY_ECAPACITY && linger_pop(s)) /* make room: the oldest replaced copies go */
     rc = (fr_err_clear(), pool_alloc(s, o->rec.bytes, &off));
   pthread_mutex_unlock(&s->lock);
-  if (rc != 0)
-    return fr_err_wrap(rc, "put '%s'", o->rec.key);
+  if (rc != 0) {
+    rc = fr_err_wrap(rc, "put '%s'", o->rec.key);
+    if (rc == FERRY_ECAPACITY) /* the holder's operator sees it, not only the client */
+      fr_warn_limited("store '%s': full: %s", s->name, ferry_last_error());
+    return rc;
+  }
   o->pool_off = o->rec.bytes ? off : FR_STORE_NO_POOL;
   o->pool_len = o->rec.bytes;
   o->rec.region = s->ref;
@@ -233,6 +237,8 @@ static int take_slot(ferry_store *s, fr_owned *o) {
     o->slot = s->free_slots[--s->nfree_slots];
   o->rec.generation = s->next_gen++;
   pthread_mutex_unlock(&s->lock);
+  if (rc == FERRY_ECAPACITY)
+    fr_warn_limited("store '%s': full: %s", s->name, ferry_last_error());
   o->rec.gen_region = s->ref;
   o->rec.gen_offset = (uint64_t)o->slot * FR_STORE_SLOT_BYTES;
   return rc;

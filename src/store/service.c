@@ -207,9 +207,12 @@ static int fill_from_peer(void *arg, void *dst, uint64_t bytes) {
 static int handle(ferry_store *s, ferry_msg *msg, const fr_store_msg *m, uint64_t *gen) {
   int timeout = fr_timeout(-1);
   switch (m->op) {
-  case FR_SMSG_DELETE:
+  case FR_SMSG_DELETE: /* deletes and puts are the application's own: counted, not logged */
+    fr_debug("store '%s': '%s' deleted by '%s'", s->name, m->key, ferry_link_peer(msg->link));
     return fr_store_delete_local(s, m->key, m->generation, true, false, timeout);
   case FR_SMSG_DROPPED:
+    fr_debug("store '%s': '%s' was put again on '%s'; dropping our copy", s->name, m->key,
+             ferry_link_peer(msg->link));
     fr_store_delete_local(s, m->key, m->generation, false, false, timeout);
     return 0;
   default: /* FR_SMSG_UPLOAD */

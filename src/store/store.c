@@ -71,7 +71,8 @@ static int republish(ferry_store *s, int timeout_ms) {
     rc = s->dir->ops->obj_put(s->dir->state, &recs[i], FR_DIR_PUT_KEEP_OTHERS, NULL, NULL,
                               timeout_ms);
     if (rc == FERRY_EEXIST) {
-      fr_info("store: '%s' now belongs to another node; dropping our copy", recs[i].key);
+      fr_info_limited("store '%s': '%s' now belongs to another node; dropping our copy", s->name,
+                      recs[i].key);
       rc = 0;
       fr_store_delete_owned(s, recs[i].key, recs[i].generation, false, timeout_ms, NULL);
     }
@@ -201,15 +202,18 @@ static int store_start(ferry_store *s, const ferry_store_opts *o) {
 int ferry_store_open(ferry_ctx *ctx, const ferry_store_opts *opts, ferry_store **out) {
   if (!ctx || !out)
     return fr_err(FERRY_EINVAL, "ferry_store_open: NULL argument");
-  if (opts && opts->size < sizeof(size_t))
-    return fr_err(FERRY_EINVAL, "ferry_store_open: opts->size not set");
-  ferry_store_opts o = {0};
-  if (opts)
-    memcpy(&o, opts, opts->size < sizeof o ? opts->size : sizeof o);
-  ferry_store *s = store_new(ctx, opts ? &o : NULL);
+  int rc = FR_OPTS_CHECK(opts, "ferry_store_open");
+  if (rc != 0)
+    return rc;
+  ferry_store_opts o = {.size = sizeof o,
+                        .directory = FR_OPT(opts, directory, NULL),
+                        .capacity = FR_OPT(opts, capacity, 0),
+                        .lease_ms = FR_OPT(opts, lease_ms, 0),
+                        .flags = FR_OPT(opts, flags, 0)};
+  ferry_store *s = store_new(ctx, &o);
   if (!s)
     return fr_err(FERRY_ENOMEM, "ferry_store_open");
-  int rc = store_start(s, opts ? &o : NULL);
+  rc = store_start(s, &o);
   if (rc == 0 && (rc = fr_store_stats_start(s)) != 0)
     fr_store_stats_stop(s);
   if (rc != 0) {

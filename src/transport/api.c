@@ -237,6 +237,29 @@ int ferry_read(ferry_link *link, const ferry_region_ref *remote, uint64_t offset
                               fr_ctx_timeout(link->ctx, timeout_ms));
 }
 
+int ferry_readv(ferry_link *link, const ferry_region_ref *remote, const ferry_read_run *runs,
+                size_t n, void *dst, int timeout_ms) {
+  uint64_t total = 0;
+  int rc = !runs && n ? fr_err(FERRY_EINVAL, "ferry_readv: NULL runs") : 0;
+  for (size_t i = 0; i < n && rc == 0; i++) {
+    rc = check_rma(link, remote, runs[i].offset, runs[i].len, dst, "ferry_readv");
+    if (rc == 0 && (runs[i].len == 0 || __builtin_add_overflow(total, runs[i].len, &total)))
+      rc = fr_err(FERRY_EINVAL, "ferry_readv: run %zu is empty or the total overflows", i);
+  }
+  if (rc == 0 && total > link->ctx->max_payload)
+    rc = fr_err(FERRY_ERANGE, "ferry_readv: %llu bytes exceed FERRY_MAX_MESSAGE",
+                (unsigned long long)total);
+  if (rc != 0 || n == 0)
+    return rc;
+  int ms = fr_ctx_timeout(link->ctx, timeout_ms);
+  if (link->ops->readv)
+    return link->ops->readv(link, remote, runs, n, dst, ms);
+  uint8_t *at = dst;
+  for (size_t i = 0; i < n && rc == 0; at += runs[i++].len)
+    rc = link->ops->read(link, remote, runs[i].offset, at, runs[i].len, ms);
+  return rc;
+}
+
 int ferry_write(ferry_link *link, const ferry_region_ref *remote, uint64_t offset, const void *src,
                 size_t len, int timeout_ms) {
   int rc = check_rma(link, remote, offset, len, src, "ferry_write");

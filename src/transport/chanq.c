@@ -5,11 +5,16 @@
  * leadership (leader.c), so the message it waits for wakes it directly.
  */
 #include "transport/ctx_impl.h"
+#include "core/channels.h"
 
 #include <stdlib.h>
 
 void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg) {
   fr_link_ref(msg->link);
+  if (msg->channel == FR_CHANNEL_STATS) { /* the ctx's own service, not an application's */
+    fr_ctx_serve_stats(ctx, msg);
+    return;
+  }
   fr_msg_node *n = fr_msg_node_of(msg);
   int channel = (int)msg->channel; /* once queued, msg is its taker's to free */
   fr_channel *c = &ctx->channels[channel];

@@ -148,15 +148,21 @@ static int ctx_configure(ferry_ctx *ctx, const ferry_ctx_opts *o) {
 int ferry_ctx_open(const ferry_ctx_opts *opts, ferry_ctx **out) {
   if (!out)
     return fr_err(FERRY_EINVAL, "ferry_ctx_open: out is NULL");
-  if (opts && opts->size < offsetof(ferry_ctx_opts, token) + sizeof opts->token)
-    return fr_err(FERRY_EINVAL, "ferry_ctx_open: opts->size %zu is too small", opts->size);
+  int rc = FR_OPTS_CHECK(opts, "ferry_ctx_open");
+  if (rc != 0)
+    return rc;
+  ferry_ctx_opts o = {.size = sizeof o,
+                      .name = FR_OPT(opts, name, NULL),
+                      .tcp_listen = FR_OPT(opts, tcp_listen, NULL),
+                      .transports = FR_OPT(opts, transports, NULL),
+                      .token = FR_OPT(opts, token, NULL)};
   ferry_ctx *ctx = calloc(1, sizeof *ctx);
   if (!ctx)
     return fr_err(FERRY_ENOMEM, "ferry_ctx_open");
   ctx->epfd = ctx->wake.fd = -1;
   ctx->next_reap = fr_now_ns() + 1000000000ull;
   ctx_init_sync(ctx);
-  int rc = ctx_configure(ctx, opts);
+  rc = ctx_configure(ctx, &o);
   if (rc == 0) /* before the threads start, so that their lines carry it too */
     ctx->log_node = fr_log_set_node(ctx->name);
   if (rc == 0 && (ctx->epfd = epoll_create1(EPOLL_CLOEXEC)) < 0)

@@ -27,8 +27,9 @@ bool fr_ctx_in_background(void);
 /* spin.c: spins on a channel until it has a message or ctx->spin_us pass (see fr_ctx_await). */
 void fr_ctx_spin_channel(ferry_ctx *ctx, fr_channel *c);
 
-/* server.c: the server thread */
+/* server.c: the server thread, and the calls for the ctx's metrics it answers (takes msg) */
 void *fr_ctx_server_main(void *arg);
+void fr_ctx_serve_stats(ferry_ctx *ctx, ferry_msg *msg);
 
 /* accept.c: the listeners' handler, and the descriptor kept in reserve for it */
 void fr_ctx_on_accept(fr_poller *p, uint32_t events);

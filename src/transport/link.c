@@ -115,8 +115,16 @@ void fr_link_fail(ferry_link *l, int status, const char *why) {
   pthread_mutex_unlock(&l->lock);
   /* The progress thread sees the hang-up, unregisters the link and drops its reference. */
   shutdown(l->poller.fd, SHUT_RDWR);
-  if (was_open || status != FERRY_ECLOSED)
-    fr_info("link %s '%s' closed: %s (%s)", l->ops->name, l->peer, why, ferry_strerror(status));
+  /* A peer that went away, or this node closing, is routine (every short-lived client does it),
+   * and the jobs say what it meant (a receiver gone, a subscriber dropped): debug. A link that
+   * failed otherwise (a timeout, a bad frame, no memory) is worth an operator's look. */
+  if (status == FERRY_EPEER || status == FERRY_ECLOSED) {
+    if (was_open || status != FERRY_ECLOSED)
+      fr_debug("link %s '%s' closed: %s (%s)", l->ops->name, l->peer, why, ferry_strerror(status));
+  } else {
+    fr_info_limited("link %s '%s' closed: %s (%s)", l->ops->name, l->peer, why,
+                    ferry_strerror(status));
+  }
 }
 
 /* ---- sending ---- */
@@ -282,6 +290,40 @@ int fr_link_rma_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, voi
   struct iovec iov = {body, sizeof body};
   fr_pending p = {.expect = FR_READ_RESP, .dst = dst, .len = len};
   return request(l, &p, FR_READ, 0, &iov, 1, timeout_ms, "read");
+}
+
+int fr_link_rma_readv(ferry_link *l, const ferry_region_ref *r, const ferry_read_run *runs,
+                      size_t n, void *dst, int timeout_ms) {
+  size_t groups = (n + FR_READV_MAX_RUNS - 1) / FR_READV_MAX_RUNS, posted = 0;
+  fr_pending *ps = calloc(groups ? groups : 1, sizeof *ps);
+  uint8_t *body = malloc(FR_READV_HEAD_BYTES + FR_READV_RUN_BYTES * FR_READV_MAX_RUNS);
+  int rc = ps && body ? 0 : fr_err(FERRY_ENOMEM, "readv of %zu runs", n);
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  uint8_t *at = dst;
+  for (size_t g = 0; g < groups && rc == 0; g++) {
+    size_t first = g * FR_READV_MAX_RUNS,
+           k = n - first < FR_READV_MAX_RUNS ? n - first : FR_READV_MAX_RUNS;
+    uint64_t len = 0;
+    fr_readv_encode_head(r->id, r->key, (uint32_t)k, body);
+    for (size_t i = 0; i < k; i++) {
+      fr_rma_run run = {runs[first + i].offset, runs[first + i].len};
+      fr_readv_encode_run(&run, body + FR_READV_HEAD_BYTES + i * FR_READV_RUN_BYTES);
+      len += run.length;
+    }
+    struct iovec iov = {body, FR_READV_HEAD_BYTES + k * FR_READV_RUN_BYTES};
+    ps[g] = (fr_pending){.expect = FR_READ_RESP, .dst = at, .len = len};
+    rc = request_send(l, &ps[g], FR_READV, 0, &iov, 1, deadline, false);
+    posted += rc == 0;
+    at += len;
+  }
+  for (size_t g = 0; g < posted;
+       g++) { /* every posted request is collected, even after a failure */
+    int w = pending_wait(l, &ps[g], deadline, "read");
+    rc = rc ? rc : w;
+  }
+  free(body);
+  free(ps);
+  return rc;
 }
 
 int fr_link_rma_write(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
@@ -464,7 +506,7 @@ static int on_hello(ferry_link *l) {
   fr_hello h;
   int rc = check_peer_user(l);
   if (rc != 0) {
-    fr_warn("refusing a link: %s", ferry_last_error());
+    fr_warn_limited("refusing a link: %s", ferry_last_error());
     send_status(l, FR_HELLO_ACK, 0, rc);
     return rc;
   }
@@ -518,7 +560,7 @@ static int on_auth(ferry_link *l) {
   if (status == 0 && l->rx_stage_pos < l->rx_stage_len)
     status = fr_err(FERRY_EPROTO, "'%s' sent frames before the link was open", l->peer);
   if (status != 0) {
-    fr_warn("refusing link from '%s': %s", l->peer, ferry_last_error());
+    fr_warn_limited("refusing link from '%s': %s", l->peer, ferry_last_error());
     send_status(l, FR_AUTH_ACK, 0, status);
     return status;
   }
@@ -558,6 +600,43 @@ static int on_read_request(ferry_link *l) {
   struct iovec iov = {reg->data + r.offset, r.length};
   rc = fr_link_send_frame(l, &f, &iov, 1, -1, fr_deadline_ns(l->ctx->timeout_ms));
   fr_region_release(reg);
+  return rc;
+}
+
+/* A READV: its runs, one after another, in one READ_RESP. */
+static int on_readv_request(ferry_link *l, const uint8_t *body, size_t len) {
+  fr_readv h;
+  fr_rma_run *runs = malloc(FR_READV_MAX_RUNS * sizeof *runs);
+  if (!runs)
+    return fr_err(FERRY_ENOMEM, "readv request");
+  int rc = fr_readv_decode(body, len, &h, runs);
+  if (rc != 0) {
+    free(runs);
+    return rc;
+  }
+  fr_region *reg = NULL;
+  int status = h.total > l->ctx->max_payload
+                   ? fr_err(FERRY_ERANGE, "readv of %llu bytes exceeds FERRY_MAX_MESSAGE",
+                            (unsigned long long)h.total)
+                   : fr_region_acquire(&l->ctx->regions, h.region, h.key, h.lo, h.hi - h.lo, &reg);
+  fr_frame f = {.type = FR_READ_RESP, .req_id = l->rx_frame.req_id, .status = status};
+  if (status != 0) {
+    free(runs);
+    fr_debug("refused readv from '%s': %s", l->peer, ferry_last_error());
+    return fr_link_send_frame(l, &f, NULL, 0, -1, fr_deadline_ns(l->ctx->timeout_ms));
+  }
+  if (h.total > FR_INLINE_RESPONSE_MAX) {
+    fr_link_ref(l);
+    fr_ctx_serve_later_v(l->ctx, l, l->rx_frame.req_id, reg, runs, h.count, h.total);
+    return 0;
+  }
+  struct iovec iov[FR_READV_MAX_RUNS];
+  for (uint32_t i = 0; i < h.count; i++)
+    iov[i] = (struct iovec){reg->data + runs[i].offset, runs[i].length};
+  f.len = h.total;
+  rc = fr_link_send_frame(l, &f, iov, (int)h.count, -1, fr_deadline_ns(l->ctx->timeout_ms));
+  fr_region_release(reg);
+  free(runs);
   return rc;
 }
 
@@ -683,6 +762,15 @@ static int frame_begin(ferry_link *l) {
   }
   case FR_REPLY:
     return reply_begin(l);
+  case FR_READV: { /* its body may exceed rx_body: it lands in a message buffer */
+    ferry_msg *m = fr_msg_alloc(f->len);
+    if (!m)
+      return fr_err(FERRY_ENOMEM, "readv request of %llu bytes", (unsigned long long)f->len);
+    m->link = NULL;
+    l->rx_msg = m;
+    rx_payload(l, m->data, f->len);
+    return 0;
+  }
   case FR_READ_RESP: {
     pthread_mutex_lock(&l->lock);
     fr_pending *p = pending_find_locked(l, f->req_id);
@@ -785,6 +873,11 @@ static int payload_done(ferry_link *l) {
     pthread_mutex_unlock(&l->lock);
     l->rx_req = NULL;
     complete(l, 0, 0, -1);
+  } else if (f->type == FR_READV) {
+    ferry_msg *m = l->rx_msg;
+    l->rx_msg = NULL;
+    rc = on_readv_request(l, m->data, m->len);
+    ferry_msg_free(m);
   } else if (f->type == FR_READ_RESP && l->rx_req) {
     l->rx_req = NULL;
     complete(l, 0, 0, -1);
@@ -897,7 +990,7 @@ static int rx_drain(ferry_link *l) {
  * event batch. */
 static void link_retire(ferry_link *l, int status, const char *why) {
   if (status == FERRY_EPROTO)
-    fr_warn("link %s '%s': closing after a bad frame: %s", l->ops->name, l->peer, why);
+    fr_warn_limited("link %s '%s': closing after a bad frame: %s", l->ops->name, l->peer, why);
   fr_link_fail(l, status, why);
   pthread_mutex_lock(&l->lock);
   if (l->rx_req) {
@@ -979,7 +1072,7 @@ void fr_link_reap_stale(ferry_ctx *ctx) {
   for (ferry_link *l = ctx->links; l; l = l->next) {
     int state = link_state(l);
     if (state != FR_LINK_OPEN && state != FR_LINK_DEAD && now - l->created_ns > limit) {
-      fr_warn("dropping a link from '%s' that did not finish its handshake", l->peer);
+      fr_warn_limited("dropping a link from '%s' that did not finish its handshake", l->peer);
       shutdown(l->poller.fd, SHUT_RDWR);
     }
   }

@@ -2,11 +2,13 @@
  * The metrics HTTP server (libmicrohttpd, one internal thread: a scrape is a snapshot and a
  * write, no request blocks): GET /metrics gives the Prometheus text of a ctx and the process,
  * /healthz says the process answers, /readyz runs the ctx's readiness checks (its jobs' directory
- * leases held; a ctx with no directory is ready). A ctx opened with FERRY_METRICS_LISTEN starts
- * one; `ferry serve --http` starts one for its node. It binds loopback unless told otherwise, and
- * an address other hosts can reach needs a fleet token (FERRY_TOKEN), the rule of tcp listeners
- * (docs/SECURITY.md): the metrics are read-only and need no token to be read, but they name
- * nodes, topics and receivers, which belong to a fleet that has decided to be reachable.
+ * leases held; a ctx with no directory is ready); a caller may add routes of its own
+ * (fr_metrics_route: ferry serve's status page at / and /v1/fleet). A ctx opened with
+ * FERRY_METRICS_LISTEN starts one; `ferry serve --http` starts one for its node. It binds loopback
+ * unless told otherwise, and an address other hosts can reach needs a fleet token (FERRY_TOKEN),
+ * the rule of tcp listeners (docs/SECURITY.md): the metrics are read-only and need no token to be
+ * read, but they name nodes, topics and receivers, which belong to a fleet that has decided to be
+ * reachable.
  */
 #include "transport/transport.h"
 
@@ -14,6 +16,7 @@
 #include <microhttpd.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,10 +24,19 @@
 #define CONNECTIONS_MAX 64u
 #define IDLE_S 10u
 
+#define ROUTES_MAX 4
+
 struct ferry_metrics_server {
   ferry_ctx *ctx;
   struct MHD_Daemon *d;
   char address[300];
+  pthread_mutex_t lock; /* routes: added while requests are answered */
+  size_t nroutes;
+  struct route {
+    char path[64];
+    fr_http_route_fn fn;
+    void *arg;
+  } routes[ROUTES_MAX];
 };
 
 static enum MHD_Result respond(struct MHD_Connection *conn, unsigned code, const char *type,
@@ -42,6 +54,41 @@ static enum MHD_Result respond(struct MHD_Connection *conn, unsigned code, const
 static enum MHD_Result text(struct MHD_Connection *conn, unsigned code, const char *msg) {
   return respond(conn, code, "text/plain; charset=utf-8", (char *)msg, strlen(msg),
                  MHD_RESPMEM_MUST_COPY);
+}
+
+int fr_metrics_route(ferry_metrics_server *s, const char *path, fr_http_route_fn fn, void *arg) {
+  if (!s || !path || !fn || strlen(path) >= sizeof s->routes[0].path)
+    return fr_err(FERRY_EINVAL, "metrics: bad route");
+  pthread_mutex_lock(&s->lock);
+  int rc = s->nroutes < ROUTES_MAX ? 0 : fr_err(FERRY_ERANGE, "metrics: too many routes");
+  if (rc == 0) {
+    struct route *r = &s->routes[s->nroutes++];
+    snprintf(r->path, sizeof r->path, "%s", path);
+    r->fn = fn, r->arg = arg;
+  }
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+/* A route the caller added (ferry serve's status page and /v1/fleet): false when none matches. */
+static bool routed(ferry_metrics_server *s, struct MHD_Connection *conn, const char *url,
+                   enum MHD_Result *ret) {
+  fr_http_route_fn fn = NULL;
+  void *arg = NULL;
+  pthread_mutex_lock(&s->lock);
+  for (size_t i = 0; i < s->nroutes && !fn; i++)
+    if (strcmp(s->routes[i].path, url) == 0)
+      fn = s->routes[i].fn, arg = s->routes[i].arg;
+  pthread_mutex_unlock(&s->lock);
+  if (!fn)
+    return false;
+  char *body = NULL;
+  size_t len = 0;
+  const char *type = "text/plain; charset=utf-8";
+  unsigned code = fn(arg, &body, &len, &type);
+  *ret = body ? respond(conn, code, type, body, len, MHD_RESPMEM_MUST_FREE)
+              : text(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "out of memory\n");
+  return true;
 }
 
 static enum MHD_Result metrics(ferry_metrics_server *s, struct MHD_Connection *conn) {
@@ -79,6 +126,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     return text(conn, MHD_HTTP_OK, "ok\n");
   if (strcmp(url, "/readyz") == 0)
     return ready(cls, conn);
+  enum MHD_Result ret;
+  if (routed(cls, conn, url, &ret))
+    return ret;
   return text(conn, MHD_HTTP_NOT_FOUND, "no such path: try /metrics, /healthz or /readyz\n");
 }
 
@@ -116,7 +166,8 @@ int ferry_metrics_serve(ferry_ctx *ctx, const char *listen, ferry_metrics_server
     return fr_err(FERRY_ENOMEM, "ferry_metrics_serve");
   }
   s->ctx = ctx;
-  unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_AUTO;
+  pthread_mutex_init(&s->lock, NULL);
+  unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_AUTO;
   if (ai->ai_family == AF_INET6)
     flags |= MHD_USE_IPv6;
   s->d = MHD_start_daemon(flags, 0, NULL, NULL, on_request, s, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
@@ -130,6 +181,7 @@ int ferry_metrics_serve(ferry_ctx *ctx, const char *listen, ferry_metrics_server
             host, sizeof host);
   freeaddrinfo(ai);
   if (!s->d) {
+    pthread_mutex_destroy(&s->lock);
     free(s);
     return fr_err(FERRY_ESYS, "metrics: cannot listen on %s", listen);
   }
@@ -149,5 +201,6 @@ void ferry_metrics_server_close(ferry_metrics_server *s) {
   if (!s)
     return;
   MHD_stop_daemon(s->d);
+  pthread_mutex_destroy(&s->lock);
   free(s);
 }

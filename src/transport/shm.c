@@ -256,6 +256,26 @@ static int shm_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, void
   return after_copy(l, r, m);
 }
 
+/* One memcpy per run from the peer's mapped pages (registered memory: READV requests). */
+static int shm_readv(ferry_link *l, const ferry_region_ref *r, const ferry_read_run *runs, size_t n,
+                     void *dst, int timeout_ms) {
+  uint64_t lo = UINT64_MAX, hi = 0;
+  for (size_t i = 0; i < n; i++) {
+    lo = runs[i].offset < lo ? runs[i].offset : lo;
+    hi = runs[i].offset + runs[i].len > hi ? runs[i].offset + runs[i].len : hi;
+  }
+  shm_map *m = NULL;
+  int rc = mapped_access(l, r, lo, hi - lo, timeout_ms, &m);
+  if (rc != 0)
+    return rc;
+  if (m->stream_only)
+    return fr_link_rma_readv(l, r, runs, n, dst, timeout_ms);
+  uint8_t *at = dst;
+  for (size_t i = 0; i < n; at += runs[i++].len)
+    memcpy(at, m->base + FR_SHM_HEADER_BYTES + runs[i].offset, runs[i].len);
+  return after_copy(l, r, m);
+}
+
 static int shm_write(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
                      size_t len, int timeout_ms) {
   shm_map *m = NULL;
@@ -523,6 +543,7 @@ const fr_transport_ops fr_shm_transport = {
     .opened = shm_opened,
     .fetch_fd = shm_fetch_fd,
     .read = shm_read,
+    .readv = shm_readv,
     .write = shm_write,
     .view = shm_view,
     .view_valid = shm_view_valid,

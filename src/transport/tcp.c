@@ -211,5 +211,6 @@ const fr_transport_ops fr_tcp_transport = {
     .any_thread_events = true,
     .edge_triggered = true,
     .read = fr_link_rma_read,
+    .readv = fr_link_rma_readv,
     .write = fr_link_rma_write,
 };

@@ -71,6 +71,10 @@ typedef struct fr_transport_ops {
    * not have a faster path. */
   int (*read)(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst, size_t len,
               int timeout_ms);
+  /* Optional. Reads runs one after another into dst in as few round trips as the transport
+   * allows (ferry_readv; without it, one read per run). */
+  int (*readv)(ferry_link *l, const ferry_region_ref *r, const ferry_read_run *runs, size_t n,
+               void *dst, int timeout_ms);
   int (*write)(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src, size_t len,
                int timeout_ms);
   int (*view)(ferry_link *l, const ferry_region_ref *r, uint64_t off, size_t len, const void **out);
@@ -315,6 +319,10 @@ int fr_link_rma_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, voi
                      int timeout_ms);
 int fr_link_rma_write(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
                       size_t len, int timeout_ms);
+/* READV requests of up to FR_READV_MAX_RUNS runs each, all sent before the first answer is
+ * awaited. */
+int fr_link_rma_readv(ferry_link *l, const ferry_region_ref *r, const ferry_read_run *runs,
+                      size_t n, void *dst, int timeout_ms);
 /* Sends a CALL and waits for its REPLY (a message owned by the caller). */
 int fr_link_call(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
                  ferry_msg **reply, int timeout_ms);
@@ -345,6 +353,18 @@ int fr_link_take_fd(ferry_link *l);
 /* Fails every handshake older than the timeout (called by the progress thread). */
 void fr_link_reap_stale(ferry_ctx *ctx);
 
+/* peerstats.c: the metrics of the ctx at the other end of link, as the Prometheus text its
+ * /metrics would serve; *text is malloc'd and NUL-terminated. FERRY_ETIMEDOUT / FERRY_EPEER when
+ * the node does not answer. */
+int fr_stats_call(ferry_link *link, int timeout_ms, char **text);
+
+/* metrics_http.c: a route added to a metrics server beside /metrics, /healthz and /readyz (ferry
+ * serve's status page and /v1/fleet). fn runs on the server's thread for a GET of exactly
+ * `path`: it sets *body (malloc'd; NULL: out of memory), *len and *type (a static string) and
+ * returns the HTTP status. */
+typedef unsigned (*fr_http_route_fn)(void *arg, char **body, size_t *len, const char **type);
+int fr_metrics_route(ferry_metrics_server *s, const char *path, fr_http_route_fn fn, void *arg);
+
 /* the context: ctx.c, leader.c, chanq.c, spin.c, server.c, accept.c, msgcache.c */
 void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg);
 /* Drops the ctx's reference to a retired link once the current event batch is done. */
@@ -352,6 +372,9 @@ void fr_ctx_bury(ferry_ctx *ctx, ferry_link *l);
 /* Queues a large read response for the server thread (takes the refs it is given). */
 void fr_ctx_serve_later(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_region *r, uint64_t off,
                         uint64_t len);
+/* The same for a READV: its runs (taken, freed after) one after another, `total` bytes. */
+void fr_ctx_serve_later_v(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_region *r,
+                          fr_rma_run *runs, uint32_t nruns, uint64_t total);
 /* Spins up to ctx->spin_us for *flag, driving `link` (if pollable) meanwhile; returns whether
  * the flag became true. */
 bool fr_spin_until(ferry_link *link, const bool *flag, int spin_us);

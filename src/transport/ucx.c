@@ -1526,6 +1526,66 @@ static int ucx_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, void
   return rc;
 }
 
+/* A vectored read by RMA: every get issued before any is waited for, then the region's state
+ * word after them, as rma_locked does for one. */
+static int gets_locked(ucx_link *u, const ucx_remote *rem, const ferry_read_run *runs, size_t n,
+                       uint8_t *dst, uint64_t deadline_ns) {
+  int rc = ep_check(u);
+  ucx_op *ops = rc == 0 ? calloc(n + 1, sizeof *ops) : NULL;
+  if (rc != 0 || !ops)
+    return rc ? rc : fr_err(FERRY_ENOMEM, "ucx readv of %zu runs", n);
+  uint32_t state = 0;
+  for (size_t i = 0; i < n; dst += runs[i++].len) {
+    ucp_request_param_t p = op_param(&ops[i]);
+    op_issued(&ops[i],
+              ucp_get_nbx(u->ep, dst, runs[i].len, rem->base + FR_SHM_HEADER_BYTES + runs[i].offset,
+                          rem->rkey, &p));
+  }
+  ucp_request_param_t ps = op_param(&ops[n]);
+  op_issued(&ops[n], ucp_get_nbx(u->ep, &state, sizeof state,
+                                 rem->base + offsetof(fr_shm_header, state), rem->rkey, &ps));
+  for (size_t i = 0; i <= n; i++) { /* all of them: none may outlive this frame */
+    int w = rc == 0 ? wait_locked(u, &ops[i].done, deadline_ns) : 0;
+    settle_locked(u, &ops[i].done);
+    rc = rc ? rc : w;
+  }
+  for (size_t i = 0; i <= n && rc == 0; i++)
+    if (ops[i].status != UCS_OK)
+      rc = ucs_err(FERRY_EPEER, ops[i].status, "get", u->link);
+  free(ops);
+  return rc ? rc : state_check(u, rem, __atomic_load_n(&state, __ATOMIC_ACQUIRE));
+}
+
+/* Runs of one region: mapped here, one memcpy each; by RMA, all gets in flight at once; else one
+ * read request per run. */
+static int ucx_readv(ferry_link *l, const ferry_region_ref *r, const ferry_read_run *runs, size_t n,
+                     void *dst, int timeout_ms) {
+  ucx_link *u = ucx_of(l);
+  int rc = u ? check_memory(u, dst, "read") : fr_err(FERRY_EPEER, "ucx link is not open");
+  if (rc != 0)
+    return rc;
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  pthread_mutex_lock(&u->lock);
+  ucx_remote *rem = NULL;
+  if ((rc = wait_ready_locked(u, deadline)) == 0 && (u->use_get || u->try_ptr))
+    rc = remote_for(u, r, deadline, &rem);
+  int mode = access_mode(u, rem);
+  for (size_t i = 0; rc == 0 && mode != BY_REQUEST && i < n; i++)
+    if (!fr_range_ok(runs[i].offset, runs[i].len, rem->size))
+      rc = fr_err(FERRY_ERANGE, "region %llu of '%s': bytes [%llu, +%llu) outside its %llu bytes",
+                  (unsigned long long)r->id, l->peer, (unsigned long long)runs[i].offset,
+                  (unsigned long long)runs[i].len, (unsigned long long)rem->size);
+  uint8_t *at = dst;
+  if (rc == 0 && mode == BY_RMA)
+    rc = gets_locked(u, rem, runs, n, at, deadline);
+  else
+    for (size_t i = 0; rc == 0 && i < n; at += runs[i++].len)
+      rc = mode == BY_PTR ? ptr_copy_locked(u, rem, runs[i].offset, at, runs[i].len, false)
+                          : am_read_locked(u, r, runs[i].offset, at, runs[i].len, deadline);
+  pthread_mutex_unlock(&u->lock);
+  return rc;
+}
+
 static int ucx_write(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
                      size_t len, int timeout_ms) {
   ucx_link *u = ucx_of(l);
@@ -1634,6 +1694,7 @@ const fr_transport_ops fr_ucx_transport = {
     .accept_offer = ucx_accept_offer,
     .opened = ucx_opened,
     .read = ucx_read,
+    .readv = ucx_readv,
     .write = ucx_write,
     .link_fini = ucx_link_fini,
     .retire = ucx_retire,

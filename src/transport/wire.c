@@ -40,6 +40,11 @@ static int check_length(const fr_frame *f, uint64_t max_payload) {
   case FR_READ:
     exact = FR_RMA_BYTES;
     break;
+  case FR_READV:
+    if (f->len < FR_READV_HEAD_BYTES + FR_READV_RUN_BYTES)
+      return fr_err(FERRY_EPROTO, "frame READV: %llu bytes, no run", (unsigned long long)f->len);
+    max = FR_READV_HEAD_BYTES + FR_READV_RUN_BYTES * FR_READV_MAX_RUNS;
+    break;
   case FR_MAP:
     exact = FR_MAP_BYTES;
     break;
@@ -175,6 +180,41 @@ int fr_rma_decode(const uint8_t *in, size_t len, fr_rma *out) {
     return fr_err(FERRY_EPROTO, "rma request: offset %llu + length %llu overflows",
                   (unsigned long long)r.offset, (unsigned long long)r.length);
   *out = r;
+  return 0;
+}
+
+void fr_readv_encode_head(uint64_t region, uint64_t key, uint32_t count,
+                          uint8_t out[FR_READV_HEAD_BYTES]) {
+  fr_put_u64(out, region);
+  fr_put_u64(out + 8, key);
+  fr_put_u32(out + 16, count);
+  fr_put_u32(out + 20, 0);
+}
+
+void fr_readv_encode_run(const fr_rma_run *run, uint8_t out[FR_READV_RUN_BYTES]) {
+  fr_put_u64(out, run->offset);
+  fr_put_u64(out + 8, run->length);
+}
+
+int fr_readv_decode(const uint8_t *in, size_t len, fr_readv *head, fr_rma_run *runs) {
+  if (len < FR_READV_HEAD_BYTES)
+    return fr_err(FERRY_EPROTO, "readv request: %zu bytes", len);
+  fr_readv h = {.region = fr_get_u64(in), .key = fr_get_u64(in + 8), .count = fr_get_u32(in + 16)};
+  if (fr_get_u32(in + 20) != 0 || h.count == 0 || h.count > FR_READV_MAX_RUNS ||
+      len != FR_READV_HEAD_BYTES + (size_t)h.count * FR_READV_RUN_BYTES)
+    return fr_err(FERRY_EPROTO, "readv request: %u runs in %zu bytes", h.count, len);
+  h.lo = UINT64_MAX;
+  for (uint32_t i = 0; i < h.count; i++) {
+    const uint8_t *p = in + FR_READV_HEAD_BYTES + (size_t)i * FR_READV_RUN_BYTES;
+    fr_rma_run r = {fr_get_u64(p), fr_get_u64(p + 8)};
+    if (r.length == 0 || r.offset + r.length < r.offset || h.total + r.length < h.total)
+      return fr_err(FERRY_EPROTO, "readv request: run %u is empty or overflows", i);
+    h.total += r.length;
+    h.lo = r.offset < h.lo ? r.offset : h.lo;
+    h.hi = r.offset + r.length > h.hi ? r.offset + r.length : h.hi;
+    runs[i] = r;
+  }
+  *head = h;
   return 0;
 }
 

@@ -42,7 +42,9 @@ typedef enum fr_frame_type {
   FR_MAP_RESP = 11, /* fr_map_resp (+ the memfd), or an error status */
   FR_CALL = 12,     /* a message on a channel that wants a REPLY with its request id */
   FR_REPLY = 13,    /* the answer to a CALL: payload, or an error status and no payload */
-  FR_FRAME_TYPE_MAX = 13,
+  FR_READV = 14,    /* fr_readv request: send me these runs of your region, one after another
+                       (answered by READ_RESP with their bytes concatenated) */
+  FR_FRAME_TYPE_MAX = 14,
 } fr_frame_type;
 
 typedef struct fr_frame {
@@ -78,6 +80,21 @@ typedef struct fr_rma {
 } fr_rma;
 #define FR_RMA_BYTES 32
 
+/* READV body: region, key, run count (u32, then 4 zero bytes), then each run's offset and
+ * length (u64 each). */
+typedef struct fr_readv {
+  uint64_t region, key;
+  uint32_t count;
+  uint64_t total;  /* bytes of all runs */
+  uint64_t lo, hi; /* the span the runs lie in */
+} fr_readv;
+typedef struct fr_rma_run {
+  uint64_t offset, length;
+} fr_rma_run;
+#define FR_READV_HEAD_BYTES 24
+#define FR_READV_RUN_BYTES 16
+#define FR_READV_MAX_RUNS 256
+
 typedef struct fr_map {
   uint64_t region, key;
 } fr_map;
@@ -99,6 +116,12 @@ void fr_auth_encode(const fr_auth *a, uint8_t out[FR_AUTH_BYTES]);
 int fr_auth_decode(const uint8_t *in, size_t len, fr_auth *out);
 void fr_rma_encode(const fr_rma *r, uint8_t out[FR_RMA_BYTES]);
 int fr_rma_decode(const uint8_t *in, size_t len, fr_rma *out);
+void fr_readv_encode_head(uint64_t region, uint64_t key, uint32_t count,
+                          uint8_t out[FR_READV_HEAD_BYTES]);
+void fr_readv_encode_run(const fr_rma_run *run, uint8_t out[FR_READV_RUN_BYTES]);
+/* Decodes a READV body into *head and runs[0, head->count) (room for FR_READV_MAX_RUNS): every
+ * run non-empty, no offset + length overflows, the total neither. */
+int fr_readv_decode(const uint8_t *in, size_t len, fr_readv *head, fr_rma_run *runs);
 void fr_map_encode(const fr_map *m, uint8_t out[FR_MAP_BYTES]);
 int fr_map_decode(const uint8_t *in, size_t len, fr_map *out);
 

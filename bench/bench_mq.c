@@ -377,6 +377,7 @@ typedef struct plan {
   uint64_t lat[8], tput[8];
   int nlat, ntput;
   bench_samples lat_s[NIMPLS][8], tput_s[NIMPLS][8]; /* seconds: one way; per message */
+  bench_samples paced_s[NIMPLS][8];                  /* one way, pings --pace ms apart */
   bench_samples memcpy_s[8]; /* the reference, taking turns with ferry/shm's streams */
 } plan;
 
@@ -402,6 +403,26 @@ static int latency(const bench_opts *o, const impl *im, ep *e, uint64_t size, be
   }
   if (rc != 0)
     fprintf(stderr, "ferry bench mq: %s: ping-pong of %llu bytes failed\n", im->name,
+            (unsigned long long)size);
+  free(msg);
+  return rc;
+}
+
+/* The paced pings of a latency row (bench.h): bench_paced_samples() up to 16 KiB, a quarter of
+ * that from 256 KiB (as the back-to-back rows take a tenth), so the mode keeps to its budget. */
+static int paced(const bench_opts *o, const impl *im, ep *e, uint64_t size, bench_samples *b) {
+  uint8_t *msg = calloc(1, size);
+  int rc = msg ? 0 : -1;
+  bench_until u = bench_until_paced(o);
+  if (size > 16384 && u.reps > 4)
+    u.reps = u.least = u.reps / 4;
+  while (rc == 0 && !bench_done(&u, b->n)) {
+    double t = bench_now();
+    rc = ping(e, msg, size);
+    bench_add(b, (bench_now() - t) / 2);
+  }
+  if (rc != 0)
+    fprintf(stderr, "ferry bench mq: %s: paced ping-pong of %llu bytes failed\n", im->name,
             (unsigned long long)size);
   free(msg);
   return rc;
@@ -548,8 +569,11 @@ static int run_impl(const bench_opts *o, size_t k, plan *p, bool do_lat) {
     close(fd);
   if (rc == 0 && (rc = im->client_open(&e, addr)) != 0)
     fprintf(stderr, "ferry bench mq: %s: cannot connect to %s\n", im->name, addr);
-  for (int i = 0; rc == 0 && do_lat && !im->loan && i < p->nlat; i++)
+  for (int i = 0; rc == 0 && do_lat && !im->loan && i < p->nlat; i++) {
     rc = latency(o, im, &e, p->lat[i], &p->lat_s[k][i]);
+    if (rc == 0)
+      rc = paced(o, im, &e, p->lat[i], &p->paced_s[k][i]);
+  }
   for (int i = 0; rc == 0 && !do_lat && i < p->ntput; i++)
     if (!im->loan || p->tput[i] >= LOAN_MIN)
       rc = throughput(
@@ -596,6 +620,12 @@ static void print_latency(const bench_opts *o, plan *p) {
         bench_free(&one);
       }
     }
+  for (int j = 0; j < p->nlat; j++) {
+    snprintf(cs, sizeof cs, "lat-%s", bench_size_name(p->lat[j], sz, sizeof sz));
+    for (size_t k = 0; k < NIMPLS; k++)
+      bench_paced_row(o, "mq", cs, impls[k].name, p->lat[j], &p->paced_s[k][j],
+                      bench_median(&p->lat_s[k][j]));
+  }
 }
 
 static void print_throughput(const bench_opts *o, plan *p) {
@@ -615,7 +645,7 @@ static void print_throughput(const bench_opts *o, plan *p) {
 
 static const char mq_usage[] =
     "usage: ferry bench mq [--json] [--reps N] [--max-size BYTES] [--min-size BYTES]\n"
-    "                      [--only IMPL] [--pass lat|stream] [--full]\n\n"
+    "                      [--only IMPL] [--pass lat|stream] [--full] [--pace MS]\n\n"
     "Messages between two processes: ferry's mq over shm and tcp against nng pair1 and ZeroMQ\n"
     "PAIR over ipc and tcp. Ping-pong latency, 64 B..1 MiB (lat-p50 and lat-p99 cases: one\n"
     "way = round trip / 2); streaming throughput at the receiver after a warm-up, 64 B..64 MiB\n"
@@ -630,7 +660,10 @@ static const char mq_usage[] =
     "(at least 1,000), from 256 KiB 500; streams 5 runs (3 from 16 MiB) or 1 s (at least\n"
     "one), a slow implementation's small-message streams ~0.2 s long (at least 1,024\n"
     "messages). --full (or --reps N) takes the fixed counts: 5,000/500 pings, 5/3 streams\n"
-    "of 128 MiB worth (5..100,000 messages).\n";
+    "of 128 MiB worth (5..100,000 messages).\n"
+    "Paced latency (lat cases): each latency row's ping-pong again, each ping after a pause\n"
+    "of --pace MS (default 10; 0: none), 100 pings up to 16 KiB and 25 from 256 KiB (--full:\n"
+    "1,000 and 250): p50, p99 and paced p50 / back-to-back p50.\n";
 
 int bench_mq(int argc, char **argv) {
   if (argc == 4 && strcmp(argv[1], "--serve") == 0) {
@@ -657,7 +690,7 @@ int bench_mq(int argc, char **argv) {
   static plan p;
   for (size_t k = 0; k < NIMPLS; k++)
     for (int j = 0; j < 8; j++)
-      bench_reset(&p.lat_s[k][j]), bench_reset(&p.tput_s[k][j]);
+      bench_reset(&p.lat_s[k][j]), bench_reset(&p.tput_s[k][j]), bench_reset(&p.paced_s[k][j]);
   for (int j = 0; j < 8; j++)
     bench_reset(&p.memcpy_s[j]);
   p.nlat = p.ntput = 0;
@@ -693,7 +726,7 @@ int bench_mq(int argc, char **argv) {
   }
   for (size_t k = 0; k < NIMPLS; k++)
     for (int j = 0; j < 8; j++)
-      bench_free(&p.lat_s[k][j]), bench_free(&p.tput_s[k][j]);
+      bench_free(&p.lat_s[k][j]), bench_free(&p.tput_s[k][j]), bench_free(&p.paced_s[k][j]);
   for (int j = 0; j < 8; j++)
     bench_free(&p.memcpy_s[j]);
   return rc == 0 ? CLI_OK : CLI_FAIL;

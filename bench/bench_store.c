@@ -10,7 +10,7 @@
  * SET/GET, and over tcp between two network namespaces a plain socket stream. Per-request
  * medians, then each target of the issue with its measured ratio.
  */
-#include "cli/bench_store.h"
+#include "bench_store.h"
 #include "cli/cli.h"
 #include "ferry.h"
 
@@ -120,7 +120,15 @@ typedef struct producer {
   ferry_store *s;
   ferry_ctx *ctx;
   int requests, to_consumer, from_consumer;
+  int pace_ms; /* > 0: the paced run: each timed put after a pause this long */
 } producer;
+
+/* The paced run's pause before a timed call; the consumer's gets follow the producer's puts, so
+ * they are as far apart. */
+static void pace(const producer *p) {
+  bench_opts o = {.pace_ms = p->pace_ms};
+  bench_pace(&o);
+}
 
 static int send_time(producer *p, double t0) {
   double dt = bench_now() - t0;
@@ -152,12 +160,14 @@ static int produce_routing(producer *p) {
     }
     memset(req, i + 1, BS_ROUTING_BYTES); /* the engine writes its routing here */
     snprintf(key, sizeof key, "routing/%d", i);
+    pace(p);
     double t = bench_now();
     rc = ferry_store_put(p->s, key, &d, req, 0, -1);
     rc = rc ? rc : send_time(p, t);
     rc = rc ? rc : wait_ack(p);
   }
   for (int i = 0; rc == 0 && i < p->requests; i++) { /* the same bytes, copied into the pool */
+    pace(p);
     double t = bench_now();
     rc = ferry_store_put(p->s, "routing-copy", &d, mem + (size_t)(i % RING) * BS_ROUTING_BYTES,
                          FERRY_STORE_PUT_COPY, -1);
@@ -184,6 +194,7 @@ static int produce_layers(producer *p) {
       items[l] = (ferry_store_put_item){
           .key = keys[l], .desc = &d, .data = mem + (size_t)l * BS_LAYER_BYTES};
     }
+    pace(p);
     double t = bench_now(); /* the 45 keys of a request: one batch put, one round trip */
     rc = ferry_store_put_batch(p->s, items, BS_LAYERS, 0, -1);
     rc = rc ? rc : send_time(p, t);
@@ -205,6 +216,7 @@ static int produce_big(producer *p) {
   ferry_tensor_desc d = {.dtype = FERRY_DTYPE_U8, .ndim = 1, .shape = {BIG_BYTES}};
   int rc = 0;
   for (int i = 0; rc == 0 && i < BIG_REPS; i++) {
+    pace(p);
     double t = bench_now();
     rc = ferry_store_put(p->s, "big", &d, mem, 0, -1);
     rc = rc ? rc : send_time(p, t);
@@ -214,8 +226,12 @@ static int produce_big(producer *p) {
   return rc;
 }
 
-static int producer_main(const char *url, int requests, int to_consumer, int from_consumer) {
-  producer p = {.requests = requests, .to_consumer = to_consumer, .from_consumer = from_consumer};
+static int producer_main(const char *url, int requests, int pace_ms, int to_consumer,
+                         int from_consumer) {
+  producer p = {.requests = requests,
+                .to_consumer = to_consumer,
+                .from_consumer = from_consumer,
+                .pace_ms = pace_ms};
   p.s = open_node("bench-producer", NULL, url, 0, 2 * BS_ROUTING_BYTES + (1 << 20), &p.ctx);
   int rc = p.s ? 0 : 1;
   if (rc == 0 && (rc = produce_routing(&p)) == 0 && (rc = produce_layers(&p)) == 0)
@@ -235,7 +251,16 @@ typedef struct consumer {
   int requests, from_producer, to_producer;
   uint8_t *dst, *src; /* BS_LAYERS * BS_LAYER_BYTES each: warm buffers */
   bs_report *r;
+  char suffix[16]; /* of its series' impl names: "" back to back, "@10ms" in the paced run */
 } consumer;
+
+/* A series of this run: impl with the run's suffix. */
+static bs_series *series(consumer *c, const char *case_name, const char *impl, uint64_t bytes,
+                         bool baseline) {
+  char name[32];
+  snprintf(name, sizeof name, "%s%s", impl, c->suffix);
+  return bs_add(c->r, case_name, name, bytes, baseline);
+}
 
 static int take_time(consumer *c, bs_series *s) {
   double dt;
@@ -297,12 +322,12 @@ static int routing_view(consumer *c, const char *key, int i, bs_series *s, bs_se
  * copied out with a plain memcpy ("memcpy(view)"): the first read of the producer's bytes, as
  * "ferry"'s is, so the two compare a get with the memcpy of the same bytes where they lie. */
 static int consume_routing(consumer *c) {
-  bs_series *put = bs_add(c->r, "routing/put", "ferry(in place)", BS_ROUTING_BYTES, false);
-  bs_series *get = bs_add(c->r, "routing/get", "ferry", BS_ROUTING_BYTES, false);
-  bs_series *view = bs_add(c->r, "routing/get", "ferry(view)", BS_ROUTING_BYTES, false);
-  bs_series *cached = bs_add(c->r, "routing/get", "view(cached)", BS_ROUTING_BYTES, false);
-  bs_series *get_after = bs_add(c->r, "routing/get", "ferry(cached)", BS_ROUTING_BYTES, false);
-  bs_series *copy = bs_add(c->r, "routing/get", "memcpy(view)", BS_ROUTING_BYTES, false);
+  bs_series *put = series(c, "routing/put", "ferry(in place)", BS_ROUTING_BYTES, false);
+  bs_series *get = series(c, "routing/get", "ferry", BS_ROUTING_BYTES, false);
+  bs_series *view = series(c, "routing/get", "ferry(view)", BS_ROUTING_BYTES, false);
+  bs_series *cached = series(c, "routing/get", "view(cached)", BS_ROUTING_BYTES, false);
+  bs_series *get_after = series(c, "routing/get", "ferry(cached)", BS_ROUTING_BYTES, false);
+  bs_series *copy = series(c, "routing/get", "memcpy(view)", BS_ROUTING_BYTES, false);
   int rc = 0;
   for (int i = 0; rc == 0 && i < c->requests; i++) {
     if ((rc = take_time(c, put)) != 0)
@@ -320,15 +345,15 @@ static int consume_routing(consumer *c) {
     }
     bench_write_all(c->to_producer, "A", 1);
   }
-  bs_series *copied_put = bs_add(c->r, "routing/put", "ferry(copy)", BS_ROUTING_BYTES, false);
+  bs_series *copied_put = series(c, "routing/put", "ferry(copy)", BS_ROUTING_BYTES, false);
   for (int i = 0; rc == 0 && i < c->requests; i++)
     rc = take_time(c, copied_put);
   return rc;
 }
 
 static int consume_layers(consumer *c) {
-  bs_series *put = bs_add(c->r, "layers/put", "ferry(batch)", BS_LAYERS * BS_LAYER_BYTES, false);
-  bs_series *get = bs_add(c->r, "layers/get", "ferry(batch)", BS_LAYERS * BS_LAYER_BYTES, false);
+  bs_series *put = series(c, "layers/put", "ferry(batch)", BS_LAYERS * BS_LAYER_BYTES, false);
+  bs_series *get = series(c, "layers/get", "ferry(batch)", BS_LAYERS * BS_LAYER_BYTES, false);
   ferry_store_item items[BS_LAYERS];
   char keys[BS_LAYERS][48];
   int rc = 0;
@@ -349,7 +374,7 @@ static int consume_layers(consumer *c) {
 }
 
 static int consume_big(consumer *c) {
-  bs_series *put = bs_add(c->r, "put-256MiB", "ferry(in place)", BIG_BYTES, true);
+  bs_series *put = series(c, "put-256MiB", "ferry(in place)", BIG_BYTES, !*c->suffix);
   int rc = 0;
   for (int i = 0; rc == 0 && i < BIG_REPS; i++)
     rc = take_time(c, put);
@@ -365,10 +390,11 @@ static int run_consumer(consumer *c, const char *url) {
   c->src = malloc(BS_LAYERS * BS_LAYER_BYTES);
   memset(c->dst, 1, BS_LAYERS * BS_LAYER_BYTES);
   memset(c->src, 2, BS_LAYERS * BS_LAYER_BYTES);
+  bool paced = *c->suffix != '\0'; /* the references are timed back to back only */
   int rc = consume_routing(c);
-  if (rc == 0)
+  if (rc == 0 && !paced)
     time_memcpy(c, "routing/get", BS_ROUTING_BYTES);
-  if (rc == 0 && (rc = consume_layers(c)) == 0)
+  if (rc == 0 && (rc = consume_layers(c)) == 0 && !paced)
     time_memcpy(c, "layers/get", BS_LAYERS * BS_LAYER_BYTES);
   if (rc == 0)
     rc = consume_big(c);
@@ -382,8 +408,9 @@ static int run_consumer(consumer *c, const char *url) {
   return rc;
 }
 
-/* Forks the directory and the producer (before this process starts any thread), then gets. */
-static int run_ferry(bs_report *r, int requests) {
+/* Forks the directory and the producer (before this process starts any thread), then gets;
+ * pace_ms > 0: the paced run (its series are named IMPL@<pace_ms>ms). */
+static int run_ferry(bs_report *r, int requests, int pace_ms) {
   char listen[64], url[80];
   int port = free_port();
   snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
@@ -402,11 +429,13 @@ static int run_ferry(bs_report *r, int requests) {
   pid_t prod = fork();
   if (prod == 0) {
     close(dq[1]);
-    _exit(producer_main(url, requests, p2c[1], c2p[0]));
+    _exit(producer_main(url, requests, pace_ms, p2c[1], c2p[0]));
   }
   close(p2c[1]);
   close(c2p[0]);
   consumer c = {.requests = requests, .from_producer = p2c[0], .to_producer = c2p[1], .r = r};
+  if (pace_ms > 0)
+    snprintf(c.suffix, sizeof c.suffix, "@%dms", pace_ms);
   int rc = run_consumer(&c, url);
   close(c2p[1]);
   int st = 0;
@@ -461,6 +490,28 @@ static void print_rows(const bench_opts *o, bs_report *r) {
   }
 }
 
+/* The rows the paced run repeats: every call that follows a pause (the producer's puts, and the
+ * first read of each request, which follows them); the cached reads come right after another
+ * read, and memcpy is a reference, not a call. */
+static const char *const paced_order[][2] = {
+    {"routing/put", "ferry(copy)"},    {"routing/put", "ferry(in place)"},
+    {"routing/get", "ferry"},          {"routing/get", "ferry(view)"},
+    {"layers/put", "ferry(batch)"},    {"layers/get", "ferry(batch)"},
+    {"put-256MiB", "ferry(in place)"},
+};
+
+static void print_paced(const bench_opts *o, bs_report *r) {
+  for (size_t i = 0; i < sizeof paced_order / sizeof paced_order[0]; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "%s@%dms", paced_order[i][1], o->pace_ms);
+    const bs_series *b2b = bs_find(r, paced_order[i][0], paced_order[i][1]);
+    bs_series *paced = (bs_series *)bs_find(r, paced_order[i][0], name);
+    if (b2b && paced)
+      bench_paced_row(o, "store", paced->case_name, b2b->impl, paced->bytes, &paced->s,
+                      bs_median(b2b));
+  }
+}
+
 /* ratio = a / b of two medians; 0 when either is missing. */
 static double ratio(const bs_report *r, const char *ca, const char *ia, const char *cb,
                     const char *ib) {
@@ -510,7 +561,7 @@ static void print_targets(const bench_opts *o, const bs_report *r) {
 }
 
 static const char store_usage[] =
-    "usage: ferry bench store [--json] [--reps N] [--no-baselines] [--full]\n\n"
+    "usage: ferry bench store [--json] [--reps N] [--no-baselines] [--full] [--pace MS]\n\n"
     "MoE routing replay: N requests (default 37) of [45, 32768, 8] uint8 (11.25 MiB), and\n"
     "the per-layer variant of 45 keys of [32768, 8] int32 per request. A producer process\n"
     "puts, this process reads each request twice: into its buffer (get) and as a zero-copy\n"
@@ -522,7 +573,12 @@ static const char store_usage[] =
     "SET/GET (a private redis-server), and over tcp between two network namespaces a plain\n"
     "socket stream "
     "(needs root; skipped otherwise). Then each target of the issue, met or not.\n"
-    "--full runs the same: the default run already holds every row (~25 s here).\n";
+    "--full runs the same: the default run already holds every row (~25 s here).\n"
+    "Then the paced run: the same producer and reads once more, each put after a pause of\n"
+    "--pace MS (default 10; 0: no paced run), 100 requests (--full: 1,000; --reps N, when\n"
+    "fewer: N), so each get follows a pause too; p50, p99 and paced p50 / back-to-back p50\n"
+    "of every put and first get (routing gets alternate get and view: half the requests\n"
+    "each).\n";
 
 int bench_store(int argc, char **argv) {
   bench_opts o = {0};
@@ -538,7 +594,10 @@ int bench_store(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
   static bs_report r;
   memset(&r, 0, sizeof r);
-  if (run_ferry(&r, requests) != 0)
+  if (run_ferry(&r, requests, 0) != 0)
+    return CLI_FAIL;
+  int paced = bench_paced_samples(&o);
+  if (paced > 0 && run_ferry(&r, paced, o.pace_ms) != 0)
     return CLI_FAIL;
   if (baselines) {
     bs_python(&r, requests);
@@ -549,6 +608,7 @@ int bench_store(int argc, char **argv) {
     bs_netns(&r, self, requests);
   }
   print_rows(&o, &r);
+  print_paced(&o, &r);
   print_targets(&o, &r);
   for (int i = 0; i < r.n; i++)
     bench_free(&r.v[i].s);

@@ -4,7 +4,10 @@
  * run with a single-thread memcpy of the model's bytes and with torch.distributed gloo
  * broadcasts of the same tensors (per tensor, and in flat buckets), run by Debian's python3.
  * A late joiner (a receiver process that attaches mid-run, after a push) catches up to the
- * latest version; its catch-up time is set against a direct push to one receiver.
+ * latest version; its catch-up time is set against a direct push to one receiver. TP-4: four
+ * tensor-parallel ranks, each binding its shards (fused qkv and up by rows, o and down by
+ * columns, norms whole), against one receiver of the whole model: push time and bytes read per
+ * rank.
  * A second model of 5,000 small tensors shows what a push costs beyond moving bytes. Then, as
  * "hosts": the trainer and each receiver in a network namespace of its own, joined by a bridge,
  * every host's egress rate-limited with tc tbf; chain against direct for K = 1, 2, 4.
@@ -17,6 +20,7 @@
  */
 #include "cli/bench.h"
 #include "cli/cli.h"
+#include "netns.h"
 #include "ferry.h"
 
 #include <errno.h>
@@ -137,21 +141,23 @@ typedef struct push_cfg {
   uint64_t bucket_bytes; /* 0: the default */
 } push_cfg;
 
-#define HOSTS_NS "ferry-rb-"
-#define HOSTS_NET "10.78.0."
+/* The "hosts" (netns.h): host 1 is the trainer, host i + 2 receiver i. */
+#define HOSTS_TAG "rb"
+#define HOSTS_NET "10.78.0"
+#define HOSTS_N 5
 #define HOSTS_RATE "1gbit"
 
 static char self_path[PATH_MAX];
 
-/* Receiver i runs this binary again; between "hosts" in namespace HOSTS_NS<i+1>, listening on
+/* Receiver i runs this binary again; between "hosts" in host i + 2's namespace, listening on
  * its address there (its chain successor reads from it). */
 static void exec_receiver(const char *address, const char *fd, const push_cfg *c, int i) {
   const char *mode = c->alias ? "alias" : "flat";
   if (!c->hosts)
     execl(self_path, "ferry", "bench", "refit", "--receiver", address, fd, mode, (char *)NULL);
   char ns[32], listen[32];
-  snprintf(ns, sizeof ns, HOSTS_NS "%d", i + 1);
-  snprintf(listen, sizeof listen, HOSTS_NET "%d:0", i + 2);
+  netns_host(HOSTS_TAG, i + 2, ns, sizeof ns);
+  snprintf(listen, sizeof listen, HOSTS_NET ".%d:0", i + 2);
   setenv("FERRY_TCP_LISTEN", listen, 1);
   setenv("FERRY_TRANSPORTS", "tcp", 1);
   execlp("ip", "ip", "netns", "exec", ns, self_path, "bench", "refit", "--receiver", address, fd,
@@ -208,7 +214,7 @@ static int open_trainer(const model *m, const ferry_ctx_opts *co, const ferry_re
 static int time_pushes(const model *m, int k, int reps, bench_samples *b, const push_cfg *c) {
   ferry_ctx_opts co = {.size = sizeof co, .name = "bench-trainer"};
   if (c->hosts) {
-    co.tcp_listen = HOSTS_NET "1:0";
+    co.tcp_listen = NETNS_IP(HOSTS_NET, 1) ":0";
     co.transports = "tcp";
   }
   ferry_refit_opts so = {.size = sizeof so, .bucket_bytes = c->bucket_bytes, .alias = c->alias};
@@ -313,6 +319,147 @@ static void time_memcpy(const model *m, int reps, bench_samples *b) {
       bench_add(b, bench_now() - t);
   }
   free(dst);
+}
+
+/* ---- tensor-parallel receivers: each reads its shards only ---- */
+
+/* One rank's destinations: per tensor group a buffer its pieces fill (qkv fused). */
+typedef struct tp_rank {
+  ferry_ctx *ctx;
+  ferry_refit_receiver *rx;
+  void **mem;
+  size_t nmem;
+} tp_rank;
+
+/* The split of the model's tensor i: attention q, k, v (kinds 0-2) and the MLP's up (4) by
+ * rows, o (3) and down (5) by columns, norms (6, 7) whole. */
+static int tp_dim(const model *m, size_t i) {
+  size_t kind = i % 8;
+  return m->small || kind >= 6 ? -1 : kind == 3 || kind == 5 ? 1 : 0;
+}
+
+/* Binds target `name` of pieces [0, n) (same dtype, laid along dim 0) in fresh memory. */
+static int tp_bind(tp_rank *k, const model *m, const char *name, const size_t *src, size_t n,
+                   int rank, int world) {
+  ferry_refit_piece pc[3];
+  ferry_tensor_desc d = m->desc[src[0]];
+  d.shape[0] = 0;
+  for (size_t j = 0; j < n; j++) {
+    const ferry_tensor_desc *s = &m->desc[src[j]];
+    int dim = tp_dim(m, src[j]);
+    uint64_t size = dim < 0 ? s->shape[0] : s->shape[dim] / (uint64_t)world;
+    uint64_t start = dim < 0 ? 0 : size * (uint64_t)rank;
+    pc[j] = (ferry_refit_piece){m->name[src[j]], dim < 0 ? 0 : dim, (int64_t)start,
+                                (int64_t)(start + size)};
+    d.shape[0] += dim == 0 ? size : s->shape[0];
+    if (dim == 1)
+      d.shape[1] = size;
+  }
+  uint64_t bytes = 0;
+  int rc = ferry_tensor_nbytes(&d, &bytes);
+  void *mem = rc == 0 ? malloc(bytes) : NULL;
+  if (rc == 0 && !mem)
+    rc = FERRY_ENOMEM;
+  if (rc != 0)
+    return rc;
+  memset(mem, 0, bytes); /* an engine's weight memory exists before it loads */
+  k->mem[k->nmem++] = mem;
+  return ferry_refit_bind_pieces(k->rx, name, mem, &d, pc, n);
+}
+
+static int tp_open(tp_rank *k, const model *m, const char *address, int rank, int world) {
+  char node[32];
+  snprintf(node, sizeof node, "bench-tp-%d", rank);
+  ferry_ctx_opts o = {.size = sizeof o, .name = node};
+  k->mem = calloc(m->n, sizeof *k->mem);
+  int rc = k->mem ? ferry_ctx_open(&o, &k->ctx) : FERRY_ENOMEM;
+  if (rc == 0)
+    rc = ferry_refit_receiver_open(k->ctx, address, -1, &k->rx);
+  for (size_t i = 0; rc == 0 && i < m->n;) {
+    bool fused = tp_dim(m, i) == 0 && i % 8 == 0 && i + 2 < m->n;
+    size_t src[3] = {i, i + 1, i + 2}, n = fused ? 3 : 1;
+    char name[64];
+    snprintf(name, sizeof name, "%s%s", m->name[i], fused ? ".qkv" : "");
+    rc = tp_bind(k, m, name, src, n, rank, world);
+    i += n;
+  }
+  return rc;
+}
+
+static void tp_close(tp_rank *k) {
+  ferry_refit_receiver_close(k->rx);
+  ferry_ctx_close(k->ctx);
+  for (size_t i = 0; i < k->nmem; i++)
+    free(k->mem[i]);
+  free(k->mem);
+}
+
+/* Pushes to `world` ranks that bind their shards (world 1: one receiver of the whole model,
+ * in a flat buffer), all in this process; *read: the most bytes a rank read per push. */
+static int time_tp(const model *m, int world, int reps, bench_samples *b, uint64_t *read) {
+  ferry_ctx_opts co = {.size = sizeof co, .name = "bench-trainer"};
+  ferry_refit_opts so = {.size = sizeof so};
+  ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = -1};
+  ferry_ctx *ctx = NULL;
+  ferry_refit_sender *s = NULL;
+  tp_rank ranks[4] = {{0}};
+  int rc = open_trainer(m, &co, &so, &ctx, &s);
+  for (int r = 0; rc == 0 && r < world; r++) {
+    ferry_ctx_opts o = {.size = sizeof o, .name = "bench-full"};
+    if (world > 1)
+      rc = tp_open(&ranks[r], m, ferry_ctx_address(ctx), r, world);
+    else if ((rc = ferry_ctx_open(&o, &ranks[r].ctx)) == 0 &&
+             (rc = ferry_refit_receiver_open(ranks[r].ctx, ferry_ctx_address(ctx), -1,
+                                             &ranks[r].rx)) == 0)
+      rc = ferry_refit_bind_flat(ranks[r].rx);
+  }
+  uint64_t before[4] = {0};
+  for (int v = 1; rc == 0 && v <= reps + 1; v++) {
+    double t = bench_now();
+    rc = ferry_refit_push(s, (uint64_t)v, &po);
+    if (v == 1) /* the first push faults the pages in */
+      for (int r = 0; r < world; r++)
+        before[r] = ferry_refit_bytes_read(ranks[r].rx);
+    else
+      bench_add(b, bench_now() - t);
+  }
+  *read = 0;
+  for (int r = 0; rc == 0 && r < world; r++) {
+    uint64_t per = (ferry_refit_bytes_read(ranks[r].rx) - before[r]) / (uint64_t)reps;
+    *read = per > *read ? per : *read;
+  }
+  if (rc != 0)
+    cli_fail("bench refit", rc, world > 1 ? "tensor-parallel ranks" : "full receiver");
+  for (int r = 0; r < world; r++)
+    if (ranks[r].rx || ranks[r].ctx)
+      tp_close(&ranks[r]);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(ctx);
+  return rc;
+}
+
+/* TP-4: four ranks that read their shards against one receiver of the whole model; rows: the
+ * full receiver's push, the four ranks' push (vs base: how much faster), and the bytes each
+ * rank read per push (the row's bytes; target 1/4 of the model plus the norms). */
+static int run_tp(const bench_opts *o, const char *label, const model *m, int reps) {
+  bench_samples full = {0}, tp = {0};
+  uint64_t full_read = 0, rank_read = 0;
+  char name[48];
+  snprintf(name, sizeof name, "%s-TP4", label);
+  int rc = time_tp(m, 1, reps, &full, &full_read);
+  if (rc == 0)
+    rc = time_tp(m, 4, reps, &tp, &rank_read);
+  if (rc == 0) {
+    bench_row(o, "refit", name, "ferry/full", full_read, &full, true);
+    bench_row(o, "refit", name, "ferry/TP-4", m->bytes, &tp, false);
+    bench_row(o, "refit", name, "TP-4/rank-read", rank_read, &tp, false);
+    if (!o->json)
+      printf("%-16s each rank read %.4f of the bytes a full receiver read (1/4 = 0.25)\n", name,
+             full_read ? (double)rank_read / (double)full_read : 0);
+  }
+  bench_free(&full);
+  bench_free(&tp);
+  return rc;
 }
 
 /* ---- gloo (python3 + torch) ---- */
@@ -449,6 +596,8 @@ static int run_case(const bench_opts *o, const char *label, const model *m, int 
     bench_reset(&per);
     bench_reset(&bkt);
   }
+  if (rc == 0 && !m->small)
+    rc = run_tp(o, label, m, reps);
   if (rc == 0 && !m->small) {
     snprintf(name, sizeof name, "%s-late", label);
     rc = time_late_join(m, reps, &b, &per);
@@ -465,73 +614,14 @@ static int run_case(const bench_opts *o, const char *label, const model *m, int 
 
 /* ---- between "hosts": network namespaces, rate-limited links ---- */
 
-static int sh_quiet(const char *cmd) {
-  char full[512];
-  snprintf(full, sizeof full, "%s >/dev/null 2>&1", cmd);
-  return system(full);
-}
-
-static void hosts_down(int n) {
-  char cmd[128];
-  for (int i = 0; i <= n; i++) {
-    snprintf(cmd, sizeof cmd, "ip netns del " HOSTS_NS "%d", i);
-    sh_quiet(cmd);
-  }
-  sh_quiet("ip netns del " HOSTS_NS "sw");
-}
-
-/* Host 0 (the trainer) and hosts 1..n (receivers), HOSTS_NET<i+1>/24, each on a veth to a
- * bridge in namespace HOSTS_NS"sw", each one's egress limited to HOSTS_RATE by tbf. */
-static bool hosts_up(int n) {
-  hosts_down(n);
-  char cmd[256];
-  const char *sw[] = {"ip netns add " HOSTS_NS "sw",
-                      "ip -n " HOSTS_NS "sw link add br0 type bridge",
-                      "ip -n " HOSTS_NS "sw link set br0 up"};
-  for (size_t i = 0; i < 3; i++)
-    if (sh_quiet(sw[i]) != 0)
-      return false;
-  for (int i = 0; i <= n; i++) {
-    const char *steps[] = {
-        "ip netns add " HOSTS_NS "%d",
-        "ip link add frb%d type veth peer name frb%d-sw",
-        "ip link set frb%d netns " HOSTS_NS "%d",
-        "ip link set frb%d-sw netns " HOSTS_NS "sw",
-        "ip -n " HOSTS_NS "sw link set frb%d-sw master br0 up",
-        "ip -n " HOSTS_NS "%d link set lo up",
-        "ip -n " HOSTS_NS "%d link set frb%d up",
-        "tc -n " HOSTS_NS "%d qdisc add dev frb%d root tbf rate " HOSTS_RATE
-        " burst 1mb latency 100ms",
-    };
-    for (size_t j = 0; j < sizeof steps / sizeof steps[0]; j++) {
-      snprintf(cmd, sizeof cmd, steps[j], i, i, i);
-      if (sh_quiet(cmd) != 0)
-        return false;
-    }
-    snprintf(cmd, sizeof cmd, "ip -n " HOSTS_NS "%d addr add " HOSTS_NET "%d/24 dev frb%d", i,
-             i + 1, i);
-    if (sh_quiet(cmd) != 0)
-      return false;
-  }
-  return true;
-}
-
 /* Runs fn with this thread (and the threads it starts) in the trainer's namespace. */
 static int in_trainer_ns(int (*fn)(const bench_opts *, const model *, int), const bench_opts *o,
                          const model *m, int reps) {
-  int home = open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC);
-  int ns = open("/run/netns/" HOSTS_NS "0", O_RDONLY | O_CLOEXEC);
-  int rc = -1;
-  if (home >= 0 && ns >= 0 && setns(ns, CLONE_NEWNET) == 0) {
-    rc = fn(o, m, reps);
-    if (setns(home, CLONE_NEWNET) != 0)
-      rc = -1;
-  }
-  if (home >= 0)
-    close(home);
-  if (ns >= 0)
-    close(ns);
-  return rc;
+  int home;
+  if (netns_enter(HOSTS_TAG, 1, &home) != 0)
+    return -1;
+  int rc = fn(o, m, reps);
+  return netns_leave(home) == 0 ? rc : -1;
 }
 
 static int hosts_cases(const bench_opts *o, const model *m, int reps) {
@@ -564,11 +654,12 @@ static int hosts_cases(const bench_opts *o, const model *m, int reps) {
 
 /* The "hosts" topology: K = 1, 2, 4 receivers, chain against direct. */
 static int run_hosts(const bench_opts *o, int reps) {
-  if (!hosts_up(4)) {
-    hosts_down(4);
+  char failed[512];
+  if (!netns_up(HOSTS_TAG, HOSTS_NET, HOSTS_N, HOSTS_RATE, failed, sizeof failed)) {
     if (!o->json)
-      printf("(network namespaces or tc unavailable here: needs root, iproute2; hosts rows "
-             "skipped)\n");
+      printf("(network namespaces or tc unavailable here: `%s` failed; needs root, iproute2; "
+             "hosts rows skipped)\n",
+             failed);
     return 0;
   }
   model m;
@@ -577,7 +668,7 @@ static int run_hosts(const bench_opts *o, int reps) {
   int rc = in_trainer_ns(hosts_cases, o, &m, reps);
   bench_token_end(token);
   model_free(&m);
-  hosts_down(4);
+  netns_down(HOSTS_TAG, HOSTS_N);
   return rc;
 }
 
@@ -591,6 +682,8 @@ static const char refit_usage[] =
     "Late join (NAME-late): after each push to one receiver a new receiver process attaches\n"
     "and catches up to the latest version; its catch-up time against the push (target: the\n"
     "catch-up takes at most 1.2 times the push, vs base >= 0.83).\n"
+    "TP-4 (NAME-TP4): four tensor-parallel ranks read their shards only, against one receiver\n"
+    "of the whole model: the push, and the bytes each rank read per push (TP-4/rank-read).\n"
     "Then a model of 5,000 small tensors for the per-push overhead.\n"
     "Then \"hosts\": the trainer and 4 receivers each in a network namespace (root needed),\n"
     "joined by a bridge, every host's egress limited to " HOSTS_RATE " by tc tbf; a 128 MiB model\n"

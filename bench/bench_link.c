@@ -421,39 +421,67 @@ static bench_until rtt_until(const bench_opts *o) {
   return until_for(o, o->reps > 0 ? o->reps : RTT_REPS, RTT_LEAST, RTT_BUDGET_S);
 }
 
+/* One 64-byte round-trip row: what it times (a socket ping-pong, a message echo or a one-sided
+ * read) and over which link. */
+enum { RTT_SOCKET, RTT_ECHO, RTT_READ };
+typedef struct rtt_case {
+  const char *case_name;
+  char impl[32];
+  int kind;
+  ferry_ctx *ctx;
+  ferry_link *link;
+  bool base;
+} rtt_case;
+
+static int rtt_time(reader *r, const rtt_case *c, bench_until u, bench_samples *b) {
+  bench_reset(b);
+  if (c->kind == RTT_SOCKET)
+    return time_socket_read(r, 64, u, b);
+  if (c->kind == RTT_ECHO)
+    return time_echo(c->ctx, c->link, u, b);
+  return time_ferry_read(r, c->link, 64, u, b);
+}
+
+/* The row back to back, then (unless --pace 0) paced, beside it. */
+static int rtt_row(reader *r, const rtt_case *c, bench_samples *b) {
+  int rc = rtt_time(r, c, rtt_until(r->o), b);
+  bench_row(r->o, "link", c->case_name, c->impl, 64, b, c->base);
+  double b2b = bench_median(b);
+  if (rc == 0 && bench_paced_samples(r->o) > 0 &&
+      (rc = rtt_time(r, c, bench_until_paced(r->o), b)) == 0)
+    bench_paced_row(r->o, "link", c->case_name, c->impl, 64, b, b2b);
+  return rc;
+}
+
+static rtt_case rtt(const char *case_name, const char *impl, int kind, ferry_ctx *ctx,
+                    ferry_link *link) {
+  rtt_case c = {.case_name = case_name, .kind = kind, .ctx = ctx, .link = link};
+  snprintf(c.impl, sizeof c.impl, "%s", impl);
+  c.base = kind == RTT_SOCKET; /* the plain socket is each case's reference */
+  return c;
+}
+
 static int bench_round_trips(reader *r) {
+  rtt_case cases[6 + 2 * UCX_FLAVORS];
+  int n = 0;
+  char impl[32];
+  for (int one_sided = 0; one_sided < 2; one_sided++) {
+    const char *cs = one_sided ? "read-64B" : "rtt-64B";
+    int kind = one_sided ? RTT_READ : RTT_ECHO;
+    cases[n++] = rtt(cs, "socket", RTT_SOCKET, NULL, NULL);
+    cases[n++] =
+        rtt(cs, one_sided ? "ferry/tcp" : "ferry/shm", kind, r->ctx, one_sided ? r->tcp : r->shm);
+    cases[n++] =
+        rtt(cs, one_sided ? "ferry/shm" : "ferry/tcp", kind, r->ctx, one_sided ? r->shm : r->tcp);
+    for (int i = 0; i < UCX_FLAVORS; i++) {
+      snprintf(impl, sizeof impl, "ferry/ucx-%s", ucx_tls[i]);
+      cases[n++] = rtt(cs, impl, kind, r->ucx_ctx[i], r->ucx[i]);
+    }
+  }
   bench_samples b = {0};
-  int rc = time_socket_read(r, 64, rtt_until(r->o), &b);
-  bench_row(r->o, "link", "rtt-64B", "socket", 64, &b, true);
-  bench_reset(&b);
-  if (rc == 0 && (rc = time_echo(r->ctx, r->shm, rtt_until(r->o), &b)) == 0)
-    bench_row(r->o, "link", "rtt-64B", "ferry/shm", 64, &b, false);
-  bench_reset(&b);
-  if (rc == 0 && (rc = time_echo(r->ctx, r->tcp, rtt_until(r->o), &b)) == 0)
-    bench_row(r->o, "link", "rtt-64B", "ferry/tcp", 64, &b, false);
-  for (int i = 0; i < UCX_FLAVORS && rc == 0; i++) {
-    char impl[32];
-    snprintf(impl, sizeof impl, "ferry/ucx-%s", ucx_tls[i]);
-    bench_reset(&b);
-    if ((rc = time_echo(r->ucx_ctx[i], r->ucx[i], rtt_until(r->o), &b)) == 0)
-      bench_row(r->o, "link", "rtt-64B", impl, 64, &b, false);
-  }
-  bench_reset(&b);
-  if (rc == 0 && (rc = time_socket_read(r, 64, rtt_until(r->o), &b)) == 0)
-    bench_row(r->o, "link", "read-64B", "socket", 64, &b, true);
-  bench_reset(&b);
-  if (rc == 0 && (rc = time_ferry_read(r, r->tcp, 64, rtt_until(r->o), &b)) == 0)
-    bench_row(r->o, "link", "read-64B", "ferry/tcp", 64, &b, false);
-  bench_reset(&b);
-  if (rc == 0 && (rc = time_ferry_read(r, r->shm, 64, rtt_until(r->o), &b)) == 0)
-    bench_row(r->o, "link", "read-64B", "ferry/shm", 64, &b, false);
-  for (int i = 0; i < UCX_FLAVORS && rc == 0; i++) {
-    char impl[32];
-    snprintf(impl, sizeof impl, "ferry/ucx-%s", ucx_tls[i]);
-    bench_reset(&b);
-    if ((rc = time_ferry_read(r, r->ucx[i], 64, rtt_until(r->o), &b)) == 0)
-      bench_row(r->o, "link", "read-64B", impl, 64, &b, false);
-  }
+  int rc = 0;
+  for (int i = 0; i < n && rc == 0; i++)
+    rc = rtt_row(r, &cases[i], &b);
   bench_free(&b);
   return rc;
 }
@@ -502,14 +530,16 @@ static int connect_all(reader *r, const owner_info *info) {
 }
 
 static const char link_usage[] =
-    "usage: ferry bench link [--json] [--reps N] [--max-size BYTES] [--full]\n\n"
+    "usage: ferry bench link [--json] [--reps N] [--max-size BYTES] [--full] [--pace MS]\n\n"
     "One-sided reads of 64 MiB (--full: every size of 4 KiB..1 GiB, up to --max-size) from\n"
     "another process, over ferry shm and tcp, against memcpy and a plain loopback socket\n"
     "stream; 64-byte round trips (message echo and one-sided read) against a plain socket\n"
     "ping-pong. With UCX: ucx rows under UCX_TLS=sm and UCX_TLS=tcp (--full: and\n"
     "ucx_perftest's put bandwidth beside them). By default each row takes its samples within\n"
     "a few seconds (64 MiB reads: up to 64, at least 20; round trips: up to 20,000, at least\n"
-    "2,000); --full and --reps N take a fixed count (reads: by size; round trips: 20,000).\n";
+    "2,000); --full and --reps N take a fixed count (reads: by size; round trips: 20,000).\n"
+    "Each round-trip row also runs paced (--pace MS, default 10: 100 calls, each after that\n"
+    "pause; --full: 1,000): p50, p99 and paced p50 / back-to-back p50.\n";
 
 int bench_link(int argc, char **argv) {
   bench_opts o = {.max_size = 1ull << 30};

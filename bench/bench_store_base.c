@@ -8,7 +8,8 @@
  *     same bytes, taking turns (this binary re-run inside each namespace with --role).
  * A baseline that cannot run (no python3, numpy, torch, redis-server or namespaces) says why.
  */
-#include "cli/bench_store.h"
+#include "bench_store.h"
+#include "netns.h"
 #include "ferry.h"
 
 #include <arpa/inet.h>
@@ -248,53 +249,26 @@ void bs_redis(bs_report *r, int requests) {
 
 /* ---- tcp between two network namespaces ---- */
 
-#define NS_A "ferry-bench-a"
-#define NS_B "ferry-bench-b"
-#define IP_A "10.231.9.1"
-#define IP_B "10.231.9.2"
+#define NS_TAG "bs"
+#define NS_NET "10.231.9"
+#define NS_A NETNS_HOST(NS_TAG, 1)
+#define NS_B NETNS_HOST(NS_TAG, 2)
+#define IP_A NETNS_IP(NS_NET, 1)
+#define IP_B NETNS_IP(NS_NET, 2)
 #define DIR_PORT 7792
 #define SOCK_PORT 7793
 
-static int sh(const char *cmd) {
-  char full[512];
-  snprintf(full, sizeof full, "%s >/dev/null 2>&1", cmd);
-  return system(full);
-}
-
-static void netns_down(void) {
-  sh("ip netns del " NS_A);
-  sh("ip netns del " NS_B);
-}
-
-static bool netns_up(void) {
-  netns_down();
-  static const char *const cmds[] = {
-      "ip netns add " NS_A,
-      "ip netns add " NS_B,
-      "ip link add fbs-a type veth peer name fbs-b",
-      "ip link set fbs-a netns " NS_A,
-      "ip link set fbs-b netns " NS_B,
-      "ip -n " NS_A " addr add " IP_A "/30 dev fbs-a",
-      "ip -n " NS_B " addr add " IP_B "/30 dev fbs-b",
-      "ip -n " NS_A " link set fbs-a up",
-      "ip -n " NS_B " link set fbs-b up",
-      "ip -n " NS_A " link set lo up",
-      "ip -n " NS_B " link set lo up",
-  };
-  for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
-    if (sh(cmds[i]) != 0) {
-      fprintf(stderr,
-              "ferry bench store: tcp-between-namespaces skipped: `%s` failed (needs "
-              "root)\n",
-              cmds[i]);
-      netns_down();
-      return false;
-    }
-  return true;
+static bool hosts_up(void) {
+  char failed[512];
+  if (netns_up(NS_TAG, NS_NET, 2, NULL, failed, sizeof failed))
+    return true;
+  fprintf(stderr, "ferry bench store: tcp-between-namespaces skipped: `%s` failed (needs root)\n",
+          failed);
+  return false;
 }
 
 void bs_netns(bs_report *r, const char *self, int reps) {
-  if (!netns_up())
+  if (!hosts_up())
     return;
   bool token = bench_token_begin();
   char cmd[4400];
@@ -311,7 +285,7 @@ void bs_netns(bs_report *r, const char *self, int reps) {
   if (owner)
     pclose(owner);
   bench_token_end(token);
-  netns_down();
+  netns_down(NS_TAG, 2);
 }
 
 typedef struct sock_srv {

@@ -8,7 +8,8 @@
  *   pipe       a pipe ping-pong to every rank (what plain kernel IPC costs);
  *   ferry      a control cell: futex wake, per-rank acks, futex waits.
  * Ranks do no work, so the numbers are pure signalling latency. Rows report median, min and max;
- * the table also prints p99 (p99_s in --json).
+ * the table also prints p99 (p99_s in --json). The pipe and ferry rows run once more paced
+ * (bench.h): requests --pace ms apart, as a controller issues them between training steps.
  */
 #include "cli/bench.h"
 #include "cli/cli.h"
@@ -33,11 +34,13 @@ typedef struct legacy_cell { /* the one-int32 design, plus the bench's own stop 
 } legacy_cell;
 
 static const char control_usage[] =
-    "usage: ferry bench control [--json] [--reps N] [--full]\n\n"
+    "usage: ferry bench control [--json] [--reps N] [--full] [--pace MS]\n\n"
     "Request-to-all-acked latency with 1 and 8 rank processes: ferry's control cell vs the\n"
     "one-int32 polled design it replaces (1 s and 1 ms polls) and a pipe ping-pong.\n"
     "--reps N sets the repetitions of the fast rows (default 2000); the 1 ms poll runs\n"
-    "N/10 and the 1 s poll 3. --full runs the same: the default run already holds every row.\n";
+    "N/10 and the 1 s poll 3. --full runs the same: the default run already holds every row.\n"
+    "The pipe and ferry rows also run paced (--pace MS, default 10: 100 requests, each after\n"
+    "that pause; --full: 1,000): p50, p99 and paced p50 / back-to-back p50.\n";
 
 static void sleep_ms(int ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
@@ -145,6 +148,17 @@ static void legacy_run(const bench_opts *o, const char *case_name, int nranks, i
 
 /* ---- pipe ping-pong ---- */
 
+static void time_pipe(pipes *p, int nranks, bench_until u, bench_samples *b) {
+  while (!bench_done(&u, b->n)) {
+    double t0 = bench_now();
+    for (int i = 0; i < nranks; i++)
+      put_byte(p->down[i][1]);
+    for (int i = 0; i < nranks; i++)
+      get_byte(p->up[0]);
+    bench_add(b, bench_now() - t0);
+  }
+}
+
 static void pipe_run(const bench_opts *o, const char *case_name, int nranks, int reps) {
   pipes p;
   pid_t pid[MAX_RANKS];
@@ -160,15 +174,9 @@ static void pipe_run(const bench_opts *o, const char *case_name, int nranks, int
       }
     }
   }
-  bench_samples b = {0};
-  for (int k = 0; k < reps; k++) {
-    double t0 = bench_now();
-    for (int i = 0; i < nranks; i++)
-      put_byte(p.down[i][1]);
-    for (int i = 0; i < nranks; i++)
-      get_byte(p.up[0]);
-    bench_add(&b, bench_now() - t0);
-  }
+  bench_samples b = {0}, paced = {0};
+  time_pipe(&p, nranks, bench_until_start(reps, reps, 0), &b);
+  time_pipe(&p, nranks, bench_until_paced(o), &paced);
   reap(pid, nranks);
   for (int i = 0; i < nranks; i++) {
     close(p.down[i][0]);
@@ -177,7 +185,9 @@ static void pipe_run(const bench_opts *o, const char *case_name, int nranks, int
   close(p.up[0]);
   close(p.up[1]);
   report(o, case_name, "pipe", &b, false);
+  bench_paced_row(o, "control", case_name, "pipe", 0, &paced, bench_median(&b));
   bench_free(&b);
+  bench_free(&paced);
 }
 
 /* ---- ferry ---- */
@@ -204,9 +214,10 @@ static int wait_attached(ferry_ctl *ctl, int nranks) {
   return 0;
 }
 
-static int time_ferry(ferry_ctl *ctl, int reps, bench_samples *b) {
-  for (int k = 0; k < reps; k++) {
-    ferry_ctl_cmd cmd = k % 2 ? FERRY_CTL_UPDATE : FERRY_CTL_CLEAR;
+/* Requests until u is done; *k counts them across calls, so clear and update keep alternating. */
+static int time_ferry(ferry_ctl *ctl, bench_until u, int *k, bench_samples *b) {
+  for (; !bench_done(&u, b->n); (*k)++) {
+    ferry_ctl_cmd cmd = *k % 2 ? FERRY_CTL_UPDATE : FERRY_CTL_CLEAR;
     double t0 = bench_now();
     int rc = ferry_ctl_request(ctl, cmd, 10000);
     if (rc)
@@ -231,12 +242,15 @@ static int ferry_run(const bench_opts *o, const char *case_name, int nranks, int
     if ((pid[i] = fork()) == 0)
       ferry_rank(name, (uint32_t)i, stop);
   ferry_ctl *ctl = NULL;
-  bench_samples b = {0};
+  bench_samples b = {0}, paced = {0};
+  int k = 0;
   rc = ferry_ctl_open(name, &ctl);
   if (rc == 0)
     rc = wait_attached(ctl, nranks);
   if (rc == 0)
-    rc = time_ferry(ctl, reps, &b);
+    rc = time_ferry(ctl, bench_until_start(reps, reps, 0), &k, &b);
+  if (rc == 0)
+    rc = time_ferry(ctl, bench_until_paced(o), &k, &paced);
   atomic_store(stop, 1);
   if (ctl)
     ferry_ctl_request(ctl, FERRY_CTL_ABORT, 10000); /* wakes the ranks to see `stop` */
@@ -244,9 +258,12 @@ static int ferry_run(const bench_opts *o, const char *case_name, int nranks, int
     waitpid(pid[i], NULL, 0);
   ferry_ctl_close(ctl);
   ferry_ctl_cell_close(cell);
-  if (rc == 0)
+  if (rc == 0) {
     report(o, case_name, "ferry", &b, false);
+    bench_paced_row(o, "control", case_name, "ferry", 0, &paced, bench_median(&b));
+  }
   bench_free(&b);
+  bench_free(&paced);
   munmap((void *)stop, sizeof *stop);
   return rc ? CLI_FAIL : 0;
 }

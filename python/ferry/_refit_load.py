@@ -1,0 +1,343 @@
+"""RefitReceiver.updates(): an engine loads each tensor of a version as the buckets carrying it
+land, `engine.load_weights(rx.updates(v))`.
+
+The receiver's thread reports each bucket that landed and verified (ferry_refit_on_bucket) and
+the end of each version (ferry_refit_on_commit) into a queue; the iteration, on the caller's
+thread, yields a tensor once every bucket that carries it (ferry_refit_tensor_buckets) was
+reported for the version it loads, and the rest when the version commits. A shard target
+(bind_shards) waits for every bucket of the sender tensors its pieces come from: the receiver
+reports each bucket of a push, those it read nothing from included, so that is when its
+slices have landed. Nothing here blocks
+the receiver's thread, so the sender's pushes never wait on the engine's loading.
+
+A mapping turns trainer names into the engine's and fuses pieces (q, k, v into qkv) along dim 0,
+in the shape of vLLM's stacked_params_mapping: (param_name, shard_name, shard_id).
+"""
+import ctypes
+import numbers
+import queue
+import time
+
+import numpy as np
+
+from . import errors
+from ._lib import lib, byref, c_size_t
+from .tensors import DTYPES, dtype_code, from_bits, like_name
+
+_QKV = {"q": 0, "k": 1, "v": 2}  # vLLM's shard ids of qkv_proj
+_ETIMEDOUT = -4
+_TICK = 0.1  # seconds between looks at the sender's link while no event comes
+
+
+def _position(name, sid):
+    if sid is None:
+        return None
+    if isinstance(sid, int) and not isinstance(sid, bool) and sid >= 0:
+        return sid
+    if isinstance(sid, str) and sid in _QKV:
+        return _QKV[sid]
+    raise ValueError("updates mapping of %r: shard id %r; pass an int >= 0 (the piece's place "
+                     "along dim 0), 'q', 'k' or 'v', or None (no fusing)" % (name, sid))
+
+
+def _normalize(name, got):
+    """[(engine name, position or None)] from what a mapping says for one trainer name."""
+    if got is None:
+        return []
+    if isinstance(got, str):
+        return [(got, None)]
+    if isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], str):
+        return [(got[0], _position(name, got[1]))]
+    if isinstance(got, list):
+        out = []
+        for g in got:
+            if isinstance(g, list):
+                raise ValueError("updates mapping of %r: a list inside a list (%r)" % (name, got))
+            out += _normalize(name, g)
+        return out
+    raise ValueError("updates mapping of %r: %r; give an engine name, (engine name, shard id), "
+                     "a list of those, or None to skip it" % (name, got))
+
+
+def _rules_target(name, rules):
+    for rule in rules:
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 3 and isinstance(rule[0], str)
+                and isinstance(rule[1], str) and rule[1]):
+            raise ValueError("updates mapping rule %r: pass (param_name, shard_name, shard_id) "
+                             "as vLLM's stacked_params_mapping does, e.g. ('.qkv_proj', "
+                             "'.q_proj', 'q')" % (rule,))
+        if rule[1] in name:
+            return (name.replace(rule[1], rule[0]), rule[2])
+    return name
+
+
+def targets_of(name, mapping):
+    """[(engine name, position or None)] of one trainer tensor under `mapping`."""
+    if mapping is None:
+        return [(name, None)]
+    if isinstance(mapping, dict):
+        return _normalize(name, mapping.get(name, name))
+    if isinstance(mapping, (list, tuple)):
+        return _normalize(name, _rules_target(name, mapping))
+    if callable(mapping):
+        return _normalize(name, mapping(name))
+    raise ValueError("updates: mapping=%r; pass a dict {trainer name: engine name or (engine "
+                     "name, shard id)}, a callable name -> the same, or a list of vLLM "
+                     "(param_name, shard_name, shard_id) rules" % (mapping,))
+
+
+def plan(manifest, mapping):
+    """{engine name: [manifest index, ...] in fusing order} (one index: not fused), in the order
+    the engine names first appear; ValueError for a mapping that cannot be met."""
+    groups = {}
+    for i, m in enumerate(manifest):
+        for ename, pos in targets_of(m["name"], mapping):
+            groups.setdefault(ename, []).append((pos, i))
+    out = {}
+    for ename, pieces in groups.items():
+        names = [manifest[i]["name"] for _, i in pieces]
+        if any(pos is None for pos, _ in pieces):
+            if len(pieces) > 1:
+                raise ValueError("updates mapping: %s all become %r; give each a shard id to fuse "
+                                 "them, or distinct names" % (names, ename))
+            out[ename] = [pieces[0][1]]
+            continue
+        pieces.sort(key=lambda p: p[0])
+        if [p for p, _ in pieces] != list(range(len(pieces))):
+            raise ValueError("updates mapping: the pieces of %r (%s) have shard ids %s; they must "
+                             "be 0, 1, ... (or q, k, v), once each"
+                             % (ename, names, [p for p, _ in pieces]))
+        first = manifest[pieces[0][1]]
+        for _, i in pieces:
+            m = manifest[i]
+            if m["dtype"] != first["dtype"] or len(m["shape"]) < 1 or \
+                    m["shape"][1:] != first["shape"][1:]:
+                raise ValueError("updates mapping: %r fuses %s along dim 0, but %r is %s %s and "
+                                 "%r is %s %s" % (ename, names, first["name"], first["dtype"],
+                                                  first["shape"], m["name"], m["dtype"],
+                                                  m["shape"]))
+        out[ename] = [i for _, i in pieces]
+    return out
+
+
+def bound_entries(rx, manifest):
+    """What a receiver with bound destinations yields from: ([entry], [[manifest index, ...]])
+    with an entry ({name, dtype, shape, nbytes}) per tensor bound whole (bind()) and per shard
+    target (bind_shards()), in the order of the first sender tensor each reads, and the
+    sender tensors whose buckets carry its bytes (a shard target's pieces lie in its sources'
+    buckets: it has landed once all of those did)."""
+    index = {m["name"]: i for i, m in enumerate(manifest)}
+    rows = []
+    for i, m in enumerate(manifest):
+        if m["name"] in rx._bound and m["name"] not in rx._pieces:
+            rows.append((m, [i]))
+    for target, pieces in rx._pieces.items():
+        gone = [p.source for p in pieces if p.source not in index]
+        if gone:
+            raise errors.NotFound(-5, "refit updates: shard target %r reads %s, which the sender "
+                                  "no longer sends; bind its shards again" % (target, gone))
+        idx = [index[p.source] for p in pieces]
+        arr = rx._bound[target][1]
+        rows.append(({"name": target, "dtype": manifest[idx[0]]["dtype"],
+                      "shape": tuple(arr.shape), "nbytes": int(arr.nbytes)}, idx))
+    rows.sort(key=lambda row: min(row[1], default=len(manifest)))
+    return [e for e, _ in rows], [idx for _, idx in rows]
+
+
+class _Layout:
+    """Where each tensor of the manifest is (views or bound tensors), which buckets carry it,
+    and the engine targets over them."""
+
+    def __init__(self, rx, mapping, like):
+        h = rx.handle
+        self.manifest = rx.manifest()
+        self.flat = None
+        self.ptrs = {}
+        if rx._alias or rx._has_flat or not rx._bound:
+            if not rx._alias:
+                errors.check(lib.ferry_refit_bind_flat(h))
+                rx._has_flat = True
+            self.tensors, self.ptrs, self.flat = rx._view_map(like)
+            present = self.manifest
+            sources = [[i] for i in range(len(present))]
+        else:  # bind() / bind_shards(): the caller's own tensors; the rest are not stored
+            self.tensors = {n: obj for n, (obj, _) in rx._bound.items()}
+            present, sources = bound_entries(rx, self.manifest)
+        self.targets = plan(present, mapping)
+        self.present = present
+        self.like = like
+        self.alias = rx._alias
+        first, count = ctypes.c_uint32(), ctypes.c_uint32()
+        carry = []
+        for i in range(len(self.manifest)):
+            errors.check(lib.ferry_refit_tensor_buckets(h, c_size_t(i), byref(first),
+                                                        byref(count)))
+            carry.append(range(first.value, first.value + count.value))
+        spans = [set().union(*(carry[i] for i in idx)) for idx in sources]
+        self.need = {}      # engine name -> buckets it waits for
+        self.by_bucket = {}  # bucket -> engine names it may complete, in target order
+        for ename, idx in self.targets.items():
+            need = set().union(*(spans[i] for i in idx))
+            self.need[ename] = need
+            for b in sorted(need):
+                self.by_bucket.setdefault(b, []).append(ename)
+
+    def tensor(self, ename):
+        idx = self.targets[ename]
+        parts = [self.tensors[self.present[i]["name"]] for i in idx]
+        if len(parts) == 1:
+            return parts[0]
+        return self._fused(idx, parts)
+
+    def _fused(self, idx, parts):
+        ms = [self.present[i] for i in idx]
+        ptrs = [self.ptrs.get(m["name"]) for m in ms]
+        adjacent = self.flat is not None and all(p is not None for p in ptrs) and all(
+            ptrs[k] + ms[k]["nbytes"] == ptrs[k + 1] for k in range(len(ms) - 1))
+        if adjacent:  # one view over the pieces, back to back in the buffer
+            code = dtype_code(ms[0]["dtype"])
+            total = sum(m["nbytes"] for m in ms)
+            shape = (sum(m["shape"][0] for m in ms),) + tuple(ms[0]["shape"][1:])
+            arr = np.frombuffer(self.flat.buf, dtype=np.uint8, count=total,
+                                offset=ptrs[0] - self.flat.base)
+            arr = arr.view(np.dtype(DTYPES[code][1])).reshape(shape)
+            if self.alias:
+                arr.flags.writeable = False
+            try:
+                return from_bits(arr, code, self.like)
+            except errors.NotSupported:
+                return arr
+        if isinstance(parts[0], np.ndarray):
+            return np.concatenate(parts, axis=0)
+        import torch
+        return torch.cat(parts, dim=0)
+
+
+def _failed(version, status, why):
+    """The error of a version that did not commit here, with the receiver's reason."""
+    cls = errors._BY_CODE.get(status, errors.Error)
+    return cls(status, "refit: version %d did not commit here%s" %
+               (version, ": " + why if why else ""))
+
+
+def _run(up, lay, mapping, timeout_s, like):
+    """The iteration of Updates `up`: yields (engine name, tensor) of version up.version."""
+    rx, events = up._rx, up._events
+    target, landed, done = up.version, set(), []
+    seen_target = False
+
+    def rest():
+        for ename in lay.targets:
+            if ename not in done:
+                done.append(ename)
+                yield ename, lay.tensor(ename)
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            kind, v, x = events.get_nowait()
+        except queue.Empty:
+            rc, have = rx._wait_now(target)  # also asks for the latest when it lacks it
+            if rc == 0:  # committed (before this began, or its event is behind us)
+                if not done and lay.manifest != rx.manifest():
+                    lay = _Layout(rx, mapping, like)
+                up.version = max(target, have) if not done else target
+                yield from rest()
+                return
+            left = deadline - time.monotonic()
+            if rc != _ETIMEDOUT or left <= 0:
+                errors.raise_status(rc)
+            try:
+                kind, v, x = events.get(timeout=min(left, _TICK))
+            except queue.Empty:
+                continue
+        deadline = time.monotonic() + timeout_s  # the timeout bounds a wait for progress
+        if kind == "bucket" and v > target:
+            if done:
+                raise errors.Stale(-23, "refit: version %d was overtaken by %d while it loaded: "
+                                   "the tensors yielded are being overwritten; load again"
+                                   % (target, v))
+            target, landed, seen_target = v, set(), False  # nothing given out: load the newer
+            up.version = v
+        if kind == "bucket" and v == target:
+            if not seen_target:
+                seen_target = True  # a re-seal comes with a version's first bucket
+                if lay.manifest != rx.manifest():
+                    lay = _Layout(rx, mapping, like)
+            landed.add(x)
+            for ename in lay.by_bucket.get(x, ()):
+                if ename not in done and lay.need[ename] <= landed:
+                    done.append(ename)
+                    yield ename, lay.tensor(ename)
+        elif kind == "commit" and v >= target:
+            if x[0] != 0:
+                raise _failed(v, *x)
+            yield from rest()
+            return
+
+
+class Updates:
+    """The iterator RefitReceiver.updates() returns. From its creation it has a destination
+    bound and listens to the receiver, so buckets that land before the iteration begins count;
+    it stops listening when the iteration ends (done or raised), on close(), on leaving a
+    `with` block, or when it is garbage-collected."""
+
+    def __init__(self, rx, version, mapping, timeout_s, like):
+        self._rx = rx
+        self._events = queue.SimpleQueue()
+        self._listening = False
+        rx._listen(self._events.put)
+        self._listening = True
+        try:
+            lay = _Layout(rx, mapping, like)
+        except BaseException:
+            self.close()
+            raise
+        self.version = version  # the version loaded (a newer one when it overtook first)
+        self._gen = _run(self, lay, mapping, timeout_s, like)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._gen)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self):
+        """Stops listening (a load given up halfway leaves nothing behind)."""
+        if self._listening:
+            self._listening = False
+            if hasattr(self, "_gen"):
+                self._gen.close()
+            self._rx._unlisten(self._events.put)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def updates(rx, version, mapping, timeout, like):
+    """RefitReceiver.updates (its docstring): checks the arguments now, loads when iterated."""
+    if isinstance(version, bool) or not isinstance(version, numbers.Integral) or version < 1:
+        raise ValueError("updates: version=%r; pass the version to load (an int >= 1)"
+                         % (version,))
+    if like_name(like) not in ("torch", "numpy"):
+        raise ValueError("updates: like=%r; pass 'torch' or 'numpy'" % (like,))
+    manifest = rx.manifest()
+    # a mapping that cannot be met fails here, not mid-load
+    plan(bound_entries(rx, manifest)[0] if rx._pieces else manifest, mapping)
+    budget = -1 if timeout is None else timeout * 1000
+    if budget < 0:
+        budget = int((lib.ferry_config_get(b"FERRY_TIMEOUT_MS") or b"10000").decode())
+    return Updates(rx, int(version), mapping, budget / 1000.0, like)

@@ -1,0 +1,213 @@
+/*
+ * Shards (shard.h): the runs of the flat wire buffer that a receiver's pieces cover, built the
+ * same way by the receiver (where each run lands) and by the sender (what to hash for it), and
+ * the VIEW record's piece codec, which validates every field before anything is trusted.
+ */
+#include "refit/shard.h"
+#include "core/core.h"
+#include "core/hash.h"
+#include "transport/wire.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int fr_refit_piece_check(const fr_refit_plan *plan, const fr_refit_piece *pc, const char *who) {
+  if (pc->entry >= plan->count)
+    return fr_err(FERRY_ENOTFOUND, "%s: no such tensor", who);
+  const fr_refit_entry *e = &plan->entries[pc->entry];
+  uint32_t nd = e->desc.ndim;
+  uint64_t extent = nd ? (pc->dim < nd ? e->desc.shape[pc->dim] : 0) : 1;
+  if (pc->dim >= (nd ? nd : 1))
+    return fr_err(FERRY_ESHAPE, "%s: '%s' has %u dims, no dim %u", who, e->name, nd, pc->dim);
+  if (pc->start >= pc->stop || pc->stop > extent)
+    return fr_err(FERRY_ESHAPE, "%s: [%llu:%llu] is not a slice of '%s' dim %u (size %llu)", who,
+                  (unsigned long long)pc->start, (unsigned long long)pc->stop, e->name, pc->dim,
+                  (unsigned long long)extent);
+  return 0;
+}
+
+void fr_refit_piece_shape(const fr_refit_plan *plan, const fr_refit_piece *pc,
+                          ferry_tensor_desc *out) {
+  const fr_refit_entry *e = &plan->entries[pc->entry];
+  *out = e->desc;
+  out->dtype = e->wire;
+  if (out->ndim)
+    out->shape[pc->dim] = pc->stop - pc->start;
+}
+
+typedef struct runs {
+  fr_refit_run *v;
+  uint64_t n, cap;
+} runs;
+
+static int push_run(runs *rs, uint64_t off, uint64_t len, uint8_t *dst) {
+  if (rs->n == rs->cap) {
+    uint64_t cap = rs->cap ? 2 * rs->cap : 64;
+    fr_refit_run *v = realloc(rs->v, cap * sizeof *v);
+    if (!v)
+      return fr_err(FERRY_ENOMEM, "refit: %llu shard runs", (unsigned long long)cap);
+    rs->v = v;
+    rs->cap = cap;
+  }
+  rs->v[rs->n++] = (fr_refit_run){off, len, dst};
+  return 0;
+}
+
+/* Adds [off, off+len) landing at dst, cut at bucket boundaries. */
+static int add_run(runs *rs, uint64_t bb, uint64_t off, uint64_t len, uint8_t *dst) {
+  while (len > 0) {
+    uint64_t room = bb - off % bb, n = len < room ? len : room;
+    int rc = push_run(rs, off, n, dst);
+    if (rc != 0)
+      return rc;
+    off += n, len -= n;
+    dst = dst ? dst + n : NULL;
+  }
+  return 0;
+}
+
+/* The runs of one piece, in source order, landing one after another from dst. */
+static int piece_runs(const fr_refit_plan *plan, const fr_refit_piece *pc, uint8_t *dst, runs *rs) {
+  const fr_refit_entry *e = &plan->entries[pc->entry];
+  uint64_t es = ferry_dtype_size(e->wire), outer = 1, inner = es;
+  if (e->desc.ndim == 0)
+    return add_run(rs, plan->bucket_bytes, e->offset, es, dst);
+  for (uint32_t d = 0; d < pc->dim; d++)
+    outer *= e->desc.shape[d];
+  for (uint32_t d = pc->dim + 1; d < e->desc.ndim; d++)
+    inner *= e->desc.shape[d];
+  uint64_t mid = e->desc.shape[pc->dim], len = (pc->stop - pc->start) * inner;
+  if (len == mid * inner) /* the whole of each row: one contiguous run */
+    return add_run(rs, plan->bucket_bytes, e->offset + pc->start * inner, outer * len, dst);
+  for (uint64_t o = 0; o < outer; o++) {
+    int rc = add_run(rs, plan->bucket_bytes, e->offset + (o * mid + pc->start) * inner, len,
+                     dst ? dst + o * len : NULL);
+    if (rc != 0)
+      return rc;
+  }
+  return 0;
+}
+
+static int run_cmp(const void *a, const void *b) {
+  const fr_refit_run *x = a, *y = b;
+  if (x->off != y->off)
+    return x->off < y->off ? -1 : 1;
+  if (x->len != y->len)
+    return x->len < y->len ? -1 : 1;
+  return (x->dst > y->dst) - (x->dst < y->dst);
+}
+
+static int view_index(const fr_refit_plan *plan, fr_refit_view *v) {
+  v->first = calloc((size_t)plan->buckets + 1, sizeof *v->first);
+  if (!v->first)
+    return fr_err(FERRY_ENOMEM, "refit: shard view of %u buckets", plan->buckets);
+  uint64_t i = 0;
+  for (uint32_t b = 0; b <= plan->buckets; b++) {
+    uint64_t start = (uint64_t)b * plan->bucket_bytes;
+    while (i < v->nruns && v->runs[i].off < start)
+      i++;
+    v->first[b] = i;
+  }
+  v->first[plan->buckets] = v->nruns;
+  return 0;
+}
+
+int fr_refit_view_build(const fr_refit_plan *plan, const fr_refit_target *targets, size_t n,
+                        uint32_t serial, fr_refit_view **out) {
+  runs rs = {0};
+  int rc = 0;
+  for (size_t t = 0; t < n && rc == 0; t++) {
+    uint8_t *dst = targets[t].dst;
+    for (uint32_t i = 0; i < targets[t].npieces && rc == 0; i++) {
+      const fr_refit_piece *pc = &targets[t].pieces[i];
+      ferry_tensor_desc d;
+      uint64_t bytes = 0;
+      fr_refit_piece_shape(plan, pc, &d);
+      rc = ferry_tensor_nbytes(&d, &bytes);
+      if (rc == 0)
+        rc = piece_runs(plan, pc, dst, &rs);
+      dst = dst ? dst + bytes : NULL;
+    }
+  }
+  fr_refit_view *v = rc == 0 ? calloc(1, sizeof *v) : NULL;
+  if (rc == 0 && !v)
+    rc = fr_err(FERRY_ENOMEM, "refit: shard view");
+  if (rc != 0) {
+    free(rs.v);
+    return rc;
+  }
+  if (rs.n) /* qsort wants an array, even of nothing */
+    qsort(rs.v, rs.n, sizeof *rs.v, run_cmp);
+  v->serial = serial;
+  v->runs = rs.v;
+  v->nruns = rs.n;
+  for (uint64_t i = 0; i < rs.n; i++)
+    v->bytes += rs.v[i].len;
+  if ((rc = view_index(plan, v)) != 0) {
+    fr_refit_view_free(v);
+    return rc;
+  }
+  *out = v;
+  return 0;
+}
+
+void fr_refit_view_free(fr_refit_view *v) {
+  if (!v)
+    return;
+  free(v->runs);
+  free(v->first);
+  free(v);
+}
+
+uint64_t fr_refit_view_sum(const fr_refit_plan *plan, const fr_refit_view *v, uint32_t b,
+                           const uint8_t *bucket) {
+  uint64_t start = (uint64_t)b * plan->bucket_bytes;
+  fr_hash *h = fr_hash_begin();
+  for (uint64_t i = v->first[b]; i < v->first[b + 1]; i++)
+    fr_hash_update(h, bucket + (v->runs[i].off - start), v->runs[i].len);
+  return fr_hash_end(h);
+}
+
+void fr_refit_view_feed_begin(fr_refit_feed *f, const fr_refit_view *v, uint32_t b) {
+  *f = (fr_refit_feed){.v = v, .h = fr_hash_begin(), .next = v->first[b], .pos = 0};
+}
+
+void fr_refit_view_feed(const fr_refit_plan *plan, fr_refit_feed *f, uint32_t b, uint64_t lo,
+                        uint64_t n, const uint8_t *bucket) {
+  uint64_t start = (uint64_t)b * plan->bucket_bytes, end = start + lo + n;
+  while (f->next < f->v->first[b + 1]) {
+    const fr_refit_run *run = &f->v->runs[f->next];
+    uint64_t from = run->off + f->pos, to = run->off + run->len < end ? run->off + run->len : end;
+    if (from >= end)
+      return;
+    fr_hash_update(f->h, bucket + (from - start), to - from);
+    if (to < run->off + run->len) {
+      f->pos = to - run->off;
+      return;
+    }
+    f->next++;
+    f->pos = 0;
+  }
+}
+
+void fr_refit_pieces_encode(const fr_refit_piece *pieces, uint32_t n, uint8_t *out) {
+  for (uint32_t i = 0; i < n; i++, out += FR_REFIT_PIECE_BYTES) {
+    fr_put_u32(out, pieces[i].entry);
+    fr_put_u32(out + 4, pieces[i].dim);
+    fr_put_u64(out + 8, pieces[i].start);
+    fr_put_u64(out + 16, pieces[i].stop);
+  }
+}
+
+int fr_refit_pieces_decode(const uint8_t *in, size_t len, uint32_t n, fr_refit_piece *out) {
+  if (n > FR_REFIT_PIECES_MAX || len != (size_t)n * FR_REFIT_PIECE_BYTES)
+    return fr_err(FERRY_EPROTO, "refit view: %u pieces in %zu bytes", n, len);
+  for (uint32_t i = 0; i < n; i++, in += FR_REFIT_PIECE_BYTES) {
+    out[i] = (fr_refit_piece){fr_get_u32(in), fr_get_u32(in + 4), fr_get_u64(in + 8),
+                              fr_get_u64(in + 16)};
+    if (out[i].dim >= FERRY_MAX_DIMS || out[i].start >= out[i].stop)
+      return fr_err(FERRY_EPROTO, "refit view: piece %u is not a slice", i);
+  }
+  return 0;
+}

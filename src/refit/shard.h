@@ -1,0 +1,85 @@
+/*
+ * Shards: a receiver that binds slices of the sender's tensors (a tensor-parallel rank) reads
+ * only their bytes. A piece is (source tensor, dim, start, stop): the source's elements whose
+ * index along `dim` lies in [start, stop). In the flat wire buffer that is a list of runs (one
+ * per index of the dims before `dim`; a dim-0 slice is one run). A target is the caller's
+ * destination: its pieces laid one after another in row-major order (so along its dim 0).
+ *
+ * The receiver declares each target's pieces to the sender (VIEW records, by tensor index of the
+ * manifest generation). Both ends build the same view from the same declarations: every run of
+ * every target, cut at bucket boundaries and sorted by offset. The sender hashes, per bucket, the
+ * bytes of the receiver's runs in that order (XXH3 streamed over the runs) and announces that sum
+ * with the view's serial beside the whole bucket's checksum; the receiver reads only its runs,
+ * hashes them as they land and commits only when every bucket's sum matched. A bucket announced
+ * under another serial (the receiver bound more since) is read whole and checked against the
+ * bucket's checksum, so a shard reader never takes bytes nobody verified.
+ */
+#ifndef FR_REFIT_SHARD_H
+#define FR_REFIT_SHARD_H
+
+#include "core/hash.h"
+#include "refit/plan.h"
+
+#define FR_REFIT_PIECES_MAX 4096u       /* per target */
+#define FR_REFIT_TARGETS_MAX (1u << 20) /* per receiver */
+
+/* A piece on the wire and in both ends' tables: the source by index in the manifest. */
+typedef struct fr_refit_piece {
+  uint32_t entry, dim;
+  uint64_t start, stop;
+} fr_refit_piece;
+#define FR_REFIT_PIECE_BYTES 24
+
+/* A target: its pieces and (receiver) where they land; dst NULL on the sender. */
+typedef struct fr_refit_target {
+  uint32_t npieces; /* 0: the slot is empty */
+  fr_refit_piece *pieces;
+  uint8_t *dst;
+} fr_refit_target;
+
+/* A run of the flat wire buffer and where it lands (receiver: an address; sender: 0). */
+typedef struct fr_refit_run {
+  uint64_t off, len;
+  uint8_t *dst;
+} fr_refit_run;
+
+typedef struct fr_refit_view {
+  uint32_t serial;    /* the declaration it was built from */
+  fr_refit_run *runs; /* sorted by off, none crossing a bucket boundary */
+  uint64_t nruns;
+  uint64_t *first; /* per bucket b: runs [first[b], first[b+1]) lie in it */
+  uint64_t bytes;  /* of all runs: what a push reads */
+} fr_refit_view;
+
+/* Checks a piece against the plan; the error says what does not fit, led by `who`. */
+int fr_refit_piece_check(const fr_refit_plan *plan, const fr_refit_piece *pc, const char *who);
+/* The piece's shape: the source's with dim `dim` cut to stop - start. */
+void fr_refit_piece_shape(const fr_refit_plan *plan, const fr_refit_piece *pc,
+                          ferry_tensor_desc *out);
+/* Builds the view of targets [0, n) (each piece already checked). */
+int fr_refit_view_build(const fr_refit_plan *plan, const fr_refit_target *targets, size_t n,
+                        uint32_t serial, fr_refit_view **out);
+void fr_refit_view_free(fr_refit_view *v);
+/* The sum of the view's runs in bucket b, whose bytes lie at `bucket`. */
+uint64_t fr_refit_view_sum(const fr_refit_plan *plan, const fr_refit_view *v, uint32_t b,
+                           const uint8_t *bucket);
+
+/* The same, fed while the bucket is packed: a view's running sum over bucket b, taking the runs'
+ * bytes that lie in each window [lo, lo+n) of the bucket as it is filled (windows in order, the
+ * bytes before them still in place); after the bucket's last window, fr_hash_end gives what
+ * fr_refit_view_sum would. */
+typedef struct fr_refit_feed {
+  const fr_refit_view *v;
+  fr_hash *h;
+  uint64_t next; /* the run being fed */
+  uint64_t pos;  /* bytes of it fed so far */
+} fr_refit_feed;
+void fr_refit_view_feed_begin(fr_refit_feed *f, const fr_refit_view *v, uint32_t b);
+void fr_refit_view_feed(const fr_refit_plan *plan, fr_refit_feed *f, uint32_t b, uint64_t lo,
+                        uint64_t n, const uint8_t *bucket);
+
+/* VIEW record body: the pieces of one target slot, after the fixed record. */
+void fr_refit_pieces_encode(const fr_refit_piece *pieces, uint32_t n, uint8_t *out);
+int fr_refit_pieces_decode(const uint8_t *in, size_t len, uint32_t n, fr_refit_piece *out);
+
+#endif
