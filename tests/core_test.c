@@ -8,6 +8,7 @@
 
 #include "core/core.h"
 #include "core/hash.h"
+#include "core/pool.h"
 
 #include <jansson.h>
 #include <regex.h>
@@ -385,6 +386,49 @@ static void test_sha256_hmac(void **state) {
   assert_false(fr_memeq_const("abc", "abd", 3));
 }
 
+/* The one pool allocator (store and mq): first fit, granules, a limit, coalescing frees. */
+static void test_pool(void **state) {
+  (void)state;
+  fr_pool p;
+  assert_int_equal(fr_pool_init(&p, 1000, 64), 0);
+  assert_int_equal(p.capacity, 960); /* rounded down to the granule */
+  uint64_t a, b, c, d;
+  assert_int_equal(fr_pool_alloc(&p, 1, p.capacity, &a), 0);
+  assert_int_equal(fr_pool_alloc(&p, 65, p.capacity, &b), 0);
+  assert_int_equal(fr_pool_alloc(&p, 0, p.capacity, &c), 0); /* 0 takes a granule too */
+  assert_int_equal(a, 0);
+  assert_int_equal(b, 64);
+  assert_int_equal(c, 192);
+  assert_int_equal(p.used, 256);
+  assert_int_equal(fr_pool_alloc(&p, 961, p.capacity, &d), FERRY_ECAPACITY);
+  assert_int_equal(fr_pool_alloc(&p, UINT64_MAX, p.capacity, &d), FERRY_ECAPACITY);
+  assert_int_equal(fr_pool_alloc(&p, 64, 256, &d), FERRY_ECAPACITY); /* would end past 256 */
+  assert_int_equal(fr_pool_largest(&p), 704);
+  fr_pool_free(&p, b, 65); /* a hole at 64..192: first fit takes it */
+  assert_int_equal(p.nfree, 2);
+  assert_int_equal(fr_pool_alloc(&p, 64, 256, &d), 0);
+  assert_int_equal(d, 64);
+  fr_pool_free(&p, a, 1);
+  fr_pool_free(&p, c, 0);
+  fr_pool_free(&p, d, 64); /* between two free extents: all one again */
+  assert_int_equal(p.nfree, 1);
+  assert_int_equal(p.used, 0);
+  assert_int_equal(fr_pool_largest(&p), 960);
+  fr_pool_fini(&p);
+  assert_int_equal(fr_pool_init(&p, 40 * 64, 64), 0);
+  for (uint64_t i = 0; i < 40; i++)
+    assert_int_equal(fr_pool_alloc(&p, 64, p.capacity, &a), 0);
+  for (uint64_t off = 0; off < 40 * 64; off += 128) /* every other granule: the list grows */
+    fr_pool_free(&p, off, 64);
+  assert_int_equal(p.nfree, 20);
+  assert_int_equal(fr_pool_largest(&p), 64);
+  for (uint64_t off = 64; off < 40 * 64; off += 128)
+    fr_pool_free(&p, off, 64);
+  assert_int_equal(p.nfree, 1);
+  fr_pool_fini(&p);
+  fr_pool_fini(&p); /* a zeroed pool too */
+}
+
 /* The options-struct rule, on a struct this "library" knows at its second version. */
 typedef struct opts_v1 { /* what an older caller (or a thinner binding) declares */
   size_t size;
@@ -498,6 +542,7 @@ int main(void) {
       cmocka_unit_test(test_sha256_hmac),    cmocka_unit_test(test_hash_builds_agree),
       cmocka_unit_test(test_log_text),       cmocka_unit_test(test_log_json),
       cmocka_unit_test(test_opts_rule),      cmocka_unit_test(test_grow),
+      cmocka_unit_test(test_pool),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -58,7 +58,7 @@ static inline unsigned fr_ctl_cmd_of(uint64_t w) { return fr_ctl_low(w) & 3; }
  * ended, even after every rank line has moved on; a command with no record was superseded by
  * an abort before all ranks acked (or, after FR_CTL_OUTCOMES newer commands, is unknown).
  * Layout 1 kept 256 and lost outcomes in the stress test: a controller preempted for ~100 ms on a
- * loaded 2-core machine while the other issued 298 commands; 4096 covers seconds of that. */
+ * loaded machine while the other issued 298 commands; 4096 covers seconds of that. */
 #define FR_CTL_OUTCOMES 4096
 #define FR_CTL_OUTCOMES_OFFSET FR_CTL_PAGE
 #define FR_CTL_HEADER_BYTES (FR_CTL_OUTCOMES_OFFSET + FR_CTL_OUTCOMES * 8)

@@ -37,6 +37,16 @@
   X("FERRY_REFIT_BUFFER_BYTES", "67108864", "refit bucket size in bytes (two are allocated)")      \
   X("FERRY_REFIT_BUFFER_RATIO", "", "if set (0..1): refit buckets take this share of free memory") \
   X("FERRY_SPIN_US", "200", "microseconds a waiter spins before it sleeps (latency vs. CPU)")      \
+  X("FERRY_LEAD_FOLLOW_US", "1000",                                                                \
+    "how long a waiting caller waits for a service thread to hand it the ctx's epoll")             \
+  X("FERRY_PROGRESS_GRACE_US", "4000",                                                             \
+    "while callers drive a ctx, how often its progress thread checks they still do")               \
+  X("FERRY_SLEEPER_SLICE_MS", "100",                                                               \
+    "longest sleep of a caller waiting on another thread's epoll before it looks again")           \
+  X("FERRY_SHARED_CORE_US", "20",                                                                  \
+    "a yield taking longer ran another thread on this core: a polling waiter then sleeps")         \
+  X("FERRY_MSG_KEEP_IDLE_MS", "2000",                                                              \
+    "received-message buffers of a size unused this long go back to the system")                   \
   X("FERRY_CTL_DIR", "/dev/shm", "directory of control cells (ferry-ctl-NAME files)")              \
   X("FERRY_CTL_CHECK_MS", "100", "how often a waiting controller checks that ranks are alive")     \
   X("FERRY_CTL_SPIN_US", "1000",                                                                   \
@@ -46,8 +56,14 @@
     "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]")                                                  \
   X("FERRY_LEASE_MS", "15000",                                                                     \
     "a node's directory lease; its records vanish this long after it dies")                        \
+  X("FERRY_DIR_POLL_MS", "50",                                                                     \
+    "while posted puts come, how often the embedded directory looks for them (no doorbell)")       \
   X("FERRY_STORE_CAPACITY", "1073741824", "bytes of a node's store pool (copied puts live there)") \
   X("FERRY_STORE_MAX_OBJECTS", "65536", "most objects one node's store holds at once")             \
+  X("FERRY_STORE_LINGER_MS", "1000",                                                               \
+    "a replaced store copy stays this long for gets already under way (unless room is needed)")    \
+  X("FERRY_STORE_POLL_MS", "50",                                                                   \
+    "how often a store looks for what settles unannounced (posted puts, views, lingering copies)") \
   X("FERRY_STORE_THREADS", "4", "threads a batch get uses to keep reads in flight")                \
   X("FERRY_MQ_QUEUE_BYTES", "67108864",                                                            \
     "mq: bytes of messages a subscriber queues per publisher before publishes wait")               \
@@ -56,7 +72,15 @@
   X("FERRY_MQ_STALL_LOG_MS", "1000",                                                               \
     "mq: a publish that waits this long for a subscriber's queue to have room logs who held it")   \
   X("FERRY_MQ_POOL_BYTES", "268435456",                                                            \
-    "mq: bytes of a publisher's shared-memory pool for large payloads (made on first use)")
+    "mq: bytes of a publisher's shared-memory pool for large payloads (made on first use)")        \
+  X("FERRY_MQ_FLUSH_US", "50", "mq: a batch of small messages goes out after this at the latest")  \
+  X("FERRY_MQ_STREAM_GAP_US", "20",                                                                \
+    "mq: publishes closer than this are a stream, batched per subscriber")                         \
+  X("FERRY_MQ_WARM_WAIT_US", "2000",                                                               \
+    "mq: least a large publish waits for a pool block in use to come back before it grows the "    \
+    "pool")                                                                                        \
+  X("FERRY_MQ_CHECK_MS", "20",                                                                     \
+    "mq: waits check for dead links this often; the background thread takes 5x as idleness")
 
 static const ferry_config_item config_table[] = {
 #define FR_CONFIG_ROW_(name, def, doc) {name, def, doc},

@@ -17,8 +17,10 @@
 #include <stdio.h>
 #include <string.h>
 
-#define RETRY_NS 200000000ull /* after a failed renewal: soon, and loudly */
-#define GROUP_MAX 64          /* leases per renewal request; more renew in turns */
+/* After a failed renewal, the next try comes soon (and loudly): RETRY_PER_LEASE tries fit in
+ * the third of the lease that is left before it lapses (200 ms at the default 15 s). */
+#define RETRY_PER_LEASE 25
+#define GROUP_MAX 64 /* leases per renewal request; more renew in turns */
 
 /* Guards every client's `leases` list and the members' in_group/next: a process has a few. */
 static pthread_mutex_t group_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -65,7 +67,8 @@ void fr_dir_lease_init(fr_dir_lease *l, fr_dir *dir, ferry_ctx *ctx, const char 
 
 static void schedule(fr_dir_lease *l, bool ok) {
   __atomic_store_n(&l->ok, ok && l->held, __ATOMIC_RELAXED);
-  uint64_t after = ok ? (uint64_t)l->lease_ms * 1000000ull / 3 : RETRY_NS;
+  uint64_t third = (uint64_t)l->lease_ms * 1000000ull / 3;
+  uint64_t after = ok ? third : third / RETRY_PER_LEASE;
   __atomic_store_n(&l->next_renew_ns, fr_now_ns() + after, __ATOMIC_RELEASE);
 }
 

@@ -91,8 +91,9 @@ static const char obj_del_lua[] =
  * the caller its timeout, never the connection's. */
 
 /* How far the armed socket timeout may lie above what is left before it is armed again: calls
- * with the same timeout then cost no setsockopt, and a call returns at most this late. */
-#define REARM_SLACK_MS 20
+ * with the same timeout then cost no setsockopt, and a call returns at most this late, a
+ * twentieth of what it had left (at least 1 ms): late by a share of the wait, not a fixed time. */
+static int rearm_slack_ms(int ms) { return ms / 20 > 1 ? ms / 20 : 1; }
 
 static int timed_out(const rds *r, const char *what, int timeout_ms) {
   return fr_err(FERRY_ETIMEDOUT, "Redis at %s did not answer %s within %d ms", r->shown, what,
@@ -105,7 +106,7 @@ static bool arm(rds *r, redisContext *c, uint64_t deadline) {
   int ms = fr_ms_left(deadline);
   if (ms <= 0)
     return false;
-  if (c != r->c || r->armed_ms < ms || r->armed_ms > ms + REARM_SLACK_MS) {
+  if (c != r->c || r->armed_ms < ms || r->armed_ms > ms + rearm_slack_ms(ms)) {
     struct timeval tv = {ms / 1000, (ms % 1000) * 1000};
     redisSetTimeout(c, tv);
     if (c == r->c)

@@ -56,7 +56,10 @@ struct fr_dir_server {
   ferry_region_ref watch_ref;
   uint64_t *table; /* the shared object table (table.h): set with watch */
   ferry_region_ref table_ref;
-  bool posted; /* applying a posted put: its sender bumped the word already (lock held) */
+  bool posted;        /* applying a posted put: its sender bumped the word already (lock held) */
+  uint64_t posted_ns; /* atomic: when a posted put was last served */
+  int poll_ms;        /* FERRY_DIR_POLL_MS, and the window of polls after a posted put */
+  uint64_t posted_window_ns;
 };
 
 /* ---- change words ---- */
@@ -512,6 +515,7 @@ static int op_posted(fr_dir_server *s, fr_rd *in, fr_wr *out) {
   if (op != FR_DOP_OBJ_PUT && op != FR_DOP_OBJ_PUT_BATCH)
     return fr_err(FERRY_EPROTO, "posted request: op %u is not a put", op);
   s->posted = true; /* its sender bumped the keys' words when it was in the ring */
+  __atomic_store_n(&s->posted_ns, fr_now_ns(), __ATOMIC_RELAXED);
   int rc = op == FR_DOP_OBJ_PUT ? op_obj_put(s, in, out) : op_obj_put_batch(s, in, out);
   s->posted = false;
   return rc;
@@ -638,9 +642,9 @@ static void serve_one(fr_dir_server *s, ferry_msg *m) {
  * request depends on had returned before that request was sent, so it was sent before the
  * fence and before the request (it goes first), and so were the puts it depends on in turn
  * (they go before it); puts still on their way are concurrent with everything queued here.
- * A posted put rings no doorbell (waking this thread would cost its sender tens of
+ * A posted put in a stream rings no doorbell (waking this thread would cost its sender tens of
  * microseconds): the next message from anyone brings it in with the fence, or at the latest the
- * idle tick (IDLE_MS) does. */
+ * server's look for posted puts (idle_wait_ms). The first of a stream rings (dirwire.h). */
 
 /* When a posted put was sent; UINT64_MAX for any other message. */
 static uint64_t sent_at(const ferry_msg *m) {
@@ -702,7 +706,13 @@ static void serve_in_order(fr_dir_server *s, ferry_msg *m) {
   serve_one(s, m);
 }
 
-#define IDLE_MS 50
+/* How long the thread waits for a message when idle: FERRY_DIR_POLL_MS while posted puts come
+ * (see serving order), else until it next looks at the leases, once a second; a request, or
+ * fr_dir_server_stop, wakes it. */
+static int idle_wait_ms(fr_dir_server *s) {
+  uint64_t since = fr_now_ns() - __atomic_load_n(&s->posted_ns, __ATOMIC_RELAXED);
+  return since < s->posted_window_ns ? s->poll_ms : 1000;
+}
 
 static void *server_main(void *arg) {
   pthread_setname_np(pthread_self(), "ferry-directory"); /* for top -H, perf, gdb */
@@ -712,7 +722,7 @@ static void *server_main(void *arg) {
     pthread_mutex_lock(&s->serve_lock);
     bool idle = s->nbacklog == 0;
     pthread_mutex_unlock(&s->serve_lock);
-    bool queued = !idle || fr_ctx_await(s->ctx, FR_CHANNEL_DIRECTORY, IDLE_MS);
+    bool queued = !idle || fr_ctx_await(s->ctx, FR_CHANNEL_DIRECTORY, idle_wait_ms(s));
     if (!queued && __atomic_load_n(&s->ctx->stopping, __ATOMIC_ACQUIRE))
       break;
     pthread_mutex_lock(&s->serve_lock);
@@ -743,6 +753,9 @@ int fr_dir_server_start(ferry_ctx *ctx, fr_dir_server **out) {
   if (!s)
     return fr_err(FERRY_ENOMEM, "directory server");
   s->ctx = ctx;
+  s->poll_ms = (int)fr_config_int("FERRY_DIR_POLL_MS");
+  s->poll_ms = s->poll_ms > 0 ? s->poll_ms : 1;
+  s->posted_window_ns = fr_dir_posted_window_ns();
   if (watch_open(s) != 0) { /* clients then ask every time */
     fr_warn("directory: no change words: %s", ferry_last_error());
     fr_err_clear();
@@ -764,6 +777,7 @@ void fr_dir_server_stop(fr_dir_server *s) {
     return;
   if (s->ctx) {
     __atomic_store_n(&s->stop, true, __ATOMIC_RELEASE);
+    fr_ctx_kick(s->ctx, FR_CHANNEL_DIRECTORY);
     pthread_join(s->thread, NULL);
     if (s->watch) {
       ferry_free(s->ctx, s->watch);

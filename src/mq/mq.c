@@ -20,10 +20,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define SLICE_NS 20000000ull     /* waits re-check dead links this often */
-#define APP_IDLE_NS 100000000ull /* the background thread pumps after this much quiet */
-#define BG_PUMP_MS 50
-#define FLUSH_NS 50000ull /* a pending batch goes out after this at the latest */
+/* The timing (settings, mq.h): waits re-check dead links every check_ns; the background thread
+ * pumps after app_idle_ns (5 checks) without an application thread pumping, for half of that
+ * at a time; a pending batch goes out after flush_ns at the latest. */
+static uint64_t app_idle_ns(const ferry_mq *mq) { return mq->check_ns * 5; }
 
 void fr_mq_detail(char *buf, size_t cap) { snprintf(buf, cap, "%s", ferry_last_error()); }
 
@@ -125,7 +125,7 @@ int fr_mq_wait(ferry_mq *mq, bool (*ready)(ferry_mq *, void *), void *arg, uint6
     uint64_t now = fr_now_ns();
     if (now >= deadline_ns && (tried || mq->pumping))
       return FERRY_ETIMEDOUT;
-    uint64_t slice = now + SLICE_NS < deadline_ns ? now + SLICE_NS : deadline_ns;
+    uint64_t slice = now + mq->check_ns < deadline_ns ? now + mq->check_ns : deadline_ns;
     /* An application thread waiting counts as pumping even while it waits on the background
      * thread's pump: otherwise, once the background thread pumps, the application never does
      * again (it finds it pumping each time) and every message costs a hand-off. */
@@ -170,26 +170,26 @@ static void run_callback(ferry_mq *mq) {
 
 static void background_step(ferry_mq *mq, uint64_t now) {
   uint64_t renew = __atomic_load_n(&mq->lease.next_renew_ns, __ATOMIC_ACQUIRE);
-  uint64_t until = now + APP_IDLE_NS < renew ? now + APP_IDLE_NS : renew;
+  uint64_t until = now + app_idle_ns(mq) < renew ? now + app_idle_ns(mq) : renew;
   uint64_t batch = __atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE);
-  if (batch && batch + FLUSH_NS <= now) {
+  if (batch && batch + mq->flush_ns <= now) {
     pthread_mutex_unlock(&mq->lock);
     fr_mq_flush(mq);
     pthread_mutex_lock(&mq->lock);
     if (__atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE) == batch)
-      timed_wait(&mq->bg_cond, mq, now + FLUSH_NS); /* a publish holds it and sends it */
+      timed_wait(&mq->bg_cond, mq, now + mq->flush_ns); /* a publish holds it and sends it */
     return;
   }
-  if (batch && batch + FLUSH_NS < until)
-    until = batch + FLUSH_NS;
+  if (batch && batch + mq->flush_ns < until)
+    until = batch + mq->flush_ns;
   if (mq->callback && mq->head) {
     run_callback(mq);
   } else if (mq->callback) {
     fr_mq_wait(mq, callback_ready, NULL, until);
-  } else if (!mq->pumping && mq->waiters == 0 && now - mq->app_pump_ns > APP_IDLE_NS) {
+  } else if (!mq->pumping && mq->waiters == 0 && now - mq->app_pump_ns > app_idle_ns(mq)) {
     mq->pumping = true;
     pthread_mutex_unlock(&mq->lock);
-    fr_mq_pump(mq, BG_PUMP_MS);
+    fr_mq_pump(mq, (int)(app_idle_ns(mq) / 2000000));
     pthread_mutex_lock(&mq->lock);
     mq->pumping = false;
     pthread_cond_broadcast(&mq->cond);
@@ -219,6 +219,12 @@ static void *background(void *arg) {
 
 /* ---- open / close ---- */
 
+/* A duration setting in nanoseconds, given its unit in them (1000: microseconds); at least 1. */
+static uint64_t config_ns(const char *name, uint64_t unit) {
+  int64_t v = fr_config_int(name);
+  return v > 0 ? (uint64_t)v * unit : 1;
+}
+
 static ferry_mq *mq_new(ferry_ctx *ctx, const ferry_mq_opts *o) {
   ferry_mq *mq = calloc(1, sizeof *mq);
   if (!mq)
@@ -233,6 +239,10 @@ static ferry_mq *mq_new(ferry_ctx *ctx, const ferry_mq_opts *o) {
   mq->stall_log_ns = (uint64_t)(stall < 0 ? 0 : stall) * 1000000ull;
   int64_t pool = fr_config_int("FERRY_MQ_POOL_BYTES");
   mq->pool_bytes = pool < 0 ? 0 : (uint64_t)pool;
+  mq->flush_ns = config_ns("FERRY_MQ_FLUSH_US", 1000);
+  mq->stream_gap_ns = config_ns("FERRY_MQ_STREAM_GAP_US", 1000);
+  mq->warm_wait_ns = config_ns("FERRY_MQ_WARM_WAIT_US", 1000);
+  mq->check_ns = config_ns("FERRY_MQ_CHECK_MS", 1000000);
   pthread_mutex_init(&mq->lock, NULL);
   pthread_mutex_init(&mq->publish_lock, NULL);
   fr_cond_init_monotonic(&mq->cond);

@@ -4,8 +4,8 @@
  * wire.c encodes and decodes mq frames (a pure decoder, fuzzed); mq.c opens and closes, runs the
  * background thread and the pump (the one place that takes messages off FR_CHANNEL_MQ and
  * dispatches them), and keeps the node's directory records; discover.c subscribes, advertises
- * and finds peers; publish.c sends (credit, the shared-memory pool); recv.c hands messages to
- * the application and returns credit.
+ * and finds peers; publish.c sends (with credit.c, batch.c, fast.c, pool.c, clock.c, loan.c:
+ * publish.h); recv.c hands messages to the application and returns credit.
  *
  * Roles: as a publisher this node keeps a `peer` per remote subscriber node (its link, credit
  * window and what is in flight to it) and, per topic, the list of peers subscribed. As a
@@ -16,6 +16,7 @@
 #define FR_MQ_H
 
 #include "core/core.h"
+#include "core/pool.h"
 #include "core/region.h"
 #include "directory/directory.h"
 
@@ -220,10 +221,15 @@ struct ferry_mq {
   uint64_t pool_bytes;
   uint64_t pool_hwm; /* end of the highest block so far: the pool below was written lately */
   uint64_t fresh_ps_per_byte; /* what a copy into fresh pool memory cost (publish_lock) */
+  /* timing settings, read at open: FERRY_MQ_FLUSH_US (a pending batch goes out after this at
+   * the latest), FERRY_MQ_STREAM_GAP_US (publishes closer than this are a stream: batched),
+   * FERRY_MQ_WARM_WAIT_US (the least a large publish waits for a warm pool block before it
+   * grows the pool), FERRY_MQ_CHECK_MS (waits re-check dead links this often; the background
+   * thread pumps after 5 of these without an application thread pumping, for 2.5 at a time) */
+  uint64_t flush_ns, stream_gap_ns, warm_wait_ns, check_ns;
   fr_mq_block *blocks;
   size_t nblocks, capblocks;
-  uint64_t *free_off, *free_len; /* free extents, sorted by offset */
-  size_t nfree, capfree;
+  fr_pool space; /* which bytes of the pool are free, in 4 KiB granules (core/pool.h) */
 
   pthread_t thread;
   bool thread_started;

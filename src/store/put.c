@@ -5,8 +5,8 @@
  * record in the directory. Retiring an object zeroes its generation word before its block can be
  * reused, so a reader that copied while the bytes changed always sees the mismatch. A pool copy
  * that a re-put replaced is not retired at once: it lingers, still whole and still valid, until
- * FR_STORE_LINGER_MS passed or its block or slot is needed (oldest first), so gets that looked it
- * up an instant before the re-put finish with it instead of starting over. Memory published in
+ * FERRY_STORE_LINGER_MS passed or its block or slot is needed (oldest first), so gets that looked
+ * it up an instant before the re-put finish with it instead of starting over. Memory published in
  * place is the caller's again once the re-put returns, so it is retired at once.
  */
 #include "store/store.h"
@@ -126,7 +126,7 @@ static bool linger_pop(ferry_store *s) {
 }
 
 static void linger_expire(ferry_store *s, uint64_t now) {
-  uint64_t age = (uint64_t)FR_STORE_LINGER_MS * 1000000ull;
+  uint64_t age = (uint64_t)s->linger_ms * 1000000ull;
   while (s->nlinger > 0 && now - s->linger[0]->replaced_ns > age)
     linger_pop(s);
 }
@@ -174,6 +174,18 @@ static int check_put(ferry_store *s, const char *key, const ferry_tensor_desc *d
   return 0;
 }
 
+/* A pool block for bytes (lock held); FERRY_ECAPACITY with the sizes in the detail. */
+static int pool_alloc(ferry_store *s, uint64_t bytes, uint64_t *off) {
+  fr_pool *p = &s->pool;
+  if (fr_pool_alloc(p, bytes, p->capacity, off) == 0)
+    return 0;
+  return fr_err(FERRY_ECAPACITY,
+                "%llu bytes do not fit the store pool: capacity %llu, in use %llu, largest free "
+                "block %llu (raise FERRY_STORE_CAPACITY or delete objects)",
+                (unsigned long long)bytes, (unsigned long long)p->capacity,
+                (unsigned long long)p->used, (unsigned long long)fr_pool_largest(p));
+}
+
 /* Finds a home for the bytes: in place, or a pool block (filled outside the lock). */
 static int place(ferry_store *s, fr_owned *o, const void *data, uint32_t flags, bool fill) {
   uint64_t off = 0;
@@ -190,9 +202,9 @@ static int place(ferry_store *s, fr_owned *o, const void *data, uint32_t flags, 
   pthread_mutex_lock(&s->lock);
   linger_expire(s, fr_now_ns());
   pinned_reap(s);
-  int rc = o->rec.bytes ? fr_pool_alloc(&s->pool, o->rec.bytes, &off) : 0;
+  int rc = o->rec.bytes ? pool_alloc(s, o->rec.bytes, &off) : 0;
   while (rc == FERRY_ECAPACITY && linger_pop(s)) /* make room: the oldest replaced copies go */
-    rc = (fr_err_clear(), fr_pool_alloc(&s->pool, o->rec.bytes, &off));
+    rc = (fr_err_clear(), pool_alloc(s, o->rec.bytes, &off));
   pthread_mutex_unlock(&s->lock);
   if (rc != 0) {
     rc = fr_err_wrap(rc, "put '%s'", o->rec.key);
@@ -253,6 +265,7 @@ static int publish(ferry_store *s, fr_owned *o, int timeout_ms) {
   fr_store_settle(s, false); /* what earlier puts left to do */
   pthread_mutex_lock(&s->publish_lock);
   int rc = fr_store_ensure_registered(s, fr_store_left(deadline));
+  __atomic_store_n(&s->posted_ns, fr_now_ns(), __ATOMIC_RELAXED); /* the service settles it */
   if (rc == 0)
     rc = fr_dir_obj_put(s->dir, &o->rec, FR_DIR_PUT_POSTED, &old, &other, fr_store_left(deadline));
   if (rc == FERRY_ENOTFOUND && (rc = fr_store_register(s, false, fr_store_left(deadline))) == 0)
@@ -358,6 +371,7 @@ static int publish_batch(ferry_store *s, fr_owned **os, size_t n, int *st, int t
   pthread_mutex_lock(&s->publish_lock);
   if (rc == 0)
     rc = fr_store_ensure_registered(s, fr_store_left(deadline));
+  __atomic_store_n(&s->posted_ns, fr_now_ns(), __ATOMIC_RELAXED); /* the service settles it */
   if (rc == 0)
     rc = fr_dir_obj_put_batch(s->dir, b.recs, n, FR_DIR_PUT_POSTED, st, b.old, b.other,
                               fr_store_left(deadline));

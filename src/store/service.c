@@ -10,6 +10,7 @@
  */
 #include "store/service.h"
 #include "core/channels.h"
+#include "transport/ctxcalls.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -275,6 +276,7 @@ static void count(const ferry_store *s, const ferry_link *link, int *all, int *p
 }
 
 static void *upload_main(void *arg) {
+  pthread_setname_np(pthread_self(), "ferry-upload"); /* for top -H, perf, gdb */
   upload *u = arg;
   uint64_t gen = 0;
   int rc = handle(u->s, u->msg, &u->m, &gen);
@@ -359,11 +361,35 @@ static bool serve_one(ferry_store *s, ferry_msg *msg) {
   return true;
 }
 
+/* How long the service thread waits for a request before it has work of its own: the lease's
+ * renewal; and every FERRY_STORE_POLL_MS while something settles only by being looked at
+ * (answers to posted puts ring no doorbell; views unpin in shared memory; replaced copies
+ * linger). Posted puts are answered within a few of the directory's polls: the store looks for
+ * the answers for SETTLE_POLLS polls after its last post, and any left collects the next put or
+ * renewal. An idle store sleeps until its renewal, a request, or fr_store_service_stop
+ * (fr_ctx_kick). */
+#define SETTLE_POLLS 40
+static int service_wait_ms(ferry_store *s) {
+  uint64_t now = fr_now_ns(), due = __atomic_load_n(&s->lease.next_renew_ns, __ATOMIC_ACQUIRE);
+  uint64_t ms = due > now ? (due - now + 999999) / 1000000 : 0;
+  pthread_mutex_lock(&s->lock);
+  bool settling = s->npinned > 0 || s->nlinger > 0;
+  pthread_mutex_unlock(&s->lock);
+  uint64_t posted = __atomic_load_n(&s->posted_ns, __ATOMIC_RELAXED);
+  if (posted && now - posted < (uint64_t)s->poll_ms * SETTLE_POLLS * 1000000ull)
+    settling = true;
+  if (settling && ms > (uint64_t)s->poll_ms)
+    ms = (uint64_t)s->poll_ms;
+  return ms > INT32_MAX ? INT32_MAX : (int)ms;
+}
+
 static void *service_main(void *arg) {
+  pthread_setname_np(pthread_self(), "ferry-store"); /* for top -H, perf, gdb */
+  fr_ctx_background_thread(); /* a service loop: callers waiting for their messages lead */
   ferry_store *s = arg;
   while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
     ferry_msg *m = NULL;
-    int rc = ferry_recv(s->ctx, FR_CHANNEL_STORE, &m, 50);
+    int rc = ferry_recv(s->ctx, FR_CHANNEL_STORE, &m, service_wait_ms(s));
     if (rc == 0) {
       if (serve_one(s, m))
         ferry_msg_free(m);
@@ -379,6 +405,8 @@ static void *service_main(void *arg) {
 }
 
 int fr_store_service_start(ferry_store *s) {
+  s->poll_ms = (int)fr_config_int("FERRY_STORE_POLL_MS");
+  s->poll_ms = s->poll_ms > 0 ? s->poll_ms : 1;
   if (pthread_create(&s->service, NULL, service_main, s) != 0)
     return fr_err(FERRY_ESYS, "store: cannot start the service thread");
   s->service_started = true;
@@ -387,6 +415,8 @@ int fr_store_service_start(ferry_store *s) {
 
 void fr_store_service_stop(ferry_store *s) {
   __atomic_store_n(&s->stop, true, __ATOMIC_RELEASE);
+  if (s->service_started)
+    fr_ctx_kick(s->ctx, FR_CHANNEL_STORE);
   if (s->service_started)
     pthread_join(s->service, NULL);
   uploads_wait(s); /* they publish into this store */

@@ -24,7 +24,7 @@ static int pool_open(ferry_store *s, uint64_t capacity) {
     slots = 1 << 24;
   s->nslots = (uint32_t)slots;
   s->data_base = ((uint64_t)s->nslots * FR_STORE_SLOT_BYTES + 4095) / 4096 * 4096;
-  int rc = fr_pool_init(&s->pool, capacity);
+  int rc = fr_pool_init(&s->pool, capacity, 64);
   s->free_slots = malloc(s->nslots * sizeof *s->free_slots);
   s->owned = malloc(s->nslots * sizeof *s->owned);
   s->linger = malloc(s->nslots * sizeof *s->linger);
@@ -148,6 +148,8 @@ static ferry_store *store_new(ferry_ctx *ctx, const ferry_store_opts *o) {
   s->ctx = ctx;
   snprintf(s->name, sizeof s->name, "%s", ferry_ctx_name(ctx));
   s->flags = o ? o->flags : 0;
+  int64_t linger = fr_config_int("FERRY_STORE_LINGER_MS");
+  s->linger_ms = linger > 0 ? (int)linger : 0;
   pthread_mutex_init(&s->lock, NULL);
   pthread_mutex_init(&s->publish_lock, NULL);
   pthread_mutex_init(&s->peers_lock, NULL);

@@ -1,6 +1,6 @@
 /*
  * The store, internal view: the state behind a ferry_store handle and the pieces its files share.
- * pool.c sub-allocates the node's shared-memory pool; store.c opens, registers and renews;
+ * core/pool.c sub-allocates the node's shared-memory pool; store.c opens, registers and renews;
  * put.c publishes and retires objects this node owns; get.c reads (with the peer link cache and
  * the batch workers); ops.c deletes, lists and describes; service.c answers other nodes on
  * FR_CHANNEL_STORE (remote deletes, drop notices, uploads from short-lived nodes).
@@ -9,29 +9,12 @@
 #define FR_STORE_H
 
 #include "core/core.h"
+#include "core/pool.h"
 #include "core/stats.h"
 #include "directory/directory.h"
 
 #include <pthread.h>
 #include <stdbool.h>
-
-/* ---- pool.c: first-fit sub-allocator over [0, capacity), 64-byte granules ---- */
-typedef struct fr_pool_block {
-  uint64_t off, len;
-} fr_pool_block;
-
-typedef struct fr_pool {
-  uint64_t capacity, used;
-  fr_pool_block *free; /* sorted by offset, coalesced */
-  size_t nfree, cap;
-} fr_pool;
-
-int fr_pool_init(fr_pool *p, uint64_t capacity);
-void fr_pool_fini(fr_pool *p);
-/* FERRY_ECAPACITY with the sizes in the detail when no block fits. */
-int fr_pool_alloc(fr_pool *p, uint64_t bytes, uint64_t *off);
-void fr_pool_free(fr_pool *p, uint64_t off, uint64_t bytes);
-uint64_t fr_pool_largest(const fr_pool *p);
 
 /* ---- the store ---- */
 #define FR_STORE_NO_POOL UINT64_MAX
@@ -59,10 +42,9 @@ typedef struct fr_owned {
   uint64_t replaced_ns; /* when a re-put replaced it (lingering copies) */
 } fr_owned;
 
-/* A replaced pool copy lingers (its bytes and generation word intact) for FR_STORE_LINGER_MS, or
- * until its space or slot is needed, so that a get that looked it up just before the re-put
- * still completes with that whole version instead of starting over. */
-#define FR_STORE_LINGER_MS 1000
+/* A replaced pool copy lingers (its bytes and generation word intact) for FERRY_STORE_LINGER_MS
+ * (ferry_store.linger_ms), or until its space or slot is needed, so that a get that looked it up
+ * just before the re-put still completes with that whole version instead of starting over. */
 
 typedef struct fr_peer {
   char name[FR_DIR_NAME_MAX + 1];
@@ -97,7 +79,7 @@ struct ferry_store {
   uint32_t nslots;
 
   pthread_mutex_t lock; /* pool, slots, owned objects */
-  fr_pool pool;
+  fr_pool pool;         /* 64-byte granules; under lock (core/pool.h) */
   uint32_t *free_slots;
   uint32_t nfree_slots;
   uint64_t next_gen;
@@ -121,6 +103,9 @@ struct ferry_store {
 
   pthread_t service;
   bool service_started, stop; /* stop: atomic */
+  uint64_t posted_ns; /* atomic: when this store last posted a put to the directory (put.c) */
+  int poll_ms;        /* FERRY_STORE_POLL_MS */
+  int linger_ms;      /* FERRY_STORE_LINGER_MS */
 
   pthread_mutex_t batch_lock; /* one batch at a time */
   pthread_mutex_t work_lock;
@@ -183,7 +168,7 @@ int fr_store_delete_owned(ferry_store *s, const char *key, uint64_t generation, 
                           int timeout_ms, uint32_t *pinned_slot);
 /* Retires every owned and lingering object (store close). */
 void fr_store_retire_all(ferry_store *s);
-/* Retires lingering copies replaced more than FR_STORE_LINGER_MS ago and frees retired objects
+/* Retires lingering copies replaced more than FERRY_STORE_LINGER_MS ago and frees retired objects
  * no view pins any more (the service thread). */
 void fr_store_linger_reap(ferry_store *s);
 fr_owned *fr_store_find_owned(ferry_store *s, const char *key, size_t *at);

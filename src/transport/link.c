@@ -347,12 +347,20 @@ int fr_link_call(ferry_link *l, uint32_t channel, const struct iovec *iov, int i
 }
 
 int fr_link_call_post(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
-                      int timeout_ms, fr_pending *p) {
+                      int timeout_ms, bool quiet, fr_pending *p) {
   *p = (fr_pending){.expect = FR_REPLY};
-  return request_send(l, p, FR_CALL, channel, iov, iovcnt, fr_deadline_ns(timeout_ms), true);
+  return request_send(l, p, FR_CALL, channel, iov, iovcnt, fr_deadline_ns(timeout_ms), quiet);
 }
 
 bool fr_link_call_ready(const fr_pending *p) { return pending_ready((void *)p); }
+
+void fr_link_ring(ferry_link *l) {
+  if (!l->ops->ring)
+    return;
+  pthread_mutex_lock(&l->send_lock); /* a doorbell among the frames, as a sender's */
+  l->ops->ring(l);
+  pthread_mutex_unlock(&l->send_lock);
+}
 
 int fr_link_call_collect(ferry_link *l, fr_pending *p, ferry_msg **reply, int timeout_ms) {
   int rc = pending_wait(l, p, fr_deadline_ns(timeout_ms), "call");

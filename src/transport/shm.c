@@ -406,6 +406,12 @@ static int shm_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
   return 0;
 }
 
+static void shm_ring(ferry_link *l) {
+  shm_link *s = ring_of(l);
+  if (s)
+    ring_doorbell(l, s);
+}
+
 static ssize_t shm_recv(ferry_link *l, void *dst, size_t len) {
   shm_link *s = ring_of(l);
   if (!s)
@@ -531,6 +537,7 @@ const fr_transport_ops fr_shm_transport = {
     .any_thread_events = true,
     .poll_begin = shm_poll_begin,
     .poll_end = shm_poll_end,
+    .ring = shm_ring,
     .offer = shm_offer,
     .accept_offer = shm_accept_offer,
     .opened = shm_opened,

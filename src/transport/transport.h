@@ -10,6 +10,7 @@
 #include "core/core.h"
 #include "core/region.h"
 #include "core/stats.h"
+#include "transport/ctxcalls.h"
 #include "transport/wire.h"
 
 #include <pthread.h>
@@ -57,6 +58,8 @@ typedef struct fr_transport_ops {
   bool edge_triggered; /* its links sit in epoll with EPOLLET (the stream is all on the socket) */
   void (*poll_begin)(ferry_link *l);
   void (*poll_end)(ferry_link *l);
+  /* Optional. Wakes the peer for what quiet frames left in its ring (fr_link_ring). */
+  void (*ring)(ferry_link *l);
   /* Optional. Handshake: the connector offers an fd with its AUTH (offer), the acceptor takes
    * it (accept_offer), and both switch to their fast path once the link is open (opened). */
   int (*offer)(ferry_link *l, int *fd);
@@ -180,7 +183,7 @@ static inline fr_msg_node *fr_msg_node_of(ferry_msg *m) {
 ferry_msg *fr_msg_alloc(uint64_t len);
 /* Bytes of free buffers kept for messages of len's size class (tests). */
 size_t fr_msg_kept_bytes(uint64_t len);
-/* Frees the kept buffers of the sizes not used for a while (2 s) by now_ns. */
+/* Frees the kept buffers of the sizes not used for FERRY_MSG_KEEP_IDLE_MS by now_ns. */
 void fr_msg_keep_trim(uint64_t now_ns);
 
 /* ---- the context ---- */
@@ -190,6 +193,7 @@ typedef struct fr_channel {
   struct fr_msg_node *head, *tail;
   int count;        /* atomic, for spinning readers */
   bool last_costly; /* atomic: the last message came on a link that is not cheap to poll */
+  bool kicked;      /* atomic: fr_ctx_kick, not yet seen by a wait (fr_ctx_await) */
 } fr_channel;
 
 typedef struct fr_listener {
@@ -241,6 +245,9 @@ struct ferry_ctx {
   pthread_mutex_t idle_lock;
   pthread_cond_t idle_cond; /* the progress thread sleeps here while callers lead */
   uint64_t next_reap;       /* under lead */
+  /* leader.c's timing (FERRY_LEAD_FOLLOW_US, FERRY_PROGRESS_GRACE_US, FERRY_SLEEPER_SLICE_MS,
+   * FERRY_SHARED_CORE_US), read at open */
+  uint64_t follow_ns, grace_ns, sleeper_slice_ns, shared_core_ns;
 
   fr_region_table regions;
   fr_channel channels[FERRY_MAX_CHANNELS];
@@ -319,10 +326,13 @@ int fr_link_rma_readv(ferry_link *l, const ferry_region_ref *r, const ferry_read
 /* Sends a CALL and waits for its REPLY (a message owned by the caller). */
 int fr_link_call(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
                  ferry_msg **reply, int timeout_ms);
-/* A CALL whose reply is collected later: sends it (quietly: fr_link_send_frame_quiet) and returns
- * at once; p stays registered with the link, and must outlive it or be collected. */
+/* A CALL whose reply is collected later: sends it (quietly when `quiet`: fr_link_send_frame_quiet)
+ * and returns at once; p stays registered with the link, and must outlive it or be collected. */
 int fr_link_call_post(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
-                      int timeout_ms, fr_pending *p);
+                      int timeout_ms, bool quiet, fr_pending *p);
+/* Wakes the peer for the quiet frames sent to it (fr_link_send_frame_quiet) that it has not
+ * taken yet, as a frame that is not quiet would; a no-op where frames are never quiet. */
+void fr_link_ring(ferry_link *l);
 /* Whether a posted call's reply (or the link's failure) is in. */
 bool fr_link_call_ready(const fr_pending *p);
 /* Waits up to timeout_ms for a posted call's reply and unregisters p; *reply is the caller's. */
@@ -355,7 +365,7 @@ int fr_stats_call(ferry_link *link, int timeout_ms, char **text);
 typedef unsigned (*fr_http_route_fn)(void *arg, char **body, size_t *len, const char **type);
 int fr_metrics_route(ferry_metrics_server *s, const char *path, fr_http_route_fn fn, void *arg);
 
-/* ctx.c */
+/* the context: ctx.c, leader.c, chanq.c, spin.c, server.c, accept.c, msgcache.c */
 void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg);
 /* Drops the ctx's reference to a retired link once the current event batch is done. */
 void fr_ctx_bury(ferry_ctx *ctx, ferry_link *l);
@@ -393,10 +403,7 @@ void fr_ctx_work_polling(ferry_ctx *ctx, void (*work)(void *), void *arg);
  * leads the epoll waiting for that, so it sees it; a leader waiting for something else (the
  * embedded directory's thread, for its requests) sleeps on. */
 void fr_ctx_poke(ferry_ctx *ctx, int what);
-/* Marks the calling thread as a background one (a service loop such as the embedded
- * directory's): it leads the ctx's epoll only while no other caller has led for a while, and
- * steps down when one wants to, as the progress thread does. */
-void fr_ctx_background_thread(void);
+/* fr_ctx_kick, fr_ctx_background_thread: ctxcalls.h */
 
 /* tcp.c: what every listener on an address shares (the tcp transport's, and the metrics one's) */
 /* Splits "HOST:PORT" or "[V6]:PORT" (HOST may be empty); FERRY_EINVAL when it is not one. */

@@ -1,25 +1,27 @@
 /*
- * The store pool's sub-allocator: first fit over a sorted, coalesced free list of 64-byte
- * granules. Objects are few (thousands) and large, so a linear list is simpler and as fast as
- * anything cleverer here. It knows nothing of memory: offsets in, offsets out.
+ * The one pool sub-allocator (pool.h): first fit over a sorted, coalesced free list of
+ * granules, used by the store's object pool and mq's payload pool. The memory model is stated
+ * in pool.h.
  */
-#include "store/store.h"
+#include "core/pool.h"
+#include "core/core.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define GRANULE 64u
+uint64_t fr_pool_round(const fr_pool *p, uint64_t v) {
+  return (v + p->granule - 1) / p->granule * p->granule;
+}
 
-static uint64_t round_up(uint64_t v) { return (v + GRANULE - 1) / GRANULE * GRANULE; }
-
-int fr_pool_init(fr_pool *p, uint64_t capacity) {
+int fr_pool_init(fr_pool *p, uint64_t capacity, uint64_t granule) {
   memset(p, 0, sizeof *p);
-  p->capacity = capacity / GRANULE * GRANULE;
+  p->granule = granule ? granule : 1;
+  p->capacity = capacity / p->granule * p->granule;
   p->cap = 16;
   p->free = malloc(p->cap * sizeof *p->free);
   if (!p->free)
-    return fr_err(FERRY_ENOMEM, "store pool");
+    return fr_err(FERRY_ENOMEM, "pool of %llu bytes: its free list", (unsigned long long)capacity);
   if (p->capacity)
     p->free[p->nfree++] = (fr_pool_block){0, p->capacity};
   return 0;
@@ -38,9 +40,12 @@ uint64_t fr_pool_largest(const fr_pool *p) {
   return m;
 }
 
-int fr_pool_alloc(fr_pool *p, uint64_t bytes, uint64_t *off) {
-  uint64_t need = round_up(bytes ? bytes : 1);
-  for (size_t i = 0; bytes <= p->capacity && i < p->nfree; i++) {
+int fr_pool_alloc(fr_pool *p, uint64_t bytes, uint64_t limit, uint64_t *off) {
+  if (bytes > p->capacity) /* and rounding it cannot overflow */
+    return FERRY_ECAPACITY;
+  limit = limit < p->capacity ? limit : p->capacity;
+  uint64_t need = fr_pool_round(p, bytes ? bytes : 1);
+  for (size_t i = 0; i < p->nfree && p->free[i].off + need <= limit; i++) {
     fr_pool_block *b = &p->free[i];
     if (b->len < need)
       continue;
@@ -54,17 +59,13 @@ int fr_pool_alloc(fr_pool *p, uint64_t bytes, uint64_t *off) {
     p->used += need;
     return 0;
   }
-  return fr_err(FERRY_ECAPACITY,
-                "%llu bytes do not fit the store pool: capacity %llu, in use %llu, largest free "
-                "block %llu (raise FERRY_STORE_CAPACITY or delete objects)",
-                (unsigned long long)bytes, (unsigned long long)p->capacity,
-                (unsigned long long)p->used, (unsigned long long)fr_pool_largest(p));
+  return FERRY_ECAPACITY;
 }
 
 static bool grow(fr_pool *p) { return FR_GROW(p->free, p->cap, p->nfree + 1, 16) == 0; }
 
 void fr_pool_free(fr_pool *p, uint64_t off, uint64_t bytes) {
-  uint64_t len = round_up(bytes ? bytes : 1);
+  uint64_t len = fr_pool_round(p, bytes ? bytes : 1);
   size_t i = 0;
   while (i < p->nfree && p->free[i].off < off)
     i++;
@@ -85,6 +86,6 @@ void fr_pool_free(fr_pool *p, uint64_t off, uint64_t bytes) {
     p->free[i] = (fr_pool_block){off, len};
     p->nfree++;
   } else { /* out of memory for the free list: the block is lost, not corrupted */
-    fr_warn("store pool: lost %llu bytes (out of memory)", (unsigned long long)len);
+    fr_warn_limited("pool: lost %llu bytes (out of memory)", (unsigned long long)len);
   }
 }

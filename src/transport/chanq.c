@@ -1,0 +1,96 @@
+/*
+ * The channel queues of a context: one FIFO of received messages per channel, filled by
+ * whichever thread drives the links (fr_ctx_deliver) and emptied by ferry_recv. A waiter spins
+ * briefly when the channel's messages came over shm lately, then waits through the context's
+ * leadership (leader.c), so the message it waits for wakes it directly.
+ */
+#include "transport/ctx_impl.h"
+#include "core/channels.h"
+
+#include <stdlib.h>
+
+void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg) {
+  fr_link_ref(msg->link);
+  if (msg->channel == FR_CHANNEL_STATS) { /* the ctx's own service, not an application's */
+    fr_ctx_serve_stats(ctx, msg);
+    return;
+  }
+  fr_msg_node *n = fr_msg_node_of(msg);
+  int channel = (int)msg->channel; /* once queued, msg is its taker's to free */
+  fr_channel *c = &ctx->channels[channel];
+  pthread_mutex_lock(&c->lock);
+  if (c->tail)
+    c->tail->next = n;
+  else
+    c->head = n;
+  c->tail = n;
+  __atomic_add_fetch(&c->count, 1, __ATOMIC_RELEASE);
+  __atomic_store_n(&c->last_costly, !msg->link->ops->poll_is_cheap, __ATOMIC_RELAXED);
+  pthread_cond_signal(&c->cond);
+  pthread_mutex_unlock(&c->lock);
+  fr_ctx_poke(ctx, channel);
+}
+
+typedef struct channel_wait {
+  ferry_ctx *ctx;
+  fr_channel *c;
+} channel_wait;
+
+static bool channel_ready(void *arg) {
+  channel_wait *w = arg;
+  return __atomic_load_n(&w->c->count, __ATOMIC_ACQUIRE) != 0 || fr_ctx_stopping(w->ctx) ||
+         __atomic_load_n(&w->c->kicked, __ATOMIC_ACQUIRE);
+}
+
+bool fr_ctx_await(ferry_ctx *ctx, uint32_t channel, int timeout_ms) {
+  fr_channel *c = &ctx->channels[channel];
+  if (timeout_ms > 0 && !fr_ctx_in_background() &&
+      !__atomic_load_n(&c->last_costly, __ATOMIC_RELAXED))
+    fr_ctx_spin_channel(ctx,
+                        c); /* its messages came over shm lately (a service loop never spins) */
+  channel_wait w = {ctx, c};
+  fr_ctx_wait(ctx, (int)channel, channel_ready, &w, &c->lock, &c->cond, fr_deadline_ns(timeout_ms));
+  if (__atomic_load_n(&c->kicked, __ATOMIC_ACQUIRE)) /* seen; no store when there was none */
+    __atomic_store_n(&c->kicked, false, __ATOMIC_RELEASE);
+  return __atomic_load_n(&c->count, __ATOMIC_ACQUIRE) != 0;
+}
+
+void fr_ctx_kick(ferry_ctx *ctx, uint32_t channel) {
+  fr_channel *c = &ctx->channels[channel];
+  pthread_mutex_lock(&c->lock);
+  __atomic_store_n(&c->kicked, true, __ATOMIC_SEQ_CST);
+  pthread_cond_broadcast(&c->cond);
+  pthread_mutex_unlock(&c->lock);
+  fr_ctx_poke(ctx, (int)channel); /* a waiter that leads the epoll */
+}
+
+ferry_msg *fr_ctx_take(ferry_ctx *ctx, uint32_t channel) {
+  fr_channel *c = &ctx->channels[channel];
+  pthread_mutex_lock(&c->lock);
+  fr_msg_node *n = c->head;
+  if (n) {
+    c->head = n->next;
+    if (!c->head)
+      c->tail = NULL;
+    __atomic_sub_fetch(&c->count, 1, __ATOMIC_RELEASE);
+  }
+  pthread_mutex_unlock(&c->lock);
+  if (!n)
+    return NULL;
+  n->next = NULL;
+  return &n->msg;
+}
+
+int ferry_recv(ferry_ctx *ctx, uint32_t channel, ferry_msg **out, int timeout_ms) {
+  if (!ctx || !out || channel >= FERRY_MAX_CHANNELS)
+    return fr_err(FERRY_EINVAL, "recv: bad arguments (channel %u)", channel);
+  int ms = fr_ctx_timeout(ctx, timeout_ms);
+  fr_ctx_await(ctx, channel, ms);
+  ferry_msg *m = fr_ctx_take(ctx, channel);
+  if (!m)
+    return fr_ctx_stopping(ctx)
+               ? fr_err(FERRY_ECLOSED, "recv: context closing")
+               : fr_err(FERRY_ETIMEDOUT, "recv on channel %u: nothing within %d ms", channel, ms);
+  *out = m;
+  return 0;
+}

@@ -1,0 +1,38 @@
+/*
+ * What the parts of the context share, inside src/transport only: ctx.c opens and closes it,
+ * leader.c drives it (the progress thread and callers that lead its epoll), chanq.c queues the
+ * messages per channel, spin.c lets waiters poll, server.c sends large read responses,
+ * accept.c takes new links in, msgcache.c keeps message buffers. The struct itself and the calls
+ * links make are in transport.h.
+ */
+#ifndef FR_CTX_IMPL_H
+#define FR_CTX_IMPL_H
+
+#include "transport/transport.h"
+
+static inline bool fr_ctx_stopping(const ferry_ctx *ctx) {
+  return __atomic_load_n(&ctx->stopping, __ATOMIC_ACQUIRE);
+}
+
+/* leader.c */
+void *fr_ctx_progress_main(void *arg);              /* the progress thread */
+void fr_ctx_on_wake(fr_poller *p, uint32_t events); /* the ctx's wake-up eventfd's handler */
+/* Makes the thread that leads the epoll return from its wait. */
+void fr_ctx_wake_progress(ferry_ctx *ctx);
+/* Makes the progress thread lead now (callers sleep on a leader that left, or the ctx closes). */
+void fr_ctx_hand_to_progress(ferry_ctx *ctx);
+/* Whether the calling thread is a background one (fr_ctx_background_thread). */
+bool fr_ctx_in_background(void);
+
+/* spin.c: spins on a channel until it has a message or ctx->spin_us pass (see fr_ctx_await). */
+void fr_ctx_spin_channel(ferry_ctx *ctx, fr_channel *c);
+
+/* server.c: the server thread, and the calls for the ctx's metrics it answers (takes msg) */
+void *fr_ctx_server_main(void *arg);
+void fr_ctx_serve_stats(ferry_ctx *ctx, ferry_msg *msg);
+
+/* accept.c: the listeners' handler, and the descriptor kept in reserve for it */
+void fr_ctx_on_accept(fr_poller *p, uint32_t events);
+void fr_ctx_spare_take(void);
+
+#endif

@@ -1,0 +1,121 @@
+/*
+ * The server thread of a context: it sends large read responses (fr_ctx_serve_later) so that the
+ * thread driving the links never blocks on a slow reader, and answers calls for the ctx's metrics
+ * (FR_CHANNEL_STATS), which a collector's locks must not make that thread wait for.
+ */
+#include "transport/ctx_impl.h"
+
+#include <stdlib.h>
+
+struct fr_serve_job {
+  ferry_link *link;
+  uint64_t req_id;
+  fr_region *region;
+  uint64_t off, len;
+  ferry_msg *stats; /* a call on FR_CHANNEL_STATS to answer (then region is NULL) */
+  fr_serve_job *next;
+  fr_rma_run *runs; /* a READV's runs (owned), sent one after another; NULL: [off, off+len) */
+  uint32_t nruns;
+};
+
+static void serve_job(ferry_ctx *ctx, fr_serve_job *j);
+
+void fr_ctx_serve_later(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_region *r, uint64_t off,
+                        uint64_t len) {
+  fr_serve_job *j = malloc(sizeof *j);
+  if (!j) {
+    fr_region_release(r);
+    fr_link_fail(l, FERRY_ENOMEM, "cannot queue a read response");
+    fr_link_unref(l);
+    return;
+  }
+  *j = (fr_serve_job){.link = l, .req_id = req_id, .region = r, .off = off, .len = len};
+  serve_job(ctx, j);
+}
+
+void fr_ctx_serve_later_v(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_region *r,
+                          fr_rma_run *runs, uint32_t nruns, uint64_t total) {
+  fr_serve_job *j = malloc(sizeof *j);
+  if (!j) {
+    free(runs);
+    fr_region_release(r);
+    fr_link_fail(l, FERRY_ENOMEM, "cannot queue a read response");
+    fr_link_unref(l);
+    return;
+  }
+  *j = (fr_serve_job){
+      .link = l, .req_id = req_id, .region = r, .len = total, .runs = runs, .nruns = nruns};
+  serve_job(ctx, j);
+}
+
+static void serve_job(ferry_ctx *ctx, fr_serve_job *j) {
+  pthread_mutex_lock(&ctx->serve_lock);
+  if (ctx->serve_tail)
+    ctx->serve_tail->next = j;
+  else
+    ctx->serve_head = j;
+  ctx->serve_tail = j;
+  pthread_cond_signal(&ctx->serve_cond);
+  pthread_mutex_unlock(&ctx->serve_lock);
+}
+
+/* A call on FR_CHANNEL_STATS, the ctx's own service (fr_ctx_deliver): answered here, where a
+ * collector's locks cannot make the thread driving the links wait. Takes msg. */
+void fr_ctx_serve_stats(ferry_ctx *ctx, ferry_msg *msg) {
+  fr_serve_job *j = malloc(sizeof *j);
+  if (!j || !fr_msg_node_of(msg)->call_id) {
+    free(j);
+    ferry_msg_free(msg);
+    return;
+  }
+  *j = (fr_serve_job){.link = msg->link, .stats = msg};
+  serve_job(ctx, j);
+}
+
+/* A peer asked for this ctx's metrics: the Prometheus text, or an empty reply when it cannot be
+ * made (the asker then says the node's metrics are unknown). */
+static void answer_stats(ferry_ctx *ctx, ferry_msg *req) {
+  char *text = NULL;
+  size_t len = 0;
+  if (!fr_ctx_stopping(ctx)) {
+    if (ferry_stats_prometheus(ctx, &text, &len) != 0)
+      len = 0;
+    struct iovec iov = {text, len};
+    fr_link_reply(req, &iov, 1, -1, false);
+  }
+  ferry_stats_text_free(text);
+  ferry_msg_free(req);
+}
+
+void *fr_ctx_server_main(void *arg) {
+  pthread_setname_np(pthread_self(), "ferry-server"); /* for top -H, perf, gdb */
+  ferry_ctx *ctx = arg;
+  for (;;) {
+    pthread_mutex_lock(&ctx->serve_lock);
+    while (!ctx->serve_head && !fr_ctx_stopping(ctx))
+      pthread_cond_wait(&ctx->serve_cond, &ctx->serve_lock);
+    fr_serve_job *j = ctx->serve_head;
+    if (j && !(ctx->serve_head = j->next))
+      ctx->serve_tail = NULL;
+    pthread_mutex_unlock(&ctx->serve_lock);
+    if (!j)
+      return NULL;
+    if (j->stats) {
+      answer_stats(ctx, j->stats);
+      free(j);
+      continue;
+    }
+    if (!fr_ctx_stopping(ctx)) {
+      fr_frame f = {.type = FR_READ_RESP, .req_id = j->req_id, .len = j->len};
+      struct iovec iov[FR_READV_MAX_RUNS] = {{j->region->data + j->off, j->len}};
+      for (uint32_t i = 0; i < j->nruns; i++)
+        iov[i] = (struct iovec){j->region->data + j->runs[i].offset, j->runs[i].length};
+      fr_link_send_frame(j->link, &f, iov, j->runs ? (int)j->nruns : 1, -1,
+                         fr_deadline_ns(ctx->timeout_ms));
+    }
+    free(j->runs);
+    fr_region_release(j->region);
+    fr_link_unref(j->link);
+    free(j);
+  }
+}
