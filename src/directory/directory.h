@@ -275,8 +275,8 @@ typedef struct fr_dir_lease {
                                             connection proves it dead) */
   char who[96];                          /* "store 'a'": how messages name the caller */
   bool held;                             /* taken, and not lost since */
-  uint64_t epoch;                        /* the directory's epoch when it was taken */
-  uint64_t next_renew_ns;                /* atomic: when fr_dir_lease_due() turns true */
+  uint64_t epoch;         /* atomic: the directory's epoch when it was taken (the group reads it) */
+  uint64_t next_renew_ns; /* atomic: when fr_dir_lease_due() turns true */
   bool ok; /* atomic: held, and the last take or renewal reached the directory (/readyz) */
   /* The leases taken over one client are renewed together (lease.c, under its lock): */
   bool want;                 /* atomic: its renewal must take it again (its caller could not

@@ -111,7 +111,7 @@ int fr_dir_lease_take(fr_dir_lease *l, int timeout_ms) {
     }
   }
   if (rc == 0) {
-    l->epoch = epoch;
+    __atomic_store_n(&l->epoch, epoch, __ATOMIC_RELEASE); /* the group's renewal reads it */
     fr_info("%s: joined the directory at %s as node '%s' (%s; lease %d ms)", l->who, l->dir->url,
             l->node.name, l->node.address, l->lease_ms);
   }
@@ -128,7 +128,7 @@ bool fr_dir_lease_due(const fr_dir_lease *l) {
 }
 
 bool fr_dir_lease_current(const fr_dir_lease *l) {
-  return l->held && fr_dir_epoch(l->dir) == l->epoch;
+  return l->held && fr_dir_epoch(l->dir) == __atomic_load_n(&l->epoch, __ATOMIC_ACQUIRE);
 }
 
 void fr_dir_lease_lost(fr_dir_lease *l) {
@@ -138,9 +138,11 @@ void fr_dir_lease_lost(fr_dir_lease *l) {
 }
 
 /* What a renewal of the group tells the other members (group_lock held): renewed, the next
- * one a third of its lease away; or not found, left to its own caller. */
-static void group_tell(fr_dir_lease *m, int status) {
-  if (status == 0) {
+ * one a third of its lease away; or not found, left to its own caller. A member taken under an
+ * older epoch of the directory (Redis reconnected, a server restarted) counts as not found even
+ * when its name answered: its records may be gone, and only its own caller republishes them. */
+static void group_tell(fr_dir_lease *m, int status, uint64_t epoch) {
+  if (status == 0 && __atomic_load_n(&m->epoch, __ATOMIC_ACQUIRE) == epoch) {
     __atomic_store_n(&m->ok, true, __ATOMIC_RELAXED);
     __atomic_store_n(&m->next_renew_ns, fr_now_ns() + (uint64_t)m->lease_ms * 1000000ull / 3,
                      __ATOMIC_RELEASE);
@@ -173,10 +175,11 @@ static int renew_group(fr_dir_lease *l, int timeout_ms) {
   int rc = fr_dir_node_renew_batch(l->dir, r, n, status, timeout_ms);
   if (rc != 0)
     return rc;
+  uint64_t epoch = fr_dir_epoch(l->dir);
   pthread_mutex_lock(&group_lock);
   for (size_t i = 1; i < n; i++)
     if (group_has(l->dir, who[i]))
-      group_tell(who[i], status[i]);
+      group_tell(who[i], status[i], epoch);
   pthread_mutex_unlock(&group_lock);
   if (status[0] == FERRY_ENOTFOUND)
     return fr_err(FERRY_ENOTFOUND, "node '%s' is not registered (its lease lapsed?)", l->node.name);
