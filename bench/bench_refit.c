@@ -773,7 +773,7 @@ static int push_joining_case(const bench_opts *o, const char *label, const model
     bench_row(o, "refit", name, "push/mid-catch", m->bytes, &x.mid, false);
     double rb = alone > 0 ? join / alone : 0, rcu = alone > 0 ? mid / alone : 0;
     if (o->json)
-      printf("{\"bench\":\"refit\",\"case\":\"%s\",\"impl\":\"push/joining over alone\","
+      printf("{\"bench\":\"refit\",\"case\":\"%s\",\"impl\":\"ratios\","
              "\"joining_over_alone\":%.6g,\"mid_catch_over_alone\":%.6g,\"target_max\":1.1,"
              "\"joiners\":%zu,\"catchups_stopped\":%d}\n",
              name, rb, rcu, x.join.n + x.mid.n, x.stopped);
@@ -923,7 +923,8 @@ static const char refit_usage[] =
     "NAME-late-K1, -K2: pushes to K receivers alone (push/alone), while a joiner attaches and\n"
     "asks to catch up (push/joining) and once a joiner's catch-up landed its first bucket\n"
     "(push/mid-catch), in turns (10 each; --reps N: N); target: push/joining <= 1.10 times\n"
-    "push/alone.\n"
+    "push/alone. With --json also a line per case, impl \"ratios\": joining_over_alone,\n"
+    "mid_catch_over_alone, target_max, joiners, catchups_stopped.\n"
     "--late-only runs the late-join cases alone.\n"
     "TP-4 (NAME-TP4): four tensor-parallel ranks read their shards only, against one receiver\n"
     "of the whole model: the push, and the bytes each rank read per push (TP-4/rank-read).\n"
