@@ -444,6 +444,8 @@ static int joiner_finish(joiner *j, ferry_refit_sender *s, size_t k, uint64_t la
  * bucket there). Every joiner must end holding the version pushed last, or the row fails. */
 typedef struct joining_rows {
   bench_samples alone, join, mid;
+  /* each round's (b)/(a) and (c)/(a): its three turns run within a second */
+  bench_samples pair_join, pair_mid;
   int stopped; /* (c) turns whose catch-up the push overtook (the joiner's first wait saw it) */
 } joining_rows;
 
@@ -465,6 +467,7 @@ static int time_push_joining(const model *m, int k, int reps, joining_rows *out)
     rc = ferry_refit_push(s, v, &po);
   const char *why = "push";
   for (int rep = 0; rc == 0 && rep < reps; rep++) {
+    double took[3] = {0};
     for (int turn = 0; rc == 0 && turn < 3; turn++) {
       int kind = (turn + rep) % 3;
       joiner j = {.pid = -1, .from = -1, .to = -1};
@@ -480,7 +483,10 @@ static int time_push_joining(const model *m, int k, int reps, joining_rows *out)
       if (rc == 0)
         rc = ferry_refit_push(s, ++v, &po);
       if (rc == 0)
-        bench_add(kind == 0 ? &out->alone : kind == 1 ? &out->join : &out->mid, bench_now() - t);
+        bench_add(kind == 0   ? &out->alone
+                  : kind == 1 ? &out->join
+                              : &out->mid,
+                  took[kind] = bench_now() - t);
       joiner_result res = {0};
       if (kind > 0 && joiner_finish(&j, s, (size_t)k, v, &res) != 0 && rc == 0)
         rc = FERRY_EPEER, why = "a joiner failed";
@@ -488,6 +494,10 @@ static int time_push_joining(const model *m, int k, int reps, joining_rows *out)
         rc = FERRY_EPEER, why = "a joiner did not end at the latest version";
       if (kind == 2 && rc == 0 && res.first == v)
         out->stopped++;
+    }
+    if (rc == 0) {
+      bench_add(&out->pair_join, took[1] / took[0]);
+      bench_add(&out->pair_mid, took[2] / took[0]);
     }
   }
   if (rc != 0) {
@@ -772,19 +782,24 @@ static int push_joining_case(const bench_opts *o, const char *label, const model
     bench_row(o, "refit", name, "push/joining", m->bytes, &x.join, false);
     bench_row(o, "refit", name, "push/mid-catch", m->bytes, &x.mid, false);
     double rb = alone > 0 ? join / alone : 0, rcu = alone > 0 ? mid / alone : 0;
+    double pb = bench_median(&x.pair_join), pc = bench_median(&x.pair_mid);
     if (o->json)
       printf("{\"bench\":\"refit\",\"case\":\"%s\",\"impl\":\"ratios\","
-             "\"joining_over_alone\":%.6g,\"mid_catch_over_alone\":%.6g,\"target_max\":1.1,"
-             "\"joiners\":%zu,\"catchups_stopped\":%d}\n",
-             name, rb, rcu, x.join.n + x.mid.n, x.stopped);
+             "\"joining_over_alone\":%.6g,\"mid_catch_over_alone\":%.6g,"
+             "\"paired_joining_over_alone\":%.6g,\"paired_mid_catch_over_alone\":%.6g,"
+             "\"target_max\":1.1,\"joiners\":%zu,\"catchups_stopped\":%d}\n",
+             name, rb, rcu, pb, pc, x.join.n + x.mid.n, x.stopped);
     else
-      printf("%-16s push/joining %.2fx alone (target <= 1.10), push/mid-catch %.2fx; each of %zu "
-             "joiners held the latest version; the push overtook %d of %zu catch-ups\n",
-             name, rb, rcu, x.join.n + x.mid.n, x.stopped, x.mid.n);
+      printf("%-16s push/joining %.2fx alone (target <= 1.10; per round %.2fx), push/mid-catch "
+             "%.2fx (per round %.2fx); each of %zu joiners held the latest version; the push "
+             "overtook %d of %zu catch-ups\n",
+             name, rb, pb, rcu, pc, x.join.n + x.mid.n, x.stopped, x.mid.n);
   }
   bench_free(&x.alone);
   bench_free(&x.join);
   bench_free(&x.mid);
+  bench_free(&x.pair_join);
+  bench_free(&x.pair_mid);
   return rc;
 }
 
@@ -923,8 +938,10 @@ static const char refit_usage[] =
     "NAME-late-K1, -K2: pushes to K receivers alone (push/alone), while a joiner attaches and\n"
     "asks to catch up (push/joining) and once a joiner's catch-up landed its first bucket\n"
     "(push/mid-catch), in turns (10 each; --reps N: N); target: push/joining <= 1.10 times\n"
-    "push/alone. With --json also a line per case, impl \"ratios\": joining_over_alone,\n"
-    "mid_catch_over_alone, target_max, joiners, catchups_stopped.\n"
+    "push/alone (also as the median over rounds of each round's ratio: \"per round\").\n"
+    "With --json also a line per case, impl \"ratios\": joining_over_alone,\n"
+    "mid_catch_over_alone, paired_joining_over_alone, paired_mid_catch_over_alone,\n"
+    "target_max, joiners, catchups_stopped.\n"
     "--late-only runs the late-join cases alone.\n"
     "TP-4 (NAME-TP4): four tensor-parallel ranks read their shards only, against one receiver\n"
     "of the whole model: the push, and the bytes each rank read per push (TP-4/rank-read).\n"
