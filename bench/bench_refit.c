@@ -415,7 +415,14 @@ static int joiner_start(joiner *j, const char *address, uint64_t bytes) {
   }
   close(up[1]), close(down[0]);
   j->from = up[0], j->to = down[1];
-  return j->pid > 0 && joiner_until(j, 'r') == 0 ? 0 : -1;
+  if (j->pid > 0 && joiner_until(j, 'r') == 0)
+    return 0;
+  close(j->from), close(j->to); /* a joiner that did not come up: reaped here */
+  if (j->pid > 0) {
+    kill(j->pid, SIGTERM);
+    waitpid(j->pid, NULL, 0);
+  }
+  return -1;
 }
 
 /* Tells the joiner the version pushed last, reads its report and reaps it; then waits until
