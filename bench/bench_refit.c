@@ -4,8 +4,10 @@
  * run with a single-thread memcpy of the model's bytes and with torch.distributed gloo
  * broadcasts of the same tensors (per tensor, and in flat buckets), run by Debian's python3.
  * A late joiner (a receiver process that attaches mid-run, after a push) catches up to the
- * latest version; its catch-up time is set against a direct push to one receiver. TP-4: four
- * tensor-parallel ranks, each binding its shards (fused qkv and up by rows, o and down by
+ * latest version; its catch-up time is set against a direct push to one receiver. And pushes
+ * to K = 1, 2 receivers alone, against the same pushes while a joiner attaches and while a
+ * catch-up is under way (the late-join target: a joiner slows the others' pushes <= 10%). TP-4:
+ * four tensor-parallel ranks, each binding its shards (fused qkv and up by rows, o and down by
  * columns, norms whole), against one receiver of the whole model: push time and bytes read per
  * rank.
  * A second model of 5,000 small tensors shows what a push costs beyond moving bytes. Then, as
@@ -130,6 +132,77 @@ static int bench_refit_late(const char *address, int fd) {
   int rc = bench_write_all(fd, &t, sizeof t) == 0 ? CLI_OK : CLI_FAIL;
   ferry_refit_receiver_close(r);
   ferry_ctx_close(ctx);
+  return rc;
+}
+
+/* A joiner beside pushes to others (time_push_joining): opens its ctx and touches its weight
+ * memory (`bytes`, the model's size: an engine's memory exists before it loads), writes 'r' on
+ * fd and waits for 'g' on go; then attaches, binds every tensor into that memory and waits for
+ * the latest version (wait(0), which asks for a catch-up), writing 'b' on fd when its first
+ * bucket lands. It then reads the version the trainer pushed last from go, waits for it, and
+ * writes 'd' with the first wait's seconds and version and the version it holds at the end. */
+typedef struct joiner_result {
+  double seconds;
+  uint64_t first, committed;
+} joiner_result;
+
+static void joiner_first_bucket(ferry_refit_receiver *r, uint64_t version, uint32_t bucket,
+                                void *arg) {
+  (void)r, (void)version, (void)bucket;
+  int *fd = arg;
+  if (*fd >= 0) { /* once: the trainer starts the push it times on this */
+    char b = 'b';
+    ssize_t w = write(*fd, &b, 1); /* a trainer gone: nothing to tell */
+    (void)w;
+    *fd = -1;
+  }
+}
+
+static int bench_refit_joiner(const char *address, int fd, int go, uint64_t bytes) {
+  ferry_ctx_opts o = {.size = sizeof o, .name = "bench-joiner"};
+  ferry_ctx *ctx;
+  ferry_refit_receiver *r;
+  uint8_t *mem = malloc(bytes ? bytes : 1);
+  if (!mem || ferry_ctx_open(&o, &ctx) != 0)
+    return CLI_FAIL;
+  memset(mem, 0, bytes);
+  char ch = 'r';
+  if (write(fd, &ch, 1) != 1 || read(go, &ch, 1) != 1 || ch != 'g')
+    return CLI_FAIL;
+  int bucket_fd = fd;
+  if (ferry_refit_receiver_open(ctx, address, -1, &r) != 0) {
+    fprintf(stderr, "bench joiner: %s\n", ferry_last_error());
+    return CLI_FAIL;
+  }
+  ferry_refit_on_bucket(r, joiner_first_bucket, &bucket_fd);
+  uint64_t at = 0;
+  for (size_t i = 0; i < ferry_refit_tensor_count(r); i++) {
+    const char *name;
+    ferry_tensor_desc d;
+    uint64_t n;
+    if (ferry_refit_tensor_info(r, i, &name, &d) != 0 || ferry_tensor_nbytes(&d, &n) != 0 ||
+        at + n > bytes || ferry_refit_bind(r, name, mem + at, &d) != 0) {
+      fprintf(stderr, "bench joiner: cannot bind tensor %zu: %s\n", i, ferry_last_error());
+      return CLI_FAIL;
+    }
+    at += n;
+  }
+  joiner_result res = {0};
+  double t = bench_now();
+  uint64_t latest = 0;
+  if (ferry_refit_wait(r, 0, 120000, &res.first) != 0 ||
+      bench_read_all(go, &latest, sizeof latest) != 0 ||
+      ferry_refit_wait(r, latest, 120000, &res.committed) != 0) {
+    fprintf(stderr, "bench joiner: %s\n", ferry_last_error());
+    return CLI_FAIL;
+  }
+  res.seconds = bench_now() - t;
+  ferry_refit_on_bucket(r, NULL, NULL);
+  ch = 'd';
+  int rc = write(fd, &ch, 1) == 1 && bench_write_all(fd, &res, sizeof res) == 0 ? CLI_OK : CLI_FAIL;
+  ferry_refit_receiver_close(r);
+  ferry_ctx_close(ctx);
+  free(mem);
   return rc;
 }
 
@@ -299,6 +372,147 @@ static int time_late_join(const model *m, int reps, bench_samples *push, bench_s
   if (rc != 0)
     cli_fail("bench refit", rc, "late join");
   stop_receivers(pids, rc == 0 || rc == FERRY_ECONNECT || rc == FERRY_EPEER ? 1 : 0);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(ctx);
+  return rc;
+}
+
+/* A joiner process (bench_refit_joiner) and the trainer's ends of its two pipes. */
+typedef struct joiner {
+  pid_t pid;
+  int from, to;
+} joiner;
+
+/* Reads the joiner's one-byte reports until `want` (0 when it came, -1 at its end). */
+static int joiner_until(joiner *j, char want) {
+  char ch;
+  while (read(j->from, &ch, 1) == 1)
+    if (ch == want)
+      return 0;
+  return -1;
+}
+
+/* Starts a joiner and waits until it has its ctx and touched memory (it attaches on 'g'). */
+static int joiner_start(joiner *j, const char *address, uint64_t bytes) {
+  int up[2], down[2];
+  j->pid = -1;
+  if (pipe(up) != 0)
+    return -1;
+  if (pipe(down) != 0) {
+    close(up[0]), close(up[1]);
+    return -1;
+  }
+  char fd[16], go[16], sz[32];
+  snprintf(fd, sizeof fd, "%d", up[1]);
+  snprintf(go, sizeof go, "%d", down[0]);
+  snprintf(sz, sizeof sz, "%llu", (unsigned long long)bytes);
+  fflush(NULL);
+  j->pid = fork();
+  if (j->pid == 0) {
+    close(up[0]), close(down[1]);
+    execl(self_path, "ferry", "bench", "refit", "--joiner", address, fd, go, sz, (char *)NULL);
+    _exit(127);
+  }
+  close(up[1]), close(down[0]);
+  j->from = up[0], j->to = down[1];
+  if (j->pid > 0 && joiner_until(j, 'r') == 0)
+    return 0;
+  close(j->from), close(j->to); /* a joiner that did not come up: reaped here */
+  if (j->pid > 0) {
+    kill(j->pid, SIGTERM);
+    waitpid(j->pid, NULL, 0);
+  }
+  return -1;
+}
+
+/* Tells the joiner the version pushed last, reads its report and reaps it; then waits until
+ * its goodbye reached the sender (the next push is to the k others again). */
+static int joiner_finish(joiner *j, ferry_refit_sender *s, size_t k, uint64_t latest,
+                         joiner_result *res) {
+  int rc = bench_write_all(j->to, &latest, sizeof latest) == 0 && joiner_until(j, 'd') == 0 &&
+                   bench_read_all(j->from, res, sizeof *res) == 0
+               ? 0
+               : -1;
+  close(j->from), close(j->to);
+  int status = 0;
+  if (j->pid > 0)
+    waitpid(j->pid, &status, 0);
+  for (int i = 0; i < 10000 && ferry_refit_receivers(s) > k; i++)
+    usleep(1000);
+  return rc == 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : -1;
+}
+
+/* Pushes to k receivers while others join, against the same pushes with nobody joining (the
+ * late-join target: a joiner slows the pushes to the others by at most 10%). Each rep takes
+ * three turns, in an order that rotates from rep to rep: (a) a push alone; (b) a joiner is
+ * released just before the push, so it attaches, binds and asks to catch up while the push
+ * runs; (c) the push begins once the first bucket of the joiner's catch-up landed, so it
+ * stops a catch-up mid-way (catchup.c: the joiner, attached, is in that push and gets every
+ * bucket there). Every joiner must end holding the version pushed last, or the row fails. */
+typedef struct joining_rows {
+  bench_samples alone, join, mid;
+  /* each round's (b)/(a) and (c)/(a): its three turns run within a second */
+  bench_samples pair_join, pair_mid;
+  int stopped; /* (c) turns whose catch-up the push overtook (the joiner's first wait saw it) */
+} joining_rows;
+
+static int time_push_joining(const model *m, int k, int reps, joining_rows *out) {
+  ferry_ctx_opts co = {.size = sizeof co, .name = "bench-trainer"};
+  ferry_refit_opts so = {.size = sizeof so};
+  ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = -1};
+  ferry_ctx *ctx = NULL;
+  ferry_refit_sender *s = NULL;
+  int rc = open_trainer(m, &co, &so, &ctx, &s);
+  pid_t pids[2];
+  push_cfg direct = {.route = FERRY_REFIT_ROUTE_AUTO};
+  if (rc == 0 && spawn_receivers(ferry_ctx_address(ctx), k, pids, &direct) != 0)
+    rc = FERRY_ECONNECT;
+  while (rc == 0 && ferry_refit_receivers(s) < (size_t)k)
+    usleep(1000);
+  uint64_t v = 1;
+  if (rc == 0) /* maps the buckets and faults the receivers' pages */
+    rc = ferry_refit_push(s, v, &po);
+  const char *why = "push";
+  for (int rep = 0; rc == 0 && rep < reps; rep++) {
+    double took[3] = {0};
+    for (int turn = 0; rc == 0 && turn < 3; turn++) {
+      int kind = (turn + rep) % 3;
+      joiner j = {.pid = -1, .from = -1, .to = -1};
+      if (kind > 0 && joiner_start(&j, ferry_ctx_address(ctx), m->bytes) != 0) {
+        rc = FERRY_EPEER, why = "a joiner did not start";
+        break;
+      }
+      if (kind > 0 && write(j.to, "g", 1) != 1)
+        rc = FERRY_EPEER, why = "a joiner is gone";
+      if (rc == 0 && kind == 2 && joiner_until(&j, 'b') != 0)
+        rc = FERRY_EPEER, why = "a joiner's catch-up landed no bucket";
+      double t = bench_now();
+      if (rc == 0)
+        rc = ferry_refit_push(s, ++v, &po);
+      if (rc == 0)
+        bench_add(kind == 0   ? &out->alone
+                  : kind == 1 ? &out->join
+                              : &out->mid,
+                  took[kind] = bench_now() - t);
+      joiner_result res = {0};
+      if (kind > 0 && joiner_finish(&j, s, (size_t)k, v, &res) != 0 && rc == 0)
+        rc = FERRY_EPEER, why = "a joiner failed";
+      else if (kind > 0 && rc == 0 && res.committed != v)
+        rc = FERRY_EPEER, why = "a joiner did not end at the latest version";
+      if (kind == 2 && rc == 0 && res.first == v)
+        out->stopped++;
+    }
+    if (rc == 0) {
+      bench_add(&out->pair_join, took[1] / took[0]);
+      bench_add(&out->pair_mid, took[2] / took[0]);
+    }
+  }
+  if (rc != 0) {
+    char what[96];
+    snprintf(what, sizeof what, "push beside a late joiner: %s", why);
+    cli_fail("bench refit", rc, what);
+  }
+  stop_receivers(pids, rc == 0 || rc == FERRY_ECONNECT || rc == FERRY_EPEER ? k : 0);
   ferry_refit_sender_close(s);
   ferry_ctx_close(ctx);
   return rc;
@@ -561,6 +775,58 @@ static int time_gloo(const model *m, int k, int reps, bool per_tensor, bench_sam
 
 /* ---- the cases ---- */
 
+/* NAME-late-KK: pushes to k receivers alone, while a joiner attaches, and while a catch-up is
+ * under way; then (b)/(a) and (c)/(a), the late-join target being (b)/(a) <= 1.10. */
+static int push_joining_case(const bench_opts *o, const char *label, const model *m, int k,
+                             int reps) {
+  joining_rows x = {0};
+  int rc = time_push_joining(m, k, reps, &x);
+  char name[48];
+  snprintf(name, sizeof name, "%s-late-K%d", label, k);
+  if (rc == 0) {
+    double alone = bench_median(&x.alone), join = bench_median(&x.join), mid = bench_median(&x.mid);
+    bench_row(o, "refit", name, "push/alone", m->bytes, &x.alone, true);
+    bench_row(o, "refit", name, "push/joining", m->bytes, &x.join, false);
+    bench_row(o, "refit", name, "push/mid-catch", m->bytes, &x.mid, false);
+    double rb = alone > 0 ? join / alone : 0, rcu = alone > 0 ? mid / alone : 0;
+    double pb = bench_median(&x.pair_join), pc = bench_median(&x.pair_mid);
+    if (o->json)
+      printf("{\"bench\":\"refit\",\"case\":\"%s\",\"impl\":\"ratios\","
+             "\"joining_over_alone\":%.6g,\"mid_catch_over_alone\":%.6g,"
+             "\"paired_joining_over_alone\":%.6g,\"paired_mid_catch_over_alone\":%.6g,"
+             "\"target_max\":1.1,\"joiners\":%zu,\"catchups_stopped\":%d}\n",
+             name, rb, rcu, pb, pc, x.join.n + x.mid.n, x.stopped);
+    else
+      printf("%-16s push/joining %.2fx alone (target <= 1.10; per round %.2fx), push/mid-catch "
+             "%.2fx (per round %.2fx); each of %zu joiners held the latest version; the push "
+             "overtook %d of %zu catch-ups\n",
+             name, rb, pb, rcu, pc, x.join.n + x.mid.n, x.stopped, x.mid.n);
+  }
+  bench_free(&x.alone);
+  bench_free(&x.join);
+  bench_free(&x.mid);
+  bench_free(&x.pair_join);
+  bench_free(&x.pair_mid);
+  return rc;
+}
+
+/* The late-join cases: NAME-late (a joiner's catch-up against a push), then NAME-late-K1, -K2
+ * (pushes to the others beside joiners). */
+static int run_late(const bench_opts *o, const char *label, const model *m, int reps) {
+  bench_samples b = {0}, per = {0};
+  char name[48];
+  snprintf(name, sizeof name, "%s-late", label);
+  int rc = time_late_join(m, reps, &b, &per);
+  bench_row(o, "refit", name, "ferry/push", m->bytes, &b, true);
+  bench_row(o, "refit", name, "ferry/catch-up", m->bytes, &per, false);
+  bench_free(&b);
+  bench_free(&per);
+  /* A 10% target on a shared, noisy machine: twice the turns by default */
+  for (int k = 1; rc == 0 && k <= 2; k++)
+    rc = push_joining_case(o, label, m, k, o->reps ? o->reps : 2 * reps);
+  return rc;
+}
+
 /* The model's cases at K = 1, 2, 4; by default the 5,000-tensor model's K = 1 only, without
  * gloo (its target reads the push against memcpy). */
 static int run_case(const bench_opts *o, const char *label, const model *m, int reps, bool gloo) {
@@ -598,14 +864,8 @@ static int run_case(const bench_opts *o, const char *label, const model *m, int 
   }
   if (rc == 0 && !m->small)
     rc = run_tp(o, label, m, reps);
-  if (rc == 0 && !m->small) {
-    snprintf(name, sizeof name, "%s-late", label);
-    rc = time_late_join(m, reps, &b, &per);
-    bench_row(o, "refit", name, "ferry/push", m->bytes, &b, true);
-    bench_row(o, "refit", name, "ferry/catch-up", m->bytes, &per, false);
-    bench_reset(&b);
-    bench_reset(&per);
-  }
+  if (rc == 0 && !m->small)
+    rc = run_late(o, label, m, reps);
   bench_free(&b);
   bench_free(&per);
   bench_free(&bkt);
@@ -674,7 +934,7 @@ static int run_hosts(const bench_opts *o, int reps) {
 
 static const char refit_usage[] =
     "usage: ferry bench refit [--json] [--reps N] [--max-size BYTES] [--full]\n"
-    "                         [--hosts-only|--no-hosts]\n\n"
+    "                         [--hosts-only|--no-hosts|--late-only]\n\n"
     "Pushes a transformer-shaped model (256 MiB; --max-size 1G adds a 1 GiB case) to K = 1, 2\n"
     "and 4 receiver processes on this host over shm, against a memcpy of the model's bytes\n"
     "and torch.distributed gloo broadcasts (per tensor and in 16 MiB buckets) when python3-torch\n"
@@ -682,6 +942,14 @@ static const char refit_usage[] =
     "Late join (NAME-late): after each push to one receiver a new receiver process attaches\n"
     "and catches up to the latest version; its catch-up time against the push (target: the\n"
     "catch-up takes at most 1.2 times the push, vs base >= 0.83).\n"
+    "NAME-late-K1, -K2: pushes to K receivers alone (push/alone), while a joiner attaches and\n"
+    "asks to catch up (push/joining) and once a joiner's catch-up landed its first bucket\n"
+    "(push/mid-catch), in turns (10 each; --reps N: N); target: push/joining <= 1.10 times\n"
+    "push/alone (also as the median over rounds of each round's ratio: \"per round\").\n"
+    "With --json also a line per case, impl \"ratios\": joining_over_alone,\n"
+    "mid_catch_over_alone, paired_joining_over_alone, paired_mid_catch_over_alone,\n"
+    "target_max, joiners, catchups_stopped.\n"
+    "--late-only runs the late-join cases alone.\n"
     "TP-4 (NAME-TP4): four tensor-parallel ranks read their shards only, against one receiver\n"
     "of the whole model: the push, and the bytes each rank read per push (TP-4/rank-read).\n"
     "Then a model of 5,000 small tensors for the per-push overhead.\n"
@@ -697,9 +965,12 @@ int bench_refit(int argc, char **argv) {
     return bench_refit_receiver(argv[2], atoi(argv[3]), argv[4]);
   if (argc == 4 && strcmp(argv[1], "--late") == 0)
     return bench_refit_late(argv[2], atoi(argv[3]));
-  bool hosts_only = false, no_hosts = false;
+  if (argc == 6 && strcmp(argv[1], "--joiner") == 0)
+    return bench_refit_joiner(argv[2], atoi(argv[3]), atoi(argv[4]), strtoull(argv[5], NULL, 10));
+  bool hosts_only = false, no_hosts = false, late_only = false;
   const cli_opt extra[] = {{"hosts-only", CLI_ARG_FLAG, &hosts_only, 0, 0},
                            {"no-hosts", CLI_ARG_FLAG, &no_hosts, 0, 0},
+                           {"late-only", CLI_ARG_FLAG, &late_only, 0, 0},
                            {0}};
   bench_opts o = {.max_size = 256ull << 20};
   if (bench_parse_with(argc, argv, &o, refit_usage, extra) < 0)
@@ -719,16 +990,17 @@ int bench_refit(int argc, char **argv) {
     model_make(&m, size, 0);
     char label[24], sz[16];
     snprintf(label, sizeof label, "%s", bench_size_name(size, sz, sizeof sz));
-    rc = run_case(&o, label, &m, o.reps ? o.reps : 5, gloo);
+    int reps = o.reps ? o.reps : 5;
+    rc = late_only ? run_late(&o, label, &m, reps) : run_case(&o, label, &m, reps, gloo);
     model_free(&m);
   }
-  if (rc == 0 && !hosts_only) {
+  if (rc == 0 && !hosts_only && !late_only) {
     model m;
     model_make(&m, 0, 5000);
     rc = run_case(&o, "5000t", &m, o.reps ? o.reps : 20, gloo);
     model_free(&m);
   }
-  if (rc == 0 && !no_hosts)
+  if (rc == 0 && !no_hosts && !late_only)
     rc = run_hosts(&o, o.reps ? o.reps : 3);
   return rc == 0 ? CLI_OK : CLI_FAIL;
 }

@@ -12,9 +12,19 @@
  */
 #include "refit/sender_impl.h"
 
-/* Buckets announced to a catching-up receiver ahead of its acknowledgements: enough to keep
- * its reads back to back, few enough that a push that begins meanwhile waits for little. */
-#define CATCHUP_WINDOW 4u
+/* Bytes announced to a catching-up receiver ahead of its acknowledgements, in whole buckets
+ * (at least one, at most four): enough to keep its reads back to back, few enough that a push
+ * that begins meanwhile waits for little. Such a push waits for the receiver, which reads what
+ * was announced before the push's own buckets: four buckets of the default 64 MiB were the
+ * whole of a 256 MiB model (docs/PERFORMANCE.md, Late join). With one 64 MiB bucket in flight
+ * the receiver idles an acknowledgement's round trip between reads of tens of milliseconds. */
+#define CATCHUP_WINDOW_BYTES (16u << 20)
+#define CATCHUP_WINDOW_MAX 4u
+
+static uint32_t window(const fr_refit_plan *p) {
+  uint64_t w = CATCHUP_WINDOW_BYTES / (p->bucket_bytes ? p->bucket_bytes : 1);
+  return w < 1 ? 1 : w > CATCHUP_WINDOW_MAX ? CATCHUP_WINDOW_MAX : (uint32_t)w;
+}
 
 static void tell_no_copy(ferry_refit_sender *s, receiver *r) {
   fr_refit_msg_t m = {.type = FR_REFIT_CATCHUP, .version = s->latest, .status = FERRY_ENOTFOUND};
@@ -23,8 +33,8 @@ static void tell_no_copy(ferry_refit_sender *s, receiver *r) {
 
 static void announce_next(ferry_refit_sender *s, receiver *r) {
   const fr_refit_plan *p = &s->plan;
-  while (r->cu_version && r->cu_announced < p->buckets &&
-         r->cu_announced < r->cu_acked + CATCHUP_WINDOW) {
+  uint32_t w = window(p);
+  while (r->cu_version && r->cu_announced < p->buckets && r->cu_announced < r->cu_acked + w) {
     uint32_t b = r->cu_announced++;
     fr_refit_msg_t m = {.type = FR_REFIT_BUCKET,
                         .bucket = b,
