@@ -1,13 +1,13 @@
 /*
- * Reading objects. A get looks the key up in the directory (or its cache, ops.c), then reads the
- * bytes straight from the owner over a cached link (one memcpy on one host, one stream over tcp),
- * then reads the object's generation word: a mismatch means the owner replaced or deleted it during
- * the copy, and the get looks it up again and reads again, backing off, until it has a whole copy
- * or its timeout passes. Bytes whose region is gone while their generation word still says their
- * version were freed by an owner that still publishes them: that fails at once (FERRY_EFREED).
- * A batch get does one directory round trip for all keys and keeps FERRY_STORE_THREADS reads in
- * flight with a small pool of worker threads. Links to owners are cached by node name and closed
- * when their last user sees them die.
+ * Reading objects. A get looks the key up in the directory (or its cache, lookup.c), then reads
+ * the bytes straight from the owner over a cached link (one memcpy on one host, one stream over
+ * tcp), then reads the object's generation word: a mismatch means the owner replaced or deleted
+ * it during the copy, and the get looks it up again and reads again, backing off, until it has a
+ * whole copy or its timeout passes. Bytes whose region is gone while their generation word still
+ * says their version were freed by an owner that still publishes them: that fails at once
+ * (FERRY_EFREED). A batch get does one directory round trip for all keys and keeps
+ * FERRY_STORE_THREADS reads in flight with a small pool of worker threads. Links to owners come
+ * from the peer cache (directory/peers.c), by node name.
  */
 #include "store/store.h"
 #include "transport/access.h"
@@ -489,7 +489,7 @@ static int pin_local(ferry_store *s, const fr_dir_object *rec, ferry_store_view 
 }
 
 /* Pins the object in a same-host owner's pool: add a pin, then check the generation (the owner
- * zeroes the generation, then checks the pins; see retire() in put.c). */
+ * zeroes the generation, then checks the pins; see fr_store_retire() in owned.c). */
 static int pin_remote(ferry_store *s, const fr_dir_object *rec, ferry_store_view *v,
                       const void **data, int timeout_ms) {
   int rc = fr_peer_acquire(&s->peers, rec->owner, timeout_ms, &v->peer);
