@@ -93,8 +93,9 @@ void fr_mq_renew(ferry_mq *mq) {
 
 /* ---- links to other mq nodes ---- */
 
-/* A link to node `name` (a reference the caller releases): one this mq already has, else dialled
- * at the address the directory gives. */
+/* A link to node `name` (a reference the caller releases): one this mq already has (dialled, or
+ * one the node dialled us on), else one from the peer cache (directory/peers.c: dialled at the
+ * address the directory gives for "mq:<name>"). */
 static int dial(ferry_mq *mq, const char *name, int timeout_ms, ferry_link **out) {
   pthread_mutex_lock(&mq->lock);
   for (size_t i = 0; i < mq->nlinks; i++) {
@@ -108,15 +109,14 @@ static int dial(ferry_mq *mq, const char *name, int timeout_ms, ferry_link **out
   pthread_mutex_unlock(&mq->lock);
   char dn[FR_DIR_NAME_MAX + 1];
   snprintf(dn, sizeof dn, "mq:%.60s", name);
-  fr_dir_node node;
-  int rc = fr_dir_node_get(mq->dir, dn, &node, timeout_ms);
-  ferry_link *l = NULL;
-  if (rc == 0)
-    rc = ferry_connect(mq->ctx, node.address, timeout_ms, &l);
+  fr_peer *p = NULL;
+  int rc = fr_peer_acquire(&mq->dialled, dn, timeout_ms, &p);
   if (rc != 0)
     return fr_err_wrap(rc, "mq: cannot reach '%s'", name);
+  ferry_link *l = ferry_link_retain(p->link);
+  fr_peer_release(&mq->dialled, p, false);
   pthread_mutex_lock(&mq->lock);
-  fr_mq_keep_link(mq, l, true);
+  fr_mq_keep_link(mq, l);
   pthread_mutex_unlock(&mq->lock);
   *out = l;
   return 0;
@@ -224,7 +224,7 @@ int fr_mq_add_subscriber(ferry_mq *mq, const char *topic, const char *name, ferr
     return fr_err_wrap(FERRY_ECONNECT, "mq: subscriber '%s' of '%s'", name, topic);
   pthread_mutex_lock(&mq->lock);
   if (link)
-    fr_mq_keep_link(mq, link, false);
+    fr_mq_keep_link(mq, link);
   fr_mq_peer *p = peer_for(mq, name, l, window);
   fr_mq_topic *t = p ? fr_mq_topic_get(mq, topic) : NULL;
   int rc = t ? 0 : fr_err(FERRY_ENOMEM, "mq: subscriber '%s'", name);

@@ -32,7 +32,7 @@ static void timed_wait(pthread_cond_t *c, ferry_mq *mq, uint64_t until_ns) {
   pthread_cond_timedwait(c, &mq->lock, &ts);
 }
 
-void fr_mq_keep_link(ferry_mq *mq, ferry_link *l, bool dialled) {
+void fr_mq_keep_link(ferry_mq *mq, ferry_link *l) {
   for (size_t i = 0; i < mq->nlinks; i++)
     if (mq->links[i].link == l)
       return;
@@ -44,7 +44,7 @@ void fr_mq_keep_link(ferry_mq *mq, ferry_link *l, bool dialled) {
     mq->links = v;
     mq->caplinks = cap;
   }
-  mq->links[mq->nlinks++] = (struct fr_mq_link){ferry_link_retain(l), dialled};
+  mq->links[mq->nlinks++] = (struct fr_mq_link){ferry_link_retain(l)};
 }
 
 /* ---- dispatch ---- */
@@ -263,6 +263,8 @@ static int mq_start(ferry_mq *mq, const ferry_mq_opts *o) {
   } else {
     rc = fr_dir_open(mq->ctx, o->directory, fr_timeout(-1), &mq->dir);
   }
+  if (rc == 0)
+    fr_peers_init(&mq->dialled, mq->dir, mq->ctx);
   if (rc == 0) {
     char node[FR_DIR_NAME_MAX + 1], who[96];
     snprintf(node, sizeof node, "mq:%s", name);
@@ -370,13 +372,10 @@ void ferry_mq_close(ferry_mq *mq) {
   pthread_mutex_lock(&mq->lock);
   free_state(mq);
   pthread_mutex_unlock(&mq->lock);
-  for (size_t i = 0; i < mq->nlinks; i++) {
-    if (mq->links[i].dialled)
-      ferry_link_close(mq->links[i].link);
-    else
-      ferry_link_release(mq->links[i].link);
-  }
+  for (size_t i = 0; i < mq->nlinks; i++)
+    ferry_link_release(mq->links[i].link);
   free(mq->links);
+  fr_peers_close(&mq->dialled); /* closes the links this mq dialled */
   fr_mq_pool_fini(mq);
   fr_dir_close(mq->dir);
   fr_dir_server_stop(mq->server);

@@ -19,6 +19,7 @@
 #include "core/pool.h"
 #include "core/region.h"
 #include "directory/directory.h"
+#include "directory/peers.h"
 
 #include <pthread.h>
 #include <string.h>
@@ -191,9 +192,9 @@ struct ferry_mq {
   uint64_t subs_gen;  /* bumped whenever a topic's subscribers change (read unlocked: atomic) */
   struct fr_mq_link { /* every link this mq dialled or was dialled on, one ref each */
     ferry_link *link;
-    bool dialled; /* ours to close */
   } * links;
   size_t nlinks, caplinks;
+  fr_peers dialled; /* the links this mq dialled, by node name (directory/peers.h): closed last */
 
   ferry_mq_fn callback;
   void *callback_arg;
@@ -250,7 +251,7 @@ void fr_mq_dispatch(ferry_mq *mq, ferry_msg *m);
 /* Takes one message off the channel within ms and dispatches it (mq->lock not held). */
 void fr_mq_pump(ferry_mq *mq, int ms);
 /* Remembers a link (takes a reference) so close can say BYE and release it. lock held. */
-void fr_mq_keep_link(ferry_mq *mq, ferry_link *l, bool dialled);
+void fr_mq_keep_link(ferry_mq *mq, ferry_link *l);
 /* A copied-out error detail, for messages built across calls that may overwrite it. */
 void fr_mq_detail(char *buf, size_t cap);
 

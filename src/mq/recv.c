@@ -32,7 +32,7 @@ fr_mq_session *fr_mq_session_get(ferry_mq *mq, ferry_link *l) {
   s->refs = 1;
   s->next = mq->sessions;
   mq->sessions = s;
-  fr_mq_keep_link(mq, l, false);
+  fr_mq_keep_link(mq, l);
   return s;
 }
 

@@ -1,13 +1,13 @@
 /*
- * Reading objects. A get looks the key up in the directory (or its cache, ops.c), then reads the
- * bytes straight from the owner over a cached link (one memcpy on one host, one stream over tcp),
- * then reads the object's generation word: a mismatch means the owner replaced or deleted it during
- * the copy, and the get looks it up again and reads again, backing off, until it has a whole copy
- * or its timeout passes. Bytes whose region is gone while their generation word still says their
- * version were freed by an owner that still publishes them: that fails at once (FERRY_EFREED).
- * A batch get does one directory round trip for all keys and keeps FERRY_STORE_THREADS reads in
- * flight with a small pool of worker threads. Links to owners are cached by node name and closed
- * when their last user sees them die.
+ * Reading objects. A get looks the key up in the directory (or its cache, lookup.c), then reads
+ * the bytes straight from the owner over a cached link (one memcpy on one host, one stream over
+ * tcp), then reads the object's generation word: a mismatch means the owner replaced or deleted
+ * it during the copy, and the get looks it up again and reads again, backing off, until it has a
+ * whole copy or its timeout passes. Bytes whose region is gone while their generation word still
+ * says their version were freed by an owner that still publishes them: that fails at once
+ * (FERRY_EFREED). A batch get does one directory round trip for all keys and keeps
+ * FERRY_STORE_THREADS reads in flight with a small pool of worker threads. Links to owners come
+ * from the peer cache (directory/peers.c), by node name.
  */
 #include "store/store.h"
 #include "transport/access.h"
@@ -19,91 +19,6 @@
 #include <time.h>
 
 #define PROGRESS_CHUNK (64ull << 20)
-
-/* ---- the peer link cache ---- */
-
-static fr_peer *peer_find(ferry_store *s, const char *name) {
-  for (fr_peer *p = s->peers; p; p = p->next)
-    if (!p->dead && strcmp(p->name, name) == 0)
-      return p;
-  return NULL;
-}
-
-static int peer_connect(ferry_store *s, const char *name, int timeout_ms, ferry_link **out) {
-  fr_dir_node n;
-  int rc = fr_dir_node_get(s->dir, name, &n, timeout_ms);
-  if (rc == FERRY_ENOTFOUND)
-    return fr_err(FERRY_EPEER, "owner '%s' is gone (no longer in the directory)", name);
-  if (rc != 0)
-    return rc;
-  rc = ferry_connect(s->ctx, n.address, timeout_ms, out);
-  if (rc != 0 && rc != FERRY_EAUTH)
-    return fr_err_wrap(FERRY_EPEER, "owner '%s' is unreachable", name);
-  if (rc == 0) /* the owner's pool, reachable without asking it first */
-    fr_link_access_hint(*out, n.access, n.access_len);
-  return rc;
-}
-
-int fr_peer_acquire(ferry_store *s, const char *name, int timeout_ms, fr_peer **out) {
-  pthread_mutex_lock(&s->peers_lock);
-  fr_peer *p = peer_find(s, name);
-  if (p)
-    p->users++;
-  pthread_mutex_unlock(&s->peers_lock);
-  if (p) {
-    *out = p;
-    return 0;
-  }
-  ferry_link *l = NULL;
-  int rc = peer_connect(s, name, timeout_ms, &l);
-  if (rc != 0)
-    return rc;
-  pthread_mutex_lock(&s->peers_lock);
-  if ((p = peer_find(s, name)) != NULL) { /* another thread connected first */
-    ferry_link_close(l);
-  } else if ((p = calloc(1, sizeof *p)) != NULL) {
-    snprintf(p->name, sizeof p->name, "%s", name);
-    p->link = l;
-    p->next = s->peers;
-    s->peers = p;
-  } else {
-    ferry_link_close(l);
-  }
-  if (p)
-    p->users++;
-  pthread_mutex_unlock(&s->peers_lock);
-  if (!p)
-    return fr_err(FERRY_ENOMEM, "peer '%s'", name);
-  *out = p;
-  return 0;
-}
-
-void fr_peer_release(ferry_store *s, fr_peer *p, bool dead) {
-  pthread_mutex_lock(&s->peers_lock);
-  if (dead)
-    p->dead = true;
-  bool last = --p->users == 0 && p->dead;
-  if (last)
-    for (fr_peer **pp = &s->peers; *pp; pp = &(*pp)->next)
-      if (*pp == p) {
-        *pp = p->next;
-        break;
-      }
-  pthread_mutex_unlock(&s->peers_lock);
-  if (last) {
-    ferry_link_close(p->link);
-    free(p);
-  }
-}
-
-void fr_peers_close(ferry_store *s) {
-  for (fr_peer *p = s->peers, *next; p; p = next) {
-    next = p->next;
-    ferry_link_close(p->link);
-    free(p);
-  }
-  s->peers = NULL;
-}
 
 /* ---- reading one object ---- */
 
@@ -185,7 +100,7 @@ static int read_remote(ferry_store *s, const fr_dir_object *rec, void *dst, prog
                        void *arg, int timeout_ms) {
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   fr_peer *p;
-  int rc = fr_peer_acquire(s, rec->owner, timeout_ms, &p);
+  int rc = fr_peer_acquire(&s->peers, rec->owner, timeout_ms, &p);
   if (rc != 0)
     return rc;
   uint64_t gen = 0;
@@ -196,7 +111,7 @@ static int read_remote(ferry_store *s, const fr_dir_object *rec, void *dst, prog
   else if (freed_under(p->link, rec, rc, fr_store_left(deadline)))
     rc = FERRY_EFREED;
   bool dead = rc == FERRY_EPEER || rc == FERRY_ECLOSED;
-  fr_peer_release(s, p, dead);
+  fr_peer_release(&s->peers, p, dead);
   if (dead)
     return fr_err_wrap(FERRY_EPEER, "get '%s': owner '%s' is gone", rec->key, rec->owner);
   if (rc == FERRY_EFREED)
@@ -574,10 +489,10 @@ static int pin_local(ferry_store *s, const fr_dir_object *rec, ferry_store_view 
 }
 
 /* Pins the object in a same-host owner's pool: add a pin, then check the generation (the owner
- * zeroes the generation, then checks the pins; see retire() in put.c). */
+ * zeroes the generation, then checks the pins; see fr_store_retire() in owned.c). */
 static int pin_remote(ferry_store *s, const fr_dir_object *rec, ferry_store_view *v,
                       const void **data, int timeout_ms) {
-  int rc = fr_peer_acquire(s, rec->owner, timeout_ms, &v->peer);
+  int rc = fr_peer_acquire(&s->peers, rec->owner, timeout_ms, &v->peer);
   if (rc != 0)
     return rc;
   const void *slot = NULL;
@@ -602,7 +517,7 @@ static int pin_remote(ferry_store *s, const fr_dir_object *rec, ferry_store_view
     rc = stale(rec);
   }
   bool dead = rc == FERRY_EPEER || rc == FERRY_ECLOSED;
-  fr_peer_release(s, v->peer, dead);
+  fr_peer_release(&s->peers, v->peer, dead);
   v->peer = NULL;
   if (rc == FERRY_EFREED)
     return freed(rec);
@@ -687,7 +602,7 @@ void ferry_store_view_release(ferry_store_view *v) {
   if (v->pins)
     __atomic_sub_fetch(v->pins, 1, __ATOMIC_SEQ_CST);
   if (v->peer)
-    fr_peer_release(v->s, v->peer, false);
+    fr_peer_release(&v->s->peers, v->peer, false);
   free(v->copy);
   free(v);
 }

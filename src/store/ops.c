@@ -2,86 +2,15 @@
  * The store's bookkeeping calls: delete (by key or prefix, wherever the object lives), list,
  * exists and stat. Deleting another node's object asks that node to do it (it frees the bytes
  * and removes the record); when the owner is gone, the record is removed from the directory
- * directly, conditionally on the owner and generation so a newer put is never lost.
- * Lookups keep their answers: a key looked up again (a view after a get, a get after a stat,
- * get_alloc's second look) is answered here without the directory when the directory's stamp
- * of the key (fr_dir_ops.stamp: counters in its shared memory) did not move since the answer
- * was asked for, which proves no put or delete of the key completed meanwhile. A first lookup
- * on the directory's host reads the key's record from the directory's shared table
- * (fr_dir_ops.peek), which asks nobody either; a lookup after a read that found the record
- * stale or its owner gone asks the directory itself.
+ * directly, conditionally on the owner and generation so a newer put is never lost. Keys are
+ * looked up through the lookup cache (lookup.c); owners are reached through the peer cache
+ * (directory/peers.c) and asked with msg.c's calls.
  */
 #include "store/store.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static fr_cached *cache_slot(ferry_store *s, const char *key) {
-  return &s->cache[fr_dir_key_hash(key) % FR_STORE_CACHE_SLOTS];
-}
-
-static bool cache_get(ferry_store *s, const char *key, const fr_dir_stamp *now,
-                      fr_dir_object *rec) {
-  fr_cached *c = cache_slot(s, key);
-  pthread_mutex_lock(&s->cache_lock);
-  bool hit = c->used && fr_dir_stamp_eq(&c->stamp, now) && strcmp(c->rec.key, key) == 0;
-  if (hit)
-    *rec = c->rec;
-  pthread_mutex_unlock(&s->cache_lock);
-  return hit;
-}
-
-static void cache_put(ferry_store *s, const fr_dir_stamp *before, const fr_dir_object *rec) {
-  fr_cached *c = cache_slot(s, rec->key);
-  pthread_mutex_lock(&s->cache_lock);
-  *c = (fr_cached){.used = true, .stamp = *before, .rec = *rec};
-  pthread_mutex_unlock(&s->cache_lock);
-}
-
-void fr_store_forget(ferry_store *s, const char *key) {
-  fr_cached *c = cache_slot(s, key);
-  pthread_mutex_lock(&s->cache_lock);
-  if (c->used && strcmp(c->rec.key, key) == 0)
-    c->used = false;
-  pthread_mutex_unlock(&s->cache_lock);
-}
-
-int fr_store_lookup_again(ferry_store *s, const char *key, fr_dir_object *rec, int timeout_ms,
-                          bool again) {
-  fr_dir_stamp now; /* taken before the question goes out */
-  bool stamped = fr_dir_stamp_take(s->dir, key, &now);
-  if (stamped && cache_get(s, key, &now, rec))
-    return 0;
-  if (!again && fr_dir_peek(s->dir, key, rec))
-    return 0;
-  int st = 0;
-  int rc = fr_dir_obj_get(s->dir, &key, 1, rec, &st, timeout_ms);
-  if (rc != 0)
-    return rc;
-  if (st != 0)
-    return fr_err(FERRY_ENOTFOUND, "no object '%s' in the store", key);
-  if (stamped)
-    cache_put(s, &now, rec);
-  return 0;
-}
-
-int fr_store_lookup(ferry_store *s, const char *key, fr_dir_object *rec, int timeout_ms) {
-  return fr_store_lookup_again(s, key, rec, timeout_ms, false);
-}
-
-void fr_store_info_from(const fr_dir_object *rec, ferry_store_info *out) {
-  ferry_store_info i;
-  memset(&i, 0, sizeof i);
-  i.size = out->size;
-  snprintf(i.key, sizeof i.key, "%s", rec->key);
-  snprintf(i.owner, sizeof i.owner, "%s", rec->owner);
-  i.desc = rec->desc;
-  i.bytes = rec->bytes;
-  i.generation = rec->generation;
-  size_t n = out->size < sizeof i ? out->size : sizeof i;
-  memcpy(out, &i, n);
-}
 
 static bool owner_gone(int rc) {
   return rc == FERRY_EPEER || rc == FERRY_ECONNECT || rc == FERRY_ETIMEDOUT || rc == FERRY_ECLOSED;
@@ -95,10 +24,10 @@ int fr_store_delete_rec(ferry_store *s, const fr_dir_object *rec, int timeout_ms
       return rc; /* else: a record of ours we no longer hold; remove it below */
   } else {
     fr_peer *p;
-    int rc = fr_peer_acquire(s, rec->owner, timeout_ms, &p);
+    int rc = fr_peer_acquire(&s->peers, rec->owner, timeout_ms, &p);
     if (rc == 0) {
       rc = fr_store_call_delete(s, p, rec->key, rec->generation, fr_store_left(deadline));
-      fr_peer_release(s, p, rc == FERRY_EPEER || rc == FERRY_ECLOSED);
+      fr_peer_release(&s->peers, p, rc == FERRY_EPEER || rc == FERRY_ECLOSED);
     }
     if (rc == 0 || (!owner_gone(rc) && rc != FERRY_ENOTFOUND))
       return rc;

@@ -7,7 +7,8 @@
  * that a re-put replaced is not retired at once: it lingers, still whole and still valid, until
  * FERRY_STORE_LINGER_MS passed or its block or slot is needed (oldest first), so gets that looked
  * it up an instant before the re-put finish with it instead of starting over. Memory published in
- * place is the caller's again once the re-put returns, so it is retired at once.
+ * place is the caller's again once the re-put returns, so it is retired at once. The table of
+ * owned objects, retiring and lingering are owned.c's; (re-)registering is register.c's.
  */
 #include "store/store.h"
 
@@ -15,145 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-/* ---- the owned-object table: sorted by key ---- */
-
-fr_owned *fr_store_find_owned(ferry_store *s, const char *key, size_t *at) {
-  size_t lo = 0, hi = s->nowned;
-  while (lo < hi) {
-    size_t mid = lo + (hi - lo) / 2;
-    if (strcmp(s->owned[mid]->rec.key, key) < 0)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  *at = lo;
-  return lo < s->nowned && strcmp(s->owned[lo]->rec.key, key) == 0 ? s->owned[lo] : NULL;
-}
-
-/* Puts o in the table; returns the object it replaced (or NULL). Lock held. */
-static fr_owned *owned_swap(ferry_store *s, fr_owned *o) {
-  size_t at;
-  fr_owned *old = fr_store_find_owned(s, o->rec.key, &at);
-  if (old) {
-    s->owned[at] = o;
-    return old;
-  }
-  if (s->nowned == s->capowned) { /* capacity reserved when the slot was taken */
-    fr_error("store: owned table full (cannot happen)");
-    return NULL;
-  }
-  memmove(&s->owned[at + 1], &s->owned[at], (s->nowned - at) * sizeof *s->owned);
-  s->owned[at] = o;
-  s->nowned++;
-  return NULL;
-}
-
-static void owned_remove(ferry_store *s, size_t at) {
-  memmove(&s->owned[at], &s->owned[at + 1], (s->nowned - at - 1) * sizeof *s->owned);
-  s->nowned--;
-}
-
-static void release_home(ferry_store *s, fr_owned *o) {
-  if (o->pool_off != FR_STORE_NO_POOL)
-    fr_pool_free(&s->pool, o->pool_off, o->pool_len);
-  s->free_slots[s->nfree_slots++] = o->slot;
-  free(o);
-}
-
-/* Invalidates an object's generation word, then frees its slot and block, unless a view pins it:
- * then it waits on the pinned list (true). A viewer adds its pin before it checks the
- * generation, and this zeroes the generation before it checks the pins (both sequentially
- * consistent), so either the viewer sees the object gone or this sees the pin. Lock held. */
-static bool retire(ferry_store *s, fr_owned *o) {
-  __atomic_store_n(fr_store_gen(s, o->slot), 0, __ATOMIC_SEQ_CST);
-  if (__atomic_load_n(fr_store_pins(s, o->slot), __ATOMIC_SEQ_CST) != 0) {
-    s->pinned[s->npinned++] = o; /* it holds a slot: npinned <= nslots */
-    return true;
-  }
-  release_home(s, o);
-  return false;
-}
-
-static void pinned_reap(ferry_store *s) {
-  size_t w = 0;
-  for (size_t i = 0; i < s->npinned; i++) {
-    fr_owned *o = s->pinned[i];
-    if (__atomic_load_n(fr_store_pins(s, o->slot), __ATOMIC_SEQ_CST) == 0)
-      release_home(s, o);
-    else
-      s->pinned[w++] = o;
-  }
-  s->npinned = w;
-}
-
-/* Memory published in place is the caller's again when a re-put or delete returns: wait (until
- * the deadline) for the views that still pin its old version to be released. No lock held. */
-static void wait_unpinned(ferry_store *s, uint32_t slot, const char *key, uint64_t deadline) {
-  uint64_t *pins = fr_store_pins(s, slot), *gen = fr_store_gen(s, slot);
-  for (long ns = 20000;; ns = ns < 1000000 ? ns * 2 : ns) {
-    /* a non-zero generation: the slot was freed and taken again meanwhile */
-    if (__atomic_load_n(pins, __ATOMIC_SEQ_CST) == 0 || __atomic_load_n(gen, __ATOMIC_SEQ_CST))
-      return;
-    if (fr_ms_left(deadline) == 0) {
-      uint64_t zero = 0; /* tell the views (ferry_store_view_valid) the bytes may change now */
-      __atomic_compare_exchange_n(gen, &zero, FR_STORE_GEN_ABANDONED, false, __ATOMIC_SEQ_CST,
-                                  __ATOMIC_SEQ_CST);
-      fr_warn("store '%s': views of the old '%s' are still held; its memory (published in place) "
-              "is the caller's again, and they may see it change",
-              s->name, key);
-      return;
-    }
-    struct timespec ts = {0, ns};
-    nanosleep(&ts, NULL);
-  }
-}
-
-/* ---- lingering copies: oldest first; lock held ---- */
-
-static void linger_push(ferry_store *s, fr_owned *o) {
-  o->replaced_ns = fr_now_ns();
-  s->linger[s->nlinger++] = o; /* o holds a slot, so nowned + nlinger <= nslots */
-}
-
-static bool linger_pop(ferry_store *s) {
-  if (s->nlinger == 0)
-    return false;
-  retire(s, s->linger[0]);
-  memmove(&s->linger[0], &s->linger[1], (s->nlinger - 1) * sizeof *s->linger);
-  s->nlinger--;
-  return true;
-}
-
-static void linger_expire(ferry_store *s, uint64_t now) {
-  uint64_t age = (uint64_t)s->linger_ms * 1000000ull;
-  while (s->nlinger > 0 && now - s->linger[0]->replaced_ns > age)
-    linger_pop(s);
-}
-
-void fr_store_linger_reap(ferry_store *s) {
-  pthread_mutex_lock(&s->lock);
-  linger_expire(s, fr_now_ns());
-  pinned_reap(s);
-  pthread_mutex_unlock(&s->lock);
-}
-
-void fr_store_retire_all(ferry_store *s) {
-  pthread_mutex_lock(&s->lock);
-  for (size_t i = 0; i < s->nowned; i++)
-    retire(s, s->owned[i]);
-  s->nowned = 0;
-  while (linger_pop(s))
-    ;
-  for (size_t i = 0; i < s->npinned; i++) { /* the pool goes with the store; views keep a mapping */
-    if (s->pinned[i]->pool_off == FR_STORE_NO_POOL) /* the caller's memory: no longer ours */
-      __atomic_store_n(fr_store_gen(s, s->pinned[i]->slot), FR_STORE_GEN_ABANDONED,
-                       __ATOMIC_SEQ_CST);
-    release_home(s, s->pinned[i]);
-  }
-  s->npinned = 0;
-  pthread_mutex_unlock(&s->lock);
-}
 
 /* ---- put ---- */
 
@@ -200,10 +62,11 @@ static int place(ferry_store *s, fr_owned *o, const void *data, uint32_t flags, 
   }
   fr_err_clear();
   pthread_mutex_lock(&s->lock);
-  linger_expire(s, fr_now_ns());
-  pinned_reap(s);
+  fr_store_linger_expire(s, fr_now_ns());
+  fr_store_pinned_reap(s);
   int rc = o->rec.bytes ? pool_alloc(s, o->rec.bytes, &off) : 0;
-  while (rc == FERRY_ECAPACITY && linger_pop(s)) /* make room: the oldest replaced copies go */
+  while (rc == FERRY_ECAPACITY &&
+         fr_store_linger_pop(s)) /* make room: the oldest replaced copies go */
     rc = (fr_err_clear(), pool_alloc(s, o->rec.bytes, &off));
   pthread_mutex_unlock(&s->lock);
   if (rc != 0) {
@@ -225,9 +88,9 @@ static int take_slot(ferry_store *s, fr_owned *o) {
   pthread_mutex_lock(&s->lock);
   int rc = 0;
   if (s->nfree_slots == 0)
-    pinned_reap(s);
+    fr_store_pinned_reap(s);
   if (s->nfree_slots == 0)
-    linger_pop(s);
+    fr_store_linger_pop(s);
   if (s->nfree_slots == 0)
     rc = fr_err(FERRY_ECAPACITY,
                 "put '%s': this node already holds %u objects "
@@ -272,17 +135,17 @@ static int publish(ferry_store *s, fr_owned *o, int timeout_ms) {
     rc = fr_dir_obj_put(s->dir, &o->rec, 0, &old, &other, fr_store_left(deadline));
   if (rc == 0) {
     pthread_mutex_lock(&s->lock);
-    fr_owned *prev = owned_swap(s, o);
+    fr_owned *prev = fr_store_owned_swap(s, o);
     uint32_t slot = prev ? prev->slot : UINT32_MAX;
     if (prev && prev->pool_off != FR_STORE_NO_POOL)
-      linger_push(s, prev);
-    else if (prev && retire(s, prev))
+      fr_store_linger_push(s, prev);
+    else if (prev && fr_store_retire(s, prev))
       pinned_slot = slot;
     pthread_mutex_unlock(&s->lock);
   }
   pthread_mutex_unlock(&s->publish_lock);
   if (pinned_slot != UINT32_MAX)
-    wait_unpinned(s, pinned_slot, key, deadline);
+    fr_store_wait_unpinned(s, pinned_slot, key, deadline);
   if (rc == 0 && other)
     fr_store_send_dropped(s, &old);
   return rc;
@@ -383,11 +246,11 @@ static int publish_batch(ferry_store *s, fr_owned **os, size_t n, int *st, int t
     for (size_t i = 0; i < n; i++) {
       if (st[i] != 0)
         continue;
-      fr_owned *prev = owned_swap(s, os[i]);
+      fr_owned *prev = fr_store_owned_swap(s, os[i]);
       uint32_t slot = prev ? prev->slot : UINT32_MAX;
       if (prev && prev->pool_off != FR_STORE_NO_POOL)
-        linger_push(s, prev);
-      else if (prev && retire(s, prev))
+        fr_store_linger_push(s, prev);
+      else if (prev && fr_store_retire(s, prev))
         b.pinned[i] = slot;
     }
     pthread_mutex_unlock(&s->lock);
@@ -395,7 +258,7 @@ static int publish_batch(ferry_store *s, fr_owned **os, size_t n, int *st, int t
   pthread_mutex_unlock(&s->publish_lock);
   for (size_t i = 0; rc == 0 && i < n; i++) {
     if (b.pinned[i] != UINT32_MAX)
-      wait_unpinned(s, b.pinned[i], b.recs[i].key, deadline);
+      fr_store_wait_unpinned(s, b.pinned[i], b.recs[i].key, deadline);
     if (st[i] == 0 && b.other[i])
       fr_store_send_dropped(s, &b.old[i]);
   }
@@ -476,51 +339,5 @@ int ferry_store_put(ferry_store *s, const char *key, const ferry_tensor_desc *de
   else
     rc = fr_store_put_local(s, key, desc, data, flags, NULL, NULL, NULL, fr_timeout(timeout_ms));
   fr_store_count(s, true, rc == 0, rc != 0, rc == 0 ? bytes : 0, t0);
-  return rc;
-}
-
-/* ---- delete ---- */
-
-/* publish_lock held. */
-int fr_store_delete_owned(ferry_store *s, const char *key, uint64_t generation, bool in_directory,
-                          int timeout_ms, uint32_t *pinned_slot) {
-  if (pinned_slot)
-    *pinned_slot = UINT32_MAX;
-  pthread_mutex_lock(&s->lock);
-  size_t at;
-  fr_owned *o = fr_store_find_owned(s, key, &at);
-  bool match = o && (generation == 0 || o->rec.generation == generation);
-  uint64_t gen = match ? o->rec.generation : 0;
-  pthread_mutex_unlock(&s->lock);
-  if (!match)
-    return fr_err(FERRY_ENOTFOUND, "'%s' is not held by '%s'", key, s->name);
-  if (in_directory) {
-    int rc = fr_dir_obj_del(s->dir, key, s->name, gen, NULL, timeout_ms);
-    if (rc != 0 && rc != FERRY_ENOTFOUND) /* ENOTFOUND: replaced elsewhere, or lost */
-      return rc;
-  }
-  pthread_mutex_lock(&s->lock);
-  o = fr_store_find_owned(s, key, &at); /* the publish lock kept it in place */
-  owned_remove(s, at);
-  uint32_t slot = o->slot;
-  bool in_place = o->pool_off == FR_STORE_NO_POOL;
-  bool pinned = retire(s, o);
-  pthread_mutex_unlock(&s->lock);
-  if (pinned && in_place && pinned_slot)
-    *pinned_slot = slot;
-  else if (pinned && in_place) /* nobody to wait for: the views learn it from view_valid */
-    wait_unpinned(s, slot, key, 0);
-  return 0;
-}
-
-int fr_store_delete_local(ferry_store *s, const char *key, uint64_t generation, bool in_directory,
-                          bool wait_views, int timeout_ms) {
-  uint64_t deadline = fr_deadline_ns(timeout_ms);
-  uint32_t slot;
-  pthread_mutex_lock(&s->publish_lock);
-  int rc = fr_store_delete_owned(s, key, generation, in_directory, timeout_ms, &slot);
-  pthread_mutex_unlock(&s->publish_lock);
-  if (slot != UINT32_MAX) /* outside the publish lock: other puts go on meanwhile */
-    wait_unpinned(s, slot, key, wait_views ? deadline : 0);
   return rc;
 }

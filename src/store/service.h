@@ -1,6 +1,6 @@
 /*
- * Messages between stores on FR_CHANNEL_STORE (see service.c): the decoded form and its pure
- * decoder, shared with the fuzzer.
+ * Messages between stores on FR_CHANNEL_STORE (sent by msg.c, answered by service.c): the
+ * decoded form and its pure decoder (msg.c), shared with the fuzzer.
  */
 #ifndef FR_STORE_SERVICE_H
 #define FR_STORE_SERVICE_H

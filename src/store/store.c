@@ -1,11 +1,10 @@
 /*
- * Opening and closing a store, and keeping the node registered. Opening connects to the
- * directory (or hosts it), reserves the pool (one ferry_alloc'd region: generation words, then
- * data), registers the node under a fresh incarnation (fr_dir_lease; refused while another live
- * node holds the name; an earlier incarnation proven dead is dropped with its records) and starts
- * the service thread, which renews the lease. Whenever the directory's epoch moves (it restarted,
- * or the client redialled) or a renewal finds the lease gone, the node registers again and
- * re-publishes every object it holds, without taking keys another node owns by now.
+ * Opening and closing a store, the top of its components (store.h lists their order). Opening
+ * connects to the directory (or hosts it), starts the peer cache, reserves the pool (one
+ * ferry_alloc'd region: generation words, then data), registers the node under a fresh
+ * incarnation (register.c: fr_dir_lease; refused while another live node holds the name; an
+ * earlier incarnation proven dead is dropped with its records) and starts the service thread,
+ * which renews the lease. Closing stops them in the opposite order.
  */
 #include "store/store.h"
 #include "transport/access.h"
@@ -56,91 +55,6 @@ static int dir_open(ferry_store *s, const ferry_store_opts *o) {
   return rc ? rc : fr_dir_open_local(s->server, &s->dir);
 }
 
-/* Re-publishes every owned object; keys another node took meanwhile are dropped here. */
-static int republish(ferry_store *s, int timeout_ms) {
-  pthread_mutex_lock(&s->lock);
-  size_t n = s->nowned;
-  fr_dir_object *recs = malloc((n ? n : 1) * sizeof *recs);
-  for (size_t i = 0; recs && i < n; i++)
-    recs[i] = s->owned[i]->rec;
-  pthread_mutex_unlock(&s->lock);
-  if (!recs)
-    return fr_err(FERRY_ENOMEM, "store: re-registration");
-  int rc = 0;
-  for (size_t i = 0; i < n && rc == 0; i++) {
-    rc = fr_dir_obj_put(s->dir, &recs[i], FR_DIR_PUT_KEEP_OTHERS, NULL, NULL, timeout_ms);
-    if (rc == FERRY_EEXIST) {
-      fr_info_limited("store '%s': '%s' now belongs to another node; dropping our copy", s->name,
-                      recs[i].key);
-      rc = 0;
-      fr_store_delete_owned(s, recs[i].key, recs[i].generation, false, timeout_ms, NULL);
-    }
-  }
-  free(recs);
-  return rc;
-}
-
-/* publish_lock held. Registers the node (taking its name over from a dead holder); unless
- * `fresh`, publishes every owned object again (the directory lost them). */
-int fr_store_register(ferry_store *s, bool fresh, int timeout_ms) {
-  int rc = fr_dir_lease_take(&s->lease, timeout_ms);
-  if (rc == 0 && !fresh && (rc = republish(s, timeout_ms)) != 0)
-    fr_dir_lease_lost(&s->lease);
-  return rc;
-}
-
-/* publish_lock held. */
-int fr_store_ensure_registered(ferry_store *s, int timeout_ms) {
-  bool due = __atomic_exchange_n(&s->republish_due, false, __ATOMIC_SEQ_CST);
-  if (!due && fr_dir_lease_current(&s->lease))
-    return 0;
-  fr_info("store '%s': directory changed; registering again", s->name);
-  int rc = fr_store_register(s, false, timeout_ms);
-  if (rc != 0 && due)
-    __atomic_store_n(&s->republish_due, true, __ATOMIC_SEQ_CST);
-  return rc;
-}
-
-/* A posted put's answer that needs acting on (fr_dir_settle_fn). */
-static void settled(void *arg, const fr_dir_object *put, int status,
-                    const fr_dir_object *replaced) {
-  ferry_store *s = arg;
-  if (status == 0) {
-    fr_store_send_dropped(s, replaced);
-  } else if (status == FERRY_ENOTFOUND || status == FERRY_EPEER || status == FERRY_ECLOSED ||
-             status == FERRY_ETIMEDOUT) { /* not registered there, or the answer was lost */
-    fr_info("store '%s': the directory may have missed put '%s' (%s); registering again", s->name,
-            put->key, ferry_last_error());
-    __atomic_store_n(&s->republish_due, true, __ATOMIC_SEQ_CST);
-  } else {
-    fr_warn("store '%s': the directory refused put '%s': %s", s->name, put->key,
-            ferry_last_error());
-  }
-}
-
-void fr_store_settle(ferry_store *s, bool wait) {
-  fr_dir_settle(s->dir, wait, settled, s, wait ? fr_timeout(-1) : 0);
-  if (!__atomic_load_n(&s->republish_due, __ATOMIC_SEQ_CST))
-    return;
-  pthread_mutex_lock(&s->publish_lock);
-  if (fr_store_ensure_registered(s, fr_timeout(-1)) != 0)
-    fr_warn("store '%s': registering again: %s", s->name, ferry_last_error());
-  pthread_mutex_unlock(&s->publish_lock);
-}
-
-/* Called by the service thread when a renewal is due. */
-void fr_store_renew(ferry_store *s) {
-  pthread_mutex_lock(&s->publish_lock);
-  if (fr_dir_lease_renew(&s->lease) == 1) { /* the directory lost us: registered again */
-    int timeout = s->lease.lease_ms / 3 > 100 ? s->lease.lease_ms / 3 : 100;
-    if (republish(s, timeout) != 0) {
-      fr_dir_lease_lost(&s->lease);
-      fr_warn("store '%s': publishing its objects again failed: %s", s->name, ferry_last_error());
-    }
-  }
-  pthread_mutex_unlock(&s->publish_lock);
-}
-
 static ferry_store *store_new(ferry_ctx *ctx, const ferry_store_opts *o) {
   ferry_store *s = calloc(1, sizeof *s);
   if (!s)
@@ -152,7 +66,6 @@ static ferry_store *store_new(ferry_ctx *ctx, const ferry_store_opts *o) {
   s->linger_ms = linger > 0 ? (int)linger : 0;
   pthread_mutex_init(&s->lock, NULL);
   pthread_mutex_init(&s->publish_lock, NULL);
-  pthread_mutex_init(&s->peers_lock, NULL);
   pthread_mutex_init(&s->cache_lock, NULL);
   pthread_mutex_init(&s->batch_lock, NULL);
   pthread_mutex_init(&s->work_lock, NULL);
@@ -183,6 +96,8 @@ static int store_start(ferry_store *s, const ferry_store_opts *o) {
   if (s->flags & FERRY_STORE_DELEGATE)
     cap = 0; /* its puts live on a holder */
   int rc = dir_open(s, o);
+  if (rc == 0)
+    fr_peers_init(&s->peers, s->dir, s->ctx);
   if (rc == 0 && !(s->flags & FERRY_STORE_DELEGATE)) {
     if ((rc = pool_open(s, cap)) == 0) {
       lease_init(s, o);
@@ -233,7 +148,7 @@ void ferry_store_close(ferry_store *s) {
     fr_dir_lease_drop(&s->lease);
   if (s->mem)
     fr_store_retire_all(s);
-  fr_peers_close(s);
+  fr_peers_close(&s->peers);
   fr_dir_close(s->dir);
   fr_dir_server_stop(s->server);
   if (s->mem)
@@ -245,7 +160,6 @@ void ferry_store_close(ferry_store *s) {
   free(s->pinned);
   pthread_mutex_destroy(&s->lock);
   pthread_mutex_destroy(&s->publish_lock);
-  pthread_mutex_destroy(&s->peers_lock);
   pthread_mutex_destroy(&s->cache_lock);
   pthread_mutex_destroy(&s->batch_lock);
   pthread_mutex_destroy(&s->work_lock);

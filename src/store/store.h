@@ -1,9 +1,22 @@
 /*
- * The store, internal view: the state behind a ferry_store handle and the pieces its files share.
- * core/pool.c sub-allocates the node's shared-memory pool; store.c opens, registers and renews;
- * put.c publishes and retires objects this node owns; get.c reads (with the peer link cache and
- * the batch workers); ops.c deletes, lists and describes; service.c answers other nodes on
- * FR_CHANNEL_STORE (remote deletes, drop notices, uploads from short-lived nodes).
+ * The store, internal view: the state behind a ferry_store handle and the calls its files share.
+ * Its components, each calling only those above it in this list (no file calls one below it):
+ *   directory/peers.c  the peer cache: node name → directory node record → connected link,
+ *                      cached, dropped on failure (shared with mq);
+ *   metrics.c          the store's counters and readiness check;
+ *   lookup.c           the lookup cache: key → record (stamp-checked; peek; the directory);
+ *   msg.c              messages to other nodes' stores (DELETE, DROPPED, UPLOAD) and their
+ *                      decoder;
+ *   owned.c            the objects this node owns: the table, retiring, lingering copies, and
+ *                      deleting one of them;
+ *   register.c         the node's lease, publishing every owned object again, and settling
+ *                      posted puts;
+ *   put.c, get.c, ops.c  the verbs: publish; read (with the batch workers and views); delete,
+ *                      list, exists, stat. None calls another;
+ *   service.c          the service thread on FR_CHANNEL_STORE, answering other nodes with the
+ *                      verbs, renewing and reaping;
+ *   store.c            open and close, which start and stop all of the above.
+ * core/pool.c sub-allocates the node's shared-memory pool.
  */
 #ifndef FR_STORE_H
 #define FR_STORE_H
@@ -12,6 +25,7 @@
 #include "core/pool.h"
 #include "core/stats.h"
 #include "directory/directory.h"
+#include "directory/peers.h"
 
 #include <pthread.h>
 #include <stdbool.h>
@@ -25,7 +39,7 @@
  *   readers, and by the owner with 0;
  * - the pin count (viewers add and drop pins) is only compared with 0 by the owner: a peer
  *   that forges it holds an object's old bytes until the re-put's deadline (wait_unpinned in
- *   put.c abandons it then), never longer, and never makes the owner read out of the pool.
+ *   owned.c abandons it then), never longer, and never makes the owner read out of the pool.
  * Where an object lies (offset, bytes) comes from the directory record, and every read of it
  * is bounds-checked by the transport against the region's size (transport/shm.c). */
 /* The generation word of a retired object: 0 while its bytes stay as they were (views that pin
@@ -46,17 +60,9 @@ typedef struct fr_owned {
  * (ferry_store.linger_ms), or until its space or slot is needed, so that a get that looked it up
  * just before the re-put still completes with that whole version instead of starting over. */
 
-typedef struct fr_peer {
-  char name[FR_DIR_NAME_MAX + 1];
-  ferry_link *link;
-  int users;
-  bool dead;
-  struct fr_peer *next;
-} fr_peer;
-
 typedef struct fr_batch fr_batch;
 
-/* A lookup's answer, kept with the stamp taken before it was asked (ops.c). */
+/* A lookup's answer, kept with the stamp taken before it was asked (lookup.c). */
 typedef struct fr_cached {
   bool used;
   fr_dir_stamp stamp;
@@ -97,8 +103,7 @@ struct ferry_store {
   pthread_mutex_t cache_lock;
   fr_cached cache[FR_STORE_CACHE_SLOTS]; /* by key hash */
 
-  pthread_mutex_t peers_lock;
-  fr_peer *peers;
+  fr_peers peers;                   /* directory/peers.h: started once the directory is open */
   char holder[FR_DIR_NAME_MAX + 1]; /* cached holder node (delegating stores) */
 
   pthread_t service;
@@ -139,53 +144,7 @@ static inline uint64_t *fr_store_pins(ferry_store *s, uint32_t slot) {
   return &s->gens[(size_t)slot * 2 + 1];
 }
 
-/* store.c */
-/* Registers again when the directory's epoch moved (it restarted or was redialled). */
-int fr_store_ensure_registered(ferry_store *s, int timeout_ms);
-int fr_store_register(ferry_store *s, bool fresh, int timeout_ms);
-void fr_store_renew(ferry_store *s);
-/* Acts on the answers of posted puts that came in (all of them, waiting, when `wait`): drop
- * notices for the records they replaced; a registration again (which republishes every object)
- * when the directory lost one. Takes publish_lock for the latter. */
-void fr_store_settle(ferry_store *s, bool wait);
-
-/* put.c */
-/* Publishes a tensor; `fill` (when not NULL) writes the bytes into the pool instead of a copy
- * from data (uploads read them from a peer). */
-typedef int (*fr_fill_fn)(void *arg, void *dst, uint64_t bytes);
-int fr_store_put_local(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
-                       const void *data, uint32_t flags, fr_fill_fn fill, void *fill_arg,
-                       uint64_t *generation, int timeout_ms);
-/* Deletes an object this node owns (generation 0: any). FERRY_ENOTFOUND when not held. Memory
- * published in place that views still pin: wait_views waits for them until the timeout (the
- * caller's own delete); otherwise (a delete another node asked for) it is handed back at once
- * and the views are told (ferry_store_view_valid() says 0). */
-int fr_store_delete_local(ferry_store *s, const char *key, uint64_t generation, bool in_directory,
-                          bool wait_views, int timeout_ms);
-/* The same with publish_lock already held; *pinned_slot (may be NULL: hand back at once) receives
- * the slot to wait on, or UINT32_MAX. */
-int fr_store_delete_owned(ferry_store *s, const char *key, uint64_t generation, bool in_directory,
-                          int timeout_ms, uint32_t *pinned_slot);
-/* Retires every owned and lingering object (store close). */
-void fr_store_retire_all(ferry_store *s);
-/* Retires lingering copies replaced more than FERRY_STORE_LINGER_MS ago and frees retired objects
- * no view pins any more (the service thread). */
-void fr_store_linger_reap(ferry_store *s);
-fr_owned *fr_store_find_owned(ferry_store *s, const char *key, size_t *at);
-
-/* get.c */
-int fr_peer_acquire(ferry_store *s, const char *name, int timeout_ms, fr_peer **out);
-void fr_peer_release(ferry_store *s, fr_peer *p, bool dead);
-void fr_peers_close(ferry_store *s);
-/* Reads the object `rec` describes into dst (rec->bytes long). FERRY_ESTALE: look it up again. */
-int fr_store_read(ferry_store *s, const fr_dir_object *rec, void *dst, int timeout_ms);
-/* Reads in chunks, calling progress(arg, done, total) between them (the CLI's progress bar). */
-int fr_store_get_progress(ferry_store *s, const char *key, void **out, ferry_store_info *info,
-                          void (*progress)(void *arg, uint64_t done, uint64_t total), void *arg,
-                          int timeout_ms);
-void fr_store_workers_stop(ferry_store *s);
-
-/* ops.c */
+/* lookup.c: the lookup cache */
 /* Looks a key up: from the cache when the directory's stamp of the key has not moved since the
  * cached answer was asked for, else from the directory's shared table (fr_dir_ops.peek), else
  * from the directory. */
@@ -197,18 +156,80 @@ int fr_store_lookup_again(ferry_store *s, const char *key, fr_dir_object *rec, i
 /* Drops the cached answer for a key (its record proved wrong: ask the directory next time). */
 void fr_store_forget(ferry_store *s, const char *key);
 void fr_store_info_from(const fr_dir_object *rec, ferry_store_info *out);
+
+/* msg.c: messages to other nodes' stores (over the peer cache, s->peers) */
+int fr_store_call_delete(ferry_store *s, fr_peer *p, const char *key, uint64_t generation,
+                         int timeout_ms);
+void fr_store_send_dropped(ferry_store *s, const fr_dir_object *old);
+int fr_store_upload(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
+                    const void *data, int timeout_ms);
+
+/* owned.c: the objects this node owns */
+fr_owned *fr_store_find_owned(ferry_store *s, const char *key, size_t *at);
+/* Puts o in the table; returns the object it replaced (or NULL). Lock held. */
+fr_owned *fr_store_owned_swap(ferry_store *s, fr_owned *o);
+/* Zeroes o's generation word and frees its slot and block, unless a view pins it (true: it
+ * waits on the pinned list). Lock held. */
+bool fr_store_retire(ferry_store *s, fr_owned *o);
+/* Frees the retired objects no view pins any more. Lock held. */
+void fr_store_pinned_reap(ferry_store *s);
+/* Waits (until the deadline) for the views that pin a slot's old in-place version. No lock. */
+void fr_store_wait_unpinned(ferry_store *s, uint32_t slot, const char *key, uint64_t deadline);
+/* Lingering copies, oldest first (lock held): add one; retire the oldest (false: none);
+ * retire those older than FERRY_STORE_LINGER_MS. */
+void fr_store_linger_push(ferry_store *s, fr_owned *o);
+bool fr_store_linger_pop(ferry_store *s);
+void fr_store_linger_expire(ferry_store *s, uint64_t now);
+/* Retires lingering copies replaced more than FERRY_STORE_LINGER_MS ago and frees retired objects
+ * no view pins any more (the service thread). */
+void fr_store_linger_reap(ferry_store *s);
+/* Retires every owned and lingering object (store close). */
+void fr_store_retire_all(ferry_store *s);
+/* Deletes an object this node owns (generation 0: any). FERRY_ENOTFOUND when not held. Memory
+ * published in place that views still pin: wait_views waits for them until the timeout (the
+ * caller's own delete); otherwise (a delete another node asked for) it is handed back at once
+ * and the views are told (ferry_store_view_valid() says 0). */
+int fr_store_delete_local(ferry_store *s, const char *key, uint64_t generation, bool in_directory,
+                          bool wait_views, int timeout_ms);
+/* The same with publish_lock already held; *pinned_slot (may be NULL: hand back at once) receives
+ * the slot to wait on, or UINT32_MAX. */
+int fr_store_delete_owned(ferry_store *s, const char *key, uint64_t generation, bool in_directory,
+                          int timeout_ms, uint32_t *pinned_slot);
+
+/* register.c: the node's lease and republishing */
+/* Registers again when the directory's epoch moved (it restarted or was redialled). */
+int fr_store_ensure_registered(ferry_store *s, int timeout_ms);
+int fr_store_register(ferry_store *s, bool fresh, int timeout_ms);
+void fr_store_renew(ferry_store *s);
+/* Acts on the answers of posted puts that came in (all of them, waiting, when `wait`): drop
+ * notices for the records they replaced; a registration again (which republishes every object)
+ * when the directory lost one. Takes publish_lock for the latter. */
+void fr_store_settle(ferry_store *s, bool wait);
+
+/* put.c (a verb) */
+/* Publishes a tensor; `fill` (when not NULL) writes the bytes into the pool instead of a copy
+ * from data (uploads read them from a peer). */
+typedef int (*fr_fill_fn)(void *arg, void *dst, uint64_t bytes);
+int fr_store_put_local(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
+                       const void *data, uint32_t flags, fr_fill_fn fill, void *fill_arg,
+                       uint64_t *generation, int timeout_ms);
+
+/* get.c (a verb) */
+/* Reads the object `rec` describes into dst (rec->bytes long). FERRY_ESTALE: look it up again. */
+int fr_store_read(ferry_store *s, const fr_dir_object *rec, void *dst, int timeout_ms);
+/* Reads in chunks, calling progress(arg, done, total) between them (the CLI's progress bar). */
+int fr_store_get_progress(ferry_store *s, const char *key, void **out, ferry_store_info *info,
+                          void (*progress)(void *arg, uint64_t done, uint64_t total), void *arg,
+                          int timeout_ms);
+void fr_store_workers_stop(ferry_store *s);
+
+/* ops.c (a verb) */
 /* Deletes the object `rec` describes, asking its owner (or the directory if it is gone). */
 int fr_store_delete_rec(ferry_store *s, const fr_dir_object *rec, int timeout_ms);
 
 /* service.c */
 int fr_store_service_start(ferry_store *s);
 void fr_store_service_stop(ferry_store *s);
-/* Messages to other nodes' stores. */
-int fr_store_call_delete(ferry_store *s, fr_peer *p, const char *key, uint64_t generation,
-                         int timeout_ms);
-void fr_store_send_dropped(ferry_store *s, const fr_dir_object *old);
-int fr_store_upload(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
-                    const void *data, int timeout_ms);
 
 /* Milliseconds left before a deadline, at least 1 (so a call still fails by itself). */
 static inline int fr_store_left(uint64_t deadline_ns) {
