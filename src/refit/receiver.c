@@ -41,6 +41,8 @@ struct ferry_refit_receiver {
   uint32_t bind_epoch;      /* bumped when a destination is bound (under bind_lock) */
   uint32_t committed_epoch; /* bind_epoch when the last version committed */
   uint64_t missed;          /* a version a destination bound mid-way missed buckets of */
+  uint64_t unheld; /* a version sent with buckets flagged unchanged (the sender skips what the
+                      last commit holds) while a destination bound since then lacks them */
 
   pthread_mutex_t bind_lock; /* bound, flat: held by the service thread while a bucket lands */
   pthread_mutex_t lock;      /* the versions below */
@@ -306,6 +308,7 @@ static int install_manifest(ferry_refit_receiver *r, fr_refit_plan plan) {
     }
   }
   if (r->flat) {
+    r->bind_epoch++;              /* a new buffer: it holds none of the buckets a push may skip */
     pthread_mutex_lock(&r->lock); /* the flat buffer starts empty: no version is in it */
     r->torn_by = r->torn_by ? r->torn_by : r->committed + 1;
     pthread_mutex_unlock(&r->lock);
@@ -592,6 +595,8 @@ static int take_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, ferry_r
   if (m->bucket >= r->plan.buckets || m->bytes != fr_refit_bucket_len(&r->plan, m->bucket))
     return fr_err(FERRY_EPROTO, "refit: bucket %u of %llu bytes is not in the plan", m->bucket,
                   (unsigned long long)m->bytes);
+  if ((m->flags & FR_REFIT_UNCHANGED) && r->bind_epoch != r->committed_epoch && !r->alias)
+    r->unheld = m->version; /* fails at COMMIT, so that the catch-up starts afresh */
   if ((m->flags & FR_REFIT_UNCHANGED) || (r->got[m->bucket] && !(m->flags & FR_REFIT_KEEP)))
     return 0; /* nothing new, or a second announcement of a bucket already here */
   return fetch_bucket(r, m, kept, kept_off);
@@ -601,6 +606,7 @@ static void new_version(ferry_refit_receiver *r, uint64_t version) {
   r->receiving = version;
   r->verified = 0;
   r->failure = 0;
+  r->missed = r->unheld = 0; /* a catch-up receives it afresh, every bucket read */
   memset(r->got, 0, r->plan.buckets ? r->plan.buckets : 1);
 }
 
@@ -692,17 +698,24 @@ static void tell_commit(ferry_refit_receiver *r, uint64_t version, int status) {
 static int rebound_midway(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
   uint64_t version = m->version;
   pthread_mutex_lock(&r->bind_lock);
-  bool moved = (m->bytes > 0 && r->missed == version) ||
+  bool unheld = r->unheld == version;
+  bool moved = unheld || (m->bytes > 0 && r->missed == version) ||
                (m->bytes < r->plan.buckets && r->bind_epoch != r->committed_epoch);
   if (!moved)
     r->committed_epoch = r->bind_epoch;
   pthread_mutex_unlock(&r->bind_lock);
   if (!moved)
     return 0;
-  int rc = fr_err(FERRY_ESTATE,
-                  "refit: a destination was bound while version %llu was landing here (it "
-                  "missed the buckets before); the receiver catches up when it next waits",
-                  (unsigned long long)version);
+  int rc = unheld ? fr_err(FERRY_ESTATE,
+                           "refit: version %llu came with buckets flagged unchanged, which a "
+                           "destination bound since the last commit does not hold; the "
+                           "receiver catches up when it next waits",
+                           (unsigned long long)version)
+                  : fr_err(FERRY_ESTATE,
+                           "refit: a destination was bound while version %llu was landing here "
+                           "(it missed the buckets before); the receiver catches up when it next "
+                           "waits",
+                           (unsigned long long)version);
   pthread_mutex_lock(&r->lock);
   snprintf(r->why, sizeof r->why, "%s", ferry_last_error());
   pthread_mutex_unlock(&r->lock);
