@@ -1,6 +1,7 @@
 """Binding anew after a commit: a destination bound since the last commit never holds a version the
 sender sends with buckets flagged unchanged (it skips what it believes this receiver holds), so
-that version is refused there and the next wait catches it up."""
+that version is refused there and the next wait catches it up; a shard target bound again under
+the same name and memory but with other pieces is such a new destination too."""
 import os
 
 import numpy as np
@@ -51,3 +52,20 @@ def test_destination_bound_after_commit_is_caught_up(mode):
         assert rx.wait(2, timeout=5) == 2  # caught up: every byte read
         assert np.array_equal(fresh, want)
 
+
+def test_shard_bound_again_with_other_pieces_is_new():
+    sd = model()
+    name = unique("pieces")
+    with ferry.RefitSender(name, sd, buffer_bytes=4096) as tx, \
+            ferry.RefitReceiver(name, timeout=5) as rx:
+        out = np.zeros((32, 16), np.float32)
+        rx.bind_shards({"o": (out, [("o", 1, 16, 32)])})
+        tx.push(1)
+        assert rx.wait(1, timeout=5) == 1 and np.array_equal(out, sd["o"][:, 16:32])
+        rx.bind_shards({"o": (out, [("o", 1, 0, 16)])})  # same name and memory, another slice
+        assert rx.committed == 0  # the memory holds the old slice: no version
+        rx.wait(1, timeout=5)  # caught up to the version the new slice missed
+        assert np.array_equal(out, sd["o"][:, 0:16])
+        tx.push(2, skip_unchanged=True)
+        assert rx.wait(2, timeout=5) == 2
+        assert np.array_equal(out, sd["o"][:, 0:16])

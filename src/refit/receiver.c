@@ -187,6 +187,17 @@ static int target_slot(ferry_refit_receiver *r, const char *name, uint32_t *out)
   return 0;
 }
 
+/* Whether slot t already holds exactly this target: the same memory, laid out the same way, filled
+ * from the same slices. Anything else (another rank's slice into the same buffer) is memory that
+ * holds no version of what it now receives. */
+static bool same_target(const struct rx_target *t, const void *dst, const ferry_tensor_desc *desc,
+                        const fr_refit_piece *pieces, uint32_t n) {
+  return t->t.dst == dst && t->t.npieces == n && t->desc.dtype == desc->dtype &&
+         t->desc.ndim == desc->ndim &&
+         memcmp(t->desc.shape, desc->shape, sizeof(uint64_t) * desc->ndim) == 0 &&
+         memcmp(t->t.pieces, pieces, n * sizeof *pieces) == 0;
+}
+
 /* Records a checked target (pieces resolved) and declares it; `fresh`: memory the receiver did
  * not write before (not a whole binding turned into a target), which then holds no version. */
 static int add_target(ferry_refit_receiver *r, const char *name, void *dst,
@@ -209,7 +220,8 @@ static int add_target(ferry_refit_receiver *r, const char *name, void *dst,
     return fr_err(FERRY_ENOMEM, "refit: target '%s'", name);
   }
   memcpy(t.t.pieces, pieces, n * sizeof *pieces);
-  for (uint32_t i = 0; fresh && r->targets[slot].t.dst != dst && i < n; i++)
+  bool moved = fresh && !same_target(&r->targets[slot], dst, desc, pieces, n);
+  for (uint32_t i = 0; moved && i < n; i++)
     new_destination(r, r->plan.entries[pieces[i].entry].offset,
                     r->plan.entries[pieces[i].entry].wire_bytes);
   target_free(&r->targets[slot]);
