@@ -808,6 +808,10 @@ FERRY_API size_t ferry_refit_receivers(ferry_refit_sender *sender);
  * already has a receiver. */
 FERRY_API int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_ms,
                                         ferry_refit_receiver **out);
+/* Detaches and frees the receiver. Allowed from its own callbacks (on_bucket, on_commit, a log
+ * callback on its thread: a finalizer may run there): the close is then deferred, and the
+ * receiver's thread frees it once that callback has returned (no further callback comes); keep
+ * its ctx open until then, which such a caller cannot know: close the ctx from elsewhere, later. */
 FERRY_API void ferry_refit_receiver_close(ferry_refit_receiver *receiver);
 /* The manifest: how many tensors, and each one's name (owned by the receiver, valid until the
  * sender re-seals) and descriptor as it arrives (the wire dtype, after the sender's cast). */

@@ -57,6 +57,7 @@ struct ferry_refit_receiver {
   uint64_t asked; /* the latest version this receiver asked to catch up to (late join) */
   char why[256];  /* what the last failed version went wrong on, for wait()'s error */
   bool stop;
+  bool self_closed; /* closed from its own service thread (a callback): that thread frees it */
   pthread_t service;
 
   /* shards (ferry_refit_bind_pieces): once any is bound, every binding is a target, declared to
@@ -81,6 +82,7 @@ static int alias_map(ferry_refit_receiver *r);
 static int binding_fits(const fr_refit_entry *e, const ferry_tensor_desc *desc);
 static void new_destination(ferry_refit_receiver *r, uint64_t lo, uint64_t len);
 static void tell_commit(ferry_refit_receiver *r, uint64_t version, int status);
+static void receiver_free(ferry_refit_receiver *r);
 
 /* ---- shards: targets, declarations, views (bind_lock held) ---- */
 
@@ -830,6 +832,15 @@ static void *service_main(void *arg) {
   return NULL;
 }
 
+/* The service loop, then the receiver's end when a callback closed it (on this thread). */
+static void *service_thread(void *arg) {
+  ferry_refit_receiver *r = arg;
+  service_main(r);
+  if (r->self_closed)
+    receiver_free(r);
+  return NULL;
+}
+
 /* ---- attach ---- */
 
 /* Asks the sender for its manifest, bucket buffers and latest version. */
@@ -935,7 +946,7 @@ int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_m
   pthread_mutex_init(&r->bind_lock, NULL);
   fr_cond_init_monotonic(&r->cond);
   rc = attach(r, address, fr_timeout(timeout_ms));
-  if (rc == 0 && pthread_create(&r->service, NULL, service_main, r) != 0)
+  if (rc == 0 && pthread_create(&r->service, NULL, service_thread, r) != 0)
     rc = fr_err(FERRY_ESYS, "refit receiver: cannot start its thread");
   if (rc != 0) {
     char detail[512];
@@ -952,6 +963,14 @@ void ferry_refit_receiver_close(ferry_refit_receiver *r) {
     return;
   fr_refit_msg_t bye = {.type = FR_REFIT_DETACH};
   fr_refit_send(r->link, &bye, 1000);
+  if (pthread_equal(pthread_self(), r->service)) {
+    /* from a callback: the thread cannot join itself, and frees the receiver once the message
+     * it is handling is done (service_thread) */
+    r->self_closed = true;
+    __atomic_store_n(&r->stop, true, __ATOMIC_RELEASE);
+    pthread_detach(r->service);
+    return;
+  }
   __atomic_store_n(&r->stop, true, __ATOMIC_RELEASE);
   pthread_join(r->service, NULL);
   receiver_free(r);
