@@ -119,8 +119,14 @@ static int declare(ferry_refit_receiver *r, uint32_t i) {
   ferry_msg_free(reply);
   fr_refit_view_free(r->view);
   r->view = NULL;
-  return rc ? fr_err(rc, "refit: the sender did not take target '%s': %s",
-                     r->targets[i].name ? r->targets[i].name : "", ferry_last_error())
+  const char *name = r->targets[i].name ? r->targets[i].name : "";
+  if (rc == FERRY_ECAPACITY) /* the sender's reply is a status: say what it means here */
+    return fr_err(rc,
+                  "refit: the sender refused target '%s': this receiver's shards pass its limits "
+                  "(at most %u runs, %u times the model's bytes, a %u-byte table); the target "
+                  "stays bound and this receiver reads whole buckets",
+                  name, FR_REFIT_VIEW_RUNS_MAX, FR_REFIT_VIEW_OVERLAP, FR_REFIT_TABLE_BYTES_MAX);
+  return rc ? fr_err(rc, "refit: the sender did not take target '%s': %s", name, ferry_last_error())
             : 0;
 }
 
