@@ -867,7 +867,9 @@ typedef struct ferry_refit_piece {
  * those bytes (docs/REFIT.md, Shards). The sender has taken the target when this returns (the
  * next push covers it). As with ferry_refit_bind, a target bound after a version committed does
  * not hold it (committed() is 0 until the next wait caught up, reading only the targets' bytes).
- * Not with bind_flat or bind_alias (FERRY_ESTATE). */
+ * Not with bind_flat or bind_alias (FERRY_ESTATE). FERRY_ECAPACITY when the sender refuses it:
+ * this receiver's targets together pass its per-receiver limits (docs/REFIT.md, Shards); the
+ * target stays bound and this receiver then reads whole buckets. */
 FERRY_API int ferry_refit_bind_pieces(ferry_refit_receiver *receiver, const char *target, void *dst,
                                       const ferry_tensor_desc *dst_desc,
                                       const ferry_refit_piece *pieces, size_t n);
