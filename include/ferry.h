@@ -808,6 +808,10 @@ FERRY_API size_t ferry_refit_receivers(ferry_refit_sender *sender);
  * already has a receiver. */
 FERRY_API int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_ms,
                                         ferry_refit_receiver **out);
+/* Detaches and frees the receiver. Allowed from its own callbacks (on_bucket, on_commit, a log
+ * callback on its thread: a finalizer may run there): the close is then deferred, and the
+ * receiver's thread frees it once that callback has returned (no further callback comes); keep
+ * its ctx open until then, which such a caller cannot know: close the ctx from elsewhere, later. */
 FERRY_API void ferry_refit_receiver_close(ferry_refit_receiver *receiver);
 /* The manifest: how many tensors, and each one's name (owned by the receiver, valid until the
  * sender re-seals) and descriptor as it arrives (the wire dtype, after the sender's cast). */
@@ -863,7 +867,9 @@ typedef struct ferry_refit_piece {
  * those bytes (docs/REFIT.md, Shards). The sender has taken the target when this returns (the
  * next push covers it). As with ferry_refit_bind, a target bound after a version committed does
  * not hold it (committed() is 0 until the next wait caught up, reading only the targets' bytes).
- * Not with bind_flat or bind_alias (FERRY_ESTATE). */
+ * Not with bind_flat or bind_alias (FERRY_ESTATE). FERRY_ECAPACITY when the sender refuses it:
+ * this receiver's targets together pass its per-receiver limits (docs/REFIT.md, Shards); the
+ * target stays bound and this receiver then reads whole buckets. */
 FERRY_API int ferry_refit_bind_pieces(ferry_refit_receiver *receiver, const char *target, void *dst,
                                       const ferry_tensor_desc *dst_desc,
                                       const ferry_refit_piece *pieces, size_t n);

@@ -1057,6 +1057,53 @@ static void test_bucket_and_commit_callbacks(void **st) {
   model_free(&m);
 }
 
+/* A receiver closed from its own commit callback (as a finalizer run there by a garbage
+ * collection does): the close is deferred to its thread, which frees it once the callback
+ * returned; the context's receiver slot is then free again. The sender goes on. */
+typedef struct {
+  ferry_refit_receiver *r;
+  uint64_t closed_at; /* the version whose report closed it (atomic) */
+} closing;
+
+static void close_on_commit(ferry_refit_receiver *r, uint64_t version, int status, const char *why,
+                            void *arg) {
+  (void)status, (void)why;
+  closing *c = arg; /* no cmocka assertion here: not the test's thread */
+  ferry_refit_receiver_close(r);
+  __atomic_store_n(&c->closed_at, version, __ATOMIC_RELEASE);
+}
+
+static void test_close_from_callback(void **st) {
+  model m;
+  model_init(&m, 12);
+  ferry_ctx *sc = ctx_for("trainer", "shm"), *rc = ctx_for("rollout", "shm");
+  ferry_refit_sender *s = sender_for(sc, &m, 16384);
+  closing c = {.r = flat_receiver(rc, ferry_ctx_address(sc))};
+  ferry_refit_on_commit(c.r, close_on_commit, &c);
+  await_receivers(s, 1);
+  int pushed =
+      ferry_refit_push(s, 1, NULL); /* ECLOSED when its DETACH came before the push ended */
+  assert_true(pushed == 0 || pushed == FERRY_ECLOSED);
+  ferry_refit_receiver *again = NULL;
+  int rc_open = FERRY_EBUSY; /* until the receiver's thread freed it (and its claim on rc) */
+  for (int i = 0; i < 1000 && rc_open == FERRY_EBUSY; i++) {
+    rc_open = ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &again);
+    if (rc_open == FERRY_EBUSY)
+      usleep(10000);
+  }
+  FR_OK(rc_open);
+  assert_int_equal(__atomic_load_n(&c.closed_at, __ATOMIC_ACQUIRE), 1);
+  FR_OK(ferry_refit_bind_flat(again));
+  model_bump(&m, -1);
+  FR_OK(ferry_refit_push(s, 2, NULL)); /* the sender went on: the new receiver commits */
+  FR_OK(ferry_refit_wait(again, 2, 5000, NULL));
+  ferry_refit_receiver_close(again);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(rc);
+  ferry_ctx_close(sc);
+  model_free(&m);
+}
+
 static void test_late_join_shm(void **st) { late_join("shm"); }
 static void test_late_join_tcp(void **st) { late_join("tcp"); }
 
@@ -1716,6 +1763,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_late_join_during_push),
       cmocka_unit_test(test_late_join_process),
       cmocka_unit_test(test_bucket_and_commit_callbacks),
+      cmocka_unit_test(test_close_from_callback),
       cmocka_unit_test(test_shards_2_shm),
       cmocka_unit_test(test_shards_4_shm),
       cmocka_unit_test(test_shards_2_tcp),

@@ -144,6 +144,17 @@ _listening = {}  # key -> the C handle whose callbacks are set
 # deadlocks that thread against itself. Each critical section below is short and touches only
 # its own receiver's key, so a finalizer's nested pass through it leaves them consistent.
 _listeners_lock = threading.RLock()
+
+
+def _on_foreign_thread(close) -> bool:
+    """A close on a thread Python did not start (a receiver's or sender's own service thread,
+    running a callback in which a garbage collection ran a finalizer) is handed to a short-lived
+    Python thread: it may close the context (which that thread serves) and, closing the receiver
+    whose thread it is, would leave the C side to defer it. True when handed over."""
+    if not isinstance(threading.current_thread(), threading._DummyThread):
+        return False
+    threading.Thread(target=close, name="ferry-refit-close", daemon=True).start()
+    return True
 _keys = itertools.count(1)
 
 
@@ -396,6 +407,8 @@ class RefitSender(_lib.Closing):
 
     def close(self) -> None:
         """Detaches every receiver, frees the buckets and removes the published address."""
+        if _on_foreign_thread(self.close):
+            return
         with self._lock:
             h, self._h = self._h, None
             path, self._path = self._path, None
@@ -573,6 +586,8 @@ class RefitReceiver(_lib.Closing):
             self._really_close()
 
     def _really_close(self):
+        if _on_foreign_thread(self._really_close):
+            return
         h, self._h = self._h, None
         with _listeners_lock:
             _listeners.pop(self._key, None)

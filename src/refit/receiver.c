@@ -41,6 +41,8 @@ struct ferry_refit_receiver {
   uint32_t bind_epoch;      /* bumped when a destination is bound (under bind_lock) */
   uint32_t committed_epoch; /* bind_epoch when the last version committed */
   uint64_t missed;          /* a version a destination bound mid-way missed buckets of */
+  uint64_t unheld; /* a version sent with buckets flagged unchanged (the sender skips what the
+                      last commit holds) while a destination bound since then lacks them */
 
   pthread_mutex_t bind_lock; /* bound, flat: held by the service thread while a bucket lands */
   pthread_mutex_t lock;      /* the versions below */
@@ -55,6 +57,7 @@ struct ferry_refit_receiver {
   uint64_t asked; /* the latest version this receiver asked to catch up to (late join) */
   char why[256];  /* what the last failed version went wrong on, for wait()'s error */
   bool stop;
+  bool self_closed; /* closed from its own service thread (a callback): that thread frees it */
   pthread_t service;
 
   /* shards (ferry_refit_bind_pieces): once any is bound, every binding is a target, declared to
@@ -79,6 +82,7 @@ static int alias_map(ferry_refit_receiver *r);
 static int binding_fits(const fr_refit_entry *e, const ferry_tensor_desc *desc);
 static void new_destination(ferry_refit_receiver *r, uint64_t lo, uint64_t len);
 static void tell_commit(ferry_refit_receiver *r, uint64_t version, int status);
+static void receiver_free(ferry_refit_receiver *r);
 
 /* ---- shards: targets, declarations, views (bind_lock held) ---- */
 
@@ -115,8 +119,14 @@ static int declare(ferry_refit_receiver *r, uint32_t i) {
   ferry_msg_free(reply);
   fr_refit_view_free(r->view);
   r->view = NULL;
-  return rc ? fr_err(rc, "refit: the sender did not take target '%s': %s",
-                     r->targets[i].name ? r->targets[i].name : "", ferry_last_error())
+  const char *name = r->targets[i].name ? r->targets[i].name : "";
+  if (rc == FERRY_ECAPACITY) /* the sender's reply is a status: say what it means here */
+    return fr_err(rc,
+                  "refit: the sender refused target '%s': this receiver's shards pass its limits "
+                  "(at most %u runs, %u times the model's bytes, a %u-byte table); the target "
+                  "stays bound and this receiver reads whole buckets",
+                  name, FR_REFIT_VIEW_RUNS_MAX, FR_REFIT_VIEW_OVERLAP, FR_REFIT_TABLE_BYTES_MAX);
+  return rc ? fr_err(rc, "refit: the sender did not take target '%s': %s", name, ferry_last_error())
             : 0;
 }
 
@@ -185,6 +195,17 @@ static int target_slot(ferry_refit_receiver *r, const char *name, uint32_t *out)
   return 0;
 }
 
+/* Whether slot t already holds exactly this target: the same memory, laid out the same way, filled
+ * from the same slices. Anything else (another rank's slice into the same buffer) is memory that
+ * holds no version of what it now receives. */
+static bool same_target(const struct rx_target *t, const void *dst, const ferry_tensor_desc *desc,
+                        const fr_refit_piece *pieces, uint32_t n) {
+  return t->t.dst == dst && t->t.npieces == n && t->desc.dtype == desc->dtype &&
+         t->desc.ndim == desc->ndim &&
+         memcmp(t->desc.shape, desc->shape, sizeof(uint64_t) * desc->ndim) == 0 &&
+         memcmp(t->t.pieces, pieces, n * sizeof *pieces) == 0;
+}
+
 /* Records a checked target (pieces resolved) and declares it; `fresh`: memory the receiver did
  * not write before (not a whole binding turned into a target), which then holds no version. */
 static int add_target(ferry_refit_receiver *r, const char *name, void *dst,
@@ -207,7 +228,8 @@ static int add_target(ferry_refit_receiver *r, const char *name, void *dst,
     return fr_err(FERRY_ENOMEM, "refit: target '%s'", name);
   }
   memcpy(t.t.pieces, pieces, n * sizeof *pieces);
-  for (uint32_t i = 0; fresh && r->targets[slot].t.dst != dst && i < n; i++)
+  bool moved = fresh && !same_target(&r->targets[slot], dst, desc, pieces, n);
+  for (uint32_t i = 0; moved && i < n; i++)
     new_destination(r, r->plan.entries[pieces[i].entry].offset,
                     r->plan.entries[pieces[i].entry].wire_bytes);
   target_free(&r->targets[slot]);
@@ -306,6 +328,7 @@ static int install_manifest(ferry_refit_receiver *r, fr_refit_plan plan) {
     }
   }
   if (r->flat) {
+    r->bind_epoch++;              /* a new buffer: it holds none of the buckets a push may skip */
     pthread_mutex_lock(&r->lock); /* the flat buffer starts empty: no version is in it */
     r->torn_by = r->torn_by ? r->torn_by : r->committed + 1;
     pthread_mutex_unlock(&r->lock);
@@ -592,6 +615,8 @@ static int take_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, ferry_r
   if (m->bucket >= r->plan.buckets || m->bytes != fr_refit_bucket_len(&r->plan, m->bucket))
     return fr_err(FERRY_EPROTO, "refit: bucket %u of %llu bytes is not in the plan", m->bucket,
                   (unsigned long long)m->bytes);
+  if ((m->flags & FR_REFIT_UNCHANGED) && r->bind_epoch != r->committed_epoch && !r->alias)
+    r->unheld = m->version; /* fails at COMMIT, so that the catch-up starts afresh */
   if ((m->flags & FR_REFIT_UNCHANGED) || (r->got[m->bucket] && !(m->flags & FR_REFIT_KEEP)))
     return 0; /* nothing new, or a second announcement of a bucket already here */
   return fetch_bucket(r, m, kept, kept_off);
@@ -601,6 +626,7 @@ static void new_version(ferry_refit_receiver *r, uint64_t version) {
   r->receiving = version;
   r->verified = 0;
   r->failure = 0;
+  r->missed = r->unheld = 0; /* a catch-up receives it afresh, every bucket read */
   memset(r->got, 0, r->plan.buckets ? r->plan.buckets : 1);
 }
 
@@ -692,17 +718,24 @@ static void tell_commit(ferry_refit_receiver *r, uint64_t version, int status) {
 static int rebound_midway(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
   uint64_t version = m->version;
   pthread_mutex_lock(&r->bind_lock);
-  bool moved = (m->bytes > 0 && r->missed == version) ||
+  bool unheld = r->unheld == version;
+  bool moved = unheld || (m->bytes > 0 && r->missed == version) ||
                (m->bytes < r->plan.buckets && r->bind_epoch != r->committed_epoch);
   if (!moved)
     r->committed_epoch = r->bind_epoch;
   pthread_mutex_unlock(&r->bind_lock);
   if (!moved)
     return 0;
-  int rc = fr_err(FERRY_ESTATE,
-                  "refit: a destination was bound while version %llu was landing here (it "
-                  "missed the buckets before); the receiver catches up when it next waits",
-                  (unsigned long long)version);
+  int rc = unheld ? fr_err(FERRY_ESTATE,
+                           "refit: version %llu came with buckets flagged unchanged, which a "
+                           "destination bound since the last commit does not hold; the "
+                           "receiver catches up when it next waits",
+                           (unsigned long long)version)
+                  : fr_err(FERRY_ESTATE,
+                           "refit: a destination was bound while version %llu was landing here "
+                           "(it missed the buckets before); the receiver catches up when it next "
+                           "waits",
+                           (unsigned long long)version);
   pthread_mutex_lock(&r->lock);
   snprintf(r->why, sizeof r->why, "%s", ferry_last_error());
   pthread_mutex_unlock(&r->lock);
@@ -802,6 +835,15 @@ static void *service_main(void *arg) {
       on_catchup_refused(r, &m);
     ferry_msg_free(msg);
   }
+  return NULL;
+}
+
+/* The service loop, then the receiver's end when a callback closed it (on this thread). */
+static void *service_thread(void *arg) {
+  ferry_refit_receiver *r = arg;
+  service_main(r);
+  if (r->self_closed)
+    receiver_free(r);
   return NULL;
 }
 
@@ -910,7 +952,7 @@ int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_m
   pthread_mutex_init(&r->bind_lock, NULL);
   fr_cond_init_monotonic(&r->cond);
   rc = attach(r, address, fr_timeout(timeout_ms));
-  if (rc == 0 && pthread_create(&r->service, NULL, service_main, r) != 0)
+  if (rc == 0 && pthread_create(&r->service, NULL, service_thread, r) != 0)
     rc = fr_err(FERRY_ESYS, "refit receiver: cannot start its thread");
   if (rc != 0) {
     char detail[512];
@@ -927,6 +969,14 @@ void ferry_refit_receiver_close(ferry_refit_receiver *r) {
     return;
   fr_refit_msg_t bye = {.type = FR_REFIT_DETACH};
   fr_refit_send(r->link, &bye, 1000);
+  if (pthread_equal(pthread_self(), r->service)) {
+    /* from a callback: the thread cannot join itself, and frees the receiver once the message
+     * it is handling is done (service_thread) */
+    r->self_closed = true;
+    __atomic_store_n(&r->stop, true, __ATOMIC_RELEASE);
+    pthread_detach(r->service);
+    return;
+  }
   __atomic_store_n(&r->stop, true, __ATOMIC_RELEASE);
   pthread_join(r->service, NULL);
   receiver_free(r);

@@ -47,10 +47,12 @@ typedef struct receiver {
   /* shards (views.c): what it declared, and the view built from that between pushes */
   fr_refit_target *targets; /* by slot */
   uint32_t ntargets;
-  uint32_t view_serial; /* of the last declaration taken (0: none) */
-  bool view_stale;      /* declarations came since the view was built */
-  fr_refit_view *view;  /* NULL: it reads whole buckets */
-  uint64_t *vsum;       /* per seq of the push under way: the sum of its view's runs */
+  uint32_t view_serial;                        /* of the last declaration taken (0: none) */
+  bool view_stale;                             /* declarations came since the view was built */
+  fr_refit_view *view;                         /* NULL: it reads whole buckets */
+  uint64_t decl_rows, decl_bytes, decl_pieces; /* its targets' sums, against FR_REFIT_VIEW_* */
+  bool view_refused; /* it declared past those limits: no view (until a new manifest) */
+  uint64_t *vsum;    /* per seq of the push under way: the sum of its view's runs */
   struct receiver *next;
 } receiver;
 

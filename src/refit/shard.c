@@ -89,6 +89,21 @@ static int piece_runs(const fr_refit_plan *plan, const fr_refit_piece *pc, uint8
   return 0;
 }
 
+uint64_t fr_refit_piece_rows(const fr_refit_plan *plan, const fr_refit_piece *pc, uint64_t *bytes) {
+  const fr_refit_entry *e = &plan->entries[pc->entry];
+  uint64_t outer = 1, inner = ferry_dtype_size(e->wire);
+  if (e->desc.ndim == 0) {
+    *bytes = inner;
+    return 1;
+  }
+  for (uint32_t d = 0; d < pc->dim; d++)
+    outer *= e->desc.shape[d];
+  for (uint32_t d = pc->dim + 1; d < e->desc.ndim; d++)
+    inner *= e->desc.shape[d];
+  *bytes = outer * (pc->stop - pc->start) * inner;
+  return pc->stop - pc->start == e->desc.shape[pc->dim] ? 1 : outer;
+}
+
 static int run_cmp(const void *a, const void *b) {
   const fr_refit_run *x = a, *y = b;
   if (x->off != y->off)

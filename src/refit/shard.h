@@ -22,6 +22,17 @@
 
 #define FR_REFIT_PIECES_MAX 4096u       /* per target */
 #define FR_REFIT_TARGETS_MAX (1u << 20) /* per receiver */
+/* What a sender takes from one receiver's declarations, so that what it allocates for them (the
+ * target table, the view it builds and hashes under its lock) is bounded by its own model, never
+ * by what a receiver sends. Beyond these the declaration is refused (FERRY_ECAPACITY) and that
+ * receiver reads whole buckets. Runs: a slice along dim d > 0 is one run per index before d; a
+ * tensor-parallel rank of a 70B model (80 layers, o [8192, 8192] and down [8192, 28672] sliced
+ * along dim 1, the rest along dim 0: one run each) declares 80 * 2 * 8192 = 1.31M, whatever the
+ * world size; 4M leaves three times that (the sender's view of it: about 100 MB). Bytes: all
+ * pieces together at most twice the model (a slice bound to two targets, as tied embeddings). */
+#define FR_REFIT_VIEW_RUNS_MAX (1u << 22)
+#define FR_REFIT_VIEW_OVERLAP 2u
+#define FR_REFIT_TABLE_BYTES_MAX (4u << 20) /* the target table: slots and pieces */
 
 /* A piece on the wire and in both ends' tables: the source by index in the manifest. */
 typedef struct fr_refit_piece {
@@ -36,6 +47,10 @@ typedef struct fr_refit_target {
   fr_refit_piece *pieces;
   uint8_t *dst;
 } fr_refit_target;
+
+/* The runs piece pc is read in before cuts at bucket boundaries (1 for a contiguous slice, else
+ * one per index before its dim), and its bytes; pc checked (fr_refit_piece_check). */
+uint64_t fr_refit_piece_rows(const fr_refit_plan *plan, const fr_refit_piece *pc, uint64_t *bytes);
 
 /* A run of the flat wire buffer and where it lands (receiver: an address; sender: 0). */
 typedef struct fr_refit_run {
