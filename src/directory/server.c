@@ -672,11 +672,12 @@ static ferry_msg *backlog_take(fr_dir_server *s, size_t i) {
   return m;
 }
 
-/* Drains the shm links and moves everything queued into the backlog; returns the fence's time. */
+/* Moves everything that has arrived into the backlog (a wait of 0 drains the shm links, where
+ * posted puts wait without a doorbell); returns the fence's time. */
 static uint64_t fence(fr_dir_server *s) {
   uint64_t t = fr_now_ns();
-  fr_ctx_poll_links(s->ctx);
-  for (ferry_msg *m; (m = fr_ctx_take(s->ctx, FR_CHANNEL_DIRECTORY)) != NULL;)
+  for (ferry_msg *m; fr_ctx_await(s->ctx, FR_CHANNEL_DIRECTORY, 0) &&
+                     (m = fr_ctx_take(s->ctx, FR_CHANNEL_DIRECTORY)) != NULL;)
     backlog_push(s, m);
   return t;
 }
