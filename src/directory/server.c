@@ -19,7 +19,8 @@
 #include "core/channels.h"
 #include "directory/dirwire.h"
 #include "directory/table.h"
-#include "transport/transport.h"
+#include "transport/ctxcalls.h"
+#include "transport/linkcalls.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -724,7 +725,7 @@ static void *server_main(void *arg) {
     bool idle = s->nbacklog == 0;
     pthread_mutex_unlock(&s->serve_lock);
     bool queued = !idle || fr_ctx_await(s->ctx, FR_CHANNEL_DIRECTORY, idle_wait_ms(s));
-    if (!queued && __atomic_load_n(&s->ctx->stopping, __ATOMIC_ACQUIRE))
+    if (!queued && fr_ctx_closing(s->ctx))
       break;
     pthread_mutex_lock(&s->serve_lock);
     if (!queued)

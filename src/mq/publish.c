@@ -31,6 +31,7 @@
 #include "mq/publish.h"
 
 #include "core/channels.h"
+#include "core/stats.h"
 
 #include <stdio.h>
 #include <stdlib.h>
