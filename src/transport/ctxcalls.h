@@ -26,7 +26,9 @@ void fr_ctx_background_thread(void);
  * timeout passed, and returns whether it has one (no error set; a closing ctx or a kick end the
  * wait early), then takes one without waiting (NULL: none). A wait of 0 never blocks on a
  * message, yet sees every message that has arrived: with the channel empty, it drains the ctx's
- * shm links itself (waiting only for a drain another thread is doing right then). */
+ * shm links itself (waiting only for a drain another thread is doing right then). So never
+ * from code the transport runs while it delivers (a message callback): that drain holds the
+ * link, and the wait would be for itself. */
 bool fr_ctx_await(ferry_ctx *ctx, uint32_t channel, int timeout_ms);
 ferry_msg *fr_ctx_take(ferry_ctx *ctx, uint32_t channel);
 /* Whether ferry_ctx_close has begun: a service loop whose wait ended empty stops. */
