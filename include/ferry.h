@@ -335,7 +335,9 @@ typedef struct ferry_msg {
 } ferry_msg;
 
 /* Receives the next message on `channel` from any link. The message is owned by the caller
- * until ferry_msg_free(). FERRY_ETIMEDOUT when none arrived in time. */
+ * until ferry_msg_free(). FERRY_ETIMEDOUT when none arrived in time. A timeout of 0 does not
+ * wait, yet returns any message that has arrived (over shm, whether or not a thread has
+ * driven the link since). */
 FERRY_API int ferry_recv(ferry_ctx *ctx, uint32_t channel, ferry_msg **out, int timeout_ms);
 FERRY_API void ferry_msg_free(ferry_msg *msg);
 

@@ -313,6 +313,39 @@ static void stats_calls(const char *transport) {
   pair_close(&p);
 }
 
+/* A receive with a zero timeout sees every message that has arrived, even when no thread has
+ * driven the link since: the test holds the receiving ctx's lead mutex, as a progress thread that
+ * has not run yet (a busy machine), so only the receive itself can take the messages off the shm
+ * ring. N sends, then N receives with nothing else in between, each returns the next message. */
+static void test_recv_zero_drains_shm(void **s) {
+  pair p;
+  pair_open(&p, "shm");
+  struct iovec iov = {"open", 5};
+  ferry_msg *m = NULL;
+  FR_OK(ferry_send(p.ab, 12, &iov, 1, 5000)); /* the link is open on b's side too */
+  FR_OK(ferry_recv(p.b, 12, &m, 5000));
+  ferry_msg_free(m);
+  pthread_mutex_lock(&p.b->lead); /* within a second: the progress thread's epoll wait */
+  enum { N = 32 };
+  for (int i = 0; i < N; i++) {
+    char text[16];
+    snprintf(text, sizeof text, "m%d", i);
+    struct iovec one = {text, strlen(text) + 1};
+    FR_OK(ferry_send(p.ab, 12, &one, 1, 5000));
+  }
+  for (int i = 0; i < N; i++) {
+    char want[16];
+    snprintf(want, sizeof want, "m%d", i);
+    m = NULL;
+    FR_OK(ferry_recv(p.b, 12, &m, 0));
+    assert_string_equal(m->data, want);
+    ferry_msg_free(m);
+  }
+  assert_int_equal(ferry_recv(p.b, 12, &m, 0), FERRY_ETIMEDOUT);
+  pthread_mutex_unlock(&p.b->lead);
+  pair_close(&p);
+}
+
 static void test_stats_calls_shm(void **s) { stats_calls("shm"); }
 static void test_stats_calls_tcp(void **s) { stats_calls("tcp"); }
 
@@ -1074,6 +1107,7 @@ int main(void) {
       cmocka_unit_test(test_tcp_local_cc),
       cmocka_unit_test(test_messages_shm),
       cmocka_unit_test(test_messages_tcp),
+      cmocka_unit_test(test_recv_zero_drains_shm),
       cmocka_unit_test(test_calls_shm),
       cmocka_unit_test(test_calls_tcp),
       cmocka_unit_test(test_stats_calls_shm),

@@ -17,7 +17,7 @@
 #include "core/core.h"
 #include "directory/directory.h"
 #include "ferry.h"
-#include "transport/transport.h"
+#include "transport/linkcalls.h"
 
 #include <dirent.h>
 #include <math.h>

@@ -12,7 +12,7 @@
 #include "core/core.h"
 #include "directory/directory.h"
 #include "ferry.h"
-#include "transport/transport.h"
+#include "transport/ctxcalls.h"
 
 #include <pthread.h>
 #include <signal.h>

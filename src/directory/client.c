@@ -16,7 +16,7 @@
 #include "core/channels.h"
 #include "directory/dirwire.h"
 #include "directory/table.h"
-#include "transport/transport.h"
+#include "transport/linkcalls.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -25,9 +25,9 @@
 
 /* A put sent without waiting for its answer (FR_DIR_PUT_POSTED), until settled. */
 typedef struct posted {
-  fr_pending pending;
-  uint64_t sent_ns; /* when it went out, quietly */
-  bool rung;        /* its server was woken for it (emb_settle) */
+  fr_pending *pending; /* the put, in flight on link until collected */
+  uint64_t sent_ns;    /* when it went out, quietly */
+  bool rung;           /* its server was woken for it (emb_settle) */
   ferry_link *link;
   fr_dir_object *objs; /* what was put: n records */
   size_t n;
@@ -418,7 +418,7 @@ static bool posted_replies(fr_rd rd, const posted *ps, fr_dir_settle_fn cb, void
 /* Collects one posted put's answer and tells cb what needs acting on. */
 static void settle_one(emb *e, posted *ps, fr_dir_settle_fn cb, void *arg, int timeout_ms) {
   ferry_msg *m = NULL;
-  int rc = fr_link_call_collect(ps->link, &ps->pending, &m, timeout_ms);
+  int rc = fr_link_call_collect(ps->link, ps->pending, &m, timeout_ms);
   char detail[512];
   fr_rd rd = rc == 0 ? fr_rd_init(m->data, m->len) : fr_rd_init(NULL, 0);
   int st = 0;
@@ -444,7 +444,7 @@ static void settle_one(emb *e, posted *ps, fr_dir_settle_fn cb, void *arg, int t
  * is older than one of the server's looks (ring_after_ns): its server may be asleep (dirwire.h).
  * One doorbell brings in every post in the ring. posted_lock held. */
 static void ring_if_stale(emb *e, posted *ps, bool wait) {
-  if (ps->rung || fr_link_call_ready(&ps->pending))
+  if (ps->rung || fr_link_call_ready(ps->pending))
     return;
   if (wait || fr_now_ns() - ps->sent_ns >= e->ring_after_ns) {
     fr_link_ring(ps->link);
@@ -458,11 +458,11 @@ static void emb_settle(void *st, bool wait, fr_dir_settle_fn cb, void *arg, int 
   for (;;) {
     pthread_mutex_lock(&e->posted_lock);
     posted *ps = e->posted_head;
-    if (ps && !fr_link_call_ready(&ps->pending))
+    if (ps && !fr_link_call_ready(ps->pending))
       fr_link_poll(ps->link, false); /* answers to posted puts ring no doorbell */
     if (ps)
       ring_if_stale(e, ps, wait);
-    if (ps && !wait && !fr_link_call_ready(&ps->pending))
+    if (ps && !wait && !fr_link_call_ready(ps->pending))
       ps = NULL;
     if (ps && !(e->posted_head = ps->next))
       e->posted_tail = NULL;
@@ -781,7 +781,7 @@ static bool emb_stamp(void *st, const char *key, fr_dir_stamp *out) {
   uint64_t epoch = e->epoch;
   pthread_mutex_unlock(&e->lock);
   /* a dead link: the server may be gone and another one taking puts that these words miss */
-  if (!w || !l || __atomic_load_n(&l->state, __ATOMIC_ACQUIRE) != FR_LINK_OPEN)
+  if (!w || !l || !fr_link_is_open(l))
     return false;
   out->epoch = epoch;
   out->all = __atomic_load_n(&w[0], __ATOMIC_SEQ_CST);
@@ -798,7 +798,7 @@ static bool emb_peek(void *st, const char *key, fr_dir_object *out) {
   ferry_link *l = e->link;
   pthread_mutex_unlock(&e->lock);
   /* a dead link: the server may be gone and another one taking puts that this table misses */
-  if (!t || !l || __atomic_load_n(&l->state, __ATOMIC_ACQUIRE) != FR_LINK_OPEN)
+  if (!t || !l || !fr_link_is_open(l))
     return false;
   return fr_dir_table_read(fr_dir_table_slot((uint64_t *)t, FR_DIR_TABLE_SLOTS, key), key, out);
 }

@@ -41,6 +41,7 @@ static void group_leave(fr_dir_lease *l) {
     if (*p == l) {
       *p = l->next;
       l->in_group = false;
+      break; /* *p may be NULL now: the step would read through it */
     }
   pthread_mutex_unlock(&group_lock);
 }

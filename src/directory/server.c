@@ -19,7 +19,8 @@
 #include "core/channels.h"
 #include "directory/dirwire.h"
 #include "directory/table.h"
-#include "transport/transport.h"
+#include "transport/ctxcalls.h"
+#include "transport/linkcalls.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -672,11 +673,12 @@ static ferry_msg *backlog_take(fr_dir_server *s, size_t i) {
   return m;
 }
 
-/* Drains the shm links and moves everything queued into the backlog; returns the fence's time. */
+/* Moves everything that has arrived into the backlog (a wait of 0 drains the shm links, where
+ * posted puts wait without a doorbell); returns the fence's time. */
 static uint64_t fence(fr_dir_server *s) {
   uint64_t t = fr_now_ns();
-  fr_ctx_poll_links(s->ctx);
-  for (ferry_msg *m; (m = fr_ctx_take(s->ctx, FR_CHANNEL_DIRECTORY)) != NULL;)
+  for (ferry_msg *m; fr_ctx_await(s->ctx, FR_CHANNEL_DIRECTORY, 0) &&
+                     (m = fr_ctx_take(s->ctx, FR_CHANNEL_DIRECTORY)) != NULL;)
     backlog_push(s, m);
   return t;
 }
@@ -723,7 +725,7 @@ static void *server_main(void *arg) {
     bool idle = s->nbacklog == 0;
     pthread_mutex_unlock(&s->serve_lock);
     bool queued = !idle || fr_ctx_await(s->ctx, FR_CHANNEL_DIRECTORY, idle_wait_ms(s));
-    if (!queued && __atomic_load_n(&s->ctx->stopping, __ATOMIC_ACQUIRE))
+    if (!queued && fr_ctx_closing(s->ctx))
       break;
     pthread_mutex_lock(&s->serve_lock);
     if (!queued)

@@ -6,7 +6,7 @@
  * queue's depth, and waits for credit (a subscriber's full queue holding a publisher back).
  */
 #include "mq/mq.h"
-#include "transport/transport.h"
+#include "core/stats.h"
 
 #include <stdio.h>
 #include <stdlib.h>

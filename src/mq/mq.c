@@ -13,7 +13,7 @@
  */
 #include "mq/mq.h"
 #include "core/channels.h"
-#include "transport/transport.h"
+#include "transport/ctxcalls.h"
 
 #include <errno.h>
 #include <stdio.h>

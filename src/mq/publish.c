@@ -31,13 +31,14 @@
 #include "mq/publish.h"
 
 #include "core/channels.h"
+#include "core/stats.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 /* Dispatches what already arrived on the channel, without waiting (lock held, as it returns),
- * unless another thread is taking messages off it. */
+ * unless another thread is taking messages off it. A receive of 0 drains the shm rings. */
 void fr_mq_drain(ferry_mq *mq) {
   if (!mq->thread_started || !pthread_equal(pthread_self(), mq->thread))
     mq->app_pump_ns = fr_now_ns(); /* the background thread leaves the pump to this thread */
@@ -45,7 +46,6 @@ void fr_mq_drain(ferry_mq *mq) {
     return;
   mq->pumping = true;
   pthread_mutex_unlock(&mq->lock);
-  fr_ctx_poll_links(mq->ctx); /* what the shm rings hold: a receive that does not wait skips them */
   for (int i = 0; i < 256; i++) {
     ferry_msg *m = NULL;
     if (ferry_recv(mq->ctx, FR_CHANNEL_MQ, &m, 0) != 0)

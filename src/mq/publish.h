@@ -8,7 +8,7 @@
 #define FR_MQ_PUBLISH_H
 
 #include "mq/mq.h"
-#include "transport/transport.h"
+#include "transport/ctxcalls.h"
 
 typedef struct fr_mq_target {
   fr_mq_peer *p;

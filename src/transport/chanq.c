@@ -2,7 +2,8 @@
  * The channel queues of a context: one FIFO of received messages per channel, filled by
  * whichever thread drives the links (fr_ctx_deliver) and emptied by ferry_recv. A waiter spins
  * briefly when the channel's messages came over shm lately, then waits through the context's
- * leadership (leader.c), so the message it waits for wakes it directly.
+ * leadership (leader.c), so the message it waits for wakes it directly. A receive that does not
+ * wait drains the shm rings itself, so it sees every message that has arrived.
  */
 #include "transport/ctx_impl.h"
 #include "core/channels.h"
@@ -44,6 +45,11 @@ static bool channel_ready(void *arg) {
 
 bool fr_ctx_await(ferry_ctx *ctx, uint32_t channel, int timeout_ms) {
   fr_channel *c = &ctx->channels[channel];
+  /* A wait of 0 leads nothing and spins not, yet must see what has arrived: messages may sit in
+   * shm rings that no thread has driven since (the leader is asleep, or busy elsewhere). Drain
+   * those links here, as a spinner would; links the epoll drives (tcp) are left to the leader. */
+  if (timeout_ms == 0 && __atomic_load_n(&c->count, __ATOMIC_ACQUIRE) == 0)
+    fr_ctx_poll_links(ctx);
   if (timeout_ms > 0 && !fr_ctx_in_background() &&
       !__atomic_load_n(&c->last_costly, __ATOMIC_RELAXED))
     fr_ctx_spin_channel(ctx,

@@ -225,6 +225,8 @@ static void close_links(ferry_ctx *ctx) {
   }
 }
 
+bool fr_ctx_closing(const ferry_ctx *ctx) { return fr_ctx_stopping(ctx); }
+
 void ferry_ctx_close(ferry_ctx *ctx) {
   if (!ctx)
     return;

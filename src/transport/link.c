@@ -347,10 +347,21 @@ int fr_link_call(ferry_link *l, uint32_t channel, const struct iovec *iov, int i
 }
 
 int fr_link_call_post(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
-                      int timeout_ms, bool quiet, fr_pending *p) {
+                      int timeout_ms, bool quiet, fr_pending **out) {
+  fr_pending *p = malloc(sizeof *p); /* the caller holds it opaque (linkcalls.h) */
+  if (!p)
+    return fr_err(FERRY_ENOMEM, "call to '%s': out of memory", l->peer);
   *p = (fr_pending){.expect = FR_REPLY};
-  return request_send(l, p, FR_CALL, channel, iov, iovcnt, fr_deadline_ns(timeout_ms), quiet);
+  int rc = request_send(l, p, FR_CALL, channel, iov, iovcnt, fr_deadline_ns(timeout_ms), quiet);
+  if (rc != 0) {
+    free(p);
+    return rc;
+  }
+  *out = p;
+  return 0;
 }
+
+bool fr_link_is_open(const ferry_link *l) { return link_state(l) == FR_LINK_OPEN; }
 
 bool fr_link_call_ready(const fr_pending *p) { return pending_ready((void *)p); }
 
@@ -368,7 +379,7 @@ int fr_link_call_collect(ferry_link *l, fr_pending *p, ferry_msg **reply, int ti
     *reply = p->reply;
   else
     ferry_msg_free(p->reply);
-  p->reply = NULL;
+  free(p);
   return rc;
 }
 

@@ -11,6 +11,7 @@
 #include "core/region.h"
 #include "core/stats.h"
 #include "transport/ctxcalls.h"
+#include "transport/linkcalls.h"
 #include "transport/wire.h"
 
 #include <pthread.h>
@@ -106,7 +107,7 @@ const fr_transport_ops *fr_transport_find(const char *name);
 enum fr_link_state { FR_LINK_HELLO, FR_LINK_AUTH, FR_LINK_OPEN, FR_LINK_DEAD };
 enum fr_rx_phase { FR_RX_HEADER, FR_RX_BODY, FR_RX_PAYLOAD };
 
-typedef struct fr_pending {
+struct fr_pending {
   uint64_t id;
   uint8_t expect; /* the response type */
   void *dst;      /* READ: where the bytes go */
@@ -117,7 +118,7 @@ typedef struct fr_pending {
   uint64_t size;      /* MAP: the region's size */
   ferry_msg *reply;   /* CALL: the reply */
   struct fr_pending *next;
-} fr_pending;
+};
 
 #define FR_SMALL_BODY 128
 #define FR_MAX_RX_FDS 8
@@ -311,9 +312,6 @@ int fr_link_send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov
  * the ring until the peer polls or a later frame rings (a full ring still rings). */
 int fr_link_send_frame_quiet(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
                              uint64_t deadline_ns);
-/* ferry_reply(), quiet as fr_link_send_frame_quiet when `quiet`. */
-int fr_link_reply(ferry_msg *request, const struct iovec *iov, int iovcnt, int timeout_ms,
-                  bool quiet);
 /* Stream one-sided operations: requests answered by the owner. */
 int fr_link_rma_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst, size_t len,
                      int timeout_ms);
@@ -326,24 +324,10 @@ int fr_link_rma_readv(ferry_link *l, const ferry_region_ref *r, const ferry_read
 /* Sends a CALL and waits for its REPLY (a message owned by the caller). */
 int fr_link_call(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
                  ferry_msg **reply, int timeout_ms);
-/* A CALL whose reply is collected later: sends it (quietly when `quiet`: fr_link_send_frame_quiet)
- * and returns at once; p stays registered with the link, and must outlive it or be collected. */
-int fr_link_call_post(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
-                      int timeout_ms, bool quiet, fr_pending *p);
-/* Wakes the peer for the quiet frames sent to it (fr_link_send_frame_quiet) that it has not
- * taken yet, as a frame that is not quiet would; a no-op where frames are never quiet. */
-void fr_link_ring(ferry_link *l);
-/* Whether a posted call's reply (or the link's failure) is in. */
-bool fr_link_call_ready(const fr_pending *p);
-/* Waits up to timeout_ms for a posted call's reply and unregisters p; *reply is the caller's. */
-int fr_link_call_collect(ferry_link *l, fr_pending *p, ferry_msg **reply, int timeout_ms);
+/* fr_link_reply, fr_link_call_post/_ready/_collect, fr_link_ring, fr_link_poll: linkcalls.h */
 /* Asks the owner for a region's memfd (shm): *fd and *size on success. */
 int fr_link_map_request(ferry_link *l, const ferry_region_ref *r, int timeout_ms, int *fd,
                         uint64_t *size);
-/* Drives a pollable link's receive side from a waiting thread (no-op when another thread is
- * doing it, or when `wait` is false and the lock is busy); with `wait` it also re-arms the
- * link's wake-up (ops->idle) once the link is drained. */
-void fr_link_poll(ferry_link *l, bool wait);
 /* Stream operations over the link's socket, for transports' sendv/recv. */
 int fr_link_sock_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
                        uint64_t deadline_ns);
@@ -353,17 +337,9 @@ int fr_link_take_fd(ferry_link *l);
 /* Fails every handshake older than the timeout (called by the progress thread). */
 void fr_link_reap_stale(ferry_ctx *ctx);
 
-/* peerstats.c: the metrics of the ctx at the other end of link, as the Prometheus text its
- * /metrics would serve; *text is malloc'd and NUL-terminated. FERRY_ETIMEDOUT / FERRY_EPEER when
- * the node does not answer. */
-int fr_stats_call(ferry_link *link, int timeout_ms, char **text);
+/* peerstats.c: fr_stats_call (linkcalls.h) */
 
-/* metrics_http.c: a route added to a metrics server beside /metrics, /healthz and /readyz (ferry
- * serve's status page and /v1/fleet). fn runs on the server's thread for a GET of exactly
- * `path`: it sets *body (malloc'd; NULL: out of memory), *len and *type (a static string) and
- * returns the HTTP status. */
-typedef unsigned (*fr_http_route_fn)(void *arg, char **body, size_t *len, const char **type);
-int fr_metrics_route(ferry_metrics_server *s, const char *path, fr_http_route_fn fn, void *arg);
+/* metrics_http.c: fr_metrics_route (ctxcalls.h) */
 
 /* the context: ctx.c, leader.c, chanq.c, spin.c, server.c, accept.c, msgcache.c */
 void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg);
@@ -386,24 +362,16 @@ bool fr_spin_until(ferry_link *link, const bool *flag, int spin_us);
 #define FR_CTX_WAIT_REPLY (-1)
 bool fr_ctx_wait(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg,
                  pthread_mutex_t *mutex, pthread_cond_t *cond, uint64_t deadline_ns);
-/* ferry_recv() in two steps: waits (as ferry_recv does) until the channel has a message or the
- * timeout passed (returns whether it has one; ECLOSED-free), then takes one without waiting. */
-bool fr_ctx_await(ferry_ctx *ctx, uint32_t channel, int timeout_ms);
-ferry_msg *fr_ctx_take(ferry_ctx *ctx, uint32_t channel);
 /* Drains every shm-ring link of the ctx (waiting for one another thread drains): what their
  * peers sent before the call is in the channel queues when it returns. */
 void fr_ctx_poll_links(ferry_ctx *ctx);
-/* Runs work(arg) as a spinning waiter would wait: marked as polling every link of the context
- * that is cheap to poll (shm rings), so their peers send without a doorbell meanwhile, then
- * drains them. For work that takes long enough for an answer to come (a publish copying a large
- * payload while its subscribers release blocks): the answer then wakes no thread. */
-void fr_ctx_work_polling(ferry_ctx *ctx, void (*work)(void *), void *arg);
 /* Something a caller may wait on changed outside the ctx's leader (a spinning waiter drove a
  * link): a message on `what` (a channel) or a response (FR_CTX_WAIT_REPLY). Wakes a caller that
  * leads the epoll waiting for that, so it sees it; a leader waiting for something else (the
  * embedded directory's thread, for its requests) sleeps on. */
 void fr_ctx_poke(ferry_ctx *ctx, int what);
-/* fr_ctx_kick, fr_ctx_background_thread: ctxcalls.h */
+/* fr_ctx_kick, fr_ctx_background_thread, fr_ctx_await, fr_ctx_take, fr_ctx_closing,
+ * fr_ctx_work_polling: ctxcalls.h */
 
 /* tcp.c: what every listener on an address shares (the tcp transport's, and the metrics one's) */
 /* Splits "HOST:PORT" or "[V6]:PORT" (HOST may be empty); FERRY_EINVAL when it is not one. */
