@@ -447,8 +447,8 @@ static int joiner_finish(joiner *j, ferry_refit_sender *s, size_t k, uint64_t la
  * three turns, in an order that rotates from rep to rep: (a) a push alone; (b) a joiner is
  * released just before the push, so it attaches, binds and asks to catch up while the push
  * runs; (c) the push begins once the first bucket of the joiner's catch-up landed, so it
- * stops a catch-up mid-way (catchup.c: the joiner, attached, is in that push and gets every
- * bucket there). Every joiner must end holding the version pushed last, or the row fails. */
+ * stops a catch-up mid-way (catchup.c: the joiner stays out of that push and catches up to its
+ * version after it). Every joiner must end holding the version pushed last, or the row fails. */
 typedef struct joining_rows {
   bench_samples alone, join, mid;
   /* each round's (b)/(a) and (c)/(a): its three turns run within a second */

@@ -6,8 +6,9 @@
  * sender killed mid-push (receivers report torn bytes, not their old version) or stopped
  * mid-push (a wait times out, no version is claimed; resumed, the push lands whole), bindings
  * that do not fit; late join (a receiver that attaches after a push, or during one, catches up
- * to the latest version at once from the sender's retained buffer; alias mode; no_retain says
- * why not); shards: 2 and 4 tensor-parallel ranks bind slices along dim 0 and dim 1 and fused
+ * to the latest version at once from the sender's retained buffer; a push that begins while one
+ * catches up leaves it out and it catches up to that push's version after; alias mode; no_retain
+ * says why not); shards: 2 and 4 tensor-parallel ranks bind slices along dim 0 and dim 1 and fused
  * targets, read only those bytes, and put together equal the sender's tensors.
  */
 // ferry-test: threaded
@@ -1223,6 +1224,169 @@ static void test_late_join_during_push(void **st) {
   model_free(&m);
 }
 
+/* A push that begins while a receiver's catch-up is mid-way leaves that receiver out: the push
+ * goes to the K receivers that hold a version (its log line and their commit callbacks say K;
+ * the chain it routes is theirs), and the joiner, held here inside the first bucket of its
+ * catch-up, would stall a push it were in (it would be dropped and the push fail). Released, it
+ * reads the rest of what was announced of the old version (overwritten by the push: refused),
+ * then catches up to the push's version and holds it exactly; it never commits the old one. */
+typedef struct overtaken {
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  bool held, release;
+  int others_ok;         /* commits of version 2 by the K receivers */
+  uint64_t joiner_ok[4]; /* versions the joiner committed, in order */
+  int joiner_commits;
+  char pushed[256]; /* the sender's log line for version 2 */
+} overtaken;
+static overtaken ot;
+
+static void hold_first_bucket(ferry_refit_receiver *r, uint64_t version, uint32_t bucket,
+                              void *arg) {
+  (void)r, (void)version, (void)bucket, (void)arg;
+  pthread_mutex_lock(&ot.lock);
+  if (!ot.held) { /* blocks its service thread on purpose: a joiner that reads slowly */
+    ot.held = true;
+    pthread_cond_broadcast(&ot.cond);
+    while (!ot.release)
+      pthread_cond_wait(&ot.cond, &ot.lock);
+  }
+  pthread_mutex_unlock(&ot.lock);
+}
+
+static void joiner_committed(ferry_refit_receiver *r, uint64_t version, int status, const char *why,
+                             void *arg) {
+  (void)r, (void)why, (void)arg;
+  pthread_mutex_lock(&ot.lock);
+  if (status == 0 && ot.joiner_commits < 4)
+    ot.joiner_ok[ot.joiner_commits++] = version;
+  pthread_cond_broadcast(&ot.cond);
+  pthread_mutex_unlock(&ot.lock);
+}
+
+static void other_committed(ferry_refit_receiver *r, uint64_t version, int status, const char *why,
+                            void *arg) {
+  (void)r, (void)why, (void)arg;
+  pthread_mutex_lock(&ot.lock);
+  ot.others_ok += version == 2 && status == 0;
+  pthread_cond_broadcast(&ot.cond);
+  pthread_mutex_unlock(&ot.lock);
+}
+
+static void keep_push_line(ferry_log_level level, const char *msg, void *arg) {
+  (void)level, (void)arg;
+  if (strstr(msg, "pushed version 2:")) {
+    pthread_mutex_lock(&ot.lock);
+    snprintf(ot.pushed, sizeof ot.pushed, "%s", msg);
+    pthread_mutex_unlock(&ot.lock);
+  }
+}
+
+/* Waits (up to 10 s) until *count reaches n: a commit callback runs after wait() sees the commit.
+ */
+static void await_count(const int *count, int n) {
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until);
+  until.tv_sec += 10;
+  pthread_mutex_lock(&ot.lock);
+  while (*count < n && pthread_cond_timedwait(&ot.cond, &ot.lock, &until) == 0)
+    ;
+  pthread_mutex_unlock(&ot.lock);
+}
+
+static void late_join_overtaken(const char *transports) {
+  enum { K = 2 };
+  model m;
+  model_init(&m, 26);
+  memset(&ot, 0, sizeof ot);
+  pthread_mutex_init(&ot.lock, NULL);
+  pthread_cond_init(&ot.cond, NULL);
+  ferry_ctx *sc = ctx_for("trainer", transports), *lc = ctx_for("late", transports), *rc[K];
+  ferry_refit_sender *s = sender_for(sc, &m, 16384); /* many buckets: 4 announced at a time */
+  ferry_refit_receiver *r[K];
+  for (int i = 0; i < K; i++) {
+    rc[i] = ctx_for(i ? "rollout-2" : "rollout-1", transports);
+    r[i] = flat_receiver(rc[i], ferry_ctx_address(sc));
+  }
+  await_receivers(s, K);
+  FR_OK(ferry_refit_push(s, 1, NULL));
+  for (int i = 0; i < K; i++) {
+    FR_OK(ferry_refit_wait(r[i], 1, 10000, NULL));
+    ferry_refit_on_commit(r[i], other_committed, NULL);
+  }
+  model_bump(&m, -1);
+
+  ferry_refit_receiver *l = flat_receiver(lc, ferry_ctx_address(sc));
+  ferry_refit_on_bucket(l, hold_first_bucket, NULL);
+  ferry_refit_on_commit(l, joiner_committed, NULL);
+  await_receivers(s, K + 1);
+  assert_int_equal(ferry_refit_committed(l), 0); /* asks to catch up to version 1 */
+  pthread_mutex_lock(&ot.lock);
+  while (!ot.held) /* its first bucket of version 1 landed; more are announced */
+    pthread_cond_wait(&ot.cond, &ot.lock);
+  pthread_mutex_unlock(&ot.lock);
+
+  ferry_log_level level = ferry_log_get_level();
+  ferry_log_set_callback(keep_push_line, NULL);
+  ferry_log_set_level(FERRY_LOG_INFO);
+  ferry_refit_push_opts po = {
+      .size = sizeof po, .timeout_ms = 2000, .route = FERRY_REFIT_ROUTE_CHAIN};
+  int pushed = ferry_refit_push(s, 2, &po);
+  ferry_log_set_callback(NULL, NULL);
+  ferry_log_set_level(level);
+  pthread_mutex_lock(&ot.lock);
+  ot.release = true;
+  pthread_cond_broadcast(&ot.cond);
+  pthread_mutex_unlock(&ot.lock);
+  FR_OK(pushed);
+  char want[64];
+  snprintf(want, sizeof want, "committed by %d receivers", K);
+  assert_non_null(strstr(ot.pushed, want));
+  for (int i = 0; i < K; i++)
+    FR_OK(ferry_refit_wait(r[i], 2, 10000, NULL));
+  await_count(&ot.others_ok, K);
+  pthread_mutex_lock(&ot.lock);
+  assert_int_equal(ot.others_ok, K);
+  pthread_mutex_unlock(&ot.lock);
+
+  uint64_t have = 0;
+  FR_OK(ferry_refit_wait(l, 1, 10000, &have)); /* asked for 1; gets 2 */
+  FR_OK(ferry_refit_wait(l, 2, 10000, &have));
+  assert_int_equal(have, 2);
+  void *views[NT];
+  for (int i = 0; i < NT; i++)
+    FR_OK(ferry_refit_view(l, m.name[i], &views[i]));
+  expect_model(&m, (const void *const *)views);
+  await_count(&ot.joiner_commits, 1);
+  pthread_mutex_lock(&ot.lock);
+  assert_int_equal(ot.joiner_commits, 1); /* version 2, never the version it was reading */
+  assert_int_equal(ot.joiner_ok[0], 2);
+  pthread_mutex_unlock(&ot.lock);
+
+  model_bump(&m, -1); /* the next push includes it, as any receiver holding a version */
+  FR_OK(ferry_refit_push(s, 3, &po));
+  FR_OK(ferry_refit_wait(l, 3, 10000, &have));
+  expect_model(&m, (const void *const *)views);
+
+  ferry_refit_on_bucket(l, NULL, NULL);
+  ferry_refit_on_commit(l, NULL, NULL);
+  ferry_refit_receiver_close(l);
+  for (int i = 0; i < K; i++) {
+    ferry_refit_on_commit(r[i], NULL, NULL);
+    ferry_refit_receiver_close(r[i]);
+    ferry_ctx_close(rc[i]);
+  }
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(lc);
+  ferry_ctx_close(sc);
+  pthread_cond_destroy(&ot.cond);
+  pthread_mutex_destroy(&ot.lock);
+  model_free(&m);
+}
+
+static void test_late_join_overtaken_shm(void **st) { late_join_overtaken("shm"); }
+static void test_late_join_overtaken_tcp(void **st) { late_join_overtaken("tcp"); }
+
 /* Receiver processes that attach after version 1 (and after 2) report it without a push. */
 static void test_late_join_process(void **st) {
   model m;
@@ -1761,6 +1925,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_late_join_alias),
       cmocka_unit_test(test_late_join_no_retain),
       cmocka_unit_test(test_late_join_during_push),
+      cmocka_unit_test(test_late_join_overtaken_shm),
+      cmocka_unit_test(test_late_join_overtaken_tcp),
       cmocka_unit_test(test_late_join_process),
       cmocka_unit_test(test_bucket_and_commit_callbacks),
       cmocka_unit_test(test_close_from_callback),

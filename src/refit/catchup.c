@@ -6,9 +6,12 @@
  * asks (CATCHUP), and the sender announces it the buckets of that buffer, a few at a time, then
  * COMMIT, exactly as a push would but to that receiver alone. Everything runs on the sender's
  * service thread as acknowledgements arrive, so a catch-up never holds the pushing thread; it
- * waits while a push rewrites the buffer, and a push that begins stops it (the receiver is in
- * that push and gets every bucket of the newer version there). The receiver verifies each
- * bucket against its checksum, so a bucket a push began to overwrite is refused, never taken.
+ * waits while a push rewrites the buffer. A push that begins stops it and leaves the receiver
+ * out (it has no version of the buffer's to build on, and reading every bucket there would make
+ * the others' push wait for it): once the push ends it catches up to the newer version from the
+ * buffer. The receiver verifies each bucket against its checksum, so a bucket a push began to
+ * overwrite is refused, never taken, and the abandoned version is never committed (no COMMIT
+ * for it follows; the newer version's first bucket starts that version over).
  */
 #include "refit/sender_impl.h"
 
@@ -86,6 +89,18 @@ void fr_refit_catchup_request(ferry_refit_sender *s, receiver *r) {
     return; /* under way already, or a push brings it */
   r->want_catchup = true;
   fr_refit_catchup_serve(s);
+}
+
+bool fr_refit_catchup_overtaken(ferry_refit_sender *s, receiver *r, uint64_t retained) {
+  bool catching_up = r->cu_version || r->want_catchup;
+  fr_refit_catchup_cancel(r);
+  if (!catching_up || retained == 0 || retained != s->latest)
+    return false;         /* nothing whole to catch up from after the push: the push brings it */
+  r->want_catchup = true; /* served when the push ends, with the push's version */
+  fr_info("refit '%s': receiver '%s' was catching up; it catches up to version %llu after that "
+          "push instead of joining it",
+          s->name, r->peer, (unsigned long long)s->pushing);
+  return true;
 }
 
 void fr_refit_catchup_cancel(receiver *r) {

@@ -310,10 +310,10 @@ static size_t begin_push(ferry_refit_sender *s, fr_push *p, ferry_refit_route ro
     fr_refit_receiver_free(gone);
   }
   for (receiver *r = s->receivers; r; r = r->next) {
-    fr_refit_catchup_cancel(r); /* a push takes it, with every bucket of the newer version */
-    r->in_push = !r->dropped;
+    /* one catching up stays out, like one not yet attached: the push would wait for its reads */
+    r->in_push = !fr_refit_catchup_overtaken(s, r, p->had) && !r->dropped;
     if (!r->in_push)
-      continue; /* it stalled in an earlier push and has not attached again */
+      continue; /* catching up, or it stalled in an earlier push and has not attached again */
     r->orphan = r->commit_sent = r->commit_seen = false;
     r->up = r->down = NULL;
     r->announced = r->acked = 0;

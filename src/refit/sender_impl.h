@@ -117,11 +117,15 @@ uint64_t fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool sha
                        fr_refit_feed *feeds, size_t nfeeds);
 /* Late join (catchup.c), all under s->lock: a receiver asked for the latest version; serves
  * every pending request when no push is under way; handles a catch-up ACK or COMMITTED (true
- * when the record belonged to a catch-up); and stops the catch-up of a receiver a push takes. */
+ * when the record belonged to a catch-up); stops a receiver's catch-up; and, as a push begins
+ * (the buffer held version `retained` whole, 0: none), stops r's catch-up and says whether r
+ * stays out of the push (true: it was catching up, and catches up to the push's version when the
+ * push ends). */
 void fr_refit_catchup_request(ferry_refit_sender *s, receiver *r);
 void fr_refit_catchup_serve(ferry_refit_sender *s);
 bool fr_refit_catchup_record(ferry_refit_sender *s, receiver *r, const fr_refit_msg_t *x);
 void fr_refit_catchup_cancel(receiver *r);
+bool fr_refit_catchup_overtaken(ferry_refit_sender *s, receiver *r, uint64_t retained);
 /* Shards (views.c), under s->lock: a VIEW call (its pieces follow the record; 0 or why not); the
  * view rebuilt from the declarations when they changed (never during a push: the push hashes
  * the one it began with); every view dropped when the sender re-seals (receivers declare again
