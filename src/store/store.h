@@ -12,6 +12,7 @@
 #include "core/pool.h"
 #include "core/stats.h"
 #include "directory/directory.h"
+#include "transport/ctxcalls.h"
 
 #include <pthread.h>
 #include <stdbool.h>
@@ -103,6 +104,7 @@ struct ferry_store {
 
   pthread_t service;
   bool service_started, stop; /* stop: atomic */
+  fr_inbox inbox;             /* requests on FR_CHANNEL_STORE, for the service thread */
   uint64_t posted_ns; /* atomic: when this store last posted a put to the directory (put.c) */
   int poll_ms;        /* FERRY_STORE_POLL_MS */
   int linger_ms;      /* FERRY_STORE_LINGER_MS */

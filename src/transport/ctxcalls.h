@@ -63,6 +63,12 @@ extern const fr_channel_ops fr_inbox_ops;
  * never spins and leaves the epoll to callers that want it; `channel` is the one whose messages
  * fill q. NULL when the deadline passed or the inbox was kicked. */
 ferry_msg *fr_inbox_wait(ferry_ctx *ctx, uint32_t channel, fr_inbox *q, uint64_t deadline_ns);
+/* fr_inbox_wait in two steps, for a thread that must take under a lock of its own (the
+ * directory server: a caller's fence must find every message either in the inbox or served):
+ * waits the same way, and says whether a message is queued. */
+bool fr_inbox_await(ferry_ctx *ctx, uint32_t channel, fr_inbox *q, uint64_t deadline_ns);
+/* The next message if one is queued, without waiting; NULL otherwise. */
+ferry_msg *fr_inbox_take(fr_inbox *q);
 /* Ends the current or next fr_inbox_wait early, once, without a message: the owner sets its
  * stop flag (or moves a timer) first, then kicks. */
 void fr_inbox_kick(ferry_ctx *ctx, uint32_t channel, fr_inbox *q);

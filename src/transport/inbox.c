@@ -55,7 +55,9 @@ static bool inbox_ready(void *arg) {
          __atomic_load_n(&q->kicked, __ATOMIC_SEQ_CST);
 }
 
-static ferry_msg *inbox_take(fr_inbox *q) {
+ferry_msg *fr_inbox_take(fr_inbox *q) {
+  if (__atomic_load_n(&q->count, __ATOMIC_SEQ_CST) == 0)
+    return NULL;
   pthread_mutex_lock(&q->lock);
   fr_msg_node *n = q->head;
   if (n) {
@@ -64,20 +66,24 @@ static ferry_msg *inbox_take(fr_inbox *q) {
       q->tail = NULL;
     __atomic_sub_fetch(&q->count, 1, __ATOMIC_SEQ_CST);
     n->next = NULL;
-  } else { /* a kick without a message: seen now */
-    __atomic_store_n(&q->kicked, false, __ATOMIC_SEQ_CST);
   }
   pthread_mutex_unlock(&q->lock);
   return n ? &n->msg : NULL;
 }
 
-ferry_msg *fr_inbox_wait(ferry_ctx *ctx, uint32_t channel, fr_inbox *q, uint64_t deadline_ns) {
+bool fr_inbox_await(ferry_ctx *ctx, uint32_t channel, fr_inbox *q, uint64_t deadline_ns) {
   if (!inbox_ready(q)) {
     bool was = fr_ctx_background_swap(true);
     fr_ctx_wait(ctx, (int)channel, inbox_ready, q, &q->lock, &q->cond, deadline_ns);
     fr_ctx_background_swap(was);
   }
-  return inbox_ready(q) ? inbox_take(q) : NULL;
+  if (__atomic_load_n(&q->kicked, __ATOMIC_SEQ_CST)) /* seen; no store when there was none */
+    __atomic_store_n(&q->kicked, false, __ATOMIC_SEQ_CST);
+  return __atomic_load_n(&q->count, __ATOMIC_SEQ_CST) != 0;
+}
+
+ferry_msg *fr_inbox_wait(ferry_ctx *ctx, uint32_t channel, fr_inbox *q, uint64_t deadline_ns) {
+  return fr_inbox_await(ctx, channel, q, deadline_ns) ? fr_inbox_take(q) : NULL;
 }
 
 void fr_inbox_kick(ferry_ctx *ctx, uint32_t channel, fr_inbox *q) {
