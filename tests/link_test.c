@@ -346,6 +346,52 @@ static void test_recv_zero_drains_shm(void **s) {
   pair_close(&p);
 }
 
+/* A channel with an owner: what was queued before is handed over, a second owner and ferry_recv
+ * are refused (FERRY_EBUSY), every later message reaches the owner's inbox in order, a kick ends
+ * a wait without one, and once the owner closes the channel ferry_recv has it again. */
+static void channel_owner(const char *transport) {
+  pair p;
+  pair_open(&p, transport);
+  char text[32];
+  struct iovec iov = {text, 0};
+  iov.iov_len = (size_t)snprintf(text, sizeof text, "m %d", 0);
+  FR_OK(ferry_send(p.ab, 5, &iov, 1, 1000));
+  assert_true(fr_ctx_await(p.b, 5, 5000)); /* queued before there is an owner */
+  fr_inbox q;
+  fr_inbox_init(&q);
+  FR_OK(fr_ctx_channel_open(p.b, 5, &fr_inbox_ops, &q));
+  assert_int_equal(fr_ctx_channel_open(p.b, 5, &fr_inbox_ops, &q), FERRY_EBUSY);
+  ferry_msg *m = NULL;
+  assert_int_equal(ferry_recv(p.b, 5, &m, 0), FERRY_EBUSY);
+  for (int i = 1; i < 50; i++) {
+    iov.iov_len = (size_t)snprintf(text, sizeof text, "m %d", i);
+    FR_OK(ferry_send(p.ab, 5, &iov, 1, 1000));
+  }
+  for (int i = 0; i < 50; i++) {
+    m = fr_inbox_wait(p.b, 5, &q, UINT64_MAX);
+    assert_non_null(m);
+    int n = snprintf(text, sizeof text, "m %d", i);
+    assert_int_equal(m->len, (size_t)n);
+    assert_memory_equal(m->data, text, (size_t)n);
+    assert_string_equal(ferry_link_peer(m->link), "node-a");
+    ferry_msg_free(m);
+  }
+  fr_inbox_kick(p.b, 5, &q);
+  assert_null(fr_inbox_wait(p.b, 5, &q, UINT64_MAX)); /* the kick, not a message */
+  fr_ctx_channel_close(p.b, 5);
+  iov.iov_len = (size_t)snprintf(text, sizeof text, "after");
+  FR_OK(ferry_send(p.ab, 5, &iov, 1, 1000));
+  FR_OK(ferry_recv(p.b, 5, &m, 5000));
+  assert_int_equal(m->len, 5);
+  ferry_msg_free(m);
+  assert_null(fr_inbox_take(&q));
+  fr_inbox_fini(&q);
+  pair_close(&p);
+}
+
+static void test_channel_owner_shm(void **s) { channel_owner("shm"); }
+static void test_channel_owner_tcp(void **s) { channel_owner("tcp"); }
+
 static void test_stats_calls_shm(void **s) { stats_calls("shm"); }
 static void test_stats_calls_tcp(void **s) { stats_calls("tcp"); }
 
@@ -1100,38 +1146,23 @@ int main(void) {
   (void)transports;
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_ctx_address),
-      cmocka_unit_test(test_memory),
-      cmocka_unit_test(test_message_buffers),
-      cmocka_unit_test(test_message_buffers_evict),
-      cmocka_unit_test(test_tcp_local_cc),
-      cmocka_unit_test(test_messages_shm),
-      cmocka_unit_test(test_messages_tcp),
-      cmocka_unit_test(test_recv_zero_drains_shm),
-      cmocka_unit_test(test_calls_shm),
-      cmocka_unit_test(test_calls_tcp),
-      cmocka_unit_test(test_stats_calls_shm),
-      cmocka_unit_test(test_stats_calls_tcp),
-      cmocka_unit_test(test_rma_shm_shared),
-      cmocka_unit_test(test_rma_shm_registered),
-      cmocka_unit_test(test_shm_small_ring),
-      cmocka_unit_test(test_shm_ring_corrupt),
-      cmocka_unit_test(test_shm_memfd_shrink),
-      cmocka_unit_test(test_shm_segment_check),
-      cmocka_unit_test(test_rma_tcp_shared),
-      cmocka_unit_test(test_rma_tcp_registered),
-      cmocka_unit_test(test_token_shm),
-      cmocka_unit_test(test_token_tcp),
-      cmocka_unit_test(test_connect_failures),
-      cmocka_unit_test(test_bad_frames),
-      cmocka_unit_test(test_out_of_descriptors),
-      cmocka_unit_test(test_exposed_listen_needs_token),
-      cmocka_unit_test(test_killed_mid_read_tcp),
-      cmocka_unit_test(test_killed_mid_read_shm),
-      cmocka_unit_test(test_concurrent_shm),
-      cmocka_unit_test(test_concurrent_tcp),
-      cmocka_unit_test(test_waiters_shm),
-      cmocka_unit_test(test_waiters_tcp),
+      cmocka_unit_test(test_ctx_address),         cmocka_unit_test(test_memory),
+      cmocka_unit_test(test_message_buffers),     cmocka_unit_test(test_message_buffers_evict),
+      cmocka_unit_test(test_tcp_local_cc),        cmocka_unit_test(test_messages_shm),
+      cmocka_unit_test(test_channel_owner_shm),   cmocka_unit_test(test_channel_owner_tcp),
+      cmocka_unit_test(test_messages_tcp),        cmocka_unit_test(test_recv_zero_drains_shm),
+      cmocka_unit_test(test_calls_shm),           cmocka_unit_test(test_calls_tcp),
+      cmocka_unit_test(test_stats_calls_shm),     cmocka_unit_test(test_stats_calls_tcp),
+      cmocka_unit_test(test_rma_shm_shared),      cmocka_unit_test(test_rma_shm_registered),
+      cmocka_unit_test(test_shm_small_ring),      cmocka_unit_test(test_shm_ring_corrupt),
+      cmocka_unit_test(test_shm_memfd_shrink),    cmocka_unit_test(test_shm_segment_check),
+      cmocka_unit_test(test_rma_tcp_shared),      cmocka_unit_test(test_rma_tcp_registered),
+      cmocka_unit_test(test_token_shm),           cmocka_unit_test(test_token_tcp),
+      cmocka_unit_test(test_connect_failures),    cmocka_unit_test(test_bad_frames),
+      cmocka_unit_test(test_out_of_descriptors),  cmocka_unit_test(test_exposed_listen_needs_token),
+      cmocka_unit_test(test_killed_mid_read_tcp), cmocka_unit_test(test_killed_mid_read_shm),
+      cmocka_unit_test(test_concurrent_shm),      cmocka_unit_test(test_concurrent_tcp),
+      cmocka_unit_test(test_waiters_shm),         cmocka_unit_test(test_waiters_tcp),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

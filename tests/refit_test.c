@@ -99,9 +99,10 @@ static ferry_refit_receiver *flat_receiver(ferry_ctx *c, const char *address) {
   return r;
 }
 
-/* Waits (up to 10 s) until n receivers attached to s. */
+/* Waits (up to 10 s) until exactly n receivers are attached to s (more attach, or fewer as a
+ * closed one's goodbye or its link's end reaches the sender's service thread). */
 static void await_receivers(ferry_refit_sender *s, size_t n) {
-  for (int i = 0; i < 1000 && ferry_refit_receivers(s) < n; i++)
+  for (int i = 0; i < 1000 && ferry_refit_receivers(s) != n; i++)
     usleep(10000);
   assert_int_equal(ferry_refit_receivers(s), n);
 }
@@ -1846,6 +1847,48 @@ static void test_shards_reseal(void **st) {
   tp_free(&m);
 }
 
+/* A context that is both a sender (of model a) and a receiver (of model b from another context,
+ * which in turn receives model a): each role gets its own messages, though both share a ctx. A
+ * second receiver on a context is refused while the first is open. */
+static void test_sender_and_receiver_one_ctx(void **st) {
+  model a, b;
+  model_init(&a, 11);
+  model_init(&b, 29);
+  ferry_ctx *ca = ctx_for("trainer-a", "shm"), *cb = ctx_for("trainer-b", "shm");
+  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 16384};
+  ferry_refit_sender *sa = sender_with(ca, &a, "model-a", &o);
+  ferry_refit_sender *sb = sender_with(cb, &b, "model-b", &o);
+  ferry_refit_receiver *ra = flat_receiver(cb, ferry_ctx_address(ca)); /* b's ctx takes a */
+  ferry_refit_receiver *rb = flat_receiver(ca, ferry_ctx_address(cb)); /* a's ctx takes b */
+  ferry_refit_receiver *again;
+  assert_int_equal(ferry_refit_receiver_open(ca, ferry_ctx_address(cb), 5000, &again), FERRY_EBUSY);
+  await_receivers(sa, 1);
+  await_receivers(sb, 1);
+  for (uint64_t v = 1; v <= 2; v++) {
+    FR_OK(ferry_refit_push(sa, v, NULL));
+    FR_OK(ferry_refit_push(sb, v, NULL));
+    FR_OK(ferry_refit_wait(ra, v, 5000, NULL));
+    FR_OK(ferry_refit_wait(rb, v, 5000, NULL));
+    void *va[NT], *vb[NT];
+    for (int i = 0; i < NT; i++) {
+      FR_OK(ferry_refit_view(ra, a.name[i], &va[i]));
+      FR_OK(ferry_refit_view(rb, b.name[i], &vb[i]));
+    }
+    expect_model(&a, (const void *const *)va);
+    expect_model(&b, (const void *const *)vb);
+    model_bump(&a, -1);
+    model_bump(&b, 3);
+  }
+  ferry_refit_receiver_close(ra);
+  ferry_refit_receiver_close(rb);
+  ferry_refit_sender_close(sa);
+  ferry_refit_sender_close(sb);
+  ferry_ctx_close(ca);
+  ferry_ctx_close(cb);
+  model_free(&a);
+  model_free(&b);
+}
+
 /* A shard binding that does not fit is refused, naming the target and the piece. */
 static void expect_bind_error(ferry_refit_receiver *rx, const char *target,
                               const ferry_tensor_desc *d, const ferry_refit_piece *p, size_t n,
@@ -1910,6 +1953,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_chain_tcp),
       cmocka_unit_test(test_chain_shm),
       cmocka_unit_test(test_alias),
+      cmocka_unit_test(test_sender_and_receiver_one_ctx),
       cmocka_unit_test(test_by_name),
       cmocka_unit_test(test_chain_receiver_killed),
       cmocka_unit_test(test_bind_errors),

@@ -47,7 +47,8 @@ struct fr_dir_server {
   size_t nobjs, capobjs;
   ferry_ctx *ctx;
   pthread_t thread;
-  bool stop; /* atomic */
+  bool stop;      /* atomic */
+  fr_inbox inbox; /* requests on FR_CHANNEL_DIRECTORY (a started server owns the channel) */
   /* Serving, one thread at a time (the server's, or an in-process caller's): messages taken off
    * the channel and not yet answered, in arrival order. */
   pthread_mutex_t serve_lock;
@@ -677,8 +678,8 @@ static ferry_msg *backlog_take(fr_dir_server *s, size_t i) {
  * posted puts wait without a doorbell); returns the fence's time. */
 static uint64_t fence(fr_dir_server *s) {
   uint64_t t = fr_now_ns();
-  for (ferry_msg *m; fr_ctx_await(s->ctx, FR_CHANNEL_DIRECTORY, 0) &&
-                     (m = fr_ctx_take(s->ctx, FR_CHANNEL_DIRECTORY)) != NULL;)
+  fr_inbox_await(s->ctx, FR_CHANNEL_DIRECTORY, &s->inbox, 0); /* drains the shm links */
+  for (ferry_msg *m; (m = fr_inbox_take(&s->inbox)) != NULL;)
     backlog_push(s, m);
   return t;
 }
@@ -709,8 +710,9 @@ static void serve_in_order(fr_dir_server *s, ferry_msg *m) {
 }
 
 /* How long the thread waits for a message when idle: FERRY_DIR_POLL_MS while posted puts come
- * (see serving order), else until it next looks at the leases, once a second; a request, or
- * fr_dir_server_stop, wakes it. */
+ * (see serving order), else until it next looks at the leases, once a second; a request (the
+ * server owns FR_CHANNEL_DIRECTORY: requests go straight to its inbox), or fr_dir_server_stop
+ * (fr_inbox_kick), wakes it. */
 static int idle_wait_ms(fr_dir_server *s) {
   uint64_t since = fr_now_ns() - __atomic_load_n(&s->posted_ns, __ATOMIC_RELAXED);
   return since < s->posted_window_ns ? s->poll_ms : 1000;
@@ -720,17 +722,18 @@ static void *server_main(void *arg) {
   pthread_setname_np(pthread_self(), "ferry-directory"); /* for top -H, perf, gdb */
   fr_dir_server *s = arg;
   fr_ctx_background_thread(); /* an application thread waiting for its message leads instead */
-  while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
+  while (!__atomic_load_n(&s->stop, __ATOMIC_SEQ_CST)) {
     pthread_mutex_lock(&s->serve_lock);
     bool idle = s->nbacklog == 0;
     pthread_mutex_unlock(&s->serve_lock);
-    bool queued = !idle || fr_ctx_await(s->ctx, FR_CHANNEL_DIRECTORY, idle_wait_ms(s));
+    bool queued = !idle || fr_inbox_await(s->ctx, FR_CHANNEL_DIRECTORY, &s->inbox,
+                                          fr_deadline_ns(idle_wait_ms(s)));
     if (!queued && fr_ctx_closing(s->ctx))
       break;
-    pthread_mutex_lock(&s->serve_lock);
+    pthread_mutex_lock(&s->serve_lock); /* taken under it: a caller's fence sees every message */
     if (!queued)
       fence(s); /* posted puts that rang no doorbell */
-    ferry_msg *m = s->nbacklog ? backlog_take(s, 0) : fr_ctx_take(s->ctx, FR_CHANNEL_DIRECTORY);
+    ferry_msg *m = s->nbacklog ? backlog_take(s, 0) : fr_inbox_take(&s->inbox);
     if (m)
       serve_in_order(s, m);
     pthread_mutex_unlock(&s->serve_lock);
@@ -762,13 +765,22 @@ int fr_dir_server_start(ferry_ctx *ctx, fr_dir_server **out) {
     fr_warn("directory: no change words: %s", ferry_last_error());
     fr_err_clear();
   }
-  if (pthread_create(&s->thread, NULL, server_main, s) != 0) {
+  fr_inbox_init(&s->inbox);
+  int rc = fr_ctx_channel_open(ctx, FR_CHANNEL_DIRECTORY, &fr_inbox_ops, &s->inbox);
+  if (rc != 0)
+    rc = fr_err(rc, "directory server: this context serves a directory already");
+  else if (pthread_create(&s->thread, NULL, server_main, s) != 0)
+    rc = fr_err(FERRY_ESYS, "directory server: cannot start its thread");
+  if (rc != 0) {
+    if (rc != FERRY_EBUSY)
+      fr_ctx_channel_close(ctx, FR_CHANNEL_DIRECTORY);
+    fr_inbox_fini(&s->inbox);
     if (s->watch) {
       ferry_free(ctx, s->watch);
       ferry_free(ctx, s->table);
     }
     fr_dir_server_free(s);
-    return fr_err(FERRY_ESYS, "directory server: cannot start its thread");
+    return rc;
   }
   *out = s;
   return 0;
@@ -778,9 +790,11 @@ void fr_dir_server_stop(fr_dir_server *s) {
   if (!s)
     return;
   if (s->ctx) {
-    __atomic_store_n(&s->stop, true, __ATOMIC_RELEASE);
-    fr_ctx_kick(s->ctx, FR_CHANNEL_DIRECTORY);
+    __atomic_store_n(&s->stop, true, __ATOMIC_SEQ_CST);
+    fr_inbox_kick(s->ctx, FR_CHANNEL_DIRECTORY, &s->inbox);
     pthread_join(s->thread, NULL);
+    fr_ctx_channel_close(s->ctx, FR_CHANNEL_DIRECTORY);
+    fr_inbox_fini(&s->inbox); /* requests that came as it stopped: their callers time out */
     if (s->watch) {
       ferry_free(s->ctx, s->watch);
       ferry_free(s->ctx, s->table);

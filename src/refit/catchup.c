@@ -31,7 +31,7 @@ static uint32_t window(const fr_refit_plan *p) {
 
 static void tell_no_copy(ferry_refit_sender *s, receiver *r) {
   fr_refit_msg_t m = {.type = FR_REFIT_CATCHUP, .version = s->latest, .status = FERRY_ENOTFOUND};
-  fr_refit_send(r->link, &m, 1000);
+  fr_refit_send(r->link, FR_REFIT_TO_RECEIVER, &m, 1000);
 }
 
 static void announce_next(ferry_refit_sender *s, receiver *r) {
@@ -52,7 +52,7 @@ static void announce_next(ferry_refit_sender *s, receiver *r) {
       m.view = r->view->serial;
       m.view_sum = fr_refit_view_sum(p, r->view, b, (const uint8_t *)s->buf[0] + m.src_offset);
     }
-    if (fr_refit_send(r->link, &m, 1000) != 0)
+    if (fr_refit_send(r->link, FR_REFIT_TO_RECEIVER, &m, 1000) != 0)
       fr_refit_catchup_cancel(r);
   }
 }
@@ -131,7 +131,7 @@ bool fr_refit_catchup_record(ferry_refit_sender *s, receiver *r, const fr_refit_
                           .version = r->cu_version,
                           .bytes = s->plan.buckets,
                           .generation = s->plan.generation};
-      if (fr_refit_send(r->link, &c, 1000) != 0)
+      if (fr_refit_send(r->link, FR_REFIT_TO_RECEIVER, &c, 1000) != 0)
         r->cu_version = 0;
     }
   }

@@ -55,6 +55,10 @@ void fr_refit_publish_tick(fr_refit_name *n) {
     fr_dir_lease_renew(&n->lease); /* a refit name has no records beyond the node */
 }
 
+uint64_t fr_refit_publish_due(const fr_refit_name *n) {
+  return n ? __atomic_load_n(&n->lease.next_renew_ns, __ATOMIC_ACQUIRE) : UINT64_MAX;
+}
+
 void fr_refit_unpublish(fr_refit_name *n) {
   if (!n)
     return;

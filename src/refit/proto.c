@@ -93,9 +93,9 @@ int fr_refit_attach_decode(const uint8_t *in, size_t len, fr_refit_attach_reply 
   return 0;
 }
 
-int fr_refit_send(ferry_link *link, const fr_refit_msg_t *m, int timeout_ms) {
+int fr_refit_send(ferry_link *link, uint32_t channel, const fr_refit_msg_t *m, int timeout_ms) {
   uint8_t buf[FR_REFIT_MSG_BYTES];
   fr_refit_msg_encode(m, buf);
   struct iovec iov[2] = {{buf, sizeof buf}, {(void *)m->route, m->route_len}};
-  return ferry_send(link, FR_CHANNEL_REFIT, iov, m->route_len ? 2 : 1, timeout_ms);
+  return ferry_send(link, channel, iov, m->route_len ? 2 : 1, timeout_ms);
 }

@@ -1,6 +1,8 @@
 /*
- * The refit protocol between a sender and its receivers, on channel FR_CHANNEL_REFIT. Messages
- * are fixed little-endian records led by a type word; the ATTACH reply carries the manifest.
+ * The refit protocol between a sender and its receivers: what goes to a sender on channel
+ * FR_CHANNEL_REFIT_SENDER, what goes to a receiver on FR_CHANNEL_REFIT_RECEIVER (core/channels.h).
+ * Messages are fixed little-endian records led by a type word; the ATTACH reply carries the
+ * manifest.
  *
  *   receiver → sender  ATTACH (a call)      body: the receiver's ctx address (for its chain
  *                                           successor); reply: status, latest version, alias

@@ -163,7 +163,7 @@ static void announce_one(ferry_refit_sender *s, const fr_push *p, receiver *r, u
   }
   if (!owes(r))
     r->progress_ns = fr_now_ns(); /* its clock starts now */
-  int rc = fr_refit_send(r->link, &m, p->timeout_ms);
+  int rc = fr_refit_send(r->link, FR_REFIT_TO_RECEIVER, &m, p->timeout_ms);
   if (rc != 0)
     r->status = rc;
   r->announced = j + 1;
@@ -280,7 +280,7 @@ static void build_chain(ferry_refit_sender *s, fr_push *p, ferry_refit_route rou
       continue;
     fr_refit_msg_t m = {
         .type = FR_REFIT_ROUTE, .route = r->up->address, .route_len = strlen(r->up->address)};
-    int rc = fr_refit_send(r->link, &m, p->timeout_ms);
+    int rc = fr_refit_send(r->link, FR_REFIT_TO_RECEIVER, &m, p->timeout_ms);
     free(r->routed);
     r->routed = rc == 0 ? strdup(r->up->address) : NULL;
     if (rc != 0)
@@ -345,7 +345,7 @@ static void commit_all(ferry_refit_sender *s, fr_push *p) {
     if (r->in_push && r->status == 0) {
       r->progress_ns = fr_now_ns();
       r->commit_sent = true;
-      int rc = fr_refit_send(r->link, &c, p->timeout_ms);
+      int rc = fr_refit_send(r->link, FR_REFIT_TO_RECEIVER, &c, p->timeout_ms);
       if (rc != 0)
         r->status = rc;
     }
@@ -366,7 +366,7 @@ static void commit_all(ferry_refit_sender *s, fr_push *p) {
 static void drop(ferry_refit_sender *s, receiver *r, uint64_t version) {
   r->dropped = true;
   fr_refit_msg_t m = {.type = FR_REFIT_DROPPED, .version = version};
-  if (fr_refit_send(r->link, &m, 100) != 0)
+  if (fr_refit_send(r->link, FR_REFIT_TO_RECEIVER, &m, 100) != 0)
     fr_warn("refit '%s': cannot tell '%s' it was dropped: %s", s->name, r->peer,
             ferry_last_error());
 }

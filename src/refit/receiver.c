@@ -10,9 +10,17 @@
  * A receiver that binds shards (bind_pieces: slices of tensors, fused targets) declares them to
  * the sender and reads only their runs, each checked against a sum the sender takes of exactly
  * those bytes (shard.h).
+ *
+ * The receiver owns its context's FR_CHANNEL_REFIT_RECEIVER (fr_ctx_channel_open), where its
+ * sender writes; the transport puts each message in the receiver's inbox and the service thread
+ * waits on it, asleep until a message comes or close kicks it. The sender's records go the other
+ * way on FR_CHANNEL_REFIT_SENDER, owned by a sender on that context if it has one: one receiver
+ * and one sender per context (a second receiver gets FERRY_EBUSY), and neither sees the other's
+ * messages.
  */
 #include "refit/refit.h"
 #include "refit/shard.h"
+#include "transport/ctxcalls.h"
 #include "transport/wire.h"
 
 #include <pthread.h>
@@ -56,8 +64,10 @@ struct ferry_refit_receiver {
   bool bound_any; /* something is bound (a tensor, flat, alias): a catch-up has somewhere to land */
   uint64_t asked; /* the latest version this receiver asked to catch up to (late join) */
   char why[256];  /* what the last failed version went wrong on, for wait()'s error */
-  bool stop;
+  bool stop;      /* atomic: close asks the service thread to end (then kicks the inbox) */
   bool self_closed; /* closed from its own service thread (a callback): that thread frees it */
+  fr_inbox inbox;   /* what the sender sent on FR_CHANNEL_REFIT_RECEIVER */
+  bool owns_channel;
   pthread_t service;
 
   /* shards (ferry_refit_bind_pieces): once any is bound, every binding is a target, declared to
@@ -112,7 +122,7 @@ static int declare(ferry_refit_receiver *r, uint32_t i) {
   fr_refit_pieces_encode(t->pieces, t->npieces, body + FR_REFIT_MSG_BYTES);
   struct iovec iov = {body, FR_REFIT_MSG_BYTES + len};
   ferry_msg *reply = NULL;
-  int rc = ferry_call(r->link, FR_CHANNEL_REFIT, &iov, 1, &reply, -1);
+  int rc = ferry_call(r->link, FR_REFIT_TO_SENDER, &iov, 1, &reply, -1);
   free(body);
   if (rc == 0)
     rc = reply->len == 4 ? (int)fr_get_u32(reply->data) : FERRY_EPROTO;
@@ -674,7 +684,7 @@ static void on_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
   if (poisons) /* it cannot commit now; the sender may send no COMMIT */
     tell_commit(r, m->version, rc);
   ack.status = rc;
-  fr_refit_send(r->link, &ack, -1);
+  fr_refit_send(r->link, FR_REFIT_TO_SENDER, &ack, -1);
 }
 
 /* The sender says which receiver precedes this one in its chain: connect to it now, so the
@@ -769,7 +779,7 @@ static void on_commit(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
   r->receiving = 0;
   pthread_mutex_unlock(&r->bind_lock);
   fr_refit_msg_t done = {.type = FR_REFIT_COMMITTED, .version = m->version, .status = status};
-  fr_refit_send(r->link, &done, -1);
+  fr_refit_send(r->link, FR_REFIT_TO_SENDER, &done, -1);
   tell_commit(r, m->version, status);
 }
 
@@ -813,13 +823,10 @@ static void on_catchup_refused(ferry_refit_receiver *r, const fr_refit_msg_t *m)
 
 static void *service_main(void *arg) {
   ferry_refit_receiver *r = arg;
-  while (!__atomic_load_n(&r->stop, __ATOMIC_ACQUIRE)) {
-    ferry_msg *msg;
-    int rc = ferry_recv(r->ctx, FR_CHANNEL_REFIT, &msg, 100);
-    if (rc == FERRY_ECLOSED)
-      return NULL;
-    if (rc != 0)
-      continue;
+  while (!__atomic_load_n(&r->stop, __ATOMIC_SEQ_CST)) {
+    ferry_msg *msg = fr_inbox_wait(r->ctx, FR_CHANNEL_REFIT_RECEIVER, &r->inbox, UINT64_MAX);
+    if (!msg)
+      continue; /* kicked */
     fr_refit_msg_t m;
     if (msg->link != r->link || fr_refit_msg_decode(msg->data, msg->len, &m) != 0)
       fr_warn("refit: dropped a message that is not from our sender or is malformed");
@@ -855,7 +862,7 @@ static int fetch_manifest(ferry_refit_receiver *r, int timeout_ms, fr_refit_plan
   const char *me = ferry_ctx_address(r->ctx); /* where a chain successor would read from */
   struct iovec iov[2] = {{type, sizeof type}, {(void *)me, strlen(me)}};
   ferry_msg *reply;
-  int rc = ferry_call(r->link, FR_CHANNEL_REFIT, iov, 2, &reply, timeout_ms);
+  int rc = ferry_call(r->link, FR_REFIT_TO_SENDER, iov, 2, &reply, timeout_ms);
   if (rc != 0)
     return fr_err(rc, "refit: attach to '%s': %s", ferry_link_peer(r->link), ferry_last_error());
   fr_refit_attach_reply a;
@@ -931,7 +938,9 @@ static void receiver_free(ferry_refit_receiver *r) {
   pthread_mutex_destroy(&r->lock);
   pthread_mutex_destroy(&r->bind_lock);
   pthread_cond_destroy(&r->cond);
-  fr_refit_unclaim(r->ctx, FR_REFIT_RECEIVER);
+  if (r->owns_channel)
+    fr_ctx_channel_close(r->ctx, FR_CHANNEL_REFIT_RECEIVER);
+  fr_inbox_fini(&r->inbox); /* what came after the thread stopped */
   free(r);
 }
 
@@ -939,19 +948,20 @@ int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_m
                               ferry_refit_receiver **out) {
   if (!ctx || !address || !out)
     return fr_err(FERRY_EINVAL, "ferry_refit_receiver_open: NULL argument");
-  int rc = fr_refit_claim(ctx, FR_REFIT_RECEIVER);
-  if (rc != 0)
-    return rc;
   ferry_refit_receiver *r = calloc(1, sizeof *r);
-  if (!r) {
-    fr_refit_unclaim(ctx, FR_REFIT_RECEIVER);
+  if (!r)
     return fr_err(FERRY_ENOMEM, "refit receiver");
-  }
   r->ctx = ctx;
   pthread_mutex_init(&r->lock, NULL);
   pthread_mutex_init(&r->bind_lock, NULL);
   fr_cond_init_monotonic(&r->cond);
-  rc = attach(r, address, fr_timeout(timeout_ms));
+  fr_inbox_init(&r->inbox);
+  int rc = fr_ctx_channel_open(ctx, FR_CHANNEL_REFIT_RECEIVER, &fr_inbox_ops, &r->inbox);
+  if (rc != 0)
+    rc = fr_err(rc, "ferry_refit_receiver_open: this context has a refit receiver already");
+  r->owns_channel = rc == 0;
+  if (rc == 0) /* the channel is ours before the sender knows us */
+    rc = attach(r, address, fr_timeout(timeout_ms));
   if (rc == 0 && pthread_create(&r->service, NULL, service_thread, r) != 0)
     rc = fr_err(FERRY_ESYS, "refit receiver: cannot start its thread");
   if (rc != 0) {
@@ -968,16 +978,17 @@ void ferry_refit_receiver_close(ferry_refit_receiver *r) {
   if (!r)
     return;
   fr_refit_msg_t bye = {.type = FR_REFIT_DETACH};
-  fr_refit_send(r->link, &bye, 1000);
+  fr_refit_send(r->link, FR_REFIT_TO_SENDER, &bye, 1000);
   if (pthread_equal(pthread_self(), r->service)) {
     /* from a callback: the thread cannot join itself, and frees the receiver once the message
      * it is handling is done (service_thread) */
     r->self_closed = true;
-    __atomic_store_n(&r->stop, true, __ATOMIC_RELEASE);
+    __atomic_store_n(&r->stop, true, __ATOMIC_SEQ_CST);
     pthread_detach(r->service);
     return;
   }
-  __atomic_store_n(&r->stop, true, __ATOMIC_RELEASE);
+  __atomic_store_n(&r->stop, true, __ATOMIC_SEQ_CST);
+  fr_inbox_kick(r->ctx, FR_CHANNEL_REFIT_RECEIVER, &r->inbox);
   pthread_join(r->service, NULL);
   receiver_free(r);
 }
@@ -1226,7 +1237,7 @@ static void maybe_catch_up(ferry_refit_receiver *r) {
     return;
   r->asked = r->latest_known;
   fr_refit_msg_t m = {.type = FR_REFIT_CATCHUP, .version = r->latest_known};
-  if (fr_refit_send(r->link, &m, 1000) != 0)
+  if (fr_refit_send(r->link, FR_REFIT_TO_SENDER, &m, 1000) != 0)
     fr_warn("refit: cannot ask '%s' for version %llu: %s", ferry_link_peer(r->link),
             (unsigned long long)r->latest_known, ferry_last_error());
 }

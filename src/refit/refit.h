@@ -17,11 +17,6 @@ extern void (*fr_refit_test_corrupt)(uint32_t bucket, uint8_t *bytes, uint64_t l
 /* Buckets this process's receivers read from a chain predecessor (tests prove chains carry). */
 extern uint64_t fr_refit_stat_forwarded;
 
-/* One sender and one receiver per ctx (claim.c): FERRY_EBUSY when the role is taken. */
-typedef enum fr_refit_role { FR_REFIT_SENDER = 0, FR_REFIT_RECEIVER = 1 } fr_refit_role;
-int fr_refit_claim(ferry_ctx *ctx, fr_refit_role role);
-void fr_refit_unclaim(ferry_ctx *ctx, fr_refit_role role);
-
 /* Bytes packed, or read and hashed, at a time: the chunk stays in cache between the steps. */
 #define FR_REFIT_CHUNK (256u * 1024u)
 
@@ -30,13 +25,18 @@ typedef struct fr_refit_name fr_refit_name;
 /* Registers "refit:NAME" → ctx's address in the directory at url (NULL: FERRY_DIRECTORY).
  * FERRY_EEXIST when another live sender holds the name. */
 int fr_refit_publish(ferry_ctx *ctx, const char *name, const char *url, fr_refit_name **out);
-/* Renews the lease when due (the sender's service thread calls it often). */
+/* Renews the lease when due (the sender's service thread calls it by fr_refit_publish_due). */
 void fr_refit_publish_tick(fr_refit_name *n);
+/* When the lease's next renewal is due (CLOCK_MONOTONIC ns); UINT64_MAX for NULL. */
+uint64_t fr_refit_publish_due(const fr_refit_name *n);
 void fr_refit_unpublish(fr_refit_name *n);
 /* The address of the sender published as name; *address is malloc'd. */
 int fr_refit_resolve(ferry_ctx *ctx, const char *name, int timeout_ms, char **address);
 
-/* Sends one protocol record on a link. */
-int fr_refit_send(ferry_link *link, const fr_refit_msg_t *m, int timeout_ms);
+/* Sends one protocol record on a link: to a sender on FR_CHANNEL_REFIT_SENDER, to a receiver on
+ * FR_CHANNEL_REFIT_RECEIVER. */
+int fr_refit_send(ferry_link *link, uint32_t channel, const fr_refit_msg_t *m, int timeout_ms);
+#define FR_REFIT_TO_SENDER FR_CHANNEL_REFIT_SENDER
+#define FR_REFIT_TO_RECEIVER FR_CHANNEL_REFIT_RECEIVER
 
 #endif

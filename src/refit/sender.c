@@ -3,8 +3,15 @@
  * receivers that attached, and push(). A service thread answers ATTACH calls and collects the
  * receivers' ACK/COMMITTED records; push() packs bucket i+1 into one buffer while receivers read
  * bucket i from the other, and waits for every receiver before reusing a buffer.
+ *
+ * The sender owns its context's FR_CHANNEL_REFIT_SENDER (fr_ctx_channel_open): receivers write
+ * to it, the transport puts each message in the sender's inbox, and the service thread waits on
+ * that inbox, asleep until a message comes, its lease renewal is due, or close kicks it. A
+ * receiver on the same context owns the other channel (FR_CHANNEL_REFIT_RECEIVER), so the two
+ * roles never see each other's messages; a second sender on one context gets FERRY_EBUSY.
  */
 #include "refit/refit.h"
+#include "transport/ctxcalls.h"
 #include "transport/wire.h"
 
 #include <pthread.h>
@@ -149,13 +156,11 @@ static void answer_view(ferry_refit_sender *s, ferry_msg *m) {
 
 static void *service_main(void *arg) {
   ferry_refit_sender *s = arg;
-  while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
-    ferry_msg *m;
-    int rc = ferry_recv(s->ctx, FR_CHANNEL_REFIT, &m, 100);
-    if (rc == FERRY_ECLOSED)
-      return NULL;
+  while (!__atomic_load_n(&s->stop, __ATOMIC_SEQ_CST)) {
+    ferry_msg *m = fr_inbox_wait(s->ctx, FR_CHANNEL_REFIT_SENDER, &s->inbox,
+                                 fr_refit_publish_due(s->published));
     fr_refit_publish_tick(s->published);
-    if (rc != 0)
+    if (!m)
       continue;
     fr_refit_msg_t x;
     if (ferry_msg_is_call(m) && m->len >= FR_REFIT_MSG_BYTES &&
@@ -194,15 +199,20 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
   if (!ctx || !name || !out)
     return fr_err(FERRY_EINVAL, "ferry_refit_sender_open: NULL argument");
   int rc = FR_OPTS_CHECK(opts, "ferry_refit_sender_open");
-  if (rc == 0)
-    rc = fr_refit_claim(ctx, FR_REFIT_SENDER);
   if (rc != 0)
     return rc;
   ferry_refit_sender *s = calloc(1, sizeof *s);
   if (!s || !(s->name = strdup(name))) {
     free(s);
-    fr_refit_unclaim(ctx, FR_REFIT_SENDER);
     return fr_err(FERRY_ENOMEM, "refit sender");
+  }
+  fr_inbox_init(&s->inbox);
+  if ((rc = fr_ctx_channel_open(ctx, FR_CHANNEL_REFIT_SENDER, &fr_inbox_ops, &s->inbox)) != 0) {
+    rc = fr_err(rc, "ferry_refit_sender_open: this context has a refit sender already");
+    fr_inbox_fini(&s->inbox);
+    free(s->name);
+    free(s);
+    return rc;
   }
   s->ctx = ctx;
   s->budget = bucket_budget(opts);
@@ -210,7 +220,8 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
   s->retain = !FR_OPT(opts, no_retain, 0);
   if (FR_OPT(opts, publish, 0) &&
       (rc = fr_refit_publish(ctx, name, FR_OPT(opts, directory, NULL), &s->published))) {
-    fr_refit_unclaim(ctx, FR_REFIT_SENDER);
+    fr_ctx_channel_close(ctx, FR_CHANNEL_REFIT_SENDER);
+    fr_inbox_fini(&s->inbox);
     free(s->name);
     free(s);
     return rc;
@@ -222,7 +233,8 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
   if (pthread_create(&s->service, NULL, service_main, s) != 0) {
     fr_refit_packer_stop(s->packer);
     fr_refit_unpublish(s->published);
-    fr_refit_unclaim(ctx, FR_REFIT_SENDER);
+    fr_ctx_channel_close(ctx, FR_CHANNEL_REFIT_SENDER);
+    fr_inbox_fini(&s->inbox);
     free(s->name);
     free(s);
     return fr_err(FERRY_ESYS, "refit sender: cannot start its thread");
@@ -375,8 +387,11 @@ void ferry_refit_sender_close(ferry_refit_sender *s) {
   if (!s)
     return;
   fr_refit_stats_stop(s);
-  __atomic_store_n(&s->stop, true, __ATOMIC_RELEASE);
+  __atomic_store_n(&s->stop, true, __ATOMIC_SEQ_CST);
+  fr_inbox_kick(s->ctx, FR_CHANNEL_REFIT_SENDER, &s->inbox);
   pthread_join(s->service, NULL);
+  fr_ctx_channel_close(s->ctx, FR_CHANNEL_REFIT_SENDER);
+  fr_inbox_fini(&s->inbox); /* messages that came after the thread stopped */
   fr_refit_packer_stop(s->packer);
   fr_refit_unpublish(s->published);
   while (s->receivers) {
@@ -386,7 +401,6 @@ void ferry_refit_sender_close(ferry_refit_sender *s) {
   }
   for (int i = 0; i < 2; i++)
     ferry_free(s->ctx, s->buf[i]);
-  fr_refit_unclaim(s->ctx, FR_REFIT_SENDER);
   fr_refit_plan_free(&s->plan);
   free(s->src);
   free(s->last_sum);

@@ -8,6 +8,7 @@
 #include "core/stats.h"
 #include "refit/refit.h"
 #include "refit/shard.h"
+#include "transport/ctxcalls.h"
 
 #include <pthread.h>
 
@@ -91,7 +92,8 @@ struct ferry_refit_sender {
   uint32_t packed;  /* buckets (by seq) of the push packed so far */
   bool repairing;   /* the push's second, direct pass (chain members whose chain broke) */
   const struct fr_push *current; /* the push under way, for announcements on acknowledgement */
-  bool stop;
+  bool stop;      /* atomic: close asks the service thread to end (then kicks the inbox) */
+  fr_inbox inbox; /* what receivers sent on FR_CHANNEL_REFIT_SENDER, for the service thread */
   pthread_t service;
 
   /* metrics (metrics.c): pushes run one at a time; the scrape reads them under lock */

@@ -195,7 +195,8 @@ static bool serve_one(ferry_store *s, ferry_msg *msg) {
  * linger). Posted puts are answered within a few of the directory's polls: the store looks for
  * the answers for SETTLE_POLLS polls after its last post, and any left collects the next put or
  * renewal. An idle store sleeps until its renewal, a request, or fr_store_service_stop
- * (fr_ctx_kick). */
+ * (fr_inbox_kick). The store owns FR_CHANNEL_STORE (fr_ctx_channel_open): requests go straight
+ * to its inbox. */
 #define SETTLE_POLLS 40
 static int service_wait_ms(ferry_store *s) {
   uint64_t now = fr_now_ns(), due = __atomic_load_n(&s->lease.next_renew_ns, __ATOMIC_ACQUIRE);
@@ -215,15 +216,11 @@ static void *service_main(void *arg) {
   pthread_setname_np(pthread_self(), "ferry-store"); /* for top -H, perf, gdb */
   fr_ctx_background_thread(); /* a service loop: callers waiting for their messages lead */
   ferry_store *s = arg;
-  while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
-    ferry_msg *m = NULL;
-    int rc = ferry_recv(s->ctx, FR_CHANNEL_STORE, &m, service_wait_ms(s));
-    if (rc == 0) {
-      if (serve_one(s, m))
-        ferry_msg_free(m);
-    } else if (rc == FERRY_ECLOSED) {
-      break;
-    }
+  while (!__atomic_load_n(&s->stop, __ATOMIC_SEQ_CST)) {
+    ferry_msg *m =
+        fr_inbox_wait(s->ctx, FR_CHANNEL_STORE, &s->inbox, fr_deadline_ns(service_wait_ms(s)));
+    if (m && serve_one(s, m))
+      ferry_msg_free(m);
     if (fr_dir_lease_due(&s->lease))
       fr_store_renew(s);
     fr_store_settle(s, false);
@@ -235,18 +232,29 @@ static void *service_main(void *arg) {
 int fr_store_service_start(ferry_store *s) {
   s->poll_ms = (int)fr_config_int("FERRY_STORE_POLL_MS");
   s->poll_ms = s->poll_ms > 0 ? s->poll_ms : 1;
-  if (pthread_create(&s->service, NULL, service_main, s) != 0)
+  fr_inbox_init(&s->inbox);
+  int rc = fr_ctx_channel_open(s->ctx, FR_CHANNEL_STORE, &fr_inbox_ops, &s->inbox);
+  if (rc != 0) {
+    fr_inbox_fini(&s->inbox);
+    return fr_err(rc, "store: this context has a store already (one store per context)");
+  }
+  if (pthread_create(&s->service, NULL, service_main, s) != 0) {
+    fr_ctx_channel_close(s->ctx, FR_CHANNEL_STORE);
+    fr_inbox_fini(&s->inbox);
     return fr_err(FERRY_ESYS, "store: cannot start the service thread");
+  }
   s->service_started = true;
   return 0;
 }
 
 void fr_store_service_stop(ferry_store *s) {
-  __atomic_store_n(&s->stop, true, __ATOMIC_RELEASE);
-  if (s->service_started)
-    fr_ctx_kick(s->ctx, FR_CHANNEL_STORE);
-  if (s->service_started)
+  __atomic_store_n(&s->stop, true, __ATOMIC_SEQ_CST);
+  if (s->service_started) {
+    fr_inbox_kick(s->ctx, FR_CHANNEL_STORE, &s->inbox);
     pthread_join(s->service, NULL);
+    fr_ctx_channel_close(s->ctx, FR_CHANNEL_STORE);
+    fr_inbox_fini(&s->inbox); /* requests that came as it stopped: their callers time out */
+  }
   uploads_wait(s); /* they publish into this store */
   s->service_started = false;
 }

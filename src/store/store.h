@@ -26,6 +26,7 @@
 #include "core/stats.h"
 #include "directory/directory.h"
 #include "directory/peers.h"
+#include "transport/ctxcalls.h"
 
 #include <pthread.h>
 #include <stdbool.h>
@@ -108,6 +109,7 @@ struct ferry_store {
 
   pthread_t service;
   bool service_started, stop; /* stop: atomic */
+  fr_inbox inbox;             /* requests on FR_CHANNEL_STORE, for the service thread */
   uint64_t posted_ns; /* atomic: when this store last posted a put to the directory (put.c) */
   int poll_ms;        /* FERRY_STORE_POLL_MS */
   int linger_ms;      /* FERRY_STORE_LINGER_MS */

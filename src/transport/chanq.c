@@ -1,9 +1,12 @@
 /*
- * The channel queues of a context: one FIFO of received messages per channel, filled by
- * whichever thread drives the links (fr_ctx_deliver) and emptied by ferry_recv. A waiter spins
- * briefly when the channel's messages came over shm lately, then waits through the context's
- * leadership (leader.c), so the message it waits for wakes it directly. A receive that does not
- * wait drains the shm rings itself, so it sees every message that has arrived.
+ * Where a context's received messages go, by channel. A channel with an owner (a job that opened
+ * it with fr_ctx_channel_open) has its messages handed to the owner's on_msg by whichever thread
+ * drives the links (fr_ctx_deliver), under the channel's lock, so that closing the channel is a
+ * clean cut: after fr_ctx_channel_close returns no callback runs. A channel without an owner
+ * (an application's, 0..FR_CHANNEL_APP_MAX) keeps one FIFO, emptied by ferry_recv: a waiter
+ * spins briefly when the channel's messages came over shm lately, then waits through the
+ * context's leadership (leader.c), so the message it waits for wakes it directly. A receive
+ * that does not wait drains the shm rings itself, so it sees every message that has arrived.
  */
 #include "transport/ctx_impl.h"
 #include "core/channels.h"
@@ -20,6 +23,12 @@ void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg) {
   int channel = (int)msg->channel; /* once queued, msg is its taker's to free */
   fr_channel *c = &ctx->channels[channel];
   pthread_mutex_lock(&c->lock);
+  if (c->ops) {
+    c->ops->on_msg(c->arg, msg->link, msg);
+    pthread_mutex_unlock(&c->lock);
+    fr_ctx_poke(ctx, channel); /* its owner may lead the epoll waiting for it */
+    return;
+  }
   if (c->tail)
     c->tail->next = n;
   else
@@ -87,9 +96,46 @@ ferry_msg *fr_ctx_take(ferry_ctx *ctx, uint32_t channel) {
   return &n->msg;
 }
 
+int fr_ctx_channel_open(ferry_ctx *ctx, uint32_t channel, const fr_channel_ops *ops, void *arg) {
+  if (!ctx || !ops || !ops->on_msg || channel >= FERRY_MAX_CHANNELS)
+    return fr_err(FERRY_EINVAL, "channel open: bad arguments (channel %u)", channel);
+  fr_channel *c = &ctx->channels[channel];
+  pthread_mutex_lock(&c->lock);
+  if (c->ops) {
+    pthread_mutex_unlock(&c->lock);
+    return fr_err(FERRY_EBUSY, "channel %u of context '%s' has an owner already", channel,
+                  ctx->name);
+  }
+  __atomic_store_n(&c->ops, ops, __ATOMIC_RELEASE);
+  c->arg = arg;
+  fr_msg_node *n = c->head; /* what came before the owner: its own, in order */
+  c->head = c->tail = NULL;
+  __atomic_store_n(&c->count, 0, __ATOMIC_RELEASE);
+  while (n) {
+    fr_msg_node *next = n->next;
+    n->next = NULL;
+    ops->on_msg(arg, n->msg.link, &n->msg);
+    n = next;
+  }
+  pthread_mutex_unlock(&c->lock);
+  return 0;
+}
+
+void fr_ctx_channel_close(ferry_ctx *ctx, uint32_t channel) {
+  if (!ctx || channel >= FERRY_MAX_CHANNELS)
+    return;
+  fr_channel *c = &ctx->channels[channel];
+  pthread_mutex_lock(&c->lock);
+  __atomic_store_n(&c->ops, NULL, __ATOMIC_RELEASE);
+  c->arg = NULL;
+  pthread_mutex_unlock(&c->lock);
+}
+
 int ferry_recv(ferry_ctx *ctx, uint32_t channel, ferry_msg **out, int timeout_ms) {
   if (!ctx || !out || channel >= FERRY_MAX_CHANNELS)
     return fr_err(FERRY_EINVAL, "recv: bad arguments (channel %u)", channel);
+  if (__atomic_load_n(&ctx->channels[channel].ops, __ATOMIC_ACQUIRE))
+    return fr_err(FERRY_EBUSY, "recv: channel %u belongs to one of ferry's jobs", channel);
   int ms = fr_ctx_timeout(ctx, timeout_ms);
   fr_ctx_await(ctx, channel, ms);
   ferry_msg *m = fr_ctx_take(ctx, channel);

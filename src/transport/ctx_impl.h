@@ -2,7 +2,8 @@
  * What the parts of the context share, inside src/transport only: ctx.c opens and closes it,
  * leader.c drives it (the progress thread and callers that lead its epoll), chanq.c queues the
  * messages per channel, spin.c lets waiters poll, server.c sends large read responses,
- * accept.c takes new links in, msgcache.c keeps message buffers. The struct itself and the calls
+ * accept.c takes new links in, msgcache.c keeps message buffers, inbox.c queues an owned
+ * channel's messages for its job's thread. The struct itself and the calls
  * links make are in transport.h.
  */
 #ifndef FR_CTX_IMPL_H
@@ -23,6 +24,9 @@ void fr_ctx_wake_progress(ferry_ctx *ctx);
 void fr_ctx_hand_to_progress(ferry_ctx *ctx);
 /* Whether the calling thread is a background one (fr_ctx_background_thread). */
 bool fr_ctx_in_background(void);
+/* Makes the calling thread a background one or not (a service loop's wait, inbox.c); returns
+ * what it was. */
+bool fr_ctx_background_swap(bool on);
 
 /* spin.c: spins on a channel until it has a message or ctx->spin_us pass (see fr_ctx_await). */
 void fr_ctx_spin_channel(ferry_ctx *ctx, fr_channel *c);

@@ -1,14 +1,77 @@
 /*
  * The few context calls jobs make beyond ferry.h, without seeing the transport's structs
- * (transport.h): a service loop marks its thread, and is woken out of a long wait.
+ * (transport.h): a job owns a channel (its messages go to its callback, not to ferry_recv's
+ * queue), keeps what it must handle on a thread of its own in an inbox, and waits through the
+ * one context wait; a service loop marks its thread, and is woken out of a long wait.
  */
 #ifndef FR_CTXCALLS_H
 #define FR_CTXCALLS_H
 
 #include "ferry.h"
 
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
+
+/* ---- channels with an owner (chanq.c) ---- */
+typedef struct fr_channel_ops {
+  /* A message for the channel, called on whichever thread drives the context (its epoll's
+   * leader, or a waiter draining a shm ring), with the channel's lock held: it must not block,
+   * nor open or close a channel. It updates state or queues the message on the job's own queue
+   * (fr_inbox_put); msg (and its reference to link) is the owner's, freed with ferry_msg_free. */
+  void (*on_msg)(void *arg, ferry_link *link, ferry_msg *msg);
+} fr_channel_ops;
+
+/* Makes ops/arg the channel's owner: from now on its messages go to on_msg, never to
+ * ferry_recv (which refuses the channel); messages queued before are handed over first.
+ * FERRY_EBUSY when the channel has an owner already; FERRY_EINVAL for a bad channel. */
+int fr_ctx_channel_open(ferry_ctx *ctx, uint32_t channel, const fr_channel_ops *ops, void *arg);
+/* Gives the channel up: once it returns, on_msg runs no more and arg may be freed. Messages
+ * that arrive later are queued for ferry_recv as on a channel without an owner. */
+void fr_ctx_channel_close(ferry_ctx *ctx, uint32_t channel);
+
+/* ---- the one wait (leader.c) ---- */
+/* Waits until ready(arg) or the deadline (CLOCK_MONOTONIC ns; UINT64_MAX: none): leads the
+ * ctx's epoll when it can, else sleeps on cond (a CLOCK_MONOTONIC condition under mutex, which
+ * whoever makes it ready signals). Returns ready(arg). With the deadline already past it only
+ * checks: taking the lead over from the progress thread costs it two wake-ups. `waits_for`: the
+ * channel whose messages make it ready, or FR_CTX_WAIT_REPLY (a response on a link); a leader is
+ * woken (fr_ctx_poke, fr_ctx_kick) only for that. */
+#define FR_CTX_WAIT_REPLY (-1)
+bool fr_ctx_wait(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg,
+                 pthread_mutex_t *mutex, pthread_cond_t *cond, uint64_t deadline_ns);
+
+/* ---- a job's queue of messages (inbox.c) ----
+ * What a channel's owner hands to its service thread: on_msg puts (fr_inbox_ops does only
+ * that), the thread waits and takes. Only the inbox's own fields are shared, under its lock. */
+typedef struct fr_inbox {
+  pthread_mutex_t lock;
+  pthread_cond_t cond; /* CLOCK_MONOTONIC */
+  struct fr_msg_node *head, *tail;
+  size_t count; /* atomic: read by the waiter's ready() */
+  bool kicked;  /* atomic: fr_inbox_kick, not yet seen by a wait */
+} fr_inbox;
+void fr_inbox_init(fr_inbox *q);
+/* Frees the messages still queued. */
+void fr_inbox_fini(fr_inbox *q);
+/* Appends msg (taken) and wakes the waiter; never blocks beyond the inbox's lock. */
+void fr_inbox_put(fr_inbox *q, ferry_msg *msg);
+/* Channel ops whose on_msg puts every message in the inbox given as arg. */
+extern const fr_channel_ops fr_inbox_ops;
+/* The next message, waiting for one until the deadline (UINT64_MAX: none) as a service loop
+ * does: for the wait the thread counts as a background one (fr_ctx_background_thread), so it
+ * never spins and leaves the epoll to callers that want it; `channel` is the one whose messages
+ * fill q. NULL when the deadline passed or the inbox was kicked. */
+ferry_msg *fr_inbox_wait(ferry_ctx *ctx, uint32_t channel, fr_inbox *q, uint64_t deadline_ns);
+/* fr_inbox_wait in two steps, for a thread that must take under a lock of its own (the
+ * directory server: a caller's fence must find every message either in the inbox or served):
+ * waits the same way, and says whether a message is queued. */
+bool fr_inbox_await(ferry_ctx *ctx, uint32_t channel, fr_inbox *q, uint64_t deadline_ns);
+/* The next message if one is queued, without waiting; NULL otherwise. */
+ferry_msg *fr_inbox_take(fr_inbox *q);
+/* Ends the current or next fr_inbox_wait early, once, without a message: the owner sets its
+ * stop flag (or moves a timer) first, then kicks. */
+void fr_inbox_kick(ferry_ctx *ctx, uint32_t channel, fr_inbox *q);
 
 /* Ends the channel's current or next wait (fr_ctx_await, ferry_recv) early, once, as a message
  * would: a service loop that waits for long is told to stop, or to look at its timers, without

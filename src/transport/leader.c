@@ -172,6 +172,12 @@ void fr_ctx_background_thread(void) { background_thread = true; }
 
 bool fr_ctx_in_background(void) { return background_thread; }
 
+bool fr_ctx_background_swap(bool on) {
+  bool was = background_thread;
+  background_thread = on;
+  return was;
+}
+
 /* A background leader's cue to leave the epoll to a caller. */
 static bool claimed(ferry_ctx *ctx) {
   return background_thread && __atomic_load_n(&ctx->lead_claimed, __ATOMIC_ACQUIRE);

@@ -195,6 +195,10 @@ typedef struct fr_channel {
   int count;        /* atomic, for spinning readers */
   bool last_costly; /* atomic: the last message came on a link that is not cheap to poll */
   bool kicked;      /* atomic: fr_ctx_kick, not yet seen by a wait (fr_ctx_await) */
+  /* The owner (fr_ctx_channel_open), under lock; ops is also read atomically by ferry_recv.
+   * With one, messages go to ops->on_msg and nothing is queued. */
+  const fr_channel_ops *ops;
+  void *arg;
 } fr_channel;
 
 typedef struct fr_listener {
@@ -354,14 +358,7 @@ void fr_ctx_serve_later_v(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_reg
 /* Spins up to ctx->spin_us for *flag, driving `link` (if pollable) meanwhile; returns whether
  * the flag became true. */
 bool fr_spin_until(ferry_link *link, const bool *flag, int spin_us);
-/* Waits until ready(arg) or the deadline: leads the ctx's epoll when it can, else sleeps on
- * cond (a CLOCK_MONOTONIC condition under mutex, which whoever makes it ready signals). Returns
- * ready(arg). With the deadline already past it only checks: taking the lead over from the
- * progress thread costs it two wake-ups. `waits_for`: the channel whose messages make it ready,
- * or FR_CTX_WAIT_REPLY (a response on a link); a leader is woken (fr_ctx_poke) only for that. */
-#define FR_CTX_WAIT_REPLY (-1)
-bool fr_ctx_wait(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg,
-                 pthread_mutex_t *mutex, pthread_cond_t *cond, uint64_t deadline_ns);
+/* fr_ctx_wait, FR_CTX_WAIT_REPLY: ctxcalls.h */
 /* Drains every shm-ring link of the ctx (waiting for one another thread drains): what their
  * peers sent before the call is in the channel queues when it returns. */
 void fr_ctx_poll_links(ferry_ctx *ctx);
@@ -371,7 +368,7 @@ void fr_ctx_poll_links(ferry_ctx *ctx);
  * embedded directory's thread, for its requests) sleeps on. */
 void fr_ctx_poke(ferry_ctx *ctx, int what);
 /* fr_ctx_kick, fr_ctx_background_thread, fr_ctx_await, fr_ctx_take, fr_ctx_closing,
- * fr_ctx_work_polling: ctxcalls.h */
+ * fr_ctx_work_polling, fr_ctx_channel_open, fr_inbox: ctxcalls.h */
 
 /* tcp.c: what every listener on an address shares (the tcp transport's, and the metrics one's) */
 /* Splits "HOST:PORT" or "[V6]:PORT" (HOST may be empty); FERRY_EINVAL when it is not one. */

@@ -1,0 +1,99 @@
+/*
+ * A job's queue of messages: what the owner of a channel (fr_ctx_channel_open) hands from its
+ * on_msg, which must not block, to its own service thread, which may (it answers calls, reads
+ * buckets). The thread waits through the context's one wait (fr_ctx_wait) as a background
+ * thread, so an idle service sleeps until a message or a kick comes, and a caller that wants the
+ * epoll gets it. Each message is queued once, here; the context keeps no queue of its own for
+ * an owned channel.
+ */
+#include "transport/ctx_impl.h"
+
+#include <stdlib.h>
+
+void fr_inbox_init(fr_inbox *q) {
+  *q = (fr_inbox){0};
+  pthread_mutex_init(&q->lock, NULL);
+  fr_cond_init_monotonic(&q->cond);
+}
+
+void fr_inbox_fini(fr_inbox *q) {
+  for (fr_msg_node *n = q->head, *next; n; n = next) {
+    next = n->next;
+    n->next = NULL;
+    ferry_msg_free(&n->msg);
+  }
+  q->head = q->tail = NULL;
+  pthread_mutex_destroy(&q->lock);
+  pthread_cond_destroy(&q->cond);
+}
+
+void fr_inbox_put(fr_inbox *q, ferry_msg *msg) {
+  fr_msg_node *n = fr_msg_node_of(msg);
+  n->next = NULL;
+  pthread_mutex_lock(&q->lock);
+  if (q->tail)
+    q->tail->next = n;
+  else
+    q->head = n;
+  q->tail = n;
+  __atomic_add_fetch(&q->count, 1, __ATOMIC_SEQ_CST);
+  pthread_cond_signal(&q->cond);
+  pthread_mutex_unlock(&q->lock);
+}
+
+static void inbox_on_msg(void *arg, ferry_link *link, ferry_msg *msg) {
+  (void)link;
+  fr_inbox_put(arg, msg);
+}
+
+const fr_channel_ops fr_inbox_ops = {.on_msg = inbox_on_msg};
+
+/* Seq_cst against the leader's publication of what it waits for (leader.c fr_ctx_poke). */
+static bool inbox_ready(void *arg) {
+  fr_inbox *q = arg;
+  return __atomic_load_n(&q->count, __ATOMIC_SEQ_CST) != 0 ||
+         __atomic_load_n(&q->kicked, __ATOMIC_SEQ_CST);
+}
+
+ferry_msg *fr_inbox_take(fr_inbox *q) {
+  if (__atomic_load_n(&q->count, __ATOMIC_SEQ_CST) == 0)
+    return NULL;
+  pthread_mutex_lock(&q->lock);
+  fr_msg_node *n = q->head;
+  if (n) {
+    q->head = n->next;
+    if (!q->head)
+      q->tail = NULL;
+    __atomic_sub_fetch(&q->count, 1, __ATOMIC_SEQ_CST);
+    n->next = NULL;
+  }
+  pthread_mutex_unlock(&q->lock);
+  return n ? &n->msg : NULL;
+}
+
+bool fr_inbox_await(ferry_ctx *ctx, uint32_t channel, fr_inbox *q, uint64_t deadline_ns) {
+  /* A wait whose deadline has passed still sees what has arrived: as a receive of 0 does
+   * (chanq.c), it drains the shm rings that no thread may have driven since. */
+  if (!inbox_ready(q) && deadline_ns <= fr_now_ns())
+    fr_ctx_poll_links(ctx);
+  if (!inbox_ready(q)) {
+    bool was = fr_ctx_background_swap(true);
+    fr_ctx_wait(ctx, (int)channel, inbox_ready, q, &q->lock, &q->cond, deadline_ns);
+    fr_ctx_background_swap(was);
+  }
+  if (__atomic_load_n(&q->kicked, __ATOMIC_SEQ_CST)) /* seen; no store when there was none */
+    __atomic_store_n(&q->kicked, false, __ATOMIC_SEQ_CST);
+  return __atomic_load_n(&q->count, __ATOMIC_SEQ_CST) != 0;
+}
+
+ferry_msg *fr_inbox_wait(ferry_ctx *ctx, uint32_t channel, fr_inbox *q, uint64_t deadline_ns) {
+  return fr_inbox_await(ctx, channel, q, deadline_ns) ? fr_inbox_take(q) : NULL;
+}
+
+void fr_inbox_kick(ferry_ctx *ctx, uint32_t channel, fr_inbox *q) {
+  pthread_mutex_lock(&q->lock);
+  __atomic_store_n(&q->kicked, true, __ATOMIC_SEQ_CST);
+  pthread_cond_broadcast(&q->cond);
+  pthread_mutex_unlock(&q->lock);
+  fr_ctx_poke(ctx, (int)channel); /* a waiter that leads the epoll */
+}
