@@ -6,6 +6,7 @@
 // ferry-test: threaded
 #include "testutil.h"
 #include "core/channels.h"
+#include "transport/ctx_impl.h"
 #include "transport/ring.h"
 #include "transport/transport.h"
 
@@ -20,6 +21,7 @@
 #include <string.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <limits.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -394,6 +396,135 @@ static void test_channel_owner_tcp(void **s) { channel_owner("tcp"); }
 
 static void test_stats_calls_shm(void **s) { stats_calls("shm"); }
 static void test_stats_calls_tcp(void **s) { stats_calls("tcp"); }
+
+/* ---- a call for the metrics goes ahead of bulk read responses ---- */
+
+#define BULK_BYTES (16u << 20) /* more than loopback's socket buffers hold */
+#define BULK_READERS 6
+
+typedef struct bulk_reader_args {
+  ferry_link *link;
+  ferry_region_ref ref;
+} bulk_reader_args;
+
+static void *bulk_reader(void *arg) {
+  bulk_reader_args *b = arg;
+  uint8_t *dst = malloc(BULK_BYTES);
+  while (dst)
+    ferry_read(b->link, &b->ref, 0, dst, BULK_BYTES, 60000);
+  return NULL;
+}
+
+/* A reader (its own process, so that it can be stopped) that keeps BULK_READERS reads of
+ * BULK_BYTES in flight from the owner named on the pipe, until killed. */
+static int bulk_main(void *arg) {
+  prctl(PR_SET_PDEATHSIG, SIGKILL); /* it reads until killed: never past the test */
+  tu_pipe *pp = arg;
+  char addr[512];
+  bulk_reader_args b;
+  if (tu_pipe_get(pp, addr, sizeof addr, 10000) != 0 ||
+      tu_pipe_get(pp, &b.ref, sizeof b.ref, 10000) != 0)
+    return 1;
+  ferry_ctx *c = open_ctx("bulk", "tcp", "");
+  if (ferry_connect(c, addr, 5000, &b.link) != 0)
+    return 1;
+  pthread_t t;
+  for (int i = 1; i < BULK_READERS; i++)
+    pthread_create(&t, NULL, bulk_reader, &b);
+  bulk_reader(&b);
+  return 0;
+}
+
+/* ferry_link_sent_bytes_total of the tcp links in a Prometheus text. */
+static double tcp_sent_bytes(const char *text) {
+  for (const char *p = text; (p = strstr(p, "\nferry_link_sent_bytes_total{")); p++) {
+    const char *end = strchr(p + 1, '\n'), *close = strstr(p, "} ");
+    if (close && end && close < end && strstr(p, "transport=\"tcp\"") < close)
+      return strtod(close + 2, NULL);
+  }
+  fail_msg("no ferry_link_sent_bytes_total for tcp in:\n%s", text);
+  return 0;
+}
+
+typedef struct stats_asker {
+  ferry_link *link;
+  char *text;
+  int rc;
+} stats_asker;
+
+static void *ask_stats(void *arg) {
+  stats_asker *a = arg;
+  a->rc = fr_stats_call(a->link, 30000, &a->text);
+  return NULL;
+}
+
+/* The owner's server thread sends large read responses one after another; a call for its
+ * metrics that comes while several are queued is answered after at most the one being sent,
+ * not after all of them. The reader is stopped while the call is queued (so that nothing moves),
+ * then resumed: the metrics in the reply (made when answered) count less than one response more
+ * than before. */
+static void test_stats_ahead_of_reads(void **s) {
+  (void)s;
+  ferry_ctx *owner = open_ctx("owner", "tcp", "");
+  void *mem;
+  FR_OK(ferry_alloc(owner, BULK_BYTES, &mem));
+  ferry_region_ref ref;
+  FR_OK(ferry_region_find(owner, mem, BULK_BYTES, &ref, NULL));
+  tu_pipe pp;
+  tu_pipe_open(&pp);
+  pid_t pid = tu_spawn(bulk_main, &pp);
+  char addr[512];
+  snprintf(addr, sizeof addr, "%s", ferry_ctx_address(owner));
+  tu_pipe_put(&pp, addr, sizeof addr);
+  tu_pipe_put(&pp, &ref, sizeof ref);
+  ferry_ctx *c = open_ctx("asker", "tcp", "");
+  stats_asker a = {0};
+  FR_OK(ferry_connect(c, addr, 5000, &a.link));
+  /* a bounded wait for the state: the reader stopped with responses queued behind the one the
+   * server thread is sending */
+  size_t reads = 0, stats = 0;
+  for (int tries = 0; reads < 2; tries++) {
+    assert_true(tries < 5000);
+    fr_ctx_serve_pending(owner, &reads, &stats);
+    if (reads >= 2) {
+      kill(pid, SIGSTOP);
+      fr_ctx_serve_pending(owner, &reads, &stats);
+      if (reads < 2)
+        kill(pid, SIGCONT);
+    }
+    if (reads < 2)
+      usleep(1000);
+  }
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, ask_stats, &a), 0);
+  for (int tries = 0; stats == 0; tries++) { /* the call queued */
+    assert_true(tries < 30000);
+    usleep(1000);
+    fr_ctx_serve_pending(owner, &reads, &stats);
+  }
+  assert_true(reads >= 1);
+  char *text = NULL;
+  size_t len = 0;
+  FR_OK(ferry_stats_prometheus(owner, &text, &len));
+  double before = tcp_sent_bytes(text);
+  ferry_stats_text_free(text);
+  kill(pid, SIGCONT);
+  pthread_join(t, NULL);
+  FR_OK(a.rc);
+  double sent = tcp_sent_bytes(a.text) - before;
+  if (sent >= BULK_BYTES * 1.5)
+    fail_msg("the metrics were answered after %.0f more bytes of read responses (%zu queued of "
+             "%u bytes each): they waited behind them",
+             sent, reads, BULK_BYTES);
+  free(a.text);
+  kill(pid, SIGKILL);
+  tu_wait(pid);
+  ferry_link_close(a.link);
+  ferry_ctx_close(c);
+  ferry_free(owner, mem);
+  ferry_ctx_close(owner);
+  tu_pipe_close(&pp);
+}
 
 static void test_calls_shm(void **s) { calls("shm"); }
 static void test_calls_tcp(void **s) { calls("tcp"); }
@@ -1146,23 +1277,41 @@ int main(void) {
   (void)transports;
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_ctx_address),         cmocka_unit_test(test_memory),
-      cmocka_unit_test(test_message_buffers),     cmocka_unit_test(test_message_buffers_evict),
-      cmocka_unit_test(test_tcp_local_cc),        cmocka_unit_test(test_messages_shm),
-      cmocka_unit_test(test_channel_owner_shm),   cmocka_unit_test(test_channel_owner_tcp),
-      cmocka_unit_test(test_messages_tcp),        cmocka_unit_test(test_recv_zero_drains_shm),
-      cmocka_unit_test(test_calls_shm),           cmocka_unit_test(test_calls_tcp),
-      cmocka_unit_test(test_stats_calls_shm),     cmocka_unit_test(test_stats_calls_tcp),
-      cmocka_unit_test(test_rma_shm_shared),      cmocka_unit_test(test_rma_shm_registered),
-      cmocka_unit_test(test_shm_small_ring),      cmocka_unit_test(test_shm_ring_corrupt),
-      cmocka_unit_test(test_shm_memfd_shrink),    cmocka_unit_test(test_shm_segment_check),
-      cmocka_unit_test(test_rma_tcp_shared),      cmocka_unit_test(test_rma_tcp_registered),
-      cmocka_unit_test(test_token_shm),           cmocka_unit_test(test_token_tcp),
-      cmocka_unit_test(test_connect_failures),    cmocka_unit_test(test_bad_frames),
-      cmocka_unit_test(test_out_of_descriptors),  cmocka_unit_test(test_exposed_listen_needs_token),
-      cmocka_unit_test(test_killed_mid_read_tcp), cmocka_unit_test(test_killed_mid_read_shm),
-      cmocka_unit_test(test_concurrent_shm),      cmocka_unit_test(test_concurrent_tcp),
-      cmocka_unit_test(test_waiters_shm),         cmocka_unit_test(test_waiters_tcp),
+      cmocka_unit_test(test_ctx_address),
+      cmocka_unit_test(test_memory),
+      cmocka_unit_test(test_message_buffers),
+      cmocka_unit_test(test_message_buffers_evict),
+      cmocka_unit_test(test_tcp_local_cc),
+      cmocka_unit_test(test_messages_shm),
+      cmocka_unit_test(test_channel_owner_shm),
+      cmocka_unit_test(test_channel_owner_tcp),
+      cmocka_unit_test(test_messages_tcp),
+      cmocka_unit_test(test_recv_zero_drains_shm),
+      cmocka_unit_test(test_calls_shm),
+      cmocka_unit_test(test_calls_tcp),
+      cmocka_unit_test(test_stats_calls_shm),
+      cmocka_unit_test(test_stats_calls_tcp),
+      cmocka_unit_test(test_stats_ahead_of_reads),
+      cmocka_unit_test(test_rma_shm_shared),
+      cmocka_unit_test(test_rma_shm_registered),
+      cmocka_unit_test(test_shm_small_ring),
+      cmocka_unit_test(test_shm_ring_corrupt),
+      cmocka_unit_test(test_shm_memfd_shrink),
+      cmocka_unit_test(test_shm_segment_check),
+      cmocka_unit_test(test_rma_tcp_shared),
+      cmocka_unit_test(test_rma_tcp_registered),
+      cmocka_unit_test(test_token_shm),
+      cmocka_unit_test(test_token_tcp),
+      cmocka_unit_test(test_connect_failures),
+      cmocka_unit_test(test_bad_frames),
+      cmocka_unit_test(test_out_of_descriptors),
+      cmocka_unit_test(test_exposed_listen_needs_token),
+      cmocka_unit_test(test_killed_mid_read_tcp),
+      cmocka_unit_test(test_killed_mid_read_shm),
+      cmocka_unit_test(test_concurrent_shm),
+      cmocka_unit_test(test_concurrent_tcp),
+      cmocka_unit_test(test_waiters_shm),
+      cmocka_unit_test(test_waiters_tcp),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -655,6 +655,13 @@ static void test_top(void **state) {
   char *frame = slurp("top.txt", &frame_len);
   assert_true(frame && !strchr(frame, '\033')); /* not a tty: no escape sequences */
   free(frame);
+  /* a key with U+009B (an 8-bit CSI, UTF-8 C2 9B) in its prefix: shown as '?', never sent */
+  assert_int_equal(run("%s put --directory %s \"$(printf 'csi\302\2332J/k')\" c.bin", cli, url), 0);
+  assert_int_equal(run("%s top --once --directory=%s > top2.txt", cli, url), 0);
+  assert_int_equal(run("grep -Eq '^  csi\\?2J/ +1 +100 B  ' top2.txt"), 0);
+  frame = slurp("top2.txt", &frame_len);
+  assert_true(frame && !strstr(frame, "\xc2\x9b") && !strchr(frame, '\033'));
+  free(frame);
   assert_int_equal(run("%s top --help > help.txt", cli), 0);
   assert_true(file_has("help.txt", "usage: ferry top"));
   assert_int_equal(run("%s top --interval 0.01 --directory %s 2> err.txt", cli, url), 2);

@@ -7,8 +7,14 @@
  * and the mq's publisher and subscriber records per topic. What only a node knows (the version
  * each of a sender's receivers committed, an mq's queue, a store node's pool) comes from that
  * node's own metrics, which every ctx gives on a ferry call (FR_CHANNEL_STATS, the text its
- * /metrics would serve): one call per distinct address, each bounded by FLEET_STATS_TIMEOUT_MS,
- * so a node that is slow or gone costs the snapshot at most that and is shown with its error.
+ * /metrics would serve): one call per distinct address. The whole snapshot has a budget
+ * (FERRY_FLEET_BUDGET_MS): the directory is read within it, then the nodes are asked in parallel
+ * (FLEET_ASK_THREADS at a time), each given what is left of it, so a node that is slow or gone
+ * costs the snapshot at most the budget and is shown with its error. An address that failed is
+ * remembered and not asked again for FLEET_SKIP_MS (listed unreachable, with why and since when),
+ * so that a dead node whose records wait for its lease to lapse does not cost every snapshot.
+ * One snapshot is taken at a time and kept FLEET_CACHE_MS: concurrent callers (page viewers,
+ * ferry top) share it, or wait for the one in flight, instead of each asking every node.
  * Control cells are not in the directory (they live in FERRY_CTL_DIR's shared memory): the
  * snapshot lists this host's. Every string that came from a peer is made valid UTF-8 before it
  * goes into the JSON; the page renders it as text.
@@ -33,26 +39,51 @@
 typedef struct kept_link {
   char *address;
   ferry_link *link;
-  bool seen; /* in the current snapshot: the others are closed after it */
 } kept_link;
+
+/* An address that just failed: not asked again before `until` (fr_now_ns). */
+typedef struct down_addr {
+  char *address;
+  uint64_t until;
+  double since; /* when it first failed, in seconds since the epoch */
+  char error[256];
+} down_addr;
 
 struct fleet_view {
   ferry_ctx *ctx;
   fr_dir *dir;
-  pthread_mutex_t lock;
+  int budget_ms;
+  pthread_mutex_t lock; /* what follows */
+  pthread_cond_t done;  /* a snapshot was taken (busy went false) */
+  bool busy;            /* a snapshot is being taken: only its thread touches kept and down */
+  json_t *last;         /* the last snapshot (NULL: it failed, with last_rc and last_error) */
+  int last_rc;
+  char last_error[512];
+  uint64_t last_ns; /* when it was taken (fr_now_ns); 0: none yet */
   kept_link kept[FLEET_NODES_MAX];
   size_t nkept;
+  down_addr down[FLEET_NODES_MAX];
+  size_t ndown;
 };
+
+int fleet_budget_ms(void) {
+  int64_t ms = fr_config_int("FERRY_FLEET_BUDGET_MS");
+  return ms < FLEET_BUDGET_MIN_MS   ? FLEET_BUDGET_MIN_MS
+         : ms > FLEET_BUDGET_MAX_MS ? FLEET_BUDGET_MAX_MS
+                                    : (int)ms;
+}
 
 int fleet_view_open(const char *url, const char *name, fleet_view **out) {
   fleet_view *v = calloc(1, sizeof *v);
   if (!v)
     return fr_err(FERRY_ENOMEM, "fleet view");
   pthread_mutex_init(&v->lock, NULL);
+  fr_cond_init_monotonic(&v->done);
+  v->budget_ms = fleet_budget_ms();
   ferry_ctx_opts co = {.size = sizeof co, .name = name};
   int rc = ferry_ctx_open(&co, &v->ctx);
-  if (rc == 0)
-    rc = fr_dir_open(v->ctx, url, fr_timeout(-1), &v->dir);
+  if (rc == 0) /* the budget bounds this too: a directory that is down must not hold a caller */
+    rc = fr_dir_open(v->ctx, url, v->budget_ms, &v->dir);
   if (rc != 0) {
     fleet_view_close(v);
     return rc;
@@ -67,13 +98,22 @@ static void drop_link(fleet_view *v, size_t i) {
   v->kept[i] = v->kept[--v->nkept];
 }
 
+static void drop_down(fleet_view *v, size_t i) {
+  free(v->down[i].address);
+  v->down[i] = v->down[--v->ndown];
+}
+
 void fleet_view_close(fleet_view *v) {
   if (!v)
     return;
   while (v->nkept)
     drop_link(v, 0);
+  while (v->ndown)
+    drop_down(v, 0);
+  json_decref(v->last);
   fr_dir_close(v->dir);
   ferry_ctx_close(v->ctx);
+  pthread_cond_destroy(&v->done);
   pthread_mutex_destroy(&v->lock);
   free(v);
 }
@@ -241,10 +281,18 @@ typedef struct node_stats {
   samples ss;
   bool ok;
   char error[256];
+  double down_since; /* not reached: when the address first failed (0: it just did) */
+  bool skipped;      /* not asked: it failed less than FLEET_SKIP_MS ago */
+  /* the asking (ask_one) */
+  ferry_link *link; /* in: the link kept to it (NULL: connect); out: the one to keep */
+  char *text;
+  int rc;
+  bool asked; /* false: the budget ran out before its turn (not held against it) */
 } node_stats;
 
 typedef struct snap {
   fleet_view *v;
+  uint64_t deadline; /* the budget's end (fr_now_ns) */
   fr_dir_node *nodes;
   size_t nnodes, total;
   node_stats *stats; /* parallel to nodes; entries of a repeated address point at the first */
@@ -258,48 +306,86 @@ static node_stats *stats_of(snap *s, const char *node) {
   return NULL;
 }
 
-/* The metrics of the node at address, over the link kept to it (made when there is none, or
- * when the kept one died since the last snapshot). */
-static int ask(fleet_view *v, const char *address, char **text) {
-  kept_link *k = NULL;
-  for (size_t i = 0; i < v->nkept && !k; i++)
-    if (strcmp(v->kept[i].address, address) == 0)
-      k = &v->kept[i];
-  if (k && ferry_link_status(k->link) != 0) {
-    drop_link(v, (size_t)(k - v->kept));
-    k = NULL;
-  }
-  if (!k) {
-    ferry_link *link = NULL;
-    int rc = v->nkept < FLEET_NODES_MAX ? 0 : fr_err(FERRY_ERANGE, "fleet: too many nodes");
-    if (rc == 0)
-      rc = ferry_connect(v->ctx, address, FLEET_STATS_TIMEOUT_MS, &link);
-    if (rc == 0 && !(address = strdup(address))) {
-      ferry_link_close(link);
-      rc = fr_err(FERRY_ENOMEM, "fleet");
-    }
-    if (rc != 0)
-      return rc;
-    k = &v->kept[v->nkept++];
-    *k = (kept_link){(char *)address, link, false};
-  }
-  k->seen = true;
-  int rc = fr_stats_call(k->link, FLEET_STATS_TIMEOUT_MS, text);
-  if (rc != 0)
-    drop_link(v, (size_t)(k - v->kept));
-  return rc;
+/* Milliseconds left before deadline, rounded up (0: none). */
+static int left_ms(uint64_t deadline) {
+  uint64_t now = fr_now_ns();
+  return now >= deadline ? 0 : (int)((deadline - now + 999999) / 1000000);
 }
 
-/* Closes the links to nodes the last snapshot did not list (gone from the directory). */
-static void prune_links(fleet_view *v) {
-  for (size_t i = v->nkept; i-- > 0;)
-    if (!v->kept[i].seen)
-      drop_link(v, i);
-  for (size_t i = 0; i < v->nkept; i++)
-    v->kept[i].seen = false;
+/* The metrics of one address, over the link kept to it (or a new one), within what is left of
+ * the budget. Runs on an asker thread: it touches only ns. */
+static void ask_one(snap *s, node_stats *ns) {
+  int ms = left_ms(s->deadline), rc = 0;
+  if (ms == 0)
+    rc = fr_err(FERRY_ETIMEDOUT, "not asked: the snapshot's %d ms budget ran out", s->v->budget_ms);
+  ns->asked = rc == 0;
+  if (rc == 0 && !ns->link)
+    rc = ferry_connect(s->v->ctx, ns->address, ms, &ns->link);
+  if (rc == 0 && (ms = left_ms(s->deadline)) == 0)
+    rc = fr_err(FERRY_ETIMEDOUT, "no answer within the snapshot's %d ms budget", s->v->budget_ms);
+  if (rc == 0)
+    rc = fr_stats_call(ns->link, ms, &ns->text);
+  if (rc != 0) {
+    snprintf(ns->error, sizeof ns->error, "%s", ferry_last_error());
+    ferry_link_close(ns->link);
+    ns->link = NULL;
+  }
+  ns->rc = rc;
 }
 
-static void fetch_stats(snap *s) {
+/* The addresses to ask (s->of[i] == &s->stats[i], not skipped), taken in turn by the askers. */
+typedef struct askers {
+  snap *s;
+  pthread_mutex_t lock;
+  size_t next;
+} askers;
+
+static void *asker_main(void *arg) {
+  askers *a = arg;
+  for (;;) {
+    pthread_mutex_lock(&a->lock);
+    size_t i = a->next;
+    while (i < a->s->nnodes && (a->s->of[i] != &a->s->stats[i] || a->s->stats[i].skipped))
+      i++;
+    a->next = i + 1;
+    pthread_mutex_unlock(&a->lock);
+    if (i >= a->s->nnodes)
+      return NULL;
+    ask_one(a->s, &a->s->stats[i]);
+  }
+}
+
+/* Asks every address at once, FLEET_ASK_THREADS at a time (this thread too: it also asks when
+ * no thread can be started). */
+static void ask_all(snap *s, size_t nask) {
+  askers a = {.s = s};
+  pthread_mutex_init(&a.lock, NULL);
+  pthread_t t[FLEET_ASK_THREADS];
+  size_t nt = 0;
+  while (nt + 1 < FLEET_ASK_THREADS && nt + 1 < nask &&
+         pthread_create(&t[nt], NULL, asker_main, &a) == 0)
+    nt++;
+  asker_main(&a);
+  while (nt)
+    pthread_join(t[--nt], NULL);
+  pthread_mutex_destroy(&a.lock);
+}
+
+static down_addr *down_of(fleet_view *v, const char *address) {
+  for (size_t i = 0; i < v->ndown; i++)
+    if (strcmp(v->down[i].address, address) == 0)
+      return &v->down[i];
+  return NULL;
+}
+
+/* Before the asking: each address to ask takes the link kept to it (links to addresses not
+ * asked are closed), an address that failed less than FLEET_SKIP_MS ago is skipped, and
+ * failures older than that are forgotten (so the list stays bounded however nodes come and go).
+ * Returns how many to ask. */
+static size_t plan(snap *s) {
+  fleet_view *v = s->v;
+  uint64_t now = fr_now_ns();
+  size_t nask = 0;
   for (size_t i = 0; i < s->nnodes; i++) {
     s->of[i] = &s->stats[i];
     for (size_t j = 0; j < i; j++)
@@ -311,15 +397,69 @@ static void fetch_stats(snap *s) {
       continue;
     node_stats *ns = &s->stats[i];
     ns->address = s->nodes[i].address;
-    char *text = NULL;
-    if (ask(s->v, ns->address, &text) == 0) {
-      parse_prom(text, &ns->ss);
-      ns->ok = true;
-    } else {
-      snprintf(ns->error, sizeof ns->error, "%s", ferry_last_error());
+    down_addr *d = down_of(v, ns->address);
+    if (d && now < d->until) {
+      ns->skipped = true, ns->down_since = d->since;
+      snprintf(ns->error, sizeof ns->error, "%s", d->error);
+      continue;
     }
-    free(text);
+    nask++;
+    for (size_t k = 0; k < v->nkept && !ns->link; k++)
+      if (strcmp(v->kept[k].address, ns->address) == 0 && ferry_link_status(v->kept[k].link) == 0) {
+        ns->link = v->kept[k].link;
+        v->kept[k].link = NULL;
+      }
   }
+  while (v->nkept)
+    drop_link(v, 0);
+  for (size_t i = v->ndown; i-- > 0;)
+    if (now >= v->down[i].until)
+      drop_down(v, i);
+  return nask;
+}
+
+/* After the asking: links that answered are kept, addresses that failed are remembered. */
+static void settle(snap *s) {
+  fleet_view *v = s->v;
+  struct timespec wall;
+  clock_gettime(CLOCK_REALTIME, &wall);
+  for (size_t i = 0; i < s->nnodes; i++) {
+    node_stats *ns = &s->stats[i];
+    if (s->of[i] != ns || ns->skipped)
+      continue;
+    down_addr *d = down_of(v, ns->address);
+    if (ns->rc == 0) {
+      parse_prom(ns->text, &ns->ss);
+      ns->ok = true;
+      char *address = strdup(ns->address);
+      if (address && v->nkept < FLEET_NODES_MAX)
+        v->kept[v->nkept++] = (kept_link){address, ns->link};
+      else
+        free(address), ferry_link_close(ns->link);
+      ns->link = NULL;
+      if (d)
+        drop_down(v, (size_t)(d - v->down));
+      continue;
+    }
+    if (!ns->asked)
+      continue;
+    if (!d && v->ndown < FLEET_NODES_MAX && (v->down[v->ndown].address = strdup(ns->address))) {
+      d = &v->down[v->ndown++];
+      d->since = (double)wall.tv_sec + wall.tv_nsec * 1e-9;
+    }
+    if (d) {
+      d->until = fr_now_ns() + (uint64_t)FLEET_SKIP_MS * 1000000ull;
+      snprintf(d->error, sizeof d->error, "%s", ns->error);
+      ns->down_since = d->since;
+    }
+  }
+}
+
+static void fetch_stats(snap *s) {
+  size_t nask = plan(s);
+  if (nask)
+    ask_all(s, nask);
+  settle(s);
 }
 
 /* ---- the sections ---- */
@@ -332,6 +472,18 @@ static const char *node_kind(const char *name) {
   return "store";
 }
 
+/* "reached", and for a node not reached its error and, when it failed before, since when (the
+ * address is then not asked until FLEET_SKIP_MS after its last failure: "skipped"). */
+static void set_reached(json_t *o, const node_stats *ns) {
+  json_object_set_new(o, "reached", json_boolean(ns->ok));
+  if (ns->ok)
+    return;
+  set_str(o, "error", ns->error);
+  if (ns->down_since > 0)
+    json_object_set_new(o, "unreachable_since", json_real(ns->down_since));
+  json_object_set_new(o, "skipped", json_boolean(ns->skipped));
+}
+
 static json_t *nodes_json(snap *s) {
   json_t *arr = json_array();
   for (size_t i = 0; i < s->nnodes; i++) {
@@ -342,9 +494,7 @@ static json_t *nodes_json(snap *s) {
     set_str(o, "kind", node_kind(n->name));
     json_object_set_new(o, "holder", json_boolean(n->flags & FR_NODE_HOLDER));
     node_stats *ns = s->of[i];
-    json_object_set_new(o, "reached", json_boolean(ns->ok));
-    if (!ns->ok)
-      set_str(o, "error", ns->error);
+    set_reached(o, ns);
     if (strcmp(node_kind(n->name), "store") == 0 && ns->ok) {
       json_t *st = json_object();
       set_sample(st, "objects", find(&ns->ss, "ferry_store_objects", "store", n->name, 0, 0));
@@ -476,9 +626,7 @@ static json_t *refit_json(snap *s) {
     set_str(o, "sender", sender);
     set_str(o, "node", s->nodes[i].name);
     set_str(o, "address", s->nodes[i].address);
-    json_object_set_new(o, "reached", json_boolean(ns->ok));
-    if (!ns->ok)
-      set_str(o, "error", ns->error);
+    set_reached(o, ns);
     const samples *ss = ns->ok ? &ns->ss : NULL;
     const sample *ver = find(ss, "ferry_refit_version", "sender", sender, 0, 0);
     json_object_set_new(o, "version", ver ? json_integer((json_int_t)ver->value) : json_null());
@@ -626,7 +774,7 @@ static json_t *control_json(void) {
   return out;
 }
 
-static json_t *limits_json(void) {
+static json_t *limits_json(const fleet_view *v) {
   json_t *l = json_object();
   json_object_set_new(l, "nodes", json_integer(FLEET_NODES_MAX));
   json_object_set_new(l, "prefixes", json_integer(FLEET_PREFIXES_MAX));
@@ -634,7 +782,9 @@ static json_t *limits_json(void) {
   json_object_set_new(l, "owners_per_prefix", json_integer(FLEET_OWNERS_PER_PREFIX));
   json_object_set_new(l, "topics", json_integer(FLEET_TOPICS_MAX));
   json_object_set_new(l, "cells", json_integer(FLEET_CELLS_MAX));
-  json_object_set_new(l, "stats_timeout_ms", json_integer(FLEET_STATS_TIMEOUT_MS));
+  json_object_set_new(l, "budget_ms", json_integer(v->budget_ms));
+  json_object_set_new(l, "cache_ms", json_integer(FLEET_CACHE_MS));
+  json_object_set_new(l, "skip_ms", json_integer(FLEET_SKIP_MS));
   return l;
 }
 
@@ -645,12 +795,14 @@ static int node_cmp(const void *a, const void *b) {
 /* The directory's records: nodes (sorted by name), user objects and mq records. */
 static int read_directory(fleet_view *v, snap *s, fr_dir_object **objs, size_t *nobjs,
                           fr_dir_object **mq, size_t *nmq) {
-  int ms = fr_timeout(-1);
-  int rc = fr_dir_node_list(v->dir, &s->nodes, &s->nnodes, ms);
-  if (rc == 0)
+  int ms = left_ms(s->deadline);
+  int rc = fr_dir_node_list(v->dir, &s->nodes, &s->nnodes, ms ? ms : 1);
+  if (rc == 0 && (ms = left_ms(s->deadline)) > 0)
     rc = fr_dir_obj_scan(v->dir, "", objs, nobjs, ms);
-  if (rc == 0)
+  if (rc == 0 && (ms = left_ms(s->deadline)) > 0)
     rc = fr_dir_obj_scan(v->dir, FR_DIR_RESERVED "mq/", mq, nmq, ms);
+  if (rc == 0 && ms == 0)
+    rc = fr_err(FERRY_ETIMEDOUT, "no answer within the snapshot's %d ms budget", v->budget_ms);
   if (rc != 0)
     return fr_err_wrap(rc, "fleet: the directory %s", v->dir->url);
   qsort(s->nodes, s->nnodes, sizeof *s->nodes, node_cmp);
@@ -666,7 +818,7 @@ static json_t *assemble(snap *s, const fr_dir_object *objs, size_t nobjs, const 
   set_str(o, "ferry", ferry_version());
   set_str(o, "directory", s->v->dir->url);
   json_object_set_new(o, "time", json_real((double)now.tv_sec + now.tv_nsec * 1e-9));
-  json_object_set_new(o, "limits", limits_json());
+  json_object_set_new(o, "limits", limits_json(s->v));
   json_object_set_new(o, "nodes", nodes_json(s));
   json_object_set_new(o, "nodes_omitted", json_integer((json_int_t)(s->total - s->nnodes)));
   json_object_set_new(o, "store", store_json(objs, nobjs));
@@ -678,11 +830,11 @@ static json_t *assemble(snap *s, const fr_dir_object *objs, size_t nobjs, const 
   return o;
 }
 
-int fleet_snapshot(fleet_view *v, json_t **out) {
-  snap s = {.v = v};
+/* A new snapshot, taken within the budget (the caller has made v busy). */
+static int take(fleet_view *v, json_t **out) {
+  snap s = {.v = v, .deadline = fr_deadline_ns(v->budget_ms)};
   fr_dir_object *objs = NULL, *mq = NULL;
   size_t nobjs = 0, nmq = 0;
-  pthread_mutex_lock(&v->lock);
   int rc = read_directory(v, &s, &objs, &nobjs, &mq, &nmq);
   s.total = s.nnodes;
   if (s.nnodes > FLEET_NODES_MAX) /* the rest are counted, not asked */
@@ -692,19 +844,58 @@ int fleet_snapshot(fleet_view *v, json_t **out) {
     rc = fr_err(FERRY_ENOMEM, "fleet snapshot");
   if (rc == 0) {
     fetch_stats(&s);
-    prune_links(v);
     *out = assemble(&s, objs, nobjs, mq, nmq);
     if (!*out)
       rc = fr_err(FERRY_ENOMEM, "fleet snapshot");
   }
-  pthread_mutex_unlock(&v->lock);
-  for (size_t i = 0; s.stats && i < s.nnodes; i++)
+  for (size_t i = 0; s.stats && i < s.nnodes; i++) {
     samples_free(&s.stats[i].ss);
+    free(s.stats[i].text);
+  }
   free(s.stats);
   free(s.of);
   free(s.nodes);
   free(objs);
   free(mq);
+  return rc;
+}
+
+/* The last snapshot (v->lock held): a copy of it, or its failure. */
+static int last(fleet_view *v, json_t **out) {
+  if (!v->last)
+    return fr_err(v->last_rc, "%s", v->last_error);
+  *out = json_deep_copy(v->last);
+  return *out ? 0 : fr_err(FERRY_ENOMEM, "fleet snapshot");
+}
+
+int fleet_snapshot(fleet_view *v, json_t **out) {
+  pthread_mutex_lock(&v->lock);
+  for (;;) {
+    bool fresh = v->last_ns && fr_now_ns() - v->last_ns < (uint64_t)FLEET_CACHE_MS * 1000000ull;
+    if (fresh || (v->busy && v->last)) { /* one in flight: the last one meanwhile */
+      int rc = last(v, out);
+      pthread_mutex_unlock(&v->lock);
+      return rc;
+    }
+    if (!v->busy)
+      break;
+    pthread_cond_wait(&v->done, &v->lock); /* at most the budget */
+  }
+  v->busy = true;
+  pthread_mutex_unlock(&v->lock);
+  json_t *o = NULL;
+  int rc = take(v, &o);
+  pthread_mutex_lock(&v->lock);
+  v->busy = false;
+  json_decref(v->last);
+  v->last = rc == 0 ? o : NULL;
+  v->last_rc = rc;
+  snprintf(v->last_error, sizeof v->last_error, "%s", rc == 0 ? "" : ferry_last_error());
+  v->last_ns = fr_now_ns();
+  pthread_cond_broadcast(&v->done);
+  if (rc == 0 && !(*out = json_deep_copy(o)))
+    rc = fr_err(FERRY_ENOMEM, "fleet snapshot");
+  pthread_mutex_unlock(&v->lock);
   return rc;
 }
 

@@ -141,19 +141,37 @@ static const char *metrics_env(void) {
 
 /* The fleet view behind / and /v1/fleet: a client of the directory this node hosts or joined,
  * opened at the first request (so that a directory that is down at start does not stop the
- * node) and kept. */
+ * node) and kept. Opening is bounded by the snapshot's budget, and a failure is remembered for
+ * FLEET_CACHE_MS: while the directory is down, requests that queued behind one attempt get its
+ * error instead of each trying again. */
 typedef struct fleet_http {
   char url[FR_DIR_ADDRESS_MAX + 1], name[64];
-  pthread_mutex_t lock; /* view: requests come on a thread each */
+  pthread_mutex_t lock; /* what follows: requests come on a thread each */
   fleet_view *view;
+  uint64_t failed_ns; /* when opening last failed (fr_now_ns; 0: it has not) */
+  int failed_rc;
+  char failed[512];
 } fleet_http;
+
+static int open_view(fleet_http *f, fleet_view **out) {
+  pthread_mutex_lock(&f->lock);
+  int rc = 0;
+  if (!f->view && f->failed_ns &&
+      fr_now_ns() - f->failed_ns < (uint64_t)FLEET_CACHE_MS * 1000000ull)
+    rc = fr_err(f->failed_rc, "%s", f->failed);
+  else if (!f->view && (rc = fleet_view_open(f->url, f->name, &f->view)) != 0) {
+    f->failed_ns = fr_now_ns(), f->failed_rc = rc;
+    snprintf(f->failed, sizeof f->failed, "%s", ferry_last_error());
+  }
+  *out = f->view;
+  pthread_mutex_unlock(&f->lock);
+  return rc;
+}
 
 static unsigned fleet_route(void *arg, char **body, size_t *len, const char **type) {
   fleet_http *f = arg;
-  pthread_mutex_lock(&f->lock);
-  int rc = f->view ? 0 : fleet_view_open(f->url, f->name, &f->view);
-  fleet_view *view = f->view;
-  pthread_mutex_unlock(&f->lock);
+  fleet_view *view = NULL;
+  int rc = open_view(f, &view);
   if (rc == 0 && (rc = fleet_json(view, body, len)) == 0) {
     *type = "application/json";
     return 200;

@@ -2,8 +2,8 @@
  * `ferry top`: the fleet's status page in a terminal. It takes the same snapshot as ferry serve's
  * /v1/fleet (cli/fleet.c) from the directory at --directory or FERRY_DIRECTORY, and draws it as
  * text every --interval seconds until interrupted; --once draws one frame, --json prints the
- * snapshot's JSON. Names come from peers, so every control byte in them is shown as '?': a
- * node's name must not be able to move the cursor or recolour the terminal.
+ * snapshot's JSON. Names come from peers, so every control character in them (C0, DEL and C1) is
+ * shown as '?': a node's name must not be able to move the cursor or recolour the terminal.
  */
 #include "cli/args.h"
 #include "cli/cli.h"
@@ -46,12 +46,23 @@ static void on_signal(int sig) {
 
 /* ---- drawing ---- */
 
-/* s, padded or cut to width (0: as is), with control bytes shown as '?'. */
+/* The bytes of the control character at p (C0, DEL, or a C1 code point U+0080..U+009F, which
+ * UTF-8 spells C2 80..C2 9F: U+009B is an 8-bit CSI that some terminals obey); 0: none. */
+static int control_len(const unsigned char *p) {
+  if (*p < 0x20 || *p == 0x7f)
+    return 1;
+  return p[0] == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f ? 2 : 0;
+}
+
+/* s, padded or cut to width (0: as is), with control characters shown as '?'. */
 static void put(const char *s, int width) {
   int n = 0;
   for (const unsigned char *p = (const unsigned char *)(s ? s : "-"); *p && (!width || n < width);
-       p++, n++)
-    putchar(*p < 0x20 || *p == 0x7f ? '?' : *p);
+       n++) {
+    int c = control_len(p);
+    putchar(c ? '?' : *p);
+    p += c ? c : 1;
+  }
   for (; n < width; n++)
     putchar(' ');
   if (width)

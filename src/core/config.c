@@ -47,6 +47,8 @@
     "a yield taking longer ran another thread on this core: a polling waiter then sleeps")         \
   X("FERRY_MSG_KEEP_IDLE_MS", "2000",                                                              \
     "received-message buffers of a size unused this long go back to the system")                   \
+  X("FERRY_FLEET_BUDGET_MS", "3000",                                                               \
+    "how long one fleet snapshot (/v1/fleet, ferry top) may take, nodes asked in parallel")        \
   X("FERRY_CTL_DIR", "/dev/shm", "directory of control cells (ferry-ctl-NAME files)")              \
   X("FERRY_CTL_CHECK_MS", "100", "how often a waiting controller checks that ranks are alive")     \
   X("FERRY_CTL_SPIN_US", "1000",                                                                   \

@@ -34,6 +34,8 @@ void fr_ctx_spin_channel(ferry_ctx *ctx, fr_channel *c);
 /* server.c: the server thread, and the calls for the ctx's metrics it answers (takes msg) */
 void *fr_ctx_server_main(void *arg);
 void fr_ctx_serve_stats(ferry_ctx *ctx, ferry_msg *msg);
+/* How many read responses and calls for the metrics wait for the server thread (tests). */
+void fr_ctx_serve_pending(ferry_ctx *ctx, size_t *reads, size_t *stats);
 
 /* accept.c: the listeners' handler, and the descriptor kept in reserve for it */
 void fr_ctx_on_accept(fr_poller *p, uint32_t events);

@@ -1,7 +1,10 @@
 /*
  * The server thread of a context: it sends large read responses (fr_ctx_serve_later) so that the
  * thread driving the links never blocks on a slow reader, and answers calls for the ctx's metrics
- * (FR_CHANNEL_STATS), which a collector's locks must not make that thread wait for.
+ * (FR_CHANNEL_STATS), which a collector's locks must not make that thread wait for. Calls for the
+ * metrics have a queue of their own, served first: a fleet view asks every node within one
+ * budget, and its call must not wait behind bulk responses queued for a reader (at most the one
+ * being sent).
  */
 #include "transport/ctx_impl.h"
 
@@ -49,13 +52,35 @@ void fr_ctx_serve_later_v(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_reg
 }
 
 static void serve_job(ferry_ctx *ctx, fr_serve_job *j) {
+  fr_serve_job **head = j->stats ? &ctx->stats_head : &ctx->serve_head;
+  fr_serve_job **tail = j->stats ? &ctx->stats_tail : &ctx->serve_tail;
   pthread_mutex_lock(&ctx->serve_lock);
-  if (ctx->serve_tail)
-    ctx->serve_tail->next = j;
+  if (*tail)
+    (*tail)->next = j;
   else
-    ctx->serve_head = j;
-  ctx->serve_tail = j;
+    *head = j;
+  *tail = j;
   pthread_cond_signal(&ctx->serve_cond);
+  pthread_mutex_unlock(&ctx->serve_lock);
+}
+
+/* The next job (serve_lock held): a call for the metrics first; NULL when none waits. */
+static fr_serve_job *next_job(ferry_ctx *ctx) {
+  fr_serve_job **head = ctx->stats_head ? &ctx->stats_head : &ctx->serve_head;
+  fr_serve_job **tail = ctx->stats_head ? &ctx->stats_tail : &ctx->serve_tail;
+  fr_serve_job *j = *head;
+  if (j && !(*head = j->next))
+    *tail = NULL;
+  return j;
+}
+
+void fr_ctx_serve_pending(ferry_ctx *ctx, size_t *reads, size_t *stats) {
+  *reads = *stats = 0;
+  pthread_mutex_lock(&ctx->serve_lock);
+  for (fr_serve_job *j = ctx->serve_head; j; j = j->next)
+    ++*reads;
+  for (fr_serve_job *j = ctx->stats_head; j; j = j->next)
+    ++*stats;
   pthread_mutex_unlock(&ctx->serve_lock);
 }
 
@@ -92,11 +117,9 @@ void *fr_ctx_server_main(void *arg) {
   ferry_ctx *ctx = arg;
   for (;;) {
     pthread_mutex_lock(&ctx->serve_lock);
-    while (!ctx->serve_head && !fr_ctx_stopping(ctx))
+    while (!ctx->serve_head && !ctx->stats_head && !fr_ctx_stopping(ctx))
       pthread_cond_wait(&ctx->serve_cond, &ctx->serve_lock);
-    fr_serve_job *j = ctx->serve_head;
-    if (j && !(ctx->serve_head = j->next))
-      ctx->serve_tail = NULL;
+    fr_serve_job *j = next_job(ctx);
     pthread_mutex_unlock(&ctx->serve_lock);
     if (!j)
       return NULL;

@@ -264,7 +264,8 @@ struct ferry_ctx {
   pthread_t server; /* sends large read responses so the progress thread never blocks */
   pthread_mutex_t serve_lock;
   pthread_cond_t serve_cond;
-  fr_serve_job *serve_head, *serve_tail;
+  fr_serve_job *serve_head, *serve_tail; /* large read responses, in order */
+  fr_serve_job *stats_head, *stats_tail; /* calls for the metrics: served first (server.c) */
 
   ferry_link *grave[64]; /* retired during the current event batch */
   size_t ngrave;

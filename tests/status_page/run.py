@@ -10,6 +10,11 @@ has three messages queued, and a control cell. Then it loads hub's / in Chromium
 data in it, so every value found was fetched and rendered by the script. A key whose name is
 HTML checks that names are shown as text. It saves a screenshot (argv[1]) as an artefact.
 
+Then it stops "shelf" (SIGSTOP: its records stay listed until its lease lapses) and checks that
+/v1/fleet still answers within a bound of its budget (limits.budget_ms: a call honouring its
+timeout, generously bounded, not a performance figure), lists shelf unreachable, skips it on the
+next snapshot, and that /healthz and /metrics answer while a snapshot is in flight.
+
 Usage: run.py SCREENSHOT.png   (env: FERRY_CLI, FERRY_LIB, FERRY_SOURCE_DIR)
 """
 import html.parser
@@ -22,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -178,6 +184,71 @@ def wait_fleet(base, deadline):
     fail("the fleet never showed every job: %s" % json.dumps(last)[:2000])
 
 
+def get(url, timeout=60):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status, r.read()
+
+
+def timed_fleet(base):
+    """/v1/fleet and how long it took (seconds)."""
+    t0 = time.monotonic()
+    _, body = get(base + "/v1/fleet")
+    return json.loads(body), time.monotonic() - t0
+
+
+def shelf_of(fleet):
+    nodes = [n for n in fleet["nodes"] if n["name"] == "shelf"]
+    if not nodes:
+        fail("shelf is not listed: %s" % json.dumps(fleet)[:2000])
+    return nodes[0]
+
+
+def check_stopped_node(base, shelf):
+    """shelf is stopped: a snapshot in flight waits on it for at most the budget."""
+    fleet, _ = timed_fleet(base)
+    budget, cache = fleet["limits"]["budget_ms"] / 1000, fleet["limits"]["cache_ms"] / 1000
+    bound = 3 * budget + 2  # a generous bound on the budget being honoured
+    shelf.send_signal(signal.SIGSTOP)
+    time.sleep(cache + 0.1)  # past the cached snapshot: the next one asks shelf
+    out = {}
+
+    def fetch():
+        out["fleet"], out["took"] = timed_fleet(base)
+    t = threading.Thread(target=fetch)
+    t.start()
+    during = 0
+    while t.is_alive():
+        for path in ("/healthz", "/metrics"):
+            status, _ = get(base + path, timeout=bound)
+            if status != 200:
+                fail("%s answered %d while a snapshot was in flight" % (path, status))
+        during += t.is_alive()
+        time.sleep(0.05)
+    t.join()
+    if not during:
+        fail("no /healthz answered while the snapshot was in flight (it took %.1f s)" % out["took"])
+    if out["took"] > bound:
+        fail("/v1/fleet took %.1f s with a stopped node: over %.1f s (budget %.1f s)" %
+             (out["took"], bound, budget))
+    node = shelf_of(out["fleet"])
+    if node["reached"] or not node.get("error") or not node.get("unreachable_since"):
+        fail("the stopped shelf is not marked unreachable: %r" % node)
+    others = [n for n in out["fleet"]["nodes"] if n["name"] != "shelf" and not n["reached"]]
+    if others:
+        fail("nodes other than the stopped one were not reached: %r" % others)
+    time.sleep(cache + 0.1)
+    again, took = timed_fleet(base)
+    node2 = shelf_of(again)
+    if (node2["reached"] or not node2.get("skipped") or
+            node2.get("unreachable_since") != node["unreachable_since"]):
+        fail("the next snapshot did not skip shelf, unreachable since %r: %r" %
+             (node["unreachable_since"], node2))
+    if took > bound:
+        fail("/v1/fleet took %.1f s skipping the stopped node: over %.1f s" % (took, bound))
+    print("status_page: stopped shelf: %.2f s (budget %.1f s), %d health checks meanwhile, then "
+          "%.2f s skipping it: %s" % (out["took"], budget, during, took, node["error"]))
+
+
 def chromium(args, profile, timeout=120):
     cmd = [shutil.which("chromium"), "--headless", "--no-sandbox", "--disable-gpu",
            "--disable-dev-shm-usage", "--no-first-run", "--user-data-dir=" + profile] + args
@@ -228,8 +299,13 @@ def main():
         with open(shot, "rb") as f:
             if r.returncode != 0 or f.read(8) != b"\x89PNG\r\n\x1a\n":
                 fail("no screenshot (chromium exit %d): %s" % (r.returncode, r.stderr[-2000:]))
-        print("status_page: ok: the page rendered the fleet; screenshot %s" % shot)
+        check_stopped_node(base, shelf)
+        print("status_page: ok: the page rendered the fleet; screenshot %s; a stopped node was "
+              "marked unreachable within the budget" % shot)
     finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)  # shelf, stopped: it must see its SIGTERM
         for p in reversed(procs):
             if p.stdin:  # the child: it ends when its stdin does
                 p.stdin.close()
