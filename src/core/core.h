@@ -174,11 +174,22 @@ uint64_t fr_random_u64(void);
 #if defined(__SANITIZE_THREAD__)
 void __tsan_acquire(void *addr);
 void __tsan_release(void *addr);
+void AnnotateIgnoreReadsBegin(const char *file, int line);
+void AnnotateIgnoreReadsEnd(const char *file, int line);
 #define FR_HB_RELEASE(obj) __tsan_release(obj)
 #define FR_HB_ACQUIRE(obj) __tsan_acquire(obj)
+/* A one-sided read of a region served to a peer (its bytes sent over a socket) may overlap the
+ * owner rewriting them: by design, as when the peer reads the region over shm from another
+ * process, where TSan cannot look. The reader verifies what it got (a refit bucket's checksum,
+ * a store object's version), so the overlap costs a retry, never a wrong result; the send's
+ * reads of the region are not the race TSan should report. */
+#define FR_ONE_SIDED_READ_BEGIN() AnnotateIgnoreReadsBegin(__FILE__, __LINE__)
+#define FR_ONE_SIDED_READ_END() AnnotateIgnoreReadsEnd(__FILE__, __LINE__)
 #else
 #define FR_HB_RELEASE(obj) ((void)(obj))
 #define FR_HB_ACQUIRE(obj) ((void)(obj))
+#define FR_ONE_SIDED_READ_BEGIN() ((void)0)
+#define FR_ONE_SIDED_READ_END() ((void)0)
 #endif
 
 #endif

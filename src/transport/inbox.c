@@ -72,9 +72,10 @@ ferry_msg *fr_inbox_take(fr_inbox *q) {
 }
 
 bool fr_inbox_await(ferry_ctx *ctx, uint32_t channel, fr_inbox *q, uint64_t deadline_ns) {
-  /* A wait whose deadline has passed still sees what has arrived: as a receive of 0 does
-   * (chanq.c), it drains the shm rings that no thread may have driven since. */
-  if (!inbox_ready(q) && deadline_ns <= fr_now_ns())
+  /* A wait whose deadline has passed still sees everything that has arrived, queued or not: it
+   * drains the shm rings that no thread may have driven since (the directory server's fence
+   * relies on it: a posted put still in a ring would be missed) */
+  if (deadline_ns <= fr_now_ns())
     fr_ctx_poll_links(ctx);
   if (!inbox_ready(q)) {
     bool was = fr_ctx_background_swap(true);

@@ -609,7 +609,9 @@ static int on_read_request(ferry_link *l) {
   }
   fr_frame f = {.type = FR_READ_RESP, .req_id = l->rx_frame.req_id, .len = r.length};
   struct iovec iov = {reg->data + r.offset, r.length};
+  FR_ONE_SIDED_READ_BEGIN(); /* the owner may be rewriting them (core.h) */
   rc = fr_link_send_frame(l, &f, &iov, 1, -1, fr_deadline_ns(l->ctx->timeout_ms));
+  FR_ONE_SIDED_READ_END();
   fr_region_release(reg);
   return rc;
 }
@@ -645,7 +647,9 @@ static int on_readv_request(ferry_link *l, const uint8_t *body, size_t len) {
   for (uint32_t i = 0; i < h.count; i++)
     iov[i] = (struct iovec){reg->data + runs[i].offset, runs[i].length};
   f.len = h.total;
+  FR_ONE_SIDED_READ_BEGIN(); /* the owner may be rewriting them (core.h) */
   rc = fr_link_send_frame(l, &f, iov, (int)h.count, -1, fr_deadline_ns(l->ctx->timeout_ms));
+  FR_ONE_SIDED_READ_END();
   fr_region_release(reg);
   free(runs);
   return rc;

@@ -133,8 +133,10 @@ void *fr_ctx_server_main(void *arg) {
       struct iovec iov[FR_READV_MAX_RUNS] = {{j->region->data + j->off, j->len}};
       for (uint32_t i = 0; i < j->nruns; i++)
         iov[i] = (struct iovec){j->region->data + j->runs[i].offset, j->runs[i].length};
+      FR_ONE_SIDED_READ_BEGIN(); /* the owner may be rewriting them (core.h) */
       fr_link_send_frame(j->link, &f, iov, j->runs ? (int)j->nruns : 1, -1,
                          fr_deadline_ns(ctx->timeout_ms));
+      FR_ONE_SIDED_READ_END();
     }
     free(j->runs);
     fr_region_release(j->region);
