@@ -36,8 +36,11 @@ void netns_host(const char *tag, int i, char *buf, size_t cap) {
 }
 
 void netns_down(const char *tag, int n) {
-  for (int i = 1; i <= n; i++)
+  for (int i = 1; i <= n; i++) {
     step(NULL, 0, "ip netns del ferry-%s-%d", tag, i);
+    /* a run killed between creating a veth and moving it leaves it here (both ends go) */
+    step(NULL, 0, "ip link del f%s%d", tag, i);
+  }
   step(NULL, 0, "ip netns del ferry-%s-sw", tag);
 }
 
