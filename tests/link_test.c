@@ -465,14 +465,15 @@ static void *ask_stats(void *arg) {
  * than before. */
 static void test_stats_ahead_of_reads(void **s) {
   (void)s;
+  tu_pipe pp;
+  tu_pipe_open(&pp);
+  pid_t pid = tu_spawn(bulk_main, &pp); /* before any context: a fork of a process with threads
+                                           cannot start threads under TSan */
   ferry_ctx *owner = open_ctx("owner", "tcp", "");
   void *mem;
   FR_OK(ferry_alloc(owner, BULK_BYTES, &mem));
   ferry_region_ref ref;
   FR_OK(ferry_region_find(owner, mem, BULK_BYTES, &ref, NULL));
-  tu_pipe pp;
-  tu_pipe_open(&pp);
-  pid_t pid = tu_spawn(bulk_main, &pp);
   char addr[512];
   snprintf(addr, sizeof addr, "%s", ferry_ctx_address(owner));
   tu_pipe_put(&pp, addr, sizeof addr);
