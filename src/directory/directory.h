@@ -291,6 +291,9 @@ typedef struct fr_dir_lease {
 static inline bool fr_dir_lease_ok(const fr_dir_lease *l) {
   return __atomic_load_n(&l->ok, __ATOMIC_RELAXED);
 }
+/* A job's /readyz answer from its lease: 0 while fr_dir_lease_ok, else FERRY_ECONNECT with why
+ * (when given) naming the job ("store 'a': its directory lease is not held ..."). */
+int fr_dir_lease_ready(const fr_dir_lease *l, char *why, size_t len);
 
 void fr_dir_lease_init(fr_dir_lease *l, fr_dir *dir, ferry_ctx *ctx, const char *name,
                        const char *who);

@@ -132,6 +132,17 @@ bool fr_dir_lease_current(const fr_dir_lease *l) {
   return l->held && fr_dir_epoch(l->dir) == __atomic_load_n(&l->epoch, __ATOMIC_ACQUIRE);
 }
 
+int fr_dir_lease_ready(const fr_dir_lease *l, char *why, size_t len) {
+  if (fr_dir_lease_ok(l))
+    return 0;
+  if (why && len)
+    snprintf(why, len,
+             "%s: its directory lease is not held (the directory did not answer its last "
+             "renewal, or the node is registering again)",
+             l->who);
+  return FERRY_ECONNECT;
+}
+
 void fr_dir_lease_lost(fr_dir_lease *l) {
   l->held = false;
   __atomic_store_n(&l->want, true, __ATOMIC_RELEASE);

@@ -69,14 +69,7 @@ static void collect(void *arg, fr_stats_out *out) {
 
 static int ready(void *arg, char *why, size_t len) {
   ferry_mq *mq = arg;
-  if (!mq->dir || fr_dir_lease_ok(&mq->lease))
-    return 0;
-  if (why && len)
-    snprintf(why, len,
-             "mq '%s': its directory lease is not held (the directory did not answer its last "
-             "renewal, or the node is registering again)",
-             mq->name);
-  return FERRY_ECONNECT;
+  return mq->dir ? fr_dir_lease_ready(&mq->lease, why, len) : 0;
 }
 
 int fr_mq_stats_start(ferry_mq *mq) {

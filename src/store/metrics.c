@@ -64,15 +64,8 @@ static void collect(void *arg, fr_stats_out *out) {
 
 /* Ready while its lease is held and its directory answered the last renewal. */
 static int ready(void *arg, char *why, size_t len) {
-  ferry_store *s = arg;
-  if (!s->dir || !s->mem || fr_dir_lease_ok(&s->lease))
-    return 0; /* a delegating store holds no name */
-  if (why && len)
-    snprintf(why, len,
-             "store '%s': its directory lease is not held (the directory did not answer its "
-             "last renewal, or the node is registering again)",
-             s->name);
-  return FERRY_ECONNECT;
+  ferry_store *s = arg; /* a delegating store holds no name */
+  return s->dir && s->mem ? fr_dir_lease_ready(&s->lease, why, len) : 0;
 }
 
 int fr_store_stats_start(ferry_store *s) {
