@@ -41,6 +41,18 @@ void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg) {
   fr_ctx_poke(ctx, channel);
 }
 
+void fr_ctx_link_down(ferry_ctx *ctx, ferry_link *l) {
+  for (int i = 0; i < FERRY_MAX_CHANNELS; i++) {
+    fr_channel *c = &ctx->channels[i];
+    if (!__atomic_load_n(&c->ops, __ATOMIC_ACQUIRE))
+      continue;
+    pthread_mutex_lock(&c->lock);
+    if (c->ops && c->ops->on_link_down)
+      c->ops->on_link_down(c->arg, l);
+    pthread_mutex_unlock(&c->lock);
+  }
+}
+
 typedef struct channel_wait {
   ferry_ctx *ctx;
   fr_channel *c;

@@ -20,6 +20,11 @@ typedef struct fr_channel_ops {
    * nor open or close a channel. It updates state or queues the message on the job's own queue
    * (fr_inbox_put); msg (and its reference to link) is the owner's, freed with ferry_msg_free. */
   void (*on_msg)(void *arg, ferry_link *link, ferry_msg *msg);
+  /* Optional: a link of the context died (failed, closed, its peer gone), called once per link
+   * on the thread that retires it, with the channel's lock held and the same rules as on_msg.
+   * For an owner whose waits depend on its peers being alive (a publish waiting for a
+   * subscriber's credit), so that it need not poll their state. */
+  void (*on_link_down)(void *arg, ferry_link *link);
 } fr_channel_ops;
 
 /* Makes ops/arg the channel's owner: from now on its messages go to on_msg, never to
@@ -93,6 +98,15 @@ void fr_ctx_background_thread(void);
  * from code the transport runs while it delivers (a message callback): that drain holds the
  * link, and the wait would be for itself. */
 bool fr_ctx_await(ferry_ctx *ctx, uint32_t channel, int timeout_ms);
+/* Spins for ready(arg) for up to FERRY_SPIN_US, driving every link of the context that is cheap
+ * to poll (shm rings) meanwhile, so that what they bring is delivered (to an owner's on_msg) by
+ * this thread, with no wake-up: what an owned channel's waiter does before fr_ctx_wait when its
+ * messages come over shm. Returns ready(arg); false at once when no link is worth spinning on. */
+bool fr_ctx_spin(ferry_ctx *ctx, bool (*ready)(void *), void *arg);
+/* Drains every link of the context that is cheap to poll (shm rings), waiting for a drain
+ * another thread is doing: what their peers sent before the call has been delivered when it
+ * returns. For a wait whose deadline has passed (an owned channel has no queue to look at). */
+void fr_ctx_poll_links(ferry_ctx *ctx);
 ferry_msg *fr_ctx_take(ferry_ctx *ctx, uint32_t channel);
 /* Whether ferry_ctx_close has begun: a service loop whose wait ended empty stops. */
 bool fr_ctx_closing(const ferry_ctx *ctx);

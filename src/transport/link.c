@@ -1028,6 +1028,7 @@ static void link_retire(ferry_link *l, int status, const char *why) {
       break;
     }
   pthread_mutex_unlock(&ctx->links_lock);
+  fr_ctx_link_down(ctx, l); /* owners waiting on this peer (an mq publish short of its credit) */
 }
 
 /* Drains the link; the progress thread also lets the transport consume what comes beside the

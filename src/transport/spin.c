@@ -29,24 +29,37 @@ static void polling_end(ferry_link **links, size_t n) {
  * (tens of microseconds here). While it spins it drives the links it waits on itself, so a
  * shm round trip needs no wake-up and no system call at all. It yields each round so that on a
  * busy machine the thread it waits for gets the core. */
-static bool spin(ferry_link **links, size_t n, const void *word, size_t width, int spin_us) {
-#define SPIN_READY                                                                                 \
-  (width == 1 ? __atomic_load_n((const bool *)word, __ATOMIC_ACQUIRE)                              \
-              : __atomic_load_n((const int *)word, __ATOMIC_ACQUIRE) != 0)
-  if (SPIN_READY)
+static bool spin_for(ferry_link **links, size_t n, bool (*ready_fn)(void *), void *arg,
+                     int spin_us) {
+  if (ready_fn(arg))
     return true;
   polling_begin(links, n);
   uint64_t end = fr_now_ns() + (uint64_t)spin_us * 1000u;
   bool ready = false;
-  while (!(ready = SPIN_READY) && fr_now_ns() < end) {
+  while (!(ready = ready_fn(arg)) && fr_now_ns() < end) {
     for (size_t i = 0; i < n; i++)
       fr_link_poll(links[i], false);
-    if (!(ready = SPIN_READY))
+    if (!(ready = ready_fn(arg)))
       sched_yield();
   }
   polling_end(links, n);
-  return ready || SPIN_READY;
-#undef SPIN_READY
+  return ready || ready_fn(arg);
+}
+
+typedef struct spin_word {
+  const void *word;
+  size_t width; /* 1: a bool, else an int */
+} spin_word;
+
+static bool word_set(void *arg) {
+  const spin_word *w = arg;
+  return w->width == 1 ? __atomic_load_n((const bool *)w->word, __ATOMIC_ACQUIRE)
+                       : __atomic_load_n((const int *)w->word, __ATOMIC_ACQUIRE) != 0;
+}
+
+static bool spin(ferry_link **links, size_t n, const void *word, size_t width, int spin_us) {
+  spin_word w = {word, width};
+  return spin_for(links, n, word_set, &w, spin_us);
 }
 
 bool fr_spin_until(ferry_link *link, const bool *flag, int spin_us) {
@@ -87,6 +100,15 @@ void fr_ctx_spin_channel(ferry_ctx *ctx, fr_channel *c) {
     spin(links, n, &c->count, sizeof c->count, ctx->spin_us);
   for (size_t i = 0; i < n; i++)
     fr_link_unref(links[i]);
+}
+
+bool fr_ctx_spin(ferry_ctx *ctx, bool (*ready)(void *), void *arg) {
+  ferry_link *links[16];
+  size_t n = cheap_links(ctx, links, 16);
+  bool got = n > 0 ? spin_for(links, n, ready, arg, ctx->spin_us) : ready(arg);
+  for (size_t i = 0; i < n; i++)
+    fr_link_unref(links[i]);
+  return got;
 }
 
 /* Drains every link of the context that is cheap to poll (shm rings), waiting for one that
