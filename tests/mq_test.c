@@ -3,9 +3,10 @@
  * ordering and content, no loss behind a slow subscriber (back-pressure instead), a publish to
  * a full queue that times out naming the subscriber, a subscriber killed with SIGKILL (dropped,
  * reported, the others go on), subscribers joining and leaving while a publisher publishes,
- * malformed frames, callbacks, zero-copy loans, and the wire decoder. The parent hosts the
- * directory; helpers are this binary exec'd again (safe from a threaded parent, and under TSan). No
- * timings are asserted: waits are bounded by generous timeouts only.
+ * malformed frames, callbacks, zero-copy loans, an idle mq that sleeps, and the wire decoder.
+ * The parent hosts the directory; helpers are this binary exec'd again (safe from a threaded
+ * parent, and under TSan). No timings are asserted: waits are bounded by generous timeouts only
+ * (the idle case counts wake-ups).
  */
 // ferry-test: threaded
 #include "testutil.h"
@@ -730,6 +731,58 @@ static void loans(void) {
   ferry_ctx_close(ca);
 }
 
+/* Context switches of every thread of this process so far (voluntary and not): each is a
+ * wake-up or a preemption of one of its threads. -1 when /proc cannot tell. */
+static long context_switches(void) {
+  char cmd[256];
+  snprintf(
+      cmd, sizeof cmd,
+      "cat /proc/%d/task/*/status 2>/dev/null | awk '/ctxt_switches/ {n += $2} END {print n + 0}'",
+      (int)getpid());
+  FILE *p = popen(cmd, "r");
+  long n = -1;
+  if (!p || fscanf(p, "%ld", &n) != 1)
+    n = -1;
+  if (p)
+    pclose(p);
+  return n;
+}
+
+/* An idle mq sleeps: a publisher and a subscriber of one topic (this process, two contexts),
+ * past their first message, with nothing to send, wake only for their timers (the lease) and
+ * the context's own. At most 20 wake-ups a second on average over 3 s, for the whole process
+ * (the pump's 20 ms checks and the background thread's turns made it 45-55). A count, not a
+ * timing: a slow machine only makes it wake less. */
+static void idle_sleeps(void) {
+  ferry_ctx *ca = ctx_open("mq-idle-pub", suite_transports);
+  ferry_ctx *cb = ctx_open("mq-idle-sub", suite_transports);
+  ferry_mq *a = mq_open(ca, NULL, 0);
+  char dir[128];
+  dir_url(ca, dir, sizeof dir);
+  ferry_mq *b = mq_open(cb, dir, 0);
+  FR_OK(ferry_mq_subscribe(b, "idle", 5000));
+  FR_OK(ferry_mq_wait_subscribers(a, "idle", 1, 5000));
+  uint8_t buf[64] = {1};
+  FR_OK(ferry_mq_publish(a, "idle", buf, sizeof buf, 5000));
+  ferry_mq_msg *m;
+  FR_OK(ferry_mq_recv(b, &m, 5000));
+  ferry_mq_msg_free(m);
+  usleep(1000000); /* what the exchange left to settle (credit, the stream's end) */
+  long before = context_switches();
+  usleep(3000000);
+  long after = context_switches();
+  assert_true(before >= 0 && after >= before);
+  fprintf(stderr, "idle mq (%s): %ld context switches in 3 s\n", suite_transports, after - before);
+  assert_true(after - before <= 60);
+  FR_OK(ferry_mq_publish(a, "idle", buf, sizeof buf, 5000)); /* and it still works */
+  FR_OK(ferry_mq_recv(b, &m, 5000));
+  ferry_mq_msg_free(m);
+  ferry_mq_close(b);
+  ferry_mq_close(a);
+  ferry_ctx_close(cb);
+  ferry_ctx_close(ca);
+}
+
 /* ---- the wire decoder ---- */
 
 static void test_wire(void **st) {
@@ -807,13 +860,15 @@ static void set_transport(const char *t) {
   static void test_in_process_##tr(void **st) { set_transport(#tr), in_process(); }                \
   static void test_loans_##tr(void **st) { set_transport(#tr), loans(); }                          \
   static void test_stream_tail_##tr(void **st) { set_transport(#tr), stream_tail(); }              \
-  static void test_stream_join_##tr(void **st) { set_transport(#tr), stream_join(); }
+  static void test_stream_join_##tr(void **st) { set_transport(#tr), stream_join(); }              \
+  static void test_idle_##tr(void **st) { set_transport(#tr), idle_sleeps(); }
 #define TESTS(tr)                                                                                  \
   cmocka_unit_test(test_ordering_##tr), cmocka_unit_test(test_no_loss_##tr),                       \
       cmocka_unit_test(test_slow_##tr), cmocka_unit_test(test_killed_##tr),                        \
       cmocka_unit_test(test_join_leave_##tr), cmocka_unit_test(test_malformed_##tr),               \
       cmocka_unit_test(test_in_process_##tr), cmocka_unit_test(test_loans_##tr),                   \
-      cmocka_unit_test(test_stream_tail_##tr), cmocka_unit_test(test_stream_join_##tr)
+      cmocka_unit_test(test_stream_tail_##tr), cmocka_unit_test(test_stream_join_##tr),            \
+      cmocka_unit_test(test_idle_##tr)
 
 CASES(shm)
 CASES(tcp)
