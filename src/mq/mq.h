@@ -21,6 +21,7 @@
 #ifndef FR_MQ_H
 #define FR_MQ_H
 
+#include "core/channels.h"
 #include "core/core.h"
 #include "core/pool.h"
 #include "core/region.h"
@@ -261,10 +262,13 @@ struct ferry_mq {
  * its shm rings has what it waits for delivered by its own thread. A wait whose deadline has
  * passed drains the shm rings once first. 0, FERRY_ETIMEDOUT or FERRY_ECLOSED (no detail set). */
 int fr_mq_wait(ferry_mq *mq, bool (*ready)(ferry_mq *, void *), void *arg, uint64_t deadline_ns);
-/* Something a waiter may wait for changed (lock held): wakes fr_mq_wait's sleepers. */
+/* Something a waiter may wait for changed (lock held): wakes fr_mq_wait's sleepers, and the
+ * waiter that leads the context's epoll, when another thread changed it (the mq's thread added
+ * a subscriber, the application freed a loan or closes: no message wakes that leader). */
 static inline void fr_mq_changed(ferry_mq *mq) {
   __atomic_store_n(&mq->events, mq->events + 1, __ATOMIC_SEQ_CST);
   pthread_cond_broadcast(&mq->cond);
+  fr_ctx_poke(mq->ctx, FR_CHANNEL_MQ);
 }
 /* Gives the thread something to look at (lock held): a timer moved, a callback to run, credit
  * to send. */

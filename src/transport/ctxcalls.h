@@ -107,6 +107,12 @@ bool fr_ctx_spin(ferry_ctx *ctx, bool (*ready)(void *), void *arg);
  * another thread is doing: what their peers sent before the call has been delivered when it
  * returns. For a wait whose deadline has passed (an owned channel has no queue to look at). */
 void fr_ctx_poll_links(ferry_ctx *ctx);
+/* Something a caller may wait on changed outside the ctx's leader (a spinning waiter drove a
+ * link; a channel's owner changed its state on another thread): a message on `what` (a channel)
+ * or a response (FR_CTX_WAIT_REPLY). Wakes a caller that leads the epoll waiting for that, so it
+ * sees it; a leader waiting for something else (the embedded directory's thread, for its
+ * requests) sleeps on. Takes no lock: one atomic load when nobody leads for `what`. */
+void fr_ctx_poke(ferry_ctx *ctx, int what);
 ferry_msg *fr_ctx_take(ferry_ctx *ctx, uint32_t channel);
 /* Whether ferry_ctx_close has begun: a service loop whose wait ended empty stops. */
 bool fr_ctx_closing(const ferry_ctx *ctx);

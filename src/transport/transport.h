@@ -363,13 +363,9 @@ void fr_ctx_serve_later_v(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_reg
  * the flag became true. */
 bool fr_spin_until(ferry_link *link, const bool *flag, int spin_us);
 /* fr_ctx_wait, FR_CTX_WAIT_REPLY: ctxcalls.h */
-/* Something a caller may wait on changed outside the ctx's leader (a spinning waiter drove a
- * link): a message on `what` (a channel) or a response (FR_CTX_WAIT_REPLY). Wakes a caller that
- * leads the epoll waiting for that, so it sees it; a leader waiting for something else (the
- * embedded directory's thread, for its requests) sleeps on. */
-void fr_ctx_poke(ferry_ctx *ctx, int what);
 /* fr_ctx_kick, fr_ctx_background_thread, fr_ctx_await, fr_ctx_take, fr_ctx_closing,
- * fr_ctx_poll_links, fr_ctx_spin, fr_ctx_work_polling, fr_ctx_channel_open, fr_inbox: ctxcalls.h */
+ * fr_ctx_poll_links, fr_ctx_poke, fr_ctx_spin, fr_ctx_work_polling, fr_ctx_channel_open, fr_inbox:
+ * ctxcalls.h */
 
 /* tcp.c: what every listener on an address shares (the tcp transport's, and the metrics one's) */
 /* Splits "HOST:PORT" or "[V6]:PORT" (HOST may be empty); FERRY_EINVAL when it is not one. */
