@@ -104,8 +104,9 @@ static int settle(ferry_mq *mq, fr_mq_frames *fr, fr_mq_target *v, size_t n, con
       v[i].rc = p->batch_rc;
       p->batch_rc = 0;
     }
-    if (shm && (v[i].rc != 0 || fr_mq_peer_hold(p, fr->token) != 0))
+    if (shm && !v[i].held) /* not sent, or not recorded: its reference goes now */
       fr_mq_pool_release(mq, fr->token);
+    /* else a failed send drops the peer below (or a BYE did), which releases what it held */
     if (v[i].rc != 0 && !p->dead) {
       used +=
           (size_t)snprintf(dead + used, sizeof dead - used, "%s'%s'", ndead ? ", " : "", p->name);
@@ -169,6 +170,10 @@ static int prepare(ferry_mq *mq, const char *topic, uint64_t len, int ms, uint64
     for (size_t i = 0; i < u->n; i++)
       nshm += u->v[i].shm;
     u->fr.token = fr_mq_take_block(mq, len, nshm, loan, u->deadline, &u->off, &u->fresh);
+    for (size_t i = 0; i < u->n; i++) { /* before the sends: see fr_mq_target.held */
+      fr_mq_target *v = &u->v[i];
+      v->held = v->shm && u->fr.token && !v->p->dead && fr_mq_peer_hold(v->p, u->fr.token) == 0;
+    }
     fr_mq_fast_remember(mq, t, u, loan);
   }
   pthread_mutex_unlock(&mq->lock);
