@@ -475,6 +475,11 @@ static void in_process(void) {
   char dir[128];
   dir_url(ca, dir, sizeof dir);
   ferry_mq *b = mq_open(cb, dir, 0);
+  ferry_mq_opts twice = {.size = sizeof twice, .directory = dir};
+  ferry_mq *dup = NULL; /* the mq owns its ctx's channel: one per ctx */
+  assert_int_equal(ferry_mq_open(cb, &twice, &dup), FERRY_EBUSY);
+  assert_null(dup);
+  assert_non_null(strstr(ferry_last_error(), "has an mq already"));
   assert_int_equal(ferry_mq_subscribe(b, "", 1000), FERRY_EINVAL);
   assert_int_equal(ferry_mq_unsubscribe(b, "never", 1000), FERRY_ENOTFOUND);
   assert_int_equal(ferry_mq_wait_subscribers(a, "tensors", 1, 50), FERRY_ETIMEDOUT);
