@@ -736,6 +736,43 @@ static void loans(void) {
   ferry_ctx_close(ca);
 }
 
+static void *kill_soon(void *arg) {
+  usleep(200000); /* most likely once the publish waits; before is fine too */
+  kill(*(pid_t *)arg, SIGKILL);
+  return NULL;
+}
+
+/* A publish waiting for credit from a subscriber that dies meanwhile goes on and reports the
+ * subscriber gone (FERRY_EPEER, dropped). The link's death wakes it (no periodic check): were
+ * it not woken, it would wait out its 60 s deadline first (not asserted: a timing; this case
+ * then takes a minute instead of a second). */
+static void dead_while_waiting(void) {
+  ferry_ctx *c = ctx_open("mq-parent", suite_transports);
+  ferry_mq *mq = mq_open(c, NULL, 0);
+  char dir[128];
+  dir_url(c, dir, sizeof dir);
+  child sub;
+  spawn(&sub, "--sub", dir, "mq-stuck", "stuck", 0, "slow");
+  uint8_t b, buf[4096] = {0};
+  assert_int_equal(tu_pipe_get(&sub.from, &b, 1, 30000), 0);
+  FR_OK(ferry_mq_wait_subscribers(mq, "stuck", 1, 20000));
+  int rc = 0;
+  for (int k = 0; rc == 0 && k < 1000; k++) /* 64 KiB of credit: full long before 1000 */
+    rc = ferry_mq_publish(mq, "stuck", buf, sizeof buf, 200);
+  assert_int_equal(rc, FERRY_ETIMEDOUT);
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, kill_soon, &sub.pid), 0);
+  rc = ferry_mq_publish(mq, "stuck", buf, sizeof buf, 60000);
+  assert_int_equal(rc, FERRY_EPEER);
+  assert_non_null(strstr(ferry_last_error(), "mq-stuck"));
+  pthread_join(t, NULL);
+  assert_int_equal(tu_wait(sub.pid), 128 + SIGKILL);
+  child_done(&sub);
+  assert_int_equal(ferry_mq_subscribers(mq, "stuck"), 0);
+  ferry_mq_close(mq);
+  ferry_ctx_close(c);
+}
+
 /* Context switches of every thread of this process so far (voluntary and not): each is a
  * wake-up or a preemption of one of its threads. -1 when /proc cannot tell. */
 static long context_switches(void) {
@@ -866,14 +903,15 @@ static void set_transport(const char *t) {
   static void test_loans_##tr(void **st) { set_transport(#tr), loans(); }                          \
   static void test_stream_tail_##tr(void **st) { set_transport(#tr), stream_tail(); }              \
   static void test_stream_join_##tr(void **st) { set_transport(#tr), stream_join(); }              \
-  static void test_idle_##tr(void **st) { set_transport(#tr), idle_sleeps(); }
+  static void test_idle_##tr(void **st) { set_transport(#tr), idle_sleeps(); }                     \
+  static void test_dead_waiting_##tr(void **st) { set_transport(#tr), dead_while_waiting(); }
 #define TESTS(tr)                                                                                  \
   cmocka_unit_test(test_ordering_##tr), cmocka_unit_test(test_no_loss_##tr),                       \
       cmocka_unit_test(test_slow_##tr), cmocka_unit_test(test_killed_##tr),                        \
       cmocka_unit_test(test_join_leave_##tr), cmocka_unit_test(test_malformed_##tr),               \
       cmocka_unit_test(test_in_process_##tr), cmocka_unit_test(test_loans_##tr),                   \
       cmocka_unit_test(test_stream_tail_##tr), cmocka_unit_test(test_stream_join_##tr),            \
-      cmocka_unit_test(test_idle_##tr)
+      cmocka_unit_test(test_idle_##tr), cmocka_unit_test(test_dead_waiting_##tr)
 
 CASES(shm)
 CASES(tcp)
