@@ -201,7 +201,6 @@ static void background_step(ferry_mq *mq, uint64_t now) {
 static void *background(void *arg) {
   pthread_setname_np(pthread_self(), "ferry-mq"); /* for top -H, perf, gdb */
   ferry_mq *mq = arg;
-  fr_ctx_background_thread(); /* an application thread waiting for its message leads instead */
   pthread_mutex_lock(&mq->lock);
   while (!mq->closing) {
     uint64_t now = fr_now_ns();
