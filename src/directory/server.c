@@ -721,7 +721,6 @@ static int idle_wait_ms(fr_dir_server *s) {
 static void *server_main(void *arg) {
   pthread_setname_np(pthread_self(), "ferry-directory"); /* for top -H, perf, gdb */
   fr_dir_server *s = arg;
-  fr_ctx_background_thread(); /* an application thread waiting for its message leads instead */
   while (!__atomic_load_n(&s->stop, __ATOMIC_SEQ_CST)) {
     pthread_mutex_lock(&s->serve_lock);
     bool idle = s->nbacklog == 0;

@@ -109,7 +109,7 @@ uint64_t fr_mq_oldest_batch(const ferry_mq *mq, uint64_t now) {
 }
 
 /* After the sends: tells the mq's thread when the pending batches are due. A batch sent
- * because it was full moves the time on, so a stream's batches go out full and the background
+ * because it was full moves the time on, so a stream's batches go out full and the mq
  * thread sends none. True when the mq's thread must be woken (lock held by the caller
  * then). */
 bool fr_mq_batch_due_moved(ferry_mq *mq, uint64_t now) {

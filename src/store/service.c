@@ -214,7 +214,6 @@ static int service_wait_ms(ferry_store *s) {
 
 static void *service_main(void *arg) {
   pthread_setname_np(pthread_self(), "ferry-store"); /* for top -H, perf, gdb */
-  fr_ctx_background_thread(); /* a service loop: callers waiting for their messages lead */
   ferry_store *s = arg;
   while (!__atomic_load_n(&s->stop, __ATOMIC_SEQ_CST)) {
     ferry_msg *m =

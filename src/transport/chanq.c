@@ -71,10 +71,8 @@ bool fr_ctx_await(ferry_ctx *ctx, uint32_t channel, int timeout_ms) {
    * those links here, as a spinner would; links the epoll drives (tcp) are left to the leader. */
   if (timeout_ms == 0 && __atomic_load_n(&c->count, __ATOMIC_ACQUIRE) == 0)
     fr_ctx_poll_links(ctx);
-  if (timeout_ms > 0 && !fr_ctx_in_background() &&
-      !__atomic_load_n(&c->last_costly, __ATOMIC_RELAXED))
-    fr_ctx_spin_channel(ctx,
-                        c); /* its messages came over shm lately (a service loop never spins) */
+  if (timeout_ms > 0 && !__atomic_load_n(&c->last_costly, __ATOMIC_RELAXED))
+    fr_ctx_spin_channel(ctx, c); /* its messages came over shm lately */
   channel_wait w = {ctx, c};
   fr_ctx_wait(ctx, (int)channel, channel_ready, &w, &c->lock, &c->cond, fr_deadline_ns(timeout_ms));
   if (__atomic_load_n(&c->kicked, __ATOMIC_ACQUIRE)) /* seen; no store when there was none */

@@ -22,11 +22,11 @@ void fr_ctx_on_wake(fr_poller *p, uint32_t events); /* the ctx's wake-up eventfd
 void fr_ctx_wake_progress(ferry_ctx *ctx);
 /* Makes the progress thread lead now (callers sleep on a leader that left, or the ctx closes). */
 void fr_ctx_hand_to_progress(ferry_ctx *ctx);
-/* Whether the calling thread is a background one (fr_ctx_background_thread). */
-bool fr_ctx_in_background(void);
-/* Makes the calling thread a background one or not (a service loop's wait, inbox.c); returns
- * what it was. */
-bool fr_ctx_background_swap(bool on);
+/* fr_ctx_wait for a service loop's requests (inbox.c): an idle wait, which leads the epoll only
+ * as the progress thread does, steps down when a caller wants it, never polls without sleeping
+ * and sleeps without a slice (see leader.c's top). */
+bool fr_ctx_wait_idle(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg,
+                      pthread_mutex_t *mutex, pthread_cond_t *cond, uint64_t deadline_ns);
 
 /* spin.c: spins on a channel until it has a message or ctx->spin_us pass (see fr_ctx_await). */
 void fr_ctx_spin_channel(ferry_ctx *ctx, fr_channel *c);

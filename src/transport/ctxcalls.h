@@ -2,7 +2,7 @@
  * The few context calls jobs make beyond ferry.h, without seeing the transport's structs
  * (transport.h): a job owns a channel (its messages go to its callback, not to ferry_recv's
  * queue), keeps what it must handle on a thread of its own in an inbox, and waits through the
- * one context wait; a service loop marks its thread, and is woken out of a long wait.
+ * one context wait; a service loop is woken out of a long wait.
  */
 #ifndef FR_CTXCALLS_H
 #define FR_CTXCALLS_H
@@ -64,9 +64,9 @@ void fr_inbox_put(fr_inbox *q, ferry_msg *msg);
 /* Channel ops whose on_msg puts every message in the inbox given as arg. */
 extern const fr_channel_ops fr_inbox_ops;
 /* The next message, waiting for one until the deadline (UINT64_MAX: none) as a service loop
- * does: for the wait the thread counts as a background one (fr_ctx_background_thread), so it
- * never spins and leaves the epoll to callers that want it; `channel` is the one whose messages
- * fill q. NULL when the deadline passed or the inbox was kicked. */
+ * does: an idle wait, which never spins and leaves the epoll to callers that want it (the same
+ * thread's other waits, for the answers a request needs, are a caller's); `channel` is the one
+ * whose messages fill q. NULL when the deadline passed or the inbox was kicked. */
 ferry_msg *fr_inbox_wait(ferry_ctx *ctx, uint32_t channel, fr_inbox *q, uint64_t deadline_ns);
 /* fr_inbox_wait in two steps, for a thread that must take under a lock of its own (the
  * directory server: a caller's fence must find every message either in the inbox or served):
@@ -82,10 +82,6 @@ void fr_inbox_kick(ferry_ctx *ctx, uint32_t channel, fr_inbox *q);
  * would: a service loop that waits for long is told to stop, or to look at its timers, without
  * polling. */
 void fr_ctx_kick(ferry_ctx *ctx, uint32_t channel);
-/* Marks the calling thread as a background one (a service loop such as the embedded
- * directory's): it leads the ctx's epoll only while no other caller has led for a while, and
- * steps down when one wants to, as the progress thread does. */
-void fr_ctx_background_thread(void);
 
 /* ---- what else jobs need of a context (link calls: linkcalls.h): waiting and taking in two
  * steps, seeing the ctx close, a long copy that lets shm peers answer without a doorbell, and

@@ -1,8 +1,8 @@
 /*
  * A job's queue of messages: what the owner of a channel (fr_ctx_channel_open) hands from its
  * on_msg, which must not block, to its own service thread, which may (it answers calls, reads
- * buckets). The thread waits through the context's one wait (fr_ctx_wait) as a background
- * thread, so an idle service sleeps until a message or a kick comes, and a caller that wants the
+ * buckets). The thread waits through the context's one wait as an idle wait (fr_ctx_wait_idle),
+ * so an idle service sleeps until a message or a kick comes, and a caller that wants the
  * epoll gets it. Each message is queued once, here; the context keeps no queue of its own for
  * an owned channel.
  */
@@ -77,11 +77,8 @@ bool fr_inbox_await(ferry_ctx *ctx, uint32_t channel, fr_inbox *q, uint64_t dead
    * relies on it: a posted put still in a ring would be missed) */
   if (deadline_ns <= fr_now_ns())
     fr_ctx_poll_links(ctx);
-  if (!inbox_ready(q)) {
-    bool was = fr_ctx_background_swap(true);
-    fr_ctx_wait(ctx, (int)channel, inbox_ready, q, &q->lock, &q->cond, deadline_ns);
-    fr_ctx_background_swap(was);
-  }
+  if (!inbox_ready(q))
+    fr_ctx_wait_idle(ctx, (int)channel, inbox_ready, q, &q->lock, &q->cond, deadline_ns);
   if (__atomic_load_n(&q->kicked, __ATOMIC_SEQ_CST)) /* seen; no store when there was none */
     __atomic_store_n(&q->kicked, false, __ATOMIC_SEQ_CST);
   return __atomic_load_n(&q->count, __ATOMIC_SEQ_CST) != 0;

@@ -10,16 +10,21 @@
  * leads and none has for its grace (FERRY_PROGRESS_GRACE_US), or at once when a leaving caller
  * leaves others asleep behind it. A leader polls without sleeping while events keep coming (a large
  * tcp message arrives in many socket-buffer pieces), and sleeps in the epoll after FERRY_SPIN_US
- * without one, or as soon as its yield lets another thread run on its core. Background threads
- * (service loops that wait for requests all the time, such as the embedded directory's) lead only
- * as the progress thread does, and never poll without sleeping: on a small machine that takes the
- * core an application thread needs (a publisher's directory thread polling after each of its
- * subscriber's releases halved the subscriber's share of its core, in 5 us turns). A caller that
- * finds the epoll led by one of them (or by the progress thread) asks it to step down and takes
- * over, so that the message it waits for wakes it rather than being handed over by another thread.
- * While a background thread leads, the progress thread sleeps without a deadline until that one
- * leaves (it nudges the progress thread then), and a background thread that finds another
+ * without one, or as soon as its yield lets another thread run on its core.
+ *
+ * Two kinds of wait, told apart by the call, not by the thread: a caller's (fr_ctx_wait: an
+ * answer, a message it asked for) and an idle one (fr_ctx_wait_idle: a service loop waiting for
+ * requests all the time, such as the embedded directory's, through its inbox). An idle wait
+ * leads only as the progress thread does, and never polls without sleeping: on a small machine
+ * that takes the core an application thread needs (a publisher's directory thread polling after
+ * each of its subscriber's releases halved the subscriber's share of its core, in 5 us turns).
+ * A caller that finds the epoll led by an idle wait (or by the progress thread) asks it to step
+ * down and takes over, so that the message it waits for wakes it rather than being handed over
+ * by another thread. While an idle wait leads, the progress thread sleeps without a deadline
+ * until it leaves (it nudges the progress thread then), and an idle wait that finds another
  * leading sleeps until its message comes: a node whose threads all wait for requests sleeps.
+ * The same service thread, once it serves a request, waits for the answers it needs as a
+ * caller does.
  */
 #include "transport/ctx_impl.h"
 
@@ -37,14 +42,10 @@ void fr_ctx_on_wake(fr_poller *p, uint32_t events) {
     fr_warn("wake eventfd: %s", strerror(errno));
 }
 
-/* Set in the service loops' threads (fr_ctx_background_thread): they wait for requests all the
- * time, and neither spin nor lead before callers (see the top). */
-static _Thread_local bool background_thread;
-
 #define FR_MAX_EVENTS 64
 /* The timing of leadership, settings read when the ctx opens (config.c, struct ferry_ctx):
- * - follow_ns (FERRY_LEAD_FOLLOW_US): a caller's wait for the lead it asked a background leader
- *   for; background threads' grace while callers lead.
+ * - follow_ns (FERRY_LEAD_FOLLOW_US): a caller's wait for the lead it asked an idle leader
+ *   for; idle waits' grace while callers lead.
  * - grace_ns (FERRY_PROGRESS_GRACE_US): the progress thread's grace while callers lead:
  *   it checks this often whether they still do. Each check is a wake-up on a core that an
  *   application thread may need: at 1 ms they were a good part of a 1 MiB stream's stalls when
@@ -102,18 +103,18 @@ void fr_ctx_poke(ferry_ctx *ctx, int what) {
  * not fair, and the woken claimant needs a core first), it would spin lock/unlock for the
  * claimant's whole follow_ns while the claimant sleeps, then make it wait as a sleeper too (seen
  * as 1-4 ms stalls of 1 MiB shm ping-pongs on a machine with no core to spare). */
-static bool caller_leads(ferry_ctx *ctx) { /* or is taking the lead over (take_from_background) */
+static bool caller_leads(ferry_ctx *ctx) { /* or is taking the lead over (take_from_idle) */
   return __atomic_load_n(&ctx->user_leading, __ATOMIC_SEQ_CST) ||
          __atomic_load_n(&ctx->lead_claimed, __ATOMIC_SEQ_CST);
 }
 
-/* A background thread leads (a service loop waiting for requests, for as long as it likes): the
+/* An idle wait leads (a service loop waiting for requests, for as long as it likes): the
  * progress thread need not check on it, since it nudges the progress thread as it leaves
  * (nudge_progress). Checking every grace_ns made an idle node wake hundreds of times a
  * second. */
-static bool background_leads(ferry_ctx *ctx) {
+static bool idle_wait_leads(ferry_ctx *ctx) {
   return __atomic_load_n(&ctx->user_leading, __ATOMIC_SEQ_CST) &&
-         __atomic_load_n(&ctx->lead_background, __ATOMIC_SEQ_CST) &&
+         __atomic_load_n(&ctx->lead_idle, __ATOMIC_SEQ_CST) &&
          !__atomic_load_n(&ctx->lead_claimed, __ATOMIC_SEQ_CST);
 }
 
@@ -122,7 +123,7 @@ static void follow(ferry_ctx *ctx) {
   while (!fr_ctx_stopping(ctx) && !ctx->lead_wanted) {
     uint64_t now = fr_now_ns();
     uint64_t until = __atomic_load_n(&ctx->user_led_ns, __ATOMIC_SEQ_CST) + ctx->grace_ns;
-    if (background_leads(ctx) && until <= now) {
+    if (idle_wait_leads(ctx) && until <= now) {
       pthread_cond_wait(&ctx->idle_cond, &ctx->idle_lock);
       continue;
     }
@@ -144,7 +145,7 @@ void *fr_ctx_progress_main(void *arg) {
     if (ctx->users_may_lead)
       follow(ctx);
     pthread_mutex_lock(&ctx->lead);
-    __atomic_store_n(&ctx->lead_background, true, __ATOMIC_RELEASE);
+    __atomic_store_n(&ctx->lead_idle, true, __ATOMIC_RELEASE);
     if (!fr_ctx_stopping(ctx) && !__atomic_load_n(&ctx->lead_claimed, __ATOMIC_ACQUIRE))
       run_batch(ctx, 1000);
     pthread_mutex_unlock(&ctx->lead);
@@ -152,7 +153,7 @@ void *fr_ctx_progress_main(void *arg) {
   return NULL;
 }
 
-/* Makes the progress thread look again whether callers lead (see background_leads). */
+/* Makes the progress thread look again whether callers lead (see idle_wait_leads). */
 static void nudge_progress(ferry_ctx *ctx) {
   pthread_mutex_lock(&ctx->idle_lock);
   pthread_cond_signal(&ctx->idle_cond);
@@ -168,19 +169,9 @@ void fr_ctx_hand_to_progress(ferry_ctx *ctx) {
 
 enum { LED, BUSY, NO_LEAD };
 
-void fr_ctx_background_thread(void) { background_thread = true; }
-
-bool fr_ctx_in_background(void) { return background_thread; }
-
-bool fr_ctx_background_swap(bool on) {
-  bool was = background_thread;
-  background_thread = on;
-  return was;
-}
-
-/* A background leader's cue to leave the epoll to a caller. */
-static bool claimed(ferry_ctx *ctx) {
-  return background_thread && __atomic_load_n(&ctx->lead_claimed, __ATOMIC_ACQUIRE);
+/* An idle leader's cue to leave the epoll to a caller. */
+static bool claimed(ferry_ctx *ctx, bool idle) {
+  return idle && __atomic_load_n(&ctx->lead_claimed, __ATOMIC_ACQUIRE);
 }
 
 /* A leader polls the epoll without sleeping until FERRY_SPIN_US pass without an event: the
@@ -203,7 +194,7 @@ static void poll_briefly(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint6
     uint64_t now = fr_now_ns();
     if (events)
       end = now + window;
-    if (ready(arg) || fr_ctx_stopping(ctx) || now >= end || now >= deadline_ns || claimed(ctx))
+    if (ready(arg) || fr_ctx_stopping(ctx) || now >= end || now >= deadline_ns)
       return;
     sched_yield();
     if (fr_now_ns() - now > ctx->shared_core_ns)
@@ -211,10 +202,10 @@ static void poll_briefly(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint6
   }
 }
 
-/* The lead held by a background thread or the progress thread: asks it to step down (its
- * epoll_wait returns at the wake-up) and takes the lead within follow_ns. */
-static bool take_from_background(ferry_ctx *ctx) {
-  if (!__atomic_load_n(&ctx->lead_background, __ATOMIC_ACQUIRE))
+/* The lead held by an idle wait or the progress thread: asks it to step down (its epoll_wait
+ * returns at the wake-up) and takes the lead within follow_ns. */
+static bool take_from_idle(ferry_ctx *ctx) {
+  if (!__atomic_load_n(&ctx->lead_idle, __ATOMIC_ACQUIRE))
     return false;
   __atomic_store_n(&ctx->lead_claimed, true, __ATOMIC_RELEASE);
   fr_ctx_wake_progress(ctx);
@@ -223,67 +214,67 @@ static bool take_from_background(ferry_ctx *ctx) {
   return got;
 }
 
-/* When this caller led or wanted to: the progress thread follows every caller, background
- * threads follow the others. */
-static void mark_led(ferry_ctx *ctx, bool bg) {
+/* When this wait led or wanted to: the progress thread follows every wait, idle waits follow
+ * the callers'. */
+static void mark_led(ferry_ctx *ctx, bool idle) {
   uint64_t now = fr_now_ns();
   __atomic_store_n(&ctx->user_led_ns, now, __ATOMIC_SEQ_CST);
-  if (!bg)
-    __atomic_store_n(&ctx->fg_led_ns, now, __ATOMIC_SEQ_CST);
+  if (!idle)
+    __atomic_store_n(&ctx->caller_led_ns, now, __ATOMIC_SEQ_CST);
 }
 
 /* Leads the epoll until ready(arg) or the deadline. BUSY: another thread
  * leads, and the caller is counted among the sleepers until it calls back. */
-static int lead(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg,
+static int lead(ferry_ctx *ctx, bool idle, int waits_for, bool (*ready)(void *), void *arg,
                 uint64_t deadline_ns) {
   if (!ctx->users_may_lead || fr_ctx_stopping(ctx) || leading(ctx))
     return NO_LEAD;
-  bool bg = background_thread;
-  if (bg && (fr_now_ns() - __atomic_load_n(&ctx->fg_led_ns, __ATOMIC_SEQ_CST) < ctx->follow_ns ||
-             __atomic_load_n(&ctx->lead_claimed, __ATOMIC_SEQ_CST)))
+  if (idle &&
+      (fr_now_ns() - __atomic_load_n(&ctx->caller_led_ns, __ATOMIC_SEQ_CST) < ctx->follow_ns ||
+       __atomic_load_n(&ctx->lead_claimed, __ATOMIC_SEQ_CST)))
     return NO_LEAD; /* callers lead: they hand over what this thread waits for */
   __atomic_add_fetch(&ctx->sleepers, 1, __ATOMIC_SEQ_CST);
-  if (pthread_mutex_trylock(&ctx->lead) != 0 && (bg || !take_from_background(ctx))) {
-    mark_led(ctx, bg); /* the progress thread leaves the epoll to us after its current batch */
+  if (pthread_mutex_trylock(&ctx->lead) != 0 && (idle || !take_from_idle(ctx))) {
+    mark_led(ctx, idle); /* the progress thread leaves the epoll to us after its current batch */
     return BUSY;
   }
-  __atomic_store_n(&ctx->lead_background, bg, __ATOMIC_RELEASE);
+  __atomic_store_n(&ctx->lead_idle, idle, __ATOMIC_RELEASE);
   __atomic_sub_fetch(&ctx->sleepers, 1, __ATOMIC_SEQ_CST);
-  mark_led(ctx, bg);
+  mark_led(ctx, idle);
   __atomic_store_n(&ctx->lead_waits_for, waits_for, __ATOMIC_SEQ_CST);
   __atomic_store_n(&ctx->user_leading, true, __ATOMIC_SEQ_CST);
-  if (!bg) /* background threads never poll without sleeping (see the top) */
+  if (!idle) /* idle waits never poll without sleeping (see the top) */
     poll_briefly(ctx, ready, arg, deadline_ns);
-  while (!ready(arg) && !fr_ctx_stopping(ctx) && fr_now_ns() < deadline_ns && !claimed(ctx)) {
+  while (!ready(arg) && !fr_ctx_stopping(ctx) && fr_now_ns() < deadline_ns && !claimed(ctx, idle)) {
     int ms = fr_ms_left(deadline_ns);
     run_batch(ctx, ms < 1000 ? ms : 1000);
   }
-  bool handed = claimed(ctx); /* the claimant leads next and wakes the sleepers */
+  bool handed = claimed(ctx, idle); /* the claimant leads next and wakes the sleepers */
   __atomic_store_n(&ctx->user_leading, false, __ATOMIC_SEQ_CST);
   pthread_mutex_unlock(&ctx->lead);
-  mark_led(ctx, bg);
+  mark_led(ctx, idle);
   if (!handed && __atomic_load_n(&ctx->sleepers, __ATOMIC_SEQ_CST) > 0)
     fr_ctx_hand_to_progress(ctx); /* they sleep on the leader we were */
-  else if (bg)
+  else if (idle)
     nudge_progress(ctx); /* it may sleep on us without a deadline (follow) */
   return LED;
 }
 
-bool fr_ctx_wait(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg,
-                 pthread_mutex_t *mutex, pthread_cond_t *cond, uint64_t deadline_ns) {
+static bool wait_as(ferry_ctx *ctx, bool idle, int waits_for, bool (*ready)(void *), void *arg,
+                    pthread_mutex_t *mutex, pthread_cond_t *cond, uint64_t deadline_ns) {
   for (;;) {
     if (ready(arg))
       return true;
     if (fr_now_ns() >= deadline_ns)
       return false; /* a wait of 0 (a publish taking pool releases in) takes no lead over */
-    int r = lead(ctx, waits_for, ready, arg, deadline_ns);
+    int r = lead(ctx, idle, waits_for, ready, arg, deadline_ns);
     if (r == LED && ready(arg))
       return true;
     uint64_t now = fr_now_ns();
     if (r != LED && now < deadline_ns) {
-      /* Someone else leads and signals us (or hands the epoll on as it leaves). A background
-       * thread waits for its channel's messages, which whoever leads signals: no slice. */
-      uint64_t until = background_thread ? deadline_ns : now + ctx->sleeper_slice_ns;
+      /* Someone else leads and signals us (or hands the epoll on as it leaves). An idle wait
+       * is for its channel's messages, which whoever leads signals: no slice. */
+      uint64_t until = idle ? deadline_ns : now + ctx->sleeper_slice_ns;
       until = until < deadline_ns ? until : deadline_ns;
       struct timespec ts = fr_timespec(until);
       pthread_mutex_lock(mutex);
@@ -297,4 +288,14 @@ bool fr_ctx_wait(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg
     if (now >= deadline_ns)
       return ready(arg);
   }
+}
+
+bool fr_ctx_wait(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg,
+                 pthread_mutex_t *mutex, pthread_cond_t *cond, uint64_t deadline_ns) {
+  return wait_as(ctx, false, waits_for, ready, arg, mutex, cond, deadline_ns);
+}
+
+bool fr_ctx_wait_idle(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg,
+                      pthread_mutex_t *mutex, pthread_cond_t *cond, uint64_t deadline_ns) {
+  return wait_as(ctx, true, waits_for, ready, arg, mutex, cond, deadline_ns);
 }

@@ -237,16 +237,16 @@ struct ferry_ctx {
    * Usually the progress thread; a caller about to sleep on its own response or message leads
    * instead when it can (ctx.c), so the bytes it waits for wake it and no one else. */
   pthread_mutex_t lead;
-  bool users_may_lead;  /* every transport of the ctx has any_thread_events */
-  bool user_leading;    /* atomic: a caller holds `lead` */
-  int lead_waits_for;   /* atomic: what that caller waits for (fr_ctx_wait's waits_for) */
-  unsigned long leader; /* atomic: the pthread_t running a batch (0: none) */
-  uint64_t user_led_ns; /* atomic: when a caller last led or wanted to */
-  uint64_t fg_led_ns;   /* atomic: the same, for callers that are not background threads */
-  bool lead_background; /* atomic: the thread holding `lead` is a background one (ctx.c) */
-  bool lead_claimed;    /* atomic: a caller asked a background leader to step down */
-  int sleepers;         /* atomic: callers asleep on a condition while another thread leads */
-  bool lead_wanted;     /* under idle_lock: the progress thread must lead now */
+  bool users_may_lead;    /* every transport of the ctx has any_thread_events */
+  bool user_leading;      /* atomic: a caller holds `lead` */
+  int lead_waits_for;     /* atomic: what that caller waits for (fr_ctx_wait's waits_for) */
+  unsigned long leader;   /* atomic: the pthread_t running a batch (0: none) */
+  uint64_t user_led_ns;   /* atomic: when a caller last led or wanted to */
+  uint64_t caller_led_ns; /* atomic: the same, for waits that are not idle (leader.c) */
+  bool lead_idle;         /* atomic: `lead` is held by an idle wait or the progress thread */
+  bool lead_claimed;      /* atomic: a caller asked such a leader to step down */
+  int sleepers;           /* atomic: callers asleep on a condition while another thread leads */
+  bool lead_wanted;       /* under idle_lock: the progress thread must lead now */
   pthread_mutex_t idle_lock;
   pthread_cond_t idle_cond; /* the progress thread sleeps here while callers lead */
   uint64_t next_reap;       /* under lead */
@@ -363,9 +363,8 @@ void fr_ctx_serve_later_v(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_reg
  * the flag became true. */
 bool fr_spin_until(ferry_link *link, const bool *flag, int spin_us);
 /* fr_ctx_wait, FR_CTX_WAIT_REPLY: ctxcalls.h */
-/* fr_ctx_kick, fr_ctx_background_thread, fr_ctx_await, fr_ctx_take, fr_ctx_closing,
- * fr_ctx_poll_links, fr_ctx_poke, fr_ctx_spin, fr_ctx_work_polling, fr_ctx_channel_open, fr_inbox:
- * ctxcalls.h */
+/* fr_ctx_kick, fr_ctx_await, fr_ctx_take, fr_ctx_closing, fr_ctx_poll_links, fr_ctx_poke,
+ * fr_ctx_spin, fr_ctx_work_polling, fr_ctx_channel_open, fr_inbox: ctxcalls.h */
 
 /* tcp.c: what every listener on an address shares (the tcp transport's, and the metrics one's) */
 /* Splits "HOST:PORT" or "[V6]:PORT" (HOST may be empty); FERRY_EINVAL when it is not one. */
