@@ -20,9 +20,10 @@
  * each of its subscriber's releases halved the subscriber's share of its core, in 5 us turns).
  * A caller that finds the epoll led by an idle wait (or by the progress thread) asks it to step
  * down and takes over, so that the message it waits for wakes it rather than being handed over
- * by another thread. While an idle wait leads, the progress thread sleeps without a deadline
- * until it leaves (it nudges the progress thread then), and an idle wait that finds another
- * leading sleeps until its message comes: a node whose threads all wait for requests sleeps.
+ * by another thread. While the lead is held past the grace (an idle wait, or a caller blocked
+ * in a long wait), the progress thread sleeps without a deadline until it is left (the leaver
+ * nudges it then), and an idle wait that finds another leading sleeps until its message comes:
+ * a node whose threads all wait sleeps.
  * The same service thread, once it serves a request, waits for the answers it needs as a
  * caller does.
  */
@@ -108,14 +109,25 @@ static bool caller_leads(ferry_ctx *ctx) { /* or is taking the lead over (take_f
          __atomic_load_n(&ctx->lead_claimed, __ATOMIC_SEQ_CST);
 }
 
-/* An idle wait leads (a service loop waiting for requests, for as long as it likes): the
- * progress thread need not check on it, since it nudges the progress thread as it leaves
- * (nudge_progress). Checking every grace_ns made an idle node wake hundreds of times a
- * second. */
-static bool idle_wait_leads(ferry_ctx *ctx) {
-  return __atomic_load_n(&ctx->user_leading, __ATOMIC_SEQ_CST) &&
-         __atomic_load_n(&ctx->lead_idle, __ATOMIC_SEQ_CST) &&
+/* The lead has been held past the grace without a claim pending: by an idle wait (a service
+ * loop waiting for requests) or by a caller blocked in its wait (an application thread in a long
+ * ferry_recv). The progress thread then parks without a deadline, and whoever leaves the lead
+ * nudges it (leave_lead): checking every grace_ns made an idle node wake hundreds of times a
+ * second, and a process with a thread blocked in recv 250 times. Callers that lead back to back
+ * (each for microseconds) never hold it that long, so they never pay the nudge. */
+static bool lead_held_long(ferry_ctx *ctx, uint64_t until, uint64_t now) {
+  return until <= now && __atomic_load_n(&ctx->user_leading, __ATOMIC_SEQ_CST) &&
          !__atomic_load_n(&ctx->lead_claimed, __ATOMIC_SEQ_CST);
+}
+
+/* idle_lock held. Parked is published before the lead is looked at again, and a leaver clears
+ * user_leading before it looks at parked (both seq_cst): one of the two sees the other's store,
+ * and the nudge, under idle_lock, cannot fall between the check and the wait. */
+static void park(ferry_ctx *ctx) {
+  __atomic_store_n(&ctx->progress_parked, true, __ATOMIC_SEQ_CST);
+  if (__atomic_load_n(&ctx->user_leading, __ATOMIC_SEQ_CST))
+    pthread_cond_wait(&ctx->idle_cond, &ctx->idle_lock);
+  __atomic_store_n(&ctx->progress_parked, false, __ATOMIC_SEQ_CST);
 }
 
 static void follow(ferry_ctx *ctx) {
@@ -123,12 +135,12 @@ static void follow(ferry_ctx *ctx) {
   while (!fr_ctx_stopping(ctx) && !ctx->lead_wanted) {
     uint64_t now = fr_now_ns();
     uint64_t until = __atomic_load_n(&ctx->user_led_ns, __ATOMIC_SEQ_CST) + ctx->grace_ns;
-    if (idle_wait_leads(ctx) && until <= now) {
-      pthread_cond_wait(&ctx->idle_cond, &ctx->idle_lock);
+    if (lead_held_long(ctx, until, now)) {
+      park(ctx);
       continue;
     }
     if (caller_leads(ctx) && until <= now)
-      until = now + ctx->grace_ns;
+      until = now + ctx->grace_ns; /* a claim under way: it ends within follow_ns */
     else if (now >= until)
       break;
     struct timespec ts = fr_timespec(until);
@@ -153,7 +165,7 @@ void *fr_ctx_progress_main(void *arg) {
   return NULL;
 }
 
-/* Makes the progress thread look again whether callers lead (see idle_wait_leads). */
+/* Makes the progress thread look again whether callers lead (see lead_held_long). */
 static void nudge_progress(ferry_ctx *ctx) {
   pthread_mutex_lock(&ctx->idle_lock);
   pthread_cond_signal(&ctx->idle_cond);
@@ -255,8 +267,8 @@ static int lead(ferry_ctx *ctx, bool idle, int waits_for, bool (*ready)(void *),
   mark_led(ctx, idle);
   if (!handed && __atomic_load_n(&ctx->sleepers, __ATOMIC_SEQ_CST) > 0)
     fr_ctx_hand_to_progress(ctx); /* they sleep on the leader we were */
-  else if (idle)
-    nudge_progress(ctx); /* it may sleep on us without a deadline (follow) */
+  else if (__atomic_load_n(&ctx->progress_parked, __ATOMIC_SEQ_CST))
+    nudge_progress(ctx); /* it sleeps on us without a deadline (park) */
   return LED;
 }
 

@@ -245,6 +245,7 @@ struct ferry_ctx {
   uint64_t caller_led_ns; /* atomic: the same, for waits that are not idle (leader.c) */
   bool lead_idle;         /* atomic: `lead` is held by an idle wait or the progress thread */
   bool lead_claimed;      /* atomic: a caller asked such a leader to step down */
+  bool progress_parked;   /* atomic: the progress thread waits for a leaver's nudge (leader.c) */
   int sleepers;           /* atomic: callers asleep on a condition while another thread leads */
   bool lead_wanted;       /* under idle_lock: the progress thread must lead now */
   pthread_mutex_t idle_lock;
