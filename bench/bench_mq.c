@@ -378,7 +378,8 @@ typedef struct plan {
   int nlat, ntput;
   bench_samples lat_s[NIMPLS][8], tput_s[NIMPLS][8]; /* seconds: one way; per message */
   bench_samples paced_s[NIMPLS][8];                  /* one way, pings --pace ms apart */
-  bench_samples memcpy_s[8]; /* the reference, taking turns with ferry/shm's streams */
+  bench_wake paced_w[NIMPLS][8]; /* their wake-ups: this process's and the server's, per ping */
+  bench_samples memcpy_s[8];     /* the reference, taking turns with ferry/shm's streams */
 } plan;
 
 /* A latency row's pings: 5,000 up to 16 KiB, 500 from 256 KiB, after a tenth of that as a
@@ -410,17 +411,23 @@ static int latency(const bench_opts *o, const impl *im, ep *e, uint64_t size, be
 
 /* The paced pings of a latency row (bench.h): bench_paced_samples() up to 16 KiB, a quarter of
  * that from 256 KiB (as the back-to-back rows take a tenth), so the mode keeps to its budget. */
-static int paced(const bench_opts *o, const impl *im, ep *e, uint64_t size, bench_samples *b) {
+static int paced(const bench_opts *o, const impl *im, ep *e, uint64_t size, bench_samples *b,
+                 pid_t server, bench_wake *w) {
   uint8_t *msg = calloc(1, size);
   int rc = msg ? 0 : -1;
   bench_until u = bench_until_paced(o);
   if (size > 16384 && u.reps > 4)
     u.reps = u.least = u.reps / 4;
+  bench_wake_init(w, &server, 1);
+  bench_wake_begin(w);
   while (rc == 0 && !bench_done(&u, b->n)) {
     double t = bench_now();
     rc = ping(e, msg, size);
     bench_add(b, (bench_now() - t) / 2);
   }
+  bench_wake_end(w, b->n);
+  if (rc == 0)
+    bench_wake_idle(w, BENCH_WAKE_IDLE_MS);
   if (rc != 0)
     fprintf(stderr, "ferry bench mq: %s: paced ping-pong of %llu bytes failed\n", im->name,
             (unsigned long long)size);
@@ -572,7 +579,7 @@ static int run_impl(const bench_opts *o, size_t k, plan *p, bool do_lat) {
   for (int i = 0; rc == 0 && do_lat && !im->loan && i < p->nlat; i++) {
     rc = latency(o, im, &e, p->lat[i], &p->lat_s[k][i]);
     if (rc == 0)
-      rc = paced(o, im, &e, p->lat[i], &p->paced_s[k][i]);
+      rc = paced(o, im, &e, p->lat[i], &p->paced_s[k][i], pid, &p->paced_w[k][i]);
   }
   for (int i = 0; rc == 0 && !do_lat && i < p->ntput; i++)
     if (!im->loan || p->tput[i] >= LOAN_MIN)
@@ -624,7 +631,7 @@ static void print_latency(const bench_opts *o, plan *p) {
     snprintf(cs, sizeof cs, "lat-%s", bench_size_name(p->lat[j], sz, sizeof sz));
     for (size_t k = 0; k < NIMPLS; k++)
       bench_paced_row(o, "mq", cs, impls[k].name, p->lat[j], &p->paced_s[k][j],
-                      bench_median(&p->lat_s[k][j]));
+                      bench_median(&p->lat_s[k][j]), &p->paced_w[k][j]);
   }
 }
 
@@ -663,7 +670,9 @@ static const char mq_usage[] =
     "of 128 MiB worth (5..100,000 messages).\n"
     "Paced latency (lat cases): each latency row's ping-pong again, each ping after a pause\n"
     "of --pace MS (default 10; 0: none), 100 pings up to 16 KiB and 25 from 256 KiB (--full:\n"
-    "1,000 and 250): p50, p99 and paced p50 / back-to-back p50.\n";
+    "1,000 and 250): p50, p99 and paced p50 / back-to-back p50, with wake-ups/call (JSON\n"
+    "wakeups_per_call): voluntary context switches per ping (a round trip) of this process\n"
+    "and the server process, the pauses left out (`ferry bench --help`).\n";
 
 int bench_mq(int argc, char **argv) {
   if (argc == 4 && strcmp(argv[1], "--serve") == 0) {
