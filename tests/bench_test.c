@@ -139,6 +139,7 @@ static void test_rows_json(void **state) {
   fflush(stdout);
   dup2(saved, 1);
   close(saved);
+  bench_free(&s);
   char buf[2048] = "";
   FILE *f = fdopen(fd, "r");
   rewind(f);
