@@ -4,7 +4,7 @@
  * pauses, and count nothing for work that wakes nobody; and the rows must carry the figure
  * (wakeups_per_call in --json, null where nothing was counted). Counts of context switches, not
  * timings: a pipe ping-pong with a child blocks the child once per message and this process at
- * most once per answer, whatever the machine's speed.
+ * most once per answer, whatever the machine's speed. And the rows' p99 (nearest rank).
  */
 #include "cli/bench.h"
 #include "testutil.h"
@@ -158,12 +158,31 @@ static void test_rows_json(void **state) {
   assert_non_null(strstr(strstr(second, "\"b2b\""), "\"wakeups_per_call\":1.5}"));
 }
 
+/* p99 by nearest rank: of 100 samples the 99th, of 2 the larger (never below the median). */
+static void test_p99(void **state) {
+  (void)state;
+  bench_samples s = {0};
+  for (int i = 100; i >= 1; i--)
+    bench_add(&s, i);
+  assert_true(bench_p99(&s) == 99);
+  bench_reset(&s);
+  bench_add(&s, 2);
+  bench_add(&s, 1);
+  assert_true(bench_p99(&s) == 2);
+  assert_true(bench_p99(&s) >= bench_median(&s));
+  bench_reset(&s);
+  bench_add(&s, 7);
+  assert_true(bench_p99(&s) == 7);
+  bench_free(&s);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_counts_peer),
       cmocka_unit_test(test_counts_self_only),
       cmocka_unit_test(test_local_work_none),
       cmocka_unit_test(test_rows_json),
+      cmocka_unit_test(test_p99),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

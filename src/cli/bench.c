@@ -292,7 +292,7 @@ double bench_p99(bench_samples *b) {
   if (b->n == 0)
     return 0;
   qsort(b->s, b->n, sizeof *b->s, cmp_double);
-  return b->s[(size_t)((double)(b->n - 1) * 0.99)];
+  return b->s[(99 * b->n + 99) / 100 - 1]; /* nearest rank: never below the median of a few */
 }
 
 void bench_row(const bench_opts *o, const char *bench, const char *case_name, const char *impl,
