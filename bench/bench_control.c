@@ -40,7 +40,9 @@ static const char control_usage[] =
     "--reps N sets the repetitions of the fast rows (default 2000); the 1 ms poll runs\n"
     "N/10 and the 1 s poll 3. --full runs the same: the default run already holds every row.\n"
     "The pipe and ferry rows also run paced (--pace MS, default 10: 100 requests, each after\n"
-    "that pause; --full: 1,000): p50, p99 and paced p50 / back-to-back p50.\n";
+    "that pause; --full: 1,000): p50, p99 and paced p50 / back-to-back p50; both runs with\n"
+    "wake-ups/call (JSON wakeups_per_call): voluntary context switches per request of this\n"
+    "process and the rank processes, the pauses left out (`ferry bench --help`).\n";
 
 static void sleep_ms(int ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
@@ -67,9 +69,9 @@ static void reap(pid_t *pid, int n) {
 }
 
 static void report(const bench_opts *o, const char *case_name, const char *impl, bench_samples *b,
-                   bool baseline) {
+                   bool baseline, const bench_wake *w) {
   double p99 = bench_p99(b);
-  bench_row(o, "control", case_name, impl, 0, b, baseline);
+  bench_row_wake(o, "control", case_name, impl, 0, b, baseline, w);
   if (!o->json && b->n)
     printf("%-16s %-14s %12s p99 %.2f us (n=%zu)\n", "", "", "", p99 * 1e6, b->n);
 }
@@ -141,7 +143,7 @@ static void legacy_run(const bench_opts *o, const char *case_name, int nranks, i
   close(p.up[1]);
   char impl[32];
   snprintf(impl, sizeof impl, "poll-%s", poll_ms >= 1000 ? "1s" : "1ms");
-  report(o, case_name, impl, &b, poll_ms >= 1000);
+  report(o, case_name, impl, &b, poll_ms >= 1000, NULL);
   bench_free(&b);
   munmap(c, sizeof *c);
 }
@@ -175,8 +177,16 @@ static void pipe_run(const bench_opts *o, const char *case_name, int nranks, int
     }
   }
   bench_samples b = {0}, paced = {0};
+  bench_wake w, wp; /* the wake-ups of this process and the ranks' */
+  bench_wake_init(&w, pid, nranks);
+  bench_wake_begin(&w);
   time_pipe(&p, nranks, bench_until_start(reps, reps, 0), &b);
+  bench_wake_end(&w, b.n);
+  bench_wake_init(&wp, pid, nranks);
+  bench_wake_begin(&wp);
   time_pipe(&p, nranks, bench_until_paced(o), &paced);
+  bench_wake_end(&wp, paced.n);
+  bench_wake_idle(&wp, BENCH_WAKE_IDLE_MS);
   reap(pid, nranks);
   for (int i = 0; i < nranks; i++) {
     close(p.down[i][0]);
@@ -184,8 +194,8 @@ static void pipe_run(const bench_opts *o, const char *case_name, int nranks, int
   }
   close(p.up[0]);
   close(p.up[1]);
-  report(o, case_name, "pipe", &b, false);
-  bench_paced_row(o, "control", case_name, "pipe", 0, &paced, bench_median(&b));
+  report(o, case_name, "pipe", &b, false, &w);
+  bench_paced_row(o, "control", case_name, "pipe", 0, &paced, bench_median(&b), &wp);
   bench_free(&b);
   bench_free(&paced);
 }
@@ -247,10 +257,19 @@ static int ferry_run(const bench_opts *o, const char *case_name, int nranks, int
   rc = ferry_ctl_open(name, &ctl);
   if (rc == 0)
     rc = wait_attached(ctl, nranks);
+  bench_wake w, wp; /* the wake-ups of this process and the ranks' */
+  bench_wake_init(&w, pid, nranks);
+  bench_wake_init(&wp, pid, nranks);
+  bench_wake_begin(&w);
   if (rc == 0)
     rc = time_ferry(ctl, bench_until_start(reps, reps, 0), &k, &b);
+  bench_wake_end(&w, b.n);
+  bench_wake_begin(&wp);
   if (rc == 0)
     rc = time_ferry(ctl, bench_until_paced(o), &k, &paced);
+  bench_wake_end(&wp, paced.n);
+  if (rc == 0)
+    bench_wake_idle(&wp, BENCH_WAKE_IDLE_MS);
   atomic_store(stop, 1);
   if (ctl)
     ferry_ctl_request(ctl, FERRY_CTL_ABORT, 10000); /* wakes the ranks to see `stop` */
@@ -259,8 +278,8 @@ static int ferry_run(const bench_opts *o, const char *case_name, int nranks, int
   ferry_ctl_close(ctl);
   ferry_ctl_cell_close(cell);
   if (rc == 0) {
-    report(o, case_name, "ferry", &b, false);
-    bench_paced_row(o, "control", case_name, "ferry", 0, &paced, bench_median(&b));
+    report(o, case_name, "ferry", &b, false, &w);
+    bench_paced_row(o, "control", case_name, "ferry", 0, &paced, bench_median(&b), &wp);
   }
   bench_free(&b);
   bench_free(&paced);

@@ -442,14 +442,28 @@ static int rtt_time(reader *r, const rtt_case *c, bench_until u, bench_samples *
   return time_ferry_read(r, c->link, 64, u, b);
 }
 
-/* The row back to back, then (unless --pace 0) paced, beside it. */
+/* Times the row with u, its wake-ups (this process and the owner's) counted into w. */
+static int rtt_counted(reader *r, const rtt_case *c, bench_until u, bench_samples *b,
+                       bench_wake *w) {
+  bench_wake_init(w, &r->owner, 1);
+  bench_wake_begin(w);
+  int rc = rtt_time(r, c, u, b);
+  bench_wake_end(w, b->n + 1); /* and the warm-up call each loop makes */
+  return rc;
+}
+
+/* The row back to back, then (unless --pace 0) paced, beside it; both with their wake-ups per
+ * call (the owner's idle rate beside the paced one's). */
 static int rtt_row(reader *r, const rtt_case *c, bench_samples *b) {
-  int rc = rtt_time(r, c, rtt_until(r->o), b);
-  bench_row(r->o, "link", c->case_name, c->impl, 64, b, c->base);
+  bench_wake w;
+  int rc = rtt_counted(r, c, rtt_until(r->o), b, &w);
+  bench_row_wake(r->o, "link", c->case_name, c->impl, 64, b, c->base, &w);
   double b2b = bench_median(b);
   if (rc == 0 && bench_paced_samples(r->o) > 0 &&
-      (rc = rtt_time(r, c, bench_until_paced(r->o), b)) == 0)
-    bench_paced_row(r->o, "link", c->case_name, c->impl, 64, b, b2b);
+      (rc = rtt_counted(r, c, bench_until_paced(r->o), b, &w)) == 0) {
+    bench_wake_idle(&w, BENCH_WAKE_IDLE_MS);
+    bench_paced_row(r->o, "link", c->case_name, c->impl, 64, b, b2b, &w);
+  }
   return rc;
 }
 
@@ -539,7 +553,9 @@ static const char link_usage[] =
     "a few seconds (64 MiB reads: up to 64, at least 20; round trips: up to 20,000, at least\n"
     "2,000); --full and --reps N take a fixed count (reads: by size; round trips: 20,000).\n"
     "Each round-trip row also runs paced (--pace MS, default 10: 100 calls, each after that\n"
-    "pause; --full: 1,000): p50, p99 and paced p50 / back-to-back p50.\n";
+    "pause; --full: 1,000): p50, p99 and paced p50 / back-to-back p50; both runs with\n"
+    "wake-ups/call (JSON wakeups_per_call): voluntary context switches per call of this\n"
+    "process and the owner process, the pauses left out (`ferry bench --help`).\n";
 
 int bench_link(int argc, char **argv) {
   bench_opts o = {.max_size = 1ull << 30};

@@ -378,6 +378,7 @@ typedef struct plan {
   int nlat, ntput;
   bench_samples lat_s[NIMPLS][8], tput_s[NIMPLS][8]; /* seconds: one way; per message */
   bench_samples paced_s[NIMPLS][8];                  /* one way, pings --pace ms apart */
+  bench_wake lat_w[NIMPLS][8], paced_w[NIMPLS][8];   /* wake-ups per ping: this process, server */
   bench_samples memcpy_s[8]; /* the reference, taking turns with ferry/shm's streams */
 } plan;
 
@@ -387,7 +388,8 @@ typedef struct plan {
  * outlier), and the warm-up is a fiftieth. */
 #define LAT_LEAST 1000
 #define LAT_BUDGET_S 1.0
-static int latency(const bench_opts *o, const impl *im, ep *e, uint64_t size, bench_samples *b) {
+static int latency(const bench_opts *o, const impl *im, ep *e, uint64_t size, bench_samples *b,
+                   pid_t server, bench_wake *w) {
   int reps = o->reps > 0 ? o->reps : size <= 16384 ? 5000 : size <= (1 << 20) ? 500 : 50;
   bool fixed = o->full || o->reps > 0;
   uint8_t *msg = calloc(1, size);
@@ -396,11 +398,14 @@ static int latency(const bench_opts *o, const impl *im, ep *e, uint64_t size, be
     rc = ping(e, msg, size);
   bench_until u =
       bench_until_start(reps, fixed || size > 16384 ? reps : LAT_LEAST, fixed ? 0 : LAT_BUDGET_S);
+  bench_wake_init(w, &server, 1);
+  bench_wake_begin(w);
   while (rc == 0 && !bench_done(&u, b->n)) {
     double t = bench_now();
     rc = ping(e, msg, size);
     bench_add(b, (bench_now() - t) / 2);
   }
+  bench_wake_end(w, b->n);
   if (rc != 0)
     fprintf(stderr, "ferry bench mq: %s: ping-pong of %llu bytes failed\n", im->name,
             (unsigned long long)size);
@@ -410,17 +415,23 @@ static int latency(const bench_opts *o, const impl *im, ep *e, uint64_t size, be
 
 /* The paced pings of a latency row (bench.h): bench_paced_samples() up to 16 KiB, a quarter of
  * that from 256 KiB (as the back-to-back rows take a tenth), so the mode keeps to its budget. */
-static int paced(const bench_opts *o, const impl *im, ep *e, uint64_t size, bench_samples *b) {
+static int paced(const bench_opts *o, const impl *im, ep *e, uint64_t size, bench_samples *b,
+                 pid_t server, bench_wake *w) {
   uint8_t *msg = calloc(1, size);
   int rc = msg ? 0 : -1;
   bench_until u = bench_until_paced(o);
   if (size > 16384 && u.reps > 4)
     u.reps = u.least = u.reps / 4;
+  bench_wake_init(w, &server, 1);
+  bench_wake_begin(w);
   while (rc == 0 && !bench_done(&u, b->n)) {
     double t = bench_now();
     rc = ping(e, msg, size);
     bench_add(b, (bench_now() - t) / 2);
   }
+  bench_wake_end(w, b->n);
+  if (rc == 0)
+    bench_wake_idle(w, BENCH_WAKE_IDLE_MS);
   if (rc != 0)
     fprintf(stderr, "ferry bench mq: %s: paced ping-pong of %llu bytes failed\n", im->name,
             (unsigned long long)size);
@@ -570,9 +581,9 @@ static int run_impl(const bench_opts *o, size_t k, plan *p, bool do_lat) {
   if (rc == 0 && (rc = im->client_open(&e, addr)) != 0)
     fprintf(stderr, "ferry bench mq: %s: cannot connect to %s\n", im->name, addr);
   for (int i = 0; rc == 0 && do_lat && !im->loan && i < p->nlat; i++) {
-    rc = latency(o, im, &e, p->lat[i], &p->lat_s[k][i]);
+    rc = latency(o, im, &e, p->lat[i], &p->lat_s[k][i], pid, &p->lat_w[k][i]);
     if (rc == 0)
-      rc = paced(o, im, &e, p->lat[i], &p->paced_s[k][i]);
+      rc = paced(o, im, &e, p->lat[i], &p->paced_s[k][i], pid, &p->paced_w[k][i]);
   }
   for (int i = 0; rc == 0 && !do_lat && i < p->ntput; i++)
     if (!im->loan || p->tput[i] >= LOAN_MIN)
@@ -616,7 +627,8 @@ static void print_latency(const bench_opts *o, plan *p) {
           bench_add(&one, b->s[(size_t)((double)(b->n - 1) * 0.99)]);
           b = &one;
         }
-        bench_row(o, "mq", cs, impls[k].name, p->lat[j], b, is_base(k));
+        bench_row_wake(o, "mq", cs, impls[k].name, p->lat[j], b, is_base(k),
+                       q ? NULL : &p->lat_w[k][j]);
         bench_free(&one);
       }
     }
@@ -624,7 +636,7 @@ static void print_latency(const bench_opts *o, plan *p) {
     snprintf(cs, sizeof cs, "lat-%s", bench_size_name(p->lat[j], sz, sizeof sz));
     for (size_t k = 0; k < NIMPLS; k++)
       bench_paced_row(o, "mq", cs, impls[k].name, p->lat[j], &p->paced_s[k][j],
-                      bench_median(&p->lat_s[k][j]));
+                      bench_median(&p->lat_s[k][j]), &p->paced_w[k][j]);
   }
 }
 
@@ -663,7 +675,10 @@ static const char mq_usage[] =
     "of 128 MiB worth (5..100,000 messages).\n"
     "Paced latency (lat cases): each latency row's ping-pong again, each ping after a pause\n"
     "of --pace MS (default 10; 0: none), 100 pings up to 16 KiB and 25 from 256 KiB (--full:\n"
-    "1,000 and 250): p50, p99 and paced p50 / back-to-back p50.\n";
+    "1,000 and 250): p50, p99 and paced p50 / back-to-back p50. The lat-p50 rows and the\n"
+    "paced ones carry wake-ups/call (JSON wakeups_per_call): voluntary context switches per\n"
+    "ping (a round trip) of this process and the server process, the pauses left out\n"
+    "(`ferry bench --help`).\n";
 
 int bench_mq(int argc, char **argv) {
   if (argc == 4 && strcmp(argv[1], "--serve") == 0) {

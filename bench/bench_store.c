@@ -27,6 +27,7 @@
 
 #define BIG_BYTES (256ull << 20)
 #define BIG_REPS 10
+#define FLOOR_BYTES (64u << 10) /* the paced floor's memcpy (bench_paced_floor) */
 
 /* ---- the report ---- */
 
@@ -40,6 +41,7 @@ bs_series *bs_add(bs_report *r, const char *case_name, const char *impl, uint64_
   snprintf(s->impl, sizeof s->impl, "%s", impl);
   s->bytes = bytes;
   s->baseline = baseline;
+  bench_wake_init(&s->w, NULL, 0);
   return s;
 }
 
@@ -120,19 +122,55 @@ typedef struct producer {
   ferry_store *s;
   ferry_ctx *ctx;
   int requests, to_consumer, from_consumer;
-  int pace_ms; /* > 0: the paced run: each timed put after a pause this long */
+  int pace_ms;  /* > 0: the paced run: each timed put after a pause this long */
+  bench_wake w; /* the paced run's: this process, the consumer and the directory */
 } producer;
 
-/* The paced run's pause before a timed call; the consumer's gets follow the producer's puts, so
- * they are as far apart. */
-static void pace(const producer *p) {
-  bench_opts o = {.pace_ms = p->pace_ms};
-  bench_pace(&o);
+/* What the producer sends the consumer per timed put: its time, and in the paced run the
+ * wake-ups of its window (switches < 0: not counted). */
+typedef struct bs_timed {
+  double dt, switches, seconds;
+  double idle_switches, idle_windows; /* an empty window after it, now and then */
+} bs_timed;
+
+/* The paced run follows every IDLE_EVERY-th timed call's window with an empty one of the same
+ * shape (bench_wake_idle_paced): the background the windows count besides the calls. */
+#define IDLE_EVERY 4
+
+/* After a paced call's window: now and then, an empty one into w. */
+static void idle_window(bench_wake *w, int pace_ms) {
+  bench_opts o = {.pace_ms = pace_ms};
+  if ((w->calls - 1) % IDLE_EVERY == 0)
+    bench_wake_idle_paced(w, &o, pace_ms);
 }
 
+/* The paced run's pause before a timed put, inside the put's window of wake-ups (bench.h);
+ * the consumer's reads pause as long before each. */
+static void window_begin(producer *p) {
+  bench_opts o = {.pace_ms = p->pace_ms};
+  if (p->pace_ms > 0)
+    bench_wake_begin_paced(&p->w, &o);
+}
+
+/* Sends the put's time; paced, first closes its window a pause later, so what the put set off
+ * in the directory and the consumer (a posted put is answered after it returned) is in it, and
+ * the consumer's reads, which this message starts, are not. */
 static int send_time(producer *p, double t0) {
-  double dt = bench_now() - t0;
-  return bench_write_all(p->to_consumer, &dt, sizeof dt);
+  bs_timed m = {.dt = bench_now() - t0, .switches = -1};
+  if (p->pace_ms > 0) {
+    bench_wake w = p->w; /* this window's, and its empty one's */
+    w.switches = w.seconds = w.idle_switches = 0;
+    w.idle_windows = 0;
+    bench_wake_end_settled(&w, 1, p->pace_ms);
+    p->w.calls++;
+    w.calls = p->w.calls;
+    idle_window(&w, p->pace_ms);
+    m.switches = w.switches;
+    m.seconds = w.seconds;
+    m.idle_switches = w.idle_switches;
+    m.idle_windows = (double)w.idle_windows;
+  }
+  return bench_write_all(p->to_consumer, &m, sizeof m);
 }
 
 static int wait_ack(producer *p) {
@@ -160,14 +198,14 @@ static int produce_routing(producer *p) {
     }
     memset(req, i + 1, BS_ROUTING_BYTES); /* the engine writes its routing here */
     snprintf(key, sizeof key, "routing/%d", i);
-    pace(p);
+    window_begin(p);
     double t = bench_now();
     rc = ferry_store_put(p->s, key, &d, req, 0, -1);
     rc = rc ? rc : send_time(p, t);
     rc = rc ? rc : wait_ack(p);
   }
   for (int i = 0; rc == 0 && i < p->requests; i++) { /* the same bytes, copied into the pool */
-    pace(p);
+    window_begin(p);
     double t = bench_now();
     rc = ferry_store_put(p->s, "routing-copy", &d, mem + (size_t)(i % RING) * BS_ROUTING_BYTES,
                          FERRY_STORE_PUT_COPY, -1);
@@ -194,7 +232,7 @@ static int produce_layers(producer *p) {
       items[l] = (ferry_store_put_item){
           .key = keys[l], .desc = &d, .data = mem + (size_t)l * BS_LAYER_BYTES};
     }
-    pace(p);
+    window_begin(p);
     double t = bench_now(); /* the 45 keys of a request: one batch put, one round trip */
     rc = ferry_store_put_batch(p->s, items, BS_LAYERS, 0, -1);
     rc = rc ? rc : send_time(p, t);
@@ -216,7 +254,7 @@ static int produce_big(producer *p) {
   ferry_tensor_desc d = {.dtype = FERRY_DTYPE_U8, .ndim = 1, .shape = {BIG_BYTES}};
   int rc = 0;
   for (int i = 0; rc == 0 && i < BIG_REPS; i++) {
-    pace(p);
+    window_begin(p);
     double t = bench_now();
     rc = ferry_store_put(p->s, "big", &d, mem, 0, -1);
     rc = rc ? rc : send_time(p, t);
@@ -227,11 +265,12 @@ static int produce_big(producer *p) {
 }
 
 static int producer_main(const char *url, int requests, int pace_ms, int to_consumer,
-                         int from_consumer) {
+                         int from_consumer, pid_t directory) {
   producer p = {.requests = requests,
                 .to_consumer = to_consumer,
                 .from_consumer = from_consumer,
                 .pace_ms = pace_ms};
+  bench_wake_init(&p.w, (pid_t[]){getppid(), directory}, 2);
   p.s = open_node("bench-producer", NULL, url, 0, 2 * BS_ROUTING_BYTES + (1 << 20), &p.ctx);
   int rc = p.s ? 0 : 1;
   if (rc == 0 && (rc = produce_routing(&p)) == 0 && (rc = produce_layers(&p)) == 0)
@@ -252,6 +291,8 @@ typedef struct consumer {
   uint8_t *dst, *src; /* BS_LAYERS * BS_LAYER_BYTES each: warm buffers */
   bs_report *r;
   char suffix[16]; /* of its series' impl names: "" back to back, "@10ms" in the paced run */
+  int pace_ms;     /* > 0: the paced run */
+  pid_t peers[2];  /* the producer and the directory: the paced run's wake-ups count them */
 } consumer;
 
 /* A series of this run: impl with the run's suffix. */
@@ -259,15 +300,38 @@ static bs_series *series(consumer *c, const char *case_name, const char *impl, u
                          bool baseline) {
   char name[32];
   snprintf(name, sizeof name, "%s%s", impl, c->suffix);
-  return bs_add(c->r, case_name, name, bytes, baseline);
+  bs_series *s = bs_add(c->r, case_name, name, bytes, baseline);
+  if (s)
+    bench_wake_init(&s->w, c->peers, 2);
+  return s;
 }
 
 static int take_time(consumer *c, bs_series *s) {
-  double dt;
-  if (bench_read_all(c->from_producer, &dt, sizeof dt) != 0)
+  bs_timed m;
+  if (bench_read_all(c->from_producer, &m, sizeof m) != 0)
     return bs_fail("the producer stopped");
-  bench_add(&s->s, dt);
+  bench_add(&s->s, m.dt);
+  if (m.switches >= 0) {
+    bench_wake_add(&s->w, m.switches, m.seconds, 1);
+    s->w.idle_switches += m.idle_switches;
+    s->w.idle_windows += (size_t)m.idle_windows;
+  }
   return 0;
+}
+
+/* In the paced run, a first read's pause and window, from before that pause to a pause after
+ * the read (bench.h); w NULL: back to back, not counted. */
+static void read_begin(consumer *c, bench_wake *w) {
+  bench_opts o = {.pace_ms = c->pace_ms};
+  if (w)
+    bench_wake_begin_paced(w, &o);
+}
+
+static void read_end(consumer *c, bench_wake *w) {
+  if (w) {
+    bench_wake_end_settled(w, 1, c->pace_ms);
+    idle_window(w, c->pace_ms);
+  }
 }
 
 static void time_memcpy(consumer *c, const char *case_name, uint64_t bytes) {
@@ -282,11 +346,14 @@ static void time_memcpy(consumer *c, const char *case_name, uint64_t bytes) {
   }
 }
 
-/* Gets request i into this process's buffer, timed into `s`, and checks its bytes. */
-static int routing_get(consumer *c, const char *key, int i, bs_series *s) {
+/* Gets request i into this process's buffer, timed into `s`, and checks its bytes; its
+ * wake-ups counted into w (NULL: not). */
+static int routing_get(consumer *c, const char *key, int i, bs_series *s, bench_wake *w) {
+  read_begin(c, w);
   double t = bench_now();
   int rc = ferry_store_get(c->s, key, NULL, c->dst, BS_ROUTING_BYTES, NULL, -1);
   bench_add(&s->s, bench_now() - t);
+  read_end(c, w);
   if (rc == 0 && (c->dst[0] != (uint8_t)(i + 1) || c->dst[BS_ROUTING_BYTES - 1] != c->dst[0]))
     rc = bs_fail("routing: wrong bytes");
   return rc;
@@ -296,12 +363,15 @@ static int routing_get(consumer *c, const char *key, int i, bs_series *s) {
  * timed into `s`, and checks its bytes. With `copy`, also times a plain memcpy of the view into
  * this process's buffer: the bytes where the producer wrote them, read for the first time, the
  * physical limit of a copying get. */
-static int routing_view(consumer *c, const char *key, int i, bs_series *s, bs_series *copy) {
+static int routing_view(consumer *c, const char *key, int i, bs_series *s, bs_series *copy,
+                        bench_wake *w) {
   const uint8_t *p = NULL;
   ferry_store_view *v = NULL;
+  read_begin(c, w);
   double t = bench_now();
   int rc = ferry_store_get_view(c->s, key, (const void **)&p, NULL, &v, -1);
   bench_add(&s->s, bench_now() - t);
+  read_end(c, w);
   if (rc == 0 && copy) {
     t = bench_now();
     memcpy(c->dst, p, BS_ROUTING_BYTES);
@@ -334,14 +404,15 @@ static int consume_routing(consumer *c) {
       break;
     char key[32];
     snprintf(key, sizeof key, "routing/%d", i);
+    bool paced = c->pace_ms > 0;
     if (i % 2 == 0) {
-      rc = routing_get(c, key, i, get);
+      rc = routing_get(c, key, i, get, paced ? &get->w : NULL);
       if (rc == 0)
-        rc = routing_view(c, key, i, cached, NULL);
+        rc = routing_view(c, key, i, cached, NULL, NULL);
     } else {
-      rc = routing_view(c, key, i, view, copy);
+      rc = routing_view(c, key, i, view, copy, paced ? &view->w : NULL);
       if (rc == 0)
-        rc = routing_get(c, key, i, get_after);
+        rc = routing_get(c, key, i, get_after, NULL);
     }
     bench_write_all(c->to_producer, "A", 1);
   }
@@ -365,9 +436,11 @@ static int consume_layers(consumer *c) {
       items[l] = (ferry_store_item){
           .key = keys[l], .dst = c->dst + (size_t)l * BS_LAYER_BYTES, .cap = BS_LAYER_BYTES};
     }
+    read_begin(c, c->pace_ms > 0 ? &get->w : NULL);
     double t = bench_now();
     rc = ferry_store_get_batch(c->s, items, BS_LAYERS, -1);
     bench_add(&get->s, bench_now() - t);
+    read_end(c, c->pace_ms > 0 ? &get->w : NULL);
     bench_write_all(c->to_producer, "A", 1);
   }
   return rc;
@@ -429,11 +502,16 @@ static int run_ferry(bs_report *r, int requests, int pace_ms) {
   pid_t prod = fork();
   if (prod == 0) {
     close(dq[1]);
-    _exit(producer_main(url, requests, pace_ms, p2c[1], c2p[0]));
+    _exit(producer_main(url, requests, pace_ms, p2c[1], c2p[0], dir));
   }
   close(p2c[1]);
   close(c2p[0]);
-  consumer c = {.requests = requests, .from_producer = p2c[0], .to_producer = c2p[1], .r = r};
+  consumer c = {.requests = requests,
+                .from_producer = p2c[0],
+                .to_producer = c2p[1],
+                .r = r,
+                .pace_ms = pace_ms,
+                .peers = {prod, dir}};
   if (pace_ms > 0)
     snprintf(c.suffix, sizeof c.suffix, "@%dms", pace_ms);
   int rc = run_consumer(&c, url);
@@ -494,10 +572,10 @@ static void print_rows(const bench_opts *o, bs_report *r) {
  * first read of each request, which follows them); the cached reads come right after another
  * read, and memcpy is a reference, not a call. */
 static const char *const paced_order[][2] = {
-    {"routing/put", "ferry(copy)"},    {"routing/put", "ferry(in place)"},
-    {"routing/get", "ferry"},          {"routing/get", "ferry(view)"},
-    {"layers/put", "ferry(batch)"},    {"layers/get", "ferry(batch)"},
-    {"put-256MiB", "ferry(in place)"},
+    {"routing/put", "ferry(copy)"},  {"routing/put", "ferry(in place)"},
+    {"routing/get", "ferry"},        {"routing/get", "ferry(view)"},
+    {"routing/get", "memcpy(view)"}, {"layers/put", "ferry(batch)"},
+    {"layers/get", "ferry(batch)"},  {"put-256MiB", "ferry(in place)"},
 };
 
 static void print_paced(const bench_opts *o, bs_report *r) {
@@ -508,7 +586,7 @@ static void print_paced(const bench_opts *o, bs_report *r) {
     bs_series *paced = (bs_series *)bs_find(r, paced_order[i][0], name);
     if (b2b && paced)
       bench_paced_row(o, "store", paced->case_name, b2b->impl, paced->bytes, &paced->s,
-                      bs_median(b2b));
+                      bs_median(b2b), &paced->w);
   }
 }
 
@@ -576,9 +654,13 @@ static const char store_usage[] =
     "--full runs the same: the default run already holds every row (~25 s here).\n"
     "Then the paced run: the same producer and reads once more, each put after a pause of\n"
     "--pace MS (default 10; 0: no paced run), 100 requests (--full: 1,000; --reps N, when\n"
-    "fewer: N), so each get follows a pause too; p50, p99 and paced p50 / back-to-back p50\n"
-    "of every put and first get (routing gets alternate get and view: half the requests\n"
-    "each).\n";
+    "fewer: N), and each first get after a pause of its own; p50, p99 and paced p50 /\n"
+    "back-to-back p50 of every put and first get (routing gets alternate get and view: half\n"
+    "the requests each), with wake-ups/call (JSON wakeups_per_call): the voluntary context\n"
+    "switches of this process, the producer and the directory from before the call's pause\n"
+    "to a pause after it (what a posted put sets off is in it), both pauses left out, and\n"
+    "`idle`: the same in an empty window after every 4th call (`ferry bench --help`). Then\n"
+    "the paced floor: a no-op and a 64 KiB memcpy, back to back and paced.\n";
 
 int bench_store(int argc, char **argv) {
   bench_opts o = {0};
@@ -609,6 +691,7 @@ int bench_store(int argc, char **argv) {
   }
   print_rows(&o, &r);
   print_paced(&o, &r);
+  bench_paced_floor(&o, "store", FLOOR_BYTES);
   print_targets(&o, &r);
   for (int i = 0; i < r.n; i++)
     bench_free(&r.v[i].s);

@@ -23,6 +23,7 @@ typedef struct bs_series {
   uint64_t bytes;
   bench_samples s;
   bool baseline;
+  bench_wake w; /* the paced run's wake-ups per call (bench.h) */
 } bs_series;
 
 typedef struct bs_report {

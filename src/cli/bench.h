@@ -12,6 +12,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 typedef struct bench_opts {
   bool json;
@@ -34,6 +35,11 @@ double bench_now(void); /* monotonic seconds */
 /* Reports one row: prints it (table or JSON). `baseline` marks the case's reference row. */
 void bench_row(const bench_opts *o, const char *bench, const char *case_name, const char *impl,
                uint64_t bytes, bench_samples *b, bool baseline);
+struct bench_wake;
+/* The same with the calls' wake-ups (w: bench_wake below; NULL: none): the table's last column
+ * and JSON's wakeups_per_call. */
+void bench_row_wake(const bench_opts *o, const char *bench, const char *case_name, const char *impl,
+                    uint64_t bytes, bench_samples *b, bool baseline, const struct bench_wake *w);
 /* The 99th percentile of the samples (sorts them). */
 double bench_p99(bench_samples *b);
 /* Prints the table header (not in JSON mode). */
@@ -82,11 +88,76 @@ bench_until bench_until_paced(const bench_opts *o);
 void bench_pace(const bench_opts *o);
 /* The median of the samples (sorts them); 0 when there are none. */
 double bench_median(bench_samples *b);
+
+/* ---- wake-ups ----
+ * What a paced call pays is mostly the wake-ups of sleeping threads (~20-40 us each on a VM), so
+ * the paced rows count them: the voluntary context switches (a thread blocking, to be woken
+ * later) of every thread of every process on the call's path, this one (getrusage, dead threads
+ * included) and its peers (/proc/PID/task/N/status), summed over windows that hold the timed
+ * calls, less this thread's own pauses (each bench pause is one switch of its own, counted as it
+ * sleeps), per call. Every wake-up ends in a switch, so a window that covers a call and what it
+ * set off counts each once. What the same processes do meanwhile on their own (timers, polls) is
+ * counted too, so it is measured apart and reported beside: idle wake-ups per call, from empty
+ * windows of the calls' shape between them (bench_wake_idle_paced) or from the processes'
+ * idle rate over the windows' length (bench_wake_idle). */
+#define BENCH_WAKE_PEERS 16
+#define BENCH_WAKE_IDLE_MS 200 /* how long bench_wake_idle watches */
+#define BENCH_WAKE_QUIET_MS 1  /* bench_wake_begin_paced's settling before a window */
+typedef struct bench_wake {
+  pid_t peers[BENCH_WAKE_PEERS]; /* the peer processes on the path */
+  int npeers;
+  double switches;      /* counted in closed windows, own pauses taken out */
+  double seconds;       /* the length of those windows */
+  size_t calls;         /* the calls they hold */
+  double idle_per_s;    /* the same processes idle (bench_wake_idle); < 0: not measured */
+  double idle_switches; /* or in empty windows of the calls' shape (bench_wake_idle_paced) */
+  size_t idle_windows;
+  uint64_t at, own_at; /* the open window: where it began */
+  double t_at;
+} bench_wake;
+/* A meter of this process and the peers pids[0..n) (at most BENCH_WAKE_PEERS; a pid <= 0 is
+ * left out). */
+void bench_wake_init(bench_wake *w, const pid_t *pids, int n);
+/* Opens a window; bench_wake_end closes it, holding `calls` calls. */
+void bench_wake_begin(bench_wake *w);
+void bench_wake_end(bench_wake *w, size_t calls);
+/* Opens a window for one paced call in a loop that also hands messages between processes (the
+ * store's producer and consumer): lets what came before settle (BENCH_WAKE_QUIET_MS, outside the
+ * window: the other side's harness blocking on its pipe is not the call's), opens the window,
+ * then pauses o->pace_ms. So the call follows its pause directly, as unmetered (reading /proc
+ * right before it would change what it finds in the caches). */
+void bench_wake_begin_paced(bench_wake *w, const bench_opts *o);
+/* Closes a window after a pause of ms (this thread's own switch taken out): what the call set
+ * off after it returned (a posted message the peer takes later) falls in its window. */
+void bench_wake_end_settled(bench_wake *w, size_t calls, int ms);
+/* Adds windows counted elsewhere (another process's meter, sent over a pipe). */
+void bench_wake_add(bench_wake *w, double switches, double seconds, size_t calls);
+/* The background: the processes left alone for ms (this thread asleep), as a rate. */
+void bench_wake_idle(bench_wake *w, int ms);
+/* Or one empty window of a paced call's shape (bench_wake_begin_paced, no call, a settle of
+ * settle_ms) between the calls: the background as the calls see it. */
+void bench_wake_idle_paced(bench_wake *w, const bench_opts *o, int settle_ms);
+/* Switches per call (< 0: nothing counted), and the background's part of it (< 0: not
+ * measured). */
+double bench_wake_per_call(const bench_wake *w);
+double bench_wake_idle_per_call(const bench_wake *w);
+/* This process's and the peers' voluntary switches now. */
+uint64_t bench_wake_count(const bench_wake *w);
+
 /* Reports the paced row of (case, impl): p50, p99 and p50 / b2b_median (the back-to-back row's
  * median), in the table or as one JSON line with impl "IMPL@MSms", paced_ms, samples,
- * median_s, p99_s, min_s, max_s, b2b_median_s and paced_over_b2b. */
+ * median_s, p99_s, min_s, max_s, b2b_median_s and paced_over_b2b; with a meter (w, NULL: none),
+ * wakeups_per_call and idle_wakeups_per_call (bench_wake_*_per_call; null when not measured). */
 void bench_paced_row(const bench_opts *o, const char *bench, const char *case_name,
-                     const char *impl, uint64_t bytes, bench_samples *paced, double b2b_median);
+                     const char *impl, uint64_t bytes, bench_samples *paced, double b2b_median,
+                     const bench_wake *w);
+
+/* The floor of a paced call in this process, printed as rows of case "paced-floor": a no-op
+ * (the clock, read right after a pause) and a memcpy of `bytes` between two buffers nothing else
+ * touches, each back to back and paced. A call that wakes nobody still pays what a pause costs
+ * what it touches (caches, TLB, a vCPU that idled); against the memcpy's ratio a row's own
+ * ratio tells that cost from its wake-ups. */
+void bench_paced_floor(const bench_opts *o, const char *bench, uint64_t bytes);
 
 /* The cases between network namespaces listen beyond loopback, where a node needs the fleet
  * token (docs/SECURITY.md): without FERRY_TOKEN set, bench_token_begin sets a random one for

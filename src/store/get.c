@@ -294,6 +294,9 @@ static void run_jobs(fr_batch *b) {
   }
 }
 
+/* A worker sleeps once per batch it helps with: woken by the batch, it blocks again only when
+ * the batch has no job left. Only the last one out wakes the caller (if it waits), and after
+ * letting go of work_lock, so that the caller does not wake only to wait for the lock. */
 static void *worker_main(void *arg) {
   ferry_store *s = arg;
   pthread_mutex_lock(&s->work_lock);
@@ -304,8 +307,11 @@ static void *worker_main(void *arg) {
       pthread_mutex_unlock(&s->work_lock);
       run_jobs(b);
       pthread_mutex_lock(&s->work_lock);
-      b->active--;
-      pthread_cond_broadcast(&s->done_cond);
+      bool last = --b->active == 0 && s->batch_waiting; /* b is the caller's: not touched after */
+      pthread_mutex_unlock(&s->work_lock);
+      if (last)
+        pthread_cond_signal(&s->done_cond);
+      pthread_mutex_lock(&s->work_lock);
       continue;
     }
     pthread_cond_wait(&s->work_cond, &s->work_lock);
@@ -338,18 +344,22 @@ void fr_store_workers_stop(ferry_store *s) {
   s->nworkers = 0;
 }
 
+/* The workers are woken after work_lock is let go (woken under it, each would wake only to wait
+ * for it: a second wake-up per worker per batch). */
 static void run_batch(ferry_store *s, fr_batch *b) {
   pthread_mutex_lock(&s->batch_lock);
   workers_start(s);
   pthread_mutex_lock(&s->work_lock);
   s->batch = b;
-  pthread_cond_broadcast(&s->work_cond);
   pthread_mutex_unlock(&s->work_lock);
+  pthread_cond_broadcast(&s->work_cond);
   run_jobs(b);
   pthread_mutex_lock(&s->work_lock);
   s->batch = NULL;
+  s->batch_waiting = true;
   while (b->active > 0)
     pthread_cond_wait(&s->done_cond, &s->work_lock);
+  s->batch_waiting = false;
   pthread_mutex_unlock(&s->work_lock);
   pthread_mutex_unlock(&s->batch_lock);
 }

@@ -118,6 +118,7 @@ struct ferry_store {
   pthread_mutex_t work_lock;
   pthread_cond_t work_cond, done_cond;
   fr_batch *batch;
+  bool batch_waiting; /* work_lock: its caller waits for the workers (done_cond) */
   pthread_t *workers;
   int nworkers;
 
