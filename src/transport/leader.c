@@ -285,8 +285,10 @@ static bool wait_as(ferry_ctx *ctx, bool idle, int waits_for, bool (*ready)(void
     uint64_t now = fr_now_ns();
     if (r != LED && now < deadline_ns) {
       /* Someone else leads and signals us (or hands the epoll on as it leaves). An idle wait
-       * is for its channel's messages, which whoever leads signals: no slice. */
-      uint64_t until = idle ? deadline_ns : now + ctx->sleeper_slice_ns;
+       * is for its channel's messages, which whoever leads signals, and where callers never
+       * lead (ucx) the progress thread always does, with no hand-off to go wrong: no slice. */
+      bool no_slice = idle || !ctx->users_may_lead;
+      uint64_t until = no_slice ? deadline_ns : now + ctx->sleeper_slice_ns;
       until = until < deadline_ns ? until : deadline_ns;
       struct timespec ts = fr_timespec(until);
       pthread_mutex_lock(mutex);
