@@ -72,14 +72,8 @@ bool fr_mq_batch_add(ferry_mq *mq, fr_mq_peer *p, const uint8_t *head, size_t hl
     p->batch_ns = now; /* its oldest message: the mq's thread sends it flush_ns after */
   if (!p->batch && !(p->batch = malloc(FR_MQ_BATCH_BYTES)))
     return false;
-  if (!p->dirty && mq->ndirty == mq->capdirty) {
-    size_t cap = mq->capdirty ? mq->capdirty * 2 : 8;
-    fr_mq_peer **v = realloc(mq->dirty, cap * sizeof *v);
-    if (!v)
-      return false;
-    mq->dirty = v;
-    mq->capdirty = cap;
-  }
+  if (!p->dirty && FR_GROW(mq->dirty, mq->capdirty, mq->ndirty + 1, 8) != 0)
+    return false;
   if (!p->dirty) {
     pthread_mutex_lock(&mq->lock);
     p->refs++;

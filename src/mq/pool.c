@@ -41,14 +41,8 @@ uint64_t fr_mq_block_alloc(ferry_mq *mq, uint64_t len, int refs, bool grow, uint
   size_t slot = 0;
   while (slot < mq->nblocks && mq->blocks[slot].refs > 0)
     slot++;
-  if (slot == mq->nblocks && mq->nblocks == mq->capblocks) {
-    size_t cap = mq->capblocks ? mq->capblocks * 2 : 64;
-    fr_mq_block *v = realloc(mq->blocks, cap * sizeof *v);
-    if (!v)
-      return 0;
-    mq->blocks = v;
-    mq->capblocks = cap;
-  }
+  if (slot == mq->nblocks && FR_GROW(mq->blocks, mq->capblocks, slot + 1, 64) != 0)
+    return 0;
   if (fr_pool_alloc(&mq->space, want, grow ? mq->pool_bytes : mq->pool_hwm, off) != 0)
     return 0;
   if (*off + want > mq->pool_hwm)
@@ -87,14 +81,8 @@ void fr_mq_pool_fini(ferry_mq *mq) {
 }
 
 int fr_mq_peer_hold(fr_mq_peer *p, uint64_t token) {
-  if (p->ntokens == p->captokens) {
-    size_t cap = p->captokens ? p->captokens * 2 : 16;
-    uint64_t *v = realloc(p->tokens, cap * sizeof *v);
-    if (!v)
-      return -1;
-    p->tokens = v;
-    p->captokens = cap;
-  }
+  if (FR_GROW(p->tokens, p->captokens, p->ntokens + 1, 16) != 0)
+    return -1;
   p->tokens[p->ntokens++] = token;
   return 0;
 }

@@ -38,18 +38,12 @@ void fr_refit_piece_shape(const fr_refit_plan *plan, const fr_refit_piece *pc,
 
 typedef struct runs {
   fr_refit_run *v;
-  uint64_t n, cap;
+  size_t n, cap;
 } runs;
 
 static int push_run(runs *rs, uint64_t off, uint64_t len, uint8_t *dst) {
-  if (rs->n == rs->cap) {
-    uint64_t cap = rs->cap ? 2 * rs->cap : 64;
-    fr_refit_run *v = realloc(rs->v, cap * sizeof *v);
-    if (!v)
-      return fr_err(FERRY_ENOMEM, "refit: %llu shard runs", (unsigned long long)cap);
-    rs->v = v;
-    rs->cap = cap;
-  }
+  if (FR_GROW(rs->v, rs->cap, rs->n + 1, 64) != 0)
+    return fr_err(FERRY_ENOMEM, "refit: %zu shard runs", rs->n + 1);
   rs->v[rs->n++] = (fr_refit_run){off, len, dst};
   return 0;
 }
