@@ -2,7 +2,9 @@
  * Refit end to end: a sender pushes versions to receivers over shm and tcp; bindings, flat
  * buffers, casts, partial and unchanged-skipping pushes; faults: a corrupted bucket, a receiver
  * killed mid-push (the others commit, the restarted one catches up), a receiver stopped
- * (SIGSTOP) mid-push (dropped alone; torn, not the version it missed, until it catches up), the
+ * (SIGSTOP) mid-push (dropped alone; torn, not the version it missed, until it catches up), a
+ * stopped tcp receiver whose link would fill with announcements (the healthy one gets every bucket
+ * meanwhile, and the stopped one's death ends the push at once), the
  * sender killed mid-push (receivers report torn bytes, not their old version) or stopped
  * mid-push (a wait times out, no version is claimed; resumed, the push lands whole), bindings
  * that do not fit; late join (a receiver that attaches after a push, or during one, catches up

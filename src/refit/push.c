@@ -9,6 +9,16 @@
  * the receivers behind it in a chain get the buckets they miss straight from the sender in a
  * second, direct pass. A receiver that reads shards is announced, beside each bucket's
  * checksum, the sum of its own runs in it (taken while the bucket is packed), and reads directly.
+ *
+ * Who sends what, and when: the pushing thread decides under s->lock (mark_failures,
+ * announce_ready) and queues the frames in the push's outbox; it sends them after releasing the
+ * lock, and a frame that did not go fails its receiver under the lock afterwards. The service
+ * thread only records acknowledgements (and wakes this thread), so a receiver whose link is full
+ * never holds the others' acknowledgements; and a receiver is announced at most AHEAD buckets
+ * beyond its acknowledgements, so a stopped one's link never fills with our frames in the first
+ * place. Between rounds the pushing thread sleeps on s->cond until an acknowledgement, a link's
+ * death (the service thread is told by the transport) or the earliest progress deadline: it
+ * polls nothing.
  */
 #include "refit/sender_impl.h"
 
