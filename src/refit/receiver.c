@@ -998,11 +998,15 @@ int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_m
   return 0;
 }
 
+/* A goodbye is a courtesy (the sender also notices the link's end): a sender that does not read
+ * costs close no more than this. */
+#define DETACH_SEND_MS 1000
+
 void ferry_refit_receiver_close(ferry_refit_receiver *r) {
   if (!r)
     return;
   fr_refit_msg_t bye = {.type = FR_REFIT_DETACH};
-  fr_refit_send(r->link, FR_REFIT_TO_SENDER, &bye, 1000);
+  fr_refit_send(r->link, FR_REFIT_TO_SENDER, &bye, DETACH_SEND_MS);
   if (pthread_equal(pthread_self(), r->service)) {
     /* from a callback: the thread cannot join itself, and frees the receiver once the message
      * it is handling is done (service_thread) */
