@@ -76,7 +76,10 @@ static receiver *new_receiver(ferry_msg *m) {
 }
 
 /* The ATTACH reply is built under the lock (the manifest is copied: a seal may replace it) and
- * sent after; the receiver is recorded only once it has the reply. */
+ * sent after it. The receiver is recorded first, under the same lock: once its open returns, a
+ * push that begins includes it. (Frames of that push may reach it before the reply; its service
+ * thread, started once the reply is in, takes them after.) A reply that cannot go leaves the link
+ * dead, and the next push drops the record. */
 static void answer_attach(ferry_refit_sender *s, ferry_msg *m) {
   pthread_mutex_lock(&s->lock);
   fr_refit_attach_reply rep = {.status = s->sealed ? 0 : FERRY_ESTATE, .latest = s->latest};
@@ -88,29 +91,23 @@ static void answer_attach(ferry_refit_sender *s, ferry_msg *m) {
     memcpy(manifest, s->manifest, mlen);
   else if (mlen)
     rep.status = FERRY_ENOMEM;
-  pthread_mutex_unlock(&s->lock);
-  uint8_t head[FR_REFIT_ATTACH_HEAD];
-  fr_refit_attach_head_encode(&rep, head);
-  struct iovec iov[2] = {{head, sizeof head}, {manifest, manifest ? mlen : 0}};
-  int rc = ferry_reply(m, iov, 2, -1);
-  free(manifest);
-  if (rc != 0)
-    return;
-  pthread_mutex_lock(&s->lock);
   receiver *known = find_receiver(s, m->link);
   if (known && known->dropped) { /* back from a stall: in the next push again */
     known->dropped = false;
     fr_info("refit '%s': receiver '%s' attached again", s->name, known->peer);
   }
-  if (rep.status == 0 && s->sealed && !known) {
-    receiver *r = new_receiver(m);
-    if (r) {
-      r->next = s->receivers;
-      s->receivers = r;
-      fr_info("refit '%s': receiver '%s' attached", s->name, r->peer);
-    }
+  receiver *r = rep.status == 0 && !known ? new_receiver(m) : NULL;
+  if (r) {
+    r->next = s->receivers;
+    s->receivers = r;
+    fr_info("refit '%s': receiver '%s' attached", s->name, r->peer);
   }
   pthread_mutex_unlock(&s->lock);
+  uint8_t head[FR_REFIT_ATTACH_HEAD];
+  fr_refit_attach_head_encode(&rep, head);
+  struct iovec iov[2] = {{head, sizeof head}, {manifest, manifest ? mlen : 0}};
+  ferry_reply(m, iov, 2, -1);
+  free(manifest);
 }
 
 /* A receiver verified a bucket (it is then a source for its successor) or failed it. A failure
