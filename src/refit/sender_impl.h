@@ -5,8 +5,9 @@
  * Locking: s->lock guards the receiver list and every receiver record, and nothing is ever sent
  * while it is held. What to send is decided under it and queued in an outbox (outbox.c), and the
  * thread that queued it sends after unlocking: during a push only the pushing thread sends to the
- * receivers of the push; outside one the service thread sends catch-up frames. Nothing waits for
- * a receiver with the lock held, so a receiver whose link is full delays only that thread's next
+ * receivers of the push (and, as it ends, the DROPPED notices); outside one the service thread
+ * sends catch-up frames, and its ATTACH and VIEW replies go unlocked too. Nothing waits for a
+ * receiver with the lock held, so a receiver whose link is full delays only that thread's next
  * frames, and the service thread keeps recording the others' acknowledgements.
  */
 #ifndef FR_REFIT_SENDER_IMPL_H
@@ -36,6 +37,7 @@ typedef struct fr_refit_outbox {
   fr_refit_out *v;
   size_t n, cap;
 } fr_refit_outbox;
+
 /* One receiver that attached. Lifetime: a record is freed only under s->lock, and never while it
  * is in a push (in_push; one that says goodbye is marked `detached` and goes when the push ends),
  * by the service thread (DETACH), by begin_push/finish_push on the pushing thread, or by close.
