@@ -2,7 +2,9 @@
  * Refit end to end: a sender pushes versions to receivers over shm and tcp; bindings, flat
  * buffers, casts, partial and unchanged-skipping pushes; faults: a corrupted bucket, a receiver
  * killed mid-push (the others commit, the restarted one catches up), a receiver stopped
- * (SIGSTOP) mid-push (dropped alone; torn, not the version it missed, until it catches up), the
+ * (SIGSTOP) mid-push (dropped alone; torn, not the version it missed, until it catches up), a
+ * stopped tcp receiver whose link would fill with announcements (the healthy one gets every bucket
+ * meanwhile, and the stopped one's death ends the push at once), the
  * sender killed mid-push (receivers report torn bytes, not their old version) or stopped
  * mid-push (a wait times out, no version is claimed; resumed, the push lands whole), bindings
  * that do not fit; late join (a receiver that attaches after a push, or during one, catches up
@@ -715,6 +717,121 @@ static void receiver_stalled(ferry_refit_route route) {
 
 static void test_receiver_stalled(void **st) { receiver_stalled(FERRY_REFIT_ROUTE_AUTO); }
 static void test_receiver_stalled_chain(void **st) { receiver_stalled(FERRY_REFIT_ROUTE_CHAIN); }
+
+/* Helper process (exec'd): a tcp receiver with a flat buffer and the smallest socket buffers
+ * (FERRY_TCP_SOCKBUF), so that a few hundred announcements fill its link once it is stopped. */
+static int stalled_tcp_child(const char *address, int wr) {
+  setenv("FERRY_TCP_SOCKBUF", "4096", 1); /* before any thread */
+  ferry_ctx *c = ctx_for("stalled-tcp", "tcp");
+  ferry_refit_receiver *r;
+  if (ferry_refit_receiver_open(c, address, 5000, &r) != 0 || ferry_refit_bind_flat(r) != 0)
+    return 1;
+  tu_pipe p = {-1, wr};
+  uint8_t ready = 1;
+  tu_pipe_put(&p, &ready, 1);
+  for (;;) /* the parent stops it, then kills it */
+    pause();
+}
+
+typedef struct bg_push {
+  ferry_refit_sender *s;
+  uint64_t version;
+  ferry_refit_push_opts po;
+  int rc;
+  char error[512];
+} bg_push;
+
+static void *push_thread(void *arg) {
+  bg_push *b = arg;
+  b->rc = ferry_refit_push(b->s, b->version, &b->po);
+  snprintf(b->error, sizeof b->error, "%s", ferry_last_error());
+  return NULL;
+}
+
+/* Buckets of version `version` that landed at a receiver (its on_bucket callback). */
+typedef struct landed {
+  uint64_t version;
+  uint32_t count; /* atomic */
+} landed;
+
+static void count_landed(ferry_refit_receiver *r, uint64_t version, uint32_t bucket, void *arg) {
+  landed *l = arg;
+  if (version == l->version)
+    __atomic_add_fetch(&l->count, 1, __ATOMIC_RELAXED);
+}
+
+/* A stopped tcp receiver whose link would fill up: many small buckets (one announcement each),
+ * and socket buffers at their smallest. While the push waits for the stopped one, the healthy
+ * one gets every bucket of the version (the push's timeout is longer than the test waits for
+ * that); once the stopped one dies, the push commits the healthy one and names the dead one
+ * alone. The next versions go without it. (With announcements sent under the sender's lock, a
+ * send blocked on the full link for the push's timeout, and every announcement to the healthy
+ * receiver and every acknowledgement from it waited meanwhile.) */
+static void test_receiver_stalled_full_link(void **st) {
+  setenv("FERRY_TCP_SOCKBUF", "4096", 1); /* no thread of ours runs yet */
+  model m;
+  model_init(&m, 11);
+  ferry_ctx *sc = ctx_for("trainer", "tcp"), *hc = ctx_for("healthy", "tcp");
+  ferry_refit_sender *s = sender_for(sc, &m, 256); /* ~1700 buckets */
+  ferry_refit_receiver *healthy = flat_receiver(hc, ferry_ctx_address(sc));
+  uint32_t first, count;
+  FR_OK(ferry_refit_tensor_buckets(healthy, NT - 1, &first, &count));
+  uint32_t buckets = first + count; /* the last tensor ends the last bucket */
+  landed l = {.version = 2};
+  ferry_refit_on_bucket(healthy, count_landed, &l);
+  await_receivers(s, 1);
+  tu_pipe from_child;
+  tu_pipe_open(&from_child);
+  char wr[16];
+  snprintf(wr, sizeof wr, "%d", from_child.wr);
+  pid_t pid = tu_spawn_exec("--stalled-tcp-receiver", ferry_ctx_address(sc), wr, NULL);
+  uint8_t ready = 0;
+  assert_int_equal(tu_pipe_get(&from_child, &ready, 1, 10000), 0);
+  await_receivers(s, 2);
+  bg_push b = {.s = s,
+               .version = 1,
+               .po = {.size = sizeof b.po, .timeout_ms = 60000, .route = FERRY_REFIT_ROUTE_DIRECT}};
+  FR_OK(ferry_refit_push(s, 1, &b.po));
+  FR_OK(ferry_refit_wait(healthy, 1, 0, NULL));
+
+  kill(pid, SIGSTOP);
+  int st2;
+  assert_int_equal(waitpid(pid, &st2, WUNTRACED), pid);
+  assert_true(WIFSTOPPED(st2));
+  model_bump(&m, -1);
+  b.version = 2;
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, push_thread, &b), 0);
+  for (int i = 0; i < 3000 && __atomic_load_n(&l.count, __ATOMIC_RELAXED) < buckets; i++)
+    usleep(10000); /* up to 30 s, half the push's timeout */
+  assert_int_equal(__atomic_load_n(&l.count, __ATOMIC_RELAXED), buckets);
+  kill(pid, SIGKILL);
+  assert_int_equal(tu_wait(pid), 128 + SIGKILL);
+  pthread_join(t, NULL);
+  assert_int_equal(b.rc, FERRY_EPEER);
+  assert_non_null(strstr(b.error, "stalled-tcp"));
+  assert_null(strstr(b.error, "healthy"));
+  FR_OK(ferry_refit_wait(healthy, 2, 0, NULL)); /* committed before the push returned */
+  assert_int_equal(ferry_refit_receivers(s), 1);
+
+  for (uint64_t v = 3; v <= 4; v++) { /* without it */
+    model_bump(&m, -1);
+    FR_OK(ferry_refit_push(s, v, &b.po));
+    FR_OK(ferry_refit_wait(healthy, v, 0, NULL));
+  }
+  void *views[NT];
+  for (int i = 0; i < NT; i++)
+    FR_OK(ferry_refit_view(healthy, m.name[i], &views[i]));
+  expect_model(&m, (const void *const *)views);
+
+  tu_pipe_close(&from_child);
+  ferry_refit_receiver_close(healthy);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(hc);
+  ferry_ctx_close(sc);
+  model_free(&m);
+  unsetenv("FERRY_TCP_SOCKBUF"); /* every thread of ours has ended */
+}
 
 static void stop_at_bucket_two(uint32_t bucket, uint8_t *bytes, uint64_t len) {
   if (bucket == 2)
@@ -1942,6 +2059,8 @@ int main(int argc, char **argv) {
     return receiver_child(argv[2], strtoull(argv[3], NULL, 10), atoi(argv[4]));
   if (argc == 5 && strcmp(argv[1], "--stall-receiver") == 0)
     return stall_receiver_child(argv[2], atoi(argv[3]), atoi(argv[4]));
+  if (argc == 4 && strcmp(argv[1], "--stalled-tcp-receiver") == 0)
+    return stalled_tcp_child(argv[2], atoi(argv[3]));
   if (argc == 3 && strcmp(argv[1], "--publish-and-die") == 0)
     return publish_and_die(atoi(argv[2]));
   if (argc == 4 && strcmp(argv[1], "--sender") == 0) {
@@ -1963,6 +2082,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_receiver_killed),
       cmocka_unit_test(test_receiver_stalled),
       cmocka_unit_test(test_receiver_stalled_chain),
+      cmocka_unit_test(test_receiver_stalled_full_link),
       cmocka_unit_test(test_sender_killed),
       cmocka_unit_test(test_sender_stopped),
       cmocka_unit_test(test_late_join_shm),

@@ -5,7 +5,8 @@
  * bucket's checksum; a receiver that lacks the latest version and has bound its destinations
  * asks (CATCHUP), and the sender announces it the buckets of that buffer, a few at a time, then
  * COMMIT, exactly as a push would but to that receiver alone. Everything runs on the sender's
- * service thread as acknowledgements arrive, so a catch-up never holds the pushing thread; it
+ * service thread as acknowledgements arrive, so a catch-up never holds the pushing thread (the
+ * frames are queued under the sender's lock and sent once it is released, sender_impl.h); it
  * waits while a push rewrites the buffer. A push that begins stops it and leaves the receiver
  * out (it has no version of the buffer's to build on, and reading every bucket there would make
  * the others' push wait for it): once the push ends it catches up to the newer version from the
@@ -29,12 +30,21 @@ static uint32_t window(const fr_refit_plan *p) {
   return w < 1 ? 1 : w > CATCHUP_WINDOW_MAX ? CATCHUP_WINDOW_MAX : (uint32_t)w;
 }
 
-static void tell_no_copy(ferry_refit_sender *s, receiver *r) {
-  fr_refit_msg_t m = {.type = FR_REFIT_CATCHUP, .version = s->latest, .status = FERRY_ENOTFOUND};
-  fr_refit_send(r->link, FR_REFIT_TO_RECEIVER, &m, 1000);
+/* Catch-up frames are sent with this timeout: the receiver asked, so it reads; one that stopped
+ * since costs the service thread no more than this. */
+#define CATCHUP_SEND_MS 1000
+
+static void queue(fr_refit_outbox *out, receiver *r, const fr_refit_msg_t *m) {
+  if (fr_refit_out_add(out, r->link, m, CATCHUP_SEND_MS, true) != 0)
+    fr_refit_catchup_cancel(r); /* no memory: the next push brings the version */
 }
 
-static void announce_next(ferry_refit_sender *s, receiver *r) {
+static void tell_no_copy(ferry_refit_sender *s, receiver *r, fr_refit_outbox *out) {
+  fr_refit_msg_t m = {.type = FR_REFIT_CATCHUP, .version = s->latest, .status = FERRY_ENOTFOUND};
+  queue(out, r, &m);
+}
+
+static void announce_next(ferry_refit_sender *s, receiver *r, fr_refit_outbox *out) {
   const fr_refit_plan *p = &s->plan;
   uint32_t w = window(p);
   while (r->cu_version && r->cu_announced < p->buckets && r->cu_announced < r->cu_acked + w) {
@@ -52,22 +62,21 @@ static void announce_next(ferry_refit_sender *s, receiver *r) {
       m.view = r->view->serial;
       m.view_sum = fr_refit_view_sum(p, r->view, b, (const uint8_t *)s->buf[0] + m.src_offset);
     }
-    if (fr_refit_send(r->link, FR_REFIT_TO_RECEIVER, &m, 1000) != 0)
-      fr_refit_catchup_cancel(r);
+    queue(out, r, &m);
   }
 }
 
-static void start(ferry_refit_sender *s, receiver *r) {
+static void start(ferry_refit_sender *s, receiver *r, fr_refit_outbox *out) {
   r->want_catchup = false;
   r->cu_version = s->latest;
   r->cu_announced = r->cu_acked = 0;
   fr_refit_view_refresh(s, r);
   fr_info("refit '%s': receiver '%s' catches up to version %llu", s->name, r->peer,
           (unsigned long long)s->latest);
-  announce_next(s, r);
+  announce_next(s, r, out);
 }
 
-void fr_refit_catchup_serve(ferry_refit_sender *s) {
+void fr_refit_catchup_serve(ferry_refit_sender *s, fr_refit_outbox *out) {
   if (s->pushing || !s->sealed)
     return; /* the buffer is being rewritten: served when the push ends */
   for (receiver *r = s->receivers; r; r = r->next) {
@@ -77,18 +86,18 @@ void fr_refit_catchup_serve(ferry_refit_sender *s) {
       r->want_catchup = false; /* it has it already (a push brought it) */
     } else if (s->retained != s->latest || s->retained == 0) {
       r->want_catchup = false;
-      tell_no_copy(s, r);
+      tell_no_copy(s, r, out);
     } else {
-      start(s, r);
+      start(s, r, out);
     }
   }
 }
 
-void fr_refit_catchup_request(ferry_refit_sender *s, receiver *r) {
+void fr_refit_catchup_request(ferry_refit_sender *s, receiver *r, fr_refit_outbox *out) {
   if (r->cu_version || r->in_push)
     return; /* under way already, or a push brings it */
   r->want_catchup = true;
-  fr_refit_catchup_serve(s);
+  fr_refit_catchup_serve(s, out);
 }
 
 bool fr_refit_catchup_overtaken(ferry_refit_sender *s, receiver *r, uint64_t retained) {
@@ -108,7 +117,8 @@ void fr_refit_catchup_cancel(receiver *r) {
   r->want_catchup = false;
 }
 
-bool fr_refit_catchup_record(ferry_refit_sender *s, receiver *r, const fr_refit_msg_t *x) {
+bool fr_refit_catchup_record(ferry_refit_sender *s, receiver *r, const fr_refit_msg_t *x,
+                             fr_refit_outbox *out) {
   if (!r->cu_version || x->version != r->cu_version)
     return false;
   if (x->type == FR_REFIT_COMMITTED) {
@@ -125,14 +135,13 @@ bool fr_refit_catchup_record(ferry_refit_sender *s, receiver *r, const fr_refit_
     r->cu_version = 0;
   } else if (x->type == FR_REFIT_ACK && x->seq == r->cu_acked) {
     r->cu_acked++;
-    announce_next(s, r);
+    announce_next(s, r, out);
     if (r->cu_acked == s->plan.buckets) {
       fr_refit_msg_t c = {.type = FR_REFIT_COMMIT,
                           .version = r->cu_version,
                           .bytes = s->plan.buckets,
                           .generation = s->plan.generation};
-      if (fr_refit_send(r->link, FR_REFIT_TO_RECEIVER, &c, 1000) != 0)
-        r->cu_version = 0;
+      queue(out, r, &c);
     }
   }
   return true;

@@ -9,6 +9,16 @@
  * the receivers behind it in a chain get the buckets they miss straight from the sender in a
  * second, direct pass. A receiver that reads shards is announced, beside each bucket's
  * checksum, the sum of its own runs in it (taken while the bucket is packed), and reads directly.
+ *
+ * Who sends what, and when: the pushing thread decides under s->lock (mark_failures,
+ * announce_ready) and queues the frames in the push's outbox; it sends them after releasing the
+ * lock, and a frame that did not go fails its receiver under the lock afterwards. The service
+ * thread only records acknowledgements (and wakes this thread), so a receiver whose link is full
+ * never holds the others' acknowledgements; and a receiver is announced at most AHEAD buckets
+ * beyond its acknowledgements, so a stopped one's link never fills with our frames in the first
+ * place. Between rounds the pushing thread sleeps on s->cond until an acknowledgement, a link's
+ * death (the service thread is told by the transport) or the earliest progress deadline: it
+ * polls nothing.
  */
 #include "refit/sender_impl.h"
 
@@ -33,7 +43,15 @@ typedef struct fr_push {
   receiver **viewers; /* the receivers in the push that read shards (a view), and how many */
   size_t nviewers;
   fr_refit_feed *feeds; /* one per viewer, while a bucket is packed */
+  fr_refit_outbox out;  /* frames decided under s->lock, sent by this thread after unlocking */
 } fr_push;
+
+/* Announcements a receiver may have unacknowledged. A receiver reads its buckets one by one, so
+ * a few ahead keep it busy; more would only fill its link. Bounding them keeps every frame a
+ * stopped receiver never reads (16 of FR_REFIT_MSG_BYTES plus a frame header: ~2 KiB) within the
+ * smallest socket buffer the kernel allows (SO_SNDBUF's floor is 4.5 KiB), so a send to it never
+ * blocks: it simply stops being announced anything, and its progress deadline fails it. */
+#define AHEAD 16u
 
 /* Where seq j (bucket b) lies in the sender's memory: one of two slots, or (alias mode, or a
  * sender that retains the latest version for late joiners) its own place in the whole wire
@@ -130,10 +148,17 @@ static bool can_announce(const ferry_refit_sender *s, const fr_push *p, const re
                          uint32_t j) {
   bool source = r->up ? r->up->acked > j : j < s->packed && j >= p->from;
   bool slot = !r->down || !active(r->down) || j < 2 || r->down->acked + 1 >= j;
-  return source && slot;
+  return source && slot && j < r->acked + AHEAD;
 }
 
-static void announce_one(ferry_refit_sender *s, const fr_push *p, receiver *r, uint32_t j) {
+/* Queues a frame of the push for r (sent once s->lock is released). */
+static void queue(fr_push *p, receiver *r, const fr_refit_msg_t *m) {
+  int rc = fr_refit_out_add(&p->out, r->link, m, p->timeout_ms, false);
+  if (rc != 0 && r->status == 0)
+    r->status = rc;
+}
+
+static void announce_one(ferry_refit_sender *s, fr_push *p, receiver *r, uint32_t j) {
   uint32_t b = p->order[j];
   fr_refit_msg_t m = {.type = FR_REFIT_BUCKET,
                       .bucket = b,
@@ -162,18 +187,13 @@ static void announce_one(ferry_refit_sender *s, const fr_push *p, receiver *r, u
     m.view_sum = r->vsum[j];
   }
   if (!owes(r))
-    r->progress_ns = fr_now_ns(); /* its clock starts now */
-  int rc = fr_refit_send(r->link, FR_REFIT_TO_RECEIVER, &m, p->timeout_ms);
-  if (rc != 0)
-    r->status = rc;
+    r->progress_ns = fr_now_ns(); /* its clock starts now (the frame goes right after) */
+  queue(p, r, &m);
   r->announced = j + 1;
 }
 
-/* Announces every bucket that may go now; called by push() and on every acknowledgement. */
-void fr_refit_announce_ready(ferry_refit_sender *s) {
-  const fr_push *p = s->current;
-  if (!p)
-    return;
+/* Queues every bucket that may be announced now (s->lock held). */
+static void announce_ready(ferry_refit_sender *s, fr_push *p) {
   for (receiver *r = s->receivers; r; r = r->next)
     while (active(r) && r->announced < p->n && can_announce(s, p, r, r->announced))
       announce_one(s, p, r, r->announced);
@@ -197,25 +217,56 @@ static bool slot_free(const ferry_refit_sender *s, const fr_push *p, uint32_t q)
   return true;
 }
 
-/* Waits for an acknowledgement, or 50 ms to check liveness and progress again. */
-static void wait_briefly(ferry_refit_sender *s) {
-  uint64_t t = fr_now_ns() + 50000000ull;
-  struct timespec ts = fr_timespec(t);
+/* When mark_failures would next fail someone by its clock: the earliest deadline of a receiver
+ * that owes an acknowledgement (UINT64_MAX: none does). */
+static uint64_t next_deadline(const ferry_refit_sender *s, const fr_push *p) {
+  uint64_t first = UINT64_MAX, limit = (uint64_t)p->timeout_ms * 1000000ull;
+  for (const receiver *r = s->receivers; r; r = r->next)
+    if (r->in_push && r->status == 0 && !r->orphan && !r->commit_seen && owes(r) &&
+        r->progress_ns + limit < first)
+      first = r->progress_ns + limit;
+  return first;
+}
+
+/* Waits (s->lock held) for what can change the push's state: an acknowledgement or a goodbye
+ * (the service thread records it and signals), a link of the context that died (the transport
+ * tells the service thread, which signals), or the next progress deadline. Nothing else changes
+ * with time, so there is nothing to poll. */
+static void wait_progress(ferry_refit_sender *s, const fr_push *p) {
+  uint64_t until = next_deadline(s, p);
+  if (until == UINT64_MAX) {
+    pthread_cond_wait(&s->cond, &s->lock);
+    return;
+  }
+  struct timespec ts = fr_timespec(until);
   pthread_cond_timedwait(&s->cond, &s->lock, &ts);
 }
 
-/* One pass: packs and announces until every active receiver has every bucket. */
+/* Sends what was queued under s->lock (it is not held), then, under it again, fails the
+ * receivers whose frames did not go. */
+static void send_queued(ferry_refit_sender *s, fr_push *p) {
+  if (p->out.n == 0)
+    return;
+  fr_refit_out_send(&p->out);
+  pthread_mutex_lock(&s->lock);
+  fr_refit_out_settle(s, &p->out);
+  pthread_mutex_unlock(&s->lock);
+}
+
+/* One pass: packs and announces until every active receiver has every bucket. Decisions are made
+ * under s->lock; the announcements go out after it is released. */
 static void pump(ferry_refit_sender *s, fr_push *p) {
   for (;;) {
     pthread_mutex_lock(&s->lock);
     mark_failures(s, p);
-    fr_refit_announce_ready(s);
+    announce_ready(s, p);
     bool done = pass_done(s, p);
     uint32_t q = s->packed;
     bool pack_now = !done && q < p->n && slot_free(s, p, q);
-    if (!done && !pack_now)
-      wait_briefly(s);
+    if (!done && !pack_now && p->out.n == 0)
+      wait_progress(s, p);
     pthread_mutex_unlock(&s->lock);
+    send_queued(s, p);
     if (done)
       return;
     if (pack_now) {
@@ -280,11 +331,9 @@ static void build_chain(ferry_refit_sender *s, fr_push *p, ferry_refit_route rou
       continue;
     fr_refit_msg_t m = {
         .type = FR_REFIT_ROUTE, .route = r->up->address, .route_len = strlen(r->up->address)};
-    int rc = fr_refit_send(r->link, FR_REFIT_TO_RECEIVER, &m, p->timeout_ms);
+    queue(p, r, &m);
     free(r->routed);
-    r->routed = rc == 0 ? strdup(r->up->address) : NULL;
-    if (rc != 0)
-      r->status = rc;
+    r->routed = strdup(r->up->address); /* unset again if the frame does not go (outbox.c) */
   }
 }
 
@@ -294,6 +343,8 @@ static size_t begin_push(ferry_refit_sender *s, fr_push *p, ferry_refit_route ro
   size_t n = 0;
   *all_current = true;
   pthread_mutex_lock(&s->lock);
+  while (s->svc_sending) /* catch-up frames queued before this push go before its frames */
+    pthread_cond_wait(&s->cond, &s->lock);
   s->pushing = p->version;
   s->packed = 0;
   s->repairing = false;
@@ -340,15 +391,15 @@ static void commit_all(ferry_refit_sender *s, fr_push *p) {
                       .bytes = p->n,
                       .generation = s->plan.generation};
   pthread_mutex_lock(&s->lock);
-  s->current = NULL;
   for (receiver *r = s->receivers; r; r = r->next)
     if (r->in_push && r->status == 0) {
       r->progress_ns = fr_now_ns();
       r->commit_sent = true;
-      int rc = fr_refit_send(r->link, FR_REFIT_TO_RECEIVER, &c, p->timeout_ms);
-      if (rc != 0)
-        r->status = rc;
+      queue(p, r, &c);
     }
+  pthread_mutex_unlock(&s->lock);
+  send_queued(s, p);
+  pthread_mutex_lock(&s->lock);
   for (;;) {
     bool all = true;
     mark_failures(s, p);
@@ -356,19 +407,19 @@ static void commit_all(ferry_refit_sender *s, fr_push *p) {
       all &= !r->in_push || r->status != 0 || r->commit_seen;
     if (all)
       break;
-    wait_briefly(s);
+    wait_progress(s, p);
   }
   pthread_mutex_unlock(&s->lock);
 }
 
-/* Tells a receiver that timed out that it is out of the push set until it attaches again. Sent
- * with a short timeout: it stalls, and nothing here may wait for it. */
-static void drop(ferry_refit_sender *s, receiver *r, uint64_t version) {
+/* Tells a receiver that timed out that it is out of the push set until it attaches again (queued
+ * in out; the frame goes once the lock is released). Sent with a short timeout: it stalls, and
+ * the push's caller waits for that send. */
+#define DROPPED_SEND_MS 100
+static void drop(receiver *r, uint64_t version, fr_refit_outbox *out) {
   r->dropped = true;
   fr_refit_msg_t m = {.type = FR_REFIT_DROPPED, .version = version};
-  if (fr_refit_send(r->link, FR_REFIT_TO_RECEIVER, &m, 100) != 0)
-    fr_warn("refit '%s': cannot tell '%s' it was dropped: %s", s->name, r->peer,
-            ferry_last_error());
+  fr_refit_out_add(out, r->link, &m, DROPPED_SEND_MS, false); /* no memory: it is not told */
 }
 
 /* What a push came to, for its log line. */
@@ -415,11 +466,11 @@ static int finish_push(ferry_refit_sender *s, uint64_t version, bool packed_all,
   char failed[512] = "";
   size_t used = 0;
   int first = 0;
+  fr_refit_outbox out = {0};
   pthread_mutex_lock(&s->lock);
   s->latest = version;
   s->retained = s->whole && packed_all ? version : 0;
   s->pushing = 0;
-  s->current = NULL;
   for (receiver **pp = &s->receivers; *pp;) {
     receiver *r = *pp;
     bool was_in = r->in_push;
@@ -447,11 +498,21 @@ static int finish_push(ferry_refit_sender *s, uint64_t version, bool packed_all,
       continue;
     }
     if (was_in && r->status == FERRY_ETIMEDOUT)
-      drop(s, r, version);
+      drop(r, version, &out);
     pp = &r->next;
   }
-  fr_refit_catchup_serve(s); /* receivers that attached or asked during the push */
   pthread_mutex_unlock(&s->lock);
+  /* receivers that attached or asked during the push: the service thread serves them, since it
+   * sends the rest of each catch-up as acknowledgements come (one thread, so in order) */
+  __atomic_store_n(&s->serve_catchups, true, __ATOMIC_SEQ_CST);
+  fr_inbox_kick(s->ctx, FR_CHANNEL_REFIT_SENDER, &s->inbox);
+  if (out.n) {
+    fr_refit_out_send(&out);
+    pthread_mutex_lock(&s->lock);
+    fr_refit_out_settle(s, &out);
+    pthread_mutex_unlock(&s->lock);
+  }
+  fr_refit_out_free(&out);
   if (!first)
     return 0;
   return fr_err(first,
@@ -572,15 +633,15 @@ static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_ref
   fr_push p = {.version = version, .timeout_ms = fr_timeout(FR_OPT(o, timeout_ms, -1))};
   bool all_current;
   t->ran = true;
-  if (begin_push(s, &p, FR_OPT(o, route, FERRY_REFIT_ROUTE_AUTO), &all_current) == 0 && !s->whole)
+  size_t in_push = begin_push(s, &p, FR_OPT(o, route, FERRY_REFIT_ROUTE_AUTO), &all_current);
+  send_queued(s, &p); /* the chain's routes */
+  fr_refit_out_free(&p.out);
+  if (in_push == 0 && !s->whole)
     return finish_push(s, version, false, t);
   if (s->whole && (p.had != s->latest || s->latest == 0))
     all_current = false; /* the buffer lacks buckets a partial push would not pack: pack all */
   int rc = plan_push(s, &p, o, all_current);
   if (rc == 0) {
-    pthread_mutex_lock(&s->lock);
-    s->current = &p;
-    pthread_mutex_unlock(&s->lock);
     pump(s, &p);
     if (start_repair(s, &p))
       pump(s, &p);
@@ -592,11 +653,11 @@ static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_ref
   free(p.order);
   free(p.sum);
   free(p.unchanged);
+  fr_refit_out_free(&p.out);
   end_views(s, &p);
   if (rc != 0) {
     pthread_mutex_lock(&s->lock);
     s->pushing = 0;
-    s->current = NULL;
     for (receiver *r = s->receivers; r; r = r->next)
       r->in_push = false;
     pthread_mutex_unlock(&s->lock);

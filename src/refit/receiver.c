@@ -13,7 +13,9 @@
  *
  * The receiver owns its context's FR_CHANNEL_REFIT_RECEIVER (fr_ctx_channel_open), where its
  * sender writes; the transport puts each message in the receiver's inbox and the service thread
- * waits on it, asleep until a message comes or close kicks it. The sender's records go the other
+ * waits on it, asleep until a message comes, a link of the context dies (the transport's
+ * on_link_down kicks it, and it wakes ferry_refit_wait, which then sees a sender that is gone
+ * without polling its link), or close kicks it. The sender's records go the other
  * way on FR_CHANNEL_REFIT_SENDER, owned by a sender on that context if it has one: one receiver
  * and one sender per context (a second receiver gets FERRY_EBUSY), and neither sees the other's
  * messages.
@@ -67,6 +69,7 @@ struct ferry_refit_receiver {
   bool stop;      /* atomic: close asks the service thread to end (then kicks the inbox) */
   bool self_closed; /* closed from its own service thread (a callback): that thread frees it */
   fr_inbox inbox;   /* what the sender sent on FR_CHANNEL_REFIT_RECEIVER */
+  bool link_died;   /* atomic: a link of the context died since the service thread last looked */
   bool owns_channel;
   pthread_t service;
 
@@ -825,6 +828,11 @@ static void *service_main(void *arg) {
   ferry_refit_receiver *r = arg;
   while (!__atomic_load_n(&r->stop, __ATOMIC_SEQ_CST)) {
     ferry_msg *msg = fr_inbox_wait(r->ctx, FR_CHANNEL_REFIT_RECEIVER, &r->inbox, UINT64_MAX);
+    if (__atomic_exchange_n(&r->link_died, false, __ATOMIC_SEQ_CST)) {
+      pthread_mutex_lock(&r->lock); /* the sender's link, maybe: a wait looks again */
+      pthread_cond_broadcast(&r->cond);
+      pthread_mutex_unlock(&r->lock);
+    }
     if (!msg)
       continue; /* kicked */
     fr_refit_msg_t m;
@@ -853,6 +861,22 @@ static void *service_thread(void *arg) {
     receiver_free(r);
   return NULL;
 }
+
+/* The channel's owner: messages go to the inbox; a link that dies kicks it (see the top). */
+static void channel_msg(void *arg, ferry_link *link, ferry_msg *msg) {
+  (void)link;
+  fr_inbox_put(&((ferry_refit_receiver *)arg)->inbox, msg);
+}
+
+static void channel_link_down(void *arg, ferry_link *link) {
+  (void)link; /* any link: the sender's, or another (rare; the wait only looks again) */
+  ferry_refit_receiver *r = arg;
+  __atomic_store_n(&r->link_died, true, __ATOMIC_SEQ_CST);     /* a kick may end a wait that */
+  fr_inbox_kick(r->ctx, FR_CHANNEL_REFIT_RECEIVER, &r->inbox); /* returns a message: the flag */
+}
+
+static const fr_channel_ops channel_ops = {.on_msg = channel_msg,
+                                           .on_link_down = channel_link_down};
 
 /* ---- attach ---- */
 
@@ -956,7 +980,7 @@ int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_m
   pthread_mutex_init(&r->bind_lock, NULL);
   fr_cond_init_monotonic(&r->cond);
   fr_inbox_init(&r->inbox);
-  int rc = fr_ctx_channel_open(ctx, FR_CHANNEL_REFIT_RECEIVER, &fr_inbox_ops, &r->inbox);
+  int rc = fr_ctx_channel_open(ctx, FR_CHANNEL_REFIT_RECEIVER, &channel_ops, r);
   if (rc != 0)
     rc = fr_err(rc, "ferry_refit_receiver_open: this context has a refit receiver already");
   r->owns_channel = rc == 0;
@@ -974,11 +998,15 @@ int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_m
   return 0;
 }
 
+/* A goodbye is a courtesy (the sender also notices the link's end): a sender that does not read
+ * costs close no more than this. */
+#define DETACH_SEND_MS 1000
+
 void ferry_refit_receiver_close(ferry_refit_receiver *r) {
   if (!r)
     return;
   fr_refit_msg_t bye = {.type = FR_REFIT_DETACH};
-  fr_refit_send(r->link, FR_REFIT_TO_SENDER, &bye, 1000);
+  fr_refit_send(r->link, FR_REFIT_TO_SENDER, &bye, DETACH_SEND_MS);
   if (pthread_equal(pthread_self(), r->service)) {
     /* from a callback: the thread cannot join itself, and frees the receiver once the message
      * it is handling is done (service_thread) */
@@ -1229,26 +1257,36 @@ int ferry_refit_tensor_buckets(ferry_refit_receiver *r, size_t i, uint32_t *firs
 /* Late join: a receiver whose bytes are not the latest version it knows of (it attached after
  * that version was pushed, or a push failed for it) asks the sender once per version to send it
  * that version now, rather than wait for the next push. Only once something is bound: the
- * version must land where the engine looks. r->lock held. */
-static void maybe_catch_up(ferry_refit_receiver *r) {
+ * version must land where the engine looks. Decided under r->lock (returns the version to ask
+ * for, 0: none); the caller asks (ask()) once it has released the lock. */
+static uint64_t maybe_catch_up(ferry_refit_receiver *r) {
   uint64_t have = r->torn_by ? 0 : r->committed;
   if (r->latest_known <= have || r->asked >= r->latest_known ||
       !__atomic_load_n(&r->bound_any, __ATOMIC_ACQUIRE))
-    return;
+    return 0;
   r->asked = r->latest_known;
-  fr_refit_msg_t m = {.type = FR_REFIT_CATCHUP, .version = r->latest_known};
-  if (fr_refit_send(r->link, FR_REFIT_TO_SENDER, &m, 1000) != 0)
+  return r->asked;
+}
+
+/* Sent with a bound: a sender that does not read costs the caller no more. */
+#define CATCHUP_ASK_MS 1000
+
+static void ask(ferry_refit_receiver *r, uint64_t version) {
+  fr_refit_msg_t m = {.type = FR_REFIT_CATCHUP, .version = version};
+  if (fr_refit_send(r->link, FR_REFIT_TO_SENDER, &m, CATCHUP_ASK_MS) != 0)
     fr_warn("refit: cannot ask '%s' for version %llu: %s", ferry_link_peer(r->link),
-            (unsigned long long)r->latest_known, ferry_last_error());
+            (unsigned long long)version, ferry_last_error());
 }
 
 uint64_t ferry_refit_committed(ferry_refit_receiver *r) {
   if (!r)
     return 0;
   pthread_mutex_lock(&r->lock);
-  maybe_catch_up(r);
+  uint64_t asking = maybe_catch_up(r);
   uint64_t v = r->torn_by ? 0 : r->committed;
   pthread_mutex_unlock(&r->lock);
+  if (asking)
+    ask(r, asking);
   return v;
 }
 
@@ -1261,17 +1299,21 @@ int ferry_refit_wait(ferry_refit_receiver *r, uint64_t version, int timeout_ms,
   uint64_t target = version ? version : (r->latest_known ? r->latest_known : 1);
   int gone = 0;
   for (;;) {
-    maybe_catch_up(r);
+    uint64_t asking = maybe_catch_up(r);
+    if (asking) { /* not under the lock: the service thread takes it as versions land */
+      pthread_mutex_unlock(&r->lock);
+      ask(r, asking);
+      pthread_mutex_lock(&r->lock);
+    }
     if (!r->torn_by && r->committed >= target)
       break;
     if ((gone = ferry_link_status(r->link)) != 0)
       break; /* no sender: nothing will land */
-    uint64_t now = fr_now_ns();
-    if (now >= deadline)
+    if (fr_now_ns() >= deadline)
       break;
-    /* wake at least every 100 ms to notice a dead sender */
-    uint64_t until = deadline - now > 100000000ull ? now + 100000000ull : deadline;
-    struct timespec ts = fr_timespec(until);
+    /* woken by a commit, a drop, or the service thread when a link died (channel_link_down);
+     * nothing else to look at until the deadline */
+    struct timespec ts = fr_timespec(deadline);
     pthread_cond_timedwait(&r->cond, &r->lock, &ts);
   }
   uint64_t have = r->torn_by ? 0 : r->committed, torn_by = r->torn_by, last = r->committed;

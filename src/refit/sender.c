@@ -6,7 +6,11 @@
  *
  * The sender owns its context's FR_CHANNEL_REFIT_SENDER (fr_ctx_channel_open): receivers write
  * to it, the transport puts each message in the sender's inbox, and the service thread waits on
- * that inbox, asleep until a message comes, its lease renewal is due, or close kicks it. A
+ * that inbox, asleep until a message comes, its lease renewal is due, a link of the context dies
+ * (the transport's on_link_down kicks it: it wakes the push, which fails a receiver that is gone
+ * at once instead of polling link states), or close kicks it. The service thread never sends
+ * while it holds the sender's lock (sender_impl.h): a stalled receiver cannot hold up the
+ * acknowledgements of the others. A
  * receiver on the same context owns the other channel (FR_CHANNEL_REFIT_RECEIVER), so the two
  * roles never see each other's messages; a second sender on one context gets FERRY_EBUSY.
  */
@@ -71,29 +75,39 @@ static receiver *new_receiver(ferry_msg *m) {
   return NULL;
 }
 
+/* The ATTACH reply is built under the lock (the manifest is copied: a seal may replace it) and
+ * sent after it. The receiver is recorded first, under the same lock: once its open returns, a
+ * push that begins includes it. (Frames of that push may reach it before the reply; its service
+ * thread, started once the reply is in, takes them after.) A reply that cannot go leaves the link
+ * dead, and the next push drops the record. */
 static void answer_attach(ferry_refit_sender *s, ferry_msg *m) {
   pthread_mutex_lock(&s->lock);
   fr_refit_attach_reply rep = {.status = s->sealed ? 0 : FERRY_ESTATE, .latest = s->latest};
   if (s->alias)
     rep.alias = s->ref[0];
-  uint8_t head[FR_REFIT_ATTACH_HEAD];
-  fr_refit_attach_head_encode(&rep, head);
-  struct iovec iov[2] = {{head, sizeof head}, {s->manifest, s->sealed ? s->manifest_len : 0}};
-  int rc = ferry_reply(m, iov, 2, -1);
+  size_t mlen = s->sealed ? s->manifest_len : 0;
+  uint8_t *manifest = mlen ? malloc(mlen) : NULL;
+  if (manifest)
+    memcpy(manifest, s->manifest, mlen);
+  else if (mlen)
+    rep.status = FERRY_ENOMEM;
   receiver *known = find_receiver(s, m->link);
-  if (rc == 0 && known && known->dropped) { /* back from a stall: in the next push again */
+  if (known && known->dropped) { /* back from a stall: in the next push again */
     known->dropped = false;
     fr_info("refit '%s': receiver '%s' attached again", s->name, known->peer);
   }
-  if (rc == 0 && s->sealed && !known) {
-    receiver *r = new_receiver(m);
-    if (r) {
-      r->next = s->receivers;
-      s->receivers = r;
-      fr_info("refit '%s': receiver '%s' attached", s->name, r->peer);
-    }
+  receiver *r = rep.status == 0 && !known ? new_receiver(m) : NULL;
+  if (r) {
+    r->next = s->receivers;
+    s->receivers = r;
+    fr_info("refit '%s': receiver '%s' attached", s->name, r->peer);
   }
   pthread_mutex_unlock(&s->lock);
+  uint8_t head[FR_REFIT_ATTACH_HEAD];
+  fr_refit_attach_head_encode(&rep, head);
+  struct iovec iov[2] = {{head, sizeof head}, {manifest, manifest ? mlen : 0}};
+  ferry_reply(m, iov, 2, -1);
+  free(manifest);
 }
 
 /* A receiver verified a bucket (it is then a source for its successor) or failed it. A failure
@@ -109,9 +123,22 @@ static void record_ack(ferry_refit_sender *s, receiver *r, const fr_refit_msg_t 
       r->fwd_offset[x->seq % 2] = x->src_offset;
     }
     r->acked++;
-    r->progress_ns = fr_now_ns();
-    fr_refit_announce_ready(s);
+    r->progress_ns = fr_now_ns(); /* the pushing thread announces what may go now */
   }
+}
+
+/* Sends what the service thread queued under the lock (catch-up frames; svc_sending was set
+ * then), then applies failures. A push that begins meanwhile waits for it (begin_push), so that
+ * no catch-up frame reaches a receiver after the push's first frame. */
+static void send_queued(ferry_refit_sender *s) {
+  if (!s->svc_sending)
+    return;
+  fr_refit_out_send(&s->svc_out);
+  pthread_mutex_lock(&s->lock);
+  fr_refit_out_settle(s, &s->svc_out);
+  s->svc_sending = false;
+  pthread_cond_broadcast(&s->cond);
+  pthread_mutex_unlock(&s->lock);
 }
 
 static void record(ferry_refit_sender *s, ferry_msg *m, const fr_refit_msg_t *x) {
@@ -122,7 +149,7 @@ static void record(ferry_refit_sender *s, ferry_msg *m, const fr_refit_msg_t *x)
   } else if (r && x->type == FR_REFIT_CATCHUP) {
     if (x->version == r->committed)
       r->committed = 0; /* it lacks what it committed: it bound a new destination since */
-    fr_refit_catchup_request(s, r);
+    fr_refit_catchup_request(s, r, &s->svc_out);
   } else if (r && r->in_push && x->version == s->pushing && x->type == FR_REFIT_ACK) {
     record_ack(s, r, x);
   } else if (r && r->in_push && x->version == s->pushing && x->type == FR_REFIT_COMMITTED) {
@@ -130,10 +157,12 @@ static void record(ferry_refit_sender *s, ferry_msg *m, const fr_refit_msg_t *x)
       r->status = x->status;
     r->commit_seen = true;
   } else if (r) {
-    fr_refit_catchup_record(s, r, x);
+    fr_refit_catchup_record(s, r, x, &s->svc_out);
   }
+  s->svc_sending = s->svc_out.n != 0;
   pthread_cond_broadcast(&s->cond);
   pthread_mutex_unlock(&s->lock);
+  send_queued(s);
 }
 
 /* A receiver declares a shard target (a call, so that its bind returns once the next push
@@ -160,8 +189,20 @@ static void *service_main(void *arg) {
     ferry_msg *m = fr_inbox_wait(s->ctx, FR_CHANNEL_REFIT_SENDER, &s->inbox,
                                  fr_refit_publish_due(s->published));
     fr_refit_publish_tick(s->published);
+    if (__atomic_exchange_n(&s->link_died, false, __ATOMIC_SEQ_CST)) {
+      pthread_mutex_lock(&s->lock); /* a receiver's, maybe: a push waiting on it looks again */
+      pthread_cond_broadcast(&s->cond);
+      pthread_mutex_unlock(&s->lock);
+    }
+    if (__atomic_exchange_n(&s->serve_catchups, false, __ATOMIC_SEQ_CST)) {
+      pthread_mutex_lock(&s->lock); /* a push ended: late joiners that asked meanwhile */
+      fr_refit_catchup_serve(s, &s->svc_out);
+      s->svc_sending = s->svc_out.n != 0;
+      pthread_mutex_unlock(&s->lock);
+      send_queued(s);
+    }
     if (!m)
-      continue;
+      continue; /* a lease renewal, close, a link died, or a push ended */
     fr_refit_msg_t x;
     if (ferry_msg_is_call(m) && m->len >= FR_REFIT_MSG_BYTES &&
         fr_get_u32(m->data) == FR_REFIT_VIEW)
@@ -177,6 +218,22 @@ static void *service_main(void *arg) {
   }
   return NULL;
 }
+
+/* The channel's owner: messages go to the inbox; a link that dies kicks it (see the top). */
+static void channel_msg(void *arg, ferry_link *link, ferry_msg *msg) {
+  (void)link;
+  fr_inbox_put(&((ferry_refit_sender *)arg)->inbox, msg);
+}
+
+static void channel_link_down(void *arg, ferry_link *link) {
+  (void)link; /* any link: a receiver's, or one the push does not use (rare, and harmless) */
+  ferry_refit_sender *s = arg;
+  __atomic_store_n(&s->link_died, true, __ATOMIC_SEQ_CST);   /* a kick may end a wait that */
+  fr_inbox_kick(s->ctx, FR_CHANNEL_REFIT_SENDER, &s->inbox); /* returns a message: the flag */
+}
+
+static const fr_channel_ops channel_ops = {.on_msg = channel_msg,
+                                           .on_link_down = channel_link_down};
 
 /* ---- open, declare, seal ---- */
 
@@ -207,14 +264,14 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
     return fr_err(FERRY_ENOMEM, "refit sender");
   }
   fr_inbox_init(&s->inbox);
-  if ((rc = fr_ctx_channel_open(ctx, FR_CHANNEL_REFIT_SENDER, &fr_inbox_ops, &s->inbox)) != 0) {
+  s->ctx = ctx; /* before the channel is ours: channel_link_down reads it */
+  if ((rc = fr_ctx_channel_open(ctx, FR_CHANNEL_REFIT_SENDER, &channel_ops, s)) != 0) {
     rc = fr_err(rc, "ferry_refit_sender_open: this context has a refit sender already");
     fr_inbox_fini(&s->inbox);
     free(s->name);
     free(s);
     return rc;
   }
-  s->ctx = ctx;
   s->budget = bucket_budget(opts);
   s->alias = FR_OPT(opts, alias, 0);
   s->retain = !FR_OPT(opts, no_retain, 0);
@@ -392,6 +449,7 @@ void ferry_refit_sender_close(ferry_refit_sender *s) {
   pthread_join(s->service, NULL);
   fr_ctx_channel_close(s->ctx, FR_CHANNEL_REFIT_SENDER);
   fr_inbox_fini(&s->inbox); /* messages that came after the thread stopped */
+  fr_refit_out_free(&s->svc_out);
   fr_refit_packer_stop(s->packer);
   fr_refit_unpublish(s->published);
   while (s->receivers) {

@@ -1,6 +1,14 @@
 /*
  * The refit sender's state, shared by sender.c (open, declare, seal, the service thread) and
  * push.c.
+ *
+ * Locking: s->lock guards the receiver list and every receiver record, and nothing is ever sent
+ * while it is held. What to send is decided under it and queued in an outbox (outbox.c), and the
+ * thread that queued it sends after unlocking: during a push only the pushing thread sends to the
+ * receivers of the push (and, as it ends, the DROPPED notices); outside one the service thread
+ * sends catch-up frames, and its ATTACH and VIEW replies go unlocked too. Nothing waits for a
+ * receiver with the lock held, so a receiver whose link is full delays only that thread's next
+ * frames, and the service thread keeps recording the others' acknowledgements.
  */
 #ifndef FR_REFIT_SENDER_IMPL_H
 #define FR_REFIT_SENDER_IMPL_H
@@ -12,6 +20,29 @@
 
 #include <pthread.h>
 
+/* Frames decided under s->lock and sent after it is released (outbox.c). fr_refit_out_add queues
+ * a copy of m for link (a reference is taken; catchup: the frame belongs to a late joiner's
+ * catch-up, not to a push); fr_refit_out_send sends them in order without the lock, each with its
+ * own timeout; fr_refit_out_settle, under the lock again, applies what failed (a push's receiver
+ * fails with the send's status, a catch-up stops) and empties the outbox. */
+typedef struct fr_refit_out {
+  ferry_link *link;
+  fr_refit_msg_t m;
+  char *route; /* ROUTE: m.route's own copy */
+  int timeout_ms;
+  bool catchup;
+  int rc; /* of the send */
+} fr_refit_out;
+typedef struct fr_refit_outbox {
+  fr_refit_out *v;
+  size_t n, cap;
+} fr_refit_outbox;
+
+/* One receiver that attached. Lifetime: a record is freed only under s->lock, and never while it
+ * is in a push (in_push; one that says goodbye is marked `detached` and goes when the push ends),
+ * by the service thread (DETACH), by begin_push/finish_push on the pushing thread, or by close.
+ * Its link reference goes with it; a frame queued for it (fr_refit_outbox) holds a reference of
+ * its own, so a send that runs unlocked never touches a freed link. */
 typedef struct receiver {
   ferry_link *link;
   char peer[64];
@@ -91,9 +122,13 @@ struct ferry_refit_sender {
   uint64_t pushing; /* version under way, 0 when idle */
   uint32_t packed;  /* buckets (by seq) of the push packed so far */
   bool repairing;   /* the push's second, direct pass (chain members whose chain broke) */
-  const struct fr_push *current; /* the push under way, for announcements on acknowledgement */
-  bool stop;      /* atomic: close asks the service thread to end (then kicks the inbox) */
-  fr_inbox inbox; /* what receivers sent on FR_CHANNEL_REFIT_SENDER, for the service thread */
+  bool stop;        /* atomic: close asks the service thread to end (then kicks the inbox) */
+  fr_inbox inbox;   /* what receivers sent on FR_CHANNEL_REFIT_SENDER, for the service thread; a
+                       link of the context that dies kicks it, and it wakes the push's waits */
+  bool link_died;   /* atomic: a link of the context died since the service thread looked */
+  fr_refit_outbox svc_out; /* the service thread's frames (catch-ups), sent after unlocking */
+  bool svc_sending;        /* it is sending them: a push begins after (its frames go after) */
+  bool serve_catchups;     /* atomic: a push ended, the service thread serves late joiners */
   pthread_t service;
 
   /* metrics (metrics.c): pushes run one at a time; the scrape reads them under lock */
@@ -106,8 +141,12 @@ void fr_refit_count_push(ferry_refit_sender *s, int rc, uint64_t bytes, uint64_t
 int fr_refit_stats_start(ferry_refit_sender *s);
 void fr_refit_stats_stop(ferry_refit_sender *s);
 
-/* Announces every bucket of the current push that may go now (s->lock held). */
-void fr_refit_announce_ready(ferry_refit_sender *s);
+int fr_refit_out_add(fr_refit_outbox *o, ferry_link *link, const fr_refit_msg_t *m, int timeout_ms,
+                     bool catchup);
+void fr_refit_out_send(fr_refit_outbox *o);
+void fr_refit_out_settle(ferry_refit_sender *s, fr_refit_outbox *o);
+void fr_refit_out_clear(fr_refit_outbox *o);
+void fr_refit_out_free(fr_refit_outbox *o);
 /* The packer thread (pack.c): fr_refit_pack packs and hashes bucket b into dst, sharing the
  * work with the packer thread when `share` (the cores are not busy with local receivers), and
  * returns the bucket's checksum; it feeds each of feeds[0..nfeeds) (begun for bucket b) the
@@ -117,15 +156,17 @@ int fr_refit_packer_start(ferry_refit_sender *s, fr_refit_packer **out);
 void fr_refit_packer_stop(fr_refit_packer *k);
 uint64_t fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share,
                        fr_refit_feed *feeds, size_t nfeeds);
-/* Late join (catchup.c), all under s->lock: a receiver asked for the latest version; serves
- * every pending request when no push is under way; handles a catch-up ACK or COMMITTED (true
- * when the record belonged to a catch-up); stops a receiver's catch-up; and, as a push begins
+/* Late join (catchup.c), all under s->lock, queueing what it sends in `out` (sent once the lock is
+ * released): a receiver asked for the latest version; serves every pending request when no push
+ * is under way; handles a catch-up ACK or COMMITTED (true when the record belonged to a
+ * catch-up); stops a receiver's catch-up; and, as a push begins
  * (the buffer held version `retained` whole, 0: none), stops r's catch-up and says whether r
  * stays out of the push (true: it was catching up, and catches up to the push's version when the
  * push ends). */
-void fr_refit_catchup_request(ferry_refit_sender *s, receiver *r);
-void fr_refit_catchup_serve(ferry_refit_sender *s);
-bool fr_refit_catchup_record(ferry_refit_sender *s, receiver *r, const fr_refit_msg_t *x);
+void fr_refit_catchup_request(ferry_refit_sender *s, receiver *r, fr_refit_outbox *out);
+void fr_refit_catchup_serve(ferry_refit_sender *s, fr_refit_outbox *out);
+bool fr_refit_catchup_record(ferry_refit_sender *s, receiver *r, const fr_refit_msg_t *x,
+                             fr_refit_outbox *out);
 void fr_refit_catchup_cancel(receiver *r);
 bool fr_refit_catchup_overtaken(ferry_refit_sender *s, receiver *r, uint64_t retained);
 /* Shards (views.c), under s->lock: a VIEW call (its pieces follow the record; 0 or why not); the
