@@ -313,19 +313,9 @@ int ferry_refit_declare(ferry_refit_sender *s, const char *name, const ferry_ten
   pthread_mutex_lock(&s->lock);
   int64_t at = fr_refit_plan_find(&s->plan, name);
   int rc = 0;
-  if (at < 0 && s->plan.count == s->cap) {
-    uint32_t cap = s->cap ? s->cap * 2 : 256;
-    fr_refit_entry *e = realloc(s->plan.entries, cap * sizeof *e);
-    declared *d = e ? realloc(s->src, cap * sizeof *d) : NULL;
-    if (e)
-      s->plan.entries = e;
-    if (d)
-      s->src = d;
-    if (!e || !d)
-      rc = fr_err(FERRY_ENOMEM, "refit: %u tensors", cap);
-    else
-      s->cap = cap;
-  }
+  if (at < 0 && (FR_GROW(s->plan.entries, s->entries_cap, s->plan.count + 1, 256) != 0 ||
+                 FR_GROW(s->src, s->src_cap, s->plan.count + 1, 256) != 0))
+    rc = fr_err(FERRY_ENOMEM, "refit: %u tensors", s->plan.count + 1);
   if (rc == 0 && at < 0) {
     at = s->plan.count++;
     s->plan.entries[at] = (fr_refit_entry){.name = strdup(name)};

@@ -97,7 +97,7 @@ struct ferry_refit_sender {
   char *name;
   fr_refit_plan plan; /* entries double as the declarations until sealed */
   declared *src;
-  uint32_t cap;
+  size_t entries_cap, src_cap; /* of plan.entries and src, one slot per declared tensor */
   bool sealed;
   uint64_t budget;
   bool alias;               /* receivers may map buf[0] (alias mode) */
