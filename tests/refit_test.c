@@ -454,6 +454,17 @@ static pid_t spawn_receiver(const char *address, const char *versions, tu_pipe *
   return tu_spawn_exec("--receiver", address, versions, fd, NULL);
 }
 
+/* Stops child pid and returns once every thread of it has stopped. kill() returns before that:
+ * SIGSTOP stops one thread, which then asks the others to stop, and until each is scheduled (on a
+ * loaded machine, a while) the child's service thread may go on reading, acknowledging and
+ * committing a push begun meanwhile. waitpid(WUNTRACED) reports it once the whole group has. */
+static void stop_child(pid_t pid) {
+  int st;
+  kill(pid, SIGSTOP);
+  assert_int_equal(waitpid(pid, &st, WUNTRACED), pid);
+  assert_true(WIFSTOPPED(st));
+}
+
 static void test_receiver_killed(void **st) {
   model m;
   model_init(&m, 4);
@@ -471,7 +482,7 @@ static void test_receiver_killed(void **st) {
   uint64_t v;
   assert_int_equal(tu_pipe_get(&p, &v, sizeof v, 10000), 0);
   /* the child stops reading, then dies in the middle of version 2 */
-  kill(pid, SIGSTOP);
+  stop_child(pid);
   pid_t killer = fork();
   if (killer == 0) {
     usleep(300000);
@@ -531,7 +542,7 @@ static void test_chain_receiver_killed(void **st) {
   assert_int_equal(tu_pipe_get(&p, &v, sizeof v, 10000), 0);
   FR_OK(ferry_refit_wait(tail, 1, 5000, NULL));
 
-  kill(pid, SIGSTOP);
+  stop_child(pid);
   pid_t killer = fork();
   if (killer == 0) {
     usleep(300000);
@@ -653,10 +664,7 @@ static void receiver_stalled(ferry_refit_route route) {
   FR_OK(ferry_refit_push(s, 1, &po));
   assert_int_equal(child_committed(&to_child, &from_child), 1);
 
-  kill(pid, SIGSTOP);
-  int st2;
-  assert_int_equal(waitpid(pid, &st2, WUNTRACED), pid);
-  assert_true(WIFSTOPPED(st2));
+  stop_child(pid);
   po.timeout_ms = 1000;
   model_bump(&m, -1);
   assert_int_equal(ferry_refit_push(s, 2, &po), FERRY_ETIMEDOUT);
@@ -794,10 +802,7 @@ static void test_receiver_stalled_full_link(void **st) {
   FR_OK(ferry_refit_push(s, 1, &b.po));
   FR_OK(ferry_refit_wait(healthy, 1, 0, NULL));
 
-  kill(pid, SIGSTOP);
-  int st2;
-  assert_int_equal(waitpid(pid, &st2, WUNTRACED), pid);
-  assert_true(WIFSTOPPED(st2));
+  stop_child(pid);
   model_bump(&m, -1);
   b.version = 2;
   pthread_t t;

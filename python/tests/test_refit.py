@@ -366,6 +366,17 @@ for line in sys.stdin:
 """
 
 
+def stop(k):
+    """SIGSTOPs child k and returns once every thread of it has stopped. kill() returns
+    before that: the signal stops one thread, which then asks the others to stop, and until
+    they do (on a loaded machine, until each is scheduled) a receiver's service thread may go
+    on reading, acknowledging and committing a push that began meanwhile. waitpid(WUNTRACED)
+    reports the child only once the whole group has stopped."""
+    os.kill(k.pid, signal.SIGSTOP)
+    pid, status = os.waitpid(k.pid, os.WUNTRACED)
+    assert pid == k.pid and os.WIFSTOPPED(status), status
+
+
 def test_stopped_receiver_fails_alone_and_reports_torn_bytes():
     sd = {"emb": torch.randn(3000, 16), "ids": torch.arange(50, dtype=torch.int64)}
     name = unique("stall")
@@ -386,7 +397,7 @@ def test_stopped_receiver_fails_alone_and_reports_torn_bytes():
             tx.wait_receivers(2, timeout=10)
             tx.push(1, timeout=10)
             assert [ask(k, "w 1") for k in kids] == [["ok", "1"], ["ok", "1"]]
-            os.kill(kids[0].pid, signal.SIGSTOP)
+            stop(kids[0])
             sd["emb"].add_(1)
             with pytest.raises(ferry.Timeout) as e:  # 3 s: the healthy one must ack in time
                 tx.push(2, timeout=3)                  # on a loaded 2-core machine too
@@ -394,10 +405,11 @@ def test_stopped_receiver_fails_alone_and_reports_torn_bytes():
             assert "-%d-" % kids[1].pid not in str(e.value)
             assert ask(kids[1], "w 2") == ["ok", "2"]
             assert tx.receivers == 1
-            # Version 3 differs from 2: the stopped one still has version 2's announcements
-            # and COMMIT queued on its link, and after SIGCONT it may read them from the
-            # sender's retained buffer, which holds version 3 by then. Were the bytes equal, its
-            # checksums would pass and it would rightly commit 2; they differ, so it must not.
+            # Version 3 differs from 2: the stopped one still has version 2's first
+            # announcements queued on its link (no COMMIT: it acknowledged none of them), and
+            # after SIGCONT it reads them from the sender's retained buffer, which holds version
+            # 3 by then. Were the bytes equal, its checksums would pass; they differ, so the
+            # first bucket that lands fails its checksum and the bytes are torn.
             sd["emb"].add_(1)
             tx.push(3, timeout=3)  # without it
             os.kill(kids[0].pid, signal.SIGCONT)
