@@ -102,11 +102,17 @@ void fr_mq_dispatch(ferry_mq *mq, ferry_msg *m) {
   ferry_msg_free(m);
 }
 
+/* The mq whose background thread this is (NULL on any other thread): set by the thread itself,
+ * so that telling it apart needs no field that the opening thread writes after starting it. */
+static _Thread_local const ferry_mq *own_thread_of;
+
+bool fr_mq_on_own_thread(const ferry_mq *mq) { return own_thread_of == mq; }
+
 /* The mq's own thread pumps as an idle wait (it waits for requests all the time: an application
  * thread waiting for its message leads instead), an application thread as a caller. */
 void fr_mq_pump(ferry_mq *mq, int ms) {
   ferry_msg *m = NULL;
-  if (mq->thread_started && pthread_equal(pthread_self(), mq->thread)) {
+  if (fr_mq_on_own_thread(mq)) {
     if (fr_ctx_await_idle(mq->ctx, FR_CHANNEL_MQ, ms) && (m = fr_ctx_take(mq->ctx, FR_CHANNEL_MQ)))
       fr_mq_dispatch(mq, m);
   } else if (ferry_recv(mq->ctx, FR_CHANNEL_MQ, &m, ms) == 0) {
@@ -116,7 +122,7 @@ void fr_mq_pump(ferry_mq *mq, int ms) {
 
 int fr_mq_wait(ferry_mq *mq, bool (*ready)(ferry_mq *, void *), void *arg, uint64_t deadline_ns) {
   bool tried = false;
-  bool app = !mq->thread_started || !pthread_equal(pthread_self(), mq->thread);
+  bool app = !fr_mq_on_own_thread(mq);
   for (;;) {
     if (ready(mq, arg))
       return 0;
@@ -201,6 +207,7 @@ static void background_step(ferry_mq *mq, uint64_t now) {
 static void *background(void *arg) {
   pthread_setname_np(pthread_self(), "ferry-mq"); /* for top -H, perf, gdb */
   ferry_mq *mq = arg;
+  own_thread_of = mq;
   pthread_mutex_lock(&mq->lock);
   while (!mq->closing) {
     uint64_t now = fr_now_ns();
@@ -394,7 +401,7 @@ int ferry_mq_set_callback(ferry_mq *mq, ferry_mq_fn fn, void *arg) {
   pthread_cond_broadcast(&mq->cond);
   pthread_cond_signal(&mq->bg_cond);
   /* a call of the previous callback may be running: wait for it, unless it is the caller */
-  bool own = mq->thread_started && pthread_equal(pthread_self(), mq->thread);
+  bool own = fr_mq_on_own_thread(mq);
   while (mq->in_callback && !own)
     pthread_cond_wait(&mq->cond, &mq->lock);
   pthread_mutex_unlock(&mq->lock);

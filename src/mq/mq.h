@@ -250,6 +250,8 @@ int fr_mq_wait(ferry_mq *mq, bool (*ready)(ferry_mq *, void *), void *arg, uint6
 void fr_mq_dispatch(ferry_mq *mq, ferry_msg *m);
 /* Takes one message off the channel within ms and dispatches it (mq->lock not held). */
 void fr_mq_pump(ferry_mq *mq, int ms);
+/* Whether the calling thread is mq's background thread. */
+bool fr_mq_on_own_thread(const ferry_mq *mq);
 /* Remembers a link (takes a reference) so close can say BYE and release it. lock held. */
 void fr_mq_keep_link(ferry_mq *mq, ferry_link *l);
 /* A copied-out error detail, for messages built across calls that may overwrite it. */

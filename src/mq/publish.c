@@ -40,7 +40,7 @@
 /* Dispatches what already arrived on the channel, without waiting (lock held, as it returns),
  * unless another thread is taking messages off it. A receive of 0 drains the shm rings. */
 void fr_mq_drain(ferry_mq *mq) {
-  if (!mq->thread_started || !pthread_equal(pthread_self(), mq->thread))
+  if (!fr_mq_on_own_thread(mq))
     mq->app_pump_ns = fr_now_ns(); /* the background thread leaves the pump to this thread */
   if (mq->pumping)
     return;
