@@ -431,14 +431,24 @@ static void test_reseal(void **st) {
 
 /* Helper process (exec'd): attaches to ADDRESS, then reports each version 1..N it commits on
  * the pipe's write end FD. */
-static int receiver_child(const char *address, uint64_t versions, int fd) {
-  ferry_ctx *c = ctx_for("rollout-child", "shm,tcp");
+/* In a helper process: a receiver of ADDRESS over `transports` with a flat buffer, and one byte on
+ * the pipe's write end FD once it is attached. NULL when it could not open. */
+static ferry_refit_receiver *child_receiver(const char *name, const char *transports,
+                                            const char *address, tu_pipe *p) {
   ferry_refit_receiver *r;
-  if (ferry_refit_receiver_open(c, address, 5000, &r) != 0 || ferry_refit_bind_flat(r) != 0)
-    return 1;
-  tu_pipe p = {-1, fd};
+  if (ferry_refit_receiver_open(ctx_for(name, transports), address, 5000, &r) != 0 ||
+      ferry_refit_bind_flat(r) != 0)
+    return NULL;
   uint8_t ready = 1;
-  tu_pipe_put(&p, &ready, 1);
+  tu_pipe_put(p, &ready, 1);
+  return r;
+}
+
+static int receiver_child(const char *address, uint64_t versions, int fd) {
+  tu_pipe p = {-1, fd};
+  ferry_refit_receiver *r = child_receiver("rollout-child", "shm,tcp", address, &p);
+  if (!r)
+    return 1;
   for (uint64_t v = 1; v <= versions; v++) {
     if (ferry_refit_wait(r, v, 20000, NULL) != 0)
       return 2;
@@ -730,13 +740,9 @@ static void test_receiver_stalled_chain(void **st) { receiver_stalled(FERRY_REFI
  * (FERRY_TCP_SOCKBUF), so that a few hundred announcements fill its link once it is stopped. */
 static int stalled_tcp_child(const char *address, int wr) {
   setenv("FERRY_TCP_SOCKBUF", "4096", 1); /* before any thread */
-  ferry_ctx *c = ctx_for("stalled-tcp", "tcp");
-  ferry_refit_receiver *r;
-  if (ferry_refit_receiver_open(c, address, 5000, &r) != 0 || ferry_refit_bind_flat(r) != 0)
-    return 1;
   tu_pipe p = {-1, wr};
-  uint8_t ready = 1;
-  tu_pipe_put(&p, &ready, 1);
+  if (!child_receiver("stalled-tcp", "tcp", address, &p))
+    return 1;
   for (;;) /* the parent stops it, then kills it */
     pause();
 }

@@ -29,11 +29,7 @@ void fr_ctx_deliver(ferry_ctx *ctx, ferry_msg *msg) {
     fr_ctx_poke(ctx, channel); /* its owner may lead the epoll waiting for it */
     return;
   }
-  if (c->tail)
-    c->tail->next = n;
-  else
-    c->head = n;
-  c->tail = n;
+  fr_msg_fifo_push(&c->head, &c->tail, n);
   __atomic_add_fetch(&c->count, 1, __ATOMIC_RELEASE);
   __atomic_store_n(&c->last_costly, !msg->link->ops->poll_is_cheap, __ATOMIC_RELAXED);
   pthread_cond_signal(&c->cond);
@@ -101,18 +97,11 @@ void fr_ctx_kick(ferry_ctx *ctx, uint32_t channel) {
 ferry_msg *fr_ctx_take(ferry_ctx *ctx, uint32_t channel) {
   fr_channel *c = &ctx->channels[channel];
   pthread_mutex_lock(&c->lock);
-  fr_msg_node *n = c->head;
-  if (n) {
-    c->head = n->next;
-    if (!c->head)
-      c->tail = NULL;
+  fr_msg_node *n = fr_msg_fifo_pop(&c->head, &c->tail);
+  if (n)
     __atomic_sub_fetch(&c->count, 1, __ATOMIC_RELEASE);
-  }
   pthread_mutex_unlock(&c->lock);
-  if (!n)
-    return NULL;
-  n->next = NULL;
-  return &n->msg;
+  return n ? &n->msg : NULL;
 }
 
 int fr_ctx_channel_open(ferry_ctx *ctx, uint32_t channel, const fr_channel_ops *ops, void *arg) {
@@ -127,15 +116,11 @@ int fr_ctx_channel_open(ferry_ctx *ctx, uint32_t channel, const fr_channel_ops *
   }
   __atomic_store_n(&c->ops, ops, __ATOMIC_RELEASE);
   c->arg = arg;
-  fr_msg_node *n = c->head; /* what came before the owner: its own, in order */
+  fr_msg_node *head = c->head, *tail = c->tail, *n; /* what came before the owner: its own */
   c->head = c->tail = NULL;
   __atomic_store_n(&c->count, 0, __ATOMIC_RELEASE);
-  while (n) {
-    fr_msg_node *next = n->next;
-    n->next = NULL;
+  while ((n = fr_msg_fifo_pop(&head, &tail))) /* in order */
     ops->on_msg(arg, n->msg.link, &n->msg);
-    n = next;
-  }
   pthread_mutex_unlock(&c->lock);
   return 0;
 }

@@ -247,11 +247,7 @@ void ferry_ctx_close(ferry_ctx *ctx) {
     fr_channel *c = &ctx->channels[i];
     pthread_mutex_lock(&c->lock);
     pthread_cond_broadcast(&c->cond);
-    for (fr_msg_node *n = c->head, *next; n; n = next) {
-      next = n->next;
-      ferry_msg_free(&n->msg);
-    }
-    c->head = c->tail = NULL;
+    fr_msg_fifo_free(&c->head, &c->tail);
     pthread_mutex_unlock(&c->lock);
   }
   fini_transports(ctx);

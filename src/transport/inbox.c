@@ -17,25 +17,14 @@ void fr_inbox_init(fr_inbox *q) {
 }
 
 void fr_inbox_fini(fr_inbox *q) {
-  for (fr_msg_node *n = q->head, *next; n; n = next) {
-    next = n->next;
-    n->next = NULL;
-    ferry_msg_free(&n->msg);
-  }
-  q->head = q->tail = NULL;
+  fr_msg_fifo_free(&q->head, &q->tail);
   pthread_mutex_destroy(&q->lock);
   pthread_cond_destroy(&q->cond);
 }
 
 void fr_inbox_put(fr_inbox *q, ferry_msg *msg) {
-  fr_msg_node *n = fr_msg_node_of(msg);
-  n->next = NULL;
   pthread_mutex_lock(&q->lock);
-  if (q->tail)
-    q->tail->next = n;
-  else
-    q->head = n;
-  q->tail = n;
+  fr_msg_fifo_push(&q->head, &q->tail, fr_msg_node_of(msg));
   __atomic_add_fetch(&q->count, 1, __ATOMIC_SEQ_CST);
   pthread_cond_signal(&q->cond);
   pthread_mutex_unlock(&q->lock);
@@ -59,14 +48,9 @@ ferry_msg *fr_inbox_take(fr_inbox *q) {
   if (__atomic_load_n(&q->count, __ATOMIC_SEQ_CST) == 0)
     return NULL;
   pthread_mutex_lock(&q->lock);
-  fr_msg_node *n = q->head;
-  if (n) {
-    q->head = n->next;
-    if (!q->head)
-      q->tail = NULL;
+  fr_msg_node *n = fr_msg_fifo_pop(&q->head, &q->tail);
+  if (n)
     __atomic_sub_fetch(&q->count, 1, __ATOMIC_SEQ_CST);
-    n->next = NULL;
-  }
   pthread_mutex_unlock(&q->lock);
   return n ? &n->msg : NULL;
 }

@@ -181,6 +181,29 @@ typedef struct fr_msg_node { /* its size is a multiple of 16: the payload follow
 static inline fr_msg_node *fr_msg_node_of(ferry_msg *m) {
   return (fr_msg_node *)((char *)m - offsetof(fr_msg_node, msg));
 }
+/* The one FIFO of messages, linked through their nodes: a channel's queue (chanq.c) and a job's
+ * inbox (inbox.c) keep one each, as head and tail under their own lock (the caller holds it). */
+static inline void fr_msg_fifo_push(fr_msg_node **head, fr_msg_node **tail, fr_msg_node *n) {
+  n->next = NULL;
+  if (*tail)
+    (*tail)->next = n;
+  else
+    *head = n;
+  *tail = n;
+}
+static inline fr_msg_node *fr_msg_fifo_pop(fr_msg_node **head, fr_msg_node **tail) {
+  fr_msg_node *n = *head;
+  if (n && !(*head = n->next))
+    *tail = NULL;
+  if (n)
+    n->next = NULL;
+  return n;
+}
+/* Frees every message left in the FIFO, which is then empty. */
+static inline void fr_msg_fifo_free(fr_msg_node **head, fr_msg_node **tail) {
+  for (fr_msg_node *n; (n = fr_msg_fifo_pop(head, tail));)
+    ferry_msg_free(&n->msg);
+}
 ferry_msg *fr_msg_alloc(uint64_t len);
 /* Bytes of free buffers kept for messages of len's size class (tests). */
 size_t fr_msg_kept_bytes(uint64_t len);
