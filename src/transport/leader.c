@@ -112,7 +112,7 @@ static bool caller_leads(ferry_ctx *ctx) { /* or is taking the lead over (take_f
 /* The lead has been held past the grace without a claim pending: by an idle wait (a service
  * loop waiting for requests) or by a caller blocked in its wait (an application thread in a long
  * ferry_recv). The progress thread then parks without a deadline, and whoever leaves the lead
- * nudges it (leave_lead): checking every grace_ns made an idle node wake hundreds of times a
+ * nudges it (the end of lead()): checking every grace_ns made an idle node wake hundreds of times a
  * second, and a process with a thread blocked in recv 250 times. Callers that lead back to back
  * (each for microseconds) never hold it that long, so they never pay the nudge. */
 static bool lead_held_long(ferry_ctx *ctx, uint64_t until, uint64_t now) {
