@@ -149,6 +149,7 @@ void fr_dir_close(fr_dir *dir) {
       return;
   }
   dir->ops->close(dir->state);
+  fr_dir_self_free(dir->self);
   free(dir->key);
   free(dir);
 }

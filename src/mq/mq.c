@@ -175,7 +175,7 @@ static void run_callback(ferry_mq *mq) {
 }
 
 static void background_step(ferry_mq *mq, uint64_t now) {
-  uint64_t renew = __atomic_load_n(&mq->lease.next_renew_ns, __ATOMIC_ACQUIRE);
+  uint64_t renew = fr_dir_lease_next(&mq->lease);
   uint64_t until = now + app_idle_ns(mq) < renew ? now + app_idle_ns(mq) : renew;
   uint64_t batch = __atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE);
   if (batch && batch + mq->flush_ns <= now) {
@@ -258,9 +258,9 @@ static ferry_mq *mq_new(ferry_ctx *ctx, const ferry_mq_opts *o) {
 
 static int mq_start(ferry_mq *mq, const ferry_mq_opts *o) {
   const char *name = ferry_ctx_name(mq->ctx);
-  if (strlen(name) + 3 > FR_DIR_NAME_MAX)
+  if (strlen(name) > FR_DIR_NAME_MAX)
     return fr_err(FERRY_EINVAL, "mq: node name '%s' is longer than %d bytes", name,
-                  FR_DIR_NAME_MAX - 3);
+                  FR_DIR_NAME_MAX);
   int rc;
   if (o->flags & FERRY_MQ_HOST_DIRECTORY) {
     rc = fr_dir_server_start(mq->ctx, &mq->server);
@@ -272,11 +272,11 @@ static int mq_start(ferry_mq *mq, const ferry_mq_opts *o) {
   if (rc == 0)
     fr_peers_init(&mq->dialled, mq->dir, mq->ctx);
   if (rc == 0) {
-    char node[FR_DIR_NAME_MAX + 1], who[96];
-    snprintf(node, sizeof node, "mq:%s", name);
+    char who[96];
     snprintf(who, sizeof who, "mq '%s'", name);
-    fr_dir_lease_init(&mq->lease, mq->dir, mq->ctx, node, who);
-    snprintf(mq->lease.holder_peer, sizeof mq->lease.holder_peer, "%s", name);
+    rc = fr_dir_lease_init(&mq->lease, mq->dir, mq->ctx, "mq", name, who);
+  }
+  if (rc == 0) {
     if (o->lease_ms > 0)
       mq->lease.lease_ms = o->lease_ms;
     if (mq->lease.lease_ms < 300)

@@ -199,7 +199,7 @@ static bool serve_one(ferry_store *s, ferry_msg *msg) {
  * to its inbox. */
 #define SETTLE_POLLS 40
 static int service_wait_ms(ferry_store *s) {
-  uint64_t now = fr_now_ns(), due = __atomic_load_n(&s->lease.next_renew_ns, __ATOMIC_ACQUIRE);
+  uint64_t now = fr_now_ns(), due = fr_dir_lease_next(&s->lease);
   uint64_t ms = due > now ? (due - now + 999999) / 1000000 : 0;
   pthread_mutex_lock(&s->lock);
   bool settling = s->npinned > 0 || s->nlinger > 0;

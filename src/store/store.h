@@ -204,6 +204,9 @@ int fr_store_delete_owned(ferry_store *s, const char *key, uint64_t generation, 
 int fr_store_ensure_registered(ferry_store *s, int timeout_ms);
 int fr_store_register(ferry_store *s, bool fresh, int timeout_ms);
 void fr_store_renew(ferry_store *s);
+/* Leaves the directory: the node goes with its records when the store is its only job, else the
+ * store deletes its records and leaves the node to the context's other jobs. */
+void fr_store_unregister(ferry_store *s);
 /* Acts on the answers of posted puts that came in (all of them, waiting, when `wait`): drop
  * notices for the records they replaced; a registration again (which republishes every object)
  * when the directory lost one. Takes publish_lock for the latter. */
