@@ -43,6 +43,38 @@ static fr_dir_node make_node(const char *name) {
   return n;
 }
 
+/* Job record keys: made from (kind, name) within bounds, and a peer's taken apart only when both
+ * parts are there and fit. */
+static void test_job_keys(void **state) {
+  char key[FR_DIR_KEY_MAX + 1], kind[16], name[FR_DIR_NAME_MAX + 1];
+  FR_OK(fr_dir_job_key("refit", "policy", key));
+  assert_string_equal(key, "ferry:job/refit/policy");
+  assert_true(fr_dir_key_reserved(key)); /* the store's list and clear never show it */
+  assert_true(fr_dir_job_parse(key, kind, name));
+  assert_string_equal(kind, "refit");
+  assert_string_equal(name, "policy");
+  assert_true(
+      fr_dir_job_parse("ferry:job/mq/a/b", kind, name)); /* the kind ends at the first '/' */
+  assert_string_equal(name, "a/b");
+  char long_name[FR_DIR_NAME_MAX + 2], long_key[FR_DIR_KEY_MAX + 1];
+  memset(long_name, 'n', sizeof long_name - 1);
+  long_name[sizeof long_name - 1] = '\0';
+  assert_int_equal(fr_dir_job_key("refit", long_name, key), FERRY_EINVAL);
+  assert_int_equal(fr_dir_job_key("refit", "", key), FERRY_EINVAL);
+  assert_int_equal(fr_dir_job_key("refit", "a\nb", key), FERRY_EINVAL);
+  snprintf(long_key, sizeof long_key, "ferry:job/refit/%s", long_name);
+  const char *bad[] = {"ferry:job/",
+                       "ferry:job/refit",
+                       "ferry:job/refit/",
+                       "ferry:job//x",
+                       "ferry:mq/p/1:t/x",
+                       "job/refit/x",
+                       "ferry:job/0123456789abcdef/x",
+                       long_key};
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
+    assert_false(fr_dir_job_parse(bad[i], kind, name));
+}
+
 static void test_codec(void **state) {
   fr_dir_object o = make_obj("routing/r1/layer0", "rollout-3", 7), back;
   fr_wr w = {0};
@@ -664,6 +696,52 @@ static void check_one_node(const char *url, fr_dir_server *srv) {
   ferry_ctx_close(a);
 }
 
+/* A context that hosts its directory: its jobs that open the directory by URL get the hosting
+ * client, so the context is still one node; the server outlives the job that hosted it while the
+ * others use it. */
+static void test_hosted_one_node(void **state) {
+  int port = su_free_port();
+  char listen[64], url[80];
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  ferry_ctx *h = open_ctx("hosting", listen), *c = open_ctx("hosted-watch", NULL);
+  ferry_store_opts so = {
+      .size = sizeof so, .capacity = 1 << 20, .flags = FERRY_STORE_HOST_DIRECTORY};
+  ferry_store *st;
+  FR_OK(ferry_store_open(h, &so, &st));
+  ferry_mq_opts mo = {.size = sizeof mo, .directory = url};
+  ferry_mq *mq;
+  FR_OK(ferry_mq_open(h, &mo, &mq));
+  ferry_refit_opts ro = {.size = sizeof ro, .publish = 1, .directory = url};
+  ferry_refit_sender *rs;
+  FR_OK(ferry_refit_sender_open(h, "hosted-policy", &ro, &rs));
+  fr_dir *d;
+  FR_OK(fr_dir_open(c, url, 2000, &d));
+  fr_dir_node *v = NULL;
+  size_t n = 0;
+  FR_OK(fr_dir_node_list(d, &v, &n, 2000));
+  assert_int_equal(n, 1);
+  assert_string_equal(v[0].name, "hosting");
+  free(v);
+  assert_int_equal(jobs_of(d, "hosting"), 3);
+  uint8_t bytes[64] = {1};
+  ferry_tensor_desc desc = {.dtype = FERRY_DTYPE_U8, .ndim = 1, .shape = {sizeof bytes}};
+  FR_OK(ferry_store_put(st, "hosted/k", &desc, bytes, 0, 2000));
+  ferry_store_close(st); /* its records go; the node and the server stay for mq and refit */
+  assert_int_equal(jobs_of(d, "hosting"), 2);
+  assert_int_equal(nodes_named(d, "hosting"), 1);
+  const char *k = "hosted/k";
+  fr_dir_object o;
+  int status = 0;
+  FR_OK(fr_dir_obj_get(d, &k, 1, &o, &status, 2000));
+  assert_int_equal(status, FERRY_ENOTFOUND);
+  ferry_refit_sender_close(rs);
+  ferry_mq_close(mq);
+  fr_dir_close(d);
+  ferry_ctx_close(c);
+  ferry_ctx_close(h);
+}
+
 static void test_one_node(void **state) {
   int port = su_free_port();
   char listen[64], url[80];
@@ -1064,11 +1142,13 @@ int main(int argc, char **argv) {
     return jobs_then_wait(argv[2], atoi(argv[3]));
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_codec),
+      cmocka_unit_test(test_job_keys),
       cmocka_unit_test(test_server_rejects_garbage),
       cmocka_unit_test(test_embedded_local),
       cmocka_unit_test(test_embedded_link),
       cmocka_unit_test(test_shared_client),
       cmocka_unit_test(test_one_node),
+      cmocka_unit_test(test_hosted_one_node),
       cmocka_unit_test(test_jobs_lapse_together),
       cmocka_unit_test(test_no_directory),
       cmocka_unit_test(test_redis),

@@ -156,7 +156,8 @@ typedef struct fr_dir {
   char *key; /* the canonical URL, password included: never printed */
   unsigned refs;
   struct fr_dir *next;
-  struct fr_dir_self *self; /* the node its jobs attach to (lease.c; made by the first) */
+  struct fr_dir_self *self;     /* the node its jobs attach to (lease.c; made by the first) */
+  struct fr_dir_server *hosted; /* fr_dir_host's server: stopped by the last close */
 } fr_dir;
 
 /* Connects to the directory at url (NULL: FERRY_DIRECTORY). The client is shared: while one is
@@ -169,6 +170,12 @@ typedef struct fr_dir {
  * answers (the detail says how to start one). */
 int fr_dir_open(ferry_ctx *ctx, const char *url, int timeout_ms, fr_dir **out);
 void fr_dir_close(fr_dir *dir);
+/* Hosts the directory on ctx (fr_dir_server_start) and opens a client bound to it (no link),
+ * shared like fr_dir_open's: a job of ctx that opens the URL the server is reached at
+ * ("ferry://" + the tcp:// address in ctx's address list) gets this client, so the jobs of a
+ * context that hosts its directory still register one node. The server stops with the client's
+ * last fr_dir_close (a job that hosted it may close before the others that use it). */
+int fr_dir_host(ferry_ctx *ctx, fr_dir **out);
 /* How many fr_dir_open()s hold a shared client open (tests). */
 unsigned fr_dir_refs(fr_dir *dir);
 /* The backends, in one place (directory.c). */

@@ -458,13 +458,15 @@ static void detach(fr_dir_self *me, fr_dir_lease *l) {
     fr_info("%s: left without telling the directory at %s (%s); its records go when its lease "
             "of %d ms lapses",
             l->who, me->dir->url, ferry_last_error(), me->lease_ms);
-  fr_err_clear(); /* closing does not fail */
 }
 
 void fr_dir_lease_drop(fr_dir_lease *l) {
   fr_dir_self *me = l->self;
   if (!me)
     return;
+  /* closing does not fail, nor touch the caller's error (a failed open drops, then reports) */
+  char kept[512];
+  snprintf(kept, sizeof kept, "%s", ferry_last_error());
   pthread_mutex_lock(&me->lock);
   bool was = l->in_node;
   leave(me, l);
@@ -472,4 +474,7 @@ void fr_dir_lease_drop(fr_dir_lease *l) {
     detach(me, l);
   __atomic_store_n(&l->held, false, __ATOMIC_RELEASE);
   pthread_mutex_unlock(&me->lock);
+  fr_err_clear();
+  if (*kept)
+    fr_err(0, "%s", kept);
 }

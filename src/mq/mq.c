@@ -263,9 +263,7 @@ static int mq_start(ferry_mq *mq, const ferry_mq_opts *o) {
                   FR_DIR_NAME_MAX);
   int rc;
   if (o->flags & FERRY_MQ_HOST_DIRECTORY) {
-    rc = fr_dir_server_start(mq->ctx, &mq->server);
-    if (rc == 0)
-      rc = fr_dir_open_local(mq->server, &mq->dir);
+    rc = fr_dir_host(mq->ctx, &mq->dir);
   } else {
     rc = fr_dir_open(mq->ctx, o->directory, fr_timeout(-1), &mq->dir);
   }
@@ -384,7 +382,6 @@ void ferry_mq_close(ferry_mq *mq) {
   fr_peers_close(&mq->dialled); /* closes the links this mq dialled */
   fr_mq_pool_fini(mq);
   fr_dir_close(mq->dir);
-  fr_dir_server_stop(mq->server);
   pthread_mutex_destroy(&mq->lock);
   pthread_mutex_destroy(&mq->publish_lock);
   pthread_cond_destroy(&mq->cond);

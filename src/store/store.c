@@ -51,8 +51,7 @@ static int pool_open(ferry_store *s, uint64_t capacity) {
 static int dir_open(ferry_store *s, const ferry_store_opts *o) {
   if (!(s->flags & FERRY_STORE_HOST_DIRECTORY))
     return fr_dir_open(s->ctx, o ? o->directory : NULL, fr_timeout(-1), &s->dir);
-  int rc = fr_dir_server_start(s->ctx, &s->server);
-  return rc ? rc : fr_dir_open_local(s->server, &s->dir);
+  return fr_dir_host(s->ctx, &s->dir);
 }
 
 static ferry_store *store_new(ferry_ctx *ctx, const ferry_store_opts *o) {
@@ -151,7 +150,6 @@ void ferry_store_close(ferry_store *s) {
     fr_store_retire_all(s);
   fr_peers_close(&s->peers);
   fr_dir_close(s->dir);
-  fr_dir_server_stop(s->server);
   if (s->mem)
     ferry_free(s->ctx, s->mem);
   fr_pool_fini(&s->pool);

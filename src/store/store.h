@@ -76,7 +76,6 @@ struct ferry_store {
   char name[FR_DIR_NAME_MAX + 1];
   uint32_t flags;
   fr_dir *dir;
-  fr_dir_server *server; /* FERRY_STORE_HOST_DIRECTORY */
 
   /* the pool region: a slot (generation word, pin count) per object, then data */
   uint8_t *mem;
