@@ -308,10 +308,11 @@ typedef struct fr_dir_lease {
                    it before taking */
   char key[FR_DIR_KEY_MAX + 1]; /* its job record */
   char job[FR_DIR_NAME_MAX + 1];
-  char who[96];  /* "store 'a'": how messages name the caller */
-  bool held;     /* under the node's lock: its job record is published */
-  bool want;     /* atomic: its records must be published again (fr_dir_lease_lost) */
-  uint64_t seen; /* atomic: the node's registration its records were published under */
+  char who[96];      /* "store 'a'": how messages name the caller */
+  bool held;         /* under the node's lock: its job record is published */
+  bool want;         /* atomic: its records must be published again (fr_dir_lease_lost) */
+  uint64_t seen;     /* atomic: the node's registration its records were published under */
+  uint64_t retry_ns; /* atomic: after a failed publish, when to try again (fr_now_ns) */
   bool in_node;
   struct fr_dir_lease *next; /* the node's members */
 } fr_dir_lease;

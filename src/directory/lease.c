@@ -358,7 +358,7 @@ uint64_t fr_dir_lease_next(const fr_dir_lease *l) {
     return UINT64_MAX;
   if (__atomic_load_n(&l->want, __ATOMIC_ACQUIRE) ||
       __atomic_load_n(&l->seen, __ATOMIC_ACQUIRE) != __atomic_load_n(&me->taken, __ATOMIC_ACQUIRE))
-    return 0;
+    return __atomic_load_n(&l->retry_ns, __ATOMIC_ACQUIRE); /* 0 (now) unless it just failed */
   return __atomic_load_n(&me->next_renew_ns, __ATOMIC_ACQUIRE);
 }
 
@@ -409,6 +409,9 @@ int fr_dir_lease_renew(fr_dir_lease *l) {
                            l->seen != __atomic_load_n(&me->taken, __ATOMIC_ACQUIRE));
   if (again)
     rc = publish_job(me, l, timeout);
+  /* a job that must publish again waits as a failed renewal does before it tries again */
+  uint64_t retry = fr_now_ns() + (uint64_t)me->lease_ms * 1000000ull / 3 / RETRY_PER_LEASE;
+  __atomic_store_n(&l->retry_ns, rc != 0 ? retry : 0, __ATOMIC_RELEASE);
   pthread_mutex_unlock(&me->lock);
   if (rc != 0) { /* retried every 200 ms while the directory is away */
     fr_warn_limited("%s: renewing node '%s' in the directory failed: %s", l->who, l->node.name,
