@@ -742,6 +742,70 @@ static void test_hosted_one_node(void **state) {
   ferry_ctx_close(h);
 }
 
+/* Records in d under prefix owned by owner. */
+static size_t records_of(fr_dir *d, const char *prefix, const char *owner) {
+  fr_dir_object *v = NULL;
+  size_t n = 0, found = 0;
+  FR_OK(fr_dir_obj_scan(d, prefix, &v, &n, 2000));
+  for (size_t i = 0; i < n; i++)
+    found += strcmp(v[i].owner, owner) == 0;
+  free(v);
+  return found;
+}
+
+/* The directory loses a process's node: whichever job renews first registers it again, and every
+ * job publishes its records again (the store its objects, mq its topic records, each its job
+ * record) without a put or a call of the application. */
+static void test_jobs_publish_again(void **state) {
+  int port = su_free_port();
+  char listen[64], url[80];
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  ferry_ctx *sc = open_ctx("dir-server", listen), *j = open_ctx("again", NULL);
+  fr_dir_server *srv;
+  FR_OK(fr_dir_server_start(sc, &srv));
+  ferry_store_opts so = {.size = sizeof so, .directory = url, .capacity = 1 << 20, .lease_ms = 900};
+  ferry_store *st;
+  FR_OK(ferry_store_open(j, &so, &st));
+  ferry_mq_opts mo = {.size = sizeof mo, .directory = url, .lease_ms = 900};
+  ferry_mq *mq;
+  FR_OK(ferry_mq_open(j, &mo, &mq));
+  FR_OK(ferry_mq_subscribe(mq, "again-topic", 2000));
+  ferry_refit_opts ro = {.size = sizeof ro, .publish = 1, .directory = url};
+  ferry_refit_sender *rs;
+  FR_OK(ferry_refit_sender_open(j, "again-policy", &ro, &rs));
+  uint8_t bytes[64] = {7};
+  ferry_tensor_desc desc = {.dtype = FERRY_DTYPE_U8, .ndim = 1, .shape = {sizeof bytes}};
+  FR_OK(ferry_store_put(st, "again/k", &desc, bytes, 0, 2000));
+  fr_dir *d;
+  FR_OK(fr_dir_open(sc, url, 2000, &d));
+  assert_int_equal(jobs_of(d, "again"), 3);
+  size_t before = records_of(d, "", "again");
+  assert_int_equal(before, 5); /* 3 job records, the key, the subscription */
+  FR_OK(d->ops->node_del(d->state, "again", 0, 2000));
+  assert_int_equal(records_of(d, "", "again"), 0);
+  size_t now = 0;
+  for (int i = 0; i < 3000 && now < before; i++) {
+    su_sleep_ms(10);
+    now = records_of(d, "", "again");
+  }
+  assert_int_equal(now, before);
+  assert_int_equal(nodes_named(d, "again"), 1);
+  assert_int_equal(records_of(d, "again/", "again"), 1);
+  assert_int_equal(records_of(d, FR_DIR_RESERVED "mq/s/", "again"), 1);
+  fr_dir_node got;
+  FR_OK(fr_dir_job_find(d, "refit", "again-policy", &got, 2000));
+  ferry_refit_sender_close(rs);
+  ferry_mq_close(mq);
+  ferry_store_close(st);
+  assert_int_equal(records_of(d, "", "again"), 0);
+  assert_int_equal(nodes_named(d, "again"), 0);
+  fr_dir_close(d);
+  fr_dir_server_stop(srv);
+  ferry_ctx_close(j);
+  ferry_ctx_close(sc);
+}
+
 static void test_one_node(void **state) {
   int port = su_free_port();
   char listen[64], url[80];
@@ -1149,6 +1213,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_shared_client),
       cmocka_unit_test(test_one_node),
       cmocka_unit_test(test_hosted_one_node),
+      cmocka_unit_test(test_jobs_publish_again),
       cmocka_unit_test(test_jobs_lapse_together),
       cmocka_unit_test(test_no_directory),
       cmocka_unit_test(test_redis),

@@ -308,11 +308,13 @@ typedef struct fr_dir_lease {
                    it before taking */
   char key[FR_DIR_KEY_MAX + 1]; /* its job record */
   char job[FR_DIR_NAME_MAX + 1];
-  char who[96];      /* "store 'a'": how messages name the caller */
-  bool held;         /* under the node's lock: its job record is published */
-  bool want;         /* atomic: its records must be published again (fr_dir_lease_lost) */
-  uint64_t seen;     /* atomic: the node's registration its records were published under */
-  uint64_t retry_ns; /* atomic: after a failed publish, when to try again (fr_now_ns) */
+  char who[96];            /* "store 'a'": how messages name the caller */
+  bool held;               /* under the node's lock: its job record is published */
+  bool want;               /* atomic: its records must be published again (fr_dir_lease_lost) */
+  uint64_t seen;           /* atomic: the node's registration its records were published under */
+  uint64_t retry_ns;       /* atomic: after a failed publish, when to try again (fr_now_ns) */
+  void (*wake)(void *arg); /* under the node's lock: fr_dir_lease_set_wake */
+  void *wake_arg;
   bool in_node;
   struct fr_dir_lease *next; /* the node's members */
 } fr_dir_lease;
@@ -333,6 +335,12 @@ int fr_dir_lease_init(fr_dir_lease *l, fr_dir *dir, ferry_ctx *ctx, const char *
  * then publishes the job record. FERRY_EEXIST naming a live holder of the node's name or of the
  * job's name; a dead holder is taken over. */
 int fr_dir_lease_take(fr_dir_lease *l, int timeout_ms);
+/* How to wake the job's thread when another job of its node registered the node again (the
+ * directory had lost it): its records must be published again, now rather than at its next
+ * wake. Called under the node's lock from another job's thread, so it may only signal (no lease
+ * call, no wait). NULL stops it: set it once the thread can be woken, clear it before that stops
+ * being true. */
+void fr_dir_lease_set_wake(fr_dir_lease *l, void (*wake)(void *arg), void *arg);
 /* Whether this job should call fr_dir_lease_renew: the node's renewal is due (every third of its
  * lease; soon after a failure), or this job's records must be published again. */
 bool fr_dir_lease_due(const fr_dir_lease *l);

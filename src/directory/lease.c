@@ -193,6 +193,9 @@ static int register_node(fr_dir_self *me, const fr_dir_lease *l, const fr_dir_no
     me->lease_ms = lease_ms;
     __atomic_store_n(&me->epoch, epoch, __ATOMIC_RELEASE);
     __atomic_add_fetch(&me->taken, 1, __ATOMIC_ACQ_REL);
+    for (const fr_dir_lease *m = me->members; m; m = m->next)
+      if (m != l && m->wake) /* their records went with the node: publish them again now */
+        m->wake(m->wake_arg);
     fr_info("%s: node '%s' registered in the directory at %s (%s; lease %d ms)", l->who, n->name,
             me->dir->url, n->address, lease_ms);
   }
@@ -348,6 +351,16 @@ int fr_dir_lease_take(fr_dir_lease *l, int timeout_ms) {
     __atomic_store_n(&l->want, true, __ATOMIC_RELEASE);
   pthread_mutex_unlock(&me->lock);
   return rc;
+}
+
+void fr_dir_lease_set_wake(fr_dir_lease *l, void (*wake)(void *arg), void *arg) {
+  fr_dir_self *me = l->self;
+  if (!me)
+    return;
+  pthread_mutex_lock(&me->lock);
+  l->wake = wake;
+  l->wake_arg = arg;
+  pthread_mutex_unlock(&me->lock);
 }
 
 bool fr_dir_lease_due(const fr_dir_lease *l) { return fr_now_ns() >= fr_dir_lease_next(l); }

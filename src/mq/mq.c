@@ -223,6 +223,15 @@ static void *background(void *arg) {
   return NULL;
 }
 
+/* Another job of the context's node registered it again: the thread publishes our records
+ * again (fr_dir_lease_due is then true). */
+static void wake_background(void *arg) {
+  ferry_mq *mq = arg;
+  pthread_mutex_lock(&mq->lock);
+  pthread_cond_signal(&mq->bg_cond);
+  pthread_mutex_unlock(&mq->lock);
+}
+
 /* ---- open / close ---- */
 
 /* A duration setting in nanoseconds, given its unit in them (1000: microseconds); at least 1. */
@@ -283,8 +292,10 @@ static int mq_start(ferry_mq *mq, const ferry_mq_opts *o) {
   }
   if (rc == 0 && pthread_create(&mq->thread, NULL, background, mq) != 0)
     rc = fr_err(FERRY_ESYS, "mq: cannot start its thread");
-  if (rc == 0)
+  if (rc == 0) {
     mq->thread_started = true;
+    fr_dir_lease_set_wake(&mq->lease, wake_background, mq); /* the lease leaves at close */
+  }
   return rc;
 }
 

@@ -42,6 +42,11 @@ int fr_refit_publish(ferry_ctx *ctx, const char *name, const char *url, fr_refit
   return 0;
 }
 
+void fr_refit_publish_wake(fr_refit_name *n, void (*wake)(void *arg), void *arg) {
+  if (n)
+    fr_dir_lease_set_wake(&n->lease, wake, arg);
+}
+
 void fr_refit_publish_tick(fr_refit_name *n) {
   if (n && fr_dir_lease_due(&n->lease))
     fr_dir_lease_renew(&n->lease); /* its job record is its only one: renew publishes it */

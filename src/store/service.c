@@ -228,6 +228,13 @@ static void *service_main(void *arg) {
   return NULL;
 }
 
+/* Another job of the context's node registered it again: the thread publishes our objects again
+ * (its wait ends; fr_dir_lease_due is then true). */
+static void wake_service(void *arg) {
+  ferry_store *s = arg;
+  fr_inbox_kick(s->ctx, FR_CHANNEL_STORE, &s->inbox);
+}
+
 int fr_store_service_start(ferry_store *s) {
   s->poll_ms = (int)fr_config_int("FERRY_STORE_POLL_MS");
   s->poll_ms = s->poll_ms > 0 ? s->poll_ms : 1;
@@ -243,12 +250,14 @@ int fr_store_service_start(ferry_store *s) {
     return fr_err(FERRY_ESYS, "store: cannot start the service thread");
   }
   s->service_started = true;
+  fr_dir_lease_set_wake(&s->lease, wake_service, s);
   return 0;
 }
 
 void fr_store_service_stop(ferry_store *s) {
   __atomic_store_n(&s->stop, true, __ATOMIC_SEQ_CST);
   if (s->service_started) {
+    fr_dir_lease_set_wake(&s->lease, NULL, NULL);
     fr_inbox_kick(s->ctx, FR_CHANNEL_STORE, &s->inbox);
     pthread_join(s->service, NULL);
     fr_ctx_channel_close(s->ctx, FR_CHANNEL_STORE);
