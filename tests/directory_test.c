@@ -954,6 +954,27 @@ static void test_redis(void **state) {
   FR_OK(fr_dir_open(NULL, r.url, 2000, &d));
   check_all(d);
   check_one_node(r.url, NULL);
+  /* the same Redis spelled otherwise is another client: a context's jobs that open it both ways
+   * would be two nodes of one name; the second is refused, saying why */
+  char alt[128];
+  snprintf(alt, sizeof alt, "redis://localhost:%d", r.port);
+  ferry_ctx *sp = open_ctx("spelled", NULL);
+  fr_dir *s1, *s2;
+  FR_OK(fr_dir_open(sp, r.url, 2000, &s1));
+  FR_OK(fr_dir_open(sp, alt, 2000, &s2));
+  assert_ptr_not_equal(s1, s2);
+  fr_dir_lease l1, l2;
+  FR_OK(fr_dir_lease_init(&l1, s1, sp, "store", "spelled", "store 'spelled'"));
+  FR_OK(fr_dir_lease_take(&l1, 2000));
+  FR_OK(fr_dir_lease_init(&l2, s2, sp, "mq", "spelled", "mq 'spelled'"));
+  assert_int_equal(fr_dir_lease_take(&l2, 2000), FERRY_EEXIST);
+  print_message("%s\n", ferry_last_error());
+  assert_non_null(strstr(ferry_last_error(), "the same directory URL"));
+  fr_dir_lease_drop(&l2);
+  fr_dir_lease_drop(&l1);
+  fr_dir_close(s2);
+  fr_dir_close(s1);
+  ferry_ctx_close(sp);
   /* the same database spelled out is the same client; another database is another */
   char same[128], other[128];
   snprintf(same, sizeof same, "%s/0", r.url);

@@ -37,10 +37,27 @@ struct fr_dir_self {
   uint64_t next_renew_ns; /* atomic */
   bool ok;                /* atomic: held, and the directory answered the last request */
   fr_dir_lease *members;
+  struct fr_dir_self *next_self; /* in `selves` */
 };
 
-/* Guards the creation of a client's node (its `self`): the node's own lock guards the rest. */
+/* Guards the creation of a client's node (its `self`) and the list of all of them (`selves`):
+ * the node's own lock guards the rest. */
 static pthread_mutex_t create_lock = PTHREAD_MUTEX_INITIALIZER;
+static fr_dir_self *selves;
+
+/* Whether `incarnation` is another client's node of the same context in this process: the same
+ * directory reached through another URL (a spelling fr_dir_open does not know as the same). */
+static bool ours_elsewhere(const fr_dir_self *me, uint64_t incarnation, char *url, size_t cap) {
+  bool found = false;
+  pthread_mutex_lock(&create_lock);
+  for (const fr_dir_self *o = selves; o && !found; o = o->next_self)
+    if (o != me && o->ctx == me->ctx && o->node.incarnation == incarnation) {
+      snprintf(url, cap, "%s", o->dir->url);
+      found = true;
+    }
+  pthread_mutex_unlock(&create_lock);
+  return found;
+}
 
 static fr_dir_self *self_of(fr_dir *dir, ferry_ctx *ctx) {
   pthread_mutex_lock(&create_lock);
@@ -54,6 +71,8 @@ static fr_dir_self *self_of(fr_dir *dir, ferry_ctx *ctx) {
     me->node.incarnation = fr_random_u64() | 1;
     me->lease_ms = (int)fr_config_int("FERRY_LEASE_MS");
     dir->self = me;
+    me->next_self = selves;
+    selves = me;
   }
   pthread_mutex_unlock(&create_lock);
   return me;
@@ -62,6 +81,13 @@ static fr_dir_self *self_of(fr_dir *dir, ferry_ctx *ctx) {
 void fr_dir_self_free(fr_dir_self *self) {
   if (!self)
     return;
+  pthread_mutex_lock(&create_lock);
+  for (fr_dir_self **p = &selves; *p; p = &(*p)->next_self)
+    if (*p == self) {
+      *p = self->next_self;
+      break;
+    }
+  pthread_mutex_unlock(&create_lock);
   pthread_mutex_destroy(&self->lock);
   free(self);
 }
@@ -175,7 +201,13 @@ static int register_node(fr_dir_self *me, const fr_dir_lease *l, const fr_dir_no
   fr_dir_node holder;
   if (rc == 0)
     rc = ops->node_put(me->dir->state, n, lease_ms, 0, &holder, timeout_ms);
-  if (rc == FERRY_EEXIST) {
+  char other[FR_DIR_ADDRESS_MAX + 1];
+  if (rc == FERRY_EEXIST && ours_elsewhere(me, holder.incarnation, other, sizeof other)) {
+    rc = fr_err(FERRY_EEXIST,
+                "%s: this context registered node '%s' in this directory already, through '%s'; "
+                "open every job of a context with the same directory URL",
+                l->who, n->name, other);
+  } else if (rc == FERRY_EEXIST) {
     char taken[512];
     snprintf(taken, sizeof taken, "%s", ferry_last_error());
     if (holder_dead(me->ctx, &holder, timeout_ms)) {
