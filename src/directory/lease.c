@@ -160,6 +160,16 @@ static void wanted(const fr_dir_self *me, fr_dir_node *n, int *lease_ms) {
     *lease_ms = me->lease_ms;
 }
 
+/* me->lock held. What the node's record says now that the directory took n: its flags and access
+ * blob (name, address and incarnation never change after creation, so they are read without the
+ * lock). */
+static void set_record(fr_dir_self *me, const fr_dir_node *n, int lease_ms) {
+  me->node.flags = n->flags;
+  me->node.access_len = n->access_len;
+  memcpy(me->node.access, n->access, n->access_len);
+  me->lease_ms = lease_ms;
+}
+
 static bool same_record(const fr_dir_self *me, const fr_dir_node *n, int lease_ms) {
   return me->lease_ms == lease_ms && me->node.flags == n->flags &&
          me->node.access_len == n->access_len &&
@@ -221,8 +231,7 @@ static int register_node(fr_dir_self *me, const fr_dir_lease *l, const fr_dir_no
   }
   __atomic_store_n(&me->held, rc == 0, __ATOMIC_RELEASE);
   if (rc == 0) {
-    me->node = *n;
-    me->lease_ms = lease_ms;
+    set_record(me, n, lease_ms);
     __atomic_store_n(&me->epoch, epoch, __ATOMIC_RELEASE);
     __atomic_add_fetch(&me->taken, 1, __ATOMIC_ACQ_REL);
     for (const fr_dir_lease *m = me->members; m; m = m->next)
@@ -271,8 +280,7 @@ static int ensure_node(fr_dir_self *me, const fr_dir_lease *l, bool renew, int t
     return register_node(me, l, &want, lease_ms, timeout_ms);
   if (rc == 0 && !same &&
       (rc = me->dir->ops->node_put(me->dir->state, &want, lease_ms, 0, NULL, timeout_ms)) == 0) {
-    me->node = want;
-    me->lease_ms = lease_ms;
+    set_record(me, &want, lease_ms);
   }
   if (rc != 0 || renew || !same) /* it asked the directory: the next renewal is a third on */
     schedule(me, rc == 0);
@@ -496,8 +504,7 @@ static void detach(fr_dir_self *me, fr_dir_lease *l) {
     wanted(me, &want, &lease_ms);
     if (rc == 0 && me->held && !same_record(me, &want, lease_ms) &&
         ops->node_put(me->dir->state, &want, lease_ms, 0, NULL, 2000) == 0) {
-      me->node = want;
-      me->lease_ms = lease_ms;
+      set_record(me, &want, lease_ms);
     }
   }
   if (rc == 0)
