@@ -287,8 +287,9 @@ int fr_dir_tcp_listen_for(const char *dir_url, const char *tcp_listen, char *out
  * "ferry:job/KIND/NAME" (FR_DIR_JOBS; KIND store, mq or refit; NAME the job's: the ctx name for
  * store and mq, the sender's published name for refit). Like every record the node owns it
  * vanishes with the node's lease, and after the directory lost the node (its lease lapsed, or
- * its epoch moved) whichever job renews first registers the node again, and every job's next
- * renewal publishes its records again (fr_dir_lease_renew returns 1). A job name held by a live
+ * its epoch moved) whichever job renews first registers the node again and wakes the others
+ * (fr_dir_lease_set_wake), and each job's renewal then publishes its records again
+ * (fr_dir_lease_renew returns 1). A job name held by a live
  * node of another process is refused (FERRY_EEXIST naming it); one held by a dead node (nothing
  * accepts a connection at its address, or another node answers there) is taken over at once:
  * the dead node and its records are dropped. Lookups by job name: fr_dir_job_find. */
@@ -326,9 +327,10 @@ bool fr_dir_lease_ok(const fr_dir_lease *l);
  * (when given) naming the job ("store 'a': its directory lease is not held ..."). */
 int fr_dir_lease_ready(const fr_dir_lease *l, char *why, size_t len);
 
-/* Attaches a job (kind "store", "mq" or "refit"; name its name, at most FR_DIR_NAME_MAX bytes,
- * no '/' is needed: the kind ends at the first) to the node of dir. FERRY_EINVAL for a bad name,
- * FERRY_ENOMEM. Pair with fr_dir_lease_drop (also after a failed init). */
+/* Attaches a job (kind "store", "mq" or "refit"; name its name, 1 to FR_DIR_NAME_MAX bytes
+ * without control characters, '/' allowed: the kind ends at the first) to the node of dir.
+ * FERRY_EINVAL for a bad name, FERRY_ENOMEM. Pair with fr_dir_lease_drop (also after a failed
+ * init). */
 int fr_dir_lease_init(fr_dir_lease *l, fr_dir *dir, ferry_ctx *ctx, const char *kind,
                       const char *name, const char *who);
 /* Registers the node unless it is registered (with this job's lease, flags and access blob),
