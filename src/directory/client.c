@@ -26,8 +26,6 @@
 /* A put sent without waiting for its answer (FR_DIR_PUT_POSTED), until settled. */
 typedef struct posted {
   fr_pending *pending; /* the put, in flight on link until collected */
-  uint64_t sent_ns;    /* when it went out, quietly */
-  bool rung;           /* its server was woken for it (emb_settle) */
   ferry_link *link;
   fr_dir_object *objs; /* what was put: n records */
   size_t n;
@@ -49,7 +47,6 @@ typedef struct emb {
   pthread_mutex_t posted_lock;
   posted *posted_head, *posted_tail; /* oldest first */
   size_t nposted;
-  uint64_t ring_after_ns; /* an unanswered post older than this rings (FERRY_DIR_POLL_MS) */
 } emb;
 
 /* Posted puts not yet settled, at most: beyond, a put waits for its answer (and so for theirs),
@@ -359,7 +356,6 @@ static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *ob
   if (copy) { /* all set before the answer can come in */
     memcpy(copy, objs, n * sizeof *copy);
     *ps = (posted){.link = l, .objs = copy, .n = n, .batch = op == FR_DOP_OBJ_PUT_BATCH};
-    ps->sent_ns = fr_now_ns();
   }
   fr_wr w = {0};
   fr_wr_request(&w, FR_DOP_POSTED);
@@ -370,7 +366,8 @@ static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *ob
   bool ready = copy && !w.failed;
   if (ready)
     table_tickets(table, objs, n, flags);
-  bool sent = ready && fr_link_call_post(l, FR_CHANNEL_DIRECTORY, &iov, 1, timeout_ms, true,
+  /* not quiet: it rings the server's doorbell when the server sleeps, and only then (ring.h) */
+  bool sent = ready && fr_link_call_post(l, FR_CHANNEL_DIRECTORY, &iov, 1, timeout_ms, false,
                                          &ps->pending) == 0;
   fr_wr_free(&w);
   if (ready && !sent)
@@ -440,18 +437,11 @@ static void settle_one(emb *e, posted *ps, fr_dir_settle_fn cb, void *arg, int t
   free(ps);
 }
 
-/* A posted put still unanswered wakes its server when someone waits for its answer, or when it
- * is older than one of the server's looks (ring_after_ns): its server may be asleep (dirwire.h).
- * One doorbell brings in every post in the ring. posted_lock held. */
-static void ring_if_stale(emb *e, posted *ps, bool wait) {
-  if (ps->rung || fr_link_call_ready(ps->pending))
-    return;
-  if (wait || fr_now_ns() - ps->sent_ns >= e->ring_after_ns) {
-    fr_link_ring(ps->link);
-    ps->rung = true;
-  }
-}
-
+/* Collects the answers that are in, oldest first; with `wait`, every answer, each waited for
+ * until the deadline. A post rang its server if the server slept (post), so an answer not in
+ * yet is on its way; the answers themselves ring nobody (server.c), so this drives the link's
+ * receive side to see them. Nothing calls this on a timer: a put settles what earlier ones left,
+ * the store's lease renewal settles what a quiet store left. */
 static void emb_settle(void *st, bool wait, fr_dir_settle_fn cb, void *arg, int timeout_ms) {
   emb *e = st;
   uint64_t deadline = fr_deadline_ns(timeout_ms);
@@ -460,8 +450,6 @@ static void emb_settle(void *st, bool wait, fr_dir_settle_fn cb, void *arg, int 
     posted *ps = e->posted_head;
     if (ps && !fr_link_call_ready(ps->pending))
       fr_link_poll(ps->link, false); /* answers to posted puts ring no doorbell */
-    if (ps)
-      ring_if_stale(e, ps, wait);
     if (ps && !wait && !fr_link_call_ready(ps->pending))
       ps = NULL;
     if (ps && !(e->posted_head = ps->next))
@@ -817,7 +805,6 @@ static int emb_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **st
   snprintf(e->where, sizeof e->where, "%s", where);
   pthread_mutex_init(&e->lock, NULL);
   pthread_mutex_init(&e->posted_lock, NULL);
-  e->ring_after_ns = fr_dir_posted_window_ns() / FR_DIR_POSTED_POLLS;
   ferry_link *l;
   int rc = current_link(e, NULL, timeout_ms, &l);
   if (rc != 0) {
@@ -883,7 +870,6 @@ int fr_dir_open_local(fr_dir_server *srv, fr_dir **out) {
   }
   pthread_mutex_init(&e->lock, NULL);
   pthread_mutex_init(&e->posted_lock, NULL);
-  e->ring_after_ns = fr_dir_posted_window_ns() / FR_DIR_POSTED_POLLS;
   e->local = srv;
   e->epoch = 1;
   snprintf(e->where, sizeof e->where, "(in-process)");
