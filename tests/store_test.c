@@ -791,12 +791,12 @@ static int quiet_putter(void *arg) {
 }
 
 /* Right after a burst of posted puts, the putting process and the directory (`ferry serve`)
- * sleep: a post that finds the directory asleep rings it once, its answer waits for the
- * putter's next put or lease renewal, and replaced copies wait for the next put or renewal.
- * The directory used to look for more posts every 50 ms for 1 s and the store for the answers
- * every 50 ms for 2 s (tens of wake-ups in this window); now only what is scheduled anyway
- * remains (a lease renewal, the contexts' own timers). A count, not a timing: a slow machine
- * only makes them wake less. */
+ * sleep: posts ring no doorbell and the directory takes them in at its next look at the leases
+ * (once a second); their answers wait for the putter's next put or lease renewal, and so do
+ * the replaced copies. The directory used to look for more posts every 50 ms for 1 s and the
+ * store for the answers every 50 ms for 2 s (60-70 wake-ups in this window); what remains is
+ * what is scheduled anyway (the directory's lease look, the contexts' own timers). A count, not
+ * a timing: a slow machine only makes them wake less. */
 static void test_quiet_after_puts(void **state) {
   quieter q = {0};
   tu_pipe_open(&q.done);

@@ -366,8 +366,8 @@ static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *ob
   bool ready = copy && !w.failed;
   if (ready)
     table_tickets(table, objs, n, flags);
-  /* not quiet: it rings the server's doorbell when the server sleeps, and only then (ring.h) */
-  bool sent = ready && fr_link_call_post(l, FR_CHANNEL_DIRECTORY, &iov, 1, timeout_ms, false,
+  /* quiet: a doorbell would wake the server on this caller's path (dirwire.h) */
+  bool sent = ready && fr_link_call_post(l, FR_CHANNEL_DIRECTORY, &iov, 1, timeout_ms, true,
                                          &ps->pending) == 0;
   fr_wr_free(&w);
   if (ready && !sent)
@@ -438,10 +438,10 @@ static void settle_one(emb *e, posted *ps, fr_dir_settle_fn cb, void *arg, int t
 }
 
 /* Collects the answers that are in, oldest first; with `wait`, every answer, each waited for
- * until the deadline. A post rang its server if the server slept (post), so an answer not in
- * yet is on its way; the answers themselves ring nobody (server.c), so this drives the link's
- * receive side to see them. Nothing calls this on a timer: a put settles what earlier ones left,
- * the store's lease renewal settles what a quiet store left. */
+ * until the deadline, after ringing the server for the posts it has not taken yet (one doorbell
+ * brings in all of them). Answers ring nobody (server.c), so this drives the link's receive side
+ * to see them. Nothing calls this on a timer: a put settles what earlier ones left, the store's
+ * lease renewal what a quiet store left (dirwire.h). */
 static void emb_settle(void *st, bool wait, fr_dir_settle_fn cb, void *arg, int timeout_ms) {
   emb *e = st;
   uint64_t deadline = fr_deadline_ns(timeout_ms);
@@ -450,6 +450,8 @@ static void emb_settle(void *st, bool wait, fr_dir_settle_fn cb, void *arg, int 
     posted *ps = e->posted_head;
     if (ps && !fr_link_call_ready(ps->pending))
       fr_link_poll(ps->link, false); /* answers to posted puts ring no doorbell */
+    if (ps && wait && !fr_link_call_ready(ps->pending))
+      fr_link_ring(ps->link); /* a no-op unless the server sleeps (ring.h) */
     if (ps && !wait && !fr_link_call_ready(ps->pending))
       ps = NULL;
     if (ps && !(e->posted_head = ps->next))

@@ -641,10 +641,9 @@ static void serve_one(fr_dir_server *s, ferry_msg *m) {
  * request depends on had returned before that request was sent, so it was sent before the
  * fence and before the request (it goes first), and so were the puts it depends on in turn
  * (they go before it); puts still on their way are concurrent with everything queued here.
- * A posted put rings this server's doorbell only when the server sleeps (the ring's doorbell
- * handshake, transport/ring.h): the first put of a quiet stream wakes it, and the puts that come
- * while it is awake are drained with that one (fence, and the inbox's wait) without a doorbell
- * each. So the server never sleeps on a posted put, and looks for none on a timer. */
+ * A posted put rings no doorbell (dirwire.h): the next message from anyone brings it in with
+ * the fence, or at the latest the server's look at the leases (LEASE_LOOK_MS), which fences
+ * too. The server looks for posted puts on no timer of its own. */
 
 /* When a posted put was sent; UINT64_MAX for any other message. */
 static uint64_t sent_at(const ferry_msg *m) {
@@ -708,9 +707,10 @@ static void serve_in_order(fr_dir_server *s, ferry_msg *m) {
 }
 
 /* How long the thread waits for a message when idle: until it next looks at the leases, once a
- * second (it drops a lapsed node's records then). A message (the server owns
- * FR_CHANNEL_DIRECTORY: requests go straight to its inbox, and a posted put that finds it asleep
- * rings), or fr_dir_server_stop (fr_inbox_kick), wakes it sooner. Sleeping until the first lease
+ * second (it drops a lapsed node's records then, and takes in the posted puts that came
+ * meanwhile: the longest a post waits for a quiet server). A request (the server owns
+ * FR_CHANNEL_DIRECTORY: requests go straight to its inbox), or fr_dir_server_stop
+ * (fr_inbox_kick), wakes it sooner. Sleeping until the first lease
  * lapses instead was tried: over ucx, a `ferry serve` resumed after SIGSTOP then sometimes left
  * requests unanswered until another message came (store_test stopped_directory, 2 of 13 runs),
  * which this look, taking the epoll over from the progress thread, hides. */
@@ -729,7 +729,7 @@ static void *server_main(void *arg) {
       break;
     pthread_mutex_lock(&s->serve_lock); /* taken under it: a caller's fence sees every message */
     if (!queued)
-      fence(s); /* what came as the wait ended */
+      fence(s); /* posted puts, which ring no doorbell */
     ferry_msg *m = s->nbacklog ? backlog_take(s, 0) : fr_inbox_take(&s->inbox);
     if (m)
       serve_in_order(s, m);
