@@ -52,6 +52,11 @@ typedef struct emb {
 /* Posted puts not yet settled, at most: beyond, a put waits for its answer (and so for theirs),
  * which keeps a writer in a tight loop from queueing without bound at the server. */
 #define POSTED_MAX 16
+/* The post that leaves this many unanswered rings the server (a no-op when it is awake): a stream
+ * of puts faster than the server's look at its leases then costs one wake-up per POSTED_RING
+ * puts, on the put that rings, and fills POSTED_MAX (a put then waits) only when it outruns the
+ * server. */
+#define POSTED_RING (POSTED_MAX * 3 / 4)
 
 typedef struct reply {
   ferry_msg *msg;
@@ -338,11 +343,11 @@ static void posted_append(emb *e, posted *ps) {
   pthread_mutex_unlock(&e->posted_lock);
 }
 
-static bool posted_full(emb *e) {
+static size_t posted_count(emb *e) {
   pthread_mutex_lock(&e->posted_lock);
-  bool full = e->nposted >= POSTED_MAX;
+  size_t n = e->nposted;
   pthread_mutex_unlock(&e->posted_lock);
-  return full;
+  return n;
 }
 
 /* Sends a put (`op` and its arguments in `args`) without waiting for the answer; false when it
@@ -350,7 +355,8 @@ static bool posted_full(emb *e) {
 static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *objs, size_t n,
                  unsigned flags, int timeout_ms) {
   uint64_t *watch = NULL, *table = NULL;
-  ferry_link *l = posted_full(e) ? NULL : post_link(e, timeout_ms, &watch, &table);
+  size_t before = posted_count(e);
+  ferry_link *l = before >= POSTED_MAX ? NULL : post_link(e, timeout_ms, &watch, &table);
   posted *ps = l && !args->failed ? calloc(1, sizeof *ps) : NULL;
   fr_dir_object *copy = ps ? malloc(n * sizeof *copy) : NULL;
   if (copy) { /* all set before the answer can come in */
@@ -366,8 +372,10 @@ static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *ob
   bool ready = copy && !w.failed;
   if (ready)
     table_tickets(table, objs, n, flags);
-  /* quiet: a doorbell would wake the server on this caller's path (dirwire.h) */
-  bool sent = ready && fr_link_call_post(l, FR_CHANNEL_DIRECTORY, &iov, 1, timeout_ms, true,
+  /* quiet: a doorbell would wake the server on this caller's path (dirwire.h); but the
+   * POSTED_RING-th unanswered post rings, so a stream seldom fills POSTED_MAX and waits */
+  bool quiet = before + 1 < POSTED_RING;
+  bool sent = ready && fr_link_call_post(l, FR_CHANNEL_DIRECTORY, &iov, 1, timeout_ms, quiet,
                                          &ps->pending) == 0;
   fr_wr_free(&w);
   if (ready && !sent)
