@@ -36,7 +36,8 @@ enum fr_dir_op {
   FR_DOP_MAX_
 };
 
-/* A posted put rings no doorbell: waking the embedded server from the put would cost its caller
+/* A posted put rings no doorbell (but a client's 12th unanswered one, client.c POSTED_RING):
+ * waking the embedded server from the put would cost its caller
  * the server's whole turn (measured: the paced in-place put 34 -> 82 us, docs/PERFORMANCE.md
  * "Paced latency"). The server takes it in with the next message from anyone (every request
  * drains the posts first, server.c), or at its next look at the leases (once a second) at the

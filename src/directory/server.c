@@ -641,9 +641,10 @@ static void serve_one(fr_dir_server *s, ferry_msg *m) {
  * request depends on had returned before that request was sent, so it was sent before the
  * fence and before the request (it goes first), and so were the puts it depends on in turn
  * (they go before it); puts still on their way are concurrent with everything queued here.
- * A posted put rings no doorbell (dirwire.h): the next message from anyone brings it in with
- * the fence, or at the latest the server's look at the leases (LEASE_LOOK_MS), which fences
- * too. The server looks for posted puts on no timer of its own. */
+ * A posted put rings no doorbell (dirwire.h; a client's 12th unanswered one does): the next
+ * message from anyone brings it in with the fence, or at the latest the server's look at the
+ * leases (LEASE_LOOK_MS), which fences too. The server looks for posted puts on no timer of its
+ * own. */
 
 /* When a posted put was sent; UINT64_MAX for any other message. */
 static uint64_t sent_at(const ferry_msg *m) {
