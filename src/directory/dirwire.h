@@ -37,14 +37,14 @@ enum fr_dir_op {
 };
 
 /* A posted put rings no doorbell (but a client's 12th unanswered one, client.c POSTED_RING):
- * waking the embedded server from the put would cost its caller
- * the server's whole turn (measured: the paced in-place put 34 -> 82 us, docs/PERFORMANCE.md
- * "Paced latency"). The server takes it in with the next message from anyone (every request
- * drains the posts first, server.c), or at its next look at the leases (once a second) at the
- * latest; readers on its host see the record at once in the shared table (table.h). Its answer
- * rings nobody either: the client collects it at its next put, its lease renewal, or when it
- * waits for it (fr_dir_settle, which rings). Neither side looks for the other on a timer of its
- * own (server.c, client.c). */
+ * waking the embedded server from the put would cost its caller the server's whole turn
+ * (measured: the paced in-place put 34 -> 82 us, docs/PERFORMANCE.md "Paced latency"). The
+ * server takes it in with the next message from anyone (every request drains the posts first,
+ * server.c), or at its next look at the leases (once a second) at the latest; readers on its
+ * host see the record at once in the shared table (table.h). Its answer rings nobody either:
+ * the client collects it at its next put, its lease renewal, or when it waits for it
+ * (fr_dir_settle, which rings). Neither side looks for the other on a timer of its own
+ * (server.c, client.c). */
 
 /* The change words, in a region of the server's (FR_DOP_WATCH): word 0 counts changes of many
  * keys at once (a node and its records dropped), word 1 + b changes of the keys in bucket b. */
