@@ -1273,6 +1273,117 @@ static void waiters(const char *transport) {
 static void test_waiters_shm(void **s) { waiters("shm"); }
 static void test_waiters_tcp(void **s) { waiters("tcp"); }
 
+/* ---- frames sent just before the sender's end all arrive ---- */
+
+/* How the sender ends after its last ferry_send returned 0: it closes the link (and then its
+ * ctx), it closes only its ctx, or it exits with nothing closed (shm and tcp: nothing of a sent
+ * frame is left in the sender's memory then; ucx keeps bytes in UCX until the ctx closes). */
+typedef enum { END_LINK_CLOSE, END_CTX_CLOSE, END_EXIT } end_how;
+
+typedef struct end_args {
+  const char *transport;
+  tu_pipe *pipe;
+  int frames;
+  bool large; /* every 100th frame carries END_LARGE bytes: more than a shm ring holds */
+  end_how how;
+} end_args;
+
+#define END_CHANNEL 9
+#define END_LARGE (700u * 1024u)
+
+static size_t end_frame_len(const end_args *a, int i) {
+  return a->large && i % 100 == 50 ? END_LARGE : 16;
+}
+
+static const char *how_name(end_how how) {
+  return how == END_EXIT ? "exit" : how == END_CTX_CLOSE ? "ctx close" : "link close";
+}
+
+static int end_sender(void *arg) {
+  end_args *a = arg;
+  char addr[512];
+  if (tu_pipe_get(a->pipe, addr, sizeof addr, 10000) != 0)
+    return 2;
+  ferry_ctx *c = open_ctx("ender", a->transport, "");
+  ferry_link *l;
+  if (ferry_connect(c, addr, 5000, &l) != 0)
+    return 3;
+  uint8_t *buf = malloc(END_LARGE);
+  if (!buf)
+    return 4;
+  for (int i = 0; i < a->frames; i++) {
+    size_t len = end_frame_len(a, i);
+    tu_fill(buf, len, (uint64_t)i);
+    memcpy(buf, &i, sizeof i);
+    struct iovec iov = {buf, len};
+    if (ferry_send(l, END_CHANNEL, &iov, 1, 10000) != 0)
+      return 5;
+  }
+  if (a->how == END_EXIT)
+    return 0; /* tu_spawn's _exit: the kernel closes the socket, the ring stays mapped there */
+  if (a->how == END_LINK_CLOSE)
+    ferry_link_close(l);
+  ferry_ctx_close(c);
+  free(buf);
+  return 0;
+}
+
+/* The receiver must get every frame whose send returned 0, in order, and then see the link end
+ * (a link that ended before its frames were taken in lost them: shm's ring, ucx's stream). */
+static void end_after_sends(const char *transport, bool large, end_how how) {
+  tu_pipe pp;
+  tu_pipe_open(&pp);
+  end_args a = {transport, &pp, 1000, large, how};
+  pid_t pid = tu_spawn(end_sender, &a);
+  ferry_ctx *c = open_ctx("end-receiver", transport, "");
+  char addr[512];
+  snprintf(addr, sizeof addr, "%s", ferry_ctx_address(c));
+  tu_pipe_put(&pp, addr, sizeof addr);
+  uint8_t *want = malloc(END_LARGE);
+  ferry_link *link = NULL;
+  for (int i = 0; i < a.frames; i++) {
+    ferry_msg *m = NULL;
+    int rc = ferry_recv(c, END_CHANNEL, &m, 20000);
+    if (rc != 0)
+      fail_msg("%s (%s): frame %d of %d did not arrive: %s", transport, how_name(how), i, a.frames,
+               ferry_strerror(rc));
+    size_t len = end_frame_len(&a, i);
+    tu_fill(want, len, (uint64_t)i);
+    memcpy(want, &i, sizeof i);
+    assert_int_equal(m->len, len);
+    assert_memory_equal(m->data, want, len);
+    if (!link)
+      link = ferry_link_retain(m->link);
+    ferry_msg_free(m);
+  }
+  assert_int_equal(tu_wait(pid), 0);
+  /* then the end, and nothing more: a waiting receiver drives the ctx until the link says so */
+  for (int i = 0; i < 1000 && ferry_link_status(link) == 0; i++) {
+    ferry_msg *m = NULL;
+    assert_int_equal(ferry_recv(c, END_CHANNEL, &m, 10), FERRY_ETIMEDOUT);
+  }
+  if (ferry_link_status(link) == 0)
+    fail_msg("%s (%s): the link did not end", transport, how_name(how));
+  ferry_msg *m = NULL;
+  assert_int_equal(ferry_recv(c, END_CHANNEL, &m, 10), FERRY_ETIMEDOUT);
+  ferry_link_release(link);
+  free(want);
+  ferry_ctx_close(c);
+  tu_pipe_close(&pp);
+}
+
+static void ends(const char *transport) {
+  for (int how = END_LINK_CLOSE; how <= END_EXIT; how++) {
+    if (how == END_EXIT && strcmp(transport, "ucx") == 0)
+      continue; /* UCX's own buffers end with a process that never closed its ctx */
+    end_after_sends(transport, false, (end_how)how);
+    end_after_sends(transport, true, (end_how)how);
+  }
+}
+
+static void test_end_after_sends_shm(void **s) { ends("shm"); }
+static void test_end_after_sends_tcp(void **s) { ends("tcp"); }
+
 #ifndef FR_LINK_TEST_NO_MAIN /* tests/ucx_link_test.c runs these cases over ucx */
 int main(void) {
   (void)transports;
@@ -1313,6 +1424,8 @@ int main(void) {
       cmocka_unit_test(test_concurrent_tcp),
       cmocka_unit_test(test_waiters_shm),
       cmocka_unit_test(test_waiters_tcp),
+      cmocka_unit_test(test_end_after_sends_shm),
+      cmocka_unit_test(test_end_after_sends_tcp),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);
