@@ -1257,6 +1257,38 @@ static int ucx_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
   return rc;
 }
 
+/* A graceful close waits this long at most for the endpoint's flush (ucx_flush). */
+#define CLOSE_FLUSH_NS (2000ull * 1000000ull)
+
+/* A completed stream send only means UCX took the bytes: they may still wait in a transport's
+ * send buffer, and the close that follows (ep_close_locked, FORCE) would cancel them. So a
+ * graceful close flushes the endpoint first, bounded by the ctx's timeout and CLOSE_FLUSH_NS; a
+ * flush that does not end in time is cancelled with the endpoint. */
+static void ucx_flush(ferry_link *l) {
+  ucx_link *u = ucx_of(l);
+  if (!stream_on(l) || link_status(l) != 0)
+    return;
+  uint64_t bound = (uint64_t)l->ctx->timeout_ms * 1000000ull;
+  uint64_t end = fr_now_ns() + (bound < CLOSE_FLUSH_NS ? bound : CLOSE_FLUSH_NS);
+  pthread_mutex_lock(&u->lock);
+  if (u->ready && u->ep && !u->gone) {
+    ucx_op op = {0};
+    ucp_request_param_t p = op_param(&op);
+    op_issued(&op, ucp_ep_flush_nbx(u->ep, &p));
+    while (!op.done && fr_now_ns() < end)
+      if (progress_locked(u) == 0 && !op.done)
+        sleep_locked(u, end);
+    if (!op.done) {
+      fr_debug("ucx link with '%s': its flush did not end in time; closing", l->peer);
+      ep_close_locked(u, FERRY_ECLOSED);
+      settle_locked(u, &op.done);
+    } else if (op.status != UCS_OK) {
+      fr_debug("ucx link with '%s': flush: %s", l->peer, ucs_status_string(op.status));
+    }
+  }
+  pthread_mutex_unlock(&u->lock);
+}
+
 static void ucx_retire(ferry_link *l) {
   ucx_link *u = ucx_of(l);
   if (!u)
@@ -1689,6 +1721,7 @@ const fr_transport_ops fr_ucx_transport = {
     .sendv = ucx_sendv,
     .recv = ucx_recv,
     .readable = ucx_readable,
+    .flush = ucx_flush,
     .idle = ucx_idle,
     .offer = ucx_offer,
     .accept_offer = ucx_accept_offer,
