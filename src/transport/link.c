@@ -1057,10 +1057,11 @@ static int rx_last(ferry_link *l, int end) {
 
 /* Drains the link; the progress thread also lets the transport consume what comes beside the
  * stream first, and arms it before going back to sleep. The peer's end reported there is taken
- * after what the peer sent before it (rx_last), unless this node closed the link itself. */
+ * after what the peer sent before it (rx_last), unless this node ended the link itself (closed
+ * it, or gave up on it: a timeout, a bad frame). */
 static int rx_progress(ferry_link *l) {
   int rc = l->ops->readable ? l->ops->readable(l) : 0;
-  if (rc == FERRY_EPEER && !(link_state(l) == FR_LINK_DEAD && l->dead_status == FERRY_ECLOSED))
+  if (rc == FERRY_EPEER && (link_state(l) != FR_LINK_DEAD || l->dead_status == FERRY_EPEER))
     return rx_last(l, rc);
   if (rc == 0)
     rc = rx_drain(l);
