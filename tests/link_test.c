@@ -750,6 +750,48 @@ static void test_shm_ring_corrupt(void **s) {
   (void)s;
 }
 
+/* A peer whose end comes after a frame cut short, or after a ring position out of range: the
+ * reader takes in what is there (rx_last), drops the cut frame (saying so at debug) or closes
+ * on the bad ring with its warning, and the link ends; nothing is delivered, nothing crashes. */
+static char end_log[4096];
+static void end_log_into(ferry_log_level level, const char *msg, void *arg) {
+  (void)level, (void)arg;
+  if (strlen(end_log) + strlen(msg) + 2 < sizeof end_log) {
+    strcat(end_log, msg);
+    strcat(end_log, "\n");
+  }
+}
+
+static void end_after_bad_ring(uint64_t head_step, const char *expect) {
+  pair p;
+  pair_open(&p, "shm");
+  ferry_link *ba = exchange(&p);
+  fr_ring_hdr *r0 = (fr_ring_hdr *)ring_segment(); /* a -> b */
+  end_log[0] = '\0';
+  __atomic_add_fetch(&r0->head, head_step, __ATOMIC_SEQ_CST);
+  ferry_link_close(p.ab); /* a's end, right behind what it "wrote" */
+  p.ab = NULL;
+  for (int i = 0; i < 500 && ferry_link_status(ba) == 0; i++) {
+    ferry_msg *m = NULL;
+    assert_int_equal(ferry_recv(p.b, 3, &m, 10), FERRY_ETIMEDOUT);
+  }
+  assert_int_not_equal(ferry_link_status(ba), 0);
+  if (!strstr(end_log, expect))
+    fail_msg("expected '%s' in the log:\n%s", expect, end_log);
+  fr_link_unref(ba);
+  pair_close(&p);
+}
+
+static void test_shm_end_after_bad_ring(void **s) {
+  ferry_log_set_callback(end_log_into, NULL);
+  ferry_log_set_level(FERRY_LOG_DEBUG);
+  end_after_bad_ring(FR_FRAME_BYTES / 2, "cut a frame short");
+  end_after_bad_ring(1ull << 40, "out-of-range ring position");
+  ferry_log_set_level(FERRY_LOG_WARN);
+  ferry_log_set_callback(NULL, NULL);
+  (void)s;
+}
+
 /* ---- a peer that shrinks, or never sealed, the memfd it lets us map ---- */
 
 /* Truncates every memfd of this process named `name` to 4096 bytes, through /proc/self/fd (the
@@ -1408,6 +1450,7 @@ int main(void) {
       cmocka_unit_test(test_rma_shm_registered),
       cmocka_unit_test(test_shm_small_ring),
       cmocka_unit_test(test_shm_ring_corrupt),
+      cmocka_unit_test(test_shm_end_after_bad_ring),
       cmocka_unit_test(test_shm_memfd_shrink),
       cmocka_unit_test(test_shm_segment_check),
       cmocka_unit_test(test_rma_tcp_shared),
