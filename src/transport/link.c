@@ -1049,9 +1049,12 @@ static int rx_last(ferry_link *l, int end) {
   while (rc == 0 && (l->rx_more || (l->ops->idle && !l->ops->idle(l))) && fr_now_ns() < deadline);
   if (rc != 0) /* a bad frame or ring among the last bytes says so itself */
     return rc;
-  if (l->rx_phase != FR_RX_HEADER || l->rx_have > 0)
-    fr_debug("link %s '%s': the peer's end cut a frame short (type %u): dropped", l->ops->name,
-             l->peer, l->rx_phase == FR_RX_HEADER ? 0u : l->rx_frame.type);
+  if (l->rx_phase != FR_RX_HEADER)
+    fr_debug("link %s '%s': the peer's end cut a frame short (type %u, %llu bytes): dropped",
+             l->ops->name, l->peer, l->rx_frame.type, (unsigned long long)l->rx_frame.len);
+  else if (l->rx_have > 0)
+    fr_debug("link %s '%s': the peer's end cut a frame short (%zu bytes of its header): dropped",
+             l->ops->name, l->peer, l->rx_have);
   return fr_err(end, "%s", why);
 }
 
