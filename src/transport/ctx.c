@@ -219,6 +219,8 @@ static void close_links(ferry_ctx *ctx) {
   pthread_mutex_unlock(&ctx->links_lock);
   while (all) {
     ferry_link *next = all->next;
+    if (all->ops->flush && fr_link_is_open(all)) /* as ferry_link_close (api.c) */
+      all->ops->flush(all);
     fr_link_fail(all, FERRY_ECLOSED, "context closed");
     fr_link_unref(all);
     all = next;

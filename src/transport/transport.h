@@ -85,6 +85,10 @@ typedef struct fr_transport_ops {
    * added to the ctx's epoll for it (events already fetched are ignored, the link lives until
    * the end of the batch). */
   void (*retire)(ferry_link *l);
+  /* Optional. This node is closing an open link gracefully (ferry_link_close, its ctx closing),
+   * before the socket's end tells the peer: sees, bounded, that what sends handed to the
+   * transport has left (ucx: a completed stream send may leave bytes in UCX's buffers). */
+  void (*flush)(ferry_link *l);
   /* Optional. Memory for ferry_alloc in a ctx that lists this transport first (ucx: memory UCX
    * allocates, which its shared-memory transports let peers map, where a memfd would be copied
    * through the kernel); on failure ferry_alloc uses a memfd. Such a region has no memfd, so shm
