@@ -134,8 +134,7 @@ int ferry_connect(ferry_ctx *ctx, const char *address, int timeout_ms, ferry_lin
 void ferry_link_close(ferry_link *link) {
   if (!link)
     return;
-  if (link->ops->flush && fr_link_is_open(link)) /* frames whose send returned 0 still go */
-    link->ops->flush(link);
+  fr_link_flush(link, fr_link_flush_deadline(link->ctx));
   fr_link_fail(link, FERRY_ECLOSED, "closed by this node");
   fr_link_unref(link);
 }

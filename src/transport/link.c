@@ -363,6 +363,16 @@ int fr_link_call_post(ferry_link *l, uint32_t channel, const struct iovec *iov, 
 
 bool fr_link_is_open(const ferry_link *l) { return link_state(l) == FR_LINK_OPEN; }
 
+uint64_t fr_link_flush_deadline(const ferry_ctx *ctx) {
+  uint64_t bound = (uint64_t)ctx->timeout_ms * 1000000ull;
+  return fr_now_ns() + (bound < FR_LINK_FLUSH_NS ? bound : FR_LINK_FLUSH_NS);
+}
+
+void fr_link_flush(ferry_link *l, uint64_t deadline_ns) {
+  if (l->ops->flush && fr_link_is_open(l)) /* frames whose send returned 0 still go */
+    l->ops->flush(l, deadline_ns);
+}
+
 bool fr_link_call_ready(const fr_pending *p) { return pending_ready((void *)p); }
 
 void fr_link_ring(ferry_link *l) {

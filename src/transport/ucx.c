@@ -1257,10 +1257,6 @@ static int ucx_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
   return rc;
 }
 
-/* A graceful close waits this long at most for the endpoint's flush and then the peer's end
- * (ucx_flush). */
-#define CLOSE_FLUSH_NS (2000ull * 1000000ull)
-
 /* Waits for the peer's end on the socket (its shutdown, seen without taking bytes) or `end`. */
 static void wait_peer_end(ferry_link *l, uint64_t end) {
   for (;;) {
@@ -1277,14 +1273,12 @@ static void wait_peer_end(ferry_link *l, uint64_t end) {
  * the endpoint close as soon as they left: the peer's UCX drops the stream data it has not
  * handed over yet when it sees the endpoint fail. So a graceful close flushes the endpoint, ends
  * the socket (the peer then takes in the stream, link.c's rx_last, and ends its side) and waits
- * for the peer's end before the link goes on to close the endpoint; bounded by the ctx's
- * timeout and CLOSE_FLUSH_NS. A flush that does not end in time is cancelled with the endpoint. */
-static void ucx_flush(ferry_link *l) {
+ * for the peer's end before the link goes on to close the endpoint; until `end` at most
+ * (fr_link_flush_deadline). A flush that does not end in time is cancelled with the endpoint. */
+static void ucx_flush(ferry_link *l, uint64_t end) {
   ucx_link *u = ucx_of(l);
   if (!stream_on(l) || link_status(l) != 0)
     return;
-  uint64_t bound = (uint64_t)l->ctx->timeout_ms * 1000000ull;
-  uint64_t end = fr_now_ns() + (bound < CLOSE_FLUSH_NS ? bound : CLOSE_FLUSH_NS);
   bool flushed = false;
   pthread_mutex_lock(&u->lock);
   if (u->ready && u->ep && !u->gone) {
