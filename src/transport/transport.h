@@ -257,26 +257,23 @@ struct ferry_ctx {
   bool stopping;
 
   /* Leading: one thread at a time waits in epoll_wait and runs the handlers, holding `lead`.
-   * Usually the progress thread; a caller about to sleep on its own response or message leads
-   * instead when it can (ctx.c), so the bytes it waits for wake it and no one else. */
+   * A caller about to sleep on its own response or message leads when it can (leader.c), so
+   * the bytes it waits for wake it and no one else; the progress thread sleeps meanwhile in
+   * outer_epfd, which holds epfd only while nobody leads it. */
   pthread_mutex_t lead;
+  int outer_epfd;         /* the progress thread's epoll: epfd (lent while unled), outer_wake */
+  int outer_wake;         /* eventfd: the progress thread must look at `stopping` */
   bool users_may_lead;    /* every transport of the ctx has any_thread_events */
   bool user_leading;      /* atomic: a caller holds `lead` */
   int lead_waits_for;     /* atomic: what that caller waits for (fr_ctx_wait's waits_for) */
   unsigned long leader;   /* atomic: the pthread_t running a batch (0: none) */
-  uint64_t user_led_ns;   /* atomic: when a caller last led or wanted to */
-  uint64_t caller_led_ns; /* atomic: the same, for waits that are not idle (leader.c) */
+  uint64_t caller_led_ns; /* atomic: when a wait that is not idle last led or wanted to */
   bool lead_idle;         /* atomic: `lead` is held by an idle wait or the progress thread */
   bool lead_claimed;      /* atomic: a caller asked such a leader to step down */
-  bool progress_parked;   /* atomic: the progress thread waits for a leaver's nudge (leader.c) */
-  int sleepers;           /* atomic: callers asleep on a condition while another thread leads */
-  bool lead_wanted;       /* under idle_lock: the progress thread must lead now */
-  pthread_mutex_t idle_lock;
-  pthread_cond_t idle_cond; /* the progress thread sleeps here while callers lead */
-  uint64_t next_reap;       /* under lead */
-  /* leader.c's timing (FERRY_LEAD_FOLLOW_US, FERRY_PROGRESS_GRACE_US, FERRY_SLEEPER_SLICE_MS,
-   * FERRY_SHARED_CORE_US), read at open */
-  uint64_t follow_ns, grace_ns, sleeper_slice_ns, shared_core_ns;
+  uint64_t next_reap;     /* under lead */
+  /* leader.c's timing (FERRY_LEAD_FOLLOW_US, FERRY_SLEEPER_SLICE_MS, FERRY_SHARED_CORE_US),
+   * read at open */
+  uint64_t follow_ns, sleeper_slice_ns, shared_core_ns;
 
   fr_region_table regions;
   fr_channel channels[FERRY_MAX_CHANNELS];
