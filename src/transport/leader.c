@@ -116,24 +116,40 @@ static void lend_epoll(ferry_ctx *ctx, bool lend) {
 /* The progress thread where callers may lead: sleeps in the outer epoll, and runs one batch
  * (without sleeping in it) each time the ctx's epoll has something nobody handled. The timeout
  * only lets it reap handshakes that never finished (run_batch) on an otherwise quiet node.
- * Finding the lead taken (a caller took it between the event and now) it waits for the mutex:
- * the caller handles what is there, and the batch then finds nothing or what came since. */
+ * Finding the lead taken, it looks again after a yield: the holder is between taking the lead
+ * and taking the epoll out of this one (then this thread sleeps in it next), or between putting
+ * it back and letting go (then the next try takes the lead). Waiting for the mutex instead
+ * made each such race cost the next caller a hand-off, and that caller's lead the next race:
+ * back to back, half the round trips paid it. Should the epoll stay lent under a leader all the
+ * same (its epoll_ctl failed), it waits for the mutex after a few tries rather than spin. */
 static void progress_loop(ferry_ctx *ctx) {
+  int busy = 0;
   while (!fr_ctx_stopping(ctx)) {
     struct epoll_event evs[2];
-    int n = epoll_wait(ctx->outer_epfd, evs, 2, 1000);
+    int n = epoll_wait(ctx->outer_epfd, evs, 2, busy ? 0 : 1000);
     if (fr_ctx_stopping(ctx))
       return;
-    bool work = n == 0;
+    bool work = false, reap = n == 0 && !busy;
     for (int i = 0; i < n; i++)
       work |= evs[i].data.u64 == 0;
-    if (!work)
+    if (!work && !reap) {
+      busy = 0; /* the leader took the epoll out: sleep */
       continue;
-    if (n == 0 ? pthread_mutex_trylock(&ctx->lead) != 0 : pthread_mutex_lock(&ctx->lead) != 0)
-      continue;
-    __atomic_store_n(&ctx->lead_idle, true, __ATOMIC_RELEASE);
+    }
+    if (pthread_mutex_trylock(&ctx->lead) != 0) {
+      if (reap)
+        continue;
+      if (++busy <= 64) {
+        sched_yield();
+        continue;
+      }
+      pthread_mutex_lock(&ctx->lead);
+    }
+    busy = 0;
+    __atomic_store_n(&ctx->lead_brief, true, __ATOMIC_RELEASE);
     if (!fr_ctx_stopping(ctx))
       run_batch(ctx, 0);
+    __atomic_store_n(&ctx->lead_brief, false, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&ctx->lead);
   }
 }
@@ -145,9 +161,9 @@ void *fr_ctx_progress_main(void *arg) {
     progress_loop(ctx);
     return NULL;
   }
-  while (!fr_ctx_stopping(ctx)) { /* callers never lead (ucx): it always does */
+  __atomic_store_n(&ctx->lead_idle, true, __ATOMIC_RELEASE); /* nobody else leads (ucx) */
+  while (!fr_ctx_stopping(ctx)) {
     pthread_mutex_lock(&ctx->lead);
-    __atomic_store_n(&ctx->lead_idle, true, __ATOMIC_RELEASE);
     if (!fr_ctx_stopping(ctx))
       run_batch(ctx, 1000);
     pthread_mutex_unlock(&ctx->lead);
@@ -190,16 +206,45 @@ static void poll_briefly(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint6
   }
 }
 
-/* The lead held by an idle wait or the progress thread: asks it to step down (its epoll_wait
- * returns at the wake-up) and takes the lead within follow_ns. */
+/* The lead held by an idle wait or the progress thread: asks it to step down (an idle wait's
+ * epoll_wait returns at the wake-up; the progress thread's batch does not sleep, so it is only
+ * waited for) and takes the lead within follow_ns. */
 static bool take_from_idle(ferry_ctx *ctx) {
-  if (!__atomic_load_n(&ctx->lead_idle, __ATOMIC_ACQUIRE))
+  bool brief = __atomic_load_n(&ctx->lead_brief, __ATOMIC_ACQUIRE);
+  if (!brief && !__atomic_load_n(&ctx->lead_idle, __ATOMIC_ACQUIRE))
     return false;
   __atomic_store_n(&ctx->lead_claimed, true, __ATOMIC_RELEASE);
-  fr_ctx_wake_progress(ctx);
+  if (!brief)
+    fr_ctx_wake_progress(ctx);
   bool got = fr_mutex_lock_until(&ctx->lead, fr_now_ns() + ctx->follow_ns) == 0;
   __atomic_store_n(&ctx->lead_claimed, false, __ATOMIC_RELEASE);
   return got;
+}
+
+/* The ctx whose lead this thread took before sending its request (fr_ctx_lead_early). */
+static _Thread_local ferry_ctx *early_lead;
+
+bool fr_ctx_lead_early(ferry_ctx *ctx) {
+  if (!ctx->users_may_lead || fr_ctx_stopping(ctx) || leading(ctx) || early_lead ||
+      pthread_mutex_trylock(&ctx->lead) != 0)
+    return false;
+  __atomic_store_n(&ctx->lead_idle, false, __ATOMIC_RELEASE);
+  lend_epoll(ctx, false);
+  early_lead = ctx;
+  return true;
+}
+
+void fr_ctx_lead_early_end(ferry_ctx *ctx) {
+  if (early_lead != ctx)
+    return;
+  early_lead = NULL;
+  lend_epoll(ctx, true);
+  pthread_mutex_unlock(&ctx->lead);
+}
+
+void fr_ctx_lead_early_drop(void) {
+  if (early_lead)
+    fr_ctx_lead_early_end(early_lead);
 }
 
 /* When a caller (not an idle wait) last led or wanted to: idle waits leave the epoll to callers
@@ -221,12 +266,15 @@ static int lead(ferry_ctx *ctx, bool idle, int waits_for, bool (*ready)(void *),
        __atomic_load_n(&ctx->lead_claimed, __ATOMIC_SEQ_CST)))
     return NO_LEAD; /* callers lead: they hand over what this thread waits for */
   mark_caller(ctx, idle);
-  if (pthread_mutex_trylock(&ctx->lead) != 0 && (idle || !take_from_idle(ctx)))
+  bool early = !idle && early_lead == ctx; /* taken before the request went out */
+  if (!early && pthread_mutex_trylock(&ctx->lead) != 0 && (idle || !take_from_idle(ctx)))
     return BUSY;
+  early_lead = early ? NULL : early_lead;
   __atomic_store_n(&ctx->lead_idle, idle, __ATOMIC_RELEASE);
   __atomic_store_n(&ctx->lead_waits_for, waits_for, __ATOMIC_SEQ_CST);
   __atomic_store_n(&ctx->user_leading, true, __ATOMIC_SEQ_CST);
-  lend_epoll(ctx, false);
+  if (!early)
+    lend_epoll(ctx, false);
   if (!idle) /* idle waits never poll without sleeping (see the top) */
     poll_briefly(ctx, ready, arg, deadline_ns);
   while (!ready(arg) && !fr_ctx_stopping(ctx) && fr_now_ns() < deadline_ns && !claimed(ctx, idle)) {
