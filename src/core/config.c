@@ -39,8 +39,6 @@
   X("FERRY_SPIN_US", "200", "microseconds a waiter spins before it sleeps (latency vs. CPU)")      \
   X("FERRY_LEAD_FOLLOW_US", "1000",                                                                \
     "how long a waiting caller waits for a service thread to hand it the ctx's epoll")             \
-  X("FERRY_PROGRESS_GRACE_US", "4000",                                                             \
-    "while callers drive a ctx, how often its progress thread checks they still do")               \
   X("FERRY_SLEEPER_SLICE_MS", "100",                                                               \
     "longest sleep of a caller waiting on another thread's epoll before it looks again")           \
   X("FERRY_SHARED_CORE_US", "20",                                                                  \

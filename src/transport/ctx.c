@@ -41,6 +41,21 @@ static int add_poller(ferry_ctx *ctx, fr_poller *p) {
   return 0;
 }
 
+/* The progress thread's epoll (leader.c): the ctx's epoll, lent (EPOLLIN) until a thread leads
+ * it (data 0), and the eventfd that stops the thread (data 1). */
+static int progress_epoll(ferry_ctx *ctx) {
+  if ((ctx->outer_epfd = epoll_create1(EPOLL_CLOEXEC)) < 0)
+    return fr_err_errno(FERRY_ESYS, "epoll_create1");
+  if ((ctx->outer_wake = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0)
+    return fr_err_errno(FERRY_ESYS, "eventfd");
+  struct epoll_event inner = {.events = EPOLLIN, .data.u64 = 0};
+  struct epoll_event stop = {.events = EPOLLIN, .data.u64 = 1};
+  if (epoll_ctl(ctx->outer_epfd, EPOLL_CTL_ADD, ctx->epfd, &inner) < 0 ||
+      epoll_ctl(ctx->outer_epfd, EPOLL_CTL_ADD, ctx->outer_wake, &stop) < 0)
+    return fr_err_errno(FERRY_ESYS, "epoll_ctl");
+  return 0;
+}
+
 static int start_listeners(ferry_ctx *ctx) {
   size_t used = 0;
   for (size_t i = 0; i < ctx->norder; i++) {
@@ -80,8 +95,6 @@ static void ctx_init_sync(ferry_ctx *ctx) {
   pthread_mutex_init(&ctx->serve_lock, NULL);
   pthread_cond_init(&ctx->serve_cond, NULL);
   pthread_mutex_init(&ctx->lead, NULL);
-  pthread_mutex_init(&ctx->idle_lock, NULL);
-  fr_cond_init_monotonic(&ctx->idle_cond);
   for (int i = 0; i < FERRY_MAX_CHANNELS; i++) {
     pthread_mutex_init(&ctx->channels[i].lock, NULL);
     fr_cond_init_monotonic(&ctx->channels[i].cond);
@@ -132,7 +145,6 @@ static int ctx_configure(ferry_ctx *ctx, const ferry_ctx_opts *o) {
   ctx->max_payload = (uint64_t)fr_config_int("FERRY_MAX_MESSAGE");
   ctx->spin_us = (int)fr_config_int("FERRY_SPIN_US");
   ctx->follow_ns = config_ns("FERRY_LEAD_FOLLOW_US", 1000);
-  ctx->grace_ns = config_ns("FERRY_PROGRESS_GRACE_US", 1000);
   ctx->sleeper_slice_ns = config_ns("FERRY_SLEEPER_SLICE_MS", 1000000);
   ctx->shared_core_ns = config_ns("FERRY_SHARED_CORE_US", 1000);
   ctx->timeout_ms = fr_timeout(-1);
@@ -159,7 +171,7 @@ int ferry_ctx_open(const ferry_ctx_opts *opts, ferry_ctx **out) {
   ferry_ctx *ctx = calloc(1, sizeof *ctx);
   if (!ctx)
     return fr_err(FERRY_ENOMEM, "ferry_ctx_open");
-  ctx->epfd = ctx->wake.fd = -1;
+  ctx->epfd = ctx->wake.fd = ctx->outer_epfd = ctx->outer_wake = -1;
   ctx->next_reap = fr_now_ns() + 1000000000ull;
   ctx_init_sync(ctx);
   rc = ctx_configure(ctx, &o);
@@ -172,6 +184,8 @@ int ferry_ctx_open(const ferry_ctx_opts *opts, ferry_ctx **out) {
   ctx->wake.on_event = fr_ctx_on_wake;
   if (rc == 0)
     rc = add_poller(ctx, &ctx->wake);
+  if (rc == 0)
+    rc = progress_epoll(ctx);
   if (rc == 0)
     rc = start_listeners(ctx);
   if (rc == 0)
@@ -196,6 +210,10 @@ int ferry_ctx_open(const ferry_ctx_opts *opts, ferry_ctx **out) {
       close(ctx->epfd);
     if (ctx->wake.fd >= 0)
       close(ctx->wake.fd);
+    if (ctx->outer_epfd >= 0)
+      close(ctx->outer_epfd);
+    if (ctx->outer_wake >= 0)
+      close(ctx->outer_wake);
     fr_region_table_fini(&ctx->regions);
     ferry_metrics_server_close(ctx->metrics);
     fr_stats_fini(&ctx->stats);
@@ -235,8 +253,7 @@ void ferry_ctx_close(ferry_ctx *ctx) {
   ferry_metrics_server_close(ctx->metrics); /* its scrapes read the ctx */
   ctx->metrics = NULL;
   __atomic_store_n(&ctx->stopping, true, __ATOMIC_RELEASE);
-  fr_ctx_wake_progress(ctx);
-  fr_ctx_hand_to_progress(ctx);
+  fr_ctx_stop_progress(ctx);
   pthread_join(ctx->progress, NULL);
   for (size_t i = 0; i < ctx->ngrave; i++)
     fr_link_unref(ctx->grave[i]);
@@ -257,6 +274,8 @@ void ferry_ctx_close(ferry_ctx *ctx) {
     close(ctx->listeners[i].poller.fd);
   close(ctx->epfd);
   close(ctx->wake.fd);
+  close(ctx->outer_epfd);
+  close(ctx->outer_wake);
   fr_region_table_fini(&ctx->regions);
   fr_stats_fini(&ctx->stats);
   if (ctx->log_node)

@@ -20,10 +20,10 @@ void *fr_ctx_progress_main(void *arg);              /* the progress thread */
 void fr_ctx_on_wake(fr_poller *p, uint32_t events); /* the ctx's wake-up eventfd's handler */
 /* Makes the thread that leads the epoll return from its wait. */
 void fr_ctx_wake_progress(ferry_ctx *ctx);
-/* Makes the progress thread lead now (callers sleep on a leader that left, or the ctx closes). */
-void fr_ctx_hand_to_progress(ferry_ctx *ctx);
+/* Makes the progress thread return and see that the ctx is stopping. */
+void fr_ctx_stop_progress(ferry_ctx *ctx);
 /* fr_ctx_wait for a service loop's requests (inbox.c): an idle wait, which leads the epoll only
- * as the progress thread does, steps down when a caller wants it, never polls without sleeping
+ * when no caller has lately, steps down when a caller wants it, never polls without sleeping
  * and sleeps without a slice (see leader.c's top). */
 bool fr_ctx_wait_idle(ferry_ctx *ctx, int waits_for, bool (*ready)(void *), void *arg,
                       pthread_mutex_t *mutex, pthread_cond_t *cond, uint64_t deadline_ns);

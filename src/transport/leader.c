@@ -1,29 +1,34 @@
 /*
- * Who drives a context: its progress thread, which waits in the ctx's epoll and runs every
- * link's receive state machine, or a caller that takes that role over while it waits.
+ * Who drives a context: its progress thread, which runs every link's receive state machine
+ * while no other thread does, or a caller that takes that role over while it waits.
  *
- * Leading: one thread at a time waits in the ctx's epoll and runs the handlers. A caller about
- * to sleep on its own response or message takes that role itself when it can (and the ctx's
- * transports allow it), so the bytes it waits for wake it directly: a round trip then costs one
- * wake-up per side, as a blocking socket does, instead of the progress thread's plus a hand-off.
- * While callers keep leading, the progress thread sleeps; it takes the epoll back when no caller
- * leads and none has for its grace (FERRY_PROGRESS_GRACE_US), or at once when a leaving caller
- * leaves others asleep behind it. A leader polls without sleeping while events keep coming (a large
- * tcp message arrives in many socket-buffer pieces), and sleeps in the epoll after FERRY_SPIN_US
- * without one, or as soon as its yield lets another thread run on its core.
+ * Two epolls. The ctx's own (ctx->epfd: every link, listener and the wake eventfd) is led by
+ * one thread at a time, holding ctx->lead, which waits in it and runs the handlers. The
+ * progress thread sleeps in a second one (ctx->outer_epfd) that holds the ctx's epoll itself
+ * (nested: readable when one of its fds is) and a stop eventfd. A thread that leads takes the
+ * ctx's epoll out of the outer one (EPOLL_CTL_MOD with no events: the sleeping progress thread
+ * is not woken) and puts it back as it leaves (EPOLL_CTL_MOD with EPOLLIN: the progress thread
+ * wakes then only if something arrived meanwhile that nobody handled). So a caller about to
+ * sleep on its own response or message leads without asking anyone to step down, the bytes it
+ * waits for wake it directly, and a round trip costs one wake-up per side, as a blocking socket
+ * does: two epoll_ctl (about a microsecond) where handing the lead over cost two wake-ups in
+ * series (~20 us each after a pause), and the progress thread needs no grace timer nor a
+ * nudge, since it never holds the lead while it sleeps. It wakes only for what arrives while
+ * nobody leads, and takes the lead for one batch then (an epoll_wait that does not sleep).
+ * A leader polls without sleeping while events keep coming (a large tcp message arrives in
+ * many socket-buffer pieces), and sleeps in the epoll after FERRY_SPIN_US without one, or as
+ * soon as its yield lets another thread run on its core.
  *
  * Two kinds of wait, told apart by the call, not by the thread: a caller's (fr_ctx_wait: an
  * answer, a message it asked for) and an idle one (fr_ctx_wait_idle: a service loop waiting for
  * requests all the time, such as the embedded directory's, through its inbox). An idle wait
- * leads only as the progress thread does, and never polls without sleeping: on a small machine
+ * leads only when no caller has lately, and never polls without sleeping: on a small machine
  * that takes the core an application thread needs (a publisher's directory thread polling after
  * each of its subscriber's releases halved the subscriber's share of its core, in 5 us turns).
- * A caller that finds the epoll led by an idle wait (or by the progress thread) asks it to step
- * down and takes over, so that the message it waits for wakes it rather than being handed over
- * by another thread. While the lead is held past the grace (an idle wait, or a caller blocked
- * in a long wait), the progress thread sleeps without a deadline until it is left (the leaver
- * nudges it then), and an idle wait that finds another leading sleeps until its message comes:
- * a node whose threads all wait sleeps.
+ * A caller that finds the epoll led by an idle wait (or the progress thread in a batch) asks it
+ * to step down and takes over, so that the message it waits for wakes it rather than being
+ * handed over by another thread. A caller that finds another caller leading sleeps on its
+ * condition: whoever leads next, or the progress thread once nobody does, signals it.
  * The same service thread, once it serves a request, waits for the answers it needs as a
  * caller does.
  */
@@ -46,19 +51,22 @@ void fr_ctx_on_wake(fr_poller *p, uint32_t events) {
 #define FR_MAX_EVENTS 64
 /* The timing of leadership, settings read when the ctx opens (config.c, struct ferry_ctx):
  * - follow_ns (FERRY_LEAD_FOLLOW_US): a caller's wait for the lead it asked an idle leader
- *   for; idle waits' grace while callers lead.
- * - grace_ns (FERRY_PROGRESS_GRACE_US): the progress thread's grace while callers lead:
- *   it checks this often whether they still do. Each check is a wake-up on a core that an
- *   application thread may need: at 1 ms they were a good part of a 1 MiB stream's stalls when
- *   the machine had no core to spare.
+ *   for; how long idle waits leave the epoll to callers after one led.
  * - sleeper_slice_ns (FERRY_SLEEPER_SLICE_MS): a caller that does not lead sleeps this long at
- *   most: whoever leads wakes it with its message, and a leaving caller hands the epoll to the
- *   progress thread when callers sleep; the slice only bounds a hand-off that went wrong. */
+ *   most before it looks again: whoever leads, or the progress thread, wakes it with its
+ *   message; the slice only bounds a wake-up that went wrong. */
 
 void fr_ctx_wake_progress(ferry_ctx *ctx) {
   uint64_t one = 1;
   if (write(ctx->wake.fd, &one, sizeof one) < 0)
     fr_warn("wake eventfd: %s", strerror(errno));
+}
+
+void fr_ctx_stop_progress(ferry_ctx *ctx) {
+  uint64_t one = 1;
+  fr_ctx_wake_progress(ctx); /* where the progress thread leads the ctx's epoll itself (ucx) */
+  if (write(ctx->outer_wake, &one, sizeof one) < 0)
+    fr_warn("progress stop eventfd: %s", strerror(errno));
 }
 
 /* One epoll_wait and its handlers, by the thread that holds ctx->lead; returns the events. */
@@ -95,88 +103,72 @@ void fr_ctx_poke(ferry_ctx *ctx, int what) {
     fr_ctx_wake_progress(ctx);
 }
 
-/* The progress thread stays out of the epoll while callers lead: while one leads now (however
- * long it has waited: a large message under load takes milliseconds), and for grace_ns
- * after one last did. Were it to queue on the lead mutex behind a caller that leads for long, it
- * would take the epoll as that caller leaves, and the caller's next wait would cost two
- * hand-offs (asking it to step down, then the mutex). A caller that asked it to step down
- * counts as leading: were the progress thread to take the mutex straight back (glibc's mutex is
- * not fair, and the woken claimant needs a core first), it would spin lock/unlock for the
- * claimant's whole follow_ns while the claimant sleeps, then make it wait as a sleeper too (seen
- * as 1-4 ms stalls of 1 MiB shm ping-pongs on a machine with no core to spare). */
-static bool caller_leads(ferry_ctx *ctx) { /* or is taking the lead over (take_from_idle) */
-  return __atomic_load_n(&ctx->user_leading, __ATOMIC_SEQ_CST) ||
-         __atomic_load_n(&ctx->lead_claimed, __ATOMIC_SEQ_CST);
+/* Lends the ctx's epoll to the progress thread's (events EPOLLIN: it wakes when one of the
+ * ctx's fds is ready, at once if one is now) or takes it back (no events: it sleeps on). A
+ * failure (no memory in the kernel) is only logged: the sleeper slices and the progress
+ * thread's timeout bound what it costs. */
+static void lend_epoll(ferry_ctx *ctx, bool lend) {
+  struct epoll_event ev = {.events = lend ? EPOLLIN : 0, .data.u64 = 0};
+  if (epoll_ctl(ctx->outer_epfd, EPOLL_CTL_MOD, ctx->epfd, &ev) < 0)
+    fr_warn_limited("epoll_ctl (progress epoll): %s", strerror(errno));
 }
 
-/* The lead has been held past the grace without a claim pending: by an idle wait (a service
- * loop waiting for requests) or by a caller blocked in its wait (an application thread in a long
- * ferry_recv). The progress thread then parks without a deadline, and whoever leaves the lead
- * nudges it (the end of lead()): checking every grace_ns made an idle node wake hundreds of times a
- * second, and a process with a thread blocked in recv 250 times. Callers that lead back to back
- * (each for microseconds) never hold it that long, so they never pay the nudge. */
-static bool lead_held_long(ferry_ctx *ctx, uint64_t until, uint64_t now) {
-  return until <= now && __atomic_load_n(&ctx->user_leading, __ATOMIC_SEQ_CST) &&
-         !__atomic_load_n(&ctx->lead_claimed, __ATOMIC_SEQ_CST);
-}
-
-/* idle_lock held. Parked is published before the lead is looked at again, and a leaver clears
- * user_leading before it looks at parked (both seq_cst): one of the two sees the other's store,
- * and the nudge, under idle_lock, cannot fall between the check and the wait. */
-static void park(ferry_ctx *ctx) {
-  __atomic_store_n(&ctx->progress_parked, true, __ATOMIC_SEQ_CST);
-  if (__atomic_load_n(&ctx->user_leading, __ATOMIC_SEQ_CST))
-    pthread_cond_wait(&ctx->idle_cond, &ctx->idle_lock);
-  __atomic_store_n(&ctx->progress_parked, false, __ATOMIC_SEQ_CST);
-}
-
-static void follow(ferry_ctx *ctx) {
-  pthread_mutex_lock(&ctx->idle_lock);
-  while (!fr_ctx_stopping(ctx) && !ctx->lead_wanted) {
-    uint64_t now = fr_now_ns();
-    uint64_t until = __atomic_load_n(&ctx->user_led_ns, __ATOMIC_SEQ_CST) + ctx->grace_ns;
-    if (lead_held_long(ctx, until, now)) {
-      park(ctx);
+/* The progress thread where callers may lead: sleeps in the outer epoll, and runs one batch
+ * (without sleeping in it) each time the ctx's epoll has something nobody handled. The timeout
+ * only lets it reap handshakes that never finished (run_batch) on an otherwise quiet node.
+ * Finding the lead taken, it looks again after a yield: the holder is between taking the lead
+ * and taking the epoll out of this one (then this thread sleeps in it next), or between putting
+ * it back and letting go (then the next try takes the lead). Waiting for the mutex instead
+ * made each such race cost the next caller a hand-off, and that caller's lead the next race:
+ * back to back, half the round trips paid it. Should the epoll stay lent under a leader all the
+ * same (its epoll_ctl failed), it waits for the mutex after a few tries rather than spin. */
+static void progress_loop(ferry_ctx *ctx) {
+  int busy = 0;
+  while (!fr_ctx_stopping(ctx)) {
+    struct epoll_event evs[2];
+    int n = epoll_wait(ctx->outer_epfd, evs, 2, busy ? 0 : 1000);
+    if (fr_ctx_stopping(ctx))
+      return;
+    bool work = false, reap = n == 0 && !busy;
+    for (int i = 0; i < n; i++)
+      work |= evs[i].data.u64 == 0;
+    if (!work && !reap) {
+      busy = 0; /* the leader took the epoll out: sleep */
       continue;
     }
-    if (caller_leads(ctx) && until <= now)
-      until = now + ctx->grace_ns; /* a claim under way: it ends within follow_ns */
-    else if (now >= until)
-      break;
-    struct timespec ts = fr_timespec(until);
-    pthread_cond_timedwait(&ctx->idle_cond, &ctx->idle_lock, &ts);
+    if (pthread_mutex_trylock(&ctx->lead) != 0) {
+      if (reap)
+        continue;
+      if (++busy <= 64) {
+        sched_yield();
+        continue;
+      }
+      pthread_mutex_lock(&ctx->lead);
+    }
+    busy = 0;
+    __atomic_store_n(&ctx->lead_brief, true, __ATOMIC_RELEASE);
+    if (!fr_ctx_stopping(ctx))
+      run_batch(ctx, 0);
+    __atomic_store_n(&ctx->lead_brief, false, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&ctx->lead);
   }
-  ctx->lead_wanted = false;
-  pthread_mutex_unlock(&ctx->idle_lock);
 }
 
 void *fr_ctx_progress_main(void *arg) {
   pthread_setname_np(pthread_self(), "ferry-progress"); /* for top -H, perf, gdb */
   ferry_ctx *ctx = arg;
+  if (ctx->users_may_lead) {
+    progress_loop(ctx);
+    return NULL;
+  }
+  __atomic_store_n(&ctx->lead_idle, true, __ATOMIC_RELEASE); /* nobody else leads (ucx) */
   while (!fr_ctx_stopping(ctx)) {
-    if (ctx->users_may_lead)
-      follow(ctx);
     pthread_mutex_lock(&ctx->lead);
-    __atomic_store_n(&ctx->lead_idle, true, __ATOMIC_RELEASE);
-    if (!fr_ctx_stopping(ctx) && !__atomic_load_n(&ctx->lead_claimed, __ATOMIC_ACQUIRE))
+    if (!fr_ctx_stopping(ctx))
       run_batch(ctx, 1000);
     pthread_mutex_unlock(&ctx->lead);
   }
   return NULL;
-}
-
-/* Makes the progress thread look again whether callers lead (see lead_held_long). */
-static void nudge_progress(ferry_ctx *ctx) {
-  pthread_mutex_lock(&ctx->idle_lock);
-  pthread_cond_signal(&ctx->idle_cond);
-  pthread_mutex_unlock(&ctx->idle_lock);
-}
-
-void fr_ctx_hand_to_progress(ferry_ctx *ctx) {
-  pthread_mutex_lock(&ctx->idle_lock);
-  ctx->lead_wanted = true;
-  pthread_cond_signal(&ctx->idle_cond);
-  pthread_mutex_unlock(&ctx->idle_lock);
 }
 
 enum { LED, BUSY, NO_LEAD };
@@ -214,29 +206,57 @@ static void poll_briefly(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint6
   }
 }
 
-/* The lead held by an idle wait or the progress thread: asks it to step down (its epoll_wait
- * returns at the wake-up) and takes the lead within follow_ns. */
+/* The lead held by an idle wait or the progress thread: asks it to step down (an idle wait's
+ * epoll_wait returns at the wake-up; the progress thread's batch does not sleep, so it is only
+ * waited for) and takes the lead within follow_ns. */
 static bool take_from_idle(ferry_ctx *ctx) {
-  if (!__atomic_load_n(&ctx->lead_idle, __ATOMIC_ACQUIRE))
+  bool brief = __atomic_load_n(&ctx->lead_brief, __ATOMIC_ACQUIRE);
+  if (!brief && !__atomic_load_n(&ctx->lead_idle, __ATOMIC_ACQUIRE))
     return false;
   __atomic_store_n(&ctx->lead_claimed, true, __ATOMIC_RELEASE);
-  fr_ctx_wake_progress(ctx);
+  if (!brief)
+    fr_ctx_wake_progress(ctx);
   bool got = fr_mutex_lock_until(&ctx->lead, fr_now_ns() + ctx->follow_ns) == 0;
   __atomic_store_n(&ctx->lead_claimed, false, __ATOMIC_RELEASE);
   return got;
 }
 
-/* When this wait led or wanted to: the progress thread follows every wait, idle waits follow
- * the callers'. */
-static void mark_led(ferry_ctx *ctx, bool idle) {
-  uint64_t now = fr_now_ns();
-  __atomic_store_n(&ctx->user_led_ns, now, __ATOMIC_SEQ_CST);
-  if (!idle)
-    __atomic_store_n(&ctx->caller_led_ns, now, __ATOMIC_SEQ_CST);
+/* The ctx whose lead this thread took before sending its request (fr_ctx_lead_early). */
+static _Thread_local ferry_ctx *early_lead;
+
+bool fr_ctx_lead_early(ferry_ctx *ctx) {
+  if (!ctx->users_may_lead || fr_ctx_stopping(ctx) || leading(ctx) || early_lead ||
+      pthread_mutex_trylock(&ctx->lead) != 0)
+    return false;
+  __atomic_store_n(&ctx->lead_idle, false, __ATOMIC_RELEASE);
+  lend_epoll(ctx, false);
+  early_lead = ctx;
+  return true;
 }
 
-/* Leads the epoll until ready(arg) or the deadline. BUSY: another thread
- * leads, and the caller is counted among the sleepers until it calls back. */
+void fr_ctx_lead_early_end(ferry_ctx *ctx) {
+  if (early_lead != ctx)
+    return;
+  early_lead = NULL;
+  lend_epoll(ctx, true);
+  pthread_mutex_unlock(&ctx->lead);
+}
+
+void fr_ctx_lead_early_drop(void) {
+  if (early_lead)
+    fr_ctx_lead_early_end(early_lead);
+}
+
+/* When a caller (not an idle wait) last led or wanted to: idle waits leave the epoll to callers
+ * for follow_ns after that. */
+static void mark_caller(ferry_ctx *ctx, bool idle) {
+  if (!idle)
+    __atomic_store_n(&ctx->caller_led_ns, fr_now_ns(), __ATOMIC_SEQ_CST);
+}
+
+/* Leads the ctx's epoll until ready(arg) or the deadline, with it taken out of the progress
+ * thread's for that time (lend_epoll). BUSY: another caller leads; it (or the progress thread
+ * once nobody leads) signals the caller's condition. */
 static int lead(ferry_ctx *ctx, bool idle, int waits_for, bool (*ready)(void *), void *arg,
                 uint64_t deadline_ns) {
   if (!ctx->users_may_lead || fr_ctx_stopping(ctx) || leading(ctx))
@@ -245,30 +265,26 @@ static int lead(ferry_ctx *ctx, bool idle, int waits_for, bool (*ready)(void *),
       (fr_now_ns() - __atomic_load_n(&ctx->caller_led_ns, __ATOMIC_SEQ_CST) < ctx->follow_ns ||
        __atomic_load_n(&ctx->lead_claimed, __ATOMIC_SEQ_CST)))
     return NO_LEAD; /* callers lead: they hand over what this thread waits for */
-  __atomic_add_fetch(&ctx->sleepers, 1, __ATOMIC_SEQ_CST);
-  if (pthread_mutex_trylock(&ctx->lead) != 0 && (idle || !take_from_idle(ctx))) {
-    mark_led(ctx, idle); /* the progress thread leaves the epoll to us after its current batch */
+  mark_caller(ctx, idle);
+  bool early = !idle && early_lead == ctx; /* taken before the request went out */
+  if (!early && pthread_mutex_trylock(&ctx->lead) != 0 && (idle || !take_from_idle(ctx)))
     return BUSY;
-  }
+  early_lead = early ? NULL : early_lead;
   __atomic_store_n(&ctx->lead_idle, idle, __ATOMIC_RELEASE);
-  __atomic_sub_fetch(&ctx->sleepers, 1, __ATOMIC_SEQ_CST);
-  mark_led(ctx, idle);
   __atomic_store_n(&ctx->lead_waits_for, waits_for, __ATOMIC_SEQ_CST);
   __atomic_store_n(&ctx->user_leading, true, __ATOMIC_SEQ_CST);
+  if (!early)
+    lend_epoll(ctx, false);
   if (!idle) /* idle waits never poll without sleeping (see the top) */
     poll_briefly(ctx, ready, arg, deadline_ns);
   while (!ready(arg) && !fr_ctx_stopping(ctx) && fr_now_ns() < deadline_ns && !claimed(ctx, idle)) {
     int ms = fr_ms_left(deadline_ns);
     run_batch(ctx, ms < 1000 ? ms : 1000);
   }
-  bool handed = claimed(ctx, idle); /* the claimant leads next and wakes the sleepers */
   __atomic_store_n(&ctx->user_leading, false, __ATOMIC_SEQ_CST);
+  lend_epoll(ctx, true); /* wakes the progress thread if something came meanwhile */
   pthread_mutex_unlock(&ctx->lead);
-  mark_led(ctx, idle);
-  if (!handed && __atomic_load_n(&ctx->sleepers, __ATOMIC_SEQ_CST) > 0)
-    fr_ctx_hand_to_progress(ctx); /* they sleep on the leader we were */
-  else if (__atomic_load_n(&ctx->progress_parked, __ATOMIC_SEQ_CST))
-    nudge_progress(ctx); /* it sleeps on us without a deadline (park) */
+  mark_caller(ctx, idle);
   return LED;
 }
 
@@ -284,9 +300,9 @@ static bool wait_as(ferry_ctx *ctx, bool idle, int waits_for, bool (*ready)(void
       return true;
     uint64_t now = fr_now_ns();
     if (r != LED && now < deadline_ns) {
-      /* Someone else leads and signals us (or hands the epoll on as it leaves). An idle wait
-       * is for its channel's messages, which whoever leads signals, and where callers never
-       * lead (ucx) the progress thread always does, with no hand-off to go wrong: no slice. */
+      /* Someone else leads and signals us, or the progress thread does once nobody leads. An
+       * idle wait is for its channel's messages, which whoever drives the links signals, and
+       * where callers never lead (ucx) the progress thread always does: no slice. */
       bool no_slice = idle || !ctx->users_may_lead;
       uint64_t until = no_slice ? deadline_ns : now + ctx->sleeper_slice_ns;
       until = until < deadline_ns ? until : deadline_ns;
@@ -297,8 +313,6 @@ static bool wait_as(ferry_ctx *ctx, bool idle, int waits_for, bool (*ready)(void
       pthread_mutex_unlock(mutex);
       now = fr_now_ns();
     }
-    if (r == BUSY)
-      __atomic_sub_fetch(&ctx->sleepers, 1, __ATOMIC_SEQ_CST);
     if (now >= deadline_ns)
       return ready(arg);
   }

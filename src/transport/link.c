@@ -140,7 +140,10 @@ static int send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov,
   for (int i = 0; i < iovcnt; i++)
     v[i + 1] = iov[i];
 
-  pthread_mutex_lock(&l->send_lock);
+  if (pthread_mutex_trylock(&l->send_lock) != 0) {
+    fr_ctx_lead_early_drop(); /* another send may take long */
+    pthread_mutex_lock(&l->send_lock);
+  }
   l->quiet = quiet;
   int rc =
       __atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == FR_LINK_DEAD
@@ -276,11 +279,25 @@ static int request_send(ferry_link *l, fr_pending *p, uint8_t type, uint32_t cha
   return rc;
 }
 
+/* A request the socket takes whole at once (no wait for the peer to read): leading the ctx
+ * while it is sent stalls no one. */
+#define FR_EARLY_LEAD_MAX 4096u
+
 static int request(ferry_link *l, fr_pending *p, uint8_t type, uint32_t channel,
                    const struct iovec *iov, int iovcnt, int timeout_ms, const char *what) {
-  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  uint64_t deadline = fr_deadline_ns(timeout_ms), len = 0;
+  for (int i = 0; i < iovcnt; i++)
+    len += iov[i].iov_len;
+  /* Where the caller will lead the epoll for the answer (not a link it spins on, shm), it takes
+   * the epoll before the request goes out (fr_ctx_lead_early). */
+  bool early = len <= FR_EARLY_LEAD_MAX && !(l->ops->pollable && l->ops->pollable(l)) &&
+               fr_ctx_lead_early(l->ctx);
   int rc = request_send(l, p, type, channel, iov, iovcnt, deadline, false);
-  return rc ? rc : pending_wait(l, p, deadline, what);
+  if (rc == 0)
+    rc = pending_wait(l, p, deadline, what);
+  if (early)
+    fr_ctx_lead_early_end(l->ctx);
+  return rc;
 }
 
 int fr_link_rma_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst, size_t len,

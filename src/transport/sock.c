@@ -82,6 +82,7 @@ int fr_sock_sendv(int fd, struct iovec *iov, int iovcnt, int fd_out, uint64_t sp
       if (errno == EINTR)
         continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        fr_ctx_lead_early_drop();                 /* others drive the links while this send waits */
         if (spin_end && fr_now_ns() < spin_end) { /* the reader is likely reading now */
           sched_yield();
           continue;

@@ -263,26 +263,24 @@ struct ferry_ctx {
   bool stopping;
 
   /* Leading: one thread at a time waits in epoll_wait and runs the handlers, holding `lead`.
-   * Usually the progress thread; a caller about to sleep on its own response or message leads
-   * instead when it can (ctx.c), so the bytes it waits for wake it and no one else. */
+   * A caller about to sleep on its own response or message leads when it can (leader.c), so
+   * the bytes it waits for wake it and no one else; the progress thread sleeps meanwhile in
+   * outer_epfd, which holds epfd only while nobody leads it. */
   pthread_mutex_t lead;
+  int outer_epfd;         /* the progress thread's epoll: epfd (lent while unled), outer_wake */
+  int outer_wake;         /* eventfd: the progress thread must look at `stopping` */
   bool users_may_lead;    /* every transport of the ctx has any_thread_events */
   bool user_leading;      /* atomic: a caller holds `lead` */
   int lead_waits_for;     /* atomic: what that caller waits for (fr_ctx_wait's waits_for) */
   unsigned long leader;   /* atomic: the pthread_t running a batch (0: none) */
-  uint64_t user_led_ns;   /* atomic: when a caller last led or wanted to */
-  uint64_t caller_led_ns; /* atomic: the same, for waits that are not idle (leader.c) */
-  bool lead_idle;         /* atomic: `lead` is held by an idle wait or the progress thread */
+  uint64_t caller_led_ns; /* atomic: when a wait that is not idle last led or wanted to */
+  bool lead_idle;         /* atomic: `lead` is held by an idle wait (or ucx's progress thread) */
+  bool lead_brief;        /* atomic: the progress thread holds `lead` for one batch */
   bool lead_claimed;      /* atomic: a caller asked such a leader to step down */
-  bool progress_parked;   /* atomic: the progress thread waits for a leaver's nudge (leader.c) */
-  int sleepers;           /* atomic: callers asleep on a condition while another thread leads */
-  bool lead_wanted;       /* under idle_lock: the progress thread must lead now */
-  pthread_mutex_t idle_lock;
-  pthread_cond_t idle_cond; /* the progress thread sleeps here while callers lead */
-  uint64_t next_reap;       /* under lead */
-  /* leader.c's timing (FERRY_LEAD_FOLLOW_US, FERRY_PROGRESS_GRACE_US, FERRY_SLEEPER_SLICE_MS,
-   * FERRY_SHARED_CORE_US), read at open */
-  uint64_t follow_ns, grace_ns, sleeper_slice_ns, shared_core_ns;
+  uint64_t next_reap;     /* under lead */
+  /* leader.c's timing (FERRY_LEAD_FOLLOW_US, FERRY_SLEEPER_SLICE_MS, FERRY_SHARED_CORE_US),
+   * read at open */
+  uint64_t follow_ns, sleeper_slice_ns, shared_core_ns;
 
   fr_region_table regions;
   fr_channel channels[FERRY_MAX_CHANNELS];
@@ -399,6 +397,19 @@ void fr_ctx_serve_later_v(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_reg
  * the flag became true. */
 bool fr_spin_until(ferry_link *link, const bool *flag, int spin_us);
 /* fr_ctx_wait, FR_CTX_WAIT_REPLY: ctxcalls.h */
+/* leader.c: takes the ctx's lead (and its epoll out of the progress thread's) for the wait that
+ * is about to follow on this thread, before the request it waits for goes out: an answer that
+ * comes before the wait begins then finds no epoll lent to the progress thread to wake it
+ * (loopback answers a small request within the send). False where it cannot (someone leads,
+ * callers never lead). The next fr_ctx_wait of this thread on ctx leads with it; one that does
+ * not come (the send failed, the wait ended before leading) is ended by fr_ctx_lead_early_end,
+ * which does nothing when the lead was used or not taken. */
+bool fr_ctx_lead_early(ferry_ctx *ctx);
+void fr_ctx_lead_early_end(ferry_ctx *ctx);
+/* Gives up this thread's early lead, if it holds one, before the send would wait (for the send
+ * lock, or for room in the socket): while it waits, another thread must drive the links, or a
+ * peer that waits for this node to read before it reads would never take the bytes. */
+void fr_ctx_lead_early_drop(void);
 /* fr_ctx_kick, fr_ctx_await, fr_ctx_take, fr_ctx_closing, fr_ctx_poll_links, fr_ctx_poke,
  * fr_ctx_work_polling, fr_ctx_channel_open, fr_inbox: ctxcalls.h */
 
