@@ -82,7 +82,14 @@ void fr_store_settle(ferry_store *s, bool wait) {
   pthread_mutex_unlock(&s->publish_lock);
 }
 
+/* A closing store first collects its posted puts' answers, so that a put that replaced another
+ * node's record tells that node (DROPPED) before this store goes: nothing polls for them, and
+ * the next put or renewal that would have collected them will not come. Bounded like a link's
+ * graceful close (FR_CLOSE_SETTLE_MS). */
+#define FR_CLOSE_SETTLE_MS 2000
 void fr_store_unregister(ferry_store *s) {
+  int ms = fr_timeout(-1);
+  fr_dir_settle(s->dir, true, settled, s, ms < FR_CLOSE_SETTLE_MS ? ms : FR_CLOSE_SETTLE_MS);
   if (!fr_dir_lease_alone(&s->lease)) {
     pthread_mutex_lock(&s->lock);
     size_t n = s->nowned, gone = 0;

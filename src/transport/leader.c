@@ -259,8 +259,10 @@ static void mark_caller(ferry_ctx *ctx, bool idle) {
  * once nobody leads) signals the caller's condition. */
 static int lead(ferry_ctx *ctx, bool idle, int waits_for, bool (*ready)(void *), void *arg,
                 uint64_t deadline_ns) {
-  if (!ctx->users_may_lead || fr_ctx_stopping(ctx) || leading(ctx))
+  if (!ctx->users_may_lead || fr_ctx_stopping(ctx) || leading(ctx)) {
+    fr_ctx_lead_early_end(ctx); /* a wait that cannot lead must not keep the epoll from others */
     return NO_LEAD;
+  }
   if (idle &&
       (fr_now_ns() - __atomic_load_n(&ctx->caller_led_ns, __ATOMIC_SEQ_CST) < ctx->follow_ns ||
        __atomic_load_n(&ctx->lead_claimed, __ATOMIC_SEQ_CST)))
@@ -282,6 +284,7 @@ static int lead(ferry_ctx *ctx, bool idle, int waits_for, bool (*ready)(void *),
     run_batch(ctx, ms < 1000 ? ms : 1000);
   }
   __atomic_store_n(&ctx->user_leading, false, __ATOMIC_SEQ_CST);
+  __atomic_store_n(&ctx->lead_idle, false, __ATOMIC_RELEASE); /* nobody to claim it from now */
   lend_epoll(ctx, true); /* wakes the progress thread if something came meanwhile */
   pthread_mutex_unlock(&ctx->lead);
   mark_caller(ctx, idle);
