@@ -388,7 +388,7 @@ void fr_ctx_serve_later_v(ferry_ctx *ctx, ferry_link *l, uint64_t req_id, fr_reg
 bool fr_spin_until(ferry_link *link, const bool *flag, int spin_us);
 /* fr_ctx_wait, FR_CTX_WAIT_REPLY: ctxcalls.h */
 /* fr_ctx_kick, fr_ctx_await, fr_ctx_take, fr_ctx_closing, fr_ctx_poll_links, fr_ctx_poke,
- * fr_ctx_work_polling, fr_ctx_channel_open, fr_inbox: ctxcalls.h */
+ * fr_ctx_spin, fr_ctx_work_polling, fr_ctx_channel_open, fr_inbox: ctxcalls.h */
 
 /* tcp.c: what every listener on an address shares (the tcp transport's, and the metrics one's) */
 /* Splits "HOST:PORT" or "[V6]:PORT" (HOST may be empty); FERRY_EINVAL when it is not one. */
