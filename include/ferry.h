@@ -972,8 +972,9 @@ typedef struct ferry_mq_opts {
  * subscribers) and registers the node in the directory. One mq per context: a second is
  * FERRY_EBUSY. Starts one thread of its own (lease renewal, callbacks, answering subscribers),
  * asleep while there is nothing to do. The handle is owned by the caller until
- * ferry_mq_close(), which tells peers this node leaves, removes its records and frees its pool;
- * every message must be freed before. FERRY_ECONNECT when no directory answers. */
+ * ferry_mq_close(), which sends what is batched, tells peers this node leaves and waits (at most
+ * FERRY_TIMEOUT_MS) until each has taken in what was sent to it, removes its records and frees
+ * its pool; every message must be freed before. FERRY_ECONNECT when no directory answers. */
 FERRY_API int ferry_mq_open(ferry_ctx *ctx, const ferry_mq_opts *opts, ferry_mq **out);
 FERRY_API void ferry_mq_close(ferry_mq *mq);
 

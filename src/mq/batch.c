@@ -17,6 +17,9 @@ void fr_mq_flush_peer(ferry_mq *mq, fr_mq_peer *p) {
   uint8_t head[FR_MQ_HEAD_MAX];
   struct iovec iov[2] = {{head, fr_mq_encode(&f, head)}, {p->batch, p->batch_len}};
   int rc = ferry_send(p->link, FR_CHANNEL_MQ, iov, 2, fr_timeout(-1));
+  if (rc != 0) /* the next publish to it reports it; a flush by the thread or close has no caller */
+    fr_warn_limited("mq '%s': a batch of %zu bytes to '%s' was not sent: %s", mq->name,
+                    p->batch_len, p->name, ferry_last_error());
   if (rc != 0 && !p->batch_rc)
     p->batch_rc = rc;
   p->batch_len = 0;

@@ -5,10 +5,15 @@
  * The mq owns its context's FR_CHANNEL_MQ (fr_ctx_channel_open). Each frame is dispatched by
  * on_msg as it arrives, on whichever thread drives the context: the one leading its epoll, or
  * one spinning on its shm rings. A message goes straight onto the mq's queue, which
- * ferry_mq_recv takes from (queued once); CREDIT, UNSUB and BYE update the publisher's or
- * subscriber's state. Every one of them wakes the waiters (fr_mq_changed). on_msg never
- * blocks, so what may (answering a SUB call, or a malformed call; mapping a publisher's pool
- * before its first SHM message can be read) goes into an inbox that the mq's thread serves.
+ * ferry_mq_recv takes from (queued once); CREDIT updates the publisher's state. Every one of
+ * them wakes the waiters (fr_mq_changed). on_msg never blocks, so what may goes into an inbox
+ * that the mq's thread serves in arrival order: SUB, UNSUB and BYE (SUB and BYE are calls it
+ * answers; UNSUB must not overtake the SUB before it), a malformed call's answer, and data
+ * whose publisher's pool must be mapped before it can be read (and the data behind it).
+ *
+ * Close sends what is batched, then says BYE to every peer still there and waits for the
+ * answers before the links close (say_bye): a peer answers once everything before the BYE on
+ * that link has reached its on_msg.
  *
  * Whoever waits (recv, a publish short of credit or pool room, wait_subscribers, a loan) waits
  * through the context's one wait (fr_mq_wait → fr_ctx_wait): a waiter that leads the epoll, or
@@ -22,6 +27,7 @@
  */
 #include "mq/mq.h"
 #include "core/channels.h"
+#include "transport/linkcalls.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -36,7 +42,7 @@ void fr_mq_keep_link(ferry_mq *mq, ferry_link *l) {
       return;
   if (FR_GROW(mq->links, mq->caplinks, mq->nlinks + 1, 8) != 0)
     return; /* the link still works; close just cannot say BYE on it */
-  mq->links[mq->nlinks++] = (struct fr_mq_link){ferry_link_retain(l)};
+  mq->links[mq->nlinks++] = (struct fr_mq_link){ferry_link_retain(l), false};
 }
 
 /* The mq whose thread this is (NULL on any other thread): set by the thread itself, so that
@@ -56,9 +62,13 @@ static void reply_status(ferry_msg *m, int rc) {
     fr_debug("mq: reply to '%s' failed: %s", ferry_link_peer(m->link), ferry_last_error());
 }
 
-/* A peer's mq is closing: stop sending to it, forget what we owed it. */
+/* A peer's mq is closing: stop sending to it, forget what we owed it, and do not say BYE back
+ * (it would wait for an answer nobody gives). */
 static void on_bye(ferry_mq *mq, ferry_link *l) {
   pthread_mutex_lock(&mq->lock);
+  for (size_t i = 0; i < mq->nlinks; i++)
+    if (mq->links[i].link == l)
+      mq->links[i].bye = true;
   fr_mq_peer *p = fr_mq_peer_by_link(mq, l);
   if (p)
     fr_mq_peer_drop(mq, p, NULL);
@@ -169,19 +179,14 @@ static void on_msg(void *arg, ferry_link *link, ferry_msg *m) {
   case FR_MQ_BATCH:
     on_data(mq, m, &f); /* takes m */
     return;
-  case FR_MQ_SUB: /* adds the subscriber, then answers: the thread's */
-    to_thread(mq, m, false);
-    return;
-  case FR_MQ_UNSUB:
-    fr_mq_remove_subscriber(mq, f.topic, ferry_link_peer(link));
-    break;
   case FR_MQ_CREDIT:
     fr_mq_on_credit(mq, link, &f);
-    break;
-  default: /* FR_MQ_BYE */
-    on_bye(mq, link);
+    ferry_msg_free(m);
+    return;
+  default: /* SUB and BYE answer (calls), UNSUB may follow a SUB not served yet: the thread
+            * applies all three in the order they came */
+    to_thread(mq, m, false);
   }
-  ferry_msg_free(m);
 }
 
 /* A link died: a waiter whose readiness depends on that peer (credit from a subscriber, a count
@@ -206,8 +211,19 @@ static void serve(ferry_mq *mq, ferry_msg *m) {
   }
   switch (f.type) {
   case FR_MQ_SUB:
-    rc = fr_mq_add_subscriber(mq, f.topic, ferry_link_peer(m->link), m->link, f.value, 0);
+    pthread_mutex_lock(&mq->lock);
+    rc = mq->closing ? FERRY_ECLOSED : 0; /* served by close, after the thread */
+    pthread_mutex_unlock(&mq->lock);
+    if (rc == 0)
+      rc = fr_mq_add_subscriber(mq, f.topic, ferry_link_peer(m->link), m->link, f.value, 0);
     reply_status(m, rc);
+    break;
+  case FR_MQ_UNSUB:
+    fr_mq_remove_subscriber(mq, f.topic, ferry_link_peer(m->link));
+    break;
+  case FR_MQ_BYE: /* every frame before it on this link has been taken in: say so */
+    on_bye(mq, m->link);
+    reply_status(m, 0);
     break;
   default:                   /* data */
     deliver_late(mq, m, &f); /* takes m */
@@ -436,13 +452,53 @@ int ferry_mq_open(ferry_ctx *ctx, const ferry_mq_opts *opts, ferry_mq **out) {
   return 0;
 }
 
+/* Collects a BYE's answer (takes p). */
+static void bye_answer(ferry_mq *mq, ferry_link *l, fr_pending *p, uint64_t deadline) {
+  ferry_msg *reply = NULL;
+  int rc = fr_link_call_collect(l, p, &reply, fr_ms_left(deadline));
+  if (rc == FERRY_ETIMEDOUT) /* what we sent it last may not have arrived */
+    fr_warn("mq '%s': '%s' did not answer our BYE: %s", mq->name, ferry_link_peer(l),
+            ferry_last_error());
+  else if (rc != 0) /* its link died: it is gone */
+    fr_debug("mq '%s': BYE to '%s': %s", mq->name, ferry_link_peer(l), ferry_last_error());
+  ferry_msg_free(reply);
+}
+
+/* Says BYE on every link whose peer is still there, as a call, and waits for the answers (at
+ * most the context's timeout): a peer answers once it has taken in every frame sent before the
+ * BYE on that link, so the links may close after. Closing at once lost frames: over shm and ucx
+ * a link's end (its socket's) can reach the peer before what was sent ahead of it (in the ring,
+ * in UCX), and the peer then drops the link with them unread. Runs while the mq's thread still
+ * answers the BYEs of peers closing at the same time. */
 static void say_bye(ferry_mq *mq) {
   fr_mq_frame f = {.type = FR_MQ_BYE};
   uint8_t head[FR_MQ_HEAD_MAX];
   struct iovec iov = {head, fr_mq_encode(&f, head)};
-  for (size_t i = 0; i < mq->nlinks; i++)
-    if (ferry_link_status(mq->links[i].link) == 0)
-      ferry_send(mq->links[i].link, FR_CHANNEL_MQ, &iov, 1, 500);
+  int ms = fr_timeout(-1);
+  uint64_t deadline = fr_deadline_ns(ms);
+  pthread_mutex_lock(&mq->lock); /* on_msg may add links (a session's) meanwhile */
+  size_t n = 0;
+  ferry_link **links = calloc(mq->nlinks ? mq->nlinks : 1, sizeof *links);
+  for (size_t i = 0; links && i < mq->nlinks; i++)
+    if (!mq->links[i].bye)
+      links[n++] = ferry_link_retain(mq->links[i].link);
+  pthread_mutex_unlock(&mq->lock);
+  fr_pending **calls = calloc(n ? n : 1, sizeof *calls);
+  for (size_t i = 0; calls && i < n; i++)
+    if (ferry_link_status(links[i]) == 0 &&
+        fr_link_call_post(links[i], FR_CHANNEL_MQ, &iov, 1, ms, false, &calls[i]) != 0) {
+      fr_debug("mq '%s': BYE to '%s': %s", mq->name, ferry_link_peer(links[i]), ferry_last_error());
+      calls[i] = NULL;
+    }
+  for (size_t i = 0; i < n; i++) {
+    if (calls && calls[i])
+      bye_answer(mq, links[i], calls[i], deadline);
+    ferry_link_release(links[i]);
+  }
+  if (!links || !calls)
+    fr_warn("mq '%s': out of memory saying BYE", mq->name);
+  free(calls);
+  free(links);
 }
 
 static void free_state(ferry_mq *mq) {
@@ -484,6 +540,8 @@ void ferry_mq_close(ferry_mq *mq) {
   pthread_mutex_lock(&mq->publish_lock);
   fr_mq_flush_locked(mq);
   pthread_mutex_unlock(&mq->publish_lock);
+  if (mq->thread_started) /* after the batches, on their links; before the thread stops */
+    say_bye(mq);
   pthread_mutex_lock(&mq->lock);
   mq->closing = true;
   fr_mq_changed(mq);
@@ -493,7 +551,7 @@ void ferry_mq_close(ferry_mq *mq) {
     pthread_join(mq->thread, NULL);
   if (mq->channel_open) /* no on_msg after this: the state below may go */
     fr_ctx_channel_close(mq->ctx, FR_CHANNEL_MQ);
-  say_bye(mq);
+  serve_inbox(mq); /* what came after the thread stopped: a BYE sent as ours was answered */
   if (mq->dir)
     fr_mq_unregister(mq);
   pthread_mutex_lock(&mq->lock);

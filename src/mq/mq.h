@@ -207,6 +207,7 @@ struct ferry_mq {
   uint64_t subs_gen;  /* bumped whenever a topic's subscribers change (read unlocked: atomic) */
   struct fr_mq_link { /* every link this mq dialled or was dialled on, one ref each */
     ferry_link *link;
+    bool bye; /* the peer's mq said BYE on it: it is gone, nobody would answer ours */
   } * links;
   size_t nlinks, caplinks;
   fr_peers dialled; /* the links this mq dialled, by node name (directory/peers.h): closed last */
