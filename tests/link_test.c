@@ -750,6 +750,60 @@ static void test_shm_ring_corrupt(void **s) {
   (void)s;
 }
 
+/* A peer whose end comes after a frame cut short, or after a ring position out of range: the
+ * reader takes in what is there (rx_last), drops the cut frame (saying so at debug) or closes
+ * on the bad ring with its warning, and the link ends; nothing is delivered, nothing crashes. */
+static char end_log[4096]; /* under end_log_lock: the progress threads log into it */
+static pthread_mutex_t end_log_lock = PTHREAD_MUTEX_INITIALIZER;
+static void end_log_into(ferry_log_level level, const char *msg, void *arg) {
+  (void)level, (void)arg;
+  pthread_mutex_lock(&end_log_lock);
+  if (strlen(end_log) + strlen(msg) + 2 < sizeof end_log) {
+    strcat(end_log, msg);
+    strcat(end_log, "\n");
+  }
+  pthread_mutex_unlock(&end_log_lock);
+}
+
+static bool end_log_has(const char *what) {
+  pthread_mutex_lock(&end_log_lock);
+  bool has = strstr(end_log, what) != NULL;
+  pthread_mutex_unlock(&end_log_lock);
+  return has;
+}
+
+static void end_after_bad_ring(uint64_t head_step, const char *expect) {
+  pair p;
+  pair_open(&p, "shm");
+  ferry_link *ba = exchange(&p);
+  fr_ring_hdr *r0 = (fr_ring_hdr *)ring_segment(); /* a -> b */
+  pthread_mutex_lock(&end_log_lock);
+  end_log[0] = '\0';
+  pthread_mutex_unlock(&end_log_lock);
+  __atomic_add_fetch(&r0->head, head_step, __ATOMIC_SEQ_CST);
+  ferry_link_close(p.ab); /* a's end, right behind what it "wrote" */
+  p.ab = NULL;
+  for (int i = 0; i < 500 && ferry_link_status(ba) == 0; i++) {
+    ferry_msg *m = NULL;
+    assert_int_equal(ferry_recv(p.b, 3, &m, 10), FERRY_ETIMEDOUT);
+  }
+  assert_int_not_equal(ferry_link_status(ba), 0);
+  if (!end_log_has(expect))
+    fail_msg("expected '%s' in the log", expect);
+  fr_link_unref(ba);
+  pair_close(&p);
+}
+
+static void test_shm_end_after_bad_ring(void **s) {
+  ferry_log_set_callback(end_log_into, NULL);
+  ferry_log_set_level(FERRY_LOG_DEBUG);
+  end_after_bad_ring(FR_FRAME_BYTES / 2, "cut a frame short");
+  end_after_bad_ring(1ull << 40, "out-of-range ring position");
+  ferry_log_set_level(FERRY_LOG_WARN);
+  ferry_log_set_callback(NULL, NULL);
+  (void)s;
+}
+
 /* ---- a peer that shrinks, or never sealed, the memfd it lets us map ---- */
 
 /* Truncates every memfd of this process named `name` to 4096 bytes, through /proc/self/fd (the
@@ -1273,6 +1327,117 @@ static void waiters(const char *transport) {
 static void test_waiters_shm(void **s) { waiters("shm"); }
 static void test_waiters_tcp(void **s) { waiters("tcp"); }
 
+/* ---- frames sent just before the sender's end all arrive ---- */
+
+/* How the sender ends after its last ferry_send returned 0: it closes the link (and then its
+ * ctx), it closes only its ctx, or it exits with nothing closed (shm and tcp: nothing of a sent
+ * frame is left in the sender's memory then; ucx keeps bytes in UCX until the ctx closes). */
+typedef enum { END_LINK_CLOSE, END_CTX_CLOSE, END_EXIT } end_how;
+
+typedef struct end_args {
+  const char *transport;
+  tu_pipe *pipe;
+  int frames;
+  bool large; /* every 100th frame carries END_LARGE bytes: more than a shm ring holds */
+  end_how how;
+} end_args;
+
+#define END_CHANNEL 9
+#define END_LARGE (700u * 1024u)
+
+static size_t end_frame_len(const end_args *a, int i) {
+  return a->large && i % 100 == 50 ? END_LARGE : 16;
+}
+
+static const char *how_name(end_how how) {
+  return how == END_EXIT ? "exit" : how == END_CTX_CLOSE ? "ctx close" : "link close";
+}
+
+static int end_sender(void *arg) {
+  end_args *a = arg;
+  char addr[512];
+  if (tu_pipe_get(a->pipe, addr, sizeof addr, 10000) != 0)
+    return 2;
+  ferry_ctx *c = open_ctx("ender", a->transport, "");
+  ferry_link *l;
+  if (ferry_connect(c, addr, 5000, &l) != 0)
+    return 3;
+  uint8_t *buf = malloc(END_LARGE);
+  if (!buf)
+    return 4;
+  for (int i = 0; i < a->frames; i++) {
+    size_t len = end_frame_len(a, i);
+    tu_fill(buf, len, (uint64_t)i);
+    memcpy(buf, &i, sizeof i);
+    struct iovec iov = {buf, len};
+    if (ferry_send(l, END_CHANNEL, &iov, 1, 10000) != 0)
+      return 5;
+  }
+  if (a->how == END_EXIT)
+    return 0; /* tu_spawn's _exit: the kernel closes the socket, the ring stays mapped there */
+  if (a->how == END_LINK_CLOSE)
+    ferry_link_close(l);
+  ferry_ctx_close(c);
+  free(buf);
+  return 0;
+}
+
+/* The receiver must get every frame whose send returned 0, in order, and then see the link end
+ * (a link that ended before its frames were taken in lost them: shm's ring, ucx's stream). */
+static void end_after_sends(const char *transport, bool large, end_how how) {
+  tu_pipe pp;
+  tu_pipe_open(&pp);
+  end_args a = {transport, &pp, 1000, large, how};
+  pid_t pid = tu_spawn(end_sender, &a);
+  ferry_ctx *c = open_ctx("end-receiver", transport, "");
+  char addr[512];
+  snprintf(addr, sizeof addr, "%s", ferry_ctx_address(c));
+  tu_pipe_put(&pp, addr, sizeof addr);
+  uint8_t *want = malloc(END_LARGE);
+  ferry_link *link = NULL;
+  for (int i = 0; i < a.frames; i++) {
+    ferry_msg *m = NULL;
+    int rc = ferry_recv(c, END_CHANNEL, &m, 20000);
+    if (rc != 0)
+      fail_msg("%s (%s): frame %d of %d did not arrive: %s", transport, how_name(how), i, a.frames,
+               ferry_strerror(rc));
+    size_t len = end_frame_len(&a, i);
+    tu_fill(want, len, (uint64_t)i);
+    memcpy(want, &i, sizeof i);
+    assert_int_equal(m->len, len);
+    assert_memory_equal(m->data, want, len);
+    if (!link)
+      link = ferry_link_retain(m->link);
+    ferry_msg_free(m);
+  }
+  assert_int_equal(tu_wait(pid), 0);
+  /* then the end, and nothing more: a waiting receiver drives the ctx until the link says so */
+  for (int i = 0; i < 1000 && ferry_link_status(link) == 0; i++) {
+    ferry_msg *m = NULL;
+    assert_int_equal(ferry_recv(c, END_CHANNEL, &m, 10), FERRY_ETIMEDOUT);
+  }
+  if (ferry_link_status(link) == 0)
+    fail_msg("%s (%s): the link did not end", transport, how_name(how));
+  ferry_msg *m = NULL;
+  assert_int_equal(ferry_recv(c, END_CHANNEL, &m, 10), FERRY_ETIMEDOUT);
+  ferry_link_release(link);
+  free(want);
+  ferry_ctx_close(c);
+  tu_pipe_close(&pp);
+}
+
+static void ends(const char *transport) {
+  for (int how = END_LINK_CLOSE; how <= END_EXIT; how++) {
+    if (how == END_EXIT && strcmp(transport, "ucx") == 0)
+      continue; /* UCX's own buffers end with a process that never closed its ctx */
+    end_after_sends(transport, false, (end_how)how);
+    end_after_sends(transport, true, (end_how)how);
+  }
+}
+
+static void test_end_after_sends_shm(void **s) { ends("shm"); }
+static void test_end_after_sends_tcp(void **s) { ends("tcp"); }
+
 #ifndef FR_LINK_TEST_NO_MAIN /* tests/ucx_link_test.c runs these cases over ucx */
 int main(void) {
   (void)transports;
@@ -1297,6 +1462,7 @@ int main(void) {
       cmocka_unit_test(test_rma_shm_registered),
       cmocka_unit_test(test_shm_small_ring),
       cmocka_unit_test(test_shm_ring_corrupt),
+      cmocka_unit_test(test_shm_end_after_bad_ring),
       cmocka_unit_test(test_shm_memfd_shrink),
       cmocka_unit_test(test_shm_segment_check),
       cmocka_unit_test(test_rma_tcp_shared),
@@ -1313,6 +1479,8 @@ int main(void) {
       cmocka_unit_test(test_concurrent_tcp),
       cmocka_unit_test(test_waiters_shm),
       cmocka_unit_test(test_waiters_tcp),
+      cmocka_unit_test(test_end_after_sends_shm),
+      cmocka_unit_test(test_end_after_sends_tcp),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -645,6 +645,37 @@ static void test_top(void **state) {
       "[c[\"name\"] for c in d[0][\"control\"][\"cells\"]] == [\"top-cell\"] and "
       "d[0][\"control\"][\"cells\"][0][\"ranks\"] == 2 and d[0][\"refit\"] == [] and d[0][\"mq\"] "
       "== []"));
+  assert_true(json_check("top.json", "d[0][\"nodes\"][0][\"kind\"] == \"store\" and "
+                                     "[j[\"kind\"] for j in d[0][\"nodes\"][0][\"jobs\"]] == "
+                                     "[\"store\"]"));
+  /* a process with a store, an mq and a published refit sender on one context: one node, its
+   * three jobs listed on it */
+  ferry_ctx_opts co = {.size = sizeof co, .name = "top-trio"};
+  ferry_ctx *trio;
+  assert_int_equal(ferry_ctx_open(&co, &trio), 0);
+  ferry_store_opts so = {.size = sizeof so, .directory = url, .capacity = 1 << 20};
+  ferry_store *st;
+  assert_int_equal(ferry_store_open(trio, &so, &st), 0);
+  ferry_mq_opts mo = {.size = sizeof mo, .directory = url};
+  ferry_mq *mq;
+  assert_int_equal(ferry_mq_open(trio, &mo, &mq), 0);
+  ferry_refit_opts ro = {.size = sizeof ro, .publish = 1, .directory = url};
+  ferry_refit_sender *rs;
+  assert_int_equal(ferry_refit_sender_open(trio, "top-policy", &ro, &rs), 0);
+  assert_int_equal(run("%s top --json --directory %s > trio.json", cli, url), 0);
+  assert_true(json_check(
+      "trio.json",
+      "[(n[\"name\"], n[\"kind\"], [(j[\"kind\"], j[\"name\"]) for j in n[\"jobs\"]]) for n in "
+      "d[0][\"nodes\"] if n[\"name\"] == \"top-trio\"] == [(\"top-trio\", \"mq,refit,store\", "
+      "[(\"mq\", \"top-trio\"), (\"refit\", \"top-policy\"), (\"store\", \"top-trio\")])] and "
+      "len(d[0][\"nodes\"]) == 2 and [(r[\"sender\"], r[\"node\"]) for r in d[0][\"refit\"]] == "
+      "[(\"top-policy\", \"top-trio\")]"));
+  assert_int_equal(run("%s top --once --directory=%s > trio.txt", cli, url), 0);
+  assert_int_equal(run("grep -Eq '^  top-trio +mq,refit,store ' trio.txt"), 0);
+  ferry_refit_sender_close(rs);
+  ferry_mq_close(mq);
+  ferry_store_close(st);
+  ferry_ctx_close(trio);
   assert_int_equal(run("%s top --once --directory=%s > top.txt", cli, url), 0);
   assert_true(file_has("top.txt", "ferry top: directory ferry://127.0.0.1:"));
   assert_true(file_has("top.txt", "STORE: 3 keys, 3.1 KiB"));

@@ -743,6 +743,84 @@ static void test_posted_order(void **state) {
   check_order(true);
 }
 
+/* ---- quiet after posted puts: neither side looks for the other on a timer ---- */
+
+#define QUIET_PUTS 50
+#define QUIET_MS 2000
+
+typedef struct quieter {
+  char url[80];
+  tu_pipe done, quit;
+} quieter;
+
+/* Voluntary context switches of every thread of process pid so far: each is one of its threads
+ * blocking and being woken later, so the difference over a while counts its wake-ups. -1 when
+ * /proc cannot tell. */
+static long wakeups_of(pid_t pid) {
+  char cmd[256];
+  snprintf(cmd, sizeof cmd,
+           "cat /proc/%d/task/*/status 2>/dev/null | awk '/^voluntary_ctxt_switches/ {n += $2} "
+           "END {print n + 0}'",
+           (int)pid);
+  FILE *p = popen(cmd, "r");
+  long n = -1;
+  if (!p || fscanf(p, "%ld", &n) != 1)
+    n = -1;
+  if (p)
+    pclose(p);
+  return n;
+}
+
+/* A burst of posted puts (five re-puts of each of ten keys: replaced copies linger), then it says
+ * so and waits, doing nothing, until told to quit. */
+static int quiet_putter(void *arg) {
+  quieter *q = arg;
+  ferry_ctx *c = open_ctx("quiet-putter", NULL);
+  ferry_store *s = open_store(c, q->url, 0, MiB, 0);
+  for (int i = 0; i < QUIET_PUTS; i++) {
+    char key[32];
+    snprintf(key, sizeof key, "quiet/%d", i % 10);
+    put_seed(s, key, (uint64_t)i + 1);
+  }
+  tu_pipe_put(&q->done, "D", 1);
+  char ch;
+  int rc = tu_pipe_get(&q->quit, &ch, 1, 60000);
+  ferry_store_close(s);
+  ferry_ctx_close(c);
+  return rc == 0 ? 0 : 2;
+}
+
+/* Right after a burst of posted puts, the putting process and the directory (`ferry serve`)
+ * sleep: posts ring no doorbell and the directory takes them in at its next look at the leases
+ * (once a second); their answers wait for the putter's next put or lease renewal, and so do
+ * the replaced copies. The directory used to look for more posts every 50 ms for 1 s and the
+ * store for the answers every 50 ms for 2 s (60-70 wake-ups in this window); what remains is
+ * what is scheduled anyway (the directory's lease look, the contexts' own timers). A count, not
+ * a timing: a slow machine only makes them wake less. */
+static void test_quiet_after_puts(void **state) {
+  quieter q = {0};
+  tu_pipe_open(&q.done);
+  tu_pipe_open(&q.quit);
+  int port = su_free_port();
+  snprintf(q.url, sizeof q.url, "ferry://127.0.0.1:%d", port);
+  pid_t dir = start_directory(port);
+  pid_t pid = tu_spawn(quiet_putter, &q);
+  char ch;
+  assert_int_equal(tu_pipe_get(&q.done, &ch, 1, 30000), 0);
+  long p0 = wakeups_of(pid), d0 = wakeups_of(dir);
+  su_sleep_ms(QUIET_MS);
+  long p1 = wakeups_of(pid), d1 = wakeups_of(dir);
+  tu_pipe_put(&q.quit, "Q", 1);
+  assert_int_equal(tu_wait(pid), 0);
+  stop_child(dir);
+  tu_pipe_close(&q.done);
+  tu_pipe_close(&q.quit);
+  assert_true(p0 >= 0 && p1 >= p0 && d0 >= 0 && d1 >= d0);
+  print_message("after %d posted puts: the putter woke %ld times and the directory %ld in %d ms\n",
+                QUIET_PUTS, p1 - p0, d1 - d0, QUIET_MS);
+  assert_true(p1 - p0 + d1 - d0 <= 20);
+}
+
 /* A key looked up once is answered from the reader's cache while the directory's change words
  * say nothing changed: with `ferry serve` stopped (SIGSTOP), a view and a get of it still work.
  * A put of the key (posted: it returns without the directory) moves the words, and the next get
@@ -1616,6 +1694,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_netns),
       cmocka_unit_test(test_duplicate_name),
       cmocka_unit_test(test_posted_order),
+      cmocka_unit_test(test_quiet_after_puts),
       cmocka_unit_test(test_lookup_cache),
       cmocka_unit_test(test_shared_table),
       cmocka_unit_test(test_stopped_directory),

@@ -21,6 +21,7 @@ static void test_rma_ucx_registered(void **s) { one_sided("ucx", false); }
 static void test_token_ucx(void **s) { tokens("ucx"); }
 static void test_killed_mid_read_ucx(void **s) { killed_mid_read("ucx", false); }
 static void test_concurrent_ucx(void **s) { concurrent("ucx"); }
+static void test_end_after_sends_ucx(void **s) { ends("ucx"); }
 
 /* Every read mode on every kind of region: FERRY_UCX_RMA=get forces RMA even where UCX only
  * emulates it, am forces owner-answered reads. */
@@ -342,6 +343,7 @@ int main(void) {
       cmocka_unit_test(test_ucx_memory_shm_peer),
       cmocka_unit_test(test_region_blob),
       cmocka_unit_test(test_killed_mid_read_ucx),
+      cmocka_unit_test(test_end_after_sends_ucx),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

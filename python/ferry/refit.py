@@ -15,7 +15,7 @@ binds its own tensors (bytes land in them) or takes views into one flat ferry bu
 
 Finding the sender by name, as C senders and receivers do (ferry_refit_opts.publish): when a
 directory is configured (FERRY_DIRECTORY set, or RefitSender(directory=URL)), RefitSender(name)
-registers node "refit:NAME" there under a lease its service thread renews, and
+publishes the record "ferry:job/refit/NAME" on its context's node there (under the node's lease), and
 RefitReceiver(name) on any host whose FERRY_DIRECTORY names the same directory looks it up. So
 a Python receiver finds a C sender and a C receiver (ferry_refit_receiver_open(ctx, "NAME"))
 finds a Python sender. With no directory configured the C side publishes nothing (its

@@ -1,20 +1,20 @@
 /*
  * The fleet snapshot behind ferry serve's /v1/fleet (and its status page) and `ferry top`.
  *
- * The directory is the front door: its node records give the nodes and their addresses (a
- * "refit:NAME" node is a published refit sender, an "mq:NAME" node an mq, any other a store
- * node), its object records the store's keys (grouped by prefix: the key up to its first '/')
- * and the mq's publisher and subscriber records per topic. What only a node knows (the version
- * each of a sender's receivers committed, an mq's queue, a store node's pool) comes from that
- * node's own metrics, which every ctx gives on a ferry call (FR_CHANNEL_STATS, the text its
- * /metrics would serve): one call per distinct address. The whole snapshot has a budget
- * (FERRY_FLEET_BUDGET_MS): the directory is read within it, then the nodes are asked in parallel
- * (FLEET_ASK_THREADS at a time), each given what is left of it, so a node that is slow or gone
- * costs the snapshot at most the budget and is shown with its error. An address that failed is
- * remembered and not asked again for FLEET_SKIP_MS (listed unreachable, with why and since when),
- * so that a dead node whose records wait for its lease to lapse does not cost every snapshot.
- * One snapshot is taken at a time and kept FLEET_CACHE_MS: concurrent callers (page viewers,
- * ferry top) share it, or wait for the one in flight, instead of each asking every node.
+ * The directory is the front door: its node records give the nodes (one per process and
+ * directory) and their addresses, its job records ("ferry:job/KIND/NAME", owned by a node) what
+ * runs on each (a store, an mq, published refit senders), its object records the store's keys
+ * (grouped by prefix: the key up to its first '/') and the mq's publisher and subscriber records
+ * per topic. What only a node knows (the version each of a sender's receivers committed, an mq's
+ * queue, a store node's pool) comes from that node's own metrics, which every ctx gives on a ferry
+ * call (FR_CHANNEL_STATS, the text its /metrics would serve): one call per distinct address. The
+ * whole snapshot has a budget (FERRY_FLEET_BUDGET_MS): the directory is read within it, then the
+ * nodes are asked in parallel (FLEET_ASK_THREADS at a time), each given what is left of it, so a
+ * node that is slow or gone costs the snapshot at most the budget and is shown with its error. An
+ * address that failed is remembered and not asked again for FLEET_SKIP_MS (listed unreachable, with
+ * why and since when), so that a dead node whose records wait for its lease to lapse does not cost
+ * every snapshot. One snapshot is taken at a time and kept FLEET_CACHE_MS: concurrent callers (page
+ * viewers, ferry top) share it, or wait for the one in flight, instead of each asking every node.
  * Control cells are not in the directory (they live in FERRY_CTL_DIR's shared memory): the
  * snapshot lists this host's. Every string that came from a peer is made valid UTF-8 before it
  * goes into the JSON; the page renders it as text.
@@ -295,6 +295,8 @@ typedef struct snap {
   uint64_t deadline; /* the budget's end (fr_now_ns) */
   fr_dir_node *nodes;
   size_t nnodes, total;
+  fr_dir_object *jobs; /* the job records, sorted by key */
+  size_t njobs;
   node_stats *stats; /* parallel to nodes; entries of a repeated address point at the first */
   node_stats **of;
 } snap;
@@ -464,12 +466,29 @@ static void fetch_stats(snap *s) {
 
 /* ---- the sections ---- */
 
-static const char *node_kind(const char *name) {
-  if (strncmp(name, "refit:", 6) == 0)
-    return "refit";
-  if (strncmp(name, "mq:", 3) == 0)
-    return "mq";
-  return "store";
+/* The jobs of node `name` (from its job records): an array of {kind, name}, and their kinds,
+ * comma-separated, each once ("store,mq,refit"). Whether it has a store: *store. */
+static json_t *jobs_of(const snap *s, const char *name, char *kinds, size_t cap, bool *store) {
+  json_t *arr = json_array();
+  *kinds = '\0';
+  *store = false;
+  for (size_t i = 0; i < s->njobs; i++) {
+    char kind[16], job[FR_DIR_NAME_MAX + 1], with[24];
+    if (strcmp(s->jobs[i].owner, name) != 0 || !fr_dir_job_parse(s->jobs[i].key, kind, job))
+      continue;
+    json_t *j = json_object();
+    set_str(j, "kind", kind);
+    set_str(j, "name", job);
+    json_array_append_new(arr, j);
+    *store |= strcmp(kind, "store") == 0;
+    snprintf(with, sizeof with, ",%s,", kind);
+    char have[FR_DIR_KEY_MAX + 3];
+    snprintf(have, sizeof have, ",%s,", kinds);
+    size_t n = strlen(kinds);
+    if (!strstr(have, with) && n + strlen(kind) + 2 < cap)
+      snprintf(kinds + n, cap - n, "%s%s", n ? "," : "", kind);
+  }
+  return arr;
 }
 
 /* "reached", and for a node not reached its error and, when it failed before, since when (the
@@ -491,11 +510,15 @@ static json_t *nodes_json(snap *s) {
     json_t *o = json_object();
     set_str(o, "name", n->name);
     set_str(o, "address", n->address);
-    set_str(o, "kind", node_kind(n->name));
+    char kinds[64];
+    bool store;
+    json_t *jobs = jobs_of(s, n->name, kinds, sizeof kinds, &store);
+    set_str(o, "kind", kinds);
+    json_object_set_new(o, "jobs", jobs);
     json_object_set_new(o, "holder", json_boolean(n->flags & FR_NODE_HOLDER));
     node_stats *ns = s->of[i];
     set_reached(o, ns);
-    if (strcmp(node_kind(n->name), "store") == 0 && ns->ok) {
+    if (store && ns->ok) {
       json_t *st = json_object();
       set_sample(st, "objects", find(&ns->ss, "ferry_store_objects", "store", n->name, 0, 0));
       set_sample(st, "held_bytes", find(&ns->ss, "ferry_store_held_bytes", "store", n->name, 0, 0));
@@ -617,15 +640,22 @@ static json_t *receivers_json(const samples *ss, const char *sender) {
 
 static json_t *refit_json(snap *s) {
   json_t *arr = json_array();
-  for (size_t i = 0; i < s->nnodes; i++) {
-    if (strcmp(node_kind(s->nodes[i].name), "refit") != 0)
+  for (size_t i = 0; i < s->njobs; i++) {
+    char kind[16], sender[FR_DIR_NAME_MAX + 1];
+    if (!fr_dir_job_parse(s->jobs[i].key, kind, sender) || strcmp(kind, "refit") != 0)
       continue;
-    const char *sender = s->nodes[i].name + 6;
-    node_stats *ns = s->of[i];
+    const char *node = s->jobs[i].owner;
+    node_stats *ns = stats_of(s, node);
+    const fr_dir_node *nr = NULL;
+    for (size_t k = 0; k < s->nnodes && !nr; k++)
+      if (strcmp(s->nodes[k].name, node) == 0)
+        nr = &s->nodes[k];
+    if (!ns || !nr) /* its node is past FLEET_NODES_MAX, or left between the reads */
+      continue;
     json_t *o = json_object();
     set_str(o, "sender", sender);
-    set_str(o, "node", s->nodes[i].name);
-    set_str(o, "address", s->nodes[i].address);
+    set_str(o, "node", node);
+    set_str(o, "address", nr->address);
     set_reached(o, ns);
     const samples *ss = ns->ok ? &ns->ss : NULL;
     const sample *ver = find(ss, "ferry_refit_version", "sender", sender, 0, 0);
@@ -801,6 +831,8 @@ static int read_directory(fleet_view *v, snap *s, fr_dir_object **objs, size_t *
     rc = fr_dir_obj_scan(v->dir, "", objs, nobjs, ms);
   if (rc == 0 && (ms = left_ms(s->deadline)) > 0)
     rc = fr_dir_obj_scan(v->dir, FR_DIR_RESERVED "mq/", mq, nmq, ms);
+  if (rc == 0 && (ms = left_ms(s->deadline)) > 0)
+    rc = fr_dir_obj_scan(v->dir, FR_DIR_JOBS, &s->jobs, &s->njobs, ms);
   if (rc == 0 && ms == 0)
     rc = fr_err(FERRY_ETIMEDOUT, "no answer within the snapshot's %d ms budget", v->budget_ms);
   if (rc != 0)
@@ -855,6 +887,7 @@ static int take(fleet_view *v, json_t **out) {
   free(s.stats);
   free(s.of);
   free(s.nodes);
+  free(s.jobs);
   free(objs);
   free(mq);
   return rc;

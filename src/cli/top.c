@@ -111,7 +111,7 @@ static void list(const json_t *arr, const char *key, int width) {
 static void draw_nodes(const json_t *f) {
   const json_t *nodes = json_object_get(f, "nodes");
   printf("NODES (%zu)\n  ", json_array_size(nodes));
-  printf("%-24s %-6s %-8s %8s %-11s %-21s %s\n", "NAME", "KIND", "METRICS", "OBJECTS", "HELD",
+  printf("%-24s %-14s %-8s %8s %-11s %-21s %s\n", "NAME", "JOBS", "METRICS", "OBJECTS", "HELD",
          "POOL USED/CAPACITY", "ADDRESS");
   size_t i;
   json_t *n;
@@ -120,7 +120,7 @@ static void draw_nodes(const json_t *f) {
     char a[32], b[32], c[32], pool[72];
     printf("  ");
     put(str(n, "name"), 24);
-    put(str(n, "kind"), 6);
+    put(str(n, "kind"), 14);
     put(json_is_true(json_object_get(n, "reached")) ? "ok" : "no", 8);
     put_num(json_object_get(st, "objects"), 8);
     put(human(json_object_get(st, "held_bytes"), a, sizeof a), 11);

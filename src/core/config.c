@@ -58,14 +58,10 @@
     "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]")                                                  \
   X("FERRY_LEASE_MS", "15000",                                                                     \
     "a node's directory lease; its records vanish this long after it dies")                        \
-  X("FERRY_DIR_POLL_MS", "50",                                                                     \
-    "while posted puts come, how often the embedded directory looks for them (no doorbell)")       \
   X("FERRY_STORE_CAPACITY", "1073741824", "bytes of a node's store pool (copied puts live there)") \
   X("FERRY_STORE_MAX_OBJECTS", "65536", "most objects one node's store holds at once")             \
   X("FERRY_STORE_LINGER_MS", "1000",                                                               \
-    "a replaced store copy stays this long for gets already under way (unless room is needed)")    \
-  X("FERRY_STORE_POLL_MS", "50",                                                                   \
-    "how often a store looks for what settles unannounced (posted puts, views, lingering copies)") \
+    "a replaced store copy stays at least this long for gets under way (less if room is needed)")  \
   X("FERRY_STORE_THREADS", "4", "threads a batch get uses to keep reads in flight")                \
   X("FERRY_MQ_QUEUE_BYTES", "67108864",                                                            \
     "mq: bytes of messages a subscriber queues per publisher before publishes wait")               \

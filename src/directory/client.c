@@ -26,8 +26,6 @@
 /* A put sent without waiting for its answer (FR_DIR_PUT_POSTED), until settled. */
 typedef struct posted {
   fr_pending *pending; /* the put, in flight on link until collected */
-  uint64_t sent_ns;    /* when it went out, quietly */
-  bool rung;           /* its server was woken for it (emb_settle) */
   ferry_link *link;
   fr_dir_object *objs; /* what was put: n records */
   size_t n;
@@ -49,12 +47,16 @@ typedef struct emb {
   pthread_mutex_t posted_lock;
   posted *posted_head, *posted_tail; /* oldest first */
   size_t nposted;
-  uint64_t ring_after_ns; /* an unanswered post older than this rings (FERRY_DIR_POLL_MS) */
 } emb;
 
 /* Posted puts not yet settled, at most: beyond, a put waits for its answer (and so for theirs),
  * which keeps a writer in a tight loop from queueing without bound at the server. */
 #define POSTED_MAX 16
+/* The post that leaves this many unanswered rings the server (a no-op when it is awake): a stream
+ * of puts faster than the server's look at its leases then costs one wake-up per POSTED_RING
+ * puts, on the put that rings, and fills POSTED_MAX (a put then waits) only when it outruns the
+ * server. */
+#define POSTED_RING (POSTED_MAX * 3 / 4)
 
 typedef struct reply {
   ferry_msg *msg;
@@ -341,11 +343,11 @@ static void posted_append(emb *e, posted *ps) {
   pthread_mutex_unlock(&e->posted_lock);
 }
 
-static bool posted_full(emb *e) {
+static size_t posted_count(emb *e) {
   pthread_mutex_lock(&e->posted_lock);
-  bool full = e->nposted >= POSTED_MAX;
+  size_t n = e->nposted;
   pthread_mutex_unlock(&e->posted_lock);
-  return full;
+  return n;
 }
 
 /* Sends a put (`op` and its arguments in `args`) without waiting for the answer; false when it
@@ -353,13 +355,13 @@ static bool posted_full(emb *e) {
 static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *objs, size_t n,
                  unsigned flags, int timeout_ms) {
   uint64_t *watch = NULL, *table = NULL;
-  ferry_link *l = posted_full(e) ? NULL : post_link(e, timeout_ms, &watch, &table);
+  size_t before = posted_count(e);
+  ferry_link *l = before >= POSTED_MAX ? NULL : post_link(e, timeout_ms, &watch, &table);
   posted *ps = l && !args->failed ? calloc(1, sizeof *ps) : NULL;
   fr_dir_object *copy = ps ? malloc(n * sizeof *copy) : NULL;
   if (copy) { /* all set before the answer can come in */
     memcpy(copy, objs, n * sizeof *copy);
     *ps = (posted){.link = l, .objs = copy, .n = n, .batch = op == FR_DOP_OBJ_PUT_BATCH};
-    ps->sent_ns = fr_now_ns();
   }
   fr_wr w = {0};
   fr_wr_request(&w, FR_DOP_POSTED);
@@ -370,7 +372,10 @@ static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *ob
   bool ready = copy && !w.failed;
   if (ready)
     table_tickets(table, objs, n, flags);
-  bool sent = ready && fr_link_call_post(l, FR_CHANNEL_DIRECTORY, &iov, 1, timeout_ms, true,
+  /* quiet: a doorbell would wake the server on this caller's path (dirwire.h); but the
+   * POSTED_RING-th unanswered post rings, so a stream seldom fills POSTED_MAX and waits */
+  bool quiet = before + 1 < POSTED_RING;
+  bool sent = ready && fr_link_call_post(l, FR_CHANNEL_DIRECTORY, &iov, 1, timeout_ms, quiet,
                                          &ps->pending) == 0;
   fr_wr_free(&w);
   if (ready && !sent)
@@ -440,18 +445,11 @@ static void settle_one(emb *e, posted *ps, fr_dir_settle_fn cb, void *arg, int t
   free(ps);
 }
 
-/* A posted put still unanswered wakes its server when someone waits for its answer, or when it
- * is older than one of the server's looks (ring_after_ns): its server may be asleep (dirwire.h).
- * One doorbell brings in every post in the ring. posted_lock held. */
-static void ring_if_stale(emb *e, posted *ps, bool wait) {
-  if (ps->rung || fr_link_call_ready(ps->pending))
-    return;
-  if (wait || fr_now_ns() - ps->sent_ns >= e->ring_after_ns) {
-    fr_link_ring(ps->link);
-    ps->rung = true;
-  }
-}
-
+/* Collects the answers that are in, oldest first; with `wait`, every answer, each waited for
+ * until the deadline, after ringing the server for the posts it has not taken yet (one doorbell
+ * brings in all of them). Answers ring nobody (server.c), so this drives the link's receive side
+ * to see them. Nothing calls this on a timer: a put settles what earlier ones left, the store's
+ * lease renewal what a quiet store left (dirwire.h). */
 static void emb_settle(void *st, bool wait, fr_dir_settle_fn cb, void *arg, int timeout_ms) {
   emb *e = st;
   uint64_t deadline = fr_deadline_ns(timeout_ms);
@@ -460,8 +458,8 @@ static void emb_settle(void *st, bool wait, fr_dir_settle_fn cb, void *arg, int 
     posted *ps = e->posted_head;
     if (ps && !fr_link_call_ready(ps->pending))
       fr_link_poll(ps->link, false); /* answers to posted puts ring no doorbell */
-    if (ps)
-      ring_if_stale(e, ps, wait);
+    if (ps && wait && !fr_link_call_ready(ps->pending))
+      fr_link_ring(ps->link); /* a no-op unless the server sleeps (ring.h) */
     if (ps && !wait && !fr_link_call_ready(ps->pending))
       ps = NULL;
     if (ps && !(e->posted_head = ps->next))
@@ -817,7 +815,6 @@ static int emb_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **st
   snprintf(e->where, sizeof e->where, "%s", where);
   pthread_mutex_init(&e->lock, NULL);
   pthread_mutex_init(&e->posted_lock, NULL);
-  e->ring_after_ns = fr_dir_posted_window_ns() / FR_DIR_POSTED_POLLS;
   ferry_link *l;
   int rc = current_link(e, NULL, timeout_ms, &l);
   if (rc != 0) {
@@ -883,7 +880,6 @@ int fr_dir_open_local(fr_dir_server *srv, fr_dir **out) {
   }
   pthread_mutex_init(&e->lock, NULL);
   pthread_mutex_init(&e->posted_lock, NULL);
-  e->ring_after_ns = fr_dir_posted_window_ns() / FR_DIR_POSTED_POLLS;
   e->local = srv;
   e->epoch = 1;
   snprintf(e->where, sizeof e->where, "(in-process)");

@@ -126,6 +126,42 @@ int fr_dir_open(ferry_ctx *ctx, const char *url, int timeout_ms, fr_dir **out) {
   return 0;
 }
 
+/* "ferry://HOST:PORT" of the tcp:// address in ctx's address list, or NULL (none, or no memory). */
+static char *hosted_url(ferry_ctx *ctx) {
+  const char *a = ferry_ctx_address(ctx), *t = a ? strstr(a, "tcp://") : NULL;
+  while (t && t != a && t[-1] != ',')
+    t = strstr(t + 1, "tcp://");
+  if (!t)
+    return NULL;
+  size_t n = strcspn(t + 6, ",");
+  char *url = malloc(n + 9);
+  if (url)
+    snprintf(url, n + 9, "ferry://%.*s", (int)n, t + 6);
+  return url;
+}
+
+int fr_dir_host(ferry_ctx *ctx, fr_dir **out) {
+  fr_dir_server *srv = NULL;
+  fr_dir *d = NULL;
+  int rc = fr_dir_server_start(ctx, &srv);
+  if (rc == 0 && (rc = fr_dir_open_local(srv, &d)) != 0)
+    fr_dir_server_stop(srv);
+  if (rc != 0)
+    return rc;
+  d->hosted = srv;
+  d->ctx = ctx;
+  d->key = hosted_url(ctx); /* NULL: nobody can name it; unshared, like fr_dir_open_local's */
+  d->refs = 1;
+  if (d->key) {
+    pthread_mutex_lock(&shared_lock);
+    d->next = shared;
+    shared = d;
+    pthread_mutex_unlock(&shared_lock);
+  }
+  *out = d;
+  return 0;
+}
+
 /* shared_lock held. Whether this was the last reference (then d is out of the list). */
 static bool shared_put(fr_dir *d) {
   if (--d->refs > 0)
@@ -149,6 +185,8 @@ void fr_dir_close(fr_dir *dir) {
       return;
   }
   dir->ops->close(dir->state);
+  fr_dir_server_stop(dir->hosted);
+  fr_dir_self_free(dir->self);
   free(dir->key);
   free(dir);
 }

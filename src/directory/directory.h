@@ -156,7 +156,8 @@ typedef struct fr_dir {
   char *key; /* the canonical URL, password included: never printed */
   unsigned refs;
   struct fr_dir *next;
-  struct fr_dir_lease *leases; /* taken over this client, renewed together (lease.c's lock) */
+  struct fr_dir_self *self;     /* the node its jobs attach to (lease.c; made by the first) */
+  struct fr_dir_server *hosted; /* fr_dir_host's server: stopped by the last close */
 } fr_dir;
 
 /* Connects to the directory at url (NULL: FERRY_DIRECTORY). The client is shared: while one is
@@ -169,6 +170,12 @@ typedef struct fr_dir {
  * answers (the detail says how to start one). */
 int fr_dir_open(ferry_ctx *ctx, const char *url, int timeout_ms, fr_dir **out);
 void fr_dir_close(fr_dir *dir);
+/* Hosts the directory on ctx (fr_dir_server_start) and opens a client bound to it (no link),
+ * shared like fr_dir_open's: a job of ctx that opens the URL the server is reached at
+ * ("ferry://" + the tcp:// address in ctx's address list) gets this client, so the jobs of a
+ * context that hosts its directory still register one node. The server stops with the client's
+ * last fr_dir_close (a job that hosted it may close before the others that use it). */
+int fr_dir_host(ferry_ctx *ctx, fr_dir **out);
 /* How many fr_dir_open()s hold a shared client open (tests). */
 unsigned fr_dir_refs(fr_dir *dir);
 /* The backends, in one place (directory.c). */
@@ -264,58 +271,110 @@ int fr_dir_reach_check(const char *dir_url, const char *node_address, const char
  * routes to the directory, PORT: tcp_listen's) to out and returns 1; else 0. */
 int fr_dir_tcp_listen_for(const char *dir_url, const char *tcp_listen, char *out, size_t cap);
 
-/* ---- a node's registration under a lease (lease.c) ---- */
+/* ---- a process's node: one registration per client, under one lease (lease.c) ----
+ * A client (the jobs of a context share one, fr_dir_open) registers ONE node in the directory:
+ * one name, one incarnation, one address and one lease, renewed by one request every third of
+ * the lease, whichever job's thread sends it. The node is named after its context
+ * (ferry_ctx_name): that is the name the process answers under on every link, so a live holder
+ * of the name is told from a dead one by connecting to its address and seeing who answers
+ * (holder_dead); the store's objects and mq's discovery records already name it as their owner;
+ * and mq dials its peers by it. The first job's name would not do: a refit sender's name is not
+ * what its links answer under, and the node would change names with the order jobs open in.
+ * The node's lease is the shortest any attached job asked for (FERRY_LEASE_MS by default), its
+ * flags the union of theirs, its access blob the store's.
+ *
+ * Each job attaches with an fr_dir_lease and publishes a job record owned by the node:
+ * "ferry:job/KIND/NAME" (FR_DIR_JOBS; KIND store, mq or refit; NAME the job's: the ctx name for
+ * store and mq, the sender's published name for refit). Like every record the node owns it
+ * vanishes with the node's lease, and after the directory lost the node (its lease lapsed, or
+ * its epoch moved) whichever job renews first registers the node again and wakes the others
+ * (fr_dir_lease_set_wake), and each job's renewal then publishes its records again
+ * (fr_dir_lease_renew returns 1). A job name held by a live
+ * node of another process is refused (FERRY_EEXIST naming it); one held by a dead node (nothing
+ * accepts a connection at its address, or another node answers there) is taken over at once:
+ * the dead node and its records are dropped. Lookups by job name: fr_dir_job_find. */
+#define FR_DIR_JOBS FR_DIR_RESERVED "job/"
+
+typedef struct fr_dir_self fr_dir_self; /* a client's node (lease.c) */
+
 typedef struct fr_dir_lease {
   fr_dir *dir;
   ferry_ctx *ctx;
-  fr_dir_node node; /* name, address and a fresh incarnation from init; flags are the caller's */
-  int lease_ms;     /* FERRY_LEASE_MS from init; the caller may change it before taking */
-  char holder_peer[FR_DIR_NAME_MAX + 1]; /* the node name a live holder answers under at its
-                                            address ("": unknown, then only a refused
-                                            connection proves it dead) */
-  char who[96];                          /* "store 'a'": how messages name the caller */
-  bool held;                             /* taken, and not lost since */
-  uint64_t epoch;         /* atomic: the directory's epoch when it was taken (the group reads it) */
-  uint64_t next_renew_ns; /* atomic: when fr_dir_lease_due() turns true */
-  bool ok; /* atomic: held, and the last take or renewal reached the directory (/readyz) */
-  /* The leases taken over one client are renewed together (lease.c, under its lock): */
-  bool want;                 /* atomic: its renewal must take it again (its caller could not
-                                publish, a take failed, or the group's renewal did not find it);
-                                the group's renewals leave it alone */
-  bool in_group;             /* in dir->leases */
-  struct fr_dir_lease *next; /* in dir->leases */
+  fr_dir_self *self; /* the client's node; NULL until init succeeded */
+  /* The node as this job names it: name, address and incarnation are the node's (its records'
+   * owner and generation); flags and the access blob are what this job adds to the node record
+   * (set before taking). */
+  fr_dir_node node;
+  int lease_ms; /* the lease this job asks for: FERRY_LEASE_MS from init; the caller may change
+                   it before taking */
+  char key[FR_DIR_KEY_MAX + 1]; /* its job record */
+  char job[FR_DIR_NAME_MAX + 1];
+  char who[96];            /* "store 'a'": how messages name the caller */
+  bool held;               /* under the node's lock: its job record is published */
+  bool want;               /* atomic: its records must be published again (fr_dir_lease_lost) */
+  uint64_t seen;           /* atomic: the node's registration its records were published under */
+  uint64_t retry_ns;       /* atomic: after a failed publish, when to try again (fr_now_ns) */
+  void (*wake)(void *arg); /* under the node's lock: fr_dir_lease_set_wake */
+  void *wake_arg;
+  bool in_node;
+  struct fr_dir_lease *next; /* the node's members */
 } fr_dir_lease;
 
-/* Whether the lease is held and its directory answered the last take or renewal: what a job's
- * readiness check (/readyz) reports; safe from any thread. */
-static inline bool fr_dir_lease_ok(const fr_dir_lease *l) {
-  return __atomic_load_n(&l->ok, __ATOMIC_RELAXED);
-}
+/* Whether the node is held and its directory answered the last take or renewal, and this job's
+ * record is published: what a job's readiness check (/readyz) reports; safe from any thread. */
+bool fr_dir_lease_ok(const fr_dir_lease *l);
 /* A job's /readyz answer from its lease: 0 while fr_dir_lease_ok, else FERRY_ECONNECT with why
  * (when given) naming the job ("store 'a': its directory lease is not held ..."). */
 int fr_dir_lease_ready(const fr_dir_lease *l, char *why, size_t len);
 
-void fr_dir_lease_init(fr_dir_lease *l, fr_dir *dir, ferry_ctx *ctx, const char *name,
-                       const char *who);
-/* Registers the node; a name held by another incarnation is taken over only when that holder is
- * verifiably dead, else FERRY_EEXIST naming it. */
+/* Attaches a job (kind "store", "mq" or "refit"; name its name, 1 to FR_DIR_NAME_MAX bytes
+ * without control characters, '/' allowed: the kind ends at the first) to the node of dir.
+ * FERRY_EINVAL for a bad name, FERRY_ENOMEM. Pair with fr_dir_lease_drop (also after a failed
+ * init). */
+int fr_dir_lease_init(fr_dir_lease *l, fr_dir *dir, ferry_ctx *ctx, const char *kind,
+                      const char *name, const char *who);
+/* Registers the node unless it is registered (with this job's lease, flags and access blob),
+ * then publishes the job record. FERRY_EEXIST naming a live holder of the node's name or of the
+ * job's name; a dead holder is taken over. */
 int fr_dir_lease_take(fr_dir_lease *l, int timeout_ms);
-/* Whether a renewal is due (every third of the lease; soon after a failure). The leases taken
- * over one client (the jobs of a context share it) form one group: whichever caller renews
- * renews every held lease of the group in one request (node_renew_batch) and moves their next
- * renewal on, so a node's jobs keep one renewal stream and their records lapse together. A
- * lease the group's renewal did not find is left to its own caller: due at once, its renewal
- * takes it again and returns 1. */
+/* How to wake the job's thread when another job of its node registered the node again (the
+ * directory had lost it): its records must be published again, now rather than at its next
+ * wake. Called under the node's lock from another job's thread, so it may only signal (no lease
+ * call, no wait). NULL stops it: set it once the thread can be woken, clear it before that stops
+ * being true. */
+void fr_dir_lease_set_wake(fr_dir_lease *l, void (*wake)(void *arg), void *arg);
+/* Whether this job should call fr_dir_lease_renew: the node's renewal is due (every third of its
+ * lease; soon after a failure), or this job's records must be published again. */
 bool fr_dir_lease_due(const fr_dir_lease *l);
-/* Held, and the directory has not lost records since (its epoch did not move). */
+/* When fr_dir_lease_due turns true (fr_now_ns; 0: it is). */
+uint64_t fr_dir_lease_next(const fr_dir_lease *l);
+/* Held, and the directory has not lost the node since this job published (its epoch did not
+ * move, the node was not registered again). */
 bool fr_dir_lease_current(const fr_dir_lease *l);
-/* The caller could not publish its records after taking: take again at the next renewal. */
+/* The caller could not publish its records after taking: publish again at its next renewal. */
 void fr_dir_lease_lost(fr_dir_lease *l);
-/* 0: renewed; 1: the directory had lost the node and it is registered again (publish every
- * record again); < 0: failed (logged; retried soon). */
+/* Renews the node when due (one request for all its jobs) and registers it again when the
+ * directory lost it. 0: nothing more to do; 1: this job's records must be published again (its
+ * job record already is); < 0: failed (logged; retried soon). */
 int fr_dir_lease_renew(fr_dir_lease *l);
-/* Removes the node (and its records) from the directory if held, and leaves the group. */
+/* Whether this job is the node's only one: its drop removes the node with every record it owns.
+ * Otherwise the job deletes its own records before dropping (the node lives on). */
+bool fr_dir_lease_alone(const fr_dir_lease *l);
+/* Detaches the job: deletes its job record, or the node with all its records when it was the
+ * last job; the node's record loses this job's flags and access blob. */
 void fr_dir_lease_drop(fr_dir_lease *l);
+/* Frees a client's node (fr_dir_close, once no job is attached). */
+void fr_dir_self_free(fr_dir_self *self);
+
+/* The node that publishes job `name` of `kind` (its job record's owner), e.g. the refit sender
+ * "policy": FERRY_ENOTFOUND when none does. */
+int fr_dir_job_find(fr_dir *dir, const char *kind, const char *name, fr_dir_node *out,
+                    int timeout_ms);
+/* The job record key of (kind, name): FERRY_EINVAL when it does not fit. */
+int fr_dir_job_key(const char *kind, const char *name, char out[FR_DIR_KEY_MAX + 1]);
+/* A job record's key taken apart ("ferry:job/refit/policy" -> "refit", "policy"); false: not
+ * one (a peer's record: untrusted, checked). */
+bool fr_dir_job_parse(const char *key, char kind[16], char name[FR_DIR_NAME_MAX + 1]);
 
 /* ---- the embedded server (server.c) ---- */
 typedef struct fr_dir_server fr_dir_server;

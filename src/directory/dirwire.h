@@ -36,19 +36,18 @@ enum fr_dir_op {
   FR_DOP_MAX_
 };
 
+/* A posted put rings no doorbell (but a client's 12th unanswered one, client.c POSTED_RING):
+ * waking the embedded server from the put would cost its caller the server's whole turn
+ * (measured: the paced in-place put 34 -> 82 us, docs/PERFORMANCE.md "Paced latency"). The
+ * server takes it in with the next message from anyone (every request drains the posts first,
+ * server.c), or at its next look at the leases (once a second) at the latest; readers on its
+ * host see the record at once in the shared table (table.h). Its answer rings nobody either:
+ * the client collects it at its next put, its lease renewal, or when it waits for it
+ * (fr_dir_settle, which rings). Neither side looks for the other on a timer of its own
+ * (server.c, client.c). */
+
 /* The change words, in a region of the server's (FR_DOP_WATCH): word 0 counts changes of many
  * keys at once (a node and its records dropped), word 1 + b changes of the keys in bucket b. */
-/* Posted puts ring no doorbell (a put returns without waking the server): after serving one, the
- * embedded server looks for more every FERRY_DIR_POLL_MS, FR_DIR_POSTED_POLLS times, and
- * otherwise sleeps; a client whose post is still unanswered after FERRY_DIR_POLL_MS (its store's
- * service thread settles them), or that waits for the answer, rings then. So an idle server
- * sleeps, and the first put of a stream costs its caller no wake-up of the server. */
-#define FR_DIR_POSTED_POLLS 20
-static inline uint64_t fr_dir_posted_window_ns(void) {
-  int64_t ms = fr_config_int("FERRY_DIR_POLL_MS");
-  return (uint64_t)(ms > 0 ? ms : 1) * FR_DIR_POSTED_POLLS * 1000000ull;
-}
-
 #define FR_DIR_WATCH_BUCKETS 4096u
 static inline uint32_t fr_dir_watch_bucket(const char *key, uint32_t buckets) {
   return fr_dir_key_hash(key) % buckets;

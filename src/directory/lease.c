@@ -1,135 +1,439 @@
 /*
- * A node's registration in the directory, held under a lease: the one piece of bookkeeping that
- * the store, mq and refit's published names share. Taking a name that another incarnation holds
- * succeeds only when that holder is verifiably dead (nothing accepts a connection at its address,
- * or whoever answers there is not it), so a restarted process gets its name back at once instead
- * of after the old lease lapses. Renewal runs every third of the lease; when the directory lost
- * the node (its lease lapsed, or the directory restarted: its epoch moved) the name is taken again
- * and the caller is told to publish its records again. The leases taken over one client (the
- * store, mq and refit of a context share it, directory.c) are renewed together: one request
- * every third of the shortest lease renews all of them, whichever job's thread sends it. Joining
- * and leaving are logged at info (the directory logs them too, with what a leaving node's records
- * were).
+ * A process's node in the directory, held under one lease: the one piece of bookkeeping that the
+ * store, mq and refit's published senders of a context share. A client (one per context and
+ * directory, directory.c) registers one node named after its context; each job attaches to it
+ * and publishes a job record ("ferry:job/KIND/NAME") owned by the node, next to its own records,
+ * so that all of them vanish together when the node's lease lapses. One request every third of
+ * the node's lease (the shortest any job asked for) renews it, whichever job's thread sends it.
+ *
+ * Taking a name (the node's, or a job's that another node publishes) that another incarnation
+ * holds succeeds only when that holder is verifiably dead (nothing accepts a connection at its
+ * address, or whoever answers there is not it), so a restarted process gets its names back at
+ * once instead of after the old lease lapses. When the directory lost the node (its lease lapsed,
+ * or the directory restarted: its epoch moved) the node is registered again, and each job's next
+ * renewal publishes its records again. Joining and leaving are logged at info (the directory logs
+ * them too, with what a leaving node's records were).
  */
 #include "directory/directory.h"
 
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* After a failed renewal, the next try comes soon (and loudly): RETRY_PER_LEASE tries fit in
  * the third of the lease that is left before it lapses (200 ms at the default 15 s). */
 #define RETRY_PER_LEASE 25
-#define GROUP_MAX 64 /* leases per renewal request; more renew in turns */
 
-/* Guards every client's `leases` list and the members' in_group/next: a process has a few. */
-static pthread_mutex_t group_lock = PTHREAD_MUTEX_INITIALIZER;
+struct fr_dir_self {
+  pthread_mutex_t lock; /* registering, renewing and the members: one job at a time */
+  fr_dir *dir;
+  ferry_ctx *ctx;
+  fr_dir_node node;       /* as registered (name, address and incarnation fixed at creation) */
+  int lease_ms;           /* as registered */
+  bool held;              /* registered, and not found lost since */
+  uint64_t epoch;         /* the directory's epoch when it was registered */
+  uint64_t taken;         /* atomic: registrations so far (a job publishes again when it moves) */
+  uint64_t next_renew_ns; /* atomic */
+  bool ok;                /* atomic: held, and the directory answered the last request */
+  fr_dir_lease *members;
+  struct fr_dir_self *next_self; /* in `selves` */
+};
 
-static void group_join(fr_dir_lease *l) {
-  pthread_mutex_lock(&group_lock);
-  if (!l->in_group) {
-    l->next = l->dir->leases;
-    l->dir->leases = l;
-    l->in_group = true;
-  }
-  pthread_mutex_unlock(&group_lock);
-}
+/* Guards the creation of a client's node (its `self`) and the list of all of them (`selves`):
+ * the node's own lock guards the rest. */
+static pthread_mutex_t create_lock = PTHREAD_MUTEX_INITIALIZER;
+static fr_dir_self *selves;
 
-static void group_leave(fr_dir_lease *l) {
-  pthread_mutex_lock(&group_lock);
-  for (fr_dir_lease **p = &l->dir->leases; l->in_group && *p; p = &(*p)->next)
-    if (*p == l) {
-      *p = l->next;
-      l->in_group = false;
-      break; /* *p may be NULL now: the step would read through it */
+/* Whether `incarnation` is another client's node of the same context in this process: the same
+ * directory reached through another URL (a spelling fr_dir_open does not know as the same). */
+static bool ours_elsewhere(const fr_dir_self *me, uint64_t incarnation, char *url, size_t cap) {
+  bool found = false;
+  pthread_mutex_lock(&create_lock);
+  for (const fr_dir_self *o = selves; o && !found; o = o->next_self)
+    if (o != me && o->ctx == me->ctx && o->node.incarnation == incarnation) {
+      snprintf(url, cap, "%s", o->dir->url);
+      found = true;
     }
-  pthread_mutex_unlock(&group_lock);
+  pthread_mutex_unlock(&create_lock);
+  return found;
 }
 
-/* group_lock held. */
-static bool group_has(const fr_dir *dir, const fr_dir_lease *l) {
-  for (const fr_dir_lease *m = dir->leases; m; m = m->next)
-    if (m == l)
-      return true;
-  return false;
+static fr_dir_self *self_of(fr_dir *dir, ferry_ctx *ctx) {
+  pthread_mutex_lock(&create_lock);
+  fr_dir_self *me = dir->self;
+  if (!me && (me = calloc(1, sizeof *me))) {
+    pthread_mutex_init(&me->lock, NULL);
+    me->dir = dir;
+    me->ctx = ctx;
+    snprintf(me->node.name, sizeof me->node.name, "%s", ferry_ctx_name(ctx));
+    snprintf(me->node.address, sizeof me->node.address, "%s", ferry_ctx_address(ctx));
+    me->node.incarnation = fr_random_u64() | 1;
+    me->lease_ms = (int)fr_config_int("FERRY_LEASE_MS");
+    dir->self = me;
+    me->next_self = selves;
+    selves = me;
+  }
+  pthread_mutex_unlock(&create_lock);
+  return me;
 }
 
-void fr_dir_lease_init(fr_dir_lease *l, fr_dir *dir, ferry_ctx *ctx, const char *name,
-                       const char *who) {
-  memset(l, 0, sizeof *l);
-  l->dir = dir;
-  l->ctx = ctx;
-  snprintf(l->node.name, sizeof l->node.name, "%s", name);
-  snprintf(l->node.address, sizeof l->node.address, "%s", ferry_ctx_address(ctx));
-  l->node.incarnation = fr_random_u64() | 1;
-  l->lease_ms = (int)fr_config_int("FERRY_LEASE_MS");
-  snprintf(l->who, sizeof l->who, "%s", who);
+void fr_dir_self_free(fr_dir_self *self) {
+  if (!self)
+    return;
+  pthread_mutex_lock(&create_lock);
+  for (fr_dir_self **p = &selves; *p; p = &(*p)->next_self)
+    if (*p == self) {
+      *p = self->next_self;
+      break;
+    }
+  pthread_mutex_unlock(&create_lock);
+  pthread_mutex_destroy(&self->lock);
+  free(self);
 }
 
-static void schedule(fr_dir_lease *l, bool ok) {
-  __atomic_store_n(&l->ok, ok && l->held, __ATOMIC_RELAXED);
-  uint64_t third = (uint64_t)l->lease_ms * 1000000ull / 3;
+/* ---- job records ---- */
+
+int fr_dir_job_key(const char *kind, const char *name, char out[FR_DIR_KEY_MAX + 1]) {
+  size_t n = strlen(name);
+  if (n == 0 || n > FR_DIR_NAME_MAX)
+    return fr_err(FERRY_EINVAL, "%s name '%s': 1 to %d bytes", kind, name, FR_DIR_NAME_MAX);
+  snprintf(out, FR_DIR_KEY_MAX + 1, FR_DIR_JOBS "%s/%s", kind, name);
+  return fr_dir_key_check(out, kind);
+}
+
+bool fr_dir_job_parse(const char *key, char kind[16], char name[FR_DIR_NAME_MAX + 1]) {
+  size_t pre = sizeof FR_DIR_JOBS - 1;
+  if (strncmp(key, FR_DIR_JOBS, pre) != 0)
+    return false;
+  const char *k = key + pre, *slash = strchr(k, '/');
+  size_t kn = slash ? (size_t)(slash - k) : 0, nn = slash ? strlen(slash + 1) : 0;
+  if (kn == 0 || kn >= 16 || nn == 0 || nn > FR_DIR_NAME_MAX)
+    return false;
+  memcpy(kind, k, kn);
+  kind[kn] = '\0';
+  memcpy(name, slash + 1, nn + 1);
+  return true;
+}
+
+static void job_record(const fr_dir_lease *l, fr_dir_object *o) {
+  memset(o, 0, sizeof *o);
+  snprintf(o->key, sizeof o->key, "%s", l->key);
+  snprintf(o->owner, sizeof o->owner, "%s", l->node.name);
+  o->gen_region.size = 8;
+  o->generation = l->node.incarnation;
+  o->desc = (ferry_tensor_desc){.dtype = FERRY_DTYPE_U8, .ndim = 1};
+}
+
+int fr_dir_job_find(fr_dir *dir, const char *kind, const char *name, fr_dir_node *out,
+                    int timeout_ms) {
+  char key[FR_DIR_KEY_MAX + 1];
+  int rc = fr_dir_job_key(kind, name, key), st = FERRY_ENOTFOUND;
+  const char *k = key;
+  fr_dir_object o;
+  if (rc == 0 && (rc = fr_dir_obj_get(dir, &k, 1, &o, &st, timeout_ms)) == 0 && st != 0)
+    rc = fr_err(st, "no %s '%s' in the directory", kind, name);
+  if (rc == 0 && (rc = fr_dir_node_get(dir, o.owner, out, timeout_ms)) == FERRY_ENOTFOUND)
+    rc = fr_err(rc, "no %s '%s' in the directory (its node '%s' is gone)", kind, name, o.owner);
+  return rc;
+}
+
+/* ---- the node ---- */
+
+/* me->lock held. What the node's record should say: the jobs' flags and access blob, and the
+ * shortest lease any of them asked for. */
+static void wanted(const fr_dir_self *me, fr_dir_node *n, int *lease_ms) {
+  *n = me->node;
+  n->flags = 0;
+  n->access_len = 0;
+  *lease_ms = 0;
+  for (const fr_dir_lease *m = me->members; m; m = m->next) {
+    n->flags |= m->node.flags;
+    if (!n->access_len && m->node.access_len) {
+      n->access_len = m->node.access_len;
+      memcpy(n->access, m->node.access, m->node.access_len);
+    }
+    if (*lease_ms == 0 || m->lease_ms < *lease_ms)
+      *lease_ms = m->lease_ms;
+  }
+  if (*lease_ms == 0)
+    *lease_ms = me->lease_ms;
+}
+
+/* me->lock held. What the node's record says now that the directory took n: its flags and access
+ * blob (name, address and incarnation never change after creation, so they are read without the
+ * lock). */
+static void set_record(fr_dir_self *me, const fr_dir_node *n, int lease_ms) {
+  me->node.flags = n->flags;
+  me->node.access_len = n->access_len;
+  memcpy(me->node.access, n->access, n->access_len);
+  me->lease_ms = lease_ms;
+}
+
+static bool same_record(const fr_dir_self *me, const fr_dir_node *n, int lease_ms) {
+  return me->lease_ms == lease_ms && me->node.flags == n->flags &&
+         me->node.access_len == n->access_len &&
+         memcmp(me->node.access, n->access, n->access_len) == 0;
+}
+
+static void schedule(fr_dir_self *me, bool ok) {
+  __atomic_store_n(&me->ok, ok && me->held, __ATOMIC_RELAXED);
+  uint64_t third = (uint64_t)me->lease_ms * 1000000ull / 3;
   uint64_t after = ok ? third : third / RETRY_PER_LEASE;
-  __atomic_store_n(&l->next_renew_ns, fr_now_ns() + after, __ATOMIC_RELEASE);
+  __atomic_store_n(&me->next_renew_ns, fr_now_ns() + after, __ATOMIC_RELEASE);
 }
 
-/* Whether the holder of our name is verifiably dead: nothing accepts a connection at its address
- * before the deadline (refused, not timed out), or, where it answers under a node name we know,
- * another node answers there. A live holder keeps its name. */
-static bool holder_dead(const fr_dir_lease *l, const fr_dir_node *h, int timeout_ms) {
+/* Whether the holder h of a name is verifiably dead: nothing accepts a connection at its address
+ * before the deadline (refused, not timed out), or another node than h answers there. A live
+ * holder keeps its name. */
+static bool holder_dead(ferry_ctx *ctx, const fr_dir_node *h, int timeout_ms) {
   int ms = timeout_ms < 2000 ? timeout_ms : 2000;
   uint64_t deadline = fr_deadline_ns(ms);
   ferry_link *link = NULL;
-  int rc = ferry_connect(l->ctx, h->address, ms, &link);
+  int rc = ferry_connect(ctx, h->address, ms, &link);
   bool dead = rc != 0 && rc != FERRY_EAUTH && fr_ms_left(deadline) > 0;
   if (rc == 0) {
-    dead = l->holder_peer[0] && strcmp(ferry_link_peer(link), l->holder_peer) != 0;
+    dead = strcmp(ferry_link_peer(link), h->name) != 0;
     ferry_link_close(link);
   }
   fr_err_clear();
   return dead;
 }
 
-int fr_dir_lease_take(fr_dir_lease *l, int timeout_ms) {
-  const fr_dir_ops *ops = l->dir->ops;
+/* me->lock held. Registers the node with record n under lease_ms, taking its name over from a
+ * dead holder; on success every job publishes again (taken moves). */
+static int register_node(fr_dir_self *me, const fr_dir_lease *l, const fr_dir_node *n, int lease_ms,
+                         int timeout_ms) {
+  const fr_dir_ops *ops = me->dir->ops;
   /* listed but unreachable is worse than refused: say so before registering */
-  int rc = fr_dir_reach_check(l->dir->url, l->node.address, l->who);
-  uint64_t epoch = ops->epoch(l->dir->state);
+  int rc = fr_dir_reach_check(me->dir->url, n->address, l->who);
+  uint64_t epoch = fr_dir_epoch(me->dir);
   fr_dir_node holder;
   if (rc == 0)
-    rc = ops->node_put(l->dir->state, &l->node, l->lease_ms, 0, &holder, timeout_ms);
-  if (rc == FERRY_EEXIST) {
+    rc = ops->node_put(me->dir->state, n, lease_ms, 0, &holder, timeout_ms);
+  char other[FR_DIR_ADDRESS_MAX + 1];
+  if (rc == FERRY_EEXIST && ours_elsewhere(me, holder.incarnation, other, sizeof other)) {
+    rc = fr_err(FERRY_EEXIST,
+                "%s: this context registered node '%s' in this directory already, through '%s'; "
+                "open every job of a context with the same directory URL",
+                l->who, n->name, other);
+  } else if (rc == FERRY_EEXIST) {
     char taken[512];
     snprintf(taken, sizeof taken, "%s", ferry_last_error());
-    if (holder_dead(l, &holder, timeout_ms)) {
-      fr_info("%s: the node that held '%s' at %s is dead; taking the name over", l->who,
-              l->node.name, holder.address);
-      rc =
-          ops->node_put(l->dir->state, &l->node, l->lease_ms, holder.incarnation, NULL, timeout_ms);
+    if (holder_dead(me->ctx, &holder, timeout_ms)) {
+      fr_info("%s: the node that held '%s' at %s is dead; taking the name over", l->who, n->name,
+              holder.address);
+      rc = ops->node_put(me->dir->state, n, lease_ms, holder.incarnation, NULL, timeout_ms);
     } else {
       rc = fr_err(FERRY_EEXIST, "%s: %s; give this node another name or stop the other one", l->who,
                   taken);
     }
   }
+  __atomic_store_n(&me->held, rc == 0, __ATOMIC_RELEASE);
   if (rc == 0) {
-    __atomic_store_n(&l->epoch, epoch, __ATOMIC_RELEASE); /* the group's renewal reads it */
-    fr_info("%s: joined the directory at %s as node '%s' (%s; lease %d ms)", l->who, l->dir->url,
-            l->node.name, l->node.address, l->lease_ms);
+    set_record(me, n, lease_ms);
+    __atomic_store_n(&me->epoch, epoch, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&me->taken, 1, __ATOMIC_ACQ_REL);
+    for (const fr_dir_lease *m = me->members; m; m = m->next)
+      if (m != l && m->wake) /* their records went with the node: publish them again now */
+        m->wake(m->wake_arg);
+    fr_info("%s: node '%s' registered in the directory at %s (%s; lease %d ms)", l->who, n->name,
+            me->dir->url, n->address, lease_ms);
   }
-  l->held = rc == 0;
-  __atomic_store_n(&l->want, rc != 0, __ATOMIC_RELEASE);
-  schedule(l, rc == 0);
-  if (rc == 0)
-    group_join(l);
+  schedule(me, rc == 0);
   return rc;
 }
 
-bool fr_dir_lease_due(const fr_dir_lease *l) {
-  return fr_now_ns() >= __atomic_load_n(&l->next_renew_ns, __ATOMIC_ACQUIRE);
+/* me->lock held. One renewal request for the node; FERRY_ENOTFOUND when the directory lost it. */
+static int renew_node(fr_dir_self *me, int timeout_ms) {
+  fr_dir_renewal r = {me->node.name, me->node.incarnation, me->lease_ms};
+  int status = 0;
+  int rc = fr_dir_node_renew_batch(me->dir, &r, 1, &status, timeout_ms);
+  if (rc == 0 && status == FERRY_ENOTFOUND)
+    rc = fr_err(FERRY_ENOTFOUND, "node '%s' is not registered (its lease lapsed?)", r.name);
+  return rc ? rc : status;
+}
+
+/* me->lock held. The node registered, not lost, with the record its jobs want; renewed first when
+ * `renew` (its renewal is due) or when its record changes (a put of a lapsed node's incarnation
+ * would bring it back without its records: the renewal finds out). */
+static int ensure_node(fr_dir_self *me, const fr_dir_lease *l, bool renew, int timeout_ms) {
+  fr_dir_node want;
+  int lease_ms;
+  wanted(me, &want, &lease_ms);
+  bool same = same_record(me, &want, lease_ms);
+  bool current = me->held && fr_dir_epoch(me->dir) == me->epoch;
+  int rc = 0;
+  if (current && (renew || !same)) {
+    rc = renew_node(me, timeout_ms);
+    if (rc == FERRY_ENOTFOUND) {
+      fr_info("%s: the directory lost node '%s'; registering it again", l->who, me->node.name);
+      fr_err_clear();
+      current = false;
+      rc = 0;
+    }
+  } else if (me->held && !current) {
+    fr_info("%s: the directory at %s may have lost node '%s'; registering it again", l->who,
+            me->dir->url, me->node.name);
+  }
+  if (rc == 0 && !current)
+    return register_node(me, l, &want, lease_ms, timeout_ms);
+  if (rc == 0 && !same &&
+      (rc = me->dir->ops->node_put(me->dir->state, &want, lease_ms, 0, NULL, timeout_ms)) == 0) {
+    set_record(me, &want, lease_ms);
+  }
+  if (rc != 0 || renew || !same) /* it asked the directory: the next renewal is a third on */
+    schedule(me, rc == 0);
+  return rc;
+}
+
+/* me->lock held. The job's name is another node's: free when that node is gone or verifiably
+ * dead (it is dropped, with its records), else FERRY_EEXIST naming it. */
+static int job_holder_gone(fr_dir_self *me, const fr_dir_lease *l, int timeout_ms) {
+  const char *k = l->key;
+  fr_dir_object o;
+  fr_dir_node h;
+  int st = 0;
+  int rc = fr_dir_obj_get(me->dir, &k, 1, &o, &st, timeout_ms);
+  if (rc != 0 || st != 0)
+    return rc; /* gone meanwhile: put again */
+  rc = fr_dir_node_get(me->dir, o.owner, &h, timeout_ms);
+  if (rc == FERRY_ENOTFOUND) { /* its node left (the record goes with it) */
+    fr_err_clear();
+    rc = fr_dir_obj_del(me->dir, l->key, o.owner, o.generation, NULL, timeout_ms);
+    return rc == FERRY_ENOTFOUND ? (fr_err_clear(), 0) : rc;
+  }
+  if (rc != 0)
+    return rc;
+  if (!holder_dead(me->ctx, &h, timeout_ms))
+    return fr_err(FERRY_EEXIST,
+                  "%s: the name '%s' is held by the live node '%s' at %s; give this one another "
+                  "name or stop the other one",
+                  l->who, l->job, h.name, h.address);
+  fr_info("%s: the node '%s' that held '%s' at %s is dead; taking the name over", l->who, h.name,
+          l->job, h.address);
+  return me->dir->ops->node_del(me->dir->state, h.name, h.incarnation, timeout_ms);
+}
+
+/* me->lock held. Publishes the job record (taking the name over from a dead holder). */
+static int publish_job(fr_dir_self *me, fr_dir_lease *l, int timeout_ms) {
+  fr_dir_object o;
+  job_record(l, &o);
+  int rc = fr_dir_obj_put(me->dir, &o, FR_DIR_PUT_KEEP_OTHERS, NULL, NULL, timeout_ms);
+  if (rc == FERRY_EEXIST && (rc = job_holder_gone(me, l, timeout_ms)) == 0) {
+    rc = fr_dir_obj_put(me->dir, &o, FR_DIR_PUT_KEEP_OTHERS, NULL, NULL, timeout_ms);
+    if (rc == FERRY_EEXIST)
+      rc = fr_err(rc, "%s: the name '%s' was taken meanwhile: %s", l->who, l->job,
+                  ferry_last_error());
+  }
+  if (rc == 0) {
+    __atomic_store_n(&l->held, true, __ATOMIC_RELEASE);
+    __atomic_store_n(&l->want, false, __ATOMIC_RELEASE);
+    __atomic_store_n(&l->seen, __atomic_load_n(&me->taken, __ATOMIC_ACQUIRE), __ATOMIC_RELEASE);
+  } else {
+    __atomic_store_n(&l->held, false, __ATOMIC_RELEASE);
+    __atomic_store_n(&l->want, true, __ATOMIC_RELEASE);
+  }
+  return rc;
+}
+
+/* ---- the jobs ---- */
+
+int fr_dir_lease_init(fr_dir_lease *l, fr_dir *dir, ferry_ctx *ctx, const char *kind,
+                      const char *name, const char *who) {
+  memset(l, 0, sizeof *l);
+  l->dir = dir;
+  l->ctx = ctx;
+  snprintf(l->who, sizeof l->who, "%s", who);
+  snprintf(l->job, sizeof l->job, "%s", name);
+  l->lease_ms = (int)fr_config_int("FERRY_LEASE_MS");
+  int rc = fr_dir_job_key(kind, name, l->key);
+  if (rc != 0)
+    return fr_err(rc, "%s: %s", who, ferry_last_error());
+  if (!(l->self = self_of(dir, ctx)))
+    return fr_err(FERRY_ENOMEM, "%s: directory node", who);
+  snprintf(l->node.name, sizeof l->node.name, "%s", l->self->node.name);
+  snprintf(l->node.address, sizeof l->node.address, "%s", l->self->node.address);
+  l->node.incarnation = l->self->node.incarnation;
+  return 0;
+}
+
+static void join(fr_dir_self *me, fr_dir_lease *l) {
+  if (!l->in_node) {
+    l->next = me->members;
+    me->members = l;
+    l->in_node = true;
+  }
+}
+
+static void leave(fr_dir_self *me, fr_dir_lease *l) {
+  for (fr_dir_lease **p = &me->members; l->in_node && *p; p = &(*p)->next)
+    if (*p == l) {
+      *p = l->next;
+      l->in_node = false;
+      break; /* *p may be NULL now: the step would read through it */
+    }
+}
+
+int fr_dir_lease_take(fr_dir_lease *l, int timeout_ms) {
+  fr_dir_self *me = l->self;
+  if (!me)
+    return fr_err(FERRY_EINVAL, "%s: not attached to a directory", l->who);
+  pthread_mutex_lock(&me->lock);
+  join(me, l);
+  int rc = ensure_node(me, l, false, timeout_ms);
+  if (rc == 0)
+    rc = publish_job(me, l, timeout_ms);
+  if (rc == 0)
+    fr_info("%s: joined the directory at %s as node '%s' (%s; lease %d ms)", l->who, me->dir->url,
+            me->node.name, me->node.address, me->lease_ms);
+  else
+    __atomic_store_n(&l->want, true, __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&me->lock);
+  return rc;
+}
+
+void fr_dir_lease_set_wake(fr_dir_lease *l, void (*wake)(void *arg), void *arg) {
+  fr_dir_self *me = l->self;
+  if (!me)
+    return;
+  pthread_mutex_lock(&me->lock);
+  l->wake = wake;
+  l->wake_arg = arg;
+  pthread_mutex_unlock(&me->lock);
+}
+
+bool fr_dir_lease_due(const fr_dir_lease *l) { return fr_now_ns() >= fr_dir_lease_next(l); }
+
+uint64_t fr_dir_lease_next(const fr_dir_lease *l) {
+  const fr_dir_self *me = l->self;
+  if (!me)
+    return UINT64_MAX;
+  if (__atomic_load_n(&l->want, __ATOMIC_ACQUIRE) ||
+      __atomic_load_n(&l->seen, __ATOMIC_ACQUIRE) != __atomic_load_n(&me->taken, __ATOMIC_ACQUIRE))
+    return __atomic_load_n(&l->retry_ns, __ATOMIC_ACQUIRE); /* 0 (now) unless it just failed */
+  return __atomic_load_n(&me->next_renew_ns, __ATOMIC_ACQUIRE);
 }
 
 bool fr_dir_lease_current(const fr_dir_lease *l) {
-  return l->held && fr_dir_epoch(l->dir) == __atomic_load_n(&l->epoch, __ATOMIC_ACQUIRE);
+  const fr_dir_self *me = l->self;
+  if (!me)
+    return false;
+  /* without the lock: a store's every put asks, and a renewal may hold the lock a while */
+  return __atomic_load_n(&l->held, __ATOMIC_ACQUIRE) &&
+         __atomic_load_n(&me->held, __ATOMIC_ACQUIRE) &&
+         !__atomic_load_n(&l->want, __ATOMIC_ACQUIRE) &&
+         __atomic_load_n(&l->seen, __ATOMIC_ACQUIRE) ==
+             __atomic_load_n(&me->taken, __ATOMIC_ACQUIRE) &&
+         fr_dir_epoch(me->dir) == __atomic_load_n(&me->epoch, __ATOMIC_ACQUIRE);
+}
+
+bool fr_dir_lease_ok(const fr_dir_lease *l) {
+  const fr_dir_self *me = l->self;
+  return me && __atomic_load_n(&me->ok, __ATOMIC_RELAXED) &&
+         !__atomic_load_n(&l->want, __ATOMIC_ACQUIRE) &&
+         __atomic_load_n(&l->seen, __ATOMIC_ACQUIRE) ==
+             __atomic_load_n(&me->taken, __ATOMIC_ACQUIRE);
 }
 
 int fr_dir_lease_ready(const fr_dir_lease *l, char *why, size_t len) {
@@ -143,93 +447,89 @@ int fr_dir_lease_ready(const fr_dir_lease *l, char *why, size_t len) {
   return FERRY_ECONNECT;
 }
 
-void fr_dir_lease_lost(fr_dir_lease *l) {
-  l->held = false;
-  __atomic_store_n(&l->want, true, __ATOMIC_RELEASE);
-  schedule(l, false);
-}
-
-/* What a renewal of the group tells the other members (group_lock held): renewed, the next
- * one a third of its lease away; or not found, left to its own caller. A member taken under an
- * older epoch of the directory (Redis reconnected, a server restarted) counts as not found even
- * when its name answered: its records may be gone, and only its own caller republishes them. */
-static void group_tell(fr_dir_lease *m, int status, uint64_t epoch) {
-  if (status == 0 && __atomic_load_n(&m->epoch, __ATOMIC_ACQUIRE) == epoch) {
-    __atomic_store_n(&m->ok, true, __ATOMIC_RELAXED);
-    __atomic_store_n(&m->next_renew_ns, fr_now_ns() + (uint64_t)m->lease_ms * 1000000ull / 3,
-                     __ATOMIC_RELEASE);
-  } else {
-    __atomic_store_n(&m->ok, false, __ATOMIC_RELAXED);
-    __atomic_store_n(&m->want, true, __ATOMIC_RELEASE);
-    __atomic_store_n(&m->next_renew_ns, fr_now_ns(), __ATOMIC_RELEASE); /* due now */
-  }
-}
-
-/* Renews l and, in the same request, every other member of its group that its own caller does
- * not need to take again; returns l's status. Names are copied: a member may leave (and be
- * freed) while the request is out; what comes back is told only to members still in. */
-static int renew_group(fr_dir_lease *l, int timeout_ms) {
-  char names[GROUP_MAX][FR_DIR_NAME_MAX + 1];
-  fr_dir_renewal r[GROUP_MAX];
-  fr_dir_lease *who[GROUP_MAX];
-  int status[GROUP_MAX];
-  size_t n = 0;
-  pthread_mutex_lock(&group_lock);
-  who[n++] = l;
-  for (fr_dir_lease *m = l->dir->leases; m && n < GROUP_MAX; m = m->next)
-    if (m != l && !__atomic_load_n(&m->want, __ATOMIC_ACQUIRE))
-      who[n++] = m;
-  for (size_t i = 0; i < n; i++) {
-    snprintf(names[i], sizeof names[i], "%s", who[i]->node.name);
-    r[i] = (fr_dir_renewal){names[i], who[i]->node.incarnation, who[i]->lease_ms};
-  }
-  pthread_mutex_unlock(&group_lock);
-  int rc = fr_dir_node_renew_batch(l->dir, r, n, status, timeout_ms);
-  if (rc != 0)
-    return rc;
-  uint64_t epoch = fr_dir_epoch(l->dir);
-  pthread_mutex_lock(&group_lock);
-  for (size_t i = 1; i < n; i++)
-    if (group_has(l->dir, who[i]))
-      group_tell(who[i], status[i], epoch);
-  pthread_mutex_unlock(&group_lock);
-  if (status[0] == FERRY_ENOTFOUND)
-    return fr_err(FERRY_ENOTFOUND, "node '%s' is not registered (its lease lapsed?)", l->node.name);
-  return status[0];
-}
+void fr_dir_lease_lost(fr_dir_lease *l) { __atomic_store_n(&l->want, true, __ATOMIC_RELEASE); }
 
 int fr_dir_lease_renew(fr_dir_lease *l) {
-  int timeout = l->lease_ms / 3 > 100 ? l->lease_ms / 3 : 100;
-  /* wanted: lost by its caller, or found missing by the group's renewal: take it again */
-  bool want = __atomic_exchange_n(&l->want, false, __ATOMIC_ACQ_REL);
-  int rc = want ? FERRY_ENOTFOUND : renew_group(l, timeout);
-  if (rc == FERRY_ENOTFOUND || (rc == 0 && !fr_dir_lease_current(l))) {
-    fr_info("%s: the directory lost '%s'; registering again", l->who, l->node.name);
-    rc = fr_dir_lease_take(l, timeout);
-    if (rc == 0)
-      return 1;
-  } else {
-    schedule(l, rc == 0);
-  }
-  if (rc != 0) /* retried every 200 ms while the directory is away */
-    fr_warn_limited("%s: renewing '%s' in the directory failed: %s", l->who, l->node.name,
+  fr_dir_self *me = l->self;
+  if (!me)
+    return fr_err(FERRY_EINVAL, "%s: not attached to a directory", l->who);
+  pthread_mutex_lock(&me->lock);
+  int timeout = me->lease_ms / 3 > 100 ? me->lease_ms / 3 : 100;
+  /* another job's thread may have renewed while this one waited for the lock */
+  bool due = !me->held || fr_now_ns() >= __atomic_load_n(&me->next_renew_ns, __ATOMIC_ACQUIRE);
+  int rc = ensure_node(me, l, due, timeout);
+  bool again = rc == 0 && (__atomic_load_n(&l->want, __ATOMIC_ACQUIRE) || !l->held ||
+                           l->seen != __atomic_load_n(&me->taken, __ATOMIC_ACQUIRE));
+  if (again)
+    rc = publish_job(me, l, timeout);
+  /* a job that must publish again waits as a failed renewal does before it tries again */
+  uint64_t retry = fr_now_ns() + (uint64_t)me->lease_ms * 1000000ull / 3 / RETRY_PER_LEASE;
+  __atomic_store_n(&l->retry_ns, rc != 0 ? retry : 0, __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&me->lock);
+  if (rc != 0) { /* retried every 200 ms while the directory is away */
+    fr_warn_limited("%s: renewing node '%s' in the directory failed: %s", l->who, l->node.name,
                     ferry_last_error());
-  return rc;
+    return rc;
+  }
+  return again ? 1 : 0;
+}
+
+bool fr_dir_lease_alone(const fr_dir_lease *l) {
+  fr_dir_self *me = l->self;
+  if (!me)
+    return true;
+  pthread_mutex_lock(&me->lock);
+  bool alone = !me->members || (me->members == l && !l->next);
+  pthread_mutex_unlock(&me->lock);
+  return alone;
+}
+
+/* me->lock held; l has left. The node goes with its last job; else only l's record, and the node
+ * record drops what l added to it (best effort: the lease's next renewal fixes nothing, but a
+ * reader only loses a shortcut). */
+static void detach(fr_dir_self *me, fr_dir_lease *l) {
+  const fr_dir_ops *ops = me->dir->ops;
+  int rc = 0;
+  if (!me->members) {
+    if (me->held)
+      rc = ops->node_del(me->dir->state, me->node.name, me->node.incarnation, 2000);
+    __atomic_store_n(&me->held, false, __ATOMIC_RELEASE);
+    __atomic_store_n(&me->ok, false, __ATOMIC_RELAXED);
+  } else if (l->held) {
+    rc = fr_dir_obj_del(me->dir, l->key, me->node.name, me->node.incarnation, NULL, 2000);
+    if (rc == FERRY_ENOTFOUND)
+      rc = 0;
+    fr_dir_node want;
+    int lease_ms;
+    wanted(me, &want, &lease_ms);
+    if (rc == 0 && me->held && !same_record(me, &want, lease_ms) &&
+        ops->node_put(me->dir->state, &want, lease_ms, 0, NULL, 2000) == 0) {
+      set_record(me, &want, lease_ms);
+    }
+  }
+  if (rc == 0)
+    fr_info("%s: left the directory at %s", l->who, me->dir->url);
+  else /* not worth a warning: a directory that is gone has dropped the records already */
+    fr_info("%s: left without telling the directory at %s (%s); its records go when its lease "
+            "of %d ms lapses",
+            l->who, me->dir->url, ferry_last_error(), me->lease_ms);
 }
 
 void fr_dir_lease_drop(fr_dir_lease *l) {
-  if (l->dir)
-    group_leave(l);
-  if (l->held) {
-    int rc = l->dir->ops->node_del(l->dir->state, l->node.name, l->node.incarnation, 2000);
-    if (rc == 0)
-      fr_info("%s: left the directory at %s", l->who, l->dir->url);
-    else /* not worth a warning: a directory that is gone has dropped the records already */
-      fr_info("%s: left without telling the directory at %s (%s); its records go when its lease "
-              "of %d ms lapses",
-              l->who, l->dir->url, ferry_last_error(), l->lease_ms);
-    fr_err_clear(); /* closing does not fail */
-  }
-  l->held = false;
-  __atomic_store_n(&l->ok, false, __ATOMIC_RELAXED);
+  fr_dir_self *me = l->self;
+  if (!me)
+    return;
+  /* closing does not fail, nor touch the caller's error (a failed open drops, then reports) */
+  char kept[512];
+  snprintf(kept, sizeof kept, "%s", ferry_last_error());
+  pthread_mutex_lock(&me->lock);
+  bool was = l->in_node;
+  leave(me, l);
+  if (was && (l->held || !me->members))
+    detach(me, l);
+  __atomic_store_n(&l->held, false, __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&me->lock);
+  fr_err_clear();
+  if (*kept)
+    fr_err(0, "%s", kept);
 }

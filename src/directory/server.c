@@ -58,10 +58,7 @@ struct fr_dir_server {
   ferry_region_ref watch_ref;
   uint64_t *table; /* the shared object table (table.h): set with watch */
   ferry_region_ref table_ref;
-  bool posted;        /* applying a posted put: its sender bumped the word already (lock held) */
-  uint64_t posted_ns; /* atomic: when a posted put was last served */
-  int poll_ms;        /* FERRY_DIR_POLL_MS, and the window of polls after a posted put */
-  uint64_t posted_window_ns;
+  bool posted; /* applying a posted put: its sender bumped the word already (lock held) */
 };
 
 /* ---- change words ---- */
@@ -517,7 +514,6 @@ static int op_posted(fr_dir_server *s, fr_rd *in, fr_wr *out) {
   if (op != FR_DOP_OBJ_PUT && op != FR_DOP_OBJ_PUT_BATCH)
     return fr_err(FERRY_EPROTO, "posted request: op %u is not a put", op);
   s->posted = true; /* its sender bumped the keys' words when it was in the ring */
-  __atomic_store_n(&s->posted_ns, fr_now_ns(), __ATOMIC_RELAXED);
   int rc = op == FR_DOP_OBJ_PUT ? op_obj_put(s, in, out) : op_obj_put_batch(s, in, out);
   s->posted = false;
   return rc;
@@ -620,7 +616,8 @@ void fr_dir_server_free(fr_dir_server *s) {
 
 static uint64_t sent_at(const ferry_msg *m);
 
-/* Answers m; the answer to a posted put wakes nobody (its sender collects it when it polls). */
+/* Answers m; the answer to a posted put wakes nobody: its sender collects it at its next put,
+ * its lease renewal, or when it waits for it (fr_dir_settle). */
 static void serve_one(fr_dir_server *s, ferry_msg *m) {
   void *reply = NULL;
   size_t len = 0;
@@ -644,9 +641,10 @@ static void serve_one(fr_dir_server *s, ferry_msg *m) {
  * request depends on had returned before that request was sent, so it was sent before the
  * fence and before the request (it goes first), and so were the puts it depends on in turn
  * (they go before it); puts still on their way are concurrent with everything queued here.
- * A posted put in a stream rings no doorbell (waking this thread would cost its sender tens of
- * microseconds): the next message from anyone brings it in with the fence, or at the latest the
- * server's look for posted puts (idle_wait_ms). The first of a stream rings (dirwire.h). */
+ * A posted put rings no doorbell (dirwire.h; a client's 12th unanswered one does): the next
+ * message from anyone brings it in with the fence, or at the latest the server's look at the
+ * leases (LEASE_LOOK_MS), which fences too. The server looks for posted puts on no timer of its
+ * own. */
 
 /* When a posted put was sent; UINT64_MAX for any other message. */
 static uint64_t sent_at(const ferry_msg *m) {
@@ -709,14 +707,15 @@ static void serve_in_order(fr_dir_server *s, ferry_msg *m) {
   serve_one(s, m);
 }
 
-/* How long the thread waits for a message when idle: FERRY_DIR_POLL_MS while posted puts come
- * (see serving order), else until it next looks at the leases, once a second; a request (the
- * server owns FR_CHANNEL_DIRECTORY: requests go straight to its inbox), or fr_dir_server_stop
- * (fr_inbox_kick), wakes it. */
-static int idle_wait_ms(fr_dir_server *s) {
-  uint64_t since = fr_now_ns() - __atomic_load_n(&s->posted_ns, __ATOMIC_RELAXED);
-  return since < s->posted_window_ns ? s->poll_ms : 1000;
-}
+/* How long the thread waits for a message when idle: until it next looks at the leases, once a
+ * second (it drops a lapsed node's records then, and takes in the posted puts that came
+ * meanwhile: the longest a post waits for a quiet server). A request (the server owns
+ * FR_CHANNEL_DIRECTORY: requests go straight to its inbox), or fr_dir_server_stop
+ * (fr_inbox_kick), wakes it sooner. Sleeping until the first lease
+ * lapses instead was tried: over ucx, a `ferry serve` resumed after SIGSTOP then sometimes left
+ * requests unanswered until another message came (store_test stopped_directory, 2 of 13 runs),
+ * which this look, taking the epoll over from the progress thread, hides. */
+#define LEASE_LOOK_MS 1000
 
 static void *server_main(void *arg) {
   pthread_setname_np(pthread_self(), "ferry-directory"); /* for top -H, perf, gdb */
@@ -726,12 +725,12 @@ static void *server_main(void *arg) {
     bool idle = s->nbacklog == 0;
     pthread_mutex_unlock(&s->serve_lock);
     bool queued = !idle || fr_inbox_await(s->ctx, FR_CHANNEL_DIRECTORY, &s->inbox,
-                                          fr_deadline_ns(idle_wait_ms(s)));
+                                          fr_deadline_ns(LEASE_LOOK_MS));
     if (!queued && fr_ctx_closing(s->ctx))
       break;
     pthread_mutex_lock(&s->serve_lock); /* taken under it: a caller's fence sees every message */
     if (!queued)
-      fence(s); /* posted puts that rang no doorbell */
+      fence(s); /* posted puts, which ring no doorbell */
     ferry_msg *m = s->nbacklog ? backlog_take(s, 0) : fr_inbox_take(&s->inbox);
     if (m)
       serve_in_order(s, m);
@@ -757,9 +756,6 @@ int fr_dir_server_start(ferry_ctx *ctx, fr_dir_server **out) {
   if (!s)
     return fr_err(FERRY_ENOMEM, "directory server");
   s->ctx = ctx;
-  s->poll_ms = (int)fr_config_int("FERRY_DIR_POLL_MS");
-  s->poll_ms = s->poll_ms > 0 ? s->poll_ms : 1;
-  s->posted_window_ns = fr_dir_posted_window_ns();
   if (watch_open(s) != 0) { /* clients then ask every time */
     fr_warn("directory: no change words: %s", ferry_last_error());
     fr_err_clear();

@@ -1,7 +1,9 @@
 /*
  * How publishers and subscribers find each other, through the fleet's directory.
  *
- * Each mq registers a node record "mq:<ctx name>" (its address) and one object record per role
+ * Each mq attaches to its context's node (named as the context, directory.h: one node per
+ * process and directory) with a job record "ferry:job/mq/<ctx name>", and puts one object record
+ * per role
  * and topic: "ferry:mq/s/<len>:<topic>/<node>" for a subscription, "ferry:mq/p/..." for a
  * publisher (the length prefix keeps topics that contain '/' apart in prefix scans). A
  * subscriber records itself, then asks every publisher it finds to add it (SUB, a call, so when
@@ -43,8 +45,16 @@ static int put_record(ferry_mq *mq, char role, const char *topic, int timeout_ms
   return fr_dir_obj_put(mq->dir, &o, 0, NULL, NULL, timeout_ms);
 }
 
-/* The records of every topic this node subscribes to or advertises. */
-static int republish(ferry_mq *mq, int timeout_ms) {
+static void del_record(ferry_mq *mq, char role, const char *topic, int timeout_ms) {
+  fr_dir_object o;
+  record_for(mq, &o, role, topic);
+  if (fr_dir_obj_del(mq->dir, o.key, o.owner, o.generation, NULL, timeout_ms) != 0)
+    fr_err_clear(); /* gone already, or goes when the node's lease lapses */
+}
+
+/* The records of every topic this node subscribes to or advertises: put again (the directory lost
+ * them), or deleted (the mq leaves, its node stays). */
+static int records(ferry_mq *mq, bool put, int timeout_ms) {
   pthread_mutex_lock(&mq->lock);
   size_t n = mq->nsubscribed, m = 0;
   for (fr_mq_topic *t = mq->topics; t; t = t->next)
@@ -60,9 +70,11 @@ static int republish(ferry_mq *mq, int timeout_ms) {
   pthread_mutex_unlock(&mq->lock);
   int rc = names && roles ? 0 : fr_err(FERRY_ENOMEM, "mq: re-registration");
   for (size_t i = 0; i < k; i++) {
-    if (rc == 0)
+    if (rc == 0 && put)
       rc = names[i] ? put_record(mq, roles[i], names[i], timeout_ms)
                     : fr_err(FERRY_ENOMEM, "mq: re-registration");
+    else if (names[i])
+      del_record(mq, roles[i], names[i], timeout_ms);
     free(names[i]);
   }
   free(names);
@@ -74,17 +86,21 @@ static int republish(ferry_mq *mq, int timeout_ms) {
  * every record again (the directory lost them). */
 int fr_mq_register(ferry_mq *mq, bool fresh, int timeout_ms) {
   int rc = fr_dir_lease_take(&mq->lease, timeout_ms);
-  if (rc == 0 && !fresh && (rc = republish(mq, timeout_ms)) != 0)
+  if (rc == 0 && !fresh && (rc = records(mq, true, timeout_ms)) != 0)
     fr_dir_lease_lost(&mq->lease);
   return rc;
 }
 
-void fr_mq_unregister(ferry_mq *mq) { fr_dir_lease_drop(&mq->lease); }
+void fr_mq_unregister(ferry_mq *mq) {
+  if (!fr_dir_lease_alone(&mq->lease)) /* the node stays (the context's store or refit) */
+    records(mq, false, 2000);
+  fr_dir_lease_drop(&mq->lease);
+}
 
 void fr_mq_renew(ferry_mq *mq) {
   if (fr_dir_lease_renew(&mq->lease) != 1)
     return; /* renewed, or failed (logged, retried soon) */
-  int rc = republish(mq, mq->lease.lease_ms / 3 > 100 ? mq->lease.lease_ms / 3 : 100);
+  int rc = records(mq, true, mq->lease.lease_ms / 3 > 100 ? mq->lease.lease_ms / 3 : 100);
   if (rc != 0) {
     fr_dir_lease_lost(&mq->lease);
     fr_warn("mq '%s': publishing its records again failed: %s", mq->name, ferry_last_error());
@@ -95,7 +111,7 @@ void fr_mq_renew(ferry_mq *mq) {
 
 /* A link to node `name` (a reference the caller releases): one this mq already has (dialled, or
  * one the node dialled us on), else one from the peer cache (directory/peers.c: dialled at the
- * address the directory gives for "mq:<name>"). */
+ * address the directory gives for node <name>, the mq's context). */
 static int dial(ferry_mq *mq, const char *name, int timeout_ms, ferry_link **out) {
   pthread_mutex_lock(&mq->lock);
   for (size_t i = 0; i < mq->nlinks; i++) {
@@ -107,10 +123,8 @@ static int dial(ferry_mq *mq, const char *name, int timeout_ms, ferry_link **out
     }
   }
   pthread_mutex_unlock(&mq->lock);
-  char dn[FR_DIR_NAME_MAX + 1];
-  snprintf(dn, sizeof dn, "mq:%.60s", name);
   fr_peer *p = NULL;
-  int rc = fr_peer_acquire(&mq->dialled, dn, timeout_ms, &p);
+  int rc = fr_peer_acquire(&mq->dialled, name, timeout_ms, &p);
   if (rc != 0)
     return fr_err_wrap(rc, "mq: cannot reach '%s'", name);
   ferry_link *l = ferry_link_retain(p->link);
@@ -266,8 +280,8 @@ static int scan(ferry_mq *mq, char role, const char *topic, fr_dir_object **out,
     return fr_err_wrap(rc, "mq: looking up topic '%s'", topic);
   size_t k = 0;
   for (size_t i = 0; i < *n; i++) {
-    const char *node = (*out)[i].owner + 3; /* "mq:" */
-    if (strncmp((*out)[i].owner, "mq:", 3) == 0 && strcmp(node, mq->name) != 0) {
+    const char *node = (*out)[i].owner; /* an mq's node is named as the mq (its ctx) */
+    if (strcmp(node, mq->name) != 0) {
       memmove((*out)[i].key, node, strlen(node) + 1);
       (*out)[k++] = (*out)[i];
     }

@@ -329,7 +329,7 @@ static uint64_t thread_step(ferry_mq *mq) {
   while (mq->callback && mq->head && !mq->closing)
     run_callback(mq);
   uint64_t next = batch_step(mq, fr_now_ns());
-  uint64_t renew = __atomic_load_n(&mq->lease.next_renew_ns, __ATOMIC_ACQUIRE);
+  uint64_t renew = fr_dir_lease_next(&mq->lease);
   return renew < next ? renew : next;
 }
 
@@ -352,6 +352,15 @@ static void *mq_thread(void *arg) {
   }
   pthread_mutex_unlock(&mq->lock);
   return NULL;
+}
+
+/* Another job of the context's node registered it again: the thread publishes our records
+ * again (fr_dir_lease_due is then true). */
+static void wake_thread(void *arg) {
+  ferry_mq *mq = arg;
+  pthread_mutex_lock(&mq->lock);
+  fr_mq_kick(mq);
+  pthread_mutex_unlock(&mq->lock);
 }
 
 /* ---- open / close ---- */
@@ -389,29 +398,27 @@ static ferry_mq *mq_new(ferry_ctx *ctx, const ferry_mq_opts *o) {
 
 static int mq_start(ferry_mq *mq, const ferry_mq_opts *o) {
   const char *name = ferry_ctx_name(mq->ctx);
-  if (strlen(name) + 3 > FR_DIR_NAME_MAX)
+  if (strlen(name) > FR_DIR_NAME_MAX)
     return fr_err(FERRY_EINVAL, "mq: node name '%s' is longer than %d bytes", name,
-                  FR_DIR_NAME_MAX - 3);
+                  FR_DIR_NAME_MAX);
   /* the mq's frames are its own from now on: a second mq on this ctx is FERRY_EBUSY */
   int rc = fr_ctx_channel_open(mq->ctx, FR_CHANNEL_MQ, &mq_channel_ops, mq);
   if (rc != 0)
     return rc == FERRY_EBUSY ? fr_err(rc, "mq: context '%s' has an mq already", name) : rc;
   mq->channel_open = true;
   if (o->flags & FERRY_MQ_HOST_DIRECTORY) {
-    rc = fr_dir_server_start(mq->ctx, &mq->server);
-    if (rc == 0)
-      rc = fr_dir_open_local(mq->server, &mq->dir);
+    rc = fr_dir_host(mq->ctx, &mq->dir);
   } else {
     rc = fr_dir_open(mq->ctx, o->directory, fr_timeout(-1), &mq->dir);
   }
   if (rc == 0)
     fr_peers_init(&mq->dialled, mq->dir, mq->ctx);
   if (rc == 0) {
-    char node[FR_DIR_NAME_MAX + 1], who[96];
-    snprintf(node, sizeof node, "mq:%s", name);
+    char who[96];
     snprintf(who, sizeof who, "mq '%s'", name);
-    fr_dir_lease_init(&mq->lease, mq->dir, mq->ctx, node, who);
-    snprintf(mq->lease.holder_peer, sizeof mq->lease.holder_peer, "%s", name);
+    rc = fr_dir_lease_init(&mq->lease, mq->dir, mq->ctx, "mq", name, who);
+  }
+  if (rc == 0) {
     if (o->lease_ms > 0)
       mq->lease.lease_ms = o->lease_ms;
     if (mq->lease.lease_ms < 300)
@@ -420,8 +427,10 @@ static int mq_start(ferry_mq *mq, const ferry_mq_opts *o) {
   }
   if (rc == 0 && pthread_create(&mq->thread, NULL, mq_thread, mq) != 0)
     rc = fr_err(FERRY_ESYS, "mq: cannot start its thread");
-  if (rc == 0)
+  if (rc == 0) {
     mq->thread_started = true;
+    fr_dir_lease_set_wake(&mq->lease, wake_thread, mq); /* the lease leaves at close */
+  }
   return rc;
 }
 
@@ -467,9 +476,10 @@ static void bye_answer(ferry_mq *mq, ferry_link *l, fr_pending *p, uint64_t dead
 /* Says BYE on every link whose peer is still there, as a call, and waits for the answers (at
  * most the context's timeout): a peer answers once it has taken in every frame sent before the
  * BYE on that link, so the links may close after. Closing at once lost frames: over shm and ucx
- * a link's end (its socket's) can reach the peer before what was sent ahead of it (in the ring,
- * in UCX), and the peer then drops the link with them unread. Runs while the mq's thread still
- * answers the BYEs of peers closing at the same time. */
+ * a link's end (its socket's) could reach the peer before what was sent ahead of it (in the
+ * ring, in UCX), and the peer dropped the link with them unread. The transport now drains a
+ * link after its end too, within bounds; the answer holds whatever they are. Runs while the
+ * mq's thread still answers the BYEs of peers closing at the same time. */
 static void say_bye(ferry_mq *mq) {
   fr_mq_frame f = {.type = FR_MQ_BYE};
   uint8_t head[FR_MQ_HEAD_MAX];
@@ -563,7 +573,6 @@ void ferry_mq_close(ferry_mq *mq) {
   fr_peers_close(&mq->dialled); /* closes the links this mq dialled */
   fr_mq_pool_fini(mq);
   fr_dir_close(mq->dir);
-  fr_dir_server_stop(mq->server);
   pthread_mutex_destroy(&mq->lock);
   pthread_mutex_destroy(&mq->publish_lock);
   fr_inbox_fini(&mq->inbox); /* what came for the thread after it stopped */

@@ -178,8 +178,7 @@ struct ferry_mq {
   ferry_ctx *ctx;
   char name[FR_DIR_NAME_MAX + 1]; /* the ctx's name */
   fr_dir *dir;
-  fr_dir_server *server;
-  fr_dir_lease lease; /* node "mq:" + name: this node's directory record */
+  fr_dir_lease lease; /* its job record "ferry:job/mq/" + name on its context's node */
   uint64_t window, inline_bytes;
 
   pthread_mutex_t lock; /* everything below */

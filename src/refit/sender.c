@@ -183,6 +183,11 @@ static void answer_view(ferry_refit_sender *s, ferry_msg *m) {
   ferry_reply(m, &iov, 1, -1);
 }
 
+static void wake_service(void *arg) {
+  ferry_refit_sender *s = arg;
+  fr_inbox_kick(s->ctx, FR_CHANNEL_REFIT_SENDER, &s->inbox);
+}
+
 static void *service_main(void *arg) {
   ferry_refit_sender *s = arg;
   while (!__atomic_load_n(&s->stop, __ATOMIC_SEQ_CST)) {
@@ -287,7 +292,10 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
   fr_cond_init_monotonic(&s->cond);
   if (fr_refit_packer_start(s, &s->packer) != 0)
     fr_warn("refit '%s': packing on one thread: %s", name, ferry_last_error());
+  /* another job of the context's node registered it again: publish the name again now */
+  fr_refit_publish_wake(s->published, wake_service, s);
   if (pthread_create(&s->service, NULL, service_main, s) != 0) {
+    fr_refit_publish_wake(s->published, NULL, NULL);
     fr_refit_packer_stop(s->packer);
     fr_refit_unpublish(s->published);
     fr_ctx_channel_close(ctx, FR_CHANNEL_REFIT_SENDER);
@@ -435,6 +443,7 @@ void ferry_refit_sender_close(ferry_refit_sender *s) {
     return;
   fr_refit_stats_stop(s);
   __atomic_store_n(&s->stop, true, __ATOMIC_SEQ_CST);
+  fr_refit_publish_wake(s->published, NULL, NULL); /* before the inbox goes */
   fr_inbox_kick(s->ctx, FR_CHANNEL_REFIT_SENDER, &s->inbox);
   pthread_join(s->service, NULL);
   fr_ctx_channel_close(s->ctx, FR_CHANNEL_REFIT_SENDER);

@@ -4,9 +4,10 @@
  * word, writes the generation there only after the bytes are in place, and then publishes the
  * record in the directory. Retiring an object zeroes its generation word before its block can be
  * reused, so a reader that copied while the bytes changed always sees the mismatch. A pool copy
- * that a re-put replaced is not retired at once: it lingers, still whole and still valid, until
- * FERRY_STORE_LINGER_MS passed or its block or slot is needed (oldest first), so gets that looked
- * it up an instant before the re-put finish with it instead of starting over. Memory published in
+ * that a re-put replaced is not retired at once: it lingers, still whole and still valid, for
+ * FERRY_STORE_LINGER_MS at least (the next copy put or the lease renewal after that retires it)
+ * or until its block or slot is needed (oldest first), so gets that looked it up an instant
+ * before the re-put finish with it instead of starting over. Memory published in
  * place is the caller's again once the re-put returns, so it is retired at once. The table of
  * owned objects, retiring and lingering are owned.c's; (re-)registering is register.c's.
  */
@@ -128,7 +129,6 @@ static int publish(ferry_store *s, fr_owned *o, int timeout_ms) {
   fr_store_settle(s, false); /* what earlier puts left to do */
   pthread_mutex_lock(&s->publish_lock);
   int rc = fr_store_ensure_registered(s, fr_store_left(deadline));
-  __atomic_store_n(&s->posted_ns, fr_now_ns(), __ATOMIC_RELAXED); /* the service settles it */
   if (rc == 0)
     rc = fr_dir_obj_put(s->dir, &o->rec, FR_DIR_PUT_POSTED, &old, &other, fr_store_left(deadline));
   if (rc == FERRY_ENOTFOUND && (rc = fr_store_register(s, false, fr_store_left(deadline))) == 0)
@@ -234,7 +234,6 @@ static int publish_batch(ferry_store *s, fr_owned **os, size_t n, int *st, int t
   pthread_mutex_lock(&s->publish_lock);
   if (rc == 0)
     rc = fr_store_ensure_registered(s, fr_store_left(deadline));
-  __atomic_store_n(&s->posted_ns, fr_now_ns(), __ATOMIC_RELAXED); /* the service settles it */
   if (rc == 0)
     rc = fr_dir_obj_put_batch(s->dir, b.recs, n, FR_DIR_PUT_POSTED, st, b.old, b.other,
                               fr_store_left(deadline));

@@ -82,6 +82,28 @@ void fr_store_settle(ferry_store *s, bool wait) {
   pthread_mutex_unlock(&s->publish_lock);
 }
 
+void fr_store_unregister(ferry_store *s) {
+  if (!fr_dir_lease_alone(&s->lease)) {
+    pthread_mutex_lock(&s->lock);
+    size_t n = s->nowned, gone = 0;
+    fr_dir_object *recs = malloc((n ? n : 1) * sizeof *recs);
+    for (size_t i = 0; recs && i < n; i++)
+      recs[i] = s->owned[i]->rec;
+    pthread_mutex_unlock(&s->lock);
+    for (size_t i = 0; recs && i < n; i++) /* its records only: mq's and refit's stay */
+    {
+      int rc = fr_dir_obj_del(s->dir, recs[i].key, recs[i].owner, recs[i].generation, NULL, 2000);
+      gone += rc == 0 || rc == FERRY_ENOTFOUND;
+    }
+    if (!recs || gone < n) /* the rest go when the node's lease lapses */
+      fr_info("store '%s': %zu of its %zu records stay in the directory until node '%s' leaves",
+              s->name, n - gone, n, s->lease.node.name);
+    fr_err_clear();
+    free(recs);
+  }
+  fr_dir_lease_drop(&s->lease);
+}
+
 /* Called by the service thread when a renewal is due. */
 void fr_store_renew(ferry_store *s) {
   pthread_mutex_lock(&s->publish_lock);

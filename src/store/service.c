@@ -4,8 +4,9 @@
  * its object (it frees the bytes and removes the record); DROPPED tells an owner that another
  * node replaced its key (it frees its copy); UPLOAD asks a holder (`ferry serve`) to copy a
  * tensor out of a short-lived node's ferry memory, over the link the request came on, and publish
- * it as its own. The service thread also renews the node's lease (register.c) and retires
- * replaced copies whose lingering time is up (owned.c); uploads run on threads of their own (see
+ * it as its own. The service thread also renews the node's lease (register.c), collects the
+ * answers of posted puts, and retires replaced copies whose lingering time is up (owned.c), on
+ * its renewals and requests, never on a timer of its own; uploads run on threads of their own (see
  * "uploads" below), so a stalled sender never holds back the service thread. Messages are
  * decoded by fr_store_msg_decode() (msg.c), a pure function (fuzzed with the directory's
  * decoders). It sits on top of the verbs: it calls put.c and owned.c as a local caller would.
@@ -189,29 +190,21 @@ static bool serve_one(ferry_store *s, ferry_msg *msg) {
   return true;
 }
 
-/* How long the service thread waits for a request before it has work of its own: the lease's
- * renewal; and every FERRY_STORE_POLL_MS while something settles only by being looked at
- * (answers to posted puts ring no doorbell; views unpin in shared memory; replaced copies
- * linger). Posted puts are answered within a few of the directory's polls: the store looks for
- * the answers for SETTLE_POLLS polls after its last post, and any left collects the next put or
- * renewal. An idle store sleeps until its renewal, a request, or fr_store_service_stop
- * (fr_inbox_kick). The store owns FR_CHANNEL_STORE (fr_ctx_channel_open): requests go straight
- * to its inbox. */
-#define SETTLE_POLLS 40
+/* How long the service thread waits for a request: until the lease's renewal, or a request
+ * (the store owns FR_CHANNEL_STORE: requests go straight to its inbox), or
+ * fr_store_service_stop (fr_inbox_kick). Nothing else wakes it: what settles without telling
+ * anyone is taken up when it is needed and at the renewal at the latest (see service_main). */
 static int service_wait_ms(ferry_store *s) {
-  uint64_t now = fr_now_ns(), due = __atomic_load_n(&s->lease.next_renew_ns, __ATOMIC_ACQUIRE);
+  uint64_t now = fr_now_ns(), due = fr_dir_lease_next(&s->lease);
   uint64_t ms = due > now ? (due - now + 999999) / 1000000 : 0;
-  pthread_mutex_lock(&s->lock);
-  bool settling = s->npinned > 0 || s->nlinger > 0;
-  pthread_mutex_unlock(&s->lock);
-  uint64_t posted = __atomic_load_n(&s->posted_ns, __ATOMIC_RELAXED);
-  if (posted && now - posted < (uint64_t)s->poll_ms * SETTLE_POLLS * 1000000ull)
-    settling = true;
-  if (settling && ms > (uint64_t)s->poll_ms)
-    ms = (uint64_t)s->poll_ms;
   return ms > INT32_MAX ? INT32_MAX : (int)ms;
 }
 
+/* After each request and each renewal, what settles unannounced is taken up: answers to posted
+ * puts (the directory rings nobody with them; the next put collects them too), so a put that
+ * replaced another node's record tells that node at the latest one renewal period (a third of
+ * FERRY_LEASE_MS) after it; views unpinned in shared memory and lingering copies whose time is
+ * up, whose space a put that needs it takes back at once (put.c place, take_slot). */
 static void *service_main(void *arg) {
   pthread_setname_np(pthread_self(), "ferry-store"); /* for top -H, perf, gdb */
   ferry_store *s = arg;
@@ -228,9 +221,14 @@ static void *service_main(void *arg) {
   return NULL;
 }
 
+/* Another job of the context's node registered it again: the thread publishes our objects again
+ * (its wait ends; fr_dir_lease_due is then true). */
+static void wake_service(void *arg) {
+  ferry_store *s = arg;
+  fr_inbox_kick(s->ctx, FR_CHANNEL_STORE, &s->inbox);
+}
+
 int fr_store_service_start(ferry_store *s) {
-  s->poll_ms = (int)fr_config_int("FERRY_STORE_POLL_MS");
-  s->poll_ms = s->poll_ms > 0 ? s->poll_ms : 1;
   fr_inbox_init(&s->inbox);
   int rc = fr_ctx_channel_open(s->ctx, FR_CHANNEL_STORE, &fr_inbox_ops, &s->inbox);
   if (rc != 0) {
@@ -243,12 +241,14 @@ int fr_store_service_start(ferry_store *s) {
     return fr_err(FERRY_ESYS, "store: cannot start the service thread");
   }
   s->service_started = true;
+  fr_dir_lease_set_wake(&s->lease, wake_service, s);
   return 0;
 }
 
 void fr_store_service_stop(ferry_store *s) {
   __atomic_store_n(&s->stop, true, __ATOMIC_SEQ_CST);
   if (s->service_started) {
+    fr_dir_lease_set_wake(&s->lease, NULL, NULL);
     fr_inbox_kick(s->ctx, FR_CHANNEL_STORE, &s->inbox);
     pthread_join(s->service, NULL);
     fr_ctx_channel_close(s->ctx, FR_CHANNEL_STORE);

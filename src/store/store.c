@@ -51,8 +51,7 @@ static int pool_open(ferry_store *s, uint64_t capacity) {
 static int dir_open(ferry_store *s, const ferry_store_opts *o) {
   if (!(s->flags & FERRY_STORE_HOST_DIRECTORY))
     return fr_dir_open(s->ctx, o ? o->directory : NULL, fr_timeout(-1), &s->dir);
-  int rc = fr_dir_server_start(s->ctx, &s->server);
-  return rc ? rc : fr_dir_open_local(s->server, &s->dir);
+  return fr_dir_host(s->ctx, &s->dir);
 }
 
 static ferry_store *store_new(ferry_ctx *ctx, const ferry_store_opts *o) {
@@ -74,11 +73,12 @@ static ferry_store *store_new(ferry_ctx *ctx, const ferry_store_opts *o) {
   return s;
 }
 
-static void lease_init(ferry_store *s, const ferry_store_opts *o) {
+static int lease_init(ferry_store *s, const ferry_store_opts *o) {
   char who[96];
   snprintf(who, sizeof who, "store '%s'", s->name);
-  fr_dir_lease_init(&s->lease, s->dir, s->ctx, s->name, who);
-  snprintf(s->lease.holder_peer, sizeof s->lease.holder_peer, "%s", s->name);
+  int rc = fr_dir_lease_init(&s->lease, s->dir, s->ctx, "store", s->name, who);
+  if (rc != 0)
+    return rc;
   s->lease.node.flags = (s->flags & FERRY_STORE_HOLDER) ? FR_NODE_HOLDER : 0;
   if (o && o->lease_ms > 0)
     s->lease.lease_ms = o->lease_ms;
@@ -89,6 +89,7 @@ static void lease_init(ferry_store *s, const ferry_store_opts *o) {
   if (fr_region_access_pack(s->ctx, &s->ref, s->lease.node.access, FR_DIR_ACCESS_MAX, &n) != 0)
     fr_err_clear(); /* readers ask the owner, as without one */
   s->lease.node.access_len = (uint16_t)n;
+  return 0;
 }
 
 static int store_start(ferry_store *s, const ferry_store_opts *o) {
@@ -99,8 +100,7 @@ static int store_start(ferry_store *s, const ferry_store_opts *o) {
   if (rc == 0)
     fr_peers_init(&s->peers, s->dir, s->ctx);
   if (rc == 0 && !(s->flags & FERRY_STORE_DELEGATE)) {
-    if ((rc = pool_open(s, cap)) == 0) {
-      lease_init(s, o);
+    if ((rc = pool_open(s, cap)) == 0 && (rc = lease_init(s, o)) == 0) {
       pthread_mutex_lock(&s->publish_lock);
       rc = fr_store_register(s, true, fr_timeout(-1));
       pthread_mutex_unlock(&s->publish_lock);
@@ -145,12 +145,11 @@ void ferry_store_close(ferry_store *s) {
   fr_store_service_stop(s);
   fr_store_workers_stop(s);
   if (s->dir && s->mem)
-    fr_dir_lease_drop(&s->lease);
+    fr_store_unregister(s);
   if (s->mem)
     fr_store_retire_all(s);
   fr_peers_close(&s->peers);
   fr_dir_close(s->dir);
-  fr_dir_server_stop(s->server);
   if (s->mem)
     ferry_free(s->ctx, s->mem);
   fr_pool_fini(&s->pool);

@@ -58,7 +58,8 @@ typedef struct fr_owned {
 } fr_owned;
 
 /* A replaced pool copy lingers (its bytes and generation word intact) for FERRY_STORE_LINGER_MS
- * (ferry_store.linger_ms), or until its space or slot is needed, so that a get that looked it up
+ * (ferry_store.linger_ms) at least, until the next copy put or lease renewal after that, or
+ * until its space or slot is needed, so that a get that looked it up
  * just before the re-put still completes with that whole version instead of starting over. */
 
 typedef struct fr_batch fr_batch;
@@ -76,7 +77,6 @@ struct ferry_store {
   char name[FR_DIR_NAME_MAX + 1];
   uint32_t flags;
   fr_dir *dir;
-  fr_dir_server *server; /* FERRY_STORE_HOST_DIRECTORY */
 
   /* the pool region: a slot (generation word, pin count) per object, then data */
   uint8_t *mem;
@@ -110,9 +110,7 @@ struct ferry_store {
   pthread_t service;
   bool service_started, stop; /* stop: atomic */
   fr_inbox inbox;             /* requests on FR_CHANNEL_STORE, for the service thread */
-  uint64_t posted_ns; /* atomic: when this store last posted a put to the directory (put.c) */
-  int poll_ms;        /* FERRY_STORE_POLL_MS */
-  int linger_ms;      /* FERRY_STORE_LINGER_MS */
+  int linger_ms;              /* FERRY_STORE_LINGER_MS */
 
   pthread_mutex_t batch_lock; /* one batch at a time */
   pthread_mutex_t work_lock;
@@ -184,7 +182,7 @@ void fr_store_linger_push(ferry_store *s, fr_owned *o);
 bool fr_store_linger_pop(ferry_store *s);
 void fr_store_linger_expire(ferry_store *s, uint64_t now);
 /* Retires lingering copies replaced more than FERRY_STORE_LINGER_MS ago and frees retired objects
- * no view pins any more (the service thread). */
+ * no view pins any more (the service thread, after each request and renewal). */
 void fr_store_linger_reap(ferry_store *s);
 /* Retires every owned and lingering object (store close). */
 void fr_store_retire_all(ferry_store *s);
@@ -204,6 +202,9 @@ int fr_store_delete_owned(ferry_store *s, const char *key, uint64_t generation, 
 int fr_store_ensure_registered(ferry_store *s, int timeout_ms);
 int fr_store_register(ferry_store *s, bool fresh, int timeout_ms);
 void fr_store_renew(ferry_store *s);
+/* Leaves the directory: the node goes with its records when the store is its only job, else the
+ * store deletes its records and leaves the node to the context's other jobs. */
+void fr_store_unregister(ferry_store *s);
 /* Acts on the answers of posted puts that came in (all of them, waiting, when `wait`): drop
  * notices for the records they replaced; a registration again (which republishes every object)
  * when the directory lost one. Takes publish_lock for the latter. */

@@ -217,8 +217,10 @@ static void close_links(ferry_ctx *ctx) {
   ferry_link *all = ctx->links;
   ctx->links = NULL;
   pthread_mutex_unlock(&ctx->links_lock);
+  uint64_t flush_by = all ? fr_link_flush_deadline(ctx) : 0; /* one bound for all (transport.h) */
   while (all) {
     ferry_link *next = all->next;
+    fr_link_flush(all, flush_by); /* as ferry_link_close (api.c) */
     fr_link_fail(all, FERRY_ECLOSED, "context closed");
     fr_link_unref(all);
     all = next;

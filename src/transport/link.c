@@ -363,6 +363,16 @@ int fr_link_call_post(ferry_link *l, uint32_t channel, const struct iovec *iov, 
 
 bool fr_link_is_open(const ferry_link *l) { return link_state(l) == FR_LINK_OPEN; }
 
+uint64_t fr_link_flush_deadline(const ferry_ctx *ctx) {
+  uint64_t bound = (uint64_t)ctx->timeout_ms * 1000000ull;
+  return fr_now_ns() + (bound < FR_LINK_FLUSH_NS ? bound : FR_LINK_FLUSH_NS);
+}
+
+void fr_link_flush(ferry_link *l, uint64_t deadline_ns) {
+  if (l->ops->flush && fr_link_is_open(l)) /* frames whose send returned 0 still go */
+    l->ops->flush(l, deadline_ns);
+}
+
 bool fr_link_call_ready(const fr_pending *p) { return pending_ready((void *)p); }
 
 void fr_link_ring(ferry_link *l) {
@@ -1031,10 +1041,41 @@ static void link_retire(ferry_link *l, int status, const char *why) {
   fr_ctx_link_down(ctx, l); /* owners waiting on this peer (an mq publish short of its credit) */
 }
 
+/* How long the frames a peer sent before its end may keep the progress thread (rx_last): they
+ * are normally all there at once, this only stops a peer that keeps writing after its end. */
+#define FR_END_DRAIN_NS (1000ull * 1000000ull)
+
+/* The peer's end (its socket's end of stream, as ops->readable saw it) can come while what it
+ * sent before waits beside the socket: in shm's ring (mapped here until the link is freed), in
+ * UCX's stream. Takes that in and dispatches its complete frames, until nothing more is there
+ * (or FR_END_DRAIN_NS), then returns the end's status; a frame the end cut short is dropped. */
+static int rx_last(ferry_link *l, int end) {
+  char why[256];
+  snprintf(why, sizeof why, "%s", ferry_last_error());
+  uint64_t deadline = fr_now_ns() + FR_END_DRAIN_NS;
+  int rc;
+  do
+    rc = rx_drain(l);
+  while (rc == 0 && (l->rx_more || (l->ops->idle && !l->ops->idle(l))) && fr_now_ns() < deadline);
+  if (rc != 0) /* a bad frame or ring among the last bytes says so itself */
+    return rc;
+  if (l->rx_phase != FR_RX_HEADER)
+    fr_debug("link %s '%s': the peer's end cut a frame short (type %u, %llu bytes): dropped",
+             l->ops->name, l->peer, l->rx_frame.type, (unsigned long long)l->rx_frame.len);
+  else if (l->rx_have > 0)
+    fr_debug("link %s '%s': the peer's end cut a frame short (%zu bytes of its header): dropped",
+             l->ops->name, l->peer, l->rx_have);
+  return fr_err(end, "%s", why);
+}
+
 /* Drains the link; the progress thread also lets the transport consume what comes beside the
- * stream first, and arms it before going back to sleep. */
+ * stream first, and arms it before going back to sleep. The peer's end reported there is taken
+ * after what the peer sent before it (rx_last), unless this node ended the link itself (closed
+ * it, or gave up on it: a timeout, a bad frame). */
 static int rx_progress(ferry_link *l) {
   int rc = l->ops->readable ? l->ops->readable(l) : 0;
+  if (rc == FERRY_EPEER && (link_state(l) != FR_LINK_DEAD || l->dead_status == FERRY_EPEER))
+    return rx_last(l, rc);
   if (rc == 0)
     rc = rx_drain(l);
   while (rc == 0 && l->ops->idle && !l->ops->idle(l))
@@ -1066,7 +1107,9 @@ static void link_on_event(fr_poller *p, uint32_t events) {
   ferry_link *l = (ferry_link *)p;
   pthread_mutex_lock(&l->rx_lock);
   int rc = rx_progress(l);
-  bool more = l->rx_more;
+  /* Edge-triggered: an end that came with the bytes just read raises no new edge, and rx_drain
+   * stops at the short read before it, so the link looks again (and retires) at once. */
+  bool more = l->rx_more || (events & (EPOLLRDHUP | EPOLLHUP));
   pthread_mutex_unlock(&l->rx_lock);
   if (rc == 0 && more && l->ops->edge_triggered) { /* no new edge will come for what is left */
     struct epoll_event ev = {.events = link_events(l), .data.ptr = &l->poller};

@@ -35,7 +35,11 @@ typedef struct shm_link {
   pthread_mutex_t lock;
   shm_map *maps;
   /* The byte stream, once the link is open. Each ring's position is written by the thread that
-   * sends or the one that drains, on every message: a cache line each, apart from the rest. */
+   * sends or the one that drains, on every message: a cache line each, apart from the rest.
+   * Each side maps the segment itself (ring_map, unmapped only in shm_link_fini) and nothing
+   * resets a ring: a peer that closes or exits drops only its own mapping, so the bytes it
+   * wrote before its end stay readable here until this link is freed, and the receiver takes
+   * them in after that end (link.c, rx_last). */
   _Alignas(64) fr_ring tx;
   _Alignas(64) fr_ring rx;
   _Alignas(64) void *ring_map;

@@ -85,6 +85,12 @@ typedef struct fr_transport_ops {
    * added to the ctx's epoll for it (events already fetched are ignored, the link lives until
    * the end of the batch). */
   void (*retire)(ferry_link *l);
+  /* Optional. This node is closing an open link gracefully (ferry_link_close, its ctx closing),
+   * before the socket's end tells the peer: sees, bounded, that what sends handed to the
+   * transport has left (ucx: a completed stream send may leave bytes in UCX's buffers), waiting
+   * until deadline_ns at most (fr_link_flush_deadline: one deadline for all the links a closing
+   * ctx flushes, so peers that stopped cost its close one bound in all, not one each). */
+  void (*flush)(ferry_link *l, uint64_t deadline_ns);
   /* Optional. Memory for ferry_alloc in a ctx that lists this transport first (ucx: memory UCX
    * allocates, which its shared-memory transports let peers map, where a memfd would be copied
    * through the kernel); on failure ferry_alloc uses a memfd. Such a region has no memfd, so shm
@@ -365,6 +371,12 @@ ssize_t fr_link_sock_recv(ferry_link *l, void *dst, size_t len);
 int fr_link_take_fd(ferry_link *l);
 /* Fails every handshake older than the timeout (called by the progress thread). */
 void fr_link_reap_stale(ferry_ctx *ctx);
+/* A graceful close's flush (ops->flush) waits until this deadline at most: the ctx's timeout,
+ * and FR_LINK_FLUSH_NS at most. One deadline serves every link a closing ctx flushes. */
+#define FR_LINK_FLUSH_NS (2000ull * 1000000ull)
+uint64_t fr_link_flush_deadline(const ferry_ctx *ctx);
+/* ops->flush, when the transport has one and the link is open. */
+void fr_link_flush(ferry_link *l, uint64_t deadline_ns);
 
 /* peerstats.c: fr_stats_call (linkcalls.h) */
 

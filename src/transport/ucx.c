@@ -1257,6 +1257,53 @@ static int ucx_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
   return rc;
 }
 
+/* Waits for the peer's end on the socket (its shutdown, seen without taking bytes) or `end`. */
+static void wait_peer_end(ferry_link *l, uint64_t end) {
+  for (;;) {
+    int ms = fr_ms_left(end);
+    struct pollfd p = {.fd = l->poller.fd, .events = POLLRDHUP};
+    int n = ms > 0 ? poll(&p, 1, ms) : 0;
+    if (n >= 0 || errno != EINTR)
+      return;
+  }
+}
+
+/* A completed stream send only means UCX took the bytes: they may still wait in a transport's
+ * send buffer, and the close that follows (ep_close_locked, FORCE) would cancel them. Nor may
+ * the endpoint close as soon as they left: the peer's UCX drops the stream data it has not
+ * handed over yet when it sees the endpoint fail. So a graceful close flushes the endpoint, ends
+ * the socket (the peer then takes in the stream, link.c's rx_last, and ends its side) and waits
+ * for the peer's end before the link goes on to close the endpoint; until `end` at most
+ * (fr_link_flush_deadline). A flush that does not end in time is cancelled with the endpoint. */
+static void ucx_flush(ferry_link *l, uint64_t end) {
+  ucx_link *u = ucx_of(l);
+  if (!stream_on(l) || link_status(l) != 0)
+    return;
+  bool flushed = false;
+  pthread_mutex_lock(&u->lock);
+  if (u->ready && u->ep && !u->gone) {
+    ucx_op op = {0};
+    ucp_request_param_t p = op_param(&op);
+    op_issued(&op, ucp_ep_flush_nbx(u->ep, &p));
+    while (!op.done && fr_now_ns() < end)
+      if (progress_locked(u) == 0 && !op.done)
+        sleep_locked(u, end);
+    flushed = op.done && op.status == UCS_OK;
+    if (!op.done) {
+      fr_debug("ucx link with '%s': its flush did not end in time; closing", l->peer);
+      ep_close_locked(u, FERRY_ECLOSED);
+      settle_locked(u, &op.done);
+    } else if (op.status != UCS_OK) {
+      fr_debug("ucx link with '%s': flush: %s", l->peer, ucs_status_string(op.status));
+    }
+  }
+  pthread_mutex_unlock(&u->lock);
+  if (!flushed)
+    return;
+  shutdown(l->poller.fd, SHUT_WR);
+  wait_peer_end(l, end);
+}
+
 static void ucx_retire(ferry_link *l) {
   ucx_link *u = ucx_of(l);
   if (!u)
@@ -1689,6 +1736,7 @@ const fr_transport_ops fr_ucx_transport = {
     .sendv = ucx_sendv,
     .recv = ucx_recv,
     .readable = ucx_readable,
+    .flush = ucx_flush,
     .idle = ucx_idle,
     .offer = ucx_offer,
     .accept_offer = ucx_accept_offer,

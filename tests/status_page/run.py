@@ -144,10 +144,12 @@ def check_page(dom):
     status = re.search(r'<div id="status"[^>]*>([^<]*)</div>', dom)
     if not status or not status.group(1).startswith("live"):
         fail("the page says %r, not live" % (status.group(1) if status else dom[:2000]))
-    nodes = [r[0] for r in t.get("nodes", [])[1:]]
-    for n in ("hub", "shelf", "refit:policy", "mq:learner", "mq:actor-0"):
-        if n not in nodes:
-            fail("node %s is not on the page: %r" % (n, nodes))
+    nodes = {r[0]: r for r in t.get("nodes", [])[1:]}
+    # one node per process and directory, named as its context, showing its jobs
+    for n, job in (("hub", "store"), ("shelf", "store"), ("trainer", "refit"),
+                   ("learner", "mq"), ("actor-0", "mq")):
+        if n not in nodes or job not in nodes[n][1]:
+            fail("node %s (a %s) is not on the page: %r" % (n, job, nodes))
     ckpt = row(t["store"], "ckpt/", "store")
     if ckpt[1] != "2" or not ckpt[2].startswith("5096 B"):
         fail("ckpt/ shows %r, not 2 keys of 5096 bytes" % ckpt)
