@@ -969,10 +969,12 @@ typedef struct ferry_mq_opts {
 } ferry_mq_opts;
 
 /* Opens the mq of `ctx` (which must outlive it; its name, at most 60 bytes, names this node to
- * subscribers) and registers the node in the directory. Starts one background thread (lease
- * renewal, callbacks). The handle is owned by the caller until ferry_mq_close(), which tells
- * peers this node leaves, removes its records and frees its pool; every message must be freed
- * before. FERRY_ECONNECT when no directory answers. */
+ * subscribers) and registers the node in the directory. One mq per context: a second is
+ * FERRY_EBUSY. Starts one thread of its own (lease renewal, callbacks, answering subscribers),
+ * asleep while there is nothing to do. The handle is owned by the caller until
+ * ferry_mq_close(), which sends what is batched, tells peers this node leaves and waits (at most
+ * FERRY_TIMEOUT_MS) until each has taken in what was sent to it, removes its records and frees
+ * its pool; every message must be freed before. FERRY_ECONNECT when no directory answers. */
 FERRY_API int ferry_mq_open(ferry_ctx *ctx, const ferry_mq_opts *opts, ferry_mq **out);
 FERRY_API void ferry_mq_close(ferry_mq *mq);
 

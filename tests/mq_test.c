@@ -3,9 +3,10 @@
  * ordering and content, no loss behind a slow subscriber (back-pressure instead), a publish to
  * a full queue that times out naming the subscriber, a subscriber killed with SIGKILL (dropped,
  * reported, the others go on), subscribers joining and leaving while a publisher publishes,
- * malformed frames, callbacks, zero-copy loans, and the wire decoder. The parent hosts the
- * directory; helpers are this binary exec'd again (safe from a threaded parent, and under TSan). No
- * timings are asserted: waits are bounded by generous timeouts only.
+ * malformed frames, callbacks, zero-copy loans, an idle mq that sleeps, and the wire decoder.
+ * The parent hosts the directory; helpers are this binary exec'd again (safe from a threaded
+ * parent, and under TSan). No timings are asserted: waits are bounded by generous timeouts only
+ * (the idle case counts wake-ups).
  */
 // ferry-test: threaded
 #include "testutil.h"
@@ -30,6 +31,15 @@ static const char *suite_transports = "shm,tcp";
 #define SCALE 4
 #else
 #define SCALE 1
+#endif
+
+/* The idle case's bound: wake-ups of the whole process in 3 s (10 a second). TSan's runtime
+ * runs a thread of its own that wakes on a timer (10-20 times a second here): under it the
+ * case still runs and prints its count, with no bound. */
+#if defined(__SANITIZE_THREAD__)
+#define IDLE_WAKEUPS_MAX 100000
+#else
+#define IDLE_WAKEUPS_MAX 30
 #endif
 
 static ferry_ctx *ctx_open(const char *name, const char *transports) {
@@ -474,6 +484,11 @@ static void in_process(void) {
   char dir[128];
   dir_url(ca, dir, sizeof dir);
   ferry_mq *b = mq_open(cb, dir, 0);
+  ferry_mq_opts twice = {.size = sizeof twice, .directory = dir};
+  ferry_mq *dup = NULL; /* the mq owns its ctx's channel: one per ctx */
+  assert_int_equal(ferry_mq_open(cb, &twice, &dup), FERRY_EBUSY);
+  assert_null(dup);
+  assert_non_null(strstr(ferry_last_error(), "has an mq already"));
   assert_int_equal(ferry_mq_subscribe(b, "", 1000), FERRY_EINVAL);
   assert_int_equal(ferry_mq_unsubscribe(b, "never", 1000), FERRY_ENOTFOUND);
   assert_int_equal(ferry_mq_wait_subscribers(a, "tensors", 1, 50), FERRY_ETIMEDOUT);
@@ -730,6 +745,122 @@ static void loans(void) {
   ferry_ctx_close(ca);
 }
 
+static void *kill_soon(void *arg) {
+  usleep(200000); /* most likely once the publish waits; before is fine too */
+  kill(*(pid_t *)arg, SIGKILL);
+  return NULL;
+}
+
+/* A publish waiting for credit from a subscriber that dies meanwhile goes on and reports the
+ * subscriber gone (FERRY_EPEER, dropped). The link's death wakes it (no periodic check): were
+ * it not woken, it would wait out its 60 s deadline first (not asserted: a timing; this case
+ * then takes a minute instead of a second). */
+static void dead_while_waiting(void) {
+  ferry_ctx *c = ctx_open("mq-parent", suite_transports);
+  ferry_mq *mq = mq_open(c, NULL, 0);
+  char dir[128];
+  dir_url(c, dir, sizeof dir);
+  child sub;
+  spawn(&sub, "--sub", dir, "mq-stuck", "stuck", 0, "slow");
+  uint8_t b, buf[4096] = {0};
+  assert_int_equal(tu_pipe_get(&sub.from, &b, 1, 30000), 0);
+  FR_OK(ferry_mq_wait_subscribers(mq, "stuck", 1, 20000));
+  int rc = 0;
+  for (int k = 0; rc == 0 && k < 1000; k++) /* 64 KiB of credit: full long before 1000 */
+    rc = ferry_mq_publish(mq, "stuck", buf, sizeof buf, 200);
+  assert_int_equal(rc, FERRY_ETIMEDOUT);
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, kill_soon, &sub.pid), 0);
+  rc = ferry_mq_publish(mq, "stuck", buf, sizeof buf, 60000);
+  assert_int_equal(rc, FERRY_EPEER);
+  assert_non_null(strstr(ferry_last_error(), "mq-stuck"));
+  pthread_join(t, NULL);
+  assert_int_equal(tu_wait(sub.pid), 128 + SIGKILL);
+  child_done(&sub);
+  assert_int_equal(ferry_mq_subscribers(mq, "stuck"), 0);
+  ferry_mq_close(mq);
+  ferry_ctx_close(c);
+}
+
+/* Voluntary context switches of every thread of this process so far: each is a thread that
+ * slept and was woken (as `ferry bench` counts wake-ups). Preemptions are left out: a loaded
+ * machine adds them to a sleeping process too. -1 when /proc cannot tell. */
+static long wakeups(void) {
+  char cmd[256];
+  snprintf(cmd, sizeof cmd,
+           "cat /proc/%d/task/*/status 2>/dev/null | "
+           "awk '/^voluntary_ctxt_switches/ {n += $2} END {print n + 0}'",
+           (int)getpid());
+  FILE *p = popen(cmd, "r");
+  long n = -1;
+  if (!p || fscanf(p, "%ld", &n) != 1)
+    n = -1;
+  if (p)
+    pclose(p);
+  return n;
+}
+
+typedef struct blocked_recv {
+  ferry_mq *mq;
+  int rc;
+} blocked_recv;
+
+static void *recv_blocked(void *arg) {
+  blocked_recv *r = arg;
+  ferry_mq_msg *m = NULL;
+  r->rc = ferry_mq_recv(r->mq, &m, 20000);
+  if (r->rc == 0)
+    ferry_mq_msg_free(m);
+  return NULL;
+}
+
+/* An idle mq sleeps: a publisher and a subscriber of one topic (this process, two contexts),
+ * past their first message, with nothing to send, wake only for their timers (the lease) and
+ * the context's own. At most 10 wake-ups a second on average over 3 s, for the whole process
+ * (the pump's 20 ms checks and the background thread's turns made it 45-55). A count, not a
+ * timing: a slow machine only makes it wake less. */
+static void idle_sleeps(void) {
+  ferry_ctx *ca = ctx_open("mq-idle-pub", suite_transports);
+  ferry_ctx *cb = ctx_open("mq-idle-sub", suite_transports);
+  ferry_mq *a = mq_open(ca, NULL, 0);
+  char dir[128];
+  dir_url(ca, dir, sizeof dir);
+  ferry_mq *b = mq_open(cb, dir, 0);
+  FR_OK(ferry_mq_subscribe(b, "idle", 5000));
+  FR_OK(ferry_mq_wait_subscribers(a, "idle", 1, 5000));
+  uint8_t buf[64] = {1};
+  FR_OK(ferry_mq_publish(a, "idle", buf, sizeof buf, 5000));
+  ferry_mq_msg *m;
+  FR_OK(ferry_mq_recv(b, &m, 5000));
+  ferry_mq_msg_free(m);
+  usleep(1000000); /* what the exchange left to settle (credit, the stream's end) */
+  long before = wakeups();
+  usleep(3000000);
+  long after = wakeups();
+  assert_true(before >= 0 && after >= before);
+  fprintf(stderr, "idle mq (%s): %ld wake-ups in 3 s\n", suite_transports, after - before);
+  assert_true(after - before <= IDLE_WAKEUPS_MAX);
+  /* A thread blocked in a long recv holds the lead of its context: the progress thread parks
+   * behind it instead of checking every FERRY_PROGRESS_GRACE_US (300 a second before). */
+  blocked_recv r = {b, -1};
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, recv_blocked, &r), 0);
+  usleep(500000);
+  before = wakeups();
+  usleep(3000000);
+  after = wakeups();
+  fprintf(stderr, "idle mq (%s), a thread blocked in recv: %ld wake-ups in 3 s\n", suite_transports,
+          after - before);
+  assert_true(after - before <= IDLE_WAKEUPS_MAX);
+  FR_OK(ferry_mq_publish(a, "idle", buf, sizeof buf, 5000)); /* and it still works: wakes it */
+  pthread_join(t, NULL);
+  FR_OK(r.rc);
+  ferry_mq_close(b);
+  ferry_mq_close(a);
+  ferry_ctx_close(cb);
+  ferry_ctx_close(ca);
+}
+
 /* ---- the wire decoder ---- */
 
 static void test_wire(void **st) {
@@ -807,13 +938,16 @@ static void set_transport(const char *t) {
   static void test_in_process_##tr(void **st) { set_transport(#tr), in_process(); }                \
   static void test_loans_##tr(void **st) { set_transport(#tr), loans(); }                          \
   static void test_stream_tail_##tr(void **st) { set_transport(#tr), stream_tail(); }              \
-  static void test_stream_join_##tr(void **st) { set_transport(#tr), stream_join(); }
+  static void test_stream_join_##tr(void **st) { set_transport(#tr), stream_join(); }              \
+  static void test_idle_##tr(void **st) { set_transport(#tr), idle_sleeps(); }                     \
+  static void test_dead_waiting_##tr(void **st) { set_transport(#tr), dead_while_waiting(); }
 #define TESTS(tr)                                                                                  \
   cmocka_unit_test(test_ordering_##tr), cmocka_unit_test(test_no_loss_##tr),                       \
       cmocka_unit_test(test_slow_##tr), cmocka_unit_test(test_killed_##tr),                        \
       cmocka_unit_test(test_join_leave_##tr), cmocka_unit_test(test_malformed_##tr),               \
       cmocka_unit_test(test_in_process_##tr), cmocka_unit_test(test_loans_##tr),                   \
-      cmocka_unit_test(test_stream_tail_##tr), cmocka_unit_test(test_stream_join_##tr)
+      cmocka_unit_test(test_stream_tail_##tr), cmocka_unit_test(test_stream_join_##tr),            \
+      cmocka_unit_test(test_idle_##tr), cmocka_unit_test(test_dead_waiting_##tr)
 
 CASES(shm)
 CASES(tcp)

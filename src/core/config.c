@@ -74,9 +74,7 @@
     "mq: publishes closer than this are a stream, batched per subscriber")                         \
   X("FERRY_MQ_WARM_WAIT_US", "2000",                                                               \
     "mq: least a large publish waits for a pool block in use to come back before it grows the "    \
-    "pool")                                                                                        \
-  X("FERRY_MQ_CHECK_MS", "20",                                                                     \
-    "mq: waits check for dead links this often; the background thread takes 5x as idleness")
+    "pool")
 
 static const ferry_config_item config_table[] = {
 #define FR_CONFIG_ROW_(name, def, doc) {name, def, doc},

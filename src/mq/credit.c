@@ -90,9 +90,7 @@ int fr_mq_reserve(ferry_mq *mq, fr_mq_topic *t, uint64_t len, uint64_t deadline,
     uint64_t t0 = fr_now_ns();
     holder h;
     find_holder(t, len, &h);
-    mq->waiters++;
     rc = fr_mq_wait(mq, fr_mq_credit_ready, &w, deadline);
-    mq->waiters--;
     mq->credit_waits++;
     uint64_t ns = fr_now_ns() - t0;
     mq->credit_wait_ns += ns;

@@ -206,7 +206,7 @@ void fr_mq_peer_drop(ferry_mq *mq, fr_mq_peer *p, const char *why) {
     if (topic_remove(t, p))
       fr_mq_peer_unref(mq, p);
   subs_changed(mq);
-  pthread_cond_broadcast(&mq->cond);
+  fr_mq_changed(mq);
   fr_mq_peer_unref(mq, p); /* the list's */
 }
 
@@ -253,7 +253,7 @@ int fr_mq_add_subscriber(ferry_mq *mq, const char *topic, const char *name, ferr
     subs_changed(mq);
     fr_debug("mq '%s': '%s' subscribes to '%s'", mq->name, name, topic);
   }
-  pthread_cond_broadcast(&mq->cond);
+  fr_mq_changed(mq);
   pthread_mutex_unlock(&mq->lock);
   ferry_link_release(l);
   return rc;
@@ -266,7 +266,7 @@ void fr_mq_remove_subscriber(ferry_mq *mq, const char *topic, const char *name) 
     if (strcmp(t->name, topic) == 0 && topic_remove(t, p))
       fr_mq_peer_unref(mq, p);
   subs_changed(mq);
-  pthread_cond_broadcast(&mq->cond);
+  fr_mq_changed(mq);
   pthread_mutex_unlock(&mq->lock);
 }
 
@@ -473,10 +473,8 @@ int ferry_mq_wait_subscribers(ferry_mq *mq, const char *topic, size_t n, int tim
   const void *arg[2] = {topic, &n};
   fr_mq_flush(mq);
   pthread_mutex_lock(&mq->lock);
-  mq->waiters++;
   rc = fr_mq_wait(mq, enough_subscribers, arg, deadline);
   size_t have = count_subscribers(mq, topic);
-  mq->waiters--;
   pthread_mutex_unlock(&mq->lock);
   if (rc == FERRY_ETIMEDOUT)
     return fr_err(rc, "wait_subscribers '%s': %zu of %zu subscribers within %d ms", topic, have, n,

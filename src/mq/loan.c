@@ -36,9 +36,7 @@ int ferry_mq_loan(ferry_mq *mq, size_t len, void **buf, int timeout_ms) {
   loan_wait w = {len, 0, 0};
   if (rc == 0) {
     fr_mq_drain(mq); /* releases first: reuse the blocks still warm in the cache */
-    mq->waiters++;
     rc = fr_mq_wait(mq, loan_ready, &w, deadline);
-    mq->waiters--;
     if (rc != 0)
       rc = fr_err(rc,
                   rc == FERRY_ETIMEDOUT

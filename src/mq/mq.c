@@ -1,36 +1,40 @@
 /*
- * The mq handle: open and close, the background thread, and the pump.
+ * The mq handle: open and close, the dispatch of what arrives, the one wait, and the mq's
+ * thread.
  *
- * Everything an mq receives arrives on the context's FR_CHANNEL_MQ queue. One thread at a time
- * "pumps": takes a message off that queue and dispatches it (a message goes to the mq's own
- * queue; SUB, UNSUB, CREDIT and BYE change the publisher's or subscriber's state). Whichever
- * thread needs something to arrive pumps itself: an application thread waiting in recv, in a
- * publish short of credit or in wait_subscribers, so the thread that wants a message is the one
- * that spins on the shm ring for it (no hand-off, no wake-up). When no application thread has
- * pumped for a while, the background thread pumps instead, so that requests from new
- * subscribers and credit are answered while the application computes; it also renews the
- * node's directory lease and runs the callback, when one is installed.
+ * The mq owns its context's FR_CHANNEL_MQ (fr_ctx_channel_open). Each frame is dispatched by
+ * on_msg as it arrives, on whichever thread drives the context: the one leading its epoll, or
+ * one spinning on its shm rings. A message goes straight onto the mq's queue, which
+ * ferry_mq_recv takes from (queued once); CREDIT updates the publisher's state. Every one of
+ * them wakes the waiters (fr_mq_changed). on_msg never blocks, so what may goes into an inbox
+ * that the mq's thread serves in arrival order: SUB, UNSUB and BYE (SUB and BYE are calls it
+ * answers; UNSUB must not overtake the SUB before it), a malformed call's answer, and data
+ * whose publisher's pool must be mapped before it can be read (and the data behind it).
+ *
+ * Close sends what is batched, then says BYE to every peer still there and waits for the
+ * answers before the links close (say_bye): a peer answers once everything before the BYE on
+ * that link has reached its on_msg.
+ *
+ * Whoever waits (recv, a publish short of credit or pool room, wait_subscribers, a loan) waits
+ * through the context's one wait (fr_mq_wait → fr_ctx_wait): a waiter that leads the epoll, or
+ * spins on the shm rings before, dispatches the message it waits for itself (no hand-off, no
+ * wake-up). A link that dies wakes the waiters too (on_link_down): a publish waiting for a
+ * subscriber's credit needs no periodic check for its death.
+ *
+ * The mq's thread sleeps until it has something to do: the lease's renewal, a pending batch's
+ * flush deadline, a callback to run (ferry_mq_set_callback, messages queued), credit on_msg
+ * could not send, or an inbox message. It never drives the context itself.
  */
 #include "mq/mq.h"
 #include "core/channels.h"
-#include "transport/ctxcalls.h"
+#include "transport/linkcalls.h"
 
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* The timing (settings, mq.h): waits re-check dead links every check_ns; the background thread
- * pumps after app_idle_ns (5 checks) without an application thread pumping, for half of that
- * at a time; a pending batch goes out after flush_ns at the latest. */
-static uint64_t app_idle_ns(const ferry_mq *mq) { return mq->check_ns * 5; }
-
 void fr_mq_detail(char *buf, size_t cap) { snprintf(buf, cap, "%s", ferry_last_error()); }
-
-static void timed_wait(pthread_cond_t *c, ferry_mq *mq, uint64_t until_ns) {
-  struct timespec ts = fr_timespec(until_ns);
-  pthread_cond_timedwait(c, &mq->lock, &ts);
-}
 
 void fr_mq_keep_link(ferry_mq *mq, ferry_link *l) {
   for (size_t i = 0; i < mq->nlinks; i++)
@@ -38,10 +42,16 @@ void fr_mq_keep_link(ferry_mq *mq, ferry_link *l) {
       return;
   if (FR_GROW(mq->links, mq->caplinks, mq->nlinks + 1, 8) != 0)
     return; /* the link still works; close just cannot say BYE on it */
-  mq->links[mq->nlinks++] = (struct fr_mq_link){ferry_link_retain(l)};
+  mq->links[mq->nlinks++] = (struct fr_mq_link){ferry_link_retain(l), false};
 }
 
-/* ---- dispatch ---- */
+/* The mq whose thread this is (NULL on any other thread): set by the thread itself, so that
+ * telling it apart needs no field that the opening thread writes after starting it. */
+static _Thread_local const ferry_mq *own_thread_of;
+
+static bool on_thread(const ferry_mq *mq) { return own_thread_of == mq; }
+
+/* ---- dispatch: on_msg (never blocks) and the inbox (the thread's) ---- */
 
 static void reply_status(ferry_msg *m, int rc) {
   if (!ferry_msg_is_call(m))
@@ -52,110 +62,224 @@ static void reply_status(ferry_msg *m, int rc) {
     fr_debug("mq: reply to '%s' failed: %s", ferry_link_peer(m->link), ferry_last_error());
 }
 
-/* A peer's mq is closing: stop sending to it, forget what we owed it. */
+/* A peer's mq is closing: stop sending to it, forget what we owed it, and do not say BYE back
+ * (it would wait for an answer nobody gives). */
 static void on_bye(ferry_mq *mq, ferry_link *l) {
   pthread_mutex_lock(&mq->lock);
+  for (size_t i = 0; i < mq->nlinks; i++)
+    if (mq->links[i].link == l)
+      mq->links[i].bye = true;
   fr_mq_peer *p = fr_mq_peer_by_link(mq, l);
   if (p)
     fr_mq_peer_drop(mq, p, NULL);
   for (fr_mq_session *s = mq->sessions; s; s = s->next)
     if (s->link == l)
       s->gone = true;
-  pthread_cond_broadcast(&mq->cond);
+  fr_mq_changed(mq);
   pthread_mutex_unlock(&mq->lock);
 }
 
-void fr_mq_dispatch(ferry_mq *mq, ferry_msg *m) {
-  fr_mq_frame f;
-  int rc = fr_mq_decode(m->data, m->len, &f);
-  if (rc != 0) {
-    pthread_mutex_lock(&mq->lock);
-    mq->malformed++;
-    pthread_mutex_unlock(&mq->lock);
-    fr_warn_limited("mq '%s': dropped a frame from '%s': %s", mq->name, ferry_link_peer(m->link),
+/* Leaves m to the thread (takes it); `data`: a data frame, which later ones queue behind. */
+static void to_thread(ferry_mq *mq, ferry_msg *m, bool data) {
+  pthread_mutex_lock(&mq->lock);
+  mq->deferred += data;
+  fr_inbox_put(&mq->inbox, m);
+  fr_mq_kick(mq);
+  fr_mq_changed(mq); /* the thread may wait in a callback's publish (fr_mq_wait serves it) */
+  pthread_mutex_unlock(&mq->lock);
+}
+
+static void malformed(ferry_mq *mq, ferry_msg *m) {
+  pthread_mutex_lock(&mq->lock);
+  mq->malformed++;
+  pthread_mutex_unlock(&mq->lock);
+  fr_warn_limited("mq '%s': dropped a frame from '%s': %s", mq->name, ferry_link_peer(m->link),
+                  ferry_last_error());
+}
+
+static void credit_due(ferry_mq *mq) {
+  pthread_mutex_lock(&mq->lock);
+  fr_mq_kick(mq);
+  pthread_mutex_unlock(&mq->lock);
+}
+
+/* Where an SHM frame's payload lies in its publisher's pool, when that is mapped already (a
+ * first view maps it, which asks the publisher: a call, for the thread). *payload NULL: lost. */
+static bool view_now(ferry_mq *mq, ferry_msg *m, const fr_mq_frame *f, const void **payload) {
+  *payload = f->payload;
+  if (f->type != FR_MQ_SHM)
+    return true;
+  if (ferry_view_valid(m->link, &f->ref) != 0)
+    return false;
+  if (ferry_view(m->link, &f->ref, f->offset, f->len, payload) != 0) {
+    fr_warn_limited("mq '%s': message %llu on '%s' from '%s' lost: %s", mq->name,
+                    (unsigned long long)f->seq, f->topic, ferry_link_peer(m->link),
                     ferry_last_error());
-    reply_status(m, rc);
-    ferry_msg_free(m);
+    *payload = NULL;
+  }
+  return true;
+}
+
+/* A data frame on the thread: maps the pool if need be, then queues it. */
+static void deliver_late(ferry_mq *mq, ferry_msg *m, const fr_mq_frame *f) {
+  bool due = false;
+  const void *payload = f->payload;
+  if (f->type == FR_MQ_SHM && ferry_view(m->link, &f->ref, f->offset, f->len, &payload) != 0) {
+    fr_warn_limited("mq '%s': message %llu on '%s' from '%s' lost: %s", mq->name,
+                    (unsigned long long)f->seq, f->topic, ferry_link_peer(m->link),
+                    ferry_last_error());
+    payload = NULL;
+  }
+  if (f->type == FR_MQ_BATCH)
+    due = fr_mq_deliver_batch(mq, m, f);
+  else
+    due = fr_mq_deliver(mq, m, f, payload);
+  pthread_mutex_lock(&mq->lock);
+  mq->deferred--; /* after it is queued: what on_msg queues next comes after it */
+  pthread_mutex_unlock(&mq->lock);
+  if (due)
+    fr_mq_credit_send_due(mq);
+}
+
+/* A data frame in on_msg: queued now, unless it must wait for the thread. */
+static void on_data(ferry_mq *mq, ferry_msg *m, const fr_mq_frame *f) {
+  pthread_mutex_lock(&mq->lock);
+  bool behind = mq->deferred > 0;
+  pthread_mutex_unlock(&mq->lock); /* only on_msg adds to it, and on_msg runs one at a time */
+  const void *payload = NULL;
+  if (behind || !view_now(mq, m, f, &payload)) {
+    to_thread(mq, m, true);
+    return;
+  }
+  bool due =
+      f->type == FR_MQ_BATCH ? fr_mq_deliver_batch(mq, m, f) : fr_mq_deliver(mq, m, f, payload);
+  if (due)
+    credit_due(mq);
+}
+
+/* The channel's on_msg: called with the channel's lock held, on whichever thread drives the
+ * context. Takes m. */
+static void on_msg(void *arg, ferry_link *link, ferry_msg *m) {
+  ferry_mq *mq = arg;
+  bool costly = strcmp(ferry_link_transport(link), "shm") != 0;
+  if (__atomic_load_n(&mq->rx_costly, __ATOMIC_RELAXED) != costly)
+    __atomic_store_n(&mq->rx_costly, costly, __ATOMIC_RELAXED);
+  fr_mq_frame f;
+  if (fr_mq_decode(m->data, m->len, &f) != 0) {
+    malformed(mq, m);
+    if (ferry_msg_is_call(m)) /* its answer may block: the thread's */
+      to_thread(mq, m, false);
+    else
+      ferry_msg_free(m);
     return;
   }
   switch (f.type) {
   case FR_MQ_DATA:
   case FR_MQ_SHM:
-    fr_mq_deliver(mq, m, &f); /* takes m */
-    return;
   case FR_MQ_BATCH:
-    fr_mq_deliver_batch(mq, m, &f); /* takes m */
+    on_data(mq, m, &f); /* takes m */
     return;
+  case FR_MQ_CREDIT:
+    fr_mq_on_credit(mq, link, &f);
+    ferry_msg_free(m);
+    return;
+  default: /* SUB and BYE answer (calls), UNSUB may follow a SUB not served yet: the thread
+            * applies all three in the order they came */
+    to_thread(mq, m, false);
+  }
+}
+
+/* A link died: a waiter whose readiness depends on that peer (credit from a subscriber, a count
+ * of live subscribers) looks again. */
+static void on_link_down(void *arg, ferry_link *link) {
+  ferry_mq *mq = arg;
+  pthread_mutex_lock(&mq->lock);
+  fr_mq_changed(mq);
+  pthread_mutex_unlock(&mq->lock);
+}
+
+static const fr_channel_ops mq_channel_ops = {.on_msg = on_msg, .on_link_down = on_link_down};
+
+/* An inbox message, on the thread (takes m). */
+static void serve(ferry_mq *mq, ferry_msg *m) {
+  fr_mq_frame f;
+  int rc = fr_mq_decode(m->data, m->len, &f);
+  if (rc != 0) {
+    reply_status(m, rc); /* counted and logged by on_msg */
+    ferry_msg_free(m);
+    return;
+  }
+  switch (f.type) {
   case FR_MQ_SUB:
-    rc = fr_mq_add_subscriber(mq, f.topic, ferry_link_peer(m->link), m->link, f.value, 0);
+    pthread_mutex_lock(&mq->lock);
+    rc = mq->closing ? FERRY_ECLOSED : 0; /* served by close, after the thread */
+    pthread_mutex_unlock(&mq->lock);
+    if (rc == 0)
+      rc = fr_mq_add_subscriber(mq, f.topic, ferry_link_peer(m->link), m->link, f.value, 0);
     reply_status(m, rc);
     break;
   case FR_MQ_UNSUB:
     fr_mq_remove_subscriber(mq, f.topic, ferry_link_peer(m->link));
     break;
-  case FR_MQ_CREDIT:
-    fr_mq_on_credit(mq, m->link, &f);
-    break;
-  default: /* FR_MQ_BYE */
+  case FR_MQ_BYE: /* every frame before it on this link has been taken in: say so */
     on_bye(mq, m->link);
+    reply_status(m, 0);
+    break;
+  default:                   /* data */
+    deliver_late(mq, m, &f); /* takes m */
+    return;
   }
   ferry_msg_free(m);
 }
 
-/* The mq whose background thread this is (NULL on any other thread): set by the thread itself,
- * so that telling it apart needs no field that the opening thread writes after starting it. */
-static _Thread_local const ferry_mq *own_thread_of;
+static void serve_inbox(ferry_mq *mq) {
+  ferry_msg *m;
+  while ((m = fr_inbox_take(&mq->inbox)))
+    serve(mq, m);
+}
 
-bool fr_mq_on_own_thread(const ferry_mq *mq) { return own_thread_of == mq; }
+/* ---- the one wait ---- */
 
-/* The mq's own thread pumps as an idle wait (it waits for requests all the time: an application
- * thread waiting for its message leads instead), an application thread as a caller. */
-void fr_mq_pump(ferry_mq *mq, int ms) {
-  ferry_msg *m = NULL;
-  if (fr_mq_on_own_thread(mq)) {
-    if (fr_ctx_await_idle(mq->ctx, FR_CHANNEL_MQ, ms) && (m = fr_ctx_take(mq->ctx, FR_CHANNEL_MQ)))
-      fr_mq_dispatch(mq, m);
-  } else if (ferry_recv(mq->ctx, FR_CHANNEL_MQ, &m, ms) == 0) {
-    fr_mq_dispatch(mq, m);
-  }
+typedef struct mq_waiter {
+  ferry_mq *mq;
+  uint64_t events; /* mq->events when it looked last */
+} mq_waiter;
+
+/* Read without the lock, by the context's wait and spinners: any change wakes the waiter,
+ * which looks at its own condition under the lock. Seq_cst against fr_mq_changed. */
+static bool changed(void *arg) {
+  mq_waiter *w = arg;
+  return __atomic_load_n(&w->mq->events, __ATOMIC_SEQ_CST) != w->events;
 }
 
 int fr_mq_wait(ferry_mq *mq, bool (*ready)(ferry_mq *, void *), void *arg, uint64_t deadline_ns) {
-  bool tried = false;
-  bool app = !fr_mq_on_own_thread(mq);
+  bool tried = false, thread = on_thread(mq);
   for (;;) {
+    if (thread && __atomic_load_n(&mq->inbox.count, __ATOMIC_SEQ_CST)) {
+      pthread_mutex_unlock(&mq->lock); /* in a callback: SUBs, maps, late data are this one's */
+      serve_inbox(mq);
+      pthread_mutex_lock(&mq->lock);
+    }
     if (ready(mq, arg))
       return 0;
     if (mq->closing)
       return FERRY_ECLOSED;
-    uint64_t now = fr_now_ns();
-    if (now >= deadline_ns && (tried || mq->pumping))
+    bool late = fr_now_ns() >= deadline_ns;
+    if (late && tried)
       return FERRY_ETIMEDOUT;
-    uint64_t slice = now + mq->check_ns < deadline_ns ? now + mq->check_ns : deadline_ns;
-    /* An application thread waiting counts as pumping even while it waits on the background
-     * thread's pump: otherwise, once the background thread pumps, the application never does
-     * again (it finds it pumping each time) and every message costs a hand-off. */
-    if (app)
-      mq->app_pump_ns = now;
-    if (mq->pumping) {
-      timed_wait(&mq->cond, mq, slice);
-      continue;
-    }
-    mq->pumping = true;
+    mq_waiter w = {mq, mq->events};
     pthread_mutex_unlock(&mq->lock);
-    fr_mq_pump(mq, fr_ms_left(slice));
-    pthread_mutex_lock(&mq->lock);
-    mq->pumping = false;
+    if (late) /* a wait of 0 still sees what is in the shm rings */
+      fr_ctx_poll_links(mq->ctx);
+    else if (__atomic_load_n(&mq->rx_costly, __ATOMIC_RELAXED) || /* its frames come over shm: */
+             !fr_ctx_spin(mq->ctx, changed, &w))                  /* spin on the rings first */
+      fr_ctx_wait(mq->ctx, FR_CHANNEL_MQ, changed, &w, &mq->lock, &mq->cond, deadline_ns);
     tried = true;
-    pthread_cond_broadcast(&mq->cond);
+    pthread_mutex_lock(&mq->lock);
   }
 }
 
-/* ---- the background thread ---- */
-
-static bool callback_ready(ferry_mq *mq, void *arg) {
-  return mq->head || !mq->callback || mq->closing;
-}
+/* ---- the mq's thread ---- */
 
 /* lock held; returns with it held. */
 static void run_callback(ferry_mq *mq) {
@@ -171,53 +295,58 @@ static void run_callback(ferry_mq *mq) {
   fn(mq, &r->pub, arg);
   pthread_mutex_lock(&mq->lock);
   mq->in_callback = false;
-  pthread_cond_broadcast(&mq->cond);
+  fr_mq_changed(mq);
 }
 
-static void background_step(ferry_mq *mq, uint64_t now) {
-  uint64_t renew = fr_dir_lease_next(&mq->lease);
-  uint64_t until = now + app_idle_ns(mq) < renew ? now + app_idle_ns(mq) : renew;
-  uint64_t batch = __atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE);
-  if (batch && batch + mq->flush_ns <= now) {
+/* A pending batch that is due (lock held; returns with it held). Returns when the thread should
+ * look again: the batch's deadline, or a flush_ns later when a publish holds the batches (it
+ * sends them, or they are due again then). */
+static uint64_t batch_step(ferry_mq *mq, uint64_t now) {
+  uint64_t since = __atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE);
+  if (!since)
+    return UINT64_MAX;
+  if (since + mq->flush_ns > now)
+    return since + mq->flush_ns;
+  pthread_mutex_unlock(&mq->lock);
+  fr_mq_flush(mq);
+  pthread_mutex_lock(&mq->lock);
+  return __atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE) == since ? now + mq->flush_ns : now;
+}
+
+/* One round of the thread's work (lock held; returns with it held): when it is next due. */
+static uint64_t thread_step(ferry_mq *mq) {
+  mq->thread_kicked = false;
+  if (fr_dir_lease_due(&mq->lease) || __atomic_load_n(&mq->inbox.count, __ATOMIC_SEQ_CST)) {
     pthread_mutex_unlock(&mq->lock);
-    fr_mq_flush(mq);
+    if (fr_dir_lease_due(&mq->lease))
+      fr_mq_renew(mq);
+    serve_inbox(mq);
     pthread_mutex_lock(&mq->lock);
-    if (__atomic_load_n(&mq->batch_since_ns, __ATOMIC_ACQUIRE) == batch)
-      timed_wait(&mq->bg_cond, mq, now + mq->flush_ns); /* a publish holds it and sends it */
-    return;
   }
-  if (batch && batch + mq->flush_ns < until)
-    until = batch + mq->flush_ns;
-  if (mq->callback && mq->head) {
+  pthread_mutex_unlock(&mq->lock);
+  fr_mq_credit_send_due(mq);
+  pthread_mutex_lock(&mq->lock);
+  while (mq->callback && mq->head && !mq->closing)
     run_callback(mq);
-  } else if (mq->callback) {
-    fr_mq_wait(mq, callback_ready, NULL, until);
-  } else if (!mq->pumping && mq->waiters == 0 && now - mq->app_pump_ns > app_idle_ns(mq)) {
-    mq->pumping = true;
-    pthread_mutex_unlock(&mq->lock);
-    fr_mq_pump(mq, (int)(app_idle_ns(mq) / 2000000));
-    pthread_mutex_lock(&mq->lock);
-    mq->pumping = false;
-    pthread_cond_broadcast(&mq->cond);
-  } else { /* its own condition: deliveries to the application do not wake it */
-    timed_wait(&mq->bg_cond, mq, until);
-  }
+  uint64_t next = batch_step(mq, fr_now_ns());
+  uint64_t renew = fr_dir_lease_next(&mq->lease);
+  return renew < next ? renew : next;
 }
 
-static void *background(void *arg) {
+/* The thread sleeps on a condition of its own, not in the context's wait: it needs nothing
+ * from the epoll (on_msg hands it what it serves, and fr_mq_changed wakes it). */
+static void *mq_thread(void *arg) {
   pthread_setname_np(pthread_self(), "ferry-mq"); /* for top -H, perf, gdb */
   ferry_mq *mq = arg;
   own_thread_of = mq;
   pthread_mutex_lock(&mq->lock);
   while (!mq->closing) {
-    uint64_t now = fr_now_ns();
-    if (fr_dir_lease_due(&mq->lease)) {
-      pthread_mutex_unlock(&mq->lock);
-      fr_mq_renew(mq);
-      pthread_mutex_lock(&mq->lock);
+    uint64_t next = thread_step(mq);
+    if (mq->closing || mq->thread_kicked || next <= fr_now_ns() ||
+        __atomic_load_n(&mq->inbox.count, __ATOMIC_SEQ_CST) || (mq->callback && mq->head))
       continue;
-    }
-    background_step(mq, now);
+    struct timespec ts = fr_timespec(next == UINT64_MAX ? fr_now_ns() + 3600000000000ull : next);
+    pthread_cond_timedwait(&mq->thread_cond, &mq->lock, &ts);
   }
   pthread_mutex_unlock(&mq->lock);
   return NULL;
@@ -225,10 +354,10 @@ static void *background(void *arg) {
 
 /* Another job of the context's node registered it again: the thread publishes our records
  * again (fr_dir_lease_due is then true). */
-static void wake_background(void *arg) {
+static void wake_thread(void *arg) {
   ferry_mq *mq = arg;
   pthread_mutex_lock(&mq->lock);
-  pthread_cond_signal(&mq->bg_cond);
+  fr_mq_kick(mq);
   pthread_mutex_unlock(&mq->lock);
 }
 
@@ -257,11 +386,11 @@ static ferry_mq *mq_new(ferry_ctx *ctx, const ferry_mq_opts *o) {
   mq->flush_ns = config_ns("FERRY_MQ_FLUSH_US", 1000);
   mq->stream_gap_ns = config_ns("FERRY_MQ_STREAM_GAP_US", 1000);
   mq->warm_wait_ns = config_ns("FERRY_MQ_WARM_WAIT_US", 1000);
-  mq->check_ns = config_ns("FERRY_MQ_CHECK_MS", 1000000);
   pthread_mutex_init(&mq->lock, NULL);
   pthread_mutex_init(&mq->publish_lock, NULL);
   fr_cond_init_monotonic(&mq->cond);
-  fr_cond_init_monotonic(&mq->bg_cond);
+  fr_cond_init_monotonic(&mq->thread_cond);
+  fr_inbox_init(&mq->inbox);
   return mq;
 }
 
@@ -270,7 +399,11 @@ static int mq_start(ferry_mq *mq, const ferry_mq_opts *o) {
   if (strlen(name) > FR_DIR_NAME_MAX)
     return fr_err(FERRY_EINVAL, "mq: node name '%s' is longer than %d bytes", name,
                   FR_DIR_NAME_MAX);
-  int rc;
+  /* the mq's frames are its own from now on: a second mq on this ctx is FERRY_EBUSY */
+  int rc = fr_ctx_channel_open(mq->ctx, FR_CHANNEL_MQ, &mq_channel_ops, mq);
+  if (rc != 0)
+    return rc == FERRY_EBUSY ? fr_err(rc, "mq: context '%s' has an mq already", name) : rc;
+  mq->channel_open = true;
   if (o->flags & FERRY_MQ_HOST_DIRECTORY) {
     rc = fr_dir_host(mq->ctx, &mq->dir);
   } else {
@@ -290,11 +423,11 @@ static int mq_start(ferry_mq *mq, const ferry_mq_opts *o) {
       mq->lease.lease_ms = 300;
     rc = fr_mq_register(mq, true, fr_timeout(-1));
   }
-  if (rc == 0 && pthread_create(&mq->thread, NULL, background, mq) != 0)
+  if (rc == 0 && pthread_create(&mq->thread, NULL, mq_thread, mq) != 0)
     rc = fr_err(FERRY_ESYS, "mq: cannot start its thread");
   if (rc == 0) {
     mq->thread_started = true;
-    fr_dir_lease_set_wake(&mq->lease, wake_background, mq); /* the lease leaves at close */
+    fr_dir_lease_set_wake(&mq->lease, wake_thread, mq); /* the lease leaves at close */
   }
   return rc;
 }
@@ -326,13 +459,54 @@ int ferry_mq_open(ferry_ctx *ctx, const ferry_mq_opts *opts, ferry_mq **out) {
   return 0;
 }
 
+/* Collects a BYE's answer (takes p). */
+static void bye_answer(ferry_mq *mq, ferry_link *l, fr_pending *p, uint64_t deadline) {
+  ferry_msg *reply = NULL;
+  int rc = fr_link_call_collect(l, p, &reply, fr_ms_left(deadline));
+  if (rc == FERRY_ETIMEDOUT) /* what we sent it last may not have arrived */
+    fr_warn("mq '%s': '%s' did not answer our BYE: %s", mq->name, ferry_link_peer(l),
+            ferry_last_error());
+  else if (rc != 0) /* its link died: it is gone */
+    fr_debug("mq '%s': BYE to '%s': %s", mq->name, ferry_link_peer(l), ferry_last_error());
+  ferry_msg_free(reply);
+}
+
+/* Says BYE on every link whose peer is still there, as a call, and waits for the answers (at
+ * most the context's timeout): a peer answers once it has taken in every frame sent before the
+ * BYE on that link, so the links may close after. Closing at once lost frames: over shm and ucx
+ * a link's end (its socket's) could reach the peer before what was sent ahead of it (in the
+ * ring, in UCX), and the peer dropped the link with them unread. The transport now drains a
+ * link after its end too, within bounds; the answer holds whatever they are. Runs while the
+ * mq's thread still answers the BYEs of peers closing at the same time. */
 static void say_bye(ferry_mq *mq) {
   fr_mq_frame f = {.type = FR_MQ_BYE};
   uint8_t head[FR_MQ_HEAD_MAX];
   struct iovec iov = {head, fr_mq_encode(&f, head)};
-  for (size_t i = 0; i < mq->nlinks; i++)
-    if (ferry_link_status(mq->links[i].link) == 0)
-      ferry_send(mq->links[i].link, FR_CHANNEL_MQ, &iov, 1, 500);
+  int ms = fr_timeout(-1);
+  uint64_t deadline = fr_deadline_ns(ms);
+  pthread_mutex_lock(&mq->lock); /* on_msg may add links (a session's) meanwhile */
+  size_t n = 0;
+  ferry_link **links = calloc(mq->nlinks ? mq->nlinks : 1, sizeof *links);
+  for (size_t i = 0; links && i < mq->nlinks; i++)
+    if (!mq->links[i].bye)
+      links[n++] = ferry_link_retain(mq->links[i].link);
+  pthread_mutex_unlock(&mq->lock);
+  fr_pending **calls = calloc(n ? n : 1, sizeof *calls);
+  for (size_t i = 0; calls && i < n; i++)
+    if (ferry_link_status(links[i]) == 0 &&
+        fr_link_call_post(links[i], FR_CHANNEL_MQ, &iov, 1, ms, false, &calls[i]) != 0) {
+      fr_debug("mq '%s': BYE to '%s': %s", mq->name, ferry_link_peer(links[i]), ferry_last_error());
+      calls[i] = NULL;
+    }
+  for (size_t i = 0; i < n; i++) {
+    if (calls && calls[i])
+      bye_answer(mq, links[i], calls[i], deadline);
+    ferry_link_release(links[i]);
+  }
+  if (!links || !calls)
+    fr_warn("mq '%s': out of memory saying BYE", mq->name);
+  free(calls);
+  free(links);
 }
 
 static void free_state(ferry_mq *mq) {
@@ -374,14 +548,18 @@ void ferry_mq_close(ferry_mq *mq) {
   pthread_mutex_lock(&mq->publish_lock);
   fr_mq_flush_locked(mq);
   pthread_mutex_unlock(&mq->publish_lock);
+  if (mq->thread_started) /* after the batches, on their links; before the thread stops */
+    say_bye(mq);
   pthread_mutex_lock(&mq->lock);
   mq->closing = true;
-  pthread_cond_broadcast(&mq->cond);
-  pthread_cond_signal(&mq->bg_cond);
+  fr_mq_changed(mq);
+  fr_mq_kick(mq);
   pthread_mutex_unlock(&mq->lock);
   if (mq->thread_started)
     pthread_join(mq->thread, NULL);
-  say_bye(mq);
+  if (mq->channel_open) /* no on_msg after this: the state below may go */
+    fr_ctx_channel_close(mq->ctx, FR_CHANNEL_MQ);
+  serve_inbox(mq); /* what came after the thread stopped: a BYE sent as ours was answered */
   if (mq->dir)
     fr_mq_unregister(mq);
   pthread_mutex_lock(&mq->lock);
@@ -395,8 +573,9 @@ void ferry_mq_close(ferry_mq *mq) {
   fr_dir_close(mq->dir);
   pthread_mutex_destroy(&mq->lock);
   pthread_mutex_destroy(&mq->publish_lock);
+  fr_inbox_fini(&mq->inbox); /* what came for the thread after it stopped */
   pthread_cond_destroy(&mq->cond);
-  pthread_cond_destroy(&mq->bg_cond);
+  pthread_cond_destroy(&mq->thread_cond);
   free(mq);
 }
 
@@ -406,10 +585,10 @@ int ferry_mq_set_callback(ferry_mq *mq, ferry_mq_fn fn, void *arg) {
   pthread_mutex_lock(&mq->lock);
   mq->callback = fn;
   mq->callback_arg = arg;
-  pthread_cond_broadcast(&mq->cond);
-  pthread_cond_signal(&mq->bg_cond);
+  fr_mq_changed(mq); /* a recv waiting returns FERRY_EBUSY */
+  fr_mq_kick(mq);    /* messages queued already go to the callback */
   /* a call of the previous callback may be running: wait for it, unless it is the caller */
-  bool own = fr_mq_on_own_thread(mq);
+  bool own = on_thread(mq);
   while (mq->in_callback && !own)
     pthread_cond_wait(&mq->cond, &mq->lock);
   pthread_mutex_unlock(&mq->lock);

@@ -1,25 +1,33 @@
 /*
  * mq, internal view: the state behind a ferry_mq handle and what its files share.
  *
- * wire.c encodes and decodes mq frames (a pure decoder, fuzzed); mq.c opens and closes, runs the
- * background thread and the pump (the one place that takes messages off FR_CHANNEL_MQ and
- * dispatches them), and keeps the node's directory records; discover.c subscribes, advertises
- * and finds peers; publish.c sends (with credit.c, batch.c, fast.c, pool.c, clock.c, loan.c:
- * publish.h); recv.c hands messages to the application and returns credit.
+ * wire.c encodes and decodes mq frames (a pure decoder, fuzzed); mq.c opens and closes, owns
+ * the context's FR_CHANNEL_MQ (its on_msg dispatches every frame as it arrives, on whichever
+ * thread drives the context), runs the mq's thread (timers, and what on_msg may not do because
+ * it could block) and the one wait; discover.c subscribes, advertises and finds peers;
+ * publish.c sends (with credit.c, batch.c, fast.c, pool.c, clock.c, loan.c: publish.h); recv.c
+ * queues messages for the application, hands them out and returns credit.
  *
  * Roles: as a publisher this node keeps a `peer` per remote subscriber node (its link, credit
  * window and what is in flight to it) and, per topic, the list of peers subscribed. As a
  * subscriber it keeps a `session` per link that data arrives on (credit it owes back, pool blocks
  * it holds), and the set of topics it subscribed.
+ *
+ * Locks, in this order: publish_lock, then the context's channel lock (held around on_msg),
+ * then mq->lock, then the inbox's. So nothing that holds mq->lock calls into the context (a
+ * send, a wait, a link poll, a channel open or close): on_msg, run by that call's thread or by
+ * the one it waits on, would take mq->lock again or wait for the holder.
  */
 #ifndef FR_MQ_H
 #define FR_MQ_H
 
+#include "core/channels.h"
 #include "core/core.h"
 #include "core/pool.h"
 #include "core/region.h"
 #include "directory/directory.h"
 #include "directory/peers.h"
+#include "transport/ctxcalls.h"
 
 #include <pthread.h>
 #include <string.h>
@@ -123,8 +131,9 @@ typedef struct fr_mq_session { /* a link that messages arrive on */
   uint64_t window;    /* our window, for the return threshold */
   uint64_t *releases; /* pool tokens to release */
   size_t nreleases, capreleases;
-  bool gone; /* the publisher said BYE or the link died */
-  int refs;  /* the session list + messages */
+  bool gone;       /* the publisher said BYE or the link died */
+  bool credit_due; /* credit to send that on_msg could not (a send may block): the thread's */
+  int refs;        /* the session list + messages */
   struct fr_mq_session *next;
 } fr_mq_session;
 
@@ -172,14 +181,20 @@ struct ferry_mq {
   fr_dir_lease lease; /* its job record "ferry:job/mq/" + name on its context's node */
   uint64_t window, inline_bytes;
 
-  pthread_mutex_t lock;   /* everything below */
-  pthread_cond_t cond;    /* state changed: a message queued, credit came, a peer joined */
-  pthread_cond_t bg_cond; /* the background thread's: closing, a callback, a pending batch */
+  pthread_mutex_t lock; /* everything below */
+  pthread_cond_t cond;  /* state changed (fr_mq_changed): waiters in fr_mq_wait sleep on it */
+  uint64_t events;      /* bumped with every change a waiter may wait for (fr_mq_changed): what the
+                         * one wait's ready() reads without the lock (atomic) */
   bool closing;
-  bool pumping;         /* a thread is taking messages off the channel */
-  int waiters;          /* application threads waiting in recv/publish/wait_subscribers */
-  uint64_t app_pump_ns; /* when an application thread last pumped or waited to */
-  uint64_t malformed;   /* frames dropped as malformed */
+  bool channel_open;          /* this mq owns FR_CHANNEL_MQ */
+  bool rx_costly;             /* atomic: the last frame came on a link not cheap to poll (not shm):
+                               * waiters then do not spin */
+  uint64_t malformed;         /* frames dropped as malformed */
+  fr_inbox inbox;             /* what on_msg leaves to the thread: SUB calls, malformed calls, data
+                               * whose pool is not mapped yet (and data behind it) */
+  size_t deferred;            /* data frames in the inbox: later ones queue behind them (order) */
+  bool thread_kicked;         /* the thread has something to look at (fr_mq_kick) */
+  pthread_cond_t thread_cond; /* the thread sleeps on it: closing, a kick, an inbox message */
 
   fr_mq_rmsg *head, *tail; /* received, not yet taken */
   size_t queued;
@@ -191,13 +206,14 @@ struct ferry_mq {
   uint64_t subs_gen;  /* bumped whenever a topic's subscribers change (read unlocked: atomic) */
   struct fr_mq_link { /* every link this mq dialled or was dialled on, one ref each */
     ferry_link *link;
+    bool bye; /* the peer's mq said BYE on it: it is gone, nobody would answer ours */
   } * links;
   size_t nlinks, caplinks;
   fr_peers dialled; /* the links this mq dialled, by node name (directory/peers.h): closed last */
 
   ferry_mq_fn callback;
   void *callback_arg;
-  bool in_callback; /* the background thread is in the callback */
+  bool in_callback; /* the thread is in the callback */
 
   pthread_mutex_t publish_lock; /* one publish at a time: every subscriber sees one order */
   uint64_t seq;
@@ -224,9 +240,8 @@ struct ferry_mq {
   /* timing settings, read at open: FERRY_MQ_FLUSH_US (a pending batch goes out after this at
    * the latest), FERRY_MQ_STREAM_GAP_US (publishes closer than this are a stream: batched),
    * FERRY_MQ_WARM_WAIT_US (the least a large publish waits for a warm pool block before it
-   * grows the pool), FERRY_MQ_CHECK_MS (waits re-check dead links this often; the background
-   * thread pumps after 5 of these without an application thread pumping, for 2.5 at a time) */
-  uint64_t flush_ns, stream_gap_ns, warm_wait_ns, check_ns;
+   * grows the pool) */
+  uint64_t flush_ns, stream_gap_ns, warm_wait_ns;
   fr_mq_block *blocks;
   size_t nblocks, capblocks;
   fr_pool space; /* which bytes of the pool are free, in 4 KiB granules (core/pool.h) */
@@ -242,15 +257,25 @@ struct ferry_mq {
 };
 
 /* mq.c */
-/* Waits (mq->lock held) until ready(mq, arg) or the deadline, taking messages off the channel
- * meanwhile when no other thread does. 0, FERRY_ETIMEDOUT or FERRY_ECLOSED (no detail set). */
+/* Waits (mq->lock held) until ready(mq, arg) or the deadline: through the context's one wait
+ * (fr_ctx_wait), woken by fr_mq_changed; a waiter that leads the context's epoll or spins on
+ * its shm rings has what it waits for delivered by its own thread. A wait whose deadline has
+ * passed drains the shm rings once first. 0, FERRY_ETIMEDOUT or FERRY_ECLOSED (no detail set). */
 int fr_mq_wait(ferry_mq *mq, bool (*ready)(ferry_mq *, void *), void *arg, uint64_t deadline_ns);
-/* Handles one message taken off the channel (takes it; mq->lock not held). */
-void fr_mq_dispatch(ferry_mq *mq, ferry_msg *m);
-/* Takes one message off the channel within ms and dispatches it (mq->lock not held). */
-void fr_mq_pump(ferry_mq *mq, int ms);
-/* Whether the calling thread is mq's background thread. */
-bool fr_mq_on_own_thread(const ferry_mq *mq);
+/* Something a waiter may wait for changed (lock held): wakes fr_mq_wait's sleepers, and the
+ * waiter that leads the context's epoll, when another thread changed it (the mq's thread added
+ * a subscriber, the application freed a loan or closes: no message wakes that leader). */
+static inline void fr_mq_changed(ferry_mq *mq) {
+  __atomic_store_n(&mq->events, mq->events + 1, __ATOMIC_SEQ_CST);
+  pthread_cond_broadcast(&mq->cond);
+  fr_ctx_poke(mq->ctx, FR_CHANNEL_MQ);
+}
+/* Gives the thread something to look at (lock held): a timer moved, a callback to run, credit
+ * to send. */
+static inline void fr_mq_kick(ferry_mq *mq) {
+  mq->thread_kicked = true;
+  pthread_cond_signal(&mq->thread_cond);
+}
 /* Remembers a link (takes a reference) so close can say BYE and release it. lock held. */
 void fr_mq_keep_link(ferry_mq *mq, ferry_link *l);
 /* A copied-out error detail, for messages built across calls that may overwrite it. */
@@ -286,10 +311,15 @@ void fr_mq_pool_release(ferry_mq *mq, uint64_t token); /* lock held */
 void fr_mq_pool_fini(ferry_mq *mq);
 
 /* recv.c */
-/* Queues a DATA or SHM frame that arrived on msg->link (takes msg). */
-void fr_mq_deliver(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f);
-/* Queues the messages of a BATCH frame (takes msg); a malformed batch is dropped whole. */
-void fr_mq_deliver_batch(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f);
+/* Queues a DATA or SHM frame that arrived on msg->link (takes msg), its payload at `payload`
+ * (NULL: lost, its credit returned). Never blocks: credit it cannot send is marked due on the
+ * session (true returned: kick the thread). */
+bool fr_mq_deliver(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f, const void *payload);
+/* Queues the messages of a BATCH frame (takes msg); a malformed batch is dropped whole. As
+ * fr_mq_deliver, true when credit is due. */
+bool fr_mq_deliver_batch(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f);
+/* Sends the credit marked due (the thread; lock not held). */
+void fr_mq_credit_send_due(ferry_mq *mq);
 /* Handles CREDIT (lock not held). */
 void fr_mq_on_credit(ferry_mq *mq, ferry_link *l, const fr_mq_frame *f);
 fr_mq_session *fr_mq_session_get(ferry_mq *mq, ferry_link *l); /* lock held; NULL: no memory */

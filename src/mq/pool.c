@@ -65,8 +65,10 @@ void fr_mq_pool_release(ferry_mq *mq, uint64_t token) {
   fr_mq_block *b = &mq->blocks[slot - 1];
   if (b->refs <= 0 || b->gen != (uint32_t)(token >> 32))
     return;
-  if (--b->refs == 0)
+  if (--b->refs == 0) {
     fr_pool_free(&mq->space, b->off, b->len);
+    fr_mq_changed(mq); /* a loan or a large publish may wait for room */
+  }
 }
 
 void fr_mq_pool_fini(ferry_mq *mq) {

@@ -22,7 +22,7 @@
  * messages to a per-subscriber batch instead of writing each one to the link; the batch goes out
  * when it is full, before anything else is sent to that subscriber, before this node waits for
  * anything (credit, a message, subscribers), and otherwise within FERRY_MQ_FLUSH_US, sent by the
- * background thread. So a stream of small messages costs one link write per 32 KiB, while an
+ * mq's thread. So a stream of small messages costs one link write per 32 KiB, while an
  * isolated publish (or a ping-pong) is written at once. A publish in a stream that goes to the
  * subscribers the previous one went to, each with a pending batch and credit, takes no mq->lock
  * at all (fast_reserve): the batches hold those subscribers, and publish_lock the batches.
@@ -37,24 +37,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Dispatches what already arrived on the channel, without waiting (lock held, as it returns),
- * unless another thread is taking messages off it. A receive of 0 drains the shm rings. */
+/* Takes in what already arrived in the shm rings, without waiting (lock held, as it returns):
+ * what the epoll brings is dispatched as it comes, but nobody may have driven a ring since its
+ * peer wrote (pool releases, which a publisher wants before it picks a block). */
 void fr_mq_drain(ferry_mq *mq) {
-  if (!fr_mq_on_own_thread(mq))
-    mq->app_pump_ns = fr_now_ns(); /* the background thread leaves the pump to this thread */
-  if (mq->pumping)
-    return;
-  mq->pumping = true;
-  pthread_mutex_unlock(&mq->lock);
-  for (int i = 0; i < 256; i++) {
-    ferry_msg *m = NULL;
-    if (ferry_recv(mq->ctx, FR_CHANNEL_MQ, &m, 0) != 0)
-      break;
-    fr_mq_dispatch(mq, m);
-  }
+  pthread_mutex_unlock(&mq->lock); /* on_msg takes it, on this thread or the one draining */
+  fr_ctx_poll_links(mq->ctx);
   pthread_mutex_lock(&mq->lock);
-  mq->pumping = false;
-  pthread_cond_broadcast(&mq->cond);
 }
 
 static void build(ferry_mq *mq, fr_mq_frames *fr, const char *topic, const ferry_tensor_desc *desc,
@@ -115,8 +104,9 @@ static int settle(ferry_mq *mq, fr_mq_frames *fr, fr_mq_target *v, size_t n, con
       v[i].rc = p->batch_rc;
       p->batch_rc = 0;
     }
-    if (shm && (v[i].rc != 0 || fr_mq_peer_hold(p, fr->token) != 0))
+    if (shm && !v[i].held) /* not sent, or not recorded: its reference goes now */
       fr_mq_pool_release(mq, fr->token);
+    /* else a failed send drops the peer below (or a BYE did), which releases what it held */
     if (v[i].rc != 0 && !p->dead) {
       used +=
           (size_t)snprintf(dead + used, sizeof dead - used, "%s'%s'", ndead ? ", " : "", p->name);
@@ -180,6 +170,10 @@ static int prepare(ferry_mq *mq, const char *topic, uint64_t len, int ms, uint64
     for (size_t i = 0; i < u->n; i++)
       nshm += u->v[i].shm;
     u->fr.token = fr_mq_take_block(mq, len, nshm, loan, u->deadline, &u->off, &u->fresh);
+    for (size_t i = 0; i < u->n; i++) { /* before the sends: see fr_mq_target.held */
+      fr_mq_target *v = &u->v[i];
+      v->held = v->shm && u->fr.token && !v->p->dead && fr_mq_peer_hold(v->p, u->fr.token) == 0;
+    }
     fr_mq_fast_remember(mq, t, u, loan);
   }
   pthread_mutex_unlock(&mq->lock);
@@ -204,7 +198,7 @@ static int deliver(ferry_mq *mq, const char *topic, const ferry_tensor_desc *des
   int rc = settle(mq, &u->fr, u->v, u->n, topic);
   if (wake) {
     __atomic_store_n(&mq->batch_since_ns, fr_mq_oldest_batch(mq, now), __ATOMIC_RELEASE);
-    pthread_cond_signal(&mq->bg_cond); /* the background thread sends it if nobody does */
+    fr_mq_kick(mq); /* the thread sends it if nobody does */
   }
   pthread_mutex_unlock(&mq->lock);
   return rc;

@@ -14,7 +14,9 @@ typedef struct fr_mq_target {
   fr_mq_peer *p;
   uint64_t charge;
   bool shm;
-  bool ref; /* this publish holds a reference (else the peer's pending batch does) */
+  bool ref;  /* this publish holds a reference (else the peer's pending batch does) */
+  bool held; /* the peer holds the pool block already: recorded before the send, since its
+              * release may come back (on_msg, on any thread) before the send returns */
   int rc;
 } fr_mq_target;
 

@@ -91,40 +91,51 @@ void fr_mq_credit_flush(ferry_mq *mq, fr_mq_session *s) {
 static void fill(fr_mq_rmsg *r, ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f,
                  const void *payload, fr_mq_session *s);
 
-void fr_mq_deliver(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f) {
-  const void *payload = f->payload;
-  if (f->type == FR_MQ_SHM && ferry_view(msg->link, &f->ref, f->offset, f->len, &payload) != 0) {
-    fr_warn_limited("mq '%s': message %llu on '%s' from '%s' lost: %s", mq->name,
-                    (unsigned long long)f->seq, f->topic, ferry_link_peer(msg->link),
-                    ferry_last_error());
-    payload = NULL;
-  }
-  fr_mq_rmsg *r = payload ? malloc(sizeof *r) : NULL;
+/* Returns the credit of a message not queued (lock held); true when it is due now. */
+static bool credit_back(fr_mq_session *s, uint64_t charge, uint64_t token) {
   bool send = false;
+  fr_mq_session_credit(s, charge, token, &send);
+  s->credit_due |= send;
+  return send;
+}
+
+bool fr_mq_deliver(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f, const void *payload) {
+  fr_mq_rmsg *r = payload ? malloc(sizeof *r) : NULL;
+  bool due = false;
   pthread_mutex_lock(&mq->lock);
   fr_mq_session *s = fr_mq_session_get(mq, msg->link);
-  if (s && (!r || !fr_mq_subscribed(mq, f->topic) || mq->closing)) {
-    fr_mq_session_credit(s, f->value, f->type == FR_MQ_SHM ? f->token : 0, &send);
-    s->refs++;
+  if (s && r && fr_mq_subscribed(mq, f->topic) && !mq->closing) {
+    fill(r, mq, msg, f, payload, s);
+    fr_mq_changed(mq);
     pthread_mutex_unlock(&mq->lock);
-    free(r);
-    ferry_msg_free(msg);
-    if (send)
-      fr_mq_credit_flush(mq, s);
+    return false;
+  }
+  if (s)
+    due = credit_back(s, f->value, f->type == FR_MQ_SHM ? f->token : 0);
+  pthread_mutex_unlock(&mq->lock);
+  free(r);
+  ferry_msg_free(msg);
+  return due;
+}
+
+void fr_mq_credit_send_due(ferry_mq *mq) {
+  for (;;) {
+    pthread_mutex_lock(&mq->lock);
+    fr_mq_session *s = mq->sessions;
+    while (s && !s->credit_due)
+      s = s->next;
+    if (s) {
+      s->credit_due = false;
+      s->refs++;
+    }
+    pthread_mutex_unlock(&mq->lock);
+    if (!s)
+      return;
+    fr_mq_credit_flush(mq, s);
     pthread_mutex_lock(&mq->lock);
     fr_mq_session_unref(s);
     pthread_mutex_unlock(&mq->lock);
-    return;
   }
-  if (!s) {
-    pthread_mutex_unlock(&mq->lock);
-    free(r);
-    ferry_msg_free(msg);
-    return;
-  }
-  fill(r, mq, msg, f, payload, s);
-  pthread_cond_broadcast(&mq->cond);
-  pthread_mutex_unlock(&mq->lock);
 }
 
 /* The message of a DATA frame that arrived on msg's link, not queued yet (no lock needed). */
@@ -193,23 +204,21 @@ static fr_mq_rxbatch *batch_decode(ferry_mq *mq, ferry_msg *msg, const fr_mq_fra
   return cut ? cut : b;
 }
 
-void fr_mq_deliver_batch(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f) {
+bool fr_mq_deliver_batch(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f) {
   size_t n = 0;
   fr_mq_rxbatch *b = batch_decode(mq, msg, f, &n);
   if (!b) {
     ferry_msg_free(msg);
-    return;
+    return false;
   }
   b->raw = msg;
   b->refs = 0;
-  bool send = false;
+  bool due = false;
   pthread_mutex_lock(&mq->lock);
   fr_mq_session *s = fr_mq_session_get(mq, msg->link);
   for (size_t i = 0; s && i < n; i++) {
     if (!fr_mq_subscribed(mq, b->msgs[i].pub.topic) || mq->closing) {
-      bool more = false;
-      fr_mq_session_credit(s, b->msgs[i].charge, 0, &more);
-      send |= more;
+      due |= credit_back(s, b->msgs[i].charge, 0);
       continue;
     }
     enqueue(mq, &b->msgs[i], s);
@@ -217,20 +226,14 @@ void fr_mq_deliver_batch(ferry_mq *mq, ferry_msg *msg, const fr_mq_frame *f) {
     b->refs++;
   }
   bool none = b->refs == 0;
-  if (send && s)
-    s->refs++;
-  pthread_cond_broadcast(&mq->cond);
+  if (!none)
+    fr_mq_changed(mq);
   pthread_mutex_unlock(&mq->lock);
   if (none) {
     ferry_msg_free(msg);
     free(b);
   }
-  if (send && s) {
-    fr_mq_credit_flush(mq, s);
-    pthread_mutex_lock(&mq->lock);
-    fr_mq_session_unref(s);
-    pthread_mutex_unlock(&mq->lock);
-  }
+  return due;
 }
 
 void fr_mq_on_credit(ferry_mq *mq, ferry_link *l, const fr_mq_frame *f) {
@@ -250,7 +253,7 @@ void fr_mq_on_credit(ferry_mq *mq, ferry_link *l, const fr_mq_frame *f) {
         break;
       }
   }
-  pthread_cond_broadcast(&mq->cond);
+  fr_mq_changed(mq);
   pthread_mutex_unlock(&mq->lock);
 }
 
@@ -265,11 +268,8 @@ int ferry_mq_recv(ferry_mq *mq, ferry_mq_msg **out, int timeout_ms) {
   fr_mq_stream_end(mq); /* what we batched may be what the peer answers */
   pthread_mutex_lock(&mq->lock);
   int rc = 0;
-  if (!mq->head && !mq->callback) { /* only a receive that waits reads the clock */
-    mq->waiters++;
+  if (!mq->head && !mq->callback) /* only a receive that waits reads the clock */
     rc = fr_mq_wait(mq, has_message, NULL, fr_deadline_ns(ms));
-    mq->waiters--;
-  }
   if (rc == 0 && mq->callback)
     rc = FERRY_EBUSY;
   fr_mq_rmsg *r = rc == 0 ? mq->head : NULL;

@@ -60,29 +60,20 @@ static bool channel_ready(void *arg) {
          __atomic_load_n(&w->c->kicked, __ATOMIC_ACQUIRE);
 }
 
-static bool await(ferry_ctx *ctx, uint32_t channel, int timeout_ms, bool idle) {
+bool fr_ctx_await(ferry_ctx *ctx, uint32_t channel, int timeout_ms) {
   fr_channel *c = &ctx->channels[channel];
   /* A wait of 0 leads nothing and spins not, yet must see what has arrived: messages may sit in
    * shm rings that no thread has driven since (the leader is asleep, or busy elsewhere). Drain
    * those links here, as a spinner would; links the epoll drives (tcp) are left to the leader. */
   if (timeout_ms == 0 && __atomic_load_n(&c->count, __ATOMIC_ACQUIRE) == 0)
     fr_ctx_poll_links(ctx);
-  if (timeout_ms > 0 && !idle && !__atomic_load_n(&c->last_costly, __ATOMIC_RELAXED))
+  if (timeout_ms > 0 && !__atomic_load_n(&c->last_costly, __ATOMIC_RELAXED))
     fr_ctx_spin_channel(ctx, c); /* its messages came over shm lately */
   channel_wait w = {ctx, c};
-  (idle ? fr_ctx_wait_idle : fr_ctx_wait)(ctx, (int)channel, channel_ready, &w, &c->lock, &c->cond,
-                                          fr_deadline_ns(timeout_ms));
+  fr_ctx_wait(ctx, (int)channel, channel_ready, &w, &c->lock, &c->cond, fr_deadline_ns(timeout_ms));
   if (__atomic_load_n(&c->kicked, __ATOMIC_ACQUIRE)) /* seen; no store when there was none */
     __atomic_store_n(&c->kicked, false, __ATOMIC_RELEASE);
   return __atomic_load_n(&c->count, __ATOMIC_ACQUIRE) != 0;
-}
-
-bool fr_ctx_await(ferry_ctx *ctx, uint32_t channel, int timeout_ms) {
-  return await(ctx, channel, timeout_ms, false);
-}
-
-bool fr_ctx_await_idle(ferry_ctx *ctx, uint32_t channel, int timeout_ms) {
-  return await(ctx, channel, timeout_ms, true);
 }
 
 void fr_ctx_kick(ferry_ctx *ctx, uint32_t channel) {

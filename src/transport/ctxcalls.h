@@ -94,9 +94,11 @@ void fr_ctx_kick(ferry_ctx *ctx, uint32_t channel);
  * from code the transport runs while it delivers (a message callback): that drain holds the
  * link, and the wait would be for itself. */
 bool fr_ctx_await(ferry_ctx *ctx, uint32_t channel, int timeout_ms);
-/* fr_ctx_await as an idle wait (a service thread that waits for requests on a channel without
- * an owner, mq's): it never spins and leads the epoll only as the progress thread does. */
-bool fr_ctx_await_idle(ferry_ctx *ctx, uint32_t channel, int timeout_ms);
+/* Spins for ready(arg) for up to FERRY_SPIN_US, driving every link of the context that is cheap
+ * to poll (shm rings) meanwhile, so that what they bring is delivered (to an owner's on_msg) by
+ * this thread, with no wake-up: what an owned channel's waiter does before fr_ctx_wait when its
+ * messages come over shm. Returns ready(arg); false at once when no link is worth spinning on. */
+bool fr_ctx_spin(ferry_ctx *ctx, bool (*ready)(void *), void *arg);
 /* Drains every link of the context that is cheap to poll (shm rings), waiting for a drain
  * another thread is doing: what their peers sent before the call has been delivered when it
  * returns. For a wait whose deadline has passed (an owned channel has no queue to look at). */

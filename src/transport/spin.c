@@ -102,6 +102,15 @@ void fr_ctx_spin_channel(ferry_ctx *ctx, fr_channel *c) {
     fr_link_unref(links[i]);
 }
 
+bool fr_ctx_spin(ferry_ctx *ctx, bool (*ready)(void *), void *arg) {
+  ferry_link *links[16];
+  size_t n = cheap_links(ctx, links, 16);
+  bool got = n > 0 ? spin_for(links, n, ready, arg, ctx->spin_us) : ready(arg);
+  for (size_t i = 0; i < n; i++)
+    fr_link_unref(links[i]);
+  return got;
+}
+
 /* Drains every link of the context that is cheap to poll (shm rings), waiting for one that
  * another thread is draining right now: whatever such a link's peer had sent before this call
  * is then in the channel queues. */

@@ -411,7 +411,7 @@ void fr_ctx_lead_early_end(ferry_ctx *ctx);
  * peer that waits for this node to read before it reads would never take the bytes. */
 void fr_ctx_lead_early_drop(void);
 /* fr_ctx_kick, fr_ctx_await, fr_ctx_take, fr_ctx_closing, fr_ctx_poll_links, fr_ctx_poke,
- * fr_ctx_work_polling, fr_ctx_channel_open, fr_inbox: ctxcalls.h */
+ * fr_ctx_spin, fr_ctx_work_polling, fr_ctx_channel_open, fr_inbox: ctxcalls.h */
 
 /* tcp.c: what every listener on an address shares (the tcp transport's, and the metrics one's) */
 /* Splits "HOST:PORT" or "[V6]:PORT" (HOST may be empty); FERRY_EINVAL when it is not one. */
