@@ -482,8 +482,8 @@ static void say_bye(ferry_mq *mq) {
   fr_mq_frame f = {.type = FR_MQ_BYE};
   uint8_t head[FR_MQ_HEAD_MAX];
   struct iovec iov = {head, fr_mq_encode(&f, head)};
-  int ms = fr_timeout(-1);
-  uint64_t deadline = fr_deadline_ns(ms);
+  /* one deadline for every post and answer: stopped peers cost close one timeout in all */
+  uint64_t deadline = fr_deadline_ns(fr_timeout(-1));
   pthread_mutex_lock(&mq->lock); /* on_msg may add links (a session's) meanwhile */
   size_t n = 0;
   ferry_link **links = calloc(mq->nlinks ? mq->nlinks : 1, sizeof *links);
@@ -494,7 +494,8 @@ static void say_bye(ferry_mq *mq) {
   fr_pending **calls = calloc(n ? n : 1, sizeof *calls);
   for (size_t i = 0; calls && i < n; i++)
     if (ferry_link_status(links[i]) == 0 &&
-        fr_link_call_post(links[i], FR_CHANNEL_MQ, &iov, 1, ms, false, &calls[i]) != 0) {
+        fr_link_call_post(links[i], FR_CHANNEL_MQ, &iov, 1, fr_ms_left(deadline), false,
+                          &calls[i]) != 0) {
       fr_debug("mq '%s': BYE to '%s': %s", mq->name, ferry_link_peer(links[i]), ferry_last_error());
       calls[i] = NULL;
     }
