@@ -10,6 +10,8 @@
 #include "bench/netns.h"
 #include "storeutil.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <stdarg.h>
 #include <string.h>
 
@@ -995,6 +997,68 @@ static void test_redis(void **state) {
   fr_dir_close(d);
 }
 
+/* Sends one command to the Redis at `port` and reads its one-line reply: true when it is +OK. */
+static bool redis_say(int port, const char *const *argv, int argc) {
+  char cmd[512];
+  int n = snprintf(cmd, sizeof cmd, "*%d\r\n", argc);
+  for (int i = 0; i < argc; i++)
+    n += snprintf(cmd + n, sizeof cmd - (size_t)n, "$%zu\r\n%s\r\n", strlen(argv[i]), argv[i]);
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  char reply[64] = {0};
+  bool ok = fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
+            write(fd, cmd, (size_t)n) == n && read(fd, reply, sizeof reply - 1) > 0 &&
+            strncmp(reply, "+OK", 3) == 0;
+  if (fd >= 0)
+    close(fd);
+  return ok;
+}
+
+/* A job that leaves while the directory refuses its delete (Redis denies scripts for a moment:
+ * a command sent to a stopped Redis would still run once it resumes) cannot delete its job
+ * record, and its node lives on (another job holds it): the node deletes the record at a renewal
+ * once the directory answers, so the job's name is free again while the process goes on. Before,
+ * the name stayed taken until the process exited. */
+static void test_orphan_deleted(void **state) {
+  su_redis r;
+  if (!su_redis_start(&r))
+    return;
+  ferry_ctx *c = open_ctx("orphans", NULL);
+  fr_dir *jd, *d;
+  FR_OK(fr_dir_open(c, r.url, 2000, &jd));
+  FR_OK(fr_dir_open(NULL, r.url, 2000, &d));
+  fr_dir_lease stays, leaves;
+  FR_OK(fr_dir_lease_init(&stays, jd, c, "store", "orphans", "store 'orphans'"));
+  stays.lease_ms = 900; /* renewed every 300 ms */
+  FR_OK(fr_dir_lease_take(&stays, 2000));
+  FR_OK(fr_dir_lease_init(&leaves, jd, c, "refit", "orphan-policy", "refit sender 'orphan'"));
+  FR_OK(fr_dir_lease_take(&leaves, 2000));
+  assert_int_equal(jobs_of(d, "orphans"), 2);
+  const char *deny[] = {"ACL", "SETUSER", "default", "-eval"};
+  const char *allow[] = {"ACL", "SETUSER", "default", "+eval"};
+  assert_true(redis_say(r.port, deny, 4));
+  fr_dir_lease_drop(&leaves); /* its delete is refused */
+  assert_true(redis_say(r.port, allow, 4));
+  assert_int_equal(jobs_of(d, "orphans"), 2);
+  size_t jobs = 2;
+  for (int i = 0; i < 200 && jobs != 1; i++) { /* up to 20 s */
+    su_sleep_ms(100);
+    fr_dir_lease_renew(&stays);
+    jobs = jobs_of(d, "orphans");
+  }
+  assert_int_equal(jobs, 1);
+  fr_dir_node got;
+  assert_int_equal(fr_dir_job_find(d, "refit", "orphan-policy", &got, 2000), FERRY_ENOTFOUND);
+  FR_OK(fr_dir_job_find(d, "store", "orphans", &got, 2000));
+  fr_err_clear();
+  fr_dir_lease_drop(&stays);
+  fr_dir_close(d);
+  fr_dir_close(jd);
+  ferry_ctx_close(c);
+  su_redis_stop(&r);
+}
+
 static void test_redis_url(void **state) {
   fr_redis_url u;
   FR_OK(fr_redis_url_parse("redis://", &u));
@@ -1240,6 +1304,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_redis),
       cmocka_unit_test(test_table_rules),
       cmocka_unit_test(test_table_rejects_garbage),
+      cmocka_unit_test(test_orphan_deleted),
       cmocka_unit_test(test_redis_url),
       cmocka_unit_test(test_redact),
       cmocka_unit_test(test_reach_decision),

@@ -37,6 +37,10 @@ struct fr_dir_self {
   uint64_t next_renew_ns; /* atomic */
   bool ok;                /* atomic: held, and the directory answered the last request */
   fr_dir_lease *members;
+  /* Records of its jobs whose delete failed (the directory away for a moment): deleted at the
+   * node's renewals until done, since the node's lease, which would take them, goes on. */
+  fr_dir_object *orphans;
+  size_t norphans, orphans_cap;
   struct fr_dir_self *next_self; /* in `selves` */
 };
 
@@ -89,6 +93,7 @@ void fr_dir_self_free(fr_dir_self *self) {
     }
   pthread_mutex_unlock(&create_lock);
   pthread_mutex_destroy(&self->lock);
+  free(self->orphans);
   free(self);
 }
 
@@ -254,6 +259,49 @@ static int renew_node(fr_dir_self *me, int timeout_ms) {
   return rc ? rc : status;
 }
 
+/* me->lock held. Adds a record whose delete failed to those the renewals delete. */
+static void orphan_add(fr_dir_self *me, const fr_dir_object *rec) {
+  for (size_t i = 0; i < me->norphans; i++)
+    if (strcmp(me->orphans[i].key, rec->key) == 0)
+      return;
+  if (FR_GROW(me->orphans, me->orphans_cap, me->norphans + 1, 4) == 0)
+    me->orphans[me->norphans++] = *rec;
+  else /* it goes with the node's lease, then */
+    fr_warn("directory: no memory to remember '%s' for deletion", rec->key);
+}
+
+/* me->lock held. A key published again is no orphan (a job of the same name came back: its
+ * record has the same owner and generation). */
+static void orphan_forget(fr_dir_self *me, const char *key) {
+  for (size_t i = 0; i < me->norphans; i++)
+    if (strcmp(me->orphans[i].key, key) == 0) {
+      me->orphans[i] = me->orphans[--me->norphans];
+      return;
+    }
+}
+
+/* me->lock held, after a renewal the directory answered: deletes the orphans it can. */
+static void orphans_retry(fr_dir_self *me, int timeout_ms) {
+  for (size_t i = 0; i < me->norphans;) {
+    const fr_dir_object *o = &me->orphans[i];
+    int rc = fr_dir_obj_del(me->dir, o->key, o->owner, o->generation, NULL, timeout_ms);
+    if (rc != 0 && rc != FERRY_ENOTFOUND) {
+      fr_err_clear();
+      return; /* the directory is away again: the next renewal tries */
+    }
+    me->orphans[i] = me->orphans[--me->norphans];
+  }
+}
+
+void fr_dir_lease_orphan(fr_dir_lease *l, const fr_dir_object *rec) {
+  fr_dir_self *me = l->self;
+  if (!me)
+    return;
+  pthread_mutex_lock(&me->lock);
+  orphan_add(me, rec);
+  pthread_mutex_unlock(&me->lock);
+}
+
 /* me->lock held. The node registered, not lost, with the record its jobs want; renewed first when
  * `renew` (its renewal is due) or when its record changes (a put of a lapsed node's incarnation
  * would bring it back without its records: the renewal finds out). */
@@ -282,6 +330,8 @@ static int ensure_node(fr_dir_self *me, const fr_dir_lease *l, bool renew, int t
       (rc = me->dir->ops->node_put(me->dir->state, &want, lease_ms, 0, NULL, timeout_ms)) == 0) {
     set_record(me, &want, lease_ms);
   }
+  if (rc == 0 && renew && me->norphans)
+    orphans_retry(me, timeout_ms);
   if (rc != 0 || renew || !same) /* it asked the directory: the next renewal is a third on */
     schedule(me, rc == 0);
   return rc;
@@ -319,6 +369,7 @@ static int job_holder_gone(fr_dir_self *me, const fr_dir_lease *l, int timeout_m
 static int publish_job(fr_dir_self *me, fr_dir_lease *l, int timeout_ms) {
   fr_dir_object o;
   job_record(l, &o);
+  orphan_forget(me, o.key);
   int rc = fr_dir_obj_put(me->dir, &o, FR_DIR_PUT_KEEP_OTHERS, NULL, NULL, timeout_ms);
   if (rc == FERRY_EEXIST && (rc = job_holder_gone(me, l, timeout_ms)) == 0) {
     rc = fr_dir_obj_put(me->dir, &o, FR_DIR_PUT_KEEP_OTHERS, NULL, NULL, timeout_ms);
@@ -499,6 +550,12 @@ static void detach(fr_dir_self *me, fr_dir_lease *l) {
     rc = fr_dir_obj_del(me->dir, l->key, me->node.name, me->node.incarnation, NULL, 2000);
     if (rc == FERRY_ENOTFOUND)
       rc = 0;
+    if (rc != 0) { /* else the job's name stays taken while the node lives */
+      fr_dir_object o = {.generation = me->node.incarnation};
+      snprintf(o.key, sizeof o.key, "%s", l->key);
+      snprintf(o.owner, sizeof o.owner, "%s", me->node.name);
+      orphan_add(me, &o);
+    }
     fr_dir_node want;
     int lease_ms;
     wanted(me, &want, &lease_ms);
@@ -510,8 +567,8 @@ static void detach(fr_dir_self *me, fr_dir_lease *l) {
   if (rc == 0)
     fr_info("%s: left the directory at %s", l->who, me->dir->url);
   else /* not worth a warning: a directory that is gone has dropped the records already */
-    fr_info("%s: left without telling the directory at %s (%s); its records go when its lease "
-            "of %d ms lapses",
+    fr_info("%s: left without telling the directory at %s (%s); its record goes at the node's "
+            "next renewal, or when its lease of %d ms lapses",
             l->who, me->dir->url, ferry_last_error(), me->lease_ms);
 }
 

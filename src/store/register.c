@@ -101,9 +101,12 @@ void fr_store_unregister(ferry_store *s) {
     {
       int rc = fr_dir_obj_del(s->dir, recs[i].key, recs[i].owner, recs[i].generation, NULL, 2000);
       gone += rc == 0 || rc == FERRY_ENOTFOUND;
+      if (rc != 0 && rc != FERRY_ENOTFOUND) /* the node's renewals delete it */
+        fr_dir_lease_orphan(&s->lease, &recs[i]);
     }
-    if (!recs || gone < n) /* the rest go when the node's lease lapses */
-      fr_info("store '%s': %zu of its %zu records stay in the directory until node '%s' leaves",
+    if (!recs || gone < n) /* the rest go at the node's renewals, or with its lease */
+      fr_info("store '%s': %zu of its %zu records stay in the directory until node '%s' renews "
+              "its lease or leaves",
               s->name, n - gone, n, s->lease.node.name);
     fr_err_clear();
     free(recs);
