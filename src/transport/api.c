@@ -134,7 +134,8 @@ int ferry_connect(ferry_ctx *ctx, const char *address, int timeout_ms, ferry_lin
 void ferry_link_close(ferry_link *link) {
   if (!link)
     return;
-  fr_link_flush(link, fr_link_flush_deadline(link->ctx));
+  if (fr_link_is_open(link)) /* a link its closed ctx ended no longer reaches that ctx */
+    fr_link_flush(link, fr_link_flush_deadline(link->ctx));
   fr_link_fail(link, FERRY_ECLOSED, "closed by this node");
   fr_link_unref(link);
 }
