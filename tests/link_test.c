@@ -1448,22 +1448,6 @@ static void ends(const char *transport) {
 static void test_end_after_sends_shm(void **s) { ends("shm"); }
 static void test_end_after_sends_tcp(void **s) { ends("tcp"); }
 
-/* Voluntary context switches so far of this process's progress threads (every ctx's): each is
- * the thread blocking and being woken again. */
-static long progress_wakeups(void) {
-  char cmd[256];
-  snprintf(cmd, sizeof cmd,
-           "for t in /proc/%d/task/*; do grep -qx ferry-progress $t/comm 2>/dev/null && "
-           "grep ^voluntary_ctxt_switches $t/status; done | awk '{n += $2} END {print n + 0}'",
-           (int)getpid());
-  FILE *f = popen(cmd, "r");
-  long n = -1;
-  assert_non_null(f);
-  assert_int_equal(fscanf(f, "%ld", &n), 1);
-  pclose(f);
-  return n;
-}
-
 typedef struct echo_args {
   ferry_ctx *c;
   int n, rc;
@@ -1506,7 +1490,7 @@ static void paced_round_trips(const char *transport) {
   tu_fill(mem, sizeof mem, 3);
   ferry_region_ref ref;
   FR_OK(ferry_register(p.b, mem, sizeof mem, &ref));
-  long before = progress_wakeups();
+  long before = tu_wakeups(getpid(), "ferry-progress");
   for (int i = 0; i < ROUNDS; i++) {
     usleep(10000);
     FR_OK(ferry_send(p.ab, 7, &hello, 1, 5000));
@@ -1518,7 +1502,7 @@ static void paced_round_trips(const char *transport) {
     FR_OK(ferry_read(p.ab, &ref, 0, got, sizeof got, 5000));
     assert_memory_equal(got, mem, sizeof got);
   }
-  long woke = progress_wakeups() - before;
+  long woke = tu_wakeups(getpid(), "ferry-progress") - before;
   pthread_join(t, NULL);
   assert_int_equal(e.rc, 0);
   fprintf(stderr, "%s: the progress threads woke %ld times in %d paced round trips and reads\n",

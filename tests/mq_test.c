@@ -782,24 +782,6 @@ static void dead_while_waiting(void) {
   ferry_ctx_close(c);
 }
 
-/* Voluntary context switches of every thread of this process so far: each is a thread that
- * slept and was woken (as `ferry bench` counts wake-ups). Preemptions are left out: a loaded
- * machine adds them to a sleeping process too. -1 when /proc cannot tell. */
-static long wakeups(void) {
-  char cmd[256];
-  snprintf(cmd, sizeof cmd,
-           "cat /proc/%d/task/*/status 2>/dev/null | "
-           "awk '/^voluntary_ctxt_switches/ {n += $2} END {print n + 0}'",
-           (int)getpid());
-  FILE *p = popen(cmd, "r");
-  long n = -1;
-  if (!p || fscanf(p, "%ld", &n) != 1)
-    n = -1;
-  if (p)
-    pclose(p);
-  return n;
-}
-
 typedef struct blocked_recv {
   ferry_mq *mq;
   int rc;
@@ -834,9 +816,9 @@ static void idle_sleeps(void) {
   FR_OK(ferry_mq_recv(b, &m, 5000));
   ferry_mq_msg_free(m);
   usleep(1000000); /* what the exchange left to settle (credit, the stream's end) */
-  long before = wakeups();
+  long before = tu_wakeups(getpid(), NULL);
   usleep(3000000);
-  long after = wakeups();
+  long after = tu_wakeups(getpid(), NULL);
   assert_true(before >= 0 && after >= before);
   fprintf(stderr, "idle mq (%s): %ld wake-ups in 3 s\n", suite_transports, after - before);
   assert_true(after - before <= IDLE_WAKEUPS_MAX);
@@ -846,9 +828,9 @@ static void idle_sleeps(void) {
   pthread_t t;
   assert_int_equal(pthread_create(&t, NULL, recv_blocked, &r), 0);
   usleep(500000);
-  before = wakeups();
+  before = tu_wakeups(getpid(), NULL);
   usleep(3000000);
-  after = wakeups();
+  after = tu_wakeups(getpid(), NULL);
   fprintf(stderr, "idle mq (%s), a thread blocked in recv: %ld wake-ups in 3 s\n", suite_transports,
           after - before);
   assert_true(after - before <= IDLE_WAKEUPS_MAX);

@@ -220,23 +220,6 @@ static void test_commands(void **state) {
   free(data);
 }
 
-/* Context switches of every thread of process pid so far (voluntary and not): each is a
- * wake-up or a preemption of one of its threads. -1 when /proc cannot tell. */
-static long context_switches(pid_t pid) {
-  char cmd[256];
-  snprintf(
-      cmd, sizeof cmd,
-      "cat /proc/%d/task/*/status 2>/dev/null | awk '/ctxt_switches/ {n += $2} END {print n + 0}'",
-      (int)pid);
-  FILE *p = popen(cmd, "r");
-  long n = -1;
-  if (!p || fscanf(p, "%ld", &n) != 1)
-    n = -1;
-  if (p)
-    pclose(p);
-  return n;
-}
-
 /* An idle `ferry serve` sleeps: its threads wait on what wakes them (requests, a kick, the next
  * lease renewal) rather than polling. After a put and a get (posted work settled), it wakes at
  * most 10 times a second on average over 3 s. A count, not a timing: a slow machine only makes
@@ -250,12 +233,12 @@ static void test_idle_serve_sleeps(void **state) {
   write_file("idle.bin", "0123456789abcdef", 16);
   assert_int_equal(run("%s put idle idle.bin && %s get idle idle.out", cli, cli), 0);
   su_sleep_ms(3000); /* what the put left to settle: polled only for a while after it */
-  long before = context_switches(serve);
+  long before = tu_wakeups(serve, NULL);
   su_sleep_ms(3000);
-  long after = context_switches(serve);
+  long after = tu_wakeups(serve, NULL);
   assert_true(before >= 0 && after >= before);
   long woke = after - before;
-  fprintf(stderr, "idle ferry serve: %ld context switches in 3 s\n", woke);
+  fprintf(stderr, "idle ferry serve: %ld wake-ups in 3 s\n", woke);
   assert_true(woke <= 30);
   kill(serve, SIGTERM);
   assert_int_equal(tu_wait(serve), 0);

@@ -753,24 +753,6 @@ typedef struct quieter {
   tu_pipe done, quit;
 } quieter;
 
-/* Voluntary context switches of every thread of process pid so far: each is one of its threads
- * blocking and being woken later, so the difference over a while counts its wake-ups. -1 when
- * /proc cannot tell. */
-static long wakeups_of(pid_t pid) {
-  char cmd[256];
-  snprintf(cmd, sizeof cmd,
-           "cat /proc/%d/task/*/status 2>/dev/null | awk '/^voluntary_ctxt_switches/ {n += $2} "
-           "END {print n + 0}'",
-           (int)pid);
-  FILE *p = popen(cmd, "r");
-  long n = -1;
-  if (!p || fscanf(p, "%ld", &n) != 1)
-    n = -1;
-  if (p)
-    pclose(p);
-  return n;
-}
-
 /* A burst of posted puts (five re-puts of each of ten keys: replaced copies linger), then it says
  * so and waits, doing nothing, until told to quit. */
 static int quiet_putter(void *arg) {
@@ -815,9 +797,9 @@ static void test_quiet_after_puts(void **state) {
   pid_t pid = tu_spawn(quiet_putter, &q);
   char ch;
   assert_int_equal(tu_pipe_get(&q.done, &ch, 1, 30000), 0);
-  long p0 = wakeups_of(pid), d0 = wakeups_of(dir);
+  long p0 = tu_wakeups(pid, NULL), d0 = tu_wakeups(dir, NULL);
   su_sleep_ms(QUIET_MS);
-  long p1 = wakeups_of(pid), d1 = wakeups_of(dir);
+  long p1 = tu_wakeups(pid, NULL), d1 = tu_wakeups(dir, NULL);
   tu_pipe_put(&q.quit, "Q", 1);
   assert_int_equal(tu_wait(pid), 0);
   stop_child(dir);

@@ -155,3 +155,38 @@ static bool root_is_mount(void) {
 tu_skip_why tu_netns_skip_why(void) {
   return geteuid() == 0 && root_is_mount() ? TU_SKIP_FIXABLE : TU_SKIP_NOT_HERE;
 }
+
+/* Whether task `tid` of /proc/PID/task (dir) is named `thread`. */
+static bool task_named(const char *dir, const char *tid, const char *thread) {
+  char path[512], comm[64] = "";
+  snprintf(path, sizeof path, "%s/%s/comm", dir, tid);
+  FILE *f = fopen(path, "r");
+  bool got = f && fgets(comm, sizeof comm, f);
+  if (f)
+    fclose(f);
+  comm[strcspn(comm, "\n")] = 0;
+  return got && strcmp(comm, thread) == 0;
+}
+
+long tu_wakeups(pid_t pid, const char *thread) {
+  char dir[64];
+  snprintf(dir, sizeof dir, "/proc/%d/task", (int)pid);
+  DIR *d = opendir(dir);
+  if (!d)
+    return -1;
+  long n = 0;
+  for (struct dirent *e; (e = readdir(d));) {
+    if (e->d_name[0] == '.' || (thread && !task_named(dir, e->d_name, thread)))
+      continue;
+    char path[512], line[128];
+    snprintf(path, sizeof path, "%s/%s/status", dir, e->d_name);
+    FILE *f = fopen(path, "r");
+    for (long v; f && fgets(line, sizeof line, f);)
+      if (sscanf(line, "voluntary_ctxt_switches: %ld", &v) == 1)
+        n += v;
+    if (f)
+      fclose(f);
+  }
+  closedir(d);
+  return n;
+}

@@ -32,6 +32,11 @@ pid_t tu_spawn(int (*fn)(void *arg), void *arg);
 pid_t tu_spawn_exec(const char *arg1, ...);
 /* Waits for a child; returns its exit status, or 128+signal if it was killed. */
 int tu_wait(pid_t pid);
+/* Wake-ups so far of process pid's threads (all of them, or those named `thread`, e.g.
+ * "ferry-progress"): their voluntary context switches, each a thread that slept and was woken,
+ * as `ferry bench` counts them; preemptions, which a loaded machine adds to a sleeping process
+ * too, are left out. -1 when /proc cannot tell. */
+long tu_wakeups(pid_t pid, const char *thread);
 /* A pipe pair for parent/child hand-offs of small strings. */
 typedef struct tu_pipe {
   int rd, wr;
