@@ -440,6 +440,13 @@ static void test_embedded_local(void **state) {
   fr_dir_server_free(s);
 }
 
+/* A free loopback port as a listen address, and the URL of a directory served there. */
+static void loopback_directory(char listen[64], char url[80]) {
+  int port = su_free_port();
+  snprintf(listen, 64, "127.0.0.1:%d", port);
+  snprintf(url, 80, "ferry://127.0.0.1:%d", port);
+}
+
 static ferry_ctx *open_ctx(const char *name, const char *listen) {
   ferry_ctx_opts o = {.size = sizeof o, .name = name, .tcp_listen = listen, .token = ""};
   ferry_ctx *c = NULL;
@@ -448,10 +455,8 @@ static ferry_ctx *open_ctx(const char *name, const char *listen) {
 }
 
 static void test_embedded_link(void **state) {
-  int port = su_free_port();
   char listen[64], url[80];
-  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
-  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  loopback_directory(listen, url);
   ferry_ctx *sc = open_ctx("dir-server", listen), *cc = open_ctx("dir-client", NULL);
   fr_dir_server *srv;
   FR_OK(fr_dir_server_start(sc, &srv));
@@ -502,10 +507,8 @@ static double ctx_stat(ferry_ctx *c, const char *name) {
  * published refit sender on one context dial the directory only as often as one client alone does.
  */
 static void test_shared_client(void **state) {
-  int port = su_free_port();
   char listen[64], url[80];
-  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
-  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  loopback_directory(listen, url);
   ferry_ctx *sc = open_ctx("dir-server", listen), *a = open_ctx("dir-a", NULL),
             *b = open_ctx("dir-b", NULL);
   fr_dir_server *srv;
@@ -702,10 +705,8 @@ static void check_one_node(const char *url, fr_dir_server *srv) {
  * client, so the context is still one node; the server outlives the job that hosted it while the
  * others use it. */
 static void test_hosted_one_node(void **state) {
-  int port = su_free_port();
   char listen[64], url[80];
-  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
-  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  loopback_directory(listen, url);
   ferry_ctx *h = open_ctx("hosting", listen), *c = open_ctx("hosted-watch", NULL);
   ferry_store_opts so = {
       .size = sizeof so, .capacity = 1 << 20, .flags = FERRY_STORE_HOST_DIRECTORY};
@@ -759,10 +760,8 @@ static size_t records_of(fr_dir *d, const char *prefix, const char *owner) {
  * job publishes its records again (the store its objects, mq its topic records, each its job
  * record) without a put or a call of the application. */
 static void test_jobs_publish_again(void **state) {
-  int port = su_free_port();
   char listen[64], url[80];
-  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
-  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  loopback_directory(listen, url);
   ferry_ctx *sc = open_ctx("dir-server", listen), *j = open_ctx("again", NULL);
   fr_dir_server *srv;
   FR_OK(fr_dir_server_start(sc, &srv));
@@ -809,10 +808,8 @@ static void test_jobs_publish_again(void **state) {
 }
 
 static void test_one_node(void **state) {
-  int port = su_free_port();
   char listen[64], url[80];
-  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
-  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  loopback_directory(listen, url);
   ferry_ctx *sc = open_ctx("dir-server", listen);
   fr_dir_server *srv;
   FR_OK(fr_dir_server_start(sc, &srv));
@@ -861,10 +858,8 @@ static pid_t spawn_doomed(const char *url, tu_pipe *from_child, const char *leas
  * (never some without the others), and a restarted process takes its names back at once (its
  * lease of a minute would not have lapsed before the 30 s the child has to come up). */
 static void test_jobs_lapse_together(void **state) {
-  int port = su_free_port();
   char listen[64], url[80];
-  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
-  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  loopback_directory(listen, url);
   ferry_ctx *sc = open_ctx("dir-server", listen), *c = open_ctx("dir-watch", NULL);
   fr_dir_server *srv;
   FR_OK(fr_dir_server_start(sc, &srv));
