@@ -79,7 +79,8 @@ FERRY_API const char *ferry_version(void);
   X(ESTATE, -21, "invalid state transition")                                                       \
   X(ECHECKSUM, -22, "checksum mismatch")                                                           \
   X(ESTALE, -23, "stale data")                                                                     \
-  X(EFREED, -24, "freed by its owner")
+  X(EFREED, -24, "freed by its owner")                                                             \
+  X(EDEVICE, -25, "CUDA device error")
 
 enum ferry_status {
 #define FERRY_STATUS_ENUM_(name, code, msg) FERRY_##name = (code),
@@ -269,6 +270,44 @@ FERRY_API int ferry_metrics_serve(ferry_ctx *ctx, const char *listen, ferry_metr
 /* "HOST:PORT" where it listens (owned by the server). */
 FERRY_API const char *ferry_metrics_server_address(const ferry_metrics_server *server);
 FERRY_API void ferry_metrics_server_close(ferry_metrics_server *server);
+
+/* ---------------------------------------------------------------------------------------------
+ * Memory kinds: host memory, or a CUDA device's. ferry loads the CUDA driver API at run time
+ * (FERRY_CUDA_LIB, else libcuda.so.1; FERRY_CUDA=off never loads it) the first time a call
+ * needs to know; one build serves CPU-only and GPU machines. Without a driver every pointer is
+ * host memory. Device bytes are never touched from the CPU: ferry moves them with the copy
+ * engines, on streams of its own, and a call that reads or writes them returns only when its
+ * copies are done. It does not wait for the caller's streams: synchronize the stream that wrote
+ * a tensor before handing it to ferry (docs/GPU.md).
+ * ------------------------------------------------------------------------------------------- */
+typedef enum ferry_mem_kind { FERRY_MEM_HOST = 0, FERRY_MEM_CUDA = 1 } ferry_mem_kind;
+
+/* The CUDA driver as this process sees it. */
+typedef struct ferry_cuda_info {
+  size_t size;        /* sizeof(ferry_cuda_info) (FR_OPT rule) */
+  int found;          /* 1 when a driver is loaded */
+  int driver_version; /* e.g. 12080 for 12.8 */
+  int devices;        /* device count */
+  char library[256];  /* the library loaded, or the one that was tried */
+  char detail[256];   /* why none was loaded (found == 0), else empty */
+} ferry_cuda_info;
+
+/* Loads the driver if it is not yet and describes it. Never fails for want of a driver (found is
+ * 0 then, with the reason in detail); FERRY_EINVAL for a bad size. */
+FERRY_API int ferry_cuda_info_get(ferry_cuda_info *out);
+/* Name and memory of CUDA device `device` (0..devices-1). FERRY_ENOTSUP without a driver,
+ * FERRY_ERANGE for no such device. */
+FERRY_API int ferry_cuda_device(int device, char *name, size_t name_len, uint64_t *total_bytes);
+/* Where ptr lives: FERRY_MEM_CUDA (and its device ordinal in *device, when not NULL) or
+ * FERRY_MEM_HOST (*device = -1). Never fails. */
+FERRY_API ferry_mem_kind ferry_mem_where(const void *ptr, int *device);
+/* Copies n bytes between any two of host and CUDA memory; the copy is complete on return (a plain
+ * memcpy when both are host memory). FERRY_EDEVICE with the driver's error in the detail. */
+FERRY_API int ferry_mem_copy(void *dst, const void *src, size_t n);
+/* Device memory of ferry's own (cuMemAlloc on `device`), for callers without an allocator of
+ * theirs (a tensor made on a named device); ferry_cuda_free releases it. */
+FERRY_API int ferry_cuda_alloc(int device, size_t n, void **out);
+FERRY_API int ferry_cuda_free(void *ptr);
 
 /* ---------------------------------------------------------------------------------------------
  * Memory regions: memory that peers may read and write by (region id, access key), always

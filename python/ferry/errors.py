@@ -7,7 +7,7 @@ from . import _lib
 __all__ = ["Error", "InvalidArgument", "OutOfMemory", "Timeout", "NotFound", "AlreadyExists",
            "AccessDenied", "OutOfBounds", "PeerGone", "ConnectError", "DtypeError", "ShapeError",
            "Closed", "Busy", "CapacityExceeded", "NotSupported", "StateError", "ChecksumError",
-           "Stale", "Freed", "check", "raise_status"]
+           "Stale", "Freed", "DeviceError", "check", "raise_status"]
 
 
 class Error(Exception):
@@ -102,12 +102,16 @@ class Freed(Error):
     raised at once, since no retry can bring those bytes back."""
 
 
+class DeviceError(Error):
+    """FERRY_EDEVICE: the CUDA driver refused a call; its error is in the detail."""
+
+
 _BY_CODE = {
     -1: InvalidArgument, -2: OutOfMemory, -3: OutOfMemory, -4: Timeout, -5: NotFound,
     -6: AlreadyExists, -7: AccessDenied, -8: OutOfBounds, -9: PeerGone, -10: Error,
     -11: ConnectError, -12: AccessDenied, -13: DtypeError, -14: ShapeError, -15: ShapeError,
     -16: Closed, -17: Busy, -18: CapacityExceeded, -19: Error, -20: NotSupported,
-    -21: StateError, -22: ChecksumError, -23: Stale, -24: Freed,
+    -21: StateError, -22: ChecksumError, -23: Stale, -24: Freed, -25: DeviceError,
 }
 
 

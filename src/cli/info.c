@@ -1,6 +1,6 @@
 /*
- * `ferry info`: the library version, the transports this build has, and with --config every
- * FERRY_* setting with its current value and doc.
+ * `ferry info`: the library version, the transports this build has, the CUDA driver and its
+ * devices, and with --config every FERRY_* setting with its current value and doc.
  */
 #include "cli/args.h"
 #include "cli/cli.h"
@@ -15,9 +15,12 @@
 
 static const char info_usage[] =
     "usage: ferry info [--config] [--json]\n\n"
-    "Prints the version, the transports, and whether the directory (FERRY_DIRECTORY) is up;\n"
+    "Prints the version, the transports, the CUDA driver (FERRY_CUDA_LIB, else libcuda.so.1)\n"
+    "and its devices, and whether the directory (FERRY_DIRECTORY) is up;\n"
     "--config lists every FERRY_* setting with its current value and what it does.\n"
     "--json prints one JSON object: {\"version\", \"transports\", \"ucx\", \"order\",\n"
+    "\"cuda\": {\"found\", \"library\", \"driver_version\", \"devices\": [{\"name\",\n"
+    "\"total_bytes\"}] or \"error\"},\n"
     "\"directory\": {\"url\", \"up\", \"nodes\" or \"error\"}, and with --config \"config\":\n"
     "[{\"name\", \"value\", \"default\", \"doc\"}]}.\n";
 
@@ -41,6 +44,43 @@ static void print_config(bool json) {
              getenv(it->name) ? "" : " (default)");
     }
   }
+}
+
+/* The CUDA driver and its devices, as text or as the value of "cuda". */
+static void print_cuda(bool json) {
+  ferry_cuda_info ci = {.size = sizeof ci};
+  ferry_cuda_info_get(&ci);
+  if (json) {
+    printf("{\"found\":%s,\"library\":", ci.found ? "true" : "false");
+    cli_json_string(stdout, ci.library);
+    if (!ci.found) {
+      printf(",\"error\":");
+      cli_json_string(stdout, ci.detail);
+      printf("}");
+      return;
+    }
+    printf(",\"driver_version\":%d,\"devices\":[", ci.driver_version);
+  } else if (!ci.found) {
+    printf("cuda:       no driver (%s)\n", ci.detail);
+    return;
+  } else {
+    printf("cuda:       %s, driver %d.%d, %d device%s\n", ci.library, ci.driver_version / 1000,
+           ci.driver_version % 1000 / 10, ci.devices, ci.devices == 1 ? "" : "s");
+  }
+  for (int d = 0; d < ci.devices; d++) {
+    char name[256] = "?";
+    uint64_t total = 0;
+    ferry_cuda_device(d, name, sizeof name, &total);
+    if (json) {
+      printf("%s{\"name\":", d ? "," : "");
+      cli_json_string(stdout, name);
+      printf(",\"total_bytes\":%llu}", (unsigned long long)total);
+    } else {
+      printf("  cuda:%d     %s, %.1f GiB\n", d, name, (double)total / (1 << 30));
+    }
+  }
+  if (json)
+    printf("]}");
 }
 
 /* Whether the directory this node would use answers, and with how many nodes (-1: not). */
@@ -82,6 +122,8 @@ static void print_json(bool config) {
   cli_json_string(stdout, u);
   printf(",\"order\":");
   cli_json_string(stdout, ferry_config_get("FERRY_TRANSPORTS"));
+  printf(",\"cuda\":");
+  print_cuda(true);
   char shown[FR_DIR_ADDRESS_MAX + 1];
   fr_url_redact(url, shown, sizeof shown);
   printf(",\"directory\":{\"url\":");
@@ -118,6 +160,7 @@ int cli_info(int argc, char **argv) {
   printf("transports: shm (same host: unix socket + mapped memory), tcp, ucx\n");
   fr_ucx_describe(stdout);
   printf("order:      %s (FERRY_TRANSPORTS)\n", ferry_config_get("FERRY_TRANSPORTS"));
+  print_cuda(false);
   const char *url = ferry_config_get("FERRY_DIRECTORY");
   char error[512] = "";
   long nodes = probe_directory(url, error, sizeof error);

@@ -1,0 +1,434 @@
+/*
+ * The CUDA driver API, loaded at run time: the one place ferry calls CUDA (see cuda.h for the
+ * rules callers rely on). No CUDA header or library exists at build time (Debian packages
+ * none), so the few types and entry points used are declared here from the driver's stable C
+ * ABI, each resolved by its exported name (the _v2 names where the driver versioned a call).
+ * FERRY_CUDA_LIB names another library with the same entry points: the tests' stand-in
+ * (tests/cudastub) makes every CUDA path of ferry run on a machine without a GPU.
+ *
+ * Each call that touches a device saves the calling thread's current context, makes that
+ * device's primary context current, and restores the saved one before returning: ferry runs on
+ * its callers' threads, and PyTorch reads its current device from the current context.
+ */
+#include "core/cuda.h"
+#include "core/core.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+typedef struct {
+  char reserved[64];
+} CUipcMemHandle;
+
+enum {
+  CUDA_SUCCESS = 0,
+  CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2,
+  CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9,
+  CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11,
+  CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12,
+  CU_MEMORYTYPE_DEVICE = 2,
+  CU_STREAM_NON_BLOCKING = 1,
+  CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1,
+  CU_MEMHOSTREGISTER_PORTABLE = 1,
+};
+
+/* field, exported name, signature */
+#define FR_CUDA_CALLS(X)                                                                           \
+  X(cuInit, "cuInit", (unsigned))                                                                  \
+  X(cuDriverGetVersion, "cuDriverGetVersion", (int *))                                             \
+  X(cuDeviceGetCount, "cuDeviceGetCount", (int *))                                                 \
+  X(cuDeviceGet, "cuDeviceGet", (CUdevice *, int))                                                 \
+  X(cuDeviceGetName, "cuDeviceGetName", (char *, int, CUdevice))                                   \
+  X(cuDeviceTotalMem, "cuDeviceTotalMem_v2", (size_t *, CUdevice))                                 \
+  X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", (CUcontext *, CUdevice))                 \
+  X(cuCtxSetCurrent, "cuCtxSetCurrent", (CUcontext))                                               \
+  X(cuCtxGetCurrent, "cuCtxGetCurrent", (CUcontext *))                                             \
+  X(cuGetErrorString, "cuGetErrorString", (CUresult, const char **))                               \
+  X(cuPointerGetAttribute, "cuPointerGetAttribute", (void *, int, CUdeviceptr))                    \
+  X(cuMemAlloc, "cuMemAlloc_v2", (CUdeviceptr *, size_t))                                          \
+  X(cuMemFree, "cuMemFree_v2", (CUdeviceptr))                                                      \
+  X(cuMemHostRegister, "cuMemHostRegister_v2", (void *, size_t, unsigned))                         \
+  X(cuMemHostUnregister, "cuMemHostUnregister", (void *))                                          \
+  X(cuMemcpyAsync, "cuMemcpyAsync", (CUdeviceptr, CUdeviceptr, size_t, CUstream))                  \
+  X(cuStreamCreate, "cuStreamCreate", (CUstream *, unsigned))                                      \
+  X(cuStreamDestroy, "cuStreamDestroy_v2", (CUstream))                                             \
+  X(cuStreamSynchronize, "cuStreamSynchronize", (CUstream))                                        \
+  X(cuIpcGetMemHandle, "cuIpcGetMemHandle", (CUipcMemHandle *, CUdeviceptr))                       \
+  X(cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2", (CUdeviceptr *, CUipcMemHandle, unsigned))        \
+  X(cuIpcCloseMemHandle, "cuIpcCloseMemHandle", (CUdeviceptr))
+
+static struct {
+#define FR_CUDA_FIELD(field, name, args) CUresult(*field) args;
+  FR_CUDA_CALLS(FR_CUDA_FIELD)
+#undef FR_CUDA_FIELD
+} cu;
+
+static struct {
+  pthread_once_t once;
+  bool loaded; /* written once, before `once` completes */
+  int driver_version, devices;
+  char library[256], detail[400];
+  pthread_mutex_t lock; /* primary */
+  CUcontext primary[FR_CUDA_MAX_DEVICES];
+} drv = {.once = PTHREAD_ONCE_INIT, .lock = PTHREAD_MUTEX_INITIALIZER};
+
+static const char *cu_error(CUresult r) {
+  const char *s = NULL;
+  if (!cu.cuGetErrorString || cu.cuGetErrorString(r, &s) != CUDA_SUCCESS || !s)
+    s = "unknown error";
+  return s;
+}
+
+static int cu_fail(CUresult r, const char *call) {
+  return fr_err(FERRY_EDEVICE, "cuda: %s: %s (error %d)", call, cu_error(r), r);
+}
+
+/* Resolves every entry point; the name of the first one missing, or NULL. */
+static const char *resolve(void *lib) {
+#define FR_CUDA_RESOLVE(field, name, args)                                                         \
+  if (!(*(void **)&cu.field = dlsym(lib, name)))                                                   \
+    return name;
+  FR_CUDA_CALLS(FR_CUDA_RESOLVE)
+#undef FR_CUDA_RESOLVE
+  return NULL;
+}
+
+static void load_once(void) {
+  const char *mode = fr_config_str("FERRY_CUDA");
+  const char *path = fr_config_str("FERRY_CUDA_LIB");
+  snprintf(drv.library, sizeof drv.library, "%s", *path ? path : "libcuda.so.1");
+  if (strcmp(mode, "off") == 0) {
+    snprintf(drv.detail, sizeof drv.detail, "FERRY_CUDA=off");
+    return;
+  }
+  if (strcmp(mode, "auto") != 0)
+    fr_warn("FERRY_CUDA=%s: expected auto or off; taken as auto", mode);
+  void *lib = dlopen(drv.library, RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    snprintf(drv.detail, sizeof drv.detail, "%s", dlerror());
+    return;
+  }
+  const char *missing = resolve(lib);
+  CUresult r = CUDA_SUCCESS;
+  if (missing)
+    snprintf(drv.detail, sizeof drv.detail, "%s has no %s", drv.library, missing);
+  else if ((r = cu.cuInit(0)) != CUDA_SUCCESS ||
+           (r = cu.cuDriverGetVersion(&drv.driver_version)) != CUDA_SUCCESS ||
+           (r = cu.cuDeviceGetCount(&drv.devices)) != CUDA_SUCCESS)
+    snprintf(drv.detail, sizeof drv.detail, "cuInit: %s (error %d)", cu_error(r), r);
+  if (missing || r != CUDA_SUCCESS) {
+    memset(&cu, 0, sizeof cu);
+    dlclose(lib);
+    return;
+  }
+  if (drv.devices > FR_CUDA_MAX_DEVICES)
+    drv.devices = FR_CUDA_MAX_DEVICES;
+  __atomic_store_n(&drv.loaded, true, __ATOMIC_RELEASE);
+}
+
+int fr_cuda_load(void) {
+  pthread_once(&drv.once, load_once);
+  if (!drv.loaded)
+    return fr_err(FERRY_ENOTSUP, "no CUDA driver: %s", drv.detail);
+  return 0;
+}
+
+bool fr_cuda_loaded(void) { return __atomic_load_n(&drv.loaded, __ATOMIC_ACQUIRE); }
+
+/* Makes `device`'s primary context current on this thread; *saved gets the one it replaces. */
+static int enter(int device, CUcontext *saved) {
+  int rc = fr_cuda_load();
+  if (rc != 0)
+    return rc;
+  if (device < 0 || device >= drv.devices)
+    return fr_err(FERRY_ERANGE, "cuda: no device %d (%d found)", device, drv.devices);
+  pthread_mutex_lock(&drv.lock);
+  CUcontext ctx = drv.primary[device];
+  CUresult r = CUDA_SUCCESS;
+  if (!ctx) {
+    CUdevice dev;
+    if ((r = cu.cuDeviceGet(&dev, device)) == CUDA_SUCCESS &&
+        (r = cu.cuDevicePrimaryCtxRetain(&ctx, dev)) == CUDA_SUCCESS)
+      drv.primary[device] = ctx;
+  }
+  pthread_mutex_unlock(&drv.lock);
+  if (r != CUDA_SUCCESS)
+    return cu_fail(r, "cuDevicePrimaryCtxRetain");
+  if ((r = cu.cuCtxGetCurrent(saved)) != CUDA_SUCCESS)
+    return cu_fail(r, "cuCtxGetCurrent");
+  if (*saved != ctx && (r = cu.cuCtxSetCurrent(ctx)) != CUDA_SUCCESS)
+    return cu_fail(r, "cuCtxSetCurrent");
+  return 0;
+}
+
+static void leave(CUcontext saved) {
+  CUcontext now = NULL;
+  if (cu.cuCtxGetCurrent(&now) == CUDA_SUCCESS && now != saved)
+    cu.cuCtxSetCurrent(saved);
+}
+
+fr_mem_where fr_cuda_where(const void *ptr) {
+  fr_mem_where w = {.kind = FERRY_MEM_HOST, .device = -1};
+  unsigned type = 0;
+  int ordinal = -1;
+  CUdeviceptr start = 0;
+  size_t size = 0;
+  CUdeviceptr p = (CUdeviceptr)(uintptr_t)ptr;
+  if (!ptr || fr_cuda_load() != 0 ||
+      cu.cuPointerGetAttribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, p) != CUDA_SUCCESS ||
+      type != CU_MEMORYTYPE_DEVICE ||
+      cu.cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p) != CUDA_SUCCESS ||
+      cu.cuPointerGetAttribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, p) != CUDA_SUCCESS ||
+      cu.cuPointerGetAttribute(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, p) != CUDA_SUCCESS) {
+    fr_err_clear(); /* no driver, or plain host memory: not a failure */
+    return w;
+  }
+  w.kind = FERRY_MEM_CUDA;
+  w.device = ordinal;
+  w.base = (uintptr_t)start;
+  w.size = size;
+  return w;
+}
+
+/* Each thread's copy streams, one per device, destroyed with the thread. */
+typedef struct thread_streams {
+  CUstream s[FR_CUDA_MAX_DEVICES];
+} thread_streams;
+static pthread_key_t streams_key;
+static pthread_once_t streams_once = PTHREAD_ONCE_INIT;
+
+static void streams_free(void *arg) {
+  thread_streams *t = arg;
+  for (int d = 0; d < FR_CUDA_MAX_DEVICES; d++) {
+    CUcontext saved;
+    if (t->s[d] && enter(d, &saved) == 0) {
+      cu.cuStreamDestroy(t->s[d]);
+      leave(saved);
+    }
+  }
+  free(t);
+}
+
+static void streams_key_make(void) { pthread_key_create(&streams_key, streams_free); }
+
+/* This thread's stream for `device`, whose context is current. */
+static int thread_stream(int device, CUstream *out) {
+  pthread_once(&streams_once, streams_key_make);
+  thread_streams *t = pthread_getspecific(streams_key);
+  if (!t) {
+    if (!(t = calloc(1, sizeof *t)))
+      return fr_err(FERRY_ENOMEM, "cuda: stream table");
+    pthread_setspecific(streams_key, t);
+  }
+  CUresult r;
+  if (!t->s[device] && (r = cu.cuStreamCreate(&t->s[device], CU_STREAM_NON_BLOCKING)) != 0)
+    return cu_fail(r, "cuStreamCreate");
+  *out = t->s[device];
+  return 0;
+}
+
+int fr_cuda_copy_on(int device_hint, void *dst, const void *src, size_t n) {
+  int device = device_hint;
+  if (device < 0) {
+    fr_mem_where s = fr_cuda_where(src), d = fr_cuda_where(dst);
+    device = s.kind == FERRY_MEM_CUDA ? s.device : d.device;
+  }
+  if (device < 0) {
+    memcpy(dst, src, n);
+    return 0;
+  }
+  if (n == 0)
+    return 0;
+  CUcontext saved;
+  CUstream stream = NULL;
+  int rc = enter(device, &saved);
+  if (rc != 0)
+    return rc;
+  CUresult r;
+  if ((rc = thread_stream(device, &stream)) == 0) {
+    if ((r = cu.cuMemcpyAsync((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, n,
+                              stream)) != CUDA_SUCCESS)
+      rc = cu_fail(r, "cuMemcpyAsync");
+    if ((r = cu.cuStreamSynchronize(stream)) != CUDA_SUCCESS && rc == 0)
+      rc = cu_fail(r, "cuStreamSynchronize");
+  }
+  leave(saved);
+  return rc;
+}
+
+int fr_cuda_copy(void *dst, const void *src, size_t n) { return fr_cuda_copy_on(-1, dst, src, n); }
+
+/* Pinned memory is the driver's, not a device's: device 0's context registers it (portable:
+ * every context sees it pinned). */
+int fr_cuda_pin(void *p, size_t n) {
+  CUcontext saved;
+  int rc = enter(0, &saved);
+  if (rc != 0)
+    return rc;
+  CUresult r = cu.cuMemHostRegister(p, n, CU_MEMHOSTREGISTER_PORTABLE);
+  leave(saved);
+  return r == CUDA_SUCCESS ? 0 : cu_fail(r, "cuMemHostRegister");
+}
+
+int fr_cuda_unpin(void *p) {
+  CUcontext saved;
+  int rc = enter(0, &saved);
+  if (rc != 0)
+    return rc;
+  CUresult r = cu.cuMemHostUnregister(p);
+  leave(saved);
+  return r == CUDA_SUCCESS ? 0 : cu_fail(r, "cuMemHostUnregister");
+}
+
+int fr_cuda_alloc(int device, size_t n, void **out) {
+  CUcontext saved;
+  int rc = enter(device, &saved);
+  if (rc != 0)
+    return rc;
+  CUdeviceptr p = 0;
+  CUresult r = cu.cuMemAlloc(&p, n ? n : 1);
+  leave(saved);
+  if (r != CUDA_SUCCESS)
+    return cu_fail(r, "cuMemAlloc");
+  *out = (void *)(uintptr_t)p;
+  return 0;
+}
+
+int fr_cuda_free(void *p) {
+  fr_mem_where w = fr_cuda_where(p);
+  if (w.kind != FERRY_MEM_CUDA)
+    return fr_err(FERRY_EINVAL, "cuda free: %p is not device memory", p);
+  CUcontext saved;
+  int rc = enter(w.device, &saved);
+  if (rc != 0)
+    return rc;
+  CUresult r = cu.cuMemFree((CUdeviceptr)(uintptr_t)p);
+  leave(saved);
+  return r == CUDA_SUCCESS ? 0 : cu_fail(r, "cuMemFree");
+}
+
+int fr_cuda_ipc_export(const void *ptr, fr_cuda_ipc *out) {
+  fr_mem_where w = fr_cuda_where(ptr);
+  if (w.kind != FERRY_MEM_CUDA)
+    return fr_err(FERRY_EINVAL, "cuda ipc: %p is not device memory", ptr);
+  CUcontext saved;
+  int rc = enter(w.device, &saved);
+  if (rc != 0)
+    return rc;
+  CUipcMemHandle h;
+  CUresult r = cu.cuIpcGetMemHandle(&h, (CUdeviceptr)w.base);
+  leave(saved);
+  if (r != CUDA_SUCCESS)
+    return cu_fail(r, "cuIpcGetMemHandle");
+  memset(out, 0, sizeof *out);
+  memcpy(out->handle, &h, sizeof h);
+  out->offset = (uint64_t)((uintptr_t)ptr - w.base);
+  out->alloc_bytes = w.size;
+  out->device = w.device;
+  return 0;
+}
+
+int fr_cuda_ipc_open(const fr_cuda_ipc *h, int device, void **base) {
+  int rc = fr_cuda_load();
+  if (rc != 0)
+    return rc;
+  if (device < 0)
+    device = h->device >= 0 && h->device < drv.devices ? h->device : 0;
+  CUcontext saved;
+  if ((rc = enter(device, &saved)) != 0)
+    return rc;
+  CUipcMemHandle handle;
+  memcpy(&handle, h->handle, sizeof handle);
+  CUdeviceptr p = 0;
+  CUresult r = cu.cuIpcOpenMemHandle(&p, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+  leave(saved);
+  if (r != CUDA_SUCCESS)
+    return cu_fail(r, "cuIpcOpenMemHandle");
+  /* The peer's word for the size is not trusted: bounds come from the mapping itself. */
+  fr_mem_where w = fr_cuda_where((void *)(uintptr_t)p);
+  if (w.kind != FERRY_MEM_CUDA || w.base != (uintptr_t)p || w.size < h->alloc_bytes) {
+    fr_cuda_ipc_close((void *)(uintptr_t)p);
+    return fr_err(FERRY_EPROTO, "cuda ipc: the mapped allocation is %zu bytes, not the %llu sent",
+                  w.size, (unsigned long long)h->alloc_bytes);
+  }
+  *base = (void *)(uintptr_t)p;
+  return 0;
+}
+
+int fr_cuda_ipc_close(void *base) {
+  fr_mem_where w = fr_cuda_where(base);
+  CUcontext saved;
+  int rc = enter(w.device >= 0 ? w.device : 0, &saved);
+  if (rc != 0)
+    return rc;
+  CUresult r = cu.cuIpcCloseMemHandle((CUdeviceptr)(uintptr_t)base);
+  leave(saved);
+  return r == CUDA_SUCCESS ? 0 : cu_fail(r, "cuIpcCloseMemHandle");
+}
+
+/* ---- the public calls (ferry.h) ---- */
+
+int ferry_cuda_info_get(ferry_cuda_info *out) {
+  if (!out || out->size < sizeof *out || out->size > FR_OPTS_MAX)
+    return fr_err(FERRY_EINVAL, "ferry_cuda_info_get: size must be sizeof(ferry_cuda_info)");
+  size_t size = out->size;
+  memset(out, 0, sizeof *out);
+  out->size = size;
+  bool found = fr_cuda_load() == 0;
+  fr_err_clear();
+  out->found = found;
+  out->driver_version = drv.driver_version;
+  out->devices = drv.devices;
+  snprintf(out->library, sizeof out->library, "%s", drv.library);
+  snprintf(out->detail, sizeof out->detail, "%.255s", found ? "" : drv.detail);
+  return 0;
+}
+
+int ferry_cuda_device(int device, char *name, size_t name_len, uint64_t *total_bytes) {
+  int rc = fr_cuda_load();
+  if (rc != 0)
+    return rc;
+  if (device < 0 || device >= drv.devices)
+    return fr_err(FERRY_ERANGE, "cuda: no device %d (%d found)", device, drv.devices);
+  CUdevice dev;
+  CUresult r = cu.cuDeviceGet(&dev, device);
+  if (r != CUDA_SUCCESS)
+    return cu_fail(r, "cuDeviceGet");
+  if (name && name_len && (r = cu.cuDeviceGetName(name, (int)name_len, dev)) != CUDA_SUCCESS)
+    return cu_fail(r, "cuDeviceGetName");
+  size_t total = 0;
+  if (total_bytes && (r = cu.cuDeviceTotalMem(&total, dev)) != CUDA_SUCCESS)
+    return cu_fail(r, "cuDeviceTotalMem");
+  if (total_bytes)
+    *total_bytes = total;
+  return 0;
+}
+
+ferry_mem_kind ferry_mem_where(const void *ptr, int *device) {
+  fr_mem_where w = fr_cuda_where(ptr);
+  if (device)
+    *device = w.device;
+  return w.kind;
+}
+
+int ferry_mem_copy(void *dst, const void *src, size_t n) {
+  if (n && (!dst || !src))
+    return fr_err(FERRY_EINVAL, "ferry_mem_copy: NULL buffer");
+  return fr_cuda_copy(dst, src, n);
+}
+
+int ferry_cuda_alloc(int device, size_t n, void **out) {
+  if (!out)
+    return fr_err(FERRY_EINVAL, "ferry_cuda_alloc: out is NULL");
+  return fr_cuda_alloc(device, n, out);
+}
+
+int ferry_cuda_free(void *ptr) { return fr_cuda_free(ptr); }

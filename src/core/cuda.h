@@ -1,0 +1,75 @@
+/*
+ * CUDA memory, through the driver API loaded at run time (cuda.c). Nothing CUDA is linked at
+ * build time: the first call that needs the driver dlopen()s FERRY_CUDA_LIB, or libcuda.so.1,
+ * once per process; without one every pointer is host memory and the fr_cuda_* calls that need
+ * a device fail with FERRY_ENOTSUP ("no CUDA driver: ...").
+ *
+ * Contexts: every call that touches a device makes that device's primary context current on
+ * the calling thread first (the one PyTorch and the runtime API use), so any ferry thread may
+ * call these. Copies run on a non-blocking stream of the calling thread's own for that device
+ * and are complete when the call returns; they do not wait for work on the caller's streams
+ * (callers synchronize the stream that wrote the bytes first: docs/GPU.md).
+ */
+#ifndef FR_CUDA_H
+#define FR_CUDA_H
+
+#include "ferry.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define FR_CUDA_MAX_DEVICES 64
+
+/* Where a pointer's bytes live. For CUDA memory, base and size are its allocation's. */
+typedef struct fr_mem_where {
+  ferry_mem_kind kind;
+  int device;     /* CUDA device ordinal; -1 for host memory */
+  uintptr_t base; /* CUDA: the allocation's first byte (0 for host memory) */
+  size_t size;    /* CUDA: the allocation's bytes */
+} fr_mem_where;
+
+/* Loads the driver once (cuInit, devices counted); 0, or FERRY_ENOTSUP with the reason. */
+int fr_cuda_load(void);
+/* Whether a driver is loaded, without trying to load one. */
+bool fr_cuda_loaded(void);
+
+/* Never fails: host memory when no driver is loaded or the driver does not know the pointer. */
+fr_mem_where fr_cuda_where(const void *ptr);
+static inline bool fr_cuda_is_device(const void *ptr) {
+  return fr_cuda_loaded() && fr_cuda_where(ptr).kind == FERRY_MEM_CUDA;
+}
+
+/* n bytes between any two of host and device memory (unified addressing); done on return. */
+int fr_cuda_copy(void *dst, const void *src, size_t n);
+/* The same, device_hint naming the device whose context runs it (-1: found from the pointers). */
+int fr_cuda_copy_on(int device_hint, void *dst, const void *src, size_t n);
+
+/* Pins host memory for the copy engines (cuMemHostRegister, portable); unpin undoes it. */
+int fr_cuda_pin(void *p, size_t n);
+int fr_cuda_unpin(void *p);
+
+int fr_cuda_alloc(int device, size_t n, void **out);
+int fr_cuda_free(void *p);
+
+/* A CUDA IPC handle of the allocation that holds a pointer, as peers receive it (wire format:
+ * little-endian, fixed layout). The importer maps the whole allocation and adds offset. */
+typedef struct fr_cuda_ipc {
+  uint8_t handle[64];
+  uint64_t offset;      /* of the exported pointer within its allocation */
+  uint64_t alloc_bytes; /* the allocation's size */
+  int32_t device;       /* the exporter's device ordinal */
+  uint32_t reserved;
+} fr_cuda_ipc;
+_Static_assert(sizeof(fr_cuda_ipc) == 88, "fr_cuda_ipc is part of the protocol");
+
+int fr_cuda_ipc_export(const void *ptr, fr_cuda_ipc *out);
+/* Maps an exported allocation in this process, in `device`'s context (-1: the exporter's ordinal
+ * when this process has it, else 0; ordinals differ between processes under
+ * CUDA_VISIBLE_DEVICES); *base is the allocation's first byte here, checked to be at least
+ * h->alloc_bytes long. Close with fr_cuda_ipc_close(base). A process cannot open its own
+ * handles (the driver refuses). */
+int fr_cuda_ipc_open(const fr_cuda_ipc *h, int device, void **base);
+int fr_cuda_ipc_close(void *base);
+
+#endif
