@@ -190,3 +190,24 @@ long tu_wakeups(pid_t pid, const char *thread) {
   closedir(d);
   return n;
 }
+
+bool tu_cuda_use(void) {
+  const char *mode = getenv("FERRY_TEST_CUDA");
+  bool driver = mode && strcmp(mode, "driver") == 0;
+  if (!driver) {
+    const char *stub = getenv("FERRY_CUDASTUB");
+    if (!stub || !*stub) {
+      tu_skip(TU_SKIP_FIXABLE, "no CUDA driver: FERRY_CUDASTUB (the stand-in's path) is not set");
+      return false;
+    }
+    setenv("FERRY_CUDA_LIB", stub, 1);
+  }
+  ferry_cuda_info ci = {.size = sizeof ci};
+  ferry_cuda_info_get(&ci);
+  if (!ci.found || ci.devices < 1) {
+    tu_skip(driver ? TU_SKIP_NOT_HERE : TU_SKIP_FIXABLE, "no CUDA driver: %s",
+            ci.found ? "no device" : ci.detail);
+    return false;
+  }
+  return true;
+}

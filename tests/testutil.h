@@ -74,4 +74,12 @@ tu_skip_why tu_netns_skip_why(void);
  * running test instead (does not return). The caller returns after it. */
 void tu_skip(tu_skip_why why, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
+/* CUDA tests (their file holds the line "// ferry-test: cuda": ctest label cuda) run against the
+ * in-tree stand-in driver (tests/cudastub; ctest passes its path in FERRY_CUDASTUB), or against
+ * the real driver when FERRY_TEST_CUDA=driver (scripts/gpu-check.sh). Call before any other ferry
+ * call: sets FERRY_CUDA_LIB for this process and the processes it starts, and loads the driver.
+ * True when one is loaded; else it reported the skip ("no CUDA driver: ..."; a missing stand-in
+ * is fixable, a machine without a GPU is not) and the caller returns. */
+bool tu_cuda_use(void);
+
 #endif
