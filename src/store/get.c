@@ -63,7 +63,8 @@ static bool owned_mapped(ferry_store *s, const fr_owned *o) {
   return ok;
 }
 
-static int read_local(ferry_store *s, const fr_dir_object *rec, void *dst) {
+static int read_local(ferry_store *s, const fr_dir_object *rec, void *dst, int device) {
+  int rc;
   pthread_mutex_lock(&s->lock);
   size_t at;
   fr_owned *o = fr_store_find_owned(s, rec->key, &at);
@@ -76,7 +77,10 @@ static int read_local(ferry_store *s, const fr_dir_object *rec, void *dst) {
     return stale(rec);
   if (!mapped)
     return freed(rec);
-  memcpy(dst, src, rec->bytes);
+  if (device < 0)
+    memcpy(dst, src, rec->bytes);
+  else if ((rc = fr_cuda_copy_on(device, dst, src, (size_t)rec->bytes)) != 0)
+    return fr_err_wrap(rc, "get '%s': into CUDA device %d", rec->key, device);
   __atomic_signal_fence(__ATOMIC_SEQ_CST); /* x86 keeps loads in order; stop the compiler */
   return __atomic_load_n(fr_store_gen(s, slot), __ATOMIC_ACQUIRE) == rec->generation ? 0
                                                                                      : stale(rec);
@@ -96,15 +100,69 @@ static int read_bytes(ferry_link *l, const fr_dir_object *rec, void *dst, progre
   return rc;
 }
 
-static int read_remote(ferry_store *s, const fr_dir_object *rec, void *dst, progress_fn progress,
-                       void *arg, int timeout_ms) {
+/* The host buffer that a device get's tcp reads land in: the store's own (pinned once, for the
+ * copy engines), or one of this call's while another get holds it. */
+static uint8_t *bounce_take(ferry_store *s, size_t want) {
+  if (pthread_mutex_trylock(&s->bounce_lock) != 0)
+    return malloc(want);
+  if (!s->bounce && (s->bounce = malloc(FR_STORE_BOUNCE_BYTES))) {
+    s->bounce_pinned = fr_cuda_pin(s->bounce, FR_STORE_BOUNCE_BYTES) == 0;
+    if (!s->bounce_pinned) { /* pageable memory copies too, only slower */
+      fr_debug("store '%s': bounce buffer not pinned: %s", s->name, ferry_last_error());
+      fr_err_clear();
+    }
+  }
+  if (s->bounce)
+    return s->bounce;
+  pthread_mutex_unlock(&s->bounce_lock);
+  return malloc(want);
+}
+
+static void bounce_give(ferry_store *s, uint8_t *buf) {
+  if (buf && buf == s->bounce)
+    pthread_mutex_unlock(&s->bounce_lock);
+  else
+    free(buf);
+}
+
+/* Reads rec's bytes into device memory: from a same-host owner's pool mapped here, one copy
+ * straight from its pages; else (tcp, ucx) through a host bounce buffer, a chunk at a time, so
+ * that a large object needs no host copy of its whole size. */
+static int read_device(ferry_store *s, ferry_link *l, const fr_dir_object *rec, void *dst,
+                       int device, uint64_t deadline) {
+  size_t bytes = (size_t)rec->bytes;
+  const void *src = NULL;
+  int rc = bytes ? ferry_view(l, &rec->region, rec->offset, bytes, &src) : 0;
+  if (rc == 0)
+    return bytes ? fr_cuda_copy_on(device, dst, src, bytes) : 0;
+  if (rc != FERRY_ENOTSUP)
+    return rc;
+  fr_err_clear(); /* not mapped on this host: read it over the link */
+  size_t chunk = bytes < FR_STORE_BOUNCE_BYTES ? bytes : FR_STORE_BOUNCE_BYTES;
+  uint8_t *buf = bounce_take(s, chunk);
+  if (!buf)
+    return fr_err(FERRY_ENOMEM, "get '%s': a bounce buffer of %zu bytes", rec->key, chunk);
+  rc = 0;
+  for (size_t done = 0; rc == 0 && done < bytes; done += chunk) {
+    size_t n = bytes - done < chunk ? bytes - done : chunk;
+    rc = ferry_read(l, &rec->region, rec->offset + done, buf, n, fr_store_left(deadline));
+    if (rc == 0)
+      rc = fr_cuda_copy_on(device, (uint8_t *)dst + done, buf, n);
+  }
+  bounce_give(s, buf);
+  return rc;
+}
+
+static int read_remote(ferry_store *s, const fr_dir_object *rec, void *dst, int device,
+                       progress_fn progress, void *arg, int timeout_ms) {
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   fr_peer *p;
   int rc = fr_peer_acquire(&s->peers, rec->owner, timeout_ms, &p);
   if (rc != 0)
     return rc;
   uint64_t gen = 0;
-  rc = read_bytes(p->link, rec, dst, progress, arg, deadline);
+  rc = device >= 0 ? read_device(s, p->link, rec, dst, device, deadline)
+                   : read_bytes(p->link, rec, dst, progress, arg, deadline);
   if (rc == 0)
     rc = ferry_read(p->link, &rec->gen_region, rec->gen_offset, &gen, sizeof gen,
                     fr_store_left(deadline));
@@ -123,24 +181,27 @@ static int read_remote(ferry_store *s, const fr_dir_object *rec, void *dst, prog
   return gen == rec->generation ? 0 : stale(rec);
 }
 
-static int read_object(ferry_store *s, const fr_dir_object *rec, void *dst, progress_fn progress,
-                       void *arg, int timeout_ms) {
+static int read_object(ferry_store *s, const fr_dir_object *rec, void *dst, int device,
+                       progress_fn progress, void *arg, int timeout_ms) {
   if (s->mem && strcmp(rec->owner, s->name) == 0) {
-    int rc = read_local(s, rec, dst);
+    int rc = read_local(s, rec, dst, device);
     if (rc == 0 && progress)
       progress(arg, rec->bytes, rec->bytes);
     return rc;
   }
-  return read_remote(s, rec, dst, progress, arg, timeout_ms);
+  return read_remote(s, rec, dst, device, progress, arg, timeout_ms);
 }
 
-int fr_store_read(ferry_store *s, const fr_dir_object *rec, void *dst, int timeout_ms) {
-  return read_object(s, rec, dst, NULL, NULL, timeout_ms);
+int fr_store_read(ferry_store *s, const fr_dir_object *rec, void *dst, int device, int timeout_ms) {
+  return read_object(s, rec, dst, device, NULL, NULL, timeout_ms);
 }
 
 /* ---- get ---- */
 
-static int check_fit(const fr_dir_object *rec, const ferry_tensor_desc *expect, size_t cap) {
+/* Whether the object fits the caller's buffer: cap bytes, or fewer when dst is device memory
+ * whose allocation ends sooner (room: fr_store_device), so nothing is written past either. */
+static int check_fit(const fr_dir_object *rec, const ferry_tensor_desc *expect, size_t cap,
+                     size_t room) {
   char a[160], b[160];
   if (expect && expect->dtype != FERRY_DTYPE_INVALID) {
     bool dtype_ok = expect->dtype == rec->desc.dtype;
@@ -156,6 +217,11 @@ static int check_fit(const fr_dir_object *rec, const ferry_tensor_desc *expect, 
   if (cap < rec->bytes)
     return fr_err(FERRY_ERANGE, "get '%s': %llu bytes do not fit a buffer of %zu", rec->key,
                   (unsigned long long)rec->bytes, cap);
+  if (room < rec->bytes)
+    return fr_err(FERRY_ERANGE,
+                  "get '%s': %llu bytes do not fit the CUDA allocation at dst (%zu bytes from "
+                  "there)",
+                  rec->key, (unsigned long long)rec->bytes, room);
   return 0;
 }
 
@@ -179,17 +245,24 @@ static void backoff(int attempt) {
   nanosleep(&ts, NULL);
 }
 
-static int get_tries(ferry_store *s, const char *key, const ferry_tensor_desc *expect, void *dst,
-                     size_t cap, ferry_store_info *info, progress_fn progress, void *arg,
+/* dst: a destination classified once (fr_store_device) for every attempt of a get. */
+typedef struct get_dst {
+  void *p;
+  size_t cap, room;
+  int device;
+} get_dst;
+
+static int get_tries(ferry_store *s, const char *key, const ferry_tensor_desc *expect,
+                     const get_dst *dst, ferry_store_info *info, progress_fn progress, void *arg,
                      int timeout_ms, uint64_t *bytes) {
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   fr_dir_object rec;
   int rc, stale_reads = 0, dead = 0;
   for (int attempt = 0;; attempt++) {
     if ((rc = fr_store_lookup_again(s, key, &rec, fr_store_left(deadline), attempt > 0)) != 0 ||
-        (rc = check_fit(&rec, expect, cap)) != 0)
+        (rc = check_fit(&rec, expect, dst->cap, dst->room)) != 0)
       return rc;
-    rc = read_object(s, &rec, dst, progress, arg, fr_store_left(deadline));
+    rc = read_object(s, &rec, dst->p, dst->device, progress, arg, fr_store_left(deadline));
     if (rc == FERRY_ESTALE || rc == FERRY_EPEER)
       fr_store_forget(s, key);
     /* stale: look again until the deadline; a dead owner: once more, in case the key moved */
@@ -214,11 +287,11 @@ static int get_tries(ferry_store *s, const char *key, const ferry_tensor_desc *e
 }
 
 /* One get, counted in the store's metrics. */
-static int get_loop(ferry_store *s, const char *key, const ferry_tensor_desc *expect, void *dst,
-                    size_t cap, ferry_store_info *info, progress_fn progress, void *arg,
+static int get_loop(ferry_store *s, const char *key, const ferry_tensor_desc *expect,
+                    const get_dst *dst, ferry_store_info *info, progress_fn progress, void *arg,
                     int timeout_ms) {
   uint64_t t0 = fr_now_ns(), bytes = 0;
-  int rc = get_tries(s, key, expect, dst, cap, info, progress, arg, timeout_ms, &bytes);
+  int rc = get_tries(s, key, expect, dst, info, progress, arg, timeout_ms, &bytes);
   fr_store_count(s, false, rc == 0, rc != 0, bytes, t0);
   return rc;
 }
@@ -228,7 +301,12 @@ int ferry_store_get(ferry_store *s, const char *key, const ferry_tensor_desc *ex
   if (!s || (!dst && cap > 0))
     return fr_err(FERRY_EINVAL, "get: NULL argument");
   int rc = fr_dir_key_check(key, "get");
-  return rc ? rc : get_loop(s, key, expect, dst, cap, info, NULL, NULL, fr_timeout(timeout_ms));
+  if (rc != 0)
+    return rc;
+  get_dst d = {.p = dst, .cap = cap, .room = SIZE_MAX, .device = -1};
+  if (cap > 0)
+    d.device = fr_store_device(dst, &d.room);
+  return get_loop(s, key, expect, &d, info, NULL, NULL, fr_timeout(timeout_ms));
 }
 
 int fr_store_get_progress(ferry_store *s, const char *key, void **out, ferry_store_info *info,
@@ -247,8 +325,8 @@ int fr_store_get_progress(ferry_store *s, const char *key, void **out, ferry_sto
     void *buf = malloc(rec.bytes ? (size_t)rec.bytes : 1);
     if (!buf)
       return fr_err(FERRY_ENOMEM, "get '%s': %llu bytes", key, (unsigned long long)rec.bytes);
-    rc = get_loop(s, key, NULL, buf, (size_t)rec.bytes, info, progress, arg,
-                  fr_store_left(deadline));
+    get_dst d = {.p = buf, .cap = (size_t)rec.bytes, .room = SIZE_MAX, .device = -1};
+    rc = get_loop(s, key, NULL, &d, info, progress, arg, fr_store_left(deadline));
     if (rc == 0) {
       *out = buf;
       return 0;
@@ -273,6 +351,7 @@ struct fr_batch {
   ferry_store *s;
   ferry_store_item *items;
   fr_dir_object *recs;
+  int *devices; /* each item's dst: fr_store_device */
   size_t n;
   size_t next; /* atomic */
   int active;  /* workers inside run_jobs (work_lock) */
@@ -289,7 +368,8 @@ static void run_jobs(fr_batch *b) {
     ferry_store_item *it = &b->items[i];
     if (it->status != PENDING)
       continue;
-    it->status = fr_store_read(b->s, &b->recs[i], it->dst, fr_store_left(b->deadline));
+    it->status =
+        fr_store_read(b->s, &b->recs[i], it->dst, b->devices[i], fr_store_left(b->deadline));
     it->bytes = it->status == 0 ? b->recs[i].bytes : 0;
   }
 }
@@ -405,9 +485,11 @@ static int batch_lookup(ferry_store *s, fr_batch *b, int timeout_ms) {
     rc = batch_ask(s, b, keys, st, timeout_ms);
   for (size_t i = 0; rc == 0 && i < b->n; i++) {
     ferry_store_item *it = &b->items[i];
+    size_t room = SIZE_MAX;
+    b->devices[i] = st[i] || !it->cap ? -1 : fr_store_device(it->dst, &room);
     it->bytes = 0;
     it->status = st[i] ? fr_err(FERRY_ENOTFOUND, "get '%s': no such key", it->key)
-                       : check_fit(&b->recs[i], NULL, it->cap);
+                       : check_fit(&b->recs[i], NULL, it->cap, room);
     if (it->status == 0)
       it->status = PENDING;
   }
@@ -442,11 +524,13 @@ static int get_batch(ferry_store *s, ferry_store_item *items, size_t n, int time
   fr_batch b = {.s = s, .items = items, .n = n};
   b.deadline = fr_deadline_ns(fr_timeout(timeout_ms));
   b.recs = calloc(n, sizeof *b.recs);
-  int rc = b.recs ? batch_lookup(s, &b, fr_store_left(b.deadline))
-                  : fr_err(FERRY_ENOMEM, "batch of %zu", n);
+  b.devices = calloc(n, sizeof *b.devices);
+  int rc = b.recs && b.devices ? batch_lookup(s, &b, fr_store_left(b.deadline))
+                               : fr_err(FERRY_ENOMEM, "batch of %zu", n);
   if (rc == 0)
     run_batch(s, &b);
   free(b.recs);
+  free(b.devices);
   if (rc != 0)
     return rc;
   int first = 0;
@@ -545,7 +629,7 @@ static int view_once(ferry_store *s, const fr_dir_object *rec, ferry_store_view 
     return rc;
   if (!(v->copy = malloc(rec->bytes ? (size_t)rec->bytes : 1)))
     return fr_err(FERRY_ENOMEM, "view '%s': %llu bytes", rec->key, (unsigned long long)rec->bytes);
-  if ((rc = read_object(s, rec, v->copy, NULL, NULL, timeout_ms)) != 0) {
+  if ((rc = read_object(s, rec, v->copy, -1, NULL, NULL, timeout_ms)) != 0) {
     free(v->copy);
     v->copy = NULL;
     return rc;

@@ -163,7 +163,7 @@ static int send_upload(ferry_store *s, const char *holder, const char *key,
 }
 
 int fr_store_upload(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
-                    const void *data, int timeout_ms) {
+                    const void *data, int device, int timeout_ms) {
   uint64_t bytes = 0, offset = 0;
   ferry_tensor_nbytes(desc, &bytes);
   char holder[FR_DIR_NAME_MAX + 1];
@@ -172,10 +172,13 @@ int fr_store_upload(ferry_store *s, const char *key, const ferry_tensor_desc *de
     return rc;
   ferry_region_ref ref = {0};
   void *tmp = NULL;
-  if (bytes > 0 && ferry_region_find(s->ctx, data, bytes, &ref, &offset) != 0) {
+  if (bytes > 0 && (device >= 0 || ferry_region_find(s->ctx, data, bytes, &ref, &offset) != 0)) {
     if ((rc = ferry_alloc(s->ctx, bytes, &tmp)) != 0)
       return rc;
-    memcpy(tmp, data, bytes);
+    if ((rc = fr_cuda_copy_on(device, tmp, data, (size_t)bytes)) != 0) { /* memcpy for host */
+      ferry_free(s->ctx, tmp);
+      return fr_err_wrap(rc, "put '%s'", key);
+    }
     ferry_region_find(s->ctx, tmp, bytes, &ref, &offset);
   }
   fr_err_clear();

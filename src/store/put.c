@@ -20,8 +20,10 @@
 
 /* ---- put ---- */
 
+/* Checks a put and classifies its data once (*device: fr_store_device). Device memory must hold
+ * the whole tensor: a desc larger than the CUDA allocation would read past its end. */
 static int check_put(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
-                     const void *data, uint64_t *bytes) {
+                     const void *data, uint64_t *bytes, int *device) {
   if (!s || !desc)
     return fr_err(FERRY_EINVAL, "put: NULL argument");
   int rc = fr_dir_key_check(key, "put");
@@ -34,6 +36,13 @@ static int check_put(ferry_store *s, const char *key, const ferry_tensor_desc *d
     return fr_err_wrap(rc, "put '%s'", key);
   if (!data && *bytes > 0)
     return fr_err(FERRY_EINVAL, "put '%s': NULL data", key);
+  size_t room;
+  *device = *bytes > 0 ? fr_store_device(data, &room) : -1;
+  if (*device >= 0 && *bytes > room)
+    return fr_err(FERRY_ERANGE,
+                  "put '%s': %llu bytes run past the end of the CUDA allocation at %p (device "
+                  "%d: %zu bytes from there)",
+                  key, (unsigned long long)*bytes, data, *device, room);
   return 0;
 }
 
@@ -49,11 +58,13 @@ static int pool_alloc(ferry_store *s, uint64_t bytes, uint64_t *off) {
                 (unsigned long long)p->used, (unsigned long long)fr_pool_largest(p));
 }
 
-/* Finds a home for the bytes: in place, or a pool block (filled outside the lock). */
-static int place(ferry_store *s, fr_owned *o, const void *data, uint32_t flags, bool fill) {
+/* Finds a home for the bytes: in place, or a pool block (filled outside the lock). Device
+ * memory is never ferry memory (peers map only host regions): always a pool block. */
+static int place(ferry_store *s, fr_owned *o, const void *data, int device, uint32_t flags,
+                 bool fill) {
   uint64_t off = 0;
   ferry_region_ref ref;
-  if (!fill && data && o->rec.bytes > 0 && !(flags & FERRY_STORE_PUT_COPY) &&
+  if (!fill && data && device < 0 && o->rec.bytes > 0 && !(flags & FERRY_STORE_PUT_COPY) &&
       ferry_region_find(s->ctx, data, o->rec.bytes, &ref, &off) == 0) {
     o->rec.region = ref;
     o->rec.offset = off;
@@ -151,9 +162,23 @@ static int publish(ferry_store *s, fr_owned *o, int timeout_ms) {
   return rc;
 }
 
+/* Writes a pool copy's bytes: from the fill, from the device (its copy engine), or a memcpy. */
+static int fill_block(ferry_store *s, const fr_owned *o, const void *data, int device,
+                      fr_fill_fn fill, void *fill_arg) {
+  uint8_t *block = s->mem + s->data_base + o->pool_off;
+  if (fill)
+    return fill(fill_arg, block, o->rec.bytes);
+  if (device < 0) {
+    memcpy(block, data, o->rec.bytes);
+    return 0;
+  }
+  int rc = fr_cuda_copy_on(device, block, data, (size_t)o->rec.bytes);
+  return rc ? fr_err_wrap(rc, "put '%s': from CUDA device %d", o->rec.key, device) : 0;
+}
+
 /* Gives a new object its home, its slot and its bytes, then sets its generation word. */
 static int prepare(ferry_store *s, const char *key, const ferry_tensor_desc *desc, const void *data,
-                   uint32_t flags, fr_fill_fn fill, void *fill_arg, fr_owned **out) {
+                   int device, uint32_t flags, fr_fill_fn fill, void *fill_arg, fr_owned **out) {
   fr_owned *o = calloc(1, sizeof *o);
   if (!o)
     return fr_err(FERRY_ENOMEM, "put '%s'", key);
@@ -161,7 +186,7 @@ static int prepare(ferry_store *s, const char *key, const ferry_tensor_desc *des
   snprintf(o->rec.owner, sizeof o->rec.owner, "%s", s->name);
   o->rec.desc = *desc;
   ferry_tensor_nbytes(desc, &o->rec.bytes);
-  int rc = place(s, o, data, flags, fill != NULL);
+  int rc = place(s, o, data, device, flags, fill != NULL);
   if (rc != 0) {
     free(o);
     return rc;
@@ -171,8 +196,7 @@ static int prepare(ferry_store *s, const char *key, const ferry_tensor_desc *des
     return rc;
   }
   if (o->pool_off != FR_STORE_NO_POOL)
-    rc = fill ? fill(fill_arg, s->mem + s->data_base + o->pool_off, o->rec.bytes)
-              : (memcpy(s->mem + s->data_base + o->pool_off, data, o->rec.bytes), 0);
+    rc = fill_block(s, o, data, device, fill, fill_arg);
   if (rc != 0) {
     unplace(s, o, true);
     return rc;
@@ -190,10 +214,10 @@ static void unprepare(ferry_store *s, fr_owned *o) {
 }
 
 int fr_store_put_local(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
-                       const void *data, uint32_t flags, fr_fill_fn fill, void *fill_arg,
-                       uint64_t *generation, int timeout_ms) {
+                       const void *data, int device, uint32_t flags, fr_fill_fn fill,
+                       void *fill_arg, uint64_t *generation, int timeout_ms) {
   fr_owned *o = NULL;
-  int rc = prepare(s, key, desc, data, flags, fill, fill_arg, &o);
+  int rc = prepare(s, key, desc, data, device, flags, fill, fill_arg, &o);
   if (rc != 0)
     return rc;
   uint64_t gen = o->rec.generation;
@@ -285,11 +309,12 @@ static int put_batch(ferry_store *s, ferry_store_put_item *items, size_t n, uint
   for (size_t i = 0; i < n; i++) {
     ferry_store_put_item *it = &items[i];
     uint64_t bytes;
-    it->status = check_put(s, it->key, it->desc, it->data, &bytes);
+    int device;
+    it->status = check_put(s, it->key, it->desc, it->data, &bytes, &device);
     if (it->status == 0 && (s->flags & FERRY_STORE_DELEGATE))
-      it->status = fr_store_upload(s, it->key, it->desc, it->data, fr_store_left(deadline));
-    else if (it->status == 0 &&
-             (it->status = prepare(s, it->key, it->desc, it->data, flags, NULL, NULL, &os[k])) == 0)
+      it->status = fr_store_upload(s, it->key, it->desc, it->data, device, fr_store_left(deadline));
+    else if (it->status == 0 && (it->status = prepare(s, it->key, it->desc, it->data, device, flags,
+                                                      NULL, NULL, &os[k])) == 0)
       at[k++] = i;
   }
   int rc = k ? publish_batch(s, os, k, st, fr_store_left(deadline)) : 0;
@@ -329,14 +354,16 @@ int ferry_store_put_batch(ferry_store *s, ferry_store_put_item *items, size_t n,
 int ferry_store_put(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
                     const void *data, uint32_t flags, int timeout_ms) {
   uint64_t bytes;
-  int rc = check_put(s, key, desc, data, &bytes);
+  int device;
+  int rc = check_put(s, key, desc, data, &bytes, &device);
   if (rc != 0)
     return rc;
   uint64_t t0 = fr_now_ns();
   if (s->flags & FERRY_STORE_DELEGATE)
-    rc = fr_store_upload(s, key, desc, data, fr_timeout(timeout_ms));
+    rc = fr_store_upload(s, key, desc, data, device, fr_timeout(timeout_ms));
   else
-    rc = fr_store_put_local(s, key, desc, data, flags, NULL, NULL, NULL, fr_timeout(timeout_ms));
+    rc = fr_store_put_local(s, key, desc, data, device, flags, NULL, NULL, NULL,
+                            fr_timeout(timeout_ms));
   fr_store_count(s, true, rc == 0, rc != 0, rc == 0 ? bytes : 0, t0);
   return rc;
 }

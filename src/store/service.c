@@ -48,8 +48,8 @@ static int handle(ferry_store *s, ferry_msg *msg, const fr_store_msg *m, uint64_
     if (!(s->flags & FERRY_STORE_HOLDER))
       return fr_err(FERRY_ENOTSUP, "node '%s' does not hold objects for others", s->name);
     pull p = {.link = msg->link, .m = m, .timeout_ms = timeout};
-    return fr_store_put_local(s, m->key, &m->desc, NULL, FERRY_STORE_PUT_COPY, fill_from_peer, &p,
-                              gen, timeout);
+    return fr_store_put_local(s, m->key, &m->desc, NULL, -1, FERRY_STORE_PUT_COPY, fill_from_peer,
+                              &p, gen, timeout);
   }
 }
 

@@ -22,6 +22,7 @@
 #define FR_STORE_H
 
 #include "core/core.h"
+#include "core/cuda.h"
 #include "core/pool.h"
 #include "core/stats.h"
 #include "directory/directory.h"
@@ -71,6 +72,8 @@ typedef struct fr_cached {
   fr_dir_object rec;
 } fr_cached;
 #define FR_STORE_CACHE_SLOTS 64
+/* A device get across hosts reads at most this much at a time into host memory (get.c). */
+#define FR_STORE_BOUNCE_BYTES (8u << 20)
 
 struct ferry_store {
   ferry_ctx *ctx;
@@ -111,6 +114,12 @@ struct ferry_store {
   bool service_started, stop; /* stop: atomic */
   fr_inbox inbox;             /* requests on FR_CHANNEL_STORE, for the service thread */
   int linger_ms;              /* FERRY_STORE_LINGER_MS */
+
+  /* a device get's host bounce buffer (get.c), FR_STORE_BOUNCE_BYTES, allocated (and pinned)
+   * by the first get that reads device memory across hosts; bounce_lock: its user */
+  pthread_mutex_t bounce_lock;
+  uint8_t *bounce;
+  bool bounce_pinned;
 
   pthread_mutex_t batch_lock; /* one batch at a time */
   pthread_mutex_t work_lock;
@@ -162,8 +171,9 @@ void fr_store_info_from(const fr_dir_object *rec, ferry_store_info *out);
 int fr_store_call_delete(ferry_store *s, fr_peer *p, const char *key, uint64_t generation,
                          int timeout_ms);
 void fr_store_send_dropped(ferry_store *s, const fr_dir_object *old);
+/* data lies on CUDA device `device` (-1: host memory): copied to host memory first. */
 int fr_store_upload(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
-                    const void *data, int timeout_ms);
+                    const void *data, int device, int timeout_ms);
 
 /* owned.c: the objects this node owns */
 fr_owned *fr_store_find_owned(ferry_store *s, const char *key, size_t *at);
@@ -212,15 +222,17 @@ void fr_store_settle(ferry_store *s, bool wait);
 
 /* put.c (a verb) */
 /* Publishes a tensor; `fill` (when not NULL) writes the bytes into the pool instead of a copy
- * from data (uploads read them from a peer). */
+ * from data (uploads read them from a peer). data lies on CUDA device `device` (-1: host memory,
+ * fr_store_device): its bytes are then copied device to host into the pool, never in place. */
 typedef int (*fr_fill_fn)(void *arg, void *dst, uint64_t bytes);
 int fr_store_put_local(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
-                       const void *data, uint32_t flags, fr_fill_fn fill, void *fill_arg,
-                       uint64_t *generation, int timeout_ms);
+                       const void *data, int device, uint32_t flags, fr_fill_fn fill,
+                       void *fill_arg, uint64_t *generation, int timeout_ms);
 
 /* get.c (a verb) */
-/* Reads the object `rec` describes into dst (rec->bytes long). FERRY_ESTALE: look it up again. */
-int fr_store_read(ferry_store *s, const fr_dir_object *rec, void *dst, int timeout_ms);
+/* Reads the object `rec` describes into dst (rec->bytes long) on CUDA device `device` (-1: host
+ * memory). FERRY_ESTALE: look it up again. */
+int fr_store_read(ferry_store *s, const fr_dir_object *rec, void *dst, int device, int timeout_ms);
 /* Reads in chunks, calling progress(arg, done, total) between them (the CLI's progress bar). */
 int fr_store_get_progress(ferry_store *s, const char *key, void **out, ferry_store_info *info,
                           void (*progress)(void *arg, uint64_t done, uint64_t total), void *arg,
@@ -234,6 +246,21 @@ int fr_store_delete_rec(ferry_store *s, const fr_dir_object *rec, int timeout_ms
 /* service.c */
 int fr_store_service_start(ferry_store *s);
 void fr_store_service_stop(ferry_store *s);
+
+/* Where a caller's buffer lives, classified once per call: its CUDA device ordinal, or -1 for
+ * host memory; *room receives the bytes from p to the end of its CUDA allocation (SIZE_MAX for
+ * host memory, whose extent ferry cannot know). One atomic load when no driver is loaded, one
+ * driver call when one is: never per chunk. */
+static inline int fr_store_device(const void *p, size_t *room) {
+  *room = SIZE_MAX;
+  if (!p || !fr_cuda_loaded())
+    return -1;
+  fr_mem_where w = fr_cuda_where(p);
+  if (w.kind != FERRY_MEM_CUDA)
+    return -1;
+  *room = (size_t)(w.base + w.size - (uintptr_t)p);
+  return w.device;
+}
 
 /* Milliseconds left before a deadline, at least 1 (so a call still fails by itself). */
 static inline int fr_store_left(uint64_t deadline_ns) {
