@@ -654,9 +654,12 @@ FERRY_API void ferry_store_close(ferry_store *store);
 /* Publishes the tensor (desc, data) under key, replacing any object of that key atomically (a
  * reader gets the old or the new tensor, never a mix). data is read during the call only, unless
  * it lies in ferry memory: then it is published in place and must stay valid and unmodified
- * until the key is deleted or replaced. desc is copied. Errors: FERRY_EINVAL (bad key, NULL
+ * until the key is deleted or replaced. data in CUDA memory is copied device to host into the
+ * pool (never published in place). desc is copied. Errors: FERRY_EINVAL (bad key, NULL
  * data), FERRY_EDTYPE / FERRY_ESHAPE / FERRY_EOVERFLOW (bad desc), FERRY_ECAPACITY (the pool or
- * the object table is full; the detail gives the sizes), FERRY_ECONNECT (directory). Once it
+ * the object table is full; the detail gives the sizes), FERRY_ERANGE (CUDA data whose
+ * allocation ends before the tensor does), FERRY_EDEVICE (the copy from the device failed),
+ * FERRY_ECONNECT (directory). Once it
  * returns, a get from any node finds the object. With the embedded directory on this host
  * (ferry://, reached over shm) the put returns as soon as its record is queued in the
  * directory's ring, which applies it before it answers anything sent later; a refusal that only
@@ -674,7 +677,8 @@ typedef struct ferry_store_put_item {
 } ferry_store_put_item;
 /* Publishes many tensors as ferry_store_put would, one by one in order (a key that appears twice
  * ends up with the later tensor), with one directory round trip for all of them (an engine's 45
- * per-layer tensors of a request: one round trip instead of 45). Returns 0 when every item
+ * per-layer tensors of a request: one round trip instead of 45); items in CUDA memory are copied
+ * device to host as ferry_store_put copies them. Returns 0 when every item
  * succeeded, else the status of the first that failed (each item has its own; the others are
  * published). */
 FERRY_API int ferry_store_put_batch(ferry_store *store, ferry_store_put_item *items, size_t n,
@@ -692,19 +696,23 @@ typedef struct ferry_store_info {
 
 /* Reads the object under key into dst (cap bytes, owned by the caller). `expect` (may be NULL;
  * ignored when its dtype is FERRY_DTYPE_INVALID) must match the stored dtype and shape, else
- * FERRY_EDTYPE / FERRY_ESHAPE. info (may be NULL) receives the object's description. Errors:
+ * FERRY_EDTYPE / FERRY_ESHAPE. info (may be NULL) receives the object's description. A dst in
+ * CUDA memory is written host to device (over tcp through a bounded host buffer, a chunk at a
+ * time), and must hold the object within its allocation too. Errors:
  * FERRY_ENOTFOUND (no such key), FERRY_ERANGE (cap too small; the detail says how many bytes),
  * FERRY_EPEER (the owner is gone), FERRY_ESTALE (replaced during every read until the timeout
  * passed), FERRY_EFREED (at once: the owner freed memory it still publishes in place; the detail
  * names the owner), FERRY_ETIMEDOUT. On failure dst's contents are unspecified. */
 FERRY_API int ferry_store_get(ferry_store *store, const char *key, const ferry_tensor_desc *expect,
                               void *dst, size_t cap, ferry_store_info *info, int timeout_ms);
-/* As ferry_store_get, into a buffer it allocates: *out is owned by the caller (free() it). */
+/* As ferry_store_get, into a buffer it allocates: *out is owned by the caller (free() it). The
+ * buffer is always host memory (copy it to a device with ferry_mem_copy, or get into one). */
 FERRY_API int ferry_store_get_alloc(ferry_store *store, const char *key, void **out,
                                     ferry_store_info *info, int timeout_ms);
 
 /* A zero-copy get: *data points at the object's bytes where its owner keeps them (the owner's
  * shared memory on this host; cost independent of size), pinned until ferry_store_view_release().
+ * A view is always of host memory (stored objects are; there is no device view).
  * Across hosts it points at a private copy (one read, as ferry_store_get). The bytes are
  * read-only and *data is valid until the release, whatever happens to the key meanwhile:
  * - a re-put or delete of a pool copy (a tensor put from ordinary memory) publishes the new
@@ -737,7 +745,8 @@ typedef struct ferry_store_item {
   uint64_t bytes; /* bytes read */
 } ferry_store_item;
 /* Reads many objects with their reads in flight together (one directory round trip, then
- * FERRY_STORE_THREADS reads at a time). Returns 0 when every item succeeded, else the status of
+ * FERRY_STORE_THREADS reads at a time); an item's dst may be CUDA memory, written as
+ * ferry_store_get writes it. Returns 0 when every item succeeded, else the status of
  * the first item that failed (each item has its own). */
 FERRY_API int ferry_store_get_batch(ferry_store *store, ferry_store_item *items, size_t n,
                                     int timeout_ms);
@@ -1027,7 +1036,9 @@ FERRY_API int ferry_mq_subscribe(ferry_mq *mq, const char *topic, int timeout_ms
  * are discarded. FERRY_ENOTFOUND when not subscribed. */
 FERRY_API int ferry_mq_unsubscribe(ferry_mq *mq, const char *topic, int timeout_ms);
 
-/* Publishes `len` bytes of data (read during the call only) to every subscriber of topic. The
+/* Publishes `len` bytes of data (read during the call only) to every subscriber of topic. data
+ * in CUDA memory is copied device to host once (into the pool when the payload goes there) and
+ * sent from there; its allocation must hold all len bytes (else FERRY_ERANGE). The
  * first publish of a topic (or ferry_mq_wait_subscribers) advertises this node as a publisher.
  * Returns once every subscriber has the message in its queue, its link or its batch. Errors:
  * FERRY_ETIMEDOUT (a subscriber's queue stayed full; nobody got the message; the detail names
@@ -1036,13 +1047,15 @@ FERRY_API int ferry_mq_unsubscribe(ferry_mq *mq, const char *topic, int timeout_
  * returns 0 at once: the message goes nowhere. */
 FERRY_API int ferry_mq_publish(ferry_mq *mq, const char *topic, const void *data, size_t len,
                                int timeout_ms);
-/* The same for a tensor: its dtype and shape travel in a fixed binary header and arrive in
- * ferry_mq_msg.desc. FERRY_EDTYPE / FERRY_ESHAPE / FERRY_EOVERFLOW for a bad desc. */
+/* The same for a tensor (data in CUDA memory too): its dtype and shape travel in a fixed binary
+ * header and arrive in ferry_mq_msg.desc. FERRY_EDTYPE / FERRY_ESHAPE / FERRY_EOVERFLOW for a bad
+ * desc. */
 FERRY_API int ferry_mq_publish_tensor(ferry_mq *mq, const char *topic,
                                       const ferry_tensor_desc *desc, const void *data,
                                       int timeout_ms);
 /* Zero-copy publish: build the message in the publisher's shared-memory pool. ferry_mq_loan
- * lends the caller `len` bytes (1..FERRY_MQ_POOL_BYTES) of the pool, 64-byte aligned, at *buf;
+ * lends the caller `len` bytes (1..FERRY_MQ_POOL_BYTES) of the pool (host memory), 64-byte
+ * aligned, at *buf;
  * when the pool is full it waits (taking releases from subscribers) up to the timeout:
  * FERRY_ETIMEDOUT, FERRY_ENOSHM without a pool, FERRY_EINVAL for a bad len. The loan belongs to
  * the caller until it hands it back with exactly one of:
@@ -1071,6 +1084,10 @@ FERRY_API size_t ferry_mq_subscribers(ferry_mq *mq, const char *topic);
  * time; FERRY_EBUSY while a callback is installed. */
 FERRY_API int ferry_mq_recv(ferry_mq *mq, ferry_mq_msg **out, int timeout_ms);
 FERRY_API void ferry_mq_msg_free(ferry_mq_msg *msg);
+/* Copies the message's payload (msg->len bytes; msg->data is always host memory) into dst, host
+ * or CUDA memory (host to device, complete on return). FERRY_ERANGE when it does not fit cap, or
+ * the CUDA allocation at dst (nothing is written then); FERRY_EDEVICE when the copy fails. */
+FERRY_API int ferry_mq_msg_copy(const ferry_mq_msg *msg, void *dst, size_t cap);
 
 /* Called with each message, instead of ferry_mq_recv, on the mq's background thread (one
  * thread: calls never overlap, and come in arrival order). The callback owns the message and

@@ -1,8 +1,13 @@
 /*
  * Loans: ferry_mq_loan lends the application a pool block to build a message in;
- * ferry_mq_publish_loan sends it with no copy at all.
+ * ferry_mq_publish_loan sends it with no copy at all. A publish from CUDA memory lends itself a
+ * block the same way, so that its one device-to-host copy lands where shm subscribers read it.
  */
 #include "mq/publish.h"
+
+#include "core/cuda.h"
+
+#include <stdlib.h>
 
 /* The pool, opened; FERRY_ENOSHM / FERRY_EINVAL when no loan of len bytes can ever be made. */
 static int loan_pool(ferry_mq *mq, size_t len) {
@@ -79,6 +84,44 @@ void ferry_mq_loan_free(ferry_mq *mq, void *buf) {
   if (token)
     fr_mq_pool_release(mq, token);
   pthread_mutex_unlock(&mq->lock);
+}
+
+/* A host home for a device payload (lock held): a pool block with one holder (this publish),
+ * when the payload would not go inline and the pool has room now (taking a block never waits,
+ * as a host publish's does not), else NULL. */
+static void *device_block(ferry_mq *mq, size_t len, uint64_t *token) {
+  uint64_t off = 0;
+  *token = 0;
+  if (len <= mq->inline_bytes || len > mq->pool_bytes)
+    return NULL;
+  fr_mq_drain(mq); /* the releases that came in: reuse warm blocks */
+  *token = fr_mq_block_alloc(mq, len, 1, true, &off);
+  return *token ? mq->pool + off : NULL;
+}
+
+int fr_mq_publish_device(ferry_mq *mq, const char *topic, const ferry_tensor_desc *desc,
+                         const void *data, size_t len, int device, int timeout_ms) {
+  uint64_t token = 0;
+  pthread_mutex_lock(&mq->lock);
+  void *buf = device_block(mq, len, &token);
+  pthread_mutex_unlock(&mq->lock);
+  fr_err_clear(); /* no pool is not a failure: the payload is staged below */
+  if (!buf && !(buf = malloc(len)))
+    return fr_err(FERRY_ENOMEM, "publish '%s': %zu bytes to stage from CUDA device %d", topic, len,
+                  device);
+  int rc = fr_cuda_copy_on(device, buf, data, len);
+  if (rc != 0)
+    rc = fr_err_wrap(rc, "publish '%s': from CUDA device %d", topic, device);
+  else
+    rc = fr_mq_publish_msg(mq, topic, desc, buf, len, timeout_ms, token);
+  if (!token) {
+    free(buf);
+    return rc;
+  }
+  pthread_mutex_lock(&mq->lock);
+  fr_mq_pool_release(mq, token); /* this publish's hold; subscribers keep theirs */
+  pthread_mutex_unlock(&mq->lock);
+  return rc;
 }
 
 /* What publish_loan checks before it sends (the loan is taken already). */

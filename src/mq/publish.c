@@ -31,6 +31,7 @@
 #include "mq/publish.h"
 
 #include "core/channels.h"
+#include "core/cuda.h"
 #include "core/stats.h"
 
 #include <stdio.h>
@@ -235,12 +236,31 @@ int fr_mq_publish_msg(ferry_mq *mq, const char *topic, const ferry_tensor_desc *
   return rc;
 }
 
+/* A publish of the caller's data: classified once (one atomic load without a driver; one driver
+ * call with one), and staged through host memory when it lies on a device, whose allocation must
+ * hold all len bytes. */
+static int publish_from(ferry_mq *mq, const char *topic, const ferry_tensor_desc *desc,
+                        const void *data, size_t len, int timeout_ms) {
+  fr_mem_where w = {.kind = FERRY_MEM_HOST};
+  if (len > 0 && fr_cuda_loaded())
+    w = fr_cuda_where(data);
+  if (w.kind != FERRY_MEM_CUDA)
+    return fr_mq_publish_msg(mq, topic, desc, data, len, timeout_ms, 0);
+  size_t room = (size_t)(w.base + w.size - (uintptr_t)data);
+  if (len > room)
+    return fr_err(FERRY_ERANGE,
+                  "publish '%s': %zu bytes run past the end of the CUDA allocation at %p (device "
+                  "%d: %zu bytes from there)",
+                  topic, len, data, w.device, room);
+  return fr_mq_publish_device(mq, topic, desc, data, len, w.device, timeout_ms);
+}
+
 int ferry_mq_publish(ferry_mq *mq, const char *topic, const void *data, size_t len,
                      int timeout_ms) {
   if (!mq || (!data && len))
     return fr_err(FERRY_EINVAL, "ferry_mq_publish: NULL argument");
   int rc = fr_mq_topic_check(topic);
-  return rc ? rc : fr_mq_publish_msg(mq, topic, NULL, data, len, timeout_ms, 0);
+  return rc ? rc : publish_from(mq, topic, NULL, data, len, timeout_ms);
 }
 
 int ferry_mq_publish_tensor(ferry_mq *mq, const char *topic, const ferry_tensor_desc *desc,
@@ -260,5 +280,5 @@ int ferry_mq_publish_tensor(ferry_mq *mq, const char *topic, const ferry_tensor_
   ferry_tensor_desc d = *desc;
   for (uint32_t i = d.ndim; i < FERRY_MAX_DIMS; i++)
     d.shape[i] = 0;
-  return fr_mq_publish_msg(mq, topic, &d, data, (size_t)len, timeout_ms, 0);
+  return publish_from(mq, topic, &d, data, (size_t)len, timeout_ms);
 }

@@ -82,4 +82,10 @@ void fr_mq_drain(ferry_mq *mq); /* lock held */
 int fr_mq_publish_msg(ferry_mq *mq, const char *topic, const ferry_tensor_desc *desc,
                       const void *data, size_t len, int timeout_ms, uint64_t loan);
 
+/* loan.c: publishes len (> 0) bytes of CUDA memory on `device`: copied device to host once,
+ * into a pool block when the payload goes there (as a loan: shm subscribers read it in place),
+ * else into a host buffer of the call's; then as fr_mq_publish_msg. */
+int fr_mq_publish_device(ferry_mq *mq, const char *topic, const ferry_tensor_desc *desc,
+                         const void *data, size_t len, int device, int timeout_ms);
+
 #endif

@@ -11,6 +11,7 @@
  */
 #include "mq/mq.h"
 #include "core/channels.h"
+#include "core/cuda.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -291,6 +292,33 @@ int ferry_mq_recv(ferry_mq *mq, ferry_mq_msg **out, int timeout_ms) {
   default:
     return fr_err(rc, "mq recv: mq closing");
   }
+}
+
+int ferry_mq_msg_copy(const ferry_mq_msg *msg, void *dst, size_t cap) {
+  if (!msg || (!dst && msg->len > 0))
+    return fr_err(FERRY_EINVAL, "ferry_mq_msg_copy: NULL argument");
+  if (cap < msg->len)
+    return fr_err(FERRY_ERANGE, "mq message of '%s' on '%s': %zu bytes do not fit a buffer of %zu",
+                  msg->publisher, msg->topic, msg->len, cap);
+  if (msg->len == 0)
+    return 0;
+  fr_mem_where w = {.kind = FERRY_MEM_HOST};
+  if (fr_cuda_loaded())
+    w = fr_cuda_where(dst);
+  if (w.kind != FERRY_MEM_CUDA) {
+    memcpy(dst, msg->data, msg->len);
+    return 0;
+  }
+  size_t room = (size_t)(w.base + w.size - (uintptr_t)dst);
+  if (room < msg->len)
+    return fr_err(FERRY_ERANGE,
+                  "mq message of '%s' on '%s': %zu bytes do not fit the CUDA allocation at dst "
+                  "(%zu bytes from there)",
+                  msg->publisher, msg->topic, msg->len, room);
+  int rc = fr_cuda_copy_on(w.device, dst, msg->data, msg->len);
+  return rc ? fr_err_wrap(rc, "mq message of '%s' on '%s': into CUDA device %d", msg->publisher,
+                          msg->topic, w.device)
+            : 0;
 }
 
 void ferry_mq_msg_free(ferry_mq_msg *msg) {
