@@ -8,6 +8,7 @@
  * Refusals write nothing: a dst too small, a device pointer whose allocation ends before the
  * object does (checked by reading the whole allocation back: its sentinel bytes are intact), a
  * put or publish whose tensor runs past its allocation (nothing stored, nothing received). A
+ * short-lived node's put from device memory reaches its holder. A
  * child with FERRY_CUDA=off does the host round trips as before. Device memory is filled and
  * checked only through ferry_mem_copy, so the file runs unchanged on a real GPU
  * (FERRY_TEST_CUDA=driver); against the stand-in, any CPU access to device memory faults.
@@ -285,6 +286,37 @@ static void test_own_pool(void **state) {
   ferry_ctx_close(c);
 }
 
+/* A short-lived node (FERRY_STORE_DELEGATE, as the CLI) puts from device memory: the tensor is
+ * staged in its own ferry memory and its holder copies it from there. */
+static void test_delegate(void **state) {
+  if (!cuda)
+    return;
+  int port = su_free_port();
+  char listen[64], url[80];
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+  snprintf(url, sizeof url, "ferry://%s", listen);
+  ferry_ctx *ch = ctx_open("cuda-holder", listen, NULL), *cd = ctx_open("cuda-cli", NULL, NULL);
+  ferry_store *h = store_open(ch, NULL, FERRY_STORE_HOST_DIRECTORY | FERRY_STORE_HOLDER);
+  ferry_store *d = store_open(cd, url, FERRY_STORE_DELEGATE);
+  void *src = dev_alloc(second_device, SMALL), *dst = dev_alloc(0, SMALL + 8);
+  FR_OK(dev_fill(src, SMALL, SEED_B1));
+  ferry_tensor_desc desc = u8_desc(SMALL), longer = u8_desc(SMALL + 1);
+  FR_OK(ferry_store_put(d, "cli/dev", &desc, src, 0, 10000));
+  assert_int_equal(ferry_store_put(d, "cli/short", &longer, src, 0, 10000), FERRY_ERANGE);
+  ferry_store_close(d);
+  ferry_ctx_close(cd);
+  ferry_store_info info = {.size = sizeof info};
+  FR_OK(dev_fill(dst, SMALL + 8, 0));
+  FR_OK(ferry_store_get(h, "cli/dev", NULL, dst, SMALL + 8, &info, 10000));
+  assert_string_equal(info.owner, "cuda-holder");
+  assert_true(dev_has(dst, SMALL, SMALL + 8, SEED_B1));
+  assert_int_equal(ferry_store_exists(h, "cli/short", 10000), 0);
+  FR_OK(ferry_cuda_free(src));
+  FR_OK(ferry_cuda_free(dst));
+  ferry_store_close(h);
+  ferry_ctx_close(ch);
+}
+
 /* ---- mq ---- */
 
 #define MSG_INLINE ((size_t)200)
@@ -444,6 +476,7 @@ int main(int argc, char **argv) {
                                                          : 2;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_own_pool),
+      cmocka_unit_test(test_delegate),
       cmocka_unit_test(test_other_process_shm),
       cmocka_unit_test(test_other_process_tcp),
       cmocka_unit_test(test_mq_shm),
