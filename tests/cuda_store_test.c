@@ -22,6 +22,9 @@
 /* Larger than the store's tcp bounce buffer (8 MiB), and not a multiple of anything. */
 #define BIG ((size_t)(8 * MiB) + 12345)
 #define SMALL ((size_t)70001)
+/* The allocations whose end a refusal is about: a multiple of any allocation granularity of the
+ * real driver, so that the range it reports is the one asked for, rounded or not. */
+#define SPAN ((size_t)2 * MiB)
 #define SEED_BIG 7
 #define SEED_B1 11
 #define SEED_B2 13
@@ -112,15 +115,16 @@ static int role_producer(char **argv) {
   ferry_ctx *c = ctx_open("cuda-producer", NULL, argv[4]);
   ferry_store *s = store_open(c, argv[3], 0);
   void *big = dev_alloc(0, BIG), *b1 = dev_alloc(second_device, SMALL),
-       *b2 = dev_alloc(second_device, 2 * SMALL), *shorter = dev_alloc(0, SMALL);
-  ferry_tensor_desc dbig = u8_desc(BIG), d1 = u8_desc(SMALL), d2 = u8_desc(2 * SMALL);
+       *b2 = dev_alloc(second_device, 2 * SMALL), *shorter = dev_alloc(0, SPAN);
+  ferry_tensor_desc dbig = u8_desc(BIG), d1 = u8_desc(SMALL), d2 = u8_desc(2 * SMALL),
+                    past = u8_desc(SPAN + 1);
   ferry_store_put_item items[] = {{"cuda/b1", &d1, b1, -1}, {"cuda/b2", &d2, b2, -1}};
   int rc = dev_fill(big, BIG, SEED_BIG) || dev_fill(b1, SMALL, SEED_B1) ||
            dev_fill(b2, 2 * SMALL, SEED_B2);
   if (rc == 0 && (step = 2, rc = ferry_store_put(s, "cuda/big", &dbig, big, 0, 10000)) == 0 &&
       (step = 3, rc = ferry_store_put_batch(s, items, 2, 0, 10000)) == 0) {
     step = 4; /* runs past its allocation: refused, nothing stored */
-    rc = ferry_store_put(s, "cuda/short", &d2, shorter, 0, 10000) == FERRY_ERANGE &&
+    rc = ferry_store_put(s, "cuda/short", &past, shorter, 0, 10000) == FERRY_ERANGE &&
                  ferry_store_exists(s, "cuda/short", 10000) == 0
              ? 0
              : -1;
@@ -144,15 +148,15 @@ static int role_producer(char **argv) {
  * (cap), and a dst whose allocation ends before the object though cap says it fits. Each leaves
  * the whole allocation as it was. */
 static void check_refusals(ferry_store *s, const char *key, size_t bytes) {
-  size_t all = bytes + 4096;
-  uint8_t *dst = dev_alloc(0, all);
+  size_t all = SPAN;
+  uint8_t *dst = dev_alloc(0, all), *near_end = dst + all - (bytes - 1);
   FR_OK(dev_fill(dst, all, 0));
   assert_int_equal(ferry_store_get(s, key, NULL, dst, bytes - 1, NULL, 10000), FERRY_ERANGE);
   assert_true(dev_has(dst, 0, all, 0));
-  /* 4097 bytes in: the allocation holds bytes - 1 from there, cap claims all of it */
-  assert_int_equal(ferry_store_get(s, key, NULL, dst + 4097, all, NULL, 10000), FERRY_ERANGE);
+  /* the allocation holds bytes - 1 from near_end on, though cap claims all of it */
+  assert_int_equal(ferry_store_get(s, key, NULL, near_end, all, NULL, 10000), FERRY_ERANGE);
   assert_true(dev_has(dst, 0, all, 0));
-  ferry_store_item it = {.key = key, .dst = dst + 4097, .cap = all};
+  ferry_store_item it = {.key = key, .dst = near_end, .cap = all};
   assert_int_equal(ferry_store_get_batch(s, &it, 1, 10000), FERRY_ERANGE);
   assert_int_equal(it.status, FERRY_ERANGE);
   assert_true(dev_has(dst, 0, all, 0));
@@ -298,9 +302,9 @@ static void test_delegate(void **state) {
   ferry_ctx *ch = ctx_open("cuda-holder", listen, NULL), *cd = ctx_open("cuda-cli", NULL, NULL);
   ferry_store *h = store_open(ch, NULL, FERRY_STORE_HOST_DIRECTORY | FERRY_STORE_HOLDER);
   ferry_store *d = store_open(cd, url, FERRY_STORE_DELEGATE);
-  void *src = dev_alloc(second_device, SMALL), *dst = dev_alloc(0, SMALL + 8);
-  FR_OK(dev_fill(src, SMALL, SEED_B1));
-  ferry_tensor_desc desc = u8_desc(SMALL), longer = u8_desc(SMALL + 1);
+  void *src = dev_alloc(second_device, SPAN), *dst = dev_alloc(0, SMALL + 8);
+  FR_OK(dev_fill(src, SPAN, SEED_B1));
+  ferry_tensor_desc desc = u8_desc(SMALL), longer = u8_desc(SPAN + 1);
   FR_OK(ferry_store_put(d, "cli/dev", &desc, src, 0, 10000));
   assert_int_equal(ferry_store_put(d, "cli/short", &longer, src, 0, 10000), FERRY_ERANGE);
   ferry_store_close(d);
@@ -345,11 +349,11 @@ static void check_msg(const ferry_mq_msg *m, size_t len, uint64_t seed) {
 
 /* ferry_mq_msg_copy refuses a cap too small and a device allocation too short, writing nothing. */
 static void check_copy_refusals(const ferry_mq_msg *m) {
-  size_t all = m->len + 4096;
+  size_t all = SPAN;
   uint8_t *dst = dev_alloc(0, all);
   FR_OK(dev_fill(dst, all, 0));
   assert_int_equal(ferry_mq_msg_copy(m, dst, m->len - 1), FERRY_ERANGE);
-  assert_int_equal(ferry_mq_msg_copy(m, dst + 4097, all), FERRY_ERANGE);
+  assert_int_equal(ferry_mq_msg_copy(m, dst + all - (m->len - 1), all), FERRY_ERANGE);
   assert_true(dev_has(dst, 0, all, 0));
   FR_OK(ferry_cuda_free(dst));
 }
@@ -364,17 +368,17 @@ static void check_mq(const char *transports) {
   ferry_mq *pub = mq_open(ca, NULL), *sub = mq_open(cb, url);
   FR_OK(ferry_mq_subscribe(sub, "cuda/t", 10000));
   FR_OK(ferry_mq_wait_subscribers(pub, "cuda/t", 1, 10000));
-  uint8_t *small = dev_alloc(0, MSG_INLINE), *large = dev_alloc(second_device, MSG_POOL);
+  uint8_t *small = dev_alloc(0, MSG_INLINE), *large = dev_alloc(second_device, SPAN);
   FR_OK(dev_fill(small, MSG_INLINE, 21));
-  FR_OK(dev_fill(large, MSG_POOL, 22));
+  FR_OK(dev_fill(large, SPAN, 22)); /* its first MSG_POOL bytes: the pattern of MSG_POOL bytes */
   ferry_tensor_desc td = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {3, 1000}};
   FR_OK(ferry_mq_publish(pub, "cuda/t", small, MSG_INLINE, 10000));
   FR_OK(ferry_mq_publish(pub, "cuda/t", large, MSG_POOL, 10000));
   FR_OK(ferry_mq_publish_tensor(pub, "cuda/t", &td, large, 10000));
   /* runs past its allocation: refused, nobody receives it (the next message is the marker) */
-  assert_int_equal(ferry_mq_publish(pub, "cuda/t", small, MSG_INLINE + 1, 10000), FERRY_ERANGE);
-  ferry_tensor_desc too_big = {.dtype = FERRY_DTYPE_U8, .ndim = 1, .shape = {MSG_INLINE + 1}};
-  assert_int_equal(ferry_mq_publish_tensor(pub, "cuda/t", &too_big, small, 10000), FERRY_ERANGE);
+  assert_int_equal(ferry_mq_publish(pub, "cuda/t", large, SPAN + 1, 10000), FERRY_ERANGE);
+  ferry_tensor_desc too_big = {.dtype = FERRY_DTYPE_U8, .ndim = 1, .shape = {SPAN + 1}};
+  assert_int_equal(ferry_mq_publish_tensor(pub, "cuda/t", &too_big, large, 10000), FERRY_ERANGE);
   uint64_t marker = 0x6d61726b6572;
   FR_OK(ferry_mq_publish(pub, "cuda/t", &marker, sizeof marker, 10000));
   ferry_mq_msg *m[4] = {0};
