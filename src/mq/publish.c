@@ -16,7 +16,8 @@
  *
  * Loans: ferry_mq_loan lends the application a pool block to build a message in (waiting for
  * room); ferry_mq_publish_loan then sends it with no copy at all (the block's holders are the
- * loan, dropped after the sends, and each shm subscriber).
+ * loan, dropped after the sends, and each shm subscriber). A payload in CUDA memory is copied
+ * device to host once, into a block lent the same way (loan.c), and sent from there.
  *
  * Batches: a publish that follows the previous one closely (a stream) appends small inline
  * messages to a per-subscriber batch instead of writing each one to the link; the batch goes out

@@ -7,7 +7,10 @@
  * says their version were freed by an owner that still publishes them: that fails at once
  * (FERRY_EFREED). A batch get does one directory round trip for all keys and keeps
  * FERRY_STORE_THREADS reads in flight with a small pool of worker threads. Links to owners come
- * from the peer cache (directory/peers.c), by node name.
+ * from the peer cache (directory/peers.c), by node name. A get into CUDA memory copies host to
+ * device from where the bytes already are (this node's pool, a same-host owner's pool mapped
+ * here), or, across hosts, from a bounded host bounce buffer a chunk at a time; the caller's
+ * pointer is classified once per call (per item in a batch), never per chunk.
  */
 #include "store/store.h"
 #include "transport/access.h"

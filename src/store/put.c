@@ -8,7 +8,8 @@
  * FERRY_STORE_LINGER_MS at least (the next copy put or the lease renewal after that retires it)
  * or until its block or slot is needed (oldest first), so gets that looked it up an instant
  * before the re-put finish with it instead of starting over. Memory published in
- * place is the caller's again once the re-put returns, so it is retired at once. The table of
+ * place is the caller's again once the re-put returns, so it is retired at once. A tensor in CUDA
+ * memory is never in place: its bytes are copied device to host into a pool block. The table of
  * owned objects, retiring and lingering are owned.c's; (re-)registering is register.c's.
  */
 #include "store/store.h"
