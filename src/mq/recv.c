@@ -1,6 +1,7 @@
 /*
  * Receiving: messages into the mq's queue, out to the application (recv or the callback), and
- * credit back to their publishers.
+ * credit back to their publishers. ferry_mq_msg_copy copies a payload out into host or CUDA
+ * memory (payloads themselves are always host memory).
  *
  * A message keeps the ferry message it arrived in (an inline payload is read where the link
  * put it: no copy) or points into the publisher's pool (mapped once per link: no copy either).
