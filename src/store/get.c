@@ -103,18 +103,23 @@ static int read_bytes(ferry_link *l, const fr_dir_object *rec, void *dst, progre
   return rc;
 }
 
+/* Pins the bounce buffer (whole pages) for the copy engines; pageable memory copies too, only
+ * slower, so a refusal is no failure. */
+static void bounce_pin(ferry_store *s) {
+  s->bounce_pinned = fr_cuda_pin(s->bounce, FR_STORE_BOUNCE_BYTES) == 0;
+  if (!s->bounce_pinned) {
+    fr_debug("store '%s': bounce buffer not pinned: %s", s->name, ferry_last_error());
+    fr_err_clear();
+  }
+}
+
 /* The host buffer that a device get's tcp reads land in: the store's own (pinned once, for the
  * copy engines), or one of this call's while another get holds it. */
 static uint8_t *bounce_take(ferry_store *s, size_t want) {
   if (pthread_mutex_trylock(&s->bounce_lock) != 0)
     return malloc(want);
-  if (!s->bounce && (s->bounce = malloc(FR_STORE_BOUNCE_BYTES))) {
-    s->bounce_pinned = fr_cuda_pin(s->bounce, FR_STORE_BOUNCE_BYTES) == 0;
-    if (!s->bounce_pinned) { /* pageable memory copies too, only slower */
-      fr_debug("store '%s': bounce buffer not pinned: %s", s->name, ferry_last_error());
-      fr_err_clear();
-    }
-  }
+  if (!s->bounce && (s->bounce = aligned_alloc(4096, FR_STORE_BOUNCE_BYTES)) != NULL)
+    bounce_pin(s);
   if (s->bounce)
     return s->bounce;
   pthread_mutex_unlock(&s->bounce_lock);
