@@ -1,9 +1,10 @@
 /*
  * The CUDA driver as ferry loads it (src/core/cuda.c): finding it or saying why not, pointer
- * kinds, copies in every direction, the caller's context left as it was, and IPC handles opened
- * by another process. Runs against the in-tree stand-in driver, or the real one under
- * FERRY_TEST_CUDA=driver (tu_cuda_use); device bytes are only ever reached through
- * ferry_mem_copy, as on a GPU.
+ * kinds, copies in every direction, IPC handles opened by another process, and a process's
+ * registered CUDA memory read and written by its peers: over shm through IPC, over tcp staged
+ * through host memory in chunks, into host or CUDA buffers. Runs against the in-tree stand-in
+ * driver, or the real one under FERRY_TEST_CUDA=driver (tu_cuda_use); device bytes are only ever
+ * reached through ferry_mem_copy, as on a GPU.
  */
 // ferry-test: cuda
 #include "testutil.h"
@@ -11,6 +12,7 @@
 #include "core/core.h"
 #include "core/cuda.h"
 
+#include <fcntl.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -200,6 +202,145 @@ static void test_ipc(void **state) {
   free(want);
 }
 
+/* ---- a peer's CUDA region over links ---- */
+
+#define REGION_BYTES (3u << 20) /* several staging chunks at the chunk size the owner is given */
+
+typedef struct owner_info {
+  char address[512];
+  ferry_region_ref ref;
+} owner_info;
+
+/* The other process: registers CUDA memory holding fill(.., 5) and serves it until its stdin
+ * closes. */
+static int device_owner(void) {
+  ferry_ctx_opts o = {.size = sizeof o, .name = "cuda-owner", .transports = "shm,tcp"};
+  ferry_ctx *ctx = NULL;
+  void *dev = NULL;
+  uint8_t *host = malloc(REGION_BYTES);
+  owner_info info = {0};
+  fill(host, REGION_BYTES, 5);
+  if (ferry_ctx_open(&o, &ctx) != 0 || ferry_cuda_alloc(0, REGION_BYTES + 4096, &dev) != 0 ||
+      ferry_mem_copy((uint8_t *)dev + 4096, host, REGION_BYTES) != 0 ||
+      ferry_register(ctx, (uint8_t *)dev + 4096, REGION_BYTES, &info.ref) != 0) {
+    fprintf(stderr, "device owner: %s\n", ferry_last_error());
+    return 1;
+  }
+  snprintf(info.address, sizeof info.address, "%s", ferry_ctx_address(ctx));
+  if (write(1, &info, sizeof info) != (ssize_t)sizeof info)
+    return 2;
+  char c;
+  while (read(0, &c, 1) > 0)
+    ;
+  ferry_ctx_close(ctx);
+  return 0;
+}
+
+typedef struct owner_proc {
+  pid_t pid;
+  int to, from;
+  owner_info info;
+} owner_proc;
+
+static void owner_start(owner_proc *p) {
+  int in[2], out[2];
+  assert_int_equal(pipe2(in, O_CLOEXEC), 0); /* the owner keeps no write end of its stdin */
+  assert_int_equal(pipe2(out, O_CLOEXEC), 0);
+  p->pid = fork();
+  if (p->pid == 0) {
+    dup2(in[0], 0);
+    dup2(out[1], 1);
+    setenv("FERRY_CUDA_CHUNK_BYTES", "262144", 1); /* many chunks: the double buffering runs */
+    execl("/proc/self/exe", "cuda_test", "device-owner", (char *)NULL);
+    _exit(127);
+  }
+  close(in[0]);
+  close(out[1]);
+  p->to = in[1];
+  p->from = out[0];
+  assert_int_equal(read(p->from, &p->info, sizeof p->info), (ssize_t)sizeof p->info);
+}
+
+static void owner_stop(owner_proc *p) {
+  close(p->to);
+  int status = 0;
+  assert_int_equal(waitpid(p->pid, &status, 0), p->pid);
+  close(p->from);
+  assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
+/* Reads and writes of the owner's CUDA region over one transport, into host and CUDA buffers. */
+static void region_over(const owner_proc *p, const char *transports) {
+  ferry_ctx_opts o = {.size = sizeof o, .name = "cuda-reader", .transports = transports};
+  ferry_ctx *ctx = NULL;
+  ferry_link *l = NULL;
+  assert_int_equal(ferry_ctx_open(&o, &ctx), 0);
+  assert_int_equal(ferry_connect(ctx, p->info.address, 5000, &l), 0);
+  bool shm = strcmp(ferry_link_transport(l), "shm") == 0;
+  size_t n = REGION_BYTES;
+  uint8_t *want = malloc(n), *got = malloc(n);
+  void *dev = NULL;
+  assert_int_equal(ferry_cuda_alloc(0, n, &dev), 0);
+  fill(want, n, 5);
+
+  memset(got, 0, n); /* into host memory, whole and a piece */
+  assert_int_equal(ferry_read(l, &p->info.ref, 0, got, n, 5000), 0);
+  assert_memory_equal(got, want, n);
+  assert_int_equal(ferry_read(l, &p->info.ref, 12345, got, 1000, 5000), 0);
+  assert_memory_equal(got, want + 12345, 1000);
+
+  assert_int_equal(ferry_read(l, &p->info.ref, 0, dev, n, 5000), 0); /* into CUDA memory */
+  memset(got, 0, n);
+  assert_int_equal(ferry_mem_copy(got, dev, n), 0);
+  assert_memory_equal(got, want, n);
+
+  ferry_read_run runs[2] = {{.offset = 7, .len = 100}, {.offset = n - 300, .len = 300}};
+  assert_int_equal(ferry_readv(l, &p->info.ref, runs, 2, dev, 5000), 0);
+  assert_int_equal(ferry_mem_copy(got, dev, 400), 0);
+  assert_memory_equal(got, want + 7, 100);
+  assert_memory_equal(got + 100, want + n - 300, 300);
+
+  assert_int_equal(ferry_read(l, &p->info.ref, n - 10, got, 11, 5000), FERRY_ERANGE);
+  const void *view = NULL;
+  assert_int_not_equal(ferry_view(l, &p->info.ref, 0, 16, &view), 0);
+
+  /* Writes: over shm through the IPC mapping, from host and from CUDA memory; over tcp the
+   * owner refuses to receive a stream into device memory. */
+  uint8_t patch[4096];
+  fill(patch, sizeof patch, 77);
+  int rc = ferry_write(l, &p->info.ref, 4096, patch, sizeof patch, 5000);
+  if (shm) {
+    assert_int_equal(rc, 0);
+    assert_int_equal(ferry_mem_copy(dev, patch, sizeof patch), 0);
+    assert_int_equal(ferry_write(l, &p->info.ref, 3 * 4096, dev, sizeof patch, 5000), 0);
+    assert_int_equal(ferry_read(l, &p->info.ref, 0, got, 4 * 4096, 5000), 0);
+    assert_memory_equal(got + 4096, patch, sizeof patch);
+    assert_memory_equal(got + 3 * 4096, patch, sizeof patch);
+    assert_int_equal(ferry_write(l, &p->info.ref, 4096, want + 4096, sizeof patch, 5000), 0);
+    assert_int_equal(ferry_write(l, &p->info.ref, 3 * 4096, want + 3 * 4096, sizeof patch, 5000),
+                     0);
+  } else {
+    assert_int_equal(rc, FERRY_ENOTSUP);
+    assert_int_equal(ferry_link_status(l), 0); /* refused, and the link goes on */
+    assert_int_equal(ferry_read(l, &p->info.ref, 0, got, 64, 5000), 0);
+    assert_memory_equal(got, want, 64);
+  }
+  assert_int_equal(ferry_cuda_free(dev), 0);
+  free(want);
+  free(got);
+  ferry_link_close(l);
+  ferry_ctx_close(ctx);
+}
+
+static void test_region_over_links(void **state) {
+  NEED_CUDA();
+  owner_proc p;
+  owner_start(&p);
+  region_over(&p, "shm");
+  region_over(&p, "tcp");
+  owner_stop(&p);
+}
+
 /* `ferry info --json` of a process with the settings given: its "cuda" object. */
 static json_t *cli_cuda(const char *env) {
   char cmd[1024];
@@ -247,12 +388,15 @@ static void test_no_driver(void **state) {
 int main(int argc, char **argv) {
   if (argc == 3 && strcmp(argv[1], "ipc-child") == 0)
     return ipc_child(argv[2]);
+  if (argc == 2 && strcmp(argv[1], "device-owner") == 0)
+    return device_owner();
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_info),
       cmocka_unit_test(test_kinds_and_copies),
       cmocka_unit_test(test_copy_out_of_range),
       cmocka_unit_test(test_pin),
       cmocka_unit_test(test_ipc),
+      cmocka_unit_test(test_region_over_links),
       cmocka_unit_test(test_no_driver),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
