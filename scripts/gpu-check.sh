@@ -164,6 +164,7 @@ link_missing_libs() {
 t0=$SECONDS
 if how=$(unpack_all 2>"$OUT/unpack.err"); then
   nlibs=$(link_missing_libs)
+  ls "$rt" >"$OUT/unpack.txt" # the carried libraries this machine runs with
   record unpack ok "$(find "$debs" -name '*.deb' | wc -l) debs via $how, $nlibs libraries the machine lacks, $((SECONDS - t0))s"
   unpacked=1
 else
@@ -199,7 +200,10 @@ env_report() {
     echo "not present"
   fi
   echo "## libcuda"; (ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null) | grep 'libcuda\.so' || echo "not in the loader cache"
-  echo "## nvcc --version"; timeout 30 nvcc --version 2>&1 || echo "nvcc: not present"
+  echo "## nvcc --version"
+  if command -v nvcc >/dev/null; then timeout 30 nvcc --version 2>&1
+  elif [[ -x /usr/local/cuda/bin/nvcc ]]; then timeout 30 /usr/local/cuda/bin/nvcc --version 2>&1
+  else echo "not present"; fi
   echo "## cc / cmake"; cc --version 2>&1 | head -n1; cmake --version 2>&1 | head -n1
   echo "## python3"
   timeout "$t" python3 - <<'EOF' 2>&1 || echo "python3: failed"
@@ -278,12 +282,12 @@ if ((built)); then
   if ((t == 0)); then
     record ctest skipped "no time left"
   else
-    (cd "$build" && FERRY_TEST_CUDA=driver timeout "$t" ctest -L cuda --output-on-failure) \
+    # -V: every test's own output in the log, so cmocka's skips show (a skip() passes the test);
+    # counted below, so "all passed" on a machine without a driver is visibly not a CUDA result.
+    (cd "$build" && FERRY_TEST_CUDA=driver timeout "$t" ctest -L cuda -V --output-on-failure) \
       >"$OUT/ctest.log" 2>&1
     rc=$?
-    # cmocka's skip() passes the test; count its lines so "all passed" on a GPU-less machine is
-    # visibly not a CUDA result.
-    cm_skipped=$(grep -c '^\[  SKIPPED \]' "$OUT/ctest.log")
+    cm_skipped=$(grep -c '\[  SKIPPED \]' "$OUT/ctest.log")
     if grep -q 'No tests were found' "$OUT/ctest.log"; then
       record ctest skipped "no test is labelled cuda (// ferry-test: cuda) in this tree"
     elif ((rc == 0)); then
