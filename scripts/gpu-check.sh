@@ -287,7 +287,8 @@ if ((built)); then
     (cd "$build" && FERRY_TEST_CUDA=driver timeout "$t" ctest -L cuda -V --output-on-failure) \
       >"$OUT/ctest.log" 2>&1
     rc=$?
-    cm_skipped=$(grep -c '\[  SKIPPED \]' "$OUT/ctest.log")
+    cm_skipped=$(awk 'match($0, /SKIPPED \] [0-9]+ test\(s\), listed below/) {
+                       n += substr($0, RSTART + 10) + 0 } END { print n + 0 }' "$OUT/ctest.log")
     if grep -q 'No tests were found' "$OUT/ctest.log"; then
       record ctest skipped "no test is labelled cuda (// ferry-test: cuda) in this tree"
     elif ((rc == 0)); then
