@@ -247,8 +247,10 @@ if ((unpacked)); then
       record build ok "$((SECONDS - t0))s"
       built=1
     else
-      record build failed "rc $? after $((SECONDS - t0))s (limit ${t}s): build.log"
-      tail -n 30 "$OUT/build.log"
+      record build failed "rc $? after $((SECONDS - t0))s (limit ${t}s): $(grep -m1 -E '(error|Error)[: ]' \
+        "$OUT/build.log" | cut -c1-60)"
+      grep -m10 -B2 -E '(error|Error)[: ]' "$OUT/build.log" # -j interleaves: the first errors
+      tail -n 5 "$OUT/build.log"
     fi
   else
     record configure failed "rc $? (limit ${t}s): $(grep -m1 -E 'Error|not found' "$OUT/configure.log" | cut -c1-80)"
