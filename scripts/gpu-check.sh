@@ -19,7 +19,7 @@
 # last. Exit status: 0 when the build and every test passed (skipped tests included), 1 when
 # configure, build, smoke or a test failed, 2 when .gpu-debs is missing or for another machine.
 #
-# Usage: scripts/gpu-check.sh        (OUT and BUDGET from the environment, both optional)
+# Usage: scripts/gpu-check.sh        (OUT, BUDGET and PYTHON from the environment, all optional)
 #
 # No `set -e`: a failed step is recorded and the script goes on to the summary; each step decides
 # whether the steps after it can run.
@@ -33,6 +33,7 @@ if ! mkdir -p "$OUT" || ! OUT=$(cd "$OUT" && pwd); then
   exit 2
 fi
 BUDGET=${BUDGET:-450}
+py=${PYTHON:-python3} # the image's, with torch and numpy
 debs=$root/.gpu-debs
 prefix=/tmp/ferry-gpu-deps # the unpacked packages (usr/...), redone on every run
 rt=$prefix/rt              # runtime libraries the machine lacks: LD_LIBRARY_PATH
@@ -89,7 +90,7 @@ fi
 # A .deb is an ar archive whose data.tar.* holds the files. dpkg-deb reads it best; an image
 # without dpkg gets ar + tar; one without binutils gets this reader (python3 is always there).
 py_unpack() { # deb dest
-  timeout 60 python3 - "$1" "$2" <<'EOF'
+  timeout 60 "$py" - "$1" "$2" <<'EOF'
 import io, sys, tarfile
 deb, dest = sys.argv[1], sys.argv[2]
 with open(deb, "rb") as f:
@@ -206,7 +207,7 @@ env_report() {
   else echo "not present"; fi
   echo "## cc / cmake"; cc --version 2>&1 | head -n1; cmake --version 2>&1 | head -n1
   echo "## python3"
-  timeout "$t" python3 - <<'EOF' 2>&1 || echo "python3: failed"
+  timeout "$t" "$py" - <<'EOF' 2>&1 || echo "python3: failed"
 import sys
 print("python", sys.version.split()[0], sys.executable)
 for mod in ("numpy", "torch"):
@@ -338,7 +339,7 @@ bench() {
 if ((built && smoke_ok)); then
   bench bench-c "$OUT/bench-gpu.json" "$build/ferry" bench gpu --json
   bench bench-py "$OUT/bench-gpu-python.json" env PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" \
-    FERRY_LIB="$build/libferry.so" python3 -m ferry.bench gpu --json
+    FERRY_LIB="$build/libferry.so" "$py" -m ferry.bench gpu --json
 else
   record bench-c skipped "no working build"
   record bench-py skipped "no working build"
