@@ -51,7 +51,7 @@ record() { # step status why
 
 summary() {
   {
-    echo "---- gpu-check summary ($(date -u '+%Y-%m-%d %H:%M:%S UTC'), ${SECONDS}s of ${BUDGET}s) ----"
+    echo "---- gpu-check summary ($(date -u '+%F %T UTC'), ${SECONDS}s of ${BUDGET}s) ----"
     printf '%s\n' "${steps[@]}"
     echo "results: $OUT"
   } | tee "$OUT/summary.txt"
@@ -168,7 +168,8 @@ t0=$SECONDS
 if how=$(unpack_all 2>"$OUT/unpack.err"); then
   nlibs=$(link_missing_libs)
   ls "$rt" >"$OUT/unpack.txt" # the carried libraries this machine runs with
-  record unpack ok "$(find "$debs" -name '*.deb' | wc -l) debs via $how, $nlibs libraries the machine lacks, $((SECONDS - t0))s"
+  ndebs=$(find "$debs" -name '*.deb' | wc -l)
+  record unpack ok "$ndebs debs via $how, $nlibs libraries the machine lacks, $((SECONDS - t0))s"
   unpacked=1
 else
   record unpack failed "$(last_line "$OUT/unpack.err")"
@@ -180,7 +181,8 @@ fi
 pclib=$prefix/usr/lib/$triplet/pkgconfig:$prefix/usr/lib/pkgconfig:$prefix/usr/share/pkgconfig
 export PKG_CONFIG_LIBDIR=$pclib PKG_CONFIG_PATH=$pclib PKG_CONFIG_SYSROOT_DIR=$prefix
 export CMAKE_PREFIX_PATH=$prefix/usr
-export LIBRARY_PATH=$prefix/usr/lib/$triplet:$prefix/lib/$triplet:$prefix/usr/lib${LIBRARY_PATH:+:$LIBRARY_PATH}
+libs=$prefix/usr/lib/$triplet:$prefix/lib/$triplet:$prefix/usr/lib
+export LIBRARY_PATH=$libs${LIBRARY_PATH:+:$LIBRARY_PATH}
 export CPATH=$prefix/usr/include:$prefix/usr/include/$triplet${CPATH:+:$CPATH}
 export LD_LIBRARY_PATH=$rt${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 pkgconf=$prefix/usr/bin/pkgconf
@@ -190,7 +192,8 @@ pkgconf=$prefix/usr/bin/pkgconf
 env_report() {
   local t
   t=$(limit 60)
-  echo "# gpu-check $(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo "# gpu-check $(date -u '+%F %T UTC'), commit" \
+       "$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '? (no .git)')"
   echo "## uname -a"; uname -a
   echo "## os"; grep -h '^PRETTY_NAME=' /etc/os-release 2>/dev/null
   echo "## glibc"; ldd --version 2>&1 | head -n1
@@ -202,7 +205,9 @@ env_report() {
   else
     echo "not present"
   fi
-  echo "## libcuda"; (ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null) | grep 'libcuda\.so' || echo "not in the loader cache"
+  echo "## libcuda"
+  (ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null) | grep 'libcuda\.so' ||
+    echo "not in the loader cache"
   echo "## nvcc --version"
   if command -v nvcc >/dev/null; then timeout 30 nvcc --version 2>&1
   elif [[ -x /usr/local/cuda/bin/nvcc ]]; then timeout 30 /usr/local/cuda/bin/nvcc --version 2>&1
@@ -248,16 +253,20 @@ if ((unpacked)); then
     if ((t == 0)); then
       record build skipped "no time left"
     elif timeout "$t" cmake --build "$build" -j"$(nproc)" >"$OUT/build.log" 2>&1; then
-      record build ok "$((SECONDS - t0))s, $(grep -c 'warning: ' "$OUT/build.log") compiler warnings (build.log)"
+      warnings=$(grep -c 'warning: ' "$OUT/build.log")
+      record build ok "$((SECONDS - t0))s, $warnings compiler warnings (build.log)"
       built=1
     else
-      record build failed "rc $? after $((SECONDS - t0))s (limit ${t}s): $(grep -m1 -E '(error|Error)[: ]' \
-        "$OUT/build.log" | cut -c1-60)"
+      rc=$?
+      why=$(grep -m1 -E '(error|Error)[: ]' "$OUT/build.log" | cut -c1-60)
+      record build failed "rc $rc after $((SECONDS - t0))s (limit ${t}s): $why"
       grep -m10 -B2 -E '(error|Error)[: ]' "$OUT/build.log" # -j interleaves: the first errors
       tail -n 5 "$OUT/build.log"
     fi
   else
-    record configure failed "rc $? (limit ${t}s): $(grep -m1 -E 'Error|not found' "$OUT/configure.log" | cut -c1-80)"
+    rc=$?
+    why=$(grep -m1 -E 'Error|not found' "$OUT/configure.log" | cut -c1-80)
+    record configure failed "rc $rc (limit ${t}s): $why"
     tail -n 20 "$OUT/configure.log"
     record build skipped "configure failed"
   fi
@@ -298,7 +307,8 @@ if ((built)); then
     if grep -q 'No tests were found' "$OUT/ctest.log"; then
       record ctest skipped "no test is labelled cuda (// ferry-test: cuda) in this tree"
     elif ((rc == 0)); then
-      record ctest ok "$(grep -m1 'tests passed' "$OUT/ctest.log"); $cm_skipped cmocka cases skipped; $((SECONDS - t0))s"
+      why=$(grep -m1 'tests passed' "$OUT/ctest.log")
+      record ctest ok "$why; $cm_skipped cmocka cases skipped; $((SECONDS - t0))s"
     else
       tests_ok=0
       why=$(grep -m1 'tests passed' "$OUT/ctest.log")
@@ -341,8 +351,9 @@ bench() {
 
 if ((built && smoke_ok)); then
   bench bench-c "$OUT/bench-gpu.json" "$build/ferry" bench gpu --json
-  bench bench-py "$OUT/bench-gpu-python.json" env PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" \
-    FERRY_LIB="$build/libferry.so" "$py" -m ferry.bench gpu --json
+  bench bench-py "$OUT/bench-gpu-python.json" \
+    env PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" FERRY_LIB="$build/libferry.so" \
+    "$py" -m ferry.bench gpu --json
 else
   record bench-c skipped "no working build"
   record bench-py skipped "no working build"

@@ -41,37 +41,38 @@ if ! apt-cache show --no-all-versions libxxhash-dev >/dev/null 2>&1; then
   $sudo apt-get update -qq
 fi
 
-# Direct dependencies of one package, one name a line: Depends and Pre-Depends, first choice of
-# each alternative, virtual names (<...>) resolved by apt to what provides them.
+# Direct dependencies of the packages named, one name a line: Depends and Pre-Depends, the first
+# choice of each alternative, a virtual name (<...>) replaced by the first package providing it.
 deps_of() {
   apt-cache depends --no-recommends --no-suggests --no-conflicts --no-breaks --no-replaces \
-    --no-enhances "$1" |
-    awk '/^ +\|?(Pre)?Depends: / {
+    --no-enhances "$@" |
+    awk '/^[^ ]/ { in_alt = 0; want_provider = 0; next } # the next package'"'"'s own name
+         /^ +\|?(Pre)?Depends: / {
            if (!in_alt) { if ($2 ~ /^</) want_provider = 1; else print $2 }
            in_alt = ($1 ~ /^\|/); next }
          /^    [^ ]/ && want_provider { print $1; want_provider = 0 }'
 }
 
-# The closure, breadth first.
+# The closure, a level at a time (one apt-cache call each).
 declare -A seen=()
-queue=("${roots[@]}")
+level=("${roots[@]}")
 pkgs=()
-while [[ ${#queue[@]} -gt 0 ]]; do
-  p=${queue[0]}
-  queue=("${queue[@]:1}")
-  [[ -n ${seen[$p]:-} ]] && continue
-  seen[$p]=1
-  [[ $p =~ $skip ]] && continue
-  apt-cache show --no-all-versions "$p" >/dev/null 2>&1 || continue # a virtual name: resolved below it
-  pkgs+=("$p")
-  while read -r d; do
-    [[ -n $d && -z ${seen[$d]:-} ]] && queue+=("$d")
-  done < <(deps_of "$p")
+while [[ ${#level[@]} -gt 0 ]]; do
+  new=()
+  for p in "${level[@]}"; do
+    [[ -n ${seen[$p]:-} ]] && continue
+    seen[$p]=1
+    [[ $p =~ $skip ]] || new+=("$p")
+  done
+  [[ ${#new[@]} -gt 0 ]] || break
+  pkgs+=("${new[@]}")
+  mapfile -t level < <(deps_of "${new[@]}" | sort -u)
 done
 
 # Download into a temp dir, then replace .gpu-debs whole: a failed run leaves the old one intact.
 tmp=$(mktemp -d)
-chmod 755 "$tmp" # apt-get download runs as _apt where it can
+# As root, apt downloads as the user _apt, which must be able to write there.
+[[ $(id -u) -ne 0 ]] || chown _apt "$tmp" 2>/dev/null || true
 trap 'rm -rf "$tmp"' EXIT
 (cd "$tmp" && apt-get download -qq "${pkgs[@]}" >/dev/null) ||
   { echo "gpu-debs: apt-get download failed for: ${pkgs[*]}" >&2; exit 1; }
