@@ -297,18 +297,21 @@ if ((built)); then
   if ((t == 0)); then
     record ctest skipped "no time left"
   else
-    # -V: every test's own output in the log, so cmocka's skips show (a skip() passes the test);
-    # counted below, so "all passed" on a machine without a driver is visibly not a CUDA result.
+    # -V: every test's own output in the log, so the skips show: cmocka's skip() and
+    # tests/testutil.c's tu_skip ("SKIP no CUDA driver: ...") both pass the test. Counted below,
+    # so "all passed" on a machine without a driver is visibly not a CUDA result.
     (cd "$build" && FERRY_TEST_CUDA=driver timeout "$t" ctest -L cuda -V --output-on-failure) \
       >"$OUT/ctest.log" 2>&1
     rc=$?
     cm_skipped=$(awk 'match($0, /SKIPPED \] [0-9]+ test\(s\), listed below/) {
-                       n += substr($0, RSTART + 10) + 0 } END { print n + 0 }' "$OUT/ctest.log")
+                        n += substr($0, RSTART + 10) + 0 } END { print n + 0 }' "$OUT/ctest.log")
+    tu_skipped=$(grep -cE '^([0-9]+: )?SKIP ' "$OUT/ctest.log")
+    skip_why=$(grep -m1 -oE 'SKIP no CUDA driver.*' "$OUT/ctest.log" | cut -c6-60)
     if grep -q 'No tests were found' "$OUT/ctest.log"; then
       record ctest skipped "no test is labelled cuda (// ferry-test: cuda) in this tree"
     elif ((rc == 0)); then
       why=$(grep -m1 'tests passed' "$OUT/ctest.log")
-      record ctest ok "$why; $cm_skipped cmocka cases skipped; $((SECONDS - t0))s"
+      record ctest ok "$why; $cm_skipped cases skipped, $tu_skipped SKIP lines${skip_why:+ ($skip_why)}"
     else
       tests_ok=0
       why=$(grep -m1 'tests passed' "$OUT/ctest.log")
