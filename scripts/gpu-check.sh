@@ -13,12 +13,13 @@
 #              warnings not fatal (FERRY_WERROR=OFF): the image's compiler is not Debian's gcc 12,
 #              and a new warning there must not cost the session its one device run. Counted.
 #   build      everything, -j$(nproc)
-#   smoke      build-gpu/ferry --version: the carried libraries load at run time too
+#   smoke      build-gpu/ferry --version: the carried libraries load at run time too; then
+#              `ferry info` (its cuda: line) into $OUT/ferry-info.txt
 #   ctest      the tests labelled `cuda`, FERRY_TEST_CUDA=driver (the real libcuda, no stand-in)
 #   bench      `ferry bench gpu --json` and `python3 -m ferry.bench gpu --json`
-# Results land in $OUT (default ./gpu-check-out): env.txt, configure.log, build.log, ctest.log,
-# bench-gpu.json (+ .err), bench-gpu-python.json (+ .err), summary.txt. The summary is printed
-# last. Exit status: 0 when the build and every test passed (skipped tests included), 1 when
+# Results land in $OUT (default ./gpu-check-out): env.txt, unpack.txt, configure.log, build.log,
+# ferry-info.txt, ctest.log, bench-gpu.json (+ .err), bench-gpu-python.json (+ .err) and
+# summary.txt, the summary, which is also printed last. Exit status: 0 when the build and every test passed (skipped tests included), 1 when
 # configure, build, smoke or a test failed, 2 when .gpu-debs is missing or for another machine.
 #
 # Usage: scripts/gpu-check.sh        (OUT, BUDGET and PYTHON from the environment, all optional)
@@ -280,7 +281,10 @@ fi
 smoke_ok=0
 if ((built)); then
   if v=$(timeout 20 "$build/ferry" --version 2>&1); then
-    record smoke ok "$v"
+    # what ferry itself makes of the driver (its `cuda:` line), beside env.txt's view
+    timeout 20 "$build/ferry" info >"$OUT/ferry-info.txt" 2>&1
+    cuda=$(grep -m1 '^cuda:' "$OUT/ferry-info.txt" | tr -s ' ' | cut -c1-70)
+    record smoke ok "$v${cuda:+; $cuda}"
     smoke_ok=1
   else
     record smoke failed "ferry --version: $(tail -n1 <<<"$v" | cut -c1-90)"
@@ -311,7 +315,8 @@ if ((built)); then
       record ctest skipped "no test is labelled cuda (// ferry-test: cuda) in this tree"
     elif ((rc == 0)); then
       why=$(grep -m1 'tests passed' "$OUT/ctest.log")
-      record ctest ok "$why; $cm_skipped cases skipped, $tu_skipped SKIP lines${skip_why:+ ($skip_why)}"
+      why+="; $cm_skipped cases skipped, $tu_skipped SKIP lines${skip_why:+ ($skip_why)}"
+      record ctest ok "$why"
     else
       tests_ok=0
       why=$(grep -m1 'tests passed' "$OUT/ctest.log")
