@@ -19,8 +19,9 @@
 #   bench      `ferry bench gpu --json` and `python3 -m ferry.bench gpu --json`
 # Results land in $OUT (default ./gpu-check-out): env.txt, unpack.txt, configure.log, build.log,
 # ferry-info.txt, ctest.log, bench-gpu.json (+ .err), bench-gpu-python.json (+ .err) and
-# summary.txt, the summary, which is also printed last. Exit status: 0 when the build and every test passed (skipped tests included), 1 when
-# configure, build, smoke or a test failed, 2 when .gpu-debs is missing or for another machine.
+# summary.txt, the summary, which is also printed last. Exit status: 0 when the build and every
+# test passed (skipped tests included), 1 when configure, build, smoke or a test failed, 2 when
+# .gpu-debs is missing or for another machine.
 #
 # Usage: scripts/gpu-check.sh        (OUT, BUDGET and PYTHON from the environment, all optional)
 #
