@@ -91,9 +91,14 @@ static void test_kinds_and_copies(void **state) {
   free(back);
 }
 
-/* A copy beyond the allocation is the driver's error, reported, not a crash. */
+/* A copy beyond the allocation is the driver's error, reported, not a crash. Only against the
+ * stand-in: a real GPU may take it as an illegal address, which spoils the context for the
+ * rest of the run. */
 static void test_copy_out_of_range(void **state) {
   NEED_CUDA();
+  const char *mode = getenv("FERRY_TEST_CUDA");
+  if (mode && strcmp(mode, "driver") == 0)
+    skip();
   void *dev = NULL;
   uint8_t host[64] = {0};
   assert_int_equal(ferry_cuda_alloc(0, 4096, &dev), 0);
@@ -152,11 +157,12 @@ static int ipc_child(const char *hex) {
   fill(want, n, 99);
   if (ferry_mem_copy((uint8_t *)base + h.offset, want, n) != 0)
     return 13;
-  fr_cuda_ipc h2 = h; /* a handle whose size claim exceeds the mapping is refused */
+  fr_cuda_ipc h2 = h; /* a handle whose size claim exceeds the mapping is refused (EPROTO; a
+                       * driver that does not open a handle twice refuses it earlier) */
   h2.alloc_bytes = h.alloc_bytes * 4;
   void *again = NULL;
   int rc = fr_cuda_ipc_open(&h2, -1, &again);
-  if (rc != FERRY_EPROTO)
+  if (rc != FERRY_EPROTO && rc != FERRY_EDEVICE)
     return 14;
   if (fr_cuda_ipc_close(base) != 0)
     return 15;
