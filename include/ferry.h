@@ -330,7 +330,10 @@ FERRY_API int ferry_alloc(ferry_ctx *ctx, size_t bytes, void **out);
 FERRY_API int ferry_free(ferry_ctx *ctx, void *ptr);
 /* Makes caller memory [ptr, ptr+len) readable and writable by peers as a region. The caller
  * keeps ownership and must keep the memory alive until ferry_deregister(). Peers reach it
- * through the owner (one copy over the link), not by mapping. */
+ * through the owner (one copy over the link), not by mapping. CUDA memory may be registered
+ * (the range must lie inside one allocation, else FERRY_ERANGE): peers on this host then map it
+ * through a CUDA IPC handle (cuMemAlloc'd memory; others are served through the owner). A peer
+ * that mapped it does not see its deregistration: free it only when readers are done. */
 FERRY_API int ferry_register(ferry_ctx *ctx, void *ptr, size_t len, ferry_region_ref *out);
 FERRY_API int ferry_deregister(ferry_ctx *ctx, uint64_t region_id);
 /* Finds the region that contains [ptr, ptr+len): its reference and ptr's offset in it.
@@ -395,7 +398,12 @@ FERRY_API int ferry_msg_is_call(const ferry_msg *msg);
 /* One-sided read of [offset, offset+len) of the peer's region into dst (one copy: over shm a
  * memcpy from the peer's pages, over tcp a recv straight into dst). FERRY_EACCES (wrong key),
  * FERRY_ERANGE (outside the region), FERRY_ENOTFOUND (no such region), FERRY_EPEER (the peer
- * died), FERRY_ETIMEDOUT. On failure the contents of dst are unspecified. */
+ * died), FERRY_ETIMEDOUT. On failure the contents of dst are unspecified.
+ * CUDA memory (see "Memory kinds"): dst may be a device buffer, and the peer's region may be
+ * registered CUDA memory. Over shm the copy engines copy straight from the peer's pages, or from
+ * its CUDA region mapped through a CUDA IPC handle (device to device); over tcp and ucx the bytes
+ * come through host memory, FERRY_CUDA_CHUNK_BYTES at a time, and the owner stages a CUDA
+ * region's bytes out through pinned host buffers, the next chunk's copy overlapping the send. */
 FERRY_API int ferry_read(ferry_link *link, const ferry_region_ref *remote, uint64_t offset,
                          void *dst, size_t len, int timeout_ms);
 /* One run of a vectored read: [offset, offset+len) of the peer's region (len > 0). */
@@ -409,12 +417,14 @@ typedef struct ferry_read_run {
  * row) is one call. */
 FERRY_API int ferry_readv(ferry_link *link, const ferry_region_ref *remote,
                           const ferry_read_run *runs, size_t n, void *dst, int timeout_ms);
-/* One-sided write of src into [offset, offset+len) of the peer's region. Same errors. */
+/* One-sided write of src into [offset, offset+len) of the peer's region. Same errors. src may
+ * be CUDA memory; a peer's CUDA region takes writes over shm only (elsewhere FERRY_ENOTSUP). */
 FERRY_API int ferry_write(ferry_link *link, const ferry_region_ref *remote, uint64_t offset,
                           const void *src, size_t len, int timeout_ms);
 /* Zero-copy view of a peer's shared-memory region (shm links and ferry_alloc'd regions only,
- * else FERRY_ENOTSUP). *out stays mapped while the link is open; it may change under the reader
- * if the owner writes, and ferry_view_valid() says whether the owner has freed it since. */
+ * else FERRY_ENOTSUP; a CUDA region cannot be viewed from the CPU). *out stays mapped while the
+ * link is open; it may change under the reader if the owner writes, and ferry_view_valid() says
+ * whether the owner has freed it since. */
 FERRY_API int ferry_view(ferry_link *link, const ferry_region_ref *remote, uint64_t offset,
                          size_t len, const void **out);
 FERRY_API int ferry_view_valid(ferry_link *link, const ferry_region_ref *remote);

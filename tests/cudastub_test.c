@@ -7,6 +7,7 @@
  * something synchronizes, IPC handles opened by another process (an exec'd helper mode of this
  * binary, which shares nothing with the parent but the handle), and the per-device memory limit.
  */
+// ferry-test: threaded
 #include "testutil.h"
 
 #include <dlfcn.h>
@@ -618,6 +619,39 @@ static void test_ipc_owner_dead(void **state) {
   assert_true(rc == INVALID_HANDLE || rc == MAP_FAILED_);
 }
 
+/* Threads each with their own context, stream and memory, all at once (the lock under TSan). */
+static void *thread_work(void *arg) {
+  intptr_t i = (intptr_t)arg, bad = 0;
+  CUstream s;
+  if (use_device((int)(i % DEVICES)) != OK || cu.cuStreamCreate(&s, 1) != OK)
+    return (void *)1;
+  char host[4096], back[4096];
+  for (int round = 0; round < 200 && !bad; round++) {
+    CUdeviceptr d;
+    tu_fill(host, sizeof host, (uint64_t)(i * 1000 + round));
+    memset(back, 0, sizeof back);
+    bad = cu.cuMemAlloc_v2(&d, sizeof host) != OK ||
+          cu.cuMemcpyAsync(d, (uintptr_t)host, sizeof host, s) != OK ||
+          cu.cuMemcpyAsync((uintptr_t)back, d, sizeof back, s) != OK ||
+          cu.cuStreamSynchronize(s) != OK || memcmp(host, back, sizeof host) != 0 ||
+          cu.cuMemFree_v2(d) != OK;
+  }
+  if (cu.cuStreamDestroy_v2(s) != OK || cu.cuDevicePrimaryCtxRelease_v2((int)(i % DEVICES)))
+    bad = 1;
+  return (void *)bad;
+}
+
+static void test_threads(void **state) {
+  pthread_t t[6];
+  for (intptr_t i = 0; i < 6; i++)
+    assert_int_equal(pthread_create(&t[i], NULL, thread_work, (void *)i), 0);
+  for (int i = 0; i < 6; i++) {
+    void *bad = (void *)1;
+    assert_int_equal(pthread_join(t[i], &bad), 0);
+    assert_null(bad);
+  }
+}
+
 static void test_memory_limit(void **state) {
   const size_t all = (size_t)MEM_MB << 20;
   CUdeviceptr d = alloc(all), e;
@@ -668,6 +702,7 @@ int main(int argc, char **argv) {
       T_(test_ipc_forged),
       T_(test_ipc_owner_dead),
       T_(test_memory_limit),
+      T_(test_threads),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -24,6 +24,7 @@ typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
 typedef struct {
   char reserved[64];
 } CUipcMemHandle;
@@ -38,6 +39,7 @@ enum {
   CU_STREAM_NON_BLOCKING = 1,
   CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1,
   CU_MEMHOSTREGISTER_PORTABLE = 1,
+  CU_EVENT_DISABLE_TIMING = 2,
 };
 
 /* field, exported name, signature */
@@ -61,6 +63,10 @@ enum {
   X(cuStreamCreate, "cuStreamCreate", (CUstream *, unsigned))                                      \
   X(cuStreamDestroy, "cuStreamDestroy_v2", (CUstream))                                             \
   X(cuStreamSynchronize, "cuStreamSynchronize", (CUstream))                                        \
+  X(cuEventCreate, "cuEventCreate", (CUevent *, unsigned))                                         \
+  X(cuEventRecord, "cuEventRecord", (CUevent, CUstream))                                           \
+  X(cuEventSynchronize, "cuEventSynchronize", (CUevent))                                           \
+  X(cuEventDestroy, "cuEventDestroy_v2", (CUevent))                                                \
   X(cuIpcGetMemHandle, "cuIpcGetMemHandle", (CUipcMemHandle *, CUdeviceptr))                       \
   X(cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2", (CUdeviceptr *, CUipcMemHandle, unsigned))        \
   X(cuIpcCloseMemHandle, "cuIpcCloseMemHandle", (CUdeviceptr))
@@ -265,6 +271,110 @@ int fr_cuda_copy_on(int device_hint, void *dst, const void *src, size_t n) {
 }
 
 int fr_cuda_copy(void *dst, const void *src, size_t n) { return fr_cuda_copy_on(-1, dst, src, n); }
+
+/* ---- staging: device bytes out through host memory, the next chunk's copy under this one's use */
+
+struct fr_cuda_stager {
+  size_t chunk;
+  uint8_t *buf[2]; /* pinned when the driver allows it */
+  bool pinned[2];
+  CUevent done[2];
+  int device; /* whose context made the events; -1 before the first use */
+};
+
+size_t fr_cuda_chunk_bytes(void) {
+  int64_t v = fr_config_int("FERRY_CUDA_CHUNK_BYTES");
+  return v < 4096 ? 4096 : (size_t)v;
+}
+
+int fr_cuda_stager_open(size_t chunk, fr_cuda_stager **out) {
+  chunk = chunk < 4096 ? 4096 : chunk;
+  fr_cuda_stager *s = calloc(1, sizeof *s);
+  if (!s)
+    return fr_err(FERRY_ENOMEM, "cuda staging buffers");
+  s->chunk = chunk;
+  s->device = -1;
+  for (int i = 0; i < 2; i++)
+    if (!(s->buf[i] = aligned_alloc(4096, (chunk + 4095) / 4096 * 4096))) {
+      fr_cuda_stager_close(s);
+      return fr_err(FERRY_ENOMEM, "cuda staging buffers of %zu bytes", chunk);
+    }
+  *out = s;
+  return 0;
+}
+
+void fr_cuda_stager_close(fr_cuda_stager *s) {
+  if (!s)
+    return;
+  CUcontext saved;
+  bool in = s->device >= 0 && enter(s->device, &saved) == 0;
+  for (int i = 0; i < 2; i++) {
+    if (in && s->done[i])
+      cu.cuEventDestroy(s->done[i]);
+    if (s->pinned[i])
+      fr_cuda_unpin(s->buf[i]);
+    free(s->buf[i]);
+  }
+  if (in)
+    leave(saved);
+  free(s);
+}
+
+/* Events in `device`'s context (made again when the stager moves to another device). */
+static int stager_events(fr_cuda_stager *s, int device) {
+  if (s->device == device)
+    return 0;
+  for (int i = 0; i < 2; i++) {
+    if (s->done[i] && s->device >= 0)
+      cu.cuEventDestroy(s->done[i]);
+    s->done[i] = NULL;
+    CUresult r = cu.cuEventCreate(&s->done[i], CU_EVENT_DISABLE_TIMING);
+    if (r != CUDA_SUCCESS)
+      return cu_fail(r, "cuEventCreate");
+    if (!s->pinned[i])
+      s->pinned[i] = cu.cuMemHostRegister(s->buf[i], s->chunk, CU_MEMHOSTREGISTER_PORTABLE) == 0;
+  }
+  s->device = device;
+  return 0;
+}
+
+int fr_cuda_stage_out(fr_cuda_stager *s, int device, const void *src, size_t n,
+                      int (*use)(void *arg, const void *buf, size_t len), void *arg) {
+  CUcontext saved;
+  CUstream stream = NULL;
+  int rc = enter(device, &saved);
+  if (rc != 0)
+    return rc;
+  if ((rc = stager_events(s, device)) != 0 || (rc = thread_stream(device, &stream)) != 0) {
+    leave(saved);
+    return rc;
+  }
+  size_t chunks = (n + s->chunk - 1) / s->chunk;
+  CUresult r = CUDA_SUCCESS;
+  /* Copy i+1 is queued before chunk i is used, into the other buffer, whose previous chunk
+   * (i-1) was used already: the copy engine and `use` (a socket send) overlap. */
+  for (size_t i = 0; i <= chunks && rc == 0; i++) {
+    if (i < chunks) {
+      size_t off = i * s->chunk, len = n - off < s->chunk ? n - off : s->chunk;
+      if ((r = cu.cuMemcpyAsync((CUdeviceptr)(uintptr_t)s->buf[i % 2],
+                                (CUdeviceptr)(uintptr_t)((const uint8_t *)src + off), len,
+                                stream)) != CUDA_SUCCESS ||
+          (r = cu.cuEventRecord(s->done[i % 2], stream)) != CUDA_SUCCESS)
+        rc = cu_fail(r, "cuMemcpyAsync (staging)");
+    }
+    if (i > 0 && rc == 0) {
+      size_t j = i - 1, off = j * s->chunk, len = n - off < s->chunk ? n - off : s->chunk;
+      if ((r = cu.cuEventSynchronize(s->done[j % 2])) != CUDA_SUCCESS)
+        rc = cu_fail(r, "cuEventSynchronize (staging)");
+      else
+        rc = use(arg, s->buf[j % 2], len);
+    }
+  }
+  if (rc != 0)
+    cu.cuStreamSynchronize(stream); /* nothing of ours still writes the buffers */
+  leave(saved);
+  return rc;
+}
 
 /* Pinned memory is the driver's, not a device's: device 0's context registers it (portable:
  * every context sees it pinned). */

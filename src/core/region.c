@@ -156,12 +156,18 @@ int fr_region_add_registered(fr_region_table *t, void *ptr, size_t len, fr_regio
     return fr_err(FERRY_EINVAL, "ferry_register: empty memory range");
   if ((uintptr_t)ptr + len < (uintptr_t)ptr)
     return fr_err(FERRY_EOVERFLOW, "ferry_register: range wraps the address space");
+  fr_mem_where w = fr_cuda_where(ptr);
+  if (w.kind == FERRY_MEM_CUDA && (uintptr_t)ptr - w.base + len > w.size)
+    return fr_err(FERRY_ERANGE, "ferry_register: [%p, +%zu) runs past its CUDA allocation's end",
+                  ptr, len);
   fr_region *r = calloc(1, sizeof *r);
   if (!r)
     return fr_err(FERRY_ENOMEM, "ferry_register: region record");
   r->memfd = -1;
   r->data = ptr;
   r->size = len;
+  r->kind = w.kind;
+  r->device = w.device;
   int rc = table_add(t, r);
   if (rc != 0) {
     free(r);
@@ -169,6 +175,18 @@ int fr_region_add_registered(fr_region_table *t, void *ptr, size_t len, fr_regio
   }
   *out = r;
   return 0;
+}
+
+int fr_region_cuda_ipc(fr_region_table *t, fr_region *r, fr_cuda_ipc *out) {
+  if (r->kind != FERRY_MEM_CUDA)
+    return fr_err(FERRY_EINVAL, "region %llu is host memory", (unsigned long long)r->id);
+  pthread_mutex_lock(&t->lock);
+  int rc = r->ipc_ready ? 0 : fr_cuda_ipc_export(r->data, &r->ipc);
+  r->ipc_ready = rc == 0;
+  if (rc == 0)
+    *out = r->ipc;
+  pthread_mutex_unlock(&t->lock);
+  return rc;
 }
 
 static ssize_t table_index(fr_region_table *t, uint64_t id, const void *data) {

@@ -10,6 +10,7 @@
 #ifndef FR_REGION_H
 #define FR_REGION_H
 
+#include "core/cuda.h"
 #include "ferry.h"
 
 #include <pthread.h>
@@ -60,6 +61,13 @@ typedef struct fr_region {
   size_t map_bytes;
   fr_region_mem mem; /* transport memory (release NULL: none) */
   int refs;          /* atomic; the table holds one while the region is listed */
+  /* Registered CUDA memory (kind FERRY_MEM_CUDA): data is a device address, never touched by
+   * the CPU. Peers on this host map it through a CUDA IPC handle, made at the first MAP request
+   * under the table's lock (ipc_ready); others get its bytes staged through host memory. */
+  ferry_mem_kind kind;
+  int device;
+  bool ipc_ready;
+  fr_cuda_ipc ipc;
 } fr_region;
 
 typedef struct fr_region_table {
@@ -77,7 +85,10 @@ void fr_region_table_fini(fr_region_table *t);
  * back to a memfd when it fails. */
 int fr_region_alloc_shared(fr_region_table *t, size_t bytes, fr_region_mem_alloc alloc, void *arg,
                            fr_region **out);
+/* Caller memory, host or CUDA (told apart here: a CUDA range must lie inside one allocation). */
 int fr_region_add_registered(fr_region_table *t, void *ptr, size_t len, fr_region **out);
+/* The IPC handle of a CUDA region, made on first use. */
+int fr_region_cuda_ipc(fr_region_table *t, fr_region *r, fr_cuda_ipc *out);
 /* Unlists a region (by id, or by its data pointer when id == 0) and drops the table's ref;
  * a shared region's header is marked freed first. */
 int fr_region_remove(fr_region_table *t, uint64_t id, const void *data);

@@ -231,12 +231,22 @@ static int check_rma(ferry_link *link, const ferry_region_ref *r, uint64_t off, 
   return 0;
 }
 
+/* One read into the caller's buffer, whose device (-1: host memory) the call found once. */
+static int read_one(ferry_link *link, const ferry_region_ref *r, uint64_t off, void *dst,
+                    size_t len, int device, int ms) {
+  if (device < 0)
+    return link->ops->read(link, r, off, dst, len, ms);
+  if (link->ops->read_device)
+    return link->ops->read_device(link, r, off, dst, len, device, ms);
+  return fr_link_read_bounced(link, r, off, dst, len, device, ms);
+}
+
 int ferry_read(ferry_link *link, const ferry_region_ref *remote, uint64_t offset, void *dst,
                size_t len, int timeout_ms) {
   int rc = check_rma(link, remote, offset, len, dst, "ferry_read");
   return rc ? rc
-            : link->ops->read(link, remote, offset, dst, len,
-                              fr_ctx_timeout(link->ctx, timeout_ms));
+            : read_one(link, remote, offset, dst, len, fr_cuda_device_of(dst),
+                       fr_ctx_timeout(link->ctx, timeout_ms));
 }
 
 int ferry_readv(ferry_link *link, const ferry_region_ref *remote, const ferry_read_run *runs,
@@ -253,21 +263,27 @@ int ferry_readv(ferry_link *link, const ferry_region_ref *remote, const ferry_re
                 (unsigned long long)total);
   if (rc != 0 || n == 0)
     return rc;
-  int ms = fr_ctx_timeout(link->ctx, timeout_ms);
-  if (link->ops->readv)
+  int ms = fr_ctx_timeout(link->ctx, timeout_ms), device = fr_cuda_device_of(dst);
+  if (link->ops->readv && device < 0)
     return link->ops->readv(link, remote, runs, n, dst, ms);
+  uint64_t deadline = fr_deadline_ns(ms);
   uint8_t *at = dst;
   for (size_t i = 0; i < n && rc == 0; at += runs[i++].len)
-    rc = link->ops->read(link, remote, runs[i].offset, at, runs[i].len, ms);
+    rc = read_one(link, remote, runs[i].offset, at, runs[i].len, device, fr_ms_left(deadline));
   return rc;
 }
 
 int ferry_write(ferry_link *link, const ferry_region_ref *remote, uint64_t offset, const void *src,
                 size_t len, int timeout_ms) {
   int rc = check_rma(link, remote, offset, len, src, "ferry_write");
-  return rc ? rc
-            : link->ops->write(link, remote, offset, src, len,
-                               fr_ctx_timeout(link->ctx, timeout_ms));
+  if (rc != 0)
+    return rc;
+  int ms = fr_ctx_timeout(link->ctx, timeout_ms), device = fr_cuda_device_of(src);
+  if (device < 0)
+    return link->ops->write(link, remote, offset, src, len, ms);
+  if (link->ops->write_device)
+    return link->ops->write_device(link, remote, offset, src, len, device, ms);
+  return fr_link_write_bounced(link, remote, offset, src, len, device, ms);
 }
 
 int ferry_view(ferry_link *link, const ferry_region_ref *remote, uint64_t offset, size_t len,

@@ -167,6 +167,40 @@ int fr_link_send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov
   return send_frame(l, f, iov, iovcnt, fd_out, deadline_ns, false);
 }
 
+typedef struct staged_send {
+  ferry_link *l;
+  uint64_t deadline_ns;
+} staged_send;
+
+static int send_staged_chunk(void *arg, const void *buf, size_t len) {
+  staged_send *s = arg;
+  struct iovec v = {(void *)buf, len};
+  return s->l->ops->sendv(s->l, &v, 1, -1, s->deadline_ns);
+}
+
+int fr_link_send_frame_device(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
+                              int device, fr_cuda_stager *stager, uint64_t deadline_ns) {
+  uint8_t hdr[FR_FRAME_BYTES];
+  fr_frame_encode(f, hdr);
+  struct iovec h = {hdr, sizeof hdr};
+  staged_send s = {l, deadline_ns};
+  pthread_mutex_lock(&l->send_lock);
+  int rc =
+      __atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == FR_LINK_DEAD
+          ? fr_err(l->dead_status ? l->dead_status : FERRY_EPEER, "link to '%s' is closed", l->peer)
+          : l->ops->sendv(l, &h, 1, -1, deadline_ns);
+  for (int i = 0; i < iovcnt && rc == 0; i++)
+    rc = fr_cuda_stage_out(stager, device, iov[i].iov_base, iov[i].iov_len, send_staged_chunk, &s);
+  if (rc == 0) {
+    __atomic_store_n(&l->tx_bytes, l->tx_bytes + FR_FRAME_BYTES + f->len, __ATOMIC_RELAXED);
+    __atomic_store_n(&l->tx_frames, l->tx_frames + 1, __ATOMIC_RELAXED);
+  }
+  pthread_mutex_unlock(&l->send_lock);
+  if (rc != 0 && link_state(l) != FR_LINK_DEAD) /* a half-sent frame leaves the stream unusable */
+    fr_link_fail(l, rc, ferry_last_error());
+  return rc;
+}
+
 int fr_link_send_frame_quiet(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
                              uint64_t deadline_ns) {
   return send_frame(l, f, iov, iovcnt, -1, deadline_ns, true);
@@ -411,18 +445,57 @@ int fr_link_call_collect(ferry_link *l, fr_pending *p, ferry_msg **reply, int ti
 }
 
 int fr_link_map_request(ferry_link *l, const ferry_region_ref *r, int timeout_ms, int *fd,
-                        uint64_t *size) {
+                        uint64_t *size, fr_cuda_ipc *ipc, bool *cuda) {
   uint8_t body[FR_MAP_BYTES];
   fr_map_encode(&(fr_map){r->id, r->key}, body);
   struct iovec iov = {body, sizeof body};
-  fr_pending p = {.expect = FR_MAP_RESP};
+  fr_pending p = {.expect = FR_MAP_RESP, .ipc = ipc};
   int rc = request(l, &p, FR_MAP, 0, &iov, 1, timeout_ms, "map");
   if (rc == 0) {
     *fd = p.fd;
     *size = p.size;
+    *cuda = p.cuda;
   } else if (p.fd >= 0) {
     close(p.fd);
   }
+  return rc;
+}
+
+/* Chunks of a caller's CUDA buffer through host memory: FERRY_CUDA_CHUNK_BYTES at a time. */
+static size_t bounce_chunk(size_t len) {
+  size_t chunk = fr_cuda_chunk_bytes();
+  return len < chunk ? len : chunk;
+}
+
+int fr_link_read_bounced(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst,
+                         size_t len, int device, int timeout_ms) {
+  size_t chunk = bounce_chunk(len);
+  uint8_t *host = malloc(chunk ? chunk : 1);
+  int rc =
+      host ? 0 : fr_err(FERRY_ENOMEM, "read into CUDA memory: %zu bytes of host memory", chunk);
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  for (size_t done = 0; done < len && rc == 0; done += chunk) {
+    size_t n = len - done < chunk ? len - done : chunk;
+    if ((rc = l->ops->read(l, r, off + done, host, n, fr_ms_left(deadline))) == 0)
+      rc = fr_cuda_copy_on(device, (uint8_t *)dst + done, host, n);
+  }
+  free(host);
+  return rc;
+}
+
+int fr_link_write_bounced(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
+                          size_t len, int device, int timeout_ms) {
+  size_t chunk = bounce_chunk(len);
+  uint8_t *host = malloc(chunk ? chunk : 1);
+  int rc =
+      host ? 0 : fr_err(FERRY_ENOMEM, "write from CUDA memory: %zu bytes of host memory", chunk);
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  for (size_t done = 0; done < len && rc == 0; done += chunk) {
+    size_t n = len - done < chunk ? len - done : chunk;
+    if ((rc = fr_cuda_copy_on(device, host, (const uint8_t *)src + done, n)) == 0)
+      rc = l->ops->write(l, r, off + done, host, n, fr_ms_left(deadline));
+  }
+  free(host);
   return rc;
 }
 
@@ -629,7 +702,7 @@ static int on_read_request(ferry_link *l) {
     fr_frame f = {.type = FR_READ_RESP, .status = status, .req_id = l->rx_frame.req_id};
     return fr_link_send_frame(l, &f, NULL, 0, -1, fr_deadline_ns(l->ctx->timeout_ms));
   }
-  if (r.length > FR_INLINE_RESPONSE_MAX) {
+  if (r.length > FR_INLINE_RESPONSE_MAX || reg->kind == FERRY_MEM_CUDA) { /* staged: not here */
     fr_link_ref(l);
     fr_ctx_serve_later(l->ctx, l, l->rx_frame.req_id, reg, r.offset, r.length);
     return 0;
@@ -665,7 +738,7 @@ static int on_readv_request(ferry_link *l, const uint8_t *body, size_t len) {
     fr_debug("refused readv from '%s': %s", l->peer, ferry_last_error());
     return fr_link_send_frame(l, &f, NULL, 0, -1, fr_deadline_ns(l->ctx->timeout_ms));
   }
-  if (h.total > FR_INLINE_RESPONSE_MAX) {
+  if (h.total > FR_INLINE_RESPONSE_MAX || reg->kind == FERRY_MEM_CUDA) {
     fr_link_ref(l);
     fr_ctx_serve_later_v(l->ctx, l, l->rx_frame.req_id, reg, runs, h.count, h.total);
     return 0;
@@ -689,18 +762,28 @@ static int on_map_request(ferry_link *l) {
     return rc;
   fr_region *reg = NULL;
   int status = fr_region_acquire(&l->ctx->regions, m.region, m.key, 0, 0, &reg);
-  if (status == 0 && (reg->memfd < 0 || !l->ops->passes_fds)) {
+  fr_cuda_ipc ipc;
+  bool cuda = status == 0 && reg->kind == FERRY_MEM_CUDA;
+  if (cuda && (!l->ops->passes_fds || fr_region_cuda_ipc(&l->ctx->regions, reg, &ipc) != 0)) {
+    fr_debug("region %llu: no CUDA IPC handle for '%s': %s", (unsigned long long)m.region, l->peer,
+             l->ops->passes_fds ? ferry_last_error() : "not a same-host link");
+    status = FERRY_ENOTSUP; /* the peer falls back to read requests, staged here */
+  } else if (status == 0 && !cuda && (reg->memfd < 0 || !l->ops->passes_fds)) {
     status = FERRY_ENOTSUP; /* registered memory: the peer falls back to read requests */
-    fr_region_release(reg);
   }
+  if (status != 0 && reg)
+    fr_region_release(reg);
   fr_frame f = {.type = FR_MAP_RESP, .status = status, .req_id = l->rx_frame.req_id};
   if (status != 0)
     return fr_link_send_frame(l, &f, NULL, 0, -1, fr_deadline_ns(l->ctx->timeout_ms));
-  uint8_t size[FR_MAP_RESP_BYTES];
-  fr_put_u64(size, reg->size);
-  struct iovec iov = {size, sizeof size};
-  f.len = sizeof size;
-  rc = fr_link_send_frame(l, &f, &iov, 1, reg->memfd, fr_deadline_ns(l->ctx->timeout_ms));
+  uint8_t body[FR_MAP_RESP_CUDA_BYTES];
+  fr_put_u64(body, reg->size);
+  if (cuda)
+    fr_cuda_ipc_encode(&ipc, body + FR_MAP_RESP_BYTES);
+  struct iovec iov = {body, cuda ? FR_MAP_RESP_CUDA_BYTES : FR_MAP_RESP_BYTES};
+  f.len = iov.iov_len;
+  rc = fr_link_send_frame(l, &f, &iov, 1, cuda ? -1 : reg->memfd,
+                          fr_deadline_ns(l->ctx->timeout_ms));
   fr_region_release(reg);
   return rc;
 }
@@ -743,6 +826,18 @@ static void complete(ferry_link *l, int status, uint64_t size, int fd) {
   if (fd >= 0)
     close(fd);
   fr_ctx_poke(l->ctx, FR_CTX_WAIT_REPLY);
+}
+
+/* A MAP response with a CUDA region's IPC handle, into the asker's pending record. */
+static void complete_map_cuda(ferry_link *l) {
+  pthread_mutex_lock(&l->lock);
+  fr_pending *p = pending_find_locked(l, l->rx_frame.req_id);
+  if (p && p->expect == FR_MAP_RESP && p->ipc) {
+    fr_cuda_ipc_decode(l->rx_body + FR_MAP_RESP_BYTES, p->ipc);
+    p->cuda = true;
+  }
+  pthread_mutex_unlock(&l->lock);
+  complete(l, p && p->ipc ? 0 : FERRY_EPROTO, fr_get_u64(l->rx_body), -1);
 }
 
 static bool allowed(const ferry_link *l, uint8_t type) {
@@ -868,6 +963,10 @@ static int body_done(ferry_link *l) {
     rc = on_map_request(l);
     break;
   case FR_MAP_RESP: {
+    if (f->len == FR_MAP_RESP_CUDA_BYTES) { /* a CUDA region: its IPC handle, no fd */
+      complete_map_cuda(l);
+      break;
+    }
     int fd = fr_link_take_fd(l);
     if (fd < 0 && l->ops->fetch_fd)
       l->ops->fetch_fd(l, fr_deadline_ns(l->ctx->timeout_ms), &fd);
@@ -884,6 +983,12 @@ static int body_done(ferry_link *l) {
     fr_region *r = NULL;
     int st = fr_region_acquire(&l->ctx->regions, l->rx_rma.region, l->rx_rma.key, l->rx_rma.offset,
                                l->rx_rma.length, &r);
+    if (st == 0 && r->kind == FERRY_MEM_CUDA) { /* the bytes would land in device memory */
+      st = fr_err(FERRY_ENOTSUP, "a write over the stream into CUDA region %llu",
+                  (unsigned long long)r->id);
+      fr_region_release(r);
+      r = NULL;
+    }
     l->rx_region = r;
     l->rx_req = NULL;
     f->status = st; /* remembered for the response */

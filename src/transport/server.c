@@ -1,6 +1,7 @@
 /*
  * The server thread of a context: it sends large read responses (fr_ctx_serve_later) so that the
- * thread driving the links never blocks on a slow reader, and answers calls for the ctx's metrics
+ * thread driving the links never blocks on a slow reader (and every read of a CUDA region, whose
+ * bytes it stages through host memory), and answers calls for the ctx's metrics
  * (FR_CHANNEL_STATS), which a collector's locks must not make that thread wait for. Calls for the
  * metrics have a queue of their own, served first: a fleet view asks every node within one
  * budget, and its call must not wait behind bulk responses queued for a reader (at most the one
@@ -112,32 +113,51 @@ static void answer_stats(ferry_ctx *ctx, ferry_msg *req) {
   ferry_msg_free(req);
 }
 
+/* The bytes a read asked for: from host memory in one send; from a CUDA region through this
+ * thread's staging buffers (made at the first such read), chunk by chunk. */
+static void send_read_response(ferry_ctx *ctx, fr_serve_job *j, fr_cuda_stager **stager) {
+  fr_frame f = {.type = FR_READ_RESP, .req_id = j->req_id, .len = j->len};
+  struct iovec iov[FR_READV_MAX_RUNS] = {{j->region->data + j->off, j->len}};
+  for (uint32_t i = 0; i < j->nruns; i++)
+    iov[i] = (struct iovec){j->region->data + j->runs[i].offset, j->runs[i].length};
+  int n = j->runs ? (int)j->nruns : 1;
+  uint64_t deadline = fr_deadline_ns(ctx->timeout_ms);
+  if (j->region->kind != FERRY_MEM_CUDA) {
+    FR_ONE_SIDED_READ_BEGIN(); /* the owner may be rewriting them (core.h) */
+    fr_link_send_frame(j->link, &f, iov, n, -1, deadline);
+    FR_ONE_SIDED_READ_END();
+    return;
+  }
+  int rc = *stager ? 0 : fr_cuda_stager_open(fr_cuda_chunk_bytes(), stager);
+  if (rc == 0)
+    rc = fr_link_send_frame_device(j->link, &f, iov, n, j->region->device, *stager, deadline);
+  if (rc != 0 && !*stager) { /* nothing sent yet: the reader gets the error */
+    f = (fr_frame){.type = FR_READ_RESP, .req_id = j->req_id, .status = rc};
+    fr_link_send_frame(j->link, &f, NULL, 0, -1, deadline);
+  }
+}
+
 void *fr_ctx_server_main(void *arg) {
   pthread_setname_np(pthread_self(), "ferry-server"); /* for top -H, perf, gdb */
   ferry_ctx *ctx = arg;
+  fr_cuda_stager *stager = NULL;
   for (;;) {
     pthread_mutex_lock(&ctx->serve_lock);
     while (!ctx->serve_head && !ctx->stats_head && !fr_ctx_stopping(ctx))
       pthread_cond_wait(&ctx->serve_cond, &ctx->serve_lock);
     fr_serve_job *j = next_job(ctx);
     pthread_mutex_unlock(&ctx->serve_lock);
-    if (!j)
+    if (!j) {
+      fr_cuda_stager_close(stager);
       return NULL;
+    }
     if (j->stats) {
       answer_stats(ctx, j->stats);
       free(j);
       continue;
     }
-    if (!fr_ctx_stopping(ctx)) {
-      fr_frame f = {.type = FR_READ_RESP, .req_id = j->req_id, .len = j->len};
-      struct iovec iov[FR_READV_MAX_RUNS] = {{j->region->data + j->off, j->len}};
-      for (uint32_t i = 0; i < j->nruns; i++)
-        iov[i] = (struct iovec){j->region->data + j->runs[i].offset, j->runs[i].length};
-      FR_ONE_SIDED_READ_BEGIN(); /* the owner may be rewriting them (core.h) */
-      fr_link_send_frame(j->link, &f, iov, j->runs ? (int)j->nruns : 1, -1,
-                         fr_deadline_ns(ctx->timeout_ms));
-      FR_ONE_SIDED_READ_END();
-    }
+    if (!fr_ctx_stopping(ctx))
+      send_read_response(ctx, j, &stager);
     free(j->runs);
     fr_region_release(j->region);
     fr_link_unref(j->link);

@@ -8,7 +8,8 @@
  * from/to its pages: the first access asks the owner for the region's memfd (the owner checks the
  * key), later ones use the cached mapping and check bounds and the region header here. Regions
  * that are registered caller memory cannot be mapped; for those the link falls back to read
- * requests the owner answers over the socket.
+ * requests the owner answers over the socket. A registered CUDA region is mapped through the
+ * CUDA IPC handle its owner sends instead of a memfd, and copied by the copy engines.
  */
 #include "transport/ring.h"
 #include "transport/transport.h"
@@ -28,6 +29,12 @@ typedef struct shm_map {
   uint8_t *base; /* the mapping: header page, then data */
   size_t map_bytes;
   bool stream_only; /* registered memory: use read requests */
+  /* A peer's CUDA region, mapped through its IPC handle: cuda_base is the allocation here, data
+   * starts at cuda_data; only the copy engines touch it (fr_cuda_copy_on, on device). */
+  bool cuda;
+  int device;
+  void *cuda_base;
+  uint8_t *cuda_data;
   struct shm_map *next;
 } shm_map;
 
@@ -158,6 +165,26 @@ static int map_segment(int fd, uint64_t id, uint64_t size, shm_map *m) {
   return 0;
 }
 
+/* Maps a peer's CUDA region through the IPC handle it sent. The owner's words (size, offset,
+ * allocation size) are checked against each other, and fr_cuda_ipc_open checks the allocation
+ * really is that long, so every copy stays inside it. */
+static int map_cuda(ferry_link *l, const ferry_region_ref *r, const fr_cuda_ipc *ipc, uint64_t size,
+                    shm_map *m) {
+  if (ipc->offset > ipc->alloc_bytes || size > ipc->alloc_bytes - ipc->offset)
+    return fr_err(FERRY_EPROTO, "CUDA region %llu of '%s': %llu bytes at %llu of %llu",
+                  (unsigned long long)r->id, l->peer, (unsigned long long)size,
+                  (unsigned long long)ipc->offset, (unsigned long long)ipc->alloc_bytes);
+  void *base = NULL;
+  int rc = fr_cuda_ipc_open(ipc, -1, &base);
+  if (rc != 0)
+    return rc;
+  m->cuda = true;
+  m->device = fr_cuda_device_of(base);
+  m->cuda_base = base;
+  m->cuda_data = (uint8_t *)base + ipc->offset;
+  return 0;
+}
+
 /* The mapping for a region, asking the owner (who checks the key) on first use. */
 static int get_map(ferry_link *l, const ferry_region_ref *r, int timeout_ms, shm_map **out) {
   shm_link *s = shm_state(l);
@@ -174,7 +201,9 @@ static int get_map(ferry_link *l, const ferry_region_ref *r, int timeout_ms, shm
   }
   int fd = -1;
   uint64_t size = 0;
-  int rc = fr_link_map_request(l, r, timeout_ms, &fd, &size);
+  fr_cuda_ipc ipc;
+  bool cuda = false;
+  int rc = fr_link_map_request(l, r, timeout_ms, &fd, &size, &ipc, &cuda);
   if (rc != 0 && rc != FERRY_ENOTSUP)
     return rc;
   if (m) /* same region, another key that the owner accepted: cannot happen, keys are fixed */
@@ -186,7 +215,11 @@ static int get_map(ferry_link *l, const ferry_region_ref *r, int timeout_ms, shm
     return fr_err(FERRY_ENOMEM, "shm: mapping record");
   }
   *fresh = (shm_map){.id = r->id, .key = r->key, .size = size, .stream_only = rc != 0};
-  if (!fresh->stream_only) {
+  if (cuda && rc == 0 && map_cuda(l, r, &ipc, size, fresh) != 0) {
+    fr_debug("shm: CUDA region %llu of '%s' through its owner: %s", (unsigned long long)r->id,
+             l->peer, ferry_last_error());
+    fresh->stream_only = true; /* read requests, which the owner stages through host memory */
+  } else if (!fresh->stream_only && !cuda) {
     rc = map_segment(fd, r->id, size, fresh);
     close(fd);
     if (rc != 0) {
@@ -211,7 +244,11 @@ static void drop_map(ferry_link *l, shm_map *dead) {
   pthread_mutex_unlock(&s->lock);
 }
 
+/* A CUDA region has no header page to say it was freed: its owner's deregistration is not seen
+ * here (the jobs' generation words are); it reads as alive. */
 static uint32_t region_state(const shm_map *m) {
+  if (m->cuda)
+    return FR_SHM_ALIVE;
   return __atomic_load_n(&((const fr_shm_header *)m->base)->state, __ATOMIC_ACQUIRE);
 }
 
@@ -256,8 +293,39 @@ static int shm_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, void
     return rc;
   if (m->stream_only)
     return fr_link_rma_read(l, r, off, dst, len, timeout_ms);
-  memcpy(dst, m->base + FR_SHM_HEADER_BYTES + off, len);
-  return after_copy(l, r, m);
+  if (m->cuda)
+    rc = fr_cuda_copy_on(m->device, dst, m->cuda_data + off, len);
+  else
+    memcpy(dst, m->base + FR_SHM_HEADER_BYTES + off, len);
+  return rc ? rc : after_copy(l, r, m);
+}
+
+/* Into a caller's CUDA buffer: one copy by the copy engines, from the mapped pages (host memory
+ * they read directly) or the peer's CUDA region (device to device). */
+static int shm_read_device(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst,
+                           size_t len, int device, int timeout_ms) {
+  shm_map *m = NULL;
+  int rc = mapped_access(l, r, off, len, timeout_ms, &m);
+  if (rc != 0)
+    return rc;
+  if (m->stream_only)
+    return fr_link_read_bounced(l, r, off, dst, len, device, timeout_ms);
+  const uint8_t *src = m->cuda ? m->cuda_data + off : m->base + FR_SHM_HEADER_BYTES + off;
+  rc = fr_cuda_copy_on(device, dst, src, len);
+  return rc ? rc : after_copy(l, r, m);
+}
+
+static int shm_write_device(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
+                            size_t len, int device, int timeout_ms) {
+  shm_map *m = NULL;
+  int rc = mapped_access(l, r, off, len, timeout_ms, &m);
+  if (rc != 0)
+    return rc;
+  if (m->stream_only)
+    return fr_link_write_bounced(l, r, off, src, len, device, timeout_ms);
+  uint8_t *dst = m->cuda ? m->cuda_data + off : m->base + FR_SHM_HEADER_BYTES + off;
+  rc = fr_cuda_copy_on(device, dst, src, len);
+  return rc ? rc : after_copy(l, r, m);
 }
 
 /* One memcpy per run from the peer's mapped pages (registered memory: READV requests). */
@@ -275,9 +343,12 @@ static int shm_readv(ferry_link *l, const ferry_region_ref *r, const ferry_read_
   if (m->stream_only)
     return fr_link_rma_readv(l, r, runs, n, dst, timeout_ms);
   uint8_t *at = dst;
-  for (size_t i = 0; i < n; at += runs[i++].len)
-    memcpy(at, m->base + FR_SHM_HEADER_BYTES + runs[i].offset, runs[i].len);
-  return after_copy(l, r, m);
+  for (size_t i = 0; i < n && rc == 0; at += runs[i++].len)
+    if (m->cuda)
+      rc = fr_cuda_copy_on(m->device, at, m->cuda_data + runs[i].offset, runs[i].len);
+    else
+      memcpy(at, m->base + FR_SHM_HEADER_BYTES + runs[i].offset, runs[i].len);
+  return rc ? rc : after_copy(l, r, m);
 }
 
 static int shm_write(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
@@ -288,8 +359,11 @@ static int shm_write(ferry_link *l, const ferry_region_ref *r, uint64_t off, con
     return rc;
   if (m->stream_only)
     return fr_link_rma_write(l, r, off, src, len, timeout_ms);
-  memcpy(m->base + FR_SHM_HEADER_BYTES + off, src, len);
-  return after_copy(l, r, m);
+  if (m->cuda)
+    rc = fr_cuda_copy_on(m->device, m->cuda_data + off, src, len);
+  else
+    memcpy(m->base + FR_SHM_HEADER_BYTES + off, src, len);
+  return rc ? rc : after_copy(l, r, m);
 }
 
 static int shm_view(ferry_link *l, const ferry_region_ref *r, uint64_t off, size_t len,
@@ -298,9 +372,10 @@ static int shm_view(ferry_link *l, const ferry_region_ref *r, uint64_t off, size
   int rc = mapped_access(l, r, off, len, l->ctx->timeout_ms, &m);
   if (rc != 0)
     return rc;
-  if (m->stream_only)
-    return fr_err(FERRY_ENOTSUP, "region %llu of '%s' is registered memory: it cannot be viewed",
-                  (unsigned long long)r->id, l->peer);
+  if (m->stream_only || m->cuda)
+    return fr_err(FERRY_ENOTSUP, "region %llu of '%s' is %s: it cannot be viewed",
+                  (unsigned long long)r->id, l->peer,
+                  m->cuda ? "CUDA memory" : "registered memory");
   *out = m->base + FR_SHM_HEADER_BYTES + off;
   return 0;
 }
@@ -314,7 +389,7 @@ static int shm_view_valid(ferry_link *l, const ferry_region_ref *r) {
       ;
     pthread_mutex_unlock(&s->lock);
   }
-  if (!m || m->stream_only)
+  if (!m || m->stream_only || m->cuda)
     return fr_err(FERRY_ENOTFOUND, "region %llu of '%s' is not viewed", (unsigned long long)r->id,
                   l->peer);
   return region_state(m) == FR_SHM_ALIVE ? 0
@@ -334,6 +409,8 @@ static void shm_link_fini(ferry_link *l) {
     next = m->next;
     if (m->base)
       munmap(m->base, m->map_bytes);
+    if (m->cuda_base)
+      fr_cuda_ipc_close(m->cuda_base);
     free(m);
   }
   pthread_mutex_destroy(&s->lock);
@@ -549,6 +626,8 @@ const fr_transport_ops fr_shm_transport = {
     .read = shm_read,
     .readv = shm_readv,
     .write = shm_write,
+    .read_device = shm_read_device,
+    .write_device = shm_write_device,
     .view = shm_view,
     .view_valid = shm_view_valid,
     .link_fini = shm_link_fini,

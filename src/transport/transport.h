@@ -78,6 +78,14 @@ typedef struct fr_transport_ops {
                void *dst, int timeout_ms);
   int (*write)(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src, size_t len,
                int timeout_ms);
+  /* Optional. read and write where the caller's buffer is CUDA memory of `device` (shm: a copy by
+   * the copy engines from the mapped region, host memory or a peer's CUDA memory through IPC).
+   * Without them ferry_read/ferry_write move the bytes through host memory
+   * (fr_link_read_bounced, fr_link_write_bounced). */
+  int (*read_device)(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst, size_t len,
+                     int device, int timeout_ms);
+  int (*write_device)(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
+                      size_t len, int device, int timeout_ms);
   int (*view)(ferry_link *l, const ferry_region_ref *r, uint64_t off, size_t len, const void **out);
   int (*view_valid)(ferry_link *l, const ferry_region_ref *r);
   void (*link_fini)(ferry_link *l); /* frees transport state (mappings) */
@@ -122,7 +130,9 @@ struct fr_pending {
   bool done, claimed; /* claimed: the progress thread is writing into dst */
   int fd;             /* MAP: the fd that came with the response */
   uint64_t size;      /* MAP: the region's size */
-  ferry_msg *reply;   /* CALL: the reply */
+  fr_cuda_ipc *ipc;   /* MAP: where a CUDA region's IPC handle goes (cuda set when one came) */
+  bool cuda;
+  ferry_msg *reply; /* CALL: the reply */
   struct fr_pending *next;
 };
 
@@ -358,9 +368,20 @@ int fr_link_rma_readv(ferry_link *l, const ferry_region_ref *r, const ferry_read
 int fr_link_call(ferry_link *l, uint32_t channel, const struct iovec *iov, int iovcnt,
                  ferry_msg **reply, int timeout_ms);
 /* fr_link_reply, fr_link_call_post/_ready/_collect, fr_link_ring, fr_link_poll: linkcalls.h */
-/* Asks the owner for a region's memfd (shm): *fd and *size on success. */
+/* Asks the owner for a region's memfd (shm): *fd and *size on success; for a CUDA region, its
+ * IPC handle in *ipc instead (*cuda true, *fd -1). */
 int fr_link_map_request(ferry_link *l, const ferry_region_ref *r, int timeout_ms, int *fd,
-                        uint64_t *size);
+                        uint64_t *size, fr_cuda_ipc *ipc, bool *cuda);
+/* ferry_read / ferry_write of a caller's CUDA buffer through host memory, chunk by chunk, with
+ * the transport's host read/write (the default of ops->read_device / write_device). */
+int fr_link_read_bounced(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst,
+                         size_t len, int device, int timeout_ms);
+int fr_link_write_bounced(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
+                          size_t len, int device, int timeout_ms);
+/* A READ_RESP whose payload is CUDA memory of `device`: the header, then the bytes staged through
+ * host memory by `stager`, all under the send lock. */
+int fr_link_send_frame_device(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
+                              int device, fr_cuda_stager *stager, uint64_t deadline_ns);
 /* Stream operations over the link's socket, for transports' sendv/recv. */
 int fr_link_sock_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
                        uint64_t deadline_ns);

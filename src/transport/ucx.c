@@ -25,7 +25,6 @@
 #include "transport/ucx.h"
 #include "transport/transport.h"
 
-#include <dlfcn.h>
 #include <errno.h>
 #include <poll.h>
 #include <sched.h>
@@ -195,29 +194,12 @@ static ucx_link *ucx_of(ferry_link *l) { return l->tdata; }
 
 /* ---- device memory ---- */
 
-/* CUDA pointers are recognized through the driver the application already loaded (nothing is
- * loaded here): cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_MEMORY_TYPE). */
-typedef int (*cu_pointer_attr_fn)(void *data, int attribute, unsigned long long ptr);
-static cu_pointer_attr_fn cu_pointer_attr;
-static pthread_once_t cu_once = PTHREAD_ONCE_INIT;
-
-static void cu_resolve(void) {
-  void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-  if (h)
-    cu_pointer_attr = (cu_pointer_attr_fn)(uintptr_t)dlsym(h, "cuPointerGetAttribute");
-}
-
-static bool is_device_memory(const void *p) {
-  enum { CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2, CU_MEMORYTYPE_DEVICE = 2 };
-  pthread_once(&cu_once, cu_resolve);
-  unsigned int type = 0;
-  return cu_pointer_attr &&
-         cu_pointer_attr(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, (uintptr_t)p) == 0 &&
-         type == CU_MEMORYTYPE_DEVICE;
-}
-
+/* CUDA pointers are told apart by core/cuda.c (the driver loaded at run time). Debian's UCX has
+ * no CUDA support: ferry_read/ferry_write bring a caller's CUDA buffer through host memory before
+ * it gets here (api.c), and a CUDA region is refused to peers' requests. A UCX built with CUDA
+ * (uc->cuda) takes device memory itself: the seam for GPUDirect (docs/UCX.md). */
 static int check_memory(const ucx_link *u, const void *p, const char *what) {
-  if (!p || !is_device_memory(p) || (u->uc && u->uc->cuda))
+  if (!p || !fr_cuda_is_device(p) || (u->uc && u->uc->cuda))
     return 0;
   return fr_err(FERRY_ENOTSUP,
                 "ucx %s: %p is device (CUDA) memory: not supported in this build (UCX has no "

@@ -49,7 +49,7 @@ static int check_length(const fr_frame *f, uint64_t max_payload) {
     exact = FR_MAP_BYTES;
     break;
   case FR_MAP_RESP:
-    exact = error_response ? 0 : FR_MAP_RESP_BYTES;
+    exact = error_response ? 0 : f->len == FR_MAP_RESP_CUDA_BYTES ? f->len : FR_MAP_RESP_BYTES;
     break;
   case FR_MSG:
   case FR_CALL:
@@ -229,4 +229,20 @@ int fr_map_decode(const uint8_t *in, size_t len, fr_map *out) {
   out->region = fr_get_u64(in);
   out->key = fr_get_u64(in + 8);
   return 0;
+}
+
+void fr_cuda_ipc_encode(const fr_cuda_ipc *h, uint8_t out[FR_MAP_RESP_CUDA_BYTES - 8]) {
+  memcpy(out, h->handle, sizeof h->handle);
+  fr_put_u64(out + 64, h->offset);
+  fr_put_u64(out + 72, h->alloc_bytes);
+  fr_put_u32(out + 80, (uint32_t)h->device);
+  fr_put_u32(out + 84, 0);
+}
+
+void fr_cuda_ipc_decode(const uint8_t in[FR_MAP_RESP_CUDA_BYTES - 8], fr_cuda_ipc *h) {
+  memset(h, 0, sizeof *h);
+  memcpy(h->handle, in, sizeof h->handle);
+  h->offset = fr_get_u64(in + 64);
+  h->alloc_bytes = fr_get_u64(in + 72);
+  h->device = (int32_t)fr_get_u32(in + 80);
 }

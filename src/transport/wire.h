@@ -16,6 +16,8 @@
 #ifndef FR_WIRE_H
 #define FR_WIRE_H
 
+#include "core/cuda.h"
+
 #include <endian.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -100,6 +102,8 @@ typedef struct fr_map {
 } fr_map;
 #define FR_MAP_BYTES 16
 #define FR_MAP_RESP_BYTES 8 /* u64 data size */
+/* A CUDA region's answer: the size, then its fr_cuda_ipc (core/cuda.h), no fd. */
+#define FR_MAP_RESP_CUDA_BYTES (8 + 88)
 
 /* Encodes a header into 32 bytes. */
 void fr_frame_encode(const fr_frame *f, uint8_t out[FR_FRAME_BYTES]);
@@ -123,6 +127,9 @@ void fr_readv_encode_run(const fr_rma_run *run, uint8_t out[FR_READV_RUN_BYTES])
  * run non-empty, no offset + length overflows, the total neither. */
 int fr_readv_decode(const uint8_t *in, size_t len, fr_readv *head, fr_rma_run *runs);
 void fr_map_encode(const fr_map *m, uint8_t out[FR_MAP_BYTES]);
+/* A CUDA region's IPC handle in a MAP response, after the size (wire.c). */
+void fr_cuda_ipc_encode(const fr_cuda_ipc *h, uint8_t out[FR_MAP_RESP_CUDA_BYTES - 8]);
+void fr_cuda_ipc_decode(const uint8_t in[FR_MAP_RESP_CUDA_BYTES - 8], fr_cuda_ipc *h);
 int fr_map_decode(const uint8_t *in, size_t len, fr_map *out);
 
 /* Little-endian fields through memcpy: one load or store on little-endian hosts. */

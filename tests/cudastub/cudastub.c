@@ -9,7 +9,16 @@
  * process opens through /proc. Its whole value is to make tests fail where ferry would misuse
  * the real driver, so it refuses what the driver refuses. Only the cu* entry points are exported;
  * everything else is static. It may read its own settings from the environment: it is a test
- * library, not part of ferry.
+ * library, not part of ferry. FERRY_CUDASTUB_DEVICES (default 2) and FERRY_CUDASTUB_MEM_MB
+ * (default 4096, a limit per device, page-rounded allocations counted) are read by cuInit.
+ *
+ * Where it is stricter than, or chooses between readings of, the driver: every stream behaves as
+ * CU_STREAM_NON_BLOCKING (nothing but its own synchronization runs its queue, and the NULL stream
+ * runs work at once); cuMemcpyHtoD/DtoH/DtoD refuse a device side that is not in an allocation
+ * (cuMemcpy and cuMemcpyAsync take any mix); ranges are checked against the size asked for, not
+ * the rounded mapping; the last cuDevicePrimaryCtxRelease resets the context (its memory, streams
+ * and registrations go); cuIpcGetMemHandle of IPC-opened memory is refused. As in the driver,
+ * cuDriverGetVersion and the error strings need no cuInit.
  */
 #include <errno.h>
 #include <fcntl.h>
