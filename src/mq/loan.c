@@ -5,8 +5,6 @@
  */
 #include "mq/publish.h"
 
-#include "core/cuda.h"
-
 #include <stdlib.h>
 
 /* The pool, opened; FERRY_ENOSHM / FERRY_EINVAL when no loan of len bytes can ever be made. */

@@ -12,7 +12,6 @@
  */
 #include "mq/mq.h"
 #include "core/channels.h"
-#include "core/cuda.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -303,9 +302,7 @@ int ferry_mq_msg_copy(const ferry_mq_msg *msg, void *dst, size_t cap) {
                   msg->publisher, msg->topic, msg->len, cap);
   if (msg->len == 0)
     return 0;
-  fr_mem_where w = {.kind = FERRY_MEM_HOST};
-  if (fr_cuda_loaded())
-    w = fr_cuda_where(dst);
+  fr_mem_where w = fr_mq_where(dst);
   if (w.kind != FERRY_MEM_CUDA) {
     memcpy(dst, msg->data, msg->len);
     return 0;

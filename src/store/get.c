@@ -8,9 +8,10 @@
  * (FERRY_EFREED). A batch get does one directory round trip for all keys and keeps
  * FERRY_STORE_THREADS reads in flight with a small pool of worker threads. Links to owners come
  * from the peer cache (directory/peers.c), by node name. A get into CUDA memory copies host to
- * device from where the bytes already are (this node's pool, a same-host owner's pool mapped
- * here), or, across hosts, from a bounded host bounce buffer a chunk at a time; the caller's
- * pointer is classified once per call (per item in a batch), never per chunk.
+ * device from where the bytes already are (this node's pool, or, through the link's read, a
+ * same-host owner's pool mapped here), or, across hosts, through host memory a chunk at a time
+ * (the link's read too); the caller's pointer is classified once per call (per item in a batch)
+ * for its allocation's end and this node's own pool, never per chunk.
  */
 #include "store/store.h"
 #include "transport/access.h"
@@ -103,74 +104,17 @@ static int read_bytes(ferry_link *l, const fr_dir_object *rec, void *dst, progre
   return rc;
 }
 
-/* Pins the bounce buffer (whole pages) for the copy engines; pageable memory copies too, only
- * slower, so a refusal is no failure. */
-static void bounce_pin(ferry_store *s) {
-  s->bounce_pinned = fr_cuda_pin(s->bounce, FR_STORE_BOUNCE_BYTES) == 0;
-  if (!s->bounce_pinned) {
-    fr_debug("store '%s': bounce buffer not pinned: %s", s->name, ferry_last_error());
-    fr_err_clear();
-  }
-}
-
-/* The host buffer that a device get's tcp reads land in: the store's own (pinned once, for the
- * copy engines), or one of this call's while another get holds it. */
-static uint8_t *bounce_take(ferry_store *s, size_t want) {
-  if (pthread_mutex_trylock(&s->bounce_lock) != 0)
-    return malloc(want);
-  if (!s->bounce && (s->bounce = aligned_alloc(4096, FR_STORE_BOUNCE_BYTES)) != NULL)
-    bounce_pin(s);
-  if (s->bounce)
-    return s->bounce;
-  pthread_mutex_unlock(&s->bounce_lock);
-  return malloc(want);
-}
-
-static void bounce_give(ferry_store *s, uint8_t *buf) {
-  if (buf && buf == s->bounce)
-    pthread_mutex_unlock(&s->bounce_lock);
-  else
-    free(buf);
-}
-
-/* Reads rec's bytes into device memory: from a same-host owner's pool mapped here, one copy
- * straight from its pages; else (tcp, ucx) through a host bounce buffer, a chunk at a time, so
- * that a large object needs no host copy of its whole size. */
-static int read_device(ferry_store *s, ferry_link *l, const fr_dir_object *rec, void *dst,
-                       int device, uint64_t deadline) {
-  size_t bytes = (size_t)rec->bytes;
-  const void *src = NULL;
-  int rc = bytes ? ferry_view(l, &rec->region, rec->offset, bytes, &src) : 0;
-  if (rc == 0)
-    return bytes ? fr_cuda_copy_on(device, dst, src, bytes) : 0;
-  if (rc != FERRY_ENOTSUP)
-    return rc;
-  fr_err_clear(); /* not mapped on this host: read it over the link */
-  size_t chunk = bytes < FR_STORE_BOUNCE_BYTES ? bytes : FR_STORE_BOUNCE_BYTES;
-  uint8_t *buf = bounce_take(s, chunk);
-  if (!buf)
-    return fr_err(FERRY_ENOMEM, "get '%s': a bounce buffer of %zu bytes", rec->key, chunk);
-  rc = 0;
-  for (size_t done = 0; rc == 0 && done < bytes; done += chunk) {
-    size_t n = bytes - done < chunk ? bytes - done : chunk;
-    rc = ferry_read(l, &rec->region, rec->offset + done, buf, n, fr_store_left(deadline));
-    if (rc == 0)
-      rc = fr_cuda_copy_on(device, (uint8_t *)dst + done, buf, n);
-  }
-  bounce_give(s, buf);
-  return rc;
-}
-
-static int read_remote(ferry_store *s, const fr_dir_object *rec, void *dst, int device,
-                       progress_fn progress, void *arg, int timeout_ms) {
+/* dst may be device memory: the link's read copies straight into it from the owner's pool mapped
+ * here (shm), or through host memory a chunk at a time (tcp, ucx). */
+static int read_remote(ferry_store *s, const fr_dir_object *rec, void *dst, progress_fn progress,
+                       void *arg, int timeout_ms) {
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   fr_peer *p;
   int rc = fr_peer_acquire(&s->peers, rec->owner, timeout_ms, &p);
   if (rc != 0)
     return rc;
   uint64_t gen = 0;
-  rc = device >= 0 ? read_device(s, p->link, rec, dst, device, deadline)
-                   : read_bytes(p->link, rec, dst, progress, arg, deadline);
+  rc = read_bytes(p->link, rec, dst, progress, arg, deadline);
   if (rc == 0)
     rc = ferry_read(p->link, &rec->gen_region, rec->gen_offset, &gen, sizeof gen,
                     fr_store_left(deadline));
@@ -197,7 +141,7 @@ static int read_object(ferry_store *s, const fr_dir_object *rec, void *dst, int 
       progress(arg, rec->bytes, rec->bytes);
     return rc;
   }
-  return read_remote(s, rec, dst, device, progress, arg, timeout_ms);
+  return read_remote(s, rec, dst, progress, arg, timeout_ms);
 }
 
 int fr_store_read(ferry_store *s, const fr_dir_object *rec, void *dst, int device, int timeout_ms) {

@@ -66,7 +66,6 @@ static ferry_store *store_new(ferry_ctx *ctx, const ferry_store_opts *o) {
   pthread_mutex_init(&s->lock, NULL);
   pthread_mutex_init(&s->publish_lock, NULL);
   pthread_mutex_init(&s->cache_lock, NULL);
-  pthread_mutex_init(&s->bounce_lock, NULL);
   pthread_mutex_init(&s->batch_lock, NULL);
   pthread_mutex_init(&s->work_lock, NULL);
   pthread_cond_init(&s->work_cond, NULL);
@@ -161,10 +160,6 @@ void ferry_store_close(ferry_store *s) {
   pthread_mutex_destroy(&s->lock);
   pthread_mutex_destroy(&s->publish_lock);
   pthread_mutex_destroy(&s->cache_lock);
-  if (s->bounce_pinned)
-    fr_cuda_unpin(s->bounce); /* before the memory goes back */
-  free(s->bounce);
-  pthread_mutex_destroy(&s->bounce_lock);
   pthread_mutex_destroy(&s->batch_lock);
   pthread_mutex_destroy(&s->work_lock);
   pthread_cond_destroy(&s->work_cond);

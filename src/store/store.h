@@ -72,8 +72,6 @@ typedef struct fr_cached {
   fr_dir_object rec;
 } fr_cached;
 #define FR_STORE_CACHE_SLOTS 64
-/* A device get across hosts reads at most this much at a time into host memory (get.c). */
-#define FR_STORE_BOUNCE_BYTES (8u << 20)
 
 struct ferry_store {
   ferry_ctx *ctx;
@@ -114,12 +112,6 @@ struct ferry_store {
   bool service_started, stop; /* stop: atomic */
   fr_inbox inbox;             /* requests on FR_CHANNEL_STORE, for the service thread */
   int linger_ms;              /* FERRY_STORE_LINGER_MS */
-
-  /* a device get's host bounce buffer (get.c), FR_STORE_BOUNCE_BYTES, allocated (and pinned)
-   * by the first get that reads device memory across hosts; bounce_lock: its user */
-  pthread_mutex_t bounce_lock;
-  uint8_t *bounce;
-  bool bounce_pinned;
 
   pthread_mutex_t batch_lock; /* one batch at a time */
   pthread_mutex_t work_lock;
@@ -247,13 +239,27 @@ int fr_store_delete_rec(ferry_store *s, const fr_dir_object *rec, int timeout_ms
 int fr_store_service_start(ferry_store *s);
 void fr_store_service_stop(ferry_store *s);
 
+/* Whether a CUDA driver is loaded. The first call (per file) tries to load one (FERRY_CUDA=auto:
+ * a device pointer may come from a library that loaded the driver before ferry did); after
+ * that it is one atomic load, where fr_cuda_where alone would format a "no CUDA driver" error
+ * on every call of a machine without one. */
+static inline bool fr_store_cuda(void) {
+  static bool tried; /* fr_cuda_load itself loads once per process */
+  if (!__atomic_load_n(&tried, __ATOMIC_RELAXED)) {
+    if (fr_cuda_load() != 0)
+      fr_err_clear(); /* no driver: every pointer is host memory */
+    __atomic_store_n(&tried, true, __ATOMIC_RELAXED);
+  }
+  return fr_cuda_loaded();
+}
+
 /* Where a caller's buffer lives, classified once per call: its CUDA device ordinal, or -1 for
  * host memory; *room receives the bytes from p to the end of its CUDA allocation (SIZE_MAX for
- * host memory, whose extent ferry cannot know). One atomic load when no driver is loaded, one
- * driver call when one is: never per chunk. */
+ * host memory, whose extent ferry cannot know). One atomic load without a driver, one driver
+ * call with one: never per chunk. */
 static inline int fr_store_device(const void *p, size_t *room) {
   *room = SIZE_MAX;
-  if (!p || !fr_cuda_loaded())
+  if (!p || !fr_store_cuda())
     return -1;
   fr_mem_where w = fr_cuda_where(p);
   if (w.kind != FERRY_MEM_CUDA)
