@@ -8,7 +8,9 @@
  * Refusals write nothing: a dst too small, a device pointer whose allocation ends before the
  * object does (checked by reading the whole allocation back: its sentinel bytes are intact), a
  * put or publish whose tensor runs past its allocation (nothing stored, nothing received). A
- * short-lived node's put from device memory reaches its holder. A
+ * short-lived node's put from device memory reaches its holder. Device memory that the driver's
+ * own calls made (as torch makes it, before ferry loaded anything) is recognized at its first
+ * put. A
  * child with FERRY_CUDA=off does the host round trips as before. Device memory is filled and
  * checked only through ferry_mem_copy, so the file runs unchanged on a real GPU
  * (FERRY_TEST_CUDA=driver); against the stand-in, any CPU access to device memory faults.
@@ -16,6 +18,7 @@
 // ferry-test: cuda
 #include "storeutil.h"
 
+#include <dlfcn.h>
 #include <string.h>
 
 #define MiB (1024 * 1024)
@@ -420,6 +423,64 @@ static void test_mq_tcp(void **state) {
     check_mq("tcp");
 }
 
+/* ---- a driver that another library loaded first ---- */
+
+/* `--role foreign`: device memory from the driver's own calls (as torch makes it, before ferry
+ * loaded anything), then a put of it and a get into it: ferry's first look at a pointer loads
+ * the driver and sees device memory. Returns the number of the step that failed, 0 when none
+ * did (10 when no driver). */
+static int role_foreign(void) {
+  const char *lib = getenv("FERRY_CUDA_LIB");
+  void *h = dlopen(lib && *lib ? lib : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  int (*init)(unsigned) = h ? (int (*)(unsigned))dlsym(h, "cuInit") : NULL;
+  int (*get)(int *, int) = h ? (int (*)(int *, int))dlsym(h, "cuDeviceGet") : NULL;
+  int (*retain)(void **, int) =
+      h ? (int (*)(void **, int))dlsym(h, "cuDevicePrimaryCtxRetain") : NULL;
+  int (*set)(void *) = h ? (int (*)(void *))dlsym(h, "cuCtxSetCurrent") : NULL;
+  int (*alloc)(unsigned long long *, size_t) =
+      h ? (int (*)(unsigned long long *, size_t))dlsym(h, "cuMemAlloc_v2") : NULL;
+  int (*htod)(unsigned long long, const void *, size_t) =
+      h ? (int (*)(unsigned long long, const void *, size_t))dlsym(h, "cuMemcpyHtoD_v2") : NULL;
+  int dev = 0;
+  void *cctx = NULL;
+  unsigned long long a = 0, b = 0;
+  uint8_t *host = malloc(SMALL);
+  tu_fill(host, SMALL, SEED_B2);
+  if (!init || !get || !retain || !set || !alloc || !htod || init(0) || get(&dev, 0) ||
+      retain(&cctx, dev) || set(cctx) || alloc(&a, SMALL) || alloc(&b, SMALL + 8) ||
+      htod(a, host, SMALL))
+    return 10;
+  int port = su_free_port();
+  char listen[64];
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+  ferry_ctx *c = ctx_open("foreign", listen, NULL);
+  ferry_store *s = store_open(c, NULL, FERRY_STORE_HOST_DIRECTORY);
+  ferry_tensor_desc d = u8_desc(SMALL);
+  int step = 1;
+  void *src = (void *)(uintptr_t)a, *dst = (void *)(uintptr_t)b;
+  if (ferry_store_put(s, "foreign/k", &d, src, 0, 10000) == 0 &&
+      (step = 2, ferry_mem_where(src, NULL)) == FERRY_MEM_CUDA &&
+      (step = 3, dev_fill(dst, SMALL + 8, 0)) == 0 &&
+      (step = 4, ferry_store_get(s, "foreign/k", NULL, dst, SMALL + 8, NULL, 10000)) == 0 &&
+      (step = 5, dev_has(dst, SMALL, SMALL + 8, SEED_B2)) &&
+      (step = 6, ferry_store_get(s, "foreign/k", NULL, host, SMALL, NULL, 10000)) == 0 &&
+      (step = 7, host_has(host, SMALL, SEED_B2)))
+    step = 0;
+  if (step)
+    fprintf(stderr, "foreign: step %d: %s\n", step, ferry_last_error());
+  free(host);
+  ferry_store_close(s);
+  ferry_ctx_close(c);
+  return step;
+}
+
+static void test_foreign_driver(void **state) {
+  if (!cuda)
+    return;
+  pid_t pid = tu_spawn_exec("--role", "foreign", (char *)NULL);
+  assert_int_equal(tu_wait(pid), 0);
+}
+
 /* ---- no driver: host memory as before ---- */
 
 /* `--role nodriver`, run with FERRY_CUDA=off: no driver is loaded, host pointers are host
@@ -476,6 +537,7 @@ static void test_no_driver(void **state) {
 int main(int argc, char **argv) {
   if (argc >= 3 && strcmp(argv[1], "--role") == 0)
     return strcmp(argv[2], "producer") == 0 && argc == 7 ? role_producer(argv)
+           : strcmp(argv[2], "foreign") == 0             ? role_foreign()
            : strcmp(argv[2], "nodriver") == 0            ? role_nodriver()
                                                          : 2;
   const struct CMUnitTest tests[] = {
@@ -485,6 +547,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_other_process_tcp),
       cmocka_unit_test(test_mq_shm),
       cmocka_unit_test(test_mq_tcp),
+      cmocka_unit_test(test_foreign_driver),
       cmocka_unit_test(test_no_driver),
   };
   tu_filter();
