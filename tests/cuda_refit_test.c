@@ -4,10 +4,11 @@
  * memory (mixed with host memory) in other processes, one over shm and one over tcp; several
  * versions land whole, the fp8 scale is the one of the device tensor's values at the seal, and a
  * corrupted bucket is still refused (the version never commits, the bytes say torn). In one
- * process: shards (a dim-1 slice and a whole tensor) landing in device memory, and the bindings
- * ferry refuses: device memory shorter than the tensor, and device memory beside a flat buffer.
- * Device bytes are only ever filled and read through ferry_mem_copy, so the same file runs on a
- * GPU with the real driver (FERRY_TEST_CUDA=driver); the stand-in faults on any CPU access.
+ * process: a chain over tcp and a late joiner's catch-up into device memory; shards (a dim-1 slice
+ * and a whole tensor) landing in device memory, and the bindings ferry refuses: device memory
+ * shorter than the tensor, and device memory beside a flat buffer. Device bytes are only ever
+ * filled and read through ferry_mem_copy, so the same file runs on a GPU with the real driver
+ * (FERRY_TEST_CUDA=driver); the stand-in faults on any CPU access.
  */
 // ferry-test: cuda
 #include "testutil.h"
@@ -327,6 +328,58 @@ static void test_processes(void **st) {
 
 /* ---- one process ---- */
 
+/* A chain over tcp (the second receiver reads each bucket from the first, which keeps it in a
+ * forwarding slot and puts its own copy on the device), and a receiver that attaches late and
+ * catches up from the sender's retained buffer into device memory. */
+static void test_chain_and_late_join(void **st) {
+  (void)st;
+  if (!have_cuda)
+    skip();
+  ferry_ctx *sc = ctx_for("trainer", "tcp"), *ac = ctx_for("head", "tcp"),
+            *bc = ctx_for("tail", "tcp"), *lc = ctx_for("late", "tcp");
+  side s, a, b, l;
+  side_alloc(&s, true, 0);
+  ferry_refit_sender *snd = sender_for(sc, &s);
+  ferry_refit_receiver *ra, *rb, *rl;
+  FR_OK(ferry_refit_receiver_open(ac, ferry_ctx_address(sc), 5000, &ra));
+  side_alloc(&a, false, 0);
+  bind_side(ra, &a);
+  await_receivers(snd, 1);
+  FR_OK(ferry_refit_receiver_open(bc, ferry_ctx_address(sc), 5000, &rb));
+  side_alloc(&b, false, 0);
+  bind_side(rb, &b);
+  await_receivers(snd, 2);
+  ferry_refit_push_opts po = {
+      .size = sizeof po, .timeout_ms = 10000, .route = FERRY_REFIT_ROUTE_CHAIN};
+  for (uint64_t v = 1; v <= 2; v++) {
+    uint64_t forwarded = __atomic_load_n(&fr_refit_stat_forwarded, __ATOMIC_RELAXED);
+    sender_fill(&s, v);
+    FR_OK(ferry_refit_push(snd, v, &po));
+    assert_true(__atomic_load_n(&fr_refit_stat_forwarded, __ATOMIC_RELAXED) > forwarded);
+    FR_OK(ferry_refit_wait(ra, v, 5000, NULL));
+    FR_OK(ferry_refit_wait(rb, v, 5000, NULL));
+    assert_int_equal(receiver_check(ra, &a, v), 0);
+    assert_int_equal(receiver_check(rb, &b, v), 0);
+  }
+  FR_OK(ferry_refit_receiver_open(lc, ferry_ctx_address(sc), 5000, &rl));
+  side_alloc(&l, false, 0);
+  bind_side(rl, &l);
+  FR_OK(ferry_refit_wait(rl, 2, 10000, NULL)); /* caught up, no push */
+  assert_int_equal(receiver_check(rl, &l, 2), 0);
+  ferry_refit_receiver_close(rl);
+  ferry_refit_receiver_close(rb);
+  ferry_refit_receiver_close(ra);
+  ferry_refit_sender_close(snd);
+  side_free(&l, false);
+  side_free(&b, false);
+  side_free(&a, false);
+  side_free(&s, true);
+  ferry_ctx_close(lc);
+  ferry_ctx_close(bc);
+  ferry_ctx_close(ac);
+  ferry_ctx_close(sc);
+}
+
 /* Shards into device memory: a dim-1 slice of a device tensor (one run per row, merged into one
  * copy per stretch) and a tensor bound whole beside it (a target of one piece). */
 static void test_shards(void **st) {
@@ -443,6 +496,7 @@ int main(int argc, char **argv) {
     return receiver_child(argv[2], argv[3], atoi(argv[4]), atoi(argv[5]));
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_processes),
+      cmocka_unit_test(test_chain_and_late_join),
       cmocka_unit_test(test_shards),
       cmocka_unit_test(test_refusals),
   };
