@@ -808,7 +808,12 @@ FERRY_API void ferry_refit_sender_close(ferry_refit_sender *sender);
  * caller keeps them valid and may change them between pushes). `send_as` casts on the sender:
  * FERRY_DTYPE_INVALID sends as is; float32→bfloat16/float16, and float32 or bfloat16→
  * float8_e4m3 with a per-tensor scale (max |x| / 448 when sealed) that the manifest carries.
- * FERRY_EEXIST for a second tensor of the same name, FERRY_EDTYPE for a cast ferry lacks. */
+ * `data` may be CUDA memory (told apart once, here): each push copies it device→host into the
+ * sender's bucket buffers (pinned then), where casts and checksums run, so host and device
+ * tensors mix freely in one sender and receivers see no difference. A push reads device tensors
+ * on ferry's own streams: synchronize the stream that wrote them before pushing (docs/GPU.md).
+ * FERRY_EEXIST for a second tensor of the same name, FERRY_EDTYPE for a cast ferry lacks,
+ * FERRY_EINVAL for device memory that ends before the tensor does. */
 FERRY_API int ferry_refit_declare(ferry_refit_sender *sender, const char *name,
                                   const ferry_tensor_desc *desc, const void *data,
                                   ferry_dtype send_as);
@@ -878,11 +883,17 @@ FERRY_API int ferry_refit_tensor_scale(ferry_refit_receiver *receiver, size_t i,
  * what the sender sends. Tensors left unbound are not stored. A destination bound (here or by
  * ferry_refit_bind_flat) after a version committed does not hold it: committed() is 0 until the
  * next wait caught up; one bound after a bucket of its bytes landed fails that version here.
- * Bind before the pushes begin. */
+ * Bind before the pushes begin. `dst` may be CUDA memory (told apart once, here), over shm or
+ * tcp alike: each bucket reaches this process in host memory (a pinned stage), is verified
+ * there, and is copied host→device, complete before the bucket is acknowledged; wait()'s commit
+ * then means every device tensor holds the version. FERRY_EINVAL for device memory that ends
+ * before the tensor does; FERRY_ENOTSUP for device memory on a receiver bound with
+ * ferry_refit_bind_flat or _bind_alias (those are host memory). */
 FERRY_API int ferry_refit_bind(ferry_refit_receiver *receiver, const char *name, void *dst,
                                const ferry_tensor_desc *desc);
 /* Instead of binding: one flat buffer (ferry shared memory, owned by the receiver) that receives
- * every tensor in place; ferry_refit_view() gives a tensor's address in it.
+ * every tensor in place; ferry_refit_view() gives a tensor's address in it. It is host memory:
+ * FERRY_ENOTSUP when a tensor is bound to CUDA memory (bind each one instead).
  * When the sender re-seals, the receiver takes the new manifest with the next push: bindings
  * that still fit (same name, dtype, shape) carry over, one that does not fails that version with
  * FERRY_EDTYPE/FERRY_ESHAPE naming the tensor (bind it again), and the flat buffer is laid out
@@ -894,7 +905,10 @@ FERRY_API int ferry_refit_bind_flat(ferry_refit_receiver *receiver);
  * read its weights between the start of a push and the commit (the control lifecycle's
  * clear → update does exactly that). A commit then means the sender finished writing and
  * checksumming that version. FERRY_ENOTSUP when the sender keeps no such buffer or the link is
- * not shm. */
+ * not shm, or when a tensor is bound to CUDA memory: the buffer is host memory (the sender's,
+ * even when its tensors are on a device). Future work: alias mode over CUDA IPC, the engine
+ * mapping the sender's packed device buffer. ferry_refit_view() gives host addresses (flat
+ * buffer or alias mode only). */
 FERRY_API int ferry_refit_bind_alias(ferry_refit_receiver *receiver);
 FERRY_API int ferry_refit_view(ferry_refit_receiver *receiver, const char *name, void **out);
 /* Shards, for a tensor-parallel rank that keeps a slice of each tensor: a piece is the elements
@@ -920,7 +934,9 @@ typedef struct ferry_refit_piece {
  * not hold it (committed() is 0 until the next wait caught up, reading only the targets' bytes).
  * Not with bind_flat or bind_alias (FERRY_ESTATE). FERRY_ECAPACITY when the sender refuses it:
  * this receiver's targets together pass its per-receiver limits (docs/REFIT.md, Shards); the
- * target stays bound and this receiver then reads whole buckets. */
+ * target stays bound and this receiver then reads whole buckets. `dst` may be CUDA memory, as
+ * with ferry_refit_bind: the runs read are verified in host memory, then copied to the device
+ * (runs that continue one another, such as the rows of a dim-1 slice, in one copy). */
 FERRY_API int ferry_refit_bind_pieces(ferry_refit_receiver *receiver, const char *target, void *dst,
                                       const ferry_tensor_desc *dst_desc,
                                       const ferry_refit_piece *pieces, size_t n);

@@ -6,7 +6,12 @@
  * pushing thread hashes each chunk right behind it, still in cache; so a bucket costs about one
  * copy, not a copy plus a hash. The checksum is the plain XXH3 of the bucket's bytes either way.
  * The sums of shard readers' runs (shard.h) are taken from each chunk right after it, in cache.
+ * A tensor in CUDA memory (classified once, at declare) is never read by the CPU: its bytes are
+ * copied device→host into the bucket (pinned) by the copy engine, and a cast then runs on the
+ * host, through a scratch buffer; such a plan packs each bucket whole on the pushing thread, one
+ * copy per tensor part rather than one per 256 KiB chunk, and hashes it afterwards.
  */
+#include "core/cuda.h"
 #include "refit/sender_impl.h"
 
 #include <sched.h>
@@ -27,9 +32,27 @@ struct fr_refit_packer {
   _Atomic uint64_t packed; /* bytes of the current job copied so far */
 };
 
+/* Copies `count` elements of a device tensor's part at src into dst in the wire dtype: straight
+ * into the bucket when there is no cast, else through the scratch, cast on the host. */
+static int pack_device(ferry_refit_sender *s, const fr_refit_entry *x, int device,
+                       const uint8_t *src, uint8_t *dst, uint64_t count) {
+  size_t se = ferry_dtype_size(x->desc.dtype), we = ferry_dtype_size(x->wire);
+  int rc = 0;
+  if (x->desc.dtype == x->wire)
+    rc = fr_cuda_copy_on(device, dst, src, count * se);
+  for (uint64_t i = 0, per = FR_REFIT_SCRATCH / se; x->desc.dtype != x->wire && i < count && !rc;
+       i += per) {
+    uint64_t k = count - i < per ? count - i : per;
+    if ((rc = fr_cuda_copy_on(device, s->scratch, src + i * se, k * se)) == 0)
+      fr_refit_cast(x->desc.dtype, x->wire, x->scale, s->scratch, dst + i * we, k);
+  }
+  return rc ? fr_err(rc, "refit '%s': tensor '%s' on CUDA device %d: %s", s->name, x->name, device,
+                     ferry_last_error())
+            : 0;
+}
+
 /* Packs [lo, lo+len) of bucket b (casting on the way) into dst, zeroing the gaps. */
-static void pack_window(ferry_refit_sender *s, uint32_t b, uint64_t lo, uint64_t len,
-                        uint8_t *dst) {
+static int pack_window(ferry_refit_sender *s, uint32_t b, uint64_t lo, uint64_t len, uint8_t *dst) {
   const fr_refit_plan *p = &s->plan;
   uint64_t start = (uint64_t)b * p->bucket_bytes + lo, filled = 0;
   for (uint32_t e = fr_refit_first_entry(p, b); e < p->count; e++) {
@@ -44,11 +67,18 @@ static void pack_window(ferry_refit_sender *s, uint32_t b, uint64_t lo, uint64_t
     const uint8_t *src = (const uint8_t *)s->src[e].data + wire_off / we * se;
     if (dst_off > filled)
       memset(dst + filled, 0, dst_off - filled);
-    fr_refit_cast(x->desc.dtype, x->wire, x->scale, src, dst + dst_off, n / we);
+    if (s->src[e].device >= 0) {
+      int rc = pack_device(s, x, s->src[e].device, src, dst + dst_off, n / we);
+      if (rc != 0)
+        return rc;
+    } else {
+      fr_refit_cast(x->desc.dtype, x->wire, x->scale, src, dst + dst_off, n / we);
+    }
     filled = dst_off + n;
   }
   if (filled < len)
     memset(dst + filled, 0, len - filled);
+  return 0;
 }
 
 static void *packer_main(void *arg) {
@@ -67,7 +97,7 @@ static void *packer_main(void *arg) {
     pthread_mutex_unlock(&k->lock);
     for (uint64_t lo = 0; lo < len; lo += FR_REFIT_CHUNK) {
       uint64_t n = len - lo < FR_REFIT_CHUNK ? len - lo : FR_REFIT_CHUNK;
-      pack_window(k->s, b, lo, n, dst + lo);
+      (void)pack_window(k->s, b, lo, n, dst + lo); /* host tensors only: cannot fail */
       atomic_store_explicit(&k->packed, lo + n, memory_order_release);
     }
     pthread_mutex_lock(&k->lock);
@@ -113,10 +143,10 @@ static void wait_packed(fr_refit_packer *k, uint64_t upto) {
       sched_yield();
 }
 
-uint64_t fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share,
-                       fr_refit_feed *feeds, size_t nfeeds) {
+int fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share, fr_refit_feed *feeds,
+                  size_t nfeeds, uint64_t *sum) {
   uint64_t len = fr_refit_bucket_len(&s->plan, b);
-  fr_refit_packer *k = share ? s->packer : NULL;
+  fr_refit_packer *k = share && !s->on_device ? s->packer : NULL;
   if (k) {
     atomic_store_explicit(&k->packed, 0, memory_order_relaxed);
     pthread_mutex_lock(&k->lock);
@@ -127,16 +157,20 @@ uint64_t fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool sha
     pthread_cond_signal(&k->cond);
     pthread_mutex_unlock(&k->lock);
   }
+  int rc = s->on_device ? pack_window(s, b, 0, len, dst) : 0;
+  if (rc != 0)
+    return rc;
   fr_hash *h = fr_hash_begin();
   for (uint64_t lo = 0; lo < len; lo += FR_REFIT_CHUNK) {
     uint64_t n = len - lo < FR_REFIT_CHUNK ? len - lo : FR_REFIT_CHUNK;
     if (k)
       wait_packed(k, lo + n);
-    else
-      pack_window(s, b, lo, n, dst + lo);
+    else if (!s->on_device)
+      (void)pack_window(s, b, lo, n, dst + lo); /* host tensors only: cannot fail */
     fr_hash_update(h, dst + lo, n);
     for (size_t i = 0; i < nfeeds; i++) /* shard readers' runs, while the chunk is in cache */
       fr_refit_view_feed(&s->plan, &feeds[i], b, lo, n, dst);
   }
-  return fr_hash_end(h);
+  *sum = fr_hash_end(h);
+  return 0;
 }
