@@ -788,7 +788,9 @@ typedef struct ferry_refit_opts {
   uint64_t bucket_bytes; /* 0: FERRY_REFIT_BUFFER_BYTES, or FERRY_REFIT_BUFFER_RATIO of free
                             memory when that is set; two buckets are allocated */
   int alias;   /* keep the whole wire buffer (every bucket) in shared memory instead of two
-                  buckets, so receivers on this host may use it in place (ferry_refit_bind_alias) */
+                  buckets, so receivers on this host may use it in place (ferry_refit_bind_alias);
+                  with every tensor on one CUDA device and no cast, the buffer is that device's
+                  memory, which receivers on this host map through CUDA IPC */
   int publish; /* register the sender under its name in the directory, so receivers can open
                   it by name; FERRY_EEXIST when another live sender has that name */
   const char *directory; /* with publish: the directory URL (NULL: FERRY_DIRECTORY) */
@@ -905,11 +907,13 @@ FERRY_API int ferry_refit_bind_flat(ferry_refit_receiver *receiver);
  * only). The sender writes a new version there in place while it pushes, so the engine must not
  * read its weights between the start of a push and the commit (the control lifecycle's
  * clear → update does exactly that). A commit then means the sender finished writing and
- * checksumming that version. FERRY_ENOTSUP when the sender keeps no such buffer or the link is
- * not shm, or when a tensor is bound to CUDA memory: the buffer is host memory (the sender's,
- * even when its tensors are on a device). Future work: alias mode over CUDA IPC, the engine
- * mapping the sender's packed device buffer. ferry_refit_view() gives host addresses (flat
- * buffer or alias mode only). */
+ * checksumming that version. When the sender's tensors are all on one CUDA device and sent
+ * without a cast, its buffer is that device's memory: this receiver maps it through a CUDA IPC
+ * handle and the views are device addresses (ferry_mem_where); the sender packs it device to
+ * device and takes each bucket's checksum through pinned host memory (for copying receivers).
+ * FERRY_ENOTSUP when the sender keeps no such buffer or the link is not shm, or when a tensor
+ * is bound to CUDA memory beside it. ferry_refit_view() gives addresses in the flat buffer or
+ * the alias buffer only. */
 FERRY_API int ferry_refit_bind_alias(ferry_refit_receiver *receiver);
 FERRY_API int ferry_refit_view(ferry_refit_receiver *receiver, const char *name, void **out);
 /* Shards, for a tensor-parallel rank that keeps a slice of each tensor: a piece is the elements

@@ -326,6 +326,156 @@ static void test_processes(void **st) {
   ferry_ctx_close(sc);
 }
 
+/* ---- alias mode over CUDA IPC ---- */
+
+/* Every tensor on device 0, none cast: the sender's whole buffer is device memory. */
+#define NA 3
+static const struct aspec {
+  const char *name;
+  ferry_dtype dtype;
+  uint64_t count;
+} aspecs[NA] = {
+    {"w", FERRY_DTYPE_F32, 3000}, {"b", FERRY_DTYPE_BF16, 777}, {"i", FERRY_DTYPE_I64, 64}};
+
+static ferry_tensor_desc adesc(int i) {
+  return (ferry_tensor_desc){.dtype = aspecs[i].dtype, .ndim = 1, .shape = {aspecs[i].count}};
+}
+
+static uint64_t abytes(int i) { return aspecs[i].count * ferry_dtype_size(aspecs[i].dtype); }
+
+/* Tensor i's bytes in version v (host memory, malloc'd). */
+static uint8_t *avalues(int i, uint64_t v) {
+  uint8_t *p = malloc(abytes(i));
+  for (uint64_t k = 0; k < abytes(i); k++)
+    p[k] = (uint8_t)(k * 31 + (uint64_t)i * 7 + v * 101);
+  return p;
+}
+
+/* Whether the bytes at `at` (host or device memory) are tensor i of version v. */
+static bool aholds(const void *at, int i, uint64_t v) {
+  uint8_t *want = avalues(i, v), *got = malloc(abytes(i));
+  bool same = ferry_mem_copy(got, at, abytes(i)) == 0 && memcmp(got, want, abytes(i)) == 0;
+  free(want);
+  free(got);
+  return same;
+}
+
+/* The receiver process of test_alias_device: "alias" (views into the sender's device buffer),
+ * "device" (bound device tensors) or "host" (bound host tensors). Commands as receiver_child's
+ * (positive versions only). */
+static int alias_child(const char *mode, const char *transports, const char *address, int cmd_fd,
+                       int rep_fd) {
+  setenv("FERRY_TRANSPORTS", transports, 1);
+  if (!tu_cuda_use())
+    return 3;
+  char name[32];
+  snprintf(name, sizeof name, "rollout-%s", mode);
+  ferry_ctx *c = ctx_for(name, NULL);
+  ferry_refit_receiver *r;
+  if (ferry_refit_receiver_open(c, address, 5000, &r) != 0)
+    return 1;
+  void *dst[NA] = {0};
+  bool alias = strcmp(mode, "alias") == 0, dev = strcmp(mode, "device") == 0;
+  int rc = alias ? ferry_refit_bind_alias(r) : 0;
+  for (int i = 0; i < NA && !alias && rc == 0; i++) {
+    ferry_tensor_desc d = adesc(i);
+    if (dev)
+      rc = ferry_cuda_alloc(0, abytes(i), &dst[i]);
+    else
+      dst[i] = (rc = (dst[i] = calloc(1, abytes(i))) ? 0 : FERRY_ENOMEM) == 0 ? dst[i] : NULL;
+    if (rc == 0)
+      rc = ferry_refit_bind(r, aspecs[i].name, dst[i], &d);
+  }
+  if (rc != 0) {
+    fprintf(stderr, "cuda_refit_test alias child (%s): %s\n", mode, ferry_last_error());
+    return 2;
+  }
+  tu_pipe cmd = {cmd_fd, -1}, rep = {-1, rep_fd};
+  uint8_t ok = 1;
+  tu_pipe_put(&rep, &ok, 1);
+  int64_t v;
+  while (tu_pipe_get(&cmd, &v, sizeof v, 60000) == 0 && v != 0) {
+    ok = ferry_refit_wait(r, (uint64_t)v, 20000, NULL) == 0;
+    for (int i = 0; i < NA && ok; i++) {
+      void *at = dst[i];
+      int where = -1;
+      if (alias) /* a view: device memory of the sender's buffer, mapped here */
+        ok = ferry_refit_view(r, aspecs[i].name, &at) == 0 &&
+             ferry_mem_where(at, &where) == FERRY_MEM_CUDA;
+      ok = ok && aholds(at, i, (uint64_t)v);
+    }
+    if (!ok)
+      fprintf(stderr, "cuda_refit_test alias child (%s): version %lld: %s\n", mode, (long long)v,
+              ferry_last_error());
+    tu_pipe_put(&rep, &ok, 1);
+  }
+  ferry_refit_receiver_close(r);
+  for (int i = 0; i < NA; i++)
+    if (dev)
+      ferry_cuda_free(dst[i]);
+    else
+      free(dst[i]);
+  ferry_ctx_close(c);
+  return 0;
+}
+
+static void alias_child_start(child *k, const char *mode, const char *transports,
+                              const char *address) {
+  tu_pipe_open(&k->cmd);
+  tu_pipe_open(&k->rep);
+  char cfd[16], rfd[16];
+  snprintf(cfd, sizeof cfd, "%d", k->cmd.rd);
+  snprintf(rfd, sizeof rfd, "%d", k->rep.wr);
+  k->pid = tu_spawn_exec("--alias-receiver", mode, transports, address, cfd, rfd, NULL);
+  uint8_t ready = 0;
+  assert_int_equal(tu_pipe_get(&k->rep, &ready, 1, 20000), 0);
+  assert_int_equal(ready, 1);
+}
+
+/* A sender in alias mode whose tensors are all on the device: its buffer is device memory. An
+ * engine on this host views it in place through CUDA IPC (device addresses, nothing copied);
+ * receivers that copy read it over shm into device tensors, and over tcp (staged by the owner)
+ * into host ones, verified against checksums the sender took through host memory. */
+static void test_alias_device(void **st) {
+  (void)st;
+  if (!have_cuda)
+    skip();
+  ferry_ctx *sc = ctx_for("trainer", "shm,tcp");
+  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 8192, .alias = 1};
+  ferry_refit_sender *snd;
+  FR_OK(ferry_refit_sender_open(sc, "trainer", &o, &snd));
+  void *src[NA];
+  for (int i = 0; i < NA; i++) {
+    ferry_tensor_desc d = adesc(i);
+    FR_OK(ferry_cuda_alloc(0, abytes(i), &src[i]));
+    FR_OK(ferry_refit_declare(snd, aspecs[i].name, &d, src[i], FERRY_DTYPE_INVALID));
+  }
+  FR_OK(ferry_refit_seal(snd));
+  child alias, dev, host;
+  alias_child_start(&alias, "alias", "shm", ferry_ctx_address(sc));
+  alias_child_start(&dev, "device", "shm", ferry_ctx_address(sc));
+  alias_child_start(&host, "host", "tcp", ferry_ctx_address(sc));
+  await_receivers(snd, 3);
+  for (uint64_t v = 1; v <= 3; v++) {
+    for (int i = 0; i < NA; i++) {
+      uint8_t *x = avalues(i, v);
+      FR_OK(ferry_mem_copy(src[i], x, abytes(i)));
+      free(x);
+    }
+    FR_OK(ferry_refit_push(snd, v, NULL));
+    child_expect(&alias, (int64_t)v);
+    child_expect(&dev, (int64_t)v);
+    child_expect(&host, (int64_t)v);
+  }
+  child_end(&alias);
+  child_end(&dev);
+  child_end(&host);
+  ferry_refit_sender_close(snd);
+  for (int i = 0; i < NA; i++)
+    FR_OK(ferry_cuda_free(src[i]));
+  ferry_ctx_close(sc);
+}
+
 /* ---- one process ---- */
 
 /* A chain over tcp (the second receiver reads each bucket from the first, which keeps it in a
@@ -494,8 +644,11 @@ int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
   if (argc == 6 && strcmp(argv[1], "--receiver") == 0)
     return receiver_child(argv[2], argv[3], atoi(argv[4]), atoi(argv[5]));
+  if (argc == 7 && strcmp(argv[1], "--alias-receiver") == 0)
+    return alias_child(argv[2], argv[3], argv[4], atoi(argv[5]), atoi(argv[6]));
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_processes),
+      cmocka_unit_test(test_alias_device),
       cmocka_unit_test(test_chain_and_late_join),
       cmocka_unit_test(test_shards),
       cmocka_unit_test(test_refusals),

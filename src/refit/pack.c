@@ -51,8 +51,10 @@ static int pack_device(ferry_refit_sender *s, const fr_refit_entry *x, int devic
             : 0;
 }
 
-/* Packs [lo, lo+len) of bucket b (casting on the way) into dst, zeroing the gaps. */
+/* Packs [lo, lo+len) of bucket b (casting on the way) into dst, zeroing the gaps (but in a
+ * device buffer, zeroed when it was made: a layout's gaps are never written). */
 static int pack_window(ferry_refit_sender *s, uint32_t b, uint64_t lo, uint64_t len, uint8_t *dst) {
+  bool zero_gaps = s->dev_buf < 0;
   const fr_refit_plan *p = &s->plan;
   uint64_t start = (uint64_t)b * p->bucket_bytes + lo, filled = 0;
   for (uint32_t e = fr_refit_first_entry(p, b); e < p->count; e++) {
@@ -65,7 +67,7 @@ static int pack_window(ferry_refit_sender *s, uint32_t b, uint64_t lo, uint64_t 
     const fr_refit_entry *x = &p->entries[e];
     size_t we = ferry_dtype_size(x->wire), se = ferry_dtype_size(x->desc.dtype);
     const uint8_t *src = (const uint8_t *)s->src[e].data + wire_off / we * se;
-    if (dst_off > filled)
+    if (dst_off > filled && zero_gaps)
       memset(dst + filled, 0, dst_off - filled);
     if (s->src[e].device >= 0) {
       int rc = pack_device(s, x, s->src[e].device, src, dst + dst_off, n / we);
@@ -76,7 +78,7 @@ static int pack_window(ferry_refit_sender *s, uint32_t b, uint64_t lo, uint64_t 
     }
     filled = dst_off + n;
   }
-  if (filled < len)
+  if (filled < len && zero_gaps)
     memset(dst + filled, 0, len - filled);
   return 0;
 }
@@ -143,9 +145,46 @@ static void wait_packed(fr_refit_packer *k, uint64_t upto) {
       sched_yield();
 }
 
+/* Hashing a bucket of a device buffer: each chunk as it reaches host memory. */
+typedef struct device_hash {
+  ferry_refit_sender *s;
+  uint32_t b;
+  uint64_t at;
+  fr_hash *h;
+  fr_refit_feed *feeds;
+  size_t nfeeds;
+} device_hash;
+
+static int hash_chunk(void *arg, const void *buf, size_t len) {
+  device_hash *d = arg;
+  fr_hash_update(d->h, buf, len);
+  for (size_t i = 0; i < d->nfeeds; i++)
+    fr_refit_view_feed(&d->s->plan, &d->feeds[i], d->b, d->at, len, buf);
+  d->at += len;
+  return 0;
+}
+
+/* A bucket of the device buffer: packed device to device, then hashed as the copy engine brings
+ * it to host memory a chunk at a time (the next chunk's copy under this one's hash). */
+static int pack_device_bucket(ferry_refit_sender *s, uint32_t b, uint8_t *dst, uint64_t len,
+                              fr_refit_feed *feeds, size_t nfeeds, uint64_t *sum) {
+  int rc = pack_window(s, b, 0, len, dst);
+  if (rc == 0 && !s->stager)
+    rc = fr_cuda_stager_open(fr_cuda_chunk_bytes(), &s->stager);
+  if (rc != 0)
+    return rc;
+  device_hash d = {.s = s, .b = b, .h = fr_hash_begin(), .feeds = feeds, .nfeeds = nfeeds};
+  rc = fr_cuda_stage_out(s->stager, s->dev_buf, dst, len, hash_chunk, &d);
+  *sum = fr_hash_end(d.h);
+  return rc ? fr_err(rc, "refit '%s': bucket %u in CUDA memory: %s", s->name, b, ferry_last_error())
+            : 0;
+}
+
 int fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share, fr_refit_feed *feeds,
                   size_t nfeeds, uint64_t *sum) {
   uint64_t len = fr_refit_bucket_len(&s->plan, b);
+  if (s->dev_buf >= 0)
+    return pack_device_bucket(s, b, dst, len, feeds, nfeeds, sum);
   fr_refit_packer *k = share && !s->on_device ? s->packer : NULL;
   if (k) {
     atomic_store_explicit(&k->packed, 0, memory_order_relaxed);
@@ -169,7 +208,7 @@ int fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share, f
       (void)pack_window(s, b, lo, n, dst + lo); /* host tensors only: cannot fail */
     fr_hash_update(h, dst + lo, n);
     for (size_t i = 0; i < nfeeds; i++) /* shard readers' runs, while the chunk is in cache */
-      fr_refit_view_feed(&s->plan, &feeds[i], b, lo, n, dst);
+      fr_refit_view_feed(&s->plan, &feeds[i], b, lo, n, dst + lo);
   }
   *sum = fr_hash_end(h);
   return 0;

@@ -81,7 +81,7 @@ static int pack_seq(ferry_refit_sender *s, fr_push *p, uint32_t j) {
     snprintf(p->pack_why, sizeof p->pack_why, "%s", ferry_last_error());
     return rc;
   }
-  if (fr_refit_test_corrupt)
+  if (fr_refit_test_corrupt && s->dev_buf < 0)
     fr_refit_test_corrupt(b, dst, fr_refit_bucket_len(&s->plan, b));
   if (!first)
     return 0;

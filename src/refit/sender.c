@@ -274,6 +274,7 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
     return fr_err(FERRY_ENOMEM, "refit sender");
   }
   fr_inbox_init(&s->inbox);
+  s->dev_buf = -1;
   s->ctx = ctx; /* before the channel is ours: channel_link_down reads it */
   if ((rc = fr_ctx_channel_open(ctx, FR_CHANNEL_REFIT_SENDER, &channel_ops, s)) != 0) {
     rc = fr_err(rc, "ferry_refit_sender_open: this context has a refit sender already");
@@ -374,6 +375,12 @@ int ferry_refit_declare(ferry_refit_sender *s, const char *name, const ferry_ten
 }
 
 static void free_buffers(ferry_refit_sender *s) {
+  if (s->dev_buf >= 0 && s->buf[0]) {
+    ferry_deregister(s->ctx, s->ref[0].id);
+    fr_cuda_free(s->buf[0]);
+    s->buf[0] = NULL;
+  }
+  s->dev_buf = -1;
   for (int i = 0; i < 2; i++) {
     if (s->pinned[i])
       fr_cuda_unpin(s->buf[i]);
@@ -385,11 +392,55 @@ static void free_buffers(ferry_refit_sender *s) {
   s->buf_bytes = 0;
 }
 
+/* Alias mode with every tensor on one CUDA device and sent as declared (no cast: casting needs
+ * the host): that device, whose memory the whole buffer then is; else -1. */
+static int alias_device(const ferry_refit_sender *s) {
+  if (!s->alias || s->plan.count == 0)
+    return -1;
+  int d = s->src[0].device;
+  for (uint32_t i = 0; i < s->plan.count; i++)
+    if (s->src[i].device != d || s->plan.entries[i].wire != s->plan.entries[i].desc.dtype)
+      return -1;
+  return d;
+}
+
+/* The whole buffer in CUDA memory of `device`, zeroed (the gaps between tensors are never
+ * written) and registered, so that receivers on this host map it through CUDA IPC. */
+static int alloc_device_buffer(ferry_refit_sender *s, int device, uint64_t need) {
+  void *p = NULL, *zero = calloc(1, FR_REFIT_SCRATCH);
+  int rc = zero ? fr_cuda_alloc(device, need, &p)
+                : fr_err(FERRY_ENOMEM, "refit '%s': zeroes for its CUDA buffer", s->name);
+  for (uint64_t at = 0; rc == 0 && at < need; at += FR_REFIT_SCRATCH)
+    rc = fr_cuda_copy_on(device, (uint8_t *)p + at, zero,
+                         need - at < FR_REFIT_SCRATCH ? need - at : FR_REFIT_SCRATCH);
+  free(zero);
+  if (rc == 0)
+    rc = ferry_register(s->ctx, p, need, &s->ref[0]);
+  if (rc != 0) {
+    if (p)
+      fr_cuda_free(p);
+    return fr_err(rc, "refit '%s': a whole buffer of %llu bytes on CUDA device %d: %s", s->name,
+                  (unsigned long long)need, device, ferry_last_error());
+  }
+  s->buf[0] = p;
+  s->dev_buf = device;
+  return 0;
+}
+
 static int alloc_layout(ferry_refit_sender *s, bool whole) {
   uint64_t need = whole ? s->plan.total_bytes : s->plan.bucket_bytes;
-  if (s->buf[0] && s->whole == whole && s->buf_bytes >= need)
-    return 0;
+  int device = whole ? alias_device(s) : -1;
+  if (s->buf[0] && s->whole == whole && s->buf_bytes >= need && device < 0 && s->dev_buf < 0)
+    return 0; /* a CUDA buffer is made again: zeroed for the new layout's gaps */
   free_buffers(s);
+  if (device >= 0) {
+    int rc = alloc_device_buffer(s, device, need);
+    if (rc != 0)
+      return rc;
+    s->whole = true;
+    s->buf_bytes = need;
+    return 0;
+  }
   for (int i = 0; i < (whole ? 1 : 2); i++) {
     int rc = ferry_alloc(s->ctx, need, &s->buf[i]);
     if (rc == 0)
@@ -421,7 +472,7 @@ static int alloc_buffers(ferry_refit_sender *s) {
 /* With a tensor on a device: the buckets pinned (once; a failure only costs speed) and the
  * scratch that casts go through. Without one any pinning is undone. */
 static int prepare_device(ferry_refit_sender *s) {
-  for (int i = 0; i < 2; i++) {
+  for (int i = 0; i < 2 && s->dev_buf < 0; i++) {
     if (!s->buf[i] || s->pinned[i] == s->on_device)
       continue;
     if (s->pinned[i]) {
@@ -546,6 +597,7 @@ void ferry_refit_sender_close(ferry_refit_sender *s) {
     fr_refit_receiver_free(r);
   }
   free_buffers(s);
+  fr_cuda_stager_close(s->stager);
   if (s->scratch_pinned)
     fr_cuda_unpin(s->scratch);
   free(s->scratch);

@@ -14,6 +14,7 @@
 #define FR_REFIT_SENDER_IMPL_H
 
 #include "core/stats.h"
+#include "core/cuda.h"
 #include "refit/refit.h"
 #include "refit/shard.h"
 #include "transport/ctxcalls.h"
@@ -121,6 +122,12 @@ struct ferry_refit_sender {
   uint8_t *scratch; /* FR_REFIT_SCRATCH host bytes (pinned when it could be) where a device
                        tensor's bytes land before a cast or the fp8 scale reads them, or NULL */
   bool scratch_pinned;
+  /* Alias mode with every tensor on one CUDA device, sent as declared: the device whose memory
+   * buf[0] is (registered: receivers on this host map it through CUDA IPC, and the engine's
+   * views are device memory), packed by the copy engines and hashed through host memory by
+   * `stager`; -1 when buf[0] is host memory. */
+  int dev_buf;
+  fr_cuda_stager *stager;
   uint64_t *last_sum; /* per bucket, of the last push */
   uint8_t *manifest;
   size_t manifest_len;
