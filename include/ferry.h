@@ -422,9 +422,10 @@ FERRY_API int ferry_readv(ferry_link *link, const ferry_region_ref *remote,
 FERRY_API int ferry_write(ferry_link *link, const ferry_region_ref *remote, uint64_t offset,
                           const void *src, size_t len, int timeout_ms);
 /* Zero-copy view of a peer's shared-memory region (shm links and ferry_alloc'd regions only,
- * else FERRY_ENOTSUP; a CUDA region cannot be viewed from the CPU). *out stays mapped while the
- * link is open; it may change under the reader if the owner writes, and ferry_view_valid() says
- * whether the owner has freed it since. */
+ * else FERRY_ENOTSUP). A peer's registered CUDA region is viewed through its CUDA IPC mapping:
+ * *out is then a device address in this process (ferry_mem_where says so), never for the CPU. *out
+ * stays mapped while the link is open; it may change under the reader if the owner writes, and
+ * ferry_view_valid() says whether the owner has freed it since. */
 FERRY_API int ferry_view(ferry_link *link, const ferry_region_ref *remote, uint64_t offset,
                          size_t len, const void **out);
 FERRY_API int ferry_view_valid(ferry_link *link, const ferry_region_ref *remote);
@@ -796,7 +797,9 @@ typedef struct ferry_refit_opts {
   uint64_t bucket_bytes; /* 0: FERRY_REFIT_BUFFER_BYTES, or FERRY_REFIT_BUFFER_RATIO of free
                             memory when that is set; two buckets are allocated */
   int alias;   /* keep the whole wire buffer (every bucket) in shared memory instead of two
-                  buckets, so receivers on this host may use it in place (ferry_refit_bind_alias) */
+                  buckets, so receivers on this host may use it in place (ferry_refit_bind_alias);
+                  with every tensor on one CUDA device and no cast, the buffer is that device's
+                  memory, which receivers on this host map through CUDA IPC */
   int publish; /* register the sender under its name in the directory, so receivers can open
                   it by name; FERRY_EEXIST when another live sender has that name */
   const char *directory; /* with publish: the directory URL (NULL: FERRY_DIRECTORY) */
@@ -817,7 +820,12 @@ FERRY_API void ferry_refit_sender_close(ferry_refit_sender *sender);
  * caller keeps them valid and may change them between pushes). `send_as` casts on the sender:
  * FERRY_DTYPE_INVALID sends as is; float32→bfloat16/float16, and float32 or bfloat16→
  * float8_e4m3 with a per-tensor scale (max |x| / 448 when sealed) that the manifest carries.
- * FERRY_EEXIST for a second tensor of the same name, FERRY_EDTYPE for a cast ferry lacks. */
+ * `data` may be CUDA memory (told apart once, here): each push copies it device→host into the
+ * sender's bucket buffers (pinned then), where casts and checksums run, so host and device
+ * tensors mix freely in one sender and receivers see no difference. A push reads device tensors
+ * on ferry's own streams: synchronize the stream that wrote them before pushing (docs/GPU.md).
+ * FERRY_EEXIST for a second tensor of the same name, FERRY_EDTYPE for a cast ferry lacks,
+ * FERRY_EINVAL for device memory that ends before the tensor does. */
 FERRY_API int ferry_refit_declare(ferry_refit_sender *sender, const char *name,
                                   const ferry_tensor_desc *desc, const void *data,
                                   ferry_dtype send_as);
@@ -887,11 +895,17 @@ FERRY_API int ferry_refit_tensor_scale(ferry_refit_receiver *receiver, size_t i,
  * what the sender sends. Tensors left unbound are not stored. A destination bound (here or by
  * ferry_refit_bind_flat) after a version committed does not hold it: committed() is 0 until the
  * next wait caught up; one bound after a bucket of its bytes landed fails that version here.
- * Bind before the pushes begin. */
+ * Bind before the pushes begin. `dst` may be CUDA memory (told apart once, here), over shm or
+ * tcp alike: each bucket reaches this process in host memory (a pinned stage), is verified
+ * there, and is copied host→device, complete before the bucket is acknowledged; wait()'s commit
+ * then means every device tensor holds the version. FERRY_EINVAL for device memory that ends
+ * before the tensor does; FERRY_ENOTSUP for device memory on a receiver bound with
+ * ferry_refit_bind_flat or _bind_alias (those are host memory). */
 FERRY_API int ferry_refit_bind(ferry_refit_receiver *receiver, const char *name, void *dst,
                                const ferry_tensor_desc *desc);
 /* Instead of binding: one flat buffer (ferry shared memory, owned by the receiver) that receives
- * every tensor in place; ferry_refit_view() gives a tensor's address in it.
+ * every tensor in place; ferry_refit_view() gives a tensor's address in it. It is host memory:
+ * FERRY_ENOTSUP when a tensor is bound to CUDA memory (bind each one instead).
  * When the sender re-seals, the receiver takes the new manifest with the next push: bindings
  * that still fit (same name, dtype, shape) carry over, one that does not fails that version with
  * FERRY_EDTYPE/FERRY_ESHAPE naming the tensor (bind it again), and the flat buffer is laid out
@@ -902,8 +916,13 @@ FERRY_API int ferry_refit_bind_flat(ferry_refit_receiver *receiver);
  * only). The sender writes a new version there in place while it pushes, so the engine must not
  * read its weights between the start of a push and the commit (the control lifecycle's
  * clear → update does exactly that). A commit then means the sender finished writing and
- * checksumming that version. FERRY_ENOTSUP when the sender keeps no such buffer or the link is
- * not shm. */
+ * checksumming that version. When the sender's tensors are all on one CUDA device and sent
+ * without a cast, its buffer is that device's memory: this receiver maps it through a CUDA IPC
+ * handle and the views are device addresses (ferry_mem_where); the sender packs it device to
+ * device and takes each bucket's checksum through pinned host memory (for copying receivers).
+ * FERRY_ENOTSUP when the sender keeps no such buffer or the link is not shm, or when a tensor
+ * is bound to CUDA memory beside it. ferry_refit_view() gives addresses in the flat buffer or
+ * the alias buffer only. */
 FERRY_API int ferry_refit_bind_alias(ferry_refit_receiver *receiver);
 FERRY_API int ferry_refit_view(ferry_refit_receiver *receiver, const char *name, void **out);
 /* Shards, for a tensor-parallel rank that keeps a slice of each tensor: a piece is the elements
@@ -929,7 +948,9 @@ typedef struct ferry_refit_piece {
  * not hold it (committed() is 0 until the next wait caught up, reading only the targets' bytes).
  * Not with bind_flat or bind_alias (FERRY_ESTATE). FERRY_ECAPACITY when the sender refuses it:
  * this receiver's targets together pass its per-receiver limits (docs/REFIT.md, Shards); the
- * target stays bound and this receiver then reads whole buckets. */
+ * target stays bound and this receiver then reads whole buckets. `dst` may be CUDA memory, as
+ * with ferry_refit_bind: the runs read are verified in host memory, then copied to the device
+ * (runs that continue one another, such as the rows of a dim-1 slice, in one copy). */
 FERRY_API int ferry_refit_bind_pieces(ferry_refit_receiver *receiver, const char *target, void *dst,
                                       const ferry_tensor_desc *dst_desc,
                                       const ferry_refit_piece *pieces, size_t n);

@@ -283,6 +283,7 @@ static void region_over(const owner_proc *p, const char *transports) {
   assert_int_equal(ferry_ctx_open(&o, &ctx), 0);
   assert_int_equal(ferry_connect(ctx, p->info.address, 5000, &l), 0);
   bool shm = strcmp(ferry_link_transport(l), "shm") == 0;
+  int rc;
   size_t n = REGION_BYTES;
   uint8_t *want = malloc(n), *got = malloc(n);
   void *dev = NULL;
@@ -307,14 +308,24 @@ static void region_over(const owner_proc *p, const char *transports) {
   assert_memory_equal(got + 100, want + n - 300, 300);
 
   assert_int_equal(ferry_read(l, &p->info.ref, n - 10, got, 11, 5000), FERRY_ERANGE);
-  const void *view = NULL;
-  assert_int_not_equal(ferry_view(l, &p->info.ref, 0, 16, &view), 0);
+  const void *view = NULL; /* over shm a device address of the IPC mapping; nothing over tcp */
+  rc = ferry_view(l, &p->info.ref, 64, 16, &view);
+  if (shm) {
+    assert_int_equal(rc, 0);
+    int device = -1;
+    assert_int_equal(ferry_mem_where(view, &device), FERRY_MEM_CUDA);
+    assert_int_equal(ferry_mem_copy(got, view, 16), 0);
+    assert_memory_equal(got, want + 64, 16);
+    assert_int_equal(ferry_view_valid(l, &p->info.ref), 0);
+  } else {
+    assert_int_equal(rc, FERRY_ENOTSUP);
+  }
 
   /* Writes: over shm through the IPC mapping, from host and from CUDA memory; over tcp the
    * owner refuses to receive a stream into device memory. */
   uint8_t patch[4096];
   fill(patch, sizeof patch, 77);
-  int rc = ferry_write(l, &p->info.ref, 4096, patch, sizeof patch, 5000);
+  rc = ferry_write(l, &p->info.ref, 4096, patch, sizeof patch, 5000);
   if (shm) {
     assert_int_equal(rc, 0);
     assert_int_equal(ferry_mem_copy(dev, patch, sizeof patch), 0);

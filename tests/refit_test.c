@@ -1902,8 +1902,9 @@ static void test_shards_feed_windows(void **st) {
     for (size_t w = 0; w < 3; w++) {
       fr_refit_feed f;
       fr_refit_view_feed_begin(&f, v, b);
-      for (uint64_t lo = 0; lo < len; lo += windows[w])
-        fr_refit_view_feed(&plan, &f, b, lo, len - lo < windows[w] ? len - lo : windows[w], bucket);
+      for (uint64_t lo = 0; lo < len; lo += windows[w]) /* each window's own bytes */
+        fr_refit_view_feed(&plan, &f, b, lo, len - lo < windows[w] ? len - lo : windows[w],
+                           bucket + lo);
       assert_int_equal(fr_hash_end(f.h), want);
     }
   }

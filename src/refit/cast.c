@@ -109,12 +109,17 @@ int fr_refit_cast(ferry_dtype from, ferry_dtype to, float scale, const void *src
   return 0;
 }
 
-float fr_refit_fp8_scale(ferry_dtype from, const void *src, uint64_t count) {
-  float amax = 0;
+float fr_refit_amax(ferry_dtype from, const void *src, uint64_t count, float amax) {
   for (uint64_t i = 0; i < count; i++) {
     float a = fabsf(load(from, src, i));
     if (a > amax && !isnan(a))
       amax = a;
   }
-  return amax > 0 ? amax / 448.0f : 1.0f;
+  return amax;
+}
+
+float fr_refit_fp8_scale_of(float amax) { return amax > 0 ? amax / 448.0f : 1.0f; }
+
+float fr_refit_fp8_scale(ferry_dtype from, const void *src, uint64_t count) {
+  return fr_refit_fp8_scale_of(fr_refit_amax(from, src, count, 0));
 }

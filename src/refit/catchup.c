@@ -58,7 +58,8 @@ static void announce_next(ferry_refit_sender *s, receiver *r, fr_refit_outbox *o
                         .checksum = s->last_sum[b],
                         .src = s->ref[0],
                         .src_offset = (uint64_t)b * p->bucket_bytes};
-    if (r->view) { /* a shard reader: the sum of its runs, from the retained bucket */
+    if (r->view && s->dev_buf < 0) { /* a shard reader: the sum of its runs, from the retained
+                                        bucket (in CUDA memory: it reads whole buckets) */
       m.view = r->view->serial;
       m.view_sum = fr_refit_view_sum(p, r->view, b, (const uint8_t *)s->buf[0] + m.src_offset);
     }

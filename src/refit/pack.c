@@ -6,7 +6,12 @@
  * pushing thread hashes each chunk right behind it, still in cache; so a bucket costs about one
  * copy, not a copy plus a hash. The checksum is the plain XXH3 of the bucket's bytes either way.
  * The sums of shard readers' runs (shard.h) are taken from each chunk right after it, in cache.
+ * A tensor in CUDA memory (classified once, at declare) is never read by the CPU: its bytes are
+ * copied device→host into the bucket (pinned) by the copy engine, and a cast then runs on the
+ * host, through a scratch buffer; such a plan packs each bucket whole on the pushing thread, one
+ * copy per tensor part rather than one per 256 KiB chunk, and hashes it afterwards.
  */
+#include "core/cuda.h"
 #include "refit/sender_impl.h"
 
 #include <sched.h>
@@ -27,9 +32,29 @@ struct fr_refit_packer {
   _Atomic uint64_t packed; /* bytes of the current job copied so far */
 };
 
-/* Packs [lo, lo+len) of bucket b (casting on the way) into dst, zeroing the gaps. */
-static void pack_window(ferry_refit_sender *s, uint32_t b, uint64_t lo, uint64_t len,
-                        uint8_t *dst) {
+/* Copies `count` elements of a device tensor's part at src into dst in the wire dtype: straight
+ * into the bucket when there is no cast, else through the scratch, cast on the host. */
+static int pack_device(ferry_refit_sender *s, const fr_refit_entry *x, int device,
+                       const uint8_t *src, uint8_t *dst, uint64_t count) {
+  size_t se = ferry_dtype_size(x->desc.dtype), we = ferry_dtype_size(x->wire);
+  int rc = 0;
+  if (x->desc.dtype == x->wire)
+    rc = fr_cuda_copy_on(device, dst, src, count * se);
+  for (uint64_t i = 0, per = FR_REFIT_SCRATCH / se; x->desc.dtype != x->wire && i < count && !rc;
+       i += per) {
+    uint64_t k = count - i < per ? count - i : per;
+    if ((rc = fr_cuda_copy_on(device, s->scratch, src + i * se, k * se)) == 0)
+      fr_refit_cast(x->desc.dtype, x->wire, x->scale, s->scratch, dst + i * we, k);
+  }
+  return rc ? fr_err(rc, "refit '%s': tensor '%s' on CUDA device %d: %s", s->name, x->name, device,
+                     ferry_last_error())
+            : 0;
+}
+
+/* Packs [lo, lo+len) of bucket b (casting on the way) into dst, zeroing the gaps (but in a
+ * device buffer, zeroed when it was made: a layout's gaps are never written). */
+static int pack_window(ferry_refit_sender *s, uint32_t b, uint64_t lo, uint64_t len, uint8_t *dst) {
+  bool zero_gaps = s->dev_buf < 0;
   const fr_refit_plan *p = &s->plan;
   uint64_t start = (uint64_t)b * p->bucket_bytes + lo, filled = 0;
   for (uint32_t e = fr_refit_first_entry(p, b); e < p->count; e++) {
@@ -42,13 +67,20 @@ static void pack_window(ferry_refit_sender *s, uint32_t b, uint64_t lo, uint64_t
     const fr_refit_entry *x = &p->entries[e];
     size_t we = ferry_dtype_size(x->wire), se = ferry_dtype_size(x->desc.dtype);
     const uint8_t *src = (const uint8_t *)s->src[e].data + wire_off / we * se;
-    if (dst_off > filled)
+    if (dst_off > filled && zero_gaps)
       memset(dst + filled, 0, dst_off - filled);
-    fr_refit_cast(x->desc.dtype, x->wire, x->scale, src, dst + dst_off, n / we);
+    if (s->src[e].device >= 0) {
+      int rc = pack_device(s, x, s->src[e].device, src, dst + dst_off, n / we);
+      if (rc != 0)
+        return rc;
+    } else {
+      fr_refit_cast(x->desc.dtype, x->wire, x->scale, src, dst + dst_off, n / we);
+    }
     filled = dst_off + n;
   }
-  if (filled < len)
+  if (filled < len && zero_gaps)
     memset(dst + filled, 0, len - filled);
+  return 0;
 }
 
 static void *packer_main(void *arg) {
@@ -67,7 +99,7 @@ static void *packer_main(void *arg) {
     pthread_mutex_unlock(&k->lock);
     for (uint64_t lo = 0; lo < len; lo += FR_REFIT_CHUNK) {
       uint64_t n = len - lo < FR_REFIT_CHUNK ? len - lo : FR_REFIT_CHUNK;
-      pack_window(k->s, b, lo, n, dst + lo);
+      (void)pack_window(k->s, b, lo, n, dst + lo); /* host tensors only: cannot fail */
       atomic_store_explicit(&k->packed, lo + n, memory_order_release);
     }
     pthread_mutex_lock(&k->lock);
@@ -113,10 +145,47 @@ static void wait_packed(fr_refit_packer *k, uint64_t upto) {
       sched_yield();
 }
 
-uint64_t fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share,
-                       fr_refit_feed *feeds, size_t nfeeds) {
+/* Hashing a bucket of a device buffer: each chunk as it reaches host memory. */
+typedef struct device_hash {
+  ferry_refit_sender *s;
+  uint32_t b;
+  uint64_t at;
+  fr_hash *h;
+  fr_refit_feed *feeds;
+  size_t nfeeds;
+} device_hash;
+
+static int hash_chunk(void *arg, const void *buf, size_t len) {
+  device_hash *d = arg;
+  fr_hash_update(d->h, buf, len);
+  for (size_t i = 0; i < d->nfeeds; i++)
+    fr_refit_view_feed(&d->s->plan, &d->feeds[i], d->b, d->at, len, buf);
+  d->at += len;
+  return 0;
+}
+
+/* A bucket of the device buffer: packed device to device, then hashed as the copy engine brings
+ * it to host memory a chunk at a time (the next chunk's copy under this one's hash). */
+static int pack_device_bucket(ferry_refit_sender *s, uint32_t b, uint8_t *dst, uint64_t len,
+                              fr_refit_feed *feeds, size_t nfeeds, uint64_t *sum) {
+  int rc = pack_window(s, b, 0, len, dst);
+  if (rc == 0 && !s->stager)
+    rc = fr_cuda_stager_open(fr_cuda_chunk_bytes(), &s->stager);
+  if (rc != 0)
+    return rc;
+  device_hash d = {.s = s, .b = b, .h = fr_hash_begin(), .feeds = feeds, .nfeeds = nfeeds};
+  rc = fr_cuda_stage_out(s->stager, s->dev_buf, dst, len, hash_chunk, &d);
+  *sum = fr_hash_end(d.h);
+  return rc ? fr_err(rc, "refit '%s': bucket %u in CUDA memory: %s", s->name, b, ferry_last_error())
+            : 0;
+}
+
+int fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share, fr_refit_feed *feeds,
+                  size_t nfeeds, uint64_t *sum) {
   uint64_t len = fr_refit_bucket_len(&s->plan, b);
-  fr_refit_packer *k = share ? s->packer : NULL;
+  if (s->dev_buf >= 0)
+    return pack_device_bucket(s, b, dst, len, feeds, nfeeds, sum);
+  fr_refit_packer *k = share && !s->on_device ? s->packer : NULL;
   if (k) {
     atomic_store_explicit(&k->packed, 0, memory_order_relaxed);
     pthread_mutex_lock(&k->lock);
@@ -127,16 +196,20 @@ uint64_t fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool sha
     pthread_cond_signal(&k->cond);
     pthread_mutex_unlock(&k->lock);
   }
+  int rc = s->on_device ? pack_window(s, b, 0, len, dst) : 0;
+  if (rc != 0)
+    return rc;
   fr_hash *h = fr_hash_begin();
   for (uint64_t lo = 0; lo < len; lo += FR_REFIT_CHUNK) {
     uint64_t n = len - lo < FR_REFIT_CHUNK ? len - lo : FR_REFIT_CHUNK;
     if (k)
       wait_packed(k, lo + n);
-    else
-      pack_window(s, b, lo, n, dst + lo);
+    else if (!s->on_device)
+      (void)pack_window(s, b, lo, n, dst + lo); /* host tensors only: cannot fail */
     fr_hash_update(h, dst + lo, n);
     for (size_t i = 0; i < nfeeds; i++) /* shard readers' runs, while the chunk is in cache */
-      fr_refit_view_feed(&s->plan, &feeds[i], b, lo, n, dst);
+      fr_refit_view_feed(&s->plan, &feeds[i], b, lo, n, dst + lo);
   }
-  return fr_hash_end(h);
+  *sum = fr_hash_end(h);
+  return 0;
 }

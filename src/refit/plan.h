@@ -72,5 +72,9 @@ int fr_refit_cast(ferry_dtype from, ferry_dtype to, float scale, const void *src
 bool fr_refit_cast_supported(ferry_dtype from, ferry_dtype to);
 /* The per-tensor scale for an fp8 cast: max |x| / 448 (1 when all zero). */
 float fr_refit_fp8_scale(ferry_dtype from, const void *src, uint64_t count);
+/* The same in steps, for a tensor read a piece at a time (device memory, through a host copy):
+ * amax = fr_refit_amax(from, piece, n, amax) over the pieces from 0, then the scale of it. */
+float fr_refit_amax(ferry_dtype from, const void *src, uint64_t count, float amax);
+float fr_refit_fp8_scale_of(float amax);
 
 #endif

@@ -44,6 +44,8 @@ typedef struct fr_push {
   size_t nviewers;
   fr_refit_feed *feeds; /* one per viewer, while a bucket is packed */
   fr_refit_outbox out;  /* frames decided under s->lock, sent by this thread after unlocking */
+  int pack_rc;          /* a bucket could not be packed (a device tensor's copy failed) */
+  char pack_why[256];
 } fr_push;
 
 /* Announcements a receiver may have unacknowledged. A receiver reads its buckets one by one, so
@@ -61,7 +63,7 @@ static uint64_t slot_offset(const ferry_refit_sender *s, uint32_t j, uint32_t b,
   return s->whole ? (uint64_t)b * s->plan.bucket_bytes : 0;
 }
 
-static void pack_seq(ferry_refit_sender *s, fr_push *p, uint32_t j) {
+static int pack_seq(ferry_refit_sender *s, fr_push *p, uint32_t j) {
   uint32_t b = p->order[j];
   int slot;
   uint64_t off = slot_offset(s, j, b, &slot);
@@ -70,24 +72,38 @@ static void pack_seq(ferry_refit_sender *s, fr_push *p, uint32_t j) {
   size_t nf = first ? p->nviewers : 0;
   for (size_t i = 0; i < nf; i++) /* shard readers: the sums of their runs, taken while packing */
     fr_refit_view_feed_begin(&p->feeds[i], p->viewers[i]->view, b);
-  uint64_t sum = fr_refit_pack(s, b, dst, p->share_pack, p->feeds, nf);
+  uint64_t sum = 0;
+  int rc = fr_refit_pack(s, b, dst, p->share_pack, p->feeds, nf, &sum);
   for (size_t i = 0; i < nf; i++)
     p->viewers[i]->vsum[j] = fr_hash_end(p->feeds[i].h);
-  if (fr_refit_test_corrupt)
+  if (rc != 0) {
+    p->pack_rc = rc;
+    snprintf(p->pack_why, sizeof p->pack_why, "%s", ferry_last_error());
+    return rc;
+  }
+  if (fr_refit_test_corrupt && s->dev_buf < 0)
     fr_refit_test_corrupt(b, dst, fr_refit_bucket_len(&s->plan, b));
   if (!first)
-    return;
+    return 0;
   p->sum[j] = sum;
   p->unchanged[j] = p->skip && s->last_sum[b] == sum;
   s->last_sum[b] = sum;
   p->first_pass = j + 1;
+  return 0;
 }
 
 /* Packs the buckets no receiver took (none attached, or all failed early), so the whole buffer
  * holds every bucket of the version for late joiners. */
 static void pack_rest(ferry_refit_sender *s, fr_push *p) {
-  for (uint32_t j = p->first_pass; j < p->n; j++)
+  for (uint32_t j = p->first_pass; j < p->n && p->pack_rc == 0; j++)
     pack_seq(s, p, j);
+}
+
+/* A bucket could not be packed: no receiver can commit the version (s->lock held). */
+static void fail_all(ferry_refit_sender *s, int rc) {
+  for (receiver *r = s->receivers; r; r = r->next)
+    if (r->in_push && r->status == 0)
+      r->status = rc;
 }
 
 static bool bucket_selected(ferry_refit_sender *s, const ferry_refit_push_opts *o, uint32_t b) {
@@ -270,9 +286,12 @@ static void pump(ferry_refit_sender *s, fr_push *p) {
     if (done)
       return;
     if (pack_now) {
-      pack_seq(s, p, q);
+      int rc = pack_seq(s, p, q);
       pthread_mutex_lock(&s->lock);
-      s->packed = q + 1;
+      if (rc != 0)
+        fail_all(s, rc);
+      else
+        s->packed = q + 1;
       pthread_mutex_unlock(&s->lock);
     }
   }
@@ -663,5 +682,9 @@ static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_ref
     pthread_mutex_unlock(&s->lock);
     return rc;
   }
-  return finish_push(s, version, s->whole, t);
+  rc = finish_push(s, version, s->whole && p.pack_rc == 0, t);
+  if (p.pack_rc != 0) /* what failed is the sender's, not the receivers' */
+    return fr_err(p.pack_rc, "refit '%s' version %llu: no receiver committed it: %s", s->name,
+                  (unsigned long long)version, p.pack_why);
+  return rc;
 }

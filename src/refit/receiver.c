@@ -19,7 +19,14 @@
  * way on FR_CHANNEL_REFIT_SENDER, owned by a sender on that context if it has one: one receiver
  * and one sender per context (a second receiver gets FERRY_EBUSY), and neither sees the other's
  * messages.
+ *
+ * Bound destinations may be CUDA memory (ferry_refit_bind, bind_pieces): each is classified once,
+ * when bound. Bytes reach this process in host memory either way (a memcpy from the sender's
+ * mapping over shm, a read over tcp, into the stage, pinned then), are hashed there, and are
+ * copied host→device by the copy engine: a bucket is read whole then, and each tensor's part of
+ * it goes in one copy. The flat buffer and alias mode are host memory only.
  */
+#include "core/cuda.h"
 #include "refit/refit.h"
 #include "refit/shard.h"
 #include "transport/ctxcalls.h"
@@ -36,6 +43,9 @@ struct ferry_refit_receiver {
   fr_refit_plan plan;
   void **bound;                  /* per tensor: the caller's destination, or NULL */
   ferry_tensor_desc *bound_desc; /* and how the caller described it */
+  int *bound_dev;                /* and its CUDA device, -1 for host memory */
+  uint32_t dev_bound;            /* how many bound[] are device memory (bind_lock) */
+  bool stage_pinned;             /* the stage is registered with the driver (fr_cuda_pin) */
   uint8_t *flat;                 /* ferry_alloc'd flat buffer, or NULL */
   const uint8_t *alias;          /* the sender's wire buffer, mapped (alias mode), or NULL */
   ferry_region_ref alias_ref;    /* the sender's wire buffer, if it keeps one */
@@ -79,12 +89,18 @@ struct ferry_refit_receiver {
   struct rx_target {
     char *name;
     ferry_tensor_desc desc;
+    int device;     /* of dst: a CUDA device, or -1 for host memory */
     char **sources; /* the pieces' source names (pieces name them by index in the manifest) */
     fr_refit_target t;
   } * targets;
   uint32_t ntargets;
   uint32_t serial;     /* of the last VIEW record sent */
   fr_refit_view *view; /* built from the targets at `serial`, or NULL (built when needed) */
+  struct dev_range {
+    uintptr_t lo, hi;
+    int device;
+  } * dev_ranges;      /* the device targets' memory, sorted (built with the view) */
+  size_t ndev_ranges;  /* 0: every target is host memory */
   uint64_t bytes_read; /* atomic: bytes read from the sender or a predecessor, all told */
 };
 
@@ -96,6 +112,141 @@ static int binding_fits(const fr_refit_entry *e, const ferry_tensor_desc *desc);
 static void new_destination(ferry_refit_receiver *r, uint64_t lo, uint64_t len);
 static void tell_commit(ferry_refit_receiver *r, uint64_t version, int status);
 static void receiver_free(ferry_refit_receiver *r);
+
+/* ---- CUDA destinations ---- */
+
+/* Where a destination of `bytes` lives: its CUDA device, or -1 for host memory. FERRY_EINVAL
+ * when device memory does not hold all of it (the copies are bounded by the allocation). Not
+ * under a lock: the first call may load the driver. */
+static int where_bound(const char *name, const void *dst, const ferry_tensor_desc *desc,
+                       int *device) {
+  fr_mem_where w = fr_cuda_where(dst);
+  *device = w.kind == FERRY_MEM_CUDA ? w.device : -1;
+  uint64_t bytes = 0, off = (uintptr_t)dst - w.base;
+  if (*device < 0 || ferry_tensor_nbytes(desc, &bytes) != 0)
+    return 0; /* a bad desc is reported with the binding's other checks */
+  if (off > w.size || bytes > w.size - off)
+    return fr_err(FERRY_EINVAL,
+                  "refit: '%s' (%llu bytes) runs past the end of its CUDA allocation on device %d",
+                  name, (unsigned long long)bytes, *device);
+  return 0;
+}
+
+/* The flat buffer and alias mode are host memory: a device destination beside them would never
+ * be written. */
+static int host_only(const ferry_refit_receiver *r, const char *name) {
+  return fr_err(FERRY_ENOTSUP,
+                "refit: '%s' is CUDA memory, but this receiver is bound to %s, which is host "
+                "memory; bind device tensors with ferry_refit_bind alone (alias mode over CUDA "
+                "IPC is not supported yet)",
+                name,
+                r->flat ? "a flat buffer (ferry_refit_bind_flat)" : "the sender's buffer (alias)");
+}
+
+/* The stage a bucket passes through: page-aligned and page-sized, so that it can be pinned. */
+static uint64_t stage_bytes(uint64_t bucket) { return (bucket + 4095) & ~(uint64_t)4095; }
+static uint8_t *stage_alloc(uint64_t bucket) { return aligned_alloc(4096, stage_bytes(bucket)); }
+static void stage_free(uint8_t *stage, bool pinned) {
+  if (pinned)
+    fr_cuda_unpin(stage);
+  free(stage);
+}
+
+/* Once a destination is device memory the stage is pinned, so that the host→device copies from
+ * it run at the copy engine's speed (a failure only costs that). bind_lock held. */
+static void pin_stage(ferry_refit_receiver *r) {
+  if (r->stage_pinned || !r->stage)
+    return;
+  if (fr_cuda_pin(r->stage, stage_bytes(r->plan.bucket_bytes)) == 0)
+    r->stage_pinned = true;
+  else
+    fr_warn("refit: receive stage not pinned, device copies run slower: %s", ferry_last_error());
+}
+
+/* A shard run's destination: the device of the target holding it, or -1 (host memory). */
+static int run_device(const ferry_refit_receiver *r, const uint8_t *dst) {
+  size_t lo = 0, hi = r->ndev_ranges;
+  uintptr_t a = (uintptr_t)dst;
+  while (lo < hi) { /* the ranges are disjoint and sorted: the first that ends past a */
+    size_t mid = lo + (hi - lo) / 2;
+    if (r->dev_ranges[mid].hi <= a)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo < r->ndev_ranges && r->dev_ranges[lo].lo <= a ? r->dev_ranges[lo].device : -1;
+}
+
+/* Runs' bytes on their way out of the stage (or a landed bucket). Host runs are memcpy'd; runs
+ * into a device target are merged while they continue one another at both ends (a slice along
+ * dim 1 lands row after row), so a stretch costs one copy; copy_done issues the last one. */
+typedef struct rx_copy {
+  uint8_t *dst;
+  const uint8_t *src;
+  uint64_t len;
+  int device;
+} rx_copy;
+
+static int copy_done(rx_copy *c) {
+  int rc = c->len ? fr_cuda_copy_on(c->device, c->dst, c->src, c->len) : 0;
+  c->len = 0;
+  return rc ? fr_err(rc, "refit: a shard into CUDA device %d: %s", c->device, ferry_last_error())
+            : 0;
+}
+
+static int put_run(const ferry_refit_receiver *r, rx_copy *c, uint8_t *dst, const uint8_t *src,
+                   uint64_t len) {
+  int device = r->ndev_ranges ? run_device(r, dst) : -1;
+  if (device < 0) {
+    memcpy(dst, src, len);
+    return 0;
+  }
+  if (c->len && c->device == device && c->dst + c->len == dst && c->src + c->len == src) {
+    c->len += len;
+    return 0;
+  }
+  int rc = copy_done(c);
+  *c = (rx_copy){dst, src, len, device};
+  return rc;
+}
+
+static int range_cmp(const void *a, const void *b) {
+  const struct dev_range *x = a, *y = b;
+  return (x->lo > y->lo) - (x->lo < y->lo);
+}
+
+/* The device targets' memory, sorted and merged (two targets may share bytes), for run_device.
+ * bind_lock held. */
+static int build_dev_ranges(ferry_refit_receiver *r) {
+  free(r->dev_ranges);
+  r->dev_ranges = NULL;
+  r->ndev_ranges = 0;
+  size_t n = 0, k = 0;
+  for (uint32_t i = 0; i < r->ntargets; i++)
+    n += r->targets[i].name && r->targets[i].device >= 0;
+  if (n == 0)
+    return 0;
+  struct dev_range *v = malloc(n * sizeof *v);
+  if (!v)
+    return fr_err(FERRY_ENOMEM, "refit: %zu device targets", n);
+  n = 0;
+  for (uint32_t i = 0; i < r->ntargets; i++) {
+    const struct rx_target *t = &r->targets[i];
+    uint64_t bytes = 0;
+    if (t->name && t->device >= 0 && ferry_tensor_nbytes(&t->desc, &bytes) == 0)
+      v[n++] = (struct dev_range){(uintptr_t)t->t.dst, (uintptr_t)t->t.dst + bytes, t->device};
+  }
+  qsort(v, n, sizeof *v, range_cmp);
+  for (size_t i = 0; i < n; i++) {
+    if (k && v[i].lo < v[k - 1].hi)
+      v[k - 1].hi = v[i].hi > v[k - 1].hi ? v[i].hi : v[k - 1].hi;
+    else
+      v[k++] = v[i];
+  }
+  r->dev_ranges = v;
+  r->ndev_ranges = k;
+  return 0;
+}
 
 /* ---- shards: targets, declarations, views (bind_lock held) ---- */
 
@@ -221,14 +372,14 @@ static bool same_target(const struct rx_target *t, const void *dst, const ferry_
 
 /* Records a checked target (pieces resolved) and declares it; `fresh`: memory the receiver did
  * not write before (not a whole binding turned into a target), which then holds no version. */
-static int add_target(ferry_refit_receiver *r, const char *name, void *dst,
+static int add_target(ferry_refit_receiver *r, const char *name, void *dst, int device,
                       const ferry_tensor_desc *desc, char *const *sources,
                       const fr_refit_piece *pieces, uint32_t n, bool fresh) {
   uint32_t slot = 0;
   int rc = target_slot(r, name, &slot);
   if (rc != 0)
     return rc;
-  struct rx_target t = {.name = strdup(name), .desc = *desc};
+  struct rx_target t = {.name = strdup(name), .desc = *desc, .device = device};
   t.sources = calloc(n, sizeof *t.sources);
   t.t.pieces = malloc(n * sizeof *t.t.pieces);
   t.t.dst = dst;
@@ -266,10 +417,11 @@ static int enter_shards(ferry_refit_receiver *r) {
   for (uint32_t i = 0; i < r->plan.count; i++) {
     void *dst = r->bound[i];
     r->bound[i] = NULL;
+    r->dev_bound -= dst && r->bound_dev[i] >= 0;
     fr_refit_piece pc = whole_piece(&r->plan, i);
     char *src = r->plan.entries[i].name;
     int rc = dst && r->plan.entries[i].wire_bytes
-                 ? add_target(r, src, dst, &r->bound_desc[i], &src, &pc, 1, false)
+                 ? add_target(r, src, dst, r->bound_dev[i], &r->bound_desc[i], &src, &pc, 1, false)
                  : 0;
     if (rc != 0)
       return rc;
@@ -311,7 +463,7 @@ static int ensure_view(ferry_refit_receiver *r) {
     ts[i] = r->targets[i].t;
   int rc = fr_refit_view_build(&r->plan, ts, r->ntargets, r->serial, &r->view);
   free(ts);
-  return rc;
+  return rc ? rc : build_dev_ranges(r);
 }
 
 /* ---- receiving a push (service thread) ---- */
@@ -324,9 +476,11 @@ static int install_manifest(ferry_refit_receiver *r, fr_refit_plan plan) {
   size_t n = plan.count ? plan.count : 1;
   void **bound = calloc(n, sizeof *bound);
   ferry_tensor_desc *descs = calloc(n, sizeof *descs);
-  uint8_t *stage = malloc(plan.bucket_bytes);
-  if (!bound || !descs || !stage) {
-    free(bound), free(descs), free(stage);
+  int *devs = calloc(n, sizeof *devs);
+  uint8_t *stage = stage_alloc(plan.bucket_bytes);
+  uint32_t dev_bound = 0;
+  if (!bound || !descs || !devs || !stage) {
+    free(bound), free(descs), free(devs), free(stage);
     fr_refit_plan_free(&plan);
     return fr_err(FERRY_ENOMEM, "refit: new manifest");
   }
@@ -336,6 +490,8 @@ static int install_manifest(ferry_refit_receiver *r, fr_refit_plan plan) {
     if (j >= 0 && fit == 0) {
       bound[j] = r->bound[i];
       descs[j] = r->bound_desc[i];
+      devs[j] = r->bound_dev[i];
+      dev_bound += devs[j] >= 0;
     } else if (fit != 0 && rc == 0) {
       rc = fit;
     }
@@ -352,7 +508,7 @@ static int install_manifest(ferry_refit_receiver *r, fr_refit_plan plan) {
   }
   uint8_t *got = calloc(plan.buckets ? plan.buckets : 1, 1);
   if (!got) {
-    free(bound), free(descs), free(stage);
+    free(bound), free(descs), free(devs), free(stage);
     fr_refit_plan_free(&plan);
     return fr_err(FERRY_ENOMEM, "refit: new manifest");
   }
@@ -362,13 +518,22 @@ static int install_manifest(ferry_refit_receiver *r, fr_refit_plan plan) {
     ferry_free(r->ctx, r->fwd);
     r->fwd = NULL; /* allocated again, at the new size, when a successor needs it */
   }
-  free(r->bound), free(r->bound_desc), free(r->stage), free(r->got);
+  free(r->bound), free(r->bound_desc), free(r->bound_dev), free(r->got);
+  stage_free(r->stage, r->stage_pinned);
   fr_refit_plan_free(&r->plan);
   r->got = got;
   r->plan = plan;
   r->bound = bound;
   r->bound_desc = descs;
+  r->bound_dev = devs;
+  r->dev_bound = dev_bound;
   r->stage = stage;
+  r->stage_pinned = false;
+  bool device_targets = false;
+  for (uint32_t i = 0; i < r->ntargets; i++)
+    device_targets |= r->targets[i].name && r->targets[i].device >= 0;
+  if (dev_bound || device_targets)
+    pin_stage(r);
   fr_info("refit: manifest generation %u from '%s' (%u tensors)", plan.generation,
           ferry_link_peer(r->link), plan.count);
   int moved = r->shards ? retarget(r) : 0;
@@ -381,9 +546,10 @@ static int refetch_manifest(ferry_refit_receiver *r) {
   return rc != 0 ? rc : install_manifest(r, plan);
 }
 
-/* Puts [lo, lo+len) of bucket b, held at src, where its tensors are bound. */
-static void scatter(ferry_refit_receiver *r, uint32_t b, uint64_t lo, uint64_t len,
-                    const uint8_t *src) {
+/* Puts [lo, lo+len) of bucket b, held at src (host memory, hashed), where its tensors are
+ * bound: a memcpy, or a host→device copy. */
+static int scatter(ferry_refit_receiver *r, uint32_t b, uint64_t lo, uint64_t len,
+                   const uint8_t *src) {
   const fr_refit_plan *p = &r->plan;
   uint64_t start = (uint64_t)b * p->bucket_bytes + lo;
   for (uint32_t e = fr_refit_first_entry(p, b); e < p->count; e++) {
@@ -393,9 +559,15 @@ static void scatter(ferry_refit_receiver *r, uint32_t b, uint64_t lo, uint64_t l
         break;
       continue;
     }
-    if (r->bound[e])
-      memcpy((uint8_t *)r->bound[e] + wire_off, src + src_off, n);
+    uint8_t *to = r->bound[e] ? (uint8_t *)r->bound[e] + wire_off : NULL;
+    int dev = to ? r->bound_dev[e] : -1, rc = 0;
+    if (to && dev < 0)
+      memcpy(to, src + src_off, n);
+    else if (to && (rc = fr_cuda_copy_on(dev, to, src + src_off, n)) != 0)
+      return fr_err(rc, "refit: tensor '%s' into CUDA device %d: %s", p->entries[e].name, dev,
+                    ferry_last_error());
   }
+  return 0;
 }
 
 /* The link to read a bucket from: the sender's, or the predecessor's (connected again if it
@@ -446,8 +618,10 @@ static int read_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, uint8_t
   int rc = source_link(r, m, &from);
   if (rc != 0)
     return rc;
-  uint64_t chunk = strcmp(ferry_link_transport(from), "shm") == 0 ? FR_REFIT_CHUNK : m->bytes;
   bool scatter_it = !r->flat && !r->alias;
+  /* a device destination takes its part of a bucket in one copy: the bucket is read whole */
+  bool chunked = strcmp(ferry_link_transport(from), "shm") == 0 && !(scatter_it && r->dev_bound);
+  uint64_t chunk = chunked ? FR_REFIT_CHUNK : m->bytes;
   fr_hash *h = fr_hash_begin();
   for (uint64_t lo = 0; lo < m->bytes && rc == 0; lo += chunk) {
     uint64_t n = m->bytes - lo < chunk ? m->bytes - lo : chunk;
@@ -458,7 +632,7 @@ static int read_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, uint8_t
       __atomic_add_fetch(&r->bytes_read, n, __ATOMIC_RELAXED);
       fr_hash_update(h, at, n);
       if (scatter_it)
-        scatter(r, m->bucket, lo, n, at);
+        rc = scatter(r, m->bucket, lo, n, at);
     }
   }
   *sum = fr_hash_end(h);
@@ -526,10 +700,13 @@ static int read_runs_gathered(ferry_refit_receiver *r, ferry_link *from, const f
     }
     rc = ferry_readv(from, &m->src, batch, k, r->stage, m->timeout_ms ? (int)m->timeout_ms : -1);
     const uint8_t *at = r->stage;
+    rx_copy c = {0};
     for (size_t j = 0; j < k && rc == 0; at += v->runs[i + j++].len) {
       fr_hash_update(h, at, v->runs[i + j].len);
-      memcpy(v->runs[i + j].dst, at, v->runs[i + j].len);
+      rc = put_run(r, &c, v->runs[i + j].dst, at, v->runs[i + j].len);
     }
+    if (rc == 0)
+      rc = copy_done(&c); /* before the next batch overwrites the stage */
     if (rc == 0)
       __atomic_add_fetch(&r->bytes_read, bytes, __ATOMIC_RELAXED);
     i += k;
@@ -546,8 +723,10 @@ static int read_runs(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
   if (rc != 0)
     return rc;
   fr_hash *h = fr_hash_begin();
-  rc = strcmp(ferry_link_transport(from), "shm") == 0 ? read_runs_direct(r, from, m, h)
-                                                      : read_runs_gathered(r, from, m, h);
+  /* device targets are never read by the CPU: their runs go through the stage, hashed there */
+  rc = strcmp(ferry_link_transport(from), "shm") == 0 && !r->ndev_ranges
+           ? read_runs_direct(r, from, m, h)
+           : read_runs_gathered(r, from, m, h);
   uint64_t sum = fr_hash_end(h);
   if (rc == 0 && sum != m->view_sum)
     rc = fr_err(FERRY_ECHECKSUM,
@@ -571,9 +750,10 @@ static int read_whole_for_runs(ferry_refit_receiver *r, const fr_refit_msg_t *m,
                 m->bucket, (unsigned long long)m->version);
   uint64_t start = (uint64_t)m->bucket * r->plan.bucket_bytes;
   const fr_refit_view *v = r->view;
+  rx_copy c = {0};
   for (uint64_t i = v->first[m->bucket]; rc == 0 && i < v->first[m->bucket + 1]; i++)
-    memcpy(v->runs[i].dst, *at + (v->runs[i].off - start), v->runs[i].len);
-  return rc;
+    rc = put_run(r, &c, v->runs[i].dst, *at + (v->runs[i].off - start), v->runs[i].len);
+  return rc ? rc : copy_done(&c);
 }
 
 static int fetch_shards(ferry_refit_receiver *r, const fr_refit_msg_t *m, ferry_region_ref *kept,
@@ -934,9 +1114,10 @@ static int attach(ferry_refit_receiver *r, const char *address, int timeout_ms) 
     size_t n = r->plan.count ? r->plan.count : 1;
     r->bound = calloc(n, sizeof *r->bound);
     r->bound_desc = calloc(n, sizeof *r->bound_desc);
-    r->stage = malloc(r->plan.bucket_bytes);
+    r->bound_dev = calloc(n, sizeof *r->bound_dev);
+    r->stage = stage_alloc(r->plan.bucket_bytes);
     r->got = calloc(r->plan.buckets ? r->plan.buckets : 1, 1);
-    if (!r->bound || !r->bound_desc || !r->stage || !r->got)
+    if (!r->bound || !r->bound_desc || !r->bound_dev || !r->stage || !r->got)
       rc = fr_err(FERRY_ENOMEM, "refit: receiver buffers");
   }
   return rc;
@@ -954,11 +1135,13 @@ static void receiver_free(ferry_refit_receiver *r) {
   fr_refit_plan_free(&r->plan);
   free(r->bound);
   free(r->bound_desc);
-  free(r->stage);
+  free(r->bound_dev);
+  stage_free(r->stage, r->stage_pinned);
   for (uint32_t i = 0; i < r->ntargets; i++)
     target_free(&r->targets[i]);
   free(r->targets);
   fr_refit_view_free(r->view);
+  free(r->dev_ranges);
   pthread_mutex_destroy(&r->lock);
   pthread_mutex_destroy(&r->bind_lock);
   pthread_cond_destroy(&r->cond);
@@ -1085,26 +1268,49 @@ int ferry_refit_bind(ferry_refit_receiver *r, const char *name, void *dst,
                      const ferry_tensor_desc *desc) {
   if (!r || !dst || !desc)
     return fr_err(FERRY_EINVAL, "ferry_refit_bind: NULL argument");
+  int device = -1;
+  int rc = where_bound(name ? name : "", dst, desc, &device);
+  if (rc != 0)
+    return rc;
   uint32_t i = 0;
   pthread_mutex_lock(&r->bind_lock); /* the service thread may swap in a new manifest */
-  int rc = find(r, name, &i);
+  rc = find(r, name, &i);
   if (rc == 0)
     rc = binding_fits(&r->plan.entries[i], desc);
+  if (rc == 0 && device >= 0 && (r->flat || r->alias))
+    rc = host_only(r, name);
+  if (rc == 0 && device >= 0)
+    pin_stage(r);
   if (rc == 0 && r->shards) { /* a target of one piece: the whole tensor */
     fr_refit_piece pc = whole_piece(&r->plan, i);
     char *src = r->plan.entries[i].name;
-    rc = r->plan.entries[i].wire_bytes ? add_target(r, name, dst, desc, &src, &pc, 1, true) : 0;
+    rc = r->plan.entries[i].wire_bytes ? add_target(r, name, dst, device, desc, &src, &pc, 1, true)
+                                       : 0;
     pthread_mutex_unlock(&r->bind_lock);
     return rc;
   }
   if (rc == 0 && r->bound[i] != dst)
     new_destination(r, r->plan.entries[i].offset, r->plan.entries[i].wire_bytes);
   if (rc == 0) {
+    r->dev_bound -= r->bound[i] && r->bound_dev[i] >= 0;
+    r->dev_bound += device >= 0;
     r->bound[i] = dst;
     r->bound_desc[i] = *desc;
+    r->bound_dev[i] = device;
   }
   pthread_mutex_unlock(&r->bind_lock);
   return rc;
+}
+
+/* The flat buffer and alias mode hold every tensor in host memory: with a tensor bound to device
+ * memory they would leave it unwritten. bind_lock held. */
+static int no_device_bound(const ferry_refit_receiver *r, const char *mode) {
+  return r->dev_bound ? fr_err(FERRY_ENOTSUP,
+                               "refit: %u bound tensors are CUDA memory, and %s is host memory; "
+                               "bind device tensors with ferry_refit_bind alone (alias mode over "
+                               "CUDA IPC is not supported yet)",
+                               r->dev_bound, mode)
+                      : 0;
 }
 
 int ferry_refit_bind_flat(ferry_refit_receiver *r) {
@@ -1117,7 +1323,7 @@ int ferry_refit_bind_flat(ferry_refit_receiver *r) {
   int rc = r->alias    ? fr_err(FERRY_ESTATE, "refit: already bound in alias mode")
            : r->shards ? fr_err(FERRY_ESTATE, "refit: shards are bound; a flat buffer would "
                                               "receive every byte")
-                       : 0;
+                       : no_device_bound(r, "a flat buffer");
   if (rc == 0 && !flat) {
     rc = ferry_alloc(r->ctx, r->plan.total_bytes, &flat);
     if (rc == 0)
@@ -1148,7 +1354,7 @@ int ferry_refit_bind_alias(ferry_refit_receiver *r) {
   pthread_mutex_lock(&r->bind_lock);
   int rc = r->flat     ? fr_err(FERRY_ESTATE, "refit: already bound to a flat buffer")
            : r->shards ? fr_err(FERRY_ESTATE, "refit: shards are bound to their own memory")
-                       : 0;
+                       : no_device_bound(r, "the sender's buffer (alias mode)");
   if (rc == 0 && strcmp(ferry_link_transport(r->link), "shm") != 0)
     rc = fr_err(FERRY_ENOTSUP, "refit: alias mode needs the sender on this host (link is %s)",
                 ferry_link_transport(r->link));
@@ -1168,9 +1374,13 @@ int ferry_refit_bind_pieces(ferry_refit_receiver *r, const char *target, void *d
   if (!*target || n == 0 || n > FR_REFIT_PIECES_MAX)
     return fr_err(FERRY_EINVAL, "refit: target '%s' with %zu pieces (1 to %u, and a name)", target,
                   n, FR_REFIT_PIECES_MAX);
+  int device = -1;
+  int rc = where_bound(target, dst, desc, &device);
+  if (rc != 0)
+    return rc;
   fr_refit_piece *pc = malloc(n * sizeof *pc);
   char **sources = malloc(n * sizeof *sources);
-  int rc = pc && sources ? 0 : fr_err(FERRY_ENOMEM, "refit: target '%s'", target);
+  rc = pc && sources ? 0 : fr_err(FERRY_ENOMEM, "refit: target '%s'", target);
   for (size_t i = 0; i < n && rc == 0; i++) {
     const ferry_refit_piece *p = &pieces[i];
     if (!p->source || p->dim < 0 || p->dim >= FERRY_MAX_DIMS || p->start < 0 || p->stop < 0)
@@ -1191,8 +1401,10 @@ int ferry_refit_bind_pieces(ferry_refit_receiver *r, const char *target, void *d
              : pieces_fit(&r->plan, target, desc, sources, pc, (uint32_t)n);
   if (rc == 0)
     rc = enter_shards(r);
+  if (rc == 0 && device >= 0)
+    pin_stage(r);
   if (rc == 0)
-    rc = add_target(r, target, dst, desc, sources, pc, (uint32_t)n, true);
+    rc = add_target(r, target, dst, device, desc, sources, pc, (uint32_t)n, true);
   pthread_mutex_unlock(&r->bind_lock);
   free(pc);
   free(sources);

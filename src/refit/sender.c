@@ -13,7 +13,12 @@
  * acknowledgements of the others. A
  * receiver on the same context owns the other channel (FR_CHANNEL_REFIT_RECEIVER), so the two
  * roles never see each other's messages; a second sender on one context gets FERRY_EBUSY.
+ *
+ * Declared tensors may be CUDA memory: each is classified once, when declared, and packing copies
+ * its bytes to the host (pack.c); the bucket buffers are then pinned, so that those copies run at
+ * the copy engine's speed.
  */
+#include "core/cuda.h"
 #include "refit/refit.h"
 #include "transport/ctxcalls.h"
 #include "transport/wire.h"
@@ -269,6 +274,7 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
     return fr_err(FERRY_ENOMEM, "refit sender");
   }
   fr_inbox_init(&s->inbox);
+  s->dev_buf = -1;
   s->ctx = ctx; /* before the channel is ours: channel_link_down reads it */
   if ((rc = fr_ctx_channel_open(ctx, FR_CHANNEL_REFIT_SENDER, &channel_ops, s)) != 0) {
     rc = fr_err(rc, "ferry_refit_sender_open: this context has a refit sender already");
@@ -312,12 +318,34 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
   return 0;
 }
 
+/* Where a declared tensor lives: its CUDA device, or -1 for host memory. Device memory must
+ * hold the whole tensor (the copies are bounded by the allocation, never by trust). Before the
+ * sender's lock: the first call may load the driver. */
+static int classify(const char *name, const ferry_tensor_desc *desc, const void *data,
+                    int *device) {
+  fr_mem_where w = fr_cuda_where(data);
+  *device = w.kind == FERRY_MEM_CUDA ? w.device : -1;
+  uint64_t bytes = 0;
+  if (*device < 0 || ferry_tensor_nbytes(desc, &bytes) != 0)
+    return 0; /* a bad desc is reported below, under the lock, as for host memory */
+  if ((uintptr_t)data - w.base > w.size || bytes > w.size - ((uintptr_t)data - w.base))
+    return fr_err(FERRY_EINVAL,
+                  "refit: tensor '%s' (%llu bytes) runs past the end of its CUDA allocation on "
+                  "device %d",
+                  name, (unsigned long long)bytes, *device);
+  return 0;
+}
+
 int ferry_refit_declare(ferry_refit_sender *s, const char *name, const ferry_tensor_desc *desc,
                         const void *data, ferry_dtype send_as) {
   if (!s || !name || !desc || !data)
     return fr_err(FERRY_EINVAL, "ferry_refit_declare: NULL argument");
   if (strlen(name) == 0 || strlen(name) > FR_REFIT_NAME_MAX)
     return fr_err(FERRY_EINVAL, "refit: tensor name of %zu bytes", strlen(name));
+  int device = -1;
+  int bad = classify(name, desc, data, &device);
+  if (bad != 0)
+    return bad;
   pthread_mutex_lock(&s->lock);
   int64_t at = fr_refit_plan_find(&s->plan, name);
   int rc = 0;
@@ -333,6 +361,7 @@ int ferry_refit_declare(ferry_refit_sender *s, const char *name, const ferry_ten
     e->desc = *desc;
     e->wire = send_as == FERRY_DTYPE_INVALID ? desc->dtype : send_as;
     s->src[at].data = data;
+    s->src[at].device = device;
     uint64_t bytes;
     if ((rc = ferry_tensor_nbytes(desc, &bytes)) != 0)
       rc = fr_err(rc, "refit: tensor '%s': %s", name, ferry_last_error());
@@ -346,7 +375,16 @@ int ferry_refit_declare(ferry_refit_sender *s, const char *name, const ferry_ten
 }
 
 static void free_buffers(ferry_refit_sender *s) {
+  if (s->dev_buf >= 0 && s->buf[0]) {
+    ferry_deregister(s->ctx, s->ref[0].id);
+    fr_cuda_free(s->buf[0]);
+    s->buf[0] = NULL;
+  }
+  s->dev_buf = -1;
   for (int i = 0; i < 2; i++) {
+    if (s->pinned[i])
+      fr_cuda_unpin(s->buf[i]);
+    s->pinned[i] = false;
     ferry_free(s->ctx, s->buf[i]);
     s->buf[i] = NULL;
     s->ref[i] = (ferry_region_ref){0};
@@ -354,11 +392,55 @@ static void free_buffers(ferry_refit_sender *s) {
   s->buf_bytes = 0;
 }
 
+/* Alias mode with every tensor on one CUDA device and sent as declared (no cast: casting needs
+ * the host): that device, whose memory the whole buffer then is; else -1. */
+static int alias_device(const ferry_refit_sender *s) {
+  if (!s->alias || s->plan.count == 0)
+    return -1;
+  int d = s->src[0].device;
+  for (uint32_t i = 0; i < s->plan.count; i++)
+    if (s->src[i].device != d || s->plan.entries[i].wire != s->plan.entries[i].desc.dtype)
+      return -1;
+  return d;
+}
+
+/* The whole buffer in CUDA memory of `device`, zeroed (the gaps between tensors are never
+ * written) and registered, so that receivers on this host map it through CUDA IPC. */
+static int alloc_device_buffer(ferry_refit_sender *s, int device, uint64_t need) {
+  void *p = NULL, *zero = calloc(1, FR_REFIT_SCRATCH);
+  int rc = zero ? fr_cuda_alloc(device, need, &p)
+                : fr_err(FERRY_ENOMEM, "refit '%s': zeroes for its CUDA buffer", s->name);
+  for (uint64_t at = 0; rc == 0 && at < need; at += FR_REFIT_SCRATCH)
+    rc = fr_cuda_copy_on(device, (uint8_t *)p + at, zero,
+                         need - at < FR_REFIT_SCRATCH ? need - at : FR_REFIT_SCRATCH);
+  free(zero);
+  if (rc == 0)
+    rc = ferry_register(s->ctx, p, need, &s->ref[0]);
+  if (rc != 0) {
+    if (p)
+      fr_cuda_free(p);
+    return fr_err(rc, "refit '%s': a whole buffer of %llu bytes on CUDA device %d: %s", s->name,
+                  (unsigned long long)need, device, ferry_last_error());
+  }
+  s->buf[0] = p;
+  s->dev_buf = device;
+  return 0;
+}
+
 static int alloc_layout(ferry_refit_sender *s, bool whole) {
   uint64_t need = whole ? s->plan.total_bytes : s->plan.bucket_bytes;
-  if (s->buf[0] && s->whole == whole && s->buf_bytes >= need)
-    return 0;
+  int device = whole ? alias_device(s) : -1;
+  if (s->buf[0] && s->whole == whole && s->buf_bytes >= need && device < 0 && s->dev_buf < 0)
+    return 0; /* a CUDA buffer is made again: zeroed for the new layout's gaps */
   free_buffers(s);
+  if (device >= 0) {
+    int rc = alloc_device_buffer(s, device, need);
+    if (rc != 0)
+      return rc;
+    s->whole = true;
+    s->buf_bytes = need;
+    return 0;
+  }
   for (int i = 0; i < (whole ? 1 : 2); i++) {
     int rc = ferry_alloc(s->ctx, need, &s->buf[i]);
     if (rc == 0)
@@ -387,14 +469,66 @@ static int alloc_buffers(ferry_refit_sender *s) {
   return alloc_layout(s, false);
 }
 
-static void compute_scales(ferry_refit_sender *s) {
+/* With a tensor on a device: the buckets pinned (once; a failure only costs speed) and the
+ * scratch that casts go through. Without one any pinning is undone. */
+static int prepare_device(ferry_refit_sender *s) {
+  for (int i = 0; i < 2 && s->dev_buf < 0; i++) {
+    if (!s->buf[i] || s->pinned[i] == s->on_device)
+      continue;
+    if (s->pinned[i]) {
+      fr_cuda_unpin(s->buf[i]);
+      s->pinned[i] = false;
+    } else if (fr_cuda_pin(s->buf[i], s->buf_bytes) == 0) {
+      s->pinned[i] = true;
+    } else {
+      fr_warn("refit '%s': bucket buffer not pinned, device copies run slower: %s", s->name,
+              ferry_last_error());
+    }
+  }
+  if (!s->on_device || s->scratch)
+    return 0;
+  if (!(s->scratch = aligned_alloc(4096, FR_REFIT_SCRATCH)))
+    return fr_err(FERRY_ENOMEM, "refit '%s': %u bytes of scratch for device tensors", s->name,
+                  FR_REFIT_SCRATCH);
+  s->scratch_pinned = fr_cuda_pin(s->scratch, FR_REFIT_SCRATCH) == 0;
+  return 0;
+}
+
+/* max |x| of a device tensor, read through the scratch a piece at a time. */
+static int device_amax(ferry_refit_sender *s, uint32_t i, float *amax) {
+  const fr_refit_entry *e = &s->plan.entries[i];
+  size_t se = ferry_dtype_size(e->desc.dtype);
+  uint64_t count = e->src_bytes / se, per = FR_REFIT_SCRATCH / se;
+  *amax = 0;
+  for (uint64_t at = 0; at < count; at += per) {
+    uint64_t k = count - at < per ? count - at : per;
+    int rc = fr_cuda_copy_on(s->src[i].device, s->scratch,
+                             (const uint8_t *)s->src[i].data + at * se, k * se);
+    if (rc != 0)
+      return fr_err(rc, "refit '%s': tensor '%s' on CUDA device %d: %s", s->name, e->name,
+                    s->src[i].device, ferry_last_error());
+    *amax = fr_refit_amax(e->desc.dtype, s->scratch, k, *amax);
+  }
+  return 0;
+}
+
+static int compute_scales(ferry_refit_sender *s) {
+  int rc;
   for (uint32_t i = 0; i < s->plan.count; i++) {
     fr_refit_entry *e = &s->plan.entries[i];
-    e->scale = e->wire == FERRY_DTYPE_F8E4M3 && e->desc.dtype != e->wire
-                   ? fr_refit_fp8_scale(e->desc.dtype, s->src[i].data,
-                                        e->src_bytes / ferry_dtype_size(e->desc.dtype))
-                   : 1.0f;
+    float amax = 0;
+    if (e->wire != FERRY_DTYPE_F8E4M3 || e->desc.dtype == e->wire) {
+      e->scale = 1.0f;
+      continue;
+    }
+    if (s->src[i].device < 0)
+      amax = fr_refit_amax(e->desc.dtype, s->src[i].data,
+                           e->src_bytes / ferry_dtype_size(e->desc.dtype), 0);
+    else if ((rc = device_amax(s, i, &amax)) != 0)
+      return rc;
+    e->scale = fr_refit_fp8_scale_of(amax);
   }
+  return 0;
 }
 
 int ferry_refit_seal(ferry_refit_sender *s) {
@@ -403,10 +537,16 @@ int ferry_refit_seal(ferry_refit_sender *s) {
   pthread_mutex_lock(&s->lock);
   int rc = s->plan.count ? fr_refit_plan_build(&s->plan, s->budget)
                          : fr_err(FERRY_ESTATE, "refit '%s': nothing declared", s->name);
+  s->on_device = false;
+  for (uint32_t i = 0; rc == 0 && i < s->plan.count; i++)
+    s->on_device |= s->src[i].device >= 0;
   if (rc == 0)
     rc = alloc_buffers(s);
+  if (rc == 0)
+    rc = prepare_device(s);
+  if (rc == 0)
+    rc = compute_scales(s);
   if (rc == 0) {
-    compute_scales(s);
     s->plan.generation++;
     s->retained = 0;         /* the buffer holds no version in the new layout until a push */
     fr_refit_views_clear(s); /* pieces name tensors by index: receivers declare them again */
@@ -456,8 +596,11 @@ void ferry_refit_sender_close(ferry_refit_sender *s) {
     s->receivers = r->next;
     fr_refit_receiver_free(r);
   }
-  for (int i = 0; i < 2; i++)
-    ferry_free(s->ctx, s->buf[i]);
+  free_buffers(s);
+  fr_cuda_stager_close(s->stager);
+  if (s->scratch_pinned)
+    fr_cuda_unpin(s->scratch);
+  free(s->scratch);
   fr_refit_plan_free(&s->plan);
   free(s->src);
   free(s->last_sum);

@@ -14,6 +14,7 @@
 #define FR_REFIT_SENDER_IMPL_H
 
 #include "core/stats.h"
+#include "core/cuda.h"
 #include "refit/refit.h"
 #include "refit/shard.h"
 #include "transport/ctxcalls.h"
@@ -90,7 +91,11 @@ typedef struct receiver {
 
 typedef struct declared {
   const void *data;
+  int device; /* CUDA device ordinal of data, -1 for host memory (classified once, at declare) */
 } declared;
+
+/* A device tensor that is cast reaches the host through this much scratch at a time. */
+#define FR_REFIT_SCRATCH (4u << 20)
 
 struct ferry_refit_sender {
   ferry_ctx *ctx;
@@ -111,6 +116,18 @@ struct ferry_refit_sender {
   void *buf[2];
   ferry_region_ref ref[2];
   uint64_t buf_bytes;
+  bool on_device;   /* a declared tensor is CUDA memory (as of the seal): the buffers are pinned,
+                       and one thread packs each bucket whole (copy engines want big copies) */
+  bool pinned[2];   /* buf[i] is registered with the driver (fr_cuda_pin) */
+  uint8_t *scratch; /* FR_REFIT_SCRATCH host bytes (pinned when it could be) where a device
+                       tensor's bytes land before a cast or the fp8 scale reads them, or NULL */
+  bool scratch_pinned;
+  /* Alias mode with every tensor on one CUDA device, sent as declared: the device whose memory
+   * buf[0] is (registered: receivers on this host map it through CUDA IPC, and the engine's
+   * views are device memory), packed by the copy engines and hashed through host memory by
+   * `stager`; -1 when buf[0] is host memory. */
+  int dev_buf;
+  fr_cuda_stager *stager;
   uint64_t *last_sum; /* per bucket, of the last push */
   uint8_t *manifest;
   size_t manifest_len;
@@ -148,14 +165,15 @@ void fr_refit_out_settle(ferry_refit_sender *s, fr_refit_outbox *o);
 void fr_refit_out_clear(fr_refit_outbox *o);
 void fr_refit_out_free(fr_refit_outbox *o);
 /* The packer thread (pack.c): fr_refit_pack packs and hashes bucket b into dst, sharing the
- * work with the packer thread when `share` (the cores are not busy with local receivers), and
- * returns the bucket's checksum; it feeds each of feeds[0..nfeeds) (begun for bucket b) the
- * runs of its shard view as the chunks are packed. */
+ * work with the packer thread when `share` (the cores are not busy with local receivers) and no
+ * tensor is on a device, and gives the bucket's checksum in *sum; it feeds each of
+ * feeds[0..nfeeds) (begun for bucket b) the runs of its shard view as the chunks are packed.
+ * Fails only when a device tensor cannot be copied (FERRY_EDEVICE: the tensor named). */
 typedef struct fr_refit_packer fr_refit_packer;
 int fr_refit_packer_start(ferry_refit_sender *s, fr_refit_packer **out);
 void fr_refit_packer_stop(fr_refit_packer *k);
-uint64_t fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share,
-                       fr_refit_feed *feeds, size_t nfeeds);
+int fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share, fr_refit_feed *feeds,
+                  size_t nfeeds, uint64_t *sum);
 /* Late join (catchup.c), all under s->lock, queueing what it sends in `out` (sent once the lock is
  * released): a receiver asked for the latest version; serves every pending request when no push
  * is under way; handles a catch-up ACK or COMMITTED (true when the record belonged to a

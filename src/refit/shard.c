@@ -183,14 +183,14 @@ void fr_refit_view_feed_begin(fr_refit_feed *f, const fr_refit_view *v, uint32_t
 }
 
 void fr_refit_view_feed(const fr_refit_plan *plan, fr_refit_feed *f, uint32_t b, uint64_t lo,
-                        uint64_t n, const uint8_t *bucket) {
-  uint64_t start = (uint64_t)b * plan->bucket_bytes, end = start + lo + n;
+                        uint64_t n, const uint8_t *window) {
+  uint64_t start = (uint64_t)b * plan->bucket_bytes + lo, end = start + n;
   while (f->next < f->v->first[b + 1]) {
     const fr_refit_run *run = &f->v->runs[f->next];
     uint64_t from = run->off + f->pos, to = run->off + run->len < end ? run->off + run->len : end;
     if (from >= end)
       return;
-    fr_hash_update(f->h, bucket + (from - start), to - from);
+    fr_hash_update(f->h, window + (from - start), to - from);
     if (to < run->off + run->len) {
       f->pos = to - run->off;
       return;

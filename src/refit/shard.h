@@ -90,8 +90,9 @@ typedef struct fr_refit_feed {
   uint64_t pos;  /* bytes of it fed so far */
 } fr_refit_feed;
 void fr_refit_view_feed_begin(fr_refit_feed *f, const fr_refit_view *v, uint32_t b);
+/* Feeds the view's runs within [lo, lo+n) of bucket b; `window` holds those n bytes. */
 void fr_refit_view_feed(const fr_refit_plan *plan, fr_refit_feed *f, uint32_t b, uint64_t lo,
-                        uint64_t n, const uint8_t *bucket);
+                        uint64_t n, const uint8_t *window);
 
 /* VIEW record body: the pieces of one target slot, after the fixed record. */
 void fr_refit_pieces_encode(const fr_refit_piece *pieces, uint32_t n, uint8_t *out);

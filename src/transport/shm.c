@@ -372,11 +372,10 @@ static int shm_view(ferry_link *l, const ferry_region_ref *r, uint64_t off, size
   int rc = mapped_access(l, r, off, len, l->ctx->timeout_ms, &m);
   if (rc != 0)
     return rc;
-  if (m->stream_only || m->cuda)
-    return fr_err(FERRY_ENOTSUP, "region %llu of '%s' is %s: it cannot be viewed",
-                  (unsigned long long)r->id, l->peer,
-                  m->cuda ? "CUDA memory" : "registered memory");
-  *out = m->base + FR_SHM_HEADER_BYTES + off;
+  if (m->stream_only)
+    return fr_err(FERRY_ENOTSUP, "region %llu of '%s' is registered memory: it cannot be viewed",
+                  (unsigned long long)r->id, l->peer);
+  *out = m->cuda ? m->cuda_data + off : m->base + FR_SHM_HEADER_BYTES + off;
   return 0;
 }
 
@@ -389,7 +388,7 @@ static int shm_view_valid(ferry_link *l, const ferry_region_ref *r) {
       ;
     pthread_mutex_unlock(&s->lock);
   }
-  if (!m || m->stream_only || m->cuda)
+  if (!m || m->stream_only)
     return fr_err(FERRY_ENOTFOUND, "region %llu of '%s' is not viewed", (unsigned long long)r->id,
                   l->peer);
   return region_state(m) == FR_SHM_ALIVE ? 0
