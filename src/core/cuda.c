@@ -188,15 +188,15 @@ fr_mem_where fr_cuda_where(const void *ptr) {
   CUdeviceptr start = 0;
   size_t size = 0;
   CUdeviceptr p = (CUdeviceptr)(uintptr_t)ptr;
-  if (!ptr || fr_cuda_load() != 0 ||
+  if (ptr)
+    pthread_once(&drv.once, load_once); /* no error formatted: being host memory is no failure */
+  if (!ptr || !fr_cuda_loaded() ||
       cu.cuPointerGetAttribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, p) != CUDA_SUCCESS ||
       type != CU_MEMORYTYPE_DEVICE ||
       cu.cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p) != CUDA_SUCCESS ||
       cu.cuPointerGetAttribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, p) != CUDA_SUCCESS ||
-      cu.cuPointerGetAttribute(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, p) != CUDA_SUCCESS) {
-    fr_err_clear(); /* no driver, or plain host memory: not a failure */
+      cu.cuPointerGetAttribute(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, p) != CUDA_SUCCESS)
     return w;
-  }
   w.kind = FERRY_MEM_CUDA;
   w.device = ordinal;
   w.base = (uintptr_t)start;

@@ -263,20 +263,6 @@ struct ferry_mq {
  * its shm rings has what it waits for delivered by its own thread. A wait whose deadline has
  * passed drains the shm rings once first. 0, FERRY_ETIMEDOUT or FERRY_ECLOSED (no detail set). */
 int fr_mq_wait(ferry_mq *mq, bool (*ready)(ferry_mq *, void *), void *arg, uint64_t deadline_ns);
-/* Where a caller's buffer lives: CUDA memory (w.kind, its device and allocation) or host memory.
- * The first call (per file) tries to load a driver (FERRY_CUDA=auto: a device pointer may come
- * from a library that loaded one before ferry did); after that, without one, it costs an atomic
- * load, where fr_cuda_where alone would format a "no CUDA driver" error on every publish. */
-static inline fr_mem_where fr_mq_where(const void *p) {
-  static bool tried; /* fr_cuda_load itself loads once per process */
-  fr_mem_where host = {.kind = FERRY_MEM_HOST, .device = -1};
-  if (!__atomic_load_n(&tried, __ATOMIC_RELAXED)) {
-    if (fr_cuda_load() != 0)
-      fr_err_clear(); /* no driver: every pointer is host memory */
-    __atomic_store_n(&tried, true, __ATOMIC_RELAXED);
-  }
-  return p && fr_cuda_loaded() ? fr_cuda_where(p) : host;
-}
 
 /* Something a waiter may wait for changed (lock held): wakes fr_mq_wait's sleepers, and the
  * waiter that leads the context's epoll, when another thread changed it (the mq's thread added

@@ -241,7 +241,7 @@ int fr_mq_publish_msg(ferry_mq *mq, const char *topic, const ferry_tensor_desc *
  * hold all len bytes. */
 static int publish_from(ferry_mq *mq, const char *topic, const ferry_tensor_desc *desc,
                         const void *data, size_t len, int timeout_ms) {
-  fr_mem_where w = len > 0 ? fr_mq_where(data) : (fr_mem_where){.kind = FERRY_MEM_HOST};
+  fr_mem_where w = len > 0 ? fr_cuda_where(data) : (fr_mem_where){.kind = FERRY_MEM_HOST};
   if (w.kind != FERRY_MEM_CUDA)
     return fr_mq_publish_msg(mq, topic, desc, data, len, timeout_ms, 0);
   size_t room = (size_t)(w.base + w.size - (uintptr_t)data);

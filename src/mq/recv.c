@@ -302,7 +302,7 @@ int ferry_mq_msg_copy(const ferry_mq_msg *msg, void *dst, size_t cap) {
                   msg->publisher, msg->topic, msg->len, cap);
   if (msg->len == 0)
     return 0;
-  fr_mem_where w = fr_mq_where(dst);
+  fr_mem_where w = fr_cuda_where(dst);
   if (w.kind != FERRY_MEM_CUDA) {
     memcpy(dst, msg->data, msg->len);
     return 0;

@@ -239,28 +239,12 @@ int fr_store_delete_rec(ferry_store *s, const fr_dir_object *rec, int timeout_ms
 int fr_store_service_start(ferry_store *s);
 void fr_store_service_stop(ferry_store *s);
 
-/* Whether a CUDA driver is loaded. The first call (per file) tries to load one (FERRY_CUDA=auto:
- * a device pointer may come from a library that loaded the driver before ferry did); after
- * that it is one atomic load, where fr_cuda_where alone would format a "no CUDA driver" error
- * on every call of a machine without one. */
-static inline bool fr_store_cuda(void) {
-  static bool tried; /* fr_cuda_load itself loads once per process */
-  if (!__atomic_load_n(&tried, __ATOMIC_RELAXED)) {
-    if (fr_cuda_load() != 0)
-      fr_err_clear(); /* no driver: every pointer is host memory */
-    __atomic_store_n(&tried, true, __ATOMIC_RELAXED);
-  }
-  return fr_cuda_loaded();
-}
-
 /* Where a caller's buffer lives, classified once per call: its CUDA device ordinal, or -1 for
  * host memory; *room receives the bytes from p to the end of its CUDA allocation (SIZE_MAX for
- * host memory, whose extent ferry cannot know). One atomic load without a driver, one driver
- * call with one: never per chunk. */
+ * host memory, whose extent ferry cannot know). An atomic load without a driver (fr_cuda_where),
+ * one driver call with one: never per chunk. */
 static inline int fr_store_device(const void *p, size_t *room) {
   *room = SIZE_MAX;
-  if (!p || !fr_store_cuda())
-    return -1;
   fr_mem_where w = fr_cuda_where(p);
   if (w.kind != FERRY_MEM_CUDA)
     return -1;
