@@ -306,13 +306,29 @@ class Store(NodeHandle):
         return byref(desc), ptr, arr
 
     def get(self, key: Key, out: Any = None, like: Like = "numpy",
-            timeout: Optional[float] = None, view: bool = False) -> Any:
+            timeout: Optional[float] = None, view: bool = False, device: Any = None) -> Any:
         """The object under key, copied into new memory: a numpy array; like="torch" (or the
         torch module): a torch tensor; like=bytes: bytes; like=<module with from_dlpack>
         (paddle, jax.numpy, cupy): that framework's tensor. out: read into that contiguous
-        array/tensor of the object's dtype and shape instead, and return it. view=True: no
-        copy, as get_view(key). bfloat16 and float8 objects come back as their bits
-        (uint16/uint8) in numpy. Raises NotFound when there is no such key."""
+        array/tensor of the object's dtype and shape instead, and return it (a CUDA tensor too:
+        torch, or anything with __cuda_array_interface__). view=True: no copy, as
+        get_view(key). bfloat16 and float8 objects come back as their bits (uint16/uint8) in
+        numpy. Raises NotFound when there is no such key.
+
+        device: "cpu" (default) or a CUDA device ("cuda", "cuda:N", N, a torch.device): a new
+        tensor on that device holds the object: a torch CUDA tensor when torch (imported) has
+        CUDA, else a ferry.DeviceArray (like="torch" insists on torch). Streams: ferry waits
+        for torch's current stream of the device before writing out= or the new tensor (its
+        allocator may hand out memory a kernel still reads), and its own copies are complete
+        when get returns, so the tensor is ready on every stream (docs/GPU.md)."""
+        if device is not None:
+            from .cuda import device_ordinal
+            ordinal = device_ordinal(device)
+            if ordinal is not None:
+                if out is not None or view:
+                    raise ValueError("ferry: get(device=%r) makes a new tensor: pass device= "
+                                     "or out=/view=, not both" % (device,))
+                return self._get_to_device(key, ordinal, like, timeout)
         if view:
             if out is not None:
                 raise ValueError("ferry: get(view=True) reads in place: pass out= or view=, "
@@ -340,6 +356,28 @@ class Store(NodeHandle):
             owner = _Malloced(p.value, int(info.bytes))
             arr = np.frombuffer(owner.buf, dtype=npdt).reshape(shape)
         return from_bits(arr, code, like)
+
+    def _get_to_device(self, key: Key, device: int, like: Like, timeout: Optional[float]) -> Any:
+        """get(key, device=...): the object's description first, a tensor of that dtype and shape
+        on the device, then a get into it. An object replaced by one of another dtype or shape
+        between the two is described again (a few times: a key rewritten that often with
+        changing shapes is a caller's race to fix)."""
+        from .cuda import new_on_device
+        from .errors import DtypeError, OutOfBounds, ShapeError
+        like_name(like)
+        for attempt in range(4):
+            info = self.stat(key, timeout=timeout)
+            if info is None:
+                from .errors import NotFound
+                raise NotFound(-5, "get '%s': no such key" % key)
+            code = [c for c, (n, _) in DTYPES.items() if n == info["dtype"]][0]
+            out = new_on_device(info["shape"], code, device, like)
+            try:
+                return self.get(key, out=out, timeout=timeout)
+            except (DtypeError, ShapeError, OutOfBounds):
+                if attempt == 3:
+                    raise
+        raise AssertionError("unreachable")
 
     def get_view(self, key: Key, like: Like = "numpy", timeout: Optional[float] = None) -> Any:
         """A read-only ferry.StoreView (a numpy array) over the object's bytes where its owner
