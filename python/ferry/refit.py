@@ -327,7 +327,7 @@ class RefitSender(_lib.Closing):
         self._h = None
         self._path = None
         self._sources = {}
-        self._device = []  # the DeviceBytes of CUDA tensors among them (their streams to wait on)
+        self._device = []  # the DeviceBytes of its CUDA tensors: their streams, to wait on
         self._cast = cast
         self._lock = threading.Lock()
         self.version = 0
@@ -359,7 +359,8 @@ class RefitSender(_lib.Closing):
             self._sources[name] = src
             changed = True
         if changed:
-            self._device = [s.arr for s in self._sources.values() if isinstance(s.arr, DeviceBytes)]
+            self._device = [s.arr for s in self._sources.values()
+                            if isinstance(s.arr, DeviceBytes)]
         if not first and changed:
             check(lib.ferry_refit_seal(self._h))
         return changed

@@ -368,7 +368,6 @@ class Store(NodeHandle):
         for attempt in range(4):
             info = self.stat(key, timeout=timeout)
             if info is None:
-                from .errors import NotFound
                 raise NotFound(-5, "get '%s': no such key" % key)
             code = [c for c, (n, _) in DTYPES.items() if n == info["dtype"]][0]
             out = new_on_device(info["shape"], code, device, like)

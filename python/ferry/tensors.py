@@ -123,8 +123,8 @@ _NOT_IN_PLACE = ("ferry: a destination is written in place and must be %s: pass 
 
 def _unsupported(obj: Any, why: str) -> TypeError:
     return TypeError("ferry: cannot store or send %s (%s): pass a numpy array, a CPU tensor of any framework "
-                     "(anything with __dlpack__: torch, paddle, jax, cupy on the host), a CUDA tensor (torch, "
-                     "or anything with __cuda_array_interface__), or bytes"
+                     "(anything with __dlpack__: torch, paddle, jax, cupy on the host), a CUDA "
+                     "tensor (torch, or anything with __cuda_array_interface__), or bytes"
                      % (_what(obj), why))
 
 
@@ -132,9 +132,10 @@ def _from_dlpack(obj: Any) -> np.ndarray:
     """A numpy array over obj's memory through DLPack (no copy); host memory only."""
     dev = obj.__dlpack_device__() if hasattr(obj, "__dlpack_device__") else (_KDLCPU, 0)
     if int(dev[0]) != _KDLCPU:
-        raise NotSupported(-20, "%s lies in device memory (DLPack device %d): ferry's store and "
-                           "mq take host memory; pass x.cpu() (or the framework's "
-                           "equivalent)" % (_what(obj), int(dev[0])))
+        raise NotSupported(-20, "%s lies in device memory (DLPack device %d), which ferry takes "
+                           "only as a torch CUDA tensor or through __cuda_array_interface__; "
+                           "pass x.cpu() (or the framework's equivalent)"
+                           % (_what(obj), int(dev[0])))
     try:
         return np.from_dlpack(obj)
     except (TypeError, BufferError, RuntimeError) as e:
