@@ -192,13 +192,17 @@ def _cai_code(typestr: str) -> int:
     return _NP_TO_FERRY[dt]  # "<" is the native order here: ">" was refused above
 
 
-def cai_object(obj: Any) -> Tuple[Any, DeviceBytes]:
+def cai_object(obj: Any, writable: bool = False) -> Tuple[Any, DeviceBytes]:
     """(desc, DeviceBytes) of an object with __cuda_array_interface__ (v2 or v3), after
-    synchronizing its `stream` when it names one."""
+    synchronizing its `stream` when it names one. `writable`: a destination, which an interface
+    marked read-only (data[1]) refuses."""
     from .tensors import _what, make_desc
     if isinstance(obj, DeviceArray):
         return obj._as_buffer()
     cai = obj.__cuda_array_interface__
+    if writable and cai["data"][1]:
+        raise ValueError("ferry: a destination is written in place, and this %s is read-only "
+                         "(__cuda_array_interface__ data[1]): pass a writable one" % _what(obj))
     shape = tuple(int(n) for n in cai["shape"])
     code = _cai_code(cai["typestr"])
     itemsize = np.dtype(cai["typestr"]).itemsize
@@ -278,20 +282,6 @@ def _stream_sync(device: int, stream: int) -> None:
         from .errors import DeviceError
         raise DeviceError(-25, "cuStreamSynchronize(0x%x) on cuda:%d: CUresult %d"
                           % (stream, device, r))
-
-
-def device_buffer(obj: Any, writable: bool) -> Optional[Tuple[Any, DeviceBytes]]:
-    """(desc, DeviceBytes) when obj is a CUDA tensor (torch) or has __cuda_array_interface__,
-    else None. `writable` only documents intent: both directions need a contiguous tensor."""
-    from .tensors import _torch
-    torch = _torch()
-    if torch is not None and isinstance(obj, torch.Tensor):
-        if obj.device.type != "cuda":
-            return None
-        return torch_tensor(obj.detach(), torch)
-    if hasattr(type(obj), "__cuda_array_interface__") or isinstance(obj, DeviceArray):
-        return cai_object(obj)
-    return None
 
 
 def sync_all(bufs: Sequence[DeviceBytes]) -> None:

@@ -182,7 +182,7 @@ def as_buffer(obj: Any, writable: bool = False) -> Tuple[Any, Any]:
     elif not isinstance(obj, np.ndarray):
         if hasattr(type(obj), "__cuda_array_interface__"):  # before DLPack: CuPy has both
             from .cuda import cai_object
-            return cai_object(obj)
+            return cai_object(obj, writable)
         if hasattr(obj, "__dlpack__"):
             obj = _from_dlpack(obj)
         elif isinstance(obj, str):

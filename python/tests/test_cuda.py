@@ -166,6 +166,9 @@ def test_argument_refusals():
         as_buffer(CAI(a, typestr=">i4"))
     with pytest.raises(ValueError, match="stream 0"):
         as_buffer(CAI(a, stream=0))
+    with pytest.raises(ValueError, match="read-only"):
+        as_buffer(CAI(a, data=(a.ptr, True)), writable=True)  # a destination
+    as_buffer(CAI(a, data=(a.ptr, True)))  # a source may be read-only
     host = np.zeros(24, np.int32)
     with pytest.raises(ferry.NotSupported, match="not CUDA memory"):
         as_buffer(CAI(a, data=(host.ctypes.data, False)))
