@@ -193,6 +193,8 @@ static int gpu_receiver(const char *address, int fd, uint64_t versions) {
     rc = ferry_refit_receiver_open(ctx, address, -1, &r);
   size_t n = rc == 0 ? ferry_refit_tensor_count(r) : 0;
   uint64_t total = 0, *at = calloc(n + 1, sizeof *at);
+  if (!at)
+    return CLI_FAIL;
   for (size_t i = 0; rc == 0 && i < n; i++) {
     const char *name;
     ferry_tensor_desc d;
@@ -410,7 +412,7 @@ static int time_routing(int reps, uint8_t *dst, bench_samples *put, bench_sample
     up[1] = down[0] = -1;
   }
   for (int i = 0; rc == 0 && i <= reps; i++) {
-    double tp = 0, tg = bench_now();
+    double tp = 0, tg;
     char ch = 'p';
     if (bench_write_all(down[1], &ch, 1) != 0 || bench_read_all(up[0], &tp, sizeof tp) != 0) {
       rc = FERRY_EPEER;
@@ -591,9 +593,17 @@ int bench_gpu(int argc, char **argv) {
     ci.found = 0, snprintf(ci.detail, sizeof ci.detail, "%s", ferry_last_error());
   if (!ci.found || ci.devices < 1) {
     const char *why = ci.found ? "no device" : ci.detail;
-    if (o.json)
-      printf("{\"bench\":\"gpu\",\"skipped\":true,\"detail\":\"no CUDA driver (%s)\"}\n", why);
-    else
+    if (o.json) {
+      char esc[2 * sizeof ci.detail];
+      size_t k = 0;
+      for (const char *c = why; *c && k + 2 < sizeof esc; c++) { /* a JSON string: \ and " */
+        if (*c == '"' || *c == '\\')
+          esc[k++] = '\\';
+        esc[k++] = (unsigned char)*c < 0x20 ? ' ' : *c;
+      }
+      esc[k] = 0;
+      printf("{\"bench\":\"gpu\",\"skipped\":true,\"detail\":\"no CUDA driver (%s)\"}\n", esc);
+    } else
       printf("ferry bench gpu: no CUDA driver (%s)\n", why);
     return CLI_OK;
   }
