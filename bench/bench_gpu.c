@@ -183,7 +183,8 @@ static void gmodel_free(gmodel *m) {
 }
 
 /* The receiver process: binds every tensor into device memory of its own, waits for versions
- * 1..versions, checks each tensor's bytes and writes 'v' (or 'x') on fd. */
+ * 1..versions, checks each tensor's bytes and writes 'v' (or 'x') on fd, then stays attached until
+ * the trainer stops it. */
 static int gpu_receiver(const char *address, int fd, uint64_t versions) {
   ferry_ctx_opts o = {.size = sizeof o, .name = "bench-gpu-engine"};
   ferry_ctx *ctx = NULL;
@@ -227,6 +228,10 @@ static int gpu_receiver(const char *address, int fd, uint64_t versions) {
       ch = 'x';
   if (write(fd, &ch, 1) != 1)
     rc = FERRY_ESYS;
+  /* Stay attached until the trainer stops this process (SIGTERM): its last push returns once
+   * this receiver's commit reached it, which may be after wait() returned here. */
+  if (r && rc == 0)
+    ferry_refit_wait(r, versions + 1, 600000, NULL);
   ferry_refit_receiver_close(r);
   if (mem)
     ferry_cuda_free(mem);
@@ -289,9 +294,8 @@ static int time_refit(const gmodel *m, uint8_t *src, int reps, bench_samples *b)
     rc = FERRY_ECHECKSUM;
     cli_fail("bench gpu", rc, "refit: the receiver's device tensors do not hold what was pushed");
   }
-  if (pid > 0) {
-    if (rc != 0)
-      kill(pid, SIGTERM);
+  if (pid > 0) { /* after the last push returned: nothing is under way */
+    kill(pid, SIGTERM);
     waitpid(pid, NULL, 0);
   }
   if (from >= 0)
