@@ -417,9 +417,14 @@ class Store(NodeHandle):
         return arr if kind == "numpy" else from_bits(arr, code, like)
 
     def get_batch(self, keys: Iterable[Key], like: Like = "numpy",
-                  timeout: Optional[float] = None) -> List[Any]:
+                  timeout: Optional[float] = None, device: Any = None) -> List[Any]:
         """The objects under keys, in order, with their reads in flight together; None for a
-        key that does not exist. Other failures raise."""
+        key that does not exist. Other failures raise. device: as get()'s (each object in a new
+        tensor on that CUDA device)."""
+        ordinal = None
+        if device is not None:
+            from .cuda import device_ordinal
+            ordinal = device_ordinal(device)
         keys = list(keys)
         infos, results = [], [None] * len(keys)
         items = (_lib.StoreItem * len(keys))()
@@ -429,10 +434,16 @@ class Store(NodeHandle):
             if info is None:
                 continue
             code = [c for c, (n, _) in DTYPES.items() if n == info["dtype"]][0]
-            arr = np.empty(info["shape"], dtype=DTYPES[code][1])
+            if ordinal is None:
+                arr = np.empty(info["shape"], dtype=DTYPES[code][1])
+                dst = arr
+            else:
+                from .cuda import new_on_device
+                arr = new_on_device(info["shape"], code, ordinal, like)
+                dst = as_buffer(arr, writable=True)[1]  # torch's stream synchronized
             items[len(live)].key = _key(key)
-            items[len(live)].dst = arr.ctypes.data if arr.nbytes else None
-            items[len(live)].cap = arr.nbytes
+            items[len(live)].dst = dst.ctypes.data if dst.nbytes else None
+            items[len(live)].cap = dst.nbytes
             live.append((i, arr, code))
             infos.append(info)
         if not live:
@@ -447,7 +458,7 @@ class Store(NodeHandle):
                 from .errors import _BY_CODE, Error
                 raise _BY_CODE.get(st, Error)(st, "get_batch '%s' (owner '%s')"
                                               % (keys[i], infos[j]["owner"]))
-            results[i] = from_bits(arr, code, like)
+            results[i] = from_bits(arr, code, like) if ordinal is None else arr
         return results
 
     # -- keys --------------------------------------------------------------------------------

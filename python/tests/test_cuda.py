@@ -356,6 +356,9 @@ def test_job_store_put_from_and_get_into_device(stores):
     assert np.array_equal(out.to_host(), routing)
     got = b.get("routing", device="cuda:%d" % LAST)
     assert np.array_equal(got.cpu().numpy() if TORCH_CUDA else got.to_host(), routing)
+    batch = b.get_batch(["routing", "no-such-key"], device=LAST)
+    assert batch[1] is None
+    assert np.array_equal(batch[0].cpu().numpy() if TORCH_CUDA else batch[0].to_host(), routing)
     small = ferry.DeviceArray((4, 33), np.int32)
     with pytest.raises(ferry.ShapeError):
         b.get("routing", out=small)
