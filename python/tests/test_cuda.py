@@ -12,6 +12,7 @@ bytes. Device memory is filled and checked only through ferry_mem_copy.
 """
 import ctypes
 import glob
+import mmap
 import os
 
 import numpy as np
@@ -215,10 +216,17 @@ def _write_async(st, s, dst, host):
     assert st.d.cuMemcpyAsync(dst.ptr, host.ctypes.data, host.nbytes, s) == 0
 
 
+def _page_aligned(n, value):
+    """n bytes of value in their own pages (what cuMemHostRegister pins)."""
+    buf = np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)
+    buf[:] = value
+    return buf
+
+
 def test_argument_stream_is_synchronized_before_ferry_reads():
     st = _Streams()
     old = np.zeros(1 << 16, np.uint8)
-    new = np.full(1 << 16, 7, np.uint8)
+    new = _page_aligned(1 << 16, 7)
     a = on_device(old)
     with st:
         s = st.stream()
@@ -239,7 +247,7 @@ def test_without_the_stream_ferry_would_read_stale_bytes():
     # stand-in still holds the copy back, so the test above fails if ferry did not synchronize
     st = _Streams()
     old = np.zeros(1 << 16, np.uint8)
-    new = np.full(1 << 16, 7, np.uint8)
+    new = _page_aligned(1 << 16, 7)
     a = on_device(old)
     with st:
         s = st.stream()
