@@ -410,3 +410,28 @@ def test_job_refit_device_tensors_both_sides():
     finally:
         rx.close()
         tx.close()
+
+
+def test_without_a_driver_device_tensors_are_refused_before_c():
+    # FERRY_CUDA=off in a child: the pointer (not device memory this process could ever read)
+    # must not reach the C library, which would take it for host memory
+    import subprocess
+    import sys
+    code = (
+        "import ferry\n"
+        "class Foreign:\n"
+        "    __cuda_array_interface__ = {'shape': (4,), 'typestr': '<i4', 'data': (4096, False),\n"
+        "                                'version': 3}\n"
+        "try:\n"
+        "    ferry.Store(host_directory=True, name='py-cuda-off').put('k', Foreign())\n"
+        "except ferry.NotSupported as e:\n"
+        "    print('refused:', e)\n")
+    env = dict(os.environ, FERRY_CUDA="off")
+    if os.environ.get("FERRY_TEST_INSTALLED") != "1":  # else the installed package, as here
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(_HERE),
+                                                          os.environ.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused:" in out.stdout and "no CUDA driver" in out.stdout
+    assert "FERRY_CUDA=off" in out.stdout
