@@ -1,4 +1,5 @@
-"""ferry from Python: ctypes over libferry.so, zero-copy with NumPy arrays and CPU torch tensors.
+"""ferry from Python: ctypes over libferry.so, zero-copy with NumPy arrays and CPU torch tensors;
+CUDA tensors (torch, __cuda_array_interface__) are taken in place too (ferry.cuda, docs/GPU.md).
 
     import ferry
     with ferry.Store(host_directory=True) as s:         # or Store("ferry://host:7700")
@@ -26,6 +27,8 @@ from .mq import MQ
 from . import p2pstore  # noqa: F401
 from .tensors import Context, default_context, empty
 from .stats import prometheus, readiness, stats
+from . import cuda  # noqa: F401
+from .cuda import DeviceArray, cuda_info
 
 __version__ = _lib.lib.ferry_version().decode()
 library_path: str = _lib.path  # the libferry.so this process loaded
@@ -33,7 +36,7 @@ library_path: str = _lib.path  # the libferry.so this process loaded
 __all__ = ["Store", "StoreView", "MQ", "p2pstore", "aio", "RefitSender", "RefitReceiver", "Control", "ControlRank",
            "ControlCell", "Context", "default_context", "empty", "set_log_level", "version",
            "library_path", "stats", "prometheus", "readiness"] + [n for n in _errors_all if n not in ("check", "raise_status")]
-__all__ += ["Piece", "tp_shards"]
+__all__ += ["Piece", "tp_shards", "cuda", "cuda_info", "DeviceArray"]
 
 logger = logging.getLogger("ferry")
 

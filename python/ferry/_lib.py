@@ -132,6 +132,12 @@ class StoreItem(ctypes.Structure):
                 ("bytes", c_uint64)]
 
 
+class CudaInfo(ctypes.Structure):  # ferry_cuda_info
+    _fields_ = [("size", c_size_t), ("found", c_int), ("driver_version", c_int),
+                ("devices", c_int), ("library", ctypes.c_char * 256),
+                ("detail", ctypes.c_char * 256)]
+
+
 LOG_FN = ctypes.CFUNCTYPE(None, c_int, c_char_p, c_void_p)
 
 _protos = {
@@ -165,6 +171,12 @@ _protos = {
     "ferry_store_list": (c_int, [c_void_p, c_char_p, POINTER(POINTER(StoreInfo)),
                                  POINTER(c_size_t), c_int]),
     "ferry_store_list_free": (None, [POINTER(StoreInfo)]),
+    "ferry_cuda_info_get": (c_int, [POINTER(CudaInfo)]),
+    "ferry_cuda_device": (c_int, [c_int, c_char_p, c_size_t, POINTER(c_uint64)]),
+    "ferry_mem_where": (c_int, [c_void_p, POINTER(c_int)]),
+    "ferry_mem_copy": (c_int, [c_void_p, c_void_p, c_size_t]),
+    "ferry_cuda_alloc": (c_int, [c_int, c_size_t, POINTER(c_void_p)]),
+    "ferry_cuda_free": (c_int, [c_void_p]),
     "ferry_store_exists": (c_int, [c_void_p, c_char_p, c_int]),
     "ferry_store_stat": (c_int, [c_void_p, c_char_p, POINTER(StoreInfo), c_int]),
 }

@@ -1,4 +1,6 @@
 """python3 -m ferry.bench store: the routing-replay workload of `ferry bench store`, from Python.
+(python3 -m ferry.bench gpu: torch CUDA tensors through ferry against torch's own paths, in
+ferry/_bench_gpu.py.)
 
 Per request one [45, 32768, 8] uint8 tensor (11.25 MiB), 37 requests. Three processes, as in
 the C bench: the embedded directory, a producer that writes each request into a ring of 4
@@ -381,18 +383,29 @@ def main(argv: Optional[List[str]] = None) -> None:
         return _directory_main()
     if argv and argv[0] == "_producer":
         return _producer_main(argv[1], int(argv[2]))
+    from . import _bench_gpu
+    if _bench_gpu.helper(argv):
+        return None
     p = argparse.ArgumentParser(prog="python3 -m ferry.bench",
                                 description="ferry benchmarks from Python (the store's routing "
                                             "replay workload against np/torch files and the C "
                                             "API)")
-    p.add_argument("what", choices=["store", "view"],
-                   help="store: the routing replay workload; view: get_view vs get vs np.load")
+    p.add_argument("what", choices=["store", "view", "gpu"],
+                   help="store: the routing replay workload; view: get_view vs get vs np.load; "
+                        "gpu: torch CUDA tensors through refit and the store vs torch's CUDA "
+                        "IPC and torch.save/load (needs torch with CUDA)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--reps", type=int, default=None,
                    help="requests (store; default 37) or reads of each kind (view; default 50)")
     p.add_argument("--no-baselines", action="store_true", help="skip np/torch files")
     p.add_argument("--cli", metavar="PATH", help="also run PATH bench store --json")
+    p.add_argument("--quick", action="store_true", help="gpu: small sizes, 3 repetitions")
+    p.add_argument("--refit-bytes", type=int, default=0,
+                   help="gpu: the state dict's bytes (default min(8 GiB, device memory / 8))")
     a = p.parse_args(argv)
+    if a.what == "gpu":
+        _bench_gpu.main(a)
+        return
     if a.what == "view":
         view_bench(reps=a.reps or 50)
         return

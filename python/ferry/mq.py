@@ -105,8 +105,24 @@ def _release(msg: Any, owner: "MQ") -> None:
     owner._unhold()
 
 
-def _payload(msg: Any, like: Like, copy: bool, owner: "MQ") -> Tuple[str, str, Any]:
-    """(topic, publisher, payload) of a received message; takes ownership of msg."""
+def _payload(msg: Any, like: Like, copy: bool, owner: "MQ",
+             device: Optional[int] = None) -> Tuple[str, str, Any]:
+    """(topic, publisher, payload) of a received message; takes ownership of msg. device: a CUDA
+    ordinal: the payload is copied into a new tensor there (bytes as uint8), and the message is
+    freed once that copy is done."""
+    topic, publisher, is_tensor, arr, code = _decode(msg, copy and device is None, owner)
+    if device is not None:
+        from .cuda import host_to_new_device
+        return topic, publisher, host_to_new_device(np.asarray(arr), code if is_tensor else 2,
+                                                    device, like)
+    if not is_tensor:
+        return topic, publisher, arr
+    return topic, publisher, from_bits(arr, code, like)
+
+
+def _decode(msg: Any, copy: bool, owner: "MQ") -> Tuple[str, str, bool, Any, int]:
+    """(topic, publisher, is_tensor, payload, dtype code): a tensor's payload is a numpy array of
+    its bits, bytes' a read-only memoryview (copy: bytes); views keep the message alive."""
     m = msg.contents
     topic = m.topic.decode(errors="replace")
     publisher = m.publisher.decode(errors="replace")
@@ -118,18 +134,17 @@ def _payload(msg: Any, like: Like, copy: bool, owner: "MQ") -> Tuple[str, str, A
         code = int(desc.dtype)
         _msg_free(msg)
         if not is_tensor:
-            return topic, publisher, raw
+            return topic, publisher, False, raw, 0
         arr = np.frombuffer(bytearray(raw), dtype=DTYPES[code][1]).reshape(shape)
-        return topic, publisher, from_bits(arr, code, like)
+        return topic, publisher, True, arr, code
     held = _Held(msg, n, owner)
     arr = np.frombuffer(held.buf, dtype=np.uint8, count=n)  # keeps held.buf (and msg) alive
     if not m.is_tensor:
         arr.flags.writeable = False
-        return topic, publisher, memoryview(arr)
+        return topic, publisher, False, memoryview(arr), 0
     code = int(m.desc.dtype)
     shape = tuple(int(m.desc.shape[i]) for i in range(m.desc.ndim))
-    arr = arr.view(DTYPES[code][1]).reshape(shape)
-    return topic, publisher, from_bits(arr, code, like)
+    return topic, publisher, True, arr.view(DTYPES[code][1]).reshape(shape), code
 
 
 class MQ(NodeHandle):
@@ -268,7 +283,9 @@ class MQ(NodeHandle):
     def publish(self, topic: str, payload: Any, timeout: Optional[float] = None) -> List[str]:
         """Sends payload to every subscriber of topic: bytes-like (bytes, bytearray,
         memoryview) as bytes, a numpy array or CPU tensor (torch, or anything with __dlpack__)
-        as a tensor (dtype and shape travel along; read in place, copied once). Anything else
+        as a tensor (dtype and shape travel along; read in place, copied once; a CUDA tensor,
+        torch or __cuda_array_interface__, is read from the device after its producer's stream
+        is synchronized, and the call returns once its bytes are copied). Anything else
         (a dict, a str) raises TypeError saying how to serialize it. Returns the names of
         subscribers found dead and dropped (the others got the message); raises ferry.Timeout
         when a subscriber's queue stayed full (then nobody got it)."""
@@ -342,14 +359,26 @@ class MQ(NodeHandle):
         lib.ferry_mq_loan_free(self.handle, self._take_loan(arr))
 
     def recv(self, timeout: Optional[float] = None, like: Like = "numpy",
-             copy: bool = False) -> Tuple[str, str, Any]:
+             copy: bool = False, device: Any = None) -> Tuple[str, str, Any]:
         """The next message as (topic, publisher, payload); raises ferry.Timeout. payload is a
         numpy array (like="torch": a tensor; like=<module with from_dlpack>: that framework's)
         for tensors, a read-only memoryview for bytes (like=bytes: bytes); both are views of
         the message (copy=True: copies, and the message is freed at once). Messages of topics
-        that have a subscribe() fn never come here."""
-        if like_name(like) == "torch":
+        that have a subscribe() fn never come here.
+
+        device: "cpu" (default) or a CUDA device ("cuda:N", N, a torch.device): the payload is
+        copied into a new tensor there (bytes as uint8): a torch CUDA tensor when torch
+        (imported) has CUDA, else a ferry.DeviceArray; the copy is complete on return (ready
+        on every stream) and the message is freed."""
+        if like_name(like) == "torch" and device is None:
             _torch(need=True)
+        ordinal = None
+        if device is not None:
+            from .cuda import device_ordinal
+            ordinal = device_ordinal(device)
+        if ordinal is not None:
+            from .cuda import _require_driver
+            _require_driver("recv(device=%r)" % (device,))  # before a message is taken
         if self._general is not None:
             raise Busy(-17, "recv: a callback is installed (set_callback(None) first); "
                        "messages go to it")
@@ -360,15 +389,15 @@ class MQ(NodeHandle):
                     self._pending.get_nowait()
             except queue.Empty:
                 raise Timeout(-4, "recv: no message in %g s" % t) from None
-            return _payload(msg, like, copy, self)
+            return _payload(msg, like, copy, self, ordinal)
         try:
             msg = self._pending.get_nowait()  # left from a dispatcher since removed
-            return _payload(msg, like, copy, self)
+            return _payload(msg, like, copy, self, ordinal)
         except queue.Empty:
             pass
         out = POINTER(Msg)()
         check(lib.ferry_mq_recv(self.handle, byref(out), self._t(timeout)))
-        return _payload(out, like, copy, self)
+        return _payload(out, like, copy, self, ordinal)
 
     def set_callback(self, fn: Optional[Handler], like: Like = "numpy",
                      copy: bool = False) -> None:

@@ -59,6 +59,7 @@ from . import _lib
 from ._lib import POINTER, byref, c_char_p, c_int, c_size_t, c_uint64, c_void_p, lib
 from .errors import (AlreadyExists, InvalidArgument, NotFound, NotSupported, Timeout, check,
                      raise_status)
+from .cuda import DeviceBytes, sync_all
 from .tensors import DTYPES, Context, as_buffer, desc_shape, dtype_code, from_bits
 
 __all__ = ["RefitSender", "RefitReceiver", "refit_address", "ROUTES", "Piece", "tp_shards"]
@@ -249,12 +250,15 @@ class _Source:
     __slots__ = ("obj", "stage", "desc", "arr", "send_as")
 
     def __init__(self, obj):
-        if hasattr(obj, "device") and getattr(obj.device, "type", "cpu") != "cpu":
-            raise NotSupported(-20, "refit: tensors on %s are not supported (CPU only)"
+        dev = getattr(getattr(obj, "device", None), "type", "cpu")
+        if dev not in ("cpu", "cuda"):
+            raise NotSupported(-20, "refit: tensors on %s are not supported (CPU and CUDA only)"
                                % obj.device)
         self.obj = obj
         self.stage = None
-        if _needs_staging(obj):
+        # a CUDA tensor is declared in place or refused (as_buffer says why): a device staging
+        # copy refreshed before each push would double the sender's device memory unasked
+        if dev == "cpu" and _needs_staging(obj):
             self.stage = obj.contiguous() if hasattr(obj, "contiguous") else \
                 np.ascontiguousarray(obj)
         self.desc, self.arr = as_buffer(obj if self.stage is None else self.stage)
@@ -290,7 +294,11 @@ def _needs_staging(obj):
 class RefitSender(_lib.Closing):
     """The trainer's side. state_dict: {name: numpy array or CPU torch tensor}; their memory is
     declared in place (keep the tensors alive; update them in place, as optimizers do; a
-    non-contiguous tensor is copied into a staging buffer before each push).
+    non-contiguous tensor is copied into a staging buffer before each push). CUDA tensors
+    (torch, or __cuda_array_interface__ objects) are declared in place too and must be
+    contiguous; each push first synchronizes the stream that produced them (torch's current
+    stream of each device, or the interface's `stream`), then ferry reads them with its own
+    copies, done before push returns (docs/GPU.md).
 
     buffer_bytes: the bucket size (two are allocated; None: FERRY_REFIT_BUFFER_BYTES). cast:
     send float32 tensors as another dtype ("bfloat16", "float16", "float8_e4m3"), or a
@@ -319,6 +327,7 @@ class RefitSender(_lib.Closing):
         self._h = None
         self._path = None
         self._sources = {}
+        self._device = []  # the DeviceBytes of its CUDA tensors: their streams, to wait on
         self._cast = cast
         self._lock = threading.Lock()
         self.version = 0
@@ -349,6 +358,9 @@ class RefitSender(_lib.Closing):
                                           src.arr.ctypes.data, src.send_as))
             self._sources[name] = src
             changed = True
+        if changed:
+            self._device = [s.arr for s in self._sources.values()
+                            if isinstance(s.arr, DeviceBytes)]
         if not first and changed:
             check(lib.ferry_refit_seal(self._h))
         return changed
@@ -455,6 +467,8 @@ class RefitSender(_lib.Closing):
         v = self.version + 1 if version is None else int(version)
         for s in self._sources.values():
             s.refresh()
+        if self._device:
+            sync_all(self._device)
         opts = PushOpts(ctypes.sizeof(PushOpts), None, 0, 1 if skip_unchanged else 0,
                         _ms(timeout), code)
         if only is not None:
@@ -631,7 +645,12 @@ class RefitReceiver(_lib.Closing):
         """Binds each tensor of state_dict (contiguous numpy arrays or CPU torch tensors, in the
         wire dtype and shape) by name: pushes write into them in place. strict: every tensor of
         the manifest must be bound and every name must be in it (KeyError-like NotFound
-        otherwise); else returns (missing, unexpected) names. Keep the tensors alive."""
+        otherwise); else returns (missing, unexpected) names. Keep the tensors alive.
+
+        CUDA tensors (torch, __cuda_array_interface__) bind too: ferry writes them with its own
+        copies while a version lands, and once wait() returns that version they are complete
+        and visible to every stream; as with host tensors, do not read them while a push is
+        under way (control's clear/update lifecycle)."""
         h = self.handle
         names = set(self.names())
         missing = sorted(names - set(state_dict))

@@ -306,13 +306,29 @@ class Store(NodeHandle):
         return byref(desc), ptr, arr
 
     def get(self, key: Key, out: Any = None, like: Like = "numpy",
-            timeout: Optional[float] = None, view: bool = False) -> Any:
+            timeout: Optional[float] = None, view: bool = False, device: Any = None) -> Any:
         """The object under key, copied into new memory: a numpy array; like="torch" (or the
         torch module): a torch tensor; like=bytes: bytes; like=<module with from_dlpack>
         (paddle, jax.numpy, cupy): that framework's tensor. out: read into that contiguous
-        array/tensor of the object's dtype and shape instead, and return it. view=True: no
-        copy, as get_view(key). bfloat16 and float8 objects come back as their bits
-        (uint16/uint8) in numpy. Raises NotFound when there is no such key."""
+        array/tensor of the object's dtype and shape instead, and return it (a CUDA tensor too:
+        torch, or anything with __cuda_array_interface__). view=True: no copy, as
+        get_view(key). bfloat16 and float8 objects come back as their bits (uint16/uint8) in
+        numpy. Raises NotFound when there is no such key.
+
+        device: "cpu" (default) or a CUDA device ("cuda", "cuda:N", N, a torch.device): a new
+        tensor on that device holds the object: a torch CUDA tensor when torch (imported) has
+        CUDA, else a ferry.DeviceArray (like="torch" insists on torch). Streams: ferry waits
+        for torch's current stream of the device before writing out= or the new tensor (its
+        allocator may hand out memory a kernel still reads), and its own copies are complete
+        when get returns, so the tensor is ready on every stream (docs/GPU.md)."""
+        if device is not None:
+            from .cuda import device_ordinal
+            ordinal = device_ordinal(device)
+            if ordinal is not None:
+                if out is not None or view:
+                    raise ValueError("ferry: get(device=%r) makes a new tensor: pass device= "
+                                     "or out=/view=, not both" % (device,))
+                return self._get_to_device(key, ordinal, like, timeout)
         if view:
             if out is not None:
                 raise ValueError("ferry: get(view=True) reads in place: pass out= or view=, "
@@ -340,6 +356,27 @@ class Store(NodeHandle):
             owner = _Malloced(p.value, int(info.bytes))
             arr = np.frombuffer(owner.buf, dtype=npdt).reshape(shape)
         return from_bits(arr, code, like)
+
+    def _get_to_device(self, key: Key, device: int, like: Like, timeout: Optional[float]) -> Any:
+        """get(key, device=...): the object's description first, a tensor of that dtype and shape
+        on the device, then a get into it. An object replaced by one of another dtype or shape
+        between the two is described again (a few times: a key rewritten that often with
+        changing shapes is a caller's race to fix)."""
+        from .cuda import new_on_device
+        from .errors import DtypeError, OutOfBounds, ShapeError
+        like_name(like)
+        for attempt in range(4):
+            info = self.stat(key, timeout=timeout)
+            if info is None:
+                raise NotFound(-5, "get '%s': no such key" % key)
+            code = [c for c, (n, _) in DTYPES.items() if n == info["dtype"]][0]
+            out = new_on_device(info["shape"], code, device, like)
+            try:
+                return self.get(key, out=out, timeout=timeout)
+            except (DtypeError, ShapeError, OutOfBounds):
+                if attempt == 3:
+                    raise
+        raise AssertionError("unreachable")
 
     def get_view(self, key: Key, like: Like = "numpy", timeout: Optional[float] = None) -> Any:
         """A read-only ferry.StoreView (a numpy array) over the object's bytes where its owner
@@ -380,9 +417,14 @@ class Store(NodeHandle):
         return arr if kind == "numpy" else from_bits(arr, code, like)
 
     def get_batch(self, keys: Iterable[Key], like: Like = "numpy",
-                  timeout: Optional[float] = None) -> List[Any]:
+                  timeout: Optional[float] = None, device: Any = None) -> List[Any]:
         """The objects under keys, in order, with their reads in flight together; None for a
-        key that does not exist. Other failures raise."""
+        key that does not exist. Other failures raise. device: as get()'s (each object in a new
+        tensor on that CUDA device)."""
+        ordinal = None
+        if device is not None:
+            from .cuda import device_ordinal
+            ordinal = device_ordinal(device)
         keys = list(keys)
         infos, results = [], [None] * len(keys)
         items = (_lib.StoreItem * len(keys))()
@@ -392,10 +434,16 @@ class Store(NodeHandle):
             if info is None:
                 continue
             code = [c for c, (n, _) in DTYPES.items() if n == info["dtype"]][0]
-            arr = np.empty(info["shape"], dtype=DTYPES[code][1])
+            if ordinal is None:
+                arr = np.empty(info["shape"], dtype=DTYPES[code][1])
+                dst = arr
+            else:
+                from .cuda import new_on_device
+                arr = new_on_device(info["shape"], code, ordinal, like)
+                dst = as_buffer(arr, writable=True)[1]  # torch's stream synchronized
             items[len(live)].key = _key(key)
-            items[len(live)].dst = arr.ctypes.data if arr.nbytes else None
-            items[len(live)].cap = arr.nbytes
+            items[len(live)].dst = dst.ctypes.data if dst.nbytes else None
+            items[len(live)].cap = dst.nbytes
             live.append((i, arr, code))
             infos.append(info)
         if not live:
@@ -410,7 +458,7 @@ class Store(NodeHandle):
                 from .errors import _BY_CODE, Error
                 raise _BY_CODE.get(st, Error)(st, "get_batch '%s' (owner '%s')"
                                               % (keys[i], infos[j]["owner"]))
-            results[i] = from_bits(arr, code, like)
+            results[i] = from_bits(arr, code, like) if ordinal is None else arr
         return results
 
     # -- keys --------------------------------------------------------------------------------

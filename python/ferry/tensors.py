@@ -123,7 +123,8 @@ _NOT_IN_PLACE = ("ferry: a destination is written in place and must be %s: pass 
 
 def _unsupported(obj: Any, why: str) -> TypeError:
     return TypeError("ferry: cannot store or send %s (%s): pass a numpy array, a CPU tensor of any framework "
-                     "(anything with __dlpack__: torch, paddle, jax, cupy on the host), or bytes"
+                     "(anything with __dlpack__: torch, paddle, jax, cupy on the host), a CUDA "
+                     "tensor (torch, or anything with __cuda_array_interface__), or bytes"
                      % (_what(obj), why))
 
 
@@ -131,26 +132,34 @@ def _from_dlpack(obj: Any) -> np.ndarray:
     """A numpy array over obj's memory through DLPack (no copy); host memory only."""
     dev = obj.__dlpack_device__() if hasattr(obj, "__dlpack_device__") else (_KDLCPU, 0)
     if int(dev[0]) != _KDLCPU:
-        raise NotSupported(-20, "%s lies in device memory (DLPack device %d): ferry's store and "
-                           "mq take host memory; pass x.cpu() (or the framework's "
-                           "equivalent)" % (_what(obj), int(dev[0])))
+        raise NotSupported(-20, "%s lies in device memory (DLPack device %d), which ferry takes "
+                           "only as a torch CUDA tensor or through __cuda_array_interface__; "
+                           "pass x.cpu() (or the framework's equivalent)"
+                           % (_what(obj), int(dev[0])))
     try:
         return np.from_dlpack(obj)
     except (TypeError, BufferError, RuntimeError) as e:
         raise _unsupported(obj, "DLPack export failed: %s" % e) from None
 
 
-def as_buffer(obj: Any, writable: bool = False) -> Tuple[Any, np.ndarray]:
+def as_buffer(obj: Any, writable: bool = False) -> Tuple[Any, Any]:
     """(desc, numpy array sharing obj's memory) for a numpy array, a CPU torch tensor, any
     object with __dlpack__ (paddle, jax, cupy host arrays), or bytes-like data (bytes,
     bytearray, memoryview: uint8 of their length).
+
+    A torch CUDA tensor or an object with __cuda_array_interface__ (CuPy, a ferry.DeviceArray)
+    gives a ferry.cuda.DeviceBytes instead (the device pointer as .ctypes.data, .nbytes), after
+    synchronizing the producer's stream (ferry/cuda.py); it must be contiguous.
 
     Contiguous input is used in place (the returned array is a view of it); a non-contiguous
     array or tensor is copied once, which is wrong for an output, so `writable` refuses it."""
     torch = _torch()
     if torch is not None and isinstance(obj, torch.Tensor):
         if obj.device.type != "cpu":
-            raise NotSupported(-20, "tensors on %s are not supported yet (CPU only): pass "
+            if obj.device.type == "cuda":
+                from .cuda import torch_tensor
+                return torch_tensor(obj.detach(), torch)
+            raise NotSupported(-20, "tensors on %s are not supported (CPU and CUDA only): pass "
                                "x.cpu()" % obj.device)
         code = dtype_code(obj.dtype)
         t = obj.detach()
@@ -171,6 +180,9 @@ def as_buffer(obj: Any, writable: bool = False) -> Tuple[Any, np.ndarray]:
         obj = np.frombuffer(mv.cast("B"), dtype=np.uint8) if mv.nbytes else \
             np.zeros(0, np.uint8)
     elif not isinstance(obj, np.ndarray):
+        if hasattr(type(obj), "__cuda_array_interface__"):  # before DLPack: CuPy has both
+            from .cuda import cai_object
+            return cai_object(obj, writable)
         if hasattr(obj, "__dlpack__"):
             obj = _from_dlpack(obj)
         elif isinstance(obj, str):

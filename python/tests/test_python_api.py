@@ -374,7 +374,7 @@ def test_no_api_numpy_2_removed():
 
 
 MODULES = ("ferry", "ferry.store", "ferry.mq", "ferry.p2pstore", "ferry.aio", "ferry.tensors",
-           "ferry.control", "ferry.refit", "ferry.stats", "ferry.errors")
+           "ferry.control", "ferry.refit", "ferry.stats", "ferry.errors", "ferry.cuda")
 
 
 def _public_api():

@@ -171,5 +171,6 @@ int bench_control(int argc, char **argv);
 int bench_store(int argc, char **argv);
 int bench_refit(int argc, char **argv);
 int bench_mq(int argc, char **argv);
+int bench_gpu(int argc, char **argv);
 
 #endif

@@ -1,0 +1,636 @@
+/*
+ * `ferry bench gpu`: ferry's jobs with CUDA memory on both sides, each row against the copy it
+ * stands for, in the same run (issue 18's device check; docs/GPU.md):
+ *   (a) colocated refit: a bf16 state dict in device memory of this process (the trainer) pushed
+ *       to a receiver process on the same GPU that binds tensors of its own device memory
+ *       (copying receiver), against one device-to-device copy of the same bytes (goal <= 1.2x
+ *       the copy); alias mode over CUDA IPC is not built yet and says so in its row;
+ *   (b) an 11.25 MiB routing tensor (int32 [45, 8192, 8], the bytes of `ferry bench store`'s
+ *       routing case) put from device memory by a producer process and got into device memory
+ *       here, against a device-to-device copy of it;
+ *   (c) staged device -> host -> device: a large buffer through a bounded pinned bounce buffer in
+ *       chunks, as ferry stages bytes that cross a wire, against one pinned device -> host copy
+ *       and one host -> device copy of the whole buffer.
+ * The driver is the one ferry loads (FERRY_CUDA_LIB, else libcuda.so.1): on the tests' stand-in
+ * this runs end to end at small sizes (--quick), on a GPU at the sizes of the issue. Without a
+ * driver it says so and exits 0. The rows are copies of megabytes to gigabytes, timed back to
+ * back: no paced rows. torch's paths (CUDA IPC through torch.multiprocessing, torch.save) are
+ * the Python bench's (`python3 -m ferry.bench gpu`).
+ */
+#include "cli/bench.h"
+#include "cli/cli.h"
+#include "core/cuda.h"
+#include "ferry.h"
+
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static const char gpu_usage[] =
+    "usage: ferry bench gpu [--json] [--reps N] [--quick] [--only CASE]\n"
+    "                       [--refit-bytes BYTES] [--staged-bytes BYTES]\n\n"
+    "CUDA memory through ferry's jobs, against device copies of the same bytes, in one run:\n"
+    "  refit-colo  a bf16 state dict from device memory here to a receiver process's device\n"
+    "              tensors on the same GPU, vs one device-to-device copy (goal <= 1.2x)\n"
+    "  routing     an int32 [45, 8192, 8] tensor put from device memory by a producer process\n"
+    "              and got into device memory here, vs a device-to-device copy\n"
+    "  staged      device -> pinned host -> device in chunks (ferry's staging), vs one pinned\n"
+    "              device -> host and one host -> device copy of the whole buffer\n\n"
+    "options:\n"
+    "  --refit-bytes BYTES   the state dict (default: min(8 GiB, device memory / 8))\n"
+    "  --staged-bytes BYTES  the staged buffer (default: min(1 GiB, device memory / 16))\n"
+    "  --quick               small sizes (4 MiB state dict, 8 MiB staged), 3 repetitions:\n"
+    "                        the tests' run on the stand-in driver\n"
+    "  --only CASE           one case: refit, routing or staged\n"
+    "  --json, --reps N      as every mode (ferry bench --help)\n\n"
+    "Device 0 runs every row. Without a CUDA driver: one line saying so, exit status 0.\n"
+    "torch's paths (CUDA IPC handles, torch.save/load) are `python3 -m ferry.bench gpu`'s.\n";
+
+#define ROUTING_LAYERS 45
+#define ROUTING_TOKENS 8192
+#define ROUTING_TOPK 8
+#define ROUTING_BYTES ((uint64_t)ROUTING_LAYERS * ROUTING_TOKENS * ROUTING_TOPK * 4)
+#define TENSOR_COLS 4096                /* bf16 [rows, 4096]: 8 KiB a row */
+#define TENSOR_MAX (64ull << 20)        /* a large layer's matrix */
+#define CHECK_BYTES ((size_t)1 << 20)   /* verified at each end of a tensor */
+#define STAGE_CHUNK ((uint64_t)8 << 20) /* the bounce buffer's half */
+
+static char self_path[PATH_MAX];
+
+/* ---- device memory, filled and checked only through ferry_mem_copy ---- */
+
+/* Sets n bytes at dev (device memory) to value, through a host buffer. */
+static int dev_fill(void *dev, uint64_t n, uint8_t value) {
+  size_t chunk = n < (64u << 20) ? (size_t)n : 64u << 20;
+  uint8_t *h = malloc(chunk ? chunk : 1);
+  if (!h)
+    return FERRY_ENOMEM;
+  memset(h, value, chunk);
+  int rc = 0;
+  for (uint64_t at = 0; rc == 0 && at < n; at += chunk)
+    rc = ferry_mem_copy((uint8_t *)dev + at, h, n - at < chunk ? (size_t)(n - at) : chunk);
+  free(h);
+  return rc;
+}
+
+/* Whether the first and last CHECK_BYTES of n bytes at dev all hold value. */
+static bool dev_holds(const void *dev, uint64_t n, uint8_t value) {
+  size_t k = n < CHECK_BYTES ? (size_t)n : CHECK_BYTES;
+  uint8_t *h = malloc(k ? k : 1);
+  bool ok = h != NULL;
+  for (int end = 0; ok && end < 2; end++) {
+    const uint8_t *at = (const uint8_t *)dev + (end ? n - k : 0);
+    ok = ferry_mem_copy(h, at, k) == 0;
+    for (size_t i = 0; ok && i < k; i++)
+      ok = h[i] == value;
+  }
+  free(h);
+  return ok;
+}
+
+static void *dev_alloc(uint64_t n, int *rc) {
+  void *p = NULL;
+  *rc = ferry_cuda_alloc(0, (size_t)(n ? n : 1), &p);
+  return *rc == 0 ? p : NULL;
+}
+
+/* The device-to-device baseline: reps copies of n bytes (the first one, which maps pages, not
+ * timed). */
+static int time_d2d(void *dst, const void *src, uint64_t n, int reps, bench_samples *b) {
+  for (int i = 0; i <= reps; i++) {
+    double t = bench_now();
+    int rc = ferry_mem_copy(dst, src, (size_t)n);
+    if (rc != 0)
+      return rc;
+    if (i > 0)
+      bench_add(b, bench_now() - t);
+  }
+  return 0;
+}
+
+/* A row that could not be measured: what it is and why, in the table or as a JSON line. */
+static void na_row(const bench_opts *o, const char *case_name, const char *impl, const char *why) {
+  if (o->json)
+    printf(
+        "{\"bench\":\"gpu\",\"case\":\"%s\",\"impl\":\"%s\",\"skipped\":true,\"detail\":\"%s\"}\n",
+        case_name, impl, why);
+  else
+    printf("%-16s %-14s %s\n", case_name, impl, why);
+  fflush(stdout);
+}
+
+/* The ratio a goal reads (this row's median over the baseline's), and whether it is met. */
+static void goal_row(const bench_opts *o, const char *case_name, const char *what, double ratio,
+                     double goal) {
+  if (o->json)
+    printf("{\"bench\":\"gpu\",\"case\":\"%s\",\"goal\":\"%s\",\"ratio\":%.4g,\"goal_ratio\":%.4g,"
+           "\"met\":%s}\n",
+           case_name, what, ratio, goal, ratio <= goal ? "true" : "false");
+  else
+    printf("%-16s goal: %s <= %.2fx: %.2fx (%s)\n", case_name, what, goal, ratio,
+           ratio <= goal ? "met" : "not met");
+  fflush(stdout);
+}
+
+/* ---- (a) colocated refit ---- */
+
+/* The state dict: bf16 [rows, 4096] tensors of about bytes/64 each (8 KiB to 64 MiB), laid end
+ * to end from offset 0; tensor i holds the byte i + 1. */
+typedef struct gmodel {
+  size_t n;
+  ferry_tensor_desc *desc;
+  uint64_t *off, *len;
+  char (*name)[32];
+  uint64_t bytes;
+} gmodel;
+
+static int gmodel_make(gmodel *m, uint64_t bytes) {
+  const uint64_t row = TENSOR_COLS * 2;
+  uint64_t each = bytes / 64 / row * row;
+  each = each < row ? row : each > TENSOR_MAX ? TENSOR_MAX : each;
+  size_t cap = (size_t)(bytes / each + 1);
+  m->desc = calloc(cap, sizeof *m->desc);
+  m->off = calloc(cap, sizeof *m->off);
+  m->len = calloc(cap, sizeof *m->len);
+  m->name = calloc(cap, sizeof *m->name);
+  m->n = 0;
+  m->bytes = 0;
+  if (!m->desc || !m->off || !m->len || !m->name)
+    return FERRY_ENOMEM;
+  while (m->bytes + row <= bytes && m->n < cap) {
+    uint64_t len = bytes - m->bytes < each ? (bytes - m->bytes) / row * row : each;
+    m->desc[m->n] = (ferry_tensor_desc){
+        .dtype = FERRY_DTYPE_BF16, .ndim = 2, .shape = {len / row, TENSOR_COLS}};
+    snprintf(m->name[m->n], sizeof m->name[0], "layers.%zu.weight", m->n);
+    m->off[m->n] = m->bytes;
+    m->len[m->n] = len;
+    m->bytes += len;
+    m->n++;
+  }
+  return m->n ? 0 : FERRY_EINVAL;
+}
+
+static void gmodel_free(gmodel *m) {
+  free(m->desc);
+  free(m->off);
+  free(m->len);
+  free(m->name);
+}
+
+/* The receiver process: binds every tensor into device memory of its own, waits for versions
+ * 1..versions, checks each tensor's bytes and writes 'v' (or 'x') on fd, then stays attached until
+ * the trainer stops it. */
+static int gpu_receiver(const char *address, int fd, uint64_t versions) {
+  ferry_ctx_opts o = {.size = sizeof o, .name = "bench-gpu-engine"};
+  ferry_ctx *ctx = NULL;
+  ferry_refit_receiver *r = NULL;
+  int rc = ferry_ctx_open(&o, &ctx);
+  if (rc == 0)
+    rc = ferry_refit_receiver_open(ctx, address, -1, &r);
+  size_t n = rc == 0 ? ferry_refit_tensor_count(r) : 0;
+  uint64_t total = 0, *at = calloc(n + 1, sizeof *at);
+  if (!at)
+    return CLI_FAIL;
+  for (size_t i = 0; rc == 0 && i < n; i++) {
+    const char *name;
+    ferry_tensor_desc d;
+    uint64_t len = 0;
+    rc = ferry_refit_tensor_info(r, i, &name, &d);
+    if (rc == 0)
+      rc = ferry_tensor_nbytes(&d, &len);
+    at[i] = total;
+    total += len;
+  }
+  at[n] = total;
+  uint8_t *mem = rc == 0 ? dev_alloc(total, &rc) : NULL;
+  for (size_t i = 0; rc == 0 && i < n; i++) {
+    const char *name;
+    ferry_tensor_desc d;
+    rc = ferry_refit_tensor_info(r, i, &name, &d);
+    if (rc == 0)
+      rc = ferry_refit_bind(r, name, mem + at[i], &d);
+  }
+  char ch = 'r';
+  if (rc == 0 && write(fd, &ch, 1) != 1)
+    rc = FERRY_ESYS;
+  for (uint64_t v = 1; rc == 0 && v <= versions; v++)
+    rc = ferry_refit_wait(r, v, 600000, NULL);
+  if (rc != 0)
+    fprintf(stderr, "ferry bench gpu: receiver: %s\n", ferry_last_error());
+  ch = rc == 0 ? 'v' : 'x';
+  for (size_t i = 0; ch == 'v' && i < n; i++)
+    if (!dev_holds(mem + at[i], at[i + 1] - at[i], (uint8_t)(i + 1)))
+      ch = 'x';
+  if (write(fd, &ch, 1) != 1)
+    rc = FERRY_ESYS;
+  /* Stay attached until the trainer stops this process (SIGTERM): its last push returns once
+   * this receiver's commit reached it, which may be after wait() returned here. */
+  if (r && rc == 0)
+    ferry_refit_wait(r, versions + 1, 600000, NULL);
+  ferry_refit_receiver_close(r);
+  if (mem)
+    ferry_cuda_free(mem);
+  ferry_ctx_close(ctx);
+  free(at);
+  return rc == 0 && ch == 'v' ? CLI_OK : CLI_FAIL;
+}
+
+static pid_t spawn(int *from, const char *role, const char *a, const char *b) {
+  int p[2];
+  if (pipe(p) != 0)
+    return -1;
+  char fd[16];
+  snprintf(fd, sizeof fd, "%d", p[1]);
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(p[0]);
+    execl(self_path, "ferry", "bench", "gpu", role, a, fd, b, (char *)NULL);
+    _exit(127);
+  }
+  close(p[1]);
+  *from = p[0];
+  return pid;
+}
+
+/* Pushes reps + 1 versions of m (device memory at src) to one receiver process; the first push
+ * (which maps the buckets and faults pages) is not timed. */
+static int time_refit(const gmodel *m, uint8_t *src, int reps, bench_samples *b) {
+  ferry_ctx_opts co = {.size = sizeof co, .name = "bench-gpu-trainer"};
+  ferry_refit_opts so = {.size = sizeof so};
+  ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = -1};
+  ferry_ctx *ctx = NULL;
+  ferry_refit_sender *s = NULL;
+  int rc = ferry_ctx_open(&co, &ctx);
+  if (rc == 0)
+    rc = ferry_refit_sender_open(ctx, "bench-gpu", &so, &s);
+  for (size_t i = 0; rc == 0 && i < m->n; i++)
+    rc = ferry_refit_declare(s, m->name[i], &m->desc[i], src + m->off[i], FERRY_DTYPE_INVALID);
+  if (rc == 0)
+    rc = ferry_refit_seal(s);
+  int from = -1;
+  pid_t pid = -1;
+  char versions[24], ch = 0;
+  snprintf(versions, sizeof versions, "%d", reps + 1);
+  if (rc == 0 && ((pid = spawn(&from, "--receiver", ferry_ctx_address(ctx), versions)) < 0 ||
+                  read(from, &ch, 1) != 1 || ch != 'r'))
+    rc = FERRY_ECONNECT;
+  while (rc == 0 && ferry_refit_receivers(s) < 1)
+    usleep(1000);
+  for (int v = 1; rc == 0 && v <= reps + 1; v++) {
+    double t = bench_now();
+    rc = ferry_refit_push(s, (uint64_t)v, &po);
+    if (v > 1)
+      bench_add(b, bench_now() - t);
+  }
+  if (rc != 0)
+    cli_fail("bench gpu", rc, "refit push");
+  else if (read(from, &ch, 1) != 1 || ch != 'v') {
+    rc = FERRY_ECHECKSUM;
+    cli_fail("bench gpu", rc, "refit: the receiver's device tensors do not hold what was pushed");
+  }
+  if (pid > 0) { /* after the last push returned: nothing is under way */
+    kill(pid, SIGTERM);
+    waitpid(pid, NULL, 0);
+  }
+  if (from >= 0)
+    close(from);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(ctx);
+  return rc;
+}
+
+static int run_refit(const bench_opts *o, uint64_t bytes, int reps) {
+  gmodel m;
+  int rc = gmodel_make(&m, bytes);
+  char label[32], sz[16];
+  snprintf(label, sizeof label, "refit-colo-%s", bench_size_name(m.bytes, sz, sizeof sz));
+  uint8_t *src = rc == 0 ? dev_alloc(m.bytes, &rc) : NULL;
+  uint8_t *dst = rc == 0 ? dev_alloc(m.bytes, &rc) : NULL;
+  for (size_t i = 0; rc == 0 && i < m.n; i++)
+    rc = dev_fill(src + m.off[i], m.len[i], (uint8_t)(i + 1));
+  bench_samples copy = {0}, push = {0};
+  if (rc == 0)
+    rc = time_d2d(dst, src, m.bytes, reps, &copy);
+  if (rc != 0)
+    cli_fail("bench gpu", rc, "refit: device memory");
+  if (dst)
+    ferry_cuda_free(dst); /* the receiver's copy needs the room */
+  if (rc == 0) {
+    bench_row(o, "gpu", label, "d2d-copy", m.bytes, &copy, true);
+    rc = time_refit(&m, src, reps, &push);
+  }
+  if (rc == 0) {
+    bench_row(o, "gpu", label, "ferry-copying", m.bytes, &push, false);
+    goal_row(o, label, "copying refit / d2d copy", bench_median(&push) / bench_median(&copy), 1.2);
+  }
+  na_row(o, label, "ferry-alias", "n/a: alias with CUDA IPC not built");
+  if (src)
+    ferry_cuda_free(src);
+  bench_free(&copy);
+  bench_free(&push);
+  gmodel_free(&m);
+  return rc;
+}
+
+/* ---- (b) routing: put from device memory in one process, got into device memory here ---- */
+
+static const ferry_tensor_desc routing_desc = {
+    .dtype = FERRY_DTYPE_I32, .ndim = 3, .shape = {ROUTING_LAYERS, ROUTING_TOKENS, ROUTING_TOPK}};
+
+/* The producer process: for each 'p' on `down` fills its device buffer with the next value (not
+ * timed), puts it as "routing" and writes the put's seconds (a double) on `up`. */
+static int gpu_producer(const char *url, int up, int down) {
+  ferry_ctx_opts co = {.size = sizeof co, .name = "bench-gpu-producer"};
+  ferry_store_opts so = {.size = sizeof so, .directory = url, .capacity = 4 * ROUTING_BYTES};
+  ferry_ctx *ctx = NULL;
+  ferry_store *s = NULL;
+  int rc = ferry_ctx_open(&co, &ctx);
+  if (rc == 0)
+    rc = ferry_store_open(ctx, &so, &s);
+  uint8_t *mem = rc == 0 ? dev_alloc(ROUTING_BYTES, &rc) : NULL;
+  char ch;
+  for (uint8_t v = 1; rc == 0 && read(down, &ch, 1) == 1 && ch == 'p'; v++) {
+    rc = dev_fill(mem, ROUTING_BYTES, v);
+    double t = bench_now();
+    if (rc == 0)
+      rc = ferry_store_put(s, "routing", &routing_desc, mem, 0, -1);
+    t = bench_now() - t;
+    if (rc == 0 && bench_write_all(up, &t, sizeof t) != 0)
+      rc = FERRY_ESYS;
+  }
+  if (rc != 0)
+    fprintf(stderr, "ferry bench gpu: producer: %s\n", ferry_last_error());
+  ferry_store_close(s);
+  if (mem)
+    ferry_cuda_free(mem);
+  ferry_ctx_close(ctx);
+  return rc == 0 ? CLI_OK : CLI_FAIL;
+}
+
+/* "ferry://HOST:PORT" of this ctx's tcp listener (where its hosted directory answers). */
+static int directory_url(ferry_ctx *ctx, char *out, size_t len) {
+  const char *tcp = strstr(ferry_ctx_address(ctx), "tcp://");
+  if (!tcp)
+    return FERRY_ENOTSUP;
+  size_t n = strcspn(tcp + 6, ",");
+  snprintf(out, len, "ferry://%.*s", (int)n, tcp + 6);
+  return 0;
+}
+
+static int time_routing(int reps, uint8_t *dst, bench_samples *put, bench_samples *get,
+                        bench_samples *both) {
+  ferry_ctx_opts co = {
+      .size = sizeof co, .name = "bench-gpu-consumer", .tcp_listen = "127.0.0.1:0"};
+  ferry_store_opts so = {
+      .size = sizeof so, .capacity = 1 << 20, .flags = FERRY_STORE_HOST_DIRECTORY};
+  ferry_ctx *ctx = NULL;
+  ferry_store *s = NULL;
+  char url[128];
+  int rc = ferry_ctx_open(&co, &ctx);
+  if (rc == 0)
+    rc = ferry_store_open(ctx, &so, &s);
+  if (rc == 0)
+    rc = directory_url(ctx, url, sizeof url);
+  int up[2] = {-1, -1}, down[2] = {-1, -1};
+  pid_t pid = -1;
+  if (rc == 0 && (pipe(up) != 0 || pipe(down) != 0))
+    rc = FERRY_ESYS;
+  if (rc == 0) {
+    char a[16], b[16];
+    snprintf(a, sizeof a, "%d", up[1]);
+    snprintf(b, sizeof b, "%d", down[0]);
+    fflush(NULL);
+    pid = fork();
+    if (pid == 0) {
+      close(up[0]), close(down[1]);
+      execl(self_path, "ferry", "bench", "gpu", "--producer", url, a, b, (char *)NULL);
+      _exit(127);
+    }
+    close(up[1]), close(down[0]);
+    up[1] = down[0] = -1;
+  }
+  for (int i = 0; rc == 0 && i <= reps; i++) {
+    double tp = 0, tg;
+    char ch = 'p';
+    if (bench_write_all(down[1], &ch, 1) != 0 || bench_read_all(up[0], &tp, sizeof tp) != 0) {
+      rc = FERRY_EPEER;
+      break;
+    }
+    tg = bench_now();
+    rc = ferry_store_get(s, "routing", &routing_desc, dst, ROUTING_BYTES, NULL, -1);
+    tg = bench_now() - tg;
+    if (rc == 0 && !dev_holds(dst, ROUTING_BYTES, (uint8_t)(i + 1)))
+      rc = FERRY_EPEER;
+    if (rc == 0 && i > 0) { /* the first get maps the producer's pool */
+      bench_add(put, tp);
+      bench_add(get, tg);
+      bench_add(both, tp + tg);
+    }
+  }
+  if (rc != 0)
+    cli_fail("bench gpu", rc,
+             rc == FERRY_EPEER ? "routing: the producer failed, or the device "
+                                 "buffer does not hold what it put"
+                               : "routing");
+  if (down[1] >= 0)
+    close(down[1]); /* the producer's end of input: it stops */
+  if (pid > 0)
+    waitpid(pid, NULL, 0);
+  if (up[0] >= 0)
+    close(up[0]);
+  ferry_store_close(s);
+  ferry_ctx_close(ctx);
+  return rc;
+}
+
+static int run_routing(const bench_opts *o, int reps) {
+  int rc = 0;
+  uint8_t *src = dev_alloc(ROUTING_BYTES, &rc);
+  uint8_t *dst = rc == 0 ? dev_alloc(ROUTING_BYTES, &rc) : NULL;
+  bench_samples copy = {0}, put = {0}, get = {0}, both = {0};
+  if (rc == 0)
+    rc = dev_fill(src, ROUTING_BYTES, 0x5a);
+  if (rc == 0)
+    rc = time_d2d(dst, src, ROUTING_BYTES, reps, &copy);
+  if (rc != 0)
+    cli_fail("bench gpu", rc, "routing: device memory");
+  if (rc == 0)
+    rc = time_routing(reps, dst, &put, &get, &both);
+  if (rc == 0) {
+    const char *c = "routing-11MiB";
+    bench_row(o, "gpu", c, "d2d-copy", ROUTING_BYTES, &copy, true);
+    bench_row(o, "gpu", c, "ferry-put", ROUTING_BYTES, &put, false);
+    bench_row(o, "gpu", c, "ferry-get", ROUTING_BYTES, &get, false);
+    bench_row(o, "gpu", c, "ferry-put+get", ROUTING_BYTES, &both, false);
+  }
+  if (src)
+    ferry_cuda_free(src);
+  if (dst)
+    ferry_cuda_free(dst);
+  bench_free(&copy), bench_free(&put), bench_free(&get), bench_free(&both);
+  return rc;
+}
+
+/* ---- (c) staged device -> host -> device ---- */
+
+/* Host memory of n bytes, pinned (fr_cuda_pin): what ferry's staging copies through. */
+static void *pinned_alloc(uint64_t n, int *rc) {
+  void *p = mmap(NULL, (size_t)n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    *rc = FERRY_ENOMEM;
+    return NULL;
+  }
+  memset(p, 0, (size_t)n); /* resident before it is pinned, as a long-lived buffer is */
+  if ((*rc = fr_cuda_pin(p, (size_t)n)) != 0) {
+    munmap(p, (size_t)n);
+    return NULL;
+  }
+  return p;
+}
+
+static void pinned_free(void *p, uint64_t n) {
+  if (p) {
+    fr_cuda_unpin(p);
+    munmap(p, (size_t)n);
+  }
+}
+
+static int staged_copy(uint8_t *dst, const uint8_t *src, uint64_t n, uint8_t *bounce,
+                       uint64_t chunk) {
+  int rc = 0;
+  for (uint64_t at = 0, k = 0; rc == 0 && at < n; at += chunk, k ^= 1) {
+    size_t len = (size_t)(n - at < chunk ? n - at : chunk);
+    rc = ferry_mem_copy(bounce + k * chunk, src + at, len);
+    if (rc == 0)
+      rc = ferry_mem_copy(dst + at, bounce + k * chunk, len);
+  }
+  return rc;
+}
+
+static int run_staged(const bench_opts *o, uint64_t bytes, uint64_t chunk, int reps) {
+  int rc = 0;
+  uint8_t *src = dev_alloc(bytes, &rc);
+  uint8_t *dst = rc == 0 ? dev_alloc(bytes, &rc) : NULL;
+  uint8_t *host = rc == 0 ? pinned_alloc(bytes, &rc) : NULL;
+  uint8_t *bounce = rc == 0 ? pinned_alloc(2 * chunk, &rc) : NULL;
+  bench_samples whole = {0}, staged = {0};
+  if (rc == 0)
+    rc = dev_fill(src, bytes, 0xa5);
+  for (int i = 0; rc == 0 && i <= reps; i++) {
+    double t = bench_now();
+    rc = ferry_mem_copy(host, src, (size_t)bytes);
+    if (rc == 0)
+      rc = ferry_mem_copy(dst, host, (size_t)bytes);
+    if (i > 0)
+      bench_add(&whole, bench_now() - t);
+  }
+  if (rc == 0)
+    rc = dev_fill(dst, bytes, 0);
+  for (int i = 0; rc == 0 && i <= reps; i++) {
+    double t = bench_now();
+    rc = staged_copy(dst, src, bytes, bounce, chunk);
+    if (i > 0)
+      bench_add(&staged, bench_now() - t);
+  }
+  if (rc == 0 && !dev_holds(dst, bytes, 0xa5))
+    rc = FERRY_ECHECKSUM;
+  if (rc != 0)
+    cli_fail("bench gpu", rc, "staged copies");
+  if (rc == 0) {
+    char label[32], sz[16], csz[16];
+    snprintf(label, sizeof label, "staged-%s", bench_size_name(bytes, sz, sizeof sz));
+    bench_row(o, "gpu", label, "pinned-d2h+h2d", bytes, &whole, true);
+    bench_row(o, "gpu", label, "ferry-staged", bytes, &staged, false);
+    if (!o->json)
+      printf("%-16s (ferry-staged: through two pinned %s chunks)\n", label,
+             bench_size_name(chunk, csz, sizeof csz));
+  }
+  pinned_free(bounce, 2 * chunk);
+  pinned_free(host, bytes);
+  if (src)
+    ferry_cuda_free(src);
+  if (dst)
+    ferry_cuda_free(dst);
+  bench_free(&whole), bench_free(&staged);
+  return rc;
+}
+
+/* ---- the mode ---- */
+
+int bench_gpu(int argc, char **argv) {
+  if (argc == 5 && strcmp(argv[1], "--receiver") == 0)
+    return gpu_receiver(argv[2], atoi(argv[3]), strtoull(argv[4], NULL, 10));
+  if (argc == 5 && strcmp(argv[1], "--producer") == 0)
+    return gpu_producer(argv[2], atoi(argv[3]), atoi(argv[4]));
+  bool quick = false;
+  const char *only = NULL;
+  uint64_t refit_bytes = 0, staged_bytes = 0; /* 0: by the device's memory */
+  const cli_opt extra[] = {{"quick", CLI_ARG_FLAG, &quick, 0, 0},
+                           {"refit-bytes", CLI_ARG_SIZE, &refit_bytes, TENSOR_COLS * 2, 0},
+                           {"staged-bytes", CLI_ARG_SIZE, &staged_bytes, 1, 0},
+                           {"only", CLI_ARG_STR, &only, 0, 0},
+                           {0}};
+  bench_opts o = {0};
+  if (bench_parse_with(argc, argv, &o, gpu_usage, extra) < 0)
+    return CLI_USAGE;
+  if (only && strcmp(only, "refit") != 0 && strcmp(only, "routing") != 0 &&
+      strcmp(only, "staged") != 0) {
+    fprintf(stderr, "ferry bench gpu: --only '%s': expected refit, routing or staged\n", only);
+    return CLI_USAGE;
+  }
+  ssize_t len = readlink("/proc/self/exe", self_path, sizeof self_path - 1);
+  if (len <= 0)
+    return cli_fail("bench gpu", FERRY_ESYS, "cannot find this program's path");
+  self_path[len] = 0;
+  signal(SIGPIPE, SIG_IGN);
+  ferry_cuda_info ci = {.size = sizeof ci};
+  ferry_cuda_info_get(&ci);
+  uint64_t total = 0;
+  char name[128] = "";
+  if (ci.found && ci.devices > 0 && ferry_cuda_device(0, name, sizeof name, &total) != 0)
+    ci.found = 0, snprintf(ci.detail, sizeof ci.detail, "%s", ferry_last_error());
+  if (!ci.found || ci.devices < 1) {
+    const char *why = ci.found ? "no device" : ci.detail;
+    if (o.json) {
+      char esc[2 * sizeof ci.detail];
+      size_t k = 0;
+      for (const char *c = why; *c && k + 2 < sizeof esc; c++) { /* a JSON string: \ and " */
+        if (*c == '"' || *c == '\\')
+          esc[k++] = '\\';
+        esc[k++] = (unsigned char)*c < 0x20 ? ' ' : *c;
+      }
+      esc[k] = 0;
+      printf("{\"bench\":\"gpu\",\"skipped\":true,\"detail\":\"no CUDA driver (%s)\"}\n", esc);
+    } else
+      printf("ferry bench gpu: no CUDA driver (%s)\n", why);
+    return CLI_OK;
+  }
+  int reps = o.reps ? o.reps : quick ? 3 : 5;
+  if (!refit_bytes)
+    refit_bytes = quick ? 4ull << 20 : total / 8 < (8ull << 30) ? total / 8 : 8ull << 30;
+  if (!staged_bytes)
+    staged_bytes = quick ? 8ull << 20 : total / 16 < (1ull << 30) ? total / 16 : 1ull << 30;
+  uint64_t chunk = quick ? 1ull << 20 : STAGE_CHUNK;
+  if (!o.json)
+    printf("cuda:0 %s, %.1f GiB, driver %d.%d (%s)\n", name, (double)total / (1 << 30),
+           ci.driver_version / 1000, ci.driver_version % 1000 / 10, ci.library);
+  bench_header(&o, "ferry bench gpu (CUDA memory on both sides; vs base = speed)");
+  int rc = 0, r;
+  if (!only || strcmp(only, "refit") == 0)
+    rc = run_refit(&o, refit_bytes, reps);
+  if (!only || strcmp(only, "routing") == 0) {
+    r = run_routing(&o, o.reps ? o.reps : quick ? 3 : 20);
+    rc = rc ? rc : r;
+  }
+  if (!only || strcmp(only, "staged") == 0) {
+    r = run_staged(&o, staged_bytes, chunk, reps);
+    rc = rc ? rc : r;
+  }
+  return rc == 0 ? CLI_OK : CLI_FAIL;
+}
