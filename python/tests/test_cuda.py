@@ -329,7 +329,7 @@ def test_torch_cpu_tensors_unchanged():
     assert isinstance(arr, np.ndarray) and arr.ctypes.data == t.data_ptr()
 
 
-@pytest.mark.skipif(not TORCH_CUDA, reason="needs torch with CUDA")
+@pytest.mark.skipif(not TORCH_CUDA, reason="no GPU: needs torch with CUDA (Debian's torch is CPU-only)")
 def test_torch_cuda_tensor_argument():
     t = torch.arange(24, dtype=torch.int32, device="cuda:0").reshape(4, 6)
     desc, buf = as_buffer(t)  # synchronizes torch's current stream
