@@ -28,7 +28,7 @@ from . import p2pstore  # noqa: F401
 from .tensors import Context, default_context, empty
 from .stats import prometheus, readiness, stats
 from . import cuda  # noqa: F401
-from .cuda import DeviceArray, cuda_info
+from .cuda import DeviceArray, DeviceView, cuda_info
 
 __version__ = _lib.lib.ferry_version().decode()
 library_path: str = _lib.path  # the libferry.so this process loaded
@@ -36,7 +36,7 @@ library_path: str = _lib.path  # the libferry.so this process loaded
 __all__ = ["Store", "StoreView", "MQ", "p2pstore", "aio", "RefitSender", "RefitReceiver", "Control", "ControlRank",
            "ControlCell", "Context", "default_context", "empty", "set_log_level", "version",
            "library_path", "stats", "prometheus", "readiness"] + [n for n in _errors_all if n not in ("check", "raise_status")]
-__all__ += ["Piece", "tp_shards", "cuda", "cuda_info", "DeviceArray"]
+__all__ += ["Piece", "tp_shards", "cuda", "cuda_info", "DeviceArray", "DeviceView"]
 
 logger = logging.getLogger("ferry")
 

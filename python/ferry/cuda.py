@@ -381,6 +381,50 @@ class DeviceArray(_lib.Closing):
             lib.ferry_cuda_free(c_void_p(p))
 
 
+class DeviceView:
+    """Device memory ferry does not own, at a fixed address: a refit receiver's alias view into
+    the sender's CUDA buffer, mapped through CUDA IPC. It exposes __cuda_array_interface__
+    (read-only) so torch.as_tensor(v, device="cuda") or cupy.asarray(v) wrap it without a copy;
+    `owner` (the receiver) is kept alive as long as the view is. to_host() copies it out."""
+
+    def __init__(self, ptr: int, shape: Sequence[int], code: int, device: int,
+                 owner: Any) -> None:
+        from .tensors import DTYPES
+        self.ptr, self.shape, self.device, self._owner = ptr, tuple(shape), device, owner
+        self.dtype = np.dtype(DTYPES[code][1])
+        self.dtype_name = DTYPES[code][0]
+        self.nbytes = int(np.prod(self.shape, dtype=np.uint64)) * self.dtype.itemsize
+
+    @property
+    def __cuda_array_interface__(self) -> Dict[str, Any]:
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, True),
+                "version": 3, "strides": None, "stream": None}
+
+    def to_host(self) -> np.ndarray:
+        """A new numpy array holding a copy of the bytes (complete on return)."""
+        out = np.empty(self.shape, dtype=self.dtype)
+        mem_copy(out.ctypes.data, self.ptr, self.nbytes)
+        return out
+
+    def __repr__(self) -> str:
+        return "ferry.DeviceView(shape=%s, dtype=%s, device='cuda:%d')" % (
+            self.shape, self.dtype_name, self.device)
+
+
+def device_view(ptr: int, shape: Sequence[int], code: int, device: int, owner: Any,
+                like: Any) -> Any:
+    """A view of device memory at ptr: a torch CUDA tensor over it when like is torch (or the
+    default) and torch has CUDA, else a ferry.DeviceView."""
+    from .tensors import like_name
+    view = DeviceView(ptr, shape, code, device, owner)
+    torch = _torch_cuda()
+    if torch is not None and like_name(like) in ("torch", "numpy"):
+        t = torch.as_tensor(view, device="cuda:%d" % device)
+        t._ferry_owner = view  # the receiver (and its mapping) outlive the tensor
+        return t
+    return view
+
+
 def new_on_device(shape: Sequence[int], code: int, device: int, like: Any) -> Any:
     """An uninitialised tensor of ferry dtype `code` on CUDA device `device`: a torch CUDA tensor
     when like is torch, or when like is the default and torch (imported) has CUDA; otherwise a

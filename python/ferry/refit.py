@@ -59,6 +59,7 @@ from . import _lib
 from ._lib import POINTER, byref, c_char_p, c_int, c_size_t, c_uint64, c_void_p, lib
 from .errors import (AlreadyExists, InvalidArgument, NotFound, NotSupported, Timeout, check,
                      raise_status)
+from . import cuda
 from .cuda import DeviceBytes, sync_all
 from .tensors import DTYPES, Context, as_buffer, desc_shape, dtype_code, from_bits
 
@@ -689,8 +690,11 @@ class RefitReceiver(_lib.Closing):
         allocated here). Read-only: numpy views are not writeable; torch has no read-only
         tensors, so never write them (that writes the sender's buffer). The sender writes each
         version there in place, so read them only while `committed` is the version you expect
-        (the control lifecycle's clear -> update gives that). ferry.NotSupported when the sender
-        keeps no alias buffer or is on another host."""
+        (the control lifecycle's clear -> update gives that). When the sender's tensors are all
+        on one CUDA device (no cast), its buffer is device memory mapped here through CUDA IPC:
+        the views are torch CUDA tensors (torch with CUDA) or ferry.DeviceView objects
+        (__cuda_array_interface__). ferry.NotSupported when the sender keeps no alias buffer or
+        is on another host."""
         check(lib.ferry_refit_bind_alias(self.handle))
         self._alias = True
         return self._view_map(like)[0]
@@ -707,6 +711,11 @@ class RefitReceiver(_lib.Closing):
             ptrs.append(p.value)
         if not man:
             return {}, {}, None
+        kind, device = cuda.mem_where(ptrs[0])
+        if kind == "cuda":  # alias mode over CUDA IPC: the sender's device buffer, mapped here
+            out = {m["name"]: cuda.device_view(p, m["shape"], dtype_code(m["dtype"]), device, self,
+                                               like) for p, m in zip(ptrs, man)}
+            return out, {m["name"]: p for p, m in zip(ptrs, man)}, None
         base = min(ptrs)
         end = max(p + m["nbytes"] for p, m in zip(ptrs, man))
         with self._lock:

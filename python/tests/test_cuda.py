@@ -435,3 +435,53 @@ def test_without_a_driver_device_tensors_are_refused_before_c():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "refused:" in out.stdout and "no CUDA driver" in out.stdout
     assert "FERRY_CUDA=off" in out.stdout
+
+
+def test_job_refit_alias_views_the_senders_device_buffer():
+    # alias mode over CUDA IPC: the sender (another process: a process cannot map its own IPC
+    # handles) keeps every tensor on one device, uncast, so its whole buffer is device memory;
+    # this receiver's views point into it, and nothing is copied here
+    import subprocess
+    import sys
+    name = "pycuda-alias-%d" % os.getpid()
+    code = (
+        "import sys, numpy as np, ferry\n"
+        "w = np.arange(600, dtype=np.float32).reshape(20, 30)\n"
+        "b = np.arange(50, dtype=np.int64)\n"
+        "sd = {'w': ferry.DeviceArray(w.shape, np.float32, 0).copy_from_host(w),\n"
+        "      'b': ferry.DeviceArray(b.shape, np.int64, 0).copy_from_host(b)}\n"
+        "tx = ferry.RefitSender(%r, sd, buffer_bytes=4096, alias=True)\n"
+        "print('ready', flush=True)\n"
+        "for line in sys.stdin:\n"
+        "    v = int(line)\n"
+        "    sd['w'].copy_from_host(w + v)\n"
+        "    sd['b'].copy_from_host(b * v)\n"
+        "    tx.push(v)\n"
+        "    print('pushed', v, flush=True)\n"
+        "tx.close()\n" % name)
+    env = dict(os.environ)
+    if os.environ.get("FERRY_TEST_INSTALLED") != "1":
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(_HERE),
+                                                          os.environ.get("PYTHONPATH")]))
+    tx = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True, env=env)
+    rx = None
+    try:
+        assert tx.stdout.readline().strip() == "ready"
+        rx = ferry.RefitReceiver(name, timeout=10)
+        views = rx.bind_alias()
+        for v in (1, 2):
+            tx.stdin.write("%d\n" % v)
+            tx.stdin.flush()
+            assert tx.stdout.readline().split() == ["pushed", str(v)]
+            assert rx.wait(v, timeout=10) == v
+            for k in ("w", "b"):
+                assert cuda.mem_where(views[k].__cuda_array_interface__["data"][0])[0] == "cuda"
+            w = np.arange(600, dtype=np.float32).reshape(20, 30) + v
+            assert np.array_equal(views["w"].to_host(), w)
+            assert np.array_equal(views["b"].to_host(), np.arange(50, dtype=np.int64) * v)
+    finally:
+        if rx is not None:
+            rx.close()
+        tx.stdin.close()
+        assert tx.wait(timeout=30) == 0
