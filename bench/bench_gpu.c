@@ -4,7 +4,9 @@
  *   (a) colocated refit: a bf16 state dict in device memory of this process (the trainer) pushed
  *       to a receiver process on the same GPU that binds tensors of its own device memory
  *       (copying receiver), against one device-to-device copy of the same bytes (goal <= 1.2x
- *       the copy); alias mode over CUDA IPC is not built yet and says so in its row;
+ *       the copy); and in alias mode, the receiver viewing the sender's device buffer through
+ *       CUDA IPC (nothing copied on its side; the sender packs device to device and takes the
+ *       checksums through pinned host memory);
  *   (b) an 11.25 MiB routing tensor (int32 [45, 8192, 8], the bytes of `ferry bench store`'s
  *       routing case) put from device memory by a producer process and got into device memory
  *       here, against a device-to-device copy of it;
@@ -113,17 +115,6 @@ static int time_d2d(void *dst, const void *src, uint64_t n, int reps, bench_samp
   return 0;
 }
 
-/* A row that could not be measured: what it is and why, in the table or as a JSON line. */
-static void na_row(const bench_opts *o, const char *case_name, const char *impl, const char *why) {
-  if (o->json)
-    printf(
-        "{\"bench\":\"gpu\",\"case\":\"%s\",\"impl\":\"%s\",\"skipped\":true,\"detail\":\"%s\"}\n",
-        case_name, impl, why);
-  else
-    printf("%-16s %-14s %s\n", case_name, impl, why);
-  fflush(stdout);
-}
-
 /* The ratio a goal reads (this row's median over the baseline's), and whether it is met. */
 static void goal_row(const bench_opts *o, const char *case_name, const char *what, double ratio,
                      double goal) {
@@ -182,10 +173,10 @@ static void gmodel_free(gmodel *m) {
   free(m->name);
 }
 
-/* The receiver process: binds every tensor into device memory of its own, waits for versions
- * 1..versions, checks each tensor's bytes and writes 'v' (or 'x') on fd, then stays attached until
- * the trainer stops it. */
-static int gpu_receiver(const char *address, int fd, uint64_t versions) {
+/* The receiver process: binds every tensor into device memory of its own (alias: views the
+ * sender's device buffer instead), waits for versions 1..versions, checks each tensor's bytes and
+ * writes 'v' (or 'x') on fd, then stays attached until the trainer stops it. */
+static int gpu_receiver(const char *address, int fd, uint64_t versions, bool alias) {
   ferry_ctx_opts o = {.size = sizeof o, .name = "bench-gpu-engine"};
   ferry_ctx *ctx = NULL;
   ferry_refit_receiver *r = NULL;
@@ -207,8 +198,10 @@ static int gpu_receiver(const char *address, int fd, uint64_t versions) {
     total += len;
   }
   at[n] = total;
-  uint8_t *mem = rc == 0 ? dev_alloc(total, &rc) : NULL;
-  for (size_t i = 0; rc == 0 && i < n; i++) {
+  uint8_t *mem = rc == 0 && !alias ? dev_alloc(total, &rc) : NULL;
+  if (rc == 0 && alias)
+    rc = ferry_refit_bind_alias(r);
+  for (size_t i = 0; rc == 0 && !alias && i < n; i++) {
     const char *name;
     ferry_tensor_desc d;
     rc = ferry_refit_tensor_info(r, i, &name, &d);
@@ -223,9 +216,17 @@ static int gpu_receiver(const char *address, int fd, uint64_t versions) {
   if (rc != 0)
     fprintf(stderr, "ferry bench gpu: receiver: %s\n", ferry_last_error());
   ch = rc == 0 ? 'v' : 'x';
-  for (size_t i = 0; ch == 'v' && i < n; i++)
-    if (!dev_holds(mem + at[i], at[i + 1] - at[i], (uint8_t)(i + 1)))
+  for (size_t i = 0; ch == 'v' && i < n; i++) {
+    const char *name;
+    ferry_tensor_desc d;
+    void *view = mem + at[i];
+    if (alias &&
+        (ferry_refit_tensor_info(r, i, &name, &d) != 0 || ferry_refit_view(r, name, &view) != 0 ||
+         ferry_mem_where(view, NULL) != FERRY_MEM_CUDA))
       ch = 'x';
+    else if (!dev_holds(view, at[i + 1] - at[i], (uint8_t)(i + 1)))
+      ch = 'x';
+  }
   if (write(fd, &ch, 1) != 1)
     rc = FERRY_ESYS;
   /* Stay attached until the trainer stops this process (SIGTERM): its last push returns once
@@ -260,9 +261,9 @@ static pid_t spawn(int *from, const char *role, const char *a, const char *b) {
 
 /* Pushes reps + 1 versions of m (device memory at src) to one receiver process; the first push
  * (which maps the buckets and faults pages) is not timed. */
-static int time_refit(const gmodel *m, uint8_t *src, int reps, bench_samples *b) {
+static int time_refit(const gmodel *m, uint8_t *src, int reps, bool alias, bench_samples *b) {
   ferry_ctx_opts co = {.size = sizeof co, .name = "bench-gpu-trainer"};
-  ferry_refit_opts so = {.size = sizeof so};
+  ferry_refit_opts so = {.size = sizeof so, .alias = alias};
   ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = -1};
   ferry_ctx *ctx = NULL;
   ferry_refit_sender *s = NULL;
@@ -277,7 +278,8 @@ static int time_refit(const gmodel *m, uint8_t *src, int reps, bench_samples *b)
   pid_t pid = -1;
   char versions[24], ch = 0;
   snprintf(versions, sizeof versions, "%d", reps + 1);
-  if (rc == 0 && ((pid = spawn(&from, "--receiver", ferry_ctx_address(ctx), versions)) < 0 ||
+  const char *role = alias ? "--alias-receiver" : "--receiver";
+  if (rc == 0 && ((pid = spawn(&from, role, ferry_ctx_address(ctx), versions)) < 0 ||
                   read(from, &ch, 1) != 1 || ch != 'r'))
     rc = FERRY_ECONNECT;
   while (rc == 0 && ferry_refit_receivers(s) < 1)
@@ -314,7 +316,7 @@ static int run_refit(const bench_opts *o, uint64_t bytes, int reps) {
   uint8_t *dst = rc == 0 ? dev_alloc(m.bytes, &rc) : NULL;
   for (size_t i = 0; rc == 0 && i < m.n; i++)
     rc = dev_fill(src + m.off[i], m.len[i], (uint8_t)(i + 1));
-  bench_samples copy = {0}, push = {0};
+  bench_samples copy = {0}, push = {0}, alias = {0};
   if (rc == 0)
     rc = time_d2d(dst, src, m.bytes, reps, &copy);
   if (rc != 0)
@@ -323,17 +325,20 @@ static int run_refit(const bench_opts *o, uint64_t bytes, int reps) {
     ferry_cuda_free(dst); /* the receiver's copy needs the room */
   if (rc == 0) {
     bench_row(o, "gpu", label, "d2d-copy", m.bytes, &copy, true);
-    rc = time_refit(&m, src, reps, &push);
+    rc = time_refit(&m, src, reps, false, &push);
   }
   if (rc == 0) {
     bench_row(o, "gpu", label, "ferry-copying", m.bytes, &push, false);
     goal_row(o, label, "copying refit / d2d copy", bench_median(&push) / bench_median(&copy), 1.2);
+    rc = time_refit(&m, src, reps, true, &alias);
   }
-  na_row(o, label, "ferry-alias", "n/a: alias with CUDA IPC not built");
+  if (rc == 0)
+    bench_row(o, "gpu", label, "ferry-alias", m.bytes, &alias, false);
   if (src)
     ferry_cuda_free(src);
   bench_free(&copy);
   bench_free(&push);
+  bench_free(&alias);
   gmodel_free(&m);
   return rc;
 }
@@ -564,8 +569,9 @@ static int run_staged(const bench_opts *o, uint64_t bytes, uint64_t chunk, int r
 /* ---- the mode ---- */
 
 int bench_gpu(int argc, char **argv) {
-  if (argc == 5 && strcmp(argv[1], "--receiver") == 0)
-    return gpu_receiver(argv[2], atoi(argv[3]), strtoull(argv[4], NULL, 10));
+  if (argc == 5 && (strcmp(argv[1], "--receiver") == 0 || strcmp(argv[1], "--alias-receiver") == 0))
+    return gpu_receiver(argv[2], atoi(argv[3]), strtoull(argv[4], NULL, 10),
+                        strcmp(argv[1], "--alias-receiver") == 0);
   if (argc == 5 && strcmp(argv[1], "--producer") == 0)
     return gpu_producer(argv[2], atoi(argv[3]), atoi(argv[4]));
   bool quick = false;
