@@ -422,12 +422,19 @@ FERRY_API int ferry_readv(ferry_link *link, const ferry_region_ref *remote,
 FERRY_API int ferry_write(ferry_link *link, const ferry_region_ref *remote, uint64_t offset,
                           const void *src, size_t len, int timeout_ms);
 /* Zero-copy view of a peer's shared-memory region (shm links and ferry_alloc'd regions only,
- * else FERRY_ENOTSUP). A peer's registered CUDA region is viewed through its CUDA IPC mapping:
- * *out is then a device address in this process (ferry_mem_where says so), never for the CPU. *out
+ * else FERRY_ENOTSUP; a peer's CUDA region too: see ferry_view_device). *out
  * stays mapped while the link is open; it may change under the reader if the owner writes, and
  * ferry_view_valid() says whether the owner has freed it since. */
 FERRY_API int ferry_view(ferry_link *link, const ferry_region_ref *remote, uint64_t offset,
                          size_t len, const void **out);
+/* Zero-copy view of a peer's registered CUDA region through its CUDA IPC mapping (shm links):
+ * *out is a device address in this process (ferry_mem_where says so), for the copy engines and
+ * kernels, never for the CPU; it stays mapped while the link is open. FERRY_ENOTSUP for host
+ * memory (ferry_view), for a region its IPC handle could not map here (another process's only:
+ * a process cannot map its own handles; VMM memory), or over other transports. The owner's
+ * deregistration is not seen here. */
+FERRY_API int ferry_view_device(ferry_link *link, const ferry_region_ref *remote, uint64_t offset,
+                                size_t len, const void **out);
 FERRY_API int ferry_view_valid(ferry_link *link, const ferry_region_ref *remote);
 
 /* ---------------------------------------------------------------------------------------------

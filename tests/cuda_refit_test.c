@@ -361,8 +361,9 @@ static bool aholds(const void *at, int i, uint64_t v) {
 }
 
 /* The receiver process of test_alias_device: "alias" (views into the sender's device buffer),
- * "device" (bound device tensors) or "host" (bound host tensors). Commands as receiver_child's
- * (positive versions only). */
+ * "device" (bound device tensors), "host" (bound host tensors) or "shard" (a slice of "w" into
+ * host memory: it reads only its runs, never viewing the device buffer from the CPU). Commands
+ * as receiver_child's (positive versions only). */
 static int alias_child(const char *mode, const char *transports, const char *address, int cmd_fd,
                        int rep_fd) {
   setenv("FERRY_TRANSPORTS", transports, 1);
@@ -375,9 +376,16 @@ static int alias_child(const char *mode, const char *transports, const char *add
   if (ferry_refit_receiver_open(c, address, 5000, &r) != 0)
     return 1;
   void *dst[NA] = {0};
-  bool alias = strcmp(mode, "alias") == 0, dev = strcmp(mode, "device") == 0;
+  bool alias = strcmp(mode, "alias") == 0, dev = strcmp(mode, "device") == 0,
+       shard = strcmp(mode, "shard") == 0;
   int rc = alias ? ferry_refit_bind_alias(r) : 0;
-  for (int i = 0; i < NA && !alias && rc == 0; i++) {
+  float slice[300]; /* w[100, 400) */
+  if (shard) {
+    ferry_refit_piece piece = {.source = "w", .dim = 0, .start = 100, .stop = 400};
+    ferry_tensor_desc d = {.dtype = FERRY_DTYPE_F32, .ndim = 1, .shape = {300}};
+    rc = ferry_refit_bind_pieces(r, "w-part", slice, &d, &piece, 1);
+  }
+  for (int i = 0; i < NA && !alias && !shard && rc == 0; i++) {
     ferry_tensor_desc d = adesc(i);
     if (dev)
       rc = ferry_cuda_alloc(0, abytes(i), &dst[i]);
@@ -396,7 +404,12 @@ static int alias_child(const char *mode, const char *transports, const char *add
   int64_t v;
   while (tu_pipe_get(&cmd, &v, sizeof v, 60000) == 0 && v != 0) {
     ok = ferry_refit_wait(r, (uint64_t)v, 20000, NULL) == 0;
-    for (int i = 0; i < NA && ok; i++) {
+    if (shard && ok) {
+      uint8_t *w = avalues(0, (uint64_t)v);
+      ok = memcmp(slice, w + 100 * sizeof(float), sizeof slice) == 0;
+      free(w);
+    }
+    for (int i = 0; i < NA && ok && !shard; i++) {
       void *at = dst[i];
       int where = -1;
       if (alias) /* a view: device memory of the sender's buffer, mapped here */
@@ -435,7 +448,8 @@ static void alias_child_start(child *k, const char *mode, const char *transports
 /* A sender in alias mode whose tensors are all on the device: its buffer is device memory. An
  * engine on this host views it in place through CUDA IPC (device addresses, nothing copied);
  * receivers that copy read it over shm into device tensors, and over tcp (staged by the owner)
- * into host ones, verified against checksums the sender took through host memory. */
+ * into host ones, verified against checksums the sender took through host memory; a shard
+ * reader on this host reads only its slice's runs. */
 static void test_alias_device(void **st) {
   (void)st;
   if (!have_cuda)
@@ -451,11 +465,12 @@ static void test_alias_device(void **st) {
     FR_OK(ferry_refit_declare(snd, aspecs[i].name, &d, src[i], FERRY_DTYPE_INVALID));
   }
   FR_OK(ferry_refit_seal(snd));
-  child alias, dev, host;
+  child alias, dev, host, shard;
   alias_child_start(&alias, "alias", "shm", ferry_ctx_address(sc));
   alias_child_start(&dev, "device", "shm", ferry_ctx_address(sc));
   alias_child_start(&host, "host", "tcp", ferry_ctx_address(sc));
-  await_receivers(snd, 3);
+  alias_child_start(&shard, "shard", "shm", ferry_ctx_address(sc));
+  await_receivers(snd, 4);
   for (uint64_t v = 1; v <= 3; v++) {
     for (int i = 0; i < NA; i++) {
       uint8_t *x = avalues(i, v);
@@ -466,10 +481,12 @@ static void test_alias_device(void **st) {
     child_expect(&alias, (int64_t)v);
     child_expect(&dev, (int64_t)v);
     child_expect(&host, (int64_t)v);
+    child_expect(&shard, (int64_t)v);
   }
   child_end(&alias);
   child_end(&dev);
   child_end(&host);
+  child_end(&shard);
   ferry_refit_sender_close(snd);
   for (int i = 0; i < NA; i++)
     FR_OK(ferry_cuda_free(src[i]));

@@ -308,15 +308,15 @@ static void region_over(const owner_proc *p, const char *transports) {
   assert_memory_equal(got + 100, want + n - 300, 300);
 
   assert_int_equal(ferry_read(l, &p->info.ref, n - 10, got, 11, 5000), FERRY_ERANGE);
-  const void *view = NULL; /* over shm a device address of the IPC mapping; nothing over tcp */
-  rc = ferry_view(l, &p->info.ref, 64, 16, &view);
+  const void *view = NULL; /* never a CPU view; over shm a device address of the IPC mapping */
+  assert_int_equal(ferry_view(l, &p->info.ref, 64, 16, &view), FERRY_ENOTSUP);
+  rc = ferry_view_device(l, &p->info.ref, 64, 16, &view);
   if (shm) {
     assert_int_equal(rc, 0);
     int device = -1;
     assert_int_equal(ferry_mem_where(view, &device), FERRY_MEM_CUDA);
     assert_int_equal(ferry_mem_copy(got, view, 16), 0);
     assert_memory_equal(got, want + 64, 16);
-    assert_int_equal(ferry_view_valid(l, &p->info.ref), 0);
   } else {
     assert_int_equal(rc, FERRY_ENOTSUP);
   }

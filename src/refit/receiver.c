@@ -1335,12 +1335,15 @@ int ferry_refit_bind_flat(ferry_refit_receiver *r) {
   return rc;
 }
 
-/* Maps the sender's whole wire buffer (alias mode). */
+/* Maps the sender's whole wire buffer (alias mode): its shared memory, or its CUDA buffer through
+ * CUDA IPC (the views are then device addresses). */
 static int alias_map(ferry_refit_receiver *r) {
   const void *at = NULL;
   int rc = r->alias_ref.size ? ferry_view(r->link, &r->alias_ref, 0, r->alias_ref.size, &at)
                              : fr_err(FERRY_ENOTSUP, "refit: the sender keeps no alias buffer "
                                                      "(open it with ferry_refit_opts.alias)");
+  if (rc == FERRY_ENOTSUP && r->alias_ref.size) /* CUDA memory, or nothing it can map */
+    rc = ferry_view_device(r->link, &r->alias_ref, 0, r->alias_ref.size, &at);
   if (rc == 0 && r->alias_ref.size < r->plan.total_bytes)
     rc = fr_err(FERRY_EPROTO, "refit: the sender's alias buffer is smaller than its manifest");
   if (rc == 0)

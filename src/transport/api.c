@@ -297,6 +297,17 @@ int ferry_view(ferry_link *link, const ferry_region_ref *remote, uint64_t offset
   return link->ops->view(link, remote, offset, len, out);
 }
 
+int ferry_view_device(ferry_link *link, const ferry_region_ref *remote, uint64_t offset, size_t len,
+                      const void **out) {
+  int rc = check_rma(link, remote, offset, len, out, "ferry_view_device");
+  if (rc != 0)
+    return rc;
+  if (!link->ops->view_device)
+    return fr_err(FERRY_ENOTSUP, "ferry_view_device: the %s transport cannot map peer memory",
+                  link->ops->name);
+  return link->ops->view_device(link, remote, offset, len, out);
+}
+
 int ferry_view_valid(ferry_link *link, const ferry_region_ref *remote) {
   if (!link || !remote)
     return fr_err(FERRY_EINVAL, "ferry_view_valid: NULL argument");

@@ -372,10 +372,27 @@ static int shm_view(ferry_link *l, const ferry_region_ref *r, uint64_t off, size
   int rc = mapped_access(l, r, off, len, l->ctx->timeout_ms, &m);
   if (rc != 0)
     return rc;
-  if (m->stream_only)
-    return fr_err(FERRY_ENOTSUP, "region %llu of '%s' is registered memory: it cannot be viewed",
-                  (unsigned long long)r->id, l->peer);
-  *out = m->cuda ? m->cuda_data + off : m->base + FR_SHM_HEADER_BYTES + off;
+  if (m->stream_only || m->cuda)
+    return fr_err(FERRY_ENOTSUP, "region %llu of '%s' is %s: it cannot be viewed from the CPU",
+                  (unsigned long long)r->id, l->peer,
+                  m->cuda ? "CUDA memory (ferry_view_device)"
+                          : "registered memory (or CUDA memory its IPC handle could not map here)");
+  *out = m->base + FR_SHM_HEADER_BYTES + off;
+  return 0;
+}
+
+/* A peer's CUDA region through its IPC mapping: a device address in this process. */
+static int shm_view_device(ferry_link *l, const ferry_region_ref *r, uint64_t off, size_t len,
+                           const void **out) {
+  shm_map *m = NULL;
+  int rc = mapped_access(l, r, off, len, l->ctx->timeout_ms, &m);
+  if (rc != 0)
+    return rc;
+  if (!m->cuda)
+    return fr_err(FERRY_ENOTSUP, "region %llu of '%s' is %s, not CUDA memory mapped here",
+                  (unsigned long long)r->id, l->peer,
+                  m->stream_only ? "reached through its owner" : "host memory (ferry_view)");
+  *out = m->cuda_data + off;
   return 0;
 }
 
@@ -388,7 +405,7 @@ static int shm_view_valid(ferry_link *l, const ferry_region_ref *r) {
       ;
     pthread_mutex_unlock(&s->lock);
   }
-  if (!m || m->stream_only)
+  if (!m || m->stream_only || m->cuda)
     return fr_err(FERRY_ENOTFOUND, "region %llu of '%s' is not viewed", (unsigned long long)r->id,
                   l->peer);
   return region_state(m) == FR_SHM_ALIVE ? 0
@@ -628,6 +645,7 @@ const fr_transport_ops fr_shm_transport = {
     .read_device = shm_read_device,
     .write_device = shm_write_device,
     .view = shm_view,
+    .view_device = shm_view_device,
     .view_valid = shm_view_valid,
     .link_fini = shm_link_fini,
 };

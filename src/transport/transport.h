@@ -87,6 +87,9 @@ typedef struct fr_transport_ops {
   int (*write_device)(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
                       size_t len, int device, int timeout_ms);
   int (*view)(ferry_link *l, const ferry_region_ref *r, uint64_t off, size_t len, const void **out);
+  /* Optional. A peer's CUDA region mapped here (shm: its IPC mapping): a device address. */
+  int (*view_device)(ferry_link *l, const ferry_region_ref *r, uint64_t off, size_t len,
+                     const void **out);
   int (*view_valid)(ferry_link *l, const ferry_region_ref *r);
   void (*link_fini)(ferry_link *l); /* frees transport state (mappings) */
   /* Optional. The progress thread is unregistering a dead link: drop the fds the transport
