@@ -492,7 +492,7 @@ static void *pinned_alloc(uint64_t n, int *rc) {
     return NULL;
   }
   memset(p, 0, (size_t)n); /* resident before it is pinned, as a long-lived buffer is */
-  if ((*rc = fr_cuda_pin(p, (size_t)n)) != 0) {
+  if ((*rc = fr_cuda_pin(0, p, (size_t)n)) != 0) { /* the bench's buffers are on device 0 */
     munmap(p, (size_t)n);
     return NULL;
   }
@@ -501,7 +501,7 @@ static void *pinned_alloc(uint64_t n, int *rc) {
 
 static void pinned_free(void *p, uint64_t n) {
   if (p) {
-    fr_cuda_unpin(p);
+    fr_cuda_unpin(0, p);
     munmap(p, (size_t)n);
   }
 }

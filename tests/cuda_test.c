@@ -114,10 +114,11 @@ static void test_pin(void **state) {
   NEED_CUDA();
   size_t n = 1 << 16;
   void *p = aligned_alloc(4096, n);
-  assert_int_equal(fr_cuda_pin(p, n), 0);
-  assert_int_equal(fr_cuda_pin(p, n), FERRY_EDEVICE);
-  assert_int_equal(fr_cuda_unpin(p), 0);
-  assert_int_equal(fr_cuda_unpin(p), FERRY_EDEVICE);
+  assert_int_equal(fr_cuda_pin(0, p, n), 0);
+  assert_int_equal(fr_cuda_pin(0, p, n), FERRY_EDEVICE);
+  assert_int_equal(fr_cuda_unpin(0, p), 0);
+  assert_int_equal(fr_cuda_unpin(0, p), FERRY_EDEVICE);
+  assert_int_equal(fr_cuda_pin(-1, p, n), FERRY_ERANGE); /* no such device */
   free(p);
 }
 

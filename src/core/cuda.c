@@ -311,8 +311,8 @@ void fr_cuda_stager_close(fr_cuda_stager *s) {
   for (int i = 0; i < 2; i++) {
     if (in && s->done[i])
       cu.cuEventDestroy(s->done[i]);
-    if (s->pinned[i])
-      fr_cuda_unpin(s->buf[i]);
+    if (in && s->pinned[i])
+      cu.cuMemHostUnregister(s->buf[i]);
     free(s->buf[i]);
   }
   if (in)
@@ -324,13 +324,22 @@ void fr_cuda_stager_close(fr_cuda_stager *s) {
 static int stager_events(fr_cuda_stager *s, int device) {
   if (s->device == device)
     return 0;
+  CUcontext saved;
+  if (s->device >= 0 && enter(s->device, &saved) == 0) { /* the old events, in their context */
+    cu.cuEventDestroy(s->done[0]);
+    cu.cuEventDestroy(s->done[1]);
+    leave(saved);
+  }
+  s->done[0] = s->done[1] = NULL;
+  s->device = -1; /* until both events of `device` exist */
   for (int i = 0; i < 2; i++) {
-    if (s->done[i] && s->device >= 0)
-      cu.cuEventDestroy(s->done[i]);
-    s->done[i] = NULL;
     CUresult r = cu.cuEventCreate(&s->done[i], CU_EVENT_DISABLE_TIMING);
-    if (r != CUDA_SUCCESS)
+    if (r != CUDA_SUCCESS) {
+      if (i == 1)
+        cu.cuEventDestroy(s->done[0]);
+      s->done[0] = s->done[1] = NULL;
       return cu_fail(r, "cuEventCreate");
+    }
     if (!s->pinned[i])
       s->pinned[i] = cu.cuMemHostRegister(s->buf[i], s->chunk, CU_MEMHOSTREGISTER_PORTABLE) == 0;
   }
@@ -376,11 +385,12 @@ int fr_cuda_stage_out(fr_cuda_stager *s, int device, const void *src, size_t n,
   return rc;
 }
 
-/* Pinned memory is the driver's, not a device's: device 0's context registers it (portable:
- * every context sees it pinned). */
-int fr_cuda_pin(void *p, size_t n) {
+/* Pinned memory is the driver's, not a device's: any context registers it (portable: every
+ * context sees it pinned). The device's whose copies the buffer serves, so that pinning never
+ * makes a context on a device the process does not use (a primary context costs device memory). */
+int fr_cuda_pin(int device, void *p, size_t n) {
   CUcontext saved;
-  int rc = enter(0, &saved);
+  int rc = enter(device, &saved);
   if (rc != 0)
     return rc;
   CUresult r = cu.cuMemHostRegister(p, n, CU_MEMHOSTREGISTER_PORTABLE);
@@ -388,9 +398,9 @@ int fr_cuda_pin(void *p, size_t n) {
   return r == CUDA_SUCCESS ? 0 : cu_fail(r, "cuMemHostRegister");
 }
 
-int fr_cuda_unpin(void *p) {
+int fr_cuda_unpin(int device, void *p) {
   CUcontext saved;
-  int rc = enter(0, &saved);
+  int rc = enter(device, &saved);
   if (rc != 0)
     return rc;
   CUresult r = cu.cuMemHostUnregister(p);

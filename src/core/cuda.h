@@ -50,9 +50,10 @@ int fr_cuda_copy(void *dst, const void *src, size_t n);
 /* The same, device_hint naming the device whose context runs it (-1: found from the pointers). */
 int fr_cuda_copy_on(int device_hint, void *dst, const void *src, size_t n);
 
-/* Pins host memory for the copy engines (cuMemHostRegister, portable); unpin undoes it. */
-int fr_cuda_pin(void *p, size_t n);
-int fr_cuda_unpin(void *p);
+/* Pins host memory for the copy engines (cuMemHostRegister, portable), in the context of
+ * `device`, the one whose copies it serves; unpin (the same device) undoes it. */
+int fr_cuda_pin(int device, void *p, size_t n);
+int fr_cuda_unpin(int device, void *p);
 
 /* Device bytes out through host memory: two host buffers of `chunk` bytes (pinned when the driver
  * allows), reused call after call by one thread at a time. fr_cuda_stage_out copies

@@ -45,7 +45,8 @@ struct ferry_refit_receiver {
   ferry_tensor_desc *bound_desc; /* and how the caller described it */
   int *bound_dev;                /* and its CUDA device, -1 for host memory */
   uint32_t dev_bound;            /* how many bound[] are device memory (bind_lock) */
-  bool stage_pinned;             /* the stage is registered with the driver (fr_cuda_pin) */
+  int stage_pin;                 /* the device whose context pinned the stage (fr_cuda_pin: a
+                                    device this receiver copies to), or -1: not pinned */
   uint8_t *flat;                 /* ferry_alloc'd flat buffer, or NULL */
   const uint8_t *alias;          /* the sender's wire buffer, mapped (alias mode), or NULL */
   ferry_region_ref alias_ref;    /* the sender's wire buffer, if it keeps one */
@@ -146,19 +147,32 @@ static int host_only(const ferry_refit_receiver *r, const char *name) {
 /* The stage a bucket passes through: page-aligned and page-sized, so that it can be pinned. */
 static uint64_t stage_bytes(uint64_t bucket) { return (bucket + 4095) & ~(uint64_t)4095; }
 static uint8_t *stage_alloc(uint64_t bucket) { return aligned_alloc(4096, stage_bytes(bucket)); }
-static void stage_free(uint8_t *stage, bool pinned) {
-  if (pinned)
-    fr_cuda_unpin(stage);
+static void stage_free(uint8_t *stage, int pinned_on) {
+  if (pinned_on >= 0)
+    fr_cuda_unpin(pinned_on, stage);
   free(stage);
 }
 
-/* Once a destination is device memory the stage is pinned, so that the host→device copies from
- * it run at the copy engine's speed (a failure only costs that). bind_lock held. */
+/* A device this receiver copies to: a bound tensor's or a shard target's (-1: none). */
+static int some_device(const ferry_refit_receiver *r) {
+  for (uint32_t i = 0; r->bound_dev && i < r->plan.count; i++)
+    if (r->bound_dev[i] >= 0)
+      return r->bound_dev[i];
+  for (uint32_t i = 0; i < r->ntargets; i++)
+    if (r->targets[i].name && r->targets[i].device >= 0)
+      return r->targets[i].device;
+  return -1;
+}
+
+/* Once a destination is device memory the stage is pinned, in that device's context, so that
+ * the host→device copies from it run at the copy engine's speed (a failure only costs that).
+ * bind_lock held. */
 static void pin_stage(ferry_refit_receiver *r) {
-  if (r->stage_pinned || !r->stage)
+  int device = some_device(r);
+  if (r->stage_pin >= 0 || !r->stage || device < 0)
     return;
-  if (fr_cuda_pin(r->stage, stage_bytes(r->plan.bucket_bytes)) == 0)
-    r->stage_pinned = true;
+  if (fr_cuda_pin(device, r->stage, stage_bytes(r->plan.bucket_bytes)) == 0)
+    r->stage_pin = device;
   else
     fr_warn("refit: receive stage not pinned, device copies run slower: %s", ferry_last_error());
 }
@@ -519,7 +533,7 @@ static int install_manifest(ferry_refit_receiver *r, fr_refit_plan plan) {
     r->fwd = NULL; /* allocated again, at the new size, when a successor needs it */
   }
   free(r->bound), free(r->bound_desc), free(r->bound_dev), free(r->got);
-  stage_free(r->stage, r->stage_pinned);
+  stage_free(r->stage, r->stage_pin);
   fr_refit_plan_free(&r->plan);
   r->got = got;
   r->plan = plan;
@@ -528,7 +542,7 @@ static int install_manifest(ferry_refit_receiver *r, fr_refit_plan plan) {
   r->bound_dev = devs;
   r->dev_bound = dev_bound;
   r->stage = stage;
-  r->stage_pinned = false;
+  r->stage_pin = -1;
   bool device_targets = false;
   for (uint32_t i = 0; i < r->ntargets; i++)
     device_targets |= r->targets[i].name && r->targets[i].device >= 0;
@@ -1136,7 +1150,7 @@ static void receiver_free(ferry_refit_receiver *r) {
   free(r->bound);
   free(r->bound_desc);
   free(r->bound_dev);
-  stage_free(r->stage, r->stage_pinned);
+  stage_free(r->stage, r->stage_pin);
   for (uint32_t i = 0; i < r->ntargets; i++)
     target_free(&r->targets[i]);
   free(r->targets);
@@ -1159,6 +1173,7 @@ int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_m
   if (!r)
     return fr_err(FERRY_ENOMEM, "refit receiver");
   r->ctx = ctx;
+  r->stage_pin = -1;
   pthread_mutex_init(&r->lock, NULL);
   pthread_mutex_init(&r->bind_lock, NULL);
   fr_cond_init_monotonic(&r->cond);

@@ -274,7 +274,7 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
     return fr_err(FERRY_ENOMEM, "refit sender");
   }
   fr_inbox_init(&s->inbox);
-  s->dev_buf = -1;
+  s->dev_buf = s->pin_device = -1;
   s->ctx = ctx; /* before the channel is ours: channel_link_down reads it */
   if ((rc = fr_ctx_channel_open(ctx, FR_CHANNEL_REFIT_SENDER, &channel_ops, s)) != 0) {
     rc = fr_err(rc, "ferry_refit_sender_open: this context has a refit sender already");
@@ -383,7 +383,7 @@ static void free_buffers(ferry_refit_sender *s) {
   s->dev_buf = -1;
   for (int i = 0; i < 2; i++) {
     if (s->pinned[i])
-      fr_cuda_unpin(s->buf[i]);
+      fr_cuda_unpin(s->pin_device, s->buf[i]);
     s->pinned[i] = false;
     ferry_free(s->ctx, s->buf[i]);
     s->buf[i] = NULL;
@@ -472,13 +472,16 @@ static int alloc_buffers(ferry_refit_sender *s) {
 /* With a tensor on a device: the buckets pinned (once; a failure only costs speed) and the
  * scratch that casts go through. Without one any pinning is undone. */
 static int prepare_device(ferry_refit_sender *s) {
+  for (uint32_t i = 0; s->pin_device < 0 && s->on_device && i < s->plan.count; i++)
+    if (s->src[i].device >= 0)
+      s->pin_device = s->src[i].device;
   for (int i = 0; i < 2 && s->dev_buf < 0; i++) {
     if (!s->buf[i] || s->pinned[i] == s->on_device)
       continue;
     if (s->pinned[i]) {
-      fr_cuda_unpin(s->buf[i]);
+      fr_cuda_unpin(s->pin_device, s->buf[i]);
       s->pinned[i] = false;
-    } else if (fr_cuda_pin(s->buf[i], s->buf_bytes) == 0) {
+    } else if (fr_cuda_pin(s->pin_device, s->buf[i], s->buf_bytes) == 0) {
       s->pinned[i] = true;
     } else {
       fr_warn("refit '%s': bucket buffer not pinned, device copies run slower: %s", s->name,
@@ -490,7 +493,7 @@ static int prepare_device(ferry_refit_sender *s) {
   if (!(s->scratch = aligned_alloc(4096, FR_REFIT_SCRATCH)))
     return fr_err(FERRY_ENOMEM, "refit '%s': %u bytes of scratch for device tensors", s->name,
                   FR_REFIT_SCRATCH);
-  s->scratch_pinned = fr_cuda_pin(s->scratch, FR_REFIT_SCRATCH) == 0;
+  s->scratch_pinned = fr_cuda_pin(s->pin_device, s->scratch, FR_REFIT_SCRATCH) == 0;
   return 0;
 }
 
@@ -599,7 +602,7 @@ void ferry_refit_sender_close(ferry_refit_sender *s) {
   free_buffers(s);
   fr_cuda_stager_close(s->stager);
   if (s->scratch_pinned)
-    fr_cuda_unpin(s->scratch);
+    fr_cuda_unpin(s->pin_device, s->scratch);
   free(s->scratch);
   fr_refit_plan_free(&s->plan);
   free(s->src);

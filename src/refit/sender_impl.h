@@ -119,6 +119,8 @@ struct ferry_refit_sender {
   bool on_device;   /* a declared tensor is CUDA memory (as of the seal): the buffers are pinned,
                        and one thread packs each bucket whole (copy engines want big copies) */
   bool pinned[2];   /* buf[i] is registered with the driver (fr_cuda_pin) */
+  int pin_device;   /* the device whose context pins and unpins them: the first device tensor's
+                       as of the first pin (registration is portable: it serves every device) */
   uint8_t *scratch; /* FR_REFIT_SCRATCH host bytes (pinned when it could be) where a device
                        tensor's bytes land before a cast or the fp8 scale reads them, or NULL */
   bool scratch_pinned;

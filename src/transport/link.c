@@ -830,14 +830,19 @@ static void complete(ferry_link *l, int status, uint64_t size, int fd) {
 
 /* A MAP response with a CUDA region's IPC handle, into the asker's pending record. */
 static void complete_map_cuda(ferry_link *l) {
+  int fd = fr_link_take_fd(l); /* nothing rides along a handle: a peer's fd is not kept */
+  if (fd >= 0)
+    close(fd);
   pthread_mutex_lock(&l->lock);
   fr_pending *p = pending_find_locked(l, l->rx_frame.req_id);
-  if (p && p->expect == FR_MAP_RESP && p->ipc) {
+  bool taken = p && p->expect == FR_MAP_RESP && p->ipc; /* decided under the lock: the asker's
+                                                           record may be gone after it */
+  if (taken) {
     fr_cuda_ipc_decode(l->rx_body + FR_MAP_RESP_BYTES, p->ipc);
     p->cuda = true;
   }
   pthread_mutex_unlock(&l->lock);
-  complete(l, p && p->ipc ? 0 : FERRY_EPROTO, fr_get_u64(l->rx_body), -1);
+  complete(l, taken ? 0 : FERRY_EPROTO, fr_get_u64(l->rx_body), -1);
 }
 
 static bool allowed(const ferry_link *l, uint8_t type) {
