@@ -333,7 +333,11 @@ FERRY_API int ferry_free(ferry_ctx *ctx, void *ptr);
  * through the owner (one copy over the link), not by mapping. CUDA memory may be registered
  * (the range must lie inside one allocation, else FERRY_ERANGE): peers on this host then map it
  * through a CUDA IPC handle (cuMemAlloc'd memory; others are served through the owner). A peer
- * that mapped it does not see its deregistration: free it only when readers are done. */
+ * that mapped it does not see its deregistration: free it only when readers are done. The IPC
+ * handle maps the whole allocation (for PyTorch, a whole caching-allocator segment, with other
+ * tensors in it): ferry's peers bound every access by the registered range, but a same-host
+ * process holding the key can map it all, so register such memory only for peers of your own
+ * fleet (docs/GPU.md). */
 FERRY_API int ferry_register(ferry_ctx *ctx, void *ptr, size_t len, ferry_region_ref *out);
 FERRY_API int ferry_deregister(ferry_ctx *ctx, uint64_t region_id);
 /* Finds the region that contains [ptr, ptr+len): its reference and ptr's offset in it.

@@ -471,12 +471,14 @@ static void test_alias_device(void **st) {
   alias_child_start(&host, "host", "tcp", ferry_ctx_address(sc));
   alias_child_start(&shard, "shard", "shm", ferry_ctx_address(sc));
   await_receivers(snd, 4);
-  for (uint64_t v = 1; v <= 3; v++) {
+  for (uint64_t v = 1; v <= 4; v++) {
     for (int i = 0; i < NA; i++) {
       uint8_t *x = avalues(i, v);
       FR_OK(ferry_mem_copy(src[i], x, abytes(i)));
       free(x);
     }
+    if (v == 4) /* sealed again: the same device buffer, zeroed and packed anew */
+      FR_OK(ferry_refit_seal(snd));
     FR_OK(ferry_refit_push(snd, v, NULL));
     child_expect(&alias, (int64_t)v);
     child_expect(&dev, (int64_t)v);

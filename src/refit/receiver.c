@@ -24,7 +24,9 @@
  * when bound. Bytes reach this process in host memory either way (a memcpy from the sender's
  * mapping over shm, a read over tcp, into the stage, pinned then), are hashed there, and are
  * copied host→device by the copy engine: a bucket is read whole then, and each tensor's part of
- * it goes in one copy. The flat buffer and alias mode are host memory only.
+ * it goes in one copy. The flat buffer is host memory; alias mode views the sender's buffer,
+ * which is device memory mapped through CUDA IPC when the sender keeps it on a device (then its
+ * views are device addresses), and bound destinations beside either are refused.
  */
 #include "core/cuda.h"
 #include "refit/refit.h"
@@ -133,13 +135,13 @@ static int where_bound(const char *name, const void *dst, const ferry_tensor_des
   return 0;
 }
 
-/* The flat buffer and alias mode are host memory: a device destination beside them would never
- * be written. */
+/* The flat buffer and alias mode hold every tensor themselves: a device destination beside
+ * them would never be written. */
 static int host_only(const ferry_refit_receiver *r, const char *name) {
   return fr_err(FERRY_ENOTSUP,
-                "refit: '%s' is CUDA memory, but this receiver is bound to %s, which is host "
-                "memory; bind device tensors with ferry_refit_bind alone (alias mode over CUDA "
-                "IPC is not supported yet)",
+                "refit: '%s' is CUDA memory, but this receiver is bound to %s, which holds every "
+                "tensor itself; bind device tensors with ferry_refit_bind alone (or use the "
+                "alias views: device memory when the sender keeps its buffer on a device)",
                 name,
                 r->flat ? "a flat buffer (ferry_refit_bind_flat)" : "the sender's buffer (alias)");
 }
@@ -1317,13 +1319,12 @@ int ferry_refit_bind(ferry_refit_receiver *r, const char *name, void *dst,
   return rc;
 }
 
-/* The flat buffer and alias mode hold every tensor in host memory: with a tensor bound to device
+/* The flat buffer and alias mode hold every tensor themselves: with a tensor bound to device
  * memory they would leave it unwritten. bind_lock held. */
 static int no_device_bound(const ferry_refit_receiver *r, const char *mode) {
   return r->dev_bound ? fr_err(FERRY_ENOTSUP,
-                               "refit: %u bound tensors are CUDA memory, and %s is host memory; "
-                               "bind device tensors with ferry_refit_bind alone (alias mode over "
-                               "CUDA IPC is not supported yet)",
+                               "refit: %u bound tensors are CUDA memory, and %s holds every "
+                               "tensor itself; bind device tensors with ferry_refit_bind alone",
                                r->dev_bound, mode)
                       : 0;
 }

@@ -404,25 +404,34 @@ static int alias_device(const ferry_refit_sender *s) {
   return d;
 }
 
+/* Zeroes [0, n) of the device buffer (the gaps of a layout are never written). */
+static int zero_device_buffer(ferry_refit_sender *s, int device, uint64_t n) {
+  void *zero = calloc(1, FR_REFIT_SCRATCH);
+  int rc = zero ? 0 : fr_err(FERRY_ENOMEM, "refit '%s': zeroes for its CUDA buffer", s->name);
+  for (uint64_t at = 0; rc == 0 && at < n; at += FR_REFIT_SCRATCH)
+    rc = fr_cuda_copy_on(device, (uint8_t *)s->buf[0] + at, zero,
+                         n - at < FR_REFIT_SCRATCH ? n - at : FR_REFIT_SCRATCH);
+  free(zero);
+  return rc;
+}
+
 /* The whole buffer in CUDA memory of `device`, zeroed (the gaps between tensors are never
  * written) and registered, so that receivers on this host map it through CUDA IPC. */
 static int alloc_device_buffer(ferry_refit_sender *s, int device, uint64_t need) {
-  void *p = NULL, *zero = calloc(1, FR_REFIT_SCRATCH);
-  int rc = zero ? fr_cuda_alloc(device, need, &p)
-                : fr_err(FERRY_ENOMEM, "refit '%s': zeroes for its CUDA buffer", s->name);
-  for (uint64_t at = 0; rc == 0 && at < need; at += FR_REFIT_SCRATCH)
-    rc = fr_cuda_copy_on(device, (uint8_t *)p + at, zero,
-                         need - at < FR_REFIT_SCRATCH ? need - at : FR_REFIT_SCRATCH);
-  free(zero);
+  void *p = NULL;
+  int rc = fr_cuda_alloc(device, need, &p);
+  s->buf[0] = p;
+  if (rc == 0)
+    rc = zero_device_buffer(s, device, need);
   if (rc == 0)
     rc = ferry_register(s->ctx, p, need, &s->ref[0]);
   if (rc != 0) {
+    s->buf[0] = NULL;
     if (p)
       fr_cuda_free(p);
     return fr_err(rc, "refit '%s': a whole buffer of %llu bytes on CUDA device %d: %s", s->name,
                   (unsigned long long)need, device, ferry_last_error());
   }
-  s->buf[0] = p;
   s->dev_buf = device;
   return 0;
 }
@@ -430,8 +439,11 @@ static int alloc_device_buffer(ferry_refit_sender *s, int device, uint64_t need)
 static int alloc_layout(ferry_refit_sender *s, bool whole) {
   uint64_t need = whole ? s->plan.total_bytes : s->plan.bucket_bytes;
   int device = whole ? alias_device(s) : -1;
-  if (s->buf[0] && s->whole == whole && s->buf_bytes >= need && device < 0 && s->dev_buf < 0)
-    return 0; /* a CUDA buffer is made again: zeroed for the new layout's gaps */
+  if (s->buf[0] && s->whole == whole && s->buf_bytes >= need && device == s->dev_buf)
+    /* kept: a CUDA buffer is zeroed again for the new layout's gaps; peers that mapped it
+     * through IPC keep a valid mapping (a new one would pin device memory in every importer
+     * until its link closes) */
+    return device < 0 ? 0 : zero_device_buffer(s, device, s->buf_bytes);
   free_buffers(s);
   if (device >= 0) {
     int rc = alloc_device_buffer(s, device, need);

@@ -241,8 +241,8 @@ void fr_store_service_stop(ferry_store *s);
 
 /* Where a caller's buffer lives, classified once per call: its CUDA device ordinal, or -1 for
  * host memory; *room receives the bytes from p to the end of its CUDA allocation (SIZE_MAX for
- * host memory, whose extent ferry cannot know). An atomic load without a driver (fr_cuda_where),
- * one driver call with one: never per chunk. */
+ * host memory, whose extent ferry cannot know). Without a driver a pthread_once and an atomic
+ * load (fr_cuda_where); with one, one driver call for host memory, four for device memory. */
 static inline int fr_store_device(const void *p, size_t *room) {
   *room = SIZE_MAX;
   fr_mem_where w = fr_cuda_where(p);
