@@ -129,15 +129,33 @@ void fr_link_fail(ferry_link *l, int status, const char *why) {
 
 /* ---- sending ---- */
 
+/* A payload of CUDA memory: sent through host memory by the stager, chunk by chunk. */
+typedef struct staged_payload {
+  int device;
+  fr_cuda_stager *stager;
+} staged_payload;
+
+typedef struct staged_send {
+  ferry_link *l;
+  uint64_t deadline_ns;
+} staged_send;
+
+static int send_staged_chunk(void *arg, const void *buf, size_t len) {
+  staged_send *s = arg;
+  struct iovec v = {(void *)buf, len};
+  return s->l->ops->sendv(s->l, &v, 1, -1, s->deadline_ns);
+}
+
 static int send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
-                      int fd_out, uint64_t deadline_ns, bool quiet) {
+                      int fd_out, uint64_t deadline_ns, bool quiet, const staged_payload *staged) {
   uint8_t hdr[FR_FRAME_BYTES];
   fr_frame_encode(f, hdr);
+  int inline_cnt = staged ? 0 : iovcnt; /* a staged payload follows the header by itself */
   struct iovec local[9], *v = local;
-  if (iovcnt > 8 && !(v = malloc(sizeof *v * (size_t)(iovcnt + 1))))
+  if (inline_cnt > 8 && !(v = malloc(sizeof *v * (size_t)(inline_cnt + 1))))
     return fr_err(FERRY_ENOMEM, "send: iovec");
   v[0] = (struct iovec){hdr, sizeof hdr};
-  for (int i = 0; i < iovcnt; i++)
+  for (int i = 0; i < inline_cnt; i++)
     v[i + 1] = iov[i];
 
   if (pthread_mutex_trylock(&l->send_lock) != 0) {
@@ -148,7 +166,11 @@ static int send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov,
   int rc =
       __atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == FR_LINK_DEAD
           ? fr_err(l->dead_status ? l->dead_status : FERRY_EPEER, "link to '%s' is closed", l->peer)
-          : l->ops->sendv(l, v, iovcnt + 1, fd_out, deadline_ns);
+          : l->ops->sendv(l, v, inline_cnt + 1, fd_out, deadline_ns);
+  staged_send ss = {l, deadline_ns};
+  for (int i = 0; staged && i < iovcnt && rc == 0; i++)
+    rc = fr_cuda_stage_out(staged->stager, staged->device, iov[i].iov_base, iov[i].iov_len,
+                           send_staged_chunk, &ss);
   l->quiet = false;
   if (rc == 0) { /* plain stores under send_lock; a snapshot reads them relaxed */
     __atomic_store_n(&l->tx_bytes, l->tx_bytes + FR_FRAME_BYTES + f->len, __ATOMIC_RELAXED);
@@ -164,46 +186,18 @@ static int send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov,
 
 int fr_link_send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
                        int fd_out, uint64_t deadline_ns) {
-  return send_frame(l, f, iov, iovcnt, fd_out, deadline_ns, false);
-}
-
-typedef struct staged_send {
-  ferry_link *l;
-  uint64_t deadline_ns;
-} staged_send;
-
-static int send_staged_chunk(void *arg, const void *buf, size_t len) {
-  staged_send *s = arg;
-  struct iovec v = {(void *)buf, len};
-  return s->l->ops->sendv(s->l, &v, 1, -1, s->deadline_ns);
+  return send_frame(l, f, iov, iovcnt, fd_out, deadline_ns, false, NULL);
 }
 
 int fr_link_send_frame_device(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
                               int device, fr_cuda_stager *stager, uint64_t deadline_ns) {
-  uint8_t hdr[FR_FRAME_BYTES];
-  fr_frame_encode(f, hdr);
-  struct iovec h = {hdr, sizeof hdr};
-  staged_send s = {l, deadline_ns};
-  pthread_mutex_lock(&l->send_lock);
-  int rc =
-      __atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == FR_LINK_DEAD
-          ? fr_err(l->dead_status ? l->dead_status : FERRY_EPEER, "link to '%s' is closed", l->peer)
-          : l->ops->sendv(l, &h, 1, -1, deadline_ns);
-  for (int i = 0; i < iovcnt && rc == 0; i++)
-    rc = fr_cuda_stage_out(stager, device, iov[i].iov_base, iov[i].iov_len, send_staged_chunk, &s);
-  if (rc == 0) {
-    __atomic_store_n(&l->tx_bytes, l->tx_bytes + FR_FRAME_BYTES + f->len, __ATOMIC_RELAXED);
-    __atomic_store_n(&l->tx_frames, l->tx_frames + 1, __ATOMIC_RELAXED);
-  }
-  pthread_mutex_unlock(&l->send_lock);
-  if (rc != 0 && link_state(l) != FR_LINK_DEAD) /* a half-sent frame leaves the stream unusable */
-    fr_link_fail(l, rc, ferry_last_error());
-  return rc;
+  staged_payload staged = {device, stager};
+  return send_frame(l, f, iov, iovcnt, -1, deadline_ns, false, &staged);
 }
 
 int fr_link_send_frame_quiet(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
                              uint64_t deadline_ns) {
-  return send_frame(l, f, iov, iovcnt, -1, deadline_ns, true);
+  return send_frame(l, f, iov, iovcnt, -1, deadline_ns, true, NULL);
 }
 
 int fr_link_sock_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
@@ -304,7 +298,7 @@ static int request_send(ferry_link *l, fr_pending *p, uint8_t type, uint32_t cha
   for (int i = 0; i < iovcnt; i++)
     len += iov[i].iov_len;
   fr_frame f = {.type = type, .channel = channel, .req_id = p->id, .len = len};
-  rc = send_frame(l, &f, iov, iovcnt, -1, deadline, quiet);
+  rc = send_frame(l, &f, iov, iovcnt, -1, deadline, quiet, NULL);
   if (rc != 0) {
     pthread_mutex_lock(&l->lock);
     pending_unlink_locked(l, p);
