@@ -461,36 +461,35 @@ static size_t bounce_chunk(size_t len) {
   return len < chunk ? len : chunk;
 }
 
-int fr_link_read_bounced(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst,
-                         size_t len, int device, int timeout_ms) {
+/* A caller's CUDA buffer through a host bounce buffer, a chunk at a time: read, then copied to
+ * the device; or copied from the device, then written. */
+static int bounced(ferry_link *l, const ferry_region_ref *r, uint64_t off, uint8_t *dev, size_t len,
+                   int device, int timeout_ms, bool write) {
   size_t chunk = bounce_chunk(len);
   uint8_t *host = malloc(chunk ? chunk : 1);
-  int rc =
-      host ? 0 : fr_err(FERRY_ENOMEM, "read into CUDA memory: %zu bytes of host memory", chunk);
+  int rc = host ? 0
+                : fr_err(FERRY_ENOMEM, "%s CUDA memory: %zu bytes of host memory",
+                         write ? "write from" : "read into", chunk);
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   for (size_t done = 0; done < len && rc == 0; done += chunk) {
     size_t n = len - done < chunk ? len - done : chunk;
-    if ((rc = l->ops->read(l, r, off + done, host, n, fr_ms_left(deadline))) == 0)
-      rc = fr_cuda_copy_on(device, (uint8_t *)dst + done, host, n);
+    if (write && (rc = fr_cuda_copy_on(device, host, dev + done, n)) == 0)
+      rc = l->ops->write(l, r, off + done, host, n, fr_ms_left(deadline));
+    else if (!write && (rc = l->ops->read(l, r, off + done, host, n, fr_ms_left(deadline))) == 0)
+      rc = fr_cuda_copy_on(device, dev + done, host, n);
   }
   free(host);
   return rc;
 }
 
+int fr_link_read_bounced(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst,
+                         size_t len, int device, int timeout_ms) {
+  return bounced(l, r, off, dst, len, device, timeout_ms, false);
+}
+
 int fr_link_write_bounced(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
                           size_t len, int device, int timeout_ms) {
-  size_t chunk = bounce_chunk(len);
-  uint8_t *host = malloc(chunk ? chunk : 1);
-  int rc =
-      host ? 0 : fr_err(FERRY_ENOMEM, "write from CUDA memory: %zu bytes of host memory", chunk);
-  uint64_t deadline = fr_deadline_ns(timeout_ms);
-  for (size_t done = 0; done < len && rc == 0; done += chunk) {
-    size_t n = len - done < chunk ? len - done : chunk;
-    if ((rc = fr_cuda_copy_on(device, host, (const uint8_t *)src + done, n)) == 0)
-      rc = l->ops->write(l, r, off + done, host, n, fr_ms_left(deadline));
-  }
-  free(host);
-  return rc;
+  return bounced(l, r, off, (uint8_t *)src, len, device, timeout_ms, true);
 }
 
 /* ---- handshake ---- */
