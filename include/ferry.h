@@ -818,6 +818,13 @@ typedef struct ferry_refit_opts {
                     but a receiver that attaches late gets nothing until the next push (by
                     default the sender packs every bucket in place in one buffer and a late
                     receiver catches up from it at once) */
+  /* With every tensor on one CUDA device and none cast: two bucket slots in that device's memory
+   * (not the whole version: late joiners wait for the next push), packed device to device. When
+   * every receiver of a push is on this host (shm, reading whole buckets), a bucket is not hashed:
+   * receivers copy it device to device through CUDA IPC straight into their bound tensors,
+   * unverified, as alias mode's readers are; a push with any other receiver hashes each bucket
+   * through pinned host memory as usual. Ignored otherwise (docs/GPU.md). */
+  int device_buckets;
 } ferry_refit_opts;
 
 /* Opens a sender on ctx; receivers attach to ferry_ctx_address(ctx), or by `name` when it is

@@ -360,10 +360,13 @@ static bool aholds(const void *at, int i, uint64_t v) {
   return same;
 }
 
-/* The receiver process of test_alias_device: "alias" (views into the sender's device buffer),
- * "device" (bound device tensors), "host" (bound host tensors) or "shard" (a slice of "w" into
- * host memory: it reads only its runs, never viewing the device buffer from the CPU). Commands
- * as receiver_child's (positive versions only). */
+#define DIRECT_YES (1ll << 40)
+#define DIRECT_NO (1ll << 41)
+
+/* The receiver process of test_alias_device and test_device_buckets: "alias" (views into the
+ * sender's device buffer), "device" (bound device tensors), "host" (bound host tensors) or "shard"
+ * (a slice of "w" into host memory: it reads only its runs, never viewing the device buffer from
+ * the CPU). Commands as receiver_child's (positive versions only). */
 static int alias_child(const char *mode, const char *transports, const char *address, int cmd_fd,
                        int rep_fd) {
   setenv("FERRY_TRANSPORTS", transports, 1);
@@ -402,8 +405,20 @@ static int alias_child(const char *mode, const char *transports, const char *add
   uint8_t ok = 1;
   tu_pipe_put(&rep, &ok, 1);
   int64_t v;
+  uint64_t direct_before = 0; /* buckets read direct up to the last version (read as it lands) */
   while (tu_pipe_get(&cmd, &v, sizeof v, 60000) == 0 && v != 0) {
+    /* DIRECT_YES / DIRECT_NO: whether the version must come device to device, unhashed */
+    int64_t want = v & (DIRECT_YES | DIRECT_NO);
+    v &= ~(DIRECT_YES | DIRECT_NO);
     ok = ferry_refit_wait(r, (uint64_t)v, 20000, NULL) == 0;
+    uint64_t now = __atomic_load_n(&fr_refit_stat_direct, __ATOMIC_RELAXED);
+    uint64_t direct = now - direct_before;
+    direct_before = now;
+    if ((want == DIRECT_YES && direct == 0) || (want == DIRECT_NO && direct != 0)) {
+      fprintf(stderr, "cuda_refit_test alias child (%s): %llu buckets read direct\n", mode,
+              (unsigned long long)direct);
+      ok = false;
+    }
     if (shard && ok) {
       uint8_t *w = avalues(0, (uint64_t)v);
       ok = memcmp(slice, w + 100 * sizeof(float), sizeof slice) == 0;
@@ -489,6 +504,57 @@ static void test_alias_device(void **st) {
   child_end(&dev);
   child_end(&host);
   child_end(&shard);
+  ferry_refit_sender_close(snd);
+  for (int i = 0; i < NA; i++)
+    FR_OK(ferry_cuda_free(src[i]));
+  ferry_ctx_close(sc);
+}
+
+/* device_buckets: two bucket slots in the device's memory. With every receiver on this host,
+ * pushes go unhashed and receivers copy device to device (or device to host) through CUDA IPC
+ * straight into their bound tensors; once a receiver over tcp attaches, buckets are hashed through
+ * host memory again and every receiver verifies them; when it leaves, direct again. */
+static void test_device_buckets(void **st) {
+  (void)st;
+  if (!have_cuda)
+    skip();
+  ferry_ctx *sc = ctx_for("trainer", "shm,tcp");
+  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 8192, .device_buckets = 1};
+  ferry_refit_sender *snd;
+  FR_OK(ferry_refit_sender_open(sc, "trainer", &o, &snd));
+  void *src[NA];
+  for (int i = 0; i < NA; i++) {
+    ferry_tensor_desc d = adesc(i);
+    FR_OK(ferry_cuda_alloc(0, abytes(i), &src[i]));
+    FR_OK(ferry_refit_declare(snd, aspecs[i].name, &d, src[i], FERRY_DTYPE_INVALID));
+  }
+  FR_OK(ferry_refit_seal(snd));
+  child dev, host, tcp;
+  alias_child_start(&dev, "device", "shm", ferry_ctx_address(sc));
+  alias_child_start(&host, "host", "shm", ferry_ctx_address(sc));
+  await_receivers(snd, 2);
+  for (uint64_t v = 1; v <= 4; v++) {
+    if (v == 3) {
+      alias_child_start(&tcp, "host", "tcp", ferry_ctx_address(sc));
+      await_receivers(snd, 3);
+    }
+    for (int i = 0; i < NA; i++) {
+      uint8_t *x = avalues(i, v);
+      FR_OK(ferry_mem_copy(src[i], x, abytes(i)));
+      free(x);
+    }
+    FR_OK(ferry_refit_push(snd, v, NULL));
+    int64_t want = (int64_t)v | (v == 3 ? DIRECT_NO : DIRECT_YES);
+    child_expect(&dev, want);
+    child_expect(&host, want);
+    if (v == 3) {
+      child_expect(&tcp, (int64_t)v | DIRECT_NO);
+      child_end(&tcp);
+      await_receivers(snd, 2);
+    }
+  }
+  child_end(&dev);
+  child_end(&host);
   ferry_refit_sender_close(snd);
   for (int i = 0; i < NA; i++)
     FR_OK(ferry_cuda_free(src[i]));
@@ -666,11 +732,9 @@ int main(int argc, char **argv) {
   if (argc == 7 && strcmp(argv[1], "--alias-receiver") == 0)
     return alias_child(argv[2], argv[3], argv[4], atoi(argv[5]), atoi(argv[6]));
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_processes),
-      cmocka_unit_test(test_alias_device),
-      cmocka_unit_test(test_chain_and_late_join),
-      cmocka_unit_test(test_shards),
-      cmocka_unit_test(test_refusals),
+      cmocka_unit_test(test_processes),      cmocka_unit_test(test_alias_device),
+      cmocka_unit_test(test_device_buckets), cmocka_unit_test(test_chain_and_late_join),
+      cmocka_unit_test(test_shards),         cmocka_unit_test(test_refusals),
   };
   tu_filter();
   return cmocka_run_group_tests(tests, group_setup, NULL);

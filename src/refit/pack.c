@@ -167,9 +167,12 @@ static int hash_chunk(void *arg, const void *buf, size_t len) {
 /* A bucket of the device buffer: packed device to device, then hashed as the copy engine brings
  * it to host memory a chunk at a time (the next chunk's copy under this one's hash). */
 static int pack_device_bucket(ferry_refit_sender *s, uint32_t b, uint8_t *dst, uint64_t len,
-                              fr_refit_feed *feeds, size_t nfeeds, uint64_t *sum) {
+                              fr_refit_feed *feeds, size_t nfeeds, bool hash, uint64_t *sum) {
   int rc = pack_window(s, b, 0, len, dst);
-  if (rc == 0 && !s->stager)
+  *sum = 0;
+  if (rc != 0 || !hash) /* a FR_REFIT_DIRECT push: nobody reads it but through CUDA IPC */
+    return rc;
+  if (!s->stager)
     rc = fr_cuda_stager_open(fr_cuda_chunk_bytes(), &s->stager);
   if (rc != 0)
     return rc;
@@ -181,10 +184,10 @@ static int pack_device_bucket(ferry_refit_sender *s, uint32_t b, uint8_t *dst, u
 }
 
 int fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share, fr_refit_feed *feeds,
-                  size_t nfeeds, uint64_t *sum) {
+                  size_t nfeeds, bool hash, uint64_t *sum) {
   uint64_t len = fr_refit_bucket_len(&s->plan, b);
   if (s->dev_buf >= 0)
-    return pack_device_bucket(s, b, dst, len, feeds, nfeeds, sum);
+    return pack_device_bucket(s, b, dst, len, feeds, nfeeds, hash, sum);
   fr_refit_packer *k = share && !s->on_device ? s->packer : NULL;
   if (k) {
     atomic_store_explicit(&k->packed, 0, memory_order_relaxed);

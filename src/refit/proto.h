@@ -60,7 +60,10 @@ enum fr_refit_msg {
 #define FR_REFIT_FROM_UP 2u   /* BUCKET: read from the chain predecessor, not the sender */
 #define FR_REFIT_KEEP 4u      /* BUCKET: keep it for a successor; ACK: src says where it is */
 #define FR_REFIT_UPSTREAM 8u  /* ACK: failed reading from the predecessor (not this receiver) */
-#define FR_REFIT_FLAGS 15u
+/* BUCKET: CUDA memory of the sender on this host, not hashed (checksum 0): read it with the copy
+ * engines through CUDA IPC, straight into the bound tensors; refused over any other link. */
+#define FR_REFIT_DIRECT 16u
+#define FR_REFIT_FLAGS 31u
 #define FR_REFIT_ADDRESS_MAX 1024 /* ROUTE and ATTACH addresses */
 
 typedef struct fr_refit_msg_t {

@@ -37,6 +37,8 @@ typedef struct fr_push {
   uint32_t first_pass; /* seqs packed at least once (their sums are known) */
   uint32_t from;       /* first seq of the current pass */
   bool skip;
+  bool hash;          /* buckets are hashed (else FR_REFIT_DIRECT: device buckets, every reader
+                         on this host, reading whole buckets through CUDA IPC) */
   bool share_pack;    /* no receiver copies on this host: pack on two threads */
   uint64_t had;       /* the version the whole buffer held complete when the push began, or 0 */
   receiver *head;     /* of the chain, or NULL */
@@ -73,7 +75,7 @@ static int pack_seq(ferry_refit_sender *s, fr_push *p, uint32_t j) {
   for (size_t i = 0; i < nf; i++) /* shard readers: the sums of their runs, taken while packing */
     fr_refit_view_feed_begin(&p->feeds[i], p->viewers[i]->view, b);
   uint64_t sum = 0;
-  int rc = fr_refit_pack(s, b, dst, p->share_pack, p->feeds, nf, &sum);
+  int rc = fr_refit_pack(s, b, dst, p->share_pack, p->feeds, nf, p->hash, &sum);
   for (size_t i = 0; i < nf; i++)
     p->viewers[i]->vsum[j] = fr_hash_end(p->feeds[i].h);
   if (rc != 0) {
@@ -86,7 +88,7 @@ static int pack_seq(ferry_refit_sender *s, fr_push *p, uint32_t j) {
   if (!first)
     return 0;
   p->sum[j] = sum;
-  p->unchanged[j] = p->skip && s->last_sum[b] == sum;
+  p->unchanged[j] = p->skip && p->hash && s->last_sum[b] == sum; /* 0: not hashed, unknown */
   s->last_sum[b] = sum;
   p->first_pass = j + 1;
   return 0;
@@ -185,6 +187,8 @@ static void announce_one(ferry_refit_sender *s, fr_push *p, receiver *r, uint32_
                       .checksum = p->sum[j],
                       .timeout_ms = (uint32_t)p->timeout_ms,
                       .flags = p->unchanged[j] ? FR_REFIT_UNCHANGED : 0};
+  if (!p->hash)
+    m.flags |= FR_REFIT_DIRECT;
   if (r->up) {
     m.flags |= FR_REFIT_FROM_UP;
     m.src = r->up->fwd[j % 2];
@@ -575,6 +579,21 @@ static void end_views(ferry_refit_sender *s, fr_push *p) {
   free(p->feeds);
 }
 
+/* Whether this push's buckets go unhashed (FR_REFIT_DIRECT): device buckets (not alias mode,
+ * whose engines read nothing and whose buffer late joiners catch up from), and every receiver
+ * in the push on this host, reading whole buckets from the sender (no chain, no shard view). */
+static bool direct_push(ferry_refit_sender *s) {
+  if (s->dev_buf < 0 || s->alias)
+    return false;
+  bool direct = true;
+  pthread_mutex_lock(&s->lock);
+  for (receiver *r = s->receivers; r && direct; r = r->next)
+    if (r->in_push)
+      direct = r->shm && !r->up && !r->down && !r->view;
+  pthread_mutex_unlock(&s->lock);
+  return direct;
+}
+
 static int plan_push(ferry_refit_sender *s, fr_push *p, const ferry_refit_push_opts *o,
                      bool all_current) {
   uint32_t nb = s->plan.buckets ? s->plan.buckets : 1;
@@ -587,6 +606,7 @@ static int plan_push(ferry_refit_sender *s, fr_push *p, const ferry_refit_push_o
   if (!p->order || !p->sum || !p->unchanged)
     return fr_err(FERRY_ENOMEM, "refit '%s': push of %u buckets", s->name, nb);
   p->skip = FR_OPT(o, skip_unchanged, 0) && all_current;
+  p->hash = !direct_push(s);
   for (uint32_t b = 0; b < s->plan.buckets; b++)
     if (!all_current || bucket_selected(s, o, b))
       p->order[p->n++] = b;

@@ -108,6 +108,7 @@ struct ferry_refit_receiver {
 };
 
 uint64_t fr_refit_stat_forwarded;
+uint64_t fr_refit_stat_direct;
 
 static int fetch_manifest(ferry_refit_receiver *r, int timeout_ms, fr_refit_plan *plan);
 static int alias_map(ferry_refit_receiver *r);
@@ -787,6 +788,35 @@ static int fetch_shards(ferry_refit_receiver *r, const fr_refit_msg_t *m, ferry_
   return rc;
 }
 
+/* A FR_REFIT_DIRECT bucket: the sender's CUDA memory on this host, not hashed. Each bound
+ * tensor's part is read straight into it (ferry_read over shm: the copy engines, from the IPC
+ * mapping, device to device or into host memory); a flat buffer takes the bucket whole. */
+static int read_direct(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
+  if (strcmp(ferry_link_transport(r->link), "shm") != 0 || (m->flags & FR_REFIT_FROM_UP))
+    return fr_err(FERRY_EPROTO, "refit: an unhashed bucket offered over %s: refused",
+                  ferry_link_transport(r->link));
+  int ms = m->timeout_ms ? (int)m->timeout_ms : -1;
+  if (r->flat)
+    return ferry_read(r->link, &m->src, m->src_offset,
+                      r->flat + (uint64_t)m->bucket * r->plan.bucket_bytes, m->bytes, ms);
+  const fr_refit_plan *p = &r->plan;
+  uint64_t start = (uint64_t)m->bucket * p->bucket_bytes;
+  int rc = 0;
+  for (uint32_t e = fr_refit_first_entry(p, m->bucket); e < p->count && rc == 0; e++) {
+    uint64_t wire_off, src_off,
+        n = fr_refit_overlap_window(p, e, start, m->bytes, &wire_off, &src_off);
+    if (n == 0 && p->entries[e].offset >= start + m->bytes)
+      break;
+    if (n && r->bound[e])
+      rc = ferry_read(r->link, &m->src, m->src_offset + src_off, (uint8_t *)r->bound[e] + wire_off,
+                      n, ms);
+  }
+  if (rc == 0)
+    __atomic_add_fetch(&r->bytes_read, m->bytes, __ATOMIC_RELAXED);
+  __atomic_add_fetch(&fr_refit_stat_direct, rc == 0, __ATOMIC_RELAXED);
+  return rc;
+}
+
 /* Reads, verifies and places bucket m; with KEEP, *kept says where a successor finds it. */
 static int fetch_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, ferry_region_ref *kept,
                         uint64_t *kept_off) {
@@ -795,6 +825,10 @@ static int fetch_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m, ferry_
     return 0; /* the bytes are already where the engine looks: the sender's buffer */
   if (!r->alias)
     tear(r, m->version); /* the first byte lands below; ahead of the checksum */
+  if ((m->flags & FR_REFIT_DIRECT) && !keep && !r->shards)
+    return read_direct(r, m);
+  if (m->flags & FR_REFIT_DIRECT) /* the sender counts none of these among a direct push's */
+    return fr_err(FERRY_EPROTO, "refit: an unhashed bucket for a chain member or shard reader");
   if (r->shards)
     return fetch_shards(r, m, kept, kept_off);
   uint8_t *land = NULL;

@@ -16,6 +16,8 @@ extern void (*fr_refit_test_corrupt)(uint32_t bucket, uint8_t *bytes, uint64_t l
 
 /* Buckets this process's receivers read from a chain predecessor (tests prove chains carry). */
 extern uint64_t fr_refit_stat_forwarded;
+/* Buckets read device to device (FR_REFIT_DIRECT) by receivers of this process, for tests. */
+extern uint64_t fr_refit_stat_direct;
 
 /* Bytes packed, or read and hashed, at a time: the chunk stays in cache between the steps. */
 #define FR_REFIT_CHUNK (256u * 1024u)

@@ -285,6 +285,7 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
   }
   s->budget = bucket_budget(opts);
   s->alias = FR_OPT(opts, alias, 0);
+  s->device_buckets = FR_OPT(opts, device_buckets, 0);
   s->retain = !FR_OPT(opts, no_retain, 0);
   if (FR_OPT(opts, publish, 0) &&
       (rc = fr_refit_publish(ctx, name, FR_OPT(opts, directory, NULL), &s->published))) {
@@ -375,11 +376,12 @@ int ferry_refit_declare(ferry_refit_sender *s, const char *name, const ferry_ten
 }
 
 static void free_buffers(ferry_refit_sender *s) {
-  if (s->dev_buf >= 0 && s->buf[0]) {
-    ferry_deregister(s->ctx, s->ref[0].id);
-    fr_cuda_free(s->buf[0]);
-    s->buf[0] = NULL;
-  }
+  for (int i = 0; i < 2 && s->dev_buf >= 0; i++)
+    if (s->buf[i]) {
+      ferry_deregister(s->ctx, s->ref[i].id);
+      fr_cuda_free(s->buf[i]);
+      s->buf[i] = NULL;
+    }
   s->dev_buf = -1;
   for (int i = 0; i < 2; i++) {
     if (s->pinned[i])
@@ -392,10 +394,10 @@ static void free_buffers(ferry_refit_sender *s) {
   s->buf_bytes = 0;
 }
 
-/* Alias mode with every tensor on one CUDA device and sent as declared (no cast: casting needs
- * the host): that device, whose memory the whole buffer then is; else -1. */
-static int alias_device(const ferry_refit_sender *s) {
-  if (!s->alias || s->plan.count == 0)
+/* Alias mode or device_buckets with every tensor on one CUDA device and sent as declared (no
+ * cast: casting needs the host): that device, whose memory the buffers then are; else -1. */
+static int buffer_device(const ferry_refit_sender *s) {
+  if ((!s->alias && !s->device_buckets) || s->plan.count == 0)
     return -1;
   int d = s->src[0].device;
   for (uint32_t i = 0; i < s->plan.count; i++)
@@ -404,32 +406,32 @@ static int alias_device(const ferry_refit_sender *s) {
   return d;
 }
 
-/* Zeroes [0, n) of the device buffer (the gaps of a layout are never written). */
-static int zero_device_buffer(ferry_refit_sender *s, int device, uint64_t n) {
+/* Zeroes [0, n) of device buffer i (the gaps of a layout are never written). */
+static int zero_device_buffer(ferry_refit_sender *s, int i, int device, uint64_t n) {
   void *zero = calloc(1, FR_REFIT_SCRATCH);
   int rc = zero ? 0 : fr_err(FERRY_ENOMEM, "refit '%s': zeroes for its CUDA buffer", s->name);
   for (uint64_t at = 0; rc == 0 && at < n; at += FR_REFIT_SCRATCH)
-    rc = fr_cuda_copy_on(device, (uint8_t *)s->buf[0] + at, zero,
+    rc = fr_cuda_copy_on(device, (uint8_t *)s->buf[i] + at, zero,
                          n - at < FR_REFIT_SCRATCH ? n - at : FR_REFIT_SCRATCH);
   free(zero);
   return rc;
 }
 
-/* The whole buffer in CUDA memory of `device`, zeroed (the gaps between tensors are never
- * written) and registered, so that receivers on this host map it through CUDA IPC. */
-static int alloc_device_buffer(ferry_refit_sender *s, int device, uint64_t need) {
+/* Buffer i in CUDA memory of `device`, zeroed (the gaps between tensors are never written) and
+ * registered, so that receivers on this host map it through CUDA IPC. */
+static int alloc_device_buffer(ferry_refit_sender *s, int i, int device, uint64_t need) {
   void *p = NULL;
   int rc = fr_cuda_alloc(device, need, &p);
-  s->buf[0] = p;
+  s->buf[i] = p;
   if (rc == 0)
-    rc = zero_device_buffer(s, device, need);
+    rc = zero_device_buffer(s, i, device, need);
   if (rc == 0)
-    rc = ferry_register(s->ctx, p, need, &s->ref[0]);
+    rc = ferry_register(s->ctx, p, need, &s->ref[i]);
   if (rc != 0) {
-    s->buf[0] = NULL;
+    s->buf[i] = NULL;
     if (p)
       fr_cuda_free(p);
-    return fr_err(rc, "refit '%s': a whole buffer of %llu bytes on CUDA device %d: %s", s->name,
+    return fr_err(rc, "refit '%s': a buffer of %llu bytes on CUDA device %d: %s", s->name,
                   (unsigned long long)need, device, ferry_last_error());
   }
   s->dev_buf = device;
@@ -438,18 +440,24 @@ static int alloc_device_buffer(ferry_refit_sender *s, int device, uint64_t need)
 
 static int alloc_layout(ferry_refit_sender *s, bool whole) {
   uint64_t need = whole ? s->plan.total_bytes : s->plan.bucket_bytes;
-  int device = whole ? alias_device(s) : -1;
-  if (s->buf[0] && s->whole == whole && s->buf_bytes >= need && device == s->dev_buf)
-    /* kept: a CUDA buffer is zeroed again for the new layout's gaps; peers that mapped it
+  int device = buffer_device(s), n = whole ? 1 : 2, rc = 0;
+  if (s->buf[0] && s->whole == whole && s->buf_bytes >= need && device == s->dev_buf) {
+    /* kept: CUDA buffers are zeroed again for the new layout's gaps; peers that mapped them
      * through IPC keep a valid mapping (a new one would pin device memory in every importer
      * until its link closes) */
-    return device < 0 ? 0 : zero_device_buffer(s, device, s->buf_bytes);
+    for (int i = 0; i < n && device >= 0 && rc == 0; i++)
+      rc = zero_device_buffer(s, i, device, s->buf_bytes);
+    return rc;
+  }
   free_buffers(s);
+  for (int i = 0; i < n && device >= 0 && rc == 0; i++)
+    rc = alloc_device_buffer(s, i, device, need);
   if (device >= 0) {
-    int rc = alloc_device_buffer(s, device, need);
-    if (rc != 0)
+    if (rc != 0) {
+      free_buffers(s);
       return rc;
-    s->whole = true;
+    }
+    s->whole = whole;
     s->buf_bytes = need;
     return 0;
   }
@@ -471,7 +479,7 @@ static int alloc_layout(ferry_refit_sender *s, bool whole) {
  * joiners; packing there in place costs no copy), else two bucket slots. A retaining sender that
  * cannot get the whole buffer falls back to two slots: late joiners then wait for the next push. */
 static int alloc_buffers(ferry_refit_sender *s) {
-  if (s->alias || !s->retain)
+  if (s->alias || !s->retain || buffer_device(s) >= 0) /* device buckets: two slots, not whole */
     return alloc_layout(s, s->alias);
   if (alloc_layout(s, true) == 0)
     return 0;

@@ -106,6 +106,7 @@ struct ferry_refit_sender {
   bool sealed;
   uint64_t budget;
   bool alias;               /* receivers may map buf[0] (alias mode) */
+  bool device_buckets;      /* ferry_refit_opts.device_buckets */
   bool retain;              /* keep the latest version whole (not ferry_refit_opts.no_retain) */
   bool whole;               /* buf[0] holds every bucket (alias mode, or retaining), not
                                two of them */
@@ -124,10 +125,10 @@ struct ferry_refit_sender {
   uint8_t *scratch; /* FR_REFIT_SCRATCH host bytes (pinned when it could be) where a device
                        tensor's bytes land before a cast or the fp8 scale reads them, or NULL */
   bool scratch_pinned;
-  /* Alias mode with every tensor on one CUDA device, sent as declared: the device whose memory
-   * buf[0] is (registered: receivers on this host map it through CUDA IPC, and the engine's
-   * views are device memory), packed by the copy engines and hashed through host memory by
-   * `stager`; -1 when buf[0] is host memory. */
+  /* Alias mode or device_buckets, with every tensor on one CUDA device, sent as declared: the
+   * device whose memory the buffers are (registered: receivers on this host map them through
+   * CUDA IPC; alias views are device memory), packed by the copy engines and hashed through host
+   * memory by `stager` (or not at all: FR_REFIT_DIRECT pushes); -1 when they are host memory. */
   int dev_buf;
   fr_cuda_stager *stager;
   uint64_t *last_sum; /* per bucket, of the last push */
@@ -175,7 +176,7 @@ typedef struct fr_refit_packer fr_refit_packer;
 int fr_refit_packer_start(ferry_refit_sender *s, fr_refit_packer **out);
 void fr_refit_packer_stop(fr_refit_packer *k);
 int fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share, fr_refit_feed *feeds,
-                  size_t nfeeds, uint64_t *sum);
+                  size_t nfeeds, bool hash, uint64_t *sum);
 /* Late join (catchup.c), all under s->lock, queueing what it sends in `out` (sent once the lock is
  * released): a receiver asked for the latest version; serves every pending request when no push
  * is under way; handles a catch-up ACK or COMMITTED (true when the record belonged to a
