@@ -3,8 +3,8 @@
  * stands for, in the same run (issue 18's device check; docs/GPU.md):
  *   (a) colocated refit: a bf16 state dict in device memory of this process (the trainer) pushed
  *       to a receiver process on the same GPU that binds tensors of its own device memory
- *       (copying receiver), against one device-to-device copy of the same bytes (goal <= 1.2x
- *       the copy); and in alias mode, the receiver viewing the sender's device buffer through
+ *       (copying receiver: device buckets, read device to device through CUDA IPC, unhashed),
+ *       against one device-to-device copy of the same bytes (goal <= 1.2x the copy); and in alias mode, the receiver viewing the sender's device buffer through
  *       CUDA IPC (nothing copied on its side; the sender packs device to device and takes the
  *       checksums through pinned host memory);
  *   (b) an 11.25 MiB routing tensor (int32 [45, 8192, 8], the bytes of `ferry bench store`'s
@@ -263,7 +263,7 @@ static pid_t spawn(int *from, const char *role, const char *a, const char *b) {
  * (which maps the buckets and faults pages) is not timed. */
 static int time_refit(const gmodel *m, uint8_t *src, int reps, bool alias, bench_samples *b) {
   ferry_ctx_opts co = {.size = sizeof co, .name = "bench-gpu-trainer"};
-  ferry_refit_opts so = {.size = sizeof so, .alias = alias};
+  ferry_refit_opts so = {.size = sizeof so, .alias = alias, .device_buckets = !alias};
   ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = -1};
   ferry_ctx *ctx = NULL;
   ferry_refit_sender *s = NULL;

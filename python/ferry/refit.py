@@ -71,7 +71,8 @@ ROUTES = {"auto": 0, "direct": 1, "chain": 2}
 
 class RefitOpts(ctypes.Structure):  # ferry_refit_opts
     _fields_ = [("size", c_size_t), ("bucket_bytes", c_uint64), ("alias", c_int),
-                ("publish", c_int), ("directory", c_char_p)]
+                ("publish", c_int), ("directory", c_char_p), ("no_retain", c_int),
+                ("device_buckets", c_int)]
 
 
 # ferry_refit_bucket_fn and ferry_refit_commit_fn; module-wide, so never freed while C holds them
@@ -307,13 +308,17 @@ class RefitSender(_lib.Closing):
     directory (`directory`, else FERRY_DIRECTORY when set; ferry.AlreadyExists when a live
     sender holds the name), else in this host's FERRY_CTL_DIR (module docstring). alias: keep
     the whole wire layout in one shared buffer that receivers on this host read in place
-    (RefitReceiver.bind_alias)."""
+    (RefitReceiver.bind_alias; device memory when every tensor is on one CUDA device, uncast).
+    device_buckets: with every tensor on one CUDA device and none cast, two bucket slots in
+    that device's memory; pushes whose receivers are all on this host go device to device
+    through CUDA IPC, unhashed (ferry_refit_opts.device_buckets, docs/GPU.md)."""
 
     def __init__(self, name: str, state_dict: Mapping[str, Any],
                  buffer_bytes: Optional[int] = None,
                  cast: Union[str, Any, Dict[str, Any], None] = None,
                  ctx: Optional[Context] = None, publish: bool = True,
-                 directory: Optional[str] = None, alias: bool = False) -> None:
+                 directory: Optional[str] = None, alias: bool = False,
+                 device_buckets: bool = False) -> None:
         self.name = name
         path = refit_address(name) if publish else None  # also checks the name
         in_dir = bool(publish) and _directory_configured(directory)
@@ -334,7 +339,8 @@ class RefitSender(_lib.Closing):
         self.version = 0
         try:
             opts = RefitOpts(ctypes.sizeof(RefitOpts), int(buffer_bytes or 0), 1 if alias else 0,
-                             1 if in_dir else 0, _lib.encoded(directory, "directory"))
+                             1 if in_dir else 0, _lib.encoded(directory, "directory"), 0,
+                             1 if device_buckets else 0)
             h = c_void_p()
             check(lib.ferry_refit_sender_open(self._ctx.handle, _lib.encoded(name, "name"), byref(opts),
                                               byref(h)))

@@ -27,9 +27,14 @@ def _stand_in():
     env = os.environ.get("FERRY_CUDASTUB")
     if env:
         return env
-    found = sorted(glob.glob(os.path.join(_REPO, "build*", "tests", "libferry_cudastub.so")) +
-                   glob.glob(os.path.join(_REPO, "build*", "**", "libferry_cudastub.so"),
-                             recursive=True))
+    # the one built with the library under test (a sanitizer build's would not load here)
+    lib = os.environ.get("FERRY_LIB")
+    beside = os.path.join(os.path.dirname(lib), "tests", "libferry_cudastub.so") if lib else ""
+    if beside and os.path.exists(beside):
+        return beside
+    found = (glob.glob(os.path.join(_REPO, "build", "tests", "libferry_cudastub.so")) +
+             sorted(glob.glob(os.path.join(_REPO, "build*", "**", "libferry_cudastub.so"),
+                              recursive=True)))
     return found[0] if found else None
 
 
