@@ -165,7 +165,7 @@ def _run_refit(torch: Any, nbytes: int, reps: int, rows: Rows) -> None:
     rows.append((case, "torch-mp-ipc", total, ipc))
 
     name = "bench-gpu-py-%d" % os.getpid()
-    tx = ferry.RefitSender(name, sd)
+    tx = ferry.RefitSender(name, sd, device_buckets=True)  # device to device through CUDA IPC
     p = _spawn("_gpu_engine", "ferry", name, json.dumps(shapes))
     push = []
     try:
