@@ -581,7 +581,8 @@ static void end_views(ferry_refit_sender *s, fr_push *p) {
 
 /* Whether this push's buckets go unhashed (FR_REFIT_DIRECT): device buckets (not alias mode,
  * whose engines read nothing and whose buffer late joiners catch up from), and every receiver
- * in the push on this host, reading whole buckets from the sender (no chain, no shard view). */
+ * in the push on this host, reading whole buckets from the sender (no chain, no shard targets:
+ * a shard reader whose view was dropped reads whole buckets, but verifies them). */
 static bool direct_push(ferry_refit_sender *s) {
   if (s->dev_buf < 0 || s->alias)
     return false;
@@ -589,7 +590,7 @@ static bool direct_push(ferry_refit_sender *s) {
   pthread_mutex_lock(&s->lock);
   for (receiver *r = s->receivers; r && direct; r = r->next)
     if (r->in_push)
-      direct = r->shm && !r->up && !r->down && !r->view;
+      direct = r->shm && !r->up && !r->down && !r->view && !r->ntargets; /* no shards either */
   pthread_mutex_unlock(&s->lock);
   return direct;
 }
