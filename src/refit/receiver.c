@@ -888,14 +888,14 @@ static void note_failure(ferry_refit_receiver *r, const fr_refit_msg_t *m, int r
 }
 
 static void on_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
-  if (r->alias && !(m->flags & FR_REFIT_UNCHANGED))
-    tear(r, m->version); /* the sender wrote this bucket into the buffer the engine reads */
   fr_refit_msg_t ack = {.type = FR_REFIT_ACK,
                         .version = m->version,
                         .bucket = m->bucket,
                         .seq = m->seq,
                         .flags = m->flags & FR_REFIT_KEEP};
-  pthread_mutex_lock(&r->bind_lock);
+  pthread_mutex_lock(&r->bind_lock); /* bind_alias sets r->alias under it */
+  if (r->alias && !(m->flags & FR_REFIT_UNCHANGED))
+    tear(r, m->version); /* the sender wrote this bucket into the buffer the engine reads */
   if (m->version != r->receiving)
     new_version(r, m->version);
   int rc = r->failure ? r->failure : take_bucket(r, m, &ack.src, &ack.src_offset);
