@@ -460,6 +460,30 @@ static void alias_child_start(child *k, const char *mode, const char *transports
   assert_int_equal(ready, 1);
 }
 
+/* The sender's side of the two cases below: the NA tensors in device memory of this process,
+ * declared as they are and sealed; version v written into them; freed. */
+static void device_sender_declare(ferry_refit_sender *snd, void *src[NA]) {
+  for (int i = 0; i < NA; i++) {
+    ferry_tensor_desc d = adesc(i);
+    FR_OK(ferry_cuda_alloc(0, abytes(i), &src[i]));
+    FR_OK(ferry_refit_declare(snd, aspecs[i].name, &d, src[i], FERRY_DTYPE_INVALID));
+  }
+  FR_OK(ferry_refit_seal(snd));
+}
+
+static void device_sender_fill(void *src[NA], uint64_t v) {
+  for (int i = 0; i < NA; i++) {
+    uint8_t *x = avalues(i, v);
+    FR_OK(ferry_mem_copy(src[i], x, abytes(i)));
+    free(x);
+  }
+}
+
+static void device_sender_free(void *src[NA]) {
+  for (int i = 0; i < NA; i++)
+    FR_OK(ferry_cuda_free(src[i]));
+}
+
 /* A sender in alias mode whose tensors are all on the device: its buffer is device memory. An
  * engine on this host views it in place through CUDA IPC (device addresses, nothing copied);
  * receivers that copy read it over shm into device tensors, and over tcp (staged by the owner)
@@ -474,12 +498,7 @@ static void test_alias_device(void **st) {
   ferry_refit_sender *snd;
   FR_OK(ferry_refit_sender_open(sc, "trainer", &o, &snd));
   void *src[NA];
-  for (int i = 0; i < NA; i++) {
-    ferry_tensor_desc d = adesc(i);
-    FR_OK(ferry_cuda_alloc(0, abytes(i), &src[i]));
-    FR_OK(ferry_refit_declare(snd, aspecs[i].name, &d, src[i], FERRY_DTYPE_INVALID));
-  }
-  FR_OK(ferry_refit_seal(snd));
+  device_sender_declare(snd, src);
   child alias, dev, host, shard;
   alias_child_start(&alias, "alias", "shm", ferry_ctx_address(sc));
   alias_child_start(&dev, "device", "shm", ferry_ctx_address(sc));
@@ -487,11 +506,7 @@ static void test_alias_device(void **st) {
   alias_child_start(&shard, "shard", "shm", ferry_ctx_address(sc));
   await_receivers(snd, 4);
   for (uint64_t v = 1; v <= 4; v++) {
-    for (int i = 0; i < NA; i++) {
-      uint8_t *x = avalues(i, v);
-      FR_OK(ferry_mem_copy(src[i], x, abytes(i)));
-      free(x);
-    }
+    device_sender_fill(src, v);
     if (v == 4) /* sealed again: the same device buffer, zeroed and packed anew */
       FR_OK(ferry_refit_seal(snd));
     FR_OK(ferry_refit_push(snd, v, NULL));
@@ -505,8 +520,7 @@ static void test_alias_device(void **st) {
   child_end(&host);
   child_end(&shard);
   ferry_refit_sender_close(snd);
-  for (int i = 0; i < NA; i++)
-    FR_OK(ferry_cuda_free(src[i]));
+  device_sender_free(src);
   ferry_ctx_close(sc);
 }
 
@@ -523,12 +537,7 @@ static void test_device_buckets(void **st) {
   ferry_refit_sender *snd;
   FR_OK(ferry_refit_sender_open(sc, "trainer", &o, &snd));
   void *src[NA];
-  for (int i = 0; i < NA; i++) {
-    ferry_tensor_desc d = adesc(i);
-    FR_OK(ferry_cuda_alloc(0, abytes(i), &src[i]));
-    FR_OK(ferry_refit_declare(snd, aspecs[i].name, &d, src[i], FERRY_DTYPE_INVALID));
-  }
-  FR_OK(ferry_refit_seal(snd));
+  device_sender_declare(snd, src);
   child dev, host, tcp;
   alias_child_start(&dev, "device", "shm", ferry_ctx_address(sc));
   alias_child_start(&host, "host", "shm", ferry_ctx_address(sc));
@@ -538,11 +547,7 @@ static void test_device_buckets(void **st) {
       alias_child_start(&tcp, "host", "tcp", ferry_ctx_address(sc));
       await_receivers(snd, 3);
     }
-    for (int i = 0; i < NA; i++) {
-      uint8_t *x = avalues(i, v);
-      FR_OK(ferry_mem_copy(src[i], x, abytes(i)));
-      free(x);
-    }
+    device_sender_fill(src, v);
     FR_OK(ferry_refit_push(snd, v, NULL));
     int64_t want = (int64_t)v | (v == 3 ? DIRECT_NO : DIRECT_YES);
     child_expect(&dev, want);
@@ -556,8 +561,7 @@ static void test_device_buckets(void **st) {
   child_end(&dev);
   child_end(&host);
   ferry_refit_sender_close(snd);
-  for (int i = 0; i < NA; i++)
-    FR_OK(ferry_cuda_free(src[i]));
+  device_sender_free(src);
   ferry_ctx_close(sc);
 }
 
