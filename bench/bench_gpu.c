@@ -4,20 +4,19 @@
  *   (a) colocated refit: a bf16 state dict in device memory of this process (the trainer) pushed
  *       to a receiver process on the same GPU that binds tensors of its own device memory
  *       (copying receiver: device buckets, read device to device through CUDA IPC, unhashed),
- *       against one device-to-device copy of the same bytes (goal <= 1.2x the copy); and in alias mode, the receiver viewing the sender's device buffer through
- *       CUDA IPC (nothing copied on its side; the sender packs device to device and takes the
- *       checksums through pinned host memory);
- *   (b) an 11.25 MiB routing tensor (int32 [45, 8192, 8], the bytes of `ferry bench store`'s
- *       routing case) put from device memory by a producer process and got into device memory
- *       here, against a device-to-device copy of it;
- *   (c) staged device -> host -> device: a large buffer through a bounded pinned bounce buffer in
- *       chunks, as ferry stages bytes that cross a wire, against one pinned device -> host copy
- *       and one host -> device copy of the whole buffer.
- * The driver is the one ferry loads (FERRY_CUDA_LIB, else libcuda.so.1): on the tests' stand-in
- * this runs end to end at small sizes (--quick), on a GPU at the sizes of the issue. Without a
- * driver it says so and exits 0. The rows are copies of megabytes to gigabytes, timed back to
- * back: no paced rows. torch's paths (CUDA IPC through torch.multiprocessing, torch.save) are
- * the Python bench's (`python3 -m ferry.bench gpu`).
+ *       against one device-to-device copy of the same bytes (goal <= 1.2x the copy); and in alias
+ * mode, the receiver viewing the sender's device buffer through CUDA IPC (nothing copied on its
+ * side; the sender packs device to device and takes the checksums through pinned host memory); (b)
+ * an 11.25 MiB routing tensor (int32 [45, 8192, 8], the bytes of `ferry bench store`'s routing
+ * case) put from device memory by a producer process and got into device memory here, against a
+ * device-to-device copy of it; (c) staged device -> host -> device: a large buffer through a
+ * bounded pinned bounce buffer in chunks, as ferry stages bytes that cross a wire, against one
+ * pinned device -> host copy and one host -> device copy of the whole buffer. The driver is the one
+ * ferry loads (FERRY_CUDA_LIB, else libcuda.so.1): on the tests' stand-in this runs end to end at
+ * small sizes (--quick), on a GPU at the sizes of the issue. Without a driver it says so and exits
+ * 0. The rows are copies of megabytes to gigabytes, timed back to back: no paced rows. torch's
+ * paths (CUDA IPC through torch.multiprocessing, torch.save) are the Python bench's (`python3 -m
+ * ferry.bench gpu`).
  */
 #include "cli/bench.h"
 #include "cli/cli.h"
