@@ -285,47 +285,60 @@ static int after_copy(ferry_link *l, const ferry_region_ref *r, shm_map *m) {
   return 0;
 }
 
-static int shm_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst, size_t len,
-                    int timeout_ms) {
+/* The mapped address of byte `off` of a region: its pages, or its CUDA IPC mapping. */
+static uint8_t *mapped_at(const shm_map *m, uint64_t off) {
+  return (m->cuda ? m->cuda_data : m->base + FR_SHM_HEADER_BYTES) + off;
+}
+
+/* One copy between a caller's buffer (CUDA memory of `device`, or host memory: -1) and a mapped
+ * region: a memcpy when both are host memory, else the copy engines. */
+static int copy_mapped(const shm_map *m, int device, void *dst, const void *src, size_t len) {
+  if (device < 0 && !m->cuda) {
+    memcpy(dst, src, len);
+    return 0;
+  }
+  return fr_cuda_copy_on(device >= 0 ? device : m->device, dst, src, len);
+}
+
+/* A read or write of [off, off+len) with the caller's buffer on `device` (-1: host memory);
+ * memory the link cannot map goes through the owner's stream requests. */
+static int mapped_rw(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *buf, size_t len,
+                     int device, int timeout_ms, bool write) {
   shm_map *m = NULL;
   int rc = mapped_access(l, r, off, len, timeout_ms, &m);
   if (rc != 0)
     return rc;
+  if (m->stream_only && device >= 0)
+    return write ? fr_link_write_bounced(l, r, off, buf, len, device, timeout_ms)
+                 : fr_link_read_bounced(l, r, off, buf, len, device, timeout_ms);
   if (m->stream_only)
-    return fr_link_rma_read(l, r, off, dst, len, timeout_ms);
-  if (m->cuda)
-    rc = fr_cuda_copy_on(m->device, dst, m->cuda_data + off, len);
-  else
-    memcpy(dst, m->base + FR_SHM_HEADER_BYTES + off, len);
+    return write ? fr_link_rma_write(l, r, off, buf, len, timeout_ms)
+                 : fr_link_rma_read(l, r, off, buf, len, timeout_ms);
+  rc = write ? copy_mapped(m, device, mapped_at(m, off), buf, len)
+             : copy_mapped(m, device, buf, mapped_at(m, off), len);
   return rc ? rc : after_copy(l, r, m);
+}
+
+static int shm_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst, size_t len,
+                    int timeout_ms) {
+  return mapped_rw(l, r, off, dst, len, -1, timeout_ms, false);
 }
 
 /* Into a caller's CUDA buffer: one copy by the copy engines, from the mapped pages (host memory
  * they read directly) or the peer's CUDA region (device to device). */
 static int shm_read_device(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst,
                            size_t len, int device, int timeout_ms) {
-  shm_map *m = NULL;
-  int rc = mapped_access(l, r, off, len, timeout_ms, &m);
-  if (rc != 0)
-    return rc;
-  if (m->stream_only)
-    return fr_link_read_bounced(l, r, off, dst, len, device, timeout_ms);
-  const uint8_t *src = m->cuda ? m->cuda_data + off : m->base + FR_SHM_HEADER_BYTES + off;
-  rc = fr_cuda_copy_on(device, dst, src, len);
-  return rc ? rc : after_copy(l, r, m);
+  return mapped_rw(l, r, off, dst, len, device, timeout_ms, false);
+}
+
+static int shm_write(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
+                     size_t len, int timeout_ms) {
+  return mapped_rw(l, r, off, (void *)src, len, -1, timeout_ms, true);
 }
 
 static int shm_write_device(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
                             size_t len, int device, int timeout_ms) {
-  shm_map *m = NULL;
-  int rc = mapped_access(l, r, off, len, timeout_ms, &m);
-  if (rc != 0)
-    return rc;
-  if (m->stream_only)
-    return fr_link_write_bounced(l, r, off, src, len, device, timeout_ms);
-  uint8_t *dst = m->cuda ? m->cuda_data + off : m->base + FR_SHM_HEADER_BYTES + off;
-  rc = fr_cuda_copy_on(device, dst, src, len);
-  return rc ? rc : after_copy(l, r, m);
+  return mapped_rw(l, r, off, (void *)src, len, device, timeout_ms, true);
 }
 
 /* One memcpy per run from the peer's mapped pages (registered memory: READV requests). */
@@ -344,25 +357,7 @@ static int shm_readv(ferry_link *l, const ferry_region_ref *r, const ferry_read_
     return fr_link_rma_readv(l, r, runs, n, dst, timeout_ms);
   uint8_t *at = dst;
   for (size_t i = 0; i < n && rc == 0; at += runs[i++].len)
-    if (m->cuda)
-      rc = fr_cuda_copy_on(m->device, at, m->cuda_data + runs[i].offset, runs[i].len);
-    else
-      memcpy(at, m->base + FR_SHM_HEADER_BYTES + runs[i].offset, runs[i].len);
-  return rc ? rc : after_copy(l, r, m);
-}
-
-static int shm_write(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
-                     size_t len, int timeout_ms) {
-  shm_map *m = NULL;
-  int rc = mapped_access(l, r, off, len, timeout_ms, &m);
-  if (rc != 0)
-    return rc;
-  if (m->stream_only)
-    return fr_link_rma_write(l, r, off, src, len, timeout_ms);
-  if (m->cuda)
-    rc = fr_cuda_copy_on(m->device, m->cuda_data + off, src, len);
-  else
-    memcpy(m->base + FR_SHM_HEADER_BYTES + off, src, len);
+    rc = copy_mapped(m, -1, at, mapped_at(m, runs[i].offset), runs[i].len);
   return rc ? rc : after_copy(l, r, m);
 }
 
