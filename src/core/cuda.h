@@ -41,6 +41,15 @@ bool fr_cuda_loaded(void);
 fr_mem_where fr_cuda_where(const void *ptr);
 /* The device ordinal of a caller's buffer, or -1 for host memory. */
 static inline int fr_cuda_device_of(const void *ptr) { return fr_cuda_where(ptr).device; }
+/* Bytes from p to the end of the CUDA allocation w describes (0 when p lies outside it), or
+ * SIZE_MAX for host memory, whose extent ferry cannot know: a copy of n bytes at p stays inside
+ * the allocation when n <= this. */
+static inline size_t fr_cuda_room(const fr_mem_where *w, const void *p) {
+  uintptr_t off = (uintptr_t)p - w->base;
+  if (w->kind != FERRY_MEM_CUDA)
+    return SIZE_MAX;
+  return off <= w->size ? w->size - off : 0;
+}
 static inline bool fr_cuda_is_device(const void *ptr) {
   return fr_cuda_where(ptr).kind == FERRY_MEM_CUDA;
 }

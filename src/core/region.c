@@ -157,7 +157,7 @@ int fr_region_add_registered(fr_region_table *t, void *ptr, size_t len, fr_regio
   if ((uintptr_t)ptr + len < (uintptr_t)ptr)
     return fr_err(FERRY_EOVERFLOW, "ferry_register: range wraps the address space");
   fr_mem_where w = fr_cuda_where(ptr);
-  if (w.kind == FERRY_MEM_CUDA && (uintptr_t)ptr - w.base + len > w.size)
+  if (len > fr_cuda_room(&w, ptr))
     return fr_err(FERRY_ERANGE, "ferry_register: [%p, +%zu) runs past its CUDA allocation's end",
                   ptr, len);
   fr_region *r = calloc(1, sizeof *r);

@@ -244,7 +244,7 @@ static int publish_from(ferry_mq *mq, const char *topic, const ferry_tensor_desc
   fr_mem_where w = len > 0 ? fr_cuda_where(data) : (fr_mem_where){.kind = FERRY_MEM_HOST};
   if (w.kind != FERRY_MEM_CUDA)
     return fr_mq_publish_msg(mq, topic, desc, data, len, timeout_ms, 0);
-  size_t room = (size_t)(w.base + w.size - (uintptr_t)data);
+  size_t room = fr_cuda_room(&w, data);
   if (len > room)
     return fr_err(FERRY_ERANGE,
                   "publish '%s': %zu bytes run past the end of the CUDA allocation at %p (device "

@@ -307,7 +307,7 @@ int ferry_mq_msg_copy(const ferry_mq_msg *msg, void *dst, size_t cap) {
     memcpy(dst, msg->data, msg->len);
     return 0;
   }
-  size_t room = (size_t)(w.base + w.size - (uintptr_t)dst);
+  size_t room = fr_cuda_room(&w, dst);
   if (room < msg->len)
     return fr_err(FERRY_ERANGE,
                   "mq message of '%s' on '%s': %zu bytes do not fit the CUDA allocation at dst "

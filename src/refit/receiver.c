@@ -126,10 +126,10 @@ static int where_bound(const char *name, const void *dst, const ferry_tensor_des
                        int *device) {
   fr_mem_where w = fr_cuda_where(dst);
   *device = w.kind == FERRY_MEM_CUDA ? w.device : -1;
-  uint64_t bytes = 0, off = (uintptr_t)dst - w.base;
+  uint64_t bytes = 0;
   if (*device < 0 || ferry_tensor_nbytes(desc, &bytes) != 0)
     return 0; /* a bad desc is reported with the binding's other checks */
-  if (off > w.size || bytes > w.size - off)
+  if (bytes > fr_cuda_room(&w, dst))
     return fr_err(FERRY_EINVAL,
                   "refit: '%s' (%llu bytes) runs past the end of its CUDA allocation on device %d",
                   name, (unsigned long long)bytes, *device);

@@ -329,7 +329,7 @@ static int classify(const char *name, const ferry_tensor_desc *desc, const void 
   uint64_t bytes = 0;
   if (*device < 0 || ferry_tensor_nbytes(desc, &bytes) != 0)
     return 0; /* a bad desc is reported below, under the lock, as for host memory */
-  if ((uintptr_t)data - w.base > w.size || bytes > w.size - ((uintptr_t)data - w.base))
+  if (bytes > fr_cuda_room(&w, data))
     return fr_err(FERRY_EINVAL,
                   "refit: tensor '%s' (%llu bytes) runs past the end of its CUDA allocation on "
                   "device %d",

@@ -248,7 +248,7 @@ static inline int fr_store_device(const void *p, size_t *room) {
   fr_mem_where w = fr_cuda_where(p);
   if (w.kind != FERRY_MEM_CUDA)
     return -1;
-  *room = (size_t)(w.base + w.size - (uintptr_t)p);
+  *room = fr_cuda_room(&w, p);
   return w.device;
 }
 
