@@ -17,7 +17,8 @@
  * nobody leads, and takes the lead for one batch then (an epoll_wait that does not sleep).
  * A leader polls without sleeping while events keep coming (a large tcp message arrives in
  * many socket-buffer pieces), and sleeps in the epoll after FERRY_SPIN_US without one, or as
- * soon as its yield lets another thread run on its core.
+ * soon as one of its yields (every FERRY_SPIN_YIELD_US, core/spin.c) lets another thread run on
+ * its core.
  *
  * Two kinds of wait, told apart by the call, not by the thread: a caller's (fr_ctx_wait: an
  * answer, a message it asked for) and an idle one (fr_ctx_wait_idle: a service loop waiting for
@@ -184,24 +185,21 @@ static bool claimed(ferry_ctx *ctx, bool idle) {
  * While bytes keep flowing without being the whole answer (a large transfer arrives in pieces
  * of the socket buffer), each event starts the window again: the next piece comes within
  * microseconds, and sleeping between pieces cost a wake-up per piece, many per message. It
- * yields each round, so on a busy machine the threads it waits for get the core; when a yield
- * took long (FERRY_SHARED_CORE_US: another thread ran on this core, often the peer process it
- * waits for), it stops
- * polling and sleeps: polling on a shared core only takes turns with that thread, a process
- * switch per round. */
+ * yields every FERRY_SPIN_YIELD_US (core/spin.c), so on a busy machine the threads it waits for
+ * get the core; when a yield took long (FERRY_SHARED_CORE_US: another thread ran on this core,
+ * often the peer process it waits for), it stops polling and sleeps: polling on a shared core
+ * only takes turns with that thread, a process switch per round. */
 
 static void poll_briefly(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint64_t deadline_ns) {
   uint64_t window = (uint64_t)ctx->spin_us * 1000u;
-  uint64_t end = fr_now_ns() + window;
+  fr_spin spin;
+  fr_spin_begin(&spin, window);
   for (;;) { /* at least one batch: a zero timeout still takes in what the sockets hold */
-    bool events = run_batch(ctx, 0) > 0;
-    uint64_t now = fr_now_ns();
-    if (events)
-      end = now + window;
-    if (ready(arg) || fr_ctx_stopping(ctx) || now >= end || now >= deadline_ns)
+    if (run_batch(ctx, 0) > 0)
+      spin.end = fr_now_ns() + window;
+    if (ready(arg) || fr_ctx_stopping(ctx) || fr_now_ns() >= deadline_ns || !fr_spin_pause(&spin))
       return;
-    sched_yield();
-    if (fr_now_ns() - now > ctx->shared_core_ns)
+    if (spin.yield_ns > ctx->shared_core_ns)
       return; /* another thread ran on this core: likely the one we wait for, so sleep */
   }
 }

@@ -10,7 +10,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/futex.h>
-#include <sched.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -165,13 +164,11 @@ static uint64_t ring_free(const fr_ring *r) {
 
 bool fr_ring_wait_space(fr_ring *r, uint64_t want, uint64_t spin_ns, uint64_t deadline_ns) {
   uint64_t enough = want < (r->mask + 1) / 4 ? want : (r->mask + 1) / 4;
-  uint64_t spin_end = fr_now_ns() + spin_ns;
-  while (ring_free(r) < enough) { /* the consumer is likely reading now: no futex round trip */
-    uint64_t now = fr_now_ns();
-    if (now >= spin_end || now >= deadline_ns)
-      break;
-    sched_yield();
-  }
+  fr_spin spin;
+  fr_spin_begin(&spin, spin_ns);
+  /* the consumer is likely reading now: no futex round trip */
+  while (ring_free(r) < enough && fr_now_ns() < deadline_ns && fr_spin_pause(&spin))
+    ;
   while (fr_now_ns() < deadline_ns) {
     uint32_t seq = __atomic_load_n(&r->h->space_seq, __ATOMIC_SEQ_CST);
     __atomic_store_n(&r->h->producer_waiting, 1, __ATOMIC_SEQ_CST);

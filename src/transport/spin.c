@@ -6,7 +6,6 @@
  */
 #include "transport/ctx_impl.h"
 
-#include <sched.h>
 #include <stdlib.h>
 
 /* Marks the links as polled by this thread: their peers send without a doorbell meanwhile. */
@@ -27,21 +26,21 @@ static void polling_end(ferry_link **links, size_t n) {
 
 /* Spinning keeps a waiter on its core for the next microseconds instead of paying a wake-up
  * (tens of microseconds here). While it spins it drives the links it waits on itself, so a
- * shm round trip needs no wake-up and no system call at all. It yields each round so that on a
- * busy machine the thread it waits for gets the core. */
+ * shm round trip needs no wake-up and no system call at all. It yields every
+ * FERRY_SPIN_YIELD_US (core/spin.c) so that on a busy machine the thread it waits for gets the
+ * core. */
 static bool spin_for(ferry_link **links, size_t n, bool (*ready_fn)(void *), void *arg,
                      int spin_us) {
   if (ready_fn(arg))
     return true;
   polling_begin(links, n);
-  uint64_t end = fr_now_ns() + (uint64_t)spin_us * 1000u;
+  fr_spin spin;
+  fr_spin_begin(&spin, (uint64_t)spin_us * 1000u);
   bool ready = false;
-  while (!(ready = ready_fn(arg)) && fr_now_ns() < end) {
+  do {
     for (size_t i = 0; i < n; i++)
       fr_link_poll(links[i], false);
-    if (!(ready = ready_fn(arg)))
-      sched_yield();
-  }
+  } while (!(ready = ready_fn(arg)) && fr_spin_pause(&spin));
   polling_end(links, n);
   return ready || ready_fn(arg);
 }
