@@ -532,6 +532,27 @@ static void test_grow(void **state) {
   free(bytes);
 }
 
+/* The spin helper keeps its window: no pause says go on past `end`, a spent window says stop at
+ * once. FERRY_SPIN_YIELD_NS=0 (read at the process's first spin): every pause yields, as spinners
+ * did before the gap, and reports how long the yield took. */
+static void test_spin(void **state) {
+  (void)state;
+  setenv("FERRY_SPIN_YIELD_NS", "0", 1);
+  fr_spin s;
+  fr_spin_begin(&s, 0);
+  assert_false(fr_spin_pause(&s));
+  assert_true(s.yield_ns > 0); /* a gap of 0: the first pause yields */
+  fr_spin_begin(&s, 2000000);
+  uint64_t pauses = 0;
+  while (fr_spin_pause(&s))
+    pauses++;
+  assert_true(pauses > 0);
+  assert_true(fr_now_ns() >= s.end);
+  s.end = fr_now_ns() + 1000000; /* a waiter may lengthen its window */
+  assert_true(fr_spin_pause(&s));
+  unsetenv("FERRY_SPIN_YIELD_NS");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_status_strings), cmocka_unit_test(test_error_detail),
@@ -542,7 +563,7 @@ int main(void) {
       cmocka_unit_test(test_sha256_hmac),    cmocka_unit_test(test_hash_builds_agree),
       cmocka_unit_test(test_log_text),       cmocka_unit_test(test_log_json),
       cmocka_unit_test(test_opts_rule),      cmocka_unit_test(test_grow),
-      cmocka_unit_test(test_pool),
+      cmocka_unit_test(test_pool),           cmocka_unit_test(test_spin),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -124,12 +124,14 @@ static inline uint64_t fr_deadline_ns(int timeout_ms) {
   return fr_now_ns() + (uint64_t)timeout_ms * 1000000ull;
 }
 /* A spinning wait (spin.c): poll, then fr_spin_pause, until what it waits for is there or the
- * pause says the window is over. Between polls it pauses the CPU and, every FERRY_SPIN_YIELD_US,
- * yields the core; yield_ns says how long the last pause's yield took (0: it only paused), so a
- * waiter can tell that another thread ran on its core. Extending the window is end += ... */
+ * pause says the window is over. Between polls it pauses the CPU and now and then yields the
+ * core (first after about what a yield costs, then at growing gaps while nobody else wants it);
+ * yield_ns says how long the last pause's yield took (0: it only paused), so a waiter can tell
+ * that another thread ran on its core. A waiter may move `end` (a longer window). */
 typedef struct fr_spin {
   uint64_t end;        /* fr_now_ns at which the window closes */
   uint64_t next_yield; /* when the next sched_yield is due */
+  uint64_t gap;        /* between two yields */
   uint64_t yield_ns;   /* the last pause's yield, 0 if it did not yield */
 } fr_spin;
 void fr_spin_begin(fr_spin *s, uint64_t window_ns);
