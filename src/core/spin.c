@@ -10,14 +10,15 @@
  * runnable threads than cores, or the scheduler has not spread them yet), and then every
  * microsecond spent polling delays the answer by as much.
  *
- * So a wait polls for as long as a yield costs before its first yield (the gap: the quickest
- * yield this process has seen, measured when the first wait begins; FERRY_SPIN_YIELD_NS sets it
- * instead), and the gap adapts. A yield four times as long as that quickest one ran another thread:
- * the core is shared, and the thread yields after every poll, as before, until one of its yields
- * comes back at once, in this wait or a later one (a thread's core stays shared a while). Each
- * yield that comes back at once (nobody else wanted the core) doubles the gap, up to 8x. Two
- * waiters on separate cores then seldom yield (a shm round trip ends before the first one: 1.4 ->
- * 0.8 us here), and two sharing one core hand it over at every poll, as before (4.6-5.6 us).
+ * So a wait polls for twice what a yield costs before its first yield (the first gap: twice the
+ * quickest yield this process has seen, measured when its first wait begins; or
+ * FERRY_SPIN_YIELD_NS), so yields take at most a third of a spinning wait, and the gap adapts. A
+ * yield four times as long as the quickest ran another thread: the core is shared, and the thread
+ * yields after every poll, as before, until one of its yields comes back at once, in this wait
+ * or a later one (a thread's core stays shared a while). Each yield that comes back at once
+ * (nobody else wanted the core) doubles the gap, up to 8x the first. Two waiters on separate
+ * cores then seldom yield (a shm round trip ends before the first one: 1.4 -> 0.8 us here), and
+ * two sharing one core hand it over at every poll, as before (3.8-5.8 us either way).
  */
 #include "core/core.h"
 
@@ -28,6 +29,7 @@
 
 #define GAP_GROWTH_MAX 8 /* the longest gap, in first gaps */
 #define YIELDS_MEASURED 8
+#define FIRST_GAP 2   /* auto: the first gap, in quickest yields */
 #define RAN_ANOTHER 4 /* a yield this many times the quickest ran another thread */
 
 static uint64_t bare_yield_ns = UINT64_MAX; /* atomic: the quickest yield seen */
@@ -60,7 +62,7 @@ static void load_gap(void) {
 
 static uint64_t first_gap(void) {
   return fixed_gap_ns != UINT64_MAX ? fixed_gap_ns
-                                    : __atomic_load_n(&bare_yield_ns, __ATOMIC_RELAXED);
+                                    : FIRST_GAP * __atomic_load_n(&bare_yield_ns, __ATOMIC_RELAXED);
 }
 
 void fr_spin_begin(fr_spin *s, uint64_t window_ns) {
