@@ -540,13 +540,15 @@ static void test_spin(void **state) {
   setenv("FERRY_SPIN_YIELD_NS", "0", 1);
   fr_spin s;
   fr_spin_begin(&s, 0);
-  assert_false(fr_spin_pause(&s));
-  assert_true(s.yield_ns > 0); /* a gap of 0: the first pause yields */
+  assert_false(fr_spin_pause(&s)); /* a spent window: no pause, no yield */
+  assert_int_equal(s.yield_ns, 0);
   fr_spin_begin(&s, 2000000);
-  uint64_t pauses = 0;
+  assert_true(fr_spin_pause(&s));
+  assert_true(s.yield_ns > 0); /* a gap of 0: the first pause yields */
+  uint64_t pauses = 1;
   while (fr_spin_pause(&s))
     pauses++;
-  assert_true(pauses > 0);
+  assert_true(pauses > 1);
   assert_true(fr_now_ns() >= s.end);
   s.end = fr_now_ns() + 1000000; /* a waiter may lengthen its window */
   assert_true(fr_spin_pause(&s));

@@ -125,9 +125,10 @@ static inline uint64_t fr_deadline_ns(int timeout_ms) {
 }
 /* A spinning wait (spin.c): poll, then fr_spin_pause, until what it waits for is there or the
  * pause says the window is over. Between polls it pauses the CPU and now and then yields the
- * core (first after about what a yield costs, then at growing gaps while nobody else wants it);
- * yield_ns says how long the last pause's yield took (0: it only paused), so a waiter can tell
- * that another thread ran on its core. A waiter may move `end` (a longer window). */
+ * core (first after twice what a yield costs, then at growing gaps while nobody else wants it,
+ * at every pause while another thread does); yield_ns says how long the last pause's yield took
+ * (0: it only paused), so a waiter can tell that another thread ran on its core. A waiter may
+ * move `end` (a longer window). */
 typedef struct fr_spin {
   uint64_t end;        /* fr_now_ns at which the window closes */
   uint64_t next_yield; /* when the next sched_yield is due */
@@ -135,7 +136,8 @@ typedef struct fr_spin {
   uint64_t yield_ns;   /* the last pause's yield, 0 if it did not yield */
 } fr_spin;
 void fr_spin_begin(fr_spin *s, uint64_t window_ns);
-/* Pauses between two polls; false once the window is over. */
+/* Pauses between two polls; false once the window is over (then it neither pauses nor yields:
+ * the caller is done after its last poll). */
 bool fr_spin_pause(fr_spin *s);
 /* Milliseconds left until a deadline (0 when past), for poll(). */
 int fr_ms_left(uint64_t deadline_ns);

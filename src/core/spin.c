@@ -27,10 +27,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define GAP_GROWTH_MAX 8 /* the longest gap, in first gaps */
-#define YIELDS_MEASURED 8
-#define FIRST_GAP 2   /* auto: the first gap, in quickest yields */
-#define RAN_ANOTHER 4 /* a yield this many times the quickest ran another thread */
+#define GAP_GROWTH_MAX 8  /* the longest gap, in first gaps */
+#define YIELDS_MEASURED 8 /* yields timed as the process's first wait begins */
+#define FIRST_GAP 2       /* auto: the first gap, in quickest yields */
+#define RAN_ANOTHER 4     /* a yield this many times the quickest ran another thread */
 
 static uint64_t bare_yield_ns = UINT64_MAX; /* atomic: the quickest yield seen */
 static uint64_t fixed_gap_ns = UINT64_MAX;  /* FERRY_SPIN_YIELD_NS; MAX: auto */
@@ -102,9 +102,11 @@ static uint64_t next_gap(uint64_t gap, bool shared) {
 }
 
 bool fr_spin_pause(fr_spin *s) {
-  cpu_relax();
   uint64_t now = fr_now_ns();
   s->yield_ns = 0;
+  if (now >= s->end)
+    return false;
+  cpu_relax();
   if (now >= s->next_yield) {
     sched_yield();
     uint64_t after = fr_now_ns();
@@ -112,7 +114,6 @@ bool fr_spin_pause(fr_spin *s) {
     thread_shared = ran_another(s->yield_ns);
     s->gap = next_gap(s->gap, thread_shared);
     s->next_yield = after + s->gap;
-    now = after;
   }
-  return now < s->end;
+  return true; /* the caller polls once more, even when a long yield ended the window */
 }
