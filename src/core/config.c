@@ -41,8 +41,9 @@
   X("FERRY_REFIT_BUFFER_BYTES", "67108864", "refit bucket size in bytes (two are allocated)")      \
   X("FERRY_REFIT_BUFFER_RATIO", "", "if set (0..1): refit buckets take this share of free memory") \
   X("FERRY_SPIN_US", "200", "microseconds a waiter spins before it sleeps (latency vs. CPU)")      \
-  X("FERRY_SPIN_YIELD_NS", "auto",                                                                 \
-    "a spinner's first gap between yields of its core (auto: twice a yield's cost; 0: no gap)")    \
+  X("FERRY_SPIN_YIELD_NS", "0",                                                                    \
+    "a spinner's first gap between yields of its core (0: none, a yield per poll; auto: "          \
+    "adaptive)")                                                                                   \
   X("FERRY_LEAD_FOLLOW_US", "1000",                                                                \
     "how long a waiting caller waits for a service thread to hand it the ctx's epoll")             \
   X("FERRY_SLEEPER_SLICE_MS", "100",                                                               \

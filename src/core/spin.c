@@ -19,6 +19,14 @@
  * (nobody else wanted the core) doubles the gap, up to 8x the first. Two waiters on separate
  * cores then seldom yield (a shm round trip ends before the first one: 1.4 -> 0.8 us here), and
  * two sharing one core hand it over at every poll, as before (3.8-5.8 us either way).
+ *
+ * That is FERRY_SPIN_YIELD_NS=auto, and not the default: after a pause the scheduler often wakes
+ * the two on one core, where a yield may come back at once while the other thread still waits
+ * for the core, and the gap then delays every hand-over (`ferry bench link` after its paced rows:
+ * shm round trip 0.8-5.3 us, median 2.8, against 1.3-2.5 with a yield per poll). Keeping a core
+ * "shared" for 10 ms after a yield that ran another thread lost the gain on separate cores too.
+ * So by default (0) a spinner yields after every poll, as before; the helper is still the one way
+ * to spin.
  */
 #include "core/core.h"
 

@@ -17,7 +17,7 @@
  * nobody leads, and takes the lead for one batch then (an epoll_wait that does not sleep).
  * A leader polls without sleeping while events keep coming (a large tcp message arrives in
  * many socket-buffer pieces), and sleeps in the epoll after FERRY_SPIN_US without one, or as
- * soon as one of its yields (now and then: core/spin.c) lets another thread run on its core.
+ * soon as one of its yields (core/spin.c) lets another thread run on its core.
  *
  * Two kinds of wait, told apart by the call, not by the thread: a caller's (fr_ctx_wait: an
  * answer, a message it asked for) and an idle one (fr_ctx_wait_idle: a service loop waiting for
@@ -184,7 +184,7 @@ static bool claimed(ferry_ctx *ctx, bool idle) {
  * While bytes keep flowing without being the whole answer (a large transfer arrives in pieces
  * of the socket buffer), each event starts the window again: the next piece comes within
  * microseconds, and sleeping between pieces cost a wake-up per piece, many per message. It
- * yields now and then (core/spin.c), so on a busy machine the threads it waits for get the core;
+ * yields between polls (core/spin.c), so on a busy machine the threads it waits for get the core;
  * when a yield took long (FERRY_SHARED_CORE_US: another thread ran on this core, often the peer
  * process it waits for), it stops polling and sleeps: polling on a shared core only takes turns
  * with that thread, a process switch per round. */

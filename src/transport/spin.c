@@ -26,7 +26,7 @@ static void polling_end(ferry_link **links, size_t n) {
 
 /* Spinning keeps a waiter on its core for the next microseconds instead of paying a wake-up
  * (tens of microseconds here). While it spins it drives the links it waits on itself, so a
- * shm round trip needs no wake-up and no system call at all. It yields now and then
+ * shm round trip needs no wake-up and no system call at all. It yields between polls
  * (core/spin.c) so that on a busy machine the thread it waits for gets the core. */
 static bool spin_for(ferry_link **links, size_t n, bool (*ready_fn)(void *), void *arg,
                      int spin_us) {
