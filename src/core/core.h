@@ -124,7 +124,7 @@ static inline uint64_t fr_deadline_ns(int timeout_ms) {
   return fr_now_ns() + (uint64_t)timeout_ms * 1000000ull;
 }
 /* A spinning wait (spin.c): poll, then fr_spin_pause, until what it waits for is there or the
- * pause says the window is over. Between polls it pauses the CPU and yields the core (at every
+ * pause says the window is over. Between polls it pauses the CPU or yields the core (at every
  * pause by default; FERRY_SPIN_YIELD_NS=auto: first after twice what a yield costs, then at
  * growing gaps while nobody else wants it); yield_ns says how long the last pause's yield took
  * (0: it only paused), so a waiter can tell that another thread ran on its core. A waiter may

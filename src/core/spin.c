@@ -64,8 +64,8 @@ static void load_gap(void) {
     fixed_gap_ns = (uint64_t)ns;
   else if (strcmp(v, "auto") != 0)
     fr_warn("FERRY_SPIN_YIELD_NS=%s is neither auto nor a count of nanoseconds; using auto", v);
-  for (int i = 0; i < YIELDS_MEASURED; i++)
-    note_yield(timed_yield());
+  for (int i = 0; fixed_gap_ns == UINT64_MAX && i < YIELDS_MEASURED; i++)
+    note_yield(timed_yield()); /* auto needs what a yield costs */
 }
 
 static uint64_t first_gap(void) {
@@ -114,14 +114,17 @@ bool fr_spin_pause(fr_spin *s) {
   s->yield_ns = 0;
   if (now >= s->end)
     return false;
-  cpu_relax();
-  if (now >= s->next_yield) {
-    sched_yield();
-    uint64_t after = fr_now_ns();
-    s->yield_ns = after - now;
+  if (now < s->next_yield) {
+    cpu_relax();
+    return true;
+  }
+  sched_yield();
+  uint64_t after = fr_now_ns();
+  s->yield_ns = after - now;
+  if (first_gap() != 0) { /* the default, 0, yields at every pause: nothing to adapt */
     thread_shared = ran_another(s->yield_ns);
     s->gap = next_gap(s->gap, thread_shared);
-    s->next_yield = after + s->gap;
   }
+  s->next_yield = after + s->gap;
   return true; /* the caller polls once more, even when a long yield ended the window */
 }

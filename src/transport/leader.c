@@ -196,7 +196,8 @@ static void poll_briefly(ferry_ctx *ctx, bool (*ready)(void *), void *arg, uint6
   for (;;) { /* at least one batch: a zero timeout still takes in what the sockets hold */
     if (run_batch(ctx, 0) > 0)
       spin.end = fr_now_ns() + window;
-    if (ready(arg) || fr_ctx_stopping(ctx) || fr_now_ns() >= deadline_ns || !fr_spin_pause(&spin))
+    spin.end = spin.end < deadline_ns ? spin.end : deadline_ns;
+    if (ready(arg) || fr_ctx_stopping(ctx) || !fr_spin_pause(&spin))
       return;
     if (spin.yield_ns > ctx->shared_core_ns)
       return; /* another thread ran on this core: likely the one we wait for, so sleep */

@@ -166,9 +166,9 @@ bool fr_ring_wait_space(fr_ring *r, uint64_t want, uint64_t spin_ns, uint64_t de
   uint64_t enough = want < (r->mask + 1) / 4 ? want : (r->mask + 1) / 4;
   fr_spin spin;
   fr_spin_begin(&spin, spin_ns);
-  /* the consumer is likely reading now: no futex round trip */
-  while (ring_free(r) < enough && fr_now_ns() < deadline_ns && fr_spin_pause(&spin))
-    ;
+  spin.end = spin.end < deadline_ns ? spin.end : deadline_ns;
+  while (ring_free(r) < enough && fr_spin_pause(&spin))
+    ; /* the consumer is likely reading now: no futex round trip */
   while (fr_now_ns() < deadline_ns) {
     uint32_t seq = __atomic_load_n(&r->h->space_seq, __ATOMIC_SEQ_CST);
     __atomic_store_n(&r->h->producer_waiting, 1, __ATOMIC_SEQ_CST);
