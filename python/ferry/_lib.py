@@ -184,6 +184,13 @@ for _name, (_res, _args) in _protos.items():
     _f = getattr(lib, _name)
     _f.restype, _f.argtypes = _res, _args
 
+# The same put without argument conversion, for Store.put's common call (an in-place re-put
+# right after its caller filled megabytes, where converting six arguments cost ~10 us of cold
+# caches): every argument must already be what C takes: c_void_p handle and data pointer,
+# byref(TensorDesc), bytes key, int flags and timeout. Anything else is undefined behaviour.
+store_put_unchecked = lib["ferry_store_put"]
+store_put_unchecked.restype = c_int
+
 # get_alloc's buffer is malloc'd by libferry: free it with the same process-wide allocator.
 libc = ctypes.CDLL(None)
 libc.free.restype, libc.free.argtypes = None, [c_void_p]

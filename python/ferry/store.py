@@ -34,6 +34,7 @@ def _key(key: Key) -> Optional[bytes]:
 
 
 _declared = False
+_NO_BYTES = ctypes.c_char()  # where an empty value's data pointer points (never read)
 
 
 def _declare_view() -> None:
@@ -206,10 +207,12 @@ class Store(NodeHandle):
                 if self._owns_ctx:
                     self._ctx.close()
         self._h = h.value
+        self._hv = h  # the handle as ctypes passes it: put's unchecked call
         self._ctx._has_store = True
         self._timeout = timeout
+        self._timeout_ms = _ms(timeout)
         self._lock = threading.RLock()  # re-entrant: views' finalizers _unpin (ferry.tensors)
-        self._bufs = {}  # id(array) -> (weakref, layout, byref(desc), pointer): _buffer_of
+        self._bufs = {}  # id(array) -> (weakref, layout, byref(desc), pointer, owned): _buffer_of
         # key -> value put in place (ferry memory): held until the key is deleted or replaced,
         # so that Python cannot free memory readers are reading
         self._published: Dict[bytes, Any] = {}
@@ -273,37 +276,54 @@ class Store(NodeHandle):
         replaced; the store holds a reference so it cannot be freed meanwhile); anything else
         is copied once into this node's pool (copy=True: always). Raises TypeError naming what
         to pass for anything else (a dict, a list of str, an object array)."""
-        desc, ptr, arr = self._buffer_of(value)
-        flags = _lib.STORE_PUT_COPY if copy else 0
-        k = _key(key)
-        check(lib.ferry_store_put(self.handle, k, desc, ptr, flags, self._t(timeout)))
-        in_place = not copy and self._ctx._owns(ptr)
+        # The common call first, with as few Python steps as can be: an engine re-putting a
+        # routing buffer it just filled (megabytes) runs this with cold caches, where every
+        # attribute, call and lock of the wrapper costs a few microseconds (_buffer_of).
+        hit = self._bufs.get(id(value))
+        if hit is not None and hit[0]() is value and \
+                hit[1] == (value.shape, value.strides, value.dtype):
+            desc, ptr, arr, owned = hit[2], hit[3], None, hit[4]
+        else:
+            desc, ptr, arr, owned = self._buffer_of(value)
+        if type(key) is str and "\0" not in key:
+            k = key.encode()
+        else:
+            k = _key(key)
+        if not self._h:
+            raise ValueError("ferry: %s is closed" % self._what)
+        rc = _lib.store_put_unchecked(self._hv, k, desc, ptr, _lib.STORE_PUT_COPY if copy else 0,
+                                      self._timeout_ms if timeout is None else _ms(timeout))
+        if rc < 0:
+            raise_status(rc)
+        if owned is None:
+            owned = self._ctx._owns(ptr.value)
         with self._lock:
-            if in_place:
+            if owned and not copy:
                 self._published[k] = value
             else:
                 self._published.pop(k, None)
         del arr  # a contiguous copy of value, if as_buffer made one, lives until here
 
     def _buffer_of(self, value: Any) -> Any:
-        """(byref(desc), data pointer, array to keep alive) for a put of value. A numpy array
-        put before (engines reuse their routing buffers) comes from a small cache, checked
-        against the same object, shape, strides and dtype: right after the caller filled
-        megabytes, as_buffer and .ctypes.data cost ~20 us of cache and TLB misses."""
-        cache = self._bufs
-        if type(value) is np.ndarray:
-            hit = cache.get(id(value))
-            if hit is not None and hit[0]() is value and \
-                    hit[1] == (value.shape, value.strides, value.dtype):
-                return hit[2], hit[3], None
+        """(byref(desc), data pointer as a c_void_p, array to keep alive, whether the data is
+        this context's ferry memory or None: not known) for a put of value. A numpy array put
+        before (engines reuse their routing buffers) is then found in a small cache, checked
+        against the same object, shape, strides and dtype (put does that check itself): right
+        after the caller filled megabytes, as_buffer, .ctypes.data and the ownership lookup
+        cost tens of microseconds of cache and TLB misses. Whether an array's data is ferry
+        memory cannot change while the array lives (it holds its block), so the cache keeps
+        that too."""
         desc, arr = as_buffer(value)
-        ptr = arr.ctypes.data if arr.nbytes else ctypes.addressof(ctypes.c_char())
-        if type(value) is np.ndarray and arr is value and arr.nbytes:
-            if len(cache) >= 256:
-                cache.clear()
-            cache[id(value)] = (weakref.ref(value), (value.shape, value.strides, value.dtype),
-                                byref(desc), ptr)
-        return byref(desc), ptr, arr
+        ptr = ctypes.c_void_p(arr.ctypes.data if arr.nbytes else ctypes.addressof(_NO_BYTES))
+        if type(value) is not np.ndarray or arr is not value or not arr.nbytes:
+            return byref(desc), ptr, arr, None
+        cache = self._bufs
+        if len(cache) >= 256:
+            cache.clear()
+        owned = self._ctx._owns(ptr.value)
+        cache[id(value)] = (weakref.ref(value), (value.shape, value.strides, value.dtype),
+                            byref(desc), ptr, owned)
+        return byref(desc), ptr, arr, owned
 
     def get(self, key: Key, out: Any = None, like: Like = "numpy",
             timeout: Optional[float] = None, view: bool = False, device: Any = None) -> Any:

@@ -127,6 +127,29 @@ def test_reput_of_one_array_follows_its_layout(store):
     assert np.array_equal(store.get("lay2"), np.arange(12, dtype=np.int32).reshape(4, 3).T)
 
 
+def test_reput_keeps_what_it_must(store):
+    # A re-put of a cached array takes put's short path; it must still hold ferry memory put in
+    # place, hold nothing for a copy (copy=True, or memory that is not ferry's), and refuse a
+    # closed store.
+    a, plain = store.empty(8, np.uint8), np.zeros(8, np.uint8)
+    for _ in range(2):
+        store.put("held", a)
+        assert store._published.get(b"held") is a
+        store.put("held", a, copy=True)
+        assert b"held" not in store._published
+        store.put("plain", plain)
+        assert b"plain" not in store._published
+    a[:] = 5
+    store.put(b"held", a)
+    assert store.get("held").tolist() == [5] * 8
+    other = ferry.Store(store.directory, name="py-reput", timeout=5)
+    b = other.empty(4, np.uint8)
+    other.put("x", b)
+    other.close()
+    with pytest.raises(ValueError, match="closed"):
+        other.put("x", b)
+
+
 def test_keys(store):
     for i in range(5):
         store.put("req/%d" % i, np.full(3, i, np.uint8))
