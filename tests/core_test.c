@@ -56,7 +56,15 @@ static void test_config(void **state) {
   assert_int_equal(fr_timeout(5), 5);
   setenv("FERRY_TIMEOUT_MS", "garbage", 1);
   assert_int_equal(fr_timeout(-1), 10000);
+  /* fr_timeout keeps its parse while the environment's string is the same one: it still
+   * follows every change */
+  setenv("FERRY_TIMEOUT_MS", "1234", 1);
+  assert_int_equal(fr_timeout(-1), 1234);
+  setenv("FERRY_TIMEOUT_MS", "4321", 1);
+  assert_int_equal(fr_timeout(-1), 4321);
+  assert_int_equal(fr_timeout(-1), 4321);
   unsetenv("FERRY_TIMEOUT_MS");
+  assert_int_equal(fr_timeout(-1), 10000);
 }
 
 static void test_dtypes(void **state) {
@@ -532,6 +540,24 @@ static void test_grow(void **state) {
   free(bytes);
 }
 
+/* fr_str_copy is snprintf(dst, cap, "%s", src): cut to cap - 1, always terminated, the source's
+ * length returned; NULL copies as "". */
+static void test_str_copy(void **state) {
+  (void)state;
+  char buf[6];
+  assert_int_equal(fr_str_copy(buf, sizeof buf, "abc"), 3);
+  assert_string_equal(buf, "abc");
+  assert_int_equal(fr_str_copy(buf, sizeof buf, "abcdefgh"), 8); /* cut: the result >= cap */
+  assert_string_equal(buf, "abcde");
+  assert_int_equal(fr_str_copy(buf, sizeof buf, "abcde"), 5); /* exactly fits */
+  assert_string_equal(buf, "abcde");
+  assert_int_equal(fr_str_copy(buf, sizeof buf, NULL), 0);
+  assert_string_equal(buf, "");
+  buf[0] = 'x';
+  assert_int_equal(fr_str_copy(buf, 0, "abc"), 3); /* no room: nothing written */
+  assert_int_equal(buf[0], 'x');
+}
+
 /* The spin helper keeps its window: no pause says go on past `end`, a spent window says stop at
  * once. FERRY_SPIN_YIELD_NS=0 (read at the process's first spin): every pause yields, as spinners
  * did before the gap, and reports how long the yield took. */
@@ -566,6 +592,7 @@ int main(void) {
       cmocka_unit_test(test_log_text),       cmocka_unit_test(test_log_json),
       cmocka_unit_test(test_opts_rule),      cmocka_unit_test(test_grow),
       cmocka_unit_test(test_pool),           cmocka_unit_test(test_spin),
+      cmocka_unit_test(test_str_copy),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

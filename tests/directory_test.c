@@ -105,6 +105,22 @@ static void test_codec(void **state) {
     assert_false(fr_rd_object(&t, &back));
     fr_wr_free(&b);
   }
+  /* a writer on the caller's array: the same bytes; one too small moves them to the heap */
+  uint8_t fits[FR_DIR_OBJECT_WIRE_MAX], small[16];
+  fr_wr w1 = {0}, on = FR_WR_ON(fits), spill = FR_WR_ON(small);
+  fr_wr_object(&w1, &o);
+  fr_wr_object(&on, &o);
+  fr_wr_object(&spill, &o);
+  assert_ptr_equal(on.p, fits);
+  assert_ptr_not_equal(spill.p, small);
+  assert_false(on.failed || spill.failed || spill.borrowed);
+  assert_int_equal(on.len, w1.len);
+  assert_int_equal(spill.len, w1.len);
+  assert_memory_equal(on.p, w1.p, w1.len);
+  assert_memory_equal(spill.p, w1.p, w1.len);
+  fr_wr_free(&w1);
+  fr_wr_free(&on);
+  fr_wr_free(&spill);
   assert_int_equal(fr_dir_key_check("", "t"), FERRY_EINVAL);
   assert_int_equal(fr_dir_key_check("a\nb", "t"), FERRY_EINVAL);
   char longkey[300];

@@ -143,7 +143,7 @@ static int bad_option(const cli_cmd *cmd, char **argv, const struct option *lo, 
   if (optopt)
     return cli_usage_error(cmd, "unknown option '-%c'", optopt);
   char text[128];
-  snprintf(text, sizeof text, "%s", argv[optind - 1]);
+  fr_str_copy(text, sizeof text, argv[optind - 1]);
   text[strcspn(text, "=")] = '\0';
   size_t matches = 0;
   for (size_t i = 0; i < nlo; i++)

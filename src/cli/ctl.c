@@ -8,6 +8,7 @@
 #include "cli/args.h"
 #include "cli/cli.h"
 #include "cli/ctl.h"
+#include "core/core.h"
 
 #include <pthread.h>
 #include <signal.h>
@@ -137,7 +138,7 @@ static int do_request(ferry_ctl *ctl, const char *name, ferry_ctl_cmd cmd, int t
   ferry_ctl_status st = {.size = sizeof st};
   if (json) {
     char detail[512];
-    snprintf(detail, sizeof detail, "%s", rc ? ferry_last_error() : "");
+    fr_str_copy(detail, sizeof detail, rc ? ferry_last_error() : "");
     printf("{\"name\":");
     cli_json_string(stdout, name);
     printf(",\"command\":\"%s\",\"ok\":%s,\"status\":\"%s\",\"detail\":", ferry_ctl_cmd_name(cmd),

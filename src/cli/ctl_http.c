@@ -25,6 +25,7 @@
 #include "cli/args.h"
 #include "cli/cli.h"
 #include "cli/ctl.h"
+#include "core/core.h"
 
 #include <arpa/inet.h>
 #include <jansson.h>
@@ -376,7 +377,7 @@ static enum MHD_Result handle_status(const server *s, struct MHD_Connection *con
   if (rc == 0)
     rc = status_object(ctl, s->name, &status);
   char detail[512];
-  snprintf(detail, sizeof detail, "%s", rc ? ferry_last_error() : "");
+  fr_str_copy(detail, sizeof detail, rc ? ferry_last_error() : "");
   ferry_ctl_close(ctl);
   if (rc)
     return send_error(conn, http_status(rc), rc, detail);
@@ -400,7 +401,7 @@ static enum MHD_Result handle_request(const server *s, struct MHD_Connection *co
   if (rc == 0)
     rc = ferry_ctl_request(ctl, cmd, timeout_ms);
   char detail[512];
-  snprintf(detail, sizeof detail, "%s", rc ? ferry_last_error() : "");
+  fr_str_copy(detail, sizeof detail, rc ? ferry_last_error() : "");
   json_t *o = json_object();
   json_object_set_new(o, "ok", json_boolean(rc == 0));
   json_object_set_new(o, "command", json_string(ferry_ctl_cmd_name(cmd)));

@@ -328,7 +328,7 @@ static void ask_one(snap *s, node_stats *ns) {
   if (rc == 0)
     rc = fr_stats_call(ns->link, ms, &ns->text);
   if (rc != 0) {
-    snprintf(ns->error, sizeof ns->error, "%s", ferry_last_error());
+    fr_str_copy(ns->error, sizeof ns->error, ferry_last_error());
     ferry_link_close(ns->link);
     ns->link = NULL;
   }
@@ -402,7 +402,7 @@ static size_t plan(snap *s) {
     down_addr *d = down_of(v, ns->address);
     if (d && now < d->until) {
       ns->skipped = true, ns->down_since = d->since;
-      snprintf(ns->error, sizeof ns->error, "%s", d->error);
+      fr_str_copy(ns->error, sizeof ns->error, d->error);
       continue;
     }
     nask++;
@@ -451,7 +451,7 @@ static void settle(snap *s) {
     }
     if (d) {
       d->until = fr_now_ns() + (uint64_t)FLEET_SKIP_MS * 1000000ull;
-      snprintf(d->error, sizeof d->error, "%s", ns->error);
+      fr_str_copy(d->error, sizeof d->error, ns->error);
       ns->down_since = d->since;
     }
   }
@@ -923,7 +923,7 @@ int fleet_snapshot(fleet_view *v, json_t **out) {
   json_decref(v->last);
   v->last = rc == 0 ? o : NULL;
   v->last_rc = rc;
-  snprintf(v->last_error, sizeof v->last_error, "%s", rc == 0 ? "" : ferry_last_error());
+  fr_str_copy(v->last_error, sizeof v->last_error, rc == 0 ? "" : ferry_last_error());
   v->last_ns = fr_now_ns();
   pthread_cond_broadcast(&v->done);
   if (rc == 0 && !(*out = json_deep_copy(o)))

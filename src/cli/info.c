@@ -96,7 +96,7 @@ static long probe_directory(const char *url, char *error, size_t len) {
   if (rc == 0)
     rc = fr_dir_node_list(dir, &nodes, &n, 1000);
   if (rc != 0)
-    snprintf(error, len, "%s", ferry_last_error());
+    fr_str_copy(error, len, ferry_last_error());
   free(nodes);
   fr_dir_close(dir);
   ferry_ctx_close(ctx);

@@ -105,7 +105,7 @@ static const char *host_port(serve_opts *o, char *buf, size_t len) {
     o->directory = url;
     return NULL;
   }
-  snprintf(buf, len, "%s", url + 8);
+  fr_str_copy(buf, len, url + 8);
   return buf;
 }
 
@@ -161,7 +161,7 @@ static int open_view(fleet_http *f, fleet_view **out) {
     rc = fr_err(f->failed_rc, "%s", f->failed);
   else if (!f->view && (rc = fleet_view_open(f->url, f->name, &f->view)) != 0) {
     f->failed_ns = fr_now_ns(), f->failed_rc = rc;
-    snprintf(f->failed, sizeof f->failed, "%s", ferry_last_error());
+    fr_str_copy(f->failed, sizeof f->failed, ferry_last_error());
   }
   *out = f->view;
   pthread_mutex_unlock(&f->lock);
@@ -244,7 +244,7 @@ int cli_serve(int argc, char **argv) {
   }
   fleet_http fleet = {.lock = PTHREAD_MUTEX_INITIALIZER};
   if (o.directory)
-    snprintf(fleet.url, sizeof fleet.url, "%s", o.directory);
+    fr_str_copy(fleet.url, sizeof fleet.url, o.directory);
   else
     snprintf(fleet.url, sizeof fleet.url, "ferry://%s", listen);
   snprintf(fleet.name, sizeof fleet.name, "%.50s-fleet", ferry_ctx_name(ctx));

@@ -54,7 +54,7 @@ int fr_ctl_path(const char *name, fr_ctl_map *map) {
   int n = snprintf(map->path, sizeof map->path, "%s/ferry-ctl-%s", *dir ? dir : "/dev/shm", name);
   if (n < 0 || (size_t)n >= sizeof map->path)
     return fr_err(FERRY_EINVAL, "control cell '%s': FERRY_CTL_DIR too long", name);
-  snprintf(map->name, sizeof map->name, "%s", name);
+  fr_str_copy(map->name, sizeof map->name, name);
   return 0;
 }
 
@@ -410,7 +410,7 @@ int ferry_ctl_cell_create(const char *name, uint32_t nranks, const ferry_ctl_cel
   }
   *cell = (ferry_ctl_cell){
       .fd = map.fd, .dev = st.st_dev, .ino = st.st_ino, .incarnation = map.hdr->incarnation};
-  snprintf(cell->path, sizeof cell->path, "%s", map.path);
+  fr_str_copy(cell->path, sizeof cell->path, map.path);
   map.fd = -1; /* the cell keeps the descriptor; the engine needs no mapping */
   fr_ctl_map_close(&map);
   fr_info("control cell '%s' created: %u ranks, incarnation %lu", name, nranks,

@@ -138,11 +138,23 @@ int64_t fr_config_int(const char *name) {
   return v;
 }
 
+/* FERRY_TIMEOUT_MS as it is now, read at every call that takes the default (a put, a get): the
+ * parse (a scan of the settings table and strtoll) is redone, per thread, only when the
+ * environment holds another string for it (setenv stores a new one for a new value). */
 int fr_timeout(int timeout_ms) {
+  static __thread const char *seen;
+  static __thread int parsed;
+  static __thread bool known;
   if (timeout_ms >= 0)
     return timeout_ms;
+  const char *env = getenv("FERRY_TIMEOUT_MS");
+  if (known && env == seen)
+    return parsed;
   int64_t v = fr_config_int("FERRY_TIMEOUT_MS");
-  return v < 0 ? 0 : v > 86400000 ? 86400000 : (int)v;
+  parsed = v < 0 ? 0 : v > 86400000 ? 86400000 : (int)v;
+  seen = env;
+  known = true;
+  return parsed;
 }
 
 /* The home directory comes from the password database first: it is the same for every process of
@@ -153,7 +165,7 @@ int fr_timeout(int timeout_ms) {
 int fr_config_token_path(char *buf, size_t len) {
   const char *file = fr_config_str("FERRY_TOKEN_FILE");
   if (*file) {
-    if ((size_t)snprintf(buf, len, "%s", file) >= len)
+    if (fr_str_copy(buf, len, file) >= len)
       return fr_err(FERRY_EINVAL, "FERRY_TOKEN_FILE is longer than %zu bytes", len - 1);
     return 0;
   }

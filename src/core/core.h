@@ -147,6 +147,11 @@ int fr_ms_left(uint64_t deadline_ns);
 int fr_mutex_lock_until(pthread_mutex_t *m, uint64_t deadline_ns);
 
 /* ---- text ---- */
+/* Copies the string src (NULL: "") into dst of cap bytes, cut to cap - 1 and always terminated
+ * (when cap > 0); returns strlen(src), so a result >= cap means it was cut. snprintf(dst, cap,
+ * "%s", src) without the format machinery, which cost ~400 instructions a copy (a put made
+ * three: 13% of its instructions, callgrind). */
+size_t fr_str_copy(char *dst, size_t cap, const char *src);
 /* Length of the well-formed UTF-8 sequence at p (1..4 bytes, at most `left`), or 0 when p does
  * not start one (a stray continuation byte, an overlong form, a surrogate, beyond U+10FFFF). */
 size_t fr_utf8_seq(const unsigned char *p, size_t left);

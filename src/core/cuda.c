@@ -110,7 +110,7 @@ static const char *resolve(void *lib) {
 static void load_once(void) {
   const char *mode = fr_config_str("FERRY_CUDA");
   const char *path = fr_config_str("FERRY_CUDA_LIB");
-  snprintf(drv.library, sizeof drv.library, "%s", *path ? path : "libcuda.so.1");
+  fr_str_copy(drv.library, sizeof drv.library, *path ? path : "libcuda.so.1");
   if (strcmp(mode, "off") == 0) {
     snprintf(drv.detail, sizeof drv.detail, "FERRY_CUDA=off");
     return;
@@ -119,7 +119,7 @@ static void load_once(void) {
     fr_warn("FERRY_CUDA=%s: expected auto or off; taken as auto", mode);
   void *lib = dlopen(drv.library, RTLD_NOW | RTLD_LOCAL);
   if (!lib) {
-    snprintf(drv.detail, sizeof drv.detail, "%s", dlerror());
+    fr_str_copy(drv.detail, sizeof drv.detail, dlerror());
     return;
   }
   const char *missing = resolve(lib);
@@ -507,7 +507,7 @@ int ferry_cuda_info_get(ferry_cuda_info *out) {
   out->found = found;
   out->driver_version = drv.driver_version;
   out->devices = drv.devices;
-  snprintf(out->library, sizeof out->library, "%s", drv.library);
+  fr_str_copy(out->library, sizeof out->library, drv.library);
   snprintf(out->detail, sizeof out->detail, "%.255s", found ? "" : drv.detail);
   return 0;
 }

@@ -85,7 +85,7 @@ bool fr_log_set_node(const char *name) {
     log_node[0] = '\0';
     took = true;
   } else if (!log_node[0] && *name) {
-    snprintf(log_node, sizeof log_node, "%s", name);
+    fr_str_copy(log_node, sizeof log_node, name);
     took = true;
   }
   pthread_mutex_unlock(&log_lock);

@@ -75,7 +75,7 @@ static int read_secret(int fd, const char *path, char **out) {
 /* The directory of path, made 0700 when it is missing (one level: ~/.ferry). */
 static int make_parent(const char *path) {
   char dir[4096];
-  snprintf(dir, sizeof dir, "%s", path);
+  fr_str_copy(dir, sizeof dir, path);
   char *slash = strrchr(dir, '/');
   if (!slash || slash == dir)
     return 0;

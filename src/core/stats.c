@@ -89,8 +89,8 @@ static sample *sample_new(fr_stats_out *o, const char *name, const char *help, f
     const char *val = va_arg(ap, const char *);
     if (s->nl == MAX_LABELS)
       continue;
-    snprintf(s->lk[s->nl], LABEL_NAME, "%s", key);
-    snprintf(s->lv[s->nl], LABEL_VALUE, "%s", val ? val : "");
+    fr_str_copy(s->lk[s->nl], LABEL_NAME, key);
+    fr_str_copy(s->lv[s->nl], LABEL_VALUE, val ? val : "");
     s->nl++;
   }
   o->n++;

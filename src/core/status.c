@@ -65,7 +65,7 @@ int fr_err_errno(int status, const char *fmt, ...) {
 
 int fr_err_wrap(int status, const char *fmt, ...) {
   char before[FR_ERR_DETAIL_MAX], what[FR_ERR_DETAIL_MAX];
-  snprintf(before, sizeof before, "%s", err_detail);
+  fr_str_copy(before, sizeof before, err_detail);
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(what, sizeof what, fmt, ap);

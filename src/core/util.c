@@ -61,6 +61,16 @@ int fr_mutex_lock_until(pthread_mutex_t *m, uint64_t deadline_ns) {
   return pthread_mutex_timedlock(m, &ts);
 }
 
+size_t fr_str_copy(char *dst, size_t cap, const char *src) {
+  size_t len = src ? strlen(src) : 0;
+  if (cap > 0) {
+    size_t n = len < cap ? len : cap - 1;
+    memcpy(dst, src, n);
+    dst[n] = '\0';
+  }
+  return len;
+}
+
 /* Length of the well-formed UTF-8 sequence at p (1..4 bytes), or 0 when p does not start one
  * (a stray continuation byte, an overlong form, a surrogate, beyond U+10FFFF, cut short). */
 size_t fr_utf8_seq(const unsigned char *p, size_t left) {

@@ -80,7 +80,7 @@ static int left_ms(uint64_t deadline_ns) {
 
 static int no_directory(const emb *e, int rc) {
   char why[384];
-  snprintf(why, sizeof why, "%s", ferry_last_error());
+  fr_str_copy(why, sizeof why, ferry_last_error());
   return fr_err(FERRY_ECONNECT,
                 "no ferry directory answers at ferry://%s (%s); start one with `ferry serve "
                 "--listen %s`, or set FERRY_DIRECTORY to a running one",
@@ -363,7 +363,8 @@ static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *ob
     memcpy(copy, objs, n * sizeof *copy);
     *ps = (posted){.link = l, .objs = copy, .n = n, .batch = op == FR_DOP_OBJ_PUT_BATCH};
   }
-  fr_wr w = {0};
+  uint8_t buf[FR_DIR_OBJECT_WIRE_MAX + 64];
+  fr_wr w = FR_WR_ON(buf);
   fr_wr_request(&w, FR_DOP_POSTED);
   fr_wr_u64(&w, fr_now_ns()); /* before the bytes go out: see server.c */
   fr_wr_u16(&w, op);
@@ -602,7 +603,8 @@ static void put_args(fr_wr *w, const fr_dir_object *objs, size_t n, unsigned fla
 static int emb_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir_object *replaced,
                        bool *had_other, int timeout_ms) {
   if (flags & FR_DIR_PUT_POSTED) {
-    fr_wr args = {0};
+    uint8_t buf[FR_DIR_OBJECT_WIRE_MAX + 16];
+    fr_wr args = FR_WR_ON(buf);
     put_one_args(&args, o, flags);
     bool sent = post(st, FR_DOP_OBJ_PUT, &args, o, 1, flags, timeout_ms);
     fr_wr_free(&args);
@@ -812,7 +814,7 @@ static int emb_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **st
   if (!e)
     return fr_err(FERRY_ENOMEM, "directory client");
   e->ctx = ctx;
-  snprintf(e->where, sizeof e->where, "%s", where);
+  fr_str_copy(e->where, sizeof e->where, where);
   pthread_mutex_init(&e->lock, NULL);
   pthread_mutex_init(&e->posted_lock, NULL);
   ferry_link *l;

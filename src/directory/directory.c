@@ -64,7 +64,7 @@ static int connect_new(ferry_ctx *ctx, const char *url, const fr_dir_ops *ops, c
   if (!d)
     return fr_err(FERRY_ENOMEM, "directory client");
   d->ops = ops;
-  snprintf(d->url, sizeof d->url, "%s", shown);
+  fr_str_copy(d->url, sizeof d->url, shown);
   int rc = ops->open(ctx, url + strlen(ops->scheme), timeout_ms, &d->state);
   if (rc != 0) {
     free(d);

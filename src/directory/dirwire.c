@@ -10,16 +10,30 @@
 #include <stdlib.h>
 #include <string.h>
 
-static bool wr_reserve(fr_wr *w, size_t n) {
+/* Moves a borrowed writer's bytes to the heap, with room for n more. */
+static bool wr_unborrow(fr_wr *w, size_t n) {
+  size_t cap = w->cap * 2 > w->len + n ? w->cap * 2 : w->len + n;
+  uint8_t *heap = malloc(cap);
+  if (!heap)
+    return false;
+  memcpy(heap, w->p, w->len);
+  *w = (fr_wr){.p = heap, .len = w->len, .cap = cap};
+  return true;
+}
+
+static bool wr_grow(fr_wr *w, size_t n) {
   if (w->failed)
     return false;
-  if (w->len + n <= w->cap)
-    return true;
-  if (FR_GROW(w->p, w->cap, w->len + n, 256) != 0) {
+  if (w->borrowed ? !wr_unborrow(w, n) : FR_GROW(w->p, w->cap, w->len + n, 256) != 0) {
     w->failed = true;
     return false;
   }
   return true;
+}
+
+/* Room for n more bytes; false once out of memory (failed: nothing more is written). */
+static inline bool wr_reserve(fr_wr *w, size_t n) {
+  return (!w->failed && w->len + n <= w->cap) || wr_grow(w, n);
 }
 
 void fr_wr_bytes(fr_wr *w, const void *p, size_t n) {
@@ -29,12 +43,18 @@ void fr_wr_bytes(fr_wr *w, const void *p, size_t n) {
   }
 }
 
-/* Little-endian whatever the host: byte by byte. */
-static void wr_le(fr_wr *w, uint64_t v, int bytes) {
-  uint8_t b[8];
+/* Little-endian whatever the host: one store on a little-endian one (inlined with a constant
+ * `bytes`), byte by byte elsewhere. */
+static inline void wr_le(fr_wr *w, uint64_t v, int bytes) {
+  if (!wr_reserve(w, (size_t)bytes))
+    return;
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  memcpy(w->p + w->len, &v, (size_t)bytes);
+  w->len += (size_t)bytes;
+#else
   for (int i = 0; i < bytes; i++)
-    b[i] = (uint8_t)(v >> (8 * i));
-  fr_wr_bytes(w, b, (size_t)bytes);
+    w->p[w->len++] = (uint8_t)(v >> (8 * i));
+#endif
 }
 
 void fr_wr_u8(fr_wr *w, uint8_t v) { wr_le(w, v, 1); }
@@ -95,7 +115,8 @@ void fr_wr_reply(fr_wr *w, int status, const char *detail) {
 }
 
 void fr_wr_free(fr_wr *w) {
-  free(w->p);
+  if (!w->borrowed)
+    free(w->p);
   *w = (fr_wr){0};
 }
 
@@ -111,11 +132,16 @@ const uint8_t *fr_rd_bytes(fr_rd *r, size_t n) {
   return p;
 }
 
-static uint64_t rd_le(fr_rd *r, int bytes) {
+static inline uint64_t rd_le(fr_rd *r, int bytes) {
   const uint8_t *b = fr_rd_bytes(r, (size_t)bytes);
   uint64_t v = 0;
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  if (b)
+    memcpy(&v, b, (size_t)bytes);
+#else
   for (int i = 0; b && i < bytes; i++)
     v |= (uint64_t)b[i] << (8 * i);
+#endif
   return v;
 }
 

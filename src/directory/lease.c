@@ -56,7 +56,7 @@ static bool ours_elsewhere(const fr_dir_self *me, uint64_t incarnation, char *ur
   pthread_mutex_lock(&create_lock);
   for (const fr_dir_self *o = selves; o && !found; o = o->next_self)
     if (o != me && o->ctx == me->ctx && o->node.incarnation == incarnation) {
-      snprintf(url, cap, "%s", o->dir->url);
+      fr_str_copy(url, cap, o->dir->url);
       found = true;
     }
   pthread_mutex_unlock(&create_lock);
@@ -70,8 +70,8 @@ static fr_dir_self *self_of(fr_dir *dir, ferry_ctx *ctx) {
     pthread_mutex_init(&me->lock, NULL);
     me->dir = dir;
     me->ctx = ctx;
-    snprintf(me->node.name, sizeof me->node.name, "%s", ferry_ctx_name(ctx));
-    snprintf(me->node.address, sizeof me->node.address, "%s", ferry_ctx_address(ctx));
+    fr_str_copy(me->node.name, sizeof me->node.name, ferry_ctx_name(ctx));
+    fr_str_copy(me->node.address, sizeof me->node.address, ferry_ctx_address(ctx));
     me->node.incarnation = fr_random_u64() | 1;
     me->lease_ms = (int)fr_config_int("FERRY_LEASE_MS");
     dir->self = me;
@@ -123,8 +123,8 @@ bool fr_dir_job_parse(const char *key, char kind[16], char name[FR_DIR_NAME_MAX 
 
 static void job_record(const fr_dir_lease *l, fr_dir_object *o) {
   memset(o, 0, sizeof *o);
-  snprintf(o->key, sizeof o->key, "%s", l->key);
-  snprintf(o->owner, sizeof o->owner, "%s", l->node.name);
+  fr_str_copy(o->key, sizeof o->key, l->key);
+  fr_str_copy(o->owner, sizeof o->owner, l->node.name);
   o->gen_region.size = 8;
   o->generation = l->node.incarnation;
   o->desc = (ferry_tensor_desc){.dtype = FERRY_DTYPE_U8, .ndim = 1};
@@ -224,7 +224,7 @@ static int register_node(fr_dir_self *me, const fr_dir_lease *l, const fr_dir_no
                 l->who, n->name, other);
   } else if (rc == FERRY_EEXIST) {
     char taken[512];
-    snprintf(taken, sizeof taken, "%s", ferry_last_error());
+    fr_str_copy(taken, sizeof taken, ferry_last_error());
     if (holder_dead(me->ctx, &holder, timeout_ms)) {
       fr_info("%s: the node that held '%s' at %s is dead; taking the name over", l->who, n->name,
               holder.address);
@@ -395,16 +395,16 @@ int fr_dir_lease_init(fr_dir_lease *l, fr_dir *dir, ferry_ctx *ctx, const char *
   memset(l, 0, sizeof *l);
   l->dir = dir;
   l->ctx = ctx;
-  snprintf(l->who, sizeof l->who, "%s", who);
-  snprintf(l->job, sizeof l->job, "%s", name);
+  fr_str_copy(l->who, sizeof l->who, who);
+  fr_str_copy(l->job, sizeof l->job, name);
   l->lease_ms = (int)fr_config_int("FERRY_LEASE_MS");
   int rc = fr_dir_job_key(kind, name, l->key);
   if (rc != 0)
     return fr_err(rc, "%s: %s", who, ferry_last_error());
   if (!(l->self = self_of(dir, ctx)))
     return fr_err(FERRY_ENOMEM, "%s: directory node", who);
-  snprintf(l->node.name, sizeof l->node.name, "%s", l->self->node.name);
-  snprintf(l->node.address, sizeof l->node.address, "%s", l->self->node.address);
+  fr_str_copy(l->node.name, sizeof l->node.name, l->self->node.name);
+  fr_str_copy(l->node.address, sizeof l->node.address, l->self->node.address);
   l->node.incarnation = l->self->node.incarnation;
   return 0;
 }
@@ -552,8 +552,8 @@ static void detach(fr_dir_self *me, fr_dir_lease *l) {
       rc = 0;
     if (rc != 0) { /* else the job's name stays taken while the node lives */
       fr_dir_object o = {.generation = me->node.incarnation};
-      snprintf(o.key, sizeof o.key, "%s", l->key);
-      snprintf(o.owner, sizeof o.owner, "%s", me->node.name);
+      fr_str_copy(o.key, sizeof o.key, l->key);
+      fr_str_copy(o.owner, sizeof o.owner, me->node.name);
       orphan_add(me, &o);
     }
     fr_dir_node want;
@@ -578,7 +578,7 @@ void fr_dir_lease_drop(fr_dir_lease *l) {
     return;
   /* closing does not fail, nor touch the caller's error (a failed open drops, then reports) */
   char kept[512];
-  snprintf(kept, sizeof kept, "%s", ferry_last_error());
+  fr_str_copy(kept, sizeof kept, ferry_last_error());
   pthread_mutex_lock(&me->lock);
   bool was = l->in_node;
   leave(me, l);

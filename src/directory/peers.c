@@ -85,7 +85,7 @@ int fr_peer_acquire(fr_peers *c, const char *name, int timeout_ms, fr_peer **out
   if ((p = peer_find(c, name, &reap)) != NULL) { /* another thread connected first */
     ferry_link_close(l);
   } else if ((p = calloc(1, sizeof *p)) != NULL) {
-    snprintf(p->name, sizeof p->name, "%s", name);
+    fr_str_copy(p->name, sizeof p->name, name);
     p->link = l;
     p->next = c->list;
     c->list = p;

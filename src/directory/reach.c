@@ -96,7 +96,7 @@ static int host_numeric(const char *host, char *ip, size_t cap) {
     if (getnameinfo(a->ai_addr, a->ai_addrlen, buf, sizeof buf, NULL, 0, NI_NUMERICHOST) != 0)
       continue;
     if (rc != 0 || fr_addr_loopback(buf)) {
-      snprintf(ip, cap, "%s", buf);
+      fr_str_copy(ip, cap, buf);
       rc = 0;
     }
     if (fr_addr_loopback(buf))

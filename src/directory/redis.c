@@ -327,9 +327,9 @@ static int rds_node_put(void *st, const fr_dir_node *n, int lease_ms, uint64_t t
   if (ok && rep->element[0]->integer == 1 && rep->elements == 5) {
     fr_dir_node h;
     memset(&h, 0, sizeof h);
-    snprintf(h.name, sizeof h.name, "%s", n->name);
+    fr_str_copy(h.name, sizeof h.name, n->name);
     h.incarnation = strtoull(rep->element[1]->str ? rep->element[1]->str : "0", NULL, 10);
-    snprintf(h.address, sizeof h.address, "%s", rep->element[2]->str ? rep->element[2]->str : "");
+    fr_str_copy(h.address, sizeof h.address, rep->element[2]->str ? rep->element[2]->str : "");
     h.flags = (uint32_t)strtoul(rep->element[3]->str ? rep->element[3]->str : "0", NULL, 10);
     long long left = rep->element[4]->integer;
     if (holder)
@@ -367,8 +367,8 @@ static bool reply_to_node(const char *name, redisReply *rep, fr_dir_node *out) {
       rep->element[0]->type != REDIS_REPLY_STRING)
     return false;
   memset(out, 0, sizeof *out);
-  snprintf(out->name, sizeof out->name, "%s", name);
-  snprintf(out->address, sizeof out->address, "%s", rep->element[0]->str);
+  fr_str_copy(out->name, sizeof out->name, name);
+  fr_str_copy(out->address, sizeof out->address, rep->element[0]->str);
   if (rep->element[1]->type == REDIS_REPLY_STRING)
     out->flags = (uint32_t)strtoul(rep->element[1]->str, NULL, 10);
   if (rep->element[2]->type == REDIS_REPLY_STRING)
@@ -458,7 +458,7 @@ static int scan_keys(rds *r, const char *pattern, keylist *out, uint64_t deadlin
       rc = fr_err(FERRY_EPROTO, "Redis SCAN: unexpected reply");
       break;
     }
-    snprintf(cursor, sizeof cursor, "%s", rep->element[0]->str);
+    fr_str_copy(cursor, sizeof cursor, rep->element[0]->str);
     redisReply *keys = rep->element[1];
     for (size_t i = 0; rc == 0 && i < keys->elements; i++)
       rc = keylist_add(out, keys->element[i]->str, keys->element[i]->len);
@@ -469,7 +469,7 @@ static int scan_keys(rds *r, const char *pattern, keylist *out, uint64_t deadlin
 
 /* A glob pattern matching every key that starts with `prefix` after `head`. */
 static void glob_prefix(char *out, size_t cap, const char *head, const char *prefix) {
-  size_t n = (size_t)snprintf(out, cap, "%s", head);
+  size_t n = fr_str_copy(out, cap, head);
   for (const char *p = prefix; *p && n + 3 < cap; p++) {
     if (strchr("*?[]\\", *p))
       out[n++] = '\\';

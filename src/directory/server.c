@@ -595,7 +595,7 @@ fr_dir_server *fr_dir_server_new(const char *address) {
   pthread_mutex_init(&s->lock, NULL);
   pthread_mutex_init(&s->serve_lock, NULL);
   s->instance = fr_random_u64() | 1;
-  snprintf(s->address, sizeof s->address, "%s", address ? address : "");
+  fr_str_copy(s->address, sizeof s->address, address ? address : "");
   return s;
 }
 

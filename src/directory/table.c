@@ -19,9 +19,7 @@
 #define CLIENT_SPINS 64
 
 _Static_assert(FR_DIR_TABLE_SLOT_BYTES % 8 == 0, "slots are u64 words");
-_Static_assert(DATA_BYTES >= 2 + FR_DIR_KEY_MAX + 2 + FR_DIR_NAME_MAX + 5 * 8 + 2 * 24 + 8 +
-                                 8 * FERRY_MAX_DIMS,
-               "a slot holds the longest record");
+_Static_assert(DATA_BYTES >= FR_DIR_OBJECT_WIRE_MAX, "a slot holds the longest record");
 
 enum { SEQ, PEND, DONE, TICKET, STATE };
 
@@ -63,7 +61,8 @@ static void slot_write(uint64_t *slot, uint32_t state, uint64_t ticket, const vo
 /* Writes rec in `state`, or empties the slot when rec does not fit (slot locked). */
 static void slot_write_record(uint64_t *slot, uint32_t state, uint64_t ticket,
                               const fr_dir_object *rec) {
-  fr_wr w = {0};
+  uint8_t buf[DATA_BYTES];
+  fr_wr w = FR_WR_ON(buf);
   fr_wr_object(&w, rec);
   if (!w.failed && w.len <= DATA_BYTES)
     slot_write(slot, state, ticket, w.p, w.len);

@@ -23,13 +23,13 @@ void fr_url_redact(const char *url, char *out, size_t cap) {
   if (!cap)
     return;
   if (!url) {
-    snprintf(out, cap, "%s", "");
+    fr_str_copy(out, cap, "");
     return;
   }
   const char *start;
   const char *at = userinfo_end(url, &start);
   if (!at) {
-    snprintf(out, cap, "%s", url);
+    fr_str_copy(out, cap, url);
     return;
   }
   /* "user:password" keeps the user; a bare userinfo is all password (redis-cli's reading) */

@@ -32,7 +32,7 @@ void fr_mq_key(char *buf, size_t cap, char role, const char *topic, const char *
 static void record_for(ferry_mq *mq, fr_dir_object *o, char role, const char *topic) {
   memset(o, 0, sizeof *o);
   fr_mq_key(o->key, sizeof o->key, role, topic, mq->name);
-  snprintf(o->owner, sizeof o->owner, "%s", mq->lease.node.name);
+  fr_str_copy(o->owner, sizeof o->owner, mq->lease.node.name);
   o->region.size = mq->window; /* what a publisher may queue here before it waits */
   o->gen_region.size = 8;
   o->generation = mq->lease.node.incarnation;
@@ -220,7 +220,7 @@ static fr_mq_peer *peer_for(ferry_mq *mq, const char *name, ferry_link *l, uint6
   p = calloc(1, sizeof *p);
   if (!p)
     return NULL;
-  snprintf(p->name, sizeof p->name, "%s", name);
+  fr_str_copy(p->name, sizeof p->name, name);
   p->link = ferry_link_retain(l);
   p->window = window < 4096 ? 4096 : window;
   p->refs = 1;

@@ -34,7 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-void fr_mq_detail(char *buf, size_t cap) { snprintf(buf, cap, "%s", ferry_last_error()); }
+void fr_mq_detail(char *buf, size_t cap) { fr_str_copy(buf, cap, ferry_last_error()); }
 
 void fr_mq_keep_link(ferry_mq *mq, ferry_link *l) {
   for (size_t i = 0; i < mq->nlinks; i++)
@@ -374,7 +374,7 @@ static ferry_mq *mq_new(ferry_ctx *ctx, const ferry_mq_opts *o) {
   if (!mq)
     return NULL;
   mq->ctx = ctx;
-  snprintf(mq->name, sizeof mq->name, "%s", ferry_ctx_name(ctx));
+  fr_str_copy(mq->name, sizeof mq->name, ferry_ctx_name(ctx));
   int64_t w = o->queue_bytes ? (int64_t)o->queue_bytes : fr_config_int("FERRY_MQ_QUEUE_BYTES");
   mq->window = w < 4096 ? 4096 : (uint64_t)w;
   int64_t inl = fr_config_int("FERRY_MQ_INLINE_BYTES");

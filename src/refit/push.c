@@ -80,7 +80,7 @@ static int pack_seq(ferry_refit_sender *s, fr_push *p, uint32_t j) {
     p->viewers[i]->vsum[j] = fr_hash_end(p->feeds[i].h);
   if (rc != 0) {
     p->pack_rc = rc;
-    snprintf(p->pack_why, sizeof p->pack_why, "%s", ferry_last_error());
+    fr_str_copy(p->pack_why, sizeof p->pack_why, ferry_last_error());
     return rc;
   }
   if (fr_refit_test_corrupt && s->dev_buf < 0)

@@ -877,13 +877,13 @@ static void new_version(ferry_refit_receiver *r, uint64_t version) {
  * (the sender sends that bucket again directly). */
 static void note_failure(ferry_refit_receiver *r, const fr_refit_msg_t *m, int rc) {
   char why[sizeof r->why]; /* before the log line: a log callback may make calls that set it */
-  snprintf(why, sizeof why, "%s", ferry_last_error());
+  fr_str_copy(why, sizeof why, ferry_last_error());
   fr_warn_limited("%s", why); /* per bucket: a bad link fails many */
   if (m->flags & FR_REFIT_FROM_UP)
     return;
   r->failure = rc;
   pthread_mutex_lock(&r->lock);
-  snprintf(r->why, sizeof r->why, "%s", why);
+  fr_str_copy(r->why, sizeof r->why, why);
   pthread_mutex_unlock(&r->lock);
 }
 
@@ -950,7 +950,7 @@ static void tell_commit(ferry_refit_receiver *r, uint64_t version, int status) {
     return;
   char why[sizeof r->why];
   pthread_mutex_lock(&r->lock);
-  snprintf(why, sizeof why, "%s", status ? r->why : "");
+  fr_str_copy(why, sizeof why, status ? r->why : "");
   pthread_mutex_unlock(&r->lock);
   fn(r, version, status, status ? why : NULL, arg);
 }
@@ -980,7 +980,7 @@ static int rebound_midway(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
                            "waits",
                            (unsigned long long)version);
   pthread_mutex_lock(&r->lock);
-  snprintf(r->why, sizeof r->why, "%s", ferry_last_error());
+  fr_str_copy(r->why, sizeof r->why, ferry_last_error());
   pthread_mutex_unlock(&r->lock);
   return rc;
 }
@@ -1224,7 +1224,7 @@ int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_m
     rc = fr_err(FERRY_ESYS, "refit receiver: cannot start its thread");
   if (rc != 0) {
     char detail[512];
-    snprintf(detail, sizeof detail, "%s", ferry_last_error());
+    fr_str_copy(detail, sizeof detail, ferry_last_error());
     receiver_free(r);
     return fr_err(rc, "%s", detail);
   }
@@ -1583,7 +1583,7 @@ int ferry_refit_wait(ferry_refit_receiver *r, uint64_t version, int timeout_ms,
   }
   uint64_t have = r->torn_by ? 0 : r->committed, torn_by = r->torn_by, last = r->committed;
   char why[sizeof r->why];
-  snprintf(why, sizeof why, "%s", r->why);
+  fr_str_copy(why, sizeof why, r->why);
   pthread_mutex_unlock(&r->lock);
   if (committed)
     *committed = have;

@@ -73,7 +73,7 @@ static receiver *new_receiver(ferry_msg *m) {
       (r->address = strndup((const char *)m->data + 4, alen))) {
     r->link = ferry_link_retain(m->link);
     r->shm = strcmp(ferry_link_transport(m->link), "shm") == 0;
-    snprintf(r->peer, sizeof r->peer, "%s", ferry_link_peer(m->link));
+    fr_str_copy(r->peer, sizeof r->peer, ferry_link_peer(m->link));
     return r;
   }
   free(r);

@@ -70,8 +70,8 @@ void fr_store_info_from(const fr_dir_object *rec, ferry_store_info *out) {
   ferry_store_info i;
   memset(&i, 0, sizeof i);
   i.size = out->size;
-  snprintf(i.key, sizeof i.key, "%s", rec->key);
-  snprintf(i.owner, sizeof i.owner, "%s", rec->owner);
+  fr_str_copy(i.key, sizeof i.key, rec->key);
+  fr_str_copy(i.owner, sizeof i.owner, rec->owner);
   i.desc = rec->desc;
   i.bytes = rec->bytes;
   i.generation = rec->generation;

@@ -120,7 +120,7 @@ void fr_store_send_dropped(ferry_store *s, const fr_dir_object *old) {
 
 static int find_holder(ferry_store *s, char *name, size_t cap, int timeout_ms) {
   if (s->holder[0]) {
-    snprintf(name, cap, "%s", s->holder);
+    fr_str_copy(name, cap, s->holder);
     return 0;
   }
   fr_dir_node *v = NULL;
@@ -135,8 +135,8 @@ static int find_holder(ferry_store *s, char *name, size_t cap, int timeout_ms) {
                 "start one with `ferry serve --directory %s`",
                 s->dir->url, s->dir->url);
   if (rc == 0) {
-    snprintf(s->holder, sizeof s->holder, "%s", v[i].name);
-    snprintf(name, cap, "%s", v[i].name);
+    fr_str_copy(s->holder, sizeof s->holder, v[i].name);
+    fr_str_copy(name, cap, v[i].name);
   }
   free(v);
   return rc;

@@ -137,7 +137,7 @@ static int publish(ferry_store *s, fr_owned *o, int timeout_ms) {
   bool other = false;
   uint32_t pinned_slot = UINT32_MAX;
   char key[FR_DIR_KEY_MAX + 1]; /* o belongs to the table once swapped in */
-  snprintf(key, sizeof key, "%s", o->rec.key);
+  fr_str_copy(key, sizeof key, o->rec.key);
   fr_store_settle(s, false); /* what earlier puts left to do */
   pthread_mutex_lock(&s->publish_lock);
   int rc = fr_store_ensure_registered(s, fr_store_left(deadline));
@@ -183,8 +183,8 @@ static int prepare(ferry_store *s, const char *key, const ferry_tensor_desc *des
   fr_owned *o = calloc(1, sizeof *o);
   if (!o)
     return fr_err(FERRY_ENOMEM, "put '%s'", key);
-  snprintf(o->rec.key, sizeof o->rec.key, "%s", key);
-  snprintf(o->rec.owner, sizeof o->rec.owner, "%s", s->name);
+  fr_str_copy(o->rec.key, sizeof o->rec.key, key);
+  fr_str_copy(o->rec.owner, sizeof o->rec.owner, s->name);
   o->rec.desc = *desc;
   ferry_tensor_nbytes(desc, &o->rec.bytes);
   int rc = place(s, o, data, device, flags, fill != NULL);

@@ -59,7 +59,7 @@ static ferry_store *store_new(ferry_ctx *ctx, const ferry_store_opts *o) {
   if (!s)
     return NULL;
   s->ctx = ctx;
-  snprintf(s->name, sizeof s->name, "%s", ferry_ctx_name(ctx));
+  fr_str_copy(s->name, sizeof s->name, ferry_ctx_name(ctx));
   s->flags = o ? o->flags : 0;
   int64_t linger = fr_config_int("FERRY_STORE_LINGER_MS");
   s->linger_ms = linger > 0 ? (int)linger : 0;
@@ -130,7 +130,7 @@ int ferry_store_open(ferry_ctx *ctx, const ferry_store_opts *opts, ferry_store *
     fr_store_stats_stop(s);
   if (rc != 0) {
     char detail[512];
-    snprintf(detail, sizeof detail, "%s", ferry_last_error());
+    fr_str_copy(detail, sizeof detail, ferry_last_error());
     ferry_store_close(s);
     return fr_err(rc, "%s", detail);
   }

@@ -17,7 +17,7 @@
 
 static int parse_transports(ferry_ctx *ctx, const char *list) {
   char buf[128];
-  snprintf(buf, sizeof buf, "%s", list);
+  fr_str_copy(buf, sizeof buf, list);
   char *save = NULL;
   for (char *t = strtok_r(buf, ", ", &save); t; t = strtok_r(NULL, ", ", &save)) {
     const fr_transport_ops *ops = fr_transport_find(t);
@@ -201,7 +201,7 @@ int ferry_ctx_open(const ferry_ctx_opts *opts, ferry_ctx **out) {
   if (rc != 0) {
     int saved = rc;
     char detail[512];
-    snprintf(detail, sizeof detail, "%s", ferry_last_error());
+    fr_str_copy(detail, sizeof detail, ferry_last_error());
     for (size_t i = 0; i < ctx->nlisteners; i++)
       close(ctx->listeners[i].poller.fd);
     ctx->nlisteners = 0;

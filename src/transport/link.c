@@ -550,7 +550,7 @@ int fr_link_handshake(ferry_link *l, int timeout_ms) {
   fr_hello hello;
   memset(&hello, 0, sizeof hello);
   fr_random_bytes(hello.nonce, sizeof hello.nonce);
-  snprintf(hello.name, sizeof hello.name, "%s", ctx->name);
+  fr_str_copy(hello.name, sizeof hello.name, ctx->name);
   uint8_t buf[FR_HELLO_ACK_BYTES];
   fr_hello_encode(&hello, buf);
   struct iovec iov = {buf, FR_HELLO_BYTES};
@@ -623,7 +623,7 @@ static int on_hello(ferry_link *l) {
   fr_random_bytes(l->nonce_self, FR_NONCE_BYTES);
   memcpy(ack.nonce, l->nonce_self, FR_NONCE_BYTES);
   mac_for(l->ctx, "ferry-acceptor", l->nonce_peer, l->nonce_self, ack.mac);
-  snprintf(ack.name, sizeof ack.name, "%s", l->ctx->name);
+  fr_str_copy(ack.name, sizeof ack.name, l->ctx->name);
   int proof_fd = -1;
   if (l->ops->passes_fds) {
     fr_random_bytes(l->proof, FR_NONCE_BYTES);
@@ -1171,7 +1171,7 @@ static void link_retire(ferry_link *l, int status, const char *why) {
  * (or FR_END_DRAIN_NS), then returns the end's status; a frame the end cut short is dropped. */
 static int rx_last(ferry_link *l, int end) {
   char why[256];
-  snprintf(why, sizeof why, "%s", ferry_last_error());
+  fr_str_copy(why, sizeof why, ferry_last_error());
   uint64_t deadline = fr_now_ns() + FR_END_DRAIN_NS;
   int rc;
   do

@@ -63,7 +63,7 @@ int fr_metrics_route(ferry_metrics_server *s, const char *path, fr_http_route_fn
   int rc = s->nroutes < ROUTES_MAX ? 0 : fr_err(FERRY_ERANGE, "metrics: too many routes");
   if (rc == 0) {
     struct route *r = &s->routes[s->nroutes++];
-    snprintf(r->path, sizeof r->path, "%s", path);
+    fr_str_copy(r->path, sizeof r->path, path);
     r->fn = fn, r->arg = arg;
   }
   pthread_mutex_unlock(&s->lock);

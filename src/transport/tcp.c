@@ -33,7 +33,7 @@ int fr_split_host_port(const char *text, char *host, size_t hlen, char *port, si
     return fr_err(FERRY_EINVAL, "'%s' is too long", text);
   memcpy(host, h, n);
   host[n] = '\0';
-  snprintf(port, plen, "%s", colon + 1);
+  fr_str_copy(port, plen, colon + 1);
   return 0;
 }
 

@@ -1056,7 +1056,7 @@ static int ucx_listen(ferry_ctx *ctx, int *fd, char *url, size_t url_len) {
   char where[256];
   const char *cfg = fr_config_str("FERRY_UCX_LISTEN");
   if (*cfg) {
-    snprintf(where, sizeof where, "%s", cfg);
+    fr_str_copy(where, sizeof where, cfg);
   } else { /* the tcp listener's host, any port */
     const char *colon = strrchr(ctx->tcp_listen, ':');
     int n = colon ? (int)(colon - ctx->tcp_listen) : (int)strlen(ctx->tcp_listen);
