@@ -62,7 +62,9 @@ int fr_mutex_lock_until(pthread_mutex_t *m, uint64_t deadline_ns) {
 }
 
 size_t fr_str_copy(char *dst, size_t cap, const char *src) {
-  size_t len = src ? strlen(src) : 0;
+  if (!src)
+    src = "";
+  size_t len = strlen(src);
   if (cap > 0) {
     size_t n = len < cap ? len : cap - 1;
     memcpy(dst, src, n);
