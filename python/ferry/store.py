@@ -34,6 +34,7 @@ def _key(key: Key) -> Optional[bytes]:
 
 
 _declared = False
+_NP_DTYPES = {code: np.dtype(t) for code, (_, t) in DTYPES.items()}  # get_view's, made once
 _NO_BYTES = ctypes.c_char()  # where an empty value's data pointer points (never read)
 
 
@@ -55,10 +56,17 @@ def _declare_view() -> None:
 class _Pin:
     """One ferry_store_view: the pin on the owner's bytes, dropped once (release())."""
 
-    def __init__(self, store: "Store", view: int, info: Dict[str, Any]) -> None:
-        self.store, self.view, self.info = store, view, info
+    def __init__(self, store: "Store", view: int, info: Any) -> None:
+        self.store, self.view, self._info = store, view, info  # info: the call's StoreInfo
         self.lock = threading.RLock()  # re-entrant: a view's finalizer releases (ferry.tensors)
         self.derived: List["weakref.ref[np.ndarray]"] = []  # arrays made from the view
+
+    @property
+    def info(self) -> Dict[str, Any]:
+        """What the directory said (stat's dict), made when first asked for."""
+        if not isinstance(self._info, dict):
+            self._info = _info_dict(self._info)
+        return self._info
 
     def valid(self) -> bool:
         with self.lock:
@@ -423,10 +431,10 @@ class Store(NodeHandle):
         except BaseException:
             self._unpin()
             raise
-        pin = _Pin(self, v.value, _info_dict(info))
+        pin = _Pin(self, v.value, info)
         code, shape = info.desc.dtype, desc_shape(info.desc)
-        npdt = np.dtype(DTYPES[code][1])
-        nbytes = int(info.bytes)
+        npdt = _NP_DTYPES[code]
+        nbytes = info.bytes
         buf = (ctypes.c_uint8 * max(nbytes, 1)).from_address(data.value)
         buf._ferry_pin = pin
         weakref.finalize(buf, pin.release)

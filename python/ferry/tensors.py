@@ -103,7 +103,7 @@ def make_desc(code: int, shape: Sequence[int]) -> Any:
 
 def desc_shape(desc: Any) -> Tuple[int, ...]:
     """A ferry_tensor_desc's shape as a tuple of ints."""
-    return tuple(int(desc.shape[i]) for i in range(desc.ndim))
+    return tuple(desc.shape[:desc.ndim])  # a ctypes array's slice is a list of ints
 
 
 _KDLCPU = 1  # DLPack's device type of host memory
