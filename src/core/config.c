@@ -140,7 +140,8 @@ int64_t fr_config_int(const char *name) {
 
 /* FERRY_TIMEOUT_MS as it is now, read at every call that takes the default (a put, a get): the
  * parse (a scan of the settings table and strtoll) is redone, per thread, only when the
- * environment holds another string for it (setenv stores a new one for a new value). */
+ * environment holds another string for it (setenv stores a new one for a new value; a putenv
+ * buffer rewritten in place is not seen). */
 int fr_timeout(int timeout_ms) {
   static __thread const char *seen;
   static __thread int parsed;
