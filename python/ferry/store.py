@@ -16,8 +16,8 @@ import numpy as np
 from . import _lib
 from ._lib import lib
 from .errors import NotFound, check, raise_status
-from .tensors import (DTYPES, Context, Like, NodeHandle, _ctx_for_store, as_buffer, desc_shape,
-                      empty, from_bits, like_name)
+from .tensors import (DTYPES, NP_DTYPES, Context, Like, NodeHandle, _ctx_for_store, as_buffer,
+                      desc_shape, empty, from_bits, like_name)
 
 __all__ = ["Store", "StoreView"]
 
@@ -34,7 +34,6 @@ def _key(key: Key) -> Optional[bytes]:
 
 
 _declared = False
-_NP_DTYPES = {code: np.dtype(t) for code, (_, t) in DTYPES.items()}  # get_view's, made once
 _NO_BYTES = ctypes.c_char()  # where an empty value's data pointer points (never read)
 
 
@@ -375,7 +374,7 @@ class Store(NodeHandle):
         p = ctypes.c_void_p()
         check(lib.ferry_store_get_alloc(self.handle, k, byref(p), byref(info), self._t(timeout)))
         code, shape = info.desc.dtype, desc_shape(info.desc)
-        npdt = np.dtype(DTYPES[code][1])
+        npdt = NP_DTYPES[code]
         if info.bytes == 0 or not p.value:
             if p.value:
                 _lib.libc.free(p.value)
@@ -433,7 +432,7 @@ class Store(NodeHandle):
             raise
         pin = _Pin(self, v.value, info)
         code, shape = info.desc.dtype, desc_shape(info.desc)
-        npdt = _NP_DTYPES[code]
+        npdt = NP_DTYPES[code]
         nbytes = info.bytes
         buf = (ctypes.c_uint8 * max(nbytes, 1)).from_address(data.value)
         buf._ferry_pin = pin

@@ -24,6 +24,7 @@ DTYPES = {
     10: ("float16", np.float16), 11: ("bfloat16", np.uint16), 12: ("float32", np.float32),
     13: ("float64", np.float64), 14: ("float8_e4m3", np.uint8), 15: ("float8_e5m2", np.uint8),
 }
+NP_DTYPES = {code: np.dtype(t) for code, (_, t) in DTYPES.items()}  # made once: per-call lookups
 _BY_NAME = {name: code for code, (name, _) in DTYPES.items()}
 _BY_NAME.update({"bf16": 11, "f16": 10, "f32": 12, "f64": 13, "half": 10, "float": 12,
                  "double": 13, "fp8_e4m3": 14, "fp8_e5m2": 15, "float8_e4m3fn": 14})
