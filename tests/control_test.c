@@ -455,6 +455,55 @@ static void test_opts_size_rule(void **state) {
   ferry_ctl_cell_close(cell);
 }
 
+/* Files another user plants under a cell's name in the shared FERRY_CTL_DIR (issue 32 row 2):
+ * a FIFO no longer blocks an engine's create for ever, a link is never opened (the file it names
+ * stays as it was), and a well-formed cell of another user's (as root: chown 65534) is refused.
+ * Each is refused at once naming what is there, and ferry_ctl_gc skips them all. */
+static void test_planted_cell_files(void **state) {
+  char path[256], victim[256], text[32] = "";
+  snprintf(path, sizeof path, "%s/ferry-ctl-%s", dir, name);
+  snprintf(victim, sizeof victim, "%s/victim-%s", dir, name);
+  ferry_ctl_cell *cell = NULL;
+  ferry_ctl *c = NULL;
+  ferry_ctl_rank *r = NULL;
+  assert_int_equal(mkfifo(path, 0666), 0);
+  assert_int_equal(ferry_ctl_cell_create(name, 1, NULL, &cell), FERRY_EEXIST);
+  assert_non_null(strstr(ferry_last_error(), "a FIFO"));
+  assert_int_equal(ferry_ctl_open(name, &c), FERRY_EACCES);
+  assert_non_null(strstr(ferry_last_error(), "a FIFO"));
+  assert_true(ferry_ctl_gc(0, NULL, NULL) >= 0);
+  assert_int_equal(access(path, F_OK), 0); /* skipped, not removed */
+  assert_int_equal(unlink(path), 0);
+
+  FILE *f = fopen(victim, "w");
+  assert_non_null(f);
+  fputs("precious\n", f);
+  fclose(f);
+  assert_int_equal(symlink(victim, path), 0);
+  assert_int_equal(ferry_ctl_cell_create(name, 1, NULL, &cell), FERRY_EEXIST);
+  assert_non_null(strstr(ferry_last_error(), "symbolic link"));
+  assert_int_equal(ferry_ctl_rank_open(name, 0, NULL, &r), FERRY_EACCES);
+  assert_non_null(strstr(ferry_last_error(), "symbolic link"));
+  assert_true(ferry_ctl_gc(0, NULL, NULL) >= 0);
+  f = fopen(victim, "r");
+  assert_non_null(f);
+  assert_non_null(fgets(text, sizeof text, f));
+  fclose(f);
+  assert_string_equal(text, "precious\n");
+  assert_int_equal(unlink(path), 0);
+  unlink(victim);
+
+  if (geteuid() != 0)
+    return; /* another user's file needs root to make (CI runs as root) */
+  FR_OK(ferry_ctl_cell_create(name, 1, NULL, &cell));
+  assert_int_equal(chown(path, 65534, 65534), 0);
+  assert_int_equal(ferry_ctl_open(name, &c), FERRY_EACCES);
+  assert_non_null(strstr(ferry_last_error(), "owned by uid 65534"));
+  assert_int_equal(ferry_ctl_rank_open(name, 0, NULL, &r), FERRY_EACCES);
+  ferry_ctl_cell_close(cell);
+  unlink(path);
+}
+
 /* The lost-update regression, part 1: a rank that lags behind several commands gets the newest,
  * and nothing a controller issued was overwritten. */
 static void test_lagging_rank_sees_latest(void **state) {
@@ -1070,6 +1119,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_rank_api, setup, teardown),
       cmocka_unit_test_setup_teardown(test_opts_size_rule, setup, teardown),
       cmocka_unit_test_setup_teardown(test_hostile_cell, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_planted_cell_files, setup, teardown),
       cmocka_unit_test_setup_teardown(test_lagging_rank_sees_latest, setup, teardown),
       cmocka_unit_test_setup_teardown(test_first_command_while_rank_attaching, setup, teardown),
       cmocka_unit_test_setup_teardown(test_rank_cannot_write_command, setup, teardown),

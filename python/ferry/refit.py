@@ -21,9 +21,12 @@ a Python receiver finds a C sender and a C receiver (ferry_refit_receiver_open(c
 finds a Python sender. With no directory configured the C side publishes nothing (its
 FERRY_DIRECTORY default, ferry://127.0.0.1:7700, must then be running); Python instead falls
 back to a file on this host: FERRY_CTL_DIR/ferry-refit-NAME (mode 0600, removed on close) holds
-the address and RefitReceiver(name) on the same host reads it. That fallback is for one host
-and Python only; across hosts, or with C peers, configure a directory (`ferry serve`), or pass
-the sender's `address` to the receiver instead of the name.
+the address and RefitReceiver(name) on the same host reads it. That directory is shared with
+other users (/dev/shm): the file is written under a fresh unguessable name and renamed into
+place, and only a regular file this user owns is read; a link, a FIFO or another user's file
+under the name is refused (ferry.AccessDenied, saying what is there), never followed or waited
+on. That fallback is for one host and Python only; across hosts, or with C peers, configure a
+directory (`ferry serve`), or pass the sender's `address` to the receiver instead of the name.
 
 Routes and alias mode (docs/REFIT.md): push(v, route="direct" | "chain" | "auto") as
 ferry_refit_push_opts.route (auto, the default: receivers on the sender's host read from it
@@ -42,11 +45,14 @@ commit callback wakes it, so cancelling it leaves nothing behind.
 import asyncio
 import atexit
 import ctypes
+import errno
 import functools
 import itertools
 import os
 import re
+import secrets
 import socket
+import stat
 import threading
 import time
 import weakref
@@ -57,8 +63,8 @@ import numpy as np
 
 from . import _lib
 from ._lib import POINTER, byref, c_char_p, c_int, c_size_t, c_uint64, c_void_p, lib
-from .errors import (AlreadyExists, InvalidArgument, NotFound, NotSupported, Timeout, check,
-                     raise_status)
+from .errors import (AccessDenied, AlreadyExists, InvalidArgument, NotFound, NotSupported,
+                     Timeout, check, raise_status)
 from . import cuda
 from .cuda import DeviceBytes, sync_all
 from .tensors import DTYPES, Context, as_buffer, desc_shape, dtype_code, from_bits
@@ -221,11 +227,55 @@ def _pid_alive(pid):
     return True
 
 
-def _read_rendezvous(path):
-    """(address, pid) of a live sender, or None."""
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+
+
+def _planted(path, what):
+    return AccessDenied(-7, "refit: %s is %s, not a regular file of this user's (uid %d): not "
+                            "used; another user may have planted it: remove it, set "
+                            "FERRY_CTL_DIR to a directory only this user may write, or "
+                            "configure a directory (FERRY_DIRECTORY)"
+                        % (path, what, os.geteuid()))
+
+
+def _kind(mode):
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
+
+
+def _open_shared(path, flags=os.O_RDONLY):
+    """A descriptor of `path` in FERRY_CTL_DIR, which other users may write too (as C's
+    fr_open_shared): never following a link nor blocking on a FIFO, and only for a regular file
+    this user owns (ferry.AccessDenied naming what is there otherwise); None when there is none."""
     try:
-        with open(path) as f:
-            lines = f.read().split("\n")
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENOTDIR):
+            try:
+                raise _planted(path, _kind(os.lstat(path).st_mode)) from None
+            except FileNotFoundError:
+                return None
+        raise AccessDenied(-7, "refit: open %s: %s" % (path, e.strerror)) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise _planted(path, "owned by uid %d" % st.st_uid if stat.S_ISREG(st.st_mode)
+                       else _kind(st.st_mode))
+    return fd
+
+
+def _read_rendezvous(path):
+    """(address, pid) of a live sender, or None; ferry.AccessDenied when what is there is not a
+    regular file of this user's (_open_shared)."""
+    fd = _open_shared(path)
+    if fd is None:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            lines = f.read(4096).decode().split("\n")
         addr, pid = lines[0], int(lines[1])
     except (OSError, ValueError, IndexError):
         return None
@@ -380,11 +430,31 @@ class RefitSender(_lib.Closing):
                                     % (self.name, found[1] if found else os.getpid(), path))
             _published.add(path)
             self._path = path
-        tmp = "%s.%d.tmp" % (path, os.getpid())
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write("%s\n%d\n" % (self.address, os.getpid()))
-        os.replace(tmp, path)
+        # FERRY_CTL_DIR is shared with other users: a fresh temporary of an unguessable name
+        # (O_EXCL|O_NOFOLLOW: never a file or link someone put there), renamed into place, and
+        # the result checked to be that very file. `ferry gc` reads the pid before ".tmp".
+        tmp = "%s.%s.%d.tmp" % (path, secrets.token_hex(8), os.getpid())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write("%s\n%d\n" % (self.address, os.getpid()))
+                f.flush()
+                mine = os.fstat(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        fd = _open_shared(path)
+        there = os.fstat(fd) if fd is not None else None
+        if fd is not None:
+            os.close(fd)
+        if there is None or (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino):
+            raise AlreadyExists(-6, "refit '%s': %s was replaced while it was published"
+                                % (self.name, path))
 
     # -- life --------------------------------------------------------------------------------
     @property

@@ -2,14 +2,18 @@
  * `ferry gc`: removes what killed ferry processes left in FERRY_CTL_DIR (/dev/shm by default):
  * control cells of dead engines and half-made ones (ferry_ctl_gc), and the Python binding's refit
  * rendezvous files (`ferry-refit-NAME`: the sender's address, then its pid) of dead senders,
- * with their temporaries (`ferry-refit-NAME.PID.tmp`). Files of live processes stay.
+ * with their temporaries (`ferry-refit-NAME.RAND.PID.tmp`). Files of live processes stay, and so
+ * does anything that is not a regular file of this user's (said on stderr): another user may have
+ * planted it.
  */
 #include "cli/args.h"
 #include "cli/cli.h"
+#include "core/core.h"
 #include "ferry.h"
 
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -47,50 +51,62 @@ static void report(const char *path, const char *why, void *arg) {
 
 static bool pid_gone(long pid) { return pid > 0 && kill((pid_t)pid, 0) != 0 && errno == ESRCH; }
 
-/* The pid a refit rendezvous file names (its second line), or a temporary's (NAME.PID.tmp). */
-static long rendezvous_pid(const char *dir, const char *file) {
+/* The pid a refit rendezvous file names (its second line), or a temporary's (NAME.RAND.PID.tmp);
+ * 0 when there is none. Another user may plant anything under these names in a shared directory:
+ * only a regular file of this user's is read (fr_open_shared never follows a link nor blocks on
+ * a FIFO), and anything else is skipped, saying why on stderr. */
+static long rendezvous_pid(int dfd, const char *dir, const char *file) {
+  int fd;
+  if (fr_open_shared(dfd, file, O_RDONLY, &fd) != 0) {
+    fprintf(stderr, "ferry gc: skipped %s/%s: %s\n", dir, file, ferry_last_error());
+    return 0;
+  }
   size_t n = strlen(file);
+  long pid = 0;
   if (n > 4 && strcmp(file + n - 4, ".tmp") == 0) {
     const char *dot = file + n - 5;
     while (dot > file && *dot != '.')
       dot--;
-    return *dot == '.' ? strtol(dot + 1, NULL, 10) : 0;
+    pid = *dot == '.' ? strtol(dot + 1, NULL, 10) : 0;
+  } else {
+    char text[512] = "";
+    ssize_t got = read(fd, text, sizeof text - 1);
+    text[got > 0 ? got : 0] = '\0';
+    const char *nl = strchr(text, '\n');
+    pid = nl ? strtol(nl + 1, NULL, 10) : 0;
   }
-  char path[4096], text[512] = "";
-  snprintf(path, sizeof path, "%s/%s", dir, file);
-  FILE *f = fopen(path, "r");
-  if (!f)
-    return 0;
-  size_t got = fread(text, 1, sizeof text - 1, f);
-  fclose(f);
-  text[got] = '\0';
-  const char *nl = strchr(text, '\n');
-  return nl ? strtol(nl + 1, NULL, 10) : 0;
+  close(fd);
+  return pid;
 }
 
 static int gc_rendezvous(gc_out *o) {
   const char *dir = ferry_config_get("FERRY_CTL_DIR");
   if (!*dir)
     dir = "/dev/shm";
-  DIR *d = opendir(dir);
-  if (!d)
+  int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  DIR *d = dfd >= 0 ? fdopendir(dup(dfd)) : NULL;
+  if (!d) {
+    if (dfd >= 0)
+      close(dfd);
     return 0; /* ferry_ctl_gc already said why */
+  }
   for (struct dirent *e; (e = readdir(d));) {
     if (strncmp(e->d_name, "ferry-refit-", 12) != 0)
       continue;
-    long pid = rendezvous_pid(dir, e->d_name);
+    long pid = rendezvous_pid(dfd, dir, e->d_name);
     if (!pid_gone(pid))
       continue;
     char path[4096], why[96];
     snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
     snprintf(why, sizeof why, "refit rendezvous of dead sender pid %ld", pid);
-    if (!o->dry_run && unlink(path) != 0) {
+    if (!o->dry_run && unlinkat(dfd, e->d_name, 0) != 0) {
       fprintf(stderr, "ferry gc: cannot remove %s: %s\n", path, strerror(errno));
       continue;
     }
     report(path, why, o);
   }
   closedir(d);
+  close(dfd);
   return 0;
 }
 

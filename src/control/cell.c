@@ -2,7 +2,9 @@
  * The control cell as a file: naming, mapping with per-role protections, header validation,
  * process liveness (pid + start time, so a reused pid is not mistaken for a live engine or
  * rank), shared futexes, and the engine's create/close with atomic publication and detection
- * of a stale cell left by a dead engine.
+ * of a stale cell left by a dead engine. FERRY_CTL_DIR is shared with other users, so a cell is
+ * opened only through fr_open_shared: a link, a FIFO or another user's file under a cell's name
+ * is refused, never followed, blocked on or replaced.
  */
 #include "control/cell.h"
 
@@ -32,11 +34,11 @@ struct ferry_ctl_cell {
 
 /* ---- names and files ---- */
 
+/* The one name rule (core.h: fr_name_ok), narrowed to a file name's safe characters. */
 static bool name_ok(const char *name) {
-  size_t n = name ? strlen(name) : 0;
-  if (n == 0 || n > FR_CTL_NAME_MAX || name[0] == '.')
+  if (!fr_name_ok(name, FR_CTL_NAME_MAX) || name[0] == '.')
     return false;
-  for (size_t i = 0; i < n; i++) {
+  for (size_t i = 0; name[i]; i++) {
     char c = name[i];
     bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
               c == '.' || c == '_' || c == '-';
@@ -117,10 +119,13 @@ int fr_ctl_map_open(const char *name, int role, fr_ctl_map *map) {
   int rc = fr_ctl_path(name, map);
   if (rc)
     return rc;
-  map->fd = open(map->path, O_RDWR | O_CLOEXEC);
-  if (map->fd < 0)
-    return errno == ENOENT ? fr_err(FERRY_ENOTFOUND, "no control cell '%s' (%s)", name, map->path)
-                           : fr_err_errno(FERRY_EACCES, "open control cell %s", map->path);
+  rc = fr_open_shared(AT_FDCWD, map->path, O_RDWR, &map->fd);
+  if (rc != 0) {
+    map->fd = -1;
+    return rc == FERRY_ENOTFOUND
+               ? fr_err(FERRY_ENOTFOUND, "no control cell '%s' (%s)", name, map->path)
+               : fr_err_wrap(rc, "open control cell '%s'", name);
+  }
   fr_ctl_header hdr;
   struct stat st;
   rc = read_header(map->fd, name, &hdr, &st);
@@ -344,12 +349,15 @@ static int replace_stale(fr_ctl_map *map, const char *tmp, const ferry_ctl_cell_
       close(dfd);
     return rc;
   }
-  int rc = 0;
-  int old = open(map->path, O_RDONLY | O_CLOEXEC);
+  int old = -1;
+  int rc = fr_open_shared(AT_FDCWD, map->path, O_RDONLY, &old);
   fr_ctl_header hdr;
   struct stat st;
-  if (old < 0)
-    rc = 0; /* it vanished meanwhile: take the name */
+  /* gone meanwhile: take the name; a link, a FIFO or another user's file: never replaced */
+  if (rc == FERRY_ENOTFOUND)
+    rc = 0;
+  else if (rc != 0)
+    rc = fr_err_wrap(FERRY_EEXIST, "control cell '%s'", map->name);
   else if ((rc = read_header(old, map->name, &hdr, &st)) != 0)
     ;
   else if (fr_ctl_pid_alive(hdr.engine_pid, hdr.engine_start))

@@ -4,7 +4,9 @@
  * comes back keeps its file in /dev/shm for good, and so does a half-made cell
  * (`ferry-ctl-NAME.new-PID-*`) of a process killed between creating and publishing it.
  * ferry_ctl_gc removes both, taking the same directory lock as an engine that replaces a stale
- * cell, so it never removes a cell that a live engine has just published.
+ * cell, so it never removes a cell that a live engine has just published. Only regular files of
+ * this user's are judged (fr_open_shared): a link, a FIFO or another user's file planted under
+ * such a name stays, and never blocks the scan.
  */
 #include "control/cell.h"
 
@@ -20,17 +22,24 @@
 
 #define CELL_PREFIX "ferry-ctl-"
 
+/* fr_open_shared, saying why a file that is there was skipped (a link, a FIFO, another user's). */
+static int open_ours(int dfd, const char *file, int *fd) {
+  int rc = fr_open_shared(dfd, file, O_RDONLY, fd);
+  if (rc != 0 && rc != FERRY_ENOTFOUND)
+    fr_warn("gc: skipped %s", ferry_last_error());
+  return rc;
+}
+
 /* Whether the cell file at `path` belongs to a dead engine; *why says what was found. Files that
  * are not cells (or of another layout) are not ours to judge: false. */
 static bool cell_is_stale(int dfd, const char *file, char *why, size_t why_len) {
-  int fd = openat(dfd, file, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-  if (fd < 0)
+  int fd;
+  if (open_ours(dfd, file, &fd) != 0)
     return false;
   fr_ctl_header hdr;
   struct stat st;
   bool stale = false;
-  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
-      pread(fd, &hdr, sizeof hdr, 0) == (ssize_t)sizeof hdr &&
+  if (fstat(fd, &st) == 0 && pread(fd, &hdr, sizeof hdr, 0) == (ssize_t)sizeof hdr &&
       fr_ctl_header_check(&hdr, (uint64_t)st.st_size, file) == 0 &&
       !fr_ctl_pid_alive(hdr.engine_pid, hdr.engine_start)) {
     snprintf(why, why_len, "control cell of dead engine pid %d (incarnation %llu)",
@@ -55,8 +64,10 @@ static pid_t half_made_pid(const char *file) {
 static bool is_garbage(int dfd, const char *file, char *why, size_t why_len) {
   pid_t maker = half_made_pid(file);
   if (maker > 0) {
-    if (fr_ctl_pid_exists(maker))
-      return false;
+    int fd;
+    if (fr_ctl_pid_exists(maker) || open_ours(dfd, file, &fd) != 0)
+      return false; /* a live maker's, or not a file of this user's: not ours to remove */
+    close(fd);
     snprintf(why, why_len, "half-made control cell of dead pid %d", (int)maker);
     return true;
   }

@@ -111,6 +111,18 @@ int fr_config_token_path(char *buf, size_t len);
  * 32 random bytes in hex) when absent; refused when it is not a regular file this user owns
  * with no group or other permission bits. */
 int fr_user_token(char **out);
+/* FERRY_EINVAL unless `token` (named `what` in the error) is at least FR_TOKEN_MIN bytes; the
+ * one line says how to make one. */
+#define FR_TOKEN_MIN 16
+int fr_token_check(const char *token, const char *what);
+
+/* ---- files in directories other users may write (shared_file.c) ---- */
+/* Opens `name` (relative to dfd, or AT_FDCWD) in a shared directory such as FERRY_CTL_DIR with
+ * `flags` plus O_NOFOLLOW|O_NONBLOCK|O_CLOEXEC, and keeps it only when fstat says it is a regular
+ * file this user (euid) owns: 0 and *fd; FERRY_ENOTFOUND when there is none; FERRY_EACCES for a
+ * symbolic link, a FIFO or another type, or another user's file, the error naming which. Never
+ * blocks, never follows a link another user planted. */
+int fr_open_shared(int dfd, const char *name, int flags, int *fd);
 
 /* ---- time ---- */
 uint64_t fr_now_ns(void); /* CLOCK_MONOTONIC */
@@ -155,6 +167,24 @@ size_t fr_str_copy(char *dst, size_t cap, const char *src);
 /* Length of the well-formed UTF-8 sequence at p (1..4 bytes, at most `left`), or 0 when p does
  * not start one (a stray continuation byte, an overlong form, a surrogate, beyond U+10FFFF). */
 size_t fr_utf8_seq(const unsigned char *p, size_t left);
+
+/* ---- names and escaping (name.c) ---- */
+/* Length of the printable character at p (at most `left` bytes): well-formed UTF-8 that is not a
+ * control character (C0, DEL, or C1: U+0080..U+009F); 0 when p is a control character or not
+ * UTF-8. */
+size_t fr_text_char(const unsigned char *p, size_t left);
+/* The one rule for every name a peer or a caller gives (node, context, store, sender, topic and
+ * cell names, and keys): 1 to `max` bytes of printable UTF-8 (fr_text_char). FERRY_EINVAL names
+ * `what`, the name (escaped, as every detail is) and the first byte that breaks the rule. */
+int fr_name_check(const char *what, const char *s, size_t max);
+/* The same rule as a test, with no error detail set (decoders of what a peer sent). */
+bool fr_name_ok(const char *s, size_t max);
+/* Copies src (NULL: "") into dst of cap bytes with every byte that is not part of a printable
+ * character (fr_text_char) written as \xNN, cut between whole characters and escapes, always
+ * terminated (cap > 0). Returns the bytes written. Text for a log line, an error detail or a
+ * terminal goes through it: no byte a peer chose can move a cursor or start a line. Idempotent:
+ * its output holds no byte it would escape. 4 * strlen(src) + 1 bytes always suffice. */
+size_t fr_escape(char *dst, size_t cap, const char *src);
 
 /* ---- hashing for authentication (sha256.c) ---- */
 void fr_sha256(const void *data, size_t len, uint8_t out[32]);

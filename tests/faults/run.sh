@@ -116,6 +116,15 @@ row 21 "link peer SIGKILL mid-read" "the read fails clearly, the reader goes on"
   "link_test:test_killed_mid_read_*"
 row 22 "mq subscriber SIGKILL" "dropped; the publisher goes on" \
   py:test_mq.py::test_killed_subscriber_is_dropped
+row 24 "another user's links planted for a refit rendezvous" \
+  "never followed: no file of the victim's written; a link under the name refused" \
+  py:test_refit_rendezvous.py::test_planted_links_never_followed \
+  py:test_refit_rendezvous.py::test_link_under_the_name_refused
+row 25 "a FIFO, link or other user's file planted in FERRY_CTL_DIR" \
+  "refused at once naming it, never waited on; ferry gc skips it" \
+  py:test_refit_rendezvous.py::test_planted_fifo_refused_at_once \
+  py:test_refit_rendezvous.py::test_other_users_file_refused \
+  py:test_refit_rendezvous.py::test_gc_skips_planted_files control_test:test_planted_cell_files
 
 total=$(awk -v a="$total_t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
 if [ $failed -ne 0 ]; then
