@@ -223,3 +223,31 @@ def test_updates_yields_each_ranks_slices_as_they_land():
     finally:
         close_ranks(ranks)
         tx.close()
+
+
+def test_zero_size_tensor_binds_as_tp_shards_gives_it():
+    """tp_shards' own pieces for zero-size tensors (shape (0, 4): replicated, and split along
+    dim 0 or dim 1) bind, and the version commits with every other tensor whole (issue 32 row
+    10: the [0:0] piece was refused and the whole bind failed)."""
+    sd = {"empty": np.zeros((0, 4), np.float32), "wide": np.zeros((0, 4), np.float32),
+          "cols": np.zeros((4, 0), np.float32),
+          "w": np.arange(32, dtype=np.float32).reshape(8, 4)}
+    name = unique("zero")
+    tx = ferry.RefitSender(name, sd, buffer_bytes=4096)
+    rx = ferry.RefitReceiver(name, timeout=5)
+    try:
+        specs = ferry.tp_shards(rx, 1, 2, [(r"^w$", 0), (r"^wide$", 1), (r"^cols$", 1)])
+        assert specs["empty"][2] == [ferry.Piece("empty", 0, 0, 0)]
+        assert specs["cols"][2] == [ferry.Piece("cols", 1, 0, 0)]
+        mine = {t: np.zeros(shape, dtype=dtype) for t, (shape, dtype, _) in specs.items()}
+        rx.bind_shards({t: (mine[t], specs[t][2]) for t in specs})
+        tx.push(1)
+        assert rx.wait(1, timeout=5) == 1
+        assert np.array_equal(mine["w"], sd["w"][4:])
+        assert mine["empty"].shape == (0, 4) and mine["wide"].shape == (0, 2)
+        assert mine["cols"].shape == (4, 0)
+        with pytest.raises(ferry.ShapeError, match="not a slice"):  # still no empty slice of rows
+            rx.bind_shards({"x": (np.zeros((0, 4), np.float32), [("w", 0, 3, 3)])})
+    finally:
+        rx.close()
+        tx.close()

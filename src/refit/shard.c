@@ -20,7 +20,8 @@ int fr_refit_piece_check(const fr_refit_plan *plan, const fr_refit_piece *pc, co
   uint64_t extent = nd ? (pc->dim < nd ? e->desc.shape[pc->dim] : 0) : 1;
   if (pc->dim >= (nd ? nd : 1))
     return fr_err(FERRY_ESHAPE, "%s: '%s' has %u dims, no dim %u", who, e->name, nd, pc->dim);
-  if (pc->start >= pc->stop || pc->stop > extent)
+  /* [0:0] of an empty dim is the whole of a zero-size tensor, which tp_shards gives: no bytes */
+  if ((pc->start >= pc->stop && !(extent == 0 && pc->stop == 0)) || pc->stop > extent)
     return fr_err(FERRY_ESHAPE, "%s: [%llu:%llu] is not a slice of '%s' dim %u (size %llu)", who,
                   (unsigned long long)pc->start, (unsigned long long)pc->stop, e->name, pc->dim,
                   (unsigned long long)extent);
@@ -215,7 +216,7 @@ int fr_refit_pieces_decode(const uint8_t *in, size_t len, uint32_t n, fr_refit_p
   for (uint32_t i = 0; i < n; i++, in += FR_REFIT_PIECE_BYTES) {
     out[i] = (fr_refit_piece){fr_get_u32(in), fr_get_u32(in + 4), fr_get_u64(in + 8),
                               fr_get_u64(in + 16)};
-    if (out[i].dim >= FERRY_MAX_DIMS || out[i].start >= out[i].stop)
+    if (out[i].dim >= FERRY_MAX_DIMS || out[i].start > out[i].stop) /* [0:0]: piece_check */
       return fr_err(FERRY_EPROTO, "refit view: piece %u is not a slice", i);
   }
   return 0;
