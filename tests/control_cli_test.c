@@ -7,6 +7,8 @@
 // ferry-test: threaded
 #include "testutil.h"
 
+#include "core/core.h"
+
 #include <arpa/inet.h>
 #include <errno.h>
 #include <jansson.h>
@@ -23,6 +25,8 @@
 static char dir[64];
 static char name[64];
 static const char *cli;
+static char *secret;    /* this user's (fr_user_token): ctl serve wants it, FERRY_TOKEN unset */
+static char auth[1200]; /* "Authorization: Bearer <secret>\r\n", for requests written by hand */
 
 /* ---- processes ---- */
 
@@ -106,15 +110,18 @@ static int http_pieces(int port, const char *const *pieces, char *resp, size_t l
   return code;
 }
 
+/* token NULL: this user's secret, as a client of the same user sends; "": none. */
 static int http(int port, const char *method, const char *path, const char *token, const char *body,
                 char *resp, size_t len) {
-  char head[1024], auth[256] = "";
-  if (token)
-    snprintf(auth, sizeof auth, "Authorization: Bearer %s\r\n", token);
+  char head[2048], line[1200] = "";
+  if (!token)
+    token = secret;
+  if (*token)
+    snprintf(line, sizeof line, "Authorization: Bearer %s\r\n", token);
   snprintf(head, sizeof head,
            "%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n%s"
            "Content-Length: %zu\r\n\r\n",
-           method, path, auth, body ? strlen(body) : 0);
+           method, path, line, body ? strlen(body) : 0);
   return http_pieces(port, (const char *const[]){head, body ? body : "", NULL}, resp, len);
 }
 
@@ -155,11 +162,14 @@ static int group_setup(void **state) {
   setenv("FERRY_CTL_CHECK_MS", "20", 1);
   unsetenv("FERRY_TOKEN");
   signal(SIGPIPE, SIG_IGN);
+  FR_OK(fr_user_token(&secret));
+  snprintf(auth, sizeof auth, "Authorization: Bearer %s\r\n", secret);
   return 0;
 }
 
 static int group_teardown(void **state) {
   tu_rmdir_files(dir);
+  free(secret);
   return 0;
 }
 
@@ -314,6 +324,18 @@ static void test_http(void **state) {
   while (strstr(resp, "\"state\":\"absent\""));
   assert_non_null(strstr(resp, "\"state\":\"serving\""));
   assert_non_null(strstr(resp, "application/json"));
+  /* #32 row 6: with FERRY_TOKEN unset the API wants this user's secret, as links do; another
+   * user, who cannot read it, drove the engine with no token at all. Probes need none. */
+  snprintf(act, sizeof act, "%s/clear", path);
+  assert_int_equal(http(port, "POST", act, "", NULL, resp, sizeof resp), 401);
+  assert_non_null(strstr(resp, "WWW-Authenticate: Bearer"));
+  assert_int_equal(http(port, "GET", path, "", NULL, resp, sizeof resp), 401);
+  assert_int_equal(
+      http(port, "GET", path, "not-this-users-secret-at-all-000", NULL, resp, sizeof resp), 401);
+  assert_int_equal(http(port, "GET", "/healthz", "", NULL, resp, sizeof resp), 200);
+  assert_int_equal(http(port, "GET", "/readyz", "", NULL, resp, sizeof resp), 200);
+  assert_int_equal(http(port, "GET", path, NULL, NULL, resp, sizeof resp), 200);
+  assert_non_null(strstr(resp, "\"seq\":0")); /* the refused clear issued nothing */
   snprintf(act, sizeof act, "%s/update", path);
   assert_int_equal(http(port, "POST", act, NULL, NULL, resp, sizeof resp), 409);
   assert_non_null(strstr(resp, "FERRY_ESTATE"));
@@ -341,13 +363,15 @@ static void test_http(void **state) {
   snprintf(act, sizeof act, "%s/clear", path);
   assert_int_equal(http(port, "GET", act, NULL, NULL, resp, sizeof resp), 405);
   stop_child(&srv, 0);
-  /* with FERRY_TOKEN the server wants the bearer token */
-  setenv("FERRY_TOKEN", "sekret", 1);
+  /* with FERRY_TOKEN the server wants that token, and this user's secret is not it */
+  setenv("FERRY_TOKEN", "fleet-token-of-32-bytes-or-so-00", 1);
   srv = start_server(&port);
   unsetenv("FERRY_TOKEN");
-  assert_int_equal(http(port, "GET", path, NULL, NULL, resp, sizeof resp), 401);
+  assert_int_equal(http(port, "GET", path, "", NULL, resp, sizeof resp), 401);
   assert_int_equal(http(port, "GET", path, "wrong", NULL, resp, sizeof resp), 401);
-  assert_int_equal(http(port, "GET", path, "sekret", NULL, resp, sizeof resp), 200);
+  assert_int_equal(http(port, "GET", path, NULL, NULL, resp, sizeof resp), 401);
+  assert_int_equal(
+      http(port, "GET", path, "fleet-token-of-32-bytes-or-so-00", NULL, resp, sizeof resp), 200);
   stop_child(&srv, 0);
   for (int i = 0; i < 2; i++) {
     kill(ranks[i], SIGKILL);
@@ -412,11 +436,11 @@ static void test_http_bodies(void **state) {
   assert_int_equal(json_integer_value(json_object_get(j, "seq")), 1);
   json_decref(j);
   snprintf(act, sizeof act, "%s/update", path);
-  char head[512];
+  char head[2048];
   snprintf(head, sizeof head,
-           "POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+           "POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n%s"
            "Transfer-Encoding: chunked\r\n\r\n",
-           act);
+           act, auth);
   assert_int_equal(http_pieces(port,
                                (const char *const[]){head, "7\r\n{\"timeo\r\n",
                                                      "a\r\nut_s\": 10}\r\n", "0\r\n\r\n", NULL},
@@ -427,23 +451,23 @@ static void test_http_bodies(void **state) {
   json_decref(j);
   /* GET takes no fields; an empty body is fine */
   snprintf(head, sizeof head,
-           "GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: 7"
+           "GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n%sContent-Length: 7"
            "\r\n\r\n{\"x\":1}",
-           path);
+           path, auth);
   assert_int_equal(http_pieces(port, (const char *const[]){head, NULL}, resp, sizeof resp), 400);
   assert_non_null(strstr(resp, "unknown field 'x'"));
   assert_int_equal(http(port, "GET", path, NULL, "", resp, sizeof resp), 200);
   /* too large: by its Content-Length (answered before the body is sent), or as chunks */
   snprintf(head, sizeof head,
-           "POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: "
+           "POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n%sContent-Length: "
            "100000\r\n\r\n",
-           act);
+           act, auth);
   assert_int_equal(http_pieces(port, (const char *const[]){head, NULL}, resp, sizeof resp), 413);
   json_decref(resp_json(resp));
   snprintf(head, sizeof head,
-           "POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+           "POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n%s"
            "Transfer-Encoding: chunked\r\n\r\n",
-           act);
+           act, auth);
   char chunk[1100];
   memset(chunk, ' ', sizeof chunk);
   memcpy(chunk, "400\r\n", 5);
@@ -462,8 +486,8 @@ static void test_http_bodies(void **state) {
 }
 
 /* Many half-sent requests from one address do not pin `ferry ctl serve`: beyond its per-address
- * limit the server closes the flood's connections at once, and a request from another loopback
- * address (127.0.0.2) is still answered while the flood's are open. */
+ * share each new one closes the oldest of that address still sending its request, and a request
+ * from another loopback address (127.0.0.2) is still answered while the flood's are open. */
 #define FLOOD 300
 
 static int connect_from(const char *src, int port) {
@@ -491,13 +515,13 @@ static void test_http_flood(void **state) {
     if (fds[i] >= 0 && write(fds[i], half, sizeof half - 1) == (ssize_t)(sizeof half - 1))
       opened++;
   }
-  /* the last of the flood is past the per-address limit: the server closes it (a hang here
-   * would be the old behaviour: every one held open) */
-  struct pollfd pfd = {.fd = fds[FLOOD - 1], .events = POLLIN};
-  int closed = fds[FLOOD - 1] >= 0 && poll(&pfd, 1, 10000) == 1;
-  char resp[8192], req[256];
+  /* the first of the flood is the oldest past the per-address share: the server closes it */
+  struct pollfd pfd = {.fd = fds[0], .events = POLLIN};
+  int closed = fds[0] >= 0 && poll(&pfd, 1, 10000) == 1;
+  char resp[8192], req[1600];
   snprintf(req, sizeof req,
-           "GET /v1/control/%s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n", name);
+           "GET /v1/control/%s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n%s\r\n", name,
+           auth);
   int fd = connect_from("127.0.0.2", port);
   int code = 0;
   if (fd >= 0 && write(fd, req, strlen(req)) == (ssize_t)strlen(req)) {
@@ -516,6 +540,26 @@ static void test_http_flood(void **state) {
   assert_true(code == 200 || code == 404); /* answered (the cell may not exist: 404) */
 }
 
+/* #32 row 4: ~70 connections from 127.0.0.1 (every local user's address) each trickling a
+ * header line held ctl serve's slots for as long as they trickled, /healthz refused all along.
+ * Now a request must arrive whole within FERRY_HTTP_HEADER_MS (1 s here), and past the address's
+ * share a new connection closes the oldest still sending: every probe is answered while they
+ * trickle (within 2 s, a hang bound), and every trickler is closed (within 4 s of the end). */
+static void test_http_slowloris(void **state) {
+  setenv("FERRY_HTTP_HEADER_MS", "1000", 1);
+  int port;
+  child srv = start_server(&port);
+  unsetenv("FERRY_HTTP_HEADER_MS");
+  tu_loris r = tu_slowloris(port, 70, 1000, 3000, 4000, "/healthz", 2000);
+  stop_child(&srv, 0);
+  printf("# %d trickling connections; %d/%d probes answered, slowest %d ms; %d left open\n",
+         r.opened, r.probes_ok, r.probes, r.worst_probe_ms, r.still_open);
+  assert_true(r.opened >= 70);
+  assert_true(r.probes >= 5);
+  assert_int_equal(r.probes_ok, r.probes);
+  assert_int_equal(r.still_open, 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup(test_help_and_usage, setup),
@@ -524,6 +568,7 @@ int main(void) {
       cmocka_unit_test_setup(test_http, setup),
       cmocka_unit_test_setup(test_http_bodies, setup),
       cmocka_unit_test_setup(test_http_flood, setup),
+      cmocka_unit_test_setup(test_http_slowloris, setup),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, group_setup, group_teardown);

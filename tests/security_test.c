@@ -448,6 +448,32 @@ static void test_exposed_needs_explicit_token(void **s) {
   (void)s;
 }
 
+/* #32 row 3: any local user denied ferry serve's /healthz (a liveness probe's restart) with ~70
+ * connections trickling a header line each: libmicrohttpd's 64 were held as long as they
+ * trickled, and the probe was refused. Now a request must arrive whole within
+ * FERRY_HTTP_HEADER_MS (1 s here) and a full server closes the oldest connection still sending:
+ * every probe is answered while they trickle (within 2 s, a hang bound), and every trickler is
+ * closed (within 4 s of the flood's end). */
+static void test_metrics_slowloris(void **s) {
+  defaults();
+  setenv("FERRY_HTTP_HEADER_MS", "1000", 1);
+  ferry_ctx *c = open_ctx("loris", "tcp", NULL);
+  ferry_metrics_server *m = NULL;
+  FR_OK(ferry_metrics_serve(c, "127.0.0.1:0", &m));
+  unsetenv("FERRY_HTTP_HEADER_MS");
+  int port = atoi(strrchr(ferry_metrics_server_address(m), ':') + 1);
+  tu_loris r = tu_slowloris(port, 70, 1000, 3000, 4000, "/healthz", 2000);
+  printf("# %d trickling connections; %d/%d probes answered, slowest %d ms; %d left open\n",
+         r.opened, r.probes_ok, r.probes, r.worst_probe_ms, r.still_open);
+  ferry_metrics_server_close(m);
+  ferry_ctx_close(c);
+  assert_true(r.opened >= 70);
+  assert_true(r.probes >= 5);
+  assert_int_equal(r.probes_ok, r.probes);
+  assert_int_equal(r.still_open, 0);
+  (void)s;
+}
+
 int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
   if (argc == 6 && strcmp(argv[1], "--same-user") == 0)
@@ -463,6 +489,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_same_user_no_config),
       cmocka_unit_test(test_other_user_refused),
       cmocka_unit_test(test_exposed_needs_explicit_token),
+      cmocka_unit_test(test_metrics_slowloris),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

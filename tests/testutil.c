@@ -3,15 +3,19 @@
  */
 #include "testutil.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <errno.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <stdio.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 pid_t tu_spawn(int (*fn)(void *arg), void *arg) {
@@ -210,4 +214,123 @@ bool tu_cuda_use(void) {
     return false;
   }
   return true;
+}
+
+/* ---- a slow-loris (tu_slowloris) ---- */
+
+static int loris_connect(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+    close(fd);
+    fd = -1;
+  }
+  return fd;
+}
+
+static int64_t loris_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* A trickler: its request line now, a header line at each call after. */
+static int loris_open(int port) {
+  static const char line[] = "GET /healthz HTTP/1.1\r\n";
+  int fd = loris_connect(port);
+  if (fd >= 0 && send(fd, line, sizeof line - 1, MSG_NOSIGNAL) != (ssize_t)(sizeof line - 1)) {
+    close(fd);
+    fd = -1;
+  }
+  return fd;
+}
+
+/* Whether the server closed fd (end of stream, a reset, or a response it then closed on). */
+static bool loris_closed(int fd) {
+  struct pollfd p = {.fd = fd, .events = POLLIN};
+  if (poll(&p, 1, 0) != 1)
+    return false;
+  char buf[512];
+  ssize_t r = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+  return r <= 0 && !(r < 0 && (errno == EAGAIN || errno == EINTR));
+}
+
+/* The probe's round trip: true for a 200 within probe_ms; *ms how long it took. */
+static bool loris_probe(int port, const char *path, int probe_ms, int *ms) {
+  int64_t t0 = loris_ms();
+  int fd = loris_connect(port), code = 0;
+  char req[256], resp[1024];
+  snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+           path);
+  size_t n = 0;
+  if (fd >= 0 && send(fd, req, strlen(req), MSG_NOSIGNAL) == (ssize_t)strlen(req)) {
+    while (n + 1 < sizeof resp) {
+      int left = probe_ms - (int)(loris_ms() - t0);
+      struct pollfd p = {.fd = fd, .events = POLLIN};
+      if (left <= 0 || poll(&p, 1, left) != 1)
+        break;
+      ssize_t r = recv(fd, resp + n, sizeof resp - 1 - n, 0);
+      if (r <= 0)
+        break;
+      n += (size_t)r;
+    }
+  }
+  resp[n] = '\0';
+  if (fd >= 0)
+    close(fd);
+  *ms = (int)(loris_ms() - t0);
+  return sscanf(resp, "HTTP/1.%*d %d", &code) == 1 && code == 200;
+}
+
+tu_loris tu_slowloris(int port, int n, int interval_ms, int run_ms, int settle_ms,
+                      const char *probe, int probe_ms) {
+  static const char header[] = "X-Trickle: 1\r\n";
+  tu_loris out = {0};
+  int *fds = calloc((size_t)n, sizeof *fds);
+  assert_non_null(fds);
+  for (int i = 0; i < n; i++)
+    if ((fds[i] = loris_open(port)) >= 0)
+      out.opened++;
+  int64_t start = loris_ms(), next_line = start + interval_ms, next_probe = start;
+  for (;;) {
+    int64_t now = loris_ms();
+    bool running = now - start < run_ms;
+    if (!running && now - start >= run_ms + settle_ms)
+      break;
+    int open = 0;
+    for (int i = 0; i < n; i++) {
+      if (fds[i] >= 0 && loris_closed(fds[i])) {
+        close(fds[i]);
+        fds[i] = -1;
+      }
+      if (fds[i] < 0 && running && out.opened < 4 * n && (fds[i] = loris_open(port)) >= 0)
+        out.opened++;
+      open += fds[i] >= 0;
+    }
+    if (!running && open == 0)
+      break;
+    if (now >= next_line) {
+      for (int i = 0; i < n; i++)
+        if (fds[i] >= 0)
+          send(fds[i], header, sizeof header - 1, MSG_NOSIGNAL);
+      next_line = now + interval_ms;
+    }
+    if (running && now >= next_probe) {
+      int ms;
+      out.probes++;
+      out.probes_ok += loris_probe(port, probe, probe_ms, &ms);
+      if (ms > out.worst_probe_ms)
+        out.worst_probe_ms = ms;
+      next_probe = loris_ms() + 200;
+    }
+    usleep(20000);
+  }
+  for (int i = 0; i < n; i++)
+    if (fds[i] >= 0) {
+      out.still_open++;
+      close(fds[i]);
+    }
+  free(fds);
+  return out;
 }

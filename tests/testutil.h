@@ -83,4 +83,20 @@ void tu_skip(tu_skip_why why, const char *fmt, ...) __attribute__((format(printf
  * is fixable, a machine without a GPU is not) and the caller returns. */
 bool tu_cuda_use(void);
 
+/* A slow-loris against 127.0.0.1:port: n connections each send a request line, then a header
+ * line every interval_ms and never the blank line that ends the head; for run_ms each one the
+ * server closes is replaced (at most 4n made in all), and every 200 ms `probe` (a GET request,
+ * ending with its blank line) is sent on a fresh connection. Then the open ones go on trickling,
+ * unreplaced, until the server has closed them all or settle_ms has passed. Bounded in count and
+ * time; stops by itself. */
+typedef struct tu_loris {
+  int opened;         /* trickling connections made */
+  int probes;         /* probes sent */
+  int probes_ok;      /* answered 200 within probe_ms */
+  int worst_probe_ms; /* the slowest answer (or probe_ms for none) */
+  int still_open;     /* trickling connections the server had not closed after settle_ms */
+} tu_loris;
+tu_loris tu_slowloris(int port, int n, int interval_ms, int run_ms, int settle_ms,
+                      const char *probe, int probe_ms);
+
 #endif

@@ -16,16 +16,20 @@
  *
  * 200 done, 400 bad request, 409 invalid transition (or aborted), 503 busy, 504 timed out,
  * 404 no such cell or path, 405 wrong method, 413 body over BODY_MAX, 502 a rank or the engine
- * is dead, 401 missing or wrong bearer token when FERRY_TOKEN is set. It binds loopback unless
- * --allow-remote. It also serves, with no token (read-only, as Prometheus scrapes), the
- * process's metrics at /metrics (Prometheus text: the requests it made), /healthz (the server
- * answers) and /readyz (the cell can be opened: its engine is there). Each request opens the cell
- * afresh, so the server follows an engine that restarts with a new incarnation.
+ * is dead, 401 missing or wrong bearer token. The API wants 'Authorization: Bearer TOKEN', TOKEN
+ * being FERRY_TOKEN when it is set, else this user's own secret (FERRY_TOKEN_FILE, ~/.ferry/token,
+ * the one links prove): as with links, another local user, who cannot read it, is refused.
+ * It binds loopback unless --allow-remote. It also serves, with no token (read-only, as
+ * Prometheus scrapes and probes ask), the process's metrics at /metrics (Prometheus text: the
+ * requests it made), /healthz (the server answers) and /readyz (the cell can be opened: its
+ * engine is there). Each request opens the cell afresh, so the server follows an engine that
+ * restarts with a new incarnation. Slow clients cannot hold its connections (http_guard.c).
  */
 #include "cli/args.h"
 #include "cli/cli.h"
 #include "cli/ctl.h"
 #include "core/core.h"
+#include "transport/http_guard.h"
 
 #include <arpa/inet.h>
 #include <jansson.h>
@@ -42,8 +46,8 @@
 
 typedef struct server {
   const char *name;
-  char prefix[128];  /* "/v1/control/NAME" */
-  const char *token; /* NULL: no auth */
+  char prefix[128]; /* "/v1/control/NAME" */
+  char *token;      /* FERRY_TOKEN, or this user's secret: every API request must bear it */
 } server;
 
 /* One request's state across libmicrohttpd's calls. */
@@ -67,8 +71,12 @@ static const char serve_usage[] =
     "Responses are JSON: 200 done, 400 bad request (malformed JSON, unknown field, wrong type or\n"
     "range), 401 unauthorized, 404 no such cell or path, 405 wrong method, 409 invalid transition\n"
     "or aborted, 413 body too large, 502 a rank or the engine is dead, 503 busy (nothing was\n"
-    "issued), 504 timed out. HOST must be a loopback address unless --allow-remote. When\n"
-    "FERRY_TOKEN is set, every request needs 'Authorization: Bearer <FERRY_TOKEN>'.\n";
+    "issued), 504 timed out. HOST must be a loopback address unless --allow-remote.\n"
+    "Every /v1 request needs 'Authorization: Bearer TOKEN': FERRY_TOKEN when set, else this\n"
+    "user's secret, the file FERRY_TOKEN_FILE (default ~/.ferry/token), e.g.\n"
+    "  curl -H \"Authorization: Bearer $(cat ~/.ferry/token)\" "
+    "http://127.0.0.1:PORT/v1/control/NAME\n"
+    "A client that has not sent a whole request within FERRY_HTTP_HEADER_MS is disconnected.\n";
 
 static int http_status(int rc) {
   switch (rc) {
@@ -214,8 +222,6 @@ static int status_object(ferry_ctl *ctl, const char *name, json_t **out) {
 /* ---- JSON and arguments in ---- */
 
 static bool token_ok(const server *s, struct MHD_Connection *conn) {
-  if (!s->token)
-    return true;
   const char *auth = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Authorization");
   if (!auth || strncmp(auth, "Bearer ", 7) != 0)
     return false;
@@ -462,6 +468,9 @@ static enum MHD_Result route(const server *s, struct MHD_Connection *conn, const
     return strcmp(method, "GET") == 0 ? route_ops(s, conn, url)
                                       : send_error_allow(conn, MHD_HTTP_METHOD_NOT_ALLOWED,
                                                          FERRY_EINVAL, "use GET", "GET");
+  if (fr_http_reserved(conn))
+    return send_error(conn, MHD_HTTP_SERVICE_UNAVAILABLE, FERRY_EBUSY,
+                      "every connection is taken: only /healthz, /readyz and /metrics answer");
   if (!token_ok(s, conn))
     return send_error(conn, MHD_HTTP_UNAUTHORIZED, FERRY_EAUTH, "missing or wrong bearer token");
   size_t plen = strlen(s->prefix);
@@ -487,12 +496,14 @@ static enum MHD_Result on_headers(const server *s, struct MHD_Connection *conn, 
                                   request_body *body) {
   if (!ops_path(url) && !token_ok(s, conn)) {
     body->answered = true;
+    fr_http_request_read(conn);
     return send_error(conn, MHD_HTTP_UNAUTHORIZED, FERRY_EAUTH, "missing or wrong bearer token");
   }
   const char *length =
       MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
   if (length && strtoull(length, NULL, 10) > BODY_MAX) {
     body->answered = true;
+    fr_http_request_read(conn);
     return too_large(conn);
   }
   return MHD_YES;
@@ -522,6 +533,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     *upload_data_size = 0;
     return MHD_YES;
   }
+  fr_http_request_read(conn);
   if (body->answered)
     return MHD_YES;
   if (body->too_big)
@@ -578,50 +590,58 @@ static int parse_serve_args(int argc, char **argv, server *s, struct sockaddr_in
     return cli_usage_error(&cmd, "--http HOST:PORT is required");
   s->name = pos[0];
   snprintf(s->prefix, sizeof s->prefix, "/v1/control/%s", s->name);
-  const char *token = ferry_config_get("FERRY_TOKEN");
-  s->token = token && *token ? token : NULL;
   return parse_listen(listen, allow_remote, sa);
 }
 
-/* Half-sent requests must not pin the server: a connection idle for IDLE_S seconds (nothing
- * received or sent; a request waiting for its ranks' acks is not idle, it runs in its handler)
- * is closed, at most CONNECTIONS_MAX are open at once (a thread each, with a small stack), and
- * one client address holds at most CONNECTIONS_PER_IP of them, so one flooding address cannot
- * take the others' turn. */
-#define IDLE_S 30u
-#define CONNECTIONS_MAX 512u
-#define CONNECTIONS_PER_IP 64u
-#define THREAD_STACK (256u * 1024u)
+/* The token every API request must bear: FERRY_TOKEN, else this user's secret (made when there
+ * is none yet), as links use. */
+static int load_token(server *s) {
+  const char *token = ferry_config_get("FERRY_TOKEN");
+  int rc = token && *token ? ((s->token = strdup(token)) ? 0 : fr_err(FERRY_ENOMEM, "token"))
+                           : fr_user_token(&s->token);
+  if (rc != 0)
+    fprintf(stderr, "ferry ctl serve: %s\n", ferry_last_error());
+  return rc;
+}
+
+/* Half-sent requests must not pin the server (http_guard.c): a request must arrive whole within
+ * FERRY_HTTP_HEADER_MS, a connection idle for idle_s (nothing received or sent; a request waiting
+ * for its ranks' acks is not idle, it runs in its handler) is closed, and past `connections` open
+ * at once (a thread each, with a small stack), or past one address's share, a new connection
+ * closes the oldest one still sending its request; when every one is answering, a few reserved
+ * slots still answer /healthz, /readyz and /metrics. */
+static const fr_http_limits LIMITS = {
+    .connections = 512, .per_address = 64, .reserved = 8, .idle_s = 30, .thread_stack = 256 << 10};
 
 int ctl_serve(int argc, char **argv) {
-  server s;
+  server s = {0};
   struct sockaddr_in sa;
   int code = parse_serve_args(argc, argv, &s, &sa);
   if (code != CLI_OK)
     return code;
+  if (load_token(&s) != 0)
+    return CLI_FAIL;
   cli_server_logging();
   sigset_t sigs;
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGINT);
   sigaddset(&sigs, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &sigs, NULL); /* before MHD's threads start, so they inherit it */
-  struct MHD_Daemon *d = MHD_start_daemon(
-      MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION, 0, NULL, NULL, on_request,
-      &s, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa, MHD_OPTION_NOTIFY_COMPLETED, on_completed,
-      NULL, MHD_OPTION_CONNECTION_TIMEOUT, IDLE_S, MHD_OPTION_CONNECTION_LIMIT, CONNECTIONS_MAX,
-      MHD_OPTION_PER_IP_CONNECTION_LIMIT, CONNECTIONS_PER_IP, MHD_OPTION_THREAD_STACK_SIZE,
-      (size_t)THREAD_STACK, MHD_OPTION_END);
-  if (!d) {
+  fr_http_server *d = NULL;
+  if (fr_http_start("ctl serve", (struct sockaddr *)&sa, &LIMITS, on_request, &s, on_completed,
+                    &d) != 0) {
     fprintf(stderr, "ferry ctl serve: cannot listen on %s:%d\n", inet_ntoa(sa.sin_addr),
             ntohs(sa.sin_port));
+    free(s.token);
     return CLI_FAIL;
   }
-  const union MHD_DaemonInfo *info = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
+  unsigned port = fr_http_port(d);
   printf("serving control cell '%s' on http://%s:%u%s\n", s.name, inet_ntoa(sa.sin_addr),
-         info ? info->port : ntohs(sa.sin_port), s.prefix);
+         port ? port : ntohs(sa.sin_port), s.prefix);
   fflush(stdout);
   int sig = 0;
   sigwait(&sigs, &sig);
-  MHD_stop_daemon(d);
+  fr_http_stop(d);
+  free(s.token);
   return CLI_OK;
 }

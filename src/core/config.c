@@ -36,6 +36,8 @@
   X("FERRY_TOKEN_FILE", "",                                                                        \
     "per-user secret used when FERRY_TOKEN is empty; made 0600 if absent (empty: ~/.ferry/token)") \
   X("FERRY_MAX_MESSAGE", "1073741824", "largest message or one-sided transfer accepted, bytes")    \
+  X("FERRY_ALLOC_CACHE_BYTES", "268435456",                                                       \
+    "bytes of freed ferry_alloc memory a process keeps to reuse, pages still mapped (0: none)")    \
   X("FERRY_SHM_RING_BYTES", "1048576",                                                             \
     "bytes of each direction's ring on a shm link (power of 2)")                                   \
   X("FERRY_REFIT_BUFFER_BYTES", "67108864", "refit bucket size in bytes (two are allocated)")      \
@@ -52,6 +54,9 @@
     "a yield taking longer ran another thread on this core: a polling waiter then sleeps")         \
   X("FERRY_MSG_KEEP_IDLE_MS", "2000",                                                              \
     "received-message buffers of a size unused this long go back to the system")                   \
+  X("FERRY_HTTP_HEADER_MS", "5000",                                                                \
+    "an HTTP client (metrics, status page, ctl serve) that has not sent a whole request in this "  \
+    "long is closed")                                                                              \
   X("FERRY_FLEET_BUDGET_MS", "3000",                                                               \
     "how long one fleet snapshot (/v1/fleet, ferry top) may take, nodes asked in parallel")        \
   X("FERRY_CTL_DIR", "/dev/shm", "directory of control cells (ferry-ctl-NAME files)")              \

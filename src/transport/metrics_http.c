@@ -10,6 +10,7 @@
  * read, but they name nodes, topics and receivers, which belong to a fleet that has decided to be
  * reachable.
  */
+#include "transport/http_guard.h"
 #include "transport/transport.h"
 
 #include <arpa/inet.h>
@@ -21,14 +22,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define CONNECTIONS_MAX 64u
-#define IDLE_S 10u
+/* Slow clients (http_guard.c): a request must arrive whole within FERRY_HTTP_HEADER_MS; a full
+ * server closes the oldest connection still sending one; a few reserved slots answer health. */
+static const fr_http_limits LIMITS = {
+    .connections = 64, .per_address = 32, .reserved = 4, .idle_s = 10, .thread_stack = 0};
 
 #define ROUTES_MAX 4
 
 struct ferry_metrics_server {
   ferry_ctx *ctx;
-  struct MHD_Daemon *d;
+  fr_http_server *http;
   char address[300];
   pthread_mutex_t lock; /* routes: added while requests are answered */
   size_t nroutes;
@@ -118,6 +121,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     *upload_size = 0;
     return MHD_YES;
   }
+  fr_http_request_read(conn);
   if (strcmp(method, "GET") != 0 && strcmp(method, "HEAD") != 0)
     return text(conn, MHD_HTTP_METHOD_NOT_ALLOWED, "use GET\n");
   if (strcmp(url, "/metrics") == 0)
@@ -126,6 +130,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     return text(conn, MHD_HTTP_OK, "ok\n");
   if (strcmp(url, "/readyz") == 0)
     return ready(cls, conn);
+  if (fr_http_reserved(conn))
+    return text(conn, MHD_HTTP_SERVICE_UNAVAILABLE, "busy: only /metrics, /healthz and /readyz\n");
   enum MHD_Result ret;
   if (routed(cls, conn, url, &ret))
     return ret;
@@ -167,12 +173,7 @@ int ferry_metrics_serve(ferry_ctx *ctx, const char *listen, ferry_metrics_server
   }
   s->ctx = ctx;
   pthread_mutex_init(&s->lock, NULL);
-  unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_AUTO;
-  if (ai->ai_family == AF_INET6)
-    flags |= MHD_USE_IPv6;
-  s->d = MHD_start_daemon(flags, 0, NULL, NULL, on_request, s, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-                          MHD_OPTION_CONNECTION_TIMEOUT, IDLE_S, MHD_OPTION_CONNECTION_LIMIT,
-                          CONNECTIONS_MAX, MHD_OPTION_END);
+  rc = fr_http_start("metrics", ai->ai_addr, &LIMITS, on_request, s, NULL, &s->http);
   char host[INET6_ADDRSTRLEN] = "";
   bool v6 = ai->ai_family == AF_INET6;
   inet_ntop(ai->ai_family,
@@ -180,14 +181,12 @@ int ferry_metrics_serve(ferry_ctx *ctx, const char *listen, ferry_metrics_server
                : (void *)&((struct sockaddr_in *)ai->ai_addr)->sin_addr,
             host, sizeof host);
   freeaddrinfo(ai);
-  if (!s->d) {
+  if (rc != 0) {
     pthread_mutex_destroy(&s->lock);
     free(s);
     return fr_err(FERRY_ESYS, "metrics: cannot listen on %s", listen);
   }
-  const union MHD_DaemonInfo *info = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_BIND_PORT);
-  snprintf(s->address, sizeof s->address, v6 ? "[%s]:%u" : "%s:%u", host,
-           info ? (unsigned)info->port : 0u);
+  snprintf(s->address, sizeof s->address, v6 ? "[%s]:%u" : "%s:%u", host, fr_http_port(s->http));
   fr_info("metrics: serving http://%s/metrics", s->address);
   *out = s;
   return 0;
@@ -200,7 +199,7 @@ const char *ferry_metrics_server_address(const ferry_metrics_server *s) {
 void ferry_metrics_server_close(ferry_metrics_server *s) {
   if (!s)
     return;
-  MHD_stop_daemon(s->d);
+  fr_http_stop(s->http);
   pthread_mutex_destroy(&s->lock);
   free(s);
 }
