@@ -9,6 +9,11 @@
  * callback (ferry_log_set_callback; the Python binding's) gets the bare message: its logger adds
  * its own time and fields.
  *
+ * A message often quotes what a peer sent (its node name, a key), so what is written is escaped:
+ * the text format and the callback get every control byte (C0, DEL, C1) and every byte that is
+ * not UTF-8 as \xNN (fr_escape), the JSON format as \u00XX. No peer can forge a line or send
+ * escape sequences to the terminal that shows the log.
+ *
  * Events that can repeat go through a per-call-site limit (fr_warn_limited, fr_info_limited):
  * a few lines per window, then a count of what was held back on the next line let through.
  */
@@ -28,6 +33,7 @@ int fr_log_level_now = FERRY_LOG_WARN;
 #define MSG_MAX 1024
 #define NODE_MAX 64
 /* Room for the longest line: every byte of a message and a node name escaped as \u00XX. */
+#define SAFE_MAX (4 * MSG_MAX) /* a message with every byte escaped as \xNN */
 #define LINE_MAX_BYTES (6 * (MSG_MAX + NODE_MAX) + 256)
 
 static ferry_log_fn log_fn;
@@ -132,14 +138,15 @@ static void put_time(line_buf *b) {
   puts_(b, tmp);
 }
 
-/* s as a JSON string. A byte that is not part of well-formed UTF-8 becomes \u00XX (the code
- * point of the same value), so the line stays valid JSON and no byte is lost. */
+/* s as a JSON string. A control character (C0, DEL, C1) becomes \u00XX, and so does a byte that
+ * is not part of well-formed UTF-8 (the code point of the same value), so the line stays valid
+ * JSON, no byte is lost and none of them reaches a terminal that shows the log raw. */
 static void put_json_string(line_buf *b, const char *s) {
   const unsigned char *p = (const unsigned char *)s;
   size_t left = strlen(s);
   put(b, "\"", 1);
   while (left > 0) {
-    size_t n = *p >= 0x80 ? fr_utf8_seq(p, left) : 1;
+    size_t n = fr_text_char(p, left);
     const char *esc = NULL;
     switch (*p) {
     case '"':
@@ -158,13 +165,15 @@ static void put_json_string(line_buf *b, const char *s) {
       esc = "\\t";
       break;
     }
-    if (esc)
+    if (esc) {
       puts_(b, esc);
-    else if (*p < 0x20 || *p == 0x7f || n == 0)
-      putf(b, "\\u%04x", *p);
-    else
+      n = 1;
+    } else if (n == 0) {
+      n = fr_utf8_seq(p, left) == 2 ? 2 : 1; /* C1: C2 80..C2 9F is U+0080..U+009F */
+      putf(b, "\\u%04x", n == 2 ? p[1] : *p);
+    } else {
       put(b, (const char *)p, n);
-    n = n ? n : 1;
+    }
     p += n;
     left -= n;
   }
@@ -173,8 +182,12 @@ static void put_json_string(line_buf *b, const char *s) {
 
 static void format_text(line_buf *b, ferry_log_level level, const char *src, int line,
                         const char *node, const char *msg) {
+  char safe_node[4 * NODE_MAX];
+  fr_escape(safe_node, sizeof safe_node, *node ? node : "-");
   put_time(b);
-  putf(b, " ferry[%d] node=%s %s ", (int)getpid(), *node ? node : "-", level_names[level]);
+  putf(b, " ferry[%d] node=", (int)getpid());
+  puts_(b, safe_node);
+  putf(b, " %s ", level_names[level]);
   putf(b, "%s:%d: ", src, line);
   /* the message may be longer than put's all-or-nothing allows at the end: cut it instead */
   size_t room = sizeof b->data - 8 - b->len, n = strlen(msg);
@@ -223,17 +236,21 @@ static void log_vwrite(ferry_log_level level, const char *file, int line, uint64
   void *arg = log_arg;
   memcpy(node, log_node, sizeof node);
   pthread_mutex_unlock(&log_lock);
+  bool json = !fn && __atomic_load_n(&log_json, __ATOMIC_RELAXED);
+  char safe[SAFE_MAX]; /* on the stack, as the line: logging "out of memory" needs no memory */
+  if (!json)
+    fr_escape(safe, sizeof safe, msg);
   if (fn) {
-    fn(level, msg, arg);
+    fn(level, safe, arg);
     return;
   }
   const char *base = strrchr(file, '/');
-  line_buf b; /* on the stack: logging "out of memory" must not need memory */
+  line_buf b;
   b.len = 0;
-  if (__atomic_load_n(&log_json, __ATOMIC_RELAXED))
+  if (json)
     format_json(&b, level, base ? base + 1 : file, line, node, msg);
   else
-    format_text(&b, level, base ? base + 1 : file, line, node, msg);
+    format_text(&b, level, base ? base + 1 : file, line, node, safe);
   b.data[b.len++] = '\n';
   write_line(&b);
 }

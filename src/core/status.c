@@ -1,6 +1,11 @@
 /*
  * Status codes and the thread-local error detail. The code says what kind of failure it was
  * (from the X-macro table in ferry.h); the detail says what failed and where.
+ *
+ * A detail often quotes what a peer or a caller sent (a name, a key), so it is formatted into a
+ * buffer of its own and then escaped into the detail (fr_escape): no ESC, BEL, newline or
+ * invalid UTF-8 reaches a caller's terminal or log through ferry_last_error(), and a format that
+ * takes ferry_last_error() as an argument reads a copy, not the buffer it writes.
  */
 #include "core/core.h"
 
@@ -38,22 +43,26 @@ const char *ferry_last_error(void) { return err_detail; }
 void fr_err_clear(void) { err_detail[0] = '\0'; }
 
 int fr_err(int status, const char *fmt, ...) {
+  char raw[FR_ERR_DETAIL_MAX];
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(err_detail, sizeof err_detail, fmt, ap);
+  vsnprintf(raw, sizeof raw, fmt, ap);
   va_end(ap);
+  fr_escape(err_detail, sizeof err_detail, raw);
   fr_debug("error %s: %s", ferry_status_name(status), err_detail);
   return status;
 }
 
 int fr_err_errno(int status, const char *fmt, ...) {
   int saved = errno;
+  char raw[FR_ERR_DETAIL_MAX];
   va_list ap;
   va_start(ap, fmt);
-  int n = vsnprintf(err_detail, sizeof err_detail, fmt, ap);
+  int n = vsnprintf(raw, sizeof raw, fmt, ap);
   va_end(ap);
-  if (n >= 0 && (size_t)n < sizeof err_detail)
-    snprintf(err_detail + n, sizeof err_detail - (size_t)n, ": %s", strerror(saved));
+  if (n >= 0 && (size_t)n < sizeof raw)
+    snprintf(raw + n, sizeof raw - (size_t)n, ": %s", strerror(saved));
+  fr_escape(err_detail, sizeof err_detail, raw);
   if (saved == ENOMEM)
     status = FERRY_ENOMEM;
   else if (saved == ENOSPC)
