@@ -64,9 +64,46 @@ c_int, c_uint32, c_uint64, c_size_t = ctypes.c_int, ctypes.c_uint32, ctypes.c_ui
 c_char_p, c_void_p, POINTER, byref = ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER, ctypes.byref
 
 
+def c_int_of(value: Any, ctype: Any, what: str, lo: Optional[int] = None,
+             hi: Optional[int] = None) -> int:
+    """value as an int that the ctypes integer type `ctype` holds, within [lo, hi] when given:
+    ctypes silently wraps one that does not fit (1 << 32 into a c_int is 0, -1 into a c_uint64
+    is 2^64 - 1), so every integer a caller gives goes through this on its way to C.
+    ferry.InvalidArgument naming `what` and the range otherwise."""
+    bits = 8 * ctypes.sizeof(ctype)
+    signed = ctype(-1).value == -1
+    low = -(1 << (bits - 1)) if signed else 0
+    high = (1 << (bits - 1)) - 1 if signed else (1 << bits) - 1
+    low, high = max(low, lo) if lo is not None else low, min(high, hi) if hi is not None else high
+    try:
+        v = int(value)
+        ok = low <= v <= high and (not isinstance(value, float) or v == value) and \
+            not isinstance(value, (str, bytes, bytearray))
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        from .errors import InvalidArgument
+        raise InvalidArgument(-1, "%s: %r is not an integer in %d..%d" % (what, value, low, high))
+    return v
+
+
+INT_MAX = (1 << 31) - 1
+
+
 def timeout_ms(timeout: Optional[float]) -> int:
-    """Seconds (None: FERRY_TIMEOUT_MS) to the C library's milliseconds (-1: its default)."""
-    return -1 if timeout is None else max(0, int(timeout * 1000))
+    """Seconds (None: FERRY_TIMEOUT_MS) to the C library's milliseconds (-1: its default);
+    ferry.InvalidArgument for one C's int milliseconds cannot hold (over 24.8 days, inf, nan)."""
+    if timeout is None:
+        return -1
+    try:
+        ms = max(0, int(timeout * 1000))
+    except (TypeError, ValueError, OverflowError):
+        ms = -1
+    if not 0 <= ms <= INT_MAX:
+        from .errors import InvalidArgument
+        raise InvalidArgument(-1, "timeout %r s: want 0 to %d s (None: FERRY_TIMEOUT_MS)"
+                              % (timeout, INT_MAX // 1000))
+    return ms
 
 
 def encoded(value: Optional[Union[str, bytes]], what: str) -> Optional[bytes]:
@@ -78,7 +115,13 @@ def encoded(value: Optional[Union[str, bytes]], what: str) -> Optional[bytes]:
     if value is None:
         return None
     if isinstance(value, str):
-        value = value.encode()
+        try:
+            value = value.encode()
+        except UnicodeEncodeError as e:  # a lone surrogate (e.g. os.fsdecode of a bad name)
+            from .errors import InvalidArgument
+            raise InvalidArgument(-1, "%s: character %d (%s) is a lone surrogate, not text that "
+                                      "UTF-8 can hold: pass a valid str, or bytes"
+                                  % (what, e.start, ascii(value[e.start]))) from None
     elif not isinstance(value, bytes):
         raise TypeError("ferry: %s must be a str (or bytes), not %s: pass str(%s)"
                         % (what, type(value).__name__, "x" if len(repr(value)) > 40

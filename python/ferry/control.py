@@ -87,7 +87,7 @@ def _name(name: str) -> bytes:
 
 def _state_code(state: Union[str, int]) -> int:
     if isinstance(state, int):
-        return state
+        return _lib.c_int_of(state, c_int, "state")
     try:
         return _STATE_CODE[state]
     except KeyError:
@@ -131,7 +131,8 @@ class ControlCell(_Handle):
         self.name = name
         opts = CellOpts(ctypes.sizeof(CellOpts), 1 if fail_if_stale else 0)
         h = c_void_p()
-        check(lib.ferry_ctl_cell_create(_name(name), int(nranks), byref(opts), byref(h)))
+        check(lib.ferry_ctl_cell_create(_name(name), _lib.c_int_of(nranks, c_uint32, "nranks"),
+                                        byref(opts), byref(h)))
         self._h = h.value
 
     @property
@@ -148,7 +149,7 @@ class ControlRank(_Handle):
 
     def __init__(self, name: str, rank: int, initial_state: Union[str, int] = "serving") -> None:
         super().__init__()
-        self.name, self.rank = name, int(rank)
+        self.name, self.rank = name, _lib.c_int_of(rank, c_uint32, "rank")
         opts = RankOpts(ctypes.sizeof(RankOpts), _state_code(initial_state))
         h = c_void_p()
         check(lib.ferry_ctl_rank_open(_name(name), self.rank, byref(opts), byref(h)))
@@ -176,7 +177,7 @@ class ControlRank(_Handle):
         or True) acks "failed" with a message (at most 31 bytes; default: the error's text)."""
         if self.command is None:
             raise InvalidArgument(-1, "ack: no command taken yet")
-        seq = self.command.seq if seq is None else int(seq)
+        seq = self.command.seq if seq is None else _lib.c_int_of(seq, c_uint64, "seq")
         code = 0
         if error is not None and error is not False:
             state = "failed"
@@ -190,7 +191,7 @@ class ControlRank(_Handle):
             elif error is True:
                 code = -19
             else:
-                code = int(error)
+                code = _lib.c_int_of(error, c_int, "error")
         elif state is None:
             state = {"clear": "cleared", "update": "serving"}.get(self.command.cmd, self.state)
             if state == "failed":  # abort after a failure: still failed
@@ -284,7 +285,8 @@ class Control(_Handle):
         """One rank's status: {rank, pid, alive, seq, state, fail_seq, error, message}."""
         rs = CtlRankStatus()
         rs.size = ctypes.sizeof(rs)
-        check(lib.ferry_ctl_rank_status_get(self.handle, int(rank), byref(rs)))
+        check(lib.ferry_ctl_rank_status_get(self.handle, _lib.c_int_of(rank, c_uint32, "rank"),
+                                            byref(rs)))
         return {"rank": int(rs.rank), "pid": int(rs.pid), "alive": bool(rs.alive),
                 "seq": int(rs.seq), "state": STATES.get(rs.state, "?"),
                 "fail_seq": int(rs.fail_seq), "error": int(rs.error),

@@ -14,6 +14,7 @@ afterwards, with no event to wait on. The cost is one stream synchronization per
 tensor of a state dict: per device).
 """
 import ctypes
+import math
 import threading
 import types
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
@@ -74,7 +75,8 @@ def mem_copy(dst: int, src: int, nbytes: int) -> None:
     """Copies nbytes between two addresses, each host or CUDA memory (ferry_mem_copy); complete
     on return. ferry.DeviceError with the driver's error."""
     if nbytes:
-        check(lib.ferry_mem_copy(c_void_p(dst), c_void_p(src), int(nbytes)))
+        check(lib.ferry_mem_copy(c_void_p(dst), c_void_p(src),
+                                 _lib.c_int_of(nbytes, _lib.c_size_t, "bytes")))
 
 
 def device_ordinal(device: Any) -> Optional[int]:
@@ -325,9 +327,11 @@ class DeviceArray(_lib.Closing):
         self.dtype = np.dtype(DTYPES[self.code][1])
         self.dtype_name = DTYPES[self.code][0]
         self.device = ordinal
-        self.nbytes = int(np.prod(shape, dtype=np.uint64)) * self.dtype.itemsize
+        self.nbytes = math.prod(shape) * self.dtype.itemsize  # Python ints: no wrap
         p = c_void_p()
-        check(lib.ferry_cuda_alloc(ordinal, max(self.nbytes, 1), byref(p)))
+        check(lib.ferry_cuda_alloc(_lib.c_int_of(ordinal, c_int, "CUDA device", lo=0),
+                                   _lib.c_int_of(max(self.nbytes, 1), _lib.c_size_t,
+                                                 "ferry.DeviceArray bytes"), byref(p)))
         self._ptr = int(p.value)
 
     @property

@@ -19,6 +19,7 @@ when the last view of it goes away (or at once with copy=True).
 """
 import ctypes
 import logging
+import math
 import queue
 import re
 import threading
@@ -165,13 +166,16 @@ class MQ(NodeHandle):
                  host_directory: bool = False, queue_bytes: int = 0, lease_ms: int = 0,
                  transports: Optional[str] = None, tcp_listen: Optional[str] = None,
                  ctx: Optional[Context] = None, timeout: Optional[float] = None) -> None:
+        queue_bytes = _lib.c_int_of(queue_bytes, c_uint64, "queue_bytes")  # before any ctx
+        lease_ms = _lib.c_int_of(lease_ms, c_int, "lease_ms", lo=0)
+        _ms(timeout)  # the default timeout too
         if ctx is not None:
             self._ctx, self._owns_ctx = ctx, False
         else:
             self._ctx, self._owns_ctx = Context(name=name, tcp_listen=tcp_listen,
                                                 transports=transports), True
         opts = MQOpts(ctypes.sizeof(MQOpts), _lib.encoded(directory, "directory"),
-                      int(queue_bytes), int(lease_ms), MQ_HOST_DIRECTORY if host_directory else 0)
+                      queue_bytes, lease_ms, MQ_HOST_DIRECTORY if host_directory else 0)
         h = c_void_p()
         rc = lib.ferry_mq_open(self._ctx.handle, byref(opts), byref(h))
         if rc < 0:
@@ -272,7 +276,9 @@ class MQ(NodeHandle):
 
     def wait_subscribers(self, topic: str, n: int = 1, timeout: Optional[float] = None) -> None:
         """Waits (no polling) until n subscribers of topic are known; raises ferry.Timeout."""
-        check(lib.ferry_mq_wait_subscribers(self.handle, _topic(topic), int(n), self._t(timeout)))
+        check(lib.ferry_mq_wait_subscribers(self.handle, _topic(topic),
+                                            _lib.c_int_of(n, c_size_t, "subscribers"),
+                                            self._t(timeout)))
 
     def subscribers(self, topic: str) -> int:
         """How many subscribers of topic this node knows now (0 for a topic it never
@@ -320,7 +326,8 @@ class MQ(NodeHandle):
         then publish_loan(topic, array) sends it without a copy; or loan_free(array)."""
         dtype = np.dtype(dtype)
         shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = _lib.c_int_of(math.prod(shape) * dtype.itemsize if min(shape, default=0) >= 0
+                               else -1, c_size_t, "loan bytes of shape %s" % (shape,))
         ptr = c_void_p()
         check(lib.ferry_mq_loan(self.handle, nbytes, byref(ptr), self._t(timeout)))
         buf = (ctypes.c_uint8 * nbytes).from_address(ptr.value)

@@ -388,7 +388,9 @@ class RefitSender(_lib.Closing):
         self._lock = threading.Lock()
         self.version = 0
         try:
-            opts = RefitOpts(ctypes.sizeof(RefitOpts), int(buffer_bytes or 0), 1 if alias else 0,
+            opts = RefitOpts(ctypes.sizeof(RefitOpts),
+                             _lib.c_int_of(buffer_bytes or 0, c_uint64, "buffer_bytes"),
+                             1 if alias else 0,
                              1 if in_dir else 0, _lib.encoded(directory, "directory"), 0,
                              1 if device_buckets else 0)
             h = c_void_p()
@@ -541,7 +543,7 @@ class RefitSender(_lib.Closing):
         code = _route_code(route)
         if state_dict is not None:
             self.update(state_dict)
-        v = self.version + 1 if version is None else int(version)
+        v = _lib.c_int_of(self.version + 1 if version is None else version, c_uint64, "version")
         for s in self._sources.values():
             s.refresh()
         if self._device:
@@ -825,14 +827,16 @@ class RefitReceiver(_lib.Closing):
         says the version in force, whether the bytes are torn (then `committed` is 0), and the
         last failure (e.g. a binding that no longer fits, naming the tensor)."""
         got = c_uint64()
-        check(lib.ferry_refit_wait(self.handle, int(version or 0), _ms(timeout), byref(got)))
+        check(lib.ferry_refit_wait(self.handle, _lib.c_int_of(version or 0, c_uint64, "version"),
+                                   _ms(timeout), byref(got)))
         return int(got.value)
 
     def _wait_now(self, version):
         """ferry_refit_wait without blocking: (status, committed). It also asks the sender for
         the latest version when this receiver lacks it (late join)."""
         got = c_uint64()
-        rc = lib.ferry_refit_wait(self.handle, int(version or 0), 0, byref(got))
+        rc = lib.ferry_refit_wait(self.handle, _lib.c_int_of(version or 0, c_uint64, "version"), 0,
+                                  byref(got))
         return rc, int(got.value)
 
     async def wait_async(self, version: Optional[int] = None,
@@ -968,7 +972,10 @@ def _bind_shards(self, targets: Dict[str, Tuple[Any, Sequence[Any]]]) -> None:
     target and the piece. Keep the tensors alive."""
     h = self.handle
     for target, (obj, pieces) in targets.items():
-        pieces = [Piece(str(p[0]), int(p[1]), int(p[2]), int(p[3])) for p in pieces]
+        pieces = [Piece(str(p[0]), _lib.c_int_of(p[1], c_int, "target '%s' piece dim" % target),
+                        _lib.c_int_of(p[2], ctypes.c_int64, "target '%s' piece start" % target),
+                        _lib.c_int_of(p[3], ctypes.c_int64, "target '%s' piece stop" % target))
+                  for p in pieces]
         names = [_lib.encoded(p.source, "tensor name") for p in pieces]
         arr_c = (_PieceC * max(len(pieces), 1))(
             *[_PieceC(n, p.dim, p.start, p.stop) for n, p in zip(names, pieces)])

@@ -194,6 +194,9 @@ class Store(NodeHandle):
                  host_directory: bool = False, capacity: int = 0, lease_ms: int = 0,
                  tcp_listen: Optional[str] = None, ctx: Optional[Context] = None,
                  timeout: Optional[float] = None, holder: bool = False) -> None:
+        capacity = _lib.c_int_of(capacity, _lib.c_uint64, "capacity")  # before any ctx is made
+        lease_ms = _lib.c_int_of(lease_ms, _lib.c_int, "lease_ms", lo=0)
+        _ms(timeout)  # the default timeout too
         if ctx is not None:
             self._ctx, self._owns_ctx = ctx, False
         else:
@@ -204,7 +207,7 @@ class Store(NodeHandle):
                 (_lib.STORE_HOLDER if holder else 0)
         opts = _lib.StoreOpts(ctypes.sizeof(_lib.StoreOpts),
                               _lib.encoded(directory, "directory"),
-                              int(capacity), int(lease_ms), flags)
+                              capacity, lease_ms, flags)
         h = ctypes.c_void_p()
         rc = lib.ferry_store_open(self._ctx.handle, byref(opts), byref(h))
         if rc < 0:
@@ -292,7 +295,7 @@ class Store(NodeHandle):
             desc, ptr, arr, owned = hit[2], hit[3], None, hit[4]
         else:
             desc, ptr, arr, owned = self._buffer_of(value)
-        if type(key) is str and "\0" not in key:
+        if type(key) is str and "\0" not in key and key.isascii():
             k = key.encode()
         else:
             k = _key(key)

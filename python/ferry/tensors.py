@@ -1,6 +1,7 @@
 """NumPy arrays and torch tensors as (ferry_tensor_desc, data pointer) without copies, contexts,
 and ferry.empty: arrays in ferry shared memory (ferry_alloc), so a store put of one is in place."""
 import ctypes
+import math
 import sys
 import threading
 import warnings
@@ -96,7 +97,7 @@ def make_desc(code: int, shape: Sequence[int]) -> Any:
     d = _lib.TensorDesc()
     d.dtype, d.ndim = code, len(shape)
     for i, n in enumerate(shape):
-        d.shape[i] = int(n)
+        d.shape[i] = _lib.c_int_of(n, _lib.c_uint64, "shape %s dim %d" % (tuple(shape), i))
     if len(_DESCS) < 4096:
         _DESCS[(code, tuple(int(n) for n in shape))] = d
     return d
@@ -344,7 +345,8 @@ class Context(_lib.Closing):
     def _alloc(self, nbytes: int) -> int:
         p = ctypes.c_void_p()
         with self._lock:
-            check(lib.ferry_alloc(self.handle, max(int(nbytes), 1), ctypes.byref(p)))
+            nbytes = _lib.c_int_of(max(int(nbytes), 1), _lib.c_size_t, "ferry memory bytes")
+            check(lib.ferry_alloc(self.handle, nbytes, ctypes.byref(p)))
             self._allocs += 1
             self._ranges[p.value] = max(int(nbytes), 1)
         return p.value
@@ -455,7 +457,7 @@ def empty(shape: Union[int, Sequence[int]], dtype: Any, like: "Like" = "numpy",
     code = dtype_code(dtype)
     make_desc(code, shape)  # validates ndim
     npdt = np.dtype(DTYPES[code][1])
-    nbytes = int(np.prod(shape, dtype=np.uint64)) * npdt.itemsize
+    nbytes = math.prod(shape) * npdt.itemsize  # Python ints: no wrap (make_desc refused < 0)
     owner = _Alloc(ctx or default_context(), nbytes)
     arr = np.frombuffer(owner.buffer(), dtype=np.uint8, count=nbytes).view(npdt).reshape(shape)
     return from_bits(arr, code, like)
