@@ -1067,6 +1067,104 @@ static void test_bad_frames(void **s) {
   ferry_ctx_close(server);
 }
 
+/* ---- a hostile node name (issue 32 row 5) ---- */
+
+/* "x'", then a forged log line with a colour and a bell; what a tcp client with no token sent. */
+#define FORGED_NAME "x'\n2026-01-01T00:00:00Z ferry[1] FORGED: \x1b[31mowned\x07"
+
+typedef struct hostile_args {
+  tu_pipe up, down; /* child -> parent, parent -> child */
+  char log[128];
+} hostile_args;
+
+/* A whole file, NUL-terminated; its length in *n. */
+static char *read_whole(const char *path, size_t *n) {
+  FILE *f = fopen(path, "rb");
+  char *buf = f ? calloc(1, 1 << 20) : NULL;
+  *n = buf ? fread(buf, 1, (1 << 20) - 1, f) : 0;
+  if (f)
+    fclose(f);
+  return buf;
+}
+
+/* A node in a process of its own, its log (stderr) in a file: a fresh per-call-site limit. */
+static int hostile_target(void *arg) {
+  hostile_args *a = arg;
+  int fd = open(a->log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  if (fd < 0 || dup2(fd, STDERR_FILENO) < 0)
+    return 2;
+  ferry_ctx *c = open_ctx("target", "tcp", "");
+  char addr[256];
+  snprintf(addr, sizeof addr, "%s", ferry_ctx_address(c));
+  tu_pipe_put(&a->up, addr, sizeof addr);
+  char go;
+  int rc = tu_pipe_get(&a->down, &go, 1, 30000);
+  ferry_ctx_close(c);
+  return rc == 0 ? 0 : 3;
+}
+
+/* A hello whose node name holds a newline, ESC and BEL is refused with an answer (EPROTO), the
+ * node's log gets one escaped line and no raw control byte, and the API refuses the same name. */
+static void test_hostile_node_name(void **s) {
+  hostile_args a;
+  tu_pipe_open(&a.up);
+  tu_pipe_open(&a.down);
+  snprintf(a.log, sizeof a.log, "/tmp/ferry-link-hostile-%d.log", (int)getpid());
+  pid_t pid = tu_spawn(hostile_target, &a);
+  char addr[256];
+  assert_int_equal(tu_pipe_get(&a.up, addr, sizeof addr, 30000), 0);
+  const char *tcp = strstr(addr, "tcp://") + 6;
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET,
+                           .sin_port = htons((uint16_t)atoi(strrchr(tcp, ':') + 1)),
+                           .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  uint8_t out[FR_FRAME_BYTES + FR_HELLO_BYTES] = {0};
+  fr_frame_encode(&(fr_frame){.type = FR_HELLO, .len = FR_HELLO_BYTES}, out);
+  memcpy(out + FR_FRAME_BYTES + FR_NONCE_BYTES, FORGED_NAME, sizeof FORGED_NAME);
+  assert_int_equal(write(fd, out, sizeof out), (ssize_t)sizeof out);
+  struct timeval tv = {10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  uint8_t in[FR_FRAME_BYTES];
+  size_t got = 0;
+  for (ssize_t r = 1; got < sizeof in && r > 0; got += r > 0 ? (size_t)r : 0)
+    r = read(fd, in + got, sizeof in - got);
+  assert_int_equal(got, sizeof in);
+  fr_frame f;
+  FR_OK(fr_frame_decode(in, 1 << 20, &f));
+  assert_int_equal(f.type, FR_HELLO_ACK);
+  assert_int_equal(f.status, FERRY_EPROTO); /* refused, and told why */
+  assert_int_equal(read(fd, in, sizeof in), 0);
+  close(fd);
+  tu_pipe_put(&a.down, "x", 1);
+  assert_int_equal(tu_wait(pid), 0);
+  size_t n = 0;
+  char *log = read_whole(a.log, &n);
+  unlink(a.log);
+  assert_non_null(log);
+  for (size_t i = 0; i < n; i++)
+    if (((unsigned char)log[i] < 0x20 && log[i] != '\n') || log[i] == 0x7f)
+      fail_msg("a raw control byte 0x%02x at %zu in the log: %s", log[i], i, log);
+  /* the name on one line, escaped; no line of the log starts with the forged one */
+  assert_non_null(strstr(log, "'x'\\x0a2026-01-01T00:00:00Z ferry[1] FORGED: \\x1b[31mowned\\x07' "
+                              "has a control character at byte 2\n"));
+  assert_null(strstr(log, "\n2026-01-01T00:00:00Z"));
+  free(log);
+  tu_pipe_close(&a.up);
+  tu_pipe_close(&a.down);
+  /* the API holds a node's own name to the same rule */
+  ferry_ctx_opts o = {.size = sizeof o, .name = "a\x1b[31m", .transports = "tcp"};
+  ferry_ctx *c = NULL;
+  assert_int_equal(ferry_ctx_open(&o, &c), FERRY_EINVAL);
+  assert_string_equal(ferry_last_error(), "node name 'a\\x1b[31m' has a control character at "
+                                          "byte 1");
+  o.name = "c1\xc2\x9b";
+  assert_int_equal(ferry_ctx_open(&o, &c), FERRY_EINVAL);
+  o.name = "caf\xc3\xa9-0";
+  FR_OK(ferry_ctx_open(&o, &c));
+  ferry_ctx_close(c);
+}
+
 /* ---- out of file descriptors ---- */
 
 typedef struct emfile_args {
@@ -1552,6 +1650,7 @@ int main(void) {
       cmocka_unit_test(test_token_tcp),
       cmocka_unit_test(test_connect_failures),
       cmocka_unit_test(test_bad_frames),
+      cmocka_unit_test(test_hostile_node_name),
       cmocka_unit_test(test_out_of_descriptors),
       cmocka_unit_test(test_exposed_listen_needs_token),
       cmocka_unit_test(test_killed_mid_read_tcp),

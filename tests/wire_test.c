@@ -77,6 +77,19 @@ static void test_bodies(void **s) {
   assert_int_equal(fr_hello_decode(b, FR_HELLO_BYTES - 1, &g), FERRY_EPROTO);
   memset(b + FR_NONCE_BYTES, 'x', FR_NAME_BYTES);
   assert_int_equal(fr_hello_decode(b, FR_HELLO_BYTES, &g), FERRY_EPROTO);
+  /* a name that breaks the one name rule (core.h): refused, the detail escaped (issue 32 row 5) */
+  static const char *const hostile[] = {"",           "a\nb",    "\x1b[31m",
+                                        "c1\xc2\x9b", "bad\xff", "\xed\xa0\x80"};
+  for (size_t i = 0; i < sizeof hostile / sizeof *hostile; i++) {
+    memset(b + FR_NONCE_BYTES, 0, FR_NAME_BYTES);
+    memcpy(b + FR_NONCE_BYTES, hostile[i], strlen(hostile[i]));
+    assert_int_equal(fr_hello_decode(b, FR_HELLO_BYTES, &g), FERRY_EPROTO);
+    for (const char *p = ferry_last_error(); *p; p++)
+      assert_true((unsigned char)*p >= 0x20 && (unsigned char)*p < 0x7f);
+  }
+  assert_string_equal(ferry_last_error(),
+                      "hello: node name '\\xed\\xa0\\x80' has bytes that are not "
+                      "UTF-8 at byte 0");
 
   fr_rma r = {1, 2, 3, 4}, q;
   fr_rma_encode(&r, b);

@@ -269,15 +269,11 @@ bool fr_dir_peek(fr_dir *dir, const char *key, fr_dir_object *out) {
 }
 
 int fr_dir_key_check(const char *key, const char *what) {
-  if (!key || !*key)
-    return fr_err(FERRY_EINVAL, "%s: empty key", what);
-  size_t n = 0;
-  for (const unsigned char *p = (const unsigned char *)key; *p; p++, n++)
-    if (*p < 0x20 || *p == 0x7f)
-      return fr_err(FERRY_EINVAL, "%s: key has a control character at byte %zu", what, n);
-  if (n > FR_DIR_KEY_MAX)
-    return fr_err(FERRY_EINVAL, "%s: key of %zu bytes (at most %d)", what, n, FR_DIR_KEY_MAX);
-  return 0;
+  if (fr_name_ok(key, FR_DIR_KEY_MAX))
+    return 0; /* the common case, without formatting `what` */
+  char who[96];
+  snprintf(who, sizeof who, "%s: key", what);
+  return fr_name_check(who, key, FR_DIR_KEY_MAX);
 }
 
 int fr_dir_name_taken(const fr_dir_node *holder, uint32_t lease_left_ms) {

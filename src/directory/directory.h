@@ -224,7 +224,7 @@ static inline uint32_t fr_dir_key_hash(const char *key) {
   return h;
 }
 
-/* Checks a key: 1..FR_DIR_KEY_MAX bytes, no control characters. */
+/* Checks a key: 1..FR_DIR_KEY_MAX bytes, the one name rule (core.h: fr_name_check). */
 int fr_dir_key_check(const char *key, const char *what);
 /* FERRY_EEXIST naming the live node that holds a name. */
 int fr_dir_name_taken(const fr_dir_node *holder, uint32_t lease_left_ms);

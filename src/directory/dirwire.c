@@ -164,12 +164,8 @@ bool fr_rd_str(fr_rd *r, char *out, size_t cap) {
   return true;
 }
 
-static bool name_ok(const char *s) {
-  for (; *s; s++)
-    if ((unsigned char)*s < 0x20 || *s == ',')
-      return false;
-  return true;
-}
+/* A node name a peer sent: the one name rule (core.h), and no ',' (address lists use it). */
+static bool name_ok(const char *s) { return fr_name_ok(s, FR_DIR_NAME_MAX) && !strchr(s, ','); }
 
 bool fr_rd_node(fr_rd *r, fr_dir_node *out) {
   fr_dir_node n;

@@ -100,9 +100,11 @@ void fr_dir_self_free(fr_dir_self *self) {
 /* ---- job records ---- */
 
 int fr_dir_job_key(const char *kind, const char *name, char out[FR_DIR_KEY_MAX + 1]) {
-  size_t n = strlen(name);
-  if (n == 0 || n > FR_DIR_NAME_MAX)
-    return fr_err(FERRY_EINVAL, "%s name '%s': 1 to %d bytes", kind, name, FR_DIR_NAME_MAX);
+  char what[32];
+  snprintf(what, sizeof what, "%s name", kind);
+  int rc = fr_name_check(what, name, FR_DIR_NAME_MAX);
+  if (rc != 0)
+    return rc;
   snprintf(out, FR_DIR_KEY_MAX + 1, FR_DIR_JOBS "%s/%s", kind, name);
   return fr_dir_key_check(out, kind);
 }
@@ -374,8 +376,7 @@ static int publish_job(fr_dir_self *me, fr_dir_lease *l, int timeout_ms) {
   if (rc == FERRY_EEXIST && (rc = job_holder_gone(me, l, timeout_ms)) == 0) {
     rc = fr_dir_obj_put(me->dir, &o, FR_DIR_PUT_KEEP_OTHERS, NULL, NULL, timeout_ms);
     if (rc == FERRY_EEXIST)
-      rc = fr_err(rc, "%s: the name '%s' was taken meanwhile: %s", l->who, l->job,
-                  ferry_last_error());
+      rc = fr_err_wrap(rc, "%s: the name '%s' was taken meanwhile", l->who, l->job);
   }
   if (rc == 0) {
     __atomic_store_n(&l->held, true, __ATOMIC_RELEASE);
@@ -400,7 +401,7 @@ int fr_dir_lease_init(fr_dir_lease *l, fr_dir *dir, ferry_ctx *ctx, const char *
   l->lease_ms = (int)fr_config_int("FERRY_LEASE_MS");
   int rc = fr_dir_job_key(kind, name, l->key);
   if (rc != 0)
-    return fr_err(rc, "%s: %s", who, ferry_last_error());
+    return rc; /* its detail names the kind and the name already */
   if (!(l->self = self_of(dir, ctx)))
     return fr_err(FERRY_ENOMEM, "%s: directory node", who);
   fr_str_copy(l->node.name, sizeof l->node.name, l->self->node.name);

@@ -77,15 +77,9 @@ static uint64_t get64(const uint8_t *p) {
 void fr_mq_set_value(uint8_t *head, uint64_t value) { put64(head + VALUE_AT, value); }
 
 int fr_mq_topic_check(const char *topic) {
-  if (!topic || !*topic)
-    return fr_err(FERRY_EINVAL, "mq: empty topic");
-  size_t n = 0;
-  for (const unsigned char *p = (const unsigned char *)topic; *p; p++, n++)
-    if (*p < 0x20 || *p == 0x7f)
-      return fr_err(FERRY_EINVAL, "mq: topic has a control character at byte %zu", n);
-  if (n > FERRY_MQ_TOPIC_MAX)
-    return fr_err(FERRY_EINVAL, "mq: topic of %zu bytes (at most %d)", n, FERRY_MQ_TOPIC_MAX);
-  return 0;
+  return fr_name_ok(topic, FERRY_MQ_TOPIC_MAX)
+             ? 0
+             : fr_name_check("mq: topic", topic, FERRY_MQ_TOPIC_MAX);
 }
 
 static bool has_topic(uint8_t type) { return type >= FR_MQ_DATA && type <= FR_MQ_UNSUB; }
@@ -162,11 +156,9 @@ static int decode_tensor(const uint8_t *p, fr_mq_frame *f) {
 }
 
 static int decode_topic(const uint8_t *p, size_t tl, fr_mq_frame *f) {
-  if (tl == 0 || tl > FERRY_MQ_TOPIC_MAX || p[tl] != 0)
-    return -1;
-  for (size_t i = 0; i < tl; i++)
-    if (p[i] < 0x20 || p[i] == 0x7f)
-      return -1;
+  if (tl == 0 || tl > FERRY_MQ_TOPIC_MAX || p[tl] != 0 || memchr(p, 0, tl) ||
+      !fr_name_ok((const char *)p, FERRY_MQ_TOPIC_MAX))
+    return -1; /* the one name rule (core.h) */
   f->topic = (const char *)p;
   f->topic_len = tl;
   return 0;

@@ -46,8 +46,7 @@ static int pack_device(ferry_refit_sender *s, const fr_refit_entry *x, int devic
     if ((rc = fr_cuda_copy_on(device, s->scratch, src + i * se, k * se)) == 0)
       fr_refit_cast(x->desc.dtype, x->wire, x->scale, s->scratch, dst + i * we, k);
   }
-  return rc ? fr_err(rc, "refit '%s': tensor '%s' on CUDA device %d: %s", s->name, x->name, device,
-                     ferry_last_error())
+  return rc ? fr_err_wrap(rc, "refit '%s': tensor '%s' on CUDA device %d", s->name, x->name, device)
             : 0;
 }
 
@@ -179,8 +178,7 @@ static int pack_device_bucket(ferry_refit_sender *s, uint32_t b, uint8_t *dst, u
   device_hash d = {.s = s, .b = b, .h = fr_hash_begin(), .feeds = feeds, .nfeeds = nfeeds};
   rc = fr_cuda_stage_out(s->stager, s->dev_buf, dst, len, hash_chunk, &d);
   *sum = fr_hash_end(d.h);
-  return rc ? fr_err(rc, "refit '%s': bucket %u in CUDA memory: %s", s->name, b, ferry_last_error())
-            : 0;
+  return rc ? fr_err_wrap(rc, "refit '%s': bucket %u in CUDA memory", s->name, b) : 0;
 }
 
 int fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share, fr_refit_feed *feeds,

@@ -16,7 +16,7 @@ static uint64_t align_up(uint64_t v) {
 static int entry_sizes(fr_refit_entry *e) {
   int rc = ferry_tensor_nbytes(&e->desc, &e->src_bytes);
   if (rc != 0)
-    return fr_err(rc, "tensor '%s': %s", e->name, ferry_last_error());
+    return fr_err_wrap(rc, "tensor '%s'", e->name);
   if (e->wire == FERRY_DTYPE_INVALID)
     e->wire = e->desc.dtype;
   if (!fr_refit_cast_supported(e->desc.dtype, e->wire))
@@ -158,6 +158,11 @@ static int decode_entry(const uint8_t **pp, const uint8_t *end, fr_refit_entry *
   e->name = strndup((const char *)p + 2, nl);
   if (!e->name)
     return fr_err(FERRY_ENOMEM, "refit manifest: name");
+  if (!fr_name_ok(e->name, FR_REFIT_NAME_MAX)) /* the one name rule (core.h) */
+    return fr_err(FERRY_EPROTO,
+                  "refit manifest: a tensor name with a control character or not "
+                  "UTF-8: '%s'",
+                  e->name);
   p += 2 + nl;
   e->desc.dtype = (ferry_dtype)p[0];
   e->wire = (ferry_dtype)p[1];
@@ -174,7 +179,7 @@ static int decode_entry(const uint8_t **pp, const uint8_t *end, fr_refit_entry *
   e->offset = fr_get_u64(p);
   *pp = p + 8;
   int rc = entry_sizes(e);
-  return rc ? fr_err(FERRY_EPROTO, "refit manifest: %s", ferry_last_error()) : 0;
+  return rc ? fr_err_wrap(FERRY_EPROTO, "refit manifest") : 0;
 }
 
 int fr_refit_manifest_decode(const uint8_t *in, size_t len, fr_refit_plan *out) {

@@ -207,8 +207,7 @@ typedef struct rx_copy {
 static int copy_done(rx_copy *c) {
   int rc = c->len ? fr_cuda_copy_on(c->device, c->dst, c->src, c->len) : 0;
   c->len = 0;
-  return rc ? fr_err(rc, "refit: a shard into CUDA device %d: %s", c->device, ferry_last_error())
-            : 0;
+  return rc ? fr_err_wrap(rc, "refit: a shard into CUDA device %d", c->device) : 0;
 }
 
 static int put_run(const ferry_refit_receiver *r, rx_copy *c, uint8_t *dst, const uint8_t *src,
@@ -307,8 +306,7 @@ static int declare(ferry_refit_receiver *r, uint32_t i) {
                   "(at most %u runs, %u times the model's bytes, a %u-byte table); the target "
                   "stays bound and this receiver reads whole buckets",
                   name, FR_REFIT_VIEW_RUNS_MAX, FR_REFIT_VIEW_OVERLAP, FR_REFIT_TABLE_BYTES_MAX);
-  return rc ? fr_err(rc, "refit: the sender did not take target '%s': %s", name, ferry_last_error())
-            : 0;
+  return rc ? fr_err_wrap(rc, "refit: the sender did not take target '%s'", name) : 0;
 }
 
 /* Checks pieces [0, n) against the plan and the destination they fill one after another along
@@ -530,7 +528,7 @@ static int install_manifest(ferry_refit_receiver *r, fr_refit_plan plan) {
     return fr_err(FERRY_ENOMEM, "refit: new manifest");
   }
   if (r->alias && alias_map(r) != 0 && rc == 0)
-    rc = fr_err(FERRY_ENOTSUP, "refit: cannot map the sender's new buffer: %s", ferry_last_error());
+    rc = fr_err_wrap(FERRY_ENOTSUP, "refit: cannot map the sender's new buffer");
   if (r->fwd && plan.bucket_bytes != r->plan.bucket_bytes) {
     ferry_free(r->ctx, r->fwd);
     r->fwd = NULL; /* allocated again, at the new size, when a successor needs it */
@@ -581,8 +579,7 @@ static int scatter(ferry_refit_receiver *r, uint32_t b, uint64_t lo, uint64_t le
     if (to && dev < 0)
       memcpy(to, src + src_off, n);
     else if (to && (rc = fr_cuda_copy_on(dev, to, src + src_off, n)) != 0)
-      return fr_err(rc, "refit: tensor '%s' into CUDA device %d: %s", p->entries[e].name, dev,
-                    ferry_last_error());
+      return fr_err_wrap(rc, "refit: tensor '%s' into CUDA device %d", p->entries[e].name, dev);
   }
   return 0;
 }
@@ -599,8 +596,8 @@ static int source_link(ferry_refit_receiver *r, const fr_refit_msg_t *m, ferry_l
     r->up = NULL;
   }
   if (!r->up && r->up_address && ferry_connect(r->ctx, r->up_address, -1, &r->up) != 0)
-    return fr_err(FERRY_EPEER, "refit: cannot reach the chain predecessor at '%s': %s",
-                  r->up_address, ferry_last_error());
+    return fr_err_wrap(FERRY_EPEER, "refit: cannot reach the chain predecessor at '%s'",
+                       r->up_address);
   if (!r->up)
     return fr_err(FERRY_EPROTO, "refit: told to read from a predecessor, but given none");
   *out = r->up;
@@ -618,7 +615,7 @@ static int landing(ferry_refit_receiver *r, const fr_refit_msg_t *m, uint8_t **o
   }
   if (m->flags & FR_REFIT_KEEP) {
     if (!r->fwd && ferry_alloc(r->ctx, 2 * bb, (void **)&r->fwd) != 0)
-      return fr_err(FERRY_ENOSHM, "refit: no forwarding buffer: %s", ferry_last_error());
+      return fr_err_wrap(FERRY_ENOSHM, "refit: no forwarding buffer");
     *out = r->fwd + m->buffer * bb;
     return 0;
   }
@@ -1118,7 +1115,7 @@ static int fetch_manifest(ferry_refit_receiver *r, int timeout_ms, fr_refit_plan
   ferry_msg *reply;
   int rc = ferry_call(r->link, FR_REFIT_TO_SENDER, iov, 2, &reply, timeout_ms);
   if (rc != 0)
-    return fr_err(rc, "refit: attach to '%s': %s", ferry_link_peer(r->link), ferry_last_error());
+    return fr_err_wrap(rc, "refit: attach to '%s'", ferry_link_peer(r->link));
   fr_refit_attach_reply a;
   rc = fr_refit_attach_decode(reply->data, reply->len, &a);
   if (rc == 0 && a.status != 0)

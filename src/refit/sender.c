@@ -266,6 +266,8 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
   if (!ctx || !name || !out)
     return fr_err(FERRY_EINVAL, "ferry_refit_sender_open: NULL argument");
   int rc = FR_OPTS_CHECK(opts, "ferry_refit_sender_open");
+  if (rc == 0)
+    rc = fr_name_check("refit sender name", name, FR_REFIT_NAME_MAX);
   if (rc != 0)
     return rc;
   ferry_refit_sender *s = calloc(1, sizeof *s);
@@ -341,8 +343,8 @@ int ferry_refit_declare(ferry_refit_sender *s, const char *name, const ferry_ten
                         const void *data, ferry_dtype send_as) {
   if (!s || !name || !desc || !data)
     return fr_err(FERRY_EINVAL, "ferry_refit_declare: NULL argument");
-  if (strlen(name) == 0 || strlen(name) > FR_REFIT_NAME_MAX)
-    return fr_err(FERRY_EINVAL, "refit: tensor name of %zu bytes", strlen(name));
+  if (fr_name_check("refit: tensor name", name, FR_REFIT_NAME_MAX) != 0)
+    return FERRY_EINVAL;
   int device = -1;
   int bad = classify(name, desc, data, &device);
   if (bad != 0)
@@ -365,7 +367,7 @@ int ferry_refit_declare(ferry_refit_sender *s, const char *name, const ferry_ten
     s->src[at].device = device;
     uint64_t bytes;
     if ((rc = ferry_tensor_nbytes(desc, &bytes)) != 0)
-      rc = fr_err(rc, "refit: tensor '%s': %s", name, ferry_last_error());
+      rc = fr_err_wrap(rc, "refit: tensor '%s'", name);
     else if (!fr_refit_cast_supported(desc->dtype, e->wire))
       rc = fr_err(FERRY_EDTYPE, "refit: tensor '%s': no cast from %s to %s", name,
                   ferry_dtype_name(desc->dtype), ferry_dtype_name(e->wire));
@@ -431,8 +433,8 @@ static int alloc_device_buffer(ferry_refit_sender *s, int i, int device, uint64_
     s->buf[i] = NULL;
     if (p)
       fr_cuda_free(p);
-    return fr_err(rc, "refit '%s': a buffer of %llu bytes on CUDA device %d: %s", s->name,
-                  (unsigned long long)need, device, ferry_last_error());
+    return fr_err_wrap(rc, "refit '%s': a buffer of %llu bytes on CUDA device %d", s->name,
+                       (unsigned long long)need, device);
   }
   s->dev_buf = device;
   return 0;
@@ -528,8 +530,8 @@ static int device_amax(ferry_refit_sender *s, uint32_t i, float *amax) {
     int rc = fr_cuda_copy_on(s->src[i].device, s->scratch,
                              (const uint8_t *)s->src[i].data + at * se, k * se);
     if (rc != 0)
-      return fr_err(rc, "refit '%s': tensor '%s' on CUDA device %d: %s", s->name, e->name,
-                    s->src[i].device, ferry_last_error());
+      return fr_err_wrap(rc, "refit '%s': tensor '%s' on CUDA device %d", s->name, e->name,
+                         s->src[i].device);
     *amax = fr_refit_amax(e->desc.dtype, s->scratch, k, *amax);
   }
   return 0;

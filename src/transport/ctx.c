@@ -138,8 +138,8 @@ static uint64_t config_ns(const char *name, uint64_t unit) {
 
 static int ctx_configure(ferry_ctx *ctx, const ferry_ctx_opts *o) {
   const char *name = o && o->name ? o->name : NULL;
-  if (name && (strlen(name) == 0 || strlen(name) >= FR_NAME_BYTES))
-    return fr_err(FERRY_EINVAL, "node name must be 1..%d bytes", FR_NAME_BYTES - 1);
+  if (name && fr_name_check("node name", name, FR_NAME_BYTES - 1) != 0)
+    return FERRY_EINVAL;
   ctx->name = name ? strdup(name) : default_name();
   ctx->tcp_listen = strdup(o && o->tcp_listen ? o->tcp_listen : fr_config_str("FERRY_TCP_LISTEN"));
   ctx->max_payload = (uint64_t)fr_config_int("FERRY_MAX_MESSAGE");

@@ -531,8 +531,7 @@ static int check_peer_user(ferry_link *l) {
   uid_t uid = 0;
   int rc = l->ops->peer_uid(l->poller.fd, &uid);
   if (rc != 0)
-    return fr_err(FERRY_EAUTH, "%s link: cannot tell the peer's user (%s)", l->ops->name,
-                  ferry_last_error());
+    return fr_err_wrap(FERRY_EAUTH, "%s link: cannot tell the peer's user", l->ops->name);
   if (uid != geteuid())
     return fr_err(FERRY_EAUTH,
                   "%s link: the peer runs as uid %u, not this user (uid %u); processes of "
@@ -614,8 +613,10 @@ static int on_hello(ferry_link *l) {
     send_status(l, FR_HELLO_ACK, 0, rc);
     return rc;
   }
-  if ((rc = fr_hello_decode(l->rx_body, l->rx_frame.len, &h)) != 0)
+  if ((rc = fr_hello_decode(l->rx_body, l->rx_frame.len, &h)) != 0) {
+    send_status(l, FR_HELLO_ACK, 0, rc); /* the peer hears why; the error detail is escaped */
     return rc;
+  }
   memcpy(l->peer, h.name, sizeof l->peer);
   memcpy(l->nonce_peer, h.nonce, FR_NONCE_BYTES);
   fr_hello_ack ack;

@@ -111,9 +111,12 @@ int fr_frame_decode(const uint8_t in[FR_FRAME_BYTES], uint64_t max_payload, fr_f
   return 0;
 }
 
+/* A peer's node name, held to the one name rule (fr_name_check) before anything logs it. */
 static int copy_name(char dst[FR_NAME_BYTES], const uint8_t *src) {
   if (!memchr(src, '\0', FR_NAME_BYTES))
     return fr_err(FERRY_EPROTO, "node name is not terminated");
+  if (fr_name_check("node name", (const char *)src, FR_NAME_BYTES - 1) != 0)
+    return fr_err_wrap(FERRY_EPROTO, "hello");
   memcpy(dst, src, FR_NAME_BYTES);
   return 0;
 }
