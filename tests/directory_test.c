@@ -1265,7 +1265,7 @@ static void test_advertise_two_hosts(void **state) {
   char dir[] = "/tmp/ferry-dt-XXXXXX";
   assert_non_null(mkdtemp(dir));
   /* FERRY_TOKEN: a fleet across hosts should have one (and may have to) */
-  const char *env = "FERRY_TOKEN=dt-token FERRY_TRANSPORTS=shm,tcp";
+  const char *env = "FERRY_TOKEN=dt-token-of-16-bytes-or-more FERRY_TRANSPORTS=shm,tcp";
   sh("ip netns exec " NS_A " env %s %s serve --listen " IP_A ":" NS_PORT
      " > %s/a.txt 2>&1 & echo $! > %s/a.pid",
      env, cli, dir, dir);

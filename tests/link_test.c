@@ -939,9 +939,9 @@ static void test_rma_tcp_registered(void **s) { one_sided("tcp", false); }
 /* Timeouts are generous: under TSan on a loaded 2-core machine a ucx handshake once took over
  * 5 s. A refused token fails at once whatever the timeout. */
 static void tokens(const char *transport) {
-  ferry_ctx *server = open_ctx("server", transport, "s3cret");
-  ferry_ctx *good = open_ctx("good", transport, "s3cret");
-  ferry_ctx *bad = open_ctx("bad", transport, "guess");
+  ferry_ctx *server = open_ctx("server", transport, "s3cret-fleet-token-0123456789");
+  ferry_ctx *good = open_ctx("good", transport, "s3cret-fleet-token-0123456789");
+  ferry_ctx *bad = open_ctx("bad", transport, "a-guess-of-16-bytes-or-more");
   ferry_ctx *none = open_ctx("none", transport, "");
   ferry_link *l = NULL;
   FR_OK(ferry_connect(good, ferry_ctx_address(server), 20000, &l));
@@ -980,7 +980,7 @@ static void test_exposed_listen_needs_token(void **s) {
     assert_int_equal(ferry_ctx_open(&o, &c), FERRY_EINVAL);
     assert_null(c);
     assert_non_null(strstr(ferry_last_error(), "FERRY_TOKEN"));
-    o.token = "a-fleet-secret";
+    o.token = "a-fleet-secret-of-32-bytes-00000";
     FR_OK(ferry_ctx_open(&o, &c));
     ferry_ctx_close(c);
   }

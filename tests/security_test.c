@@ -205,7 +205,7 @@ static int intruder(const char *address, char **refv, const char *root_file, con
   }
   setenv("FERRY_TOKEN_FILE", own_file, 1); /* its own per-user secret, as its ferry would make */
   const char *transports[] = {"shm", "tcp"};
-  const char *tokens[] = {NULL, "guess"};
+  const char *tokens[] = {NULL, "a-guess-of-16-bytes-or-more"};
   for (int t = 0; t < 2; t++)
     for (int k = 0; k < 2; k++) {
       ferry_ctx_opts o = {.size = sizeof o, .name = "intruder", .transports = transports[t]};
@@ -317,7 +317,7 @@ static void test_token_file_refused(void **s) {
   char path[128];
   snprintf(path, sizeof path, "%s/token", tmpdir);
   FILE *f = fopen(path, "w");
-  fputs("a-secret\n", f);
+  fputs("a-secret-of-16-bytes-or-more\n", f);
   fclose(f);
   assert_int_equal(chmod(path, 0644), 0);
   expect_refused("chmod 600");
@@ -325,10 +325,11 @@ static void test_token_file_refused(void **s) {
   expect_refused("group or others");
   assert_int_equal(chmod(path, 0602), 0);
   expect_refused("mode 0602");
-  setenv("FERRY_TOKEN", "explicit", 1); /* an explicit token wins: the file is not read */
+  /* an explicit token wins: the file is not read */
+  setenv("FERRY_TOKEN", "explicit-token-0123456", 1);
   ferry_ctx_close(open_ctx("explicit", "shm,tcp", NULL));
   unsetenv("FERRY_TOKEN");
-  ferry_ctx_close(open_ctx("explicit", "shm,tcp", "explicit-too"));
+  ferry_ctx_close(open_ctx("explicit", "shm,tcp", "explicit-token-too-of-32-bytes-0"));
   assert_int_equal(chmod(path, 0600), 0);
   ferry_ctx_close(open_ctx("fixed", "shm,tcp", NULL));
   if (geteuid() == 0) {
@@ -336,6 +337,10 @@ static void test_token_file_refused(void **s) {
     expect_refused("owned by uid 65534");
     assert_int_equal(chown(path, 0, 0), 0);
   }
+  f = fopen(path, "w"); /* 15 bytes: too short to be a secret (issue 32 row 12) */
+  fputs("a-15-byte-token\n", f);
+  fclose(f);
+  expect_refused("head -c 32 /dev/urandom | base64 >");
   assert_int_equal(truncate(path, 0), 0);
   expect_refused("empty");
   assert_int_equal(unlink(path), 0);
@@ -343,6 +348,27 @@ static void test_token_file_refused(void **s) {
   expect_refused("not a regular file");
   assert_int_equal(rmdir(path), 0);
   tmp_remove();
+  (void)s;
+}
+
+/* An explicit token (FERRY_TOKEN or ferry_ctx_opts.token) shorter than 16 bytes is refused with
+ * one line saying how to make one (issue 32 row 12: a 1-byte token was a fleet's secret). */
+static void test_short_token_refused(void **s) {
+  defaults();
+  ferry_ctx_opts o = {.size = sizeof o, .name = "short", .transports = "shm,tcp"};
+  ferry_ctx *c = NULL;
+  setenv("FERRY_TOKEN", "x", 1);
+  assert_int_equal(ferry_ctx_open(&o, &c), FERRY_EINVAL);
+  assert_null(c);
+  assert_non_null(strstr(ferry_last_error(), "FERRY_TOKEN is 1 bytes"));
+  assert_non_null(strstr(ferry_last_error(), "head -c 32 /dev/urandom | base64"));
+  unsetenv("FERRY_TOKEN");
+  o.token = "fifteen-bytes!!";
+  assert_int_equal(ferry_ctx_open(&o, &c), FERRY_EINVAL);
+  assert_non_null(strstr(ferry_last_error(), "at least 16"));
+  o.token = "sixteen-bytes!!!";
+  FR_OK(ferry_ctx_open(&o, &c));
+  ferry_ctx_close(c);
   (void)s;
 }
 
@@ -394,7 +420,7 @@ static void test_same_user_no_config(void **s) {
   node_open(&n);
   pid_t pid = tu_spawn_exec("--same-user", ferry_ctx_address(n.ctx), n.id, n.key, n.size, NULL);
   assert_int_equal(tu_wait(pid), 0);
-  ferry_ctx *x = open_ctx("explicit", "shm,tcp", "some-fleet");
+  ferry_ctx *x = open_ctx("explicit", "shm,tcp", "some-fleet-token-of-32-bytes-000");
   ferry_link *l = NULL;
   assert_int_equal(ferry_connect(x, ferry_ctx_address(n.ctx), 10000, &l), FERRY_EAUTH);
   ferry_ctx_close(x);
@@ -441,7 +467,7 @@ static void test_exposed_needs_explicit_token(void **s) {
   ferry_ctx *c = NULL;
   assert_int_equal(ferry_ctx_open(&o, &c), FERRY_EINVAL);
   assert_non_null(strstr(ferry_last_error(), "FERRY_TOKEN"));
-  setenv("FERRY_TOKEN", "fleet-secret", 1);
+  setenv("FERRY_TOKEN", "fleet-secret-of-32-bytes-000000", 1);
   FR_OK(ferry_ctx_open(&o, &c));
   ferry_ctx_close(c);
   unsetenv("FERRY_TOKEN");
@@ -485,6 +511,7 @@ int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_token_file_made_private),
       cmocka_unit_test(test_token_file_refused),
+      cmocka_unit_test(test_short_token_refused),
       cmocka_unit_test(test_token_file_race),
       cmocka_unit_test(test_same_user_no_config),
       cmocka_unit_test(test_other_user_refused),

@@ -597,8 +597,9 @@ static int parse_serve_args(int argc, char **argv, server *s, struct sockaddr_in
  * is none yet), as links use. */
 static int load_token(server *s) {
   const char *token = ferry_config_get("FERRY_TOKEN");
-  int rc = token && *token ? ((s->token = strdup(token)) ? 0 : fr_err(FERRY_ENOMEM, "token"))
-                           : fr_user_token(&s->token);
+  int rc = token && *token ? fr_token_check(token, "FERRY_TOKEN") : fr_user_token(&s->token);
+  if (rc == 0 && !s->token && !(s->token = strdup(token)))
+    rc = fr_err(FERRY_ENOMEM, "token");
   if (rc != 0)
     fprintf(stderr, "ferry ctl serve: %s\n", ferry_last_error());
   return rc;

@@ -59,6 +59,11 @@ static int read_secret(int fd, const char *path, char **out) {
   if (n == 0)
     return fr_err(FERRY_EINVAL, "fleet token file '%s' is empty (remove it to have one made)",
                   path);
+  if (n < FR_TOKEN_MIN)
+    return fr_err(FERRY_EINVAL,
+                  "fleet token file '%s' holds %zu bytes, a token needs at least %d: remove it to "
+                  "have one made, or write one with `head -c 32 /dev/urandom | base64 > %s`",
+                  path, n, FR_TOKEN_MIN, path);
   if (n > TOKEN_MAX || memchr(buf, '\0', n))
     return fr_err(FERRY_EINVAL,
                   "fleet token file '%s' does not hold a token (a NUL byte, or over %d bytes)",
@@ -139,6 +144,16 @@ static int create_secret(const char *path) {
   if (mine)
     fr_info("made this user's fleet token file %s", path);
   return 0;
+}
+
+int fr_token_check(const char *token, const char *what) {
+  size_t n = token ? strlen(token) : 0;
+  if (n >= FR_TOKEN_MIN)
+    return 0;
+  return fr_err(FERRY_EINVAL,
+                "%s is %zu bytes, a fleet token needs at least %d: make one with "
+                "`head -c 32 /dev/urandom | base64`",
+                what, n, FR_TOKEN_MIN);
 }
 
 int fr_user_token(char **out) {

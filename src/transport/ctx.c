@@ -125,6 +125,9 @@ static int ctx_token(ferry_ctx *ctx, const ferry_ctx_opts *o) {
   const char *given = o && o->token && *o->token ? o->token : fr_config_str("FERRY_TOKEN");
   if (!*given)
     return fr_user_token(&ctx->token);
+  int rc = fr_token_check(given, o && o->token && *o->token ? "ctx token" : "FERRY_TOKEN");
+  if (rc != 0)
+    return rc;
   ctx->token_explicit = true;
   ctx->token = strdup(given);
   return ctx->token ? 0 : fr_err(FERRY_ENOMEM, "ctx: token");
