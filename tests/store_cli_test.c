@@ -669,10 +669,19 @@ static void test_top(void **state) {
   char *frame = slurp("top.txt", &frame_len);
   assert_true(frame && !strchr(frame, '\033')); /* not a tty: no escape sequences */
   free(frame);
-  /* a key with U+009B (an 8-bit CSI, UTF-8 C2 9B) in its prefix: shown as '?', never sent */
-  assert_int_equal(run("%s put --directory %s \"$(printf 'csi\302\2332J/k')\" c.bin", cli, url), 0);
+  /* a key with U+009B (an 8-bit CSI, UTF-8 C2 9B): refused at put and at stat by the one name
+   * rule (issue 32 row 11), the error one line with the key escaped; ls, stat and top never show
+   * it raw (core's fr_escape and fr_text_char; core_test test_escape covers a key that an older
+   * peer or Redis still holds) */
+  assert_int_equal(
+      run("%s put --directory %s \"$(printf 'csi\302\2332J/k')\" c.bin 2> err.txt", cli, url), 2);
+  assert_true(one_line("err.txt", "key 'csi\\xc2\\x9b2J/k' has a control character at byte 3"));
+  assert_int_equal(
+      run("%s stat --directory %s \"$(printf 'csi\302\2332J/k')\" 2> err.txt", cli, url), 2);
+  assert_true(one_line("err.txt", "key 'csi\\xc2\\x9b2J/k'"));
   assert_int_equal(run("%s top --once --directory=%s > top2.txt", cli, url), 0);
-  assert_int_equal(run("grep -Eq '^  csi\\?2J/ +1 +100 B  ' top2.txt"), 0);
+  assert_int_equal(run("%s ls --directory=%s > ls.txt", cli, url), 0);
+  assert_int_equal(run("cat err.txt ls.txt >> top2.txt"), 0);
   frame = slurp("top2.txt", &frame_len);
   assert_true(frame && !strstr(frame, "\xc2\x9b") && !strchr(frame, '\033'));
   free(frame);

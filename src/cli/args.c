@@ -195,13 +195,13 @@ void cli_json_string(FILE *out, const char *s) {
   fputc('"', out);
   const unsigned char *p = (const unsigned char *)(s ? s : "");
   for (size_t left = strlen((const char *)p); *p;) {
-    size_t n = *p >= 0x80 ? fr_utf8_seq(p, left) : 1;
+    size_t n = fr_text_char(p, left), u = n ? n : fr_utf8_seq(p, left);
     if (*p == '"' || *p == '\\')
       fprintf(out, "\\%c", *p);
-    else if (*p < 0x20 || *p == 0x7f)
-      fprintf(out, "\\u%04x", *p);
-    else if (n == 0)
+    else if (n == 0 && u == 0)
       fputs("\\ufffd", out);
+    else if (n == 0) /* a control character: C0, DEL, or C1 (C2 80..C2 9F is U+0080..U+009F) */
+      fprintf(out, "\\u%04x", u == 2 ? p[1] : *p), n = u;
     else
       fwrite(p, 1, n, out);
     p += n ? n : 1;

@@ -4,6 +4,7 @@
  * behind `ferry bench`) print the same table and exit the same way as the ferry command.
  */
 #include "cli/cli.h"
+#include "core/core.h"
 #include "ferry.h"
 
 #include <stdio.h>
@@ -47,8 +48,10 @@ int cli_exit_code(int status) {
 }
 
 int cli_fail(const char *cmd, int status, const char *what) {
-  const char *detail = ferry_last_error();
-  fprintf(stderr, "ferry %s: %s: %s%s%s%s\n", cmd, what, ferry_strerror(status),
+  const char *detail = ferry_last_error(); /* escaped already (core/status.c) */
+  char safe[4 * 256 + 1]; /* a key or a name, perhaps copied from a peer's: escaped too */
+  fr_escape(safe, sizeof safe, what);
+  fprintf(stderr, "ferry %s: %s: %s%s%s%s\n", cmd, safe, ferry_strerror(status),
           *detail ? " (" : "", detail, *detail ? ")" : "");
   return cli_exit_code(status);
 }

@@ -335,13 +335,16 @@ int cli_ls(int argc, char **argv) {
   if (st != 0)
     rc = cli_fail("ls", st, "list");
   for (size_t i = 0; st == 0 && i < count; i++) {
-    char shape[160], size[32];
+    char shape[160], size[32], key[4 * FR_DIR_KEY_MAX + 1], owner[4 * FR_DIR_NAME_MAX + 1];
+    /* keys and owners come from peers (an older one, or Redis, may hold any bytes): escaped */
+    fr_escape(key, sizeof key, list[i].key);
+    fr_escape(owner, sizeof owner, list[i].owner);
     if (a.json)
       json_info(&list[i]);
     else
-      printf("%-40s %-9s %-20s %10s  %s\n", list[i].key, ferry_dtype_name(list[i].desc.dtype),
+      printf("%-40s %-9s %-20s %10s  %s\n", key, ferry_dtype_name(list[i].desc.dtype),
              ferry_shape_format(&list[i].desc, shape, sizeof shape),
-             fmt_bytes(list[i].bytes, size, sizeof size), list[i].owner);
+             fmt_bytes(list[i].bytes, size, sizeof size), owner);
   }
   ferry_store_list_free(list);
   cli_node_close(&n);
@@ -371,12 +374,14 @@ int cli_stat(int argc, char **argv) {
   } else if (a.json) {
     json_info(&info);
   } else {
-    char shape[160];
+    char shape[160], key[4 * FR_DIR_KEY_MAX + 1], owner[4 * FR_DIR_NAME_MAX + 1];
+    fr_escape(key, sizeof key, info.key); /* from peers: escaped, as in ls */
+    fr_escape(owner, sizeof owner, info.owner);
     printf("key:        %s\ndtype:      %s\nshape:      %s\nbytes:      %llu\nowner:      %s\n"
            "generation: %llu\n",
-           info.key, ferry_dtype_name(info.desc.dtype),
+           key, ferry_dtype_name(info.desc.dtype),
            ferry_shape_format(&info.desc, shape, sizeof shape), (unsigned long long)info.bytes,
-           info.owner, (unsigned long long)info.generation);
+           owner, (unsigned long long)info.generation);
   }
   cli_node_close(&n);
   return rc;

@@ -2,12 +2,14 @@
  * `ferry top`: the fleet's status page in a terminal. It takes the same snapshot as ferry serve's
  * /v1/fleet (cli/fleet.c) from the directory at --directory or FERRY_DIRECTORY, and draws it as
  * text every --interval seconds until interrupted; --once draws one frame, --json prints the
- * snapshot's JSON. Names come from peers, so every control character in them (C0, DEL and C1) is
- * shown as '?': a node's name must not be able to move the cursor or recolour the terminal.
+ * snapshot's JSON. Names come from peers, so every control character in them (C0, DEL and C1) and
+ * every byte that is not UTF-8 is shown as '?' (core's fr_text_char decides, as for every name
+ * and escape): a node's name must not be able to move the cursor or recolour the terminal.
  */
 #include "cli/args.h"
 #include "cli/cli.h"
 #include "cli/fleet.h"
+#include "core/core.h"
 #include "ferry.h"
 
 #include <signal.h>
@@ -46,22 +48,21 @@ static void on_signal(int sig) {
 
 /* ---- drawing ---- */
 
-/* The bytes of the control character at p (C0, DEL, or a C1 code point U+0080..U+009F, which
- * UTF-8 spells C2 80..C2 9F: U+009B is an 8-bit CSI that some terminals obey); 0: none. */
-static int control_len(const unsigned char *p) {
-  if (*p < 0x20 || *p == 0x7f)
-    return 1;
-  return p[0] == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f ? 2 : 0;
-}
-
-/* s, padded or cut to width (0: as is), with control characters shown as '?'. */
+/* s, padded or cut to width (0: as is), with control characters (C0, DEL, or a C1 code point
+ * U+0080..U+009F, which UTF-8 spells C2 80..C2 9F: U+009B is an 8-bit CSI that some terminals
+ * obey) and bytes that are not UTF-8 shown as '?' (one column each). */
 static void put(const char *s, int width) {
   int n = 0;
-  for (const unsigned char *p = (const unsigned char *)(s ? s : "-"); *p && (!width || n < width);
-       n++) {
-    int c = control_len(p);
-    putchar(c ? '?' : *p);
-    p += c ? c : 1;
+  const unsigned char *p = (const unsigned char *)(s ? s : "-");
+  for (size_t left = strlen((const char *)p); *p && (!width || n < width); n++) {
+    size_t c = fr_text_char(p, left);
+    if (c == 0) {
+      putchar('?');
+      c = fr_utf8_seq(p, left) == 2 ? 2 : 1; /* a C1 character is one '?' */
+    } else {
+      fwrite(p, 1, c, stdout);
+    }
+    p += c, left -= c;
   }
   for (; n < width; n++)
     putchar(' ');
