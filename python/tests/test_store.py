@@ -185,6 +185,28 @@ def test_key_rules_match_c(store):
         ferry.MQ(store.directory, name="py-nul\x00x")
 
 
+def test_names_hold_one_rule(store):
+    """Issue 32 rows 5, 8, 11: keys and node names (Context, Store) are the C library's one name
+    rule: no C0, DEL, C1 (U+0080..U+009F; U+009B is an 8-bit CSI) and no bytes that are not UTF-8.
+    The error quotes the name once, escaped: no raw ESC or BEL reaches a terminal through it."""
+    for bad in ["a\x9bb", "\x1b[31m", "del\x7f", b"bad\xff", b"\xed\xa0\x80", b"\xc0\xaf"]:
+        with pytest.raises(ferry.InvalidArgument):
+            store.put(bad, np.zeros(1, np.uint8))
+        with pytest.raises(ferry.InvalidArgument):
+            store.exists(bad)
+    store.put("caf\u00e9/\u65e5\u672c", np.ones(2, np.uint8))  # well-formed UTF-8 is fine
+    assert store.get("caf\u00e9/\u65e5\u672c").tolist() == [1, 1]
+    with pytest.raises(ferry.InvalidArgument) as ei:
+        ferry.Context(name="a\x1b[31m")
+    assert "\x1b" not in str(ei.value) and "'a\\x1b[31m'" in str(ei.value)
+    with pytest.raises(ferry.InvalidArgument) as ei:
+        ferry.Store(store.directory, name="esc\x1b]0;x\x07")
+    msg = str(ei.value)
+    assert "\x1b" not in msg and "\x07" not in msg
+    assert msg.count("esc\\x1b]0;x\\x07") == 1, msg  # not garbled: the name once, escaped
+    assert "control character at byte 3" in msg
+
+
 def test_errors(store):
     with pytest.raises(ferry.NotFound) as ei:
         store.get("missing-key")
