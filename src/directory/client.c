@@ -37,6 +37,9 @@ typedef struct emb {
   ferry_ctx *ctx;
   fr_dir_server *local; /* in-process server: no link */
   char where[FR_DIR_ADDRESS_MAX + 1];
+  /* Held while the link is dialled, which may take a dialler's whole timeout: link, watch,
+   * table and epoch are written under it (atomically) but read without it where a caller has
+   * no time to wait (current_maps, emb_epoch). */
   pthread_mutex_t lock;
   ferry_link *link;
   ferry_link **grave; /* dead links, closed with the client (callers may still hold them) */
@@ -156,7 +159,7 @@ static int dial(emb *e, int timeout_ms, ferry_link **out) {
     if (e->instance)
       fr_info("directory at ferry://%s restarted: registering again", e->where);
     e->instance = instance;
-    e->epoch++;
+    __atomic_add_fetch(&e->epoch, 1, __ATOMIC_ACQ_REL);
   }
   *out = l;
   return 0;
@@ -188,7 +191,8 @@ static uint64_t *prefault(uint64_t *p, size_t bytes) {
 
 /* Maps the server's change words and object table over l (shm only): both, or neither. */
 static void watch_map(emb *e, ferry_link *l, int timeout_ms) {
-  e->watch = e->table = NULL;
+  __atomic_store_n(&e->watch, NULL, __ATOMIC_RELEASE);
+  __atomic_store_n(&e->table, NULL, __ATOMIC_RELEASE);
   if (strcmp(ferry_link_transport(l), "shm") != 0)
     return;
   ferry_msg *m = NULL;
@@ -206,8 +210,8 @@ static void watch_map(emb *e, ferry_link *l, int timeout_ms) {
   uint64_t *w = ok ? map_region(l, &words, (1 + (size_t)FR_DIR_WATCH_BUCKETS) * 8) : NULL;
   uint64_t *t = w ? map_region(l, &table, FR_DIR_TABLE_BYTES) : NULL;
   if (t) {
-    e->watch = w;
-    e->table = prefault(t, FR_DIR_TABLE_BYTES);
+    __atomic_store_n(&e->watch, w, __ATOMIC_RELEASE);
+    __atomic_store_n(&e->table, prefault(t, FR_DIR_TABLE_BYTES), __ATOMIC_RELEASE);
   }
   ferry_msg_free(m);
   fr_err_clear();
@@ -227,11 +231,15 @@ static int current_link(emb *e, ferry_link *dead, int timeout_ms, ferry_link **o
       if (FR_GROW(e->grave, e->capgrave, e->ngrave + 1, 4) == 0)
         e->grave[e->ngrave++] = e->link;
       /* else: leaked until exit; better than closing it under another caller */
-      e->link = NULL;
-      e->watch = e->table = NULL;
+      __atomic_store_n(&e->link, NULL, __ATOMIC_RELEASE);
+      __atomic_store_n(&e->watch, NULL, __ATOMIC_RELEASE);
+      __atomic_store_n(&e->table, NULL, __ATOMIC_RELEASE);
     }
-    if ((rc = dial(e, timeout_ms, &e->link)) == 0)
-      watch_map(e, e->link, left_ms(deadline));
+    ferry_link *l = NULL;
+    if ((rc = dial(e, timeout_ms, &l)) == 0) {
+      watch_map(e, l, left_ms(deadline)); /* mapped before the link is seen: current_maps */
+      __atomic_store_n(&e->link, l, __ATOMIC_RELEASE);
+    }
   }
   if (rc == 0)
     *out = e->link;
@@ -239,7 +247,28 @@ static int current_link(emb *e, ferry_link *dead, int timeout_ms, ferry_link **o
   return rc;
 }
 
+/* The current link with the change words and table mapped over it, read without the lock (a
+ * dial may hold it for its caller's whole timeout): the three as one link set them, else false.
+ * A link is stored after its maps and cleared before them, and dead links are never freed while
+ * the client lives (the grave), so a link read twice alike had these maps in between. */
+static bool current_maps(emb *e, ferry_link **l, uint64_t **watch, uint64_t **table) {
+  ferry_link *first = __atomic_load_n(&e->link, __ATOMIC_ACQUIRE);
+  *watch = __atomic_load_n(&e->watch, __ATOMIC_ACQUIRE);
+  *table = __atomic_load_n(&e->table, __ATOMIC_ACQUIRE);
+  *l = __atomic_load_n(&e->link, __ATOMIC_ACQUIRE);
+  return first && first == *l;
+}
+
 /* ---- calls ---- */
+
+/* A round trip that timed out names the directory and the whole wait (ferry_call's detail names
+ * only the server's node). */
+static int asked(const emb *e, int rc, int timeout_ms) {
+  return rc == FERRY_ETIMEDOUT
+             ? fr_err_wrap(rc, "directory at ferry://%s did not answer within %d ms", e->where,
+                           timeout_ms)
+             : rc;
+}
 
 /* One round trip; the redial after a dead link and the call again share its deadline. */
 static int call_link(emb *e, fr_wr *req, reply *r, int timeout_ms) {
@@ -248,10 +277,12 @@ static int call_link(emb *e, fr_wr *req, reply *r, int timeout_ms) {
   ferry_link *l = NULL;
   int rc = current_link(e, NULL, timeout_ms, &l);
   if (rc == 0)
-    rc = ferry_call(l, FR_CHANNEL_DIRECTORY, &iov, 1, &r->msg, left_ms(deadline));
+    rc = asked(e, ferry_call(l, FR_CHANNEL_DIRECTORY, &iov, 1, &r->msg, left_ms(deadline)),
+               timeout_ms);
   if ((rc == FERRY_EPEER || rc == FERRY_ECLOSED) && fr_ms_left(deadline) > 0) {
     if ((rc = current_link(e, l, left_ms(deadline), &l)) == 0)
-      rc = ferry_call(l, FR_CHANNEL_DIRECTORY, &iov, 1, &r->msg, left_ms(deadline));
+      rc = asked(e, ferry_call(l, FR_CHANNEL_DIRECTORY, &iov, 1, &r->msg, left_ms(deadline)),
+                 timeout_ms);
   }
   if (rc == 0)
     r->rd = fr_rd_init(r->msg->data, r->msg->len);
@@ -298,13 +329,11 @@ static int finish(emb *e, reply *r) {
  * clock, server.c) and the change words and table are mapped over it (*watch, *table); NULL
  * otherwise. */
 static ferry_link *post_link(emb *e, int timeout_ms, uint64_t **watch, uint64_t **table) {
-  ferry_link *l = NULL;
+  ferry_link *l = NULL, *cur = NULL;
   if (e->local || current_link(e, NULL, timeout_ms, &l) != 0)
     return NULL;
-  pthread_mutex_lock(&e->lock);
-  *watch = e->link == l ? e->watch : NULL;
-  *table = e->link == l ? e->table : NULL;
-  pthread_mutex_unlock(&e->lock);
+  if (!current_maps(e, &cur, watch, table) || cur != l)
+    return NULL;
   return *watch && *table && strcmp(ferry_link_transport(l), "shm") == 0 ? l : NULL;
 }
 
@@ -775,13 +804,12 @@ static int emb_obj_scan(void *st, const char *prefix, fr_dir_object **out, size_
 
 static bool emb_stamp(void *st, const char *key, fr_dir_stamp *out) {
   emb *e = st;
-  pthread_mutex_lock(&e->lock);
-  const uint64_t *w = e->watch;
-  ferry_link *l = e->link;
-  uint64_t epoch = e->epoch;
-  pthread_mutex_unlock(&e->lock);
+  ferry_link *l;
+  uint64_t *w, *t;
+  bool same = current_maps(e, &l, &w, &t);
+  uint64_t epoch = __atomic_load_n(&e->epoch, __ATOMIC_ACQUIRE); /* bumped before l was stored */
   /* a dead link: the server may be gone and another one taking puts that these words miss */
-  if (!w || !l || !fr_link_is_open(l))
+  if (!same || !w || !fr_link_is_open(l))
     return false;
   out->epoch = epoch;
   out->all = __atomic_load_n(&w[0], __ATOMIC_SEQ_CST);
@@ -793,14 +821,13 @@ static bool emb_stamp(void *st, const char *key, fr_dir_stamp *out) {
 /* A lookup in the server's shared table: no round trip, nobody woken (table.h). */
 static bool emb_peek(void *st, const char *key, fr_dir_object *out) {
   emb *e = st;
-  pthread_mutex_lock(&e->lock);
-  const uint64_t *t = e->table;
-  ferry_link *l = e->link;
-  pthread_mutex_unlock(&e->lock);
+  ferry_link *l;
+  uint64_t *w, *t;
+  bool same = current_maps(e, &l, &w, &t);
   /* a dead link: the server may be gone and another one taking puts that this table misses */
-  if (!t || !l || !fr_link_is_open(l))
+  if (!same || !t || !fr_link_is_open(l))
     return false;
-  return fr_dir_table_read(fr_dir_table_slot((uint64_t *)t, FR_DIR_TABLE_SLOTS, key), key, out);
+  return fr_dir_table_read(fr_dir_table_slot(t, FR_DIR_TABLE_SLOTS, key), key, out);
 }
 
 /* ---- lifecycle ---- */
@@ -843,12 +870,11 @@ static void emb_close(void *state) {
   free(e);
 }
 
+/* Without the lock: every put asks (fr_dir_lease_current), and a dial may hold the lock for its
+ * caller's whole timeout. */
 static uint64_t emb_epoch(void *state) {
   emb *e = state;
-  pthread_mutex_lock(&e->lock);
-  uint64_t v = e->epoch;
-  pthread_mutex_unlock(&e->lock);
-  return v;
+  return __atomic_load_n(&e->epoch, __ATOMIC_ACQUIRE);
 }
 
 const fr_dir_ops fr_dir_embedded_ops = {

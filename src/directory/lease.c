@@ -27,6 +27,7 @@
 
 struct fr_dir_self {
   pthread_mutex_t lock; /* registering, renewing and the members: one job at a time */
+  const char *busy;     /* atomic: what holds `lock` while it may wait on the directory */
   fr_dir *dir;
   ferry_ctx *ctx;
   fr_dir_node node;       /* as registered (name, address and incarnation fixed at creation) */
@@ -427,21 +428,46 @@ static void leave(fr_dir_self *me, fr_dir_lease *l) {
     }
 }
 
+/* Takes me->lock for `busy`, waiting no later than the deadline: a renewal (or another job's
+ * registration) may hold it while it waits on a directory that does not answer. */
+static int lock_until(fr_dir_self *me, const fr_dir_lease *l, const char *busy, uint64_t deadline,
+                      int timeout_ms) {
+  if (fr_mutex_lock_until(&me->lock, deadline) != 0) {
+    const char *by = __atomic_load_n(&me->busy, __ATOMIC_ACQUIRE);
+    return fr_err(FERRY_ETIMEDOUT,
+                  "%s: timed out after %d ms waiting for the directory at %s behind %s of node "
+                  "'%s'",
+                  l->who, timeout_ms, me->dir->url, by ? by : "another job's call", me->node.name);
+  }
+  __atomic_store_n(&me->busy, busy, __ATOMIC_RELEASE);
+  return 0;
+}
+
+static void unlock(fr_dir_self *me) {
+  __atomic_store_n(&me->busy, NULL, __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&me->lock);
+}
+
 int fr_dir_lease_take(fr_dir_lease *l, int timeout_ms) {
   fr_dir_self *me = l->self;
   if (!me)
     return fr_err(FERRY_EINVAL, "%s: not attached to a directory", l->who);
-  pthread_mutex_lock(&me->lock);
+  timeout_ms = fr_timeout(timeout_ms);
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  int rc = lock_until(me, l, "a registration", deadline, timeout_ms);
+  if (rc != 0)
+    return rc;
   join(me, l);
-  int rc = ensure_node(me, l, false, timeout_ms);
+  int left = fr_ms_left(deadline) > 0 ? fr_ms_left(deadline) : 1;
+  rc = ensure_node(me, l, false, left);
   if (rc == 0)
-    rc = publish_job(me, l, timeout_ms);
+    rc = publish_job(me, l, fr_ms_left(deadline) > 0 ? fr_ms_left(deadline) : 1);
   if (rc == 0)
     fr_info("%s: joined the directory at %s as node '%s' (%s; lease %d ms)", l->who, me->dir->url,
             me->node.name, me->node.address, me->lease_ms);
   else
     __atomic_store_n(&l->want, true, __ATOMIC_RELEASE);
-  pthread_mutex_unlock(&me->lock);
+  unlock(me);
   return rc;
 }
 
@@ -506,6 +532,7 @@ int fr_dir_lease_renew(fr_dir_lease *l) {
   if (!me)
     return fr_err(FERRY_EINVAL, "%s: not attached to a directory", l->who);
   pthread_mutex_lock(&me->lock);
+  __atomic_store_n(&me->busy, "a lease renewal", __ATOMIC_RELEASE);
   int timeout = me->lease_ms / 3 > 100 ? me->lease_ms / 3 : 100;
   /* another job's thread may have renewed while this one waited for the lock */
   bool due = !me->held || fr_now_ns() >= __atomic_load_n(&me->next_renew_ns, __ATOMIC_ACQUIRE);
@@ -517,7 +544,7 @@ int fr_dir_lease_renew(fr_dir_lease *l) {
   /* a job that must publish again waits as a failed renewal does before it tries again */
   uint64_t retry = fr_now_ns() + (uint64_t)me->lease_ms * 1000000ull / 3 / RETRY_PER_LEASE;
   __atomic_store_n(&l->retry_ns, rc != 0 ? retry : 0, __ATOMIC_RELEASE);
-  pthread_mutex_unlock(&me->lock);
+  unlock(me);
   if (rc != 0) { /* retried every 200 ms while the directory is away */
     fr_warn_limited("%s: renewing node '%s' in the directory failed: %s", l->who, l->node.name,
                     ferry_last_error());
@@ -581,12 +608,13 @@ void fr_dir_lease_drop(fr_dir_lease *l) {
   char kept[512];
   fr_str_copy(kept, sizeof kept, ferry_last_error());
   pthread_mutex_lock(&me->lock);
+  __atomic_store_n(&me->busy, "a job leaving", __ATOMIC_RELEASE);
   bool was = l->in_node;
   leave(me, l);
   if (was && (l->held || !me->members))
     detach(me, l);
   __atomic_store_n(&l->held, false, __ATOMIC_RELEASE);
-  pthread_mutex_unlock(&me->lock);
+  unlock(me);
   fr_err_clear();
   if (*kept)
     fr_err(0, "%s", kept);

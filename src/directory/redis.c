@@ -24,8 +24,8 @@ typedef struct rds {
   fr_redis_url u;
   char shown[FR_DIR_ADDRESS_MAX + 1]; /* the URL, redacted */
   redisContext *c;
-  int armed_ms; /* c's socket timeouts as last armed (-1: not yet) */
-  uint64_t epoch;
+  int armed_ms;   /* c's socket timeouts as last armed (-1: not yet) */
+  uint64_t epoch; /* atomic: read without the lock, which a call may hold for its whole timeout */
 } rds;
 
 /* A name is held by one incarnation at a time: another one's live record is answered with
@@ -193,7 +193,7 @@ static int dial(rds *r, uint64_t deadline, int timeout_ms) {
   }
   r->c = c;
   r->armed_ms = -1;
-  r->epoch++;
+  __atomic_add_fetch(&r->epoch, 1, __ATOMIC_ACQ_REL);
   return 0;
 }
 
@@ -757,12 +757,11 @@ static void rds_close(void *state) {
   free(r);
 }
 
+/* Without the lock: every put asks (fr_dir_lease_current), and a call waiting on a server that
+ * does not answer holds the lock for its whole timeout. */
 static uint64_t rds_epoch(void *state) {
   rds *r = state;
-  pthread_mutex_lock(&r->lock);
-  uint64_t e = r->epoch;
-  pthread_mutex_unlock(&r->lock);
-  return e;
+  return __atomic_load_n(&r->epoch, __ATOMIC_ACQUIRE);
 }
 
 const fr_dir_ops fr_dir_redis_ops = {

@@ -28,8 +28,43 @@ fr_owned *fr_store_find_owned(ferry_store *s, const char *key, size_t *at) {
   return lo < s->nowned && strcmp(s->owned[lo]->rec.key, key) == 0 ? s->owned[lo] : NULL;
 }
 
+/* ---- released: in-place objects deleted, their memory the caller's to reuse; lock held ---- */
+
+static void released_add(ferry_store *s, const fr_owned *o) {
+  if (!s->released_on || o->pool_off != FR_STORE_NO_POOL ||
+      FR_GROW(s->released, s->capreleased, s->nreleased + 1, 16) != 0)
+    return;
+  ferry_store_info *info = &s->released[s->nreleased++];
+  info->size = sizeof *info;
+  fr_store_info_from(&o->rec, info);
+}
+
+/* A put of key: its memory is published again, not released. */
+static void released_forget(ferry_store *s, const char *key) {
+  for (size_t i = 0; i < s->nreleased;)
+    if (strcmp(s->released[i].key, key) == 0)
+      s->released[i] = s->released[--s->nreleased];
+    else
+      i++;
+}
+
+int ferry_store_released(ferry_store *s, ferry_store_info **out, size_t *n) {
+  if (!s || !out || !n)
+    return fr_err(FERRY_EINVAL, "ferry_store_released: NULL argument");
+  pthread_mutex_lock(&s->lock);
+  s->released_on = true;
+  *out = s->released;
+  *n = s->nreleased;
+  s->released = NULL;
+  s->nreleased = s->capreleased = 0;
+  pthread_mutex_unlock(&s->lock);
+  return 0;
+}
+
 /* Puts o in the table; returns the object it replaced (or NULL). Lock held. */
 fr_owned *fr_store_owned_swap(ferry_store *s, fr_owned *o) {
+  if (s->nreleased)
+    released_forget(s, o->rec.key);
   size_t at;
   fr_owned *old = fr_store_find_owned(s, o->rec.key, &at);
   if (old) {
@@ -152,6 +187,39 @@ void fr_store_retire_all(ferry_store *s) {
   pthread_mutex_unlock(&s->lock);
 }
 
+/* ---- publish_lock ---- */
+
+int fr_store_publish_lock(ferry_store *s, const char *by, uint64_t deadline, int timeout_ms,
+                          fr_store_wait *w) {
+  *w = (fr_store_wait){0};
+  if (pthread_mutex_trylock(&s->publish_lock) != 0) {
+    const char *behind = __atomic_load_n(&s->publish_by, __ATOMIC_ACQUIRE);
+    w->behind = behind ? behind : "another call to the directory";
+    uint64_t t0 = fr_now_ns();
+    if (timeout_ms < 0)
+      pthread_mutex_lock(&s->publish_lock);
+    else if (fr_mutex_lock_until(&s->publish_lock, deadline) != 0)
+      return fr_err(FERRY_ETIMEDOUT,
+                    "timed out after %d ms waiting for the directory at %s behind %s of node '%s'",
+                    timeout_ms, s->dir->url, w->behind, s->lease.node.name);
+    w->waited_ms = (int)((fr_now_ns() - t0) / 1000000);
+  }
+  __atomic_store_n(&s->publish_by, by, __ATOMIC_RELEASE);
+  return 0;
+}
+
+void fr_store_publish_unlock(ferry_store *s) {
+  __atomic_store_n(&s->publish_by, NULL, __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&s->publish_lock);
+}
+
+int fr_store_waited(ferry_store *s, int rc, const fr_store_wait *w, int timeout_ms) {
+  if (rc != FERRY_ETIMEDOUT || !w->behind || w->waited_ms < 1)
+    return rc;
+  return fr_err_wrap(rc, "no answer from the directory at %s within %d ms (%d ms of them behind %s)",
+                     s->dir->url, timeout_ms, w->waited_ms, w->behind);
+}
+
 /* ---- delete ---- */
 
 /* publish_lock held. */
@@ -175,6 +243,7 @@ int fr_store_delete_owned(ferry_store *s, const char *key, uint64_t generation, 
   pthread_mutex_lock(&s->lock);
   o = fr_store_find_owned(s, key, &at); /* the publish lock kept it in place */
   owned_remove(s, at);
+  released_add(s, o);
   uint32_t slot = o->slot;
   bool in_place = o->pool_off == FR_STORE_NO_POOL;
   bool pinned = fr_store_retire(s, o);
@@ -190,9 +259,13 @@ int fr_store_delete_local(ferry_store *s, const char *key, uint64_t generation, 
                           bool wait_views, int timeout_ms) {
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   uint32_t slot;
-  pthread_mutex_lock(&s->publish_lock);
-  int rc = fr_store_delete_owned(s, key, generation, in_directory, timeout_ms, &slot);
-  pthread_mutex_unlock(&s->publish_lock);
+  fr_store_wait w;
+  int rc = fr_store_publish_lock(s, "a delete", deadline, timeout_ms, &w);
+  if (rc != 0)
+    return fr_err_wrap(rc, "delete '%s'", key);
+  rc = fr_store_delete_owned(s, key, generation, in_directory, fr_store_left(deadline), &slot);
+  fr_store_publish_unlock(s);
+  rc = fr_store_waited(s, rc, &w, timeout_ms);
   if (slot != UINT32_MAX) /* outside the publish lock: other puts go on meanwhile */
     fr_store_wait_unpinned(s, slot, key, wait_views ? deadline : 0);
   return rc;

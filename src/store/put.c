@@ -138,9 +138,12 @@ static int publish(ferry_store *s, fr_owned *o, int timeout_ms) {
   uint32_t pinned_slot = UINT32_MAX;
   char key[FR_DIR_KEY_MAX + 1]; /* o belongs to the table once swapped in */
   fr_str_copy(key, sizeof key, o->rec.key);
-  fr_store_settle(s, false); /* what earlier puts left to do */
-  pthread_mutex_lock(&s->publish_lock);
-  int rc = fr_store_ensure_registered(s, fr_store_left(deadline));
+  fr_store_settle(s, false, deadline); /* what earlier puts left to do */
+  fr_store_wait w;
+  int rc = fr_store_publish_lock(s, "a put", deadline, timeout_ms, &w);
+  if (rc != 0)
+    return fr_err_wrap(rc, "put '%s'", key);
+  rc = fr_store_ensure_registered(s, fr_store_left(deadline));
   if (rc == 0)
     rc = fr_dir_obj_put(s->dir, &o->rec, FR_DIR_PUT_POSTED, &old, &other, fr_store_left(deadline));
   if (rc == FERRY_ENOTFOUND && (rc = fr_store_register(s, false, fr_store_left(deadline))) == 0)
@@ -155,7 +158,8 @@ static int publish(ferry_store *s, fr_owned *o, int timeout_ms) {
       pinned_slot = slot;
     pthread_mutex_unlock(&s->lock);
   }
-  pthread_mutex_unlock(&s->publish_lock);
+  fr_store_publish_unlock(s);
+  rc = fr_store_waited(s, rc, &w, timeout_ms);
   if (pinned_slot != UINT32_MAX)
     fr_store_wait_unpinned(s, pinned_slot, key, deadline);
   if (rc == 0 && other)
@@ -255,8 +259,13 @@ static int publish_batch(ferry_store *s, fr_owned **os, size_t n, int *st, int t
     b.recs[i] = os[i]->rec;
     b.pinned[i] = UINT32_MAX;
   }
-  fr_store_settle(s, false); /* what earlier puts left to do */
-  pthread_mutex_lock(&s->publish_lock);
+  fr_store_settle(s, false, deadline); /* what earlier puts left to do */
+  fr_store_wait w = {0};
+  bool locked = rc == 0;
+  if (locked && (rc = fr_store_publish_lock(s, "a put_batch", deadline, timeout_ms, &w)) != 0) {
+    rc = fr_err_wrap(rc, "put_batch of %zu", n);
+    locked = false;
+  }
   if (rc == 0)
     rc = fr_store_ensure_registered(s, fr_store_left(deadline));
   if (rc == 0)
@@ -279,7 +288,9 @@ static int publish_batch(ferry_store *s, fr_owned **os, size_t n, int *st, int t
     }
     pthread_mutex_unlock(&s->lock);
   }
-  pthread_mutex_unlock(&s->publish_lock);
+  if (locked)
+    fr_store_publish_unlock(s);
+  rc = fr_store_waited(s, rc, &w, timeout_ms);
   for (size_t i = 0; rc == 0 && i < n; i++) {
     if (b.pinned[i] != UINT32_MAX)
       fr_store_wait_unpinned(s, b.pinned[i], b.recs[i].key, deadline);

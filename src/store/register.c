@@ -72,14 +72,21 @@ static void settled(void *arg, const fr_dir_object *put, int status,
   }
 }
 
-void fr_store_settle(ferry_store *s, bool wait) {
-  fr_dir_settle(s->dir, wait, settled, s, wait ? fr_timeout(-1) : 0);
+void fr_store_settle(ferry_store *s, bool wait, uint64_t deadline) {
+  fr_dir_settle(s->dir, wait, settled, s, wait ? fr_ms_left(deadline) : 0);
   if (!__atomic_load_n(&s->republish_due, __ATOMIC_SEQ_CST))
     return;
-  pthread_mutex_lock(&s->publish_lock);
-  if (fr_store_ensure_registered(s, fr_timeout(-1)) != 0)
+  /* within the caller's deadline: a put that cannot have the lock in time fails on its own
+   * try for it, and the flag stays for the next put or renewal */
+  fr_store_wait w;
+  int ms = fr_ms_left(deadline);
+  if (ms <= 0 || fr_store_publish_lock(s, "registering the node again", deadline, ms, &w) != 0) {
+    fr_err_clear();
+    return;
+  }
+  if (fr_store_ensure_registered(s, fr_store_left(deadline)) != 0)
     fr_warn("store '%s': registering again: %s", s->name, ferry_last_error());
-  pthread_mutex_unlock(&s->publish_lock);
+  fr_store_publish_unlock(s);
 }
 
 /* A closing store first collects its posted puts' answers, so that a put that replaced another
@@ -114,15 +121,19 @@ void fr_store_unregister(ferry_store *s) {
   fr_dir_lease_drop(&s->lease);
 }
 
-/* Called by the service thread when a renewal is due. */
+/* Called by the service thread when a renewal is due. The renewal itself asks the directory
+ * without publish_lock: a directory that does not answer holds it for a third of the lease, and
+ * puts and deletes would wait behind it past their own timeouts. Only publishing every object
+ * again (the directory lost them) is ordered with puts and deletes. */
 void fr_store_renew(ferry_store *s) {
-  pthread_mutex_lock(&s->publish_lock);
-  if (fr_dir_lease_renew(&s->lease) == 1) { /* the directory lost us: registered again */
-    int timeout = s->lease.lease_ms / 3 > 100 ? s->lease.lease_ms / 3 : 100;
-    if (republish(s, timeout) != 0) {
-      fr_dir_lease_lost(&s->lease);
-      fr_warn("store '%s': publishing its objects again failed: %s", s->name, ferry_last_error());
-    }
+  if (fr_dir_lease_renew(&s->lease) != 1) /* 1: the directory lost us; registered again */
+    return;
+  int timeout = s->lease.lease_ms / 3 > 100 ? s->lease.lease_ms / 3 : 100;
+  fr_store_wait w;
+  fr_store_publish_lock(s, "a lease renewal", 0, -1, &w);
+  if (republish(s, timeout) != 0) {
+    fr_dir_lease_lost(&s->lease);
+    fr_warn("store '%s': publishing its objects again failed: %s", s->name, ferry_last_error());
   }
-  pthread_mutex_unlock(&s->publish_lock);
+  fr_store_publish_unlock(s);
 }

@@ -215,7 +215,7 @@ static void *service_main(void *arg) {
       ferry_msg_free(m);
     if (fr_dir_lease_due(&s->lease))
       fr_store_renew(s);
-    fr_store_settle(s, false);
+    fr_store_settle(s, false, fr_deadline_ns(fr_timeout(-1)));
     fr_store_linger_reap(s);
   }
   return NULL;

@@ -97,8 +97,15 @@ struct ferry_store {
   size_t nlinger;
   fr_owned **pinned; /* retired while views held them: freed when their pins drop to 0 */
   size_t npinned;
+  /* Objects published in place that were deleted (by any node) and not put again since the
+   * caller last asked (ferry_store_released): their memory is the caller's to reuse. Kept only
+   * once the caller has asked, so a caller that never does holds nothing. */
+  ferry_store_info *released;
+  size_t nreleased, capreleased;
+  bool released_on;
 
   pthread_mutex_t publish_lock; /* orders directory publishes with local replaces */
+  const char *publish_by;       /* atomic: what holds publish_lock (owned.c), for errors */
   fr_dir_lease lease;           /* this open's claim on the name in the directory */
   bool republish_due;           /* atomic: the directory may have missed a posted put (store.c) */
 
@@ -199,6 +206,22 @@ int fr_store_delete_local(ferry_store *s, const char *key, uint64_t generation, 
 int fr_store_delete_owned(ferry_store *s, const char *key, uint64_t generation, bool in_directory,
                           int timeout_ms, uint32_t *pinned_slot);
 
+/* publish_lock, taken no later than the caller's deadline: its holder may be waiting on the
+ * directory for as long as its own timeout (a lease renewal's republish, another put or delete).
+ * `by` says what takes it ("a put", ...: a static string); timeout_ms < 0 waits as long as it
+ * takes (the service thread). FERRY_ETIMEDOUT names the directory and what held the lock; *w
+ * receives whom the call waited behind and for how long (fr_store_waited). */
+typedef struct fr_store_wait {
+  const char *behind; /* NULL: the lock was free */
+  int waited_ms;
+} fr_store_wait;
+int fr_store_publish_lock(ferry_store *s, const char *by, uint64_t deadline, int timeout_ms,
+                          fr_store_wait *w);
+void fr_store_publish_unlock(ferry_store *s);
+/* A call that timed out after it waited behind another one for part of its time: rc with an
+ * error that names its whole wait first (not the directory's share of what was left). */
+int fr_store_waited(ferry_store *s, int rc, const fr_store_wait *w, int timeout_ms);
+
 /* register.c: the node's lease and republishing */
 /* Registers again when the directory's epoch moved (it restarted or was redialled). */
 int fr_store_ensure_registered(ferry_store *s, int timeout_ms);
@@ -209,8 +232,9 @@ void fr_store_renew(ferry_store *s);
 void fr_store_unregister(ferry_store *s);
 /* Acts on the answers of posted puts that came in (all of them, waiting, when `wait`): drop
  * notices for the records they replaced; a registration again (which republishes every object)
- * when the directory lost one. Takes publish_lock for the latter. */
-void fr_store_settle(ferry_store *s, bool wait);
+ * when the directory lost one. Takes publish_lock for the latter, both no later than the
+ * deadline. */
+void fr_store_settle(ferry_store *s, bool wait, uint64_t deadline);
 
 /* put.c (a verb) */
 /* Publishes a tensor; `fill` (when not NULL) writes the bytes into the pool instead of a copy
