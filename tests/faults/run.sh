@@ -125,6 +125,9 @@ row 25 "a FIFO, link or other user's file planted in FERRY_CTL_DIR" \
   py:test_refit_rendezvous.py::test_planted_fifo_refused_at_once \
   py:test_refit_rendezvous.py::test_other_users_file_refused \
   py:test_refit_rendezvous.py::test_gc_skips_planted_files control_test:test_planted_cell_files
+row 28 "a hello whose node name holds a newline, ESC and BEL (no token)" \
+  "refused (EPROTO) before the token; the log line quotes it escaped, no raw control byte" \
+  link_test:test_hostile_node_name
 
 total=$(awk -v a="$total_t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
 if [ $failed -ne 0 ]; then
