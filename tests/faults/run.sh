@@ -81,14 +81,18 @@ row 5 "refit receiver SIGSTOP mid-push" \
   refit_test:test_receiver_stalled refit_test:test_receiver_stalled_chain
 row 6 "refit sender SIGKILL mid-push" "receivers report torn, not their old version" \
   refit_test:test_sender_killed
-row 7 "directory (ferry serve, Redis) SIGSTOP" "every call returns within its timeout" \
-  store_test:test_stopped_directory
+# the 20 s of mixed calls against both stopped directories (3 s in store_test alone)
+export FERRY_STOP_MIX_MS=20000
+row 7 "directory (ferry serve, Redis) SIGSTOP" \
+  "every call (get, stat, exists, list, put, delete) returns within its timeout, naming its wait" \
+  store_test:test_stopped_directory store_test:test_stopped_directory_mixed
+unset FERRY_STOP_MIX_MS
 row 8 "tcp uploaders SIGSTOP mid-upload" "an unrelated upload still lands" \
   store_test:test_stalled_uploaders
 row 9 "EMFILE at the listener" "accept backs off: no spin, no log flood, service resumes" \
   link_test:test_out_of_descriptors
 row 10 "half-sent HTTP flood on ferry ctl serve" \
-  "per-address and total connection limits, idle ones closed; others served" \
+  "request deadline; a full server closes the oldest still sending; others served" \
   control_cli_test:test_http_flood
 row 11 "files a killed process left in /dev/shm" "reclaimed by ferry gc / the next of that name" \
   control_cli_test:test_gc
@@ -125,6 +129,12 @@ row 25 "a FIFO, link or other user's file planted in FERRY_CTL_DIR" \
   py:test_refit_rendezvous.py::test_planted_fifo_refused_at_once \
   py:test_refit_rendezvous.py::test_other_users_file_refused \
   py:test_refit_rendezvous.py::test_gc_skips_planted_files control_test:test_planted_cell_files
+row 26 "~70 connections trickling headers to ferry serve --http" \
+  "health answered while they trickle; each closed at the request deadline" \
+  security_test:test_metrics_slowloris
+row 27 "~70 connections trickling headers to ferry ctl serve" \
+  "health answered while they trickle; each closed at the request deadline" \
+  control_cli_test:test_http_slowloris
 row 28 "a hello whose node name holds a newline, ESC and BEL (no token)" \
   "refused (EPROTO) before the token; the log line quotes it escaped, no raw control byte" \
   link_test:test_hostile_node_name
