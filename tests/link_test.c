@@ -1030,7 +1030,11 @@ static void send_raw_and_expect_close(ferry_ctx *server, const uint8_t *bytes, s
   struct timeval tv = {5, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   char buf[256];
-  assert_int_equal(read(fd, buf, sizeof buf), 0); /* closed by the server */
+  ssize_t r, got = 0;
+  while ((r = read(fd, buf, sizeof buf)) > 0) /* a refused hello is answered (EPROTO) first */
+    got += r;
+  assert_int_equal(r, 0); /* closed by the server */
+  assert_true(got == 0 || got == FR_FRAME_BYTES);
   close(fd);
 }
 
@@ -1087,7 +1091,8 @@ static char *read_whole(const char *path, size_t *n) {
   return buf;
 }
 
-/* A node in a process of its own, its log (stderr) in a file: a fresh per-call-site limit. */
+/* A node in a forked process, its log (stderr) in a file (the case runs first: no line of the
+ * parent is held back by the per-call-site limit the child inherits). */
 static int hostile_target(void *arg) {
   hostile_args *a = arg;
   int fd = open(a->log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
@@ -1620,6 +1625,8 @@ int main(void) {
   (void)transports;
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
+      /* first: its forked node must inherit no log line held back by the per-call-site limit */
+      cmocka_unit_test(test_hostile_node_name),
       cmocka_unit_test(test_ctx_address),
       cmocka_unit_test(test_paced_round_trips_shm),
       cmocka_unit_test(test_paced_round_trips_tcp),
@@ -1650,7 +1657,6 @@ int main(void) {
       cmocka_unit_test(test_token_tcp),
       cmocka_unit_test(test_connect_failures),
       cmocka_unit_test(test_bad_frames),
-      cmocka_unit_test(test_hostile_node_name),
       cmocka_unit_test(test_out_of_descriptors),
       cmocka_unit_test(test_exposed_listen_needs_token),
       cmocka_unit_test(test_killed_mid_read_tcp),
