@@ -78,7 +78,7 @@ int bs_fail(const char *what) {
 
 /* ---- helper processes ---- */
 
-static int free_port(void) {
+int bs_free_port(void) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
   socklen_t len = sizeof sa;
@@ -91,8 +91,8 @@ static int free_port(void) {
   return port;
 }
 
-static ferry_store *open_node(const char *name, const char *listen, const char *url, uint32_t flags,
-                              uint64_t capacity, ferry_ctx **ctx) {
+ferry_store *bs_open_node(const char *name, const char *listen, const char *url, uint32_t flags,
+                          uint64_t capacity, ferry_ctx **ctx) {
   ferry_ctx_opts co = {.size = sizeof co, .name = name, .tcp_listen = listen};
   ferry_store_opts so = {.size = sizeof so, .directory = url, .capacity = capacity, .flags = flags};
   ferry_store *s = NULL;
@@ -104,10 +104,10 @@ static ferry_store *open_node(const char *name, const char *listen, const char *
 }
 
 /* The directory process: hosts the embedded directory until its pipe closes. */
-static int directory_main(const char *listen, int quit_fd) {
+int bs_directory_main(const char *listen, int quit_fd) {
   ferry_ctx *ctx;
   ferry_store *s =
-      open_node("bench-directory", listen, NULL, FERRY_STORE_HOST_DIRECTORY, 1 << 20, &ctx);
+      bs_open_node("bench-directory", listen, NULL, FERRY_STORE_HOST_DIRECTORY, 1 << 20, &ctx);
   if (!s)
     return 1;
   char c;
@@ -271,7 +271,7 @@ static int producer_main(const char *url, int requests, int pace_ms, int to_cons
                 .from_consumer = from_consumer,
                 .pace_ms = pace_ms};
   bench_wake_init(&p.w, (pid_t[]){getppid(), directory}, 2);
-  p.s = open_node("bench-producer", NULL, url, 0, 2 * BS_ROUTING_BYTES + (1 << 20), &p.ctx);
+  p.s = bs_open_node("bench-producer", NULL, url, 0, 2 * BS_ROUTING_BYTES + (1 << 20), &p.ctx);
   int rc = p.s ? 0 : 1;
   if (rc == 0 && (rc = produce_routing(&p)) == 0 && (rc = produce_layers(&p)) == 0)
     rc = produce_big(&p);
@@ -456,7 +456,7 @@ static int consume_big(consumer *c) {
 
 static int run_consumer(consumer *c, const char *url) {
   ferry_ctx *ctx;
-  c->s = open_node("bench-consumer", NULL, url, 0, 1 << 20, &ctx);
+  c->s = bs_open_node("bench-consumer", NULL, url, 0, 1 << 20, &ctx);
   if (!c->s)
     return -1;
   c->dst = malloc(BS_LAYERS * BS_LAYER_BYTES);
@@ -485,7 +485,7 @@ static int run_consumer(consumer *c, const char *url) {
  * pace_ms > 0: the paced run (its series are named IMPL@<pace_ms>ms). */
 static int run_ferry(bs_report *r, int requests, int pace_ms) {
   char listen[64], url[80];
-  int port = free_port();
+  int port = bs_free_port();
   snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
   snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
   int dq[2], p2c[2], c2p[2];
@@ -495,7 +495,7 @@ static int run_ferry(bs_report *r, int requests, int pace_ms) {
   pid_t dir = fork();
   if (dir == 0) {
     close(dq[1]);
-    _exit(directory_main(listen, dq[0]));
+    _exit(bs_directory_main(listen, dq[0]));
   }
   close(dq[0]);
   usleep(200000); /* let it listen; the producer's open retries nothing */
@@ -551,6 +551,20 @@ static const char *const order[][2] = {
     {"layers/get", "torch.load"},
     {"layers/get", "redis GET"},
     {"put-256MiB", "ferry(in place)"},
+    {"first/put", "malloc+fill"},
+    {"first/put", "ferry(fill+put)"},
+    {"nocache/put", "ferry(fill+put)"},
+    {"first/get", "memcpy"},
+    {"first/get", "memcpy(new)"},
+    {"first/get", "ferry"},
+    {"first/get", "ferry(view)"},
+    {"first/get", "view+read"},
+    {"nocache/get", "ferry"},
+    {"nocache/get", "ferry(view)"},
+    {"nocache/get", "view+read"},
+    {"consumer-start", "memcpy(new proc)"},
+    {"consumer-start", "open"},
+    {"consumer-start", "first get"},
     {"tcp/get", "socket"},
     {"tcp/get", "ferry/tcp"},
 };
@@ -636,6 +650,18 @@ static void print_targets(const bench_opts *o, const bs_report *r) {
   target(o, "np.save / put >= 100 (layers)", g, g >= 100, "x");
   g = ratio(r, "tcp/get", "socket", "tcp/get", "ferry/tcp");
   target(o, "tcp get speed / socket stream >= 0.8", g, g >= 0.8, "x");
+  g = ratio(r, "first/get", "ferry", "first/get", "memcpy");
+  target(o, "get-first / memcpy <= 1.5 (every key new)", g, g <= 1.5, "x");
+  g = ratio(r, "first/get", "view+read", "first/get", "memcpy");
+  target(o, "get-first-view + read / memcpy <= 1.5", g, g <= 1.5, "x");
+  g = bs_median(bs_find(r, "consumer-start", "first get")) * 1e3;
+  target(o, "consumer-start: a new trainer's first get <= 5 ms", g, g <= 5, "ms");
+  g = (bs_median(bs_find(r, "first/put", "ferry(fill+put)")) -
+       bs_median(bs_find(r, "first/put", "malloc+fill"))) *
+      1e6;
+  if (bs_find(r, "first/put", "ferry(fill+put)"))
+    target(o, "engine fill+put of a new buffer - malloc+fill <= 100 us", g ? g : 1e-9, g <= 100,
+           "us");
 }
 
 static const char store_usage[] =
@@ -678,6 +704,8 @@ int bench_store(int argc, char **argv) {
   memset(&r, 0, sizeof r);
   if (run_ferry(&r, requests, 0) != 0)
     return CLI_FAIL;
+  bs_first(&r, requests < 32 ? 32 : requests, true);
+  bs_first(&r, requests < 32 ? 32 : requests, false);
   int paced = bench_paced_samples(&o);
   if (paced > 0 && run_ferry(&r, paced, o.pace_ms) != 0)
     return CLI_FAIL;

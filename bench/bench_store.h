@@ -7,6 +7,7 @@
 #define FR_CLI_BENCH_STORE_H
 
 #include "cli/bench.h"
+#include "ferry.h"
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -27,7 +28,7 @@ typedef struct bs_series {
 } bs_series;
 
 typedef struct bs_report {
-  bs_series v[48];
+  bs_series v[64];
   int n;
 } bs_report;
 
@@ -37,6 +38,15 @@ bs_series *bs_add(bs_report *r, const char *case_name, const char *impl, uint64_
 int bs_fail(const char *what);
 double bs_median(const bs_series *s);
 const bs_series *bs_find(const bs_report *r, const char *case_name, const char *impl);
+
+/* The processes of a run (bench_store.c): a free loopback port, a store node, and the
+ * directory process's body (hosts the embedded directory on `listen` until quit_fd closes). */
+int bs_free_port(void);
+ferry_store *bs_open_node(const char *name, const char *listen, const char *url, uint32_t flags,
+                          uint64_t capacity, ferry_ctx **ctx);
+int bs_directory_main(const char *listen, int quit_fd);
+/* Routing replay as it runs (bench_store_first.c): every key new, got once, deleted. */
+void bs_first(bs_report *r, int keys, bool reuse);
 
 /* Baselines. Each adds its series; a baseline that cannot run says why on stderr and adds
  * nothing. */

@@ -325,8 +325,16 @@ typedef struct ferry_region_ref {
  * ucx the memory comes from UCX (peers on UCX shared-memory links map it; shm links then reach
  * it through its owner, like ferry_register'd memory, and cannot view it). */
 FERRY_API int ferry_alloc(ferry_ctx *ctx, size_t bytes, void **out);
+/* ferry_alloc without the zeroing: memory freed earlier in this ctx (kept for reuse, see
+ * ferry_free) comes back with the bytes it had, as malloc's would (numpy's empty). */
+FERRY_API int ferry_alloc_uninit(ferry_ctx *ctx, size_t bytes, void **out);
 /* Frees memory from ferry_alloc (ptr must be the pointer it returned). Peers that still read
- * it get FERRY_ENOTFOUND or FERRY_ESTALE; their mappings stay valid, so nobody crashes. */
+ * it get FERRY_ENOTFOUND or FERRY_ESTALE; their mappings stay valid, so nobody crashes.
+ * Up to FERRY_ALLOC_CACHE_BYTES of freed memory stays mapped for the ctx's next allocations
+ * of about its size (at most an eighth smaller), which reuse it as a new region (new id and
+ * key): its pages are warm here and in the peers that mapped it, so nobody pays page faults
+ * again. A peer that mapped it before could read what the memory holds next: the key protects
+ * regions within one fleet's trust (its token), not between the fleet's own processes. */
 FERRY_API int ferry_free(ferry_ctx *ctx, void *ptr);
 /* Makes caller memory [ptr, ptr+len) readable and writable by peers as a region. The caller
  * keeps ownership and must keep the memory alive until ferry_deregister(). Peers reach it
@@ -786,6 +794,13 @@ FERRY_API int ferry_store_clear(ferry_store *store, size_t *deleted, int timeout
 FERRY_API int ferry_store_list(ferry_store *store, const char *prefix, ferry_store_info **out,
                                size_t *n, int timeout_ms);
 FERRY_API void ferry_store_list_free(ferry_store_info *list);
+/* The objects this node published in place (a put of ferry_alloc'd memory) that were deleted
+ * since the last call, by this node or another, and not put again: their memory is the
+ * caller's again, to reuse or free (a producer that frees it lets its next ferry_alloc take the
+ * pages back warm). *out is an array of *n entries owned by the caller (ferry_store_list_free;
+ * NULL when none). Kept only from the first call on, so a caller that never asks holds
+ * nothing. */
+FERRY_API int ferry_store_released(ferry_store *store, ferry_store_info **out, size_t *n);
 /* 1 when key exists, 0 when it does not, or a negative FERRY_E* code. */
 FERRY_API int ferry_store_exists(ferry_store *store, const char *key, int timeout_ms);
 /* Describes the object under key (out->size must be set). FERRY_ENOTFOUND when there is none. */

@@ -71,6 +71,86 @@ static void test_ctx_address(void **state) {
   assert_non_null(strstr(ferry_last_error(), "carrier-pigeon"));
 }
 
+/* A freed region's memfd comes back as a new region (FERRY_ALLOC_CACHE_BYTES, core/region.h):
+ * a reader that mapped it reads the new region's bytes under the new ref, is refused under the
+ * old one, and a wrong key is still the owner's to refuse. */
+static void test_shm_region_reuse(void **state) {
+  (void)state;
+  pair p;
+  pair_open(&p, "shm");
+  size_t n = 1 << 20;
+  uint8_t *a, *b, dst[64];
+  ferry_region_ref ra, rb;
+  uint64_t off;
+  FR_OK(ferry_alloc(p.b, n, (void **)&a));
+  memset(a, 1, n);
+  FR_OK(ferry_region_find(p.b, a, n, &ra, &off));
+  FR_OK(ferry_read(p.ab, &ra, 0, dst, sizeof dst, 5000));
+  assert_int_equal(dst[0], 1);
+  FR_OK(ferry_free(p.b, a));
+  FR_OK(ferry_alloc_uninit(p.b, n - 4096, (void **)&b));
+  assert_ptr_equal(a, b);    /* the same pages, taken back */
+  assert_int_equal(b[0], 1); /* not zeroed: as they were */
+  memset(b, 2, n - 4096);
+  FR_OK(ferry_region_find(p.b, b, n - 4096, &rb, &off));
+  assert_true(rb.id != ra.id && rb.key != ra.key);
+  assert_int_equal(rb.size, n - 4096);
+  assert_int_equal(ferry_read(p.ab, &ra, 0, dst, sizeof dst, 5000), FERRY_ENOTFOUND);
+  FR_OK(ferry_read(p.ab, &rb, 0, dst, sizeof dst, 5000));
+  assert_int_equal(dst[0], 2);
+  assert_int_equal(ferry_read(p.ab, &rb, n - 4096, dst, 1, 5000), FERRY_ERANGE);
+  ferry_region_ref wrong = ra;
+  wrong.id = rb.id;
+  assert_int_equal(ferry_read(p.ab, &wrong, 0, dst, 8, 5000), FERRY_EACCES);
+  FR_OK(ferry_free(p.b, b));
+  FR_OK(ferry_alloc(p.b, n, (void **)&a)); /* taken back again, and zeroed */
+  assert_int_equal(a[0], 0);
+  assert_int_equal(a[n - 4097], 0);
+  FR_OK(ferry_free(p.b, a));
+  pair_close(&p);
+}
+
+/* Mappings of this process whose file is a ferry region's memfd (/proc/self/maps). */
+static int region_mappings(void) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  char line[512];
+  int n = 0;
+  while (f && fgets(line, sizeof line, f))
+    n += strstr(line, "memfd:ferry-region") != NULL;
+  if (f)
+    fclose(f);
+  return n;
+}
+
+/* A reader's mapping of a region whose owner dropped its memfd for good (freed, not kept for
+ * reuse) is unmapped once the reader maps another one: it would hold the freed pages until the
+ * link closes, for every key of a routing-replay run. */
+static void test_shm_dead_mappings_swept(void **state) {
+  (void)state;
+  pair p;
+  pair_open(&p, "shm");
+  size_t n = 1 << 20;
+  uint8_t *a, *b, dst[16];
+  ferry_region_ref ra, rb;
+  uint64_t off;
+  int before = region_mappings();
+  FR_OK(ferry_alloc(p.b, n, (void **)&a));
+  FR_OK(ferry_region_find(p.b, a, n, &ra, &off));
+  FR_OK(ferry_read(p.ab, &ra, 0, dst, sizeof dst, 5000));
+  assert_int_equal(region_mappings(), before + 2); /* the owner's and the reader's */
+  setenv("FERRY_ALLOC_CACHE_BYTES", "0", 1);
+  FR_OK(ferry_free(p.b, a));
+  unsetenv("FERRY_ALLOC_CACHE_BYTES");
+  assert_int_equal(region_mappings(), before + 1); /* the reader's, until it maps another */
+  FR_OK(ferry_alloc(p.b, 2 * n, (void **)&b));
+  FR_OK(ferry_region_find(p.b, b, 2 * n, &rb, &off));
+  FR_OK(ferry_read(p.ab, &rb, 0, dst, sizeof dst, 5000));
+  assert_int_equal(region_mappings(), before + 2);
+  assert_int_equal(ferry_read(p.ab, &ra, 0, dst, sizeof dst, 5000), FERRY_ENOTFOUND);
+  FR_OK(ferry_free(p.b, b));
+  pair_close(&p);
+}
+
 static void test_memory(void **state) {
   ferry_ctx *c = open_ctx("mem", "tcp", "");
   void *p = NULL;
@@ -1631,6 +1711,8 @@ int main(void) {
       cmocka_unit_test(test_paced_round_trips_shm),
       cmocka_unit_test(test_paced_round_trips_tcp),
       cmocka_unit_test(test_memory),
+      cmocka_unit_test(test_shm_region_reuse),
+      cmocka_unit_test(test_shm_dead_mappings_swept),
       cmocka_unit_test(test_message_buffers),
       cmocka_unit_test(test_message_buffers_evict),
       cmocka_unit_test(test_tcp_local_cc),

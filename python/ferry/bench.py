@@ -1,6 +1,7 @@
 """python3 -m ferry.bench store: the routing-replay workload of `ferry bench store`, from Python.
 (python3 -m ferry.bench gpu: torch CUDA tensors through ferry against torch's own paths, in
-ferry/_bench_gpu.py.)
+ferry/_bench_gpu.py; python3 -m ferry.bench r3: routing replay with every key new, in
+ferry/_bench_r3.py.)
 
 Per request one [45, 32768, 8] uint8 tensor (11.25 MiB), 37 requests. Three processes, as in
 the C bench: the embedded directory, a producer that writes each request into a ring of 4
@@ -383,6 +384,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         return _directory_main()
     if argv and argv[0] == "_producer":
         return _producer_main(argv[1], int(argv[2]))
+    if argv and argv[0] == "_r3_engine":
+        from . import _bench_r3
+        return _bench_r3.engine_main(argv[1], int(argv[2]))
     from . import _bench_gpu
     if _bench_gpu.helper(argv):
         return None
@@ -390,8 +394,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                                 description="ferry benchmarks from Python (the store's routing "
                                             "replay workload against np/torch files and the C "
                                             "API)")
-    p.add_argument("what", choices=["store", "view", "gpu"],
-                   help="store: the routing replay workload; view: get_view vs get vs np.load; "
+    p.add_argument("what", choices=["store", "view", "gpu", "r3"],
+                   help="store: the routing replay workload; r3: the same as FastDeploy runs it, "
+                        "every key new (a new buffer per request, each key got once and "
+                        "deleted); view: get_view vs get vs np.load; "
                         "gpu: torch CUDA tensors through refit and the store vs torch's CUDA "
                         "IPC and torch.save/load (needs torch with CUDA)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -408,6 +414,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         return
     if a.what == "view":
         view_bench(reps=a.reps or 50)
+        return
+    if a.what == "r3":
+        from . import _bench_r3
+        _bench_r3.run(a.reps or 37, not a.no_baselines, a.json, _spawn)
         return
     reps = a.reps or 37
     rows: List[Tuple[str, str, float]] = []

@@ -226,6 +226,8 @@ class Store(NodeHandle):
         # key -> value put in place (ferry memory): held until the key is deleted or replaced,
         # so that Python cannot free memory readers are reading
         self._published: Dict[bytes, Any] = {}
+        self._published_mark = 64  # _drop_released when _published grows past this
+        self._drop_released()  # from now on the store keeps what is released
         self._pins = 0  # store views alive (close waits for them)
         self._closing = False
         if host_directory:
@@ -271,8 +273,31 @@ class Store(NodeHandle):
     # -- data --------------------------------------------------------------------------------
     def empty(self, shape: Union[int, Iterable[int]], dtype: Any, like: Like = "numpy") -> Any:
         """ferry.empty() in this store's context: a put of it publishes it in place (nothing is
-        copied; the store keeps a reference to it until the key is deleted or replaced)."""
+        copied; the store keeps a reference to it until the key is deleted or replaced, here or
+        by another node). Memory of keys deleted since is reused, its pages still mapped here
+        and in the readers that read it (ferry_alloc_uninit): a routing-replay engine that
+        makes a buffer per request pays no page faults for it after the first few."""
+        self._drop_released()
         return empty(shape, dtype, like=like, ctx=self._ctx)
+
+    def _drop_released(self) -> None:
+        """Lets go of the values put in place whose keys were deleted since (by any node), so
+        that their memory goes back to the context for reuse."""
+        if not self._h:
+            return
+        out = ctypes.POINTER(_lib.StoreInfo)()
+        n = ctypes.c_size_t()
+        check(lib.ferry_store_released(self._h, byref(out), byref(n)))
+        self._published_mark = 2 * len(self._published) + 64
+        if not n.value:
+            return
+        try:
+            keys = [out[i].key for i in range(n.value)]
+        finally:
+            lib.ferry_store_list_free(out)
+        with self._lock:
+            for k in keys:
+                self._published.pop(k, None)
 
     def put(self, key: Key, value: Any, copy: bool = False,
             timeout: Optional[float] = None) -> None:
@@ -310,8 +335,12 @@ class Store(NodeHandle):
         with self._lock:
             if owned and not copy:
                 self._published[k] = value
+                grown = len(self._published) > self._published_mark
             else:
                 self._published.pop(k, None)
+                grown = False
+        if grown:  # keys other nodes deleted would hold their memory here for ever
+            self._drop_released()
         del arr  # a contiguous copy of value, if as_buffer made one, lives until here
 
     def _buffer_of(self, value: Any) -> Any:

@@ -346,7 +346,7 @@ class Context(_lib.Closing):
         p = ctypes.c_void_p()
         with self._lock:
             nbytes = _lib.c_int_of(max(int(nbytes), 1), _lib.c_size_t, "ferry memory bytes")
-            check(lib.ferry_alloc(self.handle, nbytes, ctypes.byref(p)))
+            check(lib.ferry_alloc_uninit(self.handle, nbytes, ctypes.byref(p)))
             self._allocs += 1
             self._ranges[p.value] = max(int(nbytes), 1)
         return p.value
@@ -447,8 +447,9 @@ class _Alloc:
 
 def empty(shape: Union[int, Sequence[int]], dtype: Any, like: "Like" = "numpy",
           ctx: Optional[Context] = None) -> Any:
-    """An uninitialised (in fact zeroed) array or tensor in ferry shared memory: a store put of
-    it publishes it in place. shape: an int or a sequence of ints; dtype: a numpy or torch
+    """An uninitialised array or tensor in ferry shared memory (new memory is zeroed; memory this
+    context freed before and reuses, with its pages still mapped, keeps what it held, as
+    numpy's empty does): a store put of it publishes it in place. shape: an int or a sequence of ints; dtype: a numpy or torch
     dtype or a ferry name ("bfloat16"); like: "numpy" (default), "torch" or the torch module.
     Memory of `ctx` (default: the default context)."""
     if isinstance(shape, int):

@@ -275,6 +275,7 @@ def test_blocking_wait_releases_the_gil():
     x = torch.zeros(4)
     with ferry.RefitSender(name, {"x": x}) as tx, ferry.RefitReceiver(name, timeout=5) as rx:
         got = []
+        views = rx.tensors()  # a version lands only where something is bound
         t = threading.Thread(target=lambda: got.append(rx.wait(1, timeout=30)))
         t.start()
         # Python keeps running in this thread while the other one waits inside ferry: if the
@@ -286,6 +287,7 @@ def test_blocking_wait_releases_the_gil():
         tx.push(1)
         t.join()
         assert got == [1]
+        del views
 
 
 RECEIVER = r"""
@@ -477,3 +479,25 @@ def test_late_joiner_in_another_process():
         finally:
             kid.kill()
             kid.wait()
+
+
+def test_wait_before_anything_is_bound_fails_at_once():
+    """Issue 31, item 4: a receiver that waits before binding anything is told so at once, in
+    both orders (right after a push, and as a late joiner), instead of "committing" a version
+    whose bytes are nowhere or timing out with no hint; once bound it gets the version."""
+    a = torch.arange(1024, dtype=torch.float32)
+    name = unique("unbound")
+    with ferry.RefitSender(name, {"a": a}, buffer_bytes=4096) as tx:
+        with ferry.RefitReceiver(name, timeout=5) as rx:  # attached, then a push
+            tx.push(1)
+            with pytest.raises(ferry.StateError, match="nothing is bound"):
+                rx.wait(1, timeout=1)
+            v = rx.tensors()
+            assert rx.wait(1, timeout=5) == 1 and same(v["a"], a)
+            del v
+        with ferry.RefitReceiver(name, timeout=5) as late:  # a late joiner, version 1 out there
+            with pytest.raises(ferry.StateError, match="nothing is bound"):
+                late.wait(timeout=1)
+            out = {"a": torch.zeros(1024)}
+            late.bind(out)
+            assert late.wait(1, timeout=5) == 1 and same(out["a"], a)

@@ -164,6 +164,8 @@ int fr_mutex_lock_until(pthread_mutex_t *m, uint64_t deadline_ns);
  * "%s", src) without the format machinery, which cost ~400 instructions a copy (a put made
  * three: 13% of its instructions, callgrind). */
 size_t fr_str_copy(char *dst, size_t cap, const char *src);
+/* malloc for buffers that a caller frees with free(); large ones may get huge pages (util.c). */
+void *fr_malloc_large(size_t n);
 /* Length of the well-formed UTF-8 sequence at p (1..4 bytes, at most `left`), or 0 when p does
  * not start one (a stray continuation byte, an overlong form, a surrogate, beyond U+10FFFF). */
 size_t fr_utf8_seq(const unsigned char *p, size_t left);

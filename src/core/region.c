@@ -3,6 +3,8 @@
  * system, so nothing leaks when a process is killed, and only a peer we hand the fd to can map
  * them: the equivalent of mode 0600 with no name to guess), or memory a transport provides. Every
  * peer access goes through fr_region_acquire(), which checks key and bounds before a byte moves.
+ * A freed memfd region may be kept (the cache, region.h) and taken back by a later allocation as
+ * a new region of the same lineage: its pages stay mapped, here and in the peers.
  */
 #include "core/region.h"
 #include "core/core.h"
@@ -19,10 +21,14 @@
 void fr_region_table_init(fr_region_table *t) {
   memset(t, 0, sizeof *t);
   pthread_mutex_init(&t->lock, NULL);
-  t->next_id = 1;
+  t->next_lineage = 1;
 }
 
 static void region_destroy(fr_region *r) {
+  uint32_t cached = FR_SHM_CACHED; /* gone for good now: peers may unmap it */
+  if (r->map)
+    __atomic_compare_exchange_n(&((fr_shm_header *)r->map)->state, &cached, FR_SHM_FREED, false,
+                                __ATOMIC_RELEASE, __ATOMIC_RELAXED);
   if (r->mem.release)
     r->mem.release(r->mem.handle);
   else if (r->map)
@@ -43,7 +49,9 @@ static int table_add(fr_region_table *t, fr_region *r) {
     pthread_mutex_unlock(&t->lock);
     return fr_err(FERRY_ENOMEM, "region table: cannot grow beyond %zu entries", t->cap);
   }
-  r->id = t->next_id++;
+  if (r->lineage == 0)
+    r->lineage = t->next_lineage++;
+  r->id = r->lineage << FR_REGION_INC_BITS | r->incarnation;
   r->key = fr_random_u64();
   r->refs = 1;
   t->items[t->count++] = r;
@@ -110,20 +118,15 @@ static int region_memory(fr_region *r, fr_region_mem_alloc alloc, void *arg) {
   return memfd_map(r->map_bytes, &r->memfd, &r->map);
 }
 
-int fr_region_alloc_shared(fr_region_table *t, size_t bytes, fr_region_mem_alloc alloc, void *arg,
-                           fr_region **out) {
-  if (bytes == 0)
-    return fr_err(FERRY_EINVAL, "ferry_alloc: zero bytes");
+/* A new region's memory: transport memory or a memfd of map_bytes. */
+static int region_new(size_t bytes, size_t map_bytes, fr_region_mem_alloc alloc, void *arg,
+                      fr_region **out) {
   /* Reserving more than the machine has would wake the OOM killer, not return an error. */
   uint64_t avail = memory_available();
-  if (bytes <= SIZE_MAX - FR_SHM_HEADER_BYTES && bytes > avail)
+  if (bytes > avail)
     return fr_err(FERRY_ENOSHM,
                   "ferry_alloc: cannot reserve %zu bytes of shared memory: %llu available", bytes,
                   (unsigned long long)avail);
-  size_t map_bytes;
-  if (__builtin_add_overflow(bytes, (size_t)FR_SHM_HEADER_BYTES, &map_bytes) ||
-      map_bytes > (size_t)INT64_MAX)
-    return fr_err(FERRY_EOVERFLOW, "ferry_alloc: %zu bytes is too large", bytes);
   fr_region *r = calloc(1, sizeof *r);
   if (!r)
     return fr_err(FERRY_ENOMEM, "ferry_alloc: region record");
@@ -136,17 +139,80 @@ int fr_region_alloc_shared(fr_region_table *t, size_t bytes, fr_region_mem_alloc
   }
   r->data = (uint8_t *)r->map + FR_SHM_HEADER_BYTES;
   r->size = bytes;
-  if ((rc = table_add(t, r)) != 0) {
-    region_destroy(r);
-    return rc;
-  }
+  *out = r;
+  return 0;
+}
+
+/* Writes the header of a new region, or of a cached memfd taken back as a new region: the id
+ * first, then ALIVE, then a full fence, so that a peer that still maps it as the region it was
+ * sees the new id (and fails its access) before any of the new bytes. */
+static void header_publish(fr_region *r) {
   fr_shm_header *h = r->map;
   h->magic = FR_SHM_MAGIC;
   h->layout_version = FR_SHM_LAYOUT_VERSION;
   h->header_bytes = FR_SHM_HEADER_BYTES;
-  h->region_id = r->id;
-  h->data_bytes = bytes;
+  __atomic_store_n(&h->region_id, r->id, __ATOMIC_RELAXED); /* a reused header: peers read */
+  __atomic_store_n(&h->region_key, r->key, __ATOMIC_RELAXED);
+  __atomic_store_n(&h->data_bytes, r->size, __ATOMIC_RELAXED);
   __atomic_store_n(&h->state, FR_SHM_ALIVE, __ATOMIC_RELEASE);
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+
+/* The cached memfd region that fits `bytes` best: its data at least that long and at most an
+ * eighth longer (so a cache of one size does not hold memory for much smaller requests). Taken
+ * out of the cache; lock held. */
+static fr_region *cache_take(fr_region_cache *c, size_t map_bytes) {
+  size_t best = c->count;
+  for (size_t i = 0; i < c->count; i++) {
+    size_t have = c->items[i]->map_bytes;
+    if (have >= map_bytes && have - map_bytes <= map_bytes / 8 &&
+        (best == c->count || have < c->items[best]->map_bytes))
+      best = i;
+  }
+  if (best == c->count)
+    return NULL;
+  fr_region *r = c->items[best];
+  memmove(&c->items[best], &c->items[best + 1], (c->count - best - 1) * sizeof *c->items);
+  c->count--;
+  c->bytes -= r->map_bytes;
+  return r;
+}
+
+/* A cached region as a new one: new id and key (the table's lock held). */
+static fr_region *reuse_cached(fr_region_table *t, size_t bytes, size_t map_bytes) {
+  pthread_mutex_lock(&t->lock);
+  fr_region *r = cache_take(&t->cache, map_bytes);
+  pthread_mutex_unlock(&t->lock);
+  if (r) {
+    r->size = bytes;
+    r->incarnation++;
+  }
+  return r;
+}
+
+int fr_region_alloc_shared(fr_region_table *t, size_t bytes, bool uninit, fr_region_mem_alloc alloc,
+                           void *arg, fr_region **out) {
+  if (bytes == 0)
+    return fr_err(FERRY_EINVAL, "ferry_alloc: zero bytes");
+  size_t map_bytes;
+  if (__builtin_add_overflow(bytes, (size_t)FR_SHM_HEADER_BYTES, &map_bytes) ||
+      map_bytes > (size_t)INT64_MAX)
+    return fr_err(FERRY_EOVERFLOW, "ferry_alloc: %zu bytes is too large", bytes);
+  fr_region *r = reuse_cached(t, bytes, map_bytes);
+  if (r) {
+    if (!uninit)
+      memset(r->data, 0, bytes);
+  } else {
+    int rc = region_new(bytes, map_bytes, alloc, arg, &r);
+    if (rc != 0)
+      return rc;
+  }
+  int rc = table_add(t, r);
+  if (rc != 0) {
+    region_destroy(r);
+    return rc;
+  }
+  header_publish(r);
   *out = r;
   return 0;
 }
@@ -196,6 +262,28 @@ static ssize_t table_index(fr_region_table *t, uint64_t id, const void *data) {
   return -1;
 }
 
+/* Keeps a freed memfd region for reuse when nobody else holds it and the cache has room for
+ * it (dropping its oldest items for it); returns whether it did. Lock held. */
+static bool cache_keep(fr_region_table *t, fr_region *r) {
+  uint64_t limit = (uint64_t)fr_config_int("FERRY_ALLOC_CACHE_BYTES");
+  if (r->memfd < 0 || r->mem.release || r->map_bytes > limit ||
+      r->incarnation == FR_REGION_INC_MAX || __atomic_load_n(&r->refs, __ATOMIC_ACQUIRE) != 1)
+    return false;
+  fr_region_cache *c = &t->cache;
+  if (FR_GROW(c->items, c->cap, c->count + 1, 8) != 0)
+    return false;
+  while (c->count > 0 && c->bytes + r->map_bytes > limit) {
+    fr_region *oldest = c->items[0];
+    c->bytes -= oldest->map_bytes;
+    memmove(&c->items[0], &c->items[1], --c->count * sizeof *c->items);
+    region_destroy(oldest); /* nobody else holds a cached region */
+  }
+  c->items[c->count++] = r;
+  c->bytes += r->map_bytes;
+  __atomic_store_n(&((fr_shm_header *)r->map)->state, FR_SHM_CACHED, __ATOMIC_RELEASE);
+  return true;
+}
+
 int fr_region_remove(fr_region_table *t, uint64_t id, const void *data) {
   pthread_mutex_lock(&t->lock);
   ssize_t i = table_index(t, id, data);
@@ -206,12 +294,14 @@ int fr_region_remove(fr_region_table *t, uint64_t id, const void *data) {
   }
   fr_region *r = t->items[i];
   t->items[i] = t->items[--t->count];
-  pthread_mutex_unlock(&t->lock);
   uint32_t alive = FR_SHM_ALIVE; /* CLOSED stays */
   if (r->map)
     __atomic_compare_exchange_n(&((fr_shm_header *)r->map)->state, &alive, FR_SHM_FREED, false,
                                 __ATOMIC_RELEASE, __ATOMIC_RELAXED);
-  fr_region_release(r);
+  bool kept = alive == FR_SHM_ALIVE && cache_keep(t, r);
+  pthread_mutex_unlock(&t->lock);
+  if (!kept)
+    fr_region_release(r);
   return 0;
 }
 
@@ -263,6 +353,9 @@ void fr_region_table_fini(fr_region_table *t) {
                        __ATOMIC_RELEASE);
   while (t->count > 0)
     fr_region_remove(t, t->items[t->count - 1]->id, NULL);
+  for (size_t i = 0; i < t->cache.count; i++)
+    region_destroy(t->cache.items[i]);
+  free(t->cache.items);
   free(t->items);
   pthread_mutex_destroy(&t->lock);
 }

@@ -18,14 +18,18 @@
 #include <stdint.h>
 
 #define FR_SHM_MAGIC 0x4d48535952524546ull /* "FERRYSHM" */
-#define FR_SHM_LAYOUT_VERSION 1u
+#define FR_SHM_LAYOUT_VERSION 2u /* 2: region_id checked at each access (memfds are reused) */
 #define FR_SHM_HEADER_BYTES 4096u
 
-/* CLOSED: freed because its owner's ctx closed (the owner is gone, not just the region). */
-enum { FR_SHM_ALIVE = 1, FR_SHM_FREED = 2, FR_SHM_CLOSED = 3 };
+/* CLOSED: freed because its owner's ctx closed (the owner is gone, not just the region).
+ * CACHED: freed, its memfd kept by the owner for a later region (a peer keeps its mapping);
+ * FREED after that means the memfd is gone for good (a peer may unmap it). */
+enum { FR_SHM_ALIVE = 1, FR_SHM_FREED = 2, FR_SHM_CLOSED = 3, FR_SHM_CACHED = 4 };
 
 /* Trust: every peer that maps the region can write this page. Peers only compare its words
- * (magic, version, id, size when they map it; state with FR_SHM_ALIVE at each access): the size
+ * (magic, version, id, size when they map it; state with FR_SHM_ALIVE and region_id with the
+ * region they read at each access: a cached memfd comes back as another region, region_id first,
+ * then state ALIVE (release), then a full fence before its new bytes): the size
  * they bound accesses by is the one the owner sent in its MAP response, checked against the
  * memfd itself, which the owner sealed against shrinking (transport/shm.c map_segment). The
  * owner never reads the header back. */
@@ -35,10 +39,21 @@ typedef struct fr_shm_header {
   uint32_t header_bytes;
   uint64_t region_id;
   uint64_t data_bytes;
-  uint32_t state; /* FR_SHM_ALIVE / FR_SHM_FREED / FR_SHM_CLOSED, atomic */
+  uint32_t state; /* FR_SHM_ALIVE / FREED / CLOSED / CACHED, atomic */
   uint32_t reserved;
+  /* The region's access key: whoever maps the memfd can read and write all of it anyway, so a
+   * peer that maps it for an earlier region checks a later region's key here instead of asking
+   * the owner again (transport/shm.c, find_map). */
+  uint64_t region_key;
 } fr_shm_header;
-_Static_assert(sizeof(fr_shm_header) == 40, "shm header layout is part of the protocol");
+_Static_assert(sizeof(fr_shm_header) == 48, "shm header layout is part of the protocol");
+
+/* A region id is its memory's lineage (a memfd, or a registration) and the how-many-th region
+ * that memory serves: (lineage << FR_REGION_INC_BITS) | incarnation. Ids are never reused; a
+ * peer that maps a lineage's memfd knows a later region of it by the id alone. */
+#define FR_REGION_INC_BITS 20
+#define FR_REGION_INC_MAX ((1ull << FR_REGION_INC_BITS) - 1)
+static inline uint64_t fr_region_lineage(uint64_t id) { return id >> FR_REGION_INC_BITS; }
 _Static_assert(sizeof(fr_shm_header) <= FR_SHM_HEADER_BYTES, "header fits its page");
 
 /* Memory for a shared region that a transport provides instead of a memfd (ucx: memory UCX
@@ -54,10 +69,11 @@ typedef int (*fr_region_mem_alloc)(void *arg, size_t bytes, fr_region_mem *out);
 typedef struct fr_region {
   uint64_t id;
   uint64_t key;
-  uint8_t *data; /* first data byte */
-  uint64_t size; /* data bytes */
-  int memfd;     /* -1 for registered memory and transport memory */
-  void *map;     /* header + data (memfd mapping or transport memory), NULL when registered */
+  uint64_t lineage, incarnation; /* id's parts (FR_REGION_INC_BITS) */
+  uint8_t *data;                 /* first data byte */
+  uint64_t size;                 /* data bytes */
+  int memfd;                     /* -1 for registered memory and transport memory */
+  void *map; /* header + data (memfd mapping or transport memory), NULL when registered */
   size_t map_bytes;
   fr_region_mem mem; /* transport memory (release NULL: none) */
   int refs;          /* atomic; the table holds one while the region is listed */
@@ -70,21 +86,35 @@ typedef struct fr_region {
   fr_cuda_ipc ipc;
 } fr_region;
 
+/* Freed memfd regions kept for reuse (FERRY_ALLOC_CACHE_BYTES in all): a new allocation of about
+ * their size takes one back, with a new id and key, so its pages stay mapped here and in every
+ * peer that mapped it before (transport/shm.c maps a memfd once, whatever region it serves).
+ * A first touch of fresh pages costs a page fault each, through every mapping (on some virtual
+ * machines several microseconds: docs/PERFORMANCE.md); a warm page costs nothing. Only a region
+ * nobody holds a reference to is cached (no server thread is mid-copy of it). */
+typedef struct fr_region_cache {
+  fr_region **items; /* oldest first */
+  size_t count, cap;
+  uint64_t bytes; /* map_bytes of the items */
+} fr_region_cache;
+
 typedef struct fr_region_table {
   pthread_mutex_t lock;
   fr_region **items;
   size_t count, cap;
-  uint64_t next_id;
+  uint64_t next_lineage;
+  fr_region_cache cache; /* under lock */
 } fr_region_table;
 
 void fr_region_table_init(fr_region_table *t);
 /* Removes and releases every region. */
 void fr_region_table_fini(fr_region_table *t);
 
-/* A shared region: a memfd, or (alloc non-NULL) the memory alloc(arg, ...) provides, falling
+/* A shared region: a freed memfd region of about that size taken back from the cache (zeroed
+ * unless `uninit`), a memfd, or (alloc non-NULL) the memory alloc(arg, ...) provides, falling
  * back to a memfd when it fails. */
-int fr_region_alloc_shared(fr_region_table *t, size_t bytes, fr_region_mem_alloc alloc, void *arg,
-                           fr_region **out);
+int fr_region_alloc_shared(fr_region_table *t, size_t bytes, bool uninit, fr_region_mem_alloc alloc,
+                           void *arg, fr_region **out);
 /* Caller memory, host or CUDA (told apart here: a CUDA range must lie inside one allocation). */
 int fr_region_add_registered(fr_region_table *t, void *ptr, size_t len, fr_region **out);
 /* The IPC handle of a CUDA region, made on first use. */

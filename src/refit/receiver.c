@@ -1556,6 +1556,14 @@ int ferry_refit_wait(ferry_refit_receiver *r, uint64_t version, int timeout_ms,
                      uint64_t *committed) {
   if (!r)
     return fr_err(FERRY_EINVAL, "ferry_refit_wait: NULL receiver");
+  /* A version lands only where something is bound: waiting for one before that would either
+   * time out with no hint (a late joiner) or "commit" a version whose bytes are nowhere. */
+  if (!__atomic_load_n(&r->bound_any, __ATOMIC_ACQUIRE))
+    return fr_err(FERRY_ESTATE,
+                  "refit receiver of '%s': nothing is bound: call ferry_refit_bind, "
+                  "ferry_refit_bind_flat or ferry_refit_bind_alias first (Python: tensors(), "
+                  "bind() or bind_alias())",
+                  ferry_link_peer(r->link));
   uint64_t deadline = fr_deadline_ns(fr_timeout(timeout_ms));
   pthread_mutex_lock(&r->lock);
   uint64_t target = version ? version : (r->latest_known ? r->latest_known : 1);

@@ -274,7 +274,7 @@ int fr_store_get_progress(ferry_store *s, const char *key, void **out, ferry_sto
       fr_store_count(s, false, 0, 1, 0, t0); /* the get that get_loop would have counted */
       return rc;
     }
-    void *buf = malloc(rec.bytes ? (size_t)rec.bytes : 1);
+    void *buf = fr_malloc_large((size_t)rec.bytes);
     if (!buf)
       return fr_err(FERRY_ENOMEM, "get '%s': %llu bytes", key, (unsigned long long)rec.bytes);
     get_dst d = {.p = buf, .cap = (size_t)rec.bytes, .room = SIZE_MAX, .device = -1};

@@ -216,7 +216,8 @@ void fr_store_publish_unlock(ferry_store *s) {
 int fr_store_waited(ferry_store *s, int rc, const fr_store_wait *w, int timeout_ms) {
   if (rc != FERRY_ETIMEDOUT || !w->behind || w->waited_ms < 1)
     return rc;
-  return fr_err_wrap(rc, "no answer from the directory at %s within %d ms (%d ms of them behind %s)",
+  return fr_err_wrap(rc,
+                     "no answer from the directory at %s within %d ms (%d ms of them behind %s)",
                      s->dir->url, timeout_ms, w->waited_ms, w->behind);
 }
 

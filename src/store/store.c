@@ -157,6 +157,7 @@ void ferry_store_close(ferry_store *s) {
   free(s->owned);
   free(s->linger);
   free(s->pinned);
+  free(s->released);
   pthread_mutex_destroy(&s->lock);
   pthread_mutex_destroy(&s->publish_lock);
   pthread_mutex_destroy(&s->cache_lock);

@@ -16,15 +16,24 @@ static int transport_memory(void *arg, size_t bytes, fr_region_mem *out) {
   return ctx->order[0]->alloc_region(ctx, bytes, out);
 }
 
-int ferry_alloc(ferry_ctx *ctx, size_t bytes, void **out) {
+static int alloc_shared(ferry_ctx *ctx, size_t bytes, bool uninit, void **out) {
   if (!ctx || !out)
     return fr_err(FERRY_EINVAL, "ferry_alloc: NULL argument");
   fr_region *r;
   bool hook = ctx->norder > 0 && ctx->order[0]->alloc_region;
-  int rc = fr_region_alloc_shared(&ctx->regions, bytes, hook ? transport_memory : NULL, ctx, &r);
+  int rc =
+      fr_region_alloc_shared(&ctx->regions, bytes, uninit, hook ? transport_memory : NULL, ctx, &r);
   if (rc == 0)
     *out = r->data;
   return rc;
+}
+
+int ferry_alloc(ferry_ctx *ctx, size_t bytes, void **out) {
+  return alloc_shared(ctx, bytes, false, out);
+}
+
+int ferry_alloc_uninit(ferry_ctx *ctx, size_t bytes, void **out) {
+  return alloc_shared(ctx, bytes, true, out);
 }
 
 int ferry_free(ferry_ctx *ctx, void *ptr) {

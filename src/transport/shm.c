@@ -10,6 +10,11 @@
  * that are registered caller memory cannot be mapped; for those the link falls back to read
  * requests the owner answers over the socket. A registered CUDA region is mapped through the
  * CUDA IPC handle its owner sends instead of a memfd, and copied by the copy engines.
+ * A memfd is mapped once per link: when its owner frees a region and makes a new one of the same
+ * memory (core/region.h, the cache), that region is read through the same mapping, recognized by
+ * its id's lineage and the key in its header, without asking the owner again; a mapping whose
+ * memfd the owner dropped for good is unmapped at the next new mapping, unless a view of it was
+ * handed out.
  */
 #include "transport/ring.h"
 #include "transport/transport.h"
@@ -21,13 +26,30 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+/* One mapping of a peer's memory. A memfd is mapped once: when its owner frees the region and
+ * takes the memfd back for a new one (core/region.h, the cache), the new region's MAP answer
+ * brings the same file, and this mapping serves the new region (id, key and size change; they
+ * are atomics, read without the lock). An access checks the header's region_id against the
+ * region it wants before and after its copy, so a reader of the old region fails, and bounds
+ * are checked against the mapping's own length too. */
 typedef struct shm_map {
   uint64_t id, key, size;
   uint8_t *base; /* the mapping: header page, then data */
   size_t map_bytes;
+  dev_t dev; /* the memfd's identity (a mapped one: base != NULL) */
+  ino_t ino;
+  uint64_t lineage; /* of the region ids it serves (fr_region_lineage), fixed */
+  /* Accesses under way (atomic; taken under the link's lock) and whether a view was handed out:
+   * a mapping whose memfd its owner dropped for good is unmapped once nobody uses it and it was
+   * never viewed (sweep_dead), else it would hold the owner's freed pages until the link
+   * closes. */
+  int users;
+  bool viewed;
+  bool writable;    /* mprotect'ed for writes (mapped read-only at first), under the lock */
   bool stream_only; /* registered memory: use read requests */
   /* A peer's CUDA region, mapped through its IPC handle: cuda_base is the allocation here, data
    * starts at cuda_data; only the copy engines touch it (fr_cuda_copy_on, on device). */
@@ -137,6 +159,15 @@ static shm_link *shm_state(ferry_link *l) {
   return fresh;
 }
 
+/* Whether the mapped header describes region `id` of `size` bytes, which the mapping holds. */
+static bool header_names(const shm_map *m, uint64_t id, uint64_t size) {
+  const fr_shm_header *h = (const fr_shm_header *)m->base;
+  return h->magic == FR_SHM_MAGIC && h->layout_version == FR_SHM_LAYOUT_VERSION &&
+         __atomic_load_n(&h->region_id, __ATOMIC_ACQUIRE) == id &&
+         __atomic_load_n(&h->data_bytes, __ATOMIC_RELAXED) == size &&
+         h->header_bytes == FR_SHM_HEADER_BYTES && size <= m->map_bytes - FR_SHM_HEADER_BYTES;
+}
+
 /* Maps the memfd a region's owner sent. `size` is the owner's word, so the memfd itself must
  * hold header + size bytes and be sealed against shrinking (fr_shm_segment_check): else a size
  * near 2^64 wrapped the mapping's length, and a short or later truncated memfd raised SIGBUS in
@@ -146,22 +177,32 @@ static int map_segment(int fd, uint64_t id, uint64_t size, shm_map *m) {
   snprintf(what, sizeof what, "shm: region %llu", (unsigned long long)id);
   if (size > (uint64_t)SIZE_MAX - FR_SHM_HEADER_BYTES)
     return fr_err(FERRY_EPROTO, "%s: the owner claims %llu bytes", what, (unsigned long long)size);
-  size_t bytes = (size_t)size + FR_SHM_HEADER_BYTES;
-  int rc = fr_shm_segment_check(fd, bytes, what);
+  int rc = fr_shm_segment_check(fd, (size_t)size + FR_SHM_HEADER_BYTES, what);
+  struct stat st;
+  if (rc == 0 && fstat(fd, &st) != 0)
+    rc = fr_err_errno(FERRY_EPROTO, "%s: cannot stat the peer's memory", what);
   if (rc != 0)
     return rc;
-  void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if ((uint64_t)st.st_size > SIZE_MAX)
+    return fr_err(FERRY_EPROTO, "%s: the peer's memory holds %lld bytes", what,
+                  (long long)st.st_size);
+  /* all of it, sealed: a later region on the same memfd may be longer than this one; read-only
+   * until a write (writable_map): a read fault on a writable shared mapping costs up to 3x one
+   * on a read-only one on some machines (docs/PERFORMANCE.md), and reads are what gets do */
+  size_t bytes = (size_t)st.st_size;
+  void *p = mmap(NULL, bytes, PROT_READ, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED)
     return fr_err_errno(FERRY_ESYS, "shm: cannot map region %llu", (unsigned long long)id);
-  const fr_shm_header *h = p;
-  if (h->magic != FR_SHM_MAGIC || h->layout_version != FR_SHM_LAYOUT_VERSION ||
-      h->region_id != id || h->data_bytes != size || h->header_bytes != FR_SHM_HEADER_BYTES) {
+  m->base = p;
+  m->map_bytes = bytes;
+  m->dev = st.st_dev;
+  m->ino = st.st_ino;
+  if (!header_names(m, id, size)) {
     munmap(p, bytes);
+    m->base = NULL;
     return fr_err(FERRY_EPROTO, "shm: region %llu has a foreign or corrupt header",
                   (unsigned long long)id);
   }
-  m->base = p;
-  m->map_bytes = bytes;
   return 0;
 }
 
@@ -185,17 +226,97 @@ static int map_cuda(ferry_link *l, const ferry_region_ref *r, const fr_cuda_ipc 
   return 0;
 }
 
-/* The mapping for a region, asking the owner (who checks the key) on first use. */
+#define LOAD(x) __atomic_load_n(&(x), __ATOMIC_RELAXED)
+#define STORE(x, v) __atomic_store_n(&(x), (v), __ATOMIC_RELAXED)
+
+/* Whether the mapped header describes region r alive, with r's key (a later region of the
+ * memfd that m mapped for an earlier one: its id and key there, written by the owner before
+ * ALIVE; bounds stay the mapping's own). */
+static bool header_is(const shm_map *m, const ferry_region_ref *r) {
+  const fr_shm_header *h = (const fr_shm_header *)m->base;
+  return __atomic_load_n(&h->state, __ATOMIC_ACQUIRE) == FR_SHM_ALIVE &&
+         header_names(m, r->id, r->size) &&
+         __atomic_load_n(&h->region_key, __ATOMIC_RELAXED) == r->key;
+}
+
+/* The mapping that serves region r, or NULL. A region this link never asked for that its owner
+ * made of memory mapped here already (same lineage) is taken on without asking the owner when
+ * the header names it with r's key: whoever maps the memfd may read and write it all anyway. */
+static shm_map *find_map(shm_link *s, const ferry_region_ref *r) {
+  pthread_mutex_lock(&s->lock);
+  shm_map *m = s->maps;
+  while (m && LOAD(m->id) != r->id)
+    m = m->next;
+  for (shm_map *l = m ? NULL : s->maps; l; l = l->next)
+    if (l->base && l->lineage == fr_region_lineage(r->id) && header_is(l, r)) {
+      STORE(l->size, r->size);
+      STORE(l->key, r->key);
+      STORE(l->id, r->id);
+      m = l;
+      break;
+    }
+  if (m)
+    __atomic_add_fetch(&m->users, 1, __ATOMIC_RELAXED);
+  pthread_mutex_unlock(&s->lock);
+  return m;
+}
+
+static void put_map(shm_map *m) { __atomic_sub_fetch(&m->users, 1, __ATOMIC_RELEASE); }
+
+/* Unmaps the mappings of memfds their owner dropped for good (state FREED or CLOSED, not
+ * CACHED for a later region) that nobody uses and nobody viewed. Lock held. */
+static void sweep_dead(shm_link *s) {
+  for (shm_map **at = &s->maps; *at;) {
+    shm_map *m = *at;
+    uint32_t st = m->base ? __atomic_load_n(&((fr_shm_header *)m->base)->state, __ATOMIC_ACQUIRE)
+                          : FR_SHM_ALIVE;
+    if ((st == FR_SHM_FREED || st == FR_SHM_CLOSED) &&
+        !__atomic_load_n(&m->viewed, __ATOMIC_RELAXED) &&
+        __atomic_load_n(&m->users, __ATOMIC_ACQUIRE) == 0) {
+      *at = m->next;
+      munmap(m->base, m->map_bytes);
+      free(m);
+    } else {
+      at = &m->next;
+    }
+  }
+}
+
+/* The mapping of the memfd fd already mapped here (its owner freed the region it served and
+ * made a new one of it), now serving r: NULL when fd is new here. A mapping whose header does
+ * not name r is an error: the owner sent the memfd as r's. */
+static int map_again(shm_link *s, int fd, const ferry_region_ref *r, uint64_t size, shm_map **out) {
+  struct stat st;
+  *out = NULL;
+  if (fstat(fd, &st) != 0)
+    return 0;
+  pthread_mutex_lock(&s->lock);
+  shm_map *m = s->maps;
+  while (m && !(m->base && m->dev == st.st_dev && m->ino == st.st_ino))
+    m = m->next;
+  bool ok = m && header_names(m, r->id, size);
+  if (ok) {
+    STORE(m->size, size);
+    STORE(m->key, r->key);
+    STORE(m->id, r->id);
+    __atomic_add_fetch(&m->users, 1, __ATOMIC_RELAXED);
+  }
+  pthread_mutex_unlock(&s->lock);
+  if (m && !ok)
+    return fr_err(FERRY_EPROTO, "shm: region %llu has a foreign or corrupt header",
+                  (unsigned long long)r->id);
+  *out = m;
+  return 0;
+}
+
+/* The mapping for a region, asking the owner (who checks the key) on first use; in use by the
+ * caller until put_map. */
 static int get_map(ferry_link *l, const ferry_region_ref *r, int timeout_ms, shm_map **out) {
   shm_link *s = shm_state(l);
   if (!s)
     return fr_err(FERRY_ENOMEM, "shm: link state");
-  pthread_mutex_lock(&s->lock);
-  shm_map *m = s->maps;
-  while (m && m->id != r->id)
-    m = m->next;
-  pthread_mutex_unlock(&s->lock);
-  if (m && m->key == r->key) {
+  shm_map *m = find_map(s, r);
+  if (m && LOAD(m->key) == r->key) {
     *out = m;
     return 0;
   }
@@ -206,15 +327,32 @@ static int get_map(ferry_link *l, const ferry_region_ref *r, int timeout_ms, shm
   int rc = fr_link_map_request(l, r, timeout_ms, &fd, &size, &ipc, &cuda);
   if (rc != 0 && rc != FERRY_ENOTSUP)
     return rc;
-  if (m) /* same region, another key that the owner accepted: cannot happen, keys are fixed */
+  if (m) { /* same region, another key that the owner accepted: cannot happen, keys are fixed */
+    put_map(m);
+    if (fd >= 0)
+      close(fd);
     return fr_err(FERRY_EACCES, "region %llu: key changed", (unsigned long long)r->id);
+  }
+  if (rc == 0 && !cuda) {
+    rc = map_again(s, fd, r, size, &m);
+    if (rc != 0 || m) {
+      close(fd);
+      *out = m;
+      return rc;
+    }
+  }
   shm_map *fresh = calloc(1, sizeof *fresh);
   if (!fresh) {
     if (fd >= 0)
       close(fd);
     return fr_err(FERRY_ENOMEM, "shm: mapping record");
   }
-  *fresh = (shm_map){.id = r->id, .key = r->key, .size = size, .stream_only = rc != 0};
+  *fresh = (shm_map){.id = r->id,
+                     .key = r->key,
+                     .size = size,
+                     .lineage = fr_region_lineage(r->id),
+                     .users = 1,
+                     .stream_only = rc != 0};
   if (cuda && rc == 0 && map_cuda(l, r, &ipc, size, fresh) != 0) {
     fr_debug("shm: CUDA region %llu of '%s' through its owner: %s", (unsigned long long)r->id,
              l->peer, ferry_last_error());
@@ -228,6 +366,7 @@ static int get_map(ferry_link *l, const ferry_region_ref *r, int timeout_ms, shm
     }
   }
   pthread_mutex_lock(&s->lock);
+  sweep_dead(s); /* a new mapping: drop the dead ones, so they never pile up */
   fresh->next = s->maps;
   s->maps = fresh;
   pthread_mutex_unlock(&s->lock);
@@ -236,23 +375,29 @@ static int get_map(ferry_link *l, const ferry_region_ref *r, int timeout_ms, shm
 }
 
 /* Retires the mapping of a freed region. It stays mapped until the link closes, since another
- * thread may be copying from it right now; id 0 (never a region's id) keeps lookups away. */
-static void drop_map(ferry_link *l, shm_map *dead) {
+ * thread may be copying from it right now (and its owner may make a new region of it: then
+ * map_again finds it); id 0 (never a region's id) keeps lookups away. */
+static void drop_map(ferry_link *l, shm_map *dead, uint64_t id) {
   shm_link *s = l->tdata;
   pthread_mutex_lock(&s->lock);
-  dead->id = 0;
+  if (LOAD(dead->id) == id)
+    STORE(dead->id, 0);
   pthread_mutex_unlock(&s->lock);
 }
 
-/* A CUDA region has no header page to say it was freed: its owner's deregistration is not seen
- * here (the jobs' generation words are); it reads as alive. */
-static uint32_t region_state(const shm_map *m) {
+/* Whether the mapping still holds region id alive. A CUDA region has no header page to say it
+ * was freed: its owner's deregistration is not seen here (the jobs' generation words are); it
+ * reads as alive. */
+static bool region_alive(const shm_map *m, uint64_t id) {
   if (m->cuda)
-    return FR_SHM_ALIVE;
-  return __atomic_load_n(&((const fr_shm_header *)m->base)->state, __ATOMIC_ACQUIRE);
+    return true;
+  const fr_shm_header *h = (const fr_shm_header *)m->base;
+  return __atomic_load_n(&h->state, __ATOMIC_ACQUIRE) == FR_SHM_ALIVE &&
+         __atomic_load_n(&h->region_id, __ATOMIC_ACQUIRE) == id;
 }
 
-/* Resolves a mapped access: the mapping, bounds and liveness checks. */
+/* Resolves a mapped access: the mapping, bounds and liveness checks. On success the caller
+ * holds the mapping until put_map (done()). */
 static int mapped_access(ferry_link *l, const ferry_region_ref *r, uint64_t off, size_t len,
                          int timeout_ms, shm_map **out) {
   shm_map *m = NULL;
@@ -263,12 +408,16 @@ static int mapped_access(ferry_link *l, const ferry_region_ref *r, uint64_t off,
     *out = m;
     return 0;
   }
-  if (!fr_range_ok(off, len, m->size))
+  uint64_t size = LOAD(m->size); /* never past the mapping (map_again) */
+  if (!fr_range_ok(off, len, size)) {
+    put_map(m);
     return fr_err(FERRY_ERANGE, "region %llu of '%s': bytes [%llu, +%zu) outside its %llu bytes",
                   (unsigned long long)r->id, l->peer, (unsigned long long)off, len,
-                  (unsigned long long)m->size);
-  if (region_state(m) != FR_SHM_ALIVE) {
-    drop_map(l, m);
+                  (unsigned long long)size);
+  }
+  if (!region_alive(m, r->id)) {
+    drop_map(l, m, r->id);
+    put_map(m);
     return fr_err(FERRY_ENOTFOUND, "region %llu of '%s' was freed", (unsigned long long)r->id,
                   l->peer);
   }
@@ -276,8 +425,11 @@ static int mapped_access(ferry_link *l, const ferry_region_ref *r, uint64_t off,
   return 0;
 }
 
+/* After a copy: the bytes were region r's only if it is still alive there (its owner moves
+ * the header's id or state before writing the region's memory again). */
 static int after_copy(ferry_link *l, const ferry_region_ref *r, shm_map *m) {
-  if (region_state(m) != FR_SHM_ALIVE)
+  __atomic_thread_fence(__ATOMIC_ACQUIRE); /* the copy's loads before the header's */
+  if (!region_alive(m, r->id))
     return fr_err(FERRY_ESTALE, "region %llu of '%s' was freed during the copy",
                   (unsigned long long)r->id, l->peer);
   if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) != FR_LINK_OPEN)
@@ -300,6 +452,18 @@ static int copy_mapped(const shm_map *m, int device, void *dst, const void *src,
   return fr_cuda_copy_on(device >= 0 ? device : m->device, dst, src, len);
 }
 
+/* Makes a host mapping writable, once (a one-sided write into the peer's region). */
+static int writable_map(ferry_link *l, shm_map *m) {
+  shm_link *s = l->tdata;
+  int rc = 0;
+  pthread_mutex_lock(&s->lock);
+  if (!m->writable && mprotect(m->base, m->map_bytes, PROT_READ | PROT_WRITE) != 0)
+    rc = fr_err_errno(FERRY_ESYS, "shm: cannot write a region of '%s'", l->peer);
+  m->writable = rc == 0;
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
 /* A read or write of [off, off+len) with the caller's buffer on `device` (-1: host memory);
  * memory the link cannot map goes through the owner's stream requests. */
 static int mapped_rw(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *buf, size_t len,
@@ -309,14 +473,20 @@ static int mapped_rw(ferry_link *l, const ferry_region_ref *r, uint64_t off, voi
   if (rc != 0)
     return rc;
   if (m->stream_only && device >= 0)
-    return write ? fr_link_write_bounced(l, r, off, buf, len, device, timeout_ms)
-                 : fr_link_read_bounced(l, r, off, buf, len, device, timeout_ms);
-  if (m->stream_only)
-    return write ? fr_link_rma_write(l, r, off, buf, len, timeout_ms)
-                 : fr_link_rma_read(l, r, off, buf, len, timeout_ms);
-  rc = write ? copy_mapped(m, device, mapped_at(m, off), buf, len)
-             : copy_mapped(m, device, buf, mapped_at(m, off), len);
-  return rc ? rc : after_copy(l, r, m);
+    rc = write ? fr_link_write_bounced(l, r, off, buf, len, device, timeout_ms)
+               : fr_link_read_bounced(l, r, off, buf, len, device, timeout_ms);
+  else if (m->stream_only)
+    rc = write ? fr_link_rma_write(l, r, off, buf, len, timeout_ms)
+               : fr_link_rma_read(l, r, off, buf, len, timeout_ms);
+  else if (write && !m->cuda && (rc = writable_map(l, m)) != 0)
+    ;
+  else
+    rc = write ? copy_mapped(m, device, mapped_at(m, off), buf, len)
+               : copy_mapped(m, device, buf, mapped_at(m, off), len);
+  if (rc == 0 && !m->stream_only)
+    rc = after_copy(l, r, m);
+  put_map(m);
+  return rc;
 }
 
 static int shm_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst, size_t len,
@@ -353,12 +523,16 @@ static int shm_readv(ferry_link *l, const ferry_region_ref *r, const ferry_read_
   int rc = mapped_access(l, r, lo, hi - lo, timeout_ms, &m);
   if (rc != 0)
     return rc;
-  if (m->stream_only)
+  if (m->stream_only) {
+    put_map(m);
     return fr_link_rma_readv(l, r, runs, n, dst, timeout_ms);
+  }
   uint8_t *at = dst;
   for (size_t i = 0; i < n && rc == 0; at += runs[i++].len)
     rc = copy_mapped(m, -1, at, mapped_at(m, runs[i].offset), runs[i].len);
-  return rc ? rc : after_copy(l, r, m);
+  rc = rc ? rc : after_copy(l, r, m);
+  put_map(m);
+  return rc;
 }
 
 static int shm_view(ferry_link *l, const ferry_region_ref *r, uint64_t off, size_t len,
@@ -367,7 +541,15 @@ static int shm_view(ferry_link *l, const ferry_region_ref *r, uint64_t off, size
   int rc = mapped_access(l, r, off, len, l->ctx->timeout_ms, &m);
   if (rc != 0)
     return rc;
-  if (m->stream_only || m->cuda)
+  bool host = !m->stream_only && !m->cuda;
+  if (host) /* mapped until the link closes: set before put_map, so no sweep sees it unused */
+    __atomic_store_n(&m->viewed, true, __ATOMIC_RELAXED);
+  if (host && (rc = writable_map(l, m)) != 0) { /* callers write through views (pins, tables) */
+    put_map(m);
+    return rc;
+  }
+  put_map(m);
+  if (!host)
     return fr_err(FERRY_ENOTSUP, "region %llu of '%s' is %s: it cannot be viewed from the CPU",
                   (unsigned long long)r->id, l->peer,
                   m->cuda ? "CUDA memory (ferry_view_device)"
@@ -383,6 +565,7 @@ static int shm_view_device(ferry_link *l, const ferry_region_ref *r, uint64_t of
   int rc = mapped_access(l, r, off, len, l->ctx->timeout_ms, &m);
   if (rc != 0)
     return rc;
+  put_map(m); /* CUDA mappings have no pages here to sweep */
   if (!m->cuda)
     return fr_err(FERRY_ENOTSUP, "region %llu of '%s' is %s, not CUDA memory mapped here",
                   (unsigned long long)r->id, l->peer,
@@ -393,19 +576,22 @@ static int shm_view_device(ferry_link *l, const ferry_region_ref *r, uint64_t of
 
 static int shm_view_valid(ferry_link *l, const ferry_region_ref *r) {
   shm_link *s = shm_state(l);
-  shm_map *m = NULL;
-  if (s) {
+  bool mapped = false, alive = false;
+  if (s) { /* under the lock: a mapping nobody viewed may be swept */
     pthread_mutex_lock(&s->lock);
-    for (m = s->maps; m && (m->id != r->id || m->key != r->key); m = m->next)
-      ;
+    shm_map *m = s->maps;
+    while (m && (LOAD(m->id) != r->id || LOAD(m->key) != r->key))
+      m = m->next;
+    mapped = m && !m->stream_only && !m->cuda;
+    alive = mapped && region_alive(m, r->id);
     pthread_mutex_unlock(&s->lock);
   }
-  if (!m || m->stream_only || m->cuda)
+  if (!mapped)
     return fr_err(FERRY_ENOTFOUND, "region %llu of '%s' is not viewed", (unsigned long long)r->id,
                   l->peer);
-  return region_state(m) == FR_SHM_ALIVE ? 0
-                                         : fr_err(FERRY_ESTALE, "region %llu of '%s' was freed",
-                                                  (unsigned long long)r->id, l->peer);
+  return alive ? 0
+               : fr_err(FERRY_ESTALE, "region %llu of '%s' was freed", (unsigned long long)r->id,
+                        l->peer);
 }
 
 static void shm_link_fini(ferry_link *l) {
