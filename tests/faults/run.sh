@@ -131,7 +131,7 @@ row 25 "a FIFO, link or other user's file planted in FERRY_CTL_DIR" \
   py:test_refit_rendezvous.py::test_gc_skips_planted_files control_test:test_planted_cell_files
 row 26 "~70 connections trickling headers to ferry serve --http" \
   "health answered while they trickle; each closed at the request deadline" \
-  security_test:test_metrics_slowloris
+  security_test:test_metrics_slowloris security_test:test_metrics_reserved_slots
 row 27 "~70 connections trickling headers to ferry ctl serve" \
   "health answered while they trickle; each closed at the request deadline" \
   control_cli_test:test_http_slowloris
