@@ -555,7 +555,7 @@ static void test_http_slowloris(void **state) {
   printf("# %d trickling connections; %d/%d probes answered, slowest %d ms; %d left open\n",
          r.opened, r.probes_ok, r.probes, r.worst_probe_ms, r.still_open);
   assert_true(r.opened >= 70);
-  assert_true(r.probes >= 5);
+  assert_true(r.probes >= 2); /* one at the start, and one at least every 2.2 s */
   assert_int_equal(r.probes_ok, r.probes);
   assert_int_equal(r.still_open, 0);
 }

@@ -499,7 +499,7 @@ static void test_metrics_slowloris(void **s) {
   ferry_metrics_server_close(m);
   ferry_ctx_close(c);
   assert_true(r.opened >= 70);
-  assert_true(r.probes >= 5);
+  assert_true(r.probes >= 2); /* one at the start, and one at least every 2.2 s */
   assert_int_equal(r.probes_ok, r.probes);
   assert_int_equal(r.still_open, 0);
   (void)s;

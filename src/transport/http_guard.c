@@ -200,6 +200,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
 /* Shuts down each connection past its deadline; sleeps until the next one's. */
 static void *watchdog(void *arg) {
   fr_http_server *s = arg;
+  pthread_setname_np(pthread_self(), "ferry-http"); /* for top -H, perf, gdb */
   pthread_mutex_lock(&s->lock);
   while (!s->stop) {
     uint64_t now = fr_now_ns(), next = UINT64_MAX;
