@@ -1559,6 +1559,45 @@ static void test_stopped_directory_mixed(void **state) {
   assert_true(redis_ok);
 }
 
+/* ---- closing a store while its directory is stopped ---- */
+
+#define CLOSE_KEYS 16
+#define CLOSE_HANG_MS 15000.0 /* a hang detector: one delete of 2 s per key was 32 s and more */
+
+/* A store that shares its node with an mq (so its records are deleted one by one at close,
+ * rather than with the node) closes while Redis is SIGSTOPped: the deletes share one bound, and
+ * the records left go with the node's renewals later, so the close does not take a timeout per
+ * record, nor one per wait behind the mq's lease renewals. */
+static void test_close_stopped_directory(void **state) {
+  su_redis r;
+  if (!su_redis_start(&r))
+    return;
+  ferry_ctx *c = open_ctx("close-node", NULL);
+  ferry_store *s = open_store(c, r.url, 0, 4 * MiB, 1500); /* renewals wait 0.5 s at most */
+  ferry_mq_opts mo = {.size = sizeof mo, .directory = r.url};
+  ferry_mq *mq = NULL;
+  FR_OK(ferry_mq_open(c, &mo, &mq));
+  for (int i = 0; i < CLOSE_KEYS; i++) {
+    char key[32];
+    snprintf(key, sizeof key, "close/k%d", i);
+    put_seed(s, key, (uint64_t)i + 1);
+  }
+  assert_int_equal(kill(r.pid, SIGSTOP), 0);
+  int wst = 0;
+  assert_int_equal(waitpid(r.pid, &wst, WUNTRACED), r.pid);
+  struct timespec t0;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  ferry_store_close(s);
+  double ms = ms_since(&t0);
+  kill(r.pid, SIGCONT);
+  printf("# redis stopped: closing a store of %d keys (its node shared with an mq) took %.0f ms\n",
+         CLOSE_KEYS, ms);
+  ferry_mq_close(mq);
+  ferry_ctx_close(c);
+  su_redis_stop(&r);
+  assert_true(ms < CLOSE_HANG_MS);
+}
+
 /* ---- stalled uploaders do not hold back a holder's other uploads ---- */
 
 #define STALL_UPLOADERS 3
@@ -1858,6 +1897,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_shared_table),
       cmocka_unit_test(test_stopped_directory),
       cmocka_unit_test(test_stopped_directory_mixed),
+      cmocka_unit_test(test_close_stopped_directory),
       cmocka_unit_test(test_stalled_uploaders),
       cmocka_unit_test(test_owner_stopped),
       cmocka_unit_test(test_redis_killed),

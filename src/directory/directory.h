@@ -326,11 +326,11 @@ bool fr_dir_lease_ok(const fr_dir_lease *l);
 /* A job's /readyz answer from its lease: 0 while fr_dir_lease_ok, else FERRY_ECONNECT with why
  * (when given) naming the job ("store 'a': its directory lease is not held ..."). */
 int fr_dir_lease_ready(const fr_dir_lease *l, char *why, size_t len);
-/* A record of this job's (key, owner, generation) whose delete failed: the node deletes it at its
- * renewals until the directory takes it, since the node's lease, which would, goes on. Only for
- * a record whose (owner, generation) a later put of the key cannot have again (a store's
+/* Records of this job's (key, owner, generation) whose delete failed: the node deletes them at
+ * its renewals until the directory takes them, since the node's lease, which would, goes on. Only
+ * for records whose (owner, generation) a later put of the key cannot have again (a store's
  * objects; the job records, which a job publishing the same name takes back). */
-void fr_dir_lease_orphan(fr_dir_lease *l, const fr_dir_object *rec);
+void fr_dir_lease_orphan(fr_dir_lease *l, const fr_dir_object *recs, size_t n);
 
 /* Attaches a job (kind "store", "mq" or "refit"; name its name, 1 to FR_DIR_NAME_MAX bytes
  * without control characters, '/' allowed: the kind ends at the first) to the node of dir.

@@ -296,12 +296,13 @@ static void orphans_retry(fr_dir_self *me, int timeout_ms) {
   }
 }
 
-void fr_dir_lease_orphan(fr_dir_lease *l, const fr_dir_object *rec) {
+void fr_dir_lease_orphan(fr_dir_lease *l, const fr_dir_object *recs, size_t n) {
   fr_dir_self *me = l->self;
-  if (!me)
+  if (!me || n == 0)
     return;
-  pthread_mutex_lock(&me->lock);
-  orphan_add(me, rec);
+  pthread_mutex_lock(&me->lock); /* once: a renewal may hold it while it waits on the directory */
+  for (size_t i = 0; i < n; i++)
+    orphan_add(me, &recs[i]);
   pthread_mutex_unlock(&me->lock);
 }
 

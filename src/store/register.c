@@ -89,6 +89,38 @@ void fr_store_settle(ferry_store *s, bool wait, uint64_t deadline) {
   fr_store_publish_unlock(s);
 }
 
+/* The store's own records when it leaves a node that its context's other jobs keep (mq's and
+ * refit's records stay): deleted within one bound for all of them (FR_CLOSE_DELETE_MS), not one
+ * timeout per record, since a directory that does not answer the first answers none; those left
+ * go at the node's renewals (handed over at once: one wait for the node's lock), or with its
+ * lease. */
+#define FR_CLOSE_DELETE_MS 2000
+static void delete_records(ferry_store *s) {
+  pthread_mutex_lock(&s->lock);
+  size_t n = s->nowned, left = 0;
+  fr_dir_object *recs = malloc((n ? n : 1) * sizeof *recs);
+  for (size_t i = 0; recs && i < n; i++)
+    recs[i] = s->owned[i]->rec;
+  pthread_mutex_unlock(&s->lock);
+  uint64_t deadline = fr_deadline_ns(FR_CLOSE_DELETE_MS);
+  for (size_t i = 0; recs && i < n; i++) {
+    int ms = fr_ms_left(deadline);
+    int rc = ms > 0 ? fr_dir_obj_del(s->dir, recs[i].key, recs[i].owner, recs[i].generation, NULL,
+                                     ms)
+                    : FERRY_ETIMEDOUT;
+    if (rc != 0 && rc != FERRY_ENOTFOUND)
+      recs[left++] = recs[i]; /* the node's renewals delete it */
+  }
+  if (recs)
+    fr_dir_lease_orphan(&s->lease, recs, left);
+  if (!recs || left > 0)
+    fr_info("store '%s': %zu of its %zu records stay in the directory until node '%s' renews "
+            "its lease or leaves",
+            s->name, recs ? left : n, n, s->lease.node.name);
+  fr_err_clear();
+  free(recs);
+}
+
 /* A closing store first collects its posted puts' answers, so that a put that replaced another
  * node's record tells that node (DROPPED) before this store goes: nothing polls for them, and
  * the next put or renewal that would have collected them will not come. Bounded like a link's
@@ -97,27 +129,8 @@ void fr_store_settle(ferry_store *s, bool wait, uint64_t deadline) {
 void fr_store_unregister(ferry_store *s) {
   int ms = fr_timeout(-1);
   fr_dir_settle(s->dir, true, settled, s, ms < FR_CLOSE_SETTLE_MS ? ms : FR_CLOSE_SETTLE_MS);
-  if (!fr_dir_lease_alone(&s->lease)) {
-    pthread_mutex_lock(&s->lock);
-    size_t n = s->nowned, gone = 0;
-    fr_dir_object *recs = malloc((n ? n : 1) * sizeof *recs);
-    for (size_t i = 0; recs && i < n; i++)
-      recs[i] = s->owned[i]->rec;
-    pthread_mutex_unlock(&s->lock);
-    for (size_t i = 0; recs && i < n; i++) /* its records only: mq's and refit's stay */
-    {
-      int rc = fr_dir_obj_del(s->dir, recs[i].key, recs[i].owner, recs[i].generation, NULL, 2000);
-      gone += rc == 0 || rc == FERRY_ENOTFOUND;
-      if (rc != 0 && rc != FERRY_ENOTFOUND) /* the node's renewals delete it */
-        fr_dir_lease_orphan(&s->lease, &recs[i]);
-    }
-    if (!recs || gone < n) /* the rest go at the node's renewals, or with its lease */
-      fr_info("store '%s': %zu of its %zu records stay in the directory until node '%s' renews "
-              "its lease or leaves",
-              s->name, n - gone, n, s->lease.node.name);
-    fr_err_clear();
-    free(recs);
-  }
+  if (!fr_dir_lease_alone(&s->lease))
+    delete_records(s);
   fr_dir_lease_drop(&s->lease);
 }
 
