@@ -105,9 +105,9 @@ static void delete_records(ferry_store *s) {
   uint64_t deadline = fr_deadline_ns(FR_CLOSE_DELETE_MS);
   for (size_t i = 0; recs && i < n; i++) {
     int ms = fr_ms_left(deadline);
-    int rc = ms > 0 ? fr_dir_obj_del(s->dir, recs[i].key, recs[i].owner, recs[i].generation, NULL,
-                                     ms)
-                    : FERRY_ETIMEDOUT;
+    int rc = ms > 0
+                 ? fr_dir_obj_del(s->dir, recs[i].key, recs[i].owner, recs[i].generation, NULL, ms)
+                 : FERRY_ETIMEDOUT;
     if (rc != 0 && rc != FERRY_ENOTFOUND)
       recs[left++] = recs[i]; /* the node's renewals delete it */
   }
