@@ -85,7 +85,8 @@ row 6 "refit sender SIGKILL mid-push" "receivers report torn, not their old vers
 export FERRY_STOP_MIX_MS=20000
 row 7 "directory (ferry serve, Redis) SIGSTOP" \
   "every call (get, stat, exists, list, put, delete) returns within its timeout, naming its wait" \
-  store_test:test_stopped_directory store_test:test_stopped_directory_mixed
+  store_test:test_stopped_directory store_test:test_stopped_directory_mixed \
+  store_test:test_close_stopped_directory
 unset FERRY_STOP_MIX_MS
 row 8 "tcp uploaders SIGSTOP mid-upload" "an unrelated upload still lands" \
   store_test:test_stalled_uploaders
