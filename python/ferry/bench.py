@@ -335,7 +335,7 @@ def view_bench(mib: int = 11, reps: int = 50, out: TextIO = sys.stdout) -> Dict[
     import tempfile
     import time
     from . import _lib
-    from .store import Store, _declare_view
+    from .store import Store
     arr = np.arange((mib << 20) // 4, dtype=np.int32)
     times: Dict[str, List[float]] = {"get_view": [], "C view": [], "get": [], "np.load": []}
     with Store(host_directory=True, name="bench-view-owner", timeout=10) as owner, \
@@ -345,7 +345,6 @@ def view_bench(mib: int = 11, reps: int = 50, out: TextIO = sys.stdout) -> Dict[
         path = os.path.join(d, "r.npy")
         np.save(path, arr)
         np.load(path)  # in the page cache from here on
-        _declare_view()
         lib, h, byref = _lib.lib, reader.handle, ctypes.byref
         info = _lib.StoreInfo()
         info.size = ctypes.sizeof(info)

@@ -18,7 +18,7 @@ import threading
 from typing import Any, Callable, Dict, Optional, Union
 
 from . import _lib
-from ._lib import Closing, POINTER, byref, c_char_p, c_int, c_size_t, c_uint32, c_uint64, c_void_p, lib
+from ._lib import Closing, byref, c_int, c_uint32, c_uint64, c_void_p, lib
 from .errors import Error, InvalidArgument, check
 
 __all__ = ["Control", "ControlRank", "ControlCell", "Command", "STATES", "COMMANDS"]
@@ -33,47 +33,9 @@ Command = collections.namedtuple("Command", "seq cmd")
 Command.__doc__ = "A command a rank took: seq (increasing per cell) and cmd (\"clear\", ...)."
 
 
-class CellOpts(ctypes.Structure):
-    _fields_ = [("size", c_size_t), ("fail_if_stale", c_int)]
-
-
-class RankOpts(ctypes.Structure):
-    _fields_ = [("size", c_size_t), ("initial_state", c_int)]
-
-
-class CtlCommand(ctypes.Structure):
-    _fields_ = [("seq", c_uint64), ("cmd", c_int)]
-
-
-class CtlStatus(ctypes.Structure):
-    _fields_ = [("size", c_size_t), ("incarnation", c_uint64), ("nranks", c_uint32),
-                ("engine_pid", ctypes.c_int32), ("engine_alive", c_int), ("seq", c_uint64),
-                ("cmd", c_int), ("in_flight", c_int), ("state", c_int), ("agreed", c_int)]
-
-
-class CtlRankStatus(ctypes.Structure):
-    _fields_ = [("size", c_size_t), ("rank", c_uint32), ("pid", ctypes.c_int32),
-                ("alive", c_int), ("seq", c_uint64), ("state", c_int), ("fail_seq", c_uint64),
-                ("error", c_int), ("message", ctypes.c_char * MESSAGE_MAX)]
-
-
-_protos = {
-    "ferry_ctl_cell_create": (c_int, [c_char_p, c_uint32, POINTER(CellOpts), POINTER(c_void_p)]),
-    "ferry_ctl_cell_close": (None, [c_void_p]),
-    "ferry_ctl_cell_incarnation": (c_uint64, [c_void_p]),
-    "ferry_ctl_rank_open": (c_int, [c_char_p, c_uint32, POINTER(RankOpts), POINTER(c_void_p)]),
-    "ferry_ctl_rank_close": (None, [c_void_p]),
-    "ferry_ctl_wait_command": (c_int, [c_void_p, c_int, POINTER(CtlCommand)]),
-    "ferry_ctl_ack": (c_int, [c_void_p, c_uint64, c_int, c_int, c_char_p]),
-    "ferry_ctl_open": (c_int, [c_char_p, POINTER(c_void_p)]),
-    "ferry_ctl_close": (None, [c_void_p]),
-    "ferry_ctl_request": (c_int, [c_void_p, c_int, c_int]),
-    "ferry_ctl_status_get": (c_int, [c_void_p, POINTER(CtlStatus)]),
-    "ferry_ctl_rank_status_get": (c_int, [c_void_p, c_uint32, POINTER(CtlRankStatus)]),
-}
-for _name, (_res, _args) in _protos.items():
-    _f = getattr(lib, _name)
-    _f.restype, _f.argtypes = _res, _args
+# The C structs this module passes (declared, with every prototype, in _lib)
+CellOpts, RankOpts, CtlCommand = _lib.CtlCellOpts, _lib.CtlRankOpts, _lib.CtlCommand
+CtlStatus, CtlRankStatus = _lib.CtlStatus, _lib.CtlRankStatus
 
 
 _ms = _lib.timeout_ms

@@ -241,21 +241,13 @@ def cai_object(obj: Any, writable: bool = False) -> Tuple[Any, DeviceBytes]:
 class _Driver:
     def __init__(self, path: str) -> None:
         d = ctypes.CDLL(path)  # the library ferry loaded: dlopen hands back the same one
-        self.get_current = d.cuCtxGetCurrent
-        self.set_current = d.cuCtxSetCurrent
-        self.device_get = d.cuDeviceGet
-        self.retain = d.cuDevicePrimaryCtxRetain
-        self.release = d.cuDevicePrimaryCtxRelease_v2
-        self.sync = d.cuStreamSynchronize
-        for f in (self.get_current, self.set_current, self.device_get, self.retain,
-                  self.release, self.sync):
-            f.restype = c_int
-        self.get_current.argtypes = [ctypes.POINTER(c_void_p)]
-        self.set_current.argtypes = [c_void_p]
-        self.device_get.argtypes = [ctypes.POINTER(c_int), c_int]
-        self.retain.argtypes = [ctypes.POINTER(c_void_p), c_int]
-        self.release.argtypes = [c_int]
-        self.sync.argtypes = [c_void_p]
+        f = _lib.declare(d, _lib.CUDA_DRIVER_PROTOS)
+        self.get_current = f["cuCtxGetCurrent"]
+        self.set_current = f["cuCtxSetCurrent"]
+        self.device_get = f["cuDeviceGet"]
+        self.retain = f["cuDevicePrimaryCtxRetain"]
+        self.release = f["cuDevicePrimaryCtxRelease_v2"]
+        self.sync = f["cuStreamSynchronize"]
 
 
 _driver: Optional[_Driver] = None

@@ -44,41 +44,8 @@ c_int, c_uint32, c_uint64, c_size_t = ctypes.c_int, ctypes.c_uint32, ctypes.c_ui
 c_char_p, c_void_p, POINTER, byref = ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER, ctypes.byref
 
 
-class MQOpts(ctypes.Structure):
-    _fields_ = [("size", c_size_t), ("directory", c_char_p), ("queue_bytes", c_uint64),
-                ("lease_ms", c_int), ("flags", c_uint32)]
-
-
-class Msg(ctypes.Structure):
-    _fields_ = [("topic", c_char_p), ("publisher", c_char_p), ("data", c_void_p),
-                ("len", c_size_t), ("seq", c_uint64), ("is_tensor", c_int),
-                ("desc", _lib.TensorDesc)]
-
-
-MSG_FN = ctypes.CFUNCTYPE(None, c_void_p, POINTER(Msg), c_void_p)
-
-
-def _declare(name: str, restype: Any, *argtypes: Any) -> None:
-    f = getattr(lib, name)
-    f.restype, f.argtypes = restype, list(argtypes)
-
-
-_declare("ferry_mq_open", c_int, c_void_p, POINTER(MQOpts), POINTER(c_void_p))
-_declare("ferry_mq_close", None, c_void_p)
-_declare("ferry_mq_subscribe", c_int, c_void_p, c_char_p, c_int)
-_declare("ferry_mq_unsubscribe", c_int, c_void_p, c_char_p, c_int)
-_declare("ferry_mq_publish", c_int, c_void_p, c_char_p, c_void_p, c_size_t, c_int)
-_declare("ferry_mq_publish_tensor", c_int, c_void_p, c_char_p, POINTER(_lib.TensorDesc), c_void_p,
-         c_int)
-_declare("ferry_mq_loan", c_int, c_void_p, c_size_t, POINTER(c_void_p), c_int)
-_declare("ferry_mq_publish_loan", c_int, c_void_p, c_char_p, POINTER(_lib.TensorDesc), c_void_p,
-         c_size_t, c_int)
-_declare("ferry_mq_loan_free", None, c_void_p, c_void_p)
-_declare("ferry_mq_wait_subscribers", c_int, c_void_p, c_char_p, c_size_t, c_int)
-_declare("ferry_mq_subscribers", c_size_t, c_void_p, c_char_p)
-_declare("ferry_mq_recv", c_int, c_void_p, POINTER(POINTER(Msg)), c_int)
-_declare("ferry_mq_msg_free", None, POINTER(Msg))
-_declare("ferry_mq_set_callback", c_int, c_void_p, MSG_FN, c_void_p)
+# The C structs and callback type this module passes (declared, with every prototype, in _lib)
+MQOpts, Msg, MSG_FN = _lib.MQOpts, _lib.MQMsg, _lib.MQ_MSG_FN
 
 _msg_free = lib.ferry_mq_msg_free
 

@@ -62,7 +62,7 @@ from typing import (Any, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Op
 import numpy as np
 
 from . import _lib
-from ._lib import POINTER, byref, c_char_p, c_int, c_size_t, c_uint64, c_void_p, lib
+from ._lib import POINTER, byref, c_char_p, c_int, c_uint64, c_void_p, lib
 from .errors import (AccessDenied, AlreadyExists, InvalidArgument, NotFound, NotSupported,
                      Timeout, check, raise_status)
 from . import cuda
@@ -75,52 +75,9 @@ __all__ = ["RefitSender", "RefitReceiver", "refit_address", "ROUTES", "Piece", "
 ROUTES = {"auto": 0, "direct": 1, "chain": 2}
 
 
-class RefitOpts(ctypes.Structure):  # ferry_refit_opts
-    _fields_ = [("size", c_size_t), ("bucket_bytes", c_uint64), ("alias", c_int),
-                ("publish", c_int), ("directory", c_char_p), ("no_retain", c_int),
-                ("device_buckets", c_int)]
-
-
-# ferry_refit_bucket_fn and ferry_refit_commit_fn; module-wide, so never freed while C holds them
-_BUCKET_FN = ctypes.CFUNCTYPE(None, c_void_p, c_uint64, ctypes.c_uint32, c_void_p)
-_COMMIT_FN = ctypes.CFUNCTYPE(None, c_void_p, c_uint64, c_int, c_char_p, c_void_p)
-
-
-class PushOpts(ctypes.Structure):  # ferry_refit_push_opts
-    _fields_ = [("size", c_size_t), ("only", POINTER(c_char_p)), ("n_only", c_size_t),
-                ("skip_unchanged", c_int), ("timeout_ms", c_int), ("route", c_int)]
-
-
-_protos = {
-    "ferry_config_get": (c_char_p, [c_char_p]),
-    "ferry_refit_sender_open": (c_int, [c_void_p, c_char_p, POINTER(RefitOpts),
-                                        POINTER(c_void_p)]),
-    "ferry_refit_sender_close": (None, [c_void_p]),
-    "ferry_refit_declare": (c_int, [c_void_p, c_char_p, POINTER(_lib.TensorDesc), c_void_p,
-                                    c_int]),
-    "ferry_refit_seal": (c_int, [c_void_p]),
-    "ferry_refit_push": (c_int, [c_void_p, c_uint64, POINTER(PushOpts)]),
-    "ferry_refit_receivers": (c_size_t, [c_void_p]),
-    "ferry_refit_receiver_open": (c_int, [c_void_p, c_char_p, c_int, POINTER(c_void_p)]),
-    "ferry_refit_receiver_close": (None, [c_void_p]),
-    "ferry_refit_tensor_count": (c_size_t, [c_void_p]),
-    "ferry_refit_tensor_info": (c_int, [c_void_p, c_size_t, POINTER(c_char_p),
-                                        POINTER(_lib.TensorDesc)]),
-    "ferry_refit_tensor_scale": (c_int, [c_void_p, c_size_t, POINTER(ctypes.c_float)]),
-    "ferry_refit_bind": (c_int, [c_void_p, c_char_p, c_void_p, POINTER(_lib.TensorDesc)]),
-    "ferry_refit_bind_flat": (c_int, [c_void_p]),
-    "ferry_refit_view": (c_int, [c_void_p, c_char_p, POINTER(c_void_p)]),
-    "ferry_refit_wait": (c_int, [c_void_p, c_uint64, c_int, POINTER(c_uint64)]),
-    "ferry_refit_committed": (c_uint64, [c_void_p]),
-    "ferry_refit_bind_alias": (c_int, [c_void_p]),
-    "ferry_refit_on_bucket": (None, [c_void_p, _BUCKET_FN, c_void_p]),
-    "ferry_refit_on_commit": (None, [c_void_p, _COMMIT_FN, c_void_p]),
-    "ferry_refit_tensor_buckets": (c_int, [c_void_p, c_size_t, POINTER(ctypes.c_uint32),
-                                           POINTER(ctypes.c_uint32)]),
-}
-for _name, (_res, _args) in _protos.items():
-    _f = getattr(lib, _name)
-    _f.restype, _f.argtypes = _res, _args
+# The C structs and callback types this module passes (declared, with every prototype, in _lib)
+RefitOpts, PushOpts, _PieceC = _lib.RefitOpts, _lib.PushOpts, _lib.RefitPiece
+_BUCKET_FN, _COMMIT_FN = _lib.REFIT_BUCKET_FN, _lib.REFIT_COMMIT_FN
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$")
 _seq = 0
@@ -946,20 +903,6 @@ class Piece(NamedTuple):
     dim: int
     start: int
     stop: int
-
-
-class _PieceC(ctypes.Structure):  # ferry_refit_piece
-    _fields_ = [("source", c_char_p), ("dim", c_int), ("start", ctypes.c_int64),
-                ("stop", ctypes.c_int64)]
-
-
-for _name, (_res, _args) in {
-    "ferry_refit_bind_pieces": (c_int, [c_void_p, c_char_p, c_void_p, POINTER(_lib.TensorDesc),
-                                        POINTER(_PieceC), c_size_t]),
-    "ferry_refit_bytes_read": (c_uint64, [c_void_p]),
-}.items():
-    _f = getattr(lib, _name)
-    _f.restype, _f.argtypes = _res, _args
 
 
 def _bind_shards(self, targets: Dict[str, Tuple[Any, Sequence[Any]]]) -> None:

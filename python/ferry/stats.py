@@ -7,9 +7,10 @@
         print(m["name"], m["labels"], m["value"])
 """
 import ctypes
-from ctypes import POINTER, c_char_p, c_double, c_int, c_size_t, c_uint64, c_void_p
+from ctypes import c_size_t, c_void_p
 from typing import Any, Dict, List, Optional
 
+from . import _lib
 from ._lib import lib
 from .errors import check
 
@@ -18,22 +19,7 @@ __all__ = ["stats", "prometheus", "readiness"]
 KINDS = {0: "counter", 1: "gauge", 2: "histogram"}
 
 
-class _Stat(ctypes.Structure):
-    _fields_ = [("name", c_char_p), ("help", c_char_p), ("kind", c_int), ("nlabels", c_size_t),
-                ("label_names", POINTER(c_char_p)), ("label_values", POINTER(c_char_p)),
-                ("value", c_double), ("count", c_uint64), ("nbuckets", c_size_t),
-                ("bucket_le", POINTER(c_double)), ("bucket_counts", POINTER(c_uint64))]
-
-
-_STAT_FN = ctypes.CFUNCTYPE(c_int, POINTER(_Stat), c_void_p)
-for _name, (_res, _args) in {
-    "ferry_stats_each": (c_int, [c_void_p, _STAT_FN, c_void_p]),
-    "ferry_stats_prometheus": (c_int, [c_void_p, POINTER(c_void_p), POINTER(c_size_t)]),
-    "ferry_stats_text_free": (None, [c_void_p]),
-    "ferry_stats_ready": (c_int, [c_void_p, c_char_p, c_size_t]),
-}.items():
-    _f = getattr(lib, _name)
-    _f.restype, _f.argtypes = _res, _args
+_STAT_FN = _lib.STAT_FN  # ferry_stats_fn, over _lib.Stat (declared, with the prototypes, in _lib)
 
 
 def _handle(of: Any) -> Optional[int]:

@@ -33,23 +33,7 @@ def _key(key: Key) -> Optional[bytes]:
     return _lib.encoded(key, "key")
 
 
-_declared = False
 _NO_BYTES = ctypes.c_char()  # where an empty value's data pointer points (never read)
-
-
-def _declare_view() -> None:
-    global _declared
-    if _declared:
-        return
-    P = ctypes.POINTER
-    lib.ferry_store_get_view.restype = ctypes.c_int
-    lib.ferry_store_get_view.argtypes = [ctypes.c_void_p, ctypes.c_char_p, P(ctypes.c_void_p),
-                                         P(_lib.StoreInfo), P(ctypes.c_void_p), ctypes.c_int]
-    lib.ferry_store_view_valid.restype = ctypes.c_int
-    lib.ferry_store_view_valid.argtypes = [ctypes.c_void_p]
-    lib.ferry_store_view_release.restype = None
-    lib.ferry_store_view_release.argtypes = [ctypes.c_void_p]
-    _declared = True
 
 
 class _Pin:
@@ -449,7 +433,6 @@ class Store(NodeHandle):
             raise ValueError("ferry: get_view gives numpy arrays or torch tensors (read-only "
                              "memory cannot go through DLPack): use get(key, like=...) for a "
                              "copy")
-        _declare_view()
         info = _lib.StoreInfo()
         info.size = ctypes.sizeof(info)
         data, v = ctypes.c_void_p(), ctypes.c_void_p()
