@@ -39,7 +39,10 @@ void fr_ctx_channel_close(ferry_ctx *ctx, uint32_t channel);
 /* Waits until ready(arg) or the deadline (CLOCK_MONOTONIC ns; UINT64_MAX: none): leads the
  * ctx's epoll when it can, else sleeps on cond (a CLOCK_MONOTONIC condition under mutex, which
  * whoever makes it ready signals). Returns ready(arg). With the deadline already past it only
- * checks: taking the lead over from the progress thread costs it two wake-ups. `waits_for`: the
+ * checks, leading nothing: a lead taken for no wait would cost two epoll_ctl calls, and one
+ * held by an idle wait would be asked to step down (a wake-up, and up to FERRY_LEAD_FOLLOW_US
+ * waiting for it). A caller that must see what has arrived drains the shm rings first
+ * (fr_ctx_poll_links, as fr_ctx_await does); a leader takes in the rest. `waits_for`: the
  * channel whose messages make it ready, or FR_CTX_WAIT_REPLY (a response on a link); a leader is
  * woken (fr_ctx_poke, fr_ctx_kick) only for that. */
 #define FR_CTX_WAIT_REPLY (-1)

@@ -1,6 +1,7 @@
 /*
  * A link over a byte stream (tcp, or shm's unix socket): the handshake, the receive state machine
- * that the progress thread drives, request/response pairing for one-sided reads and writes, and
+ * that the ctx's leader drives (leader.c: a waiting caller, else the progress thread; a spinner
+ * drains a pollable link itself), request/response pairing for one-sided reads and writes, and
  * sending. Payloads move without intermediate buffers: a read response is received straight into
  * the requester's destination, a write straight into the owner's region, and sends are one
  * sendmsg of header + caller iovecs.
@@ -113,7 +114,7 @@ void fr_link_fail(ferry_link *l, int status, const char *why) {
     }
   pthread_cond_broadcast(&l->cond);
   pthread_mutex_unlock(&l->lock);
-  /* The progress thread sees the hang-up, unregisters the link and drops its reference. */
+  /* The ctx's leader sees the hang-up, unregisters the link and drops its reference. */
   shutdown(l->poller.fd, SHUT_RDWR);
   /* A peer that went away, or this node closing, is routine (every short-lived client does it),
    * and the jobs say what it meant (a receiver gone, a subscriber dropped): debug. A link that
@@ -679,7 +680,7 @@ static int on_auth(ferry_link *l) {
   return 0;
 }
 
-/* ---- serving requests (progress thread) ---- */
+/* ---- serving requests (the receive machine's thread; large responses: server.c) ---- */
 
 static int on_read_request(ferry_link *l) {
   fr_rma r;
@@ -782,7 +783,7 @@ static int on_map_request(ferry_link *l) {
   return rc;
 }
 
-/* ---- the receive state machine (progress thread) ---- */
+/* ---- the receive state machine (the ctx's leader, or a spinner; under rx_lock) ---- */
 
 static void rx_expect(ferry_link *l, int phase, size_t want) {
   l->rx_phase = phase;
@@ -1162,7 +1163,7 @@ static void link_retire(ferry_link *l, int status, const char *why) {
   fr_ctx_link_down(ctx, l); /* owners waiting on this peer (an mq publish short of its credit) */
 }
 
-/* How long the frames a peer sent before its end may keep the progress thread (rx_last): they
+/* How long the frames a peer sent before its end may keep the ctx's leader (rx_last): they
  * are normally all there at once, this only stops a peer that keeps writing after its end. */
 #define FR_END_DRAIN_NS (1000ull * 1000000ull)
 
@@ -1189,10 +1190,10 @@ static int rx_last(ferry_link *l, int end) {
   return fr_err(end, "%s", why);
 }
 
-/* Drains the link; the progress thread also lets the transport consume what comes beside the
- * stream first, and arms it before going back to sleep. The peer's end reported there is taken
- * after what the peer sent before it (rx_last), unless this node ended the link itself (closed
- * it, or gave up on it: a timeout, a bad frame). */
+/* Drains the link; the ctx's leader (the epoll handler) also lets the transport consume what
+ * comes beside the stream first, and arms it before going back to its epoll. The peer's end
+ * reported there is taken after what the peer sent before it (rx_last), unless this node ended
+ * the link itself (closed it, or gave up on it: a timeout, a bad frame). */
 static int rx_progress(ferry_link *l) {
   int rc = l->ops->readable ? l->ops->readable(l) : 0;
   if (rc == FERRY_EPEER && (link_state(l) != FR_LINK_DEAD || l->dead_status == FERRY_EPEER))

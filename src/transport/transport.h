@@ -1,8 +1,10 @@
 /*
  * Transports and links, internal view. A transport is an ops table (registry.c lists them all);
- * a link is one connection to a peer, driven by its context's progress thread. Jobs use links
- * through ferry.h (ferry_connect, ferry_send, ferry_read, ...) and never see these structs;
- * transports know nothing of jobs.
+ * a link is one connection to a peer, driven by whichever thread leads its context's epoll: a
+ * caller waiting for its answer or message, else the context's progress thread (leader.c);
+ * spinning waiters drain pollable links themselves. Jobs use links through ferry.h
+ * (ferry_connect, ferry_send, ferry_read, ...) and never see these structs; transports know
+ * nothing of jobs.
  */
 #ifndef FR_TRANSPORT_H
 #define FR_TRANSPORT_H
@@ -43,18 +45,20 @@ typedef struct fr_transport_ops {
    * nothing is there, or -errno. */
   int (*sendv)(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out, uint64_t deadline_ns);
   ssize_t (*recv)(ferry_link *l, void *dst, size_t len);
-  /* Optional. The progress thread saw the socket readable: consume what is there besides
-   * the stream (doorbells, passed fds); 0 or a status that closes the link. */
+  /* Optional. The ctx's leader saw the socket readable: consume what is there besides the
+   * stream (doorbells, passed fds); 0 or a status that closes the link. */
   int (*readable)(ferry_link *l);
-  /* Optional. The progress thread is about to sleep on this link: false if bytes arrived
-   * meanwhile and it must drain again. */
+  /* Optional. The thread that drained this link is about to leave it (the leader going back to
+   * its epoll, a spinner's last look): false if bytes arrived meanwhile and it must drain
+   * again. */
   bool (*idle)(ferry_link *l);
   /* Optional. Spinning waiters may drive this link themselves (poll_begin/poll_end bracket
    * their spinning so producers can skip wake-ups). */
   bool (*pollable)(ferry_link *l);
   bool poll_is_cheap; /* polling costs no system call: fine to do on every link of a ctx */
   /* Its pollers may run on whichever thread leads the ctx's epoll (a waiting caller instead of
-   * the progress thread, see ctx.c); a ctx lets callers lead only if all its transports say so. */
+   * the progress thread, see leader.c); a ctx lets callers lead only if all its transports say
+   * so. */
   bool any_thread_events;
   bool edge_triggered; /* its links sit in epoll with EPOLLET (the stream is all on the socket) */
   void (*poll_begin)(ferry_link *l);
@@ -92,7 +96,7 @@ typedef struct fr_transport_ops {
                      const void **out);
   int (*view_valid)(ferry_link *l, const ferry_region_ref *r);
   void (*link_fini)(ferry_link *l); /* frees transport state (mappings) */
-  /* Optional. The progress thread is unregistering a dead link: drop the fds the transport
+  /* Optional. The ctx's leader is unregistering a dead link: drop the fds the transport
    * added to the ctx's epoll for it (events already fetched are ignored, the link lives until
    * the end of the batch). */
   void (*retire)(ferry_link *l);
@@ -130,7 +134,7 @@ struct fr_pending {
   void *dst;      /* READ: where the bytes go */
   uint64_t len;
   int status;
-  bool done, claimed; /* claimed: the progress thread is writing into dst */
+  bool done, claimed; /* claimed: the receive machine is writing into dst */
   int fd;             /* MAP: the fd that came with the response */
   uint64_t size;      /* MAP: the region's size */
   fr_cuda_ipc *ipc;   /* MAP: where a CUDA region's IPC handle goes (cuda set when one came) */
@@ -302,7 +306,7 @@ struct ferry_ctx {
   ferry_link *links;
   uint64_t next_req_id;
 
-  pthread_t server; /* sends large read responses so the progress thread never blocks */
+  pthread_t server; /* sends large read responses so the ctx's leader never blocks (server.c) */
   pthread_mutex_t serve_lock;
   pthread_cond_t serve_cond;
   fr_serve_job *serve_head, *serve_tail; /* large read responses, in order */
@@ -345,9 +349,11 @@ static inline void **fr_ctx_tstate(ferry_ctx *ctx, const fr_transport_ops *ops) 
 ferry_link *fr_link_new(ferry_ctx *ctx, const fr_transport_ops *ops, int fd, bool accepted);
 void fr_link_ref(ferry_link *l);
 void fr_link_unref(ferry_link *l);
-/* Registers a link with the progress thread (the ctx then holds a reference). */
+/* Registers a link in the ctx's epoll, for whichever thread leads it (the ctx then holds a
+ * reference). */
 int fr_link_start(ferry_link *l);
-/* Marks the link dead with `status`, fails its pending requests, wakes the progress thread. */
+/* Marks the link dead with `status`, fails its pending requests and shuts its socket down: the
+ * ctx's leader sees the hang-up and unregisters the link. */
 void fr_link_fail(ferry_link *l, int status, const char *why);
 /* The connector's side of the handshake, blocking, before the link is started. */
 int fr_link_handshake(ferry_link *l, int timeout_ms);
@@ -391,7 +397,8 @@ int fr_link_sock_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
 ssize_t fr_link_sock_recv(ferry_link *l, void *dst, size_t len);
 /* Takes an fd that arrived beside the stream; -1 when none did. */
 int fr_link_take_fd(ferry_link *l);
-/* Fails every handshake older than the timeout (called by the progress thread). */
+/* Fails every handshake older than the timeout (the ctx's leader, at most once a second; the
+ * progress thread's 1 s epoll timeout makes sure of it on a quiet node). */
 void fr_link_reap_stale(ferry_ctx *ctx);
 /* A graceful close's flush (ops->flush) waits until this deadline at most: the ctx's timeout,
  * and FR_LINK_FLUSH_NS at most. One deadline serves every link a closing ctx flushes. */
