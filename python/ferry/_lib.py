@@ -1,10 +1,12 @@
 """ctypes declarations of libferry's C API (include/ferry.h), and how the library is found.
 
-The structs mirror the C ones field for field, `size` first. Every prototype (libferry's, and
-the few of the CUDA driver's that ferry.cuda calls) is declared once here, with the structs and
-callback types it takes, so a wrong argument fails in Python instead of corrupting memory; no
-other module sets restype or argtypes. ctypes.CDLL releases the GIL around every call, so a
-blocking get or put lets other Python threads run.
+The structs mirror the C ones field for field, `size` first, each naming its C type in
+_c_name_ (python/tests/test_struct_layout.py compiles a C program against ferry.h and checks
+every struct's sizeof and every field's offset and size against it). Every prototype
+(libferry's, and the few of the CUDA driver's that ferry.cuda calls) is declared once here, with
+the structs and callback types it takes, so a wrong argument fails in Python instead of
+corrupting memory; no other module sets restype or argtypes. ctypes.CDLL releases the GIL around
+every call, so a blocking get or put lets other Python threads run.
 """
 import ctypes
 import ctypes.util
@@ -153,31 +155,37 @@ class Closing:
 
 
 class TensorDesc(ctypes.Structure):
+    _c_name_ = "ferry_tensor_desc"
     _fields_ = [("dtype", c_int), ("ndim", c_uint32), ("shape", c_uint64 * MAX_DIMS)]
 
 
 class CtxOpts(ctypes.Structure):
+    _c_name_ = "ferry_ctx_opts"
     _fields_ = [("size", c_size_t), ("name", c_char_p), ("tcp_listen", c_char_p),
                 ("transports", c_char_p), ("token", c_char_p)]
 
 
 class StoreOpts(ctypes.Structure):
+    _c_name_ = "ferry_store_opts"
     _fields_ = [("size", c_size_t), ("directory", c_char_p), ("capacity", c_uint64),
                 ("lease_ms", c_int), ("flags", c_uint32)]
 
 
 class StoreInfo(ctypes.Structure):
+    _c_name_ = "ferry_store_info"
     _fields_ = [("size", c_size_t), ("key", ctypes.c_char * (STORE_KEY_MAX + 1)),
                 ("owner", ctypes.c_char * (STORE_NAME_MAX + 1)), ("desc", TensorDesc),
                 ("bytes", c_uint64), ("generation", c_uint64)]
 
 
 class StoreItem(ctypes.Structure):
+    _c_name_ = "ferry_store_item"
     _fields_ = [("key", c_char_p), ("dst", c_void_p), ("cap", c_size_t), ("status", c_int),
                 ("bytes", c_uint64)]
 
 
-class CudaInfo(ctypes.Structure):  # ferry_cuda_info
+class CudaInfo(ctypes.Structure):
+    _c_name_ = "ferry_cuda_info"
     _fields_ = [("size", c_size_t), ("found", c_int), ("driver_version", c_int),
                 ("devices", c_int), ("library", ctypes.c_char * 256),
                 ("detail", ctypes.c_char * 256)]
@@ -187,18 +195,21 @@ LOG_FN = ctypes.CFUNCTYPE(None, c_int, c_char_p, c_void_p)
 
 
 # -- refit (ferry.refit) -------------------------------------------------------------------------
-class RefitOpts(ctypes.Structure):  # ferry_refit_opts
+class RefitOpts(ctypes.Structure):
+    _c_name_ = "ferry_refit_opts"
     _fields_ = [("size", c_size_t), ("bucket_bytes", c_uint64), ("alias", c_int),
                 ("publish", c_int), ("directory", c_char_p), ("no_retain", c_int),
                 ("device_buckets", c_int)]
 
 
-class PushOpts(ctypes.Structure):  # ferry_refit_push_opts
+class PushOpts(ctypes.Structure):
+    _c_name_ = "ferry_refit_push_opts"
     _fields_ = [("size", c_size_t), ("only", POINTER(c_char_p)), ("n_only", c_size_t),
                 ("skip_unchanged", c_int), ("timeout_ms", c_int), ("route", c_int)]
 
 
-class RefitPiece(ctypes.Structure):  # ferry_refit_piece
+class RefitPiece(ctypes.Structure):
+    _c_name_ = "ferry_refit_piece"
     _fields_ = [("source", c_char_p), ("dim", c_int), ("start", ctypes.c_int64),
                 ("stop", ctypes.c_int64)]
 
@@ -209,12 +220,14 @@ REFIT_COMMIT_FN = ctypes.CFUNCTYPE(None, c_void_p, c_uint64, c_int, c_char_p, c_
 
 
 # -- mq (ferry.mq) -------------------------------------------------------------------------------
-class MQOpts(ctypes.Structure):  # ferry_mq_opts
+class MQOpts(ctypes.Structure):
+    _c_name_ = "ferry_mq_opts"
     _fields_ = [("size", c_size_t), ("directory", c_char_p), ("queue_bytes", c_uint64),
                 ("lease_ms", c_int), ("flags", c_uint32)]
 
 
-class MQMsg(ctypes.Structure):  # ferry_mq_msg
+class MQMsg(ctypes.Structure):
+    _c_name_ = "ferry_mq_msg"
     _fields_ = [("topic", c_char_p), ("publisher", c_char_p), ("data", c_void_p),
                 ("len", c_size_t), ("seq", c_uint64), ("is_tensor", c_int),
                 ("desc", TensorDesc)]
@@ -227,32 +240,38 @@ MQ_MSG_FN = ctypes.CFUNCTYPE(None, c_void_p, POINTER(MQMsg), c_void_p)  # ferry_
 CTL_MESSAGE_MAX = 32  # FERRY_CTL_MESSAGE_MAX
 
 
-class CtlCellOpts(ctypes.Structure):  # ferry_ctl_cell_opts
+class CtlCellOpts(ctypes.Structure):
+    _c_name_ = "ferry_ctl_cell_opts"
     _fields_ = [("size", c_size_t), ("fail_if_stale", c_int)]
 
 
-class CtlRankOpts(ctypes.Structure):  # ferry_ctl_rank_opts
+class CtlRankOpts(ctypes.Structure):
+    _c_name_ = "ferry_ctl_rank_opts"
     _fields_ = [("size", c_size_t), ("initial_state", c_int)]
 
 
-class CtlCommand(ctypes.Structure):  # ferry_ctl_command
+class CtlCommand(ctypes.Structure):
+    _c_name_ = "ferry_ctl_command"
     _fields_ = [("seq", c_uint64), ("cmd", c_int)]
 
 
-class CtlStatus(ctypes.Structure):  # ferry_ctl_status
+class CtlStatus(ctypes.Structure):
+    _c_name_ = "ferry_ctl_status"
     _fields_ = [("size", c_size_t), ("incarnation", c_uint64), ("nranks", c_uint32),
                 ("engine_pid", ctypes.c_int32), ("engine_alive", c_int), ("seq", c_uint64),
                 ("cmd", c_int), ("in_flight", c_int), ("state", c_int), ("agreed", c_int)]
 
 
-class CtlRankStatus(ctypes.Structure):  # ferry_ctl_rank_status
+class CtlRankStatus(ctypes.Structure):
+    _c_name_ = "ferry_ctl_rank_status"
     _fields_ = [("size", c_size_t), ("rank", c_uint32), ("pid", ctypes.c_int32),
                 ("alive", c_int), ("seq", c_uint64), ("state", c_int), ("fail_seq", c_uint64),
                 ("error", c_int), ("message", ctypes.c_char * CTL_MESSAGE_MAX)]
 
 
 # -- metrics (ferry.stats) -----------------------------------------------------------------------
-class Stat(ctypes.Structure):  # ferry_stat
+class Stat(ctypes.Structure):
+    _c_name_ = "ferry_stat"
     _fields_ = [("name", c_char_p), ("help", c_char_p), ("kind", c_int), ("nlabels", c_size_t),
                 ("label_names", POINTER(c_char_p)), ("label_values", POINTER(c_char_p)),
                 ("value", ctypes.c_double), ("count", c_uint64), ("nbuckets", c_size_t),
