@@ -238,7 +238,11 @@ void AnnotateIgnoreReadsEnd(const char *file, int line);
  * reads of the region are not the race TSan should report. */
 #define FR_ONE_SIDED_READ_BEGIN() AnnotateIgnoreReadsBegin(__FILE__, __LINE__)
 #define FR_ONE_SIDED_READ_END() AnnotateIgnoreReadsEnd(__FILE__, __LINE__)
+/* TSan models no fences (gcc refuses them under -Werror=tsan): where a fence orders plain
+ * accesses to shared memory against a flag, TSan builds keep only the compiler barrier. */
+#define FR_FENCE(order) __atomic_signal_fence(order)
 #else
+#define FR_FENCE(order) __atomic_thread_fence(order)
 #define FR_HB_RELEASE(obj) ((void)(obj))
 #define FR_HB_ACQUIRE(obj) ((void)(obj))
 #define FR_ONE_SIDED_READ_BEGIN() ((void)0)

@@ -155,7 +155,7 @@ static void header_publish(fr_region *r) {
   __atomic_store_n(&h->region_key, r->key, __ATOMIC_RELAXED);
   __atomic_store_n(&h->data_bytes, r->size, __ATOMIC_RELAXED);
   __atomic_store_n(&h->state, FR_SHM_ALIVE, __ATOMIC_RELEASE);
-  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  FR_FENCE(__ATOMIC_SEQ_CST);
 }
 
 /* The cached memfd region that fits `bytes` best: its data at least that long and at most an

@@ -428,7 +428,7 @@ static int mapped_access(ferry_link *l, const ferry_region_ref *r, uint64_t off,
 /* After a copy: the bytes were region r's only if it is still alive there (its owner moves
  * the header's id or state before writing the region's memory again). */
 static int after_copy(ferry_link *l, const ferry_region_ref *r, shm_map *m) {
-  __atomic_thread_fence(__ATOMIC_ACQUIRE); /* the copy's loads before the header's */
+  FR_FENCE(__ATOMIC_ACQUIRE); /* the copy's loads before the header's */
   if (!region_alive(m, r->id))
     return fr_err(FERRY_ESTALE, "region %llu of '%s' was freed during the copy",
                   (unsigned long long)r->id, l->peer);
