@@ -1,6 +1,7 @@
 /*
  * The ucx transport's extras beside its ops table (fr_ucx_transport, listed in registry.c).
- * Built from ucx.c when CMake found UCX (FERRY_HAVE_UCX), from ucx_off.c otherwise.
+ * Built from ucx.c (and ucx_ep.c, ucx_am.c, ucx_rma.c) when CMake found UCX (FERRY_HAVE_UCX),
+ * from ucx_off.c otherwise.
  */
 #ifndef FR_UCX_H
 #define FR_UCX_H
