@@ -31,7 +31,8 @@ import numpy as np
 from . import _lib
 from ._lib import lib
 from .errors import Busy, Timeout, check, raise_status
-from .tensors import DTYPES, Context, Like, NodeHandle, _torch, as_buffer, from_bits, like_name
+from .tensors import (DTYPES, Context, Like, NodeHandle, _ctx_for, _torch, as_buffer, from_bits,
+                      like_name)
 
 Handler = Callable[[str, str, Any], Any]
 
@@ -124,7 +125,9 @@ class MQ(NodeHandle):
     this publisher). queue_bytes: credit granted to each publisher (0: FERRY_MQ_QUEUE_BYTES).
     lease_ms: the directory lease (0: FERRY_LEASE_MS). transports, tcp_listen: the new
     context's (None: FERRY_TRANSPORTS, FERRY_TCP_LISTEN). ctx: an open ferry.Context to use
-    (one mq per context); by default a new one.
+    (one mq per context); by default the process's default context, the node its store and
+    refit receiver share (ferry.default_context), else (it has an mq already, or name,
+    tcp_listen or transports ask for another node) a new one, closed with the mq.
     timeout: default seconds of each call (None: FERRY_TIMEOUT_MS)."""
 
     _what = "mq"
@@ -137,10 +140,11 @@ class MQ(NodeHandle):
         lease_ms = _lib.c_int_of(lease_ms, c_int, "lease_ms", lo=0)
         _ms(timeout)  # the default timeout too
         if ctx is not None:
-            self._ctx, self._owns_ctx = ctx, False
+            # the C library refuses a second mq on one context (FERRY_EBUSY, saying so)
+            self._ctx, self._owns_ctx, self._claimed = ctx, False, ctx._claim("mq")
         else:
-            self._ctx, self._owns_ctx = Context(name=name, tcp_listen=tcp_listen,
-                                                transports=transports), True
+            self._ctx, self._owns_ctx = _ctx_for("mq", name, tcp_listen, transports)
+            self._claimed = True
         opts = MQOpts(ctypes.sizeof(MQOpts), _lib.encoded(directory, "directory"),
                       queue_bytes, lease_ms, MQ_HOST_DIRECTORY if host_directory else 0)
         h = c_void_p()
@@ -149,8 +153,7 @@ class MQ(NodeHandle):
             try:
                 raise_status(rc)
             finally:
-                if self._owns_ctx:
-                    self._ctx.close()
+                self._release_ctx()
         self._h = h.value
         self._lock = threading.RLock()  # re-entrant: messages' finalizers _unhold (ferry.tensors)
         self._held = 0  # received messages still viewed (_Held)
@@ -201,6 +204,12 @@ class MQ(NodeHandle):
             except queue.Empty:
                 break
         self._loans = {}  # the pool is gone with the mq
+        self._release_ctx()
+
+    def _release_ctx(self) -> None:
+        if self._claimed:
+            self._claimed = False
+            self._ctx._release("mq")
         if self._owns_ctx:
             self._ctx.close()
 

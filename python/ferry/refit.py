@@ -67,7 +67,7 @@ from .errors import (AccessDenied, AlreadyExists, InvalidArgument, NotFound, Not
                      Timeout, check, raise_status)
 from . import cuda
 from .cuda import DeviceBytes, sync_all
-from .tensors import DTYPES, Context, as_buffer, desc_shape, dtype_code, from_bits
+from .tensors import DTYPES, Context, _ctx_for, as_buffer, desc_shape, dtype_code, from_bits
 
 __all__ = ["RefitSender", "RefitReceiver", "refit_address", "ROUTES", "Piece", "tp_shards"]
 
@@ -336,6 +336,11 @@ class RefitSender(_lib.Closing):
         if ctx is not None:
             self._ctx, self._owns_ctx = ctx, False
         else:
+            # A context of its own, not the process's default one (tensors._ctx_for) that the
+            # store, mq and receivers share: the C sender's close sends its receivers nothing,
+            # so they learn that it is gone (ferry.PeerGone) only when its links die, which is
+            # when its context closes. On a context that outlives it they would wait out their
+            # timeouts instead. Pass ctx= to share one anyway (one sender per context).
             self._ctx, self._owns_ctx = Context(name=_node_name("refit-tx")), True
         self._h = None
         self._path = None
@@ -549,15 +554,22 @@ class RefitReceiver(_lib.Closing):
     ferry buffer) or bind_alias() (alias=True: read-only views into the sender's own buffer, on
     its host); wait(version) returns once a version committed (every bucket verified), and
     updates(version) yields each tensor as it lands. A receiver that attaches after versions
-    were pushed gets the latest one at once (from its first wait, committed or updates)."""
+    were pushed gets the latest one at once (from its first wait, committed or updates).
+
+    ctx: an open ferry.Context to use (one receiver per context); by default the process's
+    default context, the node its store and mq share (ferry.default_context), else (it has a
+    receiver already) a new one, closed with the receiver. Its close tells the sender
+    (DETACH), so sharing a context that outlives it is fine."""
 
     def __init__(self, name: str, timeout: Optional[float] = None,
                  ctx: Optional[Context] = None, alias: bool = False) -> None:
         self.name = name
         if ctx is not None:
-            self._ctx, self._owns_ctx = ctx, False
+            # the C library refuses a second receiver on one context (FERRY_EBUSY, saying so)
+            self._ctx, self._owns_ctx, self._claimed = ctx, False, ctx._claim("refit-rx")
         else:
-            self._ctx, self._owns_ctx = Context(name=_node_name("refit-rx")), True
+            self._ctx, self._owns_ctx = _ctx_for("refit-rx")
+            self._claimed = True
         self._h = None
         self._lock = threading.RLock()  # re-entrant: views' finalizers _release_view (ferry.tensors)
         self._bound = {}
@@ -648,6 +660,9 @@ class RefitReceiver(_lib.Closing):
             lib.ferry_refit_receiver_close(h)
         self._bound = {}
         self._pieces = {}
+        if self._claimed:
+            self._claimed = False
+            self._ctx._release("refit-rx")
         if self._owns_ctx and self._ctx is not None:
             self._ctx.close()
             self._ctx = None

@@ -16,7 +16,7 @@ import numpy as np
 from . import _lib
 from ._lib import lib
 from .errors import NotFound, check, raise_status
-from .tensors import (DTYPES, NP_DTYPES, Context, Like, NodeHandle, _ctx_for_store, as_buffer,
+from .tensors import (DTYPES, NP_DTYPES, Context, Like, NodeHandle, _ctx_for, as_buffer,
                       desc_shape, empty, from_bits, like_name)
 
 __all__ = ["Store", "StoreView"]
@@ -182,11 +182,11 @@ class Store(NodeHandle):
         lease_ms = _lib.c_int_of(lease_ms, _lib.c_int, "lease_ms", lo=0)
         _ms(timeout)  # the default timeout too
         if ctx is not None:
+            if not ctx._claim("store"):
+                raise ValueError("ferry: this context already has a store")
             self._ctx, self._owns_ctx = ctx, False
         else:
-            self._ctx, self._owns_ctx = _ctx_for_store(name, tcp_listen)
-        if self._ctx._has_store:
-            raise ValueError("ferry: this context already has a store")
+            self._ctx, self._owns_ctx = _ctx_for("store", name, tcp_listen)
         flags = (_lib.STORE_HOST_DIRECTORY if host_directory else 0) | \
                 (_lib.STORE_HOLDER if holder else 0)
         opts = _lib.StoreOpts(ctypes.sizeof(_lib.StoreOpts),
@@ -198,11 +198,11 @@ class Store(NodeHandle):
             try:
                 raise_status(rc)
             finally:
+                self._ctx._release("store")
                 if self._owns_ctx:
                     self._ctx.close()
         self._h = h.value
         self._hv = h  # the handle as ctypes passes it: put's unchecked call
-        self._ctx._has_store = True
         self._timeout = timeout
         self._timeout_ms = _ms(timeout)
         self._lock = threading.RLock()  # re-entrant: views' finalizers _unpin (ferry.tensors)
@@ -240,7 +240,7 @@ class Store(NodeHandle):
         if not h:
             return
         lib.ferry_store_close(h)
-        self._ctx._has_store = False
+        self._ctx._release("store")
         if self._owns_ctx:
             self._ctx.close()
 

@@ -7,7 +7,7 @@ import threading
 import warnings
 import weakref
 from types import ModuleType
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 
@@ -314,7 +314,7 @@ class Context(_lib.Closing):
         self._lock = threading.RLock()
         self._allocs = 0
         self._closing = False
-        self._has_store = False
+        self._jobs: Set[str] = set()  # the kinds of handle opened on it (_claim): one of each
         self._ranges: Dict[int, int] = {}  # ferry_alloc blocks alive: address -> bytes
 
     @property
@@ -341,6 +341,19 @@ class Context(_lib.Closing):
             if url.startswith("tcp://"):
                 return url[len("tcp://"):]
         return None
+
+    def _claim(self, kind: str) -> bool:
+        """Marks this context as holding a handle of `kind` ("store", "mq", "refit-rx"): False
+        when it holds one already (the C library allows one of each per context)."""
+        with self._lock:
+            if kind in self._jobs:
+                return False
+            self._jobs.add(kind)
+            return True
+
+    def _release(self, kind: str) -> None:
+        with self._lock:
+            self._jobs.discard(kind)
 
     def _alloc(self, nbytes: int) -> int:
         p = ctypes.c_void_p()
@@ -401,8 +414,10 @@ _default_lock = threading.Lock()
 
 
 def default_context() -> Context:
-    """The process's default context (FERRY_* settings), opened on first use; the first Store
-    opened without ctx/name uses it, so that arrays from ferry.empty() are put in place."""
+    """The process's default context (FERRY_* settings), opened on first use: the one node of
+    this process. Every handle opened without ctx= runs on it (_ctx_for), so that a process with a
+    store, an mq and a refit receiver is one node, and arrays from ferry.empty() are put in
+    place."""
     global _default
     with _default_lock:
         if _default is None or _default._h is None:
@@ -410,23 +425,36 @@ def default_context() -> Context:
         return _default
 
 
-def _ctx_for_store(name: Optional[str], tcp_listen: Optional[str]) -> Tuple[Context, bool]:
-    global _default
+def _ctx_for(kind: str, name: Optional[str] = None, tcp_listen: Optional[str] = None,
+             transports: Optional[str] = None) -> Tuple[Context, bool]:
+    """The context for a handle of `kind` ("store", "mq", "refit-rx") opened without ctx=, claimed
+    for it (Context._claim; the handle releases it as it closes), and whether the handle owns
+    it (closes it with itself). The one policy of every handle: one node per process, the
+    default context, which the first handle opens with its name, tcp_listen and transports.
+    Only where the default cannot be this handle's does it get a context of its own: the
+    default holds a handle of this kind already (the C library allows one store, one mq, one
+    refit receiver per context: FERRY_EBUSY), or the caller asks for a node the default is not
+    (another name, a tcp listener, transports). RefitSender keeps a context of its own
+    (ferry/refit.py says why)."""
+    global _default, _extra
     with _default_lock:
         if _default is None or _default._h is None:
-            _default = Context(name=name, tcp_listen=tcp_listen)
+            _default = Context(name=name, tcp_listen=tcp_listen, transports=transports)
+            _default._claim(kind)
             return _default, False
         d = _default
-    if not d._has_store and tcp_listen is None and (name is None or name == d.name):
+    if tcp_listen is None and transports is None and (name is None or name == d.name) and \
+            d._claim(kind):
         return d, False
     if name is None:
         # Node names must be unique in the fleet, and every unnamed ctx of this process would
         # be "<hostname>-<pid>": number the extra ones.
-        global _extra
         with _default_lock:
             _extra += 1
             name = "%s-%d" % (d.name, _extra)
-    return Context(name=name, tcp_listen=tcp_listen), True
+    ctx = Context(name=name, tcp_listen=tcp_listen, transports=transports)
+    ctx._claim(kind)
+    return ctx, True
 
 
 class _Alloc:
