@@ -203,6 +203,8 @@ import ferry
 sd = {"w": np.arange(2048, dtype=np.float32), "b": np.arange(512, dtype=np.int64)}
 tx = ferry.RefitSender(%(refit)r, sd, buffer_bytes=4096)
 rx = [ferry.RefitReceiver(%(refit)r, timeout=10) for _ in range(2)]
+for r in rx:
+    r.tensors()  # a version lands only where something is bound
 tx.wait_receivers(2, timeout=10)
 for v in (3, 7):
     tx.push(v, timeout=10)
