@@ -68,7 +68,7 @@ typedef struct shm_link {
    * Each side maps the segment itself (ring_map, unmapped only in shm_link_fini) and nothing
    * resets a ring: a peer that closes or exits drops only its own mapping, so the bytes it
    * wrote before its end stay readable here until this link is freed, and the receiver takes
-   * them in after that end (link.c, rx_last). */
+   * them in after that end (link_rx.c, rx_last). */
   _Alignas(64) fr_ring tx;
   _Alignas(64) fr_ring rx;
   _Alignas(64) void *ring_map;

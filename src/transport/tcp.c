@@ -1,7 +1,7 @@
 /*
  * The tcp transport: links between hosts. Sockets use TCP_NODELAY (small frames go out at once)
  * and, when FERRY_TCP_SOCKBUF is set, fixed large buffers. One-sided reads and writes are
- * requests the owner answers after checking key and bounds (link.c); payloads go from the
+ * requests the owner answers after checking key and bounds (link_rx.c); payloads go from the
  * region with one sendmsg and land in the destination with recv, with no staging buffer.
  */
 #include "transport/transport.h"

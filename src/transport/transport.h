@@ -345,7 +345,7 @@ static inline void **fr_ctx_tstate(ferry_ctx *ctx, const fr_transport_ops *ops) 
   return NULL;
 }
 
-/* link.c */
+/* link.c; link_handshake.c (fr_link_handshake); link_rx.c (fr_link_take_fd, fr_link_reap_stale) */
 ferry_link *fr_link_new(ferry_ctx *ctx, const fr_transport_ops *ops, int fd, bool accepted);
 void fr_link_ref(ferry_link *l);
 void fr_link_unref(ferry_link *l);

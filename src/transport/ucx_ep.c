@@ -639,7 +639,7 @@ static void wait_peer_end(ferry_link *l, uint64_t end) {
  * send buffer, and the close that follows (ep_close_locked, FORCE) would cancel them. Nor may
  * the endpoint close as soon as they left: the peer's UCX drops the stream data it has not
  * handed over yet when it sees the endpoint fail. So a graceful close flushes the endpoint, ends
- * the socket (the peer then takes in the stream, link.c's rx_last, and ends its side) and waits
+ * the socket (the peer then takes in the stream, link_rx.c's rx_last, and ends its side) and waits
  * for the peer's end before the link goes on to close the endpoint; until `end` at most
  * (fr_link_flush_deadline). A flush that does not end in time is cancelled with the endpoint. */
 void fr_ucx_flush(ferry_link *l, uint64_t end) {
