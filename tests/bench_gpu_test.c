@@ -127,5 +127,6 @@ int main(void) {
       cmocka_unit_test(without_a_driver_it_says_so),
       cmocka_unit_test(bad_arguments_are_usage_errors),
   };
+  tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, setup, NULL);
 }

@@ -685,24 +685,23 @@ int main(int argc, char **argv) {
     return child_uninitialized();
   if (argc > 5 && strcmp(argv[1], "ipc-open") == 0)
     return child_ipc_open(argv);
-#define T_(name) cmocka_unit_test_setup_teardown(name, setup, teardown)
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_uninitialized),
-      T_(test_devices),
-      T_(test_context_rules),
-      T_(test_device_memory_faults),
-      T_(test_round_trip),
-      T_(test_ranges),
-      T_(test_pointer_attributes),
-      T_(test_async_stream_sync),
-      T_(test_async_events),
-      T_(test_stream_wait_event),
-      T_(test_async_edges),
-      T_(test_ipc),
-      T_(test_ipc_forged),
-      T_(test_ipc_owner_dead),
-      T_(test_memory_limit),
-      T_(test_threads),
+      cmocka_unit_test_setup_teardown(test_devices, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_context_rules, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_device_memory_faults, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_round_trip, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_ranges, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_pointer_attributes, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_async_stream_sync, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_async_events, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_stream_wait_event, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_async_edges, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_ipc, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_ipc_forged, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_ipc_owner_dead, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_memory_limit, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_threads, setup, teardown),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

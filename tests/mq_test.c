@@ -923,14 +923,6 @@ static void set_transport(const char *t) {
   static void test_stream_join_##tr(void **st) { set_transport(#tr), stream_join(); }              \
   static void test_idle_##tr(void **st) { set_transport(#tr), idle_sleeps(); }                     \
   static void test_dead_waiting_##tr(void **st) { set_transport(#tr), dead_while_waiting(); }
-#define TESTS(tr)                                                                                  \
-  cmocka_unit_test(test_ordering_##tr), cmocka_unit_test(test_no_loss_##tr),                       \
-      cmocka_unit_test(test_slow_##tr), cmocka_unit_test(test_killed_##tr),                        \
-      cmocka_unit_test(test_join_leave_##tr), cmocka_unit_test(test_malformed_##tr),               \
-      cmocka_unit_test(test_in_process_##tr), cmocka_unit_test(test_loans_##tr),                   \
-      cmocka_unit_test(test_stream_tail_##tr), cmocka_unit_test(test_stream_join_##tr),            \
-      cmocka_unit_test(test_idle_##tr), cmocka_unit_test(test_dead_waiting_##tr)
-
 CASES(shm)
 CASES(tcp)
 #ifdef FERRY_HAVE_UCX
@@ -959,10 +951,43 @@ int main(int argc, char **argv) {
 #endif
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_wire),
-      TESTS(shm),
-      TESTS(tcp),
+      cmocka_unit_test(test_ordering_shm),
+      cmocka_unit_test(test_no_loss_shm),
+      cmocka_unit_test(test_slow_shm),
+      cmocka_unit_test(test_killed_shm),
+      cmocka_unit_test(test_join_leave_shm),
+      cmocka_unit_test(test_malformed_shm),
+      cmocka_unit_test(test_in_process_shm),
+      cmocka_unit_test(test_loans_shm),
+      cmocka_unit_test(test_stream_tail_shm),
+      cmocka_unit_test(test_stream_join_shm),
+      cmocka_unit_test(test_idle_shm),
+      cmocka_unit_test(test_dead_waiting_shm),
+      cmocka_unit_test(test_ordering_tcp),
+      cmocka_unit_test(test_no_loss_tcp),
+      cmocka_unit_test(test_slow_tcp),
+      cmocka_unit_test(test_killed_tcp),
+      cmocka_unit_test(test_join_leave_tcp),
+      cmocka_unit_test(test_malformed_tcp),
+      cmocka_unit_test(test_in_process_tcp),
+      cmocka_unit_test(test_loans_tcp),
+      cmocka_unit_test(test_stream_tail_tcp),
+      cmocka_unit_test(test_stream_join_tcp),
+      cmocka_unit_test(test_idle_tcp),
+      cmocka_unit_test(test_dead_waiting_tcp),
 #ifdef FERRY_HAVE_UCX
-      TESTS(ucx),
+      cmocka_unit_test(test_ordering_ucx),
+      cmocka_unit_test(test_no_loss_ucx),
+      cmocka_unit_test(test_slow_ucx),
+      cmocka_unit_test(test_killed_ucx),
+      cmocka_unit_test(test_join_leave_ucx),
+      cmocka_unit_test(test_malformed_ucx),
+      cmocka_unit_test(test_in_process_ucx),
+      cmocka_unit_test(test_loans_ucx),
+      cmocka_unit_test(test_stream_tail_ucx),
+      cmocka_unit_test(test_stream_join_ucx),
+      cmocka_unit_test(test_idle_ucx),
+      cmocka_unit_test(test_dead_waiting_ucx),
 #endif
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
