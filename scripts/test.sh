@@ -109,7 +109,7 @@ if [ "$py_ok" -eq 1 ]; then
 fi
 # Without UCX: the build, and the core and link tests (the ucx transport is optional).
 run_stage "without ucx" build-noucx "-DCMAKE_BUILD_TYPE=RelWithDebInfo -DFERRY_WITH_UCX=OFF" \
-  "-R ^(link_test|core_test)/"
+  "-R ^(link_test|link_conformance_[a-z]+|core_test)/"
 run_stage "asan+ubsan" build-asan "-DCMAKE_BUILD_TYPE=Debug -DFERRY_SANITIZE=address,undefined" ""
 echo "=== tsan (threaded tests) ==="
 if cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DFERRY_SANITIZE=thread >/dev/null &&

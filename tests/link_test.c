@@ -1,9 +1,12 @@
 /*
- * Links: messages and one-sided reads/writes over shm and tcp, bounds and key checks, tokens,
- * bad frames, dead peers. Each case runs once per transport. Two contexts in one process stand
- * for two nodes where that is enough; the fault cases use real child processes.
+ * Links: what the shm and tcp transports and the ctx have of their own (shm's rings, segments
+ * and mappings, tcp's congestion control and bad frames, a ctx's address, memory and message
+ * buffers, a hostile node name, running out of descriptors). What every transport must do is
+ * tests/link_conformance.c, run once per transport. Two contexts in one process stand for two
+ * nodes where that is enough; the fault cases use real child processes.
  */
 // ferry-test: threaded
+#include "linkutil.h"
 #include "testutil.h"
 #include "core/channels.h"
 #include "transport/ctx_impl.h"
@@ -28,36 +31,8 @@
 #include <time.h>
 #include <unistd.h>
 
-typedef struct pair {
-  ferry_ctx *a, *b; /* a connects to b */
-  ferry_link *ab;
-} pair;
-
-static const char *transports[] = {"shm", "tcp"};
-
-static ferry_ctx *open_ctx(const char *name, const char *transport, const char *token) {
-  ferry_ctx_opts o = {.size = sizeof o, .name = name, .transports = transport, .token = token};
-  ferry_ctx *c = NULL;
-  FR_OK(ferry_ctx_open(&o, &c));
-  return c;
-}
-
-static void pair_open(pair *p, const char *transport) {
-  p->a = open_ctx("node-a", transport, "");
-  p->b = open_ctx("node-b", transport, "");
-  FR_OK(ferry_connect(p->a, ferry_ctx_address(p->b), 5000, &p->ab));
-  assert_string_equal(ferry_link_transport(p->ab), transport);
-  assert_string_equal(ferry_link_peer(p->ab), "node-b");
-}
-
-static void pair_close(pair *p) {
-  ferry_link_close(p->ab);
-  ferry_ctx_close(p->a);
-  ferry_ctx_close(p->b);
-}
-
 static void test_ctx_address(void **state) {
-  ferry_ctx *c = open_ctx("solo", "shm,tcp", "");
+  ferry_ctx *c = lt_open_ctx("solo", "shm,tcp", "");
   const char *addr = ferry_ctx_address(c);
   assert_non_null(strstr(addr, "shm://@ferry-"));
   assert_non_null(strstr(addr, "tcp://127.0.0.1:"));
@@ -76,8 +51,8 @@ static void test_ctx_address(void **state) {
  * old one, and a wrong key is still the owner's to refuse. */
 static void test_shm_region_reuse(void **state) {
   (void)state;
-  pair p;
-  pair_open(&p, "shm");
+  lt_pair p;
+  lt_pair_open(&p, "shm");
   size_t n = 1 << 20;
   uint8_t *a, *b, dst[64];
   ferry_region_ref ra, rb;
@@ -107,7 +82,7 @@ static void test_shm_region_reuse(void **state) {
   assert_int_equal(a[0], 0);
   assert_int_equal(a[n - 4097], 0);
   FR_OK(ferry_free(p.b, a));
-  pair_close(&p);
+  lt_pair_close(&p);
 }
 
 /* Mappings of this process whose file is a ferry region's memfd (/proc/self/maps). */
@@ -127,8 +102,8 @@ static int region_mappings(void) {
  * link closes, for every key of a routing-replay run. */
 static void test_shm_dead_mappings_swept(void **state) {
   (void)state;
-  pair p;
-  pair_open(&p, "shm");
+  lt_pair p;
+  lt_pair_open(&p, "shm");
   size_t n = 1 << 20;
   uint8_t *a, *b, dst[16];
   ferry_region_ref ra, rb;
@@ -148,11 +123,11 @@ static void test_shm_dead_mappings_swept(void **state) {
   assert_int_equal(region_mappings(), before + 2);
   assert_int_equal(ferry_read(p.ab, &ra, 0, dst, sizeof dst, 5000), FERRY_ENOTFOUND);
   FR_OK(ferry_free(p.b, b));
-  pair_close(&p);
+  lt_pair_close(&p);
 }
 
 static void test_memory(void **state) {
-  ferry_ctx *c = open_ctx("mem", "tcp", "");
+  ferry_ctx *c = lt_open_ctx("mem", "tcp", "");
   void *p = NULL;
   FR_OK(ferry_alloc(c, 1 << 20, &p));
   assert_int_equal((uintptr_t)p % 4096, 0);
@@ -239,13 +214,13 @@ static void test_message_buffers_evict(void **state) {
 static void local_cc_is(const char *setting, const char *want) {
   if (setting)
     setenv("FERRY_TCP_LOCAL_CC", setting, 1);
-  pair p;
-  pair_open(&p, "tcp");
+  lt_pair p;
+  lt_pair_open(&p, "tcp");
   char cc[32] = "";
   socklen_t len = sizeof cc;
   assert_int_equal(getsockopt(p.ab->poller.fd, IPPROTO_TCP, TCP_CONGESTION, cc, &len), 0);
   assert_string_equal(cc, want);
-  pair_close(&p);
+  lt_pair_close(&p);
   unsetenv("FERRY_TCP_LOCAL_CC");
 }
 
@@ -265,143 +240,13 @@ static void test_tcp_local_cc(void **state) {
     fclose(g);
 }
 
-static void messages(const char *transport) {
-  pair p;
-  pair_open(&p, transport);
-  char big[100000];
-  tu_fill(big, sizeof big, 3);
-  for (int i = 0; i < 100; i++) {
-    char text[32];
-    snprintf(text, sizeof text, "hello %d", i);
-    struct iovec iov[2] = {{text, strlen(text)}, {big, (size_t)i * 1000}};
-    FR_OK(ferry_send(p.ab, 3, iov, 2, 1000));
-  }
-  for (int i = 0; i < 100; i++) {
-    ferry_msg *m = NULL;
-    FR_OK(ferry_recv(p.b, 3, &m, 5000));
-    char text[32];
-    int n = snprintf(text, sizeof text, "hello %d", i);
-    assert_int_equal(m->len, (size_t)n + (size_t)i * 1000);
-    assert_memory_equal(m->data, text, (size_t)n);
-    assert_memory_equal((char *)m->data + n, big, (size_t)i * 1000);
-    /* answer on the link the message came on */
-    struct iovec iov = {m->data, (size_t)n};
-    FR_OK(ferry_send(m->link, 4, &iov, 1, 1000));
-    ferry_msg_free(m);
-  }
-  for (int i = 0; i < 100; i++) {
-    ferry_msg *m = NULL;
-    FR_OK(ferry_recv(p.a, 4, &m, 5000));
-    assert_string_equal(ferry_link_peer(m->link), "node-b");
-    ferry_msg_free(m);
-  }
-  ferry_msg *m = (ferry_msg *)0x1;
-  assert_int_equal(ferry_recv(p.a, 4, &m, 10), FERRY_ETIMEDOUT);
-  assert_ptr_equal(m, (ferry_msg *)0x1);
-  assert_int_equal(ferry_send(p.ab, FERRY_MAX_CHANNELS, NULL, 0, 10), FERRY_EINVAL);
-  pair_close(&p);
-}
-
-static void *answer_calls(void *arg) {
-  ferry_ctx *c = arg;
-  for (int i = 0; i < 200; i++) {
-    ferry_msg *m;
-    if (ferry_recv(c, 9, &m, 5000) != 0)
-      return NULL;
-    assert_true(ferry_msg_is_call(m));
-    char out[64];
-    int n = snprintf(out, sizeof out, "re: %s", (char *)m->data);
-    struct iovec iov = {out, (size_t)n};
-    FR_OK(ferry_reply(m, &iov, 1, 1000));
-    assert_false(ferry_msg_is_call(m));
-    assert_int_equal(ferry_reply(m, &iov, 1, 1000), FERRY_EINVAL); /* once only */
-    ferry_msg_free(m);
-  }
-  return NULL;
-}
-
-typedef struct caller_args {
-  ferry_link *link;
-  int base, failures;
-} caller_args;
-
-static void *make_calls(void *arg) {
-  caller_args *a = arg;
-  for (int i = 0; i < 100; i++) {
-    char q[32], want[40];
-    snprintf(q, sizeof q, "q%d", a->base + i);
-    snprintf(want, sizeof want, "re: %s", q);
-    struct iovec iov = {q, strlen(q) + 1};
-    ferry_msg *r = NULL;
-    if (ferry_call(a->link, 9, &iov, 1, &r, 5000) != 0 || strcmp(r->data, want) != 0)
-      a->failures++;
-    ferry_msg_free(r);
-  }
-  return NULL;
-}
-
-/* Calls from two threads over one link: every reply reaches its own caller. */
-static void calls(const char *transport) {
-  pair p;
-  pair_open(&p, transport);
-  pthread_t server, t[2];
-  pthread_create(&server, NULL, answer_calls, p.b);
-  caller_args a[2] = {{p.ab, 0, 0}, {p.ab, 1000, 0}};
-  for (int i = 0; i < 2; i++)
-    pthread_create(&t[i], NULL, make_calls, &a[i]);
-  for (int i = 0; i < 2; i++) {
-    pthread_join(t[i], NULL);
-    assert_int_equal(a[i].failures, 0);
-  }
-  pthread_join(server, NULL);
-  /* nobody answers: the call times out; a plain message cannot be replied to */
-  struct iovec iov = {"x", 1};
-  ferry_msg *r = (ferry_msg *)0x1;
-  assert_int_equal(ferry_call(p.ab, 10, &iov, 1, &r, 100), FERRY_ETIMEDOUT);
-  assert_ptr_equal(r, (ferry_msg *)0x1);
-  ferry_msg *m;
-  FR_OK(ferry_recv(p.b, 10, &m, 1000));
-  FR_OK(ferry_send(p.ab, 11, &iov, 1, 1000));
-  ferry_msg *plain;
-  FR_OK(ferry_recv(p.b, 11, &plain, 1000));
-  assert_int_equal(ferry_reply(plain, &iov, 1, 100), FERRY_EINVAL);
-  ferry_msg_free(plain);
-  FR_OK(ferry_reply(m, &iov, 1, 100)); /* a late reply is dropped quietly */
-  ferry_msg_free(m);
-  pair_close(&p);
-}
-
-/* Every ctx answers a call on FR_CHANNEL_STATS with its metrics (a fleet view's question), on
- * one link again and again; a plain message there is dropped, and never reaches ferry_recv. */
-static void stats_calls(const char *transport) {
-  pair p;
-  pair_open(&p, transport);
-  char want[96];
-  snprintf(want, sizeof want, "ferry_links{node=\"node-b\",transport=\"%s\"} 1", transport);
-  for (int i = 0; i < 20; i++) {
-    char *text = NULL;
-    FR_OK(fr_stats_call(p.ab, 5000, &text));
-    assert_non_null(strstr(text, want));
-    free(text);
-    usleep(2000);
-  }
-  struct iovec iov = {"x", 1};
-  FR_OK(ferry_send(p.ab, FR_CHANNEL_STATS, &iov, 1, 1000));
-  char *text = NULL;
-  FR_OK(fr_stats_call(p.ab, 5000, &text)); /* after the message: it was taken and dropped */
-  free(text);
-  ferry_msg *m = NULL;
-  assert_int_equal(ferry_recv(p.b, FR_CHANNEL_STATS, &m, 50), FERRY_ETIMEDOUT);
-  pair_close(&p);
-}
-
 /* A receive with a zero timeout sees every message that has arrived, even when no thread has
  * driven the link since: the test holds the receiving ctx's lead mutex, as a progress thread that
  * has not run yet (a busy machine), so only the receive itself can take the messages off the shm
  * ring. N sends, then N receives with nothing else in between, each returns the next message. */
 static void test_recv_zero_drains_shm(void **s) {
-  pair p;
-  pair_open(&p, "shm");
+  lt_pair p;
+  lt_pair_open(&p, "shm");
   struct iovec iov = {"open", 5};
   ferry_msg *m = NULL;
   FR_OK(ferry_send(p.ab, 12, &iov, 1, 5000)); /* the link is open on b's side too */
@@ -425,57 +270,8 @@ static void test_recv_zero_drains_shm(void **s) {
   }
   assert_int_equal(ferry_recv(p.b, 12, &m, 0), FERRY_ETIMEDOUT);
   pthread_mutex_unlock(&p.b->lead);
-  pair_close(&p);
+  lt_pair_close(&p);
 }
-
-/* A channel with an owner: what was queued before is handed over, a second owner and ferry_recv
- * are refused (FERRY_EBUSY), every later message reaches the owner's inbox in order, a kick ends
- * a wait without one, and once the owner closes the channel ferry_recv has it again. */
-static void channel_owner(const char *transport) {
-  pair p;
-  pair_open(&p, transport);
-  char text[32];
-  struct iovec iov = {text, 0};
-  iov.iov_len = (size_t)snprintf(text, sizeof text, "m %d", 0);
-  FR_OK(ferry_send(p.ab, 5, &iov, 1, 1000));
-  assert_true(fr_ctx_await(p.b, 5, 5000)); /* queued before there is an owner */
-  fr_inbox q;
-  fr_inbox_init(&q);
-  FR_OK(fr_ctx_channel_open(p.b, 5, &fr_inbox_ops, &q));
-  assert_int_equal(fr_ctx_channel_open(p.b, 5, &fr_inbox_ops, &q), FERRY_EBUSY);
-  ferry_msg *m = NULL;
-  assert_int_equal(ferry_recv(p.b, 5, &m, 0), FERRY_EBUSY);
-  for (int i = 1; i < 50; i++) {
-    iov.iov_len = (size_t)snprintf(text, sizeof text, "m %d", i);
-    FR_OK(ferry_send(p.ab, 5, &iov, 1, 1000));
-  }
-  for (int i = 0; i < 50; i++) {
-    m = fr_inbox_wait(p.b, 5, &q, UINT64_MAX);
-    assert_non_null(m);
-    int n = snprintf(text, sizeof text, "m %d", i);
-    assert_int_equal(m->len, (size_t)n);
-    assert_memory_equal(m->data, text, (size_t)n);
-    assert_string_equal(ferry_link_peer(m->link), "node-a");
-    ferry_msg_free(m);
-  }
-  fr_inbox_kick(p.b, 5, &q);
-  assert_null(fr_inbox_wait(p.b, 5, &q, UINT64_MAX)); /* the kick, not a message */
-  fr_ctx_channel_close(p.b, 5);
-  iov.iov_len = (size_t)snprintf(text, sizeof text, "after");
-  FR_OK(ferry_send(p.ab, 5, &iov, 1, 1000));
-  FR_OK(ferry_recv(p.b, 5, &m, 5000));
-  assert_int_equal(m->len, 5);
-  ferry_msg_free(m);
-  assert_null(fr_inbox_take(&q));
-  fr_inbox_fini(&q);
-  pair_close(&p);
-}
-
-static void test_channel_owner_shm(void **s) { channel_owner("shm"); }
-static void test_channel_owner_tcp(void **s) { channel_owner("tcp"); }
-
-static void test_stats_calls_shm(void **s) { stats_calls("shm"); }
-static void test_stats_calls_tcp(void **s) { stats_calls("tcp"); }
 
 /* ---- a call for the metrics goes ahead of bulk read responses ---- */
 
@@ -505,7 +301,7 @@ static int bulk_main(void *arg) {
   if (tu_pipe_get(pp, addr, sizeof addr, 10000) != 0 ||
       tu_pipe_get(pp, &b.ref, sizeof b.ref, 10000) != 0)
     return 1;
-  ferry_ctx *c = open_ctx("bulk", "tcp", "");
+  ferry_ctx *c = lt_open_ctx("bulk", "tcp", "");
   if (ferry_connect(c, addr, 5000, &b.link) != 0)
     return 1;
   pthread_t t;
@@ -549,7 +345,7 @@ static void test_stats_ahead_of_reads(void **s) {
   tu_pipe_open(&pp);
   pid_t pid = tu_spawn(bulk_main, &pp); /* before any context: a fork of a process with threads
                                            cannot start threads under TSan */
-  ferry_ctx *owner = open_ctx("owner", "tcp", "");
+  ferry_ctx *owner = lt_open_ctx("owner", "tcp", "");
   void *mem;
   FR_OK(ferry_alloc(owner, BULK_BYTES, &mem));
   ferry_region_ref ref;
@@ -558,7 +354,7 @@ static void test_stats_ahead_of_reads(void **s) {
   snprintf(addr, sizeof addr, "%s", ferry_ctx_address(owner));
   tu_pipe_put(&pp, addr, sizeof addr);
   tu_pipe_put(&pp, &ref, sizeof ref);
-  ferry_ctx *c = open_ctx("asker", "tcp", "");
+  ferry_ctx *c = lt_open_ctx("asker", "tcp", "");
   stats_asker a = {0};
   FR_OK(ferry_connect(c, addr, 5000, &a.link));
   /* a bounded wait for the state: the reader stopped with responses queued behind the one the
@@ -617,116 +413,15 @@ static void test_stats_ahead_of_reads(void **s) {
   tu_pipe_close(&pp);
 }
 
-static void test_calls_shm(void **s) { calls("shm"); }
-static void test_calls_tcp(void **s) { calls("tcp"); }
-
-static void test_messages_shm(void **s) { messages("shm"); }
-static void test_messages_tcp(void **s) { messages("tcp"); }
-
-/* Vectored reads: a strided slice (1000 bytes of every 3000, 600 runs: several requests over
- * tcp, answered by the server thread) and a few small runs (answered inline) land one after
- * another; a bad run refuses the whole read. */
-static void readv_checks(pair *p, const ferry_region_ref *ref, const uint8_t *mem, size_t n,
-                         uint8_t *dst) {
-  ferry_read_run runs[600];
-  for (size_t i = 0; i < 600; i++)
-    runs[i] = (ferry_read_run){i * 3000 + 17, 1000};
-  memset(dst, 0, 600 * 1000);
-  FR_OK(ferry_readv(p->ab, ref, runs, 600, dst, 5000));
-  for (size_t i = 0; i < 600; i++)
-    if (memcmp(dst + i * 1000, mem + runs[i].offset, 1000) != 0)
-      fail_msg("readv run %zu differs", i);
-  ferry_read_run few[3] = {{n - 8, 8}, {0, 5}, {4096, 100}};
-  FR_OK(ferry_readv(p->ab, ref, few, 3, dst, 5000));
-  assert_memory_equal(dst, mem + n - 8, 8);
-  assert_memory_equal(dst + 8, mem, 5);
-  assert_memory_equal(dst + 13, mem + 4096, 100);
-  ferry_read_run past[2] = {{0, 8}, {n - 4, 8}};
-  assert_int_equal(ferry_readv(p->ab, ref, past, 2, dst, 5000), FERRY_ERANGE);
-  ferry_read_run empty[2] = {{0, 8}, {8, 0}};
-  assert_int_equal(ferry_readv(p->ab, ref, empty, 2, dst, 5000), FERRY_EINVAL);
-  ferry_region_ref wrong = *ref;
-  wrong.key ^= 1;
-  assert_int_equal(ferry_readv(p->ab, &wrong, few, 3, dst, 5000), FERRY_EACCES);
-}
-
-static void one_sided(const char *transport, bool shared) {
-  pair p;
-  pair_open(&p, transport);
-  size_t n = 3 << 20;
-  uint8_t *mem, *heap = NULL;
-  ferry_region_ref ref;
-  if (shared) {
-    FR_OK(ferry_alloc(p.b, n, (void **)&mem));
-    FR_OK(ferry_region_find(p.b, mem, n, &ref, NULL));
-  } else {
-    heap = malloc(n);
-    mem = heap;
-    FR_OK(ferry_register(p.b, mem, n, &ref));
-  }
-  tu_fill(mem, n, 11);
-  uint8_t *dst = malloc(n);
-  FR_OK(ferry_read(p.ab, &ref, 0, dst, n, 5000));
-  assert_memory_equal(dst, mem, n);
-  FR_OK(ferry_read(p.ab, &ref, 12345, dst, 64, 5000));
-  assert_memory_equal(dst, mem + 12345, 64);
-
-  readv_checks(&p, &ref, mem, n, dst);
-
-  tu_fill(dst, 4096, 99);
-  FR_OK(ferry_write(p.ab, &ref, n - 4096, dst, 4096, 5000));
-  assert_memory_equal(mem + n - 4096, dst, 4096);
-
-  /* refused: bounds, key, unknown region; the owner keeps serving */
-  assert_int_equal(ferry_read(p.ab, &ref, n - 10, dst, 11, 5000), FERRY_ERANGE);
-  assert_int_equal(ferry_read(p.ab, &ref, UINT64_MAX - 2, dst, 8, 5000), FERRY_ERANGE);
-  assert_int_equal(ferry_write(p.ab, &ref, n, dst, 1, 5000), FERRY_ERANGE);
-  ferry_region_ref wrong = ref;
-  wrong.key ^= 1;
-  assert_int_equal(ferry_read(p.ab, &wrong, 0, dst, 8, 5000), FERRY_EACCES);
-  assert_int_equal(ferry_write(p.ab, &wrong, 0, dst, 8, 5000), FERRY_EACCES);
-  ferry_region_ref none = {.id = 999999, .key = 1, .size = 8};
-  assert_int_equal(ferry_read(p.ab, &none, 0, dst, 8, 5000), FERRY_ENOTFOUND);
-  FR_OK(ferry_read(p.ab, &ref, 0, dst, n, 5000));
-  assert_memory_equal(dst, mem, n);
-
-  const void *view = NULL;
-  int rc = ferry_view(p.ab, &ref, 64, 64, &view);
-  if (strcmp(transport, "shm") == 0 && shared) {
-    FR_OK(rc);
-    assert_memory_equal(view, mem + 64, 64);
-    FR_OK(ferry_view_valid(p.ab, &ref));
-  } else {
-    assert_int_equal(rc, FERRY_ENOTSUP);
-  }
-
-  /* freed: the reader is told, nobody crashes */
-  if (shared) {
-    FR_OK(ferry_free(p.b, mem));
-    rc = ferry_read(p.ab, &ref, 0, dst, 64, 5000);
-    assert_int_equal(rc, FERRY_ENOTFOUND);
-    if (strcmp(transport, "shm") == 0)
-      assert_int_equal(ferry_view_valid(p.ab, &ref), FERRY_ENOTFOUND);
-  } else {
-    FR_OK(ferry_deregister(p.b, ref.id));
-    assert_int_equal(ferry_read(p.ab, &ref, 0, dst, 64, 5000), FERRY_ENOTFOUND);
-  }
-  free(dst);
-  pair_close(&p);
-  free(heap);
-}
-
-static void test_rma_shm_shared(void **s) { one_sided("shm", true); }
-
 /* A tiny shm ring: every frame wraps, every large one waits for room. */
 static void test_shm_small_ring(void **s) {
   setenv("FERRY_SHM_RING_BYTES", "4096", 1);
-  messages("shm");
-  one_sided("shm", false);
-  calls("shm");
+  lt_messages("shm");
+  lt_one_sided("shm", false);
+  lt_calls("shm");
   unsetenv("FERRY_SHM_RING_BYTES");
   setenv("FERRY_SHM_RING_BYTES", "1000", 1); /* not a power of two: refused clearly */
-  ferry_ctx *a = open_ctx("a", "shm", ""), *b = open_ctx("b", "shm", "");
+  ferry_ctx *a = lt_open_ctx("a", "shm", ""), *b = lt_open_ctx("b", "shm", "");
   ferry_link *l;
   int rc = ferry_connect(a, ferry_ctx_address(b), 2000, &l);
   unsetenv("FERRY_SHM_RING_BYTES");
@@ -735,8 +430,6 @@ static void test_shm_small_ring(void **s) {
   ferry_ctx_close(a);
   ferry_ctx_close(b);
 }
-static void test_rma_shm_registered(void **s) { one_sided("shm", false); }
-
 /* ---- a peer that writes its ring positions out of range ---- */
 
 /* The first mapping of a link's ring segment in this process (both ends of a pair map it). */
@@ -764,7 +457,7 @@ static void log_into(ferry_log_level level, const char *msg, void *arg) {
 
 /* The link whose ring the peer corrupted closes with a warning naming the ring; the process
  * goes on, and a new link to it works. */
-static void expect_ring_closed(pair *p, ferry_ctx *victim) {
+static void expect_ring_closed(lt_pair *p, ferry_ctx *victim) {
   for (int i = 0; i < 100 && !strstr(corrupt_log, "out-of-range ring position"); i++) {
     ferry_msg *m = NULL;
     assert_int_equal(ferry_recv(victim, 3, &m, 20), FERRY_ETIMEDOUT);
@@ -779,7 +472,7 @@ static void expect_ring_closed(pair *p, ferry_ctx *victim) {
       ferry_msg_free(m);
   }
   assert_true(rc == FERRY_EPEER || rc == FERRY_ECLOSED || rc == FERRY_EPROTO);
-  ferry_ctx *c = open_ctx("node-c", "shm", "");
+  ferry_ctx *c = lt_open_ctx("node-c", "shm", "");
   ferry_link *l;
   FR_OK(ferry_connect(c, ferry_ctx_address(p->b), 5000, &l));
   struct iovec v = {"hello", 5};
@@ -793,7 +486,7 @@ static void expect_ring_closed(pair *p, ferry_ctx *victim) {
 }
 
 /* One message each way, so both rings have moved and are on. */
-static ferry_link *exchange(pair *p) {
+static ferry_link *exchange(lt_pair *p) {
   struct iovec v = {"ping", 4};
   FR_OK(ferry_send(p->ab, 3, &v, 1, 1000));
   ferry_msg *m = NULL;
@@ -813,17 +506,17 @@ static ferry_link *exchange(pair *p) {
 static void test_shm_ring_corrupt(void **s) {
   ferry_log_set_callback(log_into, NULL);
   /* the connector's head of ring 0 (a -> b): node-b reads garbage positions */
-  pair p;
-  pair_open(&p, "shm");
+  lt_pair p;
+  lt_pair_open(&p, "shm");
   ferry_link *ba = exchange(&p);
   fr_ring_hdr *r0 = (fr_ring_hdr *)ring_segment();
   __atomic_add_fetch(&r0->head, 1ull << 40, __ATOMIC_SEQ_CST);
   corrupt_log[0] = '\0';
   expect_ring_closed(&p, p.b);
   fr_link_unref(ba);
-  pair_close(&p);
+  lt_pair_close(&p);
   /* the tail of ring 1 (b -> a), which a as the consumer publishes: node-b's writer */
-  pair_open(&p, "shm");
+  lt_pair_open(&p, "shm");
   ba = exchange(&p);
   uint8_t *seg = ring_segment();
   fr_ring_hdr *r1 = (fr_ring_hdr *)(seg + 4096 + ((fr_ring_hdr *)seg)->size);
@@ -835,7 +528,7 @@ static void test_shm_ring_corrupt(void **s) {
   assert_non_null(strstr(ferry_last_error(), "corrupt"));
   expect_ring_closed(&p, p.b);
   fr_link_unref(ba);
-  pair_close(&p);
+  lt_pair_close(&p);
   ferry_log_set_callback(NULL, NULL);
   (void)s;
 }
@@ -863,8 +556,8 @@ static bool end_log_has(const char *what) {
 }
 
 static void end_after_bad_ring(uint64_t head_step, const char *expect) {
-  pair p;
-  pair_open(&p, "shm");
+  lt_pair p;
+  lt_pair_open(&p, "shm");
   ferry_link *ba = exchange(&p);
   fr_ring_hdr *r0 = (fr_ring_hdr *)ring_segment(); /* a -> b */
   pthread_mutex_lock(&end_log_lock);
@@ -881,7 +574,7 @@ static void end_after_bad_ring(uint64_t head_step, const char *expect) {
   if (!end_log_has(expect))
     fail_msg("expected '%s' in the log", expect);
   fr_link_unref(ba);
-  pair_close(&p);
+  lt_pair_close(&p);
 }
 
 static void test_shm_end_after_bad_ring(void **s) {
@@ -941,8 +634,8 @@ static int shrink_memfds(const char *name, bool via_maps, int *shrunk) {
  * peer's next copy raised SIGBUS (the old code let any holder shrink it). Our memfds are sealed
  * now, so the truncation is refused and the peer reads on. */
 static void test_shm_memfd_shrink(void **s) {
-  pair p;
-  pair_open(&p, "shm");
+  lt_pair p;
+  lt_pair_open(&p, "shm");
   ferry_link *ba = exchange(&p);
   size_t n = 1 << 20;
   uint8_t *mem = NULL;
@@ -975,7 +668,7 @@ static void test_shm_memfd_shrink(void **s) {
   free(dst);
   FR_OK(ferry_free(p.b, mem));
   fr_link_unref(ba);
-  pair_close(&p);
+  lt_pair_close(&p);
   (void)s;
 }
 
@@ -1013,38 +706,6 @@ static void test_shm_segment_check(void **s) {
   (void)s;
 }
 
-static void test_rma_tcp_shared(void **s) { one_sided("tcp", true); }
-static void test_rma_tcp_registered(void **s) { one_sided("tcp", false); }
-
-/* Timeouts are generous: under TSan on a loaded 2-core machine a ucx handshake once took over
- * 5 s. A refused token fails at once whatever the timeout. */
-static void tokens(const char *transport) {
-  ferry_ctx *server = open_ctx("server", transport, "s3cret-fleet-token-0123456789");
-  ferry_ctx *good = open_ctx("good", transport, "s3cret-fleet-token-0123456789");
-  ferry_ctx *bad = open_ctx("bad", transport, "a-guess-of-16-bytes-or-more");
-  ferry_ctx *none = open_ctx("none", transport, "");
-  ferry_link *l = NULL;
-  FR_OK(ferry_connect(good, ferry_ctx_address(server), 20000, &l));
-  ferry_link *nl = (ferry_link *)0x1;
-  assert_int_equal(ferry_connect(bad, ferry_ctx_address(server), 20000, &nl), FERRY_EAUTH);
-  assert_ptr_equal(nl, (ferry_link *)0x1);
-  assert_int_equal(ferry_connect(none, ferry_ctx_address(server), 20000, &nl), FERRY_EAUTH);
-  /* the server still serves the good peer */
-  struct iovec iov = {"ok", 2};
-  FR_OK(ferry_send(l, 0, &iov, 1, 1000));
-  ferry_msg *m;
-  FR_OK(ferry_recv(server, 0, &m, 20000));
-  ferry_msg_free(m);
-  ferry_link_close(l);
-  ferry_ctx_close(server);
-  ferry_ctx_close(good);
-  ferry_ctx_close(bad);
-  ferry_ctx_close(none);
-}
-
-static void test_token_shm(void **s) { tokens("shm"); }
-static void test_token_tcp(void **s) { tokens("tcp"); }
-
 /* #17 row 3: `ferry serve --listen 0.0.0.0:PORT` without a token listened on every interface,
  * and any host that reached it could read and write the node's memory. Beyond loopback a token
  * is now required; on loopback none is. */
@@ -1076,7 +737,7 @@ static void test_exposed_listen_needs_token(void **s) {
 }
 
 static void test_connect_failures(void **s) {
-  ferry_ctx *c = open_ctx("dialer", "shm,tcp", "");
+  ferry_ctx *c = lt_open_ctx("dialer", "shm,tcp", "");
   ferry_link *l;
   /* nothing listens there */
   assert_int_equal(ferry_connect(c, "tcp://127.0.0.1:1", 2000, &l), FERRY_ECONNECT);
@@ -1118,32 +779,24 @@ static void send_raw_and_expect_close(ferry_ctx *server, const uint8_t *bytes, s
   close(fd);
 }
 
-static void frame(uint8_t *out, uint32_t magic, uint8_t version, uint8_t type, uint64_t len) {
-  memset(out, 0, 32);
-  memcpy(out, &magic, 4);
-  out[4] = version;
-  out[5] = type;
-  memcpy(out + 24, &len, 8);
-}
-
 static void test_bad_frames(void **s) {
-  ferry_ctx *server = open_ctx("server", "tcp", "");
+  ferry_ctx *server = lt_open_ctx("server", "tcp", "");
   uint8_t f[32 + 80] = {0};
-  frame(f, 0xdeadbeef, 1, 1, 80); /* bad magic */
+  lt_frame(f, 0xdeadbeef, 1, 1, 80); /* bad magic */
   send_raw_and_expect_close(server, f, sizeof f);
-  frame(f, 0x31595246, 9, 1, 80); /* bad version */
+  lt_frame(f, 0x31595246, 9, 1, 80); /* bad version */
   send_raw_and_expect_close(server, f, sizeof f);
-  frame(f, 0x31595246, 1, 77, 80); /* bad type */
+  lt_frame(f, 0x31595246, 1, 77, 80); /* bad type */
   send_raw_and_expect_close(server, f, sizeof f);
-  frame(f, 0x31595246, 1, 1, 1ull << 40); /* bad length */
+  lt_frame(f, 0x31595246, 1, 1, 1ull << 40); /* bad length */
   send_raw_and_expect_close(server, f, 32);
-  frame(f, 0x31595246, 1, 5, 4); /* a message before the handshake */
+  lt_frame(f, 0x31595246, 1, 5, 4); /* a message before the handshake */
   send_raw_and_expect_close(server, f, 36);
-  frame(f, 0x31595246, 1, 1, 80); /* hello whose name is not terminated */
+  lt_frame(f, 0x31595246, 1, 1, 80); /* hello whose name is not terminated */
   memset(f + 32, 'x', 80);
   send_raw_and_expect_close(server, f, sizeof f);
   /* still serving */
-  ferry_ctx *c = open_ctx("client", "tcp", "");
+  ferry_ctx *c = lt_open_ctx("client", "tcp", "");
   ferry_link *l;
   FR_OK(ferry_connect(c, ferry_ctx_address(server), 5000, &l));
   ferry_link_close(l);
@@ -1178,7 +831,7 @@ static int hostile_target(void *arg) {
   int fd = open(a->log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
   if (fd < 0 || dup2(fd, STDERR_FILENO) < 0)
     return 2;
-  ferry_ctx *c = open_ctx("target", "tcp", "");
+  ferry_ctx *c = lt_open_ctx("target", "tcp", "");
   char addr[256];
   snprintf(addr, sizeof addr, "%s", ferry_ctx_address(c));
   tu_pipe_put(&a->up, addr, sizeof addr);
@@ -1267,7 +920,7 @@ static void count_accept_warnings(ferry_log_level level, const char *msg, void *
 static int emfile_server(void *arg) {
   emfile_args *a = arg;
   ferry_log_set_callback(count_accept_warnings, NULL);
-  ferry_ctx *c = open_ctx("emfile", "tcp", "");
+  ferry_ctx *c = lt_open_ctx("emfile", "tcp", "");
   static int fds[1 << 16];
   int n = 0;
   for (int fd; n < (1 << 16) && (fd = open("/dev/null", O_RDONLY)) >= 0;)
@@ -1331,7 +984,7 @@ static void test_out_of_descriptors(void **s) {
   char tcp_addr[256];
   snprintf(tcp_addr, sizeof tcp_addr, "%s", tcp);
   *strchrnul(tcp_addr, ',') = '\0';
-  ferry_ctx *c = open_ctx("client", "tcp", "");
+  ferry_ctx *c = lt_open_ctx("client", "tcp", "");
   ferry_link *l;
   FR_OK(ferry_connect(c, tcp_addr, 5000, &l));
   ferry_link_close(l);
@@ -1343,414 +996,29 @@ static void test_out_of_descriptors(void **s) {
   (void)s;
 }
 
-/* ---- a peer killed mid-read ---- */
-
-typedef struct owner_args {
-  const char *transport;
-  tu_pipe *pipe;
-  size_t bytes;
-} owner_args;
-
-static int owner_main(void *arg) {
-  owner_args *a = arg;
-  ferry_ctx *c = open_ctx("owner", a->transport, "");
-  void *mem;
-  if (ferry_alloc(c, a->bytes, &mem) != 0)
-    return 1;
-  ferry_region_ref ref;
-  ferry_region_find(c, mem, a->bytes, &ref, NULL);
-  char addr[512];
-  snprintf(addr, sizeof addr, "%s", ferry_ctx_address(c));
-  tu_pipe_put(a->pipe, addr, sizeof addr);
-  tu_pipe_put(a->pipe, &ref, sizeof ref);
-  pause();
-  return 0;
-}
-
-/* Reads the owner takes no part in: shm's memcpy from mapped pages, ucx gets over shared memory
- * (cma reads the owner's pages even while it is stopped). */
-static bool owner_free_reads(const char *transport) {
-  const char *tls = getenv("UCX_TLS");
-  return strcmp(transport, "shm") == 0 ||
-         (strcmp(transport, "ucx") == 0 && tls && (strstr(tls, "sm") || strstr(tls, "cma")));
-}
-
-static void killed_mid_read(const char *transport, bool registered_fallback) {
-  tu_pipe pp;
-  tu_pipe_open(&pp);
-  owner_args a = {transport, &pp, 64 << 20};
-  pid_t pid = tu_spawn(owner_main, &a);
-  char addr[512];
-  ferry_region_ref ref;
-  assert_int_equal(tu_pipe_get(&pp, addr, sizeof addr, 10000), 0);
-  assert_int_equal(tu_pipe_get(&pp, &ref, sizeof ref, 10000), 0);
-  ferry_ctx *c = open_ctx("reader", transport, "");
-  ferry_link *l;
-  FR_OK(ferry_connect(c, addr, 5000, &l));
-  uint8_t *dst = malloc(a.bytes);
-  FR_OK(ferry_read(l, &ref, 0, dst, 4096, 5000));
-  /* Stop the owner so the read is certainly in flight, then kill it. */
-  kill(pid, SIGSTOP);
-  (void)registered_fallback;
-  pid_t killer = fork();
-  if (killer == 0) {
-    usleep(200000);
-    kill(pid, SIGKILL);
-    _exit(0);
-  }
-  int rc = ferry_read(l, &ref, 0, dst, a.bytes, 8000);
-  if (owner_free_reads(transport)) {
-    /* a mapped read needs nothing from the owner: it completes or reports the peer gone */
-    assert_true(rc == 0 || rc == FERRY_EPEER);
-  } else {
-    assert_int_equal(rc, FERRY_EPEER);
-  }
-  tu_wait(killer);
-  assert_int_equal(tu_wait(pid), 128 + SIGKILL);
-  /* the link is dead now: every later call says so at once */
-  usleep(100000);
-  assert_int_equal(ferry_read(l, &ref, 0, dst, 64, 1000), FERRY_EPEER);
-  free(dst);
-  ferry_link_close(l);
-  ferry_ctx_close(c);
-  tu_pipe_close(&pp);
-}
-
-static void test_killed_mid_read_tcp(void **s) { killed_mid_read("tcp", false); }
-static void test_killed_mid_read_shm(void **s) { killed_mid_read("shm", false); }
-
-/* ---- many threads sharing links ---- */
-
-typedef struct hammer_args {
-  ferry_link *link;
-  ferry_region_ref ref;
-  const uint8_t *expect;
-  int failures;
-} hammer_args;
-
-static void *hammer(void *arg) {
-  hammer_args *h = arg;
-  uint8_t buf[8192];
-  for (int i = 0; i < 300; i++) {
-    size_t off = (size_t)(i * 977) % (h->ref.size - sizeof buf);
-    if (ferry_read(h->link, &h->ref, off, buf, sizeof buf, 5000) != 0 ||
-        memcmp(buf, h->expect + off, sizeof buf) != 0)
-      h->failures++;
-  }
-  return NULL;
-}
-
-static void concurrent(const char *transport) {
-  pair p;
-  pair_open(&p, transport);
-  size_t n = 1 << 20;
-  uint8_t *mem = malloc(n);
-  tu_fill(mem, n, 5);
-  hammer_args h[4];
-  pthread_t t[4];
-  ferry_region_ref ref;
-  FR_OK(ferry_register(p.b, mem, n, &ref));
-  for (int i = 0; i < 4; i++) {
-    h[i] = (hammer_args){p.ab, ref, mem, 0};
-    pthread_create(&t[i], NULL, hammer, &h[i]);
-  }
-  for (int i = 0; i < 4; i++) {
-    pthread_join(t[i], NULL);
-    assert_int_equal(h[i].failures, 0);
-  }
-  pair_close(&p);
-  free(mem);
-}
-
-static void test_concurrent_shm(void **s) { concurrent("shm"); }
-static void test_concurrent_tcp(void **s) { concurrent("tcp"); }
-
-/* A thread waiting in ferry_recv leads its ctx's epoll (tcp, shm); other threads of that ctx
- * waiting for read responses meanwhile get them through it, and its own message still comes. */
-typedef struct recv_args {
-  ferry_ctx *c;
-  int rc;
-  char got[16];
-} recv_args;
-
-static void *recv_one(void *arg) {
-  recv_args *r = arg;
-  ferry_msg *m = NULL;
-  r->rc = ferry_recv(r->c, 5, &m, 20000);
-  if (r->rc == 0) {
-    snprintf(r->got, sizeof r->got, "%s", (const char *)m->data);
-    ferry_msg_free(m);
-  }
-  return NULL;
-}
-
-static void waiters(const char *transport) {
-  pair p;
-  pair_open(&p, transport);
-  size_t n = 1 << 20;
-  uint8_t *mem = malloc(n);
-  tu_fill(mem, n, 7);
-  ferry_region_ref ref;
-  FR_OK(ferry_register(p.b, mem, n, &ref));
-  recv_args r = {.c = p.a};
-  pthread_t rt, t[2];
-  pthread_create(&rt, NULL, recv_one, &r);
-  hammer_args h[2];
-  for (int i = 0; i < 2; i++) {
-    h[i] = (hammer_args){p.ab, ref, mem, 0};
-    pthread_create(&t[i], NULL, hammer, &h[i]);
-  }
-  for (int i = 0; i < 2; i++) {
-    pthread_join(t[i], NULL);
-    assert_int_equal(h[i].failures, 0);
-  }
-  struct iovec hello = {"hello", 6}, back = {"back", 5};
-  FR_OK(ferry_send(p.ab, 6, &hello, 1, 5000));
-  ferry_msg *m = NULL;
-  FR_OK(ferry_recv(p.b, 6, &m, 5000));
-  FR_OK(ferry_send(m->link, 5, &back, 1, 5000));
-  ferry_msg_free(m);
-  pthread_join(rt, NULL);
-  assert_int_equal(r.rc, 0);
-  assert_string_equal(r.got, "back");
-  pair_close(&p);
-  free(mem);
-}
-
-static void test_waiters_shm(void **s) { waiters("shm"); }
-static void test_waiters_tcp(void **s) { waiters("tcp"); }
-
-/* ---- frames sent just before the sender's end all arrive ---- */
-
-/* How the sender ends after its last ferry_send returned 0: it closes the link (and then its
- * ctx), it closes only its ctx, or it exits with nothing closed (shm and tcp: nothing of a sent
- * frame is left in the sender's memory then; ucx keeps bytes in UCX until the ctx closes). */
-typedef enum { END_LINK_CLOSE, END_CTX_CLOSE, END_EXIT } end_how;
-
-typedef struct end_args {
-  const char *transport;
-  tu_pipe *pipe;
-  int frames;
-  bool large; /* every 100th frame carries END_LARGE bytes: more than a shm ring holds */
-  end_how how;
-} end_args;
-
-#define END_CHANNEL 9
-#define END_LARGE (700u * 1024u)
-
-static size_t end_frame_len(const end_args *a, int i) {
-  return a->large && i % 100 == 50 ? END_LARGE : 16;
-}
-
-static const char *how_name(end_how how) {
-  return how == END_EXIT ? "exit" : how == END_CTX_CLOSE ? "ctx close" : "link close";
-}
-
-static int end_sender(void *arg) {
-  end_args *a = arg;
-  char addr[512];
-  if (tu_pipe_get(a->pipe, addr, sizeof addr, 10000) != 0)
-    return 2;
-  ferry_ctx *c = open_ctx("ender", a->transport, "");
-  ferry_link *l;
-  if (ferry_connect(c, addr, 5000, &l) != 0)
-    return 3;
-  uint8_t *buf = malloc(END_LARGE);
-  if (!buf)
-    return 4;
-  for (int i = 0; i < a->frames; i++) {
-    size_t len = end_frame_len(a, i);
-    tu_fill(buf, len, (uint64_t)i);
-    memcpy(buf, &i, sizeof i);
-    struct iovec iov = {buf, len};
-    if (ferry_send(l, END_CHANNEL, &iov, 1, 10000) != 0)
-      return 5;
-  }
-  if (a->how == END_EXIT)
-    return 0; /* tu_spawn's _exit: the kernel closes the socket, the ring stays mapped there */
-  if (a->how == END_LINK_CLOSE)
-    ferry_link_close(l);
-  ferry_ctx_close(c);
-  free(buf);
-  return 0;
-}
-
-/* The receiver must get every frame whose send returned 0, in order, and then see the link end
- * (a link that ended before its frames were taken in lost them: shm's ring, ucx's stream). */
-static void end_after_sends(const char *transport, bool large, end_how how) {
-  tu_pipe pp;
-  tu_pipe_open(&pp);
-  end_args a = {transport, &pp, 1000, large, how};
-  pid_t pid = tu_spawn(end_sender, &a);
-  ferry_ctx *c = open_ctx("end-receiver", transport, "");
-  char addr[512];
-  snprintf(addr, sizeof addr, "%s", ferry_ctx_address(c));
-  tu_pipe_put(&pp, addr, sizeof addr);
-  uint8_t *want = malloc(END_LARGE);
-  ferry_link *link = NULL;
-  for (int i = 0; i < a.frames; i++) {
-    ferry_msg *m = NULL;
-    int rc = ferry_recv(c, END_CHANNEL, &m, 20000);
-    if (rc != 0)
-      fail_msg("%s (%s): frame %d of %d did not arrive: %s", transport, how_name(how), i, a.frames,
-               ferry_strerror(rc));
-    size_t len = end_frame_len(&a, i);
-    tu_fill(want, len, (uint64_t)i);
-    memcpy(want, &i, sizeof i);
-    assert_int_equal(m->len, len);
-    assert_memory_equal(m->data, want, len);
-    if (!link)
-      link = ferry_link_retain(m->link);
-    ferry_msg_free(m);
-  }
-  assert_int_equal(tu_wait(pid), 0);
-  /* then the end, and nothing more: a waiting receiver drives the ctx until the link says so */
-  for (int i = 0; i < 1000 && ferry_link_status(link) == 0; i++) {
-    ferry_msg *m = NULL;
-    assert_int_equal(ferry_recv(c, END_CHANNEL, &m, 10), FERRY_ETIMEDOUT);
-  }
-  if (ferry_link_status(link) == 0)
-    fail_msg("%s (%s): the link did not end", transport, how_name(how));
-  ferry_msg *m = NULL;
-  assert_int_equal(ferry_recv(c, END_CHANNEL, &m, 10), FERRY_ETIMEDOUT);
-  ferry_link_release(link);
-  free(want);
-  ferry_ctx_close(c);
-  tu_pipe_close(&pp);
-}
-
-static void ends(const char *transport) {
-  for (int how = END_LINK_CLOSE; how <= END_EXIT; how++) {
-    if (how == END_EXIT && strcmp(transport, "ucx") == 0)
-      continue; /* UCX's own buffers end with a process that never closed its ctx */
-    end_after_sends(transport, false, (end_how)how);
-    end_after_sends(transport, true, (end_how)how);
-  }
-}
-
-static void test_end_after_sends_shm(void **s) { ends("shm"); }
-static void test_end_after_sends_tcp(void **s) { ends("tcp"); }
-
-typedef struct echo_args {
-  ferry_ctx *c;
-  int n, rc;
-} echo_args;
-
-static void *echo_n(void *arg) {
-  echo_args *e = arg;
-  for (int i = 0; i < e->n && e->rc == 0; i++) {
-    ferry_msg *m = NULL;
-    struct iovec back = {"back", 5};
-    if ((e->rc = ferry_recv(e->c, 7, &m, 20000)) == 0)
-      e->rc = ferry_send(m->link, 7, &back, 1, 5000);
-    ferry_msg_free(m);
-  }
-  return NULL;
-}
-
-/* Round trips and one-sided reads far apart (each after a pause longer than any wait a caller's
- * lead is kept for) cost the progress threads nothing: the caller waiting for the answer, and the
- * echoing thread waiting for the request, each lead their ctx's epoll without taking it from a
- * progress thread asleep in it (leader.c). Before, each paced round trip woke the asking side's
- * progress thread twice (asked to step down, then its grace timer) and the echoing side's twice
- * more (a nudge, a grace timer): at least 4 per round trip, and 2 per one-sided read over tcp. The
- * bound leaves room for the rare answer that comes before its caller leads, and for the progress
- * threads' once-a-second look. The two ctxs of this process are the two nodes, so that
- * /proc/PID/task holds both progress threads. */
-static void paced_round_trips(const char *transport) {
-  pair p;
-  pair_open(&p, transport);
-  enum { ROUNDS = 40 };
-  struct iovec hello = {"hello", 6};
-  echo_args e = {.c = p.b, .n = ROUNDS + 1};
-  pthread_t t;
-  assert_int_equal(pthread_create(&t, NULL, echo_n, &e), 0);
-  ferry_msg *m = NULL;
-  FR_OK(ferry_send(p.ab, 7, &hello, 1, 5000)); /* a first one, outside the count */
-  FR_OK(ferry_recv(p.a, 7, &m, 20000));
-  ferry_msg_free(m);
-  uint8_t mem[64], got[64];
-  tu_fill(mem, sizeof mem, 3);
-  ferry_region_ref ref;
-  FR_OK(ferry_register(p.b, mem, sizeof mem, &ref));
-  long before = tu_wakeups(getpid(), "ferry-progress");
-  for (int i = 0; i < ROUNDS; i++) {
-    usleep(10000);
-    FR_OK(ferry_send(p.ab, 7, &hello, 1, 5000));
-    FR_OK(ferry_recv(p.a, 7, &m, 20000));
-    assert_string_equal((const char *)m->data, "back");
-    ferry_msg_free(m);
-    usleep(10000); /* and a one-sided read, served by the echoing thread's lead (tcp) */
-    memset(got, 0, sizeof got);
-    FR_OK(ferry_read(p.ab, &ref, 0, got, sizeof got, 5000));
-    assert_memory_equal(got, mem, sizeof got);
-  }
-  long woke = tu_wakeups(getpid(), "ferry-progress") - before;
-  pthread_join(t, NULL);
-  assert_int_equal(e.rc, 0);
-  fprintf(stderr, "%s: the progress threads woke %ld times in %d paced round trips and reads\n",
-          transport, woke, ROUNDS);
-  if (woke > ROUNDS / 2)
-    fail_msg("%s: %ld progress-thread wake-ups in %d paced round trips and reads: callers wait "
-             "through them",
-             transport, woke, ROUNDS);
-  pair_close(&p);
-}
-
-static void test_paced_round_trips_shm(void **s) { paced_round_trips("shm"); }
-static void test_paced_round_trips_tcp(void **s) { paced_round_trips("tcp"); }
-
-#ifndef FR_LINK_TEST_NO_MAIN /* tests/ucx_link_test.c runs these cases over ucx */
 int main(void) {
-  (void)transports;
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
-      /* first: its forked node must inherit no log line held back by the per-call-site limit */
       cmocka_unit_test(test_hostile_node_name),
       cmocka_unit_test(test_ctx_address),
-      cmocka_unit_test(test_paced_round_trips_shm),
-      cmocka_unit_test(test_paced_round_trips_tcp),
       cmocka_unit_test(test_memory),
       cmocka_unit_test(test_shm_region_reuse),
       cmocka_unit_test(test_shm_dead_mappings_swept),
       cmocka_unit_test(test_message_buffers),
       cmocka_unit_test(test_message_buffers_evict),
       cmocka_unit_test(test_tcp_local_cc),
-      cmocka_unit_test(test_messages_shm),
-      cmocka_unit_test(test_channel_owner_shm),
-      cmocka_unit_test(test_channel_owner_tcp),
-      cmocka_unit_test(test_messages_tcp),
       cmocka_unit_test(test_recv_zero_drains_shm),
-      cmocka_unit_test(test_calls_shm),
-      cmocka_unit_test(test_calls_tcp),
-      cmocka_unit_test(test_stats_calls_shm),
-      cmocka_unit_test(test_stats_calls_tcp),
       cmocka_unit_test(test_stats_ahead_of_reads),
-      cmocka_unit_test(test_rma_shm_shared),
-      cmocka_unit_test(test_rma_shm_registered),
       cmocka_unit_test(test_shm_small_ring),
       cmocka_unit_test(test_shm_ring_corrupt),
       cmocka_unit_test(test_shm_end_after_bad_ring),
       cmocka_unit_test(test_shm_memfd_shrink),
       cmocka_unit_test(test_shm_segment_check),
-      cmocka_unit_test(test_rma_tcp_shared),
-      cmocka_unit_test(test_rma_tcp_registered),
-      cmocka_unit_test(test_token_shm),
-      cmocka_unit_test(test_token_tcp),
       cmocka_unit_test(test_connect_failures),
       cmocka_unit_test(test_bad_frames),
       cmocka_unit_test(test_out_of_descriptors),
       cmocka_unit_test(test_exposed_listen_needs_token),
-      cmocka_unit_test(test_killed_mid_read_tcp),
-      cmocka_unit_test(test_killed_mid_read_shm),
-      cmocka_unit_test(test_concurrent_shm),
-      cmocka_unit_test(test_concurrent_tcp),
-      cmocka_unit_test(test_waiters_shm),
-      cmocka_unit_test(test_waiters_tcp),
-      cmocka_unit_test(test_end_after_sends_shm),
-      cmocka_unit_test(test_end_after_sends_tcp),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
-#endif

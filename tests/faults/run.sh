@@ -118,7 +118,7 @@ row 20 "Redis SIGKILL, restarted empty" \
   "calls fail clearly in their timeout, nothing misreported; keys re-published" \
   store_test:test_redis_killed
 row 21 "link peer SIGKILL mid-read" "the read fails clearly, the reader goes on" \
-  "link_test:test_killed_mid_read_*"
+  link_conformance_tcp:test_killed_mid_read link_conformance_shm:test_killed_mid_read
 row 22 "mq subscriber SIGKILL" "dropped; the publisher goes on" \
   py:test_mq.py::test_killed_subscriber_is_dropped
 row 24 "another user's links planted for a refit rendezvous" \
