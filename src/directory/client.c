@@ -12,9 +12,12 @@
  * is sent. A client opened with fr_dir_open_local() calls an in-process server directly. Every
  * operation keeps to its caller's timeout: its redial, its pages and its chunks share one
  * deadline, and a caller waits for another one's dial no longer than its own timeout.
+ *
+ * Posted puts, sent without waiting for their answers, are client_posted.c; client_impl.h holds
+ * what the two share.
  */
 #include "core/channels.h"
-#include "directory/dirwire.h"
+#include "directory/client_impl.h"
 #include "directory/table.h"
 #include "transport/linkcalls.h"
 
@@ -22,44 +25,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* A put sent without waiting for its answer (FR_DIR_PUT_POSTED), until settled. */
-typedef struct posted {
-  fr_pending *pending; /* the put, in flight on link until collected */
-  ferry_link *link;
-  fr_dir_object *objs; /* what was put: n records */
-  size_t n;
-  bool batch;
-  struct posted *next;
-} posted;
-
-typedef struct emb {
-  ferry_ctx *ctx;
-  fr_dir_server *local; /* in-process server: no link */
-  char where[FR_DIR_ADDRESS_MAX + 1];
-  /* Held while the link is dialled, which may take a dialler's whole timeout: link, watch,
-   * table and epoch are written under it (atomically) but read without it where a caller has
-   * no time to wait (current_maps, emb_epoch). */
-  pthread_mutex_t lock;
-  ferry_link *link;
-  ferry_link **grave; /* dead links, closed with the client (callers may still hold them) */
-  size_t ngrave, capgrave;
-  uint64_t instance, epoch;
-  uint64_t *watch; /* the server's change words as mapped over `link`, or NULL */
-  uint64_t *table; /* its object table, mapped with the words */
-  pthread_mutex_t posted_lock;
-  posted *posted_head, *posted_tail; /* oldest first */
-  size_t nposted;
-} emb;
-
-/* Posted puts not yet settled, at most: beyond, a put waits for its answer (and so for theirs),
- * which keeps a writer in a tight loop from queueing without bound at the server. */
-#define POSTED_MAX 16
-/* The post that leaves this many unanswered rings the server (a no-op when it is awake): a stream
- * of puts faster than the server's look at its leases then costs one wake-up per POSTED_RING
- * puts, on the put that rings, and fills POSTED_MAX (a put then waits) only when it outruns the
- * server. */
-#define POSTED_RING (POSTED_MAX * 3 / 4)
 
 typedef struct reply {
   ferry_msg *msg;
@@ -219,7 +184,7 @@ static void watch_map(emb *e, ferry_link *l, int timeout_ms) {
 
 /* The current link, redialled when `dead` is the current one. Another caller may be dialling
  * a server that does not answer: the lock is waited for no longer than this call's timeout. */
-static int current_link(emb *e, ferry_link *dead, int timeout_ms, ferry_link **out) {
+int fr_dir_emb_current_link(emb *e, ferry_link *dead, int timeout_ms, ferry_link **out) {
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   if (fr_mutex_lock_until(&e->lock, deadline) != 0)
     return fr_err(FERRY_ETIMEDOUT,
@@ -251,7 +216,7 @@ static int current_link(emb *e, ferry_link *dead, int timeout_ms, ferry_link **o
  * dial may hold it for its caller's whole timeout): the three as one link set them, else false.
  * A link is stored after its maps and cleared before them, and dead links are never freed while
  * the client lives (the grave), so a link read twice alike had these maps in between. */
-static bool current_maps(emb *e, ferry_link **l, uint64_t **watch, uint64_t **table) {
+bool fr_dir_emb_current_maps(emb *e, ferry_link **l, uint64_t **watch, uint64_t **table) {
   ferry_link *first = __atomic_load_n(&e->link, __ATOMIC_ACQUIRE);
   *watch = __atomic_load_n(&e->watch, __ATOMIC_ACQUIRE);
   *table = __atomic_load_n(&e->table, __ATOMIC_ACQUIRE);
@@ -275,12 +240,12 @@ static int call_link(emb *e, fr_wr *req, reply *r, int timeout_ms) {
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   struct iovec iov = {req->p, req->len};
   ferry_link *l = NULL;
-  int rc = current_link(e, NULL, timeout_ms, &l);
+  int rc = fr_dir_emb_current_link(e, NULL, timeout_ms, &l);
   if (rc == 0)
     rc = asked(e, ferry_call(l, FR_CHANNEL_DIRECTORY, &iov, 1, &r->msg, left_ms(deadline)),
                timeout_ms);
   if ((rc == FERRY_EPEER || rc == FERRY_ECLOSED) && fr_ms_left(deadline) > 0) {
-    if ((rc = current_link(e, l, left_ms(deadline), &l)) == 0)
+    if ((rc = fr_dir_emb_current_link(e, l, left_ms(deadline), &l)) == 0)
       rc = asked(e, ferry_call(l, FR_CHANNEL_DIRECTORY, &iov, 1, &r->msg, left_ms(deadline)),
                  timeout_ms);
   }
@@ -321,186 +286,6 @@ static int finish(emb *e, reply *r) {
                : fr_err(FERRY_EPROTO, "directory at ferry://%s: malformed reply", e->where);
   reply_free(r);
   return rc;
-}
-
-/* ---- posted puts ---- */
-
-/* The current link when it goes to shm (the server then orders posted puts by this host's
- * clock, server.c) and the change words and table are mapped over it (*watch, *table); NULL
- * otherwise. */
-static ferry_link *post_link(emb *e, int timeout_ms, uint64_t **watch, uint64_t **table) {
-  ferry_link *l = NULL, *cur = NULL;
-  if (e->local || current_link(e, NULL, timeout_ms, &l) != 0)
-    return NULL;
-  if (!current_maps(e, &cur, watch, table) || cur != l)
-    return NULL;
-  return *watch && *table && strcmp(ferry_link_transport(l), "shm") == 0 ? l : NULL;
-}
-
-/* Before a posted put is sent: a ticket per record in the table, and the record in its slot
- * (not for a put that may be refused: FR_DIR_PUT_KEEP_OTHERS). */
-static void table_tickets(uint64_t *table, const fr_dir_object *objs, size_t n, unsigned flags) {
-  for (size_t i = 0; i < n; i++) {
-    uint64_t *slot = fr_dir_table_slot(table, FR_DIR_TABLE_SLOTS, objs[i].key);
-    uint64_t ticket = fr_dir_table_ticket(slot);
-    if (!(flags & FR_DIR_PUT_KEEP_OTHERS))
-      fr_dir_table_post(slot, ticket, &objs[i]);
-  }
-}
-
-/* A posted put that could not be sent: its tickets are done (the caller asks and waits). */
-static void table_give_up(uint64_t *table, const fr_dir_object *objs, size_t n) {
-  for (size_t i = 0; i < n; i++)
-    fr_dir_table_done(fr_dir_table_slot(table, FR_DIR_TABLE_SLOTS, objs[i].key));
-}
-
-/* A posted put is in the server's ring: stamps taken from now on differ (fr_dir_ops.stamp). */
-static void watch_posted(uint64_t *watch, const fr_dir_object *objs, size_t n) {
-  for (size_t i = 0; i < n; i++)
-    __atomic_add_fetch(&watch[1 + fr_dir_watch_bucket(objs[i].key, FR_DIR_WATCH_BUCKETS)], 1,
-                       __ATOMIC_SEQ_CST);
-}
-
-static void posted_append(emb *e, posted *ps) {
-  pthread_mutex_lock(&e->posted_lock);
-  if (e->posted_tail)
-    e->posted_tail->next = ps;
-  else
-    e->posted_head = ps;
-  e->posted_tail = ps;
-  e->nposted++;
-  pthread_mutex_unlock(&e->posted_lock);
-}
-
-static size_t posted_count(emb *e) {
-  pthread_mutex_lock(&e->posted_lock);
-  size_t n = e->nposted;
-  pthread_mutex_unlock(&e->posted_lock);
-  return n;
-}
-
-/* Sends a put (`op` and its arguments in `args`) without waiting for the answer; false when it
- * cannot be posted (the caller then calls and waits). */
-static bool post(emb *e, uint16_t op, const fr_wr *args, const fr_dir_object *objs, size_t n,
-                 unsigned flags, int timeout_ms) {
-  uint64_t *watch = NULL, *table = NULL;
-  size_t before = posted_count(e);
-  ferry_link *l = before >= POSTED_MAX ? NULL : post_link(e, timeout_ms, &watch, &table);
-  posted *ps = l && !args->failed ? calloc(1, sizeof *ps) : NULL;
-  fr_dir_object *copy = ps ? malloc(n * sizeof *copy) : NULL;
-  if (copy) { /* all set before the answer can come in */
-    memcpy(copy, objs, n * sizeof *copy);
-    *ps = (posted){.link = l, .objs = copy, .n = n, .batch = op == FR_DOP_OBJ_PUT_BATCH};
-  }
-  uint8_t buf[FR_DIR_OBJECT_WIRE_MAX + 64];
-  fr_wr w = FR_WR_ON(buf);
-  fr_wr_request(&w, FR_DOP_POSTED);
-  fr_wr_u64(&w, fr_now_ns()); /* before the bytes go out: see server.c */
-  fr_wr_u16(&w, op);
-  fr_wr_bytes(&w, args->p, args->len);
-  struct iovec iov = {w.p, w.len};
-  bool ready = copy && !w.failed;
-  if (ready)
-    table_tickets(table, objs, n, flags);
-  /* quiet: a doorbell would wake the server on this caller's path (dirwire.h); but the
-   * POSTED_RING-th unanswered post rings, so a stream seldom fills POSTED_MAX and waits */
-  bool quiet = before + 1 < POSTED_RING;
-  bool sent = ready && fr_link_call_post(l, FR_CHANNEL_DIRECTORY, &iov, 1, timeout_ms, quiet,
-                                         &ps->pending) == 0;
-  fr_wr_free(&w);
-  if (ready && !sent)
-    table_give_up(table, objs, n);
-  if (!sent) {
-    free(copy);
-    free(ps);
-    fr_err_clear();
-    return false;
-  }
-  watch_posted(watch, objs, n); /* before the put returns */
-  posted_append(e, ps);
-  return true;
-}
-
-/* One record's answer to a put: its status (batches only; a single put's is the reply's), then
- * whether it replaced another owner's record, and that record. A status that is no ferry error
- * marks the reply malformed. */
-static int read_put_answer(fr_rd *rd, bool batch, bool *other, fr_dir_object *old) {
-  int st = batch ? (int32_t)fr_rd_u32(rd) : 0;
-  *other = st == 0 && fr_rd_u8(rd) != 0;
-  if (*other)
-    fr_rd_object(rd, old);
-  if (st > 0 || st < -1000)
-    rd->failed = true;
-  return st;
-}
-
-/* Reads a posted put's answers: calls cb for each record that failed or replaced another
- * owner's (cb NULL: only checks the reply). False when the reply is malformed. */
-static bool posted_replies(fr_rd rd, const posted *ps, fr_dir_settle_fn cb, void *arg) {
-  for (size_t i = 0; i < ps->n && !rd.failed; i++) {
-    fr_dir_object old;
-    bool other;
-    int st = read_put_answer(&rd, ps->batch, &other, &old);
-    if (cb && !rd.failed && (st != 0 || other)) {
-      if (st != 0)
-        fr_err(st, "put '%s': %s", ps->objs[i].key, ferry_strerror(st));
-      cb(arg, &ps->objs[i], st, other ? &old : NULL);
-    }
-  }
-  return fr_rd_done(&rd);
-}
-
-/* Collects one posted put's answer and tells cb what needs acting on. */
-static void settle_one(emb *e, posted *ps, fr_dir_settle_fn cb, void *arg, int timeout_ms) {
-  ferry_msg *m = NULL;
-  int rc = fr_link_call_collect(ps->link, ps->pending, &m, timeout_ms);
-  char detail[512];
-  fr_rd rd = rc == 0 ? fr_rd_init(m->data, m->len) : fr_rd_init(NULL, 0);
-  int st = 0;
-  if (rc == 0 && !fr_rd_reply(&rd, &st, detail, sizeof detail))
-    rc = FERRY_EPROTO;
-  else if (rc == 0 && st != 0)
-    rc = st;
-  else if (rc == 0 && !posted_replies(rd, ps, NULL, NULL))
-    rc = FERRY_EPROTO;
-  if (rc == 0 && cb)
-    posted_replies(rd, ps, cb, arg);
-  for (size_t i = 0; rc != 0 && cb && i < ps->n; i++) {
-    fr_err(rc, "directory at ferry://%s: posted put '%s': %s", e->where, ps->objs[i].key,
-           st ? detail : ferry_strerror(rc));
-    cb(arg, &ps->objs[i], rc, NULL);
-  }
-  ferry_msg_free(m);
-  free(ps->objs);
-  free(ps);
-}
-
-/* Collects the answers that are in, oldest first; with `wait`, every answer, each waited for
- * until the deadline, after ringing the server for the posts it has not taken yet (one doorbell
- * brings in all of them). Answers ring nobody (server.c), so this drives the link's receive side
- * to see them. Nothing calls this on a timer: a put settles what earlier ones left, the store's
- * lease renewal what a quiet store left (dirwire.h). */
-static void emb_settle(void *st, bool wait, fr_dir_settle_fn cb, void *arg, int timeout_ms) {
-  emb *e = st;
-  uint64_t deadline = fr_deadline_ns(timeout_ms);
-  for (;;) {
-    pthread_mutex_lock(&e->posted_lock);
-    posted *ps = e->posted_head;
-    if (ps && !fr_link_call_ready(ps->pending))
-      fr_link_poll(ps->link, false); /* answers to posted puts ring no doorbell */
-    if (ps && wait && !fr_link_call_ready(ps->pending))
-      fr_link_ring(ps->link); /* a no-op unless the server sleeps (ring.h) */
-    if (ps && !wait && !fr_link_call_ready(ps->pending))
-      ps = NULL;
-    if (ps && !(e->posted_head = ps->next))
-      e->posted_tail = NULL;
-    if (ps)
-      e->nposted--;
-    pthread_mutex_unlock(&e->posted_lock);
-    if (!ps)
-      return;
-    settle_one(e, ps, cb, arg, wait ? fr_ms_left(deadline) : 0);
-  }
 }
 
 /* ---- operations ---- */
@@ -635,7 +420,7 @@ static int emb_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir_
     uint8_t buf[FR_DIR_OBJECT_WIRE_MAX + 16];
     fr_wr args = FR_WR_ON(buf);
     put_one_args(&args, o, flags);
-    bool sent = post(st, FR_DOP_OBJ_PUT, &args, o, 1, flags, timeout_ms);
+    bool sent = fr_dir_emb_post(st, FR_DOP_OBJ_PUT, &args, o, 1, flags, timeout_ms);
     fr_wr_free(&args);
     if (sent && had_other)
       *had_other = false;
@@ -651,7 +436,7 @@ static int emb_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir_
     return rc;
   fr_dir_object old;
   bool other;
-  read_put_answer(&r.rd, false, &other, &old);
+  fr_dir_emb_read_put_answer(&r.rd, false, &other, &old);
   if ((rc = finish(st, &r)) != 0)
     return rc;
   if (had_other)
@@ -666,7 +451,7 @@ static int put_chunk(void *st, const fr_dir_object *objs, size_t n, unsigned fla
   if (flags & FR_DIR_PUT_POSTED) {
     fr_wr args = {0};
     put_args(&args, objs, n, flags);
-    bool sent = post(st, FR_DOP_OBJ_PUT_BATCH, &args, objs, n, flags, timeout_ms);
+    bool sent = fr_dir_emb_post(st, FR_DOP_OBJ_PUT_BATCH, &args, objs, n, flags, timeout_ms);
     fr_wr_free(&args);
     for (size_t i = 0; sent && i < n; i++) {
       status[i] = 0;
@@ -683,7 +468,7 @@ static int put_chunk(void *st, const fr_dir_object *objs, size_t n, unsigned fla
   if (rc != 0)
     return rc;
   for (size_t i = 0; i < n && !r.rd.failed; i++) {
-    status[i] = read_put_answer(&r.rd, true, &had_other[i], &replaced[i]);
+    status[i] = fr_dir_emb_read_put_answer(&r.rd, true, &had_other[i], &replaced[i]);
     if (!r.rd.failed && status[i] != 0)
       fr_err(status[i], "put '%s': %s", objs[i].key, ferry_strerror(status[i]));
   }
@@ -806,7 +591,7 @@ static bool emb_stamp(void *st, const char *key, fr_dir_stamp *out) {
   emb *e = st;
   ferry_link *l;
   uint64_t *w, *t;
-  bool same = current_maps(e, &l, &w, &t);
+  bool same = fr_dir_emb_current_maps(e, &l, &w, &t);
   uint64_t epoch = __atomic_load_n(&e->epoch, __ATOMIC_ACQUIRE); /* bumped before l was stored */
   /* a dead link: the server may be gone and another one taking puts that these words miss */
   if (!same || !w || !fr_link_is_open(l))
@@ -823,7 +608,7 @@ static bool emb_peek(void *st, const char *key, fr_dir_object *out) {
   emb *e = st;
   ferry_link *l;
   uint64_t *w, *t;
-  bool same = current_maps(e, &l, &w, &t);
+  bool same = fr_dir_emb_current_maps(e, &l, &w, &t);
   /* a dead link: the server may be gone and another one taking puts that this table misses */
   if (!same || !t || !fr_link_is_open(l))
     return false;
@@ -845,7 +630,7 @@ static int emb_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **st
   pthread_mutex_init(&e->lock, NULL);
   pthread_mutex_init(&e->posted_lock, NULL);
   ferry_link *l;
-  int rc = current_link(e, NULL, timeout_ms, &l);
+  int rc = fr_dir_emb_current_link(e, NULL, timeout_ms, &l);
   if (rc != 0) {
     pthread_mutex_destroy(&e->posted_lock);
     pthread_mutex_destroy(&e->lock);
@@ -860,7 +645,7 @@ static void emb_close(void *state) {
   emb *e = state;
   if (!e)
     return;
-  emb_settle(e, true, NULL, NULL, 0); /* unregisters what is still pending from the links */
+  fr_dir_emb_settle(e, true, NULL, NULL, 0); /* unregisters what is still pending from the links */
   pthread_mutex_destroy(&e->posted_lock);
   ferry_link_close(e->link);
   for (size_t i = 0; i < e->ngrave; i++)
@@ -892,7 +677,7 @@ const fr_dir_ops fr_dir_embedded_ops = {
     .obj_get = emb_obj_get,
     .obj_del = emb_obj_del,
     .obj_scan = emb_obj_scan,
-    .settle = emb_settle,
+    .settle = fr_dir_emb_settle,
     .stamp = emb_stamp,
     .peek = emb_peek,
     .node_renew_batch = emb_node_renew_batch,

@@ -36,7 +36,7 @@ enum fr_dir_op {
   FR_DOP_MAX_
 };
 
-/* A posted put rings no doorbell (but a client's 12th unanswered one, client.c POSTED_RING):
+/* A posted put rings no doorbell (but a client's 12th unanswered one, client_posted.c POSTED_RING):
  * waking the embedded server from the put would cost its caller the server's whole turn
  * (measured: the paced in-place put 34 -> 82 us, docs/PERFORMANCE.md "Paced latency"). The
  * server takes it in with the next message from anyone (every request drains the posts first,
@@ -44,7 +44,7 @@ enum fr_dir_op {
  * host see the record at once in the shared table (table.h). Its answer rings nobody either:
  * the client collects it at its next put, its lease renewal, or when it waits for it
  * (fr_dir_settle, which rings). Neither side looks for the other on a timer of its own
- * (server.c, client.c). */
+ * (server.c, client_posted.c). */
 
 /* The change words, in a region of the server's (FR_DOP_WATCH): word 0 counts changes of many
  * keys at once (a node and its records dropped), word 1 + b changes of the keys in bucket b. */
