@@ -435,7 +435,7 @@ def _ctx_for(kind: str, name: Optional[str] = None, tcp_listen: Optional[str] = 
     default holds a handle of this kind already (the C library allows one store, one mq, one
     refit receiver per context: FERRY_EBUSY), or the caller asks for a node the default is not
     (another name, a tcp listener, transports). RefitSender keeps a context of its own
-    (ferry/refit.py says why)."""
+    (ferry/refit/sender.py says why)."""
     global _default, _extra
     with _default_lock:
         if _default is None or _default._h is None:

@@ -4,7 +4,7 @@ node (one directory node, one set of transport threads). A second handle of a ki
 holds already (the C library allows one store, one mq, one refit receiver per context) gets a
 context of its own, named after the default's, closed with it; once the first closes, the
 default takes that kind again. RefitSender keeps a context of its own: its receivers learn that
-it closed only when its links die (ferry/refit.py)."""
+it closed only when its links die (ferry/refit/sender.py)."""
 import os
 import subprocess
 import sys

@@ -464,7 +464,7 @@ class Collecting(dict):
         return dict.setdefault(self, key, default)
 
 
-refit._listeners = Collecting(refit._listeners)
+refit.events._listeners = Collecting(refit.events._listeners)
 name = sys.argv[1]
 sd = {"w": torch.zeros(1024)}
 with ferry.RefitSender(name, sd, buffer_bytes=4096) as tx, \
@@ -476,7 +476,7 @@ with ferry.RefitSender(name, sd, buffer_bytes=4096) as tx, \
     del it
     it = rx.updates(1)  # listens again: the collection under the lock finalizes the first
     it.close()
-    assert not refit._listeners.get(rx._key)
+    assert not refit.events._listeners.get(rx._key)
 print("ok")
 """
 

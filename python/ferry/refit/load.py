@@ -20,9 +20,9 @@ import time
 
 import numpy as np
 
-from . import errors
-from ._lib import lib, byref, c_size_t
-from .tensors import DTYPES, dtype_code, from_bits, like_name
+from .. import errors
+from .._lib import lib, byref, c_size_t
+from ..tensors import DTYPES, dtype_code, from_bits, like_name
 
 _QKV = {"q": 0, "k": 1, "v": 2}  # vLLM's shard ids of qkv_proj
 _ETIMEDOUT = -4
