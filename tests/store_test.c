@@ -1708,6 +1708,47 @@ static void test_stalled_uploaders(void **state) {
 
 /* ---- an owner stopped (SIGSTOP): its keys fail clearly, everyone else's are served ---- */
 
+/* A get_batch on another thread (of the stopped owner's key, a longer timeout). */
+typedef struct long_batch {
+  ferry_store *s;
+  const char *key;
+  uint8_t *dst;
+  int rc;
+} long_batch;
+
+static void *long_batch_main(void *arg) {
+  long_batch *lb = arg;
+  ferry_store_item it = {.key = lb->key, .dst = lb->dst, .cap = MiB};
+  lb->rc = ferry_store_get_batch(lb->s, &it, 1, 2500);
+  return NULL;
+}
+
+/* Over tcp: while a get_batch waits its 2.5 s on the stopped owner (it holds the batch workers),
+ * a get_batch of the healthy owner's key with a 1 s timeout returns within the issue's 1.5 s
+ * bound, served (it read on its own thread instead of waiting for the workers: issue 32 row 7's
+ * "every call keeps its deadline whatever it waits behind"). */
+static bool batch_behind_stopped(ferry_store *s, const char *stopped, const char *healthy) {
+  long_batch lb = {.s = s, .key = stopped, .dst = malloc(MiB)};
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, long_batch_main, &lb), 0);
+  su_sleep_ms(300); /* its lookup done: it holds the workers (if not, this only passes early) */
+  uint8_t *dst = malloc(MiB);
+  ferry_store_item it = {.key = healthy, .dst = dst, .cap = MiB};
+  struct timespec t0;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  int rc = ferry_store_get_batch(s, &it, 1, 1000);
+  double ms = ms_since(&t0);
+  printf("# owner stopped (tcp): a get_batch of the healthy key beside one waiting on the stopped "
+         "owner returned %s after %.0f ms\n",
+         ferry_status_name(rc), ms);
+  pthread_join(t, NULL);
+  free(lb.dst);
+  free(dst);
+  /* asserted by the caller once the owner runs again (a failed assert here would leave it
+   * stopped); 1.5 s is the issue's hang detector for a 1 s timeout */
+  return rc == 0 && ms < 1500.0 && lb.rc == FERRY_ETIMEDOUT;
+}
+
 /* Two owners in child processes publish a key each; one is stopped (SIGSTOP, waited for). A get
  * of its key with a 1 s timeout returns a clear error well before a hang would (over shm the
  * reader may instead read it one-sided from the stopped owner's pool: then the bytes must be
@@ -1749,6 +1790,8 @@ static void check_owner_stopped(const char *transports) {
   bool healthy_ok = healthy_rc == 0 && pattern_ok(dst, MiB, healthy.seed);
   ferry_tensor_desc d = u8_desc(1, 64);
   int put_rc = ferry_store_put(s, "reader/own", &d, dst, 0, 10000);
+  bool batch_ok =
+      strcmp(transports, "tcp") != 0 || batch_behind_stopped(s, stopped.key, healthy.key);
   kill(spid, SIGCONT);
   printf("# owner stopped (%s): get with a 1000 ms timeout returned %s after %.0f ms: %s\n",
          transports, ferry_status_name(rc), ms, why);
@@ -1775,6 +1818,7 @@ static void check_owner_stopped(const char *transports) {
   assert_int_equal(listed, 1); /* stopped is not gone */
   assert_int_equal(healthy_rc, 0);
   assert_true(healthy_ok);
+  assert_true(batch_ok);
   assert_int_equal(put_rc, 0);
   assert_int_equal(back, 0); /* resumed: served again, whole */
   assert_true(back_whole);

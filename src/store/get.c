@@ -377,9 +377,14 @@ void fr_store_workers_stop(ferry_store *s) {
 }
 
 /* The workers are woken after work_lock is let go (woken under it, each would wake only to wait
- * for it: a second wake-up per worker per batch). */
+ * for it: a second wake-up per worker per batch). One batch at a time has the workers; a batch
+ * that finds them taken reads on its caller's thread alone rather than wait for them: the batch
+ * that has them may be waiting out its own, longer, timeout on an owner that does not answer. */
 static void run_batch(ferry_store *s, fr_batch *b) {
-  pthread_mutex_lock(&s->batch_lock);
+  if (pthread_mutex_trylock(&s->batch_lock) != 0) {
+    run_jobs(b);
+    return;
+  }
   workers_start(s);
   pthread_mutex_lock(&s->work_lock);
   s->batch = b;

@@ -27,7 +27,7 @@
 #include "core/stats.h"
 #include "directory/directory.h"
 #include "directory/peers.h"
-#include "transport/ctxcalls.h"
+#include "transport/job.h"
 
 #include <pthread.h>
 #include <stdbool.h>
@@ -115,12 +115,11 @@ struct ferry_store {
   fr_peers peers;                   /* directory/peers.h: started once the directory is open */
   char holder[FR_DIR_NAME_MAX + 1]; /* cached holder node (delegating stores) */
 
-  pthread_t service;
-  bool service_started, stop; /* stop: atomic */
-  fr_inbox inbox;             /* requests on FR_CHANNEL_STORE, for the service thread */
-  int linger_ms;              /* FERRY_STORE_LINGER_MS */
+  fr_job *service; /* the service thread on FR_CHANNEL_STORE (service.c), or NULL */
+  bool stop;       /* atomic: the get workers end (get.c) */
+  int linger_ms;   /* FERRY_STORE_LINGER_MS */
 
-  pthread_mutex_t batch_lock; /* one batch at a time */
+  pthread_mutex_t batch_lock; /* one batch at a time has the workers (get.c run_batch) */
   pthread_mutex_t work_lock;
   pthread_cond_t work_cond, done_cond;
   fr_batch *batch;
