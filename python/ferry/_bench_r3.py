@@ -13,10 +13,8 @@ measured here) are printed beside. Targets: put <= 100 us, get <= 1.5x memcpy.
 """
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from typing import List, Tuple
 
@@ -112,30 +110,12 @@ def _memcpy(reps: int, rows) -> None:
 
 
 def _files(reps: int, rows) -> None:
-    arr = np.random.default_rng(0).integers(0, 64, size=SHAPE, dtype=np.uint8)
-    d = tempfile.mkdtemp(prefix="ferry-r3-")
-    try:
-        kinds = [("np", np.save, np.load, ".npy", arr)]
-        try:
-            import torch
-            kinds.append(("torch", lambda p, t: torch.save(t, p), torch.load, ".pt",
-                          torch.from_numpy(arr)))
-        except ImportError as e:
-            print("ferry bench r3: torch baseline skipped: %s" % e, file=sys.stderr)
-        for name, save, load, ext, obj in kinds:
-            ts, tl = [], []
-            for i in range(reps):
-                path = os.path.join(d, "req%d%s" % (i, ext))
-                t = time.perf_counter()
-                save(path, obj)
-                ts.append(time.perf_counter() - t)
-                t = time.perf_counter()
-                load(path)
-                tl.append(time.perf_counter() - t)
-                os.unlink(path)
-            rows += [("put", name + ".save", ts), ("get", name + ".load", tl)]
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    """np.save/np.load and torch.save/torch.load of the same shape to local files: the store
+    bench's own baseline (ferry.bench._run_files), its rows renamed to this bench's steps."""
+    from .bench import _run_files
+    got: List[Tuple[str, str, List[float]]] = []
+    _run_files(reps, got)
+    rows += [(case.split("/", 1)[1], impl, v) for case, impl, v in got]
 
 
 def _median(rows, case, impl) -> float:
