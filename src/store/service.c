@@ -13,7 +13,6 @@
  */
 #include "store/service.h"
 #include "core/channels.h"
-#include "transport/ctxcalls.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -190,70 +189,51 @@ static bool serve_one(ferry_store *s, ferry_msg *msg) {
   return true;
 }
 
-/* How long the service thread waits for a request: until the lease's renewal, or a request
- * (the store owns FR_CHANNEL_STORE: requests go straight to its inbox), or
- * fr_store_service_stop (fr_inbox_kick). Nothing else wakes it: what settles without telling
- * anyone is taken up when it is needed and at the renewal at the latest (see service_main). */
-static int service_wait_ms(ferry_store *s) {
-  uint64_t now = fr_now_ns(), due = fr_dir_lease_next(&s->lease);
-  uint64_t ms = due > now ? (due - now + 999999) / 1000000 : 0;
-  return ms > INT32_MAX ? INT32_MAX : (int)ms;
+/* The job's callbacks (transport/job.h). A request comes straight to the job's inbox (the store
+ * owns FR_CHANNEL_STORE); the thread sleeps until one, the lease's renewal, or
+ * fr_store_service_stop. Nothing else wakes it: what settles without telling anyone is taken up
+ * when it is needed and at the renewal at the latest (service_turn). */
+static void service_msg(void *arg, ferry_msg *m) {
+  if (serve_one(arg, m))
+    ferry_msg_free(m);
 }
 
 /* After each request and each renewal, what settles unannounced is taken up: answers to posted
  * puts (the directory rings nobody with them; the next put collects them too), so a put that
  * replaced another node's record tells that node at the latest one renewal period (a third of
  * FERRY_LEASE_MS) after it; views unpinned in shared memory and lingering copies whose time is
- * up, whose space a put that needs it takes back at once (put.c place, take_slot). */
-static void *service_main(void *arg) {
-  pthread_setname_np(pthread_self(), "ferry-store"); /* for top -H, perf, gdb */
+ * up, whose space a put that needs it takes back at once (put.c place, take_slot). Returns when
+ * the lease is next due. */
+static uint64_t service_turn(void *arg) {
   ferry_store *s = arg;
-  while (!__atomic_load_n(&s->stop, __ATOMIC_SEQ_CST)) {
-    ferry_msg *m =
-        fr_inbox_wait(s->ctx, FR_CHANNEL_STORE, &s->inbox, fr_deadline_ns(service_wait_ms(s)));
-    if (m && serve_one(s, m))
-      ferry_msg_free(m);
-    if (fr_dir_lease_due(&s->lease))
-      fr_store_renew(s);
-    fr_store_settle(s, false, fr_deadline_ns(fr_timeout(-1)));
-    fr_store_linger_reap(s);
-  }
-  return NULL;
+  if (fr_dir_lease_due(&s->lease))
+    fr_store_renew(s);
+  fr_store_settle(s, false, fr_deadline_ns(fr_timeout(-1)));
+  fr_store_linger_reap(s);
+  return fr_dir_lease_next(&s->lease);
 }
+
+static const fr_job_ops service_ops = {.on_msg = service_msg, .on_timer = service_turn};
 
 /* Another job of the context's node registered it again: the thread publishes our objects again
  * (its wait ends; fr_dir_lease_due is then true). */
-static void wake_service(void *arg) {
-  ferry_store *s = arg;
-  fr_inbox_kick(s->ctx, FR_CHANNEL_STORE, &s->inbox);
-}
+static void wake_service(void *arg) { fr_job_wake(arg, 0); }
 
 int fr_store_service_start(ferry_store *s) {
-  fr_inbox_init(&s->inbox);
-  int rc = fr_ctx_channel_open(s->ctx, FR_CHANNEL_STORE, &fr_inbox_ops, &s->inbox);
-  if (rc != 0) {
-    fr_inbox_fini(&s->inbox);
+  int rc = fr_job_start(s->ctx, FR_CHANNEL_STORE, &service_ops, s, "ferry-store", &s->service);
+  if (rc == FERRY_EBUSY)
     return fr_err(rc, "store: this context has a store already (one store per context)");
-  }
-  if (pthread_create(&s->service, NULL, service_main, s) != 0) {
-    fr_ctx_channel_close(s->ctx, FR_CHANNEL_STORE);
-    fr_inbox_fini(&s->inbox);
-    return fr_err(FERRY_ESYS, "store: cannot start the service thread");
-  }
-  s->service_started = true;
-  fr_dir_lease_set_wake(&s->lease, wake_service, s);
+  if (rc != 0)
+    return fr_err_wrap(rc, "store: the service thread");
+  fr_dir_lease_set_wake(&s->lease, wake_service, s->service);
   return 0;
 }
 
 void fr_store_service_stop(ferry_store *s) {
-  __atomic_store_n(&s->stop, true, __ATOMIC_SEQ_CST);
-  if (s->service_started) {
-    fr_dir_lease_set_wake(&s->lease, NULL, NULL);
-    fr_inbox_kick(s->ctx, FR_CHANNEL_STORE, &s->inbox);
-    pthread_join(s->service, NULL);
-    fr_ctx_channel_close(s->ctx, FR_CHANNEL_STORE);
-    fr_inbox_fini(&s->inbox); /* requests that came as it stopped: their callers time out */
+  if (s->service) {
+    fr_dir_lease_set_wake(&s->lease, NULL, NULL); /* before the job goes */
+    fr_job_stop(s->service); /* requests that came as it stopped: their callers time out */
+    s->service = NULL;
   }
   uploads_wait(s); /* they publish into this store */
-  s->service_started = false;
 }
