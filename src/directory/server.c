@@ -19,7 +19,7 @@
 #include "core/channels.h"
 #include "directory/dirwire.h"
 #include "directory/table.h"
-#include "transport/ctxcalls.h"
+#include "transport/job.h"
 #include "transport/linkcalls.h"
 
 #include <pthread.h>
@@ -46,9 +46,7 @@ struct fr_dir_server {
   fr_dir_object **objs;             /* sorted by key */
   size_t nobjs, capobjs;
   ferry_ctx *ctx;
-  pthread_t thread;
-  bool stop;      /* atomic */
-  fr_inbox inbox; /* requests on FR_CHANNEL_DIRECTORY (a started server owns the channel) */
+  fr_job *job; /* its thread, owning FR_CHANNEL_DIRECTORY (a started server's) */
   /* Serving, one thread at a time (the server's, or an in-process caller's): messages taken off
    * the channel and not yet answered, in arrival order. */
   pthread_mutex_t serve_lock;
@@ -676,8 +674,8 @@ static ferry_msg *backlog_take(fr_dir_server *s, size_t i) {
  * posted puts wait without a doorbell); returns the fence's time. */
 static uint64_t fence(fr_dir_server *s) {
   uint64_t t = fr_now_ns();
-  fr_inbox_await(s->ctx, FR_CHANNEL_DIRECTORY, &s->inbox, 0); /* drains the shm links */
-  for (ferry_msg *m; (m = fr_inbox_take(&s->inbox)) != NULL;)
+  fr_ctx_poll_links(s->ctx); /* the shm links, where posted puts wait without a doorbell */
+  for (ferry_msg *m; (m = fr_job_take(s->job)) != NULL;)
     backlog_push(s, m);
   return t;
 }
@@ -710,35 +708,31 @@ static void serve_in_order(fr_dir_server *s, ferry_msg *m) {
 /* How long the thread waits for a message when idle: until it next looks at the leases, once a
  * second (it drops a lapsed node's records then, and takes in the posted puts that came
  * meanwhile: the longest a post waits for a quiet server). A request (the server owns
- * FR_CHANNEL_DIRECTORY: requests go straight to its inbox), or fr_dir_server_stop
- * (fr_inbox_kick), wakes it sooner. Sleeping until the first lease
+ * FR_CHANNEL_DIRECTORY: requests go straight to its inbox), or fr_dir_server_stop, wakes it
+ * sooner. Sleeping until the first lease
  * lapses instead was tried: over ucx, a `ferry serve` resumed after SIGSTOP then sometimes left
  * requests unanswered until another message came (store_test stopped_directory, 2 of 13 runs),
  * which this look, taking the epoll over from the progress thread, hides. */
 #define LEASE_LOOK_MS 1000
 
-static void *server_main(void *arg) {
-  pthread_setname_np(pthread_self(), "ferry-directory"); /* for top -H, perf, gdb */
+/* The job's one callback (transport/job.h; it takes its messages itself, under serve_lock, so
+ * that a caller's fence finds every message either queued or served): one message, or with none
+ * the posted puts (which ring no doorbell), then the leases. */
+static uint64_t server_turn(void *arg) {
   fr_dir_server *s = arg;
-  while (!__atomic_load_n(&s->stop, __ATOMIC_SEQ_CST)) {
-    pthread_mutex_lock(&s->serve_lock);
-    bool idle = s->nbacklog == 0;
-    pthread_mutex_unlock(&s->serve_lock);
-    bool queued = !idle || fr_inbox_await(s->ctx, FR_CHANNEL_DIRECTORY, &s->inbox,
-                                          fr_deadline_ns(LEASE_LOOK_MS));
-    if (!queued && fr_ctx_closing(s->ctx))
-      break;
-    pthread_mutex_lock(&s->serve_lock); /* taken under it: a caller's fence sees every message */
-    if (!queued)
-      fence(s); /* posted puts, which ring no doorbell */
-    ferry_msg *m = s->nbacklog ? backlog_take(s, 0) : fr_inbox_take(&s->inbox);
-    if (m)
-      serve_in_order(s, m);
-    pthread_mutex_unlock(&s->serve_lock);
-    fr_dir_server_expire(s, fr_now_ns());
-  }
-  return NULL;
+  pthread_mutex_lock(&s->serve_lock);
+  ferry_msg *m = s->nbacklog ? backlog_take(s, 0) : fr_job_take(s->job);
+  if (m)
+    serve_in_order(s, m);
+  else
+    fence(s);
+  bool more = s->nbacklog || fr_job_queued(s->job);
+  pthread_mutex_unlock(&s->serve_lock);
+  fr_dir_server_expire(s, fr_now_ns());
+  return more ? 0 : fr_deadline_ns(LEASE_LOOK_MS);
 }
+
+static const fr_job_ops server_ops = {.on_timer = server_turn};
 
 void fr_dir_server_call(fr_dir_server *s, const void *req, size_t len, void **reply,
                         size_t *reply_len) {
@@ -760,16 +754,13 @@ int fr_dir_server_start(ferry_ctx *ctx, fr_dir_server **out) {
     fr_warn("directory: no change words: %s", ferry_last_error());
     fr_err_clear();
   }
-  fr_inbox_init(&s->inbox);
-  int rc = fr_ctx_channel_open(ctx, FR_CHANNEL_DIRECTORY, &fr_inbox_ops, &s->inbox);
-  if (rc != 0)
+  /* opened, then run: the thread's first turn uses s->job */
+  int rc = fr_job_open(ctx, FR_CHANNEL_DIRECTORY, &server_ops, s, "ferry-directory", &s->job);
+  if (rc == FERRY_EBUSY)
     rc = fr_err(rc, "directory server: this context serves a directory already");
-  else if (pthread_create(&s->thread, NULL, server_main, s) != 0)
-    rc = fr_err(FERRY_ESYS, "directory server: cannot start its thread");
+  else if (rc == 0 && (rc = fr_job_run(s->job)) != 0)
+    fr_job_stop(s->job);
   if (rc != 0) {
-    if (rc != FERRY_EBUSY)
-      fr_ctx_channel_close(ctx, FR_CHANNEL_DIRECTORY);
-    fr_inbox_fini(&s->inbox);
     if (s->watch) {
       ferry_free(ctx, s->watch);
       ferry_free(ctx, s->table);
@@ -785,11 +776,7 @@ void fr_dir_server_stop(fr_dir_server *s) {
   if (!s)
     return;
   if (s->ctx) {
-    __atomic_store_n(&s->stop, true, __ATOMIC_SEQ_CST);
-    fr_inbox_kick(s->ctx, FR_CHANNEL_DIRECTORY, &s->inbox);
-    pthread_join(s->thread, NULL);
-    fr_ctx_channel_close(s->ctx, FR_CHANNEL_DIRECTORY);
-    fr_inbox_fini(&s->inbox); /* requests that came as it stopped: their callers time out */
+    fr_job_stop(s->job); /* requests that came as it stopped: their callers time out */
     if (s->watch) {
       ferry_free(s->ctx, s->watch);
       ferry_free(s->ctx, s->table);
