@@ -527,8 +527,7 @@ static int finish_push(ferry_refit_sender *s, uint64_t version, bool packed_all,
   pthread_mutex_unlock(&s->lock);
   /* receivers that attached or asked during the push: the service thread serves them, since it
    * sends the rest of each catch-up as acknowledgements come (one thread, so in order) */
-  __atomic_store_n(&s->serve_catchups, true, __ATOMIC_SEQ_CST);
-  fr_inbox_kick(s->ctx, FR_CHANNEL_REFIT_SENDER, &s->inbox);
+  fr_job_wake(s->service, FR_REFIT_WAKE_CATCHUPS);
   if (out.n) {
     fr_refit_out_send(&out);
     pthread_mutex_lock(&s->lock);

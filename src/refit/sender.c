@@ -4,11 +4,11 @@
  * receivers' ACK/COMMITTED records; push() packs bucket i+1 into one buffer while receivers read
  * bucket i from the other, and waits for every receiver before reusing a buffer.
  *
- * The sender owns its context's FR_CHANNEL_REFIT_SENDER (fr_ctx_channel_open): receivers write
- * to it, the transport puts each message in the sender's inbox, and the service thread waits on
- * that inbox, asleep until a message comes, its lease renewal is due, a link of the context dies
- * (the transport's on_link_down kicks it: it wakes the push, which fails a receiver that is gone
- * at once instead of polling link states), or close kicks it. The service thread never sends
+ * The sender's service thread is a job (transport/job.h) owning its context's
+ * FR_CHANNEL_REFIT_SENDER: receivers write to it, and the thread is asleep until a message comes,
+ * its lease renewal is due, a link of the context dies (it then wakes the push, which fails a
+ * receiver that is gone at once instead of polling link states), a push ends (late joiners are
+ * served then: FR_REFIT_WAKE_CATCHUPS), or close stops it. The service thread never sends
  * while it holds the sender's lock (sender_impl.h): a stalled receiver cannot hold up the
  * acknowledgements of the others. A
  * receiver on the same context owns the other channel (FR_CHANNEL_REFIT_RECEIVER), so the two
@@ -20,7 +20,6 @@
  */
 #include "core/cuda.h"
 #include "refit/refit.h"
-#include "transport/ctxcalls.h"
 #include "transport/wire.h"
 
 #include <pthread.h>
@@ -188,62 +187,58 @@ static void answer_view(ferry_refit_sender *s, ferry_msg *m) {
   ferry_reply(m, &iov, 1, -1);
 }
 
-static void wake_service(void *arg) {
+/* ---- the service thread's callbacks (transport/job.h) ---- */
+
+static void service_msg(void *arg, ferry_msg *m) {
   ferry_refit_sender *s = arg;
-  fr_inbox_kick(s->ctx, FR_CHANNEL_REFIT_SENDER, &s->inbox);
+  fr_refit_msg_t x;
+  if (ferry_msg_is_call(m) && m->len >= FR_REFIT_MSG_BYTES && fr_get_u32(m->data) == FR_REFIT_VIEW)
+    answer_view(s, m);
+  else if (ferry_msg_is_call(m)) /* the other call is ATTACH */
+    answer_attach(s, m);
+  else if (fr_refit_msg_decode(m->data, m->len, &x) == 0)
+    record(s, m, &x);
+  else
+    fr_warn("refit '%s': dropped a bad message from '%s': %s", s->name, ferry_link_peer(m->link),
+            ferry_last_error());
+  ferry_msg_free(m);
 }
 
-static void *service_main(void *arg) {
+/* A link of the context died: a receiver's, maybe (or one the push does not use: rare, and
+ * harmless); a push waiting on it looks again. */
+static void service_link_down(void *arg) {
   ferry_refit_sender *s = arg;
-  while (!__atomic_load_n(&s->stop, __ATOMIC_SEQ_CST)) {
-    ferry_msg *m = fr_inbox_wait(s->ctx, FR_CHANNEL_REFIT_SENDER, &s->inbox,
-                                 fr_refit_publish_due(s->published));
-    fr_refit_publish_tick(s->published);
-    if (__atomic_exchange_n(&s->link_died, false, __ATOMIC_SEQ_CST)) {
-      pthread_mutex_lock(&s->lock); /* a receiver's, maybe: a push waiting on it looks again */
-      pthread_cond_broadcast(&s->cond);
-      pthread_mutex_unlock(&s->lock);
-    }
-    if (__atomic_exchange_n(&s->serve_catchups, false, __ATOMIC_SEQ_CST)) {
-      pthread_mutex_lock(&s->lock); /* a push ended: late joiners that asked meanwhile */
-      fr_refit_catchup_serve(s, &s->svc_out);
-      s->svc_sending = s->svc_out.n != 0;
-      pthread_mutex_unlock(&s->lock);
-      send_queued(s);
-    }
-    if (!m)
-      continue; /* a lease renewal, close, a link died, or a push ended */
-    fr_refit_msg_t x;
-    if (ferry_msg_is_call(m) && m->len >= FR_REFIT_MSG_BYTES &&
-        fr_get_u32(m->data) == FR_REFIT_VIEW)
-      answer_view(s, m);
-    else if (ferry_msg_is_call(m)) /* the other call is ATTACH */
-      answer_attach(s, m);
-    else if (fr_refit_msg_decode(m->data, m->len, &x) == 0)
-      record(s, m, &x);
-    else
-      fr_warn("refit '%s': dropped a bad message from '%s': %s", s->name, ferry_link_peer(m->link),
-              ferry_last_error());
-    ferry_msg_free(m);
-  }
-  return NULL;
+  pthread_mutex_lock(&s->lock);
+  pthread_cond_broadcast(&s->cond);
+  pthread_mutex_unlock(&s->lock);
 }
 
-/* The channel's owner: messages go to the inbox; a link that dies kicks it (see the top). */
-static void channel_msg(void *arg, ferry_link *link, ferry_msg *msg) {
-  (void)link;
-  fr_inbox_put(&((ferry_refit_sender *)arg)->inbox, msg);
-}
-
-static void channel_link_down(void *arg, ferry_link *link) {
-  (void)link; /* any link: a receiver's, or one the push does not use (rare, and harmless) */
+/* FR_REFIT_WAKE_CATCHUPS: a push ended; late joiners that asked meanwhile. */
+static void service_wake(void *arg, unsigned bits) {
   ferry_refit_sender *s = arg;
-  __atomic_store_n(&s->link_died, true, __ATOMIC_SEQ_CST);   /* a kick may end a wait that */
-  fr_inbox_kick(s->ctx, FR_CHANNEL_REFIT_SENDER, &s->inbox); /* returns a message: the flag */
+  if (!(bits & FR_REFIT_WAKE_CATCHUPS))
+    return;
+  pthread_mutex_lock(&s->lock);
+  fr_refit_catchup_serve(s, &s->svc_out);
+  s->svc_sending = s->svc_out.n != 0;
+  pthread_mutex_unlock(&s->lock);
+  send_queued(s);
 }
 
-static const fr_channel_ops channel_ops = {.on_msg = channel_msg,
-                                           .on_link_down = channel_link_down};
+/* The published name's lease: renewed when due. */
+static uint64_t service_turn(void *arg) {
+  ferry_refit_sender *s = arg;
+  fr_refit_publish_tick(s->published);
+  return fr_refit_publish_due(s->published);
+}
+
+static const fr_job_ops service_ops = {.on_msg = service_msg,
+                                       .on_timer = service_turn,
+                                       .on_link_down = service_link_down,
+                                       .on_wake = service_wake};
+
+/* Another job of the context's node registered it again: publish the name again now. */
+static void wake_service(void *arg) { fr_job_wake(arg, 0); }
 
 /* ---- open, declare, seal ---- */
 
@@ -275,12 +270,13 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
     free(s);
     return fr_err(FERRY_ENOMEM, "refit sender");
   }
-  fr_inbox_init(&s->inbox);
   s->dev_buf = s->pin_device = -1;
-  s->ctx = ctx; /* before the channel is ours: channel_link_down reads it */
-  if ((rc = fr_ctx_channel_open(ctx, FR_CHANNEL_REFIT_SENDER, &channel_ops, s)) != 0) {
-    rc = fr_err(rc, "ferry_refit_sender_open: this context has a refit sender already");
-    fr_inbox_fini(&s->inbox);
+  s->ctx = ctx;
+  /* the channel is ours now; the thread starts once the sender is whole (fr_job_run below) */
+  if ((rc = fr_job_open(ctx, FR_CHANNEL_REFIT_SENDER, &service_ops, s, "ferry-refit-tx",
+                        &s->service)) != 0) {
+    if (rc == FERRY_EBUSY)
+      rc = fr_err(rc, "ferry_refit_sender_open: this context has a refit sender already");
     free(s->name);
     free(s);
     return rc;
@@ -291,8 +287,7 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
   s->retain = !FR_OPT(opts, no_retain, 0);
   if (FR_OPT(opts, publish, 0) &&
       (rc = fr_refit_publish(ctx, name, FR_OPT(opts, directory, NULL), &s->published))) {
-    fr_ctx_channel_close(ctx, FR_CHANNEL_REFIT_SENDER);
-    fr_inbox_fini(&s->inbox);
+    fr_job_stop(s->service);
     free(s->name);
     free(s);
     return rc;
@@ -302,16 +297,15 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
   if (fr_refit_packer_start(s, &s->packer) != 0)
     fr_warn("refit '%s': packing on one thread: %s", name, ferry_last_error());
   /* another job of the context's node registered it again: publish the name again now */
-  fr_refit_publish_wake(s->published, wake_service, s);
-  if (pthread_create(&s->service, NULL, service_main, s) != 0) {
+  fr_refit_publish_wake(s->published, wake_service, s->service);
+  if ((rc = fr_job_run(s->service)) != 0) {
     fr_refit_publish_wake(s->published, NULL, NULL);
     fr_refit_packer_stop(s->packer);
     fr_refit_unpublish(s->published);
-    fr_ctx_channel_close(ctx, FR_CHANNEL_REFIT_SENDER);
-    fr_inbox_fini(&s->inbox);
+    fr_job_stop(s->service);
     free(s->name);
     free(s);
-    return fr_err(FERRY_ESYS, "refit sender: cannot start its thread");
+    return fr_err_wrap(rc, "refit sender");
   }
   if ((rc = fr_refit_stats_start(s)) != 0) {
     ferry_refit_sender_close(s);
@@ -607,12 +601,8 @@ void ferry_refit_sender_close(ferry_refit_sender *s) {
   if (!s)
     return;
   fr_refit_stats_stop(s);
-  __atomic_store_n(&s->stop, true, __ATOMIC_SEQ_CST);
-  fr_refit_publish_wake(s->published, NULL, NULL); /* before the inbox goes */
-  fr_inbox_kick(s->ctx, FR_CHANNEL_REFIT_SENDER, &s->inbox);
-  pthread_join(s->service, NULL);
-  fr_ctx_channel_close(s->ctx, FR_CHANNEL_REFIT_SENDER);
-  fr_inbox_fini(&s->inbox); /* messages that came after the thread stopped */
+  fr_refit_publish_wake(s->published, NULL, NULL); /* before the job goes */
+  fr_job_stop(s->service); /* messages that came after the thread stopped are dropped */
   fr_refit_out_free(&s->svc_out);
   fr_refit_packer_stop(s->packer);
   fr_refit_unpublish(s->published);

@@ -17,7 +17,7 @@
 #include "core/cuda.h"
 #include "refit/refit.h"
 #include "refit/shard.h"
-#include "transport/ctxcalls.h"
+#include "transport/job.h"
 
 #include <pthread.h>
 
@@ -96,6 +96,9 @@ typedef struct declared {
 
 /* A device tensor that is cast reaches the host through this much scratch at a time. */
 #define FR_REFIT_SCRATCH (4u << 20)
+/* The service thread's wake (fr_job_wake): a push ended, late joiners that asked meanwhile are
+ * served now (push.c). */
+#define FR_REFIT_WAKE_CATCHUPS 1u
 
 struct ferry_refit_sender {
   ferry_ctx *ctx;
@@ -142,14 +145,11 @@ struct ferry_refit_sender {
   uint64_t pushing; /* version under way, 0 when idle */
   uint32_t packed;  /* buckets (by seq) of the push packed so far */
   bool repairing;   /* the push's second, direct pass (chain members whose chain broke) */
-  bool stop;        /* atomic: close asks the service thread to end (then kicks the inbox) */
-  fr_inbox inbox;   /* what receivers sent on FR_CHANNEL_REFIT_SENDER, for the service thread; a
-                       link of the context that dies kicks it, and it wakes the push's waits */
-  bool link_died;   /* atomic: a link of the context died since the service thread looked */
+  /* the service thread (transport/job.h), owning FR_CHANNEL_REFIT_SENDER: what receivers send
+   * comes to it; a link of the context that dies wakes it, and it wakes the push's waits */
+  fr_job *service;
   fr_refit_outbox svc_out; /* the service thread's frames (catch-ups), sent after unlocking */
   bool svc_sending;        /* it is sending them: a push begins after (its frames go after) */
-  bool serve_catchups;     /* atomic: a push ended, the service thread serves late joiners */
-  pthread_t service;
 
   /* metrics (metrics.c): pushes run one at a time; the scrape reads them under lock */
   uint64_t pushes, push_failures, push_bytes, last_push_ns;
