@@ -11,11 +11,11 @@
  * the sender and reads only their runs, each checked against a sum the sender takes of exactly
  * those bytes (shard.h).
  *
- * The receiver owns its context's FR_CHANNEL_REFIT_RECEIVER (fr_ctx_channel_open), where its
- * sender writes; the transport puts each message in the receiver's inbox and the service thread
- * waits on it, asleep until a message comes, a link of the context dies (the transport's
- * on_link_down kicks it, and it wakes ferry_refit_wait, which then sees a sender that is gone
- * without polling its link), or close kicks it. The sender's records go the other
+ * The receiver's service thread is a job (transport/job.h) owning its context's
+ * FR_CHANNEL_REFIT_RECEIVER, where its sender writes: asleep until a message comes, a link of the
+ * context dies (it then wakes ferry_refit_wait, which sees a sender that is gone without polling
+ * its link), or close stops it; a close from one of its callbacks is reaped by the job once the
+ * callback returned (service_reap). The sender's records go the other
  * way on FR_CHANNEL_REFIT_SENDER, owned by a sender on that context if it has one: one receiver
  * and one sender per context (a second receiver gets FERRY_EBUSY), and neither sees the other's
  * messages.
@@ -31,7 +31,7 @@
 #include "core/cuda.h"
 #include "refit/refit.h"
 #include "refit/shard.h"
-#include "transport/ctxcalls.h"
+#include "transport/job.h"
 #include "transport/wire.h"
 
 #include <pthread.h>
@@ -79,12 +79,7 @@ struct ferry_refit_receiver {
   bool bound_any; /* something is bound (a tensor, flat, alias): a catch-up has somewhere to land */
   uint64_t asked; /* the latest version this receiver asked to catch up to (late join) */
   char why[256];  /* what the last failed version went wrong on, for wait()'s error */
-  bool stop;      /* atomic: close asks the service thread to end (then kicks the inbox) */
-  bool self_closed; /* closed from its own service thread (a callback): that thread frees it */
-  fr_inbox inbox;   /* what the sender sent on FR_CHANNEL_REFIT_RECEIVER */
-  bool link_died;   /* atomic: a link of the context died since the service thread last looked */
-  bool owns_channel;
-  pthread_t service;
+  fr_job *job;    /* the service thread, owning FR_CHANNEL_REFIT_RECEIVER (transport/job.h) */
 
   /* shards (ferry_refit_bind_pieces): once any is bound, every binding is a target, declared to
    * the sender, and only the runs of the view built from them are read (bind_lock) */
@@ -1051,59 +1046,42 @@ static void on_catchup_refused(ferry_refit_receiver *r, const fr_refit_msg_t *m)
   pthread_mutex_unlock(&r->lock);
 }
 
-static void *service_main(void *arg) {
+/* ---- the service thread's callbacks (transport/job.h) ---- */
+
+static void service_msg(void *arg, ferry_msg *msg) {
   ferry_refit_receiver *r = arg;
-  while (!__atomic_load_n(&r->stop, __ATOMIC_SEQ_CST)) {
-    ferry_msg *msg = fr_inbox_wait(r->ctx, FR_CHANNEL_REFIT_RECEIVER, &r->inbox, UINT64_MAX);
-    if (__atomic_exchange_n(&r->link_died, false, __ATOMIC_SEQ_CST)) {
-      pthread_mutex_lock(&r->lock); /* the sender's link, maybe: a wait looks again */
-      pthread_cond_broadcast(&r->cond);
-      pthread_mutex_unlock(&r->lock);
-    }
-    if (!msg)
-      continue; /* kicked */
-    fr_refit_msg_t m;
-    if (msg->link != r->link || fr_refit_msg_decode(msg->data, msg->len, &m) != 0)
-      fr_warn("refit: dropped a message that is not from our sender or is malformed");
-    else if (m.type == FR_REFIT_BUCKET)
-      on_bucket(r, &m);
-    else if (m.type == FR_REFIT_COMMIT)
-      on_commit(r, &m);
-    else if (m.type == FR_REFIT_ROUTE)
-      on_route(r, &m);
-    else if (m.type == FR_REFIT_DROPPED)
-      on_dropped(r, &m);
-    else if (m.type == FR_REFIT_CATCHUP)
-      on_catchup_refused(r, &m);
-    ferry_msg_free(msg);
-  }
-  return NULL;
+  fr_refit_msg_t m;
+  if (msg->link != r->link || fr_refit_msg_decode(msg->data, msg->len, &m) != 0)
+    fr_warn("refit: dropped a message that is not from our sender or is malformed");
+  else if (m.type == FR_REFIT_BUCKET)
+    on_bucket(r, &m);
+  else if (m.type == FR_REFIT_COMMIT)
+    on_commit(r, &m);
+  else if (m.type == FR_REFIT_ROUTE)
+    on_route(r, &m);
+  else if (m.type == FR_REFIT_DROPPED)
+    on_dropped(r, &m);
+  else if (m.type == FR_REFIT_CATCHUP)
+    on_catchup_refused(r, &m);
+  ferry_msg_free(msg);
 }
 
-/* The service loop, then the receiver's end when a callback closed it (on this thread). */
-static void *service_thread(void *arg) {
+/* A link of the context died: the sender's, maybe (or another: rare; the wait only looks
+ * again), so ferry_refit_wait looks again. */
+static void service_link_down(void *arg) {
   ferry_refit_receiver *r = arg;
-  service_main(r);
-  if (r->self_closed)
-    receiver_free(r);
-  return NULL;
+  pthread_mutex_lock(&r->lock);
+  pthread_cond_broadcast(&r->cond);
+  pthread_mutex_unlock(&r->lock);
 }
 
-/* The channel's owner: messages go to the inbox; a link that dies kicks it (see the top). */
-static void channel_msg(void *arg, ferry_link *link, ferry_msg *msg) {
-  (void)link;
-  fr_inbox_put(&((ferry_refit_receiver *)arg)->inbox, msg);
-}
+static void receiver_free(ferry_refit_receiver *r);
 
-static void channel_link_down(void *arg, ferry_link *link) {
-  (void)link; /* any link: the sender's, or another (rare; the wait only looks again) */
-  ferry_refit_receiver *r = arg;
-  __atomic_store_n(&r->link_died, true, __ATOMIC_SEQ_CST);     /* a kick may end a wait that */
-  fr_inbox_kick(r->ctx, FR_CHANNEL_REFIT_RECEIVER, &r->inbox); /* returns a message: the flag */
-}
+/* Closed from a callback on the service thread: freed there once that callback returned. */
+static void service_reap(void *arg) { receiver_free(arg); }
 
-static const fr_channel_ops channel_ops = {.on_msg = channel_msg,
-                                           .on_link_down = channel_link_down};
+static const fr_job_ops service_ops = {
+    .on_msg = service_msg, .on_link_down = service_link_down, .on_reap = service_reap};
 
 /* ---- attach ---- */
 
@@ -1192,9 +1170,6 @@ static void receiver_free(ferry_refit_receiver *r) {
   pthread_mutex_destroy(&r->lock);
   pthread_mutex_destroy(&r->bind_lock);
   pthread_cond_destroy(&r->cond);
-  if (r->owns_channel)
-    fr_ctx_channel_close(r->ctx, FR_CHANNEL_REFIT_RECEIVER);
-  fr_inbox_fini(&r->inbox); /* what came after the thread stopped */
   free(r);
 }
 
@@ -1210,18 +1185,18 @@ int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_m
   pthread_mutex_init(&r->lock, NULL);
   pthread_mutex_init(&r->bind_lock, NULL);
   fr_cond_init_monotonic(&r->cond);
-  fr_inbox_init(&r->inbox);
-  int rc = fr_ctx_channel_open(ctx, FR_CHANNEL_REFIT_RECEIVER, &channel_ops, r);
-  if (rc != 0)
+  /* the channel is ours before the sender knows us; the thread starts once attached */
+  int rc = fr_job_open(ctx, FR_CHANNEL_REFIT_RECEIVER, &service_ops, r, "ferry-refit-rx", &r->job);
+  if (rc == FERRY_EBUSY)
     rc = fr_err(rc, "ferry_refit_receiver_open: this context has a refit receiver already");
-  r->owns_channel = rc == 0;
-  if (rc == 0) /* the channel is ours before the sender knows us */
+  if (rc == 0)
     rc = attach(r, address, fr_timeout(timeout_ms));
-  if (rc == 0 && pthread_create(&r->service, NULL, service_thread, r) != 0)
-    rc = fr_err(FERRY_ESYS, "refit receiver: cannot start its thread");
+  if (rc == 0)
+    rc = fr_job_run(r->job);
   if (rc != 0) {
     char detail[512];
     fr_str_copy(detail, sizeof detail, ferry_last_error());
+    fr_job_stop(r->job); /* a job that never ran: the channel closes, what came is dropped */
     receiver_free(r);
     return fr_err(rc, "%s", detail);
   }
@@ -1238,18 +1213,8 @@ void ferry_refit_receiver_close(ferry_refit_receiver *r) {
     return;
   fr_refit_msg_t bye = {.type = FR_REFIT_DETACH};
   fr_refit_send(r->link, FR_REFIT_TO_SENDER, &bye, DETACH_SEND_MS);
-  if (pthread_equal(pthread_self(), r->service)) {
-    /* from a callback: the thread cannot join itself, and frees the receiver once the message
-     * it is handling is done (service_thread) */
-    r->self_closed = true;
-    __atomic_store_n(&r->stop, true, __ATOMIC_SEQ_CST);
-    pthread_detach(r->service);
-    return;
-  }
-  __atomic_store_n(&r->stop, true, __ATOMIC_SEQ_CST);
-  fr_inbox_kick(r->ctx, FR_CHANNEL_REFIT_RECEIVER, &r->inbox);
-  pthread_join(r->service, NULL);
-  receiver_free(r);
+  if (fr_job_stop(r->job)) /* else from a callback: freed by service_reap once it returned */
+    receiver_free(r);
 }
 
 /* ---- the manifest and bindings ---- */
@@ -1581,7 +1546,7 @@ int ferry_refit_wait(ferry_refit_receiver *r, uint64_t version, int timeout_ms,
       break; /* no sender: nothing will land */
     if (fr_now_ns() >= deadline)
       break;
-    /* woken by a commit, a drop, or the service thread when a link died (channel_link_down);
+    /* woken by a commit, a drop, or the service thread when a link died (service_link_down);
      * nothing else to look at until the deadline */
     struct timespec ts = fr_timespec(deadline);
     pthread_cond_timedwait(&r->cond, &r->lock, &ts);
