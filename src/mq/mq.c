@@ -45,11 +45,8 @@ void fr_mq_keep_link(ferry_mq *mq, ferry_link *l) {
   mq->links[mq->nlinks++] = (struct fr_mq_link){ferry_link_retain(l), false};
 }
 
-/* The mq whose thread this is (NULL on any other thread): set by the thread itself, so that
- * telling it apart needs no field that the opening thread writes after starting it. */
-static _Thread_local const ferry_mq *own_thread_of;
-
-static bool on_thread(const ferry_mq *mq) { return own_thread_of == mq; }
+/* Whether this is the mq's thread (the job knows its thread by a thread-local it sets). */
+static bool on_thread(const ferry_mq *mq) { return fr_job_on_thread(mq->job); }
 
 /* ---- dispatch: on_msg (never blocks) and the inbox (the thread's) ---- */
 
@@ -83,9 +80,8 @@ static void on_bye(ferry_mq *mq, ferry_link *l) {
 static void to_thread(ferry_mq *mq, ferry_msg *m, bool data) {
   pthread_mutex_lock(&mq->lock);
   mq->deferred += data;
-  fr_inbox_put(&mq->inbox, m);
-  fr_mq_kick(mq);
-  fr_mq_changed(mq); /* the thread may wait in a callback's publish (fr_mq_wait serves it) */
+  fr_job_put(mq->job, m); /* wakes the thread */
+  fr_mq_changed(mq);      /* the thread may wait in a callback's publish (fr_mq_wait serves it) */
   pthread_mutex_unlock(&mq->lock);
 }
 
@@ -234,7 +230,7 @@ static void serve(ferry_mq *mq, ferry_msg *m) {
 
 static void serve_inbox(ferry_mq *mq) {
   ferry_msg *m;
-  while ((m = fr_inbox_take(&mq->inbox)))
+  while ((m = fr_job_take(mq->job)))
     serve(mq, m);
 }
 
@@ -255,7 +251,7 @@ static bool changed(void *arg) {
 int fr_mq_wait(ferry_mq *mq, bool (*ready)(ferry_mq *, void *), void *arg, uint64_t deadline_ns) {
   bool tried = false, thread = on_thread(mq);
   for (;;) {
-    if (thread && __atomic_load_n(&mq->inbox.count, __ATOMIC_SEQ_CST)) {
+    if (thread && fr_job_queued(mq->job)) {
       pthread_mutex_unlock(&mq->lock); /* in a callback: SUBs, maps, late data are this one's */
       serve_inbox(mq);
       pthread_mutex_lock(&mq->lock);
@@ -315,8 +311,7 @@ static uint64_t batch_step(ferry_mq *mq, uint64_t now) {
 
 /* One round of the thread's work (lock held; returns with it held): when it is next due. */
 static uint64_t thread_step(ferry_mq *mq) {
-  mq->thread_kicked = false;
-  if (fr_dir_lease_due(&mq->lease) || __atomic_load_n(&mq->inbox.count, __ATOMIC_SEQ_CST)) {
+  if (fr_dir_lease_due(&mq->lease) || fr_job_queued(mq->job)) {
     pthread_mutex_unlock(&mq->lock);
     if (fr_dir_lease_due(&mq->lease))
       fr_mq_renew(mq);
@@ -333,33 +328,31 @@ static uint64_t thread_step(ferry_mq *mq) {
   return renew < next ? renew : next;
 }
 
-/* The thread sleeps on a condition of its own, not in the context's wait: it needs nothing
- * from the epoll (on_msg hands it what it serves, and fr_mq_changed wakes it). */
-static void *mq_thread(void *arg) {
-  pthread_setname_np(pthread_self(), "ferry-mq"); /* for top -H, perf, gdb */
+/* The job's callbacks (transport/job.h). The thread sleeps on its inbox's own condition, not in
+ * the context's wait (`quiet`): it needs nothing from the epoll (on_msg hands it what it serves,
+ * and fr_mq_kick wakes it). What is still queued at close is served after the channel closed
+ * (`drain_at_stop`: a BYE sent as ours is answered). */
+static void thread_msg(void *arg, ferry_msg *m) { serve(arg, m); }
+
+static uint64_t thread_turn(void *arg) {
   ferry_mq *mq = arg;
-  own_thread_of = mq;
   pthread_mutex_lock(&mq->lock);
-  while (!mq->closing) {
-    uint64_t next = thread_step(mq);
-    if (mq->closing || mq->thread_kicked || next <= fr_now_ns() ||
-        __atomic_load_n(&mq->inbox.count, __ATOMIC_SEQ_CST) || (mq->callback && mq->head))
-      continue;
-    struct timespec ts = fr_timespec(next == UINT64_MAX ? fr_now_ns() + 3600000000000ull : next);
-    pthread_cond_timedwait(&mq->thread_cond, &mq->lock, &ts);
-  }
+  uint64_t next = thread_step(mq);
+  if (mq->callback && mq->head && !mq->closing)
+    next = 0; /* came while the callback ran: at once */
   pthread_mutex_unlock(&mq->lock);
-  return NULL;
+  return next;
 }
+
+static const fr_job_ops thread_ops = {.on_msg = thread_msg,
+                                      .on_timer = thread_turn,
+                                      .channel = &mq_channel_ops,
+                                      .quiet = true,
+                                      .drain_at_stop = true};
 
 /* Another job of the context's node registered it again: the thread publishes our records
  * again (fr_dir_lease_due is then true). */
-static void wake_thread(void *arg) {
-  ferry_mq *mq = arg;
-  pthread_mutex_lock(&mq->lock);
-  fr_mq_kick(mq);
-  pthread_mutex_unlock(&mq->lock);
-}
+static void wake_thread(void *arg) { fr_job_wake(arg, 0); }
 
 /* ---- open / close ---- */
 
@@ -389,8 +382,6 @@ static ferry_mq *mq_new(ferry_ctx *ctx, const ferry_mq_opts *o) {
   pthread_mutex_init(&mq->lock, NULL);
   pthread_mutex_init(&mq->publish_lock, NULL);
   fr_cond_init_monotonic(&mq->cond);
-  fr_cond_init_monotonic(&mq->thread_cond);
-  fr_inbox_init(&mq->inbox);
   return mq;
 }
 
@@ -400,10 +391,9 @@ static int mq_start(ferry_mq *mq, const ferry_mq_opts *o) {
     return fr_err(FERRY_EINVAL, "mq: node name '%s' is longer than %d bytes", name,
                   FR_DIR_NAME_MAX);
   /* the mq's frames are its own from now on: a second mq on this ctx is FERRY_EBUSY */
-  int rc = fr_ctx_channel_open(mq->ctx, FR_CHANNEL_MQ, &mq_channel_ops, mq);
+  int rc = fr_job_open(mq->ctx, FR_CHANNEL_MQ, &thread_ops, mq, "ferry-mq", &mq->job);
   if (rc != 0)
     return rc == FERRY_EBUSY ? fr_err(rc, "mq: context '%s' has an mq already", name) : rc;
-  mq->channel_open = true;
   if (o->flags & FERRY_MQ_HOST_DIRECTORY) {
     rc = fr_dir_host(mq->ctx, &mq->dir);
   } else {
@@ -423,11 +413,11 @@ static int mq_start(ferry_mq *mq, const ferry_mq_opts *o) {
       mq->lease.lease_ms = 300;
     rc = fr_mq_register(mq, true, fr_timeout(-1));
   }
-  if (rc == 0 && pthread_create(&mq->thread, NULL, mq_thread, mq) != 0)
-    rc = fr_err(FERRY_ESYS, "mq: cannot start its thread");
+  if (rc == 0)
+    rc = fr_job_run(mq->job);
   if (rc == 0) {
     mq->thread_started = true;
-    fr_dir_lease_set_wake(&mq->lease, wake_thread, mq); /* the lease leaves at close */
+    fr_dir_lease_set_wake(&mq->lease, wake_thread, mq->job); /* cleared at close */
   }
   return rc;
 }
@@ -554,13 +544,13 @@ void ferry_mq_close(ferry_mq *mq) {
   pthread_mutex_lock(&mq->lock);
   mq->closing = true;
   fr_mq_changed(mq);
-  fr_mq_kick(mq);
   pthread_mutex_unlock(&mq->lock);
   if (mq->thread_started)
-    pthread_join(mq->thread, NULL);
-  if (mq->channel_open) /* no on_msg after this: the state below may go */
-    fr_ctx_channel_close(mq->ctx, FR_CHANNEL_MQ);
-  serve_inbox(mq); /* what came after the thread stopped: a BYE sent as ours was answered */
+    fr_dir_lease_set_wake(&mq->lease, NULL, NULL); /* before the job goes */
+  /* the thread ends, the channel closes (no on_msg after this: the state below may go), and
+   * what came after the thread stopped is served (a BYE sent as ours is answered) */
+  fr_job_stop(mq->job);
+  mq->job = NULL;
   if (mq->dir)
     fr_mq_unregister(mq);
   pthread_mutex_lock(&mq->lock);
@@ -574,9 +564,7 @@ void ferry_mq_close(ferry_mq *mq) {
   fr_dir_close(mq->dir);
   pthread_mutex_destroy(&mq->lock);
   pthread_mutex_destroy(&mq->publish_lock);
-  fr_inbox_fini(&mq->inbox); /* what came for the thread after it stopped */
   pthread_cond_destroy(&mq->cond);
-  pthread_cond_destroy(&mq->thread_cond);
   free(mq);
 }
 

@@ -28,7 +28,7 @@
 #include "core/region.h"
 #include "directory/directory.h"
 #include "directory/peers.h"
-#include "transport/ctxcalls.h"
+#include "transport/job.h"
 
 #include <pthread.h>
 #include <string.h>
@@ -187,15 +187,14 @@ struct ferry_mq {
   uint64_t events;      /* bumped with every change a waiter may wait for (fr_mq_changed): what the
                          * one wait's ready() reads without the lock (atomic) */
   bool closing;
-  bool channel_open;          /* this mq owns FR_CHANNEL_MQ */
-  bool rx_costly;             /* atomic: the last frame came on a link not cheap to poll (not shm):
-                               * waiters then do not spin */
-  uint64_t malformed;         /* frames dropped as malformed */
-  fr_inbox inbox;             /* what on_msg leaves to the thread: SUB calls, malformed calls, data
-                               * whose pool is not mapped yet (and data behind it) */
-  size_t deferred;            /* data frames in the inbox: later ones queue behind them (order) */
-  bool thread_kicked;         /* the thread has something to look at (fr_mq_kick) */
-  pthread_cond_t thread_cond; /* the thread sleeps on it: closing, a kick, an inbox message */
+  bool rx_costly;     /* atomic: the last frame came on a link not cheap to poll (not shm):
+                       * waiters then do not spin */
+  uint64_t malformed; /* frames dropped as malformed */
+  /* The mq's thread (transport/job.h), owning FR_CHANNEL_MQ with mq.c's channel table: its
+   * inbox holds what on_msg leaves to the thread (SUB calls, malformed calls, data whose pool is
+   * not mapped yet, and data behind it). Set before the channel is owned, NULL after close. */
+  fr_job *job;
+  size_t deferred; /* data frames in the inbox: later ones queue behind them (order) */
 
   fr_mq_rmsg *head, *tail; /* received, not yet taken */
   size_t queued;
@@ -247,8 +246,7 @@ struct ferry_mq {
   size_t nblocks, capblocks;
   fr_pool space; /* which bytes of the pool are free, in 4 KiB granules (core/pool.h) */
 
-  pthread_t thread;
-  bool thread_started;
+  bool thread_started; /* job runs: close says BYE while it answers peers' BYEs */
 
   /* metrics (metrics.c), under lock; last, so that the fields above keep their cache lines */
   fr_mq_rx_stat rx[FR_MQ_STAT_TOPICS + 1]; /* the last row: every other topic */
@@ -275,8 +273,8 @@ static inline void fr_mq_changed(ferry_mq *mq) {
 /* Gives the thread something to look at (lock held): a timer moved, a callback to run, credit
  * to send. */
 static inline void fr_mq_kick(ferry_mq *mq) {
-  mq->thread_kicked = true;
-  pthread_cond_signal(&mq->thread_cond);
+  if (mq->job)
+    fr_job_wake(mq->job, 0);
 }
 /* Remembers a link (takes a reference) so close can say BYE and release it. lock held. */
 void fr_mq_keep_link(ferry_mq *mq, ferry_link *l);
