@@ -53,7 +53,10 @@ tally() {
 tsan_wrap=""
 if setarch -R true 2>/dev/null; then tsan_wrap="setarch -R"; fi
 
-export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
+# intercept_tls_get_addr=0: LeakSanitizer's exit-time scan otherwise reads a stale dynamic-TLS
+# range (gcc 12's libsanitizer) and crashes ("Tracer caught signal 11") in processes that loaded
+# libraries with TLS at run time (the CUDA stand-in): cuda_refit_test's cases, one per process.
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:intercept_tls_get_addr=0
 export LSAN_OPTIONS=suppressions=$PWD/tests/lsan.supp:print_suppressions=0
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
