@@ -709,10 +709,14 @@ static void serve_in_order(fr_dir_server *s, ferry_msg *m) {
  * second (it drops a lapsed node's records then, and takes in the posted puts that came
  * meanwhile: the longest a post waits for a quiet server). A request (the server owns
  * FR_CHANNEL_DIRECTORY: requests go straight to its inbox), or fr_dir_server_stop, wakes it
- * sooner. Sleeping until the first lease
- * lapses instead was tried: over ucx, a `ferry serve` resumed after SIGSTOP then sometimes left
- * requests unanswered until another message came (store_test stopped_directory, 2 of 13 runs),
- * which this look, taking the epoll over from the progress thread, hides. */
+ * sooner. The look also hides a lost wake-up in the ucx transport, not yet fixed: with it at
+ * 30 s, a `ferry serve` resumed after SIGSTOP over ucx left a reader's requests unanswered until
+ * another message came (its close's; store_test_ucx_sm stopped_directory: 2 of 8 runs). During
+ * such a stall this thread waited on an empty inbox and the progress thread slept in its
+ * epoll_wait (gdb): nothing was queued for it, so the request or its answer was held in UCX,
+ * with no event on a worker's fd. It cannot be that this look takes the epoll over, as this
+ * comment said: with ucx no idle wait leads the epoll (users_may_lead is false); how the look
+ * unblocks the link is not found yet. */
 #define LEASE_LOOK_MS 1000
 
 /* The job's one callback (transport/job.h; it takes its messages itself, under serve_lock, so
