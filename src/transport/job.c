@@ -31,6 +31,19 @@ struct fr_job {
 /* The job whose thread this is (NULL on any other thread): set by the thread itself. */
 static _Thread_local const fr_job *current;
 
+/* Ends the thread's current or next wait. A quiet job's thread never leads the epoll: waking
+ * it needs no poke of a leader (which, waiting for the same channel, would wake for nothing). */
+static void kick(fr_job *j) {
+  if (!j->ops->quiet) {
+    fr_inbox_kick(j->ctx, j->channel, &j->inbox);
+    return;
+  }
+  pthread_mutex_lock(&j->inbox.lock);
+  __atomic_store_n(&j->inbox.kicked, true, __ATOMIC_SEQ_CST);
+  pthread_cond_broadcast(&j->inbox.cond);
+  pthread_mutex_unlock(&j->inbox.lock);
+}
+
 /* ---- the channel: messages to the inbox, a link's death to the thread ---- */
 
 static void job_on_msg(void *arg, ferry_link *link, ferry_msg *msg) {
@@ -44,7 +57,7 @@ static void job_on_link_down(void *arg, ferry_link *link) {
   if (!j->ops->on_link_down)
     return;
   __atomic_store_n(&j->link_down, true, __ATOMIC_SEQ_CST); /* before the kick: a wait that */
-  fr_inbox_kick(j->ctx, j->channel, &j->inbox);            /* returns a message sees it too */
+  kick(j);                                                 /* returns a message sees it too */
 }
 
 static const fr_channel_ops job_channel = {.on_msg = job_on_msg, .on_link_down = job_on_link_down};
@@ -155,7 +168,7 @@ int fr_job_start(ferry_ctx *ctx, uint32_t channel, const fr_job_ops *ops, void *
 void fr_job_wake(fr_job *j, unsigned bits) {
   if (bits)
     __atomic_or_fetch(&j->wakes, bits, __ATOMIC_SEQ_CST);
-  fr_inbox_kick(j->ctx, j->channel, &j->inbox);
+  kick(j);
 }
 
 void fr_job_put(fr_job *j, ferry_msg *msg) { fr_inbox_put(&j->inbox, msg); }
@@ -187,7 +200,7 @@ bool fr_job_stop(fr_job *j) {
     return false;
   }
   if (j->running) {
-    fr_inbox_kick(j->ctx, j->channel, &j->inbox);
+    kick(j);
     pthread_join(j->thread, NULL);
   }
   job_free(j);
