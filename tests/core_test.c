@@ -717,6 +717,25 @@ static void test_error_detail_escaped(void **state) {
   assert_string_equal(ferry_last_error(), "open 'f\\x1b': No such file or directory");
 }
 
+/* A kept failure comes back as it was after cleanup that set the detail again (or cleared it);
+ * the detail, escaped once, is not escaped twice. */
+static void test_error_keep(void **state) {
+  (void)state;
+  fr_err(FERRY_EINVAL, "open 'a\x1b': bad");
+  fr_err_keep keep;
+  fr_err_save(&keep, FERRY_EINVAL);
+  assert_string_equal(keep.detail, "open 'a\\x1b': bad");
+  fr_err(FERRY_ECLOSED, "closing");
+  fr_err_clear();
+  assert_int_equal(fr_err_restore(&keep), FERRY_EINVAL);
+  assert_string_equal(ferry_last_error(), "open 'a\\x1b': bad");
+  fr_err_clear();
+  fr_err_save(&keep, 0); /* no detail: restoring clears what cleanup set */
+  fr_err(FERRY_ECLOSED, "closing");
+  assert_int_equal(fr_err_restore(&keep), 0);
+  assert_string_equal(ferry_last_error(), "");
+}
+
 /* The spin helper keeps its window: no pause says go on past `end`, a spent window says stop at
  * once. FERRY_SPIN_YIELD_NS=0 (read at the process's first spin): every pause yields, as spinners
  * did before the gap, and reports how long the yield took. */
@@ -753,6 +772,7 @@ int main(void) {
       cmocka_unit_test(test_pool),           cmocka_unit_test(test_spin),
       cmocka_unit_test(test_str_copy),       cmocka_unit_test(test_name_rule),
       cmocka_unit_test(test_escape),         cmocka_unit_test(test_error_detail_escaped),
+      cmocka_unit_test(test_error_keep),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -137,13 +137,13 @@ static int do_request(ferry_ctl *ctl, const char *name, ferry_ctl_cmd cmd, int t
   int rc = ferry_ctl_request(ctl, cmd, timeout_ms);
   ferry_ctl_status st = {.size = sizeof st};
   if (json) {
-    char detail[512];
-    fr_str_copy(detail, sizeof detail, rc ? ferry_last_error() : "");
+    fr_err_keep keep;
+    fr_err_save(&keep, rc);
     printf("{\"name\":");
     cli_json_string(stdout, name);
     printf(",\"command\":\"%s\",\"ok\":%s,\"status\":\"%s\",\"detail\":", ferry_ctl_cmd_name(cmd),
            rc ? "false" : "true", ferry_status_name(rc));
-    cli_json_string(stdout, detail);
+    cli_json_string(stdout, rc ? keep.detail : "");
     if (ferry_ctl_status_get(ctl, &st) == 0)
       printf(",\"state\":\"%s\",\"seq\":%lu", ferry_ctl_state_name(st.state),
              (unsigned long)st.seq);

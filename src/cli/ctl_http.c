@@ -382,11 +382,11 @@ static enum MHD_Result handle_status(const server *s, struct MHD_Connection *con
   int rc = ferry_ctl_open(s->name, &ctl);
   if (rc == 0)
     rc = status_object(ctl, s->name, &status);
-  char detail[512];
-  fr_str_copy(detail, sizeof detail, rc ? ferry_last_error() : "");
+  fr_err_keep keep;
+  fr_err_save(&keep, rc);
   ferry_ctl_close(ctl);
   if (rc)
-    return send_error(conn, http_status(rc), rc, detail);
+    return send_error(conn, http_status(rc), rc, keep.detail);
   return send_json(conn, MHD_HTTP_OK, status, NULL);
 }
 
@@ -406,14 +406,14 @@ static enum MHD_Result handle_request(const server *s, struct MHD_Connection *co
   int rc = ferry_ctl_open(s->name, &ctl);
   if (rc == 0)
     rc = ferry_ctl_request(ctl, cmd, timeout_ms);
-  char detail[512];
-  fr_str_copy(detail, sizeof detail, rc ? ferry_last_error() : "");
+  fr_err_keep keep;
+  fr_err_save(&keep, rc);
   json_t *o = json_object();
   json_object_set_new(o, "ok", json_boolean(rc == 0));
   json_object_set_new(o, "command", json_string(ferry_ctl_cmd_name(cmd)));
   json_object_set_new(o, "status", json_string(ferry_status_name(rc)));
   json_object_set_new(o, "error", jstr(rc ? ferry_strerror(rc) : ""));
-  json_object_set_new(o, "detail", jstr(detail));
+  json_object_set_new(o, "detail", jstr(rc ? keep.detail : ""));
   ferry_ctl_status st = {.size = sizeof st};
   if (ctl && ferry_ctl_status_get(ctl, &st) == 0) {
     json_object_set_new(o, "state", json_string(ferry_ctl_state_name(st.state)));

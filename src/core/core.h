@@ -41,6 +41,21 @@ void fr_err_clear(void);
 /* fr_err() with the thread's current detail appended ("what: previous detail"): a caller adds
  * its own context to a failure it passes on. */
 int fr_err_wrap(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* A failure's status and detail, kept across cleanup that may set the detail again (a close, a
+ * rollback): fr_err_restore puts the detail back as it was and returns the status, so an open
+ * that fails reads
+ *   fr_err_keep keep;
+ *   fr_err_save(&keep, rc);
+ *   ferry_x_close(x);
+ *   return fr_err_restore(&keep);
+ * keep.detail can also be read where the detail is reported rather than passed on. */
+#define FR_ERR_DETAIL_MAX 512
+typedef struct {
+  int status;
+  char detail[FR_ERR_DETAIL_MAX];
+} fr_err_keep;
+void fr_err_save(fr_err_keep *keep, int status);
+int fr_err_restore(const fr_err_keep *keep);
 
 /* ---- logging: the level check is one load, so disabled messages cost nothing ---- */
 extern int fr_log_level_now;

@@ -13,7 +13,6 @@
 #include <stdio.h>
 #include <string.h>
 
-#define FR_ERR_DETAIL_MAX 512
 static _Thread_local char err_detail[FR_ERR_DETAIL_MAX];
 
 const char *ferry_strerror(int status) {
@@ -41,6 +40,17 @@ const char *ferry_status_name(int status) {
 const char *ferry_last_error(void) { return err_detail; }
 
 void fr_err_clear(void) { err_detail[0] = '\0'; }
+
+void fr_err_save(fr_err_keep *keep, int status) {
+  keep->status = status;
+  fr_str_copy(keep->detail, sizeof keep->detail, err_detail);
+}
+
+/* A plain copy: the detail kept was escaped when it was set, and fr_escape is idempotent. */
+int fr_err_restore(const fr_err_keep *keep) {
+  fr_str_copy(err_detail, sizeof err_detail, keep->detail);
+  return keep->status;
+}
 
 int fr_err(int status, const char *fmt, ...) {
   char raw[FR_ERR_DETAIL_MAX];

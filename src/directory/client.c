@@ -47,12 +47,12 @@ static int left_ms(uint64_t deadline_ns) {
 }
 
 static int no_directory(const emb *e, int rc) {
-  char why[384];
-  fr_str_copy(why, sizeof why, ferry_last_error());
+  fr_err_keep why;
+  fr_err_save(&why, rc);
   return fr_err(FERRY_ECONNECT,
                 "no ferry directory answers at ferry://%s (%s); start one with `ferry serve "
                 "--listen %s`, or set FERRY_DIRECTORY to a running one",
-                e->where, *why ? why : ferry_strerror(rc), e->where);
+                e->where, *why.detail ? why.detail : ferry_strerror(rc), e->where);
 }
 
 /* Asks `op`, a request without arguments, over l; *m: the answer. */

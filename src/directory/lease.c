@@ -226,15 +226,15 @@ static int register_node(fr_dir_self *me, const fr_dir_lease *l, const fr_dir_no
                 "open every job of a context with the same directory URL",
                 l->who, n->name, other);
   } else if (rc == FERRY_EEXIST) {
-    char taken[512];
-    fr_str_copy(taken, sizeof taken, ferry_last_error());
+    fr_err_keep taken;
+    fr_err_save(&taken, rc);
     if (holder_dead(me->ctx, &holder, timeout_ms)) {
       fr_info("%s: the node that held '%s' at %s is dead; taking the name over", l->who, n->name,
               holder.address);
       rc = ops->node_put(me->dir->state, n, lease_ms, holder.incarnation, NULL, timeout_ms);
     } else {
       rc = fr_err(FERRY_EEXIST, "%s: %s; give this node another name or stop the other one", l->who,
-                  taken);
+                  taken.detail);
     }
   }
   __atomic_store_n(&me->held, rc == 0, __ATOMIC_RELEASE);
@@ -606,8 +606,8 @@ void fr_dir_lease_drop(fr_dir_lease *l) {
   if (!me)
     return;
   /* closing does not fail, nor touch the caller's error (a failed open drops, then reports) */
-  char kept[512];
-  fr_str_copy(kept, sizeof kept, ferry_last_error());
+  fr_err_keep kept;
+  fr_err_save(&kept, 0);
   pthread_mutex_lock(&me->lock);
   __atomic_store_n(&me->busy, "a job leaving", __ATOMIC_RELEASE);
   bool was = l->in_node;
@@ -616,7 +616,5 @@ void fr_dir_lease_drop(fr_dir_lease *l) {
     detach(me, l);
   __atomic_store_n(&l->held, false, __ATOMIC_RELEASE);
   unlock(me);
-  fr_err_clear();
-  if (*kept)
-    fr_err(0, "%s", kept);
+  fr_err_restore(&kept);
 }

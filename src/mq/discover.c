@@ -404,12 +404,12 @@ int ferry_mq_subscribe(ferry_mq *mq, const char *topic, int timeout_ms) {
   if (rc != 0)
     return rc < 0 ? rc : 0;
   if ((rc = put_record(mq, 's', topic, fr_ms_left(deadline) + 1)) != 0) {
-    char detail[512];
-    fr_mq_detail(detail, sizeof detail);
+    fr_err_keep keep;
+    fr_err_save(&keep, rc);
     pthread_mutex_lock(&mq->lock);
     drop_subscription(mq, topic);
     pthread_mutex_unlock(&mq->lock);
-    return fr_err(rc, "subscribe '%s': %s", topic, detail);
+    return fr_err_wrap(fr_err_restore(&keep), "subscribe '%s'", topic);
   }
   tell_publishers(mq, FR_MQ_SUB, topic, deadline);
   return 0;

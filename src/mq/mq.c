@@ -34,8 +34,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-void fr_mq_detail(char *buf, size_t cap) { fr_str_copy(buf, cap, ferry_last_error()); }
-
 void fr_mq_keep_link(ferry_mq *mq, ferry_link *l) {
   for (size_t i = 0; i < mq->nlinks; i++)
     if (mq->links[i].link == l)
@@ -440,10 +438,10 @@ int ferry_mq_open(ferry_ctx *ctx, const ferry_mq_opts *opts, ferry_mq **out) {
   if (rc == 0 && (rc = fr_mq_stats_start(mq)) != 0)
     fr_mq_stats_stop(mq);
   if (rc != 0) {
-    char detail[512];
-    fr_mq_detail(detail, sizeof detail);
+    fr_err_keep keep;
+    fr_err_save(&keep, rc);
     ferry_mq_close(mq);
-    return fr_err(rc, "%s", detail);
+    return fr_err_restore(&keep);
   }
   *out = mq;
   return 0;

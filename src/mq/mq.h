@@ -278,8 +278,6 @@ static inline void fr_mq_kick(ferry_mq *mq) {
 }
 /* Remembers a link (takes a reference) so close can say BYE and release it. lock held. */
 void fr_mq_keep_link(ferry_mq *mq, ferry_link *l);
-/* A copied-out error detail, for messages built across calls that may overwrite it. */
-void fr_mq_detail(char *buf, size_t cap);
 
 /* discover.c */
 int fr_mq_register(ferry_mq *mq, bool fresh, int timeout_ms);

@@ -129,10 +129,10 @@ int ferry_store_open(ferry_ctx *ctx, const ferry_store_opts *opts, ferry_store *
   if (rc == 0 && (rc = fr_store_stats_start(s)) != 0)
     fr_store_stats_stop(s);
   if (rc != 0) {
-    char detail[512];
-    fr_str_copy(detail, sizeof detail, ferry_last_error());
+    fr_err_keep keep;
+    fr_err_save(&keep, rc);
     ferry_store_close(s);
-    return fr_err(rc, "%s", detail);
+    return fr_err_restore(&keep);
   }
   *out = s;
   return 0;

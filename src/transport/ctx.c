@@ -202,9 +202,8 @@ int ferry_ctx_open(const ferry_ctx_opts *opts, ferry_ctx **out) {
     rc = fr_err(FERRY_ESYS, "cannot start the progress thread");
   }
   if (rc != 0) {
-    int saved = rc;
-    char detail[512];
-    fr_str_copy(detail, sizeof detail, ferry_last_error());
+    fr_err_keep keep;
+    fr_err_save(&keep, rc);
     for (size_t i = 0; i < ctx->nlisteners; i++)
       close(ctx->listeners[i].poller.fd);
     ctx->nlisteners = 0;
@@ -226,7 +225,7 @@ int ferry_ctx_open(const ferry_ctx_opts *opts, ferry_ctx **out) {
     free(ctx->token);
     free(ctx->tcp_listen);
     free(ctx);
-    return fr_err(saved, "%s", detail);
+    return fr_err_restore(&keep);
   }
   fr_debug("ctx '%s' listening at %s", ctx->name, ctx->address);
   *out = ctx;

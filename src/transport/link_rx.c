@@ -513,8 +513,8 @@ static void link_retire(ferry_link *l, int status, const char *why) {
  * UCX's stream. Takes that in and dispatches its complete frames, until nothing more is there
  * (or FR_END_DRAIN_NS), then returns the end's status; a frame the end cut short is dropped. */
 static int rx_last(ferry_link *l, int end) {
-  char why[256];
-  fr_str_copy(why, sizeof why, ferry_last_error());
+  fr_err_keep why;
+  fr_err_save(&why, end);
   uint64_t deadline = fr_now_ns() + FR_END_DRAIN_NS;
   int rc;
   do
@@ -528,7 +528,7 @@ static int rx_last(ferry_link *l, int end) {
   else if (l->rx_have > 0)
     fr_debug("link %s '%s': the peer's end cut a frame short (%zu bytes of its header): dropped",
              l->ops->name, l->peer, l->rx_have);
-  return fr_err(end, "%s", why);
+  return fr_err_restore(&why);
 }
 
 /* Drains the link; the ctx's leader (the epoll handler) also lets the transport consume what
