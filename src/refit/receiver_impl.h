@@ -1,0 +1,140 @@
+/*
+ * The refit receiver's state, shared by the files that hold its parts: receiver.c (attach, open
+ * and close, the service thread's job, versions: committed() and wait()), receiver_bind.c (the
+ * manifest as the caller sees it, and binding: whole tensors, flat, alias, pieces),
+ * receiver_cuda.c (CUDA destinations: where a destination lives, the pinned stage, copies into
+ * device memory), receiver_shards.c (shard targets, their declarations to the sender, the view
+ * of runs built from them) and receiver_read.c (reading a push: each announced bucket read,
+ * verified and placed, commits, drops, a new manifest taken mid-stream).
+ *
+ * Locking: bind_lock guards what is bound (bound, flat, alias, the targets and their view, the
+ * callbacks), held by the service thread while a bucket lands and by the binding calls; lock
+ * guards the versions (committed, torn_by, latest_known, why), which committed() and wait() read
+ * on the caller's thread. A function below that says "bind_lock held" expects its caller to hold
+ * it.
+ */
+#ifndef FR_REFIT_RECEIVER_IMPL_H
+#define FR_REFIT_RECEIVER_IMPL_H
+
+#include "core/cuda.h"
+#include "refit/refit.h"
+#include "refit/shard.h"
+#include "transport/job.h"
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+struct ferry_refit_receiver {
+  ferry_ctx *ctx;
+  ferry_link *link;
+  fr_refit_plan plan;
+  void **bound;                  /* per tensor: the caller's destination, or NULL */
+  ferry_tensor_desc *bound_desc; /* and how the caller described it */
+  int *bound_dev;                /* and its CUDA device, -1 for host memory */
+  uint32_t dev_bound;            /* how many bound[] are device memory (bind_lock) */
+  int stage_pin;                 /* the device whose context pinned the stage (fr_cuda_pin: a
+                                    device this receiver copies to), or -1: not pinned */
+  uint8_t *flat;                 /* ferry_alloc'd flat buffer, or NULL */
+  const uint8_t *alias;          /* the sender's wire buffer, mapped (alias mode), or NULL */
+  ferry_region_ref alias_ref;    /* the sender's wire buffer, if it keeps one */
+  uint8_t *stage;
+  uint8_t *fwd;     /* two forwarding slots for a chain successor (ferry_alloc'd), or NULL */
+  ferry_link *up;   /* to the chain predecessor, or NULL */
+  char *up_address; /* where the sender said the predecessor is */
+  uint8_t *got;     /* per bucket: verified in the version arriving */
+  ferry_refit_bucket_fn on_bucket; /* these four under bind_lock */
+  void *on_bucket_arg;
+  ferry_refit_commit_fn on_commit;
+  void *on_commit_arg;
+  uint32_t bind_epoch;      /* bumped when a destination is bound (under bind_lock) */
+  uint32_t committed_epoch; /* bind_epoch when the last version committed */
+  uint64_t missed;          /* a version a destination bound mid-way missed buckets of */
+  uint64_t unheld; /* a version sent with buckets flagged unchanged (the sender skips what the
+                      last commit holds) while a destination bound since then lacks them */
+
+  pthread_mutex_t bind_lock; /* bound, flat: held by the service thread while a bucket lands */
+  pthread_mutex_t lock;      /* the versions below */
+  pthread_cond_t cond;
+  uint64_t committed, latest_known;
+  uint64_t torn_by;   /* 0, or the version whose bytes began landing over `committed` and did not
+                         complete: the bytes are then neither version (committed() says 0) */
+  uint64_t receiving; /* version whose buckets are arriving */
+  uint32_t verified;
+  int failure;
+  bool bound_any; /* something is bound (a tensor, flat, alias): a catch-up has somewhere to land */
+  uint64_t asked; /* the latest version this receiver asked to catch up to (late join) */
+  char why[256];  /* what the last failed version went wrong on, for wait()'s error */
+  fr_job *job;    /* the service thread, owning FR_CHANNEL_REFIT_RECEIVER (transport/job.h) */
+
+  /* shards (ferry_refit_bind_pieces): once any is bound, every binding is a target, declared to
+   * the sender, and only the runs of the view built from them are read (bind_lock) */
+  bool shards;
+  struct rx_target {
+    char *name;
+    ferry_tensor_desc desc;
+    int device;     /* of dst: a CUDA device, or -1 for host memory */
+    char **sources; /* the pieces' source names (pieces name them by index in the manifest) */
+    fr_refit_target t;
+  } * targets;
+  uint32_t ntargets;
+  uint32_t serial;     /* of the last VIEW record sent */
+  fr_refit_view *view; /* built from the targets at `serial`, or NULL (built when needed) */
+  struct dev_range {
+    uintptr_t lo, hi;
+    int device;
+  } * dev_ranges;      /* the device targets' memory, sorted (built with the view) */
+  size_t ndev_ranges;  /* 0: every target is host memory */
+  uint64_t bytes_read; /* atomic: bytes read from the sender or a predecessor, all told */
+};
+
+/* Runs' bytes on their way out of the stage (or a landed bucket). Host runs are memcpy'd; runs
+ * into a device target are merged while they continue one another at both ends (a slice along
+ * dim 1 lands row after row), so a stretch costs one copy; copy_done issues the last one. */
+typedef struct rx_copy {
+  uint8_t *dst;
+  const uint8_t *src;
+  uint64_t len;
+  int device;
+} rx_copy;
+
+/* receiver.c: asks the sender for its manifest, bucket buffers and latest version. */
+int fr_refit_rx_fetch_manifest(ferry_refit_receiver *r, int timeout_ms, fr_refit_plan *plan);
+
+/* receiver_bind.c */
+/* Checks that a binding fits its tensor; the error names the tensor. */
+int fr_refit_rx_binding_fits(const fr_refit_entry *e, const ferry_tensor_desc *desc);
+/* A destination just bound ([lo, lo+len) of the wire bytes) holds no version. bind_lock held. */
+void fr_refit_rx_new_destination(ferry_refit_receiver *r, uint64_t lo, uint64_t len);
+/* Maps the sender's whole wire buffer (alias mode). */
+int fr_refit_rx_alias_map(ferry_refit_receiver *r);
+
+/* receiver_cuda.c */
+int fr_refit_rx_where_bound(const char *name, const void *dst, const ferry_tensor_desc *desc,
+                            int *device);
+int fr_refit_rx_host_only(const ferry_refit_receiver *r, const char *name);
+uint8_t *fr_refit_rx_stage_alloc(uint64_t bucket);
+void fr_refit_rx_stage_free(uint8_t *stage, int pinned_on);
+void fr_refit_rx_pin_stage(ferry_refit_receiver *r);
+int fr_refit_rx_copy_done(rx_copy *c);
+int fr_refit_rx_put_run(const ferry_refit_receiver *r, rx_copy *c, uint8_t *dst, const uint8_t *src,
+                        uint64_t len);
+int fr_refit_rx_build_dev_ranges(ferry_refit_receiver *r);
+
+/* receiver_shards.c (bind_lock held) */
+void fr_refit_rx_target_free(struct rx_target *t);
+int fr_refit_rx_pieces_fit(const fr_refit_plan *plan, const char *target,
+                           const ferry_tensor_desc *desc, char *const *sources,
+                           fr_refit_piece *pieces, uint32_t n);
+int fr_refit_rx_add_target(ferry_refit_receiver *r, const char *name, void *dst, int device,
+                           const ferry_tensor_desc *desc, char *const *sources,
+                           const fr_refit_piece *pieces, uint32_t n, bool fresh);
+fr_refit_piece fr_refit_rx_whole_piece(const fr_refit_plan *plan, uint32_t e);
+int fr_refit_rx_enter_shards(ferry_refit_receiver *r);
+int fr_refit_rx_retarget(ferry_refit_receiver *r);
+int fr_refit_rx_ensure_view(ferry_refit_receiver *r);
+
+/* receiver_read.c: the service thread's on_msg (transport/job.h): a record from the sender. */
+void fr_refit_rx_service_msg(void *arg, ferry_msg *msg);
+
+#endif
