@@ -157,11 +157,11 @@ int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_m
   if (rc == 0)
     rc = fr_job_run(r->job);
   if (rc != 0) {
-    char detail[512];
-    fr_str_copy(detail, sizeof detail, ferry_last_error());
+    fr_err_keep keep;
+    fr_err_save(&keep, rc);
     fr_job_stop(r->job); /* a job that never ran: the channel closes, what came is dropped */
     receiver_free(r);
-    return fr_err(rc, "%s", detail);
+    return fr_err_restore(&keep);
   }
   *out = r;
   return 0;
