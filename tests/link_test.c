@@ -46,6 +46,41 @@ static void test_ctx_address(void **state) {
   assert_non_null(strstr(ferry_last_error(), "carrier-pigeon"));
 }
 
+/* An open that fails halfway fails through ferry_ctx_close, which takes the ctx however far it
+ * came (ASan's leak check covers what the open had made): an unknown transport after a good one,
+ * and tcp that cannot listen (its port taken; beyond loopback without a token) after the shm
+ * listener started. The failure's detail survives the close; a good open follows. */
+static void test_ctx_open_fails_halfway(void **s) {
+  (void)s;
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t len = sizeof a;
+  assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+  assert_int_equal(listen(fd, 1), 0);
+  assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+  char taken[32];
+  snprintf(taken, sizeof taken, "127.0.0.1:%d", ntohs(a.sin_port));
+  struct {
+    const char *transports, *listen, *says;
+  } cases[] = {{"shm,carrier-pigeon", "127.0.0.1:0", "carrier-pigeon"},
+               {"shm,tcp", taken, taken},
+               {"shm,tcp", "0.0.0.0:0", "FERRY_TOKEN"}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    ferry_ctx_opts o = {.size = sizeof o,
+                        .name = "halfway",
+                        .transports = cases[i].transports,
+                        .tcp_listen = cases[i].listen,
+                        .token = ""};
+    ferry_ctx *c = NULL;
+    assert_true(ferry_ctx_open(&o, &c) < 0);
+    assert_null(c);
+    assert_non_null(strstr(ferry_last_error(), cases[i].says));
+  }
+  close(fd);
+  ferry_ctx *c = lt_open_ctx("after", "shm,tcp", "");
+  ferry_ctx_close(c);
+}
+
 /* A freed region's memfd comes back as a new region (FERRY_ALLOC_CACHE_BYTES, core/region.h):
  * a reader that mapped it reads the new region's bytes under the new ref, is refused under the
  * old one, and a wrong key is still the owner's to refuse. */
@@ -1004,6 +1039,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_hostile_node_name),
       cmocka_unit_test(test_ctx_address),
+      cmocka_unit_test(test_ctx_open_fails_halfway),
       cmocka_unit_test(test_memory),
       cmocka_unit_test(test_shm_region_reuse),
       cmocka_unit_test(test_shm_dead_mappings_swept),

@@ -193,38 +193,16 @@ int ferry_ctx_open(const ferry_ctx_opts *opts, ferry_ctx **out) {
     rc = start_listeners(ctx);
   if (rc == 0)
     rc = start_metrics(ctx);
-  if (rc == 0 && pthread_create(&ctx->server, NULL, fr_ctx_server_main, ctx) != 0)
+  if (rc == 0 &&
+      !(ctx->server_started = pthread_create(&ctx->server, NULL, fr_ctx_server_main, ctx) == 0))
     rc = fr_err(FERRY_ESYS, "cannot start the server thread");
-  if (rc == 0 && pthread_create(&ctx->progress, NULL, fr_ctx_progress_main, ctx) != 0) {
-    ctx->stopping = true;
-    pthread_cond_signal(&ctx->serve_cond);
-    pthread_join(ctx->server, NULL);
+  if (rc == 0 && !(ctx->progress_started =
+                       pthread_create(&ctx->progress, NULL, fr_ctx_progress_main, ctx) == 0))
     rc = fr_err(FERRY_ESYS, "cannot start the progress thread");
-  }
-  if (rc != 0) {
+  if (rc != 0) { /* close takes a ctx however far its open came */
     fr_err_keep keep;
     fr_err_save(&keep, rc);
-    for (size_t i = 0; i < ctx->nlisteners; i++)
-      close(ctx->listeners[i].poller.fd);
-    ctx->nlisteners = 0;
-    fini_transports(ctx);
-    if (ctx->epfd >= 0)
-      close(ctx->epfd);
-    if (ctx->wake.fd >= 0)
-      close(ctx->wake.fd);
-    if (ctx->outer_epfd >= 0)
-      close(ctx->outer_epfd);
-    if (ctx->outer_wake >= 0)
-      close(ctx->outer_wake);
-    fr_region_table_fini(&ctx->regions);
-    ferry_metrics_server_close(ctx->metrics);
-    fr_stats_fini(&ctx->stats);
-    if (ctx->log_node)
-      fr_log_set_node(NULL);
-    free(ctx->name);
-    free(ctx->token);
-    free(ctx->tcp_listen);
-    free(ctx);
+    ferry_ctx_close(ctx);
     return fr_err_restore(&keep);
   }
   fr_debug("ctx '%s' listening at %s", ctx->name, ctx->address);
@@ -249,20 +227,36 @@ static void close_links(ferry_ctx *ctx) {
 
 bool fr_ctx_closing(const ferry_ctx *ctx) { return fr_ctx_stopping(ctx); }
 
+/* Stops and joins the threads the ctx's open started (none, one or both). */
+static void stop_threads(ferry_ctx *ctx) {
+  __atomic_store_n(&ctx->stopping, true, __ATOMIC_RELEASE);
+  if (ctx->progress_started) {
+    fr_ctx_stop_progress(ctx);
+    pthread_join(ctx->progress, NULL);
+  }
+  for (size_t i = 0; i < ctx->ngrave; i++)
+    fr_link_unref(ctx->grave[i]);
+  if (ctx->server_started) {
+    pthread_mutex_lock(&ctx->serve_lock);
+    pthread_cond_broadcast(&ctx->serve_cond);
+    pthread_mutex_unlock(&ctx->serve_lock);
+    pthread_join(ctx->server, NULL);
+  }
+}
+
+static void close_fd(int fd) {
+  if (fd >= 0)
+    close(fd);
+}
+
+/* Also a ctx whose open failed halfway (ferry_ctx_open fails through here): every part is
+ * released only if it was made (descriptors of -1, threads not started, no listeners). */
 void ferry_ctx_close(ferry_ctx *ctx) {
   if (!ctx)
     return;
   ferry_metrics_server_close(ctx->metrics); /* its scrapes read the ctx */
   ctx->metrics = NULL;
-  __atomic_store_n(&ctx->stopping, true, __ATOMIC_RELEASE);
-  fr_ctx_stop_progress(ctx);
-  pthread_join(ctx->progress, NULL);
-  for (size_t i = 0; i < ctx->ngrave; i++)
-    fr_link_unref(ctx->grave[i]);
-  pthread_mutex_lock(&ctx->serve_lock);
-  pthread_cond_broadcast(&ctx->serve_cond);
-  pthread_mutex_unlock(&ctx->serve_lock);
-  pthread_join(ctx->server, NULL);
+  stop_threads(ctx);
   close_links(ctx);
   for (int i = 0; i < FERRY_MAX_CHANNELS; i++) {
     fr_channel *c = &ctx->channels[i];
@@ -274,10 +268,10 @@ void ferry_ctx_close(ferry_ctx *ctx) {
   fini_transports(ctx);
   for (size_t i = 0; i < ctx->nlisteners; i++)
     close(ctx->listeners[i].poller.fd);
-  close(ctx->epfd);
-  close(ctx->wake.fd);
-  close(ctx->outer_epfd);
-  close(ctx->outer_wake);
+  close_fd(ctx->epfd);
+  close_fd(ctx->wake.fd);
+  close_fd(ctx->outer_epfd);
+  close_fd(ctx->outer_wake);
   fr_region_table_fini(&ctx->regions);
   fr_stats_fini(&ctx->stats);
   if (ctx->log_node)

@@ -277,6 +277,7 @@ struct ferry_ctx {
   int epfd;
   fr_poller wake;
   pthread_t progress;
+  bool progress_started; /* a ctx whose open failed halfway may lack a thread: close joins none */
   bool stopping;
 
   /* Leading: one thread at a time waits in epoll_wait and runs the handlers, holding `lead`.
@@ -307,6 +308,7 @@ struct ferry_ctx {
   uint64_t next_req_id;
 
   pthread_t server; /* sends large read responses so the ctx's leader never blocks (server.c) */
+  bool server_started;
   pthread_mutex_t serve_lock;
   pthread_cond_t serve_cond;
   fr_serve_job *serve_head, *serve_tail; /* large read responses, in order */
