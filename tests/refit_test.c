@@ -249,6 +249,7 @@ static void test_by_name(void **st) {
   ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 16384, .publish = 1};
   ferry_refit_sender *s = sender_with(sc, &m, "policy", &o), *s2;
   assert_int_equal(ferry_refit_sender_open(sc2, "policy", &o, &s2), FERRY_EEXIST);
+  assert_non_null(strstr(ferry_last_error(), "policy")); /* kept across its close */
   r = flat_receiver(rc, "policy");
   await_receivers(s, 1);
   FR_OK(ferry_refit_push(s, 1, NULL));
@@ -337,6 +338,7 @@ static void test_bind_errors(void **st) {
   assert_int_equal(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &again), FERRY_EBUSY);
   ferry_refit_sender *s2;
   assert_int_equal(ferry_refit_sender_open(sc, "x", NULL, &s2), FERRY_EBUSY);
+  assert_non_null(strstr(ferry_last_error(), "refit sender already")); /* kept across its close */
   ferry_refit_receiver_close(r);
   ferry_refit_sender_close(s);
   ferry_ctx_close(rc);

@@ -266,50 +266,38 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
   if (rc != 0)
     return rc;
   ferry_refit_sender *s = calloc(1, sizeof *s);
-  if (!s || !(s->name = strdup(name))) {
-    free(s);
+  if (!s)
     return fr_err(FERRY_ENOMEM, "refit sender");
-  }
+  pthread_mutex_init(&s->lock, NULL); /* first: close takes a sender however far its open came */
+  fr_cond_init_monotonic(&s->cond);
   s->dev_buf = s->pin_device = -1;
   s->ctx = ctx;
-  /* the channel is ours now; the thread starts once the sender is whole (fr_job_run below) */
-  if ((rc = fr_job_open(ctx, FR_CHANNEL_REFIT_SENDER, &service_ops, s, "ferry-refit-tx",
-                        &s->service)) != 0) {
-    if (rc == FERRY_EBUSY)
-      rc = fr_err(rc, "ferry_refit_sender_open: this context has a refit sender already");
-    free(s->name);
-    free(s);
-    return rc;
-  }
   s->budget = bucket_budget(opts);
   s->alias = FR_OPT(opts, alias, 0);
   s->device_buckets = FR_OPT(opts, device_buckets, 0);
   s->retain = !FR_OPT(opts, no_retain, 0);
-  if (FR_OPT(opts, publish, 0) &&
-      (rc = fr_refit_publish(ctx, name, FR_OPT(opts, directory, NULL), &s->published))) {
-    fr_job_stop(s->service);
-    free(s->name);
-    free(s);
-    return rc;
-  }
-  pthread_mutex_init(&s->lock, NULL);
-  fr_cond_init_monotonic(&s->cond);
-  if (fr_refit_packer_start(s, &s->packer) != 0)
+  if (!(s->name = strdup(name)))
+    rc = fr_err(FERRY_ENOMEM, "refit sender");
+  /* the channel is ours now; the thread starts once the sender is whole (fr_job_run below) */
+  if (rc == 0 && (rc = fr_job_open(ctx, FR_CHANNEL_REFIT_SENDER, &service_ops, s, "ferry-refit-tx",
+                                   &s->service)) == FERRY_EBUSY)
+    rc = fr_err(rc, "ferry_refit_sender_open: this context has a refit sender already");
+  if (rc == 0 && FR_OPT(opts, publish, 0))
+    rc = fr_refit_publish(ctx, name, FR_OPT(opts, directory, NULL), &s->published);
+  if (rc == 0 && fr_refit_packer_start(s, &s->packer) != 0)
     fr_warn("refit '%s': packing on one thread: %s", name, ferry_last_error());
   /* another job of the context's node registered it again: publish the name again now */
-  fr_refit_publish_wake(s->published, wake_service, s->service);
-  if ((rc = fr_job_run(s->service)) != 0) {
-    fr_refit_publish_wake(s->published, NULL, NULL);
-    fr_refit_packer_stop(s->packer);
-    fr_refit_unpublish(s->published);
-    fr_job_stop(s->service);
-    free(s->name);
-    free(s);
-    return fr_err_wrap(rc, "refit sender");
-  }
-  if ((rc = fr_refit_stats_start(s)) != 0) {
+  if (rc == 0)
+    fr_refit_publish_wake(s->published, wake_service, s->service);
+  if (rc == 0 && (rc = fr_job_run(s->service)) != 0)
+    rc = fr_err_wrap(rc, "refit sender");
+  if (rc == 0)
+    rc = fr_refit_stats_start(s);
+  if (rc != 0) { /* close stops the job, run or not, and whatever else the open made */
+    fr_err_keep keep;
+    fr_err_save(&keep, rc);
     ferry_refit_sender_close(s);
-    return rc;
+    return fr_err_restore(&keep);
   }
   *out = s;
   return 0;
@@ -597,6 +585,8 @@ size_t ferry_refit_receivers(ferry_refit_sender *s) {
   return n;
 }
 
+/* Also a sender whose open failed halfway (ferry_refit_sender_open fails through here): each
+ * part it lacks is NULL, or a job that never ran, and is skipped. */
 void ferry_refit_sender_close(ferry_refit_sender *s) {
   if (!s)
     return;
