@@ -36,7 +36,7 @@
   X("FERRY_TOKEN_FILE", "",                                                                        \
     "per-user secret used when FERRY_TOKEN is empty; made 0600 if absent (empty: ~/.ferry/token)") \
   X("FERRY_MAX_MESSAGE", "1073741824", "largest message or one-sided transfer accepted, bytes")    \
-  X("FERRY_ALLOC_CACHE_BYTES", "268435456",                                                       \
+  X("FERRY_ALLOC_CACHE_BYTES", "268435456",                                                        \
     "bytes of freed ferry_alloc memory a process keeps to reuse, pages still mapped (0: none)")    \
   X("FERRY_SHM_RING_BYTES", "1048576",                                                             \
     "bytes of each direction's ring on a shm link (power of 2)")                                   \
