@@ -397,7 +397,7 @@ static bool region_alive(const shm_map *m, uint64_t id) {
 }
 
 /* Resolves a mapped access: the mapping, bounds and liveness checks. On success the caller
- * holds the mapping until put_map (done()). */
+ * holds the mapping until put_map. */
 static int mapped_access(ferry_link *l, const ferry_region_ref *r, uint64_t off, size_t len,
                          int timeout_ms, shm_map **out) {
   shm_map *m = NULL;
