@@ -817,6 +817,7 @@ FERRY_API int ferry_store_stat(ferry_store *store, const char *key, ferry_store_
  * ------------------------------------------------------------------------------------------- */
 typedef struct ferry_refit_sender ferry_refit_sender;
 typedef struct ferry_refit_receiver ferry_refit_receiver;
+typedef struct ferry_refit_piece ferry_refit_piece; /* a slice of a tensor: see bind_pieces */
 
 typedef struct ferry_refit_opts {
   size_t size;           /* sizeof(ferry_refit_opts) */
@@ -840,6 +841,15 @@ typedef struct ferry_refit_opts {
    * unverified, as alias mode's readers are; a push with any other receiver hashes each bucket
    * through pinned host memory as usual. Ignored otherwise (docs/GPU.md). */
   int device_buckets;
+  /* Sharded senders (docs/REFIT.md, Sharded senders): `world` processes that hold one model
+   * together (the ranks of a trainer: FSDP, Megatron TP/PP/EP) each open a sender under the same
+   * name with their own `rank` in [0, world), declare the tensors they hold (whole, or pieces of
+   * global tensors: ferry_refit_declare_piece), seal, and all push every version. Receivers open
+   * the name and see one global manifest; each reads every rank's part straight from that rank.
+   * 0 or 1: this sender holds the whole model (rank must be 0). A group needs `publish` (its
+   * receivers find the ranks by name): FERRY_EINVAL without it, or for a rank outside the world. */
+  int rank;
+  int world;
 } ferry_refit_opts;
 
 /* Opens a sender on ctx; receivers attach to ferry_ctx_address(ctx), or by `name` when it is
@@ -862,6 +872,20 @@ FERRY_API void ferry_refit_sender_close(ferry_refit_sender *sender);
 FERRY_API int ferry_refit_declare(ferry_refit_sender *sender, const char *name,
                                   const ferry_tensor_desc *desc, const void *data,
                                   ferry_dtype send_as);
+/* Sharded senders: declares a local tensor (as ferry_refit_declare does) that is one piece of a
+ * global tensor: the slice [of->start, of->stop) along dim of->dim of the global tensor named
+ * of->source, whose shape is this tensor's with that dim as long as the largest stop any rank
+ * declares. Receivers see the global tensor only (this tensor's own `name` names it in this
+ * sender's errors). A tensor declared with ferry_refit_declare is whole under its own name;
+ * several ranks may each hold one whole (replicated: norms, a tied embedding), and receivers
+ * then read it from one of them, spread over the holders. The ranks' pieces of a global tensor
+ * must cut the same dim, tile it with no gap or overlap, agree on dtype and on every other dim;
+ * a receiver refuses a group that does not, with an error naming the tensor and the ranks.
+ * FERRY_EINVAL for a slice that does not fit desc, FERRY_EDTYPE for an fp8 cast of a piece (its
+ * scale would differ per rank). */
+FERRY_API int ferry_refit_declare_piece(ferry_refit_sender *sender, const char *name,
+                                        const ferry_tensor_desc *desc, const void *data,
+                                        ferry_dtype send_as, const ferry_refit_piece *of);
 /* Builds the manifest and bucket plan. Sealing again after declaring more (or re-declaring a
  * tensor with another dtype or shape) starts a new manifest generation that receivers pick up
  * with the next push. */
@@ -961,11 +985,11 @@ FERRY_API int ferry_refit_view(ferry_refit_receiver *receiver, const char *name,
 /* Shards, for a tensor-parallel rank that keeps a slice of each tensor: a piece is the elements
  * of tensor `source` whose index along `dim` lies in [start, stop) (dim 0: contiguous rows; dim
  * 1: a run of columns in every row; any dim of the source works). */
-typedef struct ferry_refit_piece {
+struct ferry_refit_piece {
   const char *source;
   int dim;
   int64_t start, stop;
-} ferry_refit_piece;
+};
 /* Binds `target` (a name of the caller's: an engine's tensor, e.g. a fused qkv_proj shard) to
  * dst, described by dst_desc, which receives pieces[0..n) one after another along its dim 0, each
  * in row-major order: a single slice is n = 1; a fused projection lists its sources in order.
@@ -987,6 +1011,9 @@ typedef struct ferry_refit_piece {
 FERRY_API int ferry_refit_bind_pieces(ferry_refit_receiver *receiver, const char *target, void *dst,
                                       const ferry_tensor_desc *dst_desc,
                                       const ferry_refit_piece *pieces, size_t n);
+/* How many sender ranks this receiver reads from: the group's world (ferry_refit_opts.world),
+ * 1 for a single sender. */
+FERRY_API size_t ferry_refit_ranks(ferry_refit_receiver *receiver);
 /* Bytes this receiver has read from its sender (or a chain predecessor) since it opened: about
  * 1/world of the model per push for a tensor-parallel rank that binds its shards. */
 FERRY_API uint64_t ferry_refit_bytes_read(ferry_refit_receiver *receiver);

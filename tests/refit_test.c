@@ -1894,7 +1894,7 @@ static void test_shards_feed_windows(void **st) {
   FR_OK(fr_refit_plan_build(&plan, 1u << 20));
   fr_refit_piece a1[] = {{0, 1, 100, 350}, {1, 2, 10, 40}};
   fr_refit_piece a2[] = {{0, 0, 50, 400}, {0, 1, 300, 301}, {1, 1, 0, 150}};
-  fr_refit_target t[2] = {{2, a1, NULL}, {3, a2, NULL}};
+  fr_refit_target t[2] = {{2, a1, NULL, NULL}, {3, a2, NULL, NULL}};
   fr_refit_view *v;
   FR_OK(fr_refit_view_build(&plan, t, 2, 1, &v));
   uint8_t *bucket = malloc(plan.bucket_bytes);

@@ -30,6 +30,11 @@ typedef struct fr_refit_entry {
   float scale;            /* fp8 casts: wire value = source value / scale */
   uint64_t src_bytes, wire_bytes;
   uint64_t offset; /* in the flat wire buffer */
+  /* Sharded senders (ferry_refit_declare_piece): the global tensor this entry is a piece of, and
+   * the slice [gstart, gstop) along gdim it holds; global NULL: whole under its own name. */
+  char *global;
+  uint32_t gdim;
+  uint64_t gstart, gstop;
 } fr_refit_entry;
 
 typedef struct fr_refit_plan {
@@ -39,6 +44,7 @@ typedef struct fr_refit_plan {
   uint64_t bucket_bytes; /* window size (a multiple of FR_REFIT_ALIGN) */
   uint32_t buckets;
   uint32_t generation; /* bumped by every re-seal */
+  uint32_t rank, world; /* sharded senders: this sender's rank of `world` (world 1: alone) */
 } fr_refit_plan;
 
 /* Lays out `count` entries (names and descs filled in; wire == INVALID means no cast) under a

@@ -41,11 +41,25 @@ typedef struct fr_refit_piece {
 } fr_refit_piece;
 #define FR_REFIT_PIECE_BYTES 24
 
+/* Where a source piece's bytes land: in a destination block of shape `block` (row-major at dst)
+ * that the piece's shape equals on every dim but `dim`, where the piece covers
+ * [at, at + its extent). The plain bind_pieces layout (pieces one after another) is dim 0. */
+typedef struct fr_refit_place {
+  uint8_t *dst;
+  ferry_tensor_desc block;
+  uint32_t dim;
+  uint64_t at;
+} fr_refit_place;
+
 /* A target: its pieces and (receiver) where they land; dst NULL on the sender. */
 typedef struct fr_refit_target {
   uint32_t npieces; /* 0: the slot is empty */
   fr_refit_piece *pieces;
   uint8_t *dst;
+  /* receiver, a group's sub-receiver (group.h): per piece, where it lands, or NULL: the pieces
+   * one after another from dst. The sender never sees these: a run cut further to fit its
+   * destination hashes the same bytes in the same order. */
+  fr_refit_place *places;
 } fr_refit_target;
 
 /* The runs piece pc is read in before cuts at bucket boundaries (1 for a contiguous slice, else
