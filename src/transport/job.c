@@ -5,7 +5,8 @@
  * hands what came to the job's callbacks. Stopping is one call that ends the thread, closes the
  * channel and frees the queue in that order (the order every service used to get right by
  * hand); a callback that stops its own job cannot join its own thread, so the job is marked and
- * the thread reaps it as its loop ends.
+ * the thread reaps it as its loop ends. A job of no channel (FR_JOB_NO_CHANNEL) is the same thread
+ * and inbox with nothing opened or closed on the context: it always waits quietly.
  */
 #include "transport/job.h"
 #include "core/core.h"
@@ -31,10 +32,16 @@ struct fr_job {
 /* The job whose thread this is (NULL on any other thread): set by the thread itself. */
 static _Thread_local const fr_job *current;
 
+/* A quiet job, or one of no channel, sleeps on its inbox's condition, never in the context's
+ * wait (which waits for a channel's messages). */
+static bool waits_quietly(const fr_job *j) {
+  return j->ops->quiet || j->channel == FR_JOB_NO_CHANNEL;
+}
+
 /* Ends the thread's current or next wait. A quiet job's thread never leads the epoll: waking
  * it needs no poke of a leader (which, waiting for the same channel, would wake for nothing). */
 static void kick(fr_job *j) {
-  if (!j->ops->quiet) {
+  if (!waits_quietly(j)) {
     fr_inbox_kick(j->ctx, j->channel, &j->inbox);
     return;
   }
@@ -82,7 +89,7 @@ static bool sleep_quietly(fr_inbox *q, uint64_t deadline_ns) {
 static bool wait_turn(fr_job *j, uint64_t deadline_ns) {
   if (deadline_ns <= fr_now_ns())
     return fr_job_queued(j);
-  if (j->ops->quiet)
+  if (waits_quietly(j))
     return sleep_quietly(&j->inbox, deadline_ns);
   return fr_inbox_await(j->ctx, j->channel, &j->inbox, deadline_ns);
 }
@@ -135,6 +142,8 @@ int fr_job_open(ferry_ctx *ctx, uint32_t channel, const fr_job_ops *ops, void *a
   *j = (fr_job){.ctx = ctx, .channel = channel, .ops = ops, .arg = arg, .name = name};
   fr_inbox_init(&j->inbox);
   *out = j; /* before the channel is ours: an owner's table may fr_job_put at once */
+  if (channel == FR_JOB_NO_CHANNEL)
+    return 0;
   const fr_channel_ops *ch = ops->channel ? ops->channel : &job_channel;
   int rc = fr_ctx_channel_open(ctx, channel, ch, ops->channel ? arg : j);
   if (rc != 0) {
@@ -182,7 +191,8 @@ bool fr_job_on_thread(const fr_job *j) { return j && current == j; }
 /* After the thread: the channel closes (no callback of the owner runs after it), then what is
  * still queued is served (drain_at_stop) or freed (its callers time out). */
 static void job_free(fr_job *j) {
-  fr_ctx_channel_close(j->ctx, j->channel);
+  if (j->channel != FR_JOB_NO_CHANNEL)
+    fr_ctx_channel_close(j->ctx, j->channel);
   for (ferry_msg *m; j->ops->drain_at_stop && j->ops->on_msg && (m = fr_inbox_take(&j->inbox));)
     j->ops->on_msg(j->arg, m);
   fr_inbox_fini(&j->inbox);

@@ -1,6 +1,8 @@
 /*
  * A job: one thread of a context that owns one channel and serves it (the store's service, the
- * embedded directory server, mq's thread, the refit sender's and receiver's services). The
+ * embedded directory server, mq's thread, the refit sender's and receiver's services), or that
+ * owns no channel and serves only what another job's channel table hands it (FR_JOB_NO_CHANNEL:
+ * a refit group's sub-receivers, one thread per sender rank behind one channel). The
  * runtime does what each of them used to write by hand: it opens the channel with an inbox,
  * starts one named thread that sleeps until a message, a wake or its next timer, calls the
  * job's callbacks, and at stop ends the thread, closes the channel and frees the queue in the
@@ -50,8 +52,14 @@ typedef struct fr_job_ops {
   bool drain_at_stop;
 } fr_job_ops;
 
-/* Owns `channel` (FERRY_EBUSY: it has an owner) with an inbox, and starts the thread, named
- * `name` (at most 15 bytes: top -H, perf, gdb). ops and name must outlive the job. */
+/* A job that owns no channel: fed only by fr_job_put (and woken by fr_job_wake), it sleeps on
+ * its inbox's own condition (as a quiet job does) and never hears of a link's death
+ * (on_link_down is not called: whoever feeds it tells it, by a wake). */
+#define FR_JOB_NO_CHANNEL UINT32_MAX
+
+/* Owns `channel` (FERRY_EBUSY: it has an owner; FR_JOB_NO_CHANNEL: none) with an inbox, and
+ * starts the thread, named `name` (at most 15 bytes: top -H, perf, gdb). ops and name must
+ * outlive the job. */
 int fr_job_start(ferry_ctx *ctx, uint32_t channel, const fr_job_ops *ops, void *arg,
                  const char *name, fr_job **out);
 /* fr_job_start in two steps, for an owner that must hold the channel before it can serve (a
@@ -67,7 +75,8 @@ int fr_job_run(fr_job *job);
 /* Wakes the thread: `bits` (ORed with those not yet seen) go to on_wake, then on_timer runs.
  * Any thread, any lock: takes only the inbox's lock. 0: only look at the timers again. */
 void fr_job_wake(fr_job *job, unsigned bits);
-/* For an owner's own channel table (ops->channel): queues msg (taken) for on_msg. */
+/* For an owner's own channel table (ops->channel), or whoever feeds a job of no channel: queues
+ * msg (taken) for on_msg. */
 void fr_job_put(fr_job *job, ferry_msg *msg);
 /* The next queued message without waiting (NULL: none): for on_msg == NULL, or a callback that
  * serves what queued while it waited. */
