@@ -7,6 +7,9 @@
  * record per name); a sender that dies lets the name go when its node's lease lapses, or at once
  * to a new sender of the name when nothing accepts connections at the dead node's address any
  * more (src/directory/lease.c).
+ *
+ * The ranks of a sharded sender group (ferry_refit_opts.world > 1) publish one record each, under
+ * "NAME#r"; a receiver opened with NAME that finds no single sender resolves the ranks.
  */
 #include "refit/refit.h"
 
@@ -81,4 +84,30 @@ int fr_refit_resolve(ferry_ctx *ctx, const char *name, int timeout_ms, char **ad
     return fr_err_wrap(rc, "refit: looking up sender '%s'", name);
   *address = strdup(rec.address);
   return *address ? 0 : fr_err(FERRY_ENOMEM, "refit: address of '%s'", name);
+}
+
+int fr_refit_rank_name(const char *name, uint32_t rank, char **out) {
+  char *n = NULL;
+  if (asprintf(&n, "%s#%u", name, rank) < 0)
+    return fr_err(FERRY_ENOMEM, "refit: rank %u of '%s'", rank, name);
+  int rc = fr_name_check("refit: a group rank's name", n, FR_REFIT_NAME_MAX);
+  if (rc != 0) {
+    free(n);
+    return rc;
+  }
+  *out = n;
+  return 0;
+}
+
+int fr_refit_resolve_rank(ferry_ctx *ctx, const char *name, uint32_t rank, int timeout_ms,
+                          char **address) {
+  char *n = NULL;
+  int rc = fr_refit_rank_name(name, rank, &n);
+  if (rc == 0)
+    rc = fr_refit_resolve(ctx, n, timeout_ms, address);
+  if (rc == FERRY_ENOTFOUND)
+    rc = fr_err(rc, "refit: rank %u of group '%s' is not published ('%s' is not in the directory)",
+                rank, name, n);
+  free(n);
+  return rc;
 }

@@ -22,6 +22,7 @@
 #define FR_REFIT_ALIGN 64u
 #define FR_REFIT_NAME_MAX 255u
 #define FR_REFIT_MAX_TENSORS (1u << 20)
+#define FR_REFIT_MAX_WORLD (1u << 16) /* ranks of a sharded sender group */
 
 typedef struct fr_refit_entry {
   char *name;
@@ -43,7 +44,7 @@ typedef struct fr_refit_plan {
   uint64_t total_bytes;  /* of the flat wire buffer */
   uint64_t bucket_bytes; /* window size (a multiple of FR_REFIT_ALIGN) */
   uint32_t buckets;
-  uint32_t generation; /* bumped by every re-seal */
+  uint32_t generation;  /* bumped by every re-seal */
   uint32_t rank, world; /* sharded senders: this sender's rank of `world` (world 1: alone) */
 } fr_refit_plan;
 

@@ -662,10 +662,29 @@ int ferry_refit_push(ferry_refit_sender *s, uint64_t version, const ferry_refit_
   return rc;
 }
 
+/* FERRY_ESTATE for a push before the seal: a first seal, or one after declaring again (a rank
+ * of a group whose receivers would otherwise see a stale manifest). */
+static int unsealed(ferry_refit_sender *s) {
+  pthread_mutex_lock(&s->lock);
+  uint32_t n = s->since_seal_count;
+  char first[FR_REFIT_NAME_MAX + 1];
+  fr_str_copy(first, sizeof first, s->since_seal);
+  pthread_mutex_unlock(&s->lock);
+  if (n == 0)
+    return fr_err(FERRY_ESTATE, "refit '%s': seal before pushing", s->name);
+  if (n == 1)
+    return fr_err(FERRY_ESTATE, "refit '%s': tensor '%s' declared since the last seal: seal again",
+                  s->name, first);
+  return fr_err(FERRY_ESTATE,
+                "refit '%s': tensor '%s' (and %u more declarations) declared since the last seal: "
+                "seal again",
+                s->name, first, n - 1);
+}
+
 static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_refit_push_opts *o,
                         push_tally *t) {
   if (!s->sealed)
-    return fr_err(FERRY_ESTATE, "refit '%s': seal before pushing", s->name);
+    return unsealed(s);
   if (version <= s->latest)
     return fr_err(FERRY_EINVAL, "refit '%s': version %llu is not after %llu", s->name,
                   (unsigned long long)version, (unsigned long long)s->latest);

@@ -37,6 +37,14 @@ uint64_t fr_refit_publish_due(const fr_refit_name *n);
 void fr_refit_unpublish(fr_refit_name *n);
 /* The address of the sender published as name; *address is malloc'd. */
 int fr_refit_resolve(ferry_ctx *ctx, const char *name, int timeout_ms, char **address);
+/* Sharded senders: rank r of group NAME publishes as "NAME#r". fr_refit_rank_name gives that
+ * name (malloc'd), FERRY_EINVAL when it breaks the name rule or is longer than
+ * FR_REFIT_NAME_MAX. fr_refit_resolve_rank resolves it as fr_refit_resolve does (the receiver of
+ * a group: NAME#0 first, whose manifest gives the world, then NAME#1 .. NAME#world-1);
+ * FERRY_ENOTFOUND saying "rank r of group 'NAME' is not published" when none is. */
+int fr_refit_rank_name(const char *name, uint32_t rank, char **out);
+int fr_refit_resolve_rank(ferry_ctx *ctx, const char *name, uint32_t rank, int timeout_ms,
+                          char **address);
 
 /* Sends one protocol record on a link: to a sender on FR_CHANNEL_REFIT_SENDER, to a receiver on
  * FR_CHANNEL_REFIT_RECEIVER. */

@@ -256,6 +256,36 @@ static uint64_t bucket_budget(const ferry_refit_opts *opts) {
   return (uint64_t)fr_config_int("FERRY_REFIT_BUFFER_BYTES");
 }
 
+/* A group's rank (ferry_refit_opts.rank/.world): world 0 or 1 is a single sender (rank 0); a
+ * group of more needs `publish` (its receivers find the ranks by name) and 0 <= rank < world. */
+static int check_rank(const char *name, const ferry_refit_opts *opts) {
+  int rank = FR_OPT(opts, rank, 0), world = FR_OPT(opts, world, 0);
+  if (world < 0 || world > (int)FR_REFIT_MAX_WORLD)
+    return fr_err(FERRY_EINVAL, "refit sender '%s': world %d (0 to %u)", name, world,
+                  FR_REFIT_MAX_WORLD);
+  if (world <= 1 && rank != 0)
+    return fr_err(FERRY_EINVAL,
+                  "refit sender '%s': rank %d of a world of %d (a single sender is rank 0)", name,
+                  rank, world);
+  if (world > 1 && (rank < 0 || rank >= world))
+    return fr_err(FERRY_EINVAL, "refit sender '%s': rank %d outside its world of %d", name, rank,
+                  world);
+  if (world > 1 && !FR_OPT(opts, publish, 0))
+    return fr_err(FERRY_EINVAL,
+                  "refit sender '%s': a group (world %d) must publish (ferry_refit_opts.publish): "
+                  "its receivers find the ranks by name",
+                  name, world);
+  return 0;
+}
+
+/* The name the sender goes by (and publishes): NAME alone, NAME#r as rank r of a group. */
+static int own_name(const char *name, const ferry_refit_opts *opts, char **out) {
+  if (FR_OPT(opts, world, 0) > 1)
+    return fr_refit_rank_name(name, (uint32_t)opts->rank, out);
+  *out = strdup(name);
+  return *out ? 0 : fr_err(FERRY_ENOMEM, "refit sender");
+}
+
 int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_opts *opts,
                             ferry_refit_sender **out) {
   if (!ctx || !name || !out)
@@ -263,6 +293,8 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
   int rc = FR_OPTS_CHECK(opts, "ferry_refit_sender_open");
   if (rc == 0)
     rc = fr_name_check("refit sender name", name, FR_REFIT_NAME_MAX);
+  if (rc == 0)
+    rc = check_rank(name, opts);
   if (rc != 0)
     return rc;
   ferry_refit_sender *s = calloc(1, sizeof *s);
@@ -276,14 +308,15 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
   s->alias = FR_OPT(opts, alias, 0);
   s->device_buckets = FR_OPT(opts, device_buckets, 0);
   s->retain = !FR_OPT(opts, no_retain, 0);
-  if (!(s->name = strdup(name)))
-    rc = fr_err(FERRY_ENOMEM, "refit sender");
+  s->plan.world = FR_OPT(opts, world, 0) > 1 ? (uint32_t)opts->world : 1;
+  s->plan.rank = s->plan.world > 1 ? (uint32_t)opts->rank : 0;
+  rc = own_name(name, opts, &s->name);
   /* the channel is ours now; the thread starts once the sender is whole (fr_job_run below) */
   if (rc == 0 && (rc = fr_job_open(ctx, FR_CHANNEL_REFIT_SENDER, &service_ops, s, "ferry-refit-tx",
                                    &s->service)) == FERRY_EBUSY)
     rc = fr_err(rc, "ferry_refit_sender_open: this context has a refit sender already");
   if (rc == 0 && FR_OPT(opts, publish, 0))
-    rc = fr_refit_publish(ctx, name, FR_OPT(opts, directory, NULL), &s->published);
+    rc = fr_refit_publish(ctx, s->name, FR_OPT(opts, directory, NULL), &s->published);
   if (rc == 0 && fr_refit_packer_start(s, &s->packer) != 0)
     fr_warn("refit '%s': packing on one thread: %s", name, ferry_last_error());
   /* another job of the context's node registered it again: publish the name again now */
@@ -321,28 +354,87 @@ static int classify(const char *name, const ferry_tensor_desc *desc, const void 
   return 0;
 }
 
-int ferry_refit_declare(ferry_refit_sender *s, const char *name, const ferry_tensor_desc *desc,
-                        const void *data, ferry_dtype send_as) {
-  if (!s || !name || !desc || !data)
-    return fr_err(FERRY_EINVAL, "ferry_refit_declare: NULL argument");
+/* A piece (ferry_refit_declare_piece) must fit the local tensor: [start, stop) along dim is
+ * all of desc's dim; no fp8 cast (its scale, the piece's max, would differ per rank). */
+static int check_piece(const char *name, const ferry_tensor_desc *desc, ferry_dtype send_as,
+                       const ferry_refit_piece *of) {
+  if (!of->source)
+    return fr_err(FERRY_EINVAL, "refit: tensor '%s': a piece of no global tensor (NULL source)",
+                  name);
+  if (fr_name_check("refit: global tensor name", of->source, FR_REFIT_NAME_MAX) != 0)
+    return FERRY_EINVAL;
+  if (desc->ndim > FERRY_MAX_DIMS || of->dim < 0 || (uint32_t)of->dim >= desc->ndim)
+    return fr_err(FERRY_EINVAL,
+                  "refit: tensor '%s': a piece of '%s' along dim %d, but it has %u dims", name,
+                  of->source, of->dim, desc->ndim);
+  if (of->start < 0 || of->stop <= of->start ||
+      (uint64_t)(of->stop - of->start) != desc->shape[of->dim])
+    return fr_err(FERRY_EINVAL,
+                  "refit: tensor '%s': the piece [%lld, %lld) of '%s' along dim %d does not fit "
+                  "its %llu elements there",
+                  name, (long long)of->start, (long long)of->stop, of->source, of->dim,
+                  (unsigned long long)desc->shape[of->dim]);
+  if (send_as == FERRY_DTYPE_F8E4M3 && desc->dtype != FERRY_DTYPE_F8E4M3)
+    return fr_err(FERRY_EDTYPE,
+                  "refit: tensor '%s' (a piece of '%s'): no fp8 cast of a piece (each rank's "
+                  "scale would differ); send it as %s or bf16",
+                  name, of->source, ferry_dtype_name(desc->dtype));
+  return 0;
+}
+
+/* The entry named `name`, added when new (the caller holds s->lock); NULL when out of memory. */
+static fr_refit_entry *entry_for(ferry_refit_sender *s, const char *name, int64_t *at) {
+  *at = fr_refit_plan_find(&s->plan, name);
+  if (*at >= 0)
+    return &s->plan.entries[*at];
+  char *copy = strdup(name);
+  if (!copy || FR_GROW(s->plan.entries, s->entries_cap, s->plan.count + 1, 256) != 0 ||
+      FR_GROW(s->src, s->src_cap, s->plan.count + 1, 256) != 0) {
+    free(copy);
+    return NULL;
+  }
+  *at = s->plan.count++;
+  s->plan.entries[*at] = (fr_refit_entry){.name = copy};
+  return &s->plan.entries[*at];
+}
+
+/* Records the global piece an entry is (of NULL: whole under its own name). */
+static int set_piece(fr_refit_entry *e, const ferry_refit_piece *of) {
+  char *global = of ? strdup(of->source) : NULL;
+  if (of && !global)
+    return fr_err(FERRY_ENOMEM, "refit: tensor '%s'", e->name);
+  free(e->global);
+  e->global = global;
+  e->gdim = of ? (uint32_t)of->dim : 0;
+  e->gstart = of ? (uint64_t)of->start : 0;
+  e->gstop = of ? (uint64_t)of->stop : 0;
+  return 0;
+}
+
+/* A declaration after a seal: the push refuses until the next seal, naming the first one. */
+static void note_since_seal(ferry_refit_sender *s, const char *name) {
+  if (s->plan.generation == 0)
+    return; /* never sealed: "seal before pushing" says it all */
+  if (s->since_seal_count++ == 0)
+    fr_str_copy(s->since_seal, sizeof s->since_seal, name);
+}
+
+static int declare(ferry_refit_sender *s, const char *name, const ferry_tensor_desc *desc,
+                   const void *data, ferry_dtype send_as, const ferry_refit_piece *of) {
   if (fr_name_check("refit: tensor name", name, FR_REFIT_NAME_MAX) != 0)
     return FERRY_EINVAL;
   int device = -1;
-  int bad = classify(name, desc, data, &device);
-  if (bad != 0)
-    return bad;
+  int rc = of ? check_piece(name, desc, send_as, of) : 0;
+  if (rc == 0)
+    rc = classify(name, desc, data, &device);
+  if (rc != 0)
+    return rc;
   pthread_mutex_lock(&s->lock);
-  int64_t at = fr_refit_plan_find(&s->plan, name);
-  int rc = 0;
-  if (at < 0 && (FR_GROW(s->plan.entries, s->entries_cap, s->plan.count + 1, 256) != 0 ||
-                 FR_GROW(s->src, s->src_cap, s->plan.count + 1, 256) != 0))
+  int64_t at;
+  fr_refit_entry *e = entry_for(s, name, &at);
+  if (!e)
     rc = fr_err(FERRY_ENOMEM, "refit: %u tensors", s->plan.count + 1);
-  if (rc == 0 && at < 0) {
-    at = s->plan.count++;
-    s->plan.entries[at] = (fr_refit_entry){.name = strdup(name)};
-  }
-  if (rc == 0) {
-    fr_refit_entry *e = &s->plan.entries[at];
+  if (e) {
     e->desc = *desc;
     e->wire = send_as == FERRY_DTYPE_INVALID ? desc->dtype : send_as;
     s->src[at].data = data;
@@ -353,10 +445,28 @@ int ferry_refit_declare(ferry_refit_sender *s, const char *name, const ferry_ten
     else if (!fr_refit_cast_supported(desc->dtype, e->wire))
       rc = fr_err(FERRY_EDTYPE, "refit: tensor '%s': no cast from %s to %s", name,
                   ferry_dtype_name(desc->dtype), ferry_dtype_name(e->wire));
+    int piece_rc = set_piece(e, of); /* also after a failure: the entry says what was asked */
+    rc = rc ? rc : piece_rc;
     s->sealed = false;
+    note_since_seal(s, name);
   }
   pthread_mutex_unlock(&s->lock);
   return rc;
+}
+
+int ferry_refit_declare(ferry_refit_sender *s, const char *name, const ferry_tensor_desc *desc,
+                        const void *data, ferry_dtype send_as) {
+  if (!s || !name || !desc || !data)
+    return fr_err(FERRY_EINVAL, "ferry_refit_declare: NULL argument");
+  return declare(s, name, desc, data, send_as, NULL);
+}
+
+int ferry_refit_declare_piece(ferry_refit_sender *s, const char *name,
+                              const ferry_tensor_desc *desc, const void *data, ferry_dtype send_as,
+                              const ferry_refit_piece *of) {
+  if (!s || !name || !desc || !data || !of)
+    return fr_err(FERRY_EINVAL, "ferry_refit_declare_piece: NULL argument");
+  return declare(s, name, desc, data, send_as, of);
 }
 
 static void free_buffers(ferry_refit_sender *s) {
@@ -568,6 +678,8 @@ int ferry_refit_seal(ferry_refit_sender *s) {
     if (!s->sealed)
       rc = fr_err(FERRY_ENOMEM, "refit: checksums");
   }
+  if (rc == 0)
+    s->since_seal_count = 0;
   pthread_mutex_unlock(&s->lock);
   if (rc == 0)
     fr_info("refit '%s': sealed %u tensors, %llu bytes in %u buckets of %llu", s->name,

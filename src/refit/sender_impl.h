@@ -107,6 +107,10 @@ struct ferry_refit_sender {
   declared *src;
   size_t entries_cap, src_cap; /* of plan.entries and src, one slot per declared tensor */
   bool sealed;
+  /* declarations since the last seal (none before the first): a push refuses until the next
+   * seal, naming the first of them */
+  uint32_t since_seal_count;
+  char since_seal[FR_REFIT_NAME_MAX + 1];
   uint64_t budget;
   bool alias;               /* receivers may map buf[0] (alias mode) */
   bool device_buckets;      /* ferry_refit_opts.device_buckets */
