@@ -361,8 +361,8 @@ static int check_piece(const char *name, const ferry_tensor_desc *desc, ferry_dt
   if (!of->source)
     return fr_err(FERRY_EINVAL, "refit: tensor '%s': a piece of no global tensor (NULL source)",
                   name);
-  if (fr_name_check("refit: global tensor name", of->source, FR_REFIT_NAME_MAX) != 0)
-    return FERRY_EINVAL;
+  if (fr_name_check("global tensor name", of->source, FR_REFIT_NAME_MAX) != 0)
+    return fr_err_wrap(FERRY_EINVAL, "refit: tensor '%s'", name);
   if (desc->ndim > FERRY_MAX_DIMS || of->dim < 0 || (uint32_t)of->dim >= desc->ndim)
     return fr_err(FERRY_EINVAL,
                   "refit: tensor '%s': a piece of '%s' along dim %d, but it has %u dims", name,
