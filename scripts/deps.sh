@@ -8,11 +8,11 @@ build_pkgs=(cmake make gcc pkg-config libcmocka-dev libxxhash-dev libhiredis-dev
             libmicrohttpd-dev libucx-dev libjansson-dev)
 # python3-prometheus-client: its text-format parser checks what /metrics serves (test_metrics.py)
 # chromium: tests/status_page renders ferry serve's status page headless and checks its DOM
-# python3-venv, -pip, -setuptools, -wheel: make test installs the Python package into a venv
-# (pip install --no-build-isolation: setuptools and wheel build it, nothing from an index)
+# python3-venv (the venv's pip, ensurepip), python3-pip: make test installs the Python package into
+# venvs with `pip install ./python` (tests/pip_install): its own build backend runs CMake with the
+# build packages above, nothing from an index (no setuptools, no wheel)
 test_pkgs=(clang libclang-rt-14-dev spin redis-server iproute2 python3 python3-numpy python3-pytest
-           python3-torch python3-venv python3-pip python3-setuptools python3-wheel
-           python3-prometheus-client chromium)
+           python3-torch python3-venv python3-pip python3-prometheus-client chromium)
 bench_pkgs=(python3-numpy python3-torch libnng-dev libzmq3-dev redis-server ucx-utils)
 
 want=("${build_pkgs[@]}")

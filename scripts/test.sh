@@ -63,18 +63,19 @@ export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 
 run_stage "suite" build "-DCMAKE_BUILD_TYPE=RelWithDebInfo" ""
 # The Python binding as users install it: a venv over Debian's python3 (--system-site-packages:
-# numpy, torch and pytest come from Debian), `pip install --no-build-isolation` of python/ into it
-# (setuptools from Debian, no index), then pytest and the examples with the venv's python, from
-# outside the checkout's python/ so that the installed package is the one imported.
+# numpy, torch and pytest come from Debian), `pip install` of python/ into it (its own build
+# backend, no index), bundling build/'s libferry.so (ferry-lib=: the ctest pip_install checks the
+# install's own build), then pytest and the examples with the venv's python, from outside the
+# checkout's python/ so that the installed package is the one imported.
 echo "=== python ==="
 venv=$PWD/build/venv
 py_ok=1
 rm -rf "$venv"
 if ! /usr/bin/python3 -m venv --system-site-packages "$venv" >build-python-venv.log 2>&1 ||
-   ! "$venv/bin/python" -m pip install --no-build-isolation --no-deps --no-index \
-       --disable-pip-version-check ./python >>build-python-venv.log 2>&1; then
+   ! "$venv/bin/python" -m pip install --no-deps --no-index --disable-pip-version-check \
+       --config-settings=ferry-lib="$PWD/build/libferry.so" ./python >>build-python-venv.log 2>&1; then
   tail -20 build-python-venv.log
-  echo "python: FAILED: the venv or pip install (scripts/deps.sh test installs python3-venv, python3-pip, python3-setuptools, python3-wheel)"
+  echo "python: FAILED: the venv or pip install (scripts/deps.sh test installs python3-venv, python3-pip)"
   failed+=("python (venv/pip install)"); py_ok=0
 elif ! "$venv/bin/python" -c "import pytest" 2>/dev/null; then
   echo "python: FAILED: python3 cannot import pytest (scripts/deps.sh test installs python3-pytest)"
