@@ -22,6 +22,7 @@ from .errors import __all__ as _errors_all
 from .store import Store, StoreView
 from .refit import RefitReceiver, RefitSender
 from .refit import Piece, tp_shards  # shards of a tensor-parallel rank
+from .refit import expert_pieces, fsdp_pieces, tp_pieces  # a sharded sender's pieces
 from .control import Control, ControlCell, ControlRank
 from .mq import MQ
 from . import p2pstore  # noqa: F401
@@ -36,7 +37,8 @@ library_path: str = _lib.path  # the libferry.so this process loaded
 __all__ = ["Store", "StoreView", "MQ", "p2pstore", "aio", "RefitSender", "RefitReceiver", "Control", "ControlRank",
            "ControlCell", "Context", "default_context", "empty", "set_log_level", "version",
            "library_path", "stats", "prometheus", "readiness"] + [n for n in _errors_all if n not in ("check", "raise_status")]
-__all__ += ["Piece", "tp_shards", "cuda", "cuda_info", "DeviceArray", "DeviceView"]
+__all__ += ["Piece", "tp_shards", "tp_pieces", "fsdp_pieces", "expert_pieces", "cuda", "cuda_info",
+            "DeviceArray", "DeviceView"]
 
 logger = logging.getLogger("ferry")
 

@@ -199,7 +199,7 @@ class RefitOpts(ctypes.Structure):
     _c_name_ = "ferry_refit_opts"
     _fields_ = [("size", c_size_t), ("bucket_bytes", c_uint64), ("alias", c_int),
                 ("publish", c_int), ("directory", c_char_p), ("no_retain", c_int),
-                ("device_buckets", c_int)]
+                ("device_buckets", c_int), ("rank", c_int), ("world", c_int)]
 
 
 class PushOpts(ctypes.Structure):
@@ -333,6 +333,8 @@ _protos = {
                                         POINTER(c_void_p)]),
     "ferry_refit_sender_close": (None, [c_void_p]),
     "ferry_refit_declare": (c_int, [c_void_p, c_char_p, POINTER(TensorDesc), c_void_p, c_int]),
+    "ferry_refit_declare_piece": (c_int, [c_void_p, c_char_p, POINTER(TensorDesc), c_void_p,
+                                          c_int, POINTER(RefitPiece)]),
     "ferry_refit_seal": (c_int, [c_void_p]),
     "ferry_refit_push": (c_int, [c_void_p, c_uint64, POINTER(PushOpts)]),
     "ferry_refit_receivers": (c_size_t, [c_void_p]),

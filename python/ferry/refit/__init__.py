@@ -42,9 +42,15 @@ asyncio: await tx.push_async(v, ...) runs the push in the loop's default executo
 ferry.aio does); await rx.wait_async(v, timeout=...) holds no thread at all: the receiver's
 commit callback wakes it, so cancelling it leaves nothing behind.
 
+Sharded senders (docs/REFIT.md, Sharded senders): the M ranks of a trainer that hold one model
+together each open RefitSender(name, local_state_dict, rank=r, world=M, pieces={local name:
+Piece(global name, dim, start, stop)}) and all push every version; RefitReceiver(name) sees one
+model and reads each rank's part straight from that rank. tp_pieces, fsdp_pieces and
+expert_pieces build the pieces of Megatron TP, FSDP and expert-parallel ranks.
+
 The package, by thing: sender.py (RefitSender), receiver.py (RefitReceiver), shards.py (Piece,
-tp_shards), load.py (updates()), events.py (the receivers' bucket and commit callbacks),
-names.py (the same-host rendezvous file and node names).
+tp_shards), pieces.py (the senders' piece builders), load.py (updates()), events.py (the
+receivers' bucket and commit callbacks), names.py (the same-host rendezvous file and node names).
 """
 from .._lib import lib  # noqa: F401 (ferry.refit.lib, as before the split)
 from .events import _listeners  # noqa: F401 (tests look into it)
@@ -52,6 +58,8 @@ from .names import _open_shared, refit_address
 from .receiver import RefitReceiver
 from .sender import ROUTES, RefitOpts, PushOpts, RefitSender  # noqa: F401
 from .shards import Piece, tp_shards
-from . import events, load, names, receiver, sender, shards  # noqa: F401
+from .pieces import expert_pieces, fsdp_pieces, tp_pieces
+from . import events, load, names, pieces, receiver, sender, shards  # noqa: F401
 
-__all__ = ["RefitSender", "RefitReceiver", "refit_address", "ROUTES", "Piece", "tp_shards"]
+__all__ = ["RefitSender", "RefitReceiver", "refit_address", "ROUTES", "Piece", "tp_shards",
+           "tp_pieces", "fsdp_pieces", "expert_pieces"]

@@ -13,13 +13,14 @@ import numpy as np
 
 from .. import _lib
 from .._lib import POINTER, byref, c_char_p, c_uint64, c_void_p, lib
-from ..errors import AlreadyExists, NotSupported, Timeout, check
+from ..errors import AlreadyExists, InvalidArgument, NotSupported, Timeout, check
 from ..cuda import DeviceBytes, sync_all
 from ..tensors import DTYPES, Context, as_buffer, desc_shape, dtype_code
 
 from .events import _on_foreign_thread
 from .names import (_directory_configured, _node_name, _open_shared, _published, _read_rendezvous,
                     _seq_lock, refit_address)
+from .shards import Piece
 
 
 # ferry_refit_route, by the name push(route=...) takes
@@ -99,6 +100,37 @@ def _needs_staging(obj):
     return isinstance(obj, np.ndarray) and not obj.flags.c_contiguous
 
 
+def _rank_world(name, rank, world, in_dir):
+    """(rank, world) checked: world 0 or 1 is a single sender (rank 0); a group needs a
+    directory, where its ranks are published."""
+    world = _lib.c_int_of(world, ctypes.c_int, "world", lo=0)
+    rank = _lib.c_int_of(rank, ctypes.c_int, "rank", lo=0)
+    if rank >= max(world, 1):
+        raise InvalidArgument(-1, "refit '%s': rank %d of world %d" % (name, rank, world))
+    if world > 1 and not in_dir:
+        raise InvalidArgument(-1, "refit '%s': a sender group (world %d) publishes its ranks "
+                              "in the directory, and none is configured: set FERRY_DIRECTORY "
+                              "or pass directory= (and publish=True)" % (name, world))
+    return rank, world
+
+
+def _pieces_of(pieces, state_dict):
+    """{local name: Piece} checked: each names a tensor of state_dict; ints that C holds."""
+    out = {}
+    for local, p in (pieces or {}).items():
+        if local not in state_dict:
+            raise InvalidArgument(-1, "refit pieces: '%s' is not a tensor of the state dict"
+                                  % (local,))
+        if not isinstance(p, (tuple, list)) or len(p) != 4:
+            raise InvalidArgument(-1, "refit pieces: '%s': %r; pass ferry.Piece(global name, "
+                                  "dim, start, stop)" % (local, p))
+        what = "piece of '%s'" % local
+        out[local] = Piece(str(p[0]), _lib.c_int_of(p[1], ctypes.c_int, what + " dim", lo=0),
+                           _lib.c_int_of(p[2], ctypes.c_int64, what + " start", lo=0),
+                           _lib.c_int_of(p[3], ctypes.c_int64, what + " stop", lo=0))
+    return out
+
+
 class RefitSender(_lib.Closing):
     """The trainer's side. state_dict: {name: numpy array or CPU torch tensor}; their memory is
     declared in place (keep the tensors alive; update them in place, as optimizers do; a
@@ -117,19 +149,33 @@ class RefitSender(_lib.Closing):
     (RefitReceiver.bind_alias; device memory when every tensor is on one CUDA device, uncast).
     device_buckets: with every tensor on one CUDA device and none cast, two bucket slots in
     that device's memory; pushes whose receivers are all on this host go device to device
-    through CUDA IPC, unhashed (ferry_refit_opts.device_buckets, docs/GPU.md)."""
+    through CUDA IPC, unhashed (ferry_refit_opts.device_buckets, docs/GPU.md).
+
+    Sharded senders (docs/REFIT.md, Sharded senders): rank, world: this process is rank `rank` of
+    `world` trainer ranks that hold one model together, each opening a RefitSender under the same
+    name (published in the directory as NAME#rank: a group needs one, FERRY_DIRECTORY or
+    `directory`) and all pushing every version; receivers open NAME and see one model. world 1
+    (the default): this sender holds the whole model. pieces: {local name: ferry.Piece(global
+    name, dim, start, stop)}: that tensor of state_dict is the slice [start, stop) along dim of
+    the global tensor `global name` (ferry.tp_pieces, fsdp_pieces and expert_pieces build them
+    for the usual layouts); a tensor without an entry is whole under its own name (several ranks
+    may each hold one whole: receivers read it from one of them). The ranks' pieces must tile
+    each global tensor; a receiver refuses the group otherwise, naming the tensor and ranks."""
 
     def __init__(self, name: str, state_dict: Mapping[str, Any],
                  buffer_bytes: Optional[int] = None,
                  cast: Union[str, Any, Dict[str, Any], None] = None,
                  ctx: Optional[Context] = None, publish: bool = True,
                  directory: Optional[str] = None, alias: bool = False,
-                 device_buckets: bool = False) -> None:
+                 device_buckets: bool = False, rank: int = 0, world: int = 1,
+                 pieces: Optional[Mapping[str, Any]] = None) -> None:
         self.name = name
         path = refit_address(name) if publish else None  # also checks the name
         in_dir = bool(publish) and _directory_configured(directory)
         if in_dir:
             path = None
+        self.rank, self.world = _rank_world(name, rank, world, in_dir)
+        self.pieces = _pieces_of(pieces, state_dict)
         self.directory = (directory or lib.ferry_config_get(b"FERRY_DIRECTORY").decode()) \
             if in_dir else None
         if ctx is not None:
@@ -153,7 +199,7 @@ class RefitSender(_lib.Closing):
                              _lib.c_int_of(buffer_bytes or 0, c_uint64, "buffer_bytes"),
                              1 if alias else 0,
                              1 if in_dir else 0, _lib.encoded(directory, "directory"), 0,
-                             1 if device_buckets else 0)
+                             1 if device_buckets else 0, self.rank, self.world)
             h = c_void_p()
             check(lib.ferry_refit_sender_open(self._ctx.handle, _lib.encoded(name, "name"), byref(opts),
                                               byref(h)))
@@ -174,8 +220,16 @@ class RefitSender(_lib.Closing):
                 continue
             src = _Source(obj)
             src.send_as = _cast_code(self._cast, name, src.desc.dtype)
-            check(lib.ferry_refit_declare(self._h, _lib.encoded(name, "tensor name"), byref(src.desc),
-                                          src.arr.ctypes.data, src.send_as))
+            piece = self.pieces.get(name)
+            if piece is None:
+                check(lib.ferry_refit_declare(self._h, _lib.encoded(name, "tensor name"),
+                                              byref(src.desc), src.arr.ctypes.data, src.send_as))
+            else:
+                of = _lib.RefitPiece(_lib.encoded(piece.source, "global name"), piece.dim,
+                                     piece.start, piece.stop)
+                check(lib.ferry_refit_declare_piece(self._h, _lib.encoded(name, "tensor name"),
+                                                    byref(src.desc), src.arr.ctypes.data,
+                                                    src.send_as, byref(of)))
             self._sources[name] = src
             changed = True
         if changed:
@@ -239,12 +293,14 @@ class RefitSender(_lib.Closing):
         return int(lib.ferry_refit_receivers(self.handle))
 
     def manifest(self) -> List[Dict[str, Any]]:
-        """[{name, dtype, shape, wire_dtype}] in declaration order."""
+        """[{name, dtype, shape, wire_dtype, piece}] in declaration order: this rank's own
+        tensors (piece: the ferry.Piece of a global tensor it is, None when whole)."""
         out = []
         for name, s in self._sources.items():
             out.append({"name": name, "dtype": DTYPES[s.desc.dtype][0],
                         "shape": desc_shape(s.desc),
-                        "wire_dtype": DTYPES[s.send_as or s.desc.dtype][0]})
+                        "wire_dtype": DTYPES[s.send_as or s.desc.dtype][0],
+                        "piece": self.pieces.get(name)})
         return out
 
     def wait_receivers(self, n: int, timeout: Optional[float] = None) -> int:

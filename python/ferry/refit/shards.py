@@ -9,11 +9,20 @@ from ..errors import InvalidArgument
 class Piece(NamedTuple):
     """Piece(source, dim, start, stop): the elements of the sender's tensor `source` whose index
     along `dim` lies in [start, stop). A target (an engine tensor) is one or more pieces laid one
-    after another along its dim 0 (a fused qkv_proj shard: a q, a k and a v piece)."""
+    after another along its dim 0 (a fused qkv_proj shard: a q, a k and a v piece).
+
+    A sharded sender's rank declares its tensors with the same description,
+    Piece(global_name, dim, start, stop): that local tensor is the slice of the global tensor
+    `global_name` (RefitSender(..., pieces={local name: Piece(...)}))."""
     source: str
     dim: int
     start: int
     stop: int
+
+    @property
+    def global_name(self) -> str:
+        """`source`, by the name a sender's piece gives it: the global tensor's."""
+        return self.source
 
 
 def _shapes_of(manifest_or_shapes: Any) -> Dict[str, Tuple[Tuple[int, ...], Optional[str]]]:
