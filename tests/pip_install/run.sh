@@ -1,6 +1,6 @@
 #!/bin/sh
-# `pip install ./python` as the README gives it, from a clean copy of the checkout (its tracked
-# files, so nothing of build/ comes along), offline, with FERRY_LIB and PYTHONPATH unset: the
+# `pip install ./python` as the README gives it, from a clean copy of the checkout (the files git
+# does not ignore, as the other stages build them: nothing of build/ comes along), offline, with FERRY_LIB and PYTHONPATH unset: the
 # install builds libferry.so (python/build_backend/ferry_build.py) and `import ferry` must load
 # that copy, inside the venv. Then `pip wheel --no-deps ./python`, the checkout removed, and the
 # wheel installed into a second venv, where it must work the same.
@@ -15,7 +15,7 @@ unset FERRY_LIB PYTHONPATH PIP_FIND_LINKS PIP_NO_INDEX
 export PIP_INDEX_URL=http://127.0.0.1:9/simple PIP_CONFIG_FILE=/dev/null PIP_RETRIES=0 \
   PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 
-git -C "$src" ls-files -z | (cd "$src" && tar --null -T - --ignore-failed-read -cf - 2>/dev/null) |
+git -C "$src" ls-files -z --cached --others --exclude-standard | (cd "$src" && tar --null -T - --ignore-failed-read -cf - 2>/dev/null) |
   tar -xf - -C "$work/checkout"
 [ -f "$work/checkout/python/pyproject.toml" ] || { echo "no clean copy of $src"; exit 1; }
 [ ! -e "$work/checkout/build" ] || { echo "the copy has build/"; exit 1; }
