@@ -27,10 +27,11 @@ typedef struct fr_group_holder {
 
 typedef struct fr_group_tensor {
   char *name;
-  ferry_tensor_desc desc; /* the global shape; dtype: the wire dtype */
-  float scale;            /* fp8 casts (whole tensors only: every holder's must agree), else 1 */
-  int32_t dim;            /* the dim the ranks cut; -1: every holder holds it whole */
-  fr_group_holder *holders; /* pieces: sorted by start, tiling [0, shape[dim]); whole: by rank */
+  ferry_tensor_desc desc;   /* the global shape; dtype: the wire dtype */
+  float scale;              /* fp8 casts (whole tensors only: every holder's must agree), else 1 */
+  int32_t dim;              /* the dim the ranks cut; -1: every holder holds it whole */
+  fr_group_holder *holders; /* pieces: sorted by start, tiling [0, shape[dim]) (empty pieces
+                               left out: a tensor of extent 0 has none); whole: by rank */
   uint32_t nholders;
 } fr_group_tensor;
 
@@ -39,6 +40,8 @@ typedef struct fr_group_manifest {
                                new ones, ... (a stable order every receiver sees alike) */
   uint32_t count;
   uint32_t world;
+  uint32_t *slots; /* fr_group_find's index of the names: tensor + 1 per slot, 0 empty */
+  uint64_t nslots; /* a power of two */
 } fr_group_manifest;
 
 /* Builds the global manifest from plans[0..world) (plans[r].rank == r, .world == world).
@@ -69,9 +72,13 @@ typedef struct fr_group_part {
 /* The parts that fill dst (described by dst_desc) with pieces[0..n) laid one after another along
  * its dim 0, as ferry_refit_bind_pieces lays them (a whole tensor: n = 1, its full range of dim
  * 0). Checks that the pieces fit dst_desc (the errors name `target` and the piece, as
- * bind_pieces's do). A tensor held whole by several ranks is read from one of them, chosen by
- * (tensor, salt) so that receivers with different salts spread their reads over the holders.
- * *out is malloc'd (free()). */
+ * bind_pieces's do). A tensor held whole by several ranks is read from one of them, holder
+ * (tensor + salt) % nholders, so that receivers with different salts spread their reads over the
+ * holders. Parts come in the order of the pieces, then of the holders (by start); a piece of no
+ * bytes has none. Each part's place lies in [dst, dst + dst_desc's bytes): place.block is its
+ * global piece's shape at that piece's rows of dst, place.dim the dim the ranks cut (0 for a
+ * whole tensor). Every part of one rank may become one shard target of that rank's
+ * sub-receiver (fr_refit_rx_add_target with places). *out is malloc'd (free()). */
 int fr_group_parts(const fr_group_manifest *m, const char *target, const fr_group_piece *pieces,
                    uint32_t n, uint8_t *dst, const ferry_tensor_desc *dst_desc, uint64_t salt,
                    fr_group_part **out, size_t *nout);

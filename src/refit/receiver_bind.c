@@ -106,7 +106,7 @@ int ferry_refit_bind(ferry_refit_receiver *r, const char *name, void *dst,
     fr_refit_piece pc = fr_refit_rx_whole_piece(&r->plan, i);
     char *src = r->plan.entries[i].name;
     rc = r->plan.entries[i].wire_bytes
-             ? fr_refit_rx_add_target(r, name, dst, device, desc, &src, &pc, 1, true)
+             ? fr_refit_rx_add_target(r, name, dst, device, desc, &src, &pc, NULL, 1, true)
              : 0;
     pthread_mutex_unlock(&r->bind_lock);
     return rc;
@@ -228,7 +228,7 @@ int ferry_refit_bind_pieces(ferry_refit_receiver *r, const char *target, void *d
   if (rc == 0 && device >= 0)
     fr_refit_rx_pin_stage(r);
   if (rc == 0)
-    rc = fr_refit_rx_add_target(r, target, dst, device, desc, sources, pc, (uint32_t)n, true);
+    rc = fr_refit_rx_add_target(r, target, dst, device, desc, sources, pc, NULL, (uint32_t)n, true);
   pthread_mutex_unlock(&r->bind_lock);
   free(pc);
   free(sources);

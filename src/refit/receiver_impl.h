@@ -126,9 +126,16 @@ void fr_refit_rx_target_free(struct rx_target *t);
 int fr_refit_rx_pieces_fit(const fr_refit_plan *plan, const char *target,
                            const ferry_tensor_desc *desc, char *const *sources,
                            fr_refit_piece *pieces, uint32_t n);
+/* Records target `name` and declares it to the sender. places NULL: pieces (checked, resolved)
+ * fill dst, described by desc, one after another along its dim 0. places[0..n) (a group's
+ * sub-receiver, group.h's parts): piece i lands at places[i] instead; dst and desc are then the
+ * whole destination the blocks lie in (device ranges are taken from it), and the pieces and
+ * places are checked here (sources resolved by name; FERRY_ERANGE for a block outside dst). The
+ * places are copied. */
 int fr_refit_rx_add_target(ferry_refit_receiver *r, const char *name, void *dst, int device,
                            const ferry_tensor_desc *desc, char *const *sources,
-                           const fr_refit_piece *pieces, uint32_t n, bool fresh);
+                           const fr_refit_piece *pieces, const fr_refit_place *places, uint32_t n,
+                           bool fresh);
 fr_refit_piece fr_refit_rx_whole_piece(const fr_refit_plan *plan, uint32_t e);
 int fr_refit_rx_enter_shards(ferry_refit_receiver *r);
 int fr_refit_rx_retarget(ferry_refit_receiver *r);

@@ -19,6 +19,7 @@ void fr_refit_rx_target_free(struct rx_target *t) {
     free(t->sources[i]);
   free(t->sources);
   free(t->t.pieces);
+  free(t->t.places);
   free(t->name);
   memset(t, 0, sizeof *t);
 }
@@ -98,6 +99,39 @@ int fr_refit_rx_pieces_fit(const fr_refit_plan *plan, const char *target,
   return 0;
 }
 
+/* Checks pieces [0, n) with places against the plan: their sources resolved by name, each a
+ * slice of its source landing at its place, every block inside the destination [dst, dst + the
+ * bytes of desc); the error names the piece that does not fit. */
+static int placed_fit(const fr_refit_plan *plan, const char *target, const ferry_tensor_desc *desc,
+                      const uint8_t *dst, char *const *sources, fr_refit_piece *pieces,
+                      const fr_refit_place *places, uint32_t n) {
+  char who[FR_REFIT_NAME_MAX * 2 + 128];
+  uint64_t size = 0;
+  int rc = ferry_tensor_nbytes(desc, &size);
+  for (uint32_t i = 0; i < n && rc == 0; i++) {
+    const fr_refit_place *pl = &places[i];
+    snprintf(who, sizeof who, "refit: target '%s' part %u ('%s' dim %u [%llu:%llu])", target, i,
+             sources[i], pieces[i].dim, (unsigned long long)pieces[i].start,
+             (unsigned long long)pieces[i].stop);
+    int64_t e = fr_refit_plan_find(plan, sources[i]);
+    if (e < 0)
+      return fr_err(FERRY_ENOTFOUND, "%s: the sender sends no tensor '%s'", who, sources[i]);
+    pieces[i].entry = (uint32_t)e;
+    uint64_t bytes = 0;
+    rc = fr_refit_piece_check(plan, &pieces[i], who);
+    if (rc == 0)
+      rc = fr_refit_place_check(plan, &pieces[i], pl, who);
+    if (rc == 0)
+      rc = ferry_tensor_nbytes(&pl->block, &bytes);
+    if (rc == 0 && (pl->dst < dst || (uint64_t)(pl->dst - dst) > size ||
+                    bytes > size - (uint64_t)(pl->dst - dst)))
+      rc = fr_err(FERRY_ERANGE, "%s: its block (%llu bytes at %llu) lies outside the target's %llu",
+                  who, (unsigned long long)bytes, (unsigned long long)(pl->dst - dst),
+                  (unsigned long long)size);
+  }
+  return rc;
+}
+
 /* The slot of target `name`: its own, or a new one. */
 static int target_slot(ferry_refit_receiver *r, const char *name, uint32_t *out) {
   uint32_t free_slot = r->ntargets;
@@ -127,18 +161,29 @@ static int target_slot(ferry_refit_receiver *r, const char *name, uint32_t *out)
  * from the same slices. Anything else (another rank's slice into the same buffer) is memory that
  * holds no version of what it now receives. */
 static bool same_target(const struct rx_target *t, const void *dst, const ferry_tensor_desc *desc,
-                        const fr_refit_piece *pieces, uint32_t n) {
-  return t->t.dst == dst && t->t.npieces == n && t->desc.dtype == desc->dtype &&
-         t->desc.ndim == desc->ndim &&
-         memcmp(t->desc.shape, desc->shape, sizeof(uint64_t) * desc->ndim) == 0 &&
-         memcmp(t->t.pieces, pieces, n * sizeof *pieces) == 0;
+                        const fr_refit_piece *pieces, const fr_refit_place *places, uint32_t n) {
+  bool same = t->t.dst == dst && t->t.npieces == n && t->desc.dtype == desc->dtype &&
+              t->desc.ndim == desc->ndim &&
+              memcmp(t->desc.shape, desc->shape, sizeof(uint64_t) * desc->ndim) == 0 &&
+              memcmp(t->t.pieces, pieces, n * sizeof *pieces) == 0 && !t->t.places == !places;
+  for (uint32_t i = 0; same && places && i < n; i++) /* field by field: a desc has padding */
+    same = t->t.places[i].dst == places[i].dst && t->t.places[i].dim == places[i].dim &&
+           t->t.places[i].at == places[i].at &&
+           t->t.places[i].block.dtype == places[i].block.dtype &&
+           t->t.places[i].block.ndim == places[i].block.ndim &&
+           memcmp(t->t.places[i].block.shape, places[i].block.shape,
+                  sizeof(uint64_t) * places[i].block.ndim) == 0;
+  return same;
 }
 
 /* Records a checked target (pieces resolved) and declares it; `fresh`: memory the receiver did
- * not write before (not a whole binding turned into a target), which then holds no version. */
+ * not write before (not a whole binding turned into a target), which then holds no version.
+ * With places (a group's sub-receiver), they are checked here: sources resolved by name, each
+ * piece a slice of its source, each place's block inside [dst, dst + desc's bytes). */
 int fr_refit_rx_add_target(ferry_refit_receiver *r, const char *name, void *dst, int device,
                            const ferry_tensor_desc *desc, char *const *sources,
-                           const fr_refit_piece *pieces, uint32_t n, bool fresh) {
+                           const fr_refit_piece *pieces, const fr_refit_place *places, uint32_t n,
+                           bool fresh) {
   uint32_t slot = 0;
   int rc = target_slot(r, name, &slot);
   if (rc != 0)
@@ -146,8 +191,9 @@ int fr_refit_rx_add_target(ferry_refit_receiver *r, const char *name, void *dst,
   struct rx_target t = {.name = strdup(name), .desc = *desc, .device = device};
   t.sources = calloc(n, sizeof *t.sources);
   t.t.pieces = malloc(n * sizeof *t.t.pieces);
+  t.t.places = places ? malloc(n * sizeof *t.t.places) : NULL;
   t.t.dst = dst;
-  bool ok = t.name && t.sources && t.t.pieces;
+  bool ok = t.name && t.sources && t.t.pieces && (t.t.places || !places);
   for (uint32_t i = 0; ok && i < n; i++)
     ok = (t.sources[i] = strdup(sources[i])) != NULL;
   t.t.npieces = n;
@@ -156,10 +202,16 @@ int fr_refit_rx_add_target(ferry_refit_receiver *r, const char *name, void *dst,
     return fr_err(FERRY_ENOMEM, "refit: target '%s'", name);
   }
   memcpy(t.t.pieces, pieces, n * sizeof *pieces);
-  bool moved = fresh && !same_target(&r->targets[slot], dst, desc, pieces, n);
+  if (places)
+    memcpy(t.t.places, places, n * sizeof *places);
+  if (places && (rc = placed_fit(&r->plan, name, desc, dst, sources, t.t.pieces, places, n)) != 0) {
+    fr_refit_rx_target_free(&t);
+    return rc;
+  }
+  bool moved = fresh && !same_target(&r->targets[slot], dst, desc, t.t.pieces, places, n);
   for (uint32_t i = 0; moved && i < n; i++)
-    fr_refit_rx_new_destination(r, r->plan.entries[pieces[i].entry].offset,
-                                r->plan.entries[pieces[i].entry].wire_bytes);
+    fr_refit_rx_new_destination(r, r->plan.entries[t.t.pieces[i].entry].offset,
+                                r->plan.entries[t.t.pieces[i].entry].wire_bytes);
   fr_refit_rx_target_free(&r->targets[slot]);
   r->targets[slot] = t;
   __atomic_store_n(&r->bound_any, true, __ATOMIC_RELEASE);
@@ -186,7 +238,7 @@ int fr_refit_rx_enter_shards(ferry_refit_receiver *r) {
     char *src = r->plan.entries[i].name;
     int rc = dst && r->plan.entries[i].wire_bytes
                  ? fr_refit_rx_add_target(r, src, dst, r->bound_dev[i], &r->bound_desc[i], &src,
-                                          &pc, 1, false)
+                                          &pc, NULL, 1, false)
                  : 0;
     if (rc != 0)
       return rc;
@@ -204,8 +256,10 @@ int fr_refit_rx_retarget(ferry_refit_receiver *r) {
     struct rx_target *t = &r->targets[i];
     if (!t->name)
       continue;
-    int fit =
-        fr_refit_rx_pieces_fit(&r->plan, t->name, &t->desc, t->sources, t->t.pieces, t->t.npieces);
+    int fit = t->t.places ? placed_fit(&r->plan, t->name, &t->desc, t->t.dst, t->sources,
+                                       t->t.pieces, t->t.places, t->t.npieces)
+                          : fr_refit_rx_pieces_fit(&r->plan, t->name, &t->desc, t->sources,
+                                                   t->t.pieces, t->t.npieces);
     if (fit != 0) {
       fr_warn("%s (unbound: bind it again)", ferry_last_error());
       rc = rc ? rc : fit;

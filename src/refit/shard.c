@@ -37,6 +37,29 @@ void fr_refit_piece_shape(const fr_refit_plan *plan, const fr_refit_piece *pc,
     out->shape[pc->dim] = pc->stop - pc->start;
 }
 
+int fr_refit_place_check(const fr_refit_plan *plan, const fr_refit_piece *pc,
+                         const fr_refit_place *pl, const char *who) {
+  ferry_tensor_desc s;
+  char have[96], want[96];
+  uint64_t bytes = 0;
+  fr_refit_piece_shape(plan, pc, &s);
+  if (!pl->dst)
+    return fr_err(FERRY_EINVAL, "%s: lands nowhere (no destination)", who);
+  if (pl->block.dtype != s.dtype)
+    return fr_err(FERRY_EDTYPE, "%s arrives as %s, its destination block is %s", who,
+                  ferry_dtype_name(s.dtype), ferry_dtype_name(pl->block.dtype) ?: "?");
+  bool fits = pl->block.ndim == s.ndim && pl->dim < (s.ndim ? s.ndim : 1) &&
+              ferry_tensor_nbytes(&pl->block, &bytes) == 0;
+  for (uint32_t d = 0; fits && d < s.ndim; d++)
+    fits = d == pl->dim ? pl->at <= pl->block.shape[d] && s.shape[d] <= pl->block.shape[d] - pl->at
+                        : s.shape[d] == pl->block.shape[d];
+  if (!fits || (s.ndim == 0 && pl->at != 0))
+    return fr_err(FERRY_ESHAPE, "%s is %s: it does not fit at %llu along dim %u of a block %s", who,
+                  ferry_shape_format(&s, have, sizeof have), (unsigned long long)pl->at, pl->dim,
+                  ferry_shape_format(&pl->block, want, sizeof want));
+  return 0;
+}
+
 typedef struct runs {
   fr_refit_run *v;
   size_t n, cap;
@@ -49,35 +72,87 @@ static int push_run(runs *rs, uint64_t off, uint64_t len, uint8_t *dst) {
   return 0;
 }
 
-/* Adds [off, off+len) landing at dst, cut at bucket boundaries. */
-static int add_run(runs *rs, uint64_t bb, uint64_t off, uint64_t len, uint8_t *dst) {
+/* Where a piece's bytes land: its byte q (in the piece's row-major order) at
+ * base + (q / chunk) * stride + q % chunk. A chunk (the piece's extent along its place's dim and
+ * everything after) is contiguous in the block, whose rows along that dim lie `stride` apart;
+ * without a place (or a place along dim 0) the whole piece is one chunk from base. */
+typedef struct landing {
+  uint8_t *base;
+  uint64_t chunk, stride;
+} landing;
+
+static uint8_t *landing_at(const landing *l, uint64_t q) {
+  return l->base ? l->base + (q / l->chunk) * l->stride + q % l->chunk : NULL;
+}
+
+static landing place_landing(const fr_refit_plan *plan, const fr_refit_piece *pc,
+                             const fr_refit_place *pl) {
+  ferry_tensor_desc s;
+  fr_refit_piece_shape(plan, pc, &s);
+  if (s.ndim == 0)
+    return (landing){pl->dst, UINT64_MAX, 0};
+  uint64_t inner = ferry_dtype_size(s.dtype);
+  for (uint32_t d = pl->dim + 1; d < s.ndim; d++)
+    inner *= s.shape[d];
+  uint64_t chunk = s.shape[pl->dim] * inner, stride = pl->block.shape[pl->dim] * inner;
+  if (pl->dim == 0 || chunk == stride || chunk == 0) /* one chunk */
+    chunk = UINT64_MAX;
+  return (landing){pl->dst + pl->at * inner, chunk, stride};
+}
+
+/* A run before its cuts to fit a destination: what the sender's view holds (off, len; dst where
+ * its first byte lands, for the order of equal runs), the landing and the piece's byte q at off. */
+typedef struct span {
+  fr_refit_run run;
+  landing l;
+  uint64_t q;
+} span;
+
+/* Where piece runs go: straight into runs (dst = l.base + q, or none on the sender), or into
+ * spans, cut to their destinations once sorted. */
+typedef struct sink {
+  runs *rs;
+  span *v;
+  size_t n, cap;
+  landing l;
+  bool spans;
+} sink;
+
+static int push_span(sink *k, uint64_t off, uint64_t len, uint64_t q) {
+  if (FR_GROW(k->v, k->cap, k->n + 1, 64) != 0)
+    return fr_err(FERRY_ENOMEM, "refit: %zu shard runs", k->n + 1);
+  k->v[k->n++] = (span){{off, len, landing_at(&k->l, q)}, k->l, q};
+  return 0;
+}
+
+/* Adds [off, off+len) of the wire buffer, the piece's bytes from q, cut at bucket boundaries. */
+static int add_run(sink *k, uint64_t bb, uint64_t off, uint64_t len, uint64_t q) {
   while (len > 0) {
     uint64_t room = bb - off % bb, n = len < room ? len : room;
-    int rc = push_run(rs, off, n, dst);
+    int rc = k->spans ? push_span(k, off, n, q) : push_run(k->rs, off, n, landing_at(&k->l, q));
     if (rc != 0)
       return rc;
-    off += n, len -= n;
-    dst = dst ? dst + n : NULL;
+    off += n, len -= n, q += n;
   }
   return 0;
 }
 
-/* The runs of one piece, in source order, landing one after another from dst. */
-static int piece_runs(const fr_refit_plan *plan, const fr_refit_piece *pc, uint8_t *dst, runs *rs) {
+/* The runs of one piece, in source order: the piece's bytes in row-major order. */
+static int piece_runs(const fr_refit_plan *plan, const fr_refit_piece *pc, sink *k) {
   const fr_refit_entry *e = &plan->entries[pc->entry];
   uint64_t es = ferry_dtype_size(e->wire), outer = 1, inner = es;
   if (e->desc.ndim == 0)
-    return add_run(rs, plan->bucket_bytes, e->offset, es, dst);
+    return add_run(k, plan->bucket_bytes, e->offset, es, 0);
   for (uint32_t d = 0; d < pc->dim; d++)
     outer *= e->desc.shape[d];
   for (uint32_t d = pc->dim + 1; d < e->desc.ndim; d++)
     inner *= e->desc.shape[d];
   uint64_t mid = e->desc.shape[pc->dim], len = (pc->stop - pc->start) * inner;
   if (len == mid * inner) /* the whole of each row: one contiguous run */
-    return add_run(rs, plan->bucket_bytes, e->offset + pc->start * inner, outer * len, dst);
+    return add_run(k, plan->bucket_bytes, e->offset + pc->start * inner, outer * len, 0);
   for (uint64_t o = 0; o < outer; o++) {
-    int rc = add_run(rs, plan->bucket_bytes, e->offset + (o * mid + pc->start) * inner, len,
-                     dst ? dst + o * len : NULL);
+    int rc =
+        add_run(k, plan->bucket_bytes, e->offset + (o * mid + pc->start) * inner, len, o * len);
     if (rc != 0)
       return rc;
   }
@@ -123,23 +198,65 @@ static int view_index(const fr_refit_plan *plan, fr_refit_view *v) {
   return 0;
 }
 
-int fr_refit_view_build(const fr_refit_plan *plan, const fr_refit_target *targets, size_t n,
-                        uint32_t serial, fr_refit_view **out) {
-  runs rs = {0};
-  int rc = 0;
-  for (size_t t = 0; t < n && rc == 0; t++) {
+static int span_cmp(const void *a, const void *b) {
+  return run_cmp(&((const span *)a)->run, &((const span *)b)->run);
+}
+
+/* The runs of every target's pieces into k: each piece from where the one before it ended in
+ * the target's dst, or at its place. */
+static int target_runs(const fr_refit_plan *plan, const fr_refit_target *targets, size_t n,
+                       sink *k) {
+  for (size_t t = 0; t < n; t++) {
     uint8_t *dst = targets[t].dst;
-    for (uint32_t i = 0; i < targets[t].npieces && rc == 0; i++) {
+    for (uint32_t i = 0; i < targets[t].npieces; i++) {
       const fr_refit_piece *pc = &targets[t].pieces[i];
       ferry_tensor_desc d;
       uint64_t bytes = 0;
       fr_refit_piece_shape(plan, pc, &d);
-      rc = ferry_tensor_nbytes(&d, &bytes);
+      int rc = ferry_tensor_nbytes(&d, &bytes);
+      k->l = targets[t].places ? place_landing(plan, pc, &targets[t].places[i])
+                               : (landing){dst, UINT64_MAX, 0};
       if (rc == 0)
-        rc = piece_runs(plan, pc, dst, &rs);
+        rc = piece_runs(plan, pc, k);
+      if (rc != 0)
+        return rc;
       dst = dst ? dst + bytes : NULL;
     }
   }
+  return 0;
+}
+
+/* Cuts each span (sorted) where its destination is not contiguous; the stretches stay together
+ * where the span was, so the bytes in view order are the sender's, whose view has no places. */
+static int cut_spans(const sink *k, runs *rs) {
+  for (size_t i = 0; i < k->n; i++) {
+    const span *sp = &k->v[i];
+    uint64_t off = sp->run.off, len = sp->run.len, q = sp->q;
+    while (len > 0) {
+      uint64_t room = sp->l.chunk - q % sp->l.chunk, n = len < room ? len : room;
+      int rc = push_run(rs, off, n, landing_at(&sp->l, q));
+      if (rc != 0)
+        return rc;
+      off += n, len -= n, q += n;
+    }
+  }
+  return 0;
+}
+
+int fr_refit_view_build(const fr_refit_plan *plan, const fr_refit_target *targets, size_t n,
+                        uint32_t serial, fr_refit_view **out) {
+  bool placed = false;
+  for (size_t t = 0; t < n; t++)
+    placed |= targets[t].npieces && targets[t].places;
+  runs rs = {0};
+  sink k = {.rs = &rs, .spans = placed};
+  int rc = target_runs(plan, targets, n, &k);
+  if (rc == 0 && placed) {
+    if (k.n) /* qsort wants an array, even of nothing */
+      qsort(k.v, k.n, sizeof *k.v, span_cmp);
+    rc = cut_spans(&k, &rs);
+  }
+  free(k.v);
   fr_refit_view *v = rc == 0 ? calloc(1, sizeof *v) : NULL;
   if (rc == 0 && !v)
     rc = fr_err(FERRY_ENOMEM, "refit: shard view");
@@ -147,7 +264,7 @@ int fr_refit_view_build(const fr_refit_plan *plan, const fr_refit_target *target
     free(rs.v);
     return rc;
   }
-  if (rs.n) /* qsort wants an array, even of nothing */
+  if (rs.n && !placed) /* qsort wants an array, even of nothing */
     qsort(rs.v, rs.n, sizeof *rs.v, run_cmp);
   v->serial = serial;
   v->runs = rs.v;

@@ -74,7 +74,8 @@ typedef struct fr_refit_run {
 
 typedef struct fr_refit_view {
   uint32_t serial;    /* the declaration it was built from */
-  fr_refit_run *runs; /* sorted by off, none crossing a bucket boundary */
+  fr_refit_run *runs; /* sorted by off, none crossing a bucket boundary (a run cut to fit its
+                         places: its stretches together, in order, where the run is) */
   uint64_t nruns;
   uint64_t *first; /* per bucket b: runs [first[b], first[b+1]) lie in it */
   uint64_t bytes;  /* of all runs: what a push reads */
@@ -85,7 +86,15 @@ int fr_refit_piece_check(const fr_refit_plan *plan, const fr_refit_piece *pc, co
 /* The piece's shape: the source's with dim `dim` cut to stop - start. */
 void fr_refit_piece_shape(const fr_refit_plan *plan, const fr_refit_piece *pc,
                           ferry_tensor_desc *out);
-/* Builds the view of targets [0, n) (each piece already checked). */
+/* Checks that piece pc (already checked) fits its place: a block of the piece's wire dtype and
+ * as many dims, equal to the piece's shape on every dim but place->dim, along which [at, at + the
+ * piece's extent) lies within the block. The error says what does not fit, led by `who`. */
+int fr_refit_place_check(const fr_refit_plan *plan, const fr_refit_piece *pc,
+                         const fr_refit_place *pl, const char *who);
+/* Builds the view of targets [0, n) (each piece, and place, already checked). A target with
+ * places cuts its runs further, one stretch per contiguous range of its destination blocks; the
+ * stretches of a run stay together where the run was, so that the bytes of the view's runs, in
+ * order, are those of the same targets' view without places (the sender's). */
 int fr_refit_view_build(const fr_refit_plan *plan, const fr_refit_target *targets, size_t n,
                         uint32_t serial, fr_refit_view **out);
 void fr_refit_view_free(fr_refit_view *v);
