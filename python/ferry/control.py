@@ -10,16 +10,22 @@
                                                update=load_weights) c.request("update", 300)
 
 Requests block (the GIL released) until every rank acked; a rank that failed, a dead rank, a
-refused transition or a race with another controller raise ferry.Error subclasses.
+refused transition or a race with another controller raise ferry.Error subclasses. A request
+needs every rank attached: c.wait_ranks() waits for them after the ranks' threads or processes
+start. A cell still open when the interpreter exits is closed (its file removed) at exit, before
+daemon threads stop, so a clean exit leaves nothing in FERRY_CTL_DIR.
 """
+import atexit
 import collections
 import ctypes
 import threading
+import time
+import weakref
 from typing import Any, Callable, Dict, Optional, Union
 
 from . import _lib
 from ._lib import Closing, byref, c_int, c_uint32, c_uint64, c_void_p, lib
-from .errors import Error, InvalidArgument, check
+from .errors import Error, InvalidArgument, Timeout, check
 
 __all__ = ["Control", "ControlRank", "ControlCell", "Command", "STATES", "COMMANDS"]
 
@@ -81,10 +87,24 @@ class _Handle(Closing):
             type(self)._close_fn(h)
 
 
+# The cells this process created and has not closed: closed at exit (below).
+_open_cells: "weakref.WeakSet[ControlCell]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_cells() -> None:
+    # atexit runs before the interpreter finalizes, while daemon threads (a rank's loop) still
+    # run: closing the cell only removes its name (each rank handle has its own mapping). Left
+    # to garbage collection at finalization, the file stayed and showed as a stale cell.
+    for cell in list(_open_cells):
+        cell.close()
+
+
 class ControlCell(_Handle):
     """The engine's cell for `nranks` ranks (FERRY_CTL_DIR/ferry-ctl-NAME), live while this
-    process lives and until close(). A dead engine's stale cell is replaced (incarnation + 1)
-    unless fail_if_stale. AlreadyExists when a live engine owns the name."""
+    process lives and until close() (or the interpreter's exit, which closes it). A dead
+    engine's stale cell is replaced (incarnation + 1) unless fail_if_stale. AlreadyExists when
+    a live engine owns the name."""
 
     _close_fn = staticmethod(lib.ferry_ctl_cell_close)
 
@@ -96,6 +116,7 @@ class ControlCell(_Handle):
         check(lib.ferry_ctl_cell_create(_name(name), _lib.c_int_of(nranks, c_uint32, "nranks"),
                                         byref(opts), byref(h)))
         self._h = h.value
+        _open_cells.add(self)
 
     @property
     def incarnation(self) -> int:
@@ -227,6 +248,34 @@ class Control(_Handle):
         if cmd not in ("clear", "update", "abort"):
             raise InvalidArgument(-1, "no command %r (clear, update or abort)" % (cmd,))
         check(lib.ferry_ctl_request(self.handle, _CMD_CODE[cmd], _ms(timeout)))
+
+    def wait_ranks(self, n: Optional[int] = None, timeout: Optional[float] = None) -> int:
+        """Waits until at least n ranks (None: all of them) are attached and alive, as a request
+        needs (otherwise it fails "rank 1 is not attached"), and returns how many are. Raises
+        ferry.Timeout naming the ranks still missing after `timeout` seconds (None:
+        FERRY_TIMEOUT_MS; 0: just look). Polls the rank lines (a rank's attach wakes nobody):
+        every millisecond at first, then less often, up to every 20 ms."""
+        nranks = self.status(ranks=False)["nranks"]
+        want = nranks if n is None else _lib.c_int_of(n, c_uint32, "n", 0, nranks)
+        if timeout is None:
+            timeout = int(lib.ferry_config_get(b"FERRY_TIMEOUT_MS") or b"10000") / 1000.0
+        deadline = time.monotonic() + max(0.0, float(timeout))
+        pause = 0.001
+        while True:
+            missing = [i for i in range(nranks) if not self._attached(i)]
+            if nranks - len(missing) >= want:
+                return nranks - len(missing)
+            if time.monotonic() >= deadline:
+                raise Timeout(-4, "cell '%s': %d of %d ranks attached after %g s, %d wanted "
+                                  "(missing: %s)" % (self.name, nranks - len(missing), nranks,
+                                                     timeout, want,
+                                                     ", ".join(map(str, missing))))
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
+
+    def _attached(self, rank: int) -> bool:
+        st = self.rank_status(rank)
+        return bool(st["pid"]) and st["alive"]
 
     def status(self, ranks: bool = True) -> Dict[str, Any]:
         """A snapshot: {incarnation, nranks, engine_pid, engine_alive, seq, cmd, in_flight,

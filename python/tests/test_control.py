@@ -281,3 +281,45 @@ def test_refit_commit_ends_updating():
             assert dst["w"].eq(4).all() and rx.committed == 1
         finally:
             ranks.close()
+
+
+def test_wait_ranks():
+    # A request right after the ranks' threads start used to fail "rank 1 is not attached";
+    # wait_ranks waits for them, and says which are missing when they do not come.
+    name = unique("wait")
+    with ferry.ControlCell(name, 2), ferry.Control(name) as c:
+        with pytest.raises(ferry.Timeout) as ei:
+            c.wait_ranks(timeout=0)
+        assert "0 of 2 ranks attached" in str(ei.value) and "missing: 0, 1" in str(ei.value)
+        with pytest.raises(ferry.InvalidArgument):
+            c.wait_ranks(3, timeout=0)
+        r0 = ferry.ControlRank(name, 0)
+        try:
+            assert c.wait_ranks(1, timeout=0) == 1
+            with pytest.raises(ferry.Timeout) as ei:
+                c.wait_ranks(timeout=0)
+            assert "missing: 1" in str(ei.value)
+        finally:
+            r0.close()
+        assert c.wait_ranks(0, timeout=0) == 0
+        stop = threading.Event()
+
+        def serve(i):  # each rank attaches on its own thread, as an engine's ranks do
+            with ferry.ControlRank(name, i) as r:
+                while not stop.is_set():
+                    try:
+                        r.step(timeout=0.05)
+                    except ferry.Timeout:
+                        pass
+
+        threads = [threading.Thread(target=serve, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            assert c.wait_ranks(timeout=30) == 2
+            c.request("clear", 30)
+            assert c.status()["state"] == "cleared"
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()

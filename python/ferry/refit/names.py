@@ -1,6 +1,7 @@
 """How a sender is found by name without a directory: the rendezvous file
 FERRY_CTL_DIR/ferry-refit-NAME on this host (the package docstring says when), read and written
 only as a regular file of this user's; and the names of the senders' own nodes."""
+import atexit
 import errno
 import os
 import re
@@ -105,3 +106,20 @@ def _read_rendezvous(path):
     except (OSError, ValueError, IndexError):
         return None
     return (addr, pid) if addr and _pid_alive(pid) else None
+
+
+@atexit.register
+def _unpublish_at_exit():
+    # A sender still open at exit (asyncio.run(tx.push_async(1)) at a script's top level) would
+    # be closed by garbage collection only once the interpreter finalizes, when its close can no
+    # longer import anything and the rendezvous file stayed behind (issue 35). atexit runs
+    # before that: remove each file this process published that still names this process.
+    with _seq_lock:
+        paths = list(_published)
+    for path in paths:
+        try:
+            found = _read_rendezvous(path)
+            if found is not None and found[1] == os.getpid():
+                os.unlink(path)
+        except (OSError, AccessDenied):
+            pass
