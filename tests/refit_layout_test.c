@@ -10,6 +10,7 @@
 #include "testutil.h"
 
 #include "refit/group.h"
+#include "refit/receiver_impl.h" /* fr_refit_rx_places_fit */
 #include "refit/shard.h"
 
 #include <stdio.h>
@@ -755,6 +756,43 @@ static void test_view_places_overlap(void **s) {
   free_plans(&p, 1);
 }
 
+/* A sub-receiver's check of a target with places: sources resolved by name, each piece a slice,
+ * each place fitting its piece and lying inside the target's destination. */
+static void test_places_fit(void **s) {
+  (void)s;
+  fr_refit_plan p = {.world = 1};
+  add_whole(&p, "b", F32, 1, SHAPE(3));
+  add_whole(&p, "a", F32, 2, SHAPE(4, 6));
+  FR_OK(fr_refit_plan_build(&p, 1 << 20));
+  uint8_t buf[16 + 4 * 8 * 4], *dst = buf + 16;
+  ferry_tensor_desc desc = {.dtype = F32, .ndim = 2, .shape = {4, 8}};
+  ferry_tensor_desc blk = desc;
+  char *src[] = {"a"};
+  fr_refit_piece pc = {77, 1, 0, 6};
+  fr_refit_place pl = {dst, blk, 1, 2};
+  FR_OK(fr_refit_rx_places_fit(&p, "t", &desc, dst, src, &pc, &pl, 1));
+  assert_int_equal(pc.entry, 1);
+  pl.dst = dst + 4; /* the block runs past the destination */
+  assert_int_equal(fr_refit_rx_places_fit(&p, "t", &desc, dst, src, &pc, &pl, 1), FERRY_ERANGE);
+  assert_non_null(strstr(ferry_last_error(), "target 't' part 0 ('a' dim 1 [0:6])"));
+  assert_non_null(strstr(ferry_last_error(), "128 bytes at 4) lies outside the target's 128"));
+  pl.dst = buf; /* before it */
+  assert_int_equal(fr_refit_rx_places_fit(&p, "t", &desc, dst, src, &pc, &pl, 1), FERRY_ERANGE);
+  assert_non_null(strstr(ferry_last_error(), "at -16)"));
+  pl.dst = dst;
+  pl.at = 3; /* columns [3, 9) of 8 */
+  assert_int_equal(fr_refit_rx_places_fit(&p, "t", &desc, dst, src, &pc, &pl, 1), FERRY_ESHAPE);
+  pl.at = 2;
+  pc.stop = 7;
+  assert_int_equal(fr_refit_rx_places_fit(&p, "t", &desc, dst, src, &pc, &pl, 1), FERRY_ESHAPE);
+  assert_non_null(strstr(ferry_last_error(), "not a slice of 'a' dim 1 (size 6)"));
+  pc.stop = 6;
+  char *none[] = {"zz"};
+  assert_int_equal(fr_refit_rx_places_fit(&p, "t", &desc, dst, none, &pc, &pl, 1), FERRY_ENOTFOUND);
+  assert_non_null(strstr(ferry_last_error(), "sends no tensor 'zz'"));
+  free_plans(&p, 1);
+}
+
 /* ---- end to end: random layouts on both sides ---- */
 
 static uint64_t rng;
@@ -1095,16 +1133,29 @@ static void test_simulated_refit(void **s) {
 }
 
 int main(void) {
+  /* one case a line */
+  // clang-format off
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_manifest_fsdp),       cmocka_unit_test(test_manifest_megatron),
-      cmocka_unit_test(test_manifest_replicated), cmocka_unit_test(test_manifest_alone),
-      cmocka_unit_test(test_manifest_refusals),   cmocka_unit_test(test_manifest_empty_pieces),
-      cmocka_unit_test(test_parts_dim0_vs_dim0),  cmocka_unit_test(test_parts_dim0_vs_dim1),
-      cmocka_unit_test(test_parts_dim1_vs_dim0),  cmocka_unit_test(test_parts_whole_from_pieces),
-      cmocka_unit_test(test_parts_fused_qkv),     cmocka_unit_test(test_parts_replicated_spread),
-      cmocka_unit_test(test_parts_refusals),      cmocka_unit_test(test_view_places),
-      cmocka_unit_test(test_view_places_overlap), cmocka_unit_test(test_simulated_refit),
+      cmocka_unit_test(test_manifest_fsdp),
+      cmocka_unit_test(test_manifest_megatron),
+      cmocka_unit_test(test_manifest_replicated),
+      cmocka_unit_test(test_manifest_alone),
+      cmocka_unit_test(test_manifest_refusals),
+      cmocka_unit_test(test_manifest_empty_pieces),
+      cmocka_unit_test(test_parts_dim0_vs_dim0),
+      cmocka_unit_test(test_parts_dim0_vs_dim1),
+      cmocka_unit_test(test_parts_dim1_vs_dim0),
+      cmocka_unit_test(test_parts_whole_from_pieces),
+      cmocka_unit_test(test_parts_fused_qkv),
+      cmocka_unit_test(test_parts_replicated_spread),
+      cmocka_unit_test(test_parts_refusals),
+      cmocka_unit_test(test_view_places),
+      cmocka_unit_test(test_view_places_overlap),
+      cmocka_unit_test(test_places_fit),
+      cmocka_unit_test(test_simulated_refit),
   };
+  // clang-format on
+
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -126,6 +126,12 @@ void fr_refit_rx_target_free(struct rx_target *t);
 int fr_refit_rx_pieces_fit(const fr_refit_plan *plan, const char *target,
                            const ferry_tensor_desc *desc, char *const *sources,
                            fr_refit_piece *pieces, uint32_t n);
+/* The same for pieces with places (add_target's check of them): each a slice of its source
+ * (resolved by name into pieces[i].entry) that fits places[i] (shard.h), each block inside
+ * [dst, dst + the bytes of desc) (FERRY_ERANGE otherwise). */
+int fr_refit_rx_places_fit(const fr_refit_plan *plan, const char *target,
+                           const ferry_tensor_desc *desc, const uint8_t *dst, char *const *sources,
+                           fr_refit_piece *pieces, const fr_refit_place *places, uint32_t n);
 /* Records target `name` and declares it to the sender. places NULL: pieces (checked, resolved)
  * fill dst, described by desc, one after another along its dim 0. places[0..n) (a group's
  * sub-receiver, group.h's parts): piece i lands at places[i] instead; dst and desc are then the

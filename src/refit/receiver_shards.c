@@ -102,9 +102,9 @@ int fr_refit_rx_pieces_fit(const fr_refit_plan *plan, const char *target,
 /* Checks pieces [0, n) with places against the plan: their sources resolved by name, each a
  * slice of its source landing at its place, every block inside the destination [dst, dst + the
  * bytes of desc); the error names the piece that does not fit. */
-static int placed_fit(const fr_refit_plan *plan, const char *target, const ferry_tensor_desc *desc,
-                      const uint8_t *dst, char *const *sources, fr_refit_piece *pieces,
-                      const fr_refit_place *places, uint32_t n) {
+int fr_refit_rx_places_fit(const fr_refit_plan *plan, const char *target,
+                           const ferry_tensor_desc *desc, const uint8_t *dst, char *const *sources,
+                           fr_refit_piece *pieces, const fr_refit_place *places, uint32_t n) {
   char who[FR_REFIT_NAME_MAX * 2 + 128];
   uint64_t size = 0;
   int rc = ferry_tensor_nbytes(desc, &size);
@@ -123,11 +123,10 @@ static int placed_fit(const fr_refit_plan *plan, const char *target, const ferry
       rc = fr_refit_place_check(plan, &pieces[i], pl, who);
     if (rc == 0)
       rc = ferry_tensor_nbytes(&pl->block, &bytes);
-    if (rc == 0 && (pl->dst < dst || (uint64_t)(pl->dst - dst) > size ||
-                    bytes > size - (uint64_t)(pl->dst - dst)))
-      rc = fr_err(FERRY_ERANGE, "%s: its block (%llu bytes at %llu) lies outside the target's %llu",
-                  who, (unsigned long long)bytes, (unsigned long long)(pl->dst - dst),
-                  (unsigned long long)size);
+    long long at = (long long)((uintptr_t)pl->dst - (uintptr_t)dst);
+    if (rc == 0 && (at < 0 || (uint64_t)at > size || bytes > size - (uint64_t)at))
+      rc = fr_err(FERRY_ERANGE, "%s: its block (%llu bytes at %lld) lies outside the target's %llu",
+                  who, (unsigned long long)bytes, at, (unsigned long long)size);
   }
   return rc;
 }
@@ -204,7 +203,9 @@ int fr_refit_rx_add_target(ferry_refit_receiver *r, const char *name, void *dst,
   memcpy(t.t.pieces, pieces, n * sizeof *pieces);
   if (places)
     memcpy(t.t.places, places, n * sizeof *places);
-  if (places && (rc = placed_fit(&r->plan, name, desc, dst, sources, t.t.pieces, places, n)) != 0) {
+  if (places)
+    rc = fr_refit_rx_places_fit(&r->plan, name, desc, dst, sources, t.t.pieces, places, n);
+  if (rc != 0) {
     fr_refit_rx_target_free(&t);
     return rc;
   }
@@ -256,10 +257,11 @@ int fr_refit_rx_retarget(ferry_refit_receiver *r) {
     struct rx_target *t = &r->targets[i];
     if (!t->name)
       continue;
-    int fit = t->t.places ? placed_fit(&r->plan, t->name, &t->desc, t->t.dst, t->sources,
-                                       t->t.pieces, t->t.places, t->t.npieces)
-                          : fr_refit_rx_pieces_fit(&r->plan, t->name, &t->desc, t->sources,
-                                                   t->t.pieces, t->t.npieces);
+    int fit = t->t.places
+                  ? fr_refit_rx_places_fit(&r->plan, t->name, &t->desc, t->t.dst, t->sources,
+                                           t->t.pieces, t->t.places, t->t.npieces)
+                  : fr_refit_rx_pieces_fit(&r->plan, t->name, &t->desc, t->sources, t->t.pieces,
+                                           t->t.npieces);
     if (fit != 0) {
       fr_warn("%s (unbound: bind it again)", ferry_last_error());
       rc = rc ? rc : fit;
