@@ -100,28 +100,39 @@ static landing place_landing(const fr_refit_plan *plan, const fr_refit_piece *pc
   return (landing){pl->dst + pl->at * inner, chunk, stride};
 }
 
-/* A run before its cuts to fit a destination: what the sender's view holds (off, len; dst where
- * its first byte lands, for the order of equal runs), the landing and the piece's byte q at off. */
+/* A run before its cuts to fit a destination: what the sender's view holds (off, len), the
+ * piece's byte q at off, and the piece's landing (by index). */
 typedef struct span {
-  fr_refit_run run;
-  landing l;
-  uint64_t q;
+  uint64_t off, len, q, landing;
 } span;
 
-/* Where piece runs go: straight into runs (dst = l.base + q, or none on the sender), or into
- * spans, cut to their destinations once sorted. */
+/* Where piece runs go: straight into runs (dst = l's address of q, or none on the sender), or
+ * into spans, cut to their destinations once sorted. */
 typedef struct sink {
   runs *rs;
   span *v;
   size_t n, cap;
-  landing l;
+  landing l; /* the piece's */
   bool spans;
+  landing *ls; /* spans: every piece's landing */
+  size_t nls, lcap;
 } sink;
 
 static int push_span(sink *k, uint64_t off, uint64_t len, uint64_t q) {
-  if (FR_GROW(k->v, k->cap, k->n + 1, 64) != 0)
+  if (FR_GROW(k->v, k->cap, k->n + 1, 1024) != 0)
     return fr_err(FERRY_ENOMEM, "refit: %zu shard runs", k->n + 1);
-  k->v[k->n++] = (span){{off, len, landing_at(&k->l, q)}, k->l, q};
+  k->v[k->n++] = (span){off, len, q, k->nls - 1};
+  return 0;
+}
+
+/* The landing of the piece whose runs come next. */
+static int sink_landing(sink *k, landing l) {
+  k->l = l;
+  if (!k->spans)
+    return 0;
+  if (FR_GROW(k->ls, k->lcap, k->nls + 1, 64) != 0)
+    return fr_err(FERRY_ENOMEM, "refit: %zu shard pieces", k->nls + 1);
+  k->ls[k->nls++] = l;
   return 0;
 }
 
@@ -198,8 +209,27 @@ static int view_index(const fr_refit_plan *plan, fr_refit_view *v) {
   return 0;
 }
 
+/* By offset, then length (as runs), then piece: equal runs hash the same bytes in any order. */
 static int span_cmp(const void *a, const void *b) {
-  return run_cmp(&((const span *)a)->run, &((const span *)b)->run);
+  const span *x = a, *y = b;
+  if (x->off != y->off)
+    return x->off < y->off ? -1 : 1;
+  if (x->len != y->len)
+    return x->len < y->len ? -1 : 1;
+  if (x->landing != y->landing)
+    return x->landing < y->landing ? -1 : 1;
+  return (x->q > y->q) - (x->q < y->q);
+}
+
+/* Sorts n items by cmp, unless they are in order already (targets bound in the order of the
+ * sender's tensors, the usual case: a sort of a million runs costs far more than this look). */
+static void sort_once(void *items, size_t n, size_t size, int (*cmp)(const void *, const void *)) {
+  const char *v = items;
+  size_t i = 1;
+  while (i < n && cmp(v + (i - 1) * size, v + i * size) <= 0)
+    i++;
+  if (i < n)
+    qsort(items, n, size, cmp);
 }
 
 /* The runs of every target's pieces into k: each piece from where the one before it ended in
@@ -214,8 +244,9 @@ static int target_runs(const fr_refit_plan *plan, const fr_refit_target *targets
       uint64_t bytes = 0;
       fr_refit_piece_shape(plan, pc, &d);
       int rc = ferry_tensor_nbytes(&d, &bytes);
-      k->l = targets[t].places ? place_landing(plan, pc, &targets[t].places[i])
-                               : (landing){dst, UINT64_MAX, 0};
+      if (rc == 0)
+        rc = sink_landing(k, targets[t].places ? place_landing(plan, pc, &targets[t].places[i])
+                                               : (landing){dst, UINT64_MAX, 0});
       if (rc == 0)
         rc = piece_runs(plan, pc, k);
       if (rc != 0)
@@ -229,15 +260,20 @@ static int target_runs(const fr_refit_plan *plan, const fr_refit_target *targets
 /* Cuts each span (sorted) where its destination is not contiguous; the stretches stay together
  * where the span was, so the bytes in view order are the sender's, whose view has no places. */
 static int cut_spans(const sink *k, runs *rs) {
+  size_t n = 0;
+  for (size_t i = 0; i < k->n; i++) { /* first the count: one allocation */
+    const landing *l = &k->ls[k->v[i].landing];
+    n += (k->v[i].q + k->v[i].len - 1) / l->chunk - k->v[i].q / l->chunk + 1;
+  }
+  if (n && FR_GROW(rs->v, rs->cap, n, 64) != 0)
+    return fr_err(FERRY_ENOMEM, "refit: %zu shard runs", n);
   for (size_t i = 0; i < k->n; i++) {
     const span *sp = &k->v[i];
-    uint64_t off = sp->run.off, len = sp->run.len, q = sp->q;
-    while (len > 0) {
-      uint64_t room = sp->l.chunk - q % sp->l.chunk, n = len < room ? len : room;
-      int rc = push_run(rs, off, n, landing_at(&sp->l, q));
-      if (rc != 0)
-        return rc;
-      off += n, len -= n, q += n;
+    const landing *l = &k->ls[sp->landing];
+    for (uint64_t off = sp->off, len = sp->len, q = sp->q; len > 0;) {
+      uint64_t room = l->chunk - q % l->chunk, m = len < room ? len : room;
+      rs->v[rs->n++] = (fr_refit_run){off, m, landing_at(l, q)};
+      off += m, len -= m, q += m;
     }
   }
   return 0;
@@ -252,11 +288,11 @@ int fr_refit_view_build(const fr_refit_plan *plan, const fr_refit_target *target
   sink k = {.rs = &rs, .spans = placed};
   int rc = target_runs(plan, targets, n, &k);
   if (rc == 0 && placed) {
-    if (k.n) /* qsort wants an array, even of nothing */
-      qsort(k.v, k.n, sizeof *k.v, span_cmp);
+    sort_once(k.v, k.n, sizeof *k.v, span_cmp);
     rc = cut_spans(&k, &rs);
   }
   free(k.v);
+  free(k.ls);
   fr_refit_view *v = rc == 0 ? calloc(1, sizeof *v) : NULL;
   if (rc == 0 && !v)
     rc = fr_err(FERRY_ENOMEM, "refit: shard view");
@@ -264,8 +300,8 @@ int fr_refit_view_build(const fr_refit_plan *plan, const fr_refit_target *target
     free(rs.v);
     return rc;
   }
-  if (rs.n && !placed) /* qsort wants an array, even of nothing */
-    qsort(rs.v, rs.n, sizeof *rs.v, run_cmp);
+  if (!placed)
+    sort_once(rs.v, rs.n, sizeof *rs.v, run_cmp);
   v->serial = serial;
   v->runs = rs.v;
   v->nruns = rs.n;
