@@ -141,12 +141,69 @@ def test_serve_http_metrics_health_and_readiness(tmp_path):
                   for x in (first, then)]
         assert frames[1] > frames[0]  # the put's and get's calls (its bytes may go by shm)
         assert "# TYPE ferry_store_get_duration_seconds histogram" in text
+        # the put it holds for the client counts as its put (issue 35: it stayed 0); a get reads
+        # its memory without it, and counts in the getter's metrics, not here
+        assert value(then, "ferry_store_puts_total", node="py-serve") == 1
+        assert value(then, "ferry_store_put_bytes_total", node="py-serve") == 50000
+        assert value(then, "ferry_store_gets_total", node="py-serve") == 0
+        assert value(then, "ferry_build_info", node="py-serve", version=ferry.__version__) == 1
+        assert value(then, "process_resident_memory_bytes", node="py-serve") > 1 << 20
+        assert value(then, "process_virtual_memory_bytes", node="py-serve") > 1 << 20
+        assert value(then, "process_cpu_seconds_total", node="py-serve") > 0
+        assert value(then, "process_open_fds", node="py-serve") >= 3
+        assert value(then, "process_max_fds", node="py-serve") >= 64
+        started = value(then, "process_start_time_seconds", node="py-serve")
+        assert abs(started - os.stat("/proc/%d" % serve.pid).st_mtime) < 120
         assert scrape(base + "/healthz") == (200, "ok\n")
         assert scrape(base + "/readyz") == (200, "ready\n")
         assert scrape(base + "/nope")[0] == 404
     finally:
         serve.terminate()
         serve.wait(timeout=30)
+
+
+def serve_ready(cli, env):
+    """A `ferry serve` without --http: (process, its ready line, its stderr's first line)."""
+    env = {k: v for k, v in env.items() if k != "FERRY_METRICS_LISTEN"}
+    serve = subprocess.Popen([cli, "serve", "--name", "py-serve-port"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env, text=True)
+    return serve, serve.stdout.readline()
+
+
+def test_serve_default_http_port_is_stable():
+    # 127.0.0.1 and the port after the directory's: the same address at every restart (issue 35:
+    # it was a free port, a new one each time); when taken, a free one with a warning
+    cli = ferry_cli()
+    while True:
+        port = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+                break
+            except OSError:
+                continue
+    env = dict(os.environ, FERRY_DIRECTORY="ferry://127.0.0.1:%d" % port)
+    for _ in range(2):  # a restart serves at the same address
+        serve, line = serve_ready(cli, env)
+        try:
+            assert "metrics http://127.0.0.1:%d/metrics" % (port + 1) in line, line
+            assert scrape("http://127.0.0.1:%d/healthz" % (port + 1)) == (200, "ok\n")
+        finally:
+            serve.terminate()
+            serve.wait(timeout=30)
+    with socket.socket() as taken:  # (SO_REUSEADDR: the scrapes' connections in TIME_WAIT)
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen()
+        serve, line = serve_ready(cli, env)
+        try:
+            m = re.search(r"metrics http://127\.0\.0\.1:(\d+)/metrics", line)
+            assert m and int(m.group(1)) != port + 1, line
+            assert scrape("http://127.0.0.1:%s/healthz" % m.group(1)) == (200, "ok\n")
+        finally:
+            serve.terminate()
+            _, err = serve.communicate(timeout=30)
+        assert "cannot listen on 127.0.0.1:%d" % (port + 1) in err, err
 
 
 def test_metrics_listen_env_serves_any_process():

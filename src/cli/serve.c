@@ -32,8 +32,10 @@ static const char serve_usage[] =
     "K, M, G, T or KiB, MiB, GiB, TiB suffixes).\n"
     "It serves its metrics (Prometheus text at /metrics, /healthz, /readyz), the fleet's\n"
     "status page (/) and its data (/v1/fleet, JSON; `ferry top` shows the same) over HTTP on\n"
-    "--http (default: 127.0.0.1:0, a free loopback port; FERRY_METRICS_LISTEN when set; off:\n"
-    "none); the ready line says where.\n"
+    "--http (default: 127.0.0.1 and the port after the node's --listen port, 7701 for the\n"
+    "default 7700, so that a restart serves at the same address; a free port, with a warning,\n"
+    "when that one is taken; FERRY_METRICS_LISTEN when set; off: none); the ready line says\n"
+    "where.\n"
     "Prints one 'ready' line, then runs until SIGINT or SIGTERM. With --json that line is\n"
     "one JSON object: {\"ready\": true, \"directory\", \"hosting\", \"node\", \"address\",\n"
     "\"capacity\" (the pool's bytes), \"metrics\" (its URL, or null), \"status\" (the status\n"
@@ -201,12 +203,34 @@ static int add_fleet_routes(ferry_metrics_server *http, fleet_http *f) {
   return rc ? rc : fr_metrics_route(http, "/v1/fleet", fleet_route, f);
 }
 
-/* --http: on by default (a free loopback port), unless FERRY_METRICS_LISTEN already has the ctx
- * serving them or the caller said off. */
-static int start_http(const serve_opts *o, ferry_ctx *ctx, ferry_metrics_server **out) {
+/* The default --http port: the one after the node's listen port (a scrape config stays right
+ * across restarts, and two nodes of one host listening on different ports differ), or after
+ * 7700 when the node listens on no fixed port. */
+#define SERVE_HTTP_BASE_PORT 7700
+
+static void default_http(const char *listen, char *buf, size_t len) {
+  const char *colon = listen ? strrchr(listen, ':') : NULL;
+  long port = colon ? strtol(colon + 1, NULL, 10) : 0;
+  snprintf(buf, len, "127.0.0.1:%ld", (port > 0 && port < 65535 ? port : SERVE_HTTP_BASE_PORT) + 1);
+}
+
+/* --http: on by default (default_http, loopback), unless FERRY_METRICS_LISTEN already has the
+ * ctx serving them or the caller said off. A default port that is taken gives way to a free
+ * one, with a warning (the ready line says which); a port the caller chose does not. */
+static int start_http(const serve_opts *o, const char *listen, ferry_ctx *ctx,
+                      ferry_metrics_server **out) {
   if ((o->http && strcmp(o->http, "off") == 0) || (!o->http && metrics_env()))
     return 0;
-  return ferry_metrics_serve(ctx, o->http ? o->http : "127.0.0.1:0", out);
+  if (o->http)
+    return ferry_metrics_serve(ctx, o->http, out);
+  char addr[64];
+  default_http(listen, addr, sizeof addr);
+  if (ferry_metrics_serve(ctx, addr, out) == 0)
+    return 0;
+  fr_warn("serve: metrics: cannot listen on %s (%s): on a free port instead; pass --http "
+          "HOST:PORT for a fixed one",
+          addr, ferry_last_error());
+  return ferry_metrics_serve(ctx, "127.0.0.1:0", out);
 }
 
 int cli_serve(int argc, char **argv) {
@@ -237,7 +261,7 @@ int cli_serve(int argc, char **argv) {
     return cli_fail("serve", rc, "cannot open the store");
   }
   ferry_metrics_server *http = NULL;
-  if ((rc = start_http(&o, ctx, &http)) != 0) {
+  if ((rc = start_http(&o, listen, ctx, &http)) != 0) {
     ferry_store_close(store);
     ferry_ctx_close(ctx);
     return cli_fail("serve", rc, "cannot serve metrics");

@@ -34,8 +34,18 @@ struct fr_stats_out {
 };
 
 static fr_stats global_set = {.lock = PTHREAD_MUTEX_INITIALIZER};
+static pthread_once_t global_once = PTHREAD_ONCE_INIT;
 
-fr_stats *fr_stats_global(void) { return &global_set; }
+/* The process's own series (procstats.c) are the set's first collector. */
+static void global_init(void) {
+  if (fr_stats_add(&global_set, fr_procstats_collect, NULL, &global_set) != 0)
+    fr_err_clear(); /* out of memory: the process reports no series of its own */
+}
+
+fr_stats *fr_stats_global(void) {
+  pthread_once(&global_once, global_init);
+  return &global_set;
+}
 
 void fr_stats_init(fr_stats *s) {
   memset(s, 0, sizeof *s);

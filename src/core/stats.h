@@ -65,8 +65,10 @@ typedef struct fr_stats {
 
 void fr_stats_init(fr_stats *s);
 void fr_stats_fini(fr_stats *s);
-/* The process-wide set: objects that belong to no ctx (control cells and ranks). */
+/* The process-wide set: objects that belong to no ctx (control cells and ranks), and the
+ * process's own series (ferry_build_info, process_*: fr_procstats_collect, procstats.c). */
 fr_stats *fr_stats_global(void);
+void fr_procstats_collect(void *arg, fr_stats_out *out);
 /* A ctx's set: its jobs register their collectors there (defined by the transport layer, which
  * owns the ctx). */
 fr_stats *fr_ctx_stats(ferry_ctx *ctx);

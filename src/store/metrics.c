@@ -25,7 +25,9 @@ void fr_store_count(ferry_store *s, bool put, size_t ok, size_t failed, uint64_t
 static void collect(void *arg, fr_stats_out *out) {
   ferry_store *s = arg;
   const char *st = s->name;
-  fr_stat_counter(out, "ferry_store_puts_total", "Objects put (each item of a batch counts)",
+  fr_stat_counter(out, "ferry_store_puts_total",
+                  "Objects put (each item of a batch counts): this node's own, and those it "
+                  "holds for clients (ferry put to ferry serve)",
                   (double)fr_counted(&s->m.puts), "store", st, NULL);
   fr_stat_counter(out, "ferry_store_put_errors_total", "Puts that failed",
                   (double)fr_counted(&s->m.put_errors), "store", st, NULL);
@@ -33,7 +35,9 @@ static void collect(void *arg, fr_stats_out *out) {
                   (double)fr_counted(&s->m.put_bytes), "store", st, NULL);
   fr_stat_hist(out, "ferry_store_put_duration_seconds", "Time a put (or put batch) call took",
                &s->m.put_ns, 1e-9, "store", st, NULL);
-  fr_stat_counter(out, "ferry_store_gets_total", "Objects got (each item of a batch counts)",
+  fr_stat_counter(out, "ferry_store_gets_total",
+                  "Objects this node got (each item of a batch counts); another node's get "
+                  "reads the owner's memory without it, and counts there",
                   (double)fr_counted(&s->m.gets), "store", st, NULL);
   fr_stat_counter(out, "ferry_store_get_errors_total", "Gets that failed (not found included)",
                   (double)fr_counted(&s->m.get_errors), "store", st, NULL);

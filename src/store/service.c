@@ -43,12 +43,17 @@ static int handle(ferry_store *s, ferry_msg *msg, const fr_store_msg *m, uint64_
              ferry_link_peer(msg->link));
     fr_store_delete_local(s, m->key, m->generation, false, false, timeout);
     return 0;
-  default: /* FR_SMSG_UPLOAD */
+  default: /* FR_SMSG_UPLOAD: counted as this node's put (the object is its own now) */
     if (!(s->flags & FERRY_STORE_HOLDER))
       return fr_err(FERRY_ENOTSUP, "node '%s' does not hold objects for others", s->name);
     pull p = {.link = msg->link, .m = m, .timeout_ms = timeout};
-    return fr_store_put_local(s, m->key, &m->desc, NULL, -1, FERRY_STORE_PUT_COPY, fill_from_peer,
-                              &p, gen, timeout);
+    uint64_t t0 = fr_now_ns(), bytes = 0;
+    int rc = fr_store_put_local(s, m->key, &m->desc, NULL, -1, FERRY_STORE_PUT_COPY, fill_from_peer,
+                                &p, gen, timeout);
+    if (rc == 0)
+      ferry_tensor_nbytes(&m->desc, &bytes);
+    fr_store_count(s, true, rc == 0, rc != 0, bytes, t0);
+    return rc;
   }
 }
 
