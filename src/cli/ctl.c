@@ -9,6 +9,7 @@
 #include "cli/cli.h"
 #include "cli/ctl.h"
 #include "core/core.h"
+#include "core/task.h"
 
 #include <pthread.h>
 #include <signal.h>
@@ -295,7 +296,7 @@ static int ctl_engine(int argc, char **argv) {
   pthread_barrier_init(&attached, NULL, nranks + 1);
   for (uint32_t i = 0; i < nranks; i++) {
     p[i] = (pretend_rank){name, i, work_ms, (int)i == fail, &stop, &attached, 0};
-    pthread_create(&t[i], NULL, pretend_rank_main, &p[i]);
+    fr_thread_start(&t[i], "ctl-rank", pretend_rank_main, &p[i], false);
   }
   pthread_barrier_wait(&attached);
   printf("engine %s: %u ranks ready (incarnation %lu)\n", name, nranks,

@@ -1,9 +1,11 @@
 /*
  * The fleet snapshot's askers (fleet.c has the overview): the metrics of every distinct address,
- * asked in parallel (FLEET_ASK_THREADS at a time) within what is left of the budget, over the
- * link kept to it from the last snapshot; an address that failed is skipped for FLEET_SKIP_MS.
+ * asked in parallel (FLEET_ASK_THREADS at a time, on the task pool) within what is left of the
+ * budget, over the link kept to it from the last snapshot; an address that failed is skipped for
+ * FLEET_SKIP_MS.
  */
 #include "cli/fleet_impl.h"
+#include "core/task.h"
 #include "transport/linkcalls.h"
 
 #include <stdlib.h>
@@ -52,11 +54,12 @@ static void ask_one(snap *s, node_stats *ns) {
 typedef struct askers {
   snap *s;
   pthread_mutex_t lock;
+  pthread_cond_t done; /* the last helper out signals it */
   size_t next;
+  int helpers; /* lock: askers on the task pool still asking */
 } askers;
 
-static void *asker_main(void *arg) {
-  askers *a = arg;
+static void ask_next(askers *a) {
   for (;;) {
     pthread_mutex_lock(&a->lock);
     size_t i = a->next;
@@ -65,24 +68,39 @@ static void *asker_main(void *arg) {
     a->next = i + 1;
     pthread_mutex_unlock(&a->lock);
     if (i >= a->s->nnodes)
-      return NULL;
+      return;
     ask_one(a->s, &a->s->stats[i]);
   }
 }
 
-/* Asks every address at once, FLEET_ASK_THREADS at a time (this thread too: it also asks when
- * no thread can be started). */
+/* An asker on the process's task pool (core/task.h); a is the caller's, untouched after the
+ * unlock. */
+static void asker_main(void *arg) {
+  askers *a = arg;
+  ask_next(a);
+  pthread_mutex_lock(&a->lock);
+  if (--a->helpers == 0)
+    pthread_cond_signal(&a->done);
+  pthread_mutex_unlock(&a->lock);
+}
+
+/* Asks every address at once, FLEET_ASK_THREADS at a time: this thread and as many askers as
+ * the task pool has workers free for (none: this thread asks alone). */
 static void ask_all(snap *s, size_t nask) {
   askers a = {.s = s};
   pthread_mutex_init(&a.lock, NULL);
-  pthread_t t[FLEET_ASK_THREADS];
-  size_t nt = 0;
-  while (nt + 1 < FLEET_ASK_THREADS && nt + 1 < nask &&
-         pthread_create(&t[nt], NULL, asker_main, &a) == 0)
-    nt++;
-  asker_main(&a);
-  while (nt)
-    pthread_join(t[--nt], NULL);
+  pthread_cond_init(&a.done, NULL);
+  pthread_mutex_lock(&a.lock);
+  while ((size_t)a.helpers + 1 < FLEET_ASK_THREADS && (size_t)a.helpers + 1 < nask &&
+         fr_task_try(asker_main, &a) == 0)
+    a.helpers++;
+  pthread_mutex_unlock(&a.lock);
+  ask_next(&a);
+  pthread_mutex_lock(&a.lock);
+  while (a.helpers > 0)
+    pthread_cond_wait(&a.done, &a.lock);
+  pthread_mutex_unlock(&a.lock);
+  pthread_cond_destroy(&a.done);
   pthread_mutex_destroy(&a.lock);
 }
 

@@ -73,6 +73,8 @@
   X("FERRY_STORE_LINGER_MS", "1000",                                                               \
     "a replaced store copy stays at least this long for gets under way (less if room is needed)")  \
   X("FERRY_STORE_THREADS", "4", "threads a batch get uses to keep reads in flight")                \
+  X("FERRY_TASK_THREADS", "64",                                                                    \
+    "most threads of the process's task pool (store gets and uploads, lease renewals, askers)")    \
   X("FERRY_MQ_QUEUE_BYTES", "67108864",                                                            \
     "mq: bytes of messages a subscriber queues per publisher before publishes wait")               \
   X("FERRY_MQ_INLINE_BYTES", "65536",                                                              \

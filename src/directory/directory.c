@@ -184,9 +184,9 @@ void fr_dir_close(fr_dir *dir) {
     if (!last)
       return;
   }
+  fr_dir_self_free(dir->self); /* its timer stops before the client it renews through */
   dir->ops->close(dir->state);
   fr_dir_server_stop(dir->hosted);
-  fr_dir_self_free(dir->self);
   free(dir->key);
   free(dir);
 }

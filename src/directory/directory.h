@@ -274,7 +274,8 @@ int fr_dir_tcp_listen_for(const char *dir_url, const char *tcp_listen, char *out
 /* ---- a process's node: one registration per client, under one lease (lease.c) ----
  * A client (the jobs of a context share one, fr_dir_open) registers ONE node in the directory:
  * one name, one incarnation, one address and one lease, renewed by one request every third of
- * the lease, whichever job's thread sends it. The node is named after its context
+ * the lease, sent by the node's one timer (on the process's task pool, core/task.h; no job's
+ * thread renews anything). The node is named after its context
  * (ferry_ctx_name): that is the name the process answers under on every link, so a live holder
  * of the name is told from a dead one by connecting to its address and seeing who answers
  * (holder_dead); the store's objects and mq's discovery records already name it as their owner;
@@ -287,9 +288,9 @@ int fr_dir_tcp_listen_for(const char *dir_url, const char *tcp_listen, char *out
  * "ferry:job/KIND/NAME" (FR_DIR_JOBS; KIND store, mq or refit; NAME the job's: the ctx name for
  * store and mq, the sender's published name for refit). Like every record the node owns it
  * vanishes with the node's lease, and after the directory lost the node (its lease lapsed, or
- * its epoch moved) whichever job renews first registers the node again and wakes the others
- * (fr_dir_lease_set_wake), and each job's renewal then publishes its records again
- * (fr_dir_lease_renew returns 1). A job name held by a live
+ * its epoch moved) the timer registers the node again, publishes every job record again and
+ * calls what each job registered to publish the rest of its records (fr_dir_lease_set_republish).
+ * A job name held by a live
  * node of another process is refused (FERRY_EEXIST naming it); one held by a dead node (nothing
  * accepts a connection at its address, or another node answers there) is taken over at once:
  * the dead node and its records are dropped. Lookups by job name: fr_dir_job_find. */
@@ -309,13 +310,13 @@ typedef struct fr_dir_lease {
                    it before taking */
   char key[FR_DIR_KEY_MAX + 1]; /* its job record */
   char job[FR_DIR_NAME_MAX + 1];
-  char who[96];            /* "store 'a'": how messages name the caller */
-  bool held;               /* under the node's lock: its job record is published */
-  bool want;               /* atomic: its records must be published again (fr_dir_lease_lost) */
-  uint64_t seen;           /* atomic: the node's registration its records were published under */
-  uint64_t retry_ns;       /* atomic: after a failed publish, when to try again (fr_now_ns) */
-  void (*wake)(void *arg); /* under the node's lock: fr_dir_lease_set_wake */
-  void *wake_arg;
+  char who[96];  /* "store 'a'": how messages name the caller */
+  bool held;     /* under the node's lock: its job record is published */
+  bool want;     /* atomic: its records must be published again (fr_dir_lease_lost) */
+  uint64_t seen; /* atomic: the node's registration its records were published under */
+  int (*republish)(void *arg, int timeout_ms); /* the node's lock: fr_dir_lease_set_republish */
+  void *republish_arg;
+  bool republishing; /* the node's lock: the timer calls republish next */
   bool in_node;
   struct fr_dir_lease *next; /* the node's members */
 } fr_dir_lease;
@@ -342,26 +343,19 @@ int fr_dir_lease_init(fr_dir_lease *l, fr_dir *dir, ferry_ctx *ctx, const char *
  * then publishes the job record. FERRY_EEXIST naming a live holder of the node's name or of the
  * job's name; a dead holder is taken over. */
 int fr_dir_lease_take(fr_dir_lease *l, int timeout_ms);
-/* How to wake the job's thread when another job of its node registered the node again (the
- * directory had lost it): its records must be published again, now rather than at its next
- * wake. Called under the node's lock from another job's thread, so it may only signal (no lease
- * call, no wait). NULL stops it: set it once the thread can be woken, clear it before that stops
- * being true. */
-void fr_dir_lease_set_wake(fr_dir_lease *l, void (*wake)(void *arg), void *arg);
-/* Whether this job should call fr_dir_lease_renew: the node's renewal is due (every third of its
- * lease; soon after a failure), or this job's records must be published again. */
-bool fr_dir_lease_due(const fr_dir_lease *l);
-/* When fr_dir_lease_due turns true (fr_now_ns; 0: it is). */
-uint64_t fr_dir_lease_next(const fr_dir_lease *l);
+/* What publishes this job's records but its job record again (its objects, its topics), after
+ * the directory lost them with the node, or after fr_dir_lease_lost: called by the node's timer
+ * on a worker of the task pool, without the node's lock, with the timeout to keep to; a failure
+ * (< 0, its detail logged) is tried again at the timer's next try. NULL (the default): the job
+ * record is its only one. Clearing it waits for a call under way. */
+void fr_dir_lease_set_republish(fr_dir_lease *l, int (*republish)(void *arg, int timeout_ms),
+                                void *arg);
 /* Held, and the directory has not lost the node since this job published (its epoch did not
  * move, the node was not registered again). */
 bool fr_dir_lease_current(const fr_dir_lease *l);
-/* The caller could not publish its records after taking: publish again at its next renewal. */
+/* The caller could not publish its records after taking: the node's timer publishes them again
+ * now (its job record, then its republish). Any thread; takes no lock of the node. */
 void fr_dir_lease_lost(fr_dir_lease *l);
-/* Renews the node when due (one request for all its jobs) and registers it again when the
- * directory lost it. 0: nothing more to do; 1: this job's records must be published again (its
- * job record already is); < 0: failed (logged; retried soon). */
-int fr_dir_lease_renew(fr_dir_lease *l);
 /* Whether this job is the node's only one: its drop removes the node with every record it owns.
  * Otherwise the job deletes its own records before dropping (the node lives on). */
 bool fr_dir_lease_alone(const fr_dir_lease *l);

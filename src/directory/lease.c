@@ -4,17 +4,20 @@
  * directory, directory.c) registers one node named after its context; each job attaches to it
  * and publishes a job record ("ferry:job/KIND/NAME") owned by the node, next to its own records,
  * so that all of them vanish together when the node's lease lapses. One request every third of
- * the node's lease (the shortest any job asked for) renews it, whichever job's thread sends it.
+ * the node's lease (the shortest any job asked for) renews it, sent by the node's one timer on
+ * the process's task pool (core/task.h), never by a job's thread.
  *
  * Taking a name (the node's, or a job's that another node publishes) that another incarnation
  * holds succeeds only when that holder is verifiably dead (nothing accepts a connection at its
  * address, or whoever answers there is not it), so a restarted process gets its names back at
  * once instead of after the old lease lapses. When the directory lost the node (its lease lapsed,
- * or the directory restarted: its epoch moved) the node is registered again, and each job's next
- * renewal publishes its records again. Joining and leaving are logged at info (the directory logs
+ * or the directory restarted: its epoch moved) the timer registers the node again, publishes
+ * each job's record again and calls what each job registered to publish the rest of its records
+ * again (fr_dir_lease_set_republish). Joining and leaving are logged at info (the directory logs
  * them too, with what a leaving node's records were).
  */
 #include "directory/directory.h"
+#include "core/task.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -26,7 +29,7 @@
 #define RETRY_PER_LEASE 25
 
 struct fr_dir_self {
-  pthread_mutex_t lock; /* registering, renewing and the members: one job at a time */
+  pthread_mutex_t lock; /* registering, renewing and the members: one at a time */
   const char *busy;     /* atomic: what holds `lock` while it may wait on the directory */
   fr_dir *dir;
   ferry_ctx *ctx;
@@ -36,8 +39,12 @@ struct fr_dir_self {
   uint64_t epoch;         /* the directory's epoch when it was registered */
   uint64_t taken;         /* atomic: registrations so far (a job publishes again when it moves) */
   uint64_t next_renew_ns; /* atomic */
+  uint64_t retry_ns;      /* lock: a job's records failed to publish: the next try (0: none) */
   bool ok;                /* atomic: held, and the directory answered the last request */
   fr_dir_lease *members;
+  fr_timer timer;          /* the renewal (tick), on the task pool */
+  fr_dir_lease *calling;   /* lock: the member whose republish the timer runs now (unlocked) */
+  pthread_cond_t returned; /* lock: `calling` went back to NULL (a leaving job waits for it) */
   /* Records of its jobs whose delete failed (the directory away for a moment): deleted at the
    * node's renewals until done, since the node's lease, which would take them, goes on. */
   fr_dir_object *orphans;
@@ -64,11 +71,15 @@ static bool ours_elsewhere(const fr_dir_self *me, uint64_t incarnation, char *ur
   return found;
 }
 
+static void tick(void *arg);
+
 static fr_dir_self *self_of(fr_dir *dir, ferry_ctx *ctx) {
   pthread_mutex_lock(&create_lock);
   fr_dir_self *me = dir->self;
   if (!me && (me = calloc(1, sizeof *me))) {
     pthread_mutex_init(&me->lock, NULL);
+    pthread_cond_init(&me->returned, NULL);
+    fr_timer_init(&me->timer, tick, me);
     me->dir = dir;
     me->ctx = ctx;
     fr_str_copy(me->node.name, sizeof me->node.name, ferry_ctx_name(ctx));
@@ -86,6 +97,7 @@ static fr_dir_self *self_of(fr_dir *dir, ferry_ctx *ctx) {
 void fr_dir_self_free(fr_dir_self *self) {
   if (!self)
     return;
+  fr_timer_cancel(&self->timer); /* no job is attached: a tick running now touches nothing */
   pthread_mutex_lock(&create_lock);
   for (fr_dir_self **p = &selves; *p; p = &(*p)->next_self)
     if (*p == self) {
@@ -94,6 +106,7 @@ void fr_dir_self_free(fr_dir_self *self) {
     }
   pthread_mutex_unlock(&create_lock);
   pthread_mutex_destroy(&self->lock);
+  pthread_cond_destroy(&self->returned);
   free(self->orphans);
   free(self);
 }
@@ -241,10 +254,7 @@ static int register_node(fr_dir_self *me, const fr_dir_lease *l, const fr_dir_no
   if (rc == 0) {
     set_record(me, n, lease_ms);
     __atomic_store_n(&me->epoch, epoch, __ATOMIC_RELEASE);
-    __atomic_add_fetch(&me->taken, 1, __ATOMIC_ACQ_REL);
-    for (const fr_dir_lease *m = me->members; m; m = m->next)
-      if (m != l && m->wake) /* their records went with the node: publish them again now */
-        m->wake(m->wake_arg);
+    __atomic_add_fetch(&me->taken, 1, __ATOMIC_ACQ_REL); /* every job publishes again */
     fr_info("%s: node '%s' registered in the directory at %s (%s; lease %d ms)", l->who, n->name,
             me->dir->url, n->address, lease_ms);
   }
@@ -449,6 +459,24 @@ static void unlock(fr_dir_self *me) {
   pthread_mutex_unlock(&me->lock);
 }
 
+/* me->lock held. Whether m's records must be published (again): its own call asked
+ * (fr_dir_lease_lost), or the node was registered again since they were. */
+static bool stale(const fr_dir_self *me, const fr_dir_lease *m) {
+  return __atomic_load_n(&m->want, __ATOMIC_ACQUIRE) || !m->held ||
+         __atomic_load_n(&m->seen, __ATOMIC_ACQUIRE) !=
+             __atomic_load_n(&me->taken, __ATOMIC_ACQUIRE);
+}
+
+/* me->lock held. The timer fires at the node's next renewal, or sooner for a job whose records
+ * wait to be published (at once, or after a failed try when the retry is due). */
+static void rearm(fr_dir_self *me) {
+  uint64_t at = __atomic_load_n(&me->next_renew_ns, __ATOMIC_ACQUIRE);
+  for (const fr_dir_lease *m = me->members; m; m = m->next)
+    if (stale(me, m) && me->retry_ns < at)
+      at = me->retry_ns;
+  fr_timer_arm(&me->timer, at);
+}
+
 int fr_dir_lease_take(fr_dir_lease *l, int timeout_ms) {
   fr_dir_self *me = l->self;
   if (!me)
@@ -468,30 +496,22 @@ int fr_dir_lease_take(fr_dir_lease *l, int timeout_ms) {
             me->node.name, me->node.address, me->lease_ms);
   else
     __atomic_store_n(&l->want, true, __ATOMIC_RELEASE);
+  rearm(me); /* a registration moved `taken`: the other jobs publish again at once */
   unlock(me);
   return rc;
 }
 
-void fr_dir_lease_set_wake(fr_dir_lease *l, void (*wake)(void *arg), void *arg) {
+void fr_dir_lease_set_republish(fr_dir_lease *l, int (*republish)(void *arg, int timeout_ms),
+                                void *arg) {
   fr_dir_self *me = l->self;
   if (!me)
     return;
   pthread_mutex_lock(&me->lock);
-  l->wake = wake;
-  l->wake_arg = arg;
+  while (me->calling == l) /* clearing it waits for a call under way */
+    pthread_cond_wait(&me->returned, &me->lock);
+  l->republish = republish;
+  l->republish_arg = arg;
   pthread_mutex_unlock(&me->lock);
-}
-
-bool fr_dir_lease_due(const fr_dir_lease *l) { return fr_now_ns() >= fr_dir_lease_next(l); }
-
-uint64_t fr_dir_lease_next(const fr_dir_lease *l) {
-  const fr_dir_self *me = l->self;
-  if (!me)
-    return UINT64_MAX;
-  if (__atomic_load_n(&l->want, __ATOMIC_ACQUIRE) ||
-      __atomic_load_n(&l->seen, __ATOMIC_ACQUIRE) != __atomic_load_n(&me->taken, __ATOMIC_ACQUIRE))
-    return __atomic_load_n(&l->retry_ns, __ATOMIC_ACQUIRE); /* 0 (now) unless it just failed */
-  return __atomic_load_n(&me->next_renew_ns, __ATOMIC_ACQUIRE);
 }
 
 bool fr_dir_lease_current(const fr_dir_lease *l) {
@@ -526,32 +546,78 @@ int fr_dir_lease_ready(const fr_dir_lease *l, char *why, size_t len) {
   return FERRY_ECONNECT;
 }
 
-void fr_dir_lease_lost(fr_dir_lease *l) { __atomic_store_n(&l->want, true, __ATOMIC_RELEASE); }
+void fr_dir_lease_lost(fr_dir_lease *l) {
+  __atomic_store_n(&l->want, true, __ATOMIC_RELEASE);
+  if (l->self) /* the timer publishes them again now */
+    fr_timer_arm(&l->self->timer, fr_now_ns());
+}
 
-int fr_dir_lease_renew(fr_dir_lease *l) {
-  fr_dir_self *me = l->self;
-  if (!me)
-    return fr_err(FERRY_EINVAL, "%s: not attached to a directory", l->who);
+/* ---- the node's timer ---- */
+
+/* me->lock held on entry and return. Calls what each job marked `republishing` registered to
+ * publish again, one at a time and without the node's lock (a store's takes its publish_lock,
+ * which its puts take before the node's); a job leaving meanwhile waits for its call to return
+ * (`calling`). Says whether one failed (that job is marked to publish again). */
+static bool republish_members(fr_dir_self *me, int timeout_ms) {
+  bool failed = false;
+  for (;;) {
+    fr_dir_lease *m = me->members;
+    while (m && !m->republishing)
+      m = m->next;
+    if (!m)
+      return failed;
+    m->republishing = false;
+    me->calling = m;
+    unlock(me);
+    int rc = m->republish(m->republish_arg, timeout_ms);
+    if (rc != 0)
+      fr_warn("%s: publishing its records again failed: %s", m->who, ferry_last_error());
+    pthread_mutex_lock(&me->lock);
+    __atomic_store_n(&me->busy, "a lease renewal", __ATOMIC_RELEASE);
+    if (rc != 0) {
+      __atomic_store_n(&m->want, true, __ATOMIC_RELEASE);
+      failed = true;
+    }
+    me->calling = NULL;
+    pthread_cond_broadcast(&me->returned);
+  }
+}
+
+/* The node's timer, on a worker of the task pool: renews the node when due (one request for all
+ * its jobs), registers it again when the directory lost it, publishes again the job records that
+ * went with it and calls each job's republish for the rest; then arms itself for the next
+ * renewal (soon after a failure: RETRY_PER_LEASE tries fit in the third of the lease left). */
+static void tick(void *arg) {
+  fr_dir_self *me = arg;
   pthread_mutex_lock(&me->lock);
   __atomic_store_n(&me->busy, "a lease renewal", __ATOMIC_RELEASE);
+  fr_dir_lease *l = me->members; /* the one whose name the messages give */
+  if (!l) { /* the last job left: nothing to renew until one attaches (its take arms it) */
+    unlock(me);
+    return;
+  }
   int timeout = me->lease_ms / 3 > 100 ? me->lease_ms / 3 : 100;
-  /* another job's thread may have renewed while this one waited for the lock */
   bool due = !me->held || fr_now_ns() >= __atomic_load_n(&me->next_renew_ns, __ATOMIC_ACQUIRE);
   int rc = ensure_node(me, l, due, timeout);
-  bool again = rc == 0 && (__atomic_load_n(&l->want, __ATOMIC_ACQUIRE) || !l->held ||
-                           l->seen != __atomic_load_n(&me->taken, __ATOMIC_ACQUIRE));
-  if (again)
-    rc = publish_job(me, l, timeout);
-  /* a job that must publish again waits as a failed renewal does before it tries again */
-  uint64_t retry = fr_now_ns() + (uint64_t)me->lease_ms * 1000000ull / 3 / RETRY_PER_LEASE;
-  __atomic_store_n(&l->retry_ns, rc != 0 ? retry : 0, __ATOMIC_RELEASE);
-  unlock(me);
-  if (rc != 0) { /* retried every 200 ms while the directory is away */
-    fr_warn_limited("%s: renewing node '%s' in the directory failed: %s", l->who, l->node.name,
+  bool failed = rc != 0;
+  if (rc != 0) /* retried every 200 ms while the directory is away */
+    fr_warn_limited("%s: renewing node '%s' in the directory failed: %s", l->who, me->node.name,
                     ferry_last_error());
-    return rc;
+  for (fr_dir_lease *m = me->members; rc == 0 && m; m = m->next) {
+    if (!stale(me, m))
+      continue;
+    if (publish_job(me, m, timeout) == 0) {
+      m->republishing = m->republish != NULL; /* then the rest of its records */
+    } else {
+      fr_warn_limited("%s: publishing its job record again failed: %s", m->who, ferry_last_error());
+      failed = true;
+    }
   }
-  return again ? 1 : 0;
+  failed |= republish_members(me, timeout);
+  uint64_t retry = (uint64_t)me->lease_ms * 1000000ull / 3 / RETRY_PER_LEASE;
+  me->retry_ns = failed ? fr_now_ns() + retry : 0;
+  rearm(me);
+  unlock(me);
 }
 
 bool fr_dir_lease_alone(const fr_dir_lease *l) {
@@ -609,6 +675,8 @@ void fr_dir_lease_drop(fr_dir_lease *l) {
   fr_err_keep kept;
   fr_err_save(&kept, 0);
   pthread_mutex_lock(&me->lock);
+  while (me->calling == l) /* the timer publishes its records: they go after it returned */
+    pthread_cond_wait(&me->returned, &me->lock);
   __atomic_store_n(&me->busy, "a job leaving", __ATOMIC_RELEASE);
   bool was = l->in_node;
   leave(me, l);

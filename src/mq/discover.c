@@ -97,14 +97,12 @@ void fr_mq_unregister(ferry_mq *mq) {
   fr_dir_lease_drop(&mq->lease);
 }
 
-void fr_mq_renew(ferry_mq *mq) {
-  if (fr_dir_lease_renew(&mq->lease) != 1)
-    return; /* renewed, or failed (logged, retried soon) */
-  int rc = records(mq, true, mq->lease.lease_ms / 3 > 100 ? mq->lease.lease_ms / 3 : 100);
-  if (rc != 0) {
-    fr_dir_lease_lost(&mq->lease);
-    fr_warn("mq '%s': publishing its records again failed: %s", mq->name, ferry_last_error());
-  }
+/* mq's republish (fr_dir_lease_set_republish): the node's timer calls it, on a worker of the
+ * task pool, after the directory lost the node with its records; a failure is tried again. */
+static int republish(void *arg, int timeout_ms) { return records(arg, true, timeout_ms); }
+
+void fr_mq_republish_by_timer(ferry_mq *mq, bool on) {
+  fr_dir_lease_set_republish(&mq->lease, on ? republish : NULL, on ? mq : NULL);
 }
 
 /* ---- links to other mq nodes ---- */

@@ -21,9 +21,9 @@
  * wake-up). A link that dies wakes the waiters too (on_link_down): a publish waiting for a
  * subscriber's credit needs no periodic check for its death.
  *
- * The mq's thread sleeps until it has something to do: the lease's renewal, a pending batch's
- * flush deadline, a callback to run (ferry_mq_set_callback, messages queued), credit on_msg
- * could not send, or an inbox message. It never drives the context itself.
+ * The mq's thread sleeps until it has something to do: a pending batch's flush deadline, a callback
+ * to run (ferry_mq_set_callback, messages queued), credit on_msg could not send, or an inbox
+ * message. It never drives the context itself.
  */
 #include "mq/mq.h"
 #include "core/channels.h"
@@ -309,10 +309,8 @@ static uint64_t batch_step(ferry_mq *mq, uint64_t now) {
 
 /* One round of the thread's work (lock held; returns with it held): when it is next due. */
 static uint64_t thread_step(ferry_mq *mq) {
-  if (fr_dir_lease_due(&mq->lease) || fr_job_queued(mq->job)) {
+  if (fr_job_queued(mq->job)) {
     pthread_mutex_unlock(&mq->lock);
-    if (fr_dir_lease_due(&mq->lease))
-      fr_mq_renew(mq);
     serve_inbox(mq);
     pthread_mutex_lock(&mq->lock);
   }
@@ -321,9 +319,7 @@ static uint64_t thread_step(ferry_mq *mq) {
   pthread_mutex_lock(&mq->lock);
   while (mq->callback && mq->head && !mq->closing)
     run_callback(mq);
-  uint64_t next = batch_step(mq, fr_now_ns());
-  uint64_t renew = fr_dir_lease_next(&mq->lease);
-  return renew < next ? renew : next;
+  return batch_step(mq, fr_now_ns());
 }
 
 /* The job's callbacks (transport/job.h). The thread sleeps on its inbox's own condition, not in
@@ -347,10 +343,6 @@ static const fr_job_ops thread_ops = {.on_msg = thread_msg,
                                       .channel = &mq_channel_ops,
                                       .quiet = true,
                                       .drain_at_stop = true};
-
-/* Another job of the context's node registered it again: the thread publishes our records
- * again (fr_dir_lease_due is then true). */
-static void wake_thread(void *arg) { fr_job_wake(arg, 0); }
 
 /* ---- open / close ---- */
 
@@ -415,7 +407,7 @@ static int mq_start(ferry_mq *mq, const ferry_mq_opts *o) {
     rc = fr_job_run(mq->job);
   if (rc == 0) {
     mq->thread_started = true;
-    fr_dir_lease_set_wake(&mq->lease, wake_thread, mq->job); /* cleared at close */
+    fr_mq_republish_by_timer(mq, true); /* cleared at close */
   }
   return rc;
 }
@@ -544,7 +536,7 @@ void ferry_mq_close(ferry_mq *mq) {
   fr_mq_changed(mq);
   pthread_mutex_unlock(&mq->lock);
   if (mq->thread_started)
-    fr_dir_lease_set_wake(&mq->lease, NULL, NULL); /* before the job goes */
+    fr_mq_republish_by_timer(mq, false); /* before the job goes */
   /* the thread ends, the channel closes (no on_msg after this: the state below may go), and
    * what came after the thread stopped is served (a BYE sent as ours is answered) */
   fr_job_stop(mq->job);

@@ -282,7 +282,9 @@ void fr_mq_keep_link(ferry_mq *mq, ferry_link *l);
 /* discover.c */
 int fr_mq_register(ferry_mq *mq, bool fresh, int timeout_ms);
 void fr_mq_unregister(ferry_mq *mq); /* removes the node and its records */
-void fr_mq_renew(ferry_mq *mq);
+/* Hands publishing its records again, after the directory lost them, to the node's timer (on),
+ * or takes it back (off: waits for a call under way). */
+void fr_mq_republish_by_timer(ferry_mq *mq, bool on);
 /* The topic's entry (lock held); created when absent. NULL on out of memory. */
 fr_mq_topic *fr_mq_topic_get(ferry_mq *mq, const char *topic);
 /* Publishes the topic's publisher record and adds every subscriber the directory knows. */

@@ -169,6 +169,8 @@ static void enqueue(ferry_mq *mq, fr_mq_rmsg *r, fr_mq_session *s) {
   mq->tail = r;
   mq->queued++;
   fr_mq_count_received(mq, r->pub.topic, r->pub.len);
+  if (mq->callback) /* its thread runs it (a lease renewal no longer wakes that thread) */
+    fr_mq_kick(mq);
 }
 
 /* Fills a queued message from a DATA frame that arrived on msg's link (lock held). */

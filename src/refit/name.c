@@ -1,12 +1,12 @@
 /*
  * Refit senders by name. A sender that publishes attaches to its context's node in the directory
  * (FERRY_DIRECTORY or the URL it was given; one node per process, directory.h) with a job record
- * "ferry:job/refit/NAME" owned by that node, renewed with the node's lease by whichever of the
- * context's jobs renews first; a receiver opened with a bare name looks the record up, then its
- * node's address, and connects there. A second live sender of the same name is refused (one
- * record per name); a sender that dies lets the name go when its node's lease lapses, or at once
- * to a new sender of the name when nothing accepts connections at the dead node's address any
- * more (src/directory/lease.c).
+ * "ferry:job/refit/NAME" owned by that node, renewed with the node's lease by the node's timer
+ * (published again by it, too, when the directory lost the node); a receiver opened with a bare
+ * name looks the record up, then its node's address, and connects there. A second live sender of
+ * the same name is refused (one record per name); a sender that dies lets the name go when its
+ * node's lease lapses, or at once to a new sender of the name when nothing accepts connections at
+ * the dead node's address any more (src/directory/lease.c).
  *
  * The ranks of a sharded sender group (ferry_refit_opts.world > 1) publish one record each, under
  * "NAME#r"; a receiver opened with NAME that finds no single sender resolves the ranks.
@@ -43,20 +43,6 @@ int fr_refit_publish(ferry_ctx *ctx, const char *name, const char *url, fr_refit
   }
   *out = n;
   return 0;
-}
-
-void fr_refit_publish_wake(fr_refit_name *n, void (*wake)(void *arg), void *arg) {
-  if (n)
-    fr_dir_lease_set_wake(&n->lease, wake, arg);
-}
-
-void fr_refit_publish_tick(fr_refit_name *n) {
-  if (n && fr_dir_lease_due(&n->lease))
-    fr_dir_lease_renew(&n->lease); /* its job record is its only one: renew publishes it */
-}
-
-uint64_t fr_refit_publish_due(const fr_refit_name *n) {
-  return n ? fr_dir_lease_next(&n->lease) : UINT64_MAX;
 }
 
 void fr_refit_unpublish(fr_refit_name *n) {

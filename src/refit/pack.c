@@ -12,6 +12,7 @@
  * copy per tensor part rather than one per 256 KiB chunk, and hashes it afterwards.
  */
 #include "core/cuda.h"
+#include "core/task.h"
 #include "refit/sender_impl.h"
 
 #include <sched.h>
@@ -114,11 +115,12 @@ int fr_refit_packer_start(ferry_refit_sender *s, fr_refit_packer **out) {
   k->s = s;
   pthread_mutex_init(&k->lock, NULL);
   pthread_cond_init(&k->cond, NULL);
-  if (pthread_create(&k->thread, NULL, packer_main, k) != 0) {
+  int rc = fr_thread_start(&k->thread, "ferry-pack", packer_main, k, false);
+  if (rc != 0) {
     pthread_mutex_destroy(&k->lock);
     pthread_cond_destroy(&k->cond);
     free(k);
-    return fr_err(FERRY_ESYS, "refit: cannot start the packer thread");
+    return fr_err_wrap(rc, "refit: the packer thread");
   }
   *out = k;
   return 0;

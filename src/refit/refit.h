@@ -28,12 +28,6 @@ typedef struct fr_refit_name fr_refit_name;
  * FERRY_DIRECTORY; the node carries ctx's address). FERRY_EEXIST when another live sender holds
  * the name. */
 int fr_refit_publish(ferry_ctx *ctx, const char *name, const char *url, fr_refit_name **out);
-/* fr_dir_lease_set_wake for the published name's lease (NULL stops it). */
-void fr_refit_publish_wake(fr_refit_name *n, void (*wake)(void *arg), void *arg);
-/* Renews the lease when due (the sender's service thread calls it by fr_refit_publish_due). */
-void fr_refit_publish_tick(fr_refit_name *n);
-/* When the lease's next renewal is due (CLOCK_MONOTONIC ns); UINT64_MAX for NULL. */
-uint64_t fr_refit_publish_due(const fr_refit_name *n);
 void fr_refit_unpublish(fr_refit_name *n);
 /* The address of the sender published as name; *address is malloc'd. */
 int fr_refit_resolve(ferry_ctx *ctx, const char *name, int timeout_ms, char **address);

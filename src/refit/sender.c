@@ -6,9 +6,10 @@
  *
  * The sender's service thread is a job (transport/job.h) owning its context's
  * FR_CHANNEL_REFIT_SENDER: receivers write to it, and the thread is asleep until a message comes,
- * its lease renewal is due, a link of the context dies (it then wakes the push, which fails a
- * receiver that is gone at once instead of polling link states), a push ends (late joiners are
- * served then: FR_REFIT_WAKE_CATCHUPS), or close stops it. The service thread never sends
+ * a link of the context dies (it then wakes the push, which fails a receiver that is gone at
+ * once instead of polling link states), a push ends (late joiners are served then:
+ * FR_REFIT_WAKE_CATCHUPS), or close stops it (the published name's lease is renewed by the
+ * node's timer, directory/lease.c). The service thread never sends
  * while it holds the sender's lock (sender_impl.h): a stalled receiver cannot hold up the
  * acknowledgements of the others. A
  * receiver on the same context owns the other channel (FR_CHANNEL_REFIT_RECEIVER), so the two
@@ -225,20 +226,9 @@ static void service_wake(void *arg, unsigned bits) {
   send_queued(s);
 }
 
-/* The published name's lease: renewed when due. */
-static uint64_t service_turn(void *arg) {
-  ferry_refit_sender *s = arg;
-  fr_refit_publish_tick(s->published);
-  return fr_refit_publish_due(s->published);
-}
-
-static const fr_job_ops service_ops = {.on_msg = service_msg,
-                                       .on_timer = service_turn,
-                                       .on_link_down = service_link_down,
-                                       .on_wake = service_wake};
-
-/* Another job of the context's node registered it again: publish the name again now. */
-static void wake_service(void *arg) { fr_job_wake(arg, 0); }
+/* No timer: the published name's lease is renewed by the node's own timer (directory/lease.c). */
+static const fr_job_ops service_ops = {
+    .on_msg = service_msg, .on_link_down = service_link_down, .on_wake = service_wake};
 
 /* ---- open, declare, seal ---- */
 
@@ -319,9 +309,6 @@ int ferry_refit_sender_open(ferry_ctx *ctx, const char *name, const ferry_refit_
     rc = fr_refit_publish(ctx, s->name, FR_OPT(opts, directory, NULL), &s->published);
   if (rc == 0 && fr_refit_packer_start(s, &s->packer) != 0)
     fr_warn("refit '%s': packing on one thread: %s", name, ferry_last_error());
-  /* another job of the context's node registered it again: publish the name again now */
-  if (rc == 0)
-    fr_refit_publish_wake(s->published, wake_service, s->service);
   if (rc == 0 && (rc = fr_job_run(s->service)) != 0)
     rc = fr_err_wrap(rc, "refit sender");
   if (rc == 0)
@@ -703,7 +690,6 @@ void ferry_refit_sender_close(ferry_refit_sender *s) {
   if (!s)
     return;
   fr_refit_stats_stop(s);
-  fr_refit_publish_wake(s->published, NULL, NULL); /* before the job goes */
   fr_job_stop(s->service); /* messages that came after the thread stopped are dropped */
   fr_refit_out_free(&s->svc_out);
   fr_refit_packer_stop(s->packer);

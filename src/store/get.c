@@ -6,14 +6,15 @@
  * whole copy or its timeout passes. Bytes whose region is gone while their generation word still
  * says their version were freed by an owner that still publishes them: that fails at once
  * (FERRY_EFREED). A batch get does one directory round trip for all keys and keeps
- * FERRY_STORE_THREADS reads in flight with a small pool of worker threads. Links to owners come
- * from the peer cache (directory/peers.c), by node name. A get into CUDA memory copies host to
- * device from where the bytes already are (this node's pool, or, through the link's read, a
- * same-host owner's pool mapped here), or, across hosts, through host memory a chunk at a time
- * (the link's read too); the caller's pointer is classified once per call (per item in a batch)
- * for its allocation's end and this node's own pool, never per chunk.
+ * FERRY_STORE_THREADS reads in flight with helpers from the process's task pool (core/task.h).
+ * Links to owners come from the peer cache (directory/peers.c), by node name. A get into CUDA
+ * memory copies host to device from where the bytes already are (this node's pool, or, through the
+ * link's read, a same-host owner's pool mapped here), or, across hosts, through host memory a chunk
+ * at a time (the link's read too); the caller's pointer is classified once per call (per item in a
+ * batch) for its allocation's end and this node's own pool, never per chunk.
  */
 #include "store/store.h"
+#include "core/task.h"
 #include "transport/access.h"
 
 #include <stdio.h>
@@ -299,16 +300,18 @@ int ferry_store_get_alloc(ferry_store *s, const char *key, void **out, ferry_sto
 
 /* ---- batch get ---- */
 
-struct fr_batch {
+typedef struct fr_batch {
   ferry_store *s;
   ferry_store_item *items;
   fr_dir_object *recs;
   int *devices; /* each item's dst: fr_store_device */
   size_t n;
   size_t next; /* atomic */
-  int active;  /* workers inside run_jobs (work_lock) */
   uint64_t deadline;
-};
+  pthread_mutex_t lock;
+  pthread_cond_t done; /* the last helper out signals it (the caller waits) */
+  int helpers;         /* lock: helpers (pool tasks) still inside run_jobs */
+} fr_batch;
 
 #define PENDING 1
 
@@ -326,79 +329,36 @@ static void run_jobs(fr_batch *b) {
   }
 }
 
-/* A worker sleeps once per batch it helps with: woken by the batch, it blocks again only when
- * the batch has no job left. Only the last one out wakes the caller (if it waits), and after
- * letting go of work_lock, so that the caller does not wake only to wait for the lock. */
-static void *worker_main(void *arg) {
-  ferry_store *s = arg;
-  pthread_mutex_lock(&s->work_lock);
-  while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
-    fr_batch *b = s->batch;
-    if (b && __atomic_load_n(&b->next, __ATOMIC_ACQUIRE) < b->n) {
-      b->active++;
-      pthread_mutex_unlock(&s->work_lock);
-      run_jobs(b);
-      pthread_mutex_lock(&s->work_lock);
-      bool last = --b->active == 0 && s->batch_waiting; /* b is the caller's: not touched after */
-      pthread_mutex_unlock(&s->work_lock);
-      if (last)
-        pthread_cond_signal(&s->done_cond);
-      pthread_mutex_lock(&s->work_lock);
-      continue;
-    }
-    pthread_cond_wait(&s->work_cond, &s->work_lock);
-  }
-  pthread_mutex_unlock(&s->work_lock);
-  return NULL;
-}
-
-/* batch_lock held. */
-static void workers_start(ferry_store *s) {
-  if (s->workers)
-    return;
-  int64_t n = fr_config_int("FERRY_STORE_THREADS") - 1;
-  n = n < 0 ? 0 : n > 63 ? 63 : n;
-  s->workers = calloc((size_t)n + 1, sizeof *s->workers);
-  for (int64_t i = 0; s->workers && i < n; i++)
-    if (pthread_create(&s->workers[s->nworkers], NULL, worker_main, s) == 0)
-      s->nworkers++;
-}
-
-void fr_store_workers_stop(ferry_store *s) {
-  pthread_mutex_lock(&s->work_lock);
-  __atomic_store_n(&s->stop, true, __ATOMIC_RELEASE);
-  pthread_cond_broadcast(&s->work_cond);
-  pthread_mutex_unlock(&s->work_lock);
-  for (int i = 0; i < s->nworkers; i++)
-    pthread_join(s->workers[i], NULL);
-  free(s->workers);
-  s->workers = NULL;
-  s->nworkers = 0;
-}
-
-/* The workers are woken after work_lock is let go (woken under it, each would wake only to wait
- * for it: a second wake-up per worker per batch). One batch at a time has the workers; a batch
- * that finds them taken reads on its caller's thread alone rather than wait for them: the batch
- * that has them may be waiting out its own, longer, timeout on an owner that does not answer. */
-static void run_batch(ferry_store *s, fr_batch *b) {
-  if (pthread_mutex_trylock(&s->batch_lock) != 0) {
-    run_jobs(b);
-    return;
-  }
-  workers_start(s);
-  pthread_mutex_lock(&s->work_lock);
-  s->batch = b;
-  pthread_mutex_unlock(&s->work_lock);
-  pthread_cond_broadcast(&s->work_cond);
+/* A helper: a task of the process's pool (core/task.h) that reads items until none is left.
+ * Only the last one out signals the caller; b is the caller's, not touched after the unlock. */
+static void helper_main(void *arg) {
+  fr_batch *b = arg;
   run_jobs(b);
-  pthread_mutex_lock(&s->work_lock);
-  s->batch = NULL;
-  s->batch_waiting = true;
-  while (b->active > 0)
-    pthread_cond_wait(&s->done_cond, &s->work_lock);
-  s->batch_waiting = false;
-  pthread_mutex_unlock(&s->work_lock);
-  pthread_mutex_unlock(&s->batch_lock);
+  pthread_mutex_lock(&b->lock);
+  if (--b->helpers == 0)
+    pthread_cond_signal(&b->done);
+  pthread_mutex_unlock(&b->lock);
+}
+
+/* FERRY_STORE_THREADS reads in flight: the caller and up to that many less one helpers, as many
+ * as the pool has free (none: the caller reads alone; a batch waiting out its timeout on an
+ * owner that does not answer holds its own helpers, nobody else's). */
+static void run_batch(fr_batch *b) {
+  int64_t want = fr_config_int("FERRY_STORE_THREADS") - 1;
+  want = want > (int64_t)b->n - 1 ? (int64_t)b->n - 1 : want;
+  pthread_mutex_init(&b->lock, NULL);
+  pthread_cond_init(&b->done, NULL);
+  pthread_mutex_lock(&b->lock);
+  for (int64_t i = 0; i < want && fr_task_try(helper_main, b) == 0; i++)
+    b->helpers++;
+  pthread_mutex_unlock(&b->lock);
+  run_jobs(b);
+  pthread_mutex_lock(&b->lock);
+  while (b->helpers > 0)
+    pthread_cond_wait(&b->done, &b->lock);
+  pthread_mutex_unlock(&b->lock);
+  pthread_cond_destroy(&b->done);
+  pthread_mutex_destroy(&b->lock);
 }
 
 /* Looks up, in one round trip, the keys that the directory's shared table did not answer
@@ -485,7 +445,7 @@ static int get_batch(ferry_store *s, ferry_store_item *items, size_t n, int time
   int rc = b.recs && b.devices ? batch_lookup(s, &b, fr_store_left(b.deadline))
                                : fr_err(FERRY_ENOMEM, "batch of %zu", n);
   if (rc == 0)
-    run_batch(s, &b);
+    run_batch(&b);
   free(b.recs);
   free(b.devices);
   if (rc != 0)

@@ -1,10 +1,10 @@
 /*
  * The node's registration: its lease in the directory (fr_dir_lease), taken at open and renewed
- * by the service thread, and what happens when the directory lost the node (it restarted, or a
- * lease lapsed): register again and publish every owned object again. Also the answers of posted
- * puts (fr_store_settle): a replaced record of another owner gets a drop notice (msg.c), a lost
- * registration marks the node for registering again. Above owned.c and msg.c; put.c calls it
- * before each publish, service.c on its ticks.
+ * by the node's timer (directory/lease.c), and what happens when the directory lost the node (it
+ * restarted, or a lease lapsed): register again and publish every owned object again. Also the
+ * answers of posted puts (fr_store_settle): a replaced record of another owner gets a drop notice
+ * (msg.c), a lost registration marks the node for registering again. Above owned.c and msg.c; put.c
+ * calls it before each publish, service.c on its ticks.
  */
 #include "store/store.h"
 
@@ -134,19 +134,20 @@ void fr_store_unregister(ferry_store *s) {
   fr_dir_lease_drop(&s->lease);
 }
 
-/* Called by the service thread when a renewal is due. The renewal itself asks the directory
- * without publish_lock: a directory that does not answer holds it for a third of the lease, and
- * puts and deletes would wait behind it past their own timeouts. Only publishing every object
- * again (the directory lost them) is ordered with puts and deletes. */
-void fr_store_renew(ferry_store *s) {
-  if (fr_dir_lease_renew(&s->lease) != 1) /* 1: the directory lost us; registered again */
-    return;
-  int timeout = s->lease.lease_ms / 3 > 100 ? s->lease.lease_ms / 3 : 100;
+/* The store's republish (fr_dir_lease_set_republish): the node's timer calls it after the
+ * directory lost the node, on a worker of the task pool. The renewal itself asked the directory
+ * without publish_lock (a directory that does not answer would hold it for a third of the lease,
+ * and puts and deletes would wait behind it past their own timeouts): only publishing every
+ * object again is ordered with puts and deletes. A failure is tried again by the timer. */
+static int republish_again(void *arg, int timeout_ms) {
+  ferry_store *s = arg;
   fr_store_wait w;
-  fr_store_publish_lock(s, "a lease renewal", 0, -1, &w);
-  if (republish(s, timeout) != 0) {
-    fr_dir_lease_lost(&s->lease);
-    fr_warn("store '%s': publishing its objects again failed: %s", s->name, ferry_last_error());
-  }
+  fr_store_publish_lock(s, "publishing its objects again", 0, -1, &w);
+  int rc = republish(s, timeout_ms);
   fr_store_publish_unlock(s);
+  return rc;
+}
+
+void fr_store_republish_by_timer(ferry_store *s, bool on) {
+  fr_dir_lease_set_republish(&s->lease, on ? republish_again : NULL, on ? s : NULL);
 }

@@ -4,15 +4,17 @@
  * its object (it frees the bytes and removes the record); DROPPED tells an owner that another
  * node replaced its key (it frees its copy); UPLOAD asks a holder (`ferry serve`) to copy a
  * tensor out of a short-lived node's ferry memory, over the link the request came on, and publish
- * it as its own. The service thread also renews the node's lease (register.c), collects the
- * answers of posted puts, and retires replaced copies whose lingering time is up (owned.c), on
- * its renewals and requests, never on a timer of its own; uploads run on threads of their own (see
- * "uploads" below), so a stalled sender never holds back the service thread. Messages are
+ * it as its own. The service thread also collects the answers of posted puts and retires
+ * replaced copies whose lingering time is up (owned.c), after each request and every third of
+ * the lease (the node's lease is renewed by the node's own timer, directory/lease.c); uploads run
+ * on the task pool's workers (see "uploads" below), so a stalled sender never holds back the
+ * service thread. Messages are
  * decoded by fr_store_msg_decode() (msg.c), a pure function (fuzzed with the directory's
  * decoders). It sits on top of the verbs: it calls put.c and owned.c as a local caller would.
  */
 #include "store/service.h"
 #include "core/channels.h"
+#include "core/task.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -70,15 +72,16 @@ static void answer(ferry_msg *msg, int rc, uint64_t gen) {
   fr_wr_free(&w);
 }
 
-/* ---- uploads: each on a thread of its own ---- */
+/* ---- uploads: each on a worker of the task pool ---- */
 
 /* An upload reads the whole tensor from its sender, which may stall (SIGSTOPped, swapping, a
  * slow network) for as long as the read's timeout: on the service thread that would hold back
- * every other upload, every delete and the lease's renewals. So each upload runs on a thread of
- * its own, and the service thread only hands it over. A stalled sender holds its own thread
- * until its read times out, nobody else's. At most UPLOADS_MAX run at once, and at most
- * UPLOADS_PER_PEER for one sender: beyond, the upload is refused at once with FERRY_EBUSY (the
- * sender may retry) rather than queued behind the ones that hold the threads. */
+ * every other upload and every delete. So each upload runs as a task of the process's pool
+ * (core/task.h), and the service thread only hands it over. A stalled sender holds its own
+ * worker until its read times out, nobody else's. At most UPLOADS_MAX run at once, and at most
+ * UPLOADS_PER_PEER for one sender, and only while the pool has a worker free (one always stays
+ * for its timers: the lease's renewal): beyond, the upload is refused at once with FERRY_EBUSY
+ * (the sender may retry) rather than queued behind the ones that hold the workers. */
 #define UPLOADS_MAX 64
 #define UPLOADS_PER_PEER 8
 
@@ -108,8 +111,7 @@ static void count(const ferry_store *s, const ferry_link *link, int *all, int *p
     }
 }
 
-static void *upload_main(void *arg) {
-  pthread_setname_np(pthread_self(), "ferry-upload"); /* for top -H, perf, gdb */
+static void upload_main(void *arg) {
   upload *u = arg;
   uint64_t gen = 0;
   int rc = handle(u->s, u->msg, &u->m, &gen);
@@ -126,18 +128,15 @@ static void *upload_main(void *arg) {
   pthread_mutex_unlock(&uploads_lock);
   ferry_msg_free(u->msg);
   free(u);
-  return NULL;
 }
 
-/* Starts msg's upload on a thread of its own (it then owns msg); else the error to answer. */
+/* Starts msg's upload on a worker of the pool (it then owns msg); else the error to answer. */
 static int upload_start(ferry_store *s, ferry_msg *msg, const fr_store_msg *m) {
   upload *u = malloc(sizeof *u);
   running *r = malloc(sizeof *r);
   pthread_mutex_lock(&uploads_lock);
   int all, peer;
   count(s, msg->link, &all, &peer);
-  pthread_t t;
-  pthread_attr_t attr;
   bool ok = false;
   int rc = 0;
   if (!u || !r) {
@@ -149,14 +148,15 @@ static int upload_start(ferry_store *s, ferry_msg *msg, const fr_store_msg *m) {
   } else {
     *u = (upload){.s = s, .msg = msg, .m = *m};
     *r = (running){.s = s, .link = msg->link, .next = uploads_running};
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    ok = pthread_create(&t, &attr, upload_main, u) == 0;
-    pthread_attr_destroy(&attr);
-    if (ok)
-      uploads_running = r;
-    else
-      rc = fr_err(FERRY_ESYS, "store '%s': cannot start a thread for upload '%s'", s->name, m->key);
+    uploads_running = r; /* before the task: it may end at once */
+    ok = fr_task_try(upload_main, u) == 0;
+    if (!ok) {
+      uploads_running = r->next;
+      rc = fr_err(FERRY_EBUSY,
+                  "store '%s' is busy: every worker of its process's task pool is taken "
+                  "(FERRY_TASK_THREADS; %d uploads in progress); retry later",
+                  s->name, all);
+    }
   }
   pthread_mutex_unlock(&uploads_lock);
   if (!ok) {
@@ -195,34 +195,29 @@ static bool serve_one(ferry_store *s, ferry_msg *msg) {
 }
 
 /* The job's callbacks (transport/job.h). A request comes straight to the job's inbox (the store
- * owns FR_CHANNEL_STORE); the thread sleeps until one, the lease's renewal, or
+ * owns FR_CHANNEL_STORE); the thread sleeps until one, a third of the lease, or
  * fr_store_service_stop. Nothing else wakes it: what settles without telling anyone is taken up
- * when it is needed and at the renewal at the latest (service_turn). */
+ * when it is needed and a third of the lease later at the latest (service_turn). */
 static void service_msg(void *arg, ferry_msg *m) {
   if (serve_one(arg, m))
     ferry_msg_free(m);
 }
 
-/* After each request and each renewal, what settles unannounced is taken up: answers to posted
- * puts (the directory rings nobody with them; the next put collects them too), so a put that
- * replaced another node's record tells that node at the latest one renewal period (a third of
- * FERRY_LEASE_MS) after it; views unpinned in shared memory and lingering copies whose time is
+/* After each request and every third of the lease, what settles unannounced is taken up:
+ * answers to posted puts (the directory rings nobody with them; the next put collects them too),
+ * so a put that replaced another node's record tells that node at the latest a third of
+ * FERRY_LEASE_MS after it; views unpinned in shared memory and lingering copies whose time is
  * up, whose space a put that needs it takes back at once (put.c place, take_slot). Returns when
- * the lease is next due. */
+ * to look again. */
 static uint64_t service_turn(void *arg) {
   ferry_store *s = arg;
-  if (fr_dir_lease_due(&s->lease))
-    fr_store_renew(s);
   fr_store_settle(s, false, fr_deadline_ns(fr_timeout(-1)));
   fr_store_linger_reap(s);
-  return fr_dir_lease_next(&s->lease);
+  return s->lease.lease_ms > 0 ? fr_now_ns() + (uint64_t)s->lease.lease_ms * 1000000ull / 3
+                               : UINT64_MAX;
 }
 
 static const fr_job_ops service_ops = {.on_msg = service_msg, .on_timer = service_turn};
-
-/* Another job of the context's node registered it again: the thread publishes our objects again
- * (its wait ends; fr_dir_lease_due is then true). */
-static void wake_service(void *arg) { fr_job_wake(arg, 0); }
 
 int fr_store_service_start(ferry_store *s) {
   int rc = fr_job_start(s->ctx, FR_CHANNEL_STORE, &service_ops, s, "ferry-store", &s->service);
@@ -230,13 +225,13 @@ int fr_store_service_start(ferry_store *s) {
     return fr_err(rc, "store: this context has a store already (one store per context)");
   if (rc != 0)
     return fr_err_wrap(rc, "store: the service thread");
-  fr_dir_lease_set_wake(&s->lease, wake_service, s->service);
+  fr_store_republish_by_timer(s, true);
   return 0;
 }
 
 void fr_store_service_stop(ferry_store *s) {
   if (s->service) {
-    fr_dir_lease_set_wake(&s->lease, NULL, NULL); /* before the job goes */
+    fr_store_republish_by_timer(s, false); /* before the job goes */
     fr_job_stop(s->service); /* requests that came as it stopped: their callers time out */
     s->service = NULL;
   }

@@ -66,10 +66,6 @@ static ferry_store *store_new(ferry_ctx *ctx, const ferry_store_opts *o) {
   pthread_mutex_init(&s->lock, NULL);
   pthread_mutex_init(&s->publish_lock, NULL);
   pthread_mutex_init(&s->cache_lock, NULL);
-  pthread_mutex_init(&s->batch_lock, NULL);
-  pthread_mutex_init(&s->work_lock, NULL);
-  pthread_cond_init(&s->work_cond, NULL);
-  pthread_cond_init(&s->done_cond, NULL);
   return s;
 }
 
@@ -143,7 +139,6 @@ void ferry_store_close(ferry_store *s) {
     return;
   fr_store_stats_stop(s);
   fr_store_service_stop(s);
-  fr_store_workers_stop(s);
   if (s->dir && s->mem)
     fr_store_unregister(s);
   if (s->mem)
@@ -161,9 +156,5 @@ void ferry_store_close(ferry_store *s) {
   pthread_mutex_destroy(&s->lock);
   pthread_mutex_destroy(&s->publish_lock);
   pthread_mutex_destroy(&s->cache_lock);
-  pthread_mutex_destroy(&s->batch_lock);
-  pthread_mutex_destroy(&s->work_lock);
-  pthread_cond_destroy(&s->work_cond);
-  pthread_cond_destroy(&s->done_cond);
   free(s);
 }

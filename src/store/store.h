@@ -11,7 +11,7 @@
  *                      deleting one of them;
  *   register.c         the node's lease, publishing every owned object again, and settling
  *                      posted puts;
- *   put.c, get.c, ops.c  the verbs: publish; read (with the batch workers and views); delete,
+ *   put.c, get.c, ops.c  the verbs: publish; read (with the batch helpers and views); delete,
  *                      list, exists, stat. None calls another;
  *   service.c          the service thread on FR_CHANNEL_STORE, answering other nodes with the
  *                      verbs, renewing and reaping;
@@ -62,8 +62,6 @@ typedef struct fr_owned {
  * (ferry_store.linger_ms) at least, until the next copy put or lease renewal after that, or
  * until its space or slot is needed, so that a get that looked it up
  * just before the re-put still completes with that whole version instead of starting over. */
-
-typedef struct fr_batch fr_batch;
 
 /* A lookup's answer, kept with the stamp taken before it was asked (lookup.c). */
 typedef struct fr_cached {
@@ -116,16 +114,7 @@ struct ferry_store {
   char holder[FR_DIR_NAME_MAX + 1]; /* cached holder node (delegating stores) */
 
   fr_job *service; /* the service thread on FR_CHANNEL_STORE (service.c), or NULL */
-  bool stop;       /* atomic: the get workers end (get.c) */
   int linger_ms;   /* FERRY_STORE_LINGER_MS */
-
-  pthread_mutex_t batch_lock; /* one batch at a time has the workers (get.c run_batch) */
-  pthread_mutex_t work_lock;
-  pthread_cond_t work_cond, done_cond;
-  fr_batch *batch;
-  bool batch_waiting; /* work_lock: its caller waits for the workers (done_cond) */
-  pthread_t *workers;
-  int nworkers;
 
   /* metrics (metrics.c): relaxed atomic adds, one call's worth at its end */
   struct {
@@ -225,7 +214,9 @@ int fr_store_waited(ferry_store *s, int rc, const fr_store_wait *w, int timeout_
 /* Registers again when the directory's epoch moved (it restarted or was redialled). */
 int fr_store_ensure_registered(ferry_store *s, int timeout_ms);
 int fr_store_register(ferry_store *s, bool fresh, int timeout_ms);
-void fr_store_renew(ferry_store *s);
+/* Hands publishing every object again, after the directory lost them, to the node's timer (on),
+ * or takes it back (off: waits for a call under way). */
+void fr_store_republish_by_timer(ferry_store *s, bool on);
 /* Leaves the directory: the node goes with its records when the store is its only job, else the
  * store deletes its records and leaves the node to the context's other jobs. */
 void fr_store_unregister(ferry_store *s);
@@ -252,7 +243,6 @@ int fr_store_read(ferry_store *s, const fr_dir_object *rec, void *dst, int devic
 int fr_store_get_progress(ferry_store *s, const char *key, void **out, ferry_store_info *info,
                           void (*progress)(void *arg, uint64_t done, uint64_t total), void *arg,
                           int timeout_ms);
-void fr_store_workers_stop(ferry_store *s);
 
 /* ops.c (a verb) */
 /* Deletes the object `rec` describes, asking its owner (or the directory if it is gone). */

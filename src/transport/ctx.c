@@ -7,6 +7,7 @@
  * is what they share.
  */
 #include "transport/ctx_impl.h"
+#include "core/task.h"
 
 #include <errno.h>
 #include <stdlib.h>
@@ -194,11 +195,11 @@ int ferry_ctx_open(const ferry_ctx_opts *opts, ferry_ctx **out) {
   if (rc == 0)
     rc = start_metrics(ctx);
   if (rc == 0 &&
-      !(ctx->server_started = pthread_create(&ctx->server, NULL, fr_ctx_server_main, ctx) == 0))
-    rc = fr_err(FERRY_ESYS, "cannot start the server thread");
-  if (rc == 0 && !(ctx->progress_started =
-                       pthread_create(&ctx->progress, NULL, fr_ctx_progress_main, ctx) == 0))
-    rc = fr_err(FERRY_ESYS, "cannot start the progress thread");
+      (rc = fr_thread_start(&ctx->server, "ferry-server", fr_ctx_server_main, ctx, false)) == 0)
+    ctx->server_started = true;
+  if (rc == 0 && (rc = fr_thread_start(&ctx->progress, "ferry-progress", fr_ctx_progress_main, ctx,
+                                       false)) == 0)
+    ctx->progress_started = true;
   if (rc != 0) { /* close takes a ctx however far its open came */
     fr_err_keep keep;
     fr_err_save(&keep, rc);

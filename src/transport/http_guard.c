@@ -7,7 +7,7 @@
  *
  *  - a deadline for a request (FERRY_HTTP_HEADER_MS): a connection that has not sent a whole
  *    request, head and body, within it of being accepted (or of its previous answer) is shut
- *    down by a watchdog thread, however it trickles;
+ *    down by a timer on the process's task pool (core/task.h), however it trickles;
  *  - a new connection that finds the server full, in all or in its address's share, has the
  *    oldest connection still sending a request (of its own address first) shut down to make
  *    room: a trickler ages out, while a request sent at once is read within a millisecond and
@@ -25,6 +25,7 @@
 #include "transport/http_guard.h"
 
 #include "core/core.h"
+#include "core/task.h"
 
 #include <netinet/in.h>
 #include <pthread.h>
@@ -55,9 +56,8 @@ struct fr_http_server {
   MHD_RequestCompletedCallback completed;
   void *cls;
   pthread_mutex_t lock;
-  pthread_cond_t wake; /* the watchdog's: a new deadline, or stop */
-  pthread_t watchdog;
-  bool stop;
+  fr_timer watchdog;       /* fires at the first deadline of a connection still sending (lock) */
+  uint64_t armed_at;       /* lock: when it fires (0: not armed) */
   slot *head;              /* every connection not yet closed by libmicrohttpd */
   unsigned open, reserved; /* of those not doomed */
 };
@@ -108,6 +108,15 @@ static void admit(fr_http_server *s, slot *c) {
   }
 }
 
+/* lock held; c began to wait for a request: the watchdog fires by its deadline. Deadlines only
+ * grow (each is now + deadline_ns), so an armed watchdog fires early enough already. */
+static void watch(fr_http_server *s, const slot *c) {
+  if (s->armed_at)
+    return;
+  s->armed_at = c->since + s->deadline_ns;
+  fr_timer_arm(&s->watchdog, s->armed_at);
+}
+
 static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_context,
                           enum MHD_ConnectionNotificationCode code) {
   fr_http_server *s = cls;
@@ -155,7 +164,7 @@ static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_
   s->head = c;
   s->open++;
   admit(s, c);
-  pthread_cond_signal(&s->wake);
+  watch(s, c);
   pthread_mutex_unlock(&s->lock);
   *socket_context = c;
 }
@@ -190,38 +199,32 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     pthread_mutex_lock(&s->lock);
     c->since = fr_now_ns();
     c->waiting = true;
-    pthread_cond_signal(&s->wake);
+    watch(s, c);
     pthread_mutex_unlock(&s->lock);
   }
   if (s->completed)
     s->completed(s->cls, conn, con_cls, toe);
 }
 
-/* Shuts down each connection past its deadline; sleeps until the next one's. */
-static void *watchdog(void *arg) {
+/* The watchdog, on a worker of the task pool: shuts down each connection past its deadline,
+ * then arms itself for the next one's (none: it stays unarmed until a connection waits). */
+static void watchdog(void *arg) {
   fr_http_server *s = arg;
-  pthread_setname_np(pthread_self(), "ferry-http"); /* for top -H, perf, gdb */
   pthread_mutex_lock(&s->lock);
-  while (!s->stop) {
-    uint64_t now = fr_now_ns(), next = UINT64_MAX;
-    for (slot *c = s->head; c; c = c->next) {
-      if (c->doomed || !c->waiting)
-        continue;
-      uint64_t end = c->since + s->deadline_ns;
-      if (end <= now)
-        doom(s, c, "no whole request within FERRY_HTTP_HEADER_MS");
-      else if (end < next)
-        next = end;
-    }
-    if (next == UINT64_MAX) {
-      pthread_cond_wait(&s->wake, &s->lock);
-    } else {
-      struct timespec ts = fr_timespec(next);
-      pthread_cond_timedwait(&s->wake, &s->lock, &ts);
-    }
+  uint64_t now = fr_now_ns(), next = UINT64_MAX;
+  for (slot *c = s->head; c; c = c->next) {
+    if (c->doomed || !c->waiting)
+      continue;
+    uint64_t end = c->since + s->deadline_ns;
+    if (end <= now)
+      doom(s, c, "no whole request within FERRY_HTTP_HEADER_MS");
+    else if (end < next)
+      next = end;
   }
+  s->armed_at = next == UINT64_MAX ? 0 : next;
+  if (s->armed_at)
+    fr_timer_arm(&s->watchdog, next);
   pthread_mutex_unlock(&s->lock);
-  return NULL;
 }
 
 static int header_ms(void) {
@@ -244,13 +247,7 @@ int fr_http_start(const char *who, const struct sockaddr *sa, const fr_http_limi
   s->deadline_ns = (uint64_t)header_ms() * 1000000ull;
   s->completed = completed, s->cls = cls;
   pthread_mutex_init(&s->lock, NULL);
-  fr_cond_init_monotonic(&s->wake);
-  if (pthread_create(&s->watchdog, NULL, watchdog, s) != 0) {
-    pthread_cond_destroy(&s->wake);
-    pthread_mutex_destroy(&s->lock);
-    free(s);
-    return fr_err(FERRY_ESYS, "%s: cannot start its watchdog thread", who);
-  }
+  fr_timer_init(&s->watchdog, watchdog, s);
   /* libmicrohttpd's own limit leaves room past ours for the reserved slots and for connections
    * shut down but not yet closed, which a flood of new ones may outpace for a moment */
   unsigned limit = 2 * lim->connections + lim->reserved;
@@ -279,13 +276,8 @@ void fr_http_stop(fr_http_server *s) {
   if (!s)
     return;
   if (s->d)
-    MHD_stop_daemon(s->d); /* every connection closed, and out of the table */
-  pthread_mutex_lock(&s->lock);
-  s->stop = true;
-  pthread_cond_signal(&s->wake);
-  pthread_mutex_unlock(&s->lock);
-  pthread_join(s->watchdog, NULL);
-  pthread_cond_destroy(&s->wake);
+    MHD_stop_daemon(s->d);       /* every connection closed, and out of the table */
+  fr_timer_cancel(&s->watchdog); /* and waits for it, if it runs */
   pthread_mutex_destroy(&s->lock);
   free(s);
 }

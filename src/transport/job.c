@@ -10,6 +10,7 @@
  */
 #include "transport/job.h"
 #include "core/core.h"
+#include "core/task.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -115,7 +116,6 @@ static void job_free(fr_job *j);
 static void *job_main(void *arg) {
   fr_job *j = arg;
   current = j;
-  pthread_setname_np(pthread_self(), j->name); /* for top -H, perf, gdb */
   uint64_t deadline = j->ops->on_timer ? j->ops->on_timer(j->arg) : UINT64_MAX;
   while (!__atomic_load_n(&j->stop, __ATOMIC_SEQ_CST)) {
     bool waited = deadline > fr_now_ns();
@@ -156,11 +156,10 @@ int fr_job_open(ferry_ctx *ctx, uint32_t channel, const fr_job_ops *ops, void *a
 
 int fr_job_run(fr_job *j) {
   j->running = true; /* before the thread: it may stop itself at once */
-  if (pthread_create(&j->thread, NULL, job_main, j) != 0) {
+  int rc = fr_thread_start(&j->thread, j->name, job_main, j, false);
+  if (rc != 0)
     j->running = false;
-    return fr_err(FERRY_ESYS, "job '%s': cannot start its thread", j->name);
-  }
-  return 0;
+  return rc;
 }
 
 int fr_job_start(ferry_ctx *ctx, uint32_t channel, const fr_job_ops *ops, void *arg,

@@ -155,7 +155,6 @@ static void progress_loop(ferry_ctx *ctx) {
 }
 
 void *fr_ctx_progress_main(void *arg) {
-  pthread_setname_np(pthread_self(), "ferry-progress"); /* for top -H, perf, gdb */
   ferry_ctx *ctx = arg;
   if (ctx->users_may_lead) {
     progress_loop(ctx);

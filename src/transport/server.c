@@ -138,7 +138,6 @@ static void send_read_response(ferry_ctx *ctx, fr_serve_job *j, fr_cuda_stager *
 }
 
 void *fr_ctx_server_main(void *arg) {
-  pthread_setname_np(pthread_self(), "ferry-server"); /* for top -H, perf, gdb */
   ferry_ctx *ctx = arg;
   fr_cuda_stager *stager = NULL;
   for (;;) {

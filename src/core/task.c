@@ -1,0 +1,262 @@
+/*
+ * Threads, the task pool and its timers (task.h). fr_thread_start names a thread before its
+ * main runs, so no library thread is ever seen under its process's name. The pool's workers
+ * share one queue and one sorted list of timers under one lock: a worker takes the next task,
+ * else fires the first timer that is due, else sleeps. One sleeping worker (the keeper) waits
+ * for the earliest deadline, the others for work, so an idle pool wakes only when a timer is
+ * due. A keeper woken for a task hands the watch to another sleeping worker before it runs it.
+ * Workers are started on demand, up to FERRY_TASK_THREADS, and never end (they sleep); a forked
+ * child starts with none (its parent's timers are not its own: they are dropped there).
+ */
+#include "core/task.h"
+#include "core/core.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- naming threads ---- */
+
+typedef struct start {
+  char name[16];
+  void *(*main)(void *);
+  void *arg;
+} start;
+
+static void *named_main(void *p) {
+  start s = *(start *)p;
+  free(p);
+  pthread_setname_np(pthread_self(), s.name); /* for top -H, perf, gdb */
+  return s.main(s.arg);
+}
+
+int fr_thread_start(pthread_t *out, const char *name, void *(*main)(void *), void *arg,
+                    bool detached) {
+  start *s = malloc(sizeof *s);
+  if (!s)
+    return fr_err(FERRY_ENOMEM, "thread '%s'", name);
+  fr_str_copy(s->name, sizeof s->name, name);
+  s->main = main, s->arg = arg;
+  pthread_t t;
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  if (detached)
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  int e = pthread_create(&t, &attr, named_main, s);
+  pthread_attr_destroy(&attr);
+  if (e != 0) {
+    free(s);
+    return fr_err(FERRY_ESYS, "cannot start a thread '%s': %s", name, strerror(e));
+  }
+  if (out)
+    *out = t;
+  return 0;
+}
+
+/* ---- the pool ---- */
+
+typedef struct task {
+  fr_task_fn fn;
+  void *arg;
+  struct task *next;
+} task;
+
+static struct {
+  pthread_mutex_t lock;
+  pthread_cond_t work;   /* sleeping workers but the keeper: a task came */
+  pthread_cond_t watch;  /* the keeper: an earlier deadline, or a task nobody else can take */
+  pthread_cond_t landed; /* a timer's callback returned (fr_timer_cancel waits for it) */
+  bool ready;            /* max read, conditions made */
+  int max, started, idle, queued;
+  bool keeper; /* a sleeping worker waits for the first deadline */
+  task *head, *tail;
+  fr_timer *timers; /* armed, earliest first */
+} P = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static void on_fork_child(void) {
+  pthread_mutex_init(&P.lock, NULL);
+  P.started = P.idle = P.queued = 0, P.keeper = false;
+  P.head = P.tail = NULL; /* their workers are the parent's: they stay there */
+  for (fr_timer *t = P.timers; t; t = t->next)
+    t->armed = false;
+  P.timers = NULL;
+}
+
+/* P.lock held. */
+static void ready(void) {
+  if (P.ready)
+    return;
+  int64_t n = fr_config_int("FERRY_TASK_THREADS");
+  P.max = n < 2 ? 2 : n > 1024 ? 1024 : (int)n;
+  pthread_cond_init(&P.work, NULL);
+  fr_cond_init_monotonic(&P.watch);
+  pthread_cond_init(&P.landed, NULL);
+  pthread_atfork(NULL, NULL, on_fork_child);
+  P.ready = true;
+}
+
+/* P.lock held. The first armed timer whose callback is not running now (one that its own
+ * callback armed again waits for it to return: a callback never runs twice at once). */
+static fr_timer *next_timer(void) {
+  fr_timer *t = P.timers;
+  while (t && t->running)
+    t = t->next;
+  return t;
+}
+
+/* P.lock held: runs t's callback without it. */
+static void fire(fr_timer *t) {
+  for (fr_timer **p = &P.timers; *p; p = &(*p)->next)
+    if (*p == t) {
+      *p = t->next;
+      break;
+    }
+  t->armed = false;
+  t->running = true;
+  t->runner = pthread_self();
+  pthread_mutex_unlock(&P.lock);
+  t->fn(t->arg);
+  pthread_mutex_lock(&P.lock);
+  t->running = false;
+  pthread_cond_broadcast(&P.landed);
+  if (t->armed && P.keeper) /* armed again while it ran: the keeper did not count it */
+    pthread_cond_signal(&P.watch);
+}
+
+/* P.lock held. Sleeps until a task, or the first deadline for the keeper. */
+static void sleep_turn(void) {
+  fr_timer *t = next_timer();
+  P.idle++;
+  if (t && !P.keeper) {
+    P.keeper = true;
+    struct timespec ts = fr_timespec(t->deadline);
+    pthread_cond_timedwait(&P.watch, &P.lock, &ts);
+    P.keeper = false;
+    P.idle--;
+    if (P.head && P.idle > 0) /* off to a task: another sleeper keeps the watch */
+      pthread_cond_signal(&P.work);
+    return;
+  }
+  pthread_cond_wait(&P.work, &P.lock);
+  P.idle--;
+}
+
+static void *worker_main(void *unused) {
+  (void)unused;
+  pthread_mutex_lock(&P.lock);
+  for (;;) {
+    task *k = P.head;
+    if (k) {
+      P.head = k->next;
+      P.tail = P.head ? P.tail : NULL;
+      P.queued--;
+      pthread_mutex_unlock(&P.lock);
+      k->fn(k->arg);
+      free(k);
+      pthread_mutex_lock(&P.lock);
+      continue;
+    }
+    fr_timer *t = next_timer();
+    if (t && t->deadline <= fr_now_ns())
+      fire(t);
+    else
+      sleep_turn();
+  }
+  return NULL;
+}
+
+/* P.lock held. One more worker; false when the system refuses. */
+static bool add_worker(void) {
+  if (P.started >= P.max || fr_thread_start(NULL, "ferry-task", worker_main, NULL, true) != 0) {
+    fr_err_clear();
+    return false;
+  }
+  P.started++;
+  return true;
+}
+
+/* P.lock held, a task or a timer just came: a sleeping worker for it, else a new one. */
+static void wake_one(int waiting) {
+  if (P.idle - (P.keeper ? 1 : 0) >= waiting)
+    pthread_cond_signal(&P.work);
+  else if (P.idle >= waiting)
+    pthread_cond_signal(&P.watch);
+  else
+    add_worker();
+}
+
+int fr_task_try(fr_task_fn fn, void *arg) {
+  task *k = malloc(sizeof *k);
+  if (!k)
+    return FERRY_EBUSY;
+  *k = (task){.fn = fn, .arg = arg};
+  pthread_mutex_lock(&P.lock);
+  ready();
+  bool room = P.idle - P.queued + (P.max - P.started) >= 2; /* one stays for the timers */
+  if (room && P.idle <= P.queued && !add_worker())
+    room = false;
+  if (room) {
+    *(P.tail ? &P.tail->next : &P.head) = k;
+    P.tail = k;
+    P.queued++;
+    if (P.idle >= P.queued) /* else the worker just started takes it */
+      wake_one(P.queued);
+  }
+  pthread_mutex_unlock(&P.lock);
+  if (!room)
+    free(k);
+  return room ? 0 : FERRY_EBUSY;
+}
+
+void fr_task_counts(int *started, int *max) {
+  pthread_mutex_lock(&P.lock);
+  ready();
+  *started = P.started;
+  *max = P.max;
+  pthread_mutex_unlock(&P.lock);
+}
+
+/* ---- timers ---- */
+
+void fr_timer_init(fr_timer *t, fr_task_fn fn, void *arg) { *t = (fr_timer){.fn = fn, .arg = arg}; }
+
+/* P.lock held. */
+static void unlink_timer(fr_timer *t) {
+  for (fr_timer **p = &P.timers; t->armed && *p; p = &(*p)->next)
+    if (*p == t) {
+      *p = t->next;
+      break;
+    }
+  t->armed = false;
+}
+
+void fr_timer_arm(fr_timer *t, uint64_t deadline_ns) {
+  pthread_mutex_lock(&P.lock);
+  ready();
+  unlink_timer(t);
+  t->deadline = deadline_ns;
+  fr_timer **p = &P.timers;
+  while (*p && (*p)->deadline <= deadline_ns)
+    p = &(*p)->next;
+  t->next = *p;
+  *p = t;
+  t->armed = true;
+  if (next_timer() == t && !t->running) { /* the first deadline moved earlier */
+    if (P.keeper)
+      pthread_cond_signal(&P.watch);
+    else
+      wake_one(P.queued + 1);
+  }
+  pthread_mutex_unlock(&P.lock);
+}
+
+void fr_timer_cancel(fr_timer *t) {
+  pthread_mutex_lock(&P.lock);
+  bool own = t->running && pthread_equal(t->runner, pthread_self());
+  unlink_timer(t);
+  while (t->running && !own) {
+    pthread_cond_wait(&P.landed, &P.lock);
+    unlink_timer(t); /* its callback may have armed it again */
+  }
+  pthread_mutex_unlock(&P.lock);
+}
