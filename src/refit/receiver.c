@@ -32,7 +32,13 @@
  * (committed() and wait(), catching up); the other parts are their own files, sharing the
  * receiver's state through receiver_impl.h: binding (receiver_bind.c), CUDA destinations
  * (receiver_cuda.c), shards (receiver_shards.c) and reading a push (receiver_read.c).
+ *
+ * A name that no single sender holds but whose rank 0 is published (NAME#0) is a sender group
+ * (group_rx.h): the receiver returned is the group's, and each call here hands over to it. Its
+ * sub-receivers, one per rank, are receivers as above opened by fr_refit_rx_sub_open, their
+ * threads jobs of no channel that the group's channel feeds.
  */
+#include "refit/group_rx.h"
 #include "refit/receiver_impl.h"
 
 #include <stdio.h>
@@ -96,6 +102,8 @@ static int attach(ferry_refit_receiver *r, const char *address, int timeout_ms) 
   if (rc == 0)
     rc = ferry_connect(r->ctx, resolved ? resolved : address, timeout_ms, &r->link);
   free(resolved);
+  if (rc == 0 && r->of) /* the group routes this link's messages here from now on */
+    fr_group_rx_linked(r->of, r);
   if (rc == 0)
     rc = fr_refit_rx_fetch_manifest(r, timeout_ms, &r->plan);
   if (rc == 0) {
@@ -112,6 +120,8 @@ static int attach(ferry_refit_receiver *r, const char *address, int timeout_ms) 
 }
 
 static void receiver_free(ferry_refit_receiver *r) {
+  if (r->of) /* a group's: its link's messages are routed here no more */
+    fr_group_rx_unlinked(r->of, r);
   ferry_link_close(r->up);
   ferry_link_close(r->link);
   if (r->flat)
@@ -136,25 +146,24 @@ static void receiver_free(ferry_refit_receiver *r) {
   free(r);
 }
 
-int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_ms,
-                              ferry_refit_receiver **out) {
-  if (!ctx || !address || !out)
-    return fr_err(FERRY_EINVAL, "ferry_refit_receiver_open: NULL argument");
+static ferry_refit_receiver *receiver_new(ferry_ctx *ctx) {
   ferry_refit_receiver *r = calloc(1, sizeof *r);
   if (!r)
-    return fr_err(FERRY_ENOMEM, "refit receiver");
+    return NULL;
   r->ctx = ctx;
   r->stage_pin = -1;
   pthread_mutex_init(&r->lock, NULL);
   pthread_mutex_init(&r->bind_lock, NULL);
   fr_cond_init_monotonic(&r->cond);
-  /* the channel is ours before the sender knows us; the thread starts once attached */
-  int rc = fr_job_open(ctx, FR_CHANNEL_REFIT_RECEIVER, &service_ops, r, "ferry-refit-rx", &r->job);
-  if (rc == FERRY_EBUSY)
-    rc = fr_err(rc, "ferry_refit_receiver_open: this context has a refit receiver already");
+  return r;
+}
+
+/* Attaches r (its job opened, not running) and starts its thread (`run`: a group starts a
+ * sub-receiver's once it bound it); on failure frees r. */
+static int start(ferry_refit_receiver *r, const char *address, int timeout_ms, int rc, bool run) {
   if (rc == 0)
     rc = attach(r, address, fr_timeout(timeout_ms));
-  if (rc == 0)
+  if (rc == 0 && run)
     rc = fr_job_run(r->job);
   if (rc != 0) {
     fr_err_keep keep;
@@ -163,8 +172,65 @@ int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_m
     receiver_free(r);
     return fr_err_restore(&keep);
   }
-  *out = r;
   return 0;
+}
+
+/* A bare name that no single sender holds may be a group's: its rank 0 published as NAME#0. */
+static int open_group(ferry_ctx *ctx, const char *name, int timeout_ms,
+                      ferry_refit_receiver **out) {
+  char *resolved = NULL;
+  int rc = fr_refit_resolve(ctx, name, timeout_ms, &resolved);
+  if (rc != FERRY_ENOTFOUND) {
+    free(resolved);
+    return rc == 0 ? 1 : rc; /* 1: a single sender, opened as ever */
+  }
+  fr_err_keep keep;
+  fr_err_save(&keep, rc);
+  char *rank0 = NULL;
+  if (fr_refit_resolve_rank(ctx, name, 0, timeout_ms, &rank0) != 0)
+    return fr_err_restore(&keep); /* neither: the error names NAME */
+  rc = fr_group_rx_open(ctx, name, rank0, timeout_ms, out);
+  free(rank0);
+  return rc;
+}
+
+int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_ms,
+                              ferry_refit_receiver **out) {
+  if (!ctx || !address || !out)
+    return fr_err(FERRY_EINVAL, "ferry_refit_receiver_open: NULL argument");
+  if (!strstr(address, "://")) {
+    int rc = open_group(ctx, address, fr_timeout(timeout_ms), out);
+    if (rc <= 0)
+      return rc;
+  }
+  ferry_refit_receiver *r = receiver_new(ctx);
+  if (!r)
+    return fr_err(FERRY_ENOMEM, "refit receiver");
+  /* the channel is ours before the sender knows us; the thread starts once attached */
+  int rc = fr_job_open(ctx, FR_CHANNEL_REFIT_RECEIVER, &service_ops, r, "ferry-refit-rx", &r->job);
+  if (rc == FERRY_EBUSY)
+    rc = fr_err(rc, "ferry_refit_receiver_open: this context has a refit receiver already");
+  rc = start(r, address, timeout_ms, rc, true);
+  if (rc == 0)
+    *out = r;
+  return rc;
+}
+
+/* A sub-receiver's thread serves what the group's channel hands it (group_rx.c routes by link). */
+static const fr_job_ops sub_ops = {.on_msg = fr_refit_rx_service_msg, .on_reap = service_reap};
+
+int fr_refit_rx_sub_open(ferry_ctx *ctx, struct fr_group_rx *g, uint32_t rank, const char *address,
+                         int timeout_ms, ferry_refit_receiver **out) {
+  ferry_refit_receiver *r = receiver_new(ctx);
+  if (!r)
+    return fr_err(FERRY_ENOMEM, "refit receiver of rank %u", rank);
+  r->of = g;
+  r->rank = rank;
+  int rc = fr_job_open(ctx, FR_JOB_NO_CHANNEL, &sub_ops, r, "ferry-refit-rk", &r->job);
+  rc = start(r, address, timeout_ms, rc, false);
+  if (rc == 0)
+    *out = r;
+  return rc;
 }
 
 /* A goodbye is a courtesy (the sender also notices the link's end): a sender that does not read
@@ -174,10 +240,18 @@ int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_m
 void ferry_refit_receiver_close(ferry_refit_receiver *r) {
   if (!r)
     return;
+  if (r->group) {
+    fr_group_rx_close(r->group);
+    return;
+  }
   fr_refit_msg_t bye = {.type = FR_REFIT_DETACH};
   fr_refit_send(r->link, FR_REFIT_TO_SENDER, &bye, DETACH_SEND_MS);
   if (fr_job_stop(r->job)) /* else from a callback: freed by service_reap once it returned */
     receiver_free(r);
+}
+
+size_t ferry_refit_ranks(ferry_refit_receiver *r) {
+  return !r ? 0 : r->group ? fr_group_rx_ranks(r->group) : 1;
 }
 
 /* ---- versions ---- */
@@ -209,6 +283,8 @@ static void ask(ferry_refit_receiver *r, uint64_t version) {
 uint64_t ferry_refit_committed(ferry_refit_receiver *r) {
   if (!r)
     return 0;
+  if (r->group)
+    return fr_group_rx_committed(r->group);
   pthread_mutex_lock(&r->lock);
   uint64_t asking = maybe_catch_up(r);
   uint64_t v = r->torn_by ? 0 : r->committed;
@@ -222,6 +298,8 @@ int ferry_refit_wait(ferry_refit_receiver *r, uint64_t version, int timeout_ms,
                      uint64_t *committed) {
   if (!r)
     return fr_err(FERRY_EINVAL, "ferry_refit_wait: NULL receiver");
+  if (r->group)
+    return fr_group_rx_wait(r->group, version, timeout_ms, committed);
   /* A version lands only where something is bound: waiting for one before that would either
    * time out with no hint (a late joiner) or "commit" a version whose bytes are nowhere. */
   if (!__atomic_load_n(&r->bound_any, __ATOMIC_ACQUIRE))

@@ -5,8 +5,10 @@
  * declared in receiver_shards.c), views, and the bucket and commit callbacks. Each takes
  * bind_lock, since the service thread may swap in a new manifest meanwhile; a destination bound
  * after a version began landing makes that version fail (new_destination). Shared with the
- * receiver's other files through receiver_impl.h.
+ * receiver's other files through receiver_impl.h. The receiver of a sender group hands each call
+ * to group_bind.c or group_rx.c.
  */
+#include "refit/group_rx.h"
 #include "refit/receiver_impl.h"
 
 #include <stdlib.h>
@@ -27,12 +29,16 @@ int fr_refit_rx_binding_fits(const fr_refit_entry *e, const ferry_tensor_desc *d
   return 0;
 }
 
-size_t ferry_refit_tensor_count(ferry_refit_receiver *r) { return r ? r->plan.count : 0; }
+size_t ferry_refit_tensor_count(ferry_refit_receiver *r) {
+  return !r ? 0 : r->group ? fr_group_rx_tensor_count(r->group) : r->plan.count;
+}
 
 int ferry_refit_tensor_info(ferry_refit_receiver *r, size_t i, const char **name,
                             ferry_tensor_desc *desc) {
   if (!r)
     return fr_err(FERRY_EINVAL, "ferry_refit_tensor_info: NULL receiver");
+  if (r->group)
+    return fr_group_rx_tensor_info(r->group, i, name, desc);
   pthread_mutex_lock(&r->bind_lock);
   int rc = i < r->plan.count ? 0 : fr_err(FERRY_ENOTFOUND, "refit: no tensor %zu", i);
   if (rc == 0 && name)
@@ -48,6 +54,8 @@ int ferry_refit_tensor_info(ferry_refit_receiver *r, size_t i, const char **name
 int ferry_refit_tensor_scale(ferry_refit_receiver *r, size_t i, float *scale) {
   if (!r || !scale)
     return fr_err(FERRY_EINVAL, "ferry_refit_tensor_scale: NULL argument");
+  if (r->group)
+    return fr_group_rx_tensor_scale(r->group, i, scale);
   pthread_mutex_lock(&r->bind_lock);
   int rc = i < r->plan.count ? 0 : fr_err(FERRY_ENOTFOUND, "refit: no tensor %zu", i);
   if (rc == 0)
@@ -89,6 +97,8 @@ int ferry_refit_bind(ferry_refit_receiver *r, const char *name, void *dst,
                      const ferry_tensor_desc *desc) {
   if (!r || !dst || !desc)
     return fr_err(FERRY_EINVAL, "ferry_refit_bind: NULL argument");
+  if (r->group)
+    return fr_group_rx_bind(r->group, name, dst, desc);
   int device = -1;
   int rc = fr_refit_rx_where_bound(name ? name : "", dst, desc, &device);
   if (rc != 0)
@@ -137,6 +147,8 @@ static int no_device_bound(const ferry_refit_receiver *r, const char *mode) {
 int ferry_refit_bind_flat(ferry_refit_receiver *r) {
   if (!r)
     return fr_err(FERRY_EINVAL, "ferry_refit_bind_flat: NULL receiver");
+  if (r->group)
+    return fr_group_rx_bind_flat(r->group);
   if (r->plan.total_bytes == 0)
     return fr_err(FERRY_ESTATE, "refit: the manifest is empty");
   pthread_mutex_lock(&r->bind_lock);
@@ -175,6 +187,11 @@ int fr_refit_rx_alias_map(ferry_refit_receiver *r) {
 int ferry_refit_bind_alias(ferry_refit_receiver *r) {
   if (!r)
     return fr_err(FERRY_EINVAL, "ferry_refit_bind_alias: NULL receiver");
+  if (r->group)
+    return fr_err(FERRY_ENOTSUP,
+                  "refit: alias mode reads one sender's buffer; group '%s' is %zu senders (bind "
+                  "tensors, pieces or a flat buffer)",
+                  r->group->name, fr_group_rx_ranks(r->group));
   pthread_mutex_lock(&r->bind_lock);
   int rc = r->flat     ? fr_err(FERRY_ESTATE, "refit: already bound to a flat buffer")
            : r->shards ? fr_err(FERRY_ESTATE, "refit: shards are bound to their own memory")
@@ -195,6 +212,8 @@ int ferry_refit_bind_pieces(ferry_refit_receiver *r, const char *target, void *d
                             size_t n) {
   if (!r || !target || !dst || !desc || !pieces)
     return fr_err(FERRY_EINVAL, "ferry_refit_bind_pieces: NULL argument");
+  if (r->group)
+    return fr_group_rx_bind_pieces(r->group, target, dst, desc, pieces, n);
   if (!*target || n == 0 || n > FR_REFIT_PIECES_MAX)
     return fr_err(FERRY_EINVAL, "refit: target '%s' with %zu pieces (1 to %u, and a name)", target,
                   n, FR_REFIT_PIECES_MAX);
@@ -236,10 +255,16 @@ int ferry_refit_bind_pieces(ferry_refit_receiver *r, const char *target, void *d
 }
 
 uint64_t ferry_refit_bytes_read(ferry_refit_receiver *r) {
-  return r ? __atomic_load_n(&r->bytes_read, __ATOMIC_RELAXED) : 0;
+  return !r         ? 0
+         : r->group ? fr_group_rx_bytes_read(r->group)
+                    : __atomic_load_n(&r->bytes_read, __ATOMIC_RELAXED);
 }
 
 int ferry_refit_view(ferry_refit_receiver *r, const char *name, void **out) {
+  if (!r || !out)
+    return fr_err(FERRY_EINVAL, "ferry_refit_view: NULL argument");
+  if (r->group)
+    return fr_group_rx_view(r->group, name, out);
   uint32_t i = 0;
   pthread_mutex_lock(&r->bind_lock);
   int rc = find(r, name, &i);
@@ -255,6 +280,10 @@ int ferry_refit_view(ferry_refit_receiver *r, const char *name, void **out) {
 void ferry_refit_on_bucket(ferry_refit_receiver *r, ferry_refit_bucket_fn fn, void *arg) {
   if (!r)
     return;
+  if (r->group) {
+    fr_group_rx_on_bucket(r->group, fn, arg);
+    return;
+  }
   pthread_mutex_lock(&r->bind_lock);
   r->on_bucket = fn;
   r->on_bucket_arg = arg;
@@ -264,6 +293,10 @@ void ferry_refit_on_bucket(ferry_refit_receiver *r, ferry_refit_bucket_fn fn, vo
 void ferry_refit_on_commit(ferry_refit_receiver *r, ferry_refit_commit_fn fn, void *arg) {
   if (!r)
     return;
+  if (r->group) {
+    fr_group_rx_on_commit(r->group, fn, arg);
+    return;
+  }
   pthread_mutex_lock(&r->bind_lock);
   r->on_commit = fn;
   r->on_commit_arg = arg;
@@ -274,6 +307,11 @@ int ferry_refit_tensor_buckets(ferry_refit_receiver *r, size_t i, uint32_t *firs
                                uint32_t *count) {
   if (!r || !first || !count)
     return fr_err(FERRY_EINVAL, "ferry_refit_tensor_buckets: NULL argument");
+  if (r->group) /* a global tensor's pieces lie in buckets of several ranks */
+    return fr_err(FERRY_ENOTSUP,
+                  "refit: a tensor of group '%s' spans the buckets of several ranks: wait for "
+                  "the commit",
+                  r->group->name);
   pthread_mutex_lock(&r->bind_lock);
   const fr_refit_plan *p = &r->plan;
   int rc = i < p->count ? 0 : fr_err(FERRY_ENOTFOUND, "refit: no tensor %zu", i);

@@ -25,8 +25,16 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+struct fr_group_rx;
+
 struct ferry_refit_receiver {
   ferry_ctx *ctx;
+  /* Sharded senders (group_rx.h): the receiver of a group, whose calls go to `group` (the fields
+   * below are then unused), or one of a group's sub-receivers, reading rank `rank` for `of`; both
+   * NULL for a single sender. */
+  struct fr_group_rx *group;
+  struct fr_group_rx *of;
+  uint32_t rank;
   ferry_link *link;
   fr_refit_plan plan;
   void **bound;                  /* per tensor: the caller's destination, or NULL */
@@ -100,6 +108,12 @@ typedef struct rx_copy {
 
 /* receiver.c: asks the sender for its manifest, bucket buffers and latest version. */
 int fr_refit_rx_fetch_manifest(ferry_refit_receiver *r, int timeout_ms, fr_refit_plan *plan);
+/* receiver.c: a group's sub-receiver for rank `rank` of g, attached to the sender at `address`:
+ * on ctx (whose FR_CHANNEL_REFIT_RECEIVER the group owns), its thread a job of no channel that
+ * the group feeds (group_rx.h) and starts (fr_job_run) once it bound it; closed with
+ * ferry_refit_receiver_close. */
+int fr_refit_rx_sub_open(ferry_ctx *ctx, struct fr_group_rx *g, uint32_t rank, const char *address,
+                         int timeout_ms, ferry_refit_receiver **out);
 
 /* receiver_bind.c */
 /* Checks that a binding fits its tensor; the error names the tensor. */

@@ -8,6 +8,7 @@
  * handled here too, as is a new manifest taken when the sender re-sealed. Shared with the
  * receiver's other files through receiver_impl.h.
  */
+#include "refit/group_rx.h"
 #include "refit/receiver_impl.h"
 
 #include <stdio.h>
@@ -417,6 +418,20 @@ static void note_failure(ferry_refit_receiver *r, const fr_refit_msg_t *m, int r
   pthread_mutex_unlock(&r->lock);
 }
 
+/* A group's sub-receiver (group_rx.h) refuses a version that failed for its group (another rank
+ * died or stalled in it): its rank's push then ends rather than wait for a commit that cannot
+ * come. Returns the status it fails with (0: none). */
+static int group_veto(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
+  char why[sizeof r->why];
+  int status = r->of ? fr_group_rx_veto(r->of, r, m->version, m->timeout_ms, why, sizeof why) : 0;
+  if (status) {
+    pthread_mutex_lock(&r->lock);
+    fr_str_copy(r->why, sizeof r->why, why);
+    pthread_mutex_unlock(&r->lock);
+  }
+  return status;
+}
+
 static void on_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
   fr_refit_msg_t ack = {.type = FR_REFIT_ACK,
                         .version = m->version,
@@ -428,6 +443,8 @@ static void on_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
     tear(r, m->version); /* the sender wrote this bucket into the buffer the engine reads */
   if (m->version != r->receiving)
     new_version(r, m->version);
+  if (r->of && !r->failure)
+    r->failure = group_veto(r, m);
   int rc = r->failure ? r->failure : take_bucket(r, m, &ack.src, &ack.src_offset);
   bool fresh = rc == 0 && m->bucket < r->plan.buckets && !r->got[m->bucket];
   if (fresh) {
@@ -522,6 +539,8 @@ static void on_commit(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
                                                           : 0;
   if (status == 0)
     status = rebound_midway(r, m);
+  if (status == 0 && r->of)
+    status = group_veto(r, m);
   pthread_mutex_lock(&r->lock);
   if (status == 0) {
     r->committed = m->version;

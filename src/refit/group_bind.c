@@ -1,0 +1,375 @@
+/*
+ * The receiver of a sender group (group_rx.h): its global manifest as the caller sees it, and
+ * its bindings. A binding (a whole global tensor, pieces of global tensors along any dim, or the
+ * flat buffer's tensors) is kept here by the names of its global tensors and turned into parts
+ * (group.h: per rank, a slice of its local tensor and where it lands in the destination); each
+ * rank's parts become one shard target with places on that rank's sub-receiver, declared to the
+ * rank, so that each sub-receiver reads only the bytes the caller binds, straight from the rank
+ * that holds them. The parts are computed when a binding or a rank's manifest changes, never per
+ * push. A rank attached again gets every binding replayed.
+ */
+#include "refit/group_rx.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+size_t fr_group_rx_tensor_count(fr_group_rx *g) {
+  pthread_mutex_lock(&g->bind_lock);
+  size_t n = g->man.count;
+  pthread_mutex_unlock(&g->bind_lock);
+  return n;
+}
+
+int fr_group_rx_tensor_info(fr_group_rx *g, size_t i, const char **name, ferry_tensor_desc *desc) {
+  pthread_mutex_lock(&g->bind_lock);
+  int rc = i < g->man.count ? 0 : fr_err(FERRY_ENOTFOUND, "refit: no tensor %zu", i);
+  if (rc == 0 && name)
+    *name = g->man.tensors[i].name;
+  if (rc == 0 && desc)
+    *desc = g->man.tensors[i].desc;
+  pthread_mutex_unlock(&g->bind_lock);
+  return rc;
+}
+
+int fr_group_rx_tensor_scale(fr_group_rx *g, size_t i, float *scale) {
+  pthread_mutex_lock(&g->bind_lock);
+  int rc = i < g->man.count ? 0 : fr_err(FERRY_ENOTFOUND, "refit: no tensor %zu", i);
+  if (rc == 0)
+    *scale = g->man.tensors[i].scale;
+  pthread_mutex_unlock(&g->bind_lock);
+  return rc;
+}
+
+bool fr_group_rx_bound_any(fr_group_rx *g) {
+  pthread_mutex_lock(&g->bind_lock);
+  bool any = g->nbinds > 0;
+  pthread_mutex_unlock(&g->bind_lock);
+  return any;
+}
+
+/* ---- the manifest ---- */
+
+int fr_group_rx_build_manifest(fr_group_rx *g) {
+  fr_refit_plan *plans = calloc(g->world, sizeof *plans);
+  if (!plans)
+    return fr_err(FERRY_ENOMEM, "refit: group '%s' manifest", g->name);
+  ferry_refit_receiver **subs = calloc(g->world, sizeof *subs);
+  int rc = subs ? 0 : fr_err(FERRY_ENOMEM, "refit: group '%s' manifest", g->name);
+  for (uint32_t k = 0; rc == 0 && k < g->world; k++) {
+    pthread_mutex_lock(&g->route);
+    subs[k] = g->ranks[k].sub;
+    pthread_mutex_unlock(&g->route);
+    pthread_mutex_lock(&subs[k]->bind_lock); /* its thread may take a new manifest */
+    plans[k] = subs[k]->plan;                /* read only, while the locks are held */
+  }
+  fr_group_manifest man = {0};
+  if (rc == 0)
+    rc = fr_group_manifest_build(plans, g->world, &man);
+  for (uint32_t k = 0; subs && k < g->world; k++)
+    pthread_mutex_unlock(&subs[k]->bind_lock);
+  free(subs);
+  free(plans);
+  if (rc != 0)
+    return fr_err_wrap(rc, "refit: group '%s'", g->name);
+  fr_group_manifest_free(&g->man);
+  g->man = man;
+  return 0;
+}
+
+static bool same_entry(const fr_refit_entry *a, const fr_refit_entry *b) {
+  return strcmp(a->name, b->name) == 0 && a->wire == b->wire && a->scale == b->scale &&
+         a->desc.dtype == b->desc.dtype && a->desc.ndim == b->desc.ndim &&
+         memcmp(a->desc.shape, b->desc.shape, sizeof(uint64_t) * a->desc.ndim) == 0 &&
+         !a->global == !b->global && (!a->global || strcmp(a->global, b->global) == 0) &&
+         a->gdim == b->gdim && a->gstart == b->gstart && a->gstop == b->gstop;
+}
+
+bool fr_group_rx_same_plan(fr_group_rx *g, const ferry_refit_receiver *prev,
+                           const fr_refit_plan *plan) {
+  (void)g;
+  const fr_refit_plan *was = &prev->plan;
+  if (was->count != plan->count || was->rank != plan->rank || was->world != plan->world)
+    return false;
+  for (uint32_t i = 0; i < plan->count; i++)
+    if (!same_entry(&was->entries[i], &plan->entries[i]))
+      return false;
+  return true;
+}
+
+/* ---- bindings → parts → shard targets on the sub-receivers ---- */
+
+/* Declares rank k's parts of binding b (parts[0..n) all rank k's) on its sub-receiver. */
+static int declare_rank(fr_group_rx *g, ferry_refit_receiver *sub, const fr_group_binding *b,
+                        const fr_group_part *parts, uint32_t n) {
+  fr_refit_piece *pieces = malloc(n * sizeof *pieces);
+  fr_refit_place *places = malloc(n * sizeof *places);
+  char **sources = malloc(n * sizeof *sources);
+  int rc = pieces && places && sources ? 0 : fr_err(FERRY_ENOMEM, "refit: target '%s'", b->target);
+  pthread_mutex_lock(&sub->bind_lock);
+  for (uint32_t i = 0; rc == 0 && i < n; i++) {
+    pieces[i] = parts[i].src;
+    places[i] = parts[i].place;
+    rc = pieces[i].entry < sub->plan.count
+             ? 0
+             : fr_err(FERRY_EPROTO, "refit: group '%s' rank %u has no tensor %u (re-sealed?)",
+                      g->name, sub->rank, pieces[i].entry);
+    if (rc == 0)
+      sources[i] = sub->plan.entries[pieces[i].entry].name;
+  }
+  if (rc == 0)
+    rc = fr_refit_rx_enter_shards(sub);
+  if (rc == 0 && b->device >= 0)
+    fr_refit_rx_pin_stage(sub);
+  if (rc == 0)
+    rc = fr_refit_rx_add_target(sub, b->target, b->dst, b->device, &b->desc, sources, pieces,
+                                places, n, true);
+  pthread_mutex_unlock(&sub->bind_lock);
+  free(pieces);
+  free(places);
+  free(sources);
+  return rc;
+}
+
+/* Binding b's parts, by the global tensors' names in the manifest as it is now. */
+static int parts_of(fr_group_rx *g, fr_group_binding *b, fr_group_part **parts, size_t *n) {
+  for (uint32_t i = 0; i < b->n; i++) {
+    int64_t t = fr_group_find(&g->man, b->names[i]);
+    if (t < 0)
+      return fr_err(FERRY_ENOTFOUND, "refit: target '%s': group '%s' sends no tensor '%s'",
+                    b->target, g->name, b->names[i]);
+    b->pieces[i].tensor = (uint32_t)t;
+  }
+  return fr_group_parts(&g->man, b->target, b->pieces, b->n, b->dst, &b->desc, g->salt, parts, n);
+}
+
+/* Declares binding b on rank `only`'s sub-receiver, or on every rank's (UINT32_MAX) but those
+ * gone (replayed when they are back). */
+static int declare(fr_group_rx *g, fr_group_binding *b, uint32_t only) {
+  fr_group_part *parts = NULL, *mine = NULL;
+  size_t n = 0;
+  int rc = parts_of(g, b, &parts, &n);
+  if (rc == 0 && n && !(mine = malloc(n * sizeof *mine)))
+    rc = fr_err(FERRY_ENOMEM, "refit: target '%s'", b->target);
+  for (uint32_t k = 0; rc == 0 && k < g->world; k++) {
+    bool gone = false;
+    pthread_mutex_lock(&g->route);
+    ferry_refit_receiver *sub = g->ranks[k].sub;
+    gone = g->ranks[k].gone;
+    pthread_mutex_unlock(&g->route);
+    if ((only != UINT32_MAX && k != only) || (only == UINT32_MAX && gone) || !sub)
+      continue;
+    uint32_t m = 0;
+    for (size_t i = 0; i < n; i++)
+      if (parts[i].rank == k)
+        mine[m++] = parts[i];
+    if (m)
+      rc = declare_rank(g, sub, b, mine, m);
+  }
+  free(mine);
+  free(parts);
+  return rc;
+}
+
+static void binding_free(fr_group_binding *b) {
+  for (uint32_t i = 0; b->names && i < b->n; i++)
+    free(b->names[i]);
+  free(b->names);
+  free(b->pieces);
+  free(b->target);
+  memset(b, 0, sizeof *b);
+}
+
+void fr_group_rx_bindings_free(fr_group_rx *g) {
+  for (uint32_t i = 0; i < g->nbinds; i++)
+    binding_free(&g->binds[i]);
+  free(g->binds);
+  g->binds = NULL;
+  g->nbinds = 0;
+}
+
+/* Records binding b (taken) in place of one of the same target, once declared. bind_lock held. */
+static int add_binding(fr_group_rx *g, fr_group_binding *b) {
+  int rc = declare(g, b, UINT32_MAX);
+  uint32_t i = 0;
+  while (i < g->nbinds && strcmp(g->binds[i].target, b->target) != 0)
+    i++;
+  if (rc == 0 && i == g->nbinds) {
+    fr_group_binding *v = realloc(g->binds, (g->nbinds + 1) * sizeof *v);
+    if (!v) {
+      rc = fr_err(FERRY_ENOMEM, "refit: target '%s'", b->target);
+    } else {
+      memset(&v[i], 0, sizeof *v);
+      g->binds = v;
+      g->nbinds++;
+    }
+  }
+  if (rc != 0) {
+    binding_free(b);
+    return rc;
+  }
+  binding_free(&g->binds[i]);
+  g->binds[i] = *b;
+  return 0;
+}
+
+static int new_binding(const char *target, uint32_t n, void *dst, const ferry_tensor_desc *desc,
+                       int device, fr_group_binding *b) {
+  *b = (fr_group_binding){
+      .target = strdup(target), .n = n, .dst = dst, .desc = *desc, .device = device};
+  b->names = calloc(n, sizeof *b->names);
+  b->pieces = calloc(n, sizeof *b->pieces);
+  if (b->target && b->names && b->pieces)
+    return 0;
+  binding_free(b);
+  return fr_err(FERRY_ENOMEM, "refit: target '%s'", target);
+}
+
+/* Binds global tensor t whole at dst. bind_lock held. */
+static int bind_whole(fr_group_rx *g, uint32_t t, void *dst, const ferry_tensor_desc *desc,
+                      int device) {
+  const fr_group_tensor *x = &g->man.tensors[t];
+  fr_group_binding b;
+  int rc = new_binding(x->name, 1, dst, desc, device, &b);
+  if (rc != 0)
+    return rc;
+  b.pieces[0] = (fr_group_piece){t, 0, 0, x->desc.ndim ? x->desc.shape[0] : 1};
+  if (!(b.names[0] = strdup(x->name))) {
+    binding_free(&b);
+    return fr_err(FERRY_ENOMEM, "refit: target '%s'", x->name);
+  }
+  return add_binding(g, &b);
+}
+
+/* Checks that desc is how global tensor x arrives; the error names it. */
+static int fits_whole(const fr_group_tensor *x, const ferry_tensor_desc *desc) {
+  char got[96], want[96];
+  if (desc->dtype != x->desc.dtype)
+    return fr_err(FERRY_EDTYPE, "refit: tensor '%s' arrives as %s, bound as %s", x->name,
+                  ferry_dtype_name(x->desc.dtype), ferry_dtype_name(desc->dtype) ?: "?");
+  if (desc->ndim != x->desc.ndim ||
+      memcmp(desc->shape, x->desc.shape, sizeof(uint64_t) * desc->ndim) != 0)
+    return fr_err(FERRY_ESHAPE, "refit: tensor '%s' arrives as %s, bound as %s", x->name,
+                  ferry_shape_format(&x->desc, want, sizeof want),
+                  ferry_shape_format(desc, got, sizeof got));
+  return 0;
+}
+
+int fr_group_rx_bind(fr_group_rx *g, const char *name, void *dst, const ferry_tensor_desc *desc) {
+  int device = -1;
+  int rc = fr_refit_rx_where_bound(name ? name : "", dst, desc, &device);
+  if (rc != 0)
+    return rc;
+  pthread_mutex_lock(&g->bind_lock);
+  int64_t t = name ? fr_group_find(&g->man, name) : -1;
+  rc = t >= 0 ? fits_whole(&g->man.tensors[t], desc)
+              : fr_err(FERRY_ENOTFOUND, "refit: the group '%s' sends no tensor '%s'", g->name,
+                       name ? name : "");
+  uint64_t bytes = 0;
+  if (rc == 0 && ferry_tensor_nbytes(desc, &bytes) == 0 && bytes)
+    rc = bind_whole(g, (uint32_t)t, dst, desc, device);
+  pthread_mutex_unlock(&g->bind_lock);
+  return rc;
+}
+
+int fr_group_rx_bind_pieces(fr_group_rx *g, const char *target, void *dst,
+                            const ferry_tensor_desc *desc, const ferry_refit_piece *pieces,
+                            size_t n) {
+  if (!*target || n == 0 || n > FR_REFIT_PIECES_MAX)
+    return fr_err(FERRY_EINVAL, "refit: target '%s' with %zu pieces (1 to %u, and a name)", target,
+                  n, FR_REFIT_PIECES_MAX);
+  int device = -1;
+  int rc = fr_refit_rx_where_bound(target, dst, desc, &device);
+  fr_group_binding b;
+  if (rc == 0)
+    rc = new_binding(target, (uint32_t)n, dst, desc, device, &b);
+  if (rc != 0)
+    return rc;
+  for (size_t i = 0; i < n && rc == 0; i++) {
+    const ferry_refit_piece *p = &pieces[i];
+    if (!p->source || p->dim < 0 || p->dim >= FERRY_MAX_DIMS || p->start < 0 || p->stop < 0)
+      rc = fr_err(FERRY_ESHAPE,
+                  "refit: target '%s' piece %zu ('%s' dim %d [%lld:%lld]) is not a "
+                  "slice",
+                  target, i, p->source ? p->source : "(null)", p->dim, (long long)p->start,
+                  (long long)p->stop);
+    else if (!(b.names[i] = strdup(p->source)))
+      rc = fr_err(FERRY_ENOMEM, "refit: target '%s'", target);
+    else
+      b.pieces[i] = (fr_group_piece){0, (uint32_t)p->dim, (uint64_t)p->start, (uint64_t)p->stop};
+  }
+  if (rc != 0) {
+    binding_free(&b);
+    return rc;
+  }
+  pthread_mutex_lock(&g->bind_lock);
+  if (g->flat) {
+    rc = fr_err(FERRY_ESTATE, "refit: bound to a flat buffer; shards need their own memory");
+    binding_free(&b);
+  } else {
+    rc = add_binding(g, &b);
+  }
+  pthread_mutex_unlock(&g->bind_lock);
+  return rc;
+}
+
+/* The flat buffer: every global tensor in manifest order, each aligned as a single sender's. */
+int fr_group_rx_bind_flat(fr_group_rx *g) {
+  pthread_mutex_lock(&g->bind_lock);
+  if (g->flat) {
+    pthread_mutex_unlock(&g->bind_lock);
+    return 0;
+  }
+  uint64_t total = 0, *off = calloc(g->man.count ? g->man.count : 1, sizeof *off);
+  int rc = off ? 0 : fr_err(FERRY_ENOMEM, "refit: group '%s' flat buffer", g->name);
+  for (uint32_t i = 0; rc == 0 && i < g->man.count; i++) {
+    uint64_t bytes = 0;
+    total = (total + FR_REFIT_ALIGN - 1) / FR_REFIT_ALIGN * FR_REFIT_ALIGN;
+    off[i] = total;
+    rc = ferry_tensor_nbytes(&g->man.tensors[i].desc, &bytes);
+    total += bytes;
+  }
+  if (rc == 0 && total == 0)
+    rc = fr_err(FERRY_ESTATE, "refit: the manifest is empty");
+  void *flat = NULL;
+  if (rc == 0)
+    rc = ferry_alloc(g->ctx, total, &flat);
+  for (uint32_t i = 0; rc == 0 && i < g->man.count; i++) {
+    uint64_t bytes = 0;
+    ferry_tensor_nbytes(&g->man.tensors[i].desc, &bytes);
+    if (bytes)
+      rc = bind_whole(g, i, (uint8_t *)flat + off[i], &g->man.tensors[i].desc, -1);
+  }
+  if (rc == 0) {
+    g->flat = flat;
+    g->flat_off = off;
+  } else {
+    free(off);
+    if (flat) /* its bindings stay recorded: the caller binds again or closes */
+      ferry_free(g->ctx, flat);
+  }
+  pthread_mutex_unlock(&g->bind_lock);
+  return rc;
+}
+
+int fr_group_rx_view(fr_group_rx *g, const char *name, void **out) {
+  pthread_mutex_lock(&g->bind_lock);
+  int64_t t = name ? fr_group_find(&g->man, name) : -1;
+  int rc = t < 0 ? fr_err(FERRY_ENOTFOUND, "refit: the group '%s' sends no tensor '%s'", g->name,
+                          name ? name : "")
+           : !g->flat ? fr_err(FERRY_ESTATE, "refit: views need ferry_refit_bind_flat() first")
+                      : 0;
+  if (rc == 0)
+    *out = g->flat + g->flat_off[t];
+  pthread_mutex_unlock(&g->bind_lock);
+  return rc;
+}
+
+int fr_group_rx_replay(fr_group_rx *g, uint32_t k) {
+  int rc = 0;
+  for (uint32_t i = 0; i < g->nbinds; i++) {
+    int one = declare(g, &g->binds[i], k);
+    rc = rc ? rc : one;
+  }
+  return rc;
+}

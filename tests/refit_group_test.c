@@ -1,0 +1,535 @@
+/*
+ * Sharded refit, the receiver's side (issue 34): a receiver opened with a group's name attaches
+ * to every rank (NAME#0, NAME#1, found through the embedded directory) and sees one model. Two
+ * ranks hold an FSDP split (every tensor cut along dim 0, a norm replicated whole on both); the
+ * receiver binds whole tensors, pieces along dim 1 (a tensor-parallel engine's own split), or a
+ * flat buffer, and gets exactly the global bytes, version after version. committed() is 0 while
+ * one rank's part of a version landed and the other's not yet. A rank killed in the middle of a
+ * push (a forked process) fails that version at the receiver, which names the rank, while the
+ * other rank's push returns; the rank restarted, the next version commits everywhere. A receiver
+ * that opens after versions were pushed catches up from every rank's retained buffer.
+ */
+// ferry-test: threaded
+#include "testutil.h"
+
+#include "directory/directory.h"
+#include "refit/refit.h"
+#include "storeutil.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+/* ---- the model: three global tensors, split over two ranks along dim 0 ---- */
+
+#define NT 3
+static const char *const names[NT] = {"w1", "w2", "norm"};
+static const uint64_t rows[NT] = {64, 30, 1};
+static const uint64_t cols[NT] = {32, 48, 48};
+/* rank r holds rows [cut[t][r], cut[t][r+1]) of tensor t; norm (1-D, [48]) whole on both */
+static const uint64_t cut[NT][3] = {{0, 32, 64}, {0, 15, 30}, {0, 1, 1}};
+
+/* Element i of global tensor t at version v (exact in float). */
+static float value(uint64_t v, int t, uint64_t i) {
+  return (float)(v * 7 + (uint64_t)t * 1000 + i % 997);
+}
+
+typedef struct rank_data {
+  float *local[NT];
+} rank_data;
+
+static uint64_t local_rows(int t, int r) { return t == 2 ? 1 : cut[t][r + 1] - cut[t][r]; }
+
+static void rank_fill(rank_data *d, int r, uint64_t v) {
+  for (int t = 0; t < NT; t++) {
+    uint64_t first = t == 2 ? 0 : cut[t][r] * cols[t], n = local_rows(t, r) * cols[t];
+    for (uint64_t i = 0; i < n; i++)
+      d->local[t][i] = value(v, t, first + i);
+  }
+}
+
+static ferry_ctx *ctx_for(const char *name) {
+  ferry_ctx_opts o = {.size = sizeof o, .name = name, .transports = "shm,tcp"};
+  ferry_ctx *c;
+  FR_OK(ferry_ctx_open(&o, &c));
+  return c;
+}
+
+/* Rank r of "policy" on c: its pieces of w1 and w2, norm whole, filled with version 0. */
+static ferry_refit_sender *rank_open(ferry_ctx *c, int r, rank_data *d, int no_retain) {
+  ferry_refit_opts o = {.size = sizeof o,
+                        .bucket_bytes = 1024, /* several buckets per rank */
+                        .publish = 1,
+                        .rank = r,
+                        .world = 2,
+                        .no_retain = no_retain};
+  ferry_refit_sender *s;
+  FR_OK(ferry_refit_sender_open(c, "policy", &o, &s));
+  for (int t = 0; t < NT; t++) {
+    d->local[t] = calloc(local_rows(t, r) * cols[t], sizeof(float));
+    ferry_tensor_desc desc = {
+        .dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {local_rows(t, r), cols[t]}};
+    if (t == 2) {
+      desc.ndim = 1;
+      desc.shape[0] = cols[t];
+      FR_OK(ferry_refit_declare(s, names[t], &desc, d->local[t], FERRY_DTYPE_INVALID));
+      continue;
+    }
+    char local[32];
+    snprintf(local, sizeof local, "%s.r%d", names[t], r);
+    ferry_refit_piece of = {
+        .source = names[t], .dim = 0, .start = (int64_t)cut[t][r], .stop = (int64_t)cut[t][r + 1]};
+    FR_OK(ferry_refit_declare_piece(s, local, &desc, d->local[t], FERRY_DTYPE_INVALID, &of));
+  }
+  rank_fill(d, r, 0);
+  FR_OK(ferry_refit_seal(s));
+  return s;
+}
+
+static void rank_free(rank_data *d) {
+  for (int t = 0; t < NT; t++)
+    free(d->local[t]);
+}
+
+static void await_receivers(ferry_refit_sender *s, size_t n) {
+  for (int i = 0; i < 1000 && ferry_refit_receivers(s) < n; i++)
+    usleep(10000);
+  assert_true(ferry_refit_receivers(s) >= n);
+}
+
+/* ---- the directory ---- */
+
+typedef struct directory {
+  ferry_ctx *ctx;
+  fr_dir_server *srv;
+} directory;
+
+static void directory_start(directory *d) {
+  char listen[64], url[80];
+  int port = su_free_port();
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+  snprintf(url, sizeof url, "ferry://127.0.0.1:%d", port);
+  ferry_ctx_opts o = {.size = sizeof o, .name = "directory", .tcp_listen = listen};
+  FR_OK(ferry_ctx_open(&o, &d->ctx));
+  FR_OK(fr_dir_server_start(d->ctx, &d->srv));
+  setenv("FERRY_DIRECTORY", url, 1);
+}
+
+static void directory_stop(directory *d) {
+  unsetenv("FERRY_DIRECTORY");
+  fr_dir_server_stop(d->srv);
+  ferry_ctx_close(d->ctx);
+}
+
+/* ---- two ranks in this process ---- */
+
+typedef struct group {
+  directory dir;
+  ferry_ctx *tc[2], *rc;
+  ferry_refit_sender *s[2];
+  rank_data d[2];
+  ferry_refit_receiver *r;
+} group;
+
+static void group_open(group *g) {
+  memset(g, 0, sizeof *g);
+  directory_start(&g->dir);
+  g->tc[0] = ctx_for("trainer-0");
+  g->tc[1] = ctx_for("trainer-1");
+  g->rc = ctx_for("rollout");
+  for (int r = 0; r < 2; r++)
+    g->s[r] = rank_open(g->tc[r], r, &g->d[r], 0);
+}
+
+static void receiver_open(group *g) {
+  FR_OK(ferry_refit_receiver_open(g->rc, "policy", 5000, &g->r));
+  assert_int_equal(ferry_refit_ranks(g->r), 2);
+  for (int r = 0; r < 2; r++)
+    await_receivers(g->s[r], 1);
+}
+
+static void group_close(group *g) {
+  ferry_refit_receiver_close(g->r);
+  for (int r = 0; r < 2; r++) {
+    ferry_refit_sender_close(g->s[r]);
+    rank_free(&g->d[r]);
+  }
+  ferry_ctx_close(g->rc);
+  ferry_ctx_close(g->tc[1]);
+  ferry_ctx_close(g->tc[0]);
+  directory_stop(&g->dir);
+}
+
+static void push_both(group *g, uint64_t v) {
+  for (int r = 0; r < 2; r++) {
+    rank_fill(&g->d[r], r, v);
+    FR_OK(ferry_refit_push(g->s[r], v, NULL));
+  }
+}
+
+/* The receiver's whole tensors hold version v. */
+static void expect_whole(float *const got[NT], uint64_t v) {
+  for (int t = 0; t < NT; t++)
+    for (uint64_t i = 0; i < rows[t] * cols[t]; i++)
+      if (got[t][i] != value(v, t, i))
+        fail_msg("%s[%llu] = %g, want %g (version %llu)", names[t], (unsigned long long)i,
+                 (double)got[t][i], (double)value(v, t, i), (unsigned long long)v);
+}
+
+static ferry_tensor_desc global_desc(int t) {
+  ferry_tensor_desc d = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {rows[t], cols[t]}};
+  if (t == 2)
+    d.ndim = 1, d.shape[0] = cols[t];
+  return d;
+}
+
+/* The global manifest: every tensor once, at its global shape. */
+static void expect_manifest(ferry_refit_receiver *r) {
+  assert_int_equal(ferry_refit_tensor_count(r), NT);
+  for (int t = 0; t < NT; t++) {
+    const char *name = NULL;
+    ferry_tensor_desc d, want = global_desc(t);
+    FR_OK(ferry_refit_tensor_info(r, (size_t)t, &name, &d));
+    assert_string_equal(name, names[t]);
+    assert_int_equal(d.dtype, want.dtype);
+    assert_int_equal(d.ndim, want.ndim);
+    assert_memory_equal(d.shape, want.shape, sizeof(uint64_t) * want.ndim);
+  }
+  uint32_t first, count;
+  assert_int_equal(ferry_refit_tensor_buckets(r, 0, &first, &count), FERRY_ENOTSUP);
+  assert_int_equal(ferry_refit_bind_alias(r), FERRY_ENOTSUP);
+}
+
+/* Whole tensors, several versions: exactly the global bytes each time; committed() is 0 while
+ * rank 0's part of a version landed and rank 1's not yet. */
+static void test_fsdp_whole(void **st) {
+  group g;
+  group_open(&g);
+  receiver_open(&g);
+  expect_manifest(g.r);
+  float *got[NT];
+  for (int t = 0; t < NT; t++) {
+    ferry_tensor_desc d = global_desc(t);
+    got[t] = calloc(rows[t] * cols[t], sizeof(float));
+    FR_OK(ferry_refit_bind(g.r, names[t], got[t], &d));
+  }
+  for (uint64_t v = 1; v <= 3; v++) {
+    rank_fill(&g.d[0], 0, v);
+    FR_OK(ferry_refit_push(g.s[0], v, NULL)); /* rank 0's part landed, rank 1's not yet */
+    assert_int_equal(ferry_refit_committed(g.r), 0);
+    rank_fill(&g.d[1], 1, v);
+    FR_OK(ferry_refit_push(g.s[1], v, NULL));
+    uint64_t have = 0;
+    FR_OK(ferry_refit_wait(g.r, v, 10000, &have));
+    assert_int_equal(have, v);
+    assert_int_equal(ferry_refit_committed(g.r), v);
+    expect_whole(got, v);
+  }
+  assert_true(ferry_refit_bytes_read(g.r) > 0);
+  group_close(&g);
+  for (int t = 0; t < NT; t++)
+    free(got[t]);
+}
+
+/* A tensor-parallel engine of 2 ranks splits along dim 1 (the trainer cut dim 0): this one is
+ * engine rank 1, holding columns [cols/2, cols) of w1 and w2, and w2's and w1's second halves
+ * fused into one target; it reads only those bytes. */
+static void test_tp_pieces(void **st) {
+  group g;
+  group_open(&g);
+  receiver_open(&g);
+  uint64_t h1 = cols[0] / 2, h2 = cols[1] / 2;
+  float *w1 = calloc(rows[0] * h1, sizeof(float)), *w2 = calloc(rows[1] * h2, sizeof(float));
+  ferry_tensor_desc d1 = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {rows[0], h1}};
+  ferry_tensor_desc d2 = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {rows[1], h2}};
+  ferry_refit_piece p1 = {.source = "w1", .dim = 1, .start = (int64_t)h1, .stop = (int64_t)cols[0]};
+  ferry_refit_piece p2 = {.source = "w2", .dim = 1, .start = (int64_t)h2, .stop = (int64_t)cols[1]};
+  FR_OK(ferry_refit_bind_pieces(g.r, "w1.tp1", w1, &d1, &p1, 1));
+  FR_OK(ferry_refit_bind_pieces(g.r, "w2.tp1", w2, &d2, &p2, 1));
+  /* whole rows of both ranks in one target: w1 rows [10, 30) (rank 0's) then [40, 60) (rank 1's) */
+  float *fused = calloc(40 * 32, sizeof(float));
+  ferry_tensor_desc df = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {40, 32}};
+  ferry_refit_piece pf[2] = {{.source = "w1", .dim = 0, .start = 10, .stop = 30},
+                             {.source = "w1", .dim = 0, .start = 40, .stop = 60}};
+  FR_OK(ferry_refit_bind_pieces(g.r, "w1.rows", fused, &df, pf, 2));
+  for (uint64_t v = 1; v <= 2; v++) {
+    uint64_t before = ferry_refit_bytes_read(g.r);
+    push_both(&g, v);
+    FR_OK(ferry_refit_wait(g.r, v, 10000, NULL));
+    for (uint64_t i = 0; i < rows[0]; i++)
+      for (uint64_t j = 0; j < h1; j++)
+        assert_true(w1[i * h1 + j] == value(v, 0, i * cols[0] + h1 + j));
+    for (uint64_t i = 0; i < rows[1]; i++)
+      for (uint64_t j = 0; j < h2; j++)
+        assert_true(w2[i * h2 + j] == value(v, 1, i * cols[1] + h2 + j));
+    for (uint64_t i = 0; i < 40; i++)
+      for (uint64_t j = 0; j < 32; j++) {
+        uint64_t row = i < 20 ? 10 + i : 40 + (i - 20);
+        assert_true(fused[i * 32 + j] == value(v, 0, row * 32 + j));
+      }
+    /* only the bound slices cross: under the model's bytes per push */
+    uint64_t model = 0;
+    for (int t = 0; t < NT; t++)
+      model += rows[t] * cols[t] * sizeof(float);
+    assert_true(ferry_refit_bytes_read(g.r) - before < model);
+  }
+  group_close(&g);
+  free(w1);
+  free(w2);
+  free(fused);
+}
+
+/* bind_flat: one buffer laid out as a single sender's; views point into it. */
+static void test_flat(void **st) {
+  group g;
+  group_open(&g);
+  receiver_open(&g);
+  FR_OK(ferry_refit_bind_flat(g.r));
+  float *got[NT];
+  for (int t = 0; t < NT; t++) {
+    void *at = NULL;
+    FR_OK(ferry_refit_view(g.r, names[t], &at));
+    assert_int_equal((uintptr_t)at % 64, 0);
+    got[t] = at;
+  }
+  assert_int_equal(ferry_refit_view(g.r, "nope", (void **)&got[0]), FERRY_ENOTFOUND);
+  for (uint64_t v = 1; v <= 2; v++) {
+    push_both(&g, v);
+    FR_OK(ferry_refit_wait(g.r, v, 10000, NULL));
+    expect_whole(got, v);
+  }
+  group_close(&g);
+}
+
+/* A receiver that opens after versions were pushed catches up from each rank's retained
+ * buffer, with no further push; the next push lands as usual. */
+static void test_late_join(void **st) {
+  group g;
+  group_open(&g);
+  push_both(&g, 1); /* nobody attached */
+  push_both(&g, 2);
+  for (int r = 0; r < 2; r++)
+    rank_fill(&g.d[r], r, 9); /* the trainer moves on: the catch-up is from the retained copy */
+  FR_OK(ferry_refit_receiver_open(g.rc, "policy", 5000, &g.r));
+  float *got[NT];
+  for (int t = 0; t < NT; t++) {
+    ferry_tensor_desc d = global_desc(t);
+    got[t] = calloc(rows[t] * cols[t], sizeof(float));
+    FR_OK(ferry_refit_bind(g.r, names[t], got[t], &d));
+  }
+  uint64_t have = 0;
+  FR_OK(ferry_refit_wait(g.r, 0, 10000, &have));
+  assert_int_equal(have, 2);
+  expect_whole(got, 2);
+  for (int r = 0; r < 2; r++)
+    await_receivers(g.s[r], 1);
+  push_both(&g, 3);
+  FR_OK(ferry_refit_wait(g.r, 3, 10000, NULL));
+  expect_whole(got, 3);
+  group_close(&g);
+  for (int t = 0; t < NT; t++)
+    free(got[t]);
+}
+
+/* ---- a rank killed mid-push (forked ranks) ---- */
+
+static void die_at_bucket_two(uint32_t bucket, uint8_t *bytes, uint64_t len) {
+  (void)bytes, (void)len;
+  if (bucket == 2)
+    raise(SIGKILL);
+}
+
+/* Reads len bytes, blocking (a signal interrupting the read is not an end); -1 at EOF. */
+static int read_all(int fd, void *buf, size_t len) {
+  for (char *c = buf; len > 0;) {
+    ssize_t n = read(fd, c, len);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      return -1;
+    c += n;
+    len -= (size_t)n;
+  }
+  return 0;
+}
+
+/* Helper process (exec'd): rank r. Says it is published, then that a receiver attached, then per
+ * command (a version, its top bit: die in the middle of that push; 0: end) pushes and answers the
+ * status. */
+static int rank_child(int r, int rd, int wr) {
+  tu_pipe p = {rd, wr};
+  char name[16];
+  snprintf(name, sizeof name, "trainer-%d", r);
+  ferry_ctx *c = ctx_for(name);
+  rank_data d;
+  /* two bucket slots: bucket 2 is packed only after bucket 0 was acknowledged */
+  ferry_refit_sender *s = rank_open(c, r, &d, 1);
+  int32_t ready = 0;
+  tu_pipe_put(&p, &ready, sizeof ready); /* published */
+  await_receivers(s, 1);
+  tu_pipe_put(&p, &ready, sizeof ready); /* attached */
+  for (uint64_t cmd; read_all(rd, &cmd, sizeof cmd) == 0 && cmd;) {
+    uint64_t v = cmd & ~(1ull << 63);
+    if (cmd >> 63)
+      fr_refit_test_corrupt = die_at_bucket_two;
+    rank_fill(&d, r, v);
+    ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = 3000};
+    int32_t rc = ferry_refit_push(s, v, &po);
+    tu_pipe_put(&p, &rc, sizeof rc);
+  }
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(c);
+  return 0;
+}
+
+typedef struct child {
+  pid_t pid;
+  tu_pipe to, from;
+} child;
+
+static void child_start(child *c, int r) {
+  tu_pipe_open(&c->to);
+  tu_pipe_open(&c->from);
+  char rank[8], rd[16], wr[16];
+  snprintf(rank, sizeof rank, "%d", r);
+  snprintf(rd, sizeof rd, "%d", c->to.rd);
+  snprintf(wr, sizeof wr, "%d", c->from.wr);
+  c->pid = tu_spawn_exec("--rank", rank, rd, wr, NULL);
+}
+
+static void child_ready(child *c) {
+  int32_t ready = -1;
+  assert_int_equal(tu_pipe_get(&c->from, &ready, sizeof ready, 20000), 0);
+  assert_int_equal(ready, 0);
+}
+
+static void child_push(child *c, uint64_t v, bool die) {
+  uint64_t cmd = v | (die ? 1ull << 63 : 0);
+  tu_pipe_put(&c->to, &cmd, sizeof cmd);
+}
+
+static int32_t child_pushed(child *c) {
+  int32_t rc = -1;
+  assert_int_equal(tu_pipe_get(&c->from, &rc, sizeof rc, 20000), 0); /* returned: no hang */
+  return rc;
+}
+
+static void child_end(child *c) {
+  uint64_t quit = 0; /* (EOF would not come: the children hold the pipes' ends too) */
+  if (c->pid > 0)
+    tu_pipe_put(&c->to, &quit, sizeof quit);
+  tu_pipe_close(&c->to);
+  tu_pipe_close(&c->from);
+  if (c->pid > 0)
+    tu_wait(c->pid);
+}
+
+static void test_rank_killed(void **st) {
+  directory dir;
+  directory_start(&dir);
+  child ch[2];
+  for (int r = 0; r < 2; r++)
+    child_start(&ch[r], r);
+  for (int r = 0; r < 2; r++)
+    child_ready(&ch[r]); /* published */
+  ferry_ctx *rc = ctx_for("rollout");
+  ferry_refit_receiver *rx;
+  FR_OK(ferry_refit_receiver_open(rc, "policy", 20000, &rx));
+  float *got[NT];
+  for (int t = 0; t < NT; t++) {
+    ferry_tensor_desc d = global_desc(t);
+    got[t] = calloc(rows[t] * cols[t], sizeof(float));
+    FR_OK(ferry_refit_bind(rx, names[t], got[t], &d));
+  }
+  for (int r = 0; r < 2; r++)
+    child_ready(&ch[r]);
+  for (int r = 0; r < 2; r++)
+    child_push(&ch[r], 1, false);
+  for (int r = 0; r < 2; r++)
+    assert_int_equal(child_pushed(&ch[r]), 0);
+  FR_OK(ferry_refit_wait(rx, 1, 10000, NULL));
+  expect_whole(got, 1);
+
+  /* rank 0 dies in the middle of version 2; rank 1 pushes it whole */
+  child_push(&ch[0], 2, true);
+  child_push(&ch[1], 2, false);
+  assert_int_equal(tu_wait(ch[0].pid), 128 + SIGKILL);
+  ch[0].pid = -1;
+  (void)child_pushed(&ch[1]); /* it returns (whether its part landed or the version failed) */
+  uint64_t have = 99;
+  assert_int_not_equal(ferry_refit_wait(rx, 2, 10000, &have), 0);
+  assert_non_null(strstr(ferry_last_error(), "rank 0 (policy#0)"));
+  assert_int_equal(have, 0); /* rank 0's part of 2 began landing over 1: torn */
+  assert_int_equal(ferry_refit_committed(rx), 0);
+
+  /* rank 0 restarts; the receiver attaches to it again; version 3 commits everywhere */
+  child_end(&ch[0]);
+  child_start(&ch[0], 0);
+  child_ready(&ch[0]);
+  child_ready(&ch[0]); /* the receiver attached to it again */
+  for (int r = 0; r < 2; r++)
+    child_push(&ch[r], 3, false);
+  for (int r = 0; r < 2; r++)
+    assert_int_equal(child_pushed(&ch[r]), 0);
+  FR_OK(ferry_refit_wait(rx, 3, 10000, &have));
+  assert_int_equal(have, 3);
+  expect_whole(got, 3);
+
+  ferry_refit_receiver_close(rx);
+  for (int r = 0; r < 2; r++)
+    child_end(&ch[r]); /* its commands end: it closes and exits */
+  ferry_ctx_close(rc);
+  directory_stop(&dir);
+  for (int t = 0; t < NT; t++)
+    free(got[t]);
+}
+
+/* A single sender opened by name is as before: the group of one. */
+static void test_single_sender(void **st) {
+  directory dir;
+  directory_start(&dir);
+  ferry_ctx *sc = ctx_for("trainer"), *rc = ctx_for("rollout");
+  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 4096, .publish = 1};
+  ferry_refit_sender *s;
+  FR_OK(ferry_refit_sender_open(sc, "policy", &o, &s));
+  static float w[16];
+  ferry_tensor_desc d = {.dtype = FERRY_DTYPE_F32, .ndim = 1, .shape = {16}};
+  FR_OK(ferry_refit_declare(s, "w", &d, w, FERRY_DTYPE_INVALID));
+  FR_OK(ferry_refit_seal(s));
+  ferry_refit_receiver *r;
+  FR_OK(ferry_refit_receiver_open(rc, "policy", 5000, &r));
+  assert_int_equal(ferry_refit_ranks(r), 1);
+  float got[16];
+  FR_OK(ferry_refit_bind(r, "w", got, &d));
+  w[3] = 42;
+  FR_OK(ferry_refit_push(s, 1, NULL));
+  FR_OK(ferry_refit_wait(r, 1, 5000, NULL));
+  assert_true(got[3] == 42);
+  ferry_refit_receiver *second = NULL;
+  assert_int_equal(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 500, &second), FERRY_EBUSY);
+  ferry_refit_receiver_close(r);
+  ferry_refit_receiver *none = NULL;
+  assert_int_equal(ferry_refit_receiver_open(rc, "missing", 500, &none), FERRY_ENOTFOUND);
+  assert_non_null(strstr(ferry_last_error(), "missing"));
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(rc);
+  ferry_ctx_close(sc);
+  directory_stop(&dir);
+}
+
+int main(int argc, char **argv) {
+  signal(SIGPIPE, SIG_IGN);
+  if (argc == 5 && strcmp(argv[1], "--rank") == 0)
+    return rank_child(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_fsdp_whole),  cmocka_unit_test(test_tp_pieces),
+      cmocka_unit_test(test_flat),        cmocka_unit_test(test_late_join),
+      cmocka_unit_test(test_rank_killed), cmocka_unit_test(test_single_sender),
+  };
+  tu_filter();
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
