@@ -158,6 +158,39 @@ static void test_rows_json(void **state) {
   assert_non_null(strstr(strstr(second, "\"b2b\""), "\"wakeups_per_call\":1.5}"));
 }
 
+/* A text row that moves no bytes (the demo's ctl-request) shows "-" for GB/s, not 0.00. */
+static void test_rows_text_without_bytes(void **state) {
+  (void)state;
+  char path[] = "/tmp/ferry-bench-test-XXXXXX";
+  int fd = mkstemp(path);
+  assert_true(fd >= 0);
+  fflush(stdout);
+  int saved = dup(1);
+  dup2(fd, 1);
+  bench_opts o = {0};
+  bench_samples s = {0};
+  bench_add(&s, 1e-3);
+  bench_row(&o, "t", "ctl-request", "ferry", 0, &s, true);
+  bench_row(&o, "t", "copy", "ferry", 4000000, &s, false);
+  fflush(stdout);
+  dup2(saved, 1);
+  close(saved);
+  bench_free(&s);
+  char buf[1024] = "";
+  FILE *f = fdopen(fd, "r");
+  rewind(f);
+  size_t len = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  unlink(path);
+  buf[len] = '\0';
+  char *second = strchr(buf, '\n');
+  assert_non_null(second);
+  *second++ = '\0';
+  assert_non_null(strstr(buf, "ms          - "));
+  assert_null(strstr(buf, "0.00 "));
+  assert_non_null(strstr(second, "ms       4.00 ")); /* 4 MB in 1 ms */
+}
+
 /* p99 by nearest rank: of 100 samples the 99th, of 2 the larger (never below the median). */
 static void test_p99(void **state) {
   (void)state;
@@ -182,6 +215,7 @@ int main(void) {
       cmocka_unit_test(test_counts_self_only),
       cmocka_unit_test(test_local_work_none),
       cmocka_unit_test(test_rows_json),
+      cmocka_unit_test(test_rows_text_without_bytes),
       cmocka_unit_test(test_p99),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */

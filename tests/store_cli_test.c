@@ -262,6 +262,16 @@ static void test_options(void **state) {
   assert_int_equal(run("%s --help > help.txt", cli), 0);
   assert_true(file_has("help.txt", "5  peer or connection error"));
   assert_true(file_has("help.txt", "6  ctl: invalid transition"));
+  /* `ferry --help`'s bench line names every mode `ferry bench --help` lists (issue 35: mq was
+   * missing) */
+  assert_int_equal(
+      run("%s bench --help > bench.txt && grep '^  bench ' help.txt > line.txt && "
+          "sed -n '/^modes:/,/^$/s/^  \\([a-z]\\+\\) .*/\\1/p' bench.txt > modes.txt && "
+          "test $(wc -l < modes.txt) -ge 6 && "
+          "for m in $(cat modes.txt); do grep -q \"[ ,]$m\\(,\\|$\\)\" line.txt || "
+          "exit 1; done",
+          cli),
+      0);
   assert_int_equal(
       run("%s --version > v.txt && %s ls --version > v2.txt && cmp -s v.txt v2.txt", cli, cli), 0);
   assert_true(file_has("v.txt", "ferry "));
@@ -424,6 +434,16 @@ static void test_npy(void **state) {
   write_npy("less.npy", 1, "{'descr': '<f4', 'fortran_order': False, 'shape': (4,), }", 4096, NULL);
   assert_int_equal(run("%s put k less.npy 2> err.txt", cli), 1);
   assert_true(one_line("err.txt", "16 bytes, but 4096 bytes"));
+  /* a dtype ferry has no type for is a bad value, exit 2, from a header as from --dtype, and
+   * like a --shape that does not fit the file (issue 35: 1 from a header) */
+  write_npy("c8.npy", 1, "{'descr': '<c8', 'fortran_order': False, 'shape': (2,), }", 16, NULL);
+  assert_int_equal(run("%s put k c8.npy 2> err.txt", cli), 2);
+  assert_true(one_line("err.txt", "dtype '<c8' is not one ferry takes"));
+  write_file("four.bin", "\x01\x02\x03\x04", 4);
+  assert_int_equal(run("%s put k four.bin --dtype complex64 2> err.txt", cli), 2);
+  assert_true(one_line("err.txt", "unknown dtype 'complex64'"));
+  assert_int_equal(run("%s put k four.bin --dtype float32 --shape 5 2> err.txt", cli), 2);
+  assert_true(one_line("err.txt", "is 20 bytes but the file has 4"));
   /* a header running past the file's end, a preamble cut short */
   assert_int_equal(run("head -c 60 a.npy > cut.npy && %s put k cut.npy 2> err.txt", cli), 1);
   assert_true(one_line("err.txt", "runs past the file's end"));
@@ -458,7 +478,7 @@ static void test_npy(void **state) {
   /* no .npy name for bfloat16: refused before FILE is created */
   write_file("raw.bin", "\x01\x02\x03\x04", 4);
   assert_int_equal(run("%s put bf raw.bin --dtype bfloat16 --shape 2", cli), 0);
-  assert_int_equal(run("%s get bf bf.npy 2> err.txt", cli), 1);
+  assert_int_equal(run("%s get bf bf.npy 2> err.txt", cli), 2);
   assert_true(one_line("err.txt", "bfloat16"));
   assert_int_equal(run("test -e bf.npy"), 1);
   assert_int_equal(run("%s rm --all > /dev/null", cli), 0);

@@ -319,11 +319,13 @@ void bench_row_wake(const bench_opts *o, const char *bench, const char *case_nam
            "\"min_s\":%.9g,\"max_s\":%.9g,\"p99_s\":%.9g,\"gbps\":%.6g%s}\n",
            bench, case_name, impl, (unsigned long long)bytes, med, mn, mx, p99, gbps, wake);
   } else {
-    char a[32], c[32], d[32], wake[48] = "";
+    char a[32], c[32], d[32], rate[32] = "-", wake[48] = "";
     if (wk >= 0)
       snprintf(wake, sizeof wake, "  wake-ups/call %.2f", wk);
-    printf("%-16s %-14s %12s %12s %12s %10.2f %8.2f%s\n", case_name, impl,
-           fmt_time(med, a, sizeof a), fmt_time(mn, c, sizeof c), fmt_time(mx, d, sizeof d), gbps,
+    if (bytes) /* a row that moves no bytes (a control request) has no rate: "-", not 0.00 */
+      snprintf(rate, sizeof rate, "%.2f", gbps);
+    printf("%-16s %-14s %12s %12s %12s %10s %8.2f%s\n", case_name, impl, fmt_time(med, a, sizeof a),
+           fmt_time(mn, c, sizeof c), fmt_time(mx, d, sizeof d), rate,
            case_baseline > 0 && med > 0 ? case_baseline / med : 0, wake);
   }
   fflush(stdout);

@@ -12,7 +12,8 @@
 const char *const cli_exit_meaning[CLI_NEXIT] = {
     [CLI_OK] = "success",
     [CLI_FAIL] = "the operation failed (ctl: a rank reported failure, or the command was aborted)",
-    [CLI_USAGE] = "usage error: an unknown option, a bad value, a missing or extra argument",
+    [CLI_USAGE] = "usage error: an unknown option, a bad value (a dtype ferry or .npy has no\n"
+                  "     type for, from an option or a .npy header), a missing or extra argument",
     [CLI_NOTFOUND] = "not found: no such key, file or control cell",
     [CLI_TIMEOUT] = "timed out",
     [CLI_PEER] = "peer or connection error: the directory, a key's owner, a rank or the engine\n"

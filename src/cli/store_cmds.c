@@ -138,8 +138,9 @@ static int read_file(cli_node *n, const char *path, void **out, uint64_t *len) {
 
 /* A .npy file (by its content: the \x93NUMPY magic, whatever its name) brings dtype and shape,
  * and they must describe exactly the bytes after its header. A broken .npy is a bad input file,
- * exit 1; --dtype/--shape with a .npy, or options that do not fit a raw file, are a bad
- * invocation, exit 2. */
+ * exit 1; a dtype ferry has no type for is a bad value, exit 2, as it is from --dtype (issue 35:
+ * it was 1 from a header); --dtype/--shape with a .npy, or options that do not fit a raw file,
+ * are a bad invocation, exit 2. */
 static int describe_npy(const args *a, const char *path, const uint8_t *data, uint64_t len,
                         ferry_tensor_desc *d, size_t *skip) {
   if (a->dtype || a->shape) {
@@ -150,9 +151,10 @@ static int describe_npy(const args *a, const char *path, const uint8_t *data, ui
     return CLI_USAGE;
   }
   cli_npy npy;
-  if (cli_npy_parse(data, (size_t)len, &npy) != 0) {
+  int rc = cli_npy_parse(data, (size_t)len, &npy);
+  if (rc != 0) {
     fprintf(stderr, "ferry put: '%s': %s\n", path, ferry_last_error());
-    return CLI_FAIL;
+    return rc == FERRY_EDTYPE ? CLI_USAGE : CLI_FAIL;
   }
   *d = npy.desc;
   *skip = npy.data_offset;
@@ -239,15 +241,17 @@ static const char get_usage[] =
     "                   \"owner\", \"generation\"} on stdout once the file is written)\n";
 
 /* The .npy header, when FILE is named *.npy, is made before FILE is created, so a dtype .npy
- * has no name for leaves no file behind. */
+ * has no name for leaves no file behind; asking for one is a bad value (the FILE's name), exit
+ * 2, as an unsupported dtype is for put. */
 static int write_out(const char *path, const ferry_store_info *info, const void *data) {
   bool to_stdout = !path || strcmp(path, "-") == 0;
   uint8_t header[512];
   size_t hlen = 0;
+  int rc = 0;
   if (!to_stdout && cli_has_suffix(path, ".npy") &&
-      cli_npy_header(&info->desc, header, sizeof header, &hlen) != 0) {
+      (rc = cli_npy_header(&info->desc, header, sizeof header, &hlen)) != 0) {
     fprintf(stderr, "ferry get: cannot write '%s': %s\n", path, ferry_last_error());
-    return CLI_FAIL;
+    return rc == FERRY_EDTYPE ? CLI_USAGE : CLI_FAIL;
   }
   FILE *f = to_stdout ? stdout : fopen(path, "wb");
   if (!f) {
