@@ -1155,6 +1155,31 @@ static void test_redact(void **state) {
   assert_int_equal(strlen(out), 7);
 }
 
+/* A bare HOST:PORT names an embedded directory (ferry://HOST:PORT), as ferry.p2pstore reads one
+ * (issue 35: the CLI refused it); anything else stays as written, for the backends to judge. */
+static void test_bare_host_port(void **state) {
+  (void)state;
+  char out[64];
+  const char *cases[][2] = {
+      {"127.0.0.1:7700", "ferry://127.0.0.1:7700"},
+      {"trainer:7700", "ferry://trainer:7700"},
+      {"[::1]:7700", "ferry://[::1]:7700"},
+      {"ferry://h:1", "ferry://h:1"},
+      {"redis://h:6379", "redis://h:6379"},
+      {"::1:7700", "::1:7700"}, /* v6 without brackets: ambiguous */
+      {"h:port", "h:port"},
+      {"h:", "h:"},
+      {":7700", ":7700"},
+      {"h", "h"},
+      {"h:123456", "h:123456"},
+      {"u@h:1", "u@h:1"},
+      {"h:1/0", "h:1/0"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+    assert_string_equal(fr_dir_url_normal(cases[i][0], out, sizeof out), cases[i][1]);
+  assert_null(fr_dir_url_normal(NULL, out, sizeof out));
+}
+
 /* Which addresses a directory's peers can dial: the decision, on strings only (no traffic). */
 static void test_reach_decision(void **state) {
   assert_true(fr_addr_loopback("127.0.0.1"));
@@ -1329,6 +1354,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_table_rejects_garbage),
       cmocka_unit_test(test_orphan_deleted),
       cmocka_unit_test(test_redis_url),
+      cmocka_unit_test(test_bare_host_port),
       cmocka_unit_test(test_redact),
       cmocka_unit_test(test_reach_decision),
       cmocka_unit_test(test_redis_auth),

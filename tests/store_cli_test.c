@@ -475,6 +475,10 @@ static void test_npy(void **state) {
     assert_true(file_has("stat.txt", ok[i].dtype) && file_has("stat.txt", ok[i].shown));
     free(data);
   }
+  /* the directory as a bare HOST:PORT, as ferry.p2pstore's P2PConfig takes it (issue 35) */
+  assert_int_equal(run("%s stat ok --directory 127.0.0.1:%d > stat.txt", cli, port), 0);
+  assert_int_equal(run("FERRY_DIRECTORY=127.0.0.1:%d %s stat ok > stat.txt", port, cli), 0);
+  assert_true(file_has("stat.txt", "generation"));
   /* no .npy name for bfloat16: refused before FILE is created */
   write_file("raw.bin", "\x01\x02\x03\x04", 4);
   assert_int_equal(run("%s put bf raw.bin --dtype bfloat16 --shape 2", cli), 0);

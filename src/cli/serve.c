@@ -26,7 +26,7 @@ static const char serve_usage[] =
     "                   [--capacity BYTES] [--http HOST:PORT|off] [--json]\n\n"
     "Runs a long-lived node: it hosts the embedded directory on --listen (default: the\n"
     "host:port of FERRY_DIRECTORY, 127.0.0.1:7700), or with --directory (or a redis://\n"
-    "FERRY_DIRECTORY) joins that one (ferry://HOST:PORT or\n"
+    "FERRY_DIRECTORY) joins that one (ferry://HOST:PORT, a bare HOST:PORT, or\n"
     "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]); and it holds objects that short-lived\n"
     "clients put (`ferry put`), in a pool of --capacity bytes (default FERRY_STORE_CAPACITY;\n"
     "K, M, G, T or KiB, MiB, GiB, TiB suffixes).\n"
@@ -102,7 +102,8 @@ static void print_ready(const serve_opts *o, ferry_ctx *ctx, const char *listen,
 static const char *host_port(serve_opts *o, char *buf, size_t len) {
   if (o->listen)
     return o->listen;
-  const char *url = ferry_config_get("FERRY_DIRECTORY");
+  char bare[FR_DIR_ADDRESS_MAX + 16];
+  const char *url = fr_dir_url_normal(ferry_config_get("FERRY_DIRECTORY"), bare, sizeof bare);
   if (strncmp(url, "ferry://", 8) != 0) {
     o->directory = url;
     return NULL;

@@ -37,7 +37,8 @@ static int parse(const cli_cmd *cmd, int argc, char **argv, args *a) {
 }
 
 #define OPTIONS_HELP                                                                               \
-  "\n  --directory URL  the fleet's directory (default FERRY_DIRECTORY)\n"                         \
+  "\n  --directory URL  the fleet's directory: ferry://HOST:PORT, HOST:PORT or redis://...\n"      \
+  "                   (default FERRY_DIRECTORY)\n"                                                 \
   "  --json           machine-readable output (JSON)\n"
 
 /* dtype and shape as JSON members: "dtype":"uint8","shape":[2,3] */

@@ -29,7 +29,8 @@ static const char top_usage[] =
     "(/v1/fleet); docs/OPERATIONS.md says where each value comes from.\n"
     "Redraws every --interval seconds (default 1) until interrupted (Ctrl-C), clearing the\n"
     "screen when stdout is a terminal.\n\n"
-    "  --directory URL    ferry://HOST:PORT or redis://... (default FERRY_DIRECTORY)\n"
+    "  --directory URL    ferry://HOST:PORT (or HOST:PORT) or redis://... (default\n"
+    "                     FERRY_DIRECTORY)\n"
     "  --interval SECONDS between frames (0.1 .. 86400)\n"
     "  --once             print one frame and exit\n"
     "  --json             print one snapshot as JSON (the /v1/fleet object) and exit\n";

@@ -77,12 +77,14 @@ static int connect_new(ferry_ctx *ctx, const char *url, const fr_dir_ops *ops, c
 int fr_dir_open(ferry_ctx *ctx, const char *url, int timeout_ms, fr_dir **out) {
   if (!url || !*url)
     url = fr_config_str("FERRY_DIRECTORY");
+  char bare[FR_DIR_ADDRESS_MAX + 16]; /* HOST:PORT is ferry://HOST:PORT */
+  url = fr_dir_url_normal(url, bare, sizeof bare);
   const fr_dir_ops *ops = fr_dir_backend(url);
   char shown[FR_DIR_ADDRESS_MAX + 1];
   fr_url_redact(url, shown, sizeof shown);
   if (!ops)
     return fr_err(FERRY_EINVAL,
-                  "directory '%s': unknown scheme (ferry://HOST:PORT or "
+                  "directory '%s': unknown scheme (ferry://HOST:PORT, HOST:PORT or "
                   "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB])",
                   shown);
   if (strlen(url) > FR_DIR_ADDRESS_MAX)

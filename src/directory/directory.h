@@ -238,6 +238,11 @@ void fr_dir_sort(fr_dir_object *objs, size_t n);
  * the URL itself. */
 void fr_url_redact(const char *url, char *out, size_t cap);
 
+/* A bare HOST:PORT (no scheme; HOST a name, an IPv4 address or a [v6] one) names an embedded
+ * directory, as ferry.p2pstore reads one: out (cap bytes) gets "ferry://HOST:PORT" and is
+ * returned. Any other url (NULL included) is returned as it is. */
+const char *fr_dir_url_normal(const char *url, char *out, size_t cap);
+
 /* A redis:// URL taken apart, as redis-cli reads one: redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]
  * (a userinfo without ':' is the password; USER and PASSWORD are percent-decoded; HOST may be
  * [v6]; empty HOST: 127.0.0.1; PORT 6379, DB 0 by default). */

@@ -1,6 +1,7 @@
 /*
- * Directory URLs: taking a redis:// URL apart (user, password, host, port, database, as
- * redis-cli and redis-py read them) and redacting any URL before it is printed. A directory URL
+ * Directory URLs: a bare HOST:PORT read as ferry://HOST:PORT, taking a redis:// URL apart (user,
+ * password, host, port, database, as redis-cli and redis-py read them) and redacting any URL
+ * before it is printed. A directory URL
  * may carry a password, so every message, log line and ready line that names one goes through
  * fr_url_redact() first; the password itself only ever reaches the Redis AUTH command.
  */
@@ -36,6 +37,22 @@ void fr_url_redact(const char *url, char *out, size_t cap) {
   const char *colon = memchr(start, ':', (size_t)(at - start));
   size_t keep = colon ? (size_t)(colon - start) + 1 : 0;
   snprintf(out, cap, "%.*s%.*s***%s", (int)(start - url), url, (int)keep, start, at);
+}
+
+const char *fr_dir_url_normal(const char *url, char *out, size_t cap) {
+  if (!url || strstr(url, "://") || strpbrk(url, "/@?#"))
+    return url;
+  const char *colon = strrchr(url, ':');
+  if (!colon || colon == url || !colon[1] || strlen(colon + 1) > 5)
+    return url;
+  for (const char *p = colon + 1; *p; p++)
+    if (!isdigit((unsigned char)*p))
+      return url;
+  bool v6 = url[0] == '[' && colon[-1] == ']';
+  if (!v6 && memchr(url, ':', (size_t)(colon - url))) /* an unbracketed v6 address: ambiguous */
+    return url;
+  snprintf(out, cap, "ferry://%s", url);
+  return out;
 }
 
 static int hex_value(char c) {
