@@ -849,6 +849,15 @@ static void make_tensors(gtensor *ts, uint32_t k) {
   }
 }
 
+/* Some bf16 tensors declared as f32 sent as bf16: the layout is the wire dtype's throughout
+ * (the simulated wire buffers hold the global tensors' bf16 bytes). */
+static void cast_some(fr_refit_entry *e) {
+  if (e->desc.dtype == FERRY_DTYPE_BF16 && rnd(3) == 0) {
+    e->desc.dtype = F32;
+    e->wire = FERRY_DTYPE_BF16;
+  }
+}
+
 /* Declares tensor t on the ranks: whole on a random nonempty set of ranks, or cut along t->dim
  * into world ranges (some empty) in random rank order, a rank's range sometimes in two pieces. */
 static void declare(const gtensor *t, fr_refit_plan *p, uint32_t world) {
@@ -857,7 +866,7 @@ static void declare(const gtensor *t, fr_refit_plan *p, uint32_t world) {
     uint32_t mask = 1 + (uint32_t)rnd((1u << world) - 1);
     for (uint32_t r = 0; r < world; r++)
       if (mask >> r & 1)
-        add_whole(&p[r], t->name, t->desc.dtype, t->desc.ndim, t->desc.shape);
+        cast_some(add_whole(&p[r], t->name, t->desc.dtype, t->desc.ndim, t->desc.shape));
     return;
   }
   uint32_t a = (uint32_t)t->dim, perm[8];
@@ -884,10 +893,12 @@ static void declare(const gtensor *t, fr_refit_plan *p, uint32_t world) {
       continue;
     uint64_t mid = e - s >= 2 && rnd(3) == 0 ? s + 1 + rnd(e - s - 1) : e;
     snprintf(local, sizeof local, "%.15s.r%u.a", t->name, r);
-    add_piece(&p[r], local, t->name, t->desc.dtype, t->desc.ndim, t->desc.shape, a, s, mid);
+    cast_some(
+        add_piece(&p[r], local, t->name, t->desc.dtype, t->desc.ndim, t->desc.shape, a, s, mid));
     if (mid < e) {
       snprintf(local, sizeof local, "%.15s.r%u.b", t->name, r);
-      add_piece(&p[r], local, t->name, t->desc.dtype, t->desc.ndim, t->desc.shape, a, mid, e);
+      cast_some(
+          add_piece(&p[r], local, t->name, t->desc.dtype, t->desc.ndim, t->desc.shape, a, mid, e));
     }
   }
 }
