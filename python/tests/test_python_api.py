@@ -1,5 +1,6 @@
-"""The Python surface as users meet it: bytes, DLPack, like=, zero-copy views, the p2pstore
-drop-in, mq per-topic callbacks and asyncio, errors that say what to pass, docstrings, numpy 2."""
+"""The Python surface as users meet it: bytes, DLPack, like=, zero-copy views, mq per-topic
+callbacks and asyncio, errors that say what to pass, docstrings, numpy 2 (the p2pstore drop-in:
+test_p2pstore.py)."""
 import ast
 import asyncio
 import gc
@@ -14,7 +15,6 @@ import numpy as np
 import pytest
 
 import ferry
-from ferry.p2pstore import P2PClient, P2PConfig
 
 try:
     import torch
@@ -179,37 +179,6 @@ def test_delete_prefix_batch(store):
         store.put(k, np.zeros(1))
     assert store.delete_prefix_batch(["a", "b", "zz"]) == {"a": 2, "b": 1, "zz": 0}
     assert store.list() == ["c1"]
-
-
-def test_p2pstore_drop_in(store):
-    with pytest.raises(ValueError):
-        P2PConfig(metadata_server="http://127.0.0.1:1")
-    with pytest.raises(TypeError):
-        P2PClient({"metadata_server": store.directory})
-    cfg = P2PConfig(metadata_server=store.directory.replace("ferry://", ""), name="py-p2p")
-    assert cfg.metadata_server == store.directory
-    client = P2PClient(cfg)
-    try:
-        ids = np.arange(12, dtype=np.int32).reshape(3, 4)
-        assert asyncio.run(client.put("r_0", ids)) is True
-        assert asyncio.run(client.put("r_1", ids.tobytes())) is True
-        assert asyncio.run(client.put("q_0", ids)) is True
-        assert np.array_equal(asyncio.run(client.get("r_0")), ids)
-        assert asyncio.run(client.get("r_1", like=bytes)) == ids.tobytes()
-        assert asyncio.run(client.get("none")) is None
-        assert store.stat("r_0")["owner"] == "py-p2p"
-
-        async def more():
-            d = await client.delete("q_0")
-            missing = await client.delete("q_0")
-            batch = await client.delete_batch(["r_0", "x"])
-            return d, missing, batch, await client.delete_prefix_batch(["r_"])
-
-        assert asyncio.run(more()) == (True, False, {"r_0": True, "x": False}, {"r_": 1})
-        asyncio.run(client.put("c", b"1"))
-        assert asyncio.run(client.clear()) == {"success": True, "cleared": 1, "failed": 0}
-    finally:
-        client.close()
 
 
 def test_mq_topic_callbacks_once_and_asyncio():
