@@ -17,6 +17,7 @@
 #include "storeutil.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -204,13 +205,60 @@ static void expect_manifest(ferry_refit_receiver *r) {
   assert_int_equal(ferry_refit_bind_alias(r), FERRY_ENOTSUP);
 }
 
+typedef struct seen {
+  pthread_mutex_t lock;
+  uint64_t buckets; /* bit b: bucket b reported for the version of the test's step */
+  uint64_t commits, last;
+  int status;
+  ferry_refit_receiver *r;
+} seen;
+
+static void saw_bucket(ferry_refit_receiver *r, uint64_t version, uint32_t bucket, void *arg) {
+  seen *x = arg;
+  pthread_mutex_lock(&x->lock);
+  assert_ptr_equal(r, x->r);
+  assert_true(bucket < 64);
+  x->buckets |= 1ull << bucket;
+  pthread_mutex_unlock(&x->lock);
+}
+
+static void saw_commit(ferry_refit_receiver *r, uint64_t version, int status, const char *why,
+                       void *arg) {
+  seen *x = arg;
+  pthread_mutex_lock(&x->lock);
+  assert_ptr_equal(r, x->r);
+  x->commits++;
+  x->last = version;
+  x->status = status;
+  pthread_mutex_unlock(&x->lock);
+}
+
+/* on_commit runs after the version is visible to wait(): let it come. */
+static uint64_t await_commits(seen *x, uint64_t n) {
+  uint64_t got = 0;
+  for (int i = 0; i < 1000; i++) {
+    pthread_mutex_lock(&x->lock);
+    got = x->commits;
+    pthread_mutex_unlock(&x->lock);
+    if (got >= n)
+      break;
+    usleep(10000);
+  }
+  return got;
+}
+
 /* Whole tensors, several versions: exactly the global bytes each time; committed() is 0 while
- * rank 0's part of a version landed and rank 1's not yet. */
+ * rank 0's part of a version landed and rank 1's not yet. on_bucket numbers the buckets rank
+ * after rank (7 of 1024 bytes each: 0..13); on_commit comes once per group version. */
 static void test_fsdp_whole(void **st) {
   group g;
   group_open(&g);
   receiver_open(&g);
   expect_manifest(g.r);
+  static seen x = {.lock = PTHREAD_MUTEX_INITIALIZER};
+  x.r = g.r;
+  ferry_refit_on_bucket(g.r, saw_bucket, &x);
+  ferry_refit_on_commit(g.r, saw_commit, &x);
   float *got[NT];
   for (int t = 0; t < NT; t++) {
     ferry_tensor_desc d = global_desc(t);
@@ -228,7 +276,17 @@ static void test_fsdp_whole(void **st) {
     assert_int_equal(have, v);
     assert_int_equal(ferry_refit_committed(g.r), v);
     expect_whole(got, v);
+    assert_int_equal(await_commits(&x, v), v);
+    pthread_mutex_lock(&x.lock);
+    assert_int_equal(x.buckets, (1ull << 14) - 1);
+    x.buckets = 0;
+    pthread_mutex_unlock(&x.lock);
   }
+  ferry_refit_on_bucket(g.r, NULL, NULL);
+  ferry_refit_on_commit(g.r, NULL, NULL);
+  assert_int_equal(x.commits, 3);
+  assert_int_equal(x.last, 3);
+  assert_int_equal(x.status, 0);
   assert_true(ferry_refit_bytes_read(g.r) > 0);
   group_close(&g);
   for (int t = 0; t < NT; t++)
@@ -281,6 +339,28 @@ static void test_tp_pieces(void **st) {
   free(w1);
   free(w2);
   free(fused);
+}
+
+/* A receiver that binds only rank 0's rows reads nothing from rank 1 (its sub-receiver declares
+ * an empty target), and commits all the same. */
+static void test_one_rank_bound(void **st) {
+  group g;
+  group_open(&g);
+  receiver_open(&g);
+  float *top = calloc(32 * cols[0], sizeof(float));
+  ferry_tensor_desc d = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {32, cols[0]}};
+  ferry_refit_piece p = {.source = "w1", .dim = 0, .start = 0, .stop = 32};
+  FR_OK(ferry_refit_bind_pieces(g.r, "w1.top", top, &d, &p, 1));
+  for (uint64_t v = 1; v <= 2; v++) {
+    uint64_t before = ferry_refit_bytes_read(g.r);
+    push_both(&g, v);
+    FR_OK(ferry_refit_wait(g.r, v, 10000, NULL));
+    assert_int_equal(ferry_refit_bytes_read(g.r) - before, 32 * cols[0] * sizeof(float));
+    for (uint64_t i = 0; i < 32 * cols[0]; i++)
+      assert_true(top[i] == value(v, 0, i));
+  }
+  group_close(&g);
+  free(top);
 }
 
 /* bind_flat: one buffer laid out as a single sender's; views point into it. */
@@ -488,6 +568,59 @@ static void test_rank_killed(void **st) {
     free(got[t]);
 }
 
+/* A rank stopped before it announced a version (SIGSTOP) while the other rank pushed it: the
+ * group's timer fails that version after the push timeout, naming the stopped rank; resumed,
+ * its push of that version returns, and the next version commits everywhere. */
+static void test_rank_stalled(void **st) {
+  directory dir;
+  directory_start(&dir);
+  child ch[2];
+  for (int r = 0; r < 2; r++)
+    child_start(&ch[r], r);
+  for (int r = 0; r < 2; r++)
+    child_ready(&ch[r]); /* published */
+  ferry_ctx *rc = ctx_for("rollout");
+  ferry_refit_receiver *rx;
+  FR_OK(ferry_refit_receiver_open(rc, "policy", 20000, &rx));
+  FR_OK(ferry_refit_bind_flat(rx));
+  for (int r = 0; r < 2; r++)
+    child_ready(&ch[r]); /* attached */
+  for (int r = 0; r < 2; r++)
+    child_push(&ch[r], 1, false);
+  for (int r = 0; r < 2; r++)
+    assert_int_equal(child_pushed(&ch[r]), 0);
+  FR_OK(ferry_refit_wait(rx, 1, 10000, NULL));
+
+  kill(ch[1].pid, SIGSTOP);
+  child_push(&ch[0], 2, false);
+  assert_int_equal(child_pushed(&ch[0]), 0); /* its part landed */
+  assert_int_equal(ferry_refit_committed(rx), 0);
+  uint64_t have = 99;
+  assert_int_equal(ferry_refit_wait(rx, 2, 20000, &have), FERRY_ETIMEDOUT);
+  assert_non_null(strstr(ferry_last_error(), "rank 1 (policy#1)"));
+  assert_non_null(strstr(ferry_last_error(), "sent nothing"));
+  assert_int_equal(have, 0);
+  kill(ch[1].pid, SIGCONT);
+  child_push(&ch[1], 2, false);
+  assert_int_not_equal(child_pushed(&ch[1]), 0); /* refused: the version failed */
+  for (int r = 0; r < 2; r++)
+    child_push(&ch[r], 3, false);
+  for (int r = 0; r < 2; r++)
+    assert_int_equal(child_pushed(&ch[r]), 0);
+  FR_OK(ferry_refit_wait(rx, 3, 10000, &have));
+  assert_int_equal(have, 3);
+  float *w2 = NULL;
+  FR_OK(ferry_refit_view(rx, "w2", (void **)&w2));
+  for (uint64_t i = 0; i < rows[1] * cols[1]; i++)
+    assert_true(w2[i] == value(3, 1, i));
+
+  ferry_refit_receiver_close(rx);
+  for (int r = 0; r < 2; r++)
+    child_end(&ch[r]);
+  ferry_ctx_close(rc);
+  directory_stop(&dir);
+}
+
 /* A single sender opened by name is as before: the group of one. */
 static void test_single_sender(void **st) {
   directory dir;
@@ -526,9 +659,10 @@ int main(int argc, char **argv) {
   if (argc == 5 && strcmp(argv[1], "--rank") == 0)
     return rank_child(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_fsdp_whole),  cmocka_unit_test(test_tp_pieces),
-      cmocka_unit_test(test_flat),        cmocka_unit_test(test_late_join),
-      cmocka_unit_test(test_rank_killed), cmocka_unit_test(test_single_sender),
+      cmocka_unit_test(test_fsdp_whole),     cmocka_unit_test(test_tp_pieces),
+      cmocka_unit_test(test_flat),           cmocka_unit_test(test_late_join),
+      cmocka_unit_test(test_rank_killed),    cmocka_unit_test(test_single_sender),
+      cmocka_unit_test(test_one_rank_bound), cmocka_unit_test(test_rank_stalled),
   };
   tu_filter();
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -88,25 +88,41 @@ static bool same_entry(const fr_refit_entry *a, const fr_refit_entry *b) {
 bool fr_group_rx_same_plan(fr_group_rx *g, const ferry_refit_receiver *prev,
                            const fr_refit_plan *plan) {
   (void)g;
-  const fr_refit_plan *was = &prev->plan;
-  if (was->count != plan->count || was->rank != plan->rank || was->world != plan->world)
-    return false;
-  for (uint32_t i = 0; i < plan->count; i++)
-    if (!same_entry(&was->entries[i], &plan->entries[i]))
-      return false;
-  return true;
+  ferry_refit_receiver *was = (ferry_refit_receiver *)prev;
+  pthread_mutex_lock(&was->bind_lock); /* its thread may still take a manifest */
+  bool same = was->plan.count == plan->count && was->plan.rank == plan->rank &&
+              was->plan.world == plan->world;
+  for (uint32_t i = 0; same && i < plan->count; i++)
+    same = same_entry(&was->plan.entries[i], &plan->entries[i]);
+  pthread_mutex_unlock(&was->bind_lock);
+  return same;
 }
 
 /* ---- bindings → parts → shard targets on the sub-receivers ---- */
 
-/* Declares rank k's parts of binding b (parts[0..n) all rank k's) on its sub-receiver. */
+/* Whether sub should hear of binding b although none of b's parts is its rank's: it holds b's
+ * target from before (its old parts must go), or nothing yet (an empty target makes it read
+ * none of its rank's bytes, rather than every bucket whole). bind_lock of sub held. */
+static bool needs_empty(const ferry_refit_receiver *sub, const fr_group_binding *b) {
+  if (sub->ntargets == 0)
+    return true;
+  for (uint32_t i = 0; i < sub->ntargets; i++)
+    if (sub->targets[i].name && strcmp(sub->targets[i].name, b->target) == 0)
+      return sub->targets[i].t.npieces > 0;
+  return false;
+}
+
+/* Declares rank k's parts of binding b (parts[0..n) all rank k's; none: see needs_empty) on its
+ * sub-receiver. */
 static int declare_rank(fr_group_rx *g, ferry_refit_receiver *sub, const fr_group_binding *b,
                         const fr_group_part *parts, uint32_t n) {
-  fr_refit_piece *pieces = malloc(n * sizeof *pieces);
-  fr_refit_place *places = malloc(n * sizeof *places);
-  char **sources = malloc(n * sizeof *sources);
+  size_t most = n ? n : 1;
+  fr_refit_piece *pieces = malloc(most * sizeof *pieces);
+  fr_refit_place *places = malloc(most * sizeof *places);
+  char **sources = malloc(most * sizeof *sources);
   int rc = pieces && places && sources ? 0 : fr_err(FERRY_ENOMEM, "refit: target '%s'", b->target);
   pthread_mutex_lock(&sub->bind_lock);
+  bool skip = n == 0 && !needs_empty(sub, b);
   for (uint32_t i = 0; rc == 0 && i < n; i++) {
     pieces[i] = parts[i].src;
     places[i] = parts[i].place;
@@ -117,11 +133,11 @@ static int declare_rank(fr_group_rx *g, ferry_refit_receiver *sub, const fr_grou
     if (rc == 0)
       sources[i] = sub->plan.entries[pieces[i].entry].name;
   }
-  if (rc == 0)
+  if (rc == 0 && !skip)
     rc = fr_refit_rx_enter_shards(sub);
-  if (rc == 0 && b->device >= 0)
+  if (rc == 0 && !skip && b->device >= 0 && n)
     fr_refit_rx_pin_stage(sub);
-  if (rc == 0)
+  if (rc == 0 && !skip)
     rc = fr_refit_rx_add_target(sub, b->target, b->dst, b->device, &b->desc, sources, pieces,
                                 places, n, true);
   pthread_mutex_unlock(&sub->bind_lock);
@@ -163,8 +179,7 @@ static int declare(fr_group_rx *g, fr_group_binding *b, uint32_t only) {
     for (size_t i = 0; i < n; i++)
       if (parts[i].rank == k)
         mine[m++] = parts[i];
-    if (m)
-      rc = declare_rank(g, sub, b, mine, m);
+    rc = declare_rank(g, sub, b, mine, m);
   }
   free(mine);
   free(parts);

@@ -215,7 +215,9 @@ int fr_group_rx_veto(fr_group_rx *g, ferry_refit_receiver *sub, uint64_t version
     g->landing_ns = now;
     began = true;
   }
-  int status = g->refused ? g->refused : version <= g->failed ? g->failure : 0;
+  /* FERRY_ESTALE, not the failure's own status: the rank's sender must neither take this
+   * receiver for stalled (FERRY_ETIMEDOUT drops it) nor for gone */
+  int status = g->refused ? g->refused : version <= g->failed ? FERRY_ESTALE : 0;
   if (status)
     snprintf(why, n, "refit group '%s': version %llu failed for the group: %s", g->name,
              (unsigned long long)version, g->why);
@@ -313,7 +315,11 @@ static void number_buckets(fr_group_rx *g) {
     pthread_mutex_lock(&g->lock);
     g->ranks[k].bucket_base = base;
     pthread_mutex_unlock(&g->lock);
-    base += sub ? sub->plan.buckets : 0;
+    if (sub) {
+      pthread_mutex_lock(&sub->bind_lock); /* its thread may take a new manifest */
+      base += sub->plan.buckets;
+      pthread_mutex_unlock(&sub->bind_lock);
+    }
   }
 }
 

@@ -93,8 +93,9 @@ void fr_group_rx_close(fr_group_rx *g);
  * unlinked as it is freed (an attach that failed: the rank's previous one stands again). */
 void fr_group_rx_linked(fr_group_rx *g, ferry_refit_receiver *sub);
 void fr_group_rx_unlinked(fr_group_rx *g, ferry_refit_receiver *sub);
-/* sub takes a bucket of `version` (its bind_lock held): 0, or the status the version failed
- * with for the group, *why then saying so; the sub-receiver then fails it too. */
+/* sub takes a bucket of `version` (its bind_lock held): 0, or FERRY_ESTALE when the version
+ * failed for the group (the status a refused manifest failed with, when one did), *why then
+ * saying so; the sub-receiver then fails it too (its ACK tells the rank). */
 int fr_group_rx_veto(fr_group_rx *g, ferry_refit_receiver *sub, uint64_t version,
                      uint32_t timeout_ms, char *why, size_t n);
 uint64_t fr_group_rx_committed(fr_group_rx *g);
