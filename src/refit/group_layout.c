@@ -207,10 +207,15 @@ static int check_tiling(fr_group_tensor *t, uint32_t dim, uint64_t *extent) {
   uint64_t pos = 0;
   uint32_t k = 0;
   const fr_group_holder *prev = NULL;
+  fr_group_holder stray = {0}; /* the first empty piece beyond the pieces so far, if any */
+  bool strays = false;
   for (uint32_t i = 0; i < t->nholders; i++) {
     const fr_group_holder *h = &t->holders[i];
-    if (h->start == h->stop)
+    if (h->start == h->stop) { /* holds nothing; beyond the end it is no piece of the tensor */
+      if (h->start > pos && !strays)
+        stray = *h, strays = true;
       continue;
+    }
     if (h->start > pos && !prev)
       return fr_err(FERRY_ESHAPE,
                     "refit group: no rank holds [0:%llu] of '%s' along dim %u (the first piece, "
@@ -235,13 +240,12 @@ static int check_tiling(fr_group_tensor *t, uint32_t dim, uint64_t *extent) {
     t->holders[k++] = *h;
     prev = &t->holders[k - 1];
   }
-  for (uint32_t i = k; i < t->nholders; i++) /* the empty pieces left behind the kept ones */
-    if (t->holders[i].start > pos)
-      return fr_err(FERRY_ESHAPE,
-                    "refit group: rank %u's empty piece [%llu:%llu] of '%s' lies "
-                    "past its end (%llu along dim %u)",
-                    t->holders[i].rank, (unsigned long long)t->holders[i].start,
-                    (unsigned long long)t->holders[i].stop, t->name, (unsigned long long)pos, dim);
+  if (strays && stray.start > pos) /* (one before a later piece is that piece's gap) */
+    return fr_err(FERRY_ESHAPE,
+                  "refit group: rank %u's empty piece [%llu:%llu] of '%s' lies past its end (%llu "
+                  "along dim %u)",
+                  stray.rank, (unsigned long long)stray.start, (unsigned long long)stray.stop,
+                  t->name, (unsigned long long)pos, dim);
   t->nholders = k;
   *extent = pos;
   return 0;
