@@ -99,7 +99,7 @@ if [ "$py_ok" -eq 1 ]; then
     printf "%d%% tests passed, %d tests failed out of %d\n", p + f ? 100 * p / (p + f) : 0, f, p + f }' >build-python.ctest.log
   # The examples, end to end with the venv's python (each starts its own other processes).
   examples=(examples/routing_replay.py examples/refit_torch.py examples/p2pstore_routing.py
-    examples/refit_engine.py)
+    examples/refit_engine.py examples/refit_sharded.py)
   ex_pass=0 ex_fail=0
   for ex in "${examples[@]}"; do
     if FERRY_LIB=$PWD/build/libferry.so timeout -s KILL 180 "$venv/bin/python" "$ex"; then

@@ -357,6 +357,7 @@ _protos = {
     "ferry_refit_tensor_buckets": (c_int, [c_void_p, c_size_t, POINTER(c_uint32),
                                            POINTER(c_uint32)]),
     "ferry_refit_bytes_read": (c_uint64, [c_void_p]),
+    "ferry_refit_ranks": (c_size_t, [c_void_p]),
     # mq
     "ferry_mq_open": (c_int, [c_void_p, POINTER(MQOpts), POINTER(c_void_p)]),
     "ferry_mq_close": (None, [c_void_p]),

@@ -4,7 +4,8 @@ land, `engine.load_weights(rx.updates(v))`.
 The receiver's thread reports each bucket that landed and verified (ferry_refit_on_bucket) and
 the end of each version (ferry_refit_on_commit) into a queue; the iteration, on the caller's
 thread, yields a tensor once every bucket that carries it (ferry_refit_tensor_buckets) was
-reported for the version it loads, and the rest when the version commits. A shard target
+reported for the version it loads, and the rest when the version commits. From a sharded
+sender group (ferry_refit_ranks > 1) every tensor comes once the version commits. A shard target
 (bind_shards) waits for every bucket of the sender tensors its pieces come from: the receiver
 reports each bucket of a push, those it read nothing from included, so that is when its
 slices have landed. Nothing here blocks
@@ -169,7 +170,14 @@ class _Layout:
         self.alias = rx._alias
         first, count = ctypes.c_uint32(), ctypes.c_uint32()
         carry = []
+        # A sharded sender group's global tensor spans buckets of several ranks: the receiver
+        # says nothing per bucket (FERRY_ENOTSUP) and every target comes when the version
+        # commits (no bucket completes one).
+        group = lib.ferry_refit_ranks(h) > 1
         for i in range(len(self.manifest)):
+            if group:
+                carry.append(range(0))
+                continue
             errors.check(lib.ferry_refit_tensor_buckets(h, c_size_t(i), byref(first),
                                                         byref(count)))
             carry.append(range(first.value, first.value + count.value))

@@ -57,7 +57,13 @@ class RefitReceiver(_lib.Closing):
     ctx: an open ferry.Context to use (one receiver per context); by default the process's
     default context, the node its store and mq share (ferry.default_context), else (it has a
     receiver already) a new one, closed with the receiver. Its close tells the sender
-    (DETACH), so sharing a context that outlives it is fine."""
+    (DETACH), so sharing a context that outlives it is fine.
+
+    A sharded sender group (the M ranks of a trainer, each a RefitSender(name, ..., rank=r,
+    world=M) published in the directory) opens by its name the same way: the receiver attaches
+    to every rank and sees one global manifest (ranks says M); bind, bind_shards, tensors() and
+    wait mean what they mean for one sender, and it reads each byte straight from the rank
+    that holds it."""
 
     def __init__(self, name: str, timeout: Optional[float] = None,
                  ctx: Optional[Context] = None, alias: bool = False) -> None:
@@ -402,7 +408,12 @@ class RefitReceiver(_lib.Closing):
         along dim 0 in shard order (ints 0, 1, ...; vLLM's "q", "k", "v") and yielded once all
         of them landed: a view when they lie back to back in the buffer (the sender declared
         them in that order, each a multiple of 64 bytes), else their concatenation (a copy).
-        like: "torch" or "numpy"."""
+        like: "torch" or "numpy".
+
+        From a sharded sender group (ranks > 1) a global tensor's bytes come in buckets of
+        several ranks, so nothing is yielded per bucket: every tensor comes once the version
+        committed here, with the same meaning otherwise (a failed version raises before any
+        tensor is given out)."""
         from .load import updates
         return updates(self, version, mapping, timeout, like)
 
@@ -432,6 +443,12 @@ class RefitReceiver(_lib.Closing):
                 raise_status(rc)
             self._bound[target] = (obj, arr)
             self._pieces[target] = pieces
+
+    @property
+    def ranks(self) -> int:
+        """How many sender ranks this receiver reads from: the world of a sharded sender group
+        (RefitSender(rank=, world=)), 1 for a single sender."""
+        return int(lib.ferry_refit_ranks(self.handle))
 
     @property
     def bytes_read(self) -> int:

@@ -1,0 +1,201 @@
+"""Sharded senders from Python (issue 34): trainer ranks that each hold part of one model
+(RefitSender(name, sd, rank=r, world=M, pieces=...), with the pieces ferry.tp_pieces,
+fsdp_pieces and expert_pieces build) push every version; receivers opened by the one name see
+the global model (ranks == M) and get it whole (bind, tensors()) or as their own shards
+(tp_shards with the engine's splits), and updates() yields every tensor once the version
+committed. The directory the ranks are published in is hosted by this process."""
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import ferry
+
+_n = [0]
+
+HIDDEN, Q, KV, INTER = 16, 16, 8, 32
+GLOBAL = {"embed": (32, HIDDEN), "q": (Q, HIDDEN), "k": (KV, HIDDEN), "v": (KV, HIDDEN),
+          "o": (HIDDEN, Q), "gate": (INTER, HIDDEN), "up": (INTER, HIDDEN),
+          "down": (HIDDEN, INTER), "norm": (HIDDEN,)}
+TRAINER_RULES = [(r"^(q|k|v|gate|up)$", 0), (r"^(o|down)$", 1)]
+FUSED = {"qkv": ["q", "k", "v"], "gate_up": ["gate", "up"]}
+# the engine's own split: everything along dim 1 but the fused column-parallel ones
+ENGINE_RULES = [(r"^(q|k|v|gate|up)$", 0), (r"^(o|down|embed)$", 1), (r"^norm$", None)]
+
+
+def unique(tag):
+    _n[0] += 1
+    return "pygroup-%d-%s-%d" % (os.getpid(), tag, _n[0])
+
+
+@pytest.fixture
+def directory(monkeypatch):
+    """A directory hosted in this process; FERRY_DIRECTORY names it."""
+    with ferry.Store(host_directory=True, name=unique("dir")) as st:
+        monkeypatch.setenv("FERRY_DIRECTORY", st.directory)
+        yield st.directory
+
+
+def full_model(v):
+    g = np.random.default_rng(v)
+    return {n: g.standard_normal(s).astype(np.float32) for n, s in GLOBAL.items()}
+
+
+def tp_local(full, rank, world):
+    def cut(name, dim):
+        n = full[name].shape[dim] // world
+        return np.ascontiguousarray(np.take(full[name], range(rank * n, (rank + 1) * n), axis=dim))
+    return {"embed": full["embed"].copy(), "norm": full["norm"].copy(),
+            "qkv": np.concatenate([cut("q", 0), cut("k", 0), cut("v", 0)]),
+            "gate_up": np.concatenate([cut("gate", 0), cut("up", 0)]),
+            "o": cut("o", 1), "down": cut("down", 1)}
+
+
+class Ranks:
+    """M sender ranks in this process (each its own context), holding `layout`'s parts."""
+
+    def __init__(self, name, layout, world):
+        self.world, self.layout = world, layout
+        self.local = [None] * world  # what each rank's tensors are, updated in place
+        self.tx = []
+        for r in range(world):
+            sd, pieces = self.parts(full_model(0), r)
+            self.tx.append(ferry.RefitSender(name, sd, rank=r, world=world, pieces=pieces,
+                                             buffer_bytes=4096))
+
+    def parts(self, full, r):
+        if self.layout == "tp":
+            self.local[r] = tp_local(full, r, self.world)
+            return ferry.tp_pieces(self.local[r], r, self.world, TRAINER_RULES, fused=FUSED,
+                                   shapes={n: GLOBAL[n] for n in ("q", "k", "v")})
+        slices, pieces = ferry.fsdp_pieces(GLOBAL, r, self.world)
+        self.local[r] = {n: np.ascontiguousarray(full[n][s]) for n, s in slices.items()}
+        return self.local[r], pieces
+
+    def step(self, v):
+        """Every rank's tensors become version v's (in place), then every rank pushes v."""
+        full = full_model(v)
+        for r in range(self.world):
+            old = self.local[r]
+            self.parts(full, r)
+            for n, t in old.items():
+                np.copyto(t, self.local[r][n])
+            self.local[r] = old
+        errs = []
+
+        def push(tx):
+            try:
+                tx.push(v, timeout=10)
+            except Exception as e:  # noqa: BLE001 (reported below)
+                errs.append(e)
+        threads = [threading.Thread(target=push, args=(tx,)) for tx in self.tx]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errs, errs
+        return full
+
+    def close(self):
+        for tx in self.tx:
+            tx.close()
+
+
+def engine_rank(rx, rank, world):
+    specs = ferry.tp_shards(rx, rank, world, ENGINE_RULES, fused={"qkv": ["q", "k", "v"]})
+    mine = {t: np.zeros(shape, dtype=dtype) for t, (shape, dtype, _) in specs.items()}
+    rx.bind_shards({t: (mine[t], specs[t][2]) for t in specs})
+    return mine
+
+
+def check_shards(full, shards):
+    """Engine ranks' shards (ENGINE_RULES, fused qkv) put together equal the global model."""
+    world = len(shards)
+    for n, dim in (("o", 1), ("down", 1), ("embed", 1), ("gate", 0), ("up", 0)):
+        assert np.array_equal(np.concatenate([s[n] for s in shards], axis=dim), full[n]), n
+    q, k = Q // world, KV // world
+    assert np.array_equal(np.concatenate([s["qkv"][:q] for s in shards]), full["q"])
+    assert np.array_equal(np.concatenate([s["qkv"][q:q + k] for s in shards]), full["k"])
+    assert np.array_equal(np.concatenate([s["qkv"][q + k:] for s in shards]), full["v"])
+    for s in shards:
+        assert np.array_equal(s["norm"], full["norm"])
+
+
+@pytest.mark.parametrize("layout,world", [("tp", 2), ("fsdp", 3)])
+def test_group_to_whole_flat_and_shard_receivers(directory, layout, world):
+    name = unique(layout)
+    ranks = Ranks(name, layout, world)
+    rxs = []
+    try:
+        whole_rx = ferry.RefitReceiver(name, timeout=10)
+        rxs.append(whole_rx)
+        assert whole_rx.ranks == world
+        man = {m["name"]: (tuple(m["shape"]), m["dtype"]) for m in whole_rx.manifest()}
+        assert man == {n: (s, "float32") for n, s in GLOBAL.items()}
+        whole = {n: np.zeros(s, np.float32) for n, s in GLOBAL.items()}
+        whole_rx.bind(whole)
+        flat_rx = ferry.RefitReceiver(name, timeout=10)
+        rxs.append(flat_rx)
+        views = flat_rx.tensors(like="numpy")
+        shard_rxs = [ferry.RefitReceiver(name, timeout=10) for _ in range(2)]
+        rxs += shard_rxs
+        shards = [engine_rank(rx, r, 2) for r, rx in enumerate(shard_rxs)]
+        for tx in ranks.tx:
+            tx.wait_receivers(len(rxs), timeout=10)
+        for v in (1, 2):
+            its = [rx.updates(v, like="numpy", timeout=10) for rx in (whole_rx, flat_rx)]
+            full = ranks.step(v)
+            for rx in rxs:
+                assert rx.wait(v, timeout=10) == v
+                assert rx.committed == v
+            for n, t in full.items():
+                assert np.array_equal(whole[n], t), (v, n)
+                assert np.array_equal(views[n], t), (v, n)
+            check_shards(full, shards)
+            for it in its:  # a group's updates(): every tensor, once committed
+                got = dict(it)
+                assert it.version == v and sorted(got) == sorted(GLOBAL)
+                for n, t in full.items():
+                    assert np.array_equal(got[n], t), (v, n)
+        # an engine rank reads about its share, straight from the ranks
+        model = sum(t.nbytes for t in full_model(0).values())
+        for rx in shard_rxs:
+            assert rx.bytes_read < 2 * 0.75 * model, (rx.bytes_read, model)
+    finally:
+        for rx in rxs:
+            rx.close()
+        ranks.close()
+
+
+def test_expert_ranks_to_one_receiver(directory):
+    """Experts held by their owners (global names and Megatron's local indices alike): the
+    receiver sees every expert once and the replicated router."""
+    name = unique("ep")
+    world, num = 2, 4
+    full = {"router": np.arange(num * 4, dtype=np.float32).reshape(num, 4)}
+    for e in range(num):
+        full["experts.%d.w" % e] = np.full((3, 4), e, np.float32)
+    txs = []
+    try:
+        for r in range(world):
+            local = {"router": full["router"].copy()}
+            for i in range(num // world):  # Megatron's local_experts.i of rank r
+                local["experts.%d.w" % i] = full["experts.%d.w" % (r * num // world + i)].copy()
+            sd, pieces = ferry.expert_pieces(local, r, world, r"experts\.(\d+)\.", num,
+                                             local_index=True)
+            txs.append(ferry.RefitSender(name, sd, rank=r, world=world, pieces=pieces))
+        with ferry.RefitReceiver(name, timeout=10) as rx:
+            views = rx.tensors(like="numpy")
+            assert sorted(views) == sorted(full)
+            threads = [threading.Thread(target=tx.push, args=(1,)) for tx in txs]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert rx.wait(1, timeout=10) == 1
+            for n, t in full.items():
+                assert np.array_equal(views[n], t), n
+    finally:
+        for tx in txs:
+            tx.close()
