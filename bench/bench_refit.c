@@ -20,6 +20,7 @@
  * broadcast, the 5,000-tensor model at K = 2, 4 and against gloo, and direct pushes between
  * hosts at K = 2, 4.
  */
+#include "bench_refit_group.h"
 #include "cli/bench.h"
 #include "cli/cli.h"
 #include "netns.h"
@@ -934,7 +935,7 @@ static int run_hosts(const bench_opts *o, int reps) {
 
 static const char refit_usage[] =
     "usage: ferry bench refit [--json] [--reps N] [--max-size BYTES] [--full]\n"
-    "                         [--hosts-only|--no-hosts|--late-only]\n\n"
+    "                         [--hosts-only|--no-hosts|--late-only|--group-only]\n\n"
     "Pushes a transformer-shaped model (256 MiB; --max-size 1G adds a 1 GiB case) to K = 1, 2\n"
     "and 4 receiver processes on this host over shm, against a memcpy of the model's bytes\n"
     "and torch.distributed gloo broadcasts (per tensor and in 16 MiB buckets) when python3-torch\n"
@@ -958,17 +959,22 @@ static const char refit_usage[] =
     "in 2 MiB buckets pushed to K = 1, 2, 4 over tcp, chain against direct; vs base is the\n"
     "K = 1 time over the row's (the chain's target: >= 0.8 at K = 4).\n"
     "By default the rows the targets read; --full adds gloo per tensor, the 5,000-tensor\n"
-    "model at K = 2, 4 and against gloo, and direct pushes between hosts at K = 2, 4.\n";
+    "model at K = 2, 4 and against gloo, and direct pushes between hosts at K = 2, 4.\n"
+    "Sharded senders (issue 34), last (--no-hosts: 5000t-M4 only; --hosts-only: M×N "
+    "only):\n" BENCH_REFIT_GROUP_USAGE;
 
 int bench_refit(int argc, char **argv) {
   if (argc == 5 && strcmp(argv[1], "--receiver") == 0)
     return bench_refit_receiver(argv[2], atoi(argv[3]), argv[4]);
   if (argc == 4 && strcmp(argv[1], "--late") == 0)
     return bench_refit_late(argv[2], atoi(argv[3]));
+  if (argc >= 2 && strncmp(argv[1], "--group-", 8) == 0 && strcmp(argv[1], "--group-only") != 0)
+    return bench_refit_group_peer(argc, argv);
   if (argc == 6 && strcmp(argv[1], "--joiner") == 0)
     return bench_refit_joiner(argv[2], atoi(argv[3]), atoi(argv[4]), strtoull(argv[5], NULL, 10));
-  bool hosts_only = false, no_hosts = false, late_only = false;
+  bool hosts_only = false, no_hosts = false, late_only = false, group_only = false;
   const cli_opt extra[] = {{"hosts-only", CLI_ARG_FLAG, &hosts_only, 0, 0},
+                           {"group-only", CLI_ARG_FLAG, &group_only, 0, 0},
                            {"no-hosts", CLI_ARG_FLAG, &no_hosts, 0, 0},
                            {"late-only", CLI_ARG_FLAG, &late_only, 0, 0},
                            {0}};
@@ -985,6 +991,7 @@ int bench_refit(int argc, char **argv) {
     printf("(python3-torch not found: gloo rows skipped)\n");
   bench_header(&o, "ferry bench refit (push to K receivers on one host; vs base = speed)");
   int rc = 0;
+  hosts_only = hosts_only || group_only;
   for (uint64_t size = 256ull << 20; rc == 0 && !hosts_only && size <= o.max_size; size *= 4) {
     model m;
     model_make(&m, size, 0);
@@ -1000,7 +1007,9 @@ int bench_refit(int argc, char **argv) {
     rc = run_case(&o, "5000t", &m, o.reps ? o.reps : 20, gloo);
     model_free(&m);
   }
-  if (rc == 0 && !no_hosts && !late_only)
+  if (rc == 0 && !no_hosts && !late_only && !group_only)
     rc = run_hosts(&o, o.reps ? o.reps : 3);
+  if (rc == 0 && !late_only)
+    rc = bench_refit_group(&o, !no_hosts, !hosts_only || group_only);
   return rc == 0 ? CLI_OK : CLI_FAIL;
 }

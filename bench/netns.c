@@ -78,6 +78,15 @@ bool netns_up(const char *tag, const char *net, int n, const char *rate, char *f
   return ok;
 }
 
+bool netns_limit_ingress(const char *tag, int n, const char *rate, char *failed, size_t cap) {
+  bool ok = true;
+  for (int i = 1; ok && i <= n; i++)
+    ok = step(failed, cap,
+              "tc -n ferry-%s-sw qdisc add dev f%s%ds root tbf rate %s burst 1mb latency 100ms",
+              tag, tag, i, rate);
+  return ok;
+}
+
 int netns_enter(const char *tag, int i, int *home) {
   char path[96];
   snprintf(path, sizeof path, "/run/netns/ferry-%s-%d", tag, i);

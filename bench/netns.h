@@ -25,6 +25,10 @@
  * first. On failure it removes what it made, writes the command that failed into failed (cap
  * bytes) and returns false. */
 bool netns_up(const char *tag, const char *net, int n, const char *rate, char *failed, size_t cap);
+/* Limits what reaches hosts 1..n of set `tag` to `rate` as well: a tc tbf on each host's port of
+ * the bridge (the bridge's egress towards the host). With netns_up's egress limit, each host's
+ * link is then limited in both directions, as a host's NIC is. Same failure contract. */
+bool netns_limit_ingress(const char *tag, int n, const char *rate, char *failed, size_t cap);
 /* Removes hosts 1..n and the bridge's namespace of set `tag` (what is not there is skipped). */
 void netns_down(const char *tag, int n);
 /* Writes host i's namespace name into buf. */

@@ -66,6 +66,8 @@
   X("FERRY_DIRECTORY", "ferry://127.0.0.1:7700",                                                   \
     "directory URL: ferry://HOST:PORT (embedded; `ferry serve`) or "                               \
     "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]")                                                  \
+  X("FERRY_P2P_FLEET", "p2pstore",                                                                 \
+    "ferry.p2pstore's scope: keys live as FLEET/key, clear() removes this fleet's only")           \
   X("FERRY_LEASE_MS", "15000",                                                                     \
     "a node's directory lease; its records vanish this long after it dies")                        \
   X("FERRY_STORE_CAPACITY", "1073741824", "bytes of a node's store pool (copied puts live there)") \
