@@ -12,10 +12,11 @@
 
 Messages are delivered to every subscriber, in order per publisher, and never dropped: a
 publish to a subscriber whose queue is full waits, then raises ferry.Timeout naming it. Arrays
-and tensors arrive with their dtype and shape; bytes arrive as a read-only memoryview. Received
-payloads are views of the message's memory (the link's buffer, or the publisher's shared memory
-for large messages on one host): the message is freed, and its credit returned to the publisher,
-when the last view of it goes away (or at once with copy=True).
+and tensors arrive with their dtype and shape; bytes arrive as bytes (a copy; like=memoryview:
+a read-only view of the message, no copy). Received arrays (and memoryviews) are views of the
+message's memory (the link's buffer, or the publisher's shared memory for large messages on one
+host): the message is freed, and its credit returned to the publisher, when the last view of it
+goes away (or at once with copy=True).
 """
 import ctypes
 import logging
@@ -74,18 +75,30 @@ def _release(msg: Any, owner: "MQ") -> None:
     owner._unhold()
 
 
+def _check_like(like: Any) -> str:
+    """like_name(like), and "memoryview" for memoryview (a view of the message, no copy)."""
+    return "memoryview" if like is memoryview or like == "memoryview" else like_name(like)
+
+
 def _payload(msg: Any, like: Like, copy: bool, owner: "MQ",
              device: Optional[int] = None) -> Tuple[str, str, Any]:
     """(topic, publisher, payload) of a received message; takes ownership of msg. device: a CUDA
     ordinal: the payload is copied into a new tensor there (bytes as uint8), and the message is
-    freed once that copy is done."""
+    freed once that copy is done. A bytes message is bytes (copied out, the message freed at
+    once), unless like=memoryview: a read-only view of the message (issue 35: it was always a
+    memoryview, so a bytes publish did not come back as bytes)."""
+    view = _check_like(like) == "memoryview"
+    if device is None and not copy and not view and not msg.contents.is_tensor:
+        copy = True
     topic, publisher, is_tensor, arr, code = _decode(msg, copy and device is None, owner)
     if device is not None:
         from .cuda import host_to_new_device
         return topic, publisher, host_to_new_device(np.asarray(arr), code if is_tensor else 2,
-                                                    device, like)
+                                                    device, "numpy" if view else like)
     if not is_tensor:
-        return topic, publisher, arr
+        return topic, publisher, memoryview(arr) if view else bytes(arr)
+    if view:
+        return topic, publisher, memoryview(arr)
     return topic, publisher, from_bits(arr, code, like)
 
 
@@ -232,7 +245,7 @@ class MQ(NodeHandle):
         if fn is not None and not callable(fn):
             raise TypeError("ferry: fn must be callable fn(topic, publisher, payload), not %s"
                             % type(fn).__name__)
-        like_name(like)
+        _check_like(like)
         t = _topic(topic)
         if fn is not None:
             with self._lock:
@@ -345,15 +358,16 @@ class MQ(NodeHandle):
              copy: bool = False, device: Any = None) -> Tuple[str, str, Any]:
         """The next message as (topic, publisher, payload); raises ferry.Timeout. payload is a
         numpy array (like="torch": a tensor; like=<module with from_dlpack>: that framework's)
-        for tensors, a read-only memoryview for bytes (like=bytes: bytes); both are views of
-        the message (copy=True: copies, and the message is freed at once). Messages of topics
-        that have a subscribe() fn never come here.
+        for tensors, bytes for bytes; like=memoryview: a read-only memoryview of either. Arrays
+        and memoryviews are views of the message (copy=True: copies, and the message is freed
+        at once); bytes are a copy. Messages of topics that have a subscribe() fn never come
+        here.
 
         device: "cpu" (default) or a CUDA device ("cuda:N", N, a torch.device): the payload is
         copied into a new tensor there (bytes as uint8): a torch CUDA tensor when torch
         (imported) has CUDA, else a ferry.DeviceArray; the copy is complete on return (ready
         on every stream) and the message is freed."""
-        if like_name(like) == "torch" and device is None:
+        if _check_like(like) == "torch" and device is None:
             _torch(need=True)
         ordinal = None
         if device is not None:
@@ -388,7 +402,7 @@ class MQ(NodeHandle):
         subscribe() fn, instead of recv, on the mq's background thread (one thread: calls
         never overlap). fn=None goes back to recv. An exception in fn is logged to the
         "ferry" logger and the message dropped."""
-        like_name(like)
+        _check_like(like)
         with self._lock:
             self._general = None if fn is None else (fn, like, copy)
         self._install()

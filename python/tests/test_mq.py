@@ -36,8 +36,8 @@ def test_bytes_and_tensors(pair):
     big = np.random.randint(0, 255, (1024, 1024), dtype=np.uint8)  # over the inline limit
     pub.publish("t", big)
     topic, publisher, p = sub.recv(timeout=10)
-    assert (topic, publisher, bytes(p)) == ("t", "py-pub", b"hello")
-    assert isinstance(p, memoryview) and p.readonly
+    assert (topic, publisher, p) == ("t", "py-pub", b"hello")
+    assert type(p) is bytes  # a bytes publish comes back as bytes (issue 35: a memoryview)
     _, _, y = sub.recv(timeout=10)
     assert y.dtype == np.float32 and y.shape == (3, 4) and (y == x).all()
     _, _, z = sub.recv(timeout=10)
@@ -179,8 +179,9 @@ def test_loan_zero_copy(pair):
     _, _, y = sub.recv(timeout=10)
     assert y.dtype == np.float32 and y.shape == (512, 256)
     assert (y == np.arange(256, dtype=np.float32)).all()
-    _, _, z = sub.recv(timeout=10)
-    assert isinstance(z, memoryview) and len(z) == 100000 and bytes(z[:4]) == b"\x03" * 4
+    _, _, z = sub.recv(timeout=10, like=memoryview)  # the message itself, no copy
+    assert isinstance(z, memoryview) and z.readonly and len(z) == 100000
+    assert bytes(z[:4]) == b"\x03" * 4
     with pytest.raises(ferry.InvalidArgument):
         pub.loan(0)
 
@@ -201,3 +202,32 @@ def test_close_while_a_payload_is_alive():
     del kept
     gc.collect()  # the last payload goes: the deferred close runs here, once
     pub.close()
+
+
+def test_bytes_come_back_as_bytes(pair):
+    # recv, like=bytes, a subscribe fn, and like=memoryview for the zero-copy view
+    pub, sub = pair
+    got, came = [], threading.Event()
+    sub.subscribe("fn", fn=lambda t, p, payload: (got.append(payload), came.set()))
+    sub.subscribe("b")
+    pub.wait_subscribers("b", 1, timeout=10)
+    pub.wait_subscribers("fn", 1, timeout=10)
+    for payload in (b"one", bytearray(b"two"), memoryview(b"three"), b"four", b""):
+        pub.publish("b", payload, timeout=10)
+    pub.publish("fn", b"five", timeout=10)
+    assert sub.recv(timeout=10)[2] == b"one"
+    assert type(sub.recv(timeout=10, like=bytes)[2]) is bytes
+    three = sub.recv(timeout=10, copy=True)[2]
+    assert type(three) is bytes and three == b"three"
+    four = sub.recv(timeout=10, like=memoryview)[2]
+    assert isinstance(four, memoryview) and four.readonly and bytes(four) == b"four"
+    empty = sub.recv(timeout=10)[2]
+    assert type(empty) is bytes and empty == b""
+    x = np.arange(6, dtype=np.int16)
+    pub.publish("b", x, timeout=10)
+    mv = sub.recv(timeout=10, like=memoryview)[2]
+    assert isinstance(mv, memoryview) and bytes(mv) == x.tobytes()
+    with pytest.raises(ValueError):
+        sub.recv(timeout=0, like="nonsense")
+    assert came.wait(30)  # the fn runs on the mq's thread
+    assert got == [b"five"] and type(got[0]) is bytes
