@@ -131,11 +131,12 @@ static int peers_ready(peer *ps, int n) {
 
 /* ---- CPU ---- */
 
-/* The host's busy and total jiffies over every core (/proc/stat's first line). */
-static void host_jiffies(double *busy, double *total) {
+/* The host's busy, network-stack (irq + softirq) and total jiffies over every core (/proc/stat's
+ * first line). */
+static void host_jiffies(double *busy, double *net, double *total) {
   unsigned long long v[10] = {0};
   FILE *f = fopen("/proc/stat", "r");
-  *busy = *total = 0;
+  *busy = *net = *total = 0;
   if (!f)
     return;
   if (fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2], &v[3], &v[4],
@@ -143,13 +144,14 @@ static void host_jiffies(double *busy, double *total) {
     for (int i = 0; i < 8; i++) {
       *total += (double)v[i];
       *busy += i == 3 || i == 4 ? 0 : (double)v[i];
+      *net += i == 5 || i == 6 ? (double)v[i] : 0;
     }
   fclose(f);
 }
 
 /* What one timed series used: the processes' CPU seconds and the host's busy cores over it. */
 typedef struct cpu_meter {
-  double procs0, procs1, wall0, wall1, busy0, total0, busy1, total1;
+  double procs0, procs1, wall0, wall1, busy0, net0, total0, busy1, net1, total1;
 } cpu_meter;
 
 static double meter_procs(const cpu_meter *c) {
@@ -157,10 +159,13 @@ static double meter_procs(const cpu_meter *c) {
   return wall > 0 ? (c->procs1 - c->procs0) / wall : 0;
 }
 
-static double meter_host(const cpu_meter *c) {
+/* Cores busy over the series: every kind of work (`net`: irq and softirq only, the network
+ * stack's packets, tc's shaping among them), the host's other work included. */
+static double meter_host(const cpu_meter *c, bool net) {
   double total = c->total1 - c->total0;
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  return total > 0 ? (c->busy1 - c->busy0) / total * (double)cores : 0;
+  double busy = net ? c->net1 - c->net0 : c->busy1 - c->busy0;
+  return total > 0 ? busy / total * (double)cores : 0;
 }
 
 /* ---- one series of pushes ---- */
@@ -173,6 +178,7 @@ typedef struct mn_row {
   uint64_t bytes, small;
   int base_host; /* trainer r on host base + r, engine e on base + m + e; 0: this host */
   const char *dir_url;
+  int mbit; /* every host's link, each way, in Mbit/s */
 } mn_row;
 
 static int host_of(const mn_row *r, int i) { return r->base_host ? r->base_host + i : 0; }
@@ -240,18 +246,19 @@ static int row_series(const mn_row *r, const char *kind, const char *name, int r
   for (int v = 1; rc == 0 && v <= reps + 1; v++) {
     double took, cpu;
     rc = row_push(r, tr, en, (uint64_t)v, &took, &cpu);
-    double now = bench_now(), busy, total;
-    host_jiffies(&busy, &total);
+    double now = bench_now(), busy, net, total;
+    host_jiffies(&busy, &net, &total);
     if (v == 1)
-      *m = (cpu_meter){cpu, cpu, now, now, busy, total, busy, total};
+      *m = (cpu_meter){cpu, cpu, now, now, busy, net, total, busy, net, total};
     else
-      bench_add(b, took), m->procs1 = cpu, m->wall1 = now, m->busy1 = busy, m->total1 = total;
+      bench_add(b, took), m->procs1 = cpu, m->wall1 = now, m->busy1 = busy, m->net1 = net,
+                          m->total1 = total;
   }
   if (rc != 0)
     fprintf(stderr, "bench refit: %s %dx%d: failed (%d): see the helpers' lines above\n", name,
             r->m, r->n, rc);
+  peers_stop(en, r->n); /* the engines first: a trainer gone before them is a warning */
   peers_stop(tr, r->m);
-  peers_stop(en, r->n);
   return rc;
 }
 
@@ -376,18 +383,19 @@ static void row_note(const bench_opts *o, const char *name, const mn_row *r, dou
            "\"engines\":%d,\"tp\":%s,\"host_bytes\":%llu,\"rate_bytes_per_s\":%.0f,"
            "\"floor_s\":%.6g,\"over_floor\":%.6g,\"target_over_floor_max\":1.25,"
            "\"funnel_over_ferry\":%.6g,\"target_funnel_over_ferry_min\":%s,"
-           "\"gloo_over_ferry\":%.6g,\"procs_cores\":%.4g,\"host_busy_cores\":%.4g,"
-           "\"cores\":%ld}\n",
+           "\"gloo_over_ferry\":%.6g,\"procs_cores\":%.4g,\"net_cores\":%.4g,"
+           "\"host_busy_cores\":%.4g,\"cores\":%ld}\n",
            name, r->m, r->n, r->tp ? "true" : "false", (unsigned long long)host_bytes,
-           MN_RATE_BYTES, floor_s, over, fun, tp4 ? "3" : "null", glo, meter_procs(cpu),
-           meter_host(cpu), cores);
+           r->mbit * 125e3, floor_s, over, fun, tp4 ? "3" : "null", glo, meter_procs(cpu),
+           meter_host(cpu, true), meter_host(cpu, false), cores);
     return;
   }
   printf("%-16s ferry/group %.2fx the floor (target <= 1.25), funnel %.2fx ferry%s, gloo "
-         "%.2fx ferry; floor %.1f MiB on the busiest host at " MN_RATE "; CPU during the "
-         "pushes: the processes %.2f cores, the host %.2f of %ld busy\n",
-         name, over, fun, tp4 ? " (target >= 3)" : "", glo, (double)host_bytes / 1048576.0,
-         meter_procs(cpu), meter_host(cpu), cores);
+         "%.2fx ferry; floor %.1f MiB on the busiest host at %d Mbit/s; CPU during the "
+         "pushes: the processes %.2f cores, irq+softirq %.2f, the host (other work too) %.2f "
+         "of %ld\n",
+         name, over, fun, tp4 ? " (target >= 3)" : "", glo, (double)host_bytes / 1048576.0, r->mbit,
+         meter_procs(cpu), meter_host(cpu, true), meter_host(cpu, false), cores);
 }
 
 static int run_row(const bench_opts *o, const mn_row *r, int reps, bool gloo) {
@@ -399,7 +407,7 @@ static int run_row(const bench_opts *o, const mn_row *r, int reps, bool gloo) {
   snprintf(gname, sizeof gname, "mn-g%d%c%d", r->m, r->tp ? 't' : 'x', r->n);
   snprintf(fname, sizeof fname, "mn-f%d%c%d", r->m, r->tp ? 't' : 'x', r->n);
   uint64_t host_bytes = row_host_bytes(r);
-  double floor_s = (double)host_bytes / MN_RATE_BYTES;
+  double floor_s = (double)host_bytes / (r->mbit * 125e3);
   bench_samples fl = {0}, fe = {0}, fu = {0}, gl = {0};
   bench_add(&fl, floor_s);
   cpu_meter cpu = {0}, fcpu = {0};
@@ -459,13 +467,22 @@ static int hosts_rows(const bench_opts *o, int nh, int reps, bool gloo) {
   gmodel m;
   if (rc == 0)
     rc = gmodel_make(&m, MN_MODEL, 0);
-  const mn_row rows[] = {{4, 2, false, &m, MN_MODEL, 0, 1, url},
-                         {4, 4, true, &m, MN_MODEL, 0, 1, url},
-                         {2, 4, true, &m, MN_MODEL, 0, 1, url},
-                         {8, 8, true, &m, MN_MODEL, 0, 1, url}};
-  int nrows = o->full ? 4 : 3, failed = 0;
-  for (int i = 0; rc == 0 && i < nrows; i++)
+  const mn_row rows[] = {{4, 2, false, &m, MN_MODEL, 0, 1, url, MN_MBIT},
+                         {4, 4, true, &m, MN_MODEL, 0, 1, url, MN_MBIT},
+                         {2, 4, true, &m, MN_MODEL, 0, 1, url, MN_MBIT},
+                         {8, 8, true, &m, MN_MODEL, 0, 1, url, MN_MBIT_8}};
+  int nrows = o->full ? 4 : 3, failed = 0, mbit = MN_MBIT;
+  for (int i = 0; rc == 0 && i < nrows; i++) {
+    char rate[32], why[512];
+    snprintf(rate, sizeof rate, "%dmbit", rows[i].mbit);
+    if (rows[i].mbit != mbit && !netns_set_rate(MN_TAG, nh, rate, true, why, sizeof why)) {
+      fprintf(stderr, "bench refit: `%s` failed\n", why);
+      failed = 1;
+      break;
+    }
+    mbit = rows[i].mbit;
     failed |= run_row(o, &rows[i], reps, gloo) != 0;
+  }
   if (rc == 0)
     gmodel_free(&m);
   dir_close(ctx, st);
@@ -507,7 +524,8 @@ static int small_rows(const bench_opts *o, int reps) {
     rc = gmodel_make(&m, 0, 5000);
   bench_samples mc = {0}, one = {0}, group = {0};
   cpu_meter cpu;
-  mn_row single = {1, 1, false, &m, 0, 5000, 0, url}, four = {4, 1, false, &m, 0, 5000, 0, url};
+  mn_row single = {1, 1, false, &m, 0, 5000, 0, url, 0},
+         four = {4, 1, false, &m, 0, 5000, 0, url, 0};
   if (rc == 0) {
     time_memcpy(&m, reps, &mc);
     bench_row(o, "refit", "5000t-M4", "memcpy", m.bytes, &mc, true);
@@ -544,8 +562,10 @@ int bench_refit_group(const bench_opts *o, bool hosts, bool one_host) {
     return rc;
   int nh = (o->full ? 16 : 8) + 1; /* the last: the directory's */
   char failed[512];
-  if (!netns_up(MN_TAG, MN_NET, nh, MN_RATE, failed, sizeof failed) ||
-      !netns_limit_ingress(MN_TAG, nh, MN_RATE, failed, sizeof failed)) {
+  char rate[32];
+  snprintf(rate, sizeof rate, "%dmbit", MN_MBIT);
+  if (!netns_up(MN_TAG, MN_NET, nh, rate, failed, sizeof failed) ||
+      !netns_limit_ingress(MN_TAG, nh, rate, failed, sizeof failed)) {
     netns_down(MN_TAG, nh);
     if (!o->json)
       printf("(network namespaces or tc unavailable here: `%s` failed; needs root, iproute2; "

@@ -58,9 +58,13 @@ uint64_t gmodel_trainer_bytes(const gmodel *m, int rank, int trainers, int engin
 
 /* ---- the run and its helper processes ---- */
 
-/* Every host's link, each way (tc tbf's rate), and the same in bytes per second. */
-#define MN_RATE "1gbit"
-#define MN_RATE_BYTES 125e6
+/* Every host's link, each way (tc tbf's rate), in Mbit/s; the 8×8 row's lower: at 1 Gbit/s its
+ * eight engine links take ~1 GB/s together, which costs these 2 cores more than they have (the
+ * processes and the network stack ~2.4 core-seconds per GB here). */
+#define MN_MBIT 1000
+#define MN_MBIT_8 400
+#define MN_STR_(x) #x
+#define MN_STR(x) MN_STR_(x)
 
 /* What the run asks a helper: 'n' (trainers: wait until v receivers attached), 'p' (push
  * version v), 'w' (engines: wait for version v), 'q' (quit). */
@@ -83,18 +87,21 @@ int bench_refit_group_peer(int argc, char **argv);
  * 5,000-tensor group on this host). Returns 0, or non-zero when a row failed. */
 int bench_refit_group(const bench_opts *o, bool hosts, bool one_host);
 /* Usage lines for bench_refit's --help. */
-#define BENCH_REFIT_GROUP_USAGE                                                                    \
-  "M×N (MxN-M4-N2, -M4-TP4, -M2-TP4; --full adds -M8-TP8): a 128 MiB model held by M\n"           \
-  "trainer ranks (matrices split along dim 0, norms on every rank), each a process on a host\n"    \
-  "of its own, pushed to N engine hosts (N2: each the whole model; TPn: TP ranks, fused qkv\n"     \
-  "and up by rows, o and down by columns), every host's link limited to " MN_RATE " both ways\n"   \
-  "(tc tbf on both ends of its veth). Rows: floor (the most bytes any one host sends or\n"         \
-  "receives, over the rate; vs base = floor / time, target >= 0.8), ferry/group, funnel\n"         \
-  "(gathered to rank 0 over tcp, then one sender pushes), gloo (gather to rank 0, broadcast).\n"   \
-  "A note line gives time / floor, funnel / ferry, gloo / ferry and the CPU the processes\n"       \
-  "used per second of the pushes (the host's 2 cores are not the bound); --json: impl\n"           \
-  "\"ratios\". 5000t-M4 (this host, shm): 4 ranks holding 5,000 tensors of 1 KiB, a push of\n"     \
-  "the group against a memcpy of its bytes and the same tensors from one sender.\n"                \
-  "--group-only runs these rows alone.\n"
+// clang-format off
+#define BENCH_REFIT_GROUP_USAGE \
+  "M×N (MxN-M4-N2, -M4-TP4, -M2-TP4; --full adds -M8-TP8): a 132 MiB model (11 layers,\n" \
+  "h = 512) held by M trainer ranks (matrices split along dim 0, norms on every rank),\n" \
+  "each a process on a host of its own, pushed to N engine hosts (N2: each the whole\n" \
+  "model; TPn: TP ranks, fused qkv and up by rows, o and down by columns), every host's\n" \
+  "link limited both ways (tc tbf on both ends of its veth) to " MN_STR(MN_MBIT) " Mbit/s (the\n" \
+  "8x8 row: " MN_STR(MN_MBIT_8) " Mbit/s). Rows: floor (the most bytes any one host sends or\n" \
+  "receives, over the rate; vs base = floor / time, target >= 0.8), ferry/group, funnel\n" \
+  "(gathered to rank 0 over tcp, then one sender pushes), gloo (gather to rank 0, then\n" \
+  "broadcast). A note line gives time / floor, funnel / ferry, gloo / ferry and the CPU\n" \
+  "used per second of the pushes (the processes, irq + softirq); --json: impl \"ratios\".\n" \
+  "5000t-M4 (this host, shm): 4 ranks holding 5,000 tensors of 1 KiB, the group's push\n" \
+  "against a memcpy of its bytes and the same tensors from one sender. --group-only runs\n" \
+  "these rows alone.\n"
+// clang-format on
 
 #endif

@@ -87,6 +87,20 @@ bool netns_limit_ingress(const char *tag, int n, const char *rate, char *failed,
   return ok;
 }
 
+bool netns_set_rate(const char *tag, int n, const char *rate, bool ingress, char *failed,
+                    size_t cap) {
+  bool ok = true;
+  for (int i = 1; ok && i <= n; i++)
+    ok = step(failed, cap,
+              "tc -n ferry-%s-%d qdisc change dev f%s%d root tbf rate %s burst 1mb latency 100ms",
+              tag, i, tag, i, rate) &&
+         (!ingress || step(failed, cap,
+                           "tc -n ferry-%s-sw qdisc change dev f%s%ds root tbf rate %s burst 1mb "
+                           "latency 100ms",
+                           tag, tag, i, rate));
+  return ok;
+}
+
 int netns_enter(const char *tag, int i, int *home) {
   char path[96];
   snprintf(path, sizeof path, "/run/netns/ferry-%s-%d", tag, i);

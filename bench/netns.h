@@ -29,6 +29,10 @@ bool netns_up(const char *tag, const char *net, int n, const char *rate, char *f
  * the bridge (the bridge's egress towards the host). With netns_up's egress limit, each host's
  * link is then limited in both directions, as a host's NIC is. Same failure contract. */
 bool netns_limit_ingress(const char *tag, int n, const char *rate, char *failed, size_t cap);
+/* Changes the limit of hosts 1..n of set `tag` to `rate`: their egress, and with `ingress` (after
+ * netns_limit_ingress) what reaches them too. Same failure contract. */
+bool netns_set_rate(const char *tag, int n, const char *rate, bool ingress, char *failed,
+                    size_t cap);
 /* Removes hosts 1..n and the bridge's namespace of set `tag` (what is not there is skipped). */
 void netns_down(const char *tag, int n);
 /* Writes host i's namespace name into buf. */
