@@ -517,7 +517,10 @@ class Run:
         if "pushed" not in pushed0:
             raise Failed("trainer rank 0's push of v%d: %s" % (step, pushed0))
         print("  trainer rank 1 SIGKILLed mid-push (rank 0's part of v%d landed, its own not "
-              "sent): v%d failed at every engine rank (%s)" % (step, step, loads["A"][0]["why"]))
+              "sent): v%d failed at every engine rank (%s); committed() there: %s"
+              % (step, step, loads["A"][0]["why"],
+                 ", ".join("%s %s" % (e, "/".join(str(o["committed"]) for o in outs))
+                           for e, outs in loads.items())))
         for line in self.check_serving(engines, self.reference(served), served, model_bytes,
                                        read):
             print("  still " + line)
