@@ -88,6 +88,8 @@ static int collect_names(const fr_refit_plan *plans, uint32_t world, fr_group_ma
       m->tensors[t].nholders++;
     }
   }
+  fr_group_tensor *fit = realloc(m->tensors, (m->count ? m->count : 1) * sizeof *fit);
+  m->tensors = fit ? fit : m->tensors; /* room for every entry was taken; keep what is used */
   return 0;
 }
 
