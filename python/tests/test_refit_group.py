@@ -199,3 +199,21 @@ def test_expert_ranks_to_one_receiver(directory):
     finally:
         for tx in txs:
             tx.close()
+
+
+def test_receiver_refuses_ranks_that_do_not_tile(directory):
+    """Pieces that overlap: the receiver's open fails, naming the tensor and the ranks."""
+    name = unique("overlap")
+    w = np.zeros((4, 2), np.float32)
+    txs = [ferry.RefitSender(name, {"w": w[:3]}, rank=0, world=2,
+                             pieces={"w": ferry.Piece("w", 0, 0, 3)}),
+           ferry.RefitSender(name, {"w": w[2:]}, rank=1, world=2,
+                             pieces={"w": ferry.Piece("w", 0, 2, 4)})]
+    try:
+        with pytest.raises(ferry.Error) as e:
+            ferry.RefitReceiver(name, timeout=5)
+        msg = str(e.value)
+        assert "'w'" in msg and "rank 0" in msg and "rank 1" in msg, msg
+    finally:
+        for tx in txs:
+            tx.close()
