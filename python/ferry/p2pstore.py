@@ -125,6 +125,15 @@ def _directories(url: Optional[str]) -> List[Optional[str]]:
                      "redis://HOST:PORT[/DB]" % url)
 
 
+def _listen_address(host: str) -> str:
+    """local_host as a tcp listen address: HOST:PORT as given, a bare host on any free port."""
+    if host.startswith("["):  # [v6] or [v6]:port
+        return host if "]:" in host else host + ":0"
+    if host.count(":") > 1:  # a bare IPv6 address
+        return "[%s]:0" % host
+    return host if ":" in host else host + ":0"
+
+
 @dataclass
 class P2PConfig:
     """What a P2PClient connects to: upstream's P2PConfig fields, plus ferry's own.
@@ -171,9 +180,7 @@ class P2PConfig:
             raise ValueError("ferry.p2pstore: protocol %r: 'rdma' or 'tcp' (ferry picks its "
                              "transports itself; either is accepted)" % (self.protocol,))
         if self.local_host:
-            host = self.local_host.strip()
-            self.tcp_listen = host if host.count(":") == 1 or host.startswith("[") else \
-                host + ":0"
+            self.tcp_listen = _listen_address(self.local_host.strip())
         else:
             self.local_host = os.getenv("POD_IP", "").strip() or "127.0.0.1"
         self.fleet = _check_fleet(self.fleet if self.fleet is not None else _fleet_default())

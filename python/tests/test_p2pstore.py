@@ -12,7 +12,10 @@ The stand-ins below are transcribed from upstream, so that a reader can check th
 import asyncio
 import dataclasses
 import inspect
+import os
 import socket
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -85,6 +88,8 @@ def test_config_urls():
     assert P2PConfig().directories == [None]  # FERRY_DIRECTORY
     assert P2PConfig("h:1", local_host="10.1.1.1:7800").tcp_listen == "10.1.1.1:7800"
     assert P2PConfig("h:1").tcp_listen is None
+    assert P2PConfig("h:1", local_host="fd00::5").tcp_listen == "[fd00::5]:0"
+    assert P2PConfig("h:1", local_host="[fd00::5]:7").tcp_listen == "[fd00::5]:7"
     for bad in ("etcd://h:2379", "http://h:1", "zmq://h", "zmq://h:1,", "ferry://h:1/x"):
         with pytest.raises(ValueError):
             P2PConfig(metadata_server=bad)
@@ -236,26 +241,47 @@ def test_zmq_url_first_that_answers(directory):
         _client("zmq://%s" % dead, "fo", "p2p-none")
 
 
-def test_zmq_url_next_when_it_fails():
-    d1 = ferry.Store(host_directory=True, name="p2p-dir1", timeout=10)
-    d2 = ferry.Store(host_directory=True, name="p2p-dir2", timeout=10)
+HOST_DIRECTORY = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import ferry
+s = ferry.Store(host_directory=True, name=sys.argv[2], timeout=10)
+print(s.directory, flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+def _directory_process(name):
+    """A directory in a process of its own (killed: it is gone, as a crashed `ferry serve`)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(ferry.__file__)))
+    p = subprocess.Popen([sys.executable, "-c", HOST_DIRECTORY, here, name],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    url = p.stdout.readline().strip()
+    assert url.startswith("ferry://"), url
+    return p, url
+
+
+def test_zmq_url_next_when_it_fails(directory):
+    proc, first = _directory_process("p2p-dir-first")
     c = None
     try:
-        url = "zmq://%s,%s" % (d1.directory[8:], d2.directory[8:])
+        url = "zmq://%s,%s" % (first[8:], directory.directory[8:])
         c = _client(url, "fo2", "p2p-fo2")
+        assert c.config.directories[c._at] == first
         assert asyncio.run(c.put("before", np.arange(2))) is True
-        assert d1.list() == ["fo2/before"] and d2.list() == []
-        d1.close()  # the first directory goes away
+        assert c.list() == ["before"] and directory.list() == []
+        proc.kill()  # the first directory goes away
+        proc.wait()
         assert asyncio.run(c.put("after", np.arange(5))) is True  # on the next one
-        assert c.config.directories[c._at] == d2.directory
-        assert d2.list() == ["fo2/after"]
-        assert np.array_equal(d2.get("fo2/after"), np.arange(5))
+        assert c.config.directories[c._at] == directory.directory
+        assert directory.list() == ["fo2/after"]
+        assert np.array_equal(directory.get("fo2/after"), np.arange(5))
         assert c.list() == ["after"]  # what was put in the failed one went with it
     finally:
         if c is not None:
             c.close()
-        d1.close()
-        d2.close()
+        proc.kill()
+        proc.wait()
 
 
 def test_check_metaserver_false_opens_at_first_call():
