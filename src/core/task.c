@@ -68,6 +68,7 @@ static struct {
   pthread_cond_t landed; /* a timer's callback returned (fr_timer_cancel waits for it) */
   bool ready;            /* max read, conditions made */
   int max, started, idle, queued;
+  int tasks;   /* taken by fr_task_try and not yet returned: at most max - 1 */
   bool keeper; /* a sleeping worker waits for the first deadline */
   task *head, *tail;
   fr_timer *timers; /* armed, earliest first */
@@ -75,7 +76,7 @@ static struct {
 
 static void on_fork_child(void) {
   pthread_mutex_init(&P.lock, NULL);
-  P.started = P.idle = P.queued = 0, P.keeper = false;
+  P.started = P.idle = P.queued = P.tasks = 0, P.keeper = false;
   P.head = P.tail = NULL; /* their workers are the parent's: they stay there */
   for (fr_timer *t = P.timers; t; t = t->next)
     t->armed = false;
@@ -94,6 +95,8 @@ static void ready(void) {
   pthread_atfork(NULL, NULL, on_fork_child);
   P.ready = true;
 }
+
+static void wake_one(int waiting);
 
 /* P.lock held. The first armed timer whose callback is not running now (one that its own
  * callback armed again waits for it to return: a callback never runs twice at once). */
@@ -114,6 +117,8 @@ static void fire(fr_timer *t) {
   t->armed = false;
   t->running = true;
   t->runner = pthread_self();
+  if (next_timer() && !P.keeper) /* the keeper was this worker: another one keeps the watch */
+    wake_one(P.queued + 1);
   pthread_mutex_unlock(&P.lock);
   t->fn(t->arg);
   pthread_mutex_lock(&P.lock);
@@ -154,6 +159,7 @@ static void *worker_main(void *unused) {
       k->fn(k->arg);
       free(k);
       pthread_mutex_lock(&P.lock);
+      P.tasks--;
       continue;
     }
     fr_timer *t = next_timer();
@@ -192,13 +198,14 @@ int fr_task_try(fr_task_fn fn, void *arg) {
   *k = (task){.fn = fn, .arg = arg};
   pthread_mutex_lock(&P.lock);
   ready();
-  bool room = P.idle - P.queued + (P.max - P.started) >= 2; /* one stays for the timers */
-  if (room && P.idle <= P.queued && !add_worker())
+  bool room = P.tasks < P.max - 1;                 /* one worker stays for the timers */
+  if (room && P.idle <= P.queued && !add_worker()) /* no sleeper left for it */
     room = false;
   if (room) {
     *(P.tail ? &P.tail->next : &P.head) = k;
     P.tail = k;
     P.queued++;
+    P.tasks++;
     if (P.idle >= P.queued) /* else the worker just started takes it */
       wake_one(P.queued);
   }
@@ -241,12 +248,10 @@ void fr_timer_arm(fr_timer *t, uint64_t deadline_ns) {
   t->next = *p;
   *p = t;
   t->armed = true;
-  if (next_timer() == t && !t->running) { /* the first deadline moved earlier */
-    if (P.keeper)
-      pthread_cond_signal(&P.watch);
-    else
-      wake_one(P.queued + 1);
-  }
+  if (P.keeper && next_timer() == t) /* the first deadline moved earlier */
+    pthread_cond_signal(&P.watch);
+  else if (!P.keeper && !t->running) /* nobody keeps the watch: a sleeper, or a new worker */
+    wake_one(P.queued + 1);
   pthread_mutex_unlock(&P.lock);
 }
 
