@@ -8,9 +8,11 @@ that FastDeploy's routing replay uses, over ferry.Store. The one changed line is
     await client.delete_batch(["req-42_3"]); await client.clear()
     keys = client.list()                                   # synchronous, as upstream
 
-Transcribed from the upstream client, PyPI package `p2pstore` (no public repository; the
-0.1.15 line, with the Redis metaserver and MetricsCollector): p2pstore/client.py (P2PClient),
-p2pstore/utils/config.py (P2PConfig), p2pstore/utils/metrics.py (MetricsCollector); and from
+Transcribed from the upstream client, PyPI package `p2pstore` (no public repository):
+p2pstore/client.py (P2PClient, as of the 0.1.15 line: enable_metrics, list(prefix), batch_get),
+p2pstore/utils/config.py (P2PConfig, as of the generation with the ZMQ metaserver, whose
+zmq://H:P,H:P form FastDeploy's command line passes; the later Redis-only generation adds
+redis_* fields parsed from the URL) and p2pstore/utils/metrics.py (MetricsCollector); and from
 its caller, FastDeploy's fastdeploy/model_executor/layers/moe/routing_indices_cache.py
 (RoutingStoreRDMA, StoreProcess, StoreWrapper) at PaddlePaddle/FastDeploy commit
 14471be02ffefde916a54431176f7e307055cec5. Every name, argument and return type of the client
@@ -116,6 +118,10 @@ def _directories(url: Optional[str]) -> List[Optional[str]]:
         return _split_hosts(rest, scheme, url)
     if scheme == "redis":
         return [s]
+    if scheme in ("redis+sentinel", "redis+cluster"):
+        raise ValueError("ferry.p2pstore: metadata_server %r: ferry's Redis directory is one "
+                         "server, redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] (no sentinel or "
+                         "cluster)" % url)
     if scheme == "etcd":
         raise ValueError("ferry.p2pstore: metadata_server %r: ferry has no etcd backend; name "
                          "ferry directories (zmq://HOST:PORT[,HOST:PORT] or ferry://HOST:PORT, "

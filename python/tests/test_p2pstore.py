@@ -1,9 +1,11 @@
 """ferry.p2pstore as the upstream p2p-store client's drop-in (issue 35 deliverable 4).
 
 The stand-ins below are transcribed from upstream, so that a reader can check them:
-- UPSTREAM_CLIENT / UPSTREAM_CONFIG: the PyPI package `p2pstore` (0.1.15 line; it has no public
-  repository): p2pstore/client.py, class P2PClient (every public method's parameters, whether
-  it is a coroutine) and p2pstore/utils/config.py, the @dataclass P2PConfig (fields, defaults).
+- UPSTREAM_CLIENT / UPSTREAM_CONFIG: the PyPI package `p2pstore` (it has no public repository):
+  p2pstore/client.py, class P2PClient of the 0.1.15 line (every public method's parameters,
+  whether it is a coroutine) and p2pstore/utils/config.py, the @dataclass P2PConfig of the
+  generation with the ZMQ metaserver (zmq://H:P,H:P, the form FastDeploy's command line uses):
+  its fields and defaults.
 - RoutingStoreRDMA, StoreProcess's order of tasks, pad_routing_indices, split_request_id and
   get_needed_clear_ids: FastDeploy's fastdeploy/model_executor/layers/moe/routing_indices_cache.py
   at PaddlePaddle/FastDeploy commit 14471be02ffefde916a54431176f7e307055cec5, the import of
@@ -90,7 +92,8 @@ def test_config_urls():
     assert P2PConfig("h:1").tcp_listen is None
     assert P2PConfig("h:1", local_host="fd00::5").tcp_listen == "[fd00::5]:0"
     assert P2PConfig("h:1", local_host="[fd00::5]:7").tcp_listen == "[fd00::5]:7"
-    for bad in ("etcd://h:2379", "http://h:1", "zmq://h", "zmq://h:1,", "ferry://h:1/x"):
+    for bad in ("etcd://h:2379", "http://h:1", "zmq://h", "zmq://h:1,", "ferry://h:1/x",
+                "redis+cluster://h:1,h:2"):
         with pytest.raises(ValueError):
             P2PConfig(metadata_server=bad)
     with pytest.raises(ValueError):
