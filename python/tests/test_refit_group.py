@@ -217,3 +217,26 @@ def test_receiver_refuses_ranks_that_do_not_tile(directory):
     finally:
         for tx in txs:
             tx.close()
+
+
+def test_late_receiver_catches_up_from_every_rank(directory):
+    """A receiver that opens after version 2 was pushed gets it at once from every rank's
+    retained buffer, with no push: wait() and updates() return version 2."""
+    name = unique("late")
+    ranks = Ranks(name, "fsdp", 2)
+    try:
+        ranks.step(1)
+        full = ranks.step(2)
+        with ferry.RefitReceiver(name, timeout=10) as rx:
+            views = rx.tensors(like="numpy")
+            assert rx.wait(timeout=10) == 2
+            for n, t in full.items():
+                assert np.array_equal(views[n], t), n
+        with ferry.RefitReceiver(name, timeout=10) as rx:
+            it = rx.updates(1, like="numpy", timeout=10)
+            got = dict(it)
+            assert it.version == 2 and sorted(got) == sorted(GLOBAL)
+            for n, t in full.items():
+                assert np.array_equal(got[n], t), n
+    finally:
+        ranks.close()
