@@ -172,13 +172,15 @@ static void push_both(group *g, uint64_t v) {
   }
 }
 
-/* The receiver's whole tensors hold version v. */
-static void expect_whole(float *const got[NT], uint64_t v) {
+/* The receiver's whole tensors hold version v, and committed() says so (its locks also order
+ * these reads before the next version's writes, which come from another process's push). */
+static void expect_whole(ferry_refit_receiver *r, float *const got[NT], uint64_t v) {
   for (int t = 0; t < NT; t++)
     for (uint64_t i = 0; i < rows[t] * cols[t]; i++)
       if (got[t][i] != value(v, t, i))
         fail_msg("%s[%llu] = %g, want %g (version %llu)", names[t], (unsigned long long)i,
                  (double)got[t][i], (double)value(v, t, i), (unsigned long long)v);
+  assert_int_equal(ferry_refit_committed(r), v);
 }
 
 static ferry_tensor_desc global_desc(int t) {
@@ -275,7 +277,7 @@ static void test_fsdp_whole(void **st) {
     FR_OK(ferry_refit_wait(g.r, v, 10000, &have));
     assert_int_equal(have, v);
     assert_int_equal(ferry_refit_committed(g.r), v);
-    expect_whole(got, v);
+    expect_whole(g.r, got, v);
     assert_int_equal(await_commits(&x, v), v);
     pthread_mutex_lock(&x.lock);
     assert_int_equal(x.buckets, (1ull << 14) - 1);
@@ -380,7 +382,7 @@ static void test_flat(void **st) {
   for (uint64_t v = 1; v <= 2; v++) {
     push_both(&g, v);
     FR_OK(ferry_refit_wait(g.r, v, 10000, NULL));
-    expect_whole(got, v);
+    expect_whole(g.r, got, v);
   }
   group_close(&g);
 }
@@ -404,12 +406,12 @@ static void test_late_join(void **st) {
   uint64_t have = 0;
   FR_OK(ferry_refit_wait(g.r, 0, 10000, &have));
   assert_int_equal(have, 2);
-  expect_whole(got, 2);
+  expect_whole(g.r, got, 2);
   for (int r = 0; r < 2; r++)
     await_receivers(g.s[r], 1);
   push_both(&g, 3);
   FR_OK(ferry_refit_wait(g.r, 3, 10000, NULL));
-  expect_whole(got, 3);
+  expect_whole(g.r, got, 3);
   group_close(&g);
   for (int t = 0; t < NT; t++)
     free(got[t]);
@@ -532,7 +534,7 @@ static void test_rank_killed(void **st) {
   for (int r = 0; r < 2; r++)
     assert_int_equal(child_pushed(&ch[r]), 0);
   FR_OK(ferry_refit_wait(rx, 1, 10000, NULL));
-  expect_whole(got, 1);
+  expect_whole(rx, got, 1);
 
   /* rank 0 dies in the middle of version 2; rank 1 pushes it whole */
   child_push(&ch[0], 2, true);
@@ -557,7 +559,7 @@ static void test_rank_killed(void **st) {
     assert_int_equal(child_pushed(&ch[r]), 0);
   FR_OK(ferry_refit_wait(rx, 3, 10000, &have));
   assert_int_equal(have, 3);
-  expect_whole(got, 3);
+  expect_whole(rx, got, 3);
 
   ferry_refit_receiver_close(rx);
   for (int r = 0; r < 2; r++)
@@ -621,6 +623,44 @@ static void test_rank_stalled(void **st) {
   directory_stop(&dir);
 }
 
+static void close_on_commit(ferry_refit_receiver *r, uint64_t version, int status, const char *why,
+                            void *arg) {
+  (void)status, (void)why; /* no cmocka assertion here: not the test's thread */
+  ferry_refit_receiver_close(r);
+  __atomic_store_n((uint64_t *)arg, version, __ATOMIC_RELEASE);
+}
+
+/* The group's receiver closed from its own on_commit (on a rank's thread): freed once the
+ * callback returned; a new receiver of the group on the same context commits the next version. */
+static void test_close_from_callback(void **st) {
+  group g;
+  group_open(&g);
+  receiver_open(&g);
+  FR_OK(ferry_refit_bind_flat(g.r));
+  static uint64_t closed_at;
+  ferry_refit_on_commit(g.r, close_on_commit, &closed_at);
+  for (int r = 0; r < 2; r++) {
+    rank_fill(&g.d[r], r, 1);
+    int pushed = ferry_refit_push(g.s[r], 1, NULL); /* the receiver may leave before its ACK */
+    assert_true(pushed == 0 || pushed == FERRY_ECLOSED || pushed == FERRY_EPEER);
+  }
+  for (int i = 0; i < 1000 && !__atomic_load_n(&closed_at, __ATOMIC_ACQUIRE); i++)
+    usleep(10000);
+  assert_int_equal(__atomic_load_n(&closed_at, __ATOMIC_ACQUIRE), 1);
+  FR_OK(ferry_refit_receiver_open(g.rc, "policy", 5000, &g.r));
+  FR_OK(ferry_refit_bind_flat(g.r));
+  for (int r = 0; r < 2; r++)
+    for (int i = 0; i < 1000 && ferry_refit_receivers(g.s[r]) != 1; i++)
+      usleep(10000); /* the old receiver's links are gone, the new one's attached */
+  push_both(&g, 2);
+  FR_OK(ferry_refit_wait(g.r, 2, 10000, NULL));
+  float *w1 = NULL;
+  FR_OK(ferry_refit_view(g.r, "w1", (void **)&w1));
+  for (uint64_t i = 0; i < rows[0] * cols[0]; i++)
+    assert_true(w1[i] == value(2, 0, i));
+  group_close(&g);
+}
+
 /* A single sender opened by name is as before: the group of one. */
 static void test_single_sender(void **st) {
   directory dir;
@@ -659,10 +699,15 @@ int main(int argc, char **argv) {
   if (argc == 5 && strcmp(argv[1], "--rank") == 0)
     return rank_child(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_fsdp_whole),     cmocka_unit_test(test_tp_pieces),
-      cmocka_unit_test(test_flat),           cmocka_unit_test(test_late_join),
-      cmocka_unit_test(test_rank_killed),    cmocka_unit_test(test_single_sender),
-      cmocka_unit_test(test_one_rank_bound), cmocka_unit_test(test_rank_stalled),
+      cmocka_unit_test(test_fsdp_whole),
+      cmocka_unit_test(test_tp_pieces),
+      cmocka_unit_test(test_flat),
+      cmocka_unit_test(test_late_join),
+      cmocka_unit_test(test_rank_killed),
+      cmocka_unit_test(test_single_sender),
+      cmocka_unit_test(test_one_rank_bound),
+      cmocka_unit_test(test_rank_stalled),
+      cmocka_unit_test(test_close_from_callback),
   };
   tu_filter();
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -250,9 +250,14 @@ int fr_group_rx_wait(fr_group_rx *g, uint64_t version, int timeout_ms, uint64_t 
     if ((have = group_held(g, true)) >= target)
       break;
     pthread_mutex_lock(&g->lock);
-    if (g->failed >= target || g->refused) {
-      rc = fr_err(g->refused ? g->refused : g->failure,
-                  "refit: version %llu of group '%s' failed: %s (have %llu)",
+    if (g->refused) { /* until it is opened again */
+      rc = fr_err(g->refused, "refit: group '%s' fails every version: %s (have %llu)", g->name,
+                  g->why, (unsigned long long)have);
+      pthread_mutex_unlock(&g->lock);
+      break;
+    }
+    if (g->failed >= target) {
+      rc = fr_err(g->failure, "refit: version %llu of group '%s' failed: %s (have %llu)",
                   (unsigned long long)g->failed, g->name, g->why, (unsigned long long)have);
       pthread_mutex_unlock(&g->lock);
       break;
@@ -478,6 +483,13 @@ static int reattach(fr_group_rx *g, uint32_t k) {
     pthread_mutex_unlock(&g->lock);
   }
   int replayed = fr_group_rx_replay(g, k);
+  pthread_mutex_lock(&g->lock);
+  if (replayed != 0 && !g->refused) { /* a binding no longer fits: no version holds it */
+    g->refused = replayed;
+    snprintf(g->why, sizeof g->why, "rank %u (%s#%u) came back, and a binding does not fit: %s", k,
+             g->name, k, ferry_last_error());
+  }
+  pthread_mutex_unlock(&g->lock);
   pthread_mutex_lock(&g->route); /* under bind_lock: a binding from now on declares on sub */
   g->ranks[k].gone = false;
   pthread_mutex_unlock(&g->route);
@@ -540,14 +552,22 @@ static uint64_t salt_of(ferry_ctx *ctx) {
   return h;
 }
 
+/* Closes a sub-receiver of g. One whose callback closes the group (this is its thread) is freed
+ * by its thread once the callback returned, after g is gone: it forgets g first. */
+static void sub_close(ferry_refit_receiver *sub) {
+  if (sub && fr_job_on_thread(sub->job))
+    sub->of = NULL;
+  ferry_refit_receiver_close(sub);
+}
+
 static void group_free(fr_group_rx *g) {
   for (uint32_t k = 0; k < g->world; k++) {
     ferry_refit_receiver *sub = g->ranks[k].sub, *prev = g->ranks[k].prev;
-    ferry_refit_receiver_close(sub); /* unlinked: prev stands in its place */
-    ferry_refit_receiver_close(prev);
+    sub_close(sub); /* unlinked: prev stands in its place */
+    sub_close(prev);
   }
   for (uint32_t i = 0; i < g->nold; i++)
-    ferry_refit_receiver_close(g->old[i]);
+    sub_close(g->old[i]);
   fr_group_rx_bindings_free(g);
   fr_group_manifest_free(&g->man);
   if (g->flat)
