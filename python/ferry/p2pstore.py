@@ -31,8 +31,10 @@ is upstream's (python/tests/test_p2pstore.py checks them against a transcription
 
 The metadata server is ferry's directory. zmq://H:P[,H:P...] (upstream's form) names ferry
 directories at those addresses (`ferry serve --listen H:P`): the client joins the first that
-answers and, when a call finds it gone, the next one (the values this client had put lived in
-the one that failed and are gone with it). ferry://H:P[,H:P...], a bare H:P, redis://... (one
+answers (refused or silent past the timeout: the next) and, when a call finds it gone (nothing
+answers there any more, ferry.ConnectError), the next one; the values this client had put lived
+in the one that failed and are gone with it. A call that is only slow (ferry.Timeout) fails
+without moving: a busy peer is no reason to leave the directory. ferry://H:P[,H:P...], a bare H:P, redis://... (one
 URL) and None (FERRY_DIRECTORY) work too; etcd:// is refused (ferry has no etcd backend).
 check_metaserver=True raises RuntimeError when none answers, as upstream; with False the
 client opens at its first call.
@@ -66,7 +68,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 
 from . import _lib
-from .errors import ConnectError, Error, NotFound
+from .errors import ConnectError, Error, NotFound, Timeout
 from .store import Store
 
 __all__ = ["P2PConfig", "P2PClient", "MetricsCollector"]
@@ -345,7 +347,7 @@ class P2PClient:
         self._closed = False
         try:
             self._open(0)
-        except ConnectError as e:
+        except (ConnectError, Timeout) as e:
             if check_metaserver:
                 raise RuntimeError("ferry.p2pstore: no metadata server answers at %s: %s"
                                    % (config.metadata_server, e.detail or e)) from e
@@ -360,7 +362,7 @@ class P2PClient:
             try:
                 store = Store(dirs[at], name=self.config.name, timeout=self.config.timeout,
                               capacity=self.config.capacity, tcp_listen=self.config.tcp_listen)
-            except ConnectError as e:
+            except (ConnectError, Timeout) as e:  # refused, or no answer within the timeout
                 log.warning("ferry.p2pstore: directory %s does not answer: %s", dirs[at], e)
                 last = e
                 continue
