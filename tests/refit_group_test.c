@@ -343,8 +343,9 @@ static void test_tp_pieces(void **st) {
   free(fused);
 }
 
-/* A receiver that binds only rank 0's rows reads nothing from rank 1 (its sub-receiver declares
- * an empty target), and commits all the same. */
+/* A receiver that binds only rank 0's rows, and the norm both ranks hold whole, reads each byte
+ * once: the rows from rank 0, the norm from one of its holders, nothing else (a rank it needs
+ * nothing from has an empty target declared). */
 static void test_one_rank_bound(void **st) {
   group g;
   group_open(&g);
@@ -353,13 +354,18 @@ static void test_one_rank_bound(void **st) {
   ferry_tensor_desc d = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {32, cols[0]}};
   ferry_refit_piece p = {.source = "w1", .dim = 0, .start = 0, .stop = 32};
   FR_OK(ferry_refit_bind_pieces(g.r, "w1.top", top, &d, &p, 1));
+  float norm[48];
+  ferry_tensor_desc dn = global_desc(2);
+  FR_OK(ferry_refit_bind(g.r, "norm", norm, &dn)); /* held whole by both: read from one */
   for (uint64_t v = 1; v <= 2; v++) {
     uint64_t before = ferry_refit_bytes_read(g.r);
     push_both(&g, v);
     FR_OK(ferry_refit_wait(g.r, v, 10000, NULL));
-    assert_int_equal(ferry_refit_bytes_read(g.r) - before, 32 * cols[0] * sizeof(float));
+    assert_int_equal(ferry_refit_bytes_read(g.r) - before, (32 * cols[0] + 48) * sizeof(float));
     for (uint64_t i = 0; i < 32 * cols[0]; i++)
       assert_true(top[i] == value(v, 0, i));
+    for (uint64_t i = 0; i < 48; i++)
+      assert_true(norm[i] == value(v, 2, i));
   }
   group_close(&g);
   free(top);
@@ -419,6 +425,11 @@ static void test_late_join(void **st) {
 
 /* ---- a rank killed mid-push (forked ranks) ---- */
 
+static void flip_bucket_one(uint32_t bucket, uint8_t *bytes, uint64_t len) {
+  if (bucket == 1 && len)
+    bytes[len / 2] ^= 0x40;
+}
+
 static void die_at_bucket_two(uint32_t bucket, uint8_t *bytes, uint64_t len) {
   (void)bytes, (void)len;
   if (bucket == 2)
@@ -440,8 +451,8 @@ static int read_all(int fd, void *buf, size_t len) {
 }
 
 /* Helper process (exec'd): rank r. Says it is published, then that a receiver attached, then per
- * command (a version, its top bit: die in the middle of that push; 0: end) pushes and answers the
- * status. */
+ * command (a version, its top bit: die in the middle of that push, the next: corrupt a bucket of
+ * it; 0: end) pushes and answers the status. */
 static int rank_child(int r, int rd, int wr) {
   tu_pipe p = {rd, wr};
   char name[16];
@@ -455,9 +466,10 @@ static int rank_child(int r, int rd, int wr) {
   await_receivers(s, 1);
   tu_pipe_put(&p, &ready, sizeof ready); /* attached */
   for (uint64_t cmd; read_all(rd, &cmd, sizeof cmd) == 0 && cmd;) {
-    uint64_t v = cmd & ~(1ull << 63);
-    if (cmd >> 63)
-      fr_refit_test_corrupt = die_at_bucket_two;
+    uint64_t v = cmd & ~(3ull << 62);
+    fr_refit_test_corrupt = cmd >> 63         ? die_at_bucket_two
+                            : (cmd >> 62) & 1 ? flip_bucket_one
+                                              : NULL;
     rank_fill(&d, r, v);
     ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = 3000};
     int32_t rc = ferry_refit_push(s, v, &po);
@@ -491,6 +503,11 @@ static void child_ready(child *c) {
 
 static void child_push(child *c, uint64_t v, bool die) {
   uint64_t cmd = v | (die ? 1ull << 63 : 0);
+  tu_pipe_put(&c->to, &cmd, sizeof cmd);
+}
+
+static void child_push_corrupt(child *c, uint64_t v) {
+  uint64_t cmd = v | 1ull << 62;
   tu_pipe_put(&c->to, &cmd, sizeof cmd);
 }
 
@@ -661,6 +678,43 @@ static void test_close_from_callback(void **st) {
   group_close(&g);
 }
 
+/* A bucket of rank 1's part that does not match its checksum fails the version at the receiver,
+ * naming rank 1; rank 0's push returns too; the next version commits. */
+static void test_rank_corrupt(void **st) {
+  directory dir;
+  directory_start(&dir);
+  child ch[2];
+  for (int r = 0; r < 2; r++)
+    child_start(&ch[r], r);
+  for (int r = 0; r < 2; r++)
+    child_ready(&ch[r]); /* published */
+  ferry_ctx *rc = ctx_for("rollout");
+  ferry_refit_receiver *rx;
+  FR_OK(ferry_refit_receiver_open(rc, "policy", 20000, &rx));
+  FR_OK(ferry_refit_bind_flat(rx));
+  for (int r = 0; r < 2; r++)
+    child_ready(&ch[r]); /* attached */
+  child_push_corrupt(&ch[1], 1);
+  child_push(&ch[0], 1, false);
+  assert_int_equal(child_pushed(&ch[1]), FERRY_ECHECKSUM);
+  (void)child_pushed(&ch[0]); /* returns: its part landed, or the version failed first */
+  uint64_t have = 99;
+  assert_int_equal(ferry_refit_wait(rx, 1, 10000, &have), FERRY_ECHECKSUM);
+  assert_non_null(strstr(ferry_last_error(), "rank 1 (policy#1)"));
+  assert_int_equal(have, 0);
+  for (int r = 0; r < 2; r++)
+    child_push(&ch[r], 2, false);
+  for (int r = 0; r < 2; r++)
+    assert_int_equal(child_pushed(&ch[r]), 0);
+  FR_OK(ferry_refit_wait(rx, 2, 10000, &have));
+  assert_int_equal(have, 2);
+  ferry_refit_receiver_close(rx);
+  for (int r = 0; r < 2; r++)
+    child_end(&ch[r]);
+  ferry_ctx_close(rc);
+  directory_stop(&dir);
+}
+
 /* A single sender opened by name is as before: the group of one. */
 static void test_single_sender(void **st) {
   directory dir;
@@ -708,6 +762,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_one_rank_bound),
       cmocka_unit_test(test_rank_stalled),
       cmocka_unit_test(test_close_from_callback),
+      cmocka_unit_test(test_rank_corrupt),
   };
   tu_filter();
   return cmocka_run_group_tests(tests, NULL, NULL);
