@@ -240,3 +240,85 @@ def test_late_receiver_catches_up_from_every_rank(directory):
                 assert np.array_equal(got[n], t), n
     finally:
         ranks.close()
+
+
+_RANK1 = r"""
+import sys
+import numpy as np
+import ferry
+name = sys.argv[1]
+w = np.zeros((4, 8), np.float32)
+with ferry.RefitSender(name, {"w": w}, rank=1, world=2,
+                       pieces={"w": ferry.Piece("w", 0, 4, 8)}) as tx:
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd, v = line.split()
+        if cmd == "receivers":
+            tx.wait_receivers(int(v), timeout=10)
+        else:
+            w[:] = int(v)
+            tx.push(int(v), timeout=10)
+        print("ok", flush=True)
+"""
+
+
+def test_rank_killed_then_restarted(directory, tmp_path):
+    """Rank 1 (another process) SIGKILLed while version 2 lands from rank 0: updates(2) raises
+    naming rank 1 and committed() is 0; a new rank 1 process comes back, the receiver takes it
+    back, and version 3 commits with both ranks' bytes."""
+    import signal
+    import subprocess
+    import sys
+    name = unique("kill")
+    script = tmp_path / "rank1.py"
+    script.write_text(_RANK1)
+
+    def rank1():
+        p = subprocess.Popen([sys.executable, str(script), name], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PYTHONPATH=os.path.dirname(
+                                 os.path.dirname(ferry.__file__))))
+        assert p.stdout.readline().strip() == "ready"
+        return p
+
+    def ask(p, line):
+        p.stdin.write(line + "\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "ok", line
+
+    w0 = np.zeros((4, 8), np.float32)
+    procs = [rank1()]
+    with ferry.RefitSender(name, {"w": w0}, rank=0, world=2,
+                           pieces={"w": ferry.Piece("w", 0, 0, 4)}) as tx:
+        try:
+            with ferry.RefitReceiver(name, timeout=10) as rx:
+                views = rx.tensors(like="numpy")
+                tx.wait_receivers(1, timeout=10)
+                ask(procs[0], "receivers 1")
+                w0[:] = 1
+                tx.push(1, timeout=10)
+                ask(procs[0], "push 1")
+                assert rx.wait(1, timeout=10) == 1 and (views["w"] == 1).all()
+                it = rx.updates(2, like="numpy", timeout=10)
+                w0[:] = 2
+                tx.push(2, timeout=10)  # rank 0's part of version 2 is in
+                procs[0].kill()
+                procs[0].wait()
+                assert procs[0].returncode == -signal.SIGKILL
+                with pytest.raises(ferry.Error, match=r"rank 1 \(%s#1\)" % name):
+                    list(it)
+                assert rx.committed == 0  # rank 0's part is of version 2, rank 1's of 1
+                procs.append(rank1())  # the same rank and declaration, a new process
+                ask(procs[1], "receivers 1")
+                w0[:] = 3
+                threads = [threading.Thread(target=tx.push, args=(3,), kwargs={"timeout": 10})]
+                threads[0].start()
+                ask(procs[1], "push 3")
+                threads[0].join()
+                assert rx.wait(3, timeout=10) == 3
+                assert (views["w"] == 3).all()
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
