@@ -1,0 +1,167 @@
+"""What the engine and framework adapters share: an engine rank's receiver (attach by name, load a
+version through the model's own load_weights), a trainer's sender fed by a generator of
+transient tensors, and the bridge from a ferry control cell to an engine's lifecycle calls.
+
+Nothing here imports an engine or a framework."""
+import threading
+from typing import Any, Callable, Iterable, Optional, Tuple
+
+from ..control import ControlCell, ControlRank
+from ..errors import Timeout
+from ..refit import RefitReceiver, RefitSender
+
+DEFAULT_TIMEOUT = 60.0  # seconds for one exchange (attach, a version to land)
+
+
+class RankReceiver:
+    """One engine rank's refit receiver, attached to the sender published as `name`.
+
+    It binds one flat ferry buffer with every tensor whole, so the model's load_weights gets
+    the trainer's (Hugging Face) names and full tensors, as it does from a checkpoint, and its
+    weight_loaders cut this rank's shards (vLLM and SGLang models slice by their own TP rank).
+    mapping: RefitReceiver.updates' trainer -> engine names (None: the trainer's names)."""
+
+    def __init__(self, name: str, timeout: Optional[float] = DEFAULT_TIMEOUT,
+                 mapping: Any = None, tp_rank: int = 0) -> None:
+        self.name, self.timeout, self.mapping, self.tp_rank = name, timeout, mapping, tp_rank
+        self.rx = RefitReceiver(name, timeout=timeout)
+        try:
+            self.rx.tensors()  # bind the flat buffer now; the views are not kept
+        except BaseException:
+            self.rx.close()
+            raise
+        self.version = 0  # the version last loaded into the model
+
+    def load(self, load_weights: Callable[[Iterable[Tuple[str, Any]]], Any],
+             version: Optional[int] = None, timeout: Optional[float] = None) -> int:
+        """Waits for `version` (None: the newest the sender pushed, at least 1; loading it again
+        is harmless), feeds it to load_weights(iterable of (name, tensor)) and returns it.
+        Raises when a newer push tore the bytes while they were loading."""
+        t = self.timeout if timeout is None else timeout
+        v = self.rx.wait(version, timeout=t)
+        if version is not None and v != version:
+            raise RuntimeError("refit '%s': version %d asked, %d committed"
+                               % (self.name, version, v))
+        load_weights(self.rx.updates(v, mapping=self.mapping, timeout=t))
+        if self.rx.committed != v:
+            raise RuntimeError("refit '%s': version %d changed while loading" % (self.name, v))
+        self.version = v
+        return v
+
+    def close(self) -> None:
+        self.rx.close()
+
+
+class GeneratorSender:
+    """A trainer's sender fed by a generator of (name, tensor) whose tensors exist only while it
+    yields them (FSDP full_tensor(), Megatron -> HF conversion). The first push copies each into
+    a host tensor of its own and declares those (ferry.RefitSender); later pushes copy into the
+    same tensors while names, shapes and dtypes stay the same, and re-declare what changed."""
+
+    def __init__(self, name: str, **sender_kwargs: Any) -> None:
+        self.name, self.kwargs = name, sender_kwargs
+        self.held = {}
+        self.sender: Optional[RefitSender] = None
+
+    def _take(self, weights):
+        import torch
+
+        changed, seen = {}, set()
+        for name, t in weights:
+            t = t.detach()
+            seen.add(name)
+            mine = self.held.get(name)
+            if mine is None or mine.shape != t.shape or mine.dtype != t.dtype:
+                changed[name] = t.to("cpu", copy=True).contiguous()
+            else:
+                with torch.no_grad():
+                    mine.copy_(t)
+        gone = set(self.held) - seen
+        return changed, gone
+
+    def take(self, weights: Iterable[Tuple[str, Any]]) -> None:
+        """Consumes `weights` on this thread (its collectives run here), keeping each tensor's
+        bytes in the sender's own; declares (first time) or re-declares what changed."""
+        changed, gone = self._take(weights)
+        if gone:
+            raise ValueError("refit '%s': the weights no longer include %s (a plan only grows; "
+                             "open a sender under another name)" % (self.name, sorted(gone)[:3]))
+        self.held.update(changed)
+        if self.sender is None:
+            self.sender = RefitSender(self.name, self.held, **self.kwargs)
+        elif changed:
+            self.sender.update(self.held)  # re-sealed: receivers take the new plan with the push
+
+    def send(self, version: Optional[int] = None, timeout: Optional[float] = DEFAULT_TIMEOUT,
+             receivers: int = 0) -> int:
+        """Pushes what take() kept as `version` (None: the last + 1); returns it once every
+        attached receiver committed it. receivers: first wait (up to `timeout`) until that many
+        are attached, so that the push reaches each one (a receiver attaching while a push is
+        under way may see that version only with the next push)."""
+        if receivers:
+            self.sender.wait_receivers(receivers, timeout=timeout)
+        return self.sender.push(version, timeout=timeout)
+
+    def push(self, weights: Iterable[Tuple[str, Any]], version: Optional[int] = None,
+             timeout: Optional[float] = DEFAULT_TIMEOUT) -> int:
+        """take(weights), then send(version)."""
+        self.take(weights)
+        return self.send(version, timeout)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
+
+class LifecycleBridge:
+    """A ferry control rank for an engine whose lifecycle calls are engine-wide (vLLM's LLM,
+    SGLang's Engine): its cell has one rank, driven here; control's clear runs clear() and its
+    update runs update(), which returns once every TP rank loaded the version (collective_rpc
+    and update_weights_from_tensor return only then), so the controller's request means what it
+    means with one control rank per TP rank.
+
+    thread=True runs the rank's loop on a thread of its own (the engine's calls then happen on
+    it: the controller's clear is the promise that no request is running); thread=False leaves
+    step() to the caller's loop."""
+
+    def __init__(self, cell: str, clear: Callable[[], Any], update: Callable[[], Any],
+                 initial_state: str = "serving", thread: bool = True) -> None:
+        self.cell = ControlCell(cell, 1)
+        try:
+            self.rank = ControlRank(cell, 0, initial_state=initial_state)
+        except BaseException:
+            self.cell.close()
+            raise
+        self.clear, self.update = clear, update
+        self._stop = threading.Event()
+        self._thread = None
+        if thread:
+            self._thread = threading.Thread(target=self._loop, name="ferry-lifecycle",
+                                            daemon=True)
+            self._thread.start()
+
+    def step(self, timeout: Optional[float] = None) -> Any:
+        """One command: waits up to `timeout` seconds, runs its handler, acks (ferry.Timeout
+        when none came)."""
+        return self.rank.step(clear=self.clear, update=self.update, timeout=timeout)
+
+    def _loop(self):
+        while not self._stop.is_set():
+            try:
+                self.step(timeout=0.2)
+            except Timeout:
+                continue
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.rank.close()
+        self.cell.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,1 @@
+"""Stand-in for the `verl` package (python/tests/standins/README.md)."""
