@@ -175,15 +175,13 @@ static int start(ferry_refit_receiver *r, const char *address, int timeout_ms, i
   return 0;
 }
 
-/* A bare name that no single sender holds may be a group's: its rank 0 published as NAME#0. */
-static int open_group(ferry_ctx *ctx, const char *name, int timeout_ms,
+/* A bare name that no single sender holds may be a group's: its rank 0 published as NAME#0.
+ * Returns 1 for a single sender, *resolved its address (malloc'd). */
+static int open_group(ferry_ctx *ctx, const char *name, int timeout_ms, char **resolved,
                       ferry_refit_receiver **out) {
-  char *resolved = NULL;
-  int rc = fr_refit_resolve(ctx, name, timeout_ms, &resolved);
-  if (rc != FERRY_ENOTFOUND) {
-    free(resolved);
-    return rc == 0 ? 1 : rc; /* 1: a single sender, opened as ever */
-  }
+  int rc = fr_refit_resolve(ctx, name, timeout_ms, resolved);
+  if (rc != FERRY_ENOTFOUND)
+    return rc == 0 ? 1 : rc;
   fr_err_keep keep;
   fr_err_save(&keep, rc);
   char *rank0 = NULL;
@@ -198,19 +196,23 @@ int ferry_refit_receiver_open(ferry_ctx *ctx, const char *address, int timeout_m
                               ferry_refit_receiver **out) {
   if (!ctx || !address || !out)
     return fr_err(FERRY_EINVAL, "ferry_refit_receiver_open: NULL argument");
+  char *resolved = NULL;
   if (!strstr(address, "://")) {
-    int rc = open_group(ctx, address, fr_timeout(timeout_ms), out);
+    int rc = open_group(ctx, address, fr_timeout(timeout_ms), &resolved, out);
     if (rc <= 0)
       return rc;
   }
   ferry_refit_receiver *r = receiver_new(ctx);
-  if (!r)
+  if (!r) {
+    free(resolved);
     return fr_err(FERRY_ENOMEM, "refit receiver");
+  }
   /* the channel is ours before the sender knows us; the thread starts once attached */
   int rc = fr_job_open(ctx, FR_CHANNEL_REFIT_RECEIVER, &service_ops, r, "ferry-refit-rx", &r->job);
   if (rc == FERRY_EBUSY)
     rc = fr_err(rc, "ferry_refit_receiver_open: this context has a refit receiver already");
-  rc = start(r, address, timeout_ms, rc, true);
+  rc = start(r, resolved ? resolved : address, timeout_ms, rc, true);
+  free(resolved);
   if (rc == 0)
     *out = r;
   return rc;
