@@ -603,7 +603,7 @@ int fr_group_rx_open(ferry_ctx *ctx, const char *name, const char *address0, int
   pthread_mutex_init(&g->lock, NULL);
   fr_cond_init_monotonic(&g->cond);
   /* the channel is ours before any rank knows us; the timer starts once all are attached */
-  int rc = fr_job_open(ctx, FR_CHANNEL_REFIT_RECEIVER, &group_ops, g, "ferry-refit-grp", &g->job);
+  int rc = fr_job_open(ctx, FR_CHANNEL_REFIT_RECEIVER, &group_ops, g, "ferry-refit-rx", &g->job);
   if (rc == FERRY_EBUSY)
     rc = fr_err(rc, "ferry_refit_receiver_open: this context has a refit receiver already");
   if (rc == 0)
