@@ -253,3 +253,26 @@ def test_sender_checks_rank_world_and_pieces(monkeypatch):
         ferry.RefitSender(name, sd, pieces={"x": ferry.Piece("w", 0, 0, 4)})
     with pytest.raises(ferry.InvalidArgument, match="Piece"):
         ferry.RefitSender(name, sd, pieces={"w": ("w", 0, 4)})
+    # a single sender's receivers see its tensors whole under their own names
+    with pytest.raises(ferry.InvalidArgument, match="needs a sender group"):
+        ferry.RefitSender(name, sd, pieces={"w": ferry.Piece("glob", 0, 0, 4)})
+    with pytest.raises(ferry.InvalidArgument, match="needs a sender group"):
+        ferry.RefitSender(name, sd, pieces={"w": ferry.Piece("w", 0, 0, 2)})
+
+
+def test_single_sender_takes_a_world_of_one_from_the_builders(monkeypatch):
+    """What the builders give for world 1 (every tensor whole under its own name) declares as a
+    plain sender does: the receiver sees the same names and bytes."""
+    monkeypatch.delenv("FERRY_DIRECTORY", raising=False)
+    full = full_model(5)
+    slices, pieces = ferry.fsdp_pieces(full, 0, 1)
+    assert set(pieces) == set(full)  # each tensor one piece: the whole of it
+    name = "pypieces-one-%d" % os.getpid()
+    with ferry.RefitSender(name, {n: full[n][s] for n, s in slices.items()}, pieces=pieces) as tx:
+        with ferry.RefitReceiver(name, timeout=5) as rx:
+            assert rx.ranks == 1
+            views = rx.tensors(like="numpy")
+            tx.push(1)
+            assert rx.wait(1, timeout=5) == 1
+            for n, t in full.items():
+                assert np.array_equal(views[n], t), n

@@ -131,6 +131,18 @@ def _pieces_of(pieces, state_dict):
     return out
 
 
+def _whole_pieces_only(name, pieces, state_dict):
+    """A single sender's receivers see its tensors under their own names, whole: a piece of a
+    tensor under another name, or of part of one, needs a group (world > 1). The pieces a
+    builder gives a world of 1 (each tensor whole, under its own name) pass."""
+    for local, p in pieces.items():
+        shape = tuple(getattr(state_dict[local], "shape", ()))
+        if p.source != local or p.dim >= len(shape) or (p.start, p.stop) != (0, shape[p.dim]):
+            raise InvalidArgument(-1, "refit '%s': '%s' is %s, a piece of another tensor: that "
+                                  "needs a sender group (world > 1); a single sender's receivers "
+                                  "see its tensors whole under their own names" % (name, local, p))
+
+
 class RefitSender(_lib.Closing):
     """The trainer's side. state_dict: {name: numpy array or CPU torch tensor}; their memory is
     declared in place (keep the tensors alive; update them in place, as optimizers do; a
@@ -176,6 +188,8 @@ class RefitSender(_lib.Closing):
             path = None
         self.rank, self.world = _rank_world(name, rank, world, in_dir)
         self.pieces = _pieces_of(pieces, state_dict)
+        if self.world <= 1:
+            _whole_pieces_only(name, self.pieces, state_dict)
         self.directory = (directory or lib.ferry_config_get(b"FERRY_DIRECTORY").decode()) \
             if in_dir else None
         if ctx is not None:
