@@ -10,6 +10,7 @@
  * that opens after versions were pushed catches up from every rank's retained buffer.
  */
 // ferry-test: threaded
+// ferry-test: cuda
 #include "testutil.h"
 
 #include "directory/directory.h"
@@ -715,6 +716,41 @@ static void test_rank_corrupt(void **st) {
   directory_stop(&dir);
 }
 
+/* CUDA destinations (the in-tree stand-in, or a GPU with FERRY_TEST_CUDA=driver): a dim-1 slice
+ * of w1 made of both ranks' rows, and the norm, land in device memory. Device bytes are only read
+ * through ferry_mem_copy. */
+static void test_device_pieces(void **st) {
+  if (!tu_cuda_use())
+    skip();
+  group g;
+  group_open(&g);
+  receiver_open(&g);
+  ferry_tensor_desc dc = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {rows[0], 16}};
+  ferry_tensor_desc dn = global_desc(2);
+  void *cols_dev = NULL, *norm_dev = NULL;
+  FR_OK(ferry_cuda_alloc(0, rows[0] * 16 * sizeof(float), &cols_dev));
+  FR_OK(ferry_cuda_alloc(0, 48 * sizeof(float), &norm_dev));
+  ferry_refit_piece pc = {.source = "w1", .dim = 1, .start = 16, .stop = 32};
+  FR_OK(ferry_refit_bind_pieces(g.r, "w1.cols", cols_dev, &dc, &pc, 1));
+  FR_OK(ferry_refit_bind(g.r, "norm", norm_dev, &dn));
+  float *got = calloc(rows[0] * 16, sizeof(float)), norm[48];
+  for (uint64_t v = 1; v <= 2; v++) {
+    push_both(&g, v);
+    FR_OK(ferry_refit_wait(g.r, v, 10000, NULL));
+    FR_OK(ferry_mem_copy(got, cols_dev, rows[0] * 16 * sizeof(float)));
+    FR_OK(ferry_mem_copy(norm, norm_dev, sizeof norm));
+    for (uint64_t i = 0; i < rows[0]; i++)
+      for (uint64_t j = 0; j < 16; j++)
+        assert_true(got[i * 16 + j] == value(v, 0, i * cols[0] + 16 + j));
+    for (uint64_t i = 0; i < 48; i++)
+      assert_true(norm[i] == value(v, 2, i));
+  }
+  group_close(&g);
+  FR_OK(ferry_cuda_free(cols_dev));
+  FR_OK(ferry_cuda_free(norm_dev));
+  free(got);
+}
+
 /* A single sender opened by name is as before: the group of one. */
 static void test_single_sender(void **st) {
   directory dir;
@@ -763,6 +799,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_rank_stalled),
       cmocka_unit_test(test_close_from_callback),
       cmocka_unit_test(test_rank_corrupt),
+      cmocka_unit_test(test_device_pieces),
   };
   tu_filter();
   return cmocka_run_group_tests(tests, NULL, NULL);
