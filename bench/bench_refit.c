@@ -960,8 +960,8 @@ static const char refit_usage[] =
     "K = 1 time over the row's (the chain's target: >= 0.8 at K = 4).\n"
     "By default the rows the targets read; --full adds gloo per tensor, the 5,000-tensor\n"
     "model at K = 2, 4 and against gloo, and direct pushes between hosts at K = 2, 4.\n"
-    "Sharded senders (issue 34), last (--no-hosts: 5000t-M4 only; --hosts-only: M×N "
-    "only):\n" BENCH_REFIT_GROUP_USAGE;
+    "Sharded senders (issue 34), last (--no-hosts: 5000t-M4 alone; --hosts-only: all but\n"
+    "5000t-M4):\n" BENCH_REFIT_GROUP_USAGE;
 
 int bench_refit(int argc, char **argv) {
   if (argc == 5 && strcmp(argv[1], "--receiver") == 0)
