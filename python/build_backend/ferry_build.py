@@ -14,9 +14,11 @@ Where libferry.so comes from, first match:
 1. `--config-settings=ferry-lib=PATH` (pip 22.1+): that file, bundled as it is;
 2. python/ferry/libferry.so, a copy placed there before the install: bundled as it is;
 3. otherwise built: CMake configures the project (the checkout's root, python/.., or native/ in
-   an sdist) into a fresh temporary folder, with the tests off and warnings not fatal, and builds
-   the `ferry` target only (about 15 s on 2 cores). Nothing from the checkout's build/ is used.
-   Needs cmake, a C compiler and the libraries of scripts/deps.sh build.
+   an sdist) into python/build/cmake (ignored by git; a temporary folder when python/ is not
+   writable), with the tests off and warnings not fatal, and builds the `ferry` target only
+   (about 15 s on 2 cores; a second build from the same tree, `pip wheel` after `pip install`,
+   rebuilds only what changed). Nothing from the checkout's build/ is used. Needs cmake, a C
+   compiler and the libraries of scripts/deps.sh build.
 
 An editable install (`pip install -e ./python`) links the checkout's python/ into the
 environment and builds nothing: the package then finds the checkout's build/libferry.so (`make`).
@@ -131,13 +133,41 @@ def _native_source():
                        "../include/ferry.h): install from a checkout of the whole repository")
 
 
+def _build_dir(workdir):
+    """python/build/cmake (git ignores it): a second build from the same tree (pip wheel after
+    pip install) only relinks what changed. A tree it cannot write to builds under workdir."""
+    build = os.path.join(HERE, "build", "cmake")
+    try:
+        os.makedirs(build, exist_ok=True)
+        if os.access(build, os.W_OK):
+            return build
+    except OSError:
+        pass
+    return os.path.join(workdir, "cmake-build")
+
+
+def _forget_other_source(build, src):
+    """Empties build when its CMake cache belongs to another source tree (a moved checkout)."""
+    try:
+        with open(os.path.join(build, "CMakeCache.txt"), encoding="utf-8") as f:
+            home = next((line.split("=", 1)[1].strip() for line in f
+                         if line.startswith("CMAKE_HOME_DIRECTORY:")), None)
+    except OSError:
+        return
+    if home is None or os.path.realpath(home) != os.path.realpath(src):
+        shutil.rmtree(build)
+        os.makedirs(build)
+
+
 def _build_library(workdir):
-    """libferry.so built by the project's CMake into a fresh folder under workdir; its path."""
+    """libferry.so built by the project's CMake (python/build/cmake, else under workdir); its
+    path."""
     cmake = shutil.which("cmake")
     if not cmake:
         raise RuntimeError("ferry's build needs cmake, a C compiler and the libraries that "
                            "scripts/deps.sh build installs (Debian: cmake gcc pkg-config ...)")
-    src, build = _native_source(), os.path.join(workdir, "cmake-build")
+    src, build = _native_source(), _build_dir(workdir)
+    _forget_other_source(build, src)
     jobs = str(os.cpu_count() or 1)
     for cmd in ([cmake, "-S", src, "-B", build, "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
                  "-DFERRY_TESTS=OFF", "-DFERRY_WERROR=OFF"],
@@ -213,12 +243,37 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     return name
 
 
+# An editable install's finder: `ferry` (and its subpackages) from the checkout's python/ferry,
+# nothing else of python/ (its tests/ and build_backend/ stay off sys.path).
+_EDITABLE_FINDER = '''"""ferry, installed editable: imported from %(pkg)s (pip install -e)."""
+import importlib.abc
+import importlib.util
+import sys
+
+PKG = %(pkg)r
+
+
+class _FerryFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "ferry":
+            return None
+        return importlib.util.spec_from_file_location(
+            name, PKG + "/__init__.py", submodule_search_locations=[PKG])
+
+
+if not any(isinstance(f, _FerryFinder) for f in sys.meta_path):
+    sys.meta_path.append(_FerryFinder())
+'''
+
+
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
     project = _project()
     name = "%s-%s-py3-none-any.whl" % (_dist_name(project), project["version"])
     dist_info = "%s-%s.dist-info" % (_dist_name(project), project["version"])
     wheel = _Wheel(os.path.join(wheel_directory, name), dist_info)
-    wheel.add("_ferry_editable.pth", (HERE + "\n").encode())
+    pkg = os.path.join(HERE, "ferry")
+    wheel.add("_ferry_editable.py", (_EDITABLE_FINDER % {"pkg": pkg}).encode())
+    wheel.add("_ferry_editable.pth", b"import _ferry_editable\n")
     wheel.add(dist_info + "/METADATA", _metadata(project))
     wheel.add(dist_info + "/WHEEL", _wheel_file("py3-none-any"))
     wheel.close()

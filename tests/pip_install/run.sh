@@ -2,8 +2,9 @@
 # `pip install ./python` as the README gives it, from a clean copy of the checkout (the files git
 # does not ignore, as the other stages build them: nothing of build/ comes along), offline, with FERRY_LIB and PYTHONPATH unset: the
 # install builds libferry.so (python/build_backend/ferry_build.py) and `import ferry` must load
-# that copy, inside the venv. Then `pip wheel --no-deps ./python`, the checkout removed, and the
-# wheel installed into a second venv, where it must work the same.
+# that copy, inside the venv. `pip install -e` imports the checkout's package. Then `pip wheel
+# --no-deps ./python`, the checkout removed, and the wheel installed into a second venv, where it
+# must work the same.
 # The venvs see Debian's NumPy (--system-site-packages); the index is an address nothing listens
 # on, so a step that wanted the network fails at once instead of passing on a networked machine.
 # Usage: run.sh SOURCE_DIR WORK_DIR
@@ -41,6 +42,16 @@ PY
 /usr/bin/python3 -m venv --system-site-packages "$work/v1"
 "$work/v1/bin/pip" install "$work/checkout/python"
 check "$work/v1"
+
+# editable: nothing built; the package is the checkout's own (here with v1's library)
+/usr/bin/python3 -m venv --system-site-packages "$work/v3"
+"$work/v3/bin/pip" install -e "$work/checkout/python"
+lib=$(ls "$work"/v1/lib/python3*/site-packages/ferry/libferry.so)
+(cd "$work" && FERRY_LIB=$lib "$work/v3/bin/python" -c "
+import os, ferry
+want = os.path.realpath('$work/checkout/python/ferry/__init__.py')
+assert os.path.realpath(ferry.__file__) == want, ferry.__file__
+print('pip_install: editable: ferry from', ferry.__file__)")
 
 "$work/v1/bin/pip" wheel --no-deps -w "$work/wheels" "$work/checkout/python"
 rm -rf "$work/checkout"
