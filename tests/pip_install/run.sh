@@ -16,8 +16,12 @@ unset FERRY_LIB PYTHONPATH PIP_FIND_LINKS PIP_NO_INDEX
 export PIP_INDEX_URL=http://127.0.0.1:9/simple PIP_CONFIG_FILE=/dev/null PIP_RETRIES=0 \
   PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 
-git -C "$src" ls-files -z --cached --others --exclude-standard | (cd "$src" && tar --null -T - --ignore-failed-read -cf - 2>/dev/null) |
-  tar -xf - -C "$work/checkout"
+if git -C "$src" rev-parse --git-dir >/dev/null 2>&1; then
+  git -C "$src" ls-files -z --cached --others --exclude-standard |
+    (cd "$src" && tar --null -T - --ignore-failed-read -cf - 2>/dev/null) | tar -xf - -C "$work/checkout"
+else # an unpacked tarball: all of it but the build folders
+  (cd "$src" && tar --exclude='./build*' --exclude=./python/build -cf - .) | tar -xf - -C "$work/checkout"
+fi
 [ -f "$work/checkout/python/pyproject.toml" ] || { echo "no clean copy of $src"; exit 1; }
 [ ! -e "$work/checkout/build" ] || { echo "the copy has build/"; exit 1; }
 
