@@ -135,7 +135,7 @@ def _native_source():
 
 def _build_dir(workdir):
     """python/build/cmake (git ignores it): a second build from the same tree (pip wheel after
-    pip install) only relinks what changed. A tree it cannot write to builds under workdir."""
+    pip install) rebuilds only what changed. A tree it cannot write to builds under workdir."""
     build = os.path.join(HERE, "build", "cmake")
     try:
         os.makedirs(build, exist_ok=True)
