@@ -74,8 +74,9 @@ void fr_refit_rx_pin_stage(ferry_refit_receiver *r) {
     fr_warn("refit: receive stage not pinned, device copies run slower: %s", ferry_last_error());
 }
 
-/* A shard run's destination: the device of the target holding it, or -1 (host memory). */
-static int run_device(const ferry_refit_receiver *r, const uint8_t *dst) {
+/* A shard run's destination: the device range (a device target's memory) holding it, or NULL
+ * (host memory). */
+static const struct dev_range *run_range(const ferry_refit_receiver *r, const uint8_t *dst) {
   size_t lo = 0, hi = r->ndev_ranges;
   uintptr_t a = (uintptr_t)dst;
   while (lo < hi) { /* the ranges are disjoint and sorted: the first that ends past a */
@@ -85,7 +86,7 @@ static int run_device(const ferry_refit_receiver *r, const uint8_t *dst) {
     else
       hi = mid;
   }
-  return lo < r->ndev_ranges && r->dev_ranges[lo].lo <= a ? r->dev_ranges[lo].device : -1;
+  return lo < r->ndev_ranges && r->dev_ranges[lo].lo <= a ? &r->dev_ranges[lo] : NULL;
 }
 
 int fr_refit_rx_copy_done(rx_copy *c) {
@@ -96,17 +97,18 @@ int fr_refit_rx_copy_done(rx_copy *c) {
 
 int fr_refit_rx_put_run(const ferry_refit_receiver *r, rx_copy *c, uint8_t *dst, const uint8_t *src,
                         uint64_t len) {
-  int device = r->ndev_ranges ? run_device(r, dst) : -1;
-  if (device < 0) {
+  const struct dev_range *range = r->ndev_ranges ? run_range(r, dst) : NULL;
+  if (!range) {
     memcpy(dst, src, len);
     return 0;
   }
-  if (c->len && c->device == device && c->dst + c->len == dst && c->src + c->len == src) {
+  if (c->len && c->device == range->device && c->dst + c->len == dst && c->src + c->len == src &&
+      (uintptr_t)dst + len <= c->end) {
     c->len += len;
     return 0;
   }
   int rc = fr_refit_rx_copy_done(c);
-  *c = (rx_copy){dst, src, len, device};
+  *c = (rx_copy){dst, src, len, range->device, range->hi};
   return rc;
 }
 
@@ -115,7 +117,7 @@ static int range_cmp(const void *a, const void *b) {
   return (x->lo > y->lo) - (x->lo < y->lo);
 }
 
-/* The device targets' memory, sorted and merged (two targets may share bytes), for run_device.
+/* The device targets' memory, sorted and merged (two targets may share bytes), for run_range.
  * bind_lock held. */
 int fr_refit_rx_build_dev_ranges(ferry_refit_receiver *r) {
   free(r->dev_ranges);

@@ -98,12 +98,15 @@ struct ferry_refit_receiver {
 
 /* Runs' bytes on their way out of the stage (or a landed bucket). Host runs are memcpy'd; runs
  * into a device target are merged while they continue one another at both ends (a slice along
- * dim 1 lands row after row), so a stretch costs one copy; copy_done issues the last one. */
+ * dim 1 lands row after row) within one target's memory, so a stretch costs one copy;
+ * copy_done issues the last one. Never across targets: two allocations may lie end to end, and
+ * one copy spanning both is refused by the driver (CUDA_ERROR_INVALID_VALUE). */
 typedef struct rx_copy {
   uint8_t *dst;
   const uint8_t *src;
   uint64_t len;
   int device;
+  uintptr_t end; /* where the device range dst lies in ends */
 } rx_copy;
 
 /* receiver.c: asks the sender for its manifest, bucket buffers and latest version. */
