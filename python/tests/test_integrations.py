@@ -8,6 +8,7 @@ import itertools
 import os
 import subprocess
 import sys
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -137,6 +138,71 @@ def test_vllm_worker_extension_lifecycle(standins):
             ctl.close()
             bridge.close()
             llm.collective_rpc("ferry_detach")
+
+
+class AsyncClient:
+    """An async engine client over the stand-in LLM: its lifecycle calls as coroutines, the
+    shape of vLLM's AsyncLLM (sleep, wake_up, reset_prefix_cache, collective_rpc awaited)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    async def sleep(self, level=1):
+        self.llm.sleep(level)
+
+    async def wake_up(self, tags=None):
+        self.llm.wake_up(tags)
+
+    async def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+        return self.llm.reset_prefix_cache()
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        return self.llm.collective_rpc(method, timeout, args, kwargs)
+
+
+def test_vllm_lifecycle_async_client(standins):
+    """lifecycle() over an async engine client runs its coroutines on the client's loop; without
+    loop= the update fails, saying to pass it."""
+    L = standins
+    from vllm.entrypoints.llm import LLM
+    from ferry.integrations import vllm as fv
+
+    trainer = Trainer(L)
+    name, cell = unique("vllm-async"), unique("vllm-async-cell")
+    models = [L.LlamaForCausalLM(r, 2) for r in range(2)]
+    llm = LLM(models, worker_extension_cls=fv.EXTENSION, enable_sleep_mode=True)
+    client = AsyncClient(llm)
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    try:
+        with ferry.RefitSender(name, trainer.model.state_dict()) as tx:
+            llm.collective_rpc("ferry_attach", args=(name,), kwargs={"timeout": TIMEOUT})
+            trainer.step()
+            tx.push(1, timeout=TIMEOUT)
+            with fv.lifecycle(client, cell, timeout=TIMEOUT), ferry.Control(cell) as ctl:
+                ctl.wait_ranks(1, TIMEOUT)
+                with pytest.raises(ferry.Error, match="loop="):
+                    ctl.request("clear", TIMEOUT)
+            with fv.lifecycle(client, cell, timeout=TIMEOUT, loop=loop, initial_state="cleared"), \
+                    ferry.Control(cell) as ctl:
+                ctl.wait_ranks(1, TIMEOUT)
+                llm.calls.clear()
+                ctl.request("update", TIMEOUT)
+                assert llm.calls == ["reset_prefix_cache"]  # not asleep: no wake_up
+                assert_serves(L, trainer, models)
+                trainer.step()
+                ctl.request("clear", TIMEOUT)
+                tx.push(2, timeout=TIMEOUT)
+                ctl.request("update", TIMEOUT)
+                assert llm.calls[1:] == ["reset_prefix_cache", "sleep(2)", "wake_up(weights)",
+                                         "wake_up(kv_cache)", "reset_prefix_cache"]
+                assert_serves(L, trainer, models)
+            llm.collective_rpc("ferry_detach")
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join()
+        loop.close()
 
 
 def test_vllm_update_failure_reaches_controller(standins):
@@ -279,9 +345,6 @@ def test_verl_checkpoint_engine(standins):
                new("ferry", bucket_size=1 << 20, name=name, timeout=TIMEOUT)]
     rollout = [new("ferry", bucket_size=1 << 20, timeout=TIMEOUT) for _ in range(2)]
     models = [L.LlamaForCausalLM(r, 2) for r in range(2)]
-    base.build_process_group(cls, senders, rollout)
-    assert [e.rank for e in senders] == [0, -1] and [e.rank for e in rollout] == [1, 2]
-    assert all(e.name == name for e in rollout)  # from rank 0's prepare()
 
     async def update():
         return await asyncio.gather(
@@ -291,15 +354,20 @@ def test_verl_checkpoint_engine(standins):
 
     try:
         first = None
-        for step in (1, 2):
+        for step in (1, 2, 3):
+            base.build_process_group(cls, senders, rollout)  # before each update, as verl does
+            assert [e.rank for e in senders] == [0, -1] and [e.rank for e in rollout] == [1, 2]
+            assert all(e.name == name for e in rollout)  # from rank 0's prepare()
+            expect = rollout[0].expect
             trainer.step()
             assert_stale(L, trainer, models)
             sent = asyncio.run(update())
-            assert sent[:2] == [step, None]
+            # the announced version, or the next when a rank was binding as the push began
+            assert sent[1] is None and sent[0] in (expect, expect + 1)
             for e in senders + rollout:
                 e.finalize()
             assert_serves(L, trainer, models)
-            assert [e.receiver.version for e in rollout] == [step, step]
+            assert all(e.receiver.version in (expect, sent[0]) for e in rollout)
             first = first or senders[0].sender.sender
             assert senders[0].sender.sender is first  # the plan is kept between steps
     finally:
@@ -332,3 +400,35 @@ def test_generator_sender_plan(standins):
             rx.close()
     finally:
         tx.close()
+
+
+def test_generator_sender_retries_once(standins):
+    """send(receivers=n): a push refused by a receiver that was binding (FERRY_ESTATE) is pushed
+    again as the next version, once; a second refusal is raised."""
+    from ferry.integrations._common import GeneratorSender
+
+    class Sender:
+        def __init__(self, refusals):
+            self.version, self.refusals, self.pushed = 0, refusals, []
+
+        def wait_receivers(self, n, timeout=None):
+            return n
+
+        def push(self, version=None, timeout=None):
+            self.pushed.append(version)
+            if len(self.pushed) <= self.refusals:
+                raise ferry.StateError(-21, "a destination was bound while version %d was "
+                                            "landing" % version)
+            self.version = version
+            return version
+
+    tx = GeneratorSender("unused")
+    tx.sender = Sender(refusals=1)
+    assert tx.send(4, TIMEOUT, receivers=2) == 5 and tx.sender.pushed == [4, 5]
+    tx.sender = Sender(refusals=0)
+    assert tx.send(None, TIMEOUT, receivers=2) == 1 and tx.sender.pushed == [1]
+    tx.sender = Sender(refusals=2)
+    with pytest.raises(ferry.StateError):
+        tx.send(7, TIMEOUT, receivers=2)
+    assert tx.sender.pushed == [7, 8]
+    tx.sender = None

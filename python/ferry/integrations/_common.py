@@ -3,14 +3,38 @@ version through the model's own load_weights), a trainer's sender fed by a gener
 transient tensors, and the bridge from a ferry control cell to an engine's lifecycle calls.
 
 Nothing here imports an engine or a framework."""
+import asyncio
+import inspect
+import logging
 import threading
 from typing import Any, Callable, Iterable, Optional, Tuple
 
 from ..control import ControlCell, ControlRank
-from ..errors import Timeout
+from ..errors import StateError, Timeout
 from ..refit import RefitReceiver, RefitSender
 
+log = logging.getLogger("ferry")
+
 DEFAULT_TIMEOUT = 60.0  # seconds for one exchange (attach, a version to land)
+
+
+def call(fn: Callable[..., Any], *args: Any, loop: Optional[asyncio.AbstractEventLoop] = None,
+         **kwargs: Any) -> Any:
+    """fn(*args, **kwargs); when that is a coroutine (an async engine client: vLLM's AsyncLLM,
+    SGLang's tokenizer manager), it runs on `loop`, the engine's event loop, and this waits."""
+    out = fn(*args, **kwargs)
+    if not inspect.isawaitable(out):
+        return out
+    if loop is None:
+        if inspect.iscoroutine(out):
+            out.close()
+        raise TypeError("loop= needed: %s is a coroutine function; pass the event loop the "
+                        "engine client runs on" % getattr(fn, "__qualname__", fn))
+    return asyncio.run_coroutine_threadsafe(_awaited(out), loop).result()
+
+
+async def _awaited(aw):
+    return await aw
 
 
 class RankReceiver:
@@ -94,13 +118,25 @@ class GeneratorSender:
 
     def send(self, version: Optional[int] = None, timeout: Optional[float] = DEFAULT_TIMEOUT,
              receivers: int = 0) -> int:
-        """Pushes what take() kept as `version` (None: the last + 1); returns it once every
-        attached receiver committed it. receivers: first wait (up to `timeout`) until that many
-        are attached, so that the push reaches each one (a receiver attaching while a push is
-        under way may see that version only with the next push)."""
-        if receivers:
-            self.sender.wait_receivers(receivers, timeout=timeout)
-        return self.sender.push(version, timeout=timeout)
+        """Pushes what take() kept as `version` (None: the last + 1); returns the version once
+        every attached receiver committed it.
+
+        receivers: first wait (up to `timeout`) until that many are attached, so that the push
+        reaches each one. A receiver that attached just before, and was binding its buffer as
+        the push began, refuses it (FERRY_ESTATE: "a destination was bound while version V was
+        landing"); then the same bytes are pushed once more as the next version, which reaches
+        it, and that version is returned: receivers that expect a version take it or a newer
+        one (verl's receive_weights does)."""
+        if not receivers:
+            return self.sender.push(version, timeout=timeout)
+        self.sender.wait_receivers(receivers, timeout=timeout)
+        version = self.sender.version + 1 if version is None else version
+        try:
+            return self.sender.push(version, timeout=timeout)
+        except StateError as e:
+            log.warning("refit '%s': version %d: %s; pushing it again as %d", self.name, version,
+                        e.detail or e, version + 1)
+            return self.sender.push(version + 1, timeout=timeout)
 
     def push(self, weights: Iterable[Tuple[str, Any]], version: Optional[int] = None,
              timeout: Optional[float] = DEFAULT_TIMEOUT) -> int:

@@ -41,9 +41,15 @@ class _FerryCheckpointEngine:
         self.world_size: Optional[int] = None
         self.sender: Optional[GeneratorSender] = None
         self.receiver: Optional[RankReceiver] = None
+        self.next_version = 1  # trainer rank 0: what the next send_weights pushes
+        self.expect: Optional[int] = None  # rollout: at least this version, from the topology
 
     def prepare(self) -> Dict[str, Any]:
-        """No buckets to allocate (the sender's are ferry's); the metadata is the refit name."""
+        """No buckets to allocate (the sender's are ferry's). The metadata: the refit name and,
+        from the trainer's rank 0, the version its next send_weights pushes (rollout ranks load
+        that one or a newer one)."""
+        if self.is_master or self.rank == 0:
+            return {"name": self.name, "version": self.next_version}
         return {"name": self.name}
 
     @classmethod
@@ -51,21 +57,24 @@ class _FerryCheckpointEngine:
                        metadata: list) -> Tuple[Dict[str, list], Dict[str, list]]:
         """Trainer rank 0 sends (rank 0), its other ranks only drain (rank -1); every rollout
         rank receives (ranks 1..N). All use the name rank 0 prepared."""
-        name = (metadata[0] or {}).get("name") if metadata else None
+        master = (metadata[0] or {}) if metadata else {}
+        name, version = master.get("name"), master.get("version")
         world = rollout_world_size + 1
         trainer = {"rank": [0] + [-1] * (trainer_world_size - 1),
                    "world_size": [world] * trainer_world_size,
                    "name": [name] * trainer_world_size}
         rollout = {"rank": list(range(1, rollout_world_size + 1)),
                    "world_size": [world] * rollout_world_size,
-                   "name": [name] * rollout_world_size}
+                   "name": [name] * rollout_world_size,
+                   "version": [version] * rollout_world_size}
         return trainer, rollout
 
     def init_process_group(self, rank: int, world_size: int, name: Optional[str] = None,
-                           **_: Any) -> None:
+                           version: Optional[int] = None, **_: Any) -> None:
         self.rank, self.world_size = int(rank), int(world_size)
         if name:
             self.name = name
+        self.expect = version  # a rollout rank: the version the next receive_weights loads
 
     def finalize(self) -> None:
         """Keeps the sender and the receivers: the next step reuses the plan and the links."""
@@ -85,24 +94,32 @@ class _FerryCheckpointEngine:
         # that this push reaches each, also the ones attaching concurrently at the first step
         expected = self.world_size - 1 if self.world_size else 0
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, functools.partial(
-            self.sender.send, None, self.timeout, expected))
+        sent = await loop.run_in_executor(None, functools.partial(
+            self.sender.send, self.next_version, self.timeout, expected))
+        self.next_version = sent + 1
+        return sent
 
     async def receive_weights(self) -> AsyncGenerator[Tuple[str, Any], None]:
-        """Rollout: yields (name, tensor) of the next version (newer than the last received;
-        the newest at the first call), as views of this rank's flat buffer, valid until the
-        next version lands."""
+        """Rollout: yields (name, tensor) of the version the trainer's rank 0 announced in
+        prepare() (or a newer one; without one: newer than the last received), as views of this
+        rank's flat buffer, valid until the next version lands."""
         loop = asyncio.get_running_loop()
         if self.receiver is None:
             self.receiver = await loop.run_in_executor(None, functools.partial(
                 RankReceiver, self.name, self.timeout))
         rx = self.receiver
-        v = await rx.rx.wait_async(rx.version + 1, timeout=self.timeout)
-        for name, tensor in rx.rx.updates(v, timeout=self.timeout):  # committed: no waiting
-            yield name, tensor
-        if rx.rx.committed != v:
-            raise RuntimeError("ferry checkpoint engine: version %d changed while loading" % v)
-        rx.version = v
+        v = await rx.rx.wait_async(max(rx.version + 1, self.expect or 0), timeout=self.timeout)
+        for _ in range(3):
+            for name, tensor in rx.rx.updates(v, timeout=self.timeout):  # committed: no waiting
+                yield name, tensor
+            if rx.rx.committed == v:
+                rx.version = v
+                return
+            # a newer version landed over it while it loaded (send_weights pushed the same bytes
+            # again for a rank that was still binding): load that one whole
+            v = await rx.rx.wait_async(v + 1, timeout=self.timeout)
+        raise RuntimeError("ferry checkpoint engine: versions kept changing while loading "
+                           "(last %d)" % v)
 
     def close(self) -> None:
         if self.sender is not None:

@@ -22,7 +22,7 @@ imports no vLLM. init_info {"name", "timeout"}; update_info {"version", "timeout
 """
 from typing import Any, Dict, Optional
 
-from ._common import DEFAULT_TIMEOUT, GeneratorSender, LifecycleBridge, RankReceiver
+from ._common import DEFAULT_TIMEOUT, GeneratorSender, LifecycleBridge, RankReceiver, call
 
 # and FerryWeightTransferEngine, built on first access (so not in a star import)
 __all__ = ["FerryWorkerExtension", "register", "lifecycle", "trainer_send_weights",
@@ -84,12 +84,14 @@ class FerryWorkerExtension:
             rx.close()
 
 
-def lifecycle(llm: Any, cell: str, sleep_level: int = 2, version: Optional[int] = None,
-              timeout: Optional[float] = DEFAULT_TIMEOUT, thread: bool = True,
-              initial_state: str = "serving") -> LifecycleBridge:
-    """A ferry control cell `cell` whose clear / update drive `llm` (vllm.LLM, or anything with
-    its sleep, wake_up, reset_prefix_cache and collective_rpc): clear -> sleep(level)
-    (sleep_level None: reset_prefix_cache only, for an engine without sleep mode); update ->
+def lifecycle(llm: Any, cell: str, sleep_level: Optional[int] = 2,
+              version: Optional[int] = None, timeout: Optional[float] = DEFAULT_TIMEOUT,
+              thread: bool = True, initial_state: str = "serving",
+              loop: Any = None) -> LifecycleBridge:
+    """A ferry control cell `cell` whose clear / update drive `llm` (vllm.LLM, or an engine
+    client with its sleep, wake_up, reset_prefix_cache and collective_rpc, e.g. AsyncLLM, whose
+    coroutines run on `loop`, the event loop it serves on): clear -> sleep(level) (sleep_level
+    None: reset_prefix_cache() only, for an engine without sleep mode); update ->
     wake_up(["weights"]), collective_rpc("ferry_update") on every worker (the newest version,
     or `version`), wake_up(["kv_cache"]), reset_prefix_cache(). The workers must be attached
     (ferry_attach). Close the bridge when done."""
@@ -97,21 +99,21 @@ def lifecycle(llm: Any, cell: str, sleep_level: int = 2, version: Optional[int] 
 
     def clear():
         if sleep_level is None:
-            llm.reset_prefix_cache()
+            call(llm.reset_prefix_cache, loop=loop)
             return
-        llm.sleep(level=sleep_level)
+        call(llm.sleep, level=sleep_level, loop=loop)
         state["asleep"] = True
 
     def update():
         if state["asleep"]:
-            llm.wake_up(tags=["weights"])
-        got = llm.collective_rpc("ferry_update", args=(version, timeout))
+            call(llm.wake_up, tags=["weights"], loop=loop)
+        got = call(llm.collective_rpc, "ferry_update", args=(version, timeout), loop=loop)
         if len(set(got)) != 1:
             raise RuntimeError("workers loaded different versions: %s" % (got,))
         if state["asleep"]:
-            llm.wake_up(tags=["kv_cache"])
+            call(llm.wake_up, tags=["kv_cache"], loop=loop)
             state["asleep"] = False
-        llm.reset_prefix_cache()
+        call(llm.reset_prefix_cache, loop=loop)
 
     return LifecycleBridge(cell, clear, update, initial_state=initial_state, thread=thread)
 
