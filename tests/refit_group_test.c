@@ -752,6 +752,37 @@ static void test_device_pieces(void **st) {
   free(got);
 }
 
+/* A group whose rank 1 is not published within the open's timeout is refused, the error naming
+ * the rank; the context is free for a receiver again. */
+static void test_rank_missing(void **st) {
+  directory dir;
+  directory_start(&dir);
+  ferry_ctx *tc = ctx_for("trainer-0"), *rc = ctx_for("rollout");
+  rank_data d;
+  ferry_refit_sender *s = rank_open(tc, 0, &d, 0);
+  ferry_refit_receiver *r = NULL;
+  assert_int_equal(ferry_refit_receiver_open(rc, "policy", 300, &r), FERRY_ENOTFOUND);
+  assert_null(r);
+  assert_non_null(strstr(ferry_last_error(), "rank 1 of group 'policy' is not published"));
+  ferry_tensor_desc one = {.dtype = FERRY_DTYPE_F32, .ndim = 1, .shape = {4}};
+  ferry_refit_sender *single;
+  ferry_ctx *sc = ctx_for("trainer");
+  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 4096};
+  static float w[4];
+  FR_OK(ferry_refit_sender_open(sc, "single", &o, &single));
+  FR_OK(ferry_refit_declare(single, "w", &one, w, FERRY_DTYPE_INVALID));
+  FR_OK(ferry_refit_seal(single));
+  FR_OK(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &r)); /* the channel is free */
+  ferry_refit_receiver_close(r);
+  ferry_refit_sender_close(single);
+  ferry_refit_sender_close(s);
+  rank_free(&d);
+  ferry_ctx_close(sc);
+  ferry_ctx_close(rc);
+  ferry_ctx_close(tc);
+  directory_stop(&dir);
+}
+
 /* A single sender opened by name is as before: the group of one. */
 static void test_single_sender(void **st) {
   directory dir;
@@ -801,6 +832,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_close_from_callback),
       cmocka_unit_test(test_rank_corrupt),
       cmocka_unit_test(test_device_pieces),
+      cmocka_unit_test(test_rank_missing),
   };
   tu_filter();
   return cmocka_run_group_tests(tests, NULL, NULL);
