@@ -783,6 +783,44 @@ static void test_rank_missing(void **st) {
   directory_stop(&dir);
 }
 
+/* A rank re-seals with one more tensor of its own: the receiver's bindings carry over (the next
+ * version commits), the global manifest gains the tensor, and binding it gets its bytes. */
+static void test_reseal(void **st) {
+  group g;
+  group_open(&g);
+  receiver_open(&g);
+  float *got[NT];
+  for (int t = 0; t < NT; t++) {
+    ferry_tensor_desc d = global_desc(t);
+    got[t] = calloc(rows[t] * cols[t], sizeof(float));
+    FR_OK(ferry_refit_bind(g.r, names[t], got[t], &d));
+  }
+  push_both(&g, 1);
+  FR_OK(ferry_refit_wait(g.r, 1, 10000, NULL));
+  static float bias[16];
+  ferry_tensor_desc bd = {.dtype = FERRY_DTYPE_F32, .ndim = 1, .shape = {16}};
+  FR_OK(ferry_refit_declare(g.s[0], "bias0", &bd, bias, FERRY_DTYPE_INVALID));
+  FR_OK(ferry_refit_seal(g.s[0]));
+  push_both(&g, 2);
+  FR_OK(ferry_refit_wait(g.r, 2, 10000, NULL));
+  expect_whole(g.r, got, 2);
+  for (int i = 0; i < 1000 && ferry_refit_tensor_count(g.r) != NT + 1; i++)
+    usleep(10000); /* the group's thread redoes the layout after the rank's new manifest */
+  assert_int_equal(ferry_refit_tensor_count(g.r), NT + 1);
+  float gb[16] = {0};
+  FR_OK(ferry_refit_bind(g.r, "bias0", gb, &bd));
+  for (int i = 0; i < 16; i++)
+    bias[i] = (float)(300 + i);
+  push_both(&g, 3);
+  FR_OK(ferry_refit_wait(g.r, 3, 10000, NULL));
+  expect_whole(g.r, got, 3);
+  for (int i = 0; i < 16; i++)
+    assert_true(gb[i] == (float)(300 + i));
+  group_close(&g);
+  for (int t = 0; t < NT; t++)
+    free(got[t]);
+}
+
 /* A single sender opened by name is as before: the group of one. */
 static void test_single_sender(void **st) {
   directory dir;
@@ -833,6 +871,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_rank_corrupt),
       cmocka_unit_test(test_device_pieces),
       cmocka_unit_test(test_rank_missing),
+      cmocka_unit_test(test_reseal),
   };
   tu_filter();
   return cmocka_run_group_tests(tests, NULL, NULL);

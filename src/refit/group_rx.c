@@ -250,8 +250,8 @@ int fr_group_rx_wait(fr_group_rx *g, uint64_t version, int timeout_ms, uint64_t 
     if ((have = group_held(g, true)) >= target)
       break;
     pthread_mutex_lock(&g->lock);
-    if (g->refused) { /* until it is opened again */
-      rc = fr_err(g->refused, "refit: group '%s' fails every version: %s (have %llu)", g->name,
+    if (g->refused) { /* until the ranks agree again */
+      rc = fr_err(g->refused, "refit: group '%s' takes no version now: %s (have %llu)", g->name,
                   g->why, (unsigned long long)have);
       pthread_mutex_unlock(&g->lock);
       break;
@@ -463,6 +463,30 @@ static uint64_t watch_stalls(fr_group_rx *g, uint64_t now) {
   return next;
 }
 
+/* Rebuilds the global manifest from every rank's plan and declares every binding again on the
+ * ranks (rank k, and those not gone), since a rank's new plan may move any rank's parts. While
+ * that fails (one rank re-sealed and the others not yet, or a binding no longer fits), every
+ * version fails, why naming rank k and the tensor; a later relayout that succeeds ends that.
+ * bind_lock held. */
+static void relayout(fr_group_rx *g, uint32_t k, const char *what) {
+  int rc = fr_group_rx_build_manifest(g);
+  for (uint32_t j = 0; rc == 0 && j < g->world; j++) {
+    bool gone = false;
+    rank_sub(g, j, &gone);
+    if (j == k || !gone)
+      rc = fr_group_rx_replay(g, j);
+  }
+  pthread_mutex_lock(&g->lock);
+  g->refused = rc;
+  if (rc != 0)
+    snprintf(g->why, sizeof g->why, "rank %u (%s#%u) %s: %s", k, g->name, k, what,
+             ferry_last_error());
+  pthread_mutex_unlock(&g->lock);
+  if (rc != 0)
+    fr_warn("refit group '%s': every version fails until the ranks agree again: %s", g->name,
+            g->why);
+}
+
 /* Rank k is back (published again): a new sub-receiver, the bindings replayed on it. */
 static int reattach(fr_group_rx *g, uint32_t k) {
   ferry_refit_receiver *sub = NULL;
@@ -473,29 +497,17 @@ static int reattach(fr_group_rx *g, uint32_t k) {
   start_rank(g, sub);
   pthread_mutex_lock(&g->bind_lock);
   ferry_refit_receiver *prev = g->ranks[k].prev;
-  bool same = prev && fr_group_rx_same_plan(g, prev, &sub->plan);
-  if (!same && (rc = fr_group_rx_build_manifest(g)) != 0) {
-    pthread_mutex_lock(&g->lock);
-    g->refused = rc;
-    snprintf(g->why, sizeof g->why,
-             "rank %u (%s#%u) came back with a manifest the group refuses: %s", k, g->name, k,
-             ferry_last_error());
-    pthread_mutex_unlock(&g->lock);
+  if (prev && fr_group_rx_same_plan(g, prev, &sub->plan)) {
+    int replayed = fr_group_rx_replay(g, k);
+    if (replayed != 0)
+      fr_warn("refit group '%s': rank %u's bindings: %s", g->name, k, ferry_last_error());
+  } else {
+    relayout(g, k, "came back with another manifest");
   }
-  int replayed = fr_group_rx_replay(g, k);
-  pthread_mutex_lock(&g->lock);
-  if (replayed != 0 && !g->refused) { /* a binding no longer fits: no version holds it */
-    g->refused = replayed;
-    snprintf(g->why, sizeof g->why, "rank %u (%s#%u) came back, and a binding does not fit: %s", k,
-             g->name, k, ferry_last_error());
-  }
-  pthread_mutex_unlock(&g->lock);
   pthread_mutex_lock(&g->route); /* under bind_lock: a binding from now on declares on sub */
   g->ranks[k].gone = false;
   pthread_mutex_unlock(&g->route);
   pthread_mutex_unlock(&g->bind_lock);
-  if (replayed != 0)
-    fr_warn("refit group '%s': rank %u's bindings: %s", g->name, k, ferry_last_error());
   number_buckets(g);
   pthread_mutex_lock(&g->route);
   ferry_refit_receiver **old = realloc(g->old, (g->nold + 1) * sizeof *old);
@@ -512,8 +524,34 @@ static int reattach(fr_group_rx *g, uint32_t k) {
   return fr_job_run(sub->job);
 }
 
+void fr_group_rx_resealed(fr_group_rx *g, ferry_refit_receiver *sub) {
+  if (rank_sub(g, sub->rank, NULL) != sub)
+    return;
+  pthread_mutex_lock(&g->lock);
+  g->ranks[sub->rank].resealed = true;
+  pthread_mutex_unlock(&g->lock);
+  fr_job_wake(g->job, 0);
+}
+
+/* Ranks that re-sealed since the timer last looked: the layout is redone for each. */
+static void take_reseals(fr_group_rx *g) {
+  for (uint32_t k = 0; k < g->world; k++) {
+    pthread_mutex_lock(&g->lock);
+    bool resealed = g->ranks[k].resealed;
+    g->ranks[k].resealed = false;
+    pthread_mutex_unlock(&g->lock);
+    if (!resealed)
+      continue;
+    pthread_mutex_lock(&g->bind_lock);
+    relayout(g, k, "re-sealed");
+    pthread_mutex_unlock(&g->bind_lock);
+    number_buckets(g);
+  }
+}
+
 static uint64_t group_timer(void *arg) {
   fr_group_rx *g = arg;
+  take_reseals(g);
   uint64_t now = fr_now_ns(), next = UINT64_MAX;
   for (uint32_t k = 0; k < g->world; k++) {
     bool gone = false;

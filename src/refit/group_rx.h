@@ -35,6 +35,7 @@ typedef struct fr_group_rank {
   uint64_t ended;             /* lock: the last version it committed or failed here */
   uint32_t timeout_ms;        /* lock: the push timeout its last bucket carried */
   uint32_t bucket_base;       /* lock: buckets of the ranks before it (on_bucket's numbering) */
+  bool resealed;              /* lock: it sent a new manifest; the timer redoes the layout */
 } fr_group_rank;
 
 typedef struct fr_group_binding {
@@ -65,7 +66,8 @@ typedef struct fr_group_rx {
   uint32_t nbinds;
   uint8_t *flat; /* ferry_alloc'd, each global tensor at flat_off[i] (bind_flat), or NULL */
   uint64_t *flat_off;
-  int refused; /* a rank came back with a manifest the bindings do not fit: every version fails */
+  int refused; /* lock: the ranks' plans or the bindings do not fit together (a rank re-sealed
+                  or came back with another manifest): every version fails until they do */
 
   pthread_mutex_t lock;
   pthread_cond_t cond;
@@ -98,6 +100,9 @@ void fr_group_rx_unlinked(fr_group_rx *g, ferry_refit_receiver *sub);
  * saying so; the sub-receiver then fails it too (its ACK tells the rank). */
 int fr_group_rx_veto(fr_group_rx *g, ferry_refit_receiver *sub, uint64_t version,
                      uint32_t timeout_ms, char *why, size_t n);
+/* sub took a new manifest from its rank (a re-seal), its bind_lock held: the group's timer
+ * rebuilds the global manifest and declares the bindings again. */
+void fr_group_rx_resealed(fr_group_rx *g, ferry_refit_receiver *sub);
 uint64_t fr_group_rx_committed(fr_group_rx *g);
 int fr_group_rx_wait(fr_group_rx *g, uint64_t version, int timeout_ms, uint64_t *committed);
 size_t fr_group_rx_ranks(fr_group_rx *g);

@@ -86,6 +86,8 @@ static int install_manifest(ferry_refit_receiver *r, fr_refit_plan plan) {
   fr_info("refit: manifest generation %u from '%s' (%u tensors)", plan.generation,
           ferry_link_peer(r->link), plan.count);
   int moved = r->shards ? fr_refit_rx_retarget(r) : 0;
+  if (r->of) /* a group's: its timer redoes the global manifest and the parts */
+    fr_group_rx_resealed(r->of, r);
   return rc ? rc : moved;
 }
 
