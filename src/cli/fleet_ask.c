@@ -90,10 +90,11 @@ static void ask_all(snap *s, size_t nask) {
   askers a = {.s = s};
   pthread_mutex_init(&a.lock, NULL);
   pthread_cond_init(&a.done, NULL);
+  size_t want = (nask < FLEET_ASK_THREADS ? nask : FLEET_ASK_THREADS) - 1;
+  a.helpers = (int)want; /* counted before they start: one may end at once */
+  int refused = a.helpers - fr_task_try_many(asker_main, &a, a.helpers);
   pthread_mutex_lock(&a.lock);
-  while ((size_t)a.helpers + 1 < FLEET_ASK_THREADS && (size_t)a.helpers + 1 < nask &&
-         fr_task_try(asker_main, &a) == 0)
-    a.helpers++;
+  a.helpers -= refused;
   pthread_mutex_unlock(&a.lock);
   ask_next(&a);
   pthread_mutex_lock(&a.lock);

@@ -96,7 +96,8 @@ static void ready(void) {
   P.ready = true;
 }
 
-static void wake_one(int waiting);
+static pthread_cond_t *wake_one(int waiting);
+static void signal_now(pthread_cond_t *c);
 
 /* P.lock held. The first armed timer whose callback is not running now (one that its own
  * callback armed again waits for it to return: a callback never runs twice at once). */
@@ -118,7 +119,7 @@ static void fire(fr_timer *t) {
   t->running = true;
   t->runner = pthread_self();
   if (next_timer() && !P.keeper) /* the keeper was this worker: another one keeps the watch */
-    wake_one(P.queued + 1);
+    signal_now(wake_one(P.queued + 1));
   pthread_mutex_unlock(&P.lock);
   t->fn(t->arg);
   pthread_mutex_lock(&P.lock);
@@ -138,7 +139,8 @@ static void sleep_turn(void) {
     pthread_cond_timedwait(&P.watch, &P.lock, &ts);
     P.keeper = false;
     P.idle--;
-    if (P.head && P.idle > 0) /* off to a task: another sleeper keeps the watch */
+    /* off to a task: a sleeper not woken for the other tasks keeps the watch */
+    if (P.head && P.idle > 0 && P.idle >= P.queued)
       pthread_cond_signal(&P.work);
     return;
   }
@@ -181,38 +183,62 @@ static bool add_worker(void) {
   return true;
 }
 
-/* P.lock held, a task or a timer just came: a sleeping worker for it, else a new one. */
-static void wake_one(int waiting) {
+/* P.lock held, a task or a timer just came: the condition to signal for a sleeping worker to
+ * take it (NULL: none, or a new worker started for it). Signalled once the lock is let go (woken
+ * under it, the worker would wake only to wait for the lock: a second wake-up per task). */
+static pthread_cond_t *wake_one(int waiting) {
   if (P.idle - (P.keeper ? 1 : 0) >= waiting)
-    pthread_cond_signal(&P.work);
-  else if (P.idle >= waiting)
-    pthread_cond_signal(&P.watch);
-  else
-    add_worker();
+    return &P.work;
+  if (P.idle >= waiting)
+    return &P.watch;
+  add_worker();
+  return NULL;
+}
+
+static void signal_now(pthread_cond_t *c) {
+  if (c)
+    pthread_cond_signal(c);
+}
+
+/* P.lock held: queues k if the pool has room for it, waking nobody yet: *wake is the condition
+ * to signal once the lock is let go (NULL: none). */
+static bool take(task *k, pthread_cond_t **wake) {
+  *wake = NULL;
+  if (P.tasks >= P.max - 1) /* one worker stays for the timers */
+    return false;
+  if (P.idle <= P.queued && !add_worker()) /* no sleeper left for it */
+    return false;
+  *(P.tail ? &P.tail->next : &P.head) = k;
+  P.tail = k;
+  P.queued++;
+  P.tasks++;
+  if (P.idle >= P.queued) /* else the worker just started takes it */
+    *wake = wake_one(P.queued);
+  return true;
+}
+
+int fr_task_try_many(fr_task_fn fn, void *arg, int n) {
+  task *k[FR_TASK_MANY_MAX];
+  pthread_cond_t *wake[FR_TASK_MANY_MAX];
+  n = n < FR_TASK_MANY_MAX ? n : FR_TASK_MANY_MAX;
+  int got = 0;
+  for (; got < n && (k[got] = malloc(sizeof *k[got])); got++)
+    *k[got] = (task){.fn = fn, .arg = arg};
+  int made = got;
+  pthread_mutex_lock(&P.lock);
+  ready();
+  for (got = 0; got < made && take(k[got], &wake[got]); got++)
+    ;
+  pthread_mutex_unlock(&P.lock);
+  for (int i = 0; i < got; i++) /* woken under the lock, each would wake again to take it */
+    signal_now(wake[i]);
+  for (int i = got; i < made; i++)
+    free(k[i]);
+  return got;
 }
 
 int fr_task_try(fr_task_fn fn, void *arg) {
-  task *k = malloc(sizeof *k);
-  if (!k)
-    return FERRY_EBUSY;
-  *k = (task){.fn = fn, .arg = arg};
-  pthread_mutex_lock(&P.lock);
-  ready();
-  bool room = P.tasks < P.max - 1;                 /* one worker stays for the timers */
-  if (room && P.idle <= P.queued && !add_worker()) /* no sleeper left for it */
-    room = false;
-  if (room) {
-    *(P.tail ? &P.tail->next : &P.head) = k;
-    P.tail = k;
-    P.queued++;
-    P.tasks++;
-    if (P.idle >= P.queued) /* else the worker just started takes it */
-      wake_one(P.queued);
-  }
-  pthread_mutex_unlock(&P.lock);
-  if (!room)
-    free(k);
-  return room ? 0 : FERRY_EBUSY;
+  return fr_task_try_many(fn, arg, 1) == 1 ? 0 : FERRY_EBUSY;
 }
 
 void fr_task_counts(int *started, int *max) {
@@ -248,11 +274,13 @@ void fr_timer_arm(fr_timer *t, uint64_t deadline_ns) {
   t->next = *p;
   *p = t;
   t->armed = true;
+  pthread_cond_t *wake = NULL;
   if (P.keeper && next_timer() == t) /* the first deadline moved earlier */
-    pthread_cond_signal(&P.watch);
+    wake = &P.watch;
   else if (!P.keeper && !t->running) /* nobody keeps the watch: a sleeper, or a new worker */
-    wake_one(P.queued + 1);
+    wake = wake_one(P.queued + 1);
   pthread_mutex_unlock(&P.lock);
+  signal_now(wake);
 }
 
 void fr_timer_cancel(fr_timer *t) {

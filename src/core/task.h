@@ -33,6 +33,11 @@ typedef void (*fr_task_fn)(void *arg);
  * timers: 0, and fn runs (once, soon, on another thread); else FERRY_EBUSY, with no detail set
  * (the caller decides what it means: do the work itself, or refuse it). */
 int fr_task_try(fr_task_fn fn, void *arg);
+/* fr_task_try n times (at most FR_TASK_MANY_MAX) in one go, the workers woken after the pool's
+ * lock is let go (a batch's helpers: one pass, no worker woken only to wait for the lock while
+ * the next is handed over): how many it took, each running fn(arg) once. */
+#define FR_TASK_MANY_MAX 64
+int fr_task_try_many(fr_task_fn fn, void *arg, int n);
 
 typedef struct fr_timer {
   fr_task_fn fn;

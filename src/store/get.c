@@ -348,9 +348,10 @@ static void run_batch(fr_batch *b) {
   want = want > (int64_t)b->n - 1 ? (int64_t)b->n - 1 : want;
   pthread_mutex_init(&b->lock, NULL);
   pthread_cond_init(&b->done, NULL);
+  b->helpers = want > 0 ? (int)want : 0; /* counted before they start: one may end at once */
+  int refused = b->helpers - fr_task_try_many(helper_main, b, b->helpers);
   pthread_mutex_lock(&b->lock);
-  for (int64_t i = 0; i < want && fr_task_try(helper_main, b) == 0; i++)
-    b->helpers++;
+  b->helpers -= refused;
   pthread_mutex_unlock(&b->lock);
   run_jobs(b);
   pthread_mutex_lock(&b->lock);
