@@ -821,6 +821,34 @@ static void test_reseal(void **st) {
     free(got[t]);
 }
 
+/* The same with a flat buffer: its tensors keep their places (views stay valid), the new one
+ * has none there (bind it to memory of one's own). */
+static void test_reseal_flat(void **st) {
+  group g;
+  group_open(&g);
+  receiver_open(&g);
+  FR_OK(ferry_refit_bind_flat(g.r));
+  static float bias[16];
+  ferry_tensor_desc bd = {.dtype = FERRY_DTYPE_F32, .ndim = 1, .shape = {16}};
+  FR_OK(ferry_refit_declare(g.s[0], "bias0", &bd, bias, FERRY_DTYPE_INVALID));
+  FR_OK(ferry_refit_seal(g.s[0]));
+  push_both(&g, 1);
+  FR_OK(ferry_refit_wait(g.r, 1, 10000, NULL));
+  for (int i = 0; i < 1000 && ferry_refit_tensor_count(g.r) != NT + 1; i++)
+    usleep(10000);
+  assert_int_equal(ferry_refit_tensor_count(g.r), NT + 1);
+  void *at = NULL;
+  assert_int_equal(ferry_refit_view(g.r, "bias0", &at), FERRY_ENOTFOUND);
+  assert_non_null(strstr(ferry_last_error(), "re-seal"));
+  float *got[NT];
+  for (int t = 0; t < NT; t++)
+    FR_OK(ferry_refit_view(g.r, names[t], (void **)&got[t]));
+  push_both(&g, 2);
+  FR_OK(ferry_refit_wait(g.r, 2, 10000, NULL));
+  expect_whole(g.r, got, 2);
+  group_close(&g);
+}
+
 /* A single sender opened by name is as before: the group of one. */
 static void test_single_sender(void **st) {
   directory dir;
@@ -872,6 +900,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_device_pieces),
       cmocka_unit_test(test_rank_missing),
       cmocka_unit_test(test_reseal),
+      cmocka_unit_test(test_reseal_flat),
   };
   tu_filter();
   return cmocka_run_group_tests(tests, NULL, NULL);

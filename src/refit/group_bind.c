@@ -355,16 +355,38 @@ int fr_group_rx_bind_flat(fr_group_rx *g) {
     if (bytes)
       rc = bind_whole(g, i, (uint8_t *)flat + off[i], &g->man.tensors[i].desc, -1);
   }
+  char **names = rc == 0 ? calloc(g->man.count ? g->man.count : 1, sizeof *names) : NULL;
+  if (rc == 0 && !names)
+    rc = fr_err(FERRY_ENOMEM, "refit: group '%s' flat buffer", g->name);
+  for (uint32_t i = 0; rc == 0 && i < g->man.count; i++)
+    if (!(names[i] = strdup(g->man.tensors[i].name)))
+      rc = fr_err(FERRY_ENOMEM, "refit: group '%s' flat buffer", g->name);
   if (rc == 0) {
     g->flat = flat;
     g->flat_off = off;
+    g->flat_names = names;
+    g->flat_count = g->man.count;
   } else {
+    for (uint32_t i = 0; names && i < g->man.count; i++)
+      free(names[i]);
+    free(names);
     free(off);
     if (flat) /* its bindings stay recorded: the caller binds again or closes */
       ferry_free(g->ctx, flat);
   }
   pthread_mutex_unlock(&g->bind_lock);
   return rc;
+}
+
+/* Tensor `name`'s place in the flat buffer (by index when the manifest kept its order), or -1:
+ * not laid out there (a tensor a rank added since bind_flat). bind_lock held. */
+static int64_t flat_slot(const fr_group_rx *g, const char *name, int64_t t) {
+  if (t < g->flat_count && strcmp(g->flat_names[t], name) == 0)
+    return t;
+  for (uint32_t i = 0; i < g->flat_count; i++)
+    if (strcmp(g->flat_names[i], name) == 0)
+      return i;
+  return -1;
 }
 
 int fr_group_rx_view(fr_group_rx *g, const char *name, void **out) {
@@ -374,8 +396,14 @@ int fr_group_rx_view(fr_group_rx *g, const char *name, void **out) {
                           name ? name : "")
            : !g->flat ? fr_err(FERRY_ESTATE, "refit: views need ferry_refit_bind_flat() first")
                       : 0;
+  int64_t at = rc == 0 ? flat_slot(g, name, t) : -1;
+  if (rc == 0 && at < 0)
+    rc = fr_err(FERRY_ENOTFOUND,
+                "refit: tensor '%s' came with a re-seal after the flat buffer was laid out: bind "
+                "it (ferry_refit_bind) to memory of yours",
+                name);
   if (rc == 0)
-    *out = g->flat + g->flat_off[t];
+    *out = g->flat + g->flat_off[at];
   pthread_mutex_unlock(&g->bind_lock);
   return rc;
 }

@@ -611,6 +611,9 @@ static void group_free(fr_group_rx *g) {
   if (g->flat)
     ferry_free(g->ctx, g->flat);
   free(g->flat_off);
+  for (uint32_t i = 0; g->flat_names && i < g->flat_count; i++)
+    free(g->flat_names[i]);
+  free(g->flat_names);
   free(g->old);
   free(g->ranks);
   free(g->name);

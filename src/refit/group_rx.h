@@ -64,8 +64,10 @@ typedef struct fr_group_rx {
   fr_group_manifest man;
   fr_group_binding *binds;
   uint32_t nbinds;
-  uint8_t *flat; /* ferry_alloc'd, each global tensor at flat_off[i] (bind_flat), or NULL */
+  uint8_t *flat; /* ferry_alloc'd (bind_flat), or NULL: tensor flat_names[i] at flat_off[i] */
   uint64_t *flat_off;
+  char **flat_names; /* the manifest's names when it was laid out (a re-seal may add or move) */
+  uint32_t flat_count;
   int refused; /* lock: the ranks' plans or the bindings do not fit together (a rank re-sealed
                   or came back with another manifest): every version fails until they do */
 
