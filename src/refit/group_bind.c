@@ -6,7 +6,8 @@
  * rank's parts become one shard target with places on that rank's sub-receiver, declared to the
  * rank, so that each sub-receiver reads only the bytes the caller binds, straight from the rank
  * that holds them. The parts are computed when a binding or a rank's manifest changes, never per
- * push. A rank attached again gets every binding replayed.
+ * push. A rank attached again gets every binding replayed; after a rank re-sealed, every rank
+ * does (group_rx.c's relayout), its parts computed from the rebuilt global manifest.
  */
 #include "refit/group_rx.h"
 

@@ -9,16 +9,18 @@
  * group_rx.c holds open and close, the routing, the versions (committed(), wait(), on_commit
  * once per group version), failures (a rank that died or stalled fails the version for the group
  * and, through fr_group_rx_veto, at every other rank still sending it) and the timer that
- * attaches a rank again once it is back. group_bind.c holds the global manifest as the caller
- * sees it and the bindings: each one is kept here and turned into parts (group.h), declared on
- * the sub-receivers as shard targets with places; a rank attached again gets them replayed.
+ * attaches a rank again once it is back, and redoes the layout when a rank re-sealed.
+ * group_bind.c holds the global manifest as the caller sees it and the bindings: each one is kept
+ * here and turned into parts (group.h), declared on the sub-receivers as shard targets with
+ * places; a rank attached again, or any rank after a re-seal, gets them declared again.
  *
- * Locking: bind_lock guards the manifest, the bindings and the flat buffer (taken before a
- * sub-receiver's own bind_lock); route guards ranks[].sub as the channel reads it, taken before
- * a sub-receiver's lock, never with a group lock held; lock guards the versions and the ranks'
- * progress, a leaf (a sub-receiver's thread takes it under its own bind_lock). A sub-receiver
- * replaced by a new one for its rank is stopped, not freed, until the group closes: a pointer
- * read from ranks[] stays valid.
+ * Locking, in this order: bind_lock guards the manifest, the bindings and the flat buffer (taken
+ * before a sub-receiver's own bind_lock); route guards ranks[].sub, .prev and .gone as the
+ * channel reads them, held briefly (under any bind_lock, before lock and a sub-receiver's lock);
+ * lock guards the versions and the ranks' progress, a leaf but for the job's inbox (a
+ * sub-receiver's thread takes it under its own bind_lock). A sub-receiver replaced by a new one
+ * for its rank is kept, its thread fed nothing, until the group closes: a pointer read from
+ * ranks[] stays valid.
  */
 #ifndef FR_REFIT_GROUP_RX_H
 #define FR_REFIT_GROUP_RX_H
