@@ -101,51 +101,107 @@ bool fr_group_rx_same_plan(fr_group_rx *g, const ferry_refit_receiver *prev,
 
 /* ---- bindings → parts → shard targets on the sub-receivers ---- */
 
-/* Whether sub should hear of binding b although none of b's parts is its rank's: it holds b's
- * target from before (its old parts must go), or nothing yet (an empty target makes it read
- * none of its rank's bytes, rather than every bucket whole). bind_lock of sub held. */
-static bool needs_empty(const ferry_refit_receiver *sub, const fr_group_binding *b) {
-  if (sub->ntargets == 0)
-    return true;
-  for (uint32_t i = 0; i < sub->ntargets; i++)
-    if (sub->targets[i].name && strcmp(sub->targets[i].name, b->target) == 0)
+/* The name of chunk c of target `target` on a sub-receiver (a target takes at most
+ * FR_REFIT_PIECES_MAX pieces; chunk 0 is the target's own name). */
+static void chunk_name(const char *target, uint32_t c, char *out, size_t cap) {
+  if (c == 0)
+    snprintf(out, cap, "%s", target);
+  else
+    snprintf(out, cap, "%s#%u", target, c);
+}
+
+/* Whether sub holds target `name` with pieces (*any: it holds any target at all). bind_lock of
+ * sub held. */
+static bool holds(const ferry_refit_receiver *sub, const char *name, bool *any) {
+  *any = false;
+  for (uint32_t i = 0; i < sub->ntargets; i++) {
+    *any |= sub->targets[i].name != NULL;
+    if (sub->targets[i].name && strcmp(sub->targets[i].name, name) == 0)
       return sub->targets[i].t.npieces > 0;
+  }
   return false;
 }
 
-/* Declares rank k's parts of binding b (parts[0..n) all rank k's; none: see needs_empty) on its
- * sub-receiver. */
+/* Declares chunk `name` of binding b on sub: parts[0..n) (all sub's rank's). None: declared
+ * empty only if sub held that chunk before (its old parts must go), or chunk 0 when sub holds
+ * nothing yet (an empty target makes it read none of its rank's bytes, rather than every bucket
+ * whole). bind_lock of sub held. */
+static int declare_chunk(fr_group_rx *g, ferry_refit_receiver *sub, const fr_group_binding *b,
+                         const char *name, bool first, const fr_group_part *parts, uint32_t n,
+                         fr_refit_piece *pieces, fr_refit_place *places, char **sources) {
+  bool any = false, held = holds(sub, name, &any);
+  if (n == 0 && !held && (any || !first))
+    return 0;
+  for (uint32_t i = 0; i < n; i++) {
+    pieces[i] = parts[i].src;
+    places[i] = parts[i].place;
+    if (pieces[i].entry >= sub->plan.count)
+      return fr_err(FERRY_EPROTO, "refit: group '%s' rank %u has no tensor %u (re-sealed?)",
+                    g->name, sub->rank, pieces[i].entry);
+    sources[i] = sub->plan.entries[pieces[i].entry].name;
+  }
+  int rc = fr_refit_rx_enter_shards(sub);
+  if (rc == 0 && b->device >= 0 && n)
+    fr_refit_rx_pin_stage(sub);
+  return rc ? rc
+            : fr_refit_rx_add_target(sub, name, b->dst, b->device, &b->desc, sources, pieces,
+                                     places, n, true);
+}
+
+/* Declares rank k's parts of binding b (parts[0..n) all rank k's) on its sub-receiver, in
+ * chunks of at most FR_REFIT_PIECES_MAX; a chunk it held before beyond those is emptied. */
 static int declare_rank(fr_group_rx *g, ferry_refit_receiver *sub, const fr_group_binding *b,
                         const fr_group_part *parts, uint32_t n) {
-  size_t most = n ? n : 1;
+  size_t most = n < FR_REFIT_PIECES_MAX ? (n ? n : 1) : FR_REFIT_PIECES_MAX;
   fr_refit_piece *pieces = malloc(most * sizeof *pieces);
   fr_refit_place *places = malloc(most * sizeof *places);
   char **sources = malloc(most * sizeof *sources);
+  char name[FR_REFIT_NAME_MAX * 2 + 16];
   int rc = pieces && places && sources ? 0 : fr_err(FERRY_ENOMEM, "refit: target '%s'", b->target);
   pthread_mutex_lock(&sub->bind_lock);
-  bool skip = n == 0 && !needs_empty(sub, b);
-  for (uint32_t i = 0; rc == 0 && i < n; i++) {
-    pieces[i] = parts[i].src;
-    places[i] = parts[i].place;
-    rc = pieces[i].entry < sub->plan.count
-             ? 0
-             : fr_err(FERRY_EPROTO, "refit: group '%s' rank %u has no tensor %u (re-sealed?)",
-                      g->name, sub->rank, pieces[i].entry);
-    if (rc == 0)
-      sources[i] = sub->plan.entries[pieces[i].entry].name;
+  uint32_t c = 0;
+  for (uint32_t at = 0; rc == 0 && (at < n || c == 0); c++) {
+    uint32_t m = n - at < FR_REFIT_PIECES_MAX ? n - at : FR_REFIT_PIECES_MAX;
+    chunk_name(b->target, c, name, sizeof name);
+    rc = declare_chunk(g, sub, b, name, c == 0, parts + at, m, pieces, places, sources);
+    at += m;
   }
-  if (rc == 0 && !skip)
-    rc = fr_refit_rx_enter_shards(sub);
-  if (rc == 0 && !skip && b->device >= 0 && n)
-    fr_refit_rx_pin_stage(sub);
-  if (rc == 0 && !skip)
-    rc = fr_refit_rx_add_target(sub, b->target, b->dst, b->device, &b->desc, sources, pieces,
-                                places, n, true);
+  bool any = false;
+  for (; rc == 0; c++) { /* chunks beyond this layout's, from an earlier one */
+    chunk_name(b->target, c, name, sizeof name);
+    if (!holds(sub, name, &any))
+      break;
+    rc = declare_chunk(g, sub, b, name, false, NULL, 0, pieces, places, sources);
+  }
   pthread_mutex_unlock(&sub->bind_lock);
   free(pieces);
   free(places);
   free(sources);
   return rc;
+}
+
+/* Appends the parts of b's pieces [i, i + n) landing in (dst, desc) to *parts. */
+static int add_parts(fr_group_rx *g, fr_group_binding *b, uint32_t i, uint32_t n, uint8_t *dst,
+                     const ferry_tensor_desc *desc, fr_group_part **parts, size_t *nparts) {
+  fr_group_part *more = NULL;
+  size_t nmore = 0;
+  int rc = fr_group_parts(&g->man, b->target, b->pieces + i, n, dst, desc, g->salt, &more, &nmore);
+  if (rc != 0)
+    return rc;
+  if (!*parts) {
+    *parts = more, *nparts = nmore;
+    return 0;
+  }
+  fr_group_part *all = realloc(*parts, (*nparts + nmore) * sizeof *all);
+  if (!all) {
+    free(more);
+    return fr_err(FERRY_ENOMEM, "refit: target '%s'", b->target);
+  }
+  memcpy(all + *nparts, more, nmore * sizeof *more);
+  *parts = all;
+  *nparts += nmore;
+  free(more);
+  return 0;
 }
 
 /* Binding b's parts, by the global tensors' names in the manifest as it is now. */
@@ -157,7 +213,22 @@ static int parts_of(fr_group_rx *g, fr_group_binding *b, fr_group_part **parts, 
                     b->target, g->name, b->names[i]);
     b->pieces[i].tensor = (uint32_t)t;
   }
-  return fr_group_parts(&g->man, b->target, b->pieces, b->n, b->dst, &b->desc, g->salt, parts, n);
+  *parts = NULL;
+  *n = 0;
+  if (!b->units)
+    return add_parts(g, b, 0, b->n, b->dst, &b->desc, parts, n);
+  int rc = 0;
+  for (uint32_t i = 0; rc == 0 && i < b->n; i++) {
+    ferry_tensor_desc d = g->man.tensors[b->pieces[i].tensor].desc;
+    uint64_t bytes = 0;
+    if (ferry_tensor_nbytes(&d, &bytes) == 0 && bytes) /* else nothing lands */
+      rc = add_parts(g, b, i, 1, b->dst + b->units[i], &d, parts, n);
+  }
+  if (rc != 0) {
+    free(*parts);
+    *parts = NULL;
+  }
+  return rc;
 }
 
 /* Declares binding b on rank `only`'s sub-receiver, or on every rank's (UINT32_MAX) but those
@@ -191,6 +262,7 @@ static void binding_free(fr_group_binding *b) {
   for (uint32_t i = 0; b->names && i < b->n; i++)
     free(b->names[i]);
   free(b->names);
+  free(b->units);
   free(b->pieces);
   free(b->target);
   memset(b, 0, sizeof *b);
@@ -329,6 +401,33 @@ int fr_group_rx_bind_pieces(fr_group_rx *g, const char *target, void *dst,
   return rc;
 }
 
+/* The target name of the flat buffer's binding on the sub-receivers (and its chunks'). */
+#define FLAT_TARGET "ferry:flat"
+
+/* The flat buffer's one binding: every global tensor whole at off[i] of flat (total bytes),
+ * declared to each rank in as few targets as its parts take. bind_lock held. */
+static int bind_flat_all(fr_group_rx *g, uint8_t *flat, uint64_t total, const uint64_t *off) {
+  ferry_tensor_desc whole = {.dtype = FERRY_DTYPE_U8, .ndim = 1, .shape = {total}};
+  fr_group_binding b;
+  int rc = new_binding(FLAT_TARGET, g->man.count, flat, &whole, -1, &b);
+  if (rc != 0)
+    return rc;
+  b.units = malloc(g->man.count * sizeof *b.units);
+  rc = b.units ? 0 : fr_err(FERRY_ENOMEM, "refit: group '%s' flat buffer", g->name);
+  for (uint32_t i = 0; rc == 0 && i < g->man.count; i++) {
+    const fr_group_tensor *x = &g->man.tensors[i];
+    b.pieces[i] = (fr_group_piece){i, 0, 0, x->desc.ndim ? x->desc.shape[0] : 1};
+    b.units[i] = off[i];
+    if (!(b.names[i] = strdup(x->name)))
+      rc = fr_err(FERRY_ENOMEM, "refit: group '%s' flat buffer", g->name);
+  }
+  if (rc != 0) {
+    binding_free(&b);
+    return rc;
+  }
+  return add_binding(g, &b);
+}
+
 /* The flat buffer: every global tensor in manifest order, each aligned as a single sender's. */
 int fr_group_rx_bind_flat(fr_group_rx *g) {
   pthread_mutex_lock(&g->bind_lock);
@@ -336,44 +435,38 @@ int fr_group_rx_bind_flat(fr_group_rx *g) {
     pthread_mutex_unlock(&g->bind_lock);
     return 0;
   }
-  uint64_t total = 0, *off = calloc(g->man.count ? g->man.count : 1, sizeof *off);
-  int rc = off ? 0 : fr_err(FERRY_ENOMEM, "refit: group '%s' flat buffer", g->name);
-  for (uint32_t i = 0; rc == 0 && i < g->man.count; i++) {
+  uint32_t count = g->man.count;
+  uint64_t total = 0, *off = calloc(count ? count : 1, sizeof *off);
+  char **names = calloc(count ? count : 1, sizeof *names);
+  int rc = off && names ? 0 : fr_err(FERRY_ENOMEM, "refit: group '%s' flat buffer", g->name);
+  for (uint32_t i = 0; rc == 0 && i < count; i++) {
     uint64_t bytes = 0;
     total = (total + FR_REFIT_ALIGN - 1) / FR_REFIT_ALIGN * FR_REFIT_ALIGN;
     off[i] = total;
     rc = ferry_tensor_nbytes(&g->man.tensors[i].desc, &bytes);
     total += bytes;
+    if (rc == 0 && !(names[i] = strdup(g->man.tensors[i].name)))
+      rc = fr_err(FERRY_ENOMEM, "refit: group '%s' flat buffer", g->name);
   }
   if (rc == 0 && total == 0)
     rc = fr_err(FERRY_ESTATE, "refit: the manifest is empty");
   void *flat = NULL;
   if (rc == 0)
     rc = ferry_alloc(g->ctx, total, &flat);
-  for (uint32_t i = 0; rc == 0 && i < g->man.count; i++) {
-    uint64_t bytes = 0;
-    ferry_tensor_nbytes(&g->man.tensors[i].desc, &bytes);
-    if (bytes)
-      rc = bind_whole(g, i, (uint8_t *)flat + off[i], &g->man.tensors[i].desc, -1);
-  }
-  char **names = rc == 0 ? calloc(g->man.count ? g->man.count : 1, sizeof *names) : NULL;
-  if (rc == 0 && !names)
-    rc = fr_err(FERRY_ENOMEM, "refit: group '%s' flat buffer", g->name);
-  for (uint32_t i = 0; rc == 0 && i < g->man.count; i++)
-    if (!(names[i] = strdup(g->man.tensors[i].name)))
-      rc = fr_err(FERRY_ENOMEM, "refit: group '%s' flat buffer", g->name);
+  if (rc == 0)
+    rc = bind_flat_all(g, flat, total, off);
   if (rc == 0) {
     g->flat = flat;
     g->flat_off = off;
     g->flat_names = names;
-    g->flat_count = g->man.count;
+    g->flat_count = count;
   } else {
-    for (uint32_t i = 0; names && i < g->man.count; i++)
+    for (uint32_t i = 0; names && i < count; i++)
       free(names[i]);
     free(names);
     free(off);
-    if (flat) /* its bindings stay recorded: the caller binds again or closes */
-      ferry_free(g->ctx, flat);
+    if (flat) /* some rank may have taken part of it: freed at close */
+      g->flat_orphan = flat;
   }
   pthread_mutex_unlock(&g->bind_lock);
   return rc;

@@ -610,6 +610,8 @@ static void group_free(fr_group_rx *g) {
   fr_group_manifest_free(&g->man);
   if (g->flat)
     ferry_free(g->ctx, g->flat);
+  if (g->flat_orphan)
+    ferry_free(g->ctx, g->flat_orphan);
   free(g->flat_off);
   for (uint32_t i = 0; g->flat_names && i < g->flat_count; i++)
     free(g->flat_names[i]);

@@ -48,6 +48,10 @@ typedef struct fr_group_binding {
   uint8_t *dst;
   ferry_tensor_desc desc;
   int device;
+  /* NULL: pieces[0..n) fill dst (desc) along its dim 0, as bind_pieces lays them. Else (the flat
+   * buffer: one binding for every tensor, declared in few targets) piece i is a whole tensor at
+   * dst + units[i], desc the whole buffer's bytes. */
+  uint64_t *units;
 } fr_group_binding;
 
 typedef struct fr_group_rx {
@@ -70,6 +74,7 @@ typedef struct fr_group_rx {
   uint64_t *flat_off;
   char **flat_names; /* the manifest's names when it was laid out (a re-seal may add or move) */
   uint32_t flat_count;
+  uint8_t *flat_orphan; /* a flat buffer whose binding failed halfway: freed at close */
   int refused; /* lock: the ranks' plans or the bindings do not fit together (a rank re-sealed
                   or came back with another manifest): every version fails until they do */
 
