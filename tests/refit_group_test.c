@@ -849,6 +849,60 @@ static void test_reseal_flat(void **st) {
   group_close(&g);
 }
 
+/* A flat buffer over more tensors than one target takes pieces (FR_REFIT_PIECES_MAX): each rank's
+ * parts are declared in chunks, and every tensor gets its bytes. */
+#define MANY 4100
+static void test_flat_many(void **st) {
+  directory dir;
+  directory_start(&dir);
+  ferry_ctx *tc[2] = {ctx_for("trainer-0"), ctx_for("trainer-1")}, *rc = ctx_for("rollout");
+  ferry_refit_sender *s[2];
+  static float local[2][MANY][2];
+  for (int r = 0; r < 2; r++) {
+    ferry_refit_opts o = {.size = sizeof o, .publish = 1, .rank = r, .world = 2};
+    FR_OK(ferry_refit_sender_open(tc[r], "policy", &o, &s[r]));
+    ferry_tensor_desc d = {.dtype = FERRY_DTYPE_F32, .ndim = 2, .shape = {1, 2}};
+    for (int t = 0; t < MANY; t++) {
+      char local_name[32], global[32];
+      snprintf(local_name, sizeof local_name, "m%d.r%d", t, r);
+      snprintf(global, sizeof global, "m%d", t);
+      ferry_refit_piece of = {.source = global, .dim = 0, .start = r, .stop = r + 1};
+      FR_OK(ferry_refit_declare_piece(s[r], local_name, &d, local[r][t], FERRY_DTYPE_INVALID, &of));
+    }
+    FR_OK(ferry_refit_seal(s[r]));
+  }
+  ferry_refit_receiver *rx;
+  FR_OK(ferry_refit_receiver_open(rc, "policy", 5000, &rx));
+  assert_int_equal(ferry_refit_tensor_count(rx), MANY);
+  FR_OK(ferry_refit_bind_flat(rx));
+  for (int r = 0; r < 2; r++)
+    await_receivers(s[r], 1);
+  for (uint64_t v = 1; v <= 2; v++) {
+    for (int r = 0; r < 2; r++) {
+      for (int t = 0; t < MANY; t++)
+        for (int j = 0; j < 2; j++)
+          local[r][t][j] = (float)(v * 100000 + (uint64_t)t * 4 + (uint64_t)r * 2 + (uint64_t)j);
+      FR_OK(ferry_refit_push(s[r], v, NULL));
+    }
+    FR_OK(ferry_refit_wait(rx, v, 20000, NULL));
+    for (int t = 0; t < MANY; t++) {
+      char global[32];
+      float *at = NULL;
+      snprintf(global, sizeof global, "m%d", t);
+      FR_OK(ferry_refit_view(rx, global, (void **)&at));
+      for (int i = 0; i < 4; i++)
+        assert_true(at[i] == (float)(v * 100000 + (uint64_t)t * 4 + (uint64_t)i));
+    }
+  }
+  ferry_refit_receiver_close(rx);
+  for (int r = 0; r < 2; r++) {
+    ferry_refit_sender_close(s[r]);
+    ferry_ctx_close(tc[r]);
+  }
+  ferry_ctx_close(rc);
+  directory_stop(&dir);
+}
+
 /* A single sender opened by name is as before: the group of one. */
 static void test_single_sender(void **st) {
   directory dir;
@@ -901,6 +955,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_rank_missing),
       cmocka_unit_test(test_reseal),
       cmocka_unit_test(test_reseal_flat),
+      cmocka_unit_test(test_flat_many),
   };
   tu_filter();
   return cmocka_run_group_tests(tests, NULL, NULL);
