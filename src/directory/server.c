@@ -716,7 +716,13 @@ static void serve_in_order(fr_dir_server *s, ferry_msg *m) {
  * epoll_wait (gdb): nothing was queued for it, so the request or its answer was held in UCX,
  * with no event on a worker's fd. It cannot be that this look takes the epoll over, as this
  * comment said: with ucx no idle wait leads the epoll (users_may_lead is false); how the look
- * unblocks the link is not found yet. */
+ * unblocks the link is not found yet. Measured again on 2026-12-04 (the node's lease renewed by
+ * its timer on the task pool, issue 33), the look at 30 s, under load: 1 of 16 and 3 of 16
+ * runs failed so. In each, the reader's own lease renewal, sent as the server resumed, went
+ * unanswered for its 5 s, and the next message it sent on the same link (its close's node_del)
+ * was answered within 10 ms: what reaches the server around its resume waits until a later
+ * message on that link. Ruled out: fr_ucx_settle_locked progressing the worker without the
+ * kick that progress_locked gives (with the kick, 3 of 16 still failed). */
 #define LEASE_LOOK_MS 1000
 
 /* The job's one callback (transport/job.h; it takes its messages itself, under serve_lock, so
