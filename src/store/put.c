@@ -5,7 +5,7 @@
  * record in the directory. Retiring an object zeroes its generation word before its block can be
  * reused, so a reader that copied while the bytes changed always sees the mismatch. A pool copy
  * that a re-put replaced is not retired at once: it lingers, still whole and still valid, for
- * FERRY_STORE_LINGER_MS at least (the next copy put or the lease renewal after that retires it)
+ * FERRY_STORE_LINGER_MS at least (the next copy put or service turn after that retires it)
  * or until its block or slot is needed (oldest first), so gets that looked it up an instant
  * before the re-put finish with it instead of starting over. Memory published in
  * place is the caller's again once the re-put returns, so it is retired at once. A tensor in CUDA

@@ -14,7 +14,7 @@
  *   put.c, get.c, ops.c  the verbs: publish; read (with the batch helpers and views); delete,
  *                      list, exists, stat. None calls another;
  *   service.c          the service thread on FR_CHANNEL_STORE, answering other nodes with the
- *                      verbs, renewing and reaping;
+ *                      verbs, settling and reaping;
  *   store.c            open and close, which start and stop all of the above.
  * core/pool.c sub-allocates the node's shared-memory pool.
  */
@@ -59,7 +59,7 @@ typedef struct fr_owned {
 } fr_owned;
 
 /* A replaced pool copy lingers (its bytes and generation word intact) for FERRY_STORE_LINGER_MS
- * (ferry_store.linger_ms) at least, until the next copy put or lease renewal after that, or
+ * (ferry_store.linger_ms) at least, until the next copy put or service turn after that, or
  * until its space or slot is needed, so that a get that looked it up
  * just before the re-put still completes with that whole version instead of starting over. */
 
@@ -179,7 +179,7 @@ void fr_store_linger_push(ferry_store *s, fr_owned *o);
 bool fr_store_linger_pop(ferry_store *s);
 void fr_store_linger_expire(ferry_store *s, uint64_t now);
 /* Retires lingering copies replaced more than FERRY_STORE_LINGER_MS ago and frees retired objects
- * no view pins any more (the service thread, after each request and renewal). */
+ * no view pins any more (the service thread, after each request and every third of the lease). */
 void fr_store_linger_reap(ferry_store *s);
 /* Retires every owned and lingering object (store close). */
 void fr_store_retire_all(ferry_store *s);
@@ -195,7 +195,7 @@ int fr_store_delete_owned(ferry_store *s, const char *key, uint64_t generation, 
                           int timeout_ms, uint32_t *pinned_slot);
 
 /* publish_lock, taken no later than the caller's deadline: its holder may be waiting on the
- * directory for as long as its own timeout (a lease renewal's republish, another put or delete).
+ * directory for as long as its own timeout (the node timer's republish, another put or delete).
  * `by` says what takes it ("a put", ...: a static string); timeout_ms < 0 waits as long as it
  * takes (the service thread). FERRY_ETIMEDOUT names the directory and what held the lock; *w
  * receives whom the call waited behind and for how long (fr_store_waited). */
