@@ -2144,6 +2144,21 @@ static void hold_refusal(ferry_log_level level, const char *msg, void *arg) {
   pthread_mutex_unlock(&bd.lock);
 }
 
+/* Waits (up to 10 s: the log line the hold looks for may have changed) until the receiver's
+ * thread is held in the log callback. */
+static void await_held(void) {
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until);
+  until.tv_sec += 10;
+  pthread_mutex_lock(&bd.lock);
+  while (!bd.held && pthread_cond_timedwait(&bd.cond, &bd.lock, &until) == 0)
+    ;
+  bool held = bd.held;
+  bd.release = !held; /* not held: nothing waits for the release, and none may come later */
+  pthread_mutex_unlock(&bd.lock);
+  assert_true(held);
+}
+
 static void test_bind_during_push(void **st) {
   model m;
   model_init(&m, 28);
@@ -2152,6 +2167,7 @@ static void test_bind_during_push(void **st) {
   ferry_refit_receiver *r;
   FR_OK(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &r)); /* nothing bound yet */
   await_receivers(s, 1);
+  bd.bound = bd.held = bd.release = false;
   ferry_refit_on_bucket(r, bind_on_first_bucket, NULL);
   ferry_log_level level = ferry_log_get_level();
   ferry_log_set_level(FERRY_LOG_WARN);
@@ -2159,10 +2175,7 @@ static void test_bind_during_push(void **st) {
   bg_push b = {.s = s, .version = 1, .po = {.size = sizeof b.po, .timeout_ms = 30000}};
   pthread_t t;
   assert_int_equal(pthread_create(&t, NULL, push_thread, &b), 0);
-  pthread_mutex_lock(&bd.lock);
-  while (!bd.held)
-    pthread_cond_wait(&bd.cond, &bd.lock);
-  pthread_mutex_unlock(&bd.lock);
+  await_held();
   assert_int_equal(ferry_refit_committed(r), 0); /* knows version 1 now: asks to catch up */
   pthread_mutex_lock(&bd.lock);
   bd.release = true;
@@ -2222,10 +2235,7 @@ static void test_rebind_after_commit_during_push(void **st) {
   bg_push p = {.s = s, .version = 1, .po = {.size = sizeof p.po, .timeout_ms = 30000}};
   pthread_t t;
   assert_int_equal(pthread_create(&t, NULL, push_thread, &p), 0);
-  pthread_mutex_lock(&bd.lock);
-  while (!bd.held)
-    pthread_cond_wait(&bd.cond, &bd.lock);
-  pthread_mutex_unlock(&bd.lock);
+  await_held();
   uint64_t n;
   FR_OK(ferry_tensor_nbytes(&b.d[0], &n));
   void *fresh = calloc(1, n); /* a new destination for tensor 0: it holds no version */
