@@ -68,15 +68,17 @@ static struct {
   pthread_cond_t landed; /* a timer's callback returned (fr_timer_cancel waits for it) */
   bool ready;            /* max read, conditions made */
   int max, started, idle, queued;
-  int tasks;   /* taken by fr_task_try and not yet returned: at most max - 1 */
-  bool keeper; /* a sleeping worker waits for the first deadline */
+  int tasks;          /* taken by fr_task_try and not yet returned: at most max - 1 */
+  bool keeper;        /* a sleeping worker waits for the first deadline */
+  bool ending;        /* fr_task_quiesce: workers with nothing to do end */
+  pthread_t *threads; /* the workers started, joined by fr_task_quiesce (max of them) */
   task *head, *tail;
   fr_timer *timers; /* armed, earliest first */
 } P = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static void on_fork_child(void) {
   pthread_mutex_init(&P.lock, NULL);
-  P.started = P.idle = P.queued = P.tasks = 0, P.keeper = false;
+  P.started = P.idle = P.queued = P.tasks = 0, P.keeper = P.ending = false;
   P.head = P.tail = NULL; /* their workers are the parent's: they stay there */
   for (fr_timer *t = P.timers; t; t = t->next)
     t->armed = false;
@@ -89,6 +91,8 @@ static void ready(void) {
     return;
   int64_t n = fr_config_int("FERRY_TASK_THREADS");
   P.max = n < 2 ? 2 : n > 1024 ? 1024 : (int)n;
+  P.threads = calloc((size_t)P.max, sizeof *P.threads);
+  P.max = P.threads ? P.max : 0; /* no memory: no workers (every try is refused) */
   pthread_cond_init(&P.work, NULL);
   fr_cond_init_monotonic(&P.watch);
   pthread_cond_init(&P.landed, NULL);
@@ -148,11 +152,16 @@ static void sleep_turn(void) {
   P.idle--;
 }
 
+static _Thread_local bool on_worker;
+
 static void *worker_main(void *unused) {
   (void)unused;
+  on_worker = true;
   pthread_mutex_lock(&P.lock);
   for (;;) {
     task *k = P.head;
+    if (!k && P.ending)
+      break;
     if (k) {
       P.head = k->next;
       P.tail = P.head ? P.tail : NULL;
@@ -170,12 +179,14 @@ static void *worker_main(void *unused) {
     else
       sleep_turn();
   }
+  pthread_mutex_unlock(&P.lock);
   return NULL;
 }
 
 /* P.lock held. One more worker; false when the system refuses. */
 static bool add_worker(void) {
-  if (P.started >= P.max || fr_thread_start(NULL, "ferry-task", worker_main, NULL, true) != 0) {
+  if (P.started >= P.max ||
+      fr_thread_start(&P.threads[P.started], "ferry-task", worker_main, NULL, false) != 0) {
     fr_err_clear();
     return false;
   }
@@ -239,6 +250,32 @@ int fr_task_try_many(fr_task_fn fn, void *arg, int n) {
 
 int fr_task_try(fr_task_fn fn, void *arg) {
   return fr_task_try_many(fn, arg, 1) == 1 ? 0 : FERRY_EBUSY;
+}
+
+void fr_task_quiesce(void) {
+  pthread_mutex_lock(&P.lock);
+  int n = P.started;
+  pthread_t *ended = n && !on_worker && !P.head && !P.tasks && !P.timers && !P.ending
+                         ? malloc((size_t)n * sizeof *ended)
+                         : NULL;
+  if (!ended) {
+    pthread_mutex_unlock(&P.lock);
+    return;
+  }
+  memcpy(ended, P.threads, (size_t)n * sizeof *ended);
+  P.ending = true;
+  pthread_cond_broadcast(&P.work);
+  pthread_cond_broadcast(&P.watch);
+  pthread_mutex_unlock(&P.lock);
+  for (int i = 0; i < n; i++)
+    pthread_join(ended[i], NULL);
+  free(ended);
+  pthread_mutex_lock(&P.lock);
+  /* workers started meanwhile (a try from another thread) stay, after the ended ones */
+  memmove(P.threads, P.threads + n, (size_t)(P.started - n) * sizeof *P.threads);
+  P.started -= n;
+  P.ending = false;
+  pthread_mutex_unlock(&P.lock);
 }
 
 void fr_task_counts(int *started, int *max) {

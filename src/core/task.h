@@ -5,7 +5,8 @@
  * renewal, the HTTP guard's deadlines).
  *
  * The pool is process-wide: at most FERRY_TASK_THREADS workers ("ferry-task"), started as work
- * needs them and kept, asleep, afterwards (no wake-ups while idle). Work that may block for a
+ * needs them and kept, asleep, afterwards (no wake-ups while idle), until the last context
+ * closes with nothing left to do (fr_task_quiesce). Work that may block for a
  * long time (a stalled peer holds it until its timeout) goes through fr_task_try, which takes a
  * worker only while another one stays free for the timers: so a flood of stalled uploads never
  * delays a lease renewal, it is refused (FERRY_EBUSY) instead, as uploads beyond their caps are.
@@ -57,6 +58,10 @@ void fr_timer_arm(fr_timer *t, uint64_t deadline_ns);
  * does not run again until armed again, and t may be freed (from fn: once fn returned). */
 void fr_timer_cancel(fr_timer *t);
 
+/* Ends the workers (joined) when the pool has nothing to do: no task, no armed timer; else, or
+ * from a worker, nothing. The next task or timer starts them again. ferry_ctx_close calls it, so
+ * a process that closed its contexts has no thread of ferry's left (a fork then starts clean). */
+void fr_task_quiesce(void);
 /* Workers started so far and the most there may be (FERRY_TASK_THREADS): for tests, metrics. */
 void fr_task_counts(int *started, int *max);
 

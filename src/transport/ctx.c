@@ -281,6 +281,7 @@ void ferry_ctx_close(ferry_ctx *ctx) {
   free(ctx->token);
   free(ctx->tcp_listen);
   free(ctx);
+  fr_task_quiesce(); /* the pool's workers end with the last job's timers */
 }
 
 const char *ferry_ctx_name(const ferry_ctx *ctx) { return ctx ? ctx->name : NULL; }
