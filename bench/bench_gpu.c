@@ -3,11 +3,12 @@
  * stands for, in the same run (issue 18's device check; docs/GPU.md):
  *   (a) colocated refit: a bf16 state dict in device memory of this process (the trainer) pushed
  *       to a receiver process on the same GPU that binds tensors of its own device memory
- *       (copying receiver: device buckets, read device to device through CUDA IPC, unhashed),
- *       against one device-to-device copy of the same bytes (goal <= 1.2x the copy); and in alias
- * mode, the receiver viewing the sender's device buffer through CUDA IPC (nothing copied on its
- * side; the sender packs device to device and takes the checksums through pinned host memory); (b)
- * an 11.25 MiB routing tensor (int32 [45, 8192, 8], the bytes of `ferry bench store`'s routing
+ *       (copying receiver: device buckets, read device to device through CUDA IPC, unhashed;
+ *       with the default buckets, then buckets of an eighth of the model: each bucket is a round
+ *       trip), against one device-to-device copy of the same bytes (goal <= 1.2x the copy); and in
+ * alias mode, the receiver viewing the sender's device buffer through CUDA IPC (nothing copied on
+ * its side; the sender packs device to device and takes the checksums through pinned host memory);
+ * (b) an 11.25 MiB routing tensor (int32 [45, 8192, 8], the bytes of `ferry bench store`'s routing
  * case) put from device memory by a producer process and got into device memory here, against a
  * device-to-device copy of it; (c) staged device -> host -> device: a large buffer through a
  * bounded pinned bounce buffer in chunks, as ferry stages bytes that cross a wire, against one
@@ -262,9 +263,11 @@ static pid_t spawn(int *from, const char *role, const char *a, const char *b) {
 
 /* Pushes reps + 1 versions of m (device memory at src) to one receiver process; the first push
  * (which maps the buckets and faults pages) is not timed. */
-static int time_refit(const gmodel *m, uint8_t *src, int reps, bool alias, bench_samples *b) {
+static int time_refit(const gmodel *m, uint8_t *src, int reps, bool alias, uint64_t bucket,
+                      bench_samples *b) {
   ferry_ctx_opts co = {.size = sizeof co, .name = "bench-gpu-trainer"};
-  ferry_refit_opts so = {.size = sizeof so, .alias = alias, .device_buckets = !alias};
+  ferry_refit_opts so = {
+      .size = sizeof so, .alias = alias, .device_buckets = !alias, .bucket_bytes = bucket};
   ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = -1};
   ferry_ctx *ctx = NULL;
   ferry_refit_sender *s = NULL;
@@ -317,7 +320,7 @@ static int run_refit(const bench_opts *o, uint64_t bytes, int reps) {
   uint8_t *dst = rc == 0 ? dev_alloc(m.bytes, &rc) : NULL;
   for (size_t i = 0; rc == 0 && i < m.n; i++)
     rc = dev_fill(src + m.off[i], m.len[i], (uint8_t)(i + 1));
-  bench_samples copy = {0}, push = {0}, alias = {0};
+  bench_samples copy = {0}, push = {0}, big = {0}, alias = {0};
   if (rc == 0)
     rc = time_d2d(dst, src, m.bytes, reps, &copy);
   if (rc != 0)
@@ -326,12 +329,22 @@ static int run_refit(const bench_opts *o, uint64_t bytes, int reps) {
     ferry_cuda_free(dst); /* the receiver's copy needs the room */
   if (rc == 0) {
     bench_row(o, "gpu", label, "d2d-copy", m.bytes, &copy, true);
-    rc = time_refit(&m, src, reps, false, &push);
+    rc = time_refit(&m, src, reps, false, 0, &push);
   }
   if (rc == 0) {
     bench_row(o, "gpu", label, "ferry-copying", m.bytes, &push, false);
     goal_row(o, label, "copying refit / d2d copy", bench_median(&push) / bench_median(&copy), 1.2);
-    rc = time_refit(&m, src, reps, true, &alias);
+    /* the same with buckets of an eighth of the model (1 GiB of 8): each bucket costs a round
+     * trip (a message, stream synchronisations, the receiver's acknowledgement) beside its two
+     * copies, and the default bucket (FERRY_REFIT_BUFFER_BYTES, 64 MiB) is sized for host memory */
+    uint64_t big_bucket = (m.bytes / 8 + (1u << 20) - 1) & ~(uint64_t)((1u << 20) - 1);
+    rc = time_refit(&m, src, reps, false, big_bucket, &big);
+  }
+  if (rc == 0) {
+    bench_row(o, "gpu", label, "ferry-copying-8th-buckets", m.bytes, &big, false);
+    goal_row(o, label, "copying refit, buckets of 1/8 / d2d copy",
+             bench_median(&big) / bench_median(&copy), 1.2);
+    rc = time_refit(&m, src, reps, true, 0, &alias);
   }
   if (rc == 0)
     bench_row(o, "gpu", label, "ferry-alias", m.bytes, &alias, false);
@@ -339,6 +352,7 @@ static int run_refit(const bench_opts *o, uint64_t bytes, int reps) {
     ferry_cuda_free(src);
   bench_free(&copy);
   bench_free(&push);
+  bench_free(&big);
   bench_free(&alias);
   gmodel_free(&m);
   return rc;

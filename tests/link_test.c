@@ -120,6 +120,33 @@ static void test_shm_region_reuse(void **state) {
   lt_pair_close(&p);
 }
 
+/* FERRY_MAX_MESSAGE bounds what a call moves, not what a view maps (issue 37: an 8 GiB alias of
+ * a refit buffer was refused): a view of a whole region past it works, a read of as many bytes is
+ * refused, and a view past the region's end is refused by the region's own bound. */
+static void test_view_past_max_message(void **state) {
+  (void)state;
+  setenv("FERRY_MAX_MESSAGE", "65536", 1);
+  lt_pair p;
+  lt_pair_open(&p, "shm");
+  unsetenv("FERRY_MAX_MESSAGE");
+  size_t n = 1 << 20;
+  uint8_t *mem, *dst = malloc(n);
+  assert_non_null(dst);
+  ferry_region_ref ref;
+  FR_OK(ferry_alloc(p.b, n, (void **)&mem));
+  FR_OK(ferry_region_find(p.b, mem, n, &ref, NULL));
+  tu_fill(mem, n, 7);
+  const void *view = NULL;
+  FR_OK(ferry_view(p.ab, &ref, 0, n, &view));
+  assert_memory_equal(view, mem, n);
+  assert_int_equal(ferry_read(p.ab, &ref, 0, dst, n, 5000), FERRY_ERANGE);
+  assert_int_equal(ferry_view(p.ab, &ref, 4096, n, &view), FERRY_ERANGE);
+  assert_int_equal(ferry_view_device(p.ab, &ref, 0, n, &view), FERRY_ENOTSUP); /* host memory */
+  FR_OK(ferry_free(p.b, mem));
+  free(dst);
+  lt_pair_close(&p);
+}
+
 /* Mappings of this process of `bytes` whose file is a ferry region's memfd (/proc/self/maps):
  * the size tells the test's regions from any other the process has meanwhile. */
 static int region_mappings(size_t bytes) {
@@ -1042,6 +1069,7 @@ int main(void) {
       cmocka_unit_test(test_ctx_open_fails_halfway),
       cmocka_unit_test(test_memory),
       cmocka_unit_test(test_shm_region_reuse),
+      cmocka_unit_test(test_view_past_max_message),
       cmocka_unit_test(test_shm_dead_mappings_swept),
       cmocka_unit_test(test_message_buffers),
       cmocka_unit_test(test_message_buffers_evict),

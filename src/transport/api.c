@@ -229,11 +229,14 @@ int ferry_msg_is_call(const ferry_msg *msg) {
   return msg && fr_msg_node_of((ferry_msg *)msg)->call_id != 0;
 }
 
+/* A view (copies == false) maps the peer's region and moves no bytes: FERRY_MAX_MESSAGE, the
+ * largest transfer, does not bound it (an 8 GiB alias of a refit buffer is one view); the
+ * transport checks it against the region's size. */
 static int check_rma(ferry_link *link, const ferry_region_ref *r, uint64_t off, size_t len,
-                     const void *buf, const char *what) {
+                     const void *buf, bool copies, const char *what) {
   if (!link || !r || (!buf && len > 0))
     return fr_err(FERRY_EINVAL, "%s: NULL argument", what);
-  if (len > link->ctx->max_payload)
+  if (copies && len > link->ctx->max_payload)
     return fr_err(FERRY_ERANGE, "%s: %zu bytes exceed FERRY_MAX_MESSAGE", what, len);
   if (off + len < off)
     return fr_err(FERRY_ERANGE, "%s: offset + length overflows", what);
@@ -252,7 +255,7 @@ static int read_one(ferry_link *link, const ferry_region_ref *r, uint64_t off, v
 
 int ferry_read(ferry_link *link, const ferry_region_ref *remote, uint64_t offset, void *dst,
                size_t len, int timeout_ms) {
-  int rc = check_rma(link, remote, offset, len, dst, "ferry_read");
+  int rc = check_rma(link, remote, offset, len, dst, true, "ferry_read");
   return rc ? rc
             : read_one(link, remote, offset, dst, len, fr_cuda_device_of(dst),
                        fr_ctx_timeout(link->ctx, timeout_ms));
@@ -263,7 +266,7 @@ int ferry_readv(ferry_link *link, const ferry_region_ref *remote, const ferry_re
   uint64_t total = 0;
   int rc = !runs && n ? fr_err(FERRY_EINVAL, "ferry_readv: NULL runs") : 0;
   for (size_t i = 0; i < n && rc == 0; i++) {
-    rc = check_rma(link, remote, runs[i].offset, runs[i].len, dst, "ferry_readv");
+    rc = check_rma(link, remote, runs[i].offset, runs[i].len, dst, true, "ferry_readv");
     if (rc == 0 && (runs[i].len == 0 || __builtin_add_overflow(total, runs[i].len, &total)))
       rc = fr_err(FERRY_EINVAL, "ferry_readv: run %zu is empty or the total overflows", i);
   }
@@ -284,7 +287,7 @@ int ferry_readv(ferry_link *link, const ferry_region_ref *remote, const ferry_re
 
 int ferry_write(ferry_link *link, const ferry_region_ref *remote, uint64_t offset, const void *src,
                 size_t len, int timeout_ms) {
-  int rc = check_rma(link, remote, offset, len, src, "ferry_write");
+  int rc = check_rma(link, remote, offset, len, src, true, "ferry_write");
   if (rc != 0)
     return rc;
   int ms = fr_ctx_timeout(link->ctx, timeout_ms), device = fr_cuda_device_of(src);
@@ -297,7 +300,7 @@ int ferry_write(ferry_link *link, const ferry_region_ref *remote, uint64_t offse
 
 int ferry_view(ferry_link *link, const ferry_region_ref *remote, uint64_t offset, size_t len,
                const void **out) {
-  int rc = check_rma(link, remote, offset, len, out, "ferry_view");
+  int rc = check_rma(link, remote, offset, len, out, false, "ferry_view");
   if (rc != 0)
     return rc;
   if (!link->ops->view)
@@ -308,7 +311,7 @@ int ferry_view(ferry_link *link, const ferry_region_ref *remote, uint64_t offset
 
 int ferry_view_device(ferry_link *link, const ferry_region_ref *remote, uint64_t offset, size_t len,
                       const void **out) {
-  int rc = check_rma(link, remote, offset, len, out, "ferry_view_device");
+  int rc = check_rma(link, remote, offset, len, out, false, "ferry_view_device");
   if (rc != 0)
     return rc;
   if (!link->ops->view_device)
