@@ -23,7 +23,7 @@ static void check_view(const fr_refit_piece *pieces, uint32_t n) {
   for (uint32_t i = 0; i < n; i++)
     if (fr_refit_piece_check(&plan, &pieces[i], "fuzz") != 0)
       return;
-  fr_refit_target t = {n, (fr_refit_piece *)pieces, NULL};
+  fr_refit_target t = {n, (fr_refit_piece *)pieces, NULL, NULL};
   fr_refit_view *v;
   if (fr_refit_view_build(&plan, &t, 1, 1, &v) != 0)
     return;
