@@ -334,18 +334,26 @@ static int run_refit(const bench_opts *o, uint64_t bytes, int reps) {
   if (rc == 0) {
     bench_row(o, "gpu", label, "ferry-copying", m.bytes, &push, false);
     goal_row(o, label, "copying refit / d2d copy", bench_median(&push) / bench_median(&copy), 1.2);
-    /* the same with buckets of an eighth of the model (1 GiB of 8): each bucket costs a round
-     * trip (a message, stream synchronisations, the receiver's acknowledgement) beside its two
-     * copies, and the default bucket (FERRY_REFIT_BUFFER_BYTES, 64 MiB) is sized for host memory */
-    uint64_t big_bucket = (m.bytes / 8 + (1u << 20) - 1) & ~(uint64_t)((1u << 20) - 1);
-    rc = time_refit(&m, src, reps, false, big_bucket, &big);
   }
-  if (rc == 0) {
-    bench_row(o, "gpu", label, "ferry-copying-8th-buckets", m.bytes, &big, false);
-    goal_row(o, label, "copying refit, buckets of 1/8 / d2d copy",
-             bench_median(&big) / bench_median(&copy), 1.2);
+  /* the same with buckets of 1/32 and 1/8 of the model (256 MiB and 1 GiB of 8): each bucket costs
+   * a round trip (a message, stream synchronisations, the receiver's acknowledgement) beside its
+   * two copies, and the default bucket (FERRY_REFIT_BUFFER_BYTES, 64 MiB) is sized for host memory
+   */
+  for (uint64_t part = 32; rc == 0 && part >= 8; part /= 4) {
+    uint64_t bucket = (m.bytes / part + (1u << 20) - 1) & ~(uint64_t)((1u << 20) - 1);
+    char impl[64], what[96], bsz[16];
+    bench_size_name(bucket, bsz, sizeof bsz);
+    snprintf(impl, sizeof impl, "ferry-copying-%s-buckets", bsz);
+    snprintf(what, sizeof what, "copying refit, %s buckets / d2d copy", bsz);
+    bench_reset(&big);
+    rc = time_refit(&m, src, reps, false, bucket, &big);
+    if (rc == 0) {
+      bench_row(o, "gpu", label, impl, m.bytes, &big, false);
+      goal_row(o, label, what, bench_median(&big) / bench_median(&copy), 1.2);
+    }
+  }
+  if (rc == 0)
     rc = time_refit(&m, src, reps, true, 0, &alias);
-  }
   if (rc == 0)
     bench_row(o, "gpu", label, "ferry-alias", m.bytes, &alias, false);
   if (src)
