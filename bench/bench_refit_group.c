@@ -196,7 +196,8 @@ static int row_up(const mn_row *r, const char *kind, const char *name, peer *tr,
   for (int i = 0; i < r->m && rc == 0; i++) {
     snprintf(rank, sizeof rank, "%d", i);
     const char *args[] = {name, rank, world, bytes, small, bucket, gather};
-    rc = peer_spawn(&tr[i], host_of(r, i), r->dir_url, kind, args, kind[8] == 'f' ? 7 : 6);
+    bool funnel = strcmp(kind, "--group-funnel") == 0; /* its ranks also take rank 0's address */
+    rc = peer_spawn(&tr[i], host_of(r, i), r->dir_url, kind, args, funnel ? 7 : 6);
   }
   if (rc == 0)
     rc = peers_ready(tr, r->m);
