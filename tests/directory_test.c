@@ -1022,6 +1022,75 @@ static void test_redis(void **state) {
 }
 
 /* Sends one command to the Redis at `port` and reads its one-line reply: true when it is +OK. */
+/* Two fleets on one Redis (issue 36): the same node names and keys in namespaces jobA and jobB
+ * and in none; each sees only its own, and deleting all of one's (ferry rm --all: scan, then
+ * delete each) leaves the others'. */
+static void test_redis_namespaces(void **state) {
+  su_redis r;
+  if (!su_redis_start(&r))
+    return;
+  char ua[160], ub[160];
+  snprintf(ua, sizeof ua, "%s/0?ns=jobA", r.url);
+  snprintf(ub, sizeof ub, "%s?ns=jobB", r.url);
+  fr_dir *d[3];
+  FR_OK(fr_dir_open(NULL, ua, 2000, &d[0]));
+  FR_OK(fr_dir_open(NULL, ub, 2000, &d[1]));
+  FR_OK(fr_dir_open(NULL, r.url, 2000, &d[2]));
+  assert_ptr_not_equal(d[0], d[1]); /* another namespace is another client */
+  assert_ptr_not_equal(d[0], d[2]);
+  for (int i = 0; i < 3; i++) {
+    fr_dir_node n = make_node("n1");
+    n.incarnation = 10 + (uint64_t)i; /* one name, three holders: no EEXIST across fleets */
+    FR_OK(d[i]->ops->node_put(d[i]->state, &n, 30000, 0, NULL, 2000));
+    for (int k = 0; k <= i; k++) { /* fleet i holds i + 1 keys */
+      char key[16];
+      snprintf(key, sizeof key, "k%d", k);
+      fr_dir_object o = make_obj(key, "n1", 1 + (uint64_t)i);
+      FR_OK(d[i]->ops->obj_put(d[i]->state, &o, 0, NULL, NULL, 2000));
+    }
+  }
+  for (int i = 0; i < 3; i++) {
+    fr_dir_object *v;
+    size_t n;
+    FR_OK(d[i]->ops->obj_scan(d[i]->state, "", &v, &n, 2000));
+    assert_int_equal(n, (size_t)i + 1);
+    for (size_t k = 0; k < n; k++)
+      assert_int_equal(v[k].generation, 1 + (uint64_t)i);
+    free(v);
+    fr_dir_node *nodes;
+    FR_OK(d[i]->ops->node_list(d[i]->state, &nodes, &n, 2000));
+    assert_int_equal(n, 1);
+    assert_int_equal(nodes[0].incarnation, 10 + (uint64_t)i);
+    free(nodes);
+  }
+  /* jobA's k2 does not exist, though jobB's and the default fleet's k1 do */
+  const char *keys[] = {"k1", "k2"};
+  fr_dir_object got[2];
+  int st[2];
+  FR_OK(d[0]->ops->obj_get(d[0]->state, keys, 2, got, st, 2000));
+  assert_int_equal(st[0], FERRY_ENOTFOUND);
+  /* everything of jobB goes: its objects and its node; jobA and the default keep theirs */
+  fr_dir_object *v;
+  size_t n;
+  FR_OK(d[1]->ops->obj_scan(d[1]->state, "", &v, &n, 2000));
+  for (size_t k = 0; k < n; k++)
+    FR_OK(d[1]->ops->obj_del(d[1]->state, v[k].key, "", 0, NULL, 2000));
+  free(v);
+  FR_OK(d[1]->ops->node_del(d[1]->state, "n1", 0, 2000));
+  size_t want[3] = {1, 0, 3};
+  for (int i = 0; i < 3; i++) {
+    FR_OK(d[i]->ops->obj_scan(d[i]->state, "", &v, &n, 2000));
+    assert_int_equal(n, want[i]);
+    free(v);
+  }
+  fr_dir_node holder;
+  FR_OK(d[0]->ops->node_get(d[0]->state, "n1", &holder, 2000));
+  assert_int_equal(holder.incarnation, 10);
+  for (int i = 0; i < 3; i++)
+    fr_dir_close(d[i]);
+  su_redis_stop(&r);
+}
+
 static bool redis_say(int port, const char *const *argv, int argc) {
   char cmd[512];
   int n = snprintf(cmd, sizeof cmd, "*%d\r\n", argc);
@@ -1122,6 +1191,20 @@ static void test_redis_url(void **state) {
   assert_int_equal(u.port, 6379);
   FR_OK(fr_redis_url_parse("127.0.0.1:6390", &u)); /* what the backend gets: after the scheme */
   assert_int_equal(u.port, 6390);
+  assert_string_equal(u.ns, "");
+  /* a fleet's namespace (issue 36): ?ns=NAME after the host, port and database */
+  FR_OK(fr_redis_url_parse("redis://:p?w@h:7/2?ns=job-A.1", &u)); /* a '?' in a password */
+  assert_string_equal(u.ns, "job-A.1");
+  assert_string_equal(u.password, "p?w");
+  assert_int_equal(u.db, 2);
+  assert_int_equal(u.port, 7);
+  FR_OK(fr_redis_url_parse("redis://h?ns=b", &u));
+  assert_string_equal(u.host, "h");
+  assert_string_equal(u.ns, "b");
+  const char *bad_ns[] = {"redis://h?ns=", "redis://h?ns=a*", "redis://h?ns=a:b", "redis://h?x=1",
+                          "redis://h/1?ns=a/b"};
+  for (size_t i = 0; i < sizeof bad_ns / sizeof bad_ns[0]; i++)
+    assert_int_equal(fr_redis_url_parse(bad_ns[i], &u), FERRY_EINVAL);
   /* malformed: refused, and the message never shows the password */
   const char *bad[] = {
       "redis://:hunter2@h:0",   "redis://:hunter2@h:70000", "redis://:hunter2@h:6x",
@@ -1350,6 +1433,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_jobs_lapse_together),
       cmocka_unit_test(test_no_directory),
       cmocka_unit_test(test_redis),
+      cmocka_unit_test(test_redis_namespaces),
       cmocka_unit_test(test_table_rules),
       cmocka_unit_test(test_table_rejects_garbage),
       cmocka_unit_test(test_orphan_deleted),

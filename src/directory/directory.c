@@ -43,8 +43,8 @@ static char *canonical(const char *url) {
     fr_err_clear(); /* the backend's open says what is wrong with it */
     return strdup(url);
   }
-  snprintf(buf, sizeof buf, "redis://%s\n%s\n%s\n%d\n%d", r.auth ? r.user : "",
-           r.auth ? r.password : "", r.host, r.port, r.db);
+  snprintf(buf, sizeof buf, "redis://%s\n%s\n%s\n%d\n%d\n%s", r.auth ? r.user : "",
+           r.auth ? r.password : "", r.host, r.port, r.db, r.ns); /* ns: another fleet */
   return strdup(buf);
 }
 

@@ -232,6 +232,14 @@ int fr_dir_name_taken(const fr_dir_node *holder, uint32_t lease_left_ms);
 void fr_dir_sort(fr_dir_object *objs, size_t n);
 
 /* ---- directory URLs (url.c) ---- */
+/* A fleet's namespace: "?ns=NAME" at the end of a directory URL (issue 36), 1..FR_DIR_NS_MAX
+ * bytes of [A-Za-z0-9_.-]. Parsed here once for every backend (redis.c keeps its records under
+ * "ferry@NAME:" instead of "ferry:"; an etcd backend prefixes its keys the same way), so fleets
+ * sharing one server neither see nor delete each other's records. out gets "" when the URL has
+ * no query; FERRY_EINVAL for any other query or a bad name. *query_at (may be NULL) receives
+ * where the '?' is (the URL's length when none). */
+#define FR_DIR_NS_MAX 63
+int fr_dir_url_ns(const char *url, char *out, size_t cap, size_t *query_at);
 /* A URL as it may be printed: the password in its userinfo replaced by three stars
  * (e.g. redis://user:...@host:6379/0 shows user, host, port and db; a userinfo without a colon is
  * all password). Every message, log line or output that names a directory URL prints this, never
@@ -251,7 +259,8 @@ typedef struct fr_redis_url {
   int port, db;
   char user[128];
   char password[256];
-  bool auth; /* a user or password was given: AUTH after every connect */
+  bool auth;                  /* a user or password was given: AUTH after every connect */
+  char ns[FR_DIR_NS_MAX + 1]; /* "?ns=NAME" (fr_dir_url_ns); "" when none */
 } fr_redis_url;
 /* url with or without its "redis://". FERRY_EINVAL (the detail shows the URL redacted). */
 int fr_redis_url_parse(const char *url, fr_redis_url *out);

@@ -26,6 +26,10 @@ typedef struct rds {
   redisContext *c;
   int armed_ms;   /* c's socket timeouts as last armed (-1: not yet) */
   uint64_t epoch; /* atomic: read without the lock, which a call may hold for its whole timeout */
+  /* "ferry:", or "ferry@NS:" for a URL's ?ns=NS (issue 36): every key, scan and script stays
+   * under it, so fleets sharing one Redis neither see nor delete each other's records */
+  char prefix[FR_DIR_NS_MAX + 8];
+  size_t prefix_len;
 } rds;
 
 /* A name is held by one incarnation at a time: another one's live record is answered with
@@ -272,8 +276,8 @@ static int run(rds *r, args *a, redisReply **out, int timeout_ms) {
   return run_until(r, a, out, fr_deadline_ns(timeout_ms), timeout_ms);
 }
 
-static void key_of(char *out, size_t cap, char kind, const char *name) {
-  snprintf(out, cap, "ferry:%c:%s", kind, name);
+static void key_of(const rds *r, char *out, size_t cap, char kind, const char *name) {
+  snprintf(out, cap, "%s%c:%s", r->prefix, kind, name);
 }
 
 /* A node's access blob travels as hex (n bytes: 2n digits and a NUL in out). */
@@ -306,10 +310,11 @@ static size_t bytes_of_hex(const char *s, uint8_t *out) {
 
 static int rds_node_put(void *st, const fr_dir_node *n, int lease_ms, uint64_t takeover,
                         fr_dir_node *holder, int timeout_ms) {
-  char k[96], set[96], flags[16], lease[16], inc[24], over[24], acc[2 * FR_DIR_ACCESS_MAX + 1];
+  char k[FR_DIR_NAME_MAX + FR_DIR_NS_MAX + 16], set[FR_DIR_NAME_MAX + FR_DIR_NS_MAX + 16],
+      flags[16], lease[16], inc[24], over[24], acc[2 * FR_DIR_ACCESS_MAX + 1];
   hex_of(n->access, n->access_len <= FR_DIR_ACCESS_MAX ? n->access_len : 0, acc);
-  key_of(k, sizeof k, 'n', n->name);
-  key_of(set, sizeof set, 's', n->name);
+  key_of(st, k, sizeof k, 'n', n->name);
+  key_of(st, set, sizeof set, 's', n->name);
   snprintf(flags, sizeof flags, "%u", n->flags);
   snprintf(lease, sizeof lease, "%d", lease_ms < 100 ? 100 : lease_ms);
   snprintf(inc, sizeof inc, "%llu", (unsigned long long)n->incarnation);
@@ -344,9 +349,10 @@ static int rds_node_put(void *st, const fr_dir_node *n, int lease_ms, uint64_t t
 
 static int rds_node_renew(void *st, const char *name, uint64_t incarnation, int lease_ms,
                           int timeout_ms) {
-  char k[96], s[96], lease[16], inc[24];
-  key_of(k, sizeof k, 'n', name);
-  key_of(s, sizeof s, 's', name);
+  char k[FR_DIR_NAME_MAX + FR_DIR_NS_MAX + 16], s[FR_DIR_NAME_MAX + FR_DIR_NS_MAX + 16], lease[16],
+      inc[24];
+  key_of(st, k, sizeof k, 'n', name);
+  key_of(st, s, sizeof s, 's', name);
   snprintf(lease, sizeof lease, "%d", lease_ms < 100 ? 100 : lease_ms);
   snprintf(inc, sizeof inc, "%llu", (unsigned long long)incarnation);
   args a = {0};
@@ -380,8 +386,8 @@ static bool reply_to_node(const char *name, redisReply *rep, fr_dir_node *out) {
 
 static int node_get_until(rds *r, const char *name, fr_dir_node *out, uint64_t deadline,
                           int timeout_ms) {
-  char k[96];
-  key_of(k, sizeof k, 'n', name);
+  char k[FR_DIR_NAME_MAX + FR_DIR_NS_MAX + 16];
+  key_of(r, k, sizeof k, 'n', name);
   args a = {0};
   ARG(&a, "HMGET"), ARG(&a, k), ARG(&a, "addr"), ARG(&a, "flags"), ARG(&a, "inc");
   ARG(&a, "acc");
@@ -403,9 +409,9 @@ static int rds_node_get(void *st, const char *name, fr_dir_node *out, int timeou
 }
 
 static int rds_node_del(void *st, const char *name, uint64_t incarnation, int timeout_ms) {
-  char k[96], s[96], inc[24];
-  key_of(k, sizeof k, 'n', name);
-  key_of(s, sizeof s, 's', name);
+  char k[FR_DIR_NAME_MAX + FR_DIR_NS_MAX + 16], s[FR_DIR_NAME_MAX + FR_DIR_NS_MAX + 16], inc[24];
+  key_of(st, k, sizeof k, 'n', name);
+  key_of(st, s, sizeof s, 's', name);
   snprintf(inc, sizeof inc, "%llu", (unsigned long long)incarnation);
   args a = {0};
   ARG(&a, "EVAL"), ARG(&a, node_del_lua), ARG(&a, "2"), ARG(&a, k), ARG(&a, s), ARG(&a, name);
@@ -482,13 +488,16 @@ static void glob_prefix(char *out, size_t cap, const char *head, const char *pre
 static int rds_node_list(void *st, fr_dir_node **out, size_t *count, int timeout_ms) {
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   keylist keys = {0};
-  int rc = scan_keys(st, "ferry:n:*", &keys, deadline, timeout_ms);
+  const rds *r = st;
+  char pattern[FR_DIR_NS_MAX + 16];
+  snprintf(pattern, sizeof pattern, "%sn:*", r->prefix); /* no glob character in a namespace */
+  int rc = scan_keys(st, pattern, &keys, deadline, timeout_ms);
   fr_dir_node *v = rc == 0 ? calloc(keys.n + 1, sizeof *v) : NULL;
   size_t n = 0;
   if (rc == 0 && !v)
     rc = fr_err(FERRY_ENOMEM, "node list");
   for (size_t i = 0; rc == 0 && i < keys.n; i++) {
-    int g = node_get_until(st, keys.v[i] + 8, &v[n], deadline, timeout_ms);
+    int g = node_get_until(st, keys.v[i] + r->prefix_len + 2, &v[n], deadline, timeout_ms);
     if (g == 0)
       n++;
     else if (g != FERRY_ENOTFOUND) /* expired between SCAN and HMGET: skip */
@@ -514,16 +523,17 @@ static int decode_rec(const char *data, size_t len, fr_dir_object *out) {
 
 /* The EVAL of one object put (its buffers live in the struct). */
 typedef struct put_cmd {
-  char k[FR_DIR_KEY_MAX + 16], s[96], n[96], gen[24];
+  char k[FR_DIR_KEY_MAX + FR_DIR_NS_MAX + 16], s[FR_DIR_NAME_MAX + FR_DIR_NS_MAX + 16],
+      n[FR_DIR_NAME_MAX + FR_DIR_NS_MAX + 16], gen[24];
   fr_wr w;
   args a;
 } put_cmd;
 
-static int put_cmd_make(put_cmd *c, const fr_dir_object *o, unsigned flags) {
+static int put_cmd_make(const rds *r, put_cmd *c, const fr_dir_object *o, unsigned flags) {
   memset(c, 0, sizeof *c);
-  key_of(c->k, sizeof c->k, 'o', o->key);
-  key_of(c->s, sizeof c->s, 's', o->owner);
-  key_of(c->n, sizeof c->n, 'n', o->owner);
+  key_of(r, c->k, sizeof c->k, 'o', o->key);
+  key_of(r, c->s, sizeof c->s, 's', o->owner);
+  key_of(r, c->n, sizeof c->n, 'n', o->owner);
   snprintf(c->gen, sizeof c->gen, "%llu", (unsigned long long)o->generation);
   fr_wr_object(&c->w, o);
   if (c->w.failed) {
@@ -562,7 +572,7 @@ static int put_reply(const fr_dir_object *o, const redisReply *rep, fr_dir_objec
 static int rds_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir_object *replaced,
                        bool *had_other, int timeout_ms) {
   put_cmd c;
-  int rc = put_cmd_make(&c, o, flags);
+  int rc = put_cmd_make(st, &c, o, flags);
   if (rc != 0)
     return rc;
   redisReply *rep;
@@ -598,7 +608,7 @@ static int pipeline_put(rds *r, const fr_dir_object *objs, size_t n, unsigned fl
   int rc = r->c ? 0 : dial(r, deadline, timeout_ms);
   for (size_t i = 0; rc == 0 && i < n; i++) {
     put_cmd c;
-    if ((rc = put_cmd_make(&c, &objs[i], flags)) != 0)
+    if ((rc = put_cmd_make(r, &c, &objs[i], flags)) != 0)
       break;
     if (redisAppendCommandArgv(r->c, c.a.n, c.a.v, c.a.len) != REDIS_OK)
       rc = fr_err(FERRY_ENOMEM, "Redis put: pipeline");
@@ -636,8 +646,8 @@ static int pipeline_get(rds *r, const char *const *keys, size_t n, fr_dir_object
                         uint64_t deadline, int timeout_ms) {
   int rc = r->c ? 0 : dial(r, deadline, timeout_ms);
   for (size_t i = 0; rc == 0 && i < n; i++) {
-    char k[FR_DIR_KEY_MAX + 16];
-    key_of(k, sizeof k, 'o', keys[i]);
+    char k[FR_DIR_KEY_MAX + FR_DIR_NS_MAX + 16];
+    key_of(r, k, sizeof k, 'o', keys[i]);
     redisAppendCommand(r->c, "HGET %s rec", k);
   }
   for (size_t i = 0; rc == 0 && i < n; i++) {
@@ -671,8 +681,8 @@ static int rds_obj_get(void *st, const char *const *keys, size_t n, fr_dir_objec
 
 static int rds_obj_del(void *st, const char *key, const char *owner, uint64_t gen,
                        fr_dir_object *deleted, int timeout_ms) {
-  char k[FR_DIR_KEY_MAX + 16], g[24];
-  key_of(k, sizeof k, 'o', key);
+  char k[FR_DIR_KEY_MAX + FR_DIR_NS_MAX + 16], g[24];
+  key_of(st, k, sizeof k, 'o', key);
   snprintf(g, sizeof g, "%llu", (unsigned long long)gen);
   args a = {0};
   ARG(&a, "EVAL"), ARG(&a, obj_del_lua), ARG(&a, "1"), ARG(&a, k), ARG(&a, owner ? owner : "");
@@ -692,8 +702,10 @@ static int rds_obj_del(void *st, const char *key, const char *owner, uint64_t ge
 
 static int rds_obj_scan(void *st, const char *prefix, fr_dir_object **out, size_t *count,
                         int timeout_ms) {
-  char pattern[2 * FR_DIR_KEY_MAX + 16];
-  glob_prefix(pattern, sizeof pattern, "ferry:o:", prefix);
+  const rds *r = st;
+  char pattern[2 * FR_DIR_KEY_MAX + FR_DIR_NS_MAX + 16], head[FR_DIR_NS_MAX + 16];
+  snprintf(head, sizeof head, "%so:", r->prefix);
+  glob_prefix(pattern, sizeof pattern, head, prefix);
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   keylist keys = {0};
   int rc = scan_keys(st, pattern, &keys, deadline, timeout_ms);
@@ -703,7 +715,7 @@ static int rds_obj_scan(void *st, const char *prefix, fr_dir_object **out, size_
   if (rc == 0 && (!v || !status || !names))
     rc = fr_err(FERRY_ENOMEM, "scan: %zu records", keys.n);
   for (size_t i = 0; rc == 0 && i < keys.n; i++)
-    names[i] = keys.v[i] + 8; /* the object key after "ferry:o:" */
+    names[i] = keys.v[i] + r->prefix_len + 2; /* the object key after "ferry:o:" */
   if (rc == 0)
     rc = obj_get_until(st, names, keys.n, v, status, deadline, timeout_ms);
   size_t n = 0;
@@ -734,6 +746,8 @@ static int rds_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **st
   fr_url_redact(url, r->shown, sizeof r->shown);
   int rc = fr_redis_url_parse(url, &r->u);
   explicit_bzero(url, sizeof url);
+  snprintf(r->prefix, sizeof r->prefix, r->u.ns[0] ? "ferry@%s:" : "ferry:", r->u.ns);
+  r->prefix_len = strlen(r->prefix);
   timeout_ms = timeout_ms > 0 ? timeout_ms : 1000;
   if (rc == 0)
     rc = dial(r, fr_deadline_ns(timeout_ms), timeout_ms);

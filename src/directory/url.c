@@ -141,6 +141,36 @@ static int parse_host_port(const char *url, const char *s, size_t n, fr_redis_ur
   return 0;
 }
 
+static bool ns_char(char c) {
+  return isalnum((unsigned char)c) || c == '_' || c == '.' || c == '-';
+}
+
+int fr_dir_url_ns(const char *url, char *out, size_t cap, size_t *query_at) {
+  char shown[FR_DIR_ADDRESS_MAX + 1];
+  const char *q = strrchr(url, '?');
+  const char *at = strrchr(url, '@'); /* a '?' in a password is not a query */
+  if (q && at && q < at)
+    q = NULL;
+  if (query_at)
+    *query_at = q ? (size_t)(q - url) : strlen(url);
+  fr_str_copy(out, cap, "");
+  if (!q)
+    return 0;
+  size_t n = strlen(q + 4);
+  bool ok = strncmp(q, "?ns=", 4) == 0 && n >= 1 && n <= FR_DIR_NS_MAX && n < cap;
+  for (size_t i = 0; ok && i < n; i++)
+    ok = ns_char(q[4 + i]);
+  if (!ok) {
+    fr_url_redact(url, shown, sizeof shown);
+    return fr_err(FERRY_EINVAL,
+                  "directory '%s': the only query a directory URL takes is ?ns=NAME (1..%d "
+                  "letters, digits, '_', '.', '-')",
+                  shown, FR_DIR_NS_MAX);
+  }
+  fr_str_copy(out, cap, q + 4);
+  return 0;
+}
+
 int fr_redis_url_parse(const char *url, fr_redis_url *out) {
   fr_redis_url r;
   memset(&r, 0, sizeof r);
@@ -148,16 +178,20 @@ int fr_redis_url_parse(const char *url, fr_redis_url *out) {
   const char *at = userinfo_end(url, &start);
   if (strstr(url, "://") && strncmp(url, "redis://", 8) != 0)
     return bad(url, "not a redis:// URL");
-  int rc = at ? parse_userinfo(url, start, at, &r) : 0;
+  size_t len;
+  int rc = fr_dir_url_ns(url, r.ns, sizeof r.ns, &len);
+  if (rc == 0 && at)
+    rc = parse_userinfo(url, start, at, &r);
   const char *hp = at ? at + 1 : start;
-  const char *slash = strchr(hp, '/');
-  size_t n = slash ? (size_t)(slash - hp) : strlen(hp);
+  const char *end = url + len;
+  const char *slash = memchr(hp, '/', (size_t)(end - hp));
+  size_t n = slash ? (size_t)(slash - hp) : (size_t)(end - hp);
   if (rc == 0)
     rc = parse_host_port(url, hp, n, &r);
-  if (rc == 0 && slash && slash[1]) {
+  if (rc == 0 && slash && slash + 1 < end) {
     char *e;
     long db = strtol(slash + 1, &e, 10);
-    if (*e || db < 0 || db > 1000 || !isdigit((unsigned char)slash[1]))
+    if (e != end || db < 0 || db > 1000 || !isdigit((unsigned char)slash[1]))
       rc = bad(url, "bad database number");
     r.db = (int)db;
   }
