@@ -2069,6 +2069,200 @@ static void test_shards_bind_errors(void **st) {
   tp_free(&m);
 }
 
+/* A receiver that attaches while the first push is under way (nothing was committed before: the
+ * sender's latest is 0) is not in that push; it still gets that version once the push ends. The
+ * test hook attaches it from inside the push. (The ATTACH reply carried the old latest, 0, and
+ * the push's end told no one outside it: its wait timed out.) */
+static void test_attach_during_first_push(void **st) {
+  model m;
+  model_init(&m, 27);
+  ferry_ctx *sc = ctx_for("trainer", "shm"), *rc = ctx_for("rollout", "shm");
+  ferry_refit_sender *s = sender_for(sc, &m, 16384);
+  ferry_refit_receiver *r = flat_receiver(rc, ferry_ctx_address(sc));
+  await_receivers(s, 1);
+  mid_ctx = ctx_for("late", "shm");
+  mid_address = ferry_ctx_address(sc);
+  mid_rx = NULL;
+  fr_refit_test_corrupt = attach_mid_push;
+  FR_OK(ferry_refit_push(s, 1, NULL));
+  fr_refit_test_corrupt = NULL;
+  assert_non_null(mid_rx);
+  FR_OK(ferry_refit_wait(r, 1, 10000, NULL));
+  uint64_t have = 0;
+  FR_OK(ferry_refit_wait(mid_rx, 1, 10000, &have));
+  assert_int_equal(have, 1);
+  void *views[NT];
+  for (int i = 0; i < NT; i++)
+    FR_OK(ferry_refit_view(mid_rx, m.name[i], &views[i]));
+  expect_model(&m, (const void *const *)views);
+  model_bump(&m, -1); /* the next push includes it */
+  FR_OK(ferry_refit_push(s, 2, NULL));
+  FR_OK(ferry_refit_wait(mid_rx, 2, 10000, &have));
+  expect_model(&m, (const void *const *)views);
+  ferry_refit_receiver_close(mid_rx);
+  ferry_refit_receiver_close(r);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(mid_ctx);
+  ferry_ctx_close(rc);
+  ferry_ctx_close(sc);
+  model_free(&m);
+}
+
+/* A receiver in a push that binds its buffer while the push lands refuses that version (a bucket
+ * landed before the buffer existed) and asks to catch up while the sender is still in the push:
+ * the sender serves that request once the push ends. Deterministic: the receiver binds from its
+ * first bucket's callback, and its refusal's log line (on its thread, before its COMMITTED goes)
+ * holds it until the test has asked (ferry_refit_committed) over the same link; so the request
+ * reaches the sender before the refusal, while the receiver is in the push. (The sender dropped
+ * it, "a push brings it", and the receiver, having asked for that version once, never asked
+ * again: its wait timed out.) */
+static struct {
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  bool bound, held, release;
+  int bind_rc;
+} bd = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, false, false, false, 0};
+
+static void bind_on_first_bucket(ferry_refit_receiver *r, uint64_t version, uint32_t bucket,
+                                 void *arg) {
+  (void)version, (void)bucket, (void)arg;
+  if (!bd.bound) { /* only its service thread calls this */
+    bd.bound = true;
+    bd.bind_rc = ferry_refit_bind_flat(r);
+  }
+}
+
+static void hold_refusal(ferry_log_level level, const char *msg, void *arg) {
+  (void)level, (void)arg;
+  if (!strstr(msg, "version 1 not committed"))
+    return;
+  pthread_mutex_lock(&bd.lock);
+  bd.held = true;
+  pthread_cond_broadcast(&bd.cond);
+  while (!bd.release)
+    pthread_cond_wait(&bd.cond, &bd.lock);
+  pthread_mutex_unlock(&bd.lock);
+}
+
+/* Waits (up to 10 s: the log line the hold looks for may have changed) until the receiver's
+ * thread is held in the log callback. */
+static void await_held(void) {
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until);
+  until.tv_sec += 10;
+  pthread_mutex_lock(&bd.lock);
+  while (!bd.held && pthread_cond_timedwait(&bd.cond, &bd.lock, &until) == 0)
+    ;
+  bool held = bd.held;
+  bd.release = !held; /* not held: nothing waits for the release, and none may come later */
+  pthread_mutex_unlock(&bd.lock);
+  assert_true(held);
+}
+
+static void test_bind_during_push(void **st) {
+  model m;
+  model_init(&m, 28);
+  ferry_ctx *sc = ctx_for("trainer", "shm"), *rc = ctx_for("rollout", "shm");
+  ferry_refit_sender *s = sender_for(sc, &m, 16384);
+  ferry_refit_receiver *r;
+  FR_OK(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &r)); /* nothing bound yet */
+  await_receivers(s, 1);
+  bd.bound = bd.held = bd.release = false;
+  ferry_refit_on_bucket(r, bind_on_first_bucket, NULL);
+  ferry_log_level level = ferry_log_get_level();
+  ferry_log_set_level(FERRY_LOG_WARN);
+  ferry_log_set_callback(hold_refusal, NULL);
+  bg_push b = {.s = s, .version = 1, .po = {.size = sizeof b.po, .timeout_ms = 30000}};
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, push_thread, &b), 0);
+  await_held();
+  assert_int_equal(ferry_refit_committed(r), 0); /* knows version 1 now: asks to catch up */
+  pthread_mutex_lock(&bd.lock);
+  bd.release = true;
+  pthread_cond_broadcast(&bd.cond);
+  pthread_mutex_unlock(&bd.lock);
+  pthread_join(t, NULL);
+  ferry_log_set_callback(NULL, NULL);
+  ferry_log_set_level(level);
+  FR_OK(bd.bind_rc);
+  assert_int_equal(b.rc, FERRY_ESTATE); /* it refused the version in the push */
+  uint64_t have = 0;
+  FR_OK(ferry_refit_wait(r, 1, 10000, &have));
+  assert_int_equal(have, 1);
+  void *views[NT];
+  for (int i = 0; i < NT; i++)
+    FR_OK(ferry_refit_view(r, m.name[i], &views[i]));
+  expect_model(&m, (const void *const *)views);
+  ferry_refit_on_bucket(r, NULL, NULL);
+  ferry_refit_receiver_close(r);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(rc);
+  ferry_ctx_close(sc);
+  model_free(&m);
+}
+
+/* A receiver in a push that commits the push's version and then binds a new destination (it no
+ * longer holds that version) asks for it while the sender is still in the push: the sender
+ * catches it up once the push ends, although its COMMITTED said it committed. Deterministic: the
+ * receiver's commit log line (on its thread, before its COMMITTED goes) holds it while the test
+ * binds and asks. (The sender recorded it as holding the version and dropped the request.) */
+static void hold_commit_line(ferry_log_level level, const char *msg, void *arg) {
+  (void)level, (void)arg;
+  if (!strstr(msg, "refit: committed version 1 from"))
+    return;
+  pthread_mutex_lock(&bd.lock);
+  bd.held = true;
+  pthread_cond_broadcast(&bd.cond);
+  while (!bd.release)
+    pthread_cond_wait(&bd.cond, &bd.lock);
+  pthread_mutex_unlock(&bd.lock);
+}
+
+static void test_rebind_after_commit_during_push(void **st) {
+  model m;
+  model_init(&m, 29);
+  ferry_ctx *sc = ctx_for("trainer", "shm"), *rc = ctx_for("rollout", "shm");
+  ferry_refit_sender *s = sender_for(sc, &m, 16384);
+  ferry_refit_receiver *r;
+  FR_OK(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &r));
+  bound b;
+  bind_all(r, &b);
+  await_receivers(s, 1);
+  bd.held = bd.release = false;
+  ferry_log_level level = ferry_log_get_level();
+  ferry_log_set_level(FERRY_LOG_INFO);
+  ferry_log_set_callback(hold_commit_line, NULL);
+  bg_push p = {.s = s, .version = 1, .po = {.size = sizeof p.po, .timeout_ms = 30000}};
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, push_thread, &p), 0);
+  await_held();
+  uint64_t n;
+  FR_OK(ferry_tensor_nbytes(&b.d[0], &n));
+  void *fresh = calloc(1, n); /* a new destination for tensor 0: it holds no version */
+  FR_OK(ferry_refit_bind(r, m.name[0], fresh, &b.d[0]));
+  free(b.mem[0]);
+  b.mem[0] = fresh;
+  assert_int_equal(ferry_refit_committed(r), 0); /* asks to catch up to version 1 */
+  pthread_mutex_lock(&bd.lock);
+  bd.release = true;
+  pthread_cond_broadcast(&bd.cond);
+  pthread_mutex_unlock(&bd.lock);
+  pthread_join(t, NULL);
+  ferry_log_set_callback(NULL, NULL);
+  ferry_log_set_level(level);
+  FR_OK(p.rc); /* it committed the version in the push */
+  uint64_t have = 0;
+  FR_OK(ferry_refit_wait(r, 1, 10000, &have));
+  assert_int_equal(have, 1);
+  expect_model(&m, (const void *const *)b.mem);
+  ferry_refit_receiver_close(r);
+  bound_free(&b);
+  ferry_refit_sender_close(s);
+  ferry_ctx_close(rc);
+  ferry_ctx_close(sc);
+  model_free(&m);
+}
+
 int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
   if (argc == 5 && strcmp(argv[1], "--receiver") == 0)
@@ -2121,6 +2315,9 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_shards_corrupt),
       cmocka_unit_test(test_shards_reseal),
       cmocka_unit_test(test_shards_feed_windows),
+      cmocka_unit_test(test_attach_during_first_push),
+      cmocka_unit_test(test_bind_during_push),
+      cmocka_unit_test(test_rebind_after_commit_during_push),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

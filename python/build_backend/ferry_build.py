@@ -8,7 +8,8 @@ the wheel it makes carries the library, so `import ferry` needs no FERRY_LIB.
 The wheel:
 - ferry/ (every .py and py.typed under python/ferry, subpackages included) and ferry/libferry.so;
 - tagged py3-none-<platform> (a ctypes binding: any Python 3, but this machine's libferry.so);
-- metadata from pyproject.toml's [project] table and README.md.
+- metadata from pyproject.toml's [project] table and README.md, and its entry points
+  ([project.entry-points.*], scripts, gui-scripts) in the dist-info's entry_points.txt.
 
 Where libferry.so comes from, first match:
 1. `--config-settings=ferry-lib=PATH` (pip 22.1+): that file, bundled as it is;
@@ -76,6 +77,26 @@ def _metadata(project):
         with open(os.path.join(HERE, readme), encoding="utf-8") as f:
             body = "\n" + f.read()
     return ("\n".join(lines) + "\n" + body).encode("utf-8")
+
+
+def _entry_points(project):
+    """entry_points.txt: each group of [project.entry-points] (scripts and gui-scripts as
+    console_scripts and gui_scripts), one `name = object reference` a line; None when none."""
+    groups = dict(project.get("entry-points", {}))
+    for key, group in (("scripts", "console_scripts"), ("gui-scripts", "gui_scripts")):
+        if project.get(key):
+            groups[group] = project[key]
+    text = "".join("[%s]\n%s\n" % (group, "".join("%s = %s\n" % kv for kv in eps.items()))
+                   for group, eps in groups.items() if eps)
+    return text.encode() if text else None
+
+
+def _add_dist_info(wheel, dist_info, project, tag):
+    wheel.add(dist_info + "/METADATA", _metadata(project))
+    wheel.add(dist_info + "/WHEEL", _wheel_file(tag))
+    entry_points = _entry_points(project)
+    if entry_points:
+        wheel.add(dist_info + "/entry_points.txt", entry_points)
 
 
 def _tag():
@@ -200,6 +221,10 @@ def _write_dist_info(directory, project, tag):
         f.write(_metadata(project))
     with open(os.path.join(path, "WHEEL"), "wb") as f:
         f.write(_wheel_file(tag))
+    entry_points = _entry_points(project)
+    if entry_points:
+        with open(os.path.join(path, "entry_points.txt"), "wb") as f:
+            f.write(entry_points)
     return dist_info
 
 
@@ -237,8 +262,7 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
                 wheel.add(arcname, f.read())
         with open(library, "rb") as f:  # the real file (libferry.so is a link to it)
             wheel.add("ferry/libferry.so", f.read(), 0o755)
-        wheel.add(dist_info + "/METADATA", _metadata(project))
-        wheel.add(dist_info + "/WHEEL", _wheel_file(tag))
+        _add_dist_info(wheel, dist_info, project, tag)
         wheel.close()
     return name
 
@@ -274,8 +298,7 @@ def build_editable(wheel_directory, config_settings=None, metadata_directory=Non
     pkg = os.path.join(HERE, "ferry")
     wheel.add("_ferry_editable.py", (_EDITABLE_FINDER % {"pkg": pkg}).encode())
     wheel.add("_ferry_editable.pth", b"import _ferry_editable\n")
-    wheel.add(dist_info + "/METADATA", _metadata(project))
-    wheel.add(dist_info + "/WHEEL", _wheel_file("py3-none-any"))
+    _add_dist_info(wheel, dist_info, project, "py3-none-any")
     wheel.close()
     return name
 

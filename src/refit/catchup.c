@@ -10,7 +10,9 @@
  * waits while a push rewrites the buffer. A push that begins stops it and leaves the receiver
  * out (it has no version of the buffer's to build on, and reading every bucket there would make
  * the others' push wait for it): once the push ends it catches up to the newer version from the
- * buffer. The receiver verifies each bucket against its checksum, so a bucket a push began to
+ * buffer. A receiver that asks while a push is under way (it attached during the push, or bound
+ * a destination while the push landed) is served likewise once the push ends. The receiver
+ * verifies each bucket against its checksum, so a bucket a push began to
  * overwrite is refused, never taken, and the abandoned version is never committed (no COMMIT
  * for it follows; the newer version's first bucket starts that version over).
  */
@@ -94,11 +96,22 @@ void fr_refit_catchup_serve(ferry_refit_sender *s, fr_refit_outbox *out) {
   }
 }
 
-void fr_refit_catchup_request(ferry_refit_sender *s, receiver *r, fr_refit_outbox *out) {
-  if (r->cu_version || r->in_push)
-    return; /* under way already, or a push brings it */
+/* A request that comes during a push is kept, and served when the push ends (its end wakes the
+ * service thread), also from a receiver in the push: one that bound a destination while the
+ * push landed refuses the push's version, and asks for it (it learnt of it from the COMMIT)
+ * before its refusal reaches us. A receiver asks only for a version it does not hold, so one in
+ * the push that asks for the push's own version lacks it, whatever its COMMITTED says (it bound
+ * a new destination after committing it). */
+void fr_refit_catchup_request(ferry_refit_sender *s, receiver *r, uint64_t version,
+                              fr_refit_outbox *out) {
+  if (version == r->committed)
+    r->committed = 0; /* it lacks what it committed: it bound a new destination since */
+  if (r->in_push && version == s->pushing)
+    r->lacks = version;
+  if (r->cu_version)
+    return; /* under way already */
   r->want_catchup = true;
-  fr_refit_catchup_serve(s, out);
+  fr_refit_catchup_serve(s, out); /* now, unless a push is under way */
 }
 
 bool fr_refit_catchup_overtaken(ferry_refit_sender *s, receiver *r, uint64_t retained) {

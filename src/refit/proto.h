@@ -5,8 +5,9 @@
  * manifest.
  *
  *   receiver → sender  ATTACH (a call)      body: the receiver's ctx address (for its chain
- *                                           successor); reply: status, latest version, alias
- *                                           buffer, manifest
+ *                                           successor); reply: status, latest version (during a
+ *                                           push, the push's: the receiver is not in it and
+ *                                           asks to catch up to it), alias buffer, manifest
  *   sender → receiver  ROUTE                the address of its chain predecessor (after the record)
  *   sender → receiver  BUCKET               version, generation, bucket, seq, bytes, checksum, and
  *                                           where to read it: a region (src, src_offset) of the
@@ -24,6 +25,7 @@
  *                                           late) and has bound its destinations asks for it; the
  *                                           sender answers with BUCKETs of version `latest` read
  *                                           from its retained buffer, then COMMIT, outside any push
+ *                                           (one that comes during a push: once it ended)
  *   sender → receiver  CATCHUP              status: the catch-up cannot be done (no retained copy);
  *                                           the version comes with the next push
  *   receiver → sender  VIEW                 shards (shard.h): the pieces of target slot `bucket`
@@ -90,7 +92,7 @@ typedef struct fr_refit_msg_t {
 
 typedef struct fr_refit_attach_reply {
   int32_t status;
-  uint64_t latest;         /* last committed version (0: none yet) */
+  uint64_t latest;         /* last pushed version, or the one a push under way carries (0: none) */
   ferry_region_ref alias;  /* the sender's whole wire buffer, when it keeps one (alias mode) */
   const uint8_t *manifest; /* points into the reply */
   size_t manifest_len;

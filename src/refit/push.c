@@ -500,7 +500,7 @@ static int finish_push(ferry_refit_sender *s, uint64_t version, bool packed_all,
     r->in_push = false;
     t->receivers += was_in;
     if (was_in && r->status == 0 && r->commit_seen) {
-      r->committed = version;
+      r->committed = r->lacks == version ? 0 : version; /* lacks: asked for it since (catchup.c) */
       t->committed++;
       log_receiver_outcome(s, r, version, 0);
     } else if (was_in) {
@@ -525,7 +525,8 @@ static int finish_push(ferry_refit_sender *s, uint64_t version, bool packed_all,
     pp = &r->next;
   }
   pthread_mutex_unlock(&s->lock);
-  /* receivers that attached or asked during the push: the service thread serves them, since it
+  /* receivers that attached (told this version as the latest), bound a destination or otherwise
+   * asked during the push: the service thread serves them, since it
    * sends the rest of each catch-up as acknowledgements come (one thread, so in order) */
   fr_job_wake(s->service, FR_REFIT_WAKE_CATCHUPS);
   if (out.n) {

@@ -84,10 +84,13 @@ static receiver *new_receiver(ferry_msg *m) {
  * sent after it. The receiver is recorded first, under the same lock: once its open returns, a
  * push that begins includes it. (Frames of that push may reach it before the reply; its service
  * thread, started once the reply is in, takes them after.) A reply that cannot go leaves the link
- * dead, and the next push drops the record. */
+ * dead, and the next push drops the record. One that attaches while a push is under way is not
+ * in it: the reply names that push's version as the latest, so the receiver asks to catch up to
+ * it, and the request is served once the push ends (catchup.c). */
 static void answer_attach(ferry_refit_sender *s, ferry_msg *m) {
   pthread_mutex_lock(&s->lock);
-  fr_refit_attach_reply rep = {.status = s->sealed ? 0 : FERRY_ESTATE, .latest = s->latest};
+  fr_refit_attach_reply rep = {.status = s->sealed ? 0 : FERRY_ESTATE,
+                               .latest = s->pushing ? s->pushing : s->latest};
   if (s->alias)
     rep.alias = s->ref[0];
   size_t mlen = s->sealed ? s->manifest_len : 0;
@@ -152,9 +155,7 @@ static void record(ferry_refit_sender *s, ferry_msg *m, const fr_refit_msg_t *x)
   if (x->type == FR_REFIT_DETACH) {
     remove_receiver(s, m->link);
   } else if (r && x->type == FR_REFIT_CATCHUP) {
-    if (x->version == r->committed)
-      r->committed = 0; /* it lacks what it committed: it bound a new destination since */
-    fr_refit_catchup_request(s, r, &s->svc_out);
+    fr_refit_catchup_request(s, r, x->version, &s->svc_out);
   } else if (r && r->in_push && x->version == s->pushing && x->type == FR_REFIT_ACK) {
     record_ack(s, r, x);
   } else if (r && r->in_push && x->version == s->pushing && x->type == FR_REFIT_COMMITTED) {

@@ -73,6 +73,8 @@ typedef struct receiver {
 
   /* catching up (late join): it asked for the latest version outside a push */
   bool want_catchup;     /* asked; served once no push is under way */
+  uint64_t lacks;        /* a push's version it asked for during that push (it was in it): it
+                            does not hold it, whatever its COMMITTED said */
   uint64_t cu_version;   /* the version being sent to it now, 0 when none */
   uint32_t cu_announced; /* buckets announced (by index) */
   uint32_t cu_acked;     /* buckets it verified */
@@ -182,13 +184,15 @@ void fr_refit_packer_stop(fr_refit_packer *k);
 int fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share, fr_refit_feed *feeds,
                   size_t nfeeds, bool hash, uint64_t *sum);
 /* Late join (catchup.c), all under s->lock, queueing what it sends in `out` (sent once the lock is
- * released): a receiver asked for the latest version; serves every pending request when no push
+ * released): a receiver asked for the latest version (it lacks `version`; kept during a push and
+ * served when it ends); serves every pending request when no push
  * is under way; handles a catch-up ACK or COMMITTED (true when the record belonged to a
  * catch-up); stops a receiver's catch-up; and, as a push begins
  * (the buffer held version `retained` whole, 0: none), stops r's catch-up and says whether r
  * stays out of the push (true: it was catching up, and catches up to the push's version when the
  * push ends). */
-void fr_refit_catchup_request(ferry_refit_sender *s, receiver *r, fr_refit_outbox *out);
+void fr_refit_catchup_request(ferry_refit_sender *s, receiver *r, uint64_t version,
+                              fr_refit_outbox *out);
 void fr_refit_catchup_serve(ferry_refit_sender *s, fr_refit_outbox *out);
 bool fr_refit_catchup_record(ferry_refit_sender *s, receiver *r, const fr_refit_msg_t *x,
                              fr_refit_outbox *out);

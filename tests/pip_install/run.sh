@@ -4,7 +4,7 @@
 # install builds libferry.so (python/build_backend/ferry_build.py) and `import ferry` must load
 # that copy, inside the venv. `pip install -e` imports the checkout's package. Then `pip wheel
 # --no-deps ./python`, the checkout removed, and the wheel installed into a second venv, where it
-# must work the same.
+# must work the same. Each install must expose the vLLM plugin entry point (vllm.general_plugins).
 # The venvs see Debian's NumPy (--system-site-packages); the index is an address nothing listens
 # on, so a step that wanted the network fails at once instead of passing on a networked machine.
 # Usage: run.sh SOURCE_DIR WORK_DIR
@@ -24,6 +24,20 @@ else # an unpacked tarball: all of it but the build folders
 fi
 [ -f "$work/checkout/python/pyproject.toml" ] || { echo "no clean copy of $src"; exit 1; }
 [ ! -e "$work/checkout/build" ] || { echo "the copy has build/"; exit 1; }
+
+# the installed distribution exposes the vLLM plugin entry point (pyproject.toml); loading it
+# imports ferry.integrations.vllm, which imports no vLLM
+check_plugin() { # venv
+  (cd "$work" && "$1/bin/python" <<'PY'
+from importlib.metadata import entry_points
+import ferry.integrations.vllm as fv
+eps = [e for e in entry_points(group="vllm.general_plugins") if e.dist.name == "ferry"]
+assert [(e.name, e.value) for e in eps] == [("ferry", "ferry.integrations.vllm:register")], eps
+assert eps[0].load() is fv.register
+print("pip_install: entry point vllm.general_plugins: ferry = %s: ok" % eps[0].value)
+PY
+  )
+}
 
 # import ferry from outside the checkout; the library must be the one inside the venv
 check() { # venv
@@ -46,6 +60,7 @@ PY
 /usr/bin/python3 -m venv --system-site-packages "$work/v1"
 "$work/v1/bin/pip" install "$work/checkout/python"
 check "$work/v1"
+check_plugin "$work/v1"
 
 # editable: nothing built; the package is the checkout's own (here with v1's library)
 /usr/bin/python3 -m venv --system-site-packages "$work/v3"
@@ -56,10 +71,12 @@ import os, ferry
 want = os.path.realpath('$work/checkout/python/ferry/__init__.py')
 assert os.path.realpath(ferry.__file__) == want, ferry.__file__
 print('pip_install: editable: ferry from', ferry.__file__)")
+FERRY_LIB=$lib check_plugin "$work/v3"
 
 "$work/v1/bin/pip" wheel --no-deps -w "$work/wheels" "$work/checkout/python"
 rm -rf "$work/checkout"
 /usr/bin/python3 -m venv --system-site-packages "$work/v2"
 "$work/v2/bin/pip" install "$work"/wheels/ferry-*.whl
 check "$work/v2"
+check_plugin "$work/v2"
 rm -rf "$work"

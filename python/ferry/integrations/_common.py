@@ -76,6 +76,16 @@ class RankReceiver:
         self.rx.close()
 
 
+def _refused_while_binding(e: StateError) -> bool:
+    """The push's error names the receivers that did not commit, each with its status ("'peer'
+    (Invalid state)"): true when every one of them refused with FERRY_ESTATE (it bound a buffer
+    as the version landed), which the sender's catch-up repairs."""
+    detail = e.detail or ""
+    state = "' (%s" % str(StateError(e.status)).split(":")[0]  # ferry_strerror(FERRY_ESTATE)
+    named = detail.count("' (")
+    return named > 0 and named == detail.count(state)
+
+
 class GeneratorSender:
     """A trainer's sender fed by a generator of (name, tensor) whose tensors exist only while it
     yields them (FSDP full_tensor(), Megatron -> HF conversion). The first push copies each into
@@ -116,27 +126,25 @@ class GeneratorSender:
         elif changed:
             self.sender.update(self.held)  # re-sealed: receivers take the new plan with the push
 
-    def send(self, version: Optional[int] = None, timeout: Optional[float] = DEFAULT_TIMEOUT,
-             receivers: int = 0) -> int:
-        """Pushes what take() kept as `version` (None: the last + 1); returns the version once
-        every attached receiver committed it.
+    def send(self, version: Optional[int] = None,
+             timeout: Optional[float] = DEFAULT_TIMEOUT) -> int:
+        """Pushes what take() kept as `version` (None: the last + 1); returns it once every
+        receiver in the push committed it.
 
-        receivers: first wait (up to `timeout`) until that many are attached, so that the push
-        reaches each one. A receiver that attached just before, and was binding its buffer as
-        the push began, refuses it (FERRY_ESTATE: "a destination was bound while version V was
-        landing"); then the same bytes are pushed once more as the next version, which reaches
-        it, and that version is returned: receivers that expect a version take it or a newer
-        one (verl's receive_weights does)."""
-        if not receivers:
-            return self.sender.push(version, timeout=timeout)
-        self.sender.wait_receivers(receivers, timeout=timeout)
+        Receivers that attach while the push runs are not in it, and one that binds its buffer
+        while the version lands there refuses it (FERRY_ESTATE: "a destination was bound while
+        version V was landing"): the sender catches each of them up to this version from its
+        retained copy once the push ends. So a push refused only that way is logged, not
+        raised; any other failure is raised."""
         version = self.sender.version + 1 if version is None else version
         try:
             return self.sender.push(version, timeout=timeout)
         except StateError as e:
-            log.warning("refit '%s': version %d: %s; pushing it again as %d", self.name, version,
-                        e.detail or e, version + 1)
-            return self.sender.push(version + 1, timeout=timeout)
+            if not _refused_while_binding(e):
+                raise
+            log.info("refit '%s': version %d: %s; those receivers catch up to it", self.name,
+                     version, e.detail or e)
+            return version
 
     def push(self, weights: Iterable[Tuple[str, Any]], version: Optional[int] = None,
              timeout: Optional[float] = DEFAULT_TIMEOUT) -> int:

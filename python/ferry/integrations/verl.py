@@ -46,8 +46,9 @@ class _FerryCheckpointEngine:
 
     def prepare(self) -> Dict[str, Any]:
         """No buckets to allocate (the sender's are ferry's). The metadata: the refit name and,
-        from the trainer's rank 0, the version its next send_weights pushes (rollout ranks load
-        that one or a newer one)."""
+        from the trainer's rank 0, the version its next send_weights pushes: rollout ranks load
+        that one (or a newer one), not an older one the sender still holds (a rollout rank
+        opened after the trainer's first steps would otherwise load that at once)."""
         if self.is_master or self.rank == 0:
             return {"name": self.name, "version": self.next_version}
         return {"name": self.name}
@@ -80,8 +81,9 @@ class _FerryCheckpointEngine:
         """Keeps the sender and the receivers: the next step reuses the plan and the links."""
 
     async def send_weights(self, weights) -> Optional[int]:
-        """Trainer: rank 0 pushes every (name, tensor) `weights` yields as the next version and
-        returns it once every attached receiver committed it; other ranks drain `weights`."""
+        """Trainer: rank 0 pushes every (name, tensor) `weights` yields as the version it
+        announced in prepare() and returns it once every receiver in the push committed it
+        (rollout ranks still attaching catch up to it); other ranks drain `weights`."""
         if self.rank is not None and self.rank < 0:
             for _ in weights:
                 pass
@@ -90,12 +92,11 @@ class _FerryCheckpointEngine:
             self.sender = GeneratorSender(self.name, **self.sender_kwargs)
         # the generator runs the trainer's collectives (full_tensor): consume it on this thread
         self.sender.take(weights)
-        # every rollout rank attached first (build_topology's world: them and this rank), so
-        # that this push reaches each, also the ones attaching concurrently at the first step
-        expected = self.world_size - 1 if self.world_size else 0
+        # rollout ranks attaching or binding concurrently (the first step) get this version
+        # from the sender's retained copy once the push ends; the push waits for the others
         loop = asyncio.get_running_loop()
         sent = await loop.run_in_executor(None, functools.partial(
-            self.sender.send, self.next_version, self.timeout, expected))
+            self.sender.send, self.next_version, self.timeout))
         self.next_version = sent + 1
         return sent
 
@@ -109,17 +110,11 @@ class _FerryCheckpointEngine:
                 RankReceiver, self.name, self.timeout))
         rx = self.receiver
         v = await rx.rx.wait_async(max(rx.version + 1, self.expect or 0), timeout=self.timeout)
-        for _ in range(3):
-            for name, tensor in rx.rx.updates(v, timeout=self.timeout):  # committed: no waiting
-                yield name, tensor
-            if rx.rx.committed == v:
-                rx.version = v
-                return
-            # a newer version landed over it while it loaded (send_weights pushed the same bytes
-            # again for a rank that was still binding): load that one whole
-            v = await rx.rx.wait_async(v + 1, timeout=self.timeout)
-        raise RuntimeError("ferry checkpoint engine: versions kept changing while loading "
-                           "(last %d)" % v)
+        for name, tensor in rx.rx.updates(v, timeout=self.timeout):  # committed: no waiting
+            yield name, tensor
+        if rx.rx.committed != v:
+            raise RuntimeError("ferry checkpoint engine: version %d changed while loading" % v)
+        rx.version = v
 
     def close(self) -> None:
         if self.sender is not None:

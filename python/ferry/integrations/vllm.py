@@ -16,9 +16,10 @@ Control (the RL controller's ferry.Control("llm-0").request("clear" | "update"))
                                                               # ferry_update, wake_up(["kv_cache"]),
                                                               # reset_prefix_cache()
 Weight transfer engine (vllm/distributed/weight_transfer): register() adds "ferry" to
-WeightTransferEngineFactory in this process (call it where the workers start, e.g. from a vLLM
-general plugin); FerryWeightTransferEngine is built on first access, so importing this module
-imports no vLLM. init_info {"name", "timeout"}; update_info {"version", "timeout"}.
+WeightTransferEngineFactory in this process (where the workers start: the installed distribution
+declares it as the vLLM general plugin "ferry", python/pyproject.toml); FerryWeightTransferEngine
+is built on first access, so importing this module imports no vLLM. init_info {"name",
+"timeout"}; update_info {"version", "timeout"}.
 """
 from typing import Any, Dict, Optional
 
