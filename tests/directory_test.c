@@ -965,6 +965,9 @@ static void test_no_directory(void **state) {
   assert_ptr_equal(d, (fr_dir *)0x1);
   assert_non_null(strstr(ferry_last_error(), "ferry serve"));
   assert_int_equal(fr_dir_open(cc, "zookeeper://x", 1000, &d), FERRY_EINVAL);
+  /* a namespace belongs in a shared server's URL: ferry:// says so rather than dialing */
+  assert_int_equal(fr_dir_open(cc, "ferry://127.0.0.1:1?ns=jobA", 1000, &d), FERRY_EINVAL);
+  assert_non_null(strstr(ferry_last_error(), "?ns="));
   snprintf(url, sizeof url, "redis://127.0.0.1:%d", su_free_port());
   assert_int_equal(fr_dir_open(cc, url, 1000, &d), FERRY_ECONNECT);
   assert_non_null(strstr(ferry_last_error(), "cannot reach Redis"));

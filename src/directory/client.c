@@ -622,6 +622,12 @@ static int emb_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **st
     return fr_err(FERRY_EINVAL, "ferry:// directory needs a context");
   if (!*where || !strchr(where, ':'))
     return fr_err(FERRY_EINVAL, "directory 'ferry://%s': expected ferry://HOST:PORT", where);
+  if (strchr(where, '?')) /* namespaces (fr_dir_url_ns) live in shared servers: Redis, etcd */
+    return fr_err(FERRY_EINVAL,
+                  "directory 'ferry://%s': ferry:// takes no ?ns= namespace; a `ferry serve` "
+                  "is one fleet's directory (run one per fleet, or share a redis:// URL with "
+                  "?ns=NAME)",
+                  where);
   emb *e = calloc(1, sizeof *e);
   if (!e)
     return fr_err(FERRY_ENOMEM, "directory client");
