@@ -16,9 +16,11 @@
  * CU_STREAM_NON_BLOCKING (nothing but its own synchronization runs its queue, and the NULL stream
  * runs work at once); cuMemcpyHtoD/DtoH/DtoD refuse a device side that is not in an allocation
  * (cuMemcpy and cuMemcpyAsync take any mix); ranges are checked against the size asked for, not
- * the rounded mapping; the last cuDevicePrimaryCtxRelease resets the context (its memory, streams
- * and registrations go); cuIpcGetMemHandle of IPC-opened memory is refused. As in the driver,
- * cuDriverGetVersion and the error strings need no cuInit.
+ * the rounded mapping, and cuMemAlloc places allocations ascending and end to end (256 bytes),
+ * so that a copy running from one into the next is refused as the driver refuses it; the last
+ * cuDevicePrimaryCtxRelease resets the context (its memory, streams and registrations go);
+ * cuIpcGetMemHandle of IPC-opened memory is refused. As in the driver, cuDriverGetVersion and the
+ * error strings need no cuInit.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -87,7 +89,8 @@ struct alloc {
   size_t size, maplen;
   int fd, device;
   bool ipc;
-  int refs; /* IPC opens of the same handle in this process */
+  bool arena; /* dptr is an address in the arena, not a mapping (map_device) */
+  int refs;   /* IPC opens of the same handle in this process */
   int32_t owner;
   uint64_t id;
 };
@@ -304,7 +307,8 @@ static CUresult enqueue(struct CUstream_st *s, struct op o) {
 }
 
 static void drop_alloc(struct alloc *al) {
-  munmap((void *)(uintptr_t)al->dptr, al->maplen);
+  if (!al->arena)
+    munmap((void *)(uintptr_t)al->dptr, al->maplen);
   munmap(al->backing, al->maplen);
   close(al->fd);
   if (!al->ipc)
@@ -602,6 +606,36 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p)
 
 /* --- memory -------------------------------------------------------------------------------- */
 
+/* Device addresses of cuMemAlloc, as the driver hands them out: ascending, each allocation right
+ * after the one before (256-byte aligned, as cuMemAlloc's are), so that two allocations may lie end
+ * to end and a copy that runs from one into the next is refused (translate), as the real driver
+ * refuses it (CUDA_ERROR_INVALID_VALUE: 088e316, found on an H200). The addresses are numbers in a
+ * PROT_NONE reservation of ARENA_BYTES (a CPU access faults, as device memory does), never reused;
+ * the stub reads and writes the memfd's own mapping. Without the reservation, or past its end,
+ * the memfd is mapped PROT_NONE where the kernel places it (map_twice). */
+#define ARENA_BYTES (1ull << 40)
+static uint64_t arena_next, arena_end;
+
+static CUresult map_device(int fd, size_t size, size_t maplen, struct alloc *al) {
+  if (!arena_end) {
+    void *r =
+        mmap(NULL, ARENA_BYTES, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    arena_next = r == MAP_FAILED ? 1 : (uintptr_t)r;
+    arena_end = r == MAP_FAILED ? 1 : arena_next + ARENA_BYTES;
+  }
+  size_t span = (size + 255) & ~(size_t)255;
+  if (arena_end - arena_next < span)
+    return map_twice(fd, maplen, &al->dptr, &al->backing);
+  void *rw = mmap(NULL, maplen, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (rw == MAP_FAILED)
+    return CUDA_ERROR_MAP_FAILED;
+  al->dptr = arena_next;
+  al->backing = rw;
+  al->arena = true;
+  arena_next += span;
+  return CUDA_SUCCESS;
+}
+
 static CUresult alloc_locked(CUdeviceptr *out, size_t size) {
   int dev = current->device;
   size_t maplen = page_round(size);
@@ -617,8 +651,8 @@ static CUresult alloc_locked(CUdeviceptr *out, size_t size) {
     return CUDA_ERROR_OUT_OF_MEMORY;
   struct alloc al = {
       .size = size, .maplen = maplen, .fd = fd, .device = dev, .owner = getpid(), .id = id};
-  CUresult rc = ftruncate(fd, (off_t)maplen) ? CUDA_ERROR_OUT_OF_MEMORY
-                                             : map_twice(fd, maplen, &al.dptr, &al.backing);
+  CUresult rc =
+      ftruncate(fd, (off_t)maplen) ? CUDA_ERROR_OUT_OF_MEMORY : map_device(fd, size, maplen, &al);
   if (rc != CUDA_SUCCESS) {
     close(fd);
     return rc == CUDA_ERROR_MAP_FAILED ? CUDA_ERROR_OUT_OF_MEMORY : rc;
