@@ -11,11 +11,13 @@ build_pkgs=(cmake make gcc pkg-config libcmocka-dev libxxhash-dev libhiredis-dev
 # python3-venv (the venv's pip, ensurepip), python3-pip: make test installs the Python package into
 # venvs with `pip install ./python` (tests/pip_install): its own build backend runs CMake with the
 # build packages above, nothing from an index (no setuptools, no wheel)
+# etcd-server, etcd-client: tests/etcd/cluster.sh starts a three-member etcd on loopback for the
+# etcd:// directory's tests (issue 36)
 # libunistring-dev: tests/pkgconfig links a program statically through ferry.pc, and
 # libmicrohttpd's own .pc then names gnutls' -lunistring (the only one of them without its -dev)
 test_pkgs=(clang libclang-rt-14-dev spin redis-server iproute2 python3 python3-numpy python3-pytest
            python3-torch python3-venv python3-pip python3-prometheus-client chromium
-           libunistring-dev)
+           libunistring-dev etcd-server etcd-client)
 bench_pkgs=(python3-numpy python3-torch libnng-dev libzmq3-dev redis-server ucx-utils)
 
 want=("${build_pkgs[@]}")
