@@ -545,6 +545,17 @@ static void test_shared_client(void **state) {
   fr_dir_node n = make_node("shared"), got;
   FR_OK(d2->ops->node_put(d2->state, &n, 30000, 0, NULL, 2000)); /* still connected */
   FR_OK(fr_dir_node_get(d3, "shared", &got, 2000));
+  /* the hosted directory's own metrics, on its context (issue 35): what it holds and answers */
+  assert_true(ctx_stat(sc, "ferry_directory_lease_renewals_total") == 0);
+  fr_dir_renewal rn = {"shared", n.incarnation, 30000};
+  int renewed = -1;
+  FR_OK(fr_dir_node_renew_batch(d3, &rn, 1, &renewed, 2000));
+  FR_OK(renewed);
+  assert_true(ctx_stat(sc, "ferry_directory_nodes") == 1);
+  assert_true(ctx_stat(sc, "ferry_directory_objects") == 0);
+  assert_true(ctx_stat(sc, "ferry_directory_lease_renewals_total") == 1);
+  assert_true(ctx_stat(sc, "ferry_directory_leases_renewed_total") == 1);
+  assert_true(ctx_stat(sc, "ferry_directory_requests_total") >= 4); /* hellos, put, get, renew */
   fr_dir_close(d2);
   fr_dir_close(d3);
 
@@ -564,11 +575,13 @@ static void test_shared_client(void **state) {
   FR_OK(fr_dir_open(c, url, 2000, &check));
   assert_int_equal(fr_dir_refs(check), 4); /* store, mq, refit and this one */
   fr_dir_close(check);
+  assert_true(ctx_stat(sc, "ferry_directory_objects") >= 1); /* the jobs' records */
   ferry_refit_sender_close(rs);
   ferry_mq_close(mq);
   ferry_store_close(st);
 
   fr_dir_server_stop(srv);
+  assert_true(ctx_stat(sc, "ferry_directory_requests_total") == 0); /* gone with the server */
   ferry_ctx_close(c);
   ferry_ctx_close(b);
   ferry_ctx_close(a);

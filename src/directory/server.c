@@ -17,6 +17,7 @@
  * client on its host looks a key up without asking at all.
  */
 #include "core/channels.h"
+#include "core/stats.h"
 #include "directory/dirwire.h"
 #include "directory/table.h"
 #include "transport/job.h"
@@ -57,6 +58,7 @@ struct fr_dir_server {
   uint64_t *table; /* the shared object table (table.h): set with watch */
   ferry_region_ref table_ref;
   bool posted; /* applying a posted put: its sender bumped the word already (lock held) */
+  uint64_t requests[FR_DOP_MAX_]; /* answered, by kind (lock held): ferry_directory_* metrics */
 };
 
 /* ---- change words ---- */
@@ -562,6 +564,7 @@ void fr_dir_server_handle(fr_dir_server *s, const void *req, size_t len, void **
     rc = fr_err(FERRY_EPROTO, "directory: malformed request of %zu bytes", len);
   } else {
     pthread_mutex_lock(&s->lock);
+    s->requests[op]++;
     rc = ops[op](s, &in, &body);
     pthread_mutex_unlock(&s->lock);
   }
@@ -755,6 +758,46 @@ void fr_dir_server_call(fr_dir_server *s, const void *req, size_t len, void **re
     pthread_mutex_unlock(&s->serve_lock);
 }
 
+/* ---- metrics (issue 35): what a hosted directory holds and answers, on its ctx's /metrics ---- */
+
+static const char *const op_names[FR_DOP_MAX_] = {[FR_DOP_HELLO] = "hello",
+                                                  [FR_DOP_NODE_PUT] = "node_put",
+                                                  [FR_DOP_NODE_RENEW] = "renew",
+                                                  [FR_DOP_NODE_GET] = "node_get",
+                                                  [FR_DOP_NODE_LIST] = "node_list",
+                                                  [FR_DOP_NODE_DEL] = "node_del",
+                                                  [FR_DOP_OBJ_PUT] = "put",
+                                                  [FR_DOP_OBJ_GET] = "get",
+                                                  [FR_DOP_OBJ_DEL] = "delete",
+                                                  [FR_DOP_OBJ_SCAN] = "scan",
+                                                  [FR_DOP_OBJ_PUT_BATCH] = "put_batch",
+                                                  [FR_DOP_POSTED] = "posted",
+                                                  [FR_DOP_WATCH] = "watch",
+                                                  [FR_DOP_NODE_RENEW_BATCH] = "renew_batch"};
+
+static void collect(void *arg, fr_stats_out *out) {
+  fr_dir_server *s = arg;
+  pthread_mutex_lock(&s->lock);
+  size_t nodes = s->nnodes, objs = s->nobjs;
+  uint64_t renewals = s->renewals, renewed = s->renewed_names, req[FR_DOP_MAX_];
+  memcpy(req, s->requests, sizeof req);
+  pthread_mutex_unlock(&s->lock);
+  fr_stat_gauge(out, "ferry_directory_nodes", "Nodes holding a lease in the hosted directory",
+                (double)nodes, NULL);
+  fr_stat_gauge(out, "ferry_directory_objects",
+                "Records (objects, names, job records) the hosted directory holds", (double)objs,
+                NULL);
+  fr_stat_counter(out, "ferry_directory_lease_renewals_total",
+                  "Lease renewal requests the hosted directory answered", (double)renewals, NULL);
+  fr_stat_counter(out, "ferry_directory_leases_renewed_total",
+                  "Leases those renewal requests renewed", (double)renewed, NULL);
+  for (int op = 1; op < FR_DOP_MAX_; op++)
+    if (op_names[op])
+      fr_stat_counter(out, "ferry_directory_requests_total",
+                      "Requests the hosted directory answered, by kind", (double)req[op], "op",
+                      op_names[op], NULL);
+}
+
 int fr_dir_server_start(ferry_ctx *ctx, fr_dir_server **out) {
   fr_dir_server *s = fr_dir_server_new(ferry_ctx_address(ctx));
   if (!s)
@@ -778,6 +821,10 @@ int fr_dir_server_start(ferry_ctx *ctx, fr_dir_server **out) {
     fr_dir_server_free(s);
     return rc;
   }
+  if (fr_stats_add(fr_ctx_stats(ctx), collect, NULL, s) != 0) { /* serve on without them */
+    fr_warn("directory: no metrics: %s", ferry_last_error());
+    fr_err_clear();
+  }
   *out = s;
   return 0;
 }
@@ -786,6 +833,7 @@ void fr_dir_server_stop(fr_dir_server *s) {
   if (!s)
     return;
   if (s->ctx) {
+    fr_stats_remove(fr_ctx_stats(s->ctx), s);
     fr_job_stop(s->job); /* requests that came as it stopped: their callers time out */
     if (s->watch) {
       ferry_free(s->ctx, s->watch);
