@@ -496,3 +496,37 @@ def test_collector_finalizing_an_iterator_under_the_listener_lock(tmp_path):
     except subprocess.TimeoutExpired:
         pytest.fail("deadlocked: a finalizer took the listener lock its own thread held")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_moe_experts_fuse_as_vllm_expert_params_mapping():
+    """vLLM's FusedMoE.make_expert_params_mapping rules (ferry.refit.load.expert_params_mapping
+    builds the same list), with stacked rules before them as vLLM's MoE models list them:
+    experts.{e}.gate_proj/up_proj become experts.w13_weight [E, 2I, H] (gate rows then up rows
+    per expert), down_proj becomes experts.w2_weight [E, H, I]."""
+    from ferry.refit.load import expert_params_mapping
+    E, I, H = 3, 4, 8
+    g = torch.Generator().manual_seed(7)
+    pre = "model.layers.0.mlp."
+    sd = {}
+    for e in range(E):
+        sd[pre + "experts.%d.gate_proj.weight" % e] = torch.randn(I, H, generator=g)
+        sd[pre + "experts.%d.up_proj.weight" % e] = torch.randn(I, H, generator=g)
+        sd[pre + "experts.%d.down_proj.weight" % e] = torch.randn(H, I, generator=g)
+    sd["model.layers.0.self_attn.q_proj.weight"] = torch.randn(H, H, generator=g)
+    rules = list(RULES) + expert_params_mapping("gate_proj", "down_proj", "up_proj", E)
+    assert rules[-1] == ("experts.w13_", "experts.%d.up_proj." % (E - 1), E - 1, "w3")
+    name = unique("moe")
+    with ferry.RefitSender(name, sd, buffer_bytes=512) as tx, \
+            ferry.RefitReceiver(name, timeout=5) as rx:
+        it = rx.updates(1, mapping=rules)
+        tx.push(1)
+        got = dict(it)
+    w13, w2 = got[pre + "experts.w13_weight"], got[pre + "experts.w2_weight"]
+    assert tuple(w13.shape) == (E, 2 * I, H) and tuple(w2.shape) == (E, H, I)
+    for e in range(E):
+        assert torch.equal(w13[e, :I], sd[pre + "experts.%d.gate_proj.weight" % e])
+        assert torch.equal(w13[e, I:], sd[pre + "experts.%d.up_proj.weight" % e])
+        assert torch.equal(w2[e], sd[pre + "experts.%d.down_proj.weight" % e])
+    assert "model.layers.0.self_attn.qkv_proj.weight" in got
+    with pytest.raises(ValueError, match="expert_params_mapping"):
+        ferry.refit.load.targets_of("x", [("experts.w2_", "x", 0, "w9")])

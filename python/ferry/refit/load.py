@@ -12,7 +12,13 @@ slices have landed. Nothing here blocks
 the receiver's thread, so the sender's pushes never wait on the engine's loading.
 
 A mapping turns trainer names into the engine's and fuses pieces (q, k, v into qkv) along dim 0,
-in the shape of vLLM's stacked_params_mapping: (param_name, shard_name, shard_id).
+in the shape of vLLM's stacked_params_mapping: (param_name, shard_name, shard_id). MoE experts
+fuse from rules in the shape of vLLM's expert_params_mapping (param_name, weight_name,
+expert_id, shard_id), as FusedMoE.make_expert_params_mapping builds them
+(vllm-project/vllm, vllm/model_executor/layers/fused_moe/layer.py; the list's form transcribed
+from the copies the search tool showed, commit not pinned here): "experts.{e}.gate_proj." (w1)
+and "experts.{e}.up_proj." (w3) become "experts.w13_...", of shape [E, 2*I, H] (expert e's gate
+rows then its up rows), "experts.{e}.down_proj." (w2) becomes "experts.w2_...", [E, H, I].
 """
 import ctypes
 import numbers
@@ -60,13 +66,58 @@ def _normalize(name, got):
                      "a list of those, or None to skip it" % (name, got))
 
 
+_EXPERT_SHARDS = {"w1": 0, "w3": 1, "w2": 0}  # place within one expert's rows; w13 has 2
+
+
+def expert_params_mapping(gate="gate_proj", down="down_proj", up="up_proj", num_experts=0):
+    """The rules vLLM's FusedMoE.make_expert_params_mapping returns, for updates(mapping=):
+    [(param_name, weight_name, expert_id, shard_id)]."""
+    return [("experts.w13_" if w in (gate, up) else "experts.w2_", "experts.%d.%s." % (e, w), e,
+             sid) for e in range(num_experts) for sid, w in (("w1", gate), ("w2", down),
+                                                             ("w3", up))]
+
+
+def _expert_rule(rule):
+    return (isinstance(rule, (tuple, list)) and len(rule) == 4 and isinstance(rule[0], str)
+            and isinstance(rule[1], str) and rule[1] and isinstance(rule[2], int)
+            and not isinstance(rule[2], bool) and rule[2] >= 0 and rule[3] in _EXPERT_SHARDS)
+
+
+def _expert_position(rule):
+    per = 1 if rule[3] == "w2" else 2
+    return rule[2] * per + _EXPERT_SHARDS[rule[3]]
+
+
+def experts_of(manifest, mapping):
+    """{engine name: number of experts} of the targets that expert rules fuse: each is the
+    pieces concatenated along dim 0, reshaped to [experts, rows of one expert, ...]."""
+    if not isinstance(mapping, (list, tuple)):
+        return {}
+    out = {}
+    for m in manifest:
+        for rule in mapping:
+            if _expert_rule(rule) and rule[1] in m["name"]:
+                ename = m["name"].replace(rule[1], rule[0])
+                out.setdefault(ename, set()).add(rule[2])
+                break
+    return {e: len(ids) for e, ids in out.items()}
+
+
 def _rules_target(name, rules):
+    # expert rules first: "experts.0.gate_proj." also holds ".gate_proj" (vLLM's MoE models skip
+    # "mlp.experts" names in their stacked loop for the same reason)
     for rule in rules:
+        if _expert_rule(rule) and rule[1] in name:
+            return (name.replace(rule[1], rule[0]), _expert_position(rule))
+    for rule in rules:
+        if _expert_rule(rule):
+            continue
         if not (isinstance(rule, (tuple, list)) and len(rule) == 3 and isinstance(rule[0], str)
                 and isinstance(rule[1], str) and rule[1]):
             raise ValueError("updates mapping rule %r: pass (param_name, shard_name, shard_id) "
                              "as vLLM's stacked_params_mapping does, e.g. ('.qkv_proj', "
-                             "'.q_proj', 'q')" % (rule,))
+                             "'.q_proj', 'q'), or (param_name, weight_name, expert_id, "
+                             "'w1'|'w2'|'w3') as its expert_params_mapping does" % (rule,))
         if rule[1] in name:
             return (name.replace(rule[1], rule[0]), rule[2])
     return name
@@ -165,6 +216,7 @@ class _Layout:
             self.tensors = {n: obj for n, (obj, _) in rx._bound.items()}
             present, sources = bound_entries(rx, self.manifest)
         self.targets = plan(present, mapping)
+        self.experts = experts_of(present, mapping)
         self.present = present
         self.like = like
         self.alias = rx._alias
@@ -195,7 +247,11 @@ class _Layout:
         parts = [self.tensors[self.present[i]["name"]] for i in idx]
         if len(parts) == 1:
             return parts[0]
-        return self._fused(idx, parts)
+        out = self._fused(idx, parts)
+        n = self.experts.get(ename)
+        if n:  # [E*rows, ...] -> [E, rows, ...]: the FusedMoE parameter's shape
+            out = out.reshape((n, out.shape[0] // n) + tuple(out.shape[1:]))
+        return out
 
     def _fused(self, idx, parts):
         ms = [self.present[i] for i in idx]
