@@ -141,6 +141,7 @@ static void group_fail(fr_group_rx *g, uint64_t v, int status, uint32_t k, const
   }
   g->failed = v;
   g->failure = status;
+  g->failed_rank = k;
   snprintf(g->why, sizeof g->why, "rank %u (%s#%u): %s", k, g->name, k, detail);
   fr_str_copy(why, sizeof why, g->why);
   g->events++;
@@ -202,7 +203,7 @@ static void sub_bucket(ferry_refit_receiver *sub, uint64_t v, uint32_t b, void *
 }
 
 int fr_group_rx_veto(fr_group_rx *g, ferry_refit_receiver *sub, uint64_t version,
-                     uint32_t timeout_ms, char *why, size_t n) {
+                     uint32_t timeout_ms, char *why, size_t n, uint32_t *blame) {
   uint64_t now = fr_now_ns();
   bool began = false;
   pthread_mutex_lock(&g->lock);
@@ -218,6 +219,7 @@ int fr_group_rx_veto(fr_group_rx *g, ferry_refit_receiver *sub, uint64_t version
   /* FERRY_ESTALE, not the failure's own status: the rank's sender must neither take this
    * receiver for stalled (FERRY_ETIMEDOUT drops it) nor for gone */
   int status = g->refused ? g->refused : version <= g->failed ? FERRY_ESTALE : 0;
+  *blame = status == FERRY_ESTALE ? g->failed_rank + 1 : 0;
   if (status)
     snprintf(why, n, "refit group '%s': version %llu failed for the group: %s", g->name,
              (unsigned long long)version, g->why);

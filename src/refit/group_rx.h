@@ -80,13 +80,14 @@ typedef struct fr_group_rx {
 
   pthread_mutex_t lock;
   pthread_cond_t cond;
-  uint64_t events;     /* bumped on every commit or failure (wait's wake-ups) */
-  uint64_t landing;    /* the newest version any rank began sending */
-  uint64_t landing_ns; /* when it began */
-  uint64_t failed;     /* the newest version that failed for the group */
-  int failure;         /* and its status */
-  char why[512];       /* and why, naming the rank */
-  uint64_t told;       /* the last version on_commit reported (told_ok: as committed) */
+  uint64_t events;      /* bumped on every commit or failure (wait's wake-ups) */
+  uint64_t landing;     /* the newest version any rank began sending */
+  uint64_t landing_ns;  /* when it began */
+  uint64_t failed;      /* the newest version that failed for the group */
+  int failure;          /* and its status */
+  uint32_t failed_rank; /* and the rank that failed it */
+  char why[512];        /* and why, naming the rank */
+  uint64_t told;        /* the last version on_commit reported (told_ok: as committed) */
   bool told_ok;
   ferry_refit_bucket_fn on_bucket;
   void *on_bucket_arg;
@@ -106,9 +107,10 @@ void fr_group_rx_linked(fr_group_rx *g, ferry_refit_receiver *sub);
 void fr_group_rx_unlinked(fr_group_rx *g, ferry_refit_receiver *sub);
 /* sub takes a bucket of `version` (its bind_lock held): 0, or FERRY_ESTALE when the version
  * failed for the group (the status a refused manifest failed with, when one did), *why then
- * saying so; the sub-receiver then fails it too (its ACK tells the rank). */
+ * saying so and *blame set to 1 + the rank that failed it (0: none, a refused manifest); the
+ * sub-receiver then fails it too (its ACK tells the rank, naming the one to blame). */
 int fr_group_rx_veto(fr_group_rx *g, ferry_refit_receiver *sub, uint64_t version,
-                     uint32_t timeout_ms, char *why, size_t n);
+                     uint32_t timeout_ms, char *why, size_t n, uint32_t *blame);
 /* sub took a new manifest from its rank (a re-seal), its bind_lock held: the group's timer
  * rebuilds the global manifest and declares the bindings again. */
 void fr_group_rx_resealed(fr_group_rx *g, ferry_refit_receiver *sub);

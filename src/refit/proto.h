@@ -16,7 +16,9 @@
  *   receiver → sender  ACK                  version, bucket, seq, status; with KEEP, where the
  *                                           bucket now lies in the receiver (src, src_offset)
  *   sender → receiver  COMMIT               version, how many buckets the push carried
- *   receiver → sender  COMMITTED            version, status
+ *   receiver → sender  COMMITTED            version, status; a group's sub-receiver refusing a
+ *                                           version another rank failed (FERRY_ESTALE, also in its
+ *                                           ACK) puts 1 + that rank in `generation`
  *   receiver → sender  DETACH
  *   sender → receiver  DROPPED              version: the receiver acknowledged nothing within that
  *                                           push's timeout and is left out of pushes until it
@@ -71,7 +73,7 @@ enum fr_refit_msg {
 typedef struct fr_refit_msg_t {
   uint32_t type;
   uint32_t bucket;     /* BUCKET, ACK */
-  uint32_t generation; /* BUCKET */
+  uint32_t generation; /* BUCKET; ACK, COMMITTED with FERRY_ESTALE: 1 + the rank to blame */
   uint32_t buffer;     /* BUCKET with KEEP: forwarding slot 0 or 1 */
   uint32_t flags;      /* BUCKET, ACK */
   int32_t status;      /* ACK, COMMITTED */

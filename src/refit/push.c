@@ -392,6 +392,7 @@ static size_t begin_push(ferry_refit_sender *s, fr_push *p, ferry_refit_route ro
     r->up = r->down = NULL;
     r->announced = r->acked = 0;
     r->status = 0;
+    r->blame = 0;
     r->progress_ns = fr_now_ns();
     fr_refit_view_refresh(s, r);
     *all_current &= r->committed == s->latest && s->latest != 0;
@@ -464,6 +465,8 @@ static const char *failure_reason(int status) {
   case FERRY_EPEER:
   case FERRY_ECLOSED:
     return "disconnected";
+  case FERRY_ESTALE:
+    return "another rank of its sender group failed this version";
   default:
     return NULL;
   }
@@ -509,9 +512,12 @@ static int finish_push(ferry_refit_sender *s, uint64_t version, bool packed_all,
       log_receiver_outcome(s, r, version, st);
       if (!first)
         first = st;
-      used +=
-          (size_t)snprintf(failed + used, sizeof failed - used, "%s'%s' (%s%s)", used ? ", " : "",
-                           r->peer, ferry_strerror(st), st == FERRY_ETIMEDOUT ? ", dropped" : "");
+      char blamed[80] = "";
+      if (st == FERRY_ESTALE && r->blame) /* a peer's number: printed, never used */
+        snprintf(blamed, sizeof blamed, ": rank %u of its sender group failed it", r->blame - 1);
+      used += (size_t)snprintf(failed + used, sizeof failed - used, "%s'%s' (%s%s%s)",
+                               used ? ", " : "", r->peer, ferry_strerror(st), blamed,
+                               st == FERRY_ETIMEDOUT ? ", dropped" : "");
       if (used >= sizeof failed)
         used = sizeof failed - 1; /* the list is cut; the first failures are named */
     }

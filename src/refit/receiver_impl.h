@@ -35,6 +35,8 @@ struct ferry_refit_receiver {
   struct fr_group_rx *group;
   struct fr_group_rx *of;
   uint32_t rank;
+  uint32_t blame; /* a sub-receiver that refused a version for its group: 1 + the rank that failed
+                    it, sent with its FERRY_ESTALE ACK and COMMITTED (0: none) */
   ferry_link *link;
   fr_refit_plan plan;
   void **bound;                  /* per tensor: the caller's destination, or NULL */

@@ -425,7 +425,10 @@ static void note_failure(ferry_refit_receiver *r, const fr_refit_msg_t *m, int r
  * come. Returns the status it fails with (0: none). */
 static int group_veto(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
   char why[sizeof r->why];
-  int status = r->of ? fr_group_rx_veto(r->of, r, m->version, m->timeout_ms, why, sizeof why) : 0;
+  uint32_t blame = 0;
+  int status =
+      r->of ? fr_group_rx_veto(r->of, r, m->version, m->timeout_ms, why, sizeof why, &blame) : 0;
+  r->blame = blame;
   if (status) {
     pthread_mutex_lock(&r->lock);
     fr_str_copy(r->why, sizeof r->why, why);
@@ -466,6 +469,7 @@ static void on_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
   if (poisons) /* it cannot commit now; the sender may send no COMMIT */
     tell_commit(r, m->version, rc);
   ack.status = rc;
+  ack.generation = rc == FERRY_ESTALE ? r->blame : 0;
   fr_refit_send(r->link, FR_REFIT_TO_SENDER, &ack, -1);
 }
 
@@ -562,7 +566,10 @@ static void on_commit(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
   pthread_mutex_lock(&r->bind_lock); /* binding reads it */
   r->receiving = 0;
   pthread_mutex_unlock(&r->bind_lock);
-  fr_refit_msg_t done = {.type = FR_REFIT_COMMITTED, .version = m->version, .status = status};
+  fr_refit_msg_t done = {.type = FR_REFIT_COMMITTED,
+                         .version = m->version,
+                         .status = status,
+                         .generation = status == FERRY_ESTALE ? r->blame : 0};
   fr_refit_send(r->link, FR_REFIT_TO_SENDER, &done, -1);
   tell_commit(r, m->version, status);
 }

@@ -124,6 +124,8 @@ static void record_ack(ferry_refit_sender *s, receiver *r, const fr_refit_msg_t 
   if (x->status != 0 && (x->flags & FR_REFIT_UPSTREAM)) {
     r->orphan |= !s->repairing;
   } else if (x->status != 0) {
+    if (r->status == 0 && x->status == FERRY_ESTALE)
+      r->blame = x->generation;
     r->status = r->status ? r->status : x->status;
   } else if (x->seq == r->acked) {
     if (x->flags & FR_REFIT_KEEP) {
@@ -159,8 +161,10 @@ static void record(ferry_refit_sender *s, ferry_msg *m, const fr_refit_msg_t *x)
   } else if (r && r->in_push && x->version == s->pushing && x->type == FR_REFIT_ACK) {
     record_ack(s, r, x);
   } else if (r && r->in_push && x->version == s->pushing && x->type == FR_REFIT_COMMITTED) {
-    if (x->status != 0 && r->status == 0)
+    if (x->status != 0 && r->status == 0) {
       r->status = x->status;
+      r->blame = x->status == FERRY_ESTALE ? x->generation : 0;
+    }
     r->commit_seen = true;
   } else if (r) {
     fr_refit_catchup_record(s, r, x, &s->svc_out);

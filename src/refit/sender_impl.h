@@ -69,6 +69,8 @@ typedef struct receiver {
   bool commit_seen;
   bool detached;     /* said goodbye during the push; freed after it */
   int status;        /* first failure in the current push */
+  uint32_t blame;    /* with status FERRY_ESTALE: 1 + the rank of its group that failed the
+                        version, as its ACK or COMMITTED said (0: not said) */
   uint64_t failures; /* metrics: pushes it did not commit (s->lock) */
 
   /* catching up (late join): it asked for the latest version outside a push */
