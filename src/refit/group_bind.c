@@ -375,13 +375,9 @@ int fr_group_rx_bind_pieces(fr_group_rx *g, const char *target, void *dst,
     return rc;
   for (size_t i = 0; i < n && rc == 0; i++) {
     const ferry_refit_piece *p = &pieces[i];
-    if (!p->source || p->dim < 0 || p->dim >= FERRY_MAX_DIMS || p->start < 0 || p->stop < 0)
-      rc = fr_err(FERRY_ESHAPE,
-                  "refit: target '%s' piece %zu ('%s' dim %d [%lld:%lld]) is not a "
-                  "slice",
-                  target, i, p->source ? p->source : "(null)", p->dim, (long long)p->start,
-                  (long long)p->stop);
-    else if (!(b.names[i] = strdup(p->source)))
+    if ((rc = fr_refit_rx_piece_arg_check(target, i, p)) != 0)
+      break;
+    if (!(b.names[i] = strdup(p->source)))
       rc = fr_err(FERRY_ENOMEM, "refit: target '%s'", target);
     else
       b.pieces[i] = (fr_group_piece){0, (uint32_t)p->dim, (uint64_t)p->start, (uint64_t)p->stop};

@@ -14,6 +14,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+int fr_refit_rx_piece_arg_check(const char *target, size_t i, const ferry_refit_piece *p) {
+  if (p->source && p->dim >= 0 && p->dim < FERRY_MAX_DIMS && p->start >= 0 && p->stop >= 0)
+    return 0;
+  return fr_err(FERRY_ESHAPE,
+                "refit: target '%s' piece %zu ('%s' dim %d [%lld:%lld]) is not a slice", target, i,
+                p->source ? p->source : "(null)", p->dim, (long long)p->start, (long long)p->stop);
+}
+
 /* Checks that a binding fits its tensor; the error names the tensor. */
 int fr_refit_rx_binding_fits(const fr_refit_entry *e, const ferry_tensor_desc *desc) {
   char got[96], want[96];
@@ -226,13 +234,7 @@ int ferry_refit_bind_pieces(ferry_refit_receiver *r, const char *target, void *d
   rc = pc && sources ? 0 : fr_err(FERRY_ENOMEM, "refit: target '%s'", target);
   for (size_t i = 0; i < n && rc == 0; i++) {
     const ferry_refit_piece *p = &pieces[i];
-    if (!p->source || p->dim < 0 || p->dim >= FERRY_MAX_DIMS || p->start < 0 || p->stop < 0)
-      rc = fr_err(FERRY_ESHAPE,
-                  "refit: target '%s' piece %zu ('%s' dim %d [%lld:%lld]) is not a "
-                  "slice",
-                  target, i, p->source ? p->source : "(null)", p->dim, (long long)p->start,
-                  (long long)p->stop);
-    else
+    if ((rc = fr_refit_rx_piece_arg_check(target, i, p)) == 0)
       pc[i] = (fr_refit_piece){0, (uint32_t)p->dim, (uint64_t)p->start, (uint64_t)p->stop};
     sources[i] = (char *)p->source;
   }

@@ -121,6 +121,9 @@ int fr_refit_rx_sub_open(ferry_ctx *ctx, struct fr_group_rx *g, uint32_t rank, c
                          int timeout_ms, ferry_refit_receiver **out);
 
 /* receiver_bind.c */
+/* Checks a caller's piece i of `target` before anything is looked up: a source, a dim, and
+ * bounds that are not negative (FERRY_ESHAPE naming both otherwise). */
+int fr_refit_rx_piece_arg_check(const char *target, size_t i, const ferry_refit_piece *p);
 /* Checks that a binding fits its tensor; the error names the tensor. */
 int fr_refit_rx_binding_fits(const fr_refit_entry *e, const ferry_tensor_desc *desc);
 /* A destination just bound ([lo, lo+len) of the wire bytes) holds no version. bind_lock held. */
