@@ -514,6 +514,12 @@ def test_moe_experts_fuse_as_vllm_expert_params_mapping():
         sd[pre + "experts.%d.down_proj.weight" % e] = torch.randn(H, I, generator=g)
     sd["model.layers.0.self_attn.q_proj.weight"] = torch.randn(H, H, generator=g)
     rules = list(RULES) + expert_params_mapping("gate_proj", "down_proj", "up_proj", E)
+    # upstream's arguments by name, Mixtral's checkpoint names (its w1/w2/w3): the list
+    # layer.py at c439a139 returns
+    assert expert_params_mapping(ckpt_gate_proj_name="w1", ckpt_down_proj_name="w2",
+                                 ckpt_up_proj_name="w3", num_experts=1) == [
+        ("experts.w13_", "experts.0.w1.", 0, "w1"), ("experts.w2_", "experts.0.w2.", 0, "w2"),
+        ("experts.w13_", "experts.0.w3.", 0, "w3")]
     assert rules[-1] == ("experts.w13_", "experts.%d.up_proj." % (E - 1), E - 1, "w3")
     name = unique("moe")
     with ferry.RefitSender(name, sd, buffer_bytes=512) as tx, \

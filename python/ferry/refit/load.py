@@ -14,11 +14,16 @@ the receiver's thread, so the sender's pushes never wait on the engine's loading
 A mapping turns trainer names into the engine's and fuses pieces (q, k, v into qkv) along dim 0,
 in the shape of vLLM's stacked_params_mapping: (param_name, shard_name, shard_id). MoE experts
 fuse from rules in the shape of vLLM's expert_params_mapping (param_name, weight_name,
-expert_id, shard_id), as FusedMoE.make_expert_params_mapping builds them
-(vllm-project/vllm, vllm/model_executor/layers/fused_moe/layer.py; the list's form transcribed
-from the copies the search tool showed, commit not pinned here): "experts.{e}.gate_proj." (w1)
+expert_id, shard_id), as FusedMoE.make_expert_params_mapping builds them (vllm-project/vllm
+vllm/model_executor/layers/fused_moe/layer.py at commit c439a139790cafaecb54e8dea123b78049f1442b,
+checked against it: the classmethod (cls, ckpt_gate_proj_name, ckpt_down_proj_name,
+ckpt_up_proj_name, num_experts), the tuples in that order, experts in order and within each
+(w1, gate), (w2, down), (w3, up); FusedMoE.weight_loader's _load_w13 puts w1 in the first half
+of an expert's w13 rows and w3 in the second, _load_w2 w2 whole): "experts.{e}.gate_proj." (w1)
 and "experts.{e}.up_proj." (w3) become "experts.w13_...", of shape [E, 2*I, H] (expert e's gate
 rows then its up rows), "experts.{e}.down_proj." (w2) becomes "experts.w2_...", [E, H, I].
+Later vLLM takes the model first and num_redundant_experts=0 last (EplbManager builds the list);
+expert_params_mapping() is the form above.
 """
 import ctypes
 import numbers
@@ -69,12 +74,15 @@ def _normalize(name, got):
 _EXPERT_SHARDS = {"w1": 0, "w3": 1, "w2": 0}  # place within one expert's rows; w13 has 2
 
 
-def expert_params_mapping(gate="gate_proj", down="down_proj", up="up_proj", num_experts=0):
-    """The rules vLLM's FusedMoE.make_expert_params_mapping returns, for updates(mapping=):
-    [(param_name, weight_name, expert_id, shard_id)]."""
-    return [("experts.w13_" if w in (gate, up) else "experts.w2_", "experts.%d.%s." % (e, w), e,
-             sid) for e in range(num_experts) for sid, w in (("w1", gate), ("w2", down),
-                                                             ("w3", up))]
+def expert_params_mapping(ckpt_gate_proj_name, ckpt_down_proj_name, ckpt_up_proj_name,
+                          num_experts):
+    """The rules vLLM's FusedMoE.make_expert_params_mapping returns (same arguments; layer.py at
+    c439a139), for updates(mapping=): [(param_name, weight_name, expert_id, shard_id)]."""
+    return [("experts.w13_" if weight_name in (ckpt_gate_proj_name, ckpt_up_proj_name)
+             else "experts.w2_", "experts.%d.%s." % (expert_id, weight_name), expert_id, shard_id)
+            for expert_id in range(num_experts)
+            for shard_id, weight_name in (("w1", ckpt_gate_proj_name), ("w2", ckpt_down_proj_name),
+                                          ("w3", ckpt_up_proj_name))]
 
 
 def _expert_rule(rule):

@@ -10,10 +10,15 @@ from there) laid out as a vLLM / SGLang tensor-parallel rank lays out a Llama.
   AutoWeightsLoader is reduced to: "model.*" goes to that, "lm_head.*" to lm_head's loader.
   SGLang's llama.py load_weights has the same loop.
 - weight loaders: the slicing of vLLM's QKVParallelLinear, MergedColumnParallelLinear and
-  RowParallelLinear (vllm/model_executor/layers/linear.py), written from its semantics rather
-  than transcribed: each takes the checkpoint's whole tensor and copies this rank's part (q / k /
-  v heads, gate / up rows along dim 0; input columns along dim 1). Embedding and lm_head are
-  replicated here (vLLM splits the vocabulary; not needed to test a loader).
+  RowParallelLinear, written from its semantics rather than transcribed, and checked against
+  their unquantized weight_loader in vllm/model_executor/layers/linear.py at commit
+  9e109c9887e38c51fc16b0da89760c5bd7c293c9: each takes the checkpoint's whole tensor and copies
+  this rank's part. QKV: q at 0, k after num_heads*head_size, v after (num_heads +
+  num_kv_heads)*head_size of this rank's rows, the source rows from tp_rank*size (k, v: from
+  tp_rank // num_kv_head_replicas, which is tp_rank here: 2 KV heads over 2 ranks); merged
+  gate / up: shard i at sum(output_sizes[:i]) // tp_size, size output_sizes[i] // tp_size, source
+  rows from tp_rank*size; row-parallel: input columns (dim 1) from tp_rank*size. Embedding and
+  lm_head are replicated here (vLLM splits the vocabulary; not needed to test a loader).
 - a "quant_method" on o_proj whose process_weights_after_loading counts its calls (vLLM runs it
   after every load).
 - tp_logits(ranks, tokens): the forward pass of TP ranks held in one process (the row-parallel

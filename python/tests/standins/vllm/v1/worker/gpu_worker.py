@@ -7,8 +7,11 @@ wake_up(tags) reallocates "weights" and/or "kv_cache" (None: both). Here "discar
 overwritten with NaN, so a model served before they are reloaded shows it.
 
 init_weight_transfer_engine / start_weight_update / update_weights / finish_weight_update: the
-state machine of a later gpu_worker.py (its commit was not named by the search index; the calls
-match vllm/entrypoints/llm.py at 10fdb8f0d75a3ad1122b87020f1359d3fc51f2ca, which sends
+state machine of a later gpu_worker.py, NOT pinned to a commit: the index the search tools read
+holds vllm-project/vllm's gpu_worker.py at 35d5cda1 only, which predates these methods, and no
+later upstream copy (checked again in session 17: only forks' and downstream copies have them).
+What is pinned is the caller's side: vllm/entrypoints/llm.py at
+10fdb8f0d75a3ad1122b87020f1359d3fc51f2ca, which sends
 collective_rpc("init_weight_transfer_engine", kwargs={"init_info": ...}) and
 collective_rpc("update_weights", kwargs={"update_info": ...})): the engine comes from
 WeightTransferEngineFactory.create_engine(config, vllm_config, device, model); update_weights
