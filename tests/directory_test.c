@@ -9,6 +9,7 @@
 #include "directory/table.h"
 #include "bench/netns.h"
 #include "storeutil.h"
+#include "etcdutil.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -1038,20 +1039,14 @@ static void test_redis(void **state) {
 }
 
 /* Sends one command to the Redis at `port` and reads its one-line reply: true when it is +OK. */
-/* Two fleets on one Redis (issue 36): the same node names and keys in namespaces jobA and jobB
- * and in none; each sees only its own, and deleting all of one's (ferry rm --all: scan, then
- * delete each) leaves the others'. */
-static void test_redis_namespaces(void **state) {
-  su_redis r;
-  if (!su_redis_start(&r))
-    return;
-  char ua[160], ub[160];
-  snprintf(ua, sizeof ua, "%s/0?ns=jobA", r.url);
-  snprintf(ub, sizeof ub, "%s?ns=jobB", r.url);
+/* Two fleets on one server (issue 36): the same node names and keys in namespaces jobA (URL ua)
+ * and jobB (ub) and in none (plain); each sees only its own, and deleting all of one's (ferry rm
+ * --all: scan, then delete each) leaves the others'. */
+static void check_namespaces(const char *ua, const char *ub, const char *plain) {
   fr_dir *d[3];
   FR_OK(fr_dir_open(NULL, ua, 2000, &d[0]));
   FR_OK(fr_dir_open(NULL, ub, 2000, &d[1]));
-  FR_OK(fr_dir_open(NULL, r.url, 2000, &d[2]));
+  FR_OK(fr_dir_open(NULL, plain, 2000, &d[2]));
   assert_ptr_not_equal(d[0], d[1]); /* another namespace is another client */
   assert_ptr_not_equal(d[0], d[2]);
   for (int i = 0; i < 3; i++) {
@@ -1104,6 +1099,16 @@ static void test_redis_namespaces(void **state) {
   assert_int_equal(holder.incarnation, 10);
   for (int i = 0; i < 3; i++)
     fr_dir_close(d[i]);
+}
+
+static void test_redis_namespaces(void **state) {
+  su_redis r;
+  if (!su_redis_start(&r))
+    return;
+  char ua[160], ub[160];
+  snprintf(ua, sizeof ua, "%s/0?ns=jobA", r.url);
+  snprintf(ub, sizeof ub, "%s?ns=jobB", r.url);
+  check_namespaces(ua, ub, r.url);
   su_redis_stop(&r);
 }
 
@@ -1433,6 +1438,209 @@ static void test_advertise_two_hosts(void **state) {
   netns_down(NS_TAG, 2);
 }
 
+/* ---- etcd:// (issue 36): a three-member cluster on loopback (tests/etcd/cluster.sh) ---- */
+
+/* Stamps from the watch: steady while nothing changes, moved at once by this client's own put,
+ * and by another client's put once the watch brings its event (polled, no timing asserted). */
+static void check_etcd_stamps(fr_dir *d, const char *url) {
+  fr_dir_node n = make_node("stamper");
+  FR_OK(d->ops->node_put(d->state, &n, 30000, 0, NULL, 2000));
+  fr_dir_object o = make_obj("stamped", "stamper", 1);
+  FR_OK(d->ops->obj_put(d->state, &o, 0, NULL, NULL, 2000));
+  fr_dir_stamp s1, s2;
+  bool up = false;
+  for (int i = 0; i < 1000 && !up; i++) /* the watch starts at the first ask */
+    if (!(up = fr_dir_stamp_take(d, "stamped", &s1)))
+      su_sleep_ms(10);
+  assert_true(up);
+  assert_true(fr_dir_stamp_take(d, "stamped", &s2));
+  assert_true(fr_dir_stamp_eq(&s1, &s2));
+  o.generation = 2;
+  FR_OK(d->ops->obj_put(d->state, &o, 0, NULL, NULL, 2000));
+  assert_true(fr_dir_stamp_take(d, "stamped", &s2));
+  assert_false(fr_dir_stamp_eq(&s1, &s2));
+  ferry_ctx *c = open_ctx("stamp-other", NULL);
+  fr_dir *other;
+  FR_OK(fr_dir_open(c, url, 2000, &other));
+  assert_ptr_not_equal(other, d);
+  bool moved = false;
+  for (int i = 0; i < 1000 && !moved; i++) { /* wait out our own put's event first */
+    assert_true(fr_dir_stamp_take(d, "stamped", &s1));
+    su_sleep_ms(10);
+    assert_true(fr_dir_stamp_take(d, "stamped", &s2));
+    moved = fr_dir_stamp_eq(&s1, &s2);
+  }
+  o.generation = 3;
+  FR_OK(other->ops->obj_put(other->state, &o, 0, NULL, NULL, 2000));
+  moved = false;
+  for (int i = 0; i < 1000 && !moved; i++) {
+    if (!(moved = fr_dir_stamp_take(d, "stamped", &s2) && !fr_dir_stamp_eq(&s1, &s2)))
+      su_sleep_ms(10);
+  }
+  assert_true(moved);
+  fr_dir_close(other);
+  ferry_ctx_close(c);
+  FR_OK(d->ops->node_del(d->state, "stamper", 0, 2000));
+}
+
+/* Every directory operation as for ferry:// and redis:// (check_all, check_one_node), stamps
+ * from the watch, and a clear error within the timeout once no member is left. */
+static void test_etcd(void **state) {
+  su_etcd e;
+  if (!su_etcd_start(&e, 3))
+    return;
+  fr_dir *d;
+  FR_OK(fr_dir_open(NULL, e.url, 5000, &d));
+  check_all(d);
+  check_one_node(e.url, NULL);
+  check_etcd_stamps(d, e.url);
+  su_etcd_stop(&e);
+  fr_dir_node got;
+  uint64_t t0 = fr_now_ns();
+  int rc = d->ops->node_get(d->state, "n1", &got, 1000);
+  print_message("no member left: %s (after %.0f ms)\n", ferry_last_error(),
+                (double)(fr_now_ns() - t0) / 1e6);
+  assert_int_equal(rc, FERRY_ECONNECT);
+  assert_non_null(strstr(ferry_last_error(), "etcd"));
+  fr_dir_close(d);
+}
+
+/* Two fleets on one etcd (?ns=jobA, ?ns=jobB) and the default one: check_namespaces, then
+ * `ferry rm --all` of jobB deletes jobB's keys only. */
+static void test_etcd_namespaces(void **state) {
+  su_etcd e;
+  if (!su_etcd_start(&e, 1))
+    return;
+  char ua[700], ub[700];
+  snprintf(ua, sizeof ua, "%s?ns=jobA", e.url);
+  snprintf(ub, sizeof ub, "%s?ns=jobB", e.url);
+  check_namespaces(ua, ub, e.url);
+  fr_dir *a, *b;
+  FR_OK(fr_dir_open(NULL, ua, 2000, &a));
+  FR_OK(fr_dir_open(NULL, ub, 2000, &b));
+  fr_dir_node n = make_node("n1");
+  FR_OK(b->ops->node_put(b->state, &n, 30000, 0, NULL, 2000));
+  fr_dir_object o = make_obj("b-only", "n1", 7);
+  FR_OK(b->ops->obj_put(b->state, &o, 0, NULL, NULL, 2000));
+  const char *cli = getenv("FERRY_CLI");
+  if (cli) {
+    char cmd[1600];
+    snprintf(cmd, sizeof cmd, "%s rm --all --directory '%s' >/dev/null", cli, ub);
+    assert_int_equal(system(cmd), 0);
+    fr_dir_object *v;
+    size_t count;
+    FR_OK(b->ops->obj_scan(b->state, "", &v, &count, 2000));
+    assert_int_equal(count, 0);
+    free(v);
+    FR_OK(a->ops->obj_scan(a->state, "", &v, &count, 2000));
+    assert_int_equal(count, 1); /* jobA's k0 */
+    free(v);
+  }
+  fr_dir_close(b);
+  fr_dir_close(a);
+  su_etcd_stop(&e);
+}
+
+/* etcd:// URLs taken apart: members with their default port, [v6], a namespace; what is not
+ * one is refused. */
+static void test_etcd_url(void **state) {
+  fr_etcd_url u;
+  FR_OK(fr_etcd_url_parse("etcd://a,b:2380,[::1]:3000?ns=job-1", &u));
+  assert_int_equal(u.n, 3);
+  assert_string_equal(u.host[0], "a");
+  assert_int_equal(u.port[0], 2379);
+  assert_int_equal(u.port[1], 2380);
+  assert_string_equal(u.host[2], "::1");
+  assert_int_equal(u.port[2], 3000);
+  assert_string_equal(u.ns, "job-1");
+  FR_OK(fr_etcd_url_parse("127.0.0.1:1", &u)); /* what the backend gets: after the scheme */
+  assert_int_equal(u.n, 1);
+  assert_string_equal(u.ns, "");
+  const char *bad[] = {"etcd://",      "etcd://a,",       "etcd://a:0",    "etcd://a:x",
+                       "etcd://u:p@a", "etcd://a/path",   "etcd://::1",    "etcd://a?ns=",
+                       "etcd://a?x=1", "etcd://a b",      "redis://a"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+    assert_int_equal(fr_etcd_url_parse(bad[i], &u), FERRY_EINVAL);
+  fr_dir *d;
+  assert_int_equal(fr_dir_open(NULL, "etcd://127.0.0.1:1", 1000, &d), FERRY_ECONNECT);
+  assert_non_null(strstr(ferry_last_error(), "etcd"));
+}
+
+/* A fake etcd member: accepts on a loopback port and answers every request with `reply` (NULL:
+ * never answers), for checking what the client makes of answers etcd would never send. */
+typedef struct fake_member {
+  int fd, port;
+  const char *reply;
+  pthread_t thread;
+} fake_member;
+
+static void *fake_member_main(void *arg) {
+  fake_member *f = arg;
+  int c = accept(f->fd, NULL, NULL);
+  if (c < 0)
+    return NULL;
+  char buf[4096];
+  ssize_t n = read(c, buf, sizeof buf); /* the request, one read is enough on loopback */
+  if (n > 0 && f->reply && write(c, f->reply, strlen(f->reply)) < 0)
+    n = -1;
+  for (;;) /* keep the connection open until the client hangs up */
+    if (read(c, buf, sizeof buf) <= 0)
+      break;
+  close(c);
+  return NULL;
+}
+
+static void fake_member_start(fake_member *f, const char *reply) {
+  f->fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t len = sizeof sa;
+  assert_int_equal(bind(f->fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  assert_int_equal(listen(f->fd, 4), 0);
+  assert_int_equal(getsockname(f->fd, (struct sockaddr *)&sa, &len), 0);
+  f->port = ntohs(sa.sin_port);
+  f->reply = reply;
+  assert_int_equal(pthread_create(&f->thread, NULL, fake_member_main, f), 0);
+}
+
+static void fake_member_stop(fake_member *f) {
+  shutdown(f->fd, SHUT_RDWR);
+  pthread_join(f->thread, NULL);
+  close(f->fd);
+}
+
+/* What a member sends is checked: lengths past the bounds, a chunk size that is not one, an
+ * answer that is not JSON, a status line that is not HTTP are refused (FERRY_EPROTO), and a
+ * member that never answers costs the call its timeout (FERRY_ETIMEDOUT), not more. */
+static void test_etcd_garbage(void **state) {
+  const struct {
+    const char *reply;
+    int rc;
+  } cases[] = {
+      {"HTTP/1.1 200 OK\r\nContent-Length: 99999999999\r\n\r\n", FERRY_EPROTO},
+      {"HTTP/1.1 200 OK\r\nContent-Length: 12x\r\n\r\n", FERRY_EPROTO},
+      {"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", FERRY_EPROTO},
+      {"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\n", FERRY_EPROTO},
+      {"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nnot json", FERRY_EPROTO},
+      {"HTTP/1.1 200 OK\r\nContent-Length: 26\r\n\r\n{\"kvs\":[{\"value\":\"%%%%\"}]}", FERRY_EPROTO},
+      {"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]", FERRY_EPROTO},
+      {"SSH-2.0-OpenSSH_9.2\r\n\r\n", FERRY_EPROTO},
+      {"HTTP/1.1 200 OK\r\n\r\n{}", FERRY_EPROTO}, /* no length */
+      {NULL, FERRY_ETIMEDOUT},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    fake_member f;
+    fake_member_start(&f, cases[i].reply);
+    char url[64];
+    snprintf(url, sizeof url, "etcd://127.0.0.1:%d", f.port);
+    fr_dir *d = NULL;
+    int rc = fr_dir_open(NULL, url, 500, &d);
+    print_message("case %zu: %s\n", i, ferry_last_error());
+    assert_int_equal(rc, cases[i].rc);
+    assert_null(d);
+    fake_member_stop(&f);
+  }
+}
+
 int main(int argc, char **argv) {
   if (argc == 4 && strcmp(argv[1], "--jobs-then-wait") == 0)
     return jobs_then_wait(argv[2], atoi(argv[3]));
@@ -1450,6 +1658,10 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_no_directory),
       cmocka_unit_test(test_redis),
       cmocka_unit_test(test_redis_namespaces),
+      cmocka_unit_test(test_etcd),
+      cmocka_unit_test(test_etcd_namespaces),
+      cmocka_unit_test(test_etcd_url),
+      cmocka_unit_test(test_etcd_garbage),
       cmocka_unit_test(test_table_rules),
       cmocka_unit_test(test_table_rejects_garbage),
       cmocka_unit_test(test_orphan_deleted),

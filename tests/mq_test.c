@@ -13,6 +13,7 @@
 
 #include "core/channels.h"
 #include "mq/mq.h"
+#include "etcdutil.h"
 
 #include <pthread.h>
 #include <sched.h>
@@ -929,6 +930,32 @@ CASES(tcp)
 CASES(ucx)
 #endif
 
+/* mq through etcd:// (issue 36): a publisher finds the subscriber by its topic record in a
+ * three-member cluster on loopback, and the message arrives whole. */
+static void test_etcd_topic(void **state) {
+  su_etcd e;
+  if (!su_etcd_start(&e, 3))
+    return;
+  ferry_ctx *ca = ctx_open("mq-etcd-a", NULL), *cb = ctx_open("mq-etcd-b", NULL);
+  ferry_mq *a = mq_open(ca, e.url, 0), *b = mq_open(cb, e.url, 0);
+  FR_OK(ferry_mq_subscribe(b, "etcd-topic", 5000));
+  FR_OK(ferry_mq_wait_subscribers(a, "etcd-topic", 1, 5000));
+  uint8_t msg[1000]; /* message 2's size (size_of) */
+  fill(msg, 2, sizeof msg);
+  FR_OK(ferry_mq_publish(a, "etcd-topic", msg, sizeof msg, 5000));
+  ferry_mq_msg *m;
+  FR_OK(ferry_mq_recv(b, &m, 5000));
+  uint64_t k = 0;
+  assert_true(check(m, &k));
+  assert_int_equal(k, 2);
+  ferry_mq_msg_free(m);
+  ferry_mq_close(b);
+  ferry_mq_close(a);
+  ferry_ctx_close(cb);
+  ferry_ctx_close(ca);
+  su_etcd_stop(&e);
+}
+
 int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
   if (argc == 10 && argv[1][0] == '-' && argv[1][1] == '-') {
@@ -950,6 +977,7 @@ int main(int argc, char **argv) {
   setenv("UCX_TLS", "tcp", 0); /* children inherit it */
 #endif
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_etcd_topic),
       cmocka_unit_test(test_wire),
       cmocka_unit_test(test_ordering_shm),
       cmocka_unit_test(test_no_loss_shm),

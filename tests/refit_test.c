@@ -21,6 +21,7 @@
 #include "refit/refit.h"
 #include "refit/shard.h"
 #include "storeutil.h"
+#include "etcdutil.h"
 
 #include <pthread.h>
 #include <signal.h>
@@ -2263,6 +2264,39 @@ static void test_rebind_after_commit_during_push(void **st) {
   model_free(&m);
 }
 
+/* A published sender and two receivers that find it by name through etcd:// (issue 36), a
+ * three-member cluster on loopback: both take the version, bytes as sent. */
+static void test_etcd_directory(void **st) {
+  su_etcd e;
+  if (!su_etcd_start(&e, 3))
+    return;
+  setenv("FERRY_DIRECTORY", e.url, 1);
+  model m;
+  model_init(&m, 11);
+  ferry_ctx *sc = ctx_for("etcd-trainer", "shm,tcp"), *c1 = ctx_for("etcd-rollout-1", "shm,tcp"),
+            *c2 = ctx_for("etcd-rollout-2", "shm,tcp");
+  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 16384, .publish = 1};
+  ferry_refit_sender *s = sender_with(sc, &m, "etcd-policy", &o);
+  ferry_refit_receiver *r[2] = {flat_receiver(c1, "etcd-policy"),
+                                flat_receiver(c2, "etcd-policy")};
+  await_receivers(s, 2);
+  FR_OK(ferry_refit_push(s, 1, NULL));
+  for (int i = 0; i < 2; i++) {
+    FR_OK(ferry_refit_wait(r[i], 1, 5000, NULL));
+    void *p;
+    FR_OK(ferry_refit_view(r[i], m.name[0], &p)); /* tensor 0 goes as it is (send_as) */
+    assert_memory_equal(p, m.w[0], m.d[0].shape[0] * m.d[0].shape[1] * 4);
+    ferry_refit_receiver_close(r[i]);
+  }
+  ferry_refit_sender_close(s);
+  unsetenv("FERRY_DIRECTORY");
+  ferry_ctx_close(c2);
+  ferry_ctx_close(c1);
+  ferry_ctx_close(sc);
+  model_free(&m);
+  su_etcd_stop(&e);
+}
+
 int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
   if (argc == 5 && strcmp(argv[1], "--receiver") == 0)
@@ -2278,6 +2312,7 @@ int main(int argc, char **argv) {
     return sender_child(&p);
   }
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_etcd_directory),
       cmocka_unit_test(test_push_shm),
       cmocka_unit_test(test_push_tcp),
       cmocka_unit_test(test_chain_tcp),

@@ -35,7 +35,7 @@ answers (refused or silent past the timeout: the next) and, when a call finds it
 answers there any more, ferry.ConnectError), the next one; the values this client had put lived
 in the one that failed and are gone with it. A call that is only slow (ferry.Timeout) fails
 without moving: a busy peer is no reason to leave the directory. ferry://H:P[,H:P...], a bare H:P, redis://... (one
-URL) and None (FERRY_DIRECTORY) work too; etcd:// is refused (ferry has no etcd backend).
+URL), etcd://H:P[,H:P...] (one etcd cluster, by its members) and None (FERRY_DIRECTORY) work too.
 check_metaserver=True raises RuntimeError when none answers, as upstream; with False the
 client opens at its first call.
 
@@ -125,9 +125,7 @@ def _directories(url: Optional[str]) -> List[Optional[str]]:
                          "server, redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] (no sentinel or "
                          "cluster)" % url)
     if scheme == "etcd":
-        raise ValueError("ferry.p2pstore: metadata_server %r: ferry has no etcd backend; name "
-                         "ferry directories (zmq://HOST:PORT[,HOST:PORT] or ferry://HOST:PORT, "
-                         "`ferry serve`) or redis://HOST:PORT[/DB]" % url)
+        return [s]  # one etcd cluster: its members are the URL's, libferry moves between them
     raise ValueError("ferry.p2pstore: metadata_server %r: use zmq://HOST:PORT[,HOST:PORT] or "
                      "ferry://HOST:PORT (ferry directories, `ferry serve`), or "
                      "redis://HOST:PORT[/DB]" % url)

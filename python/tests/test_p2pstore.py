@@ -92,7 +92,8 @@ def test_config_urls():
     assert P2PConfig("h:1").tcp_listen is None
     assert P2PConfig("h:1", local_host="fd00::5").tcp_listen == "[fd00::5]:0"
     assert P2PConfig("h:1", local_host="[fd00::5]:7").tcp_listen == "[fd00::5]:7"
-    for bad in ("etcd://h:2379", "http://h:1", "zmq://h", "zmq://h:1,", "ferry://h:1/x",
+    assert P2PConfig("etcd://a:2379,b:2379?ns=j").directories == ["etcd://a:2379,b:2379?ns=j"]
+    for bad in ("http://h:1", "zmq://h", "zmq://h:1,", "ferry://h:1/x",
                 "redis+cluster://h:1,h:2"):
         with pytest.raises(ValueError):
             P2PConfig(metadata_server=bad)

@@ -13,8 +13,10 @@
 
 extern const fr_dir_ops fr_dir_embedded_ops;
 extern const fr_dir_ops fr_dir_redis_ops;
+extern const fr_dir_ops fr_dir_etcd_ops;
 
-static const fr_dir_ops *const backends[] = {&fr_dir_embedded_ops, &fr_dir_redis_ops};
+static const fr_dir_ops *const backends[] = {&fr_dir_embedded_ops, &fr_dir_redis_ops,
+                                             &fr_dir_etcd_ops};
 
 const fr_dir_ops *fr_dir_backend(const char *url) {
   for (size_t i = 0; i < sizeof backends / sizeof backends[0]; i++) {
@@ -85,7 +87,8 @@ int fr_dir_open(ferry_ctx *ctx, const char *url, int timeout_ms, fr_dir **out) {
   if (!ops)
     return fr_err(FERRY_EINVAL,
                   "directory '%s': unknown scheme (ferry://HOST:PORT, HOST:PORT or "
-                  "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB])",
+                  "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] or "
+                  "etcd://HOST[:PORT][,HOST[:PORT]...])",
                   shown);
   if (strlen(url) > FR_DIR_ADDRESS_MAX)
     return fr_err(FERRY_EINVAL, "directory URL too long");

@@ -2,7 +2,8 @@
  * The directory, internal view: where a fleet looks up nodes (name -> addresses) and objects
  * (key -> owner, region, offset, bytes, dtype, shape, generation). Backends are ops tables chosen
  * by URL scheme (directory.c lists them): ferry:// is the embedded server (server.c, client.c),
- * redis:// keeps the same records in Redis (redis.c). A node holds a lease; when it lapses, the
+ * redis:// keeps the same records in Redis (redis.c), etcd:// in an etcd cluster (etcd.c,
+ * etcd_watch.c, etcd_http.c). A node holds a lease; when it lapses, the
  * node's records vanish. Jobs use the fr_dir_* calls below (the front door), never dir->ops.
  */
 #ifndef FR_DIRECTORY_H
@@ -79,7 +80,7 @@ typedef struct fr_dir_renewal {
 } fr_dir_renewal;
 
 typedef struct fr_dir_ops {
-  const char *scheme; /* "ferry://", "redis://" */
+  const char *scheme; /* "ferry://", "redis://", "etcd://" */
   /* Connects to `where` (the URL after the scheme); ctx is the node's (links, if any). */
   int (*open)(ferry_ctx *ctx, const char *where, int timeout_ms, void **state);
   void (*close)(void *state);
@@ -264,6 +265,19 @@ typedef struct fr_redis_url {
 } fr_redis_url;
 /* url with or without its "redis://". FERRY_EINVAL (the detail shows the URL redacted). */
 int fr_redis_url_parse(const char *url, fr_redis_url *out);
+
+/* An etcd:// URL taken apart: etcd://HOST[:PORT][,HOST[:PORT]...][?ns=NAME], the members of one
+ * cluster (HOST a name, an IPv4 address or a [v6] one; PORT 2379 by default). No userinfo (etcd's
+ * own users and TLS are not supported). */
+#define FR_ETCD_MEMBERS_MAX 16
+typedef struct fr_etcd_url {
+  int n;
+  char host[FR_ETCD_MEMBERS_MAX][256];
+  int port[FR_ETCD_MEMBERS_MAX];
+  char ns[FR_DIR_NS_MAX + 1];
+} fr_etcd_url;
+/* url with or without its "etcd://". FERRY_EINVAL. */
+int fr_etcd_url_parse(const char *url, fr_etcd_url *out);
 
 /* ---- whether peers can reach what a node advertises (reach.c) ---- */
 /* A loopback address (127/8, ::1, ::ffff:127/104) or "localhost". */

@@ -200,3 +200,80 @@ int fr_redis_url_parse(const char *url, fr_redis_url *out) {
   explicit_bzero(&r, sizeof r); /* the password lives on only in *out */
   return rc;
 }
+
+/* ---- etcd:// (issue 36) ---- */
+
+static int etcd_bad(const char *url, const char *why) {
+  char shown[FR_DIR_ADDRESS_MAX + 1];
+  fr_url_redact(url, shown, sizeof shown);
+  return fr_err(FERRY_EINVAL, "directory '%s': %s (etcd://HOST[:PORT][,HOST[:PORT]...][?ns=NAME])",
+                shown, why);
+}
+
+/* One member, HOST[:PORT] or [V6][:PORT], n bytes at s. */
+static int etcd_member(const char *url, const char *s, size_t n, char *host, size_t cap,
+                       int *port) {
+  const char *end = s + n, *h = s, *p = NULL;
+  size_t hn;
+  if (n && *s == '[') {
+    const char *close = memchr(s, ']', n);
+    if (!close || (close + 1 < end && close[1] != ':'))
+      return etcd_bad(url, "a bad [IPv6] member");
+    h = s + 1;
+    hn = (size_t)(close - h);
+    p = close + 1 < end ? close + 2 : NULL;
+  } else {
+    const char *colon = memchr(s, ':', n);
+    if (colon && memchr(colon + 1, ':', (size_t)(end - colon - 1)))
+      return etcd_bad(url, "an IPv6 member goes in brackets, e.g. etcd://[::1]:2379");
+    hn = colon ? (size_t)(colon - s) : n;
+    p = colon ? colon + 1 : NULL;
+  }
+  if (hn == 0 || hn >= cap)
+    return etcd_bad(url, hn ? "a member's host name is too long" : "a member without a host");
+  for (size_t i = 0; i < hn; i++)
+    if (!isalnum((unsigned char)h[i]) && !strchr(".-_:%", h[i]))
+      return etcd_bad(url, "a member's host has a character no host name has");
+  snprintf(host, cap, "%.*s", (int)hn, h);
+  *port = 2379;
+  if (p) {
+    long v = 0;
+    const char *d = p;
+    for (; d < end && isdigit((unsigned char)*d) && v <= 65535; d++)
+      v = v * 10 + (*d - '0');
+    if (d == p || d != end || v <= 0 || v > 65535)
+      return etcd_bad(url, "a member's port is not 1..65535");
+    *port = (int)v;
+  }
+  return 0;
+}
+
+int fr_etcd_url_parse(const char *url, fr_etcd_url *out) {
+  fr_etcd_url u;
+  memset(&u, 0, sizeof u);
+  const char *s = strstr(url, "://");
+  if (s && strncmp(url, "etcd://", 7) != 0)
+    return etcd_bad(url, "not an etcd:// URL");
+  s = s ? s + 3 : url;
+  size_t len;
+  int rc = fr_dir_url_ns(url, u.ns, sizeof u.ns, &len);
+  if (rc != 0)
+    return rc;
+  const char *end = url + len;
+  if (memchr(s, '@', (size_t)(end - s)) || memchr(s, '/', (size_t)(end - s)))
+    return etcd_bad(url, "etcd:// takes members only: no user, password or path");
+  while (rc == 0) {
+    const char *comma = memchr(s, ',', (size_t)(end - s));
+    size_t n = comma ? (size_t)(comma - s) : (size_t)(end - s);
+    if (u.n == FR_ETCD_MEMBERS_MAX)
+      return etcd_bad(url, "too many members");
+    rc = etcd_member(url, s, n, u.host[u.n], sizeof u.host[u.n], &u.port[u.n]);
+    u.n++;
+    if (!comma)
+      break;
+    s = comma + 1;
+  }
+  if (rc == 0)
+    *out = u;
+  return rc;
+}

@@ -1,0 +1,128 @@
+/*
+ * What the etcd backend's parts share (etcd.c: the operations; etcd_client.c: requests to the
+ * cluster and the gateway's JSON; etcd_watch.c: the watch that keeps its stamps; etcd_http.c: the
+ * HTTP under them): the client's state, the cluster's members, which one calls go to and how
+ * often each stopped answering (so the watch leaves a member the calls left).
+ */
+#ifndef FR_DIRECTORY_ETCD_H
+#define FR_DIRECTORY_ETCD_H
+
+#include "directory/directory.h"
+#include "directory/etcd_http.h"
+
+#include <jansson.h>
+#include <pthread.h>
+
+typedef struct fr_etcd_members {
+  fr_etcd_url u;
+  char shown[FR_DIR_ADDRESS_MAX + 1];     /* the URL as messages name it */
+  int current;                            /* atomic: the member calls go to */
+  uint64_t failures[FR_ETCD_MEMBERS_MAX]; /* atomic: times each stopped answering a call */
+} fr_etcd_members;
+
+/* The watch (etcd_watch.c): one thread holding a watch of every key under `prefix` on one member
+ * (moving on when it breaks, or when calls found its member dead), counting the changes of each
+ * object key's bucket as the embedded server's change words do (dirwire.h). */
+typedef struct fr_etcd_watch fr_etcd_watch;
+/* Starts the thread; m outlives the watch. */
+int fr_etcd_watch_start(fr_etcd_members *m, const char *prefix, fr_etcd_watch **out);
+void fr_etcd_watch_stop(fr_etcd_watch *w);
+/* fr_dir_ops.stamp: false while no watch is current (connecting, or after one broke). */
+bool fr_etcd_watch_stamp(fr_etcd_watch *w, const char *key, fr_dir_stamp *out);
+/* After this process changed object `key` (its put or delete returned): stamps differ at once,
+ * before the watch's own event comes. */
+void fr_etcd_watch_bump(fr_etcd_watch *w, const char *key);
+
+#define FR_ETCD_LEASE_CACHE 32  /* nodes whose lease a client remembers */
+#define FR_ETCD_TXN_OPS 128     /* etcd's --max-txn-ops default */
+#define FR_ETCD_PAGE 1000       /* keys per range page */
+#define FR_ETCD_RECORD_MAX 2048 /* bytes of one record's value */
+#define FR_ETCD_KEY_BYTES (FR_DIR_KEY_MAX + FR_DIR_NS_MAX + 16)
+
+typedef struct fr_etcd {
+  fr_etcd_members m;
+  pthread_mutex_t lock; /* conn, conn_member, cluster */
+  fr_http conn;
+  int conn_member;
+  uint64_t cluster;               /* the cluster id answers carry (0: none seen yet) */
+  uint64_t epoch;                 /* atomic: bumped when another cluster answers */
+  char prefix[FR_DIR_NS_MAX + 8]; /* "ferry/" or "ferry@NS/" */
+  size_t prefix_len;
+  pthread_mutex_t cache_lock;
+  struct {
+    char name[FR_DIR_NAME_MAX + 1];
+    uint64_t incarnation;
+    int64_t lease;
+  } leases[FR_ETCD_LEASE_CACHE];
+  unsigned next_slot;
+  pthread_mutex_t watch_lock;
+  fr_etcd_watch *watch; /* atomic once set */
+  bool watch_tried;
+} fr_etcd;
+
+/* ---- requests (etcd_client.c) ---- */
+/* POSTs req (taken) to path within the deadline, member after member while they do not answer
+ * (timeout_ms only words the error). *out: the answer. FERRY_ETIMEDOUT (the last member's words
+ * in the detail), FERRY_ECONNECT (every member refused), FERRY_EPROTO (an error answer no other
+ * member would change). */
+int fr_etcd_call_until(fr_etcd *e, const char *path, json_t *req, json_t **out, uint64_t deadline,
+                       int timeout_ms);
+/* A stream's message: its "result" (*body, borrowed from j), or FERRY_EPROTO for its error. */
+int fr_etcd_unwrap(fr_etcd *e, json_t *j, const char *path, json_t **body);
+int fr_etcd_malformed(fr_etcd *e, const char *what);
+
+/* JSON fields: bytes in base64, int64s as strings (absent: 0). The getters return false for a
+ * field that is there and not well-formed. */
+void fr_etcd_set_b64(json_t *obj, const char *field, const void *p, size_t n);
+void fr_etcd_set_i64(json_t *obj, const char *field, int64_t v);
+bool fr_etcd_get_i64(const json_t *obj, const char *field, int64_t *out);
+bool fr_etcd_get_bytes(const json_t *obj, const char *field, uint8_t *out, size_t cap, size_t *n);
+bool fr_etcd_get_bool(const json_t *obj, const char *field);
+json_t *fr_etcd_with_key(json_t *obj, const char *key, size_t n); /* obj["key"], returns obj */
+
+/* The etcd key of a node ('n') or object ('o') name (out: FR_ETCD_KEY_BYTES): its length. */
+size_t fr_etcd_key_of(const fr_etcd *e, char kind, const char *name, char *out);
+/* etcd's range_end for every key that starts with p[0..n): its length (0: to the end). */
+size_t fr_etcd_prefix_end(const char *p, size_t n, char *out);
+
+/* One key-value of an answer. */
+typedef struct fr_etcd_kv {
+  bool found;
+  uint8_t val[FR_ETCD_RECORD_MAX];
+  size_t len;
+  int64_t lease, mod;
+} fr_etcd_kv;
+bool fr_etcd_kv_read(const json_t *j, fr_etcd_kv *out);
+/* The first kv of a range answer (out->found false when none); false when malformed. */
+bool fr_etcd_range_kv(const json_t *range, fr_etcd_kv *out);
+/* The record a kv holds, checked (and its name or key, when not NULL, the one it is stored
+ * under): a peer wrote it. */
+bool fr_etcd_node_of(const fr_etcd_kv *v, const char *name, fr_dir_node *out);
+bool fr_etcd_object_of(const fr_etcd_kv *v, const char *key, fr_dir_object *out);
+/* A range of one key. */
+int fr_etcd_get_key(fr_etcd *e, const char *key, fr_etcd_kv *v, uint64_t deadline, int timeout_ms);
+
+/* Leases: /v3/lease/keepalive and /timetolive (*ttl in seconds, 0 or less: gone), grant (TTL
+ * lease_ms rounded up to seconds), revoke (a lease already gone is no failure). */
+int fr_etcd_lease_call(fr_etcd *e, const char *path, int64_t id, int64_t *ttl, uint64_t deadline,
+                       int timeout_ms);
+int fr_etcd_lease_grant(fr_etcd *e, int lease_ms, int64_t *id, uint64_t deadline, int timeout_ms);
+int fr_etcd_lease_revoke(fr_etcd *e, int64_t id, uint64_t deadline, int timeout_ms);
+/* The cache of node name -> (incarnation, the lease its records are bound to): the lease of name
+ * as held by incarnation (0: by whoever), 0 when not known. */
+int64_t fr_etcd_lease_cached(fr_etcd *e, const char *name, uint64_t incarnation);
+void fr_etcd_lease_remember(fr_etcd *e, const char *name, uint64_t incarnation, int64_t lease);
+void fr_etcd_lease_forget(fr_etcd *e, const char *name);
+
+/* A txn: compare, then success or failure ops (each array taken; failure may be NULL). *ok: it
+ * succeeded; *responses: its responses (borrowed from *j, which the caller frees). */
+json_t *fr_etcd_cmp(const char *key, size_t n, const char *target, const char *field, int64_t v);
+json_t *fr_etcd_op_range(const char *key, size_t n);
+json_t *fr_etcd_op_put(const char *key, size_t n, const void *val, size_t vn, int64_t lease);
+json_t *fr_etcd_op_delete(const char *key, size_t n);
+int fr_etcd_txn(fr_etcd *e, json_t *compare, json_t *success, json_t *failure, json_t **j, bool *ok,
+                json_t **responses, uint64_t deadline, int timeout_ms);
+/* Response i of a txn, of kind "response_range", "response_put" or "response_delete_range". */
+json_t *fr_etcd_response(json_t *responses, size_t i, const char *kind);
+
+#endif

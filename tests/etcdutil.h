@@ -1,0 +1,71 @@
+/*
+ * A throwaway etcd cluster for the etcd:// directory tests (issue 36): tests/etcd/cluster.sh
+ * starts N members on free loopback ports, each with its data under one temporary folder, and
+ * su_etcd_stop kills them and removes it. Skipped with a message when etcd is not installed.
+ */
+#ifndef FERRY_ETCDUTIL_H
+#define FERRY_ETCDUTIL_H
+
+#include "testutil.h"
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct su_etcd {
+  char dir[64];        /* the cluster's folder (cluster.sh's DIR) */
+  char endpoints[512]; /* HOST:PORT,HOST:PORT,... */
+  char url[600];       /* etcd://ENDPOINTS */
+  char script[512];    /* tests/etcd/cluster.sh */
+} su_etcd;
+
+/* Runs cluster.sh CMD [ARG]; its exit status. */
+static inline int su_etcd_sh(const su_etcd *e, const char *cmd, int arg) {
+  char line[1200];
+  if (arg > 0)
+    snprintf(line, sizeof line, "sh '%s' %s '%s' %d", e->script, cmd, e->dir, arg);
+  else
+    snprintf(line, sizeof line, "sh '%s' %s '%s'", e->script, cmd, e->dir);
+  return system(line);
+}
+
+/* Starts `members` members; false (with a message) when etcd is not installed or did not come
+ * up. */
+static inline bool su_etcd_start(su_etcd *e, int members) {
+  memset(e, 0, sizeof *e);
+  if (system("command -v etcd >/dev/null && command -v etcdctl >/dev/null") != 0) {
+    tu_skip(TU_SKIP_FIXABLE, "etcd part: etcd is not installed (etcd-server, etcd-client: "
+                             "scripts/deps.sh test)");
+    return false;
+  }
+  const char *src = getenv("FERRY_SOURCE_DIR");
+  snprintf(e->script, sizeof e->script, "%s/tests/etcd/cluster.sh", src ? src : ".");
+  snprintf(e->dir, sizeof e->dir, "/tmp/ferry-etcd-XXXXXX");
+  if (!mkdtemp(e->dir)) {
+    tu_skip(TU_SKIP_FIXABLE, "etcd part: no temporary folder");
+    return false;
+  }
+  char line[1200];
+  snprintf(line, sizeof line, "sh '%s' start '%s' %d", e->script, e->dir, members);
+  FILE *p = popen(line, "r");
+  bool ok = p && fgets(e->endpoints, sizeof e->endpoints, p) != NULL;
+  ok = (p ? pclose(p) == 0 : false) && ok;
+  e->endpoints[strcspn(e->endpoints, "\n")] = '\0';
+  if (!ok || !e->endpoints[0]) {
+    su_etcd_sh(e, "stop", 0);
+    tu_skip(TU_SKIP_FIXABLE, "etcd part: the cluster did not start (see cluster.sh)");
+    return false;
+  }
+  snprintf(e->url, sizeof e->url, "etcd://%s", e->endpoints);
+  return true;
+}
+
+static inline void su_etcd_stop(su_etcd *e) {
+  if (e->dir[0])
+    su_etcd_sh(e, "stop", 0);
+  e->dir[0] = '\0';
+}
+
+#endif
