@@ -901,6 +901,33 @@ typedef enum ferry_refit_route {
   FERRY_REFIT_ROUTE_CHAIN = 2,
 } ferry_refit_route;
 
+/* Streaming pushes (docs/REFIT.md, Streaming pushes): a version sent in parts, for a trainer
+ * whose tensors exist a few at a time (a generator of gathered or converted tensors). The caller
+ * points each declared tensor at its bytes as they come (ferry_refit_set_data) and pushes a part
+ * with FERRY_REFIT_PART_MORE whenever it wants memory back: the part sends every bucket of the
+ * version not sent yet whose tensors were all given (pointed at since the last version ended),
+ * returns once each receiver of the version verified them, and commits nothing. Once
+ * ferry_refit_part_sent() says so, a tensor's memory is not read again. FERRY_REFIT_PART_LAST
+ * sends the rest and commits the version: a receiver commits it only when it verified every
+ * bucket of the version over its parts, so one that lost the sender (killed between parts)
+ * never reports it; FERRY_ESTATE, naming a tensor, when a bucket holds one that was not given
+ * (the version is then abandoned). FERRY_REFIT_PART_ABORT abandons the open version (0 when none
+ * is open; the tensors given are forgotten either way): its receivers fail it (FERRY_ECLOSED)
+ * and none reports it. The first part fixes who
+ * is in the version: receivers that attach later, or that fail a part, are left out of the rest
+ * (the failures are named by the last part's error) and catch up from the retained copy after the
+ * last part. The version number is spent by its first part, committed or not: the next must be
+ * greater. While a version is open, a push of another version or of no part is FERRY_ESTATE.
+ * skip_unchanged applies per bucket as in a whole push (decided by the first part); `only` is
+ * FERRY_EINVAL with a part; FERRY_ENOTSUP for a rank of a group (world > 1) and for a sender
+ * whose buffers are device memory (alias or device_buckets on one CUDA device). */
+typedef enum ferry_refit_part {
+  FERRY_REFIT_PART_NONE = 0,  /* a whole version (the default) */
+  FERRY_REFIT_PART_MORE = 1,  /* one part of `version`; more follow */
+  FERRY_REFIT_PART_LAST = 2,  /* its last part: commits it */
+  FERRY_REFIT_PART_ABORT = 3, /* abandons it */
+} ferry_refit_part;
+
 typedef struct ferry_refit_push_opts {
   size_t size;             /* sizeof(ferry_refit_push_opts) */
   const char *const *only; /* push only these tensors (NULL: all) */
@@ -909,10 +936,26 @@ typedef struct ferry_refit_push_opts {
   int timeout_ms;     /* a receiver that acknowledges nothing for this long fails (negative:
                          FERRY_TIMEOUT_MS); a big push may take longer as a whole */
   ferry_refit_route route;
+  ferry_refit_part part; /* streaming pushes (above); NONE: the whole version */
 } ferry_refit_push_opts;
 
+/* Points declared tensor `name` at new bytes of the dtype and shape it was declared with, with
+ * no seal: the next push (or part) reads it there, and the caller keeps `data` valid until then
+ * (until ferry_refit_part_sent() says 1, in a version sent in parts). Host or CUDA memory, told
+ * apart here as ferry_refit_declare does (a host sender's first device tensor pins its buffers
+ * then). It also marks the tensor given for the version being sent in parts (or the next one).
+ * FERRY_ENOTFOUND for a name not declared; FERRY_EINVAL for device memory that ends before the
+ * tensor does, or for memory other than the one CUDA device of a sender whose buffers are that
+ * device's memory. */
+FERRY_API int ferry_refit_set_data(ferry_refit_sender *sender, const char *name, const void *data);
+/* 1 when every bucket holding tensor `name` was sent in the version open in parts (its memory
+ * is not read again; also for a tensor of no bytes), 0 when not (or no version is open),
+ * FERRY_ENOTFOUND for a name not declared. */
+FERRY_API int ferry_refit_part_sent(ferry_refit_sender *sender, const char *name);
+
 /* Pushes the declared tensors' current bytes as `version` (greater than the last) to every
- * attached receiver and returns when each one committed it (0), or when each one either
+ * attached receiver (or one part of it: opts->part, above) and returns when each one committed
+ * it (0), or when each one either
  * committed it or failed. Receivers that fail (FERRY_EPEER: died; FERRY_ETIMEDOUT: owed an
  * acknowledgement for longer than timeout_ms, e.g. stopped; FERRY_ECHECKSUM ...) are named in
  * ferry_last_error() and the call returns the first one's status; every receiver not named there

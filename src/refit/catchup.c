@@ -104,6 +104,8 @@ void fr_refit_catchup_serve(ferry_refit_sender *s, fr_refit_outbox *out) {
  * a new destination after committing it). */
 void fr_refit_catchup_request(ferry_refit_sender *s, receiver *r, uint64_t version,
                               fr_refit_outbox *out) {
+  if (s->pushing && version < s->pushing && (r->in_push || r->in_stream))
+    return; /* the push under way (between its parts, too) lands a newer one over it */
   if (version == r->committed)
     r->committed = 0; /* it lacks what it committed: it bound a new destination since */
   if (r->in_push && version == s->pushing)

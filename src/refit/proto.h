@@ -15,7 +15,9 @@
  *                                           in forwarding slot `buffer` for a successor
  *   receiver → sender  ACK                  version, bucket, seq, status; with KEEP, where the
  *                                           bucket now lies in the receiver (src, src_offset)
- *   sender → receiver  COMMIT               version, how many buckets the push carried
+ *   sender → receiver  COMMIT               version, how many buckets the push carried (a
+ *                                           version sent in parts: all its parts'); ABORTED:
+ *                                           the version is abandoned, fail it
  *   receiver → sender  COMMITTED            version, status; a group's sub-receiver refusing a
  *                                           version another rank failed (FERRY_ESTALE, also in its
  *                                           ACK) puts 1 + that rank in `generation`
@@ -67,7 +69,10 @@ enum fr_refit_msg {
 /* BUCKET: CUDA memory of the sender on this host, not hashed (checksum 0): read it with the copy
  * engines through CUDA IPC, straight into the bound tensors; refused over any other link. */
 #define FR_REFIT_DIRECT 16u
-#define FR_REFIT_FLAGS 31u
+/* COMMIT: the sender abandoned the version before its last part (a version sent in parts): the
+ * receiver fails it, whatever it verified */
+#define FR_REFIT_ABORTED 32u
+#define FR_REFIT_FLAGS 63u
 #define FR_REFIT_ADDRESS_MAX 1024 /* ROUTE and ATTACH addresses */
 
 typedef struct fr_refit_msg_t {

@@ -19,6 +19,10 @@
  * place. Between rounds the pushing thread sleeps on s->cond until an acknowledgement, a link's
  * death (the service thread is told by the transport) or the earliest progress deadline: it
  * polls nothing.
+ *
+ * A version may also go in parts (ferry_refit_push_opts.part; the bookkeeping is stream.c's):
+ * each part runs as a push of the buckets that are ready, the receivers its first part took stay
+ * in the later ones unless they fail, and only the last part sends the COMMIT.
  */
 #include "refit/sender_impl.h"
 
@@ -48,6 +52,8 @@ typedef struct fr_push {
   fr_refit_outbox out;  /* frames decided under s->lock, sent by this thread after unlocking */
   int pack_rc;          /* a bucket could not be packed (a device tensor's copy failed) */
   char pack_why[256];
+  int part;          /* ferry_refit_push_opts.part: a version sent in parts (stream.c) */
+  uint32_t commit_n; /* buckets the COMMIT says the version carried (its parts' all, last part) */
 } fr_push;
 
 /* Announcements a receiver may have unacknowledged. A receiver reads its buckets one by one, so
@@ -362,7 +368,7 @@ static void build_chain(ferry_refit_sender *s, fr_push *p, ferry_refit_route rou
 
 /* Takes a snapshot of who is in this push; true when all of them have the latest version. */
 static size_t begin_push(ferry_refit_sender *s, fr_push *p, ferry_refit_route route,
-                         bool *all_current) {
+                         bool *all_current, bool later) {
   size_t n = 0;
   *all_current = true;
   pthread_mutex_lock(&s->lock);
@@ -381,11 +387,20 @@ static size_t begin_push(ferry_refit_sender *s, fr_push *p, ferry_refit_route ro
     }
     *pp = gone->next; /* it left between pushes (its goodbye may not have come): not in this one */
     fr_info("refit '%s': receiver '%s' is gone", s->name, gone->peer);
+    if (later && gone->in_stream && gone->stream_status == 0) /* it left between parts */
+      fr_refit_stream_note(s, gone, FERRY_EPEER);
     fr_refit_receiver_free(gone);
   }
   for (receiver *r = s->receivers; r; r = r->next) {
-    /* one catching up stays out, like one not yet attached: the push would wait for its reads */
-    r->in_push = !fr_refit_catchup_overtaken(s, r, p->had) && !r->dropped;
+    /* one catching up stays out, like one not yet attached: the push would wait for its reads;
+     * a later part of a version goes to those its first part took that failed none since */
+    if (later) {
+      r->in_push = r->in_stream && r->stream_status == 0 && !r->dropped;
+    } else {
+      r->in_push = !fr_refit_catchup_overtaken(s, r, p->had) && !r->dropped;
+      r->in_stream = r->in_push;
+      r->stream_status = 0;
+    }
     if (!r->in_push)
       continue; /* catching up, or it stalled in an earlier push and has not attached again */
     r->orphan = r->commit_sent = r->commit_seen = false;
@@ -412,7 +427,7 @@ static size_t begin_push(ferry_refit_sender *s, fr_push *p, ferry_refit_route ro
 static void commit_all(ferry_refit_sender *s, fr_push *p) {
   fr_refit_msg_t c = {.type = FR_REFIT_COMMIT,
                       .version = p->version,
-                      .bytes = p->n,
+                      .bytes = p->part ? p->commit_n : p->n,
                       .generation = s->plan.generation};
   pthread_mutex_lock(&s->lock);
   for (receiver *r = s->receivers; r; r = r->next)
@@ -486,12 +501,23 @@ static void log_receiver_outcome(const ferry_refit_sender *s, const receiver *r,
           why ? ferry_status_name(status) : "", why ? ")" : "");
 }
 
+/* Sends what a part's end queued (DROPPED notices) and applies what did not go. */
+static void send_notices(ferry_refit_sender *s, fr_refit_outbox *out) {
+  if (out->n) {
+    fr_refit_out_send(out);
+    pthread_mutex_lock(&s->lock);
+    fr_refit_out_settle(s, out);
+    pthread_mutex_unlock(&s->lock);
+  }
+  fr_refit_out_free(out);
+}
+
 /* Records the push's outcome; names the receivers of this push that did not commit, frees dead
  * ones and drops those that timed out (later pushes leave them out until they attach again). */
 static int finish_push(ferry_refit_sender *s, uint64_t version, bool packed_all, push_tally *t) {
-  char failed[512] = "";
-  size_t used = 0;
-  int first = 0;
+  char failed[512]; /* a version sent in parts: those that failed an earlier part first */
+  size_t used = (size_t)snprintf(failed, sizeof failed, "%s", s->stream.failed);
+  int first = s->stream.first;
   fr_refit_outbox out = {0};
   pthread_mutex_lock(&s->lock);
   s->latest = version;
@@ -535,19 +561,82 @@ static int finish_push(ferry_refit_sender *s, uint64_t version, bool packed_all,
    * asked during the push: the service thread serves them, since it
    * sends the rest of each catch-up as acknowledgements come (one thread, so in order) */
   fr_job_wake(s->service, FR_REFIT_WAKE_CATCHUPS);
-  if (out.n) {
-    fr_refit_out_send(&out);
-    pthread_mutex_lock(&s->lock);
-    fr_refit_out_settle(s, &out);
-    pthread_mutex_unlock(&s->lock);
-  }
-  fr_refit_out_free(&out);
+  send_notices(s, &out);
   if (!first)
     return 0;
   return fr_err(first,
                 "refit '%s' version %llu: not committed by %s; every other receiver "
                 "committed",
                 s->name, (unsigned long long)version, failed);
+}
+
+/* The end of a part that is not the last (stream.c): a receiver that failed it is out of the
+ * version's later parts (the last part's error names it), one that timed out is dropped, a dead
+ * or departed one freed. The push stays under way (s->pushing): receivers that attach meanwhile
+ * catch up once the version ends. */
+static void finish_part(ferry_refit_sender *s, uint64_t version) {
+  fr_refit_outbox out = {0};
+  pthread_mutex_lock(&s->lock);
+  for (receiver **pp = &s->receivers; *pp;) {
+    receiver *r = *pp;
+    bool was_in = r->in_push;
+    r->in_push = false;
+    if (was_in && r->status != 0) {
+      r->failures++;
+      log_receiver_outcome(s, r, version, r->status);
+      fr_refit_stream_note(s, r, r->status);
+      if (r->status == FERRY_ETIMEDOUT)
+        drop(r, version, &out);
+    }
+    if (ferry_link_status(r->link) != 0 || r->detached) {
+      if (r->in_stream && r->stream_status == 0)
+        fr_refit_stream_note(s, r, FERRY_EPEER);
+      *pp = r->next;
+      fr_refit_receiver_free(r);
+      continue;
+    }
+    pp = &r->next;
+  }
+  pthread_mutex_unlock(&s->lock);
+  send_notices(s, &out);
+}
+
+/* Abandons the version open in parts (0 when none is; the given marks are cleared either way):
+ * its receivers are told with a COMMIT
+ * flagged ABORTED (they fail it, FERRY_ECLOSED) and not awaited. Their bytes may hold some of
+ * it, so none counts as holding any version (a skip_unchanged push sends them every bucket). */
+static int abandon(ferry_refit_sender *s, push_tally *t) {
+  uint64_t v = s->stream.version;
+  if (!v) {
+    fr_refit_stream_close(s); /* what was given goes: a later version gives its own */
+    return 0;
+  }
+  fr_refit_msg_t c = {.type = FR_REFIT_COMMIT,
+                      .version = v,
+                      .flags = FR_REFIT_ABORTED,
+                      .generation = s->plan.generation};
+  fr_refit_outbox out = {0};
+  pthread_mutex_lock(&s->lock);
+  for (receiver *r = s->receivers; r; r = r->next) {
+    r->in_push = false;
+    if (r->in_stream && r->stream_status == 0 && ferry_link_status(r->link) == 0)
+      fr_refit_out_add(&out, r->link, &c, DROPPED_SEND_MS, false); /* no memory: not told */
+    if (r->in_stream)
+      r->committed = 0;
+    r->in_stream = false;
+  }
+  s->pushing = 0;
+  s->retained = 0; /* parts of it are in the buffer */
+  pthread_mutex_unlock(&s->lock);
+  fr_refit_out_send(&out);
+  fr_refit_out_free(&out);
+  t->ran = true;
+  t->bytes = s->stream.bytes;
+  fr_warn("refit '%s': version %llu abandoned after %u of %u buckets; no receiver commits it",
+          s->name, (unsigned long long)v, s->stream.nsent, s->plan.buckets);
+  fr_refit_stream_close(s);
+  fr_job_wake(s->service, FR_REFIT_WAKE_CATCHUPS);
+  return 0;
 }
 
 /* The receivers of the push that read shards, each with room for its view's sums. */
@@ -614,6 +703,8 @@ static int plan_push(ferry_refit_sender *s, fr_push *p, const ferry_refit_push_o
     return fr_err(FERRY_ENOMEM, "refit '%s': push of %u buckets", s->name, nb);
   p->skip = FR_OPT(o, skip_unchanged, 0) && all_current;
   p->hash = !direct_push(s);
+  if (p->part) /* a part: the buckets ready and not sent yet */
+    return fr_refit_stream_select(s, p->part == FERRY_REFIT_PART_LAST, p->order, &p->n);
   for (uint32_t b = 0; b < s->plan.buckets; b++)
     if (!all_current || bucket_selected(s, o, b))
       p->order[p->n++] = b;
@@ -660,11 +751,22 @@ int ferry_refit_push(ferry_refit_sender *s, uint64_t version, const ferry_refit_
   int rc = FR_OPTS_CHECK(o, "ferry_refit_push");
   if (rc != 0)
     return rc;
+  int part = FR_OPT(o, part, FERRY_REFIT_PART_NONE);
   uint64_t t0 = fr_now_ns();
   push_tally t = {0};
   rc = push_version(s, version, o, &t);
-  fr_refit_count_push(s, rc, t.bytes, t0);
-  if (t.ran) /* not a push refused before it began (unsealed, an old version): the caller has it */
+  if (part == FERRY_REFIT_PART_MORE && rc == 0) { /* the version's last part counts it */
+    fr_debug("refit '%s': version %llu: a part of %llu bytes in %.3f s", s->name,
+             (unsigned long long)version, (unsigned long long)t.bytes,
+             (double)(fr_now_ns() - t0) * 1e-9);
+    return 0;
+  }
+  if (part == FERRY_REFIT_PART_ABORT && !t.ran)
+    return rc;                                /* none was open: no push */
+  if (part != FERRY_REFIT_PART_NONE && t.ran) /* the version in parts began with its first */
+    t0 = s->stream.t0 && s->stream.t0 < t0 ? s->stream.t0 : t0;
+  fr_refit_count_push(s, part == FERRY_REFIT_PART_ABORT ? FERRY_ECLOSED : rc, t.bytes, t0);
+  if (t.ran && part != FERRY_REFIT_PART_ABORT) /* not refused before it began: the caller has it */
     log_push(s, version, &t, fr_now_ns() - t0, rc);
   return rc;
 }
@@ -688,49 +790,97 @@ static int unsealed(ferry_refit_sender *s) {
                 s->name, first, n - 1);
 }
 
+/* The end of a push that failed before its receivers committed (s->lock not held): none is in a
+ * push any more; a version open in parts is abandoned, the error kept. */
+static int push_failed(ferry_refit_sender *s, int rc, push_tally *t) {
+  pthread_mutex_lock(&s->lock);
+  s->pushing = 0;
+  for (receiver *r = s->receivers; r; r = r->next)
+    r->in_push = false;
+  pthread_mutex_unlock(&s->lock);
+  if (!s->stream.version)
+    return rc;
+  fr_err_keep keep;
+  fr_err_save(&keep, rc);
+  abandon(s, t);
+  return fr_err_restore(&keep);
+}
+
+static int packing_failed(ferry_refit_sender *s, const fr_push *p) {
+  return fr_err(p->pack_rc, "refit '%s' version %llu: no receiver committed it: %s", s->name,
+                (unsigned long long)p->version, p->pack_why);
+}
+
+static int check_version(ferry_refit_sender *s, uint64_t version) {
+  uint64_t last = s->latest > s->stream.spent ? s->latest : s->stream.spent;
+  if (version > last)
+    return 0;
+  return fr_err(FERRY_EINVAL, "refit '%s': version %llu is not after %llu%s", s->name,
+                (unsigned long long)version, (unsigned long long)last,
+                last > s->latest ? " (a version begun in parts spends its number)" : "");
+}
+
 static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_refit_push_opts *o,
                         push_tally *t) {
-  if (!s->sealed)
-    return unsealed(s);
-  if (version <= s->latest)
-    return fr_err(FERRY_EINVAL, "refit '%s': version %llu is not after %llu", s->name,
-                  (unsigned long long)version, (unsigned long long)s->latest);
-  fr_push p = {.version = version, .timeout_ms = fr_timeout(FR_OPT(o, timeout_ms, -1))};
+  int part = FR_OPT(o, part, FERRY_REFIT_PART_NONE);
+  int rc = fr_refit_stream_check(s, version, o, part);
+  if (rc == 0 && part == FERRY_REFIT_PART_ABORT)
+    return abandon(s, t);
+  if (rc == 0 && !s->sealed)
+    rc = unsealed(s);
+  bool later = s->stream.version != 0; /* a later part of the version open in parts */
+  if (rc == 0 && !later)
+    rc = check_version(s, version);
+  if (rc == 0 && part && !later)
+    rc = fr_refit_stream_open(s, version);
+  if (rc != 0)
+    return rc;
+  fr_push p = {.version = version,
+               .timeout_ms = fr_timeout(FR_OPT(o, timeout_ms, -1)),
+               .part = part,
+               .commit_n = s->plan.buckets};
   bool all_current;
   t->ran = true;
-  size_t in_push = begin_push(s, &p, FR_OPT(o, route, FERRY_REFIT_ROUTE_AUTO), &all_current);
+  size_t in_push = begin_push(s, &p, FR_OPT(o, route, FERRY_REFIT_ROUTE_AUTO), &all_current, later);
   send_queued(s, &p); /* the chain's routes */
   fr_refit_out_free(&p.out);
-  if (in_push == 0 && !s->whole)
+  if (in_push == 0 && !s->whole && !part) {
+    fr_refit_stream_close(s);
     return finish_push(s, version, false, t);
+  }
   if (s->whole && (p.had != s->latest || s->latest == 0))
     all_current = false; /* the buffer lacks buckets a partial push would not pack: pack all */
-  int rc = plan_push(s, &p, o, all_current);
+  if (later)
+    all_current = s->stream.all_current;
+  s->stream.all_current = all_current;
+  rc = plan_push(s, &p, o, all_current);
   if (rc == 0) {
     pump(s, &p);
     if (start_repair(s, &p))
       pump(s, &p);
-    commit_all(s, &p);
+    if (part != FERRY_REFIT_PART_MORE)
+      commit_all(s, &p);
     if (s->whole)
       pack_rest(s, &p);
     t->bytes = push_bytes(s, &p);
+    if (part)
+      fr_refit_stream_sent(s, p.order, p.n);
   }
   free(p.order);
   free(p.sum);
   free(p.unchanged);
   fr_refit_out_free(&p.out);
   end_views(s, &p);
-  if (rc != 0) {
-    pthread_mutex_lock(&s->lock);
-    s->pushing = 0;
-    for (receiver *r = s->receivers; r; r = r->next)
-      r->in_push = false;
-    pthread_mutex_unlock(&s->lock);
-    return rc;
+  if (rc != 0 || (part && p.pack_rc != 0))
+    return push_failed(s, rc ? rc : packing_failed(s, &p), t);
+  if (part == FERRY_REFIT_PART_MORE) {
+    s->stream.bytes += t->bytes;
+    finish_part(s, version);
+    return 0;
   }
+  if (part == FERRY_REFIT_PART_LAST)
+    t->bytes += s->stream.bytes;
   rc = finish_push(s, version, s->whole && p.pack_rc == 0, t);
-  if (p.pack_rc != 0) /* what failed is the sender's, not the receivers' */
-    return fr_err(p.pack_rc, "refit '%s' version %llu: no receiver committed it: %s", s->name,
-                  (unsigned long long)version, p.pack_why);
-  return rc;
+  fr_refit_stream_close(s);
+  return p.pack_rc ? packing_failed(s, &p) : rc; /* what failed is the sender's */
 }

@@ -4,7 +4,9 @@
  * over shm, one read elsewhere, only the view's runs for a shard reader, straight into bound
  * CUDA memory for a direct bucket), verified against its checksum, placed where it is bound,
  * kept for a successor when asked, and acknowledged; COMMIT commits the version when every
- * bucket of it verified and nothing was bound mid-way; ROUTE, DROPPED and a refused catch-up are
+ * bucket of it verified (over all its parts, for a version sent in parts: the buckets verified
+ * count up while the version stays the one arriving) and nothing was bound mid-way, and one
+ * flagged ABORTED fails it; ROUTE, DROPPED and a refused catch-up are
  * handled here too, as is a new manifest taken when the sender re-sealed. Shared with the
  * receiver's other files through receiver_impl.h.
  */
@@ -538,11 +540,25 @@ static int rebound_midway(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
   return rc;
 }
 
+/* The sender abandoned a version sent in parts: it fails here, whatever landed (the bytes that
+ * did are torn). Not a version the sender pushed: wait(0) does not wait for it. */
+static int abandoned(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
+  pthread_mutex_lock(&r->lock);
+  snprintf(r->why, sizeof r->why,
+           "the sender abandoned version %llu before its last part (its trainer's tensors "
+           "stopped coming)",
+           (unsigned long long)m->version);
+  pthread_mutex_unlock(&r->lock);
+  return FERRY_ECLOSED;
+}
+
 static void on_commit(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
-  int status = m->version != r->receiving && m->bytes > 0 ? FERRY_EPROTO
-               : r->failure                               ? r->failure
-               : r->verified != m->bytes                  ? FERRY_EPROTO
-                                                          : 0;
+  bool aborted = m->flags & FR_REFIT_ABORTED;
+  int status = aborted                                      ? abandoned(r, m)
+               : m->version != r->receiving && m->bytes > 0 ? FERRY_EPROTO
+               : r->failure                                 ? r->failure
+               : r->verified != m->bytes                    ? FERRY_EPROTO
+                                                            : 0;
   if (status == 0)
     status = rebound_midway(r, m);
   if (status == 0 && r->of)
@@ -552,7 +568,7 @@ static void on_commit(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
     r->committed = m->version;
     r->torn_by = 0;
   }
-  if (m->version > r->latest_known)
+  if (m->version > r->latest_known && !aborted)
     r->latest_known = m->version;
   pthread_cond_broadcast(&r->cond);
   pthread_mutex_unlock(&r->lock);
@@ -570,7 +586,8 @@ static void on_commit(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
                          .version = m->version,
                          .status = status,
                          .generation = status == FERRY_ESTALE ? r->blame : 0};
-  fr_refit_send(r->link, FR_REFIT_TO_SENDER, &done, -1);
+  if (!aborted) /* the sender does not wait for an answer to that */
+    fr_refit_send(r->link, FR_REFIT_TO_SENDER, &done, -1);
   tell_commit(r, m->version, status);
 }
 

@@ -431,6 +431,7 @@ static int declare(ferry_refit_sender *s, const char *name, const ferry_tensor_d
     e->wire = send_as == FERRY_DTYPE_INVALID ? desc->dtype : send_as;
     s->src[at].data = data;
     s->src[at].device = device;
+    s->src[at].given = true;
     uint64_t bytes;
     if ((rc = ferry_tensor_nbytes(desc, &bytes)) != 0)
       rc = fr_err_wrap(rc, "refit: tensor '%s'", name);
@@ -603,6 +604,13 @@ static int prepare_device(ferry_refit_sender *s) {
   return 0;
 }
 
+int fr_refit_sender_to_device(ferry_refit_sender *s) {
+  if (s->on_device)
+    return 0;
+  s->on_device = true;
+  return prepare_device(s);
+}
+
 /* max |x| of a device tensor, read through the scratch a piece at a time. */
 static int device_amax(ferry_refit_sender *s, uint32_t i, float *amax) {
   const fr_refit_entry *e = &s->plan.entries[i];
@@ -644,8 +652,14 @@ int ferry_refit_seal(ferry_refit_sender *s) {
   if (!s)
     return fr_err(FERRY_EINVAL, "ferry_refit_seal: NULL sender");
   pthread_mutex_lock(&s->lock);
-  int rc = s->plan.count ? fr_refit_plan_build(&s->plan, s->budget)
-                         : fr_err(FERRY_ESTATE, "refit '%s': nothing declared", s->name);
+  int rc = s->plan.count ? 0 : fr_err(FERRY_ESTATE, "refit '%s': nothing declared", s->name);
+  if (rc == 0 && s->stream.version)
+    rc = fr_err(FERRY_ESTATE,
+                "refit '%s': version %llu is open in parts: push its last part or abandon it "
+                "(FERRY_REFIT_PART_ABORT) before sealing",
+                s->name, (unsigned long long)s->stream.version);
+  if (rc == 0)
+    rc = fr_refit_plan_build(&s->plan, s->budget);
   s->on_device = false;
   for (uint32_t i = 0; rc == 0 && i < s->plan.count; i++)
     s->on_device |= s->src[i].device >= 0;
@@ -712,6 +726,7 @@ void ferry_refit_sender_close(ferry_refit_sender *s) {
   fr_refit_plan_free(&s->plan);
   free(s->src);
   free(s->last_sum);
+  free(s->stream.sent);
   free(s->manifest);
   free(s->name);
   pthread_mutex_destroy(&s->lock);

@@ -90,13 +90,35 @@ typedef struct receiver {
   uint64_t decl_rows, decl_bytes, decl_pieces; /* its targets' sums, against FR_REFIT_VIEW_* */
   bool view_refused; /* it declared past those limits: no view (until a new manifest) */
   uint64_t *vsum;    /* per seq of the push under way: the sum of its view's runs */
+  /* a version sent in parts (stream.c): it was in the version's first part, and how it failed
+   * one (0: it did not); it takes the later parts only while this is 0 */
+  bool in_stream;
+  int stream_status;
   struct receiver *next;
 } receiver;
 
 typedef struct declared {
   const void *data;
-  int device; /* CUDA device ordinal of data, -1 for host memory (classified once, at declare) */
+  int device; /* CUDA device ordinal of data, -1 for host memory (classified at declare, and at
+                 ferry_refit_set_data) */
+  bool given; /* pointed at (ferry_refit_set_data) since the last version ended: its buckets may
+                 go in a part (stream.c) */
 } declared;
+
+/* A version sent in parts (stream.c; ferry_refit_push_opts.part), from its first part to its
+ * last or its abandonment; only the pushing thread touches it. */
+typedef struct fr_refit_stream {
+  uint64_t version;   /* open in parts, 0: none */
+  uint64_t spent;     /* the last version opened in parts: the next push must be greater */
+  bool all_current;   /* as its first part found (skip_unchanged) */
+  uint8_t *sent;      /* per bucket: sent (packed) in this version */
+  uint32_t nsent;     /* how many */
+  uint32_t find_hint; /* where the next name is looked up first (tensors come in plan order) */
+  uint64_t bytes;     /* of the buckets its parts sent */
+  uint64_t t0;        /* its first part's start */
+  int first;          /* the first failure of a receiver in an earlier part (0: none) */
+  char failed[512];   /* those receivers, named for the last part's error */
+} fr_refit_stream;
 
 /* A device tensor that is cast reaches the host through this much scratch at a time. */
 #define FR_REFIT_SCRATCH (4u << 20)
@@ -159,6 +181,7 @@ struct ferry_refit_sender {
   fr_refit_outbox svc_out; /* the service thread's frames (catch-ups), sent after unlocking */
   bool svc_sending;        /* it is sending them: a push begins after (its frames go after) */
 
+  fr_refit_stream stream; /* a version sent in parts (stream.c) */
   /* metrics (metrics.c): pushes run one at a time; the scrape reads them under lock */
   uint64_t pushes, push_failures, push_bytes, last_push_ns;
   fr_hist push_ns;
@@ -208,6 +231,23 @@ int fr_refit_view_record(ferry_refit_sender *s, receiver *r, const fr_refit_msg_
 void fr_refit_view_refresh(ferry_refit_sender *s, receiver *r);
 void fr_refit_views_clear(ferry_refit_sender *s);
 void fr_refit_view_release(receiver *r);
+/* Versions sent in parts (stream.c). fr_refit_stream_check: whether a push of `version` as
+ * `part` may run now (FERRY_EINVAL/ESTATE/ENOTSUP saying why). fr_refit_stream_open: its first
+ * part opens the version. fr_refit_stream_select: the buckets a part sends (ready, not sent yet)
+ * into order, their count in *n; FERRY_ESTATE naming a tensor not given when `last` and some
+ * bucket is not ready. fr_refit_stream_sent: marks them sent. fr_refit_stream_note: a receiver
+ * failed a part (s->lock held). fr_refit_stream_close: the version ended (committed, failed or
+ * abandoned); the given marks are cleared, also after a whole push (close with nothing open). */
+int fr_refit_stream_check(ferry_refit_sender *s, uint64_t version, const ferry_refit_push_opts *o,
+                          int part);
+int fr_refit_stream_open(ferry_refit_sender *s, uint64_t version);
+int fr_refit_stream_select(ferry_refit_sender *s, bool last, uint32_t *order, uint32_t *n);
+void fr_refit_stream_sent(ferry_refit_sender *s, const uint32_t *order, uint32_t n);
+void fr_refit_stream_note(ferry_refit_sender *s, receiver *r, int status);
+void fr_refit_stream_close(ferry_refit_sender *s);
+/* sender.c, s->lock held: a tensor of a host sender now lives on a CUDA device (set_data): its
+ * buffers are pinned and the scratch for casts allocated, as a seal with it there would. */
+int fr_refit_sender_to_device(ferry_refit_sender *s);
 /* Releases a receiver record (its link reference and strings). */
 void fr_refit_receiver_free(receiver *r);
 
