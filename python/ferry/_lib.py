@@ -205,7 +205,8 @@ class RefitOpts(ctypes.Structure):
 class PushOpts(ctypes.Structure):
     _c_name_ = "ferry_refit_push_opts"
     _fields_ = [("size", c_size_t), ("only", POINTER(c_char_p)), ("n_only", c_size_t),
-                ("skip_unchanged", c_int), ("timeout_ms", c_int), ("route", c_int)]
+                ("skip_unchanged", c_int), ("timeout_ms", c_int), ("route", c_int),
+                ("part", c_int)]
 
 
 class RefitPiece(ctypes.Structure):
@@ -337,6 +338,8 @@ _protos = {
                                           c_int, POINTER(RefitPiece)]),
     "ferry_refit_seal": (c_int, [c_void_p]),
     "ferry_refit_push": (c_int, [c_void_p, c_uint64, POINTER(PushOpts)]),
+    "ferry_refit_set_data": (c_int, [c_void_p, c_char_p, c_void_p]),
+    "ferry_refit_part_sent": (c_int, [c_void_p, c_char_p]),
     "ferry_refit_receivers": (c_size_t, [c_void_p]),
     "ferry_refit_receiver_open": (c_int, [c_void_p, c_char_p, c_int, POINTER(c_void_p)]),
     "ferry_refit_receiver_close": (None, [c_void_p]),

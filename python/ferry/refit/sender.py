@@ -7,13 +7,13 @@ import os
 import secrets
 import threading
 import time
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
 from .. import _lib
 from .._lib import POINTER, byref, c_char_p, c_uint64, c_void_p, lib
-from ..errors import AlreadyExists, InvalidArgument, NotSupported, Timeout, check
+from ..errors import AlreadyExists, InvalidArgument, NotSupported, StateError, Timeout, check
 from ..cuda import DeviceBytes, sync_all
 from ..tensors import DTYPES, Context, as_buffer, desc_shape, dtype_code
 
@@ -100,6 +100,23 @@ def _needs_staging(obj):
     return isinstance(obj, np.ndarray) and not obj.flags.c_contiguous
 
 
+def _stream_sizes(name, buffer_bytes, stream_cap, world):
+    """(bucket bytes, cap bytes) of a streaming sender: buckets of at most cap / 2."""
+    from .stream import cap_bytes
+    if world > 1:
+        raise NotSupported(-20, "refit '%s': a rank of a sender group cannot stream (push_iter): "
+                           "open it with its state_dict" % name)
+    default = int(lib.ferry_config_get(b"FERRY_REFIT_BUFFER_BYTES").decode() or 67108864)
+    cap = cap_bytes(stream_cap, buffer_bytes, default)
+    if buffer_bytes is None:
+        buffer_bytes = max(min(default, cap // 4) // 64 * 64, 64)
+    elif buffer_bytes > cap // 2:
+        raise InvalidArgument(-1, "refit '%s': buffer_bytes %d with stream_cap %d: a part sends "
+                              "whole buckets, so they must be at most half the cap"
+                              % (name, buffer_bytes, cap))
+    return buffer_bytes, cap
+
+
 def _rank_world(name, rank, world, in_dir):
     """(rank, world) checked: world 0 or 1 is a single sender (rank 0); a group needs a
     directory, where its ranks are published."""
@@ -172,16 +189,31 @@ class RefitSender(_lib.Closing):
     the global tensor `global name` (ferry.tp_pieces, fsdp_pieces and expert_pieces build them
     for the usual layouts); a tensor without an entry is whole under its own name (several ranks
     may each hold one whole: receivers read it from one of them). The ranks' pieces must tile
-    each global tensor; a receiver refuses the group otherwise, naming the tensor and ranks."""
+    each global tensor; a receiver refuses the group otherwise, naming the tensor and ranks.
 
-    def __init__(self, name: str, state_dict: Mapping[str, Any],
+    Streaming (push_iter, docs/REFIT.md, Streaming pushes): open it with no state_dict and push
+    each version from an iterable of (name, tensor) whose tensors exist only while it yields them.
+    stream_cap: how many bytes of those tensors push_iter may hold at once (int), or a fraction
+    in (0, 1) of the free memory of torch's current CUDA device (of the host's available memory
+    without one), as NeMo-RL sizes its refit buffer; None: four buckets (256 MiB with the default
+    64 MiB buckets). Without buffer_bytes the buckets are then min(FERRY_REFIT_BUFFER_BYTES,
+    cap / 4): a part sends whole buckets, so buffer_bytes must be at most cap / 2."""
+
+    def __init__(self, name: str, state_dict: Optional[Mapping[str, Any]] = None,
                  buffer_bytes: Optional[int] = None,
                  cast: Union[str, Any, Dict[str, Any], None] = None,
                  ctx: Optional[Context] = None, publish: bool = True,
                  directory: Optional[str] = None, alias: bool = False,
                  device_buckets: bool = False, rank: int = 0, world: int = 1,
-                 pieces: Optional[Mapping[str, Any]] = None) -> None:
+                 pieces: Optional[Mapping[str, Any]] = None,
+                 stream_cap: Optional[float] = None) -> None:
         self.name = name
+        self._streaming = state_dict is None
+        self._plan = None  # streaming: {name: stream._Planned} once the first push_iter planned
+        self.stream_info: Dict[str, int] = {}  # what the last push_iter took (parts, held_max)
+        if self._streaming:
+            buffer_bytes, self.stream_cap = _stream_sizes(name, buffer_bytes, stream_cap, world)
+            state_dict = {}
         path = refit_address(name) if publish else None  # also checks the name
         in_dir = bool(publish) and _directory_configured(directory)
         if in_dir:
@@ -218,8 +250,9 @@ class RefitSender(_lib.Closing):
             check(lib.ferry_refit_sender_open(self._ctx.handle, _lib.encoded(name, "name"), byref(opts),
                                               byref(h)))
             self._h = h.value
-            self._declare(state_dict, first=True)
-            check(lib.ferry_refit_seal(self._h))
+            if not self._streaming:  # a streaming sender declares and seals at its first push
+                self._declare(state_dict, first=True)
+                check(lib.ferry_refit_seal(self._h))
             if path:
                 self._publish(path)
         except BaseException:
@@ -355,6 +388,7 @@ class RefitSender(_lib.Closing):
         declared again and the plan re-sealed; receivers pick the new manifest up with the next
         push (a binding that no longer fits fails there, naming the tensor). Returns whether
         anything changed."""
+        self._not_streaming("update")
         with self._lock:
             return self._declare(state_dict)
 
@@ -372,6 +406,7 @@ class RefitSender(_lib.Closing):
         `timeout` (stopped, stalled) raises ferry.Timeout and is dropped: later pushes go on
         without it until it attaches again, which it does by itself once it runs."""
         code = _route_code(route)
+        self._not_streaming("push")
         if state_dict is not None:
             self.update(state_dict)
         v = _lib.c_int_of(self.version + 1 if version is None else version, c_uint64, "version")
@@ -386,6 +421,57 @@ class RefitSender(_lib.Closing):
             arr = (c_char_p * max(len(names), 1))(*names)
             opts.only, opts.n_only = ctypes.cast(arr, POINTER(c_char_p)), len(names)
         check(lib.ferry_refit_push(self.handle, v, byref(opts)))
+        self.version = v
+        return v
+
+    def _not_streaming(self, what):
+        if self._streaming:
+            raise StateError(-21, "refit '%s': %s() on a streaming sender (opened with no "
+                             "state_dict): it keeps no tensors between versions; use push_iter"
+                             % (self.name, what))
+
+    def push_iter(self, version: Optional[int], weights: Iterable[Tuple[str, Any]],
+                  timeout: Optional[float] = None, skip_unchanged: bool = False,
+                  route: str = "auto") -> int:
+        """Pushes `version` (None: the last one + 1) from `weights`, an iterable of (name,
+        tensor) whose tensors need exist only while it yields them (a generator of FSDP
+        full_tensor()s, of Megatron -> HF conversions), and returns it once every receiver in
+        the push committed it. Needs a sender opened with no state_dict.
+
+        The first call plans: it copies each tensor into host memory as it comes (the plan, the
+        receivers' manifest, needs every name and shape before a byte can go), then declares and
+        pushes them whole, and frees the copies. Later calls stream against that plan (names,
+        dtypes and shapes; any order, the first call's order holding the least): each tensor is
+        used where it is, held until the buckets it lies in went, and whenever the held bytes
+        would pass stream_cap a part goes (a tensor bigger than the cap goes in a part of its
+        own). Receivers commit the version with its last part, only if they took every part: a
+        version cut short (the iterable raised, the sender died) is never reported by any
+        receiver; the iterable's exception is re-raised once the version was abandoned, and the
+        sender takes the next version as usual. A tensor of another name, dtype or shape than
+        the plan's, or a name missing, raises PlanChanged (a ferry.InvalidArgument) naming it,
+        abandons the version, and the next push_iter plans anew (a plan only grows: a name
+        missing then still raises). A version begun spends its number, committed or not.
+        timeout, skip_unchanged and route as push(); the last call's parts and the most bytes it
+        held are in stream_info."""
+        from . import stream
+        if not self._streaming:
+            raise StateError(-21, "refit '%s': push_iter needs a sender opened with no "
+                             "state_dict (this one declares its tensors in place: push())"
+                             % self.name)
+        code = _route_code(route)
+        v = _lib.c_int_of(self.version + 1 if version is None else version, c_uint64, "version")
+        if v <= self.version:  # refused before the iterable is drawn from
+            raise InvalidArgument(-1, "refit '%s': version %d is not after %d (a version begun "
+                                  "spends its number)" % (self.name, v, self.version))
+        opts = PushOpts(ctypes.sizeof(PushOpts), None, 0, 1 if skip_unchanged else 0,
+                        _ms(timeout), code, 0)
+        with self._lock:
+            if self._plan is None:
+                stream.plan_and_push(self, v, weights, opts)
+                self.stream_info = {"parts": 0, "held_max": sum(p.nbytes for p in
+                                                                self._plan.values())}
+            else:
+                self.stream_info = stream.stream_push(self, v, weights, opts, self.stream_cap)
         self.version = v
         return v
 
