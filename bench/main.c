@@ -24,6 +24,9 @@ static const char bench_usage[] =
     "  mq        pub/sub latency and streaming vs nng and ZeroMQ (ipc, tcp) and memcpy\n"
     "  gpu       CUDA memory: colocated refit, routing put/get, staged copies vs device\n"
     "            copies (says so and exits 0 without a CUDA driver)\n"
+    "  directory the directory at 100 and 1,000 nodes (--full: 10,000) holding leases and\n"
+    "            objects: lookup/put p50 and p99, renewal CPU and memory of ferry serve vs\n"
+    "            redis-server (and etcd)\n"
     "  all       every mode above\n\n"
     "options:\n"
     "  --json            one JSON object per line: bench, case, impl, bytes, median_s,\n"
@@ -53,8 +56,9 @@ static const char bench_usage[] =
 
 /* argv[1] is the mode; argv[0] is not read. */
 static int run(int argc, char **argv) {
-  const cli_cmd cmd = {"bench", bench_usage, "a mode (link, control, store, refit, mq, gpu, all)",
-                       1,       1,           NULL};
+  const cli_cmd cmd = {
+      "bench", bench_usage, "a mode (link, control, store, refit, mq, gpu, directory, all)",
+      1,       1,           NULL};
   if (argc < 2 || argv[1][0] == '-') { /* no mode: --help, --version, or a usage error */
     cli_parse(&cmd, argc, argv, NULL);
     return CLI_USAGE;
@@ -72,12 +76,14 @@ static int run(int argc, char **argv) {
     return bench_mq(argc - 1, argv + 1);
   if (strcmp(mode, "gpu") == 0)
     return bench_gpu(argc - 1, argv + 1);
+  if (strcmp(mode, "directory") == 0)
+    return bench_directory(argc - 1, argv + 1);
   if (strcmp(mode, "all") == 0) {
     bench_opts check = {0}; /* only the options every mode takes; check them once, up front */
     if (bench_parse(argc - 1, argv + 1, &check, bench_usage) < 0)
       return CLI_USAGE;
-    int (*const all[])(int, char **) = {bench_link, bench_store,   bench_refit,
-                                        bench_mq,   bench_control, bench_gpu};
+    int (*const all[])(int, char **) = {bench_link,    bench_store, bench_refit,    bench_mq,
+                                        bench_control, bench_gpu,   bench_directory};
     int rc = 0;
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
       int r = all[i](argc - 1, argv + 1);

@@ -172,5 +172,6 @@ int bench_store(int argc, char **argv);
 int bench_refit(int argc, char **argv);
 int bench_mq(int argc, char **argv);
 int bench_gpu(int argc, char **argv);
+int bench_directory(int argc, char **argv);
 
 #endif

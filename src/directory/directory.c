@@ -131,6 +131,24 @@ int fr_dir_open(ferry_ctx *ctx, const char *url, int timeout_ms, fr_dir **out) {
   return 0;
 }
 
+int fr_dir_open_unshared(ferry_ctx *ctx, const char *url, int timeout_ms, fr_dir **out) {
+  if (!url || !*url)
+    url = fr_config_str("FERRY_DIRECTORY");
+  char bare[FR_DIR_ADDRESS_MAX + 16];
+  url = fr_dir_url_normal(url, bare, sizeof bare);
+  const fr_dir_ops *ops = fr_dir_backend(url);
+  char shown[FR_DIR_ADDRESS_MAX + 1];
+  fr_url_redact(url, shown, sizeof shown);
+  if (!ops)
+    return fr_err(FERRY_EINVAL, "directory '%s': unknown scheme", shown);
+  if (strlen(url) > FR_DIR_ADDRESS_MAX)
+    return fr_err(FERRY_EINVAL, "directory URL too long");
+  int rc = connect_new(ctx, url, ops, shown, fr_timeout(timeout_ms), out);
+  if (rc == 0)
+    (*out)->ctx = ctx; /* key stays NULL: in no list, closed by its one fr_dir_close */
+  return rc;
+}
+
 /* "ferry://HOST:PORT" of the tcp:// address in ctx's address list, or NULL (none, or no memory). */
 static char *hosted_url(ferry_ctx *ctx) {
   const char *a = ferry_ctx_address(ctx), *t = a ? strstr(a, "tcp://") : NULL;
@@ -206,6 +224,11 @@ unsigned fr_dir_refs(fr_dir *dir) {
 /* ---- the front door ---- */
 
 uint64_t fr_dir_epoch(fr_dir *dir) { return dir->ops->epoch(dir->state); }
+
+int fr_dir_node_put(fr_dir *dir, const fr_dir_node *node, int lease_ms, uint64_t takeover,
+                    fr_dir_node *holder, int timeout_ms) {
+  return dir->ops->node_put(dir->state, node, lease_ms, takeover, holder, fr_timeout(timeout_ms));
+}
 
 int fr_dir_node_renew_batch(fr_dir *dir, const fr_dir_renewal *r, size_t n, int *status,
                             int timeout_ms) {

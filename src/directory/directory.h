@@ -171,6 +171,10 @@ typedef struct fr_dir {
  * answers (the detail says how to start one). */
 int fr_dir_open(ferry_ctx *ctx, const char *url, int timeout_ms, fr_dir **out);
 void fr_dir_close(fr_dir *dir);
+/* A client of its own, shared with nobody (fr_dir_open's rules for url and errors): what a
+ * process that stands in for many nodes needs, one connection each (`ferry bench directory`).
+ * Closed by fr_dir_close. */
+int fr_dir_open_unshared(ferry_ctx *ctx, const char *url, int timeout_ms, fr_dir **out);
 /* Hosts the directory on ctx (fr_dir_server_start) and opens a client bound to it (no link),
  * shared like fr_dir_open's: a job of ctx that opens the URL the server is reached at
  * ("ferry://" + the tcp:// address in ctx's address list) gets this client, so the jobs of a
@@ -188,6 +192,9 @@ const fr_dir_ops *fr_dir_backend(const char *url);
  * backend never sees one), and the optional operations (peek, stamp, settle) answer "cannot"
  * where the backend has none. */
 uint64_t fr_dir_epoch(fr_dir *dir);
+/* Registers a node (fr_dir_ops.node_put): the lease's (lease.c) and a stand-in node's. */
+int fr_dir_node_put(fr_dir *dir, const fr_dir_node *node, int lease_ms, uint64_t takeover,
+                    fr_dir_node *holder, int timeout_ms);
 /* Where the backend cannot renew several at once (or its server is older), one at a time. */
 int fr_dir_node_renew_batch(fr_dir *dir, const fr_dir_renewal *r, size_t n, int *status,
                             int timeout_ms);
