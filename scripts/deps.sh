@@ -4,8 +4,9 @@
 # Quiet when everything is already there. Uses apt-get only; needs root (or sudo).
 set -euo pipefail
 
+# libssl-dev: TLS for rediss:// directories (hiredis 0.14 has none of its own)
 build_pkgs=(cmake make gcc pkg-config libcmocka-dev libxxhash-dev libhiredis-dev
-            libmicrohttpd-dev libucx-dev libjansson-dev)
+            libmicrohttpd-dev libucx-dev libjansson-dev libssl-dev)
 # python3-prometheus-client: its text-format parser checks what /metrics serves (test_metrics.py)
 # chromium: tests/status_page renders ferry serve's status page headless and checks its DOM
 # python3-venv (the venv's pip, ensurepip), python3-pip: make test installs the Python package into
@@ -15,9 +16,10 @@ build_pkgs=(cmake make gcc pkg-config libcmocka-dev libxxhash-dev libhiredis-dev
 # etcd:// directory's tests (issue 36)
 # libunistring-dev: tests/pkgconfig links a program statically through ferry.pc, and
 # libmicrohttpd's own .pc then names gnutls' -lunistring (the only one of them without its -dev)
+# openssl: tests/redis/certs.sh makes the test CA and certificates for the rediss:// tests (issue 36)
 test_pkgs=(clang libclang-rt-14-dev spin redis-server iproute2 python3 python3-numpy python3-pytest
            python3-torch python3-venv python3-pip python3-prometheus-client chromium
-           libunistring-dev etcd-server etcd-client)
+           libunistring-dev etcd-server etcd-client openssl)
 bench_pkgs=(python3-numpy python3-torch libnng-dev libzmq3-dev redis-server ucx-utils)
 
 want=("${build_pkgs[@]}")

@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 dest=.gpu-debs
 limit_mib=20 # the device tool carries 64 MiB in all; the tree and this must fit well under it
 
-roots=(libxxhash-dev libmicrohttpd-dev libhiredis-dev libjansson-dev libcmocka-dev
+roots=(libxxhash-dev libmicrohttpd-dev libhiredis-dev libssl-dev libjansson-dev libcmocka-dev
        pkgconf pkgconf-bin libpkgconf3 pkg-config)
 # Never carried (see above). An alternative dependency ("a | b") follows its first choice only.
 skip='^(libc6|libc6-dev|libc-dev-bin|linux-libc-dev|libcrypt1|libcrypt-dev|libnsl-dev|libnsl2|'

@@ -8,6 +8,7 @@
 #include "directory/dirwire.h"
 #include "directory/table.h"
 #include "bench/netns.h"
+#include "redisutil.h"
 #include "storeutil.h"
 #include "etcdutil.h"
 
@@ -1367,6 +1368,106 @@ static void test_redis_auth(void **state) {
   su_redis_stop(&r);
 }
 
+/* rediss:// and redis+sentinel:// URLs taken apart (issue 36): TLS files from the query,
+ * sentinels with their default port, the primary's name and a database after it. */
+static void test_redis_deployed_urls(void **state) {
+  fr_redis_url u;
+  FR_OK(fr_redis_url_parse("rediss://:pw@cache.example:6380/2?ca=/etc/ca%20x.pem&ns=jobA", &u));
+  assert_true(u.tls);
+  assert_string_equal(u.host, "cache.example");
+  assert_int_equal(u.port, 6380);
+  assert_int_equal(u.db, 2);
+  assert_string_equal(u.ca, "/etc/ca x.pem");
+  assert_string_equal(u.ns, "jobA");
+  assert_string_equal(u.password, "pw");
+  FR_OK(fr_redis_url_parse("rediss://h?cert=/c.pem&key=/k.pem", &u));
+  assert_string_equal(u.cert, "/c.pem");
+  assert_string_equal(u.key, "/k.pem");
+  assert_string_equal(u.ca, "");
+  FR_OK(fr_redis_url_parse("redis+sentinel://:pw@s1,s2:5000,[::1]:26380/mymaster/3?ns=b", &u));
+  assert_false(u.tls);
+  assert_int_equal(u.sentinels, 3);
+  assert_string_equal(u.sentinel[0].host, "s1");
+  assert_int_equal(u.sentinel[0].port, 26379);
+  assert_int_equal(u.sentinel[1].port, 5000);
+  assert_string_equal(u.sentinel[2].host, "::1");
+  assert_string_equal(u.master, "mymaster");
+  assert_int_equal(u.db, 3);
+  assert_string_equal(u.ns, "b");
+  assert_string_equal(u.host, "s1");
+  const char *bad[] = {"redis+sentinel://s1,s2",
+                       "redis+sentinel://s1,/m",
+                       "redis+sentinel://s1/m/x",
+                       "redis://h?ca=/x",
+                       "rediss://h?ca=",
+                       "rediss://h?verify=none",
+                       "redis+sentinel://s1/m?ca=/x",
+                       "redis+sentinel://a,b,c,d,e,f,g,h,i/m",
+                       "redisx://:hunter2@h"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    assert_int_equal(fr_redis_url_parse(bad[i], &u), FERRY_EINVAL);
+    assert_null(strstr(ferry_last_error(), "hunter2"));
+  }
+  fr_dir *d;
+  assert_int_equal(fr_dir_open(NULL, "redisx://:hunter2@h", 1000, &d), FERRY_EINVAL);
+  assert_null(strstr(ferry_last_error(), "hunter2"));
+}
+
+/* rediss:// against a redis-server that speaks only TLS (certificates from tests/redis/certs.sh):
+ * every directory operation as over redis:// (check_all, check_one_node), mutual TLS, the CA from
+ * FERRY_REDIS_TLS_CA; a CA that did not sign the server's certificate, or a name it does not
+ * carry, is refused with "certificate verify failed" and the password never shown. */
+static void test_rediss(void **state) {
+  su_tls_redis t;
+  if (!su_tls_redis_start(&t))
+    return;
+  char url[300];
+  fr_dir *d;
+  snprintf(url, sizeof url, "rediss://127.0.0.1:%d?ca=%s/ca.crt", t.port, t.dir);
+  FR_OK(fr_dir_open(NULL, url, 5000, &d));
+  check_all(d);
+  check_one_node(url, NULL);
+  fr_dir_close(d);
+  /* mutual TLS, and a host name the certificate carries */
+  snprintf(url, sizeof url,
+           "rediss://localhost:%d/1?ca=%s/ca.crt&cert=%s/client.crt&key=%s/client.key", t.port,
+           t.dir, t.dir, t.dir);
+  FR_OK(fr_dir_open(NULL, url, 5000, &d));
+  fr_dir_node n = make_node("tls-node"), got;
+  FR_OK(d->ops->node_put(d->state, &n, 30000, 0, NULL, 2000));
+  FR_OK(d->ops->node_get(d->state, "tls-node", &got, 2000));
+  assert_string_equal(got.address, n.address);
+  fr_dir_close(d);
+  char ca[128];
+  snprintf(ca, sizeof ca, "%s/ca.crt", t.dir);
+  setenv("FERRY_REDIS_TLS_CA", ca, 1);
+  snprintf(url, sizeof url, "rediss://127.0.0.1:%d/2", t.port);
+  FR_OK(fr_dir_open(NULL, url, 5000, &d));
+  fr_dir_close(d);
+  unsetenv("FERRY_REDIS_TLS_CA");
+  /* refused: another CA, the system's store, a name not in the certificate (127.0.0.2) */
+  const char *refused[] = {"rediss://:hunter2@127.0.0.1:%d/3?ca=%s/other-ca.crt",
+                           "rediss://:hunter2@127.0.0.1:%d/3%s",
+                           "rediss://:hunter2@127.0.0.2:%d?ca=%s/ca.crt"};
+  for (int i = 0; i < 3; i++) {
+    snprintf(url, sizeof url, refused[i], t.port, i == 1 ? "" : t.dir);
+    d = (fr_dir *)0x1;
+    assert_int_equal(fr_dir_open(NULL, url, 5000, &d), FERRY_EAUTH);
+    print_message("%s\n", ferry_last_error());
+    assert_ptr_equal(d, (fr_dir *)0x1);
+    assert_non_null(strstr(ferry_last_error(), "certificate verify failed"));
+    assert_non_null(strstr(ferry_last_error(), ":***@127.0.0."));
+    assert_null(strstr(ferry_last_error(), "hunter2"));
+  }
+  /* a CA file that is not there, and plain redis:// to the TLS port */
+  snprintf(url, sizeof url, "rediss://127.0.0.1:%d?ca=%s/nothing.crt", t.port, t.dir);
+  assert_int_equal(fr_dir_open(NULL, url, 5000, &d), FERRY_EINVAL);
+  assert_non_null(strstr(ferry_last_error(), "nothing.crt"));
+  snprintf(url, sizeof url, "redis://127.0.0.1:%d/4", t.port);
+  assert_true(fr_dir_open(NULL, url, 2000, &d) < 0);
+  su_tls_redis_stop(&t);
+}
+
 /* ---- two hosts (network namespaces on a bridge, bench/netns.h; skipped without root) ---- */
 #define NS_TAG "dt"
 #define NS_NET "10.231.8"
@@ -1670,6 +1771,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_redact),
       cmocka_unit_test(test_reach_decision),
       cmocka_unit_test(test_redis_auth),
+      cmocka_unit_test(test_redis_deployed_urls),
+      cmocka_unit_test(test_rediss),
       cmocka_unit_test(test_advertise_two_hosts),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */

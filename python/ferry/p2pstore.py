@@ -118,12 +118,13 @@ def _directories(url: Optional[str]) -> List[Optional[str]]:
     scheme, rest = s.split("://", 1)
     if scheme in ("zmq", "ferry"):
         return _split_hosts(rest, scheme, url)
-    if scheme == "redis":
+    if scheme in ("redis", "rediss", "redis+sentinel"):
         return [s]
-    if scheme in ("redis+sentinel", "redis+cluster"):
+    if scheme == "redis+cluster":
         raise ValueError("ferry.p2pstore: metadata_server %r: ferry's Redis directory is one "
-                         "server, redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] (no sentinel or "
-                         "cluster)" % url)
+                         "server, redis:// or rediss://[[USER]:PASSWORD@]HOST[:PORT][/DB], or the "
+                         "primary behind Sentinel, redis+sentinel://S1,S2,S3/NAME (no cluster)"
+                         % url)
     if scheme == "etcd":
         return [s]  # one etcd cluster: its members are the URL's, libferry moves between them
     raise ValueError("ferry.p2pstore: metadata_server %r: use zmq://HOST:PORT[,HOST:PORT] or "

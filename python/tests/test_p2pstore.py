@@ -87,6 +87,8 @@ def test_config_urls():
     assert P2PConfig("h:7700").directories == ["ferry://h:7700"]
     assert P2PConfig("ferry://a:1, b:2").directories == ["ferry://a:1", "ferry://b:2"]
     assert P2PConfig("redis://r:6379/2").directories == ["redis://r:6379/2"]
+    for deployed in ("rediss://:pw@r:6380/1?ca=/etc/ca.pem", "redis+sentinel://s1,s2,s3/mymaster"):
+        assert P2PConfig(deployed).directories == [deployed]  # libferry reads them (issue 36)
     assert P2PConfig().directories == [None]  # FERRY_DIRECTORY
     assert P2PConfig("h:1", local_host="10.1.1.1:7800").tcp_listen == "10.1.1.1:7800"
     assert P2PConfig("h:1").tcp_listen is None

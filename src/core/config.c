@@ -64,8 +64,16 @@
   X("FERRY_CTL_SPIN_US", "1000",                                                                   \
     "microseconds a control request yields for its acks before it sleeps")                         \
   X("FERRY_DIRECTORY", "ferry://127.0.0.1:7700",                                                   \
-    "directory URL: ferry://HOST:PORT (embedded; `ferry serve`) or "                               \
-    "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]")                                                  \
+    "directory URL: ferry://HOST:PORT (embedded; `ferry serve`), "                                 \
+    "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB], rediss://... (TLS) or "                           \
+    "redis+sentinel://S1[:PORT],S2[:PORT],.../NAME[/DB]")                                          \
+  X("FERRY_REDIS_TLS_CA", "",                                                                      \
+    "rediss://: CA certificates (PEM file) the server's certificate must chain to, where the URL " \
+    "has no ?ca= (empty: the system's store)")                                                     \
+  X("FERRY_REDIS_TLS_CERT", "",                                                                    \
+    "rediss://: client certificate (PEM) for mutual TLS, where the URL has no ?cert= (empty: "     \
+    "none)")                                                                                       \
+  X("FERRY_REDIS_TLS_KEY", "", "rediss://: the client certificate's key (PEM), where no ?key=")    \
   X("FERRY_P2P_FLEET", "p2pstore",                                                                 \
     "ferry.p2pstore's scope: keys live as FLEET/key, clear() removes this fleet's only")           \
   X("FERRY_LEASE_MS", "15000",                                                                     \

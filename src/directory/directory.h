@@ -261,7 +261,11 @@ const char *fr_dir_url_normal(const char *url, char *out, size_t cap);
 
 /* A redis:// URL taken apart, as redis-cli reads one: redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]
  * (a userinfo without ':' is the password; USER and PASSWORD are percent-decoded; HOST may be
- * [v6]; empty HOST: 127.0.0.1; PORT 6379, DB 0 by default). */
+ * [v6]; empty HOST: 127.0.0.1; PORT 6379, DB 0 by default). rediss://... is the same over TLS,
+ * with ?ca=PATH, ?cert=PATH, ?key=PATH (percent-decoded). redis+sentinel://[[USER]:PASSWORD@]
+ * S1[:PORT],S2[:PORT]/NAME[/DB] names the sentinels (port 26379 by default) and the primary's
+ * name they watch. Every form takes ?ns=NAME; options are joined by '&'. */
+#define FR_REDIS_SENTINELS_MAX 8
 typedef struct fr_redis_url {
   char host[256];
   int port, db;
@@ -269,8 +273,17 @@ typedef struct fr_redis_url {
   char password[256];
   bool auth;                  /* a user or password was given: AUTH after every connect */
   char ns[FR_DIR_NS_MAX + 1]; /* "?ns=NAME" (fr_dir_url_ns); "" when none */
+  bool tls;                   /* rediss:// */
+  char ca[256], cert[256], key[256];
+  int sentinels; /* redis+sentinel://: how many (host and port above: the first) */
+  struct {
+    char host[256];
+    int port;
+  } sentinel[FR_REDIS_SENTINELS_MAX];
+  char master[128]; /* the name the sentinels know the primary by */
 } fr_redis_url;
-/* url with or without its "redis://". FERRY_EINVAL (the detail shows the URL redacted). */
+/* url with or without its scheme (redis:// when none). FERRY_EINVAL (the detail shows the URL
+ * redacted). */
 int fr_redis_url_parse(const char *url, fr_redis_url *out);
 
 /* An etcd:// URL taken apart: etcd://HOST[:PORT][,HOST[:PORT]...][?ns=NAME], the members of one

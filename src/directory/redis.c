@@ -1,19 +1,21 @@
 /*
- * The Redis directory backend (redis://[[USER]:PASSWORD@]HOST[:PORT][/DB], url.c reads it), for
- * fleets that want Redis' replication and failover. Records live under "ferry:" keys: a node is a
- * hash ferry:n:NAME {addr, flags, inc, acc} with the lease as its TTL (inc: the incarnation that
- * holds the name; acc: its access blob in hex); an object is a hash ferry:o:KEY {owner, gen, rec}
- * (rec is the dirwire encoding) whose TTL follows its owner's; ferry:s:NAME lists the keys a node
- * owns so a renewal can extend them all. Each multi-step operation is one Lua script, so it is
- * atomic. One hiredis connection, serialized by a mutex, redialled once per call after a broken
- * connection; every dial sends AUTH (when the URL has a password) before SELECT. Every call
- * returns by its caller's deadline, whatever the server does (see "connection" below). Messages
- * name the server by its redacted URL only.
+ * The Redis directory backend, for fleets that want Redis' replication and failover: redis://
+ * [[USER]:PASSWORD@]HOST[:PORT][/DB], rediss://... (TLS) and redis+sentinel://S1,S2,S3/NAME[/DB]
+ * (the primary the sentinels name; url.c reads all three). Records live under "ferry:" keys: a
+ * node is a hash ferry:n:NAME {addr, flags, inc, acc} with the lease as its TTL (inc: the
+ * incarnation that holds the name; acc: its access blob in hex); an object is a hash
+ * ferry:o:KEY {owner, gen, rec} (rec is the dirwire encoding) whose TTL follows its owner's;
+ * ferry:s:NAME lists the keys a node owns so a renewal can extend them all. Each multi-step
+ * operation is one Lua script, so it is atomic. One connection (redis_conn.c), serialized by a
+ * mutex, redialled once per call after a broken connection; every dial sends AUTH (when the URL
+ * has a password) before SELECT, and behind Sentinel asks the sentinels first and checks ROLE.
+ * Every call returns by its caller's deadline, whatever the server does (see "connection"
+ * below). Messages name the server by its redacted URL only.
  */
 #include "directory/dirwire.h"
+#include "directory/redis_conn.h"
 
 #include <errno.h>
-#include <hiredis/hiredis.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,9 +24,10 @@
 typedef struct rds {
   pthread_mutex_t lock;
   fr_redis_url u;
-  char shown[FR_DIR_ADDRESS_MAX + 1]; /* the URL, redacted */
-  redisContext *c;
-  int armed_ms;   /* c's socket timeouts as last armed (-1: not yet) */
+  char shown[FR_DIR_ADDRESS_MAX + 1];     /* the URL, redacted */
+  char primary[FR_DIR_ADDRESS_MAX + 300]; /* behind Sentinel: shown and the primary's address */
+  fr_rtls *tls;                           /* rediss:// */
+  fr_rconn *c;
   uint64_t epoch; /* atomic: read without the lock, which a call may hold for its whole timeout */
   /* "ferry:", or "ferry@NS:" for a URL's ?ns=NS (issue 36): every key, scan and script stays
    * under it, so fleets sharing one Redis neither see nor delete each other's records */
@@ -89,45 +92,10 @@ static const char obj_del_lua[] =
 
 /* ---- connection ---- */
 
-/* Every call carries the caller's deadline: the mutex is waited for until it, the socket's
- * timeouts are armed to what is left of it before each command, and a redial happens only while
- * time is left. A server that accepts but does not answer (SIGSTOPped, swapping) therefore costs
- * the caller its timeout, never the connection's. */
-
-/* How far the armed socket timeout may lie above what is left before it is armed again: calls
- * with the same timeout then cost no setsockopt, and a call returns at most this late, a
- * twentieth of what it had left (at least 1 ms): late by a share of the wait, not a fixed time. */
-static int rearm_slack_ms(int ms) { return ms / 20 > 1 ? ms / 20 : 1; }
-
-static int timed_out(const rds *r, const char *what, int timeout_ms) {
-  return fr_err(FERRY_ETIMEDOUT, "Redis at %s did not answer %s within %d ms", r->shown, what,
-                timeout_ms);
-}
-
-/* Arms c's send and receive timeouts to what is left before the deadline; false when nothing
- * is left (an armed 0 would mean "wait forever"). */
-static bool arm(rds *r, redisContext *c, uint64_t deadline) {
-  int ms = fr_ms_left(deadline);
-  if (ms <= 0)
-    return false;
-  if (c != r->c || r->armed_ms < ms || r->armed_ms > ms + rearm_slack_ms(ms)) {
-    struct timeval tv = {ms / 1000, (ms % 1000) * 1000};
-    redisSetTimeout(c, tv);
-    if (c == r->c)
-      r->armed_ms = ms;
-  }
-  return true;
-}
-
-/* What an I/O failure on c means: the deadline passed (the server did not answer in time:
- * FERRY_ETIMEDOUT), or the connection broke (FERRY_ECONNECT: a redial may help). */
-static int io_failure(const rds *r, const redisContext *c, const char *what, uint64_t deadline,
-                      int timeout_ms) {
-  bool late = fr_ms_left(deadline) == 0 || strcmp(c->errstr, strerror(EAGAIN)) == 0 ||
-              strcmp(c->errstr, strerror(ETIMEDOUT)) == 0;
-  return late ? timed_out(r, what, timeout_ms)
-              : fr_err(FERRY_ECONNECT, "Redis at %s: %s: %s", r->shown, what, c->errstr);
-}
+/* Every call carries the caller's deadline: the mutex is waited for until it, and every step on
+ * the connection (redis_conn.c) waits no later than it; a redial happens only while time is
+ * left. A server that accepts but does not answer (SIGSTOPped, swapping) therefore costs the
+ * caller its timeout, never the connection's. */
 
 /* An error reply: FERRY_EAUTH when the server wants (another) password, else `other`. */
 static int error_reply(const rds *r, const char *what, const char *msg, int other) {
@@ -141,98 +109,141 @@ static int error_reply(const rds *r, const char *what, const char *msg, int othe
   return fr_err(other, "Redis at %s: %s: %s", r->shown, what, msg);
 }
 
-/* One setup command's reply on a fresh connection (consumed). */
-static int setup_reply(const rds *r, redisContext *c, redisReply *rep, const char *what,
-                       uint64_t deadline, int timeout_ms) {
-  int rc = 0;
-  if (!rep)
-    rc = io_failure(r, c, what, deadline, timeout_ms);
-  else if (rep->type == REDIS_REPLY_ERROR)
-    rc = error_reply(r, what, rep->str, FERRY_EINVAL);
+/* An error reply that means "this is no longer the primary" (a failover moved it): behind
+ * Sentinel the connection is dropped and the sentinels are asked again. */
+static bool not_primary(const rds *r, const char *msg) {
+  return r->u.sentinels && (strncmp(msg, "READONLY", 8) == 0 ||
+                            strncmp(msg, "MASTERDOWN", 10) == 0 || strncmp(msg, "LOADING", 7) == 0);
+}
+
+/* One setup command on a fresh connection: 0 or its failure. */
+static int setup_call(const rds *r, fr_rconn *c, int argc, const char **argv, uint64_t deadline,
+                      int timeout_ms) {
+  redisReply *rep;
+  int rc = fr_rconn_call(c, argc, argv, NULL, &rep, deadline, timeout_ms);
+  if (rc != 0)
+    return rc;
+  if (rep->type == REDIS_REPLY_ERROR)
+    rc = error_reply(r, argv[0], rep->str, FERRY_EINVAL);
   freeReplyObject(rep);
   return rc;
 }
 
-/* AUTH (when the URL has a password), SELECT (db != 0); without AUTH, a PING tells at once
- * whether the server wants a password rather than at the first real command. */
-static int setup(rds *r, redisContext *c, uint64_t deadline, int timeout_ms) {
-  int rc = 0;
-  if (r->u.auth && !arm(r, c, deadline))
-    return timed_out(r, "AUTH", timeout_ms);
-  if (r->u.auth)
-    rc = setup_reply(r, c,
-                     r->u.user[0] ? redisCommand(c, "AUTH %s %s", r->u.user, r->u.password)
-                                  : redisCommand(c, "AUTH %s", r->u.password),
-                     "AUTH", deadline, timeout_ms);
-  if (rc == 0 && r->u.db && !arm(r, c, deadline))
-    return timed_out(r, "SELECT", timeout_ms);
-  if (rc == 0 && r->u.db)
-    rc = setup_reply(r, c, redisCommand(c, "SELECT %d", r->u.db), "SELECT", deadline, timeout_ms);
-  if (rc == 0 && !r->u.auth && !r->u.db && !arm(r, c, deadline))
-    return timed_out(r, "PING", timeout_ms);
-  if (rc == 0 && !r->u.auth && !r->u.db)
-    rc = setup_reply(r, c, redisCommand(c, "PING"), "PING", deadline, timeout_ms);
+/* Behind Sentinel: whether the server the sentinels named is the primary now (ROLE). */
+static int check_primary(const rds *r, fr_rconn *c, uint64_t deadline, int timeout_ms) {
+  const char *argv[1] = {"ROLE"};
+  redisReply *rep;
+  int rc = fr_rconn_call(c, 1, argv, NULL, &rep, deadline, timeout_ms);
+  if (rc != 0)
+    return rc;
+  bool primary = rep->type == REDIS_REPLY_ARRAY && rep->elements >= 1 &&
+                 rep->element[0]->type == REDIS_REPLY_STRING &&
+                 strcmp(rep->element[0]->str, "master") == 0;
+  if (!primary)
+    rc = fr_err(FERRY_ECONNECT,
+                "Redis at %s: the server the sentinels named is not the primary "
+                "(a failover under way?)",
+                r->primary);
+  freeReplyObject(rep);
   return rc;
 }
 
-static int dial(rds *r, uint64_t deadline, int timeout_ms) {
-  int ms = fr_ms_left(deadline);
-  if (ms <= 0)
-    return timed_out(r, "a connection", timeout_ms);
-  struct timeval tv = {ms / 1000, (ms % 1000) * 1000};
-  redisContext *c = redisConnectWithTimeout(r->u.host, r->u.port, tv);
-  if (!c || c->err) {
-    int rc = c && strcmp(c->errstr, strerror(ETIMEDOUT)) == 0
-                 ? timed_out(r, "a connection", timeout_ms)
-                 : fr_err(FERRY_ECONNECT,
-                          "cannot reach Redis at %s: %s (is redis-server running there?)", r->shown,
-                          c ? c->errstr : "out of memory");
-    redisFree(c);
-    return rc;
-  }
-  int rc = setup(r, c, deadline, timeout_ms);
+/* AUTH (when the URL has a password), SELECT (db != 0); without either, a PING tells at once
+ * whether the server wants a password rather than at the first real command. */
+static int setup(const rds *r, fr_rconn *c, uint64_t deadline, int timeout_ms) {
+  char db[16];
+  snprintf(db, sizeof db, "%d", r->u.db);
+  const char *auth[3] = {"AUTH", r->u.user[0] ? r->u.user : r->u.password, r->u.password};
+  const char *select[2] = {"SELECT", db}, *ping[1] = {"PING"};
+  int rc = 0;
+  if (r->u.auth)
+    rc = setup_call(r, c, r->u.user[0] ? 3 : 2, auth, deadline, timeout_ms);
+  if (rc == 0 && r->u.db)
+    rc = setup_call(r, c, 2, select, deadline, timeout_ms);
+  if (rc == 0 && !r->u.auth && !r->u.db)
+    rc = setup_call(r, c, 1, ping, deadline, timeout_ms);
+  if (rc == 0 && r->u.sentinels)
+    rc = check_primary(r, c, deadline, timeout_ms);
+  return rc;
+}
+
+/* A connection to host:port, set up: it becomes the client's, and the epoch moves (a new
+ * connection may meet another server, or a restarted one, without the records). Lock held. */
+static int dial_at(rds *r, const char *host, int port, const char *shown, uint64_t deadline,
+                   int timeout_ms) {
+  fr_rconn *c = NULL;
+  int rc = fr_rconn_open(host, port, r->tls, shown, deadline, timeout_ms, &c);
+  if (rc == 0)
+    rc = setup(r, c, deadline, timeout_ms);
   if (rc != 0) {
-    redisFree(c);
+    fr_rconn_close(c);
     return rc;
   }
   r->c = c;
-  r->armed_ms = -1;
   __atomic_add_fetch(&r->epoch, 1, __ATOMIC_ACQ_REL);
   return 0;
+}
+
+/* Behind Sentinel: asks the sentinels where the primary is and dials it, again and again until
+ * one answers as the primary or the deadline passes (during a failover the sentinels name the
+ * old primary, which is gone, until they have promoted a replica). */
+static int dial_primary(rds *r, uint64_t deadline, int timeout_ms) {
+  for (;;) {
+    char host[256];
+    int port = 0;
+    int rc = fr_rconn_sentinel_primary(&r->u, deadline, timeout_ms, host, sizeof host, &port);
+    if (rc == 0) {
+      snprintf(r->primary, sizeof r->primary, "%s (primary %s:%d)", r->shown, host, port);
+      rc = dial_at(r, host, port, r->primary, deadline, timeout_ms);
+    }
+    int left = fr_ms_left(deadline);
+    if (rc == 0 || rc == FERRY_EAUTH || rc == FERRY_EINVAL || left <= 0)
+      return rc == 0
+                 ? 0
+                 : fr_err_wrap(rc, "Redis at %s: no primary within %d ms", r->shown, timeout_ms);
+    struct timespec pause = {0, (long)(left < 100 ? left : 100) * 1000000L};
+    nanosleep(&pause, NULL);
+  }
+}
+
+static int dial(rds *r, uint64_t deadline, int timeout_ms) {
+  return r->u.sentinels ? dial_primary(r, deadline, timeout_ms)
+                        : dial_at(r, r->u.host, r->u.port, r->shown, deadline, timeout_ms);
 }
 
 /* Drops the connection: after a timeout its reply may still come, and would answer the next
  * command. Lock held. */
 static void hang_up(rds *r) {
-  redisFree(r->c);
+  fr_rconn_close(r->c);
   r->c = NULL;
 }
 
 /* Runs one command (binary-safe argv), redialling once after a broken connection (not after a
- * timeout: a server that does not answer would only cost the caller more). Lock held. */
+ * timeout: a server that does not answer would only cost the caller more), or, behind Sentinel,
+ * after an answer that this is no longer the primary. Lock held. */
 static int command(rds *r, int argc, const char **argv, const size_t *lens, redisReply **out,
                    uint64_t deadline, int timeout_ms) {
   for (int attempt = 0; attempt < 2; attempt++) {
-    if (!r->c) {
-      int rc = dial(r, deadline, timeout_ms);
-      if (rc != 0)
-        return rc;
-    }
-    if (!arm(r, r->c, deadline))
-      return timed_out(r, argv[0], timeout_ms);
-    redisReply *rep = redisCommandArgv(r->c, argc, argv, lens);
-    if (rep && rep->type == REDIS_REPLY_ERROR) {
-      int rc = error_reply(r, argv[0], rep->str, FERRY_EPROTO);
-      freeReplyObject(rep);
+    int rc = r->c ? 0 : dial(r, deadline, timeout_ms);
+    if (rc != 0)
       return rc;
-    }
-    if (rep) {
+    redisReply *rep = NULL;
+    rc = fr_rconn_call(r->c, argc, argv, lens, &rep, deadline, timeout_ms);
+    if (rc == 0 && rep->type == REDIS_REPLY_ERROR && not_primary(r, rep->str))
+      rc = fr_err(FERRY_ECONNECT, "Redis at %s: %s: %s", r->primary, argv[0], rep->str);
+    else if (rc == 0 && rep->type == REDIS_REPLY_ERROR)
+      rc = error_reply(r, argv[0], rep->str, FERRY_EPROTO);
+    else if (rc == 0) {
       *out = rep;
       return 0;
     }
-    int rc = io_failure(r, r->c, argv[0], deadline, timeout_ms);
+    if (rep) {
+      freeReplyObject(rep);
+      if (rc != FERRY_ECONNECT)
+        return rc;
+    }
     hang_up(r);
-    if (rc == FERRY_ETIMEDOUT)
+    if (rc != FERRY_ECONNECT)
       return rc;
     fr_warn("%s; reconnecting", ferry_last_error());
   }
@@ -590,14 +601,14 @@ static int rds_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir_
 static int pipeline_reply(rds *r, redisReply **rep, const char *what, uint64_t deadline,
                           int timeout_ms) {
   *rep = NULL;
-  int rc;
-  if (!arm(r, r->c, deadline))
-    rc = timed_out(r, what, timeout_ms);
-  else if (redisGetReply(r->c, (void **)rep) != REDIS_OK || !*rep)
-    rc = io_failure(r, r->c, what, deadline, timeout_ms);
-  else
-    return 0;
-  hang_up(r);
+  int rc = fr_rconn_reply(r->c, rep, what, deadline, timeout_ms);
+  if (rc == 0 && (*rep)->type == REDIS_REPLY_ERROR && not_primary(r, (*rep)->str)) {
+    rc = fr_err(FERRY_ECONNECT, "Redis at %s: %s: %s", r->primary, what, (*rep)->str);
+    freeReplyObject(*rep);
+    *rep = NULL;
+  }
+  if (rc != 0)
+    hang_up(r);
   return rc;
 }
 
@@ -610,8 +621,7 @@ static int pipeline_put(rds *r, const fr_dir_object *objs, size_t n, unsigned fl
     put_cmd c;
     if ((rc = put_cmd_make(r, &c, &objs[i], flags)) != 0)
       break;
-    if (redisAppendCommandArgv(r->c, c.a.n, c.a.v, c.a.len) != REDIS_OK)
-      rc = fr_err(FERRY_ENOMEM, "Redis put: pipeline");
+    rc = fr_rconn_append(r->c, c.a.n, c.a.v, c.a.len);
     fr_wr_free(&c.w);
   }
   if (rc != 0 && r->c) /* half a pipeline may be queued: start over on a new connection */
@@ -648,8 +658,11 @@ static int pipeline_get(rds *r, const char *const *keys, size_t n, fr_dir_object
   for (size_t i = 0; rc == 0 && i < n; i++) {
     char k[FR_DIR_KEY_MAX + FR_DIR_NS_MAX + 16];
     key_of(r, k, sizeof k, 'o', keys[i]);
-    redisAppendCommand(r->c, "HGET %s rec", k);
+    const char *argv[3] = {"HGET", k, "rec"};
+    rc = fr_rconn_append(r->c, 3, argv, NULL);
   }
+  if (rc != 0 && r->c) /* half a pipeline may be queued: start over on a new connection */
+    hang_up(r);
   for (size_t i = 0; rc == 0 && i < n; i++) {
     redisReply *rep;
     if ((rc = pipeline_reply(r, &rep, "a lookup", deadline, timeout_ms)) != 0)
@@ -737,23 +750,33 @@ static int rds_obj_scan(void *st, const char *prefix, fr_dir_object **out, size_
 
 /* ---- lifecycle ---- */
 
-static int rds_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **state) {
+static void rds_free(rds *r) {
+  fr_rconn_close(r->c);
+  fr_rtls_free(r->tls);
+  explicit_bzero(r, sizeof *r);
+  free(r);
+}
+
+/* Opens scheme + where, the whole URL. */
+static int open_scheme(const char *scheme, const char *where, int timeout_ms, void **state) {
   rds *r = calloc(1, sizeof *r);
   if (!r)
     return fr_err(FERRY_ENOMEM, "redis client");
-  char url[FR_DIR_ADDRESS_MAX + 16];
-  snprintf(url, sizeof url, "redis://%s", where);
+  char url[FR_DIR_ADDRESS_MAX + 32];
+  snprintf(url, sizeof url, "%s%s", scheme, where);
   fr_url_redact(url, r->shown, sizeof r->shown);
+  fr_str_copy(r->primary, sizeof r->primary, r->shown);
   int rc = fr_redis_url_parse(url, &r->u);
   explicit_bzero(url, sizeof url);
   snprintf(r->prefix, sizeof r->prefix, r->u.ns[0] ? "ferry@%s:" : "ferry:", r->u.ns);
   r->prefix_len = strlen(r->prefix);
   timeout_ms = timeout_ms > 0 ? timeout_ms : 1000;
+  if (rc == 0 && r->u.tls)
+    rc = fr_rtls_new(&r->u, r->shown, &r->tls);
   if (rc == 0)
     rc = dial(r, fr_deadline_ns(timeout_ms), timeout_ms);
   if (rc != 0) {
-    explicit_bzero(r, sizeof *r);
-    free(r);
+    rds_free(r);
     return rc;
   }
   pthread_mutex_init(&r->lock, NULL);
@@ -761,14 +784,22 @@ static int rds_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **st
   return 0;
 }
 
+/* The front door hands every URL that starts "redis" here (the scheme below), `where` what
+ * follows: "://..." (plain), "s://..." (TLS) or "+sentinel://...". */
+static int rds_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **state) {
+  if (strncmp(where, "://", 3) != 0 && strncmp(where, "s://", 4) != 0 &&
+      strncmp(where, "+sentinel://", 12) != 0)
+    return fr_err(FERRY_EINVAL, "directory 'redis...': unknown scheme (redis://, rediss:// or "
+                                "redis+sentinel://)");
+  return open_scheme("redis", where, timeout_ms, state);
+}
+
 static void rds_close(void *state) {
   rds *r = state;
   if (!r)
     return;
-  redisFree(r->c);
   pthread_mutex_destroy(&r->lock);
-  explicit_bzero(&r->u, sizeof r->u);
-  free(r);
+  rds_free(r);
 }
 
 /* Without the lock: every put asks (fr_dir_lease_current), and a call waiting on a server that
@@ -778,8 +809,9 @@ static uint64_t rds_epoch(void *state) {
   return __atomic_load_n(&r->epoch, __ATOMIC_ACQUIRE);
 }
 
+/* One table for the three URL forms: the scheme is their common start. */
 const fr_dir_ops fr_dir_redis_ops = {
-    .scheme = "redis://",
+    .scheme = "redis",
     .open = rds_open,
     .close = rds_close,
     .epoch = rds_epoch,

@@ -102,8 +102,9 @@ static int parse_userinfo(const char *url, const char *start, const char *at, fr
   return 0;
 }
 
-/* host[:port] or [v6][:port], n bytes at s. */
-static int parse_host_port(const char *url, const char *s, size_t n, fr_redis_url *r) {
+/* host[:port] or [v6][:port], n bytes at s (port `default_port` when none). */
+static int parse_host_port(const char *url, const char *s, size_t n, int default_port, char *host,
+                           size_t cap, int *port_out) {
   const char *end = s + n, *port = NULL;
   size_t hn;
   const char *h = s;
@@ -123,12 +124,12 @@ static int parse_host_port(const char *url, const char *s, size_t n, fr_redis_ur
     hn = colon ? (size_t)(colon - s) : n;
     port = colon ? colon + 1 : NULL;
   }
-  if (hn >= sizeof r->host)
+  if (hn >= cap)
     return bad(url, "host name too long");
-  snprintf(r->host, sizeof r->host, "%.*s", (int)hn, h);
-  if (!r->host[0])
-    snprintf(r->host, sizeof r->host, "127.0.0.1");
-  r->port = 6379;
+  snprintf(host, cap, "%.*s", (int)hn, h);
+  if (!host[0])
+    snprintf(host, cap, "127.0.0.1");
+  *port_out = default_port;
   if (port) {
     long v = 0;
     const char *p = port;
@@ -136,13 +137,21 @@ static int parse_host_port(const char *url, const char *s, size_t n, fr_redis_ur
       v = v * 10 + (*p - '0');
     if (p == port || p != end || v <= 0 || v > 65535)
       return bad(url, "bad port");
-    r->port = (int)v;
+    *port_out = (int)v;
   }
   return 0;
 }
 
 static bool ns_char(char c) {
   return isalnum((unsigned char)c) || c == '_' || c == '.' || c == '-';
+}
+
+/* Whether n bytes at s are a namespace: 1..FR_DIR_NS_MAX of [A-Za-z0-9_.-], fitting cap. */
+static bool ns_ok(const char *s, size_t n, size_t cap) {
+  bool ok = n >= 1 && n <= FR_DIR_NS_MAX && n < cap;
+  for (size_t i = 0; ok && i < n; i++)
+    ok = ns_char(s[i]);
+  return ok;
 }
 
 int fr_dir_url_ns(const char *url, char *out, size_t cap, size_t *query_at) {
@@ -156,11 +165,7 @@ int fr_dir_url_ns(const char *url, char *out, size_t cap, size_t *query_at) {
   fr_str_copy(out, cap, "");
   if (!q)
     return 0;
-  size_t n = strlen(q + 4);
-  bool ok = strncmp(q, "?ns=", 4) == 0 && n >= 1 && n <= FR_DIR_NS_MAX && n < cap;
-  for (size_t i = 0; ok && i < n; i++)
-    ok = ns_char(q[4 + i]);
-  if (!ok) {
+  if (strncmp(q, "?ns=", 4) != 0 || !ns_ok(q + 4, strlen(q + 4), cap)) {
     fr_url_redact(url, shown, sizeof shown);
     return fr_err(FERRY_EINVAL,
                   "directory '%s': the only query a directory URL takes is ?ns=NAME (1..%d "
@@ -171,30 +176,112 @@ int fr_dir_url_ns(const char *url, char *out, size_t cap, size_t *query_at) {
   return 0;
 }
 
+/* One option NAME=VALUE of a Redis URL's query (n bytes at p). */
+static int parse_option(const char *url, const char *p, size_t n, fr_redis_url *r) {
+  const char *eq = memchr(p, '=', n);
+  size_t kn = eq ? (size_t)(eq - p) : n, vn = eq ? n - kn - 1 : 0;
+  const char *v = eq ? eq + 1 : p + n;
+  char *file = NULL;
+  if (kn == 2 && memcmp(p, "ns", 2) == 0) {
+    if (!ns_ok(v, vn, sizeof r->ns))
+      return bad(url, "?ns=NAME takes 1..63 letters, digits, '_', '.', '-'");
+    snprintf(r->ns, sizeof r->ns, "%.*s", (int)vn, v);
+    return 0;
+  }
+  if (r->tls && kn == 2 && memcmp(p, "ca", 2) == 0)
+    file = r->ca;
+  else if (r->tls && kn == 4 && memcmp(p, "cert", 4) == 0)
+    file = r->cert;
+  else if (r->tls && kn == 3 && memcmp(p, "key", 3) == 0)
+    file = r->key;
+  if (!file)
+    return bad(url, "unknown option (a Redis URL takes ?ns=NAME; rediss:// also ca=PATH, "
+                    "cert=PATH, key=PATH, joined by '&')");
+  if (!vn || !percent_decode(v, vn, file, sizeof r->ca))
+    return bad(url, "malformed or too long file name in the query");
+  return 0;
+}
+
+static int parse_query(const char *url, const char *q, fr_redis_url *r) {
+  int rc = 0;
+  for (const char *p = q ? q + 1 : NULL; rc == 0 && p;) {
+    size_t n = strcspn(p, "&");
+    rc = parse_option(url, p, n, r);
+    p = p[n] ? p + n + 1 : NULL;
+  }
+  return rc;
+}
+
+/* S1[:PORT],S2[:PORT],... (n bytes at s). */
+static int parse_sentinels(const char *url, const char *s, size_t n, fr_redis_url *r) {
+  for (size_t i = 0;;) {
+    const char *comma = memchr(s + i, ',', n - i);
+    size_t len = comma ? (size_t)(comma - (s + i)) : n - i;
+    if (r->sentinels == FR_REDIS_SENTINELS_MAX)
+      return bad(url, "more than 8 sentinels");
+    int rc = parse_host_port(url, s + i, len, 26379, r->sentinel[r->sentinels].host,
+                             sizeof r->sentinel[0].host, &r->sentinel[r->sentinels].port);
+    if (rc != 0)
+      return rc;
+    r->sentinels++;
+    if (!comma)
+      break;
+    i += len + 1;
+    if (i >= n)
+      return bad(url, "an empty sentinel after ','");
+  }
+  fr_str_copy(r->host, sizeof r->host, r->sentinel[0].host);
+  r->port = r->sentinel[0].port;
+  return 0;
+}
+
+/* The database number in n bytes at s. */
+static int parse_db(const char *url, const char *s, size_t n, fr_redis_url *r) {
+  char *e;
+  long db = strtol(s, &e, 10);
+  if (e != s + n || db < 0 || db > 1000 || !isdigit((unsigned char)s[0]))
+    return bad(url, "bad database number");
+  r->db = (int)db;
+  return 0;
+}
+
+/* After the sentinels: /NAME[/DB] (n bytes at s, the '/' included). */
+static int parse_master(const char *url, const char *s, size_t n, fr_redis_url *r) {
+  const char *name = n ? s + 1 : s, *end = s + n;
+  const char *slash = memchr(name, '/', (size_t)(end - name));
+  size_t len = slash ? (size_t)(slash - name) : (size_t)(end - name);
+  if (!len || len >= sizeof r->master)
+    return bad(url, "the primary's name goes after the sentinels: "
+                    "redis+sentinel://S1:26379,S2:26379,S3:26379/NAME[/DB]");
+  snprintf(r->master, sizeof r->master, "%.*s", (int)len, name);
+  return slash && slash + 1 < end ? parse_db(url, slash + 1, (size_t)(end - slash - 1), r) : 0;
+}
+
 int fr_redis_url_parse(const char *url, fr_redis_url *out) {
   fr_redis_url r;
   memset(&r, 0, sizeof r);
   const char *start;
   const char *at = userinfo_end(url, &start);
-  if (strstr(url, "://") && strncmp(url, "redis://", 8) != 0)
-    return bad(url, "not a redis:// URL");
-  size_t len;
-  int rc = fr_dir_url_ns(url, r.ns, sizeof r.ns, &len);
+  bool sentinel = strncmp(url, "redis+sentinel://", 17) == 0;
+  r.tls = strncmp(url, "rediss://", 9) == 0;
+  if (strstr(url, "://") && strncmp(url, "redis://", 8) != 0 && !r.tls && !sentinel)
+    return bad(url, "not a redis://, rediss:// or redis+sentinel:// URL");
+  const char *hp = at ? at + 1 : start;
+  const char *q = strchr(hp, '?');
+  const char *end = q ? q : url + strlen(url);
+  int rc = parse_query(url, q, &r);
   if (rc == 0 && at)
     rc = parse_userinfo(url, start, at, &r);
-  const char *hp = at ? at + 1 : start;
-  const char *end = url + len;
   const char *slash = memchr(hp, '/', (size_t)(end - hp));
   size_t n = slash ? (size_t)(slash - hp) : (size_t)(end - hp);
-  if (rc == 0)
-    rc = parse_host_port(url, hp, n, &r);
-  if (rc == 0 && slash && slash + 1 < end) {
-    char *e;
-    long db = strtol(slash + 1, &e, 10);
-    if (e != end || db < 0 || db > 1000 || !isdigit((unsigned char)slash[1]))
-      rc = bad(url, "bad database number");
-    r.db = (int)db;
-  }
+  if (rc == 0 && sentinel)
+    rc = parse_sentinels(url, hp, n, &r);
+  if (rc == 0 && sentinel)
+    rc = parse_master(url, slash ? slash : end, slash ? (size_t)(end - slash) : 0, &r);
+  if (rc == 0 && !sentinel)
+    rc = parse_host_port(url, hp, n, 6379, r.host, sizeof r.host, &r.port);
+  if (rc == 0 && !sentinel && slash && slash + 1 < end)
+    rc = parse_db(url, slash + 1, (size_t)(end - slash - 1), &r);
   if (rc == 0)
     *out = r;
   explicit_bzero(&r, sizeof r); /* the password lives on only in *out */
