@@ -20,6 +20,8 @@ build_pkgs=(cmake make gcc pkg-config libcmocka-dev libxxhash-dev libhiredis-dev
 test_pkgs=(clang libclang-rt-14-dev spin redis-server iproute2 python3 python3-numpy python3-pytest
            python3-torch python3-venv python3-pip python3-prometheus-client chromium
            libunistring-dev etcd-server etcd-client openssl)
+# python3-yaml: tests/k8s/check.py parses the Kubernetes examples in docs/k8s (issue 36)
+test_pkgs+=(python3-yaml)
 bench_pkgs=(python3-numpy python3-torch libnng-dev libzmq3-dev redis-server ucx-utils)
 
 want=("${build_pkgs[@]}")
