@@ -11,8 +11,9 @@
  */
 // ferry-test: threaded
 #include "bench/netns.h"
+#include "core/channels.h"
+#include "store/service.h"
 #include "storeutil.h"
-#include "etcdutil.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -1914,14 +1915,104 @@ static void test_redis_killed(void **state) {
   assert_int_equal(pst, 0);
 }
 
-/* The store through etcd:// (issue 36): the suite every directory passes (put, get, views,
- * freed buffers, batches, holders), against a three-member cluster on loopback. */
-static void test_etcd(void **state) {
-  su_etcd e;
-  if (!su_etcd_start(&e, 3))
-    return;
-  run_suite(e.url);
-  su_etcd_stop(&e);
+/* ---- the gets an owner served (issue 35: `ferry serve`'s gets stayed 0) ---- */
+
+typedef struct stat_sum {
+  const char *name;
+  double value;
+} stat_sum;
+
+static int add_stat(const ferry_stat *st, void *arg) {
+  stat_sum *sum = arg;
+  if (strcmp(st->name, sum->name) == 0)
+    sum->value += st->value;
+  return 0;
+}
+
+/* The sum of ctx's samples of one counter. */
+static double store_stat(ferry_ctx *c, const char *name) {
+  stat_sum sum = {name, 0};
+  FR_OK(ferry_stats_each(c, add_stat, &sum));
+  return sum.value;
+}
+
+/* Waits (a deadline, never a timing assert) until ctx's served gets reach `want`. */
+static double served_reach(ferry_ctx *c, double want) {
+  double got = 0;
+  for (int i = 0; i < 1000 && (got = store_stat(c, "ferry_store_served_gets_total")) < want; i++)
+    su_sleep_ms(10);
+  return got;
+}
+
+/* A forged read receipt straight onto the owner's FR_CHANNEL_STORE. */
+static void send_reads(ferry_link *l, uint64_t gets, uint64_t bytes) {
+  uint8_t m[24];
+  uint32_t magic = FR_STORE_MSG_MAGIC;
+  uint16_t op = FR_SMSG_READS, pad = 0;
+  memcpy(m, &magic, 4); /* little-endian, as the wire is (x86) */
+  memcpy(m + 4, &op, 2);
+  memcpy(m + 6, &pad, 2);
+  memcpy(m + 8, &gets, 8);
+  memcpy(m + 16, &bytes, 8);
+  struct iovec iov = {m, sizeof m};
+  FR_OK(ferry_send(l, FR_CHANNEL_STORE, &iov, 1, 5000));
+}
+
+/* Every object read whole counts once in its owner's ferry_store_served_gets_total, with its
+ * bytes: a get, the same get again (answered from the lookup cache), each item of a batch, a
+ * view, and the owner's own get (at once); another node's once its read receipts arrive (its
+ * close sends what is left). A get that failed (no such key, a buffer too small) counts nothing
+ * there, and the reader's own gets_total is unchanged by all this. A receipt is a peer's claim:
+ * bytes beyond its gets times the owner's largest object count as that bound, and more gets
+ * than one receipt may claim are refused. */
+static void test_served_gets(void **state) {
+  (void)state;
+  enum { BIG = 16 * 1024, SMALL = 4 * 1024 };
+  pair p;
+  pair_open(&p, NULL);
+  ferry_tensor_desc big = u8_desc(16, 1024), small = u8_desc(4, 1024);
+  uint8_t *src = malloc(BIG), *dst = malloc(BIG), *dst2 = malloc(SMALL);
+  tu_fill(src, BIG, 41);
+  FR_OK(ferry_store_put(p.a, "served/big", &big, src, 0, -1));
+  FR_OK(ferry_store_put(p.a, "served/small", &small, src, 0, -1));
+  assert_true(store_stat(p.ca, "ferry_store_served_gets_total") == 0);
+  FR_OK(ferry_store_get(p.b, "served/big", &big, dst, BIG, NULL, -1));
+  FR_OK(ferry_store_get(p.b, "served/big", &big, dst, BIG, NULL, -1));
+  ferry_store_item items[2] = {{.key = "served/big", .dst = dst, .cap = BIG},
+                               {.key = "served/small", .dst = dst2, .cap = SMALL}};
+  FR_OK(ferry_store_get_batch(p.b, items, 2, -1));
+  const void *view = NULL;
+  ferry_store_view *v = NULL;
+  FR_OK(ferry_store_get_view(p.b, "served/big", &view, NULL, &v, -1));
+  assert_true(pattern_ok(view, BIG, 41));
+  ferry_store_view_release(v);
+  assert_int_equal(ferry_store_get(p.b, "served/none", NULL, dst, BIG, NULL, -1), FERRY_ENOTFOUND);
+  assert_int_equal(ferry_store_get(p.b, "served/big", NULL, dst, 10, NULL, -1), FERRY_ERANGE);
+  FR_OK(ferry_store_get(p.a, "served/small", NULL, dst2, SMALL, NULL, -1));
+  assert_true(store_stat(p.ca, "ferry_store_served_gets_total") >= 1); /* its own: at once */
+  /* b's own count: 2 gets, 2 batch items, 2 that failed (a view is not counted there) */
+  assert_true(store_stat(p.cb, "ferry_store_gets_total") == 6);
+  assert_true(store_stat(p.cb, "ferry_store_served_gets_total") == 0); /* b owns nothing */
+  ferry_store_close(p.b);
+  p.b = NULL;
+  assert_true(served_reach(p.ca, 6) == 6); /* big: 2 gets, a batch item, a view; small: 2 */
+  assert_true(store_stat(p.ca, "ferry_store_served_bytes_total") == 4.0 * BIG + 2.0 * SMALL);
+  /* forged receipts over a link of a third context */
+  ferry_ctx *x = open_ctx("forger", NULL);
+  ferry_link *l = NULL;
+  FR_OK(ferry_connect(x, ferry_ctx_address(p.ca), 10000, &l));
+  send_reads(l, 2, 1ull << 40);             /* bytes bounded: 2 x the largest (BIG) */
+  send_reads(l, FR_STORE_READS_MAX + 1, 1); /* refused whole */
+  send_reads(l, 1, 100);                    /* in order after both: counted as claimed */
+  assert_true(served_reach(p.ca, 9) == 9);
+  assert_true(store_stat(p.ca, "ferry_store_served_bytes_total") ==
+              4.0 * BIG + 2.0 * SMALL + 2.0 * BIG + 100);
+  ferry_link_close(l);
+  ferry_ctx_close(x);
+  free(src);
+  free(dst);
+  free(dst2);
+  pair_close(&p);
 }
 
 int main(int argc, char **argv) {
@@ -1939,7 +2030,6 @@ int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_embedded),
       cmocka_unit_test(test_redis),
-      cmocka_unit_test(test_etcd),
       cmocka_unit_test(test_unreachable),
       cmocka_unit_test(test_processes),
       cmocka_unit_test(test_churn),
@@ -1957,6 +2047,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_stalled_uploaders),
       cmocka_unit_test(test_owner_stopped),
       cmocka_unit_test(test_redis_killed),
+      cmocka_unit_test(test_served_gets),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.error
 import urllib.request
 
@@ -64,6 +65,19 @@ def value(samples, name, **labels):
     return hits[0]
 
 
+def served(base, want):
+    """serve's ferry_store_served_gets_total once it reaches `want` (receipts arrive after the
+    getter exits: polled, with a deadline), else its last value."""
+    got = None
+    for _ in range(500):
+        got = value(parsed(scrape(base + "/metrics")[1]), "ferry_store_served_gets_total",
+                    node="py-serve")
+        if got >= want:
+            break
+        time.sleep(0.02)
+    return got
+
+
 def test_stats_move_with_puts_gets_and_publishes():
     store = ferry.Store(host_directory=True, name="py-metrics")
     pub = ferry.MQ(store.directory, name="py-metrics-mq", ctx=store._ctx)
@@ -88,6 +102,9 @@ def test_stats_move_with_puts_gets_and_publishes():
         assert sample(after, "ferry_store_put_bytes_total")["value"] == a.nbytes + 40
         assert sample(after, "ferry_store_gets_total")["value"] == 2
         assert sample(after, "ferry_store_get_errors_total")["value"] == 1
+        # its own get of its own object: served by it, counted at once (no receipt)
+        assert sample(after, "ferry_store_served_gets_total")["value"] == 1
+        assert sample(after, "ferry_store_served_bytes_total")["value"] == a.nbytes
         assert sample(after, "ferry_store_objects")["value"] == 2
         assert sample(after, "ferry_store_held_bytes")["value"] == a.nbytes + 40
         h = sample(after, "ferry_store_put_duration_seconds")
@@ -142,10 +159,19 @@ def test_serve_http_metrics_health_and_readiness(tmp_path):
         assert frames[1] > frames[0]  # the put's and get's calls (its bytes may go by shm)
         assert "# TYPE ferry_store_get_duration_seconds histogram" in text
         # the put it holds for the client counts as its put (issue 35: it stayed 0); a get reads
-        # its memory without it, and counts in the getter's metrics, not here
+        # its memory without it and counts in the getter's gets_total, and here in
+        # served_gets_total once the getter's read receipt comes (sent as `ferry get` exits)
         assert value(then, "ferry_store_puts_total", node="py-serve") == 1
         assert value(then, "ferry_store_put_bytes_total", node="py-serve") == 50000
         assert value(then, "ferry_store_gets_total", node="py-serve") == 0
+        assert served(base, 1) == 1
+        for _ in range(2):
+            subprocess.run([cli, "get", "k1", str(tmp_path / "out.bin")], env=env, check=True,
+                           timeout=60)
+        assert served(base, 3) == 3
+        later = parsed(scrape(base + "/metrics")[1])
+        assert value(later, "ferry_store_served_bytes_total", node="py-serve") == 3 * 50000
+        assert value(later, "ferry_store_gets_total", node="py-serve") == 0
         assert value(then, "ferry_build_info", node="py-serve", version=ferry.__version__) == 1
         assert value(then, "process_resident_memory_bytes", node="py-serve") > 1 << 20
         assert value(then, "process_virtual_memory_bytes", node="py-serve") > 1 << 20

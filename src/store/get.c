@@ -11,7 +11,9 @@
  * memory copies host to device from where the bytes already are (this node's pool, or, through the
  * link's read, a same-host owner's pool mapped here), or, across hosts, through host memory a chunk
  * at a time (the link's read too); the caller's pointer is classified once per call (per item in a
- * batch) for its allocation's end and this node's own pool, never per chunk.
+ * batch) for its allocation's end and this node's own pool, never per chunk. Each object read
+ * whole (a get, a batch item, a view) counts once for its owner, whose CPU the read bypasses:
+ * a read receipt (receipts.c), sent later.
  */
 #include "store/store.h"
 #include "core/task.h"
@@ -134,15 +136,20 @@ static int read_remote(ferry_store *s, const fr_dir_object *rec, void *dst, prog
   return gen == rec->generation ? 0 : stale(rec);
 }
 
+/* Reads one whole object; each one read counts once for its owner (receipts.c). */
 static int read_object(ferry_store *s, const fr_dir_object *rec, void *dst, int device,
                        progress_fn progress, void *arg, int timeout_ms) {
+  int rc;
   if (s->mem && strcmp(rec->owner, s->name) == 0) {
-    int rc = read_local(s, rec, dst, device);
+    rc = read_local(s, rec, dst, device);
     if (rc == 0 && progress)
       progress(arg, rec->bytes, rec->bytes);
-    return rc;
+  } else {
+    rc = read_remote(s, rec, dst, progress, arg, timeout_ms);
   }
-  return read_remote(s, rec, dst, progress, arg, timeout_ms);
+  if (rc == 0)
+    fr_store_receipt(s, rec->owner, rec->bytes);
+  return rc;
 }
 
 int fr_store_read(ferry_store *s, const fr_dir_object *rec, void *dst, int device, int timeout_ms) {
@@ -543,6 +550,8 @@ static int view_once(ferry_store *s, const fr_dir_object *rec, ferry_store_view 
   static const uint8_t empty[1];
   int rc = s->mem && strcmp(rec->owner, s->name) == 0 ? pin_local(s, rec, v, data)
                                                       : pin_remote(s, rec, v, data, timeout_ms);
+  if (rc == 0)
+    fr_store_receipt(s, rec->owner, rec->bytes); /* a copy (below) counts in read_object */
   if (rc != FERRY_ENOTSUP)
     return rc;
   if (!(v->copy = malloc(rec->bytes ? (size_t)rec->bytes : 1)))

@@ -1,8 +1,10 @@
 /*
  * The store's metrics: put and get counts, bytes and latencies, kept by the calls themselves
  * with relaxed atomic adds at their end (one clock read at each end of a call), and the levels
- * (objects, bytes held, pool use) read under the store's lock only when someone scrapes. Its
- * readiness is its directory lease: a store the directory lost serves no gets from other nodes.
+ * (objects, bytes held, pool use) read under the store's lock only when someone scrapes. The
+ * gets it served are what its readers' receipts report (receipts.c), bounded here: a peer's
+ * claim. Its readiness is its directory lease: a store the directory lost serves no gets from
+ * other nodes.
  */
 #include "store/store.h"
 
@@ -20,6 +22,29 @@ void fr_store_count(ferry_store *s, bool put, size_t ok, size_t failed, uint64_t
   if (bytes)
     fr_count(put ? &s->m.put_bytes : &s->m.get_bytes, bytes);
   fr_hist_observe(put ? &s->m.put_ns : &s->m.get_ns, fr_now_ns() - t0);
+}
+
+void fr_store_count_served(ferry_store *s, uint64_t gets, uint64_t bytes) {
+  fr_count(&s->m.served_gets, gets);
+  fr_count(&s->m.served_bytes, bytes);
+}
+
+void fr_store_count_claimed(ferry_store *s, uint64_t gets, uint64_t bytes) {
+  uint64_t largest = __atomic_load_n(&s->m.largest, __ATOMIC_RELAXED);
+  uint64_t most = largest && gets > UINT64_MAX / largest ? UINT64_MAX : gets * largest;
+  if (bytes > most)
+    fr_debug("store '%s': a read receipt claims %llu bytes in %llu gets, more than its largest "
+             "object (%llu bytes) allows: counted as %llu",
+             s->name, (unsigned long long)bytes, (unsigned long long)gets,
+             (unsigned long long)largest, (unsigned long long)most);
+  fr_store_count_served(s, gets, bytes < most ? bytes : most);
+}
+
+void fr_store_note_size(ferry_store *s, uint64_t bytes) {
+  uint64_t was = __atomic_load_n(&s->m.largest, __ATOMIC_RELAXED);
+  while (bytes > was && !__atomic_compare_exchange_n(&s->m.largest, &was, bytes, true,
+                                                     __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+    ;
 }
 
 static void collect(void *arg, fr_stats_out *out) {
@@ -45,6 +70,14 @@ static void collect(void *arg, fr_stats_out *out) {
                   (double)fr_counted(&s->m.get_bytes), "store", st, NULL);
   fr_stat_hist(out, "ferry_store_get_duration_seconds", "Time a get (or get batch) call took",
                &s->m.get_ns, 1e-9, "store", st, NULL);
+  fr_stat_counter(out, "ferry_store_served_gets_total",
+                  "Gets that read one of this node's objects whole (a get, a batch item, a view), "
+                  "by this node or another; another's as its read receipts reported them",
+                  (double)fr_counted(&s->m.served_gets), "store", st, NULL);
+  fr_stat_counter(out, "ferry_store_served_bytes_total",
+                  "Bytes of those gets (a receipt's claim, at most its gets times the largest "
+                  "object this node held)",
+                  (double)fr_counted(&s->m.served_bytes), "store", st, NULL);
   pthread_mutex_lock(&s->lock);
   uint64_t held = 0;
   for (size_t i = 0; i < s->nowned; i++)

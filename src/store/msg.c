@@ -3,7 +3,8 @@
  * decoder (fr_store_msg_decode, shared with service.c and the fuzzer), and the calls one node's
  * store makes of another's: DELETE (ask an owner to delete its object), DROPPED (tell an owner
  * another node replaced its key), UPLOAD (ask a holder, `ferry serve`, to copy a tensor out of
- * this short-lived node's memory and publish it). Peers are reached through the peer cache
+ * this short-lived node's memory and publish it), READS (tell an owner how many of its objects
+ * this node read: receipts.c). Peers are reached through the peer cache
  * (directory/peers.c); the answering side is service.c.
  */
 #include "store/service.h"
@@ -34,6 +35,15 @@ int fr_store_msg_decode(const void *data, size_t len, fr_store_msg *m) {
   uint32_t magic = fr_rd_u32(&r);
   m->op = fr_rd_u16(&r);
   fr_rd_u16(&r);
+  if (m->op == FR_SMSG_READS) {
+    m->gets = fr_rd_u64(&r);
+    m->bytes = fr_rd_u64(&r);
+    bool ok = fr_rd_done(&r) && magic == FR_STORE_MSG_MAGIC && m->gets >= 1 &&
+              m->gets <= FR_STORE_READS_MAX;
+    if (!ok)
+      memset(m, 0, sizeof *m);
+    return ok ? 0 : fr_err(FERRY_EPROTO, "store: malformed read receipt of %zu bytes", len);
+  }
   fr_rd_str(&r, m->key, sizeof m->key);
   if (m->op == FR_SMSG_UPLOAD) {
     m->desc.dtype = (ferry_dtype)fr_rd_u32(&r);
@@ -114,6 +124,32 @@ void fr_store_send_dropped(ferry_store *s, const fr_dir_object *old) {
   int rc = w.failed ? FERRY_ENOMEM : ferry_send(p->link, FR_CHANNEL_STORE, &iov, 1, 1000);
   fr_wr_free(&w);
   fr_peer_release(&s->peers, p, rc == FERRY_EPEER || rc == FERRY_ECLOSED);
+}
+
+/* Tells an owner how many of its objects this node read, and their bytes (receipts.c): a
+ * message, not a call; more than FR_STORE_READS_MAX gets go in several. */
+int fr_store_send_reads(ferry_store *s, const char *owner, uint64_t gets, uint64_t bytes,
+                        int timeout_ms) {
+  fr_peer *p;
+  int rc = fr_peer_acquire(&s->peers, owner, timeout_ms, &p);
+  if (rc != 0)
+    return rc;
+  while (rc == 0 && gets > 0) {
+    uint64_t g = gets < FR_STORE_READS_MAX ? gets : FR_STORE_READS_MAX;
+    uint64_t b = g == gets ? bytes : (uint64_t)((unsigned __int128)bytes * g / gets);
+    fr_wr w = {0};
+    wr_header(&w, FR_SMSG_READS);
+    fr_wr_u64(&w, g);
+    fr_wr_u64(&w, b);
+    struct iovec iov = {w.p, w.len};
+    rc = w.failed ? fr_err(FERRY_ENOMEM, "read receipt")
+                  : ferry_send(p->link, FR_CHANNEL_STORE, &iov, 1, timeout_ms);
+    fr_wr_free(&w);
+    gets -= g;
+    bytes -= b;
+  }
+  fr_peer_release(&s->peers, p, rc == FERRY_EPEER || rc == FERRY_ECLOSED);
+  return rc;
 }
 
 /* ---- uploads from a delegating (short-lived) node ---- */

@@ -208,6 +208,7 @@ static int prepare(ferry_store *s, const char *key, const ferry_tensor_desc *des
   }
   /* the generation becomes visible only after the bytes are complete */
   __atomic_store_n(fr_store_gen(s, o->slot), o->rec.generation, __ATOMIC_SEQ_CST);
+  fr_store_note_size(s, o->rec.bytes);
   *out = o;
   return 0;
 }

@@ -4,13 +4,14 @@
  * its object (it frees the bytes and removes the record); DROPPED tells an owner that another
  * node replaced its key (it frees its copy); UPLOAD asks a holder (`ferry serve`) to copy a
  * tensor out of a short-lived node's ferry memory, over the link the request came on, and publish
- * it as its own. The service thread also collects the answers of posted puts and retires
- * replaced copies whose lingering time is up (owned.c), after each request and every third of
- * the lease (the node's lease is renewed by the node's own timer, directory/lease.c); uploads run
- * on the task pool's workers (see "uploads" below), so a stalled sender never holds back the
- * service thread. Messages are
- * decoded by fr_store_msg_decode() (msg.c), a pure function (fuzzed with the directory's
- * decoders). It sits on top of the verbs: it calls put.c and owned.c as a local caller would.
+ * it as its own; READS reports gets a reader made of this node's objects (counted, bounded). The
+ * service turn also sends this node's own read receipts (receipts.c). The service thread also
+ * collects the answers of posted puts and retires replaced copies whose lingering time is up
+ * (owned.c), after each request and every third of the lease (the node's lease is renewed by the
+ * node's own timer, directory/lease.c); uploads run on the task pool's workers (see "uploads"
+ * below), so a stalled sender never holds back the service thread. Messages are decoded by
+ * fr_store_msg_decode() (msg.c), a pure function (fuzzed with the directory's decoders). It sits on
+ * top of the verbs: it calls put.c and owned.c as a local caller would.
  */
 #include "store/service.h"
 #include "core/channels.h"
@@ -40,6 +41,9 @@ static int handle(ferry_store *s, ferry_msg *msg, const fr_store_msg *m, uint64_
   case FR_SMSG_DELETE: /* deletes and puts are the application's own: counted, not logged */
     fr_debug("store '%s': '%s' deleted by '%s'", s->name, m->key, ferry_link_peer(msg->link));
     return fr_store_delete_local(s, m->key, m->generation, true, false, timeout);
+  case FR_SMSG_READS: /* a reader's receipt: a peer's claim, bounded (metrics.c) */
+    fr_store_count_claimed(s, m->gets, m->bytes);
+    return 0;
   case FR_SMSG_DROPPED:
     fr_debug("store '%s': '%s' was put again on '%s'; dropping our copy", s->name, m->key,
              ferry_link_peer(msg->link));
@@ -213,6 +217,7 @@ static uint64_t service_turn(void *arg) {
   ferry_store *s = arg;
   fr_store_settle(s, false, fr_deadline_ns(fr_timeout(-1)));
   fr_store_linger_reap(s);
+  fr_store_receipts_flush(s);
   return s->lease.lease_ms > 0 ? fr_now_ns() + (uint64_t)s->lease.lease_ms * 1000000ull / 3
                                : UINT64_MAX;
 }

@@ -4,7 +4,8 @@
  * ferry_alloc'd region: generation words, then data), registers the node under a fresh
  * incarnation (register.c: fr_dir_lease; refused while another live node holds the name; an
  * earlier incarnation proven dead is dropped with its records) and starts the service thread,
- * which renews the lease. Closing stops them in the opposite order.
+ * which renews the lease. Closing stops them in the opposite order, once the reads this node
+ * made of other nodes' objects are reported to them (receipts.c).
  */
 #include "store/store.h"
 #include "transport/access.h"
@@ -66,6 +67,7 @@ static ferry_store *store_new(ferry_ctx *ctx, const ferry_store_opts *o) {
   pthread_mutex_init(&s->lock, NULL);
   pthread_mutex_init(&s->publish_lock, NULL);
   pthread_mutex_init(&s->cache_lock, NULL);
+  fr_store_receipts_init(s);
   return s;
 }
 
@@ -139,6 +141,7 @@ void ferry_store_close(ferry_store *s) {
     return;
   fr_store_stats_stop(s);
   fr_store_service_stop(s);
+  fr_store_receipts_close(s); /* over the peers' links, which close below */
   if (s->dir && s->mem)
     fr_store_unregister(s);
   if (s->mem)

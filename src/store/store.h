@@ -5,8 +5,10 @@
  *                      cached, dropped on failure (shared with mq);
  *   metrics.c          the store's counters and readiness check;
  *   lookup.c           the lookup cache: key → record (stamp-checked; peek; the directory);
- *   msg.c              messages to other nodes' stores (DELETE, DROPPED, UPLOAD) and their
- *                      decoder;
+ *   msg.c              messages to other nodes' stores (DELETE, DROPPED, UPLOAD, READS) and
+ *                      their decoder;
+ *   receipts.c         read receipts: the objects this node read of each owner, reported to it
+ *                      (READS) in batches, so that an owner counts the gets it served;
  *   owned.c            the objects this node owns: the table, retiring, lingering copies, and
  *                      deleting one of them;
  *   register.c         the node's lease, publishing every owned object again, and settling
@@ -71,6 +73,24 @@ typedef struct fr_cached {
 } fr_cached;
 #define FR_STORE_CACHE_SLOTS 64
 
+/* Read receipts (receipts.c): the objects read whole from one owner, and their bytes, not yet
+ * reported to it. */
+typedef struct fr_receipt {
+  char owner[FR_DIR_NAME_MAX + 1]; /* "": a free slot */
+  uint64_t gets, bytes;
+} fr_receipt;
+
+typedef struct fr_receipts {
+  pthread_mutex_t lock;
+  pthread_cond_t idle; /* a flush ended */
+  fr_receipt *slots;   /* by owner hash, linear probing; cap a power of 2, at most half named */
+  size_t cap, named;
+  bool pending;    /* some slot has counts */
+  bool flushing;   /* a flush is under way (at most one) */
+  bool closed;     /* the store is closing: no flush starts from a read any more */
+  uint64_t due_ns; /* a read after this starts a flush */
+} fr_receipts;
+
 struct ferry_store {
   ferry_ctx *ctx;
   char name[FR_DIR_NAME_MAX + 1];
@@ -113,12 +133,16 @@ struct ferry_store {
   fr_peers peers;                   /* directory/peers.h: started once the directory is open */
   char holder[FR_DIR_NAME_MAX + 1]; /* cached holder node (delegating stores) */
 
+  fr_receipts receipts; /* reads of other nodes' objects not yet reported to them */
+
   fr_job *service; /* the service thread on FR_CHANNEL_STORE (service.c), or NULL */
   int linger_ms;   /* FERRY_STORE_LINGER_MS */
 
   /* metrics (metrics.c): relaxed atomic adds, one call's worth at its end */
   struct {
     uint64_t puts, put_errors, put_bytes, gets, get_errors, get_bytes;
+    uint64_t served_gets, served_bytes; /* gets of this node's objects, by any node */
+    uint64_t largest;                   /* the largest object this node has held (bytes) */
     fr_hist put_ns, get_ns;
   } m;
 };
@@ -127,6 +151,14 @@ struct ferry_store {
  * not; the call began at t0. */
 void fr_store_count(ferry_store *s, bool put, size_t ok, size_t failed, uint64_t bytes,
                     uint64_t t0);
+/* Counts gets of this node's objects that read `bytes` in all: its own, at once, and other
+ * nodes' as their read receipts report them (fr_store_count_claimed). */
+void fr_store_count_served(ferry_store *s, uint64_t gets, uint64_t bytes);
+/* A peer's receipt, bounded: its bytes at most `gets` times the largest object this node has
+ * held (fr_store_note_size), since each get read one whole object. */
+void fr_store_count_claimed(ferry_store *s, uint64_t gets, uint64_t bytes);
+/* Notes the size of an object this node now holds (the bound of receipts' bytes). */
+void fr_store_note_size(ferry_store *s, uint64_t bytes);
 /* Registers the store's collector and readiness check with its ctx; fr_store_stats_stop undoes
  * it (before the store's state goes). */
 int fr_store_stats_start(ferry_store *s);
@@ -161,6 +193,21 @@ void fr_store_send_dropped(ferry_store *s, const fr_dir_object *old);
 /* data lies on CUDA device `device` (-1: host memory): copied to host memory first. */
 int fr_store_upload(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
                     const void *data, int device, int timeout_ms);
+/* READS: tells owner that this node read `gets` of its objects, `bytes` in all (a message). */
+int fr_store_send_reads(ferry_store *s, const char *owner, uint64_t gets, uint64_t bytes,
+                        int timeout_ms);
+
+/* receipts.c: read receipts */
+void fr_store_receipts_init(ferry_store *s);
+/* One object of `owner` read whole (a get, a batch item, a view): counted for its owner, at
+ * once when that is this node, else in the receipt sent to it later. A lock and an add; at
+ * most once a second it hands the sending to a task of the process's pool. */
+void fr_store_receipt(ferry_store *s, const char *owner, uint64_t bytes);
+/* Hands sending every count to a task of the pool (the service thread's turn), unless there
+ * is none or a flush is under way. */
+void fr_store_receipts_flush(ferry_store *s);
+/* Waits for a flush under way, sends what is left (within a second) and frees the table. */
+void fr_store_receipts_close(ferry_store *s);
 
 /* owned.c: the objects this node owns */
 fr_owned *fr_store_find_owned(ferry_store *s, const char *key, size_t *at);
