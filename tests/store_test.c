@@ -14,6 +14,7 @@
 #include "core/channels.h"
 #include "store/service.h"
 #include "storeutil.h"
+#include "etcdutil.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -1915,6 +1916,16 @@ static void test_redis_killed(void **state) {
   assert_int_equal(pst, 0);
 }
 
+/* The store through etcd:// (issue 36): the suite every directory passes (put, get, views,
+ * freed buffers, batches, holders), against a three-member cluster on loopback. */
+static void test_etcd(void **state) {
+  su_etcd e;
+  if (!su_etcd_start(&e, 3))
+    return;
+  run_suite(e.url);
+  su_etcd_stop(&e);
+}
+
 /* ---- the gets an owner served (issue 35: `ferry serve`'s gets stayed 0) ---- */
 
 typedef struct stat_sum {
@@ -2030,6 +2041,7 @@ int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_embedded),
       cmocka_unit_test(test_redis),
+      cmocka_unit_test(test_etcd),
       cmocka_unit_test(test_unreachable),
       cmocka_unit_test(test_processes),
       cmocka_unit_test(test_churn),
