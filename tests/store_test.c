@@ -13,6 +13,7 @@
 #include "bench/netns.h"
 #include "core/channels.h"
 #include "store/service.h"
+#include "redisutil.h"
 #include "storeutil.h"
 #include "etcdutil.h"
 
@@ -2026,6 +2027,85 @@ static void test_served_gets(void **state) {
   pair_close(&p);
 }
 
+/* ---- Redis behind Sentinel: the primary SIGKILLed (issue 36) ---- */
+
+/* A put with a 1 s timeout, timed. */
+static int timed_put(ferry_store *s, const char *key, uint64_t seed, double *ms) {
+  uint8_t v[ORDER_BYTES];
+  tu_fill(v, sizeof v, seed);
+  ferry_tensor_desc d = u8_desc(1, ORDER_BYTES);
+  struct timespec t0;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  int rc = ferry_store_put(s, key, &d, v, 0, 1000);
+  *ms = ms_since(&t0);
+  return rc;
+}
+
+/* A primary, a replica and three sentinels; a writer and a reader through redis+sentinel://. The
+ * primary is SIGKILLed: puts fail clearly within their 1 s timeout while the sentinels elect the
+ * replica, then land on it; what the replica had acknowledged (WAIT) before the kill is still
+ * served, and the writer's records are all there (it registers again when the epoch moves). */
+static void test_redis_sentinel_failover(void **state) {
+  su_sentinels z;
+  if (!su_sentinels_start(&z))
+    return;
+  ferry_ctx *cw = open_ctx("sentinel-writer", NULL), *cr = open_ctx("sentinel-reader", NULL);
+  ferry_store *w = open_store(cw, z.url, 0, 4 * MiB, 0), *r = open_store(cr, z.url, 0, 4 * MiB, 0);
+  char key[64], owner[256];
+  for (int i = 0; i < 20; i++) {
+    snprintf(key, sizeof key, "before/%d", i);
+    put_seed(w, key, 100 + (uint64_t)i);
+    assert_true(has_seed(r, key, 100 + (uint64_t)i, owner, sizeof owner));
+  }
+  const char *wait_cmd[3] = {"WAIT", "1", "5000"}; /* the replica has every write so far */
+  redisReply *rep = su_redis_ask(z.primary_port, 3, wait_cmd);
+  assert_non_null(rep);
+  assert_int_equal(rep->type, REDIS_REPLY_INTEGER);
+  assert_int_equal(rep->integer, 1);
+  freeReplyObject(rep);
+  uint64_t killed = fr_now_ns();
+  su_kill(&z.primary);
+  int failed = 0, landed = -1;
+  double slowest = 0, ms;
+  for (int i = 0; i < 300 && landed < 0; i++) {
+    snprintf(key, sizeof key, "after/%d", i);
+    int rc = timed_put(w, key, 500 + (uint64_t)i, &ms);
+    slowest = ms > slowest ? ms : slowest;
+    assert_true(ms < HANG_MS);
+    if (rc == 0) {
+      landed = i;
+      break;
+    }
+    if (failed++ < 3)
+      print_message("during the failover: %s after %.0f ms: %s\n", ferry_status_name(rc), ms,
+                    ferry_last_error());
+    assert_true(rc == FERRY_ECONNECT || rc == FERRY_ETIMEDOUT);
+  }
+  double failover_ms = (double)(fr_now_ns() - killed) / 1e6;
+  assert_true(landed >= 0);
+  print_message("sentinel failover: a put landed %.0f ms after the primary's SIGKILL (%d puts "
+                "failed first, the slowest took %.0f ms of its 1000)\n",
+                failover_ms, failed, slowest);
+  snprintf(key, sizeof key, "after/%d", landed);
+  assert_true(has_seed(r, key, 500 + (uint64_t)landed, owner, sizeof owner));
+  for (int i = 0; i < 20; i++) {
+    snprintf(key, sizeof key, "before/%d", i);
+    assert_true(has_seed(r, key, 100 + (uint64_t)i, owner, sizeof owner));
+  }
+  /* the sentinels name the replica now */
+  const char *ask[3] = {"SENTINEL", "get-master-addr-by-name", "mymaster"};
+  rep = su_redis_ask(z.sentinel_port[0], 3, ask);
+  assert_non_null(rep);
+  assert_int_equal(rep->type, REDIS_REPLY_ARRAY);
+  assert_int_equal(atoi(rep->element[1]->str), z.replica_port);
+  freeReplyObject(rep);
+  ferry_store_close(r);
+  ferry_store_close(w);
+  ferry_ctx_close(cr);
+  ferry_ctx_close(cw);
+  su_sentinels_stop(&z);
+}
+
 int main(int argc, char **argv) {
   ssize_t n = readlink("/proc/self/exe", self_exe, sizeof self_exe - 1);
   self_exe[n > 0 ? n : 0] = '\0';
@@ -2059,6 +2139,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_stalled_uploaders),
       cmocka_unit_test(test_owner_stopped),
       cmocka_unit_test(test_redis_killed),
+      cmocka_unit_test(test_redis_sentinel_failover),
       cmocka_unit_test(test_served_gets),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */

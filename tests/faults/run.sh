@@ -139,6 +139,9 @@ row 27 "~70 connections trickling headers to ferry ctl serve" \
 row 28 "a hello whose node name holds a newline, ESC and BEL (no token)" \
   "refused (EPROTO) before the token; the log line quotes it escaped, no raw control byte" \
   link_test:test_hostile_node_name
+row 29 "the Redis primary SIGKILLed behind Sentinel" \
+  "calls fail clearly in their timeout, then go on against the promoted replica; records kept" \
+  store_test:test_redis_sentinel_failover
 
 total=$(awk -v a="$total_t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
 if [ $failed -ne 0 ]; then
