@@ -38,6 +38,7 @@ void fr_etcd_watch_bump(fr_etcd_watch *w, const char *key);
 #define FR_ETCD_PAGE 1000       /* keys per range page */
 #define FR_ETCD_RECORD_MAX 2048 /* bytes of one record's value */
 #define FR_ETCD_KEY_BYTES (FR_DIR_KEY_MAX + FR_DIR_NS_MAX + 16)
+#define FR_ETCD_TRY_MS 1000 /* the longest one member may keep a call (of several members) */
 
 typedef struct fr_etcd {
   fr_etcd_members m;

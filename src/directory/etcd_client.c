@@ -224,8 +224,12 @@ int fr_etcd_call_until(fr_etcd *e, const char *path, json_t *req, json_t **out, 
                         e->m.shown, last);
       break;
     }
-    /* a member that accepts and does not answer may keep half of what is left */
-    uint64_t until = n > 1 && left > 200 ? fr_deadline_ns(left / 2) : deadline;
+    /* a member that accepts and does not answer may keep half of what is left, at most
+     * FR_ETCD_TRY_MS: a follower holds a request it forwarded to a leader that died until its
+     * own request timeout (seconds), while the others elect a new leader in about two election
+     * timeouts */
+    int try_ms = left / 2 < FR_ETCD_TRY_MS ? left / 2 : FR_ETCD_TRY_MS;
+    uint64_t until = n > 1 && left > 200 ? fr_deadline_ns(try_ms) : deadline;
     int m = __atomic_load_n(&e->m.current, __ATOMIC_ACQUIRE), status = 0;
     char *resp = NULL;
     rc = exchange(e, m, path, body, &status, &resp, until);
