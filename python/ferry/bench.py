@@ -1,7 +1,8 @@
 """python3 -m ferry.bench store: the routing-replay workload of `ferry bench store`, from Python.
 (python3 -m ferry.bench gpu: torch CUDA tensors through ferry against torch's own paths, in
 ferry/_bench_gpu.py; python3 -m ferry.bench r3: routing replay with every key new, in
-ferry/_bench_r3.py.)
+ferry/_bench_r3.py; python3 -m ferry.bench stream: refit push_iter against a declared push, in
+ferry/_bench_stream.py.)
 
 Per request one [45, 32768, 8] uint8 tensor (11.25 MiB), 37 requests. Three processes, as in
 the C bench: the embedded directory, a producer that writes each request into a ring of 4
@@ -393,12 +394,13 @@ def main(argv: Optional[List[str]] = None) -> None:
                                 description="ferry benchmarks from Python (the store's routing "
                                             "replay workload against np/torch files and the C "
                                             "API)")
-    p.add_argument("what", choices=["store", "view", "gpu", "r3"],
+    p.add_argument("what", choices=["store", "view", "gpu", "r3", "stream"],
                    help="store: the routing replay workload; r3: the same as FastDeploy runs it, "
                         "every key new (a new buffer per request, each key got once and "
                         "deleted); view: get_view vs get vs np.load; "
                         "gpu: torch CUDA tensors through refit and the store vs torch's CUDA "
-                        "IPC and torch.save/load (needs torch with CUDA)")
+                        "IPC and torch.save/load (needs torch with CUDA); stream: refit "
+                        "push_iter of 256 MiB in 1,000 tensors vs a declared push")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--reps", type=int, default=None,
                    help="requests (store; default 37) or reads of each kind (view; default 50)")
@@ -410,6 +412,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     a = p.parse_args(argv)
     if a.what == "gpu":
         _bench_gpu.main(a)
+        return
+    if a.what == "stream":
+        from . import _bench_stream
+        _bench_stream.main(a)
         return
     if a.what == "view":
         view_bench(reps=a.reps or 50)

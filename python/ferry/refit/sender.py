@@ -109,7 +109,7 @@ def _stream_sizes(name, buffer_bytes, stream_cap, world):
     default = int(lib.ferry_config_get(b"FERRY_REFIT_BUFFER_BYTES").decode() or 67108864)
     cap = cap_bytes(stream_cap, buffer_bytes, default)
     if buffer_bytes is None:
-        buffer_bytes = max(min(default, cap // 4) // 64 * 64, 64)
+        buffer_bytes = max(min(default, cap // 8) // 64 * 64, 64)
     elif buffer_bytes > cap // 2:
         raise InvalidArgument(-1, "refit '%s': buffer_bytes %d with stream_cap %d: a part sends "
                               "whole buckets, so they must be at most half the cap"
@@ -195,9 +195,10 @@ class RefitSender(_lib.Closing):
     each version from an iterable of (name, tensor) whose tensors exist only while it yields them.
     stream_cap: how many bytes of those tensors push_iter may hold at once (int), or a fraction
     in (0, 1) of the free memory of torch's current CUDA device (of the host's available memory
-    without one), as NeMo-RL sizes its refit buffer; None: four buckets (256 MiB with the default
-    64 MiB buckets). Without buffer_bytes the buckets are then min(FERRY_REFIT_BUFFER_BYTES,
-    cap / 4): a part sends whole buckets, so buffer_bytes must be at most cap / 2."""
+    without one), as NeMo-RL sizes its refit buffer; None: 4 x FERRY_REFIT_BUFFER_BYTES (256
+    MiB), or 4 x buffer_bytes when given. Without buffer_bytes the buckets are
+    min(FERRY_REFIT_BUFFER_BYTES, cap / 8): a part sends whole buckets, so buffer_bytes must be
+    at most cap / 2."""
 
     def __init__(self, name: str, state_dict: Optional[Mapping[str, Any]] = None,
                  buffer_bytes: Optional[int] = None,
