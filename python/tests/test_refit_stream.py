@@ -144,6 +144,32 @@ def test_push_iter_to_one_and_two_receivers():
         assert tx._plan is plan  # made by the first push_iter, reused since
 
 
+def test_plan_from_metadata_streams_the_first_version():
+    """plan() from shapes and dtypes alone: receivers attach and bind before any version, and
+    the first push_iter streams under the cap like the later ones (nothing staged whole)."""
+    cap = 16 << 10
+    name = unique("meta")
+    meta = [(n, (shape_of(i), dtype_of(i)) if i % 2 else tensor(i, 0))
+            for i, n in enumerate(NAMES)]
+    with ferry.RefitSender(name, stream_cap=cap) as tx:
+        tx.plan(iter(meta))
+        assert [m["name"] for m in tx.manifest()] == NAMES
+        with ferry.RefitReceiver(name, timeout=5) as rx:
+            engine = {n: np.zeros_like(t) for n, t in expected(0).items()}
+            rx.bind(engine)
+            assert rx.committed == 0
+            settled(tx, 0)
+            for v in (1, 2):
+                live = Live()
+                assert tx.push_iter(v, weights(v, live), timeout=10) == v
+                assert rx.wait(v, timeout=10) == v
+                assert_holds(engine, v)
+                assert tx.stream_info["parts"] >= 4
+                assert live.most <= 2 * cap + 2 * BIGGEST < MODEL_BYTES / 2
+        with pytest.raises(ferry.InvalidArgument, match="once"):
+            tx.plan(iter(meta))
+
+
 def test_cap_smaller_than_a_tensor():
     """A tensor bigger than the cap is sent in a part of its own (with what shares its
     buckets): the version lands whole."""

@@ -211,6 +211,7 @@ class RefitSender(_lib.Closing):
         self.name = name
         self._streaming = state_dict is None
         self._plan = None  # streaming: {name: stream._Planned} once the first push_iter planned
+        self._zeros = None  # plan(): what the tensors point at until push_iter gives them
         self.stream_info: Dict[str, int] = {}  # what the last push_iter took (parts, held_max)
         if self._streaming:
             buffer_bytes, self.stream_cap = _stream_sizes(name, buffer_bytes, stream_cap, world)
@@ -431,6 +432,21 @@ class RefitSender(_lib.Closing):
                              "state_dict): it keeps no tensors between versions; use push_iter"
                              % (self.name, what))
 
+    def plan(self, meta: Iterable[Tuple[str, Any]]) -> None:
+        """Makes a streaming sender's plan from names, dtypes and shapes alone: meta yields
+        (name, tensor) with tensors of any device, torch's meta device too (a model's
+        state_dict() built on the meta device, or its parameters' shapes before they are
+        gathered), or (name, (shape, dtype)). The first push_iter then streams like every later
+        one, with nothing staged in host memory, and receivers may attach before it (their
+        committed version is 0 until it lands). Once per sender, before any push_iter; not with
+        a float8 cast (its scale comes from the bytes at the seal)."""
+        from . import stream
+        if not self._streaming:
+            raise StateError(-21, "refit '%s': plan() is for a sender opened with no state_dict"
+                             % self.name)
+        with self._lock:
+            stream.plan_from(self, meta)
+
     def push_iter(self, version: Optional[int], weights: Iterable[Tuple[str, Any]],
                   timeout: Optional[float] = None, skip_unchanged: bool = False,
                   route: str = "auto") -> int:
@@ -439,9 +455,9 @@ class RefitSender(_lib.Closing):
         full_tensor()s, of Megatron -> HF conversions), and returns it once every receiver in
         the push committed it. Needs a sender opened with no state_dict.
 
-        The first call plans: it copies each tensor into host memory as it comes (the plan, the
-        receivers' manifest, needs every name and shape before a byte can go), then declares and
-        pushes them whole, and frees the copies. Later calls stream against that plan (names,
+        Without plan() first, the first call plans: it copies each tensor into host memory as it
+        comes (the plan, the receivers' manifest, needs every name and shape before a byte can
+        go), then declares and pushes them whole, and frees the copies. Later calls stream against that plan (names,
         dtypes and shapes; any order, the first call's order holding the least): each tensor is
         used where it is, held until the buckets it lies in went, and whenever the held bytes
         would pass stream_cap a part goes (a tensor bigger than the cap goes in a part of its

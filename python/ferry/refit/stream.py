@@ -13,11 +13,12 @@ whose tensors all came, and the tensors whose buckets all went are let go. The l
 the version at every receiver that took all of its parts; a receiver never reports a version
 whose bytes are not all that version (a sender that dies between parts leaves it torn, with its
 committed version 0, until a whole version lands)."""
+import ctypes
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 import numpy as np
 
-from .._lib import byref, lib
+from .._lib import PushOpts, byref, lib
 from ..errors import InvalidArgument, check
 from ..tensors import _torch, as_buffer, desc_shape, dtype_code
 
@@ -108,6 +109,60 @@ def plan_and_push(tx, v, weights, opts) -> None:
             src.obj = src.stage = src.arr = None  # the copies go: later versions stream
 
 
+def _meta(tx, name, t):
+    """(dtype code, shape) of a plan entry: a tensor of any device (torch's meta device too), a
+    numpy array, or a (shape, dtype) pair."""
+    if isinstance(t, tuple) and len(t) == 2:
+        return dtype_code(t[1]), tuple(int(d) for d in t[0])
+    if hasattr(t, "dtype") and hasattr(t, "shape"):
+        return dtype_code(t.dtype), tuple(int(d) for d in t.shape)
+    raise InvalidArgument(-1, "refit '%s' plan: '%s' is %r; give a tensor (any device, torch's "
+                          "meta device too) or a (shape, dtype) pair" % (tx.name, name, t))
+
+
+def plan_from(tx, meta) -> None:
+    """Declares and seals the plan from names, dtypes and shapes alone (no bytes), so that the
+    first push_iter streams as every later one does and receivers may attach before it. The
+    tensors point at a zeroed buffer that no push reads: nothing is given until push_iter gives
+    it, and a part packs only buckets whose tensors were all given."""
+    from ..tensors import make_desc
+    from .sender import _cast_code
+    entries = []
+    for name, t in meta:
+        code, shape = _meta(tx, name, t)
+        send_as = _cast_code(tx._cast, name, code)
+        if send_as == 14 and code != 14:
+            raise InvalidArgument(-1, "refit '%s' plan: '%s' is cast to float8_e4m3, whose scale "
+                                  "comes from its bytes at the seal: let the first push_iter "
+                                  "plan instead" % (tx.name, name))
+        entries.append((name, make_desc(code, shape), send_as))
+    if not entries:
+        raise InvalidArgument(-1, "refit '%s' plan: no tensor" % tx.name)
+    if tx._plan is not None or tx._sources:
+        raise InvalidArgument(-1, "refit '%s' plan: it has one (the plan is made once; a changed "
+                              "one comes from push_iter)" % tx.name)
+    zeros = np.zeros(max(max(_nbytes(d) for _, d, _ in entries), 1), np.uint8)
+    h = tx.handle
+    for name, desc, send_as in entries:
+        check(lib.ferry_refit_declare(h, name.encode(), byref(desc), zeros.ctypes.data, send_as))
+    check(lib.ferry_refit_seal(h))
+    opts = PushOpts(ctypes.sizeof(PushOpts), None, 0, 0, -1, 0, PART_ABORT)
+    check(lib.ferry_refit_push(h, tx.version + 1, byref(opts)))  # none open: forgets the givens
+    tx._zeros = zeros  # declared there until the first push_iter points each tensor elsewhere
+    tx._plan = {name: _Planned(name.encode(), (desc.dtype, desc_shape(desc)), _nbytes(desc))
+                for name, desc, _ in entries}
+    tx._sources = {name: _Declared(desc, send_as) for name, desc, send_as in entries}
+
+
+class _Declared:
+    """A tensor of a plan made from metadata: what manifest() reports (no bytes kept)."""
+    __slots__ = ("obj", "stage", "desc", "arr", "send_as")
+
+    def __init__(self, desc, send_as):
+        self.obj = self.stage = self.arr = None
+        self.desc, self.send_as = desc, send_as
+
+
 def _nbytes(desc):
     from ..tensors import DTYPES
     n = np.dtype(DTYPES[desc.dtype][1]).itemsize
@@ -190,6 +245,7 @@ def stream_push(tx, v, weights: Iterable[Tuple[str, Any]], opts, cap: int) -> Di
     finally:
         s.held.clear()
         tx.version = max(tx.version, v) if s.opened else tx.version
+    tx._zeros = None  # every tensor was given: none points at plan()'s zeros any more
     return {"parts": s.parts, "held_max": s.held_max, "bytes": sum(
         p.nbytes for p in tx._plan.values()) if tx._plan else 0}
 
