@@ -3,10 +3,10 @@ only while it yields them (FSDP full_tensor(), Megatron -> HF conversion, a chec
 bucket at a time), in parts under a memory cap (ferry_refit_push_opts.part, docs/REFIT.md,
 Streaming pushes).
 
-The plan (names, dtypes, shapes, in the order they came) is made by a sender's first push_iter,
-which has to see every tensor before a receiver can place a byte: that version is copied into
-host memory as it comes, declared and pushed whole, and the copies are freed when it returns.
-Every later push_iter streams: each tensor is pointed at where the iterable put it
+The plan (names, dtypes, shapes, in the order they came) is made by RefitSender.plan(meta) from
+metadata alone, or else by a sender's first push_iter, which has to see every tensor before a
+receiver can place a byte: that version is copied into host memory as it comes, declared and
+pushed whole, and the copies are freed when it returns. Every push_iter after the plan streams: each tensor is pointed at where the iterable put it
 (ferry_refit_set_data) and held (a reference, no copy) until the buckets it lies in were sent.
 Whenever the held bytes would pass the cap, a part goes: the sender packs and sends every bucket
 whose tensors all came, and the tensors whose buckets all went are let go. The last part commits
