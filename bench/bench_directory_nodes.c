@@ -5,8 +5,9 @@
  * Thousands of processes do not fit on a small host, so a worker process stands in for many:
  * each node here has a client of its own (fr_dir_open_unshared: its own connection), registers
  * under its own name and incarnation, puts its objects in one batch, and renews on its own
- * schedule: first at a random point of the first period, then a third of the lease after its
- * last renewal returned, as the lease timer does. One thread renews a worker's nodes in the order
+ * schedule from then on (while the worker sets up the others too): first at a random point of
+ * the first period, then a third of the lease after its last renewal returned, as the lease
+ * timer does. One thread renews a worker's nodes in the order
  * they come due, through the same front door (fr_dir_node_renew_batch with one name) the lease
  * timer uses. The probe is one more node whose calls are the timed ones.
  */
@@ -104,24 +105,36 @@ static bool wait_until(uint64_t at_ns, int quit_fd) {
   }
 }
 
+static uint64_t period_ns(const bd_plan *p) { return (uint64_t)p->lease_ms * 1000000ull / 3; }
+
+/* One renewal of d, counted; its next one a third of the lease on from the answer, as the lease
+ * timer schedules it. */
+static void renew_one(sim_node *d, const bd_plan *p, bd_counters *c) {
+  uint64_t late = fr_now_ns() - d->due_ns;
+  if (late > __atomic_load_n(&c->late_ns, __ATOMIC_RELAXED))
+    __atomic_store_n(&c->late_ns, late, __ATOMIC_RELAXED);
+  fr_dir_renewal r = {d->rec.name, d->rec.incarnation, p->lease_ms};
+  int st = 0;
+  int rc = fr_dir_node_renew_batch(d->dir, &r, 1, &st, p->lease_ms / 3);
+  __atomic_add_fetch(rc == 0 && st == 0 ? &c->renewals : &c->failures, 1, __ATOMIC_RELAXED);
+  d->due_ns = fr_now_ns() + period_ns(p);
+}
+
+/* While the worker sets up its other nodes: renews those up already whose renewal is due (a
+ * slow directory's setup may take longer than a lease). */
+static void renew_due(sim_node *s, int n, const bd_plan *p, bd_counters *c) {
+  for (int i = 0; i < n; i++)
+    if (s[i].due_ns <= fr_now_ns())
+      renew_one(&s[i], p, c);
+}
+
 /* Renews each node when due, one at a time, until quit_fd closes. */
 static void renew_loop(sim_node *s, int n, const bd_plan *p, bd_counters *c, int quit_fd) {
-  uint64_t period = (uint64_t)p->lease_ms * 1000000ull / 3;
-  uint64_t start = fr_now_ns();
-  for (int i = 0; i < n; i++)
-    s[i].due_ns = start + fr_random_u64() % period;
   for (;;) {
     sim_node *d = next_due(s, n);
     if (!wait_until(d->due_ns, quit_fd))
       return;
-    uint64_t late = fr_now_ns() - d->due_ns;
-    if (late > __atomic_load_n(&c->late_ns, __ATOMIC_RELAXED))
-      __atomic_store_n(&c->late_ns, late, __ATOMIC_RELAXED);
-    fr_dir_renewal r = {d->rec.name, d->rec.incarnation, p->lease_ms};
-    int st = 0;
-    int rc = fr_dir_node_renew_batch(d->dir, &r, 1, &st, p->lease_ms / 3);
-    __atomic_add_fetch(rc == 0 && st == 0 ? &c->renewals : &c->failures, 1, __ATOMIC_RELAXED);
-    d->due_ns = fr_now_ns() + period; /* as the lease timer: a third on from the answer */
+    renew_one(d, p, c);
   }
 }
 
@@ -147,7 +160,10 @@ int bd_worker_main(const bd_plan *p, int w, bd_counters *c, int quit_fd) {
       fail(c, rc, what);
       return CLI_FAIL;
     }
+    s[i].due_ns = fr_now_ns() + fr_random_u64() % period_ns(p); /* its first: at random */
+    renew_due(s, i + 1, p, c);
   }
+  __atomic_store_n(&c->late_ns, 0, __ATOMIC_RELAXED); /* lateness counts from here on */
   __atomic_store_n(&c->state, 1, __ATOMIC_RELEASE);
   if (mine > 0)
     renew_loop(s, mine, p, c, quit_fd);
