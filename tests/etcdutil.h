@@ -9,10 +9,12 @@
 #include "testutil.h"
 
 #include <pthread.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef struct su_etcd {
   char dir[64];        /* the cluster's folder (cluster.sh's DIR) */
@@ -60,6 +62,36 @@ static inline bool su_etcd_start(su_etcd *e, int members) {
   }
   snprintf(e->url, sizeof e->url, "etcd://%s", e->endpoints);
   return true;
+}
+
+/* The member that leads now (1-based, cluster.sh leader), polled up to 5 s: 0 when none does. */
+static inline int su_etcd_leader(const su_etcd *e) {
+  char line[1200], out[16] = "";
+  snprintf(line, sizeof line, "sh '%s' leader '%s'", e->script, e->dir);
+  for (int i = 0; i < 50; i++) {
+    FILE *p = popen(line, "r");
+    bool got = p && fgets(out, sizeof out, p) != NULL;
+    if (p)
+      pclose(p);
+    if (got && atoi(out) > 0)
+      return atoi(out);
+    struct timespec ts = {0, 100000000L};
+    nanosleep(&ts, NULL);
+  }
+  return 0;
+}
+
+/* Sends sig to member m (1-based; its pid from DIR/mM.pid): SIGKILL, SIGSTOP, SIGCONT. False
+ * when its pid is not known. */
+static inline bool su_etcd_signal(const su_etcd *e, int m, int sig) {
+  char path[128];
+  snprintf(path, sizeof path, "%s/m%d.pid", e->dir, m);
+  FILE *f = fopen(path, "r");
+  int pid = 0;
+  bool ok = f && fscanf(f, "%d", &pid) == 1 && pid > 0;
+  if (f)
+    fclose(f);
+  return ok && kill(pid, sig) == 0;
 }
 
 static inline void su_etcd_stop(su_etcd *e) {

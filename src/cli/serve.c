@@ -1,7 +1,8 @@
 /*
  * `ferry serve`: a long-lived node for the fleet. Without --directory it hosts the embedded
  * directory on --listen (default: the host:port of FERRY_DIRECTORY, ferry://127.0.0.1:7700);
- * with --directory, or when FERRY_DIRECTORY is a redis:// URL (a directory it cannot host), it
+ * with --directory, or when FERRY_DIRECTORY is a redis:// or etcd:// URL (a directory it cannot
+ * host), it
  * joins that one, listening where the directory's other hosts can reach it. Either way it is a
  * store node that holds objects for short-lived clients (`ferry put` hands it the bytes). It runs
  * until SIGINT or SIGTERM.
@@ -26,8 +27,9 @@ static const char serve_usage[] =
     "                   [--capacity BYTES] [--http HOST:PORT|off] [--json]\n\n"
     "Runs a long-lived node: it hosts the embedded directory on --listen (default: the\n"
     "host:port of FERRY_DIRECTORY, 127.0.0.1:7700), or with --directory (or a redis://\n"
-    "FERRY_DIRECTORY) joins that one (ferry://HOST:PORT, a bare HOST:PORT, or\n"
-    "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]); and it holds objects that short-lived\n"
+    "FERRY_DIRECTORY) joins that one (ferry://HOST:PORT, a bare HOST:PORT,\n"
+    "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] or etcd://HOST[:PORT][,HOST[:PORT]...]);\n"
+    "and it holds objects that short-lived\n"
     "clients put (`ferry put`), in a pool of --capacity bytes (default FERRY_STORE_CAPACITY;\n"
     "K, M, G, T or KiB, MiB, GiB, TiB suffixes).\n"
     "It serves its metrics (Prometheus text at /metrics, /healthz, /readyz), the fleet's\n"

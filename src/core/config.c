@@ -65,8 +65,9 @@
     "microseconds a control request yields for its acks before it sleeps")                         \
   X("FERRY_DIRECTORY", "ferry://127.0.0.1:7700",                                                   \
     "directory URL: ferry://HOST:PORT (embedded; `ferry serve`), "                                 \
-    "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB], rediss://... (TLS) or "                           \
-    "redis+sentinel://S1[:PORT],S2[:PORT],.../NAME[/DB]")                                          \
+    "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB], rediss://... (TLS), "                             \
+    "redis+sentinel://S1[:PORT],S2[:PORT],.../NAME[/DB] or "                                       \
+    "etcd://HOST[:PORT][,HOST[:PORT]...] (an etcd cluster)")                                       \
   X("FERRY_REDIS_TLS_CA", "",                                                                      \
     "rediss://: CA certificates (PEM file) the server's certificate must chain to, where the URL " \
     "has no ?ca= (empty: the system's store)")                                                     \
