@@ -326,6 +326,17 @@ static int put_lost(fr_etcd *e, const fr_dir_object *o, json_t *resp, bool *keep
   return 0;
 }
 
+/* What a put that replaced prev (a put's prev_kv, may be NULL) tells: another owner's record. */
+static void put_replaced(const fr_dir_object *o, json_t *prev, fr_dir_object *replaced,
+                         bool *had_other) {
+  fr_etcd_kv pv;
+  fr_dir_object old;
+  *had_other = prev && fr_etcd_kv_read(prev, &pv) && fr_etcd_object_of(&pv, o->key, &old) &&
+               strcmp(old.owner, o->owner) != 0;
+  if (*had_other)
+    *replaced = old;
+}
+
 /* One try of a put: bound to `lease` if the owner's node is still on it (and, with keep, if the
  * record is absent or on it too). *done: it was written. */
 static int put_try(fr_etcd *e, const fr_dir_object *o, const uint8_t *val, size_t vn,
@@ -350,11 +361,10 @@ static int put_try(fr_etcd *e, const fr_dir_object *o, const uint8_t *val, size_
     json_decref(j);
     return rc;
   }
-  json_t *prev = json_object_get(fr_etcd_response(resp, 0, "response_put"), "prev_kv");
-  fr_etcd_kv pv;
   fr_dir_object old;
-  bool other = prev && fr_etcd_kv_read(prev, &pv) && fr_etcd_object_of(&pv, o->key, &old) &&
-               strcmp(old.owner, o->owner) != 0;
+  bool other;
+  put_replaced(o, json_object_get(fr_etcd_response(resp, 0, "response_put"), "prev_kv"), &old,
+               &other);
   if (other && replaced)
     *replaced = old;
   if (had_other)
@@ -408,16 +418,74 @@ static int etcd_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir
   return obj_put_until(st, o, flags, replaced, had_other, fr_deadline_ns(timeout_ms), timeout_ms);
 }
 
+/* n objects of one owner (distinct keys, n < FR_ETCD_TXN_OPS) in one txn: the owner's node still
+ * on `lease`, then every put. *done false: the owner's registration is not what the lease cache
+ * says (the caller puts them one by one, which finds out). */
+static int put_group(fr_etcd *e, const fr_dir_object *objs, size_t n, int64_t lease, int *status,
+                     fr_dir_object *replaced, bool *had_other, bool *done, uint64_t deadline,
+                     int timeout_ms) {
+  char nk[FR_ETCD_KEY_BYTES];
+  size_t nn = fr_etcd_key_of(e, 'n', objs[0].owner, nk);
+  json_t *compare = json_array(), *success = json_array(), *j, *resp;
+  json_array_append_new(compare, fr_etcd_cmp(nk, nn, "LEASE", "lease", lease));
+  for (size_t i = 0; i < n; i++) {
+    uint8_t buf[FR_ETCD_RECORD_MAX];
+    char ok[FR_ETCD_KEY_BYTES];
+    size_t on = fr_etcd_key_of(e, 'o', objs[i].key, ok);
+    fr_wr w = FR_WR_ON(buf);
+    fr_wr_object(&w, &objs[i]);
+    json_array_append_new(success, fr_etcd_op_put(ok, on, w.p, w.len, lease));
+    fr_wr_free(&w);
+  }
+  int rc = fr_etcd_txn(e, compare, success, NULL, &j, done, &resp, deadline, timeout_ms);
+  if (rc != 0)
+    return rc;
+  for (size_t i = 0; *done && i < n; i++) {
+    put_replaced(&objs[i], json_object_get(fr_etcd_response(resp, i, "response_put"), "prev_kv"),
+                 &replaced[i], &had_other[i]);
+    status[i] = 0;
+    changed(e, objs[i].key);
+  }
+  json_decref(j);
+  return 0;
+}
+
+/* How many objects from objs[0] go in one txn: of one owner, keys distinct (etcd refuses a txn
+ * that puts a key twice), fewer than FR_ETCD_TXN_OPS. */
+static size_t group_of(const fr_dir_object *objs, size_t n) {
+  size_t m = 1;
+  for (; m < n && m + 1 < FR_ETCD_TXN_OPS && strcmp(objs[m].owner, objs[0].owner) == 0; m++)
+    for (size_t k = 0; k < m; k++)
+      if (strcmp(objs[k].key, objs[m].key) == 0)
+        return m;
+  return m;
+}
+
+/* Objects of one owner go in txns of up to 127 puts (once this client knows the owner's lease);
+ * a put that must keep others' records, or of a group whose compare failed, one by one. */
 static int etcd_obj_put_batch(void *st, const fr_dir_object *objs, size_t n, unsigned flags,
                               int *status, fr_dir_object *replaced, bool *had_other,
                               int timeout_ms) {
+  fr_etcd *e = st;
   uint64_t deadline = fr_deadline_ns(timeout_ms);
-  for (size_t i = 0; i < n; i++) {
-    had_other[i] = false;
-    status[i] =
-        obj_put_until(st, &objs[i], flags, &replaced[i], &had_other[i], deadline, timeout_ms);
-    if (status[i] != 0 && status[i] != FERRY_ENOTFOUND && status[i] != FERRY_EEXIST)
-      return status[i]; /* the cluster did not answer: the rest would fail alike */
+  for (size_t i = 0; i < n;) {
+    size_t m = flags & FR_DIR_PUT_KEEP_OTHERS ? 1 : group_of(objs + i, n - i);
+    int64_t lease = m > 1 ? fr_etcd_lease_cached(e, objs[i].owner, 0) : 0;
+    bool done = false;
+    for (size_t k = i; k < i + m; k++)
+      had_other[k] = false;
+    int rc = lease ? put_group(e, objs + i, m, lease, status + i, replaced + i, had_other + i,
+                               &done, deadline, timeout_ms)
+                   : 0;
+    if (rc != 0)
+      return rc;
+    for (size_t k = i; !done && k < i + (lease ? m : 1); k++) {
+      status[k] =
+          obj_put_until(e, &objs[k], flags, &replaced[k], &had_other[k], deadline, timeout_ms);
+      if (status[k] != 0 && status[k] != FERRY_ENOTFOUND && status[k] != FERRY_EEXIST)
+        return status[k]; /* the cluster did not answer: the rest would fail alike */
+    }
+    i += done || lease ? m : 1; /* without a lease known, one put learns it for the rest */
   }
   return 0;
 }
