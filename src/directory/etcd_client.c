@@ -194,6 +194,22 @@ static int answer_json(fr_etcd *e, const char *body, const char *path, json_t **
   return 0;
 }
 
+/* The call's deadline passed. When every member of several was asked and none answered, the
+ * cluster as a whole is not serving (fewer than a quorum of its members run, or no leader is
+ * elected yet): the detail says so, not only the last member's words. */
+static int timed_out(fr_etcd *e, const char *path, int timeout_ms, const char *last,
+                     unsigned silent) {
+  int n = e->m.u.n;
+  if (n > 1 && silent == (1u << n) - 1)
+    return fr_err(FERRY_ETIMEDOUT,
+                  "etcd at %s: none of its %d members answered %s within %d ms: the cluster has "
+                  "no quorum or no leader now (members stopped or down, or an election under "
+                  "way; last: %s)",
+                  e->m.shown, n, path, timeout_ms, last);
+  return fr_err(FERRY_ETIMEDOUT, "etcd at %s did not answer %s within %d ms (last: %s)", e->m.shown,
+                path, timeout_ms, last);
+}
+
 /* One request within the deadline, moving from member to member while they do not answer;
  * takes req. *out: the answer (a stream's first message unwrapped of its "result"). */
 int fr_etcd_call_until(fr_etcd *e, const char *path, json_t *req, json_t **out, uint64_t deadline,
@@ -208,13 +224,13 @@ int fr_etcd_call_until(fr_etcd *e, const char *path, json_t *req, json_t **out, 
     return rc;
   }
   int n = e->m.u.n, refused = 0;
+  unsigned silent = 0; /* the members this call left without an answer */
   bool garbled = false;
   char last[512] = "no member was asked";
   for (int tried = 0;; tried++) {
     int left = fr_ms_left(deadline);
     if (left <= 0) {
-      rc = fr_err(FERRY_ETIMEDOUT, "etcd at %s did not answer %s within %d ms (last: %s)",
-                  e->m.shown, path, timeout_ms, last);
+      rc = timed_out(e, path, timeout_ms, last, silent);
       break;
     }
     if (refused >= n) { /* every member refused, reset or garbled the last round: no use */
@@ -261,6 +277,7 @@ int fr_etcd_call_until(fr_etcd *e, const char *path, json_t *req, json_t **out, 
     } else {
       fr_str_copy(last, sizeof last, ferry_last_error());
     }
+    silent |= 1u << m;
     __atomic_add_fetch(&e->m.failures[m], 1, __ATOMIC_ACQ_REL);
     __atomic_store_n(&e->m.current, (m + 1) % n, __ATOMIC_RELEASE);
     if ((tried + 1) % n == 0 && rc != FERRY_ECONNECT) { /* a round without an answer: an election */
