@@ -142,6 +142,12 @@ row 28 "a hello whose node name holds a newline, ESC and BEL (no token)" \
 row 29 "the Redis primary SIGKILLed behind Sentinel" \
   "calls fail clearly in their timeout, then go on against the promoted replica; records kept" \
   store_test:test_redis_sentinel_failover
+row 30 "the etcd leader SIGKILLed mid-run (three members)" \
+  "puts, gets, pushes go on after the election within their timeouts; nothing acked lost; leases kept" \
+  etcd_fault_test:test_etcd_leader_killed etcd_fault_test:test_etcd_lease_election
+row 31 "two of three etcd members SIGSTOPped (quorum lost)" \
+  "calls fail clearly within their timeout; after one SIGCONT they succeed, nothing lost" \
+  etcd_fault_test:test_etcd_quorum_lost
 
 total=$(awk -v a="$total_t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
 if [ $failed -ne 0 ]; then
