@@ -346,6 +346,7 @@ static int put_try(fr_etcd *e, const fr_dir_object *o, const uint8_t *val, size_
   size_t nn = fr_etcd_key_of(e, 'n', o->owner, nk), on = fr_etcd_key_of(e, 'o', o->key, ok);
   json_t *compare = json_array(), *success = json_array(), *failure = json_array(), *j, *resp;
   json_array_append_new(compare, fr_etcd_cmp(nk, nn, "LEASE", "lease", *lease));
+  json_array_append_new(compare, fr_etcd_cmp_unchanged(e, ok, on));
   if (*keep)
     json_array_append_new(compare, *absent ? fr_etcd_cmp(ok, on, "VERSION", "version", 0)
                                            : fr_etcd_cmp(ok, on, "LEASE", "lease", *lease));
@@ -432,6 +433,7 @@ static int put_group(fr_etcd *e, const fr_dir_object *objs, size_t n, int64_t le
     uint8_t buf[FR_ETCD_RECORD_MAX];
     char ok[FR_ETCD_KEY_BYTES];
     size_t on = fr_etcd_key_of(e, 'o', objs[i].key, ok);
+    json_array_append_new(compare, fr_etcd_cmp_unchanged(e, ok, on));
     fr_wr w = FR_WR_ON(buf);
     fr_wr_object(&w, &objs[i]);
     json_array_append_new(success, fr_etcd_op_put(ok, on, w.p, w.len, lease));

@@ -47,6 +47,7 @@ typedef struct fr_etcd {
   int conn_member;
   uint64_t cluster;               /* the cluster id answers carry (0: none seen yet) */
   uint64_t epoch;                 /* atomic: bumped when another cluster answers */
+  int64_t seen_rev;               /* atomic: the highest revision an answer's header carried */
   char prefix[FR_DIR_NS_MAX + 8]; /* "ferry/" or "ferry@NS/" */
   size_t prefix_len;
   pthread_mutex_t cache_lock;
@@ -118,6 +119,10 @@ void fr_etcd_lease_forget(fr_etcd *e, const char *name);
 /* A txn: compare, then success or failure ops (each array taken; failure may be NULL). *ok: it
  * succeeded; *responses: its responses (borrowed from *j, which the caller frees). */
 json_t *fr_etcd_cmp(const char *key, size_t n, const char *target, const char *field, int64_t v);
+/* The key not modified since the latest revision this client saw (absent counts as unmodified): a
+ * put that carries it, sent again to another member or left with a stopped one that runs it
+ * late, can never replace a record written after it was sent (that one's revision is newer). */
+json_t *fr_etcd_cmp_unchanged(fr_etcd *e, const char *key, size_t n);
 json_t *fr_etcd_op_range(const char *key, size_t n);
 json_t *fr_etcd_op_put(const char *key, size_t n, const void *val, size_t vn, int64_t lease);
 json_t *fr_etcd_op_delete(const char *key, size_t n);

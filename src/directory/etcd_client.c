@@ -185,6 +185,11 @@ static int answer_json(fr_etcd *e, const char *body, const char *path, json_t **
   json_t *res = json_object_get(j, "result"); /* a stream's message */
   json_t *head = json_object_get(res ? res : j, "header");
   uint64_t cluster = 0;
+  int64_t rev = 0, seen = __atomic_load_n(&e->seen_rev, __ATOMIC_ACQUIRE);
+  while (head && fr_etcd_get_i64(head, "revision", &rev) && rev > seen &&
+         !__atomic_compare_exchange_n(&e->seen_rev, &seen, rev, false, __ATOMIC_ACQ_REL,
+                                      __ATOMIC_ACQUIRE))
+    ;
   if (head && get_u64(head, "cluster_id", &cluster) && cluster) {
     if (e->cluster && e->cluster != cluster) /* another cluster: what we registered is gone */
       __atomic_add_fetch(&e->epoch, 1, __ATOMIC_ACQ_REL);
@@ -416,12 +421,22 @@ int fr_etcd_lease_revoke(fr_etcd *e, int64_t id, uint64_t deadline, int timeout_
 
 /* ---- txn ---- */
 
-json_t *fr_etcd_cmp(const char *key, size_t n, const char *target, const char *field, int64_t v) {
+static json_t *compare(const char *key, size_t n, const char *target, const char *result,
+                       const char *field, int64_t v) {
   json_t *c = fr_etcd_with_key(json_object(), key, n);
   json_object_set_new(c, "target", json_string(target));
-  json_object_set_new(c, "result", json_string("EQUAL"));
+  json_object_set_new(c, "result", json_string(result));
   fr_etcd_set_i64(c, field, v);
   return c;
+}
+
+json_t *fr_etcd_cmp(const char *key, size_t n, const char *target, const char *field, int64_t v) {
+  return compare(key, n, target, "EQUAL", field, v);
+}
+
+json_t *fr_etcd_cmp_unchanged(fr_etcd *e, const char *key, size_t n) {
+  int64_t seen = __atomic_load_n(&e->seen_rev, __ATOMIC_ACQUIRE);
+  return compare(key, n, "MOD", "LESS", "mod_revision", seen + 1);
 }
 
 static json_t *fr_etcd_op(const char *kind, json_t *req) {
