@@ -457,8 +457,9 @@ class RefitSender(_lib.Closing):
 
         Without plan() first, the first call plans: it copies each tensor into host memory as it
         comes (the plan, the receivers' manifest, needs every name and shape before a byte can
-        go), then declares and pushes them whole, and frees the copies. Later calls stream against that plan (names,
-        dtypes and shapes; any order, the first call's order holding the least): each tensor is
+        go), then declares and pushes them whole, and frees the copies. Later calls stream
+        against that plan (names, dtypes and shapes; any order, the first call's order holding
+        the least; torch tensors and numpy arrays, host or CUDA for torch): each tensor is
         used where it is, held until the buckets it lies in went, and whenever the held bytes
         would pass stream_cap a part goes (a tensor bigger than the cap goes in a part of its
         own). Receivers commit the version with its last part, only if they took every part: a

@@ -6,8 +6,9 @@ Streaming pushes).
 The plan (names, dtypes, shapes, in the order they came) is made by RefitSender.plan(meta) from
 metadata alone, or else by a sender's first push_iter, which has to see every tensor before a
 receiver can place a byte: that version is copied into host memory as it comes, declared and
-pushed whole, and the copies are freed when it returns. Every push_iter after the plan streams: each tensor is pointed at where the iterable put it
-(ferry_refit_set_data) and held (a reference, no copy) until the buckets it lies in were sent.
+pushed whole, and the copies are freed when it returns. Every push_iter after the plan streams:
+each tensor is pointed at where the iterable put it (ferry_refit_set_data) and held (a
+reference, no copy) until the buckets it lies in were sent.
 Whenever the held bytes would pass the cap, a part goes: the sender packs and sends every bucket
 whose tensors all came, and the tensors whose buckets all went are let go. The last part commits
 the version at every receiver that took all of its parts; a receiver never reports a version
@@ -43,10 +44,7 @@ def _host_copy(name, t):
     torch = _torch()
     if torch is not None and isinstance(t, torch.Tensor):
         return t.detach().to("cpu", copy=True).contiguous()
-    if isinstance(t, np.ndarray):
-        return np.array(t, copy=True, order="C")
-    desc, arr = as_buffer(t)  # raises for what ferry cannot send, naming why
-    return np.array(arr, copy=True, order="C")
+    return np.array(t, copy=True, order="C")  # numpy, or what numpy takes (host memory)
 
 
 _CODES: Dict[Any, int] = {}  # dtype object -> ferry dtype code, looked up once per dtype
