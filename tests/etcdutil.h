@@ -1,7 +1,8 @@
 /*
  * A throwaway etcd cluster for the etcd:// directory tests (issue 36): tests/etcd/cluster.sh
  * starts N members on free loopback ports, each with its data under one temporary folder, and
- * su_etcd_stop kills them and removes it. Skipped with a message when etcd is not installed.
+ * su_etcd_stop kills them and removes it (a cluster a failed case left running is stopped when
+ * the test process exits). Skipped with a message when etcd is not installed.
  */
 #ifndef FERRY_ETCDUTIL_H
 #define FERRY_ETCDUTIL_H
@@ -14,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <time.h>
 
 typedef struct su_etcd {
@@ -22,6 +24,23 @@ typedef struct su_etcd {
   char url[600];       /* etcd://ENDPOINTS */
   char script[512];    /* tests/etcd/cluster.sh */
 } su_etcd;
+
+/* The clusters started and not stopped yet, stopped at exit: a case that fails an assertion leaves
+ * its function before su_etcd_stop (cmocka jumps out), and must not leave etcd running. */
+#define SU_ETCD_LIVE 8
+static su_etcd su_etcd_live[SU_ETCD_LIVE];
+static pid_t su_etcd_owner; /* the process that started them */
+
+static inline void su_etcd_live_set(const su_etcd *e, bool on) {
+  for (int i = 0; i < SU_ETCD_LIVE; i++)
+    if (on ? !su_etcd_live[i].dir[0] : strcmp(su_etcd_live[i].dir, e->dir) == 0) {
+      if (on)
+        su_etcd_live[i] = *e;
+      else
+        su_etcd_live[i].dir[0] = '\0';
+      return;
+    }
+}
 
 /* Runs cluster.sh CMD [ARG]; its exit status. */
 static inline int su_etcd_sh(const su_etcd *e, const char *cmd, int arg) {
@@ -32,6 +51,8 @@ static inline int su_etcd_sh(const su_etcd *e, const char *cmd, int arg) {
     snprintf(line, sizeof line, "sh '%s' %s '%s'", e->script, cmd, e->dir);
   return system(line);
 }
+
+static inline void su_etcd_stop_all(void);
 
 /* Starts `members` members; false (with a message) when etcd is not installed or did not come
  * up. */
@@ -61,6 +82,11 @@ static inline bool su_etcd_start(su_etcd *e, int members) {
     return false;
   }
   snprintf(e->url, sizeof e->url, "etcd://%s", e->endpoints);
+  static bool registered;
+  if (!registered)
+    registered = atexit(su_etcd_stop_all) == 0;
+  su_etcd_owner = getpid();
+  su_etcd_live_set(e, true);
   return true;
 }
 
@@ -95,9 +121,21 @@ static inline bool su_etcd_signal(const su_etcd *e, int m, int sig) {
 }
 
 static inline void su_etcd_stop(su_etcd *e) {
-  if (e->dir[0])
+  if (e->dir[0]) {
     su_etcd_sh(e, "stop", 0);
+    su_etcd_live_set(e, false);
+  }
   e->dir[0] = '\0';
+}
+
+static inline void su_etcd_stop_all(void) {
+  if (getpid() != su_etcd_owner) /* a forked child that exits: the clusters are its parent's */
+    return;
+  for (int i = 0; i < SU_ETCD_LIVE; i++)
+    if (su_etcd_live[i].dir[0]) {
+      su_etcd_sh(&su_etcd_live[i], "stop", 0);
+      su_etcd_live[i].dir[0] = '\0';
+    }
 }
 
 #endif
