@@ -198,25 +198,46 @@ static int ptr_copy_locked(ucx_link *u, const ucx_remote *rem, uint64_t off, voi
   return state_check(u, rem, __atomic_load_n(&h->state, __ATOMIC_ACQUIRE));
 }
 
+/* The start of every one-sided access of region r from or into buf (what: "read", "write"):
+ * NULL when the link is not open or UCX cannot reach buf (*rc says why); else the link, its lock
+ * held, with *rc from waiting for the link and finding the region, *rem the region (NULL: not
+ * looked up) and *mode how it is reached. */
+static ucx_link *access_begin(ferry_link *l, const ferry_region_ref *r, const void *buf,
+                              const char *what, uint64_t deadline, ucx_remote **rem, int *mode,
+                              int *rc) {
+  ucx_link *u = ucx_of(l);
+  *rc = u ? fr_ucx_check_memory(u, buf, what) : fr_err(FERRY_EPEER, "ucx link is not open");
+  if (*rc != 0)
+    return NULL;
+  pthread_mutex_lock(&u->lock);
+  *rem = NULL;
+  if ((*rc = fr_ucx_wait_ready_locked(u, deadline)) == 0 && (u->use_get || u->try_ptr))
+    *rc = remote_for(u, r, deadline, rem);
+  *mode = access_mode(u, *rem);
+  return u;
+}
+
+/* FERRY_ERANGE unless bytes [off, +len) lie within the region. */
+static int range_check(const ferry_link *l, const ferry_region_ref *r, const ucx_remote *rem,
+                       uint64_t off, uint64_t len) {
+  if (fr_range_ok(off, len, rem->size))
+    return 0;
+  return fr_err(FERRY_ERANGE, "region %llu of '%s': bytes [%llu, +%llu) outside its %llu bytes",
+                (unsigned long long)r->id, l->peer, (unsigned long long)off,
+                (unsigned long long)len, (unsigned long long)rem->size);
+}
+
 int fr_ucx_read(ferry_link *l, const ferry_region_ref *r, uint64_t off, void *dst, size_t len,
                 int timeout_ms) {
-  ucx_link *u = ucx_of(l);
-  int rc = u ? fr_ucx_check_memory(u, dst, "read") : fr_err(FERRY_EPEER, "ucx link is not open");
-  if (rc != 0)
-    return rc;
   uint64_t deadline = fr_deadline_ns(timeout_ms);
-  pthread_mutex_lock(&u->lock);
-  ucx_remote *rem = NULL;
-  if ((rc = fr_ucx_wait_ready_locked(u, deadline)) == 0 && (u->use_get || u->try_ptr))
-    rc = remote_for(u, r, deadline, &rem);
-  int mode = access_mode(u, rem);
+  ucx_remote *rem;
+  int mode, rc;
+  ucx_link *u = access_begin(l, r, dst, "read", deadline, &rem, &mode, &rc);
+  if (!u)
+    return rc;
   if (rc == 0 && mode == BY_REQUEST)
     rc = fr_ucx_am_read_locked(u, r, off, dst, len, deadline);
-  else if (rc == 0 && !fr_range_ok(off, len, rem->size))
-    rc = fr_err(FERRY_ERANGE, "region %llu of '%s': bytes [%llu, +%zu) outside its %llu bytes",
-                (unsigned long long)r->id, l->peer, (unsigned long long)off, len,
-                (unsigned long long)rem->size);
-  else if (rc == 0)
+  else if (rc == 0 && (rc = range_check(l, r, rem, off, len)) == 0)
     rc = mode == BY_PTR ? ptr_copy_locked(u, rem, off, dst, len, false)
                         : rma_locked(u, rem, off, dst, len, false, deadline);
   pthread_mutex_unlock(&u->lock);
@@ -258,21 +279,14 @@ static int gets_locked(ucx_link *u, const ucx_remote *rem, const ferry_read_run 
  * read request per run. */
 int fr_ucx_readv(ferry_link *l, const ferry_region_ref *r, const ferry_read_run *runs, size_t n,
                  void *dst, int timeout_ms) {
-  ucx_link *u = ucx_of(l);
-  int rc = u ? fr_ucx_check_memory(u, dst, "read") : fr_err(FERRY_EPEER, "ucx link is not open");
-  if (rc != 0)
-    return rc;
   uint64_t deadline = fr_deadline_ns(timeout_ms);
-  pthread_mutex_lock(&u->lock);
-  ucx_remote *rem = NULL;
-  if ((rc = fr_ucx_wait_ready_locked(u, deadline)) == 0 && (u->use_get || u->try_ptr))
-    rc = remote_for(u, r, deadline, &rem);
-  int mode = access_mode(u, rem);
+  ucx_remote *rem;
+  int mode, rc;
+  ucx_link *u = access_begin(l, r, dst, "read", deadline, &rem, &mode, &rc);
+  if (!u)
+    return rc;
   for (size_t i = 0; rc == 0 && mode != BY_REQUEST && i < n; i++)
-    if (!fr_range_ok(runs[i].offset, runs[i].len, rem->size))
-      rc = fr_err(FERRY_ERANGE, "region %llu of '%s': bytes [%llu, +%llu) outside its %llu bytes",
-                  (unsigned long long)r->id, l->peer, (unsigned long long)runs[i].offset,
-                  (unsigned long long)runs[i].len, (unsigned long long)rem->size);
+    rc = range_check(l, r, rem, runs[i].offset, runs[i].len);
   uint8_t *at = dst;
   if (rc == 0 && mode == BY_RMA)
     rc = gets_locked(u, rem, runs, n, at, deadline);
@@ -286,22 +300,14 @@ int fr_ucx_readv(ferry_link *l, const ferry_region_ref *r, const ferry_read_run 
 
 int fr_ucx_write(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
                  size_t len, int timeout_ms) {
-  ucx_link *u = ucx_of(l);
-  int rc = u ? fr_ucx_check_memory(u, src, "write") : fr_err(FERRY_EPEER, "ucx link is not open");
-  if (rc != 0)
-    return rc;
   uint64_t deadline = fr_deadline_ns(timeout_ms);
-  pthread_mutex_lock(&u->lock);
-  ucx_remote *rem = NULL;
-  if ((rc = fr_ucx_wait_ready_locked(u, deadline)) == 0 && (u->use_get || u->try_ptr))
-    rc = remote_for(u, r, deadline, &rem);
-  int mode = access_mode(u, rem);
+  ucx_remote *rem;
+  int mode, rc;
+  ucx_link *u = access_begin(l, r, src, "write", deadline, &rem, &mode, &rc);
+  if (!u)
+    return rc;
   bool by_stream = rc == 0 && mode == BY_REQUEST;
-  if (rc == 0 && !by_stream && !fr_range_ok(off, len, rem->size))
-    rc = fr_err(FERRY_ERANGE, "region %llu of '%s': bytes [%llu, +%zu) outside its %llu bytes",
-                (unsigned long long)r->id, l->peer, (unsigned long long)off, len,
-                (unsigned long long)rem->size);
-  else if (rc == 0 && !by_stream)
+  if (rc == 0 && !by_stream && (rc = range_check(l, r, rem, off, len)) == 0)
     rc = mode == BY_PTR ? ptr_copy_locked(u, rem, off, (void *)src, len, true)
                         : rma_locked(u, rem, off, (void *)src, len, true, deadline);
   pthread_mutex_unlock(&u->lock);
