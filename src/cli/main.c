@@ -16,7 +16,8 @@ static const struct {
 } commands[] = {
     {"demo", cli_demo, "the RL data plane end to end: trainer, two rollouts, three steps"},
     {"info", cli_info, "version, transports and configuration (--config)"},
-    {"bench", cli_bench, "benchmarks against baselines: link, store, refit, control, mq, gpu, all"},
+    {"bench", cli_bench,
+     "benchmarks against baselines: link, store, refit, control, mq, gpu, directory, all"},
     {"ctl", cli_ctl, "control an engine's weight lifecycle: status, clear, update, serve"},
     {"serve", cli_serve, "run the fleet's directory and hold objects for short-lived clients"},
     {"put", cli_put, "store a file (raw or .npy) under a key"},
