@@ -145,8 +145,8 @@ row 29 "the Redis primary SIGKILLed behind Sentinel" \
 row 30 "the etcd leader SIGKILLed mid-run (three members)" \
   "puts, gets, pushes go on after the election within their timeouts; nothing acked lost; leases kept" \
   etcd_fault_test:test_etcd_leader_killed etcd_fault_test:test_etcd_lease_election
-row 31 "two of three etcd members SIGSTOPped (quorum lost)" \
-  "calls fail clearly within their timeout; after one SIGCONT they succeed, nothing lost" \
+row 31 "two of three etcd members SIGSTOPped, then two SIGKILLed (quorum lost)" \
+  "calls fail clearly within their timeout; after a SIGCONT or restart they succeed, nothing lost" \
   etcd_fault_test:test_etcd_quorum_lost
 
 total=$(awk -v a="$total_t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
