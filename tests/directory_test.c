@@ -1468,6 +1468,46 @@ static void test_rediss(void **state) {
   su_tls_redis_stop(&t);
 }
 
+/* A switchover behind Sentinel (SENTINEL FAILOVER): the old primary lives on as a replica, so a
+ * client that kept writing to it would write where nobody reads. The sentinels demote it and
+ * drop its clients; the next calls ask them again and reach the new primary (ROLE master), the
+ * epoch moves, and a node registered again is served from there. */
+static void test_redis_sentinel_switchover(void **state) {
+  su_sentinels z;
+  if (!su_sentinels_start(&z))
+    return;
+  fr_dir *d;
+  FR_OK(fr_dir_open(NULL, z.url, 5000, &d));
+  fr_dir_node n = make_node("switched"), got;
+  FR_OK(d->ops->node_put(d->state, &n, 60000, 0, NULL, 2000));
+  uint64_t epoch = d->ops->epoch(d->state);
+  const char *failover[3] = {"SENTINEL", "FAILOVER", "mymaster"};
+  redisReply *rep = su_redis_ask(z.sentinel_port[0], 3, failover);
+  assert_non_null(rep);
+  assert_int_equal(rep->type, REDIS_REPLY_STATUS);
+  freeReplyObject(rep);
+  /* calls go on (each within its timeout) until one lands on the new primary */
+  const char *role[1] = {"ROLE"};
+  bool moved = false;
+  for (int i = 0; i < 3000 && !moved; i++) {
+    int rc = d->ops->node_put(d->state, &n, 60000, 0, NULL, 1000);
+    assert_true(rc == 0 || rc == FERRY_ECONNECT || rc == FERRY_ETIMEDOUT);
+    rep = rc == 0 ? su_redis_ask(z.primary_port, 1, role) : NULL;
+    moved = rep && rep->type == REDIS_REPLY_ARRAY && strcmp(rep->element[0]->str, "slave") == 0 &&
+            d->ops->epoch(d->state) != epoch;
+    if (rep)
+      freeReplyObject(rep);
+    if (!moved)
+      su_sleep_ms(10);
+  }
+  assert_true(moved);
+  FR_OK(d->ops->node_put(d->state, &n, 60000, 0, NULL, 2000));
+  FR_OK(d->ops->node_get(d->state, "switched", &got, 2000));
+  assert_string_equal(got.address, n.address);
+  fr_dir_close(d);
+  su_sentinels_stop(&z);
+}
+
 /* ---- two hosts (network namespaces on a bridge, bench/netns.h; skipped without root) ---- */
 #define NS_TAG "dt"
 #define NS_NET "10.231.8"
@@ -1773,6 +1813,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_redis_auth),
       cmocka_unit_test(test_redis_deployed_urls),
       cmocka_unit_test(test_rediss),
+      cmocka_unit_test(test_redis_sentinel_switchover),
       cmocka_unit_test(test_advertise_two_hosts),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
