@@ -22,6 +22,8 @@ test_pkgs=(clang libclang-rt-14-dev spin redis-server iproute2 python3 python3-n
            libunistring-dev etcd-server etcd-client openssl)
 # python3-yaml: tests/k8s/check.py parses the Kubernetes examples in docs/k8s (issue 36)
 test_pkgs+=(python3-yaml)
+# python3-pytest-xdist: make test runs the Python tests in nproc processes (scripts/test.sh)
+test_pkgs+=(python3-pytest-xdist)
 bench_pkgs=(python3-numpy python3-torch libnng-dev libzmq3-dev redis-server ucx-utils)
 
 want=("${build_pkgs[@]}")

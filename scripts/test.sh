@@ -114,13 +114,16 @@ if ! /usr/bin/python3 -m venv --system-site-packages "$venv" >build-python-venv.
   tail -20 build-python-venv.log
   echo "python: FAILED: the venv or pip install (scripts/deps.sh test installs python3-venv, python3-pip)"
   failed+=("python (venv/pip install)"); py_ok=0
-elif ! "$venv/bin/python" -c "import pytest" 2>/dev/null; then
-  echo "python: FAILED: python3 cannot import pytest (scripts/deps.sh test installs python3-pytest)"
+elif ! "$venv/bin/python" -c "import pytest, xdist" 2>/dev/null; then
+  echo "python: FAILED: python3 cannot import pytest and xdist (scripts/deps.sh test installs" \
+    "python3-pytest, python3-pytest-xdist)"
   failed+=("python (no pytest)"); py_ok=0
 fi
 if [ "$py_ok" -eq 1 ]; then
+  # -n: nproc pytest processes (pytest-xdist), each given whole files (--dist loadfile)
   (cd build && FERRY_LIB=$PWD/libferry.so FERRY_TEST_INSTALLED=1 "$venv/bin/python" -m pytest -q -rs \
-    -p no:cacheprovider --rootdir=.. --import-mode=importlib ../python/tests) 2>&1 | tee build-python.log
+    -n "$jobs" --dist loadfile -p no:cacheprovider --rootdir=.. --import-mode=importlib \
+    ../python/tests) 2>&1 | tee build-python.log
   rc=${PIPESTATUS[0]} # 5 (no tests collected) fails like any other non-zero code
   [ "$rc" -eq 0 ] || failed+=("python (pytest exit $rc)")
   # -rs lists each skip as "SKIPPED [N] FILE:LINE: REASON"
