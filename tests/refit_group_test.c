@@ -533,14 +533,37 @@ static void child_end(child *c) {
     assert_int_equal(tu_wait(c->pid), 0); /* a clean exit (sanitizers: nothing leaked) */
 }
 
-static void test_rank_killed(void **st) {
-  directory dir;
-  directory_start(&dir);
-  child ch[2];
+/* A directory, then both ranks' children, started and published. */
+static void ranks_start(directory *dir, child ch[2]) {
+  directory_start(dir);
   for (int r = 0; r < 2; r++)
     child_start(&ch[r], r);
   for (int r = 0; r < 2; r++)
     child_ready(&ch[r]); /* published */
+}
+
+/* A receiver of "policy" bound flat on rc, once both ranks have told that it attached. */
+static ferry_refit_receiver *flat_receiver(ferry_ctx *rc, child ch[2]) {
+  ferry_refit_receiver *rx;
+  FR_OK(ferry_refit_receiver_open(rc, "policy", 20000, &rx));
+  FR_OK(ferry_refit_bind_flat(rx));
+  for (int r = 0; r < 2; r++)
+    child_ready(&ch[r]); /* attached */
+  return rx;
+}
+
+/* Both ranks push version v, and both pushes return 0. */
+static void ranks_push(child ch[2], uint64_t v) {
+  for (int r = 0; r < 2; r++)
+    child_push(&ch[r], v, false);
+  for (int r = 0; r < 2; r++)
+    assert_int_equal(child_pushed(&ch[r]), 0);
+}
+
+static void test_rank_killed(void **st) {
+  directory dir;
+  child ch[2];
+  ranks_start(&dir, ch);
   ferry_ctx *rc = ctx_for("rollout");
   ferry_refit_receiver *rx;
   FR_OK(ferry_refit_receiver_open(rc, "policy", 20000, &rx));
@@ -552,10 +575,7 @@ static void test_rank_killed(void **st) {
   }
   for (int r = 0; r < 2; r++)
     child_ready(&ch[r]);
-  for (int r = 0; r < 2; r++)
-    child_push(&ch[r], 1, false);
-  for (int r = 0; r < 2; r++)
-    assert_int_equal(child_pushed(&ch[r]), 0);
+  ranks_push(ch, 1);
   FR_OK(ferry_refit_wait(rx, 1, 10000, NULL));
   expect_whole(rx, got, 1);
 
@@ -578,10 +598,7 @@ static void test_rank_killed(void **st) {
   child_start(&ch[0], 0);
   child_ready(&ch[0]);
   child_ready(&ch[0]); /* the receiver attached to it again */
-  for (int r = 0; r < 2; r++)
-    child_push(&ch[r], 3, false);
-  for (int r = 0; r < 2; r++)
-    assert_int_equal(child_pushed(&ch[r]), 0);
+  ranks_push(ch, 3);
   FR_OK(ferry_refit_wait(rx, 3, 10000, &have));
   assert_int_equal(have, 3);
   expect_whole(rx, got, 3);
@@ -600,22 +617,11 @@ static void test_rank_killed(void **st) {
  * its push of that version returns, and the next version commits everywhere. */
 static void test_rank_stalled(void **st) {
   directory dir;
-  directory_start(&dir);
   child ch[2];
-  for (int r = 0; r < 2; r++)
-    child_start(&ch[r], r);
-  for (int r = 0; r < 2; r++)
-    child_ready(&ch[r]); /* published */
+  ranks_start(&dir, ch);
   ferry_ctx *rc = ctx_for("rollout");
-  ferry_refit_receiver *rx;
-  FR_OK(ferry_refit_receiver_open(rc, "policy", 20000, &rx));
-  FR_OK(ferry_refit_bind_flat(rx));
-  for (int r = 0; r < 2; r++)
-    child_ready(&ch[r]); /* attached */
-  for (int r = 0; r < 2; r++)
-    child_push(&ch[r], 1, false);
-  for (int r = 0; r < 2; r++)
-    assert_int_equal(child_pushed(&ch[r]), 0);
+  ferry_refit_receiver *rx = flat_receiver(rc, ch);
+  ranks_push(ch, 1);
   FR_OK(ferry_refit_wait(rx, 1, 10000, NULL));
 
   kill(ch[1].pid, SIGSTOP);
@@ -631,10 +637,7 @@ static void test_rank_stalled(void **st) {
   child_push(&ch[1], 2, false);
   /* refused, naming the rank that failed the version (itself) */
   assert_int_equal(child_pushed(&ch[1]), FERRY_ESTALE);
-  for (int r = 0; r < 2; r++)
-    child_push(&ch[r], 3, false);
-  for (int r = 0; r < 2; r++)
-    assert_int_equal(child_pushed(&ch[r]), 0);
+  ranks_push(ch, 3);
   FR_OK(ferry_refit_wait(rx, 3, 10000, &have));
   assert_int_equal(have, 3);
   float *w2 = NULL;
@@ -691,18 +694,10 @@ static void test_close_from_callback(void **st) {
  * naming rank 1; rank 0's push returns too; the next version commits. */
 static void test_rank_corrupt(void **st) {
   directory dir;
-  directory_start(&dir);
   child ch[2];
-  for (int r = 0; r < 2; r++)
-    child_start(&ch[r], r);
-  for (int r = 0; r < 2; r++)
-    child_ready(&ch[r]); /* published */
+  ranks_start(&dir, ch);
   ferry_ctx *rc = ctx_for("rollout");
-  ferry_refit_receiver *rx;
-  FR_OK(ferry_refit_receiver_open(rc, "policy", 20000, &rx));
-  FR_OK(ferry_refit_bind_flat(rx));
-  for (int r = 0; r < 2; r++)
-    child_ready(&ch[r]); /* attached */
+  ferry_refit_receiver *rx = flat_receiver(rc, ch);
   child_push_corrupt(&ch[1], 1);
   child_push(&ch[0], 1, false);
   assert_int_equal(child_pushed(&ch[1]), FERRY_ECHECKSUM);
@@ -711,10 +706,7 @@ static void test_rank_corrupt(void **st) {
   assert_int_equal(ferry_refit_wait(rx, 1, 10000, &have), FERRY_ECHECKSUM);
   assert_non_null(strstr(ferry_last_error(), "rank 1 (policy#1)"));
   assert_int_equal(have, 0);
-  for (int r = 0; r < 2; r++)
-    child_push(&ch[r], 2, false);
-  for (int r = 0; r < 2; r++)
-    assert_int_equal(child_pushed(&ch[r]), 0);
+  ranks_push(ch, 2);
   FR_OK(ferry_refit_wait(rx, 2, 10000, &have));
   assert_int_equal(have, 2);
   ferry_refit_receiver_close(rx);
