@@ -65,12 +65,13 @@ bool fr_spin_until(ferry_link *link, const bool *flag, int spin_us) {
   return spin(&link, pollable ? 1 : 0, flag, 1, spin_us);
 }
 
-/* The links of the context that are cheap to poll (shm rings), up to cap, a reference each. */
+/* The links of the context that are cheap to poll (shm rings), up to cap, a reference each.
+ * They come first in ctx->links (link.c links_insert): the walk ends at the first other one. */
 static size_t cheap_links(ferry_ctx *ctx, ferry_link **links, size_t cap) {
   size_t n = 0;
   pthread_mutex_lock(&ctx->links_lock);
-  for (ferry_link *l = ctx->links; l && n < cap; l = l->next)
-    if (l->ops->poll_is_cheap && l->ops->pollable(l)) {
+  for (ferry_link *l = ctx->links; l && l->ops->poll_is_cheap && n < cap; l = l->next)
+    if (l->ops->pollable(l)) {
       fr_link_ref(l);
       links[n++] = l;
     }
@@ -113,25 +114,27 @@ bool fr_ctx_spin(ferry_ctx *ctx, bool (*ready)(void *), void *arg) {
  * another thread is draining right now: whatever such a link's peer had sent before this call
  * is then in the channel queues. */
 void fr_ctx_poll_links(ferry_ctx *ctx) {
+  ferry_link *few[16], **links = few;
   pthread_mutex_lock(&ctx->links_lock);
   size_t n = 0;
-  for (ferry_link *l = ctx->links; l; l = l->next)
+  for (ferry_link *l = ctx->links; l && l->ops->poll_is_cheap; l = l->next)
     n++;
-  ferry_link **links = malloc((n ? n : 1) * sizeof *links);
+  if (n > sizeof few / sizeof *few && !(links = malloc(n * sizeof *links))) {
+    pthread_mutex_unlock(&ctx->links_lock);
+    fr_warn("poll links: out of memory");
+    return;
+  }
   n = 0;
-  for (ferry_link *l = links ? ctx->links : NULL; l; l = l->next)
-    if (l->ops->poll_is_cheap && l->ops->pollable(l)) {
+  for (ferry_link *l = ctx->links; l && l->ops->poll_is_cheap; l = l->next)
+    if (l->ops->pollable(l)) {
       fr_link_ref(l);
       links[n++] = l;
     }
   pthread_mutex_unlock(&ctx->links_lock);
-  if (!links) {
-    fr_warn("poll links: out of memory");
-    return;
-  }
   for (size_t i = 0; i < n; i++) {
     fr_link_poll(links[i], true);
     fr_link_unref(links[i]);
   }
-  free(links);
+  if (links != few)
+    free(links);
 }

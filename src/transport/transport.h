@@ -304,7 +304,7 @@ struct ferry_ctx {
   fr_channel channels[FERRY_MAX_CHANNELS];
 
   pthread_mutex_t links_lock;
-  ferry_link *links;
+  ferry_link *links; /* the links cheap to poll (shm rings) first: link.c links_insert */
   uint64_t next_req_id;
 
   pthread_t server; /* sends large read responses so the ctx's leader never blocks (server.c) */
