@@ -6,6 +6,7 @@
  */
 // ferry-test: threaded
 #include "directory/dirwire.h"
+#include "directory/names.h"
 #include "directory/table.h"
 #include "bench/netns.h"
 #include "redisutil.h"
@@ -1697,9 +1698,9 @@ static void test_etcd_url(void **state) {
   FR_OK(fr_etcd_url_parse("127.0.0.1:1", &u)); /* what the backend gets: after the scheme */
   assert_int_equal(u.n, 1);
   assert_string_equal(u.ns, "");
-  const char *bad[] = {"etcd://",      "etcd://a,",       "etcd://a:0",    "etcd://a:x",
-                       "etcd://u:p@a", "etcd://a/path",   "etcd://::1",    "etcd://a?ns=",
-                       "etcd://a?x=1", "etcd://a b",      "redis://a"};
+  const char *bad[] = {
+      "etcd://",    "etcd://a,",    "etcd://a:0",   "etcd://a:x", "etcd://u:p@a", "etcd://a/path",
+      "etcd://::1", "etcd://a?ns=", "etcd://a?x=1", "etcd://a b", "redis://a"};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
     assert_int_equal(fr_etcd_url_parse(bad[i], &u), FERRY_EINVAL);
   fr_dir *d;
@@ -1762,7 +1763,8 @@ static void test_etcd_garbage(void **state) {
       {"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", FERRY_EPROTO},
       {"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\n", FERRY_EPROTO},
       {"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nnot json", FERRY_EPROTO},
-      {"HTTP/1.1 200 OK\r\nContent-Length: 26\r\n\r\n{\"kvs\":[{\"value\":\"%%%%\"}]}", FERRY_EPROTO},
+      {"HTTP/1.1 200 OK\r\nContent-Length: 26\r\n\r\n{\"kvs\":[{\"value\":\"%%%%\"}]}",
+       FERRY_EPROTO},
       {"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]", FERRY_EPROTO},
       {"SSH-2.0-OpenSSH_9.2\r\n\r\n", FERRY_EPROTO},
       {"HTTP/1.1 200 OK\r\n\r\n{}", FERRY_EPROTO}, /* no length */
@@ -1782,11 +1784,57 @@ static void test_etcd_garbage(void **state) {
   }
 }
 
+/* The server's name -> node index (names.h) under churn, as server.c uses it: entries appended,
+ * removed by moving the last one into the hole; every name found where a linear search finds it. */
+typedef struct names_arr {
+  char name[600][16];
+  uint32_t n;
+} names_arr;
+
+static const char *names_arr_of(const void *arg, uint32_t i) {
+  return ((const names_arr *)arg)->name[i];
+}
+
+static void test_node_index(void **state) {
+  (void)state;
+  static names_arr a;
+  a.n = 0;
+  fr_names t = {.name_of = names_arr_of, .arg = &a};
+  uint64_t seed = 42;
+  for (int step = 0; step < 20000; step++) {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    char name[16];
+    snprintf(name, sizeof name, "n%u", (unsigned)((seed >> 33) % 900));
+    long at = fr_names_find(&t, name), linear = -1;
+    for (uint32_t i = 0; i < a.n; i++)
+      if (strcmp(a.name[i], name) == 0)
+        linear = (long)i;
+    assert_int_equal(at, linear);
+    if (at < 0 && a.n < 600) { /* add */
+      strcpy(a.name[a.n], name);
+      assert_int_equal(fr_names_add(&t, a.n), 0);
+      a.n++;
+    } else if (at >= 0) { /* remove, the last entry moving into its place */
+      uint32_t last = --a.n;
+      fr_names_del(&t, (uint32_t)at);
+      if ((uint32_t)at != last) {
+        memcpy(a.name[at], a.name[last], sizeof a.name[at]);
+        fr_names_move(&t, last, (uint32_t)at);
+      }
+    }
+    assert_int_equal(t.n, a.n);
+  }
+  for (uint32_t i = 0; i < a.n; i++)
+    assert_int_equal(fr_names_find(&t, a.name[i]), (long)i);
+  fr_names_free(&t);
+}
+
 int main(int argc, char **argv) {
   if (argc == 4 && strcmp(argv[1], "--jobs-then-wait") == 0)
     return jobs_then_wait(argv[2], atoi(argv[3]));
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_codec),
+      cmocka_unit_test(test_node_index),
       cmocka_unit_test(test_job_keys),
       cmocka_unit_test(test_server_rejects_garbage),
       cmocka_unit_test(test_embedded_local),

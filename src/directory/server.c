@@ -1,24 +1,25 @@
 /*
  * The embedded directory server. Its state is two tables under one lock: nodes with their lease
- * deadlines, and objects in an array sorted by key (lookups and prefix scans by binary search).
- * A request is one message, decoded with the fail-closed readers of dirwire.c and answered with
- * one reply; fr_dir_server_handle() is the whole protocol, so the fuzzer drives it directly. A
- * started server also has a thread that takes ferry_call()s on FR_CHANNEL_DIRECTORY of its
- * context, answers them, and expires lapsed leases (a dead node's records vanish with it). A
- * name is held by one incarnation at a time: another process that registers it while the
- * holder's lease runs is refused, unless it proved the holder dead (the store connects to it).
- * A started server also keeps change words in a region of its context that clients on its host
- * map (FR_DOP_WATCH): it bumps a key's word after every put or delete of the key and the common
- * word when it drops a node's records, before it answers; clients bump the word of a put they
- * posted once it is in the ring. A client that stamped a key before a lookup and finds the same
- * stamp later knows the answer still holds, and skips the round trip (and this thread's
- * wake-up). Next to the words it keeps a copy of its object records in a shared table
+ * deadlines (found by name through an index, names.h), and objects in an array sorted by key
+ * (lookups and prefix scans by binary search). A request is one message, decoded with the
+ * fail-closed readers of dirwire.c and answered with one reply; fr_dir_server_handle() is the whole
+ * protocol, so the fuzzer drives it directly. A started server also has a thread that takes
+ * ferry_call()s on FR_CHANNEL_DIRECTORY of its context, answers them, and expires lapsed leases (a
+ * dead node's records vanish with it). A name is held by one incarnation at a time: another process
+ * that registers it while the holder's lease runs is refused, unless it proved the holder dead (the
+ * store connects to it). A started server also keeps change words in a region of its context that
+ * clients on its host map (FR_DOP_WATCH): it bumps a key's word after every put or delete of the
+ * key and the common word when it drops a node's records, before it answers; clients bump the word
+ * of a put they posted once it is in the ring. A client that stamped a key before a lookup and
+ * finds the same stamp later knows the answer still holds, and skips the round trip (and this
+ * thread's wake-up). Next to the words it keeps a copy of its object records in a shared table
  * (table.h): it writes a key's slot after every change of the key, before it answers, so a
  * client on its host looks a key up without asking at all.
  */
 #include "core/channels.h"
 #include "core/stats.h"
 #include "directory/dirwire.h"
+#include "directory/names.h"
 #include "directory/table.h"
 #include "transport/job.h"
 #include "transport/linkcalls.h"
@@ -42,6 +43,7 @@ struct fr_dir_server {
   char address[FR_DIR_ADDRESS_MAX + 1];
   srv_node *nodes;
   size_t nnodes, capnodes;
+  fr_names by_name;                 /* name -> index into nodes */
   uint64_t renewals, renewed_names; /* renewal requests, and names they renewed (tests) */
   uint64_t last_renewed;            /* names the last renewal request renewed */
   fr_dir_object **objs;             /* sorted by key */
@@ -103,11 +105,13 @@ static int watch_open(fr_dir_server *s) {
 
 /* ---- tables ---- */
 
+static const char *node_name_of(const void *arg, uint32_t i) {
+  return ((const fr_dir_server *)arg)->nodes[i].node.name;
+}
+
 static srv_node *node_find(fr_dir_server *s, const char *name) {
-  for (size_t i = 0; i < s->nnodes; i++)
-    if (strcmp(s->nodes[i].node.name, name) == 0)
-      return &s->nodes[i];
-  return NULL;
+  long i = fr_names_find(&s->by_name, name);
+  return i < 0 ? NULL : &s->nodes[i];
 }
 
 /* Index of the first object whose key is >= key. */
@@ -203,7 +207,12 @@ static void node_remove(fr_dir_server *s, srv_node *n, const char *why) {
   drop_objects_of(s, n->node.name, &d);
   describe_dropped(&d, what, sizeof what);
   fr_info("directory: node '%s' at %s %s%s", n->node.name, n->node.address, why, what);
-  *n = s->nodes[--s->nnodes];
+  uint32_t at = (uint32_t)(n - s->nodes), last = (uint32_t)--s->nnodes;
+  fr_names_del(&s->by_name, at);
+  if (at != last) {
+    *n = s->nodes[last];
+    fr_names_move(&s->by_name, last, at);
+  }
 }
 
 void fr_dir_server_expire(fr_dir_server *s, uint64_t now_ns) {
@@ -270,7 +279,11 @@ static int op_node_put(fr_dir_server *s, fr_rd *in, fr_wr *out) {
       return fr_err(FERRY_ECAPACITY, "directory full: %zu nodes", s->nnodes);
     if (FR_GROW(s->nodes, s->capnodes, s->nnodes + 1, 16) != 0)
       return fr_err(FERRY_ENOMEM, "directory: node table");
-    e = &s->nodes[s->nnodes++];
+    e = &s->nodes[s->nnodes];
+    e->node = n; /* the index reads its name */
+    if (fr_names_add(&s->by_name, (uint32_t)s->nnodes) != 0)
+      return fr_err(FERRY_ENOMEM, "directory: node index");
+    s->nnodes++;
     joined = true;
   }
   if (joined)
@@ -595,6 +608,7 @@ fr_dir_server *fr_dir_server_new(const char *address) {
     return NULL;
   pthread_mutex_init(&s->lock, NULL);
   pthread_mutex_init(&s->serve_lock, NULL);
+  s->by_name = (fr_names){.name_of = node_name_of, .arg = s};
   s->instance = fr_random_u64() | 1;
   fr_str_copy(s->address, sizeof s->address, address ? address : "");
   return s;
@@ -607,6 +621,7 @@ void fr_dir_server_free(fr_dir_server *s) {
     free(s->objs[i]);
   free(s->objs);
   free(s->nodes);
+  fr_names_free(&s->by_name);
   for (size_t i = 0; i < s->nbacklog; i++)
     ferry_msg_free(s->backlog[i]);
   free(s->backlog);
