@@ -86,8 +86,9 @@ int fr_dir_open(ferry_ctx *ctx, const char *url, int timeout_ms, fr_dir **out) {
   fr_url_redact(url, shown, sizeof shown);
   if (!ops)
     return fr_err(FERRY_EINVAL,
-                  "directory '%s': unknown scheme (ferry://HOST:PORT, HOST:PORT or "
-                  "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] or "
+                  "directory '%s': unknown scheme (ferry://HOST:PORT, HOST:PORT, "
+                  "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB], rediss://... (TLS), "
+                  "redis+sentinel://S1[:PORT],S2.../NAME[/DB] or "
                   "etcd://HOST[:PORT][,HOST[:PORT]...])",
                   shown);
   if (strlen(url) > FR_DIR_ADDRESS_MAX)
