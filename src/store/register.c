@@ -10,8 +10,9 @@
 
 #include <stdlib.h>
 
-/* Re-publishes every owned object; keys another node took meanwhile are dropped here. */
-static int republish(ferry_store *s, int timeout_ms) {
+/* Re-publishes every owned object by the deadline (one for all of them, not a timeout each);
+ * keys another node took meanwhile are dropped here. */
+static int republish(ferry_store *s, uint64_t deadline) {
   pthread_mutex_lock(&s->lock);
   size_t n = s->nowned;
   fr_dir_object *recs = malloc((n ? n : 1) * sizeof *recs);
@@ -22,12 +23,14 @@ static int republish(ferry_store *s, int timeout_ms) {
     return fr_err(FERRY_ENOMEM, "store: re-registration");
   int rc = 0;
   for (size_t i = 0; i < n && rc == 0; i++) {
-    rc = fr_dir_obj_put(s->dir, &recs[i], FR_DIR_PUT_KEEP_OTHERS, NULL, NULL, timeout_ms);
+    rc = fr_dir_obj_put(s->dir, &recs[i], FR_DIR_PUT_KEEP_OTHERS, NULL, NULL,
+                        fr_store_left(deadline));
     if (rc == FERRY_EEXIST) {
       fr_info_limited("store '%s': '%s' now belongs to another node; dropping our copy", s->name,
                       recs[i].key);
       rc = 0;
-      fr_store_delete_owned(s, recs[i].key, recs[i].generation, false, timeout_ms, NULL);
+      fr_store_delete_owned(s, recs[i].key, recs[i].generation, false, fr_store_left(deadline),
+                            NULL);
     }
   }
   free(recs);
@@ -35,10 +38,12 @@ static int republish(ferry_store *s, int timeout_ms) {
 }
 
 /* publish_lock held. Registers the node (taking its name over from a dead holder); unless
- * `fresh`, publishes every owned object again (the directory lost them). */
+ * `fresh`, publishes every owned object again (the directory lost them). All of it within
+ * timeout_ms: a put that registers again first still returns by its own timeout. */
 int fr_store_register(ferry_store *s, bool fresh, int timeout_ms) {
-  int rc = fr_dir_lease_take(&s->lease, timeout_ms);
-  if (rc == 0 && !fresh && (rc = republish(s, timeout_ms)) != 0)
+  uint64_t deadline = fr_deadline_ns(fr_timeout(timeout_ms));
+  int rc = fr_dir_lease_take(&s->lease, fr_store_left(deadline));
+  if (rc == 0 && !fresh && (rc = republish(s, deadline)) != 0)
     fr_dir_lease_lost(&s->lease);
   return rc;
 }
