@@ -2277,8 +2277,7 @@ static void test_etcd_directory(void **st) {
             *c2 = ctx_for("etcd-rollout-2", "shm,tcp");
   ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 16384, .publish = 1};
   ferry_refit_sender *s = sender_with(sc, &m, "etcd-policy", &o);
-  ferry_refit_receiver *r[2] = {flat_receiver(c1, "etcd-policy"),
-                                flat_receiver(c2, "etcd-policy")};
+  ferry_refit_receiver *r[2] = {flat_receiver(c1, "etcd-policy"), flat_receiver(c2, "etcd-policy")};
   await_receivers(s, 2);
   FR_OK(ferry_refit_push(s, 1, NULL));
   for (int i = 0; i < 2; i++) {
