@@ -24,7 +24,8 @@ test_pkgs=(clang libclang-rt-14-dev spin redis-server iproute2 python3 python3-n
 test_pkgs+=(python3-yaml)
 # python3-pytest-xdist: make test runs the Python tests in nproc processes (scripts/test.sh)
 test_pkgs+=(python3-pytest-xdist)
-bench_pkgs=(python3-numpy python3-torch libnng-dev libzmq3-dev redis-server ucx-utils)
+# etcd-server: ferry bench directory starts one etcd member for its etcd:// rows (issue 36)
+bench_pkgs=(python3-numpy python3-torch libnng-dev libzmq3-dev redis-server ucx-utils etcd-server)
 
 want=("${build_pkgs[@]}")
 case "${1:-build}" in
