@@ -16,6 +16,7 @@
  * most 5% of a core; a lookup's p99 at 1,000 nodes at most 2x its p99 at 100.
  */
 #include "bench_directory.h"
+#include "bench_store.h"
 #include "cli/cli.h"
 #include "directory/directory.h"
 
@@ -113,19 +114,6 @@ static bool find_ferry(void) {
   return access(ferry_path, X_OK) == 0;
 }
 
-static int free_port(void) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  socklen_t len = sizeof sa;
-  int port = 0;
-  if (fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
-      getsockname(fd, (struct sockaddr *)&sa, &len) == 0)
-    port = ntohs(sa.sin_port);
-  if (fd >= 0)
-    close(fd);
-  return port;
-}
-
 /* Starts argv (PATH searched) with stdout to out_fd (-1: /dev/null) and stderr to /dev/null,
  * dying with this process. */
 static pid_t spawn(char *const argv[], int out_fd) {
@@ -164,7 +152,7 @@ static bool accepts(pid_t pid, int port, int ms) {
 /* `ferry serve` hosting the embedded directory: up once it printed its ready line. */
 static int start_ferry(dirproc *d, int nodes, char *why, size_t cap) {
   (void)nodes;
-  int port = free_port(), fds[2];
+  int port = bs_free_port(), fds[2];
   char listen[32];
   snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
   if (pipe(fds) != 0)
@@ -190,7 +178,7 @@ static int start_ferry(dirproc *d, int nodes, char *why, size_t cap) {
 }
 
 static int start_redis(dirproc *d, int nodes, char *why, size_t cap) {
-  int port = free_port();
+  int port = bs_free_port();
   char p[16], maxc[16];
   snprintf(p, sizeof p, "%d", port);
   snprintf(maxc, sizeof maxc, "%d", nodes + 128);
@@ -210,7 +198,7 @@ static int start_etcd(dirproc *d, int nodes, char *why, size_t cap) {
   snprintf(d->tmp, sizeof d->tmp, "/tmp/ferry-bench-etcd-XXXXXX");
   if (!mkdtemp(d->tmp))
     return d->tmp[0] = '\0', snprintf(why, cap, "mkdtemp failed"), -1;
-  int port = free_port(), peer = free_port();
+  int port = bs_free_port(), peer = bs_free_port();
   char data[96], client[64], peers[64], cluster[96];
   snprintf(data, sizeof data, "%s/data", d->tmp);
   snprintf(client, sizeof client, "http://127.0.0.1:%d", port);
@@ -227,7 +215,8 @@ static int start_etcd(dirproc *d, int nodes, char *why, size_t cap) {
                   "new",   NULL};
   d->pid = spawn(argv, -1);
   if (!accepts(d->pid, port, READY_MS))
-    return snprintf(why, cap, "etcd did not start (scripts/deps.sh test installs etcd-server)"), -1;
+    return snprintf(why, cap, "etcd did not start (scripts/deps.sh bench installs etcd-server)"),
+           -1;
   snprintf(d->url, sizeof d->url, "etcd://127.0.0.1:%d", port);
   return 0;
 }
