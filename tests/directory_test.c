@@ -1589,51 +1589,16 @@ static void test_advertise_two_hosts(void **state) {
 
 /* ---- etcd:// (issue 36): a three-member cluster on loopback (tests/etcd/cluster.sh) ---- */
 
-/* Stamps from the watch: steady while nothing changes, moved at once by this client's own put,
- * and by another client's put once the watch brings its event (polled, no timing asserted). */
-static void check_etcd_stamps(fr_dir *d, const char *url) {
-  fr_dir_node n = make_node("stamper");
-  FR_OK(d->ops->node_put(d->state, &n, 30000, 0, NULL, 2000));
-  fr_dir_object o = make_obj("stamped", "stamper", 1);
-  FR_OK(d->ops->obj_put(d->state, &o, 0, NULL, NULL, 2000));
-  fr_dir_stamp s1, s2;
-  bool up = false;
-  for (int i = 0; i < 1000 && !up; i++) /* the watch starts at the first ask */
-    if (!(up = fr_dir_stamp_take(d, "stamped", &s1)))
-      su_sleep_ms(10);
-  assert_true(up);
-  assert_true(fr_dir_stamp_take(d, "stamped", &s2));
-  assert_true(fr_dir_stamp_eq(&s1, &s2));
-  o.generation = 2;
-  FR_OK(d->ops->obj_put(d->state, &o, 0, NULL, NULL, 2000));
-  assert_true(fr_dir_stamp_take(d, "stamped", &s2));
-  assert_false(fr_dir_stamp_eq(&s1, &s2));
-  ferry_ctx *c = open_ctx("stamp-other", NULL);
-  fr_dir *other;
-  FR_OK(fr_dir_open(c, url, 2000, &other));
-  assert_ptr_not_equal(other, d);
-  bool moved = false;
-  for (int i = 0; i < 1000 && !moved; i++) { /* wait out our own put's event first */
-    assert_true(fr_dir_stamp_take(d, "stamped", &s1));
-    su_sleep_ms(10);
-    assert_true(fr_dir_stamp_take(d, "stamped", &s2));
-    moved = fr_dir_stamp_eq(&s1, &s2);
-  }
-  o.generation = 3;
-  FR_OK(other->ops->obj_put(other->state, &o, 0, NULL, NULL, 2000));
-  moved = false;
-  for (int i = 0; i < 1000 && !moved; i++) {
-    if (!(moved = fr_dir_stamp_take(d, "stamped", &s2) && !fr_dir_stamp_eq(&s1, &s2)))
-      su_sleep_ms(10);
-  }
-  assert_true(moved);
-  fr_dir_close(other);
-  ferry_ctx_close(c);
-  FR_OK(d->ops->node_del(d->state, "stamper", 0, 2000));
+/* No stamps from etcd: a stamp must prove that no put of a key completed since it was taken,
+ * and a watch hears of another process's put only after etcd applied it (the store's lookup
+ * cache would answer a reader with the replaced record in that window). */
+static void check_etcd_no_stamps(fr_dir *d) {
+  fr_dir_stamp s;
+  assert_false(fr_dir_stamp_take(d, "any", &s));
 }
 
-/* Every directory operation as for ferry:// and redis:// (check_all, check_one_node), stamps
- * from the watch, and a clear error within the timeout once no member is left. */
+/* Every directory operation as for ferry:// and redis:// (check_all, check_one_node), no stamps
+ * and a clear error within the timeout once no member is left. */
 static void test_etcd(void **state) {
   su_etcd e;
   if (!su_etcd_start(&e, 3))
@@ -1642,7 +1607,7 @@ static void test_etcd(void **state) {
   FR_OK(fr_dir_open(NULL, e.url, 5000, &d));
   check_all(d);
   check_one_node(e.url, NULL);
-  check_etcd_stamps(d, e.url);
+  check_etcd_no_stamps(d);
   su_etcd_stop(&e);
   fr_dir_node got;
   uint64_t t0 = fr_now_ns();

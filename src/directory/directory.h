@@ -130,8 +130,10 @@ typedef struct fr_dir_ops {
    * the server's shared memory), fills *out and returns true; else false. Two equal stamps of a
    * key prove that no put or delete of the key and no loss of records completed between them:
    * an answer to a lookup sent after the first is still the answer when the second is taken.
-   * Posted puts count when they return, so a stamp never hides one. NULL in backends that
-   * cannot tell. */
+   * Posted puts count when they return, so a stamp never hides one. "Between" is in real time,
+   * whoever put: another process's put that returned between the two makes them differ, which
+   * rules out stamps kept from a watch's events (they arrive after the change applied). NULL in
+   * backends that cannot tell. */
   bool (*stamp)(void *state, const char *key, fr_dir_stamp *out);
   /* Where the backend can answer a lookup of one key without asking (ferry:// on the
    * directory's host: its shared object table, table.h), fills *out and returns true: the key's

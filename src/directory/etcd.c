@@ -9,8 +9,10 @@
  * so etcd drops a dead owner's objects with its node when the lease lapses, and a revoke drops
  * them at once. Every check-then-write is one txn whose compares make it atomic: a put compares
  * the owner's node key still on the lease the object is bound to (registered, same
- * registration), a conditional delete the record's mod revision. Stamps (fr_dir_ops.stamp) come
- * from a watch of the prefix (etcd_watch.c), started the first time a stamp is asked for.
+ * registration), a conditional delete the record's mod revision. There are no stamps
+ * (fr_dir_ops.stamp): a watch learns of another process's change only some time after etcd
+ * applied it, so a stamp from it could not prove a key unchanged to a reader that heard of the
+ * change by other means (a message from the writer), and every lookup asks etcd.
  */
 #include "directory/dirwire.h"
 #include "directory/etcd.h"
@@ -292,15 +294,6 @@ static int etcd_obj_scan(void *st, const char *prefix, fr_dir_object **out, size
 
 /* ---- objects ---- */
 
-static fr_etcd_watch *watch_of(fr_etcd *e) { return __atomic_load_n(&e->watch, __ATOMIC_ACQUIRE); }
-
-/* After a put or delete of key returned: this process's stamps of it differ at once. */
-static void changed(fr_etcd *e, const char *key) {
-  fr_etcd_watch *w = watch_of(e);
-  if (w)
-    fr_etcd_watch_bump(w, key);
-}
-
 /* What a failed put's txn read back: the owner's node (its lease) and, with keep_others, the
  * record under the key. */
 static int put_lost(fr_etcd *e, const fr_dir_object *o, json_t *resp, bool *keep, int64_t *lease,
@@ -407,8 +400,6 @@ static int obj_put_until(fr_etcd *e, const fr_dir_object *o, unsigned flags,
                  timeout_ms);
   if (rc == 0 && !done)
     rc = dead_line(timeout_ms, e, "the owner's registration");
-  if (rc == 0)
-    changed(e, o->key);
   return rc;
 }
 
@@ -446,7 +437,6 @@ static int put_group(fr_etcd *e, const fr_dir_object *objs, size_t n, int64_t le
     put_replaced(&objs[i], json_object_get(fr_etcd_response(resp, i, "response_put"), "prev_kv"),
                  &replaced[i], &had_other[i]);
     status[i] = 0;
-    changed(e, objs[i].key);
   }
   json_decref(j);
   return 0;
@@ -590,33 +580,10 @@ static int etcd_obj_del(void *st, const char *key, const char *owner, uint64_t g
     int rc = delete_at(e, k, kn, mod, key, &done, deleted, deadline, timeout_ms);
     if (rc != 0)
       return rc;
-    if (done)
-      changed(e, key);
     if (done || !mod)
       return done ? 0 : not_found(key, owner);
   }
   return dead_line(timeout_ms, e, "the record");
-}
-
-/* ---- stamps: from the watch, started by the first ask ---- */
-
-static bool etcd_stamp(void *st, const char *key, fr_dir_stamp *out) {
-  fr_etcd *e = st;
-  fr_etcd_watch *w = watch_of(e);
-  if (!w) {
-    pthread_mutex_lock(&e->watch_lock);
-    if (!e->watch_tried) {
-      e->watch_tried = true;
-      if (fr_etcd_watch_start(&e->m, e->prefix, &w) == 0)
-        __atomic_store_n(&e->watch, w, __ATOMIC_RELEASE);
-      else
-        fr_warn("etcd at %s: no watch, so no lookup is answered from the cache: %s", e->m.shown,
-                ferry_last_error());
-    }
-    pthread_mutex_unlock(&e->watch_lock);
-    return false;
-  }
-  return fr_etcd_watch_stamp(w, key, out);
 }
 
 /* ---- lifecycle ---- */
@@ -640,7 +607,6 @@ static int etcd_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **s
   fr_http_init(&e->conn);
   pthread_mutex_init(&e->lock, NULL);
   pthread_mutex_init(&e->cache_lock, NULL);
-  pthread_mutex_init(&e->watch_lock, NULL);
   /* one answer now, so a URL where nothing answers fails the open, as the other backends do */
   timeout_ms = timeout_ms > 0 ? timeout_ms : 1000;
   char k[FR_ETCD_KEY_BYTES];
@@ -660,11 +626,9 @@ static void etcd_close(void *state) {
   fr_etcd *e = state;
   if (!e)
     return;
-  fr_etcd_watch_stop(e->watch);
   fr_http_close(&e->conn);
   pthread_mutex_destroy(&e->lock);
   pthread_mutex_destroy(&e->cache_lock);
-  pthread_mutex_destroy(&e->watch_lock);
   free(e);
 }
 
@@ -688,5 +652,4 @@ const fr_dir_ops fr_dir_etcd_ops = {
     .obj_get = etcd_obj_get,
     .obj_del = etcd_obj_del,
     .obj_scan = etcd_obj_scan,
-    .stamp = etcd_stamp,
 };

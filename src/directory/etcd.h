@@ -1,8 +1,7 @@
 /*
  * What the etcd backend's parts share (etcd.c: the operations; etcd_client.c: requests to the
- * cluster and the gateway's JSON; etcd_watch.c: the watch that keeps its stamps; etcd_http.c: the
- * HTTP under them): the client's state, the cluster's members, which one calls go to and how
- * often each stopped answering (so the watch leaves a member the calls left).
+ * cluster and the gateway's JSON; etcd_http.c: the HTTP under them): the client's state, the
+ * cluster's members and which one calls go to.
  */
 #ifndef FR_DIRECTORY_ETCD_H
 #define FR_DIRECTORY_ETCD_H
@@ -15,23 +14,9 @@
 
 typedef struct fr_etcd_members {
   fr_etcd_url u;
-  char shown[FR_DIR_ADDRESS_MAX + 1];     /* the URL as messages name it */
-  int current;                            /* atomic: the member calls go to */
-  uint64_t failures[FR_ETCD_MEMBERS_MAX]; /* atomic: times each stopped answering a call */
+  char shown[FR_DIR_ADDRESS_MAX + 1]; /* the URL as messages name it */
+  int current;                        /* atomic: the member calls go to */
 } fr_etcd_members;
-
-/* The watch (etcd_watch.c): one thread holding a watch of every key under `prefix` on one member
- * (moving on when it breaks, or when calls found its member dead), counting the changes of each
- * object key's bucket as the embedded server's change words do (dirwire.h). */
-typedef struct fr_etcd_watch fr_etcd_watch;
-/* Starts the thread; m outlives the watch. */
-int fr_etcd_watch_start(fr_etcd_members *m, const char *prefix, fr_etcd_watch **out);
-void fr_etcd_watch_stop(fr_etcd_watch *w);
-/* fr_dir_ops.stamp: false while no watch is current (connecting, or after one broke). */
-bool fr_etcd_watch_stamp(fr_etcd_watch *w, const char *key, fr_dir_stamp *out);
-/* After this process changed object `key` (its put or delete returned): stamps differ at once,
- * before the watch's own event comes. */
-void fr_etcd_watch_bump(fr_etcd_watch *w, const char *key);
 
 #define FR_ETCD_LEASE_CACHE 32  /* nodes whose lease a client remembers */
 #define FR_ETCD_TXN_OPS 128     /* etcd's --max-txn-ops default */
@@ -57,9 +42,6 @@ typedef struct fr_etcd {
     int64_t lease;
   } leases[FR_ETCD_LEASE_CACHE];
   unsigned next_slot;
-  pthread_mutex_t watch_lock;
-  fr_etcd_watch *watch; /* atomic once set */
-  bool watch_tried;
 } fr_etcd;
 
 /* ---- requests (etcd_client.c) ---- */

@@ -283,7 +283,6 @@ int fr_etcd_call_until(fr_etcd *e, const char *path, json_t *req, json_t **out, 
       fr_str_copy(last, sizeof last, ferry_last_error());
     }
     silent |= 1u << m;
-    __atomic_add_fetch(&e->m.failures[m], 1, __ATOMIC_ACQ_REL);
     __atomic_store_n(&e->m.current, (m + 1) % n, __ATOMIC_RELEASE);
     if ((tried + 1) % n == 0 && rc != FERRY_ECONNECT) { /* a round without an answer: an election */
       int ms = fr_ms_left(deadline);
