@@ -375,26 +375,45 @@ def test_verl_checkpoint_engine(standins):
 
 
 def test_generator_sender_plan(standins):
-    """A generator that drops a tensor the plan has is refused, naming it; one that changes a
-    shape re-declares it and receivers get the new shape with the next push."""
+    """A generator whose names changed abandons that version with PlanChanged naming the tensor,
+    and the next push plans anew (receivers get the new tensors); one that drops a tensor the
+    plan has is refused, naming it. Pushes after the first stream: in parts, holding at most
+    about the cap (plus the one tensor crossing into the next bucket)."""
     from ferry.integrations._common import GeneratorSender, RankReceiver
+    from ferry.refit.stream import PlanChanged
 
     name = unique("gen")
-    tx = GeneratorSender(name)
+    cap, each = 1 << 16, 4096 * 4
+    tx = GeneratorSender(name, stream_cap=cap)
     try:
         tx.push([("a", torch.ones(4)), ("b", torch.zeros(2, 3))], timeout=TIMEOUT)
         rx = RankReceiver(name, TIMEOUT)
         try:
             got = {}
-            rx.load(lambda ws: got.update((n, t.clone()) for n, t in ws), timeout=TIMEOUT)
+
+            def load():
+                got.clear()
+                return rx.load(lambda ws: got.update((n, t.clone()) for n, t in ws),
+                               timeout=TIMEOUT)
+
+            assert load() == 1
             assert got["a"].tolist() == [1.0] * 4 and tuple(got["b"].shape) == (2, 3)
-            tx.push([("a", torch.full((6,), 2.0)), ("b", torch.zeros(2, 3))], timeout=TIMEOUT)
-            got.clear()
-            assert rx.load(lambda ws: got.update((n, t.clone()) for n, t in ws),
-                           timeout=TIMEOUT) == 2
-            assert got["a"].tolist() == [2.0] * 6
+
+            def weights(b):
+                return [("a", torch.full((4,), 3.0))] + [
+                    ("w%d" % i, torch.full((each // 4,), float(i))) for i in range(8)] + [
+                    ("b", torch.full((2, 3), b))]
+
+            with pytest.raises(PlanChanged, match="'w0'"):
+                tx.push(weights(0.0), timeout=TIMEOUT)  # that version abandoned
+            v = tx.push(weights(0.0), timeout=TIMEOUT)
+            assert v > 1 and load() == v and got["w7"].tolist() == [7.0] * (each // 4)
+            assert tx.push(weights(1.0), timeout=TIMEOUT) == v + 1  # streamed against the plan
+            assert tx.sender.stream_info["parts"] > 1
+            assert tx.sender.stream_info["held_max"] <= cap + each
+            assert load() == v + 1 and got["b"].tolist() == [[1.0] * 3] * 2
             with pytest.raises(ValueError, match="'b'"):
-                tx.push([("a", torch.ones(6))], timeout=TIMEOUT)
+                tx.push(weights(1.0)[:-1], timeout=TIMEOUT)
         finally:
             rx.close()
     finally:
@@ -402,7 +421,7 @@ def test_generator_sender_plan(standins):
 
 
 def test_generator_sender_binding_refusal(standins):
-    """send(): a push that receivers refused only because they were binding (FERRY_ESTATE: the
+    """push(): a push that receivers refused only because they were binding (FERRY_ESTATE: the
     sender catches them up after the push) returns the version; any other failure is raised."""
     from ferry.integrations._common import GeneratorSender
 
@@ -410,8 +429,8 @@ def test_generator_sender_binding_refusal(standins):
         def __init__(self, detail):
             self.version, self.detail, self.pushed = 0, detail, []
 
-        def push(self, version=None, timeout=None):
-            self.pushed.append(version)
+        def push_iter(self, version, weights, timeout=None):
+            self.pushed.append((version, list(weights)))
             if self.detail:
                 raise ferry.StateError(-21, self.detail)
             self.version = version
@@ -422,14 +441,14 @@ def test_generator_sender_binding_refusal(standins):
               "receiver committed" % (state, state)
     tx = GeneratorSender("unused")
     tx.sender = Sender(refused)
-    assert tx.send(4, TIMEOUT) == 4 and tx.sender.pushed == [4]
+    assert tx.push([("w", 1)], 4, TIMEOUT) == 4 and tx.sender.pushed == [(4, [("w", 1)])]
     tx.sender = Sender(None)
-    assert tx.send(None, TIMEOUT) == 1 and tx.sender.pushed == [1]
+    assert tx.push([], None, TIMEOUT) == 1 and tx.sender.pushed == [(1, [])]
     tx.sender = Sender("refit 'x' version 7: not committed by 'a' (%s), 'b' (timed out, "
                        "dropped); every other receiver committed" % state)
     with pytest.raises(ferry.StateError):
-        tx.send(7, TIMEOUT)
+        tx.push([], 7, TIMEOUT)
     tx.sender = Sender("refit 'x': seal before pushing")
     with pytest.raises(ferry.StateError):
-        tx.send(7, TIMEOUT)
+        tx.push([], 7, TIMEOUT)
     tx.sender = None

@@ -1,6 +1,6 @@
 """What the engine and framework adapters share: an engine rank's receiver (attach by name, load a
 version through the model's own load_weights), a trainer's sender fed by a generator of
-transient tensors, and the bridge from a ferry control cell to an engine's lifecycle calls.
+transient tensors (streamed, push_iter), and the bridge from a ferry control cell to an engine's lifecycle calls.
 
 Nothing here imports an engine or a framework."""
 import asyncio
@@ -88,69 +88,39 @@ def _refused_while_binding(e: StateError) -> bool:
 
 class GeneratorSender:
     """A trainer's sender fed by a generator of (name, tensor) whose tensors exist only while it
-    yields them (FSDP full_tensor(), Megatron -> HF conversion). The first push copies each into
-    a host tensor of its own and declares those (ferry.RefitSender); later pushes copy into the
-    same tensors while names, shapes and dtypes stay the same, and re-declare what changed."""
+    yields them (FSDP full_tensor(), Megatron -> HF conversion): a streaming ferry.RefitSender
+    (no state_dict) pushing each version with push_iter. The first push plans (its tensors are
+    staged in host memory, declared, pushed whole, and the copies freed); every later one
+    streams under the sender's stream_cap, holding each tensor only until the buckets it lies in
+    went, so the whole model is never copied on the trainer. A changed name, dtype or shape
+    raises ferry.refit.stream.PlanChanged naming it and abandons that version; the next push
+    plans anew. sender_kwargs go to ferry.RefitSender (stream_cap=, buffer_bytes=, ...)."""
 
     def __init__(self, name: str, **sender_kwargs: Any) -> None:
         self.name, self.kwargs = name, sender_kwargs
-        self.held = {}
         self.sender: Optional[RefitSender] = None
 
-    def _take(self, weights):
-        import torch
-
-        changed, seen = {}, set()
-        for name, t in weights:
-            t = t.detach()
-            seen.add(name)
-            mine = self.held.get(name)
-            if mine is None or mine.shape != t.shape or mine.dtype != t.dtype:
-                changed[name] = t.to("cpu", copy=True).contiguous()
-            else:
-                with torch.no_grad():
-                    mine.copy_(t)
-        gone = set(self.held) - seen
-        return changed, gone
-
-    def take(self, weights: Iterable[Tuple[str, Any]]) -> None:
-        """Consumes `weights` on this thread (its collectives run here), keeping each tensor's
-        bytes in the sender's own; declares (first time) or re-declares what changed."""
-        changed, gone = self._take(weights)
-        if gone:
-            raise ValueError("refit '%s': the weights no longer include %s (a plan only grows; "
-                             "open a sender under another name)" % (self.name, sorted(gone)[:3]))
-        self.held.update(changed)
-        if self.sender is None:
-            self.sender = RefitSender(self.name, self.held, **self.kwargs)
-        elif changed:
-            self.sender.update(self.held)  # re-sealed: receivers take the new plan with the push
-
-    def send(self, version: Optional[int] = None,
+    def push(self, weights: Iterable[Tuple[str, Any]], version: Optional[int] = None,
              timeout: Optional[float] = DEFAULT_TIMEOUT) -> int:
-        """Pushes what take() kept as `version` (None: the last + 1); returns it once every
-        receiver in the push committed it.
+        """Consumes `weights` on this thread (its collectives run here) while pushing them as
+        `version` (None: the last + 1); returns it once every receiver in the push committed it.
 
         Receivers that attach while the push runs are not in it, and one that binds its buffer
         while the version lands there refuses it (FERRY_ESTATE: "a destination was bound while
         version V was landing"): the sender catches each of them up to this version from its
         retained copy once the push ends. So a push refused only that way is logged, not
         raised; any other failure is raised."""
+        if self.sender is None:
+            self.sender = RefitSender(self.name, **self.kwargs)
         version = self.sender.version + 1 if version is None else version
         try:
-            return self.sender.push(version, timeout=timeout)
+            return self.sender.push_iter(version, weights, timeout=timeout)
         except StateError as e:
             if not _refused_while_binding(e):
                 raise
             log.info("refit '%s': version %d: %s; those receivers catch up to it", self.name,
                      version, e.detail or e)
             return version
-
-    def push(self, weights: Iterable[Tuple[str, Any]], version: Optional[int] = None,
-             timeout: Optional[float] = DEFAULT_TIMEOUT) -> int:
-        """take(weights), then send(version)."""
-        self.take(weights)
-        return self.send(version, timeout)
 
     def close(self) -> None:
         if self.sender is not None:

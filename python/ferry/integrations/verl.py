@@ -90,13 +90,11 @@ class _FerryCheckpointEngine:
             return None
         if self.sender is None:
             self.sender = GeneratorSender(self.name, **self.sender_kwargs)
-        # the generator runs the trainer's collectives (full_tensor): consume it on this thread
-        self.sender.take(weights)
-        # rollout ranks attaching or binding concurrently (the first step) get this version
-        # from the sender's retained copy once the push ends; the push waits for the others
-        loop = asyncio.get_running_loop()
-        sent = await loop.run_in_executor(None, functools.partial(
-            self.sender.send, self.next_version, self.timeout))
+        # the generator runs the trainer's collectives (full_tensor): it is consumed on this
+        # thread, part by part as the push streams it (rollout ranks attaching or binding
+        # concurrently, the first step, get this version from the sender's retained copy once
+        # the push ends; the push waits for the others)
+        sent = self.sender.push(weights, self.next_version, self.timeout)
         self.next_version = sent + 1
         return sent
 
