@@ -91,7 +91,9 @@ typedef struct fr_region {
  * peer that mapped it before (transport/shm.c maps a memfd once, whatever region it serves).
  * A first touch of fresh pages costs a page fault each, through every mapping (on some virtual
  * machines several microseconds: docs/PERFORMANCE.md); a warm page costs nothing. Only a region
- * nobody holds a reference to is cached (no server thread is mid-copy of it). */
+ * nobody holds a reference to is cached (no server thread is mid-copy of it); a MAP answer drops
+ * its reference before it goes out (transport/link_rx.c), so a free after a peer's read through
+ * its mapping is cached. */
 typedef struct fr_region_cache {
   fr_region **items; /* oldest first */
   size_t count, cap;

@@ -7,6 +7,7 @@
 #include "transport/link_impl.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -84,6 +85,20 @@ static int on_readv_request(ferry_link *l, const uint8_t *body, size_t len) {
   return rc;
 }
 
+/* The MAP answer's fd: a duplicate of the region's memfd, so that the answer can go out after the
+ * region's reference is dropped (on_map_request); -1 when the process has no descriptor left. */
+static int map_answer_fd(ferry_link *l, const fr_region *reg) {
+  int fd = fcntl(reg->memfd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0)
+    fr_debug("region %llu: no descriptor to pass to '%s' (%s); it reads through this node",
+             (unsigned long long)reg->id, l->peer, strerror(errno));
+  return fd;
+}
+
+/* A MAP: the region's memfd (or CUDA IPC handle) and size. The region's reference is dropped
+ * before the answer goes out: once the peer has it, its read may return and its owner free the
+ * region, which a reference still held here would keep from the cache (core/region.h: only a
+ * region nobody holds is cached), so the next ferry_alloc would not take it back. */
 static int on_map_request(ferry_link *l) {
   fr_map m;
   int rc = fr_map_decode(l->rx_body, l->rx_frame.len, &m);
@@ -93,27 +108,29 @@ static int on_map_request(ferry_link *l) {
   int status = fr_region_acquire(&l->ctx->regions, m.region, m.key, 0, 0, &reg);
   fr_cuda_ipc ipc;
   bool cuda = status == 0 && reg->kind == FERRY_MEM_CUDA;
+  int fd = -1;
   if (cuda && (!l->ops->passes_fds || fr_region_cuda_ipc(&l->ctx->regions, reg, &ipc) != 0)) {
     fr_debug("region %llu: no CUDA IPC handle for '%s': %s", (unsigned long long)m.region, l->peer,
              l->ops->passes_fds ? ferry_last_error() : "not a same-host link");
     status = FERRY_ENOTSUP; /* the peer falls back to read requests, staged here */
   } else if (status == 0 && !cuda && (reg->memfd < 0 || !l->ops->passes_fds)) {
     status = FERRY_ENOTSUP; /* registered memory: the peer falls back to read requests */
+  } else if (status == 0 && !cuda && (fd = map_answer_fd(l, reg)) < 0) {
+    status = FERRY_ENOTSUP; /* read requests need no descriptor */
   }
-  if (status != 0 && reg)
-    fr_region_release(reg);
-  fr_frame f = {.type = FR_MAP_RESP, .status = status, .req_id = l->rx_frame.req_id};
-  if (status != 0)
-    return fr_link_send_frame(l, &f, NULL, 0, -1, fr_deadline_ns(l->ctx->timeout_ms));
   uint8_t body[FR_MAP_RESP_CUDA_BYTES];
-  fr_put_u64(body, reg->size);
-  if (cuda)
+  if (status == 0)
+    fr_put_u64(body, reg->size);
+  if (status == 0 && cuda)
     fr_cuda_ipc_encode(&ipc, body + FR_MAP_RESP_BYTES);
-  struct iovec iov = {body, cuda ? FR_MAP_RESP_CUDA_BYTES : FR_MAP_RESP_BYTES};
-  f.len = iov.iov_len;
-  rc = fr_link_send_frame(l, &f, &iov, 1, cuda ? -1 : reg->memfd,
-                          fr_deadline_ns(l->ctx->timeout_ms));
   fr_region_release(reg);
+  fr_frame f = {.type = FR_MAP_RESP, .status = status, .req_id = l->rx_frame.req_id};
+  struct iovec iov = {body, cuda ? FR_MAP_RESP_CUDA_BYTES : FR_MAP_RESP_BYTES};
+  f.len = status == 0 ? iov.iov_len : 0;
+  rc = fr_link_send_frame(l, &f, status == 0 ? &iov : NULL, status == 0 ? 1 : 0, fd,
+                          fr_deadline_ns(l->ctx->timeout_ms));
+  if (fd >= 0)
+    close(fd);
   return rc;
 }
 
