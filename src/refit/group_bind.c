@@ -180,25 +180,31 @@ static int declare_rank(fr_group_rx *g, ferry_refit_receiver *sub, const fr_grou
   return rc;
 }
 
-/* Appends the parts of b's pieces [i, i + n) landing in (dst, desc) to *parts. */
+/* Appends the parts of b's pieces [i, i + n) landing in (dst, desc) to *parts, which holds
+ * *nparts of room for *cap (grown by doubling: one realloc per tensor copied the whole list each
+ * time under the sanitizers' allocators, quadratic in a flat binding's thousands of tensors). */
 static int add_parts(fr_group_rx *g, fr_group_binding *b, uint32_t i, uint32_t n, uint8_t *dst,
-                     const ferry_tensor_desc *desc, fr_group_part **parts, size_t *nparts) {
+                     const ferry_tensor_desc *desc, fr_group_part **parts, size_t *nparts,
+                     size_t *cap) {
   fr_group_part *more = NULL;
   size_t nmore = 0;
   int rc = fr_group_parts(&g->man, b->target, b->pieces + i, n, dst, desc, g->salt, &more, &nmore);
   if (rc != 0)
     return rc;
   if (!*parts) {
-    *parts = more, *nparts = nmore;
+    *parts = more, *nparts = *cap = nmore;
     return 0;
   }
-  fr_group_part *all = realloc(*parts, (*nparts + nmore) * sizeof *all);
-  if (!all) {
-    free(more);
-    return fr_err(FERRY_ENOMEM, "refit: target '%s'", b->target);
+  if (*nparts + nmore > *cap) {
+    size_t want = *nparts + nmore > 2 * *cap ? *nparts + nmore : 2 * *cap;
+    fr_group_part *all = realloc(*parts, want * sizeof *all);
+    if (!all) {
+      free(more);
+      return fr_err(FERRY_ENOMEM, "refit: target '%s'", b->target);
+    }
+    *parts = all, *cap = want;
   }
-  memcpy(all + *nparts, more, nmore * sizeof *more);
-  *parts = all;
+  memcpy(*parts + *nparts, more, nmore * sizeof *more);
   *nparts += nmore;
   free(more);
   return 0;
@@ -215,14 +221,15 @@ static int parts_of(fr_group_rx *g, fr_group_binding *b, fr_group_part **parts, 
   }
   *parts = NULL;
   *n = 0;
+  size_t cap = 0;
   if (!b->units)
-    return add_parts(g, b, 0, b->n, b->dst, &b->desc, parts, n);
+    return add_parts(g, b, 0, b->n, b->dst, &b->desc, parts, n, &cap);
   int rc = 0;
   for (uint32_t i = 0; rc == 0 && i < b->n; i++) {
     ferry_tensor_desc d = g->man.tensors[b->pieces[i].tensor].desc;
     uint64_t bytes = 0;
     if (ferry_tensor_nbytes(&d, &bytes) == 0 && bytes) /* else nothing lands */
-      rc = add_parts(g, b, i, 1, b->dst + b->units[i], &d, parts, n);
+      rc = add_parts(g, b, i, 1, b->dst + b->units[i], &d, parts, n, &cap);
   }
   if (rc != 0) {
     free(*parts);
