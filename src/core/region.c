@@ -159,13 +159,16 @@ static void header_publish(fr_region *r) {
 }
 
 /* The cached memfd region that fits `bytes` best: its data at least that long and at most an
- * eighth longer (so a cache of one size does not hold memory for much smaller requests). Taken
- * out of the cache; lock held. */
+ * eighth longer (so a cache of one size does not hold memory for much smaller requests), and
+ * nobody but the cache holds it (a thread that served it when it was freed may still be copying
+ * its bytes; a cached region is unlisted, so nobody takes a new reference). Taken out of the
+ * cache; lock held. */
 static fr_region *cache_take(fr_region_cache *c, size_t map_bytes) {
   size_t best = c->count;
   for (size_t i = 0; i < c->count; i++) {
     size_t have = c->items[i]->map_bytes;
     if (have >= map_bytes && have - map_bytes <= map_bytes / 8 &&
+        __atomic_load_n(&c->items[i]->refs, __ATOMIC_ACQUIRE) == 1 &&
         (best == c->count || have < c->items[best]->map_bytes))
       best = i;
   }
@@ -262,12 +265,13 @@ static ssize_t table_index(fr_region_table *t, uint64_t id, const void *data) {
   return -1;
 }
 
-/* Keeps a freed memfd region for reuse when nobody else holds it and the cache has room for
- * it (dropping its oldest items for it); returns whether it did. Lock held. */
+/* Keeps a freed memfd region for reuse when the cache has room for it (dropping its oldest
+ * items for it); returns whether it did. The cache takes over the table's reference: a region
+ * that a serving thread still holds is kept too, and taken back only once that thread let go
+ * (cache_take), so a free racing a read's last step still caches it. Lock held. */
 static bool cache_keep(fr_region_table *t, fr_region *r) {
   uint64_t limit = (uint64_t)fr_config_int("FERRY_ALLOC_CACHE_BYTES");
-  if (r->memfd < 0 || r->mem.release || r->map_bytes > limit ||
-      r->incarnation == FR_REGION_INC_MAX || __atomic_load_n(&r->refs, __ATOMIC_ACQUIRE) != 1)
+  if (r->memfd < 0 || r->mem.release || r->map_bytes > limit || r->incarnation == FR_REGION_INC_MAX)
     return false;
   fr_region_cache *c = &t->cache;
   if (FR_GROW(c->items, c->cap, c->count + 1, 8) != 0)
@@ -276,7 +280,7 @@ static bool cache_keep(fr_region_table *t, fr_region *r) {
     fr_region *oldest = c->items[0];
     c->bytes -= oldest->map_bytes;
     memmove(&c->items[0], &c->items[1], --c->count * sizeof *c->items);
-    region_destroy(oldest); /* nobody else holds a cached region */
+    fr_region_release(oldest); /* the cache's reference: a holder's release destroys it */
   }
   c->items[c->count++] = r;
   c->bytes += r->map_bytes;
@@ -354,7 +358,7 @@ void fr_region_table_fini(fr_region_table *t) {
   while (t->count > 0)
     fr_region_remove(t, t->items[t->count - 1]->id, NULL);
   for (size_t i = 0; i < t->cache.count; i++)
-    region_destroy(t->cache.items[i]);
+    fr_region_release(t->cache.items[i]); /* a thread may still hold one */
   free(t->cache.items);
   free(t->items);
   pthread_mutex_destroy(&t->lock);

@@ -90,10 +90,11 @@ typedef struct fr_region {
  * their size takes one back, with a new id and key, so its pages stay mapped here and in every
  * peer that mapped it before (transport/shm.c maps a memfd once, whatever region it serves).
  * A first touch of fresh pages costs a page fault each, through every mapping (on some virtual
- * machines several microseconds: docs/PERFORMANCE.md); a warm page costs nothing. Only a region
- * nobody holds a reference to is cached (no server thread is mid-copy of it); a MAP answer drops
- * its reference before it goes out (transport/link_rx.c), so a free after a peer's read through
- * its mapping is cached. */
+ * machines several microseconds: docs/PERFORMANCE.md); a warm page costs nothing. A freed region
+ * is cached even while a serving thread still holds a reference to it (the end of a read it
+ * answers), and taken back only once nobody but the cache does (no server thread is mid-copy of
+ * it). A MAP answer drops its reference before it goes out (transport/link_rx.c), so a free
+ * right after a peer's read through its mapping is taken back by the very next allocation. */
 typedef struct fr_region_cache {
   fr_region **items; /* oldest first */
   size_t count, cap;
