@@ -58,8 +58,10 @@ run_stage() { # name, build dir, ctest log, ctest args[, a command that runs cte
     failed+=("$name (build)")
     return
   fi
+  # -j twice the cores: a busy test takes two slots, a case that mostly waits one (PROCESSORS,
+  # tests/CMakeLists.txt), so that nproc busy tests run at a time with the waiting ones beside them
   # shellcheck disable=SC2086
-  (cd "$dir" && $wrap ctest --output-on-failure -j "$jobs" $args) | tee "$log"
+  (cd "$dir" && $wrap ctest --output-on-failure -j $((2 * jobs)) $args) | tee "$log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("$name")
   check_ctest_skips "$name" "$log"
 }
