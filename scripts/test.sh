@@ -27,17 +27,25 @@ build() { # build dir, cmake flags
   echo $? >"$1/built.rc"
 }
 
-# The plain build first; the other stages' builds (and the fuzz targets') then run in the
-# background, one after another, while the plain stage's tests and the python stage run (about
-# half of the 2 cores idle on the clean VM, 2026-12-04): at the lowest CPU priority (SCHED_IDLE,
-# else nice 19) they take only the cycles the tests leave idle, and a test's thread that wakes
-# takes its CPU back at once. The wake-up counting cases (ctest label serial) and the later
-# stages wait until they are all done.
-background_builds() { # run with &: lowers its own priority, which its children inherit
+# The plain build first; the other stages' builds then run in the background, one after another,
+# while the plain stage's tests and the python stage run (about half of the 2 cores idle on the
+# clean VM, 2026-12-04): at the lowest CPU priority (SCHED_IDLE, else nice 19) they take only the
+# cycles the tests leave idle, and a test's thread that wakes takes its CPU back at once. The fuzz
+# targets' build runs so later, beside the sanitizer stages (about two thirds of the 2 cores idle
+# under ASan, session 18), where it was the last of these builds that the sanitizer stages waited
+# for. The wake-up counting cases (ctest label serial) of every build run at the end, once no
+# build runs beside them.
+at_idle_priority() { # lowers the calling subshell's priority, which its children inherit
   chrt --idle -p 0 "$BASHPID" >/dev/null 2>&1 || renice -n 19 -p "$BASHPID" >/dev/null
+}
+background_builds() { # run with &
+  at_idle_priority
   build build-noucx "-DCMAKE_BUILD_TYPE=RelWithDebInfo -DFERRY_WITH_UCX=OFF"
   build build-asan "-DCMAKE_BUILD_TYPE=Debug -DFERRY_SANITIZE=address,undefined"
   build build-tsan "-DCMAKE_BUILD_TYPE=Debug -DFERRY_SANITIZE=thread"
+}
+background_fuzz_build() { # run with &
+  at_idle_priority
   if [ -x scripts/fuzz.sh ]; then
     mkdir -p build-fuzz
     scripts/fuzz.sh --build >/dev/null 2>&1
@@ -153,13 +161,19 @@ if [ "$py_ok" -eq 1 ]; then
   printf "%d%% tests passed, %d tests failed out of %d\n" $((100 * ex_pass / ${#examples[@]})) \
     "$ex_fail" "${#examples[@]}" >build-python-examples.ctest.log
 fi
-wait # the background builds: nothing runs beside the wake-up counting cases from here on
-run_stage "suite: the serial cases" build build-serial.ctest.log "-L serial"
-# Without UCX: the build, and the core and link tests (the ucx transport is optional).
+wait # the background builds
+# Without UCX: the build, and the core and link tests (the ucx transport is optional); its one
+# wake-up counting case runs alone (RUN_SERIAL), before the fuzz build starts.
 run_stage "without ucx" build-noucx build-noucx.ctest.log \
   "-R ^(link_test|link_conformance_[a-z]+|core_test)/"
-run_stage "asan+ubsan" build-asan build-asan.ctest.log ""
-run_stage "tsan (threaded tests)" build-tsan build-tsan.ctest.log "-L threaded" "$tsan_wrap"
+background_fuzz_build &
+run_stage "asan+ubsan" build-asan build-asan.ctest.log "-LE serial"
+run_stage "tsan (threaded tests)" build-tsan build-tsan.ctest.log "-L threaded -LE serial" "$tsan_wrap"
+wait # the fuzz build: nothing runs beside the wake-up counting cases from here on
+run_stage "suite: the serial cases" build build-serial.ctest.log "-L serial"
+run_stage "asan+ubsan: the serial cases" build-asan build-asan-serial.ctest.log "-L serial"
+run_stage "tsan: the serial cases" build-tsan build-tsan-serial.ctest.log "-L threaded -L serial" \
+  "$tsan_wrap"
 if [ -x scripts/fuzz.sh ]; then
   echo "=== fuzz (short) ==="
   scripts/fuzz.sh "${FERRY_FUZZ_SECONDS:-10}" || failed+=("fuzz") # built already (or says why not)
