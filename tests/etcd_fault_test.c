@@ -349,15 +349,13 @@ static void served_for(ferry_store *r, const char *key, uint64_t seed, int ms) {
  * /proc says: no call is made to a member the signal has not reached yet. */
 static void signal_member(su_etcd *e, int m, int sig) {
   char path[160], line[512];
-  snprintf(path, sizeof path, "%s/m%d.pid", e->dir, m);
-  FILE *f = fopen(path, "r");
-  int pid = 0;
-  assert_true(f && fscanf(f, "%d", &pid) == 1 && pid > 0);
-  fclose(f);
-  assert_true(su_etcd_signal(e, m, sig));
+  int pid = su_etcd_pid(e, m);
+  if (pid <= 0)
+    fail_msg("member %d is not running (see %s/m%d.log)", m, e->dir, m);
+  assert_int_equal(kill(pid, sig), 0);
   snprintf(path, sizeof path, "/proc/%d/stat", pid);
   for (int i = 0; i < 500; i++) {
-    f = fopen(path, "r");
+    FILE *f = fopen(path, "r");
     char *close_paren = f && fgets(line, sizeof line, f) ? strrchr(line, ')') : NULL;
     char state = close_paren ? close_paren[2] : 'X';
     if (f)

@@ -109,15 +109,32 @@ static inline int su_etcd_leader(const su_etcd *e) {
 
 /* Sends sig to member m (1-based; its pid from DIR/mM.pid): SIGKILL, SIGSTOP, SIGCONT. False
  * when its pid is not known. */
-static inline bool su_etcd_signal(const su_etcd *e, int m, int sig) {
-  char path[128];
+/* Member m's pid while it is this cluster's etcd (its command line names DIR/mM.data), else 0:
+ * a member that died leaves its number to be reused by any process (cluster.sh's member_pid). */
+static inline int su_etcd_pid(const su_etcd *e, int m) {
+  char path[128], want[128], cmd[4096];
   snprintf(path, sizeof path, "%s/m%d.pid", e->dir, m);
   FILE *f = fopen(path, "r");
   int pid = 0;
-  bool ok = f && fscanf(f, "%d", &pid) == 1 && pid > 0;
+  if (!f || fscanf(f, "%d", &pid) != 1 || pid <= 0)
+    pid = 0;
   if (f)
     fclose(f);
-  return ok && kill(pid, sig) == 0;
+  snprintf(path, sizeof path, "/proc/%d/cmdline", pid);
+  f = pid ? fopen(path, "r") : NULL;
+  size_t n = f ? fread(cmd, 1, sizeof cmd - 1, f) : 0;
+  if (f)
+    fclose(f);
+  for (size_t i = 0; i < n; i++)
+    cmd[i] = cmd[i] ? cmd[i] : ' ';
+  cmd[n] = '\0';
+  snprintf(want, sizeof want, " %s/m%d.data ", e->dir, m);
+  return n && strstr(cmd, want) ? pid : 0;
+}
+
+static inline bool su_etcd_signal(const su_etcd *e, int m, int sig) {
+  int pid = su_etcd_pid(e, m);
+  return pid > 0 && kill(pid, sig) == 0;
 }
 
 static inline void su_etcd_stop(su_etcd *e) {

@@ -6,6 +6,7 @@
 #   cluster.sh kill DIR M      SIGKILLs member M (1-based); cluster.sh leader DIR prints the
 #                              leader's member number
 #   cluster.sh restart DIR M   starts member M again on its ports and data dir
+#   cluster.sh pid DIR M       prints member M's pid while it runs (nothing once it died)
 #   cluster.sh stop DIR        kills every member and removes DIR
 # Needs etcd and etcdctl (Debian etcd-server, etcd-client; scripts/deps.sh test).
 set -eu
@@ -29,6 +30,16 @@ launch() { # member number: uses DIR/cluster (initial-cluster) and DIR/mN.ports
     --initial-cluster-token ferry-test --heartbeat-interval 50 --election-timeout 500 \
     >"$dir/m$m.log" 2>&1 &
   echo $! >"$dir/m$m.pid"
+}
+
+# The pid of member M while it is this cluster's etcd (its command line names DIR/mM.data), else
+# nothing: a member that died leaves its pid to be reused (pid_max can be 32768, and make test
+# starts thousands of processes), and a kill by the stale number once hit another test's etcd.
+member_pid() {
+  pid=$(cat "$dir/m$1.pid" 2>/dev/null) || return 0
+  if tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- "--data-dir $dir/m$1.data "; then
+    echo "$pid"
+  fi
 }
 
 case $cmd in
@@ -57,7 +68,10 @@ start)
     sleep 0.1
   done
   cat "$dir/endpoints" ;;
-kill) kill -9 "$(cat "$dir/m${3:?member}.pid")" 2>/dev/null || true ;;
+kill)
+  pid=$(member_pid "${3:?member}")
+  [ -z "$pid" ] || kill -9 "$pid" 2>/dev/null || true ;;
+pid) member_pid "${3:?member}" ;;
 restart) launch "${3:?member}" ;;
 leader)
   addr=$(etcdctl --endpoints "$(cat "$dir/endpoints")" --dial-timeout 1s -w simple \
@@ -66,7 +80,11 @@ leader)
     [ "127.0.0.1:$(cut -d' ' -f1 "$f")" = "$addr" ] && basename "$f" .ports | tr -d m
   done ;;
 stop)
-  for f in "$dir"/m*.pid; do [ -e "$f" ] && kill -9 "$(cat "$f")" 2>/dev/null || true; done
+  for f in "$dir"/m*.pid; do
+    [ -e "$f" ] || continue
+    pid=$(member_pid "$(basename "$f" .pid | tr -d m)")
+    [ -z "$pid" ] || kill -9 "$pid" 2>/dev/null || true
+  done
   rm -rf "$dir" ;;
-*) echo "usage: cluster.sh start|kill|restart|leader|stop DIR [N|M]" >&2; exit 2 ;;
+*) echo "usage: cluster.sh start|kill|restart|leader|pid|stop DIR [N|M]" >&2; exit 2 ;;
 esac
