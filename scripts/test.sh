@@ -31,9 +31,9 @@ build() { # build dir, cmake flags
 # while the plain stage's tests and the python stage run (about half of the 2 cores idle on the
 # clean VM, 2026-12-04): at the lowest CPU priority (SCHED_IDLE, else nice 19) they take only the
 # cycles the tests leave idle, and a test's thread that wakes takes its CPU back at once. The fuzz
-# targets' build runs so later, beside the sanitizer stages (about two thirds of the 2 cores idle
-# under ASan, session 18), where it was the last of these builds that the sanitizer stages waited
-# for. The wake-up counting cases (ctest label serial) of every build run at the end, once no
+# targets' build and run go later, beside the sanitizer stages (about two thirds of the 2 cores
+# idle under ASan, session 18), where the build was the last of these builds that the sanitizer
+# stages waited for. The wake-up counting cases (ctest label serial) of every build run at the end, once no
 # build runs beside them.
 at_idle_priority() { # lowers the calling subshell's priority, which its children inherit
   chrt --idle -p 0 "$BASHPID" >/dev/null 2>&1 || renice -n 19 -p "$BASHPID" >/dev/null
@@ -44,13 +44,14 @@ background_builds() { # run with &
   build build-asan "-DCMAKE_BUILD_TYPE=Debug -DFERRY_SANITIZE=address,undefined"
   build build-tsan "-DCMAKE_BUILD_TYPE=Debug -DFERRY_SANITIZE=thread"
 }
-background_fuzz_build() { # run with &
+background_fuzz() { # run with &: the fuzz targets' build, then their short run, at the lowest
+  # priority (its output in build-fuzz.run.log, its status in build-fuzz/run.rc)
   at_idle_priority
-  if [ -x scripts/fuzz.sh ]; then
-    mkdir -p build-fuzz
-    scripts/fuzz.sh --build >/dev/null 2>&1
-    echo $? >build-fuzz/built.rc
-  fi
+  [ -x scripts/fuzz.sh ] || return 0
+  mkdir -p build-fuzz
+  rm -f build-fuzz/run.rc
+  scripts/fuzz.sh "${FERRY_FUZZ_SECONDS:-10}" >build-fuzz.run.log 2>&1 # or says why it cannot
+  echo $? >build-fuzz/run.rc
 }
 wait_build() { # build dir: 0 once built, else its log's tail
   while [ ! -f "$1/built.rc" ]; do sleep 1; done
@@ -72,6 +73,33 @@ run_stage() { # name, build dir, ctest log, ctest args[, a command that runs cte
   (cd "$dir" && $wrap ctest --output-on-failure -j $((2 * jobs)) $args) | tee "$log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("$name")
   check_ctest_skips "$name" "$log"
+}
+
+# Stages whose tests may run beside each other's (each "name|build dir|ctest log|ctest
+# args|wrap", as run_stage's arguments), each build's tests one at a time: their output is shown
+# stage by stage once all are done.
+run_stages_side_by_side() {
+  local spec name dir log args wrap pids=() specs=()
+  for spec in "$@"; do
+    IFS='|' read -r name dir log args wrap <<<"$spec"
+    if ! wait_build "$dir"; then
+      echo "=== $name ==="
+      failed+=("$name (build)")
+      continue
+    fi
+    # shellcheck disable=SC2086
+    (cd "$dir" && $wrap ctest --output-on-failure $args) >"$log" 2>&1 &
+    pids+=($!) specs+=("$spec")
+  done
+  for i in "${!pids[@]}"; do
+    IFS='|' read -r name dir log args wrap <<<"${specs[$i]}"
+    wait "${pids[$i]}"
+    local rc=$?
+    echo "=== $name ==="
+    cat "$log"
+    [ "$rc" -eq 0 ] || failed+=("$name")
+    check_ctest_skips "$name" "$log"
+  done
 }
 
 # ctest lists skipped tests as "NAME (Skipped)" (exit 77, SKIP_RETURN_CODE).
@@ -166,17 +194,28 @@ wait # the background builds
 # wake-up counting case runs alone (RUN_SERIAL), before the fuzz build starts.
 run_stage "without ucx" build-noucx build-noucx.ctest.log \
   "-R ^(link_test|link_conformance_[a-z]+|core_test)/"
-background_fuzz_build &
+# The fuzz targets are built and then run for their FERRY_FUZZ_SECONDS each beside the sanitizer
+# stages, at the lowest priority, in the cycles those stages leave idle (about two thirds of the
+# 2 cores under ASan, session 18): each target fuzzes its whole time span with what the tests
+# leave it (fewer runs a second than alone; `make fuzz` fuzzes long), and the run no longer
+# adds its ~70 s at the end.
+background_fuzz &
 run_stage "asan+ubsan" build-asan build-asan.ctest.log "-LE serial"
 run_stage "tsan (threaded tests)" build-tsan build-tsan.ctest.log "-L threaded -LE serial" "$tsan_wrap"
-wait # the fuzz build: nothing runs beside the wake-up counting cases from here on
-run_stage "suite: the serial cases" build build-serial.ctest.log "-L serial"
-run_stage "asan+ubsan: the serial cases" build-asan build-asan-serial.ctest.log "-L serial"
-run_stage "tsan: the serial cases" build-tsan build-tsan-serial.ctest.log "-L threaded -L serial" \
-  "$tsan_wrap"
+wait # the fuzz run: nothing runs beside the wake-up counting cases from here on
+# The three builds' wake-up counting cases side by side: each build's ctest runs its cases one
+# at a time (RUN_SERIAL), so at most three run at once, and they mostly sleep (an mq idle case
+# counts over two 3 s windows). Side by side they counted what each counts alone (session 18,
+# 6 runs: paced round trips 1-5 progress-thread wake-ups of the 20 allowed, mq idle 8-20 of 30,
+# as alone), in 37 s instead of 101 s one build after another.
+run_stages_side_by_side \
+  "suite: the serial cases|build|build-serial.ctest.log|-L serial|" \
+  "asan+ubsan: the serial cases|build-asan|build-asan-serial.ctest.log|-L serial|" \
+  "tsan: the serial cases|build-tsan|build-tsan-serial.ctest.log|-L threaded -L serial|$tsan_wrap"
 if [ -x scripts/fuzz.sh ]; then
-  echo "=== fuzz (short) ==="
-  scripts/fuzz.sh "${FERRY_FUZZ_SECONDS:-10}" || failed+=("fuzz") # built already (or says why not)
+  echo "=== fuzz (short, beside the sanitizer stages) ==="
+  cat build-fuzz.run.log 2>/dev/null
+  [ "$(cat build-fuzz/run.rc 2>/dev/null)" = 0 ] || failed+=("fuzz")
 fi
 
 # The last line counts the test runs of every stage.
