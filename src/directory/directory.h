@@ -3,8 +3,8 @@
  * (key -> owner, region, offset, bytes, dtype, shape, generation). Backends are ops tables chosen
  * by URL scheme (directory.c lists them): ferry:// is the embedded server (server.c, client.c),
  * redis:// keeps the same records in Redis (redis.c), etcd:// in an etcd cluster (etcd.c,
- * etcd_watch.c, etcd_http.c). A node holds a lease; when it lapses, the
- * node's records vanish. Jobs use the fr_dir_* calls below (the front door), never dir->ops.
+ * etcd_client.c, etcd_http.c). A node holds a lease; when it lapses, the node's records vanish.
+ * Jobs use the fr_dir_* calls below (the front door), never dir->ops.
  */
 #ifndef FR_DIRECTORY_H
 #define FR_DIRECTORY_H
