@@ -4,27 +4,19 @@
  * churn. The table holds indices only; names are read through the caller's name_of.
  */
 #include "directory/names.h"
-
-#include "core/core.h"
+#include "directory/directory.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-static size_t name_hash(const char *s) { /* FNV-1a: names are short */
-  uint64_t h = 1469598103934665603ull;
-  for (; *s; s++)
-    h = (h ^ (uint8_t)*s) * 1099511628211ull;
-  return (size_t)(h ^ (h >> 29));
-}
-
 static size_t home(const fr_names *t, uint32_t i) {
-  return name_hash(t->name_of(t->arg, i)) & (t->cap - 1);
+  return fr_dir_key_hash(t->name_of(t->arg, i)) & (t->cap - 1);
 }
 
-/* The slot that holds entry i (present). */
-static size_t slot_of(const fr_names *t, uint32_t i) {
-  size_t at = home(t, i);
-  while (t->slot[at] != i + 1)
+/* The slot that holds `entry`, on the probe run of the name entry `named` has now. */
+static size_t slot_holding(const fr_names *t, uint32_t named, uint32_t entry) {
+  size_t at = home(t, named);
+  while (t->slot[at] != entry + 1)
     at = (at + 1) & (t->cap - 1);
   return at;
 }
@@ -32,7 +24,7 @@ static size_t slot_of(const fr_names *t, uint32_t i) {
 long fr_names_find(const fr_names *t, const char *name) {
   if (t->cap == 0)
     return -1;
-  for (size_t at = name_hash(name) & (t->cap - 1); t->slot[at]; at = (at + 1) & (t->cap - 1))
+  for (size_t at = fr_dir_key_hash(name) & (t->cap - 1); t->slot[at]; at = (at + 1) & (t->cap - 1))
     if (strcmp(t->name_of(t->arg, t->slot[at] - 1), name) == 0)
       return (long)(t->slot[at] - 1);
   return -1;
@@ -73,7 +65,7 @@ int fr_names_add(fr_names *t, uint32_t i) {
 }
 
 void fr_names_del(fr_names *t, uint32_t i) {
-  size_t mask = t->cap - 1, hole = slot_of(t, i);
+  size_t mask = t->cap - 1, hole = slot_holding(t, i, i);
   t->slot[hole] = 0;
   t->n--;
   /* Backward shift: an entry after the hole moves into it unless its home lies cyclically in
@@ -89,11 +81,7 @@ void fr_names_del(fr_names *t, uint32_t i) {
 }
 
 void fr_names_move(fr_names *t, uint32_t from, uint32_t to) {
-  /* the name is read at `to` now: find the slot holding from + 1 along that name's probe run */
-  size_t at = home(t, to);
-  while (t->slot[at] != from + 1)
-    at = (at + 1) & (t->cap - 1);
-  t->slot[at] = to + 1;
+  t->slot[slot_holding(t, to, from)] = to + 1; /* the name is read at `to` now */
 }
 
 void fr_names_free(fr_names *t) {
