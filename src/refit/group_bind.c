@@ -180,29 +180,22 @@ static int declare_rank(fr_group_rx *g, ferry_refit_receiver *sub, const fr_grou
   return rc;
 }
 
-/* Appends the parts of b's pieces [i, i + n) landing in (dst, desc) to *parts, which holds
- * *nparts of room for *cap (grown by doubling: one realloc per tensor copied the whole list each
- * time under the sanitizers' allocators, quadratic in a flat binding's thousands of tensors). */
+/* Appends the parts of b's pieces [i, i + n) landing in (dst, desc) to *parts, which has room
+ * for *cap (FR_GROW: doubling, where one realloc per tensor copied the whole list each time under
+ * the sanitizers' allocators, quadratic in a flat binding's thousands of tensors). */
 static int add_parts(fr_group_rx *g, fr_group_binding *b, uint32_t i, uint32_t n, uint8_t *dst,
                      const ferry_tensor_desc *desc, fr_group_part **parts, size_t *nparts,
                      size_t *cap) {
   fr_group_part *more = NULL;
   size_t nmore = 0;
   int rc = fr_group_parts(&g->man, b->target, b->pieces + i, n, dst, desc, g->salt, &more, &nmore);
-  if (rc != 0)
+  if (rc != 0 || nmore == 0) {
+    free(more);
     return rc;
-  if (!*parts) {
-    *parts = more, *nparts = *cap = nmore;
-    return 0;
   }
-  if (*nparts + nmore > *cap) {
-    size_t want = *nparts + nmore > 2 * *cap ? *nparts + nmore : 2 * *cap;
-    fr_group_part *all = realloc(*parts, want * sizeof *all);
-    if (!all) {
-      free(more);
-      return fr_err(FERRY_ENOMEM, "refit: target '%s'", b->target);
-    }
-    *parts = all, *cap = want;
+  if (FR_GROW(*parts, *cap, *nparts + nmore, nmore) != 0) {
+    free(more);
+    return fr_err(FERRY_ENOMEM, "refit: target '%s'", b->target);
   }
   memcpy(*parts + *nparts, more, nmore * sizeof *more);
   *nparts += nmore;
