@@ -32,9 +32,8 @@ build() { # build dir, cmake flags
 # clean VM, 2026-12-04): at the lowest CPU priority (SCHED_IDLE, else nice 19) they take only the
 # cycles the tests leave idle, and a test's thread that wakes takes its CPU back at once. The fuzz
 # targets' build and run go later, beside the sanitizer stages (about two thirds of the 2 cores
-# idle under ASan, session 18), where the build was the last of these builds that the sanitizer
-# stages waited for. The wake-up counting cases (ctest label serial) of every build run at the end, once no
-# build runs beside them.
+# idle under ASan, session 18). The wake-up counting cases (ctest label serial) of every build
+# run at the end, once nothing runs beside them.
 at_idle_priority() { # lowers the calling subshell's priority, which its children inherit
   chrt --idle -p 0 "$BASHPID" >/dev/null 2>&1 || renice -n 19 -p "$BASHPID" >/dev/null
 }
