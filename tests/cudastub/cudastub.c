@@ -7,8 +7,9 @@
  * Work on a stream waits in a queue until something synchronizes it, so a missing
  * synchronization shows up as stale bytes; IPC handles name the owner's memfd, which another
  * process opens through /proc. Its whole value is to make tests fail where ferry would misuse
- * the real driver, so it refuses what the driver refuses. Only the cu* entry points are exported;
- * everything else is static. It may read its own settings from the environment: it is a test
+ * the real driver, so it refuses what the driver refuses. Only the cu* entry points are exported
+ * (cuStubCopyCounts, the stand-in's count of copies by kind, is for tests); everything else is
+ * static. It may read its own settings from the environment: it is a test
  * library, not part of ferry. FERRY_CUDASTUB_DEVICES (default 2) and FERRY_CUDASTUB_MEM_MB
  * (default 4096, a limit per device, page-rounded allocations counted) are read by cuInit.
  *
@@ -232,6 +233,19 @@ static CUresult translate(uint64_t a, uint64_t n, char **out) {
   return CUDA_SUCCESS;
 }
 
+/* The copies made, by kind (cuStubCopyCounts): host to device, device to host, device to
+ * device, and device to device with a side opened through IPC. Under lock. */
+enum { COUNT_HTOD, COUNT_DTOH, COUNT_DTOD, COUNT_DTOD_IPC, COUNT_KINDS };
+static unsigned long long copy_counts[COUNT_KINDS];
+
+static void count_copy(uint64_t dst, uint64_t src) {
+  struct alloc *d = find_alloc(dst), *s = find_alloc(src);
+  if (d && s)
+    copy_counts[d->ipc || s->ipc ? COUNT_DTOD_IPC : COUNT_DTOD]++;
+  else if (d || s)
+    copy_counts[d ? COUNT_HTOD : COUNT_DTOH]++;
+}
+
 static CUresult copy_now(uint64_t dst, uint64_t src, uint64_t n) {
   if (n == 0)
     return CUDA_SUCCESS;
@@ -239,8 +253,10 @@ static CUresult copy_now(uint64_t dst, uint64_t src, uint64_t n) {
   CUresult rc = translate(dst, n, &d);
   if (rc == CUDA_SUCCESS)
     rc = translate(src, n, &s);
-  if (rc == CUDA_SUCCESS)
+  if (rc == CUDA_SUCCESS) {
+    count_copy(dst, src);
     memmove(d, s, n);
+  }
   return rc;
 }
 
@@ -994,4 +1010,14 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
     drop_alloc(al);
   }
   return unlock_rc(CUDA_SUCCESS);
+}
+
+/* Not a driver entry point: the stand-in's own, for tests (found with dlsym; the real driver has
+ * none, so a test skips what it checks with it there). The copies this process made so far, by
+ * kind: [0] host to device, [1] device to host, [2] device to device, [3] device to device with
+ * one side opened through IPC (a host bounce shows as [0] and [1]). */
+void cuStubCopyCounts(unsigned long long out[4]) {
+  pthread_mutex_lock(&lock);
+  memcpy(out, copy_counts, sizeof copy_counts);
+  pthread_mutex_unlock(&lock);
 }
