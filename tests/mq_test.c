@@ -156,6 +156,26 @@ static int sub_main(helper *h, bool slow) {
   return bad;
 }
 
+/* The subscriber the killed case kills: subscribes, says so, receives message 0, says so, then
+ * waits to be killed. Receiving it proves the publisher's endpoint to it is wired up (see
+ * killed_subscriber). */
+static int victim_main(helper *h) {
+  ferry_ctx *c = ctx_open(h->name, h->transports);
+  ferry_mq *mq = mq_open(c, h->dir, 65536); /* a small queue, as the slow subscriber's */
+  FR_OK(ferry_mq_subscribe(mq, h->topic, 20000));
+  uint8_t b = 1;
+  tu_pipe_put(&h->p, &b, 1);
+  ferry_mq_msg *m = NULL;
+  uint64_t k = 1;
+  if (ferry_mq_recv(mq, &m, 30000) == 0 && check(m, &k) && k == 0)
+    tu_pipe_put(&h->p, &b, 1);
+  else
+    fprintf(stderr, "victim: no message 0: %s\n", ferry_last_error());
+  ferry_mq_msg_free(m);
+  tu_pipe_get(&h->p, &b, 1, 60000); /* the parent kills it first */
+  return 1;
+}
+
 /* ---- the parent's side ---- */
 
 typedef struct child {
@@ -268,7 +288,13 @@ static void no_loss(void) {
 }
 
 /* Two subscribers; one is SIGKILLed. The publisher's next publishes report it (FERRY_EPEER,
- * named), drop it, and go on; the other subscriber gets every message. */
+ * named), drop it, and go on; the other subscriber gets every message.
+ * The kill comes once the victim received message 0 (so the other one counts 0..n): before
+ * that, the publisher's link to it may still be wiring up its UCX endpoint, and UCX 1.13's tcp
+ * transport aborts the process that makes an endpoint to a peer that just died (its own
+ * assertion, tcp_ep.c:478 "!(ep->flags & UCT_TCP_EP_FLAG_CTX_TYPE_TX)": the endpoint takes over
+ * the connection the dead peer made to it, its connection request there fails, and it is marked
+ * failed before it gets its send side). The case is about a subscriber dying on a working link. */
 static void killed_subscriber(void) {
   ferry_ctx *c = ctx_open("mq-parent", suite_transports);
   ferry_mq *mq = mq_open(c, NULL, 0);
@@ -276,15 +302,18 @@ static void killed_subscriber(void) {
   dir_url(c, dir, sizeof dir);
   const uint64_t n = 300 / SCALE;
   child a, v;
-  spawn(&a, "--sub", dir, "mq-alive", "fan", n, "fast");
-  spawn(&v, "--sub", dir, "mq-victim", "fan", 1000000, "slow");
+  spawn(&a, "--sub", dir, "mq-alive", "fan", n + 1, "fast");
+  spawn(&v, "--victim", dir, "mq-victim", "fan", 1, "-");
   uint8_t b;
   assert_int_equal(tu_pipe_get(&a.from, &b, 1, 30000), 0);
   assert_int_equal(tu_pipe_get(&v.from, &b, 1, 30000), 0);
   FR_OK(ferry_mq_wait_subscribers(mq, "fan", 2, 20000));
+  uint8_t buf[300000];
+  fill(buf, 0, size_of(0));
+  FR_OK(ferry_mq_publish(mq, "fan", buf, size_of(0), 20000));
+  assert_int_equal(tu_pipe_get(&v.from, &b, 1, 30000), 0); /* it has message 0 */
   kill(v.pid, SIGKILL);
   assert_int_equal(tu_wait(v.pid), 128 + SIGKILL);
-  uint8_t buf[300000];
   bool reported = false;
   for (uint64_t k = 1; k <= n; k++) {
     fill(buf, k, size_of(k));
@@ -301,7 +330,7 @@ static void killed_subscriber(void) {
   assert_int_equal(ferry_mq_subscribers(mq, "fan"), 1);
   uint64_t got = 0;
   assert_int_equal(tu_pipe_get(&a.from, &got, sizeof got, 60000), 0);
-  assert_int_equal(got, n);
+  assert_int_equal(got, n + 1);
   assert_int_equal(tu_wait(a.pid), 0);
   child_done(&a);
   child_done(&v);
@@ -971,6 +1000,8 @@ int main(int argc, char **argv) {
       return sub_main(&h, strcmp(argv[9], "slow") == 0);
     if (strcmp(argv[1], "--join") == 0)
       return joiner_main(&h);
+    if (strcmp(argv[1], "--victim") == 0)
+      return victim_main(&h);
     return 2;
   }
 #ifdef FERRY_HAVE_UCX
