@@ -12,6 +12,7 @@
 
 #include <errno.h>
 #include <jansson.h>
+#include <netdb.h>
 #include <regex.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -759,6 +760,40 @@ static void test_spin(void **state) {
   unsetenv("FERRY_SPIN_YIELD_NS");
 }
 
+/* A name is resolved by the caller's deadline even when the name service never answers; a
+ * numeric address never waits for it; an answer that comes in time is the caller's. */
+static int answer_loopback(const char *host, const char *service, const struct addrinfo *hints,
+                           struct addrinfo **out) {
+  (void)host;
+  return getaddrinfo("127.0.0.1", service, hints, out);
+}
+
+static void test_resolve_deadline(void **state) {
+  (void)state;
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *ai = NULL;
+  tu_dns_hang();
+  assert_int_equal(fr_resolve("ferry-test.invalid", "80", &hints, fr_deadline_ns(100), &ai),
+                   FR_RESOLVE_TIMEDOUT);
+  assert_null(ai);
+  assert_non_null(strstr(fr_resolve_strerror(FR_RESOLVE_TIMEDOUT), "deadline"));
+  assert_int_equal(fr_resolve("127.0.0.1", "80", &hints, fr_deadline_ns(100), &ai), 0);
+  assert_non_null(ai);
+  freeaddrinfo(ai);
+  assert_int_equal(tu_dns_answer(), 1); /* the name waited; the number did not */
+
+  fr_resolve_set_lookup(answer_loopback);
+  ai = NULL;
+  assert_int_equal(fr_resolve("ferry-test.invalid", "80", &hints, fr_deadline_ns(10000), &ai), 0);
+  assert_non_null(ai);
+  assert_int_equal(ai->ai_family, AF_INET);
+  freeaddrinfo(ai);
+  ai = NULL;
+  assert_int_equal(fr_resolve("ferry-test.invalid", "80", &hints, 0, &ai), 0); /* no deadline */
+  assert_non_null(ai);
+  freeaddrinfo(ai);
+  fr_resolve_set_lookup(NULL);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_status_strings), cmocka_unit_test(test_error_detail),
@@ -772,7 +807,7 @@ int main(void) {
       cmocka_unit_test(test_pool),           cmocka_unit_test(test_spin),
       cmocka_unit_test(test_str_copy),       cmocka_unit_test(test_name_rule),
       cmocka_unit_test(test_escape),         cmocka_unit_test(test_error_detail_escaped),
-      cmocka_unit_test(test_error_keep),
+      cmocka_unit_test(test_error_keep),     cmocka_unit_test(test_resolve_deadline),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

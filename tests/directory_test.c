@@ -1317,9 +1317,9 @@ static void test_reach_decision(void **state) {
   assert_true(fr_dir_can_reach("10.0.0.1", "shm://@n-1,tcp://10.0.0.2:4000"));
   assert_true(fr_dir_can_reach("fd00::1", "tcp://127.0.0.1:1,ucx://[fd00::2]:4001"));
   /* the whole check, against directories on this host: no refusal, no route looked up */
-  FR_OK(fr_dir_reach_check("ferry://127.0.0.1:7700", "tcp://127.0.0.1:4000", "test"));
-  FR_OK(fr_dir_reach_check("redis://:pw@localhost:6379", "tcp://127.0.0.1:4000", "test"));
-  FR_OK(fr_dir_reach_check("ferry://(in-process)", "tcp://127.0.0.1:4000", "test"));
+  FR_OK(fr_dir_reach_check("ferry://127.0.0.1:7700", "tcp://127.0.0.1:4000", "test", 0));
+  FR_OK(fr_dir_reach_check("redis://:pw@localhost:6379", "tcp://127.0.0.1:4000", "test", 0));
+  FR_OK(fr_dir_reach_check("ferry://(in-process)", "tcp://127.0.0.1:4000", "test", 0));
   char listen[64] = "unchanged";
   assert_int_equal(
       fr_dir_tcp_listen_for("ferry://127.0.0.1:7700", "127.0.0.1:0", listen, sizeof listen), 0);
@@ -1680,6 +1680,23 @@ static void test_etcd_url(void **state) {
   assert_non_null(strstr(ferry_last_error(), "etcd"));
 }
 
+/* A directory whose host name the name service never resolves: opening it fails within its
+ * timeout (FERRY_ETIMEDOUT), for Redis and etcd alike, instead of waiting for the lookup. */
+static void test_dir_name_unresolved(void **state) {
+  (void)state;
+  const char *urls[] = {"redis://ferry-test.invalid:6379", "etcd://ferry-test.invalid:2379"};
+  for (size_t i = 0; i < sizeof urls / sizeof urls[0]; i++) {
+    tu_dns_hang();
+    fr_dir *d = NULL;
+    int rc = fr_dir_open(NULL, urls[i], 300, &d);
+    int held = tu_dns_answer();
+    assert_int_equal(rc, FERRY_ETIMEDOUT);
+    assert_null(d);
+    assert_true(held >= 1);
+    assert_non_null(strstr(ferry_last_error(), "ferry-test.invalid"));
+  }
+}
+
 /* A fake etcd member: accepts on a loopback port and answers every request with `reply` (NULL:
  * never answers), for checking what the client makes of answers etcd would never send. */
 typedef struct fake_member {
@@ -1823,6 +1840,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_etcd_namespaces),
       cmocka_unit_test(test_etcd_url),
       cmocka_unit_test(test_etcd_garbage),
+      cmocka_unit_test(test_dir_name_unresolved),
       cmocka_unit_test(test_table_rules),
       cmocka_unit_test(test_table_rejects_garbage),
       cmocka_unit_test(test_orphan_deleted),

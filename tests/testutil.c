@@ -3,11 +3,15 @@
  */
 #include "testutil.h"
 
+#include "core/core.h"
+
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <errno.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <signal.h>
 #include <stdbool.h>
@@ -333,4 +337,45 @@ tu_loris tu_slowloris(int port, int n, int interval_ms, int run_ms, int settle_m
     }
   free(fds);
   return out;
+}
+
+/* ---- a name service that hangs (fr_resolve's lookup) ---- */
+
+static pthread_mutex_t dns_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t dns_cond = PTHREAD_COND_INITIALIZER;
+static bool dns_released;
+static int dns_waiting, dns_held;
+
+static int hanging_lookup(const char *host, const char *service, const struct addrinfo *hints,
+                          struct addrinfo **out) {
+  (void)host, (void)service, (void)hints, (void)out;
+  pthread_mutex_lock(&dns_lock);
+  dns_waiting++;
+  dns_held++;
+  while (!dns_released)
+    pthread_cond_wait(&dns_cond, &dns_lock);
+  dns_waiting--;
+  pthread_cond_broadcast(&dns_cond);
+  pthread_mutex_unlock(&dns_lock);
+  return EAI_NONAME;
+}
+
+void tu_dns_hang(void) {
+  pthread_mutex_lock(&dns_lock);
+  dns_released = false;
+  dns_held = 0;
+  pthread_mutex_unlock(&dns_lock);
+  fr_resolve_set_lookup(hanging_lookup);
+}
+
+int tu_dns_answer(void) {
+  pthread_mutex_lock(&dns_lock);
+  dns_released = true;
+  pthread_cond_broadcast(&dns_cond);
+  while (dns_waiting > 0)
+    pthread_cond_wait(&dns_cond, &dns_lock);
+  int held = dns_held;
+  pthread_mutex_unlock(&dns_lock);
+  fr_resolve_set_lookup(NULL);
+  return held;
 }

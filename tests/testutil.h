@@ -52,6 +52,13 @@ void tu_rmdir_files(const char *dir);
 /* Fills buf with a deterministic pattern derived from seed. */
 void tu_fill(void *buf, size_t len, uint64_t seed);
 
+/* A name service that does not answer: from tu_dns_hang() on, every name ferry resolves
+ * (fr_resolve) waits in the lookup until tu_dns_answer(), which lets the waiting lookups go
+ * (failing them, EAI_NONAME) and waits for them to finish, so that no thread of theirs outlives
+ * the test. Numeric addresses never reach the lookup. Returns how many lookups were held. */
+void tu_dns_hang(void);
+int tu_dns_answer(void);
+
 /* Applies the environment's choice of cases to the cmocka run that follows: FERRY_TEST_ONLY runs
  * only the cases whose names match its glob (`*` and `?`; e.g. test_owner_stopped, used by
  * tests/faults/run.sh), FERRY_TEST_SKIP leaves out those matching its glob. Every test's main

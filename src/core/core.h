@@ -173,6 +173,20 @@ int fr_ms_left(uint64_t deadline_ns);
  * pthread_mutex_clocklock and takes a mutex locked by it for unlocked. */
 int fr_mutex_lock_until(pthread_mutex_t *m, uint64_t deadline_ns);
 
+/* ---- names (resolve.c) ---- */
+struct addrinfo;
+/* getaddrinfo(3) by a CLOCK_MONOTONIC deadline (0: none, as getaddrinfo alone). A numeric host
+ * (or NULL) is resolved in place; a name on a thread of its own, which a caller that gave up
+ * leaves to finish. Returns 0 (*out to freeaddrinfo), a getaddrinfo error (EAI_*), or
+ * FR_RESOLVE_TIMEDOUT; fr_resolve_strerror says which in words. */
+#define FR_RESOLVE_TIMEDOUT 1 /* EAI_* codes are negative */
+int fr_resolve(const char *host, const char *service, const struct addrinfo *hints,
+               uint64_t deadline_ns, struct addrinfo **out);
+const char *fr_resolve_strerror(int rc);
+/* Tests: the lookup a name goes through instead of getaddrinfo (NULL: getaddrinfo again). */
+void fr_resolve_set_lookup(int (*fn)(const char *, const char *, const struct addrinfo *,
+                                     struct addrinfo **));
+
 /* ---- text ---- */
 /* Copies the string src (NULL: "") into dst of cap bytes, cut to cap - 1 and always terminated
  * (when cap > 0); returns strlen(src), so a result >= cap means it was cut. snprintf(dst, cap,

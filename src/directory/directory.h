@@ -314,8 +314,10 @@ bool fr_dir_can_reach(const char *dir_host, const char *node_address);
 int fr_route_source(const char *ip, char *out, size_t cap);
 /* FERRY_EINVAL, one line naming FERRY_TCP_LISTEN and the interface that routes to the directory,
  * when a node advertising `node_address` registers in the directory at dir_url on another host
- * while it listens on loopback only; else 0. */
-int fr_dir_reach_check(const char *dir_url, const char *node_address, const char *who);
+ * while it listens on loopback only; else 0 (also when the directory's host name does not resolve
+ * by deadline_ns: 0 for none). */
+int fr_dir_reach_check(const char *dir_url, const char *node_address, const char *who,
+                       uint64_t deadline_ns);
 /* For a node that is about to open its context and join dir_url: when tcp_listen (HOST:PORT) is
  * loopback and the directory is on another host, writes "ADDR:PORT" (ADDR: the interface that
  * routes to the directory, PORT: tcp_listen's) to out and returns 1; else 0. */

@@ -88,9 +88,10 @@ int fr_http_dial(fr_http *h, const char *host, int port, uint64_t deadline) {
   char service[16];
   snprintf(service, sizeof service, "%d", port);
   struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *ai = NULL;
-  int g = getaddrinfo(host, service, &hints, &ai);
+  int g = fr_resolve(host, service, &hints, deadline, &ai);
   if (g != 0)
-    return fr_err(FERRY_ECONNECT, "etcd member %s: %s", h->name, gai_strerror(g));
+    return fr_err(g == FR_RESOLVE_TIMEDOUT ? FERRY_ETIMEDOUT : FERRY_ECONNECT, "etcd member %s: %s",
+                  h->name, fr_resolve_strerror(g));
   int rc = FERRY_ECONNECT;
   for (struct addrinfo *a = ai; a; a = a->ai_next)
     if ((rc = dial_one(h, a, deadline)) == 0 || rc == FERRY_ETIMEDOUT)

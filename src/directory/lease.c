@@ -227,7 +227,7 @@ static int register_node(fr_dir_self *me, const fr_dir_lease *l, const fr_dir_no
                          int timeout_ms) {
   const fr_dir_ops *ops = me->dir->ops;
   /* listed but unreachable is worse than refused: say so before registering */
-  int rc = fr_dir_reach_check(me->dir->url, n->address, l->who);
+  int rc = fr_dir_reach_check(me->dir->url, n->address, l->who, fr_deadline_ns(timeout_ms));
   uint64_t epoch = fr_dir_epoch(me->dir);
   fr_dir_node holder;
   if (rc == 0)

@@ -86,9 +86,9 @@ bool fr_dir_can_reach(const char *dir_host, const char *node_address) {
 
 /* The directory's host as a numeric address: a loopback one when the name has any (localhost
  * resolves to both ::1 and 127.0.0.1), else the first. */
-static int host_numeric(const char *host, char *ip, size_t cap) {
+static int host_numeric(const char *host, char *ip, size_t cap, uint64_t deadline_ns) {
   struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_DGRAM}, *ai = NULL;
-  if (getaddrinfo(host, NULL, &hints, &ai) != 0)
+  if (fr_resolve(host, NULL, &hints, deadline_ns, &ai) != 0)
     return FERRY_ENOTFOUND;
   int rc = FERRY_ENOTFOUND;
   for (struct addrinfo *a = ai; a; a = a->ai_next) {
@@ -124,11 +124,12 @@ int fr_route_source(const char *ip, char *out, size_t cap) {
   return ok ? 0 : FERRY_ENOTFOUND;
 }
 
-int fr_dir_reach_check(const char *dir_url, const char *node_address, const char *who) {
+int fr_dir_reach_check(const char *dir_url, const char *node_address, const char *who,
+                       uint64_t deadline_ns) {
   char host[256], ip[INET6_ADDRSTRLEN], src[INET6_ADDRSTRLEN], shown[FR_DIR_ADDRESS_MAX + 1];
   /* an in-process directory, or one whose host no longer resolves: nothing to judge by */
   if (fr_url_host(dir_url, host, sizeof host) != 0 || !host[0] ||
-      host_numeric(host, ip, sizeof ip) != 0 || fr_dir_can_reach(ip, node_address))
+      host_numeric(host, ip, sizeof ip, deadline_ns) != 0 || fr_dir_can_reach(ip, node_address))
     return 0;
   fr_url_redact(dir_url, shown, sizeof shown);
   char hint[INET6_ADDRSTRLEN + 64] = "this host's address on that network";
@@ -146,7 +147,7 @@ int fr_dir_tcp_listen_for(const char *dir_url, const char *tcp_listen, char *out
       !fr_addr_loopback(listen_host))
     return 0; /* already a wildcard or a chosen interface */
   if (fr_url_host(dir_url, host, sizeof host) != 0 || !host[0] ||
-      host_numeric(host, ip, sizeof ip) != 0 || fr_addr_loopback(ip))
+      host_numeric(host, ip, sizeof ip, 0) != 0 || fr_addr_loopback(ip))
     return 0;
   if (fr_route_source(ip, src, sizeof src) != 0 || fr_addr_loopback(src))
     return 0; /* no route: the registration check explains */

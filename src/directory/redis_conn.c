@@ -189,10 +189,14 @@ static int dial_tcp(fr_rconn *c, const char *host, int port, uint64_t deadline, 
   char service[16];
   snprintf(service, sizeof service, "%d", port);
   struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *ai = NULL;
-  int g = getaddrinfo(host, service, &hints, &ai);
+  int g = fr_resolve(host, service, &hints, deadline, &ai);
+  if (g == FR_RESOLVE_TIMEDOUT)
+    return fr_err(FERRY_ETIMEDOUT,
+                  "cannot reach Redis at %s: the name service did not resolve %s within %d ms",
+                  c->shown, host, timeout_ms);
   if (g != 0)
     return fr_err(FERRY_ECONNECT, "cannot reach Redis at %s: %s: %s", c->shown, host,
-                  gai_strerror(g));
+                  fr_resolve_strerror(g));
   int err = ECONNREFUSED;
   for (struct addrinfo *a = ai; a && c->fd < 0 && err != ETIMEDOUT; a = a->ai_next)
     c->fd = connect_one(a, deadline, &err);

@@ -37,7 +37,8 @@ int fr_split_host_port(const char *text, char *host, size_t hlen, char *port, si
   return 0;
 }
 
-static int resolve(const char *text, bool passive, struct addrinfo **out) {
+/* Resolves "host:port" (a name no later than deadline_ns; 0: no deadline). */
+static int resolve(const char *text, bool passive, uint64_t deadline_ns, struct addrinfo **out) {
   char host[256], port[16];
   int rc = fr_split_host_port(text, host, sizeof host, port, sizeof port);
   if (rc != 0)
@@ -45,9 +46,10 @@ static int resolve(const char *text, bool passive, struct addrinfo **out) {
   struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM};
   if (passive)
     hints.ai_flags = AI_PASSIVE;
-  int g = getaddrinfo(*host ? host : NULL, port, &hints, out);
+  int g = fr_resolve(*host ? host : NULL, port, &hints, deadline_ns, out);
   if (g != 0)
-    return fr_err(FERRY_EINVAL, "cannot resolve '%s': %s", text, gai_strerror(g));
+    return fr_err(g == FR_RESOLVE_TIMEDOUT ? FERRY_ETIMEDOUT : FERRY_EINVAL,
+                  "cannot resolve '%s': %s", text, fr_resolve_strerror(g));
   return 0;
 }
 
@@ -102,7 +104,7 @@ int fr_listen_exposure_check(const ferry_ctx *ctx, const struct sockaddr *sa, co
 
 static int tcp_listen(ferry_ctx *ctx, int *fd_out, char *url, size_t url_len) {
   struct addrinfo *ai = NULL;
-  int rc = resolve(ctx->tcp_listen, true, &ai);
+  int rc = resolve(ctx->tcp_listen, true, 0, &ai);
   if (rc != 0)
     return rc;
   if ((rc = fr_listen_exposure_check(ctx, ai->ai_addr, "tcp", ctx->tcp_listen)) != 0) {
@@ -135,7 +137,8 @@ static int tcp_listen(ferry_ctx *ctx, int *fd_out, char *url, size_t url_len) {
 
 static int tcp_dial(const char *where, int timeout_ms, int *fd_out) {
   struct addrinfo *ai = NULL;
-  int rc = resolve(where, false, &ai);
+  uint64_t deadline = timeout_ms > 0 ? fr_deadline_ns(timeout_ms) : 0;
+  int rc = resolve(where, false, deadline, &ai);
   if (rc != 0)
     return rc;
   int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -145,7 +148,8 @@ static int tcp_dial(const char *where, int timeout_ms, int *fd_out) {
   }
   char what[300];
   snprintf(what, sizeof what, "tcp://%s", where);
-  rc = fr_sock_connect(fd, ai->ai_addr, ai->ai_addrlen, timeout_ms, what);
+  rc = fr_sock_connect(fd, ai->ai_addr, ai->ai_addrlen,
+                       deadline ? fr_ms_left(deadline) : timeout_ms, what);
   freeaddrinfo(ai);
   if (rc != 0) {
     close(fd);
