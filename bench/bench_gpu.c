@@ -175,9 +175,105 @@ static void gmodel_free(gmodel *m) {
   free(m->name);
 }
 
+/* Where a refit's time went in one process, from its metrics (ferry_stats_each): the sender's
+ * push phases, the receiver's, and the process's CUDA copies (issue 37: the copying refit took
+ * 7.4x one device copy, and nobody knew where). Sums since the process began; a row takes the
+ * difference over its timed pushes. */
+enum { GP_PACK, GP_SLOT_WAIT, GP_READ_WAIT, GP_NOTIFY, GP_COMMIT, GP_SENDER };
+enum { GP_RX_WAIT, GP_RX_COPY, GP_RX_ACK, GP_RECEIVER };
+typedef struct gphases {
+  double push[GP_SENDER];         /* ferry_refit_push_phase_seconds_total, by phase */
+  double rx[GP_RECEIVER];         /* ferry_refit_receiver_phase_seconds_total, by phase */
+  double buckets;                 /* ferry_refit_receiver_buckets_total */
+  double copies, issue_s, sync_s; /* ferry_cuda_copies_total, ..._issue_/_sync_seconds_total */
+} gphases;
+
+static const char *const gp_push_names[GP_SENDER] = {"pack", "slot_wait", "read_wait", "notify",
+                                                     "commit"};
+static const char *const gp_rx_names[GP_RECEIVER] = {"wait", "copy", "ack"};
+
+static int phase_of(const ferry_stat *st, const char *const *names, int n) {
+  for (size_t i = 0; i < st->nlabels; i++)
+    if (strcmp(st->label_names[i], "phase") == 0)
+      for (int k = 0; k < n; k++)
+        if (strcmp(st->label_values[i], names[k]) == 0)
+          return k;
+  return -1;
+}
+
+static int take_stat(const ferry_stat *st, void *arg) {
+  gphases *g = arg;
+  int k;
+  if (strcmp(st->name, "ferry_refit_push_phase_seconds_total") == 0 &&
+      (k = phase_of(st, gp_push_names, GP_SENDER)) >= 0)
+    g->push[k] += st->value;
+  else if (strcmp(st->name, "ferry_refit_receiver_phase_seconds_total") == 0 &&
+           (k = phase_of(st, gp_rx_names, GP_RECEIVER)) >= 0)
+    g->rx[k] += st->value;
+  else if (strcmp(st->name, "ferry_refit_receiver_buckets_total") == 0)
+    g->buckets += st->value;
+  else if (strcmp(st->name, "ferry_cuda_copies_total") == 0)
+    g->copies += st->value;
+  else if (strcmp(st->name, "ferry_cuda_copy_issue_seconds_total") == 0)
+    g->issue_s += st->value;
+  else if (strcmp(st->name, "ferry_cuda_copy_sync_seconds_total") == 0)
+    g->sync_s += st->value;
+  return 0;
+}
+
+static gphases phases_now(ferry_ctx *ctx) {
+  gphases g = {0};
+  ferry_stats_each(ctx, take_stat, &g);
+  return g;
+}
+
+/* (b - a) / n, field by field: the mean per push between two readings. */
+static gphases phases_per(const gphases *a, const gphases *b, int n) {
+  gphases d;
+  const double *x = (const double *)a, *y = (const double *)b;
+  double *z = (double *)&d;
+  for (size_t i = 0; i < sizeof d / sizeof(double); i++)
+    z[i] = n > 0 ? (y[i] - x[i]) / n : 0;
+  return d;
+}
+
+/* The breakdown of a refit row's pushes: the phases' means per timed push beside the pushes'
+ * mean and median; one JSON line (no "impl": not a timed row), or a line of text, milliseconds. */
+static void breakdown_row(const bench_opts *o, const char *label, const char *impl,
+                          bench_samples *b, const gphases *tx, const gphases *rx) {
+  double mean = 0, median = bench_median(b);
+  for (size_t i = 0; i < b->n; i++)
+    mean += b->s[i] / (double)b->n;
+  if (o->json) {
+    printf("{\"bench\":\"gpu\",\"case\":\"%s\",\"breakdown\":\"%s\",\"pushes\":%zu,"
+           "\"push_mean_s\":%.6g,\"push_median_s\":%.6g",
+           label, impl, b->n, mean, median);
+    for (int k = 0; k < GP_SENDER; k++)
+      printf(",\"tx_%s_s\":%.6g", gp_push_names[k], tx->push[k]);
+    printf(",\"tx_copies\":%.6g,\"tx_copy_issue_s\":%.6g,\"tx_copy_sync_s\":%.6g", tx->copies,
+           tx->issue_s, tx->sync_s);
+    printf(",\"rx_buckets\":%.6g", rx->buckets);
+    for (int k = 0; k < GP_RECEIVER; k++)
+      printf(",\"rx_%s_s\":%.6g", gp_rx_names[k], rx->rx[k]);
+    printf(",\"rx_copies\":%.6g,\"rx_copy_issue_s\":%.6g,\"rx_copy_sync_s\":%.6g}\n", rx->copies,
+           rx->issue_s, rx->sync_s);
+  } else {
+    printf("%-16s %s, ms per push (mean %.3f, median %.3f): sender pack %.3f (%.0f copies: issue "
+           "%.3f, sync %.3f), slot wait %.3f, read wait %.3f, notify %.3f, commit %.3f; receiver "
+           "(%.0f buckets) wait %.3f, copy %.3f (%.0f copies: issue %.3f, sync %.3f), ack %.3f\n",
+           label, impl, mean * 1e3, median * 1e3, tx->push[GP_PACK] * 1e3, tx->copies,
+           tx->issue_s * 1e3, tx->sync_s * 1e3, tx->push[GP_SLOT_WAIT] * 1e3,
+           tx->push[GP_READ_WAIT] * 1e3, tx->push[GP_NOTIFY] * 1e3, tx->push[GP_COMMIT] * 1e3,
+           rx->buckets, rx->rx[GP_RX_WAIT] * 1e3, rx->rx[GP_RX_COPY] * 1e3, rx->copies,
+           rx->issue_s * 1e3, rx->sync_s * 1e3, rx->rx[GP_RX_ACK] * 1e3);
+  }
+  fflush(stdout);
+}
+
 /* The receiver process: binds every tensor into device memory of its own (alias: views the
  * sender's device buffer instead), waits for versions 1..versions, checks each tensor's bytes and
- * writes 'v' (or 'x') on fd, then stays attached until the trainer stops it. */
+ * writes 'v' (or 'x') on fd, then its phases per push after the first (a gphases), then stays
+ * attached until the trainer stops it. */
 static int gpu_receiver(const char *address, int fd, uint64_t versions, bool alias) {
   ferry_ctx_opts o = {.size = sizeof o, .name = "bench-gpu-engine"};
   ferry_ctx *ctx = NULL;
@@ -213,8 +309,13 @@ static int gpu_receiver(const char *address, int fd, uint64_t versions, bool ali
   char ch = 'r';
   if (rc == 0 && write(fd, &ch, 1) != 1)
     rc = FERRY_ESYS;
-  for (uint64_t v = 1; rc == 0 && v <= versions; v++)
+  gphases first = {0}, last = {0};
+  for (uint64_t v = 1; rc == 0 && v <= versions; v++) {
     rc = ferry_refit_wait(r, v, 600000, NULL);
+    if (v == 1) /* the first push (mapping, faults) is not timed */
+      first = phases_now(ctx);
+  }
+  last = phases_now(ctx);
   if (rc != 0)
     fprintf(stderr, "ferry bench gpu: receiver: %s\n", ferry_last_error());
   ch = rc == 0 ? 'v' : 'x';
@@ -229,7 +330,8 @@ static int gpu_receiver(const char *address, int fd, uint64_t versions, bool ali
     else if (!dev_holds(view, at[i + 1] - at[i], (uint8_t)(i + 1)))
       ch = 'x';
   }
-  if (write(fd, &ch, 1) != 1)
+  gphases per = phases_per(&first, &last, (int)versions - 1);
+  if (write(fd, &ch, 1) != 1 || bench_write_all(fd, &per, sizeof per) != 0)
     rc = FERRY_ESYS;
   /* Stay attached until the trainer stops this process (SIGTERM): its last push returns once
    * this receiver's commit reached it, which may be after wait() returned here. */
@@ -262,9 +364,10 @@ static pid_t spawn(int *from, const char *role, const char *a, const char *b) {
 }
 
 /* Pushes reps + 1 versions of m (device memory at src) to one receiver process; the first push
- * (which maps the buckets and faults pages) is not timed. */
+ * (which maps the buckets and faults pages) is not timed. *tx and *rx: the sender's and the
+ * receiver's phases per timed push. */
 static int time_refit(const gmodel *m, uint8_t *src, int reps, bool alias, uint64_t bucket,
-                      bench_samples *b) {
+                      bench_samples *b, gphases *tx, gphases *rx) {
   ferry_ctx_opts co = {.size = sizeof co, .name = "bench-gpu-trainer"};
   ferry_refit_opts so = {
       .size = sizeof so, .alias = alias, .device_buckets = !alias, .bucket_bytes = bucket};
@@ -288,15 +391,22 @@ static int time_refit(const gmodel *m, uint8_t *src, int reps, bool alias, uint6
     rc = FERRY_ECONNECT;
   while (rc == 0 && ferry_refit_receivers(s) < 1)
     usleep(1000);
+  gphases first = {0};
   for (int v = 1; rc == 0 && v <= reps + 1; v++) {
     double t = bench_now();
     rc = ferry_refit_push(s, (uint64_t)v, &po);
     if (v > 1)
       bench_add(b, bench_now() - t);
+    else
+      first = phases_now(ctx);
+  }
+  if (rc == 0) {
+    gphases last = phases_now(ctx);
+    *tx = phases_per(&first, &last, reps);
   }
   if (rc != 0)
     cli_fail("bench gpu", rc, "refit push");
-  else if (read(from, &ch, 1) != 1 || ch != 'v') {
+  else if (read(from, &ch, 1) != 1 || ch != 'v' || bench_read_all(from, rx, sizeof *rx) != 0) {
     rc = FERRY_ECHECKSUM;
     cli_fail("bench gpu", rc, "refit: the receiver's device tensors do not hold what was pushed");
   }
@@ -311,6 +421,46 @@ static int time_refit(const gmodel *m, uint8_t *src, int reps, bool alias, uint6
   return rc;
 }
 
+/* One copying (or alias) variant of the refit row: its timed row, its ratio to the device copy
+ * and where its pushes' time went. `setting` (NAME=VALUE, or NULL) is set in this process, the
+ * sender's, for the variant only. */
+typedef struct refit_variant {
+  const char *impl;
+  bool alias;
+  uint64_t bucket; /* 0: the default (FERRY_REFIT_BUFFER_BYTES) */
+  const char *setting;
+} refit_variant;
+
+static int run_variant(const bench_opts *o, const char *label, const gmodel *m, uint8_t *src,
+                       int reps, const refit_variant *v, bench_samples *copy) {
+  bench_samples b = {0};
+  gphases tx = {0}, rx = {0};
+  char name[64] = "";
+  if (v->setting) {
+    snprintf(name, sizeof name, "%.*s", (int)strcspn(v->setting, "="), v->setting);
+    setenv(name, v->setting + strlen(name) + 1, 1);
+  }
+  int rc = time_refit(m, src, reps, v->alias, v->bucket, &b, &tx, &rx);
+  if (v->setting)
+    unsetenv(name);
+  if (rc == 0) {
+    bench_row(o, "gpu", label, v->impl, m->bytes, &b, false);
+    char what[128], bsz[16];
+    if (v->bucket)
+      snprintf(what, sizeof what, "copying refit, %s buckets / d2d copy",
+               bench_size_name(v->bucket, bsz, sizeof bsz));
+    else if (v->setting)
+      snprintf(what, sizeof what, "copying refit, %s / d2d copy", v->setting);
+    else
+      snprintf(what, sizeof what, "copying refit / d2d copy");
+    if (!v->alias)
+      goal_row(o, label, what, bench_median(&b) / bench_median(copy), 1.2);
+    breakdown_row(o, label, v->impl, &b, &tx, &rx);
+  }
+  bench_free(&b);
+  return rc;
+}
+
 static int run_refit(const bench_opts *o, uint64_t bytes, int reps) {
   gmodel m;
   int rc = gmodel_make(&m, bytes);
@@ -320,48 +470,39 @@ static int run_refit(const bench_opts *o, uint64_t bytes, int reps) {
   uint8_t *dst = rc == 0 ? dev_alloc(m.bytes, &rc) : NULL;
   for (size_t i = 0; rc == 0 && i < m.n; i++)
     rc = dev_fill(src + m.off[i], m.len[i], (uint8_t)(i + 1));
-  bench_samples copy = {0}, push = {0}, big = {0}, alias = {0};
+  bench_samples copy = {0};
   if (rc == 0)
     rc = time_d2d(dst, src, m.bytes, reps, &copy);
   if (rc != 0)
     cli_fail("bench gpu", rc, "refit: device memory");
   if (dst)
     ferry_cuda_free(dst); /* the receiver's copy needs the room */
-  if (rc == 0) {
+  if (rc == 0)
     bench_row(o, "gpu", label, "d2d-copy", m.bytes, &copy, true);
-    rc = time_refit(&m, src, reps, false, 0, &push);
-  }
-  if (rc == 0) {
-    bench_row(o, "gpu", label, "ferry-copying", m.bytes, &push, false);
-    goal_row(o, label, "copying refit / d2d copy", bench_median(&push) / bench_median(&copy), 1.2);
-  }
-  /* the same with buckets of 1/32 and 1/8 of the model (256 MiB and 1 GiB of 8): each bucket costs
-   * a round trip (a message, stream synchronisations, the receiver's acknowledgement) beside its
-   * two copies, and the default bucket (FERRY_REFIT_BUFFER_BYTES, 64 MiB) is sized for host memory
-   */
-  for (uint64_t part = 32; rc == 0 && part >= 8; part /= 4) {
+  /* the default buckets (FERRY_REFIT_BUFFER_BYTES, 64 MiB, sized for host memory); buckets of
+   * 1/32 and 1/8 of the model (256 MiB and 1 GiB of 8): each bucket costs a round trip (a
+   * message, stream synchronisations, the receiver's acknowledgement) beside its two copies; and
+   * the experiments of issue 37 at the default buckets: a slot per bucket (the sender never waits
+   * for a read), and no overlap (the sender packs a bucket only once the receiver read the one
+   * before: the two processes never copy on the GPU at once, which time-slices them) */
+  char impl[2][64], bsz[16];
+  refit_variant vs[6] = {{.impl = "ferry-copying"}};
+  int nv = 1;
+  for (uint64_t part = 32; part >= 8; part /= 4, nv++) {
     uint64_t bucket = (m.bytes / part + (1u << 20) - 1) & ~(uint64_t)((1u << 20) - 1);
-    char impl[64], what[96], bsz[16];
-    bench_size_name(bucket, bsz, sizeof bsz);
-    snprintf(impl, sizeof impl, "ferry-copying-%s-buckets", bsz);
-    snprintf(what, sizeof what, "copying refit, %s buckets / d2d copy", bsz);
-    bench_reset(&big);
-    rc = time_refit(&m, src, reps, false, bucket, &big);
-    if (rc == 0) {
-      bench_row(o, "gpu", label, impl, m.bytes, &big, false);
-      goal_row(o, label, what, bench_median(&big) / bench_median(&copy), 1.2);
-    }
+    snprintf(impl[nv - 1], sizeof impl[0], "ferry-copying-%s-buckets",
+             bench_size_name(bucket, bsz, sizeof bsz));
+    vs[nv] = (refit_variant){.impl = impl[nv - 1], .bucket = bucket};
   }
-  if (rc == 0)
-    rc = time_refit(&m, src, reps, true, 0, &alias);
-  if (rc == 0)
-    bench_row(o, "gpu", label, "ferry-alias", m.bytes, &alias, false);
+  vs[nv++] =
+      (refit_variant){.impl = "ferry-copying-whole", .setting = "FERRY_REFIT_DEVICE_WHOLE=1"};
+  vs[nv++] = (refit_variant){.impl = "ferry-copying-serial", .setting = "FERRY_REFIT_NO_OVERLAP=1"};
+  vs[nv++] = (refit_variant){.impl = "ferry-alias", .alias = true};
+  for (int i = 0; rc == 0 && i < nv; i++)
+    rc = run_variant(o, label, &m, src, reps, &vs[i], &copy);
   if (src)
     ferry_cuda_free(src);
   bench_free(&copy);
-  bench_free(&push);
-  bench_free(&big);
-  bench_free(&alias);
   gmodel_free(&m);
   return rc;
 }

@@ -42,6 +42,11 @@
     "bytes of each direction's ring on a shm link (power of 2)")                                   \
   X("FERRY_REFIT_BUFFER_BYTES", "67108864", "refit bucket size in bytes (two are allocated)")      \
   X("FERRY_REFIT_BUFFER_RATIO", "", "if set (0..1): refit buckets take this share of free memory") \
+  X("FERRY_REFIT_DEVICE_WHOLE", "0",                                                               \
+    "experiment: 1: a device-bucket refit sender packs into one CUDA buffer of the whole version " \
+    "(a slot per bucket) instead of two slots")                                                    \
+  X("FERRY_REFIT_NO_OVERLAP", "0",                                                                 \
+    "experiment: 1: a refit sender packs a bucket only once its receivers read the one before")    \
   X("FERRY_SPIN_US", "200", "microseconds a waiter spins before it sleeps (latency vs. CPU)")      \
   X("FERRY_SPIN_YIELD_NS", "0",                                                                    \
     "a spinner's first gap between yields of its core (0: none, a yield per poll; auto: "          \

@@ -12,6 +12,7 @@
  */
 #include "core/cuda.h"
 #include "core/core.h"
+#include "core/stats.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -241,6 +242,28 @@ static int thread_stream(int device, CUstream *out) {
   return 0;
 }
 
+/* Every copy fr_cuda_copy_on ran (process-wide, relaxed adds): how many, their bytes, and the
+ * time spent issuing them (until cuMemcpyAsync returned) and then waiting for them
+ * (cuStreamSynchronize). Two clock reads a copy, against a driver call of microseconds: always
+ * on. `ferry bench gpu` splits a refit's time with them (issue 37). */
+static uint64_t copies_n, copies_bytes, copies_issue_ns, copies_sync_ns;
+
+void fr_cuda_collect(fr_stats_out *out) {
+  uint64_t n = fr_counted(&copies_n);
+  if (n == 0) /* no device copy in this process: no series */
+    return;
+  fr_stat_counter(out, "ferry_cuda_copies_total", "Copies through the CUDA copy engines", (double)n,
+                  NULL);
+  fr_stat_counter(out, "ferry_cuda_copy_bytes_total", "Bytes of those copies",
+                  (double)fr_counted(&copies_bytes), NULL);
+  fr_stat_counter(out, "ferry_cuda_copy_issue_seconds_total",
+                  "Time spent issuing them (cuMemcpyAsync)",
+                  (double)fr_counted(&copies_issue_ns) * 1e-9, NULL);
+  fr_stat_counter(out, "ferry_cuda_copy_sync_seconds_total",
+                  "Time spent waiting for them to finish (cuStreamSynchronize)",
+                  (double)fr_counted(&copies_sync_ns) * 1e-9, NULL);
+}
+
 int fr_cuda_copy_on(int device_hint, void *dst, const void *src, size_t n) {
   int device = device_hint;
   if (device < 0) {
@@ -260,11 +283,17 @@ int fr_cuda_copy_on(int device_hint, void *dst, const void *src, size_t n) {
     return rc;
   CUresult r;
   if ((rc = thread_stream(device, &stream)) == 0) {
+    uint64_t t0 = fr_now_ns();
     if ((r = cu.cuMemcpyAsync((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, n,
                               stream)) != CUDA_SUCCESS)
       rc = cu_fail(r, "cuMemcpyAsync");
+    uint64_t t1 = fr_now_ns();
     if ((r = cu.cuStreamSynchronize(stream)) != CUDA_SUCCESS && rc == 0)
       rc = cu_fail(r, "cuStreamSynchronize");
+    fr_count(&copies_n, 1);
+    fr_count(&copies_bytes, n);
+    fr_count(&copies_issue_ns, t1 - t0);
+    fr_count(&copies_sync_ns, fr_now_ns() - t1);
   }
   leave(saved);
   return rc;

@@ -59,6 +59,11 @@ int fr_cuda_copy(void *dst, const void *src, size_t n);
 /* The same, device_hint naming the device whose context runs it (-1: found from the pointers). */
 int fr_cuda_copy_on(int device_hint, void *dst, const void *src, size_t n);
 
+/* The process's copy counters (fr_cuda_copy_on: copies, bytes, issue and wait seconds) as
+ * ferry_cuda_copy_* samples, none before the first copy (the process set's collector calls it). */
+struct fr_stats_out;
+void fr_cuda_collect(struct fr_stats_out *out);
+
 /* Pins host memory for the copy engines (cuMemHostRegister, portable), in the context of
  * `device`, the one whose copies it serves; unpin (the same device) undoes it. */
 int fr_cuda_pin(int device, void *p, size_t n);

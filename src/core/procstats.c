@@ -3,9 +3,11 @@
  * them): ferry_build_info (1, labelled with the library's version and whether it was built with
  * ucx) and the process_* series that Prometheus client libraries export under the same names
  * (CPU seconds, resident and virtual memory, start time, open and maximum file descriptors),
- * read from /proc/self at each scrape. A series whose source cannot be read is left out.
+ * read from /proc/self at each scrape. A series whose source cannot be read is left out. Once the
+ * process made a device copy, the CUDA copy counters too (ferry_cuda_copy_*, cuda.c).
  */
 #include "core/core.h"
+#include "core/cuda.h"
 #include "core/stats.h"
 
 #include <dirent.h>
@@ -94,4 +96,5 @@ void fr_procstats_collect(void *arg, fr_stats_out *out) {
   if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
     fr_stat_gauge(out, "process_max_fds", "Maximum number of open file descriptors",
                   (double)rl.rlim_cur, NULL);
+  fr_cuda_collect(out);
 }

@@ -1,8 +1,9 @@
 /*
  * The refit sender's metrics: pushes (how many, how long, how many bytes of buckets, how many
  * failed), and per receiver the version it last committed and the pushes it failed, which
- * answers "which engine holds which version, and who was slow". A push is seconds of work, so
- * its counting (a clock read at each end, a few adds under the sender's lock) costs nothing.
+ * answers "which engine holds which version, and who was slow"; and where pushes' time went, by
+ * phase (packing, waiting for a slot or for reads, sending, the commit). A push is seconds of
+ * work, so its counting (clock reads around each phase, a few adds) costs nothing.
  */
 #include "refit/sender_impl.h"
 
@@ -38,6 +39,15 @@ static void collect(void *arg, fr_stats_out *out) {
                 (double)s->last_push_ns * 1e-9, "sender", n, NULL);
   fr_stat_gauge(out, "ferry_refit_version", "The last version pushed", (double)s->latest, "sender",
                 n, NULL);
+  static const char *const phases[FR_REFIT_PHASES] = {"pack", "slot_wait", "read_wait", "notify",
+                                                      "commit"};
+  for (int i = 0; i < FR_REFIT_PHASES; i++)
+    fr_stat_counter(out, "ferry_refit_push_phase_seconds_total",
+                    "Pushes' time by phase: pack (device copies included), slot_wait (a bucket "
+                    "left to pack, no slot free), read_wait (all packed, reads not acknowledged), "
+                    "notify (sending frames), commit (waiting for COMMITTED)",
+                    (double)fr_counted(&s->phase_ns[i]) * 1e-9, "sender", n, "phase", phases[i],
+                    NULL);
   size_t nrecv = 0;
   for (receiver *r = s->receivers; r; r = r->next, nrecv++) {
     fr_stat_gauge(out, "ferry_refit_receiver_committed_version",

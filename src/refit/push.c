@@ -44,6 +44,7 @@ typedef struct fr_push {
   bool hash;          /* buckets are hashed (else FR_REFIT_DIRECT: device buckets, every reader
                          on this host, reading whole buckets through CUDA IPC) */
   bool share_pack;    /* no receiver copies on this host: pack on two threads */
+  bool no_overlap;    /* FERRY_REFIT_NO_OVERLAP: pack a bucket only once the one before was read */
   uint64_t had;       /* the version the whole buffer held complete when the push began, or 0 */
   receiver *head;     /* of the chain, or NULL */
   receiver **viewers; /* the receivers in the push that read shards (a view), and how many */
@@ -235,6 +236,9 @@ static bool pass_done(const ferry_refit_sender *s, const fr_push *p) {
 /* The sender may pack seq q into its slot: every receiver reading from the sender has read the
  * bucket the slot holds. */
 static bool slot_free(const ferry_refit_sender *s, const fr_push *p, uint32_t q) {
+  for (const receiver *r = s->receivers; p->no_overlap && q > p->from && r; r = r->next)
+    if (active(r) && !r->up && r->acked < q) /* no copies of both processes at once */
+      return false;
   if (s->whole || q < p->from + 2)
     return true;
   for (const receiver *r = s->receivers; r; r = r->next)
@@ -273,10 +277,12 @@ static void wait_progress(ferry_refit_sender *s, const fr_push *p) {
 static void send_queued(ferry_refit_sender *s, fr_push *p) {
   if (p->out.n == 0)
     return;
+  uint64_t t0 = fr_now_ns();
   fr_refit_out_send(&p->out);
   pthread_mutex_lock(&s->lock);
   fr_refit_out_settle(s, &p->out);
   pthread_mutex_unlock(&s->lock);
+  fr_refit_phase(s, FR_REFIT_PHASE_NOTIFY, t0);
 }
 
 /* One pass: packs and announces until every active receiver has every bucket. Decisions are made
@@ -289,14 +295,19 @@ static void pump(ferry_refit_sender *s, fr_push *p) {
     bool done = pass_done(s, p);
     uint32_t q = s->packed;
     bool pack_now = !done && q < p->n && slot_free(s, p, q);
-    if (!done && !pack_now && p->out.n == 0)
+    if (!done && !pack_now && p->out.n == 0) {
+      uint64_t t0 = fr_now_ns(); /* for a slot while a bucket is left to pack, else for reads */
       wait_progress(s, p);
+      fr_refit_phase(s, q < p->n ? FR_REFIT_PHASE_SLOT_WAIT : FR_REFIT_PHASE_READ_WAIT, t0);
+    }
     pthread_mutex_unlock(&s->lock);
     send_queued(s, p);
     if (done)
       return;
     if (pack_now) {
+      uint64_t t0 = fr_now_ns();
       int rc = pack_seq(s, p, q);
+      fr_refit_phase(s, FR_REFIT_PHASE_PACK, t0);
       pthread_mutex_lock(&s->lock);
       if (rc != 0)
         fail_all(s, rc);
@@ -438,6 +449,7 @@ static void commit_all(ferry_refit_sender *s, fr_push *p) {
     }
   pthread_mutex_unlock(&s->lock);
   send_queued(s, p);
+  uint64_t t0 = fr_now_ns(); /* their COMMITTED answers */
   pthread_mutex_lock(&s->lock);
   for (;;) {
     bool all = true;
@@ -449,6 +461,7 @@ static void commit_all(ferry_refit_sender *s, fr_push *p) {
     wait_progress(s, p);
   }
   pthread_mutex_unlock(&s->lock);
+  fr_refit_phase(s, FR_REFIT_PHASE_COMMIT, t0);
 }
 
 /* Tells a receiver that timed out that it is out of the push set until it attaches again (queued
@@ -703,6 +716,7 @@ static int plan_push(ferry_refit_sender *s, fr_push *p, const ferry_refit_push_o
     return fr_err(FERRY_ENOMEM, "refit '%s': push of %u buckets", s->name, nb);
   p->skip = FR_OPT(o, skip_unchanged, 0) && all_current;
   p->hash = !direct_push(s);
+  p->no_overlap = fr_config_int("FERRY_REFIT_NO_OVERLAP") != 0;
   if (p->part) /* a part: the buckets ready and not sent yet */
     return fr_refit_stream_select(s, p->part == FERRY_REFIT_PART_LAST, p->order, &p->n);
   for (uint32_t b = 0; b < s->plan.buckets; b++)

@@ -120,6 +120,7 @@ static int attach(ferry_refit_receiver *r, const char *address, int timeout_ms) 
 }
 
 static void receiver_free(ferry_refit_receiver *r) {
+  fr_stats_remove(fr_ctx_stats(r->ctx), r);
   if (r->of) /* a group's: its link's messages are routed here no more */
     fr_group_rx_unlinked(r->of, r);
   ferry_link_close(r->up);
@@ -146,6 +147,24 @@ static void receiver_free(ferry_refit_receiver *r) {
   free(r);
 }
 
+/* The receiver's series: its service thread's time by phase, and the buckets it took (a group's
+ * sub-receivers each by rank). Reads relaxed counters only. */
+static void collect(void *arg, fr_stats_out *out) {
+  ferry_refit_receiver *r = arg;
+  static const char *const phases[FR_RX_PHASES] = {"wait", "copy", "ack"};
+  char rank[16];
+  snprintf(rank, sizeof rank, "%u", r->rank);
+  for (int i = 0; i < FR_RX_PHASES; i++)
+    fr_stat_counter(out, "ferry_refit_receiver_phase_seconds_total",
+                    "A receiver's time by phase: wait (for the next bucket of a version after "
+                    "acknowledging one), copy (reading and placing a bucket), ack (sending its "
+                    "acknowledgement)",
+                    (double)fr_counted(&r->phase_ns[i]) * 1e-9, "rank", rank, "phase", phases[i],
+                    NULL);
+  fr_stat_counter(out, "ferry_refit_receiver_buckets_total", "Buckets announced to a receiver",
+                  (double)fr_counted(&r->buckets_taken), "rank", rank, NULL);
+}
+
 static ferry_refit_receiver *receiver_new(ferry_ctx *ctx) {
   ferry_refit_receiver *r = calloc(1, sizeof *r);
   if (!r)
@@ -155,6 +174,10 @@ static ferry_refit_receiver *receiver_new(ferry_ctx *ctx) {
   pthread_mutex_init(&r->lock, NULL);
   pthread_mutex_init(&r->bind_lock, NULL);
   fr_cond_init_monotonic(&r->cond);
+  if (fr_stats_add(fr_ctx_stats(ctx), collect, NULL, r) != 0) { /* ENOMEM */
+    receiver_free(r);
+    return NULL;
+  }
   return r;
 }
 

@@ -17,6 +17,7 @@
 #define FR_REFIT_RECEIVER_IMPL_H
 
 #include "core/cuda.h"
+#include "core/stats.h"
 #include "refit/refit.h"
 #include "refit/shard.h"
 #include "transport/job.h"
@@ -26,6 +27,11 @@
 #include <stdint.h>
 
 struct fr_group_rx;
+
+/* Where a receiver's service thread spends a version (issue 37): waiting for the next bucket
+ * after acknowledging one, taking a bucket (reading and placing it: device copies included), and
+ * sending its acknowledgement. */
+enum { FR_RX_PHASE_WAIT, FR_RX_PHASE_COPY, FR_RX_PHASE_ACK, FR_RX_PHASES };
 
 struct ferry_refit_receiver {
   ferry_ctx *ctx;
@@ -96,7 +102,16 @@ struct ferry_refit_receiver {
   } * dev_ranges;      /* the device targets' memory, sorted (built with the view) */
   size_t ndev_ranges;  /* 0: every target is host memory */
   uint64_t bytes_read; /* atomic: bytes read from the sender or a predecessor, all told */
+  /* where the service thread's time went (ferry_refit_receiver_phase_seconds_total, receiver.c):
+   * relaxed adds by the service thread, read by a scrape; acked_at is its own (0: no bucket of
+   * the version arriving acknowledged yet) */
+  uint64_t phase_ns[FR_RX_PHASES], buckets_taken, acked_at;
 };
+
+/* Adds the time since t0 (fr_now_ns) to one phase of the receiver's (issue 37). */
+static inline void fr_refit_rx_phase(ferry_refit_receiver *r, int phase, uint64_t t0) {
+  fr_count(&r->phase_ns[phase], fr_now_ns() - t0);
+}
 
 /* Runs' bytes on their way out of the stage (or a landed bucket). Host runs are memcpy'd; runs
  * into a device target are merged while they continue one another at both ends (a slice along

@@ -7,8 +7,9 @@
  * bucket of it verified (over all its parts, for a version sent in parts: the buckets verified
  * count up while the version stays the one arriving) and nothing was bound mid-way, and one
  * flagged ABORTED fails it; ROUTE, DROPPED and a refused catch-up are
- * handled here too, as is a new manifest taken when the sender re-sealed. Shared with the
- * receiver's other files through receiver_impl.h.
+ * handled here too, as is a new manifest taken when the sender re-sealed. Each bucket's time is
+ * counted (waiting for it, taking it, acknowledging it: receiver_impl.h's phases). Shared with
+ * the receiver's other files through receiver_impl.h.
  */
 #include "refit/group_rx.h"
 #include "refit/receiver_impl.h"
@@ -445,6 +446,9 @@ static void on_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
                         .bucket = m->bucket,
                         .seq = m->seq,
                         .flags = m->flags & FR_REFIT_KEEP};
+  uint64_t t0 = fr_now_ns();
+  if (m->version == r->receiving && r->acked_at) /* since it acknowledged the bucket before */
+    fr_count(&r->phase_ns[FR_RX_PHASE_WAIT], t0 - r->acked_at);
   pthread_mutex_lock(&r->bind_lock); /* bind_alias sets r->alias under it */
   if (r->alias && !(m->flags & FR_REFIT_UNCHANGED))
     tear(r, m->version); /* the sender wrote this bucket into the buffer the engine reads */
@@ -452,7 +456,10 @@ static void on_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
     new_version(r, m->version);
   if (r->of && !r->failure)
     r->failure = group_veto(r, m);
+  uint64_t t1 = fr_now_ns();
   int rc = r->failure ? r->failure : take_bucket(r, m, &ack.src, &ack.src_offset);
+  fr_refit_rx_phase(r, FR_RX_PHASE_COPY, t1);
+  fr_count(&r->buckets_taken, 1);
   bool fresh = rc == 0 && m->bucket < r->plan.buckets && !r->got[m->bucket];
   if (fresh) {
     r->got[m->bucket] = 1;
@@ -472,7 +479,10 @@ static void on_bucket(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
     tell_commit(r, m->version, rc);
   ack.status = rc;
   ack.generation = rc == FERRY_ESTALE ? r->blame : 0;
+  uint64_t t2 = fr_now_ns();
   fr_refit_send(r->link, FR_REFIT_TO_SENDER, &ack, -1);
+  r->acked_at = fr_now_ns();
+  fr_count(&r->phase_ns[FR_RX_PHASE_ACK], r->acked_at - t2);
 }
 
 /* The sender says which receiver precedes this one in its chain: connect to it now, so the
@@ -581,6 +591,7 @@ static void on_commit(ferry_refit_receiver *r, const fr_refit_msg_t *m) {
             ferry_link_peer(r->link));
   pthread_mutex_lock(&r->bind_lock); /* binding reads it */
   r->receiving = 0;
+  r->acked_at = 0; /* the next version's first bucket waited for the trainer, not for us */
   pthread_mutex_unlock(&r->bind_lock);
   fr_refit_msg_t done = {.type = FR_REFIT_COMMITTED,
                          .version = m->version,

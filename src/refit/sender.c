@@ -564,9 +564,13 @@ static int alloc_layout(ferry_refit_sender *s, bool whole) {
 
 /* One buffer for the whole wire layout (alias mode, or retaining the latest version for late
  * joiners; packing there in place costs no copy), else two bucket slots. A retaining sender that
- * cannot get the whole buffer falls back to two slots: late joiners then wait for the next push. */
+ * cannot get the whole buffer falls back to two slots: late joiners then wait for the next push.
+ * Device buckets take two slots, or (FERRY_REFIT_DEVICE_WHOLE, an experiment of issue 37) one per
+ * bucket: the packing then never waits for a receiver's read. */
 static int alloc_buffers(ferry_refit_sender *s) {
-  if (s->alias || !s->retain || buffer_device(s) >= 0) /* device buckets: two slots, not whole */
+  if (buffer_device(s) >= 0)
+    return alloc_layout(s, s->alias || fr_config_int("FERRY_REFIT_DEVICE_WHOLE") != 0);
+  if (s->alias || !s->retain)
     return alloc_layout(s, s->alias);
   if (alloc_layout(s, true) == 0)
     return 0;

@@ -120,6 +120,19 @@ typedef struct fr_refit_stream {
   char failed[512];   /* those receivers, named for the last part's error */
 } fr_refit_stream;
 
+/* Where a push's time goes (ferry_refit_push_phase_seconds_total, by phase; metrics.c): packing
+ * buckets (device copies included), waiting for a free bucket slot while a bucket is left to
+ * pack, waiting for the receivers' reads once every bucket is packed, sending the frames
+ * (announcements, the COMMIT), and waiting for the COMMITTED answers. */
+enum {
+  FR_REFIT_PHASE_PACK,
+  FR_REFIT_PHASE_SLOT_WAIT,
+  FR_REFIT_PHASE_READ_WAIT,
+  FR_REFIT_PHASE_NOTIFY,
+  FR_REFIT_PHASE_COMMIT,
+  FR_REFIT_PHASES
+};
+
 /* A device tensor that is cast reaches the host through this much scratch at a time. */
 #define FR_REFIT_SCRATCH (4u << 20)
 /* The service thread's wake (fr_job_wake): a push ended, late joiners that asked meanwhile are
@@ -185,10 +198,15 @@ struct ferry_refit_sender {
   /* metrics (metrics.c): pushes run one at a time; the scrape reads them under lock */
   uint64_t pushes, push_failures, push_bytes, last_push_ns;
   fr_hist push_ns;
+  uint64_t phase_ns[FR_REFIT_PHASES]; /* relaxed adds by the pushing thread (fr_refit_phase) */
 };
 
 /* metrics.c: counts a push that ended with rc, sent `bytes` of buckets, began at t0. */
 void fr_refit_count_push(ferry_refit_sender *s, int rc, uint64_t bytes, uint64_t t0);
+/* Adds the time since t0 (fr_now_ns) to one phase of the pushes (their time, split: issue 37). */
+static inline void fr_refit_phase(ferry_refit_sender *s, int phase, uint64_t t0) {
+  fr_count(&s->phase_ns[phase], fr_now_ns() - t0);
+}
 int fr_refit_stats_start(ferry_refit_sender *s);
 void fr_refit_stats_stop(ferry_refit_sender *s);
 
