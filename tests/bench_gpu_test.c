@@ -3,7 +3,9 @@
  * `--quick --json` must run every case of issue 18's device check, each row beside its baseline
  * (alias mode over CUDA IPC included); without a driver (FERRY_CUDA=off) it must
  * say so in one JSON line and exit 0. Only the rows' presence and shape are checked, never their
- * times. Runs the real binary named by FERRY_CLI.
+ * times; the refit rows' breakdowns (issue 37: where a push's time goes, from the sender's and
+ * the receiver's metrics) must carry every phase, and count the copies and buckets they saw.
+ * Runs the real binary named by FERRY_CLI.
  */
 // ferry-test: cuda
 #include "testutil.h"
@@ -68,6 +70,39 @@ static void assert_measured(json_t *rows, const char *case_prefix, const char *i
   assert_string_equal(json_string_value(json_object_get(j, "bench")), "gpu");
 }
 
+/* The breakdown line of refit variant impl: every field a number, none negative; the copying
+ * variants counted device copies on both sides and buckets at the receiver (alias: none there). */
+static const char *const breakdown_fields[] = {
+    "push_mean_s",     "push_median_s",  "tx_pack_s", "tx_slot_wait_s",  "tx_read_wait_s",
+    "tx_notify_s",     "tx_commit_s",    "tx_copies", "tx_copy_issue_s", "tx_copy_sync_s",
+    "rx_buckets",      "rx_wait_s",      "rx_copy_s", "rx_ack_s",        "rx_copies",
+    "rx_copy_issue_s", "rx_copy_sync_s", NULL};
+
+static void assert_breakdown(json_t *rows, const char *impl) {
+  size_t i;
+  json_t *j, *b = NULL;
+  json_array_foreach(rows, i, j) {
+    const char *c = json_string_value(json_object_get(j, "case"));
+    const char *k = json_string_value(json_object_get(j, "breakdown"));
+    if (c && k && strncmp(c, "refit-colo-", 11) == 0 && strcmp(k, impl) == 0)
+      b = j;
+  }
+  if (!b)
+    fail_msg("no breakdown line for %s", impl);
+  assert_null(json_object_get(b, "impl")); /* not a timed row */
+  assert_true(json_integer_value(json_object_get(b, "pushes")) > 0);
+  for (const char *const *f = breakdown_fields; *f; f++) {
+    json_t *v = json_object_get(b, *f);
+    if (!json_is_number(v))
+      fail_msg("breakdown %s: %s is not a number", impl, *f);
+    assert_true(json_number_value(v) >= 0);
+  }
+  assert_true(json_number_value(json_object_get(b, "tx_copies")) > 0);
+  bool alias = strcmp(impl, "ferry-alias") == 0;
+  assert_int_equal(json_number_value(json_object_get(b, "rx_copies")) > 0, !alias);
+  assert_true(json_number_value(json_object_get(b, "rx_buckets")) > 0);
+}
+
 static void quick_run_has_every_case(void **state) {
   (void)state;
   if (!have_cuda)
@@ -78,6 +113,13 @@ static void quick_run_has_every_case(void **state) {
   assert_measured(rows, "refit-colo-", "d2d-copy");
   assert_measured(rows, "refit-colo-", "ferry-copying");
   assert_measured(rows, "refit-colo-", "ferry-alias");
+  /* issue 37's experiments, each checked by its receiver like the default */
+  assert_measured(rows, "refit-colo-", "ferry-copying-whole");
+  assert_measured(rows, "refit-colo-", "ferry-copying-serial");
+  for (const char *const *impl = (const char *const[]){"ferry-copying", "ferry-copying-whole",
+                                                       "ferry-copying-serial", "ferry-alias", NULL};
+       *impl; impl++)
+    assert_breakdown(rows, *impl);
   for (const char *const *impl =
            (const char *const[]){"d2d-copy", "ferry-put", "ferry-get", "ferry-put+get", NULL};
        *impl; impl++)
