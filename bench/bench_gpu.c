@@ -19,6 +19,7 @@
  * paths (CUDA IPC through torch.multiprocessing, torch.save) are the Python bench's (`python3 -m
  * ferry.bench gpu`).
  */
+#include "bench_gpu.h"
 #include "cli/bench.h"
 #include "cli/cli.h"
 #include "core/cuda.h"
@@ -40,17 +41,23 @@ static const char gpu_usage[] =
     "  refit-colo  a bf16 state dict from device memory here to a receiver process's device\n"
     "              tensors on the same GPU (device buckets, device to device through CUDA IPC;\n"
     "              and in alias mode, the receiver viewing the sender's buffer), vs one\n"
-    "              device-to-device copy (goal <= 1.2x)\n"
+    "              device-to-device copy (goal <= 1.2x); breakdown lines say where a push's\n"
+    "              time went; rows -whole and -serial try FERRY_REFIT_DEVICE_WHOLE=1 and\n"
+    "              FERRY_REFIT_NO_OVERLAP=1 (docs/GPU.md)\n"
     "  routing     an int32 [45, 8192, 8] tensor put from device memory by a producer process\n"
     "              and got into device memory here, vs a device-to-device copy\n"
     "  staged      device -> pinned host -> device in chunks (ferry's staging), vs one pinned\n"
-    "              device -> host and one host -> device copy of the whole buffer\n\n"
+    "              device -> host and one host -> device copy of the whole buffer\n"
+    "  group       two sender rank processes, each holding half of a bf16 state dict (min(2 GiB,\n"
+    "              --refit-bytes)) in device memory, to a group receiver here binding device\n"
+    "              tensors (hashed, through host memory; host or device buckets), vs a\n"
+    "              device-to-device copy; the directory on loopback, no namespaces\n\n"
     "options:\n"
     "  --refit-bytes BYTES   the state dict (default: min(8 GiB, device memory / 8))\n"
     "  --staged-bytes BYTES  the staged buffer (default: min(1 GiB, device memory / 16))\n"
     "  --quick               small sizes (4 MiB state dict, 8 MiB staged), 3 repetitions:\n"
     "                        the tests' run on the stand-in driver\n"
-    "  --only CASE           one case: refit, routing or staged\n"
+    "  --only CASE           one case: refit, routing, staged or group\n"
     "  --json, --reps N      as every mode (ferry bench --help)\n\n"
     "Device 0 runs every row. Without a CUDA driver: one line saying so, exit status 0.\n"
     "torch's paths (CUDA IPC handles, torch.save/load) are `python3 -m ferry.bench gpu`'s.\n";
@@ -117,6 +124,16 @@ static int time_d2d(void *dst, const void *src, uint64_t n, int reps, bench_samp
   return 0;
 }
 
+/* bench_gpu.h's, for bench_gpu_group.c */
+void *bench_gpu_alloc(uint64_t n, int *rc) { return dev_alloc(n, rc); }
+int bench_gpu_fill(void *dev, uint64_t n, uint8_t value) { return dev_fill(dev, n, value); }
+bool bench_gpu_holds(const void *dev, uint64_t n, uint8_t value) {
+  return dev_holds(dev, n, value);
+}
+int bench_gpu_d2d(void *dst, const void *src, uint64_t n, int reps, bench_samples *b) {
+  return time_d2d(dst, src, n, reps, b);
+}
+
 /* The ratio a goal reads (this row's median over the baseline's), and whether it is met. */
 static void goal_row(const bench_opts *o, const char *case_name, const char *what, double ratio,
                      double goal) {
@@ -179,15 +196,6 @@ static void gmodel_free(gmodel *m) {
  * push phases, the receiver's, and the process's CUDA copies (issue 37: the copying refit took
  * 7.4x one device copy, and nobody knew where). Sums since the process began; a row takes the
  * difference over its timed pushes. */
-enum { GP_PACK, GP_SLOT_WAIT, GP_READ_WAIT, GP_NOTIFY, GP_COMMIT, GP_SENDER };
-enum { GP_RX_WAIT, GP_RX_COPY, GP_RX_ACK, GP_RECEIVER };
-typedef struct gphases {
-  double push[GP_SENDER];         /* ferry_refit_push_phase_seconds_total, by phase */
-  double rx[GP_RECEIVER];         /* ferry_refit_receiver_phase_seconds_total, by phase */
-  double buckets;                 /* ferry_refit_receiver_buckets_total */
-  double copies, issue_s, sync_s; /* ferry_cuda_copies_total, ..._issue_/_sync_seconds_total */
-} gphases;
-
 static const char *const gp_push_names[GP_SENDER] = {"pack", "slot_wait", "read_wait", "notify",
                                                      "commit"};
 static const char *const gp_rx_names[GP_RECEIVER] = {"wait", "copy", "ack"};
@@ -221,14 +229,14 @@ static int take_stat(const ferry_stat *st, void *arg) {
   return 0;
 }
 
-static gphases phases_now(ferry_ctx *ctx) {
+gphases bench_gpu_phases(ferry_ctx *ctx) {
   gphases g = {0};
   ferry_stats_each(ctx, take_stat, &g);
   return g;
 }
 
 /* (b - a) / n, field by field: the mean per push between two readings. */
-static gphases phases_per(const gphases *a, const gphases *b, int n) {
+gphases bench_gpu_phases_per(const gphases *a, const gphases *b, int n) {
   gphases d;
   const double *x = (const double *)a, *y = (const double *)b;
   double *z = (double *)&d;
@@ -239,8 +247,8 @@ static gphases phases_per(const gphases *a, const gphases *b, int n) {
 
 /* The breakdown of a refit row's pushes: the phases' means per timed push beside the pushes'
  * mean and median; one JSON line (no "impl": not a timed row), or a line of text, milliseconds. */
-static void breakdown_row(const bench_opts *o, const char *label, const char *impl,
-                          bench_samples *b, const gphases *tx, const gphases *rx) {
+void bench_gpu_breakdown(const bench_opts *o, const char *label, const char *impl, bench_samples *b,
+                         const gphases *tx, const gphases *rx) {
   double mean = 0, median = bench_median(b);
   for (size_t i = 0; i < b->n; i++)
     mean += b->s[i] / (double)b->n;
@@ -268,6 +276,28 @@ static void breakdown_row(const bench_opts *o, const char *label, const char *im
            rx->issue_s * 1e3, rx->sync_s * 1e3, rx->rx[GP_RX_ACK] * 1e3);
   }
   fflush(stdout);
+}
+
+/* The receiver's readings around its timed versions, taken as versions 1 and the last commit, on
+ * its service thread (the next version's buckets are read after the callback returns): a
+ * reading on the caller's thread after wait() could come late, after the later pushes. */
+typedef struct rx_window {
+  ferry_ctx *ctx;
+  uint64_t last_version;
+  gphases first, last;
+  int done; /* atomic: last is taken (the callback runs after wait() saw the commit) */
+} rx_window;
+
+static void window_mark(ferry_refit_receiver *r, uint64_t version, int status, const char *why,
+                        void *arg) {
+  (void)r, (void)why;
+  rx_window *w = arg;
+  if (status == 0 && version == 1)
+    w->first = bench_gpu_phases(w->ctx);
+  if (status == 0 && version == w->last_version) {
+    w->last = bench_gpu_phases(w->ctx);
+    __atomic_store_n(&w->done, 1, __ATOMIC_RELEASE);
+  }
 }
 
 /* The receiver process: binds every tensor into device memory of its own (alias: views the
@@ -309,13 +339,13 @@ static int gpu_receiver(const char *address, int fd, uint64_t versions, bool ali
   char ch = 'r';
   if (rc == 0 && write(fd, &ch, 1) != 1)
     rc = FERRY_ESYS;
-  gphases first = {0}, last = {0};
-  for (uint64_t v = 1; rc == 0 && v <= versions; v++) {
+  rx_window w = {.ctx = ctx, .last_version = versions};
+  if (rc == 0)
+    ferry_refit_on_commit(r, window_mark, &w);
+  for (uint64_t v = 1; rc == 0 && v <= versions; v++)
     rc = ferry_refit_wait(r, v, 600000, NULL);
-    if (v == 1) /* the first push (mapping, faults) is not timed */
-      first = phases_now(ctx);
-  }
-  last = phases_now(ctx);
+  for (int i = 0; rc == 0 && i < 100000 && !__atomic_load_n(&w.done, __ATOMIC_ACQUIRE); i++)
+    usleep(100); /* 10 s at most */
   if (rc != 0)
     fprintf(stderr, "ferry bench gpu: receiver: %s\n", ferry_last_error());
   ch = rc == 0 ? 'v' : 'x';
@@ -330,7 +360,7 @@ static int gpu_receiver(const char *address, int fd, uint64_t versions, bool ali
     else if (!dev_holds(view, at[i + 1] - at[i], (uint8_t)(i + 1)))
       ch = 'x';
   }
-  gphases per = phases_per(&first, &last, (int)versions - 1);
+  gphases per = bench_gpu_phases_per(&w.first, &w.last, (int)versions - 1);
   if (write(fd, &ch, 1) != 1 || bench_write_all(fd, &per, sizeof per) != 0)
     rc = FERRY_ESYS;
   /* Stay attached until the trainer stops this process (SIGTERM): its last push returns once
@@ -398,11 +428,11 @@ static int time_refit(const gmodel *m, uint8_t *src, int reps, bool alias, uint6
     if (v > 1)
       bench_add(b, bench_now() - t);
     else
-      first = phases_now(ctx);
+      first = bench_gpu_phases(ctx);
   }
   if (rc == 0) {
-    gphases last = phases_now(ctx);
-    *tx = phases_per(&first, &last, reps);
+    gphases last = bench_gpu_phases(ctx);
+    *tx = bench_gpu_phases_per(&first, &last, reps);
   }
   if (rc != 0)
     cli_fail("bench gpu", rc, "refit push");
@@ -455,7 +485,7 @@ static int run_variant(const bench_opts *o, const char *label, const gmodel *m, 
       snprintf(what, sizeof what, "copying refit / d2d copy");
     if (!v->alias)
       goal_row(o, label, what, bench_median(&b) / bench_median(copy), 1.2);
-    breakdown_row(o, label, v->impl, &b, &tx, &rx);
+    bench_gpu_breakdown(o, label, v->impl, &b, &tx, &rx);
   }
   bench_free(&b);
   return rc;
@@ -738,6 +768,8 @@ int bench_gpu(int argc, char **argv) {
                         strcmp(argv[1], "--alias-receiver") == 0);
   if (argc == 5 && strcmp(argv[1], "--producer") == 0)
     return gpu_producer(argv[2], atoi(argv[3]), atoi(argv[4]));
+  if (argc > 1 && strcmp(argv[1], "--group-rank") == 0)
+    return bench_gpu_group_rank(argc, argv);
   bool quick = false;
   const char *only = NULL;
   uint64_t refit_bytes = 0, staged_bytes = 0; /* 0: by the device's memory */
@@ -750,8 +782,9 @@ int bench_gpu(int argc, char **argv) {
   if (bench_parse_with(argc, argv, &o, gpu_usage, extra) < 0)
     return CLI_USAGE;
   if (only && strcmp(only, "refit") != 0 && strcmp(only, "routing") != 0 &&
-      strcmp(only, "staged") != 0) {
-    fprintf(stderr, "ferry bench gpu: --only '%s': expected refit, routing or staged\n", only);
+      strcmp(only, "staged") != 0 && strcmp(only, "group") != 0) {
+    fprintf(stderr, "ferry bench gpu: --only '%s': expected refit, routing, staged or group\n",
+            only);
     return CLI_USAGE;
   }
   ssize_t len = readlink("/proc/self/exe", self_path, sizeof self_path - 1);
@@ -800,6 +833,10 @@ int bench_gpu(int argc, char **argv) {
   }
   if (!only || strcmp(only, "staged") == 0) {
     r = run_staged(&o, staged_bytes, chunk, reps);
+    rc = rc ? rc : r;
+  }
+  if (!only || strcmp(only, "group") == 0) { /* through host memory: 2 GiB at most */
+    r = bench_gpu_group(&o, self_path, refit_bytes < (2ull << 30) ? refit_bytes : 2ull << 30, reps);
     rc = rc ? rc : r;
   }
   return rc == 0 ? CLI_OK : CLI_FAIL;

@@ -4,7 +4,8 @@
  * (alias mode over CUDA IPC included); without a driver (FERRY_CUDA=off) it must
  * say so in one JSON line and exit 0. Only the rows' presence and shape are checked, never their
  * times; the refit rows' breakdowns (issue 37: where a push's time goes, from the sender's and
- * the receiver's metrics) must carry every phase, and count the copies and buckets they saw.
+ * the receiver's metrics) must carry every phase, and count the copies and buckets they saw; the
+ * group row (two sender rank processes, a group receiver binding device memory) is there too.
  * Runs the real binary named by FERRY_CLI.
  */
 // ferry-test: cuda
@@ -78,13 +79,13 @@ static const char *const breakdown_fields[] = {
     "rx_buckets",      "rx_wait_s",      "rx_copy_s", "rx_ack_s",        "rx_copies",
     "rx_copy_issue_s", "rx_copy_sync_s", NULL};
 
-static void assert_breakdown(json_t *rows, const char *impl) {
+static void assert_breakdown(json_t *rows, const char *case_prefix, const char *impl) {
   size_t i;
   json_t *j, *b = NULL;
   json_array_foreach(rows, i, j) {
     const char *c = json_string_value(json_object_get(j, "case"));
     const char *k = json_string_value(json_object_get(j, "breakdown"));
-    if (c && k && strncmp(c, "refit-colo-", 11) == 0 && strcmp(k, impl) == 0)
+    if (c && k && strncmp(c, case_prefix, strlen(case_prefix)) == 0 && strcmp(k, impl) == 0)
       b = j;
   }
   if (!b)
@@ -119,7 +120,13 @@ static void quick_run_has_every_case(void **state) {
   for (const char *const *impl = (const char *const[]){"ferry-copying", "ferry-copying-whole",
                                                        "ferry-copying-serial", "ferry-alias", NULL};
        *impl; impl++)
-    assert_breakdown(rows, *impl);
+    assert_breakdown(rows, "refit-colo-", *impl);
+  /* row (d): two sender rank processes to a group receiver binding device memory, checked by it */
+  assert_measured(rows, "refit-group-", "d2d-copy");
+  assert_measured(rows, "refit-group-", "ferry-group");
+  assert_measured(rows, "refit-group-", "ferry-group-device-buckets");
+  assert_breakdown(rows, "refit-group-", "ferry-group");
+  assert_breakdown(rows, "refit-group-", "ferry-group-device-buckets");
   for (const char *const *impl =
            (const char *const[]){"d2d-copy", "ferry-put", "ferry-get", "ferry-put+get", NULL};
        *impl; impl++)
