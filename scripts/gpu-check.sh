@@ -16,13 +16,15 @@
 #   smoke      build-gpu/ferry --version: the carried libraries load at run time too; then
 #              `ferry info` (its cuda: line) into $OUT/ferry-info.txt
 #   ctest      the tests labelled `cuda`, FERRY_TEST_CUDA=driver (the real libcuda, no stand-in)
-#   bench      `ferry bench gpu --json` and `python3 -m ferry.bench gpu --json`
+#   bench      `ferry bench gpu --json` and `python3 -m ferry.bench gpu --json`; the refit rows'
+#              breakdowns (issue 37: where a push's time went) one line each into
+#              refit-breakdown.txt and the summary; the group rows (row d) are bench gpu's own
 #   cpu rows   `ferry bench store --no-baselines --pace 0` (its consumer-start and first rows, into
 #              bench-store-first.txt) and, where `ip netns` works, `ferry bench refit
 #              --group-only` (bench-refit-group.txt); GPU_CHECK_CPU_ROWS=0 leaves them out
 # Results land in $OUT (default ./gpu-check-out): env.txt, unpack.txt, configure.log, build.log,
-# ferry-info.txt, ctest.log, bench-gpu.json (+ .err), bench-gpu-python.json (+ .err) and
-# summary.txt, the summary, which is also printed last. Exit status: 0 when the build and every
+# ferry-info.txt, ctest.log, bench-gpu.json (+ .err), bench-gpu-python.json (+ .err),
+# refit-breakdown.txt and summary.txt, the summary, which is also printed last. Exit status: 0 when the build and every
 # test passed (skipped tests included), 1 when configure, build, smoke or a test failed, 2 when
 # .gpu-debs is missing or for another machine.
 #
@@ -335,11 +337,11 @@ fi
 
 # ---- the GPU benchmarks (modes others are writing: absent is not a failure) -------------------
 
-# bench name json-file command...
+# bench name json-file cap command...
 bench() {
   local name=$1 json=$2 t rc out why
-  shift 2
-  t=$(limit 120)
+  t=$(limit "$3")
+  shift 3
   if ((t == 0)); then
     record "$name" skipped "no time left"
     return
@@ -361,9 +363,49 @@ bench() {
   fi
 }
 
+# Issue 37: each refit row's breakdown line (bench-gpu.json: "breakdown", the phases per timed
+# push of the sender and the receiver) as one line of milliseconds, beside its ratio to the d2d
+# copy of its case, into refit-breakdown.txt and the summary.
+breakdown() {
+  local json=$OUT/bench-gpu.json line
+  [[ -s $json ]] || return 0
+  if ! timeout 30 "$py" - "$json" >"$OUT/refit-breakdown.txt" 2>"$OUT/refit-breakdown.err" <<'EOF'
+import json, sys
+rows = []
+for line in open(sys.argv[1]):
+    try:
+        rows.append(json.loads(line))
+    except ValueError:
+        pass
+base = {r["case"]: r["median_s"] for r in rows if r.get("impl") == "d2d-copy"}
+for r in rows:
+    if "breakdown" not in r:
+        continue
+    ms = lambda k: "%.2f" % (r.get(k, 0) * 1e3)
+    b = base.get(r["case"])
+    ratio = " = %.2fx d2d" % (r["push_median_s"] / b) if b else ""
+    print("%s %s %s ms%s | tx pack %s (%d copies, sync %s) slot %s read %s notify %s commit %s"
+          " | rx wait %s copy %s (%d copies, sync %s) ack %s"
+          % (r["case"], r["breakdown"], ms("push_median_s"), ratio, ms("tx_pack_s"),
+             r.get("tx_copies", 0), ms("tx_copy_sync_s"), ms("tx_slot_wait_s"),
+             ms("tx_read_wait_s"), ms("tx_notify_s"), ms("tx_commit_s"), ms("rx_wait_s"),
+             ms("rx_copy_s"), r.get("rx_copies", 0), ms("rx_copy_sync_s"), ms("rx_ack_s")))
+EOF
+  then
+    record breakdown failed "$(last_line "$OUT/refit-breakdown.err")"
+    return 0
+  fi
+  while IFS= read -r line; do
+    record breakdown ok "$line"
+  done <"$OUT/refit-breakdown.txt"
+}
+
 if ((built && smoke_ok)); then
-  bench bench-c "$OUT/bench-gpu.json" "$build/ferry" bench gpu --json
-  bench bench-py "$OUT/bench-gpu-python.json" \
+  # the refit rows at 8 GiB (seven variants, issue 37's experiments among them) and the group
+  # rows (two rank processes through host memory, 2 GiB): more than a minute on an H200
+  bench bench-c "$OUT/bench-gpu.json" 200 "$build/ferry" bench gpu --json
+  breakdown
+  bench bench-py "$OUT/bench-gpu-python.json" 120 \
     env PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" FERRY_LIB="$build/libferry.so" \
     "$py" -m ferry.bench gpu --json
 else
@@ -386,7 +428,8 @@ cpu_rows() {
     grep -E 'consumer-start|first' "$OUT/bench-store.txt" >"$OUT/bench-store-first.txt"
     record store-1st "rc $rc" "$(wc -l <"$OUT/bench-store-first.txt") rows in bench-store-first.txt"
   fi
-  # The refit group rows need network namespaces (root, iproute2, tc): probe, skip if refused.
+  # The M×N refit group rows need network namespaces (root, iproute2, tc): probe, skip if refused.
+  # Row (d), two sender ranks on one GPU, is `ferry bench gpu`'s refit-group rows (no namespaces).
   if ! command -v ip >/dev/null; then
     record netns skipped "no ip(8) on this machine"
   elif ! ip netns add ferry-probe >"$OUT/netns.txt" 2>&1; then
