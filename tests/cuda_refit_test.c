@@ -4,7 +4,9 @@
  * memory (mixed with host memory) in other processes, one over shm and one over tcp; several
  * versions land whole, the fp8 scale is the one of the device tensor's values at the seal, and a
  * corrupted bucket is still refused (the version never commits, the bytes say torn). In one
- * process: a chain over tcp and a late joiner's catch-up into device memory; shards (a dim-1 slice
+ * process: a chain over tcp and a late joiner's catch-up into device memory; an alias sender whose
+ * device buffer goes unhashed while every reader is on this host, its checksums taken when a late
+ * joiner over tcp first needs them (fr_refit_stat_staged_sums counts them); shards (a dim-1 slice
  * and a whole tensor) landing in device memory, and the bindings ferry refuses: device memory
  * shorter than the tensor, and device memory beside a flat buffer. Device bytes are only ever
  * filled and read through ferry_mem_copy, so the same file runs on a GPU with the real driver
@@ -524,6 +526,84 @@ static void test_alias_device(void **st) {
   ferry_ctx_close(sc);
 }
 
+static uint64_t staged_sums(void) {
+  return __atomic_load_n(&fr_refit_stat_staged_sums, __ATOMIC_RELAXED);
+}
+
+static void alias_expect_all(child *k[], size_t n, uint64_t v, int64_t direct) {
+  for (size_t i = 0; i < n; i++) /* k[0] views: it reads nothing, direct or not */
+    child_expect(k[i], (int64_t)v | (i == 0 ? 0 : direct));
+}
+
+/* Alias mode, the buffer in device memory, every receiver on this host (a view, device tensors
+ * copied through CUDA IPC): a push takes no checksum through host memory. A receiver over tcp
+ * that attaches later catches up verified: the checksums are taken then, once (a second one finds
+ * them taken; a late joiner on this host reads unhashed). A push with receivers over tcp in it is
+ * hashed, and a bucket changed after its checksum was taken is refused by those that verify; a
+ * push with skip_unchanged is hashed (it compares checksums). */
+static void test_alias_device_lazy_sums(void **st) {
+  (void)st;
+  if (!have_cuda)
+    skip();
+  ferry_ctx *sc = ctx_for("trainer", "shm,tcp");
+  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 8192, .alias = 1};
+  ferry_refit_sender *snd;
+  FR_OK(ferry_refit_sender_open(sc, "trainer", &o, &snd));
+  void *src[NA];
+  device_sender_declare(snd, src);
+  child alias, dev, late, tcp, tcp2;
+  child *local[] = {&alias, &dev, &late}, *all[] = {&alias, &dev, &late, &tcp, &tcp2};
+  alias_child_start(&alias, "alias", "shm", ferry_ctx_address(sc));
+  alias_child_start(&dev, "device", "shm", ferry_ctx_address(sc));
+  await_receivers(snd, 2);
+  uint64_t before = staged_sums();
+  for (uint64_t v = 1; v <= 2; v++) {
+    device_sender_fill(src, v);
+    FR_OK(ferry_refit_push(snd, v, NULL));
+    assert_int_equal(staged_sums(), before); /* nothing staged, nothing hashed */
+    alias_expect_all(local, 2, v, DIRECT_YES);
+  }
+  alias_child_start(&tcp, "host", "tcp", ferry_ctx_address(sc));
+  child_expect(&tcp, 2 | DIRECT_NO); /* caught up, each bucket verified */
+  uint64_t taken = staged_sums() - before;
+  assert_true(taken > 0);
+  alias_child_start(&late, "device", "shm", ferry_ctx_address(sc));
+  child_expect(&late, 2 | DIRECT_YES);
+  /* last: its COMMITTED may come after the next push began, which leaves it out to catch up */
+  alias_child_start(&tcp2, "host", "tcp", ferry_ctx_address(sc));
+  child_expect(&tcp2, 2 | DIRECT_NO);
+  assert_int_equal(staged_sums(), before + taken); /* taken once, kept for the version */
+  await_receivers(snd, 5);
+  device_sender_fill(src, 3);
+  FR_OK(ferry_refit_push(snd, 3, NULL));
+  assert_int_equal(staged_sums(), before + 2 * taken);
+  alias_expect_all(all, 5, 3, DIRECT_NO);
+  device_sender_fill(src, 4);
+  fr_refit_test_corrupt = flip_bucket_one;
+  assert_int_equal(ferry_refit_push(snd, 4, NULL), FERRY_ECHECKSUM);
+  fr_refit_test_corrupt = NULL;
+  assert_non_null(strstr(ferry_last_error(), "rollout-host"));
+  assert_non_null(strstr(ferry_last_error(), "rollout-device"));
+  child_end(&tcp);
+  child_end(&tcp2);
+  await_receivers(snd, 3);
+  device_sender_fill(src, 5);
+  before = staged_sums(); /* version 4's repair pass hashed again (the tcp pair was a chain) */
+  FR_OK(ferry_refit_push(snd, 5, NULL));
+  assert_int_equal(staged_sums(), before);
+  alias_expect_all(local, 3, 5, DIRECT_YES);
+  device_sender_fill(src, 6);
+  ferry_refit_push_opts skip = {.size = sizeof skip, .skip_unchanged = 1, .timeout_ms = -1};
+  FR_OK(ferry_refit_push(snd, 6, &skip));
+  assert_int_equal(staged_sums(), before + taken);
+  alias_expect_all(local, 3, 6, DIRECT_NO);
+  for (size_t i = 0; i < 3; i++)
+    child_end(local[i]);
+  ferry_refit_sender_close(snd);
+  device_sender_free(src);
+  ferry_ctx_close(sc);
+}
+
 /* device_buckets: two bucket slots in the device's memory. With every receiver on this host,
  * pushes go unhashed and receivers copy device to device (or device to host) through CUDA IPC
  * straight into their bound tensors; once a receiver over tcp attaches, buckets are hashed through
@@ -736,9 +816,13 @@ int main(int argc, char **argv) {
   if (argc == 7 && strcmp(argv[1], "--alias-receiver") == 0)
     return alias_child(argv[2], argv[3], argv[4], atoi(argv[5]), atoi(argv[6]));
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_processes),      cmocka_unit_test(test_alias_device),
-      cmocka_unit_test(test_device_buckets), cmocka_unit_test(test_chain_and_late_join),
-      cmocka_unit_test(test_shards),         cmocka_unit_test(test_refusals),
+      cmocka_unit_test(test_processes),
+      cmocka_unit_test(test_alias_device),
+      cmocka_unit_test(test_alias_device_lazy_sums),
+      cmocka_unit_test(test_device_buckets),
+      cmocka_unit_test(test_chain_and_late_join),
+      cmocka_unit_test(test_shards),
+      cmocka_unit_test(test_refusals),
   };
   tu_filter();
   return cmocka_run_group_tests(tests, group_setup, NULL);

@@ -14,7 +14,12 @@
  * a destination while the push landed) is served likewise once the push ends. The receiver
  * verifies each bucket against its checksum, so a bucket a push began to
  * overwrite is refused, never taken, and the abandoned version is never committed (no COMMIT
- * for it follows; the newer version's first bucket starts that version over).
+ * for it follows; the newer version's first bucket starts that version over). A bucket of a
+ * device buffer that its push left unhashed (every reader of it read through CUDA IPC) is hashed
+ * here, under s->lock, the first time a receiver that verifies catches up (over tcp, or a shard
+ * reader); a push begins only under s->lock, so the sum is of the version's own bytes. A reader
+ * on this host of whole buckets reads them unhashed (FR_REFIT_DIRECT) as in a push: a push that
+ * overwrites them mid-way cancels the catch-up, so no COMMIT follows for the torn version.
  */
 #include "refit/sender_impl.h"
 
@@ -46,6 +51,27 @@ static void tell_no_copy(ferry_refit_sender *s, receiver *r, fr_refit_outbox *ou
   queue(out, r, &m);
 }
 
+/* Bucket b's checksum for r, taken now if no push took it (fr_refit_bucket_sum), or none for a
+ * reader on this host of a device buffer's whole buckets (FR_REFIT_DIRECT, as in a push). False
+ * (r told there is no copy) when the buffer no longer holds r's version or the copy failed. */
+static bool sum_for(ferry_refit_sender *s, receiver *r, uint32_t b, fr_refit_msg_t *m,
+                    fr_refit_outbox *out) {
+  if (s->dev_buf >= 0 && r->shm && !r->view && !r->ntargets) {
+    m->flags |= FR_REFIT_DIRECT;
+    return true;
+  }
+  int rc = s->pushing || s->retained != r->cu_version
+               ? fr_err(FERRY_ESTATE, "the buffer no longer holds it")
+               : fr_refit_bucket_sum(s, b, &m->checksum);
+  if (rc == 0)
+    return true;
+  fr_warn("refit '%s': receiver '%s' cannot catch up to version %llu: %s", s->name, r->peer,
+          (unsigned long long)r->cu_version, ferry_last_error());
+  fr_refit_catchup_cancel(r);
+  tell_no_copy(s, r, out);
+  return false;
+}
+
 static void announce_next(ferry_refit_sender *s, receiver *r, fr_refit_outbox *out) {
   const fr_refit_plan *p = &s->plan;
   uint32_t w = window(p);
@@ -57,9 +83,10 @@ static void announce_next(ferry_refit_sender *s, receiver *r, fr_refit_outbox *o
                         .seq = b,
                         .version = r->cu_version,
                         .bytes = fr_refit_bucket_len(p, b),
-                        .checksum = s->last_sum[b],
                         .src = s->ref[0],
                         .src_offset = (uint64_t)b * p->bucket_bytes};
+    if (!sum_for(s, r, b, &m, out))
+      return;
     if (r->view && s->dev_buf < 0) { /* a shard reader: the sum of its runs, from the retained
                                         bucket (in CUDA memory: it reads whole buckets) */
       m.view = r->view->serial;

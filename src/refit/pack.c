@@ -9,7 +9,10 @@
  * A tensor in CUDA memory (classified once, at declare) is never read by the CPU: its bytes are
  * copied device→host into the bucket (pinned) by the copy engine, and a cast then runs on the
  * host, through a scratch buffer; such a plan packs each bucket whole on the pushing thread, one
- * copy per tensor part rather than one per 256 KiB chunk, and hashes it afterwards.
+ * copy per tensor part rather than one per 256 KiB chunk, and hashes it afterwards. A bucket of
+ * a buffer in device memory is hashed (through pinned host memory) only when a reader of the push
+ * needs its checksum; else the checksum is taken when somebody first needs it
+ * (fr_refit_bucket_sum: a late joiner that verifies) and kept until the bucket is packed again.
  */
 #include "core/cuda.h"
 #include "core/task.h"
@@ -165,22 +168,60 @@ static int hash_chunk(void *arg, const void *buf, size_t len) {
   return 0;
 }
 
-/* A bucket of the device buffer: packed device to device, then hashed as the copy engine brings
- * it to host memory a chunk at a time (the next chunk's copy under this one's hash). */
+uint64_t fr_refit_stat_staged_sums;
+
+/* Bucket b of the device buffer, [at, at+len), hashed as the copy engine brings it to host memory
+ * a chunk at a time (the next chunk's copy under this one's hash), feeding shard readers' runs. */
+static int hash_device_bucket(ferry_refit_sender *s, uint32_t b, const uint8_t *at, uint64_t len,
+                              fr_refit_feed *feeds, size_t nfeeds, uint64_t *sum) {
+  int rc = s->stager ? 0 : fr_cuda_stager_open(fr_cuda_chunk_bytes(), &s->stager);
+  if (rc != 0)
+    return rc;
+  device_hash d = {.s = s, .b = b, .h = fr_hash_begin(), .feeds = feeds, .nfeeds = nfeeds};
+  rc = fr_cuda_stage_out(s->stager, s->dev_buf, at, len, hash_chunk, &d);
+  *sum = fr_hash_end(d.h);
+  __atomic_add_fetch(&fr_refit_stat_staged_sums, rc == 0, __ATOMIC_RELAXED);
+  return rc ? fr_err_wrap(rc, "refit '%s': bucket %u in CUDA memory", s->name, b) : 0;
+}
+
+/* A bucket of the device buffer: packed device to device, then hashed unless nobody reading this
+ * push needs its checksum (a FR_REFIT_DIRECT push: its readers copy through CUDA IPC or view). */
 static int pack_device_bucket(ferry_refit_sender *s, uint32_t b, uint8_t *dst, uint64_t len,
                               fr_refit_feed *feeds, size_t nfeeds, bool hash, uint64_t *sum) {
   int rc = pack_window(s, b, 0, len, dst);
   *sum = 0;
-  if (rc != 0 || !hash) /* a FR_REFIT_DIRECT push: nobody reads it but through CUDA IPC */
-    return rc;
-  if (!s->stager)
-    rc = fr_cuda_stager_open(fr_cuda_chunk_bytes(), &s->stager);
-  if (rc != 0)
-    return rc;
-  device_hash d = {.s = s, .b = b, .h = fr_hash_begin(), .feeds = feeds, .nfeeds = nfeeds};
-  rc = fr_cuda_stage_out(s->stager, s->dev_buf, dst, len, hash_chunk, &d);
-  *sum = fr_hash_end(d.h);
-  return rc ? fr_err_wrap(rc, "refit '%s': bucket %u in CUDA memory", s->name, b) : 0;
+  return rc != 0 || !hash ? rc : hash_device_bucket(s, b, dst, len, feeds, nfeeds, sum);
+}
+
+int fr_refit_bucket_sum(ferry_refit_sender *s, uint32_t b, uint64_t *sum) {
+  const uint8_t *at = (const uint8_t *)s->buf[0] + (uint64_t)b * s->plan.bucket_bytes;
+  uint64_t len = fr_refit_bucket_len(&s->plan, b);
+  if (s->sum_known[b]) {
+    *sum = s->last_sum[b];
+    return 0;
+  }
+  if (s->dev_buf < 0) {
+    *sum = ferry_checksum(at, len);
+  } else {
+    int rc = hash_device_bucket(s, b, at, len, NULL, 0, sum);
+    if (rc != 0)
+      return rc;
+  }
+  s->last_sum[b] = *sum;
+  s->sum_known[b] = 1;
+  return 0;
+}
+
+void fr_refit_corrupt_for_test(ferry_refit_sender *s, uint32_t b, uint8_t *dst) {
+  uint64_t len = fr_refit_bucket_len(&s->plan, b);
+  uint8_t *host = s->dev_buf < 0 ? dst : malloc(len);
+  if (host && (s->dev_buf < 0 || fr_cuda_copy_on(s->dev_buf, host, dst, len) == 0)) {
+    fr_refit_test_corrupt(b, host, len);
+    if (s->dev_buf >= 0)
+      (void)fr_cuda_copy_on(s->dev_buf, dst, host, len);
+  }
+  if (host != dst)
+    free(host);
 }
 
 int fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share, fr_refit_feed *feeds,

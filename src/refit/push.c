@@ -90,13 +90,14 @@ static int pack_seq(ferry_refit_sender *s, fr_push *p, uint32_t j) {
     fr_str_copy(p->pack_why, sizeof p->pack_why, ferry_last_error());
     return rc;
   }
-  if (fr_refit_test_corrupt && s->dev_buf < 0)
-    fr_refit_test_corrupt(b, dst, fr_refit_bucket_len(&s->plan, b));
+  if (fr_refit_test_corrupt)
+    fr_refit_corrupt_for_test(s, b, dst);
   if (!first)
     return 0;
   p->sum[j] = sum;
-  p->unchanged[j] = p->skip && p->hash && s->last_sum[b] == sum; /* 0: not hashed, unknown */
+  p->unchanged[j] = p->skip && p->hash && s->sum_known[b] && s->last_sum[b] == sum;
   s->last_sum[b] = sum;
+  s->sum_known[b] = p->hash; /* else taken when first needed (fr_refit_bucket_sum) */
   p->first_pass = j + 1;
   return 0;
 }
@@ -687,12 +688,11 @@ static void end_views(ferry_refit_sender *s, fr_push *p) {
   free(p->feeds);
 }
 
-/* Whether this push's buckets go unhashed (FR_REFIT_DIRECT): device buckets (not alias mode,
- * whose engines read nothing and whose buffer late joiners catch up from), and every receiver
- * in the push on this host, reading whole buckets from the sender (no chain, no shard targets:
- * a shard reader whose view was dropped reads whole buckets, but verifies them). */
-static bool direct_push(ferry_refit_sender *s) {
-  if (s->dev_buf < 0 || s->alias)
+/* Whether this push's buckets go unhashed (FR_REFIT_DIRECT): buffers in device memory, every
+ * receiver in the push on this host viewing (alias) or reading whole buckets from the sender (no
+ * chain, no shard targets: they verify), and no alias skip_unchanged (it compares checksums). */
+static bool direct_push(ferry_refit_sender *s, bool skip) {
+  if (s->dev_buf < 0 || (s->alias && skip))
     return false;
   bool direct = true;
   pthread_mutex_lock(&s->lock);
@@ -715,7 +715,7 @@ static int plan_push(ferry_refit_sender *s, fr_push *p, const ferry_refit_push_o
   if (!p->order || !p->sum || !p->unchanged)
     return fr_err(FERRY_ENOMEM, "refit '%s': push of %u buckets", s->name, nb);
   p->skip = FR_OPT(o, skip_unchanged, 0) && all_current;
-  p->hash = !direct_push(s);
+  p->hash = !direct_push(s, p->skip);
   p->no_overlap = fr_config_int("FERRY_REFIT_NO_OVERLAP") != 0;
   if (p->part) /* a part: the buckets ready and not sent yet */
     return fr_refit_stream_select(s, p->part == FERRY_REFIT_PART_LAST, p->order, &p->n);

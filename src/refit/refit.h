@@ -18,6 +18,9 @@ extern void (*fr_refit_test_corrupt)(uint32_t bucket, uint8_t *bytes, uint64_t l
 extern uint64_t fr_refit_stat_forwarded;
 /* Buckets read device to device (FR_REFIT_DIRECT) by receivers of this process, for tests. */
 extern uint64_t fr_refit_stat_direct;
+/* Checksums of device-memory buckets senders of this process took through host memory, for
+ * tests (a push whose readers all read through CUDA IPC takes none). */
+extern uint64_t fr_refit_stat_staged_sums;
 
 /* Bytes packed, or read and hashed, at a time: the chunk stays in cache between the steps. */
 #define FR_REFIT_CHUNK (256u * 1024u)

@@ -683,8 +683,10 @@ int ferry_refit_seal(ferry_refit_sender *s) {
   }
   if (rc == 0) {
     free(s->last_sum);
+    free(s->sum_known);
     s->last_sum = calloc(s->plan.buckets ? s->plan.buckets : 1, sizeof *s->last_sum);
-    s->sealed = s->last_sum != NULL;
+    s->sum_known = calloc(s->plan.buckets ? s->plan.buckets : 1, 1);
+    s->sealed = s->last_sum && s->sum_known;
     if (!s->sealed)
       rc = fr_err(FERRY_ENOMEM, "refit: checksums");
   }
@@ -730,6 +732,7 @@ void ferry_refit_sender_close(ferry_refit_sender *s) {
   fr_refit_plan_free(&s->plan);
   free(s->src);
   free(s->last_sum);
+  free(s->sum_known);
   free(s->stream.sent);
   free(s->manifest);
   free(s->name);

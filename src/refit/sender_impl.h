@@ -177,7 +177,8 @@ struct ferry_refit_sender {
    * memory by `stager` (or not at all: FR_REFIT_DIRECT pushes); -1 when they are host memory. */
   int dev_buf;
   fr_cuda_stager *stager;
-  uint64_t *last_sum; /* per bucket, of the last push */
+  uint64_t *last_sum; /* per bucket, of the bytes buf holds (whole) or last packed there */
+  uint8_t *sum_known; /* per bucket: last_sum is taken (0: packed unhashed, FR_REFIT_DIRECT) */
   uint8_t *manifest;
   size_t manifest_len;
 
@@ -226,6 +227,13 @@ int fr_refit_packer_start(ferry_refit_sender *s, fr_refit_packer **out);
 void fr_refit_packer_stop(fr_refit_packer *k);
 int fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share, fr_refit_feed *feeds,
                   size_t nfeeds, bool hash, uint64_t *sum);
+/* The checksum of bucket b as the whole buffer holds it now: last_sum when taken, else hashed now
+ * (a device buffer through pinned host memory) and kept. s->lock held and no push under way, so
+ * that no push rewrites the bucket meanwhile (a push begins under s->lock). FERRY_EDEVICE when a
+ * copy fails. */
+int fr_refit_bucket_sum(ferry_refit_sender *s, uint32_t b, uint64_t *sum);
+/* Calls fr_refit_test_corrupt on bucket b packed at dst (a device buffer's through host memory). */
+void fr_refit_corrupt_for_test(ferry_refit_sender *s, uint32_t b, uint8_t *dst);
 /* Late join (catchup.c), all under s->lock, queueing what it sends in `out` (sent once the lock is
  * released): a receiver asked for the latest version (it lacks `version`; kept during a push and
  * served when it ends); serves every pending request when no push
