@@ -12,8 +12,10 @@
 #include "core/core.h"
 #include "core/cuda.h"
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -381,6 +383,90 @@ static void test_region_over_links(void **state) {
   owner_stop(&p);
 }
 
+/* ---- a CUDA buffer over a link without a device path (fr_link_read_bounced, FERRY_CUDA_BOUNCE) */
+
+/* The stand-in's pinning counts (cuStubPinCounts): [0] registrations made, [1] alive now, [2]
+ * copies with a pinned host side. False on the real driver, which has none. */
+static bool pin_counts(unsigned long long out[3]) {
+  const char *lib = getenv("FERRY_CUDA_LIB");
+  void *h = lib && *lib ? dlopen(lib, RTLD_NOW | RTLD_NOLOAD) : NULL;
+  void (*counts)(unsigned long long *) =
+      h ? (void (*)(unsigned long long *))dlsym(h, "cuStubPinCounts") : NULL;
+  if (counts)
+    counts(out);
+  if (h)
+    dlclose(h);
+  return counts != NULL;
+}
+
+typedef struct bounce_run {
+  const owner_proc *owner;
+  ferry_link *link;
+  void *dev;
+  unsigned long long before[3], after[3]; /* pin counts around the reads */
+} bounce_run;
+
+/* Three whole reads of the owner's region into a CUDA buffer, each checked, on a thread of their
+ * own (whose staging buffers, if any, are its own and go with it). */
+static void *bounce_reads(void *arg) {
+  bounce_run *b = arg;
+  uint8_t *want = malloc(REGION_BYTES), *got = malloc(REGION_BYTES);
+  fill(want, REGION_BYTES, 5);
+  pin_counts(b->before);
+  for (int i = 0; i < 3; i++) {
+    assert_int_equal(ferry_mem_copy(b->dev, want + 1, 4096), 0); /* stale bytes first */
+    assert_int_equal(ferry_read(b->link, &b->owner->info.ref, 0, b->dev, REGION_BYTES, 5000), 0);
+    memset(got, 0, REGION_BYTES);
+    assert_int_equal(ferry_mem_copy(got, b->dev, REGION_BYTES), 0);
+    assert_memory_equal(got, want, REGION_BYTES);
+  }
+  pin_counts(b->after);
+  free(want);
+  free(got);
+  return NULL;
+}
+
+/* Over tcp a read into CUDA memory goes through host memory, FERRY_CUDA_CHUNK_BYTES at a time:
+ * by default through the reading thread's two staging buffers, pinned once (two registrations
+ * for three reads) and unpinned when the thread ends, every chunk's host → device copy from
+ * pinned memory; with FERRY_CUDA_BOUNCE=malloc through a fresh pageable buffer per read (no
+ * pinning). Either way the right bytes arrive. */
+static void test_bounce_staging(void **state) {
+  NEED_CUDA();
+  unsigned long long c[3];
+  if (!pin_counts(c))
+    skip(); /* the real driver: no counts to check */
+  owner_proc p;
+  owner_start(&p);
+  ferry_ctx_opts o = {.size = sizeof o, .name = "cuda-reader", .transports = "tcp"};
+  ferry_ctx *ctx = NULL;
+  assert_int_equal(ferry_ctx_open(&o, &ctx), 0);
+  bounce_run b = {.owner = &p};
+  assert_int_equal(ferry_connect(ctx, p.info.address, 5000, &b.link), 0);
+  assert_int_equal(ferry_cuda_alloc(0, REGION_BYTES, &b.dev), 0);
+  setenv("FERRY_CUDA_CHUNK_BYTES", "262144", 1); /* 12 chunks a read */
+  const unsigned long long chunks = 3 * (REGION_BYTES / 262144);
+  static const char *modes[] = {"malloc", "pinned"};
+  for (int m = 0; m < 2; m++) {
+    setenv("FERRY_CUDA_BOUNCE", modes[m], 1);
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, bounce_reads, &b), 0);
+    assert_int_equal(pthread_join(t, NULL), 0);
+    unsigned long long end[3];
+    pin_counts(end);
+    bool pinned = m == 1;
+    assert_int_equal(b.after[0] - b.before[0], pinned ? 2 : 0);      /* pinned once, not per read */
+    assert_int_equal(b.after[2] - b.before[2], pinned ? chunks : 0); /* every chunk from them */
+    assert_int_equal(end[1], b.before[1]); /* unpinned when the thread ended */
+  }
+  unsetenv("FERRY_CUDA_BOUNCE");
+  unsetenv("FERRY_CUDA_CHUNK_BYTES");
+  assert_int_equal(ferry_cuda_free(b.dev), 0);
+  ferry_link_close(b.link);
+  ferry_ctx_close(ctx);
+  owner_stop(&p);
+}
+
 /* `ferry info --json` of a process with the settings given: its "cuda" object. */
 static json_t *cli_cuda(const char *env) {
   char cmd[1024];
@@ -438,6 +524,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_copy_across_allocations),
       cmocka_unit_test(test_ipc),
       cmocka_unit_test(test_region_over_links),
+      cmocka_unit_test(test_bounce_staging),
       cmocka_unit_test(test_no_driver),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */

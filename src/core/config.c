@@ -23,6 +23,10 @@
   X("FERRY_CUDA_LIB", "", "the CUDA driver library to load (empty: libcuda.so.1)")                 \
   X("FERRY_CUDA_CHUNK_BYTES", "4194304",                                                           \
     "CUDA bytes staged through host memory per chunk (two chunks in flight per stream)")           \
+  X("FERRY_CUDA_BOUNCE", "pinned",                                                                 \
+    "a CUDA buffer read or written over a link without a device path: pinned (each thread's "      \
+    "pinned staging pair, reused) or malloc (a fresh pageable buffer per call; not yet measured "  \
+    "on a device which is faster)")                                                                \
   X("FERRY_TIMEOUT_MS", "10000", "default timeout of blocking calls (connect, read, send)")        \
   X("FERRY_TRANSPORTS", "shm,tcp", "transports a link may use, in order of preference")            \
   X("FERRY_TCP_LISTEN", "127.0.0.1:0", "HOST:PORT of the tcp listener (port 0: any free)")         \

@@ -299,6 +299,41 @@ int fr_cuda_copy_on(int device_hint, void *dst, const void *src, size_t n) {
   return rc;
 }
 
+int fr_cuda_copy_async(int device, void *dst, const void *src, size_t n) {
+  CUcontext saved;
+  CUstream stream = NULL;
+  int rc = n == 0 ? 0 : enter(device, &saved);
+  if (n == 0 || rc != 0)
+    return rc;
+  if ((rc = thread_stream(device, &stream)) == 0) {
+    uint64_t t0 = fr_now_ns();
+    CUresult r = cu.cuMemcpyAsync((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, n,
+                                  stream);
+    rc = r == CUDA_SUCCESS ? 0 : cu_fail(r, "cuMemcpyAsync");
+    fr_count(&copies_n, 1);
+    fr_count(&copies_bytes, n);
+    fr_count(&copies_issue_ns, fr_now_ns() - t0);
+  }
+  leave(saved);
+  return rc;
+}
+
+int fr_cuda_sync(int device) {
+  CUcontext saved;
+  CUstream stream = NULL;
+  int rc = enter(device, &saved);
+  if (rc != 0)
+    return rc;
+  if ((rc = thread_stream(device, &stream)) == 0) {
+    uint64_t t0 = fr_now_ns();
+    CUresult r = cu.cuStreamSynchronize(stream);
+    rc = r == CUDA_SUCCESS ? 0 : cu_fail(r, "cuStreamSynchronize");
+    fr_count(&copies_sync_ns, fr_now_ns() - t0);
+  }
+  leave(saved);
+  return rc;
+}
+
 int fr_cuda_copy(void *dst, const void *src, size_t n) { return fr_cuda_copy_on(-1, dst, src, n); }
 
 /* ---- staging: device bytes out through host memory, the next chunk's copy under this one's use */
@@ -412,6 +447,58 @@ int fr_cuda_stage_out(fr_cuda_stager *s, int device, const void *src, size_t n,
     cu.cuStreamSynchronize(stream); /* nothing of ours still writes the buffers */
   leave(saved);
   return rc;
+}
+
+int fr_cuda_stage_in(fr_cuda_stager *s, int device, void *dst, size_t n,
+                     int (*fill)(void *arg, void *buf, size_t len), void *arg) {
+  CUcontext saved;
+  CUstream stream = NULL;
+  int rc = enter(device, &saved);
+  if (rc != 0)
+    return rc;
+  if ((rc = stager_events(s, device)) != 0 || (rc = thread_stream(device, &stream)) != 0) {
+    leave(saved);
+    return rc;
+  }
+  CUresult r = CUDA_SUCCESS;
+  /* Chunk i is filled into buffer i % 2 once that buffer's copy (chunk i-2) finished, and its
+   * copy queued: the copy engine moves chunk i while `fill` (a link read) brings chunk i+1. */
+  for (size_t off = 0, i = 0; off < n && rc == 0; off += s->chunk, i++) {
+    size_t len = n - off < s->chunk ? n - off : s->chunk;
+    uint8_t *buf = s->buf[i % 2];
+    if (i >= 2 && (r = cu.cuEventSynchronize(s->done[i % 2])) != CUDA_SUCCESS)
+      rc = cu_fail(r, "cuEventSynchronize (staging)");
+    else if ((rc = fill(arg, buf, len)) == 0 &&
+             ((r = cu.cuMemcpyAsync((CUdeviceptr)(uintptr_t)((uint8_t *)dst + off),
+                                    (CUdeviceptr)(uintptr_t)buf, len, stream)) != CUDA_SUCCESS ||
+              (r = cu.cuEventRecord(s->done[i % 2], stream)) != CUDA_SUCCESS))
+      rc = cu_fail(r, "cuMemcpyAsync (staging)");
+  }
+  /* every copy done (or, on an error, nothing of ours still reads the buffers) */
+  if ((r = cu.cuStreamSynchronize(stream)) != CUDA_SUCCESS && rc == 0)
+    rc = cu_fail(r, "cuStreamSynchronize (staging)");
+  leave(saved);
+  return rc;
+}
+
+/* Each thread's stager, closed with the thread (fr_cuda_thread_stager). */
+static pthread_key_t stager_key;
+static pthread_once_t stager_once = PTHREAD_ONCE_INIT;
+
+static void thread_stager_free(void *s) { fr_cuda_stager_close(s); }
+static void stager_key_make(void) { pthread_key_create(&stager_key, thread_stager_free); }
+
+int fr_cuda_thread_stager(fr_cuda_stager **out) {
+  pthread_once(&stager_once, stager_key_make);
+  fr_cuda_stager *s = pthread_getspecific(stager_key);
+  if (!s) {
+    int rc = fr_cuda_stager_open(fr_cuda_chunk_bytes(), &s);
+    if (rc != 0)
+      return rc;
+    pthread_setspecific(stager_key, s);
+  }
+  *out = s;
+  return 0;
 }
 
 /* Pinned memory is the driver's, not a device's: any context registers it (portable: every

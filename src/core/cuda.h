@@ -58,6 +58,12 @@ static inline bool fr_cuda_is_device(const void *ptr) {
 int fr_cuda_copy(void *dst, const void *src, size_t n);
 /* The same, device_hint naming the device whose context runs it (-1: found from the pointers). */
 int fr_cuda_copy_on(int device_hint, void *dst, const void *src, size_t n);
+/* The same, queued on this thread's stream of `device` without waiting: the bytes are there
+ * once fr_cuda_sync(device) returned on this thread, and neither buffer may be touched before
+ * (host memory should be pinned, or the driver may copy it synchronously). fr_cuda_sync
+ * waits for every copy this thread queued on that device. */
+int fr_cuda_copy_async(int device, void *dst, const void *src, size_t n);
+int fr_cuda_sync(int device);
 
 /* The process's copy counters (fr_cuda_copy_on: copies, bytes, issue and wait seconds) as
  * ferry_cuda_copy_* samples, none before the first copy (the process set's collector calls it). */
@@ -80,6 +86,16 @@ int fr_cuda_stager_open(size_t chunk, fr_cuda_stager **out);
 void fr_cuda_stager_close(fr_cuda_stager *s);
 int fr_cuda_stage_out(fr_cuda_stager *s, int device, const void *src, size_t n,
                       int (*use)(void *arg, const void *buf, size_t len), void *arg);
+/* The other way: host bytes into [dst, dst+n) of `device`, chunk by chunk: fill(arg, buf, len)
+ * writes each chunk into a staging buffer, in order, and its host → device copy runs while the
+ * next chunk is filled into the other buffer; a non-zero return of `fill` stops it and is
+ * returned. Returns once every copy finished. */
+int fr_cuda_stage_in(fr_cuda_stager *s, int device, void *dst, size_t n,
+                     int (*fill)(void *arg, void *buf, size_t len), void *arg);
+/* This thread's stager of FERRY_CUDA_CHUNK_BYTES chunks (as the setting was at its first use):
+ * made, and its buffers pinned, the first time the thread stages; closed when the thread exits.
+ * Not for a caller already using it: one staging at a time per thread. */
+int fr_cuda_thread_stager(fr_cuda_stager **out);
 
 int fr_cuda_alloc(int device, size_t n, void **out);
 int fr_cuda_free(void *p);

@@ -454,10 +454,11 @@ static size_t bounce_chunk(size_t len) {
   return len < chunk ? len : chunk;
 }
 
-/* A caller's CUDA buffer through a host bounce buffer, a chunk at a time: read, then copied to
- * the device; or copied from the device, then written. */
-static int bounced(ferry_link *l, const ferry_region_ref *r, uint64_t off, uint8_t *dev, size_t len,
-                   int device, int timeout_ms, bool write) {
+/* A caller's CUDA buffer through a host bounce buffer malloc'd for the call, a chunk at a time:
+ * read, then copied to the device; or copied from the device, then written
+ * (FERRY_CUDA_BOUNCE=malloc, and a thread already staging). */
+static int bounced_by_malloc(ferry_link *l, const ferry_region_ref *r, uint64_t off, uint8_t *dev,
+                             size_t len, int device, int timeout_ms, bool write) {
   size_t chunk = bounce_chunk(len);
   uint8_t *host = malloc(chunk ? chunk : 1);
   int rc = host ? 0
@@ -472,6 +473,48 @@ static int bounced(ferry_link *l, const ferry_region_ref *r, uint64_t off, uint8
       rc = fr_cuda_copy_on(device, dev + done, host, n);
   }
   free(host);
+  return rc;
+}
+
+/* The link side of a staged transfer: each chunk read from, or written to, the region in turn. */
+typedef struct bounce_io {
+  ferry_link *l;
+  const ferry_region_ref *r;
+  uint64_t off, deadline;
+} bounce_io;
+
+static int bounce_fill(void *arg, void *buf, size_t len) {
+  bounce_io *b = arg;
+  int rc = b->l->ops->read(b->l, b->r, b->off, buf, len, fr_ms_left(b->deadline));
+  b->off += len;
+  return rc;
+}
+
+static int bounce_use(void *arg, const void *buf, size_t len) {
+  bounce_io *b = arg;
+  int rc = b->l->ops->write(b->l, b->r, b->off, buf, len, fr_ms_left(b->deadline));
+  b->off += len;
+  return rc;
+}
+
+static _Thread_local bool tl_staging; /* this thread's stager is in use (a read inside a read) */
+
+/* A caller's CUDA buffer through this thread's stager (FERRY_CUDA_BOUNCE=pinned, the default):
+ * two host buffers pinned once and reused call after call, the device copy of one chunk under
+ * the link transfer of the next (fr_cuda_stage_in, fr_cuda_stage_out). */
+static int bounced(ferry_link *l, const ferry_region_ref *r, uint64_t off, uint8_t *dev, size_t len,
+                   int device, int timeout_ms, bool write) {
+  if (tl_staging || strcmp(fr_config_str("FERRY_CUDA_BOUNCE"), "malloc") == 0)
+    return bounced_by_malloc(l, r, off, dev, len, device, timeout_ms, write);
+  fr_cuda_stager *s = NULL;
+  int rc = fr_cuda_thread_stager(&s);
+  if (rc != 0)
+    return rc;
+  bounce_io b = {l, r, off, fr_deadline_ns(timeout_ms)};
+  tl_staging = true;
+  rc = write ? fr_cuda_stage_out(s, device, dev, len, bounce_use, &b)
+             : fr_cuda_stage_in(s, device, dev, len, bounce_fill, &b);
+  tl_staging = false;
   return rc;
 }
 

@@ -8,9 +8,9 @@
  * synchronization shows up as stale bytes; IPC handles name the owner's memfd, which another
  * process opens through /proc. Its whole value is to make tests fail where ferry would misuse
  * the real driver, so it refuses what the driver refuses. Only the cu* entry points are exported
- * (cuStubCopyCounts, the stand-in's count of copies by kind, is for tests); everything else is
- * static. It may read its own settings from the environment: it is a test
- * library, not part of ferry. FERRY_CUDASTUB_DEVICES (default 2) and FERRY_CUDASTUB_MEM_MB
+ * (cuStubCopyCounts and cuStubPinCounts, the stand-in's counts of copies and pinning, are for
+ * tests); everything else is static. It may read its own settings from the environment: it is a
+ * test library, not part of ferry. FERRY_CUDASTUB_DEVICES (default 2) and FERRY_CUDASTUB_MEM_MB
  * (default 4096, a limit per device, page-rounded allocations counted) are read by cuInit.
  *
  * Where it is stricter than, or chooses between readings of, the driver: every stream behaves as
@@ -237,6 +237,9 @@ static CUresult translate(uint64_t a, uint64_t n, char **out) {
  * device, and device to device with a side opened through IPC. Under lock. */
 enum { COUNT_HTOD, COUNT_DTOH, COUNT_DTOD, COUNT_DTOD_IPC, COUNT_KINDS };
 static unsigned long long copy_counts[COUNT_KINDS];
+/* cuStubPinCounts: successful cuMemHostRegister calls, and host/device copies whose host side
+ * was registered (pinned) memory. Under lock. */
+static unsigned long long pin_calls, pinned_copies;
 
 static void count_copy(uint64_t dst, uint64_t src) {
   struct alloc *d = find_alloc(dst), *s = find_alloc(src);
@@ -244,6 +247,8 @@ static void count_copy(uint64_t dst, uint64_t src) {
     copy_counts[d->ipc || s->ipc ? COUNT_DTOD_IPC : COUNT_DTOD]++;
   else if (d || s)
     copy_counts[d ? COUNT_HTOD : COUNT_DTOH]++;
+  if ((d || s) && !(d && s) && find_reg(d ? src : dst))
+    pinned_copies++;
 }
 
 static CUresult copy_now(uint64_t dst, uint64_t src, uint64_t n) {
@@ -710,6 +715,7 @@ CUresult cuMemHostRegister_v2(void *p, size_t size, unsigned flags) {
   if (grow((void **)&regs, &cap_regs, nregs + 1, sizeof *regs))
     return unlock_rc(CUDA_ERROR_OUT_OF_MEMORY);
   regs[nregs++] = (struct reg){.base = a, .size = size, .device = current->device};
+  pin_calls++;
   return unlock_rc(CUDA_SUCCESS);
 }
 
@@ -1019,5 +1025,16 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
 void cuStubCopyCounts(unsigned long long out[4]) {
   pthread_mutex_lock(&lock);
   memcpy(out, copy_counts, sizeof copy_counts);
+  pthread_mutex_unlock(&lock);
+}
+
+/* Not a driver entry point either: [0] successful cuMemHostRegister calls so far, [1] host
+ * ranges registered now, [2] copies between host and device memory whose host side was
+ * registered (pinned) when the copy ran. */
+void cuStubPinCounts(unsigned long long out[3]) {
+  pthread_mutex_lock(&lock);
+  out[0] = pin_calls;
+  out[1] = nregs;
+  out[2] = pinned_copies;
   pthread_mutex_unlock(&lock);
 }
