@@ -491,6 +491,23 @@ static int run_variant(const bench_opts *o, const char *label, const gmodel *m, 
   return rc;
 }
 
+/* The same bytes copied one tensor at a time, each copy waited for, in this one process: what
+ * one pass of the refit's copies costs alone (a push makes two such passes, one per process). */
+static int time_pieces(uint8_t *dst, const uint8_t *src, const gmodel *m, int reps,
+                       bench_samples *b) {
+  for (int i = 0; i <= reps; i++) {
+    double t = bench_now();
+    for (size_t k = 0; k < m->n; k++) {
+      int rc = ferry_mem_copy(dst + m->off[k], src + m->off[k], (size_t)m->len[k]);
+      if (rc != 0)
+        return rc;
+    }
+    if (i > 0)
+      bench_add(b, bench_now() - t);
+  }
+  return 0;
+}
+
 static int run_refit(const bench_opts *o, uint64_t bytes, int reps) {
   gmodel m;
   int rc = gmodel_make(&m, bytes);
@@ -500,15 +517,20 @@ static int run_refit(const bench_opts *o, uint64_t bytes, int reps) {
   uint8_t *dst = rc == 0 ? dev_alloc(m.bytes, &rc) : NULL;
   for (size_t i = 0; rc == 0 && i < m.n; i++)
     rc = dev_fill(src + m.off[i], m.len[i], (uint8_t)(i + 1));
-  bench_samples copy = {0};
+  bench_samples copy = {0}, pieces = {0};
   if (rc == 0)
     rc = time_d2d(dst, src, m.bytes, reps, &copy);
+  if (rc == 0)
+    rc = time_pieces(dst, src, &m, reps, &pieces);
   if (rc != 0)
     cli_fail("bench gpu", rc, "refit: device memory");
   if (dst)
     ferry_cuda_free(dst); /* the receiver's copy needs the room */
-  if (rc == 0)
+  if (rc == 0) {
     bench_row(o, "gpu", label, "d2d-copy", m.bytes, &copy, true);
+    bench_row(o, "gpu", label, "d2d-copy-by-tensor", m.bytes, &pieces, false);
+  }
+  bench_free(&pieces);
   /* the default buckets (FERRY_REFIT_BUFFER_BYTES, 64 MiB, sized for host memory); buckets of
    * 1/32 and 1/8 of the model (256 MiB and 1 GiB of 8): each bucket costs a round trip (a
    * message, stream synchronisations, the receiver's acknowledgement) beside its two copies; and
@@ -833,6 +855,8 @@ int bench_gpu(int argc, char **argv) {
   }
   if (!only || strcmp(only, "staged") == 0) {
     r = run_staged(&o, staged_bytes, chunk, reps);
+    rc = rc ? rc : r;
+    r = bench_gpu_bounce(&o, staged_bytes, reps); /* bench_gpu_bounce.c */
     rc = rc ? rc : r;
   }
   if (!only || strcmp(only, "group") == 0) { /* through host memory: 2 GiB at most */

@@ -113,6 +113,7 @@ static void quick_run_has_every_case(void **state) {
   assert_int_equal(status, 0);
   assert_measured(rows, "refit-colo-", "d2d-copy");
   assert_measured(rows, "refit-colo-", "ferry-copying");
+  assert_measured(rows, "refit-colo-", "d2d-copy-by-tensor");
   assert_measured(rows, "refit-colo-", "ferry-alias");
   /* issue 37's experiments, each checked by its receiver like the default */
   assert_measured(rows, "refit-colo-", "ferry-copying-whole");
@@ -133,6 +134,8 @@ static void quick_run_has_every_case(void **state) {
     assert_measured(rows, "routing-11MiB", *impl);
   assert_measured(rows, "staged-", "pinned-d2h+h2d");
   assert_measured(rows, "staged-", "ferry-staged");
+  assert_measured(rows, "bounce-", "ferry-read-malloc");
+  assert_measured(rows, "bounce-", "ferry-read-pinned");
   /* the refit goal's line: a ratio, its goal and whether it is met */
   size_t i;
   json_t *j, *goal = NULL;
