@@ -699,6 +699,47 @@ static void test_chain_and_late_join(void **st) {
   ferry_ctx_close(sc);
 }
 
+/* One round of test_pack_async: FERRY_CUDA_PACK_ASYNC set to `setting` before any thread of
+ * ours runs, a sender of the mixed model (host buckets: device tensors copied in, some cast) and a
+ * receiver over shm binding device and host memory; three versions land whole. */
+static void pack_round(const char *setting) {
+  setenv("FERRY_CUDA_PACK_ASYNC", setting, 1);
+  ferry_ctx *sc = ctx_for("trainer", "shm"), *rc = ctx_for("rollout", "shm");
+  side s, r;
+  side_alloc(&s, true, 0);
+  ferry_refit_sender *snd = sender_for(sc, &s);
+  ferry_refit_receiver *rx;
+  FR_OK(ferry_refit_receiver_open(rc, ferry_ctx_address(sc), 5000, &rx));
+  side_alloc(&r, false, 0);
+  bind_side(rx, &r);
+  await_receivers(snd, 1);
+  for (uint64_t v = 1; v <= 3; v++) {
+    sender_fill(&s, v);
+    FR_OK(ferry_refit_push(snd, v, NULL));
+    FR_OK(ferry_refit_wait(rx, v, 5000, NULL));
+    assert_int_equal(receiver_check(rx, &r, v), 0);
+  }
+  ferry_refit_receiver_close(rx);
+  ferry_refit_sender_close(snd);
+  side_free(&r, false);
+  side_free(&s, true);
+  ferry_ctx_close(rc);
+  ferry_ctx_close(sc);
+  unsetenv("FERRY_CUDA_PACK_ASYNC"); /* every thread of ours has ended */
+}
+
+/* A bucket's device copies one synchronous copy each (0), or queued on one stream and waited for
+ * once per bucket (1): the same bytes land either way. The stand-in runs a queued copy only when
+ * its stream is synchronized, so a bucket hashed or read before the wait would hold the last
+ * version's bytes. */
+static void test_pack_async(void **st) {
+  (void)st;
+  if (!have_cuda)
+    skip();
+  pack_round("0");
+  pack_round("1");
+}
+
 /* Shards into device memory: a dim-1 slice of a device tensor (one run per row, merged into one
  * copy per stretch) and a tensor bound whole beside it (a target of one piece). */
 static void test_shards(void **st) {
@@ -819,6 +860,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_processes),
       cmocka_unit_test(test_alias_device),
       cmocka_unit_test(test_alias_device_lazy_sums),
+      cmocka_unit_test(test_pack_async),
       cmocka_unit_test(test_device_buckets),
       cmocka_unit_test(test_chain_and_late_join),
       cmocka_unit_test(test_shards),

@@ -23,6 +23,9 @@
   X("FERRY_CUDA_LIB", "", "the CUDA driver library to load (empty: libcuda.so.1)")                 \
   X("FERRY_CUDA_CHUNK_BYTES", "4194304",                                                           \
     "CUDA bytes staged through host memory per chunk (two chunks in flight per stream)")           \
+  X("FERRY_CUDA_PACK_ASYNC", "0",                                                                  \
+    "refit senders (as of the seal): 1 queues a bucket's device tensor copies on one stream and "  \
+    "waits once per bucket; 0 waits for each copy (not yet measured on a device which is faster)") \
   X("FERRY_CUDA_BOUNCE", "pinned",                                                                 \
     "a CUDA buffer read or written over a link without a device path: pinned (each thread's "      \
     "pinned staging pair, reused) or malloc (a fresh pageable buffer per call; not yet measured "  \

@@ -299,6 +299,41 @@ int fr_cuda_copy_on(int device_hint, void *dst, const void *src, size_t n) {
   return rc;
 }
 
+int fr_cuda_copy_async(int device, void *dst, const void *src, size_t n) {
+  CUcontext saved;
+  CUstream stream = NULL;
+  int rc = n == 0 ? 0 : enter(device, &saved);
+  if (n == 0 || rc != 0)
+    return rc;
+  if ((rc = thread_stream(device, &stream)) == 0) {
+    uint64_t t0 = fr_now_ns();
+    CUresult r =
+        cu.cuMemcpyAsync((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, n, stream);
+    rc = r == CUDA_SUCCESS ? 0 : cu_fail(r, "cuMemcpyAsync");
+    fr_count(&copies_n, 1);
+    fr_count(&copies_bytes, n);
+    fr_count(&copies_issue_ns, fr_now_ns() - t0);
+  }
+  leave(saved);
+  return rc;
+}
+
+int fr_cuda_sync(int device) {
+  CUcontext saved;
+  CUstream stream = NULL;
+  int rc = enter(device, &saved);
+  if (rc != 0)
+    return rc;
+  if ((rc = thread_stream(device, &stream)) == 0) {
+    uint64_t t0 = fr_now_ns();
+    CUresult r = cu.cuStreamSynchronize(stream);
+    rc = r == CUDA_SUCCESS ? 0 : cu_fail(r, "cuStreamSynchronize");
+    fr_count(&copies_sync_ns, fr_now_ns() - t0);
+  }
+  leave(saved);
+  return rc;
+}
+
 int fr_cuda_copy(void *dst, const void *src, size_t n) { return fr_cuda_copy_on(-1, dst, src, n); }
 
 /* ---- staging: device bytes out through host memory, the next chunk's copy under this one's use */

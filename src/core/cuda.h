@@ -58,6 +58,12 @@ static inline bool fr_cuda_is_device(const void *ptr) {
 int fr_cuda_copy(void *dst, const void *src, size_t n);
 /* The same, device_hint naming the device whose context runs it (-1: found from the pointers). */
 int fr_cuda_copy_on(int device_hint, void *dst, const void *src, size_t n);
+/* The same, queued on this thread's stream of `device` without waiting: the bytes are there
+ * once fr_cuda_sync(device) returned on this thread, and neither buffer may be touched before
+ * (host memory should be pinned, or the driver may copy it synchronously). fr_cuda_sync
+ * waits for every copy this thread queued on that device. */
+int fr_cuda_copy_async(int device, void *dst, const void *src, size_t n);
+int fr_cuda_sync(int device);
 
 /* The process's copy counters (fr_cuda_copy_on: copies, bytes, issue and wait seconds) as
  * ferry_cuda_copy_* samples, none before the first copy (the process set's collector calls it). */

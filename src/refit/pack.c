@@ -9,9 +9,10 @@
  * A tensor in CUDA memory (classified once, at declare) is never read by the CPU: its bytes are
  * copied device→host into the bucket (pinned) by the copy engine, and a cast then runs on the
  * host, through a scratch buffer; such a plan packs each bucket whole on the pushing thread, one
- * copy per tensor part rather than one per 256 KiB chunk, and hashes it afterwards. A bucket of
- * a buffer in device memory is hashed (through pinned host memory) only when a reader of the push
- * needs its checksum; else the checksum is taken when somebody first needs it
+ * copy per tensor part rather than one per 256 KiB chunk (each waited for, or with
+ * FERRY_CUDA_PACK_ASYNC queued and waited for once per bucket), and hashes it afterwards. A bucket
+ * of a buffer in device memory is hashed (through pinned host memory) only when a reader of the
+ * push needs its checksum; else the checksum is taken when somebody first needs it
  * (fr_refit_bucket_sum: a late joiner that verifies) and kept until the bucket is packed again.
  */
 #include "core/cuda.h"
@@ -37,13 +38,18 @@ struct fr_refit_packer {
 };
 
 /* Copies `count` elements of a device tensor's part at src into dst in the wire dtype: straight
- * into the bucket when there is no cast, else through the scratch, cast on the host. */
+ * into the bucket when there is no cast (queued on this thread's stream when `queued` is given,
+ * the device's bit set in it), else through the scratch, cast on the host. */
 static int pack_device(ferry_refit_sender *s, const fr_refit_entry *x, int device,
-                       const uint8_t *src, uint8_t *dst, uint64_t count) {
+                       const uint8_t *src, uint8_t *dst, uint64_t count, uint64_t *queued) {
   size_t se = ferry_dtype_size(x->desc.dtype), we = ferry_dtype_size(x->wire);
   int rc = 0;
-  if (x->desc.dtype == x->wire)
+  if (x->desc.dtype == x->wire && queued && device < 64) {
+    rc = fr_cuda_copy_async(device, dst, src, count * se);
+    *queued |= 1ull << device;
+  } else if (x->desc.dtype == x->wire) {
     rc = fr_cuda_copy_on(device, dst, src, count * se);
+  }
   for (uint64_t i = 0, per = FR_REFIT_SCRATCH / se; x->desc.dtype != x->wire && i < count && !rc;
        i += per) {
     uint64_t k = count - i < per ? count - i : per;
@@ -55,8 +61,10 @@ static int pack_device(ferry_refit_sender *s, const fr_refit_entry *x, int devic
 }
 
 /* Packs [lo, lo+len) of bucket b (casting on the way) into dst, zeroing the gaps (but in a
- * device buffer, zeroed when it was made: a layout's gaps are never written). */
-static int pack_window(ferry_refit_sender *s, uint32_t b, uint64_t lo, uint64_t len, uint8_t *dst) {
+ * device buffer, zeroed when it was made: a layout's gaps are never written); device copies
+ * queued as pack_device says when `queued` is given. */
+static int pack_window(ferry_refit_sender *s, uint32_t b, uint64_t lo, uint64_t len, uint8_t *dst,
+                       uint64_t *queued) {
   bool zero_gaps = s->dev_buf < 0;
   const fr_refit_plan *p = &s->plan;
   uint64_t start = (uint64_t)b * p->bucket_bytes + lo, filled = 0;
@@ -73,7 +81,7 @@ static int pack_window(ferry_refit_sender *s, uint32_t b, uint64_t lo, uint64_t 
     if (dst_off > filled && zero_gaps)
       memset(dst + filled, 0, dst_off - filled);
     if (s->src[e].device >= 0) {
-      int rc = pack_device(s, x, s->src[e].device, src, dst + dst_off, n / we);
+      int rc = pack_device(s, x, s->src[e].device, src, dst + dst_off, n / we, queued);
       if (rc != 0)
         return rc;
     } else {
@@ -84,6 +92,21 @@ static int pack_window(ferry_refit_sender *s, uint32_t b, uint64_t lo, uint64_t 
   if (filled < len && zero_gaps)
     memset(dst + filled, 0, len - filled);
   return 0;
+}
+
+/* All of bucket b, some of its tensors on a device, into dst on this thread: one synchronous copy
+ * per device tensor part, or (FERRY_CUDA_PACK_ASYNC as of the seal) the uncast parts' copies
+ * queued on this thread's stream of each device and waited for once, after the last (a cast part
+ * waits for its own copy, through the scratch, and so for those queued before it on its device). */
+static int pack_bucket(ferry_refit_sender *s, uint32_t b, uint64_t len, uint8_t *dst) {
+  uint64_t queued = 0;
+  int rc = pack_window(s, b, 0, len, dst, s->pack_async ? &queued : NULL);
+  for (int d = 0; d < 64 && (queued >> d) != 0; d++) { /* also after a failure: none in flight */
+    int synced = (queued >> d) & 1 ? fr_cuda_sync(d) : 0;
+    if (synced != 0 && rc == 0)
+      rc = fr_err_wrap(synced, "refit '%s': bucket %u's copies on CUDA device %d", s->name, b, d);
+  }
+  return rc;
 }
 
 static void *packer_main(void *arg) {
@@ -102,7 +125,7 @@ static void *packer_main(void *arg) {
     pthread_mutex_unlock(&k->lock);
     for (uint64_t lo = 0; lo < len; lo += FR_REFIT_CHUNK) {
       uint64_t n = len - lo < FR_REFIT_CHUNK ? len - lo : FR_REFIT_CHUNK;
-      (void)pack_window(k->s, b, lo, n, dst + lo); /* host tensors only: cannot fail */
+      (void)pack_window(k->s, b, lo, n, dst + lo, NULL); /* host tensors only: cannot fail */
       atomic_store_explicit(&k->packed, lo + n, memory_order_release);
     }
     pthread_mutex_lock(&k->lock);
@@ -188,7 +211,7 @@ static int hash_device_bucket(ferry_refit_sender *s, uint32_t b, const uint8_t *
  * push needs its checksum (a FR_REFIT_DIRECT push: its readers copy through CUDA IPC or view). */
 static int pack_device_bucket(ferry_refit_sender *s, uint32_t b, uint8_t *dst, uint64_t len,
                               fr_refit_feed *feeds, size_t nfeeds, bool hash, uint64_t *sum) {
-  int rc = pack_window(s, b, 0, len, dst);
+  int rc = pack_bucket(s, b, len, dst);
   *sum = 0;
   return rc != 0 || !hash ? rc : hash_device_bucket(s, b, dst, len, feeds, nfeeds, sum);
 }
@@ -240,7 +263,7 @@ int fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share, f
     pthread_cond_signal(&k->cond);
     pthread_mutex_unlock(&k->lock);
   }
-  int rc = s->on_device ? pack_window(s, b, 0, len, dst) : 0;
+  int rc = s->on_device ? pack_bucket(s, b, len, dst) : 0;
   if (rc != 0)
     return rc;
   fr_hash *h = fr_hash_begin();
@@ -249,7 +272,7 @@ int fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share, f
     if (k)
       wait_packed(k, lo + n);
     else if (!s->on_device)
-      (void)pack_window(s, b, lo, n, dst + lo); /* host tensors only: cannot fail */
+      (void)pack_window(s, b, lo, n, dst + lo, NULL); /* host tensors only: cannot fail */
     fr_hash_update(h, dst + lo, n);
     for (size_t i = 0; i < nfeeds; i++) /* shard readers' runs, while the chunk is in cache */
       fr_refit_view_feed(&s->plan, &feeds[i], b, lo, n, dst + lo);

@@ -667,6 +667,7 @@ int ferry_refit_seal(ferry_refit_sender *s) {
   s->on_device = false;
   for (uint32_t i = 0; rc == 0 && i < s->plan.count; i++)
     s->on_device |= s->src[i].device >= 0;
+  s->pack_async = fr_config_int("FERRY_CUDA_PACK_ASYNC") != 0;
   if (rc == 0)
     rc = alloc_buffers(s);
   if (rc == 0)

@@ -165,6 +165,8 @@ struct ferry_refit_sender {
   uint64_t buf_bytes;
   bool on_device;   /* a declared tensor is CUDA memory (as of the seal): the buffers are pinned,
                        and one thread packs each bucket whole (copy engines want big copies) */
+  bool pack_async;  /* FERRY_CUDA_PACK_ASYNC as of the seal: a bucket's device copies queued,
+                       waited for once (pack.c) */
   bool pinned[2];   /* buf[i] is registered with the driver (fr_cuda_pin) */
   int pin_device;   /* the device whose context pins and unpins them: the first device tensor's
                        as of the first pin (registration is portable: it serves every device) */
