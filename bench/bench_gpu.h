@@ -44,4 +44,8 @@ void bench_gpu_breakdown(const bench_opts *o, const char *label, const char *imp
 int bench_gpu_group(const bench_opts *o, const char *self, uint64_t bytes, int reps);
 int bench_gpu_group_rank(int argc, char **argv);
 
+/* bench_gpu_bounce.c: a CUDA buffer read over tcp (through host memory), FERRY_CUDA_BOUNCE=malloc
+ * against pinned; min(bytes, 256 MiB). Run with the staged row. */
+int bench_gpu_bounce(const bench_opts *o, uint64_t bytes, int reps);
+
 #endif
