@@ -536,9 +536,10 @@ static int run_refit(const bench_opts *o, uint64_t bytes, int reps) {
    * message, stream synchronisations, the receiver's acknowledgement) beside its two copies; and
    * the experiments of issue 37 at the default buckets: a slot per bucket (the sender never waits
    * for a read), and no overlap (the sender packs a bucket only once the receiver read the one
-   * before: the two processes never copy on the GPU at once, which time-slices them) */
+   * before: the two processes never copy on the GPU at once, which time-slices them); and the
+   * sender's copies of a bucket queued on one stream, waited for once (FERRY_CUDA_PACK_ASYNC) */
   char impl[2][64], bsz[16];
-  refit_variant vs[6] = {{.impl = "ferry-copying"}};
+  refit_variant vs[7] = {{.impl = "ferry-copying"}};
   int nv = 1;
   for (uint64_t part = 32; part >= 8; part /= 4, nv++) {
     uint64_t bucket = (m.bytes / part + (1u << 20) - 1) & ~(uint64_t)((1u << 20) - 1);
@@ -549,6 +550,8 @@ static int run_refit(const bench_opts *o, uint64_t bytes, int reps) {
   vs[nv++] =
       (refit_variant){.impl = "ferry-copying-whole", .setting = "FERRY_REFIT_DEVICE_WHOLE=1"};
   vs[nv++] = (refit_variant){.impl = "ferry-copying-serial", .setting = "FERRY_REFIT_NO_OVERLAP=1"};
+  vs[nv++] =
+      (refit_variant){.impl = "ferry-copying-pack-async", .setting = "FERRY_CUDA_PACK_ASYNC=1"};
   vs[nv++] = (refit_variant){.impl = "ferry-alias", .alias = true};
   for (int i = 0; rc == 0 && i < nv; i++)
     rc = run_variant(o, label, &m, src, reps, &vs[i], &copy);

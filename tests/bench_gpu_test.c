@@ -118,8 +118,10 @@ static void quick_run_has_every_case(void **state) {
   /* issue 37's experiments, each checked by its receiver like the default */
   assert_measured(rows, "refit-colo-", "ferry-copying-whole");
   assert_measured(rows, "refit-colo-", "ferry-copying-serial");
-  for (const char *const *impl = (const char *const[]){"ferry-copying", "ferry-copying-whole",
-                                                       "ferry-copying-serial", "ferry-alias", NULL};
+  assert_measured(rows, "refit-colo-", "ferry-copying-pack-async");
+  for (const char *const *impl =
+           (const char *const[]){"ferry-copying", "ferry-copying-whole", "ferry-copying-serial",
+                                 "ferry-copying-pack-async", "ferry-alias", NULL};
        *impl; impl++)
     assert_breakdown(rows, "refit-colo-", *impl);
   /* row (d): two sender rank processes to a group receiver binding device memory, checked by it */
