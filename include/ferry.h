@@ -667,6 +667,20 @@ typedef struct ferry_store_opts {
   uint64_t capacity;     /* pool bytes; 0: FERRY_STORE_CAPACITY */
   int lease_ms;          /* directory lease; 0: FERRY_LEASE_MS */
   uint32_t flags;        /* FERRY_STORE_* */
+  /* Bytes of the device pool (0: FERRY_STORE_DEVICE_POOL_BYTES, whose default 0 is off). With a
+   * device pool, a put from CUDA memory copies device to device into one CUDA allocation of this
+   * node's (made with the first such put, on that put's device; freed by ferry_store_close), and
+   * its bytes never pass through host memory: a get into device memory on this host copies them
+   * device to device (a peer's pool mapped once per link through CUDA IPC), a get into host
+   * memory copies device to host, and a node on another host reads them staged through its
+   * owner's pinned buffers. ferry_store_get_alloc and ferry_store_get_view of such an object
+   * return host memory: a private copy (one device-to-host copy; a view of it is always valid).
+   * A put from another device than the pool's, or one that does not fit beside the objects
+   * there (replaced copies lingering there go first, oldest first), is copied into the host pool
+   * as without a device pool: a full device pool never fails a put. If making the pool fails
+   * (no driver, out of device memory), puts use the host pool and a warning says why. Deletes,
+   * re-puts and lingering replaced copies behave as in the host pool. */
+  uint64_t device_pool_bytes;
 } ferry_store_opts;
 
 /* Opens the store of `ctx`: connects to the directory, registers the node under its ctx name and
@@ -685,7 +699,8 @@ FERRY_API void ferry_store_close(ferry_store *store);
  * reader gets the old or the new tensor, never a mix). data is read during the call only, unless
  * it lies in ferry memory: then it is published in place and must stay valid and unmodified
  * until the key is deleted or replaced. data in CUDA memory is copied device to host into the
- * pool (never published in place). desc is copied. Errors: FERRY_EINVAL (bad key, NULL
+ * pool (never published in place), or device to device into the device pool when the store has
+ * one (ferry_store_opts.device_pool_bytes). desc is copied. Errors: FERRY_EINVAL (bad key, NULL
  * data), FERRY_EDTYPE / FERRY_ESHAPE / FERRY_EOVERFLOW (bad desc), FERRY_ECAPACITY (the pool or
  * the object table is full; the detail gives the sizes), FERRY_ERANGE (CUDA data whose
  * allocation ends before the tensor does), FERRY_EDEVICE (the copy from the device failed),
@@ -728,7 +743,8 @@ typedef struct ferry_store_info {
  * ignored when its dtype is FERRY_DTYPE_INVALID) must match the stored dtype and shape, else
  * FERRY_EDTYPE / FERRY_ESHAPE. info (may be NULL) receives the object's description. A dst in
  * CUDA memory is written host to device (over tcp through a bounded host buffer, a chunk at a
- * time), and must hold the object within its allocation too. Errors:
+ * time), or device to device from an object in a device pool on this host (through CUDA IPC),
+ * and must hold the object within its allocation too. Errors:
  * FERRY_ENOTFOUND (no such key), FERRY_ERANGE (cap too small; the detail says how many bytes),
  * FERRY_EPEER (the owner is gone), FERRY_ESTALE (replaced during every read until the timeout
  * passed), FERRY_EFREED (at once: the owner freed memory it still publishes in place; the detail
@@ -742,8 +758,9 @@ FERRY_API int ferry_store_get_alloc(ferry_store *store, const char *key, void **
 
 /* A zero-copy get: *data points at the object's bytes where its owner keeps them (the owner's
  * shared memory on this host; cost independent of size), pinned until ferry_store_view_release().
- * A view is always of host memory (stored objects are; there is no device view).
- * Across hosts it points at a private copy (one read, as ferry_store_get). The bytes are
+ * A view is always of host memory (there is no device view). Across hosts, and of an object
+ * held in a device pool (ferry_store_opts.device_pool_bytes), it points at a private copy (one
+ * read, as ferry_store_get). The bytes are
  * read-only and *data is valid until the release, whatever happens to the key meanwhile:
  * - a re-put or delete of a pool copy (a tensor put from ordinary memory) publishes the new
  *   version, while the pinned old one stays intact, counted against the owner's capacity;

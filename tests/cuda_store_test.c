@@ -16,6 +16,7 @@
  * (FERRY_TEST_CUDA=driver); against the stand-in, any CPU access to device memory faults.
  */
 // ferry-test: cuda
+#include "directory/directory.h"
 #include "storeutil.h"
 
 #include <dlfcn.h>
@@ -35,6 +36,12 @@
 
 static bool cuda; /* a driver is loaded (group setup) */
 static int second_device;
+/* The stand-in's count of copies by kind (cuStubCopyCounts), NULL on the real driver: checks of
+ * where bytes went are then skipped. */
+static void (*stub_counts)(unsigned long long out[4]);
+enum { HTOD, DTOH, DTOD, DTOD_IPC };
+/* The device pool of the producers that test it: one BIG object, and a little room. */
+#define DEVPOOL_BYTES (BIG + 4096)
 
 /* ---- helpers ---- */
 
@@ -94,8 +101,36 @@ static bool dev_has(const void *dev, size_t n, size_t all, uint64_t seed) {
   return ok;
 }
 
+/* Finds cuStubCopyCounts in the driver ferry loaded, when that is the stand-in. */
+static void find_stub_counts(void) {
+  const char *lib = getenv("FERRY_CUDA_LIB");
+  void *h = lib && *lib ? dlopen(lib, RTLD_NOW | RTLD_NOLOAD) : NULL;
+  stub_counts = h ? (void (*)(unsigned long long *))dlsym(h, "cuStubCopyCounts") : NULL;
+}
+
+/* The copies made since `before` (and `before` moved to now); false on the real driver. */
+static bool copies_since(unsigned long long before[4], unsigned long long delta[4]) {
+  if (!stub_counts)
+    return false;
+  unsigned long long now[4];
+  stub_counts(now);
+  for (int i = 0; i < 4; i++) {
+    delta[i] = now[i] - before[i];
+    before[i] = now[i];
+  }
+  return true;
+}
+
+static void copies_start(unsigned long long before[4]) {
+  memset(before, 0, 4 * sizeof *before);
+  if (stub_counts)
+    stub_counts(before);
+}
+
 static int group_setup(void **state) {
   cuda = tu_cuda_use();
+  if (cuda)
+    find_stub_counts();
   ferry_cuda_info ci = {.size = sizeof ci};
   ferry_cuda_info_get(&ci);
   second_device = ci.devices > 1 ? 1 : 0;
@@ -115,6 +150,9 @@ static int role_producer(char **argv) {
     tu_pipe_put(&p, &step, 1);
     return 1;
   }
+  find_stub_counts();
+  bool devpool = getenv("FERRY_STORE_DEVICE_POOL_BYTES") != NULL;
+  unsigned long long before[4], d[4];
   ferry_ctx *c = ctx_open("cuda-producer", NULL, argv[4]);
   ferry_store *s = store_open(c, argv[3], 0);
   void *big = dev_alloc(0, BIG), *b1 = dev_alloc(second_device, SMALL),
@@ -124,7 +162,10 @@ static int role_producer(char **argv) {
   ferry_store_put_item items[] = {{"cuda/b1", &d1, b1, -1}, {"cuda/b2", &d2, b2, -1}};
   int rc = dev_fill(big, BIG, SEED_BIG) || dev_fill(b1, SMALL, SEED_B1) ||
            dev_fill(b2, 2 * SMALL, SEED_B2);
+  copies_start(before);
   if (rc == 0 && (step = 2, rc = ferry_store_put(s, "cuda/big", &dbig, big, 0, 10000)) == 0 &&
+      (step = 5,
+       rc = !devpool || !copies_since(before, d) || (d[DTOH] == 0 && d[DTOD] > 0) ? 0 : -1) == 0 &&
       (step = 3, rc = ferry_store_put_batch(s, items, 2, 0, 10000)) == 0) {
     step = 4; /* runs past its allocation: refused, nothing stored */
     rc = ferry_store_put(s, "cuda/short", &past, shorter, 0, 10000) == FERRY_ERANGE &&
@@ -205,25 +246,83 @@ static void read_producer(ferry_store *s) {
   free(host);
 }
 
-static void check_other_process(const char *transports) {
+/* With the producer's device pool: cuda/big lies there. A get into device memory on this host is
+ * one device-to-device copy through CUDA IPC and nothing through host memory; over tcp its owner
+ * stages it (host to device here). Records that a peer forged with offsets outside the pool's
+ * region are refused: by the directory where they run past the region the record names (past its
+ * end, wrapping around), by the reader's link where the record lies about the region's size (the
+ * get fails stale at its timeout and writes nothing). */
+static void read_device_pool(ferry_store *s, const char *url, bool shm) {
+  unsigned long long before[4], d[4];
+  void *dst = dev_alloc(0, BIG + 100);
+  FR_OK(dev_fill(dst, BIG + 100, 0));
+  copies_start(before);
+  FR_OK(ferry_store_get(s, "cuda/big", NULL, dst, BIG + 100, NULL, 10000));
+  if (copies_since(before, d) && shm) { /* device to device through IPC, no host bounce */
+    assert_true(d[DTOD_IPC] > 0);
+    assert_int_equal(d[HTOD] + d[DTOH], 0);
+  } else if (stub_counts) { /* tcp: staged by the owner, host to device here */
+    assert_int_equal(d[DTOD_IPC], 0);
+    assert_true(d[HTOD] > 0);
+  }
+  assert_true(dev_has(dst, BIG, BIG + 100, SEED_BIG));
+  /* forged records of the owner, pointing outside its device pool */
+  ferry_ctx *fc = ctx_open("cuda-forger", NULL, NULL);
+  fr_dir *dir = NULL;
+  FR_OK(fr_dir_open(fc, url, 10000, &dir));
+  const char *key = "cuda/big";
+  fr_dir_object rec, bad[3];
+  int st = -1;
+  FR_OK(fr_dir_obj_get(dir, &key, 1, &rec, &st, 10000));
+  assert_int_equal(st, 0);
+  for (int i = 0; i < 3; i++) {
+    bad[i] = rec;
+    snprintf(bad[i].key, sizeof bad[i].key, "forged/%d", i);
+  }
+  bad[0].offset = rec.region.size - 100; /* runs past the end */
+  bad[1].offset = UINT64_MAX - 10;       /* wraps around */
+  bad[2].region.size = 1ull << 40;       /* claims a larger region, and reads past the real one */
+  bad[2].offset = rec.region.size;
+  FR_OK(dev_fill(dst, BIG + 100, 0));
+  bool other = false;
+  fr_dir_object old;
+  for (int i = 0; i < 2; i++) /* outside the region the record names: the directory refuses */
+    assert_int_equal(fr_dir_obj_put(dir, &bad[i], 0, &old, &other, 10000), FERRY_EPROTO);
+  /* inside the region it claims, past the real one: the reader's link refuses every read */
+  FR_OK(fr_dir_obj_put(dir, &bad[2], 0, &old, &other, 10000));
+  assert_int_equal(ferry_store_get(s, bad[2].key, NULL, dst, BIG + 100, NULL, 300), FERRY_ESTALE);
+  assert_true(dev_has(dst, 0, BIG + 100, 0));
+  fr_dir_close(dir);
+  ferry_ctx_close(fc);
+  FR_OK(ferry_cuda_free(dst));
+}
+
+static void check_other_process(const char *transports, bool devpool) {
   int port = su_free_port();
   char listen[64], url[80], rd[16], wr[16];
   snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
   snprintf(url, sizeof url, "ferry://%s", listen);
   ferry_ctx *c = ctx_open("cuda-reader", listen, transports);
   ferry_store *s = store_open(c, NULL, FERRY_STORE_HOST_DIRECTORY);
+  char pool[32];
+  snprintf(pool, sizeof pool, "%zu", DEVPOOL_BYTES);
+  if (devpool) /* the producer's, by the setting; this reader has none */
+    setenv("FERRY_STORE_DEVICE_POOL_BYTES", pool, 1);
   tu_pipe to_child, from_child;
   tu_pipe_open(&to_child);
   tu_pipe_open(&from_child);
   snprintf(rd, sizeof rd, "%d", to_child.rd);
   snprintf(wr, sizeof wr, "%d", from_child.wr);
   pid_t pid = tu_spawn_exec("--role", "producer", url, transports, rd, wr, (char *)NULL);
+  unsetenv("FERRY_STORE_DEVICE_POOL_BYTES");
   close(from_child.wr); /* the child's ends: a producer that dies is an EOF at once */
   close(to_child.rd);
   uint8_t step = 255;
   assert_int_equal(tu_pipe_get(&from_child, &step, 1, 60000), 0);
   if (step == 0)
     read_producer(s);
+  if (step == 0 && devpool)
+    read_device_pool(s, url, strncmp(transports, "shm", 3) == 0);
   tu_pipe_put(&to_child, "Q", 1);
   int st = tu_wait(pid);
   close(to_child.wr);
@@ -236,12 +335,22 @@ static void check_other_process(const char *transports) {
 
 static void test_other_process_shm(void **state) {
   if (cuda)
-    check_other_process("shm,tcp");
+    check_other_process("shm,tcp", false);
 }
 
 static void test_other_process_tcp(void **state) {
   if (cuda)
-    check_other_process("tcp");
+    check_other_process("tcp", false);
+}
+
+static void test_device_pool_shm(void **state) {
+  if (cuda)
+    check_other_process("shm,tcp", true);
+}
+
+static void test_device_pool_tcp(void **state) {
+  if (cuda)
+    check_other_process("tcp", true);
 }
 
 /* ---- one process: this node's own pool ---- */
@@ -290,6 +399,118 @@ static void test_own_pool(void **state) {
   FR_OK(ferry_cuda_free(b2));
   FR_OK(ferry_cuda_free(dst));
   ferry_store_close(s);
+  ferry_ctx_close(c);
+}
+
+/* ---- the device pool, in one process ---- */
+
+/* Whether this store's copy of key holds the pattern of seed: into device memory (on `device`),
+ * host memory, get_alloc's and a view's (both host memory: private copies). */
+static void dp_check(ferry_store *s, const char *key, size_t n, uint64_t seed, int device) {
+  void *dst = dev_alloc(device, n + 64);
+  FR_OK(dev_fill(dst, n + 64, 0));
+  FR_OK(ferry_store_get(s, key, NULL, dst, n + 64, NULL, 10000));
+  assert_true(dev_has(dst, n, n + 64, seed));
+  FR_OK(ferry_cuda_free(dst));
+  uint8_t *host = malloc(n);
+  FR_OK(ferry_store_get(s, key, NULL, host, n, NULL, 10000));
+  assert_true(host_has(host, n, seed));
+  free(host);
+  void *out = NULL;
+  FR_OK(ferry_store_get_alloc(s, key, &out, NULL, 10000));
+  assert_int_equal(ferry_mem_where(out, NULL), FERRY_MEM_HOST);
+  assert_true(host_has(out, n, seed));
+  free(out);
+  const void *view = NULL;
+  ferry_store_view *v = NULL;
+  FR_OK(ferry_store_get_view(s, key, &view, NULL, &v, 10000));
+  assert_int_equal(ferry_mem_where(view, NULL), FERRY_MEM_HOST);
+  assert_true(host_has(view, n, seed));
+  assert_int_equal(ferry_store_view_valid(v), 1);
+  ferry_store_view_release(v);
+}
+
+/* A put from device memory, and whether it stayed in the device pool (device to device, nothing
+ * device to host); true on the real driver, where the stand-in's counts are not to be had. */
+static bool dp_put(ferry_store *s, const char *key, const void *src, size_t n) {
+  unsigned long long before[4], d[4];
+  ferry_tensor_desc desc = u8_desc(n);
+  copies_start(before);
+  FR_OK(ferry_store_put(s, key, &desc, src, 0, 10000));
+  return !copies_since(before, d) || (d[DTOH] == 0 && d[DTOD] > 0);
+}
+
+/* ferry_store_opts.device_pool_bytes (room for two objects): a put from device 0 stays there, and
+ * every kind of get reads it (into device memory on either device with no host bounce, host
+ * memory, get_alloc and views as private host copies); a re-put takes the other half while the
+ * replaced copy lingers, which then goes to make room for another put; a put that does not fit
+ * goes to the host pool; a deleted object's block is reused; a put from another device goes to
+ * the host pool; another context of this process reads through its link (its owner stages the
+ * bytes: a process cannot open its own IPC handles). */
+static void test_device_pool_own(void **state) {
+  if (!cuda)
+    return;
+  int port = su_free_port();
+  char listen[64], url[80];
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+  snprintf(url, sizeof url, "ferry://%s", listen);
+  ferry_ctx *c = ctx_open("cuda-devpool", listen, NULL),
+            *c2 = ctx_open("cuda-devpool-2", NULL, NULL);
+  ferry_store_opts o = {.size = sizeof o,
+                        .capacity = 64 * MiB,
+                        .flags = FERRY_STORE_HOST_DIRECTORY,
+                        .device_pool_bytes = 2 * DEVPOOL_BYTES};
+  ferry_store *s = NULL, *s2 = NULL;
+  FR_OK(ferry_store_open(c, &o, &s));
+  uint8_t *a = dev_alloc(0, BIG), *b = dev_alloc(0, BIG), *other = dev_alloc(second_device, SMALL);
+  FR_OK(dev_fill(a, BIG, SEED_BIG));
+  FR_OK(dev_fill(b, BIG, SEED_B1));
+  FR_OK(dev_fill(other, SMALL, SEED_B2));
+  unsigned long long before[4], d[4];
+  assert_true(dp_put(s, "dp/a", a, BIG));
+  copies_start(before);
+  void *dst = dev_alloc(second_device, BIG);
+  FR_OK(ferry_store_get(s, "dp/a", NULL, dst, BIG, NULL, 10000));
+  if (copies_since(before, d)) /* device to device, in this process: no IPC, no host bounce */
+    assert_int_equal(d[HTOD] + d[DTOH] + d[DTOD_IPC], 0);
+  FR_OK(ferry_cuda_free(dst));
+  dp_check(s, "dp/a", BIG, SEED_BIG, second_device);
+  /* a re-put takes the pool's other half; its replaced copy lingers in the first */
+  FR_OK(dev_fill(a, BIG, SEED_B2));
+  assert_true(dp_put(s, "dp/a", a, BIG));
+  dp_check(s, "dp/a", BIG, SEED_B2, 0);
+  /* the lingering copy goes to make room for dp/b */
+  assert_true(dp_put(s, "dp/b", b, BIG));
+  dp_check(s, "dp/b", BIG, SEED_B1, second_device);
+  /* full: dp/full goes to the host pool, and every object is whole */
+  copies_start(before);
+  ferry_tensor_desc dbig = u8_desc(BIG), ds = u8_desc(SMALL);
+  FR_OK(ferry_store_put(s, "dp/full", &dbig, a, 0, 10000));
+  if (copies_since(before, d))
+    assert_true(d[DTOH] > 0);
+  dp_check(s, "dp/full", BIG, SEED_B2, 0);
+  dp_check(s, "dp/a", BIG, SEED_B2, 0);
+  dp_check(s, "dp/b", BIG, SEED_B1, 0);
+  /* delete, and its block is taken again */
+  FR_OK(ferry_store_delete(s, "dp/a", 10000));
+  assert_true(dp_put(s, "dp/c", b, BIG));
+  dp_check(s, "dp/c", BIG, SEED_B1, 0);
+  /* another device: the host pool (on the stand-in's second device) */
+  copies_start(before);
+  FR_OK(ferry_store_put(s, "dp/other", &ds, other, 0, 10000));
+  if (copies_since(before, d) && second_device != 0)
+    assert_true(d[DTOH] > 0);
+  dp_check(s, "dp/other", SMALL, SEED_B2, 0);
+  /* another context of this process, over its link */
+  ferry_store_opts o2 = {.size = sizeof o2, .directory = url, .capacity = MiB};
+  FR_OK(ferry_store_open(c2, &o2, &s2));
+  dp_check(s2, "dp/c", BIG, SEED_B1, second_device);
+  ferry_store_close(s2);
+  ferry_store_close(s);
+  FR_OK(ferry_cuda_free(a));
+  FR_OK(ferry_cuda_free(b));
+  FR_OK(ferry_cuda_free(other));
+  ferry_ctx_close(c2);
   ferry_ctx_close(c);
 }
 
@@ -545,6 +766,9 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_delegate),
       cmocka_unit_test(test_other_process_shm),
       cmocka_unit_test(test_other_process_tcp),
+      cmocka_unit_test(test_device_pool_own),
+      cmocka_unit_test(test_device_pool_shm),
+      cmocka_unit_test(test_device_pool_tcp),
       cmocka_unit_test(test_mq_shm),
       cmocka_unit_test(test_mq_tcp),
       cmocka_unit_test(test_foreign_driver),

@@ -168,7 +168,7 @@ class CtxOpts(ctypes.Structure):
 class StoreOpts(ctypes.Structure):
     _c_name_ = "ferry_store_opts"
     _fields_ = [("size", c_size_t), ("directory", c_char_p), ("capacity", c_uint64),
-                ("lease_ms", c_int), ("flags", c_uint32)]
+                ("lease_ms", c_int), ("flags", c_uint32), ("device_pool_bytes", c_uint64)]
 
 
 class StoreInfo(ctypes.Structure):

@@ -170,15 +170,20 @@ class Store(NodeHandle):
     FERRY_STORE_CAPACITY). lease_ms: the directory lease (0: FERRY_LEASE_MS). tcp_listen:
     HOST:PORT this node listens on (None: FERRY_TCP_LISTEN; peers on other hosts need a
     reachable one). holder=True: also hold objects put by short-lived nodes (as `ferry serve`).
-    timeout: default seconds of each call (None: FERRY_TIMEOUT_MS)."""
+    timeout: default seconds of each call (None: FERRY_TIMEOUT_MS). device_pool_bytes: bytes of
+    this node's device pool, where puts from CUDA tensors stay in device memory and same-host
+    gets into CUDA tensors copy device to device (0: FERRY_STORE_DEVICE_POOL_BYTES, default off;
+    docs/GPU.md)."""
 
     _what = "store"
 
     def __init__(self, directory: Optional[str] = None, name: Optional[str] = None,
                  host_directory: bool = False, capacity: int = 0, lease_ms: int = 0,
                  tcp_listen: Optional[str] = None, ctx: Optional[Context] = None,
-                 timeout: Optional[float] = None, holder: bool = False) -> None:
+                 timeout: Optional[float] = None, holder: bool = False,
+                 device_pool_bytes: int = 0) -> None:
         capacity = _lib.c_int_of(capacity, _lib.c_uint64, "capacity")  # before any ctx is made
+        device_pool_bytes = _lib.c_int_of(device_pool_bytes, _lib.c_uint64, "device_pool_bytes")
         lease_ms = _lib.c_int_of(lease_ms, _lib.c_int, "lease_ms", lo=0)
         _ms(timeout)  # the default timeout too
         if ctx is not None:
@@ -191,7 +196,7 @@ class Store(NodeHandle):
                 (_lib.STORE_HOLDER if holder else 0)
         opts = _lib.StoreOpts(ctypes.sizeof(_lib.StoreOpts),
                               _lib.encoded(directory, "directory"),
-                              capacity, lease_ms, flags)
+                              capacity, lease_ms, flags, device_pool_bytes)
         h = ctypes.c_void_p()
         rc = lib.ferry_store_open(self._ctx.handle, byref(opts), byref(h))
         if rc < 0:

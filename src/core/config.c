@@ -95,6 +95,9 @@
   X("FERRY_STORE_MAX_OBJECTS", "65536", "most objects one node's store holds at once")             \
   X("FERRY_STORE_LINGER_MS", "1000",                                                               \
     "a replaced store copy stays at least this long for gets under way (less if room is needed)")  \
+  X("FERRY_STORE_DEVICE_POOL_BYTES", "0",                                                          \
+    "bytes of a node's device pool: puts from CUDA memory stay there, gets copy device to device " \
+    "(0: off, they go through the host pool)")                                                     \
   X("FERRY_STORE_THREADS", "4", "threads a batch get uses to keep reads in flight")                \
   X("FERRY_TASK_THREADS", "64",                                                                    \
     "most threads of the process's task pool (store gets and uploads, lease renewals, askers)")    \

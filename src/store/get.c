@@ -11,8 +11,11 @@
  * memory copies host to device from where the bytes already are (this node's pool, or, through the
  * link's read, a same-host owner's pool mapped here), or, across hosts, through host memory a chunk
  * at a time (the link's read too); the caller's pointer is classified once per call (per item in a
- * batch) for its allocation's end and this node's own pool, never per chunk. Each object read
- * whole (a get, a batch item, a view) counts once for its owner, whose CPU the read bypasses:
+ * batch) for its allocation's end and this node's own pool, never per chunk. An object held in a
+ * device pool (devpool.c) is a registered CUDA region to its readers: the link's read copies it
+ * device to device (or device to host) through the owner's allocation mapped once per link with
+ * CUDA IPC, or, across hosts, staged by the owner; a view of it is a private host copy. Each object
+ * read whole (a get, a batch item, a view) counts once for its owner, whose CPU the read bypasses:
  * a read receipt (receipts.c), sent later.
  */
 #include "store/store.h"
@@ -71,7 +74,7 @@ static bool owned_mapped(ferry_store *s, const fr_owned *o) {
 }
 
 static int read_local(ferry_store *s, const fr_dir_object *rec, void *dst, int device) {
-  int rc;
+  int rc = 0;
   pthread_mutex_lock(&s->lock);
   size_t at;
   fr_owned *o = fr_store_find_owned(s, rec->key, &at);
@@ -79,15 +82,22 @@ static int read_local(ferry_store *s, const fr_dir_object *rec, void *dst, int d
   bool mapped = !ok || owned_mapped(s, o);
   const uint8_t *src = ok ? o->data : NULL;
   uint32_t slot = ok ? o->slot : 0;
+  bool on_device = ok && o->on_device; /* then src is in the device pool, on s->dev.device */
+  int src_device = s->dev.device;
   pthread_mutex_unlock(&s->lock);
   if (!ok)
     return stale(rec);
   if (!mapped)
     return freed(rec);
-  if (device < 0)
+  if (device < 0 && on_device)
+    rc = fr_cuda_copy_on(src_device, dst, src, (size_t)rec->bytes);
+  else if (device < 0)
     memcpy(dst, src, rec->bytes);
-  else if ((rc = fr_cuda_copy_on(device, dst, src, (size_t)rec->bytes)) != 0)
-    return fr_err_wrap(rc, "get '%s': into CUDA device %d", rec->key, device);
+  else
+    rc = fr_cuda_copy_on(device, dst, src, (size_t)rec->bytes);
+  if (rc != 0)
+    return fr_err_wrap(rc, "get '%s': %s CUDA device %d", rec->key, device < 0 ? "from" : "into",
+                       device < 0 ? src_device : device);
   __atomic_signal_fence(__ATOMIC_SEQ_CST); /* x86 keeps loads in order; stop the compiler */
   return __atomic_load_n(fr_store_gen(s, slot), __ATOMIC_ACQUIRE) == rec->generation ? 0
                                                                                      : stale(rec);
@@ -496,6 +506,10 @@ static int pin_local(ferry_store *s, const fr_dir_object *rec, ferry_store_view 
   if (ok && !owned_mapped(s, o)) {
     pthread_mutex_unlock(&s->lock);
     return freed(rec);
+  }
+  if (ok && o->on_device) { /* no view of device memory: the caller reads a copy */
+    pthread_mutex_unlock(&s->lock);
+    return FERRY_ENOTSUP;
   }
   if (ok) {
     v->pins = fr_store_pins(s, o->slot);

@@ -87,7 +87,9 @@ static void owned_remove(ferry_store *s, size_t at) {
 }
 
 static void release_home(ferry_store *s, fr_owned *o) {
-  if (o->pool_off != FR_STORE_NO_POOL)
+  if (o->pool_off != FR_STORE_NO_POOL && o->on_device)
+    fr_store_devpool_free(s, o->pool_off, o->pool_len);
+  else if (o->pool_off != FR_STORE_NO_POOL)
     fr_pool_free(&s->pool, o->pool_off, o->pool_len);
   s->free_slots[s->nfree_slots++] = o->slot;
   free(o);
@@ -148,13 +150,26 @@ void fr_store_linger_push(ferry_store *s, fr_owned *o) {
   s->linger[s->nlinger++] = o; /* o holds a slot, so nowned + nlinger <= nslots */
 }
 
+static void linger_remove(ferry_store *s, size_t i) {
+  fr_store_retire(s, s->linger[i]);
+  memmove(&s->linger[i], &s->linger[i + 1], (s->nlinger - i - 1) * sizeof *s->linger);
+  s->nlinger--;
+}
+
 bool fr_store_linger_pop(ferry_store *s) {
   if (s->nlinger == 0)
     return false;
-  fr_store_retire(s, s->linger[0]);
-  memmove(&s->linger[0], &s->linger[1], (s->nlinger - 1) * sizeof *s->linger);
-  s->nlinger--;
+  linger_remove(s, 0);
   return true;
+}
+
+bool fr_store_linger_pop_device(ferry_store *s) {
+  for (size_t i = 0; i < s->nlinger; i++)
+    if (s->linger[i]->on_device) {
+      linger_remove(s, i);
+      return true;
+    }
+  return false;
 }
 
 void fr_store_linger_expire(ferry_store *s, uint64_t now) {

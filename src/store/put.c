@@ -9,8 +9,9 @@
  * or until its block or slot is needed (oldest first), so gets that looked it up an instant
  * before the re-put finish with it instead of starting over. Memory published in
  * place is the caller's again once the re-put returns, so it is retired at once. A tensor in CUDA
- * memory is never in place: its bytes are copied device to host into a pool block. The table of
- * owned objects, retiring and lingering are owned.c's; (re-)registering is register.c's.
+ * memory is never in place: its bytes are copied device to device into a block of the device
+ * pool when the store has one there (devpool.c), else device to host into a pool block. The table
+ * of owned objects, retiring and lingering are owned.c's; (re-)registering is register.c's.
  */
 #include "store/store.h"
 
@@ -59,8 +60,26 @@ static int pool_alloc(ferry_store *s, uint64_t bytes, uint64_t *off) {
                 (unsigned long long)p->used, (unsigned long long)fr_pool_largest(p));
 }
 
-/* Finds a home for the bytes: in place, or a pool block (filled outside the lock). Device
- * memory is never ferry memory (peers map only host regions): always a pool block. */
+/* A block of the device pool for a put from device `device` (lock held): replaced copies
+ * lingering there go first, oldest first, when it is full. false: the host pool takes the bytes
+ * (no device pool, one on another device, or full). */
+static bool device_block(ferry_store *s, const fr_owned *o, int device, uint64_t *off) {
+  int rc = fr_store_devpool_alloc(s, device, o->rec.bytes, off);
+  while (rc == FERRY_ECAPACITY && fr_store_linger_pop_device(s))
+    rc = fr_store_devpool_alloc(s, device, o->rec.bytes, off);
+  if (rc == FERRY_ECAPACITY)
+    fr_warn_limited("store '%s': device pool full: put '%s' (%llu bytes) goes to the host pool "
+                    "(device pool: %llu bytes, in use %llu, largest free block %llu; raise "
+                    "FERRY_STORE_DEVICE_POOL_BYTES)",
+                    s->name, o->rec.key, (unsigned long long)o->rec.bytes,
+                    (unsigned long long)s->dev.pool.capacity, (unsigned long long)s->dev.pool.used,
+                    (unsigned long long)fr_pool_largest(&s->dev.pool));
+  return rc == 0;
+}
+
+/* Finds a home for the bytes: in place, a block of the device pool (device memory, when the store
+ * has one), or a pool block (filled outside the lock). Device memory is never published in place
+ * (the caller's allocation is not ours to hand out). */
 static int place(ferry_store *s, fr_owned *o, const void *data, int device, uint32_t flags,
                  bool fill) {
   uint64_t off = 0;
@@ -77,7 +96,8 @@ static int place(ferry_store *s, fr_owned *o, const void *data, int device, uint
   pthread_mutex_lock(&s->lock);
   fr_store_linger_expire(s, fr_now_ns());
   fr_store_pinned_reap(s);
-  int rc = o->rec.bytes ? pool_alloc(s, o->rec.bytes, &off) : 0;
+  bool on_device = !fill && device >= 0 && o->rec.bytes > 0 && device_block(s, o, device, &off);
+  int rc = o->rec.bytes && !on_device ? pool_alloc(s, o->rec.bytes, &off) : 0;
   while (rc == FERRY_ECAPACITY &&
          fr_store_linger_pop(s)) /* make room: the oldest replaced copies go */
     rc = (fr_err_clear(), pool_alloc(s, o->rec.bytes, &off));
@@ -90,9 +110,10 @@ static int place(ferry_store *s, fr_owned *o, const void *data, int device, uint
   }
   o->pool_off = o->rec.bytes ? off : FR_STORE_NO_POOL;
   o->pool_len = o->rec.bytes;
-  o->rec.region = s->ref;
-  o->rec.offset = s->data_base + off;
-  o->data = s->mem + s->data_base + off;
+  o->on_device = on_device;
+  o->rec.region = on_device ? s->dev.ref : s->ref;
+  o->rec.offset = on_device ? off : s->data_base + off;
+  o->data = on_device ? s->dev.mem + off : s->mem + s->data_base + off;
   return 0;
 }
 
@@ -122,7 +143,9 @@ static int take_slot(ferry_store *s, fr_owned *o) {
 
 static void unplace(ferry_store *s, fr_owned *o, bool slot) {
   pthread_mutex_lock(&s->lock);
-  if (o->pool_off != FR_STORE_NO_POOL)
+  if (o->pool_off != FR_STORE_NO_POOL && o->on_device)
+    fr_store_devpool_free(s, o->pool_off, o->pool_len);
+  else if (o->pool_off != FR_STORE_NO_POOL)
     fr_pool_free(&s->pool, o->pool_off, o->pool_len);
   if (slot)
     s->free_slots[s->nfree_slots++] = o->slot;
@@ -167,10 +190,11 @@ static int publish(ferry_store *s, fr_owned *o, int timeout_ms) {
   return rc;
 }
 
-/* Writes a pool copy's bytes: from the fill, from the device (its copy engine), or a memcpy. */
-static int fill_block(ferry_store *s, const fr_owned *o, const void *data, int device,
-                      fr_fill_fn fill, void *fill_arg) {
-  uint8_t *block = s->mem + s->data_base + o->pool_off;
+/* Writes a pool copy's bytes: from the fill, from the device (its copy engine: device to host, or
+ * device to device into the device pool), or a memcpy. */
+static int fill_block(const fr_owned *o, const void *data, int device, fr_fill_fn fill,
+                      void *fill_arg) {
+  uint8_t *block = (uint8_t *)o->data;
   if (fill)
     return fill(fill_arg, block, o->rec.bytes);
   if (device < 0) {
@@ -201,7 +225,7 @@ static int prepare(ferry_store *s, const char *key, const ferry_tensor_desc *des
     return rc;
   }
   if (o->pool_off != FR_STORE_NO_POOL)
-    rc = fill_block(s, o, data, device, fill, fill_arg);
+    rc = fill_block(o, data, device, fill, fill_arg);
   if (rc != 0) {
     unplace(s, o, true);
     return rc;

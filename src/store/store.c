@@ -1,7 +1,8 @@
 /*
  * Opening and closing a store, the top of its components (store.h lists their order). Opening
  * connects to the directory (or hosts it), starts the peer cache, reserves the pool (one
- * ferry_alloc'd region: generation words, then data), registers the node under a fresh
+ * ferry_alloc'd region: generation words, then data; a device pool, devpool.c, is
+ * made by the first put from device memory), registers the node under a fresh
  * incarnation (register.c: fr_dir_lease; refused while another live node holds the name; an
  * earlier incarnation proven dead is dropped with its records) and starts the service thread,
  * which renews the lease. Closing stops them in the opposite order, once the reads this node
@@ -94,6 +95,8 @@ static int store_start(ferry_store *s, const ferry_store_opts *o) {
   uint64_t cap = o && o->capacity ? o->capacity : (uint64_t)fr_config_int("FERRY_STORE_CAPACITY");
   if (s->flags & FERRY_STORE_DELEGATE)
     cap = 0; /* its puts live on a holder */
+  else
+    fr_store_devpool_open(s, o ? o->device_pool_bytes : 0);
   int rc = dir_open(s, o);
   if (rc == 0)
     fr_peers_init(&s->peers, s->dir, s->ctx);
@@ -119,7 +122,8 @@ int ferry_store_open(ferry_ctx *ctx, const ferry_store_opts *opts, ferry_store *
                         .directory = FR_OPT(opts, directory, NULL),
                         .capacity = FR_OPT(opts, capacity, 0),
                         .lease_ms = FR_OPT(opts, lease_ms, 0),
-                        .flags = FR_OPT(opts, flags, 0)};
+                        .flags = FR_OPT(opts, flags, 0),
+                        .device_pool_bytes = FR_OPT(opts, device_pool_bytes, 0)};
   ferry_store *s = store_new(ctx, &o);
   if (!s)
     return fr_err(FERRY_ENOMEM, "ferry_store_open");
@@ -148,6 +152,7 @@ void ferry_store_close(ferry_store *s) {
     fr_store_retire_all(s);
   fr_peers_close(&s->peers);
   fr_dir_close(s->dir);
+  fr_store_devpool_close(s); /* every object retired: no block of it is in use */
   if (s->mem)
     ferry_free(s->ctx, s->mem);
   fr_pool_fini(&s->pool);

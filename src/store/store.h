@@ -4,6 +4,8 @@
  *   directory/peers.c  the peer cache: node name → directory node record → connected link,
  *                      cached, dropped on failure (shared with mq);
  *   metrics.c          the store's counters and readiness check;
+ *   devpool.c          the device pool: one CUDA allocation, a registered region, where puts
+ *                      from device memory keep their bytes (off unless asked for);
  *   lookup.c           the lookup cache: key → record (stamp-checked; peek; the directory);
  *   msg.c              messages to other nodes' stores (DELETE, DROPPED, UPLOAD, READS) and
  *                      their decoder;
@@ -18,7 +20,7 @@
  *   service.c          the service thread on FR_CHANNEL_STORE, answering other nodes with the
  *                      verbs, settling and reaping;
  *   store.c            open and close, which start and stop all of the above.
- * core/pool.c sub-allocates the node's shared-memory pool.
+ * core/pool.c sub-allocates the node's shared-memory pool, and the device pool.
  */
 #ifndef FR_STORE_H
 #define FR_STORE_H
@@ -56,6 +58,7 @@ typedef struct fr_owned {
   uint64_t pool_off; /* its bytes in the pool, or FR_STORE_NO_POOL (published in place) */
   uint64_t pool_len;
   uint32_t slot;        /* its generation word */
+  bool on_device;       /* pool_off is in the device pool (s->dev), data a device address */
   const uint8_t *data;  /* its bytes in this process */
   uint64_t replaced_ns; /* when a re-put replaced it (lingering copies) */
 } fr_owned;
@@ -122,6 +125,20 @@ struct ferry_store {
   size_t nreleased, capreleased;
   bool released_on;
 
+  /* The device pool (devpool.c): puts from device memory keep their bytes in one CUDA
+   * allocation of this node's, registered as a region (peers on this host map it through CUDA
+   * IPC with the link's region map; others read it staged by this node's server thread). Made
+   * at the first put from device memory, on that put's device. Under lock. The generation
+   * words stay in the host pool's slots. */
+  struct {
+    uint64_t want;        /* bytes asked for; 0: no device pool */
+    int device;           /* its device, -1 until made */
+    bool failed;          /* making it failed: puts go to the host pool */
+    uint8_t *mem;         /* device address of offset 0 */
+    ferry_region_ref ref; /* its registration */
+    fr_pool pool;         /* 256-byte granules */
+  } dev;
+
   pthread_mutex_t publish_lock; /* orders directory publishes with local replaces */
   const char *publish_by;       /* atomic: what holds publish_lock (owned.c), for errors */
   fr_dir_lease lease;           /* this open's claim on the name in the directory */
@@ -157,6 +174,17 @@ void fr_store_count_served(ferry_store *s, uint64_t gets, uint64_t bytes);
 /* A peer's receipt, bounded: its bytes at most `gets` times the largest object this node has
  * held (fr_store_note_size), since each get read one whole object. */
 void fr_store_count_claimed(ferry_store *s, uint64_t gets, uint64_t bytes);
+/* devpool.c: the device pool; lock held by every call but open and close. */
+/* Reads the pool's size (opts, else FERRY_STORE_DEVICE_POOL_BYTES); nothing is allocated yet. */
+void fr_store_devpool_open(ferry_store *s, uint64_t bytes);
+/* A block of the device pool for bytes copied from device `device`, making the pool there first
+ * if it is not made yet. FERRY_ENOTSUP (no error set): no device pool, or one on another device,
+ * or making it failed (warned once); FERRY_ECAPACITY (no error set): no room. */
+int fr_store_devpool_alloc(ferry_store *s, int device, uint64_t bytes, uint64_t *off);
+void fr_store_devpool_free(ferry_store *s, uint64_t off, uint64_t bytes);
+/* Deregisters and frees the pool (store close, after every object is retired). */
+void fr_store_devpool_close(ferry_store *s);
+
 /* Notes the size of an object this node now holds (the bound of receipts' bytes). */
 void fr_store_note_size(ferry_store *s, uint64_t bytes);
 /* Registers the store's collector and readiness check with its ctx; fr_store_stats_stop undoes
@@ -224,6 +252,8 @@ void fr_store_wait_unpinned(ferry_store *s, uint32_t slot, const char *key, uint
  * retire those older than FERRY_STORE_LINGER_MS. */
 void fr_store_linger_push(ferry_store *s, fr_owned *o);
 bool fr_store_linger_pop(ferry_store *s);
+/* Retires the oldest lingering copy held in the device pool (false: none). */
+bool fr_store_linger_pop_device(ferry_store *s);
 void fr_store_linger_expire(ferry_store *s, uint64_t now);
 /* Retires lingering copies replaced more than FERRY_STORE_LINGER_MS ago and frees retired objects
  * no view pins any more (the service thread, after each request and every third of the lease). */
@@ -276,7 +306,8 @@ void fr_store_settle(ferry_store *s, bool wait, uint64_t deadline);
 /* put.c (a verb) */
 /* Publishes a tensor; `fill` (when not NULL) writes the bytes into the pool instead of a copy
  * from data (uploads read them from a peer). data lies on CUDA device `device` (-1: host memory,
- * fr_store_device): its bytes are then copied device to host into the pool, never in place. */
+ * fr_store_device): its bytes are then copied into the device pool (device to device) or the
+ * pool (device to host), never in place. */
 typedef int (*fr_fill_fn)(void *arg, void *dst, uint64_t bytes);
 int fr_store_put_local(ferry_store *s, const char *key, const ferry_tensor_desc *desc,
                        const void *data, int device, uint32_t flags, fr_fill_fn fill,
