@@ -401,13 +401,16 @@ static bool pin_counts(unsigned long long out[3]) {
 
 typedef struct bounce_run {
   const owner_proc *owner;
-  ferry_link *link;
+  ferry_link *link, *host_link; /* to the owner; to a host region's owner (host, host_ref) */
+  ferry_region_ref host_ref;
+  uint8_t *host;
   void *dev;
   unsigned long long before[3], after[3]; /* pin counts around the reads */
 } bounce_run;
 
-/* Three whole reads of the owner's region into a CUDA buffer, each checked, on a thread of their
- * own (whose staging buffers, if any, are its own and go with it). */
+/* Three whole reads of the owner's region into a CUDA buffer, each checked, then a write of the
+ * buffer into a host region, on a thread of their own (whose staging buffers, if any, are its
+ * own and go with it). */
 static void *bounce_reads(void *arg) {
   bounce_run *b = arg;
   uint8_t *want = malloc(REGION_BYTES), *got = malloc(REGION_BYTES);
@@ -420,17 +423,20 @@ static void *bounce_reads(void *arg) {
     assert_int_equal(ferry_mem_copy(got, b->dev, REGION_BYTES), 0);
     assert_memory_equal(got, want, REGION_BYTES);
   }
+  memset(b->host, 0, REGION_BYTES);
+  assert_int_equal(ferry_write(b->host_link, &b->host_ref, 0, b->dev, REGION_BYTES, 5000), 0);
+  assert_memory_equal(b->host, want, REGION_BYTES);
   pin_counts(b->after);
   free(want);
   free(got);
   return NULL;
 }
 
-/* Over tcp a read into CUDA memory goes through host memory, FERRY_CUDA_CHUNK_BYTES at a time:
- * by default through the reading thread's two staging buffers, pinned once (two registrations
- * for three reads) and unpinned when the thread ends, every chunk's host → device copy from
- * pinned memory; with FERRY_CUDA_BOUNCE=malloc through a fresh pageable buffer per read (no
- * pinning). Either way the right bytes arrive. */
+/* Over tcp a read into CUDA memory, or a write from it, goes through host memory,
+ * FERRY_CUDA_CHUNK_BYTES at a time: by default through the thread's two staging buffers, pinned
+ * once (two registrations for three reads and a write) and unpinned when the thread ends, every
+ * chunk's copy between them and the device; with FERRY_CUDA_BOUNCE=malloc through a fresh
+ * pageable buffer per call (no pinning). Either way the right bytes arrive. */
 static void test_bounce_staging(void **state) {
   NEED_CUDA();
   unsigned long long c[3];
@@ -441,11 +447,16 @@ static void test_bounce_staging(void **state) {
   ferry_ctx_opts o = {.size = sizeof o, .name = "cuda-reader", .transports = "tcp"};
   ferry_ctx *ctx = NULL;
   assert_int_equal(ferry_ctx_open(&o, &ctx), 0);
-  bounce_run b = {.owner = &p};
+  bounce_run b = {.owner = &p, .host = malloc(REGION_BYTES)};
   assert_int_equal(ferry_connect(ctx, p.info.address, 5000, &b.link), 0);
+  ferry_ctx_opts ho = {.size = sizeof ho, .name = "cuda-host-owner", .transports = "tcp"};
+  ferry_ctx *host_owner = NULL; /* a host region in this process, written over tcp */
+  assert_int_equal(ferry_ctx_open(&ho, &host_owner), 0);
+  assert_int_equal(ferry_register(host_owner, b.host, REGION_BYTES, &b.host_ref), 0);
+  assert_int_equal(ferry_connect(ctx, ferry_ctx_address(host_owner), 5000, &b.host_link), 0);
   assert_int_equal(ferry_cuda_alloc(0, REGION_BYTES, &b.dev), 0);
-  setenv("FERRY_CUDA_CHUNK_BYTES", "262144", 1); /* 12 chunks a read */
-  const unsigned long long chunks = 3 * (REGION_BYTES / 262144);
+  setenv("FERRY_CUDA_CHUNK_BYTES", "262144", 1);                 /* 12 chunks a read */
+  const unsigned long long chunks = 4 * (REGION_BYTES / 262144); /* 3 reads, 1 write */
   static const char *modes[] = {"malloc", "pinned"};
   for (int m = 0; m < 2; m++) {
     setenv("FERRY_CUDA_BOUNCE", modes[m], 1);
@@ -455,7 +466,7 @@ static void test_bounce_staging(void **state) {
     unsigned long long end[3];
     pin_counts(end);
     bool pinned = m == 1;
-    assert_int_equal(b.after[0] - b.before[0], pinned ? 2 : 0);      /* pinned once, not per read */
+    assert_int_equal(b.after[0] - b.before[0], pinned ? 2 : 0);      /* pinned once, not per call */
     assert_int_equal(b.after[2] - b.before[2], pinned ? chunks : 0); /* every chunk from them */
     assert_int_equal(end[1], b.before[1]); /* unpinned when the thread ended */
   }
@@ -463,7 +474,10 @@ static void test_bounce_staging(void **state) {
   unsetenv("FERRY_CUDA_CHUNK_BYTES");
   assert_int_equal(ferry_cuda_free(b.dev), 0);
   ferry_link_close(b.link);
+  ferry_link_close(b.host_link);
   ferry_ctx_close(ctx);
+  ferry_ctx_close(host_owner);
+  free(b.host);
   owner_stop(&p);
 }
 
