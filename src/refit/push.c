@@ -41,8 +41,8 @@ typedef struct fr_push {
   uint32_t first_pass; /* seqs packed at least once (their sums are known) */
   uint32_t from;       /* first seq of the current pass */
   bool skip;
-  bool hash;          /* buckets are hashed (else FR_REFIT_DIRECT: device buckets, every reader
-                         on this host, reading whole buckets through CUDA IPC) */
+  bool hash;          /* buckets are hashed (else FR_REFIT_DIRECT: a device buffer, every reader
+                         on this host, viewing or reading whole buckets through CUDA IPC) */
   bool share_pack;    /* no receiver copies on this host: pack on two threads */
   bool no_overlap;    /* FERRY_REFIT_NO_OVERLAP: pack a bucket only once the one before was read */
   uint64_t had;       /* the version the whole buffer held complete when the push began, or 0 */
