@@ -10,14 +10,15 @@
  * its side; the sender packs device to device and takes the checksums through pinned host memory);
  * (b) an 11.25 MiB routing tensor (int32 [45, 8192, 8], the bytes of `ferry bench store`'s routing
  * case) put from device memory by a producer process and got into device memory here, against a
- * device-to-device copy of it; (c) staged device -> host -> device: a large buffer through a
- * bounded pinned bounce buffer in chunks, as ferry stages bytes that cross a wire, against one
- * pinned device -> host copy and one host -> device copy of the whole buffer. The driver is the one
- * ferry loads (FERRY_CUDA_LIB, else libcuda.so.1): on the tests' stand-in this runs end to end at
- * small sizes (--quick), on a GPU at the sizes of the issue. Without a driver it says so and exits
- * 0. The rows are copies of megabytes to gigabytes, timed back to back: no paced rows. torch's
- * paths (CUDA IPC through torch.multiprocessing, torch.save) are the Python bench's (`python3 -m
- * ferry.bench gpu`).
+ * device-to-device copy of it, with the producer's store holding it in host memory, then in a
+ * device pool (got device to device through CUDA IPC; goal <= 1.3x the copy); (c) staged device ->
+ * host -> device: a large buffer through a bounded pinned bounce buffer in chunks, as ferry stages
+ * bytes that cross a wire, against one pinned device -> host copy and one host -> device copy of
+ * the whole buffer. The driver is the one ferry loads (FERRY_CUDA_LIB, else libcuda.so.1): on the
+ * tests' stand-in this runs end to end at small sizes (--quick), on a GPU at the sizes of the
+ * issue. Without a driver it says so and exits 0. The rows are copies of megabytes to gigabytes,
+ * timed back to back: no paced rows. torch's paths (CUDA IPC through torch.multiprocessing,
+ * torch.save) are the Python bench's (`python3 -m ferry.bench gpu`).
  */
 #include "bench_gpu.h"
 #include "cli/bench.h"
@@ -45,7 +46,8 @@ static const char gpu_usage[] =
     "              time went; rows -whole and -serial try FERRY_REFIT_DEVICE_WHOLE=1 and\n"
     "              FERRY_REFIT_NO_OVERLAP=1 (docs/GPU.md)\n"
     "  routing     an int32 [45, 8192, 8] tensor put from device memory by a producer process\n"
-    "              and got into device memory here, vs a device-to-device copy\n"
+    "              and got into device memory here, vs a device-to-device copy; (devpool):\n"
+    "              the producer's store keeps it in a device pool (goal <= 1.3x the copy)\n"
     "  staged      device -> pinned host -> device in chunks (ferry's staging), vs one pinned\n"
     "              device -> host and one host -> device copy of the whole buffer\n"
     "  group       two sender rank processes, each holding half of a bf16 state dict (min(2 GiB,\n"
@@ -568,10 +570,14 @@ static const ferry_tensor_desc routing_desc = {
     .dtype = FERRY_DTYPE_I32, .ndim = 3, .shape = {ROUTING_LAYERS, ROUTING_TOKENS, ROUTING_TOPK}};
 
 /* The producer process: for each 'p' on `down` fills its device buffer with the next value (not
- * timed), puts it as "routing" and writes the put's seconds (a double) on `up`. */
-static int gpu_producer(const char *url, int up, int down) {
+ * timed), puts it as "routing" and writes the put's seconds (a double) on `up`. Its store has a
+ * device pool of devpool bytes (0: none; ferry_store_opts.device_pool_bytes). */
+static int gpu_producer(const char *url, int up, int down, uint64_t devpool) {
   ferry_ctx_opts co = {.size = sizeof co, .name = "bench-gpu-producer"};
-  ferry_store_opts so = {.size = sizeof so, .directory = url, .capacity = 4 * ROUTING_BYTES};
+  ferry_store_opts so = {.size = sizeof so,
+                         .directory = url,
+                         .capacity = 4 * ROUTING_BYTES,
+                         .device_pool_bytes = devpool};
   ferry_ctx *ctx = NULL;
   ferry_store *s = NULL;
   int rc = ferry_ctx_open(&co, &ctx);
@@ -607,8 +613,14 @@ static int directory_url(ferry_ctx *ctx, char *out, size_t len) {
   return 0;
 }
 
-static int time_routing(int reps, uint8_t *dst, bench_samples *put, bench_samples *get,
-                        bench_samples *both) {
+/* The device pool of the producer's rows that use one: the version being put, the one it
+ * replaces (lingering for gets under way), and room. */
+#define ROUTING_DEVPOOL (4 * ROUTING_BYTES)
+
+/* reps puts by a producer process whose store has a device pool of devpool bytes (0: none), each
+ * got into dst here. */
+static int time_routing(int reps, uint8_t *dst, uint64_t devpool, bench_samples *put,
+                        bench_samples *get, bench_samples *both) {
   ferry_ctx_opts co = {
       .size = sizeof co, .name = "bench-gpu-consumer", .tcp_listen = "127.0.0.1:0"};
   ferry_store_opts so = {
@@ -626,14 +638,15 @@ static int time_routing(int reps, uint8_t *dst, bench_samples *put, bench_sample
   if (rc == 0 && (pipe(up) != 0 || pipe(down) != 0))
     rc = FERRY_ESYS;
   if (rc == 0) {
-    char a[16], b[16];
+    char a[16], b[16], pool[24];
     snprintf(a, sizeof a, "%d", up[1]);
     snprintf(b, sizeof b, "%d", down[0]);
+    snprintf(pool, sizeof pool, "%llu", (unsigned long long)devpool);
     fflush(NULL);
     pid = fork();
     if (pid == 0) {
       close(up[0]), close(down[1]);
-      execl(self_path, "ferry", "bench", "gpu", "--producer", url, a, b, (char *)NULL);
+      execl(self_path, "ferry", "bench", "gpu", "--producer", url, a, b, pool, (char *)NULL);
       _exit(127);
     }
     close(up[1]), close(down[0]);
@@ -678,6 +691,7 @@ static int run_routing(const bench_opts *o, int reps) {
   uint8_t *src = dev_alloc(ROUTING_BYTES, &rc);
   uint8_t *dst = rc == 0 ? dev_alloc(ROUTING_BYTES, &rc) : NULL;
   bench_samples copy = {0}, put = {0}, get = {0}, both = {0};
+  bench_samples dput = {0}, dget = {0}, dboth = {0}; /* the producer with a device pool */
   if (rc == 0)
     rc = dev_fill(src, ROUTING_BYTES, 0x5a);
   if (rc == 0)
@@ -685,19 +699,26 @@ static int run_routing(const bench_opts *o, int reps) {
   if (rc != 0)
     cli_fail("bench gpu", rc, "routing: device memory");
   if (rc == 0)
-    rc = time_routing(reps, dst, &put, &get, &both);
+    rc = time_routing(reps, dst, 0, &put, &get, &both);
+  if (rc == 0)
+    rc = time_routing(reps, dst, ROUTING_DEVPOOL, &dput, &dget, &dboth);
   if (rc == 0) {
     const char *c = "routing-11MiB";
     bench_row(o, "gpu", c, "d2d-copy", ROUTING_BYTES, &copy, true);
     bench_row(o, "gpu", c, "ferry-put", ROUTING_BYTES, &put, false);
     bench_row(o, "gpu", c, "ferry-get", ROUTING_BYTES, &get, false);
     bench_row(o, "gpu", c, "ferry-put+get", ROUTING_BYTES, &both, false);
+    bench_row(o, "gpu", c, "ferry-put(devpool)", ROUTING_BYTES, &dput, false);
+    bench_row(o, "gpu", c, "ferry-get(devpool)", ROUTING_BYTES, &dget, false);
+    bench_row(o, "gpu", c, "ferry-put+get(devpool)", ROUTING_BYTES, &dboth, false);
+    goal_row(o, c, "ferry-get(devpool)", bench_median(&dget) / bench_median(&copy), 1.3);
   }
   if (src)
     ferry_cuda_free(src);
   if (dst)
     ferry_cuda_free(dst);
   bench_free(&copy), bench_free(&put), bench_free(&get), bench_free(&both);
+  bench_free(&dput), bench_free(&dget), bench_free(&dboth);
   return rc;
 }
 
@@ -791,8 +812,8 @@ int bench_gpu(int argc, char **argv) {
   if (argc == 5 && (strcmp(argv[1], "--receiver") == 0 || strcmp(argv[1], "--alias-receiver") == 0))
     return gpu_receiver(argv[2], atoi(argv[3]), strtoull(argv[4], NULL, 10),
                         strcmp(argv[1], "--alias-receiver") == 0);
-  if (argc == 5 && strcmp(argv[1], "--producer") == 0)
-    return gpu_producer(argv[2], atoi(argv[3]), atoi(argv[4]));
+  if (argc == 6 && strcmp(argv[1], "--producer") == 0)
+    return gpu_producer(argv[2], atoi(argv[3]), atoi(argv[4]), strtoull(argv[5], NULL, 10));
   if (argc > 1 && strcmp(argv[1], "--group-rank") == 0)
     return bench_gpu_group_rank(argc, argv);
   bool quick = false;

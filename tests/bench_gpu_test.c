@@ -131,7 +131,9 @@ static void quick_run_has_every_case(void **state) {
   assert_breakdown(rows, "refit-group-", "ferry-group");
   assert_breakdown(rows, "refit-group-", "ferry-group-device-buckets");
   for (const char *const *impl =
-           (const char *const[]){"d2d-copy", "ferry-put", "ferry-get", "ferry-put+get", NULL};
+           (const char *const[]){"d2d-copy", "ferry-put", "ferry-get", "ferry-put+get",
+                                 "ferry-put(devpool)", "ferry-get(devpool)",
+                                 "ferry-put+get(devpool)", NULL};
        *impl; impl++)
     assert_measured(rows, "routing-11MiB", *impl);
   assert_measured(rows, "staged-", "pinned-d2h+h2d");
