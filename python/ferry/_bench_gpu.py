@@ -10,7 +10,9 @@ has the C rows and the device-to-device and pinned baselines):
                into its own), and against a device-to-device copy of the same bytes here;
   routing      an int32 [45, 8192, 8] tensor put from cuda:0 by a producer process and got into a
                cuda:0 tensor here (ferry.Store), against torch.save + torch.load of it
-               (map_location cuda:0) and a device-to-device copy.
+               (map_location cuda:0) and a device-to-device copy; then again with the
+               producer's store keeping it in a device pool (Store(device_pool_bytes=), rows
+               "(devpool)").
 
 Every row is timed from the caller's side until the bytes are in the destination and the
 streams synchronized. Without torch CUDA it prints why and exits 0.
@@ -185,10 +187,11 @@ def _run_refit(torch: Any, nbytes: int, reps: int, rows: Rows) -> None:
 
 # ---- routing: a producer process puts from cuda:0, this one gets into cuda:0 ------------------
 
-def _producer_main(directory: str) -> None:
+def _producer_main(directory: str, device_pool_bytes: int = 0) -> None:
     import torch
     import ferry
-    s = ferry.Store(directory, name="bench-gpu-producer-%d" % os.getpid(), timeout=30)
+    s = ferry.Store(directory, name="bench-gpu-producer-%d" % os.getpid(), timeout=30,
+                    device_pool_bytes=device_pool_bytes)
     t = torch.empty(ROUTING, dtype=torch.int32, device="cuda:0")
     print("ready", flush=True)
     for line in sys.stdin:
@@ -203,7 +206,6 @@ def _producer_main(directory: str) -> None:
 
 
 def _run_routing(torch: Any, reps: int, rows: Rows) -> None:
-    import ferry
     nbytes = 4 * ROUTING[0] * ROUTING[1] * ROUTING[2]
     case = "routing-11MiB"
     src = torch.randint(0, 256, ROUTING, dtype=torch.int32, device="cuda:0")
@@ -228,11 +230,21 @@ def _run_routing(torch: Any, reps: int, rows: Rows) -> None:
             del got
     rows.append((case, "d2d-copy", nbytes, copy))
     rows.append((case, "torch.save+load", nbytes, save_load))
+    for pool, suffix in ((0, ""), (4 * nbytes, "(devpool)")):
+        _ferry_routing(dst, reps, pool, suffix, nbytes, rows)
+
+
+def _ferry_routing(dst: Any, reps: int, pool: int, suffix: str, nbytes: int,
+                   rows: Rows) -> None:
+    """A producer process (its store's device pool: pool bytes, 0 none) puts reps + 1 versions,
+    each got into dst here; the rows' impls end with suffix."""
+    import ferry
+    case = "routing-11MiB"
     s = ferry.Store(host_directory=True, name="bench-gpu-consumer-%d" % os.getpid(), timeout=30)
     p = None
     puts, gets, both = [], [], []
     try:
-        p = _spawn("_gpu_producer", s.directory)
+        p = _spawn("_gpu_producer", s.directory, str(pool))
         for i in range(reps + 1):
             tp = float(_ask(p, str(i + 1)))
             t = time.perf_counter()
@@ -248,8 +260,9 @@ def _run_routing(torch: Any, reps: int, rows: Rows) -> None:
         if p is not None:
             _stop(p)
         s.close()
-    rows += [(case, "ferry-put", nbytes, puts), (case, "ferry-get", nbytes, gets),
-             (case, "ferry-put+get", nbytes, both)]
+    rows += [(case, "ferry-put" + suffix, nbytes, puts),
+             (case, "ferry-get" + suffix, nbytes, gets),
+             (case, "ferry-put+get" + suffix, nbytes, both)]
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -308,6 +321,6 @@ def helper(argv: List[str]) -> Optional[bool]:
         _engine_main(argv[1], argv[2], argv[3])
         return True
     if argv and argv[0] == "_gpu_producer":
-        _producer_main(argv[1])
+        _producer_main(argv[1], int(argv[2]) if len(argv) > 2 else 0)
         return True
     return None

@@ -381,6 +381,42 @@ def test_job_store_put_from_and_get_into_device(stores):
         b.get("routing", out=out, device=0)
 
 
+def _copy_counts():
+    """The stand-in's copies so far (host to device, device to host, device to device, through
+    IPC), or None on the real driver."""
+    if REAL:
+        return None
+    import ctypes
+    counts = (ctypes.c_ulonglong * 4)()
+    ctypes.CDLL(os.environ["FERRY_CUDA_LIB"]).cuStubCopyCounts(counts)
+    return list(counts)
+
+
+def test_job_store_device_pool():
+    """Store(device_pool_bytes=): a put from device memory stays on the device (no device-to-host
+    copy), and gets of it into device and host memory, here and from another node of this
+    process (staged by its owner), return its bytes; a re-put replaces them."""
+    a = ferry.Store(host_directory=True, name="py-cuda-dp", device_pool_bytes=1 << 20, timeout=5)
+    b = ferry.Store(a.directory, name="py-cuda-dp-b", timeout=5)
+    try:
+        x = np.arange(4096, dtype=np.int64)
+        src = on_device(x, 0)
+        before = _copy_counts()
+        a.put("dp", src)
+        after = _copy_counts()
+        if before is not None:  # device to device into the pool, nothing device to host
+            assert after[1] == before[1] and after[2] > before[2]
+        for s in (a, b):
+            assert np.array_equal(s.get("dp"), x)
+            out = ferry.DeviceArray(x.shape, x.dtype, LAST)
+            assert np.array_equal(s.get("dp", out=out).to_host(), x)
+        a.put("dp", on_device(x * 3, 0))
+        assert np.array_equal(b.get("dp"), x * 3)
+    finally:
+        b.close()
+        a.close()
+
+
 def test_job_mq_publish_from_device(mq_pair):
     pub, sub = mq_pair
     sub.subscribe("dev")
