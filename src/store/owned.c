@@ -163,9 +163,9 @@ bool fr_store_linger_pop(ferry_store *s) {
   return true;
 }
 
-bool fr_store_linger_pop_device(ferry_store *s) {
+bool fr_store_linger_pop_in(ferry_store *s, bool device) {
   for (size_t i = 0; i < s->nlinger; i++)
-    if (s->linger[i]->on_device) {
+    if (s->linger[i]->on_device == device) {
       linger_remove(s, i);
       return true;
     }

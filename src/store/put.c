@@ -65,7 +65,7 @@ static int pool_alloc(ferry_store *s, uint64_t bytes, uint64_t *off) {
  * (no device pool, one on another device, or full). */
 static bool device_block(ferry_store *s, const fr_owned *o, int device, uint64_t *off) {
   int rc = fr_store_devpool_alloc(s, device, o->rec.bytes, off);
-  while (rc == FERRY_ECAPACITY && fr_store_linger_pop_device(s))
+  while (rc == FERRY_ECAPACITY && fr_store_linger_pop_in(s, true))
     rc = fr_store_devpool_alloc(s, device, o->rec.bytes, off);
   if (rc == FERRY_ECAPACITY)
     fr_warn_limited("store '%s': device pool full: put '%s' (%llu bytes) goes to the host pool "
@@ -99,7 +99,7 @@ static int place(ferry_store *s, fr_owned *o, const void *data, int device, uint
   bool on_device = !fill && device >= 0 && o->rec.bytes > 0 && device_block(s, o, device, &off);
   int rc = o->rec.bytes && !on_device ? pool_alloc(s, o->rec.bytes, &off) : 0;
   while (rc == FERRY_ECAPACITY &&
-         fr_store_linger_pop(s)) /* make room: the oldest replaced copies go */
+         fr_store_linger_pop_in(s, false)) /* make room: the oldest replaced copies go */
     rc = (fr_err_clear(), pool_alloc(s, o->rec.bytes, &off));
   pthread_mutex_unlock(&s->lock);
   if (rc != 0) {

@@ -252,8 +252,9 @@ void fr_store_wait_unpinned(ferry_store *s, uint32_t slot, const char *key, uint
  * retire those older than FERRY_STORE_LINGER_MS. */
 void fr_store_linger_push(ferry_store *s, fr_owned *o);
 bool fr_store_linger_pop(ferry_store *s);
-/* Retires the oldest lingering copy held in the device pool (false: none). */
-bool fr_store_linger_pop_device(ferry_store *s);
+/* Retires the oldest lingering copy held in the device pool (device) or the host pool (false:
+ * none): what makes room in that pool. */
+bool fr_store_linger_pop_in(ferry_store *s, bool device);
 void fr_store_linger_expire(ferry_store *s, uint64_t now);
 /* Retires lingering copies replaced more than FERRY_STORE_LINGER_MS ago and frees retired objects
  * no view pins any more (the service thread, after each request and every third of the lease). */
