@@ -430,6 +430,18 @@ static void dp_check(ferry_store *s, const char *key, size_t n, uint64_t seed, i
   ferry_store_view_release(v);
 }
 
+/* A gauge of ctx's metrics (its first sample), -1 when absent. */
+static double gauge(ferry_ctx *c, const char *name) {
+  char *text = NULL, want[128];
+  size_t len = 0;
+  FR_OK(ferry_stats_prometheus(c, &text, &len));
+  snprintf(want, sizeof want, "\n%s{", name);
+  const char *at = strstr(text, want);
+  double v = at && (at = strchr(at + 1, ' ')) ? strtod(at, NULL) : -1;
+  ferry_stats_text_free(text);
+  return v;
+}
+
 /* A put from device memory, and whether it stayed in the device pool (device to device, nothing
  * device to host); true on the real driver, where the stand-in's counts are not to be had. */
 static bool dp_put(ferry_store *s, const char *key, const void *src, size_t n) {
@@ -467,7 +479,10 @@ static void test_device_pool_own(void **state) {
   FR_OK(dev_fill(b, BIG, SEED_B1));
   FR_OK(dev_fill(other, SMALL, SEED_B2));
   unsigned long long before[4], d[4];
+  assert_true(gauge(c, "ferry_store_device_pool_capacity_bytes") == 0); /* not made yet */
   assert_true(dp_put(s, "dp/a", a, BIG));
+  assert_true(gauge(c, "ferry_store_device_pool_capacity_bytes") >= 2.0 * BIG);
+  assert_true(gauge(c, "ferry_store_device_pool_used_bytes") >= BIG);
   copies_start(before);
   void *dst = dev_alloc(second_device, BIG);
   FR_OK(ferry_store_get(s, "dp/a", NULL, dst, BIG, NULL, 10000));

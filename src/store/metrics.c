@@ -84,6 +84,7 @@ static void collect(void *arg, fr_stats_out *out) {
     held += s->owned[i]->rec.bytes;
   double objects = (double)s->nowned, used = (double)s->pool.used;
   double capacity = (double)s->pool.capacity, lingering = (double)s->nlinger;
+  double dev_used = (double)s->dev.pool.used, dev_capacity = (double)s->dev.pool.capacity;
   pthread_mutex_unlock(&s->lock);
   fr_stat_gauge(out, "ferry_store_objects", "Objects this node holds (current versions)", objects,
                 "store", st, NULL);
@@ -97,6 +98,13 @@ static void collect(void *arg, fr_stats_out *out) {
   fr_stat_gauge(out, "ferry_store_lingering_objects",
                 "Replaced pool copies kept briefly for gets already under way", lingering, "store",
                 st, NULL);
+  fr_stat_gauge(out, "ferry_store_device_pool_used_bytes",
+                "Bytes of the device pool in use (lingering replaced copies included)", dev_used,
+                "store", st, NULL);
+  fr_stat_gauge(out, "ferry_store_device_pool_capacity_bytes",
+                "Bytes of the device pool (FERRY_STORE_DEVICE_POOL_BYTES; 0 until the first put "
+                "from device memory made it, or none)",
+                dev_capacity, "store", st, NULL);
 }
 
 /* Ready while its lease is held and its directory answered the last renewal. */
