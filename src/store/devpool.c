@@ -1,23 +1,24 @@
 /*
  * The store's device pool (issue 37): puts from CUDA memory keep their bytes in device memory, so
  * that a get into device memory on the same host is one device-to-device copy instead of a trip
- * through host memory. The pool is one CUDA allocation of this node's (FERRY_STORE_DEVICE_POOL_
- * BYTES, ferry_store_opts.device_pool_bytes; 0: none), made at the first put from device memory on
- * that put's device, registered as a region (ferry_register), and sub-allocated by core/pool.c as
- * the host pool is. Nothing here reaches a peer by itself: a record names the region and an
- * offset, and readers go through their link's region map as for any registered CUDA region (a
- * same-host peer maps the allocation once per link through its CUDA IPC handle and bounds every
- * copy by the registered size; another host's reader is served staged by the owner's server
- * thread; docs/ARCHITECTURE.md 8.2). The generation words stay in the host pool's slots, so
- * readers check them as for any object. Every call but open and close runs under the store's lock.
+ * through host memory. The pool is one CUDA allocation of this node's
+ * (FERRY_STORE_DEVICE_POOL_BYTES, ferry_store_opts.device_pool_bytes; 0: none), made at the first
+ * put from device memory on that put's device, registered as a region (ferry_register), and
+ * sub-allocated by core/pool.c as the host pool is. Nothing here reaches a peer by itself: a record
+ * names the region and an offset, and readers go through their link's region map as for any
+ * registered CUDA region (a same-host peer maps the allocation once per link through its CUDA IPC
+ * handle and bounds every copy by the registered size; another host's reader is served staged by
+ * the owner's server thread; docs/ARCHITECTURE.md 8.2). The generation words stay in the host
+ * pool's slots, so readers check them as for any object. Every call but open and close runs under
+ * the store's lock.
  */
 #include "store/store.h"
 
 #include <stdio.h>
 #include <string.h>
 
-#define DEVPOOL_GRANULE 256 /* cuMemAlloc's alignment: every block starts aligned as the driver's  \
-                             */
+/* cuMemAlloc's alignment: every block starts aligned as the driver's allocations do. */
+#define DEVPOOL_GRANULE 256
 
 void fr_store_devpool_open(ferry_store *s, uint64_t bytes) {
   int64_t setting = fr_config_int("FERRY_STORE_DEVICE_POOL_BYTES");
