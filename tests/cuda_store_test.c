@@ -529,6 +529,39 @@ static void test_device_pool_own(void **state) {
   ferry_ctx_close(c);
 }
 
+/* A put that no eviction could fit in the device pool (larger than the whole pool) goes to the
+ * host pool and leaves the replaced copy lingering there alone: gets of that version still under
+ * way finish with it. Linger time is an hour here, so only eviction could retire it. */
+static void test_device_pool_linger_kept(void **state) {
+  if (!cuda)
+    return;
+  setenv("FERRY_STORE_LINGER_MS", "3600000", 1);
+  ferry_ctx *c = ctx_open("cuda-devpool-linger", NULL, NULL);
+  ferry_store_opts o = {.size = sizeof o,
+                        .capacity = 64 * MiB,
+                        .flags = FERRY_STORE_HOST_DIRECTORY,
+                        .device_pool_bytes = 2 * DEVPOOL_BYTES};
+  ferry_store *s = NULL;
+  FR_OK(ferry_store_open(c, &o, &s));
+  unsetenv("FERRY_STORE_LINGER_MS");
+  size_t huge = 3 * DEVPOOL_BYTES;
+  uint8_t *a = dev_alloc(0, BIG), *h = dev_alloc(0, huge);
+  FR_OK(dev_fill(a, BIG, SEED_BIG));
+  FR_OK(dev_fill(h, huge, SEED_B1));
+  assert_true(dp_put(s, "dpl/a", a, BIG));
+  assert_true(dp_put(s, "dpl/a", a, BIG)); /* the first copy lingers in the device pool */
+  assert_true(gauge(c, "ferry_store_lingering_objects") == 1);
+  ferry_tensor_desc dh = u8_desc(huge);
+  FR_OK(ferry_store_put(s, "dpl/huge", &dh, h, 0, 10000)); /* the host pool */
+  assert_true(gauge(c, "ferry_store_lingering_objects") == 1);
+  dp_check(s, "dpl/huge", huge, SEED_B1, 0);
+  dp_check(s, "dpl/a", BIG, SEED_BIG, 0);
+  ferry_store_close(s);
+  FR_OK(ferry_cuda_free(a));
+  FR_OK(ferry_cuda_free(h));
+  ferry_ctx_close(c);
+}
+
 /* A short-lived node (FERRY_STORE_DELEGATE, as the CLI) puts from device memory: the tensor is
  * staged in its own ferry memory and its holder copies it from there. */
 static void test_delegate(void **state) {
@@ -784,6 +817,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_device_pool_own),
       cmocka_unit_test(test_device_pool_shm),
       cmocka_unit_test(test_device_pool_tcp),
+      cmocka_unit_test(test_device_pool_linger_kept),
       cmocka_unit_test(test_mq_shm),
       cmocka_unit_test(test_mq_tcp),
       cmocka_unit_test(test_foreign_driver),

@@ -172,6 +172,17 @@ bool fr_store_linger_pop_in(ferry_store *s, bool device) {
   return false;
 }
 
+bool fr_store_linger_can_help(ferry_store *s, bool device, uint64_t bytes) {
+  const fr_pool *p = device ? &s->dev.pool : &s->pool;
+  if (bytes > p->capacity)
+    return false; /* and rounding it cannot overflow */
+  uint64_t lingering = 0;
+  for (size_t i = 0; i < s->nlinger; i++)
+    if (s->linger[i]->on_device == device && s->linger[i]->pool_off != FR_STORE_NO_POOL)
+      lingering += fr_pool_round(p, s->linger[i]->pool_len);
+  return fr_pool_round(p, bytes) <= p->capacity - p->used + lingering;
+}
+
 void fr_store_linger_expire(ferry_store *s, uint64_t now) {
   uint64_t age = (uint64_t)s->linger_ms * 1000000ull;
   while (s->nlinger > 0 && now - s->linger[0]->replaced_ns > age)

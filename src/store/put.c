@@ -61,11 +61,13 @@ static int pool_alloc(ferry_store *s, uint64_t bytes, uint64_t *off) {
 }
 
 /* A block of the device pool for a put from device `device` (lock held): replaced copies
- * lingering there go first, oldest first, when it is full. false: the host pool takes the bytes
+ * lingering there go first, oldest first, when it is full and their room would let the put fit
+ * (fr_store_linger_can_help; as for the host pool in place()). false: the host pool takes the bytes
  * (no device pool, one on another device, or full). */
 static bool device_block(ferry_store *s, const fr_owned *o, int device, uint64_t *off) {
   int rc = fr_store_devpool_alloc(s, device, o->rec.bytes, off);
-  while (rc == FERRY_ECAPACITY && fr_store_linger_pop_in(s, true))
+  bool room = rc == FERRY_ECAPACITY && fr_store_linger_can_help(s, true, o->rec.bytes);
+  while (rc == FERRY_ECAPACITY && room && fr_store_linger_pop_in(s, true))
     rc = fr_store_devpool_alloc(s, device, o->rec.bytes, off);
   if (rc == FERRY_ECAPACITY)
     fr_warn_limited("store '%s': device pool full: put '%s' (%llu bytes) goes to the host pool "
@@ -98,7 +100,8 @@ static int place(ferry_store *s, fr_owned *o, const void *data, int device, uint
   fr_store_pinned_reap(s);
   bool on_device = !fill && device >= 0 && o->rec.bytes > 0 && device_block(s, o, device, &off);
   int rc = o->rec.bytes && !on_device ? pool_alloc(s, o->rec.bytes, &off) : 0;
-  while (rc == FERRY_ECAPACITY &&
+  bool room = rc == FERRY_ECAPACITY && fr_store_linger_can_help(s, false, o->rec.bytes);
+  while (rc == FERRY_ECAPACITY && room &&
          fr_store_linger_pop_in(s, false)) /* make room: the oldest replaced copies go */
     rc = (fr_err_clear(), pool_alloc(s, o->rec.bytes, &off));
   pthread_mutex_unlock(&s->lock);

@@ -255,6 +255,9 @@ bool fr_store_linger_pop(ferry_store *s);
 /* Retires the oldest lingering copy held in the device pool (device) or the host pool (false:
  * none): what makes room in that pool. */
 bool fr_store_linger_pop_in(ferry_store *s, bool device);
+/* Whether retiring every replaced copy lingering in that pool would free room enough for `bytes`
+ * beside what it holds (fragmentation aside): else making room retires them for nothing. */
+bool fr_store_linger_can_help(ferry_store *s, bool device, uint64_t bytes);
 void fr_store_linger_expire(ferry_store *s, uint64_t now);
 /* Retires lingering copies replaced more than FERRY_STORE_LINGER_MS ago and frees retired objects
  * no view pins any more (the service thread, after each request and every third of the lease). */
