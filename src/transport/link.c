@@ -499,12 +499,24 @@ static int bounce_use(void *arg, const void *buf, size_t len) {
 
 static _Thread_local bool tl_staging; /* this thread's stager is in use (a read inside a read) */
 
+/* FERRY_CUDA_BOUNCE=malloc; any value but malloc and pinned is warned of (once) and taken as
+ * pinned, the default. */
+static bool bounce_by_malloc(void) {
+  static bool warned;
+  const char *mode = fr_config_str("FERRY_CUDA_BOUNCE");
+  if (strcmp(mode, "malloc") == 0)
+    return true;
+  if (strcmp(mode, "pinned") != 0 && !__atomic_exchange_n(&warned, true, __ATOMIC_RELAXED))
+    fr_warn("FERRY_CUDA_BOUNCE=%s: expected pinned or malloc; taken as pinned", mode);
+  return false;
+}
+
 /* A caller's CUDA buffer through this thread's stager (FERRY_CUDA_BOUNCE=pinned, the default):
  * two host buffers pinned once and reused call after call, the device copy of one chunk under
  * the link transfer of the next (fr_cuda_stage_in, fr_cuda_stage_out). */
 static int bounced(ferry_link *l, const ferry_region_ref *r, uint64_t off, uint8_t *dev, size_t len,
                    int device, int timeout_ms, bool write) {
-  if (tl_staging || strcmp(fr_config_str("FERRY_CUDA_BOUNCE"), "malloc") == 0)
+  if (tl_staging || bounce_by_malloc())
     return bounced_by_malloc(l, r, off, dev, len, device, timeout_ms, write);
   fr_cuda_stager *s = NULL;
   int rc = fr_cuda_thread_stager(&s);
