@@ -26,7 +26,7 @@
 # ferry-info.txt, ctest.log, bench-gpu.json (+ .err), bench-gpu-python.json (+ .err),
 # refit-breakdown.txt and summary.txt, the summary, which is also printed last. Exit status: 0 when the build and every
 # test passed (skipped tests included), 1 when configure, build, smoke or a test failed, 2 when
-# .gpu-debs is missing or for another machine.
+# .gpu-debs is missing, stale (made by another scripts/gpu-debs.sh) or for another machine.
 #
 # Usage: scripts/gpu-check.sh        (OUT, BUDGET and PYTHON from the environment, all optional)
 #
@@ -91,6 +91,14 @@ esac
 if [[ $(cat "$debs/ARCH" 2>/dev/null) != "$arch" ]]; then
   echo "gpu-check: .gpu-debs holds $(cat "$debs/ARCH" 2>/dev/null || echo '?') packages; this" \
        "machine is $arch" >&2
+  exit 2
+fi
+# .gpu-debs/MADE_BY: the hash of the scripts/gpu-debs.sh that made it. Another one may carry other
+# packages (libssl-dev came with rediss://, after the .gpu-debs of the first device runs).
+made_by=$(sha256sum "$root/scripts/gpu-debs.sh" | cut -c1-16)
+if [[ $(cat "$debs/MADE_BY" 2>/dev/null) != "$made_by" ]]; then
+  echo "gpu-check: .gpu-debs is stale (not made by this tree's scripts/gpu-debs.sh, which may" \
+       "carry other packages): run scripts/gpu-debs.sh here again (seconds), then carry it" >&2
   exit 2
 fi
 

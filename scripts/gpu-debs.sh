@@ -78,9 +78,11 @@ trap 'rm -rf "$tmp"' EXIT
   { echo "gpu-debs: apt-get download failed for: ${pkgs[*]}" >&2; exit 1; }
 dpkg --print-architecture >"$tmp/ARCH"
 printf '%s\n' "${pkgs[@]}" | sort >"$tmp/PACKAGES"
+# which gpu-debs.sh made it: scripts/gpu-check.sh refuses a .gpu-debs made by another (stale)
+sha256sum scripts/gpu-debs.sh | cut -c1-16 >"$tmp/MADE_BY"
 rm -rf "$dest"
 mkdir -p "$dest"
-mv "$tmp"/*.deb "$tmp/ARCH" "$tmp/PACKAGES" "$dest/"
+mv "$tmp"/*.deb "$tmp/ARCH" "$tmp/PACKAGES" "$tmp/MADE_BY" "$dest/"
 
 n=$(find "$dest" -name '*.deb' | wc -l)
 bytes=$(du -cb "$dest"/*.deb | tail -n1 | cut -f1)
