@@ -485,9 +485,10 @@ if ((built && smoke_ok)); then
   # rows (two rank processes through host memory, 2 GiB): more than a minute on an H200
   bench bench-c "$OUT/bench-gpu.json" 200 "$build/ferry" bench gpu --json "${quick[@]}"
   breakdown
+  # unbuffered: a row printed before a timeout is in the file
   bench bench-py "$OUT/bench-gpu-python.json" 120 \
     env PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" FERRY_LIB="$build/libferry.so" \
-    "$py" -m ferry.bench gpu --json "${quick[@]}"
+    PYTHONUNBUFFERED=1 "$py" -m ferry.bench gpu --json "${quick[@]}"
 else
   record bench-c skipped "no working build"
   record bench-py skipped "no working build"
