@@ -26,10 +26,10 @@
   X("FERRY_CUDA_PACK_ASYNC", "0",                                                                  \
     "refit senders (as of the seal): 1 queues a bucket's device tensor copies on one stream and "  \
     "waits once per bucket; 0 waits for each copy (not yet measured on a device which is faster)") \
-  X("FERRY_CUDA_BOUNCE", "pinned",                                                                 \
-    "a CUDA buffer read or written over a link without a device path: pinned (each thread's "      \
-    "pinned staging pair, reused) or malloc (a fresh pageable buffer per call; not yet measured "  \
-    "on a device which is faster)")                                                                \
+  X("FERRY_CUDA_BOUNCE", "malloc",                                                                 \
+    "a CUDA buffer read or written over a link without a device path: malloc (a fresh pageable "   \
+    "buffer per call) or pinned (each thread's pinned staging pair, reused: 2 chunks pinned per "  \
+    "thread for its life; not yet measured on a device which is faster)")                          \
   X("FERRY_TIMEOUT_MS", "10000", "default timeout of blocking calls (connect, read, send)")        \
   X("FERRY_TRANSPORTS", "shm,tcp", "transports a link may use, in order of preference")            \
   X("FERRY_TCP_LISTEN", "127.0.0.1:0", "HOST:PORT of the tcp listener (port 0: any free)")         \

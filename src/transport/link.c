@@ -499,19 +499,20 @@ static int bounce_use(void *arg, const void *buf, size_t len) {
 
 static _Thread_local bool tl_staging; /* this thread's stager is in use (a read inside a read) */
 
-/* FERRY_CUDA_BOUNCE=malloc; any value but malloc and pinned is warned of (once) and taken as
- * pinned, the default. */
+/* FERRY_CUDA_BOUNCE=malloc, the default; any value but malloc and pinned is warned of (once) and
+ * taken as malloc. */
 static bool bounce_by_malloc(void) {
   static bool warned;
   const char *mode = fr_config_str("FERRY_CUDA_BOUNCE");
-  if (strcmp(mode, "malloc") == 0)
-    return true;
-  if (strcmp(mode, "pinned") != 0 && !__atomic_exchange_n(&warned, true, __ATOMIC_RELAXED))
-    fr_warn("FERRY_CUDA_BOUNCE=%s: expected pinned or malloc; taken as pinned", mode);
-  return false;
+  if (strcmp(mode, "pinned") == 0)
+    return false;
+  if (strcmp(mode, "malloc") != 0 && !__atomic_exchange_n(&warned, true, __ATOMIC_RELAXED))
+    fr_warn("FERRY_CUDA_BOUNCE=%s: expected malloc or pinned; taken as malloc", mode);
+  return true;
 }
 
-/* A caller's CUDA buffer through this thread's stager (FERRY_CUDA_BOUNCE=pinned, the default):
+/* A caller's CUDA buffer through this thread's stager (FERRY_CUDA_BOUNCE=pinned; malloc, the
+ * default, until a device shows pinned is faster):
  * two host buffers pinned once and reused call after call, the device copy of one chunk under
  * the link transfer of the next (fr_cuda_stage_in, fr_cuda_stage_out). */
 static int bounced(ferry_link *l, const ferry_region_ref *r, uint64_t off, uint8_t *dev, size_t len,
