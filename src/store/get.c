@@ -222,6 +222,14 @@ typedef struct get_dst {
   int device;
 } get_dst;
 
+/* The timeout passed after the object was replaced during every read so far: FERRY_ESTALE, as
+ * ferry.h promises, even when the deadline fell inside a lookup or a read (FERRY_ETIMEDOUT). */
+static int stale_until_timeout(const char *key, int stale_reads, int timeout_ms) {
+  return fr_err(FERRY_ESTALE,
+                "get '%s': replaced during each of %d reads in %d ms (no whole copy in time)", key,
+                stale_reads, timeout_ms);
+}
+
 static int get_tries(ferry_store *s, const char *key, const ferry_tensor_desc *expect,
                      const get_dst *dst, ferry_store_info *info, progress_fn progress, void *arg,
                      int timeout_ms, uint64_t *bytes) {
@@ -231,8 +239,12 @@ static int get_tries(ferry_store *s, const char *key, const ferry_tensor_desc *e
   for (int attempt = 0;; attempt++) {
     if ((rc = fr_store_lookup_again(s, key, &rec, fr_store_left(deadline), attempt > 0)) != 0 ||
         (rc = check_fit(&rec, expect, dst->cap, dst->room)) != 0)
-      return rc;
+      return rc == FERRY_ETIMEDOUT && stale_reads > 0
+                 ? stale_until_timeout(key, stale_reads, timeout_ms)
+                 : rc;
     rc = read_object(s, &rec, dst->p, dst->device, progress, arg, fr_store_left(deadline));
+    if (rc == FERRY_ETIMEDOUT && stale_reads > 0)
+      return stale_until_timeout(key, stale_reads, timeout_ms);
     if (rc == FERRY_ESTALE || rc == FERRY_EPEER)
       fr_store_forget(s, key);
     /* stale: look again until the deadline; a dead owner: once more, in case the key moved */
@@ -240,13 +252,8 @@ static int get_tries(ferry_store *s, const char *key, const ferry_tensor_desc *e
       stale_reads++;
     else if (rc != FERRY_EPEER || dead++ > 0)
       break;
-    if (fr_ms_left(deadline) == 0) {
-      if (rc == FERRY_ESTALE)
-        rc = fr_err(FERRY_ESTALE,
-                    "get '%s': replaced during each of %d reads in %d ms (no whole copy in time)",
-                    key, stale_reads, timeout_ms);
-      return rc;
-    }
+    if (fr_ms_left(deadline) == 0)
+      return rc == FERRY_ESTALE ? stale_until_timeout(key, stale_reads, timeout_ms) : rc;
     backoff(stale_reads);
   }
   if (rc == 0) {
