@@ -411,17 +411,24 @@ static int stager_events(fr_cuda_stager *s, int device) {
   return 0;
 }
 
+/* A staging pass's start: device's context entered (*saved to leave), the stager's events made
+ * there, and the thread's stream of that device. */
+static int stage_begin(fr_cuda_stager *s, int device, CUcontext *saved, CUstream *stream) {
+  int rc = enter(device, saved);
+  if (rc != 0)
+    return rc;
+  if ((rc = stager_events(s, device)) != 0 || (rc = thread_stream(device, stream)) != 0)
+    leave(*saved);
+  return rc;
+}
+
 int fr_cuda_stage_out(fr_cuda_stager *s, int device, const void *src, size_t n,
                       int (*use)(void *arg, const void *buf, size_t len), void *arg) {
   CUcontext saved;
   CUstream stream = NULL;
-  int rc = enter(device, &saved);
+  int rc = stage_begin(s, device, &saved, &stream);
   if (rc != 0)
     return rc;
-  if ((rc = stager_events(s, device)) != 0 || (rc = thread_stream(device, &stream)) != 0) {
-    leave(saved);
-    return rc;
-  }
   size_t chunks = (n + s->chunk - 1) / s->chunk;
   CUresult r = CUDA_SUCCESS;
   /* Copy i+1 is queued before chunk i is used, into the other buffer, whose previous chunk
@@ -453,13 +460,9 @@ int fr_cuda_stage_in(fr_cuda_stager *s, int device, void *dst, size_t n,
                      int (*fill)(void *arg, void *buf, size_t len), void *arg) {
   CUcontext saved;
   CUstream stream = NULL;
-  int rc = enter(device, &saved);
+  int rc = stage_begin(s, device, &saved, &stream);
   if (rc != 0)
     return rc;
-  if ((rc = stager_events(s, device)) != 0 || (rc = thread_stream(device, &stream)) != 0) {
-    leave(saved);
-    return rc;
-  }
   CUresult r = CUDA_SUCCESS;
   /* Chunk i is filled into buffer i % 2 once that buffer's copy (chunk i-2) finished, and its
    * copy queued: the copy engine moves chunk i while `fill` (a link read) brings chunk i+1. */
