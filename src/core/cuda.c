@@ -486,19 +486,29 @@ int fr_cuda_stage_in(fr_cuda_stager *s, int device, void *dst, size_t n,
 
 /* Each thread's stager, closed with the thread (fr_cuda_thread_stager). */
 static pthread_key_t stager_key;
+static int stager_key_err; /* pthread_key_create's, set once */
 static pthread_once_t stager_once = PTHREAD_ONCE_INIT;
 
 static void thread_stager_free(void *s) { fr_cuda_stager_close(s); }
-static void stager_key_make(void) { pthread_key_create(&stager_key, thread_stager_free); }
+static void stager_key_make(void) {
+  stager_key_err = pthread_key_create(&stager_key, thread_stager_free);
+}
 
 int fr_cuda_thread_stager(fr_cuda_stager **out) {
   pthread_once(&stager_once, stager_key_make);
+  if (stager_key_err != 0)
+    return fr_err(FERRY_ESYS, "a thread's staging buffers: pthread_key_create: %s",
+                  strerror(stager_key_err));
   fr_cuda_stager *s = pthread_getspecific(stager_key);
   if (!s) {
     int rc = fr_cuda_stager_open(fr_cuda_chunk_bytes(), &s);
     if (rc != 0)
       return rc;
-    pthread_setspecific(stager_key, s);
+    if ((rc = pthread_setspecific(stager_key, s)) != 0) {
+      fr_cuda_stager_close(s);
+      return fr_err(FERRY_ESYS, "a thread's staging buffers: pthread_setspecific: %s",
+                    strerror(rc));
+    }
   }
   *out = s;
   return 0;
