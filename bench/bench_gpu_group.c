@@ -270,22 +270,6 @@ static int group_series(const char *self, const char *url, const char *name, uin
   return rc;
 }
 
-/* "ferry://HOST:PORT" of a ctx that hosts the directory on loopback (its store's flag). */
-static int directory_host(ferry_ctx **ctx, ferry_store **st, char *url, size_t len) {
-  ferry_ctx_opts co = {.size = sizeof co, .name = "bench-gpu-dir", .tcp_listen = "127.0.0.1:0"};
-  ferry_store_opts so = {
-      .size = sizeof so, .capacity = 1 << 20, .flags = FERRY_STORE_HOST_DIRECTORY};
-  int rc = ferry_ctx_open(&co, ctx);
-  if (rc == 0)
-    rc = ferry_store_open(*ctx, &so, st);
-  const char *tcp = rc == 0 ? strstr(ferry_ctx_address(*ctx), "tcp://") : NULL;
-  if (rc == 0 && !tcp)
-    rc = FERRY_ENOTSUP;
-  if (rc == 0)
-    snprintf(url, len, "ferry://%.*s", (int)strcspn(tcp + 6, ","), tcp + 6);
-  return rc;
-}
-
 int bench_gpu_group(const bench_opts *o, const char *self, uint64_t bytes, int reps) {
   uint64_t each;
   bytes = tensor_bytes(bytes, &each);
@@ -308,7 +292,7 @@ int bench_gpu_group(const bench_opts *o, const char *self, uint64_t bytes, int r
   bench_row(o, "gpu", label, "d2d-copy", bytes, &copy, true);
   ferry_ctx *dctx = NULL;
   ferry_store *dir = NULL;
-  if ((rc = directory_host(&dctx, &dir, url, sizeof url)) != 0)
+  if ((rc = bench_dir_host("bench-gpu-dir", "127.0.0.1:0", &dctx, &dir, url, sizeof url)) != 0)
     cli_fail("bench gpu", rc, "refit group: the directory");
   const char *prior = getenv("FERRY_DIRECTORY");
   char *saved = prior ? strdup(prior) : NULL;

@@ -432,18 +432,7 @@ static int run_row(const bench_opts *o, const mn_row *r, int reps, bool gloo) {
 /* The directory the ranks publish in, hosted by this process on `listen` (its ctx listens
  * there); *url names it. */
 static int dir_open(const char *listen, ferry_ctx **ctx, ferry_store **st, char *url, size_t cap) {
-  ferry_ctx_opts co = {.size = sizeof co, .name = "bench-dir", .tcp_listen = listen};
-  ferry_store_opts so = {
-      .size = sizeof so, .capacity = 1 << 20, .flags = FERRY_STORE_HOST_DIRECTORY};
-  *st = NULL;
-  int rc = ferry_ctx_open(&co, ctx);
-  if (rc == 0)
-    rc = ferry_store_open(*ctx, &so, st);
-  const char *tcp = rc == 0 ? strstr(ferry_ctx_address(*ctx), "tcp://") : NULL;
-  if (rc == 0 && !tcp)
-    rc = FERRY_ESTATE;
-  if (rc == 0)
-    snprintf(url, cap, "ferry://%.*s", (int)strcspn(tcp + 6, ","), tcp + 6);
+  int rc = bench_dir_host("bench-dir", listen, ctx, st, url, cap);
   if (rc != 0)
     fprintf(stderr, "bench refit: the directory: %s\n", ferry_last_error());
   return rc;

@@ -246,6 +246,23 @@ int bench_read_all(int fd, void *buf, size_t len) {
   return 0;
 }
 
+int bench_dir_host(const char *name, const char *listen, ferry_ctx **ctx, ferry_store **st,
+                   char *url, size_t cap) {
+  ferry_ctx_opts co = {.size = sizeof co, .name = name, .tcp_listen = listen};
+  ferry_store_opts so = {
+      .size = sizeof so, .capacity = 1 << 20, .flags = FERRY_STORE_HOST_DIRECTORY};
+  *st = NULL;
+  int rc = ferry_ctx_open(&co, ctx);
+  if (rc == 0)
+    rc = ferry_store_open(*ctx, &so, st);
+  const char *tcp = rc == 0 ? strstr(ferry_ctx_address(*ctx), "tcp://") : NULL;
+  if (rc == 0 && !tcp)
+    rc = FERRY_ESTATE;
+  if (rc == 0)
+    snprintf(url, cap, "ferry://%.*s", (int)strcspn(tcp + 6, ","), tcp + 6);
+  return rc;
+}
+
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return (x > y) - (x < y);

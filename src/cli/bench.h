@@ -8,6 +8,7 @@
 #define FR_BENCH_H
 
 #include "cli/args.h"
+#include "ferry.h"
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -56,6 +57,11 @@ uint64_t bench_parse_size(const char *s);
 /* Write or read exactly len bytes on a pipe or socket (EINTR retried); 0 or -1. */
 int bench_write_all(int fd, const void *buf, size_t len);
 int bench_read_all(int fd, void *buf, size_t len);
+/* A directory this process hosts for a bench's helper processes: a ctx named `name` listening
+ * on `listen` ("127.0.0.1:0": a free loopback port) with a store hosting the directory; *url is
+ * its "ferry://HOST:PORT". FERRY_ESTATE when the ctx has no tcp address. */
+int bench_dir_host(const char *name, const char *listen, ferry_ctx **ctx, ferry_store **st,
+                   char *url, size_t cap);
 /* "64KiB", "1GiB", "64B" */
 const char *bench_size_name(uint64_t bytes, char *buf, size_t len);
 
