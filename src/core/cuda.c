@@ -484,8 +484,9 @@ int fr_cuda_stage_in(fr_cuda_stager *s, int device, void *dst, size_t n,
   return rc;
 }
 
-/* Each thread's stager, closed with the thread (fr_cuda_thread_stager). */
+/* Each thread's stager, closed with the thread (fr_cuda_thread_stager_take). */
 static pthread_key_t stager_key;
+static _Thread_local bool stager_taken;
 static int stager_key_err; /* pthread_key_create's, set once */
 static pthread_once_t stager_once = PTHREAD_ONCE_INIT;
 
@@ -494,7 +495,9 @@ static void stager_key_make(void) {
   stager_key_err = pthread_key_create(&stager_key, thread_stager_free);
 }
 
-int fr_cuda_thread_stager(fr_cuda_stager **out) {
+int fr_cuda_thread_stager_take(fr_cuda_stager **out) {
+  if (stager_taken)
+    return FERRY_EBUSY;
   pthread_once(&stager_once, stager_key_make);
   if (stager_key_err != 0)
     return fr_err(FERRY_ESYS, "a thread's staging buffers: pthread_key_create: %s",
@@ -511,8 +514,11 @@ int fr_cuda_thread_stager(fr_cuda_stager **out) {
     }
   }
   *out = s;
+  stager_taken = true;
   return 0;
 }
+
+void fr_cuda_thread_stager_give(void) { stager_taken = false; }
 
 /* Pinned memory is the driver's, not a device's: any context registers it (portable: every
  * context sees it pinned). The device's whose copies the buffer serves, so that pinning never

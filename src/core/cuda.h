@@ -92,10 +92,12 @@ int fr_cuda_stage_out(fr_cuda_stager *s, int device, const void *src, size_t n,
  * returned. Returns once every copy finished. */
 int fr_cuda_stage_in(fr_cuda_stager *s, int device, void *dst, size_t n,
                      int (*fill)(void *arg, void *buf, size_t len), void *arg);
-/* This thread's stager of FERRY_CUDA_CHUNK_BYTES chunks (as the setting was at its first use):
- * made, and its buffers pinned, the first time the thread stages; closed when the thread exits.
- * Not for a caller already using it: one staging at a time per thread. */
-int fr_cuda_thread_stager(fr_cuda_stager **out);
+/* Takes this thread's stager of FERRY_CUDA_CHUNK_BYTES chunks (as the setting was at its first
+ * use): made, and its buffers pinned, the first time the thread stages; closed when the thread
+ * exits. One staging at a time per thread: FERRY_EBUSY (no detail set) while the thread holds it
+ * already (a staging inside a staging). fr_cuda_thread_stager_give hands it back. */
+int fr_cuda_thread_stager_take(fr_cuda_stager **out);
+void fr_cuda_thread_stager_give(void);
 
 int fr_cuda_alloc(int device, size_t n, void **out);
 int fr_cuda_free(void *p);

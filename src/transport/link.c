@@ -497,8 +497,6 @@ static int bounce_use(void *arg, const void *buf, size_t len) {
   return rc;
 }
 
-static _Thread_local bool tl_staging; /* this thread's stager is in use (a read inside a read) */
-
 /* FERRY_CUDA_BOUNCE=malloc, the default; any value but malloc and pinned is warned of (once) and
  * taken as malloc. */
 static bool bounce_by_malloc(void) {
@@ -517,17 +515,16 @@ static bool bounce_by_malloc(void) {
  * the link transfer of the next (fr_cuda_stage_in, fr_cuda_stage_out). */
 static int bounced(ferry_link *l, const ferry_region_ref *r, uint64_t off, uint8_t *dev, size_t len,
                    int device, int timeout_ms, bool write) {
-  if (tl_staging || bounce_by_malloc())
-    return bounced_by_malloc(l, r, off, dev, len, device, timeout_ms, write);
   fr_cuda_stager *s = NULL;
-  int rc = fr_cuda_thread_stager(&s);
+  int rc = bounce_by_malloc() ? FERRY_EBUSY : fr_cuda_thread_stager_take(&s);
+  if (rc == FERRY_EBUSY) /* malloc chosen, or this thread stages already (a read inside a read) */
+    return bounced_by_malloc(l, r, off, dev, len, device, timeout_ms, write);
   if (rc != 0)
     return rc;
   bounce_io b = {l, r, off, fr_deadline_ns(timeout_ms)};
-  tl_staging = true;
   rc = write ? fr_cuda_stage_out(s, device, dev, len, bounce_use, &b)
              : fr_cuda_stage_in(s, device, dev, len, bounce_fill, &b);
-  tl_staging = false;
+  fr_cuda_thread_stager_give();
   return rc;
 }
 
