@@ -760,7 +760,9 @@ static void test_rank_missing(void **st) {
   rank_data d;
   ferry_refit_sender *s = rank_open(tc, 0, &d, 0);
   ferry_refit_receiver *r = NULL;
-  assert_int_equal(ferry_refit_receiver_open(rc, "policy", 300, &r), FERRY_ENOTFOUND);
+  /* 1 s: attaching to rank 0 first must leave time for the look-ups of rank 1 on a loaded
+   * machine (300 ms did not, in CI: the open timed out looking, FERRY_ETIMEDOUT). */
+  assert_int_equal(ferry_refit_receiver_open(rc, "policy", 1000, &r), FERRY_ENOTFOUND);
   assert_null(r);
   assert_non_null(strstr(ferry_last_error(), "rank 1 of group 'policy' is not published"));
   ferry_tensor_desc one = {.dtype = FERRY_DTYPE_F32, .ndim = 1, .shape = {4}};

@@ -350,16 +350,22 @@ static int attach_rank(fr_group_rx *g, uint32_t k, uint32_t world, const char *a
   return 0;
 }
 
-/* Resolves rank k (waiting for it to be published until deadline) and attaches to it. */
+/* Resolves rank k (waiting for it to be published until deadline) and attaches to it. A look-up
+ * that runs out of time after the directory has said the rank is not there reports that answer,
+ * not the timeout: the deadline fell while waiting for the rank, not for the directory. */
 static int resolve_and_attach(fr_group_rx *g, uint32_t k, uint64_t deadline,
                               ferry_refit_receiver **out) {
   char *address = NULL;
+  char absent[512] = "";
   int rc;
   for (;;) {
     int left = (int)((deadline > fr_now_ns() ? deadline - fr_now_ns() : 0) / 1000000ull);
     rc = fr_refit_resolve_rank(g->ctx, g->name, k, left ? left : 1, &address);
+    if (rc == FERRY_ETIMEDOUT && absent[0])
+      rc = fr_err(FERRY_ENOTFOUND, "%s", absent);
     if (rc != FERRY_ENOTFOUND || fr_now_ns() + ns_of_ms(RESOLVE_RETRY_MS) >= deadline)
       break;
+    snprintf(absent, sizeof absent, "%s", ferry_last_error());
     usleep(RESOLVE_RETRY_MS * 1000); /* the rank's process is still starting */
   }
   if (rc == 0) {
