@@ -22,6 +22,7 @@
 #include <string.h>
 
 #define TRIES 8 /* rounds of a check-then-write that lost a race, within the deadline */
+#define GROUP_MAX ((FR_ETCD_TXN_OPS - 1) / 2) /* puts in one txn */
 
 static int dead_line(int timeout_ms, const fr_etcd *e, const char *what) {
   return fr_err(FERRY_ETIMEDOUT, "etcd at %s: %s kept changing for %d ms", e->m.shown, what,
@@ -36,7 +37,8 @@ static int delete_at(fr_etcd *e, const char *k, size_t kn, int64_t mod, const ch
 /* The holder's lease left, for the message naming it (0 when unknown). */
 static uint32_t lease_left_ms(fr_etcd *e, int64_t lease, uint64_t deadline, int timeout_ms) {
   int64_t ttl = 0;
-  if (fr_etcd_lease_call(e, "/v3/lease/timetolive", lease, &ttl, deadline, timeout_ms) != 0) {
+  if (fr_etcd_lease_call(e, FR_ETCD_CALLS, "/v3/lease/timetolive", lease, &ttl, deadline,
+                         timeout_ms) != 0) {
     fr_err_clear();
     return 0;
   }
@@ -81,7 +83,8 @@ static int etcd_node_put(void *st, const fr_dir_node *n, int lease_ms, uint64_t 
       if (!ok)
         continue;
       int64_t ttl = 0;
-      rc = fr_etcd_lease_call(e, "/v3/lease/keepalive", v.lease, &ttl, deadline, timeout_ms);
+      rc = fr_etcd_lease_call(e, FR_ETCD_CALLS, "/v3/lease/keepalive", v.lease, &ttl, deadline,
+                              timeout_ms);
       if (rc != 0 || ttl > 0) {
         fr_etcd_lease_remember(e, n->name, n->incarnation, v.lease);
         return rc;
@@ -117,14 +120,15 @@ static int etcd_node_put(void *st, const fr_dir_node *n, int lease_ms, uint64_t 
   return dead_line(timeout_ms, e, "node name");
 }
 
-/* The lease of the node `name` held by `incarnation` (0 and FERRY_ENOTFOUND when not held). */
+/* The lease of the node `name` held by `incarnation` (0 and FERRY_ENOTFOUND when not held), asked
+ * on the renewals' lane. */
 static int node_lease(fr_etcd *e, const char *name, uint64_t incarnation, int64_t *lease,
                       uint64_t deadline, int timeout_ms) {
   char key[FR_ETCD_KEY_BYTES];
   fr_etcd_key_of(e, 'n', name, key);
   fr_etcd_kv v;
   fr_dir_node h;
-  int rc = fr_etcd_get_key(e, key, &v, deadline, timeout_ms);
+  int rc = fr_etcd_get_key_on(e, FR_ETCD_RENEWALS, key, &v, deadline, timeout_ms);
   if (rc != 0)
     return rc;
   if (!v.found || !fr_etcd_node_of(&v, name, &h) || h.incarnation != incarnation || !v.lease)
@@ -135,7 +139,8 @@ static int node_lease(fr_etcd *e, const char *name, uint64_t incarnation, int64_
 
 /* The lease of a node's registration is the node's: it lives while the registration does (a
  * takeover or delete revokes it), so a renewal of a lease this client bound the node to is one
- * keep-alive; TTL 0 says it lapsed. */
+ * keep-alive; TTL 0 says it lapsed. Renewals go on a connection of their own (FR_ETCD_RENEWALS):
+ * a call that a silent member holds never makes one wait. */
 static int etcd_node_renew(void *st, const char *name, uint64_t incarnation, int lease_ms,
                            int timeout_ms) {
   fr_etcd *e = st;
@@ -143,7 +148,8 @@ static int etcd_node_renew(void *st, const char *name, uint64_t incarnation, int
   int64_t lease = fr_etcd_lease_cached(e, name, incarnation), ttl = 0;
   int rc = lease ? 0 : node_lease(e, name, incarnation, &lease, deadline, timeout_ms);
   if (rc == 0)
-    rc = fr_etcd_lease_call(e, "/v3/lease/keepalive", lease, &ttl, deadline, timeout_ms);
+    rc = fr_etcd_lease_call(e, FR_ETCD_RENEWALS, "/v3/lease/keepalive", lease, &ttl, deadline,
+                            timeout_ms);
   if (rc == 0 && ttl <= 0) {
     fr_etcd_lease_forget(e, name);
     rc = fr_err(FERRY_ENOTFOUND, "node '%s' is not registered (its lease lapsed)", name);
@@ -340,6 +346,7 @@ static int put_try(fr_etcd *e, const fr_dir_object *o, const uint8_t *val, size_
   json_t *compare = json_array(), *success = json_array(), *failure = json_array(), *j, *resp;
   json_array_append_new(compare, fr_etcd_cmp(nk, nn, "LEASE", "lease", *lease));
   json_array_append_new(compare, fr_etcd_cmp_unchanged(e, ok, on));
+  json_array_append_new(compare, fr_etcd_cmp_marker(e, o->key));
   if (*keep)
     json_array_append_new(compare, *absent ? fr_etcd_cmp(ok, on, "VERSION", "version", 0)
                                            : fr_etcd_cmp(ok, on, "LEASE", "lease", *lease));
@@ -410,9 +417,10 @@ static int etcd_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir
   return obj_put_until(st, o, flags, replaced, had_other, fr_deadline_ns(timeout_ms), timeout_ms);
 }
 
-/* n objects of one owner (distinct keys, n < FR_ETCD_TXN_OPS) in one txn: the owner's node still
- * on `lease`, then every put. *done false: the owner's registration is not what the lease cache
- * says (the caller puts them one by one, which finds out). */
+/* n objects of one owner (distinct keys, n <= GROUP_MAX) in one txn: the owner's node still on
+ * `lease`, each key and its delete marker unchanged, then every put. *done false: the owner's
+ * registration is not what the lease cache says (the caller puts them one by one, which finds out).
+ */
 static int put_group(fr_etcd *e, const fr_dir_object *objs, size_t n, int64_t lease, int *status,
                      fr_dir_object *replaced, bool *had_other, bool *done, uint64_t deadline,
                      int timeout_ms) {
@@ -425,6 +433,7 @@ static int put_group(fr_etcd *e, const fr_dir_object *objs, size_t n, int64_t le
     char ok[FR_ETCD_KEY_BYTES];
     size_t on = fr_etcd_key_of(e, 'o', objs[i].key, ok);
     json_array_append_new(compare, fr_etcd_cmp_unchanged(e, ok, on));
+    json_array_append_new(compare, fr_etcd_cmp_marker(e, objs[i].key));
     fr_wr w = FR_WR_ON(buf);
     fr_wr_object(&w, &objs[i]);
     json_array_append_new(success, fr_etcd_op_put(ok, on, w.p, w.len, lease));
@@ -443,18 +452,19 @@ static int put_group(fr_etcd *e, const fr_dir_object *objs, size_t n, int64_t le
 }
 
 /* How many objects from objs[0] go in one txn: of one owner, keys distinct (etcd refuses a txn
- * that puts a key twice), fewer than FR_ETCD_TXN_OPS. */
+ * that puts a key twice), at most GROUP_MAX (two compares each and the owner's: at most
+ * FR_ETCD_TXN_OPS compares). */
 static size_t group_of(const fr_dir_object *objs, size_t n) {
   size_t m = 1;
-  for (; m < n && m + 1 < FR_ETCD_TXN_OPS && strcmp(objs[m].owner, objs[0].owner) == 0; m++)
+  for (; m < n && m < GROUP_MAX && strcmp(objs[m].owner, objs[0].owner) == 0; m++)
     for (size_t k = 0; k < m; k++)
       if (strcmp(objs[k].key, objs[m].key) == 0)
         return m;
   return m;
 }
 
-/* Objects of one owner go in txns of up to 127 puts (once this client knows the owner's lease);
- * a put that must keep others' records, or of a group whose compare failed, one by one. */
+/* Objects of one owner go in txns of up to GROUP_MAX puts (once this client knows the owner's
+ * lease); a put that must keep others' records, or of a group whose compare failed, one by one. */
 static int etcd_obj_put_batch(void *st, const fr_dir_object *objs, size_t n, unsigned flags,
                               int *status, fr_dir_object *replaced, bool *had_other,
                               int timeout_ms) {
@@ -535,14 +545,16 @@ static int not_found(const char *key, const char *owner) {
                 owner ? owner : "");
 }
 
-/* Deletes the key if it is still at mod revision `mod` (0: whatever it holds). *done: it was
- * there to delete; *deleted its record. */
+/* Deletes the key if it is still at mod revision `mod` (0: whatever it holds), an object's (key
+ * not NULL) with its delete marker. *done: it was there to delete; *deleted its record. */
 static int delete_at(fr_etcd *e, const char *k, size_t kn, int64_t mod, const char *key, bool *done,
                      fr_dir_object *deleted, uint64_t deadline, int timeout_ms) {
   json_t *compare = json_array(), *success = json_array(), *j, *resp;
   if (mod)
     json_array_append_new(compare, fr_etcd_cmp(k, kn, "MOD", "mod_revision", mod));
   json_array_append_new(success, fr_etcd_op_delete(k, kn));
+  if (key)
+    json_array_append_new(success, fr_etcd_op_mark(e, key));
   bool ok;
   int rc = fr_etcd_txn(e, compare, success, NULL, &j, &ok, &resp, deadline, timeout_ms);
   if (rc != 0)
@@ -555,6 +567,18 @@ static int delete_at(fr_etcd *e, const char *k, size_t kn, int64_t mod, const ch
     *deleted = rec;
   json_decref(j);
   return 0;
+}
+
+/* A delete that found nothing to delete still puts the key's marker: a put sent before it, left
+ * with a stopped member and run late, must not create the key after the delete said it is gone. */
+static int mark_deleted(fr_etcd *e, const char *key, uint64_t deadline, int timeout_ms) {
+  json_t *success = json_array(), *j, *resp;
+  json_array_append_new(success, fr_etcd_op_mark(e, key));
+  bool ok;
+  int rc = fr_etcd_txn(e, json_array(), success, NULL, &j, &ok, &resp, deadline, timeout_ms);
+  if (rc == 0)
+    json_decref(j);
+  return rc;
 }
 
 static int etcd_obj_del(void *st, const char *key, const char *owner, uint64_t generation,
@@ -573,7 +597,7 @@ static int etcd_obj_del(void *st, const char *key, const char *owner, uint64_t g
         return rc;
       if (!v.found || !fr_etcd_object_of(&v, key, &rec) || strcmp(rec.owner, owner) != 0 ||
           (generation && rec.generation != generation))
-        return not_found(key, owner);
+        return (rc = mark_deleted(e, key, deadline, timeout_ms)) ? rc : not_found(key, owner);
       mod = v.mod;
     }
     bool done = false;
@@ -603,9 +627,7 @@ static int etcd_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **s
   snprintf(e->prefix, sizeof e->prefix, e->m.u.ns[0] ? "ferry@%s/" : "ferry/", e->m.u.ns);
   e->prefix_len = strlen(e->prefix);
   e->epoch = 1;
-  e->conn_member = -1;
-  fr_http_init(&e->conn);
-  pthread_mutex_init(&e->lock, NULL);
+  fr_etcd_lanes_init(e);
   pthread_mutex_init(&e->cache_lock, NULL);
   /* one answer now, so a URL where nothing answers fails the open, as the other backends do */
   timeout_ms = timeout_ms > 0 ? timeout_ms : 1000;
@@ -614,7 +636,8 @@ static int etcd_open(ferry_ctx *ctx, const char *where, int timeout_ms, void **s
   fr_etcd_kv v;
   rc = fr_etcd_get_key(e, k, &v, fr_deadline_ns(timeout_ms), timeout_ms);
   if (rc != 0) {
-    fr_http_close(&e->conn);
+    fr_etcd_lanes_close(e);
+    pthread_mutex_destroy(&e->cache_lock);
     free(e);
     return rc;
   }
@@ -626,8 +649,7 @@ static void etcd_close(void *state) {
   fr_etcd *e = state;
   if (!e)
     return;
-  fr_http_close(&e->conn);
-  pthread_mutex_destroy(&e->lock);
+  fr_etcd_lanes_close(e);
   pthread_mutex_destroy(&e->cache_lock);
   free(e);
 }

@@ -25,12 +25,21 @@ typedef struct fr_etcd_members {
 #define FR_ETCD_KEY_BYTES (FR_DIR_KEY_MAX + FR_DIR_NS_MAX + 16)
 #define FR_ETCD_TRY_MS 1000 /* the longest one member may keep a call (of several members) */
 
+/* A connection of the client's own, one call on it at a time. Calls go on FR_ETCD_CALLS; lease
+ * renewals on FR_ETCD_RENEWALS, so that a call held for its whole timeout (a member that stopped
+ * answering, an election) never makes a renewal queue behind it and miss its lease. */
+typedef struct fr_etcd_lane {
+  pthread_mutex_t lock; /* conn, member */
+  fr_http conn;
+  int member; /* the member conn is to (-1: none) */
+} fr_etcd_lane;
+
+enum { FR_ETCD_CALLS, FR_ETCD_RENEWALS, FR_ETCD_LANES };
+
 typedef struct fr_etcd {
   fr_etcd_members m;
-  pthread_mutex_t lock; /* conn, conn_member, cluster */
-  fr_http conn;
-  int conn_member;
-  uint64_t cluster;               /* the cluster id answers carry (0: none seen yet) */
+  fr_etcd_lane lane[FR_ETCD_LANES];
+  uint64_t cluster;               /* atomic: the cluster id answers carry (0: none seen yet) */
   uint64_t epoch;                 /* atomic: bumped when another cluster answers */
   int64_t seen_rev;               /* atomic: the highest revision an answer's header carried */
   char prefix[FR_DIR_NS_MAX + 8]; /* "ferry/" or "ferry@NS/" */
@@ -51,6 +60,11 @@ typedef struct fr_etcd {
  * member would change). */
 int fr_etcd_call_until(fr_etcd *e, const char *path, json_t *req, json_t **out, uint64_t deadline,
                        int timeout_ms);
+/* The same on a lane of the client's (FR_ETCD_CALLS or FR_ETCD_RENEWALS). */
+int fr_etcd_call_on(fr_etcd *e, int lane, const char *path, json_t *req, json_t **out,
+                    uint64_t deadline, int timeout_ms);
+void fr_etcd_lanes_init(fr_etcd *e);
+void fr_etcd_lanes_close(fr_etcd *e);
 /* A stream's message: its "result" (*body, borrowed from j), or FERRY_EPROTO for its error. */
 int fr_etcd_unwrap(fr_etcd *e, json_t *j, const char *path, json_t **body);
 int fr_etcd_malformed(fr_etcd *e, const char *what);
@@ -83,13 +97,15 @@ bool fr_etcd_range_kv(const json_t *range, fr_etcd_kv *out);
  * under): a peer wrote it. */
 bool fr_etcd_node_of(const fr_etcd_kv *v, const char *name, fr_dir_node *out);
 bool fr_etcd_object_of(const fr_etcd_kv *v, const char *key, fr_dir_object *out);
-/* A range of one key. */
+/* A range of one key (on the calls' lane; _on: on `lane`). */
 int fr_etcd_get_key(fr_etcd *e, const char *key, fr_etcd_kv *v, uint64_t deadline, int timeout_ms);
-
-/* Leases: /v3/lease/keepalive and /timetolive (*ttl in seconds, 0 or less: gone), grant (TTL
- * lease_ms rounded up to seconds), revoke (a lease already gone is no failure). */
-int fr_etcd_lease_call(fr_etcd *e, const char *path, int64_t id, int64_t *ttl, uint64_t deadline,
+int fr_etcd_get_key_on(fr_etcd *e, int lane, const char *key, fr_etcd_kv *v, uint64_t deadline,
                        int timeout_ms);
+
+/* Leases: /v3/lease/keepalive and /timetolive on `lane` (*ttl in seconds, 0 or less: gone),
+ * grant (TTL lease_ms rounded up to seconds), revoke (a lease already gone is no failure). */
+int fr_etcd_lease_call(fr_etcd *e, int lane, const char *path, int64_t id, int64_t *ttl,
+                       uint64_t deadline, int timeout_ms);
 int fr_etcd_lease_grant(fr_etcd *e, int lease_ms, int64_t *id, uint64_t deadline, int timeout_ms);
 int fr_etcd_lease_revoke(fr_etcd *e, int64_t id, uint64_t deadline, int timeout_ms);
 /* The cache of node name -> (incarnation, the lease its records are bound to): the lease of name
@@ -105,6 +121,16 @@ json_t *fr_etcd_cmp(const char *key, size_t n, const char *target, const char *f
  * put that carries it, sent again to another member or left with a stopped one that runs it
  * late, can never replace a record written after it was sent (that one's revision is newer). */
 json_t *fr_etcd_cmp_unchanged(fr_etcd *e, const char *key, size_t n);
+/* An object key's delete marker: PREFIX d/XX, one of FR_ETCD_MARKERS keys picked by a hash of
+ * the object's name. Every delete of an object puts its marker in the txn that deletes it (a
+ * delete that found nothing to delete puts it alone), and every put of an object compares it
+ * unchanged too (fr_etcd_cmp_marker): an absent key compares as unmodified, so without it a put
+ * left with a stopped member, run late, would bring back a key deleted since it was sent. A
+ * delete of another key of the same marker makes a put sent before it fail its compare once (it
+ * is sent again, knowing the newer revision). */
+#define FR_ETCD_MARKERS 256
+json_t *fr_etcd_cmp_marker(fr_etcd *e, const char *name);
+json_t *fr_etcd_op_mark(fr_etcd *e, const char *name);
 json_t *fr_etcd_op_range(const char *key, size_t n);
 json_t *fr_etcd_op_put(const char *key, size_t n, const void *val, size_t vn, int64_t lease);
 json_t *fr_etcd_op_delete(const char *key, size_t n);

@@ -1,11 +1,13 @@
 /*
  * The etcd backend's client half (etcd.c holds the directory operations): requests to the
- * cluster through its v3 JSON gateway, one member at a time over one kept-alive connection (a
- * mutex serialises the calls). When that member does not answer (refused, reset, silent for its
- * share of the time left) or says it cannot serve (no leader, leader changed, 5xx), the request
- * goes on at the next member, all within the caller's deadline. Also here: reading the gateway's
- * JSON (int64s as strings, zeros left out, bytes in base64: each checked), the txn and lease
- * requests, and the cache of which etcd lease each node's records are bound to.
+ * cluster through its v3 JSON gateway, one member at a time over a kept-alive connection: one for
+ * the calls and one for lease renewals (lanes, each serialised by its own mutex, so that a call a
+ * silent member holds for its whole timeout never keeps a renewal waiting). When that member does
+ * not answer (refused, reset, silent for its share of the time left) or says it cannot serve (no
+ * leader, leader changed, 5xx), the request goes on at the next member, all within the caller's
+ * deadline. Also here: reading the gateway's JSON (int64s as strings, zeros left out, bytes in
+ * base64: each checked), the txn and lease requests, and the cache of which etcd lease each node's
+ * records are bound to.
  */
 #include "directory/dirwire.h"
 #include "directory/etcd.h"
@@ -108,12 +110,26 @@ json_t *fr_etcd_with_key(json_t *obj, const char *key, size_t n) {
 
 /* ---- calls: one member at a time, the next when it does not answer ---- */
 
-static int lock_until(fr_etcd *e, uint64_t deadline, int timeout_ms) {
-  if (fr_mutex_lock_until(&e->lock, deadline) == 0)
+void fr_etcd_lanes_init(fr_etcd *e) {
+  for (int i = 0; i < FR_ETCD_LANES; i++) {
+    pthread_mutex_init(&e->lane[i].lock, NULL);
+    fr_http_init(&e->lane[i].conn);
+    e->lane[i].member = -1;
+  }
+}
+
+void fr_etcd_lanes_close(fr_etcd *e) {
+  for (int i = 0; i < FR_ETCD_LANES; i++) {
+    fr_http_close(&e->lane[i].conn);
+    pthread_mutex_destroy(&e->lane[i].lock);
+  }
+}
+
+static int lock_until(fr_etcd *e, fr_etcd_lane *l, uint64_t deadline, int timeout_ms) {
+  if (fr_mutex_lock_until(&l->lock, deadline) == 0)
     return 0;
-  return fr_err(FERRY_ETIMEDOUT,
-                "etcd at %s: the connection stayed busy with another call for %d ms", e->m.shown,
-                timeout_ms);
+  return fr_err(FERRY_ETIMEDOUT, "etcd at %s: the connection stayed busy with another %s for %d ms",
+                e->m.shown, l == &e->lane[FR_ETCD_RENEWALS] ? "renewal" : "call", timeout_ms);
 }
 
 /* Whether an error answer means this member cannot serve now (another may): gRPC's Unavailable
@@ -146,27 +162,27 @@ static bool stream_error(const json_t *j, char *why, size_t cap) {
 
 /* POST on member m over the kept-alive connection (dialled when it is to another member or
  * broke); a connection that was idle and turns out closed is dialled again once. */
-static int exchange(fr_etcd *e, int m, const char *path, const char *body, int *status, char **resp,
-                    uint64_t deadline) {
+static int exchange(fr_etcd *e, fr_etcd_lane *l, int m, const char *path, const char *body,
+                    int *status, char **resp, uint64_t deadline) {
   for (int attempt = 0; attempt < 2; attempt++) {
-    bool fresh = e->conn.fd < 0 || e->conn_member != m;
+    bool fresh = l->conn.fd < 0 || l->member != m;
     int rc = 0;
     if (fresh) {
-      e->conn_member = -1;
-      rc = fr_http_dial(&e->conn, e->m.u.host[m], e->m.u.port[m], deadline);
+      l->member = -1;
+      rc = fr_http_dial(&l->conn, e->m.u.host[m], e->m.u.port[m], deadline);
       if (rc != 0)
         return rc;
-      e->conn_member = m;
+      l->member = m;
     }
     size_t n;
-    rc = fr_http_post(&e->conn, path, body, strlen(body), deadline);
+    rc = fr_http_post(&l->conn, path, body, strlen(body), deadline);
     if (rc == 0)
-      rc = fr_http_head(&e->conn, status, deadline);
+      rc = fr_http_head(&l->conn, status, deadline);
     if (rc == 0)
-      rc = fr_http_body_all(&e->conn, resp, &n, FR_HTTP_BODY_MAX, deadline);
+      rc = fr_http_body_all(&l->conn, resp, &n, FR_HTTP_BODY_MAX, deadline);
     if (rc == 0)
       return 0;
-    fr_http_close(&e->conn); /* a half-read answer would answer the next request */
+    fr_http_close(&l->conn); /* a half-read answer would answer the next request */
     if (fresh || rc != FERRY_ECONNECT)
       return rc;
   }
@@ -191,9 +207,9 @@ static int answer_json(fr_etcd *e, const char *body, const char *path, json_t **
                                       __ATOMIC_ACQUIRE))
     ;
   if (head && get_u64(head, "cluster_id", &cluster) && cluster) {
-    if (e->cluster && e->cluster != cluster) /* another cluster: what we registered is gone */
+    uint64_t was = __atomic_exchange_n(&e->cluster, cluster, __ATOMIC_ACQ_REL);
+    if (was && was != cluster) /* another cluster: what we registered is gone */
       __atomic_add_fetch(&e->epoch, 1, __ATOMIC_ACQ_REL);
-    e->cluster = cluster;
   }
   *out = j;
   return 0;
@@ -217,13 +233,14 @@ static int timed_out(fr_etcd *e, const char *path, int timeout_ms, const char *l
 
 /* One request within the deadline, moving from member to member while they do not answer;
  * takes req. *out: the answer (a stream's first message unwrapped of its "result"). */
-int fr_etcd_call_until(fr_etcd *e, const char *path, json_t *req, json_t **out, uint64_t deadline,
-                       int timeout_ms) {
+int fr_etcd_call_on(fr_etcd *e, int lane, const char *path, json_t *req, json_t **out,
+                    uint64_t deadline, int timeout_ms) {
+  fr_etcd_lane *l = &e->lane[lane];
   char *body = json_dumps(req, JSON_COMPACT);
   json_decref(req);
   if (!body)
     return fr_err(FERRY_ENOMEM, "etcd request");
-  int rc = lock_until(e, deadline, timeout_ms);
+  int rc = lock_until(e, l, deadline, timeout_ms);
   if (rc != 0) {
     free(body);
     return rc;
@@ -253,7 +270,7 @@ int fr_etcd_call_until(fr_etcd *e, const char *path, json_t *req, json_t **out, 
     uint64_t until = n > 1 && left > 200 ? fr_deadline_ns(try_ms) : deadline;
     int m = __atomic_load_n(&e->m.current, __ATOMIC_ACQUIRE), status = 0;
     char *resp = NULL;
-    rc = exchange(e, m, path, body, &status, &resp, until);
+    rc = exchange(e, l, m, path, body, &status, &resp, until);
     refused = rc == FERRY_ECONNECT || rc == FERRY_EPROTO ? refused + 1 : 0;
     garbled = rc == FERRY_EPROTO;
     if (rc == 0 && status == 200) {
@@ -268,7 +285,7 @@ int fr_etcd_call_until(fr_etcd *e, const char *path, json_t *req, json_t **out, 
         break;
     } else if (rc == 0) {
       json_t *j = json_loads(resp, JSON_DISABLE_EOF_CHECK, NULL);
-      snprintf(last, sizeof last, "%.280s: HTTP %d: %.160s", e->conn.name, status,
+      snprintf(last, sizeof last, "%.280s: HTTP %d: %.160s", l->conn.name, status,
                j ? error_text(j) : resp);
       bool other = member_cannot_serve(status, j ? error_text(j) : "");
       json_decref(j);
@@ -289,9 +306,14 @@ int fr_etcd_call_until(fr_etcd *e, const char *path, json_t *req, json_t **out, 
       usleep((useconds_t)(ms < 50 ? ms : 50) * 1000);
     }
   }
-  pthread_mutex_unlock(&e->lock);
+  pthread_mutex_unlock(&l->lock);
   free(body);
   return rc;
+}
+
+int fr_etcd_call_until(fr_etcd *e, const char *path, json_t *req, json_t **out, uint64_t deadline,
+                       int timeout_ms) {
+  return fr_etcd_call_on(e, FR_ETCD_CALLS, path, req, out, deadline, timeout_ms);
 }
 
 /* The answer's "result" when it is a stream's message, else itself; FERRY_EPROTO for a stream's
@@ -366,10 +388,12 @@ int fr_etcd_malformed(fr_etcd *e, const char *what) {
 }
 
 /* Range of one key: *v. */
-int fr_etcd_get_key(fr_etcd *e, const char *key, fr_etcd_kv *v, uint64_t deadline, int timeout_ms) {
+int fr_etcd_get_key_on(fr_etcd *e, int lane, const char *key, fr_etcd_kv *v, uint64_t deadline,
+                       int timeout_ms) {
   json_t *j;
-  int rc = fr_etcd_call_until(e, "/v3/kv/range", fr_etcd_with_key(json_object(), key, strlen(key)),
-                              &j, deadline, timeout_ms);
+  int rc =
+      fr_etcd_call_on(e, lane, "/v3/kv/range", fr_etcd_with_key(json_object(), key, strlen(key)),
+                      &j, deadline, timeout_ms);
   if (rc != 0)
     return rc;
   if (!fr_etcd_range_kv(j, v))
@@ -378,13 +402,17 @@ int fr_etcd_get_key(fr_etcd *e, const char *key, fr_etcd_kv *v, uint64_t deadlin
   return rc;
 }
 
+int fr_etcd_get_key(fr_etcd *e, const char *key, fr_etcd_kv *v, uint64_t deadline, int timeout_ms) {
+  return fr_etcd_get_key_on(e, FR_ETCD_CALLS, key, v, deadline, timeout_ms);
+}
+
 /* ---- leases ---- */
 
-int fr_etcd_lease_call(fr_etcd *e, const char *path, int64_t id, int64_t *ttl, uint64_t deadline,
-                       int timeout_ms) {
+int fr_etcd_lease_call(fr_etcd *e, int lane, const char *path, int64_t id, int64_t *ttl,
+                       uint64_t deadline, int timeout_ms) {
   json_t *req = json_object(), *j, *body;
   fr_etcd_set_i64(req, "ID", id);
-  int rc = fr_etcd_call_until(e, path, req, &j, deadline, timeout_ms);
+  int rc = fr_etcd_call_on(e, lane, path, req, &j, deadline, timeout_ms);
   if (rc != 0)
     return rc;
   rc = fr_etcd_unwrap(e, j, path, &body);
@@ -410,7 +438,7 @@ int fr_etcd_lease_grant(fr_etcd *e, int lease_ms, int64_t *id, uint64_t deadline
 
 /* Revokes a lease: etcd deletes every key bound to it. A lease already gone is no failure. */
 int fr_etcd_lease_revoke(fr_etcd *e, int64_t id, uint64_t deadline, int timeout_ms) {
-  int rc = fr_etcd_lease_call(e, "/v3/lease/revoke", id, NULL, deadline, timeout_ms);
+  int rc = fr_etcd_lease_call(e, FR_ETCD_CALLS, "/v3/lease/revoke", id, NULL, deadline, timeout_ms);
   if (rc == FERRY_EPROTO && strstr(ferry_last_error(), "not found")) {
     fr_err_clear();
     return 0;
@@ -436,6 +464,31 @@ json_t *fr_etcd_cmp(const char *key, size_t n, const char *target, const char *f
 json_t *fr_etcd_cmp_unchanged(fr_etcd *e, const char *key, size_t n) {
   int64_t seen = __atomic_load_n(&e->seen_rev, __ATOMIC_ACQUIRE);
   return compare(key, n, "MOD", "LESS", "mod_revision", seen + 1);
+}
+
+/* The delete marker's key of object `name` (FNV-1a, so every client picks the same one). */
+static size_t marker_of(const fr_etcd *e, const char *name, char *out) {
+  uint32_t h = 2166136261u;
+  for (const unsigned char *p = (const unsigned char *)name; *p; p++)
+    h = (h ^ *p) * 16777619u;
+  return (size_t)snprintf(out, FR_ETCD_KEY_BYTES, "%sd/%02x", e->prefix,
+                          (unsigned)(h % FR_ETCD_MARKERS));
+}
+
+json_t *fr_etcd_cmp_marker(fr_etcd *e, const char *name) {
+  char k[FR_ETCD_KEY_BYTES];
+  size_t n = marker_of(e, name, k);
+  return fr_etcd_cmp_unchanged(e, k, n);
+}
+
+static json_t *fr_etcd_op(const char *kind, json_t *req);
+
+json_t *fr_etcd_op_mark(fr_etcd *e, const char *name) {
+  char k[FR_ETCD_KEY_BYTES];
+  size_t n = marker_of(e, name, k);
+  json_t *p = fr_etcd_with_key(json_object(), k, n);
+  fr_etcd_set_b64(p, "value", "d", 1);
+  return fr_etcd_op("request_put", p);
 }
 
 static json_t *fr_etcd_op(const char *kind, json_t *req) {
