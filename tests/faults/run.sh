@@ -144,10 +144,11 @@ row 29 "the Redis primary SIGKILLed behind Sentinel" \
   store_test:test_redis_sentinel_failover
 row 30 "the etcd leader SIGKILLed mid-run (three members)" \
   "puts, gets, pushes go on after the election within their timeouts; nothing acked lost; leases kept" \
-  etcd_fault_test:test_etcd_leader_killed etcd_fault_test:test_etcd_lease_election
+  etcd_fault_test:test_etcd_leader_killed etcd_fault_test:test_etcd_lease_election \
+  etcd_client_test:test_etcd_renewal_beside_held_call
 row 31 "two of three etcd members SIGSTOPped, then two SIGKILLed (quorum lost)" \
   "calls fail clearly within their timeout; after a SIGCONT or restart they succeed, nothing lost" \
-  etcd_fault_test:test_etcd_quorum_lost
+  etcd_fault_test:test_etcd_quorum_lost etcd_client_test:test_etcd_late_put
 
 total=$(awk -v a="$total_t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
 if [ $failed -ne 0 ]; then
