@@ -38,9 +38,7 @@ typedef struct child {
 static child spawn_cli(const char *const *args) {
   int fds[2];
   assert_int_equal(pipe(fds), 0);
-  fflush(NULL);
-  pid_t pid = fork();
-  assert_true(pid >= 0);
+  pid_t pid = tu_fork();
   if (pid == 0) {
     dup2(fds[1], 1);
     close(fds[0]);

@@ -215,7 +215,7 @@ static void test_ipc(void **state) {
 
   char hex[2 * sizeof h + 1];
   to_hex(&h, sizeof h, hex);
-  pid_t pid = fork();
+  pid_t pid = tu_fork();
   if (pid == 0) {
     execl("/proc/self/exe", "cuda_test", "ipc-child", hex, (char *)NULL);
     _exit(127);
@@ -277,7 +277,7 @@ static void owner_start(owner_proc *p) {
   int in[2], out[2];
   assert_int_equal(pipe2(in, O_CLOEXEC), 0); /* the owner keeps no write end of its stdin */
   assert_int_equal(pipe2(out, O_CLOEXEC), 0);
-  p->pid = fork();
+  p->pid = tu_fork();
   if (p->pid == 0) {
     dup2(in[0], 0);
     dup2(out[1], 1);

@@ -588,8 +588,7 @@ static void test_redis_directory(void **state) {
   assert_int_equal(run("%s put r1 small.bin 2> err.txt", cli), 3);
   assert_true(file_has("err.txt", "start one with `ferry serve --directory redis://:***@"));
   assert_int_equal(run("grep -q hunter2 err.txt"), 1);
-  fflush(NULL);
-  pid_t serve = fork();
+  pid_t serve = tu_fork();
   if (serve == 0) {
     char path[512];
     snprintf(path, sizeof path, "%s/serve.txt", tmpdir);

@@ -62,15 +62,14 @@ static bool pattern_ok(const uint8_t *p, size_t n, uint64_t seed) {
 static pid_t start_directory(int port) {
   char listen[64];
   snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
-  fflush(NULL);
-  pid_t pid = fork();
+  pid_t pid = tu_fork();
   if (pid == 0) {
     int devnull = open("/dev/null", O_WRONLY);
     dup2(devnull, 1);
     execl(cli_path, cli_path, "serve", "--listen", listen, "--capacity", "1048576", (char *)NULL);
     _exit(127);
   }
-  for (int i = 0; i < 500 && !su_port_open(port); i++)
+  for (int i = 0; i < 1000 && !su_port_open(port); i++) /* up to 10 s: a loaded ASan build */
     su_sleep_ms(10);
   return pid;
 }
@@ -1654,8 +1653,7 @@ static int role_uploader(void) {
 static pid_t start_uploader(const char *url, const char *key, int *ready_fd) {
   int fds[2];
   assert_int_equal(pipe(fds), 0);
-  fflush(NULL);
-  pid_t pid = fork();
+  pid_t pid = tu_fork();
   if (pid == 0) {
     dup2(fds[1], 1);
     setenv("FERRY_DIRECTORY", url, 1);

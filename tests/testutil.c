@@ -17,15 +17,25 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
-pid_t tu_spawn(int (*fn)(void *arg), void *arg) {
+pid_t tu_fork(void) {
+  pid_t parent = getpid();
   fflush(NULL);
   pid_t pid = fork();
   assert_true(pid >= 0);
+  /* the parent may have died before the death signal was set: then nobody would send it */
+  if (pid == 0 && (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent))
+    _exit(126);
+  return pid;
+}
+
+pid_t tu_spawn(int (*fn)(void *arg), void *arg) {
+  pid_t pid = tu_fork();
   if (pid == 0)
     _exit(fn(arg));
   return pid;
@@ -39,9 +49,7 @@ pid_t tu_spawn_exec(const char *arg1, ...) {
     ;
   va_end(ap);
   argv[15] = NULL;
-  fflush(NULL);
-  pid_t pid = fork();
-  assert_true(pid >= 0);
+  pid_t pid = tu_fork();
   if (pid == 0) {
     execv("/proc/self/exe", argv);
     _exit(127);

@@ -26,9 +26,16 @@
                ferry_strerror(fr_ok_rc_), ferry_last_error());                                     \
   } while (0)
 
-/* Forks a child that runs fn(arg) and _exit()s with its return value. */
+/* fork() for the tests' child processes: the child is SIGKILLed when the thread that forked it
+ * ends (PR_SET_PDEATHSIG, kept across exec), and one whose parent had already gone before that
+ * was set exits at once. A case that fails an assertion half-way leaves its function without
+ * stopping its children (cmocka jumps out); they then die with the test process instead of
+ * holding ctest's output pipe (or a pipe the test would close) open until ctest's timeout. Call
+ * it from the thread that runs the case (or one that outlives the child). Flushes stdio first. */
+pid_t tu_fork(void);
+/* Forks a child (tu_fork) that runs fn(arg) and _exit()s with its return value. */
 pid_t tu_spawn(int (*fn)(void *arg), void *arg);
-/* Starts this test binary again as a helper process (fork + exec, so it is safe from a
+/* Starts this test binary again as a helper process (tu_fork + exec, so it is safe from a
  * multi-threaded parent): argv[0] is replaced by /proc/self/exe; the list ends with NULL. */
 pid_t tu_spawn_exec(const char *arg1, ...);
 /* Waits for a child; returns its exit status, or 128+signal if it was killed. */
