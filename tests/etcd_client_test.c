@@ -6,7 +6,8 @@
  * member itself later (as a stopped member that resumed runs what was left in its socket):
  * - a lease renewal while another call of the same client is held: it lands within its timeout
  *   (renewals have a connection of their own; they used to wait behind the call and fail,
- *   "the connection stayed busy with another call");
+ *   "the connection stayed busy with another call"); and so do another thread's calls (calls
+ *   take the first free one of a few connections);
  * - a put held, then a delete of its key that returned: the put, run late, does not bring the
  *   key back (a delete puts its key's delete marker, which every put compares); nor does it
  *   replace a put that returned after it, nor create a key whose delete found nothing.
@@ -401,6 +402,47 @@ static void test_etcd_renewal_beside_held_call(void **state) {
   teardown(&e, &p, d);
 }
 
+/* A node and its object; a lookup of the same client is held by the member; meanwhile another
+ * thread's put and get (1 s timeouts) land: they do not wait behind the lookup. */
+static void test_etcd_call_beside_held_call(void **state) {
+  (void)state;
+  su_etcd e;
+  proxy p;
+  fr_dir *d;
+  if (!setup(&e, &p, &d))
+    return;
+  fr_dir_node n = node_named("caller", 6);
+  FR_OK(d->ops->node_put(d->state, &n, 30000, 0, NULL, 5000));
+  fr_dir_object o = object_of("beside/key", n.name, 1);
+  FR_OK(d->ops->obj_put(d->state, &o, 0, NULL, NULL, 5000));
+  proxy_hold(&p, "/v3/kv/range");
+  held_call h = {.d = d};
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, held_lookup, &h), 0);
+  proxy_wait_held(&p);
+  o.generation = 2;
+  uint64_t t0 = fr_now_ns();
+  int rc = d->ops->obj_put(d->state, &o, 0, NULL, NULL, 1000);
+  within(t0, 1000, "a put beside a held call", rc);
+  if (rc != 0)
+    fail_msg("a put beside a held call: %s (%s)", ferry_status_name(rc), ferry_last_error());
+  const char *keys[1] = {"beside/key"};
+  fr_dir_object got;
+  int st = -1;
+  t0 = fr_now_ns();
+  rc = d->ops->obj_get(d->state, keys, 1, &got, &st, 1000);
+  within(t0, 1000, "a get beside a held call", rc);
+  if (rc != 0)
+    fail_msg("a get beside a held call: %s (%s)", ferry_status_name(rc), ferry_last_error());
+  assert_int_equal(st, 0);
+  assert_int_equal(got.generation, 2);
+  proxy_hang_up(&p);
+  pthread_join(t, NULL);
+  within(h.t0, HELD_MS, "the held lookup", h.rc);
+  FR_OK(d->ops->node_del(d->state, n.name, n.incarnation, 5000));
+  teardown(&e, &p, d);
+}
+
 /* ---- a put run late ---- */
 
 /* A put of (key, generation) that the member holds: it fails with the call's timeout. */
@@ -471,6 +513,7 @@ int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_etcd_renewal_beside_held_call),
+      cmocka_unit_test(test_etcd_call_beside_held_call),
       cmocka_unit_test(test_etcd_late_put),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */

@@ -25,23 +25,27 @@ typedef struct fr_etcd_members {
 #define FR_ETCD_KEY_BYTES (FR_DIR_KEY_MAX + FR_DIR_NS_MAX + 16)
 #define FR_ETCD_TRY_MS 1000 /* the longest one member may keep a call (of several members) */
 
-/* A connection of the client's own, one call on it at a time. Calls go on FR_ETCD_CALLS; lease
- * renewals on FR_ETCD_RENEWALS, so that a call held for its whole timeout (a member that stopped
- * answering, an election) never makes a renewal queue behind it and miss its lease. */
+/* A connection of the client's own, one call on it at a time. Calls (FR_ETCD_CALLS) take the
+ * first of FR_ETCD_CALL_LANES that is free, dialled when first needed, so that a call held for
+ * its whole timeout (a member that stopped answering, an election) does not make the other
+ * threads' calls wait behind it; lease renewals (FR_ETCD_RENEWALS) have one of their own, so that
+ * no call makes a renewal wait and miss its lease. */
 typedef struct fr_etcd_lane {
   pthread_mutex_t lock; /* conn, member */
   fr_http conn;
   int member; /* the member conn is to (-1: none) */
 } fr_etcd_lane;
 
-enum { FR_ETCD_CALLS, FR_ETCD_RENEWALS, FR_ETCD_LANES };
+#define FR_ETCD_CALL_LANES 4
+enum { FR_ETCD_CALLS = 0, FR_ETCD_RENEWALS = FR_ETCD_CALL_LANES, FR_ETCD_LANES };
 
 typedef struct fr_etcd {
   fr_etcd_members m;
   fr_etcd_lane lane[FR_ETCD_LANES];
-  uint64_t cluster;               /* atomic: the cluster id answers carry (0: none seen yet) */
-  uint64_t epoch;                 /* atomic: bumped when another cluster answers */
-  int64_t seen_rev;               /* atomic: the highest revision an answer's header carried */
+  unsigned next_lane; /* atomic: the call lane a call waits for when every one is busy */
+  uint64_t cluster;   /* atomic: the cluster id answers carry (0: none seen yet) */
+  uint64_t epoch;     /* atomic: bumped when another cluster answers */
+  int64_t seen_rev;   /* atomic: the highest revision an answer's header carried */
   char prefix[FR_DIR_NS_MAX + 8]; /* "ferry/" or "ferry@NS/" */
   size_t prefix_len;
   pthread_mutex_t cache_lock;

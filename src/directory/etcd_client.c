@@ -1,8 +1,9 @@
 /*
  * The etcd backend's client half (etcd.c holds the directory operations): requests to the
- * cluster through its v3 JSON gateway, one member at a time over a kept-alive connection: one for
- * the calls and one for lease renewals (lanes, each serialised by its own mutex, so that a call a
- * silent member holds for its whole timeout never keeps a renewal waiting). When that member does
+ * cluster through its v3 JSON gateway, one member at a time over a kept-alive connection: a call
+ * takes the first of a few that is free, and lease renewals have one of their own (lanes, each
+ * serialised by its own mutex, so that a call a silent member holds for its whole timeout keeps
+ * neither a renewal nor another thread's call waiting). When that member does
  * not answer (refused, reset, silent for its share of the time left) or says it cannot serve (no
  * leader, leader changed, 5xx), the request goes on at the next member, all within the caller's
  * deadline. Also here: reading the gateway's JSON (int64s as strings, zeros left out, bytes in
@@ -125,11 +126,27 @@ void fr_etcd_lanes_close(fr_etcd *e) {
   }
 }
 
-static int lock_until(fr_etcd *e, fr_etcd_lane *l, uint64_t deadline, int timeout_ms) {
-  if (fr_mutex_lock_until(&l->lock, deadline) == 0)
+/* The lane a request goes on, locked: a call's the first free one of the call lanes (when every
+ * one is busy, it waits for one of them in turn), a renewal's its own. */
+static int take_lane(fr_etcd *e, int lane, fr_etcd_lane **out, uint64_t deadline, int timeout_ms) {
+  if (lane == FR_ETCD_CALLS) {
+    for (int i = 0; i < FR_ETCD_CALL_LANES; i++)
+      if (pthread_mutex_trylock(&e->lane[i].lock) == 0) {
+        *out = &e->lane[i];
+        return 0;
+      }
+    lane = (int)(__atomic_fetch_add(&e->next_lane, 1, __ATOMIC_RELAXED) % FR_ETCD_CALL_LANES);
+  }
+  *out = &e->lane[lane];
+  if (fr_mutex_lock_until(&e->lane[lane].lock, deadline) == 0)
     return 0;
-  return fr_err(FERRY_ETIMEDOUT, "etcd at %s: the connection stayed busy with another %s for %d ms",
-                e->m.shown, l == &e->lane[FR_ETCD_RENEWALS] ? "renewal" : "call", timeout_ms);
+  if (lane == FR_ETCD_RENEWALS)
+    return fr_err(FERRY_ETIMEDOUT,
+                  "etcd at %s: the renewals' connection stayed busy with another renewal for %d ms",
+                  e->m.shown, timeout_ms);
+  return fr_err(FERRY_ETIMEDOUT,
+                "etcd at %s: all %d of its connections stayed busy with other calls for %d ms",
+                e->m.shown, FR_ETCD_CALL_LANES, timeout_ms);
 }
 
 /* Whether an error answer means this member cannot serve now (another may): gRPC's Unavailable
@@ -235,12 +252,12 @@ static int timed_out(fr_etcd *e, const char *path, int timeout_ms, const char *l
  * takes req. *out: the answer (a stream's first message unwrapped of its "result"). */
 int fr_etcd_call_on(fr_etcd *e, int lane, const char *path, json_t *req, json_t **out,
                     uint64_t deadline, int timeout_ms) {
-  fr_etcd_lane *l = &e->lane[lane];
+  fr_etcd_lane *l;
   char *body = json_dumps(req, JSON_COMPACT);
   json_decref(req);
   if (!body)
     return fr_err(FERRY_ENOMEM, "etcd request");
-  int rc = lock_until(e, l, deadline, timeout_ms);
+  int rc = take_lane(e, lane, &l, deadline, timeout_ms);
   if (rc != 0) {
     free(body);
     return rc;
