@@ -88,12 +88,20 @@ static bool tcp_may_run(void) {
  * - TCP_TX_SEG_SIZE, TCP_RX_SEG_SIZE=2M where tcp may run (UCX's own: 8K, 64K): UCX's tcp
  *   sends the answer to a read in fragments of one segment, each its own send, receive, copy
  *   and progress call, and answers up to one segment go eager, without a rendezvous round trip
- *   (docs/UCX.md; 2M reads 64 MiB faster than 512K, 8M no faster). UCP takes transport
- *   settings by their name within the transport (TX_SEG_SIZE: tcp's alone). */
+ *   (docs/UCX.md; 2M reads 64 MiB faster than 512K, 8M no faster).
+ * - TCP_CONN_NB=y where tcp may run (UCX's own: n): UCX's tcp connects without blocking. With
+ *   a blocking connect, an endpoint made while its peer dies (its connection request fails and
+ *   the reconnect is refused at once) is marked failed before it has its send side, and UCX
+ *   1.13 then aborts the process on its own assertion (tcp_ep.c:478; docs/UCX.md, "A peer that
+ *   dies during wire-up"). A connect that does not block fails later, through the endpoint's
+ *   error handler, and the link fails as for any dead peer.
+ * UCP takes transport settings by their name within the transport (TX_SEG_SIZE, CONN_NB: tcp's
+ * alone). */
 static void config_defaults(ucp_config_t *config) {
   static const char *const defaults[][3] = {{"UCX_RNDV_SCHEME", "RNDV_SCHEME", "get_zcopy"},
                                             {"UCX_TCP_TX_SEG_SIZE", "TX_SEG_SIZE", "2M"},
-                                            {"UCX_TCP_RX_SEG_SIZE", "RX_SEG_SIZE", "2M"}};
+                                            {"UCX_TCP_RX_SEG_SIZE", "RX_SEG_SIZE", "2M"},
+                                            {"UCX_TCP_CONN_NB", "CONN_NB", "y"}};
   size_t n = tcp_may_run() ? sizeof defaults / sizeof defaults[0] : 1;
   for (size_t i = 0; i < n; i++)
     if (!getenv(defaults[i][0]) &&
