@@ -347,6 +347,13 @@ FERRY_API int ferry_free(ferry_ctx *ctx, void *ptr);
  * process holding the key can map it all, so register such memory only for peers of your own
  * fleet (docs/GPU.md). */
 FERRY_API int ferry_register(ferry_ctx *ctx, void *ptr, size_t len, ferry_region_ref *out);
+/* Ends a registration: new accesses by peers fail (FERRY_ENOTFOUND), and once it returns no
+ * thread of this process reads or writes the memory any more (it waits for the copies under way:
+ * a read staged out to a tcp peer, a peer's write landing in it, a device copy queued from it;
+ * each a chunk at most, never a wait for a peer, whose transfer then fails), so the caller may
+ * free it. A same-host peer that mapped CUDA memory through IPC is not stopped (see
+ * ferry_register). FERRY_ETIMEDOUT when a copy still ran after 10 s (a hung device): the
+ * registration is gone all the same, but do not free the memory. */
 FERRY_API int ferry_deregister(ferry_ctx *ctx, uint64_t region_id);
 /* Finds the region that contains [ptr, ptr+len): its reference and ptr's offset in it.
  * FERRY_ENOTFOUND when the bytes are not (wholly) inside one region. */
@@ -669,7 +676,8 @@ typedef struct ferry_store_opts {
   uint32_t flags;        /* FERRY_STORE_* */
   /* Bytes of the device pool (0: FERRY_STORE_DEVICE_POOL_BYTES, whose default 0 is off). With a
    * device pool, a put from CUDA memory copies device to device into one CUDA allocation of this
-   * node's (made with the first such put, on that put's device; freed by ferry_store_close), and
+   * node's (made with the first such put, on that put's device; freed by ferry_store_close once
+   * no read of it is being staged out: ferry_deregister), and
    * its bytes never pass through host memory: a get into device memory on this host copies them
    * device to device (a peer's pool mapped once per link through CUDA IPC), a get into host
    * memory copies device to host, and a node on another host reads them staged through its

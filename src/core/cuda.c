@@ -456,6 +456,62 @@ int fr_cuda_stage_out(fr_cuda_stager *s, int device, const void *src, size_t n,
   return rc;
 }
 
+/* Queues chunk [off, off+len) of src into buf inside the gate, with the stager's event `done`
+ * and the gate's own event (made at its first copy) recorded after it. */
+static int gated_copy(const fr_cuda_gate *gate, CUstream stream, uint8_t *buf, const uint8_t *src,
+                      size_t len, CUevent done) {
+  int rc = gate->enter(gate->arg);
+  if (rc != 0)
+    return rc;
+  CUresult r =
+      cu.cuMemcpyAsync((CUdeviceptr)(uintptr_t)buf, (CUdeviceptr)(uintptr_t)src, len, stream);
+  if (r == CUDA_SUCCESS)
+    r = cu.cuEventRecord(done, stream);
+  if (r == CUDA_SUCCESS && !*gate->event)
+    r = cu.cuEventCreate((CUevent *)gate->event, CU_EVENT_DISABLE_TIMING);
+  if (r == CUDA_SUCCESS)
+    r = cu.cuEventRecord(*gate->event, stream);
+  gate->leave(gate->arg);
+  return r == CUDA_SUCCESS ? 0 : cu_fail(r, "cuMemcpyAsync (staging)");
+}
+
+int fr_cuda_stage_out_gated(fr_cuda_stager *s, int device, const void *src, size_t n,
+                            const fr_cuda_gate *gate,
+                            int (*use)(void *arg, const void *buf, size_t len), void *arg) {
+  CUcontext saved;
+  CUstream stream = NULL;
+  int rc = stage_begin(s, device, &saved, &stream);
+  if (rc != 0)
+    return rc;
+  size_t chunks = (n + s->chunk - 1) / s->chunk;
+  /* As fr_cuda_stage_out: copy i+1 queued (inside the gate) before chunk i is used. */
+  for (size_t i = 0; i <= chunks && rc == 0; i++) {
+    if (i < chunks) {
+      size_t off = i * s->chunk, len = n - off < s->chunk ? n - off : s->chunk;
+      rc = gated_copy(gate, stream, s->buf[i % 2], (const uint8_t *)src + off, len, s->done[i % 2]);
+    }
+    if (i > 0 && rc == 0) {
+      size_t j = i - 1, off = j * s->chunk, len = n - off < s->chunk ? n - off : s->chunk;
+      CUresult r = cu.cuEventSynchronize(s->done[j % 2]);
+      rc = r != CUDA_SUCCESS ? cu_fail(r, "cuEventSynchronize (staging)")
+                             : use(arg, s->buf[j % 2], len);
+    }
+  }
+  if (rc != 0)
+    cu.cuStreamSynchronize(stream); /* nothing of ours still writes the buffers */
+  leave(saved);
+  return rc;
+}
+
+void fr_cuda_gate_event_finish(int device, void *event) {
+  CUcontext saved;
+  if (!event || enter(device, &saved) != 0)
+    return;
+  cu.cuEventSynchronize((CUevent)event);
+  cu.cuEventDestroy((CUevent)event);
+  leave(saved);
+}
+
 int fr_cuda_stage_in(fr_cuda_stager *s, int device, void *dst, size_t n,
                      int (*fill)(void *arg, void *buf, size_t len), void *arg) {
   CUcontext saved;

@@ -86,6 +86,22 @@ int fr_cuda_stager_open(size_t chunk, fr_cuda_stager **out);
 void fr_cuda_stager_close(fr_cuda_stager *s);
 int fr_cuda_stage_out(fr_cuda_stager *s, int device, const void *src, size_t n,
                       int (*use)(void *arg, const void *buf, size_t len), void *arg);
+/* fr_cuda_stage_out for memory its owner may free meanwhile (a registered region): each chunk's
+ * copy is queued between gate->enter (non-zero: stop, and return that) and gate->leave, with
+ * *gate->event (a CUDA event, made at the first copy) recorded after it, so that whoever stops
+ * new copies (enter fails) and waits for the copies being queued can wait for the last one
+ * queued with fr_cuda_gate_event_finish(device, *event), which also destroys the event. The
+ * `use` of a chunk (a send, paced by a peer) runs outside the gate. */
+typedef struct fr_cuda_gate {
+  int (*enter)(void *arg);
+  void (*leave)(void *arg);
+  void *arg;
+  void **event;
+} fr_cuda_gate;
+int fr_cuda_stage_out_gated(fr_cuda_stager *s, int device, const void *src, size_t n,
+                            const fr_cuda_gate *gate,
+                            int (*use)(void *arg, const void *buf, size_t len), void *arg);
+void fr_cuda_gate_event_finish(int device, void *event);
 /* The other way: host bytes into [dst, dst+n) of `device`, chunk by chunk: fill(arg, buf, len)
  * writes each chunk into a staging buffer, in order, and its host → device copy runs while the
  * next chunk is filled into the other buffer; a non-zero return of `fill` stops it and is

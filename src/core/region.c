@@ -16,6 +16,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 void fr_region_table_init(fr_region_table *t) {
@@ -288,6 +289,74 @@ static bool cache_keep(fr_region_table *t, fr_region *r) {
   return true;
 }
 
+void (*fr_region_test_draining)(const fr_region *r);
+void (*fr_region_test_serving)(const fr_region *r);
+void (*fr_region_test_copying)(const fr_region *r);
+void (*fr_region_test_receiving)(const fr_region *r);
+
+/* Wakes a deregistration waiting for the last use of a region's bytes to end (wait_uses). */
+static pthread_mutex_t drain_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t drain_cond = PTHREAD_COND_INITIALIZER;
+
+bool fr_region_use_begin(fr_region *r) {
+  if (!fr_region_is_registered(r))
+    return true;
+  uint32_t now = __atomic_load_n(&r->users, __ATOMIC_RELAXED);
+  do
+    if (now & FR_REGION_GONE) {
+      fr_err(FERRY_ENOTFOUND, "region %llu was deregistered", (unsigned long long)r->id);
+      return false;
+    }
+  while (!__atomic_compare_exchange_n(&r->users, &now, now + 1, true, __ATOMIC_ACQUIRE,
+                                      __ATOMIC_RELAXED));
+  return true;
+}
+
+void fr_region_use_end(fr_region *r) {
+  if (!fr_region_is_registered(r))
+    return;
+  if (__atomic_sub_fetch(&r->users, 1, __ATOMIC_RELEASE) == FR_REGION_GONE) {
+    pthread_mutex_lock(&drain_lock); /* the waiter checks under it: no wake-up is lost */
+    pthread_cond_broadcast(&drain_cond);
+    pthread_mutex_unlock(&drain_lock);
+  }
+}
+
+/* Marks registered memory gone (no use begins any more) and waits for the uses on to end. */
+static int wait_uses(fr_region *r) {
+  if (__atomic_fetch_or(&r->users, FR_REGION_GONE, __ATOMIC_ACQ_REL) == 0)
+    return 0;
+  if (fr_region_test_draining)
+    fr_region_test_draining(r);
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until);
+  until.tv_sec += FR_REGION_DRAIN_MS / 1000;
+  int rc = 0;
+  pthread_mutex_lock(&drain_lock);
+  while (rc == 0 && __atomic_load_n(&r->users, __ATOMIC_ACQUIRE) != FR_REGION_GONE)
+    rc = pthread_cond_timedwait(&drain_cond, &drain_lock, &until);
+  pthread_mutex_unlock(&drain_lock);
+  if (__atomic_load_n(&r->users, __ATOMIC_ACQUIRE) == FR_REGION_GONE)
+    return 0;
+  fr_warn("region %llu: a copy of its bytes still runs %d ms after its deregistration began; "
+          "its memory must not be freed",
+          (unsigned long long)r->id, FR_REGION_DRAIN_MS);
+  return fr_err(FERRY_ETIMEDOUT,
+                "region %llu deregistered, but a copy of its bytes still runs: do not free them",
+                (unsigned long long)r->id);
+}
+
+/* Marks registered memory gone (no use begins any more) and waits for the uses on to end, then
+ * for the device copies they queued (fr_cuda_gate: none is queued after). */
+static int drain_uses(fr_region *r) {
+  int rc = wait_uses(r);
+  if (rc == 0 && r->copy_event) {
+    fr_cuda_gate_event_finish(r->device, r->copy_event);
+    r->copy_event = NULL;
+  }
+  return rc;
+}
+
 int fr_region_remove(fr_region_table *t, uint64_t id, const void *data) {
   pthread_mutex_lock(&t->lock);
   ssize_t i = table_index(t, id, data);
@@ -304,9 +373,10 @@ int fr_region_remove(fr_region_table *t, uint64_t id, const void *data) {
                                 __ATOMIC_RELEASE, __ATOMIC_RELAXED);
   bool kept = alive == FR_SHM_ALIVE && cache_keep(t, r);
   pthread_mutex_unlock(&t->lock);
+  int rc = fr_region_is_registered(r) ? drain_uses(r) : 0;
   if (!kept)
     fr_region_release(r);
-  return 0;
+  return rc;
 }
 
 int fr_region_acquire(fr_region_table *t, uint64_t id, uint64_t key, uint64_t off, uint64_t len,

@@ -77,6 +77,10 @@ typedef struct fr_region {
   size_t map_bytes;
   fr_region_mem mem; /* transport memory (release NULL: none) */
   int refs;          /* atomic; the table holds one while the region is listed */
+  /* Registered memory only: threads of this process touching its bytes right now
+   * (fr_region_use_begin), with FR_REGION_GONE set once it is deregistered; atomic. */
+  uint32_t users;
+  void *copy_event; /* CUDA: recorded after each staged copy out of it (fr_cuda_gate) */
   /* Registered CUDA memory (kind FERRY_MEM_CUDA): data is a device address, never touched by
    * the CPU. Peers on this host map it through a CUDA IPC handle, made at the first MAP request
    * under the table's lock (ipc_ready); others get its bytes staged through host memory. */
@@ -123,8 +127,34 @@ int fr_region_add_registered(fr_region_table *t, void *ptr, size_t len, fr_regio
 /* The IPC handle of a CUDA region, made on first use. */
 int fr_region_cuda_ipc(fr_region_table *t, fr_region *r, fr_cuda_ipc *out);
 /* Unlists a region (by id, or by its data pointer when id == 0) and drops the table's ref;
- * a shared region's header is marked freed first. */
+ * a shared region's header is marked freed first. Registered memory: it also waits until no
+ * thread of this process touches its bytes (fr_region_use_begin); every such use is short by
+ * construction (a copy of a chunk, queuing one for CUDA memory, a non-blocking receive, never a
+ * send to a peer), so the wait is too; then for the device copies queued from it to finish.
+ * FERRY_ETIMEDOUT when a use is still on after FR_REGION_DRAIN_MS (a hung device copy): the region
+ * is unlisted all the same, but its memory must not be freed. */
 int fr_region_remove(fr_region_table *t, uint64_t id, const void *data);
+
+/* The bytes of registered memory belong to its caller, who may free them as soon as
+ * ferry_deregister returned; a reference (fr_region_acquire) keeps only the record. A thread
+ * touches them between fr_region_use_begin (false, FERRY_ENOTFOUND set, once deregistered) and
+ * fr_region_use_end, and never holds that across anything a peer paces (a send, a blocking
+ * receive): it copies a chunk out (or a received chunk in) and lets go. Shared regions need no
+ * use: their memory lives until their last reference is dropped (begin is always true). */
+#define FR_REGION_GONE 0x80000000u
+#define FR_REGION_DRAIN_MS 10000
+bool fr_region_use_begin(fr_region *r);
+void fr_region_use_end(fr_region *r);
+/* Whether r is caller memory (ferry_register): its bytes are reached between use_begin/end. */
+static inline bool fr_region_is_registered(const fr_region *r) { return r->map == NULL; }
+/* Test hooks (NULL in production): called by fr_region_remove when it starts waiting for a use
+ * of r to end; by a server thread once it took a staged read of r, before any byte of it; and by
+ * a staged read inside a use of r, before it copies a chunk. */
+extern void (*fr_region_test_draining)(const fr_region *r);
+extern void (*fr_region_test_serving)(const fr_region *r);
+extern void (*fr_region_test_copying)(const fr_region *r);
+/* ... and by a link's receive of a peer's write into r, before it writes a chunk of it. */
+extern void (*fr_region_test_receiving)(const fr_region *r);
 
 /* Looks a region up for a peer's access: checks the key and that [off, off+len) lies inside.
  * FERRY_ENOTFOUND, FERRY_EACCES or FERRY_ERANGE; on success *out holds a reference. */

@@ -67,7 +67,11 @@ void fr_store_devpool_free(ferry_store *s, uint64_t off, uint64_t bytes) {
 void fr_store_devpool_close(ferry_store *s) {
   if (!s->dev.mem)
     return;
-  if (ferry_deregister(s->ctx, s->dev.ref.id) != 0 || fr_cuda_free(s->dev.mem) != 0)
+  /* ferry_deregister returns once no thread of this process copies from it any more (a tcp
+   * reader's staged read: core/region.h); should a copy hang, the pool is left allocated */
+  if (ferry_deregister(s->ctx, s->dev.ref.id) != 0)
+    fr_warn("store '%s': the device pool stays allocated: %s", s->name, ferry_last_error());
+  else if (fr_cuda_free(s->dev.mem) != 0)
     fr_warn("store '%s': freeing the device pool: %s", s->name, ferry_last_error());
   fr_pool_fini(&s->dev.pool);
   s->dev.mem = NULL;

@@ -4,7 +4,8 @@
  * drains a pollable link itself), request/response pairing for one-sided reads and writes, and
  * sending. Payloads move without intermediate buffers: a read response is received straight into
  * the requester's destination, a write straight into the owner's region, and sends are one
- * sendmsg of header + caller iovecs.
+ * sendmsg of header + caller iovecs; a read response of registered memory excepted, whose bytes
+ * its caller may free once deregistered: copied out a chunk at a time (core/region.h).
  *
  * This file makes and ends links, sends frames, and pairs requests (user threads) with their
  * answers; the handshake is in link_handshake.c, the receive state machine and the requests it
@@ -130,12 +131,6 @@ void fr_link_fail(ferry_link *l, int status, const char *why) {
 
 /* ---- sending ---- */
 
-/* A payload of CUDA memory: sent through host memory by the stager, chunk by chunk. */
-typedef struct staged_payload {
-  int device;
-  fr_cuda_stager *stager;
-} staged_payload;
-
 typedef struct staged_send {
   ferry_link *l;
   uint64_t deadline_ns;
@@ -147,8 +142,39 @@ static int send_staged_chunk(void *arg, const void *buf, size_t len) {
   return s->l->ops->sendv(s->l, &v, 1, -1, s->deadline_ns);
 }
 
+static int gate_enter(void *arg) {
+  if (!fr_region_use_begin(arg))
+    return FERRY_ENOTFOUND;
+  if (fr_region_test_copying)
+    fr_region_test_copying(arg);
+  return 0;
+}
+static void gate_leave(void *arg) { fr_region_use_end(arg); }
+
+/* [src, src+n) of the stage's region out, a chunk at a time: each copied into host memory
+ * while the region's bytes are in use (fr_region_use_begin: its owner may free them once
+ * deregistered), sent after. */
+static int send_staged(const fr_link_stage *st, const uint8_t *src, size_t n, staged_send *ss) {
+  fr_cuda_gate gate = {gate_enter, gate_leave, st->region, &st->region->copy_event};
+  if (st->region->kind == FERRY_MEM_CUDA)
+    return fr_cuda_stage_out_gated(st->stager, st->region->device, src, n, &gate, send_staged_chunk,
+                                   ss);
+  int rc = 0;
+  for (size_t off = 0; off < n && rc == 0; off += st->chunk) {
+    size_t len = n - off < st->chunk ? n - off : st->chunk;
+    if ((rc = gate_enter(st->region)) != 0)
+      break;
+    FR_ONE_SIDED_READ_BEGIN(); /* the owner may be rewriting them (core.h) */
+    memcpy(st->buf, src + off, len);
+    FR_ONE_SIDED_READ_END();
+    gate_leave(st->region);
+    rc = send_staged_chunk(ss, st->buf, len);
+  }
+  return rc;
+}
+
 static int send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
-                      int fd_out, uint64_t deadline_ns, bool quiet, const staged_payload *staged) {
+                      int fd_out, uint64_t deadline_ns, bool quiet, const fr_link_stage *staged) {
   uint8_t hdr[FR_FRAME_BYTES];
   fr_frame_encode(f, hdr);
   int inline_cnt = staged ? 0 : iovcnt; /* a staged payload follows the header by itself */
@@ -170,8 +196,7 @@ static int send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov,
           : l->ops->sendv(l, v, inline_cnt + 1, fd_out, deadline_ns);
   staged_send ss = {l, deadline_ns};
   for (int i = 0; staged && i < iovcnt && rc == 0; i++)
-    rc = fr_cuda_stage_out(staged->stager, staged->device, iov[i].iov_base, iov[i].iov_len,
-                           send_staged_chunk, &ss);
+    rc = send_staged(staged, iov[i].iov_base, iov[i].iov_len, &ss);
   l->quiet = false;
   if (rc == 0) { /* plain stores under send_lock; a snapshot reads them relaxed */
     __atomic_store_n(&l->tx_bytes, l->tx_bytes + FR_FRAME_BYTES + f->len, __ATOMIC_RELAXED);
@@ -190,10 +215,9 @@ int fr_link_send_frame(ferry_link *l, const fr_frame *f, const struct iovec *iov
   return send_frame(l, f, iov, iovcnt, fd_out, deadline_ns, false, NULL);
 }
 
-int fr_link_send_frame_device(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
-                              int device, fr_cuda_stager *stager, uint64_t deadline_ns) {
-  staged_payload staged = {device, stager};
-  return send_frame(l, f, iov, iovcnt, -1, deadline_ns, false, &staged);
+int fr_link_send_frame_staged(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
+                              const fr_link_stage *stage, uint64_t deadline_ns) {
+  return send_frame(l, f, iov, iovcnt, -1, deadline_ns, false, stage);
 }
 
 int fr_link_send_frame_quiet(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,

@@ -15,6 +15,31 @@
 
 #define FR_INLINE_RESPONSE_MAX (64u * 1024u) /* larger read responses go to the server thread */
 
+/* Where a payload nobody wants is received, and where an inline read response of registered
+ * memory is copied before it goes out (inline_bytes): never holding anything between calls. */
+static _Thread_local uint8_t scratch[FR_INLINE_RESPONSE_MAX];
+
+/* The iovecs of an inline read response (at most FR_INLINE_RESPONSE_MAX bytes in all). A shared
+ * region's bytes live as long as the reference: sent from where they are. Registered memory's
+ * caller may free them once deregistered (core/region.h), and a send may wait for the peer: they
+ * are copied into scratch while in use, and sent from there. FERRY_ENOTFOUND once deregistered. */
+static int inline_bytes(fr_region *reg, struct iovec *iov, uint32_t n) {
+  if (!fr_region_is_registered(reg))
+    return 0;
+  if (!fr_region_use_begin(reg))
+    return FERRY_ENOTFOUND;
+  uint8_t *at = scratch;
+  FR_ONE_SIDED_READ_BEGIN(); /* the owner may be rewriting them (core.h) */
+  for (uint32_t i = 0; i < n; i++) {
+    memcpy(at, iov[i].iov_base, iov[i].iov_len);
+    iov[i].iov_base = at;
+    at += iov[i].iov_len;
+  }
+  FR_ONE_SIDED_READ_END();
+  fr_region_use_end(reg);
+  return 0;
+}
+
 /* ---- serving requests (the receive machine's thread; large responses: server.c) ---- */
 
 static int on_read_request(ferry_link *l) {
@@ -39,8 +64,10 @@ static int on_read_request(ferry_link *l) {
   }
   fr_frame f = {.type = FR_READ_RESP, .req_id = l->rx_frame.req_id, .len = r.length};
   struct iovec iov = {reg->data + r.offset, r.length};
+  if ((f.status = inline_bytes(reg, &iov, 1)) != 0)
+    f.len = 0;
   FR_ONE_SIDED_READ_BEGIN(); /* the owner may be rewriting them (core.h) */
-  rc = fr_link_send_frame(l, &f, &iov, 1, -1, fr_deadline_ns(l->ctx->timeout_ms));
+  rc = fr_link_send_frame(l, &f, &iov, f.len ? 1 : 0, -1, fr_deadline_ns(l->ctx->timeout_ms));
   FR_ONE_SIDED_READ_END();
   fr_region_release(reg);
   return rc;
@@ -76,9 +103,11 @@ static int on_readv_request(ferry_link *l, const uint8_t *body, size_t len) {
   struct iovec iov[FR_READV_MAX_RUNS];
   for (uint32_t i = 0; i < h.count; i++)
     iov[i] = (struct iovec){reg->data + runs[i].offset, runs[i].length};
-  f.len = h.total;
+  f.status = inline_bytes(reg, iov, h.count);
+  f.len = f.status ? 0 : h.total;
   FR_ONE_SIDED_READ_BEGIN(); /* the owner may be rewriting them (core.h) */
-  rc = fr_link_send_frame(l, &f, iov, (int)h.count, -1, fr_deadline_ns(l->ctx->timeout_ms));
+  rc = fr_link_send_frame(l, &f, iov, f.len ? (int)h.count : 0, -1,
+                          fr_deadline_ns(l->ctx->timeout_ms));
   FR_ONE_SIDED_READ_END();
   fr_region_release(reg);
   free(runs);
@@ -395,8 +424,6 @@ static int payload_done(ferry_link *l) {
   return rc;
 }
 
-static _Thread_local uint8_t discard_buf[64 * 1024];
-
 /* Runs the handlers of every unit (header, body, payload) that is complete, until the state
  * machine waits for bytes again. */
 static int rx_advance(ferry_link *l) {
@@ -420,6 +447,22 @@ static int rx_advance(ferry_link *l) {
   }
 }
 
+/* Begins writing a payload into its destination: one in registered memory (a peer's write) is
+ * written while in use (fr_region_use_begin, a non-blocking receive or a copy at a time); once
+ * deregistered, the rest of it is discarded and the writer told FERRY_ENOTFOUND. Returns
+ * whether fr_region_use_end is owed. */
+static bool rx_dst_begin(ferry_link *l) {
+  if (!l->rx_region || !l->rx_dst || l->rx_phase != FR_RX_PAYLOAD)
+    return false;
+  if (fr_region_test_receiving)
+    fr_region_test_receiving(l->rx_region);
+  if (fr_region_use_begin(l->rx_region))
+    return true;
+  l->rx_dst = NULL;
+  l->rx_frame.status = FERRY_ENOTFOUND;
+  return false;
+}
+
 /* Feeds staged bytes to the state machine. */
 static int rx_take_staged(ferry_link *l) {
   while (l->rx_stage_pos < l->rx_stage_len) {
@@ -427,10 +470,13 @@ static int rx_take_staged(ferry_link *l) {
     size_t avail = l->rx_stage_len - l->rx_stage_pos, n;
     if (l->rx_phase == FR_RX_PAYLOAD) {
       n = avail < l->rx_left ? avail : (size_t)l->rx_left;
+      bool in_use = rx_dst_begin(l);
       if (l->rx_dst) {
         memcpy(l->rx_dst, src, n);
         l->rx_dst += n;
       }
+      if (in_use)
+        fr_region_use_end(l->rx_region);
       l->rx_left -= n;
     } else {
       uint8_t *dst = l->rx_phase == FR_RX_HEADER ? l->rx_header : l->rx_body;
@@ -464,11 +510,14 @@ static int rx_drain(ferry_link *l) {
     if (rc != 0)
       return rc;
     bool direct = l->rx_phase == FR_RX_PAYLOAD && l->rx_left >= sizeof l->rx_stage;
-    uint8_t *dst = direct ? (l->rx_dst ? l->rx_dst : discard_buf) : l->rx_stage;
+    bool in_use = direct && rx_dst_begin(l);
+    uint8_t *dst = direct ? (l->rx_dst ? l->rx_dst : scratch) : l->rx_stage;
     size_t want = direct ? (size_t)l->rx_left : sizeof l->rx_stage;
-    if (direct && !l->rx_dst && want > sizeof discard_buf)
-      want = sizeof discard_buf;
+    if (direct && !l->rx_dst && want > sizeof scratch)
+      want = sizeof scratch;
     ssize_t n = l->ops->recv(l, dst, want);
+    if (in_use)
+      fr_region_use_end(l->rx_region);
     if (n == -EAGAIN || n == -EWOULDBLOCK)
       return 0;
     if (n <= 0)

@@ -1,11 +1,11 @@
 /*
  * The server thread of a context: it sends large read responses (fr_ctx_serve_later) so that the
  * thread driving the links never blocks on a slow reader (and every read of a CUDA region, whose
- * bytes it stages through host memory), and answers calls for the ctx's metrics
- * (FR_CHANNEL_STATS), which a collector's locks must not make that thread wait for. Calls for the
- * metrics have a queue of their own, served first: a fleet view asks every node within one
- * budget, and its call must not wait behind bulk responses queued for a reader (at most the one
- * being sent).
+ * bytes it stages through host memory, as those of registered host memory), and answers calls for
+ * the ctx's metrics (FR_CHANNEL_STATS), which a collector's locks must not make that thread wait
+ * for. Calls for the metrics have a queue of their own, served first: a fleet view asks every node
+ * within one budget, and its call must not wait behind bulk responses queued for a reader (at most
+ * the one being sent).
  */
 #include "transport/ctx_impl.h"
 
@@ -113,25 +113,52 @@ static void answer_stats(ferry_ctx *ctx, ferry_msg *req) {
   ferry_msg_free(req);
 }
 
-/* The bytes a read asked for: from host memory in one send; from a CUDA region through this
- * thread's staging buffers (made at the first such read), chunk by chunk. */
-static void send_read_response(ferry_ctx *ctx, fr_serve_job *j, fr_cuda_stager **stager) {
+/* How much of registered host memory one step copies out before sending it (server_stage). */
+#define FR_SERVE_HOST_CHUNK (256u * 1024u)
+
+/* The thread's staging: CUDA memory through its stager, registered host memory through a buffer
+ * of FR_SERVE_HOST_CHUNK (each made at the first read that needs it). */
+typedef struct server_stage {
+  fr_cuda_stager *stager;
+  uint8_t *buf;
+} server_stage;
+
+static int stage_ready(server_stage *st, const fr_region *r) {
+  if (r->kind == FERRY_MEM_CUDA)
+    return st->stager ? 0 : fr_cuda_stager_open(fr_cuda_chunk_bytes(), &st->stager);
+  if (!st->buf && !(st->buf = malloc(FR_SERVE_HOST_CHUNK)))
+    return fr_err(FERRY_ENOMEM, "read response staging buffer");
+  return 0;
+}
+
+/* The bytes a read asked for. A shared region's live as long as the job's reference: one send
+ * straight from them. Registered memory's caller may free them once ferry_deregister returned
+ * (core/region.h), and a send waits for the peer: they go staged, each chunk copied out while in
+ * use and sent after (fr_link_send_frame_staged), CUDA memory through the stager. */
+static void send_read_response(ferry_ctx *ctx, fr_serve_job *j, server_stage *st) {
   fr_frame f = {.type = FR_READ_RESP, .req_id = j->req_id, .len = j->len};
   struct iovec iov[FR_READV_MAX_RUNS] = {{j->region->data + j->off, j->len}};
   for (uint32_t i = 0; i < j->nruns; i++)
     iov[i] = (struct iovec){j->region->data + j->runs[i].offset, j->runs[i].length};
   int n = j->runs ? (int)j->nruns : 1;
   uint64_t deadline = fr_deadline_ns(ctx->timeout_ms);
-  if (j->region->kind != FERRY_MEM_CUDA) {
+  if (!fr_region_is_registered(j->region)) {
     FR_ONE_SIDED_READ_BEGIN(); /* the owner may be rewriting them (core.h) */
     fr_link_send_frame(j->link, &f, iov, n, -1, deadline);
     FR_ONE_SIDED_READ_END();
     return;
   }
-  int rc = *stager ? 0 : fr_cuda_stager_open(fr_cuda_chunk_bytes(), stager);
+  if (fr_region_test_serving)
+    fr_region_test_serving(j->region);
+  int rc = stage_ready(st, j->region);
+  if (rc == 0 && fr_region_use_begin(j->region)) /* deregistered already: the reader is told */
+    fr_region_use_end(j->region);
+  else if (rc == 0)
+    rc = FERRY_ENOTFOUND;
+  fr_link_stage stage = {j->region, st->stager, st->buf, FR_SERVE_HOST_CHUNK};
   if (rc == 0)
-    rc = fr_link_send_frame_device(j->link, &f, iov, n, j->region->device, *stager, deadline);
-  if (rc != 0 && !*stager) { /* nothing sent yet: the reader gets the error */
+    rc = fr_link_send_frame_staged(j->link, &f, iov, n, &stage, deadline);
+  else { /* nothing sent yet: the reader gets the error */
     f = (fr_frame){.type = FR_READ_RESP, .req_id = j->req_id, .status = rc};
     fr_link_send_frame(j->link, &f, NULL, 0, -1, deadline);
   }
@@ -139,7 +166,7 @@ static void send_read_response(ferry_ctx *ctx, fr_serve_job *j, fr_cuda_stager *
 
 void *fr_ctx_server_main(void *arg) {
   ferry_ctx *ctx = arg;
-  fr_cuda_stager *stager = NULL;
+  server_stage stage = {0};
   for (;;) {
     pthread_mutex_lock(&ctx->serve_lock);
     while (!ctx->serve_head && !ctx->stats_head && !fr_ctx_stopping(ctx))
@@ -147,7 +174,8 @@ void *fr_ctx_server_main(void *arg) {
     fr_serve_job *j = next_job(ctx);
     pthread_mutex_unlock(&ctx->serve_lock);
     if (!j) {
-      fr_cuda_stager_close(stager);
+      fr_cuda_stager_close(stage.stager);
+      free(stage.buf);
       return NULL;
     }
     if (j->stats) {
@@ -156,7 +184,7 @@ void *fr_ctx_server_main(void *arg) {
       continue;
     }
     if (!fr_ctx_stopping(ctx))
-      send_read_response(ctx, j, &stager);
+      send_read_response(ctx, j, &stage);
     free(j->runs);
     fr_region_release(j->region);
     fr_link_unref(j->link);

@@ -389,10 +389,19 @@ int fr_link_read_bounced(ferry_link *l, const ferry_region_ref *r, uint64_t off,
                          size_t len, int device, int timeout_ms);
 int fr_link_write_bounced(ferry_link *l, const ferry_region_ref *r, uint64_t off, const void *src,
                           size_t len, int device, int timeout_ms);
-/* A READ_RESP whose payload is CUDA memory of `device`: the header, then the bytes staged through
- * host memory by `stager`, all under the send lock. */
-int fr_link_send_frame_device(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
-                              int device, fr_cuda_stager *stager, uint64_t deadline_ns);
+/* A READ_RESP whose payload is registered memory (its owner may free it once deregistered,
+ * core/region.h): the header, then the bytes staged through host memory a chunk at a time (CUDA
+ * memory by `stager`, host memory through buf, `chunk` bytes), each copied while the region's
+ * bytes are in use and sent after, all under the send lock. A deregistration stops it between
+ * chunks (FERRY_ENOTFOUND; the frame is cut short, so the link fails). */
+typedef struct fr_link_stage {
+  fr_region *region;
+  fr_cuda_stager *stager; /* CUDA memory */
+  uint8_t *buf;           /* host memory */
+  size_t chunk;
+} fr_link_stage;
+int fr_link_send_frame_staged(ferry_link *l, const fr_frame *f, const struct iovec *iov,
+                              int iovcnt, const fr_link_stage *stage, uint64_t deadline_ns);
 /* Stream operations over the link's socket, for transports' sendv/recv. */
 int fr_link_sock_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
                        uint64_t deadline_ns);
