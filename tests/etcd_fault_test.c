@@ -315,8 +315,8 @@ static void calls_fail(fr_dir *d, ferry_store *w, ferry_store *r, const char **s
   within(t0, CALL_MS, "an object lookup", rc);
   failed_clearly(rc, "an object lookup without a quorum");
   names_quorum("an object lookup");
-  /* the stores' calls share their client with their lease renewals: a call may also say it
-   * waited behind one ("the connection stayed busy with another call") */
+  /* a store's lease renewals go on a connection of their own (and its calls on the first free
+   * of a few): a call is sent, and its error says what etcd did */
   failed_clearly(put_seed(w, "q/after", 99), "a put without a quorum");
   failed_clearly(get_seed(r, "q/never-put", 0, CALL_MS), "a get of a key never put");
 }
