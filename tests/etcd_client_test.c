@@ -59,6 +59,7 @@ struct proxy {
   int held_fd; /* lock: the connection it came on */
   relay conns[MAX_CONNS];
   int nconns; /* lock */
+  int txns;   /* lock: /v3/kv/txn requests relayed */
 };
 
 static int write_all(int fd, const char *p, size_t n) {
@@ -103,6 +104,7 @@ static bool take_hold(proxy *p, const char *r, size_t n, int fd) {
   pthread_mutex_lock(&p->lock);
   snprintf(line, sizeof line, "POST %s ", p->hold);
   bool hold = p->hold[0] && n > strlen(line) && memcmp(r, line, strlen(line)) == 0;
+  p->txns += !hold && n > 16 && memcmp(r, "POST /v3/kv/txn ", 16) == 0;
   if (hold && (p->held = malloc(n)) != NULL) {
     memcpy(p->held, r, n);
     p->held_n = n;
@@ -509,12 +511,80 @@ static void test_etcd_late_put(void **state) {
   teardown(&e, &p, d);
 }
 
+/* The txns the proxy relayed so far. */
+static int txns(proxy *p) {
+  pthread_mutex_lock(&p->lock);
+  int n = p->txns;
+  pthread_mutex_unlock(&p->lock);
+  return n;
+}
+
+/* The delete marker of an object key as the client picks it (etcd_client.c's marker_of). */
+static unsigned marker(const char *key) {
+  uint32_t h = 2166136261u;
+  for (const unsigned char *c = (const unsigned char *)key; *c; c++)
+    h = (h ^ *c) * 16777619u;
+  return h % 256;
+}
+
+/* A batch of 10 puts of one owner goes in one txn; when another client deleted a key that
+ * shares its delete marker with one of them since this client last heard from etcd, that txn
+ * fails its compare, and the batch is sent again whole: two txns, every put landed (not one txn
+ * and then ten, put by put). */
+static void test_etcd_batch_after_delete(void **state) {
+  (void)state;
+  su_etcd e;
+  proxy p;
+  fr_dir *d, *other;
+  if (!setup(&e, &p, &d))
+    return;
+  char url[600];
+  snprintf(url, sizeof url, "etcd://%s", e.endpoints);
+  FR_OK(fr_dir_open(NULL, url, 5000, &other));
+  fr_dir_node n = node_named("batcher", 9);
+  FR_OK(d->ops->node_put(d->state, &n, 30000, 0, NULL, 5000));
+  enum { N = 10 };
+  fr_dir_object objs[N], replaced[N];
+  int status[N];
+  bool had_other[N];
+  for (int i = 0; i < N; i++) {
+    char key[32];
+    snprintf(key, sizeof key, "batch/%d", i);
+    objs[i] = object_of(key, n.name, 1);
+  }
+  char twin[32] = ""; /* another key with batch/0's marker */
+  for (int i = 0; !twin[0] && i < 100000; i++) {
+    char k[32];
+    snprintf(k, sizeof k, "twin/%d", i);
+    if (marker(k) == marker("batch/0"))
+      snprintf(twin, sizeof twin, "%s", k);
+  }
+  assert_true(twin[0] != '\0');
+  int before = txns(&p);
+  FR_OK(d->ops->obj_put_batch(d->state, objs, N, 0, status, replaced, had_other, 5000));
+  assert_int_equal(txns(&p) - before, 1);
+  assert_int_equal(other->ops->obj_del(other->state, twin, "", 0, NULL, 5000), FERRY_ENOTFOUND);
+  for (int i = 0; i < N; i++)
+    objs[i].generation = 2;
+  before = txns(&p);
+  FR_OK(d->ops->obj_put_batch(d->state, objs, N, 0, status, replaced, had_other, 5000));
+  for (int i = 0; i < N; i++) {
+    assert_int_equal(status[i], 0);
+    assert_int_equal(generation_of(d, objs[i].key), 2);
+  }
+  assert_int_equal(txns(&p) - before, 2);
+  FR_OK(d->ops->node_del(d->state, n.name, n.incarnation, 5000));
+  fr_dir_close(other);
+  teardown(&e, &p, d);
+}
+
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_etcd_renewal_beside_held_call),
       cmocka_unit_test(test_etcd_call_beside_held_call),
       cmocka_unit_test(test_etcd_late_put),
+      cmocka_unit_test(test_etcd_batch_after_delete),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */
   return cmocka_run_group_tests(tests, NULL, NULL);

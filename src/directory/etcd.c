@@ -418,15 +418,18 @@ static int etcd_obj_put(void *st, const fr_dir_object *o, unsigned flags, fr_dir
 }
 
 /* n objects of one owner (distinct keys, n <= GROUP_MAX) in one txn: the owner's node still on
- * `lease`, each key and its delete marker unchanged, then every put. *done false: the owner's
+ * `lease`, each key and its delete marker unchanged, then every put. *again: it failed with the
+ * owner's node still on `lease` (a key or marker moved since this client last heard from etcd:
+ * the answer told it the newer revision, and the group is sent again). *done false: the owner's
  * registration is not what the lease cache says (the caller puts them one by one, which finds out).
  */
 static int put_group(fr_etcd *e, const fr_dir_object *objs, size_t n, int64_t lease, int *status,
-                     fr_dir_object *replaced, bool *had_other, bool *done, uint64_t deadline,
-                     int timeout_ms) {
+                     fr_dir_object *replaced, bool *had_other, bool *done, bool *again,
+                     uint64_t deadline, int timeout_ms) {
   char nk[FR_ETCD_KEY_BYTES];
   size_t nn = fr_etcd_key_of(e, 'n', objs[0].owner, nk);
-  json_t *compare = json_array(), *success = json_array(), *j, *resp;
+  json_t *compare = json_array(), *success = json_array(), *failure = json_array(), *j, *resp;
+  json_array_append_new(failure, fr_etcd_op_range(nk, nn));
   json_array_append_new(compare, fr_etcd_cmp(nk, nn, "LEASE", "lease", lease));
   for (size_t i = 0; i < n; i++) {
     uint8_t buf[FR_ETCD_RECORD_MAX];
@@ -439,9 +442,12 @@ static int put_group(fr_etcd *e, const fr_dir_object *objs, size_t n, int64_t le
     json_array_append_new(success, fr_etcd_op_put(ok, on, w.p, w.len, lease));
     fr_wr_free(&w);
   }
-  int rc = fr_etcd_txn(e, compare, success, NULL, &j, done, &resp, deadline, timeout_ms);
+  int rc = fr_etcd_txn(e, compare, success, failure, &j, done, &resp, deadline, timeout_ms);
   if (rc != 0)
     return rc;
+  fr_etcd_kv node;
+  *again = !*done && fr_etcd_range_kv(fr_etcd_response(resp, 0, "response_range"), &node) &&
+           node.found && node.lease == lease; /* a key or its marker moved since: send it again */
   for (size_t i = 0; *done && i < n; i++) {
     put_replaced(&objs[i], json_object_get(fr_etcd_response(resp, i, "response_put"), "prev_kv"),
                  &replaced[i], &had_other[i]);
@@ -473,12 +479,13 @@ static int etcd_obj_put_batch(void *st, const fr_dir_object *objs, size_t n, uns
   for (size_t i = 0; i < n;) {
     size_t m = flags & FR_DIR_PUT_KEEP_OTHERS ? 1 : group_of(objs + i, n - i);
     int64_t lease = m > 1 ? fr_etcd_lease_cached(e, objs[i].owner, 0) : 0;
-    bool done = false;
+    bool done = false, again = lease != 0;
     for (size_t k = i; k < i + m; k++)
       had_other[k] = false;
-    int rc = lease ? put_group(e, objs + i, m, lease, status + i, replaced + i, had_other + i,
-                               &done, deadline, timeout_ms)
-                   : 0;
+    int rc = 0;
+    for (int t = 0; rc == 0 && again && t < TRIES; t++)
+      rc = put_group(e, objs + i, m, lease, status + i, replaced + i, had_other + i, &done, &again,
+                     deadline, timeout_ms);
     if (rc != 0)
       return rc;
     for (size_t k = i; !done && k < i + (lease ? m : 1); k++) {
