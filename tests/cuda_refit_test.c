@@ -6,7 +6,9 @@
  * corrupted bucket is still refused (the version never commits, the bytes say torn). In one
  * process: a chain over tcp and a late joiner's catch-up into device memory; an alias sender whose
  * device buffer goes unhashed while every reader is on this host, its checksums taken when a late
- * joiner over tcp first needs them (fr_refit_stat_staged_sums counts them); shards (a dim-1 slice
+ * joiner over tcp first needs them (fr_refit_stat_staged_sums counts them), without the sender's
+ * lock (a push that begins meanwhile returns; the sum is void), and a bucket changed after that
+ * checksum refused; shards (a dim-1 slice
  * and a whole tensor) landing in device memory, and the bindings ferry refuses: device memory
  * shorter than the tensor, and device memory beside a flat buffer. Device bytes are only ever
  * filled and read through ferry_mem_copy, so the same file runs on a GPU with the real driver
@@ -18,10 +20,12 @@
 #include "refit/plan.h"
 #include "refit/refit.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 /* The model: where each tensor lives at the sender and at the receivers, and its cast. */
@@ -604,6 +608,203 @@ static void test_alias_device_lazy_sums(void **st) {
   ferry_ctx_close(sc);
 }
 
+/* A receiver in this process over tcp, binding host memory for the NA tensors of the alias
+ * sender above: it verifies every bucket it catches up with. */
+typedef struct host_rx {
+  ferry_ctx *ctx;
+  ferry_refit_receiver *r;
+  void *dst[NA];
+} host_rx;
+
+static void host_rx_open(host_rx *h, const char *address) {
+  h->ctx = ctx_for("late", "tcp");
+  FR_OK(ferry_refit_receiver_open(h->ctx, address, 5000, &h->r));
+  for (int i = 0; i < NA; i++) {
+    ferry_tensor_desc d = adesc(i);
+    assert_non_null(h->dst[i] = calloc(1, abytes(i)));
+    FR_OK(ferry_refit_bind(h->r, aspecs[i].name, h->dst[i], &d));
+  }
+  (void)ferry_refit_committed(h->r); /* asks to catch up to the latest version */
+}
+
+static bool host_rx_holds(host_rx *h, uint64_t v) {
+  bool all = true;
+  for (int i = 0; i < NA; i++)
+    all &= aholds(h->dst[i], i, v);
+  return all;
+}
+
+static void host_rx_close(host_rx *h) {
+  ferry_refit_receiver_close(h->r);
+  for (int i = 0; i < NA; i++)
+    free(h->dst[i]);
+  ferry_ctx_close(h->ctx);
+}
+
+/* fr_refit_test_hold: the service thread stops the first time it comes to hold_point (hashing a
+ * bucket for a catch-up, in the middle; or sending catch-up frames) until the test lets it go
+ * (hold_state 1 while held, 2 once let go); after 60 s nobody let go of it (3): the test fails
+ * rather than hangs. */
+static pthread_mutex_t hold_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t hold_cv = PTHREAD_COND_INITIALIZER;
+static int hold_state, hold_point;
+
+static void hold_at(int point) {
+  pthread_mutex_lock(&hold_mu);
+  if (hold_state == 0 && point == hold_point) {
+    hold_state = 1;
+    pthread_cond_broadcast(&hold_cv);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 60;
+    while (hold_state == 1 && pthread_cond_timedwait(&hold_cv, &hold_mu, &until) == 0)
+      ;
+    if (hold_state == 1)
+      hold_state = 3;
+  }
+  pthread_mutex_unlock(&hold_mu);
+}
+
+/* Lets hold_at hold the service thread at `point` from now on. */
+static void hold_arm(int point) {
+  hold_state = 0;
+  hold_point = point;
+  __atomic_store_n(&fr_refit_test_hold, hold_at, __ATOMIC_RELEASE);
+}
+
+/* Lets it go; the state it was in (1: still held). */
+static int hold_release(void) {
+  pthread_mutex_lock(&hold_mu);
+  int state = hold_state;
+  hold_state = 2;
+  pthread_cond_broadcast(&hold_cv);
+  pthread_mutex_unlock(&hold_mu);
+  return state;
+}
+
+/* Waits (60 s at most) until hold_at holds the service thread; the state then. */
+static int hold_wait(void) {
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until);
+  until.tv_sec += 60;
+  pthread_mutex_lock(&hold_mu);
+  while (hold_state == 0 && pthread_cond_timedwait(&hold_cv, &hold_mu, &until) == 0)
+    ;
+  int state = hold_state;
+  pthread_mutex_unlock(&hold_mu);
+  return state;
+}
+
+static ferry_refit_sender *alias_device_sender(ferry_ctx *sc, void *src[NA]) {
+  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 8192, .alias = 1};
+  ferry_refit_sender *snd;
+  FR_OK(ferry_refit_sender_open(sc, "trainer", &o, &snd));
+  device_sender_declare(snd, src);
+  return snd;
+}
+
+/* A late joiner's checksum of an unhashed alias device bucket is taken without the sender's lock:
+ * while the service thread is held in the middle of that hash, a push (of a short timeout)
+ * begins and returns; the sum, of the version the push replaced, is void, and the late joiner
+ * then catches up to the push's version, every bucket verified against sums of its own bytes.
+ * On the code that hashed under the lock the push waited for the held hash (60 s: the hold gave
+ * up, state 3). */
+static void test_alias_lazy_sum_unlocked(void **st) {
+  (void)st;
+  if (!have_cuda)
+    skip();
+  ferry_ctx *sc = ctx_for("trainer", "shm,tcp");
+  void *src[NA];
+  ferry_refit_sender *snd = alias_device_sender(sc, src);
+  device_sender_fill(src, 1);
+  FR_OK(ferry_refit_push(snd, 1, NULL)); /* nobody attached: unhashed */
+  hold_arm(FR_REFIT_HOLD_SUM);
+  host_rx late;
+  host_rx_open(&late, ferry_ctx_address(sc));
+  assert_int_equal(hold_wait(), 1); /* the service thread hashes bucket 0 for it, held */
+  device_sender_fill(src, 2);
+  ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = 200};
+  FR_OK(ferry_refit_push(snd, 2, &po)); /* the late joiner stays out: it catches up after */
+  assert_int_equal(hold_release(), 1);  /* still held: the push did not wait for it */
+  FR_OK(ferry_refit_wait(late.r, 2, 20000, NULL));
+  assert_true(host_rx_holds(&late, 2));
+  __atomic_store_n(&fr_refit_test_hold, NULL, __ATOMIC_RELEASE);
+  host_rx_close(&late);
+  ferry_refit_sender_close(snd);
+  device_sender_free(src);
+  ferry_ctx_close(sc);
+}
+
+/* A push waits for the catch-up frames the service thread is sending (they go first) no longer
+ * than its timeout: with the service thread held before it sends a late joiner's frames, a push
+ * of a short timeout returns FERRY_ETIMEDOUT, nothing of it begun; once the frames went, the late
+ * joiner catches up and the next push lands. On the code that waited without a deadline the push
+ * returned only once the hold gave up (60 s), and then pushed. */
+static void test_push_awaits_service_bounded(void **st) {
+  (void)st;
+  if (!have_cuda)
+    skip();
+  ferry_ctx *sc = ctx_for("trainer", "shm,tcp");
+  void *src[NA];
+  ferry_refit_sender *snd = alias_device_sender(sc, src);
+  device_sender_fill(src, 1);
+  FR_OK(ferry_refit_push(snd, 1, NULL));
+  hold_arm(FR_REFIT_HOLD_SEND);
+  host_rx late;
+  host_rx_open(&late, ferry_ctx_address(sc));
+  assert_int_equal(hold_wait(), 1); /* its first catch-up frames queued, not sent */
+  device_sender_fill(src, 2);
+  ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = 200};
+  assert_int_equal(ferry_refit_push(snd, 2, &po), FERRY_ETIMEDOUT);
+  assert_non_null(strstr(ferry_last_error(), "catch-up frames"));
+  assert_int_equal(hold_release(), 1);
+  FR_OK(ferry_refit_wait(late.r, 1, 20000, NULL));
+  assert_true(host_rx_holds(&late, 1));
+  __atomic_store_n(&fr_refit_test_hold, NULL, __ATOMIC_RELEASE);
+  FR_OK(ferry_refit_push(snd, 2, NULL));
+  FR_OK(ferry_refit_wait(late.r, 2, 20000, NULL));
+  assert_true(host_rx_holds(&late, 2));
+  host_rx_close(&late);
+  ferry_refit_sender_close(snd);
+  device_sender_free(src);
+  ferry_ctx_close(sc);
+}
+
+/* The corruption hook reaches a bucket summed lazily: an unhashed push leaves it alone, and the
+ * late joiner's checksum is taken before the hook changes the bytes, so the late joiner (over
+ * tcp, verifying) refuses the bucket and never commits the version; the next push lands. On the
+ * code that corrupted the unhashed push, the later sum was of the corrupt bytes: it committed. */
+static void test_alias_lazy_sum_corrupt(void **st) {
+  (void)st;
+  if (!have_cuda)
+    skip();
+  ferry_ctx *sc = ctx_for("trainer", "shm,tcp");
+  void *src[NA];
+  ferry_refit_sender *snd = alias_device_sender(sc, src);
+  device_sender_fill(src, 1);
+  __atomic_store_n(&fr_refit_test_corrupt, flip_bucket_one, __ATOMIC_RELEASE);
+  FR_OK(ferry_refit_push(snd, 1, NULL)); /* nobody attached: unhashed */
+  host_rx late;
+  host_rx_open(&late, ferry_ctx_address(sc));
+  int rc = 0;
+  for (int i = 0; i < 300; i++) { /* until it commits or fails the version (60 s at most) */
+    rc = ferry_refit_wait(late.r, 1, 200, NULL);
+    if (rc == 0 || strstr(ferry_last_error(), "checksum"))
+      break;
+  }
+  assert_int_equal(rc, FERRY_ETIMEDOUT);
+  assert_non_null(strstr(ferry_last_error(), "does not match its checksum"));
+  __atomic_store_n(&fr_refit_test_corrupt, NULL, __ATOMIC_RELEASE);
+  device_sender_fill(src, 2);
+  FR_OK(ferry_refit_push(snd, 2, NULL)); /* the late joiner is in it, over tcp: hashed */
+  FR_OK(ferry_refit_wait(late.r, 2, 20000, NULL));
+  assert_true(host_rx_holds(&late, 2));
+  host_rx_close(&late);
+  ferry_refit_sender_close(snd);
+  device_sender_free(src);
+  ferry_ctx_close(sc);
+}
+
 /* device_buckets: two bucket slots in the device's memory. With every receiver on this host,
  * pushes go unhashed and receivers copy device to device (or device to host) through CUDA IPC
  * straight into their bound tensors; once a receiver over tcp attaches, buckets are hashed through
@@ -860,6 +1061,9 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_processes),
       cmocka_unit_test(test_alias_device),
       cmocka_unit_test(test_alias_device_lazy_sums),
+      cmocka_unit_test(test_alias_lazy_sum_unlocked),
+      cmocka_unit_test(test_alias_lazy_sum_corrupt),
+      cmocka_unit_test(test_push_awaits_service_bounded),
       cmocka_unit_test(test_pack_async),
       cmocka_unit_test(test_device_buckets),
       cmocka_unit_test(test_chain_and_late_join),

@@ -16,10 +16,12 @@
  * overwrite is refused, never taken, and the abandoned version is never committed (no COMMIT
  * for it follows; the newer version's first bucket starts that version over). A bucket of a
  * device buffer that its push left unhashed (every reader of it read through CUDA IPC) is hashed
- * here, under s->lock, the first time a receiver that verifies catches up (over tcp, or a shard
- * reader); a push begins only under s->lock, so the sum is of the version's own bytes. A reader
- * on this host of whole buckets reads them unhashed (FR_REFIT_DIRECT) as in a push: a push that
- * overwrites them mid-way cancels the catch-up, so no COMMIT follows for the torn version.
+ * the first time a receiver that verifies catches up (over tcp, or a shard reader): its
+ * announcement waits while the service thread hashes it without s->lock (fr_refit_sum_run), so
+ * that a push that begins meanwhile never waits for the copy; the push voids the sum (the
+ * buffer's epoch moved), and only a sum of the version's own bytes is kept. A reader on this host
+ * of whole buckets reads them unhashed (FR_REFIT_DIRECT) as in a push: a push that overwrites
+ * them mid-way cancels the catch-up, so no COMMIT follows for the torn version.
  */
 #include "refit/sender_impl.h"
 
@@ -51,32 +53,47 @@ static void tell_no_copy(ferry_refit_sender *s, receiver *r, fr_refit_outbox *ou
   queue(out, r, &m);
 }
 
-/* Bucket b's checksum for r, taken now if no push took it (fr_refit_bucket_sum), or none for a
- * reader on this host of a device buffer's whole buckets (FR_REFIT_DIRECT, as in a push). False
- * (r told there is no copy) when the buffer no longer holds r's version or the copy failed. */
-static bool sum_for(ferry_refit_sender *s, receiver *r, uint32_t b, fr_refit_msg_t *m,
-                    fr_refit_outbox *out) {
-  if (s->dev_buf >= 0 && r->shm && !r->view && !r->ntargets) {
-    m->flags |= FR_REFIT_DIRECT;
-    return true;
-  }
-  int rc = s->pushing || s->retained != r->cu_version
-               ? fr_err(FERRY_ESTATE, "the buffer no longer holds it")
-               : fr_refit_bucket_sum(s, b, &m->checksum);
-  if (rc == 0)
-    return true;
+/* Whether r reads the buffer's whole buckets on this host from device memory: unhashed
+ * (FR_REFIT_DIRECT), as in a push. */
+static bool reads_direct(const ferry_refit_sender *s, const receiver *r) {
+  return s->dev_buf >= 0 && r->shm && !r->view && !r->ntargets;
+}
+
+static void cannot_catch_up(ferry_refit_sender *s, receiver *r, const char *why,
+                            fr_refit_outbox *out) {
   fr_warn("refit '%s': receiver '%s' cannot catch up to version %llu: %s", s->name, r->peer,
-          (unsigned long long)r->cu_version, ferry_last_error());
+          (unsigned long long)r->cu_version, why);
   fr_refit_catchup_cancel(r);
   tell_no_copy(s, r, out);
-  return false;
+}
+
+/* Bucket b's checksum for r into m: 1 when there (or r reads it unhashed), 0 when not taken yet
+ * (a device buffer's bucket its push left unhashed: the service thread takes it without the lock,
+ * fr_refit_catchup_sum_next, then announces it), -1 when r cannot catch up (told so): the buffer
+ * no longer holds r's version. */
+static int sum_for(ferry_refit_sender *s, receiver *r, uint32_t b, fr_refit_msg_t *m,
+                   fr_refit_outbox *out) {
+  bool holds = !s->pushing && s->retained == r->cu_version;
+  if (holds && reads_direct(s, r)) {
+    m->flags |= FR_REFIT_DIRECT;
+    return 1;
+  }
+  if (holds && s->sum_known[b]) {
+    m->checksum = s->last_sum[b];
+    return 1;
+  }
+  if (holds && s->dev_buf >= 0)
+    return 0;
+  cannot_catch_up(s, r, holds ? "no checksum of it was taken" : "the buffer no longer holds it",
+                  out);
+  return -1;
 }
 
 static void announce_next(ferry_refit_sender *s, receiver *r, fr_refit_outbox *out) {
   const fr_refit_plan *p = &s->plan;
   uint32_t w = window(p);
   while (r->cu_version && r->cu_announced < p->buckets && r->cu_announced < r->cu_acked + w) {
-    uint32_t b = r->cu_announced++;
+    uint32_t b = r->cu_announced;
     fr_refit_msg_t m = {.type = FR_REFIT_BUCKET,
                         .bucket = b,
                         .generation = p->generation,
@@ -85,14 +102,49 @@ static void announce_next(ferry_refit_sender *s, receiver *r, fr_refit_outbox *o
                         .bytes = fr_refit_bucket_len(p, b),
                         .src = s->ref[0],
                         .src_offset = (uint64_t)b * p->bucket_bytes};
-    if (!sum_for(s, r, b, &m, out))
-      return;
+    if (sum_for(s, r, b, &m, out) <= 0)
+      return; /* 0: announced once its checksum is taken */
+    r->cu_announced++;
     if (r->view && s->dev_buf < 0) { /* a shard reader: the sum of its runs, from the retained
                                         bucket (in CUDA memory: it reads whole buckets) */
       m.view = r->view->serial;
       m.view_sum = fr_refit_view_sum(p, r->view, b, (const uint8_t *)s->buf[0] + m.src_offset);
     }
     queue(out, r, &m);
+  }
+}
+
+/* A bucket r waits for (announce_next stopped there) whose checksum is yet to be taken. */
+static bool waits_for_sum(const ferry_refit_sender *s, const receiver *r, uint32_t *b) {
+  *b = r->cu_announced;
+  return r->cu_version && r->cu_version == s->retained && !reads_direct(s, r) &&
+         *b < s->plan.buckets && *b < r->cu_acked + window(&s->plan) && !s->sum_known[*b];
+}
+
+bool fr_refit_catchup_sum_next(ferry_refit_sender *s, fr_refit_sum_job *j) {
+  if (s->pushing || s->bar_sums || s->summing || !s->sealed || s->dev_buf < 0 || !s->retained)
+    return false;
+  for (receiver *r = s->receivers; r; r = r->next) {
+    uint32_t b;
+    if (waits_for_sum(s, r, &b)) {
+      fr_refit_sum_begin(s, b, j);
+      return true;
+    }
+  }
+  return false;
+}
+
+void fr_refit_catchup_sum_done(ferry_refit_sender *s, const fr_refit_sum_job *j, int rc,
+                               uint64_t sum, fr_refit_outbox *out) {
+  rc = fr_refit_sum_end(s, j, rc, sum);
+  char why[256];
+  fr_str_copy(why, sizeof why, rc ? ferry_last_error() : "");
+  for (receiver *r = s->receivers; r; r = r->next) {
+    uint32_t b;
+    if (rc != 0 && rc != FERRY_ESTALE && waits_for_sum(s, r, &b) && b == j->bucket)
+      cannot_catch_up(s, r, why, out); /* the copy failed */
+    else
+      announce_next(s, r, out); /* void (FERRY_ESTALE): a push or seal stops it anyway */
   }
 }
 
@@ -110,6 +162,8 @@ void fr_refit_catchup_serve(ferry_refit_sender *s, fr_refit_outbox *out) {
   if (s->pushing || !s->sealed)
     return; /* the buffer is being rewritten: served when the push ends */
   for (receiver *r = s->receivers; r; r = r->next) {
+    if (r->cu_version) /* under way: what may go now (none once a seal dropped its version) */
+      announce_next(s, r, out);
     if (!r->want_catchup || r->dropped || r->cu_version)
       continue;
     if (r->committed == s->latest || s->latest == 0) {

@@ -12,8 +12,9 @@
  * copy per tensor part rather than one per 256 KiB chunk (each waited for, or with
  * FERRY_CUDA_PACK_ASYNC queued and waited for once per bucket), and hashes it afterwards. A bucket
  * of a buffer in device memory is hashed (through pinned host memory) only when a reader of the
- * push needs its checksum; else the checksum is taken when somebody first needs it
- * (fr_refit_bucket_sum: a late joiner that verifies) and kept until the bucket is packed again.
+ * push needs its checksum; else the checksum is taken when somebody first needs it (a late joiner
+ * that verifies), by the service thread without the sender's lock (fr_refit_sum_begin/_run/_end),
+ * and kept until the bucket is packed again, unless a push or seal began meanwhile.
  */
 #include "core/cuda.h"
 #include "core/task.h"
@@ -172,7 +173,9 @@ static void wait_packed(fr_refit_packer *k, uint64_t upto) {
       sched_yield();
 }
 
-/* Hashing a bucket of a device buffer: each chunk as it reaches host memory. */
+/* Hashing a bucket of a device buffer: each chunk as it reaches host memory. A catch-up's sum
+ * (lazy) stops at the next chunk once the buffer's epoch moved from `epoch`: a push or a seal
+ * rewrites the bucket, and the sum would be void. */
 typedef struct device_hash {
   ferry_refit_sender *s;
   uint32_t b;
@@ -180,10 +183,18 @@ typedef struct device_hash {
   fr_hash *h;
   fr_refit_feed *feeds;
   size_t nfeeds;
+  bool lazy;
+  uint64_t epoch;
 } device_hash;
 
 static int hash_chunk(void *arg, const void *buf, size_t len) {
   device_hash *d = arg;
+  void (*hold)(int) = d->lazy ? __atomic_load_n(&fr_refit_test_hold, __ATOMIC_ACQUIRE) : NULL;
+  if (hold)
+    hold(FR_REFIT_HOLD_SUM);
+  if (d->lazy && __atomic_load_n(&d->s->buf_epoch, __ATOMIC_ACQUIRE) != d->epoch)
+    return fr_err(FERRY_ESTALE, "refit '%s': bucket %u rewritten while it was hashed", d->s->name,
+                  d->b);
   fr_hash_update(d->h, buf, len);
   for (size_t i = 0; i < d->nfeeds; i++)
     fr_refit_view_feed(&d->s->plan, &d->feeds[i], d->b, d->at, len, buf);
@@ -193,18 +204,21 @@ static int hash_chunk(void *arg, const void *buf, size_t len) {
 
 uint64_t fr_refit_stat_staged_sums;
 
-/* Bucket b of the device buffer, [at, at+len), hashed as the copy engine brings it to host memory
- * a chunk at a time (the next chunk's copy under this one's hash), feeding shard readers' runs. */
-static int hash_device_bucket(ferry_refit_sender *s, uint32_t b, const uint8_t *at, uint64_t len,
-                              fr_refit_feed *feeds, size_t nfeeds, uint64_t *sum) {
-  int rc = s->stager ? 0 : fr_cuda_stager_open(fr_cuda_chunk_bytes(), &s->stager);
+/* [at, at+len) of the device buffer (d->b's bytes), hashed as the copy engine brings it to host
+ * memory through *stager a chunk at a time (the next chunk's copy under this one's hash), feeding
+ * shard readers' runs. */
+static int hash_device_bucket(fr_cuda_stager **stager, device_hash *d, int device,
+                              const uint8_t *at, uint64_t len, uint64_t *sum) {
+  int rc = *stager ? 0 : fr_cuda_stager_open(fr_cuda_chunk_bytes(), stager);
   if (rc != 0)
     return rc;
-  device_hash d = {.s = s, .b = b, .h = fr_hash_begin(), .feeds = feeds, .nfeeds = nfeeds};
-  rc = fr_cuda_stage_out(s->stager, s->dev_buf, at, len, hash_chunk, &d);
-  *sum = fr_hash_end(d.h);
+  d->h = fr_hash_begin();
+  rc = fr_cuda_stage_out(*stager, device, at, len, hash_chunk, d);
+  *sum = fr_hash_end(d->h);
   __atomic_add_fetch(&fr_refit_stat_staged_sums, rc == 0, __ATOMIC_RELAXED);
-  return rc ? fr_err_wrap(rc, "refit '%s': bucket %u in CUDA memory", s->name, b) : 0;
+  if (rc == 0 || rc == FERRY_ESTALE)
+    return rc;
+  return fr_err_wrap(rc, "refit '%s': bucket %u in CUDA memory", d->s->name, d->b);
 }
 
 /* A bucket of the device buffer: packed device to device, then hashed unless nobody reading this
@@ -213,33 +227,49 @@ static int pack_device_bucket(ferry_refit_sender *s, uint32_t b, uint8_t *dst, u
                               fr_refit_feed *feeds, size_t nfeeds, bool hash, uint64_t *sum) {
   int rc = pack_bucket(s, b, len, dst);
   *sum = 0;
-  return rc != 0 || !hash ? rc : hash_device_bucket(s, b, dst, len, feeds, nfeeds, sum);
+  if (rc != 0 || !hash)
+    return rc;
+  device_hash d = {.s = s, .b = b, .feeds = feeds, .nfeeds = nfeeds};
+  return hash_device_bucket(&s->stager, &d, s->dev_buf, dst, len, sum);
 }
 
-int fr_refit_bucket_sum(ferry_refit_sender *s, uint32_t b, uint64_t *sum) {
-  const uint8_t *at = (const uint8_t *)s->buf[0] + (uint64_t)b * s->plan.bucket_bytes;
-  uint64_t len = fr_refit_bucket_len(&s->plan, b);
-  if (s->sum_known[b]) {
-    *sum = s->last_sum[b];
-    return 0;
-  }
-  if (s->dev_buf < 0) {
-    *sum = ferry_checksum(at, len);
-  } else {
-    int rc = hash_device_bucket(s, b, at, len, NULL, 0, sum);
-    if (rc != 0)
-      return rc;
-  }
-  s->last_sum[b] = *sum;
-  s->sum_known[b] = 1;
+void fr_refit_sum_begin(ferry_refit_sender *s, uint32_t b, fr_refit_sum_job *j) {
+  *j = (fr_refit_sum_job){.bucket = b,
+                          .epoch = s->buf_epoch,
+                          .device = s->dev_buf,
+                          .at = (const uint8_t *)s->buf[0] + (uint64_t)b * s->plan.bucket_bytes,
+                          .len = fr_refit_bucket_len(&s->plan, b)};
+  s->summing = true;
+}
+
+int fr_refit_sum_run(ferry_refit_sender *s, const fr_refit_sum_job *j, uint64_t *sum) {
+  device_hash d = {.s = s, .b = j->bucket, .lazy = true, .epoch = j->epoch};
+  return hash_device_bucket(&s->sum_stager, &d, j->device, j->at, j->len, sum);
+}
+
+int fr_refit_sum_end(ferry_refit_sender *s, const fr_refit_sum_job *j, int rc, uint64_t sum) {
+  s->summing = false;
+  pthread_cond_broadcast(&s->cond); /* a seal may wait for it */
+  if (s->buf_epoch != j->epoch || s->pushing)
+    return fr_err(FERRY_ESTALE, "refit '%s': bucket %u rewritten while it was hashed", s->name,
+                  j->bucket);
+  if (rc != 0)
+    return rc;
+  s->last_sum[j->bucket] = sum;
+  s->sum_known[j->bucket] = 1;
+  fr_refit_corrupt_for_test(s, j->bucket, (uint8_t *)j->at); /* the bytes change after the sum */
   return 0;
 }
 
 void fr_refit_corrupt_for_test(ferry_refit_sender *s, uint32_t b, uint8_t *dst) {
+  void (*corrupt)(uint32_t, uint8_t *, uint64_t) =
+      __atomic_load_n(&fr_refit_test_corrupt, __ATOMIC_ACQUIRE);
+  if (!corrupt)
+    return;
   uint64_t len = fr_refit_bucket_len(&s->plan, b);
   uint8_t *host = s->dev_buf < 0 ? dst : malloc(len);
   if (host && (s->dev_buf < 0 || fr_cuda_copy_on(s->dev_buf, host, dst, len) == 0)) {
-    fr_refit_test_corrupt(b, host, len);
+    corrupt(b, host, len);
     if (s->dev_buf >= 0)
       (void)fr_cuda_copy_on(s->dev_buf, dst, host, len);
   }

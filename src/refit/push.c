@@ -90,14 +90,14 @@ static int pack_seq(ferry_refit_sender *s, fr_push *p, uint32_t j) {
     fr_str_copy(p->pack_why, sizeof p->pack_why, ferry_last_error());
     return rc;
   }
-  if (fr_refit_test_corrupt)
+  if (p->hash) /* else when a catch-up takes its checksum (fr_refit_sum_end) */
     fr_refit_corrupt_for_test(s, b, dst);
   if (!first)
     return 0;
   p->sum[j] = sum;
   p->unchanged[j] = p->skip && p->hash && s->sum_known[b] && s->last_sum[b] == sum;
   s->last_sum[b] = sum;
-  s->sum_known[b] = p->hash; /* else taken when first needed (fr_refit_bucket_sum) */
+  s->sum_known[b] = p->hash; /* else taken when first needed (fr_refit_sum_begin) */
   p->first_pass = j + 1;
   return 0;
 }
@@ -378,15 +378,20 @@ static void build_chain(ferry_refit_sender *s, fr_push *p, ferry_refit_route rou
   }
 }
 
-/* Takes a snapshot of who is in this push; true when all of them have the latest version. */
-static size_t begin_push(ferry_refit_sender *s, fr_push *p, ferry_refit_route route,
-                         bool *all_current, bool later) {
+/* Takes a snapshot of who is in this push (*n of them; *all_current when all of them have the
+ * latest version), once the service thread's frames went (await_service, else its error). */
+static int begin_push(ferry_refit_sender *s, fr_push *p, ferry_refit_route route, bool *all_current,
+                      bool later, size_t *in_push) {
   size_t n = 0;
   *all_current = true;
   pthread_mutex_lock(&s->lock);
-  while (s->svc_sending) /* catch-up frames queued before this push go before its frames */
-    pthread_cond_wait(&s->cond, &s->lock);
+  int rc = fr_refit_service_await(s, p->version, p->timeout_ms);
+  if (rc != 0) {
+    pthread_mutex_unlock(&s->lock);
+    return rc;
+  }
   s->pushing = p->version;
+  fr_refit_buf_moves(s); /* a catch-up's checksum being taken now is void: it never holds us */
   s->packed = 0;
   s->repairing = false;
   p->had = s->retained;
@@ -433,7 +438,8 @@ static size_t begin_push(ferry_refit_sender *s, fr_push *p, ferry_refit_route ro
       p->share_pack &= !r->in_push || !r->shm;
   }
   pthread_mutex_unlock(&s->lock);
-  return n;
+  *in_push = n;
+  return 0;
 }
 
 static void commit_all(ferry_refit_sender *s, fr_push *p) {
@@ -785,25 +791,6 @@ int ferry_refit_push(ferry_refit_sender *s, uint64_t version, const ferry_refit_
   return rc;
 }
 
-/* FERRY_ESTATE for a push before the seal: a first seal, or one after declaring again (a rank
- * of a group whose receivers would otherwise see a stale manifest). */
-static int unsealed(ferry_refit_sender *s) {
-  pthread_mutex_lock(&s->lock);
-  uint32_t n = s->since_seal_count;
-  char first[FR_REFIT_NAME_MAX + 1];
-  fr_str_copy(first, sizeof first, s->since_seal);
-  pthread_mutex_unlock(&s->lock);
-  if (n == 0)
-    return fr_err(FERRY_ESTATE, "refit '%s': seal before pushing", s->name);
-  if (n == 1)
-    return fr_err(FERRY_ESTATE, "refit '%s': tensor '%s' declared since the last seal: seal again",
-                  s->name, first);
-  return fr_err(FERRY_ESTATE,
-                "refit '%s': tensor '%s' (and %u more declarations) declared since the last seal: "
-                "seal again",
-                s->name, first, n - 1);
-}
-
 /* The end of a push that failed before its receivers committed (s->lock not held): none is in a
  * push any more; a version open in parts is abandoned, the error kept. */
 static int push_failed(ferry_refit_sender *s, int rc, push_tally *t) {
@@ -841,7 +828,7 @@ static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_ref
   if (rc == 0 && part == FERRY_REFIT_PART_ABORT)
     return abandon(s, t);
   if (rc == 0 && !s->sealed)
-    rc = unsealed(s);
+    rc = fr_refit_unsealed(s);
   bool later = s->stream.version != 0; /* a later part of the version open in parts */
   if (rc == 0 && !later)
     rc = check_version(s, version);
@@ -855,7 +842,10 @@ static int push_version(ferry_refit_sender *s, uint64_t version, const ferry_ref
                .commit_n = s->plan.buckets};
   bool all_current;
   t->ran = true;
-  size_t in_push = begin_push(s, &p, FR_OPT(o, route, FERRY_REFIT_ROUTE_AUTO), &all_current, later);
+  size_t in_push = 0;
+  rc = begin_push(s, &p, FR_OPT(o, route, FERRY_REFIT_ROUTE_AUTO), &all_current, later, &in_push);
+  if (rc != 0)
+    return push_failed(s, rc, t);
   send_queued(s, &p); /* the chain's routes */
   fr_refit_out_free(&p.out);
   if (in_push == 0 && !s->whole && !part) {

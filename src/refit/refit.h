@@ -10,9 +10,15 @@
 #include "refit/plan.h"
 #include "refit/proto.h"
 
-/* Test hook: when set, the sender calls it on each packed bucket after computing its checksum
- * (a test flips a byte to prove the receiver refuses the version). */
+/* Test hook: when set, the sender calls it on each bucket right after computing its checksum (a
+ * test flips a byte to prove the receiver refuses the version): as a push packs it, or, for a
+ * bucket its push left unhashed (FR_REFIT_DIRECT), when a catch-up first takes its checksum. */
 extern void (*fr_refit_test_corrupt)(uint32_t bucket, uint8_t *bytes, uint64_t len);
+/* Test hook: when set, a sender's service thread calls it at `point`, holding no lock: hashing a
+ * bucket for a catch-up (FR_REFIT_HOLD_SUM, before each chunk), or about to send the catch-up
+ * frames it queued (FR_REFIT_HOLD_SEND); a test holds it there to show what does not wait. */
+enum { FR_REFIT_HOLD_SUM = 1, FR_REFIT_HOLD_SEND = 2 };
+extern void (*fr_refit_test_hold)(int point);
 
 /* Buckets this process's receivers read from a chain predecessor (tests prove chains carry). */
 extern uint64_t fr_refit_stat_forwarded;

@@ -30,6 +30,7 @@
 #include <unistd.h>
 
 void (*fr_refit_test_corrupt)(uint32_t bucket, uint8_t *bytes, uint64_t len);
+void (*fr_refit_test_hold)(int point);
 
 #include "refit/sender_impl.h"
 
@@ -138,17 +139,56 @@ static void record_ack(ferry_refit_sender *s, receiver *r, const fr_refit_msg_t 
 }
 
 /* Sends what the service thread queued under the lock (catch-up frames; svc_sending was set
- * then), then applies failures. A push that begins meanwhile waits for it (begin_push), so that
- * no catch-up frame reaches a receiver after the push's first frame. */
+ * then), then applies failures. A push that begins meanwhile waits for it (begin_push, for the
+ * push's timeout at most), so that no catch-up frame reaches a receiver after the push's first
+ * frame. */
 static void send_queued(ferry_refit_sender *s) {
   if (!s->svc_sending)
     return;
+  void (*hold)(int) = __atomic_load_n(&fr_refit_test_hold, __ATOMIC_ACQUIRE);
+  if (hold)
+    hold(FR_REFIT_HOLD_SEND);
   fr_refit_out_send(&s->svc_out);
   pthread_mutex_lock(&s->lock);
   fr_refit_out_settle(s, &s->svc_out);
   s->svc_sending = false;
   pthread_cond_broadcast(&s->cond);
   pthread_mutex_unlock(&s->lock);
+}
+
+int fr_refit_service_await(ferry_refit_sender *s, uint64_t version, int timeout_ms) {
+  uint64_t deadline = fr_deadline_ns(timeout_ms);
+  struct timespec ts = fr_timespec(deadline);
+  while (s->svc_sending && fr_now_ns() < deadline)
+    pthread_cond_timedwait(&s->cond, &s->lock, &ts);
+  if (!s->svc_sending)
+    return 0;
+  return fr_err(FERRY_ETIMEDOUT,
+                "refit '%s': version %llu not pushed: the sender's service thread was still "
+                "sending catch-up frames to late joiners after the push's timeout (%d ms); no "
+                "receiver was sent anything",
+                s->name, (unsigned long long)version, timeout_ms);
+}
+
+/* Takes the checksums that catch-ups wait for (catchup.c), one bucket at a time, each without
+ * s->lock, and sends what each one lets go. A push that begins meanwhile never waits for the
+ * copy: it voids the sum, and the copy stops at its next chunk. */
+static void take_sums(ferry_refit_sender *s) {
+  for (;;) {
+    fr_refit_sum_job j;
+    pthread_mutex_lock(&s->lock);
+    bool any = fr_refit_catchup_sum_next(s, &j);
+    pthread_mutex_unlock(&s->lock);
+    if (!any)
+      return;
+    uint64_t sum = 0;
+    int rc = fr_refit_sum_run(s, &j, &sum);
+    pthread_mutex_lock(&s->lock);
+    fr_refit_catchup_sum_done(s, &j, rc, sum, &s->svc_out);
+    s->svc_sending = s->svc_out.n != 0;
+    pthread_mutex_unlock(&s->lock);
+    send_queued(s);
+  }
 }
 
 static void record(ferry_refit_sender *s, ferry_msg *m, const fr_refit_msg_t *x) {
@@ -173,6 +213,7 @@ static void record(ferry_refit_sender *s, ferry_msg *m, const fr_refit_msg_t *x)
   pthread_cond_broadcast(&s->cond);
   pthread_mutex_unlock(&s->lock);
   send_queued(s);
+  take_sums(s);
 }
 
 /* A receiver declares a shard target (a call, so that its bind returns once the next push
@@ -219,7 +260,8 @@ static void service_link_down(void *arg) {
   pthread_mutex_unlock(&s->lock);
 }
 
-/* FR_REFIT_WAKE_CATCHUPS: a push ended; late joiners that asked meanwhile. */
+/* FR_REFIT_WAKE_CATCHUPS: a push or a seal ended; late joiners that asked meanwhile, and the
+ * catch-ups under way (a seal leaves them nothing to catch up from). */
 static void service_wake(void *arg, unsigned bits) {
   ferry_refit_sender *s = arg;
   if (!(bits & FR_REFIT_WAKE_CATCHUPS))
@@ -229,6 +271,7 @@ static void service_wake(void *arg, unsigned bits) {
   s->svc_sending = s->svc_out.n != 0;
   pthread_mutex_unlock(&s->lock);
   send_queued(s);
+  take_sums(s);
 }
 
 /* No timer: the published name's lease is renewed by the node's own timer (directory/lease.c). */
@@ -656,6 +699,12 @@ int ferry_refit_seal(ferry_refit_sender *s) {
   if (!s)
     return fr_err(FERRY_EINVAL, "ferry_refit_seal: NULL sender");
   pthread_mutex_lock(&s->lock);
+  /* a catch-up's checksum being taken (unlocked) reads the buffer a seal may free or zero: it
+   * is void now, and stops at its next chunk */
+  fr_refit_buf_moves(s);
+  s->bar_sums = true;
+  while (s->summing)
+    pthread_cond_wait(&s->cond, &s->lock);
   int rc = s->plan.count ? 0 : fr_err(FERRY_ESTATE, "refit '%s': nothing declared", s->name);
   if (rc == 0 && s->stream.version)
     rc = fr_err(FERRY_ESTATE,
@@ -693,12 +742,31 @@ int ferry_refit_seal(ferry_refit_sender *s) {
   }
   if (rc == 0)
     s->since_seal_count = 0;
+  s->bar_sums = false;
   pthread_mutex_unlock(&s->lock);
+  fr_job_wake(s->service, FR_REFIT_WAKE_CATCHUPS); /* catch-ups that waited for a checksum */
   if (rc == 0)
     fr_info("refit '%s': sealed %u tensors, %llu bytes in %u buckets of %llu", s->name,
             s->plan.count, (unsigned long long)s->plan.total_bytes, s->plan.buckets,
             (unsigned long long)s->plan.bucket_bytes);
   return rc;
+}
+
+int fr_refit_unsealed(ferry_refit_sender *s) {
+  pthread_mutex_lock(&s->lock);
+  uint32_t n = s->since_seal_count;
+  char first[FR_REFIT_NAME_MAX + 1];
+  fr_str_copy(first, sizeof first, s->since_seal);
+  pthread_mutex_unlock(&s->lock);
+  if (n == 0)
+    return fr_err(FERRY_ESTATE, "refit '%s': seal before pushing", s->name);
+  if (n == 1)
+    return fr_err(FERRY_ESTATE, "refit '%s': tensor '%s' declared since the last seal: seal again",
+                  s->name, first);
+  return fr_err(FERRY_ESTATE,
+                "refit '%s': tensor '%s' (and %u more declarations) declared since the last seal: "
+                "seal again",
+                s->name, first, n - 1);
 }
 
 size_t ferry_refit_receivers(ferry_refit_sender *s) {
@@ -716,6 +784,10 @@ void ferry_refit_sender_close(ferry_refit_sender *s) {
   if (!s)
     return;
   fr_refit_stats_stop(s);
+  pthread_mutex_lock(&s->lock); /* a catch-up's checksum being taken stops at its next chunk */
+  fr_refit_buf_moves(s);
+  s->bar_sums = true;
+  pthread_mutex_unlock(&s->lock);
   fr_job_stop(s->service); /* messages that came after the thread stopped are dropped */
   fr_refit_out_free(&s->svc_out);
   fr_refit_packer_stop(s->packer);
@@ -727,6 +799,7 @@ void ferry_refit_sender_close(ferry_refit_sender *s) {
   }
   free_buffers(s);
   fr_cuda_stager_close(s->stager);
+  fr_cuda_stager_close(s->sum_stager);
   if (s->scratch_pinned)
     fr_cuda_unpin(s->pin_device, s->scratch);
   free(s->scratch);

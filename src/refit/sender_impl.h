@@ -178,9 +178,16 @@ struct ferry_refit_sender {
    * CUDA IPC; alias views are device memory), packed by the copy engines and hashed through host
    * memory by `stager` (or not at all: FR_REFIT_DIRECT pushes); -1 when they are host memory. */
   int dev_buf;
-  fr_cuda_stager *stager;
-  uint64_t *last_sum; /* per bucket, of the bytes buf holds (whole) or last packed there */
+  fr_cuda_stager *stager;     /* the pushing thread's */
+  fr_cuda_stager *sum_stager; /* the service thread's, for the checksums catch-ups take */
+  uint64_t *last_sum;         /* per bucket, of the bytes buf holds (whole) or last packed there */
   uint8_t *sum_known; /* per bucket: last_sum is taken (0: packed unhashed, FR_REFIT_DIRECT) */
+  /* Bumped (s->lock held, atomically: a hash running unlocked reads it) whenever the buffer's
+   * bytes may change: a push begins, a seal. A checksum taken without s->lock (a catch-up's,
+   * fr_refit_sum_run) counts only if this did not move meanwhile. */
+  uint64_t buf_epoch;
+  bool summing;  /* the service thread is hashing a bucket without s->lock (a seal waits) */
+  bool bar_sums; /* a seal waits for that hash, or close began: no other begins */
   uint8_t *manifest;
   size_t manifest_len;
 
@@ -229,12 +236,39 @@ int fr_refit_packer_start(ferry_refit_sender *s, fr_refit_packer **out);
 void fr_refit_packer_stop(fr_refit_packer *k);
 int fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share, fr_refit_feed *feeds,
                   size_t nfeeds, bool hash, uint64_t *sum);
-/* The checksum of bucket b as the whole buffer holds it now: last_sum when taken, else hashed now
- * (a device buffer through pinned host memory) and kept. s->lock held and no push under way, so
- * that no push rewrites the bucket meanwhile (a push begins under s->lock). FERRY_EDEVICE when a
- * copy fails. */
-int fr_refit_bucket_sum(ferry_refit_sender *s, uint32_t b, uint64_t *sum);
-/* Calls fr_refit_test_corrupt on bucket b packed at dst (a device buffer's through host memory). */
+/* A bucket of the whole device buffer whose checksum a catch-up needs and no push took
+ * (FR_REFIT_DIRECT), hashed by the service thread without s->lock, so that neither a push that
+ * begins meanwhile nor the receivers' acknowledgements wait for the copy (pack.c):
+ * fr_refit_sum_begin (s->lock held, no push or seal under way) takes what to hash and the
+ * buffer's epoch and marks s->summing; fr_refit_sum_run (unlocked) hashes it through pinned host
+ * memory, stopping at the next chunk once the epoch moved (FERRY_ESTALE); fr_refit_sum_end
+ * (s->lock held) clears s->summing and keeps the sum (sum_known) only if the epoch is still the
+ * one begun with: the bucket still holds that version's bytes. It returns 0 when kept,
+ * FERRY_ESTALE when void (a push or seal came), or the copy's failure. */
+typedef struct fr_refit_sum_job {
+  uint32_t bucket;
+  uint64_t epoch;
+  int device;
+  const uint8_t *at;
+  uint64_t len;
+} fr_refit_sum_job;
+void fr_refit_sum_begin(ferry_refit_sender *s, uint32_t b, fr_refit_sum_job *j);
+int fr_refit_sum_run(ferry_refit_sender *s, const fr_refit_sum_job *j, uint64_t *sum);
+int fr_refit_sum_end(ferry_refit_sender *s, const fr_refit_sum_job *j, int rc, uint64_t sum);
+/* sender.c: FERRY_ESTATE for a push before the seal: a first seal, or one after declaring again (a
+ * rank of a group whose receivers would otherwise see a stale manifest). */
+int fr_refit_unsealed(ferry_refit_sender *s);
+/* sender.c, s->lock held: waits until the service thread sent the catch-up frames it queued (a
+ * push's go after them), for timeout_ms at most: it sends each with a timeout of its own (a late
+ * joiner that does not read holds it that long), and a push's caller waits for no stalled party
+ * longer than the push's timeout. FERRY_ETIMEDOUT (version not pushed) when it still sends then. */
+int fr_refit_service_await(ferry_refit_sender *s, uint64_t version, int timeout_ms);
+/* The buffer's bytes may change from now on (s->lock held): sums being taken are void. */
+static inline void fr_refit_buf_moves(ferry_refit_sender *s) {
+  __atomic_add_fetch(&s->buf_epoch, 1, __ATOMIC_RELEASE);
+}
+/* Calls fr_refit_test_corrupt on bucket b packed at dst (a device buffer's through host memory),
+ * if it is set. */
 void fr_refit_corrupt_for_test(ferry_refit_sender *s, uint32_t b, uint8_t *dst);
 /* Late join (catchup.c), all under s->lock, queueing what it sends in `out` (sent once the lock is
  * released): a receiver asked for the latest version (it lacks `version`; kept during a push and
@@ -251,6 +285,13 @@ bool fr_refit_catchup_record(ferry_refit_sender *s, receiver *r, const fr_refit_
                              fr_refit_outbox *out);
 void fr_refit_catchup_cancel(receiver *r);
 bool fr_refit_catchup_overtaken(ferry_refit_sender *s, receiver *r, uint64_t retained);
+/* The service thread's lazy checksums (catchup.c, s->lock held): fr_refit_catchup_sum_next
+ * begins the hash of a bucket a catch-up waits for (false: none waits, or a push or seal is under
+ * way); fr_refit_catchup_sum_done ends it (fr_refit_sum_end) and announces what may go now,
+ * or tells the receivers that waited for it that they cannot catch up when the copy failed. */
+bool fr_refit_catchup_sum_next(ferry_refit_sender *s, fr_refit_sum_job *j);
+void fr_refit_catchup_sum_done(ferry_refit_sender *s, const fr_refit_sum_job *j, int rc,
+                               uint64_t sum, fr_refit_outbox *out);
 /* Shards (views.c), under s->lock: a VIEW call (its pieces follow the record; 0 or why not); the
  * view rebuilt from the declarations when they changed (never during a push: the push hashes
  * the one it began with); every view dropped when the sender re-seals (receivers declare again
