@@ -685,8 +685,10 @@ typedef struct ferry_store_opts {
    * return host memory: a private copy (one device-to-host copy; a view of it is always valid).
    * A put from another device than the pool's, or one that does not fit beside the objects
    * there (replaced copies lingering there go first, oldest first), is copied into the host pool
-   * as without a device pool: a full device pool never fails a put. If making the pool fails
-   * (no driver, out of device memory), puts use the host pool and a warning says why. Deletes,
+   * as without a device pool: a full device pool never fails a put (one from another device is
+   * warned about once). If making the pool fails (no driver, out of device memory), puts use the
+   * host pool, a warning says why, and a later put tries again (after 1 s, doubled per failure up
+   * to a minute). Deletes,
    * re-puts and lingering replaced copies behave as in the host pool. */
   uint64_t device_pool_bytes;
 } ferry_store_opts;

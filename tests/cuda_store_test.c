@@ -8,7 +8,8 @@
  * Refusals write nothing: a dst too small, a device pointer whose allocation ends before the
  * object does (checked by reading the whole allocation back: its sentinel bytes are intact), a
  * put or publish whose tensor runs past its allocation (nothing stored, nothing received). A
- * short-lived node's put from device memory reaches its holder. Device memory that the driver's
+ * short-lived node's put from device memory reaches its holder. A device pool that could not be
+ * made is tried again by a later put. Device memory that the driver's
  * own calls made (as torch makes it, before ferry loaded anything) is recognized at its first
  * put. A
  * child with FERRY_CUDA=off does the host round trips as before. Device memory is filled and
@@ -529,6 +530,45 @@ static void test_device_pool_own(void **state) {
   ferry_ctx_close(c);
 }
 
+/* A device pool that cannot be made (the stand-in's device memory taken by another allocation)
+ * is tried again by a later put once the memory is there (before, one failure turned it off for
+ * the store's life): the first put goes to the host pool, and a put after the blocker is freed
+ * and the backoff (1 s) passed lands in the pool, read back whole. Stand-in only: the real
+ * driver's device memory is not to be filled. */
+static void test_device_pool_retried(void **state) {
+  if (!cuda || !stub_counts)
+    return;
+  char name[64];
+  uint64_t total = 0;
+  FR_OK(ferry_cuda_device(0, name, sizeof name, &total));
+  ferry_ctx *c = ctx_open("cuda-devpool-retry", NULL, NULL);
+  ferry_store_opts o = {.size = sizeof o,
+                        .capacity = 16 * MiB,
+                        .flags = FERRY_STORE_HOST_DIRECTORY,
+                        .device_pool_bytes = 64 * MiB};
+  ferry_store *s = NULL;
+  FR_OK(ferry_store_open(c, &o, &s));
+  uint8_t *src = dev_alloc(0, SMALL);
+  FR_OK(dev_fill(src, SMALL, SEED_B1));
+  void *blocker = dev_alloc(0, (size_t)total - 32 * MiB - 2 * SMALL);
+  ferry_tensor_desc d = u8_desc(SMALL);
+  FR_OK(ferry_store_put(s, "retry/a", &d, src, 0, 10000)); /* no pool: the host pool */
+  assert_true(gauge(c, "ferry_store_device_pool_capacity_bytes") == 0);
+  FR_OK(ferry_cuda_free(blocker));
+  bool made = false;
+  for (int i = 0; i < 300 && !made; i++) { /* the retry comes after a 1 s backoff */
+    FR_OK(ferry_store_put(s, "retry/a", &d, src, 0, 10000));
+    made = gauge(c, "ferry_store_device_pool_capacity_bytes") > 0;
+    if (!made)
+      su_sleep_ms(100);
+  }
+  assert_true(made);
+  dp_check(s, "retry/a", SMALL, SEED_B1, 0);
+  ferry_store_close(s);
+  FR_OK(ferry_cuda_free(src));
+  ferry_ctx_close(c);
+}
+
 /* A put that no eviction could fit in the device pool (larger than the whole pool) goes to the
  * host pool and leaves the replaced copy lingering there alone: gets of that version still under
  * way finish with it. Linger time is an hour here, so only eviction could retire it. */
@@ -818,6 +858,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_device_pool_shm),
       cmocka_unit_test(test_device_pool_tcp),
       cmocka_unit_test(test_device_pool_linger_kept),
+      cmocka_unit_test(test_device_pool_retried),
       cmocka_unit_test(test_mq_shm),
       cmocka_unit_test(test_mq_tcp),
       cmocka_unit_test(test_foreign_driver),

@@ -9,8 +9,9 @@
  * registered CUDA region (a same-host peer maps the allocation once per link through its CUDA IPC
  * handle and bounds every copy by the registered size; another host's reader is served staged by
  * the owner's server thread; docs/ARCHITECTURE.md 8.2). The generation words stay in the host
- * pool's slots, so readers check them as for any object. Every call but open and close runs under
- * the store's lock.
+ * pool's slots, so readers check them as for any object. The pool is made outside the store's
+ * lock (fr_store_devpool_prepare, before a put takes it), tried again after a failure with a
+ * backoff; every other call but open and close runs under the store's lock.
  */
 #include "store/store.h"
 
@@ -25,38 +26,70 @@ void fr_store_devpool_open(ferry_store *s, uint64_t bytes) {
   s->dev.want = bytes ? bytes : setting > 0 ? (uint64_t)setting : 0;
   s->dev.want = s->dev.want / DEVPOOL_GRANULE * DEVPOOL_GRANULE;
   s->dev.device = -1;
+  s->dev.make_lock_ok = pthread_mutex_init(&s->dev.make_lock, NULL) == 0;
 }
 
-/* Allocates and registers the pool on `device` (lock held; a cuMemAlloc, once per store). */
+/* The wait before the next try after `failures` failed ones: 1 s, doubled, a minute at most. */
+static uint64_t retry_wait_ns(uint32_t failures) {
+  uint64_t seconds = failures > 6 ? 60 : 1ull << (failures - 1);
+  return seconds * 1000000000ull;
+}
+
+/* Allocates and registers the pool on `device` (make_lock held, the store's lock not: a
+ * cuMemAlloc), then hands it to the store under its lock. */
 static int devpool_make(ferry_store *s, int device) {
   void *mem = NULL;
+  fr_pool pool = {0};
+  ferry_region_ref ref;
   int rc = fr_cuda_alloc(device, (size_t)s->dev.want, &mem);
-  if (rc == 0 && (rc = ferry_register(s->ctx, mem, (size_t)s->dev.want, &s->dev.ref)) != 0)
+  if (rc == 0 && (rc = ferry_register(s->ctx, mem, (size_t)s->dev.want, &ref)) != 0)
     fr_cuda_free(mem);
-  if (rc == 0 && (rc = fr_pool_init(&s->dev.pool, s->dev.want, DEVPOOL_GRANULE)) != 0) {
-    ferry_deregister(s->ctx, s->dev.ref.id);
+  if (rc == 0 && (rc = fr_pool_init(&pool, s->dev.want, DEVPOOL_GRANULE)) != 0) {
+    ferry_deregister(s->ctx, ref.id);
     fr_cuda_free(mem);
   }
   if (rc != 0) {
+    s->dev.failures++;
+    uint64_t wait = retry_wait_ns(s->dev.failures);
+    s->dev.retry_ns = fr_now_ns() + wait;
     fr_warn("store '%s': no device pool of %llu bytes on CUDA device %d (puts from device memory "
-            "go to the host pool): %s",
-            s->name, (unsigned long long)s->dev.want, device, ferry_last_error());
+            "go to the host pool; tried again in %llu s): %s",
+            s->name, (unsigned long long)s->dev.want, device,
+            (unsigned long long)(wait / 1000000000ull), ferry_last_error());
     fr_err_clear();
-    s->dev.failed = true;
     return FERRY_ENOTSUP;
   }
-  s->dev.mem = mem;
+  pthread_mutex_lock(&s->lock);
+  s->dev.pool = pool;
+  s->dev.ref = ref;
   s->dev.device = device;
+  __atomic_store_n(&s->dev.mem, (uint8_t *)mem, __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&s->lock);
   fr_debug("store '%s': device pool of %llu bytes on CUDA device %d", s->name,
            (unsigned long long)s->dev.want, device);
   return 0;
 }
 
+void fr_store_devpool_prepare(ferry_store *s, int device) {
+  if (s->dev.want == 0 || !s->dev.make_lock_ok || __atomic_load_n(&s->dev.mem, __ATOMIC_ACQUIRE))
+    return;
+  pthread_mutex_lock(&s->dev.make_lock);
+  if (!__atomic_load_n(&s->dev.mem, __ATOMIC_ACQUIRE) && fr_now_ns() >= s->dev.retry_ns)
+    devpool_make(s, device);
+  pthread_mutex_unlock(&s->dev.make_lock);
+}
+
 int fr_store_devpool_alloc(ferry_store *s, int device, uint64_t bytes, uint64_t *off) {
-  if (s->dev.want == 0 || s->dev.failed || (s->dev.mem && s->dev.device != device))
+  if (!s->dev.mem)
     return FERRY_ENOTSUP;
-  if (!s->dev.mem && devpool_make(s, device) != 0)
+  if (s->dev.device != device) {
+    if (!s->dev.other_warned)
+      fr_warn("store '%s': a put from CUDA device %d goes to the host pool: the device pool is on "
+              "device %d (said once)",
+              s->name, device, s->dev.device);
+    s->dev.other_warned = true;
     return FERRY_ENOTSUP;
+  }
   return fr_pool_alloc(&s->dev.pool, bytes, s->dev.pool.capacity, off);
 }
 
@@ -65,6 +98,9 @@ void fr_store_devpool_free(ferry_store *s, uint64_t off, uint64_t bytes) {
 }
 
 void fr_store_devpool_close(ferry_store *s) {
+  if (s->dev.make_lock_ok)
+    pthread_mutex_destroy(&s->dev.make_lock);
+  s->dev.make_lock_ok = false;
   if (!s->dev.mem)
     return;
   /* ferry_deregister returns once no thread of this process copies from it any more (a tcp

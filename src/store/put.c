@@ -95,6 +95,8 @@ static int place(ferry_store *s, fr_owned *o, const void *data, int device, uint
     return 0;
   }
   fr_err_clear();
+  if (!fill && device >= 0 && o->rec.bytes > 0)
+    fr_store_devpool_prepare(s, device); /* made outside the lock, at the first such put */
   pthread_mutex_lock(&s->lock);
   fr_store_linger_expire(s, fr_now_ns());
   fr_store_pinned_reap(s);

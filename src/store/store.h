@@ -133,10 +133,16 @@ struct ferry_store {
   struct {
     uint64_t want;        /* bytes asked for; 0: no device pool */
     int device;           /* its device, -1 until made */
-    bool failed;          /* making it failed: puts go to the host pool */
-    uint8_t *mem;         /* device address of offset 0 */
+    uint8_t *mem;         /* device address of offset 0 (atomic: set once, under lock) */
     ferry_region_ref ref; /* its registration */
     fr_pool pool;         /* 256-byte granules */
+    bool other_warned;    /* a put from another device was warned about */
+    /* Making it (fr_store_devpool_prepare), outside the store's lock, one put at a time; after a
+     * failure the next try waits retry_ns (1 s, doubled per failure up to a minute). */
+    pthread_mutex_t make_lock;
+    bool make_lock_ok;
+    uint32_t failures;
+    uint64_t retry_ns; /* under make_lock */
   } dev;
 
   pthread_mutex_t publish_lock; /* orders directory publishes with local replaces */
@@ -174,12 +180,16 @@ void fr_store_count_served(ferry_store *s, uint64_t gets, uint64_t bytes);
 /* A peer's receipt, bounded: its bytes at most `gets` times the largest object this node has
  * held (fr_store_note_size), since each get read one whole object. */
 void fr_store_count_claimed(ferry_store *s, uint64_t gets, uint64_t bytes);
-/* devpool.c: the device pool; lock held by every call but open and close. */
+/* devpool.c: the device pool; lock held by every call but open, prepare and close. */
 /* Reads the pool's size (opts, else FERRY_STORE_DEVICE_POOL_BYTES); nothing is allocated yet. */
 void fr_store_devpool_open(ferry_store *s, uint64_t bytes);
-/* A block of the device pool for bytes copied from device `device`, making the pool there first
- * if it is not made yet. FERRY_ENOTSUP (no error set): no device pool, or one on another device,
- * or making it failed (warned once); FERRY_ECAPACITY (no error set): no room. */
+/* Makes the pool on `device` when the store wants one and has none yet (the lock NOT held: a
+ * cuMemAlloc and a registration, which other threads' puts and gets do not wait for). A failure
+ * is warned about and tried again by a later put, after a backoff. */
+void fr_store_devpool_prepare(ferry_store *s, int device);
+/* A block of the device pool for bytes copied from device `device`. FERRY_ENOTSUP (no error
+ * set): no device pool (none wanted, or not made), or one on another device (warned once);
+ * FERRY_ECAPACITY (no error set): no room. */
 int fr_store_devpool_alloc(ferry_store *s, int device, uint64_t bytes, uint64_t *off);
 void fr_store_devpool_free(ferry_store *s, uint64_t off, uint64_t bytes);
 /* Deregisters and frees the pool (store close, after every object is retired). */
