@@ -20,6 +20,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The timeout of a look-up the directory answers at once (found, or "not published"): it only
+ * bounds how long a loaded machine (ASan, TSan, ctest -j beside it) takes to answer, so it is
+ * generous; it is never waited out when the test passes (a short one failed as FERRY_ETIMEDOUT
+ * under load). */
+#define ANSWER_MS 10000
+
 static ferry_ctx *ctx_for(const char *name) {
   ferry_ctx_opts o = {.size = sizeof o, .name = name, .transports = "shm,tcp"};
   ferry_ctx *c;
@@ -377,7 +383,7 @@ static void test_group_published(void **st) {
     s[r] = rank_sender(tc[r], r, 2, w[r]);
   for (uint32_t r = 0; r < 2; r++) {
     char *address = NULL, want[16];
-    FR_OK(fr_refit_resolve_rank(rc, "policy", r, 2000, &address));
+    FR_OK(fr_refit_resolve_rank(rc, "policy", r, ANSWER_MS, &address));
     assert_string_equal(address, ferry_ctx_address(tc[r]));
     free(address);
     snprintf(want, sizeof want, "policy#%u", r);
@@ -391,9 +397,9 @@ static void test_group_published(void **st) {
     fr_refit_plan_free(&m);
   }
   char *address = NULL;
-  assert_int_equal(fr_refit_resolve_rank(rc, "policy", 2, 500, &address), FERRY_ENOTFOUND);
+  assert_int_equal(fr_refit_resolve_rank(rc, "policy", 2, ANSWER_MS, &address), FERRY_ENOTFOUND);
   assert_non_null(strstr(ferry_last_error(), "rank 2 of group 'policy' is not published"));
-  assert_int_equal(fr_refit_resolve(rc, "policy", 500, &address), FERRY_ENOTFOUND);
+  assert_int_equal(fr_refit_resolve(rc, "policy", ANSWER_MS, &address), FERRY_ENOTFOUND);
   assert_null(address);
   ferry_refit_opts o = {.size = sizeof o, .publish = 1, .rank = 1, .world = 2};
   ferry_refit_sender *again;
@@ -403,12 +409,12 @@ static void test_group_published(void **st) {
   /* a rank that closes lets its name go: another process's rank 1 takes it */
   ferry_refit_sender_close(s[1]);
   s[1] = rank_sender(extra, 1, 2, w[1]);
-  FR_OK(fr_refit_resolve_rank(rc, "policy", 1, 2000, &address));
+  FR_OK(fr_refit_resolve_rank(rc, "policy", 1, ANSWER_MS, &address));
   assert_string_equal(address, ferry_ctx_address(extra));
   free(address);
   for (int r = 0; r < 2; r++)
     ferry_refit_sender_close(s[r]);
-  assert_int_equal(fr_refit_resolve_rank(rc, "policy", 0, 500, &address), FERRY_ENOTFOUND);
+  assert_int_equal(fr_refit_resolve_rank(rc, "policy", 0, ANSWER_MS, &address), FERRY_ENOTFOUND);
 
   unsetenv("FERRY_DIRECTORY");
   ferry_ctx_close(extra);
@@ -435,11 +441,11 @@ static void test_single_published_as_before(void **st) {
   ferry_ctx *tc = ctx_for("trainer"), *rc = ctx_for("rollout");
   ferry_refit_sender *s = rank_sender(tc, 0, 1, w);
   char *address = NULL;
-  FR_OK(fr_refit_resolve(rc, "policy", 2000, &address));
+  FR_OK(fr_refit_resolve(rc, "policy", ANSWER_MS, &address));
   assert_string_equal(address, ferry_ctx_address(tc));
   free(address);
   address = NULL;
-  assert_int_equal(fr_refit_resolve_rank(rc, "policy", 0, 500, &address), FERRY_ENOTFOUND);
+  assert_int_equal(fr_refit_resolve_rank(rc, "policy", 0, ANSWER_MS, &address), FERRY_ENOTFOUND);
   ferry_refit_sender_close(s);
   unsetenv("FERRY_DIRECTORY");
   ferry_ctx_close(rc);
