@@ -516,8 +516,11 @@ int fr_ucx_readable(ferry_link *l) {
   int rc = fr_ucx_link_status(l);
   if (rc != 0)
     return fr_err(rc, "link closed");
+  /* Not before the endpoint exists: the worker would take in the connection the peer's endpoint
+   * made to it, ucp_ep_create would then take that connection over, and UCX 1.13 aborts the
+   * process when the peer dies right then (docs/UCX.md, "A peer that dies during wire-up"). */
   pthread_mutex_lock(&u->lock);
-  if (u->worker)
+  if (u->worker && u->ready)
     progress_locked(u);
   pthread_mutex_unlock(&u->lock);
   return 0;
