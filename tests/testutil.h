@@ -45,6 +45,12 @@ int tu_wait(pid_t pid);
  * as `ferry bench` counts them; preemptions, which a loaded machine adds to a sleeping process
  * too, are left out. -1 when /proc cannot tell. */
 long tu_wakeups(pid_t pid, const char *thread);
+/* The allowance a test gives a call over its own timeout when it checks that the call returned
+ * in time (elapsed <= timeout_ms + allowance): `plain_ms` in a plain build; in a sanitizer build
+ * (ASan, UBSan, TSan: code 2-15x slower, and make test runs those stages on 2 cores beside other
+ * tests and builds) at least the call's own timeout. A call that ignores its timeout waits for
+ * what is not coming (a stopped or dead peer: seconds) and still fails the check. */
+double tu_allowance_ms(int timeout_ms, double plain_ms);
 /* A pipe pair for parent/child hand-offs of small strings. */
 typedef struct tu_pipe {
   int rd, wr;
