@@ -14,11 +14,13 @@
 typedef struct ucx_reply {
   uint8_t hdr[RKEY_RESP_BYTES];
   fr_region *region; /* READ_RESP: the bytes being sent */
+  uint8_t *copy;     /* READ_RESP of registered memory: the copy being sent (reply_copy) */
 } ucx_reply;
 
 static void reply_done(void *request, ucs_status_t st, void *arg) {
   ucx_reply *r = arg;
   fr_region_release(r->region);
+  free(r->copy);
   free(r);
   if (request)
     ucp_request_free(request);
@@ -68,7 +70,27 @@ static ucs_status_t on_rkey_req(void *arg, const void *header, size_t header_len
   return UCS_OK;
 }
 
-/* A peer asks for bytes: key and bounds checked here, then the bytes go from the region. */
+/* Registered memory's bytes are its caller's, who may free them once ferry_deregister returned
+ * (core/region.h), and UCX may send them long after this returns (a rendezvous the peer pulls):
+ * a copy made while the region is in use goes out instead. */
+static int reply_copy(ucx_reply *r, fr_region *reg, uint64_t off, uint64_t n) {
+  if (!fr_region_is_registered(reg) || n == 0)
+    return 0;
+  if (!(r->copy = malloc(n)))
+    return FERRY_ENOMEM;
+  if (!fr_region_use_begin(reg))
+    return FERRY_ENOTFOUND;
+  int rc = 0;
+  if (reg->kind == FERRY_MEM_CUDA)
+    rc = fr_cuda_copy_on(reg->device, r->copy, reg->data + off, n);
+  else
+    memcpy(r->copy, reg->data + off, n);
+  fr_region_use_end(reg);
+  return rc;
+}
+
+/* A peer asks for bytes: key and bounds checked here, then the bytes go from the region (a copy
+ * of registered memory's). */
 static ucs_status_t on_read_req(void *arg, const void *header, size_t header_len, void *data,
                                 size_t len, const ucp_am_recv_param_t *param) {
   ucx_link *u = arg;
@@ -88,13 +110,15 @@ static ucs_status_t on_read_req(void *arg, const void *header, size_t header_len
     fr_region_release(reg);
     return UCS_OK;
   }
+  if (status == 0)
+    status = reply_copy(r, reg, off, n);
   r->region = status == 0 ? reg : NULL;
   if (status != 0)
     fr_region_release(reg);
   fr_put_u64(r->hdr, fr_get_u64(h));
   fr_put_u64(r->hdr + 8, (uint64_t)(int64_t)status);
-  send_reply(u, AM_READ_RESP, r, READ_RESP_BYTES, status == 0 ? reg->data + off : NULL,
-             status == 0 ? n : 0);
+  const uint8_t *bytes = status != 0 ? NULL : r->copy ? r->copy : reg->data + off;
+  send_reply(u, AM_READ_RESP, r, READ_RESP_BYTES, bytes, status == 0 ? n : 0);
   return UCS_OK;
 }
 
