@@ -795,6 +795,9 @@ static void dead_while_waiting(void) {
   uint8_t b, buf[4096] = {0};
   assert_int_equal(tu_pipe_get(&sub.from, &b, 1, 30000), 0);
   FR_OK(ferry_mq_wait_subscribers(mq, "stuck", 1, 20000));
+  /* The first message with time to spare: over ucx it waits for the link's endpoints to wire up
+   * (a round trip through both workers), which a loaded machine took over 200 ms to do. */
+  FR_OK(ferry_mq_publish(mq, "stuck", buf, sizeof buf, 20000));
   int rc = 0;
   for (int k = 0; rc == 0 && k < 1000; k++) /* 64 KiB of credit: full long before 1000 */
     rc = ferry_mq_publish(mq, "stuck", buf, sizeof buf, 200);
