@@ -470,7 +470,9 @@ static size_t group_of(const fr_dir_object *objs, size_t n) {
 }
 
 /* Objects of one owner go in txns of up to GROUP_MAX puts (once this client knows the owner's
- * lease); a put that must keep others' records, or of a group whose compare failed, one by one. */
+ * lease), a group sent again while only a key or marker moved; a put that must keep others'
+ * records, or of a group whose owner is not on the lease cached (or that kept losing), one by
+ * one. */
 static int etcd_obj_put_batch(void *st, const fr_dir_object *objs, size_t n, unsigned flags,
                               int *status, fr_dir_object *replaced, bool *had_other,
                               int timeout_ms) {
