@@ -991,7 +991,8 @@ FERRY_API int ferry_refit_part_sent(ferry_refit_sender *sender, const char *name
  * later pushes neither include nor wait for it until it attaches again (its own thread does so
  * once it runs again), and then it gets every bucket. With no receiver attached it returns 0 at
  * once. FERRY_ETIMEDOUT with nothing pushed when the sender's service thread was still sending
- * catch-up frames to late joiners (they go first) after timeout_ms. */
+ * catch-up frames to late joiners (they go first), or hashing the buffer for one, after
+ * timeout_ms. */
 FERRY_API int ferry_refit_push(ferry_refit_sender *sender, uint64_t version,
                                const ferry_refit_push_opts *opts);
 /* How many receivers are attached now (a dropped one counts again once it attached again; one

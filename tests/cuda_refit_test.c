@@ -770,6 +770,55 @@ static void test_push_awaits_service_bounded(void **st) {
   ferry_ctx_close(sc);
 }
 
+/* The same for a shard reader catching up from a host sender: the sum of its runs in a bucket is
+ * taken by the service thread without the sender's lock, a chunk at a time, and a push that
+ * begins meanwhile waits for it to stop at its next chunk, no longer than its timeout: with the
+ * hash held there, the push returns FERRY_ETIMEDOUT, nothing begun; once let go, the reader
+ * catches up and the next push lands. On the code that took that sum under the lock the push
+ * waited for the lock until the hold gave up (60 s), and then pushed. */
+static void test_shard_view_sum_unlocked(void **st) {
+  (void)st;
+  ferry_ctx *sc = ctx_for("trainer", "shm"), *lc = ctx_for("late", "shm");
+  ferry_refit_opts o = {.size = sizeof o, .bucket_bytes = 8192};
+  ferry_refit_sender *snd;
+  FR_OK(ferry_refit_sender_open(sc, "trainer", &o, &snd));
+  uint8_t *src[NA];
+  for (int i = 0; i < NA; i++) {
+    ferry_tensor_desc d = adesc(i);
+    src[i] = avalues(i, 1);
+    FR_OK(ferry_refit_declare(snd, aspecs[i].name, &d, src[i], FERRY_DTYPE_INVALID));
+  }
+  FR_OK(ferry_refit_seal(snd));
+  FR_OK(ferry_refit_push(snd, 1, NULL));
+  hold_arm(FR_REFIT_HOLD_SUM);
+  ferry_refit_receiver *r;
+  FR_OK(ferry_refit_receiver_open(lc, ferry_ctx_address(sc), 5000, &r));
+  float slice[300]; /* w[100, 400) */
+  ferry_refit_piece piece = {.source = "w", .dim = 0, .start = 100, .stop = 400};
+  ferry_tensor_desc sd = {.dtype = FERRY_DTYPE_F32, .ndim = 1, .shape = {300}};
+  FR_OK(ferry_refit_bind_pieces(r, "w-part", slice, &sd, &piece, 1));
+  (void)ferry_refit_committed(r);   /* asks to catch up */
+  assert_int_equal(hold_wait(), 1); /* the service thread hashes its runs in bucket 0, held */
+  uint8_t *w2 = avalues(0, 2);
+  memcpy(src[0], w2, abytes(0));
+  free(w2);
+  ferry_refit_push_opts po = {.size = sizeof po, .timeout_ms = 200};
+  assert_int_equal(ferry_refit_push(snd, 2, &po), FERRY_ETIMEDOUT);
+  assert_non_null(strstr(ferry_last_error(), "shard runs"));
+  assert_int_equal(hold_release(), 1);
+  __atomic_store_n(&fr_refit_test_hold, NULL, __ATOMIC_RELEASE);
+  FR_OK(ferry_refit_wait(r, 1, 20000, NULL)); /* version 1's runs: the push did not begin */
+  FR_OK(ferry_refit_push(snd, 2, NULL));
+  FR_OK(ferry_refit_wait(r, 2, 20000, NULL));
+  assert_memory_equal(slice, src[0] + 100 * sizeof(float), sizeof slice);
+  ferry_refit_receiver_close(r);
+  ferry_refit_sender_close(snd);
+  for (int i = 0; i < NA; i++)
+    free(src[i]);
+  ferry_ctx_close(lc);
+  ferry_ctx_close(sc);
+}
+
 /* The corruption hook reaches a bucket summed lazily: an unhashed push leaves it alone, and the
  * late joiner's checksum is taken before the hook changes the bytes, so the late joiner (over
  * tcp, verifying) refuses the bucket and never commits the version; the next push lands. On the
@@ -1064,6 +1113,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_alias_lazy_sum_unlocked),
       cmocka_unit_test(test_alias_lazy_sum_corrupt),
       cmocka_unit_test(test_push_awaits_service_bounded),
+      cmocka_unit_test(test_shard_view_sum_unlocked),
       cmocka_unit_test(test_pack_async),
       cmocka_unit_test(test_device_buckets),
       cmocka_unit_test(test_chain_and_late_join),

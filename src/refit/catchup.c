@@ -19,7 +19,9 @@
  * the first time a receiver that verifies catches up (over tcp, or a shard reader): its
  * announcement waits while the service thread hashes it without s->lock (fr_refit_sum_run), so
  * that a push that begins meanwhile never waits for the copy; the push voids the sum (the
- * buffer's epoch moved), and only a sum of the version's own bytes is kept. A reader on this host
+ * buffer's epoch moved), and only a sum of the version's own bytes is kept. A shard reader's sum
+ * of its runs in a bucket of a host buffer is taken the same way, a chunk at a time: a push that
+ * begins waits for the chunk under way (it rewrites that memory). A reader on this host
  * of whole buckets reads them unhashed (FR_REFIT_DIRECT) as in a push: a push that overwrites
  * them mid-way cancels the catch-up, so no COMMIT follows for the torn version.
  */
@@ -103,31 +105,43 @@ static void announce_next(ferry_refit_sender *s, receiver *r, fr_refit_outbox *o
                         .src = s->ref[0],
                         .src_offset = (uint64_t)b * p->bucket_bytes};
     if (sum_for(s, r, b, &m, out) <= 0)
-      return; /* 0: announced once its checksum is taken */
-    r->cu_announced++;
-    if (r->view && s->dev_buf < 0) { /* a shard reader: the sum of its runs, from the retained
-                                        bucket (in CUDA memory: it reads whole buckets) */
+      return;                        /* 0: announced once its checksum is taken */
+    if (r->view && s->dev_buf < 0) { /* a shard reader: the sum of its runs, taken from the
+                                        retained bucket by the service thread without the lock
+                                        (in CUDA memory: it reads whole buckets) */
+      if (r->cu_view_for != b + 1)
+        return; /* announced once it is taken */
       m.view = r->view->serial;
-      m.view_sum = fr_refit_view_sum(p, r->view, b, (const uint8_t *)s->buf[0] + m.src_offset);
+      m.view_sum = r->cu_view_sum;
     }
+    r->cu_announced++;
     queue(out, r, &m);
   }
 }
 
-/* A bucket r waits for (announce_next stopped there) whose checksum is yet to be taken. */
-static bool waits_for_sum(const ferry_refit_sender *s, const receiver *r, uint32_t *b) {
+/* Whether r's next announcement (bucket *b: announce_next stopped there) waits for a sum to be
+ * taken: the bucket's checksum (a device buffer's that no push took), or (*view) the sum of r's
+ * view's runs in it. */
+static bool waits_for_sum(const ferry_refit_sender *s, const receiver *r, uint32_t *b, bool *view) {
   *b = r->cu_announced;
-  return r->cu_version && r->cu_version == s->retained && !reads_direct(s, r) &&
-         *b < s->plan.buckets && *b < r->cu_acked + window(&s->plan) && !s->sum_known[*b];
+  *view = false;
+  if (!r->cu_version || r->cu_version != s->retained || *b >= s->plan.buckets ||
+      *b >= r->cu_acked + window(&s->plan))
+    return false;
+  if (s->dev_buf >= 0)
+    return !reads_direct(s, r) && !s->sum_known[*b];
+  *view = r->view && r->cu_view_for != *b + 1;
+  return *view;
 }
 
 bool fr_refit_catchup_sum_next(ferry_refit_sender *s, fr_refit_sum_job *j) {
-  if (s->pushing || s->bar_sums || s->summing || !s->sealed || s->dev_buf < 0 || !s->retained)
+  if (s->pushing || s->bar_sums || s->summing || !s->sealed || !s->retained)
     return false;
   for (receiver *r = s->receivers; r; r = r->next) {
     uint32_t b;
-    if (waits_for_sum(s, r, &b)) {
-      fr_refit_sum_begin(s, b, j);
+    bool view;
+    if (waits_for_sum(s, r, &b, &view)) {
+      fr_refit_sum_begin(s, b, view ? r : NULL, j);
       return true;
     }
   }
@@ -141,7 +155,8 @@ void fr_refit_catchup_sum_done(ferry_refit_sender *s, const fr_refit_sum_job *j,
   fr_str_copy(why, sizeof why, rc ? ferry_last_error() : "");
   for (receiver *r = s->receivers; r; r = r->next) {
     uint32_t b;
-    if (rc != 0 && rc != FERRY_ESTALE && waits_for_sum(s, r, &b) && b == j->bucket)
+    bool view;
+    if (rc != 0 && rc != FERRY_ESTALE && waits_for_sum(s, r, &b, &view) && b == j->bucket && !view)
       cannot_catch_up(s, r, why, out); /* the copy failed */
     else
       announce_next(s, r, out); /* void (FERRY_ESTALE): a push or seal stops it anyway */
@@ -151,7 +166,7 @@ void fr_refit_catchup_sum_done(ferry_refit_sender *s, const fr_refit_sum_job *j,
 static void start(ferry_refit_sender *s, receiver *r, fr_refit_outbox *out) {
   r->want_catchup = false;
   r->cu_version = s->latest;
-  r->cu_announced = r->cu_acked = 0;
+  r->cu_announced = r->cu_acked = r->cu_view_for = 0;
   fr_refit_view_refresh(s, r);
   fr_info("refit '%s': receiver '%s' catches up to version %llu", s->name, r->peer,
           (unsigned long long)s->latest);

@@ -187,14 +187,22 @@ typedef struct device_hash {
   uint64_t epoch;
 } device_hash;
 
-static int hash_chunk(void *arg, const void *buf, size_t len) {
-  device_hash *d = arg;
-  void (*hold)(int) = d->lazy ? __atomic_load_n(&fr_refit_test_hold, __ATOMIC_ACQUIRE) : NULL;
+/* A catch-up's sum goes on with its next chunk: FERRY_ESTALE once the buffer's epoch moved from
+ * the one it began with. */
+static int lazy_step(ferry_refit_sender *s, uint32_t b, uint64_t epoch) {
+  void (*hold)(int) = __atomic_load_n(&fr_refit_test_hold, __ATOMIC_ACQUIRE);
   if (hold)
     hold(FR_REFIT_HOLD_SUM);
-  if (d->lazy && __atomic_load_n(&d->s->buf_epoch, __ATOMIC_ACQUIRE) != d->epoch)
-    return fr_err(FERRY_ESTALE, "refit '%s': bucket %u rewritten while it was hashed", d->s->name,
-                  d->b);
+  if (__atomic_load_n(&s->buf_epoch, __ATOMIC_ACQUIRE) == epoch)
+    return 0;
+  return fr_err(FERRY_ESTALE, "refit '%s': bucket %u rewritten while it was hashed", s->name, b);
+}
+
+static int hash_chunk(void *arg, const void *buf, size_t len) {
+  device_hash *d = arg;
+  int rc = d->lazy ? lazy_step(d->s, d->b, d->epoch) : 0;
+  if (rc != 0)
+    return rc;
   fr_hash_update(d->h, buf, len);
   for (size_t i = 0; i < d->nfeeds; i++)
     fr_refit_view_feed(&d->s->plan, &d->feeds[i], d->b, d->at, len, buf);
@@ -233,28 +241,54 @@ static int pack_device_bucket(ferry_refit_sender *s, uint32_t b, uint8_t *dst, u
   return hash_device_bucket(&s->stager, &d, s->dev_buf, dst, len, sum);
 }
 
-void fr_refit_sum_begin(ferry_refit_sender *s, uint32_t b, fr_refit_sum_job *j) {
+void fr_refit_sum_begin(ferry_refit_sender *s, uint32_t b, receiver *r, fr_refit_sum_job *j) {
   *j = (fr_refit_sum_job){.bucket = b,
                           .epoch = s->buf_epoch,
                           .device = s->dev_buf,
                           .at = (const uint8_t *)s->buf[0] + (uint64_t)b * s->plan.bucket_bytes,
-                          .len = fr_refit_bucket_len(&s->plan, b)};
+                          .len = fr_refit_bucket_len(&s->plan, b),
+                          .r = r};
   s->summing = true;
+  s->summing_host = s->dev_buf < 0;
+}
+
+/* The sum of r's view's runs in bucket j->bucket of the host buffer (fr_refit_view_sum's), a
+ * chunk at a time: a push that begins waits for one chunk at most. */
+static int hash_view_runs(ferry_refit_sender *s, const fr_refit_sum_job *j, uint64_t *sum) {
+  const fr_refit_view *v = j->r->view;
+  uint64_t start = (uint64_t)j->bucket * s->plan.bucket_bytes;
+  fr_hash *h = fr_hash_begin();
+  int rc = 0;
+  for (uint64_t i = v->first[j->bucket]; i < v->first[j->bucket + 1] && rc == 0; i++)
+    for (uint64_t at = 0; at < v->runs[i].len && rc == 0; at += FR_REFIT_CHUNK) {
+      uint64_t n = v->runs[i].len - at < FR_REFIT_CHUNK ? v->runs[i].len - at : FR_REFIT_CHUNK;
+      if ((rc = lazy_step(s, j->bucket, j->epoch)) == 0)
+        fr_hash_update(h, j->at + (v->runs[i].off - start) + at, n);
+    }
+  *sum = fr_hash_end(h);
+  return rc;
 }
 
 int fr_refit_sum_run(ferry_refit_sender *s, const fr_refit_sum_job *j, uint64_t *sum) {
+  if (j->r)
+    return hash_view_runs(s, j, sum);
   device_hash d = {.s = s, .b = j->bucket, .lazy = true, .epoch = j->epoch};
   return hash_device_bucket(&s->sum_stager, &d, j->device, j->at, j->len, sum);
 }
 
 int fr_refit_sum_end(ferry_refit_sender *s, const fr_refit_sum_job *j, int rc, uint64_t sum) {
-  s->summing = false;
-  pthread_cond_broadcast(&s->cond); /* a seal may wait for it */
+  s->summing = s->summing_host = false;
+  pthread_cond_broadcast(&s->cond); /* a seal or a push may wait for it */
   if (s->buf_epoch != j->epoch || s->pushing)
     return fr_err(FERRY_ESTALE, "refit '%s': bucket %u rewritten while it was hashed", s->name,
                   j->bucket);
   if (rc != 0)
     return rc;
+  if (j->r) { /* for its announcement of this bucket, next */
+    j->r->cu_view_sum = sum;
+    j->r->cu_view_for = j->bucket + 1;
+    return 0;
+  }
   s->last_sum[j->bucket] = sum;
   s->sum_known[j->bucket] = 1;
   fr_refit_corrupt_for_test(s, j->bucket, (uint8_t *)j->at); /* the bytes change after the sum */

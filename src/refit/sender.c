@@ -159,15 +159,20 @@ static void send_queued(ferry_refit_sender *s) {
 int fr_refit_service_await(ferry_refit_sender *s, uint64_t version, int timeout_ms) {
   uint64_t deadline = fr_deadline_ns(timeout_ms);
   struct timespec ts = fr_timespec(deadline);
-  while (s->svc_sending && fr_now_ns() < deadline)
+  fr_refit_buf_moves(s); /* a sum being taken stops at its next chunk, and none begins */
+  s->bar_sums++;
+  while ((s->svc_sending || s->summing_host) && fr_now_ns() < deadline)
     pthread_cond_timedwait(&s->cond, &s->lock, &ts);
-  if (!s->svc_sending)
+  s->bar_sums--;
+  if (!s->svc_sending && !s->summing_host)
     return 0;
   return fr_err(FERRY_ETIMEDOUT,
-                "refit '%s': version %llu not pushed: the sender's service thread was still "
-                "sending catch-up frames to late joiners after the push's timeout (%d ms); no "
-                "receiver was sent anything",
-                s->name, (unsigned long long)version, timeout_ms);
+                "refit '%s': version %llu not pushed: the sender's service thread was still %s "
+                "after the push's timeout (%d ms); no receiver was sent anything",
+                s->name, (unsigned long long)version,
+                s->svc_sending ? "sending catch-up frames to late joiners"
+                               : "hashing a late joiner's shard runs",
+                timeout_ms);
 }
 
 /* Takes the checksums that catch-ups wait for (catchup.c), one bucket at a time, each without
@@ -702,7 +707,7 @@ int ferry_refit_seal(ferry_refit_sender *s) {
   /* a catch-up's checksum being taken (unlocked) reads the buffer a seal may free or zero: it
    * is void now, and stops at its next chunk */
   fr_refit_buf_moves(s);
-  s->bar_sums = true;
+  s->bar_sums++;
   while (s->summing)
     pthread_cond_wait(&s->cond, &s->lock);
   int rc = s->plan.count ? 0 : fr_err(FERRY_ESTATE, "refit '%s': nothing declared", s->name);
@@ -742,7 +747,7 @@ int ferry_refit_seal(ferry_refit_sender *s) {
   }
   if (rc == 0)
     s->since_seal_count = 0;
-  s->bar_sums = false;
+  s->bar_sums--;
   pthread_mutex_unlock(&s->lock);
   fr_job_wake(s->service, FR_REFIT_WAKE_CATCHUPS); /* catch-ups that waited for a checksum */
   if (rc == 0)
@@ -786,7 +791,7 @@ void ferry_refit_sender_close(ferry_refit_sender *s) {
   fr_refit_stats_stop(s);
   pthread_mutex_lock(&s->lock); /* a catch-up's checksum being taken stops at its next chunk */
   fr_refit_buf_moves(s);
-  s->bar_sums = true;
+  s->bar_sums++;
   pthread_mutex_unlock(&s->lock);
   fr_job_stop(s->service); /* messages that came after the thread stopped are dropped */
   fr_refit_out_free(&s->svc_out);

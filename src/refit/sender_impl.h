@@ -80,6 +80,8 @@ typedef struct receiver {
   uint64_t cu_version;   /* the version being sent to it now, 0 when none */
   uint32_t cu_announced; /* buckets announced (by index) */
   uint32_t cu_acked;     /* buckets it verified */
+  uint64_t cu_view_sum;  /* a shard reader's: the sum of its view's runs in bucket */
+  uint32_t cu_view_for;  /* cu_view_for - 1 (0: none), taken for its next announcement */
 
   /* shards (views.c): what it declared, and the view built from that between pushes */
   fr_refit_target *targets; /* by slot */
@@ -186,8 +188,9 @@ struct ferry_refit_sender {
    * bytes may change: a push begins, a seal. A checksum taken without s->lock (a catch-up's,
    * fr_refit_sum_run) counts only if this did not move meanwhile. */
   uint64_t buf_epoch;
-  bool summing;  /* the service thread is hashing a bucket without s->lock (a seal waits) */
-  bool bar_sums; /* a seal waits for that hash, or close began: no other begins */
+  bool summing;      /* the service thread is hashing a bucket without s->lock (a seal waits) */
+  bool summing_host; /* ...of host memory, which a push rewrites: the push waits for it to stop */
+  uint32_t bar_sums; /* a seal or a push waits for that hash, or close began: no other begins */
   uint8_t *manifest;
   size_t manifest_len;
 
@@ -236,32 +239,39 @@ int fr_refit_packer_start(ferry_refit_sender *s, fr_refit_packer **out);
 void fr_refit_packer_stop(fr_refit_packer *k);
 int fr_refit_pack(ferry_refit_sender *s, uint32_t b, uint8_t *dst, bool share, fr_refit_feed *feeds,
                   size_t nfeeds, bool hash, uint64_t *sum);
-/* A bucket of the whole device buffer whose checksum a catch-up needs and no push took
- * (FR_REFIT_DIRECT), hashed by the service thread without s->lock, so that neither a push that
- * begins meanwhile nor the receivers' acknowledgements wait for the copy (pack.c):
- * fr_refit_sum_begin (s->lock held, no push or seal under way) takes what to hash and the
- * buffer's epoch and marks s->summing; fr_refit_sum_run (unlocked) hashes it through pinned host
- * memory, stopping at the next chunk once the epoch moved (FERRY_ESTALE); fr_refit_sum_end
- * (s->lock held) clears s->summing and keeps the sum (sum_known) only if the epoch is still the
- * one begun with: the bucket still holds that version's bytes. It returns 0 when kept,
- * FERRY_ESTALE when void (a push or seal came), or the copy's failure. */
+/* A sum a catch-up waits for, taken by the service thread without s->lock so that a push that
+ * begins meanwhile waits for no copy or hash of a bucket (pack.c): the checksum of a bucket of the
+ * whole device buffer that no push took (FR_REFIT_DIRECT), or (r given) the sum of shard reader
+ * r's view's runs in a bucket of the host buffer. fr_refit_sum_begin (s->lock held, no push or
+ * seal under way) takes what to hash and the buffer's epoch and marks s->summing (and
+ * summing_host for host memory); fr_refit_sum_run (unlocked) hashes it (device memory through
+ * pinned host memory), stopping at its next chunk once the epoch moved (FERRY_ESTALE): a push
+ * does not wait for a device bucket's copy (it reads other memory than the push writes, and the
+ * sum is void), and waits a chunk at most for a host one (fr_refit_service_await). r and its view
+ * stay while it runs: only the service thread, a seal or a push (both waiting for it) free them.
+ * fr_refit_sum_end (s->lock held) clears the marks and keeps the sum (sum_known, or r's
+ * cu_view_sum) only if the epoch is still the one begun with: the bucket still holds that
+ * version's bytes. It returns 0 when kept, FERRY_ESTALE when void (a push or seal came), or the
+ * copy's failure. */
 typedef struct fr_refit_sum_job {
   uint32_t bucket;
   uint64_t epoch;
   int device;
   const uint8_t *at;
   uint64_t len;
+  receiver *r; /* a view's sum, else NULL */
 } fr_refit_sum_job;
-void fr_refit_sum_begin(ferry_refit_sender *s, uint32_t b, fr_refit_sum_job *j);
+void fr_refit_sum_begin(ferry_refit_sender *s, uint32_t b, receiver *r, fr_refit_sum_job *j);
 int fr_refit_sum_run(ferry_refit_sender *s, const fr_refit_sum_job *j, uint64_t *sum);
 int fr_refit_sum_end(ferry_refit_sender *s, const fr_refit_sum_job *j, int rc, uint64_t sum);
 /* sender.c: FERRY_ESTATE for a push before the seal: a first seal, or one after declaring again (a
  * rank of a group whose receivers would otherwise see a stale manifest). */
 int fr_refit_unsealed(ferry_refit_sender *s);
 /* sender.c, s->lock held: waits until the service thread sent the catch-up frames it queued (a
- * push's go after them), for timeout_ms at most: it sends each with a timeout of its own (a late
- * joiner that does not read holds it that long), and a push's caller waits for no stalled party
- * longer than the push's timeout. FERRY_ETIMEDOUT (version not pushed) when it still sends then. */
+ * push's go after them) and stopped a hash of host memory (the push rewrites it), for timeout_ms
+ * at most: it sends each frame with a timeout of its own (a late joiner that does not read holds
+ * it that long), and a push's caller waits for no stalled party longer than the push's timeout.
+ * FERRY_ETIMEDOUT (version not pushed) when it still sends or hashes then. */
 int fr_refit_service_await(ferry_refit_sender *s, uint64_t version, int timeout_ms);
 /* The buffer's bytes may change from now on (s->lock held): sums being taken are void. */
 static inline void fr_refit_buf_moves(ferry_refit_sender *s) {
