@@ -341,12 +341,14 @@ static int gpu_receiver(const char *address, int fd, uint64_t versions, bool ali
     if (rc == 0)
       rc = ferry_refit_bind(r, name, mem + at[i], &d);
   }
-  char ch = 'r';
-  if (rc == 0 && write(fd, &ch, 1) != 1)
-    rc = FERRY_ESYS;
+  /* the readings' callback is in place before the trainer is told to push: a commit before it
+   * would go unread (on a loaded machine every version could, leaving the breakdown all zero) */
   rx_window w = {.ctx = ctx, .last_version = versions};
   if (rc == 0)
     ferry_refit_on_commit(r, window_mark, &w);
+  char ch = 'r';
+  if (rc == 0 && write(fd, &ch, 1) != 1)
+    rc = FERRY_ESYS;
   for (uint64_t v = 1; rc == 0 && v <= versions; v++)
     rc = ferry_refit_wait(r, v, 600000, NULL);
   for (int i = 0; rc == 0 && i < 100000 && !__atomic_load_n(&w.done, __ATOMIC_ACQUIRE); i++)
