@@ -372,8 +372,10 @@ int fr_region_remove(fr_region_table *t, uint64_t id, const void *data) {
     __atomic_compare_exchange_n(&((fr_shm_header *)r->map)->state, &alive, FR_SHM_FREED, false,
                                 __ATOMIC_RELEASE, __ATOMIC_RELAXED);
   bool kept = alive == FR_SHM_ALIVE && cache_keep(t, r);
+  /* decided under the lock: once a kept region's lock is let go, the cache may free it */
+  bool registered = fr_region_is_registered(r);
   pthread_mutex_unlock(&t->lock);
-  int rc = fr_region_is_registered(r) ? drain_uses(r) : 0;
+  int rc = registered ? drain_uses(r) : 0; /* registered: never kept, the table's ref is ours */
   if (!kept)
     fr_region_release(r);
   return rc;
