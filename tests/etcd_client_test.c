@@ -363,7 +363,11 @@ typedef struct held_call {
   uint64_t t0;
 } held_call;
 
-#define HELD_MS 15000 /* the held call's timeout: it ends when the proxy hangs up, long before */
+/* The held call's timeout (it ends when the proxy hangs up, long before), and that of the calls
+ * beside it: ample for a loaded machine, and still far shorter than the held call, so that a call
+ * that waited behind it fails. */
+#define HELD_MS 60000
+#define BESIDE_MS 5000
 
 static void *held_lookup(void *arg) {
   held_call *h = arg;
@@ -373,8 +377,8 @@ static void *held_lookup(void *arg) {
   return NULL;
 }
 
-/* A node registered with a 3 s lease; a lookup of the same client is held by the member (it
- * never answers); a renewal with a 1 s timeout meanwhile lands: it does not wait behind the
+/* A node registered with a 30 s lease; a lookup of the same client is held by the member (it
+ * never answers); a renewal with a 5 s timeout meanwhile lands: it does not wait behind the
  * lookup. */
 static void test_etcd_renewal_beside_held_call(void **state) {
   (void)state;
@@ -384,28 +388,28 @@ static void test_etcd_renewal_beside_held_call(void **state) {
   if (!setup(&e, &p, &d))
     return;
   fr_dir_node n = node_named("renewer", 5);
-  FR_OK(d->ops->node_put(d->state, &n, 3000, 0, NULL, 5000));
+  FR_OK(d->ops->node_put(d->state, &n, 30000, 0, NULL, 5000));
   proxy_hold(&p, "/v3/kv/range");
   held_call h = {.d = d};
   pthread_t t;
   assert_int_equal(pthread_create(&t, NULL, held_lookup, &h), 0);
   proxy_wait_held(&p);
   uint64_t t0 = fr_now_ns();
-  int rc = d->ops->node_renew(d->state, n.name, n.incarnation, 3000, 1000);
-  within(t0, 1000, "a renewal beside a held call", rc);
+  int rc = d->ops->node_renew(d->state, n.name, n.incarnation, 30000, BESIDE_MS);
+  within(t0, BESIDE_MS, "a renewal beside a held call", rc);
   if (rc != 0)
     fail_msg("a renewal beside a held call: %s (%s)", ferry_status_name(rc), ferry_last_error());
   print_message("a renewal beside a held lookup landed after %.0f ms\n", ms_since(t0));
   proxy_hang_up(&p);
   pthread_join(t, NULL);
   within(h.t0, HELD_MS, "the held lookup", h.rc);
-  FR_OK(d->ops->node_renew(d->state, n.name, n.incarnation, 3000, 5000));
+  FR_OK(d->ops->node_renew(d->state, n.name, n.incarnation, 30000, 5000));
   FR_OK(d->ops->node_del(d->state, n.name, n.incarnation, 5000));
   teardown(&e, &p, d);
 }
 
 /* A node and its object; a lookup of the same client is held by the member; meanwhile another
- * thread's put and get (1 s timeouts) land: they do not wait behind the lookup. */
+ * thread's put and get (5 s timeouts) land: they do not wait behind the lookup. */
 static void test_etcd_call_beside_held_call(void **state) {
   (void)state;
   su_etcd e;
@@ -424,16 +428,16 @@ static void test_etcd_call_beside_held_call(void **state) {
   proxy_wait_held(&p);
   o.generation = 2;
   uint64_t t0 = fr_now_ns();
-  int rc = d->ops->obj_put(d->state, &o, 0, NULL, NULL, 1000);
-  within(t0, 1000, "a put beside a held call", rc);
+  int rc = d->ops->obj_put(d->state, &o, 0, NULL, NULL, BESIDE_MS);
+  within(t0, BESIDE_MS, "a put beside a held call", rc);
   if (rc != 0)
     fail_msg("a put beside a held call: %s (%s)", ferry_status_name(rc), ferry_last_error());
   const char *keys[1] = {"beside/key"};
   fr_dir_object got;
   int st = -1;
   t0 = fr_now_ns();
-  rc = d->ops->obj_get(d->state, keys, 1, &got, &st, 1000);
-  within(t0, 1000, "a get beside a held call", rc);
+  rc = d->ops->obj_get(d->state, keys, 1, &got, &st, BESIDE_MS);
+  within(t0, BESIDE_MS, "a get beside a held call", rc);
   if (rc != 0)
     fail_msg("a get beside a held call: %s (%s)", ferry_status_name(rc), ferry_last_error());
   assert_int_equal(st, 0);
@@ -452,8 +456,8 @@ static void put_held(proxy *p, fr_dir *d, const char *key, const char *owner, ui
   fr_dir_object o = object_of(key, owner, gen);
   proxy_hold(p, "/v3/kv/txn");
   uint64_t t0 = fr_now_ns();
-  int rc = d->ops->obj_put(d->state, &o, 0, NULL, NULL, 300);
-  within(t0, 300, "a held put", rc);
+  int rc = d->ops->obj_put(d->state, &o, 0, NULL, NULL, 1000);
+  within(t0, 1000, "a held put", rc);
   if (rc != FERRY_ETIMEDOUT)
     fail_msg("a held put: %s (%s), not a timeout", ferry_status_name(rc), ferry_last_error());
   proxy_wait_held(p);
