@@ -515,6 +515,44 @@ static void test_etcd_late_put(void **state) {
   teardown(&e, &p, d);
 }
 
+/* A node and its object (generation 1). A delete of it by any owner (owner "", as
+ * ferry_mq_unsubscribe deletes) is held, a put of generation 2 returns, then the held delete runs:
+ * generation 2 stays (an unconditional delete run late removed it). */
+static void test_etcd_late_delete(void **state) {
+  (void)state;
+  su_etcd e;
+  proxy p;
+  fr_dir *d;
+  if (!setup(&e, &p, &d))
+    return;
+  fr_dir_node n = node_named("late-deleter", 8);
+  FR_OK(d->ops->node_put(d->state, &n, 30000, 0, NULL, 5000));
+  fr_dir_object o = object_of("late/deleted", n.name, 1);
+  FR_OK(d->ops->obj_put(d->state, &o, 0, NULL, NULL, 5000));
+  proxy_hold(&p, "/v3/kv/txn");
+  uint64_t t0 = fr_now_ns();
+  int rc = d->ops->obj_del(d->state, "late/deleted", "", 0, NULL, 1000);
+  within(t0, 1000, "a held delete", rc);
+  if (rc != FERRY_ETIMEDOUT)
+    fail_msg("a held delete: %s (%s), not a timeout", ferry_status_name(rc), ferry_last_error());
+  proxy_wait_held(&p);
+  o.generation = 2;
+  FR_OK(d->ops->obj_put(d->state, &o, 0, NULL, NULL, 5000));
+  json_t *j = proxy_run_late(&p);
+  bool applied = json_is_true(json_object_get(j, "succeeded"));
+  json_decref(j);
+  uint64_t gen = generation_of(d, "late/deleted");
+  if (gen != 2)
+    fail_msg("a delete run late removed a put acknowledged since (generation %llu; it %s)",
+             (unsigned long long)gen, applied ? "applied" : "did not apply");
+  assert_false(applied);
+  FR_OK(d->ops->obj_del(d->state, "late/deleted", "", 0, NULL, 5000)); /* as ever otherwise */
+  assert_int_equal(generation_of(d, "late/deleted"), 0);
+  assert_int_equal(d->ops->obj_del(d->state, "late/deleted", "", 0, NULL, 5000), FERRY_ENOTFOUND);
+  FR_OK(d->ops->node_del(d->state, n.name, n.incarnation, 5000));
+  teardown(&e, &p, d);
+}
+
 /* The txns the proxy relayed so far. */
 static int txns(proxy *p) {
   pthread_mutex_lock(&p->lock);
@@ -588,6 +626,7 @@ int main(void) {
       cmocka_unit_test(test_etcd_renewal_beside_held_call),
       cmocka_unit_test(test_etcd_call_beside_held_call),
       cmocka_unit_test(test_etcd_late_put),
+      cmocka_unit_test(test_etcd_late_delete),
       cmocka_unit_test(test_etcd_batch_after_delete),
   };
   tu_filter(); /* FERRY_TEST_ONLY, FERRY_TEST_SKIP */

@@ -29,8 +29,8 @@ static int dead_line(int timeout_ms, const fr_etcd *e, const char *what) {
                 timeout_ms);
 }
 
-static int delete_at(fr_etcd *e, const char *k, size_t kn, int64_t mod, const char *key, bool *done,
-                     fr_dir_object *deleted, uint64_t deadline, int timeout_ms);
+static int delete_at(fr_etcd *e, const char *k, size_t kn, int64_t mod, const char *key, bool *ran,
+                     bool *done, fr_dir_object *deleted, uint64_t deadline, int timeout_ms);
 
 /* ---- nodes ---- */
 
@@ -97,9 +97,9 @@ static int etcd_node_put(void *st, const fr_dir_node *n, int lease_ms, uint64_t 
       return fr_dir_name_taken(&h, lease_left_ms(e, v.lease, deadline, timeout_ms));
     }
     if (v.found) { /* a holder proven dead (it goes with its lease), or a record that is none */
-      bool done;
+      bool ran, done;
       rc = v.lease ? fr_etcd_lease_revoke(e, v.lease, deadline, timeout_ms)
-                   : delete_at(e, key, kn, v.mod, NULL, &done, NULL, deadline, timeout_ms);
+                   : delete_at(e, key, kn, v.mod, NULL, &ran, &done, NULL, deadline, timeout_ms);
       if (rc != 0)
         return rc;
       continue;
@@ -554,24 +554,26 @@ static int not_found(const char *key, const char *owner) {
                 owner ? owner : "");
 }
 
-/* Deletes the key if it is still at mod revision `mod` (0: whatever it holds), an object's (key
- * not NULL) with its delete marker. *done: it was there to delete; *deleted its record. */
-static int delete_at(fr_etcd *e, const char *k, size_t kn, int64_t mod, const char *key, bool *done,
-                     fr_dir_object *deleted, uint64_t deadline, int timeout_ms) {
+/* Deletes the key if it is still at mod revision `mod` (0: whatever it holds, unmodified since
+ * this client's last answer, so that a delete left with a stopped member and run late cannot
+ * remove a record put after it was sent), an object's (key not NULL) with its delete marker.
+ * *ran: the compare held (else the key moved: read or send it again); *done: it was there to
+ * delete; *deleted its record. */
+static int delete_at(fr_etcd *e, const char *k, size_t kn, int64_t mod, const char *key, bool *ran,
+                     bool *done, fr_dir_object *deleted, uint64_t deadline, int timeout_ms) {
   json_t *compare = json_array(), *success = json_array(), *j, *resp;
-  if (mod)
-    json_array_append_new(compare, fr_etcd_cmp(k, kn, "MOD", "mod_revision", mod));
+  json_array_append_new(compare, mod ? fr_etcd_cmp(k, kn, "MOD", "mod_revision", mod)
+                                     : fr_etcd_cmp_unchanged(e, k, kn));
   json_array_append_new(success, fr_etcd_op_delete(k, kn));
   if (key)
     json_array_append_new(success, fr_etcd_op_mark(e, key));
-  bool ok;
-  int rc = fr_etcd_txn(e, compare, success, NULL, &j, &ok, &resp, deadline, timeout_ms);
+  int rc = fr_etcd_txn(e, compare, success, NULL, &j, ran, &resp, deadline, timeout_ms);
   if (rc != 0)
     return rc;
   json_t *prev = json_object_get(fr_etcd_response(resp, 0, "response_delete_range"), "prev_kvs");
   fr_etcd_kv v;
   fr_dir_object rec;
-  *done = ok && json_array_size(prev) == 1 && fr_etcd_kv_read(json_array_get(prev, 0), &v);
+  *done = *ran && json_array_size(prev) == 1 && fr_etcd_kv_read(json_array_get(prev, 0), &v);
   if (*done && deleted && fr_etcd_object_of(&v, key, &rec))
     *deleted = rec;
   json_decref(j);
@@ -609,11 +611,11 @@ static int etcd_obj_del(void *st, const char *key, const char *owner, uint64_t g
         return (rc = mark_deleted(e, key, deadline, timeout_ms)) ? rc : not_found(key, owner);
       mod = v.mod;
     }
-    bool done = false;
-    int rc = delete_at(e, k, kn, mod, key, &done, deleted, deadline, timeout_ms);
+    bool ran = false, done = false;
+    int rc = delete_at(e, k, kn, mod, key, &ran, &done, deleted, deadline, timeout_ms);
     if (rc != 0)
       return rc;
-    if (done || !mod)
+    if (done || (ran && !mod)) /* deleted, or nothing there to delete (its marker put) */
       return done ? 0 : not_found(key, owner);
   }
   return dead_line(timeout_ms, e, "the record");
