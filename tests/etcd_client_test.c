@@ -530,9 +530,7 @@ static void test_etcd_late_delete(void **state) {
   fr_dir_object o = object_of("late/deleted", n.name, 1);
   FR_OK(d->ops->obj_put(d->state, &o, 0, NULL, NULL, 5000));
   proxy_hold(&p, "/v3/kv/txn");
-  uint64_t t0 = fr_now_ns();
   int rc = d->ops->obj_del(d->state, "late/deleted", "", 0, NULL, 1000);
-  within(t0, 1000, "a held delete", rc);
   if (rc != FERRY_ETIMEDOUT)
     fail_msg("a held delete: %s (%s), not a timeout", ferry_status_name(rc), ferry_last_error());
   proxy_wait_held(&p);
