@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -32,6 +33,7 @@ typedef struct {
 
 enum {
   CUDA_SUCCESS = 0,
+  CUDA_ERROR_NOT_READY = 600,
   CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2,
   CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9,
   CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11,
@@ -67,6 +69,7 @@ enum {
   X(cuEventCreate, "cuEventCreate", (CUevent *, unsigned))                                         \
   X(cuEventRecord, "cuEventRecord", (CUevent, CUstream))                                           \
   X(cuEventSynchronize, "cuEventSynchronize", (CUevent))                                           \
+  X(cuEventQuery, "cuEventQuery", (CUevent))                                                       \
   X(cuEventDestroy, "cuEventDestroy_v2", (CUevent))                                                \
   X(cuIpcGetMemHandle, "cuIpcGetMemHandle", (CUipcMemHandle *, CUdeviceptr))                       \
   X(cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2", (CUdeviceptr *, CUipcMemHandle, unsigned))        \
@@ -503,13 +506,20 @@ int fr_cuda_stage_out_gated(fr_cuda_stager *s, int device, const void *src, size
   return rc;
 }
 
-void fr_cuda_gate_event_finish(int device, void *event) {
+int fr_cuda_gate_event_finish(int device, void *event, uint64_t deadline_ns) {
   CUcontext saved;
   if (!event || enter(device, &saved) != 0)
-    return;
-  cu.cuEventSynchronize((CUevent)event);
-  cu.cuEventDestroy((CUevent)event);
+    return 0;
+  CUresult r;
+  /* polled, not cuEventSynchronize: a hung copy must not hold its caller past the deadline */
+  while ((r = cu.cuEventQuery((CUevent)event)) == CUDA_ERROR_NOT_READY && fr_now_ns() < deadline_ns)
+    usleep(100);
+  if (r != CUDA_ERROR_NOT_READY)
+    cu.cuEventDestroy((CUevent)event);
   leave(saved);
+  return r == CUDA_ERROR_NOT_READY
+             ? fr_err(FERRY_ETIMEDOUT, "a device copy still runs at the deadline")
+             : 0;
 }
 
 int fr_cuda_stage_in(fr_cuda_stager *s, int device, void *dst, size_t n,

@@ -101,7 +101,10 @@ typedef struct fr_cuda_gate {
 int fr_cuda_stage_out_gated(fr_cuda_stager *s, int device, const void *src, size_t n,
                             const fr_cuda_gate *gate,
                             int (*use)(void *arg, const void *buf, size_t len), void *arg);
-void fr_cuda_gate_event_finish(int device, void *event);
+/* Waits for the copy last recorded in a gate's event until deadline_ns (fr_now_ns), then destroys
+ * the event: 0. FERRY_ETIMEDOUT when the copy still runs then: the event is kept (the copy may
+ * still read the memory), and so must the memory be. */
+int fr_cuda_gate_event_finish(int device, void *event, uint64_t deadline_ns);
 /* The other way: host bytes into [dst, dst+n) of `device`, chunk by chunk: fill(arg, buf, len)
  * writes each chunk into a staging buffer, in order, and its host → device copy runs while the
  * next chunk is filled into the other buffer; a non-zero return of `fill` stops it and is

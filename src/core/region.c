@@ -296,7 +296,9 @@ void (*fr_region_test_receiving)(const fr_region *r);
 
 /* Wakes a deregistration waiting for the last use of a region's bytes to end (wait_uses). */
 static pthread_mutex_t drain_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t drain_cond = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t drain_cond; /* CLOCK_MONOTONIC deadlines (drain_init) */
+static pthread_once_t drain_once = PTHREAD_ONCE_INIT;
+static void drain_init(void) { fr_cond_init_monotonic(&drain_cond); }
 
 bool fr_region_use_begin(fr_region *r) {
   if (!fr_region_is_registered(r))
@@ -323,14 +325,13 @@ void fr_region_use_end(fr_region *r) {
 }
 
 /* Marks registered memory gone (no use begins any more) and waits for the uses on to end. */
-static int wait_uses(fr_region *r) {
+static int wait_uses(fr_region *r, uint64_t deadline_ns) {
+  pthread_once(&drain_once, drain_init); /* before GONE: a use_end broadcasts only after it */
   if (__atomic_fetch_or(&r->users, FR_REGION_GONE, __ATOMIC_ACQ_REL) == 0)
     return 0;
   if (fr_region_test_draining)
     fr_region_test_draining(r);
-  struct timespec until;
-  clock_gettime(CLOCK_REALTIME, &until);
-  until.tv_sec += FR_REGION_DRAIN_MS / 1000;
+  struct timespec until = fr_timespec(deadline_ns);
   int rc = 0;
   pthread_mutex_lock(&drain_lock);
   while (rc == 0 && __atomic_load_n(&r->users, __ATOMIC_ACQUIRE) != FR_REGION_GONE)
@@ -349,10 +350,21 @@ static int wait_uses(fr_region *r) {
 /* Marks registered memory gone (no use begins any more) and waits for the uses on to end, then
  * for the device copies they queued (fr_cuda_gate: none is queued after). */
 static int drain_uses(fr_region *r) {
-  int rc = wait_uses(r);
+  uint64_t deadline = fr_now_ns() + FR_REGION_DRAIN_MS * 1000000ull;
+  int rc = wait_uses(r, deadline);
   if (rc == 0 && r->copy_event) {
-    fr_cuda_gate_event_finish(r->device, r->copy_event);
-    r->copy_event = NULL;
+    rc = fr_cuda_gate_event_finish(r->device, r->copy_event, deadline);
+    if (rc == 0)
+      r->copy_event = NULL;
+    else
+      fr_warn("region %llu: a device copy from it still runs %d ms after its deregistration "
+              "began; its memory must not be freed",
+              (unsigned long long)r->id, FR_REGION_DRAIN_MS);
+    if (rc != 0)
+      rc = fr_err(FERRY_ETIMEDOUT,
+                  "region %llu deregistered, but a device copy from it still runs %d ms later: "
+                  "do not free its memory",
+                  (unsigned long long)r->id, FR_REGION_DRAIN_MS);
   }
   return rc;
 }
