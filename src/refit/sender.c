@@ -513,8 +513,10 @@ int ferry_refit_declare_piece(ferry_refit_sender *s, const char *name,
 static void free_buffers(ferry_refit_sender *s) {
   for (int i = 0; i < 2 && s->dev_buf >= 0; i++)
     if (s->buf[i]) {
-      ferry_deregister(s->ctx, s->ref[i].id);
-      fr_cuda_free(s->buf[i]);
+      /* FERRY_ETIMEDOUT: a copy from it still runs (warned); left allocated rather than freed
+       * under it */
+      if (ferry_deregister(s->ctx, s->ref[i].id) != FERRY_ETIMEDOUT)
+        fr_cuda_free(s->buf[i]);
       s->buf[i] = NULL;
     }
   s->dev_buf = -1;
