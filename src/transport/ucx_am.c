@@ -83,8 +83,11 @@ static int reply_copy(ucx_reply *r, fr_region *reg, uint64_t off, uint64_t n) {
   int rc = 0;
   if (reg->kind == FERRY_MEM_CUDA)
     rc = fr_cuda_copy_on(reg->device, r->copy, reg->data + off, n);
-  else
+  else {
+    FR_ONE_SIDED_READ_BEGIN(); /* the owner may be rewriting them (core.h) */
     memcpy(r->copy, reg->data + off, n);
+    FR_ONE_SIDED_READ_END();
+  }
   fr_region_use_end(reg);
   return rc;
 }
