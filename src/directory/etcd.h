@@ -42,7 +42,7 @@ enum { FR_ETCD_CALLS = 0, FR_ETCD_RENEWALS = FR_ETCD_CALL_LANES, FR_ETCD_LANES }
 typedef struct fr_etcd {
   fr_etcd_members m;
   fr_etcd_lane lane[FR_ETCD_LANES];
-  unsigned next_lane; /* atomic: the call lane a call waits for when every one is busy */
+  unsigned next_lane; /* atomic: the call lane a call waits for first when every one is busy */
   uint64_t cluster;   /* atomic: the cluster id answers carry (0: none seen yet) */
   uint64_t epoch;     /* atomic: bumped when another cluster answers */
   int64_t seen_rev;   /* atomic: the highest revision an answer's header carried */

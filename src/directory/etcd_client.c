@@ -126,27 +126,44 @@ void fr_etcd_lanes_close(fr_etcd *e) {
   }
 }
 
-/* The lane a request goes on, locked: a call's the first free one of the call lanes (when every
- * one is busy, it waits for one of them in turn), a renewal's its own. */
+/* A call that finds every call lane busy waits for one of them at most this long before it
+ * looks at all of them again: the one it waits for may be held by a silent member for the whole
+ * of its timeout while another frees at once. */
+#define LANE_LOOK_NS 5000000ull
+
+/* The first free one of the call lanes, locked, by deadline (each in turn waited for briefly). */
+static fr_etcd_lane *take_call_lane(fr_etcd *e, uint64_t deadline) {
+  unsigned turn = __atomic_fetch_add(&e->next_lane, 1, __ATOMIC_RELAXED);
+  for (;; turn++) {
+    for (int i = 0; i < FR_ETCD_CALL_LANES; i++)
+      if (pthread_mutex_trylock(&e->lane[i].lock) == 0)
+        return &e->lane[i];
+    uint64_t now = fr_now_ns();
+    if (now >= deadline)
+      return NULL;
+    fr_etcd_lane *l = &e->lane[turn % FR_ETCD_CALL_LANES];
+    if (fr_mutex_lock_until(&l->lock,
+                            deadline - now < LANE_LOOK_NS ? deadline : now + LANE_LOOK_NS) == 0)
+      return l;
+  }
+}
+
+/* The lane a request goes on, locked: a call's the first free one of the call lanes, a
+ * renewal's its own. */
 static int take_lane(fr_etcd *e, int lane, fr_etcd_lane **out, uint64_t deadline, int timeout_ms) {
   if (lane == FR_ETCD_CALLS) {
-    for (int i = 0; i < FR_ETCD_CALL_LANES; i++)
-      if (pthread_mutex_trylock(&e->lane[i].lock) == 0) {
-        *out = &e->lane[i];
-        return 0;
-      }
-    lane = (int)(__atomic_fetch_add(&e->next_lane, 1, __ATOMIC_RELAXED) % FR_ETCD_CALL_LANES);
+    if ((*out = take_call_lane(e, deadline)) != NULL)
+      return 0;
+    return fr_err(FERRY_ETIMEDOUT,
+                  "etcd at %s: all %d of its connections stayed busy with other calls for %d ms",
+                  e->m.shown, FR_ETCD_CALL_LANES, timeout_ms);
   }
   *out = &e->lane[lane];
   if (fr_mutex_lock_until(&e->lane[lane].lock, deadline) == 0)
     return 0;
-  if (lane == FR_ETCD_RENEWALS)
-    return fr_err(FERRY_ETIMEDOUT,
-                  "etcd at %s: the renewals' connection stayed busy with another renewal for %d ms",
-                  e->m.shown, timeout_ms);
   return fr_err(FERRY_ETIMEDOUT,
-                "etcd at %s: all %d of its connections stayed busy with other calls for %d ms",
-                e->m.shown, FR_ETCD_CALL_LANES, timeout_ms);
+                "etcd at %s: the renewals' connection stayed busy with another renewal for %d ms",
+                e->m.shown, timeout_ms);
 }
 
 /* Whether an error answer means this member cannot serve now (another may): gRPC's Unavailable
@@ -225,8 +242,12 @@ static int answer_json(fr_etcd *e, const char *body, const char *path, json_t **
     ;
   if (head && get_u64(head, "cluster_id", &cluster) && cluster) {
     uint64_t was = __atomic_exchange_n(&e->cluster, cluster, __ATOMIC_ACQ_REL);
-    if (was && was != cluster) /* another cluster: what we registered is gone */
+    if (was && was != cluster) { /* another cluster: what we registered is gone */
+      /* its revisions, not the old cluster's higher ones, are what unchanged-since compares
+       * against (fr_etcd_cmp_unchanged): else every one would pass there */
+      __atomic_store_n(&e->seen_rev, rev, __ATOMIC_RELEASE);
       __atomic_add_fetch(&e->epoch, 1, __ATOMIC_ACQ_REL);
+    }
   }
   *out = j;
   return 0;
