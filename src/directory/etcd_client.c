@@ -338,7 +338,10 @@ int fr_etcd_call_on(fr_etcd *e, int lane, const char *path, json_t *req, json_t 
       fr_str_copy(last, sizeof last, ferry_last_error());
     }
     silent |= 1u << m;
-    __atomic_store_n(&e->m.current, (m + 1) % n, __ATOMIC_RELEASE);
+    /* on to the next member, unless another call moved on meanwhile: a store would move the
+     * shared choice back to a member that call found dead */
+    __atomic_compare_exchange_n(&e->m.current, &m, (m + 1) % n, false, __ATOMIC_ACQ_REL,
+                                __ATOMIC_ACQUIRE);
     if ((tried + 1) % n == 0 && rc != FERRY_ECONNECT) { /* a round without an answer: an election */
       int ms = fr_ms_left(deadline);
       usleep((useconds_t)(ms < 50 ? ms : 50) * 1000);
