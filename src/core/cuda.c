@@ -425,56 +425,23 @@ static int stage_begin(fr_cuda_stager *s, int device, CUcontext *saved, CUstream
   return rc;
 }
 
-int fr_cuda_stage_out(fr_cuda_stager *s, int device, const void *src, size_t n,
-                      int (*use)(void *arg, const void *buf, size_t len), void *arg) {
-  CUcontext saved;
-  CUstream stream = NULL;
-  int rc = stage_begin(s, device, &saved, &stream);
-  if (rc != 0)
-    return rc;
-  size_t chunks = (n + s->chunk - 1) / s->chunk;
-  CUresult r = CUDA_SUCCESS;
-  /* Copy i+1 is queued before chunk i is used, into the other buffer, whose previous chunk
-   * (i-1) was used already: the copy engine and `use` (a socket send) overlap. */
-  for (size_t i = 0; i <= chunks && rc == 0; i++) {
-    if (i < chunks) {
-      size_t off = i * s->chunk, len = n - off < s->chunk ? n - off : s->chunk;
-      if ((r = cu.cuMemcpyAsync((CUdeviceptr)(uintptr_t)s->buf[i % 2],
-                                (CUdeviceptr)(uintptr_t)((const uint8_t *)src + off), len,
-                                stream)) != CUDA_SUCCESS ||
-          (r = cu.cuEventRecord(s->done[i % 2], stream)) != CUDA_SUCCESS)
-        rc = cu_fail(r, "cuMemcpyAsync (staging)");
-    }
-    if (i > 0 && rc == 0) {
-      size_t j = i - 1, off = j * s->chunk, len = n - off < s->chunk ? n - off : s->chunk;
-      if ((r = cu.cuEventSynchronize(s->done[j % 2])) != CUDA_SUCCESS)
-        rc = cu_fail(r, "cuEventSynchronize (staging)");
-      else
-        rc = use(arg, s->buf[j % 2], len);
-    }
-  }
-  if (rc != 0)
-    cu.cuStreamSynchronize(stream); /* nothing of ours still writes the buffers */
-  leave(saved);
-  return rc;
-}
-
-/* Queues chunk [off, off+len) of src into buf inside the gate, with the stager's event `done`
- * and the gate's own event (made at its first copy) recorded after it. */
+/* Queues chunk [off, off+len) of src into buf with the stager's event `done` recorded after it;
+ * with a gate, inside it, and the gate's own event (made at its first copy) recorded too. */
 static int gated_copy(const fr_cuda_gate *gate, CUstream stream, uint8_t *buf, const uint8_t *src,
                       size_t len, CUevent done) {
-  int rc = gate->enter(gate->arg);
+  int rc = gate ? gate->enter(gate->arg) : 0;
   if (rc != 0)
     return rc;
   CUresult r =
       cu.cuMemcpyAsync((CUdeviceptr)(uintptr_t)buf, (CUdeviceptr)(uintptr_t)src, len, stream);
   if (r == CUDA_SUCCESS)
     r = cu.cuEventRecord(done, stream);
-  if (r == CUDA_SUCCESS && !*gate->event)
+  if (gate && r == CUDA_SUCCESS && !*gate->event)
     r = cu.cuEventCreate((CUevent *)gate->event, CU_EVENT_DISABLE_TIMING);
-  if (r == CUDA_SUCCESS)
+  if (gate && r == CUDA_SUCCESS)
     r = cu.cuEventRecord(*gate->event, stream);
-  gate->leave(gate->arg);
+  if (gate)
+    gate->leave(gate->arg);
   return r == CUDA_SUCCESS ? 0 : cu_fail(r, "cuMemcpyAsync (staging)");
 }
 
@@ -487,7 +454,8 @@ int fr_cuda_stage_out_gated(fr_cuda_stager *s, int device, const void *src, size
   if (rc != 0)
     return rc;
   size_t chunks = (n + s->chunk - 1) / s->chunk;
-  /* As fr_cuda_stage_out: copy i+1 queued (inside the gate) before chunk i is used. */
+  /* Copy i+1 is queued before chunk i is used, into the other buffer, whose previous chunk
+   * (i-1) was used already: the copy engine and `use` (a socket send) overlap. */
   for (size_t i = 0; i <= chunks && rc == 0; i++) {
     if (i < chunks) {
       size_t off = i * s->chunk, len = n - off < s->chunk ? n - off : s->chunk;
@@ -504,6 +472,11 @@ int fr_cuda_stage_out_gated(fr_cuda_stager *s, int device, const void *src, size
     cu.cuStreamSynchronize(stream); /* nothing of ours still writes the buffers */
   leave(saved);
   return rc;
+}
+
+int fr_cuda_stage_out(fr_cuda_stager *s, int device, const void *src, size_t n,
+                      int (*use)(void *arg, const void *buf, size_t len), void *arg) {
+  return fr_cuda_stage_out_gated(s, device, src, n, NULL, use, arg);
 }
 
 int fr_cuda_gate_event_finish(int device, void *event, uint64_t deadline_ns) {

@@ -91,7 +91,8 @@ int fr_cuda_stage_out(fr_cuda_stager *s, int device, const void *src, size_t n,
  * *gate->event (a CUDA event, made at the first copy) recorded after it, so that whoever stops
  * new copies (enter fails) and waits for the copies being queued can wait for the last one
  * queued with fr_cuda_gate_event_finish(device, *event), which also destroys the event. The
- * `use` of a chunk (a send, paced by a peer) runs outside the gate. */
+ * `use` of a chunk (a send, paced by a peer) runs outside the gate. A NULL gate: as
+ * fr_cuda_stage_out. */
 typedef struct fr_cuda_gate {
   int (*enter)(void *arg);
   void (*leave)(void *arg);
