@@ -400,8 +400,8 @@ typedef struct fr_link_stage {
   uint8_t *buf;           /* host memory */
   size_t chunk;
 } fr_link_stage;
-int fr_link_send_frame_staged(ferry_link *l, const fr_frame *f, const struct iovec *iov,
-                              int iovcnt, const fr_link_stage *stage, uint64_t deadline_ns);
+int fr_link_send_frame_staged(ferry_link *l, const fr_frame *f, const struct iovec *iov, int iovcnt,
+                              const fr_link_stage *stage, uint64_t deadline_ns);
 /* Stream operations over the link's socket, for transports' sendv/recv. */
 int fr_link_sock_sendv(ferry_link *l, struct iovec *iov, int iovcnt, int fd_out,
                        uint64_t deadline_ns);
